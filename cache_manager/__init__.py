@@ -1,0 +1,14 @@
+"""Per-GPU model caches (LRU lists), victim selection, and the model -> GPUs directory."""
+
+from cache_manager.eviction import EvictionPolicy, LruEviction, eviction_policy
+from cache_manager.manager import Admission, CacheItem, CacheManager, GpuCache
+
+__all__ = [
+    "Admission",
+    "CacheItem",
+    "CacheManager",
+    "EvictionPolicy",
+    "GpuCache",
+    "LruEviction",
+    "eviction_policy",
+]

@@ -1,0 +1,233 @@
+"""The cache manager: one LRU list per GPU, pinning, admission with victims, model -> GPUs directory."""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Iterator, Set
+from dataclasses import dataclass
+
+from cache_manager.eviction import EvictionPolicy, LruEviction
+from gpufaas.errors import CacheFull, ModelTooLarge
+
+
+@dataclass(frozen=True, slots=True)
+class CacheItem:
+    model: str
+    memory_mb: int
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What admitting a model to a GPU did: a hit, or a miss that evicted `evicted` (LRU first)."""
+
+    hit: bool
+    evicted: tuple[str, ...] = ()
+
+
+class GpuCache:
+    """The models resident on one GPU, least recently used first.
+
+    Invariant: `used_mb <= capacity_mb` after every public call, and a pinned model (one with
+    work running on, dispatched to, or parked for this GPU) is never evicted.
+    """
+
+    def __init__(self, gpu_id: str, capacity_mb: int, policy: EvictionPolicy) -> None:
+        if capacity_mb <= 0:
+            raise ValueError(f"GPU {gpu_id!r}: capacity_mb must be positive, got {capacity_mb}")
+        self.gpu_id = gpu_id
+        self.capacity_mb = capacity_mb
+        self._policy = policy
+        # Insertion order is recency: first = least recently used, last = most recently used.
+        self._items: OrderedDict[str, CacheItem] = OrderedDict()
+        # Pin counts: a model may carry several pins (one running + several parked requests).
+        self._pins: Counter[str] = Counter()
+        self.used_mb = 0
+
+    def __contains__(self, model: object) -> bool:
+        return model in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    @property
+    def free_mb(self) -> int:
+        return self.capacity_mb - self.used_mb
+
+    def item(self, model: str) -> CacheItem:
+        return self._items[model]
+
+    def lru_list(self) -> list[str]:
+        """Resident models, most recently used first (the order stored in etcd and shown to users)."""
+        return list(reversed(self._items))
+
+    def is_pinned(self, model: str) -> bool:
+        return self._pins[model] > 0
+
+    def pin(self, model: str) -> None:
+        if model not in self._items:
+            raise KeyError(f"cannot pin {model!r}: not cached on GPU {self.gpu_id!r}")
+        self._pins[model] += 1
+
+    def unpin(self, model: str) -> None:
+        count = self._pins[model]
+        if count <= 0:
+            raise KeyError(f"cannot unpin {model!r} on GPU {self.gpu_id!r}: it is not pinned")
+        if count == 1:
+            del self._pins[model]
+        else:
+            self._pins[model] = count - 1
+
+    def touch(self, model: str) -> None:
+        self._items.move_to_end(model)
+
+    def plan_victims(self, model: str, memory_mb: int) -> list[str]:
+        """Victims (LRU first) whose eviction makes room for `model`; raises if none can.
+
+        Raises ModelTooLarge when the model exceeds the GPU's whole capacity, CacheFull when only
+        pinned models stand in the way (try again after running work finishes).
+        """
+        if memory_mb > self.capacity_mb:
+            raise ModelTooLarge(
+                f"model {model!r} needs {memory_mb} MB but GPU {self.gpu_id!r} holds at most "
+                f"{self.capacity_mb} MB; declare a smaller memory_mb or add a larger GPU"
+            )
+        needed_mb = memory_mb - self.free_mb
+        if needed_mb <= 0:
+            return []
+        victims = self._policy.choose_victims(
+            [(item.model, item.memory_mb) for item in self._items.values()],
+            needed_mb,
+            self.is_pinned,
+        )
+        if victims is None:
+            raise CacheFull(
+                f"model {model!r} ({memory_mb} MB) does not fit on GPU {self.gpu_id!r}: "
+                f"{self.used_mb} of {self.capacity_mb} MB are held by models in use"
+            )
+        return victims
+
+    def insert(self, model: str, memory_mb: int) -> None:
+        if model in self._items:
+            raise KeyError(f"{model!r} is already cached on GPU {self.gpu_id!r}")
+        if memory_mb > self.free_mb:
+            raise CacheFull(f"{model!r} ({memory_mb} MB) exceeds the {self.free_mb} MB free on {self.gpu_id!r}")
+        self._items[model] = CacheItem(model, memory_mb)
+        self.used_mb += memory_mb
+
+    def remove(self, model: str) -> CacheItem:
+        if self.is_pinned(model):
+            raise CacheFull(f"{model!r} is in use on GPU {self.gpu_id!r} and cannot be evicted")
+        item = self._items.pop(model)
+        self.used_mb -= item.memory_mb
+        return item
+
+    def drop(self, model: str) -> CacheItem | None:
+        """Forget `model` whatever its pins (its worker died or its GPU left); None if absent."""
+        item = self._items.pop(model, None)
+        if item is not None:
+            self.used_mb -= item.memory_mb
+            self._pins.pop(model, None)
+        return item
+
+
+class CacheManager:
+    """Every GPU's cache plus the directory model -> GPUs that hold it.
+
+    The single writer of cache state. Pure: no I/O, no clock. Lookups "where is this model
+    cached" cost O(replicas) through the directory; one GPU's models cost O(models on it).
+    """
+
+    def __init__(self, policy: EvictionPolicy | None = None) -> None:
+        self._policy = policy if policy is not None else LruEviction()
+        self._gpus: dict[str, GpuCache] = {}
+        self._directory: dict[str, set[str]] = {}
+
+    # --- GPUs -----------------------------------------------------------------------------
+    def add_gpu(self, gpu_id: str, capacity_mb: int) -> GpuCache:
+        if gpu_id in self._gpus:
+            raise KeyError(f"GPU {gpu_id!r} is already known to the cache manager")
+        cache = GpuCache(gpu_id, capacity_mb, self._policy)
+        self._gpus[gpu_id] = cache
+        return cache
+
+    def remove_gpu(self, gpu_id: str) -> list[str]:
+        """Drop a GPU (its node left) and every cache entry on it; returns the models it held."""
+        cache = self._gpus.pop(gpu_id)
+        models = cache.lru_list()
+        for model in models:
+            self._forget(model, gpu_id)
+        return models
+
+    def gpu(self, gpu_id: str) -> GpuCache:
+        return self._gpus[gpu_id]
+
+    def gpu_ids(self) -> list[str]:
+        return list(self._gpus)
+
+    @property
+    def max_capacity_mb(self) -> int:
+        return max((cache.capacity_mb for cache in self._gpus.values()), default=0)
+
+    # --- lookups --------------------------------------------------------------------------
+    def is_cached(self, model: str, gpu_id: str) -> bool:
+        return model in self._gpus[gpu_id]
+
+    def gpus_with(self, model: str) -> Set[str]:
+        """GPUs holding `model` (a live read-only view; copy it before mutating the cache)."""
+        return self._directory.get(model, _EMPTY)
+
+    def models_on(self, gpu_id: str) -> GpuCache:
+        return self._gpus[gpu_id]
+
+    # --- mutations ------------------------------------------------------------------------
+    def admit(self, gpu_id: str, model: str, memory_mb: int) -> Admission:
+        """Make `model` resident on `gpu_id` and most recently used there.
+
+        A hit only refreshes recency. A miss evicts victims from the LRU tail until the model
+        fits; pinned models are never victims. Raises ModelTooLarge / CacheFull and then changes
+        nothing.
+        """
+        cache = self._gpus[gpu_id]
+        if model in cache:
+            cache.touch(model)
+            return Admission(hit=True)
+        victims = cache.plan_victims(model, memory_mb)
+        for victim in victims:
+            cache.remove(victim)
+            self._forget(victim, gpu_id)
+        cache.insert(model, memory_mb)
+        self._directory.setdefault(model, set()).add(gpu_id)
+        return Admission(hit=False, evicted=tuple(victims))
+
+    def pin(self, gpu_id: str, model: str) -> None:
+        self._gpus[gpu_id].pin(model)
+
+    def unpin(self, gpu_id: str, model: str) -> None:
+        cache = self._gpus.get(gpu_id)
+        if cache is not None and model in cache:
+            cache.unpin(model)
+
+    def drop(self, gpu_id: str, model: str) -> bool:
+        """Forget `model` on `gpu_id` regardless of pins (its worker process died)."""
+        cache = self._gpus.get(gpu_id)
+        if cache is None or cache.drop(model) is None:
+            return False
+        self._forget(model, gpu_id)
+        return True
+
+    def _forget(self, model: str, gpu_id: str) -> None:
+        holders = self._directory.get(model)
+        if holders is not None:
+            holders.discard(gpu_id)
+            if not holders:
+                del self._directory[model]
+
+    def snapshot(self) -> dict[str, list[CacheItem]]:
+        """Every GPU's LRU list, most recent first (what is persisted and compared on recovery)."""
+        return {gpu_id: [cache.item(model) for model in cache.lru_list()] for gpu_id, cache in self._gpus.items()}
+
+
+_EMPTY: frozenset[str] = frozenset()

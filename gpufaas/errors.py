@@ -1,0 +1,35 @@
+"""User-facing error hierarchy of gpufaas; each boundary (CLI, HTTP) maps these to its own form.
+
+GpufaasError
+├── ModelTooLarge      a model cannot fit on any GPU (or on the GPU it was asked to use)
+├── CacheFull          every byte that could be freed on a GPU is pinned by running work
+├── UnknownPolicy      a scheduling or eviction policy name that is not registered
+├── UnknownModel       a request names a model the scheduler was never told about
+└── InvalidInput       malformed user input (trace files, flags, specs); says where and what
+"""
+
+from __future__ import annotations
+
+
+class GpufaasError(Exception):
+    """Base of every error that is the user's to fix; its message says what to do."""
+
+
+class ModelTooLarge(GpufaasError):
+    pass
+
+
+class CacheFull(GpufaasError):
+    pass
+
+
+class UnknownPolicy(GpufaasError):
+    pass
+
+
+class UnknownModel(GpufaasError):
+    pass
+
+
+class InvalidInput(GpufaasError):
+    pass

@@ -1,0 +1,59 @@
+"""Domain types shared by every role: requests, GPUs and models, as plain immutable values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_BATCH_SIZE = 32
+"""The batch size of the paper's profiles (Table I); a request carries its own."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One invocation waiting for, or holding, a GPU.
+
+    `seq` orders requests by arrival: the scheduler assigns it on submit, and every queue in the
+    scheduler sorts by it. `arrival_s` is the caller's clock (virtual in the simulator, monotonic in
+    the service) and is carried, never read, by the scheduling core.
+    """
+
+    request_id: str
+    function: str
+    model: str
+    arrival_s: float
+    batch_size: int = DEFAULT_BATCH_SIZE
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSpec:
+    """A GPU as the scheduler sees it.
+
+    `speed` is relative throughput (higher is faster; the paper sorts idle GPUs "by frequency"):
+    idle GPUs are offered work fastest first, then by `gpu_id`. `memory_mb` is what the cache may
+    fill (the device's memory minus a reserve for the CUDA context and fragmentation).
+    """
+
+    gpu_id: str
+    memory_mb: int
+    gpu_type: str = "rtx2080"
+    speed: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.memory_mb <= 0:
+            raise ValueError(f"GPU {self.gpu_id!r}: memory_mb must be positive, got {self.memory_mb}")
+        if self.speed <= 0:
+            raise ValueError(f"GPU {self.gpu_id!r}: speed must be positive, got {self.speed}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A model as a cache item: `memory_mb` is its *peak* GPU occupancy at its batch size
+    (weights + activations + workspace, Table I's "size"), not the size of its weights file."""
+
+    name: str
+    memory_mb: int
+    labels: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.memory_mb <= 0:
+            raise ValueError(f"model {self.name!r}: memory_mb must be positive, got {self.memory_mb}")

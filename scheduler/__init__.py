@@ -1,0 +1,21 @@
+"""The global scheduler: queues, policies (lb, lalb, lalb-o3), estimator, and (later) its service."""
+
+from scheduler.core import GpuState, Scheduler
+from scheduler.decisions import Decision, Dispatch, Park
+from scheduler.estimator import Estimator
+from scheduler.policies import PolicyConfig, SchedulingPolicy, make_policy, registered_policies
+from scheduler.queues import GlobalQueue
+
+__all__ = [
+    "Decision",
+    "Dispatch",
+    "Estimator",
+    "GlobalQueue",
+    "GpuState",
+    "Park",
+    "PolicyConfig",
+    "Scheduler",
+    "SchedulingPolicy",
+    "make_policy",
+    "registered_policies",
+]

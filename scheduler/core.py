@@ -1,0 +1,260 @@
+"""The scheduler: global queue, per-GPU local queues and state, driving a policy and the cache."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import deque
+from collections.abc import Iterable, Set
+from dataclasses import dataclass, field
+
+from cache_manager import CacheManager
+from gpufaas.errors import ModelTooLarge, UnknownModel
+from gpufaas.types import GpuSpec, ModelSpec, Request
+from scheduler.decisions import Decision, Dispatch, Park
+from scheduler.estimator import Estimator
+from scheduler.policies.base import SchedulingPolicy
+from scheduler.queues import GlobalQueue
+
+
+@dataclass(slots=True)
+class GpuState:
+    """One GPU's scheduling state. Lifecycle: `running` is set by a dispatch and cleared by
+    `on_complete`; `local_queue` holds parked requests (all hits there), run before anything else."""
+
+    spec: GpuSpec
+    running: Request | None = None
+    busy_until_s: float = 0.0
+    local_queue: deque[Request] = field(default_factory=deque)
+    local_work_s: float = 0.0
+
+    @property
+    def idle(self) -> bool:
+        return self.running is None
+
+    @property
+    def order_key(self) -> tuple[float, str]:
+        """Idle GPUs are offered work in this order: fastest first, then by id."""
+        return (-self.spec.speed, self.spec.gpu_id)
+
+
+class Scheduler:
+    """Places requests on GPUs. Pure: time comes in as `now`, decisions go out as data.
+
+    Flow: `submit()` appends to the global queue; `schedule(now)` returns the decisions for every
+    idle GPU (each idle GPU first runs the head of its local queue, else asks the policy);
+    the caller executes them and reports each finished request with `on_complete()`.
+    A GPU runs one request at a time.
+    """
+
+    def __init__(
+        self,
+        policy: SchedulingPolicy,
+        *,
+        estimator: Estimator | None = None,
+        cache: CacheManager | None = None,
+    ) -> None:
+        self.policy = policy
+        self.estimator = estimator if estimator is not None else Estimator()
+        self.cache = cache if cache is not None else CacheManager()
+        self.queue = GlobalQueue()
+        self._gpus: dict[str, GpuState] = {}
+        self._idle: list[tuple[tuple[float, str], str]] = []  # sorted by GpuState.order_key
+        self._models: dict[str, ModelSpec] = {}
+        self._seq = itertools.count()
+        self._seq_of: dict[str, int] = {}  # every request queued, parked or running
+        self._placed_on: dict[str, str] = {}  # parked or running request -> GPU
+        self._ready_local: set[str] = set()  # idle GPUs whose local queue is not empty
+        self._decisions: list[Decision] = []
+
+    # --- cluster and catalog ------------------------------------------------------------
+    def add_gpu(self, spec: GpuSpec) -> None:
+        if spec.gpu_id in self._gpus:
+            raise ValueError(f"GPU {spec.gpu_id!r} is already registered")
+        state = GpuState(spec)
+        self._gpus[spec.gpu_id] = state
+        self.cache.add_gpu(spec.gpu_id, spec.memory_mb)
+        bisect.insort(self._idle, (state.order_key, spec.gpu_id))
+
+    def remove_gpu(self, gpu_id: str) -> list[Request]:
+        """Take a GPU out (its node left): its running and parked requests go back to the global
+        queue in arrival order, its cache entries are dropped. Returns the requeued requests."""
+        state = self._gpus.pop(gpu_id)
+        returned = ([state.running] if state.running is not None else []) + list(state.local_queue)
+        returned.sort(key=lambda r: self._seq_of[r.request_id])
+        for request in returned:
+            del self._placed_on[request.request_id]
+            self.queue.insert(request, self._seq_of[request.request_id])
+        if state.idle:
+            self._leave_idle(state)
+        self._ready_local.discard(gpu_id)
+        self.cache.remove_gpu(gpu_id)
+        return returned
+
+    def register_model(self, spec: ModelSpec) -> None:
+        """Declare (or re-declare, e.g. with a measured size) a model's peak GPU occupancy."""
+        self._models[spec.name] = spec
+
+    def model(self, name: str) -> ModelSpec:
+        try:
+            return self._models[name]
+        except KeyError:
+            raise UnknownModel(f"model {name!r} is not registered with the scheduler") from None
+
+    def gpu(self, gpu_id: str) -> GpuState:
+        return self._gpus[gpu_id]
+
+    def gpus(self) -> Iterable[GpuState]:
+        return self._gpus.values()
+
+    # --- the request lifecycle ----------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        """Append an arriving request to the global queue (arrival order = submit order)."""
+        spec = self.model(request.model)
+        if spec.memory_mb > self.cache.max_capacity_mb:
+            raise ModelTooLarge(
+                f"model {spec.name!r} needs {spec.memory_mb} MB of GPU memory but the largest GPU "
+                f"holds {self.cache.max_capacity_mb} MB; it can never run on this cluster"
+            )
+        if request.request_id in self._seq_of:
+            raise ValueError(f"request {request.request_id!r} was already submitted")
+        seq = next(self._seq)
+        self._seq_of[request.request_id] = seq
+        self.queue.push(request, seq)
+
+    def schedule(self, now: float) -> list[Decision]:
+        """Decide for every idle GPU while work is waiting; returns the decisions in order."""
+        decisions: list[Decision] = []
+        self._decisions = decisions
+        for gpu_id in sorted(self._ready_local):
+            state = self._gpus[gpu_id]
+            if state.idle and state.local_queue:
+                self._dispatch_local(state, now)
+        self._ready_local.clear()
+        if self.queue:
+            for _, gpu_id in list(self._idle):
+                if not self.queue:
+                    break
+                if self._gpus[gpu_id].idle:
+                    self.policy.fill(self, gpu_id, now)
+        return decisions
+
+    def on_complete(
+        self,
+        request_id: str,
+        now: float,
+        *,
+        load_time_s: float | None = None,
+        inference_time_s: float | None = None,
+    ) -> Request:
+        """A dispatched request finished; measured times (if given) refine the estimator."""
+        gpu_id = self._placed_on.pop(request_id)
+        state = self._gpus[gpu_id]
+        request = state.running
+        if request is None or request.request_id != request_id:
+            raise KeyError(f"request {request_id!r} is not running on GPU {gpu_id!r}")
+        del self._seq_of[request_id]
+        gpu_type = state.spec.gpu_type
+        if load_time_s is not None:
+            self.estimator.observe_load(request.model, gpu_type, load_time_s)
+        if inference_time_s is not None:
+            self.estimator.observe_inference(request.model, gpu_type, request.batch_size, inference_time_s)
+        self.cache.unpin(gpu_id, request.model)
+        state.running = None
+        bisect.insort(self._idle, (state.order_key, gpu_id))
+        if state.local_queue:
+            self._ready_local.add(gpu_id)
+        return request
+
+    # --- what policies may ask (SchedulingContext) ----------------------------------------
+    def is_idle(self, gpu_id: str) -> bool:
+        return self._gpus[gpu_id].idle
+
+    def best_idle(self, gpu_ids: Set[str]) -> str | None:
+        """The first of `gpu_ids` in idle order (fastest, then by id), or None: O(len(gpu_ids))."""
+        best: GpuState | None = None
+        for gpu_id in gpu_ids:
+            state = self._gpus[gpu_id]
+            if state.idle and (best is None or state.order_key < best.order_key):
+                best = state
+        return None if best is None else best.spec.gpu_id
+
+    def estimated_wait_s(self, gpu_id: str, now: float) -> float:
+        """Time until a busy GPU could start one more request: what remains of the running one
+        plus the work already parked in its local queue."""
+        state = self._gpus[gpu_id]
+        remaining_s = max(0.0, state.busy_until_s - now) if state.running is not None else 0.0
+        return remaining_s + state.local_work_s
+
+    def load_time_s(self, model: str, gpu_id: str) -> float:
+        spec = self._models[model]
+        return self.estimator.load_time_s(model, self._gpus[gpu_id].spec.gpu_type, spec.memory_mb)
+
+    def fits(self, model: str, gpu_id: str) -> bool:
+        return self._models[model].memory_mb <= self._gpus[gpu_id].spec.memory_mb
+
+    def dispatch(self, request: Request, gpu_id: str, now: float) -> Dispatch:
+        """Run a globally queued request on idle `gpu_id` (admitting its model to the cache)."""
+        self.queue.remove(request.request_id)
+        return self._start(request, self._gpus[gpu_id], now, pinned=False)
+
+    def park(self, request: Request, gpu_id: str, now: float) -> Park:
+        """Move a globally queued request to busy `gpu_id`'s local queue (its model is cached
+        there and stays pinned until the request runs)."""
+        state = self._gpus[gpu_id]
+        wait_s = self.estimated_wait_s(gpu_id, now)
+        self.queue.remove(request.request_id)
+        self.cache.pin(gpu_id, request.model)
+        state.local_queue.append(request)
+        state.local_work_s += self._inference_time_s(request, state)
+        self._placed_on[request.request_id] = gpu_id
+        decision = Park(request, gpu_id, wait_s)
+        self._decisions.append(decision)
+        return decision
+
+    # --- internals ------------------------------------------------------------------------
+    def _dispatch_local(self, state: GpuState, now: float) -> None:
+        request = state.local_queue.popleft()
+        state.local_work_s = max(0.0, state.local_work_s - self._inference_time_s(request, state))
+        if not state.local_queue:
+            state.local_work_s = 0.0  # no drift from float sums
+        self._start(request, state, now, pinned=True)
+
+    def _start(self, request: Request, state: GpuState, now: float, *, pinned: bool) -> Dispatch:
+        if state.running is not None:
+            raise RuntimeError(f"GPU {state.spec.gpu_id!r} is busy; cannot dispatch {request.request_id!r}")
+        gpu_id = state.spec.gpu_id
+        spec = self._models[request.model]
+        holders = self.cache.gpus_with(spec.name)
+        false_miss = gpu_id not in holders and len(holders) > 0
+        admission = self.cache.admit(gpu_id, spec.name, spec.memory_mb)
+        if not pinned:
+            self.cache.pin(gpu_id, spec.name)
+        load_s = 0.0 if admission.hit else self.estimator.load_time_s(spec.name, state.spec.gpu_type, spec.memory_mb)
+        inference_s = self._inference_time_s(request, state)
+        state.running = request
+        state.busy_until_s = now + load_s + inference_s
+        self._leave_idle(state)
+        self._placed_on[request.request_id] = gpu_id
+        decision = Dispatch(
+            request=request,
+            gpu_id=gpu_id,
+            hit=admission.hit,
+            evict=admission.evicted,
+            false_miss=false_miss,
+            est_load_time_s=load_s,
+            est_inference_time_s=inference_s,
+        )
+        self._decisions.append(decision)
+        return decision
+
+    def _leave_idle(self, state: GpuState) -> None:
+        # bisect, not list.remove: O(log n) to find among thousands of GPUs.
+        entry = (state.order_key, state.spec.gpu_id)
+        index = bisect.bisect_left(self._idle, entry)
+        if index == len(self._idle) or self._idle[index] != entry:
+            raise KeyError(f"GPU {state.spec.gpu_id!r} is not idle")
+        del self._idle[index]
+
+    def _inference_time_s(self, request: Request, state: GpuState) -> float:
+        return self.estimator.inference_time_s(request.model, state.spec.gpu_type, request.batch_size)

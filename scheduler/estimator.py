@@ -1,0 +1,123 @@
+"""Load- and inference-time estimates per (model, GPU type), from profiles, refined online by EWMA."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gpufaas.profiles import ModelProfile
+
+# Defaults for a GPU type with fewer than two profiled models: a line fitted to the paper's
+# Table I (RTX 2080 over PCIe 3): about 1.5 s of process/context start plus 1.6 GB/s.
+DEFAULT_LOAD_OVERHEAD_S = 1.5
+DEFAULT_LOAD_BANDWIDTH_MB_S = 1600.0
+DEFAULT_INFERENCE_S_PER_SAMPLE = 1.3 / 32
+
+
+@dataclass(frozen=True, slots=True)
+class _Line:
+    intercept_s: float
+    slope_s_per_mb: float
+
+    def at(self, memory_mb: int) -> float:
+        return max(0.0, self.intercept_s + self.slope_s_per_mb * memory_mb)
+
+
+class Estimator:
+    """Estimates how long a model takes to load on a GPU type and to run a batch there.
+
+    Known (model, GPU type) pairs start from their profile; every measurement reported back moves
+    the estimate by `alpha` toward it (EWMA). Unknown models are estimated from their size: load
+    time from a line fitted to the profiled models of that GPU type (size -> load time), inference
+    time from the median per-sample time of the profiled models. Inference time at a batch size
+    that was never profiled scales linearly from the nearest profiled batch size of that model.
+    Pure: no clock, no I/O.
+    """
+
+    def __init__(self, profiles: Iterable[ModelProfile] = (), *, alpha: float = 0.2) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self._load_s: dict[tuple[str, str], float] = {}
+        self._inference_s: dict[tuple[str, str], dict[int, float]] = {}
+        self._sizes: dict[tuple[str, str], int] = {}
+        self._fits: dict[str, _Line] = {}
+        self._per_sample_s: dict[str, float] = {}
+        for profile in profiles:
+            self.add_profile(profile)
+
+    def add_profile(self, profile: ModelProfile) -> None:
+        key = (profile.model, profile.gpu_type)
+        self._load_s[key] = profile.load_time_s
+        self._inference_s.setdefault(key, {})[profile.batch_size] = profile.inference_time_s
+        self._sizes[key] = profile.memory_mb
+        self._fits.pop(profile.gpu_type, None)
+        self._per_sample_s.pop(profile.gpu_type, None)
+
+    # --- estimates ------------------------------------------------------------------------
+    def load_time_s(self, model: str, gpu_type: str, memory_mb: int) -> float:
+        known = self._load_s.get((model, gpu_type))
+        if known is not None:
+            return known
+        return self._load_line(gpu_type).at(memory_mb)
+
+    def inference_time_s(self, model: str, gpu_type: str, batch_size: int) -> float:
+        by_batch = self._inference_s.get((model, gpu_type))
+        if by_batch:
+            exact = by_batch.get(batch_size)
+            if exact is not None:
+                return exact
+            nearest = min(by_batch, key=lambda b: (abs(b - batch_size), b))
+            return by_batch[nearest] * batch_size / nearest
+        return self._median_per_sample_s(gpu_type) * batch_size
+
+    # --- online updates -------------------------------------------------------------------
+    def observe_load(self, model: str, gpu_type: str, load_time_s: float) -> None:
+        key = (model, gpu_type)
+        old = self._load_s.get(key)
+        self._load_s[key] = load_time_s if old is None else old + self.alpha * (load_time_s - old)
+        self._fits.pop(gpu_type, None)
+
+    def observe_inference(self, model: str, gpu_type: str, batch_size: int, inference_time_s: float) -> None:
+        by_batch = self._inference_s.setdefault((model, gpu_type), {})
+        old = by_batch.get(batch_size)
+        by_batch[batch_size] = inference_time_s if old is None else old + self.alpha * (inference_time_s - old)
+
+    # --- size-based fallbacks ---------------------------------------------------------------
+    def _load_line(self, gpu_type: str) -> _Line:
+        line = self._fits.get(gpu_type)
+        if line is None:
+            points = [
+                (float(self._sizes[key]), self._load_s[key])
+                for key in self._sizes
+                if key[1] == gpu_type and key in self._load_s
+            ]
+            line = _fit(points)
+            self._fits[gpu_type] = line
+        return line
+
+    def _median_per_sample_s(self, gpu_type: str) -> float:
+        per_sample = self._per_sample_s.get(gpu_type)
+        if per_sample is None:
+            samples = [
+                seconds / batch
+                for (model, kind), by_batch in self._inference_s.items()
+                if kind == gpu_type
+                for batch, seconds in by_batch.items()
+            ]
+            per_sample = statistics.median(samples) if samples else DEFAULT_INFERENCE_S_PER_SAMPLE
+            self._per_sample_s[gpu_type] = per_sample
+        return per_sample
+
+
+def _fit(points: list[tuple[float, float]]) -> _Line:
+    """Least-squares line through (memory_mb, load_time_s); defaults when it is undetermined."""
+    if len({x for x, _ in points}) < 2:
+        return _Line(DEFAULT_LOAD_OVERHEAD_S, 1.0 / DEFAULT_LOAD_BANDWIDTH_MB_S)
+    slope, intercept = statistics.linear_regression([x for x, _ in points], [y for _, y in points])
+    if slope <= 0:
+        # A flat or inverted fit would make big models look free to load; keep size in the estimate.
+        slope = 1.0 / DEFAULT_LOAD_BANDWIDTH_MB_S
+        intercept = statistics.fmean(y for _, y in points) - slope * statistics.fmean(x for x, _ in points)
+    return _Line(intercept, slope)

@@ -1,0 +1,87 @@
+"""The scheduling-policy interface, its registry by name, and what a policy may ask of the scheduler."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Set
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from gpufaas.errors import UnknownPolicy
+from gpufaas.types import Request
+
+if TYPE_CHECKING:
+    from cache_manager import CacheManager
+    from scheduler.decisions import Dispatch, Park
+    from scheduler.queues import GlobalQueue
+
+DEFAULT_MAX_NUM_SKIPS = 25
+"""The paper's default out-of-order limit: how often a queued request may be passed over."""
+
+
+class SchedulingContext(Protocol):
+    """The narrow view of the scheduler a policy works through (implemented by `Scheduler`)."""
+
+    queue: GlobalQueue
+    cache: CacheManager
+
+    def is_idle(self, gpu_id: str) -> bool: ...
+    def best_idle(self, gpu_ids: Set[str]) -> str | None: ...
+    def estimated_wait_s(self, gpu_id: str, now: float) -> float: ...
+    def load_time_s(self, model: str, gpu_id: str) -> float: ...
+    def fits(self, model: str, gpu_id: str) -> bool: ...
+    def dispatch(self, request: Request, gpu_id: str, now: float) -> Dispatch: ...
+    def park(self, request: Request, gpu_id: str, now: float) -> Park: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """Tunables of every policy; each policy reads the ones it knows."""
+
+    max_num_skips: int = DEFAULT_MAX_NUM_SKIPS
+
+    def __post_init__(self) -> None:
+        if self.max_num_skips < 0:
+            raise ValueError(f"max_num_skips must be >= 0, got {self.max_num_skips}")
+
+
+class SchedulingPolicy(ABC):
+    """Decides what an idle GPU runs next. Subclasses register by name:
+    `class Foo(SchedulingPolicy, name="foo")`. A policy reads only its arguments."""
+
+    registry: ClassVar[dict[str, type[SchedulingPolicy]]] = {}
+    name: ClassVar[str]
+
+    def __init_subclass__(cls, *, name: str, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if name in SchedulingPolicy.registry:
+            raise ValueError(f"scheduling policy {name!r} is registered twice")
+        cls.name = name
+        SchedulingPolicy.registry[name] = cls
+
+    @classmethod
+    def from_config(cls, config: PolicyConfig) -> SchedulingPolicy:
+        return cls()
+
+    @abstractmethod
+    def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> None:
+        """Offer idle `gpu_id` (its local queue is empty) work from the global queue.
+
+        May dispatch to `gpu_id`, and on the way place other requests elsewhere (dispatch to
+        other idle GPUs, park on busy ones). Must not pass over a request without counting it.
+        """
+
+
+def registered_policies() -> list[str]:
+    return sorted(SchedulingPolicy.registry)
+
+
+def make_policy(name: str, config: PolicyConfig | None = None) -> SchedulingPolicy:
+    """Build a registered policy by name; an unknown name is an error listing the valid ones."""
+    try:
+        cls = SchedulingPolicy.registry[name]
+    except KeyError:
+        raise UnknownPolicy(
+            f"unknown scheduling policy {name!r}; valid policies: {', '.join(registered_policies())}"
+        ) from None
+    return cls.from_config(config if config is not None else PolicyConfig())

@@ -1,0 +1,100 @@
+"""`lalb` and `lalb-o3`: locality-aware load balancing (Algorithms 1 and 2 of the LALB paper)."""
+
+from __future__ import annotations
+
+import enum
+
+from gpufaas.types import Request
+from scheduler.policies.base import PolicyConfig, SchedulingContext, SchedulingPolicy
+
+
+class Placement(enum.Enum):
+    HERE = "here"  # dispatched to the idle GPU being filled (Algorithm 2 returns True)
+    ELSEWHERE = "elsewhere"  # dispatched to another idle GPU, or parked on a busy one (False)
+    NOWHERE = "nowhere"  # left queued: the model does not fit on this GPU (heterogeneous memory)
+
+
+def locality_load_balance(ctx: SchedulingContext, gpu_id: str, request: Request, now: float) -> Placement:
+    """Algorithm 2: place `request` given that idle `gpu_id` wants work.
+
+    Model cached nowhere -> miss here. Cached on another idle GPU -> hit there. Cached on busy
+    GPUs -> park on the one that frees up soonest if that beats loading the model here
+    (waiting + inference < load + inference). Otherwise a miss here that balances load.
+    """
+    holders = ctx.cache.gpus_with(request.model)
+    if gpu_id in holders:
+        ctx.dispatch(request, gpu_id, now)
+        return Placement.HERE
+    if holders:
+        idle_holder = ctx.best_idle(holders)
+        if idle_holder is not None:
+            ctx.dispatch(request, idle_holder, now)
+            return Placement.ELSEWHERE
+        soonest_gpu, soonest_wait_s = "", float("inf")
+        for holder in holders:
+            wait_s = ctx.estimated_wait_s(holder, now)
+            if wait_s < soonest_wait_s or (wait_s == soonest_wait_s and holder < soonest_gpu):
+                soonest_gpu, soonest_wait_s = holder, wait_s
+        if soonest_wait_s < ctx.load_time_s(request.model, gpu_id):
+            ctx.park(request, soonest_gpu, now)
+            return Placement.ELSEWHERE
+    if not ctx.fits(request.model, gpu_id):
+        return Placement.NOWHERE
+    ctx.dispatch(request, gpu_id, now)
+    return Placement.HERE
+
+
+class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
+    """Algorithm 1 for one idle GPU, with an out-of-order limit `max_num_skips`.
+
+    1. Requests that have been passed over `max_num_skips` times may not be passed over again:
+       from the head, in arrival order, each is a hit here if its model is cached here, else is
+       placed by `locality_load_balance`, until one lands here.
+    2. Otherwise the oldest queued request whose model is cached here is dispatched (a hit) ahead
+       of older requests, each of which counts one skip.
+    3. If no queued request's model is cached here, `locality_load_balance` in arrival order.
+
+    Skip counts never grow from head to tail (the queue's invariant), so step 1 stops at the
+    first request under the limit, and with `max_num_skips == 0` step 1 covers the whole queue:
+    strict arrival order, which is `lalb`. Cost: O(models cached here) for step 2, plus O(1)
+    per request placed (each request is placed once).
+    """
+
+    def __init__(self, max_num_skips: int = 0) -> None:
+        if max_num_skips < 0:
+            raise ValueError(f"max_num_skips must be >= 0, got {max_num_skips}")
+        self.max_num_skips = max_num_skips
+
+    def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> None:
+        queue = ctx.queue
+        cached_here = ctx.cache.models_on(gpu_id)
+        for request, num_skips in queue.walk():
+            if num_skips < self.max_num_skips:
+                break
+            if request.model in cached_here:
+                ctx.dispatch(request, gpu_id, now)
+                return
+            if locality_load_balance(ctx, gpu_id, request, now) is Placement.HERE:
+                return
+        else:
+            return  # every queued request was placed (or cannot run here)
+        candidate = queue.oldest_of(cached_here)
+        if candidate is not None:
+            queue.pass_over(candidate.request_id)
+            ctx.dispatch(candidate, gpu_id, now)
+            return
+        for request, _ in queue.walk():
+            if locality_load_balance(ctx, gpu_id, request, now) is Placement.HERE:
+                return
+
+
+class OutOfOrderLocalityAwarePolicy(LocalityAwarePolicy, name="lalb-o3"):
+    """`lalb` with out-of-order dispatch: a request may be passed over up to `max_num_skips`
+    times (default 25) in favour of younger requests whose model is cached on an idle GPU."""
+
+    def __init__(self, max_num_skips: int = 25) -> None:
+        super().__init__(max_num_skips)
+
+    @classmethod
+    def from_config(cls, config: PolicyConfig) -> SchedulingPolicy:
+        return cls(config.max_num_skips)

@@ -1,0 +1,194 @@
+"""The global queue in arrival order, its per-model index, and O(1) lazy skip counts."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+
+from gpufaas.types import Request
+
+
+class _Node:
+    """A queued request. Lifecycle: created by `push`/`insert`, unlinked by `remove`."""
+
+    __slots__ = ("request", "seq", "prev", "next", "own_skips", "pending")
+
+    def __init__(self, request: Request, seq: int) -> None:
+        self.request = request
+        self.seq = seq
+        self.prev: _Node | None = None
+        self.next: _Node | None = None
+        # skips(node) = own_skips + sum(pending of this node and every node behind it).
+        self.own_skips = 0
+        # "+pending to every node from the head up to and including this one" (a lazy range add).
+        self.pending = 0
+
+
+class GlobalQueue:
+    """Queued requests in arrival order, also linked per model in arrival order.
+
+    Passing over requests (out-of-order dispatch) adds one skip to *every* request ahead of the
+    one dispatched. Doing that eagerly costs O(queue length), so it is recorded lazily as one
+    range mark on the dispatched request's predecessor. Because marks only ever cover a prefix,
+    skip counts never increase from head to tail: the head's count is the largest, and reading it
+    costs O(1). Every operation the scheduler uses per decision is O(1) or O(models asked about).
+    """
+
+    def __init__(self) -> None:
+        self._head: _Node | None = None
+        self._tail: _Node | None = None
+        self._nodes: dict[str, _Node] = {}
+        self._by_model: dict[str, OrderedDict[str, _Node]] = {}
+        self._total_pending = 0
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __bool__(self) -> bool:
+        return self._head is not None
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._nodes
+
+    def __iter__(self) -> Iterator[Request]:
+        node = self._head
+        while node is not None:
+            yield node.request
+            node = node.next
+
+    @property
+    def head(self) -> Request | None:
+        return None if self._head is None else self._head.request
+
+    def seq(self, request_id: str) -> int:
+        return self._nodes[request_id].seq
+
+    def queued_models(self) -> Iterable[str]:
+        return self._by_model.keys()
+
+    def num_queued_for(self, model: str) -> int:
+        index = self._by_model.get(model)
+        return 0 if index is None else len(index)
+
+    # --- mutations ------------------------------------------------------------------------
+    def push(self, request: Request, seq: int) -> None:
+        """Append a newly arrived request; `seq` must exceed every queued request's."""
+        if self._tail is not None and seq <= self._tail.seq:
+            raise ValueError(f"seq {seq} is not after the queue's tail ({self._tail.seq}); use insert()")
+        self._link_after(self._tail, self._new_node(request, seq))
+        self._index_append(self._nodes[request.request_id])
+
+    def insert(self, request: Request, seq: int) -> None:
+        """Put back a request in arrival order (a requeue after a failure).
+
+        It takes the skip count of the request now behind it, so counts stay monotone (the head
+        has the most) and its starvation clock is at least as far along as younger requests'.
+        O(position from the head): requeues are rare and go near the front.
+        """
+        behind, suffix_pending = self._head, self._total_pending
+        while behind is not None and behind.seq < seq:
+            suffix_pending -= behind.pending
+            behind = behind.next
+        if behind is not None and behind.seq == seq:
+            raise ValueError(f"seq {seq} is already queued")
+        node = self._new_node(request, seq)
+        # The marks at or behind the insertion point count for the new node as for `behind`.
+        node.own_skips = 0 if behind is None else behind.own_skips
+        self._link_after(self._tail if behind is None else behind.prev, node)
+        index = self._by_model.setdefault(request.model, OrderedDict())
+        needs_sort = bool(index) and next(reversed(index.values())).seq > seq
+        index[request.request_id] = node
+        if needs_sort:
+            ordered = sorted(index.values(), key=lambda n: n.seq)
+            index.clear()
+            index.update((n.request.request_id, n) for n in ordered)
+
+    def remove(self, request_id: str) -> Request:
+        node = self._nodes.pop(request_id)
+        if node.prev is not None:
+            # The range mark still covers the nodes ahead of this one.
+            node.prev.pending += node.pending
+            node.prev.next = node.next
+        else:
+            self._total_pending -= node.pending
+            self._head = node.next
+        if node.next is not None:
+            node.next.prev = node.prev
+        else:
+            self._tail = node.prev
+        index = self._by_model[node.request.model]
+        del index[request_id]
+        if not index:
+            del self._by_model[node.request.model]
+        return node.request
+
+    def pass_over(self, request_id: str) -> None:
+        """Count one skip for every request queued ahead of `request_id`."""
+        node = self._nodes[request_id]
+        if node.prev is not None:
+            node.prev.pending += 1
+            self._total_pending += 1
+
+    # --- lookups --------------------------------------------------------------------------
+    def oldest_of(self, models: Iterable[str]) -> Request | None:
+        """The oldest queued request whose model is in `models`: O(len(models))."""
+        best: _Node | None = None
+        for model in models:
+            index = self._by_model.get(model)
+            if index:
+                node = next(iter(index.values()))
+                if best is None or node.seq < best.seq:
+                    best = node
+        return None if best is None else best.request
+
+    def oldest_for(self, model: str) -> Request | None:
+        index = self._by_model.get(model)
+        return None if not index else next(iter(index.values())).request
+
+    def walk(self) -> Iterator[tuple[Request, int]]:
+        """(request, skips) from the head in arrival order; the consumer may remove the yielded request
+        (and only that one) before asking for the next."""
+        node, suffix_pending = self._head, self._total_pending
+        while node is not None:
+            following, pending_here = node.next, node.pending
+            yield node.request, node.own_skips + suffix_pending
+            # Removing the node moves its mark onto its predecessor: either way the mark no longer
+            # counts for `following`.
+            suffix_pending -= pending_here
+            node = following
+
+    def head_skips(self) -> int:
+        return 0 if self._head is None else self._head.own_skips + self._total_pending
+
+    def num_skips(self, request_id: str) -> int:
+        """Exact skips of one queued request; O(queue length), for tests and introspection."""
+        node = self._nodes[request_id]
+        total = node.own_skips
+        cursor: _Node | None = node
+        while cursor is not None:
+            total += cursor.pending
+            cursor = cursor.next
+        return total
+
+    # --- internals ------------------------------------------------------------------------
+    def _new_node(self, request: Request, seq: int) -> _Node:
+        if request.request_id in self._nodes:
+            raise ValueError(f"request {request.request_id!r} is already queued")
+        node = _Node(request, seq)
+        self._nodes[request.request_id] = node
+        return node
+
+    def _link_after(self, prev: _Node | None, node: _Node) -> None:
+        node.prev = prev
+        node.next = self._head if prev is None else prev.next
+        if prev is None:
+            self._head = node
+        else:
+            prev.next = node
+        if node.next is None:
+            self._tail = node
+        else:
+            node.next.prev = node
+
+    def _index_append(self, node: _Node) -> None:
+        self._by_model.setdefault(node.request.model, OrderedDict())[node.request.request_id] = node

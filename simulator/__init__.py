@@ -1,0 +1,1 @@
+"""Trace-driven discrete-event simulator that drives the real scheduler and cache manager."""

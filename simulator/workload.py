@@ -1,0 +1,384 @@
+"""Trace loading and workload building: Azure Functions traces in, a seeded list of Requests out.
+
+A trace is reduced to per-minute invocation counts per function (`TraceCounts`), whichever format
+it came in. `build_workload` then cuts a window of minutes out of it, keeps the `working_set` most
+invoked functions, rescales every minute to exactly `rpm` requests (keeping the functions'
+proportions within that minute) and spreads each request uniformly at random inside its minute.
+
+Function -> model mapping. The Azure traces say nothing about models, so each working-set function
+is given its own model with the figures of a Table I model, chosen so that sizes are spread evenly
+over the table and popularity does not correlate with size:
+
+1. Sort the table by `memory_mb` and pick `n` models (n = the number of working-set functions) at
+   the evenly spaced indices `round(i * (len(table) - 1) / (n - 1))`, i = 0..n-1 (n = 1 picks
+   index 0). With n = len(table) every model is picked once; with n > len(table) some repeat.
+2. Deal the picked models to the functions in popularity order (rank 0 = most invoked),
+   alternately from both ends: rank 0 gets the smallest picked, rank 1 the largest, rank 2 the
+   second smallest, rank 3 the second largest, and so on.
+3. Every function gets its own model, i.e. a distinct cache item: it is named after the table
+   model when that model was picked once, else `f"{name}#{k}"` with k = 1, 2, ... in rank order,
+   and carries a copy of the table model's figures.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from gpufaas.errors import InvalidInput
+from gpufaas.profiles import ModelProfile
+from gpufaas.types import Request
+
+AZURE2019_KEY_COLUMNS = ("HashOwner", "HashApp", "HashFunction", "Trigger")
+AZURE2021_COLUMNS = ("app", "func", "end_timestamp", "duration")
+SECONDS_PER_MINUTE = 60
+
+
+@dataclass(frozen=True)
+class TraceCounts:
+    """Invocations per function per minute, as read from one trace file."""
+
+    path: Path
+    minutes: list[int]
+    """Every minute the trace covers, sorted ascending."""
+    counts: dict[str, dict[int, int]]
+    """Function id -> {minute: invocations}; minutes with zero invocations may be omitted."""
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """Which part of a trace to replay and how hard."""
+
+    start_minute: int | None = None
+    """First minute of the window; None = the trace's first minute."""
+    minutes: int = 6
+    working_set: int = 35
+    """How many of the window's most invoked functions to keep."""
+    rpm: int = 325
+    """Requests generated for every minute of the window that has any invocation."""
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The requests to replay and the models they need."""
+
+    requests: list[Request]
+    """Sorted by arrival_s; request ids r000000, r000001, ... in that order."""
+    profiles: list[ModelProfile]
+    """One per working-set function, in popularity order: that function's own model."""
+    function_models: dict[str, str]
+    """Function id -> model name."""
+    top_function: str
+    """The most invoked function in the window."""
+    start_minute: int
+    minutes: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def _decoded_lines(path: Path, what: str) -> Iterator[str]:
+    """Yield the lines of `path` decoded one at a time, so a decoding error knows its line."""
+    try:
+        handle = path.open("rb")
+    except FileNotFoundError:
+        raise InvalidInput(f"{path}: no such file; expected {what}") from None
+    except OSError as exc:
+        raise InvalidInput(f"{path}: cannot be read ({exc.strerror}); expected {what}") from exc
+    with handle:
+        line = 0
+        try:
+            for line, raw in enumerate(handle, start=1):
+                yield raw.decode("utf-8-sig" if line == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidInput(f"{path}:{line}: not UTF-8 text ({exc.reason}); expected {what}") from exc
+        except OSError as exc:
+            raise InvalidInput(f"{path}:{line + 1}: cannot be read ({exc.strerror}); expected {what}") from exc
+
+
+def _rows(path: Path, what: str) -> Iterator[tuple[int, list[str]]]:
+    """Yield (1-based line number, fields) for every non-blank CSV row of `path`.
+
+    Every way reading can fail becomes an InvalidInput naming the file and the line, so the
+    loaders only have to judge the values.
+    """
+    reader = csv.reader(_decoded_lines(path, what))
+    try:
+        for fields in reader:
+            if fields:
+                yield reader.line_num, fields
+    except csv.Error as exc:
+        raise InvalidInput(f"{path}:{reader.line_num}: malformed CSV ({exc}); expected {what}") from exc
+
+
+def _header(rows: Iterator[tuple[int, list[str]]], path: Path, what: str) -> list[str]:
+    first = next(rows, None)
+    if first is None:
+        raise InvalidInput(f"{path}:1: empty file; expected {what}")
+    line, fields = first
+    if line != 1:
+        raise InvalidInput(f"{path}:1: line is blank; expected the header of {what}")
+    return [field.strip() for field in fields]
+
+
+def _count(text: str, path: Path, line: int, column: str) -> int:
+    """Parse one per-minute count: a non-negative integer ("3.0" is accepted as 3)."""
+    value = text.strip()
+    try:
+        count = int(value)
+    except ValueError:
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        count = int(number) if math.isfinite(number) and number.is_integer() else -1
+    if count < 0:
+        raise InvalidInput(f"{path}:{line}: minute {column} has count {text!r}; expected a non-negative integer")
+    return count
+
+
+def load_azure2019(path: Path) -> TraceCounts:
+    """Load an Azure Functions 2019 per-minute invocation file.
+
+    Header `HashOwner,HashApp,HashFunction,Trigger,<minute>,<minute>,...`, where the minute
+    columns are distinct non-negative integers (they need not start at 1). The function id is
+    `HashOwner/HashApp/HashFunction`; rows with the same id are summed.
+    """
+    what = "an Azure 2019 per-minute invocation CSV with header 'HashOwner,HashApp,HashFunction,Trigger,<minute>,...'"
+    rows = _rows(path, what)
+    header = _header(rows, path, what)
+    key_count = len(AZURE2019_KEY_COLUMNS)
+    if tuple(header[:key_count]) != AZURE2019_KEY_COLUMNS:
+        raise InvalidInput(f"{path}:1: header starts with {','.join(header[:key_count])!r}; expected {what}")
+    if len(header) == key_count:
+        raise InvalidInput(f"{path}:1: header has no minute columns; expected {what}")
+    minute_columns: list[int] = []
+    for position, name in enumerate(header[key_count:], start=key_count + 1):
+        try:
+            minute = int(name)
+        except ValueError:
+            minute = -1
+        if minute < 0:
+            raise InvalidInput(
+                f"{path}:1: column {position} is named {name!r}; expected a minute number (a non-negative integer)"
+            )
+        if minute in minute_columns:
+            raise InvalidInput(f"{path}:1: minute column {minute} appears twice; expected each once")
+        minute_columns.append(minute)
+
+    counts: dict[str, dict[int, int]] = {}
+    any_row = False
+    for line, fields in rows:
+        any_row = True
+        if len(fields) != len(header):
+            raise InvalidInput(
+                f"{path}:{line}: row has {len(fields)} fields; expected {len(header)}, one per header column"
+            )
+        owner, app, function = (field.strip() for field in fields[:3])
+        if not (owner and app and function):
+            raise InvalidInput(f"{path}:{line}: empty HashOwner, HashApp or HashFunction; expected all three")
+        per_minute = counts.setdefault(f"{owner}/{app}/{function}", {})
+        for minute, text in zip(minute_columns, fields[key_count:], strict=True):
+            count = _count(text, path, line, str(minute))
+            if count:
+                per_minute[minute] = per_minute.get(minute, 0) + count
+    if not any_row:
+        raise InvalidInput(f"{path}:2: no function rows after the header; expected at least one")
+    return TraceCounts(path=path, minutes=sorted(minute_columns), counts=counts)
+
+
+def _seconds(text: str, path: Path, line: int, column: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise InvalidInput(f"{path}:{line}: {column} is {text!r}; expected a non-negative number of seconds")
+    return value
+
+
+def load_azure2021(path: Path) -> TraceCounts:
+    """Load an Azure Functions 2021 per-invocation file and count invocations per minute.
+
+    Header `app,func,end_timestamp,duration` (seconds; end_timestamp relative to the trace start;
+    extra columns are ignored). An invocation arrives at end_timestamp - duration, clamped to 0,
+    and counts in minute floor(arrival / 60). The function id is `app/func`. The trace covers every
+    minute from the first invocation's to the last one's.
+    """
+    what = "an Azure 2021 per-invocation CSV with header 'app,func,end_timestamp,duration'"
+    rows = _rows(path, what)
+    header = _header(rows, path, what)
+    missing = [name for name in AZURE2021_COLUMNS if name not in header]
+    if missing:
+        raise InvalidInput(f"{path}:1: header lacks column(s) {', '.join(missing)}; expected {what}")
+    app_at, func_at, end_at, duration_at = (header.index(name) for name in AZURE2021_COLUMNS)
+
+    counts: dict[str, dict[int, int]] = {}
+    for line, fields in rows:
+        if len(fields) != len(header):
+            raise InvalidInput(
+                f"{path}:{line}: row has {len(fields)} fields; expected {len(header)}, one per header column"
+            )
+        app, func = fields[app_at].strip(), fields[func_at].strip()
+        if not (app and func):
+            raise InvalidInput(f"{path}:{line}: empty app or func; expected both")
+        end_s = _seconds(fields[end_at], path, line, "end_timestamp")
+        duration_s = _seconds(fields[duration_at], path, line, "duration")
+        minute = math.floor(max(end_s - duration_s, 0.0) / SECONDS_PER_MINUTE)
+        per_minute = counts.setdefault(f"{app}/{func}", {})
+        per_minute[minute] = per_minute.get(minute, 0) + 1
+    if not counts:
+        raise InvalidInput(f"{path}:2: no invocation rows after the header; expected at least one")
+    seen = [minute for per_minute in counts.values() for minute in per_minute]
+    return TraceCounts(path=path, minutes=list(range(min(seen), max(seen) + 1)), counts=counts)
+
+
+TRACE_LOADERS: dict[str, Callable[[Path], TraceCounts]] = {
+    "azure2019": load_azure2019,
+    "azure2021": load_azure2021,
+}
+
+
+def load_trace(path: Path, trace_format: str) -> TraceCounts:
+    """Load `path` with the loader registered for `trace_format`."""
+    loader = TRACE_LOADERS.get(trace_format)
+    if loader is None:
+        raise InvalidInput(f"unknown trace format {trace_format!r}; expected one of: {', '.join(TRACE_LOADERS)}")
+    return loader(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building
+
+
+def _describe_minutes(minutes: list[int]) -> str:
+    if not minutes:
+        return "no minutes"
+    if minutes[-1] - minutes[0] + 1 == len(minutes):
+        return f"minutes {minutes[0]}..{minutes[-1]}"
+    return f"{len(minutes)} minutes between {minutes[0]} and {minutes[-1]}, with gaps"
+
+
+def _largest_remainder(counts: list[int], total: int) -> list[int]:
+    """Split `total` in proportion to `counts` (sum > 0); leftovers go to the largest remainders,
+    ties to the earlier entry."""
+    weight = sum(counts)
+    shares = [count * total // weight for count in counts]
+    remainders = [count * total % weight for count in counts]
+    leftover = total - sum(shares)
+    for index in sorted(range(len(counts)), key=lambda i: (-remainders[i], i))[:leftover]:
+        shares[index] += 1
+    return shares
+
+
+def assign_models(functions: list[str], table: list[ModelProfile]) -> list[ModelProfile]:
+    """Give each function (in popularity order) its own model; see the module docstring."""
+    if not table:
+        raise InvalidInput("the model table is empty; expected at least one profile")
+    by_size = sorted(table, key=lambda profile: (profile.memory_mb, profile.model))
+    n = len(functions)
+    # Evenly spaced indices over the sizes, exactly as the module docstring writes them.
+    picked = [by_size[round(i * (len(by_size) - 1) / (n - 1)) if n > 1 else 0] for i in range(n)]
+    dealt: list[ModelProfile] = []
+    low, high = 0, n - 1
+    for rank in range(n):
+        if rank % 2 == 0:
+            dealt.append(picked[low])
+            low += 1
+        else:
+            dealt.append(picked[high])
+            high -= 1
+    uses: dict[str, int] = {}
+    for profile in dealt:
+        uses[profile.model] = uses.get(profile.model, 0) + 1
+    seen: dict[str, int] = {}
+    own: list[ModelProfile] = []
+    for profile in dealt:
+        name = profile.model
+        if uses[name] > 1:
+            seen[name] = seen.get(name, 0) + 1
+            name = f"{name}#{seen[name]}"
+        own.append(replace(profile, model=name))
+    return own
+
+
+def build_workload(trace: TraceCounts, config: WorkloadConfig, table: list[ModelProfile]) -> Workload:
+    """Cut `config`'s window out of `trace` and turn it into seeded, rescaled requests.
+
+    Window = [start, start + minutes). Working set = the `working_set` functions with the most
+    invocations over the window (ties by function id, ascending; fewer if the window has fewer
+    invoked functions). Every minute's working-set counts are scaled to exactly `rpm` requests by
+    largest-remainder rounding (ties by rank); a minute with no working-set invocation yields
+    none. Each request arrives at (minute - start) * 60 + uniform(0, 60) seconds, drawn from
+    random.Random(seed) minute by minute, function by function in rank order.
+    """
+    for name, value in (
+        ("minutes", config.minutes),
+        ("working_set", config.working_set),
+        ("rpm", config.rpm),
+    ):
+        if value <= 0:
+            raise InvalidInput(f"workload {name} is {value}; expected a positive integer")
+    if not trace.minutes:
+        raise InvalidInput(f"{trace.path}: the trace has no minutes; expected at least one")
+    start = trace.minutes[0] if config.start_minute is None else config.start_minute
+    window = range(start, start + config.minutes)
+    available = set(trace.minutes)
+    if any(minute not in available for minute in window):
+        raise InvalidInput(
+            f"{trace.path}: window minutes {window[0]}..{window[-1]} are not all in the trace, "
+            f"which has {_describe_minutes(trace.minutes)}; expected a window inside it"
+        )
+
+    totals = {
+        function: sum(per_minute.get(minute, 0) for minute in window) for function, per_minute in trace.counts.items()
+    }
+    ranked = sorted((f for f, total in totals.items() if total > 0), key=lambda f: (-totals[f], f))
+    functions = ranked[: config.working_set]
+    if not functions:
+        raise InvalidInput(
+            f"{trace.path}: no invocations in window minutes {window[0]}..{window[-1]}; "
+            "expected a window with at least one"
+        )
+    profiles = assign_models(functions, table)
+    function_models = {f: p.model for f, p in zip(functions, profiles, strict=True)}
+
+    rng = random.Random(config.seed)
+    drawn: list[tuple[float, int]] = []  # (arrival_s, function rank)
+    for minute in window:
+        counts = [trace.counts[f].get(minute, 0) for f in functions]
+        if sum(counts) == 0:
+            continue
+        offset_s = float((minute - start) * SECONDS_PER_MINUTE)
+        # Keep the arrival inside its minute even if the float addition rounds up to its end.
+        last_s = math.nextafter(offset_s + SECONDS_PER_MINUTE, -math.inf)
+        for rank, share in enumerate(_largest_remainder(counts, config.rpm)):
+            for _ in range(share):
+                arrival_s = min(offset_s + rng.uniform(0, SECONDS_PER_MINUTE), last_s)
+                drawn.append((arrival_s, rank))
+    drawn.sort()
+
+    requests = [
+        Request(
+            request_id=f"r{index:06d}",
+            function=functions[rank],
+            model=profiles[rank].model,
+            arrival_s=arrival_s,
+            batch_size=profiles[rank].batch_size,
+        )
+        for index, (arrival_s, rank) in enumerate(drawn)
+    ]
+    return Workload(
+        requests=requests,
+        profiles=profiles,
+        function_models=function_models,
+        top_function=functions[0],
+        start_minute=start,
+        minutes=config.minutes,
+    )
