@@ -1,0 +1,61 @@
+"""Small builders for unit tests of the pure scheduling core."""
+
+from __future__ import annotations
+
+import itertools
+
+from gpufaas.profiles import ModelProfile
+from gpufaas.types import GpuSpec, ModelSpec, Request
+from scheduler import Estimator, PolicyConfig, Scheduler, make_policy
+
+LOAD_S = 2.0
+INFERENCE_S = 1.0
+_ids = itertools.count()
+
+
+def make_scheduler(
+    policy: str = "lalb",
+    *,
+    gpus: int | dict[str, int] = 2,
+    models: dict[str, int] | None = None,
+    max_num_skips: int = 25,
+    speeds: dict[str, float] | None = None,
+) -> Scheduler:
+    """A scheduler over GPUs g0, g1, ... (8000 MB each unless given) and models with the same
+    profile: load 2 s, inference 1 s at batch 32, unless the test says otherwise."""
+    models = models if models is not None else {m: 1000 for m in "ABCDEF"}
+    estimator = Estimator(
+        ModelProfile(name, "rtx2080", memory_mb, LOAD_S, INFERENCE_S, 32) for name, memory_mb in models.items()
+    )
+    scheduler = Scheduler(make_policy(policy, PolicyConfig(max_num_skips=max_num_skips)), estimator=estimator)
+    sizes = gpus if isinstance(gpus, dict) else {f"g{i}": 8000 for i in range(gpus)}
+    for gpu_id, memory_mb in sizes.items():
+        speed = (speeds or {}).get(gpu_id, 1.0)
+        scheduler.add_gpu(GpuSpec(gpu_id, memory_mb, speed=speed))
+    for name, memory_mb in models.items():
+        scheduler.register_model(ModelSpec(name, memory_mb))
+    return scheduler
+
+
+def make_request(model: str, arrival_s: float = 0.0, request_id: str | None = None) -> Request:
+    return Request(request_id or f"r{next(_ids)}", function=f"fn-{model}", model=model, arrival_s=arrival_s)
+
+
+def submit(scheduler: Scheduler, *models: str, now: float = 0.0) -> list[Request]:
+    requests = [make_request(model, now) for model in models]
+    for request in requests:
+        scheduler.submit(request)
+    return requests
+
+
+def cache_on(scheduler: Scheduler, gpu_id: str, *models: str) -> None:
+    """Make models resident on an idle GPU (oldest first), as if earlier requests had run there."""
+    for model in models:
+        scheduler.cache.admit(gpu_id, model, scheduler.model(model).memory_mb)
+
+
+def run_on(scheduler: Scheduler, gpu_id: str, model: str, now: float = 0.0) -> Request:
+    """Make `gpu_id` busy running a request for `model` (a hit if resident, else a miss)."""
+    (request,) = submit(scheduler, model, now=now)
+    scheduler.dispatch(request, gpu_id, now)
+    return request

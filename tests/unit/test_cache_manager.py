@@ -1,0 +1,102 @@
+"""The per-GPU LRU caches, pinning, victim selection and the model -> GPUs directory."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache_manager import CacheManager, eviction_policy
+from gpufaas.errors import CacheFull, ModelTooLarge, UnknownPolicy
+
+
+def make_cache(*gpus: tuple[str, int]) -> CacheManager:
+    cache = CacheManager()
+    for gpu_id, capacity_mb in gpus or (("g0", 3000),):
+        cache.add_gpu(gpu_id, capacity_mb)
+    return cache
+
+
+def test_hit_refreshes_recency_without_evicting() -> None:
+    cache = make_cache()
+    cache.admit("g0", "A", 1000)
+    cache.admit("g0", "B", 1000)
+    admission = cache.admit("g0", "A", 1000)
+    assert admission.hit and admission.evicted == ()
+    assert cache.gpu("g0").lru_list() == ["A", "B"]
+
+
+def test_miss_evicts_from_the_lru_tail_until_the_model_fits() -> None:
+    cache = make_cache()
+    for model in "ABC":
+        cache.admit("g0", model, 1000)
+    admission = cache.admit("g0", "D", 1500)
+    assert not admission.hit
+    assert admission.evicted == ("A", "B")
+    assert cache.gpu("g0").lru_list() == ["D", "C"]
+    assert cache.gpu("g0").used_mb == 2500
+
+
+def test_pinned_model_is_never_a_victim() -> None:
+    cache = make_cache()
+    for model in "ABC":
+        cache.admit("g0", model, 1000)
+    cache.pin("g0", "A")
+    assert cache.admit("g0", "D", 1000).evicted == ("B",)
+    cache.pin("g0", "C")
+    cache.pin("g0", "D")
+    with pytest.raises(CacheFull, match="held by models in use"):
+        cache.admit("g0", "E", 1000)
+    # A refused admission changes nothing.
+    assert cache.gpu("g0").lru_list() == ["D", "C", "A"]
+
+
+def test_pins_count_and_release() -> None:
+    cache = make_cache()
+    cache.admit("g0", "A", 3000)
+    cache.pin("g0", "A")
+    cache.pin("g0", "A")
+    cache.unpin("g0", "A")
+    with pytest.raises(CacheFull):
+        cache.admit("g0", "B", 1000)
+    cache.unpin("g0", "A")
+    assert cache.admit("g0", "B", 1000).evicted == ("A",)
+
+
+def test_model_larger_than_the_gpu_is_refused_with_a_message() -> None:
+    cache = make_cache(("g0", 2000))
+    with pytest.raises(ModelTooLarge, match=r"needs 2500 MB but GPU 'g0' holds at most 2000 MB"):
+        cache.admit("g0", "huge", 2500)
+
+
+def test_directory_tracks_replicas_across_gpus() -> None:
+    cache = make_cache(("g0", 2000), ("g1", 2000))
+    cache.admit("g0", "A", 1000)
+    cache.admit("g1", "A", 1000)
+    assert cache.gpus_with("A") == {"g0", "g1"}
+    cache.admit("g0", "B", 2000)  # evicts A from g0
+    assert cache.gpus_with("A") == {"g1"}
+    assert cache.remove_gpu("g1") == ["A"]
+    assert cache.gpus_with("A") == set()
+    assert cache.gpus_with("never-seen") == set()
+
+
+def test_drop_forgets_a_model_even_if_pinned() -> None:
+    cache = make_cache()
+    cache.admit("g0", "A", 1000)
+    cache.pin("g0", "A")
+    assert cache.drop("g0", "A")
+    assert cache.gpus_with("A") == set()
+    assert cache.gpu("g0").used_mb == 0
+    assert not cache.drop("g0", "A")
+
+
+def test_snapshot_lists_items_most_recent_first() -> None:
+    cache = make_cache()
+    cache.admit("g0", "A", 1000)
+    cache.admit("g0", "B", 500)
+    assert [(i.model, i.memory_mb) for i in cache.snapshot()["g0"]] == [("B", 500), ("A", 1000)]
+
+
+def test_unknown_eviction_policy_lists_the_valid_ones() -> None:
+    assert eviction_policy("lru").name == "lru"
+    with pytest.raises(UnknownPolicy, match="valid policies: lru"):
+        eviction_policy("fifo")

@@ -1,0 +1,128 @@
+"""`gpufaas sim`: outputs, modes, and clear errors (never a traceback) for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gpufaas.cli import app
+
+runner = CliRunner()
+REQUIRED_KEYS = {
+    "policy",
+    "requests",
+    "completed",
+    "avg_latency_s",
+    "p50_latency_s",
+    "p99_latency_s",
+    "miss_ratio",
+    "false_miss_ratio",
+    "avg_top_model_replicas",
+    "gpu_utilization",
+    "function_latency_variance",
+}
+
+
+def sim(*args: str) -> tuple[int, str, str]:
+    result = runner.invoke(app, ["sim", *args])
+    # Usage errors come in a box that wraps lines: compare words, not layout.
+    stderr = " ".join(result.stderr.replace("│", " ").split())
+    return result.exit_code, result.stdout, stderr
+
+
+def test_json_output_has_the_paper_metrics() -> None:
+    code, out, _ = sim("--json", "--policy", "lalb", "--working-set", "15", "--minutes", "2")
+    assert code == 0
+    data = json.loads(out)
+    assert data.keys() >= REQUIRED_KEYS
+    assert data["policy"] == "lalb"
+    assert data["requests"] == data["completed"] == 650
+    assert 0.0 <= data["miss_ratio"] <= 1.0
+
+
+def test_compare_runs_every_policy_on_the_same_workload() -> None:
+    code, out, _ = sim("--json", "--compare", "--working-set", "15,25", "--minutes", "1")
+    assert code == 0
+    results = json.loads(out)["results"]
+    assert [(r["working_set"], r["policy"]) for r in results] == [
+        (15, "lb"),
+        (15, "lalb"),
+        (15, "lalb-o3"),
+        (25, "lb"),
+        (25, "lalb"),
+        (25, "lalb-o3"),
+    ]
+    assert len({r["requests"] for r in results}) == 1
+
+
+def test_sweep_o3_runs_each_limit() -> None:
+    code, out, _ = sim("--json", "--sweep-o3", "0,5", "--minutes", "1")
+    assert code == 0
+    assert [(r["policy"], r["max_num_skips"]) for r in json.loads(out)["results"]] == [("lalb-o3", 0), ("lalb-o3", 5)]
+
+
+def test_table_output_and_plot(tmp_path: Path) -> None:
+    png = tmp_path / "figs.png"
+    code, out, _ = sim("--compare", "--minutes", "1", "--working-set", "15", "--plot", str(png))
+    assert code == 0
+    assert "lalb-o3" in out and "miss ratio" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_azure2021_trace(tmp_path: Path) -> None:
+    trace = tmp_path / "t.csv"
+    rows = [f"app{i % 3},f{i % 3},{5.0 + i * 1.7:.1f},0.5" for i in range(100)]
+    trace.write_text("app,func,end_timestamp,duration\n" + "\n".join(rows) + "\n")
+    code, out, _ = sim("--json", "--trace", str(trace), "--trace-format", "azure2021", "--minutes", "2", "--rpm", "60")
+    assert code == 0
+    assert json.loads(out)["requests"] == 120
+
+
+def test_unknown_policy_lists_valid_ones() -> None:
+    code, _, err = sim("--policy", "nonsense")
+    assert code == 2
+    assert "valid policies: lalb, lalb-o3, lb" in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--gpus", "-1"), ("--minutes", "0"), ("--rpm", "0"), ("--working-set", "0"), ("--o3-limit", "-3")],
+)
+def test_nonsense_flags_are_usage_errors(flag: str, value: str) -> None:
+    code, _, err = sim(flag, value)
+    assert code == 2
+    assert flag in err
+
+
+def test_malformed_trace_names_file_and_line(tmp_path: Path) -> None:
+    trace = tmp_path / "bad.csv"
+    trace.write_text("HashOwner,HashApp,HashFunction,Trigger,1,2\no,a,f,http,3,4\no,a,g,http,x,1\n")
+    code, _, err = sim("--trace", str(trace))
+    assert code == 1
+    assert "bad.csv:3" in err
+    assert "Traceback" not in err
+
+
+def test_window_outside_the_trace_is_explained() -> None:
+    code, _, err = sim("--start-minute", "5000")
+    assert code == 1
+    assert "5000" in err
+
+
+def test_real_console_script_prints_no_traceback(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.csv"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpufaas.cli", "sim", "--trace", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 1
+    assert "nope.csv" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,49 @@
+"""Load- and inference-time estimates: profiles, size-based fallbacks, batch scaling, EWMA."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpufaas.profiles import ModelProfile, paper_table1
+from scheduler import Estimator
+
+
+def test_profiled_figures_are_returned_as_is() -> None:
+    estimator = Estimator(paper_table1())
+    assert estimator.load_time_s("vgg19", "rtx2080", 3947) == pytest.approx(4.07)
+    assert estimator.inference_time_s("inception_v3", "rtx2080", 32) == pytest.approx(1.63)
+
+
+def test_unknown_model_is_estimated_from_its_size() -> None:
+    estimator = Estimator(paper_table1())
+    small = estimator.load_time_s("new-small", "rtx2080", 1300)
+    large = estimator.load_time_s("new-large", "rtx2080", 3900)
+    assert 2.0 < small < large < 5.0
+    # The median per-sample time of Table I, times the batch.
+    assert estimator.inference_time_s("new", "rtx2080", 32) == pytest.approx(1.30, abs=0.02)
+
+
+def test_unknown_gpu_type_falls_back_to_defaults() -> None:
+    estimator = Estimator()
+    assert estimator.load_time_s("m", "h100", 1600) == pytest.approx(1.5 + 1600 / 1600)
+    assert estimator.inference_time_s("m", "h100", 64) > estimator.inference_time_s("m", "h100", 32)
+
+
+def test_unprofiled_batch_size_scales_from_the_nearest_profiled_one() -> None:
+    estimator = Estimator([ModelProfile("m", "t", 1000, 2.0, 1.0, 32)])
+    assert estimator.inference_time_s("m", "t", 16) == pytest.approx(0.5)
+
+
+def test_measurements_move_the_estimate_by_ewma() -> None:
+    estimator = Estimator([ModelProfile("m", "t", 1000, 2.0, 1.0, 32)], alpha=0.5)
+    estimator.observe_load("m", "t", 4.0)
+    estimator.observe_inference("m", "t", 32, 2.0)
+    assert estimator.load_time_s("m", "t", 1000) == pytest.approx(3.0)
+    assert estimator.inference_time_s("m", "t", 32) == pytest.approx(1.5)
+    estimator.observe_load("unknown", "t", 7.0)  # a first measurement is taken whole
+    assert estimator.load_time_s("unknown", "t", 1) == pytest.approx(7.0)
+
+
+def test_alpha_must_be_a_fraction() -> None:
+    with pytest.raises(ValueError, match="alpha"):
+        Estimator(alpha=0.0)

@@ -1,0 +1,229 @@
+"""Every branch of Algorithms 1 and 2 (lalb, lalb-o3) and of the lb baseline, on hand-built clusters."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpufaas.errors import ModelTooLarge, UnknownModel, UnknownPolicy
+from scheduler import Dispatch, Park, make_policy
+from tests.builders import cache_on, make_scheduler, run_on, submit
+
+
+def decided(decisions: list[Dispatch | Park]) -> list[tuple[str, str, str, bool | None]]:
+    """(kind, request model, gpu, hit) per decision: compact to assert on."""
+    return [
+        ("dispatch", d.request.model, d.gpu_id, d.hit)
+        if isinstance(d, Dispatch)
+        else ("park", d.request.model, d.gpu_id, None)
+        for d in decisions
+    ]
+
+
+# --- Algorithm 1 ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["lalb", "lalb-o3"])
+def test_local_queue_runs_before_the_global_queue(policy: str) -> None:
+    s = make_scheduler(policy, gpus=2)
+    cache_on(s, "g1", "A")
+    running = run_on(s, "g1", "A", now=0.0)  # g1 busy until t=1 (hit: inference only)
+    run_on(s, "g0", "B", now=0.0)  # g0 busy too
+    submit(s, "A", now=0.1)  # A is cached on busy g1, wait 0.9 s < load 2 s: park there
+    # The park decision needs an idle GPU to trigger the policy: free g0 first.
+    s.on_complete(s.gpu("g0").running.request_id, 0.2)  # type: ignore[union-attr]
+    first = s.schedule(0.2)
+    assert decided(first)[0] == ("park", "A", "g1", None)
+    submit(s, "C", now=0.3)
+    submit(s, "A", now=0.3)
+    s.on_complete(running.request_id, 1.0)
+    # g1 runs its parked A before anything in the global queue (and g0 is busy with C).
+    assert decided(s.schedule(1.0))[0] == ("dispatch", "A", "g1", True)
+
+
+@pytest.mark.parametrize("policy", ["lalb", "lalb-o3"])
+def test_idle_gpu_takes_a_request_whose_model_it_holds(policy: str) -> None:
+    s = make_scheduler(policy, gpus=2)
+    cache_on(s, "g0", "A")
+    submit(s, "A")
+    assert decided(s.schedule(0.0)) == [("dispatch", "A", "g0", True)]
+
+
+@pytest.mark.parametrize("policy", ["lalb", "lalb-o3"])
+def test_hit_on_another_idle_gpu(policy: str) -> None:
+    s = make_scheduler(policy, gpus=3)
+    cache_on(s, "g2", "A")
+    submit(s, "A")
+    # g0 is offered work first; the model is on idle g2: Algorithm 2 line 5 sends it there.
+    assert decided(s.schedule(0.0)) == [("dispatch", "A", "g2", True)]
+
+
+@pytest.mark.parametrize("policy", ["lalb", "lalb-o3"])
+def test_park_on_busy_gpu_when_its_finish_time_beats_the_load_time(policy: str) -> None:
+    s = make_scheduler(policy, gpus=2)
+    cache_on(s, "g1", "A")
+    run_on(s, "g1", "A", now=0.0)  # busy until t=1.0
+    submit(s, "A", now=0.5)
+    decisions = s.schedule(0.5)  # wait 0.5 s < load 2 s
+    assert decided(decisions) == [("park", "A", "g1", None)]
+    assert isinstance(decisions[0], Park) and decisions[0].est_wait_s == pytest.approx(0.5)
+    assert list(s.gpu("g1").local_queue) == [decisions[0].request]
+    assert s.gpu("g0").idle
+
+
+@pytest.mark.parametrize("policy", ["lalb", "lalb-o3"])
+def test_miss_on_idle_gpu_when_the_busy_gpu_would_finish_later_than_a_load(policy: str) -> None:
+    s = make_scheduler(policy, gpus=2)
+    cache_on(s, "g1", "A")
+    run_on(s, "g1", "A", now=0.0)
+    cache_on(s, "g1", "B")
+    (parked,) = submit(s, "B", now=0.0)
+    s.park(parked, "g1", 0.0)  # g1: 1 s running + 1 s parked = 2 s of work
+    submit(s, "A", now=0.0)
+    decisions = s.schedule(0.0)  # wait 2.0 s is not < load 2.0 s: a miss that balances load
+    assert decided(decisions) == [("dispatch", "A", "g0", False)]
+    assert isinstance(decisions[0], Dispatch) and decisions[0].false_miss
+
+
+@pytest.mark.parametrize("policy", ["lalb", "lalb-o3"])
+def test_model_cached_nowhere_is_a_miss_on_the_first_idle_gpu(policy: str) -> None:
+    s = make_scheduler(policy, gpus=3)
+    submit(s, "A")
+    decisions = s.schedule(0.0)
+    assert decided(decisions) == [("dispatch", "A", "g0", False)]
+    assert isinstance(decisions[0], Dispatch) and not decisions[0].false_miss
+    assert decisions[0].est_load_time_s == pytest.approx(2.0)
+
+
+def test_idle_gpus_are_offered_work_fastest_first_then_by_id() -> None:
+    s = make_scheduler("lalb", gpus=3, speeds={"g2": 2.0})
+    submit(s, "A", "B", "C")
+    assert [d.gpu_id for d in s.schedule(0.0)] == ["g2", "g0", "g1"]
+
+
+def test_in_order_lalb_does_not_let_a_hit_jump_the_queue() -> None:
+    s = make_scheduler("lalb", gpus=1)
+    cache_on(s, "g0", "A")
+    submit(s, "B", "A")
+    # B is older: in-order LALB serves it (a miss) although A would hit.
+    assert decided(s.schedule(0.0)) == [("dispatch", "B", "g0", False)]
+
+
+def test_o3_dispatches_a_younger_hit_and_counts_skips() -> None:
+    s = make_scheduler("lalb-o3", gpus=1, max_num_skips=25)
+    cache_on(s, "g0", "A")
+    b, c, _ = submit(s, "B", "C", "A")
+    assert decided(s.schedule(0.0)) == [("dispatch", "A", "g0", True)]
+    assert s.queue.num_skips(b.request_id) == 1
+    assert s.queue.num_skips(c.request_id) == 1
+
+
+def test_o3_skip_limit_forces_the_starving_request() -> None:
+    s = make_scheduler("lalb-o3", gpus=1, max_num_skips=2)
+    cache_on(s, "g0", "A")
+    (b,) = submit(s, "B")
+    now = 0.0
+    for expected_skips in (1, 2):
+        (a,) = submit(s, "A", now=now)
+        assert decided(s.schedule(now)) == [("dispatch", "A", "g0", True)]
+        assert s.queue.num_skips(b.request_id) == expected_skips
+        now += 1.0
+        s.on_complete(a.request_id, now)
+    submit(s, "A", now=now)
+    # B has been passed over twice (the limit): it goes now, hit or miss (here a miss).
+    assert decided(s.schedule(now)) == [("dispatch", "B", "g0", False)]
+
+
+def test_o3_forced_request_still_uses_locality_elsewhere() -> None:
+    s = make_scheduler("lalb-o3", gpus=2, max_num_skips=0)
+    cache_on(s, "g0", "A")
+    cache_on(s, "g1", "B")
+    submit(s, "B", "A")
+    # Limit 0: g0 must place B first; B's model is on idle g1 (hit there), then A hits on g0.
+    assert decided(s.schedule(0.0)) == [("dispatch", "B", "g1", True), ("dispatch", "A", "g0", True)]
+
+
+def _scenario(policy: str, max_num_skips: int) -> list[tuple[str, str, str, bool | None]]:
+    s = make_scheduler(policy, gpus=3, max_num_skips=max_num_skips)
+    cache_on(s, "g0", "A", "B")
+    cache_on(s, "g1", "C")
+    run_on(s, "g1", "C", now=0.0)
+    submit(s, "D", "C", "E", "A", "C", "B", "F", now=0.0)
+    log = decided(s.schedule(0.0))
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):
+        for gpu in list(s.gpus()):
+            if gpu.running is not None and gpu.busy_until_s <= t:
+                s.on_complete(gpu.running.request_id, t)
+        submit(s, "A", "D", now=t)
+        log += decided(s.schedule(t))
+    return log
+
+
+def test_limit_zero_is_exactly_lalb() -> None:
+    assert _scenario("lalb-o3", 0) == _scenario("lalb", 0)
+    assert _scenario("lalb-o3", 25) != _scenario("lalb", 0)
+
+
+# --- lb ------------------------------------------------------------------------------------
+
+
+def test_lb_takes_the_head_regardless_of_locality() -> None:
+    s = make_scheduler("lb", gpus=2)
+    cache_on(s, "g1", "A")
+    submit(s, "A")
+    # g0 is offered the head first and takes it: a miss although idle g1 holds A.
+    decisions = s.schedule(0.0)
+    assert decided(decisions) == [("dispatch", "A", "g0", False)]
+    assert isinstance(decisions[0], Dispatch) and decisions[0].false_miss
+
+
+def test_lb_hits_when_the_head_lands_on_a_gpu_holding_it() -> None:
+    s = make_scheduler("lb", gpus=1)
+    cache_on(s, "g0", "A")
+    submit(s, "A")
+    assert decided(s.schedule(0.0)) == [("dispatch", "A", "g0", True)]
+
+
+# --- evictions through the scheduler ----------------------------------------------------------
+
+
+def test_miss_evicts_from_the_lru_tail_and_never_a_pinned_model() -> None:
+    s = make_scheduler("lalb", gpus={"g0": 3000, "g1": 3000}, models={"A": 1000, "B": 1000, "C": 1000, "D": 2000})
+    cache_on(s, "g0", "A", "B", "C")  # LRU order: A (oldest), B, C
+    cache_on(s, "g1", "A")
+    run_on(s, "g1", "A", now=0.0)
+    submit(s, "D")
+    decisions = s.schedule(0.0)
+    assert decided(decisions) == [("dispatch", "D", "g0", False)]
+    assert isinstance(decisions[0], Dispatch) and decisions[0].evict == ("A", "B")
+    assert s.cache.gpu("g0").lru_list() == ["D", "C"]
+    assert s.cache.gpus_with("A") == {"g1"}
+
+
+# --- refusals -------------------------------------------------------------------------------
+
+
+def test_model_larger_than_every_gpu_is_refused_at_submit() -> None:
+    s = make_scheduler("lalb", gpus={"g0": 4000}, models={"huge": 5000})
+    with pytest.raises(ModelTooLarge, match=r"5000 MB.*4000 MB"):
+        submit(s, "huge")
+    assert len(s.queue) == 0
+
+
+def test_unknown_model_is_refused() -> None:
+    s = make_scheduler("lalb")
+    with pytest.raises(UnknownModel, match="'nope'"):
+        submit(s, "nope")
+
+
+def test_unknown_policy_lists_the_valid_ones() -> None:
+    with pytest.raises(UnknownPolicy, match="valid policies: lalb, lalb-o3, lb"):
+        make_policy("nonsense")
+
+
+def test_model_that_fits_only_some_gpus_waits_for_one_that_fits() -> None:
+    s = make_scheduler("lalb", gpus={"g0": 1000, "g1": 4000}, models={"A": 1000, "big": 3000})
+    run_on(s, "g1", "A", now=0.0)
+    submit(s, "big", "A")
+    # g0 cannot hold "big": it stays queued, and the younger A runs on g0 instead.
+    assert decided(s.schedule(0.0)) == [("dispatch", "A", "g0", False)]
+    assert [r.model for r in s.queue] == ["big"]

@@ -1,0 +1,76 @@
+"""The global queue: arrival order, the per-model index, and lazy skip counts."""
+
+from __future__ import annotations
+
+from scheduler.queues import GlobalQueue
+from tests.builders import make_request
+
+
+def make_queue(*models: str) -> tuple[GlobalQueue, list[str]]:
+    queue = GlobalQueue()
+    ids = []
+    for seq, model in enumerate(models):
+        request = make_request(model)
+        queue.push(request, seq)
+        ids.append(request.request_id)
+    return queue, ids
+
+
+def test_arrival_order_and_per_model_index() -> None:
+    queue, ids = make_queue("A", "B", "A", "C")
+    assert [r.request_id for r in queue] == ids
+    assert queue.oldest_for("A") is not None and queue.oldest_for("A").request_id == ids[0]  # type: ignore[union-attr]
+    oldest = queue.oldest_of(["C", "B"])
+    assert oldest is not None and oldest.request_id == ids[1]
+    queue.remove(ids[0])
+    assert queue.oldest_for("A").request_id == ids[2]  # type: ignore[union-attr]
+    assert queue.oldest_of(["Z"]) is None
+
+
+def test_pass_over_counts_one_skip_for_every_older_request_only() -> None:
+    queue, ids = make_queue("A", "B", "C", "D")
+    queue.pass_over(ids[2])
+    queue.remove(ids[2])
+    assert [queue.num_skips(i) for i in (ids[0], ids[1], ids[3])] == [1, 1, 0]
+    queue.pass_over(ids[1])
+    queue.remove(ids[1])
+    assert [queue.num_skips(i) for i in (ids[0], ids[3])] == [2, 0]
+    assert queue.head_skips() == 2
+
+
+def test_skip_counts_survive_removal_of_the_marked_request() -> None:
+    queue, ids = make_queue("A", "B", "C", "D")
+    queue.pass_over(ids[3])  # marks A, B, C (the mark sits on C)
+    queue.remove(ids[3])
+    queue.remove(ids[2])  # the mark moves to B
+    assert [queue.num_skips(i) for i in ids[:2]] == [1, 1]
+    queue.remove(ids[0])  # head leaves: B keeps its skip
+    assert queue.head_skips() == 1
+    assert [(r.request_id, skips) for r, skips in queue.walk()] == [(ids[1], 1)]
+
+
+def test_walk_reports_exact_skips_while_the_walker_removes() -> None:
+    queue, ids = make_queue("A", "B", "C", "D", "E")
+    queue.pass_over(ids[4])  # A..D +1
+    queue.pass_over(ids[2])  # A, B +1
+    seen = []
+    for request, skips in queue.walk():
+        seen.append((request.request_id, skips))
+        if request.request_id in (ids[0], ids[2]):
+            queue.remove(request.request_id)
+    assert seen == [(ids[0], 2), (ids[1], 2), (ids[2], 1), (ids[3], 1), (ids[4], 0)]
+    assert [queue.num_skips(i) for i in (ids[1], ids[3], ids[4])] == [2, 1, 0]
+
+
+def test_requeued_request_goes_back_in_arrival_order_keeping_counts_monotone() -> None:
+    queue = GlobalQueue()
+    a, b, c = make_request("A"), make_request("B"), make_request("A")
+    queue.push(a, 0)
+    queue.push(b, 1)
+    queue.push(c, 2)
+    queue.pass_over(c.request_id)  # A and B +1
+    queue.remove(a.request_id)
+    queue.insert(a, 0)  # back at the front, with the count of the request behind it
+    assert [r.request_id for r in queue] == [a.request_id, b.request_id, c.request_id]
+    assert [queue.num_skips(r.request_id) for r in (a, b, c)] == [1, 1, 0]
+    assert queue.oldest_for("A") == a
