@@ -144,6 +144,7 @@ class CacheManager:
         self._policy = policy if policy is not None else LruEviction()
         self._gpus: dict[str, GpuCache] = {}
         self._directory: dict[str, set[str]] = {}
+        self._max_capacity_mb = 0  # kept as GPUs come and go: asked on every submit
 
     # --- GPUs -----------------------------------------------------------------------------
     def add_gpu(self, gpu_id: str, capacity_mb: int) -> GpuCache:
@@ -151,11 +152,14 @@ class CacheManager:
             raise KeyError(f"GPU {gpu_id!r} is already known to the cache manager")
         cache = GpuCache(gpu_id, capacity_mb, self._policy)
         self._gpus[gpu_id] = cache
+        self._max_capacity_mb = max(self._max_capacity_mb, capacity_mb)
         return cache
 
     def remove_gpu(self, gpu_id: str) -> list[str]:
         """Drop a GPU (its node left) and every cache entry on it; returns the models it held."""
         cache = self._gpus.pop(gpu_id)
+        if cache.capacity_mb == self._max_capacity_mb:
+            self._max_capacity_mb = max((c.capacity_mb for c in self._gpus.values()), default=0)
         models = cache.lru_list()
         for model in models:
             self._forget(model, gpu_id)
@@ -169,7 +173,8 @@ class CacheManager:
 
     @property
     def max_capacity_mb(self) -> int:
-        return max((cache.capacity_mb for cache in self._gpus.values()), default=0)
+        """The largest GPU's capacity: a model above it can never run here."""
+        return self._max_capacity_mb
 
     # --- lookups --------------------------------------------------------------------------
     def is_cached(self, model: str, gpu_id: str) -> bool:

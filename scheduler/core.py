@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 from collections import deque
 from collections.abc import Iterable, Set
@@ -27,6 +28,14 @@ class GpuState:
     busy_until_s: float = 0.0
     local_queue: deque[Request] = field(default_factory=deque)
     local_work_s: float = 0.0
+    # Bumped whenever `busy_until_s`/`local_work_s`/`running` change: marks older entries in the
+    # per-model free-time heaps as stale.
+    version: int = 0
+
+    @property
+    def free_at_s(self) -> float:
+        """When this GPU is expected to be able to start one more request."""
+        return self.busy_until_s + self.local_work_s
 
     @property
     def idle(self) -> bool:
@@ -65,6 +74,10 @@ class Scheduler:
         self._seq_of: dict[str, int] = {}  # every request queued, parked or running
         self._placed_on: dict[str, str] = {}  # parked or running request -> GPU
         self._ready_local: set[str] = set()  # idle GPUs whose local queue is not empty
+        # Per model, (free_at_s, gpu_id, version) of busy GPUs holding it: finding the busy holder
+        # that frees up first is O(log) instead of a scan of every replica. Entries go stale (GPU
+        # idle, model evicted, version bumped) and are dropped lazily, or compacted.
+        self._free_at: dict[str, list[tuple[float, str, int]]] = {}
         self._decisions: list[Decision] = []
 
     # --- cluster and catalog ------------------------------------------------------------
@@ -161,6 +174,7 @@ class Scheduler:
             self.estimator.observe_inference(request.model, gpu_type, request.batch_size, inference_time_s)
         self.cache.unpin(gpu_id, request.model)
         state.running = None
+        state.version += 1
         bisect.insort(self._idle, (state.order_key, gpu_id))
         if state.local_queue:
             self._ready_local.add(gpu_id)
@@ -172,12 +186,32 @@ class Scheduler:
 
     def best_idle(self, gpu_ids: Set[str]) -> str | None:
         """The first of `gpu_ids` in idle order (fastest, then by id), or None: O(len(gpu_ids))."""
+        if len(self._idle) < len(gpu_ids):
+            # Usually a handful of GPUs are idle while a hot model sits on hundreds.
+            for _, gpu_id in self._idle:
+                if gpu_id in gpu_ids:
+                    return gpu_id
+            return None
         best: GpuState | None = None
         for gpu_id in gpu_ids:
             state = self._gpus[gpu_id]
             if state.idle and (best is None or state.order_key < best.order_key):
                 best = state
         return None if best is None else best.spec.gpu_id
+
+    def soonest_busy_holder(self, model: str, now: float) -> tuple[str, float] | None:
+        """The busy GPU holding `model` that is expected to free up first, with its estimated
+        wait (ties to the lower id); None if no busy GPU holds it. O(log replicas) amortized."""
+        heap = self._free_at.get(model)
+        holders = self.cache.gpus_with(model)
+        while heap:
+            _, gpu_id, version = heap[0]
+            state = self._gpus.get(gpu_id)
+            if state is None or state.version != version or state.idle or gpu_id not in holders:
+                heapq.heappop(heap)
+                continue
+            return gpu_id, self.estimated_wait_s(gpu_id, now)
+        return None
 
     def estimated_wait_s(self, gpu_id: str, now: float) -> float:
         """Time until a busy GPU could start one more request: what remains of the running one
@@ -193,6 +227,15 @@ class Scheduler:
     def fits(self, model: str, gpu_id: str) -> bool:
         return self._models[model].memory_mb <= self._gpus[gpu_id].spec.memory_mb
 
+    def first_idle_fitting(self, model: str) -> str | None:
+        """The first idle GPU (in idle order) large enough for `model`: O(idle GPUs); only asked
+        when a model does not fit the GPU being filled (clusters of mixed memory sizes)."""
+        memory_mb = self._models[model].memory_mb
+        for _, gpu_id in self._idle:
+            if self._gpus[gpu_id].spec.memory_mb >= memory_mb:
+                return gpu_id
+        return None
+
     def dispatch(self, request: Request, gpu_id: str, now: float) -> Dispatch:
         """Run a globally queued request on idle `gpu_id` (admitting its model to the cache)."""
         self.queue.remove(request.request_id)
@@ -207,6 +250,7 @@ class Scheduler:
         self.cache.pin(gpu_id, request.model)
         state.local_queue.append(request)
         state.local_work_s += self._inference_time_s(request, state)
+        self._advertise(state)
         self._placed_on[request.request_id] = gpu_id
         decision = Park(request, gpu_id, wait_s)
         self._decisions.append(decision)
@@ -235,6 +279,7 @@ class Scheduler:
         state.running = request
         state.busy_until_s = now + load_s + inference_s
         self._leave_idle(state)
+        self._advertise(state)
         self._placed_on[request.request_id] = gpu_id
         decision = Dispatch(
             request=request,
@@ -247,6 +292,29 @@ class Scheduler:
         )
         self._decisions.append(decision)
         return decision
+
+    def _advertise(self, state: GpuState) -> None:
+        """Publish a busy GPU's new free time to the heaps of every model it holds."""
+        state.version += 1
+        entry_key = state.free_at_s
+        gpu_id = state.spec.gpu_id
+        for model in self.cache.models_on(gpu_id):
+            heap = self._free_at.setdefault(model, [])
+            heapq.heappush(heap, (entry_key, gpu_id, state.version))
+            # Rebuilds cost O(replicas): rare enough (a hot model's heap every ~8x its replicas
+            # pushes) to stay out of the per-decision tail, and amortized O(1).
+            if len(heap) > 8 * len(self.cache.gpus_with(model)) + 64:
+                self._compact(model)
+
+    def _compact(self, model: str) -> None:
+        """Rebuild one model's heap from its live entries (amortized O(1) per push)."""
+        live = [
+            (state.free_at_s, gpu_id, state.version)
+            for gpu_id in self.cache.gpus_with(model)
+            if not (state := self._gpus[gpu_id]).idle
+        ]
+        heapq.heapify(live)
+        self._free_at[model] = live
 
     def _leave_idle(self, state: GpuState) -> None:
         # bisect, not list.remove: O(log n) to find among thousands of GPUs.

@@ -122,12 +122,15 @@ class GlobalQueue:
             del self._by_model[node.request.model]
         return node.request
 
-    def pass_over(self, request_id: str) -> None:
-        """Count one skip for every request queued ahead of `request_id`."""
+    def pass_over(self, request_id: str, *, exempt: Iterable[str] = ()) -> None:
+        """Count one skip for every request queued ahead of `request_id`, except `exempt` ones
+        (requests the dispatch could not have gone to: O(len(exempt)))."""
         node = self._nodes[request_id]
         if node.prev is not None:
             node.prev.pending += 1
             self._total_pending += 1
+        for other in exempt:
+            self._nodes[other].own_skips -= 1
 
     # --- lookups --------------------------------------------------------------------------
     def oldest_of(self, models: Iterable[str]) -> Request | None:

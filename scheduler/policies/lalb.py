@@ -11,7 +11,7 @@ from scheduler.policies.base import PolicyConfig, SchedulingContext, SchedulingP
 class Placement(enum.Enum):
     HERE = "here"  # dispatched to the idle GPU being filled (Algorithm 2 returns True)
     ELSEWHERE = "elsewhere"  # dispatched to another idle GPU, or parked on a busy one (False)
-    NOWHERE = "nowhere"  # left queued: the model does not fit on this GPU (heterogeneous memory)
+    NOWHERE = "nowhere"  # left queued: no idle GPU is large enough for the model (mixed memory sizes)
 
 
 def locality_load_balance(ctx: SchedulingContext, gpu_id: str, request: Request, now: float) -> Placement:
@@ -19,7 +19,9 @@ def locality_load_balance(ctx: SchedulingContext, gpu_id: str, request: Request,
 
     Model cached nowhere -> miss here. Cached on another idle GPU -> hit there. Cached on busy
     GPUs -> park on the one that frees up soonest if that beats loading the model here
-    (waiting + inference < load + inference). Otherwise a miss here that balances load.
+    (waiting + inference < load + inference). Otherwise a miss here that balances load; if the
+    model does not fit this GPU (clusters of mixed memory sizes), a miss on the first idle GPU it
+    fits, so that a younger request never takes the only GPU an older one could use.
     """
     holders = ctx.cache.gpus_with(request.model)
     if gpu_id in holders:
@@ -30,18 +32,18 @@ def locality_load_balance(ctx: SchedulingContext, gpu_id: str, request: Request,
         if idle_holder is not None:
             ctx.dispatch(request, idle_holder, now)
             return Placement.ELSEWHERE
-        soonest_gpu, soonest_wait_s = "", float("inf")
-        for holder in holders:
-            wait_s = ctx.estimated_wait_s(holder, now)
-            if wait_s < soonest_wait_s or (wait_s == soonest_wait_s and holder < soonest_gpu):
-                soonest_gpu, soonest_wait_s = holder, wait_s
-        if soonest_wait_s < ctx.load_time_s(request.model, gpu_id):
-            ctx.park(request, soonest_gpu, now)
+        soonest = ctx.soonest_busy_holder(request.model, now)
+        if soonest is not None and soonest[1] < ctx.load_time_s(request.model, gpu_id):
+            ctx.park(request, soonest[0], now)
             return Placement.ELSEWHERE
-    if not ctx.fits(request.model, gpu_id):
+    if ctx.fits(request.model, gpu_id):
+        ctx.dispatch(request, gpu_id, now)
+        return Placement.HERE
+    elsewhere = ctx.first_idle_fitting(request.model)
+    if elsewhere is None:
         return Placement.NOWHERE
-    ctx.dispatch(request, gpu_id, now)
-    return Placement.HERE
+    ctx.dispatch(request, elsewhere, now)
+    return Placement.ELSEWHERE
 
 
 class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
@@ -68,19 +70,25 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
     def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> None:
         queue = ctx.queue
         cached_here = ctx.cache.models_on(gpu_id)
+        # Requests at the limit that no idle GPU can hold: the dispatch below goes to a GPU they
+        # cannot use, so it does not pass them over.
+        waiting_for_a_fit: list[str] = []
         for request, num_skips in queue.walk():
             if num_skips < self.max_num_skips:
                 break
             if request.model in cached_here:
                 ctx.dispatch(request, gpu_id, now)
                 return
-            if locality_load_balance(ctx, gpu_id, request, now) is Placement.HERE:
+            placement = locality_load_balance(ctx, gpu_id, request, now)
+            if placement is Placement.HERE:
                 return
+            if placement is Placement.NOWHERE:
+                waiting_for_a_fit.append(request.request_id)
         else:
-            return  # every queued request was placed (or cannot run here)
+            return  # every queued request was placed (or waits for a GPU large enough)
         candidate = queue.oldest_of(cached_here)
         if candidate is not None:
-            queue.pass_over(candidate.request_id)
+            queue.pass_over(candidate.request_id, exempt=waiting_for_a_fit)
             ctx.dispatch(candidate, gpu_id, now)
             return
         for request, _ in queue.walk():

@@ -100,3 +100,14 @@ def test_unknown_eviction_policy_lists_the_valid_ones() -> None:
     assert eviction_policy("lru").name == "lru"
     with pytest.raises(UnknownPolicy, match="valid policies: lru"):
         eviction_policy("fifo")
+
+
+def test_max_capacity_follows_gpus_joining_and_leaving() -> None:
+    cache = make_cache(("g0", 2000), ("g1", 6000), ("g2", 6000))
+    assert cache.max_capacity_mb == 6000
+    cache.remove_gpu("g1")
+    assert cache.max_capacity_mb == 6000
+    cache.remove_gpu("g2")
+    assert cache.max_capacity_mb == 2000
+    cache.remove_gpu("g0")
+    assert cache.max_capacity_mb == 0

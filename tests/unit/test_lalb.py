@@ -227,3 +227,26 @@ def test_model_that_fits_only_some_gpus_waits_for_one_that_fits() -> None:
     # g0 cannot hold "big": it stays queued, and the younger A runs on g0 instead.
     assert decided(s.schedule(0.0)) == [("dispatch", "A", "g0", False)]
     assert [r.model for r in s.queue] == ["big"]
+
+
+def test_park_on_the_busy_holder_that_frees_up_first() -> None:
+    s = make_scheduler("lalb", gpus=4)
+    for gpu_id, start_s in (("g1", 0.0), ("g2", 0.6), ("g3", 0.3)):
+        cache_on(s, gpu_id, "A")
+        run_on(s, gpu_id, "A", now=start_s)  # busy until start + 1 s
+    submit(s, "A", now=0.8)
+    decisions = s.schedule(0.8)
+    assert decided(decisions) == [("park", "A", "g1", None)]
+    assert isinstance(decisions[0], Park) and decisions[0].est_wait_s == pytest.approx(0.2)
+    # g1 now has 1 s of parked work: the next A request parks on g3 (free at 1.3 s).
+    submit(s, "A", now=0.8)
+    assert decided(s.schedule(0.8)) == [("park", "A", "g3", None)]
+
+
+def test_model_too_big_for_the_gpu_being_filled_misses_on_an_idle_gpu_it_fits() -> None:
+    s = make_scheduler("lalb", gpus={"g0": 1000, "g1": 4000}, models={"A": 1000, "big": 3000}, speeds={"g0": 2.0})
+    cache_on(s, "g1", "A")
+    submit(s, "big", "A")
+    # g0 is offered work first but cannot hold "big": in arrival order, big takes g1 (a miss that
+    # evicts nothing, 1000 + 3000 fit), then A misses on g0.
+    assert decided(s.schedule(0.0)) == [("dispatch", "big", "g1", False), ("dispatch", "A", "g0", False)]
