@@ -133,11 +133,11 @@ def plot_sweep(results: Sequence[SimResult], path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
     twin = ax.twinx()
-    for ws in sorted({r.working_set for r in results}):
+    for i, ws in enumerate(sorted({r.working_set for r in results})):
         series = sorted((r for r in results if r.working_set == ws), key=lambda r: r.max_num_skips)
         limits = [r.max_num_skips for r in series]
-        ax.plot(limits, [r.avg_latency_s for r in series], "o-", label=f"latency (WS {ws})")
-        twin.plot(limits, [r.miss_ratio for r in series], "s--", label=f"miss ratio (WS {ws})")
+        ax.plot(limits, [r.avg_latency_s for r in series], "o-", color=f"C{2 * i}", label=f"latency (WS {ws})")
+        twin.plot(limits, [r.miss_ratio for r in series], "s--", color=f"C{2 * i + 1}", label=f"miss ratio (WS {ws})")
     ax.set_xlabel("O3 limit (max skips)")
     ax.set_ylabel("Average latency (s)")
     twin.set_ylabel("Cache miss ratio")
