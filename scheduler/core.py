@@ -180,6 +180,63 @@ class Scheduler:
             self._ready_local.add(gpu_id)
         return request
 
+    def on_failure(self, request_id: str, now: float, *, drop_model: bool, requeue: bool) -> Request:
+        """A dispatched request failed on its GPU, which is free again.
+
+        `drop_model`: the model's worker is gone (it died or was killed), so its cache entry goes,
+        and requests parked behind it for that model go back to the global queue. `requeue`: the
+        request itself goes back to the global queue in arrival order (a retry); else it is done.
+        """
+        gpu_id = self._placed_on.pop(request_id)
+        state = self._gpus[gpu_id]
+        request = state.running
+        if request is None or request.request_id != request_id:
+            raise KeyError(f"request {request_id!r} is not running on GPU {gpu_id!r}")
+        state.running = None
+        state.version += 1
+        if drop_model:
+            stranded = [r for r in state.local_queue if r.model == request.model]
+            for parked in stranded:
+                state.local_queue.remove(parked)
+                del self._placed_on[parked.request_id]
+                self.queue.insert(parked, self._seq_of[parked.request_id])
+            state.local_work_s = sum(self._inference_time_s(r, state) for r in state.local_queue)
+            self.cache.drop(gpu_id, request.model)
+        else:
+            self.cache.unpin(gpu_id, request.model)
+        if requeue:
+            self.queue.insert(request, self._seq_of[request_id])
+        else:
+            del self._seq_of[request_id]
+        bisect.insort(self._idle, (state.order_key, gpu_id))
+        if state.local_queue:
+            self._ready_local.add(gpu_id)
+        return request
+
+    def cancel(self, request_id: str) -> Request | None:
+        """Withdraw a request that has not started (its deadline passed): from the global queue or
+        a local queue. Returns None if it is running or unknown (a running request is not stopped)."""
+        if request_id in self.queue:
+            del self._seq_of[request_id]
+            return self.queue.remove(request_id)
+        gpu_id = self._placed_on.get(request_id)
+        if gpu_id is None:
+            return None
+        state = self._gpus[gpu_id]
+        for parked in state.local_queue:
+            if parked.request_id == request_id:
+                state.local_queue.remove(parked)
+                state.local_work_s = max(0.0, state.local_work_s - self._inference_time_s(parked, state))
+                self.cache.unpin(gpu_id, parked.model)
+                del self._placed_on[request_id]
+                del self._seq_of[request_id]
+                return parked
+        return None  # running: it will complete or fail on its own
+
+    def where(self, request_id: str) -> str | None:
+        """The GPU a request is parked or running on; None if queued globally or unknown."""
+        return self._placed_on.get(request_id)
+
     # --- what policies may ask (SchedulingContext) ----------------------------------------
     def is_idle(self, gpu_id: str) -> bool:
         return self._gpus[gpu_id].idle

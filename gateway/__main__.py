@@ -1,0 +1,55 @@
+"""`python -m gateway`: run the HTTP gateway (uvicorn) against an etcd and a scheduler."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from gateway.app import GatewayConfig, create_app
+from gpufaas.keys import Keys
+from gpufaas.service_main import add_common_flags, configure_logging
+from gpufaas.store import EtcdStore, StoreError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gateway", description="gpufaas HTTP gateway")
+    add_common_flags(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--state-dir", type=Path, required=True, help="where uploaded packages are kept")
+    parser.add_argument("--scheduler", default=None, help="scheduler gRPC address (default: look it up in etcd)")
+    parser.add_argument("--max-payload-mb", type=float, default=16.0, help="invocation body limit (413 above)")
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    config = GatewayConfig(
+        state_dir=args.state_dir,
+        public_url=f"http://{args.host}:{args.port}",
+        scheduler_address=args.scheduler,
+        max_payload_bytes=int(args.max_payload_mb * 1024 * 1024),
+        keys=Keys(args.root),
+    )
+
+    async def run() -> None:
+        store = await EtcdStore.open(args.etcd)
+        try:
+            server = uvicorn.Server(
+                uvicorn.Config(create_app(store, config), host=args.host, port=args.port, log_level="warning")
+            )
+            await server.serve()
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(run())
+    except StoreError as exc:
+        print(f"error: cannot reach etcd at {args.etcd}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,461 @@
+"""The HTTP gateway (FastAPI): function CRUD, package store, invocation through the scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+
+import gpufaas
+from gpufaas.errors import GpufaasError, InvalidInput
+from gpufaas.functions import DIGEST_PATTERN, FunctionSpec
+from gpufaas.keys import Keys
+from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.proto import gpufaas_pb2_grpc as pb_grpc
+from gpufaas.store import LeaseKeeper, Store, StoreError, WatchEvent
+
+log = logging.getLogger("gpufaas.gateway")
+
+# The gateway waits this much beyond a call's timeout for the scheduler's own deadline answer, so
+# the inner hop always reports first (one end-to-end deadline per invocation).
+DEADLINE_GRACE_S = 1.0
+LEASE_TTL_S = 5
+
+
+@dataclass
+class GatewayConfig:
+    state_dir: Path
+    public_url: str = "http://127.0.0.1:8080"
+    scheduler_address: str | None = None  # None: look it up in etcd (services/scheduler)
+    max_payload_bytes: int = 16 * 1024 * 1024
+    max_package_bytes: int = 2 * 1024 * 1024 * 1024
+    keys: Keys = field(default_factory=Keys)
+
+
+class ApiError(Exception):
+    """An error answer: status, a message saying what went wrong and what to do."""
+
+    def __init__(self, status: int, message: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or {}
+
+
+# gRPC status from the scheduler -> HTTP status, in one place (STYLE §6).
+_GRPC_TO_HTTP = {
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.FAILED_PRECONDITION: 503,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.ABORTED: 500,
+}
+
+
+class Gateway:
+    """State behind the HTTP API: a mirror of the function registry fed by an etcd watch, the
+    package files on disk, and one gRPC channel to the scheduler."""
+
+    def __init__(self, store: Store, config: GatewayConfig) -> None:
+        self.store = store
+        self.config = config
+        self.keys = config.keys
+        self.packages_dir = config.state_dir / "packages"
+        self.functions: dict[str, FunctionSpec] = {}
+        self.invocations: Counter[tuple[str, int]] = Counter()
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.SchedulerStub | None = None
+        self._scheduler_address = config.scheduler_address
+        self._tasks: list[asyncio.Task[None]] = []
+        self._lease: LeaseKeeper | None = None
+
+    async def start(self) -> None:
+        self.packages_dir.mkdir(parents=True, exist_ok=True)
+        revision = await self.store.revision()
+        for kv in await self.store.get_prefix(self.keys.functions):
+            with contextlib.suppress(GpufaasError):
+                spec = FunctionSpec.from_json(kv.value)
+                self.functions[spec.name] = spec
+        if self._scheduler_address is None:
+            registered = await self.store.get(self.keys.service("scheduler"))
+            if registered is not None:
+                self._connect(registered.value.decode())
+        else:
+            self._connect(self._scheduler_address)
+        self._lease = LeaseKeeper(self.store, LEASE_TTL_S, on_regrant=self._register)
+        await self._register(await self._lease.start())
+        self._tasks = [asyncio.create_task(self._watch(revision))]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        if self._lease is not None:
+            await self._lease.stop(revoke=True)
+        if self._channel is not None:
+            await self._channel.close(grace=None)
+
+    async def _register(self, lease: int) -> None:
+        await self.store.put(self.keys.service("gateway"), self.config.public_url.encode(), lease=lease)
+
+    def _connect(self, address: str) -> None:
+        if self._channel is not None and address == self._scheduler_address and self._stub is not None:
+            return
+        old = self._channel
+        self._scheduler_address = address
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = pb_grpc.SchedulerStub(self._channel)  # type: ignore[no-untyped-call]
+        if old is not None:
+            asyncio.get_running_loop().create_task(old.close(grace=5.0))
+
+    async def _watch(self, revision: int) -> None:
+        start = revision + 1
+        while True:
+            try:
+                async for event in self.store.watch_prefix(self.keys.root + "/", start_revision=start):
+                    start = event.mod_revision + 1
+                    self._apply(event)
+            except asyncio.CancelledError:
+                raise
+            except StoreError as exc:
+                log.warning("watch failed (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+
+    def _apply(self, event: WatchEvent) -> None:
+        if event.key.startswith(self.keys.functions):
+            name = event.key.removeprefix(self.keys.functions)
+            if event.kind == "delete":
+                self.functions.pop(name, None)
+            else:
+                with contextlib.suppress(GpufaasError):
+                    self.functions[name] = FunctionSpec.from_json(event.value)
+        elif (
+            event.key == self.keys.service("scheduler")
+            and event.kind == "put"
+            and self.config.scheduler_address is None
+        ):
+            self._connect(event.value.decode())
+
+    @property
+    def scheduler(self) -> pb_grpc.SchedulerStub:
+        if self._stub is None:
+            raise ApiError(503, "no scheduler is running: start one (gpufaas up, or python -m scheduler)")
+        return self._stub
+
+    # --- packages -------------------------------------------------------------------------
+    def package_path(self, digest: str) -> Path:
+        if not DIGEST_PATTERN.match(digest):
+            raise ApiError(400, f"{digest!r} is not a package digest; expected 'sha256:' and 64 hex digits")
+        return self.packages_dir / f"{digest.removeprefix('sha256:')}.tar.gz"
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message, "status": status}, status_code=status, headers=headers)
+
+
+def create_app(store: Store, config: GatewayConfig) -> FastAPI:
+    """The ASGI app. The store is opened and closed by the caller; the app owns the rest."""
+    gateway = Gateway(store, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    app = FastAPI(title="gpufaas gateway", version=gpufaas.__version__, lifespan=lifespan)
+    app.state.gateway = gateway
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.headers)
+
+    @app.exception_handler(InvalidInput)
+    async def on_invalid(request: Request, exc: InvalidInput) -> JSONResponse:
+        return _error(400, str(exc))
+
+    @app.exception_handler(StoreError)
+    async def on_store(request: Request, exc: StoreError) -> JSONResponse:
+        return _error(503, f"the datastore (etcd) is unreachable: {exc}; check that etcd runs")
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", []) if p != "body")
+        return _error(422, f"invalid request{' at ' + where if where else ''}: {first.get('msg', 'malformed')}")
+
+    # --- health and info ------------------------------------------------------------------
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/system/info")
+    async def info() -> dict[str, Any]:
+        return {
+            "provider": {
+                "provider": "gpufaas",
+                "orchestration": "gpufaas",
+                "version": {"release": gpufaas.__version__},
+            },
+            "version": {"release": gpufaas.__version__},
+            "arch": platform.machine(),
+        }
+
+    # --- packages -------------------------------------------------------------------------
+    @app.post("/system/packages", status_code=201)
+    async def upload_package(request: Request, digest: str | None = None) -> dict[str, Any]:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > config.max_package_bytes:
+            raise ApiError(413, f"the package is larger than the gateway's limit of {config.max_package_bytes} bytes")
+        expected = digest or request.headers.get("x-package-digest")
+        if expected is not None:
+            gateway.package_path(expected)  # validates the form
+        hasher = hashlib.sha256()
+        size = 0
+        with tempfile.NamedTemporaryFile(dir=gateway.packages_dir, delete=False, suffix=".part") as part:
+            try:
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > config.max_package_bytes:
+                        raise ApiError(413, f"the package is larger than the limit of {config.max_package_bytes} bytes")
+                    hasher.update(chunk)
+                    part.write(chunk)
+            except BaseException:
+                part.close()
+                os.unlink(part.name)
+                raise
+        actual = f"sha256:{hasher.hexdigest()}"
+        if size == 0:
+            os.unlink(part.name)
+            raise ApiError(400, "the package is empty; send the function's .tar.gz as the request body")
+        if expected is not None and expected != actual:
+            os.unlink(part.name)
+            raise ApiError(400, f"the package's digest is {actual}, not {expected}: the upload was corrupted; retry it")
+        os.replace(part.name, gateway.package_path(actual))
+        return {"digest": actual, "size_bytes": size}
+
+    @app.get("/system/packages/{digest}")
+    async def download_package(digest: str) -> FileResponse:
+        path = gateway.package_path(digest)
+        if not path.exists():
+            raise ApiError(404, f"package {digest} is not stored here; upload it with POST /system/packages")
+        return FileResponse(path, media_type="application/gzip")
+
+    # --- functions ------------------------------------------------------------------------
+    async def spec_from(request: Request) -> FunctionSpec:
+        try:
+            raw = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            raise ApiError(400, "the body must be a JSON function spec") from None
+        if isinstance(raw, dict):
+            # OpenFaaS names the function "service" and its environment "envVars".
+            if "service" in raw and "name" not in raw:
+                raw["name"] = raw.pop("service")
+            if "envVars" in raw and "environment" not in raw:
+                raw["environment"] = raw.pop("envVars")
+        spec = FunctionSpec.from_dict(raw)
+        if not gateway.package_path(spec.package_digest).exists():
+            raise ApiError(400, f"package {spec.package_digest} is not uploaded; POST it to /system/packages first")
+        return spec
+
+    @app.post("/system/functions", status_code=202)
+    async def deploy(request: Request) -> dict[str, Any]:
+        spec = await spec_from(request)
+        created = await store.compare_and_put(gateway.keys.function(spec.name), spec.to_json(), mod_revision=0)
+        if not created:
+            raise ApiError(409, f"function {spec.name!r} already exists; update it with PUT /system/functions")
+        gateway.functions[spec.name] = spec
+        return {"name": spec.name, "model": spec.model}
+
+    @app.put("/system/functions", status_code=202)
+    async def update(request: Request) -> dict[str, Any]:
+        spec = await spec_from(request)
+        key = gateway.keys.function(spec.name)
+        for _ in range(5):
+            current = await store.get(key)
+            if current is None:
+                raise ApiError(404, f"function {spec.name!r} does not exist; deploy it with POST /system/functions")
+            if await store.compare_and_put(key, spec.to_json(), mod_revision=current.mod_revision):
+                gateway.functions[spec.name] = spec
+                return {"name": spec.name, "model": spec.model}
+        raise ApiError(409, f"function {spec.name!r} is being changed concurrently; retry")
+
+    async def describe(spec: FunctionSpec) -> dict[str, Any]:
+        replicas_kv = await store.get(gateway.keys.replicas(spec.model))
+        replicas = json.loads(replicas_kv.value) if replicas_kv is not None else []
+        return {
+            "name": spec.name,
+            "package_digest": spec.package_digest,
+            "model": spec.model,
+            "memory_mb": spec.memory_mb,
+            "gpu": spec.gpu,
+            "batch_size": spec.batch_size,
+            "timeout_s": spec.timeout_s,
+            "labels": spec.labels,
+            "environment": spec.environment,
+            "invocationCount": sum(n for (name, _), n in gateway.invocations.items() if name == spec.name),
+            "replicas": len(replicas),
+            "gpus": replicas,
+        }
+
+    @app.get("/system/functions")
+    async def list_functions() -> list[dict[str, Any]]:
+        return [await describe(spec) for spec in sorted(gateway.functions.values(), key=lambda s: s.name)]
+
+    @app.get("/system/function/{name}")
+    async def get_function(name: str) -> dict[str, Any]:
+        spec = gateway.functions.get(name)
+        if spec is None:
+            raise ApiError(404, f"function {name!r} is not deployed; list functions with GET /system/functions")
+        return await describe(spec)
+
+    @app.delete("/system/functions", status_code=202)
+    async def delete(request: Request) -> dict[str, Any]:
+        try:
+            raw = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            raw = None
+        if not isinstance(raw, dict) or not isinstance(raw.get("functionName"), str):
+            raise ApiError(400, 'the body must be JSON like {"functionName": "NAME"}')
+        name = raw["functionName"]
+        try:
+            key = gateway.keys.function(name)
+        except ValueError:
+            raise ApiError(400, f"{name!r} is not a valid function name") from None
+        if not await store.delete(key):
+            raise ApiError(404, f"function {name!r} is not deployed")
+        gateway.functions.pop(name, None)
+        return {"name": name, "deleted": True}
+
+    # --- invocation -----------------------------------------------------------------------
+    @app.post("/function/{name}")
+    async def invoke(name: str, request: Request) -> Response:
+        started = time.perf_counter()
+        spec = gateway.functions.get(name)
+        if spec is None:
+            raise ApiError(404, f"function {name!r} is not deployed; deploy it first (gpufaas deploy)")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > config.max_payload_bytes:
+            raise ApiError(413, f"the payload is larger than the limit of {config.max_payload_bytes} bytes")
+        payload = await request.body()
+        if len(payload) > config.max_payload_bytes:
+            raise ApiError(413, f"the payload is larger than the limit of {config.max_payload_bytes} bytes")
+        if request.headers.get("content-type", "").startswith("application/json"):
+            try:
+                json.loads(payload or b"null")
+            except (ValueError, UnicodeDecodeError):
+                raise ApiError(400, "the payload is declared application/json but is not valid JSON") from None
+        call_id = request.headers.get("x-call-id") or uuid.uuid4().hex
+        try:
+            reply: pb.InvokeReply = await gateway.scheduler.Invoke(
+                pb.InvokeRequest(call_id=call_id, function=name, payload=payload, timeout_s=spec.timeout_s),
+                timeout=spec.timeout_s + DEADLINE_GRACE_S,
+            )
+        except grpc.aio.AioRpcError as exc:
+            status = _GRPC_TO_HTTP.get(exc.code(), 502)
+            message = exc.details() or str(exc.code())
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in message.lower():
+                message = "the scheduler is unreachable; check that it runs"
+            gateway.invocations[(name, status)] += 1
+            headers = {"X-Call-Id": call_id}
+            if status == 429:
+                headers["Retry-After"] = "1"
+            raise ApiError(status, message, headers=headers) from None
+        gateway.invocations[(name, 200)] += 1
+        media_type = "application/octet-stream"
+        with contextlib.suppress(ValueError, UnicodeDecodeError):
+            json.loads(reply.output)
+            media_type = "application/json"
+        return Response(
+            content=reply.output,
+            media_type=media_type,
+            headers={
+                "X-Call-Id": call_id,
+                "X-Duration-Seconds": f"{time.perf_counter() - started:.6f}",
+                "X-Gpu": reply.gpu,
+                "X-Cache": "hit" if reply.hit else "miss",
+                "X-Queue-Seconds": f"{reply.queue_s:.6f}",
+                "X-Load-Seconds": f"{reply.load_time_s:.6f}",
+                "X-Inference-Seconds": f"{reply.inference_time_s:.6f}",
+            },
+        )
+
+    # --- cluster views --------------------------------------------------------------------
+    async def cluster() -> pb.ClusterReply:
+        try:
+            reply: pb.ClusterReply = await gateway.scheduler.GetCluster(pb.ClusterRequest(), timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            raise ApiError(503, f"the scheduler is unreachable ({exc.code().name}); check that it runs") from None
+        return reply
+
+    @app.get("/system/gpus")
+    async def gpus() -> list[dict[str, Any]]:
+        reply = await cluster()
+        return [
+            {
+                "gpu": g.gpu,
+                "node": g.node,
+                "gpu_type": g.gpu_type,
+                "status": g.status,
+                "memory_used_mb": g.memory_used_mb,
+                "memory_capacity_mb": g.memory_capacity_mb,
+                "lru": list(g.lru),
+                "local_queue": g.local_queue,
+                "running": g.running or None,
+            }
+            for g in reply.gpus
+        ]
+
+    @app.get("/system/queue")
+    async def queue() -> dict[str, Any]:
+        reply = await cluster()
+        return {
+            "policy": reply.policy,
+            "capacity": reply.queue_capacity,
+            "length": len(reply.queue),
+            "calls": [
+                {"call_id": c.call_id, "function": c.function, "model": c.model, "waited_s": c.waited_s}
+                for c in reply.queue
+            ],
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        lines = [
+            "# HELP gateway_function_invocation_total Function invocations by function and HTTP status.",
+            "# TYPE gateway_function_invocation_total counter",
+        ]
+        for (name, status), count in sorted(gateway.invocations.items()):
+            lines.append(f'gateway_function_invocation_total{{function_name="{name}",code="{status}"}} {count}')
+        lines += [
+            "# HELP gateway_functions_deployed Functions in the registry.",
+            "# TYPE gateway_functions_deployed gauge",
+            f"gateway_functions_deployed {len(gateway.functions)}",
+        ]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,87 @@
+"""`python -m gpu_manager`: run one node's GPU manager (cuda, cpu or emulated backend)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import socket
+import sys
+from pathlib import Path
+
+from gpu_manager.daemon import GpuManagerDaemon
+from gpu_manager.devices import discover_nvml, logical_devices
+from gpu_manager.packages import PackageCache
+from gpu_manager.pool import WorkerPool
+from gpufaas.keys import Keys
+from gpufaas.service_main import add_common_flags, configure_logging, run_until_signalled
+from gpufaas.store import EtcdStore, StoreError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gpu_manager", description="gpufaas GPU manager (one per node)")
+    add_common_flags(parser)
+    parser.add_argument("--node", default=socket.gethostname(), help="node name (default: host name)")
+    parser.add_argument("--listen", default="127.0.0.1:0", help="gRPC address to bind (port 0 = any free)")
+    parser.add_argument(
+        "--backend",
+        choices=["cuda", "cpu", "emulated"],
+        default=None,
+        help="default: cuda if NVML finds GPUs, else cpu",
+    )
+    parser.add_argument("--gpus", type=int, default=2, help="logical GPUs for the cpu/emulated backends")
+    parser.add_argument("--gpu-memory-mb", type=int, default=8192, help="cache capacity per logical GPU")
+    parser.add_argument(
+        "--gpu-type", default=None, help="GPU type reported for logical GPUs (default: the backend name)"
+    )
+    parser.add_argument(
+        "--reserve-mb", type=int, default=1024, help="cuda: memory kept free per GPU (contexts, fragmentation)"
+    )
+    parser.add_argument("--state-dir", type=Path, required=True, help="package cache directory")
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+
+    found = discover_nvml()
+    backend = args.backend or ("cuda" if found else "cpu")
+    if backend == "cuda":
+        if not found:
+            parser.error("--backend cuda: NVML finds no GPU on this machine; use --backend cpu or emulated")
+        devices = [dataclasses.replace(d, memory_mb=max(1, d.memory_mb - args.reserve_mb)) for d in found]
+    else:
+        if args.gpus <= 0 or args.gpu_memory_mb <= 0:
+            parser.error("--gpus and --gpu-memory-mb must be positive")
+        devices = logical_devices(args.gpus, args.gpu_memory_mb, args.gpu_type or backend)
+
+    async def run() -> None:
+        store = await EtcdStore.open(args.etcd)
+        cache = PackageCache(args.state_dir / "packages")
+        daemon = GpuManagerDaemon(
+            store,
+            node=args.node,
+            backend=backend,
+            devices=devices,
+            pool=WorkerPool(backend, cache),
+            packages=cache,
+            keys=Keys(args.root),
+        )
+
+        async def start() -> None:
+            await daemon.start(args.listen)
+            print(f"gpu manager {args.node} listening on {daemon.address}", flush=True)
+
+        async def stop() -> None:
+            await daemon.stop()
+            await store.close()
+
+        await run_until_signalled(start, stop)
+
+    try:
+        asyncio.run(run())
+    except StoreError as exc:
+        print(f"error: cannot reach etcd at {args.etcd}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Node records: how a GPU manager announces itself and its GPUs in etcd (under its lease)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class GpuRecord:
+    gpu: str  # node-local id, e.g. "gpu0"
+    memory_mb: int  # what the cache may fill
+    gpu_type: str
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRecord:
+    """`address` is the node's GPU-manager gRPC endpoint; `incarnation` changes on every start, so
+    a restarted manager (whose workers, and so whose cached models, are gone) is told apart."""
+
+    node: str
+    address: str
+    backend: str
+    incarnation: str
+    gpus: list[GpuRecord] = field(default_factory=list)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> NodeRecord:
+        raw = json.loads(data)
+        return cls(
+            node=raw["node"],
+            address=raw["address"],
+            backend=raw["backend"],
+            incarnation=raw["incarnation"],
+            gpus=[GpuRecord(**gpu) for gpu in raw.get("gpus", [])],
+        )

@@ -1,0 +1,115 @@
+"""Function specs: what a deployed function is, as stored in etcd and validated at every boundary."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from gpufaas.errors import InvalidInput
+from gpufaas.types import DEFAULT_BATCH_SIZE
+
+NAME_PATTERN = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+DIGEST_PATTERN = re.compile(r"^sha256:[0-9a-f]{64}$")
+DEFAULT_TIMEOUT_S = 60.0
+MAX_TIMEOUT_S = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionSpec:
+    """A deployed inference function.
+
+    `memory_mb` is the declared *peak* GPU occupancy of its model at `batch_size` (what the cache
+    manager sizes it by until a measurement replaces it). Each (function, package) pair is its own
+    cache item: `model` changes when the package does, so an update never reuses stale workers.
+    """
+
+    name: str
+    package_digest: str
+    memory_mb: int
+    gpu: str = "any"  # a GPU type to require, or "any"
+    batch_size: int = DEFAULT_BATCH_SIZE
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    labels: dict[str, str] = field(default_factory=dict)
+    environment: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def model(self) -> str:
+        return f"{self.name}@{self.package_digest.removeprefix('sha256:')[:12]}"
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> FunctionSpec:
+        try:
+            raw = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidInput(f"function spec is not valid JSON: {exc}") from None
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: Any, *, path: str = "") -> FunctionSpec:
+        """Validate user input; errors name the offending field and say what is expected."""
+        if not isinstance(raw, dict):
+            raise InvalidInput(f"{path or 'function spec'}: expected an object")
+        known = {"name", "package_digest", "memory_mb", "gpu", "batch_size", "timeout_s", "labels", "environment"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise InvalidInput(f"{_at(path, unknown[0])}: unknown field; known fields: {', '.join(sorted(known))}")
+        name = _string(raw, "name", path)
+        if not NAME_PATTERN.match(name):
+            raise InvalidInput(
+                f"{_at(path, 'name')}: {name!r} is not a valid function name; use lower-case letters, digits and "
+                "'-' (at most 63 characters, starting and ending with a letter or digit)"
+            )
+        digest = _string(raw, "package_digest", path)
+        if not DIGEST_PATTERN.match(digest):
+            raise InvalidInput(f"{_at(path, 'package_digest')}: expected 'sha256:' and 64 hex digits, got {digest!r}")
+        return cls(
+            name=name,
+            package_digest=digest,
+            memory_mb=_positive_int(raw, "memory_mb", path, required=True),
+            gpu=str(raw.get("gpu", "any")),
+            batch_size=_positive_int(raw, "batch_size", path, default=DEFAULT_BATCH_SIZE),
+            timeout_s=_timeout(raw, path),
+            labels=_str_map(raw, "labels", path),
+            environment=_str_map(raw, "environment", path),
+        )
+
+
+def _at(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _string(raw: dict[str, Any], key: str, path: str) -> str:
+    value = raw.get(key)
+    if not isinstance(value, str) or not value:
+        raise InvalidInput(f"{_at(path, key)}: required, a non-empty string")
+    return value
+
+
+def _positive_int(raw: dict[str, Any], key: str, path: str, *, required: bool = False, default: int = 0) -> int:
+    if key not in raw:
+        if required:
+            raise InvalidInput(f"{_at(path, key)}: required, a positive whole number")
+        return default
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidInput(f"{_at(path, key)}: expected a positive whole number, got {value!r}")
+    return value
+
+
+def _timeout(raw: dict[str, Any], path: str) -> float:
+    value = raw.get("timeout_s", DEFAULT_TIMEOUT_S)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_TIMEOUT_S:
+        raise InvalidInput(f"{_at(path, 'timeout_s')}: expected seconds in (0, {MAX_TIMEOUT_S:g}], got {value!r}")
+    return float(value)
+
+
+def _str_map(raw: dict[str, Any], key: str, path: str) -> dict[str, str]:
+    value = raw.get(key, {})
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise InvalidInput(f"{_at(path, key)}: expected a map of strings to strings")
+    return dict(value)

@@ -1,0 +1,107 @@
+"""Every etcd key of gpufaas, built in this one module under one root (a shipped layout is forever)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_ROOT = "/gpufaas"
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """The key layout (see DESIGN.md), under `root`:
+
+    {root}/functions/{name}                 function spec (JSON), written by the gateway
+    {root}/nodes/{node}                     node record (JSON: address, GPUs), under the node's lease
+    {root}/gpus/{node}/{gpu}/status         idle | busy | draining, with memory figures (JSON)
+    {root}/gpus/{node}/{gpu}/lru            the GPU's LRU list, most recent first (JSON)
+    {root}/profiles/{gpu_type}/{model}      load time, inference time per batch size (JSON)
+    {root}/models/{model}/replicas          GPUs where the model is cached (JSON list of "node/gpu")
+    {root}/services/{service}               a service's address (scheduler, gateway), under its lease
+    """
+
+    root: str = DEFAULT_ROOT
+
+    def __post_init__(self) -> None:
+        if not self.root.startswith("/") or self.root.endswith("/"):
+            raise ValueError(f"key root must start with '/' and not end with it, got {self.root!r}")
+
+    # --- functions ----------------------------------------------------------------------
+    @property
+    def functions(self) -> str:
+        return f"{self.root}/functions/"
+
+    def function(self, name: str) -> str:
+        return f"{self.functions}{_segment(name)}"
+
+    # --- nodes and GPUs -----------------------------------------------------------------
+    @property
+    def nodes(self) -> str:
+        return f"{self.root}/nodes/"
+
+    def node(self, node: str) -> str:
+        return f"{self.nodes}{_segment(node)}"
+
+    @property
+    def gpus(self) -> str:
+        return f"{self.root}/gpus/"
+
+    def node_gpus(self, node: str) -> str:
+        return f"{self.gpus}{_segment(node)}/"
+
+    def gpu_status(self, node: str, gpu: str) -> str:
+        return f"{self.node_gpus(node)}{_segment(gpu)}/status"
+
+    def gpu_lru(self, node: str, gpu: str) -> str:
+        return f"{self.node_gpus(node)}{_segment(gpu)}/lru"
+
+    def parse_gpu_key(self, key: str) -> tuple[str, str, str] | None:
+        """(node, gpu, "status" | "lru") for a key under `gpus`, else None."""
+        if not key.startswith(self.gpus):
+            return None
+        parts = key[len(self.gpus) :].split("/")
+        if len(parts) != 3 or parts[2] not in ("status", "lru"):
+            return None
+        return parts[0], parts[1], parts[2]
+
+    # --- profiles and replicas ----------------------------------------------------------
+    @property
+    def profiles(self) -> str:
+        return f"{self.root}/profiles/"
+
+    def profile(self, gpu_type: str, model: str) -> str:
+        return f"{self.profiles}{_segment(gpu_type)}/{_segment(model)}"
+
+    @property
+    def models(self) -> str:
+        return f"{self.root}/models/"
+
+    def replicas(self, model: str) -> str:
+        return f"{self.models}{_segment(model)}/replicas"
+
+    # --- services -----------------------------------------------------------------------
+    @property
+    def services(self) -> str:
+        return f"{self.root}/services/"
+
+    def service(self, name: str) -> str:
+        return f"{self.services}{_segment(name)}"
+
+
+def _segment(value: str) -> str:
+    """One path segment: names with '/' would silently change the layout, so refuse them."""
+    if not value or "/" in value:
+        raise ValueError(f"a key segment must be non-empty and contain no '/', got {value!r}")
+    return value
+
+
+def gpu_address(node: str, gpu: str) -> str:
+    """The cluster-wide GPU id the scheduler uses: "node/gpu" (also the X-Gpu header)."""
+    return f"{node}/{gpu}"
+
+
+def split_gpu_address(address: str) -> tuple[str, str]:
+    node, _, gpu = address.partition("/")
+    if not node or not gpu:
+        raise ValueError(f"a GPU address is 'node/gpu', got {address!r}")
+    return node, gpu

@@ -1,0 +1,250 @@
+"""A whole gpufaas cluster on one machine, as real processes: etcd, scheduler, gateway, GPU managers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+from gpufaas.errors import GpufaasError
+
+
+class ClusterError(GpufaasError):
+    """A component failed to start or to become healthy; the message names its log file."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Component:
+    name: str
+    argv: list[str]
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    _log: IO[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    def start(self, env: dict[str, str]) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,  # signals to the cluster's shell do not reach it
+        )
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, *, kill: bool = False, timeout_s: float = 10.0) -> None:
+        """SIGTERM (or SIGKILL) by PID, then SIGKILL what is left after `timeout_s`."""
+        if self.process is not None and self.process.poll() is None:
+            # The whole process group: a GPU manager's worker processes go with it.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=5)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalCluster:
+    """Starts and stops the control plane as separate OS processes bound to 127.0.0.1.
+
+    `etcd_endpoint` None starts a private etcd in `state_dir/etcd`. Every PID is written to
+    `state_dir/pids.json`; `stop()` stops exactly those processes.
+    """
+
+    state_dir: Path
+    nodes: int = 2
+    gpus_per_node: int = 2
+    backend: str = "cpu"
+    gpu_memory_mb: int = 8192
+    gpu_type: str | None = None
+    policy: str = "lalb-o3"
+    root: str = "/gpufaas"
+    etcd_endpoint: str | None = None
+    gateway_port: int = 0
+    scheduler_port: int = 0
+    queue_capacity: int = 10_000
+    max_payload_mb: float = 16.0
+    components: dict[str, Component] = field(default_factory=dict)
+    _etcd: object | None = None
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    @property
+    def scheduler_address(self) -> str:
+        return f"127.0.0.1:{self.scheduler_port}"
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def _common(self) -> list[str]:
+        assert self.etcd_endpoint is not None
+        return ["--etcd", self.etcd_endpoint, "--root", self.root]
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        if self.etcd_endpoint is None:
+            from gpufaas.etcd_server import EtcdServer
+
+            etcd = EtcdServer()
+            etcd.start(self.state_dir / "etcd")
+            self._etcd = etcd
+            self.etcd_endpoint = etcd.endpoint
+        self.gateway_port = self.gateway_port or free_port()
+        self.scheduler_port = self.scheduler_port or free_port()
+        logs = self.state_dir / "logs"
+        python = sys.executable
+        self.components["scheduler"] = Component(
+            "scheduler",
+            [
+                python,
+                "-m",
+                "scheduler",
+                *self._common(),
+                "--listen",
+                self.scheduler_address,
+                "--policy",
+                self.policy,
+                "--queue-capacity",
+                str(self.queue_capacity),
+            ],
+            logs / "scheduler.log",
+        )
+        self.components["gateway"] = Component(
+            "gateway",
+            [
+                python,
+                "-m",
+                "gateway",
+                *self._common(),
+                "--port",
+                str(self.gateway_port),
+                "--state-dir",
+                str(self.state_dir / "gateway"),
+                "--scheduler",
+                self.scheduler_address,
+                "--max-payload-mb",
+                str(self.max_payload_mb),
+            ],
+            logs / "gateway.log",
+        )
+        for index in range(self.nodes):
+            name = f"node{index}"
+            argv = [
+                python,
+                "-m",
+                "gpu_manager",
+                *self._common(),
+                "--node",
+                name,
+                "--backend",
+                self.backend,
+                "--gpus",
+                str(self.gpus_per_node),
+                "--gpu-memory-mb",
+                str(self.gpu_memory_mb),
+                "--state-dir",
+                str(self.state_dir / name),
+            ]
+            if self.gpu_type:
+                argv += ["--gpu-type", self.gpu_type]
+            self.components[name] = Component(name, argv, logs / f"{name}.log")
+        env = self._env()
+        for component in self.components.values():
+            component.start(env)
+        self._write_pids()
+        self.wait_healthy(timeout_s)
+
+    def wait_healthy(self, timeout_s: float = 60.0, *, gpus: int | None = None) -> None:
+        """Until the gateway answers and the scheduler sees every node's GPUs."""
+        expected = self.nodes * self.gpus_per_node if gpus is None else gpus
+        deadline = time.monotonic() + timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            for component in self.components.values():
+                if component.process is not None and not component.alive():
+                    raise ClusterError(
+                        f"{component.name} exited with status {component.process.returncode}; "
+                        f"its log ({component.log_path}) ends:\n{component.tail()}"
+                    )
+            try:
+                response = httpx.get(f"{self.gateway_url}/system/gpus", timeout=2.0)
+                if response.status_code == 200 and len(response.json()) >= expected:
+                    return
+                last = f"{response.status_code} {response.text[:200]}"
+            except httpx.HTTPError as exc:
+                last = str(exc)
+            time.sleep(0.2)
+        raise ClusterError(f"the cluster did not become healthy in {timeout_s:g} s (last answer: {last})")
+
+    def restart(self, name: str, *, kill: bool = False, timeout_s: float = 60.0) -> None:
+        component = self.components[name]
+        component.stop(kill=kill)
+        component.start(self._env())
+        self._write_pids()
+        self.wait_healthy(timeout_s)
+
+    def stop(self) -> None:
+        for component in reversed(list(self.components.values())):
+            component.stop()
+        if self._etcd is not None:
+            self._etcd.stop()  # type: ignore[attr-defined]
+            self._etcd = None
+        self._write_pids()
+
+    def pids(self) -> dict[str, int]:
+        pids = {name: c.pid for name, c in self.components.items() if c.pid is not None and c.alive()}
+        if self._etcd is not None:
+            pid = getattr(self._etcd, "pid", None)
+            if pid is not None:
+                pids["etcd"] = pid
+        return pids
+
+    def _write_pids(self) -> None:
+        (self.state_dir / "pids.json").write_text(json.dumps(self.pids(), indent=2) + "\n")
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

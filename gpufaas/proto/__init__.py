@@ -1,0 +1,1 @@
+"""gRPC messages and stubs, generated from gpufaas.proto by `python -m gpufaas.proto.generate`."""

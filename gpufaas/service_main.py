@@ -1,0 +1,36 @@
+"""What every gpufaas daemon shares at start: flags for etcd and logging, signals, a clean stop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+from gpufaas.keys import DEFAULT_ROOT
+
+
+def add_common_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--etcd", default="127.0.0.1:2379", help="etcd client endpoint host:port")
+    parser.add_argument("--root", default=DEFAULT_ROOT, help="etcd key root (default %(default)s)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+async def run_until_signalled(start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]) -> None:
+    """Start a daemon, wait for SIGTERM/SIGINT, stop it."""
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await start()
+    try:
+        await stopping.wait()
+    finally:
+        with contextlib.suppress(Exception):
+            await stop()

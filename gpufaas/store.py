@@ -1,0 +1,726 @@
+"""The datastore handle of gpufaas: one narrow async `Store`, over etcd (`EtcdStore`) or in memory (`MemoryStore`).
+
+Errors (the only ones a `Store` raises, besides ValueError for a malformed key or prefix):
+
+    StoreError              transient: the store is unreachable or timed out; retry with backoff
+    ├── LeaseLost           the lease expired or was revoked: grant a new one and re-register
+    └── RevisionCompacted   a watch asked for history the store no longer keeps: re-list, then watch
+
+Both implementations keep etcd's semantics, so a test that passes on the fake means the same thing on
+etcd: one global revision, bumped once per mutating call (a prefix delete or a lease expiry that
+removes several keys is one revision); keys carry create/mod revisions and an optional lease; a
+compare-and-put compares `mod_revision` (0: "the key does not exist"); deleting the keys of an
+expired or revoked lease produces delete events. `LeaseKeeper` keeps one lease per daemon alive;
+`ManualClock` is the virtual time that drives MemoryStore and LeaseKeeper in tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import aetcd
+
+logger = logging.getLogger(__name__)
+
+
+# --- values and errors ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    """One key as stored: `lease` is 0 when the key is not attached to a lease."""
+
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    """A change seen by a watch; `mod_revision` is the revision of the change (of the deletion for
+    "delete", whose `value` is b"")."""
+
+    kind: Literal["put", "delete"]
+    key: str
+    value: bytes
+    mod_revision: int
+
+
+class StoreError(Exception):
+    """Transient: the store is unreachable or did not answer in time. Retry with backoff."""
+
+
+class LeaseLost(StoreError):
+    """The lease expired or was revoked (refresh, or a put attached to it, found it gone)."""
+
+
+class RevisionCompacted(StoreError):
+    """A watch's start_revision is older than the history the store keeps: re-list, then watch."""
+
+
+# --- the interface --------------------------------------------------------------------------
+
+
+class Store(Protocol):
+    """One narrow handle on the datastore. Keys are str (UTF-8 in etcd), values bytes.
+
+    Every method may raise StoreError; methods taking a lease raise LeaseLost if it is gone.
+    """
+
+    async def get(self, key: str) -> KeyValue | None:
+        """The key, or None if it does not exist."""
+        ...
+
+    async def get_prefix(self, prefix: str) -> list[KeyValue]:
+        """Every key starting with `prefix` (non-empty), sorted by key."""
+        ...
+
+    async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        """Write unconditionally; returns the new revision. A put without a lease detaches the key
+        from any lease it had (etcd semantics)."""
+        ...
+
+    async def delete(self, key: str) -> bool:
+        """True if the key existed (and is now deleted)."""
+        ...
+
+    async def delete_prefix(self, prefix: str) -> int:
+        """Delete every key starting with `prefix` (non-empty) in one revision; returns how many."""
+        ...
+
+    async def compare_and_put(self, key: str, value: bytes, *, mod_revision: int, lease: int = 0) -> bool:
+        """Write only if the key's mod_revision equals `mod_revision`, or, with `mod_revision=0`, only
+        if the key does not exist (create_revision == 0). False, and nothing written, otherwise.
+        The lease is checked only when the comparison holds (then LeaseLost if it is gone)."""
+        ...
+
+    async def compare_and_delete(self, key: str, *, mod_revision: int) -> bool:
+        """Delete only if the key exists with this mod_revision (> 0); True if it was deleted."""
+        ...
+
+    async def grant_lease(self, ttl_s: int) -> int:
+        """A new lease id (never 0). etcd may grant a longer TTL than asked (its minimum is ~2 s)."""
+        ...
+
+    async def refresh_lease(self, lease: int) -> None:
+        """Restart the lease's TTL; LeaseLost if it no longer exists."""
+        ...
+
+    async def revoke_lease(self, lease: int) -> None:
+        """Revoke the lease and delete its keys; revoking a lease that is already gone is a no-op."""
+        ...
+
+    def watch_prefix(self, prefix: str, *, start_revision: int | None = None) -> AsyncGenerator[WatchEvent, None]:
+        """An async generator of the changes under `prefix`, in revision order.
+
+        The watch is created when iteration starts (the first `__anext__`), not when this is
+        called: to see every change after a snapshot, pass `start_revision` (events from that
+        revision on, inclusive, are replayed first). Get-then-watch without gaps:
+        `rev = await store.revision()`, then `get_prefix(...)`, then
+        `watch_prefix(..., start_revision=rev + 1)`, ignoring events not newer than the mirror.
+        Stop it with `aclose()` or by cancelling the consuming task. It raises StoreError when the
+        connection is lost (RevisionCompacted if `start_revision` is too old), and ends when the
+        store is closed.
+        """
+        ...
+
+    async def revision(self) -> int:
+        """The store's current revision (that of the last change)."""
+        ...
+
+    async def close(self) -> None:
+        """Release the connection; running watches end. The store is not usable afterwards."""
+        ...
+
+
+def _check_key(key: str) -> bytes:
+    if not key:
+        raise ValueError("a store key must be non-empty")
+    return key.encode()
+
+
+def _check_prefix(prefix: str) -> bytes:
+    # An empty prefix would mean "every key in the cluster": always a bug here.
+    if not prefix:
+        raise ValueError("a store prefix must be non-empty")
+    return prefix.encode()
+
+
+# --- etcd -----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _etcd_errors(what: str) -> Iterator[None]:
+    """The one place where aetcd/gRPC errors become StoreError (or LeaseLost, RevisionCompacted)."""
+    try:
+        yield
+    except aetcd.RevisionCompactedError as exc:
+        raise RevisionCompacted(f"etcd {what}: {exc}") from exc
+    except aetcd.ClientError as exc:
+        # aetcd maps gRPC NOT_FOUND to a bare ClientError caused by the AioRpcError. On the KV and
+        # lease APIs NOT_FOUND only ever means "etcdserver: requested lease not found".
+        cause = exc.__cause__
+        if isinstance(cause, aetcd.rpc.AioRpcError) and cause.code() == aetcd.rpc.StatusCode.NOT_FOUND:
+            raise LeaseLost(f"etcd {what}: {exc}") from exc
+        raise StoreError(f"etcd {what}: {exc}") from exc
+    except (aetcd.rpc.RpcError, aetcd.rpc.BaseError, TimeoutError, OSError) as exc:
+        raise StoreError(f"etcd {what}: {exc!r}") from exc
+
+
+def _from_etcd(kv: Any) -> KeyValue:  # an etcd mvccpb.KeyValue (protobuf, untyped)
+    return KeyValue(
+        key=bytes(kv.key).decode(),
+        value=bytes(kv.value),
+        create_revision=int(kv.create_revision),
+        mod_revision=int(kv.mod_revision),
+        lease=int(kv.lease),
+    )
+
+
+class EtcdStore:
+    """`Store` over etcd v3, through aetcd (asyncio gRPC).
+
+    `timeout_s` bounds every unary call (a deadline); a stopped etcd answers at once with
+    StoreError, a hung one after `timeout_s`. gRPC reconnects by itself once etcd is back.
+    Use `await EtcdStore.open(endpoint)`, or construct and `await connect()`.
+    """
+
+    def __init__(self, endpoint: str = "127.0.0.1:2379", *, timeout_s: float = 5.0) -> None:
+        host, sep, port = endpoint.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"an etcd endpoint is 'host:port', got {endpoint!r}")
+        self.endpoint = endpoint
+        self._timeout_s = timeout_s
+        self._client = aetcd.Client(host=host, port=int(port), timeout=timeout_s)
+        self._closed = False
+
+    @classmethod
+    async def open(cls, endpoint: str = "127.0.0.1:2379", *, timeout_s: float = 5.0) -> EtcdStore:
+        """A connected store; StoreError if etcd does not answer."""
+        store = cls(endpoint, timeout_s=timeout_s)
+        try:
+            await store.connect()
+        except BaseException:
+            await store.close()
+            raise
+        return store
+
+    async def connect(self) -> None:
+        """Open the channel and check that etcd answers (aetcd itself connects lazily)."""
+        self._check_open()
+        with _etcd_errors("connect"):
+            await self._client.connect()
+        await self.revision()
+
+    def _check_open(self) -> None:
+        # aetcd would silently open a new channel after close(): that is a leak, and a bug here.
+        if self._closed:
+            raise RuntimeError("EtcdStore used after close()")
+
+    async def get(self, key: str) -> KeyValue | None:
+        raw = _check_key(key)
+        self._check_open()
+        with _etcd_errors("get"):
+            kv = await self._client.get(raw)
+        return None if kv is None else _from_etcd(kv)
+
+    async def get_prefix(self, prefix: str) -> list[KeyValue]:
+        raw = _check_prefix(prefix)
+        self._check_open()
+        with _etcd_errors("get_prefix"):
+            result = await self._client.get_prefix(raw, sort_order="ascend", sort_target="key")
+        return [_from_etcd(kv) for kv in result.kvs]
+
+    async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        raw = _check_key(key)
+        self._check_open()
+        with _etcd_errors("put"):
+            result = await self._client.put(raw, value, lease=lease)
+        return int(result.header.revision)
+
+    async def delete(self, key: str) -> bool:
+        raw = _check_key(key)
+        self._check_open()
+        with _etcd_errors("delete"):
+            result = await self._client.delete(raw)
+        return result is not None
+
+    async def delete_prefix(self, prefix: str) -> int:
+        raw = _check_prefix(prefix)
+        self._check_open()
+        with _etcd_errors("delete_prefix"):
+            result = await self._client.delete_prefix(raw)
+        return int(result.deleted)
+
+    async def compare_and_put(self, key: str, value: bytes, *, mod_revision: int, lease: int = 0) -> bool:
+        raw = _check_key(key)
+        self._check_open()
+        txn = self._client.transactions
+        compare = txn.create(raw) == 0 if mod_revision == 0 else txn.mod(raw) == mod_revision
+        with _etcd_errors("compare_and_put"):
+            succeeded, _ = await self._client.transaction(
+                compare=[compare], success=[txn.put(raw, value, lease=lease)], failure=[]
+            )
+        return bool(succeeded)
+
+    async def compare_and_delete(self, key: str, *, mod_revision: int) -> bool:
+        raw = _check_key(key)
+        if mod_revision <= 0:
+            raise ValueError(f"compare_and_delete needs the key's mod_revision (> 0), got {mod_revision}")
+        self._check_open()
+        txn = self._client.transactions
+        with _etcd_errors("compare_and_delete"):
+            succeeded, _ = await self._client.transaction(
+                compare=[txn.mod(raw) == mod_revision], success=[txn.delete(raw)], failure=[]
+            )
+        return bool(succeeded)
+
+    async def grant_lease(self, ttl_s: int) -> int:
+        self._check_open()
+        with _etcd_errors("grant_lease"):
+            lease = await self._client.lease(ttl_s)
+        return int(lease.id)
+
+    async def refresh_lease(self, lease: int) -> None:
+        self._check_open()
+        with _etcd_errors("refresh_lease"):
+            reply = await self._client.refresh_lease(lease)
+        # etcd answers a keep-alive for an unknown lease with TTL 0, not with an error.
+        if reply is None or int(reply.TTL) <= 0:
+            raise LeaseLost(f"etcd lease {lease:x} expired or was revoked")
+
+    async def revoke_lease(self, lease: int) -> None:
+        self._check_open()
+        with contextlib.suppress(LeaseLost), _etcd_errors("revoke_lease"):
+            await self._client.revoke_lease(lease)
+
+    async def watch_prefix(self, prefix: str, *, start_revision: int | None = None) -> AsyncGenerator[WatchEvent, None]:
+        raw = _check_prefix(prefix)
+        self._check_open()
+        with _etcd_errors("watch_prefix"):
+            watch = await self._client.watch_prefix(raw, start_revision=start_revision or None)
+        try:
+            with _etcd_errors("watch_prefix"):
+                async for event in watch:
+                    kv = event.kv
+                    if event.kind == "DELETE":
+                        yield WatchEvent("delete", bytes(kv.key).decode(), b"", int(kv.mod_revision))
+                    else:
+                        yield WatchEvent("put", bytes(kv.key).decode(), bytes(kv.value), int(kv.mod_revision))
+        finally:
+            # Tell etcd to drop the watch; bounded, and best effort (the stream may be gone).
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(watch.cancel(), self._timeout_s)
+
+    async def revision(self) -> int:
+        self._check_open()
+        with _etcd_errors("revision"):
+            # aetcd's get() drops the response header when the key is missing; a range read does
+            # not. "\0" prefixes no key of ours, so this reads nothing but the header.
+            result = await self._client.get_prefix(b"\0", keys_only=True)
+        return int(result.header.revision)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            await self._client.close()
+
+
+# --- in memory ------------------------------------------------------------------------------
+
+
+class ManualClock:
+    """Virtual time for MemoryStore and LeaseKeeper in tests.
+
+    `clock()` reads it, `await clock.sleep(s)` waits on it, and `await clock.advance(s)` moves it,
+    waking sleepers in deadline order and letting the woken tasks run (a fixed number of event-loop
+    turns) before moving on, so a task that sleeps in a loop runs once per period it covers.
+    """
+
+    _SETTLE_TURNS = 64
+
+    def __init__(self, start_s: float = 0.0) -> None:
+        self._now = start_s
+        self._seq = itertools.count()
+        # Lifecycle: pushed by sleep(), popped (and resolved) by advance(); a cancelled sleeper's
+        # future stays until its deadline passes, then is skipped.
+        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
+
+    def __call__(self) -> float:
+        return self._now
+
+    async def sleep(self, seconds: float) -> None:
+        if seconds <= 0:
+            await asyncio.sleep(0)
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._sleepers, (self._now + seconds, next(self._seq), future))
+        await future
+
+    async def advance(self, seconds: float) -> None:
+        target = self._now + seconds
+        await self._settle()
+        while self._sleepers and self._sleepers[0][0] <= target:
+            deadline, _, future = heapq.heappop(self._sleepers)
+            self._now = max(self._now, deadline)
+            if not future.done():
+                future.set_result(None)
+                await self._settle()
+        self._now = max(self._now, target)
+        await self._settle()
+
+    async def _settle(self) -> None:
+        for _ in range(self._SETTLE_TURNS):
+            await asyncio.sleep(0)
+
+
+@dataclass(slots=True)
+class _Lease:
+    ttl_s: int
+    expires_at: float
+    keys: set[str] = field(default_factory=set)
+
+
+@dataclass(eq=False, slots=True)
+class _Watcher:
+    prefix: str
+    start_revision: int
+    # Lifecycle: filled by mutations (events), by close() (None: end) or by set_reachable(False)
+    # (a StoreError: raise); drained by the watch's generator, dropped when that generator ends.
+    queue: asyncio.Queue[WatchEvent | StoreError | None] = field(default_factory=asyncio.Queue)
+
+
+class MemoryStore:
+    """`Store` in memory, with etcd's semantics, for unit tests and the simulator.
+
+    Time comes from `clock` (inject a fake one in tests). Leases expire lazily: every call first
+    expires the leases whose TTL has passed, and `expire_leases()` does it on demand (a test that
+    advances its clock calls it to make watchers see the deletions). The whole history is kept for
+    watches with `start_revision` until `compact()`. Every call yields to the event loop once before
+    acting, as a round trip to etcd would, so callers that forget to re-check state after an await
+    fail here too. `set_reachable(False)` simulates an outage.
+    """
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        # etcd starts at revision 1 with no keys; every mutating call that changes something adds 1.
+        self._revision = 1
+        self._compacted = 0
+        self._data: dict[str, KeyValue] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._lease_ids = itertools.count(0x4D454D0000000001)
+        self._history: list[WatchEvent] = []
+        self._watchers: set[_Watcher] = set()
+        self._reachable = True
+        self._closed = False
+
+    # --- test controls --------------------------------------------------------------------
+    @property
+    def num_watchers(self) -> int:
+        """Watches currently open (a teardown check: every watch was closed)."""
+        return len(self._watchers)
+
+    def expire_leases(self) -> int:
+        """Revoke every lease whose TTL has passed (deleting its keys); returns how many."""
+        now = self._clock()
+        expired = [lease for lease, state in self._leases.items() if state.expires_at <= now]
+        for lease in expired:
+            self._revoke(lease)
+        return len(expired)
+
+    def set_reachable(self, reachable: bool) -> None:
+        """Simulate an outage: while unreachable every call raises StoreError and running watches
+        fail with StoreError. Leases keep aging meanwhile, as they would in etcd."""
+        self._reachable = reachable
+        if not reachable:
+            for watcher in self._watchers:
+                watcher.queue.put_nowait(StoreError("memory store is unreachable"))
+
+    def compact(self, revision: int) -> None:
+        """Forget history before `revision`; a watch starting earlier raises RevisionCompacted."""
+        self._compacted = max(self._compacted, min(revision, self._revision))
+        self._history = [event for event in self._history if event.mod_revision >= self._compacted]
+
+    # --- Store ----------------------------------------------------------------------------
+    async def _enter(self) -> None:
+        await asyncio.sleep(0)
+        if self._closed:
+            raise RuntimeError("MemoryStore used after close()")
+        if not self._reachable:
+            raise StoreError("memory store is unreachable")
+        self.expire_leases()
+
+    async def get(self, key: str) -> KeyValue | None:
+        _check_key(key)
+        await self._enter()
+        return self._data.get(key)
+
+    async def get_prefix(self, prefix: str) -> list[KeyValue]:
+        _check_prefix(prefix)
+        await self._enter()
+        return sorted((kv for key, kv in self._data.items() if key.startswith(prefix)), key=lambda kv: kv.key)
+
+    async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        _check_key(key)
+        await self._enter()
+        self._check_lease(lease)
+        self._revision += 1
+        self._put(key, value, lease)
+        return self._revision
+
+    async def delete(self, key: str) -> bool:
+        _check_key(key)
+        await self._enter()
+        if key not in self._data:
+            return False
+        self._revision += 1
+        self._delete(key)
+        return True
+
+    async def delete_prefix(self, prefix: str) -> int:
+        _check_prefix(prefix)
+        await self._enter()
+        keys = sorted(key for key in self._data if key.startswith(prefix))
+        if keys:
+            self._revision += 1
+            for key in keys:
+                self._delete(key)
+        return len(keys)
+
+    async def compare_and_put(self, key: str, value: bytes, *, mod_revision: int, lease: int = 0) -> bool:
+        _check_key(key)
+        await self._enter()
+        current = self._data.get(key)
+        if (current.mod_revision if current is not None else 0) != mod_revision:
+            return False
+        self._check_lease(lease)  # as in etcd: only on the branch that runs
+        self._revision += 1
+        self._put(key, value, lease)
+        return True
+
+    async def compare_and_delete(self, key: str, *, mod_revision: int) -> bool:
+        _check_key(key)
+        if mod_revision <= 0:
+            raise ValueError(f"compare_and_delete needs the key's mod_revision (> 0), got {mod_revision}")
+        await self._enter()
+        current = self._data.get(key)
+        if current is None or current.mod_revision != mod_revision:
+            return False
+        self._revision += 1
+        self._delete(key)
+        return True
+
+    async def grant_lease(self, ttl_s: int) -> int:
+        if ttl_s <= 0:
+            raise ValueError(f"a lease TTL must be positive, got {ttl_s}")
+        await self._enter()
+        lease = next(self._lease_ids)
+        self._leases[lease] = _Lease(ttl_s=ttl_s, expires_at=self._clock() + ttl_s)
+        return lease
+
+    async def refresh_lease(self, lease: int) -> None:
+        await self._enter()
+        state = self._leases.get(lease)
+        if state is None:
+            raise LeaseLost(f"memory lease {lease:x} expired or was revoked")
+        state.expires_at = self._clock() + state.ttl_s
+
+    async def revoke_lease(self, lease: int) -> None:
+        await self._enter()
+        if lease in self._leases:
+            self._revoke(lease)
+
+    async def watch_prefix(self, prefix: str, *, start_revision: int | None = None) -> AsyncGenerator[WatchEvent, None]:
+        _check_prefix(prefix)
+        await self._enter()
+        if start_revision and start_revision < self._compacted:
+            raise RevisionCompacted(f"revision {start_revision} is compacted (history starts at {self._compacted})")
+        # Replay and registration happen with no await in between: no event is lost or doubled.
+        watcher = _Watcher(prefix, start_revision or self._revision + 1)
+        for event in self._history:
+            if event.mod_revision >= watcher.start_revision and event.key.startswith(prefix):
+                watcher.queue.put_nowait(event)
+        self._watchers.add(watcher)
+        try:
+            while True:
+                item = await watcher.queue.get()
+                if item is None:
+                    return
+                if isinstance(item, StoreError):
+                    raise item
+                yield item
+        finally:
+            self._watchers.discard(watcher)
+
+    async def revision(self) -> int:
+        await self._enter()
+        return self._revision
+
+    async def close(self) -> None:
+        self._closed = True
+        for watcher in self._watchers:
+            watcher.queue.put_nowait(None)
+
+    # --- internals (callers have bumped self._revision for this change) -------------------
+    def _check_lease(self, lease: int) -> None:
+        if lease and lease not in self._leases:
+            raise LeaseLost(f"memory lease {lease:x} expired or was revoked")
+
+    def _put(self, key: str, value: bytes, lease: int) -> None:
+        previous = self._data.get(key)
+        if previous is not None and previous.lease and previous.lease != lease:
+            self._leases[previous.lease].keys.discard(key)
+        if lease:
+            self._leases[lease].keys.add(key)
+        create_revision = previous.create_revision if previous is not None else self._revision
+        self._data[key] = KeyValue(key, value, create_revision, self._revision, lease)
+        self._emit(WatchEvent("put", key, value, self._revision))
+
+    def _delete(self, key: str) -> None:
+        previous = self._data.pop(key)
+        if previous.lease:
+            self._leases[previous.lease].keys.discard(key)
+        self._emit(WatchEvent("delete", key, b"", self._revision))
+
+    def _revoke(self, lease: int) -> None:
+        # One revision for all the lease's keys, and none if it had no keys (as in etcd).
+        keys = sorted(self._leases.pop(lease).keys)
+        if keys:
+            self._revision += 1
+            for key in keys:
+                previous = self._data.pop(key)
+                assert previous.lease == lease, "a key is attached to the lease that lists it"
+                self._emit(WatchEvent("delete", key, b"", self._revision))
+
+    def _emit(self, event: WatchEvent) -> None:
+        self._history.append(event)
+        for watcher in self._watchers:
+            if event.key.startswith(watcher.prefix) and event.mod_revision >= watcher.start_revision:
+                watcher.queue.put_nowait(event)
+
+
+# --- lease keeping --------------------------------------------------------------------------
+
+
+class LeaseKeeper:
+    """One lease per daemon, kept alive by one asyncio task.
+
+    The task refreshes the lease every `refresh_interval_s` (default ttl_s / 3). When the store
+    says the lease is gone (LeaseLost: it was revoked, or an outage outlasted the TTL, which shows
+    up on the first refresh that reaches the store), it grants a new lease and awaits
+    `on_regrant(new_lease)`, which must (idempotently) re-put the daemon's liveness keys under it;
+    `lease` is the new id by then. Transient errors are retried with capped exponential backoff;
+    the task never dies of an exception (unexpected ones are logged and retried too).
+    `sleep` is injectable so tests can drive it with a fake clock.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        ttl_s: int,
+        *,
+        on_regrant: Callable[[int], Awaitable[None]],
+        refresh_interval_s: float | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"a lease TTL must be positive, got {ttl_s}")
+        self._store = store
+        self._ttl_s = ttl_s
+        self._on_regrant = on_regrant
+        self._interval_s = refresh_interval_s if refresh_interval_s is not None else ttl_s / 3
+        self._sleep = sleep
+        # Lifecycle: 0 before start(); replaced by each regrant; kept after stop() for logging.
+        self._lease = 0
+        self._task: asyncio.Task[None] | None = None
+        self.num_regrants = 0
+
+    @property
+    def lease(self) -> int:
+        """The current lease id (0 before start())."""
+        return self._lease
+
+    @property
+    def running(self) -> bool:
+        """True between start() and stop() (the task never ends by itself)."""
+        return self._task is not None and not self._task.done()
+
+    async def start(self) -> int:
+        """Grant the first lease (StoreError if the store is unreachable) and start refreshing it."""
+        if self._task is not None:
+            raise RuntimeError("LeaseKeeper already started")
+        self._lease = await self._store.grant_lease(self._ttl_s)
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"lease-keeper-{self._lease:x}")
+        return self._lease
+
+    async def stop(self, revoke: bool = True) -> None:
+        """Stop refreshing; with `revoke`, revoke the lease so its keys go at once (best effort)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if revoke and self._lease:
+            try:
+                await self._store.revoke_lease(self._lease)
+            except StoreError as exc:
+                logger.warning("could not revoke lease %x (it will expire by itself): %s", self._lease, exc)
+
+    def _backoff_s(self, failures: int) -> float:
+        return float(min(self._interval_s, min(0.1, self._interval_s) * 2 ** min(failures, 16)))
+
+    async def _run(self) -> None:
+        failures = 0
+        delay_s = self._interval_s
+        while True:
+            await self._sleep(delay_s)
+            try:
+                await self._store.refresh_lease(self._lease)
+            except LeaseLost:
+                logger.warning("lease %x lost; granting a new one", self._lease)
+                await self._regrant()
+            except StoreError as exc:
+                logger.warning("refreshing lease %x failed (retrying): %s", self._lease, exc)
+                delay_s = self._backoff_s(failures)
+                failures += 1
+                continue
+            except Exception:
+                logger.exception("unexpected error refreshing lease %x (retrying)", self._lease)
+                delay_s = self._backoff_s(failures)
+                failures += 1
+                continue
+            failures = 0
+            delay_s = self._interval_s
+
+    async def _regrant(self) -> None:
+        """Grant a lease and run on_regrant under it, until both succeed."""
+        lease = 0
+        failures = 0
+        while True:
+            try:
+                if not lease:
+                    lease = await self._store.grant_lease(self._ttl_s)
+                    self._lease = lease
+                    self.num_regrants += 1
+                await self._on_regrant(lease)
+                return
+            except LeaseLost:
+                lease = 0  # the new lease expired too (a long outage): grant another
+            except StoreError as exc:
+                logger.warning("re-granting lease failed (retrying): %s", exc)
+            except Exception:
+                logger.exception("on_regrant(%x) failed (retrying)", lease)
+            await self._sleep(self._backoff_s(failures))
+            failures += 1

@@ -1,0 +1,57 @@
+"""`python -m scheduler`: run the scheduler service (gRPC) against an etcd."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from gpufaas.keys import Keys
+from gpufaas.service_main import add_common_flags, configure_logging, run_until_signalled
+from gpufaas.store import EtcdStore, StoreError
+from scheduler.policies import registered_policies
+from scheduler.service import SchedulerService
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scheduler", description="gpufaas scheduler service")
+    add_common_flags(parser)
+    parser.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address to bind (default %(default)s)")
+    parser.add_argument("--policy", default="lalb-o3", choices=registered_policies())
+    parser.add_argument("--o3-limit", type=int, default=25, help="lalb-o3: max skips per request")
+    parser.add_argument("--queue-capacity", type=int, default=10_000, help="calls waiting before 429")
+    args = parser.parse_args(argv)
+    if args.o3_limit < 0 or args.queue_capacity <= 0:
+        parser.error("--o3-limit must be >= 0 and --queue-capacity > 0")
+    configure_logging(args.log_level)
+
+    async def run() -> None:
+        store = await EtcdStore.open(args.etcd)
+        service = SchedulerService(
+            store,
+            keys=Keys(args.root),
+            policy=args.policy,
+            max_num_skips=args.o3_limit,
+            queue_capacity=args.queue_capacity,
+        )
+
+        async def start() -> None:
+            await service.start(args.listen)
+            print(f"scheduler listening on {service.address}", flush=True)
+
+        async def stop() -> None:
+            await service.stop()
+            await store.close()
+
+        await run_until_signalled(start, stop)
+
+    try:
+        asyncio.run(run())
+    except StoreError as exc:
+        print(f"error: cannot reach etcd at {args.etcd}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

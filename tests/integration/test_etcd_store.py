@@ -1,0 +1,345 @@
+"""EtcdStore against a real etcd: the Store contract, checked on etcd and on MemoryStore alike, and
+what only a real server shows (an outage, a hung server, reconnecting)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpufaas.etcd_server import EtcdServer, free_port
+from gpufaas.store import (
+    EtcdStore,
+    LeaseKeeper,
+    LeaseLost,
+    ManualClock,
+    MemoryStore,
+    Store,
+    StoreError,
+    WatchEvent,
+)
+from tests.integration.conftest import EtcdTarget, pid_alive
+
+# etcd's smallest lease TTL with its default raft timings (it raises shorter ones to this).
+TTL_S = 2
+
+
+def async_test(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
+    """Run an async test body in a fresh event loop (pytest-asyncio is not a dependency)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(asyncio.wait_for(fn(*args, **kwargs), timeout=30))
+
+    return wrapper
+
+
+@dataclass
+class Harness:
+    """One Store implementation under test, with its notion of time."""
+
+    kind: str
+    root: str
+    open_store: Callable[[], Awaitable[Store]]
+    # Let time pass for the store (virtual for memory, real for etcd) ...
+    pass_time: Callable[[float], Awaitable[None]]
+    # ... and what a LeaseKeeper sleeps on.
+    keeper_sleep: Callable[[float], Awaitable[None]]
+
+    async def eventually(self, check: Callable[[], Awaitable[bool]], within_s: float) -> None:
+        """Poll `check` until true, letting time pass in 0.1 s steps; fail after `within_s`."""
+        for _ in range(int(within_s / 0.1)):
+            if await check():
+                return
+            await self.pass_time(0.1)
+        assert await check(), f"not true within {within_s} s"
+
+
+@pytest.fixture(params=["memory", "etcd"])
+def harness(request: pytest.FixtureRequest) -> Harness:
+    if request.param == "memory":
+        clock = ManualClock()
+        memory = MemoryStore(clock=clock)
+
+        async def open_memory() -> Store:
+            return memory
+
+        return Harness("memory", "/t-memory", open_memory, clock.advance, clock.sleep)
+    target: EtcdTarget = request.getfixturevalue("etcd_endpoint")
+
+    async def open_etcd() -> Store:
+        return await EtcdStore.open(target.endpoint, timeout_s=2)
+
+    return Harness("etcd", target.root, open_etcd, asyncio.sleep, asyncio.sleep)
+
+
+async def take(events: AsyncIterator[WatchEvent], n: int) -> list[WatchEvent]:
+    return [await asyncio.wait_for(anext(events), timeout=5) for _ in range(n)]
+
+
+# --- the contract, on both implementations --------------------------------------------------
+
+
+@async_test
+async def test_revisions_and_key_fields(harness: Harness) -> None:
+    store, r = await harness.open_store(), harness.root
+    start = await store.revision()
+    assert await store.put(f"{r}/a", b"1") == start + 1
+    kv = await store.get(f"{r}/a")
+    assert kv is not None
+    assert (kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.lease) == (
+        f"{r}/a",
+        b"1",
+        start + 1,
+        start + 1,
+        0,
+    )
+    assert await store.put(f"{r}/a", b"2") == start + 2
+    kv = await store.get(f"{r}/a")
+    assert kv is not None and (kv.create_revision, kv.mod_revision) == (start + 1, start + 2)
+    assert await store.delete(f"{r}/missing") is False
+    assert await store.revision() == start + 2
+    assert await store.delete(f"{r}/a") is True
+    assert await store.revision() == start + 3
+    assert await store.get(f"{r}/a") is None
+    await store.close()
+
+
+@async_test
+async def test_prefix_reads_and_deletes(harness: Harness) -> None:
+    store, r = await harness.open_store(), harness.root
+    for key in ["n/b", "n/a", "nx", "n/c/d"]:
+        await store.put(f"{r}/{key}", b"")
+    assert [kv.key for kv in await store.get_prefix(f"{r}/n/")] == [f"{r}/n/a", f"{r}/n/b", f"{r}/n/c/d"]
+    start = await store.revision()
+    assert await store.delete_prefix(f"{r}/n/") == 3
+    assert await store.revision() == start + 1
+    assert [kv.key for kv in await store.get_prefix(f"{r}/")] == [f"{r}/nx"]
+    await store.close()
+
+
+@async_test
+async def test_compare_and_swap(harness: Harness) -> None:
+    store, r = await harness.open_store(), harness.root
+    key = f"{r}/k"
+    assert await store.compare_and_put(key, b"first", mod_revision=0) is True
+    assert await store.compare_and_put(key, b"second", mod_revision=0) is False
+    seen = await store.get(key)
+    assert seen is not None and seen.value == b"first"
+    await store.put(key, b"other writer")
+    assert await store.compare_and_put(key, b"stale", mod_revision=seen.mod_revision) is False
+    current = await store.get(key)
+    assert current is not None and current.value == b"other writer"
+    assert await store.compare_and_put(key, b"mine", mod_revision=current.mod_revision) is True
+    assert await store.compare_and_delete(key, mod_revision=current.mod_revision) is False
+    mine = await store.get(key)
+    assert mine is not None and mine.value == b"mine"
+    assert await store.compare_and_delete(key, mod_revision=mine.mod_revision) is True
+    assert await store.get(key) is None
+    await store.close()
+
+
+@async_test
+async def test_a_lost_lease_is_refused_only_where_it_would_be_used(harness: Harness) -> None:
+    store, r = await harness.open_store(), harness.root
+    lease = await store.grant_lease(TTL_S)
+    await store.revoke_lease(lease)
+    await store.revoke_lease(lease)  # idempotent
+    with pytest.raises(LeaseLost):
+        await store.refresh_lease(lease)
+    with pytest.raises(LeaseLost):
+        await store.put(f"{r}/k", b"v", lease=lease)
+    await store.put(f"{r}/k", b"v")
+    assert await store.compare_and_put(f"{r}/k", b"x", mod_revision=0, lease=lease) is False
+    with pytest.raises(LeaseLost):
+        await store.compare_and_put(f"{r}/new", b"x", mod_revision=0, lease=lease)
+    await store.close()
+
+
+@async_test
+async def test_lease_expiry_deletes_its_keys_and_a_watcher_sees_it(harness: Harness) -> None:
+    store, r = await harness.open_store(), harness.root
+    lease = await store.grant_lease(TTL_S)
+    await store.put(f"{r}/live/a", b"a", lease=lease)
+    await store.put(f"{r}/live/b", b"b", lease=lease)
+    await store.put(f"{r}/live/c", b"c")
+    kv = await store.get(f"{r}/live/a")
+    assert kv is not None and kv.lease == lease
+    events = store.watch_prefix(f"{r}/live/", start_revision=await store.revision() + 1)
+
+    async def expired() -> bool:
+        return await store.get(f"{r}/live/a") is None
+
+    assert not await expired()
+    await harness.pass_time(TTL_S)
+    await harness.eventually(expired, within_s=3)  # etcd checks for expired leases every 0.5 s
+    deletes = await take(events, 2)
+    assert [(e.kind, e.key, e.value) for e in deletes] == [
+        ("delete", f"{r}/live/a", b""),
+        ("delete", f"{r}/live/b", b""),
+    ]
+    assert deletes[0].mod_revision == deletes[1].mod_revision == await store.revision()
+    assert [kv.key for kv in await store.get_prefix(f"{r}/live/")] == [f"{r}/live/c"]
+    with pytest.raises(LeaseLost):
+        await store.refresh_lease(lease)
+    await events.aclose()
+    await store.close()
+
+
+@async_test
+async def test_refreshing_keeps_a_lease_past_its_ttl(harness: Harness) -> None:
+    store, r = await harness.open_store(), harness.root
+    lease = await store.grant_lease(TTL_S)
+    await store.put(f"{r}/k", b"v", lease=lease)
+    for _ in range(4):
+        await harness.pass_time(TTL_S / 3)
+        await store.refresh_lease(lease)
+    assert await store.get(f"{r}/k") is not None
+    await store.revoke_lease(lease)
+    assert await store.get(f"{r}/k") is None
+    await store.close()
+
+
+@async_test
+async def test_watch_replays_from_start_revision_then_follows(harness: Harness) -> None:
+    store, r = await harness.open_store(), harness.root
+    first = await store.put(f"{r}/w/a", b"1")
+    await store.put(f"{r}/elsewhere", b"x")
+    await store.put(f"{r}/w/a", b"2")
+    await store.delete(f"{r}/w/a")
+    events = store.watch_prefix(f"{r}/w/", start_revision=first)
+    assert await take(events, 3) == [
+        WatchEvent("put", f"{r}/w/a", b"1", first),
+        WatchEvent("put", f"{r}/w/a", b"2", first + 2),
+        WatchEvent("delete", f"{r}/w/a", b"", first + 3),
+    ]
+    revision = await store.put(f"{r}/w/b", b"3")
+    assert await take(events, 1) == [WatchEvent("put", f"{r}/w/b", b"3", revision)]
+    await events.aclose()
+    await store.close()
+
+
+@async_test
+async def test_a_watch_stops_with_its_consumer(harness: Harness) -> None:
+    store, r = await harness.open_store(), harness.root
+    seen: list[WatchEvent] = []
+    got_one = asyncio.Event()
+
+    async def consume() -> None:
+        async for event in store.watch_prefix(f"{r}/w/", start_revision=await store.revision() + 1):
+            seen.append(event)
+            got_one.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.05)  # the watch starts
+    await store.put(f"{r}/w/a", b"")
+    await asyncio.wait_for(got_one.wait(), timeout=5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await store.put(f"{r}/w/b", b"")  # nobody left to receive it; nothing breaks
+    assert [e.key for e in seen] == [f"{r}/w/a"]
+    await store.close()
+
+
+@async_test
+async def test_keeper_regrants_after_the_lease_is_revoked_from_outside(harness: Harness) -> None:
+    store, r = await harness.open_store(), harness.root
+    key = f"{r}/nodes/n1"
+
+    async def register(lease: int) -> None:
+        await store.put(key, b"alive", lease=lease)
+
+    keeper = LeaseKeeper(store, TTL_S, on_regrant=register, sleep=harness.keeper_sleep)
+    first = await keeper.start()
+    await register(first)
+    await store.revoke_lease(first)
+    assert await store.get(key) is None
+
+    async def reregistered() -> bool:
+        kv = await store.get(key)
+        return kv is not None and kv.lease == keeper.lease != first
+
+    await harness.eventually(reregistered, within_s=3)
+    assert keeper.num_regrants == 1
+    await harness.pass_time(TTL_S + 0.5)  # the new lease is kept alive too
+    assert await reregistered()
+    await keeper.stop()
+    assert await store.get(key) is None
+    await store.close()
+
+
+# --- etcd only ------------------------------------------------------------------------------
+
+
+@async_test
+async def test_open_fails_with_store_error_when_nothing_listens() -> None:
+    started = time.monotonic()
+    with pytest.raises(StoreError):
+        await EtcdStore.open(f"127.0.0.1:{free_port()}", timeout_s=2)
+    assert time.monotonic() - started < 2
+
+
+def test_store_error_while_etcd_is_down_and_recovery_after(tmp_path: Path) -> None:
+    """A private etcd: stopped (calls and watches fail fast), restarted (the same store and lease
+    keeper carry on), suspended (calls time out)."""
+    server = EtcdServer(name="outage").start(tmp_path)
+    pid = server.pid
+
+    async def scenario() -> None:
+        store = await EtcdStore.open(server.endpoint, timeout_s=1)
+
+        async def register(lease: int) -> None:
+            await store.put("/nodes/n1", b"", lease=lease)
+
+        keeper = LeaseKeeper(store, TTL_S, on_regrant=register)
+        await register(await keeper.start())
+        await store.put("/kept", b"v")
+        watch = store.watch_prefix("/", start_revision=await store.revision() + 1)
+        watching = asyncio.ensure_future(anext(watch))
+        await asyncio.sleep(0.2)
+
+        await asyncio.to_thread(server.stop)
+        with pytest.raises(StoreError):
+            await asyncio.wait_for(watching, timeout=5)
+        started = time.monotonic()
+        with pytest.raises(StoreError):
+            await store.get("/kept")
+        with pytest.raises(StoreError):
+            await store.put("/kept", b"w")
+        assert time.monotonic() - started < 1  # refused, not timed out
+
+        await asyncio.sleep(0.5)  # the keeper fails a refresh or two meanwhile, and carries on
+        await asyncio.to_thread(server.start, tmp_path, client_port=server.client_port, peer_port=server.peer_port)
+        for _ in range(100):  # gRPC reconnects with backoff
+            try:
+                kv = await store.get("/kept")
+                break
+            except StoreError:
+                await asyncio.sleep(0.1)
+        assert kv is not None and kv.value == b"v"
+        await asyncio.sleep(TTL_S / 3 + 0.5)  # a refresh after the restart
+        node = await store.get("/nodes/n1")
+        assert node is not None and node.lease == keeper.lease
+        assert keeper.running
+        await keeper.stop()
+
+        server.suspend()
+        started = time.monotonic()
+        with pytest.raises(StoreError):
+            await store.get("/kept")
+        assert 0.5 < time.monotonic() - started < 3  # the call's deadline (timeout_s=1)
+        server.resume()
+        await store.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), timeout=40))
+    finally:
+        server.stop()
+    assert not pid_alive(pid)

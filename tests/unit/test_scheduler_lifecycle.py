@@ -1,0 +1,62 @@
+"""Request lifecycle beyond the happy path: failures, retries, cancellation, GPUs leaving."""
+
+from __future__ import annotations
+
+from scheduler import Dispatch
+from tests.builders import cache_on, make_scheduler, run_on, submit
+
+
+def test_failure_with_drop_requeues_and_forgets_the_model() -> None:
+    s = make_scheduler("lalb", gpus=2)
+    cache_on(s, "g0", "A")
+    running = run_on(s, "g0", "A", now=0.0)
+    (parked,) = submit(s, "A", now=0.1)
+    s.park(parked, "g0", 0.1)
+    s.on_failure(running.request_id, 0.5, drop_model=True, requeue=True)
+    assert not s.cache.is_cached("A", "g0")
+    assert [r.request_id for r in s.queue] == [running.request_id, parked.request_id]
+    assert s.gpu("g0").idle and not s.gpu("g0").local_queue
+    decisions = s.schedule(0.5)
+    assert [(d.request.request_id, d.gpu_id) for d in decisions] == [
+        (running.request_id, "g0"),
+        (parked.request_id, "g1"),
+    ]
+
+
+def test_failure_without_drop_keeps_the_model_and_ends_the_request() -> None:
+    s = make_scheduler("lalb", gpus=1)
+    cache_on(s, "g0", "A")
+    running = run_on(s, "g0", "A", now=0.0)
+    s.on_failure(running.request_id, 0.5, drop_model=False, requeue=False)
+    assert s.cache.is_cached("A", "g0")
+    assert not s.cache.gpu("g0").is_pinned("A")
+    assert len(s.queue) == 0 and s.gpu("g0").idle
+
+
+def test_cancel_withdraws_queued_and_parked_requests_but_not_running_ones() -> None:
+    s = make_scheduler("lalb", gpus=1)
+    cache_on(s, "g0", "A")
+    running = run_on(s, "g0", "A", now=0.0)
+    queued, parked = submit(s, "B", "A", now=0.1)
+    s.park(parked, "g0", 0.1)
+    assert s.cancel(queued.request_id) == queued
+    assert s.cancel(parked.request_id) == parked
+    assert s.cancel(running.request_id) is None
+    assert len(s.queue) == 0 and not s.gpu("g0").local_queue
+    assert s.gpu("g0").local_work_s == 0.0
+    s.on_complete(running.request_id, 1.0)
+    assert not s.cache.gpu("g0").is_pinned("A")
+
+
+def test_removing_a_gpu_requeues_its_work_in_arrival_order() -> None:
+    s = make_scheduler("lalb", gpus=2)
+    cache_on(s, "g0", "A")
+    first = run_on(s, "g0", "A", now=0.0)
+    (later,) = submit(s, "A", now=0.1)
+    s.park(later, "g0", 0.1)
+    (newest,) = submit(s, "B", now=0.2)
+    assert s.remove_gpu("g0") == [first, later]
+    assert [r.request_id for r in s.queue] == [first.request_id, later.request_id, newest.request_id]
+    decisions = s.schedule(0.3)
+    assert isinstance(decisions[0], Dispatch) and decisions[0].request == first and decisions[0].gpu_id == "g1"
+    assert s.cache.gpus_with("A") == {"g1"}
