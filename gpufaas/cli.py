@@ -72,6 +72,12 @@ def sim(
     plot: Annotated[
         Path | None, typer.Option(help="Write the paper's figures (4-6 with --compare, 7 with --sweep-o3) to a PNG.")
     ] = None,
+    literal_misses: Annotated[
+        bool,
+        typer.Option(
+            help="Algorithm 2 to the letter: a miss loads on the GPU being filled even if another idle GPU has room."
+        ),
+    ] = False,
     sweep_o3: Annotated[
         str | None, typer.Option(help="Run lalb-o3 at each of these limits (e.g. 0,5,10,...,45): Figure 7.")
     ] = None,
@@ -116,7 +122,9 @@ def sim(
         cluster = ClusterConfig(gpus=gpus, gpu_memory_mb=gpu_memory_mb)
         total = sum(len(workloads[run.working_set].requests) for run in runs)
         with _progress(total, enabled=not json_output and sys.stderr.isatty()) as advance:
-            results = execute(workloads, runs, cluster=cluster, on_progress=advance)
+            results = execute(
+                workloads, runs, cluster=cluster, room_aware_misses=not literal_misses, on_progress=advance
+            )
         if plot is not None:
             (plot_sweep if limits is not None else plot_policies)(results, plot)
 

@@ -284,6 +284,18 @@ class Scheduler:
     def fits(self, model: str, gpu_id: str) -> bool:
         return self._models[model].memory_mb <= self._gpus[gpu_id].spec.memory_mb
 
+    def idle_with_room(self, model: str, prefer: str) -> str | None:
+        """An idle GPU whose cache has room for `model` without evicting anything: `prefer` if
+        it has, else the first in idle order; None if every idle GPU would have to evict. O(1)
+        when `prefer` has room, else O(idle GPUs)."""
+        memory_mb = self._models[model].memory_mb
+        if self.cache.gpu(prefer).free_mb >= memory_mb:
+            return prefer
+        for _, gpu_id in self._idle:
+            if self.cache.gpu(gpu_id).free_mb >= memory_mb:
+                return gpu_id
+        return None
+
     def first_idle_fitting(self, model: str) -> str | None:
         """The first idle GPU (in idle order) large enough for `model`: O(idle GPUs); only asked
         when a model does not fit the GPU being filled (clusters of mixed memory sizes)."""

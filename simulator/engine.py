@@ -39,6 +39,7 @@ class SimResult:
 
     policy: str
     max_num_skips: int
+    room_aware_misses: bool
     working_set: int
     gpus: int
     requests: int
@@ -68,6 +69,7 @@ def simulate(
     *,
     cluster: ClusterConfig | None = None,
     max_num_skips: int = DEFAULT_MAX_NUM_SKIPS,
+    room_aware_misses: bool = True,
     on_progress: Callable[[int], None] | None = None,
 ) -> SimResult:
     """Run every request of `workload` to completion under `policy`.
@@ -75,11 +77,12 @@ def simulate(
     A GPU runs one request at a time; a miss costs the model's load time plus its inference time,
     a hit its inference time (the profiled figures: the simulator's ground truth); evictions are
     immediate. The scheduler's estimator starts from the same profiles and is fed every
-    "measured" time, as the service feeds it. `on_progress(completed)` is called per completion.
+    "measured" time, as the service feeds it. `room_aware_misses=False` runs Algorithm 2 to the
+    letter (see PolicyConfig). `on_progress(completed)` is called per completion.
     """
     cluster = cluster if cluster is not None else ClusterConfig()
     scheduler = Scheduler(
-        make_policy(policy, PolicyConfig(max_num_skips=max_num_skips)),
+        make_policy(policy, PolicyConfig(max_num_skips=max_num_skips, room_aware_misses=room_aware_misses)),
         estimator=Estimator(_as_gpu_type(workload.profiles, cluster.gpu_type)),
         cache=CacheManager(eviction_policy(cluster.eviction)),
     )
@@ -147,6 +150,7 @@ def simulate(
     return SimResult(
         policy=policy,
         max_num_skips=max_num_skips if policy == "lalb-o3" else 0,
+        room_aware_misses=room_aware_misses,
         working_set=len(workload.function_models),
         gpus=cluster.gpus,
         requests=len(arrivals),

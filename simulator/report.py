@@ -59,6 +59,7 @@ def execute(
     runs: Sequence[Run],
     *,
     cluster: ClusterConfig,
+    room_aware_misses: bool = True,
     on_progress: Callable[[int], None] | None = None,
 ) -> list[SimResult]:
     """Run each simulation on its working set's workload (the same requests for every policy);
@@ -78,6 +79,7 @@ def execute(
                 run.policy,
                 cluster=cluster,
                 max_num_skips=run.max_num_skips,
+                room_aware_misses=room_aware_misses,
                 on_progress=progress,
             )
         )

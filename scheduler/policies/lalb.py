@@ -14,14 +14,18 @@ class Placement(enum.Enum):
     NOWHERE = "nowhere"  # left queued: no idle GPU is large enough for the model (mixed memory sizes)
 
 
-def locality_load_balance(ctx: SchedulingContext, gpu_id: str, request: Request, now: float) -> Placement:
+def locality_load_balance(
+    ctx: SchedulingContext, gpu_id: str, request: Request, now: float, *, room_aware: bool = True
+) -> Placement:
     """Algorithm 2: place `request` given that idle `gpu_id` wants work.
 
     Model cached nowhere -> miss here. Cached on another idle GPU -> hit there. Cached on busy
     GPUs -> park on the one that frees up soonest if that beats loading the model here
-    (waiting + inference < load + inference). Otherwise a miss here that balances load; if the
-    model does not fit this GPU (clusters of mixed memory sizes), a miss on the first idle GPU it
-    fits, so that a younger request never takes the only GPU an older one could use.
+    (waiting + inference < load + inference). Otherwise a miss that balances load: on an idle GPU
+    with room for the model if there is one (this GPU first), so no warm model is evicted while
+    another idle GPU has space; else here; and if the model does not fit this GPU (clusters of
+    mixed memory sizes), on the first idle GPU it fits, so that a younger request never takes the
+    only GPU an older one could use.
     """
     holders = ctx.cache.gpus_with(request.model)
     if gpu_id in holders:
@@ -36,14 +40,16 @@ def locality_load_balance(ctx: SchedulingContext, gpu_id: str, request: Request,
         if soonest is not None and soonest[1] < ctx.load_time_s(request.model, gpu_id):
             ctx.park(request, soonest[0], now)
             return Placement.ELSEWHERE
-    if ctx.fits(request.model, gpu_id):
-        ctx.dispatch(request, gpu_id, now)
-        return Placement.HERE
-    elsewhere = ctx.first_idle_fitting(request.model)
-    if elsewhere is None:
+    # The miss goes where it evicts nothing if an idle GPU has room (the paper misses on the GPU
+    # being filled, which throws out a warm model while another idle GPU sits empty); else here;
+    # else, on clusters of mixed memory sizes, on the first idle GPU large enough.
+    target = ctx.idle_with_room(request.model, prefer=gpu_id) if room_aware else None
+    if target is None:
+        target = gpu_id if ctx.fits(request.model, gpu_id) else ctx.first_idle_fitting(request.model)
+    if target is None:
         return Placement.NOWHERE
-    ctx.dispatch(request, elsewhere, now)
-    return Placement.ELSEWHERE
+    ctx.dispatch(request, target, now)
+    return Placement.HERE if target == gpu_id else Placement.ELSEWHERE
 
 
 class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
@@ -62,10 +68,18 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
     per request placed (each request is placed once).
     """
 
-    def __init__(self, max_num_skips: int = 0) -> None:
+    def __init__(self, max_num_skips: int = 0, *, room_aware_misses: bool = True) -> None:
         if max_num_skips < 0:
             raise ValueError(f"max_num_skips must be >= 0, got {max_num_skips}")
         self.max_num_skips = max_num_skips
+        self.room_aware_misses = room_aware_misses
+
+    @classmethod
+    def from_config(cls, config: PolicyConfig) -> SchedulingPolicy:
+        return cls(room_aware_misses=config.room_aware_misses)
+
+    def _balance(self, ctx: SchedulingContext, gpu_id: str, request: Request, now: float) -> Placement:
+        return locality_load_balance(ctx, gpu_id, request, now, room_aware=self.room_aware_misses)
 
     def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> None:
         queue = ctx.queue
@@ -79,7 +93,7 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
             if request.model in cached_here:
                 ctx.dispatch(request, gpu_id, now)
                 return
-            placement = locality_load_balance(ctx, gpu_id, request, now)
+            placement = self._balance(ctx, gpu_id, request, now)
             if placement is Placement.HERE:
                 return
             if placement is Placement.NOWHERE:
@@ -92,7 +106,7 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
             ctx.dispatch(candidate, gpu_id, now)
             return
         for request, _ in queue.walk():
-            if locality_load_balance(ctx, gpu_id, request, now) is Placement.HERE:
+            if self._balance(ctx, gpu_id, request, now) is Placement.HERE:
                 return
 
 
@@ -100,9 +114,9 @@ class OutOfOrderLocalityAwarePolicy(LocalityAwarePolicy, name="lalb-o3"):
     """`lalb` with out-of-order dispatch: a request may be passed over up to `max_num_skips`
     times (default 25) in favour of younger requests whose model is cached on an idle GPU."""
 
-    def __init__(self, max_num_skips: int = 25) -> None:
-        super().__init__(max_num_skips)
+    def __init__(self, max_num_skips: int = 25, *, room_aware_misses: bool = True) -> None:
+        super().__init__(max_num_skips, room_aware_misses=room_aware_misses)
 
     @classmethod
     def from_config(cls, config: PolicyConfig) -> SchedulingPolicy:
-        return cls(config.max_num_skips)
+        return cls(config.max_num_skips, room_aware_misses=config.room_aware_misses)

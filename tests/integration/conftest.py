@@ -41,3 +41,87 @@ class EtcdTarget(NamedTuple):
 def etcd_endpoint(etcd_server: EtcdServer) -> EtcdTarget:
     """The session's etcd and a key root no other test uses, so tests need no cleanup."""
     return EtcdTarget(etcd_server.endpoint, f"/t-{uuid.uuid4().hex[:12]}")
+
+
+# --- whole clusters -------------------------------------------------------------------------
+
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import httpx  # noqa: E402
+
+from gpufaas.local_cluster import LocalCluster  # noqa: E402
+from tests.fixtures.make_packages import build_package  # noqa: E402
+
+ClusterFactory = Callable[..., LocalCluster]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (a GPU manager's workers), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@pytest.fixture
+def make_cluster(etcd_endpoint: EtcdTarget, tmp_path: Path) -> Iterator[ClusterFactory]:
+    """Start LocalClusters (scheduler, gateway, GPU managers as real processes) on the session's
+    etcd under this test's own key root; stops them by PID and checks that none survives."""
+    clusters: list[LocalCluster] = []
+    watched: list[int] = []
+
+    def factory(**options: object) -> LocalCluster:
+        cluster = LocalCluster(
+            state_dir=tmp_path / f"cluster{len(clusters)}",
+            etcd_endpoint=etcd_endpoint.endpoint,
+            root=etcd_endpoint.root,
+            **options,  # type: ignore[arg-type]
+        )
+        clusters.append(cluster)
+        cluster.start()
+        watched.extend(cluster.pids().values())
+        return cluster
+
+    try:
+        yield factory
+    finally:
+        for cluster in clusters:
+            for component in cluster.components.values():
+                if component.pid is not None:
+                    watched.extend(_descendants(component.pid))
+            cluster.stop()
+        leftovers = [pid for pid in watched if pid_alive(pid) and not _is_zombie(pid)]
+        assert not leftovers, f"processes left running: {leftovers}"
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def deploy(cluster: LocalCluster, name: str, fixture: str, tmp_path: Path, **spec: object) -> dict[str, object]:
+    """Upload a fixture package and deploy it as `name`; returns the gateway's answer."""
+    package = tmp_path / f"{fixture}.tar.gz"
+    if not package.exists():
+        package = build_package(fixture, tmp_path)
+    uploaded = httpx.post(f"{cluster.gateway_url}/system/packages", content=package.read_bytes(), timeout=30)
+    assert uploaded.status_code == 201, uploaded.text
+    body = {"name": name, "package_digest": uploaded.json()["digest"], "memory_mb": 800, **spec}
+    response = httpx.post(f"{cluster.gateway_url}/system/functions", json=body, timeout=30)
+    assert response.status_code == 202, response.text
+    result: dict[str, object] = response.json()
+    return result

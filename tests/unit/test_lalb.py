@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpufaas.errors import ModelTooLarge, UnknownModel, UnknownPolicy
-from scheduler import Dispatch, Park, make_policy
+from scheduler import Dispatch, Park, PolicyConfig, make_policy
 from tests.builders import cache_on, make_scheduler, run_on, submit
 
 
@@ -250,3 +250,24 @@ def test_model_too_big_for_the_gpu_being_filled_misses_on_an_idle_gpu_it_fits() 
     # g0 is offered work first but cannot hold "big": in arrival order, big takes g1 (a miss that
     # evicts nothing, 1000 + 3000 fit), then A misses on g0.
     assert decided(s.schedule(0.0)) == [("dispatch", "big", "g1", False), ("dispatch", "A", "g0", False)]
+
+
+@pytest.mark.parametrize("policy", ["lalb", "lalb-o3"])
+def test_miss_goes_to_an_idle_gpu_with_room_rather_than_evicting(policy: str) -> None:
+    s = make_scheduler(policy, gpus={"g0": 1000, "g1": 1000}, models={"A": 1000, "B": 1000})
+    cache_on(s, "g0", "A")
+    submit(s, "B")
+    # g0 is offered work first but holds A; g1 is idle and empty: B loads there, A stays warm.
+    decisions = s.schedule(0.0)
+    assert decided(decisions) == [("dispatch", "B", "g1", False)]
+    assert isinstance(decisions[0], Dispatch) and decisions[0].evict == ()
+
+
+def test_algorithm_2_to_the_letter_misses_on_the_gpu_being_filled() -> None:
+    s = make_scheduler("lalb", gpus={"g0": 1000, "g1": 1000}, models={"A": 1000, "B": 1000})
+    s.policy = make_policy("lalb", PolicyConfig(room_aware_misses=False))
+    cache_on(s, "g0", "A")
+    submit(s, "B")
+    decisions = s.schedule(0.0)
+    assert decided(decisions) == [("dispatch", "B", "g0", False)]
+    assert isinstance(decisions[0], Dispatch) and decisions[0].evict == ("A",)

@@ -1,0 +1,131 @@
+"""The whole control plane over real etcd, processes, gRPC and HTTP: deploy, invoke, cache state."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gpufaas.keys import Keys
+from tests.integration.conftest import ClusterFactory, deploy
+
+INPUTS = [[1.0, 2.0, 3.0, 4.0], [-1.0, 0.5, 0.0, 2.0]]
+
+
+def flat(rows: list[list[float]]) -> list[float]:
+    return [value for row in rows for value in row]
+
+
+def expected_outputs() -> list[float]:
+    import torch
+
+    from tests.fixtures.make_packages import LINEAR_SEED
+
+    torch.manual_seed(LINEAR_SEED)
+    layer = torch.nn.Linear(4, 2)
+    with torch.inference_mode():
+        rows: list[list[float]] = layer(torch.tensor(INPUTS)).tolist()
+    return flat(rows)
+
+
+def invoke(gateway_url: str, name: str, client: httpx.Client | None = None) -> httpx.Response:
+    poster = client or httpx
+    return poster.post(f"{gateway_url}/function/{name}", json={"inputs": INPUTS}, timeout=60)
+
+
+def etcd_state(endpoint: str, root: str) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """(GPU -> LRU list, model -> replicas) as stored in etcd, read with a fresh client."""
+    import asyncio
+
+    from gpufaas.store import EtcdStore
+
+    async def read() -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+        store = await EtcdStore.open(endpoint)
+        try:
+            keys = Keys(root)
+            lru: dict[str, list[str]] = {}
+            for kv in await store.get_prefix(keys.gpus):
+                parsed = keys.parse_gpu_key(kv.key)
+                if parsed is not None and parsed[2] == "lru":
+                    lru[f"{parsed[0]}/{parsed[1]}"] = [item["model"] for item in json.loads(kv.value)]
+            replicas = {
+                kv.key.removeprefix(keys.models).removesuffix("/replicas"): json.loads(kv.value)
+                for kv in await store.get_prefix(keys.models)
+            }
+            return lru, replicas
+        finally:
+            await store.close()
+
+    return asyncio.run(read())
+
+
+def wait_for(predicate: object, timeout_s: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.1)
+    raise AssertionError("condition not reached in time")
+
+
+@pytest.mark.integration
+def test_deploy_invoke_hits_and_lru_state_in_etcd(make_cluster: ClusterFactory, tmp_path: Path, etcd_endpoint) -> None:  # type: ignore[no-untyped-def]
+    # 2 GPU managers x 2 logical GPUs, each GPU holding one 800 MB model at most.
+    cluster = make_cluster(nodes=2, gpus_per_node=2, backend="cpu", gpu_memory_mb=1000)
+    models = {name: deploy(cluster, name, "linear_function", tmp_path)["model"] for name in ("lin-a", "lin-b", "lin-c")}
+    expected = expected_outputs()
+
+    # The first call of each model is a miss and loads it; the model's outputs are right.
+    for name in models:
+        response = invoke(cluster.gateway_url, name)
+        assert response.status_code == 200, response.text
+        assert response.headers["X-Cache"] == "miss"
+        assert flat(response.json()["outputs"]) == pytest.approx(expected)
+        assert float(response.headers["X-Load-Seconds"]) > 0
+
+    # 47 more, 4 at a time: every one hits a resident model and answers correctly.
+    names = [list(models)[i % 3] for i in range(47)]
+    with httpx.Client() as client, ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(lambda n: invoke(cluster.gateway_url, n, client), names))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    assert [r.headers["X-Cache"] for r in responses] == ["hit"] * 47
+    assert all(flat(r.json()["outputs"]) == pytest.approx(expected) for r in responses)
+    assert {r.headers["X-Gpu"].split("/")[0] for r in responses} <= {"node0", "node1"}
+    for response in responses:
+        assert set(response.headers) >= {"x-call-id", "x-duration-seconds", "x-gpu", "x-cache", "x-queue-seconds"}
+
+    # etcd holds each model on exactly one GPU, and the LRU lists agree with the replicas.
+    lru, replicas = etcd_state(etcd_endpoint.endpoint, etcd_endpoint.root)
+    assert set(replicas) == set(models.values())
+    assert all(len(gpus) == 1 for gpus in replicas.values())
+    for model, (gpu,) in replicas.items():
+        assert lru[gpu] == [model]
+
+    # Two more models on four one-model GPUs: the least recently used ones are evicted.
+    for name in ("lin-d", "lin-e"):
+        models[name] = deploy(cluster, name, "linear_function", tmp_path)["model"]
+        response = invoke(cluster.gateway_url, name)
+        assert response.status_code == 200 and response.headers["X-Cache"] == "miss"
+
+    def settled() -> bool:
+        lru, replicas = etcd_state(etcd_endpoint.endpoint, etcd_endpoint.root)
+        return sum(len(v) for v in lru.values()) == 4 and len(replicas) == 4
+
+    wait_for(settled)
+    lru, replicas = etcd_state(etcd_endpoint.endpoint, etcd_endpoint.root)
+    assert models["lin-d"] in replicas and models["lin-e"] in replicas
+    assert all(len(models_on_gpu) == 1 for models_on_gpu in lru.values())
+    assert {m for models_on_gpu in lru.values() for m in models_on_gpu} == set(replicas)
+
+    # The gateway's views agree with etcd.
+    gpus = httpx.get(f"{cluster.gateway_url}/system/gpus", timeout=10).json()
+    assert {g["gpu"]: g["lru"] for g in gpus} == lru
+    assert all(g["memory_used_mb"] <= g["memory_capacity_mb"] == 1000 for g in gpus)
+    listed = {f["name"]: f for f in httpx.get(f"{cluster.gateway_url}/system/functions", timeout=10).json()}
+    assert listed["lin-a"]["invocationCount"] >= 16
+    assert httpx.get(f"{cluster.gateway_url}/system/queue", timeout=10).json()["length"] == 0
