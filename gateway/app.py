@@ -378,7 +378,9 @@ def create_app(store: Store, config: GatewayConfig) -> FastAPI:
         except grpc.aio.AioRpcError as exc:
             status = _GRPC_TO_HTTP.get(exc.code(), 502)
             message = exc.details() or str(exc.code())
-            if exc.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in message.lower():
+            # Only the channel's own failure means the scheduler is down; the scheduler's answers
+            # (a node that failed, say) carry their own message.
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and message.lower().startswith("failed to connect"):
                 message = "the scheduler is unreachable; check that it runs"
             gateway.invocations[(name, status)] += 1
             headers = {"X-Call-Id": call_id}

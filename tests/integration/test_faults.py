@@ -1,0 +1,101 @@
+"""Fault injection over the real control plane: a node dies, the scheduler restarts, a worker dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.conftest import ClusterFactory, EtcdTarget, deploy
+from tests.integration.test_control_plane import etcd_state, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def call(url: str, name: str, sleep_s: float = 0.0, client: httpx.Client | None = None) -> httpx.Response:
+    return (client or httpx).post(f"{url}/function/{name}", json={"sleep_s": sleep_s}, timeout=60)
+
+
+def test_killing_a_gpu_manager_mid_burst_loses_no_invocation(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    cluster = make_cluster(nodes=2, gpus_per_node=2, backend="cpu", gpu_memory_mb=1000)
+    for name in ("slow-a", "slow-b"):
+        deploy(cluster, name, "sleepy_function", tmp_path)
+        assert call(cluster.gateway_url, name).status_code == 200
+    completed: list[tuple[float, httpx.Response]] = []
+    lock = threading.Lock()
+    killed_at: list[float] = []
+
+    def one(i: int, client: httpx.Client) -> None:
+        response = call(cluster.gateway_url, ("slow-a", "slow-b")[i % 2], 0.3, client)
+        with lock:
+            completed.append((time.monotonic(), response))
+            if len(completed) == 4 and not killed_at:
+                # SIGKILL the whole node (its GPU manager and its workers), mid-burst.
+                cluster.components["node0"].stop(kill=True)
+                killed_at.append(time.monotonic())
+
+    with httpx.Client() as client, ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda i: one(i, client), range(24)))
+
+    assert killed_at, "the node was never killed"
+    failures = [r.text for _, r in completed if r.status_code != 200]
+    assert not failures, failures
+    assert len(completed) == 24
+    # Whatever finished after the kill ran on the surviving node.
+    late = [r.headers["X-Gpu"] for t, r in completed if t > killed_at[0] + 0.2]
+    assert late and all(gpu.startswith("node1/") for gpu in late), late
+    # Once the dead node's lease expires, its GPUs are gone from the cluster view.
+    wait_for(lambda: {g["node"] for g in httpx.get(f"{cluster.gateway_url}/system/gpus").json()} == {"node1"})
+
+
+def test_scheduler_restart_rebuilds_its_cache_state_from_etcd(
+    make_cluster: ClusterFactory, tmp_path: Path, etcd_endpoint: EtcdTarget
+) -> None:
+    cluster = make_cluster(nodes=2, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000)
+    for name in ("warm-a", "warm-b"):
+        deploy(cluster, name, "sleepy_function", tmp_path)
+        assert call(cluster.gateway_url, name).headers["X-Cache"] == "miss"
+    lru_before, replicas_before = etcd_state(etcd_endpoint.endpoint, etcd_endpoint.root)
+    assert sum(len(models) for models in lru_before.values()) == 2
+
+    cluster.restart("scheduler", kill=True)  # no orderly shutdown: state must come from etcd
+
+    in_memory = {g["gpu"]: g["lru"] for g in httpx.get(f"{cluster.gateway_url}/system/gpus").json()}
+    assert in_memory == lru_before
+    lru_after, replicas_after = etcd_state(etcd_endpoint.endpoint, etcd_endpoint.root)
+    assert (lru_after, replicas_after) == (lru_before, replicas_before)
+    # Invocations continue, and hit the workers that survived the scheduler's restart.
+    for name in ("warm-a", "warm-b"):
+        response = call(cluster.gateway_url, name)
+        assert response.status_code == 200, response.text
+        assert response.headers["X-Cache"] == "hit"
+
+
+def test_a_worker_dying_mid_request_is_retried_and_its_cache_entry_dropped(
+    make_cluster: ClusterFactory, tmp_path: Path, etcd_endpoint: EtcdTarget
+) -> None:
+    cluster = make_cluster(nodes=1, gpus_per_node=2, backend="cpu", gpu_memory_mb=1000)
+    model = str(deploy(cluster, "fragile", "sleepy_function", tmp_path)["model"])
+    first = call(cluster.gateway_url, "fragile")
+    worker_pid = first.json()["pid"]
+    results: list[httpx.Response] = []
+    caller = threading.Thread(target=lambda: results.append(call(cluster.gateway_url, "fragile", 2.0)))
+    caller.start()
+    time.sleep(0.7)  # the call is inside predict() now
+    os.kill(worker_pid, signal.SIGKILL)
+    caller.join(timeout=60)
+
+    (response,) = results
+    assert response.status_code == 200, response.text
+    assert response.json()["pid"] != worker_pid  # a fresh worker served the retry
+    assert response.headers["X-Cache"] == "miss"
+    # The dead worker's entry was dropped and the retry's load recorded: one replica, in etcd too.
+    lru, replicas = etcd_state(etcd_endpoint.endpoint, etcd_endpoint.root)
+    assert replicas == {model: [response.headers["X-Gpu"]]}
+    assert sum(models.count(model) for models in lru.values()) == 1
