@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from pathlib import Path
 
@@ -11,8 +10,8 @@ import uvicorn
 
 from gateway.app import GatewayConfig, create_app
 from gpufaas.keys import Keys
-from gpufaas.service_main import add_common_flags, configure_logging
-from gpufaas.store import EtcdStore, StoreError
+from gpufaas.service_main import add_common_flags, configure_logging, run_daemon
+from gpufaas.store import EtcdStore
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,12 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             await store.close()
 
-    try:
-        asyncio.run(run())
-    except StoreError as exc:
-        print(f"error: cannot reach etcd at {args.etcd}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_daemon(run, args.etcd)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import socket
 import sys
@@ -14,8 +13,8 @@ from gpu_manager.devices import discover_nvml, logical_devices
 from gpu_manager.packages import PackageCache
 from gpu_manager.pool import WorkerPool
 from gpufaas.keys import Keys
-from gpufaas.service_main import add_common_flags, configure_logging, run_until_signalled
-from gpufaas.store import EtcdStore, StoreError
+from gpufaas.service_main import add_common_flags, configure_logging, run_daemon, run_until_signalled
+from gpufaas.store import EtcdStore
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,12 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
         await run_until_signalled(start, stop)
 
-    try:
-        asyncio.run(run())
-    except StoreError as exc:
-        print(f"error: cannot reach etcd at {args.etcd}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_daemon(run, args.etcd)
 
 
 if __name__ == "__main__":

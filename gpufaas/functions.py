@@ -12,6 +12,7 @@ from gpufaas.types import DEFAULT_BATCH_SIZE
 
 NAME_PATTERN = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 DIGEST_PATTERN = re.compile(r"^sha256:[0-9a-f]{64}$")
+GPU_TYPE_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 DEFAULT_TIMEOUT_S = 60.0
 MAX_TIMEOUT_S = 3600.0
 
@@ -28,11 +29,15 @@ class FunctionSpec:
     name: str
     package_digest: str
     memory_mb: int
-    gpu: str = "any"  # a GPU type to require, or "any"
+    gpu: str = "any"  # a GPU type the function must run on, or "any"
     batch_size: int = DEFAULT_BATCH_SIZE
     timeout_s: float = DEFAULT_TIMEOUT_S
     labels: dict[str, str] = field(default_factory=dict)
     environment: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def required_gpu_type(self) -> str | None:
+        return None if self.gpu == "any" else self.gpu
 
     @property
     def model(self) -> str:
@@ -71,7 +76,7 @@ class FunctionSpec:
             name=name,
             package_digest=digest,
             memory_mb=_positive_int(raw, "memory_mb", path, required=True),
-            gpu=str(raw.get("gpu", "any")),
+            gpu=_gpu(raw, path),
             batch_size=_positive_int(raw, "batch_size", path, default=DEFAULT_BATCH_SIZE),
             timeout_s=_timeout(raw, path),
             labels=_str_map(raw, "labels", path),
@@ -98,6 +103,16 @@ def _positive_int(raw: dict[str, Any], key: str, path: str, *, required: bool = 
     value = raw[key]
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise InvalidInput(f"{_at(path, key)}: expected a positive whole number, got {value!r}")
+    return value
+
+
+def _gpu(raw: dict[str, Any], path: str) -> str:
+    value = raw.get("gpu", "any")
+    if not isinstance(value, str) or not GPU_TYPE_PATTERN.match(value):
+        raise InvalidInput(
+            f"{_at(path, 'gpu')}: expected 'any' or a GPU type such as 'nvidia-h100-80gb-hbm3' "
+            f"(see GET /system/gpus), got {value!r}"
+        )
     return value
 
 

@@ -7,7 +7,9 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+import sys
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 from gpufaas.keys import DEFAULT_ROOT
 
@@ -34,3 +36,22 @@ async def run_until_signalled(start: Callable[[], Awaitable[None]], stop: Callab
     finally:
         with contextlib.suppress(Exception):
             await stop()
+
+
+def run_daemon(main: Callable[[], Coroutine[Any, Any, None]], etcd_endpoint: str) -> int:
+    """Run a daemon's main coroutine on uvloop when it is installed (faster event loop and I/O),
+    else on asyncio; an unreachable etcd is one clear line and exit status 1."""
+    from gpufaas.store import StoreError
+
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(main())
+    except StoreError as exc:
+        print(f"error: cannot reach etcd at {etcd_endpoint}: {exc}; start etcd or pass --etcd", file=sys.stderr)
+        return 1
+    return 0

@@ -52,6 +52,7 @@ class ModelSpec:
 
     name: str
     memory_mb: int
+    gpu_type: str | None = None  # a required GPU type, or None for any
     labels: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -124,6 +124,11 @@ class Scheduler:
     def submit(self, request: Request) -> None:
         """Append an arriving request to the global queue (arrival order = submit order)."""
         spec = self.model(request.model)
+        if spec.gpu_type is not None and not any(self._fits(spec, state) for state in self._gpus.values()):
+            raise ModelTooLarge(
+                f"model {spec.name!r} needs a {spec.gpu_type} GPU with {spec.memory_mb} MB and the cluster has "
+                f"none; GPU types here: {', '.join(sorted({s.spec.gpu_type for s in self._gpus.values()})) or 'none'}"
+            )
         if spec.memory_mb > self.cache.max_capacity_mb:
             raise ModelTooLarge(
                 f"model {spec.name!r} needs {spec.memory_mb} MB of GPU memory but the largest GPU "
@@ -282,26 +287,31 @@ class Scheduler:
         return self.estimator.load_time_s(model, self._gpus[gpu_id].spec.gpu_type, spec.memory_mb)
 
     def fits(self, model: str, gpu_id: str) -> bool:
-        return self._models[model].memory_mb <= self._gpus[gpu_id].spec.memory_mb
+        """Whether the model may ever run on this GPU: large enough, and of the required type."""
+        return self._fits(self._models[model], self._gpus[gpu_id])
+
+    @staticmethod
+    def _fits(spec: ModelSpec, state: GpuState) -> bool:
+        return spec.memory_mb <= state.spec.memory_mb and spec.gpu_type in (None, state.spec.gpu_type)
 
     def idle_with_room(self, model: str, prefer: str) -> str | None:
         """An idle GPU whose cache has room for `model` without evicting anything: `prefer` if
         it has, else the first in idle order; None if every idle GPU would have to evict. O(1)
         when `prefer` has room, else O(idle GPUs)."""
-        memory_mb = self._models[model].memory_mb
-        if self.cache.gpu(prefer).free_mb >= memory_mb:
+        spec = self._models[model]
+        if self.cache.gpu(prefer).free_mb >= spec.memory_mb and self._fits(spec, self._gpus[prefer]):
             return prefer
         for _, gpu_id in self._idle:
-            if self.cache.gpu(gpu_id).free_mb >= memory_mb:
+            if self.cache.gpu(gpu_id).free_mb >= spec.memory_mb and self._fits(spec, self._gpus[gpu_id]):
                 return gpu_id
         return None
 
     def first_idle_fitting(self, model: str) -> str | None:
-        """The first idle GPU (in idle order) large enough for `model`: O(idle GPUs); only asked
-        when a model does not fit the GPU being filled (clusters of mixed memory sizes)."""
-        memory_mb = self._models[model].memory_mb
+        """The first idle GPU (in idle order) the model may run on: O(idle GPUs); only asked when
+        it may not run on the GPU being filled (mixed memory sizes, or a required GPU type)."""
+        spec = self._models[model]
         for _, gpu_id in self._idle:
-            if self._gpus[gpu_id].spec.memory_mb >= memory_mb:
+            if self._fits(spec, self._gpus[gpu_id]):
                 return gpu_id
         return None
 

@@ -36,6 +36,10 @@ log = logging.getLogger("gpufaas.scheduler")
 DEADLINE_MARGIN_S = 0.05
 MAX_ATTEMPTS = 2  # a call whose worker died is retried once
 LEASE_TTL_S = 5
+# Changes are written to etcd within this long, coalesced: a burst of calls costs one write per
+# key that changed, not one per call (a GPU that went busy and idle again in between costs none).
+FLUSH_DELAY_S = 0.02
+PROFILE_WRITE_INTERVAL_S = 5.0  # measured times move a little on every call: persist them calmly
 
 
 class NodeClient(Protocol):
@@ -139,6 +143,8 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         self._dirty_profiles: set[tuple[str, str, int]] = set()  # (gpu type, model, batch size)
         self._deleted_gpus: set[str] = set()
         self._flush_wanted = asyncio.Event()
+        self._written: dict[str, bytes] = {}  # last value put per key: unchanged values are not rewritten
+        self._profile_written_at: dict[str, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._server: grpc.aio.Server | None = None
         self._lease: LeaseKeeper | None = None
@@ -244,7 +250,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             log.warning("ignoring invalid function spec at %s: %s", key, exc)
             return
         self._functions[spec.name] = spec
-        self.scheduler.register_model(ModelSpec(spec.model, spec.memory_mb))
+        self.scheduler.register_model(ModelSpec(spec.model, spec.memory_mb, spec.required_gpu_type))
 
     def _on_service_event(self, event: WatchEvent) -> None:
         if event.kind == "put":
@@ -396,7 +402,8 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 self._kick()
                 await context.abort(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"function {spec.name!r} did not finish within its timeout of {timeout_s:g} s",
+                    f"function {spec.name!r} did not finish within its timeout of {timeout_s:g} s; "
+                    "raise its timeout_s or send it less work",
                 )
             except CallFailed as exc:
                 await context.abort(exc.code, exc.details)
@@ -514,7 +521,8 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             self._fail(
                 call,
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"function {call.spec.name!r} did not finish within its timeout of {call.spec.timeout_s:g} s",
+                f"function {call.spec.name!r} did not finish within its timeout of {call.spec.timeout_s:g} s; "
+                "raise its timeout_s or send it less work",
             )
             return
         # The worker died or the node is unreachable: drop the entry, retry once elsewhere.
@@ -571,6 +579,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
     async def _flusher(self) -> None:
         while True:
             await self._flush_wanted.wait()
+            await asyncio.sleep(FLUSH_DELAY_S)
             self._flush_wanted.clear()
             try:
                 await self._flush()
@@ -589,8 +598,9 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         try:
             for address in deleted:
                 node, gpu = split_gpu_address(address)
-                await self.store.delete(self.keys.gpu_lru(node, gpu))
-                await self.store.delete(self.keys.gpu_status(node, gpu))
+                for key in (self.keys.gpu_lru(node, gpu), self.keys.gpu_status(node, gpu)):
+                    await self.store.delete(key)
+                    self._written.pop(key, None)
             for address in gpus:
                 if address not in self.scheduler.cache.gpu_ids():
                     continue
@@ -598,7 +608,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 cache = self.scheduler.cache.gpu(address)
                 state = self.scheduler.gpu(address)
                 lru = [{"model": m, "memory_mb": cache.item(m).memory_mb} for m in cache.lru_list()]
-                await self.store.put(self.keys.gpu_lru(node, gpu), json.dumps(lru).encode())
+                await self._put(self.keys.gpu_lru(node, gpu), json.dumps(lru).encode())
                 status = {
                     "status": "idle" if state.idle else "busy",
                     "memory_used_mb": cache.used_mb,
@@ -606,20 +616,28 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                     "running": state.running.request_id if state.running is not None else None,
                     "local_queue": len(state.local_queue),
                 }
-                await self.store.put(self.keys.gpu_status(node, gpu), json.dumps(status).encode())
+                await self._put(self.keys.gpu_status(node, gpu), json.dumps(status).encode())
             for model in models:
                 holders = sorted(self.scheduler.cache.gpus_with(model))
+                key = self.keys.replicas(model)
                 if holders:
-                    await self.store.put(self.keys.replicas(model), json.dumps(holders).encode())
-                else:
-                    await self.store.delete(self.keys.replicas(model))
+                    await self._put(key, json.dumps(holders).encode())
+                elif self._written.get(key) != b"":  # b"": deleted by us already
+                    await self.store.delete(key)
+                    self._written[key] = b""
+            now = self.clock()
             for gpu_type, model, batch in profiles:
+                key = self.keys.profile(gpu_type, model)
+                if now - self._profile_written_at.get(key, -PROFILE_WRITE_INTERVAL_S) < PROFILE_WRITE_INTERVAL_S:
+                    self._dirty_profiles.add((gpu_type, model, batch))  # later
+                    continue
+                self._profile_written_at[key] = now
                 estimator = self.scheduler.estimator
                 record = {
                     "load_time_s": estimator.load_time_s(model, gpu_type, self.scheduler.model(model).memory_mb),
                     "inference_time_s": {str(batch): estimator.inference_time_s(model, gpu_type, batch)},
                 }
-                await self.store.put(self.keys.profile(gpu_type, model), json.dumps(record).encode())
+                await self.store.put(key, json.dumps(record).encode())
         except StoreError:
             # Put it all back: the next flush retries every key.
             self._dirty_gpus |= gpus
@@ -627,6 +645,12 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             self._dirty_profiles |= profiles
             self._deleted_gpus |= deleted
             raise
+
+    async def _put(self, key: str, value: bytes) -> None:
+        if self._written.get(key) == value:
+            return
+        await self.store.put(key, value)
+        self._written[key] = value
 
     async def flushed(self) -> None:
         """Wait until everything changed so far is in etcd (for tests and orderly shutdown)."""

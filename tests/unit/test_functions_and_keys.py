@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from gpufaas.errors import InvalidInput
@@ -15,6 +17,8 @@ def test_spec_round_trips_and_names_its_model_by_package() -> None:
     spec = FunctionSpec.from_dict({"name": "resnet", "package_digest": DIGEST, "memory_mb": 1500, "labels": {"a": "b"}})
     assert FunctionSpec.from_json(spec.to_json()) == spec
     assert spec.model == "resnet@" + "ab" * 6
+    assert spec.required_gpu_type is None
+    assert FunctionSpec.from_dict({**json.loads(spec.to_json()), "gpu": "h100"}).required_gpu_type == "h100"
     other = FunctionSpec.from_dict({"name": "resnet", "package_digest": "sha256:" + "cd" * 32, "memory_mb": 1500})
     assert other.model != spec.model
 
@@ -30,6 +34,8 @@ def test_spec_round_trips_and_names_its_model_by_package() -> None:
         ({"name": "f", "package_digest": DIGEST, "memory_mb": 1, "timeout_s": 0}, "timeout_s: expected seconds"),
         ({"name": "f", "package_digest": DIGEST, "memory_mb": 1, "labels": {"a": 1}}, "labels: expected a map"),
         ({"name": "f", "package_digest": DIGEST, "memory_mb": 1, "gpus": 2}, "gpus: unknown field"),
+        ({"name": "f", "package_digest": DIGEST, "memory_mb": 1, "gpu": None}, "gpu: expected 'any' or a GPU type"),
+        ({"name": "f", "package_digest": DIGEST, "memory_mb": 1, "gpu": ["x"]}, "gpu: expected 'any' or a GPU type"),
     ],
 )
 def test_invalid_specs_say_which_field_and_what_is_expected(raw: dict[str, object], message: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpufaas.errors import ModelTooLarge, UnknownModel, UnknownPolicy
+from gpufaas.types import GpuSpec, ModelSpec
 from scheduler import Dispatch, Park, PolicyConfig, make_policy
 from tests.builders import cache_on, make_scheduler, run_on, submit
 
@@ -271,3 +272,21 @@ def test_algorithm_2_to_the_letter_misses_on_the_gpu_being_filled() -> None:
     decisions = s.schedule(0.0)
     assert decided(decisions) == [("dispatch", "B", "g0", False)]
     assert isinstance(decisions[0], Dispatch) and decisions[0].evict == ("A",)
+
+
+@pytest.mark.parametrize("policy", ["lb", "lalb", "lalb-o3"])
+def test_a_required_gpu_type_is_honoured(policy: str) -> None:
+    s = make_scheduler(policy, gpus=0, models={})
+    s.add_gpu(GpuSpec("t4", 8000, gpu_type="t4"))
+    s.add_gpu(GpuSpec("h100", 8000, gpu_type="h100"))
+    s.register_model(ModelSpec("needs-h100", 1000, gpu_type="h100"))
+    submit(s, "needs-h100")
+    # "t4" is offered work first (by id), but the model may only run on the h100.
+    assert [d.gpu_id for d in s.schedule(0.0)] == ["h100"]
+
+
+def test_a_gpu_type_the_cluster_lacks_is_refused_at_submit() -> None:
+    s = make_scheduler("lalb", gpus=1, models={})
+    s.register_model(ModelSpec("needs-a100", 1000, gpu_type="a100"))
+    with pytest.raises(ModelTooLarge, match=r"needs a a100 GPU.*GPU types here: rtx2080"):
+        submit(s, "needs-a100")

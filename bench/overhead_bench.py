@@ -1,0 +1,211 @@
+"""Benchmark: control-plane overhead of a warm no-op invocation, gateway path vs a direct worker call.
+
+The gateway path is the whole system as users call it: HTTP to the gateway, gRPC to the scheduler,
+gRPC to the GPU manager, a pipe to the worker process, and back. The direct path is a call on
+the same kind of worker process through the GPU manager's own `WorkerPool`, in this process:
+what is left of the latency when the control plane is taken away. Both run a no-op handler,
+warm (every call a hit), with 1, 8 and 32 concurrent clients, each for a fixed number of calls.
+Overhead = gateway p50/p99 minus direct p50/p99 at the same concurrency.
+
+The local cluster (etcd, scheduler, gateway, one GPU manager with one logical GPU) runs as real
+processes on this machine, sharing its cores with the load generator, as a small deployment would.
+
+Run: `python -m bench.overhead_bench [--out bench/results/overhead_bench.json] [--calls 400]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import io
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from gpu_manager.packages import PackageCache, package_digest
+from gpu_manager.pool import WorkerPool
+from gpu_manager.worker import WorkerSpec
+from gpufaas.local_cluster import LocalCluster
+
+NOOP_HANDLER = '''"""A no-op function: the cost of the call itself."""
+
+
+def load(device):
+    return None
+
+
+def predict(model, inputs):
+    return b"ok"
+'''
+CONCURRENCY = (1, 8, 32)
+TARGET_P50_MS = 1.0
+TARGET_P99_MS = 3.0
+
+
+def noop_package() -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        data = NOOP_HANDLER.encode()
+        info = tarfile.TarInfo("handler.py")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def quantile(sorted_values: list[float], fraction: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(fraction * len(sorted_values)))]
+
+
+def summarize(latencies_s: list[float], wall_s: float) -> dict[str, float]:
+    values = sorted(latencies_s)
+    return {
+        "calls": len(values),
+        "p50_ms": round(quantile(values, 0.50) * 1e3, 3),
+        "p99_ms": round(quantile(values, 0.99) * 1e3, 3),
+        "mean_ms": round(statistics.fmean(values) * 1e3, 3),
+        "throughput_per_s": round(len(values) / wall_s, 1),
+    }
+
+
+async def drive(clients: int, calls: int, one_call: Any) -> dict[str, float]:
+    """`clients` concurrent loops sharing `calls` calls; latency of each call, wall time of all."""
+    latencies: list[float] = []
+    remaining = [calls]
+
+    async def client() -> None:
+        while remaining[0] > 0:
+            remaining[0] -= 1
+            started = time.perf_counter()
+            await one_call()
+            latencies.append(time.perf_counter() - started)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return summarize(latencies, time.perf_counter() - started)
+
+
+async def bench_gateway(url: str, calls: int) -> dict[int, dict[str, float]]:
+    results = {}
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as client:
+
+        async def one() -> None:
+            response = await client.post("/function/noop", content=b"{}", headers={"content-type": "application/json"})
+            if response.status_code != 200 or response.headers.get("x-cache") != "hit":
+                raise RuntimeError(f"unexpected answer {response.status_code} {response.headers} {response.text}")
+
+        await drive(4, 100, one)  # warm connections and code paths
+        for clients in CONCURRENCY:
+            results[clients] = await drive(clients, calls, one)
+    return results
+
+
+async def bench_direct(state_dir: Path, package: bytes, calls: int) -> dict[int, dict[str, float]]:
+    cache = PackageCache(state_dir / "direct-packages")
+    digest = package_digest(package)
+    package_dir = await cache.install(digest, package)
+    pool = WorkerPool("cpu", cache)
+    spec = WorkerSpec("noop", "gpu0", 0, "cpu", str(package_dir), 100)
+    results = {}
+    try:
+
+        async def one() -> None:
+            result = await pool.run(spec, "call", b"{}", timeout_s=60)
+            if result.loaded and result.output != b"ok":
+                raise RuntimeError("unexpected output")
+
+        await drive(4, 100, one)  # starts the worker, warms up
+        for clients in CONCURRENCY:
+            results[clients] = await drive(clients, calls, one)
+    finally:
+        await pool.shutdown()
+    return results
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/overhead_bench.json"))
+    parser.add_argument("--calls", type=int, default=400, help="calls per concurrency level")
+    args = parser.parse_args(argv)
+    package = noop_package()
+    with tempfile.TemporaryDirectory(prefix="gpufaas-overhead-") as tmp:
+        state_dir = Path(tmp)
+        direct = asyncio.run(bench_direct(state_dir, package, args.calls))
+        cluster = LocalCluster(state_dir / "cluster", nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000)
+        cluster.start()
+        try:
+            uploaded = httpx.post(f"{cluster.gateway_url}/system/packages", content=package, timeout=30).json()
+            spec = {"name": "noop", "package_digest": uploaded["digest"], "memory_mb": 100}
+            httpx.post(f"{cluster.gateway_url}/system/functions", json=spec, timeout=30).raise_for_status()
+            httpx.post(f"{cluster.gateway_url}/function/noop", content=b"{}", timeout=60).raise_for_status()
+            gateway = asyncio.run(bench_gateway(cluster.gateway_url, args.calls))
+        finally:
+            cluster.stop()
+
+    rows: list[dict[str, Any]] = []
+    for clients in CONCURRENCY:
+        g, d = gateway[clients], direct[clients]
+        rows.append(
+            {
+                "clients": clients,
+                "gateway": g,
+                "direct": d,
+                "overhead_p50_ms": round(g["p50_ms"] - d["p50_ms"], 3),
+                "overhead_p99_ms": round(g["p99_ms"] - d["p99_ms"], 3),
+            }
+        )
+    single = rows[0]
+    report = {
+        "metadata": {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "git_commit": git_commit(),
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "loadavg_1min": os.getloadavg()[0],
+            "calls_per_level": args.calls,
+        },
+        "target": {"overhead_p50_ms": TARGET_P50_MS, "overhead_p99_ms": TARGET_P99_MS, "at_clients": 1},
+        "target_met": single["overhead_p50_ms"] <= TARGET_P50_MS and single["overhead_p99_ms"] <= TARGET_P99_MS,
+        "results": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(
+        f"{'clients':>7} {'gw p50':>8} {'gw p99':>8} {'gw/s':>8} {'direct p50':>10} {'direct p99':>10} "
+        f"{'direct/s':>9} {'ovh p50':>8} {'ovh p99':>8}  (ms)"
+    )
+    for row in rows:
+        g, d = row["gateway"], row["direct"]
+        print(
+            f"{row['clients']:>7} {g['p50_ms']:>8.2f} {g['p99_ms']:>8.2f} {g['throughput_per_s']:>8.0f} "
+            f"{d['p50_ms']:>10.2f} {d['p99_ms']:>10.2f} {d['throughput_per_s']:>9.0f} "
+            f"{row['overhead_p50_ms']:>8.2f} {row['overhead_p99_ms']:>8.2f}"
+        )
+    print(
+        f"target (1 client: overhead p50 <= {TARGET_P50_MS} ms, p99 <= {TARGET_P99_MS} ms): "
+        f"{'met' if report['target_met'] else 'NOT met'}\nwrote {args.out}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,300 @@
+"""Every error the gateway promises, over a real cluster (etcd, scheduler, gateway, one GPU manager
+with one 1000 MB CPU "GPU", a global queue of 2, a 0.01 MB payload limit), each with its JSON body."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gpufaas.etcd_server import EtcdServer
+from gpufaas.local_cluster import LocalCluster
+from tests.fixtures.make_packages import build_package
+from tests.integration.conftest import _descendants, _is_zombie, deploy, pid_alive
+
+pytestmark = pytest.mark.integration
+
+MAX_PAYLOAD_BYTES = int(0.01 * 1024 * 1024)
+FIXTURES = ("sleepy_function", "failing_function", "echo_function")
+
+
+@dataclass
+class Env:
+    cluster: LocalCluster
+    url: str
+    tmp: Path
+    models: dict[str, str]  # function name -> model
+    digests: dict[str, str]  # fixture -> package digest
+
+    def invoke(self, name: str, body: Any = None, *, timeout: float = 30, **kwargs: Any) -> httpx.Response:
+        if body is not None:
+            kwargs["json"] = body
+        return httpx.post(f"{self.url}/function/{name}", timeout=timeout, **kwargs)
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(f"{self.url}{path}", timeout=10)
+
+    def counted(self, name: str, code: int) -> int:
+        """The gateway's invocation counter for (function, HTTP status), from /metrics."""
+        prefix = f'gateway_function_invocation_total{{function_name="{name}",code="{code}"}} '
+        lines = [line for line in self.get("/metrics").text.splitlines() if line.startswith(prefix)]
+        return int(lines[0].removeprefix(prefix)) if lines else 0
+
+    def cached(self) -> set[str]:
+        """Every model cached on some GPU, per the scheduler."""
+        return {model for gpu in self.get("/system/gpus").json() for model in gpu["lru"]}
+
+    def wait_idle(self, timeout_s: float = 15.0) -> None:
+        wait_for(
+            lambda: (
+                self.get("/system/queue").json()["length"] == 0
+                and all(g["status"] == "idle" for g in self.get("/system/gpus").json())
+            ),
+            timeout_s,
+        )
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"condition not reached in {timeout_s:g} s")
+
+
+def assert_error(response: httpx.Response, status: int, *fragments: str) -> str:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error", "status"}, body
+    assert body["status"] == status
+    message: str = body["error"]
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+@pytest.fixture(scope="module")
+def env(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    """One cluster for the whole module; stopped by PID at the end, and checked that none survives."""
+    tmp = tmp_path_factory.mktemp("gateway-errors")
+    cluster = LocalCluster(
+        state_dir=tmp / "cluster",
+        nodes=1,
+        gpus_per_node=1,
+        backend="cpu",
+        gpu_memory_mb=1000,
+        queue_capacity=2,
+        max_payload_mb=0.01,
+        etcd_endpoint=etcd_server.endpoint,
+        root=f"/t-{uuid.uuid4().hex[:12]}",
+    )
+    watched: list[int] = []
+    try:
+        cluster.start()
+        watched.extend(cluster.pids().values())
+        for fixture in FIXTURES:
+            build_package(fixture, tmp)
+        functions: dict[str, tuple[str, dict[str, Any]]] = {
+            "sleepy": ("sleepy_function", {}),
+            "sleepy-short": ("sleepy_function", {"timeout_s": 1}),
+            "failing": ("failing_function", {}),
+            "echo": ("echo_function", {}),
+            "echo-untouched": ("echo_function", {}),
+            "huge": ("echo_function", {"memory_mb": 5000}),
+        }
+        # 100 MB each, so every function's model fits beside the others on the 1000 MB GPU.
+        models = {
+            name: str(deploy(cluster, name, fixture, tmp, **{"memory_mb": 100, **spec})["model"])
+            for name, (fixture, spec) in functions.items()
+        }
+        uploaded = {
+            fixture: httpx.post(
+                f"{cluster.gateway_url}/system/packages", content=(tmp / f"{fixture}.tar.gz").read_bytes(), timeout=30
+            ).json()["digest"]
+            for fixture in FIXTURES
+        }
+        yield Env(cluster, cluster.gateway_url, tmp, models, uploaded)
+    finally:
+        for component in cluster.components.values():
+            if component.pid is not None:
+                watched.extend(_descendants(component.pid))
+        cluster.stop()
+        leftovers = [pid for pid in watched if pid_alive(pid) and not _is_zombie(pid)]
+        assert not leftovers, f"processes left running: {leftovers}"
+
+
+# --- the happy endpoints --------------------------------------------------------------------
+
+
+def test_health_info_and_metrics(env: Env) -> None:
+    assert env.get("/healthz").json() == {"status": "ok"}
+    assert env.get("/system/info").json()["provider"]["provider"] == "gpufaas"
+    response = env.invoke("echo", {"hello": 1})
+    assert response.status_code == 200, response.text
+    metrics = env.get("/metrics")
+    assert metrics.status_code == 200
+    assert "gateway_function_invocation_total" in metrics.text
+    assert env.counted("echo", 200) >= 1
+
+
+# --- 404 ------------------------------------------------------------------------------------
+
+
+def test_404s_name_what_is_missing(env: Env) -> None:
+    assert_error(env.invoke("nope", {}), 404, "'nope'", "deploy")
+    assert_error(env.get("/system/function/nope"), 404, "'nope'", "GET /system/functions")
+    response = httpx.request("DELETE", f"{env.url}/system/functions", json={"functionName": "nope"}, timeout=10)
+    assert_error(response, 404, "'nope'")
+    response = httpx.put(
+        f"{env.url}/system/functions",
+        json={"name": "nope", "package_digest": env.digests["echo_function"], "memory_mb": 10},
+        timeout=10,
+    )
+    assert_error(response, 404, "'nope'", "POST /system/functions")
+    assert_error(env.get(f"/system/packages/sha256:{'1' * 64}"), 404, "POST /system/packages")
+
+
+# --- 400 and 409 ----------------------------------------------------------------------------
+
+
+def test_400s_on_deploy_and_upload(env: Env) -> None:
+    digest = env.digests["echo_function"]
+    post = lambda **kw: httpx.post(f"{env.url}/system/functions", timeout=10, **kw)  # noqa: E731
+
+    response = post(json={"name": "Not_Valid", "package_digest": digest, "memory_mb": 10})
+    assert_error(response, 400, "name:", "'Not_Valid'", "lower-case")
+
+    never = f"sha256:{'a' * 64}"
+    response = post(json={"name": "ghost", "package_digest": never, "memory_mb": 10})
+    assert_error(response, 400, never, "not uploaded", "POST it to /system/packages")
+
+    response = post(content=b'{"name": "x",', headers={"content-type": "application/json"})
+    assert_error(response, 400, "JSON function spec")
+
+    package = (env.tmp / "echo_function.tar.gz").read_bytes()
+    wrong = f"sha256:{'b' * 64}"
+    response = httpx.post(f"{env.url}/system/packages", params={"digest": wrong}, content=package, timeout=10)
+    assert_error(response, 400, wrong, digest, "corrupted", "retry")
+
+    response = post(json={"name": "echo", "package_digest": digest, "memory_mb": 100})
+    assert_error(response, 409, "'echo'", "PUT /system/functions")
+
+    # None of those left a function behind.
+    names = {f["name"] for f in env.get("/system/functions").json()}
+    assert names == set(env.models)
+
+
+def test_invalid_json_payload_never_reaches_a_gpu(env: Env) -> None:
+    response = env.invoke("echo-untouched", content=b"{oops", headers={"content-type": "application/json"})
+    assert_error(response, 400, "application/json", "not valid JSON")
+    assert env.models["echo-untouched"] not in env.cached()
+    described = env.get("/system/function/echo-untouched").json()
+    assert described["replicas"] == 0 and described["invocationCount"] == 0
+    # The same bytes as an opaque payload are fine: the function gets them as they are.
+    response = env.invoke("echo", content=b"{oops", headers={"content-type": "application/octet-stream"})
+    assert response.status_code == 200, response.text
+    assert response.content == b"{oops"
+
+
+# --- 413 ------------------------------------------------------------------------------------
+
+
+def test_413_above_the_payload_limit(env: Env) -> None:
+    too_big = b"x" * (MAX_PAYLOAD_BYTES + 1)
+    response = env.invoke("echo", content=too_big, headers={"content-type": "application/octet-stream"})
+    assert_error(response, 413, f"{MAX_PAYLOAD_BYTES} bytes")
+    just_fits = b"x" * MAX_PAYLOAD_BYTES
+    response = env.invoke("echo", content=just_fits, headers={"content-type": "application/octet-stream"})
+    assert response.status_code == 200, response.text
+    assert response.content == just_fits
+
+
+# --- 429 ------------------------------------------------------------------------------------
+
+
+def test_429_with_retry_after_when_the_global_queue_is_full(env: Env) -> None:
+    warm = env.invoke("sleepy", {"sleep_s": 0})
+    assert warm.status_code == 200, warm.text
+    env.wait_idle()
+
+    with ThreadPoolExecutor(3) as pool:
+        # One runs on the only GPU and two wait: the global queue (capacity 2) is full.
+        slow = [pool.submit(env.invoke, "sleepy", {"sleep_s": 2}) for _ in range(3)]
+        wait_for(lambda: env.get("/system/queue").json()["length"] == 2)
+        queue = env.get("/system/queue").json()
+        assert queue["capacity"] == 2
+        assert [c["function"] for c in queue["calls"]] == ["sleepy", "sleepy"]
+
+        response = env.invoke("echo", {"one": "more"})
+        assert_error(response, 429, "queue is full", "2 calls", "retry")
+        assert response.headers["Retry-After"] == "1"
+        assert response.headers["X-Call-Id"]
+
+        answers = [future.result() for future in slow]
+    assert [r.status_code for r in answers] == [200, 200, 200], [r.text for r in answers]
+    assert all(r.json()["slept_s"] == 2 for r in answers)
+    env.wait_idle()
+    assert env.counted("echo", 429) >= 1
+
+
+# --- 504 ------------------------------------------------------------------------------------
+
+
+def test_504_past_the_function_timeout_then_the_gpu_serves_again(env: Env) -> None:
+    warm = env.invoke("sleepy-short", {"sleep_s": 0})
+    assert warm.status_code == 200, warm.text
+    assert env.models["sleepy-short"] in env.cached()
+
+    before = env.counted("sleepy-short", 504)
+    started = time.monotonic()
+    response = env.invoke("sleepy-short", {"sleep_s": 3})
+    elapsed = time.monotonic() - started
+    assert_error(response, 504, "'sleepy-short'", "timeout of 1 s")
+    assert 0.8 <= elapsed <= 2.5, f"the 504 came after {elapsed:.2f} s; the function's timeout is 1 s"
+    assert env.counted("sleepy-short", 504) == before + 1
+
+    # The stuck worker was killed, so its model is no longer cached, and the GPU works again.
+    wait_for(lambda: env.models["sleepy-short"] not in env.cached())
+    response = env.invoke("echo", {"after": "timeout"})
+    assert response.status_code == 200, response.text
+    assert response.json()["echo"] == {"after": "timeout"}
+    response = env.invoke("sleepy-short", {"sleep_s": 0})
+    assert response.status_code == 200, response.text
+    assert response.headers["X-Cache"] == "miss"
+    env.wait_idle()
+
+
+# --- 503 ------------------------------------------------------------------------------------
+
+
+def test_503_for_a_function_no_gpu_can_hold(env: Env) -> None:
+    before = env.counted("huge", 503)
+    response = env.invoke("huge", {"x": 1})
+    assert_error(response, 503, "5000 MB", "1000 MB", "never run")
+    assert env.counted("huge", 503) == before + 1
+    assert env.models["huge"] not in env.cached()
+    env.wait_idle()
+
+
+# --- 500 ------------------------------------------------------------------------------------
+
+
+def test_500_carries_the_function_error_and_the_worker_stays(env: Env) -> None:
+    before = env.counted("failing", 500)
+    response = env.invoke("failing", {"fail": True})
+    assert_error(response, 500, "bad input")
+    assert env.counted("failing", 500) == before + 1
+    assert env.models["failing"] in env.cached()
+    response = env.invoke("failing", {"fail": False})
+    assert response.status_code == 200, response.text
+    assert response.text == "ok"  # a str result comes back as plain text
+    assert response.headers["X-Cache"] == "hit"
+    env.wait_idle()

@@ -1,0 +1,486 @@
+"""The gateway app in process: MemoryStore, httpx's ASGI transport, no scheduler listening."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+
+from gateway.app import GatewayConfig, create_app
+from gpufaas.functions import FunctionSpec
+from gpufaas.keys import Keys
+from gpufaas.store import MemoryStore
+from gpufaas.types import DEFAULT_BATCH_SIZE
+
+PACKAGE = b"\x1f\x8b not really a tarball, but bytes the gateway stores as they come" * 10
+UNREACHABLE_SCHEDULER = "127.0.0.1:1"  # nothing listens there
+
+
+def sha256(data: bytes) -> str:
+    return f"sha256:{hashlib.sha256(data).hexdigest()}"
+
+
+@dataclass
+class Env:
+    client: httpx.AsyncClient
+    store: MemoryStore
+    app: FastAPI
+    keys: Keys
+    state_dir: Path
+
+    async def upload(self, data: bytes = PACKAGE) -> str:
+        response = await self.client.post("/system/packages", content=data)
+        assert response.status_code == 201, response.text
+        digest: str = response.json()["digest"]
+        return digest
+
+    async def stored_spec(self, name: str) -> dict[str, Any] | None:
+        kv = await self.store.get(self.keys.function(name))
+        return None if kv is None else json.loads(kv.value)
+
+
+@asynccontextmanager
+async def gateway(tmp_path: Path, **config: Any) -> AsyncIterator[Env]:
+    store = MemoryStore()
+    keys = Keys("/unit")
+    app = create_app(
+        store, GatewayConfig(state_dir=tmp_path, scheduler_address=UNREACHABLE_SCHEDULER, keys=keys, **config)
+    )
+    try:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+                yield Env(client, store, app, keys, tmp_path)
+        assert store.num_watchers == 0, "the gateway left a watch open after shutdown"
+    finally:
+        await store.close()
+
+
+def run(tmp_path: Path, body: Callable[[Env], Awaitable[None]], **config: Any) -> None:
+    async def main() -> None:
+        async with gateway(tmp_path, **config) as env:
+            await body(env)
+
+    asyncio.run(main())
+
+
+def assert_error(response: httpx.Response, status: int, *fragments: str) -> str:
+    """The response is the gateway's error form with `status`, and its message has every fragment."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error", "status"}, body
+    assert body["status"] == status
+    message: str = body["error"]
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+def part_files(state_dir: Path) -> list[Path]:
+    return sorted((state_dir / "packages").glob("*.part"))
+
+
+# --- lifecycle ------------------------------------------------------------------------------
+
+
+def test_registers_itself_while_running_and_unregisters_on_shutdown(tmp_path: Path) -> None:
+    async def main() -> None:
+        store = MemoryStore()
+        keys = Keys("/unit")
+        config = GatewayConfig(
+            state_dir=tmp_path, public_url="http://gw:9", scheduler_address=UNREACHABLE_SCHEDULER, keys=keys
+        )
+        app = create_app(store, config)
+        async with app.router.lifespan_context(app):
+            kv = await store.get(keys.service("gateway"))
+            assert kv is not None and kv.value == b"http://gw:9"
+            assert kv.lease != 0, "the registration must be under a lease, so it goes when the gateway dies"
+        assert await store.get(keys.service("gateway")) is None
+        assert store.num_watchers == 0
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_health_info_and_metrics(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        assert (await env.client.get("/healthz")).json() == {"status": "ok"}
+        info = (await env.client.get("/system/info")).json()
+        assert info["provider"]["provider"] == "gpufaas"
+        metrics = await env.client.get("/metrics")
+        assert metrics.status_code == 200
+        assert metrics.headers["content-type"].startswith("text/plain")
+        assert "gateway_functions_deployed 0" in metrics.text
+
+    run(tmp_path, body)
+
+
+# --- packages -------------------------------------------------------------------------------
+
+
+def test_package_upload_download_round_trip(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        uploaded = await env.client.post("/system/packages", content=PACKAGE)
+        assert uploaded.status_code == 201, uploaded.text
+        assert uploaded.json() == {"digest": sha256(PACKAGE), "size_bytes": len(PACKAGE)}
+        stored = env.state_dir / "packages" / f"{hashlib.sha256(PACKAGE).hexdigest()}.tar.gz"
+        assert stored.read_bytes() == PACKAGE
+
+        downloaded = await env.client.get(f"/system/packages/{sha256(PACKAGE)}")
+        assert downloaded.status_code == 200
+        assert downloaded.content == PACKAGE
+        assert downloaded.headers["content-type"] == "application/gzip"
+
+        # The same bytes again, with the right digest (query or header): idempotent.
+        again = await env.client.post("/system/packages", params={"digest": sha256(PACKAGE)}, content=PACKAGE)
+        assert again.status_code == 201 and again.json()["digest"] == sha256(PACKAGE)
+        header = await env.client.post(
+            "/system/packages", headers={"X-Package-Digest": sha256(PACKAGE)}, content=PACKAGE
+        )
+        assert header.status_code == 201, header.text
+        # Streamed in chunks, without a Content-Length.
+        chunks = [PACKAGE[:100], PACKAGE[100:]]
+
+        async def stream() -> AsyncIterator[bytes]:
+            for chunk in chunks:
+                yield chunk
+
+        streamed = await env.client.post("/system/packages", content=stream())
+        assert streamed.status_code == 201 and streamed.json()["size_bytes"] == len(PACKAGE)
+        assert part_files(env.state_dir) == []
+
+    run(tmp_path, body)
+
+
+def test_package_digest_check(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        wrong = sha256(b"other bytes")
+        response = await env.client.post("/system/packages", params={"digest": wrong}, content=PACKAGE)
+        assert_error(response, 400, sha256(PACKAGE), wrong, "retry")
+        response = await env.client.post("/system/packages", headers={"X-Package-Digest": wrong}, content=PACKAGE)
+        assert_error(response, 400, wrong)
+        # Nothing was kept: neither under the real digest nor as a partial file.
+        assert (await env.client.get(f"/system/packages/{sha256(PACKAGE)}")).status_code == 404
+        assert part_files(env.state_dir) == []
+
+        response = await env.client.post("/system/packages", params={"digest": "md5:abc"}, content=PACKAGE)
+        assert_error(response, 400, "'md5:abc'", "sha256:", "64 hex digits")
+        response = await env.client.post("/system/packages", content=b"")
+        assert_error(response, 400, "empty", ".tar.gz")
+
+        response = await env.client.get(f"/system/packages/{wrong}")
+        assert_error(response, 404, wrong, "POST /system/packages")
+        response = await env.client.get("/system/packages/sha256:XYZ")
+        assert_error(response, 400, "'sha256:XYZ'", "64 hex digits")
+        assert part_files(env.state_dir) == []
+
+    run(tmp_path, body)
+
+
+def test_package_size_limit(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        response = await env.client.post("/system/packages", content=b"x" * 101)
+        assert_error(response, 413, "100 bytes")
+
+        async def stream() -> AsyncIterator[bytes]:
+            for _ in range(3):
+                yield b"y" * 60
+
+        response = await env.client.post("/system/packages", content=stream())
+        assert_error(response, 413, "100 bytes")
+        assert part_files(env.state_dir) == []
+        assert list((env.state_dir / "packages").iterdir()) == []
+
+    run(tmp_path, body, max_package_bytes=100)
+
+
+# --- function CRUD ------------------------------------------------------------------------
+
+
+def test_deploy_list_describe_update_delete_through_the_store(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        digest = await env.upload()
+        spec = {
+            "name": "resnet",
+            "package_digest": digest,
+            "memory_mb": 700,
+            "timeout_s": 30,
+            "labels": {"team": "vision"},
+        }
+        deployed = await env.client.post("/system/functions", json=spec)
+        assert deployed.status_code == 202, deployed.text
+        model = FunctionSpec.from_dict(spec).model
+        assert deployed.json() == {"name": "resnet", "model": model}
+        assert model == f"resnet@{digest.removeprefix('sha256:')[:12]}"
+
+        # What lands in the store: the full spec, defaults filled in, under functions/NAME only.
+        assert await env.stored_spec("resnet") == {
+            "name": "resnet",
+            "package_digest": digest,
+            "memory_mb": 700,
+            "gpu": "any",
+            "batch_size": DEFAULT_BATCH_SIZE,
+            "timeout_s": 30.0,
+            "labels": {"team": "vision"},
+            "environment": {},
+        }
+        assert [kv.key for kv in await env.store.get_prefix(env.keys.functions)] == [env.keys.function("resnet")]
+
+        listed = (await env.client.get("/system/functions")).json()
+        assert [f["name"] for f in listed] == ["resnet"]
+        described = (await env.client.get("/system/function/resnet")).json()
+        assert described == listed[0]
+        assert described["model"] == model
+        assert described["memory_mb"] == 700 and described["timeout_s"] == 30.0
+        assert described["labels"] == {"team": "vision"}
+        assert described["invocationCount"] == 0
+        assert described["replicas"] == 0 and described["gpus"] == []
+
+        # Replicas come from the store (the scheduler writes them).
+        await env.store.put(env.keys.replicas(model), json.dumps(["node0/gpu0"]).encode())
+        described = (await env.client.get("/system/function/resnet")).json()
+        assert described["replicas"] == 1 and described["gpus"] == ["node0/gpu0"]
+
+        # A second deploy under the same name is refused and leaves the stored spec alone.
+        before = await env.store.get(env.keys.function("resnet"))
+        conflict = await env.client.post("/system/functions", json={**spec, "memory_mb": 1})
+        assert_error(conflict, 409, "'resnet'", "PUT /system/functions")
+        assert await env.store.get(env.keys.function("resnet")) == before
+
+        # PUT replaces the whole spec.
+        new_digest = await env.upload(PACKAGE + b"v2")
+        updated = await env.client.put(
+            "/system/functions", json={"name": "resnet", "package_digest": new_digest, "memory_mb": 900}
+        )
+        assert updated.status_code == 202, updated.text
+        new_model = f"resnet@{new_digest.removeprefix('sha256:')[:12]}"
+        assert updated.json() == {"name": "resnet", "model": new_model}
+        stored = await env.stored_spec("resnet")
+        assert stored is not None
+        assert stored["package_digest"] == new_digest and stored["memory_mb"] == 900
+        assert stored["labels"] == {} and stored["timeout_s"] == 60.0
+        described = (await env.client.get("/system/function/resnet")).json()
+        assert described["model"] == new_model and described["memory_mb"] == 900
+
+        missing = await env.client.put("/system/functions", json={**spec, "name": "ghost"})
+        assert_error(missing, 404, "'ghost'", "POST /system/functions")
+        assert await env.stored_spec("ghost") is None
+
+        deleted = await env.client.request("DELETE", "/system/functions", json={"functionName": "resnet"})
+        assert deleted.status_code == 202 and deleted.json() == {"name": "resnet", "deleted": True}
+        assert await env.store.get_prefix(env.keys.functions) == []
+        assert (await env.client.get("/system/functions")).json() == []
+        assert_error(await env.client.get("/system/function/resnet"), 404, "'resnet'", "GET /system/functions")
+        again = await env.client.request("DELETE", "/system/functions", json={"functionName": "resnet"})
+        assert_error(again, 404, "'resnet'")
+
+    run(tmp_path, body)
+
+
+def test_functions_written_by_others_show_up_through_the_watch(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        digest = await env.upload()
+        spec = FunctionSpec(name="from-cli", package_digest=digest, memory_mb=10)
+        await env.store.put(env.keys.function("from-cli"), spec.to_json())
+        await env.store.put(env.keys.function("garbage"), b"{not json")  # ignored, not fatal
+        for _ in range(100):
+            if (await env.client.get("/system/function/from-cli")).status_code == 200:
+                break
+            await asyncio.sleep(0.01)
+        assert [f["name"] for f in (await env.client.get("/system/functions")).json()] == ["from-cli"]
+        await env.store.delete(env.keys.function("from-cli"))
+        for _ in range(100):
+            if (await env.client.get("/system/function/from-cli")).status_code == 404:
+                break
+            await asyncio.sleep(0.01)
+        assert (await env.client.get("/system/functions")).json() == []
+
+    run(tmp_path, body)
+
+
+def test_functions_in_the_store_at_start_are_served(tmp_path: Path) -> None:
+    async def main() -> None:
+        store = MemoryStore()
+        keys = Keys()
+        spec = FunctionSpec(name="early", package_digest=sha256(b"p"), memory_mb=10)
+        await store.put(keys.function("early"), spec.to_json())
+        app = create_app(store, GatewayConfig(state_dir=tmp_path, scheduler_address=UNREACHABLE_SCHEDULER))
+        transport = httpx.ASGITransport(app=app)
+        async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            response = await c.get("/system/function/early")
+            assert response.status_code == 200 and response.json()["model"] == spec.model
+            assert "gateway_functions_deployed 1" in (await c.get("/metrics")).text
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_openfaas_field_aliases(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        digest = await env.upload()
+        response = await env.client.post(
+            "/system/functions",
+            json={"service": "faas-style", "package_digest": digest, "memory_mb": 64, "envVars": {"MODE": "fast"}},
+        )
+        assert response.status_code == 202, response.text
+        stored = await env.stored_spec("faas-style")
+        assert stored is not None
+        assert stored["name"] == "faas-style" and stored["environment"] == {"MODE": "fast"}
+        assert "service" not in stored and "envVars" not in stored
+        described = (await env.client.get("/system/function/faas-style")).json()
+        assert described["environment"] == {"MODE": "fast"}
+
+        # PUT takes the aliases too.
+        response = await env.client.put(
+            "/system/functions",
+            json={"service": "faas-style", "package_digest": digest, "memory_mb": 64, "envVars": {"MODE": "slow"}},
+        )
+        assert response.status_code == 202, response.text
+        stored = await env.stored_spec("faas-style")
+        assert stored is not None and stored["environment"] == {"MODE": "slow"}
+
+        # The gpufaas name wins when both are given; the alias is then an unknown field.
+        both = await env.client.post(
+            "/system/functions", json={"name": "a", "service": "b", "package_digest": digest, "memory_mb": 1}
+        )
+        assert_error(both, 400, "service", "unknown field")
+
+    run(tmp_path, body)
+
+
+def test_spec_validation_errors_name_the_field(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        digest = await env.upload()
+        good = {"name": "ok", "package_digest": digest, "memory_mb": 10}
+        cases: list[tuple[Any, tuple[str, ...]]] = [
+            ({**good, "name": "Bad_Name"}, ("name:", "'Bad_Name'", "lower-case")),
+            ({**good, "name": "-x"}, ("name:", "'-x'")),
+            ({**good, "name": "a" * 64}, ("name:", "63 characters")),
+            ({k: v for k, v in good.items() if k != "name"}, ("name: required",)),
+            ({**good, "package_digest": "latest"}, ("package_digest:", "'latest'", "64 hex digits")),
+            ({k: v for k, v in good.items() if k != "memory_mb"}, ("memory_mb: required",)),
+            ({**good, "memory_mb": 0}, ("memory_mb:", "positive whole number", "0")),
+            ({**good, "memory_mb": "10"}, ("memory_mb:", "'10'")),
+            ({**good, "memory_mb": True}, ("memory_mb:", "True")),
+            ({**good, "batch_size": -2}, ("batch_size:", "-2")),
+            ({**good, "timeout_s": 0}, ("timeout_s:", "(0, 3600]")),
+            ({**good, "timeout_s": 3601}, ("timeout_s:", "3601")),
+            ({**good, "labels": {"a": 1}}, ("labels:", "map of strings")),
+            ({**good, "environment": ["A=1"]}, ("environment:", "map of strings")),
+            ({**good, "replicas": 3}, ("replicas:", "unknown field", "memory_mb")),
+            (["not", "an", "object"], ("function spec: expected an object",)),
+        ]
+        for spec, fragments in cases:
+            for method in ("POST", "PUT"):
+                response = await env.client.request(method, "/system/functions", json=spec)
+                assert_error(response, 400, *fragments)
+        assert await env.store.get_prefix(env.keys.functions) == []
+
+        # A well-formed spec whose package was never uploaded.
+        never = "sha256:" + "0" * 64
+        response = await env.client.post("/system/functions", json={**good, "package_digest": never})
+        assert_error(response, 400, never, "not uploaded", "POST it to /system/packages")
+        # Bodies that are not JSON.
+        for raw in (b"{not json", b"", b"\xff\xfe"):
+            response = await env.client.post(
+                "/system/functions", content=raw, headers={"content-type": "application/json"}
+            )
+            assert_error(response, 400, "JSON function spec")
+        assert await env.store.get_prefix(env.keys.functions) == []
+
+        # DELETE bodies.
+        for raw_body in (b"nope", b'"x"', b"{}", b'{"functionName": 3}'):
+            response = await env.client.request("DELETE", "/system/functions", content=raw_body)
+            assert_error(response, 400, '{"functionName": "NAME"}')
+        response = await env.client.request("DELETE", "/system/functions", json={"functionName": "a/b"})
+        assert_error(response, 400, "'a/b'", "not a valid function name")
+        response = await env.client.request("DELETE", "/system/functions", json={"functionName": "nope"})
+        assert_error(response, 404, "'nope'")
+
+    run(tmp_path, body)
+
+
+def test_datastore_outage_is_a_503_naming_etcd(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        digest = await env.upload()
+        env.store.set_reachable(False)
+        try:
+            response = await env.client.post(
+                "/system/functions", json={"name": "x", "package_digest": digest, "memory_mb": 1}
+            )
+            assert_error(response, 503, "etcd", "unreachable")
+        finally:
+            env.store.set_reachable(True)
+        response = await env.client.post(
+            "/system/functions", json={"name": "x", "package_digest": digest, "memory_mb": 1}
+        )
+        assert response.status_code == 202, response.text
+
+    run(tmp_path, body)
+
+
+# --- invocation without a scheduler ---------------------------------------------------------
+
+
+def test_invoke_while_the_scheduler_is_unreachable(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        digest = await env.upload()
+        response = await env.client.post(
+            "/system/functions", json={"name": "lonely", "package_digest": digest, "memory_mb": 1, "timeout_s": 2}
+        )
+        assert response.status_code == 202, response.text
+
+        started = asyncio.get_running_loop().time()
+        response = await env.client.post("/function/lonely", json={"x": 1}, headers={"X-Call-Id": "call-1"})
+        elapsed = asyncio.get_running_loop().time() - started
+        assert_error(response, 503, "scheduler is unreachable")
+        assert response.headers["x-call-id"] == "call-1"
+        assert "retry-after" not in response.headers
+        assert elapsed < 3.5, f"took {elapsed:.2f} s; the call's timeout is 2 s (+1 s grace)"
+
+        assert_error(await env.client.get("/system/gpus"), 503, "scheduler is unreachable")
+        assert_error(await env.client.get("/system/queue"), 503, "scheduler is unreachable")
+
+        metrics = (await env.client.get("/metrics")).text
+        assert 'gateway_function_invocation_total{function_name="lonely",code="503"} 1' in metrics
+        assert "gateway_functions_deployed 1" in metrics
+        described = (await env.client.get("/system/function/lonely")).json()
+        assert described["invocationCount"] == 1
+
+    run(tmp_path, body)
+
+
+def test_invoke_errors_answered_by_the_gateway_itself(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        digest = await env.upload()
+        response = await env.client.post(
+            "/system/functions", json={"name": "small", "package_digest": digest, "memory_mb": 1, "timeout_s": 2}
+        )
+        assert response.status_code == 202, response.text
+
+        assert_error(await env.client.post("/function/nope", json={}), 404, "'nope'", "deploy")
+        # Over the payload limit: declared, and streamed without a Content-Length.
+        assert_error(await env.client.post("/function/small", content=b"x" * 1025), 413, "1024 bytes")
+
+        async def stream() -> AsyncIterator[bytes]:
+            for _ in range(3):
+                yield b"y" * 500
+
+        assert_error(await env.client.post("/function/small", content=stream()), 413, "1024 bytes")
+        # Declared JSON but not JSON.
+        response = await env.client.post(
+            "/function/small", content=b"{oops", headers={"content-type": "application/json; charset=utf-8"}
+        )
+        assert_error(response, 400, "application/json", "not valid JSON")
+        # None of these reached the scheduler (which would have answered 503).
+        assert "gateway_function_invocation_total{" not in (await env.client.get("/metrics")).text
+
+    run(tmp_path, body, max_payload_bytes=1024)
