@@ -20,13 +20,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--state-dir", type=Path, required=True, help="where uploaded packages are kept")
+    parser.add_argument(
+        "--public-url", default=None, help="URL other hosts reach this gateway at (default: http://HOST:PORT)"
+    )
     parser.add_argument("--scheduler", default=None, help="scheduler gRPC address (default: look it up in etcd)")
     parser.add_argument("--max-payload-mb", type=float, default=16.0, help="invocation body limit (413 above)")
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     config = GatewayConfig(
         state_dir=args.state_dir,
-        public_url=f"http://{args.host}:{args.port}",
+        public_url=args.public_url or f"http://{args.host}:{args.port}",
         scheduler_address=args.scheduler,
         max_payload_bytes=int(args.max_payload_mb * 1024 * 1024),
         keys=Keys(args.root),

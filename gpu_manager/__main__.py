@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     add_common_flags(parser)
     parser.add_argument("--node", default=socket.gethostname(), help="node name (default: host name)")
     parser.add_argument("--listen", default="127.0.0.1:0", help="gRPC address to bind (port 0 = any free)")
+    parser.add_argument("--advertise", default=None, help="address the scheduler dials (default: the listen address)")
     parser.add_argument(
         "--backend",
         choices=["cuda", "cpu", "emulated"],
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
         async def start() -> None:
-            await daemon.start(args.listen)
+            await daemon.start(args.listen, advertise=args.advertise)
             print(f"gpu manager {args.node} listening on {daemon.address}", flush=True)
 
         async def stop() -> None:

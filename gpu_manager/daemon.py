@@ -56,11 +56,13 @@ class GpuManagerDaemon(pb_grpc.GpuManagerServicer):
         self._lease: LeaseKeeper | None = None
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0))
 
-    async def start(self, listen: str = "127.0.0.1:0") -> str:
+    async def start(self, listen: str = "127.0.0.1:0", *, advertise: str | None = None) -> str:
+        """Serve gRPC on `listen`; register `advertise` (the address the scheduler dials: needed
+        when listening on 0.0.0.0 in a container) or else the bound listen address."""
         self._server = grpc.aio.server()
         pb_grpc.add_GpuManagerServicer_to_server(self, self._server)  # type: ignore[no-untyped-call]
         port = self._server.add_insecure_port(listen)
-        self.address = f"{listen.rsplit(':', 1)[0]}:{port}"
+        self.address = advertise or f"{listen.rsplit(':', 1)[0]}:{port}"
         await self._server.start()
         self._lease = LeaseKeeper(self.store, LEASE_TTL_S, on_regrant=self._register)
         await self._register(await self._lease.start())

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
+import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -26,7 +28,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)
+console = Console(soft_wrap=True)  # messages: never wrapped mid-sentence when piped
 
 
 @app.callback()
@@ -147,7 +150,7 @@ def sim(
     else:
         _print_table(results, meta)
         if plot is not None:
-            Console().print(f"wrote {plot}")
+            console.print(f"wrote {plot}")
 
 
 def _print_table(results: Sequence[SimResult], meta: Mapping[str, object]) -> None:
@@ -205,6 +208,456 @@ def _progress(total: int, *, enabled: bool) -> Iterator[Callable[[int], None]]:
     ) as progress:
         task = progress.add_task("sim", total=total)
         yield lambda n: progress.advance(task, n)
+
+
+# --- the cluster and its functions ------------------------------------------------------------
+
+DEFAULT_GATEWAY = "http://127.0.0.1:8080"
+
+
+def state_dir_default() -> Path:
+    env = os.environ.get("GPUFAAS_STATE_DIR")
+    return Path(env) if env else Path.home() / ".local" / "state" / "gpufaas"
+
+
+StateDir = Annotated[Path, typer.Option("--state-dir", help="Where the local cluster keeps its state and logs.")]
+GatewayOpt = Annotated[
+    str | None, typer.Option("--gateway", "-g", help="Gateway URL (else $GPUFAAS_URL, else http://127.0.0.1:8080).")
+]
+
+
+def gateway_url(flag: str | None, stack_gateway: str | None = None) -> str:
+    """--gateway, else $GPUFAAS_URL, else the stack file's provider.gateway, else the default."""
+    return (flag or os.environ.get("GPUFAAS_URL") or stack_gateway or DEFAULT_GATEWAY).rstrip("/")
+
+
+class GatewayClient:
+    """The CLI's handle on a gateway: every failure becomes a GpufaasError that says what to do."""
+
+    def __init__(self, url: str, *, timeout_s: float = 120.0) -> None:
+        self.url = url
+        self._client = httpx.Client(base_url=url, timeout=timeout_s)
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return self._client.request(method, path, **kwargs)
+        except httpx.ConnectError:
+            raise GpufaasError(
+                f"no gateway answers at {self.url}; start a local cluster with `gpufaas up`, "
+                "or point --gateway / GPUFAAS_URL at a running one"
+            ) from None
+        except httpx.HTTPError as exc:
+            raise GpufaasError(f"talking to the gateway at {self.url} failed: {exc}") from None
+
+    def ok(self, response: httpx.Response, *, accept: tuple[int, ...] = (200, 201, 202)) -> Any:
+        if response.status_code not in accept:
+            try:
+                message = response.json().get("error", response.text)
+            except ValueError:
+                message = response.text
+            raise GpufaasError(f"{message} (HTTP {response.status_code})")
+        return response.json() if response.content else None
+
+
+@app.command()
+def up(
+    nodes: Annotated[int, typer.Option(min=1, help="GPU managers to start.")] = 2,
+    gpus_per_node: Annotated[int, typer.Option(min=1, help="Logical GPUs per node (cpu/emulated).")] = 2,
+    backend: Annotated[
+        str | None, typer.Option(help="cuda, cpu or emulated (default: cuda if NVML finds GPUs).")
+    ] = None,
+    gpu_memory_mb: Annotated[int, typer.Option(min=1, help="Cache capacity per logical GPU (MB).")] = 8192,
+    policy: Annotated[str, typer.Option(help="Scheduling policy: lb, lalb or lalb-o3.")] = "lalb-o3",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Gateway port.")] = 8080,
+    state_dir: StateDir = state_dir_default(),  # noqa: B008
+) -> None:
+    """Start a local cluster in the background: etcd, scheduler, gateway and GPU managers."""
+    from gpufaas.local_cluster import ClusterError, LocalCluster, pid_alive, recorded_pids
+    from scheduler import make_policy
+
+    try:
+        make_policy(policy)
+    except GpufaasError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--policy") from None
+    if backend is None:
+        backend = "cuda" if _nvml_finds_gpus() else "cpu"
+    if backend not in ("cuda", "cpu", "emulated"):
+        raise typer.BadParameter(f"expected cuda, cpu or emulated, got {backend!r}", param_hint="--backend")
+    running = {name: pid for name, pid in recorded_pids(state_dir).items() if pid_alive(pid)}
+    if running:
+        info = _cluster_info(state_dir)
+        console.print(
+            f"a cluster is already running from {state_dir} (gateway {info.get('gateway_url', '?')}); "
+            "`gpufaas status` shows it, `gpufaas down` stops it"
+        )
+        return
+    cluster = LocalCluster(
+        state_dir,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        backend=backend,
+        gpu_memory_mb=gpu_memory_mb,
+        policy=policy,
+        gateway_port=port,
+    )
+    with _user_errors(), err_console.status("starting etcd, the scheduler, the gateway and the GPU managers..."):
+        try:
+            cluster.start(timeout_s=120)
+        except ClusterError as exc:
+            cluster.stop()
+            raise GpufaasError(f"the cluster did not start: {exc}") from None
+    console.print(
+        f"[bold green]gpufaas is up[/]: gateway {cluster.gateway_url}, "
+        f"{nodes} node(s) x {gpus_per_node} {backend} GPU(s), policy {policy}"
+    )
+    console.print(f"state: {state_dir}   logs: {state_dir / 'logs'}   (gpufaas logs \\[component])")
+    console.print("stop it with `gpufaas down`")
+
+
+@app.command()
+def down(state_dir: StateDir = state_dir_default()) -> None:  # noqa: B008
+    """Stop exactly the processes `gpufaas up` started (by PID)."""
+    from gpufaas.local_cluster import stop_recorded
+
+    stopped = stop_recorded(state_dir)
+    if stopped:
+        console.print(f"stopped {', '.join(stopped)}")
+    else:
+        console.print(f"nothing is running from {state_dir}")
+
+
+@app.command()
+def status(state_dir: StateDir = state_dir_default(), gateway: GatewayOpt = None) -> None:  # noqa: B008
+    """Say what runs: the local cluster's processes and whether the gateway answers."""
+    from gpufaas.local_cluster import pid_alive, recorded_pids
+
+    pids = recorded_pids(state_dir)
+    info = _cluster_info(state_dir)
+    url = gateway_url(gateway, info.get("gateway_url"))
+    table = Table(title=f"local cluster in {state_dir}", title_justify="left")
+    table.add_column("component")
+    table.add_column("pid", justify="right")
+    table.add_column("state")
+    for name, pid in pids.items():
+        table.add_row(name, str(pid), "running" if pid_alive(pid) else "[red]stopped[/]")
+    if pids:
+        console.print(table)
+    else:
+        console.print(f"no local cluster recorded in {state_dir}")
+    try:
+        healthy = httpx.get(f"{url}/healthz", timeout=3).status_code == 200
+    except httpx.HTTPError:
+        healthy = False
+    console.print(f"gateway {url}: {'[green]answers[/]' if healthy else '[red]does not answer[/]'}")
+    if not healthy:
+        raise typer.Exit(code=1)
+
+
+@app.command()
+def new(
+    name: Annotated[str, typer.Argument(help="The new function's name.")],
+    template: Annotated[
+        str, typer.Option("--template", "-t", help="A template from `gpufaas new --list`.")
+    ] = "pytorch-custom",
+    directory: Annotated[Path, typer.Option("--dir", help="Where to create it (a stack.yml goes there too).")] = Path(
+        "."
+    ),
+    list_templates: Annotated[bool, typer.Option("--list", help="List the templates and exit.")] = False,
+) -> None:
+    """Create a function from a template (handler, weights, and an entry in stack.yml)."""
+    import shutil
+    import subprocess
+
+    import yaml
+
+    from gpufaas.functions import NAME_PATTERN
+
+    templates = _templates()
+    if list_templates:
+        for template_name, path in sorted(templates.items()):
+            meta = _template_meta(path)
+            console.print(f"{template_name:28} {meta.get('description', '')}")
+        return
+    if not NAME_PATTERN.match(name):
+        raise typer.BadParameter("use lower-case letters, digits and '-' (at most 63)", param_hint="NAME")
+    if template not in templates:
+        raise typer.BadParameter(
+            f"unknown template {template!r}; templates: {', '.join(sorted(templates))}", param_hint="--template"
+        )
+    target = directory / name
+    if target.exists():
+        raise typer.BadParameter(f"{target} already exists", param_hint="NAME")
+    source = templates[template]
+    meta = _template_meta(source)
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "stack.yml", "template.yml"))
+    with _user_errors():
+        if (target / "make_weights.py").exists():
+            done = subprocess.run(
+                [sys.executable, "make_weights.py"], cwd=target, capture_output=True, text=True, check=False
+            )
+            if done.returncode != 0:
+                raise GpufaasError(f"writing the template's weights failed:\n{done.stderr.strip()}")
+        stack_path = directory / "stack.yml"
+        stack: dict[str, Any] = {
+            "version": 1.0,
+            "provider": {"name": "gpufaas", "gateway": DEFAULT_GATEWAY},
+            "functions": {},
+        }
+        if stack_path.exists():
+            stack = yaml.safe_load(stack_path.read_text()) or stack
+            stack.setdefault("functions", {})
+        stack["functions"][name] = {
+            "template": template,
+            "handler": f"./{name}",
+            "gpu": meta.get("gpu", "any"),
+            "memory_mb": int(meta.get("memory_mb", 1024)),
+            "batch_size": int(meta.get("batch_size", 32)),
+            "timeout_s": float(meta.get("timeout_s", 60)),
+            "labels": {},
+            "environment": {},
+        }
+        stack_path.write_text(yaml.safe_dump(stack, sort_keys=False))
+    Console().print(
+        f"created {target} from {template} and added it to {stack_path}; deploy with `gpufaas deploy -f {stack_path}`"
+    )
+
+
+@app.command()
+def deploy(
+    file: Annotated[Path, typer.Option("-f", "--file", help="The stack file.")] = Path("stack.yml"),
+    gateway: GatewayOpt = None,
+    only: Annotated[list[str] | None, typer.Option("--filter", help="Deploy only these functions.")] = None,
+) -> None:
+    """Package each function's handler directory, upload it, and register or update the function."""
+    from gpufaas.stack import load_stack
+
+    with _user_errors():
+        stack = load_stack(file)
+        client = GatewayClient(gateway_url(gateway, stack.gateway))
+        selected = [f for f in stack.functions if not only or f.name in only]
+        if not selected:
+            raise GpufaasError(f"no function in {file} matches --filter {', '.join(only or [])}")
+        for function in selected:
+            if not (function.handler / "handler.py").is_file():
+                raise GpufaasError(f"{file}: functions.{function.name}.handler: {function.handler} has no handler.py")
+            package = _package(function.handler)
+            digest = _upload(client, package, function.name)
+            spec = function.spec(digest)
+            response = client.request("POST", "/system/functions", json=spec)
+            if response.status_code == 409:
+                response = client.request("PUT", "/system/functions", json=spec)
+            answer = client.ok(response)
+            Console().print(
+                f"deployed [bold]{function.name}[/] (model {answer['model']}, {len(package) / 1e6:.1f} MB package)"
+            )
+
+
+@app.command()
+def invoke(
+    name: Annotated[str, typer.Argument(help="The function to call.")],
+    data: Annotated[
+        str | None, typer.Option("--data", "-d", help="The request body (else --file, else stdin).")
+    ] = None,
+    file: Annotated[Path | None, typer.Option("--file", help="Read the request body from a file.")] = None,
+    content_type: Annotated[
+        str | None, typer.Option(help="Content type (default: JSON if the body parses as JSON).")
+    ] = None,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Also print the X-* headers.")] = False,
+    gateway: GatewayOpt = None,
+) -> None:
+    """Call a function; the result goes to stdout."""
+    with _user_errors():
+        if data is not None:
+            body = data.encode()
+        elif file is not None:
+            try:
+                body = file.read_bytes()
+            except OSError as exc:
+                raise GpufaasError(f"cannot read {file}: {exc}") from None
+        elif not sys.stdin.isatty():
+            body = sys.stdin.buffer.read()
+        else:
+            body = b""
+        if content_type is None:
+            try:
+                json.loads(body or b"null")
+                content_type = "application/json"
+            except (ValueError, UnicodeDecodeError):
+                content_type = "application/octet-stream"
+        client = GatewayClient(gateway_url(gateway))
+        response = client.request("POST", f"/function/{name}", content=body, headers={"content-type": content_type})
+        if verbose:
+            for header, value in response.headers.items():
+                if header.lower().startswith("x-"):
+                    err_console.print(f"{header}: {value}", highlight=False)
+        if response.status_code != 200:
+            client.ok(response)
+        sys.stdout.buffer.write(response.content)
+        if not response.content.endswith(b"\n"):
+            sys.stdout.buffer.write(b"\n")
+        sys.stdout.flush()
+
+
+@app.command("ls")
+def list_functions(gateway: GatewayOpt = None) -> None:
+    """List the deployed functions."""
+    with _user_errors():
+        client = GatewayClient(gateway_url(gateway))
+        functions = client.ok(client.request("GET", "/system/functions"))
+    table = Table(title_justify="left")
+    for column in ("name", "memory (MB)", "batch", "timeout (s)", "GPU", "invocations", "replicas"):
+        table.add_column(column, justify="left" if column in ("name", "GPU") else "right")
+    for f in functions:
+        table.add_row(
+            f["name"],
+            str(f["memory_mb"]),
+            str(f["batch_size"]),
+            f"{f['timeout_s']:g}",
+            f["gpu"],
+            str(f["invocationCount"]),
+            str(f["replicas"]),
+        )
+    Console().print(table)
+
+
+@app.command()
+def describe(name: Annotated[str, typer.Argument()], gateway: GatewayOpt = None) -> None:
+    """Show one function: its spec, where it is cached, how often it ran."""
+    with _user_errors():
+        client = GatewayClient(gateway_url(gateway))
+        response = client.request("GET", f"/system/function/{name}")
+        function = client.ok(response)
+    for key, value in function.items():
+        console.print(f"{key + ':':18} {value}", highlight=False)
+
+
+@app.command()
+def rm(name: Annotated[str, typer.Argument()], gateway: GatewayOpt = None) -> None:
+    """Remove a deployed function."""
+    with _user_errors():
+        client = GatewayClient(gateway_url(gateway))
+        client.ok(client.request("DELETE", "/system/functions", json={"functionName": name}))
+    console.print(f"removed {name}")
+
+
+@app.command()
+def gpus(gateway: GatewayOpt = None) -> None:
+    """Every GPU: node, status, memory used/capacity, LRU list (most recent first)."""
+    with _user_errors():
+        client = GatewayClient(gateway_url(gateway))
+        rows = client.ok(client.request("GET", "/system/gpus"))
+    table = Table(title_justify="left")
+    for column in ("node", "GPU", "type", "status", "memory (MB)", "queued", "LRU list (most recent first)"):
+        table.add_column(column)
+    for g in sorted(rows, key=lambda g: g["gpu"]):
+        table.add_row(
+            g["node"],
+            g["gpu"].split("/", 1)[1],
+            g["gpu_type"],
+            g["status"],
+            f"{g['memory_used_mb']}/{g['memory_capacity_mb']}",
+            str(g["local_queue"]),
+            ", ".join(g["lru"]) or "-",
+        )
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+
+
+@app.command()
+def logs(
+    component: Annotated[str | None, typer.Argument(help="scheduler, gateway, node0, ... (default: list them)")] = None,
+    lines: Annotated[int, typer.Option("-n", "--lines", min=1, help="How many lines from the end.")] = 50,
+    state_dir: StateDir = state_dir_default(),  # noqa: B008
+) -> None:
+    """Show the local cluster's logs."""
+    log_dir = state_dir / "logs"
+    available = sorted(p.stem for p in log_dir.glob("*.log")) if log_dir.is_dir() else []
+    if component is None:
+        console.print(f"logs in {log_dir}: {', '.join(available) or 'none'}")
+        return
+    if component not in available:
+        known = ", ".join(available) or "none (is the cluster up?)"
+        err_console.print(f"[bold red]error:[/] no log for {component!r}; available: {known}")
+        raise typer.Exit(code=1)
+    text = (log_dir / f"{component}.log").read_text(errors="replace").splitlines()[-lines:]
+    sys.stdout.write("\n".join(text) + "\n")
+
+
+def _cluster_info(state_dir: Path) -> dict[str, Any]:
+    try:
+        info: dict[str, Any] = json.loads((state_dir / "cluster.json").read_text())
+        return info
+    except (OSError, ValueError):
+        return {}
+
+
+def _nvml_finds_gpus() -> bool:
+    try:
+        from gpu_manager.devices import discover_nvml
+    except ImportError:
+        return False
+    return bool(discover_nvml())
+
+
+def _templates() -> dict[str, Path]:
+    try:
+        from importlib import resources
+
+        root = Path(str(resources.files("function_templates")))
+    except ModuleNotFoundError:
+        root = Path(__file__).resolve().parent.parent / "function_templates"
+    return {p.name: p for p in root.iterdir() if p.is_dir() and (p / "handler.py").exists()} if root.is_dir() else {}
+
+
+def _template_meta(path: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        meta = yaml.safe_load((path / "template.yml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _package(directory: Path) -> bytes:
+    """The handler directory as a .tar.gz (paths relative to it; no caches or VCS files)."""
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for path in sorted(directory.rglob("*")):
+            parts = set(path.relative_to(directory).parts)
+            if path.is_file() and not parts & {"__pycache__", ".git", ".venv"}:
+                tar.add(path, arcname=path.relative_to(directory).as_posix())
+    return buffer.getvalue()
+
+
+def _upload(client: GatewayClient, package: bytes, name: str) -> str:
+    import hashlib
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    digest = f"sha256:{hashlib.sha256(package).hexdigest()}"
+    chunk = 256 * 1024
+    with Progress(
+        TextColumn(f"uploading {name}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=err_console,
+        disable=not err_console.is_terminal,
+    ) as progress:
+        task = progress.add_task("upload", total=len(package))
+
+        def chunks() -> Iterator[bytes]:
+            for start in range(0, len(package), chunk):
+                piece = package[start : start + chunk]
+                progress.advance(task, len(piece))
+                yield piece
+
+        response = client.request("POST", "/system/packages", params={"digest": digest}, content=chunks())
+    answer = client.ok(response)
+    return str(answer["digest"])
 
 
 def main() -> None:

@@ -241,6 +241,17 @@ class LocalCluster:
 
     def _write_pids(self) -> None:
         (self.state_dir / "pids.json").write_text(json.dumps(self.pids(), indent=2) + "\n")
+        info = {
+            "gateway_url": self.gateway_url,
+            "scheduler_address": self.scheduler_address,
+            "etcd_endpoint": self.etcd_endpoint,
+            "logs": str(self.state_dir / "logs"),
+            "nodes": self.nodes,
+            "gpus_per_node": self.gpus_per_node,
+            "backend": self.backend,
+            "policy": self.policy,
+        }
+        (self.state_dir / "cluster.json").write_text(json.dumps(info, indent=2) + "\n")
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -248,3 +259,58 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+STOP_ORDER = ("node", "gateway", "scheduler", "etcd")  # workers' managers first, the store last
+
+
+def recorded_pids(state_dir: Path) -> dict[str, int]:
+    """The PIDs a `LocalCluster` in `state_dir` recorded, alive or not ({} if none)."""
+    try:
+        raw = json.loads((state_dir / "pids.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(name): int(pid) for name, pid in raw.items()}
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError):
+        # A zombie is dead for our purposes.
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+    return True
+
+
+def stop_recorded(state_dir: Path, timeout_s: float = 15.0) -> list[str]:
+    """Stop exactly the processes recorded in `state_dir/pids.json` (their process groups: a GPU
+    manager's workers too), GPU managers first and etcd last; returns the names stopped."""
+    pids = recorded_pids(state_dir)
+    stopped: list[str] = []
+    for prefix in STOP_ORDER:
+        group = {name: pid for name, pid in pids.items() if name.startswith(prefix) and pid_alive(pid)}
+        for pid in group.values():
+            _signal_group(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while any(pid_alive(pid) for pid in group.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in group.values():
+            if pid_alive(pid):
+                _signal_group(pid, signal.SIGKILL)
+        stopped.extend(group)
+    with contextlib.suppress(OSError):
+        (state_dir / "pids.json").write_text("{}\n")
+    return stopped
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)

@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scheduler", description="gpufaas scheduler service")
     add_common_flags(parser)
     parser.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address to bind (default %(default)s)")
+    parser.add_argument("--advertise", default=None, help="address gateways dial (default: the listen address)")
     parser.add_argument("--policy", default="lalb-o3", choices=registered_policies())
     parser.add_argument("--o3-limit", type=int, default=25, help="lalb-o3: max skips per request")
     parser.add_argument("--queue-capacity", type=int, default=10_000, help="calls waiting before 429")
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
         async def start() -> None:
-            await service.start(args.listen)
+            await service.start(args.listen, advertise=args.advertise)
             print(f"scheduler listening on {service.address}", flush=True)
 
         async def stop() -> None:

@@ -151,14 +151,15 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         self.address = ""
 
     # --- lifecycle ------------------------------------------------------------------------
-    async def start(self, listen: str = "127.0.0.1:0") -> str:
-        """Recover state from etcd, start watching, serve gRPC; returns the bound address."""
+    async def start(self, listen: str = "127.0.0.1:0", *, advertise: str | None = None) -> str:
+        """Recover state from etcd, start watching, serve gRPC; returns the address registered in
+        etcd for gateways to find (`advertise`, else the bound listen address)."""
         revision = await self._recover()
         self._server = grpc.aio.server()
         pb_grpc.add_SchedulerServicer_to_server(self, self._server)  # type: ignore[no-untyped-call]
         port = self._server.add_insecure_port(listen)
         host = listen.rsplit(":", 1)[0]
-        self.address = f"{host}:{port}"
+        self.address = advertise or f"{host}:{port}"
         await self._server.start()
         self._lease = LeaseKeeper(self.store, LEASE_TTL_S, on_regrant=self._register)
         await self._register(await self._lease.start())

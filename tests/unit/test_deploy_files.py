@@ -1,0 +1,473 @@
+"""The deployment files stay valid and agree with the daemons: docker-compose.yml (rendered by
+`docker-compose config` where it is installed, and parsed), deploy/k8s/*.yaml, the Dockerfiles,
+and every daemon flag they use, checked against that daemon's `--help`."""
+
+from __future__ import annotations
+
+import functools
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+NAMESPACE = "gpufaas"
+
+DAEMONS = ("scheduler", "gateway", "gpu_manager")
+GPU_MANAGERS = ("gpu-manager-0", "gpu-manager-1")
+SERVICES = {"etcd", "scheduler", "gateway", *GPU_MANAGERS}
+# service -> the services it must wait for, healthy
+STARTS_AFTER = {
+    "etcd": set(),
+    "scheduler": {"etcd"},
+    "gateway": {"etcd", "scheduler"},
+    "gpu-manager-0": {"etcd", "scheduler"},
+    "gpu-manager-1": {"etcd", "scheduler"},
+}
+REQUIRED_FLAGS = {"scheduler": {"--etcd", "--listen", "--advertise"}, "gateway": {"--etcd", "--state-dir", "--host"}}
+REQUIRED_FLAGS["gpu_manager"] = {"--etcd", "--node", "--listen", "--advertise", "--state-dir"}
+# Flags the deployment needs that a daemon does not have yet: (daemon, flag) -> why.
+PENDING_FLAGS: dict[tuple[str, str], str] = {}
+WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet"}
+EXPECTED_KINDS = {
+    "namespace.yaml": ["Namespace"],
+    "etcd.yaml": ["Service", "StatefulSet"],
+    "scheduler.yaml": ["Service", "Deployment"],
+    "gateway.yaml": ["Service", "PersistentVolumeClaim", "Deployment"],
+    "gpu-manager.yaml": ["DaemonSet"],
+}
+
+
+# --- loading --------------------------------------------------------------------------------
+@functools.cache
+def compose() -> dict[str, Any]:
+    loaded = yaml.safe_load(COMPOSE.read_text())
+    assert isinstance(loaded, dict)
+    return loaded
+
+
+def services() -> dict[str, Any]:
+    return dict(compose()["services"])
+
+
+@functools.cache
+def manifests() -> dict[str, list[dict[str, Any]]]:
+    return {
+        path.name: [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+        for path in sorted(K8S.glob("*.yaml"))
+        if path.name != "kustomization.yaml"
+    }
+
+
+@functools.cache
+def kustomization() -> dict[str, Any]:
+    loaded = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert isinstance(loaded, dict)
+    return loaded
+
+
+def all_objects() -> list[dict[str, Any]]:
+    return [doc for docs in manifests().values() for doc in docs]
+
+
+def objects(kind: str) -> list[dict[str, Any]]:
+    return [doc for doc in all_objects() if doc["kind"] == kind]
+
+
+def workloads() -> list[dict[str, Any]]:
+    return [doc for doc in all_objects() if doc["kind"] in WORKLOAD_KINDS]
+
+
+def containers(workload: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(workload["spec"]["template"]["spec"]["containers"])
+
+
+def flag_values(argv: list[str]) -> dict[str, str]:
+    """`--flag value` and `--flag=value` pairs of a command line (a flag with no value maps to "")."""
+    values: dict[str, str] = {}
+    for i, token in enumerate(argv):
+        if not token.startswith("--"):
+            continue
+        if "=" in token:
+            flag, value = token.split("=", 1)
+        else:
+            following = argv[i + 1] if i + 1 < len(argv) else ""
+            flag, value = token, ("" if following.startswith("--") else following)
+        values[flag] = value
+    return values
+
+
+def daemon_of(argv: list[str]) -> str | None:
+    """`python -m scheduler ...` -> "scheduler"."""
+    if len(argv) >= 3 and argv[0].startswith("python") and argv[1] == "-m":
+        return argv[2]
+    return None
+
+
+def command_lines() -> list[tuple[str, str, list[str]]]:
+    """(where, daemon, argv) for every gpufaas daemon started by compose or a k8s manifest."""
+    found: list[tuple[str, str, list[str]]] = []
+    for name, service in services().items():
+        argv = [str(token) for token in service.get("command", [])]
+        if (daemon := daemon_of(argv)) is not None:
+            found.append((f"docker-compose.yml:{name}", daemon, argv))
+    for workload in workloads():
+        for container in containers(workload):
+            argv = [str(token) for token in [*container.get("command", []), *container.get("args", [])]]
+            if (daemon := daemon_of(argv)) is not None:
+                found.append((f"k8s {workload['kind']}/{workload['metadata']['name']}", daemon, argv))
+    return found
+
+
+def compose_command(name: str) -> dict[str, str]:
+    return flag_values([str(token) for token in services()[name]["command"]])
+
+
+def published_port(port: str | dict[str, Any]) -> tuple[int, int]:
+    """(published, target) of a compose port: short "8080:8080" or long form (v1 and v2 render it so)."""
+    if isinstance(port, dict):
+        return int(port["published"]), int(port["target"])
+    published, target = str(port).rsplit("/", 1)[0].split(":")[-2:]
+    return int(published), int(target)
+
+
+@functools.cache
+def daemon_help(daemon: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", daemon, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def used_flags() -> list[Any]:
+    pairs = sorted({(daemon, flag) for _, daemon, argv in command_lines() for flag in flag_values(argv)})
+    return [
+        pytest.param(
+            daemon,
+            flag,
+            id=f"{daemon}{flag}",
+            marks=[pytest.mark.xfail(strict=True, reason=PENDING_FLAGS[daemon, flag])]
+            if (daemon, flag) in PENDING_FLAGS
+            else [],
+        )
+        for daemon, flag in pairs
+    ]
+
+
+# --- docker-compose.yml -----------------------------------------------------------------------
+def test_docker_compose_config_renders_the_file() -> None:
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose is not installed (CI: apt-get install -y docker-compose)")
+    result = subprocess.run(
+        [binary, "--file", str(COMPOSE), "--project-directory", str(ROOT), "config"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    rendered = yaml.safe_load(result.stdout)
+    assert set(rendered["services"]) == SERVICES
+    assert {"etcd-data", "gateway-packages"} <= set(rendered["volumes"])
+    for name in GPU_MANAGERS:
+        devices = rendered["services"][name]["deploy"]["resources"]["reservations"]["devices"]
+        assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+    assert (8080, 8080) in [published_port(port) for port in rendered["services"]["gateway"]["ports"]]
+    for name, after in STARTS_AFTER.items():
+        depends = rendered["services"][name].get("depends_on", {})
+        assert {dep: cond["condition"] for dep, cond in depends.items()} == dict.fromkeys(after, "service_healthy")
+
+
+def test_compose_has_the_five_services() -> None:
+    assert set(services()) == SERVICES
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_every_service_has_a_healthcheck(name: str) -> None:
+    check = services()[name].get("healthcheck")
+    assert check, f"{name} has no healthcheck"
+    assert not check.get("disable", False)
+    test = check["test"]
+    assert isinstance(test, list) and test[0] in {"CMD", "CMD-SHELL"} and len(test) > 1
+    if test[1] == "python" and test[2] == "-c":
+        compile(test[3], f"{name} healthcheck", "exec")  # the inline check is valid Python
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_services_start_in_health_order(name: str) -> None:
+    depends = services()[name].get("depends_on", {})
+    assert isinstance(depends, dict), "depends_on must use the long form with a condition"
+    assert set(depends) == STARTS_AFTER[name]
+    for dep, spec in depends.items():
+        assert spec == {"condition": "service_healthy"}, f"{name} -> {dep}"
+
+
+def test_etcd_service() -> None:
+    etcd = services()["etcd"]
+    assert re.fullmatch(r"quay\.io/coreos/etcd:v3\.5\.\d+", etcd["image"])
+    args = flag_values([str(token) for token in etcd["command"]])
+    assert args["--listen-client-urls"] == "http://0.0.0.0:2379"
+    assert args["--advertise-client-urls"] == "http://etcd:2379"
+    data_dir = args["--data-dir"]
+    volumes = {v.split(":")[1]: v.split(":")[0] for v in etcd["volumes"]}
+    assert volumes.get(data_dir) in compose()["volumes"], "etcd's data dir must be a named volume"
+    assert "etcdctl" in " ".join(etcd["healthcheck"]["test"]) and "endpoint" in etcd["healthcheck"]["test"]
+    assert "health" in etcd["healthcheck"]["test"]
+
+
+def test_scheduler_service() -> None:
+    args = compose_command("scheduler")
+    assert args["--etcd"] == "etcd:2379"
+    assert args["--listen"] == "0.0.0.0:50051"
+    assert args["--advertise"] == "scheduler:50051"
+    assert "ports" not in services()["scheduler"], "the scheduler stays on the compose network"
+
+
+def test_gateway_service() -> None:
+    gateway = services()["gateway"]
+    args = compose_command("gateway")
+    assert args["--etcd"] == "etcd:2379"
+    assert (args["--host"], args["--port"]) == ("0.0.0.0", "8080")
+    assert args["--scheduler"] == compose_command("scheduler")["--advertise"]
+    assert args["--public-url"] == "http://gateway:8080"
+    assert (8080, 8080) in [published_port(port) for port in gateway["ports"]]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in gateway["volumes"]}
+    assert mounts.get(args["--state-dir"]) in compose()["volumes"], "uploaded packages need a volume"
+    assert "/healthz" in " ".join(gateway["healthcheck"]["test"])
+
+
+@pytest.mark.parametrize("name", GPU_MANAGERS)
+def test_gpu_manager_service(name: str) -> None:
+    manager = services()[name]
+    args = compose_command(name)
+    assert args["--etcd"] == "etcd:2379"
+    assert args["--node"] == name
+    assert args["--backend"] == "cuda"
+    host, port = args["--listen"].rsplit(":", 1)
+    assert host == "0.0.0.0"
+    assert args["--advertise"] == f"{name}:{port}", "the scheduler dials the advertised address by service name"
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in manager["volumes"]}
+    assert mounts.get(args["--state-dir"]) in compose()["volumes"]
+    assert manager["build"]["dockerfile"] == "deploy/Dockerfile.gpu-manager"
+    devices = manager["deploy"]["resources"]["reservations"]["devices"]
+    assert len(devices) == 1
+    device = devices[0]
+    assert device["driver"] == "nvidia"
+    assert "gpu" in device["capabilities"]
+    assert ("count" in device) != ("device_ids" in device), "count and device_ids are exclusive"
+
+
+def test_gpu_managers_take_different_gpus() -> None:
+    reserved = []
+    for name in GPU_MANAGERS:
+        device = services()[name]["deploy"]["resources"]["reservations"]["devices"][0]
+        reserved.append(tuple(device.get("device_ids", ())))
+    assert all(reserved) and len(set(reserved)) == len(reserved), "two managers on one GPU"
+
+
+def test_compose_builds_existing_dockerfiles() -> None:
+    for name, service in services().items():
+        if "build" in service:
+            assert (ROOT / service["build"]["context"] / service["build"]["dockerfile"]).is_file(), name
+
+
+# --- daemon flags ---------------------------------------------------------------------------
+def test_every_daemon_is_started_somewhere() -> None:
+    started = {daemon for _, daemon, _ in command_lines()}
+    assert started == set(DAEMONS)
+
+
+@pytest.mark.parametrize(("daemon", "flag"), used_flags())
+def test_flag_is_accepted_by_the_daemon(daemon: str, flag: str) -> None:
+    assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", daemon_help(daemon)), f"python -m {daemon} has no {flag}"
+
+
+def test_every_command_passes_the_required_flags() -> None:
+    for where, daemon, argv in command_lines():
+        missing = REQUIRED_FLAGS[daemon] - set(flag_values(argv))
+        assert not missing, f"{where}: {sorted(missing)}"
+
+
+# --- Dockerfiles ----------------------------------------------------------------------------
+def test_control_plane_dockerfile() -> None:
+    text = (DEPLOY / "Dockerfile.control-plane").read_text()
+    assert re.search(r"^FROM python:3\.11-slim", text, re.MULTILINE)
+    assert re.search(r"^USER (?!0\b|root\b)\S+", text, re.MULTILINE), "must run as non-root"
+    assert re.search(r"^EXPOSE .*\b50051\b.*\b8080\b", text, re.MULTILINE)
+
+
+def test_control_plane_requirements_leave_out_only_torch() -> None:
+    """Run the Dockerfile's own requirements one-liner against pyproject.toml."""
+    text = (DEPLOY / "Dockerfile.control-plane").read_text()
+    match = re.search(r'python -c "(import re, tomllib;.*?)" >', text)
+    assert match, "requirements one-liner not found"
+    code = match.group(1).replace("\\\\", "\\")  # sh's double quotes turn \\ into \
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+    )
+    requirements = result.stdout.split()
+    names = [re.split(r"[<>=!~;\[ ]", r)[0].lower() for r in requirements]
+    assert "torch" not in names
+    assert {"grpcio", "fastapi", "uvicorn", "aetcd"} <= set(names)
+
+
+def test_gpu_manager_dockerfile() -> None:
+    text = (DEPLOY / "Dockerfile.gpu-manager").read_text()
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:12\.\d+\.\d+-runtime-ubuntu22\.04$", text, re.MULTILINE)
+    assert re.search(r"^FROM \$\{CUDA_IMAGE\}", text, re.MULTILINE)
+    assert "python3.11" in text
+    assert re.search(r"^ARG TORCH_VERSION=2\.13\.0$", text, re.MULTILINE)
+    assert re.search(r"^ARG TORCH_INDEX_URL=\S+/cu\d+$", text, re.MULTILINE)
+    assert re.search(r"^USER (?!0\b|root\b)\S+", text, re.MULTILINE), "must run as non-root"
+    assert re.search(r"^EXPOSE .*\b50061\b", text, re.MULTILINE)
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.control-plane", "Dockerfile.gpu-manager"])
+def test_dockerignore_keeps_what_the_build_needs(dockerfile: str) -> None:
+    ignored = {
+        line.strip()
+        for line in (DEPLOY / f"{dockerfile}.dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    assert ".venv" in ignored and ".git" in ignored
+    needed = {"pyproject.toml", "README.md", "gpufaas", "scheduler", "gateway", "gpu_manager", "cache_manager"}
+    assert not needed & ignored
+
+
+# --- deploy/k8s -----------------------------------------------------------------------------
+def test_kustomization_lists_every_manifest() -> None:
+    listed = kustomization()["resources"]
+    assert sorted(listed) == sorted(manifests()), "kustomization.yaml and deploy/k8s/*.yaml differ"
+    assert len(listed) == len(set(listed))
+    assert kustomization()["namespace"] == NAMESPACE
+
+
+@pytest.mark.parametrize(("filename", "kinds"), sorted(EXPECTED_KINDS.items()))
+def test_manifest_kinds(filename: str, kinds: list[str]) -> None:
+    assert [doc["kind"] for doc in manifests()[filename]] == kinds
+    for doc in manifests()[filename]:
+        assert doc.get("apiVersion") and doc["metadata"].get("name")
+
+
+def test_one_namespace_everywhere() -> None:
+    (namespace,) = objects("Namespace")
+    assert namespace["metadata"]["name"] == NAMESPACE
+    for doc in all_objects():
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"].get("namespace") == NAMESPACE, f"{doc['kind']}/{doc['metadata']['name']}"
+
+
+def test_every_container_has_probes_and_resource_limits() -> None:
+    assert {w["kind"] for w in workloads()} == WORKLOAD_KINDS
+    for workload in workloads():
+        for container in containers(workload):
+            where = f"{workload['kind']}/{workload['metadata']['name']}/{container['name']}"
+            assert container.get("livenessProbe"), f"{where}: no livenessProbe"
+            assert container.get("readinessProbe"), f"{where}: no readinessProbe"
+            resources = container.get("resources", {})
+            assert {"cpu", "memory"} <= set(resources.get("limits", {})), f"{where}: no cpu/memory limits"
+            assert {"cpu", "memory"} <= set(resources.get("requests", {})), f"{where}: no cpu/memory requests"
+            named_ports = {port.get("name") for port in container.get("ports", [])}
+            numbers = {port["containerPort"] for port in container.get("ports", [])}
+            for probe in (container["livenessProbe"], container["readinessProbe"]):
+                handler = probe.get("httpGet") or probe.get("tcpSocket")
+                if handler is not None:
+                    assert handler["port"] in named_ports | numbers, f"{where}: probe port {handler['port']}"
+
+
+def test_workload_selectors_match_their_pods() -> None:
+    for workload in workloads():
+        selector = workload["spec"]["selector"]["matchLabels"]
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items(), workload["metadata"]["name"]
+
+
+@pytest.mark.parametrize(("service", "ports"), [("etcd", {2379, 2380}), ("scheduler", {50051}), ("gateway", {8080})])
+def test_service_ports_reach_a_container(service: str, ports: set[int]) -> None:
+    (svc,) = [s for s in objects("Service") if s["metadata"]["name"] == service]
+    assert {port["port"] for port in svc["spec"]["ports"]} == ports
+    pods = [
+        w for w in workloads() if svc["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
+    ]
+    assert len(pods) == 1, f"Service {service} selects {len(pods)} workloads"
+    container_ports = {
+        key: port["containerPort"]
+        for container in containers(pods[0])
+        for port in container.get("ports", [])
+        for key in (port.get("name"), port["containerPort"])
+    }
+    for port in svc["spec"]["ports"]:
+        assert container_ports.get(port.get("targetPort", port["port"])) == port["port"], f"{service}:{port['port']}"
+
+
+def test_etcd_statefulset() -> None:
+    (statefulset,) = objects("StatefulSet")
+    (headless,) = [s for s in objects("Service") if s["metadata"]["name"] == statefulset["spec"]["serviceName"]]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert statefulset["spec"]["volumeClaimTemplates"], "etcd needs persistent storage"
+    (container,) = containers(statefulset)
+    assert container["image"] == services()["etcd"]["image"], "compose and k8s run the same etcd"
+    claim = statefulset["spec"]["volumeClaimTemplates"][0]["metadata"]["name"]
+    assert claim in {mount["name"] for mount in container["volumeMounts"]}
+
+
+def test_scheduler_deployment() -> None:
+    (deployment,) = [d for d in objects("Deployment") if d["metadata"]["name"] == "scheduler"]
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"]["type"] == "Recreate", "two schedulers must never run at once"
+    (container,) = containers(deployment)
+    assert "tcpSocket" in container["livenessProbe"] and "tcpSocket" in container["readinessProbe"]
+
+
+def test_gateway_deployment() -> None:
+    (deployment,) = [d for d in objects("Deployment") if d["metadata"]["name"] == "gateway"]
+    (container,) = containers(deployment)
+    for probe in (container["livenessProbe"], container["readinessProbe"]):
+        assert probe["httpGet"]["path"] == "/healthz"
+    args = flag_values(container["args"])
+    mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
+    volume_names = {v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert mounts.get(args["--state-dir"]) in volume_names, "packages need a volume"
+    claims = {
+        v["persistentVolumeClaim"]["claimName"]
+        for v in deployment["spec"]["template"]["spec"]["volumes"]
+        if "persistentVolumeClaim" in v
+    }
+    assert claims <= {pvc["metadata"]["name"] for pvc in objects("PersistentVolumeClaim")}
+
+
+def test_gpu_manager_daemonset() -> None:
+    (daemonset,) = objects("DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    (container,) = containers(daemonset)
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+    assert pod.get("nodeSelector") or pod.get("affinity"), "must run only on GPU nodes"
+    assert any(t.get("key") == "nvidia.com/gpu" for t in pod.get("tolerations", []))
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in container["env"]}
+    assert env["NODE_NAME"] == "spec.nodeName"
+    assert env["POD_IP"] == "status.podIP"
+    args = flag_values(container["args"])
+    assert args["--node"] == "$(NODE_NAME)"
+    port = args["--listen"].rsplit(":", 1)[1]
+    assert args["--advertise"] == f"$(POD_IP):{port}"
+    assert args["--backend"] == "cuda"
+    assert int(port) in {p["containerPort"] for p in container["ports"]}
+
+
+def test_k8s_images_match_compose_images() -> None:
+    compose_images = {s["image"].rsplit(":", 1)[0] for s in services().values()}
+    k8s_images = {c["image"].rsplit(":", 1)[0] for w in workloads() for c in containers(w)}
+    assert k8s_images == compose_images
+    overridable = {image["name"] for image in kustomization().get("images", [])}
+    assert k8s_images - {"quay.io/coreos/etcd"} <= overridable
