@@ -417,7 +417,7 @@ def new(
             "environment": {},
         }
         stack_path.write_text(yaml.safe_dump(stack, sort_keys=False))
-    Console().print(
+    console.print(
         f"created {target} from {template} and added it to {stack_path}; deploy with `gpufaas deploy -f {stack_path}`"
     )
 
@@ -447,7 +447,7 @@ def deploy(
             if response.status_code == 409:
                 response = client.request("PUT", "/system/functions", json=spec)
             answer = client.ok(response)
-            Console().print(
+            console.print(
                 f"deployed [bold]{function.name}[/] (model {answer['model']}, {len(package) / 1e6:.1f} MB package)"
             )
 

@@ -6,8 +6,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 gpufaas() { .venv/bin/gpufaas "$@"; }
-# Small caches (one model per GPU) so the demo shows evictions too; CPU "GPUs" unless there are real ones.
-gpufaas up --nodes 2 --gpus-per-node 1 --gpu-memory-mb 1200
+# Small caches (one of the two models per GPU), so the two functions land on different GPUs.
+gpufaas up --nodes 2 --gpus-per-node 1 --gpu-memory-mb 1500
 work=$(mktemp -d)
 gpufaas new classifier --template pytorch-image-classifier --dir "$work"
 gpufaas new sentiment --template pytorch-text-classifier --dir "$work"

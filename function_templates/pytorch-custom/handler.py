@@ -1,0 +1,59 @@
+"""gpufaas function: a tiny MLP, the smallest complete handler to start your own from.
+
+Inputs:  {"inputs": [[x1, x2, x3, x4], ...]}   rows of IN_FEATURES numbers
+Output:  {"outputs": [[y1, y2, y3], ...]}       one row of OUT_FEATURES numbers per input row
+
+The contract (README.md has it in full): the worker imports this file with its directory as the
+working directory and first on sys.path, calls `load(device)` once and `predict(model, inputs)`
+per request, one at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+# The package directory: the worker sets GPUFAAS_PACKAGE_DIR (and the cwd) to it.
+PACKAGE_DIR = Path(os.environ.get("GPUFAAS_PACKAGE_DIR") or Path(__file__).resolve().parent)
+WEIGHTS_FILE = "weights.safetensors"
+IN_FEATURES, HIDDEN, OUT_FEATURES = 4, 32, 3
+MAX_ROWS = 4096  # per call
+
+
+def build_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT_FEATURES))
+
+
+def load(device: str) -> nn.Module:
+    """Once per worker process. `device` is "cuda:0", "cuda:1", ... on a GPU node, "cpu" on a CPU one."""
+    weights = PACKAGE_DIR / WEIGHTS_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(
+            f"{weights} not found: run `python make_weights.py` in {PACKAGE_DIR} to write random weights, "
+            "or save your trained model's state dict there with safetensors (see README.md)"
+        )
+    model = build_model()
+    # safetensors reads the tensors straight onto the device; assign=True adopts them without a copy.
+    model.load_state_dict(load_file(weights, device=device), assign=True)
+    return model.eval()
+
+
+def predict(model: nn.Module, inputs: object) -> dict[str, object]:
+    """Per request. `inputs` is the JSON body decoded, or the raw bytes when the body is not JSON.
+    Return a dict/list (sent as JSON), a str (text) or bytes (as they are); tensors become lists.
+    An exception becomes an HTTP 500 whose error is "ExceptionType: message"."""
+    if not isinstance(inputs, dict) or "inputs" not in inputs:
+        raise ValueError(f'expected a JSON object {{"inputs": [[...{IN_FEATURES} numbers], ...]}}')
+    try:
+        x = torch.tensor(inputs["inputs"], dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"'inputs' must be a list of rows of {IN_FEATURES} numbers ({exc})") from None
+    if x.dim() != 2 or x.shape[1] != IN_FEATURES or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"'inputs' must be 1 to {MAX_ROWS} rows of {IN_FEATURES} numbers, got shape {list(x.shape)}")
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        return {"outputs": model(x.to(device)).tolist()}

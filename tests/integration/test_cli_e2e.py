@@ -1,0 +1,131 @@
+"""The user's path through the real `gpufaas` CLI, as a subprocess: up, new, deploy, invoke, gpus, rm, down."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpufaas.local_cluster import free_port, pid_alive, recorded_pids, stop_recorded
+
+pytestmark = pytest.mark.integration
+
+
+def gpufaas(*args: str, env: dict[str, str], cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpufaas.cli", *args],
+        env=env,
+        cwd=cwd,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+@pytest.fixture
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["GPUFAAS_STATE_DIR"] = str(tmp_path / "state")
+    env.pop("GPUFAAS_URL", None)
+    env["COLUMNS"] = "200"
+    return env
+
+
+def test_up_new_deploy_invoke_gpus_rm_down(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    state = tmp_path / "state"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        up = gpufaas(
+            "up",
+            "--backend",
+            "cpu",
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "2",
+            "--gpu-memory-mb",
+            "2000",
+            "--port",
+            str(port),
+            env=cli_env,
+            cwd=tmp_path,
+        )
+        assert up.returncode == 0, up.stderr
+        assert "gpufaas is up" in up.stdout and str(state) in up.stdout
+        again = gpufaas("up", "--backend", "cpu", "--port", str(port), env=cli_env, cwd=tmp_path)
+        assert again.returncode == 0 and "already running" in again.stdout
+
+        work = tmp_path / "work"
+        work.mkdir()
+        created = gpufaas("new", "hello", "--template", "pytorch-custom", env=cli_env, cwd=work)
+        assert created.returncode == 0, created.stderr
+        assert (work / "hello" / "handler.py").is_file() and (work / "hello" / "weights.safetensors").is_file()
+        stack = yaml.safe_load((work / "stack.yml").read_text())
+        stack["provider"]["gateway"] = url  # deploy finds the gateway through the stack file
+        (work / "stack.yml").write_text(yaml.safe_dump(stack))
+
+        deployed = gpufaas("deploy", "-f", "stack.yml", env=cli_env, cwd=work)
+        assert deployed.returncode == 0, deployed.stderr
+        assert "deployed hello" in deployed.stdout
+
+        cli_env["GPUFAAS_URL"] = url  # the other commands find it through the environment
+        first = gpufaas("invoke", "hello", "-v", env=cli_env, cwd=work, stdin='{"inputs": [[1, 2, 3, 4]]}')
+        assert first.returncode == 0, first.stderr
+        outputs = json.loads(first.stdout)["outputs"]
+        assert len(outputs) == 1 and len(outputs[0]) == 3
+        assert "x-cache: miss" in first.stderr.lower()
+        second = gpufaas("invoke", "hello", "-v", "--data", '{"inputs": [[1, 2, 3, 4]]}', env=cli_env, cwd=work)
+        assert second.returncode == 0 and json.loads(second.stdout)["outputs"] == outputs
+        assert "x-cache: hit" in second.stderr.lower()
+
+        gpus = gpufaas("gpus", env=cli_env, cwd=work)
+        assert gpus.returncode == 0 and "hello@" in gpus.stdout
+        listed = gpufaas("ls", env=cli_env, cwd=work)
+        assert "hello" in listed.stdout
+        unknown = gpufaas("invoke", "nope", "-d", "{}", env=cli_env, cwd=work)
+        assert unknown.returncode == 1 and "'nope' is not deployed" in unknown.stderr
+        assert "Traceback" not in unknown.stderr
+        bad_input = gpufaas("invoke", "hello", "-d", '{"inputs": "x"}', env=cli_env, cwd=work)
+        assert bad_input.returncode == 1 and "inputs" in bad_input.stderr and "HTTP 500" in bad_input.stderr
+
+        removed = gpufaas("rm", "hello", env=cli_env, cwd=work)
+        assert removed.returncode == 0
+        assert "hello" not in gpufaas("ls", env=cli_env, cwd=work).stdout
+        pids = recorded_pids(state)
+        assert set(pids) >= {"etcd", "scheduler", "gateway", "node0"}
+        down = gpufaas("down", env=cli_env, cwd=work)
+        assert down.returncode == 0 and "stopped" in down.stdout
+        assert not [name for name, pid in pids.items() if pid_alive(pid)]
+    finally:
+        stop_recorded(state)
+
+
+def test_cli_errors_are_plain_words(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    nobody = f"http://127.0.0.1:{free_port()}"
+    unreachable = gpufaas("invoke", "hello", "-d", "{}", "--gateway", nobody, env=cli_env, cwd=tmp_path)
+    assert unreachable.returncode == 1
+    assert nobody in unreachable.stderr and "gpufaas up" in unreachable.stderr
+    assert "Traceback" not in unreachable.stderr
+
+    (tmp_path / "stack.yml").write_text("version: 1.0\nfunctions:\n  hello:\n    handler: ./hello\n    memroy_mb: 5\n")
+    bad_stack = gpufaas("deploy", "-f", "stack.yml", env=cli_env, cwd=tmp_path)
+    assert bad_stack.returncode == 1
+    assert "functions.hello.memroy_mb: unknown key" in bad_stack.stderr
+    assert "Traceback" not in bad_stack.stderr
+
+    missing = gpufaas("deploy", "-f", "nope.yml", env=cli_env, cwd=tmp_path)
+    assert missing.returncode == 1 and "no such stack file" in missing.stderr
+
+    template = gpufaas("new", "x", "--template", "nonsense", env=cli_env, cwd=tmp_path)
+    assert template.returncode == 2 and "pytorch-custom" in template.stderr
+
+    status = gpufaas("status", "--gateway", nobody, env=cli_env, cwd=tmp_path)
+    assert status.returncode == 1 and "does not answer" in status.stdout

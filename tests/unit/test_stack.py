@@ -1,0 +1,81 @@
+"""stack.yml parsing: the OpenFaaS layout plus GPU fields; bad keys and values named by path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpufaas.errors import InvalidInput
+from gpufaas.stack import load_stack
+
+GOOD = """
+version: 1.0
+provider:
+  name: gpufaas
+  gateway: http://127.0.0.1:8080
+functions:
+  resnet:
+    template: pytorch-image-classifier
+    handler: ./resnet
+    gpu: any
+    memory_mb: 1700
+    batch_size: 16
+    timeout_s: 30
+    labels: {team: vision}
+    environment: {MODE: fast}
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "stack.yml"
+    path.write_text(text)
+    return path
+
+
+def test_a_good_stack_parses_with_handlers_relative_to_the_file(tmp_path: Path) -> None:
+    stack = load_stack(write(tmp_path, GOOD))
+    assert stack.gateway == "http://127.0.0.1:8080"
+    (function,) = stack.functions
+    assert function.handler == (tmp_path / "resnet").resolve()
+    assert function.spec("sha256:" + "0" * 64) == {
+        "name": "resnet",
+        "package_digest": "sha256:" + "0" * 64,
+        "memory_mb": 1700,
+        "gpu": "any",
+        "batch_size": 16,
+        "timeout_s": 30.0,
+        "labels": {"team": "vision"},
+        "environment": {"MODE": "fast"},
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("memory_mb: 1700", "memroy_mb: 1700"), "functions.resnet.memroy_mb: unknown key"),
+        (("memory_mb: 1700", "memory_mb: -1"), "functions.resnet.memory_mb: required"),
+        (("timeout_s: 30", "timeout_s: 0"), "functions.resnet.timeout_s: expected seconds"),
+        (("batch_size: 16", "batch_size: lots"), "functions.resnet.batch_size: expected a positive"),
+        (("gpu: any", "gpu: [a, b]"), "functions.resnet.gpu: expected 'any' or a GPU type"),
+        (("handler: ./resnet", "handler: ''"), "functions.resnet.handler: required"),
+        (("  resnet:", "  ResNet:"), "functions.ResNet: not a valid function name"),
+        (("gateway: http://127.0.0.1:8080", "gateway: 127.0.0.1"), "provider.gateway: expected an http"),
+        (("version: 1.0", "versoin: 1.0"), "versoin: unknown key"),
+        (("labels: {team: vision}", "labels: [vision]"), "functions.resnet.labels: expected a mapping"),
+    ],
+)
+def test_bad_keys_and_values_are_named_by_path(tmp_path: Path, change: tuple[str, str], message: str) -> None:
+    path = write(tmp_path, GOOD.replace(*change))
+    with pytest.raises(InvalidInput, match=message) as caught:
+        load_stack(path)
+    assert str(path) in str(caught.value)
+
+
+def test_missing_and_malformed_files_are_explained(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInput, match="no such stack file"):
+        load_stack(tmp_path / "nope.yml")
+    with pytest.raises(InvalidInput, match=r"stack.yml:\d+: not valid YAML"):
+        load_stack(write(tmp_path, "functions: [unclosed\n"))
+    with pytest.raises(InvalidInput, match="functions: expected a mapping"):
+        load_stack(write(tmp_path, "version: 1.0\nfunctions: {}\n"))
