@@ -124,6 +124,16 @@ class GpuCache:
         self.used_mb -= item.memory_mb
         return item
 
+    def resize(self, model: str, memory_mb: int) -> bool:
+        """Re-size a resident model to what it was measured to use, if that fits without evicting
+        anything; returns whether it did (else the old size stands until its next admission)."""
+        item = self._items.get(model)
+        if item is None or memory_mb <= 0 or self.used_mb - item.memory_mb + memory_mb > self.capacity_mb:
+            return False
+        self.used_mb += memory_mb - item.memory_mb
+        self._items[model] = CacheItem(model, memory_mb)
+        return True
+
     def drop(self, model: str) -> CacheItem | None:
         """Forget `model` whatever its pins (its worker died or its GPU left); None if absent."""
         item = self._items.pop(model, None)

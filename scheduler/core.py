@@ -108,6 +108,18 @@ class Scheduler:
         """Declare (or re-declare, e.g. with a measured size) a model's peak GPU occupancy."""
         self._models[spec.name] = spec
 
+    def observe_memory(self, model: str, gpu_id: str, peak_memory_mb: int) -> bool:
+        """A model's measured peak GPU memory replaces its declared size: for every later
+        admission, and for its entry on `gpu_id` now if that needs no eviction. Returns whether
+        the size changed."""
+        spec = self._models.get(model)
+        if spec is None or peak_memory_mb <= 0 or peak_memory_mb == spec.memory_mb:
+            return False
+        self._models[model] = ModelSpec(model, peak_memory_mb, spec.gpu_type, spec.labels)
+        if gpu_id in self._gpus and model in self.cache.gpu(gpu_id):
+            self.cache.gpu(gpu_id).resize(model, peak_memory_mb)
+        return True
+
     def model(self, name: str) -> ModelSpec:
         try:
             return self._models[name]

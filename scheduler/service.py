@@ -479,6 +479,8 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 inference_time_s=reply.inference_time_s,
             )
             self._dirty_profiles.add((gpu_type, request.model, request.batch_size))
+            if self.scheduler.observe_memory(request.model, decision.gpu_id, reply.peak_memory_mb):
+                log.info("model %s measured at %d MB on %s", request.model, reply.peak_memory_mb, decision.gpu_id)
             if not call.future.done():
                 call.future.set_result(
                     pb.InvokeReply(

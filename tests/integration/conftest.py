@@ -97,13 +97,19 @@ def make_cluster(etcd_endpoint: EtcdTarget, tmp_path: Path) -> Iterator[ClusterF
     try:
         yield factory
     finally:
-        for cluster in clusters:
-            for component in cluster.components.values():
-                if component.pid is not None:
-                    watched.extend(_descendants(component.pid))
-            cluster.stop()
-        leftovers = [pid for pid in watched if pid_alive(pid) and not _is_zombie(pid)]
-        assert not leftovers, f"processes left running: {leftovers}"
+        stop_clusters(clusters, watched)
+
+
+def stop_clusters(clusters: list[LocalCluster], watched: list[int]) -> None:
+    """Stop clusters by PID, then check that none of `watched` (their processes, recorded at start)
+    nor any worker below them survives."""
+    for cluster in clusters:
+        for component in cluster.components.values():
+            if component.pid is not None:
+                watched.extend(_descendants(component.pid))
+        cluster.stop()
+    leftovers = [pid for pid in watched if pid_alive(pid) and not _is_zombie(pid)]
+    assert not leftovers, f"processes left running: {leftovers}"
 
 
 def _is_zombie(pid: int) -> bool:

@@ -17,7 +17,7 @@ import pytest
 from gpufaas.etcd_server import EtcdServer
 from gpufaas.local_cluster import LocalCluster
 from tests.fixtures.make_packages import build_package
-from tests.integration.conftest import _descendants, _is_zombie, deploy, pid_alive
+from tests.integration.conftest import deploy, stop_clusters
 
 pytestmark = pytest.mark.integration
 
@@ -123,12 +123,7 @@ def env(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> It
         }
         yield Env(cluster, cluster.gateway_url, tmp, models, uploaded)
     finally:
-        for component in cluster.components.values():
-            if component.pid is not None:
-                watched.extend(_descendants(component.pid))
-        cluster.stop()
-        leftovers = [pid for pid in watched if pid_alive(pid) and not _is_zombie(pid)]
-        assert not leftovers, f"processes left running: {leftovers}"
+        stop_clusters([cluster], watched)
 
 
 # --- the happy endpoints --------------------------------------------------------------------

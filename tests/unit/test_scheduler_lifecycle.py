@@ -60,3 +60,16 @@ def test_removing_a_gpu_requeues_its_work_in_arrival_order() -> None:
     decisions = s.schedule(0.3)
     assert isinstance(decisions[0], Dispatch) and decisions[0].request == first and decisions[0].gpu_id == "g1"
     assert s.cache.gpus_with("A") == {"g1"}
+
+
+def test_measured_peak_memory_resizes_the_model_for_later_admissions() -> None:
+    s = make_scheduler("lalb", gpus={"g0": 3000, "g1": 3000}, models={"A": 1000, "B": 1000})
+    cache_on(s, "g0", "A", "B")
+    assert s.observe_memory("A", "g0", 1500)
+    assert s.cache.gpu("g0").item("A").memory_mb == 1500 and s.cache.gpu("g0").used_mb == 2500
+    assert s.model("A").memory_mb == 1500
+    # Growing past the free memory would need an eviction: the entry keeps its size for now.
+    assert s.observe_memory("B", "g0", 2000)
+    assert s.cache.gpu("g0").item("B").memory_mb == 1000 and s.model("B").memory_mb == 2000
+    assert not s.observe_memory("A", "g0", 1500)  # unchanged
+    assert not s.observe_memory("A", "g0", 0)  # nothing measured (the cpu backend reports declared sizes)
