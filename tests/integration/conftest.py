@@ -56,7 +56,7 @@ from tests.fixtures.make_packages import build_package  # noqa: E402
 ClusterFactory = Callable[..., LocalCluster]
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every process below `pid` (a GPU manager's workers), from /proc."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
@@ -106,7 +106,7 @@ def stop_clusters(clusters: list[LocalCluster], watched: list[int]) -> None:
     for cluster in clusters:
         for component in cluster.components.values():
             if component.pid is not None:
-                watched.extend(_descendants(component.pid))
+                watched.extend(descendants(component.pid))
         cluster.stop()
     leftovers = [pid for pid in watched if pid_alive(pid) and not _is_zombie(pid)]
     assert not leftovers, f"processes left running: {leftovers}"

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from gpufaas.local_cluster import free_port, pid_alive, recorded_pids, stop_recorded
+from tests.integration.conftest import descendants
 
 pytestmark = pytest.mark.integration
 
@@ -101,9 +102,12 @@ def test_up_new_deploy_invoke_gpus_rm_down(tmp_path: Path, cli_env: dict[str, st
         assert "hello" not in gpufaas("ls", env=cli_env, cwd=work).stdout
         pids = recorded_pids(state)
         assert set(pids) >= {"etcd", "scheduler", "gateway", "node0"}
+        workers = descendants(pids["node0"])  # the model's worker process, at least
+        assert workers
         down = gpufaas("down", env=cli_env, cwd=work)
         assert down.returncode == 0 and "stopped" in down.stdout
         assert not [name for name, pid in pids.items() if pid_alive(pid)]
+        assert not [pid for pid in workers if pid_alive(pid)]
     finally:
         stop_recorded(state)
 
