@@ -22,6 +22,7 @@ class Request:
     model: str
     arrival_s: float
     batch_size: int = DEFAULT_BATCH_SIZE
+    avoid_gpu: str | None = None  # a GPU this request must not run on (its worker just died there)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import itertools
 from collections import deque
@@ -197,12 +198,15 @@ class Scheduler:
             self._ready_local.add(gpu_id)
         return request
 
-    def on_failure(self, request_id: str, now: float, *, drop_model: bool, requeue: bool) -> Request:
+    def on_failure(
+        self, request_id: str, now: float, *, drop_model: bool, requeue: bool, avoid_gpu: bool = False
+    ) -> Request:
         """A dispatched request failed on its GPU, which is free again.
 
         `drop_model`: the model's worker is gone (it died or was killed), so its cache entry goes,
         and requests parked behind it for that model go back to the global queue. `requeue`: the
         request itself goes back to the global queue in arrival order (a retry); else it is done.
+        `avoid_gpu`: the retry must run elsewhere (ignored when this is the only GPU).
         """
         gpu_id = self._placed_on.pop(request_id)
         state = self._gpus[gpu_id]
@@ -222,7 +226,8 @@ class Scheduler:
         else:
             self.cache.unpin(gpu_id, request.model)
         if requeue:
-            self.queue.insert(request, self._seq_of[request_id])
+            retry = dataclasses.replace(request, avoid_gpu=gpu_id) if avoid_gpu and len(self._gpus) > 1 else request
+            self.queue.insert(retry, self._seq_of[request_id])
         else:
             del self._seq_of[request_id]
         bisect.insort(self._idle, (state.order_key, gpu_id))
@@ -258,18 +263,19 @@ class Scheduler:
     def is_idle(self, gpu_id: str) -> bool:
         return self._gpus[gpu_id].idle
 
-    def best_idle(self, gpu_ids: Set[str]) -> str | None:
-        """The first of `gpu_ids` in idle order (fastest, then by id), or None: O(len(gpu_ids))."""
+    def best_idle(self, gpu_ids: Set[str], exclude: str | None = None) -> str | None:
+        """The first of `gpu_ids` (but `exclude`) in idle order (fastest, then by id), or None:
+        O(min(len(gpu_ids), idle GPUs))."""
         if len(self._idle) < len(gpu_ids):
             # Usually a handful of GPUs are idle while a hot model sits on hundreds.
             for _, gpu_id in self._idle:
-                if gpu_id in gpu_ids:
+                if gpu_id in gpu_ids and gpu_id != exclude:
                     return gpu_id
             return None
         best: GpuState | None = None
         for gpu_id in gpu_ids:
             state = self._gpus[gpu_id]
-            if state.idle and (best is None or state.order_key < best.order_key):
+            if state.idle and gpu_id != exclude and (best is None or state.order_key < best.order_key):
                 best = state
         return None if best is None else best.spec.gpu_id
 
@@ -306,24 +312,32 @@ class Scheduler:
     def _fits(spec: ModelSpec, state: GpuState) -> bool:
         return spec.memory_mb <= state.spec.memory_mb and spec.gpu_type in (None, state.spec.gpu_type)
 
-    def idle_with_room(self, model: str, prefer: str) -> str | None:
+    def idle_with_room(self, model: str, prefer: str, exclude: str | None = None) -> str | None:
         """An idle GPU whose cache has room for `model` without evicting anything: `prefer` if
         it has, else the first in idle order; None if every idle GPU would have to evict. O(1)
         when `prefer` has room, else O(idle GPUs)."""
         spec = self._models[model]
-        if self.cache.gpu(prefer).free_mb >= spec.memory_mb and self._fits(spec, self._gpus[prefer]):
+        if (
+            prefer != exclude
+            and self.cache.gpu(prefer).free_mb >= spec.memory_mb
+            and self._fits(spec, self._gpus[prefer])
+        ):
             return prefer
         for _, gpu_id in self._idle:
-            if self.cache.gpu(gpu_id).free_mb >= spec.memory_mb and self._fits(spec, self._gpus[gpu_id]):
+            if (
+                gpu_id != exclude
+                and self.cache.gpu(gpu_id).free_mb >= spec.memory_mb
+                and self._fits(spec, self._gpus[gpu_id])
+            ):
                 return gpu_id
         return None
 
-    def first_idle_fitting(self, model: str) -> str | None:
+    def first_idle_fitting(self, model: str, exclude: str | None = None) -> str | None:
         """The first idle GPU (in idle order) the model may run on: O(idle GPUs); only asked when
         it may not run on the GPU being filled (mixed memory sizes, or a required GPU type)."""
         spec = self._models[model]
         for _, gpu_id in self._idle:
-            if self._fits(spec, self._gpus[gpu_id]):
+            if gpu_id != exclude and self._fits(spec, self._gpus[gpu_id]):
                 return gpu_id
         return None
 

@@ -528,7 +528,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 "raise its timeout_s or send it less work",
             )
             return
-        # The worker died or the node is unreachable: drop the entry, retry once elsewhere.
+        # The worker died: drop its cache entry, retry once on another GPU.
         retry = call.attempts < MAX_ATTEMPTS and call.deadline > now
         log.warning(
             "call %s failed on %s (%s: %s)%s",
@@ -538,7 +538,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             exc.details(),
             " retrying" if retry else "",
         )
-        self.scheduler.on_failure(call_id, now, drop_model=True, requeue=retry)
+        self.scheduler.on_failure(call_id, now, drop_model=True, requeue=retry, avoid_gpu=True)
         self._dirty_models.add(decision.request.model)
         if not retry:
             self._fail(call, grpc.StatusCode.UNAVAILABLE, f"the function's worker failed twice: {exc.details()}")

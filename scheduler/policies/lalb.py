@@ -27,25 +27,27 @@ def locality_load_balance(
     mixed memory sizes), on the first idle GPU it fits, so that a younger request never takes the
     only GPU an older one could use.
     """
+    avoid = request.avoid_gpu  # a retry after its worker died: never there again
     holders = ctx.cache.gpus_with(request.model)
-    if gpu_id in holders:
+    if gpu_id in holders and gpu_id != avoid:
         ctx.dispatch(request, gpu_id, now)
         return Placement.HERE
     if holders:
-        idle_holder = ctx.best_idle(holders)
+        idle_holder = ctx.best_idle(holders, exclude=avoid)
         if idle_holder is not None:
             ctx.dispatch(request, idle_holder, now)
             return Placement.ELSEWHERE
         soonest = ctx.soonest_busy_holder(request.model, now)
-        if soonest is not None and soonest[1] < ctx.load_time_s(request.model, gpu_id):
+        if soonest is not None and soonest[0] != avoid and soonest[1] < ctx.load_time_s(request.model, gpu_id):
             ctx.park(request, soonest[0], now)
             return Placement.ELSEWHERE
     # The miss goes where it evicts nothing if an idle GPU has room (the paper misses on the GPU
     # being filled, which throws out a warm model while another idle GPU sits empty); else here;
     # else, on clusters of mixed memory sizes, on the first idle GPU large enough.
-    target = ctx.idle_with_room(request.model, prefer=gpu_id) if room_aware else None
+    target = ctx.idle_with_room(request.model, prefer=gpu_id, exclude=avoid) if room_aware else None
     if target is None:
-        target = gpu_id if ctx.fits(request.model, gpu_id) else ctx.first_idle_fitting(request.model)
+        here = gpu_id != avoid and ctx.fits(request.model, gpu_id)
+        target = gpu_id if here else ctx.first_idle_fitting(request.model, exclude=avoid)
     if target is None:
         return Placement.NOWHERE
     ctx.dispatch(request, target, now)
@@ -90,7 +92,7 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
         for request, num_skips in queue.walk():
             if num_skips < self.max_num_skips:
                 break
-            if request.model in cached_here:
+            if request.model in cached_here and request.avoid_gpu != gpu_id:
                 ctx.dispatch(request, gpu_id, now)
                 return
             placement = self._balance(ctx, gpu_id, request, now)
@@ -101,7 +103,7 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
         else:
             return  # every queued request was placed (or waits for a GPU large enough)
         candidate = queue.oldest_of(cached_here)
-        if candidate is not None:
+        if candidate is not None and candidate.avoid_gpu != gpu_id:
             queue.pass_over(candidate.request_id, exempt=waiting_for_a_fit)
             ctx.dispatch(candidate, gpu_id, now)
             return

@@ -11,5 +11,5 @@ class LoadBalancePolicy(SchedulingPolicy, name="lb"):
 
     def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> None:
         head = ctx.queue.head
-        if head is not None and ctx.fits(head.model, gpu_id):
+        if head is not None and head.avoid_gpu != gpu_id and ctx.fits(head.model, gpu_id):
             ctx.dispatch(head, gpu_id, now)

@@ -77,7 +77,7 @@ def test_scheduler_restart_rebuilds_its_cache_state_from_etcd(
         assert response.headers["X-Cache"] == "hit"
 
 
-def test_a_worker_dying_mid_request_is_retried_and_its_cache_entry_dropped(
+def test_a_worker_dying_mid_request_is_retried_elsewhere_and_its_cache_entry_dropped(
     make_cluster: ClusterFactory, tmp_path: Path, etcd_endpoint: EtcdTarget
 ) -> None:
     cluster = make_cluster(nodes=1, gpus_per_node=2, backend="cpu", gpu_memory_mb=1000)
@@ -93,7 +93,8 @@ def test_a_worker_dying_mid_request_is_retried_and_its_cache_entry_dropped(
 
     (response,) = results
     assert response.status_code == 200, response.text
-    assert response.json()["pid"] != worker_pid  # a fresh worker served the retry
+    assert response.json()["pid"] != worker_pid  # a fresh worker served the retry ...
+    assert response.headers["X-Gpu"] != first.headers["X-Gpu"]  # ... on the other GPU
     assert response.headers["X-Cache"] == "miss"
     # The dead worker's entry was dropped and the retry's load recorded: one replica, in etcd too.
     lru, replicas = etcd_state(etcd_endpoint.endpoint, etcd_endpoint.root)

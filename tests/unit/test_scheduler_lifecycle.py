@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from scheduler import Dispatch
 from tests.builders import cache_on, make_scheduler, run_on, submit
 
@@ -73,3 +75,30 @@ def test_measured_peak_memory_resizes_the_model_for_later_admissions() -> None:
     assert s.cache.gpu("g0").item("B").memory_mb == 1000 and s.model("B").memory_mb == 2000
     assert not s.observe_memory("A", "g0", 1500)  # unchanged
     assert not s.observe_memory("A", "g0", 0)  # nothing measured (the cpu backend reports declared sizes)
+
+
+@pytest.mark.parametrize("policy", ["lb", "lalb", "lalb-o3"])
+def test_a_retry_after_a_worker_death_runs_elsewhere(policy: str) -> None:
+    s = make_scheduler(policy, gpus=2)
+    running = run_on(s, "g0", "A", now=0.0)
+    s.on_failure(running.request_id, 0.5, drop_model=True, requeue=True, avoid_gpu=True)
+    # g0 is idle, empty and offered work first; the retry still goes to g1.
+    decisions = s.schedule(0.5)
+    assert [(d.request.request_id, d.gpu_id) for d in decisions] == [(running.request_id, "g1")]
+
+
+def test_a_retry_waits_for_another_gpu_rather_than_its_failed_one() -> None:
+    s = make_scheduler("lalb", gpus=2)
+    running = run_on(s, "g0", "A", now=0.0)
+    other = run_on(s, "g1", "B", now=0.0)
+    s.on_failure(running.request_id, 0.5, drop_model=True, requeue=True, avoid_gpu=True)
+    assert s.schedule(0.5) == []  # only g0 is idle: the retry waits
+    s.on_complete(other.request_id, 3.0)
+    assert [(d.request.request_id, d.gpu_id) for d in s.schedule(3.0)] == [(running.request_id, "g1")]
+
+
+def test_with_a_single_gpu_a_retry_runs_there_again() -> None:
+    s = make_scheduler("lalb", gpus=1)
+    running = run_on(s, "g0", "A", now=0.0)
+    s.on_failure(running.request_id, 0.5, drop_model=True, requeue=True, avoid_gpu=True)
+    assert [d.gpu_id for d in s.schedule(0.5)] == ["g0"]
