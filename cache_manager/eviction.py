@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 from gpufaas.errors import UnknownPolicy
@@ -68,7 +68,3 @@ def eviction_policy(name: str) -> EvictionPolicy:
         valid = ", ".join(sorted(EvictionPolicy.registry))
         raise UnknownPolicy(f"unknown eviction policy {name!r}; valid policies: {valid}") from None
     return cls()
-
-
-def registered_eviction_policies() -> Iterable[str]:
-    return sorted(EvictionPolicy.registry)

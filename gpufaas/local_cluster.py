@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,17 +16,11 @@ from typing import IO
 import httpx
 
 from gpufaas.errors import GpufaasError
+from gpufaas.etcd_server import free_port
 
 
 class ClusterError(GpufaasError):
     """A component failed to start or to become healthy; the message names its log file."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass

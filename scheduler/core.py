@@ -255,14 +255,7 @@ class Scheduler:
                 return parked
         return None  # running: it will complete or fail on its own
 
-    def where(self, request_id: str) -> str | None:
-        """The GPU a request is parked or running on; None if queued globally or unknown."""
-        return self._placed_on.get(request_id)
-
     # --- what policies may ask (SchedulingContext) ----------------------------------------
-    def is_idle(self, gpu_id: str) -> bool:
-        return self._gpus[gpu_id].idle
-
     def best_idle(self, gpu_ids: Set[str], exclude: str | None = None) -> str | None:
         """The first of `gpu_ids` (but `exclude`) in idle order (fastest, then by id), or None:
         O(min(len(gpu_ids), idle GPUs))."""

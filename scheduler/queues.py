@@ -60,16 +60,6 @@ class GlobalQueue:
     def head(self) -> Request | None:
         return None if self._head is None else self._head.request
 
-    def seq(self, request_id: str) -> int:
-        return self._nodes[request_id].seq
-
-    def queued_models(self) -> Iterable[str]:
-        return self._by_model.keys()
-
-    def num_queued_for(self, model: str) -> int:
-        index = self._by_model.get(model)
-        return 0 if index is None else len(index)
-
     # --- mutations ------------------------------------------------------------------------
     def push(self, request: Request, seq: int) -> None:
         """Append a newly arrived request; `seq` must exceed every queued request's."""

@@ -654,7 +654,3 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             return
         await self.store.put(key, value)
         self._written[key] = value
-
-    async def flushed(self) -> None:
-        """Wait until everything changed so far is in etcd (for tests and orderly shutdown)."""
-        await self._flush()

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import NamedTuple
 
+import httpx
 import pytest
 
 from gpufaas.etcd_server import EtcdServer
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+from gpufaas.local_cluster import LocalCluster, pid_alive
+from tests.fixtures.make_packages import build_package
 
 
 @pytest.fixture(scope="session")
@@ -45,13 +40,6 @@ def etcd_endpoint(etcd_server: EtcdServer) -> EtcdTarget:
 
 # --- whole clusters -------------------------------------------------------------------------
 
-from collections.abc import Callable  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import httpx  # noqa: E402
-
-from gpufaas.local_cluster import LocalCluster  # noqa: E402
-from tests.fixtures.make_packages import build_package  # noqa: E402
 
 ClusterFactory = Callable[..., LocalCluster]
 
@@ -108,15 +96,8 @@ def stop_clusters(clusters: list[LocalCluster], watched: list[int]) -> None:
             if component.pid is not None:
                 watched.extend(descendants(component.pid))
         cluster.stop()
-    leftovers = [pid for pid in watched if pid_alive(pid) and not _is_zombie(pid)]
+    leftovers = [pid for pid in watched if pid_alive(pid)]
     assert not leftovers, f"processes left running: {leftovers}"
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def deploy(cluster: LocalCluster, name: str, fixture: str, tmp_path: Path, **spec: object) -> dict[str, object]:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from gpufaas.etcd_server import EtcdServer, free_port
+from gpufaas.local_cluster import pid_alive
 from gpufaas.store import (
     EtcdStore,
     LeaseKeeper,
@@ -24,7 +25,7 @@ from gpufaas.store import (
     StoreError,
     WatchEvent,
 )
-from tests.integration.conftest import EtcdTarget, pid_alive
+from tests.integration.conftest import EtcdTarget
 
 # etcd's smallest lease TTL with its default raft timings (it raises shorter ones to this).
 TTL_S = 2
