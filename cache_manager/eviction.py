@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import ClassVar
 
 from gpufaas.errors import UnknownPolicy
@@ -38,6 +38,21 @@ class EvictionPolicy(ABC):
         must never be returned.
         """
 
+    def first_victim(
+        self,
+        lru_order: Iterable[tuple[str, int]],
+        needed_mb: int,
+        is_pinned: Callable[[str], bool],
+    ) -> str | None:
+        """The first model `choose_victims` would return, or None if it would return none. The
+        caller has checked that the unpinned models can free `needed_mb`.
+
+        Asked once per idle GPU when a miss must evict somewhere (to compare what each GPU would
+        give up), so a policy that can answer without listing every victim should override it.
+        """
+        victims = self.choose_victims(list(lru_order), needed_mb, is_pinned)
+        return victims[0] if victims else None
+
 
 class LruEviction(EvictionPolicy, name="lru"):
     """The paper's policy: victims come from the LRU tail, skipping pinned models."""
@@ -58,6 +73,18 @@ class LruEviction(EvictionPolicy, name="lru"):
             victims.append(model)
             freed_mb += memory_mb
         return victims if freed_mb >= needed_mb else None
+
+    def first_victim(
+        self,
+        lru_order: Iterable[tuple[str, int]],
+        needed_mb: int,
+        is_pinned: Callable[[str], bool],
+    ) -> str | None:
+        """The least recently used unpinned model: O(pinned models before it), not O(models).
+        The caller has checked that the unpinned models can free `needed_mb`."""
+        if needed_mb <= 0:
+            return None
+        return next((model for model, _ in lru_order if not is_pinned(model)), None)
 
 
 def eviction_policy(name: str) -> EvictionPolicy:

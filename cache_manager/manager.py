@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Iterator, Set
 from dataclasses import dataclass
 
@@ -39,9 +39,13 @@ class GpuCache:
         self._policy = policy
         # Insertion order is recency: first = least recently used, last = most recently used.
         self._items: OrderedDict[str, CacheItem] = OrderedDict()
-        # Pin counts: a model may carry several pins (one running + several parked requests).
-        self._pins: Counter[str] = Counter()
+        # When each item was last admitted or hit, on the cache manager's clock shared by every
+        # GPU: compares recency across GPUs (which GPU's victim is the coldest).
+        self._last_used_tick: dict[str, int] = {}
+        # Pin counts: a model may carry several pins (running and parked requests); never 0.
+        self._pins: dict[str, int] = {}
         self.used_mb = 0
+        self.pinned_mb = 0  # memory of the pinned models: what no eviction can free
 
     def __contains__(self, model: object) -> bool:
         return model in self._items
@@ -63,25 +67,50 @@ class GpuCache:
         """Resident models, most recently used first (the order stored in etcd and shown to users)."""
         return list(reversed(self._items))
 
+    def last_used_tick(self, model: str) -> int:
+        """When `model` was last admitted or hit here, on the cache manager's clock."""
+        return self._last_used_tick[model]
+
     def is_pinned(self, model: str) -> bool:
-        return self._pins[model] > 0
+        return model in self._pins  # counts that reach 0 are deleted
 
     def pin(self, model: str) -> None:
-        if model not in self._items:
+        item = self._items.get(model)
+        if item is None:
             raise KeyError(f"cannot pin {model!r}: not cached on GPU {self.gpu_id!r}")
-        self._pins[model] += 1
+        count = self._pins.get(model, 0)
+        if not count:
+            self.pinned_mb += item.memory_mb
+        self._pins[model] = count + 1
 
     def unpin(self, model: str) -> None:
-        count = self._pins[model]
+        count = self._pins.get(model, 0)
         if count <= 0:
             raise KeyError(f"cannot unpin {model!r} on GPU {self.gpu_id!r}: it is not pinned")
         if count == 1:
             del self._pins[model]
+            self.pinned_mb -= self._items[model].memory_mb
         else:
             self._pins[model] = count - 1
 
-    def touch(self, model: str) -> None:
+    def touch(self, model: str, *, tick: int) -> None:
+        """Make `model` the most recently used here, as of `tick` on the cache manager's clock."""
         self._items.move_to_end(model)
+        self._last_used_tick[model] = tick
+
+    def can_admit(self, model: str, memory_mb: int) -> bool:
+        """Whether `model` is resident, or could be made so now: the models in use leave room
+        for it (other models may have to be evicted). O(1)."""
+        return model in self._items or memory_mb <= self.capacity_mb - self.pinned_mb
+
+    def first_victim(self, model: str, memory_mb: int) -> str | None:
+        """The model this GPU would evict first to admit `model`; None if it needs no eviction
+        (resident, or room to spare) or cannot be admitted now. O(pinned models) with LRU."""
+        if model in self._items or not self.can_admit(model, memory_mb):
+            return None
+        needed_mb = memory_mb - self.free_mb
+        lru_order = ((item.model, item.memory_mb) for item in self._items.values())
+        return self._policy.first_victim(lru_order, needed_mb, self.is_pinned)
 
     def plan_victims(self, model: str, memory_mb: int) -> list[str]:
         """Victims (LRU first) whose eviction makes room for `model`; raises if none can.
@@ -109,18 +138,21 @@ class GpuCache:
             )
         return victims
 
-    def insert(self, model: str, memory_mb: int) -> None:
+    def insert(self, model: str, memory_mb: int, *, tick: int) -> None:
+        """Add `model` as the most recently used here, as of `tick` on the cache manager's clock."""
         if model in self._items:
             raise KeyError(f"{model!r} is already cached on GPU {self.gpu_id!r}")
         if memory_mb > self.free_mb:
             raise CacheFull(f"{model!r} ({memory_mb} MB) exceeds the {self.free_mb} MB free on {self.gpu_id!r}")
         self._items[model] = CacheItem(model, memory_mb)
+        self._last_used_tick[model] = tick
         self.used_mb += memory_mb
 
     def remove(self, model: str) -> CacheItem:
         if self.is_pinned(model):
             raise CacheFull(f"{model!r} is in use on GPU {self.gpu_id!r} and cannot be evicted")
         item = self._items.pop(model)
+        del self._last_used_tick[model]
         self.used_mb -= item.memory_mb
         return item
 
@@ -131,6 +163,8 @@ class GpuCache:
         if item is None or memory_mb <= 0 or self.used_mb - item.memory_mb + memory_mb > self.capacity_mb:
             return False
         self.used_mb += memory_mb - item.memory_mb
+        if self.is_pinned(model):
+            self.pinned_mb += memory_mb - item.memory_mb
         self._items[model] = CacheItem(model, memory_mb)
         return True
 
@@ -138,15 +172,18 @@ class GpuCache:
         """Forget `model` whatever its pins (its worker died or its GPU left); None if absent."""
         item = self._items.pop(model, None)
         if item is not None:
+            del self._last_used_tick[model]
             self.used_mb -= item.memory_mb
-            self._pins.pop(model, None)
+            if self._pins.pop(model, 0):
+                self.pinned_mb -= item.memory_mb
         return item
 
 
 class CacheManager:
     """Every GPU's cache plus the directory model -> GPUs that hold it.
 
-    The single writer of cache state. Pure: no I/O, no clock. Lookups "where is this model
+    The single writer of cache state. Pure: no I/O, no wall clock; recency across GPUs is a
+    logical clock that ticks on every admission (hit or miss). Lookups "where is this model
     cached" cost O(replicas) through the directory; one GPU's models cost O(models on it).
     """
 
@@ -155,6 +192,7 @@ class CacheManager:
         self._gpus: dict[str, GpuCache] = {}
         self._directory: dict[str, set[str]] = {}
         self._max_capacity_mb = 0  # kept as GPUs come and go: asked on every submit
+        self._tick = 0  # the recency clock: the last tick handed out
 
     # --- GPUs -----------------------------------------------------------------------------
     def add_gpu(self, gpu_id: str, capacity_mb: int) -> GpuCache:
@@ -207,13 +245,15 @@ class CacheManager:
         """
         cache = self._gpus[gpu_id]
         if model in cache:
-            cache.touch(model)
+            self._tick += 1
+            cache.touch(model, tick=self._tick)
             return Admission(hit=True)
         victims = cache.plan_victims(model, memory_mb)
         for victim in victims:
             cache.remove(victim)
             self._forget(victim, gpu_id)
-        cache.insert(model, memory_mb)
+        self._tick += 1
+        cache.insert(model, memory_mb, tick=self._tick)
         self._directory.setdefault(model, set()).add(gpu_id)
         return Admission(hit=False, evicted=tuple(victims))
 

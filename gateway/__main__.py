@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--public-url", default=None, help="URL other hosts reach this gateway at (default: http://HOST:PORT)"
     )
-    parser.add_argument("--scheduler", default=None, help="scheduler gRPC address (default: look it up in etcd)")
+    parser.add_argument("--scheduler", default=None, help="scheduler address host:port (default: look it up in etcd)")
     parser.add_argument("--max-payload-mb", type=float, default=16.0, help="invocation body limit (413 above)")
     args = parser.parse_args(argv)
     configure_logging(args.log_level)

@@ -1,4 +1,5 @@
-"""The HTTP gateway (FastAPI): function CRUD, package store, invocation through the scheduler."""
+"""The HTTP gateway (FastAPI): function CRUD, package store, invocation (placed by the scheduler,
+run on the node it names: gateway.router)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import logging
 import os
 import platform
 import tempfile
-import time
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,24 +18,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 
 import gpufaas
+from gateway.invoke import InvokeMiddleware
+from gateway.router import SCHEDULER_WAIT_S, CallFailed, Router
 from gpufaas.errors import GpufaasError, InvalidInput
 from gpufaas.functions import DIGEST_PATTERN, FunctionSpec
 from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.proto import gpufaas_pb2_grpc as pb_grpc
 from gpufaas.store import LeaseKeeper, Store, StoreError, WatchEvent
 
 log = logging.getLogger("gpufaas.gateway")
 
-# The gateway waits this much beyond a call's timeout for the scheduler's own deadline answer, so
-# the inner hop always reports first (one end-to-end deadline per invocation).
-DEADLINE_GRACE_S = 1.0
 LEASE_TTL_S = 5
 
 
@@ -48,6 +44,7 @@ class GatewayConfig:
     max_payload_bytes: int = 16 * 1024 * 1024
     max_package_bytes: int = 2 * 1024 * 1024 * 1024
     keys: Keys = field(default_factory=Keys)
+    scheduler_wait_s: float = SCHEDULER_WAIT_S  # how long a call waits for a scheduler to (re)connect
 
 
 class ApiError(Exception):
@@ -60,21 +57,9 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
-# gRPC status from the scheduler -> HTTP status, in one place (STYLE §6).
-_GRPC_TO_HTTP = {
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-    grpc.StatusCode.FAILED_PRECONDITION: 503,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.ABORTED: 500,
-}
-
-
 class Gateway:
     """State behind the HTTP API: a mirror of the function registry fed by an etcd watch, the
-    package files on disk, and one gRPC channel to the scheduler."""
+    package files on disk, and the router (one connection to the scheduler, one per node)."""
 
     def __init__(self, store: Store, config: GatewayConfig) -> None:
         self.store = store
@@ -83,9 +68,11 @@ class Gateway:
         self.packages_dir = config.state_dir / "packages"
         self.functions: dict[str, FunctionSpec] = {}
         self.invocations: Counter[tuple[str, int]] = Counter()
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.SchedulerStub | None = None
-        self._scheduler_address = config.scheduler_address
+        self.router = Router(
+            max_payload_bytes=config.max_payload_bytes,
+            scheduler_address=config.scheduler_address,
+            scheduler_wait_s=config.scheduler_wait_s,
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._lease: LeaseKeeper | None = None
 
@@ -96,12 +83,11 @@ class Gateway:
             with contextlib.suppress(GpufaasError):
                 spec = FunctionSpec.from_json(kv.value)
                 self.functions[spec.name] = spec
-        if self._scheduler_address is None:
+        if self.config.scheduler_address is None:
             registered = await self.store.get(self.keys.service("scheduler"))
             if registered is not None:
-                self._connect(registered.value.decode())
-        else:
-            self._connect(self._scheduler_address)
+                self.router.set_scheduler_address(registered.value.decode())
+        self.router.start()
         self._lease = LeaseKeeper(self.store, LEASE_TTL_S, on_regrant=self._register)
         await self._register(await self._lease.start())
         self._tasks = [asyncio.create_task(self._watch(revision))]
@@ -114,21 +100,10 @@ class Gateway:
                 await task
         if self._lease is not None:
             await self._lease.stop(revoke=True)
-        if self._channel is not None:
-            await self._channel.close(grace=None)
+        await self.router.stop()
 
     async def _register(self, lease: int) -> None:
         await self.store.put(self.keys.service("gateway"), self.config.public_url.encode(), lease=lease)
-
-    def _connect(self, address: str) -> None:
-        if self._channel is not None and address == self._scheduler_address and self._stub is not None:
-            return
-        old = self._channel
-        self._scheduler_address = address
-        self._channel = grpc.aio.insecure_channel(address)
-        self._stub = pb_grpc.SchedulerStub(self._channel)  # type: ignore[no-untyped-call]
-        if old is not None:
-            asyncio.get_running_loop().create_task(old.close(grace=5.0))
 
     async def _watch(self, revision: int) -> None:
         start = revision + 1
@@ -156,13 +131,7 @@ class Gateway:
             and event.kind == "put"
             and self.config.scheduler_address is None
         ):
-            self._connect(event.value.decode())
-
-    @property
-    def scheduler(self) -> pb_grpc.SchedulerStub:
-        if self._stub is None:
-            raise ApiError(503, "no scheduler is running: start one (gpufaas up, or python -m scheduler)")
-        return self._stub
+            self.router.set_scheduler_address(event.value.decode())
 
     # --- packages -------------------------------------------------------------------------
     def package_path(self, digest: str) -> Path:
@@ -189,6 +158,7 @@ def create_app(store: Store, config: GatewayConfig) -> FastAPI:
 
     app = FastAPI(title="gpufaas gateway", version=gpufaas.__version__, lifespan=lifespan)
     app.state.gateway = gateway
+    app.add_middleware(InvokeMiddleware, gateway=gateway)  # POST /function/{name}: see gateway.invoke
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -317,6 +287,8 @@ def create_app(store: Store, config: GatewayConfig) -> FastAPI:
             "timeout_s": spec.timeout_s,
             "labels": spec.labels,
             "environment": spec.environment,
+            "max_batch_size": spec.max_batch_size,
+            "max_batch_wait_ms": spec.max_batch_wait_ms,
             "invocationCount": sum(n for (name, _), n in gateway.invocations.items() if name == spec.name),
             "replicas": len(replicas),
             "gpus": replicas,
@@ -351,68 +323,12 @@ def create_app(store: Store, config: GatewayConfig) -> FastAPI:
         gateway.functions.pop(name, None)
         return {"name": name, "deleted": True}
 
-    # --- invocation -----------------------------------------------------------------------
-    @app.post("/function/{name}")
-    async def invoke(name: str, request: Request) -> Response:
-        started = time.perf_counter()
-        spec = gateway.functions.get(name)
-        if spec is None:
-            raise ApiError(404, f"function {name!r} is not deployed; deploy it first (gpufaas deploy)")
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > config.max_payload_bytes:
-            raise ApiError(413, f"the payload is larger than the limit of {config.max_payload_bytes} bytes")
-        payload = await request.body()
-        if len(payload) > config.max_payload_bytes:
-            raise ApiError(413, f"the payload is larger than the limit of {config.max_payload_bytes} bytes")
-        if request.headers.get("content-type", "").startswith("application/json"):
-            try:
-                json.loads(payload or b"null")
-            except (ValueError, UnicodeDecodeError):
-                raise ApiError(400, "the payload is declared application/json but is not valid JSON") from None
-        call_id = request.headers.get("x-call-id") or uuid.uuid4().hex
-        try:
-            reply: pb.InvokeReply = await gateway.scheduler.Invoke(
-                pb.InvokeRequest(call_id=call_id, function=name, payload=payload, timeout_s=spec.timeout_s),
-                timeout=spec.timeout_s + DEADLINE_GRACE_S,
-            )
-        except grpc.aio.AioRpcError as exc:
-            status = _GRPC_TO_HTTP.get(exc.code(), 502)
-            message = exc.details() or str(exc.code())
-            # Only the channel's own failure means the scheduler is down; the scheduler's answers
-            # (a node that failed, say) carry their own message.
-            if exc.code() == grpc.StatusCode.UNAVAILABLE and message.lower().startswith("failed to connect"):
-                message = "the scheduler is unreachable; check that it runs"
-            gateway.invocations[(name, status)] += 1
-            headers = {"X-Call-Id": call_id}
-            if status == 429:
-                headers["Retry-After"] = "1"
-            raise ApiError(status, message, headers=headers) from None
-        gateway.invocations[(name, 200)] += 1
-        media_type = "application/octet-stream"
-        with contextlib.suppress(ValueError, UnicodeDecodeError):
-            json.loads(reply.output)
-            media_type = "application/json"
-        return Response(
-            content=reply.output,
-            media_type=media_type,
-            headers={
-                "X-Call-Id": call_id,
-                "X-Duration-Seconds": f"{time.perf_counter() - started:.6f}",
-                "X-Gpu": reply.gpu,
-                "X-Cache": "hit" if reply.hit else "miss",
-                "X-Queue-Seconds": f"{reply.queue_s:.6f}",
-                "X-Load-Seconds": f"{reply.load_time_s:.6f}",
-                "X-Inference-Seconds": f"{reply.inference_time_s:.6f}",
-            },
-        )
-
     # --- cluster views --------------------------------------------------------------------
     async def cluster() -> pb.ClusterReply:
         try:
-            reply: pb.ClusterReply = await gateway.scheduler.GetCluster(pb.ClusterRequest(), timeout=5.0)
-        except grpc.aio.AioRpcError as exc:
-            raise ApiError(503, f"the scheduler is unreachable ({exc.code().name}); check that it runs") from None
-        return reply
+            return await gateway.router.cluster()
+        except CallFailed as exc:
+            raise ApiError(exc.status, exc.message) from None
 
     @app.get("/system/gpus")
     async def gpus() -> list[dict[str, Any]]:
@@ -427,7 +343,8 @@ def create_app(store: Store, config: GatewayConfig) -> FastAPI:
                 "memory_capacity_mb": g.memory_capacity_mb,
                 "lru": list(g.lru),
                 "local_queue": g.local_queue,
-                "running": g.running or None,
+                "slots": g.slots,
+                "running": list(g.running),
             }
             for g in reply.gpus
         ]

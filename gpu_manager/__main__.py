@@ -11,7 +11,6 @@ from pathlib import Path
 from gpu_manager.daemon import GpuManagerDaemon
 from gpu_manager.devices import discover_nvml, logical_devices
 from gpu_manager.packages import PackageCache
-from gpu_manager.pool import WorkerPool
 from gpufaas.keys import Keys
 from gpufaas.service_main import add_common_flags, configure_logging, run_daemon, run_until_signalled
 from gpufaas.store import EtcdStore
@@ -21,8 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpu_manager", description="gpufaas GPU manager (one per node)")
     add_common_flags(parser)
     parser.add_argument("--node", default=socket.gethostname(), help="node name (default: host name)")
-    parser.add_argument("--listen", default="127.0.0.1:0", help="gRPC address to bind (port 0 = any free)")
-    parser.add_argument("--advertise", default=None, help="address the scheduler dials (default: the listen address)")
+    parser.add_argument("--listen", default="127.0.0.1:0", help="address to bind (port 0 = any free)")
+    parser.add_argument(
+        "--advertise", default=None, help="address gateways and the scheduler dial (default: the listen address)"
+    )
     parser.add_argument(
         "--backend",
         choices=["cuda", "cpu", "emulated"],
@@ -38,6 +39,12 @@ def main(argv: list[str] | None = None) -> int:
         "--reserve-mb", type=int, default=1024, help="cuda: memory kept free per GPU (contexts, fragmentation)"
     )
     parser.add_argument("--state-dir", type=Path, required=True, help="package cache directory")
+    parser.add_argument(
+        "--spares", type=int, default=1, help="warm spare workers per GPU (a miss takes one; 0: start a process)"
+    )
+    parser.add_argument(
+        "--max-payload-mb", type=float, default=16.0, help="largest payload or result a call may carry (MiB)"
+    )
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
 
@@ -51,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.gpus <= 0 or args.gpu_memory_mb <= 0:
             parser.error("--gpus and --gpu-memory-mb must be positive")
         devices = logical_devices(args.gpus, args.gpu_memory_mb, args.gpu_type or backend)
+    if args.spares < 0 or args.max_payload_mb <= 0:
+        parser.error("--spares must be >= 0 and --max-payload-mb positive")
 
     async def run() -> None:
         store = await EtcdStore.open(args.etcd)
@@ -60,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
             node=args.node,
             backend=backend,
             devices=devices,
-            pool=WorkerPool(backend, cache),
             packages=cache,
             keys=Keys(args.root),
+            spares_per_gpu=args.spares,
+            max_body_bytes=int(args.max_payload_mb * 1024 * 1024),
         )
 
         async def start() -> None:

@@ -1,17 +1,26 @@
-"""Execution backends: how a worker process loads a function onto its device, runs it and measures it.
+"""Execution backends: how a worker process warms up, loads a function, runs it and measures it.
 
-A backend object lives inside one worker process (see `gpu_manager.worker`) and serves one
-(model, device) pair: `setup()` before anything else is imported, `load()` once, then `predict()`
-per request, with `peak_memory_mb()` read after the load and after every inference.
+A backend's class prepares the node's zygote process once (see `gpu_manager.zygote`), and an
+instance lives inside each worker process the zygote forks, serving one device. So a *warm
+spare* has done everything but the model:
 
-- `cuda`: the function's handler on `cuda:{index}`; peak memory measured (see `CudaBackend`).
-- `cpu`: the function's handler on the CPU, one thread; peak memory is the declared `memory_mb`.
+    Backend.setup()          in the zygote, before anything heavy is imported (thread counts, ...)
+    Backend.import_runtime() in the zygote: torch and what every handler needs (paid once per node)
+    init_device()            in the forked worker: the device context; returns the MiB it holds
+    load(model)              on a miss: import the function's handler and run load(device)
+    predict(inputs) / predict_batch([inputs, ...])   per call or merged batch
+    peak_memory_mb()         after the load and after every batch
+
+- `cuda`: the handler on `cuda:{index}`; peak memory measured (see `CudaBackend`).
+- `cpu`: the handler on the CPU, one thread; peak memory is the declared `memory_mb`.
 - `emulated`: no handler and no torch; load and inference sleep their profiled times, so the
   paper's workload can run through the real control plane on a machine without GPUs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.util
 import math
 import os
@@ -20,17 +29,14 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from gpu_manager.devices import Nvml
 from gpufaas.errors import GpufaasError
 from gpufaas.profiles import paper_table1
-
-if TYPE_CHECKING:
-    from gpu_manager.worker import WorkerSpec
 
 PACKAGE_DIR_ENV = "GPUFAAS_PACKAGE_DIR"
 """Set in a worker to its package directory, for handlers that read files beside `handler.py`."""
@@ -42,9 +48,36 @@ class UnknownBackend(GpufaasError):
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerDevice:
+    """What a worker process is started with, before it has a model: its backend and device."""
+
+    backend: str
+    gpu_id: str
+    device_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """The model a worker takes (on a miss): the function's package and how to run it.
+
+    `memory_mb` is the function's declared peak; `max_batch_size` > 1 makes `predict` receive a
+    list of inputs and return a list; `load_time_s` / `inference_time_s` are the emulated backend's
+    profile (None: Table I or size)."""
+
+    model: str
+    package_dir: str
+    memory_mb: int
+    max_batch_size: int = 1
+    max_batch_wait_s: float = 0.0
+    environment: dict[str, str] = field(default_factory=dict)
+    load_time_s: float | None = None
+    inference_time_s: float | None = None
+
+
 class Backend(ABC):
     """What a worker process needs from its execution backend. Subclasses register themselves by
-    name (`class X(Backend, name="x")`); `make_backend(name, spec)` builds one."""
+    name (`class X(Backend, name="x")`); `make_backend(device)` builds one."""
 
     name: ClassVar[str]
     _registry: ClassVar[dict[str, type[Backend]]] = {}
@@ -55,24 +88,45 @@ class Backend(ABC):
             cls.name = name
             Backend._registry[name] = cls
 
-    def __init__(self, spec: WorkerSpec) -> None:
-        self.spec = spec
+    def __init__(self, device: WorkerDevice) -> None:
+        self.worker_device = device
+        self.spec: ModelSpec | None = None
 
     @property
     @abstractmethod
     def device(self) -> str:
         """The device string handed to the handler's `load(device)`."""
 
-    def setup(self) -> None:  # noqa: B027  an optional hook: most backends need no setup
-        """Runs first in the worker process, before the handler (and torch) is imported."""
+    @classmethod  # noqa: B027  an optional hook: most backends need no setup
+    def setup(cls) -> None:
+        """Runs first in the zygote, before torch is imported."""
+
+    @classmethod  # noqa: B027  the emulated backend imports nothing
+    def import_runtime(cls) -> None:
+        """Import what every handler of this backend needs (torch), so that a miss does not pay it.
+        Must not start threads or touch a device: the zygote forks workers afterwards."""
+
+    def init_device(self) -> int:
+        """Create the device context now (a spare holds it while it waits); returns the device
+        memory it holds, in MiB (0 where there is none to count)."""
+        return 0
 
     @abstractmethod
-    def load(self) -> None:
+    def load(self, spec: ModelSpec) -> None:
         """Load the function's model onto the device; an exception means the load failed."""
 
     @abstractmethod
     def predict(self, inputs: object) -> object:
         """Run one inference; returns when its result is complete (device work included)."""
+
+    def predict_batch(self, inputs: list[object]) -> list[object]:
+        """Run a merged batch (functions with max_batch_size > 1): the handler's predict takes the
+        list and must return a list of as many outputs, in order."""
+        outputs = self.predict(inputs)
+        if not isinstance(outputs, list | tuple) or len(outputs) != len(inputs):
+            got = f"{len(outputs)} outputs" if isinstance(outputs, list | tuple) else type(outputs).__name__
+            raise TypeError(f"predict was given a batch of {len(inputs)} inputs and returned {got}; return a list")
+        return list(outputs)
 
     @abstractmethod
     def peak_memory_mb(self) -> int:
@@ -91,8 +145,8 @@ def backend_class(name: str) -> type[Backend]:
         raise UnknownBackend(f"unknown backend {name!r}; valid backends: {', '.join(backend_names())}") from None
 
 
-def make_backend(name: str, spec: WorkerSpec) -> Backend:
-    return backend_class(name)(spec)
+def make_backend(device: WorkerDevice) -> Backend:
+    return backend_class(device.backend)(device)
 
 
 # --- the function's handler ------------------------------------------------------------------
@@ -125,15 +179,33 @@ def import_handler(package_dir: str) -> Handler:
     return Handler(load=load, predict=predict)
 
 
+def _import_torch() -> Any:
+    """torch if it is installed (a handler may do without it), else None."""
+    try:
+        return importlib.import_module("torch")
+    except ImportError:
+        return None
+
+
 class _HandlerBackend(Backend):
-    """Runs the package's handler: `load(device)` once, `predict(model, inputs)` per request."""
+    """Runs the package's handler: `load(device)` once, `predict(model, inputs)` per call or batch."""
 
     _handler: Handler
     _model: object
 
-    def load(self) -> None:
-        package_dir = self.spec.package_dir
+    @classmethod
+    def import_runtime(cls) -> None:
+        torch = _import_torch()
+        if torch is not None:
+            # What the templates and most handlers use next: import it before forking.
+            with contextlib.suppress(ImportError):
+                importlib.import_module("safetensors.torch")
+
+    def load(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        package_dir = spec.package_dir
         # Handlers find their weights by `GPUFAAS_PACKAGE_DIR` or by relative path: give them both.
+        os.environ.update(spec.environment)
         os.environ[PACKAGE_DIR_ENV] = package_dir
         os.chdir(package_dir)
         self._handler = import_handler(package_dir)
@@ -152,20 +224,21 @@ class CpuBackend(_HandlerBackend, name="cpu"):
     def device(self) -> str:
         return "cpu"
 
-    def setup(self) -> None:
+    @classmethod
+    def setup(cls) -> None:
         # Set before torch is imported (torch sizes its thread pools at import), and again below
         # through torch's own call in case the handler imported torch some other way.
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ[var] = "1"
 
-    def load(self) -> None:
-        super().load()
+    def load(self, spec: ModelSpec) -> None:
+        super().load(spec)
         torch = sys.modules.get("torch")
         if torch is not None:  # a handler without torch pays no torch import for this
             torch.set_num_threads(1)
 
     def peak_memory_mb(self) -> int:
-        return self.spec.memory_mb
+        return self.spec.memory_mb if self.spec is not None else 0
 
 
 class CudaBackend(_HandlerBackend, name="cuda"):
@@ -174,11 +247,11 @@ class CudaBackend(_HandlerBackend, name="cuda"):
     Peak memory = `torch.cuda.max_memory_reserved(device)` (the caching allocator's high-water mark
     since the worker started; the pool is kept, so it stays charged) + the memory the process holds
     outside the allocator (CUDA context, cuBLAS/cuDNN handles, lazily loaded kernels). That overhead
-    is measured with NVML: first as the growth of the device's used memory across context creation
-    (nothing else loads on this GPU meanwhile: the pool holds the GPU's lock during a start), then,
-    after the load and each inference, as NVML's figure for this PID minus the allocator's current
-    reservation, keeping the largest seen. Where NVML cannot see this PID (containers with their own
-    PID namespace) the context figure stands; without NVML at all, `DEFAULT_CONTEXT_MB` is assumed.
+    is measured when the spare creates its context: NVML's figure for this PID (or, where NVML
+    cannot see this PID, e.g. in a container with its own PID namespace, the growth of the device's
+    used memory across context creation); after the load and each batch it is re-read as NVML's
+    figure for this PID minus the allocator's current reservation, keeping the largest seen.
+    Without NVML at all, `DEFAULT_CONTEXT_MB` is assumed.
     """
 
     DEFAULT_CONTEXT_MB: ClassVar[int] = 500
@@ -188,40 +261,50 @@ class CudaBackend(_HandlerBackend, name="cuda"):
 
     @property
     def device(self) -> str:
-        return f"cuda:{self.spec.device_index}"
+        return f"cuda:{self.worker_device.device_index}"
 
-    def setup(self) -> None:
+    @classmethod
+    def setup(cls) -> None:
         # NVML numbers GPUs in PCI bus order and so does the gpu_manager's Device.index; CUDA's
         # default order is "fastest first". Make `cuda:{index}` the same GPU NVML calls `index`.
         os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-        self._nvml = Nvml.open()
 
-    def load(self) -> None:
+    def init_device(self) -> int:
         import torch
 
-        index = self.spec.device_index
+        self._nvml = Nvml.open()  # per process: an NVML session does not survive a fork
+        index = self.worker_device.device_index
         used_before_mb = self._nvml.used_mb(index) if self._nvml is not None else None
         torch.cuda.set_device(index)
         free, total = torch.cuda.mem_get_info(index)  # creates this process's CUDA context
-        if used_before_mb is None:
-            self._overhead_mb = self.DEFAULT_CONTEXT_MB
-        else:
+        process_mb = self._nvml.process_mb(index, os.getpid()) if self._nvml is not None else None
+        if process_mb is not None:
+            self._overhead_mb = process_mb
+        elif used_before_mb is not None:
+            # Other processes may allocate meanwhile: an estimate, corrected after the first batch.
             self._overhead_mb = max(0, (total - free) // _MIB - used_before_mb)
-        super().load()
-        torch.cuda.synchronize(index)
+        else:
+            self._overhead_mb = self.DEFAULT_CONTEXT_MB
+        return self._overhead_mb
+
+    def load(self, spec: ModelSpec) -> None:
+        import torch
+
+        super().load(spec)
+        torch.cuda.synchronize(self.worker_device.device_index)
 
     def predict(self, inputs: object) -> object:
         import torch
 
         outputs = super().predict(inputs)
         # Kernels run asynchronously: the inference is over when the device says so.
-        torch.cuda.synchronize(self.spec.device_index)
+        torch.cuda.synchronize(self.worker_device.device_index)
         return outputs
 
     def peak_memory_mb(self) -> int:
         import torch
 
-        index = self.spec.device_index
+        index = self.worker_device.device_index
         if self._nvml is not None:
             process_mb = self._nvml.process_mb(index, os.getpid())
             if process_mb is not None:
@@ -232,27 +315,37 @@ class CudaBackend(_HandlerBackend, name="cuda"):
 
 class EmulatedBackend(Backend, name="emulated"):
     """Stands in for a GPU: no handler, no torch. Load sleeps `load_time_s` and inference sleeps
-    `inference_time_s`, from the spec when it gives them, else from `emulated_times`. The output
-    is a small JSON echo of the request; the peak memory is the declared `memory_mb`."""
+    `inference_time_s` (per call of a merged batch), from the spec when it gives them, else from
+    `emulated_times`. The output is a small JSON echo of the request; the peak memory is the
+    declared `memory_mb`."""
 
-    def __init__(self, spec: WorkerSpec) -> None:
-        super().__init__(spec)
+    load_time_s: float = 0.0
+    inference_time_s: float = 0.0
+
+    @property
+    def device(self) -> str:
+        return f"emulated:{self.worker_device.device_index}"
+
+    def load(self, spec: ModelSpec) -> None:
+        self.spec = spec
         self.load_time_s, self.inference_time_s = emulated_times(spec.model, spec.memory_mb)
         if spec.load_time_s is not None:
             self.load_time_s = spec.load_time_s
         if spec.inference_time_s is not None:
             self.inference_time_s = spec.inference_time_s
-
-    @property
-    def device(self) -> str:
-        return f"emulated:{self.spec.device_index}"
-
-    def load(self) -> None:
         time.sleep(self.load_time_s)
 
     def predict(self, inputs: object) -> object:
         time.sleep(self.inference_time_s)
-        reply: dict[str, object] = {"model": self.spec.model, "backend": self.name, "device": self.device}
+        return self._echo(inputs)
+
+    def predict_batch(self, inputs: list[object]) -> list[object]:
+        time.sleep(self.inference_time_s * len(inputs))
+        return [self._echo(one) for one in inputs]
+
+    def _echo(self, inputs: object) -> dict[str, object]:
+        model = self.spec.model if self.spec is not None else ""
+        reply: dict[str, object] = {"model": model, "backend": self.name, "device": self.device}
         if isinstance(inputs, bytes):
             reply["input_bytes"] = len(inputs)
         else:
@@ -260,7 +353,7 @@ class EmulatedBackend(Backend, name="emulated"):
         return reply
 
     def peak_memory_mb(self) -> int:
-        return self.spec.memory_mb
+        return self.spec.memory_mb if self.spec is not None else 0
 
 
 def emulated_times(model: str, memory_mb: int) -> tuple[float, float]:

@@ -1,33 +1,46 @@
-"""The GPU manager daemon: registers the node's GPUs in etcd and serves Execute/Evict over gRPC."""
+"""The GPU manager daemon: registers the node's GPUs in etcd and runs calls placed on them.
+
+It serves gpufaas.wire connections:
+- from gateways: Execute(token) + payload -> ExecuteReply + result. The token is a grant signed
+  by the attached scheduler; the node checks it (gpu_manager.ledger) before running anything.
+- from the scheduler: Attach (its token key; answered with the workers this node runs), Revoke
+  (grants never presented are refused from then on), Evict. Every call run is reported back on
+  that connection with a Done (outcome, measured times, memory).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import time
 import uuid
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
 
-import grpc
 import httpx
 
 from gpu_manager.devices import Device
+from gpu_manager.ledger import GrantLedger, Refused
 from gpu_manager.packages import InvalidPackage, PackageCache
-from gpu_manager.pool import HandlerError, RunTimeout, WorkerDied, WorkerPool
-from gpu_manager.worker import WorkerSpec
+from gpu_manager.pool import ModelRun, RunResult, WorkerPool
 from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.proto import gpufaas_pb2_grpc as pb_grpc
 from gpufaas.store import LeaseKeeper, Store
+from gpufaas.wire import Connection, Frame, MessageType, Server, max_frame_bytes_for
 
 log = logging.getLogger("gpufaas.gpu_manager")
 LEASE_TTL_S = 3  # the node's heartbeat: a node silent this long leaves the cluster
+PRUNE_INTERVAL_S = 10.0
+# Outcomes after which the model's worker is gone from the GPU (the scheduler drops its entry).
+_WORKER_LOST = {pb.LOAD_FAILED, pb.WORKER_DIED}
 
 
-class GpuManagerDaemon(pb_grpc.GpuManagerServicer):
-    """One per node. The scheduler guarantees one call at a time per GPU; the pool enforces it too.
-
-    On start it registers `{root}/nodes/{node}` (address, GPUs, a fresh incarnation id) under its
-    lease, so a restart is seen as a new incarnation whose cache is empty.
+class GpuManagerDaemon:
+    """One per node. On start it registers `{root}/nodes/{node}` (address, GPUs, a fresh
+    incarnation id) under its lease, so a restart is seen as a new incarnation whose cache is empty.
     """
 
     def __init__(
@@ -37,9 +50,10 @@ class GpuManagerDaemon(pb_grpc.GpuManagerServicer):
         node: str,
         backend: str,
         devices: list[Device],
-        pool: WorkerPool,
         packages: PackageCache,
         keys: Keys | None = None,
+        spares_per_gpu: int = 1,
+        max_body_bytes: int = 16 * 1024 * 1024,
     ) -> None:
         if not devices:
             raise ValueError("a GPU manager needs at least one device")
@@ -48,97 +62,213 @@ class GpuManagerDaemon(pb_grpc.GpuManagerServicer):
         self.node = node
         self.backend = backend
         self.devices = {device.gpu_id: device for device in devices}
-        self.pool = pool
         self.packages = packages
+        self.max_body_bytes = max_body_bytes
+        self.pool = WorkerPool(
+            backend,
+            gpus={d.gpu_id: d.index for d in devices},
+            fetch_package=self._package,
+            spares_per_gpu=spares_per_gpu,
+            max_body_bytes=max_body_bytes,
+        )
+        self.ledger = GrantLedger(node, frozenset(self.devices))
         self.incarnation = uuid.uuid4().hex
         self.address = ""
-        self._server: grpc.aio.Server | None = None
+        self.context_mb = 0  # what one spare holds on its GPU (measured on cuda)
+        self._scheduler: Connection | None = None
+        self._server = Server(lambda: _Session(self), max_frame_bytes=max_frame_bytes_for(max_body_bytes))
         self._lease: LeaseKeeper | None = None
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0))
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self, listen: str = "127.0.0.1:0", *, advertise: str | None = None) -> str:
-        """Serve gRPC on `listen`; register `advertise` (the address the scheduler dials: needed
-        when listening on 0.0.0.0 in a container) or else the bound listen address."""
-        self._server = grpc.aio.server()
-        pb_grpc.add_GpuManagerServicer_to_server(self, self._server)  # type: ignore[no-untyped-call]
-        port = self._server.add_insecure_port(listen)
-        self.address = advertise or f"{listen.rsplit(':', 1)[0]}:{port}"
-        await self._server.start()
+        """Serve on `listen`; register `advertise` (the address gateways and the scheduler dial:
+        needed when listening on 0.0.0.0 in a container) or else the bound listen address."""
+        self.pool.start()
+        if self.backend == "cuda":
+            # The cache may only plan with what the spares leave free: measure one context first.
+            hellos = await self.pool.spares_ready()
+            self.context_mb = max((int(h.context_mb) for h in hellos), default=0)
+        bound = await self._server.start(listen)
+        self.address = advertise or bound
         self._lease = LeaseKeeper(self.store, LEASE_TTL_S, on_regrant=self._register)
         await self._register(await self._lease.start())
+        self._spawn(self._prune())
         log.info("node %s serving on %s with %d %s GPU(s)", self.node, self.address, len(self.devices), self.backend)
         return self.address
 
     async def stop(self) -> None:
         if self._lease is not None:
             await self._lease.stop(revoke=True)
-        if self._server is not None:
-            await self._server.stop(grace=1.0)
+        await self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
         await self.pool.shutdown()
         await self._http.aclose()
 
     async def _register(self, lease: int) -> None:
+        spare_mb = self.context_mb * self.pool.spares_per_gpu
         record = NodeRecord(
             node=self.node,
             address=self.address,
             backend=self.backend,
             incarnation=self.incarnation,
-            gpus=[GpuRecord(d.gpu_id, d.memory_mb, d.gpu_type) for d in self.devices.values()],
+            gpus=[GpuRecord(d.gpu_id, max(1, d.memory_mb - spare_mb), d.gpu_type) for d in self.devices.values()],
         )
         await self.store.put(self.keys.node(self.node), record.to_json(), lease=lease)
 
-    async def _fetch(self, digest: str, url: str) -> bytes:
-        if not url:
-            kv = await self.store.get(self.keys.service("gateway"))
-            if kv is None:
-                raise InvalidPackage(f"package {digest} is not on this node and no gateway is registered to fetch it")
-            url = f"{kv.value.decode()}/system/packages/{digest}"
-        response = await self._http.get(url)
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _prune(self) -> None:
+        while True:
+            await asyncio.sleep(PRUNE_INTERVAL_S)
+            self.ledger.prune(time.time())
+
+    # --- packages ---------------------------------------------------------------------------
+    async def _package(self, digest: str) -> Path:
+        return await self.packages.ensure(digest, self._fetch)
+
+    async def _fetch(self, digest: str) -> bytes:
+        """From the gateway registered in etcd, by digest (the only place packages come from)."""
+        kv = await self.store.get(self.keys.service("gateway"))
+        if kv is None:
+            raise InvalidPackage(f"package {digest} is not on this node and no gateway is registered to fetch it")
+        url = f"{kv.value.decode()}/system/packages/{digest}"
+        try:
+            response = await self._http.get(url)
+        except httpx.HTTPError as exc:
+            raise InvalidPackage(f"fetching package {digest} from {url} failed: {exc}") from None
         if response.status_code != 200:
             raise InvalidPackage(f"fetching package {digest} from {url} failed with HTTP {response.status_code}")
         return response.content
 
-    async def Execute(self, request: pb.ExecuteRequest, context: grpc.aio.ServicerContext) -> pb.ExecuteReply:  # noqa: N802
-        device = self.devices.get(request.gpu)
-        if device is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"node {self.node} has no GPU {request.gpu!r}")
-        assert device is not None
-        for victim in request.evict:
-            await self.pool.evict(victim, device.gpu_id)
+    # --- calls from gateways ----------------------------------------------------------------
+    async def execute(self, conn: Connection, frame: Frame) -> None:
+        request = frame.message(pb.Execute)
+        received_s = time.perf_counter()
         try:
-            package_dir = await self.packages.ensure(
-                request.package_digest, lambda digest: self._fetch(digest, request.package_url)
-            )
-        except (InvalidPackage, httpx.HTTPError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"function package unavailable: {exc}")
-        spec = WorkerSpec(
-            model=request.model,
-            gpu_id=device.gpu_id,
-            device_index=device.index,
-            backend=self.backend,
-            package_dir=str(package_dir),
-            memory_mb=int(request.memory_mb),
-            load_time_s=request.load_time_s or None,
-            inference_time_s=request.inference_time_s or None,
+            grant = self.ledger.admit(request.token, time.time())
+        except Refused as exc:
+            log.info("refused a call from %s: %s", conn.peer, exc)
+            conn.reply(frame, MessageType.EXECUTE_REPLY, pb.ExecuteReply(outcome=pb.REFUSED, message=str(exc)))
+            return
+        run = ModelRun(
+            model=grant.model,
+            package_digest=grant.package_digest,
+            memory_mb=int(grant.memory_mb),
+            max_batch_size=max(1, grant.max_batch_size),
+            max_batch_wait_s=grant.max_batch_wait_s,
+            environment=dict(grant.environment),
+            load_time_s=grant.load_time_s,
+            inference_time_s=grant.inference_time_s,
         )
-        try:
-            result = await self.pool.run(spec, request.call_id, request.payload, timeout_s=request.timeout_s)
-        except HandlerError as exc:
-            await context.abort(grpc.StatusCode.ABORTED, str(exc))
-        except RunTimeout as exc:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
-        except WorkerDied as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, f"worker died: {exc}")
-        return pb.ExecuteReply(
-            output=result.output,
-            loaded=result.loaded,
-            load_time_s=result.load_time_s,
-            inference_time_s=result.inference_time_s,
-            peak_memory_mb=result.peak_memory_mb,
+        result = await self.pool.run(
+            run,
+            grant.gpu,
+            grant.call_id,
+            frame.body,
+            content_type=request.content_type,
+            timeout_s=max(0.001, grant.expires_unix_s - time.time()),
+            evict=tuple(grant.evict),
+            seq=grant.gpu_seq,
+        )
+        conn.reply(
+            frame,
+            MessageType.EXECUTE_REPLY,
+            pb.ExecuteReply(
+                outcome=result.outcome,  # type: ignore[arg-type]
+                message=result.message,
+                loaded=result.loaded,
+                load_time_s=result.load_time_s,
+                inference_time_s=result.inference_time_s,
+                batch_calls=result.batch_calls,
+                stages=result.stages,
+                content_type=result.content_type,
+                node_s=time.perf_counter() - received_s,
+            ),
+            result.output,
+        )
+        self._done(grant, result)
+
+    def _done(self, grant: pb.Grant, result: RunResult) -> None:
+        scheduler = self._scheduler
+        if scheduler is None or scheduler.is_closed or grant.scheduler_id != self.ledger.scheduler_id:
+            return  # the scheduler that placed it is gone: a new one learns the workers on attach
+        scheduler.send(
+            MessageType.DONE,
+            pb.Done(
+                call_id=grant.call_id,
+                attempt=grant.attempt,
+                gpu=grant.gpu,
+                outcome=result.outcome,  # type: ignore[arg-type]
+                loaded=result.loaded,
+                load_time_s=result.load_time_s,
+                inference_time_s=result.inference_time_s,
+                peak_memory_mb=result.peak_memory_mb,
+                batch_calls=result.batch_calls,
+                worker_lost=result.outcome in _WORKER_LOST or result.worker_killed,
+            ),
         )
 
-    async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.EvictReply:  # noqa: N802
-        evicted = False
-        with contextlib.suppress(KeyError):
-            evicted = await self.pool.evict(request.model, request.gpu)
-        return pb.EvictReply(evicted=evicted)
+    # --- requests from the scheduler --------------------------------------------------------
+    def attach(self, conn: Connection, frame: Frame) -> None:
+        request = frame.message(pb.Attach)
+        old, self._scheduler = self._scheduler, conn
+        self.ledger.attach(request.scheduler_id, request.token_key)
+        if old is not None and old is not conn:
+            old.close()
+        log.info("scheduler %s attached from %s", request.scheduler_id, conn.peer)
+        workers = [pb.Worker(gpu=gpu, model=model, memory_mb=mb) for model, gpu, _, mb in self.pool.workers()]
+        conn.reply(
+            frame,
+            MessageType.ATTACH_REPLY,
+            pb.AttachReply(node=self.node, incarnation=self.incarnation, workers=workers),
+        )
+
+    def revoke(self, conn: Connection, frame: Frame) -> None:
+        request = frame.message(pb.Revoke)
+        unseen, seen = self.ledger.revoke(((g.call_id, g.attempt) for g in request.grants), time.time())
+        conn.reply(
+            frame,
+            MessageType.REVOKE_REPLY,
+            pb.RevokeReply(
+                unseen=[pb.GrantRef(call_id=c, attempt=a) for c, a in unseen],
+                seen=[pb.GrantRef(call_id=c, attempt=a) for c, a in seen],
+            ),
+        )
+
+    async def evict(self, conn: Connection, frame: Frame) -> None:
+        request = frame.message(pb.Evict)
+        evicted = [model for model in request.models if await self.pool.evict(model, request.gpu)]
+        conn.reply(frame, MessageType.EVICT_REPLY, pb.EvictReply(evicted=evicted))
+
+    def detached(self, conn: Connection) -> None:
+        if self._scheduler is conn:
+            self._scheduler = None
+
+
+class _Session:
+    """One accepted connection (a gateway's or the scheduler's): routes its frames."""
+
+    def __init__(self, daemon: GpuManagerDaemon) -> None:
+        self.daemon = daemon
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        daemon = self.daemon
+        if frame.type == MessageType.EXECUTE:
+            daemon._spawn(daemon.execute(conn, frame))
+        elif frame.type == MessageType.ATTACH:
+            daemon.attach(conn, frame)
+        elif frame.type == MessageType.REVOKE:
+            daemon.revoke(conn, frame)
+        elif frame.type == MessageType.EVICT:
+            daemon._spawn(daemon.evict(conn, frame))
+        elif frame.is_request:
+            conn.reply_error(frame, pb.INVALID, f"a GPU manager does not answer message type {frame.type}")
+
+    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
+        with contextlib.suppress(Exception):
+            self.daemon.detached(conn)

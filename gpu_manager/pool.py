@@ -1,368 +1,677 @@
-"""The node's worker processes, driven from asyncio: start or reuse, one inference per GPU, kill.
+"""The node's worker processes: warm spares per GPU, one worker per (model, GPU), calls pipelined.
 
-Errors raised by `WorkerPool.run`:
+A miss costs a weight load, not a process start: each GPU keeps `spares_per_gpu` spare workers
+that have imported the runtime (torch) and created their device context. A miss takes one, sends
+it the model, and a new spare starts in the background. Meanwhile the package is fetched (if this
+node lacks it) and its files are read ahead into host memory, in parallel with waiting for a
+spare (EDAS's parallel loading).
 
-    HandlerError (GpufaasError)   the function's `load` or `predict` raised: the user's to fix
-    RunTimeout (GpufaasError)     no result within the call's timeout: the worker running it (if it
-                                  got that far) was killed, since it may be stuck
-    WorkerDied (RuntimeError)     the worker process exited under a call (or was found dead): the
-                                  node's fault and transient; the next call starts a fresh worker
+Calls for a ready worker are written to it at once, in order (its socket is the queue), so it
+never idles between calls; a function that batches has the waiting calls merged by the worker.
+
+`run` answers every call with a RunResult whose `outcome` (a gpufaas.proto Outcome) says what
+happened; it raises only when cancelled:
+
+    OK                 the output (and its content type)
+    HANDLER_ERROR      predict raised: the worker stays
+    LOAD_FAILED        load raised, or the package could not be had: no worker is left
+    TIMEOUT            no result by the deadline; a worker stuck in this call was killed
+    WORKER_DIED        the worker exited under the call (or before it was ready): transient
+    INVALID_INPUT, OUTPUT_INVALID, OUTPUT_TOO_LARGE   the call's own, the worker stays
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
-import multiprocessing
-import threading
+import os
+import signal
+import socket
+import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from gpu_manager.backends import backend_class
-from gpu_manager.packages import PackageCache
-from gpu_manager.worker import Ready, Reply, Request, WorkerSpec, worker_main
-from gpufaas.errors import GpufaasError
+from gpufaas.local_cluster import pid_alive
+from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, max_frame_bytes_for
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger("gpufaas.gpu_manager.pool")
 
 STOP_GRACE_S = 2.0
-"""How long an evicted worker has to exit after SIGTERM before it gets SIGKILL."""
+"""How long a stopped worker has to exit after SIGTERM before it gets SIGKILL."""
 _KILL_WAIT_S = 30.0  # tearing down a large CUDA context can take seconds; past this, log and move on
-_POLL_S = 0.1  # how often a reader thread checks that its worker is still alive
+_EXIT_POLL_S = 0.005
+SPARE_START_TIMEOUT_S = 120.0  # importing torch and creating a CUDA context, on a busy machine
+SPARE_RETRY_S = 5.0  # after a spare died warming up (a broken runtime), before starting another
 
 
 @dataclass(frozen=True, slots=True)
+class ModelRun:
+    """What a call needs of its model's worker (from the scheduler's signed grant)."""
+
+    model: str
+    package_digest: str
+    memory_mb: int
+    max_batch_size: int = 1
+    max_batch_wait_s: float = 0.0
+    environment: dict[str, str] = field(default_factory=dict)
+    load_time_s: float = 0.0  # emulated backend's profile; 0 = from Table I or size
+    inference_time_s: float = 0.0
+
+
+@dataclass(slots=True)
 class RunResult:
-    """One inference. `loaded`: this call started the worker (a cache miss), and `load_time_s` is
-    then the wall time from process start to ready (0.0 on a hit)."""
+    """One call's answer. `loaded`: this call loaded the model (a miss); `stages` then says
+    where the miss's time went."""
 
-    output: bytes
-    loaded: bool
-    load_time_s: float
-    inference_time_s: float
-    peak_memory_mb: int
-
-
-class HandlerError(GpufaasError):
-    """The function's `load` or `predict` raised. `resident`: the model's worker is running (and its
-    memory held) after the error: True after a `predict` error, False after a `load` error."""
-
-    def __init__(self, message: str, *, model: str, gpu_id: str, resident: bool) -> None:
-        super().__init__(message)
-        self.model, self.gpu_id, self.resident = model, gpu_id, resident
+    outcome: int
+    message: str = ""
+    output: bytes = b""
+    content_type: str = ""
+    loaded: bool = False
+    load_time_s: float = 0.0
+    inference_time_s: float = 0.0
+    batch_calls: int = 0
+    peak_memory_mb: int = 0
+    stages: pb.MissStages | None = None
+    worker_killed: bool = False  # the call's worker was killed (a timeout in the handler)
 
 
-class RunTimeout(GpufaasError):
-    """A call got no result within its timeout; its worker (if it had one running) was killed."""
-
-    def __init__(self, message: str, *, model: str, gpu_id: str) -> None:
-        super().__init__(message)
-        self.model, self.gpu_id = model, gpu_id
-
-
-class WorkerDied(RuntimeError):
-    """A worker process exited without answering; the pool has forgotten it. `exit_code` is the
-    process's status (negative: the signal that killed it), None if it could not be read."""
-
-    def __init__(self, message: str, *, model: str, gpu_id: str, exit_code: int | None) -> None:
-        super().__init__(message)
-        self.model, self.gpu_id, self.exit_code = model, gpu_id, exit_code
-
-
-def _started_from(spec: WorkerSpec) -> tuple[str, int]:
-    return spec.package_dir, spec.device_index
+class _State(enum.Enum):
+    STARTING = "starting"  # process started, not yet warm
+    SPARE = "spare"  # warm (runtime imported, context created), waiting for a model
+    LOADING = "loading"  # taking a model
+    READY = "ready"  # serving calls
+    GONE = "gone"  # exited, killed or being stopped
 
 
 class _Worker:
-    """One worker process, the parent's end of its pipe, and the thread that reads that pipe.
+    """One worker process (forked by the zygote) and the node's end of its socket.
 
-    The reader thread polls rather than blocking in `recv()` so that it also notices the process
-    exiting even when a grandchild keeps the pipe open; it reaps the process (only this thread
-    waits on it) and then resolves `exited`. The connection is never closed explicitly: it is
-    closed when the last user (a send in flight, the reader thread) lets go of it.
+    Lifecycle: STARTING -> SPARE -> LOADING -> READY -> GONE (any state may jump to GONE; a spare
+    claimed while starting goes straight to LOADING). GONE when its socket closes (it exited, or
+    the pool let go of it); `exited` resolves once its process is gone too (its device memory is
+    then free). `pid` is known from its hello on.
     """
 
-    def __init__(self, spec: WorkerSpec, process: BaseProcess, conn: Connection) -> None:
-        self.spec = spec
+    def __init__(self, gpu_id: str) -> None:
+        self.gpu_id = gpu_id
+        self.pid = 0
+        self.state = _State.STARTING
+        self.conn: Connection | None = None
+        self.run: ModelRun | None = None
+        self.memory_mb = 0
+        loop = asyncio.get_running_loop()
+        self.hello: asyncio.Future[pb.WorkerHello] = loop.create_future()
+        self.loaded: asyncio.Future[pb.ModelLoaded] = loop.create_future()
+        self.ready: asyncio.Future[None] = loop.create_future()  # set when READY (or failed)
+        self.exited: asyncio.Future[None] = loop.create_future()
+        self.last_seq = 0  # the latest grant (per-GPU order) that used this worker
+        self.spawned_s = time.perf_counter()
+        self.warm_s = 0.0  # when its hello came
+        # Calls written to the worker and not yet answered, oldest first (the worker runs them in
+        # this order, so the oldest is the one running).
+        self.pending: dict[str, asyncio.Future[Frame]] = {}
+
+    @property
+    def model(self) -> str:
+        return self.run.model if self.run is not None else ""
+
+    # wire.Handler
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        if frame.type == MessageType.CALL_RESULT:
+            result = frame.message(pb.CallResult)
+            future = self.pending.pop(result.call_id, None)
+            if future is not None and not future.done():
+                future.set_result(frame)
+        elif frame.type == MessageType.WORKER_HELLO:
+            hello = frame.message(pb.WorkerHello)
+            self.pid = hello.pid
+            self.warm_s = time.perf_counter()
+            if not self.hello.done():
+                self.hello.set_result(hello)
+        elif frame.type == MessageType.MODEL_LOADED and not self.loaded.done():
+            self.loaded.set_result(frame.message(pb.ModelLoaded))
+
+    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
+        self._gone(ConnectionLost(f"worker pid {self.pid} closed its socket"))
+
+    def _gone(self, exc: BaseException) -> None:
+        self.state = _State.GONE
+        for future in (self.hello, self.loaded, self.ready):
+            if not future.done():
+                future.set_exception(exc)
+                future.exception()  # retrieved: nobody may be waiting
+        for call in self.pending.values():
+            if not call.done():
+                call.set_exception(exc)
+        self.pending.clear()
+
+    def signal(self, signum: int) -> None:
+        """Send the process a signal; before its hello (no pid yet) closing its socket is what
+        makes it exit."""
+        if self.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+        elif self.conn is not None:
+            self.conn.close()
+
+
+class _Zygote:
+    """The zygote process (gpu_manager.zygote) and the pool's end of its control socket."""
+
+    def __init__(self, process: asyncio.subprocess.Process, control: socket.socket, import_s: float) -> None:
         self.process = process
-        self.conn = conn
-        self.pid: int = process.pid or 0
-        self.messages: asyncio.Queue[Ready | Reply | None] = asyncio.Queue()  # None: the process exited
-        self._loop = asyncio.get_running_loop()
-        self.exited: asyncio.Future[int | None] = self._loop.create_future()  # result: exit status
-        self._send_lock = threading.Lock()  # a send left running by a cancelled call must finish first
-        self._reader = threading.Thread(target=self._read, name=f"reader-{self.pid}", daemon=True)
-        self._reader.start()
+        self.control = control
+        self.import_s = import_s
 
-    async def send(self, request: Request) -> None:
-        # In a thread: a large payload blocks until the worker has read it.
-        await asyncio.to_thread(self._send_blocking, request)
+    @property
+    def alive(self) -> bool:
+        return self.process.returncode is None
 
-    def _send_blocking(self, request: Request) -> None:
-        with self._send_lock:
-            self.conn.send(request)
-
-    async def wait_exit(self, timeout_s: float) -> bool:
-        await asyncio.wait({self.exited}, timeout=timeout_s)
-        return self.exited.done()
-
-    def exit_code(self) -> int | None:
-        return self.exited.result() if self.exited.done() else None
-
-    def _read(self) -> None:
-        conn, process = self.conn, self.process
-        try:
-            while True:
-                if conn.poll(_POLL_S):
-                    self._post(conn.recv())
-                elif process.exitcode is not None:
-                    while conn.poll(0):  # what it wrote just before exiting
-                        self._post(conn.recv())
-                    break
-        except (EOFError, OSError):
-            pass  # its end of the pipe is closed: it has exited or is about to
-        while process.exitcode is None:
-            process.join(_POLL_S)
-        self._call_soon(self._on_exit, process.exitcode)
-
-    def _post(self, message: Ready | Reply) -> None:
-        self._call_soon(self.messages.put_nowait, message)
-
-    def _on_exit(self, exit_code: int | None) -> None:
-        if not self.exited.done():
-            self.exited.set_result(exit_code)
-        self.messages.put_nowait(None)
-
-    def _call_soon(self, callback: Callable[..., object], *args: object) -> None:
-        # RuntimeError: the event loop is closed, so nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(callback, *args)
+    def fork(self, gpu_id: str, device_index: int, sock: socket.socket) -> None:
+        """Ask for a worker for `gpu_id` on `sock` (raises OSError if the zygote is gone)."""
+        socket.send_fds(self.control, [f"{gpu_id} {device_index}".encode()], [sock.fileno()])
 
 
 class WorkerPool:
-    """The worker processes of one node: at most one per (model, gpu_id), one call at a time per GPU.
+    """The worker processes of one node.
 
     State, all touched only from the event loop:
-    - `_workers`: (model, gpu_id) -> a worker that reported ready. An entry stays until the worker
-      is evicted, killed by a timeout, or found dead by a call (which then raises WorkerDied).
-    - `_live`: every process this pool started and has not yet seen exit, ready or not; shutdown
-      kills them all.
-    - `_gpu_locks`: one lock per gpu_id, held for a whole call, worker start included: one
-      inference (or load) at a time per GPU, and concurrent first calls of a model start it once.
+    - `_workers`: (model, gpu_id) -> its worker, LOADING or READY. An entry goes when the worker
+      is evicted, found dead, killed by a timeout, or replaced after a redeploy.
+    - `_spares`: gpu_id -> warm spares, oldest first; `_starting`: gpu_id -> spares on their way.
+    - `_live`: every process this pool started and has not yet seen exit; shutdown kills them all.
     """
 
-    def __init__(self, backend: str, package_cache: PackageCache) -> None:
+    def __init__(
+        self,
+        backend: str,
+        *,
+        gpus: dict[str, int],
+        fetch_package: Callable[[str], Awaitable[Path]],
+        spares_per_gpu: int = 1,
+        max_body_bytes: int = 16 * 1024 * 1024,
+        wait_for_victims: bool | None = None,
+        python: str = sys.executable,
+    ) -> None:
+        """`gpus`: node-local GPU id -> device index. `fetch_package(digest)` returns the package's
+        directory, fetching it if needed. `wait_for_victims`: a miss waits for its victims to exit
+        before loading (their device memory must be free first); default: on cuda only."""
         backend_class(backend)  # an unknown name fails here, at startup, listing the valid ones
+        if spares_per_gpu < 0:
+            raise ValueError(f"spares_per_gpu must be >= 0, got {spares_per_gpu}")
         self.backend = backend
-        self.package_cache = package_cache
-        self._context = multiprocessing.get_context("spawn")  # CUDA cannot be used after fork
+        self.gpus = dict(gpus)
+        self.spares_per_gpu = spares_per_gpu
+        self.max_body_bytes = max_body_bytes
+        self.wait_for_victims = backend == "cuda" if wait_for_victims is None else wait_for_victims
+        self._fetch_package = fetch_package
+        self._python = python
         self._workers: dict[tuple[str, str], _Worker] = {}
+        self._spares: dict[str, deque[_Worker]] = {gpu: deque() for gpu in self.gpus}
+        self._starting: dict[str, list[_Worker]] = {gpu: [] for gpu in self.gpus}
         self._live: set[_Worker] = set()
-        self._gpu_locks: dict[str, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task[object]] = set()  # loads and stops in the background
+        self._watchers: set[asyncio.Task[None]] = set()  # one per worker: starts it, waits for its exit
+        self._zygote: _Zygote | None = None
+        self._zygote_starting: asyncio.Future[_Zygote] | None = None
         self._closed = False
 
-    def workers(self) -> list[tuple[str, str, int]]:
-        """(model, gpu_id, pid) of every worker that is ready and has not been seen to exit."""
-        return [(m, g, w.pid) for (m, g), w in self._workers.items() if not w.exited.done()]
+    # --- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start every GPU's spares (in the background)."""
+        for gpu_id in self.gpus:
+            self._replenish(gpu_id)
 
-    async def run(self, spec: WorkerSpec, call_id: str, payload: bytes, *, timeout_s: float) -> RunResult:
-        """Run one inference of `spec.model` on `spec.gpu_id`, starting its worker if there is none.
+    async def spares_ready(self, timeout_s: float = SPARE_START_TIMEOUT_S) -> list[pb.WorkerHello]:
+        """Wait until every GPU's first spares are warm; their hellos (what they cost and hold)."""
+        waiting = [w.hello for workers in self._starting.values() for w in workers]
+        waiting += [w.hello for spares in self._spares.values() for w in spares]
+        if not waiting:
+            return []
+        done, _ = await asyncio.wait(waiting, timeout=timeout_s)
+        return [future.result() for future in done if future.exception() is None]
 
-        `timeout_s` bounds the whole call: waiting for the GPU, starting the worker, the inference.
-        A worker started from another package (the function was redeployed) is replaced.
-        Raises HandlerError, RunTimeout or WorkerDied (see the module docstring).
-        """
+    async def shutdown(self) -> None:
+        """Stop every worker this pool started, ready or not, and the zygote; later calls are refused."""
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*(self._stop(worker) for worker in list(self._live)), return_exceptions=True)
+        if self._zygote_starting is not None and not self._zygote_starting.done():
+            self._zygote_starting.cancel()
+        zygote = self._zygote
+        if zygote is not None:
+            zygote.control.close()  # it exits when its control socket closes
+            try:
+                await asyncio.wait_for(zygote.process.wait(), STOP_GRACE_S)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    zygote.process.kill()
+                await zygote.process.wait()
+
+    def workers(self) -> list[tuple[str, str, int, int]]:
+        """(model, gpu_id, pid, memory_mb) of every worker that is READY."""
+        return [
+            (model, gpu, w.pid, w.memory_mb) for (model, gpu), w in self._workers.items() if w.state is _State.READY
+        ]
+
+    def spare_count(self, gpu_id: str) -> int:
+        return len(self._spares.get(gpu_id, ()))
+
+    # --- one call ---------------------------------------------------------------------------
+    async def run(
+        self,
+        run: ModelRun,
+        gpu_id: str,
+        call_id: str,
+        payload: bytes,
+        *,
+        content_type: str,
+        timeout_s: float,
+        evict: tuple[str, ...] = (),
+        seq: int = 0,
+    ) -> RunResult:
+        """Run one call of `run.model` on `gpu_id`, loading the model first if it has no worker
+        there (after stopping `evict`). `timeout_s` bounds the whole call. `seq` orders the
+        scheduler's grants per GPU: a victim used by a later grant than this one is kept (grants
+        can arrive out of order, through different gateways)."""
         if self._closed:
-            raise RuntimeError("the worker pool is shut down")
-        if spec.backend != self.backend:
-            raise ValueError(
-                f"spec for {spec.model!r} asks for backend {spec.backend!r}; this node runs {self.backend!r}"
-            )
+            return RunResult(pb.WORKER_DIED, "the node is shutting down")
+        if gpu_id not in self.gpus:
+            return RunResult(pb.REFUSED, f"this node has no GPU {gpu_id!r}")
         deadline = asyncio.get_running_loop().time() + timeout_s
-        lock = self._gpu_locks.setdefault(spec.gpu_id, asyncio.Lock())
-        try:
-            async with asyncio.timeout_at(deadline):
-                await lock.acquire()
-        except TimeoutError:
-            raise RunTimeout(
-                f"model {spec.model!r}: GPU {spec.gpu_id} stayed busy for the whole {timeout_s:g} s timeout",
-                model=spec.model,
-                gpu_id=spec.gpu_id,
-            ) from None
-        try:
-            if self._closed:  # shut down while this call waited for the GPU
-                raise RuntimeError("the worker pool is shut down")
-            return await self._run_locked(spec, call_id, payload, deadline, timeout_s)
-        finally:
-            lock.release()
+        worker = self._workers.get((run.model, gpu_id))
+        if worker is not None and worker.run is not None and worker.run.package_digest != run.package_digest:
+            # The function was redeployed (a new package): its worker runs stale code.
+            await self._stop(worker)
+            worker = None
+        stages: pb.MissStages | None = None
+        loaded = False
+        if worker is None or worker.state is _State.GONE:
+            if worker is not None:
+                self._forget(worker)
+            victims_stopped = self._evict_for_miss(gpu_id, evict, seq)
+            worker = self._begin_load(run, gpu_id)
+            loaded = True
+            load_task = asyncio.create_task(self._load(worker, run, gpu_id, victims_stopped))
+            self._track(load_task)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    stages = await asyncio.shield(load_task)
+            except TimeoutError:
+                self._kill(worker)
+                return RunResult(
+                    pb.TIMEOUT,
+                    f"model {run.model!r} on {gpu_id}: not loaded within the {timeout_s:g} s timeout; worker killed",
+                    loaded=True,
+                    worker_killed=True,
+                )
+            except _LoadFailed as exc:
+                return RunResult(exc.outcome, exc.message, loaded=True)
+        else:
+            self._evict_for_miss(gpu_id, evict, seq)  # a grant that expected a miss can still name victims
+            if worker.state is _State.LOADING:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await asyncio.shield(worker.ready)
+                except TimeoutError:
+                    return RunResult(pb.TIMEOUT, f"model {run.model!r} on {gpu_id}: still loading at the deadline")
+                except Exception as exc:  # its load failed: this call shares the outcome
+                    outcome = exc.outcome if isinstance(exc, _LoadFailed) else pb.WORKER_DIED
+                    return RunResult(outcome, str(exc))
+        worker.last_seq = max(worker.last_seq, seq)
+        result = await self._call(
+            worker, call_id, payload, content_type=content_type, deadline=deadline, timeout_s=timeout_s
+        )
+        if loaded and stages is not None:
+            result.loaded = True
+            result.stages = stages
+            result.load_time_s = stages.fetch_s + stages.start_s + stages.context_s + stages.load_s
+        return result
 
     async def evict(self, model: str, gpu_id: str) -> bool:
-        """Stop the worker of `model` on `gpu_id` (SIGTERM, SIGKILL after STOP_GRACE_S) and wait
-        for it to exit, which frees its device memory. False if there was none. A call running on
-        it fails with WorkerDied: the cache manager never evicts a model in use."""
+        """Stop `model`'s worker on `gpu_id` and wait for it to exit (its memory is then free);
+        False if there was none. Calls still on it fail with WORKER_DIED."""
         worker = self._workers.get((model, gpu_id))
         if worker is None:
             return False
         await self._stop(worker)
         return True
 
-    async def shutdown(self) -> None:
-        """Stop every worker this pool started, ready or still loading; later calls are refused."""
-        self._closed = True
-        await asyncio.gather(*(self._stop(worker) for worker in list(self._live)))
+    # --- misses -----------------------------------------------------------------------------
+    def _evict_for_miss(self, gpu_id: str, evict: tuple[str, ...], seq: int) -> list[asyncio.Future[None]]:
+        """Stop the victims, except one that a later grant uses or that has calls in flight
+        (then the scheduler's view has moved on: it re-admitted the model); returns their exits,
+        to wait on."""
+        exits: list[asyncio.Future[None]] = []
+        for model in evict:
+            victim = self._workers.get((model, gpu_id))
+            if victim is None or victim.pending or victim.state is _State.LOADING or victim.last_seq > seq:
+                continue
+            self._forget(victim)
+            self._track(asyncio.create_task(self._stop(victim)))
+            exits.append(victim.exited)
+        return exits
 
-    # --- one call, with the GPU's lock held ------------------------------------------------
-
-    async def _run_locked(
-        self, spec: WorkerSpec, call_id: str, payload: bytes, deadline: float, timeout_s: float
-    ) -> RunResult:
-        worker = self._workers.get((spec.model, spec.gpu_id))
-        if worker is not None and _started_from(worker.spec) != _started_from(spec):
-            # The function was redeployed (a new package): its worker runs stale code. The other
-            # fields (declared memory, emulated times) stay as they were when the worker started.
-            await self._stop(worker)
-            worker = None
-        if worker is not None and worker.exited.done():
-            self._forget(worker)
-            raise WorkerDied(
-                f"worker of model {spec.model!r} on {spec.gpu_id} (pid {worker.pid}) exited with status "
-                f"{worker.exit_code()} since its last call",
-                model=spec.model,
-                gpu_id=spec.gpu_id,
-                exit_code=worker.exit_code(),
-            )
-        loaded, load_time_s = False, 0.0
-        if worker is None:
-            started_s = time.perf_counter()
-            worker = await self._start(spec, deadline, timeout_s)
-            loaded, load_time_s = True, time.perf_counter() - started_s
-        reply = await self._call(worker, call_id, payload, deadline, timeout_s)
-        if not reply.ok:
-            raise HandlerError(
-                f"model {spec.model!r} on {spec.gpu_id}: predict raised {reply.result!s}",
-                model=spec.model,
-                gpu_id=spec.gpu_id,
-                resident=True,
-            )
-        assert isinstance(reply.result, bytes)  # ok replies carry the output bytes
-        return RunResult(
-            output=reply.result,
-            loaded=loaded,
-            load_time_s=load_time_s,
-            inference_time_s=reply.inference_time_s,
-            peak_memory_mb=reply.peak_memory_mb,
-        )
-
-    async def _start(self, spec: WorkerSpec, deadline: float, timeout_s: float) -> _Worker:
-        worker = self._spawn(spec)
-        try:
-            async with asyncio.timeout_at(deadline):
-                message = await worker.messages.get()
-        except TimeoutError:
-            self._kill(worker)
-            raise RunTimeout(
-                f"model {spec.model!r} on {spec.gpu_id}: not loaded within the {timeout_s:g} s timeout; worker killed",
-                model=spec.model,
-                gpu_id=spec.gpu_id,
-            ) from None
-        except BaseException:  # cancelled: a half-started worker would belong to nobody
-            self._kill(worker)
-            raise
-        if isinstance(message, Ready) and message.ok:
-            self._workers[(spec.model, spec.gpu_id)] = worker
-            return worker
-        if isinstance(message, Ready):  # load failed; the worker exits by itself
-            if not await worker.wait_exit(STOP_GRACE_S):
-                self._kill(worker)
-            raise HandlerError(
-                f"model {spec.model!r} on {spec.gpu_id}: load failed: {message.error}",
-                model=spec.model,
-                gpu_id=spec.gpu_id,
-                resident=False,
-            )
-        self._kill(worker)
-        await worker.wait_exit(_KILL_WAIT_S)
-        raise WorkerDied(
-            f"worker of model {spec.model!r} on {spec.gpu_id} (pid {worker.pid}) exited with status "
-            f"{worker.exit_code()} before it was ready",
-            model=spec.model,
-            gpu_id=spec.gpu_id,
-            exit_code=worker.exit_code(),
-        )
-
-    async def _call(self, worker: _Worker, call_id: str, payload: bytes, deadline: float, timeout_s: float) -> Reply:
-        spec = worker.spec
-        try:
-            async with asyncio.timeout_at(deadline):
-                await worker.send(Request(call_id, payload))
-                while (message := await worker.messages.get()) is not None:
-                    if isinstance(message, Reply) and message.call_id == call_id:
-                        return message
-                    # Otherwise a reply to a call that was cancelled while the worker ran it.
-        except TimeoutError:
-            self._kill(worker)  # it may be stuck in the handler; killing is the only sure way out
-            raise RunTimeout(
-                f"model {spec.model!r} on {spec.gpu_id}: no result within the {timeout_s:g} s timeout; worker killed",
-                model=spec.model,
-                gpu_id=spec.gpu_id,
-            ) from None
-        except OSError:  # the pipe broke under the send: the worker is gone
-            self._kill(worker)
-        self._forget(worker)
-        await worker.wait_exit(_KILL_WAIT_S)
-        raise WorkerDied(
-            f"worker of model {spec.model!r} on {spec.gpu_id} (pid {worker.pid}) exited with status "
-            f"{worker.exit_code()} during call {call_id}",
-            model=spec.model,
-            gpu_id=spec.gpu_id,
-            exit_code=worker.exit_code(),
-        )
-
-    # --- process lifecycle -----------------------------------------------------------------
-
-    def _spawn(self, spec: WorkerSpec) -> _Worker:
-        parent_conn, child_conn = self._context.Pipe()
-        process = self._context.Process(
-            target=worker_main,
-            args=(spec, child_conn),
-            name=f"gpufaas-worker:{spec.model}@{spec.gpu_id}",
-            # Daemonic: multiprocessing kills it if this process exits without shutdown(). The
-            # price: a handler cannot start processes of its own with multiprocessing.
-            daemon=True,
-        )
-        # start() launches a fresh interpreter and writes it a few KB: milliseconds, so it runs on
-        # the event loop, where no cancellation can fall between "started" and "tracked".
-        process.start()
-        child_conn.close()  # the worker now holds the only other end: its exit reads as EOF here
-        worker = _Worker(spec, process, parent_conn)
-        self._live.add(worker)
-        worker.exited.add_done_callback(lambda _: self._live.discard(worker))
+    def _begin_load(self, run: ModelRun, gpu_id: str) -> _Worker:
+        """Claim a worker for `run` on `gpu_id` now (a spare if one is warm, else one that is
+        starting, else a new process), so that concurrent calls of the model share its load."""
+        spares = self._spares[gpu_id]
+        if spares:
+            worker = spares.popleft()
+        elif self._starting[gpu_id]:
+            worker = self._starting[gpu_id].pop(0)
+        else:
+            worker = self._spawn(gpu_id)
+        worker.state = _State.LOADING
+        worker.run = run
+        worker.memory_mb = run.memory_mb
+        self._workers[(run.model, gpu_id)] = worker
+        self._replenish(gpu_id)
         return worker
 
+    async def _load(
+        self, worker: _Worker, run: ModelRun, gpu_id: str, victims: list[asyncio.Future[None]]
+    ) -> pb.MissStages:
+        started = time.perf_counter()
+        stages = pb.MissStages()
+        was_warm = worker.hello.done()
+
+        async def package() -> Path:
+            directory = await self._fetch_package(run.package_digest)
+            stages.fetch_s = time.perf_counter() - started
+            prefetch_started = time.perf_counter()
+            await asyncio.to_thread(_read_ahead, directory)
+            stages.prefetch_s = time.perf_counter() - prefetch_started
+            return directory
+
+        async def warm() -> pb.WorkerHello:
+            hello = await worker.hello
+            if not was_warm:
+                stages.start_s = time.perf_counter() - started
+            return hello
+
+        package_task = asyncio.ensure_future(package())
+        try:
+            hello, directory = await asyncio.gather(warm(), package_task)
+        except Exception as exc:
+            package_task.cancel()
+            self._kill(worker)
+            if isinstance(exc, ConnectionLost):
+                message = f"worker for {run.model!r} on {gpu_id} exited while starting"
+                raise _LoadFailed(pb.WORKER_DIED, message) from None
+            raise _LoadFailed(pb.LOAD_FAILED, f"function package unavailable: {exc}") from None
+        # What readying the worker cost (forked from the zygote, then its device context).
+        stages.spare_context_s = hello.context_s
+        stages.spare_start_s = max(0.0, worker.warm_s - worker.spawned_s - hello.context_s)
+        if not was_warm:  # the context was created while this call waited
+            stages.start_s = max(0.0, stages.start_s - hello.context_s)
+            stages.context_s = hello.context_s
+        if victims:
+            await asyncio.wait(victims, timeout=_KILL_WAIT_S)  # their device memory must be free first
+        load_started = time.perf_counter()
+        assert worker.conn is not None
+        try:
+            worker.conn.send(
+                MessageType.LOAD_MODEL,
+                pb.LoadModel(
+                    model=run.model,
+                    package_dir=str(directory),
+                    memory_mb=run.memory_mb,
+                    max_batch_size=run.max_batch_size,
+                    max_batch_wait_s=run.max_batch_wait_s,
+                    environment=run.environment,
+                    load_time_s=run.load_time_s,
+                    inference_time_s=run.inference_time_s,
+                    max_result_bytes=self.max_body_bytes,
+                ),
+            )
+            loaded = await worker.loaded
+        except ConnectionLost:
+            self._forget(worker)
+            raise _LoadFailed(
+                pb.WORKER_DIED, f"worker of model {run.model!r} on {gpu_id} (pid {worker.pid}) exited while loading"
+            ) from None
+        stages.load_s = time.perf_counter() - load_started
+        if not loaded.ok:
+            self._forget(worker)
+            self._track(asyncio.create_task(self._stop(worker)))
+            failure = _LoadFailed(pb.LOAD_FAILED, f"model {run.model!r} on {gpu_id}: load failed: {loaded.error}")
+            if not worker.ready.done():
+                worker.ready.set_exception(failure)
+                worker.ready.exception()
+            raise failure
+        worker.memory_mb = int(loaded.peak_memory_mb) or run.memory_mb
+        worker.state = _State.READY
+        if not worker.ready.done():
+            worker.ready.set_result(None)
+        return stages
+
+    # --- calls ------------------------------------------------------------------------------
+    async def _call(
+        self, worker: _Worker, call_id: str, payload: bytes, *, content_type: str, deadline: float, timeout_s: float
+    ) -> RunResult:
+        model, gpu_id = worker.model, worker.gpu_id
+        if worker.state is not _State.READY or worker.conn is None:
+            return self._died(worker, call_id)
+        future: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+        worker.pending[call_id] = future
+        try:
+            worker.conn.send(MessageType.CALL, pb.Call(call_id=call_id, content_type=content_type), payload)
+            if len(payload) > 65536:
+                await worker.conn.drain()
+            async with asyncio.timeout_at(deadline):
+                frame = await future
+        except TimeoutError:
+            running = next(iter(worker.pending), None) == call_id
+            worker.pending.pop(call_id, None)
+            if running:  # it may be stuck in the handler; killing is the only sure way out
+                self._kill(worker)
+                return RunResult(
+                    pb.TIMEOUT,
+                    f"model {model!r} on {gpu_id}: no result within the {timeout_s:g} s timeout; worker killed",
+                    worker_killed=True,
+                )
+            return RunResult(pb.TIMEOUT, f"model {model!r} on {gpu_id}: still queued at the worker at the deadline")
+        except ConnectionLost:
+            return self._died(worker, call_id)
+        finally:
+            worker.pending.pop(call_id, None)
+        reply = frame.message(pb.CallResult)
+        return RunResult(
+            outcome=reply.outcome,
+            message=reply.message,
+            output=frame.body,
+            content_type=reply.content_type,
+            inference_time_s=reply.inference_s,
+            batch_calls=reply.batch_calls or 1,
+            peak_memory_mb=int(reply.peak_memory_mb),
+        )
+
+    def _died(self, worker: _Worker, call_id: str) -> RunResult:
+        self._forget(worker)
+        return RunResult(
+            pb.WORKER_DIED,
+            f"worker of model {worker.model!r} on {worker.gpu_id} (pid {worker.pid}) exited during call {call_id}",
+        )
+
+    # --- processes --------------------------------------------------------------------------
+    def _replenish(self, gpu_id: str) -> None:
+        if self._closed:
+            return
+        while len(self._spares[gpu_id]) + len(self._starting[gpu_id]) < self.spares_per_gpu:
+            self._starting[gpu_id].append(self._spawn(gpu_id))
+
+    def _spawn(self, gpu_id: str) -> _Worker:
+        """Fork a worker for `gpu_id` from the zygote (in the background); it becomes a spare when
+        it says hello, unless a miss claims it first."""
+        worker = _Worker(gpu_id)
+        self._live.add(worker)
+        worker.hello.add_done_callback(lambda _: self._on_hello(worker))
+        worker.exited.add_done_callback(lambda _: self._on_exit(worker))
+        # Not in _tasks: shutdown must not cancel it, it is what tells that the process exited.
+        watcher = asyncio.create_task(self._run_worker(worker))
+        self._watchers.add(watcher)
+        watcher.add_done_callback(self._watchers.discard)
+        return worker
+
+    async def _run_worker(self, worker: _Worker) -> None:
+        """Have the worker forked, connect to it, and resolve `exited` once it is gone."""
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            zygote = await self._zygote_ready()
+            zygote.fork(worker.gpu_id, self.gpus[worker.gpu_id], child)
+            max_frame_bytes = max_frame_bytes_for(self.max_body_bytes)
+            _, conn = await asyncio.get_running_loop().create_unix_connection(
+                lambda: Connection(worker, max_frame_bytes=max_frame_bytes), sock=parent
+            )
+        except (OSError, RuntimeError) as exc:
+            parent.close()
+            log.error("cannot start a worker for %s: %s", worker.gpu_id, exc)
+            worker._gone(ConnectionLost(f"cannot start a worker: {exc}"))
+            worker.exited.set_result(None)
+            return
+        finally:
+            child.close()  # the worker holds the only other end now: its exit reads as EOF here
+        worker.conn = conn
+        await asyncio.shield(conn.closed)
+        worker._gone(ConnectionLost(f"worker pid {worker.pid} exited"))
+        # The zygote reaps it; its device memory is free once the process is gone.
+        for _ in range(int(_KILL_WAIT_S / _EXIT_POLL_S)):
+            if not worker.pid or not pid_alive(worker.pid):
+                break
+            await asyncio.sleep(_EXIT_POLL_S)
+        else:
+            log.warning("worker pid %d (%s on %s) is still running", worker.pid, worker.model, worker.gpu_id)
+        worker.exited.set_result(None)
+
+    async def _zygote_ready(self) -> _Zygote:
+        if self._zygote is not None and self._zygote.alive:
+            return self._zygote
+        if self._closed:
+            raise RuntimeError("the worker pool is shut down")
+        if self._zygote_starting is None or self._zygote_starting.done():
+            self._zygote_starting = asyncio.ensure_future(self._start_zygote())
+        return await asyncio.shield(self._zygote_starting)
+
+    async def _start_zygote(self) -> _Zygote:
+        if self._zygote is not None:  # it died: not in a tight loop
+            log.error("the worker zygote exited with status %s; restarting it", self._zygote.process.returncode)
+            await asyncio.sleep(SPARE_RETRY_S)
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            process = await asyncio.create_subprocess_exec(
+                self._python,
+                "-m",
+                "gpu_manager.zygote",
+                "--fd",
+                str(child.fileno()),
+                "--backend",
+                self.backend,
+                pass_fds=(child.fileno(),),
+                stdin=asyncio.subprocess.DEVNULL,
+            )
+        finally:
+            child.close()
+        parent.setblocking(False)
+        try:
+            async with asyncio.timeout(SPARE_START_TIMEOUT_S):
+                ready = await asyncio.get_running_loop().sock_recv(parent, 64)
+        except (TimeoutError, OSError):
+            ready = b""
+        if not ready.startswith(b"ready "):
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+            parent.close()
+            raise RuntimeError(f"the worker zygote did not start (status {process.returncode}); see the log above")
+        self._zygote = _Zygote(process, parent, float(ready.split()[1]))
+        return self._zygote
+
+    def _on_hello(self, worker: _Worker) -> None:
+        starting = self._starting.get(worker.gpu_id, [])
+        if worker in starting and worker.hello.exception() is None:
+            starting.remove(worker)
+            worker.state = _State.SPARE
+            self._spares[worker.gpu_id].append(worker)
+
+    def _on_exit(self, worker: _Worker) -> None:
+        self._live.discard(worker)
+        self._forget(worker)
+        was_spare = False
+        for group in (self._starting.get(worker.gpu_id, []), self._spares.get(worker.gpu_id, deque())):
+            if worker in group:
+                group.remove(worker)
+                was_spare = True
+        if was_spare and not self._closed:
+            if worker.hello.done() and worker.hello.exception() is None:
+                self._replenish(worker.gpu_id)
+            else:  # it died warming up: do not respawn in a tight loop
+                log.error(
+                    "a spare worker for %s exited before it was ready; see the log above; retrying in %g s",
+                    worker.gpu_id,
+                    SPARE_RETRY_S,
+                )
+                asyncio.get_running_loop().call_later(SPARE_RETRY_S, self._replenish, worker.gpu_id)
+
+    def _track(self, task: asyncio.Task[object]) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._untrack)
+
+    def _untrack(self, task: asyncio.Task[object]) -> None:
+        self._tasks.discard(task)
+        # A load's failure reaches its callers through the worker's futures (or they gave up).
+        if not task.cancelled() and (exc := task.exception()) is not None and not isinstance(exc, _LoadFailed):
+            log.error("background task %s failed", task.get_name(), exc_info=exc)
+
     def _forget(self, worker: _Worker) -> None:
-        key = (worker.spec.model, worker.spec.gpu_id)
+        key = (worker.model, worker.gpu_id)
         if self._workers.get(key) is worker:  # a newer worker may hold the key already
             del self._workers[key]
 
     def _kill(self, worker: _Worker) -> None:
-        """SIGKILL now, without waiting; the reader thread reaps the process."""
+        """SIGKILL now, without waiting."""
         self._forget(worker)
-        if not worker.exited.done():
-            worker.process.kill()
+        worker._gone(ConnectionLost(f"worker pid {worker.pid} was killed"))
+        worker.signal(signal.SIGKILL)
 
     async def _stop(self, worker: _Worker) -> None:
+        """SIGTERM, SIGKILL after STOP_GRACE_S; returns once the process is gone."""
         self._forget(worker)
         if worker.exited.done():
             return
-        worker.process.terminate()
-        if await worker.wait_exit(STOP_GRACE_S):
-            return
-        worker.process.kill()
-        if not await worker.wait_exit(_KILL_WAIT_S):
-            logger.warning(
-                "worker pid %d (%s on %s) survived SIGKILL", worker.pid, worker.spec.model, worker.spec.gpu_id
-            )
+        worker._gone(ConnectionLost(f"worker pid {worker.pid} was stopped"))
+        worker.signal(signal.SIGTERM)
+        done, _ = await asyncio.wait({worker.exited}, timeout=STOP_GRACE_S)
+        if not done:
+            worker.signal(signal.SIGKILL)
+            await asyncio.wait({worker.exited}, timeout=_KILL_WAIT_S)
+
+
+class _LoadFailed(Exception):
+    def __init__(self, outcome: int, message: str) -> None:
+        super().__init__(message)
+        self.outcome = outcome
+        self.message = message
+
+
+def _read_ahead(directory: Path) -> None:
+    """Ask the kernel to read the package's files into host memory now (readahead runs while
+    the worker is being readied); the load then finds its weights in the page cache."""
+    for path in directory.rglob("*"):
+        if not path.is_file():
+            continue
+        with contextlib.suppress(OSError):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)

@@ -1,85 +1,75 @@
-"""The worker process: loads one function's model onto one device and serves its inferences over a pipe.
+"""The worker process: warms up as a spare, takes one model, serves its calls (merged into batches).
 
-Protocol on the `multiprocessing` connection (every message a picklable tuple):
+Forked by the node's zygote (gpu_manager.zygote) with one end of a socket pair from the node's
+WorkerPool, on which it speaks gpufaas.wire frames:
 
-    worker -> pool, once, first:  Ready(ok, error, load_time_s, peak_memory_mb)
-                                  ok=False: `load` raised; `error` is "Type: message" and the
-                                  worker then exits with status 1
-    pool -> worker, per call:     Request(call_id, payload)                    payload: bytes
-    worker -> pool, per call:     Reply(call_id, ok, result, inference_time_s, peak_memory_mb)
-                                  ok=True: `result` is the output bytes; ok=False: `result` is the
-                                  handler's "Type: message" and the worker keeps serving
+    worker -> node, once ready:   WorkerHello(pid, import_s, context_s, context_mb)
+                                  a warm spare: runtime imported, device context created
+    node -> worker, once:         LoadModel(model, package_dir, ...)
+    worker -> node:               ModelLoaded(ok, error, load_s, peak_memory_mb)
+                                  ok=False: `load` raised; the worker then exits with status 1
+    node -> worker, per call:     Call(call_id, content_type) + payload
+    worker -> node, per call:     CallResult(call_id, outcome, ..., batch_calls) + output
 
-The worker exits when the pool closes its end of the pipe (or sends None). The pool stops a worker by
-killing it: that is what frees its device memory.
+Calls are run in the order they arrive. A function with max_batch_size > 1 has the calls that are
+waiting merged into one `predict` (up to max_batch_size; when fewer are waiting, it waits up to
+max_batch_wait_s for more, as Triton's dynamic batcher and Ray Serve's @serve.batch do).
+
+The worker exits when the node closes its end of the socket. The node stops a worker by killing
+it: that is what frees its device memory.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import select
 import signal
+import socket
+import struct
 import sys
 import time
 import traceback
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import NamedTuple
 
-from gpu_manager.backends import Backend, make_backend
+from gpu_manager.backends import Backend, ModelSpec
+from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.wire import PREFIX_BYTES, MessageType, encode
+
+JSON_TYPES = ("application/json", "application/problem+json")
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    """Everything a worker process needs, fixed for its lifetime. `package_dir` holds the extracted
-    function package (unused by the emulated backend); `memory_mb` is the function's declared peak;
-    `load_time_s` / `inference_time_s` are the emulated backend's profile (None: Table I or size)."""
-
-    model: str
-    gpu_id: str
-    device_index: int
-    backend: str
-    package_dir: str
-    memory_mb: int
-    load_time_s: float | None = None
-    inference_time_s: float | None = None
+class InvalidInput(ValueError):
+    """The payload does not match its declared content type."""
 
 
-class Request(NamedTuple):
-    call_id: str
-    payload: bytes
-
-
-class Ready(NamedTuple):
-    ok: bool
-    error: str
-    load_time_s: float
-    peak_memory_mb: int
-
-
-class Reply(NamedTuple):
-    call_id: str
-    ok: bool
-    result: bytes | str
-    inference_time_s: float
-    peak_memory_mb: int
-
-
-def decode_inputs(payload: bytes) -> object:
-    """The handler's `inputs`: the payload parsed as JSON when it is UTF-8 JSON, else the raw bytes."""
+def decode_inputs(payload: bytes, content_type: str = "") -> object:
+    """The handler's `inputs`. Declared JSON is parsed (InvalidInput if it does not parse); a body
+    with no content type is parsed when it is UTF-8 JSON, else given as bytes; any other declared
+    type is given as the raw bytes (never parsed)."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media in JSON_TYPES or media.endswith("+json"):
+        try:
+            return json.loads(payload or b"null")
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise InvalidInput(f"the payload is declared {media} but is not valid JSON: {exc}") from None
+    if media:
+        return payload
     try:
-        return json.loads(payload.decode("utf-8"))
+        return json.loads(payload)
     except (UnicodeDecodeError, ValueError):
         return payload
 
 
-def encode_result(result: object) -> bytes:
-    """The handler's output as bytes: bytes as they are, str as UTF-8, anything else as JSON (torch
-    tensors and numpy arrays become nested lists). TypeError if it cannot be encoded."""
+def encode_result(result: object) -> tuple[bytes, str]:
+    """The handler's output as (bytes, content type): bytes as they are, str as UTF-8 text,
+    anything else as JSON (torch tensors and numpy arrays become nested lists). TypeError if it
+    cannot be encoded."""
     if isinstance(result, bytes | bytearray | memoryview):
-        return bytes(result)
+        return bytes(result), "application/octet-stream"
     if isinstance(result, str):
-        return result.encode("utf-8")
-    return json.dumps(result, default=_json_default, separators=(",", ":")).encode("utf-8")
+        return result.encode("utf-8"), "text/plain; charset=utf-8"
+    return json.dumps(result, default=_json_default, separators=(",", ":")).encode("utf-8"), "application/json"
 
 
 def _json_default(value: object) -> object:
@@ -98,46 +88,193 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def worker_main(spec: WorkerSpec, conn: Connection) -> None:
-    """Entry point of the worker process (started with the "spawn" context)."""
+class _Frame(NamedTuple):
+    type: int
+    header: bytes
+    body: bytes
+
+
+class Channel:
+    """Blocking frames over the worker's end of the socket pair (the node side is a
+    gpufaas.wire.Connection). Reads are buffered so that several waiting calls can be taken at once."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buf = bytearray()
+
+    def send(self, type_: int, header: pb.WorkerHello | pb.ModelLoaded | pb.CallResult, body: bytes = b"") -> None:
+        # One-way frames (the node matches results to calls by call id); header and body are
+        # joined into one write only when the body is small.
+        prefix = encode(type_, header, body)
+        if len(body) <= 65536:
+            self.sock.sendall(prefix + body)
+        else:
+            self.sock.sendall(prefix)
+            self.sock.sendall(body)
+
+    def pending(self, timeout_s: float = 0.0) -> bool:
+        """Whether a whole frame can be read without waiting longer than `timeout_s`."""
+        deadline = time.perf_counter() + timeout_s
+        while not self._has_frame():
+            remaining = deadline - time.perf_counter()
+            readable, _, _ = select.select([self.sock], [], [], max(0.0, remaining))
+            if not readable:
+                return False
+            if not self._fill():
+                return self._has_frame()
+        return True
+
+    def recv(self) -> _Frame | None:
+        """The next frame; None when the node closed its end."""
+        while not self._has_frame():
+            if not self._fill():
+                return None
+        (length,) = struct.unpack_from("!I", self._buf, 0)
+        _, type_, _flags, _corr, header_len = struct.unpack_from("!IHHII", self._buf, 0)
+        header_at = PREFIX_BYTES
+        body_at = header_at + header_len
+        frame = _Frame(type_, bytes(self._buf[header_at:body_at]), bytes(self._buf[body_at : 4 + length]))
+        del self._buf[: 4 + length]
+        return frame
+
+    def _has_frame(self) -> bool:
+        if len(self._buf) < 4:
+            return False
+        length: int = struct.unpack_from("!I", self._buf, 0)[0]
+        return len(self._buf) >= 4 + length
+
+    def _fill(self) -> bool:
+        try:
+            chunk = self.sock.recv(1 << 20)
+        except ConnectionResetError:
+            return False
+        if not chunk:
+            return False
+        self._buf += chunk
+        return True
+
+
+def _answer(channel: Channel, call: pb.Call, outcome: int, message: str = "", **fields: object) -> None:
+    channel.send(
+        MessageType.CALL_RESULT,
+        pb.CallResult(call_id=call.call_id, outcome=outcome, message=message, **fields),  # type: ignore[arg-type]
+    )
+
+
+def serve(backend: Backend, channel: Channel, spec: ModelSpec, max_result_bytes: int) -> None:
+    """Answer calls until the node closes the socket."""
+    while True:
+        first = channel.recv()
+        if first is None:
+            return
+        batch = [first]
+        if spec.max_batch_size > 1:
+            wait_until = time.perf_counter() + spec.max_batch_wait_s
+            while len(batch) < spec.max_batch_size and channel.pending(max(0.0, wait_until - time.perf_counter())):
+                frame = channel.recv()
+                if frame is None:
+                    break
+                batch.append(frame)
+        _run(backend, channel, spec, batch, max_result_bytes)
+
+
+def _run(backend: Backend, channel: Channel, spec: ModelSpec, frames: list[_Frame], max_result_bytes: int) -> None:
+    calls: list[pb.Call] = []
+    inputs: list[object] = []
+    for frame in frames:
+        call = pb.Call.FromString(frame.header)
+        try:
+            inputs.append(decode_inputs(frame.body, call.content_type))
+        except InvalidInput as exc:
+            _answer(channel, call, pb.INVALID_INPUT, str(exc))
+            continue
+        calls.append(call)
+    if not calls:
+        return
+    started_s = time.perf_counter()
+    try:
+        outputs = backend.predict_batch(inputs) if spec.max_batch_size > 1 else [backend.predict(inputs[0])]
+    except Exception as exc:
+        inference_s = time.perf_counter() - started_s
+        traceback.print_exc()  # the full traceback goes to the node's log; the caller gets one line
+        for call in calls:
+            _answer(channel, call, pb.HANDLER_ERROR, f"predict raised {describe(exc)}", inference_s=inference_s)
+        return
+    inference_s = time.perf_counter() - started_s
+    peak_memory_mb = backend.peak_memory_mb()
+    for call, output in zip(calls, outputs, strict=True):
+        try:
+            body, content_type = encode_result(output)
+        except (TypeError, ValueError) as exc:
+            _answer(channel, call, pb.OUTPUT_INVALID, describe(exc), inference_s=inference_s)
+            continue
+        if len(body) > max_result_bytes:
+            _answer(
+                channel,
+                call,
+                pb.OUTPUT_TOO_LARGE,
+                f"the result is {len(body)} bytes, over the limit of {max_result_bytes} bytes; "
+                "return less (or raise the gateway's --max-payload-mb)",
+                inference_s=inference_s,
+            )
+            continue
+        channel.send(
+            MessageType.CALL_RESULT,
+            pb.CallResult(
+                call_id=call.call_id,
+                outcome=pb.OK,
+                inference_s=inference_s,
+                batch_calls=len(calls),
+                peak_memory_mb=peak_memory_mb,
+                content_type=content_type,
+            ),
+            body,
+        )
+
+
+def run_worker(sock: socket.socket, backend: Backend, *, import_s: float) -> int:
+    """A freshly forked worker (see gpu_manager.zygote): create the device context, say hello,
+    take a model, serve it. Returns the process's exit status."""
     # Ctrl-C in a terminal reaches the whole process group; the gpu_manager decides when workers
     # stop (it kills them), so a worker must not die half-way through an inference on SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    channel = Channel(sock)
     started_s = time.perf_counter()
+    context_mb = backend.init_device()
+    channel.send(
+        MessageType.WORKER_HELLO,
+        pb.WorkerHello(
+            pid=os.getpid(), import_s=import_s, context_s=time.perf_counter() - started_s, context_mb=context_mb
+        ),
+    )
+    frame = channel.recv()
+    if frame is None or frame.type != MessageType.LOAD_MODEL:
+        return 0  # a spare that was never needed
+    load = pb.LoadModel.FromString(frame.header)
+    spec = ModelSpec(
+        model=load.model,
+        package_dir=load.package_dir,
+        memory_mb=int(load.memory_mb),
+        max_batch_size=max(1, load.max_batch_size),
+        max_batch_wait_s=max(0.0, load.max_batch_wait_s),
+        environment=dict(load.environment),
+        load_time_s=load.load_time_s or None,
+        inference_time_s=load.inference_time_s or None,
+    )
+    load_started_s = time.perf_counter()
     try:
-        backend = make_backend(spec.backend, spec)
-        backend.setup()
-        backend.load()
+        backend.load(spec)
         peak_memory_mb = backend.peak_memory_mb()
     except Exception as exc:
-        traceback.print_exc()  # the full traceback goes to the node's log; the pool gets one line
-        conn.send(Ready(ok=False, error=describe(exc), load_time_s=time.perf_counter() - started_s, peak_memory_mb=0))
-        conn.close()
-        sys.exit(1)
-    conn.send(Ready(ok=True, error="", load_time_s=time.perf_counter() - started_s, peak_memory_mb=peak_memory_mb))
-    _serve(backend, conn)
-
-
-def _serve(backend: Backend, conn: Connection) -> None:
-    while True:
-        try:
-            request = conn.recv()
-        except EOFError:  # the pool let go of this worker (or died): nobody is left to answer
-            return
-        if request is None:
-            return
-        call_id, payload = request
-        started_s = time.perf_counter()
-        try:
-            outputs = backend.predict(decode_inputs(payload))
-            inference_time_s = time.perf_counter() - started_s
-            result: bytes | str = encode_result(outputs)
-            ok = True
-        except Exception as exc:
-            inference_time_s = time.perf_counter() - started_s
-            traceback.print_exc()
-            result, ok = describe(exc), False
-        try:
-            conn.send(Reply(call_id, ok, result, inference_time_s, backend.peak_memory_mb()))
-        except (BrokenPipeError, ConnectionResetError):  # the pool went away mid-call
-            return
+        traceback.print_exc()
+        channel.send(
+            MessageType.MODEL_LOADED,
+            pb.ModelLoaded(ok=False, error=describe(exc), load_s=time.perf_counter() - load_started_s),
+        )
+        return 1
+    channel.send(
+        MessageType.MODEL_LOADED,
+        pb.ModelLoaded(ok=True, load_s=time.perf_counter() - load_started_s, peak_memory_mb=peak_memory_mb),
+    )
+    serve(backend, channel, spec, int(load.max_result_bytes) or sys.maxsize)
+    return 0

@@ -81,13 +81,31 @@ def sim(
             help="Algorithm 2 to the letter: a miss loads on the GPU being filled even if another idle GPU has room."
         ),
     ] = False,
+    coldest_victim: Annotated[
+        bool,
+        typer.Option(
+            help="A miss that must evict goes to the idle GPU whose victim is least recently used "
+            "(else to the GPU being filled). Off with --literal-misses."
+        ),
+    ] = True,
+    slots: Annotated[int, typer.Option(min=1, help="D: calls each GPU runs at once.")] = 1,
+    max_batch_size: Annotated[
+        int, typer.Option(min=1, help="Calls of one model a worker may merge into one batch (needs --slots > 1).")
+    ] = 1,
+    max_batch_wait_ms: Annotated[
+        float, typer.Option(min=0.0, help="How long a free worker with fewer calls than a batch waits for more.")
+    ] = 0.0,
+    batch_exponent: Annotated[
+        float,
+        typer.Option(help="A batch of k calls takes k**EXPONENT times one call's time (1: batching gains nothing)."),
+    ] = 1.0,
     sweep_o3: Annotated[
         str | None, typer.Option(help="Run lalb-o3 at each of these limits (e.g. 0,5,10,...,45): Figure 7.")
     ] = None,
 ) -> None:
     """Replay a function trace through the real scheduler and cache manager on a virtual clock."""
     from scheduler import make_policy
-    from simulator.engine import ClusterConfig
+    from simulator.engine import Batching, ClusterConfig
     from simulator.report import (
         build_workloads,
         compare_policies,
@@ -108,6 +126,8 @@ def sim(
         make_policy(policy)
     except GpufaasError as exc:
         raise typer.BadParameter(str(exc), param_hint="--policy") from None
+    if not batch_exponent > 0:
+        raise typer.BadParameter(f"must be positive, got {batch_exponent}", param_hint="--batch-exponent")
     if plot is not None and plot.suffix.lower() != ".png":
         raise typer.BadParameter(f"the plot is written as PNG; name it *.png, got {plot}", param_hint="--plot")
 
@@ -122,11 +142,18 @@ def sim(
             runs = policy_runs(working_sets, compare_policies(), o3_limit)
         else:
             runs = policy_runs(working_sets, [policy], o3_limit)
-        cluster = ClusterConfig(gpus=gpus, gpu_memory_mb=gpu_memory_mb)
+        cluster = ClusterConfig(gpus=gpus, gpu_memory_mb=gpu_memory_mb, slots=slots, batch_exponent=batch_exponent)
+        batching = Batching(max_batch_size, max_batch_wait_ms) if max_batch_size > 1 else None
         total = sum(len(workloads[run.working_set].requests) for run in runs)
         with _progress(total, enabled=not json_output and sys.stderr.isatty()) as advance:
             results = execute(
-                workloads, runs, cluster=cluster, room_aware_misses=not literal_misses, on_progress=advance
+                workloads,
+                runs,
+                cluster=cluster,
+                room_aware_misses=not literal_misses,
+                coldest_victim_misses=coldest_victim,
+                batching=batching,
+                on_progress=advance,
             )
         if plot is not None:
             (plot_sweep if limits is not None else plot_policies)(results, plot)
@@ -141,6 +168,7 @@ def sim(
         "seed": seed,
         "gpus": gpus,
         "gpu_memory_mb": gpu_memory_mb,
+        "slots": slots,
     }
     if json_output:
         if len(results) == 1:
@@ -157,7 +185,7 @@ def _print_table(results: Sequence[SimResult], meta: Mapping[str, object]) -> No
     table = Table(
         title=(
             f"{meta['trace']} minutes {meta['start_minute']}+{meta['minutes']}, {meta['rpm']} rpm, "
-            f"{meta['gpus']} GPUs x {meta['gpu_memory_mb']} MB, seed {meta['seed']}"
+            f"{meta['gpus']} GPUs x {meta['gpu_memory_mb']} MB x {meta['slots']} slots, seed {meta['seed']}"
         ),
         title_justify="left",
     )
@@ -175,6 +203,8 @@ def _print_table(results: Sequence[SimResult], meta: Mapping[str, object]) -> No
         ("GPU util", "gpu_utilization"),
         ("fn lat var (s²)", "function_latency_variance"),
     ]
+    if any(result.max_batch_size > 1 for result in results):
+        columns.append(("calls/batch", "avg_batch_calls"))
     for header, _ in columns:
         table.add_column(header, justify="left" if header == "policy" else "right")
     for result in results:

@@ -15,6 +15,8 @@ DIGEST_PATTERN = re.compile(r"^sha256:[0-9a-f]{64}$")
 GPU_TYPE_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 DEFAULT_TIMEOUT_S = 60.0
 MAX_TIMEOUT_S = 3600.0
+MAX_BATCH_SIZE = 1024
+MAX_BATCH_WAIT_MS = 10_000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +26,10 @@ class FunctionSpec:
     `memory_mb` is the declared *peak* GPU occupancy of its model at `batch_size` (what the cache
     manager sizes it by until a measurement replaces it). Each (function, package) pair is its own
     cache item: `model` changes when the package does, so an update never reuses stale workers.
+
+    Dynamic batching is opt-in: with `max_batch_size` > 1 the worker merges up to that many calls
+    that are waiting into one `predict(model, [inputs, ...])`, which returns a list of outputs;
+    with fewer waiting it waits up to `max_batch_wait_ms` for more.
     """
 
     name: str
@@ -34,6 +40,8 @@ class FunctionSpec:
     timeout_s: float = DEFAULT_TIMEOUT_S
     labels: dict[str, str] = field(default_factory=dict)
     environment: dict[str, str] = field(default_factory=dict)
+    max_batch_size: int = 1
+    max_batch_wait_ms: float = 0.0
 
     @property
     def required_gpu_type(self) -> str | None:
@@ -42,6 +50,13 @@ class FunctionSpec:
     @property
     def model(self) -> str:
         return f"{self.name}@{self.package_digest.removeprefix('sha256:')[:12]}"
+
+    def deadline_message(self) -> str:
+        """What a caller is told when this function's `timeout_s` passed."""
+        return (
+            f"function {self.name!r} did not finish within its timeout of {self.timeout_s:g} s; "
+            "raise its timeout_s or send it less work"
+        )
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -59,7 +74,18 @@ class FunctionSpec:
         """Validate user input; errors name the offending field and say what is expected."""
         if not isinstance(raw, dict):
             raise InvalidInput(f"{path or 'function spec'}: expected an object")
-        known = {"name", "package_digest", "memory_mb", "gpu", "batch_size", "timeout_s", "labels", "environment"}
+        known = {
+            "name",
+            "package_digest",
+            "memory_mb",
+            "gpu",
+            "batch_size",
+            "timeout_s",
+            "labels",
+            "environment",
+            "max_batch_size",
+            "max_batch_wait_ms",
+        }
         unknown = sorted(set(raw) - known)
         if unknown:
             raise InvalidInput(f"{_at(path, unknown[0])}: unknown field; known fields: {', '.join(sorted(known))}")
@@ -81,7 +107,22 @@ class FunctionSpec:
             timeout_s=_timeout(raw, path),
             labels=_str_map(raw, "labels", path),
             environment=_str_map(raw, "environment", path),
+            **batching(raw, path),
         )
+
+
+def batching(raw: dict[str, Any], path: str = "") -> dict[str, Any]:
+    """`max_batch_size` (1 to MAX_BATCH_SIZE calls, default 1: no batching) and
+    `max_batch_wait_ms` (0 to MAX_BATCH_WAIT_MS, default 0), validated."""
+    size = _positive_int(raw, "max_batch_size", path, default=1)
+    if size > MAX_BATCH_SIZE:
+        raise InvalidInput(f"{_at(path, 'max_batch_size')}: at most {MAX_BATCH_SIZE} calls per batch, got {size}")
+    wait = raw.get("max_batch_wait_ms", 0.0)
+    if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= MAX_BATCH_WAIT_MS:
+        raise InvalidInput(
+            f"{_at(path, 'max_batch_wait_ms')}: expected milliseconds in [0, {MAX_BATCH_WAIT_MS:g}], got {wait!r}"
+        )
+    return {"max_batch_size": size, "max_batch_wait_ms": float(wait)}
 
 
 def _at(path: str, key: str) -> str:

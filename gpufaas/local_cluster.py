@@ -93,6 +93,9 @@ class LocalCluster:
     scheduler_port: int = 0
     queue_capacity: int = 10_000
     max_payload_mb: float = 16.0
+    slots: str = "4"  # concurrent calls per GPU (scheduler --slots)
+    spares: int = 1  # warm spare workers per GPU
+    claim_s: float = 5.0  # a placement not used within this long is checked with its node
     components: dict[str, Component] = field(default_factory=dict)
     _etcd: object | None = None
 
@@ -139,6 +142,10 @@ class LocalCluster:
                 self.policy,
                 "--queue-capacity",
                 str(self.queue_capacity),
+                "--slots",
+                self.slots,
+                "--claim-s",
+                str(self.claim_s),
             ],
             logs / "scheduler.log",
         )
@@ -177,6 +184,10 @@ class LocalCluster:
                 str(self.gpu_memory_mb),
                 "--state-dir",
                 str(self.state_dir / name),
+                "--spares",
+                str(self.spares),
+                "--max-payload-mb",
+                str(self.max_payload_mb),
             ]
             if self.gpu_type:
                 argv += ["--gpu-type", self.gpu_type]

@@ -9,12 +9,23 @@ from typing import Any
 import yaml
 
 from gpufaas.errors import InvalidInput
-from gpufaas.functions import DEFAULT_TIMEOUT_S, GPU_TYPE_PATTERN, MAX_TIMEOUT_S, NAME_PATTERN
+from gpufaas.functions import DEFAULT_TIMEOUT_S, GPU_TYPE_PATTERN, MAX_TIMEOUT_S, NAME_PATTERN, batching
 from gpufaas.types import DEFAULT_BATCH_SIZE
 
 TOP_KEYS = {"version", "provider", "functions", "configuration"}
 PROVIDER_KEYS = {"name", "gateway"}
-FUNCTION_KEYS = {"template", "handler", "gpu", "memory_mb", "batch_size", "timeout_s", "labels", "environment"}
+FUNCTION_KEYS = {
+    "template",
+    "handler",
+    "gpu",
+    "memory_mb",
+    "batch_size",
+    "timeout_s",
+    "labels",
+    "environment",
+    "max_batch_size",
+    "max_batch_wait_ms",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +39,8 @@ class StackFunction:
     timeout_s: float = DEFAULT_TIMEOUT_S
     labels: dict[str, str] = field(default_factory=dict)
     environment: dict[str, str] = field(default_factory=dict)
+    max_batch_size: int = 1
+    max_batch_wait_ms: float = 0.0
 
     def spec(self, package_digest: str) -> dict[str, Any]:
         """The gateway's function spec for this function's uploaded package."""
@@ -40,6 +53,8 @@ class StackFunction:
             "timeout_s": self.timeout_s,
             "labels": self.labels,
             "environment": self.environment,
+            "max_batch_size": self.max_batch_size,
+            "max_batch_wait_ms": self.max_batch_wait_ms,
         }
 
 
@@ -109,6 +124,10 @@ def parse_stack(raw: Any, path: Path) -> Stack:
         timeout_s = settings.get("timeout_s", DEFAULT_TIMEOUT_S)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 < timeout_s <= MAX_TIMEOUT_S:
             raise fail(f"{where}.timeout_s", f"expected seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}")
+        try:
+            batch_settings = batching(settings, where)
+        except InvalidInput as exc:
+            raise InvalidInput(f"{path}: {exc}") from None
         template = settings.get("template")
         if template is not None and not isinstance(template, str):
             raise fail(f"{where}.template", f"expected a template name, got {template!r}")
@@ -123,6 +142,7 @@ def parse_stack(raw: Any, path: Path) -> Stack:
                 timeout_s=float(timeout_s),
                 labels=_string_map(settings.get("labels"), f"{where}.labels", fail),
                 environment=_string_map(settings.get("environment"), f"{where}.environment", fail),
+                **batch_settings,
             )
         )
     return Stack(path=path, gateway=gateway, functions=parsed)

@@ -31,19 +31,24 @@ class GpuSpec:
 
     `speed` is relative throughput (higher is faster; the paper sorts idle GPUs "by frequency"):
     idle GPUs are offered work fastest first, then by `gpu_id`. `memory_mb` is what the cache may
-    fill (the device's memory minus a reserve for the CUDA context and fragmentation).
+    fill (the device's memory minus a reserve for the CUDA context and fragmentation). `slots` is
+    D, how many requests the GPU may run at once (its workers share it; 1 = the paper's one
+    request at a time).
     """
 
     gpu_id: str
     memory_mb: int
     gpu_type: str = "rtx2080"
     speed: float = 1.0
+    slots: int = 1
 
     def __post_init__(self) -> None:
         if self.memory_mb <= 0:
             raise ValueError(f"GPU {self.gpu_id!r}: memory_mb must be positive, got {self.memory_mb}")
         if self.speed <= 0:
             raise ValueError(f"GPU {self.gpu_id!r}: speed must be positive, got {self.speed}")
+        if self.slots < 1:
+            raise ValueError(f"GPU {self.gpu_id!r}: slots must be at least 1, got {self.slots}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""`python -m scheduler`: run the scheduler service (gRPC) against an etcd."""
+"""`python -m scheduler`: run the scheduler service against an etcd."""
 
 from __future__ import annotations
 
@@ -9,20 +9,32 @@ from gpufaas.keys import Keys
 from gpufaas.service_main import add_common_flags, configure_logging, run_daemon, run_until_signalled
 from gpufaas.store import EtcdStore
 from scheduler.policies import registered_policies
-from scheduler.service import SchedulerService
+from scheduler.service import SchedulerService, SlotConfig
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scheduler", description="gpufaas scheduler service")
     add_common_flags(parser)
-    parser.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address to bind (default %(default)s)")
+    parser.add_argument("--listen", default="127.0.0.1:50051", help="address to bind (default %(default)s)")
     parser.add_argument("--advertise", default=None, help="address gateways dial (default: the listen address)")
     parser.add_argument("--policy", default="lalb-o3", choices=registered_policies())
     parser.add_argument("--o3-limit", type=int, default=25, help="lalb-o3: max skips per request")
     parser.add_argument("--queue-capacity", type=int, default=10_000, help="calls waiting before 429")
+    parser.add_argument(
+        "--slots",
+        default="4",
+        help="concurrent calls per GPU: N, or N,GPU_TYPE=M,... per GPU type (default %(default)s)",
+    )
+    parser.add_argument(
+        "--claim-s", type=float, default=5.0, help="a placement not used within this long is checked with its node"
+    )
     args = parser.parse_args(argv)
-    if args.o3_limit < 0 or args.queue_capacity <= 0:
-        parser.error("--o3-limit must be >= 0 and --queue-capacity > 0")
+    if args.o3_limit < 0 or args.queue_capacity <= 0 or args.claim_s <= 0:
+        parser.error("--o3-limit must be >= 0, --queue-capacity and --claim-s > 0")
+    try:
+        slots = SlotConfig.parse(args.slots)
+    except ValueError as exc:
+        parser.error(str(exc))
     configure_logging(args.log_level)
 
     async def run() -> None:
@@ -33,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
             policy=args.policy,
             max_num_skips=args.o3_limit,
             queue_capacity=args.queue_capacity,
+            slots=slots,
+            claim_s=args.claim_s,
         )
 
         async def start() -> None:

@@ -6,6 +6,7 @@ import bisect
 import dataclasses
 import heapq
 import itertools
+import math
 from collections import deque
 from collections.abc import Iterable, Set
 from dataclasses import dataclass, field
@@ -21,40 +22,72 @@ from scheduler.queues import GlobalQueue
 
 @dataclass(slots=True)
 class GpuState:
-    """One GPU's scheduling state. Lifecycle: `running` is set by a dispatch and cleared by
-    `on_complete`; `local_queue` holds parked requests (all hits there), run before anything else."""
+    """One GPU's scheduling state: D = `spec.slots` slots, each running at most one request.
+
+    Lifecycle: a dispatch adds a request to `running` and its expected finish to
+    `expected_finish_s`; `on_complete`/`on_failure` remove both. `local_queue` holds parked
+    requests (all hits here), which take free slots before anything from the global queue.
+    Read-only outside the scheduler.
+    """
 
     spec: GpuSpec
-    running: Request | None = None
-    busy_until_s: float = 0.0
+    # Request id -> request, in dispatch order; at most `spec.slots` of them, unless `set_slots`
+    # lowered D below the count (then nothing more starts here until enough finish).
+    running: dict[str, Request] = field(default_factory=dict)
+    # Request id -> when it is expected to finish: dispatch time + estimated load (on a miss)
+    # + estimated inference.
+    expected_finish_s: dict[str, float] = field(default_factory=dict)
+    # When a slot is expected to free up (an absolute time): the expected finish of the running
+    # request whose end gives a full GPU a free slot (the earliest one, or a later one while D is
+    # below the running count); -inf while a slot is free. Kept as `running` changes.
+    busy_until_s: float = -math.inf
     local_queue: deque[Request] = field(default_factory=deque)
-    local_work_s: float = 0.0
-    # Bumped whenever `busy_until_s`/`local_work_s`/`running` change: marks older entries in the
-    # per-model free-time heaps as stale.
+    local_work_s: float = 0.0  # estimated inference time of the parked requests, summed
+    # Bumped whenever the GPU gets a free slot, and whenever it is advertised in the per-model
+    # free-time heaps (full, with a new free time): marks older entries there as stale.
     version: int = 0
 
     @property
-    def free_at_s(self) -> float:
-        """When this GPU is expected to be able to start one more request."""
-        return self.busy_until_s + self.local_work_s
+    def idle(self) -> bool:
+        """Whether the GPU has a free slot, i.e. can start one more request now. The paper's
+        "idle GPU" (the one policies fill) runs nothing; with D slots the GPU that can take work
+        is the one with a free slot. With D = 1 the two are the same."""
+        return len(self.running) < self.spec.slots
 
     @property
-    def idle(self) -> bool:
-        return self.running is None
+    def free_slots(self) -> int:
+        return max(0, self.spec.slots - len(self.running))
+
+    @property
+    def free_at_s(self) -> float:
+        """When this GPU is expected to be able to start one more request beyond its parked ones,
+        which run D at a time; -inf while a slot is free."""
+        return self.busy_until_s + self.local_work_s / self.spec.slots
 
     @property
     def order_key(self) -> tuple[float, str]:
         """Idle GPUs are offered work in this order: fastest first, then by id."""
         return (-self.spec.speed, self.spec.gpu_id)
 
+    def update_busy_until(self) -> None:
+        """Recompute `busy_until_s` after `running` or D changed: O(D)."""
+        excess = len(self.running) - self.spec.slots
+        if excess < 0:
+            self.busy_until_s = -math.inf
+        elif excess == 0:
+            self.busy_until_s = min(self.expected_finish_s.values())
+        else:
+            self.busy_until_s = heapq.nsmallest(excess + 1, self.expected_finish_s.values())[-1]
+
 
 class Scheduler:
     """Places requests on GPUs. Pure: time comes in as `now`, decisions go out as data.
 
-    Flow: `submit()` appends to the global queue; `schedule(now)` returns the decisions for every
-    idle GPU (each idle GPU first runs the head of its local queue, else asks the policy);
-    the caller executes them and reports each finished request with `on_complete()`.
-    A GPU runs one request at a time.
+    Flow: `submit()` appends to the global queue; `schedule(now)` returns the decisions that fill
+    the GPUs' free slots (each GPU's local queue first, then the policy); the caller executes
+    them and reports each finished request with `on_complete()` (or `on_failure()`). A GPU runs
+    up to D = `GpuSpec.slots` requests at once (`set_slots` changes D at run time); a GPU with a
+    free slot is what policies call idle.
     """
 
     def __init__(
@@ -75,11 +108,18 @@ class Scheduler:
         self._seq_of: dict[str, int] = {}  # every request queued, parked or running
         self._placed_on: dict[str, str] = {}  # parked or running request -> GPU
         self._ready_local: set[str] = set()  # idle GPUs whose local queue is not empty
+        # Running requests whose model entry went with an `on_failure(drop_model=True)` of another
+        # request of that model on their GPU: their pin went with it, so they must not unpin a
+        # later admission's.
+        self._pin_dropped: set[str] = set()
         # Per model, (free_at_s, gpu_id, version) of busy GPUs holding it: finding the busy holder
         # that frees up first is O(log) instead of a scan of every replica. Entries go stale (GPU
         # idle, model evicted, version bumped) and are dropped lazily, or compacted.
         self._free_at: dict[str, list[tuple[float, str, int]]] = {}
         self._decisions: list[Decision] = []
+        # GPUs that received a dispatch in the current pass of `schedule()` and had a free slot
+        # left: the next pass offers them work again (cleared when a pass starts).
+        self._refill: set[str] = set()
 
     # --- cluster and catalog ------------------------------------------------------------
     def add_gpu(self, spec: GpuSpec) -> None:
@@ -94,16 +134,36 @@ class Scheduler:
         """Take a GPU out (its node left): its running and parked requests go back to the global
         queue in arrival order, its cache entries are dropped. Returns the requeued requests."""
         state = self._gpus.pop(gpu_id)
-        returned = ([state.running] if state.running is not None else []) + list(state.local_queue)
+        returned = [*state.running.values(), *state.local_queue]
         returned.sort(key=lambda r: self._seq_of[r.request_id])
         for request in returned:
             del self._placed_on[request.request_id]
+            self._pin_dropped.discard(request.request_id)
             self.queue.insert(request, self._seq_of[request.request_id])
         if state.idle:
             self._leave_idle(state)
         self._ready_local.discard(gpu_id)
         self.cache.remove_gpu(gpu_id)
         return returned
+
+    def set_slots(self, gpu_id: str, slots: int) -> None:
+        """Change a GPU's D at run time (e.g. from its measured utilisation). Raising it lets the
+        next `schedule()` fill the new slots, local queue first; lowering it below the running
+        count starts nothing more there until enough of them finish. Raises ValueError below 1."""
+        state = self._gpus[gpu_id]
+        was_idle = state.idle
+        state.spec = dataclasses.replace(state.spec, slots=slots)
+        state.update_busy_until()
+        if state.idle:
+            state.version += 1
+            if not was_idle:
+                bisect.insort(self._idle, (state.order_key, gpu_id))
+            if state.local_queue:
+                self._ready_local.add(gpu_id)
+        else:
+            if was_idle:
+                self._leave_idle(state)
+            self._advertise(state)  # full, with a new free time
 
     def register_model(self, spec: ModelSpec) -> None:
         """Declare (or re-declare, e.g. with a measured size) a model's peak GPU occupancy."""
@@ -154,20 +214,36 @@ class Scheduler:
         self.queue.push(request, seq)
 
     def schedule(self, now: float) -> list[Decision]:
-        """Decide for every idle GPU while work is waiting; returns the decisions in order."""
+        """Fill free slots while work is waiting; returns the decisions in order.
+
+        First every GPU with a free slot and parked requests runs the heads of its local queue,
+        as many as it has free slots. Then passes over the GPUs with a free slot, fastest first,
+        then by id: in each pass every such GPU is offered work once (the policy's `fill`), so a
+        burst spreads over the idle GPUs before any GPU takes a second request. A next pass
+        offers work only to the GPUs that received a dispatch in this one and still have a free
+        slot (a GPU that received nothing has just been offered the whole queue); passes end
+        when there is no such GPU or the queue is empty, so there are at most as many as free
+        slots, even when the policy can place nothing. With one slot per GPU a GPU that received
+        a dispatch is full: one pass, as when a GPU ran one request at a time.
+        """
         decisions: list[Decision] = []
         self._decisions = decisions
         for gpu_id in sorted(self._ready_local):
             state = self._gpus[gpu_id]
-            if state.idle and state.local_queue:
+            while state.idle and state.local_queue:
                 self._dispatch_local(state, now)
         self._ready_local.clear()
-        if self.queue:
-            for _, gpu_id in list(self._idle):
+        offered = list(self._idle)  # (order key, GPU id), in idle order
+        while self.queue:
+            self._refill.clear()
+            for _, gpu_id in offered:
                 if not self.queue:
                     break
                 if self._gpus[gpu_id].idle:
                     self.policy.fill(self, gpu_id, now)
+            if not self._refill:
+                break
+            offered = sorted((self._gpus[g].order_key, g) for g in self._refill if self._gpus[g].idle)
         return decisions
 
     def on_complete(
@@ -177,25 +253,24 @@ class Scheduler:
         *,
         load_time_s: float | None = None,
         inference_time_s: float | None = None,
+        batch_size: int | None = None,
     ) -> Request:
-        """A dispatched request finished; measured times (if given) refine the estimator."""
-        gpu_id = self._placed_on.pop(request_id)
-        state = self._gpus[gpu_id]
-        request = state.running
-        if request is None or request.request_id != request_id:
-            raise KeyError(f"request {request_id!r} is not running on GPU {gpu_id!r}")
+        """A dispatched request finished and its slot is free; measured times (if given) refine
+        the estimator. `inference_time_s` is that of the batch the request ran in, and
+        `batch_size` the number of samples in that batch: the node may have merged several calls
+        of the model into one (calls merged x `request.batch_size`); default `request.batch_size`.
+        Raises KeyError (changing nothing) if the request is not running."""
+        state, request = self._running(request_id)
+        del self._placed_on[request_id]
         del self._seq_of[request_id]
         gpu_type = state.spec.gpu_type
         if load_time_s is not None:
             self.estimator.observe_load(request.model, gpu_type, load_time_s)
         if inference_time_s is not None:
-            self.estimator.observe_inference(request.model, gpu_type, request.batch_size, inference_time_s)
-        self.cache.unpin(gpu_id, request.model)
-        state.running = None
-        state.version += 1
-        bisect.insort(self._idle, (state.order_key, gpu_id))
-        if state.local_queue:
-            self._ready_local.add(gpu_id)
+            samples = request.batch_size if batch_size is None else batch_size
+            self.estimator.observe_inference(request.model, gpu_type, samples, inference_time_s)
+        self._unpin_running(state, request)
+        self._free_slot(state, request_id)
         return request
 
     def on_failure(
@@ -206,33 +281,37 @@ class Scheduler:
         `drop_model`: the model's worker is gone (it died or was killed), so its cache entry goes,
         and requests parked behind it for that model go back to the global queue. `requeue`: the
         request itself goes back to the global queue in arrival order (a retry); else it is done.
-        `avoid_gpu`: the retry must run elsewhere (ignored when this is the only GPU).
+        `avoid_gpu`: the retry must run elsewhere (ignored when this is the only GPU). Other
+        requests running there are untouched (their node reports them); with `drop_model`, those
+        of the same model no longer pin it, and their own `drop_model` failures drop nothing more.
+        Raises KeyError (changing nothing) if the request is not running.
         """
-        gpu_id = self._placed_on.pop(request_id)
-        state = self._gpus[gpu_id]
-        request = state.running
-        if request is None or request.request_id != request_id:
-            raise KeyError(f"request {request_id!r} is not running on GPU {gpu_id!r}")
-        state.running = None
-        state.version += 1
-        if drop_model:
+        state, request = self._running(request_id)
+        gpu_id = state.spec.gpu_id
+        del self._placed_on[request_id]
+        # A request whose entry already went with a sibling's failure (one worker death, several
+        # calls) drops nothing more: the model there now, if any, is a later admission's.
+        if drop_model and request_id not in self._pin_dropped:
             stranded = [r for r in state.local_queue if r.model == request.model]
             for parked in stranded:
                 state.local_queue.remove(parked)
                 del self._placed_on[parked.request_id]
                 self.queue.insert(parked, self._seq_of[parked.request_id])
             state.local_work_s = sum(self._inference_time_s(r, state) for r in state.local_queue)
+            self._pin_dropped.update(
+                other_id
+                for other_id, other in state.running.items()
+                if other.model == request.model and other_id != request_id
+            )
             self.cache.drop(gpu_id, request.model)
         else:
-            self.cache.unpin(gpu_id, request.model)
+            self._unpin_running(state, request)
         if requeue:
             retry = dataclasses.replace(request, avoid_gpu=gpu_id) if avoid_gpu and len(self._gpus) > 1 else request
             self.queue.insert(retry, self._seq_of[request_id])
         else:
             del self._seq_of[request_id]
-        bisect.insort(self._idle, (state.order_key, gpu_id))
-        if state.local_queue:
-            self._ready_local.add(gpu_id)
+        self._free_slot(state, request_id)
         return request
 
     def cancel(self, request_id: str) -> Request | None:
@@ -252,6 +331,8 @@ class Scheduler:
                 self.cache.unpin(gpu_id, parked.model)
                 del self._placed_on[request_id]
                 del self._seq_of[request_id]
+                if not state.idle:
+                    self._advertise(state)  # it frees up sooner now
                 return parked
         return None  # running: it will complete or fail on its own
 
@@ -287,19 +368,23 @@ class Scheduler:
         return None
 
     def estimated_wait_s(self, gpu_id: str, now: float) -> float:
-        """Time until a busy GPU could start one more request: what remains of the running one
-        plus the work already parked in its local queue."""
+        """Time until a GPU could start one more request: until a slot frees up (0 if one is
+        free), plus the work already parked in its local queue, which runs D at a time."""
         state = self._gpus[gpu_id]
-        remaining_s = max(0.0, state.busy_until_s - now) if state.running is not None else 0.0
-        return remaining_s + state.local_work_s
+        return max(0.0, state.busy_until_s - now) + state.local_work_s / state.spec.slots
 
     def load_time_s(self, model: str, gpu_id: str) -> float:
         spec = self._models[model]
         return self.estimator.load_time_s(model, self._gpus[gpu_id].spec.gpu_type, spec.memory_mb)
 
     def fits(self, model: str, gpu_id: str) -> bool:
-        """Whether the model may ever run on this GPU: large enough, and of the required type."""
-        return self._fits(self._models[model], self._gpus[gpu_id])
+        """Whether the model may run on this GPU now: large enough, of the required type, and,
+        while other requests run there, with room beside the models they pin. O(1)."""
+        spec, state = self._models[model], self._gpus[gpu_id]
+        if not self._fits(spec, state):
+            return False
+        # Only running and parked requests pin models: without them all of the GPU is for the taking.
+        return not (state.running or state.local_queue) or self.cache.gpu(gpu_id).can_admit(model, spec.memory_mb)
 
     @staticmethod
     def _fits(spec: ModelSpec, state: GpuState) -> bool:
@@ -326,22 +411,47 @@ class Scheduler:
         return None
 
     def first_idle_fitting(self, model: str, exclude: str | None = None) -> str | None:
-        """The first idle GPU (in idle order) the model may run on: O(idle GPUs); only asked when
-        it may not run on the GPU being filled (mixed memory sizes, or a required GPU type)."""
-        spec = self._models[model]
+        """The first idle GPU (in idle order) the model may run on now (see `fits`): O(idle GPUs);
+        only asked when it may not run on the GPU being filled (mixed memory sizes, a required
+        GPU type, or models pinned by requests running there)."""
         for _, gpu_id in self._idle:
-            if gpu_id != exclude and self._fits(spec, self._gpus[gpu_id]):
+            if gpu_id != exclude and self.fits(model, gpu_id):
                 return gpu_id
         return None
 
+    def idle_with_coldest_victim(self, model: str, exclude: str | None = None) -> str | None:
+        """The idle GPU the model may run on now whose first eviction victim was used least
+        recently, on the cache's clock shared by every GPU (a GPU that would evict nothing counts
+        as coldest); None if the model may run on no idle GPU now. Ties (only between GPUs that
+        evict nothing) go to the first in idle order. O(idle GPUs) with LRU eviction.
+
+        Asked when no idle GPU has room for a miss: loading on the GPU being filled would always
+        churn that GPU's LRU list while other GPUs' models stay frozen however cold; this evicts
+        the cluster's coldest model instead."""
+        spec = self._models[model]
+        best_gpu: str | None = None
+        best_tick = 0
+        for _, gpu_id in self._idle:
+            if gpu_id == exclude or not self._fits(spec, self._gpus[gpu_id]):
+                continue
+            cache = self.cache.gpu(gpu_id)
+            if not cache.can_admit(model, spec.memory_mb):
+                continue
+            victim = cache.first_victim(model, spec.memory_mb)
+            tick = -1 if victim is None else cache.last_used_tick(victim)
+            if best_gpu is None or tick < best_tick:
+                best_gpu, best_tick = gpu_id, tick
+        return best_gpu
+
     def dispatch(self, request: Request, gpu_id: str, now: float) -> Dispatch:
-        """Run a globally queued request on idle `gpu_id` (admitting its model to the cache)."""
+        """Run a globally queued request in a free slot of `gpu_id` (admitting its model to the
+        cache; the model must fit there now, see `fits`)."""
         self.queue.remove(request.request_id)
         return self._start(request, self._gpus[gpu_id], now, pinned=False)
 
     def park(self, request: Request, gpu_id: str, now: float) -> Park:
-        """Move a globally queued request to busy `gpu_id`'s local queue (its model is cached
-        there and stays pinned until the request runs)."""
+        """Move a globally queued request to the local queue of `gpu_id`, a GPU with no free slot
+        (its model is cached there and stays pinned until the request runs)."""
         state = self._gpus[gpu_id]
         wait_s = self.estimated_wait_s(gpu_id, now)
         self.queue.remove(request.request_id)
@@ -363,9 +473,13 @@ class Scheduler:
         self._start(request, state, now, pinned=True)
 
     def _start(self, request: Request, state: GpuState, now: float, *, pinned: bool) -> Dispatch:
-        if state.running is not None:
-            raise RuntimeError(f"GPU {state.spec.gpu_id!r} is busy; cannot dispatch {request.request_id!r}")
-        gpu_id = state.spec.gpu_id
+        gpu_id, slots = state.spec.gpu_id, state.spec.slots
+        running = state.running
+        if len(running) >= slots:
+            raise RuntimeError(
+                f"GPU {gpu_id!r} has no free slot ({len(running)} running, {slots} slots); "
+                f"cannot dispatch {request.request_id!r}"
+            )
         spec = self._models[request.model]
         holders = self.cache.gpus_with(spec.name)
         false_miss = gpu_id not in holders and len(holders) > 0
@@ -374,10 +488,14 @@ class Scheduler:
             self.cache.pin(gpu_id, spec.name)
         load_s = 0.0 if admission.hit else self.estimator.load_time_s(spec.name, state.spec.gpu_type, spec.memory_mb)
         inference_s = self._inference_time_s(request, state)
-        state.running = request
-        state.busy_until_s = now + load_s + inference_s
-        self._leave_idle(state)
-        self._advertise(state)
+        running[request.request_id] = request
+        state.expected_finish_s[request.request_id] = now + load_s + inference_s
+        if len(running) < slots:
+            self._refill.add(gpu_id)
+        else:
+            state.update_busy_until()
+            self._leave_idle(state)
+            self._advertise(state)
         self._placed_on[request.request_id] = gpu_id
         decision = Dispatch(
             request=request,
@@ -391,8 +509,39 @@ class Scheduler:
         self._decisions.append(decision)
         return decision
 
+    def _running(self, request_id: str) -> tuple[GpuState, Request]:
+        """The GPU a request runs on, and the request; KeyError if it is not running."""
+        gpu_id = self._placed_on.get(request_id)
+        state = None if gpu_id is None else self._gpus[gpu_id]
+        request = None if state is None else state.running.get(request_id)
+        if state is None or request is None:
+            where = "anywhere" if gpu_id is None else f"on GPU {gpu_id!r} (it is parked there)"
+            raise KeyError(f"request {request_id!r} is not running {where}")
+        return state, request
+
+    def _unpin_running(self, state: GpuState, request: Request) -> None:
+        if request.request_id in self._pin_dropped:
+            self._pin_dropped.discard(request.request_id)  # its pin went with the dropped entry
+        else:
+            self.cache.unpin(state.spec.gpu_id, request.model)
+
+    def _free_slot(self, state: GpuState, request_id: str) -> None:
+        """Take a finished (or failed) request out of its slot and update the GPU's standing."""
+        was_full = not state.idle
+        del state.running[request_id]
+        del state.expected_finish_s[request_id]
+        state.update_busy_until()
+        state.version += 1
+        if not state.idle:
+            self._advertise(state)  # still full (D was lowered): the slot it waits for moved
+            return
+        if was_full:
+            bisect.insort(self._idle, (state.order_key, state.spec.gpu_id))
+        if state.local_queue:
+            self._ready_local.add(state.spec.gpu_id)
+
     def _advertise(self, state: GpuState) -> None:
-        """Publish a busy GPU's new free time to the heaps of every model it holds."""
+        """Publish a full GPU's new free time to the heaps of every model it holds."""
         state.version += 1
         entry_key = state.free_at_s
         gpu_id = state.spec.gpu_id

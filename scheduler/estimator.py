@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -31,8 +32,9 @@ class Estimator:
     the estimate by `alpha` toward it (EWMA). Unknown models are estimated from their size: load
     time from a line fitted to the profiled models of that GPU type (size -> load time), inference
     time from the median per-sample time of the profiled models. Inference time at a batch size
-    that was never profiled scales linearly from the nearest profiled batch size of that model.
-    Pure: no clock, no I/O.
+    never measured for that (model, GPU type) is interpolated linearly between the two nearest
+    measured batch sizes around it, and outside the measured range scales proportionally from
+    the nearest one (a batch twice as large takes twice as long). Pure: no clock, no I/O.
     """
 
     def __init__(self, profiles: Iterable[ModelProfile] = (), *, alpha: float = 0.2) -> None:
@@ -68,8 +70,7 @@ class Estimator:
             exact = by_batch.get(batch_size)
             if exact is not None:
                 return exact
-            nearest = min(by_batch, key=lambda b: (abs(b - batch_size), b))
-            return by_batch[nearest] * batch_size / nearest
+            return _interpolate(by_batch, batch_size)
         return self._median_per_sample_s(gpu_type) * batch_size
 
     # --- online updates -------------------------------------------------------------------
@@ -109,6 +110,19 @@ class Estimator:
             per_sample = statistics.median(samples) if samples else DEFAULT_INFERENCE_S_PER_SAMPLE
             self._per_sample_s[gpu_type] = per_sample
         return per_sample
+
+
+def _interpolate(by_batch: dict[int, float], batch_size: int) -> float:
+    """Inference time at an unmeasured `batch_size`: on the segment between the measured sizes
+    around it, else proportional to the nearest measured size. O(m log m) for m measured sizes
+    (a handful per model)."""
+    sizes = sorted(by_batch)
+    above = bisect.bisect_right(sizes, batch_size)
+    if above == 0 or above == len(sizes):
+        nearest = sizes[0] if above == 0 else sizes[-1]
+        return by_batch[nearest] * batch_size / nearest
+    low, high = sizes[above - 1], sizes[above]
+    return by_batch[low] + (by_batch[high] - by_batch[low]) * (batch_size - low) / (high - low)
 
 
 def _fit(points: list[tuple[float, float]]) -> _Line:

@@ -1,4 +1,13 @@
-"""The scheduler service: the pure Scheduler behind gRPC, fed by etcd, dispatching to GPU managers."""
+"""The scheduler service: the CallBook behind gpufaas.wire, fed by etcd, talking to GPU managers.
+
+It only translates: frames from gateways (Place, Abandon, ClusterRequest) and from nodes (Done,
+answers to Attach and Revoke) become CallBook calls; the effects the book returns become frames
+(Placement with a signed grant, Rejection, Revoke, Evict). Deadlines, retries and reconciliation
+are the book's (scheduler.calls). It also learns functions and nodes from etcd (watch), attaches
+to each node (hands it the token key, learns the workers it runs), persists LRU lists, replicas,
+GPU status and profiles to etcd (coalesced by one flusher task), and ticks the book's clock.
+All scheduler state is touched from the event loop only, so no lock is needed.
+"""
 
 from __future__ import annotations
 
@@ -8,108 +17,86 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import grpc
+from typing import Any
 
 from cache_manager import CacheManager
+from gpufaas import grants
 from gpufaas.cluster import NodeRecord
-from gpufaas.errors import GpufaasError, ModelTooLarge, UnknownModel
+from gpufaas.errors import GpufaasError
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys, gpu_address, split_gpu_address
 from gpufaas.profiles import paper_table1
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.proto import gpufaas_pb2_grpc as pb_grpc
 from gpufaas.store import KeyValue, LeaseKeeper, Store, StoreError, WatchEvent
-from gpufaas.types import GpuSpec, ModelSpec, Request
+from gpufaas.types import GpuSpec, ModelSpec
+from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, RemoteError, Server, connect
+from scheduler.calls import (
+    DEFAULT_CLAIM_S,
+    DEFAULT_LOST_AFTER_S,
+    Answer,
+    Assignment,
+    CallBook,
+    CheckGrants,
+    Effect,
+    Evict,
+    Rejected,
+)
 from scheduler.core import Scheduler
-from scheduler.decisions import Dispatch
 from scheduler.estimator import Estimator
 from scheduler.policies import PolicyConfig, make_policy
 
 log = logging.getLogger("gpufaas.scheduler")
 
-# Each hop hands the next one a little less time than it has itself, so the inner hop reports a
-# deadline before the outer one gives up waiting (one end-to-end deadline per invocation).
-DEADLINE_MARGIN_S = 0.05
-MAX_ATTEMPTS = 2  # a call whose worker died is retried once
 LEASE_TTL_S = 5
 # Changes are written to etcd within this long, coalesced: a burst of calls costs one write per
 # key that changed, not one per call (a GPU that went busy and idle again in between costs none).
-FLUSH_DELAY_S = 0.02
+# etcd is the record for observers and for recovery (which also asks the nodes), not the path of
+# a call: a second of lag costs nothing, while writing per call would cost the scheduler and etcd
+# more CPU than the call itself.
+FLUSH_DELAY_S = 1.0
 PROFILE_WRITE_INTERVAL_S = 5.0  # measured times move a little on every call: persist them calmly
+TICK_S = 0.25  # how often deadlines and unconfirmed placements are looked at
+NODE_TIMEOUT_S = 2.0  # a node that does not answer an Attach, Revoke or probe within this is out
+RECONNECT_S = 0.5
+DEFAULT_SLOTS = 4
 
 
-class NodeClient(Protocol):
-    """One narrow handle per GPU manager (STYLE §4)."""
+@dataclass(frozen=True, slots=True)
+class SlotConfig:
+    """Concurrent calls per GPU (D), by GPU type, else `default`."""
 
-    async def execute(self, request: pb.ExecuteRequest, timeout_s: float) -> pb.ExecuteReply: ...
-    async def close(self) -> None: ...
+    default: int = DEFAULT_SLOTS
+    by_type: Mapping[str, int] = field(default_factory=dict)
 
+    def for_type(self, gpu_type: str) -> int:
+        return self.by_type.get(gpu_type, self.default)
 
-class GrpcNodeClient:
-    def __init__(self, address: str) -> None:
-        self._channel = grpc.aio.insecure_channel(address)
-        self._stub = pb_grpc.GpuManagerStub(self._channel)  # type: ignore[no-untyped-call]
-
-    async def execute(self, request: pb.ExecuteRequest, timeout_s: float) -> pb.ExecuteReply:
-        reply: pb.ExecuteReply = await self._stub.Execute(request, timeout=max(0.001, timeout_s))
-        return reply
-
-    async def close(self) -> None:
-        await self._channel.close(grace=None)
-
-
-@dataclass(slots=True)
-class _Call:
-    """One invocation from Invoke to its answer. Lifecycle: created by Invoke, resolved (future)
-    by _execute or by a deadline, forgotten when Invoke returns."""
-
-    request: Request
-    spec: FunctionSpec
-    payload: bytes
-    deadline: float  # monotonic
-    submitted_at: float
-    future: asyncio.Future[pb.InvokeReply]
-    attempts: int = 0
-    dispatched_at: float = 0.0
+    @classmethod
+    def parse(cls, text: str) -> SlotConfig:
+        """ "4" or "4,cpu=8,nvidia-h100-80gb-hbm3=2": a default and per-type values (each >= 1)."""
+        default, by_type = DEFAULT_SLOTS, {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, sep, value = part.rpartition("=")
+            if not value.isdigit() or int(value) < 1 or (sep and not name):
+                raise ValueError(f"slots: expected N or GPU_TYPE=N with N >= 1, got {part!r}")
+            if sep:
+                by_type[name] = int(value)
+            else:
+                default = int(value)
+        return cls(default, by_type)
 
 
 @dataclass(slots=True)
 class _Node:
     record: NodeRecord
-    client: NodeClient
-    gpu_ids: list[str] = field(default_factory=list)
+    conn: Connection | None = None
+    gpu_ids: list[str] = field(default_factory=list)  # in the scheduler (attached) or empty
 
 
-async def _reachable(address: str, timeout_s: float = 1.0) -> bool:
-    async with grpc.aio.insecure_channel(address) as channel:
-        try:
-            await asyncio.wait_for(channel.channel_ready(), timeout_s)
-        except (TimeoutError, grpc.aio.AioRpcError):
-            return False
-        return True
-
-
-class CallFailed(Exception):
-    """Resolves a call with a gRPC status for the gateway to translate."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
-class SchedulerService(pb_grpc.SchedulerServicer):
-    """Hosts the pure scheduler and cache manager.
-
-    Learns nodes and GPUs from etcd (watch), persists every change of LRU lists, replicas, GPU
-    status and profiles back to etcd (coalesced by one flusher task), rebuilds its cache state
-    from etcd on start, and dispatches over gRPC, feeding measured times to the estimator. All
-    scheduler state is touched from the event loop only, so no lock is needed.
-    """
+class SchedulerService:
+    """Hosts the pure scheduler, cache manager and call book behind gpufaas.wire."""
 
     def __init__(
         self,
@@ -119,119 +106,110 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         policy: str = "lalb-o3",
         max_num_skips: int = 25,
         queue_capacity: int = 10_000,
+        slots: SlotConfig | None = None,
+        claim_s: float = DEFAULT_CLAIM_S,
+        lost_after_s: float = DEFAULT_LOST_AFTER_S,
         clock: Callable[[], float] = time.monotonic,
-        node_client: Callable[[str], NodeClient] = GrpcNodeClient,
     ) -> None:
         self.store = store
         self.keys = keys if keys is not None else Keys()
         self.policy_name = policy
-        self.queue_capacity = queue_capacity
+        self.slots = slots if slots is not None else SlotConfig()
         self.clock = clock
-        self._node_client = node_client
         self.scheduler = Scheduler(
             make_policy(policy, PolicyConfig(max_num_skips=max_num_skips)),
             estimator=Estimator(paper_table1()),
             cache=CacheManager(),
         )
+        self.book = CallBook(self.scheduler, queue_capacity, claim_s=claim_s, lost_after_s=lost_after_s)
+        self.scheduler_id = uuid.uuid4().hex
+        self._token_key = grants.new_key()
         self._functions: dict[str, FunctionSpec] = {}
         self._nodes: dict[str, _Node] = {}
-        self._calls: dict[str, _Call] = {}
-        self._inflight: dict[str, asyncio.Task[None]] = {}
-        self._gateway_url = ""
-        self._dirty_gpus: set[str] = set()
-        self._dirty_models: set[str] = set()
-        self._dirty_profiles: set[tuple[str, str, int]] = set()  # (gpu type, model, batch size)
+        self._recovered_lru: dict[str, list[str]] = {}  # "node/gpu" -> models, most recent first
         self._deleted_gpus: set[str] = set()
         self._flush_wanted = asyncio.Event()
         self._written: dict[str, bytes] = {}  # last value put per key: unchanged values are not rewritten
         self._profile_written_at: dict[str, float] = {}
-        self._tasks: list[asyncio.Task[None]] = []
-        self._server: grpc.aio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._server = Server(lambda: _GatewaySession(self))
         self._lease: LeaseKeeper | None = None
         self.address = ""
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self, listen: str = "127.0.0.1:0", *, advertise: str | None = None) -> str:
-        """Recover state from etcd, start watching, serve gRPC; returns the address registered in
-        etcd for gateways to find (`advertise`, else the bound listen address)."""
+        """Recover state from etcd, start watching, serve; returns the address registered in etcd
+        for gateways to find (`advertise`, else the bound listen address)."""
         revision = await self._recover()
-        self._server = grpc.aio.server()
-        pb_grpc.add_SchedulerServicer_to_server(self, self._server)  # type: ignore[no-untyped-call]
-        port = self._server.add_insecure_port(listen)
-        host = listen.rsplit(":", 1)[0]
-        self.address = advertise or f"{host}:{port}"
-        await self._server.start()
+        bound = await self._server.start(listen)
+        self.address = advertise or bound
         self._lease = LeaseKeeper(self.store, LEASE_TTL_S, on_regrant=self._register)
         await self._register(await self._lease.start())
-        self._tasks = [
-            asyncio.create_task(self._watch(self.keys.functions, revision, self._on_function_event)),
-            asyncio.create_task(self._watch(self.keys.nodes, revision, self._on_node_event)),
-            asyncio.create_task(self._watch(self.keys.services, revision, self._on_service_event)),
-            asyncio.create_task(self._flusher()),
-        ]
-        self._kick()
-        log.info("scheduler serving on %s (policy %s, %d GPUs)", self.address, self.policy_name, len(self._gpu_ids()))
+        self._spawn(self._watch(self.keys.functions, revision, self._on_function_event))
+        self._spawn(self._watch(self.keys.nodes, revision, self._on_node_event))
+        self._spawn(self._flusher())
+        self._spawn(self._ticker())
+        log.info("scheduler serving on %s (policy %s)", self.address, self.policy_name)
         return self.address
 
     async def stop(self) -> None:
-        for task in [*self._tasks, *self._inflight.values()]:
+        for task in list(self._tasks):
             task.cancel()
-        for task in [*self._tasks, *self._inflight.values()]:
+        for task in list(self._tasks):
             with contextlib.suppress(BaseException):
                 await task
-        await self._flush()
-        if self._server is not None:
-            await self._server.stop(grace=0.5)
+        with contextlib.suppress(StoreError):
+            await self._flush()
+        await self._server.close()
         if self._lease is not None:
             await self._lease.stop(revoke=True)
         for node in self._nodes.values():
-            await node.client.close()
+            if node.conn is not None:
+                node.conn.close()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _register(self, lease: int) -> None:
         await self.store.put(self.keys.service("scheduler"), self.address.encode(), lease=lease)
 
     async def _recover(self) -> int:
-        """Rebuild functions, nodes and every GPU's cache from etcd; returns the revision read."""
+        """Read functions, profiles, nodes and the persisted LRU lists; returns the revision read.
+        A node's GPUs join once it is attached (its workers then re-populate the cache)."""
         revision = await self.store.revision()
         for kv in await self.store.get_prefix(self.keys.functions):
             self._apply_function(kv.key, kv.value)
-        for kv in await self.store.get_prefix(self.keys.services):
-            self._apply_service(kv.key, kv.value)
         for kv in await self.store.get_prefix(self.keys.profiles):
             self._apply_profile(kv)
+        live: set[str] = set()
         for kv in await self.store.get_prefix(self.keys.nodes):
             with contextlib.suppress(ValueError, KeyError):
-                await self._add_node(NodeRecord.from_json(kv.value))
-        live = set(self._gpu_ids())
+                record = NodeRecord.from_json(kv.value)
+                live.update(gpu_address(record.node, gpu.gpu) for gpu in record.gpus)
+                self._node_seen(record)
         for kv in await self.store.get_prefix(self.keys.gpus):
             parsed = self.keys.parse_gpu_key(kv.key)
-            if parsed is None:
+            if parsed is None or parsed[2] != "lru":
                 continue
-            node, gpu, kind = parsed
-            address = gpu_address(node, gpu)
-            if kind != "lru":
-                continue
+            address = gpu_address(parsed[0], parsed[1])
             if address not in live:
                 self._deleted_gpus.add(address)  # a GPU that left while no scheduler ran
                 continue
-            items = json.loads(kv.value)
-            # Stored most recent first: admit oldest first so the recency order comes back.
-            for item in reversed(items):
-                self.scheduler.register_model(ModelSpec(item["model"], int(item["memory_mb"])))
-                self.scheduler.cache.admit(address, item["model"], int(item["memory_mb"]))
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                self._recovered_lru[address] = [item["model"] for item in json.loads(kv.value)]
         self._flush_wanted.set()
         return revision
 
     # --- watches --------------------------------------------------------------------------
-    async def _watch(self, prefix: str, revision: int, apply: Callable[[WatchEvent], Any]) -> None:
+    async def _watch(self, prefix: str, revision: int, apply: Callable[[WatchEvent], None]) -> None:
         start = revision + 1
         while True:
             try:
                 async for event in self.store.watch_prefix(prefix, start_revision=start):
                     start = event.mod_revision + 1
-                    result = apply(event)
-                    if asyncio.iscoroutine(result):
-                        await result
+                    apply(event)
             except asyncio.CancelledError:
                 raise
             except StoreError as exc:
@@ -244,25 +222,18 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         else:
             self._functions.pop(event.key.removeprefix(self.keys.functions), None)
 
-    def _apply_function(self, key: str, value: bytes) -> None:
+    def _apply_function(self, key: str, value: bytes) -> FunctionSpec | None:
         try:
             spec = FunctionSpec.from_json(value)
         except GpufaasError as exc:
             log.warning("ignoring invalid function spec at %s: %s", key, exc)
-            return
+            return None
         self._functions[spec.name] = spec
         self.scheduler.register_model(ModelSpec(spec.model, spec.memory_mb, spec.required_gpu_type))
-
-    def _on_service_event(self, event: WatchEvent) -> None:
-        if event.kind == "put":
-            self._apply_service(event.key, event.value)
-
-    def _apply_service(self, key: str, value: bytes) -> None:
-        if key == self.keys.service("gateway"):
-            self._gateway_url = value.decode()
+        return spec
 
     def _apply_profile(self, kv: KeyValue) -> None:
-        with contextlib.suppress(ValueError, KeyError):
+        with contextlib.suppress(ValueError, KeyError, TypeError):
             gpu_type, model = kv.key.removeprefix(self.keys.profiles).split("/", 1)
             raw = json.loads(kv.value)
             if raw.get("load_time_s") is not None:
@@ -270,289 +241,242 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             for batch, seconds in raw.get("inference_time_s", {}).items():
                 self.scheduler.estimator.observe_inference(model, gpu_type, int(batch), float(seconds))
 
-    async def _on_node_event(self, event: WatchEvent) -> None:
-        node = event.key.removeprefix(self.keys.nodes)
+    def _on_node_event(self, event: WatchEvent) -> None:
+        name = event.key.removeprefix(self.keys.nodes)
         if event.kind == "delete":
-            log.info("node %s left the cluster (lease expired or removed)", node)
-            await self._remove_node(node)
-        else:
-            try:
-                record = NodeRecord.from_json(event.value)
-            except (ValueError, KeyError) as exc:
-                log.warning("ignoring invalid node record for %s: %s", node, exc)
-                return
-            known = self._nodes.get(node)
-            if known is not None and known.record == record:
-                return
-            if known is not None:
-                # A restarted GPU manager: its workers, and so its cached models, are gone.
-                log.info("node %s re-registered (incarnation %s)", node, record.incarnation)
-                await self._remove_node(node)
-            await self._add_node(record)
-        self._kick()
+            log.info("node %s left the cluster (lease expired or removed)", name)
+            self._node_gone(name)
+            return
+        try:
+            record = NodeRecord.from_json(event.value)
+        except (ValueError, KeyError) as exc:
+            log.warning("ignoring invalid node record for %s: %s", name, exc)
+            return
+        self._node_seen(record)
 
-    async def _add_node(self, record: NodeRecord) -> None:
-        node = _Node(record, self._node_client(record.address))
-        for gpu in record.gpus:
-            address = gpu_address(record.node, gpu.gpu)
-            self.scheduler.add_gpu(GpuSpec(address, gpu.memory_mb, gpu.gpu_type))
-            node.gpu_ids.append(address)
-            self._deleted_gpus.discard(address)
-            self._dirty_gpus.add(address)
+    # --- nodes ----------------------------------------------------------------------------
+    def _node_seen(self, record: NodeRecord) -> None:
+        known = self._nodes.get(record.node)
+        if known is not None and known.record == record:
+            return
+        if known is not None:
+            # A restarted GPU manager (a new incarnation): its workers, and so its models, are gone.
+            log.info("node %s re-registered (incarnation %s)", record.node, record.incarnation)
+            self._node_gone(record.node)
+        node = _Node(record)
         self._nodes[record.node] = node
-        self._flush_wanted.set()
+        self._spawn(self._keep_attached(node))
 
-    async def _remove_node(self, name: str) -> None:
-        node = self._detach_node(name)
-        if node is not None:
-            await node.client.close()
-
-    def _detach_node(self, name: str) -> _Node | None:
-        """Take a node's GPUs out: their running and parked calls go back to the front of the
-        global queue in arrival order, their cache entries are dropped."""
+    def _node_gone(self, name: str) -> None:
         node = self._nodes.pop(name, None)
         if node is None:
-            return None
-        for address in node.gpu_ids:
-            running = self.scheduler.gpu(address).running
-            models = list(self.scheduler.cache.models_on(address))
-            requeued = self.scheduler.remove_gpu(address)
-            if running is not None:
-                task = self._inflight.pop(running.request_id, None)
-                if task is not None:
-                    task.cancel()
-            for request in requeued:
-                call = self._calls.get(request.request_id)
-                if call is None:  # its caller is gone: nobody waits for it
-                    self.scheduler.cancel(request.request_id)
-            self._dirty_models.update(models)
-            self._deleted_gpus.add(address)
-            self._dirty_gpus.discard(address)
+            return
+        self._detach(node)
+        if node.conn is not None:
+            node.conn.close()
+
+    async def _keep_attached(self, node: _Node) -> None:
+        """Connect to the node and attach (hand it the token key, learn its workers), then add
+        its GPUs; when the connection drops, take them out and try again while the node is
+        registered under the same incarnation."""
+        session = _NodeSession(self, node)
+        while self._nodes.get(node.record.node) is node:
+            try:
+                conn = await connect(node.record.address, session, timeout_s=NODE_TIMEOUT_S)
+                reply = (
+                    await conn.request(
+                        MessageType.ATTACH,
+                        pb.Attach(scheduler_id=self.scheduler_id, token_key=self._token_key),
+                        timeout_s=NODE_TIMEOUT_S,
+                    )
+                ).message(pb.AttachReply)
+            except (ConnectionLost, TimeoutError, RemoteError) as exc:
+                log.debug("node %s at %s: %s", node.record.node, node.record.address, exc)
+                await asyncio.sleep(RECONNECT_S)
+                continue
+            if self._nodes.get(node.record.node) is not node or reply.incarnation != node.record.incarnation:
+                conn.close()  # it left or restarted meanwhile: the watch brings the new record
+                return
+            node.conn = conn
+            self._attach(node, reply)
+            lost = await conn.closed
+            if self._nodes.get(node.record.node) is node:
+                log.warning("lost the connection to node %s (%s); taking its GPUs out", node.record.node, lost)
+                self._detach(node)
+            node.conn = None
+            await asyncio.sleep(RECONNECT_S)
+
+    def _attach(self, node: _Node, reply: pb.AttachReply) -> None:
+        resident: dict[str, dict[str, int]] = {}
+        for worker in reply.workers:
+            resident.setdefault(gpu_address(node.record.node, worker.gpu), {})[worker.model] = int(worker.memory_mb)
+        effects: list[Effect] = []
+        for gpu in node.record.gpus:
+            address = gpu_address(node.record.node, gpu.gpu)
+            slots = self.slots.for_type(gpu.gpu_type)
+            self.scheduler.add_gpu(GpuSpec(address, gpu.memory_mb, gpu.gpu_type, slots=slots))
+            node.gpu_ids.append(address)
+            self._deleted_gpus.discard(address)
+            workers = resident.get(address, {})
+            # Oldest first, so the recency order persisted before a restart comes back.
+            order = [m for m in reversed(self._recovered_lru.pop(address, [])) if m in workers]
+            ordered = {m: workers[m] for m in order} | workers
+            effects += self.book.reconcile(address, ordered, self.clock())
+        log.info(
+            "node %s attached: %d GPU(s), %d resident model(s)", node.record.node, len(node.gpu_ids), len(reply.workers)
+        )
+        self._apply(effects + self.book.schedule(self.clock()))
+
+    def _detach(self, node: _Node) -> None:
+        """Take a node's GPUs out: their calls go back to the queue (and are placed again)."""
+        if not node.gpu_ids:
+            return
+        gpu_ids, node.gpu_ids = node.gpu_ids, []
+        self._deleted_gpus.update(gpu_ids)
+        self._apply(self.book.gpus_removed(gpu_ids, self.clock()))
+
+    async def _check_grants(self, effect: CheckGrants) -> None:
+        node = self._nodes.get(effect.node)
+        request = pb.Revoke(grants=[pb.GrantRef(call_id=c, attempt=a) for c, a in effect.grants])
+        try:
+            if node is None or node.conn is None:
+                raise ConnectionLost(f"node {effect.node} is not connected")
+            reply = (await node.conn.request(MessageType.REVOKE, request, timeout_s=NODE_TIMEOUT_S)).message(
+                pb.RevokeReply
+            )
+        except (ConnectionLost, TimeoutError, RemoteError) as exc:
+            # The node cannot say: if it is gone its calls were requeued with its GPUs.
+            log.warning("cannot check grants with node %s (%s); taking it out", effect.node, exc)
+            if node is not None:
+                self._disconnect(node)
+            return
+        self._apply(
+            self.book.grants_checked(
+                effect.node,
+                [(g.call_id, g.attempt) for g in reply.unseen],
+                [(g.call_id, g.attempt) for g in reply.seen],
+                self.clock(),
+            )
+        )
+
+    async def _evict(self, effect: Evict) -> None:
+        node_name, gpu = split_gpu_address(effect.gpu_id)
+        node = self._nodes.get(node_name)
+        if node is None or node.conn is None:
+            return
+        with contextlib.suppress(ConnectionLost, TimeoutError, RemoteError):
+            await node.conn.request(MessageType.EVICT, pb.Evict(gpu=gpu, models=effect.models), timeout_s=30.0)
+
+    def _disconnect(self, node: _Node) -> None:
+        """Stop using a node that does not answer: `_keep_attached` takes its GPUs out and
+        re-attaches it if it answers again (under the same incarnation)."""
+        if node.conn is not None:
+            node.conn.close()
+        else:
+            self._detach(node)
+
+    # --- effects --------------------------------------------------------------------------
+    def _apply(self, effects: Iterable[Effect]) -> None:
+        for effect in effects:
+            if isinstance(effect, Assignment):
+                self._place(effect)
+            elif isinstance(effect, Answer):
+                self._send(
+                    effect.owner,
+                    MessageType.REJECTION,
+                    pb.Rejection(call_id=effect.call_id, status=effect.status, message=effect.message),  # type: ignore[arg-type]
+                )
+            elif isinstance(effect, CheckGrants):
+                self._spawn(self._check_grants(effect))
+            else:
+                self._spawn(self._evict(effect))
         self._flush_wanted.set()
-        return node
 
-    async def _probe(self, node: _Node) -> None:
-        """Re-admit a node that was unreachable once it answers again, if etcd still lists the
-        same incarnation (a new incarnation arrives through the watch instead)."""
-        await node.client.close()
-        record = node.record
-        while record.node not in self._nodes:
-            await asyncio.sleep(1.0)
-            with contextlib.suppress(StoreError, ValueError, KeyError):
-                kv = await self.store.get(self.keys.node(record.node))
-                if kv is None or NodeRecord.from_json(kv.value) != record:
-                    return  # it left, or restarted: the watch handles both
-                client = self._node_client(record.address)
-                if await _reachable(record.address):
-                    if record.node not in self._nodes:
-                        log.info("node %s answers again; re-admitting it", record.node)
-                        await self._add_node(record)
-                        self._kick()
-                    await client.close()
-                    return
-                await client.close()
+    def _place(self, a: Assignment) -> None:
+        node_name, gpu = split_gpu_address(a.gpu_id)
+        node = self._nodes[node_name]
+        to_wall = time.time() - self.clock()
+        spec = a.spec
+        grant = pb.Grant(
+            scheduler_id=self.scheduler_id,
+            call_id=a.call_id,
+            attempt=a.attempt,
+            node=node_name,
+            gpu=gpu,
+            gpu_seq=a.gpu_seq,
+            function=spec.name,
+            model=spec.model,
+            package_digest=spec.package_digest,
+            memory_mb=spec.memory_mb,
+            evict=a.evict,
+            claim_by_unix_s=a.claim_by + to_wall,
+            expires_unix_s=a.deadline + to_wall,
+            max_batch_size=spec.max_batch_size,
+            max_batch_wait_s=spec.max_batch_wait_ms / 1000.0,
+            load_time_s=self.scheduler.load_time_s(spec.model, a.gpu_id),
+            inference_time_s=a.est_inference_time_s,
+            environment=spec.environment,
+        )
+        placement = pb.Placement(
+            call_id=a.call_id,
+            attempt=a.attempt,
+            node=node_name,
+            node_address=node.record.address,
+            gpu=gpu,
+            hit=a.hit,
+            queue_s=a.queue_s,
+            token=grants.sign(grant, self._token_key),
+        )
+        self._send(a.owner, MessageType.PLACEMENT, placement)
 
-    def _gpu_ids(self) -> list[str]:
-        return [gpu for node in self._nodes.values() for gpu in node.gpu_ids]
+    @staticmethod
+    def _send(owner: object, type_: int, message: Any) -> None:
+        assert isinstance(owner, Connection)
+        with contextlib.suppress(ConnectionLost):  # the owner is gone: owner_lost cleans up
+            owner.send(type_, message)
 
-    # --- gRPC: Invoke ---------------------------------------------------------------------
-    async def Invoke(self, request: pb.InvokeRequest, context: grpc.aio.ServicerContext) -> pb.InvokeReply:  # noqa: N802
-        now = self.clock()
+    # --- from gateways --------------------------------------------------------------------
+    def place(self, conn: Connection, request: pb.Place) -> None:
         spec = self._functions.get(request.function)
         if spec is None:
             # A deploy that just happened may not have reached the watch yet: read through once.
-            with contextlib.suppress(ValueError, StoreError):
-                kv = await self.store.get(self.keys.function(request.function))
-                if kv is not None:
-                    self._apply_function(kv.key, kv.value)
-                    spec = self._functions.get(request.function)
+            self._spawn(self._place_unknown(conn, request))
+            return
+        self._submit(conn, request, spec)
+
+    async def _place_unknown(self, conn: Connection, request: pb.Place) -> None:
+        spec = None
+        with contextlib.suppress(ValueError, StoreError):
+            kv = await self.store.get(self.keys.function(request.function))
+            if kv is not None:
+                spec = self._apply_function(kv.key, kv.value)
         if spec is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"function {request.function!r} is not deployed")
-        assert spec is not None
-        if len(self.scheduler.queue) >= self.queue_capacity:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the global queue is full ({self.queue_capacity} calls waiting); retry later",
+            self._send(
+                conn,
+                MessageType.REJECTION,
+                pb.Rejection(
+                    call_id=request.call_id,
+                    status=pb.NOT_FOUND,
+                    message=f"function {request.function!r} is not deployed",
+                ),
             )
-        if not self._nodes:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no GPU manager is registered: start a node")
+            return
+        self._submit(conn, request, spec)
+
+    def _submit(self, conn: Connection, request: pb.Place, spec: FunctionSpec) -> None:
         timeout_s = request.timeout_s if request.timeout_s > 0 else spec.timeout_s
-        call_id = request.call_id or uuid.uuid4().hex
-        item = Request(call_id, spec.name, spec.model, now, spec.batch_size)
         try:
-            self.scheduler.submit(item)
-        except ModelTooLarge as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except (UnknownModel, ValueError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        call = _Call(
-            item,
-            spec,
-            request.payload,
-            deadline=now + timeout_s - DEADLINE_MARGIN_S,
-            submitted_at=now,
-            future=asyncio.get_running_loop().create_future(),
-        )
-        self._calls[call_id] = call
-        try:
-            self._kick()
-            try:
-                return await asyncio.wait_for(asyncio.shield(call.future), timeout=max(0.0, call.deadline - now))
-            except TimeoutError:
-                self.scheduler.cancel(call_id)
-                self._kick()
-                await context.abort(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"function {spec.name!r} did not finish within its timeout of {timeout_s:g} s; "
-                    "raise its timeout_s or send it less work",
-                )
-            except CallFailed as exc:
-                await context.abort(exc.code, exc.details)
-        finally:
-            self._calls.pop(call_id, None)
-            if not call.future.done():
-                call.future.cancel()
-            # A caller that went away (cancelled RPC) leaves nothing queued behind.
-            self.scheduler.cancel(call_id)
-        raise AssertionError("unreachable")  # context.abort raises
-
-    # --- dispatching ----------------------------------------------------------------------
-    def _kick(self) -> None:
-        """Run the policy for every idle GPU and start the resulting dispatches."""
-        for decision in self.scheduler.schedule(self.clock()):
-            if isinstance(decision, Dispatch):
-                self._dirty_gpus.add(decision.gpu_id)
-                self._dirty_models.add(decision.request.model)
-                self._dirty_models.update(decision.evict)
-                self._inflight[decision.request.request_id] = asyncio.create_task(self._execute(decision))
-            else:
-                self._dirty_gpus.add(decision.gpu_id)
-        self._flush_wanted.set()
-
-    async def _execute(self, decision: Dispatch) -> None:
-        request = decision.request
-        call_id = request.request_id
-        call = self._calls.get(call_id)
-        now = self.clock()
-        if call is None or call.future.done():
-            # The caller gave up while the request waited: free the GPU without running it (on a
-            # miss the model was never loaded there, so its cache entry goes too).
-            self.scheduler.on_failure(call_id, now, drop_model=not decision.hit, requeue=False)
-            self._inflight.pop(call_id, None)
-            self._kick()
-            return
-        call.attempts += 1
-        call.dispatched_at = now
-        node_name, gpu = split_gpu_address(decision.gpu_id)
-        node = self._nodes[node_name]
-        estimator = self.scheduler.estimator
-        gpu_type = self.scheduler.gpu(decision.gpu_id).spec.gpu_type
-        message = pb.ExecuteRequest(
-            call_id=call_id,
-            function=call.spec.name,
-            model=request.model,
-            package_digest=call.spec.package_digest,
-            gpu=gpu,
-            evict=list(decision.evict),
-            payload=call.payload,
-            timeout_s=max(0.001, call.deadline - now - DEADLINE_MARGIN_S),
-            memory_mb=call.spec.memory_mb,
-            package_url=self._package_url(call.spec.package_digest),
-            load_time_s=estimator.load_time_s(request.model, gpu_type, call.spec.memory_mb),
-            inference_time_s=estimator.inference_time_s(request.model, gpu_type, request.batch_size),
-        )
-        try:
-            reply = await node.client.execute(message, call.deadline - now)
-        except asyncio.CancelledError:
-            # The node left: remove_gpu already put the request back in the queue.
-            raise
-        except grpc.aio.AioRpcError as exc:
-            self._inflight.pop(call_id, None)
-            self._on_execute_error(decision, call, exc)
-        else:
-            self._inflight.pop(call_id, None)
-            done = self.clock()
-            self.scheduler.on_complete(
-                call_id,
-                done,
-                load_time_s=reply.load_time_s if reply.loaded else None,
-                inference_time_s=reply.inference_time_s,
-            )
-            self._dirty_profiles.add((gpu_type, request.model, request.batch_size))
-            if self.scheduler.observe_memory(request.model, decision.gpu_id, reply.peak_memory_mb):
-                log.info("model %s measured at %d MB on %s", request.model, reply.peak_memory_mb, decision.gpu_id)
-            if not call.future.done():
-                call.future.set_result(
-                    pb.InvokeReply(
-                        output=reply.output,
-                        gpu=decision.gpu_id,
-                        hit=not reply.loaded,
-                        queue_s=call.dispatched_at - call.submitted_at,
-                        load_time_s=reply.load_time_s,
-                        inference_time_s=reply.inference_time_s,
-                        attempts=call.attempts,
-                    )
-                )
-        self._dirty_gpus.add(decision.gpu_id)
-        self._kick()
-
-    def _on_execute_error(self, decision: Dispatch, call: _Call, exc: grpc.aio.AioRpcError) -> None:
-        call_id = decision.request.request_id
-        now = self.clock()
-        code = exc.code()
-        if decision.gpu_id not in self.scheduler.cache.gpu_ids():
-            return  # its node left meanwhile: the request was requeued with the node's work
-        if code == grpc.StatusCode.UNAVAILABLE:
-            # The node does not answer (crashed, or cut off): stop sending it work now rather than
-            # when its lease expires. Its calls are requeued; this one did not run, so it keeps
-            # its retry. The node comes back if it answers again under the same incarnation.
-            call.attempts -= 1
-            node_name = split_gpu_address(decision.gpu_id)[0]
-            log.warning("node %s is unreachable (%s); taking its GPUs out", node_name, exc.details())
-            node = self._detach_node(node_name)
-            if node is not None:
-                self._tasks.append(asyncio.create_task(self._probe(node)))
-            return
-        if code in (grpc.StatusCode.ABORTED, grpc.StatusCode.INVALID_ARGUMENT):
-            # The function's own error (or a bad package): the GPU and the worker are fine.
-            self.scheduler.on_complete(call_id, now)
-            self._fail(call, code, exc.details() or "the function failed")
-            return
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            # The GPU manager killed the stuck worker: the model is no longer cached there.
-            self.scheduler.on_failure(call_id, now, drop_model=True, requeue=False)
-            self._fail(
-                call,
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"function {call.spec.name!r} did not finish within its timeout of {call.spec.timeout_s:g} s; "
-                "raise its timeout_s or send it less work",
+            effects = self.book.submit(conn, request.call_id, spec, timeout_s, self.clock())
+        except Rejected as exc:
+            self._send(
+                conn,
+                MessageType.REJECTION,
+                pb.Rejection(call_id=request.call_id, status=exc.status, message=str(exc)),  # type: ignore[arg-type]
             )
             return
-        # The worker died: drop its cache entry, retry once on another GPU.
-        retry = call.attempts < MAX_ATTEMPTS and call.deadline > now
-        log.warning(
-            "call %s failed on %s (%s: %s)%s",
-            call_id,
-            decision.gpu_id,
-            code,
-            exc.details(),
-            " retrying" if retry else "",
-        )
-        self.scheduler.on_failure(call_id, now, drop_model=True, requeue=retry, avoid_gpu=True)
-        self._dirty_models.add(decision.request.model)
-        if not retry:
-            self._fail(call, grpc.StatusCode.UNAVAILABLE, f"the function's worker failed twice: {exc.details()}")
+        self._apply(effects)
 
-    @staticmethod
-    def _fail(call: _Call, code: grpc.StatusCode, details: str) -> None:
-        if not call.future.done():
-            call.future.set_exception(CallFailed(code, details))
-
-    def _package_url(self, digest: str) -> str:
-        return f"{self._gateway_url}/system/packages/{digest}" if self._gateway_url else ""
-
-    # --- gRPC: GetCluster -----------------------------------------------------------------
-    async def GetCluster(self, request: pb.ClusterRequest, context: grpc.aio.ServicerContext) -> pb.ClusterReply:  # noqa: N802
+    def cluster(self) -> pb.ClusterReply:
         now = self.clock()
         gpus = []
         for node in self._nodes.values():
@@ -568,17 +492,23 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                         memory_capacity_mb=cache.capacity_mb,
                         lru=cache.lru_list(),
                         local_queue=len(state.local_queue),
-                        running=state.running.request_id if state.running is not None else "",
+                        running=list(state.running),
                         gpu_type=state.spec.gpu_type,
+                        slots=state.spec.slots,
                     )
                 )
         queue = [
             pb.QueuedCall(call_id=r.request_id, function=r.function, model=r.model, waited_s=now - r.arrival_s)
             for r in self.scheduler.queue
         ]
-        return pb.ClusterReply(gpus=gpus, queue=queue, policy=self.policy_name, queue_capacity=self.queue_capacity)
+        return pb.ClusterReply(gpus=gpus, queue=queue, policy=self.policy_name, queue_capacity=self.book.queue_capacity)
 
-    # --- persistence ----------------------------------------------------------------------
+    # --- time and persistence -------------------------------------------------------------
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            self._apply(self.book.tick(self.clock()))
+
     async def _flusher(self) -> None:
         while True:
             await self._flush_wanted.wait()
@@ -594,9 +524,10 @@ class SchedulerService(pb_grpc.SchedulerServicer):
     async def _flush(self) -> None:
         """Write what changed since the last flush. The cache manager is the single writer of
         these keys, so plain puts suffice (no read-modify-write)."""
-        gpus, self._dirty_gpus = self._dirty_gpus, set()
-        models, self._dirty_models = self._dirty_models, set()
-        profiles, self._dirty_profiles = self._dirty_profiles, set()
+        book = self.book
+        gpus, book.dirty_gpus = book.dirty_gpus, set()
+        models, book.dirty_models = book.dirty_models, set()
+        profiles, book.dirty_profiles = book.dirty_profiles, set()
         deleted, self._deleted_gpus = self._deleted_gpus, set()
         try:
             for address in deleted:
@@ -604,9 +535,8 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 for key in (self.keys.gpu_lru(node, gpu), self.keys.gpu_status(node, gpu)):
                     await self.store.delete(key)
                     self._written.pop(key, None)
-            for address in gpus:
-                if address not in self.scheduler.cache.gpu_ids():
-                    continue
+            live = set(self.scheduler.cache.gpu_ids())
+            for address in gpus & live:
                 node, gpu = split_gpu_address(address)
                 cache = self.scheduler.cache.gpu(address)
                 state = self.scheduler.gpu(address)
@@ -616,7 +546,8 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                     "status": "idle" if state.idle else "busy",
                     "memory_used_mb": cache.used_mb,
                     "memory_capacity_mb": cache.capacity_mb,
-                    "running": state.running.request_id if state.running is not None else None,
+                    "running": len(state.running),
+                    "slots": state.spec.slots,
                     "local_queue": len(state.local_queue),
                 }
                 await self._put(self.keys.gpu_status(node, gpu), json.dumps(status).encode())
@@ -632,20 +563,22 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             for gpu_type, model, batch in profiles:
                 key = self.keys.profile(gpu_type, model)
                 if now - self._profile_written_at.get(key, -PROFILE_WRITE_INTERVAL_S) < PROFILE_WRITE_INTERVAL_S:
-                    self._dirty_profiles.add((gpu_type, model, batch))  # later
+                    book.dirty_profiles.add((gpu_type, model, batch))  # later
                     continue
                 self._profile_written_at[key] = now
                 estimator = self.scheduler.estimator
-                record = {
-                    "load_time_s": estimator.load_time_s(model, gpu_type, self.scheduler.model(model).memory_mb),
-                    "inference_time_s": {str(batch): estimator.inference_time_s(model, gpu_type, batch)},
-                }
-                await self.store.put(key, json.dumps(record).encode())
+                with contextlib.suppress(KeyError):
+                    memory_mb = self.scheduler.model(model).memory_mb
+                    record = {
+                        "load_time_s": estimator.load_time_s(model, gpu_type, memory_mb),
+                        "inference_time_s": {str(batch): estimator.inference_time_s(model, gpu_type, batch)},
+                    }
+                    await self.store.put(key, json.dumps(record).encode())
         except StoreError:
             # Put it all back: the next flush retries every key.
-            self._dirty_gpus |= gpus
-            self._dirty_models |= models
-            self._dirty_profiles |= profiles
+            book.dirty_gpus |= gpus
+            book.dirty_models |= models
+            book.dirty_profiles |= profiles
             self._deleted_gpus |= deleted
             raise
 
@@ -654,3 +587,59 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             return
         await self.store.put(key, value)
         self._written[key] = value
+
+
+class _GatewaySession:
+    """One gateway's connection: its calls are owned by the connection itself."""
+
+    def __init__(self, service: SchedulerService) -> None:
+        self.service = service
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        service = self.service
+        if frame.type == MessageType.PLACE:
+            service.place(conn, frame.message(pb.Place))
+        elif frame.type == MessageType.ABANDON:
+            abandon = frame.message(pb.Abandon)
+            service._apply(
+                service.book.abandon(conn, abandon.call_id, abandon.attempt, abandon.reason, service.clock())
+            )
+        elif frame.type == MessageType.CLUSTER:
+            conn.reply(frame, MessageType.CLUSTER_REPLY, service.cluster())
+        elif frame.is_request:
+            conn.reply_error(frame, pb.INVALID, f"the scheduler does not answer message type {frame.type}")
+
+    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
+        service = self.service
+        service._apply(service.book.owner_lost(conn, service.clock()))
+
+
+class _NodeSession:
+    """The scheduler's connection to one node: Done messages arrive on it."""
+
+    def __init__(self, service: SchedulerService, node: _Node) -> None:
+        self.service = service
+        self.node = node
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        if frame.type != MessageType.DONE:
+            return
+        done = frame.message(pb.Done)
+        service = self.service
+        service._apply(
+            service.book.done(
+                done.call_id,
+                done.attempt,
+                done.outcome,
+                service.clock(),
+                loaded=done.loaded,
+                load_time_s=done.load_time_s,
+                inference_time_s=done.inference_time_s,
+                peak_memory_mb=int(done.peak_memory_mb),
+                batch_calls=done.batch_calls,
+                worker_lost=done.worker_lost,
+            )
+        )
+
+    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
+        pass  # _keep_attached sees `conn.closed` resolve

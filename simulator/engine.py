@@ -1,17 +1,46 @@
-"""The discrete-event engine: replays a workload through the real Scheduler and CacheManager."""
+"""The discrete-event engine: replays a workload through the real Scheduler and CacheManager.
+
+The scheduler and the cache manager are the objects the control plane runs; what the simulator
+adds is the ground truth of the GPUs, on a virtual clock:
+
+- Each GPU has D slots (`ClusterConfig.slots`): the scheduler dispatches up to D calls to it at
+  once. D = 1 is the paper's testbed: one call at a time per GPU.
+- Each (GPU, model) worker runs one batch at a time. When it is free (its model loaded, no batch
+  of it queued or running), it takes up to `Batching.max_batch_size` of the calls dispatched to
+  it that are waiting, in dispatch order. With fewer waiting than that, a free worker waits up to
+  `Batching.max_batch_wait_ms` for more (from when it is free with a call waiting), then takes
+  what it has. Calls dispatched at one instant reach it together. Batching needs D > 1: only then
+  can several calls reach one worker at once.
+- A GPU computes one batch at a time: the batches of its workers run in the order they were
+  formed (time-slicing the GPU among processes adds no compute).
+- A miss's load is a transfer: it does not hold the GPU's compute, but its worker cannot run until
+  the load is done. It takes the profile's load time; evictions are immediate.
+- A batch of k calls of b samples each takes t(k) = t(1) * k**beta, where t(1) is the profile's
+  inference time scaled linearly to b samples and beta is `ClusterConfig.batch_exponent`. The
+  default beta = 1 makes batching gain nothing, which keeps the paper's figures honest; real GPUs
+  are sublinear (beta < 1: a batch of 4 costs less than 4 batches of 1) up to their saturation.
+- Every call of a batch completes when its batch does; its slot is free then. The scheduler is
+  told (`on_complete`) with the batch's inference time at batch size k x b samples, and the load
+  time on the call whose dispatch loaded the model, so its estimator follows the ground truth as
+  the service's follows the nodes' measurements.
+
+With D = 1 and no batching this is exactly the one-call-at-a-time model: a miss takes load +
+inference, a hit its inference.
+"""
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import statistics
-from collections import defaultdict
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections import defaultdict, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 
 from cache_manager import CacheManager, eviction_policy
 from gpufaas.profiles import ModelProfile
-from gpufaas.types import GpuSpec
+from gpufaas.types import GpuSpec, Request
 from scheduler import Dispatch, Estimator, Park, PolicyConfig, Scheduler, make_policy
 from scheduler.policies import DEFAULT_MAX_NUM_SKIPS
 from simulator.workload import Workload
@@ -19,18 +48,46 @@ from simulator.workload import Workload
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    """The simulated cluster; the default is the paper's testbed: 3 nodes x 4 RTX 2080 (8 GB)."""
+    """The simulated cluster; the default is the paper's testbed: 3 nodes x 4 RTX 2080 (8 GB),
+    one call at a time per GPU. `batch_exponent` is beta of the module docstring."""
 
     gpus: int = 12
     gpu_memory_mb: int = 8192
     gpu_type: str = "rtx2080"
     eviction: str = "lru"
+    slots: int = 1
+    batch_exponent: float = 1.0
 
     def __post_init__(self) -> None:
         if self.gpus <= 0:
             raise ValueError(f"gpus must be positive, got {self.gpus}")
         if self.gpu_memory_mb <= 0:
             raise ValueError(f"gpu_memory_mb must be positive, got {self.gpu_memory_mb}")
+        if self.slots < 1:
+            raise ValueError(f"slots must be at least 1, got {self.slots}")
+        if not (self.batch_exponent > 0 and math.isfinite(self.batch_exponent)):
+            raise ValueError(f"batch_exponent must be a positive number, got {self.batch_exponent}")
+
+
+@dataclass(frozen=True, slots=True)
+class Batching:
+    """How a function's calls may be merged on a worker (opt-in: the default merges nothing).
+
+    `max_batch_size`: calls merged into one batch at most. `max_batch_wait_ms`: how long a free
+    worker with fewer calls waiting than that waits for more before it runs what it has.
+    """
+
+    max_batch_size: int = 1
+    max_batch_wait_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {self.max_batch_size}")
+        if not (self.max_batch_wait_ms >= 0 and math.isfinite(self.max_batch_wait_ms)):
+            raise ValueError(f"max_batch_wait_ms must be a non-negative number, got {self.max_batch_wait_ms}")
+
+
+NO_BATCHING = Batching()
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +97,10 @@ class SimResult:
     policy: str
     max_num_skips: int
     room_aware_misses: bool
+    coldest_victim_misses: bool  # in effect only with room_aware_misses
     working_set: int
     gpus: int
+    slots: int  # D: calls a GPU runs at once
     requests: int
     completed: int
     avg_latency_s: float
@@ -50,7 +109,7 @@ class SimResult:
     miss_ratio: float
     false_miss_ratio: float  # false misses / misses: a miss although another GPU held the model
     avg_top_model_replicas: float  # time-weighted number of GPUs holding the most popular model
-    gpu_utilization: float  # inference seconds / (GPUs x makespan); loading does not count
+    gpu_utilization: float  # compute seconds (batches) / (GPUs x makespan); loading does not count
     function_latency_variance: float  # population variance of per-function average latency (s^2)
     hits: int
     misses: int
@@ -58,6 +117,11 @@ class SimResult:
     parks: int
     makespan_s: float
     max_queue_len: int
+    max_batch_size: int  # the largest of any function's (1: no batching)
+    max_batch_wait_ms: float  # the largest of any function's
+    batch_exponent: float
+    batches: int
+    avg_batch_calls: float  # calls per batch
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -70,78 +134,86 @@ def simulate(
     cluster: ClusterConfig | None = None,
     max_num_skips: int = DEFAULT_MAX_NUM_SKIPS,
     room_aware_misses: bool = True,
+    coldest_victim_misses: bool = True,
+    batching: Mapping[str, Batching] | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> SimResult:
-    """Run every request of `workload` to completion under `policy`.
-
-    A GPU runs one request at a time; a miss costs the model's load time plus its inference time,
-    a hit its inference time (the profiled figures: the simulator's ground truth); evictions are
-    immediate. The scheduler's estimator starts from the same profiles and is fed every
-    "measured" time, as the service feeds it. `room_aware_misses=False` runs Algorithm 2 to the
-    letter (see PolicyConfig). `on_progress(completed)` is called per completion.
+    """Run every request of `workload` to completion under `policy` (the ground truth is in the
+    module docstring). The scheduler's estimator starts from the same profiles as the ground
+    truth and is fed every "measured" time, as the service feeds it. `room_aware_misses` and
+    `coldest_victim_misses` are PolicyConfig's (False = Algorithm 2 to the letter). `batching`
+    maps a function to how its calls may be merged; functions absent from it are not batched.
+    `on_progress(completed)` is called per completion.
     """
     cluster = cluster if cluster is not None else ClusterConfig()
+    batching = batching if batching is not None else {}
+    config = PolicyConfig(
+        max_num_skips=max_num_skips,
+        room_aware_misses=room_aware_misses,
+        coldest_victim_misses=coldest_victim_misses,
+    )
     scheduler = Scheduler(
-        make_policy(policy, PolicyConfig(max_num_skips=max_num_skips, room_aware_misses=room_aware_misses)),
+        make_policy(policy, config),
         estimator=Estimator(_as_gpu_type(workload.profiles, cluster.gpu_type)),
         cache=CacheManager(eviction_policy(cluster.eviction)),
     )
     for index in range(cluster.gpus):
-        scheduler.add_gpu(GpuSpec(f"gpu{index:03d}", cluster.gpu_memory_mb, cluster.gpu_type))
-    truth = {profile.model: profile for profile in workload.profiles}
+        scheduler.add_gpu(GpuSpec(f"gpu{index:03d}", cluster.gpu_memory_mb, cluster.gpu_type, slots=cluster.slots))
     for profile in workload.profiles:
         scheduler.register_model(profile.spec())
+    gpus = _Gpus({profile.model: profile for profile in workload.profiles}, batching, cluster.batch_exponent)
     top_model = workload.function_models[workload.top_function]
 
     arrivals = workload.requests
-    completions: list[tuple[float, int, str]] = []  # (time, tie-break, request_id)
     latencies: dict[str, float] = {}
     per_function: dict[str, list[float]] = defaultdict(list)
     hits = misses = false_misses = parks = 0
-    inference_busy_s = 0.0
     replica_area = 0.0  # integral of the top model's replica count over time
     max_queue_len = 0
-    # What each running request "measured" (load time on a miss, inference time), fed back on completion.
-    measured: dict[str, tuple[float | None, float]] = {}
-    now = 0.0
+    now = scheduled_at = 0.0
     next_arrival = 0
-    tie = 0
+    dispatch_ties = itertools.count(1)
 
-    while next_arrival < len(arrivals) or completions:
+    while next_arrival < len(arrivals) or gpus.busy():
         arrival_at = arrivals[next_arrival].arrival_s if next_arrival < len(arrivals) else math.inf
-        event_at = min(arrival_at, completions[0][0]) if completions else arrival_at
-        replica_area += len(scheduler.cache.gpus_with(top_model)) * (event_at - now)
-        now = event_at
-        # Completions at this instant first: a GPU freed now can serve a request arriving now.
-        while completions and completions[0][0] <= now:
-            _, _, request_id = heapq.heappop(completions)
-            load_s, inference_s = measured.pop(request_id)
-            request = scheduler.on_complete(request_id, now, load_time_s=load_s, inference_time_s=inference_s)
+        now = min(arrival_at, gpus.next_event_s())
+        # Completions at this instant first: a slot freed now can serve a request arriving now.
+        completed = gpus.advance(now)
+        for call, batch in completed:
+            request = scheduler.on_complete(
+                call.request.request_id,
+                now,
+                load_time_s=call.load_s,
+                inference_time_s=batch.compute_s,
+                batch_size=batch.samples,
+            )
             latency_s = now - request.arrival_s
-            latencies[request_id] = latency_s
+            latencies[request.request_id] = latency_s
             per_function[request.function].append(latency_s)
             if on_progress is not None:
                 on_progress(len(latencies))
+        arrived = next_arrival < len(arrivals) and arrivals[next_arrival].arrival_s <= now
         while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_s <= now:
             scheduler.submit(arrivals[next_arrival])
             next_arrival += 1
-        max_queue_len = max(max_queue_len, len(scheduler.queue))
-        for decision in scheduler.schedule(now):
-            if isinstance(decision, Park):
-                parks += 1
-                continue
-            profile = truth[decision.request.model]
-            inference_s = _inference_s(profile, decision)
-            load_s = 0.0 if decision.hit else profile.load_time_s
-            measured[decision.request.request_id] = (None if decision.hit else load_s, inference_s)
-            if decision.hit:
-                hits += 1
-            else:
-                misses += 1
-                false_misses += decision.false_miss
-            inference_busy_s += inference_s
-            tie += 1
-            heapq.heappush(completions, (now + load_s + inference_s, tie, decision.request.request_id))
+        # Only completions and arrivals change what the scheduler sees (a finished load or a
+        # worker's batch do not): it is asked at those instants and no others.
+        if completed or arrived:
+            # The cache changes only in schedule(): the count held since the previous call.
+            replica_area += len(scheduler.cache.gpus_with(top_model)) * (now - scheduled_at)
+            scheduled_at = now
+            max_queue_len = max(max_queue_len, len(scheduler.queue))
+            for decision in scheduler.schedule(now):
+                if isinstance(decision, Park):
+                    parks += 1
+                    continue
+                if decision.hit:
+                    hits += 1
+                else:
+                    misses += 1
+                    false_misses += decision.false_miss
+                gpus.dispatch(decision, now, next(dispatch_ties))
+        gpus.form_batches(now)
 
     all_latencies = sorted(latencies.values())
     function_means = [statistics.fmean(values) for values in per_function.values()]
@@ -151,8 +223,10 @@ def simulate(
         policy=policy,
         max_num_skips=max_num_skips if policy == "lalb-o3" else 0,
         room_aware_misses=room_aware_misses,
+        coldest_victim_misses=coldest_victim_misses,
         working_set=len(workload.function_models),
         gpus=cluster.gpus,
+        slots=cluster.slots,
         requests=len(arrivals),
         completed=len(latencies),
         avg_latency_s=statistics.fmean(all_latencies) if all_latencies else 0.0,
@@ -161,7 +235,7 @@ def simulate(
         miss_ratio=misses / dispatched if dispatched else 0.0,
         false_miss_ratio=false_misses / misses if misses else 0.0,
         avg_top_model_replicas=replica_area / makespan_s if makespan_s > 0 else 0.0,
-        gpu_utilization=inference_busy_s / (cluster.gpus * makespan_s) if makespan_s > 0 else 0.0,
+        gpu_utilization=gpus.compute_s() / (cluster.gpus * makespan_s) if makespan_s > 0 else 0.0,
         function_latency_variance=statistics.pvariance(function_means) if len(function_means) > 1 else 0.0,
         hits=hits,
         misses=misses,
@@ -169,6 +243,11 @@ def simulate(
         parks=parks,
         makespan_s=makespan_s,
         max_queue_len=max_queue_len,
+        max_batch_size=max((b.max_batch_size for b in batching.values()), default=1),
+        max_batch_wait_ms=max((b.max_batch_wait_ms for b in batching.values()), default=0.0),
+        batch_exponent=cluster.batch_exponent,
+        batches=gpus.batches,
+        avg_batch_calls=dispatched / gpus.batches if gpus.batches else 0.0,
     )
 
 
@@ -182,14 +261,157 @@ def percentile(sorted_values: Sequence[float], pct: float) -> float:
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
 
 
+def batch_inference_s(profile: ModelProfile, samples: int, calls: int, exponent: float) -> float:
+    """Ground-truth compute time of one batch of `calls` calls holding `samples` samples in all:
+    the profile's time scaled linearly to the calls' mean size, times calls**exponent."""
+    return profile.inference_time_s * (samples / calls) / profile.batch_size * math.pow(calls, exponent)
+
+
+# --- the ground truth of the GPUs --------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Call:
+    """A dispatched call. `tie` is its dispatch order; `load_s` the load its dispatch caused."""
+
+    request: Request
+    tie: int
+    load_s: float | None
+
+
+@dataclass(slots=True)
+class _Worker:
+    """One (GPU, model) worker. Lifecycle: created by the miss that loads its model, dropped
+    when the model is evicted (never while it has calls: the scheduler pins their model)."""
+
+    gpu_id: str
+    profile: ModelProfile
+    loaded_at_s: float  # it can run from then on
+    waiting: deque[_Call] = field(default_factory=deque)  # dispatched here, not yet in a batch
+    busy: bool = False  # a batch of it is queued for, or running on, the GPU's compute
+    wait_until_s: float | None = None  # free with fewer calls than a batch: runs what it has then
+
+
+@dataclass(slots=True)
+class _Batch:
+    worker: _Worker
+    calls: list[_Call]
+    samples: int
+    compute_s: float
+
+
+# Event kinds, in the order they are handled at one instant: completions free compute first.
+_BATCH_END, _LOAD_DONE, _WAIT_OVER = 0, 1, 2
+_Event = tuple[float, int, int, _Batch | _Worker]  # (time, kind, tie, subject); (time, kind, tie) is unique
+
+
+class _Gpus:
+    """The simulated GPUs: workers, batches, compute queues, on the caller's virtual clock."""
+
+    def __init__(self, truth: dict[str, ModelProfile], batching: Mapping[str, Batching], exponent: float) -> None:
+        self._truth = truth
+        self._batching = batching
+        self._exponent = exponent
+        self._workers: dict[tuple[str, str], _Worker] = {}
+        self._ready: dict[str, deque[_Batch]] = defaultdict(deque)  # per GPU, batches waiting for compute
+        self._computing: set[str] = set()  # GPUs running a batch
+        self._events: list[_Event] = []
+        # Workers that may form a batch at the current instant (a call came, a load or a batch
+        # ended, a wait ran out), in the order that happened: they form it at the instant's end.
+        self._stirred: dict[tuple[str, str], _Worker] = {}
+        self._wait_ties = itertools.count()
+        # (tie of the batch's first call, compute seconds): summed in dispatch order at the end,
+        # so that the total does not depend on the order in which batches happened to start.
+        self._compute_log: list[tuple[int, float]] = []
+        self.batches = 0
+
+    def busy(self) -> bool:
+        return bool(self._events)
+
+    def next_event_s(self) -> float:
+        return self._events[0][0] if self._events else math.inf
+
+    def compute_s(self) -> float:
+        return sum(seconds for _, seconds in sorted(self._compute_log))
+
+    def dispatch(self, decision: Dispatch, now: float, tie: int) -> None:
+        """A call starts on its GPU: on a miss its model starts loading there."""
+        request, gpu_id = decision.request, decision.gpu_id
+        for victim in decision.evict:
+            evicted = self._workers.pop((gpu_id, victim), None)
+            if evicted is not None and (evicted.waiting or evicted.busy):
+                raise RuntimeError(f"the scheduler evicted {victim!r} from {gpu_id!r} while calls use it")
+        profile = self._truth[request.model]
+        if decision.hit:
+            call = _Call(request, tie, None)
+            worker = self._workers[(gpu_id, request.model)]
+        else:
+            call = _Call(request, tie, profile.load_time_s)
+            worker = _Worker(gpu_id, profile, now + profile.load_time_s)
+            self._workers[(gpu_id, request.model)] = worker
+            heapq.heappush(self._events, (worker.loaded_at_s, _LOAD_DONE, tie, worker))
+        worker.waiting.append(call)
+        self._stir(worker)
+
+    def advance(self, now: float) -> list[tuple[_Call, _Batch]]:
+        """Handle every event due by `now`; returns the calls completed, in completion order."""
+        completed: list[tuple[_Call, _Batch]] = []
+        while self._events and self._events[0][0] <= now:
+            at_s, kind, _, subject = heapq.heappop(self._events)
+            if isinstance(subject, _Batch):
+                worker = subject.worker
+                worker.busy = False
+                self._computing.discard(worker.gpu_id)
+                completed.extend((call, subject) for call in subject.calls)
+                if self._ready[worker.gpu_id]:
+                    self._start_next(worker.gpu_id, now)
+                self._stir(worker)
+            elif kind == _LOAD_DONE or subject.wait_until_s == at_s:
+                self._stir(subject)
+            # else: a wait that a full batch ended early
+        return completed
+
+    def form_batches(self, now: float) -> None:
+        """End the instant: every stirred worker that is free forms its batch, or starts waiting."""
+        stirred, self._stirred = self._stirred, {}
+        for worker in stirred.values():
+            self._try_batch(worker, now)
+
+    def _stir(self, worker: _Worker) -> None:
+        self._stirred[(worker.gpu_id, worker.profile.model)] = worker
+
+    def _try_batch(self, worker: _Worker, now: float) -> None:
+        """Form the worker's next batch if it is free and has calls (and no reason to wait)."""
+        if worker.busy or not worker.waiting or now < worker.loaded_at_s:
+            return
+        batching = self._batching.get(worker.waiting[0].request.function, NO_BATCHING)
+        if len(worker.waiting) < batching.max_batch_size and batching.max_batch_wait_ms > 0:
+            if worker.wait_until_s is None:
+                worker.wait_until_s = now + batching.max_batch_wait_ms / 1000.0
+                heapq.heappush(self._events, (worker.wait_until_s, _WAIT_OVER, next(self._wait_ties), worker))
+            if now < worker.wait_until_s:
+                return
+        calls = [worker.waiting.popleft() for _ in range(min(len(worker.waiting), batching.max_batch_size))]
+        samples = sum(call.request.batch_size for call in calls)
+        compute_s = batch_inference_s(worker.profile, samples, len(calls), self._exponent)
+        worker.busy = True
+        worker.wait_until_s = None
+        self.batches += 1
+        self._ready[worker.gpu_id].append(_Batch(worker, calls, samples, compute_s))
+        if worker.gpu_id not in self._computing:
+            self._start_next(worker.gpu_id, now)
+
+    def _start_next(self, gpu_id: str, now: float) -> None:
+        batch = self._ready[gpu_id].popleft()
+        self._computing.add(gpu_id)
+        first_tie = batch.calls[0].tie
+        self._compute_log.append((first_tie, batch.compute_s))
+        heapq.heappush(self._events, (now + batch.compute_s, _BATCH_END, first_tie, batch))
+
+
 def _as_gpu_type(profiles: Sequence[ModelProfile], gpu_type: str) -> list[ModelProfile]:
     """The workload's profiles, relabelled for the simulated GPU type (the paper's testbed is
     homogeneous: one set of figures for every GPU)."""
     return [
         ModelProfile(p.model, gpu_type, p.memory_mb, p.load_time_s, p.inference_time_s, p.batch_size) for p in profiles
     ]
-
-
-def _inference_s(profile: ModelProfile, decision: Dispatch) -> float:
-    """Ground-truth inference time: the profile's, scaled linearly to the request's batch size."""
-    return profile.inference_time_s * decision.request.batch_size / profile.batch_size

@@ -11,7 +11,7 @@ from typing import Any
 from gpufaas.errors import InvalidInput
 from gpufaas.profiles import paper_table1
 from scheduler import registered_policies
-from simulator.engine import ClusterConfig, SimResult, simulate
+from simulator.engine import Batching, ClusterConfig, SimResult, simulate
 from simulator.workload import TraceCounts, Workload, WorkloadConfig, build_workload
 
 SHIPPED_TRACE = "traces/azure2019-500fn/invocations.csv"
@@ -60,12 +60,16 @@ def execute(
     *,
     cluster: ClusterConfig,
     room_aware_misses: bool = True,
+    coldest_victim_misses: bool = True,
+    batching: Batching | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> list[SimResult]:
     """Run each simulation on its working set's workload (the same requests for every policy);
-    `on_progress(n)` is told of every `n` requests completed."""
+    `batching` applies to every function of the workload (None: no batching). `on_progress(n)`
+    is told of every `n` requests completed."""
     results = []
     for run in runs:
+        workload = workloads[run.working_set]
         done = [0]
 
         def progress(completed: int, done: list[int] = done) -> None:
@@ -75,11 +79,13 @@ def execute(
 
         results.append(
             simulate(
-                workloads[run.working_set],
+                workload,
                 run.policy,
                 cluster=cluster,
                 max_num_skips=run.max_num_skips,
                 room_aware_misses=room_aware_misses,
+                coldest_victim_misses=coldest_victim_misses,
+                batching=None if batching is None else dict.fromkeys(workload.function_models, batching),
                 on_progress=progress,
             )
         )

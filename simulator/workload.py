@@ -18,6 +18,9 @@ over the table and popularity does not correlate with size:
 3. Every function gets its own model, i.e. a distinct cache item: it is named after the table
    model when that model was picked once, else `f"{name}#{k}"` with k = 1, 2, ... in rank order,
    and carries a copy of the table model's figures.
+
+`zipf_workload` builds a synthetic workload instead: equal models, Zipf popularity, evenly spaced
+calls (for cases a trace does not isolate, e.g. one call at a time).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from pathlib import Path
 
 from gpufaas.errors import InvalidInput
 from gpufaas.profiles import ModelProfile
-from gpufaas.types import Request
+from gpufaas.types import DEFAULT_BATCH_SIZE, Request
 
 AZURE2019_KEY_COLUMNS = ("HashOwner", "HashApp", "HashFunction", "Trigger")
 AZURE2021_COLUMNS = ("app", "func", "end_timestamp", "duration")
@@ -381,4 +384,41 @@ def build_workload(trace: TraceCounts, config: WorkloadConfig, table: list[Model
         top_function=functions[0],
         start_minute=start,
         minutes=config.minutes,
+    )
+
+
+def zipf_workload(
+    *,
+    calls: int,
+    models: int,
+    zipf_exponent: float,
+    memory_mb: int,
+    gap_s: float,
+    seed: int,
+    load_time_s: float = 2.0,
+    inference_time_s: float = 1.0,
+) -> Workload:
+    """`calls` requests `gap_s` apart (the first at 0), each for one of `models` equal models
+    m0, m1, ... (function fn-<model>), model of rank r drawn with weight 1 / r**zipf_exponent from
+    random.Random(seed). Every model takes `memory_mb`, loads in `load_time_s` and runs a call of
+    DEFAULT_BATCH_SIZE samples in `inference_time_s`. With `gap_s` above load + inference time,
+    each call arrives after the previous one completed: one call at a time."""
+    if calls <= 0 or models <= 0:
+        raise InvalidInput(f"a Zipf workload needs calls and models, got {calls} calls and {models} models")
+    names = [f"m{rank}" for rank in range(models)]
+    weights = [1.0 / (rank**zipf_exponent) for rank in range(1, models + 1)]
+    drawn = random.Random(seed).choices(names, weights, k=calls)
+    return Workload(
+        requests=[
+            Request(f"r{index:06d}", f"fn-{name}", name, index * gap_s, DEFAULT_BATCH_SIZE)
+            for index, name in enumerate(drawn)
+        ],
+        profiles=[
+            ModelProfile(name, "rtx2080", memory_mb, load_time_s, inference_time_s, DEFAULT_BATCH_SIZE)
+            for name in names
+        ],
+        function_models={f"fn-{name}": name for name in names},
+        top_function="fn-m0",
+        start_minute=0,
+        minutes=max(1, math.ceil(calls * gap_s / SECONDS_PER_MINUTE)),
     )

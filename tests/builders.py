@@ -20,18 +20,23 @@ def make_scheduler(
     models: dict[str, int] | None = None,
     max_num_skips: int = 25,
     speeds: dict[str, float] | None = None,
+    slots: int | dict[str, int] = 1,
+    coldest_victim_misses: bool = True,
 ) -> Scheduler:
-    """A scheduler over GPUs g0, g1, ... (8000 MB each unless given) and models with the same
-    profile: load 2 s, inference 1 s at batch 32, unless the test says otherwise."""
+    """A scheduler over GPUs g0, g1, ... (8000 MB each unless given; `slots` each, or per GPU
+    id) and models with the same profile: load 2 s, inference 1 s at batch 32, unless the test
+    says otherwise."""
     models = models if models is not None else {m: 1000 for m in "ABCDEF"}
     estimator = Estimator(
         ModelProfile(name, "rtx2080", memory_mb, LOAD_S, INFERENCE_S, 32) for name, memory_mb in models.items()
     )
-    scheduler = Scheduler(make_policy(policy, PolicyConfig(max_num_skips=max_num_skips)), estimator=estimator)
+    config = PolicyConfig(max_num_skips=max_num_skips, coldest_victim_misses=coldest_victim_misses)
+    scheduler = Scheduler(make_policy(policy, config), estimator=estimator)
     sizes = gpus if isinstance(gpus, dict) else {f"g{i}": 8000 for i in range(gpus)}
     for gpu_id, memory_mb in sizes.items():
         speed = (speeds or {}).get(gpu_id, 1.0)
-        scheduler.add_gpu(GpuSpec(gpu_id, memory_mb, speed=speed))
+        gpu_slots = slots.get(gpu_id, 1) if isinstance(slots, dict) else slots
+        scheduler.add_gpu(GpuSpec(gpu_id, memory_mb, speed=speed, slots=gpu_slots))
     for name, memory_mb in models.items():
         scheduler.register_model(ModelSpec(name, memory_mb))
     return scheduler
@@ -55,7 +60,12 @@ def cache_on(scheduler: Scheduler, gpu_id: str, *models: str) -> None:
 
 
 def run_on(scheduler: Scheduler, gpu_id: str, model: str, now: float = 0.0) -> Request:
-    """Make `gpu_id` busy running a request for `model` (a hit if resident, else a miss)."""
+    """Start a request for `model` in a free slot of `gpu_id` (a hit if resident, else a miss)."""
     (request,) = submit(scheduler, model, now=now)
     scheduler.dispatch(request, gpu_id, now)
     return request
+
+
+def fill_slots(scheduler: Scheduler, gpu_id: str, model: str, now: float = 0.0) -> list[Request]:
+    """Start requests for `model` on `gpu_id` until it has no free slot."""
+    return [run_on(scheduler, gpu_id, model, now) for _ in range(scheduler.gpu(gpu_id).free_slots)]

@@ -1,4 +1,4 @@
-"""Regenerates the gRPC modules from gpufaas.proto (run after editing the .proto; output is committed)."""
+"""Regenerates the message modules from gpufaas.proto (run after editing the .proto; output is committed)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ def main() -> int:
         "grpc_tools.protoc",
         f"-I{root}",
         f"--python_out={root}",
-        f"--grpc_python_out={root}",
         f"--pyi_out={root}",
         str(here.relative_to(root) / "gpufaas.proto"),
     ]

@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -6,42 +7,303 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class InvokeRequest(_message.Message):
-    __slots__ = ("call_id", "function", "payload", "timeout_s")
+class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STATUS_UNSPECIFIED: _ClassVar[Status]
+    NOT_FOUND: _ClassVar[Status]
+    INVALID: _ClassVar[Status]
+    OVERLOADED: _ClassVar[Status]
+    UNAVAILABLE: _ClassVar[Status]
+    DEADLINE: _ClassVar[Status]
+    FUNCTION_FAILED: _ClassVar[Status]
+    TOO_LARGE: _ClassVar[Status]
+    RESULT_TOO_LARGE: _ClassVar[Status]
+
+class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTCOME_UNSPECIFIED: _ClassVar[Outcome]
+    OK: _ClassVar[Outcome]
+    HANDLER_ERROR: _ClassVar[Outcome]
+    LOAD_FAILED: _ClassVar[Outcome]
+    TIMEOUT: _ClassVar[Outcome]
+    WORKER_DIED: _ClassVar[Outcome]
+    REFUSED: _ClassVar[Outcome]
+    INVALID_INPUT: _ClassVar[Outcome]
+    OUTPUT_TOO_LARGE: _ClassVar[Outcome]
+    OUTPUT_INVALID: _ClassVar[Outcome]
+STATUS_UNSPECIFIED: Status
+NOT_FOUND: Status
+INVALID: Status
+OVERLOADED: Status
+UNAVAILABLE: Status
+DEADLINE: Status
+FUNCTION_FAILED: Status
+TOO_LARGE: Status
+RESULT_TOO_LARGE: Status
+OUTCOME_UNSPECIFIED: Outcome
+OK: Outcome
+HANDLER_ERROR: Outcome
+LOAD_FAILED: Outcome
+TIMEOUT: Outcome
+WORKER_DIED: Outcome
+REFUSED: Outcome
+INVALID_INPUT: Outcome
+OUTPUT_TOO_LARGE: Outcome
+OUTPUT_INVALID: Outcome
+
+class Place(_message.Message):
+    __slots__ = ("call_id", "function", "timeout_s", "payload_bytes")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     FUNCTION_FIELD_NUMBER: _ClassVar[int]
-    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     call_id: str
     function: str
-    payload: bytes
     timeout_s: float
-    def __init__(self, call_id: _Optional[str] = ..., function: _Optional[str] = ..., payload: _Optional[bytes] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    payload_bytes: int
+    def __init__(self, call_id: _Optional[str] = ..., function: _Optional[str] = ..., timeout_s: _Optional[float] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
 
-class InvokeReply(_message.Message):
-    __slots__ = ("output", "gpu", "hit", "queue_s", "load_time_s", "inference_time_s", "attempts")
-    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+class Placement(_message.Message):
+    __slots__ = ("call_id", "attempt", "node", "node_address", "gpu", "hit", "queue_s", "token")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
     HIT_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
-    LOAD_TIME_S_FIELD_NUMBER: _ClassVar[int]
-    INFERENCE_TIME_S_FIELD_NUMBER: _ClassVar[int]
-    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
-    output: bytes
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    attempt: int
+    node: str
+    node_address: str
     gpu: str
     hit: bool
     queue_s: float
+    token: bytes
+    def __init__(self, call_id: _Optional[str] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ..., node_address: _Optional[str] = ..., gpu: _Optional[str] = ..., hit: _Optional[bool] = ..., queue_s: _Optional[float] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class Rejection(_message.Message):
+    __slots__ = ("call_id", "status", "message")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    status: Status
+    message: str
+    def __init__(self, call_id: _Optional[str] = ..., status: _Optional[_Union[Status, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class Abandon(_message.Message):
+    __slots__ = ("call_id", "attempt", "reason", "detail")
+    class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        REASON_UNSPECIFIED: _ClassVar[Abandon.Reason]
+        CANCELLED: _ClassVar[Abandon.Reason]
+        NODE_UNREACHABLE: _ClassVar[Abandon.Reason]
+        REFUSED: _ClassVar[Abandon.Reason]
+    REASON_UNSPECIFIED: Abandon.Reason
+    CANCELLED: Abandon.Reason
+    NODE_UNREACHABLE: Abandon.Reason
+    REFUSED: Abandon.Reason
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    attempt: int
+    reason: Abandon.Reason
+    detail: str
+    def __init__(self, call_id: _Optional[str] = ..., attempt: _Optional[int] = ..., reason: _Optional[_Union[Abandon.Reason, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class Grant(_message.Message):
+    __slots__ = ("scheduler_id", "call_id", "attempt", "node", "gpu", "gpu_seq", "function", "model", "package_digest", "memory_mb", "evict", "claim_by_unix_s", "expires_unix_s", "max_batch_size", "max_batch_wait_s", "load_time_s", "inference_time_s", "environment")
+    class EnvironmentEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    GPU_SEQ_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PACKAGE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
+    EVICT_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_BY_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    LOAD_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    scheduler_id: str
+    call_id: str
+    attempt: int
+    node: str
+    gpu: str
+    gpu_seq: int
+    function: str
+    model: str
+    package_digest: str
+    memory_mb: int
+    evict: _containers.RepeatedScalarFieldContainer[str]
+    claim_by_unix_s: float
+    expires_unix_s: float
+    max_batch_size: int
+    max_batch_wait_s: float
     load_time_s: float
     inference_time_s: float
-    attempts: int
-    def __init__(self, output: _Optional[bytes] = ..., gpu: _Optional[str] = ..., hit: _Optional[bool] = ..., queue_s: _Optional[float] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., attempts: _Optional[int] = ...) -> None: ...
+    environment: _containers.ScalarMap[str, str]
+    def __init__(self, scheduler_id: _Optional[str] = ..., call_id: _Optional[str] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ..., gpu: _Optional[str] = ..., gpu_seq: _Optional[int] = ..., function: _Optional[str] = ..., model: _Optional[str] = ..., package_digest: _Optional[str] = ..., memory_mb: _Optional[int] = ..., evict: _Optional[_Iterable[str]] = ..., claim_by_unix_s: _Optional[float] = ..., expires_unix_s: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., max_batch_wait_s: _Optional[float] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., environment: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class Execute(_message.Message):
+    __slots__ = ("token", "content_type")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    token: bytes
+    content_type: str
+    def __init__(self, token: _Optional[bytes] = ..., content_type: _Optional[str] = ...) -> None: ...
+
+class MissStages(_message.Message):
+    __slots__ = ("fetch_s", "start_s", "context_s", "load_s", "prefetch_s", "spare_start_s", "spare_context_s")
+    FETCH_S_FIELD_NUMBER: _ClassVar[int]
+    START_S_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_S_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_S_FIELD_NUMBER: _ClassVar[int]
+    SPARE_START_S_FIELD_NUMBER: _ClassVar[int]
+    SPARE_CONTEXT_S_FIELD_NUMBER: _ClassVar[int]
+    fetch_s: float
+    start_s: float
+    context_s: float
+    load_s: float
+    prefetch_s: float
+    spare_start_s: float
+    spare_context_s: float
+    def __init__(self, fetch_s: _Optional[float] = ..., start_s: _Optional[float] = ..., context_s: _Optional[float] = ..., load_s: _Optional[float] = ..., prefetch_s: _Optional[float] = ..., spare_start_s: _Optional[float] = ..., spare_context_s: _Optional[float] = ...) -> None: ...
+
+class ExecuteReply(_message.Message):
+    __slots__ = ("outcome", "message", "loaded", "load_time_s", "inference_time_s", "batch_calls", "stages", "content_type", "node_s")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    BATCH_CALLS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    NODE_S_FIELD_NUMBER: _ClassVar[int]
+    outcome: Outcome
+    message: str
+    loaded: bool
+    load_time_s: float
+    inference_time_s: float
+    batch_calls: int
+    stages: MissStages
+    content_type: str
+    node_s: float
+    def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., message: _Optional[str] = ..., loaded: _Optional[bool] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., batch_calls: _Optional[int] = ..., stages: _Optional[_Union[MissStages, _Mapping]] = ..., content_type: _Optional[str] = ..., node_s: _Optional[float] = ...) -> None: ...
+
+class Done(_message.Message):
+    __slots__ = ("call_id", "attempt", "gpu", "outcome", "loaded", "load_time_s", "inference_time_s", "peak_memory_mb", "batch_calls", "worker_lost")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
+    BATCH_CALLS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_LOST_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    attempt: int
+    gpu: str
+    outcome: Outcome
+    loaded: bool
+    load_time_s: float
+    inference_time_s: float
+    peak_memory_mb: int
+    batch_calls: int
+    worker_lost: bool
+    def __init__(self, call_id: _Optional[str] = ..., attempt: _Optional[int] = ..., gpu: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., loaded: _Optional[bool] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., peak_memory_mb: _Optional[int] = ..., batch_calls: _Optional[int] = ..., worker_lost: _Optional[bool] = ...) -> None: ...
+
+class Attach(_message.Message):
+    __slots__ = ("scheduler_id", "token_key")
+    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_KEY_FIELD_NUMBER: _ClassVar[int]
+    scheduler_id: str
+    token_key: bytes
+    def __init__(self, scheduler_id: _Optional[str] = ..., token_key: _Optional[bytes] = ...) -> None: ...
+
+class Worker(_message.Message):
+    __slots__ = ("gpu", "model", "memory_mb")
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
+    gpu: str
+    model: str
+    memory_mb: int
+    def __init__(self, gpu: _Optional[str] = ..., model: _Optional[str] = ..., memory_mb: _Optional[int] = ...) -> None: ...
+
+class AttachReply(_message.Message):
+    __slots__ = ("node", "incarnation", "workers")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    incarnation: str
+    workers: _containers.RepeatedCompositeFieldContainer[Worker]
+    def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ...) -> None: ...
+
+class GrantRef(_message.Message):
+    __slots__ = ("call_id", "attempt")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    attempt: int
+    def __init__(self, call_id: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+
+class Revoke(_message.Message):
+    __slots__ = ("grants",)
+    GRANTS_FIELD_NUMBER: _ClassVar[int]
+    grants: _containers.RepeatedCompositeFieldContainer[GrantRef]
+    def __init__(self, grants: _Optional[_Iterable[_Union[GrantRef, _Mapping]]] = ...) -> None: ...
+
+class RevokeReply(_message.Message):
+    __slots__ = ("unseen", "seen")
+    UNSEEN_FIELD_NUMBER: _ClassVar[int]
+    SEEN_FIELD_NUMBER: _ClassVar[int]
+    unseen: _containers.RepeatedCompositeFieldContainer[GrantRef]
+    seen: _containers.RepeatedCompositeFieldContainer[GrantRef]
+    def __init__(self, unseen: _Optional[_Iterable[_Union[GrantRef, _Mapping]]] = ..., seen: _Optional[_Iterable[_Union[GrantRef, _Mapping]]] = ...) -> None: ...
+
+class Evict(_message.Message):
+    __slots__ = ("gpu", "models")
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    gpu: str
+    models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, gpu: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EvictReply(_message.Message):
+    __slots__ = ("evicted",)
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    evicted: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, evicted: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ClusterRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GpuInfo(_message.Message):
-    __slots__ = ("gpu", "node", "status", "memory_used_mb", "memory_capacity_mb", "lru", "local_queue", "running", "gpu_type")
+    __slots__ = ("gpu", "node", "status", "memory_used_mb", "memory_capacity_mb", "lru", "local_queue", "running", "gpu_type", "slots")
     GPU_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +313,7 @@ class GpuInfo(_message.Message):
     LOCAL_QUEUE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     GPU_TYPE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
     gpu: str
     node: str
     status: str
@@ -58,9 +321,10 @@ class GpuInfo(_message.Message):
     memory_capacity_mb: int
     lru: _containers.RepeatedScalarFieldContainer[str]
     local_queue: int
-    running: str
+    running: _containers.RepeatedScalarFieldContainer[str]
     gpu_type: str
-    def __init__(self, gpu: _Optional[str] = ..., node: _Optional[str] = ..., status: _Optional[str] = ..., memory_used_mb: _Optional[int] = ..., memory_capacity_mb: _Optional[int] = ..., lru: _Optional[_Iterable[str]] = ..., local_queue: _Optional[int] = ..., running: _Optional[str] = ..., gpu_type: _Optional[str] = ...) -> None: ...
+    slots: int
+    def __init__(self, gpu: _Optional[str] = ..., node: _Optional[str] = ..., status: _Optional[str] = ..., memory_used_mb: _Optional[int] = ..., memory_capacity_mb: _Optional[int] = ..., lru: _Optional[_Iterable[str]] = ..., local_queue: _Optional[int] = ..., running: _Optional[_Iterable[str]] = ..., gpu_type: _Optional[str] = ..., slots: _Optional[int] = ...) -> None: ...
 
 class QueuedCall(_message.Message):
     __slots__ = ("call_id", "function", "model", "waited_s")
@@ -86,58 +350,89 @@ class ClusterReply(_message.Message):
     queue_capacity: int
     def __init__(self, gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedCall, _Mapping]]] = ..., policy: _Optional[str] = ..., queue_capacity: _Optional[int] = ...) -> None: ...
 
-class ExecuteRequest(_message.Message):
-    __slots__ = ("call_id", "function", "model", "package_digest", "gpu", "evict", "payload", "timeout_s", "memory_mb", "package_url", "load_time_s", "inference_time_s")
-    CALL_ID_FIELD_NUMBER: _ClassVar[int]
-    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+class Error(_message.Message):
+    __slots__ = ("status", "message")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    message: str
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class WorkerHello(_message.Message):
+    __slots__ = ("pid", "import_s", "context_s", "context_mb")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    IMPORT_S_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_S_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_MB_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    import_s: float
+    context_s: float
+    context_mb: int
+    def __init__(self, pid: _Optional[int] = ..., import_s: _Optional[float] = ..., context_s: _Optional[float] = ..., context_mb: _Optional[int] = ...) -> None: ...
+
+class LoadModel(_message.Message):
+    __slots__ = ("model", "package_dir", "memory_mb", "max_batch_size", "max_batch_wait_s", "environment", "load_time_s", "inference_time_s", "max_result_bytes")
+    class EnvironmentEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
-    PACKAGE_DIGEST_FIELD_NUMBER: _ClassVar[int]
-    GPU_FIELD_NUMBER: _ClassVar[int]
-    EVICT_FIELD_NUMBER: _ClassVar[int]
-    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
-    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    PACKAGE_DIR_FIELD_NUMBER: _ClassVar[int]
     MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
-    PACKAGE_URL_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
     LOAD_TIME_S_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_TIME_S_FIELD_NUMBER: _ClassVar[int]
-    call_id: str
-    function: str
+    MAX_RESULT_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
-    package_digest: str
-    gpu: str
-    evict: _containers.RepeatedScalarFieldContainer[str]
-    payload: bytes
-    timeout_s: float
+    package_dir: str
     memory_mb: int
-    package_url: str
+    max_batch_size: int
+    max_batch_wait_s: float
+    environment: _containers.ScalarMap[str, str]
     load_time_s: float
     inference_time_s: float
-    def __init__(self, call_id: _Optional[str] = ..., function: _Optional[str] = ..., model: _Optional[str] = ..., package_digest: _Optional[str] = ..., gpu: _Optional[str] = ..., evict: _Optional[_Iterable[str]] = ..., payload: _Optional[bytes] = ..., timeout_s: _Optional[float] = ..., memory_mb: _Optional[int] = ..., package_url: _Optional[str] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ...) -> None: ...
+    max_result_bytes: int
+    def __init__(self, model: _Optional[str] = ..., package_dir: _Optional[str] = ..., memory_mb: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_wait_s: _Optional[float] = ..., environment: _Optional[_Mapping[str, str]] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., max_result_bytes: _Optional[int] = ...) -> None: ...
 
-class ExecuteReply(_message.Message):
-    __slots__ = ("output", "loaded", "load_time_s", "inference_time_s", "peak_memory_mb")
-    OUTPUT_FIELD_NUMBER: _ClassVar[int]
-    LOADED_FIELD_NUMBER: _ClassVar[int]
-    LOAD_TIME_S_FIELD_NUMBER: _ClassVar[int]
-    INFERENCE_TIME_S_FIELD_NUMBER: _ClassVar[int]
+class ModelLoaded(_message.Message):
+    __slots__ = ("ok", "error", "load_s", "peak_memory_mb")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_FIELD_NUMBER: _ClassVar[int]
     PEAK_MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
-    output: bytes
-    loaded: bool
-    load_time_s: float
-    inference_time_s: float
+    ok: bool
+    error: str
+    load_s: float
     peak_memory_mb: int
-    def __init__(self, output: _Optional[bytes] = ..., loaded: _Optional[bool] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., peak_memory_mb: _Optional[int] = ...) -> None: ...
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., load_s: _Optional[float] = ..., peak_memory_mb: _Optional[int] = ...) -> None: ...
 
-class EvictRequest(_message.Message):
-    __slots__ = ("gpu", "model")
-    GPU_FIELD_NUMBER: _ClassVar[int]
-    MODEL_FIELD_NUMBER: _ClassVar[int]
-    gpu: str
-    model: str
-    def __init__(self, gpu: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+class Call(_message.Message):
+    __slots__ = ("call_id", "content_type")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    content_type: str
+    def __init__(self, call_id: _Optional[str] = ..., content_type: _Optional[str] = ...) -> None: ...
 
-class EvictReply(_message.Message):
-    __slots__ = ("evicted",)
-    EVICTED_FIELD_NUMBER: _ClassVar[int]
-    evicted: bool
-    def __init__(self, evicted: _Optional[bool] = ...) -> None: ...
+class CallResult(_message.Message):
+    __slots__ = ("call_id", "outcome", "message", "inference_s", "batch_calls", "peak_memory_mb", "content_type")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_S_FIELD_NUMBER: _ClassVar[int]
+    BATCH_CALLS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    outcome: Outcome
+    message: str
+    inference_s: float
+    batch_calls: int
+    peak_memory_mb: int
+    content_type: str
+    def __init__(self, call_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., message: _Optional[str] = ..., inference_s: _Optional[float] = ..., batch_calls: _Optional[int] = ..., peak_memory_mb: _Optional[int] = ..., content_type: _Optional[str] = ...) -> None: ...

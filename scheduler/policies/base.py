@@ -32,6 +32,7 @@ class SchedulingContext(Protocol):
     def fits(self, model: str, gpu_id: str) -> bool: ...
     def first_idle_fitting(self, model: str, exclude: str | None = None) -> str | None: ...
     def idle_with_room(self, model: str, prefer: str, exclude: str | None = None) -> str | None: ...
+    def idle_with_coldest_victim(self, model: str, exclude: str | None = None) -> str | None: ...
     def dispatch(self, request: Request, gpu_id: str, now: float) -> Dispatch: ...
     def park(self, request: Request, gpu_id: str, now: float) -> Park: ...
 
@@ -45,6 +46,11 @@ class PolicyConfig:
     # warm model is evicted while another idle GPU has space. False = Algorithm 2 to the letter
     # (the miss goes to the GPU being filled), for reproducing the paper.
     room_aware_misses: bool = True
+    # When such a miss must evict (no idle GPU has room), place it on the idle GPU whose first
+    # victim was used least recently across the cluster, rather than on the GPU being filled
+    # (whose LRU list would otherwise churn while other GPUs' models stay frozen). Only with
+    # room_aware_misses.
+    coldest_victim_misses: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_skips < 0:
@@ -71,7 +77,7 @@ class SchedulingPolicy(ABC):
 
     @abstractmethod
     def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> None:
-        """Offer idle `gpu_id` (its local queue is empty) work from the global queue.
+        """Offer idle `gpu_id` (it has a free slot; its local queue is empty) work from the global queue.
 
         May dispatch to `gpu_id`, and on the way place other requests elsewhere (dispatch to
         other idle GPUs, park on busy ones). Must not pass over a request without counting it.

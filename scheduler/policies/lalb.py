@@ -15,17 +15,25 @@ class Placement(enum.Enum):
 
 
 def locality_load_balance(
-    ctx: SchedulingContext, gpu_id: str, request: Request, now: float, *, room_aware: bool = True
+    ctx: SchedulingContext,
+    gpu_id: str,
+    request: Request,
+    now: float,
+    *,
+    room_aware: bool = True,
+    coldest_victim: bool = True,
 ) -> Placement:
-    """Algorithm 2: place `request` given that idle `gpu_id` wants work.
+    """Algorithm 2: place `request` given that idle `gpu_id` (one with a free slot) wants work.
 
     Model cached nowhere -> miss here. Cached on another idle GPU -> hit there. Cached on busy
     GPUs -> park on the one that frees up soonest if that beats loading the model here
     (waiting + inference < load + inference). Otherwise a miss that balances load: on an idle GPU
     with room for the model if there is one (this GPU first), so no warm model is evicted while
-    another idle GPU has space; else here; and if the model does not fit this GPU (clusters of
-    mixed memory sizes), on the first idle GPU it fits, so that a younger request never takes the
-    only GPU an older one could use.
+    another idle GPU has space; else (`coldest_victim`) on the idle GPU whose first victim is the
+    least recently used model of those GPUs; else here; and if the model may not run here now
+    (clusters of mixed memory sizes, models pinned by requests running here), on the first idle
+    GPU it may, so that a younger request never takes the only GPU an older one could use.
+    `room_aware=False` is Algorithm 2 to the letter (and ignores `coldest_victim`).
     """
     avoid = request.avoid_gpu  # a retry after its worker died: never there again
     holders = ctx.cache.gpus_with(request.model)
@@ -42,9 +50,14 @@ def locality_load_balance(
             ctx.park(request, soonest[0], now)
             return Placement.ELSEWHERE
     # The miss goes where it evicts nothing if an idle GPU has room (the paper misses on the GPU
-    # being filled, which throws out a warm model while another idle GPU sits empty); else here;
-    # else, on clusters of mixed memory sizes, on the first idle GPU large enough.
-    target = ctx.idle_with_room(request.model, prefer=gpu_id, exclude=avoid) if room_aware else None
+    # being filled, which throws out a warm model while another idle GPU sits empty); else where
+    # it evicts the coldest model; else here; else, on clusters of mixed memory sizes, on the
+    # first idle GPU large enough.
+    target = None
+    if room_aware:
+        target = ctx.idle_with_room(request.model, prefer=gpu_id, exclude=avoid)
+        if target is None and coldest_victim:
+            target = ctx.idle_with_coldest_victim(request.model, exclude=avoid)
     if target is None:
         here = gpu_id != avoid and ctx.fits(request.model, gpu_id)
         target = gpu_id if here else ctx.first_idle_fitting(request.model, exclude=avoid)
@@ -70,18 +83,28 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
     per request placed (each request is placed once).
     """
 
-    def __init__(self, max_num_skips: int = 0, *, room_aware_misses: bool = True) -> None:
+    def __init__(
+        self, max_num_skips: int = 0, *, room_aware_misses: bool = True, coldest_victim_misses: bool = True
+    ) -> None:
         if max_num_skips < 0:
             raise ValueError(f"max_num_skips must be >= 0, got {max_num_skips}")
         self.max_num_skips = max_num_skips
         self.room_aware_misses = room_aware_misses
+        self.coldest_victim_misses = coldest_victim_misses
 
     @classmethod
     def from_config(cls, config: PolicyConfig) -> SchedulingPolicy:
-        return cls(room_aware_misses=config.room_aware_misses)
+        return cls(room_aware_misses=config.room_aware_misses, coldest_victim_misses=config.coldest_victim_misses)
 
     def _balance(self, ctx: SchedulingContext, gpu_id: str, request: Request, now: float) -> Placement:
-        return locality_load_balance(ctx, gpu_id, request, now, room_aware=self.room_aware_misses)
+        return locality_load_balance(
+            ctx,
+            gpu_id,
+            request,
+            now,
+            room_aware=self.room_aware_misses,
+            coldest_victim=self.coldest_victim_misses,
+        )
 
     def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> None:
         queue = ctx.queue
@@ -116,9 +139,17 @@ class OutOfOrderLocalityAwarePolicy(LocalityAwarePolicy, name="lalb-o3"):
     """`lalb` with out-of-order dispatch: a request may be passed over up to `max_num_skips`
     times (default 25) in favour of younger requests whose model is cached on an idle GPU."""
 
-    def __init__(self, max_num_skips: int = 25, *, room_aware_misses: bool = True) -> None:
-        super().__init__(max_num_skips, room_aware_misses=room_aware_misses)
+    def __init__(
+        self, max_num_skips: int = 25, *, room_aware_misses: bool = True, coldest_victim_misses: bool = True
+    ) -> None:
+        super().__init__(
+            max_num_skips, room_aware_misses=room_aware_misses, coldest_victim_misses=coldest_victim_misses
+        )
 
     @classmethod
     def from_config(cls, config: PolicyConfig) -> SchedulingPolicy:
-        return cls(config.max_num_skips, room_aware_misses=config.room_aware_misses)
+        return cls(
+            config.max_num_skips,
+            room_aware_misses=config.room_aware_misses,
+            coldest_victim_misses=config.coldest_victim_misses,
+        )

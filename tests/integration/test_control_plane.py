@@ -1,8 +1,10 @@
-"""The whole control plane over real etcd, processes, gRPC and HTTP: deploy, invoke, cache state."""
+"""The whole control plane over real etcd, processes, wire connections and HTTP: deploy, invoke, cache state."""
 
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -62,6 +64,24 @@ def etcd_state(endpoint: str, root: str) -> tuple[dict[str, list[str]], dict[str
     return asyncio.run(read())
 
 
+EtcdState = tuple[dict[str, list[str]], dict[str, list[str]]]
+
+
+def etcd_state_when(
+    endpoint: str, root: str, predicate: Callable[[EtcdState], bool], timeout_s: float = 10.0
+) -> EtcdState:
+    """The etcd state once `predicate` holds (the scheduler persists changes within about a
+    second, coalesced); fails with the last state read if it never does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = etcd_state(endpoint, root)
+        if predicate(state):
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(f"etcd never reached the expected state; last read: {state}")
+        time.sleep(0.2)
+
+
 def wait_for(predicate: object, timeout_s: float = 10.0) -> None:
     import time
 
@@ -100,8 +120,9 @@ def test_deploy_invoke_hits_and_lru_state_in_etcd(make_cluster: ClusterFactory, 
         assert set(response.headers) >= {"x-call-id", "x-duration-seconds", "x-gpu", "x-cache", "x-queue-seconds"}
 
     # etcd holds each model on exactly one GPU, and the LRU lists agree with the replicas.
-    lru, replicas = etcd_state(etcd_endpoint.endpoint, etcd_endpoint.root)
-    assert set(replicas) == set(models.values())
+    lru, replicas = etcd_state_when(
+        etcd_endpoint.endpoint, etcd_endpoint.root, lambda state: set(state[1]) == set(models.values())
+    )
     assert all(len(gpus) == 1 for gpus in replicas.values())
     for model, (gpu,) in replicas.items():
         assert lru[gpu] == [model]

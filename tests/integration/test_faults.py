@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.integration.conftest import ClusterFactory, EtcdTarget, deploy
-from tests.integration.test_control_plane import etcd_state, wait_for
+from tests.integration.test_control_plane import etcd_state_when, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -54,21 +54,28 @@ def test_killing_a_gpu_manager_mid_burst_loses_no_invocation(make_cluster: Clust
     wait_for(lambda: {g["node"] for g in httpx.get(f"{cluster.gateway_url}/system/gpus").json()} == {"node1"})
 
 
-def test_scheduler_restart_rebuilds_its_cache_state_from_etcd(
+def test_scheduler_restart_rebuilds_its_cache_state_from_the_nodes_and_etcd(
     make_cluster: ClusterFactory, tmp_path: Path, etcd_endpoint: EtcdTarget
 ) -> None:
     cluster = make_cluster(nodes=2, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000)
     for name in ("warm-a", "warm-b"):
         deploy(cluster, name, "sleepy_function", tmp_path)
         assert call(cluster.gateway_url, name).headers["X-Cache"] == "miss"
-    lru_before, replicas_before = etcd_state(etcd_endpoint.endpoint, etcd_endpoint.root)
-    assert sum(len(models) for models in lru_before.values()) == 2
+    lru_before, replicas_before = etcd_state_when(
+        etcd_endpoint.endpoint, etcd_endpoint.root, lambda state: sum(len(m) for m in state[0].values()) == 2
+    )
 
-    cluster.restart("scheduler", kill=True)  # no orderly shutdown: state must come from etcd
+    # No orderly shutdown: the new scheduler learns the resident models from the nodes that run
+    # them (and their order from etcd).
+    cluster.restart("scheduler", kill=True)
 
-    in_memory = {g["gpu"]: g["lru"] for g in httpx.get(f"{cluster.gateway_url}/system/gpus").json()}
-    assert in_memory == lru_before
-    lru_after, replicas_after = etcd_state(etcd_endpoint.endpoint, etcd_endpoint.root)
+    def in_memory() -> dict[str, list[str]]:
+        return {g["gpu"]: g["lru"] for g in httpx.get(f"{cluster.gateway_url}/system/gpus").json()}
+
+    wait_for(lambda: in_memory() == lru_before)
+    lru_after, replicas_after = etcd_state_when(
+        etcd_endpoint.endpoint, etcd_endpoint.root, lambda state: state == (lru_before, replicas_before)
+    )
     assert (lru_after, replicas_after) == (lru_before, replicas_before)
     # Invocations continue, and hit the workers that survived the scheduler's restart.
     for name in ("warm-a", "warm-b"):
@@ -97,6 +104,7 @@ def test_a_worker_dying_mid_request_is_retried_elsewhere_and_its_cache_entry_dro
     assert response.headers["X-Gpu"] != first.headers["X-Gpu"]  # ... on the other GPU
     assert response.headers["X-Cache"] == "miss"
     # The dead worker's entry was dropped and the retry's load recorded: one replica, in etcd too.
-    lru, replicas = etcd_state(etcd_endpoint.endpoint, etcd_endpoint.root)
-    assert replicas == {model: [response.headers["X-Gpu"]]}
+    lru, _ = etcd_state_when(
+        etcd_endpoint.endpoint, etcd_endpoint.root, lambda state: state[1] == {model: [response.headers["X-Gpu"]]}
+    )
     assert sum(models.count(model) for models in lru.values()) == 1

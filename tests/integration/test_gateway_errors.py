@@ -1,5 +1,6 @@
 """Every error the gateway promises, over a real cluster (etcd, scheduler, gateway, one GPU manager
-with one 1000 MB CPU "GPU", a global queue of 2, a 0.01 MB payload limit), each with its JSON body."""
+with one 1000 MB CPU "GPU" running one call at a time, a global queue of 2, a 0.01 MB payload
+limit), each with its JSON body."""
 
 from __future__ import annotations
 
@@ -93,6 +94,7 @@ def env(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> It
         gpu_memory_mb=1000,
         queue_capacity=2,
         max_payload_mb=0.01,
+        slots="1",
         etcd_endpoint=etcd_server.endpoint,
         root=f"/t-{uuid.uuid4().hex[:12]}",
     )
@@ -187,12 +189,14 @@ def test_400s_on_deploy_and_upload(env: Env) -> None:
     assert names == set(env.models)
 
 
-def test_invalid_json_payload_never_reaches_a_gpu(env: Env) -> None:
+def test_invalid_json_payload_is_a_400_and_the_worker_stays(env: Env) -> None:
+    # Only the worker parses payloads (once); the gateway and the scheduler pass them on as bytes.
     response = env.invoke("echo-untouched", content=b"{oops", headers={"content-type": "application/json"})
     assert_error(response, 400, "application/json", "not valid JSON")
-    assert env.models["echo-untouched"] not in env.cached()
-    described = env.get("/system/function/echo-untouched").json()
-    assert described["replicas"] == 0 and described["invocationCount"] == 0
+    assert env.counted("echo-untouched", 400) == 1
+    response = env.invoke("echo-untouched", {"fine": True})
+    assert response.status_code == 200, response.text
+    assert response.headers["X-Cache"] == "hit"
     # The same bytes as an opaque payload are fine: the function gets them as they are.
     response = env.invoke("echo", content=b"{oops", headers={"content-type": "application/octet-stream"})
     assert response.status_code == 200, response.text

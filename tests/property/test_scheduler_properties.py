@@ -3,7 +3,7 @@
 Every test drives the real `Scheduler` through `steps()`, a tiny event loop, and keeps its own
 `Book` of what the decisions say (queued, parked, running, resident, skips), built only from the
 decisions and never from the scheduler's state, so that each property compares the scheduler with
-an independent record.
+an independent record. GPUs have 1 to 4 slots (D), and D changes at random times (`set_slots`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from gpufaas.profiles import ModelProfile
 from gpufaas.types import GpuSpec, ModelSpec, Request
 from scheduler import Decision, Dispatch, Estimator, Park, PolicyConfig, Scheduler, make_policy
-from simulator.engine import ClusterConfig, SimResult, simulate
+from simulator.engine import Batching, ClusterConfig, SimResult, simulate
 from simulator.workload import Workload
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -51,12 +51,20 @@ class Arrival:
 
 
 @dataclass(frozen=True)
+class SlotChange:
+    at_s: float
+    gpu_id: str
+    slots: int
+
+
+@dataclass(frozen=True)
 class Scenario:
     policy: str
     max_num_skips: int
     gpus: tuple[GpuSpec, ...]
     models: tuple[Model, ...]
     arrivals: tuple[Arrival, ...]  # sorted by at_s
+    slot_changes: tuple[SlotChange, ...] = ()  # sorted by at_s
 
 
 def tenths(low: int, high: int) -> st.SearchStrategy[float]:
@@ -65,14 +73,18 @@ def tenths(low: int, high: int) -> st.SearchStrategy[float]:
 
 
 @st.composite
-def scenarios(draw: st.DrawFn, policies: tuple[str, ...] = POLICIES, *, fit_everywhere: bool = False) -> Scenario:
+def scenarios(
+    draw: st.DrawFn, policies: tuple[str, ...] = POLICIES, *, fit_everywhere: bool = False, max_slots: int = 4
+) -> Scenario:
     """A random cluster and workload. Models may exceed some GPUs, never every GPU, unless
-    `fit_everywhere` (every model fits every GPU, the paper's homogeneous setting)."""
+    `fit_everywhere` (every model fits every GPU, the paper's homogeneous setting). Each GPU has
+    1 to `max_slots` slots, changed at random times when `max_slots` > 1."""
     memories = draw(st.lists(st.sampled_from([1000, 2000, 3000, 4000, 8000]), min_size=1, max_size=6))
     speeds = draw(st.lists(st.sampled_from([1.0, 2.0]), min_size=len(memories), max_size=len(memories)))
+    slots = draw(st.lists(st.integers(1, max_slots), min_size=len(memories), max_size=len(memories)))
     gpus = tuple(
-        GpuSpec(f"g{i}", memory_mb, speed=speed)
-        for i, (memory_mb, speed) in enumerate(zip(memories, speeds, strict=True))
+        GpuSpec(f"g{i}", memory_mb, speed=speed, slots=d)
+        for i, (memory_mb, speed, d) in enumerate(zip(memories, speeds, slots, strict=True))
     )
     largest_mb = min(memories) if fit_everywhere else max(memories)
     sizes = draw(st.lists(st.integers(100, largest_mb), min_size=1, max_size=6))
@@ -82,7 +94,13 @@ def scenarios(draw: st.DrawFn, policies: tuple[str, ...] = POLICIES, *, fit_ever
     arrivals = tuple(Arrival(at_s, draw(st.sampled_from(models)).name, draw(tenths(1, 30))) for at_s in times)
     policy = draw(st.sampled_from(policies))
     max_num_skips = draw(st.integers(0, 5))
-    return Scenario(policy, max_num_skips, gpus, models, arrivals)
+    changes: list[SlotChange] = []
+    if max_slots > 1:
+        for _ in range(draw(st.integers(0, 3))):
+            gpu = draw(st.sampled_from(gpus))
+            changes.append(SlotChange(draw(tenths(0, 200)), gpu.gpu_id, draw(st.integers(1, max_slots))))
+    changes.sort(key=lambda change: change.at_s)
+    return Scenario(policy, max_num_skips, gpus, models, arrivals, tuple(changes))
 
 
 def make_scheduler(policy: str, max_num_skips: int, gpus: Iterable[GpuSpec], models: Iterable[Model]) -> Scheduler:
@@ -118,11 +136,12 @@ class Seen:
 class Book:
     """What the decisions say happened, kept without reading the scheduler's state."""
 
+    slots: dict[str, int]  # D of each GPU, as set by the scenario
     num_submitted: int = 0
     queued: dict[str, int] = field(default_factory=dict)  # request id -> arrival index, in arrival order
     skips: Counter[str] = field(default_factory=Counter)  # by the definition, brute force
     parked: dict[str, list[Request]] = field(default_factory=dict)
-    running: dict[str, Request] = field(default_factory=dict)
+    running: dict[str, list[Request]] = field(default_factory=dict)  # per GPU, in dispatch order
     resident: dict[str, set[str]] = field(default_factory=dict)
     dispatched: Counter[str] = field(default_factory=Counter)
     completed: Counter[str] = field(default_factory=Counter)
@@ -136,17 +155,17 @@ class Book:
         request, gpu_id = decision.request, decision.gpu_id
         parked = self.parked.setdefault(gpu_id, [])
         resident = self.resident.setdefault(gpu_id, set())
-        running = self.running.get(gpu_id)
-        pinned = {r.model for r in parked} | ({running.model} if running is not None else set())
+        running = self.running.setdefault(gpu_id, [])
+        pinned = {r.model for r in parked} | {r.model for r in running}
         seen = Seen(decision, request in parked, frozenset(resident), frozenset(pinned))
         if isinstance(decision, Park):
             assert request.request_id in self.queued, f"parked {request.request_id} is not in the global queue"
-            assert running is not None, f"parked {request.request_id} on idle GPU {gpu_id}"
+            assert len(running) >= self.slots[gpu_id], f"parked {request.request_id} on {gpu_id}, which has a free slot"
             del self.queued[request.request_id]
             parked.append(request)
             self.decisions.append(("park", request.request_id, gpu_id, None, ()))
             return seen
-        assert running is None, f"dispatched {request.request_id} to {gpu_id}, busy with {running.request_id}"
+        assert len(running) < self.slots[gpu_id], f"dispatched {request.request_id} to {gpu_id}, whose slots are full"
         if seen.from_local:
             parked.remove(request)
         else:
@@ -157,14 +176,16 @@ class Book:
                     self.skips[older] += 1
         resident.difference_update(decision.evict)
         resident.add(request.model)
-        self.running[gpu_id] = request
+        running.append(request)
         self.dispatched[request.request_id] += 1
         self.decisions.append(("dispatch", request.request_id, gpu_id, decision.hit, decision.evict))
         return seen
 
     def complete(self, request_id: str) -> None:
-        (gpu_id,) = [g for g, r in self.running.items() if r.request_id == request_id]
-        del self.running[gpu_id]
+        ((gpu_id, request),) = [
+            (g, r) for g, running in self.running.items() for r in running if r.request_id == request_id
+        ]
+        self.running[gpu_id].remove(request)
         self.completed[request_id] += 1
 
 
@@ -179,17 +200,20 @@ class Step:
 
 
 def steps(scenario: Scenario) -> Iterator[Step]:
-    """Replay `scenario`: at each event time, completions first, then arrivals, then schedule().
+    """Replay `scenario`: at each event time, completions first, then changes of D, then
+    arrivals, then schedule().
 
     A miss runs for its model's load time plus the request's inference time, a hit for the
-    latter; each completion reports both to the scheduler. Ends when nothing is left to happen.
+    latter, whatever else runs on its GPU; each completion reports both to the scheduler. Ends
+    when nothing is left to happen.
     """
     scheduler = make_scheduler(scenario.policy, scenario.max_num_skips, scenario.gpus, scenario.models)
-    book = Book()
+    book = Book(slots={spec.gpu_id: spec.slots for spec in scenario.gpus})
     requests = make_requests(scenario)
     load_s = {m.name: m.load_s for m in scenario.models}
     inference_s = {f"r{i:03d}": a.inference_s for i, a in enumerate(scenario.arrivals)}
     completions: list[tuple[float, int, str, float | None]] = []  # (at, tie, request id, load time)
+    changes = list(scenario.slot_changes)
     next_arrival = tie = 0
     while next_arrival < len(requests) or completions:
         arrival_at = requests[next_arrival].arrival_s if next_arrival < len(requests) else float("inf")
@@ -200,6 +224,10 @@ def steps(scenario: Scenario) -> Iterator[Step]:
                 request_id, now, load_time_s=measured_load_s, inference_time_s=inference_s[request_id]
             )
             book.complete(request_id)
+        while changes and changes[0].at_s <= now:
+            change = changes.pop(0)
+            scheduler.set_slots(change.gpu_id, change.slots)
+            book.slots[change.gpu_id] = change.slots
         while next_arrival < len(requests) and requests[next_arrival].arrival_s <= now:
             scheduler.submit(requests[next_arrival])
             book.submit(requests[next_arrival])
@@ -287,12 +315,44 @@ def test_the_directory_agrees_with_the_per_gpu_caches(scenario: Scenario) -> Non
             assert set(cache.gpus_with(model.name)) == holders, model.name
 
 
-# The brute-force skip count (every younger dispatch out of the global queue) is checked where
-# every model fits every GPU (the paper's setting); lb only ever takes the head, so it is checked
-# on mixed memory as well. On mixed memory a younger request may also go to a GPU an older one
-# cannot use at all: not a skip by the scheduler's count, which is checked against the limit there.
 @SETTINGS
-@given(scenarios(policies=("lalb-o3",), fit_everywhere=True))
+@given(scenarios())
+def test_each_gpus_slots_running_requests_and_pins_agree_with_the_decisions(scenario: Scenario) -> None:
+    most_running = 0
+    for step in steps(scenario):
+        for spec in scenario.gpus:
+            gpu_id = spec.gpu_id
+            state = step.scheduler.gpu(gpu_id)
+            running = step.book.running.get(gpu_id, [])
+            parked = step.book.parked.get(gpu_id, [])
+            slots = step.book.slots[gpu_id]
+            most_running = max(most_running, len(running))
+            assert list(state.running.values()) == running
+            assert list(state.local_queue) == parked
+            assert state.spec.slots == slots
+            assert state.idle == (len(running) < slots)
+            assert state.free_slots == max(0, slots - len(running))
+            # Schedule() fills every free slot it can: parked requests never wait beside one.
+            assert not (state.idle and parked)
+            if state.idle:
+                assert step.scheduler.estimated_wait_s(gpu_id, step.now) == 0.0
+            else:
+                assert step.scheduler.estimated_wait_s(gpu_id, step.now) >= 0.0
+            cache = step.scheduler.cache.gpu(gpu_id)
+            in_use = {r.model for r in running} | {r.model for r in parked}
+            assert {m for m in cache if cache.is_pinned(m)} == in_use
+            assert cache.pinned_mb == sum(cache.item(m).memory_mb for m in in_use)
+    target(float(most_running), label="most requests running on one GPU")
+
+
+# The brute-force skip count (every younger dispatch out of the global queue) is checked where
+# every model fits every GPU and a GPU runs one request at a time (the paper's setting); lb only
+# ever takes the head, so it is checked on mixed memory and with several slots as well. On mixed
+# memory, or beside models pinned by requests running on a GPU with several slots, a younger
+# request may also go to a GPU an older one cannot use now: not a skip by the scheduler's count,
+# which is checked against the limit there.
+@SETTINGS
+@given(scenarios(policies=("lalb-o3",), fit_everywhere=True, max_slots=1))
 def test_lalb_o3_passes_over_a_request_at_most_max_num_skips_times(scenario: Scenario) -> None:
     final = run_to_end(scenario)
     most = max(final.book.skips.values(), default=0)
@@ -301,14 +361,14 @@ def test_lalb_o3_passes_over_a_request_at_most_max_num_skips_times(scenario: Sce
 
 
 @SETTINGS
-@given(st.one_of(scenarios(policies=("lalb",), fit_everywhere=True), scenarios(policies=("lb",))))
+@given(st.one_of(scenarios(policies=("lalb",), fit_everywhere=True, max_slots=1), scenarios(policies=("lb",))))
 def test_lb_and_lalb_never_pass_over_a_request(scenario: Scenario) -> None:
     final = run_to_end(scenario)
     assert not final.book.skips, final.book.skips
 
 
 @SETTINGS
-@given(scenarios(policies=("lalb-o3",), fit_everywhere=True))
+@given(scenarios(policies=("lalb-o3",), fit_everywhere=True, max_slots=1))
 def test_the_queues_skip_counts_match_the_brute_force_count(scenario: Scenario) -> None:
     for step in steps(scenario):
         for request_id in step.book.queued:
@@ -410,7 +470,7 @@ def test_decisions_do_not_depend_on_the_hash_seed() -> None:
 
 # --- the simulator ---------------------------------------------------------------------------------
 @st.composite
-def workloads(draw: st.DrawFn) -> tuple[Workload, ClusterConfig, str, int]:
+def workloads(draw: st.DrawFn) -> tuple[Workload, ClusterConfig, str, int, dict[str, Batching]]:
     gpu_memory_mb = draw(st.sampled_from([2000, 4000, 8000]))
     num_functions = draw(st.integers(1, 5))
     functions = [f"fn{i}" for i in range(num_functions)]
@@ -434,16 +494,25 @@ def workloads(draw: st.DrawFn) -> tuple[Workload, ClusterConfig, str, int]:
         start_minute=0,
         minutes=1,
     )
-    cluster = ClusterConfig(gpus=draw(st.integers(1, 4)), gpu_memory_mb=gpu_memory_mb)
-    return workload, cluster, draw(st.sampled_from(POLICIES)), draw(st.integers(0, 5))
+    cluster = ClusterConfig(
+        gpus=draw(st.integers(1, 4)),
+        gpu_memory_mb=gpu_memory_mb,
+        slots=draw(st.integers(1, 4)),
+        batch_exponent=draw(st.sampled_from([0.5, 1.0])),
+    )
+    batching = {
+        function: Batching(draw(st.integers(1, 4)), draw(st.sampled_from([0.0, 5.0, 500.0])))
+        for function in draw(st.lists(st.sampled_from(functions), unique=True))
+    }
+    return workload, cluster, draw(st.sampled_from(POLICIES)), draw(st.integers(0, 5)), batching
 
 
 @settings(max_examples=60, deadline=None)
 @given(workloads())
 def test_the_simulator_completes_every_request_and_is_deterministic(
-    case: tuple[Workload, ClusterConfig, str, int],
+    case: tuple[Workload, ClusterConfig, str, int, dict[str, Batching]],
 ) -> None:
-    workload, cluster, policy, max_num_skips = case
+    workload, cluster, policy, max_num_skips, batching = case
     progress: list[int] = []
 
     def run(on_progress: list[int] | None = None) -> SimResult:
@@ -452,6 +521,7 @@ def test_the_simulator_completes_every_request_and_is_deterministic(
             policy,
             cluster=cluster,
             max_num_skips=max_num_skips,
+            batching=batching,
             on_progress=None if on_progress is None else on_progress.append,
         )
 
@@ -460,4 +530,8 @@ def test_the_simulator_completes_every_request_and_is_deterministic(
     assert first.requests == first.completed == n
     assert first.hits + first.misses == n
     assert progress == list(range(1, n + 1))  # a request completed twice would repeat a count
+    assert 1 <= first.batches <= n
+    most = max((b.max_batch_size for b in batching.values()), default=1)
+    assert 1.0 <= first.avg_batch_calls <= most
+    assert 0.0 <= first.gpu_utilization <= 1.0 + 1e-9  # one batch at a time per GPU
     assert run() == first

@@ -111,3 +111,54 @@ def test_max_capacity_follows_gpus_joining_and_leaving() -> None:
     assert cache.max_capacity_mb == 2000
     cache.remove_gpu("g0")
     assert cache.max_capacity_mb == 0
+
+
+def test_one_recency_clock_orders_admissions_and_hits_across_gpus() -> None:
+    cache = make_cache(("g0", 3000), ("g1", 3000))
+    cache.admit("g0", "A", 1000)
+    cache.admit("g1", "B", 1000)
+    cache.admit("g0", "C", 1000)
+    ticks = [
+        cache.gpu("g0").last_used_tick("A"),
+        cache.gpu("g1").last_used_tick("B"),
+        cache.gpu("g0").last_used_tick("C"),
+    ]
+    assert ticks == sorted(ticks) and len(set(ticks)) == 3
+    cache.admit("g0", "A", 1000)  # a hit refreshes it
+    assert cache.gpu("g0").last_used_tick("A") > cache.gpu("g0").last_used_tick("C")
+
+
+def test_first_victim_is_the_least_recently_used_unpinned_model() -> None:
+    cache = make_cache()
+    for model in "ABC":
+        cache.admit("g0", model, 1000)
+    gpu = cache.gpu("g0")
+    assert gpu.first_victim("D", 1000) == "A"
+    cache.pin("g0", "A")
+    assert gpu.first_victim("D", 1000) == "B"
+    assert gpu.first_victim("B", 1000) is None  # resident: nothing to evict
+    cache.unpin("g0", "A")
+    cache.admit("g0", "D", 1000)  # evicts A
+    assert gpu.first_victim("E", 500) == "B"
+
+
+def test_can_admit_counts_the_memory_pinned_models_hold() -> None:
+    cache = make_cache()
+    cache.admit("g0", "A", 1000)
+    cache.admit("g0", "B", 1500)
+    gpu = cache.gpu("g0")
+    cache.pin("g0", "B")
+    cache.pin("g0", "B")  # two requests: counted once
+    assert gpu.pinned_mb == 1500
+    assert gpu.can_admit("C", 1500) and not gpu.can_admit("C", 1600)
+    assert gpu.first_victim("C", 1600) is None  # cannot be admitted now
+    assert gpu.can_admit("B", 1500)  # resident
+    assert gpu.resize("B", 1800)
+    assert gpu.pinned_mb == 1800
+    cache.unpin("g0", "B")
+    assert gpu.pinned_mb == 1800
+    cache.unpin("g0", "B")
+    assert gpu.pinned_mb == 0
+    cache.pin("g0", "A")
+    cache.drop("g0", "A")
+    assert gpu.pinned_mb == 0 and gpu.used_mb == 1800

@@ -66,6 +66,35 @@ def test_sweep_o3_runs_each_limit() -> None:
     assert [(r["policy"], r["max_num_skips"]) for r in json.loads(out)["results"]] == [("lalb-o3", 0), ("lalb-o3", 5)]
 
 
+def test_slots_and_batching_are_simulated_and_reported() -> None:
+    args = ("--json", "--policy", "lalb", "--working-set", "15", "--minutes", "1", "--slots", "4")
+    code, out, _ = sim(*args, "--max-batch-size", "4", "--max-batch-wait-ms", "5", "--batch-exponent", "0.6")
+    assert code == 0
+    data = json.loads(out)
+    assert (data["slots"], data["max_batch_size"], data["max_batch_wait_ms"], data["batch_exponent"]) == (
+        4,
+        4,
+        5.0,
+        0.6,
+    )
+    assert data["completed"] == 325 and data["avg_batch_calls"] > 1.0
+    code, out, _ = sim(*args)
+    assert json.loads(out)["avg_batch_calls"] == 1.0
+
+
+def test_misses_placement_flags() -> None:
+    base = ("--json", "--policy", "lalb", "--working-set", "35", "--minutes", "1")
+    for flags, expected in (
+        ((), (True, True)),
+        (("--no-coldest-victim",), (True, False)),
+        (("--literal-misses",), (False, True)),
+    ):
+        code, out, _ = sim(*base, *flags)
+        assert code == 0
+        data = json.loads(out)
+        assert (data["room_aware_misses"], data["coldest_victim_misses"]) == expected
+
+
 def test_table_output_and_plot(tmp_path: Path) -> None:
     png = tmp_path / "figs.png"
     code, out, _ = sim("--compare", "--minutes", "1", "--working-set", "15", "--plot", str(png))
@@ -91,7 +120,17 @@ def test_unknown_policy_lists_valid_ones() -> None:
 
 @pytest.mark.parametrize(
     ("flag", "value"),
-    [("--gpus", "-1"), ("--minutes", "0"), ("--rpm", "0"), ("--working-set", "0"), ("--o3-limit", "-3")],
+    [
+        ("--gpus", "-1"),
+        ("--minutes", "0"),
+        ("--rpm", "0"),
+        ("--working-set", "0"),
+        ("--o3-limit", "-3"),
+        ("--slots", "0"),
+        ("--max-batch-size", "0"),
+        ("--max-batch-wait-ms", "-1"),
+        ("--batch-exponent", "0"),
+    ],
 )
 def test_nonsense_flags_are_usage_errors(flag: str, value: str) -> None:
     code, _, err = sim(flag, value)

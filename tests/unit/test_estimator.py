@@ -34,6 +34,25 @@ def test_unprofiled_batch_size_scales_from_the_nearest_profiled_one() -> None:
     assert estimator.inference_time_s("m", "t", 16) == pytest.approx(0.5)
 
 
+def test_a_batch_size_between_two_measured_ones_is_interpolated_linearly() -> None:
+    estimator = Estimator([ModelProfile("m", "t", 1000, 2.0, 1.0, 32)])
+    estimator.observe_inference("m", "t", 128, 2.5)  # batching is sublinear on this GPU
+    estimator.observe_inference("m", "t", 64, 1.6)
+    assert estimator.inference_time_s("m", "t", 48) == pytest.approx(1.0 + 0.6 * 16 / 32)
+    assert estimator.inference_time_s("m", "t", 96) == pytest.approx(1.6 + 0.9 * 32 / 64)
+    assert estimator.inference_time_s("m", "t", 64) == pytest.approx(1.6)  # measured: as is
+
+
+def test_outside_the_measured_range_the_nearest_size_scales_proportionally() -> None:
+    estimator = Estimator([ModelProfile("m", "t", 1000, 2.0, 1.0, 32)])
+    estimator.observe_inference("m", "t", 128, 2.5)
+    assert estimator.inference_time_s("m", "t", 8) == pytest.approx(1.0 * 8 / 32)
+    assert estimator.inference_time_s("m", "t", 256) == pytest.approx(2.5 * 256 / 128)
+    # Another GPU type's measurements do not count.
+    estimator.observe_inference("m", "other", 64, 9.0)
+    assert estimator.inference_time_s("m", "t", 64) == pytest.approx(1.0 + 1.5 * 32 / 96)
+
+
 def test_measurements_move_the_estimate_by_ewma() -> None:
     estimator = Estimator([ModelProfile("m", "t", 1000, 2.0, 1.0, 32)], alpha=0.5)
     estimator.observe_load("m", "t", 4.0)

@@ -46,7 +46,7 @@ class Deployed:
     def call(self, body: object) -> Any:
         """`body` through the worker's decoding, `predict` and the worker's encoding, as JSON again."""
         payload = body if isinstance(body, bytes) else json.dumps(body).encode()
-        result = encode_result(self.handler.predict(self.model, decode_inputs(payload)))
+        result, _ = encode_result(self.handler.predict(self.model, decode_inputs(payload)))
         return json.loads(result)
 
 
@@ -238,7 +238,8 @@ def test_predict_is_deterministic_and_json(template: str, deploy: Callable[[str]
     first = fn.call(VALID_INPUT[template])
     assert fn.call(VALID_INPUT[template]) == first
     # A second worker loading the same weights answers the same.
-    assert json.loads(encode_result(fn.handler.predict(fn.handler.load("cpu"), VALID_INPUT[template]))) == first
+    output, content_type = encode_result(fn.handler.predict(fn.handler.load("cpu"), VALID_INPUT[template]))
+    assert content_type == "application/json" and json.loads(output) == first
 
 
 @pytest.mark.parametrize("template", TEMPLATES)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gpufaas.errors import ModelTooLarge, UnknownModel, UnknownPolicy
 from gpufaas.types import GpuSpec, ModelSpec
-from scheduler import Dispatch, Park, PolicyConfig, make_policy
-from tests.builders import cache_on, make_scheduler, run_on, submit
+from scheduler import Dispatch, Park, PolicyConfig, Scheduler, make_policy
+from tests.builders import cache_on, make_request, make_scheduler, run_on, submit
 
 
 def decided(decisions: list[Dispatch | Park]) -> list[tuple[str, str, str, bool | None]]:
@@ -28,10 +30,10 @@ def test_local_queue_runs_before_the_global_queue(policy: str) -> None:
     s = make_scheduler(policy, gpus=2)
     cache_on(s, "g1", "A")
     running = run_on(s, "g1", "A", now=0.0)  # g1 busy until t=1 (hit: inference only)
-    run_on(s, "g0", "B", now=0.0)  # g0 busy too
+    other = run_on(s, "g0", "B", now=0.0)  # g0 busy too
     submit(s, "A", now=0.1)  # A is cached on busy g1, wait 0.9 s < load 2 s: park there
     # The park decision needs an idle GPU to trigger the policy: free g0 first.
-    s.on_complete(s.gpu("g0").running.request_id, 0.2)  # type: ignore[union-attr]
+    s.on_complete(other.request_id, 0.2)
     first = s.schedule(0.2)
     assert decided(first)[0] == ("park", "A", "g1", None)
     submit(s, "C", now=0.3)
@@ -152,8 +154,9 @@ def _scenario(policy: str, max_num_skips: int) -> list[tuple[str, str, str, bool
     log = decided(s.schedule(0.0))
     for t in (1.0, 2.0, 3.0, 4.0, 5.0):
         for gpu in list(s.gpus()):
-            if gpu.running is not None and gpu.busy_until_s <= t:
-                s.on_complete(gpu.running.request_id, t)
+            for request_id, finish_s in list(gpu.expected_finish_s.items()):
+                if finish_s <= t:
+                    s.on_complete(request_id, t)
         submit(s, "A", "D", now=t)
         log += decided(s.schedule(t))
     return log
@@ -290,3 +293,97 @@ def test_a_gpu_type_the_cluster_lacks_is_refused_at_submit() -> None:
     s.register_model(ModelSpec("needs-a100", 1000, gpu_type="a100"))
     with pytest.raises(ModelTooLarge, match=r"needs a a100 GPU.*GPU types here: rtx2080"):
         submit(s, "needs-a100")
+
+
+# --- coldest victim ------------------------------------------------------------------------------
+
+
+def two_full_gpus(policy: str = "lalb", **kwargs: bool) -> Scheduler:
+    """g0 and g1 (3000 MB) each full with three 1000 MB models; g1's were used long ago."""
+    s = make_scheduler(policy, gpus={"g0": 3000, "g1": 3000}, models={m: 1000 for m in "ABCDEFG"}, **kwargs)
+    cache_on(s, "g1", "A", "B", "C")
+    cache_on(s, "g0", "D", "E", "F")
+    return s
+
+
+@pytest.mark.parametrize("policy", ["lalb", "lalb-o3"])
+def test_a_miss_that_must_evict_evicts_the_coldest_model_of_the_idle_gpus(policy: str) -> None:
+    s = two_full_gpus(policy)
+    submit(s, "G")
+    # g0 is offered work first, but g1's least recently used model (A) is colder than g0's (D).
+    decisions = s.schedule(0.0)
+    assert decided(decisions) == [("dispatch", "G", "g1", False)]
+    assert isinstance(decisions[0], Dispatch) and decisions[0].evict == ("A",)
+
+
+@pytest.mark.parametrize(
+    "config", [PolicyConfig(coldest_victim_misses=False), PolicyConfig(room_aware_misses=False)], ids=["off", "literal"]
+)
+def test_without_coldest_victim_or_room_awareness_the_miss_evicts_on_the_gpu_being_filled(
+    config: PolicyConfig,
+) -> None:
+    s = two_full_gpus()
+    s.policy = make_policy("lalb", config)
+    submit(s, "G")
+    decisions = s.schedule(0.0)
+    assert decided(decisions) == [("dispatch", "G", "g0", False)]
+    assert isinstance(decisions[0], Dispatch) and decisions[0].evict == ("D",)
+
+
+def test_a_hit_refreshes_recency_across_gpus() -> None:
+    s = two_full_gpus()
+    (a,) = submit(s, "A")
+    assert decided(s.schedule(0.0)) == [("dispatch", "A", "g1", True)]  # A is now the hottest model
+    s.on_complete(a.request_id, 1.0)
+    submit(s, "G", now=1.0)
+    # g1's coldest is B now, still colder than g0's D: G lands on g1 and evicts B.
+    decisions = s.schedule(1.0)
+    assert decided(decisions) == [("dispatch", "G", "g1", False)]
+    assert isinstance(decisions[0], Dispatch) and decisions[0].evict == ("B",)
+
+
+@pytest.mark.parametrize("coldest", [True, False])
+def test_one_call_at_a_time_cycling_over_four_models_stops_thrashing(coldest: bool) -> None:
+    """The low-load case that motivated it: with every GPU idle and full, misses always landed on
+    the GPU being filled, whose three slots cannot hold a cycle of four models (LRU misses every
+    time) while the other GPU's models stay frozen."""
+    s = two_full_gpus(coldest_victim_misses=coldest)
+    misses, now = 0, 0.0
+    for model in "DEFG" * 6:
+        (request,) = submit(s, model, now=now)
+        (decision,) = s.schedule(now)
+        assert isinstance(decision, Dispatch)
+        misses += not decision.hit
+        now += 10.0
+        s.on_complete(request.request_id, now)
+    # Coldest victim: G evicts g1's cold A once, then D, E, F, G all stay resident.
+    assert misses == (1 if coldest else 21)
+
+
+def test_the_coldest_victim_honours_avoid_gpu_and_required_gpu_types() -> None:
+    s = two_full_gpus()
+    s.submit(dataclasses.replace(make_request("G"), avoid_gpu="g1"))  # its worker just died on g1
+    assert decided(s.schedule(0.0)) == [("dispatch", "G", "g0", False)]
+
+    s = make_scheduler("lalb", gpus=0, models={})
+    s.add_gpu(GpuSpec("fast", 1000, gpu_type="h100"))
+    s.add_gpu(GpuSpec("old", 1000, gpu_type="t4"))
+    for name, gpu_type in (("X", None), ("Y", None), ("Z", "h100")):
+        s.register_model(ModelSpec(name, 1000, gpu_type=gpu_type))
+    cache_on(s, "old", "X")  # the coldest model, on a GPU Z may not use
+    cache_on(s, "fast", "Y")
+    submit(s, "Z")
+    assert [d.gpu_id for d in s.schedule(0.0)] == ["fast"]
+
+
+def test_the_coldest_victim_skips_gpus_whose_models_in_use_leave_no_room() -> None:
+    s = make_scheduler("lalb", gpus={"g0": 3000, "g1": 3000}, models={m: 1000 for m in "ABCDEFG"}, slots=3)
+    s.register_model(ModelSpec("H", 2000))
+    cache_on(s, "g1", "A", "B", "C")
+    cache_on(s, "g0", "D", "E", "F")
+    run_on(s, "g1", "B")  # g1 keeps a free slot, but B and C in use leave 1000 MB: H cannot load there
+    run_on(s, "g1", "C")
+    submit(s, "H")
+    decisions = s.schedule(0.0)
+    assert decided(decisions) == [("dispatch", "H", "g0", False)]
+    assert isinstance(decisions[0], Dispatch) and decisions[0].evict == ("D", "E")

@@ -102,3 +102,30 @@ def test_with_a_single_gpu_a_retry_runs_there_again() -> None:
     running = run_on(s, "g0", "A", now=0.0)
     s.on_failure(running.request_id, 0.5, drop_model=True, requeue=True, avoid_gpu=True)
     assert [d.gpu_id for d in s.schedule(0.5)] == ["g0"]
+
+
+def test_cancelling_a_parked_request_brings_its_gpus_free_time_forward() -> None:
+    s = make_scheduler("lalb", gpus=3)
+    cache_on(s, "g1", "A")
+    cache_on(s, "g2", "A")
+    run_on(s, "g1", "A", now=0.0)  # free at 1.0
+    run_on(s, "g2", "A", now=0.5)  # free at 1.5
+    (parked,) = submit(s, "A", now=0.5)
+    s.park(parked, "g1", 0.5)  # g1 now free at 2.0: g2 frees up first
+    assert s.soonest_busy_holder("A", 0.5) == ("g2", pytest.approx(1.0))
+    s.cancel(parked.request_id)
+    assert s.soonest_busy_holder("A", 0.5) == ("g1", pytest.approx(0.5))
+
+
+def test_completing_a_request_that_is_not_running_changes_nothing() -> None:
+    s = make_scheduler("lalb", gpus=1)
+    cache_on(s, "g0", "A")
+    running = run_on(s, "g0", "A", now=0.0)
+    (parked,) = submit(s, "A", now=0.1)
+    s.park(parked, "g0", 0.1)
+    with pytest.raises(KeyError, match="parked"):
+        s.on_complete(parked.request_id, 0.5)
+    with pytest.raises(KeyError, match="not running anywhere"):
+        s.on_failure("never-submitted", 0.5, drop_model=False, requeue=False)
+    s.on_complete(running.request_id, 1.0)
+    assert [d.request for d in s.schedule(1.0)] == [parked]

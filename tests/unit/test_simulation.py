@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
-from gpufaas.profiles import paper_table1
-from simulator.engine import ClusterConfig, SimResult, simulate
+from gpufaas.profiles import ModelProfile, paper_table1
+from gpufaas.types import Request
+from simulator.engine import Batching, ClusterConfig, SimResult, simulate
 from simulator.report import shipped_trace
-from simulator.workload import WorkloadConfig, build_workload, load_trace
+from simulator.workload import Workload, WorkloadConfig, build_workload, load_trace, zipf_workload
 
 
 def run(
@@ -70,3 +73,143 @@ def test_utilization_counts_inference_only() -> None:
 def test_same_seed_same_result_and_other_seed_differs() -> None:
     assert run("lalb-o3", seed=3) == run("lalb-o3", seed=3)
     assert run("lalb-o3", seed=3) != run("lalb-o3", seed=4)
+
+
+# --- the ground truth, on hand-built workloads --------------------------------------------------
+
+
+def tiny(arrivals: list[tuple[float, str]], models: dict[str, int] | None = None) -> Workload:
+    """Requests (arrival, model) of functions fn-<model>; every model takes 1000 MB, loads in
+    2 s and runs a call of 32 samples in 1 s."""
+    names = models if models is not None else {"A": 1000, "B": 1000}
+    requests = [Request(f"r{i:06d}", f"fn-{m}", m, at_s, 32) for i, (at_s, m) in enumerate(arrivals)]
+    return Workload(
+        requests=requests,
+        profiles=[ModelProfile(m, "rtx2080", size, 2.0, 1.0, 32) for m, size in names.items()],
+        function_models={f"fn-{m}": m for m in names},
+        top_function=f"fn-{next(iter(names))}",
+        start_minute=0,
+        minutes=1,
+    )
+
+
+def run_tiny(
+    workload: Workload,
+    *,
+    slots: int = 1,
+    exponent: float = 1.0,
+    batching: Batching | None = None,
+    gpus: int = 1,
+) -> SimResult:
+    cluster = ClusterConfig(gpus=gpus, gpu_memory_mb=4000, slots=slots, batch_exponent=exponent)
+    per_function = None if batching is None else dict.fromkeys(workload.function_models, batching)
+    return simulate(workload, "lalb", cluster=cluster, batching=per_function)
+
+
+def test_one_slot_runs_a_miss_for_load_plus_inference_and_a_hit_for_inference() -> None:
+    result = run_tiny(tiny([(0.0, "A"), (0.5, "A"), (10.0, "A")]))
+    # r0 misses (0 -> 3); r1 waits for the GPU and hits (3 -> 4); r2 hits (10 -> 11).
+    assert (result.misses, result.hits, result.parks) == (1, 2, 0)
+    assert result.avg_latency_s == pytest.approx((3.0 + 3.5 + 1.0) / 3)
+    assert result.makespan_s == pytest.approx(11.0)
+    assert (result.batches, result.avg_batch_calls, result.slots) == (3, 1.0, 1)
+    assert result.gpu_utilization == pytest.approx(3.0 / 11.0)
+
+
+def test_without_batching_calls_on_one_gpu_share_its_compute_in_turn() -> None:
+    result = run_tiny(tiny([(0.0, "A")] * 4), slots=4)
+    # All four start at once (one miss, three hits on the loading worker); the load takes 2 s,
+    # then the GPU computes the four calls one after another: they end at 3, 4, 5 and 6.
+    assert (result.misses, result.hits, result.parks) == (1, 3, 0)
+    assert result.avg_latency_s == pytest.approx(4.5)
+    assert result.batches == 4
+
+
+@pytest.mark.parametrize(("exponent", "end_s"), [(1.0, 6.0), (0.5, 4.0)])
+def test_a_batch_of_k_calls_takes_k_to_the_batch_exponent_times_one_call(exponent: float, end_s: float) -> None:
+    result = run_tiny(tiny([(0.0, "A")] * 4), slots=4, exponent=exponent, batching=Batching(max_batch_size=4))
+    # One batch of the four calls once the model is loaded at t=2: 4**exponent seconds.
+    assert (result.batches, result.avg_batch_calls, result.max_batch_size) == (1, 4.0, 4)
+    assert result.avg_latency_s == pytest.approx(end_s) and result.makespan_s == pytest.approx(end_s)
+    assert result.gpu_utilization == pytest.approx((end_s - 2.0) / end_s)
+
+
+def test_batches_hold_at_most_max_batch_size_calls_in_dispatch_order() -> None:
+    result = run_tiny(tiny([(0.0, "A")] * 5), slots=5, batching=Batching(max_batch_size=2))
+    # Loaded at 2: batches of 2, 2 and 1 calls (2 s, 2 s, 1 s): calls end at 4, 4, 6, 6 and 7.
+    assert result.batches == 3
+    assert result.avg_latency_s == pytest.approx((4 + 4 + 6 + 6 + 7) / 5)
+
+
+def test_a_free_worker_waits_up_to_max_batch_wait_for_more_calls() -> None:
+    warm = [(0.0, "A")]  # loads the model until 2, waits 5 ms for company, runs 2.005 -> 3.005
+    arrivals = [*warm, (10.0, "A"), (10.004, "A"), (10.5, "A")]
+    result = run_tiny(tiny(arrivals), slots=3, batching=Batching(max_batch_size=2, max_batch_wait_ms=5.0))
+    # 10.0: the worker waits for a second call; 10.004: it comes, the batch of two runs 10.004 ->
+    # 12.004. 10.5: a third call waits for the worker, which then waits 5 ms: 12.009 -> 13.009.
+    assert result.batches == 3
+    assert result.makespan_s == pytest.approx(13.009)
+    assert result.avg_latency_s == pytest.approx((3.005 + 2.004 + 2.0 + 2.509) / 4)
+
+
+def test_with_one_slot_a_batching_worker_waits_in_vain() -> None:
+    result = run_tiny(tiny([(0.0, "A"), (10.0, "A")]), batching=Batching(max_batch_size=4, max_batch_wait_ms=50.0))
+    # D = 1: no second call can reach the worker, so every batch is one call, 50 ms late.
+    assert result.avg_batch_calls == 1.0
+    assert result.avg_latency_s == pytest.approx((3.05 + 1.05) / 2)
+
+
+def test_batches_of_different_models_take_the_gpus_compute_in_turn() -> None:
+    warm = [(0.0, "A"), (0.0, "B")]  # both load at once (a transfer each): done at 2, computed 2-3, 3-4
+    result = run_tiny(tiny([*warm, (10.0, "A"), (10.0, "B")]), slots=2)
+    assert result.avg_latency_s == pytest.approx((3.0 + 4.0 + 1.0 + 2.0) / 4)
+
+
+def test_a_load_does_not_hold_the_gpus_compute() -> None:
+    warm = [(0.0, "A")]  # 0 -> 3
+    result = run_tiny(tiny([*warm, (10.0, "B"), (10.0, "A")]), slots=2)
+    # At 10, B starts loading (until 12) while A computes (10 -> 11); B computes 12 -> 13.
+    assert result.avg_latency_s == pytest.approx((3.0 + 3.0 + 1.0) / 3)
+
+
+def test_calls_dispatched_at_one_instant_reach_the_worker_together() -> None:
+    result = run_tiny(tiny([(0.0, "A")] * 2 + [(20.0, "A")] * 2), slots=2, batching=Batching(max_batch_size=2))
+    # Two batches of two: at 2 (when the load ends) and at 20, with no wait needed.
+    assert result.batches == 2 and result.avg_batch_calls == 2.0
+    assert result.avg_latency_s == pytest.approx((4.0 + 4.0 + 2.0 + 2.0) / 4)
+
+
+def test_config_values_are_checked() -> None:
+    with pytest.raises(ValueError, match="slots"):
+        ClusterConfig(slots=0)
+    with pytest.raises(ValueError, match="batch_exponent"):
+        ClusterConfig(batch_exponent=0.0)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        Batching(max_batch_size=0)
+    with pytest.raises(ValueError, match="max_batch_wait_ms"):
+        Batching(max_batch_wait_ms=-1.0)
+
+
+# --- coldest victim at concurrency 1 --------------------------------------------------------------
+
+
+def test_coldest_victim_lowers_misses_one_call_at_a_time_on_two_small_gpus() -> None:
+    """Calls 10 s apart (a miss takes 3 s), Zipf 1.1 over 8 equal 100 MB models, on 2 GPUs x 300 MB
+    (three models each), both idle and full at every call: a miss on the GPU being filled churns
+    its three models while the other GPU's stay frozen, good or bad."""
+
+    def miss_ratios(coldest: bool) -> list[float]:
+        cluster = ClusterConfig(gpus=2, gpu_memory_mb=300)
+        return [
+            simulate(
+                zipf_workload(calls=1000, models=8, zipf_exponent=1.1, memory_mb=100, gap_s=10.0, seed=seed),
+                "lalb",
+                cluster=cluster,
+                coldest_victim_misses=coldest,
+            ).miss_ratio
+            for seed in range(20)
+        ]
+
+    filling, coldest = miss_ratios(False), miss_ratios(True)
+    assert statistics.fmean(coldest) < 0.9 * statistics.fmean(filling)
+    assert max(coldest) < 0.8 * max(filling)

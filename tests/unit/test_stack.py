@@ -24,6 +24,8 @@ functions:
     timeout_s: 30
     labels: {team: vision}
     environment: {MODE: fast}
+    max_batch_size: 8
+    max_batch_wait_ms: 2.5
 """
 
 
@@ -47,6 +49,8 @@ def test_a_good_stack_parses_with_handlers_relative_to_the_file(tmp_path: Path) 
         "timeout_s": 30.0,
         "labels": {"team": "vision"},
         "environment": {"MODE": "fast"},
+        "max_batch_size": 8,
+        "max_batch_wait_ms": 2.5,
     }
 
 
@@ -58,6 +62,12 @@ def test_a_good_stack_parses_with_handlers_relative_to_the_file(tmp_path: Path) 
         (("timeout_s: 30", "timeout_s: 0"), "functions.resnet.timeout_s: expected seconds"),
         (("batch_size: 16", "batch_size: lots"), "functions.resnet.batch_size: expected a positive"),
         (("gpu: any", "gpu: [a, b]"), "functions.resnet.gpu: expected 'any' or a GPU type"),
+        (("max_batch_size: 8", "max_batch_size: 0"), "functions.resnet.max_batch_size: expected a positive"),
+        (("max_batch_size: 8", "max_batch_size: 5000"), "functions.resnet.max_batch_size: at most 1024"),
+        (
+            ("max_batch_wait_ms: 2.5", "max_batch_wait_ms: -1"),
+            "functions.resnet.max_batch_wait_ms: expected milliseconds",
+        ),
         (("handler: ./resnet", "handler: ''"), "functions.resnet.handler: required"),
         (("  resnet:", "  ResNet:"), "functions.ResNet: not a valid function name"),
         (("gateway: http://127.0.0.1:8080", "gateway: 127.0.0.1"), "provider.gateway: expected an http"),

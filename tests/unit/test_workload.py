@@ -16,6 +16,7 @@ from simulator.workload import (
     load_azure2019,
     load_azure2021,
     load_trace,
+    zipf_workload,
 )
 
 SHIPPED_TRACE = Path(__file__).resolve().parents[2] / "simulator/traces/azure2019-500fn/invocations.csv"
@@ -448,3 +449,17 @@ def test_shipped_trace_default_workload() -> None:
     assert minutes == {m: 325 for m in range(6)}
     top = Counter(r.function for r in workload.requests).most_common(1)[0][0]
     assert top == workload.top_function
+
+
+def test_zipf_workload_spaces_calls_and_follows_the_popularity() -> None:
+    workload = zipf_workload(calls=2000, models=4, zipf_exponent=1.1, memory_mb=100, gap_s=10.0, seed=7)
+    assert [r.arrival_s for r in workload.requests[:3]] == [0.0, 10.0, 20.0]
+    assert [p.model for p in workload.profiles] == ["m0", "m1", "m2", "m3"]
+    assert all(p.memory_mb == 100 and p.load_time_s == 2.0 and p.inference_time_s == 1.0 for p in workload.profiles)
+    counts = [sum(r.model == f"m{rank}" for r in workload.requests) for rank in range(4)]
+    assert counts == sorted(counts, reverse=True)
+    assert workload.top_function == "fn-m0" and workload.function_models["fn-m3"] == "m3"
+    again = zipf_workload(calls=2000, models=4, zipf_exponent=1.1, memory_mb=100, gap_s=10.0, seed=7)
+    assert again.requests == workload.requests
+    with pytest.raises(InvalidInput, match="calls and models"):
+        zipf_workload(calls=0, models=4, zipf_exponent=1.1, memory_mb=100, gap_s=10.0, seed=7)

@@ -1,0 +1,144 @@
+"""POST /function/{name}: the invocation route, as plain ASGI in front of the FastAPI app.
+
+Invocations are the gateway's hot path and need nothing FastAPI offers (no body is parsed, no
+dependency is injected): served here they cost half the time (measured at concurrency 1 on this
+project's machines: 132 us against 285 us for an echo, uvicorn + httptools both). Every other
+request goes on to the FastAPI app unchanged.
+
+Answers: the function's output with its content type and the X-* headers (X-Call-Id,
+X-Duration-Seconds, X-Gpu, X-Cache, X-Queue-Seconds, X-Load-Seconds, X-Inference-Seconds,
+X-Batch-Calls, X-Attempts after a retry, and Server-Timing with a miss's stages), or an error
+as {"error": "...", "status": N} with the status the router chose (gateway.router).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+from gateway.router import CallFailed
+from gpufaas.proto import gpufaas_pb2 as pb
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+PREFIX = "/function/"
+
+
+class InvokeMiddleware:
+    """ASGI middleware: answers POST /function/{name}[/...] itself, passes the rest on."""
+
+    def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
+        self.app = app
+        self.gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].startswith(PREFIX):
+            await self._invoke(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _invoke(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        gateway = self.gateway
+        limit = gateway.config.max_payload_bytes
+        name = scope["path"][len(PREFIX) :].split("/", 1)[0]
+        headers = dict(scope["headers"])  # ASGI header names are lower-case bytes
+        call_id = headers.get(b"x-call-id", b"").decode("latin-1") or uuid.uuid4().hex
+        spec = gateway.functions.get(name)
+        if spec is None:
+            await _error(send, 404, f"function {name!r} is not deployed; deploy it first (gpufaas deploy)", call_id)
+            return
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            await _error(send, 413, f"the payload is larger than the limit of {limit} bytes", call_id)
+            return
+        payload = await _read_body(receive, limit)
+        if payload is None:
+            await _error(send, 413, f"the payload is larger than the limit of {limit} bytes", call_id)
+            return
+        content_type = headers.get(b"content-type", b"").decode("latin-1")
+        counts: Counter[tuple[str, int]] = gateway.invocations
+        try:
+            result = await gateway.router.invoke(spec, call_id, payload, content_type, clock=time.monotonic)
+        except CallFailed as exc:
+            counts[(name, exc.status)] += 1
+            await _error(send, exc.status, exc.message, call_id, retry_after=exc.status == 429)
+            return
+        counts[(name, 200)] += 1
+        placement, reply = result.placement, result.reply
+        answer = [
+            (b"content-type", (reply.content_type or "application/octet-stream").encode("latin-1")),
+            (b"content-length", str(len(result.output)).encode()),
+            (b"x-call-id", call_id.encode("latin-1")),
+            (b"x-duration-seconds", f"{time.perf_counter() - started:.6f}".encode()),
+            (b"x-gpu", f"{placement.node}/{placement.gpu}".encode()),
+            (b"x-cache", b"miss" if reply.loaded else b"hit"),
+            (b"x-queue-seconds", f"{placement.queue_s:.6f}".encode()),
+            (b"x-load-seconds", f"{reply.load_time_s:.6f}".encode()),
+            (b"x-inference-seconds", f"{reply.inference_time_s:.6f}".encode()),
+            (b"x-batch-calls", str(reply.batch_calls).encode()),
+        ]
+        if placement.attempt > 1:
+            answer.append((b"x-attempts", str(placement.attempt).encode()))
+        if reply.loaded:
+            answer.append((b"server-timing", miss_timing(reply).encode()))
+        await send({"type": "http.response.start", "status": 200, "headers": answer})
+        await send({"type": "http.response.body", "body": result.output})
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The request body, or None once it exceeds `limit` bytes (the rest is not read)."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _error(send: Send, status: int, message: str, call_id: str, *, retry_after: bool = False) -> None:
+    body = json.dumps({"error": message, "status": status}).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"x-call-id", call_id.encode("latin-1")),
+    ]
+    if retry_after:
+        headers.append((b"retry-after", b"1"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def miss_timing(reply: pb.ExecuteReply) -> str:
+    """A miss's stages as a Server-Timing header (durations in milliseconds, W3C Server Timing)."""
+    stages = reply.stages
+    parts = [
+        ("fetch", stages.fetch_s),
+        ("prefetch", stages.prefetch_s),
+        ("start", stages.start_s),
+        ("context", stages.context_s),
+        ("load", stages.load_s),
+        ("inference", reply.inference_time_s),
+        ("spare-start", stages.spare_start_s),
+        ("spare-context", stages.spare_context_s),
+    ]
+    return ", ".join(f"{name};dur={seconds * 1000:.3f}" for name, seconds in parts)

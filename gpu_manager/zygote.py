@@ -1,0 +1,72 @@
+"""The node's zygote: one process that has imported the runtime (torch) and forks workers from it.
+
+A worker forked from here starts in milliseconds with torch already imported, where a fresh
+interpreter takes a second or more (and its pages are shared with its siblings until written).
+The zygote never runs torch itself: it must not have threads or a device context to fork.
+
+`python -m gpu_manager.zygote --fd N --backend B`: fd N is a SOCK_SEQPACKET socket to the node's
+WorkerPool. The zygote first sends b"ready <import seconds>". Then each message the pool sends is
+b"<gpu id> <device index>" carrying one file descriptor (SCM_RIGHTS): the worker's end of a socket
+pair, on which the forked worker then speaks to the pool (gpu_manager.worker). Children are
+reaped automatically (SIGCHLD ignored); the pool tells a worker's exit by its socket closing. The
+zygote exits when the pool closes its end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+
+from gpu_manager.backends import WorkerDevice, backend_class
+from gpu_manager.worker import run_worker
+
+MAX_MESSAGE_BYTES = 1024
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gpu_manager.zygote", description="gpufaas worker zygote")
+    parser.add_argument("--fd", type=int, required=True, help="the pool's control socket (SOCK_SEQPACKET)")
+    parser.add_argument("--backend", required=True)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gpu_manager decides when this process stops
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped as they exit
+    backend = backend_class(args.backend)
+    started_s = time.perf_counter()
+    backend.setup()
+    backend.import_runtime()
+    import_s = time.perf_counter() - started_s
+    control = socket.socket(fileno=args.fd)
+    control.sendall(f"ready {import_s:.6f}".encode())
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(control, MAX_MESSAGE_BYTES, 1)
+        except ConnectionResetError:
+            return 0
+        if not message:
+            return 0  # the pool is gone
+        if not fds:
+            continue
+        gpu_id, index = message.decode().split()
+        if os.fork() == 0:
+            control.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            status = 1
+            try:
+                worker = backend(WorkerDevice(args.backend, gpu_id, int(index)))
+                status = run_worker(socket.socket(fileno=fds[0]), worker, import_s=import_s)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+        os.close(fds[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

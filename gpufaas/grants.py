@@ -1,0 +1,48 @@
+"""Placement tokens: a Grant (what a placement allows) signed by the scheduler, checked by nodes.
+
+token = the Grant's protobuf bytes + HMAC-SHA256 of them under the scheduler's token key (32
+bytes, at the end). The gateway carries it opaque from the scheduler's Placement to the node's
+Execute; the node runs a call only under a token that it can verify, that names it, that is
+presented before its claim time and that it has not seen before (gpu_manager.ledger).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+from google.protobuf.message import DecodeError
+
+from gpufaas.proto import gpufaas_pb2 as pb
+
+TAG_BYTES = hashlib.sha256().digest_size
+KEY_BYTES = 32
+
+
+class BadToken(ValueError):
+    """A token that is not one this key signed (forged, corrupted, or signed under another key)."""
+
+
+def new_key() -> bytes:
+    return secrets.token_bytes(KEY_BYTES)
+
+
+def sign(grant: pb.Grant, key: bytes) -> bytes:
+    body = grant.SerializeToString()
+    return body + hmac.digest(key, body, "sha256")
+
+
+def verify(token: bytes, key: bytes) -> pb.Grant:
+    """The token's Grant if `key` signed it; BadToken otherwise."""
+    if not key:
+        raise BadToken("no token key: no scheduler has attached to this node yet")
+    if len(token) <= TAG_BYTES:
+        raise BadToken("the token is too short to be a signed grant")
+    body, tag = token[:-TAG_BYTES], token[-TAG_BYTES:]
+    if not hmac.compare_digest(hmac.digest(key, body, "sha256"), tag):
+        raise BadToken("the token's signature does not match: it was not issued by this cluster's scheduler")
+    try:
+        return pb.Grant.FromString(body)
+    except DecodeError:
+        raise BadToken("the signed token does not hold a grant") from None

@@ -1,0 +1,421 @@
+"""The call state machine: from a gateway's Place to the node's Done, with every failure in between.
+
+Pure: no I/O, no clock (`now` is an argument, monotonic seconds). The scheduler service feeds it
+what arrives (Place, Done, Abandon, a gateway or node gone, the answer to a grant check, the
+workers a node reports) and carries out the effects it returns (send a placement or a rejection,
+ask a node which grants it has seen (revoking the others), evict).
+
+One call, from its owner's (the gateway connection's) Place:
+
+    QUEUED --dispatch--> PLACED(attempt k) --Done(k)--> finished
+       ^                   |
+       +----- requeued ----+  the worker died (Done WORKER_DIED, retried once), the node was
+                              unreachable or refused the grant (Abandon), the node left, or the
+                              grant was never presented (checked with the node after `claim_s`)
+
+A GPU slot belongs to an attempt: it is freed by that attempt's Done, or when it is certain the
+attempt never ran (the node says it never saw the grant, refused it, or left). A Done for an
+attempt that is no longer current is ignored. Failure handling, step by step:
+
+- gateway dies after a placement (`owner_lost`): queued calls are withdrawn; placed ones are
+  checked with their nodes (CheckGrants): a grant never presented is revoked there and its slot
+  freed; a presented one runs to its Done.
+- a node that never hears from the gateway (`tick`): a grant not answered by a Done within
+  `claim_s` is checked with its node; if never presented it is revoked and the call placed again.
+- a token reused or forged: the node refuses it (it checks the signature and keeps a ledger of
+  grants seen); the gateway reports the refusal (Abandon REFUSED) and the call is placed again.
+- a placement for a GPU that has since left (`gpus_removed`, when the scheduler loses its
+  connection to the node or the node's lease expires): the GPU's running and parked calls go back
+  to the queue and are placed again; the gateway's Execute to the gone node fails and it waits for
+  the new placement (its Abandon NODE_UNREACHABLE for the old attempt is then stale).
+- a node the gateway cannot reach although the scheduler still can (`abandon` NODE_UNREACHABLE):
+  the call is placed again on another GPU at once, and the old grant is revoked at the node (so
+  that it cannot run late); a node that does not answer that check is taken out.
+- a placed call with no Done long after its deadline (`tick`, `lost_after_s`): presumed lost
+  with its node's answer; its slot is freed and the model's entry dropped (the node timed it out).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+from gpufaas.errors import GpufaasError, ModelTooLarge, UnknownModel
+from gpufaas.functions import FunctionSpec
+from gpufaas.keys import split_gpu_address
+from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.types import Request
+from scheduler.core import Scheduler
+from scheduler.decisions import Dispatch
+
+MAX_WORKER_ATTEMPTS = 2  # a call whose worker died is retried once
+MAX_PLACEMENTS = 6  # placements that never ran (node unreachable, grant refused) before giving up
+DEFAULT_CLAIM_S = 5.0
+DEFAULT_LOST_AFTER_S = 5.0
+
+Owner = Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """Send the owner a placement: `call_id`'s attempt `attempt` runs on `gpu_id` ("node/gpu")."""
+
+    owner: Owner
+    call_id: str
+    attempt: int
+    gpu_id: str
+    gpu_seq: int  # per-GPU order of grants
+    hit: bool
+    evict: tuple[str, ...]
+    spec: FunctionSpec
+    queue_s: float
+    deadline: float  # the call's, monotonic
+    claim_by: float  # the node refuses the grant after this, monotonic
+    est_load_time_s: float
+    est_inference_time_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """Send the owner the call's final answer without a result (a Rejection)."""
+
+    owner: Owner
+    call_id: str
+    status: int  # gpufaas.proto Status
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class CheckGrants:
+    """Ask `node` which of these grants it has seen, revoking the others (then `grants_checked`)."""
+
+    node: str
+    grants: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Evict:
+    """Stop these models' workers on `gpu_id` (they are not in the cache: orphans)."""
+
+    gpu_id: str
+    models: tuple[str, ...]
+
+
+Effect = Assignment | Answer | CheckGrants | Evict
+
+
+class Rejected(GpufaasError):
+    """A Place refused at once; `status` is the gpufaas.proto Status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _State(enum.Enum):
+    QUEUED = "queued"  # in the global queue or parked in a local queue
+    PLACED = "placed"  # a placement was sent; waiting for the node's Done
+
+
+@dataclass(slots=True)
+class _Call:
+    """Lifecycle: created by `submit`, removed when it finishes (Done, answer, or withdrawal)."""
+
+    call_id: str
+    owner: Owner
+    spec: FunctionSpec
+    submitted_at: float
+    deadline: float
+    state: _State = _State.QUEUED
+    attempt: int = 0  # the current (latest) placement
+    worker_failures: int = 0
+    placements: int = 0
+    placed_at: float = 0.0
+    gpu_id: str = ""
+    hit: bool = False
+    wanted: bool = True  # False once the owner gave up or went away: no answer is sent
+    claimed: bool = False  # the node confirmed it has seen the current grant
+    checking: bool = False  # a grant check for the current attempt is under way
+
+
+@dataclass
+class CallBook:
+    """Every call the scheduler holds, driving the pure `Scheduler` (queues, policy, cache)."""
+
+    scheduler: Scheduler
+    queue_capacity: int = 10_000
+    claim_s: float = DEFAULT_CLAIM_S
+    lost_after_s: float = DEFAULT_LOST_AFTER_S
+    _calls: dict[str, _Call] = field(default_factory=dict)
+    _seq: dict[str, itertools.count[int]] = field(default_factory=dict)  # per GPU
+    # What changed since the service last persisted (it drains these sets).
+    dirty_gpus: set[str] = field(default_factory=set)
+    dirty_models: set[str] = field(default_factory=set)
+    dirty_profiles: set[tuple[str, str, int]] = field(default_factory=set)  # (gpu type, model, batch)
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def placed_on(self, node: str) -> list[tuple[str, int]]:
+        """(call id, attempt) of the calls placed on `node`'s GPUs and not yet done."""
+        return [
+            (c.call_id, c.attempt)
+            for c in self._calls.values()
+            if c.state is _State.PLACED and split_gpu_address(c.gpu_id)[0] == node
+        ]
+
+    # --- arrivals ---------------------------------------------------------------------------
+    def submit(self, owner: Owner, call_id: str, spec: FunctionSpec, timeout_s: float, now: float) -> list[Effect]:
+        """Queue a call and schedule. Raises Rejected (nothing is queued then)."""
+        if call_id in self._calls:
+            raise Rejected(pb.INVALID, f"call id {call_id!r} is already in flight; use a new X-Call-Id")
+        if len(self.scheduler.queue) >= self.queue_capacity:
+            raise Rejected(
+                pb.OVERLOADED, f"the global queue is full ({self.queue_capacity} calls waiting); retry later"
+            )
+        if not self.scheduler.cache.gpu_ids():
+            raise Rejected(pb.UNAVAILABLE, "no GPU manager is registered: start a node")
+        try:
+            self.scheduler.submit(Request(call_id, spec.name, spec.model, now, spec.batch_size))
+        except ModelTooLarge as exc:
+            raise Rejected(pb.UNAVAILABLE, str(exc)) from None
+        except (UnknownModel, ValueError) as exc:
+            raise Rejected(pb.INVALID, str(exc)) from None
+        self._calls[call_id] = _Call(call_id, owner, spec, submitted_at=now, deadline=now + timeout_s)
+        return self.schedule(now)
+
+    def schedule(self, now: float) -> list[Effect]:
+        """Run the policy for every GPU with a free slot; placements for what it dispatched."""
+        effects: list[Effect] = []
+        for decision in self.scheduler.schedule(now):
+            self.dirty_gpus.add(decision.gpu_id)
+            if not isinstance(decision, Dispatch):
+                continue  # parked: it is dispatched from the local queue later
+            self.dirty_models.add(decision.request.model)
+            self.dirty_models.update(decision.evict)
+            call = self._calls[decision.request.request_id]
+            call.attempt += 1
+            call.placements += 1
+            call.state = _State.PLACED
+            call.placed_at = now
+            call.gpu_id = decision.gpu_id
+            call.hit = decision.hit
+            call.claimed = call.checking = False
+            seq = self._seq.setdefault(decision.gpu_id, itertools.count(1))
+            effects.append(
+                Assignment(
+                    owner=call.owner,
+                    call_id=call.call_id,
+                    attempt=call.attempt,
+                    gpu_id=decision.gpu_id,
+                    gpu_seq=next(seq),
+                    hit=decision.hit,
+                    evict=decision.evict,
+                    spec=call.spec,
+                    queue_s=now - call.submitted_at,
+                    deadline=call.deadline,
+                    claim_by=min(call.deadline, now + self.claim_s),
+                    est_load_time_s=decision.est_load_time_s,
+                    est_inference_time_s=decision.est_inference_time_s,
+                )
+            )
+        return effects
+
+    # --- answers from nodes -----------------------------------------------------------------
+    def done(
+        self,
+        call_id: str,
+        attempt: int,
+        outcome: int,
+        now: float,
+        *,
+        loaded: bool = False,
+        load_time_s: float = 0.0,
+        inference_time_s: float = 0.0,
+        peak_memory_mb: int = 0,
+        batch_calls: int = 1,
+        worker_lost: bool = False,
+    ) -> list[Effect]:
+        """A node finished attempt `attempt` of `call_id` (the gateway has its result or error)."""
+        call = self._calls.get(call_id)
+        if call is None or call.state is not _State.PLACED or call.attempt != attempt:
+            return []  # an attempt given up on already (its slot was freed then)
+        effects: list[Effect] = []
+        gpu_id = call.gpu_id
+        model = call.spec.model
+        self.dirty_gpus.add(gpu_id)
+        if outcome == pb.WORKER_DIED:
+            call.worker_failures += 1
+            retry = call.wanted and call.worker_failures < MAX_WORKER_ATTEMPTS and now < call.deadline
+            self._release(call, now, drop_model=True, requeue=retry, avoid_gpu=True)
+            if not retry:
+                effects += self._finish(call, pb.UNAVAILABLE, "the function's worker died twice; see the node's log")
+        elif outcome == pb.LOAD_FAILED or worker_lost:
+            self._release(call, now, drop_model=True, requeue=False)
+        else:
+            measured = outcome in (pb.OK, pb.HANDLER_ERROR) and inference_time_s > 0
+            batch_size = max(1, batch_calls) * call.spec.batch_size
+            self.scheduler.on_complete(
+                call_id,
+                now,
+                load_time_s=load_time_s if loaded and measured else None,
+                inference_time_s=inference_time_s if measured else None,
+                batch_size=batch_size,
+            )
+            if measured:
+                self.dirty_profiles.add((self.scheduler.gpu(gpu_id).spec.gpu_type, model, batch_size))
+            if self.scheduler.observe_memory(model, gpu_id, peak_memory_mb):
+                self.dirty_models.add(model)
+            self._forget(call)
+        return effects + self.schedule(now)
+
+    def grants_checked(
+        self, node: str, unseen: Iterable[tuple[str, int]], seen: Iterable[tuple[str, int]], now: float
+    ) -> list[Effect]:
+        """`node`'s answer to CheckGrants: `unseen` grants are revoked there (never ran)."""
+        effects: list[Effect] = []
+        for call_id, attempt in seen:
+            call = self._current(call_id, attempt)
+            if call is not None:
+                call.claimed, call.checking = True, False
+        for call_id, attempt in unseen:
+            call = self._current(call_id, attempt)
+            if call is None:
+                continue
+            call.checking = False
+            retry = call.wanted and now < call.deadline and call.placements < MAX_PLACEMENTS
+            self._release(call, now, drop_model=not call.hit, requeue=retry)
+            if not retry:
+                effects += self._finish(
+                    call, pb.UNAVAILABLE, f"the call was placed {call.placements} times and never reached a node"
+                )
+        return effects + self.schedule(now)
+
+    # --- from the owner (gateway) -----------------------------------------------------------
+    def abandon(self, owner: Owner, call_id: str, attempt: int, reason: int, now: float) -> list[Effect]:
+        """The owner gave up on the call (CANCELLED) or on one placement of it (NODE_UNREACHABLE,
+        REFUSED: it did not run there). A placement given up on is placed again at once; after
+        NODE_UNREACHABLE its grant is also checked with the node (revoked there if never seen)."""
+        call = self._calls.get(call_id)
+        if call is None or call.owner != owner:
+            return []
+        if reason == pb.Abandon.CANCELLED:
+            return self._withdraw(call, now)
+        if call.state is not _State.PLACED or (attempt and attempt != call.attempt):
+            return []  # about a placement already replaced
+        effects: list[Effect] = []
+        if reason == pb.Abandon.NODE_UNREACHABLE:
+            effects.append(CheckGrants(split_gpu_address(call.gpu_id)[0], ((call.call_id, call.attempt),)))
+        retry = now < call.deadline and call.placements < MAX_PLACEMENTS
+        self._release(call, now, drop_model=not call.hit, requeue=retry, avoid_gpu=True)
+        if not retry:
+            effects += self._finish(call, pb.UNAVAILABLE, f"no node could run the call ({call.placements} placements)")
+        return effects + self.schedule(now)
+
+    def owner_lost(self, owner: Owner, now: float) -> list[Effect]:
+        """The owner's connection closed: withdraw its calls (placed ones are checked first)."""
+        effects: list[Effect] = []
+        for call in [c for c in self._calls.values() if c.owner == owner]:
+            effects += self._withdraw(call, now)
+        return effects + self.schedule(now)
+
+    # --- time -------------------------------------------------------------------------------
+    def tick(self, now: float) -> list[Effect]:
+        """Deadlines: calls queued past theirs are answered; placements not confirmed within
+        `claim_s` are checked with their node; placements with no Done `lost_after_s` past the
+        deadline are presumed lost."""
+        effects: list[Effect] = []
+        checks: dict[str, list[tuple[str, int]]] = {}
+        for call in list(self._calls.values()):
+            if call.state is _State.QUEUED:
+                if now >= call.deadline:
+                    self.scheduler.cancel(call.call_id)
+                    effects += self._finish(call, pb.DEADLINE, call.spec.deadline_message())
+            elif now >= call.deadline + self.lost_after_s:
+                self._release(call, now, drop_model=True, requeue=False)
+                effects += self._finish(call, pb.DEADLINE, call.spec.deadline_message())
+            elif not call.claimed and not call.checking and now >= call.placed_at + self.claim_s:
+                call.checking = True
+                checks.setdefault(split_gpu_address(call.gpu_id)[0], []).append((call.call_id, call.attempt))
+        effects += [CheckGrants(node, tuple(grants)) for node, grants in checks.items()]
+        return effects + self.schedule(now)
+
+    # --- nodes ------------------------------------------------------------------------------
+    def gpus_removed(self, gpu_ids: Iterable[str], now: float) -> list[Effect]:
+        """GPUs left (their node did): their running and parked calls go back to the queue (and
+        are placed again; the owner's Execute to the gone node fails, and its Abandon for that
+        attempt is then stale)."""
+        for gpu_id in gpu_ids:
+            self.dirty_models.update(self.scheduler.cache.models_on(gpu_id))
+            self._seq.pop(gpu_id, None)
+            for request in self.scheduler.remove_gpu(gpu_id):
+                call = self._calls.get(request.request_id)
+                if call is None:
+                    continue
+                call.state = _State.QUEUED
+                call.claimed = call.checking = False
+                if not call.wanted:
+                    self.scheduler.cancel(call.call_id)
+                    self._forget(call)
+            self.dirty_gpus.discard(gpu_id)
+        return self.schedule(now)
+
+    def reconcile(self, gpu_id: str, resident: dict[str, int], now: float) -> list[Effect]:
+        """A node reported the models resident on `gpu_id` (model -> MiB). Cache entries with no
+        worker and no work are dropped (phantoms); workers the cache does not know are adopted
+        when they fit without evicting anything, else evicted (orphans)."""
+        cache = self.scheduler.cache.gpu(gpu_id)
+        busy = {self._calls[r].spec.model for r in self.scheduler.gpu(gpu_id).running if r in self._calls}
+        for model in list(cache):
+            if model not in resident and not cache.is_pinned(model) and model not in busy:
+                self.scheduler.cache.drop(gpu_id, model)
+                self.dirty_models.add(model)
+        orphans: list[str] = []
+        for model, memory_mb in resident.items():
+            if model in cache:
+                continue
+            if cache.free_mb >= memory_mb:
+                self.scheduler.cache.admit(gpu_id, model, memory_mb)
+                self.dirty_models.add(model)
+            else:
+                orphans.append(model)
+        self.dirty_gpus.add(gpu_id)
+        return [Evict(gpu_id, tuple(orphans))] if orphans else []
+
+    # --- internals --------------------------------------------------------------------------
+    def _current(self, call_id: str, attempt: int) -> _Call | None:
+        call = self._calls.get(call_id)
+        if call is None or call.state is not _State.PLACED or call.attempt != attempt:
+            return None
+        return call
+
+    def _withdraw(self, call: _Call, now: float) -> list[Effect]:
+        call.wanted = False
+        if call.state is _State.QUEUED:
+            self.scheduler.cancel(call.call_id)
+            self._forget(call)
+            return []
+        if call.claimed or call.checking:
+            return []  # a Done (or the check's answer) will free its slot
+        call.checking = True
+        return [CheckGrants(split_gpu_address(call.gpu_id)[0], ((call.call_id, call.attempt),))]
+
+    def _release(self, call: _Call, now: float, *, drop_model: bool, requeue: bool, avoid_gpu: bool = False) -> None:
+        """Free the slot of the call's current attempt; requeue the call or leave it finished."""
+        self.dirty_gpus.add(call.gpu_id)
+        if drop_model:
+            self.dirty_models.add(call.spec.model)
+        self.scheduler.on_failure(call.call_id, now, drop_model=drop_model, requeue=requeue, avoid_gpu=avoid_gpu)
+        call.state = _State.QUEUED
+        call.claimed = call.checking = False
+        if not requeue:
+            self._forget(call)
+
+    def _finish(self, call: _Call, status: int, message: str) -> list[Effect]:
+        self._forget(call)
+        return [Answer(call.owner, call.call_id, status, message)] if call.wanted else []
+
+    def _forget(self, call: _Call) -> None:
+        self._calls.pop(call.call_id, None)

@@ -1,0 +1,251 @@
+"""Every failure between a placement and its execution, over a real cluster: a test client plays the
+gateway (it speaks gpufaas.wire to the scheduler and the nodes) so that it can fail on purpose.
+
+- a gateway that dies after a placement: the placement's slot is freed at once (not after the
+  claim time), and a miss's model entry dropped;
+- a node that never hears from the gateway: the grant is revoked at the node after the claim
+  time and the call placed again; the old token is then refused;
+- a token reused or forged: refused by the node, which runs nothing;
+- a placement for a GPU that has since left: the scheduler notices the node is gone (its own
+  connection to it breaks) and places the call on another node well before the node's lease
+  expires;
+- a node the gateway cannot reach while the scheduler can: the gateway's report (Abandon
+  NODE_UNREACHABLE) gets the call placed elsewhere at once, and the old grant revoked at the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gpufaas.local_cluster import LocalCluster
+from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, connect
+from tests.integration.conftest import ClusterFactory, deploy
+
+pytestmark = pytest.mark.integration
+
+CLAIM_S = 2.0
+
+
+class FakeGateway:
+    """Speaks to the scheduler as a gateway does, collecting what it answers per call."""
+
+    def __init__(self) -> None:
+        self.messages: dict[str, list[pb.Placement | pb.Rejection]] = {}
+        self.arrived = asyncio.Event()
+        self.scheduler: Connection | None = None
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        message: pb.Placement | pb.Rejection
+        if frame.type == MessageType.PLACEMENT:
+            message = frame.message(pb.Placement)
+        elif frame.type == MessageType.REJECTION:
+            message = frame.message(pb.Rejection)
+        else:
+            return
+        self.messages.setdefault(message.call_id, []).append(message)
+        self.arrived.set()
+
+    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
+        pass
+
+    async def open(self, cluster: LocalCluster) -> None:
+        self.scheduler = await connect(cluster.scheduler_address, self)
+
+    def place(self, call_id: str, function: str, timeout_s: float = 30.0) -> None:
+        assert self.scheduler is not None
+        self.scheduler.send(MessageType.PLACE, pb.Place(call_id=call_id, function=function, timeout_s=timeout_s))
+
+    def abandon(self, call_id: str, attempt: int, reason: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.send(MessageType.ABANDON, pb.Abandon(call_id=call_id, attempt=attempt, reason=reason))  # type: ignore[arg-type]
+
+    async def placement(self, call_id: str, attempt: int = 1, timeout_s: float = 10.0) -> pb.Placement:
+        """The call's placement number `attempt`, once it has come."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for message in self.messages.get(call_id, []):
+                if isinstance(message, pb.Rejection):
+                    raise AssertionError(f"call {call_id} was rejected: {message.message}")
+                if message.attempt == attempt:
+                    return message
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"no placement {attempt} for {call_id}; got {self.messages.get(call_id)}")
+            self.arrived.clear()
+            await asyncio.wait([asyncio.ensure_future(self.arrived.wait())], timeout=remaining)
+
+
+async def execute(placement: pb.Placement, payload: bytes = b'{"sleep_s": 0}', *, token: bytes | None = None) -> Any:
+    """Send the payload to the placement's node as the gateway does; (ExecuteReply, body)."""
+    conn = await connect(placement.node_address)
+    try:
+        frame = await conn.request(
+            MessageType.EXECUTE,
+            pb.Execute(token=placement.token if token is None else token, content_type="application/json"),
+            payload,
+            timeout_s=30,
+        )
+        return frame.message(pb.ExecuteReply), frame.body
+    finally:
+        conn.close()
+
+
+def gpus(cluster: LocalCluster) -> dict[str, dict[str, Any]]:
+    return {g["gpu"]: g for g in httpx.get(f"{cluster.gateway_url}/system/gpus", timeout=10).json()}
+
+
+async def eventually(predicate: Callable[[], bool], timeout_s: float) -> float:
+    """Seconds until `predicate` held; fails after `timeout_s`."""
+    started = time.monotonic()
+    while not await asyncio.to_thread(predicate):
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"not reached within {timeout_s:g} s")
+        await asyncio.sleep(0.05)
+    return time.monotonic() - started
+
+
+@pytest.fixture
+def cluster(make_cluster: ClusterFactory, tmp_path: Path) -> LocalCluster:
+    # One call per GPU, so that an occupied slot is visible; a short claim time.
+    cluster = make_cluster(nodes=2, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000, slots="1", claim_s=CLAIM_S)
+    deploy(cluster, "sleepy", "sleepy_function", tmp_path, memory_mb=100)
+    return cluster
+
+
+def test_a_gateway_dying_after_a_placement_frees_the_slot_at_once(cluster: LocalCluster) -> None:
+    async def main() -> None:
+        gateway = FakeGateway()
+        await gateway.open(cluster)
+        gateway.place("orphan-1", "sleepy")
+        placement = await gateway.placement("orphan-1")
+        assert not placement.hit  # a miss: the model's entry was admitted for it
+        gpu = f"{placement.node}/{placement.gpu}"
+        assert gpus(cluster)[gpu]["running"] == ["orphan-1"]
+        assert gateway.scheduler is not None
+        gateway.scheduler.close()  # the gateway dies before sending the payload
+
+        # The scheduler asks the node, which never saw the grant: the slot is free, and the model's
+        # entry (it never loaded) is gone, well before the claim time would have caught it.
+        waited = await eventually(
+            lambda: gpus(cluster)[gpu]["running"] == [] and gpus(cluster)[gpu]["lru"] == [], timeout_s=CLAIM_S * 3
+        )
+        assert waited < CLAIM_S / 4, f"freed after {waited:.2f} s, not at once"
+        # The revoked token is refused if it turns up after all, and runs nothing.
+        reply, _ = await execute(placement)
+        assert reply.outcome == pb.REFUSED and "revoked" in reply.message
+        # The cluster serves as before.
+        response = await asyncio.to_thread(
+            httpx.post, f"{cluster.gateway_url}/function/sleepy", json={"sleep_s": 0}, timeout=30
+        )
+        assert response.status_code == 200, response.text
+
+    asyncio.run(main())
+
+
+def test_a_placement_never_presented_is_revoked_and_placed_again(cluster: LocalCluster) -> None:
+    async def main() -> None:
+        gateway = FakeGateway()
+        await gateway.open(cluster)
+        gateway.place("stalled-1", "sleepy")
+        first = await gateway.placement("stalled-1")
+        started = time.monotonic()
+        # The gateway keeps its connection but never sends the payload: after the claim time the
+        # scheduler checks with the node (never seen: revoked there) and places the call again.
+        second = await gateway.placement("stalled-1", attempt=2, timeout_s=CLAIM_S * 5)
+        assert time.monotonic() - started >= CLAIM_S * 0.8
+        old_reply, _ = await execute(first)
+        assert old_reply.outcome == pb.REFUSED and "revoked" in old_reply.message
+        reply, body = await execute(second)
+        assert reply.outcome == pb.OK, reply.message
+        assert b"slept_s" in body
+
+    asyncio.run(main())
+
+
+def test_a_token_reused_or_forged_is_refused(cluster: LocalCluster) -> None:
+    async def main() -> None:
+        gateway = FakeGateway()
+        await gateway.open(cluster)
+        gateway.place("once-1", "sleepy")
+        placement = await gateway.placement("once-1")
+        reply, _ = await execute(placement)
+        assert reply.outcome == pb.OK, reply.message
+
+        again, again_body = await execute(placement)
+        assert again.outcome == pb.REFUSED and "used already" in again.message
+        assert again_body == b""
+
+        gateway.place("forged-1", "sleepy")
+        genuine = await gateway.placement("forged-1")
+        forged = bytearray(genuine.token)
+        forged[10] ^= 0xFF  # a byte of the grant: say, another call id or GPU
+        refused, _ = await execute(genuine, token=bytes(forged))
+        assert refused.outcome == pb.REFUSED and "signature" in refused.message
+        refused, _ = await execute(genuine, token=b"not a token at all, but long enough to look like one")
+        assert refused.outcome == pb.REFUSED
+        # The genuine token still works: a refusal does not burn it.
+        reply, body = await execute(genuine)
+        assert reply.outcome == pb.OK and b"slept_s" in body
+
+    asyncio.run(main())
+
+
+def test_a_placement_on_a_node_that_left_is_placed_elsewhere_before_its_lease_expires(
+    cluster: LocalCluster,
+) -> None:
+    async def main() -> None:
+        gateway = FakeGateway()
+        await gateway.open(cluster)
+        gateway.place("moved-1", "sleepy")
+        first = await gateway.placement("moved-1")
+        cluster.components[first.node].stop(kill=True)  # the node dies between placement and payload
+        with pytest.raises(ConnectionLost):
+            await execute(first)
+        started = time.monotonic()
+        gateway.abandon("moved-1", first.attempt, pb.Abandon.NODE_UNREACHABLE)
+        second = await gateway.placement("moved-1", attempt=2, timeout_s=10)
+        waited = time.monotonic() - started
+        assert second.node != first.node
+        assert waited < 1.5, f"placed again after {waited:.2f} s; the node's lease (3 s) would have done it"
+        reply, _ = await execute(second)
+        assert reply.outcome == pb.OK, reply.message
+
+    asyncio.run(main())
+
+
+def test_a_node_the_gateway_cannot_reach_gets_the_call_placed_elsewhere_and_the_grant_revoked(
+    cluster: LocalCluster,
+) -> None:
+    async def main() -> None:
+        gateway = FakeGateway()
+        await gateway.open(cluster)
+        gateway.place("cut-off-1", "sleepy")
+        first = await gateway.placement("cut-off-1")
+        started = time.monotonic()
+        # As if the gateway's link to that node were cut (the node itself is fine).
+        gateway.abandon("cut-off-1", first.attempt, pb.Abandon.NODE_UNREACHABLE)
+        second = await gateway.placement("cut-off-1", attempt=2, timeout_s=10)
+        waited = time.monotonic() - started
+        assert second.node != first.node
+        assert waited < CLAIM_S * 0.75, f"placed again after {waited:.2f} s: that was the claim check, not the report"
+        reply, _ = await execute(second)
+        assert reply.outcome == pb.OK, reply.message
+
+        async def revoked() -> bool:
+            old, _ = await execute(first)
+            assert old.outcome == pb.REFUSED, "the abandoned grant ran"
+            return "revoked" in old.message
+
+        assert await revoked()
+        # The node stays in the cluster: only the gateway could not reach it.
+        assert {g["node"] for g in gpus(cluster).values()} == {"node0", "node1"}
+
+    asyncio.run(main())
