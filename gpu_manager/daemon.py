@@ -217,6 +217,8 @@ class GpuManagerDaemon:
     def attach(self, conn: Connection, frame: Frame) -> None:
         request = frame.message(pb.Attach)
         old, self._scheduler = self._scheduler, conn
+        if request.scheduler_id != self.ledger.scheduler_id:
+            self.pool.forget_grant_order()  # a new scheduler numbers its grants from 1
         self.ledger.attach(request.scheduler_id, request.token_key)
         if old is not None and old is not conn:
             old.close()
@@ -230,7 +232,9 @@ class GpuManagerDaemon:
 
     def revoke(self, conn: Connection, frame: Frame) -> None:
         request = frame.message(pb.Revoke)
-        unseen, seen = self.ledger.revoke(((g.call_id, g.attempt) for g in request.grants), time.time())
+        unseen, seen = self.ledger.revoke(
+            ((g.call_id, g.attempt) for g in request.grants), time.time(), claim_by_unix_s=request.claim_by_unix_s
+        )
         conn.reply(
             frame,
             MessageType.REVOKE_REPLY,

@@ -2,9 +2,11 @@
 
 Pure: wall-clock time (`now_unix_s`) is an argument. A grant is accepted when its signature
 verifies under the attached scheduler's key, it names this node and one of its GPUs, it is
-presented by its claim time, and neither it (call id, attempt) nor its revocation is in the
-ledger. Entries are kept until the grant could no longer be presented (its claim time) plus
-`keep_s`, then pruned: an older token is refused by its claim time alone.
+presented by its claim time (which may be at most `keep_s` ahead), and neither it (call id,
+attempt) nor its revocation is in the ledger. A grant seen is kept `keep_s` past its claim time;
+a revocation `keep_s` past the latest claim time of the grants revoked (the scheduler says it),
+or past the revocation itself; then they are pruned: an older token is refused by its claim
+time alone.
 """
 
 from __future__ import annotations
@@ -53,19 +55,27 @@ class GrantLedger:
             raise Refused(f"the grant for call {grant.call_id} attempt {grant.attempt} was used already")
         if now_unix_s > grant.claim_by_unix_s:
             raise Refused(f"the grant for call {grant.call_id} expired {now_unix_s - grant.claim_by_unix_s:.3f} s ago")
+        if grant.claim_by_unix_s > now_unix_s + self.keep_s:
+            # A revocation is remembered for keep_s: a longer claim window could outlive it.
+            raise Refused(f"the grant's claim time is more than {self.keep_s:g} s ahead; check the clocks")
         self._seen[ref] = grant.claim_by_unix_s + self.keep_s
         return grant
 
-    def revoke(self, refs: Iterable[GrantRef], now_unix_s: float) -> tuple[list[GrantRef], list[GrantRef]]:
-        """(unseen, seen): grants never presented are refused from now on; presented ones ran."""
+    def revoke(
+        self, refs: Iterable[GrantRef], now_unix_s: float, *, claim_by_unix_s: float = 0.0
+    ) -> tuple[list[GrantRef], list[GrantRef]]:
+        """(unseen, seen): grants never presented are refused from now on; presented ones ran.
+        `claim_by_unix_s`: the latest claim time among the grants, so that the revocation
+        outlives any of them."""
         unseen: list[GrantRef] = []
         seen: list[GrantRef] = []
+        until = max(now_unix_s, claim_by_unix_s) + self.keep_s
         for ref in refs:
             if ref in self._seen:
                 seen.append(ref)
             else:
                 unseen.append(ref)
-                self._revoked[ref] = now_unix_s + self.keep_s
+                self._revoked[ref] = until
         return unseen, seen
 
     def prune(self, now_unix_s: float) -> None:

@@ -47,6 +47,7 @@ STOP_GRACE_S = 2.0
 """How long a stopped worker has to exit after SIGTERM before it gets SIGKILL."""
 _KILL_WAIT_S = 30.0  # tearing down a large CUDA context can take seconds; past this, log and move on
 _EXIT_POLL_S = 0.005
+_JUST_FETCHED_S = 0.05  # a package that took longer than this to get was fetched (and is in the page cache)
 SPARE_START_TIMEOUT_S = 120.0  # importing torch and creating a CUDA context, on a busy machine
 SPARE_RETRY_S = 5.0  # after a spare died warming up (a broken runtime), before starting another
 
@@ -263,6 +264,11 @@ class WorkerPool:
             (model, gpu, w.pid, w.memory_mb) for (model, gpu), w in self._workers.items() if w.state is _State.READY
         ]
 
+    def forget_grant_order(self) -> None:
+        """A new scheduler attached: its grants are numbered afresh (see `run`'s `seq`)."""
+        for worker in self._workers.values():
+            worker.last_seq = 0
+
     def spare_count(self, gpu_id: str) -> int:
         return len(self._spares.get(gpu_id, ()))
 
@@ -388,9 +394,13 @@ class WorkerPool:
         async def package() -> Path:
             directory = await self._fetch_package(run.package_digest)
             stages.fetch_s = time.perf_counter() - started
-            prefetch_started = time.perf_counter()
-            await asyncio.to_thread(_read_ahead, directory)
-            stages.prefetch_s = time.perf_counter() - prefetch_started
+            if not was_warm and stages.fetch_s < _JUST_FETCHED_S:
+                # The worker is still warming up: read the weights into host memory meanwhile (a
+                # package fetched just now is in the page cache already, and with a warm spare
+                # there is nothing to overlap with).
+                prefetch_started = time.perf_counter()
+                await asyncio.to_thread(_read_ahead, directory)
+                stages.prefetch_s = time.perf_counter() - prefetch_started
             return directory
 
         async def warm() -> pb.WorkerHello:

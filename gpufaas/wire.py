@@ -427,7 +427,8 @@ async def connect(
 
 
 class Server:
-    """Accepts connections on "host:port" (port 0: any free one); each gets `handler_for(conn)`.
+    """Accepts connections on "host:port" (port 0: any free one); each gets a handler of its own
+    from `handler_for()`.
 
     `address` is the bound "host:port" once started. `close()` stops listening and closes every
     accepted connection.

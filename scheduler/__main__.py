@@ -9,7 +9,7 @@ from gpufaas.keys import Keys
 from gpufaas.service_main import add_common_flags, configure_logging, run_daemon, run_until_signalled
 from gpufaas.store import EtcdStore
 from scheduler.policies import registered_policies
-from scheduler.service import SchedulerService, SlotConfig
+from scheduler.service import MAX_CLAIM_S, SchedulerService, SlotConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         "--claim-s", type=float, default=5.0, help="a placement not used within this long is checked with its node"
     )
     args = parser.parse_args(argv)
-    if args.o3_limit < 0 or args.queue_capacity <= 0 or args.claim_s <= 0:
-        parser.error("--o3-limit must be >= 0, --queue-capacity and --claim-s > 0")
+    if args.o3_limit < 0 or args.queue_capacity <= 0 or not 0 < args.claim_s <= MAX_CLAIM_S:
+        parser.error(f"--o3-limit must be >= 0, --queue-capacity > 0 and --claim-s in (0, {MAX_CLAIM_S:g}]")
     try:
         slots = SlotConfig.parse(args.slots)
     except ValueError as exc:

@@ -149,7 +149,8 @@ class CallBook:
     claim_s: float = DEFAULT_CLAIM_S
     lost_after_s: float = DEFAULT_LOST_AFTER_S
     _calls: dict[str, _Call] = field(default_factory=dict)
-    _seq: dict[str, itertools.count[int]] = field(default_factory=dict)  # per GPU
+    # Per GPU, for as long as this book lives (a GPU that leaves and comes back goes on counting).
+    _seq: dict[str, itertools.count[int]] = field(default_factory=dict)
     # What changed since the service last persisted (it drains these sets).
     dirty_gpus: set[str] = field(default_factory=set)
     dirty_models: set[str] = field(default_factory=set)
@@ -157,6 +158,15 @@ class CallBook:
 
     def __len__(self) -> int:
         return len(self._calls)
+
+    def claim_by(self, grants: Iterable[tuple[str, int]]) -> float:
+        """The latest claim time among these grants (their calls' current placements), or 0.0."""
+        times = [
+            min(call.deadline, call.placed_at + self.claim_s)
+            for call_id, _ in grants
+            if (call := self._calls.get(call_id)) is not None and call.state is _State.PLACED
+        ]
+        return max(times, default=0.0)
 
     def placed_on(self, node: str) -> list[tuple[str, int]]:
         """(call id, attempt) of the calls placed on `node`'s GPUs and not yet done."""
@@ -286,7 +296,7 @@ class CallBook:
                 continue
             call.checking = False
             retry = call.wanted and now < call.deadline and call.placements < MAX_PLACEMENTS
-            self._release(call, now, drop_model=not call.hit, requeue=retry)
+            self._release(call, now, drop_model=self._never_loaded(call), requeue=retry)
             if not retry:
                 effects += self._finish(
                     call, pb.UNAVAILABLE, f"the call was placed {call.placements} times and never reached a node"
@@ -308,8 +318,8 @@ class CallBook:
         effects: list[Effect] = []
         if reason == pb.Abandon.NODE_UNREACHABLE:
             effects.append(CheckGrants(split_gpu_address(call.gpu_id)[0], ((call.call_id, call.attempt),)))
-        retry = now < call.deadline and call.placements < MAX_PLACEMENTS
-        self._release(call, now, drop_model=not call.hit, requeue=retry, avoid_gpu=True)
+        retry = call.wanted and now < call.deadline and call.placements < MAX_PLACEMENTS
+        self._release(call, now, drop_model=self._never_loaded(call), requeue=retry, avoid_gpu=True)
         if not retry:
             effects += self._finish(call, pb.UNAVAILABLE, f"no node could run the call ({call.placements} placements)")
         return effects + self.schedule(now)
@@ -349,7 +359,6 @@ class CallBook:
         attempt is then stale)."""
         for gpu_id in gpu_ids:
             self.dirty_models.update(self.scheduler.cache.models_on(gpu_id))
-            self._seq.pop(gpu_id, None)
             for request in self.scheduler.remove_gpu(gpu_id):
                 call = self._calls.get(request.request_id)
                 if call is None:
@@ -390,6 +399,16 @@ class CallBook:
         if call is None or call.state is not _State.PLACED or call.attempt != attempt:
             return None
         return call
+
+    def _never_loaded(self, call: _Call) -> bool:
+        """Whether the model's cache entry on the call's GPU goes with a placement that never ran:
+        it does when the placement was the miss that admitted it, unless another call on that GPU
+        uses the model meanwhile (its node loads the model for it then)."""
+        if call.hit:
+            return False
+        state = self.scheduler.gpu(call.gpu_id)
+        others = [r for r in state.running.values() if r.request_id != call.call_id] + list(state.local_queue)
+        return not any(r.model == call.spec.model for r in others)
 
     def _withdraw(self, call: _Call, now: float) -> list[Effect]:
         call.wanted = False

@@ -61,6 +61,7 @@ TICK_S = 0.25  # how often deadlines and unconfirmed placements are looked at
 NODE_TIMEOUT_S = 2.0  # a node that does not answer an Attach, Revoke or probe within this is out
 RECONNECT_S = 0.5
 DEFAULT_SLOTS = 4
+MAX_CLAIM_S = 30.0  # nodes remember grants (and revocations) for 60 s: a claim must fall well inside
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,7 +338,11 @@ class SchedulerService:
 
     async def _check_grants(self, effect: CheckGrants) -> None:
         node = self._nodes.get(effect.node)
-        request = pb.Revoke(grants=[pb.GrantRef(call_id=c, attempt=a) for c, a in effect.grants])
+        claim_by = self.book.claim_by(effect.grants)
+        request = pb.Revoke(
+            grants=[pb.GrantRef(call_id=c, attempt=a) for c, a in effect.grants],
+            claim_by_unix_s=claim_by + time.time() - self.clock() if claim_by else 0.0,
+        )
         try:
             if node is None or node.conn is None:
                 raise ConnectionLost(f"node {effect.node} is not connected")

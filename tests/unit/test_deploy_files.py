@@ -319,7 +319,7 @@ def test_control_plane_requirements_leave_out_only_torch() -> None:
     requirements = result.stdout.split()
     names = [re.split(r"[<>=!~;\[ ]", r)[0].lower() for r in requirements]
     assert "torch" not in names
-    assert {"grpcio", "fastapi", "uvicorn", "aetcd"} <= set(names)
+    assert {"protobuf", "fastapi", "uvicorn", "aetcd"} <= set(names)
 
 
 def test_gpu_manager_dockerfile() -> None:

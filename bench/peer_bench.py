@@ -1,0 +1,344 @@
+"""Benchmark: gpufaas beside Ray Serve and a bare FastAPI floor, same client, same workload, one run.
+
+The workload a multi-model inference service sees: 8 tiny torch models (m0..m7) with a Zipf 1.1
+popularity, on 2 "GPUs" (gpufaas: 2 logical cpu GPUs of 300 MB, each holding 3 models of 100 MB;
+Ray: 2 replicas with `@serve.multiplexed(max_num_models_per_replica=3)`), closed-loop clients at
+concurrency 1, 8 and 32 (bench/peer/load_client.py for every system). gpufaas runs as a user
+runs it: `gpufaas up` (cpu backend, its defaults), eight functions from the pytorch-custom
+template (`gpufaas new`, `gpufaas deploy`), invoked at /function/m{i}. Also measured: gpufaas with
+every model resident (hits only), Ray Serve's default proxy and its HAProxy mode, and a bare
+FastAPI echo (one uvicorn worker): the floor of any Python HTTP service on this machine.
+
+Reloads per request: gpufaas counts misses from its X-Cache header; Ray, model loads reported by
+its replicas (GET /mux) before and after each point.
+
+Ray runs in a virtualenv of its own (`--ray-env`, created when missing: `ray[serve]`,
+`torch==2.13.0`, fastapi, uvicorn, aiohttp, uvloop from PyPI, about a minute).
+
+Run: `python -m bench.peer_bench [--out bench/results/peer_bench.json] [--duration 10]
+[--systems gpufaas,gpufaas-hits,ray-default,ray-haproxy,fastapi]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from gpufaas.etcd_server import free_port
+
+HERE = Path(__file__).resolve().parent
+PEER = HERE / "peer"
+REPO = HERE.parent
+CONCURRENCY = (1, 8, 32)
+NUM_MODELS = 8
+ZIPF = 1.1
+SYSTEMS = ("gpufaas", "gpufaas-hits", "ray-default", "ray-haproxy", "fastapi")
+RAY_REQUIREMENTS = ("ray[serve]", "torch==2.13.0", "fastapi", "uvicorn", "aiohttp", "uvloop")
+TARGETS = {
+    "c32_rps_min": 1000.0,
+    "c32_reload_ratio_max": 0.15,
+    "hits_c1_p50_ms_max": 1.5,
+    "goal_c32_rps": 2900.0,
+    "goal_c1_p50_ms": 1.0,
+}
+
+
+def load(url: str, concurrency: int, args: argparse.Namespace, *extra: str) -> dict[str, Any]:
+    """One point of the closed-loop client (this Python, which has aiohttp and uvloop)."""
+    command = [
+        sys.executable,
+        str(PEER / "load_client.py"),
+        url,
+        "-c",
+        str(concurrency),
+        "-d",
+        str(args.duration),
+        "--warmup",
+        str(args.warmup),
+        "--num-models",
+        str(NUM_MODELS),
+        "--zipf",
+        str(ZIPF),
+        *extra,
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=True, timeout=args.duration * 4 + 120)
+    print("  " + done.stderr.strip().splitlines()[-1], flush=True)
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+# --- gpufaas --------------------------------------------------------------------------------
+
+
+def run_gpufaas(args: argparse.Namespace, work: Path, *, gpu_memory_mb: int) -> dict[str, Any]:
+    gpufaas = [str(Path(sys.executable).parent / "gpufaas")]  # the CLI, as a user runs it
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    state = work / f"state-{gpu_memory_mb}"
+    functions = work / f"functions-{gpu_memory_mb}"
+
+    def cli(*argv: str) -> None:
+        subprocess.run([*gpufaas, *argv], check=True, capture_output=True, text=True, cwd=work)
+
+    cli(
+        "up",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "2",
+        "--backend",
+        "cpu",
+        "--gpu-memory-mb",
+        str(gpu_memory_mb),
+        "--port",
+        str(port),
+        "--state-dir",
+        str(state),
+    )
+    try:
+        for index in range(NUM_MODELS):
+            cli("new", f"m{index}", "--template", "pytorch-custom", "--dir", str(functions))
+        stack = functions / "stack.yml"
+        # 100 MB each: 3 models fit on a 300 MB logical GPU.
+        stack.write_text(re.sub(r"(?m)^(\s*memory_mb:).*$", r"\1 100", stack.read_text()))
+        cli("deploy", "-f", str(stack), "--gateway", url)
+        body = work / "x.json"
+        body.write_text(json.dumps({"inputs": [[0.1, 0.2, 0.3, 0.4]]}))
+        results = {}
+        for concurrency in CONCURRENCY:
+            point = load(
+                f"{url}/function/{{model}}",
+                concurrency,
+                args,
+                "--body-file",
+                str(body),
+                "--count-header",
+                "X-Cache",
+                "--label",
+                f"gpufaas ({gpu_memory_mb} MB GPUs)",
+            )
+            misses = point.get("header_counts", {}).get("X-Cache", {}).get("miss", 0)
+            point["model_loads"] = misses
+            point["reload_ratio"] = round(misses / max(1, point["requests"]), 4)
+            results[f"c{concurrency}"] = point
+        return results
+    finally:
+        subprocess.run([*gpufaas, "down", "--state-dir", str(state)], check=False, capture_output=True)
+
+
+# --- Ray Serve and the bare floor -----------------------------------------------------------
+
+
+def ray_python(args: argparse.Namespace) -> Path:
+    python: Path = args.ray_env / "bin" / "python"
+    if not python.exists():
+        print(f"creating {args.ray_env} ({', '.join(RAY_REQUIREMENTS)})", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(args.ray_env)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *RAY_REQUIREMENTS], check=True)
+    return python
+
+
+@contextmanager
+def server(command: list[str], env: dict[str, str], ready_url: str, log: Path, **ready: Any) -> Iterator[int]:
+    """Start a server, wait until `ready_url` answers 2xx, stop it (by PID, with its group) after."""
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=PEER, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{command[1]} exited with {process.returncode}; see {log}")
+            try:
+                if httpx.post(ready_url, timeout=5, **ready).is_success:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{ready_url} did not answer within 300 s; see {log}")
+            time.sleep(0.5)
+        yield process.pid
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def replica_loads(url: str) -> dict[int, int]:
+    """Model loads per Ray replica, asking GET /mux until both replicas have answered."""
+    loads: dict[int, int] = {}
+    for _ in range(32):
+        stats = httpx.get(url, timeout=10).json()
+        loads[int(stats["replica_pid"])] = int(stats["model_loads"])
+    return loads
+
+
+def run_ray(args: argparse.Namespace, work: Path, variant: str) -> dict[str, Any]:
+    python = ray_python(args)
+    port = free_port()
+    env = {**os.environ, "RAY_AUTH_TOKEN_PATH": str(work / "ray_auth_token")}
+    (work / "ray_auth_token").write_text(os.urandom(32).hex())
+    if variant == "haproxy":
+        env |= {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    body = work / "x16.json"
+    body.write_text(json.dumps({"x": [0.1 * i for i in range(16)]}))
+    url = f"http://127.0.0.1:{port}/mux"
+    command = [str(python), "ray_serve_app.py", "--port", str(port)]
+    ready = {"content": body.read_bytes(), "headers": {"serve_multiplexed_model_id": "m0"}}
+    results = {}
+    with server(command, env, url, work / f"ray-{variant}.log", **ready):
+        for concurrency in CONCURRENCY:
+            before = replica_loads(url)
+            point = load(url, concurrency, args, "--body-file", str(body), "--label", f"ray-{variant}")
+            after = replica_loads(url)
+            point["model_loads"] = sum(n - before.get(pid, 0) for pid, n in after.items())
+            point["reload_ratio"] = round(point["model_loads"] / max(1, point["requests"]), 4)
+            point["replicas_seen"] = len(after)
+            results[f"c{concurrency}"] = point
+    return results
+
+
+def run_fastapi(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    python = ray_python(args)
+    port = free_port()
+    command = [
+        str(python),
+        "-m",
+        "uvicorn",
+        "fastapi_echo:app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--no-access-log",
+    ]
+    url = f"http://127.0.0.1:{port}/echo"
+    with server(command, dict(os.environ), url, work / "fastapi.log", content=b"{}"):
+        return {f"c{c}": load(url, c, args, "--body", "{}", "--label", "bare fastapi") for c in CONCURRENCY}
+
+
+# --- the report -----------------------------------------------------------------------------
+
+
+def verdict(results: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets, checked against this run."""
+    out: dict[str, Any] = {"targets": TARGETS}
+    ours = results.get("gpufaas")
+    if ours:
+        c32 = ours["c32"]
+        out["c32_at_least_1000_rps_no_errors_reload_le_0_15"] = (
+            c32["throughput_rps"] >= TARGETS["c32_rps_min"]
+            and c32["errors"] == 0
+            and c32["reload_ratio"] <= TARGETS["c32_reload_ratio_max"]
+        )
+        ray = results.get("ray-default")
+        if ray:
+            out["ahead_of_ray_default_at_every_concurrency"] = all(
+                ours[c]["throughput_rps"] > ray[c]["throughput_rps"] for c in ours
+            )
+            out["ratio_to_ray_default"] = {
+                c: round(ours[c]["throughput_rps"] / ray[c]["throughput_rps"], 2) for c in ours
+            }
+        haproxy = results.get("ray-haproxy")
+        if haproxy:
+            out["ratio_to_ray_haproxy"] = {
+                c: round(ours[c]["throughput_rps"] / haproxy[c]["throughput_rps"], 2) for c in ours
+            }
+    hits = results.get("gpufaas-hits")
+    if hits:
+        out["hits_c1_p50_le_1_5_ms"] = hits["c1"]["p50_ms"] <= TARGETS["hits_c1_p50_ms_max"]
+    return out
+
+
+def git_commit() -> str | None:
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=REPO)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return done.stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--out", type=Path, default=REPO / "bench/results/peer_bench.json")
+    parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per point")
+    parser.add_argument("--warmup", type=float, default=2.0, help="unrecorded seconds before each point")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"a comma list of {', '.join(SYSTEMS)}")
+    parser.add_argument(
+        "--ray-env", type=Path, default=Path.home() / ".cache/gpufaas-peer-bench/rayenv", help="Ray's virtualenv"
+    )
+    args = parser.parse_args(argv)
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        parser.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    results: dict[str, Any] = {}
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="gpufaas-peer-bench-") as tmp:
+        work = Path(tmp)
+        for system in systems:
+            print(f"== {system}", flush=True)
+            if system == "gpufaas":
+                results[system] = run_gpufaas(args, work, gpu_memory_mb=300)
+            elif system == "gpufaas-hits":
+                results[system] = run_gpufaas(args, work, gpu_memory_mb=1000)
+            elif system.startswith("ray-"):
+                results[system] = run_ray(args, work, system.removeprefix("ray-"))
+            else:
+                results[system] = run_fastapi(args, work)
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "")
+    report = {
+        "metadata": {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "git_commit": git_commit(),
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "cpu_model": cpu,
+            "duration_s": args.duration,
+            "warmup_s": args.warmup,
+            "wall_s": round(time.monotonic() - started, 1),
+            "workload": f"{NUM_MODELS} models, Zipf {ZIPF}, 2 GPUs x 3 models, concurrency {list(CONCURRENCY)}",
+            "client": "bench/peer/load_client.py (closed loop, aiohttp + uvloop), same host",
+        },
+        "results": results,
+        "verdict": verdict(results),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"\n{'system':<14} {'c':>3} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>9} {'errors':>6} {'reloads/req':>11}")
+    for system, points in results.items():
+        for name, point in points.items():
+            print(
+                f"{system:<14} {name[1:]:>3} {point['throughput_rps']:>9} {point['p50_ms']:>8} {point['p99_ms']:>9} "
+                f"{point['errors']:>6} {point.get('reload_ratio', '-')!s:>11}"
+            )
+    print(json.dumps(report["verdict"], indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,571 @@
+"""scheduler.calls.CallBook: every transition of a call, step by step, over the real Scheduler."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from gpufaas.functions import FunctionSpec
+from gpufaas.proto import gpufaas_pb2 as pb
+from scheduler.calls import (
+    MAX_PLACEMENTS,
+    Answer,
+    Assignment,
+    CallBook,
+    CheckGrants,
+    Effect,
+    Evict,
+    Rejected,
+)
+from tests.builders import INFERENCE_S, LOAD_S, cache_on, make_scheduler
+
+CLAIM_S = 5.0
+LOST_AFTER_S = 5.0
+N1, N2 = "n1/g0", "n2/g0"
+
+
+def make_spec(name: str, memory_mb: int = 1000) -> FunctionSpec:
+    """A function whose package digest is derived from its name (so its model is stable)."""
+    return FunctionSpec(name, "sha256:" + hashlib.sha256(name.encode()).hexdigest(), memory_mb)
+
+
+A, B, C = make_spec("fn-a"), make_spec("fn-b"), make_spec("fn-c")
+
+
+def make_book(
+    *specs: FunctionSpec,
+    gpus: tuple[str, ...] = (N1, N2),
+    memory_mb: int = 8000,
+    slots: int = 1,
+    queue_capacity: int = 10_000,
+) -> CallBook:
+    """A CallBook over a `lalb` scheduler with `gpus` ("node/gpu", each `memory_mb` and `slots`)
+    and the functions' models registered (load 2 s, inference 1 s, as tests.builders profiles)."""
+    scheduler = make_scheduler(
+        "lalb",
+        gpus={gpu: memory_mb for gpu in gpus},
+        models={s.model: s.memory_mb for s in specs or (A, B, C)},
+        slots=slots,
+    )
+    return CallBook(scheduler, queue_capacity, claim_s=CLAIM_S, lost_after_s=LOST_AFTER_S)
+
+
+def placed(effects: list[Effect]) -> list[tuple[str, int, str, int, bool]]:
+    """(call id, attempt, GPU, gpu_seq, hit) of each Assignment; fails on any other effect."""
+    assert all(isinstance(e, Assignment) for e in effects), effects
+    return [(e.call_id, e.attempt, e.gpu_id, e.gpu_seq, e.hit) for e in effects if isinstance(e, Assignment)]
+
+
+def running(book: CallBook, gpu_id: str) -> list[str]:
+    return list(book.scheduler.gpu(gpu_id).running)
+
+
+def cached(book: CallBook, spec: FunctionSpec) -> set[str]:
+    return set(book.scheduler.cache.gpus_with(spec.model))
+
+
+def queued(book: CallBook) -> list[str]:
+    return [r.request_id for r in book.scheduler.queue]
+
+
+# --- submit -----------------------------------------------------------------------------------
+
+
+def test_submit_places_the_call_and_says_where_and_until_when() -> None:
+    book = make_book(slots=2)
+    assert book.submit("gw1", "c1", A, 10.0, now=100.0) == [
+        Assignment(
+            owner="gw1",
+            call_id="c1",
+            attempt=1,
+            gpu_id=N1,
+            gpu_seq=1,
+            hit=False,
+            evict=(),
+            spec=A,
+            queue_s=0.0,
+            deadline=110.0,
+            claim_by=100.0 + CLAIM_S,
+            est_load_time_s=LOAD_S,
+            est_inference_time_s=INFERENCE_S,
+        )
+    ]
+    assert len(book) == 1
+    assert book.placed_on("n1") == [("c1", 1)] and book.placed_on("n2") == []
+    assert running(book, N1) == ["c1"]
+
+
+def test_gpu_seq_counts_grants_per_gpu() -> None:
+    book = make_book(slots=2)
+    assert placed(book.submit("gw1", "c1", A, 10.0, now=0.0)) == [("c1", 1, N1, 1, False)]
+    assert placed(book.submit("gw1", "c2", A, 10.0, now=1.0)) == [("c2", 1, N1, 2, True)]  # second slot, a hit
+    assert placed(book.submit("gw2", "c3", B, 10.0, now=2.0)) == [("c3", 1, N2, 1, False)]
+    assert placed(book.submit("gw2", "c4", B, 10.0, now=3.0)) == [("c4", 1, N2, 2, True)]
+    assert book.dirty_gpus == {N1, N2}
+    assert book.dirty_models == {A.model, B.model}
+
+
+def test_claim_by_is_the_deadline_when_that_comes_first() -> None:
+    book = make_book()
+    (assignment,) = book.submit("gw1", "c1", A, 2.0, now=50.0)
+    assert isinstance(assignment, Assignment)
+    assert assignment.claim_by == assignment.deadline == 52.0
+
+
+def test_a_queued_call_is_placed_when_a_slot_frees_with_its_queue_time() -> None:
+    book = make_book(gpus=(N1,))
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    assert book.submit("gw1", "c2", A, 60.0, now=1.0) == []
+    assert queued(book) == ["c2"]
+    (assignment,) = book.done("c1", 1, pb.OK, 4.0)
+    assert isinstance(assignment, Assignment)
+    assert (assignment.call_id, assignment.attempt, assignment.gpu_seq, assignment.hit) == ("c2", 1, 2, True)
+    assert assignment.queue_s == 3.0
+    assert assignment.claim_by == 4.0 + CLAIM_S
+
+
+def test_a_call_id_already_in_flight_is_rejected() -> None:
+    book = make_book()
+    book.submit("gw1", "c1", A, 10.0, now=0.0)
+    with pytest.raises(Rejected, match="already in flight") as caught:
+        book.submit("gw2", "c1", B, 10.0, now=1.0)
+    assert caught.value.status == pb.INVALID
+    assert len(book) == 1 and queued(book) == [] and running(book, N2) == []
+
+
+def test_a_full_queue_rejects_with_overloaded() -> None:
+    book = make_book(gpus=(N1,), queue_capacity=1)
+    book.submit("gw1", "c1", A, 10.0, now=0.0)  # runs
+    book.submit("gw1", "c2", A, 10.0, now=0.0)  # waits
+    with pytest.raises(Rejected, match="queue is full") as caught:
+        book.submit("gw1", "c3", A, 10.0, now=0.0)
+    assert caught.value.status == pb.OVERLOADED
+    assert len(book) == 2 and queued(book) == ["c2"]
+
+
+def test_no_gpu_rejects_with_unavailable() -> None:
+    book = make_book(gpus=())
+    with pytest.raises(Rejected, match="no GPU manager") as caught:
+        book.submit("gw1", "c1", A, 10.0, now=0.0)
+    assert caught.value.status == pb.UNAVAILABLE
+    assert len(book) == 0
+
+
+def test_a_model_larger_than_every_gpu_rejects_with_unavailable() -> None:
+    huge = make_spec("fn-huge", memory_mb=9000)
+    book = make_book(A, huge)
+    with pytest.raises(Rejected, match="can never run on this cluster") as caught:
+        book.submit("gw1", "c1", huge, 10.0, now=0.0)
+    assert caught.value.status == pb.UNAVAILABLE
+    assert len(book) == 0 and queued(book) == []
+
+
+def test_a_model_the_scheduler_does_not_know_rejects_with_invalid() -> None:
+    book = make_book(A)
+    with pytest.raises(Rejected, match="not registered") as caught:
+        book.submit("gw1", "c1", B, 10.0, now=0.0)
+    assert caught.value.status == pb.INVALID
+    assert len(book) == 0
+
+
+# --- done -------------------------------------------------------------------------------------
+
+
+def test_done_ok_frees_the_slot_learns_the_measurements_and_finishes() -> None:
+    book = make_book(slots=2)
+    book.submit("gw1", "c1", A, 10.0, now=0.0)
+    book.dirty_models.clear()
+    effects = book.done("c1", 1, pb.OK, 3.0, loaded=True, load_time_s=2.5, inference_time_s=0.5, peak_memory_mb=1200)
+    assert effects == []
+    assert len(book) == 0 and running(book, N1) == []
+    assert cached(book, A) == {N1} and not book.scheduler.cache.gpu(N1).is_pinned(A.model)
+    assert book.scheduler.load_time_s(A.model, N1) == pytest.approx(LOAD_S + 0.2 * (2.5 - LOAD_S))
+    assert book.scheduler.model(A.model).memory_mb == 1200
+    assert book.dirty_models == {A.model}  # its size changed
+    assert book.dirty_profiles == {("rtx2080", A.model, 32)}
+    # A second Done for the same attempt changes nothing (the call is gone).
+    assert book.done("c1", 1, pb.OK, 3.5, inference_time_s=0.5) == []
+    assert book.done("unknown", 1, pb.OK, 3.5) == []
+
+
+def test_done_of_a_batch_counts_every_merged_call_in_the_profile() -> None:
+    book = make_book(slots=2)
+    book.submit("gw1", "c1", A, 10.0, now=0.0)
+    book.done("c1", 1, pb.HANDLER_ERROR, 3.0, inference_time_s=0.8, batch_calls=4)
+    assert book.dirty_profiles == {("rtx2080", A.model, 4 * 32)}
+    assert book.scheduler.load_time_s(A.model, N1) == LOAD_S  # not loaded by this call: not learnt
+
+
+@pytest.mark.parametrize(("outcome", "inference_time_s"), [(pb.OK, 0.0), (pb.TIMEOUT, 0.9), (pb.INVALID_INPUT, 0.9)])
+def test_done_without_a_measured_inference_records_no_profile(outcome: int, inference_time_s: float) -> None:
+    book = make_book()
+    book.submit("gw1", "c1", A, 10.0, now=0.0)
+    assert book.done("c1", 1, outcome, 3.0, inference_time_s=inference_time_s) == []
+    assert book.dirty_profiles == set()
+    assert len(book) == 0 and running(book, N1) == []
+
+
+def test_a_done_for_an_attempt_that_was_replaced_is_ignored() -> None:
+    book = make_book()
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    assert placed(book.abandon("gw1", "c1", 1, pb.Abandon.REFUSED, now=1.0)) == [("c1", 2, N2, 1, False)]
+    assert book.done("c1", 1, pb.OK, 2.0, inference_time_s=1.0) == []
+    assert len(book) == 1 and running(book, N2) == ["c1"]
+    assert book.dirty_profiles == set()
+    assert book.done("c1", 2, pb.OK, 3.0) == []
+    assert len(book) == 0 and running(book, N2) == []
+
+
+def test_a_worker_that_dies_is_retried_once_elsewhere_then_answered_unavailable() -> None:
+    book = make_book(slots=2)
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    # Its worker died on n1: the model goes from there and the retry avoids that GPU.
+    assert placed(book.done("c1", 1, pb.WORKER_DIED, 1.0, worker_lost=True)) == [("c1", 2, N2, 1, False)]
+    assert cached(book, A) == {N2}
+    assert running(book, N1) == [] and running(book, N2) == ["c1"]
+    assert book.done("c1", 2, pb.WORKER_DIED, 2.0, worker_lost=True) == [
+        Answer("gw1", "c1", pb.UNAVAILABLE, "the function's worker died twice; see the node's log")
+    ]
+    assert len(book) == 0 and cached(book, A) == set()
+    assert running(book, N1) == running(book, N2) == []
+
+
+def test_a_worker_that_dies_after_the_deadline_is_not_retried() -> None:
+    book = make_book()
+    book.submit("gw1", "c1", A, 5.0, now=0.0)
+    (answer,) = book.done("c1", 1, pb.WORKER_DIED, 5.0)
+    assert isinstance(answer, Answer) and answer.status == pb.UNAVAILABLE
+    assert len(book) == 0 and queued(book) == []
+
+
+def test_a_worker_that_dies_under_a_withdrawn_call_is_neither_retried_nor_answered() -> None:
+    book = make_book()
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    assert book.abandon("gw1", "c1", 0, pb.Abandon.CANCELLED, now=1.0) == [CheckGrants("n1", (("c1", 1),))]
+    assert book.done("c1", 1, pb.WORKER_DIED, 2.0) == []
+    assert len(book) == 0 and queued(book) == [] and running(book, N1) == running(book, N2) == []
+
+
+@pytest.mark.parametrize(
+    ("outcome", "worker_lost"),
+    [(pb.LOAD_FAILED, False), (pb.LOAD_FAILED, True), (pb.TIMEOUT, True), (pb.HANDLER_ERROR, True)],
+)
+def test_a_lost_worker_drops_the_model_and_finishes_the_call(outcome: int, worker_lost: bool) -> None:
+    book = make_book(slots=2)
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    book.dirty_models.clear()
+    assert book.done("c1", 1, outcome, 3.0, inference_time_s=0.5, worker_lost=worker_lost) == []
+    assert cached(book, A) == set()
+    assert book.dirty_models == {A.model}
+    assert len(book) == 0 and running(book, N1) == [] and queued(book) == []
+    assert book.dirty_profiles == set()
+
+
+def test_a_timeout_without_a_lost_worker_keeps_the_model() -> None:
+    book = make_book()
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    assert book.done("c1", 1, pb.TIMEOUT, 60.0) == []
+    assert cached(book, A) == {N1} and not book.scheduler.cache.gpu(N1).is_pinned(A.model)
+    assert len(book) == 0 and running(book, N1) == []
+
+
+# --- abandon ----------------------------------------------------------------------------------
+
+
+def test_cancelling_a_queued_call_withdraws_it_silently() -> None:
+    book = make_book(gpus=(N1,))
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    book.submit("gw1", "c2", B, 60.0, now=0.0)
+    assert book.abandon("gw2", "c2", 0, pb.Abandon.CANCELLED, now=1.0) == []  # not its owner
+    assert queued(book) == ["c2"]
+    assert book.abandon("gw1", "c2", 0, pb.Abandon.CANCELLED, now=1.0) == []
+    assert queued(book) == [] and len(book) == 1
+    assert book.done("c1", 1, pb.OK, 2.0) == []  # nothing left to place
+
+
+def test_cancelling_a_placed_call_checks_its_grant_once() -> None:
+    book = make_book(gpus=(N1,))
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    book.submit("gw1", "c2", B, 60.0, now=0.0)
+    assert book.abandon("gw1", "c1", 1, pb.Abandon.CANCELLED, now=1.0) == [CheckGrants("n1", (("c1", 1),))]
+    assert book.abandon("gw1", "c1", 1, pb.Abandon.CANCELLED, now=1.5) == []  # already being checked
+    assert running(book, N1) == ["c1"]  # until the node answers
+    # Never presented: revoked there; the slot goes to c2, and c1 is forgotten without an answer.
+    assert placed(book.grants_checked("n1", [("c1", 1)], [], now=2.0)) == [("c2", 1, N1, 2, False)]
+    assert len(book) == 1 and running(book, N1) == ["c2"]
+    assert cached(book, A) == set()  # c1's miss never loaded it
+
+
+def test_a_cancelled_call_whose_grant_was_presented_waits_for_its_done() -> None:
+    book = make_book()
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    book.abandon("gw1", "c1", 0, pb.Abandon.CANCELLED, now=1.0)
+    assert book.grants_checked("n1", [], [("c1", 1)], now=2.0) == []
+    assert running(book, N1) == ["c1"] and len(book) == 1
+    assert book.tick(3.0 + CLAIM_S) == []  # claimed: not checked again
+    assert book.done("c1", 1, pb.OK, 9.0) == []
+    assert len(book) == 0 and running(book, N1) == []
+
+
+def test_an_unreachable_node_places_the_call_elsewhere_and_revokes_the_old_grant() -> None:
+    book = make_book(slots=2)
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    effects = book.abandon("gw1", "c1", 1, pb.Abandon.NODE_UNREACHABLE, now=1.0)
+    assert effects[0] == CheckGrants("n1", (("c1", 1),))
+    assert placed(effects[1:]) == [("c1", 2, N2, 1, False)]
+    assert running(book, N1) == [] and running(book, N2) == ["c1"]
+    assert cached(book, A) == {N2}  # the miss on n1 never happened
+    assert book.placed_on("n1") == [] and book.placed_on("n2") == [("c1", 2)]
+    # The node's answer about the old attempt changes nothing, whatever it says.
+    assert book.grants_checked("n1", [("c1", 1)], [], now=1.5) == []
+    assert book.grants_checked("n1", [], [("c1", 1)], now=1.5) == []
+    assert running(book, N2) == ["c1"] and len(book) == 1
+
+
+def test_a_refused_grant_places_the_call_again_elsewhere() -> None:
+    book = make_book()
+    cache_on(book.scheduler, N1, A.model)
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    # The node refused the token: nothing to revoke there.
+    assert placed(book.abandon("gw1", "c1", 0, pb.Abandon.REFUSED, now=1.0)) == [("c1", 2, N2, 1, False)]
+    assert cached(book, A) == {N1, N2}  # a hit's model stays where it was
+
+
+def test_an_abandon_about_a_replaced_placement_is_ignored() -> None:
+    book = make_book()
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    book.abandon("gw1", "c1", 1, pb.Abandon.NODE_UNREACHABLE, now=1.0)
+    assert book.abandon("gw1", "c1", 1, pb.Abandon.NODE_UNREACHABLE, now=1.5) == []
+    assert book.abandon("gw1", "c1", 1, pb.Abandon.REFUSED, now=1.5) == []
+    assert running(book, N2) == ["c1"] and book.placed_on("n2") == [("c1", 2)]
+
+
+def test_a_placement_abandoned_after_its_call_was_cancelled_is_not_placed_again() -> None:
+    # The gateway cancelled (its client went away) while its Execute was under way; the Execute
+    # then fails and the gateway reports the node unreachable. Nobody wants the call any more.
+    book = make_book()
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    assert book.abandon("gw1", "c1", 0, pb.Abandon.CANCELLED, now=1.0) == [CheckGrants("n1", (("c1", 1),))]
+    effects = book.abandon("gw1", "c1", 1, pb.Abandon.NODE_UNREACHABLE, now=1.1)
+    assert not [e for e in effects if isinstance(e, Assignment | Answer)], effects
+    assert queued(book) == [] and running(book, N2) == []
+
+
+def test_placements_that_never_run_are_bounded() -> None:
+    book = make_book()
+    attempts = [placed(book.submit("gw1", "c1", A, 600.0, now=0.0))]
+    for i in range(MAX_PLACEMENTS - 1):
+        attempts.append(placed(book.abandon("gw1", "c1", 0, pb.Abandon.REFUSED, now=1.0 + i)))
+    assert [a for ((_, a, _, _, _),) in attempts] == list(range(1, MAX_PLACEMENTS + 1))
+    assert [g for ((_, _, g, _, _),) in attempts] == [N1, N2] * (MAX_PLACEMENTS // 2)  # never twice in a row
+    assert book.abandon("gw1", "c1", 0, pb.Abandon.REFUSED, now=10.0) == [
+        Answer("gw1", "c1", pb.UNAVAILABLE, f"no node could run the call ({MAX_PLACEMENTS} placements)")
+    ]
+    assert len(book) == 0 and running(book, N1) == running(book, N2) == []
+
+
+def test_grants_never_presented_are_placed_again_a_bounded_number_of_times() -> None:
+    book = make_book(gpus=(N1,))
+    book.submit("gw1", "c1", A, 600.0, now=0.0)
+    now = 0.0
+    for attempt in range(1, MAX_PLACEMENTS):
+        now += CLAIM_S
+        assert book.tick(now) == [CheckGrants("n1", (("c1", attempt),))]
+        assert placed(book.grants_checked("n1", [("c1", attempt)], [], now)) == [
+            ("c1", attempt + 1, N1, attempt + 1, False)
+        ]
+    now += CLAIM_S
+    assert book.tick(now) == [CheckGrants("n1", (("c1", MAX_PLACEMENTS),))]
+    (answer,) = book.grants_checked("n1", [("c1", MAX_PLACEMENTS)], [], now)
+    assert answer == Answer(
+        "gw1", "c1", pb.UNAVAILABLE, f"the call was placed {MAX_PLACEMENTS} times and never reached a node"
+    )
+    assert len(book) == 0 and running(book, N1) == []
+
+
+# --- owner lost -------------------------------------------------------------------------------
+
+
+def test_a_lost_owner_withdraws_its_queued_calls_and_checks_its_placed_ones() -> None:
+    book = make_book(gpus=(N1,), slots=2)
+    cache_on(book.scheduler, N1, A.model)
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    book.submit("gw1", "c2", A, 60.0, now=0.0)
+    book.submit("gw1", "c3", B, 60.0, now=0.0)
+    book.submit("gw2", "c4", B, 60.0, now=0.0)
+    assert queued(book) == ["c3", "c4"]
+    assert book.owner_lost("gw1", now=1.0) == [CheckGrants("n1", (("c1", 1),)), CheckGrants("n1", (("c2", 1),))]
+    assert queued(book) == ["c4"] and len(book) == 3
+    assert book.owner_lost("gw1", now=1.5) == []  # being checked already
+    # c1 never reached the node: its slot goes to gw2's call; c2 ran: it keeps its slot.
+    assert placed(book.grants_checked("n1", [("c1", 1)], [("c2", 1)], now=2.0)) == [("c4", 1, N1, 3, False)]
+    assert sorted(running(book, N1)) == ["c2", "c4"]
+    assert cached(book, A) == {N1}  # c1 was a hit: the model stays
+    assert book.done("c2", 1, pb.OK, 3.0) == []  # finished without an answer to anyone
+    assert len(book) == 1
+
+
+def test_an_unseen_grant_of_a_call_still_wanted_is_placed_again() -> None:
+    book = make_book()
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    assert book.tick(CLAIM_S) == [CheckGrants("n1", (("c1", 1),))]
+    assert placed(book.grants_checked("n1", [("c1", 1)], [], now=CLAIM_S + 0.1)) == [("c1", 2, N1, 2, False)]
+    # The answer about the old attempt, if repeated, is stale.
+    assert book.grants_checked("n1", [("c1", 1)], [], now=CLAIM_S + 0.2) == []
+    assert book.grants_checked("n1", [], [("c1", 1)], now=CLAIM_S + 0.2) == []
+    assert book.tick(CLAIM_S + 0.2) == []  # the new attempt is not due for a check yet
+    assert running(book, N1) == ["c1"]
+
+
+def test_a_miss_never_presented_keeps_the_model_that_a_call_beside_it_uses() -> None:
+    # Two slots: c1 misses (admits A), c2 is a hit on the same entry and presents its grant, so
+    # the node loads A for it. c1's grant is never presented: its slot is freed, but A is
+    # resident there and must stay in the cache (else n1 is overcommitted by A's memory).
+    book = make_book(slots=2)
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    assert placed(book.submit("gw2", "c2", A, 60.0, now=0.1)) == [("c2", 1, N1, 2, True)]
+    book.owner_lost("gw1", now=1.0)
+    book.grants_checked("n1", [("c1", 1)], [], now=1.5)
+    assert running(book, N1) == ["c2"]
+    assert cached(book, A) == {N1}
+    assert book.scheduler.cache.gpu(N1).is_pinned(A.model)
+
+
+# --- tick -------------------------------------------------------------------------------------
+
+
+def test_a_call_queued_past_its_deadline_is_answered_deadline() -> None:
+    book = make_book(gpus=(N1,))
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    book.submit("gw1", "c2", B, 2.0, now=0.0)
+    assert book.tick(1.9) == []
+    (answer,) = book.tick(2.0)
+    assert isinstance(answer, Answer)
+    assert (answer.owner, answer.call_id, answer.status) == ("gw1", "c2", pb.DEADLINE)
+    assert answer.message == B.deadline_message()
+    assert queued(book) == [] and len(book) == 1
+    assert book.tick(3.0) == []
+
+
+def test_unconfirmed_placements_are_checked_once_grouped_by_node() -> None:
+    book = make_book(gpus=(N1, "n1/g1", N2))
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    book.submit("gw1", "c2", B, 60.0, now=0.0)
+    book.submit("gw1", "c3", C, 60.0, now=0.0)
+    assert book.placed_on("n1") == [("c1", 1), ("c2", 1)] and book.placed_on("n2") == [("c3", 1)]
+    book.done("c3", 1, pb.OK, 1.0)
+    assert placed(book.submit("gw1", "c4", C, 60.0, now=1.0)) == [("c4", 1, N2, 2, True)]
+    assert book.tick(CLAIM_S - 0.01) == []
+    assert book.tick(CLAIM_S) == [CheckGrants("n1", (("c1", 1), ("c2", 1)))]
+    assert book.tick(CLAIM_S + 0.5) == []  # being checked
+    assert book.tick(CLAIM_S + 1.0) == [CheckGrants("n2", (("c4", 1),))]
+    assert book.tick(CLAIM_S + 2.0) == []
+
+
+def test_a_placed_call_with_no_done_long_after_its_deadline_is_presumed_lost() -> None:
+    book = make_book(gpus=(N1,), slots=2)
+    book.submit("gw1", "c1", A, 10.0, now=0.0)
+    book.submit("gw1", "c2", A, 10.0, now=0.0)
+    book.submit("gw1", "c3", B, 60.0, now=0.0)  # waits for a slot
+    assert book.tick(CLAIM_S) == [CheckGrants("n1", (("c1", 1), ("c2", 1)))]
+    assert book.grants_checked("n1", [], [("c1", 1), ("c2", 1)], now=CLAIM_S) == []
+    assert placed(book.done("c2", 1, pb.OK, 6.0)) == [("c3", 1, N1, 3, False)]
+    assert book.grants_checked("n1", [], [("c3", 1)], now=6.0) == []
+    book.dirty_models.clear()
+    assert book.tick(10.0 + LOST_AFTER_S - 0.01) == []
+    (answer,) = book.tick(10.0 + LOST_AFTER_S)
+    assert isinstance(answer, Answer) and (answer.call_id, answer.status) == ("c1", pb.DEADLINE)
+    assert running(book, N1) == ["c3"]
+    assert cached(book, A) == set()  # the node timed it out: its worker was killed
+    assert book.dirty_models == {A.model}
+    assert len(book) == 1
+
+
+def test_a_lost_call_frees_its_slot_for_a_queued_one() -> None:
+    book = make_book(gpus=(N1,))
+    book.submit("gw1", "c1", A, 10.0, now=0.0)
+    book.submit("gw2", "c2", B, 60.0, now=1.0)
+    book.grants_checked("n1", [], [("c1", 1)], now=1.0)
+    effects = book.tick(10.0 + LOST_AFTER_S)
+    assert isinstance(effects[0], Answer) and effects[0].call_id == "c1"
+    assert placed(effects[1:]) == [("c2", 1, N1, 2, False)]
+
+
+# --- nodes ------------------------------------------------------------------------------------
+
+
+def test_calls_on_gpus_that_left_are_placed_again_on_the_others() -> None:
+    book = make_book(slots=2)
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    book.submit("gw1", "c2", A, 60.0, now=0.0)
+    book.submit("gw2", "c3", B, 60.0, now=0.0)
+    assert sorted(running(book, N1)) == ["c1", "c2"] and running(book, N2) == ["c3"]
+    book.dirty_gpus.clear()
+    book.dirty_models.clear()
+    # n1 left: its calls go back to the queue in arrival order; n2 has one free slot.
+    assert placed(book.gpus_removed([N1], now=1.0)) == [("c1", 2, N2, 2, False)]
+    assert queued(book) == ["c2"]
+    assert A.model in book.dirty_models and N1 not in book.dirty_gpus
+    assert book.placed_on("n1") == [] and book.placed_on("n2") == [("c1", 2), ("c3", 1)]
+    # The gateway's Abandon for the gone attempt is stale now.
+    assert book.abandon("gw1", "c1", 1, pb.Abandon.NODE_UNREACHABLE, now=1.5) == []
+    assert placed(book.done("c3", 1, pb.OK, 2.0)) == [("c2", 2, N2, 3, True)]
+    assert len(book) == 2
+
+
+def test_calls_on_a_gpu_that_left_wait_for_a_slot_when_none_is_free() -> None:
+    book = make_book()
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    book.submit("gw1", "c2", B, 60.0, now=0.0)
+    assert book.gpus_removed([N1], now=1.0) == []
+    assert queued(book) == ["c1"]
+    assert placed(book.done("c2", 1, pb.OK, 2.0)) == [("c1", 2, N2, 2, False)]
+
+
+def test_a_withdrawn_call_on_a_gpu_that_left_is_forgotten() -> None:
+    book = make_book()
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    book.abandon("gw1", "c1", 0, pb.Abandon.CANCELLED, now=0.5)
+    assert book.gpus_removed([N1], now=1.0) == []
+    assert len(book) == 0 and queued(book) == [] and running(book, N2) == []
+
+
+def test_reconcile_drops_phantoms_adopts_workers_that_fit_and_evicts_the_rest() -> None:
+    big = make_spec("fn-big", memory_mb=3000)
+    book = make_book(A, B, C, big, gpus=(N1,), memory_mb=4000, slots=2)
+    cache_on(book.scheduler, N1, C.model)  # believed resident, not reported: a phantom
+    book.submit("gw1", "c1", A, 60.0, now=0.0)  # runs: its model is kept though not reported yet
+    book.dirty_models.clear()
+    book.dirty_gpus.clear()
+    resident = {B.model: 1000, big.model: 3000}
+    assert book.reconcile(N1, resident, now=1.0) == [Evict(N1, (big.model,))]
+    cache = book.scheduler.cache.gpu(N1)
+    assert set(cache) == {A.model, B.model}
+    assert cache.free_mb == 2000
+    assert book.dirty_models == {C.model, B.model} and book.dirty_gpus == {N1}
+    # Reporting the same again changes nothing more.
+    assert book.reconcile(N1, {A.model: 1000, B.model: 1000}, now=2.0) == []
+    assert set(cache) == {A.model, B.model}
+
+
+def test_reconcile_keeps_a_model_pinned_by_a_parked_call() -> None:
+    book = make_book()
+    cache_on(book.scheduler, N1, A.model, B.model)
+    book.submit("gw1", "c1", B, 60.0, now=0.0)  # a hit on n1, done at t=1
+    # n2 is idle, but waiting 1 s for n1 beats loading A there (2 s): parked on n1.
+    assert book.submit("gw1", "c2", A, 60.0, now=0.0) == []
+    assert [r.request_id for r in book.scheduler.gpu(N1).local_queue] == ["c2"]
+    assert book.reconcile(N1, {B.model: 1000}, now=0.5) == []
+    assert cached(book, A) == {N1}
+    assert placed(book.done("c1", 1, pb.OK, 1.0)) == [("c2", 1, N1, 2, True)]
+
+
+def test_claim_by_is_the_latest_claim_time_of_the_placed_calls_it_is_asked_about() -> None:
+    book = make_book()
+    book.submit("gw", "c1", A, 30.0, 10.0)
+    book.submit("gw", "c2", A, 2.0, 11.0)  # its deadline (13 s) comes before its claim time (16 s)
+    book.submit("gw", "c3", A, 30.0, 12.0)  # queued: both GPUs are busy, so it has no claim time
+    assert book.claim_by([("c1", 1), ("c2", 1)]) == 10.0 + CLAIM_S
+    assert book.claim_by([("c2", 1)]) == 13.0
+    assert book.claim_by([("c3", 1), ("gone", 1)]) == 0.0

@@ -1,0 +1,726 @@
+"""gpufaas.wire: framing, request/reply correlation, limits and failures, over loopback and in memory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+import struct
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from typing import Any
+
+import pytest
+import uvloop
+
+from gpufaas import wire
+from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    FLAG_REPLY,
+    FLAG_REQUEST,
+    HEADER_ALLOWANCE_BYTES,
+    PREFIX_BYTES,
+    Connection,
+    ConnectionLost,
+    Frame,
+    FrameTooLarge,
+    MessageType,
+    RemoteError,
+    Server,
+    connect,
+    encode,
+    max_frame_bytes_for,
+)
+
+SCENARIO_TIMEOUT_S = 30.0
+WAIT_S = 5.0
+MIB = 1024 * 1024
+SMALL_BUFFER_BYTES = wire._SMALL_BUFFER_BYTES  # frames over this take the "big frame" path
+INLINE_BODY_BYTES = wire._INLINE_BODY_BYTES  # bodies over this are written on their own
+LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "asyncio": asyncio.new_event_loop,
+    "uvloop": uvloop.new_event_loop,  # what the daemons run on: its transports differ
+}
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+Summary = tuple[int, int, int, bytes, bytes]
+
+
+@pytest.fixture(params=sorted(LOOPS))
+def run(request: pytest.FixtureRequest) -> Run:
+    """Run a scenario on a fresh event loop (each kind the project uses), bounded in time."""
+
+    def run_(scenario: Coroutine[Any, Any, Any]) -> Any:
+        with asyncio.Runner(loop_factory=LOOPS[request.param]) as runner:
+            return runner.run(asyncio.wait_for(scenario, SCENARIO_TIMEOUT_S))
+
+    return run_
+
+
+# --- builders ---------------------------------------------------------------------------------
+
+
+def echo(conn: Connection, frame: Frame) -> None:
+    conn.reply(frame, MessageType.EXECUTE_REPLY, frame.header, frame.body)
+
+
+class Peer:
+    """A handler that keeps every frame and every close it is told about; requests are answered
+    by `answer` (default: echo the header and body back)."""
+
+    def __init__(self, answer: Callable[[Connection, Frame], None] = echo) -> None:
+        self.answer = answer
+        self.frames: list[Frame] = []
+        self.closes: list[BaseException | None] = []
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        self.frames.append(frame)
+        if frame.is_request:
+            self.answer(conn, frame)
+
+    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
+        self.closes.append(exc)
+
+
+def hold(conn: Connection, frame: Frame) -> None:
+    """Leave the request unanswered (the test answers it, or never does)."""
+
+
+def summary(frame: Frame) -> Summary:
+    return (frame.type, frame.flags, frame.correlation_id, frame.header, frame.body)
+
+
+def raw_frame(
+    type_: int, header: pb.Message | bytes, body: bytes = b"", *, flags: int = 0, correlation_id: int = 0
+) -> bytes:
+    """A whole frame's bytes, as they go on the wire."""
+    return encode(type_, header, body, flags=flags, correlation_id=correlation_id) + body
+
+
+def one_way(index: int, body_bytes: int) -> tuple[bytes, Summary]:
+    """A one-way Done frame numbered `index`, and what its receiver should see."""
+    header = pb.Done(call_id=f"c{index}", attempt=index % 7).SerializeToString()
+    body = bytes([index % 251]) * body_bytes
+    return raw_frame(MessageType.DONE, header, body), (int(MessageType.DONE), 0, 0, header, body)
+
+
+async def until(predicate: Callable[[], object]) -> None:
+    """Yield to the loop until `predicate()` holds (bounded: TimeoutError otherwise)."""
+    async with asyncio.timeout(WAIT_S):
+        while not predicate():
+            await asyncio.sleep(0.001)
+
+
+@contextlib.asynccontextmanager
+async def serving(peer: Peer, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> AsyncIterator[Server]:
+    """A Server on a free loopback port whose connections all report to `peer`."""
+    server = Server(lambda: peer, max_frame_bytes=max_frame_bytes)
+    await server.start("127.0.0.1:0")
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
+async def accepted(server: Server) -> Connection:
+    """The server's end of its one connection (once it has accepted it)."""
+    await until(lambda: server.connections)
+    (conn,) = server.connections
+    return conn
+
+
+class RecordingTransport(asyncio.Transport):
+    """Keeps what a Connection hands the transport: one entry per write call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.closing = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+
+    def writelines(self, list_of_data: Iterable[bytes | bytearray | memoryview]) -> None:
+        self.writes.append(b"".join(list_of_data))
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("10.0.0.7", 7001) if name == "peername" else default
+
+
+def attached(peer: Peer | None = None, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Connection:
+    """A Connection on a RecordingTransport (call inside a running loop)."""
+    conn = Connection(peer, max_frame_bytes=max_frame_bytes)
+    conn.connection_made(RecordingTransport())
+    return conn
+
+
+def recorded(conn: Connection) -> RecordingTransport:
+    assert isinstance(conn.transport, RecordingTransport)
+    return conn.transport
+
+
+def feed(conn: Connection, data: bytes, chunk: int | None = None) -> None:
+    """Deliver `data` the way a transport does (get_buffer, fill, buffer_updated), at most
+    `chunk` bytes per read; stops early if the connection closes."""
+    at = 0
+    while at < len(data) and not conn.is_closed:
+        buffer = conn.get_buffer(-1)
+        n = min(len(buffer), len(data) - at, chunk or len(data))
+        assert n > 0, f"the connection offers no room to read into after {at} bytes"
+        buffer[:n] = data[at : at + n]
+        conn.buffer_updated(n)
+        at += n
+
+
+# --- requests and messages over TCP -----------------------------------------------------------
+
+
+def test_many_concurrent_requests_each_get_their_own_answer(run: Run) -> None:
+    count = 200
+    held: list[tuple[Connection, Frame]] = []
+
+    def answer_all_in_reverse(conn: Connection, frame: Frame) -> None:
+        held.append((conn, frame))
+        if len(held) == count:
+            for c, f in reversed(held):
+                c.reply(f, MessageType.EXECUTE_REPLY, f.header, f.body + b"!")
+
+    async def scenario() -> list[Frame]:
+        async with serving(Peer(answer_all_in_reverse)) as server:
+            conn = await connect(server.address)
+            replies = await asyncio.gather(
+                *(
+                    conn.request(MessageType.EXECUTE, pb.Execute(content_type=f"t{i}"), f"payload {i}".encode())
+                    for i in range(count)
+                )
+            )
+            await conn.aclose()
+            return replies
+
+    replies = run(scenario())
+    assert [(r.message(pb.Execute).content_type, r.body) for r in replies] == [
+        (f"t{i}", f"payload {i}!".encode()) for i in range(count)
+    ]
+    assert {(r.type, r.flags) for r in replies} == {(MessageType.EXECUTE_REPLY, FLAG_REPLY)}
+    assert all(f.is_request and f.flags == FLAG_REQUEST for _, f in held)
+    assert len({f.correlation_id for _, f in held}) == count
+    assert 0 not in {f.correlation_id for _, f in held}
+
+
+def test_one_way_messages_go_both_ways_without_a_correlation_id(run: Run) -> None:
+    server_peer, client_peer = Peer(), Peer()
+
+    async def scenario() -> None:
+        async with serving(server_peer) as server:
+            conn = await connect(server.address, client_peer)
+            conn.send(MessageType.DONE, pb.Done(call_id="c1", attempt=2, outcome=pb.OK), b"result")
+            server_end = await accepted(server)
+            server_end.send(MessageType.EVICT, pb.Evict(gpu="0", models=["m@1"]))
+            await until(lambda: server_peer.frames and client_peer.frames)
+            await conn.aclose()
+
+    run(scenario())
+    (done,) = server_peer.frames
+    assert (done.type, done.flags, done.correlation_id, done.is_request) == (MessageType.DONE, 0, 0, False)
+    assert done.message(pb.Done) == pb.Done(call_id="c1", attempt=2, outcome=pb.OK)
+    assert done.body == b"result"
+    (evict,) = client_peer.frames
+    assert (evict.type, evict.correlation_id, evict.body) == (MessageType.EVICT, 0, b"")
+    assert list(evict.message(pb.Evict).models) == ["m@1"]
+
+
+def test_the_server_end_may_ask_the_client_end(run: Run) -> None:
+    async def scenario() -> Frame:
+        async with serving(Peer()) as server:
+            conn = await connect(server.address, Peer())
+            server_end = await accepted(server)
+            reply = await server_end.request(MessageType.REVOKE, pb.Revoke(grants=[pb.GrantRef(call_id="c9")]), b"x")
+            await conn.aclose()
+            return reply
+
+    reply = run(scenario())
+    assert reply.message(pb.Revoke).grants[0].call_id == "c9"
+    assert reply.body == b"x"
+
+
+def test_a_request_to_an_end_without_a_handler_is_answered_unavailable(run: Run) -> None:
+    async def scenario() -> RemoteError:
+        async with serving(Peer()) as server:
+            conn = await connect(server.address)  # no handler: it only asks
+            server_end = await accepted(server)
+            with pytest.raises(RemoteError) as caught:
+                await server_end.request(MessageType.EVICT, pb.Evict(gpu="0"))
+            # The connection stays usable.
+            assert (await conn.request(MessageType.PLACE, pb.Place(call_id="c1"))).message(pb.Place).call_id == "c1"
+            await conn.aclose()
+            return caught.value
+
+    error = run(scenario())
+    assert (error.status, error.message) == (pb.UNAVAILABLE, "this end takes no requests")
+
+
+def test_reply_error_raises_remote_error_with_its_status_and_message(run: Run) -> None:
+    def refuse(conn: Connection, frame: Frame) -> None:
+        conn.reply_error(frame, pb.INVALID, f"no such function {frame.message(pb.Place).function!r}")
+
+    async def scenario() -> RemoteError:
+        async with serving(Peer(refuse)) as server:
+            conn = await connect(server.address)
+            with pytest.raises(RemoteError) as caught:
+                await conn.request(MessageType.PLACE, pb.Place(call_id="c1", function="nope"))
+            assert not conn.is_closed
+            await conn.aclose()
+            return caught.value
+
+    error = run(scenario())
+    assert error.status == pb.INVALID
+    assert error.message == str(error) == "no such function 'nope'"
+
+
+def test_a_handler_that_raises_answers_an_error_and_keeps_the_connection(run: Run) -> None:
+    def fail_on_boom(conn: Connection, frame: Frame) -> None:
+        if frame.body == b"boom":
+            raise RuntimeError("handler bug")
+        echo(conn, frame)
+
+    class FailingOnOneWay(Peer):
+        def on_frame(self, conn: Connection, frame: Frame) -> None:
+            super().on_frame(conn, frame)
+            if not frame.is_request:
+                raise RuntimeError("handler bug on a one-way message")
+
+    peer = FailingOnOneWay(fail_on_boom)
+
+    async def scenario() -> tuple[RemoteError, Frame]:
+        async with serving(peer) as server:
+            conn = await connect(server.address)
+            with pytest.raises(RemoteError) as caught:
+                await conn.request(MessageType.PLACE, pb.Place(), b"boom")
+            conn.send(MessageType.DONE, pb.Done(call_id="c1"))
+            after = await conn.request(MessageType.PLACE, pb.Place(), b"fine")
+            assert not conn.is_closed and server.connections
+            await conn.aclose()
+            return caught.value, after
+
+    error, after = run(scenario())
+    assert error.status == pb.UNAVAILABLE
+    assert "internal error" in error.message
+    assert after.body == b"fine"
+    assert [f.body for f in peer.frames] == [b"boom", b"", b"fine"]
+
+
+def test_a_malformed_message_closes_the_connection_and_fails_its_requests(run: Run) -> None:
+    def parse_place(conn: Connection, frame: Frame) -> None:
+        place = frame.message(pb.Place)  # raises ConnectionLost on garbage
+        conn.reply(frame, MessageType.PLACEMENT, pb.Placement(call_id=place.call_id))
+
+    server_peer, client_peer = Peer(parse_place), Peer()
+
+    async def scenario() -> None:
+        async with serving(server_peer) as server:
+            conn = await connect(server.address, client_peer)
+            good = await conn.request(MessageType.PLACE, pb.Place(call_id="c1"))
+            assert good.message(pb.Placement).call_id == "c1"
+            with pytest.raises(ConnectionLost):
+                await conn.request(MessageType.PLACE, b"\x0a\x05ab")  # field 1 claims 5 bytes, holds 2
+            await until(lambda: conn.is_closed and not server.connections)
+            with pytest.raises(ConnectionLost):
+                await conn.request(MessageType.PLACE, pb.Place(call_id="c2"))
+
+    run(scenario())
+    (exc,) = server_peer.closes
+    assert isinstance(exc, ConnectionLost)
+    assert "malformed Place message" in str(exc)
+    assert len(client_peer.closes) == 1
+
+
+def test_frame_message_raises_connection_lost_on_garbage() -> None:
+    frame = Frame(MessageType.PLACE, 0, 0, b"\xff\xff\xff", b"")
+    with pytest.raises(ConnectionLost, match="malformed Place message"):
+        frame.message(pb.Place)
+
+
+def test_a_request_over_the_receivers_limit_closes_it_with_frame_too_large(run: Run) -> None:
+    server_peer = Peer(hold)
+
+    async def scenario() -> None:
+        async with serving(server_peer, max_frame_bytes=64 * 1024) as server:
+            conn = await connect(server.address)
+            waiting = asyncio.ensure_future(conn.request(MessageType.PLACE, pb.Place(call_id="held")))
+            await until(lambda: server_peer.frames)
+            with pytest.raises(ConnectionLost):
+                await conn.request(MessageType.EXECUTE, pb.Execute(), bytes(100 * 1024))
+            with pytest.raises(ConnectionLost):
+                await waiting
+            await until(lambda: not server.connections)
+
+    run(scenario())
+    (exc,) = server_peer.closes
+    assert isinstance(exc, FrameTooLarge)
+    assert "exceeds this connection's limit of 65536" in str(exc)
+    assert [f.message(pb.Place).call_id for f in server_peer.frames] == ["held"]  # the big one never arrived
+
+
+def test_a_reply_over_the_askers_limit_fails_all_its_pending_requests(run: Run) -> None:
+    held: list[tuple[Connection, Frame]] = []
+
+    def answer_the_second_with_too_much(conn: Connection, frame: Frame) -> None:
+        held.append((conn, frame))
+        if len(held) == 2:
+            conn.reply(frame, MessageType.EXECUTE_REPLY, b"", bytes(100 * 1024))
+
+    client_peer = Peer()
+
+    async def scenario() -> tuple[list[BaseException | Frame], BaseException | None]:
+        async with serving(Peer(answer_the_second_with_too_much)) as server:
+            conn = await connect(server.address, client_peer, max_frame_bytes=64 * 1024)
+            outcomes = await asyncio.gather(
+                conn.request(MessageType.EXECUTE, pb.Execute()),
+                conn.request(MessageType.EXECUTE, pb.Execute()),
+                return_exceptions=True,
+            )
+            return outcomes, await conn.closed
+
+    outcomes, reason = run(scenario())
+    assert all(type(o) is ConnectionLost for o in outcomes), outcomes
+    assert all("exceeds" in str(o) for o in outcomes)
+    assert isinstance(reason, FrameTooLarge)
+    assert client_peer.closes == [reason]
+
+
+def test_a_large_body_arrives_intact_both_ways_and_small_frames_follow(run: Run) -> None:
+    body = random.Random(15).randbytes(15 * MIB)
+    limit = max_frame_bytes_for(16 * MIB)
+    server_peer = Peer()
+
+    async def scenario() -> tuple[Frame, Frame, Frame]:
+        async with serving(server_peer, max_frame_bytes=limit) as server:
+            conn = await connect(server.address, max_frame_bytes=limit)
+            before = await conn.request(MessageType.EXECUTE, pb.Execute(content_type="small"), b"before")
+            big = await conn.request(MessageType.EXECUTE, pb.Execute(content_type="big"), body)
+            for i in range(3):
+                conn.send(MessageType.DONE, pb.Done(call_id=f"after{i}"), b"x" * i)
+            after = await conn.request(MessageType.EXECUTE, pb.Execute(content_type="small"), b"after")
+            await conn.aclose()
+            return before, big, after
+
+    before, big, after = run(scenario())
+    assert before.body == b"before" and after.body == b"after"
+    assert big.message(pb.Execute).content_type == "big"
+    assert len(big.body) == len(body) and big.body == body
+    received = [(f.type, f.body[:8], len(f.body)) for f in server_peer.frames]
+    assert received == [
+        (MessageType.EXECUTE, b"before", 6),
+        (MessageType.EXECUTE, body[:8], len(body)),
+        (MessageType.DONE, b"", 0),
+        (MessageType.DONE, b"x", 1),
+        (MessageType.DONE, b"xx", 2),
+        (MessageType.EXECUTE, b"after", 5),
+    ]
+    assert server_peer.frames[1].body == body
+
+
+def test_a_request_or_send_on_a_closed_connection_raises_connection_lost(run: Run) -> None:
+    client_peer = Peer()
+
+    async def scenario() -> None:
+        async with serving(Peer()) as server:
+            conn = await connect(server.address, client_peer)
+            await conn.aclose()
+            assert conn.is_closed
+            with pytest.raises(ConnectionLost, match="is closed"):
+                await conn.request(MessageType.PLACE, pb.Place())
+            with pytest.raises(ConnectionLost, match="is closed"):
+                conn.send(MessageType.DONE, pb.Done())
+            # An answer to a peer that is gone is dropped silently.
+            conn.reply(Frame(MessageType.PLACE, FLAG_REQUEST, 5, b"", b""), MessageType.PLACEMENT, pb.Placement())
+            await conn.aclose()  # again: nothing more happens
+
+    run(scenario())
+    assert client_peer.closes == [None]
+
+
+def test_the_peer_closing_fails_pending_requests_and_calls_on_close_once(run: Run) -> None:
+    server_peer, client_peer = Peer(hold), Peer()
+
+    async def scenario() -> list[BaseException | Frame]:
+        async with serving(server_peer) as server:
+            conn = await connect(server.address, client_peer)
+            waiting = [
+                asyncio.ensure_future(conn.request(MessageType.PLACE, pb.Place(call_id=f"c{i}"))) for i in range(3)
+            ]
+            await until(lambda: len(server_peer.frames) == 3)
+            await server.close()
+            outcomes = await asyncio.gather(*waiting, return_exceptions=True)
+            await conn.closed
+            conn.close()  # closing our end afterwards reports nothing more
+            await asyncio.sleep(0.01)
+            assert not server.connections
+            return outcomes
+
+    outcomes = run(scenario())
+    assert [type(o) for o in outcomes] == [ConnectionLost] * 3
+    assert len(client_peer.closes) == 1
+    assert len(server_peer.closes) == 1
+
+
+def test_connect_to_a_port_nobody_listens_on_raises_connection_lost(run: Run) -> None:
+    async def scenario() -> None:
+        with socket.socket() as bound:  # bound, not listening: connections are refused
+            bound.bind(("127.0.0.1", 0))
+            port = bound.getsockname()[1]
+            with pytest.raises(ConnectionLost, match=f"cannot connect to 127.0.0.1:{port}"):
+                await connect(f"127.0.0.1:{port}", timeout_s=2.0)
+
+    run(scenario())
+
+
+def test_a_request_that_times_out_ignores_its_late_answer(run: Run) -> None:
+    held: list[tuple[Connection, Frame]] = []
+
+    def hold_the_first(conn: Connection, frame: Frame) -> None:
+        if frame.body == b"slow":
+            held.append((conn, frame))
+        else:
+            echo(conn, frame)
+
+    async def scenario() -> Frame:
+        async with serving(Peer(hold_the_first)) as server:
+            conn = await connect(server.address)
+            with pytest.raises(TimeoutError):
+                await conn.request(MessageType.EXECUTE, pb.Execute(), b"slow", timeout_s=0.05)
+            ((server_end, slow),) = held
+            server_end.reply(slow, MessageType.EXECUTE_REPLY, b"", b"late")
+            reply = await conn.request(MessageType.EXECUTE, pb.Execute(), b"next")
+            assert not conn.is_closed
+            await conn.aclose()
+            return reply
+
+    assert run(scenario()).body == b"next"
+
+
+# --- framing: how bytes arrive ----------------------------------------------------------------
+
+
+def test_the_frame_layout_is_as_documented(run: Run) -> None:
+    """Written by hand from the module's docstring, read back the same way."""
+    header = pb.Place(call_id="c1").SerializeToString()
+    body = b"payload"
+    frame = struct.pack("!IHHII", 12 + len(header) + len(body), MessageType.PLACE, FLAG_REQUEST, 77, len(header))
+    frame += header + body
+
+    async def scenario() -> bytes:
+        loop = asyncio.get_running_loop()
+        async with serving(Peer()) as server:
+            host, _, port = server.address.rpartition(":")
+            with socket.socket() as sock:
+                sock.setblocking(False)
+                await loop.sock_connect(sock, (host, int(port)))
+                await loop.sock_sendall(sock, frame)
+                answer = b""
+                while len(answer) < len(frame):
+                    chunk = await loop.sock_recv(sock, 65536)
+                    assert chunk, "the server closed the connection"
+                    answer += chunk
+                return answer
+
+    answer = run(scenario())
+    assert struct.unpack_from("!IHHII", answer) == (
+        12 + len(header) + len(body),
+        MessageType.EXECUTE_REPLY,
+        FLAG_REPLY,
+        77,
+        len(header),
+    )
+    assert answer[PREFIX_BYTES:] == header + body
+
+
+def test_many_small_frames_sent_at_once_are_all_delivered_in_order(run: Run) -> None:
+    frames = [one_way(i, i % 40) for i in range(500)]
+    peer = Peer()
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        async with serving(peer) as server:
+            host, _, port = server.address.rpartition(":")
+            with socket.socket() as sock:
+                sock.setblocking(False)
+                await loop.sock_connect(sock, (host, int(port)))
+                await loop.sock_sendall(sock, b"".join(data for data, _ in frames))
+                await until(lambda: len(peer.frames) == len(frames))
+
+    run(scenario())
+    assert [summary(f) for f in peer.frames] == [expected for _, expected in frames]
+
+
+def test_frames_written_a_byte_at_a_time_are_delivered_when_complete(run: Run) -> None:
+    (first, first_seen), (second, second_seen) = one_way(1, 3), one_way(2, 0)
+    peer = Peer()
+
+    async def scenario() -> None:
+        ours, theirs = socket.socketpair()
+        with theirs:
+            _, conn = await asyncio.get_running_loop().create_unix_connection(lambda: Connection(peer), sock=ours)
+            data = first + second
+            for i in range(len(data)):
+                if i == len(first):
+                    await until(lambda: len(peer.frames) == 1)
+                assert len(peer.frames) == (0 if i < len(first) else 1), f"after {i} bytes"
+                theirs.send(data[i : i + 1])
+                await asyncio.sleep(0.001)  # let the loop read it on its own
+            await until(lambda: len(peer.frames) == 2)
+            conn.close()
+
+    run(scenario())
+    assert [summary(f) for f in peer.frames] == [first_seen, second_seen]
+
+
+def stream() -> tuple[bytes, list[Summary]]:
+    """Frames of many sizes around the reading buffer's: runs of small ones longer than the
+    buffer (so reads end inside a frame), one that fills the buffer exactly, one a byte over it
+    and one of a few MiB, each between small ones."""
+    rng = random.Random(3)
+    sizes = [rng.randrange(0, 3000) for _ in range(600)]
+    for index, frame_bytes in [
+        (300, SMALL_BUFFER_BYTES),  # exactly the buffer's size
+        (400, SMALL_BUFFER_BYTES + 1),  # one byte over: the big path
+        (500, 3 * MIB),
+    ]:
+        sizes[index] = frame_bytes - len(one_way(index, 0)[0])
+    frames = [one_way(i, size) for i, size in enumerate(sizes)]
+    assert [len(data) for data, _ in frames][300:401:100] == [SMALL_BUFFER_BYTES, SMALL_BUFFER_BYTES + 1]
+    return b"".join(data for data, _ in frames), [seen for _, seen in frames]
+
+
+@pytest.mark.parametrize("chunk", [7, 4093, 65536, SMALL_BUFFER_BYTES + 5, None])
+def test_a_stream_cut_into_any_reads_yields_the_same_frames(chunk: int | None) -> None:
+    data, expected = stream()
+    peer = Peer()
+
+    async def scenario() -> None:
+        conn = attached(peer, max_frame_bytes=4 * MIB)
+        feed(conn, data, chunk)
+        assert not conn.is_closed
+
+    asyncio.run(scenario())
+    assert [summary(f) for f in peer.frames] == expected
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+
+def test_messages_sent_in_one_loop_pass_are_written_with_one_write() -> None:
+    async def scenario() -> None:
+        conn = attached()
+        transport = recorded(conn)
+        frames = [one_way(i, 10) for i in range(50)]
+        for i in range(50):
+            conn.send(MessageType.DONE, pb.Done(call_id=f"c{i}", attempt=i % 7), bytes([i % 251]) * 10)
+        assert transport.writes == []  # nothing before the loop turns
+        await asyncio.sleep(0)
+        assert transport.writes == [b"".join(data for data, _ in frames)]
+        conn.send(MessageType.DONE, pb.Done(call_id="next"))
+        await asyncio.sleep(0)
+        assert transport.writes[1:] == [raw_frame(MessageType.DONE, pb.Done(call_id="next"))]
+        await asyncio.sleep(0)
+        assert len(transport.writes) == 2  # no empty writes afterwards
+
+    asyncio.run(scenario())
+
+
+def test_a_large_body_is_written_at_once_after_what_was_queued_before_it() -> None:
+    async def scenario() -> None:
+        conn = attached()
+        transport = recorded(conn)
+        big = bytes(range(256)) * ((INLINE_BODY_BYTES + 256) // 256)
+        conn.send(MessageType.DONE, pb.Done(call_id="first"))
+        conn.send(MessageType.EXECUTE, pb.Execute(), big)
+        assert transport.writes == [
+            raw_frame(MessageType.DONE, pb.Done(call_id="first")),
+            raw_frame(MessageType.EXECUTE, pb.Execute(), big),
+        ]
+        conn.send(MessageType.DONE, pb.Done(call_id="last"))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert transport.writes[2:] == [raw_frame(MessageType.DONE, pb.Done(call_id="last"))]
+
+    asyncio.run(scenario())
+
+
+def test_messages_queued_when_the_connection_closes_are_not_written() -> None:
+    async def scenario() -> None:
+        peer = Peer()
+        conn = attached(peer)
+        conn.send(MessageType.DONE, pb.Done(call_id="c1"))
+        conn.close()
+        await asyncio.sleep(0)
+        assert recorded(conn).writes == []
+        assert recorded(conn).closing
+        assert peer.closes == [None]
+        assert conn.peer == "10.0.0.7:7001"
+
+    asyncio.run(scenario())
+
+
+# --- limits and malformed frames --------------------------------------------------------------
+
+
+def test_max_frame_bytes_for_fits_a_full_body_and_its_header_and_nothing_more() -> None:
+    max_body = 100_000
+    limit = max_frame_bytes_for(max_body)
+    assert limit == max_body + HEADER_ALLOWANCE_BYTES
+    header = bytes(limit - max_body - PREFIX_BYTES)  # exactly the room left beside the body
+
+    async def scenario() -> None:
+        fits = attached(Peer(), max_frame_bytes=limit)
+        exact = raw_frame(MessageType.EXECUTE, header, bytes(max_body))
+        assert len(exact) == limit
+        feed(fits, exact)
+        assert not fits.is_closed
+        assert isinstance(fits.handler, Peer) and len(fits.handler.frames) == 1
+
+        over = attached(Peer(), max_frame_bytes=limit)
+        # Refused from the length alone: its first four bytes are enough.
+        feed(over, raw_frame(MessageType.EXECUTE, header, bytes(max_body + 1))[:4])
+        reason = await over.closed
+        assert isinstance(reason, FrameTooLarge)
+        assert f"a frame of {limit + 1} bytes exceeds" in str(reason)
+        assert recorded(over).closing
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        pytest.param(struct.pack("!I", PREFIX_BYTES - 5) + bytes(16), "malformed frame length 11", id="short-length"),
+        pytest.param(
+            struct.pack("!IHHII", 12 + 4, MessageType.DONE, 0, 0, 5) + bytes(4),
+            "header longer than the frame",
+            id="header-past-the-end",
+        ),
+    ],
+)
+def test_a_malformed_frame_closes_the_connection(data: bytes, reason: str) -> None:
+    peer = Peer()
+
+    async def scenario() -> None:
+        conn = attached(peer)
+        waiting = asyncio.ensure_future(conn.request(MessageType.PLACE, pb.Place()))
+        await asyncio.sleep(0)
+        feed(conn, data + raw_frame(MessageType.DONE, pb.Done()))
+        assert conn.is_closed
+        with pytest.raises(ConnectionLost):
+            await waiting
+
+    asyncio.run(scenario())
+    assert peer.frames == []  # nothing after the bad frame is delivered either
+    (exc,) = peer.closes
+    assert isinstance(exc, ConnectionLost) and not isinstance(exc, FrameTooLarge)
+    assert reason in str(exc)
