@@ -338,18 +338,20 @@ class Scheduler:
 
     # --- what policies may ask (SchedulingContext) ----------------------------------------
     def best_idle(self, gpu_ids: Set[str], exclude: str | None = None) -> str | None:
-        """The first of `gpu_ids` (but `exclude`) in idle order (fastest, then by id), or None:
-        O(min(len(gpu_ids), idle GPUs))."""
-        if len(self._idle) < len(gpu_ids):
-            # Usually a handful of GPUs are idle while a hot model sits on hundreds.
-            for _, gpu_id in self._idle:
-                if gpu_id in gpu_ids and gpu_id != exclude:
-                    return gpu_id
-            return None
+        """Of `gpu_ids` (but `exclude`), the idle one with the most free slots, then the first in
+        idle order (fastest, then by id); None if none is idle. With one slot per GPU that is
+        the first in idle order; with several, hits of a model spread over the GPUs that hold it
+        instead of queueing on the first. O(min(len(gpu_ids), idle GPUs))."""
+        # Usually a handful of GPUs are idle while a hot model sits on hundreds: walk the shorter.
+        candidates: Iterable[str] = (
+            (gpu_id for _, gpu_id in self._idle if gpu_id in gpu_ids) if len(self._idle) < len(gpu_ids) else gpu_ids
+        )
         best: GpuState | None = None
-        for gpu_id in gpu_ids:
+        for gpu_id in candidates:
             state = self._gpus[gpu_id]
-            if state.idle and gpu_id != exclude and (best is None or state.order_key < best.order_key):
+            if not state.idle or gpu_id == exclude:
+                continue
+            if best is None or (-state.free_slots, state.order_key) < (-best.free_slots, best.order_key):
                 best = state
         return None if best is None else best.spec.gpu_id
 

@@ -268,3 +268,15 @@ def test_a_miss_goes_to_another_idle_gpu_when_pinned_models_leave_no_room_here()
     decisions = s.schedule(1.0)
     assert placed(decisions) == [("dispatch", "B", "g1")]
     assert isinstance(decisions[0], Dispatch) and decisions[0].evict == ("A",)
+
+
+@pytest.mark.parametrize("policy", ["lalb", "lalb-o3"])
+def test_a_hit_elsewhere_goes_to_the_holder_with_more_free_slots(policy: str) -> None:
+    s = make_scheduler(policy, gpus=3, slots=3)
+    cache_on(s, "g1", "A")
+    cache_on(s, "g2", "A")
+    run_on(s, "g1", "A")  # g1 has 2 free slots left, g2 has 3
+    submit(s, "A")
+    # g0 is offered work first; A is not cached there, so it is a hit on an idle holder: the one
+    # with more free slots (g2), not the first in idle order (g1).
+    assert placed(s.schedule(0.0)) == [("dispatch", "A", "g2")]
