@@ -78,15 +78,22 @@ class _Mailbox:
     (it is not executing), so a new scheduler connection must be asked again; `attempt`: the
     latest placement tried, under scheduler connection `epoch` (attempts restart with a new one)."""
 
-    __slots__ = ("attempt", "epoch", "messages", "place", "waiter", "waiting")
+    __slots__ = ("attempt", "clock", "deadline", "epoch", "messages", "place", "waiter", "waiting")
 
-    def __init__(self, place: pb.Place) -> None:
+    def __init__(self, place: pb.Place, deadline: float, clock: Callable[[], float]) -> None:
         self.place = place
+        self.deadline = deadline
+        self.clock = clock
         self.messages: deque[pb.Placement | pb.Rejection] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self.waiting = False
         self.attempt = 0
         self.epoch = 0
+
+    def place_now(self) -> pb.Place:
+        """The call's Place, saying what remains of its deadline now."""
+        self.place.timeout_s = max(0.001, self.deadline - self.clock())
+        return self.place
 
     def put(self, message: pb.Placement | pb.Rejection) -> None:
         self.messages.append(message)
@@ -170,7 +177,7 @@ class Router:
             for box in self._calls.values():  # a new scheduler knows none of them
                 if box.waiting:
                     box.attempt, box.epoch = 0, self.epoch
-                    conn.send(MessageType.PLACE, box.place)
+                    conn.send(MessageType.PLACE, box.place_now())
             log.info("connected to the scheduler at %s", self._address)
             await conn.closed
             self._connected.clear()
@@ -214,33 +221,28 @@ class Router:
             raise CallFailed(409, f"call {call_id!r} is already in flight; use a new X-Call-Id")
         deadline = clock() + spec.timeout_s
         box = _Mailbox(
-            pb.Place(call_id=call_id, function=spec.name, timeout_s=spec.timeout_s, payload_bytes=len(payload))
+            pb.Place(call_id=call_id, function=spec.name, timeout_s=spec.timeout_s, payload_bytes=len(payload)),
+            deadline,
+            clock,
         )
         self._calls[call_id] = box
         try:
             async with asyncio.timeout(spec.timeout_s + DEADLINE_GRACE_S):
-                return await self._run(box, spec, payload, content_type=content_type, deadline=deadline, clock=clock)
+                return await self._run(box, spec, payload, content_type)
         except TimeoutError:
             self.abandon(call_id, 0, pb.Abandon.CANCELLED, "the gateway's deadline passed")
             raise CallFailed(504, spec.deadline_message()) from None
+        except CallFailed:
+            raise  # an answer: the scheduler (or the node, which tells it) has finished with the call
         except BaseException:
             self.abandon(call_id, 0, pb.Abandon.CANCELLED, "the client went away")
             raise
         finally:
             del self._calls[call_id]
 
-    async def _run(
-        self,
-        box: _Mailbox,
-        spec: FunctionSpec,
-        payload: bytes,
-        *,
-        content_type: str,
-        deadline: float,
-        clock: Callable[[], float],
-    ) -> CallResult:
+    async def _run(self, box: _Mailbox, spec: FunctionSpec, payload: bytes, content_type: str) -> CallResult:
         call_id = box.place.call_id
-        await self._ask(box, deadline, clock)
+        await self._ask(box)
         while True:
             message = await box.get()
             if isinstance(message, pb.Rejection):
@@ -254,12 +256,15 @@ class Router:
                     MessageType.EXECUTE,
                     pb.Execute(token=message.token, content_type=content_type),
                     payload,
-                    timeout_s=max(0.001, deadline - clock()) + DEADLINE_GRACE_S,
+                    timeout_s=max(0.001, box.deadline - box.clock()) + DEADLINE_GRACE_S,
                 )
             except (ConnectionLost, RemoteError) as exc:
                 log.warning("call %s: node %s unreachable (%s)", call_id, message.node, exc)
                 box.waiting = True
-                self.abandon(call_id, box.attempt, pb.Abandon.NODE_UNREACHABLE, str(exc))
+                if box.epoch != self.epoch:
+                    await self._ask(box)  # the scheduler that placed it is gone
+                else:
+                    self.abandon(call_id, box.attempt, pb.Abandon.NODE_UNREACHABLE, str(exc))
                 continue
             reply = frame.message(pb.ExecuteReply)
             if reply.outcome == pb.OK:
@@ -271,25 +276,24 @@ class Router:
                 raise CallFailed(OUTCOME_TO_HTTP.get(reply.outcome, 502), reply.message)
             box.waiting = True
             if box.epoch != self.epoch:
-                await self._ask(box, deadline, clock)  # the scheduler that placed it is gone: ask the new one
+                await self._ask(box)  # the scheduler that placed it is gone: ask the new one
             elif reply.outcome == pb.REFUSED:
                 log.warning("call %s: node %s refused the placement: %s", call_id, message.node, reply.message)
                 self.abandon(call_id, box.attempt, pb.Abandon.REFUSED, reply.message)
             # WORKER_DIED: the node told the scheduler, which places the call again or rejects it.
 
-    async def _ask(self, box: _Mailbox, deadline: float, clock: Callable[[], float]) -> None:
+    async def _ask(self, box: _Mailbox) -> None:
         """Send the call's Place (waiting a little for a scheduler that is reconnecting)."""
         conn = self.scheduler
         if conn is None:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, min(self.scheduler_wait_s, deadline - clock()))):
+                async with asyncio.timeout(max(0.0, min(self.scheduler_wait_s, box.deadline - box.clock()))):
                     await self._connected.wait()
             conn = self.scheduler
             if conn is None:
                 raise CallFailed(503, "the scheduler is unreachable; check that it runs (gpufaas status)")
-        box.place.timeout_s = max(0.001, deadline - clock())
         box.waiting, box.attempt, box.epoch = True, 0, self.epoch
-        conn.send(MessageType.PLACE, box.place)
+        conn.send(MessageType.PLACE, box.place_now())
 
     async def _node(self, address: str) -> Connection:
         conn = self._nodes.get(address)

@@ -196,10 +196,14 @@ class _HandlerBackend(Backend):
     @classmethod
     def import_runtime(cls) -> None:
         torch = _import_torch()
-        if torch is not None:
-            # What the templates and most handlers use next: import it before forking.
-            with contextlib.suppress(ImportError):
-                importlib.import_module("safetensors.torch")
+        if torch is None:
+            return
+        # What the templates and most handlers use next, when installed: imported once here
+        # instead of at every miss (a cold torchvision import takes seconds).
+        for name in ("safetensors.torch", "torchvision.models"):
+            if importlib.util.find_spec(name.split(".")[0]) is not None:
+                with contextlib.suppress(Exception):  # a broken optional package must not stop the node
+                    importlib.import_module(name)
 
     def load(self, spec: ModelSpec) -> None:
         self.spec = spec
@@ -247,17 +251,19 @@ class CudaBackend(_HandlerBackend, name="cuda"):
     Peak memory = `torch.cuda.max_memory_reserved(device)` (the caching allocator's high-water mark
     since the worker started; the pool is kept, so it stays charged) + the memory the process holds
     outside the allocator (CUDA context, cuBLAS/cuDNN handles, lazily loaded kernels). That overhead
-    is measured when the spare creates its context: NVML's figure for this PID (or, where NVML
-    cannot see this PID, e.g. in a container with its own PID namespace, the growth of the device's
-    used memory across context creation); after the load and each batch it is re-read as NVML's
-    figure for this PID minus the allocator's current reservation, keeping the largest seen.
-    Without NVML at all, `DEFAULT_CONTEXT_MB` is assumed.
+    is measured when the spare creates its context (and its cuBLAS and cuDNN handles): NVML's
+    figure for this PID (or, where NVML cannot see this PID, e.g. in a container with its own PID
+    namespace, the growth of the device's used memory across context creation); after the load and
+    each batch that moved the allocator's reservation it is re-read as NVML's figure for this PID
+    minus that reservation, keeping the largest seen. Without NVML at all, `DEFAULT_CONTEXT_MB` is
+    assumed.
     """
 
     DEFAULT_CONTEXT_MB: ClassVar[int] = 500
 
     _overhead_mb: int = 0
     _nvml: Nvml | None = None
+    _reserved_seen: int = -1  # the allocator's reservation when NVML was last asked
 
     @property
     def device(self) -> str:
@@ -277,6 +283,13 @@ class CudaBackend(_HandlerBackend, name="cuda"):
         used_before_mb = self._nvml.used_mb(index) if self._nvml is not None else None
         torch.cuda.set_device(index)
         free, total = torch.cuda.mem_get_info(index)  # creates this process's CUDA context
+        # Create the cuBLAS and cuDNN handles too (a first matmul or convolution pays ~100 ms for
+        # them): a spare does it while it waits, not a miss.
+        warm = torch.ones((1, 1, 8, 8), device=f"cuda:{index}")
+        torch.nn.functional.conv2d(warm, torch.ones((1, 1, 3, 3), device=warm.device))
+        (warm.view(8, 8) @ warm.view(8, 8)).sum().item()
+        del warm
+        torch.cuda.empty_cache()
         process_mb = self._nvml.process_mb(index, os.getpid()) if self._nvml is not None else None
         if process_mb is not None:
             self._overhead_mb = process_mb
@@ -305,11 +318,14 @@ class CudaBackend(_HandlerBackend, name="cuda"):
         import torch
 
         index = self.worker_device.device_index
-        if self._nvml is not None:
+        reserved = torch.cuda.memory_reserved(index)
+        # NVML's per-process query costs about as much as a small model's inference: ask it only
+        # when the allocator's reservation moved (which is when the process's footprint does).
+        if self._nvml is not None and reserved != self._reserved_seen:
+            self._reserved_seen = reserved
             process_mb = self._nvml.process_mb(index, os.getpid())
             if process_mb is not None:
-                reserved_mb = torch.cuda.memory_reserved(index) // _MIB
-                self._overhead_mb = max(self._overhead_mb, process_mb - reserved_mb)
+                self._overhead_mb = max(self._overhead_mb, process_mb - reserved // _MIB)
         return math.ceil(torch.cuda.max_memory_reserved(index) / _MIB) + self._overhead_mb
 
 

@@ -243,11 +243,14 @@ class WorkerPool:
     async def shutdown(self) -> None:
         """Stop every worker this pool started, ready or not, and the zygote; later calls are refused."""
         self._closed = True
+        # First the zygote still starting (it would fork spares nobody stops), then the loads.
+        if self._zygote_starting is not None and not self._zygote_starting.done():
+            self._zygote_starting.cancel()
+            with contextlib.suppress(BaseException):
+                await self._zygote_starting
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*(self._stop(worker) for worker in list(self._live)), return_exceptions=True)
-        if self._zygote_starting is not None and not self._zygote_starting.done():
-            self._zygote_starting.cancel()
         zygote = self._zygote
         if zygote is not None:
             zygote.control.close()  # it exits when its control socket closes
@@ -294,11 +297,13 @@ class WorkerPool:
         if gpu_id not in self.gpus:
             return RunResult(pb.REFUSED, f"this node has no GPU {gpu_id!r}")
         deadline = asyncio.get_running_loop().time() + timeout_s
-        worker = self._workers.get((run.model, gpu_id))
-        if worker is not None and worker.run is not None and worker.run.package_digest != run.package_digest:
-            # The function was redeployed (a new package): its worker runs stale code.
+        while True:
+            worker = self._workers.get((run.model, gpu_id))
+            if worker is None or worker.run is None or worker.run.package_digest == run.package_digest:
+                break
+            # The function was redeployed (a new package): its worker runs stale code. Look again
+            # after stopping it: a concurrent call may have started the new one meanwhile.
             await self._stop(worker)
-            worker = None
         stages: pb.MissStages | None = None
         loaded = False
         if worker is None or worker.state is _State.GONE:
@@ -322,6 +327,11 @@ class WorkerPool:
                 )
             except _LoadFailed as exc:
                 return RunResult(exc.outcome, exc.message, loaded=True)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # this call was cancelled
+                return RunResult(pb.WORKER_DIED, "the node shut down while the model loaded", loaded=True)
         else:
             self._evict_for_miss(gpu_id, evict, seq)  # a grant that expected a miss can still name victims
             if worker.state is _State.LOADING:
@@ -425,7 +435,7 @@ class WorkerPool:
         if not was_warm:  # the context was created while this call waited
             stages.start_s = max(0.0, stages.start_s - hello.context_s)
             stages.context_s = hello.context_s
-        if victims:
+        if victims and self.wait_for_victims:
             await asyncio.wait(victims, timeout=_KILL_WAIT_S)  # their device memory must be free first
         load_started = time.perf_counter()
         assert worker.conn is not None
@@ -543,10 +553,11 @@ class WorkerPool:
             _, conn = await asyncio.get_running_loop().create_unix_connection(
                 lambda: Connection(worker, max_frame_bytes=max_frame_bytes), sock=parent
             )
-        except (OSError, RuntimeError) as exc:
+        except (OSError, RuntimeError, asyncio.CancelledError) as exc:  # cancelled: shut down meanwhile
             parent.close()
-            log.error("cannot start a worker for %s: %s", worker.gpu_id, exc)
-            worker._gone(ConnectionLost(f"cannot start a worker: {exc}"))
+            if not self._closed:
+                log.error("cannot start a worker for %s: %s", worker.gpu_id, exc)
+            worker._gone(ConnectionLost(f"cannot start a worker: {exc or 'the pool shut down'}"))
             worker.exited.set_result(None)
             return
         finally:
@@ -597,6 +608,12 @@ class WorkerPool:
                 ready = await asyncio.get_running_loop().sock_recv(parent, 64)
         except (TimeoutError, OSError):
             ready = b""
+        except asyncio.CancelledError:  # shut down while it started
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+            parent.close()
+            raise
         if not ready.startswith(b"ready "):
             with contextlib.suppress(ProcessLookupError):
                 process.kill()

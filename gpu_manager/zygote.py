@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 worker = backend(WorkerDevice(args.backend, gpu_id, int(index)))
                 status = run_worker(socket.socket(fileno=fds[0]), worker, import_s=import_s)
+            except (BrokenPipeError, ConnectionResetError):
+                status = 0  # the pool let go of this worker (it shut down, or stopped a spare)
             except BaseException:
                 traceback.print_exc()
             finally:

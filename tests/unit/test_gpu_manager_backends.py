@@ -1,32 +1,128 @@
-"""Backends and the worker's wire format: registry, emulated profiles, input decoding, output encoding."""
+"""Backends and the worker: the registry, device strings, emulated profiles, predict_batch's
+contract, input decoding, output encoding, and one emulated worker driven over its socket (frames
+in, frames out, batches merged, torch and numpy never imported)."""
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from gpu_manager.backends import UnknownBackend, backend_class, backend_names, emulated_times, make_backend
+from gpu_manager.backends import (
+    Backend,
+    EmulatedBackend,
+    ModelSpec,
+    UnknownBackend,
+    WorkerDevice,
+    backend_class,
+    backend_names,
+    emulated_times,
+    make_backend,
+)
 from gpu_manager.devices import Device, discover_nvml, logical_devices, normalize_gpu_type
-from gpu_manager.worker import WorkerSpec, decode_inputs, encode_result
+from gpu_manager.worker import InvalidInput, decode_inputs, encode_result
 
 REPO = Path(__file__).resolve().parents[2]
+
+# Runs in a fresh interpreter: the emulated backend prepared as the zygote prepares it, then one
+# worker (gpu_manager.worker.run_worker, as a forked worker runs it) on one end of a socket pair.
+# The node's frames (LoadModel, then the calls) are all queued before the worker starts and the
+# node's end is then shut for writing, so the worker serves them and exits; what it answered is
+# printed as JSON, with whichever of torch and numpy the process imported.
+WORKER_SCRIPT = r"""
+import json, socket, struct, sys
+
+import gpu_manager.pool, gpu_manager.zygote  # what the node and the zygote import
+from google.protobuf.json_format import MessageToDict
+from gpu_manager.backends import WorkerDevice, backend_class
+from gpu_manager.worker import run_worker
+from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.wire import PREFIX_BYTES, MessageType, encode
+
+load, calls = json.loads(sys.argv[1])
+backend = backend_class("emulated")
+backend.setup()
+backend.import_runtime()
+node, worker_end = socket.socketpair()
+frames = [encode(MessageType.LOAD_MODEL, pb.LoadModel(**load), b"")]
+for call_id, content_type, payload in calls:
+    body = payload.encode("latin-1")
+    frames.append(encode(MessageType.CALL, pb.Call(call_id=call_id, content_type=content_type), body) + body)
+node.sendall(b"".join(frames))
+node.shutdown(socket.SHUT_WR)
+status = run_worker(worker_end, backend(WorkerDevice("emulated", "gpu0", 0)), import_s=0.25)
+worker_end.close()
+data = b""
+while chunk := node.recv(1 << 16):
+    data += chunk
+messages = {MessageType.WORKER_HELLO: pb.WorkerHello, MessageType.MODEL_LOADED: pb.ModelLoaded,
+            MessageType.CALL_RESULT: pb.CallResult}
+replies = []
+while data:
+    length, type_, _, _, header_len = struct.unpack_from("!IHHII", data)
+    header = data[PREFIX_BYTES:PREFIX_BYTES + header_len]
+    body = data[PREFIX_BYTES + header_len:4 + length]
+    data = data[4 + length:]
+    message = messages[MessageType(type_)].FromString(header)
+    fields = MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    replies.append({"type": MessageType(type_).name, **fields, "body": body.decode("latin-1")})
+heavy = sorted({"torch", "numpy"} & set(sys.modules))
+print(json.dumps({"status": status, "pid": __import__("os").getpid(), "replies": replies, "heavy": heavy}))
+"""
+
+
+def run_emulated_worker(load: dict[str, Any], calls: list[tuple[str, str, bytes]]) -> dict[str, Any]:
+    """Drive one emulated worker in a fresh interpreter (see WORKER_SCRIPT); what it did."""
+    argument = json.dumps([load, [(call_id, ct, payload.decode("latin-1")) for call_id, ct, payload in calls]])
+    done = subprocess.run(
+        [sys.executable, "-c", WORKER_SCRIPT, argument],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def load_model(**fields: Any) -> dict[str, Any]:
+    """A LoadModel for an emulated model with a tiny profile of its own."""
+    return {
+        "model": "resnet18",
+        "package_dir": "/nowhere",
+        "memory_mb": 100,
+        "load_time_s": 0.001,
+        "inference_time_s": 0.001,
+        "max_result_bytes": 1 << 20,
+        **fields,
+    }
+
+
+# --- the registry and device strings ---------------------------------------------------------------
 
 
 def test_backends_are_registered_by_name_and_an_unknown_one_lists_the_valid_ones() -> None:
     assert backend_names() == ["cpu", "cuda", "emulated"]
-    assert backend_class("emulated").name == "emulated"
+    assert backend_class("emulated") is EmulatedBackend
     with pytest.raises(UnknownBackend, match="unknown backend 'tpu'; valid backends: cpu, cuda, emulated"):
         backend_class("tpu")
 
 
 def test_device_strings() -> None:
-    spec = WorkerSpec("m", "gpu3", 3, "cuda", "/p", 100)
-    assert make_backend("cuda", spec).device == "cuda:3"
-    assert make_backend("cpu", spec).device == "cpu"
-    assert make_backend("emulated", spec).device == "emulated:3"
+    assert make_backend(WorkerDevice("cuda", "gpu3", 3)).device == "cuda:3"
+    assert make_backend(WorkerDevice("cpu", "gpu3", 3)).device == "cpu"
+    assert make_backend(WorkerDevice("emulated", "gpu3", 3)).device == "emulated:3"
+
+
+# --- the emulated backend --------------------------------------------------------------------------
 
 
 def test_emulated_times_come_from_table1_then_from_size() -> None:
@@ -38,50 +134,103 @@ def test_emulated_times_come_from_table1_then_from_size() -> None:
     assert 0.5 < small_load_s < 5.0  # Table I loads ~1.3 GB models in ~2.5 s
 
 
-def test_the_spec_overrides_the_emulated_profile() -> None:
-    backend = make_backend("emulated", WorkerSpec("resnet18", "gpu0", 0, "emulated", "", 100, 0.0, 0.01))
-    backend.load()
+def test_the_spec_overrides_the_emulated_profile_and_a_batch_takes_one_inference_per_call() -> None:
+    backend = EmulatedBackend(WorkerDevice("emulated", "gpu1", 1))
+    assert backend.init_device() == 0  # no device context to hold
+    backend.load(ModelSpec("resnet18", "", 100, load_time_s=0.0, inference_time_s=0.05))
+
+    assert (backend.load_time_s, backend.inference_time_s) == (0.0, 0.05)  # not Table I's 2.52 and 1.25
     assert backend.predict(b"abc") == {
         "model": "resnet18",
         "backend": "emulated",
-        "device": "emulated:0",
+        "device": "emulated:1",
         "input_bytes": 3,
     }
-    assert backend.peak_memory_mb() == 100
+    started = time.perf_counter()
+    outputs = backend.predict_batch([{"x": 1}, b"ab", [2]])
+    assert time.perf_counter() - started >= 3 * 0.05
+    assert outputs == [
+        {"model": "resnet18", "backend": "emulated", "device": "emulated:1", "echo": {"x": 1}},
+        {"model": "resnet18", "backend": "emulated", "device": "emulated:1", "input_bytes": 2},
+        {"model": "resnet18", "backend": "emulated", "device": "emulated:1", "echo": [2]},
+    ]
+    assert backend.peak_memory_mb() == 100  # declared
 
 
-def test_the_emulated_worker_path_never_imports_torch_or_numpy() -> None:
-    script = (
-        "import sys\n"
-        "from gpu_manager.pool import WorkerPool\n"
-        "from gpu_manager.worker import WorkerSpec, encode_result\n"
-        "from gpu_manager.backends import make_backend\n"
-        "b = make_backend('emulated', WorkerSpec('resnet50', 'gpu0', 0, 'emulated', '', 100, 0.0, 0.0))\n"
-        "b.setup(); b.load(); encode_result(b.predict({'x': 1})); b.peak_memory_mb()\n"
-        "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'imported torch or numpy'\n"
-    )
-    subprocess.run([sys.executable, "-c", script], cwd=REPO, check=True, timeout=60)
+class Scripted(Backend):
+    """A backend whose predict returns what it is told (no name: never registered)."""
+
+    device = "scripted"
+
+    def __init__(self, outputs: object) -> None:
+        super().__init__(WorkerDevice("scripted", "gpu0", 0))
+        self.outputs = outputs
+        self.seen: list[object] = []
+
+    def load(self, spec: ModelSpec) -> None:
+        self.spec = spec
+
+    def predict(self, inputs: object) -> object:
+        self.seen.append(inputs)
+        return self.outputs
+
+    def peak_memory_mb(self) -> int:
+        return 0
+
+
+def test_predict_batch_hands_predict_the_list_and_wants_as_many_outputs_back() -> None:
+    assert "scripted" not in backend_names()
+
+    assert Scripted(("a", "b")).predict_batch([1, 2]) == ["a", "b"]
+    with pytest.raises(TypeError, match="given a batch of 2 inputs and returned 1 outputs; return a list"):
+        Scripted(["a"]).predict_batch([1, 2])
+    with pytest.raises(TypeError, match="given a batch of 1 inputs and returned dict; return a list"):
+        Scripted({"a": 1}).predict_batch([1])
+    one = Scripted([None])
+    one.predict_batch([{"x": 1}])
+    assert one.seen == [[{"x": 1}]]
+
+
+# --- input decoding and output encoding ------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    ("payload", "inputs"),
+    ("payload", "content_type", "inputs"),
     [
-        (b'{"inputs": [[1, 2]]}', {"inputs": [[1, 2]]}),
-        (b"3", 3),
-        (b"\xff\xfe", b"\xff\xfe"),  # not UTF-8: raw bytes
-        (b"not json", b"not json"),
-        (b"", b""),
+        (b'{"inputs": [[1, 2]]}', "", {"inputs": [[1, 2]]}),  # undeclared: JSON when it parses
+        (b"3", "", 3),
+        (b"\xff\xfe", "", b"\xff\xfe"),  # not UTF-8: raw bytes
+        (b"not json", "", b"not json"),
+        (b"", "", b""),
+        (b'{"a": 1}', "application/json", {"a": 1}),
+        (b'{"a": 1}', "Application/JSON; charset=utf-8", {"a": 1}),
+        (b"[1]", "application/vnd.api+json", [1]),
+        (b"", "application/json", None),
+        (b'{"a": 1}', "text/plain", b'{"a": 1}'),  # declared otherwise: never parsed
+        (b"3", "application/octet-stream", b"3"),
     ],
 )
-def test_payloads_decode_to_json_when_they_are_json_else_to_bytes(payload: bytes, inputs: object) -> None:
-    assert decode_inputs(payload) == inputs
+def test_payloads_decode_as_their_content_type_says(payload: bytes, content_type: str, inputs: object) -> None:
+    assert decode_inputs(payload, content_type) == inputs
+
+
+@pytest.mark.parametrize(
+    ("payload", "content_type", "media"),
+    [(b"{", "application/json; charset=utf-8", "application/json"), (b"\xff", "application/problem+json", "")],
+)
+def test_declared_json_that_does_not_parse_is_invalid_input(payload: bytes, content_type: str, media: str) -> None:
+    media = media or content_type
+    with pytest.raises(InvalidInput, match=re.escape(f"the payload is declared {media} but is not valid JSON: ")):
+        decode_inputs(payload, content_type)
 
 
 def test_outputs_encode_bytes_as_is_text_as_utf8_and_the_rest_as_json() -> None:
-    assert encode_result(b"\x00\x01") == b"\x00\x01"
-    assert encode_result(bytearray(b"ab")) == b"ab"
-    assert encode_result("héllo") == "héllo".encode()
-    assert encode_result({"a": [1, 2.5, None]}) == b'{"a":[1,2.5,null]}'
+    assert encode_result(b"\x00\x01") == (b"\x00\x01", "application/octet-stream")
+    assert encode_result(bytearray(b"ab")) == (b"ab", "application/octet-stream")
+    assert encode_result(memoryview(b"cd")) == (b"cd", "application/octet-stream")
+    assert encode_result("héllo") == ("héllo".encode(), "text/plain; charset=utf-8")
+    assert encode_result({"a": [1, 2.5, None]}) == (b'{"a":[1,2.5,null]}', "application/json")
+    assert encode_result(None) == (b"null", "application/json")
     with pytest.raises(TypeError, match="object is not bytes, str or JSON-serializable"):
         encode_result({"a": object()})
 
@@ -90,14 +239,80 @@ def test_tensors_and_arrays_encode_as_nested_lists() -> None:
     torch = pytest.importorskip("torch")
     numpy = pytest.importorskip("numpy")
     assert encode_result({"t": torch.tensor([[1.0, 2.0]]), "n": numpy.arange(3), "s": numpy.float32(0.5)}) == (
-        b'{"t":[[1.0,2.0]],"n":[0,1,2],"s":0.5}'
+        b'{"t":[[1.0,2.0]],"n":[0,1,2],"s":0.5}',
+        "application/json",
     )
+
+
+# --- one emulated worker, over its socket ----------------------------------------------------------
+
+
+def test_the_emulated_worker_says_hello_loads_answers_and_never_imports_torch_or_numpy() -> None:
+    done = run_emulated_worker(
+        load_model(),
+        [("c1", "application/json", b'{"x": 1}'), ("c2", "application/octet-stream", b"abc")],
+    )
+
+    assert done["heavy"] == []
+    assert done["status"] == 0  # the node closed its end: the worker exits
+    hello, loaded, *results = done["replies"]
+    assert (hello["type"], int(hello["pid"]), hello["import_s"]) == ("WORKER_HELLO", done["pid"], 0.25)
+    assert (loaded["type"], loaded["ok"], int(loaded["peak_memory_mb"])) == ("MODEL_LOADED", True, 100)
+    assert [(r["type"], r["call_id"], r["outcome"], r["content_type"]) for r in results] == [
+        ("CALL_RESULT", "c1", "OK", "application/json"),
+        ("CALL_RESULT", "c2", "OK", "application/json"),
+    ]
+    assert json.loads(results[0]["body"]) == {
+        "model": "resnet18",
+        "backend": "emulated",
+        "device": "emulated:0",
+        "echo": {"x": 1},
+    }
+    assert json.loads(results[1]["body"])["input_bytes"] == 3
+
+
+def test_the_worker_merges_waiting_calls_into_batches_of_at_most_max_batch_size() -> None:
+    calls = [(f"c{i}", "application/json", json.dumps({"i": i}).encode()) for i in range(6)]
+    calls.append(("bad", "application/json", b"{not json"))
+
+    done = run_emulated_worker(load_model(max_batch_size=4), calls)
+
+    results = {r["call_id"]: r for r in done["replies"] if r["type"] == "CALL_RESULT"}
+    # All seven were waiting: the first four frames make one batch, the other three the next,
+    # where the one that does not parse is answered on its own.
+    assert {call_id: r["batch_calls"] for call_id, r in results.items() if r["outcome"] == "OK"} == {
+        "c0": 4,
+        "c1": 4,
+        "c2": 4,
+        "c3": 4,
+        "c4": 2,
+        "c5": 2,
+    }
+    assert results["bad"]["outcome"] == "INVALID_INPUT"
+    assert [json.loads(results[f"c{i}"]["body"])["echo"] for i in range(6)] == [{"i": i} for i in range(6)]
+
+
+def test_the_worker_refuses_a_result_over_its_limit() -> None:
+    small = b'{"model":"resnet18","backend":"emulated","device":"emulated:0","echo":1}'  # its echo of 1
+    done = run_emulated_worker(
+        load_model(max_result_bytes=len(small)), [("small", "", b"1"), ("big", "", b'"' + b"x" * 200 + b'"')]
+    )
+
+    results = {r["call_id"]: r for r in done["replies"] if r["type"] == "CALL_RESULT"}
+    assert (results["small"]["outcome"], results["small"]["body"]) == ("OK", small.decode())  # at the limit
+    assert results["big"]["outcome"] == "OUTPUT_TOO_LARGE"
+    assert results["big"]["body"] == ""
+
+
+# --- devices ---------------------------------------------------------------------------------------
 
 
 def test_logical_devices_and_gpu_type_names() -> None:
     assert logical_devices(2, 8000, "cpu") == [Device("gpu0", 8000, "cpu", 0), Device("gpu1", 8000, "cpu", 1)]
     with pytest.raises(ValueError, match="memory_mb must be positive"):
         logical_devices(1, 0, "cpu")
+    with pytest.raises(ValueError, match="count must be >= 0"):
+        logical_devices(-1, 100, "cpu")
     assert normalize_gpu_type("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     assert normalize_gpu_type("NVIDIA GeForce RTX 2080") == "nvidia-geforce-rtx-2080"
 

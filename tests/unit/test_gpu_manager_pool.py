@@ -1,379 +1,1051 @@
-"""The worker pool over real worker processes (cpu and emulated backends): start, reuse, one call per
-GPU, handler errors, deaths, timeouts, eviction and shutdown. Every test checks on the way out that
-no worker process it started is left running."""
+"""The worker pool over real processes: a zygote and the workers it forks, the cpu backend where
+the handler matters and the emulated one where it does not. Misses through warm spares, hits,
+pipelined calls, dynamic batching, every call outcome, timeouts, deaths, eviction, redeploys,
+spares and the zygote. Every test checks on the way out that no process it started is left running.
+
+Tests that only load and call models of their own share one cpu pool (`cpu_node`: its zygote
+imports torch, a second or two); their models are evicted after each of them, and what remains
+checked. The others each start their own pool (`open_pool`)."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
-import multiprocessing
 import os
 import signal
+import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from gpu_manager.backends import UnknownBackend
 from gpu_manager.packages import PackageCache, package_digest
-from gpu_manager.pool import HandlerError, RunResult, RunTimeout, WorkerDied, WorkerPool
-from gpu_manager.worker import WorkerSpec
+from gpu_manager.pool import STOP_GRACE_S, ModelRun, RunResult, WorkerPool
+from gpufaas.proto import gpufaas_pb2 as pb
 from tests.fixtures.make_packages import build_package
 
-TIMEOUT_S = 30.0  # generous: a cold worker imports torch
+TIMEOUT_S = 30.0  # the deadline of a call that is not about deadlines: a busy machine is slow
+SHUTDOWN_S = 8.0  # a shutdown takes milliseconds; past this it is stuck
+MAX_BODY_BYTES = 4096  # the shared pool's result limit (what the tests return is smaller)
+JSON = "application/json"
+OCTETS = "application/octet-stream"
 
 
-def is_running(pid: int) -> bool:
+# --- processes, from /proc -----------------------------------------------------------------------
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (the state first), or None."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
-def worker_processes() -> list[multiprocessing.process.BaseProcess]:
-    return [p for p in multiprocessing.active_children() if p.name.startswith("gpufaas-worker")]
+@dataclass(frozen=True, slots=True)
+class Proc:
+    """A process, told apart from a later one that reuses its pid by its start time."""
+
+    pid: int
+    start_ticks: int
+    ppid: int = field(compare=False)
+
+    @classmethod
+    def of(cls, pid: int) -> Proc:
+        stat = _stat(pid)
+        assert stat is not None, f"no process {pid}"
+        return cls(pid, int(stat[19]), int(stat[1]))
+
+    @property
+    def running(self) -> bool:
+        """It exists and has not exited (a zombie has exited: it only waits to be reaped)."""
+        stat = _stat(self.pid)
+        return stat is not None and int(stat[19]) == self.start_ticks and stat[0] not in ("Z", "X")
+
+    @property
+    def cmdline(self) -> str:
+        with suppress(OSError):
+            return Path(f"/proc/{self.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        return ""
+
+    def kill(self) -> None:
+        if self.running:
+            with suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+def descendants(pid: int) -> set[Proc]:
+    """Every running process below `pid`."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
+            children.setdefault(int(stat[1]), []).append(int(entry.name))
+    found: set[Proc] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            with suppress(AssertionError):  # it exited meanwhile
+                found.add(Proc.of(child))
+            todo.append(child)
+    return {proc for proc in found if proc.running}
+
+
+async def eventually(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:g} s: {what}")
+        await asyncio.sleep(0.01)
+
+
+# --- packages --------------------------------------------------------------------------------------
+
+
+class Shelf:
+    """The function packages a test's pool can fetch (built from tests/fixtures), by digest, into a
+    real PackageCache. `fetched` lists every download; each takes `fetch_delay_s`."""
+
+    def __init__(self, tmp_path: Path, *, fetch_delay_s: float = 0.0) -> None:
+        self.tmp_path = tmp_path
+        self.cache = PackageCache(tmp_path / "packages")
+        self.fetch_delay_s = fetch_delay_s
+        self.fetched: list[str] = []
+        self._data: dict[str, bytes] = {}
+
+    def digest(self, fixture: str) -> str:
+        """Build `fixture` (e.g. "echo_function") into a package, once; its digest."""
+        archive = self.tmp_path / f"{fixture}.tar.gz"
+        if not archive.exists():
+            build_package(fixture, self.tmp_path)
+        data = archive.read_bytes()
+        digest = package_digest(data)
+        self._data[digest] = data
+        return digest
+
+    def directory(self, digest: str) -> str:
+        path = self.cache.path_for(digest)
+        assert path is not None, f"package {digest} is not installed"
+        return str(path)
+
+    async def _download(self, digest: str) -> bytes:
+        self.fetched.append(digest)
+        await asyncio.sleep(self.fetch_delay_s)
+        if digest not in self._data:
+            raise LookupError(f"no package {digest} in the registry")
+        return self._data[digest]
+
+    async def fetch(self, digest: str) -> Path:
+        """The pool's `fetch_package`."""
+        return await self.cache.ensure(digest, self._download)
+
+
+# --- the pool --------------------------------------------------------------------------------------
+
+_call_ids = itertools.count()
+
+
+@dataclass
+class Node:
+    """A started WorkerPool, its packages, and every process it was seen to start (`watch()`)."""
+
+    pool: WorkerPool
+    shelf: Shelf
+    hellos: list[pb.WorkerHello] = field(default_factory=list)  # the first spares'
+    started: set[Proc] = field(default_factory=set)
+    before: set[Proc] = field(default_factory=set)  # what ran below this process before the pool
+    shutdown_ok: bool | None = None  # None until `shutdown()`, then whether it finished in time
+    runner: asyncio.Runner | None = None  # the shared pool's event loop
+
+    def watch(self) -> None:
+        """Note the processes running below this test process now, to check on the way out."""
+        self.started |= descendants(os.getpid()) - self.before
+
+    def zygotes(self) -> list[Proc]:
+        """This pool's running zygote (it starts it as a child process of this one)."""
+        return [
+            p
+            for p in descendants(os.getpid()) - self.before
+            if p.ppid == os.getpid() and "gpu_manager.zygote" in p.cmdline
+        ]
+
+    def forked_workers(self) -> list[Proc]:
+        """The running worker processes (spares included) of this pool's zygote."""
+        parents = {z.pid for z in self.zygotes()}
+        return [p for p in descendants(os.getpid()) if p.ppid in parents]
+
+    async def call(
+        self,
+        run: ModelRun,
+        inputs: object = None,
+        *,
+        gpu: str = "gpu0",
+        content_type: str = JSON,
+        timeout_s: float = TIMEOUT_S,
+        evict: tuple[str, ...] = (),
+        seq: int = 0,
+    ) -> RunResult:
+        """One call: `inputs` as JSON, or as they are when bytes."""
+        payload = inputs if isinstance(inputs, bytes) else json.dumps(inputs).encode()
+        return await self.pool.run(
+            run,
+            gpu,
+            f"call-{next(_call_ids)}",
+            payload,
+            content_type=content_type,
+            timeout_s=timeout_s,
+            evict=evict,
+            seq=seq,
+        )
+
+    async def shutdown(self, timeout_s: float = SHUTDOWN_S) -> None:
+        """Shut the pool down, once (on the way out if the test did not); AssertionError if it
+        takes over `timeout_s`."""
+        self.watch()
+        self.shutdown_ok = False
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.pool.shutdown()
+        except TimeoutError:
+            raise AssertionError(f"the pool's shutdown took over {timeout_s:g} s") from None
+        self.shutdown_ok = True
+
+    def pid_of(self, model: str, gpu: str = "gpu0") -> int:
+        [pid] = [pid for m, g, pid, _ in self.pool.workers() if (m, g) == (model, gpu)]
+        return pid
+
+    def models(self, gpu: str = "gpu0") -> list[str]:
+        return sorted(m for m, g, _, _ in self.pool.workers() if g == gpu)
 
 
 @asynccontextmanager
-async def open_pool(backend: str, tmp_path: Path) -> AsyncIterator[WorkerPool]:
-    """A pool that is shut down on exit, whatever happened, and leaves no worker behind."""
-    pool = WorkerPool(backend, PackageCache(tmp_path / "packages"))
+async def open_pool(
+    backend: str,
+    shelf: Shelf,
+    *,
+    gpus: tuple[str, ...] = ("gpu0",),
+    spares_per_gpu: int = 1,
+    warm: bool = True,
+    **options: Any,
+) -> AsyncIterator[Node]:
+    """A started pool (its first spares warm, unless not `warm`). On the way out, whatever
+    happened: shut it down, check that every process it started is gone, and kill (by pid) any
+    that is not."""
+    node = Node(
+        WorkerPool(
+            backend,
+            gpus={gpu: index for index, gpu in enumerate(gpus)},
+            fetch_package=shelf.fetch,
+            spares_per_gpu=spares_per_gpu,
+            **options,
+        ),
+        shelf,
+        before=descendants(os.getpid()),
+    )
     try:
-        yield pool
+        node.pool.start()
+        if warm:
+            node.hellos = await node.pool.spares_ready(TIMEOUT_S)
+            assert len(node.hellos) == spares_per_gpu * len(gpus), "the first spares did not all start"
+            node.watch()
+        yield node
     finally:
-        started = {pid for _, _, pid in pool.workers()} | {p.pid for p in worker_processes() if p.pid}
-        await pool.shutdown()
-        for pid in started:  # a failed assertion above must not leak processes either
-            with suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        assert pool.workers() == []
-        assert worker_processes() == []
-        assert not any(is_running(pid) for pid in started)
+        node.watch()
+        leftovers: list[Proc] = []
+        try:
+            if node.shutdown_ok is None:
+                await node.shutdown()
+            if node.shutdown_ok:  # the zygote reaps its children: give it a moment
+                with suppress(AssertionError):
+                    await eventually(lambda: not any(p.running for p in node.started), "processes exit", 5.0)
+        finally:
+            node.watch()  # anything started late
+            leftovers = sorted((p for p in node.started if p.running), key=lambda p: p.pid)
+            for proc in leftovers:
+                proc.kill()
+        assert not leftovers, f"left running after shutdown: {[(p.pid, p.cmdline) for p in leftovers]}"
+        assert node.pool.workers() == []
 
 
 def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(scenario())
 
 
-def emulated(
-    model: str = "m", gpu: str = "gpu0", *, load_s: float = 0.0, inference_s: float = 0.0, memory_mb: int = 700
-) -> WorkerSpec:
-    return WorkerSpec(
-        model=model,
-        gpu_id=gpu,
-        device_index=int(gpu.removeprefix("gpu")),
-        backend="emulated",
-        package_dir="",
-        memory_mb=memory_mb,
-        load_time_s=load_s,
-        inference_time_s=inference_s,
-    )
+@pytest.fixture(scope="module")
+def cpu_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    """One cpu pool for the tests of this module that only use models of their own (`on_shared`)."""
+    shelf = Shelf(tmp_path_factory.mktemp("cpu-node"))
+    with asyncio.Runner() as runner:
+        pool = open_pool("cpu", shelf, max_body_bytes=MAX_BODY_BYTES)
+        node = runner.run(pool.__aenter__())
+        node.runner = runner
+        try:
+            yield node
+        finally:
+            runner.run(pool.__aexit__(None, None, None))
 
 
-async def install(pool: WorkerPool, fixture: str, tmp_path: Path) -> str:
-    data = build_package(fixture, tmp_path).read_bytes()
-    return str(await pool.package_cache.install(package_digest(data), data))
+def on_shared(node: Node, scenario: Callable[[Node], Coroutine[Any, Any, None]]) -> None:
+    """Run `scenario` on the shared pool; then evict every model and check that only the spares
+    are left running (any other worker process is killed, by pid, so the next test starts clean)."""
+
+    async def scenario_then_clean_up() -> None:
+        try:
+            await scenario(node)
+        finally:
+            node.watch()
+            for model, gpu, _, _ in node.pool.workers():
+                await node.pool.evict(model, gpu)
+            deadline = time.monotonic() + 5.0
+            while True:
+                spares = {hello.pid for hello in await node.pool.spares_ready(TIMEOUT_S)}
+                strays = [p for p in node.forked_workers() if p.pid not in spares]
+                if not strays or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.02)
+            for proc in strays:
+                proc.kill()
+            assert not strays, f"worker processes that are neither a model's nor a spare: {strays}"
+
+    assert node.runner is not None
+    node.runner.run(scenario_then_clean_up())
 
 
-def cpu(model: str, package_dir: str, gpu: str = "gpu0") -> WorkerSpec:
-    return WorkerSpec(model, gpu, int(gpu.removeprefix("gpu")), "cpu", package_dir, memory_mb=300)
+def emulated(model: str, digest: str, *, load_s: float = 0.001, inference_s: float = 0.001) -> ModelRun:
+    """An emulated model with its own profile (a profile of 0 would mean Table I's)."""
+    return ModelRun(model, digest, memory_mb=100, load_time_s=load_s, inference_time_s=inference_s)
 
 
-async def call(pool: WorkerPool, spec: WorkerSpec, inputs: object = None, *, timeout_s: float = TIMEOUT_S) -> RunResult:
-    payload = inputs if isinstance(inputs, bytes) else json.dumps(inputs).encode()
-    return await pool.run(spec, f"call-{time.monotonic_ns()}", payload, timeout_s=timeout_s)
+def on_cpu(model: str, digest: str, **options: Any) -> ModelRun:
+    return ModelRun(model, digest, memory_mb=300, **options)
 
 
-async def pid_of(pool: WorkerPool, model: str, gpu: str) -> int:
-    """The pid of a worker once it is ready (for calls still running)."""
-    async with asyncio.timeout(TIMEOUT_S):
-        while True:
-            for m, g, pid in pool.workers():
-                if (m, g) == (model, gpu):
-                    return pid
-            await asyncio.sleep(0.01)
+def ok(result: RunResult) -> dict[str, Any]:
+    """The JSON output of a call that must have succeeded."""
+    assert result.outcome == pb.OK, f"{pb.Outcome.Name(result.outcome)}: {result.message}"
+    assert result.content_type == JSON
+    output: dict[str, Any] = json.loads(result.output)
+    return output
 
 
-# --- emulated backend: process lifecycle without torch ------------------------------------------
+# --- misses and hits -------------------------------------------------------------------------------
 
 
-def test_first_run_starts_a_worker_and_the_next_reuses_it(tmp_path: Path) -> None:
+def test_a_miss_loads_through_the_warm_spare_and_a_new_spare_replaces_it(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path, fetch_delay_s=0.2)
+
     async def scenario() -> None:
-        async with open_pool("emulated", tmp_path) as pool:
-            spec = emulated(inference_s=0.05)
-            first = await call(pool, spec, {"x": 1})
-            [(model, gpu, pid)] = pool.workers()
-            second = await call(pool, spec, {"x": 2})
+        echo = shelf.digest("echo_function")
+        async with open_pool("cpu", shelf) as node:
+            [spare] = node.hellos
+            model = on_cpu("echo", echo)
 
-            assert (model, gpu) == ("m", "gpu0")
-            assert first.loaded and first.load_time_s > 0
-            assert not second.loaded and second.load_time_s == 0.0
-            assert pool.workers() == [("m", "gpu0", pid)]
-            assert json.loads(second.output) == {
-                "model": "m",
-                "backend": "emulated",
-                "device": "emulated:0",
-                "echo": {"x": 2},
-            }
-            assert second.inference_time_s == pytest.approx(0.05, abs=0.04)
-            assert second.peak_memory_mb == 700
+            miss = await node.call(model, {"x": 1})
+
+            assert ok(miss)["pid"] == spare.pid  # the warm spare took the model
+            assert miss.loaded
+            stages = miss.stages
+            assert stages is not None
+            assert stages.start_s == 0 and stages.context_s == 0  # nothing to wait for: it was warm
+            assert stages.fetch_s >= 0.2  # downloaded on this miss
+            assert stages.load_s > 0
+            assert miss.load_time_s == pytest.approx(stages.fetch_s + stages.load_s)
+            assert node.pool.workers() == [("echo", "gpu0", spare.pid, 300)]
+
+            [new_spare] = await node.pool.spares_ready(TIMEOUT_S)
+            assert new_spare.pid != spare.pid
+            assert node.pool.spare_count("gpu0") == 1
+
+            hit = await node.call(model, {"x": 2})
+
+            assert ok(hit)["echo"] == {"x": 2}
+            assert ok(hit)["pid"] == spare.pid
+            assert not hit.loaded and hit.stages is None and hit.load_time_s == 0
+            assert hit.peak_memory_mb == 300  # declared: there is no device memory to measure on the cpu
+
+            # Another model from the same package: through the new spare, and no second download.
+            other = await node.call(on_cpu("echo-2", echo), {"x": 3})
+
+            assert ok(other)["pid"] == new_spare.pid
+            assert other.loaded and other.stages is not None
+            assert other.stages.fetch_s < 0.2
+            assert shelf.fetched == [echo]
 
     run(scenario)
 
 
-def test_one_call_at_a_time_per_gpu_while_gpus_run_in_parallel(tmp_path: Path) -> None:
+def test_without_a_warm_spare_a_miss_waits_for_a_worker_process(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path)
+
     async def scenario() -> None:
-        async with open_pool("emulated", tmp_path) as pool:
-            a0, b0 = emulated("a", "gpu0", inference_s=0.2), emulated("b", "gpu0", inference_s=0.2)
-            a1 = emulated("a", "gpu1", inference_s=0.2)
-            await asyncio.gather(call(pool, a0), call(pool, a1))
-            await call(pool, b0)  # every worker warm: what follows is inference time only
+        digest = shelf.digest("echo_function")
+        async with open_pool("emulated", shelf, gpus=("gpu0", "gpu1"), spares_per_gpu=0) as node:
+            assert node.zygotes() == []  # nothing to fork yet
 
-            started = time.perf_counter()
-            await asyncio.gather(call(pool, a0), call(pool, b0))
-            same_gpu_s = time.perf_counter() - started
+            miss = await node.call(emulated("m", digest), {"x": 1}, gpu="gpu1")
 
-            started = time.perf_counter()
-            await asyncio.gather(call(pool, a0), call(pool, a1))
-            two_gpus_s = time.perf_counter() - started
-
-            assert same_gpu_s >= 0.4
-            assert two_gpus_s < 0.35
+            assert ok(miss) == {"model": "m", "backend": "emulated", "device": "emulated:1", "echo": {"x": 1}}
+            assert miss.loaded and miss.stages is not None
+            assert miss.stages.start_s > 0
+            assert node.pool.spare_count("gpu1") == 0
+            assert [w.pid for w in node.forked_workers()] == [node.pid_of("m", "gpu1")]
 
     run(scenario)
 
 
-def test_concurrent_first_calls_of_a_model_start_one_worker(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        async with open_pool("emulated", tmp_path) as pool:
-            results = await asyncio.gather(*(call(pool, emulated(load_s=0.2)) for _ in range(4)))
+def test_concurrent_first_calls_of_a_model_load_it_once(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path)
 
+    async def scenario() -> None:
+        digest = shelf.digest("echo_function")
+        async with open_pool("emulated", shelf) as node:
+            model = emulated("m", digest, load_s=0.3)
+
+            results = await asyncio.gather(*(node.call(model, {"i": i}) for i in range(4)))
+
+            assert [ok(r)["echo"] for r in results] == [{"i": i} for i in range(4)]
             assert [r.loaded for r in results].count(True) == 1
-            assert len(pool.workers()) == 1
-            assert len(worker_processes()) == 1
+            assert len(node.pool.workers()) == 1
+            await node.pool.spares_ready(TIMEOUT_S)
+            assert len(node.forked_workers()) == 2  # the model's worker and the new spare
+            assert shelf.fetched == [digest]
 
     run(scenario)
 
 
-def test_a_timeout_kills_the_worker(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        async with open_pool("emulated", tmp_path) as pool:
-            slow = emulated(inference_s=30.0)
-            calling = asyncio.create_task(call(pool, slow, timeout_s=1.0))
-            pid = await pid_of(pool, "m", "gpu0")
-            with pytest.raises(RunTimeout, match="no result within the 1 s timeout"):
-                await calling
+def test_calls_pipelined_to_one_worker_all_answer_in_order_and_beat_one_at_a_time(cpu_node: Node) -> None:
+    async def scenario(node: Node) -> None:
+        model = on_cpu("pipelined", node.shelf.digest("probe_function"))
+        ok(await node.call(model, {}))
+        sequential_s: list[float] = []
+        pipelined_s: list[float] = []
+        served: list[int] = []
+        for _ in range(2):  # the best of two rounds each: the machine is shared
+            started = time.perf_counter()
+            for _ in range(100):
+                served.append(ok(await node.call(model, {}))["calls"])
+            sequential_s.append(time.perf_counter() - started)
 
-            assert pool.workers() == []
-            async with asyncio.timeout(5):
-                while is_running(pid):  # killed at once, reaped by the pool's reader thread
-                    await asyncio.sleep(0.01)
+            started = time.perf_counter()
+            results = await asyncio.gather(*(node.call(model, {}) for _ in range(100)))
+            pipelined_s.append(time.perf_counter() - started)
+            served += [ok(r)["calls"] for r in results]
 
-            with pytest.raises(RunTimeout, match="not loaded"):  # stuck while loading: killed too
-                await call(pool, emulated("loads-forever", load_s=30.0), timeout_s=0.3)
-            assert pool.workers() == []
+        # The worker counts the calls it serves: it served every one, in the order sent.
+        assert served == list(range(2, 402))
+        assert min(pipelined_s) < min(sequential_s)
 
-    run(scenario)
-
-
-def test_a_call_that_cannot_get_the_gpu_in_time_kills_nothing(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        async with open_pool("emulated", tmp_path) as pool:
-            busy = emulated("busy", inference_s=0.5)
-            holding = asyncio.create_task(call(pool, busy))
-            pid = await pid_of(pool, "busy", "gpu0")
-            with pytest.raises(RunTimeout, match="stayed busy"):
-                await call(pool, emulated("other"), timeout_s=0.1)
-            await holding
-
-            assert pool.workers() == [("busy", "gpu0", pid)]
-
-    run(scenario)
+    on_shared(cpu_node, scenario)
 
 
-def test_a_worker_killed_from_outside_fails_the_next_call_and_the_one_after_restarts(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        async with open_pool("emulated", tmp_path) as pool:
-            spec = emulated()
-            await call(pool, spec)
-            [(_, _, pid)] = pool.workers()
+def test_two_models_on_one_gpu_run_in_separate_processes_at_once(cpu_node: Node) -> None:
+    async def scenario(node: Node) -> None:
+        sleepy = node.shelf.digest("sleepy_function")
+        a, b = on_cpu("side-a", sleepy), on_cpu("side-b", sleepy)
+        first = await asyncio.gather(node.call(a, {"sleep_s": 0}), node.call(b, {"sleep_s": 0}))
+        assert ok(first[0])["pid"] != ok(first[1])["pid"]
+        assert node.models() == ["side-a", "side-b"]
 
-            os.kill(pid, signal.SIGKILL)
-            with pytest.raises(WorkerDied) as died:
-                await call(pool, spec)
-            assert died.value.exit_code == -signal.SIGKILL
-            assert pool.workers() == []
+        started = time.perf_counter()
+        both = await asyncio.gather(node.call(a, {"sleep_s": 1.0}), node.call(b, {"sleep_s": 1.0}))
+        elapsed_s = time.perf_counter() - started
 
-            again = await call(pool, spec)
-            [(_, _, new_pid)] = pool.workers()
-            assert again.loaded
-            assert new_pid != pid
+        assert [ok(r)["pid"] for r in both] == [ok(r)["pid"] for r in first]
+        assert elapsed_s < 1.8  # side by side, not one after the other (2 s)
 
-    run(scenario)
+    on_shared(cpu_node, scenario)
 
 
-def test_evict_kills_the_worker_and_is_idempotent(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        async with open_pool("emulated", tmp_path) as pool:
-            await call(pool, emulated("a"))
-            await call(pool, emulated("b"))
-            [pid_a] = [pid for m, _, pid in pool.workers() if m == "a"]
-
-            assert await pool.evict("a", "gpu0")
-            assert not is_running(pid_a)
-            assert [m for m, _, _ in pool.workers()] == ["b"]
-            assert not await pool.evict("a", "gpu0")
-            assert not await pool.evict("never-loaded", "gpu0")
-            assert (await call(pool, emulated("a"))).loaded
-
-    run(scenario)
+# --- what the handler sees, and what its output becomes ---------------------------------------------
 
 
-def test_a_redeployed_package_replaces_the_worker(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        async with open_pool("emulated", tmp_path) as pool:
-            await call(pool, emulated())
-            [(_, _, old_pid)] = pool.workers()
-            redeployed = WorkerSpec("m", "gpu0", 0, "emulated", "/packages/v2", 700, 0.0, 0.0)
+def test_the_handler_sees_its_environment_package_directory_and_working_directory(cpu_node: Node) -> None:
+    async def scenario(node: Node) -> None:
+        echo, probe = node.shelf.digest("echo_function"), node.shelf.digest("probe_function")
+        names = ["GPUFAAS_TEST_GREETING", "GPUFAAS_PACKAGE_DIR", "OMP_NUM_THREADS"]
 
-            assert (await call(pool, redeployed)).loaded
-            [(_, _, new_pid)] = pool.workers()
-            assert new_pid != old_pid
-            assert not is_running(old_pid)
+        seen = ok(await node.call(on_cpu("env-echo", echo), {"x": 1}))
+        greeted = ok(
+            await node.call(on_cpu("env-probe", probe, environment={"GPUFAAS_TEST_GREETING": "hello"}), {"env": names})
+        )
+        other = ok(await node.call(on_cpu("env-probe-2", probe), {"env": names}))
 
-    run(scenario)
+        assert seen["package_dir"] == seen["cwd"] == node.shelf.directory(echo)
+        assert seen["helper"] == "from helper.py"  # a module beside handler.py
+        assert seen["device"] == "cpu"
+        expected = {"GPUFAAS_TEST_GREETING": "hello", "GPUFAAS_PACKAGE_DIR": node.shelf.directory(probe)}
+        expected["OMP_NUM_THREADS"] = "1"  # the cpu backend: one thread per worker
+        assert greeted == {"env": expected, "env_at_load": expected}
+        assert other["env"]["GPUFAAS_TEST_GREETING"] is None  # each model's worker has its own
+        assert "GPUFAAS_TEST_GREETING" not in os.environ
 
-
-def test_a_cancelled_start_leaves_no_process(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        async with open_pool("emulated", tmp_path) as pool:
-            starting = asyncio.create_task(call(pool, emulated(load_s=30.0)))
-            async with asyncio.timeout(TIMEOUT_S):
-                while not worker_processes():
-                    await asyncio.sleep(0.01)
-            [process] = worker_processes()
-            starting.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await starting
-            async with asyncio.timeout(5):
-                while process.pid is not None and is_running(process.pid):
-                    await asyncio.sleep(0.01)
-
-    run(scenario)
+    on_shared(cpu_node, scenario)
 
 
-def test_shutdown_stops_ready_and_loading_workers_and_refuses_later_calls(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        async with open_pool("emulated", tmp_path) as pool:
-            await asyncio.gather(call(pool, emulated("a", "gpu0")), call(pool, emulated("a", "gpu1")))
-            loading = asyncio.create_task(call(pool, emulated("b", "gpu2", load_s=30.0)))
-            async with asyncio.timeout(TIMEOUT_S):
-                while len(worker_processes()) < 3:
-                    await asyncio.sleep(0.01)
-            pids = [p.pid for p in worker_processes()]
+def test_payloads_reach_the_handler_as_declared_and_outputs_carry_their_content_type(cpu_node: Node) -> None:
+    async def scenario(node: Node) -> None:
+        model = on_cpu("payloads", node.shelf.digest("echo_function"))
 
-            await pool.shutdown()
+        as_json = await node.call(model, {"a": [1, 2]})
+        with_charset = await node.call(model, b'{"a": 3}', content_type="application/json; charset=utf-8")
+        undeclared = await node.call(model, b'{"a": 4}', content_type="")
+        raw = await node.call(model, b"\xff\x00raw", content_type=OCTETS)
+        declared_text = await node.call(model, b'{"a": 5}', content_type="text/plain")
+        text = await node.call(model, {"text": True})
+        invalid = await node.call(model, b"{not json", content_type=JSON)
+        after = await node.call(model, {"a": 6})
 
-            assert not any(pid is not None and is_running(pid) for pid in pids)
-            with pytest.raises(WorkerDied):
-                await loading
-            with pytest.raises(RuntimeError, match="shut down"):
-                await call(pool, emulated("a", "gpu0"))
+        assert ok(as_json)["echo"] == {"a": [1, 2]}
+        assert ok(with_charset)["echo"] == {"a": 3}
+        assert ok(undeclared)["echo"] == {"a": 4}  # no content type: parsed when it is JSON
+        for result, sent in ((raw, b"\xff\x00raw"), (declared_text, b'{"a": 5}')):
+            # Given to the handler as bytes (never parsed), so echoed back as bytes.
+            assert (result.outcome, result.output, result.content_type) == (pb.OK, sent, OCTETS)
+        assert (text.outcome, text.output, text.content_type) == (pb.OK, b"plain text", "text/plain; charset=utf-8")
+        assert invalid.outcome == pb.INVALID_INPUT
+        assert "declared application/json but is not valid JSON" in invalid.message
+        assert invalid.output == b""
+        assert ok(after)["pid"] == ok(as_json)["pid"]  # the caller's mistake: the worker stays
 
-    run(scenario)
-
-
-def test_a_spec_for_another_backend_is_refused(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        async with open_pool("emulated", tmp_path) as pool:
-            with pytest.raises(ValueError, match="this node runs 'emulated'"):
-                await call(pool, cpu("m", "/nowhere"))
-
-    run(scenario)
+    on_shared(cpu_node, scenario)
 
 
-# --- cpu backend: the function's real handler ---------------------------------------------------
+def test_an_output_over_the_limit_or_not_encodable_fails_that_call_and_the_worker_stays(cpu_node: Node) -> None:
+    async def scenario(node: Node) -> None:
+        model = on_cpu("limits", node.shelf.digest("probe_function"))
+        pid = ok(await node.call(model, {}))["pid"]
+
+        at_limit = await node.call(model, {"text_bytes": MAX_BODY_BYTES})
+        too_large = await node.call(model, {"text_bytes": MAX_BODY_BYTES + 1})
+        unencodable = await node.call(model, {"unencodable": True})
+        after = await node.call(model, {})
+
+        assert (at_limit.outcome, len(at_limit.output)) == (pb.OK, MAX_BODY_BYTES)
+        assert too_large.outcome == pb.OUTPUT_TOO_LARGE
+        assert f"{MAX_BODY_BYTES + 1} bytes, over the limit of {MAX_BODY_BYTES} bytes" in too_large.message
+        assert too_large.output == b""
+        assert unencodable.outcome == pb.OUTPUT_INVALID
+        assert "set is not bytes, str or JSON-serializable" in unencodable.message
+        assert ok(after) == {"calls": 5, "pid": pid}
+
+    on_shared(cpu_node, scenario)
 
 
-def test_cpu_handler_sees_its_package_and_round_trips_bytes_text_and_json(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        async with open_pool("cpu", tmp_path) as pool:
-            spec = cpu("echo", await install(pool, "echo_function", tmp_path))
-
-            as_json = json.loads((await call(pool, spec, {"a": [1, 2]})).output)
-            raw = await call(pool, spec, b"\xff\x00raw")
-            text = await call(pool, spec, {"text": True})
-
-            [(_, _, pid)] = pool.workers()
-            assert as_json == {
-                "echo": {"a": [1, 2]},
-                "device": "cpu",
-                "helper": "from helper.py",
-                "package_dir": spec.package_dir,
-                "cwd": spec.package_dir,
-                "pid": pid,
-            }
-            assert raw.output == b"\xff\x00raw"
-            assert text.output == b"plain text"
-            assert text.peak_memory_mb == 300  # declared: there is no device memory to measure on the cpu
-
-    run(scenario)
-
-
-def test_cpu_linear_function_loads_its_safetensors_weights_and_is_deterministic(tmp_path: Path) -> None:
+def test_the_linear_function_loads_its_safetensors_weights_and_computes_with_torch(cpu_node: Node) -> None:
     torch = pytest.importorskip("torch")
     from safetensors.torch import load_file
 
+    async def scenario(node: Node) -> None:
+        model = on_cpu("linear", node.shelf.digest("linear_function"))
+        inputs = [[1.0, 2.0, 3.0, 4.0], [0.5, -1.0, 0.0, 2.0]]
+
+        first = await node.call(model, {"inputs": inputs})
+        second = await node.call(model, {"inputs": inputs})
+
+        weights = load_file(str(node.shelf.tmp_path / "linear_function-src" / "weights.safetensors"))
+        expected = (torch.tensor(inputs) @ weights["weight"].T + weights["bias"]).tolist()
+        outputs = ok(first)["outputs"]  # a tensor, returned as nested lists
+        assert len(outputs) == 2
+        for got, want in zip(outputs, expected, strict=True):
+            assert got == pytest.approx(want, abs=1e-6)
+        assert second.output == first.output
+        assert first.loaded and not second.loaded
+
+    on_shared(cpu_node, scenario)
+
+
+# --- handler failures ------------------------------------------------------------------------------
+
+
+def test_a_predict_error_is_a_handler_error_and_the_worker_keeps_serving(cpu_node: Node) -> None:
+    async def scenario(node: Node) -> None:
+        model = on_cpu("flaky", node.shelf.digest("failing_function"))
+
+        failed = await node.call(model, {"fail": True})
+        pid = node.pid_of("flaky")
+        after = await node.call(model, {"fail": False})
+
+        assert failed.outcome == pb.HANDLER_ERROR
+        assert failed.message == "predict raised ValueError: bad input"
+        assert failed.loaded  # the model loaded fine; its predict failed
+        assert (after.outcome, after.output, after.loaded) == (pb.OK, b"ok", False)
+        assert node.pid_of("flaky") == pid
+
+    on_shared(cpu_node, scenario)
+
+
+def test_a_load_error_fails_every_waiting_call_and_leaves_no_worker(cpu_node: Node) -> None:
+    async def scenario(node: Node) -> None:
+        [hello] = await node.pool.spares_ready(TIMEOUT_S)
+        spare = Proc.of(hello.pid)  # the miss takes it
+        model = on_cpu("broken", node.shelf.digest("failing_load_function"))
+
+        results = await asyncio.gather(node.call(model, {}), node.call(model, {}))
+
+        for result in results:
+            assert result.outcome == pb.LOAD_FAILED
+            assert "load failed: RuntimeError: weights are missing" in result.message
+        assert [r.loaded for r in results] == [True, False]
+        assert "broken" not in node.models()
+        await eventually(lambda: not spare.running, "the worker that failed to load exits")
+        again = await node.call(model, {})  # not remembered: the next call tries again
+        assert (again.outcome, again.loaded) == (pb.LOAD_FAILED, True)
+
+    on_shared(cpu_node, scenario)
+
+
+def test_a_package_that_cannot_be_had_fails_the_load(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path)
+
     async def scenario() -> None:
-        async with open_pool("cpu", tmp_path) as pool:
-            spec = cpu("linear", await install(pool, "linear_function", tmp_path))
-            inputs = [[1.0, 2.0, 3.0, 4.0], [0.5, -1.0, 0.0, 2.0]]
+        async with open_pool("emulated", shelf) as node:
+            missing = "sha256:" + "0" * 64
 
-            first = await call(pool, spec, {"inputs": inputs})
-            second = await call(pool, spec, {"inputs": inputs})
+            result = await node.call(emulated("m", missing), {})
 
-            weights = load_file(str(tmp_path / "linear_function-src" / "weights.safetensors"))
-            expected = (torch.tensor(inputs) @ weights["weight"].T + weights["bias"]).tolist()
-            outputs = json.loads(first.output)["outputs"]
-            assert len(outputs) == 2 and all(len(row) == 2 for row in outputs)
-            for got, want in zip(outputs, expected, strict=True):
-                assert got == pytest.approx(want, abs=1e-6)
-            assert second.output == first.output
-            assert first.loaded and not second.loaded
+            assert (result.outcome, result.loaded) == (pb.LOAD_FAILED, True)
+            assert "function package unavailable" in result.message
+            assert node.pool.workers() == []
+            assert ok(await node.call(emulated("m", shelf.digest("echo_function")), {}))["echo"] == {}
 
     run(scenario)
 
 
-def test_a_predict_error_is_the_users_and_the_worker_keeps_serving(tmp_path: Path) -> None:
+# --- timeouts and deaths ---------------------------------------------------------------------------
+
+
+def test_a_call_stuck_past_its_timeout_kills_its_worker_and_the_next_call_loads_afresh(cpu_node: Node) -> None:
+    async def scenario(node: Node) -> None:
+        model = on_cpu("stuck", node.shelf.digest("sleepy_function"))
+        worker = Proc.of(ok(await node.call(model, {"sleep_s": 0}))["pid"])
+
+        stuck = asyncio.create_task(node.call(model, {"sleep_s": 60}, timeout_s=0.5))
+        await asyncio.sleep(0)  # sent first
+        behind = asyncio.create_task(node.call(model, {"sleep_s": 0}))
+        timed_out, queued = await stuck, await behind
+
+        assert (timed_out.outcome, timed_out.worker_killed) == (pb.TIMEOUT, True)
+        assert "no result within the 0.5 s timeout; worker killed" in timed_out.message
+        assert queued.outcome == pb.WORKER_DIED  # it was waiting on the killed worker
+        assert "stuck" not in node.models()
+        await eventually(lambda: not worker.running, "the stuck worker is killed")
+
+        fresh = await node.call(model, {"sleep_s": 0})
+        assert fresh.loaded
+        assert ok(fresh)["pid"] != worker.pid
+
+    on_shared(cpu_node, scenario)
+
+
+def test_a_call_queued_behind_a_slow_call_times_out_without_killing_the_worker(cpu_node: Node) -> None:
+    async def scenario(node: Node) -> None:
+        model = on_cpu("queued", node.shelf.digest("sleepy_function"))
+        pid = ok(await node.call(model, {"sleep_s": 0}))["pid"]
+
+        slow = asyncio.create_task(node.call(model, {"sleep_s": 1.0}))
+        await asyncio.sleep(0.2)  # the worker is in the slow call
+        queued = await node.call(model, {"sleep_s": 0}, timeout_s=0.3)
+
+        assert (queued.outcome, queued.worker_killed) == (pb.TIMEOUT, False)
+        assert "still queued at the worker" in queued.message
+        assert ok(await slow)["pid"] == pid
+        assert ok(await node.call(model, {"sleep_s": 0}))["pid"] == pid
+
+    on_shared(cpu_node, scenario)
+
+
+def test_a_load_past_the_timeout_kills_the_loading_worker(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path)
+
     async def scenario() -> None:
-        async with open_pool("cpu", tmp_path) as pool:
-            spec = cpu("flaky", await install(pool, "failing_function", tmp_path))
-            with pytest.raises(
-                HandlerError, match="model 'flaky' on gpu0: predict raised ValueError: bad input"
-            ) as error:
-                await call(pool, spec, {"fail": True})
-            assert error.value.resident
-            [(_, _, pid)] = pool.workers()
+        async with open_pool("emulated", shelf) as node:
+            spare = Proc.of(node.hellos[0].pid)
 
-            after = await call(pool, spec, {"fail": False})
+            result = await node.call(emulated("slow", shelf.digest("echo_function"), load_s=60), timeout_s=0.5)
 
-            assert after.output == b"ok" and not after.loaded
-            assert pool.workers() == [("flaky", "gpu0", pid)]
+            assert (result.outcome, result.loaded, result.worker_killed) == (pb.TIMEOUT, True, True)
+            assert "not loaded within the 0.5 s timeout" in result.message
+            assert node.pool.workers() == []
+            await eventually(lambda: not spare.running, "the loading worker is killed")
 
     run(scenario)
 
 
-def test_a_load_error_is_the_users_and_leaves_no_worker(tmp_path: Path) -> None:
+def test_a_worker_killed_under_a_call_is_worker_died_and_the_next_call_loads_afresh(cpu_node: Node) -> None:
+    async def scenario(node: Node) -> None:
+        model = on_cpu("killed", node.shelf.digest("sleepy_function"))
+        pid = ok(await node.call(model, {"sleep_s": 0}))["pid"]
+
+        under = asyncio.create_task(node.call(model, {"sleep_s": 30}))
+        await asyncio.sleep(0.3)
+        os.kill(pid, signal.SIGKILL)
+        died = await under
+
+        assert died.outcome == pb.WORKER_DIED
+        assert f"pid {pid}" in died.message
+        fresh = await node.call(model, {"sleep_s": 0})
+        assert fresh.loaded
+        fresh_pid = ok(fresh)["pid"]
+        assert fresh_pid != pid
+
+        # Killed while idle: once the pool has seen it go, the next call loads afresh too.
+        os.kill(fresh_pid, signal.SIGKILL)
+        await eventually(lambda: "killed" not in node.models(), "the pool notices the idle worker's death")
+        again = await node.call(model, {"sleep_s": 0})
+        assert again.loaded
+        assert ok(again)["pid"] not in (pid, fresh_pid)
+
+    on_shared(cpu_node, scenario)
+
+
+# --- eviction and redeploys ------------------------------------------------------------------------
+
+
+def test_evict_stops_the_process_and_answers_false_for_a_model_it_does_not_run(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path)
+
     async def scenario() -> None:
-        async with open_pool("cpu", tmp_path) as pool:
-            spec = cpu("broken", await install(pool, "failing_load_function", tmp_path))
-            with pytest.raises(HandlerError, match="load failed: RuntimeError: weights are missing") as error:
-                await call(pool, spec, {})
-            assert not error.value.resident
-            assert pool.workers() == []
-            assert worker_processes() == []
+        digest = shelf.digest("echo_function")
+        async with open_pool("emulated", shelf) as node:
+            ok(await node.call(emulated("a", digest)))
+            # Every call of b takes 30 s: its first is still running when b is evicted.
+            in_flight = asyncio.create_task(node.call(emulated("b", digest, inference_s=30)))
+            await eventually(lambda: node.models() == ["a", "b"], "b is loaded")
+            await asyncio.sleep(0.1)
+            pid_a, pid_b = Proc.of(node.pid_of("a")), Proc.of(node.pid_of("b"))
+
+            assert await node.pool.evict("a", "gpu0") is True
+            assert not pid_a.running  # evict returns once the process is gone
+            assert node.models() == ["b"]
+            assert await node.pool.evict("a", "gpu0") is False
+            assert await node.pool.evict("never-loaded", "gpu0") is False
+            assert await node.pool.evict("b", "gpu1") is False  # no such GPU, no such worker
+
+            assert await node.pool.evict("b", "gpu0") is True
+            assert not pid_b.running
+            assert (await in_flight).outcome == pb.WORKER_DIED
+            assert (await node.call(emulated("a", digest))).loaded
+
+    run(scenario)
+
+
+def test_a_victim_is_stopped_on_a_miss_unless_a_later_grant_used_it_or_it_has_calls_in_flight(
+    tmp_path: Path,
+) -> None:
+    shelf = Shelf(tmp_path)
+
+    async def scenario() -> None:
+        digest = shelf.digest("echo_function")
+        async with open_pool("emulated", shelf) as node:
+            victim = emulated("victim", digest, inference_s=0.5)
+            ok(await node.call(victim, seq=1))
+            first = Proc.of(node.pid_of("victim"))
+
+            ok(await node.call(emulated("b", digest), evict=("victim",), seq=2))
+            assert node.models() == ["b"]
+            await eventually(lambda: not first.running, "the victim exits")
+
+            ok(await node.call(victim, seq=5))
+            second = Proc.of(node.pid_of("victim"))
+            ok(await node.call(emulated("c", digest), evict=("victim",), seq=3))  # an older grant
+            assert node.models() == ["b", "c", "victim"]
+
+            in_flight = asyncio.create_task(node.call(victim, seq=6))
+            await asyncio.sleep(0.1)
+            ok(await node.call(emulated("d", digest), evict=("victim",), seq=10))
+            assert ok(await in_flight)["model"] == "victim"
+            assert node.models() == ["b", "c", "d", "victim"]
+            assert second.running
+
+            # A hit may name victims too (the grant expected a miss).
+            ok(await node.call(emulated("b", digest), evict=("victim",), seq=11))
+            assert node.models() == ["b", "c", "d"]
+            await eventually(lambda: not second.running, "the victim exits")
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("wait_for_victims", [False, True])
+def test_a_miss_waits_for_its_victims_to_exit_only_when_asked(tmp_path: Path, wait_for_victims: bool) -> None:
+    shelf = Shelf(tmp_path)
+
+    async def scenario() -> None:
+        probe = shelf.digest("probe_function")
+        async with open_pool("cpu", shelf, wait_for_victims=wait_for_victims) as node:
+            # A victim that ignores SIGTERM exits only when it gets SIGKILL, STOP_GRACE_S later.
+            victim = Proc.of(ok(await node.call(on_cpu("victim", probe), {"ignore_sigterm": True}))["pid"])
+
+            started = time.perf_counter()
+            miss = await node.call(on_cpu("newcomer", probe), {}, evict=("victim",), seq=1)
+            elapsed_s = time.perf_counter() - started
+
+            ok(miss)
+            if wait_for_victims:  # its device memory must be free before the load
+                assert not victim.running
+                assert elapsed_s >= STOP_GRACE_S
+            else:
+                assert elapsed_s < STOP_GRACE_S / 2
+            await eventually(lambda: not victim.running, "the victim is killed")
+            assert node.models() == ["newcomer"]
+
+    run(scenario)
+
+
+def test_a_redeployed_package_replaces_the_worker(cpu_node: Node) -> None:
+    async def scenario(node: Node) -> None:
+        old = ok(await node.call(on_cpu("fn", node.shelf.digest("echo_function")), {"x": 1}))
+        assert old["echo"] == {"x": 1}
+        old_worker = Proc.of(old["pid"])
+
+        redeployed = await node.call(on_cpu("fn", node.shelf.digest("sleepy_function")), {"sleep_s": 0})
+
+        assert redeployed.loaded
+        new = ok(redeployed)
+        assert new["slept_s"] == 0  # the new package's code
+        assert new["pid"] != old["pid"]
+        assert node.pool.workers() == [("fn", "gpu0", new["pid"], 300)]
+        assert not old_worker.running
+
+    on_shared(cpu_node, scenario)
+
+
+def test_concurrent_calls_after_a_redeploy_load_one_new_worker(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path)
+
+    async def scenario() -> None:
+        v1, v2 = shelf.digest("echo_function"), shelf.digest("sleepy_function")
+        async with open_pool("emulated", shelf) as node:
+            ok(await node.call(emulated("fn", v1)))
+            old = Proc.of(node.pid_of("fn"))
+
+            results = await asyncio.gather(*(node.call(emulated("fn", v2), {"i": i}) for i in range(3)))
+
+            assert [ok(r)["echo"] for r in results] == [{"i": i} for i in range(3)]
+            assert not old.running
+            spares = {h.pid for h in await node.pool.spares_ready(TIMEOUT_S)}
+            assert {p.pid for p in node.forked_workers()} == {node.pid_of("fn")} | spares  # nothing else runs
+            assert [r.loaded for r in results].count(True) == 1
+
+    run(scenario)
+
+
+# --- dynamic batching ------------------------------------------------------------------------------
+
+
+def test_calls_waiting_at_a_batching_worker_are_merged_into_one_predict(cpu_node: Node) -> None:
+    async def scenario(node: Node) -> None:
+        model = on_cpu("batcher", node.shelf.digest("batch_function"), max_batch_size=4)
+        alone = await node.call(model, {"i": 0})
+        assert (ok(alone)["batch_size"], alone.batch_calls) == (1, 1)
+
+        holder = asyncio.create_task(node.call(model, {"i": 1, "sleep_s": 0.8}))
+        await asyncio.sleep(0.4)  # the worker is busy with it: the next calls wait in its socket
+        inputs: list[dict[str, Any]] = [{"i": 2}, {"i": 3, "unencodable": True}, {"i": 4}, {"i": 5}, {"i": 6}]
+        merged = await asyncio.gather(*(node.call(model, one) for one in inputs))
+
+        assert (await holder).batch_calls == 1
+        assert [r.outcome for r in merged] == [pb.OK, pb.OUTPUT_INVALID, pb.OK, pb.OK, pb.OK]
+        assert [merged[i].batch_calls for i in (0, 2, 3)] == [4, 4, 4]  # up to max_batch_size
+        assert merged[4].batch_calls == 1  # the fifth call: the next batch
+        for result, sent in zip(merged, inputs, strict=True):
+            if result.outcome == pb.OK:
+                assert ok(result)["echo"] == sent  # each call gets its own output
+        assert ok(merged[4])["batch_sizes"] == [1, 1, 4, 1]  # as predict saw them
+
+    on_shared(cpu_node, scenario)
+
+
+def test_a_batch_whose_predict_returns_the_wrong_number_of_outputs_fails_every_call_in_it(cpu_node: Node) -> None:
+    async def scenario(node: Node) -> None:
+        model = on_cpu("miscounting", node.shelf.digest("batch_function"), max_batch_size=4)
+        pid = ok(await node.call(model, {"i": 0}))["pid"]
+
+        holder = asyncio.create_task(node.call(model, {"sleep_s": 0.8}))
+        await asyncio.sleep(0.4)
+        batch = await asyncio.gather(*(node.call(model, one) for one in ({"i": 1}, {"drop_one": True}, {"i": 2})))
+
+        ok(await holder)
+        for result in batch:
+            assert result.outcome == pb.HANDLER_ERROR
+            assert "predict was given a batch of 3 inputs and returned 2 outputs" in result.message
+        assert ok(await node.call(model, {"i": 3}))["pid"] == pid
+
+    on_shared(cpu_node, scenario)
+
+
+def test_max_batch_wait_lets_a_lone_call_wait_for_company_but_no_longer(cpu_node: Node) -> None:
+    async def scenario(node: Node) -> None:
+        batch = node.shelf.digest("batch_function")
+        model = on_cpu("waiting", batch, max_batch_size=4, max_batch_wait_s=0.4)
+        ok(await node.call(model, {"i": 0}))
+
+        started = time.perf_counter()
+        lone = await node.call(model, {"i": 1})
+        lone_s = time.perf_counter() - started
+        first = asyncio.create_task(node.call(model, {"i": 2}))
+        await asyncio.sleep(0.1)
+        second = await node.call(model, {"i": 3})
+
+        assert lone.batch_calls == 1
+        assert 0.4 <= lone_s < 2.0
+        assert [(await first).batch_calls, second.batch_calls] == [2, 2]
+
+        # A batch that fills up does not wait.
+        await node.pool.spares_ready(TIMEOUT_S)
+        patient = on_cpu("patient", batch, max_batch_size=2, max_batch_wait_s=5.0)
+        started = time.perf_counter()
+        full = await asyncio.gather(node.call(patient, {"i": 4}), node.call(patient, {"i": 5}))
+        assert [r.batch_calls for r in full] == [2, 2]
+        assert time.perf_counter() - started < 3.0
+
+    on_shared(cpu_node, scenario)
+
+
+# --- spares, the zygote, shutdown ------------------------------------------------------------------
+
+
+def test_a_spare_that_dies_is_replaced(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path)
+
+    async def scenario() -> None:
+        async with open_pool("emulated", shelf) as node:
+            [spare] = node.hellos
+            os.kill(spare.pid, signal.SIGKILL)
+
+            async with asyncio.timeout(TIMEOUT_S):
+                while not (fresh := [h.pid for h in await node.pool.spares_ready() if h.pid != spare.pid]):
+                    await asyncio.sleep(0.01)
+            assert node.pool.spare_count("gpu0") == 1
+            node.watch()
+            miss = await node.call(emulated("m", shelf.digest("echo_function")))
+
+            ok(miss)
+            assert miss.stages is not None and miss.stages.start_s == 0  # a warm spare took it
+            assert node.pid_of("m") == fresh[0]
+
+    run(scenario)
+
+
+def test_a_zygote_that_dies_is_restarted_and_misses_still_work(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path)
+
+    async def scenario() -> None:
+        digest = shelf.digest("echo_function")
+        async with open_pool("emulated", shelf) as node:
+            [spare] = node.hellos
+            [zygote] = node.zygotes()
+            zygote.kill()
+            await eventually(lambda: not zygote.running, "the zygote dies")
+
+            # The spare it forked before it died still serves (it speaks to the pool, not the zygote).
+            assert ok(await node.call(emulated("a", digest)))["model"] == "a"
+            assert node.pid_of("a") == spare.pid
+            # A worker forked after: by a new zygote.
+            assert ok(await node.call(emulated("b", digest)))["model"] == "b"
+            [restarted] = node.zygotes()
+            assert restarted != zygote
+            node.watch()
+
+            # The dead zygote's workers are orphans now; stopping one is as prompt as any other.
+            async with asyncio.timeout(5):
+                assert await node.pool.evict("a", "gpu0")
+
+    run(scenario)
+
+
+def test_shutdown_stops_every_worker_and_the_zygote_and_refuses_later_calls(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path)
+
+    async def scenario() -> None:
+        digest = shelf.digest("echo_function")
+        async with open_pool("emulated", shelf, gpus=("gpu0", "gpu1")) as node:
+            await asyncio.gather(node.call(emulated("a", digest)), node.call(emulated("a", digest), gpu="gpu1"))
+            loading = asyncio.create_task(node.call(emulated("b", digest, load_s=60)))
+            await asyncio.sleep(0.3)
+            running = descendants(os.getpid()) - node.before
+            assert len(running) >= 4  # the zygote, two ready workers, one loading
+
+            await node.shutdown()
+
+            await eventually(lambda: not any(p.running for p in running), "every process exits", 5.0)
+            assert node.pool.workers() == []
+            later = await node.call(emulated("a", digest))
+            assert later.outcome == pb.WORKER_DIED
+            assert "shutting down" in later.message
+            try:
+                interrupted = await loading
+            except asyncio.CancelledError:
+                pytest.fail("a call loading during shutdown raised CancelledError instead of answering")
+            assert interrupted.outcome == pb.WORKER_DIED
+
+    run(scenario)
+
+
+def test_shutdown_while_the_zygote_is_starting_is_prompt_and_leaves_nothing_running(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path)
+    # An interpreter that takes 3 s to start, as the cuda backend's zygote can (torch, CUDA).
+    slow_python = tmp_path / "slow-python"
+    slow_python.write_text(
+        f'#!/bin/sh\nexec {sys.executable} -c "import os, sys, time; time.sleep(3); '
+        f'os.execv(sys.executable, [sys.executable, *sys.argv[1:]])" "$@"\n'
+    )
+    slow_python.chmod(0o755)
+
+    async def scenario() -> None:
+        async with open_pool("emulated", shelf, warm=False, python=str(slow_python)) as node:
+            await asyncio.sleep(0.2)  # the first spare is waiting for the zygote
+            assert node.pool.spare_count("gpu0") == 0
+
+            await node.shutdown(timeout_s=5.0)  # nothing to wait for: no worker exists yet
+
+            await asyncio.sleep(0.5)  # a zygote or worker still on its way would show up by now
+            node.watch()
+            assert not any(p.running for p in node.started)
+
+    run(scenario)
+
+
+def test_a_pool_refuses_an_unknown_backend_an_unknown_gpu_and_a_negative_spare_count(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path)
+
+    async def scenario() -> None:
+        with pytest.raises(UnknownBackend, match="unknown backend 'tpu'"):
+            WorkerPool("tpu", gpus={"gpu0": 0}, fetch_package=shelf.fetch)
+        with pytest.raises(ValueError, match="spares_per_gpu must be >= 0"):
+            WorkerPool("emulated", gpus={"gpu0": 0}, fetch_package=shelf.fetch, spares_per_gpu=-1)
+        before = descendants(os.getpid())
+        pool = WorkerPool("emulated", gpus={"gpu0": 0}, fetch_package=shelf.fetch)
+        result = await pool.run(
+            emulated("m", shelf.digest("echo_function")), "gpu7", "c", b"{}", content_type=JSON, timeout_s=1
+        )
+        assert (result.outcome, result.message) == (pb.REFUSED, "this node has no GPU 'gpu7'")
+        assert descendants(os.getpid()) == before  # refused before anything started
+        assert shelf.fetched == []
+        await pool.shutdown()
+
+    run(scenario)
+
+
+def test_the_emulated_zygote_and_workers_never_load_torch_or_numpy(tmp_path: Path, cpu_node: Node) -> None:
+    shelf = Shelf(tmp_path)
+
+    def libraries(proc: Proc) -> str:
+        return Path(f"/proc/{proc.pid}/maps").read_text()
+
+    async def scenario() -> None:
+        async with open_pool("emulated", shelf) as node:
+            ok(await node.call(emulated("m", shelf.digest("echo_function")), {"x": [1.5]}))
+            processes = [*node.zygotes(), *node.forked_workers()]
+            assert len(processes) == 3  # the zygote, the model's worker, a spare
+            for proc in processes:
+                maps = libraries(proc)
+                assert "torch" not in maps and "numpy" not in maps, f"pid {proc.pid} loaded torch or numpy"
+        [cpu_zygote] = cpu_node.zygotes()  # the check does see torch where it is loaded
+        assert "libtorch" in libraries(cpu_zygote)
 
     run(scenario)

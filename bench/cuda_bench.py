@@ -1,0 +1,286 @@
+"""Benchmark: the cuda backend on a real GPU: a miss stage by stage, a hit against calling the same
+model directly in torch, and the GPU memory the cache manager is told about.
+
+Two models, from the function templates: `pytorch-image-classifier` (ResNet-18, torchvision's when
+installed; one 224 x 224 PNG per call) and `pytorch-custom` (a tiny MLP). Three ways to call each:
+
+- direct: the template's own `load("cuda:0")` and `predict` in this process (the floor: no
+  process boundary, no control plane);
+- pool: the GPU manager's WorkerPool in this process (zygote, a warm spare with its CUDA context,
+  one worker per model, a socket to it): what the node adds;
+- cluster: a LocalCluster (etcd, scheduler, gateway, one GPU manager on every GPU NVML finds)
+  over HTTP: what the whole system adds, as a client sees it.
+
+Needs a CUDA GPU (`python -m bench.cuda_bench` exits with a message without one).
+Run: `python -m bench.cuda_bench [--out bench/results/cuda_bench.json] [--calls 200]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import io
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from gpu_manager.backends import Handler, import_handler
+from gpu_manager.devices import Nvml, discover_nvml
+from gpu_manager.packages import PackageCache, package_digest
+from gpu_manager.pool import ModelRun, WorkerPool
+from gpufaas.local_cluster import LocalCluster
+from gpufaas.proto import gpufaas_pb2 as pb
+
+REPO = Path(__file__).resolve().parent.parent
+TEMPLATES = {"resnet18": "pytorch-image-classifier", "tiny-mlp": "pytorch-custom"}
+DECLARED_MB = {"resnet18": 1400, "tiny-mlp": 600}
+
+
+def quantiles(values_s: list[float]) -> dict[str, float]:
+    ordered = sorted(values_s)
+    return {
+        "p50_ms": round(statistics.median(ordered) * 1e3, 3),
+        "p90_ms": round(ordered[int(0.9 * (len(ordered) - 1))] * 1e3, 3),
+        "calls": len(ordered),
+    }
+
+
+def prepare(name: str, work: Path) -> tuple[Path, bytes, bytes, str]:
+    """The template as a function directory (weights written), its package, a request body and
+    the body's content type."""
+    directory = work / name
+    shutil.copytree(REPO / "function_templates" / TEMPLATES[name], directory)
+    subprocess.run([sys.executable, "make_weights.py"], cwd=directory, check=True, capture_output=True)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for path in sorted(directory.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                tar.add(path, arcname=path.relative_to(directory).as_posix())
+    if name == "resnet18":
+        from PIL import Image
+
+        image = Image.frombytes("RGB", (224, 224), os.urandom(224 * 224 * 3))
+        png = io.BytesIO()
+        image.save(png, format="PNG")
+        return directory, buffer.getvalue(), png.getvalue(), "image/png"
+    return directory, buffer.getvalue(), json.dumps({"inputs": [[0.1, 0.2, 0.3, 0.4]]}).encode(), "application/json"
+
+
+def direct(directory: Path, body: bytes, calls: int) -> dict[str, Any]:
+    """The template's handler in this process on cuda:0 (inputs decoded as a worker would)."""
+    import torch
+
+    from gpu_manager.worker import decode_inputs
+
+    os.environ["GPUFAAS_PACKAGE_DIR"] = str(directory)
+    handler = import_handler(str(directory))
+    inputs = decode_inputs(body, "image/png" if body[:4] == b"\x89PNG" else "application/json")
+    result = time_direct(handler, inputs, calls)
+    torch.cuda.empty_cache()  # the model went with time_direct's frame
+    return result
+
+
+def time_direct(handler: Handler, inputs: object, calls: int) -> dict[str, Any]:
+    import torch
+
+    started = time.perf_counter()
+    model = handler.load("cuda:0")
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - started
+
+    def once() -> float:
+        started = time.perf_counter()
+        handler.predict(model, inputs)
+        torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    first_s = once()
+    for _ in range(10):
+        once()
+    result: dict[str, Any] = {"load_ms": round(load_s * 1e3, 3), "first_inference_ms": round(first_s * 1e3, 3)}
+    return result | quantiles([once() for _ in range(calls)])
+
+
+async def through_pool(models: dict[str, tuple[Path, bytes, bytes, str]], work: Path, calls: int) -> dict[str, Any]:
+    cache = PackageCache(work / "pool-packages")
+    packages = {package_digest(p): p for _, p, _, _ in models.values()}
+
+    async def fetch(digest: str) -> Path:
+        return await cache.ensure(digest, lambda d: asyncio.sleep(0, packages[d]))
+
+    pool = WorkerPool("cuda", gpus={"gpu0": 0}, fetch_package=fetch, spares_per_gpu=1)
+    pool.start()
+    out: dict[str, Any] = {}
+    call_ids = iter(range(10**9))
+    try:
+        hellos = await pool.spares_ready()
+        out["spare"] = {
+            "zygote_import_s": round(hellos[0].import_s, 3) if hellos else None,
+            "context_ms": round(hellos[0].context_s * 1e3, 3) if hellos else None,
+            "context_mb": int(hellos[0].context_mb) if hellos else None,
+        }
+        for name, (_, package, body, content_type) in models.items():
+            await asyncio.sleep(0.5)  # a warm spare again
+            run = ModelRun(name, package_digest(package), DECLARED_MB[name])
+
+            async def call(run: ModelRun = run, body: bytes = body, content_type: str = content_type) -> Any:
+                result = await pool.run(
+                    run, "gpu0", f"c{next(call_ids)}", body, content_type=content_type, timeout_s=120
+                )
+                if result.outcome != pb.OK:
+                    raise RuntimeError(f"{result.outcome}: {result.message}")
+                return result
+
+            started = time.perf_counter()
+            miss = await call()
+            miss_s = time.perf_counter() - started
+            assert miss.loaded and miss.stages is not None
+            stages = miss.stages
+            hits = []
+            for _ in range(10):
+                await call()
+            for _ in range(calls):
+                started = time.perf_counter()
+                await call()
+                hits.append(time.perf_counter() - started)
+            out[name] = {
+                "miss_ms": round(miss_s * 1e3, 3),
+                "miss_stages_ms": {
+                    "fetch": round(stages.fetch_s * 1e3, 3),
+                    "prefetch": round(stages.prefetch_s * 1e3, 3),
+                    "start": round(stages.start_s * 1e3, 3),
+                    "context": round(stages.context_s * 1e3, 3),
+                    "load": round(stages.load_s * 1e3, 3),
+                    "first_inference": round(miss.inference_time_s * 1e3, 3),
+                    "spare_start": round(stages.spare_start_s * 1e3, 3),
+                    "spare_context": round(stages.spare_context_s * 1e3, 3),
+                },
+                "hit": quantiles(hits),
+                "declared_memory_mb": DECLARED_MB[name],
+                "measured_peak_memory_mb": miss.peak_memory_mb,
+            }
+        nvml = Nvml.open()
+        if nvml is not None:
+            out["nvml_process_mb"] = {
+                f"{model}@{gpu}": nvml.process_mb(0, pid) for model, gpu, pid, _ in pool.workers()
+            }
+            out["nvml_used_mb"] = nvml.used_mb(0)
+            nvml.close()
+    finally:
+        await pool.shutdown()
+    return out
+
+
+def through_cluster(models: dict[str, tuple[Path, bytes, bytes, str]], work: Path, calls: int) -> dict[str, Any]:
+    gpus = len(discover_nvml())
+    cluster = LocalCluster(work / "cluster", nodes=1, gpus_per_node=gpus, backend="cuda", slots="2")
+    cluster.start(timeout_s=180)
+    out: dict[str, Any] = {}
+    try:
+        url = cluster.gateway_url
+        out["gpus"] = httpx.get(f"{url}/system/gpus", timeout=30).json()
+        with httpx.Client(base_url=url, timeout=120) as client:
+            for name, (_, package, body, content_type) in models.items():
+                digest = client.post("/system/packages", content=package).json()["digest"]
+                spec = {"name": name, "package_digest": digest, "memory_mb": DECLARED_MB[name]}
+                client.post("/system/functions", json=spec).raise_for_status()
+                time.sleep(1.0)
+
+                def call(name: str = name, body: bytes = body, content_type: str = content_type) -> httpx.Response:
+                    response = client.post(f"/function/{name}", content=body, headers={"content-type": content_type})
+                    response.raise_for_status()
+                    return response
+
+                started = time.perf_counter()
+                miss = call()
+                miss_s = time.perf_counter() - started
+                for _ in range(10):
+                    call()
+                hits = []
+                inside = []
+                for _ in range(calls):
+                    started = time.perf_counter()
+                    response = call()
+                    hits.append(time.perf_counter() - started)
+                    inside.append(float(response.headers["x-duration-seconds"]))
+                out[name] = {
+                    "miss_ms": round(miss_s * 1e3, 3),
+                    "miss_cache": miss.headers["x-cache"],
+                    "miss_server_timing": miss.headers.get("server-timing"),
+                    "hit": quantiles(hits),
+                    "hit_inside_gateway": quantiles(inside),
+                }
+        out["gpus_after"] = httpx.get(f"{url}/system/gpus", timeout=30).json()
+    finally:
+        cluster.stop()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--out", type=Path, default=REPO / "bench/results/cuda_bench.json")
+    parser.add_argument("--calls", type=int, default=200)
+    args = parser.parse_args(argv)
+    devices = discover_nvml()
+    if not devices:
+        print("no NVIDIA GPU found (NVML): this benchmark needs one", file=sys.stderr)
+        return 1
+    import torch
+
+    report: dict[str, Any] = {
+        "metadata": {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "gpu": [f"{d.gpu_id}: {d.gpu_type}, {d.memory_mb} MiB" for d in devices],
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "calls": args.calls,
+        }
+    }
+    step: Callable[[str], None] = lambda what: print(f"== {what}", flush=True)  # noqa: E731
+    with tempfile.TemporaryDirectory(prefix="gpufaas-cuda-bench-") as tmp:
+        work = Path(tmp)
+        models = {name: prepare(name, work) for name in TEMPLATES}
+        step("direct")
+        report["direct"] = {
+            name: direct(directory, body, args.calls) for name, (directory, _, body, _) in models.items()
+        }
+        step("pool")
+        report["pool"] = asyncio.run(through_pool(models, work, args.calls))
+        step("cluster")
+        report["cluster"] = through_cluster(models, work, args.calls)
+    summary = {}
+    for name in TEMPLATES:
+        direct_p50 = report["direct"][name]["p50_ms"]
+        summary[name] = {
+            "direct_hit_p50_ms": direct_p50,
+            "pool_hit_p50_ms": report["pool"][name]["hit"]["p50_ms"],
+            "cluster_hit_p50_ms": report["cluster"][name]["hit"]["p50_ms"],
+            "cluster_overhead_p50_ms": round(report["cluster"][name]["hit"]["p50_ms"] - direct_p50, 3),
+            "pool_miss_ms": report["pool"][name]["miss_ms"],
+            "cluster_miss_ms": report["cluster"][name]["miss_ms"],
+        }
+    report["summary"] = summary
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

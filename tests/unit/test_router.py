@@ -1,0 +1,1019 @@
+"""gateway.router and gateway.invoke against a fake scheduler and fake nodes that speak the real
+protocol (gpufaas.wire frames over loopback sockets): placements and retries, the one deadline,
+scheduler reconnections, node connections, and what the invocation route answers over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvloop
+from google.protobuf.message import Message
+
+from gateway.app import GatewayConfig, create_app
+from gateway.router import DEADLINE_GRACE_S, RECONNECT_S, CallFailed, CallResult, Router
+from gpufaas.functions import FunctionSpec
+from gpufaas.keys import Keys
+from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.store import MemoryStore
+from gpufaas.wire import MESSAGES, Connection, Frame, MessageType, Server
+
+SCENARIO_TIMEOUT_S = 10.0
+WAIT_S = 3.0
+MAX_PAYLOAD_BYTES = 1024 * 1024
+# Every byte value, and larger than what the wire copies into a frame's one write (64 KiB).
+PAYLOAD = bytes(range(256)) * 400
+DIGEST = "sha256:" + "ab" * 32
+CLOSE = "close"  # a FakeNode script entry: drop the connection instead of answering
+
+NodeAnswer = tuple[pb.ExecuteReply, bytes] | str  # (reply, body), or CLOSE
+
+
+def run(scenario: Coroutine[Any, Any, None]) -> None:
+    """Run a scenario on uvloop (what the gateway runs on), bounded in time."""
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(asyncio.wait_for(scenario, SCENARIO_TIMEOUT_S))
+
+
+async def until(predicate: Callable[[], object], what: str, timeout_s: float = WAIT_S) -> None:
+    """Yield to the loop until `predicate()` holds; an AssertionError naming `what` otherwise."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not predicate():
+                await asyncio.sleep(0.002)
+    except TimeoutError:
+        raise AssertionError(f"waited {timeout_s} s for {what}") from None
+
+
+# --- builders -----------------------------------------------------------------------------------
+
+
+def make_spec(name: str = "resnet", *, timeout_s: float = 5.0) -> FunctionSpec:
+    return FunctionSpec(name=name, package_digest=DIGEST, memory_mb=100, timeout_s=timeout_s)
+
+
+def make_reply(outcome: int = pb.OK, message: str = "", **fields: Any) -> pb.ExecuteReply:
+    return pb.ExecuteReply(outcome=outcome, message=message, **fields)  # type: ignore[arg-type]
+
+
+# --- the fakes ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Received:
+    """One frame a fake got: its type, its parsed header, and its raw header and body bytes."""
+
+    type: MessageType
+    message: Message
+    raw: bytes
+    conn: Connection
+
+
+class FakeScheduler:
+    """Plays the scheduler on a real socket: keeps every frame a gateway sends (Place, Abandon, ...)
+    and answers only when the test says so (`send`), or at once through `respond` when set.
+    `drop()` closes the gateways' connections and keeps listening; `stop()` and `start(address)`
+    take it down and bring it back on the same port."""
+
+    def __init__(self) -> None:
+        self.received: list[Received] = []
+        self.accepted = 0  # connections accepted, over restarts
+        self.respond: Callable[[pb.Place], list[pb.Placement | pb.Rejection]] | None = None
+        self.address = ""
+        self._server: Server | None = None
+        self._barriers = 0
+
+    async def start(self, listen: str = "127.0.0.1:0") -> FakeScheduler:
+        self._server = Server(self._session)
+        self.address = await self._server.start(listen)
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.close()
+            self._server = None
+
+    def drop(self) -> None:
+        assert self._server is not None
+        for conn in list(self._server.connections):
+            conn.close()
+
+    def _session(self) -> FakeScheduler:
+        self.accepted += 1
+        return self
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        type_ = MessageType(frame.type)
+        message = frame.message(MESSAGES[type_])
+        self.received.append(Received(type_, message, frame.header + frame.body, conn))
+        if isinstance(message, pb.Place) and self.respond is not None:
+            self.send(*self.respond(message))
+
+    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
+        pass
+
+    @property
+    def gateway(self) -> Connection:
+        """The gateway's one open connection."""
+        assert self._server is not None, "the fake scheduler is not running"
+        (conn,) = [c for c in self._server.connections if not c.is_closed]
+        return conn
+
+    def send(self, *messages: pb.Placement | pb.Rejection) -> None:
+        for message in messages:
+            type_ = MessageType.PLACEMENT if isinstance(message, pb.Placement) else MessageType.REJECTION
+            self.gateway.send(type_, message)
+
+    def frames(self) -> list[Received]:
+        """What the gateway sent, without the barriers' traffic."""
+        return [r for r in self.received if not getattr(r.message, "call_id", "").startswith("barrier-")]
+
+    @property
+    def places(self) -> list[pb.Place]:
+        return [r.message for r in self.frames() if isinstance(r.message, pb.Place)]
+
+    @property
+    def abandons(self) -> list[pb.Abandon]:
+        return [r.message for r in self.frames() if isinstance(r.message, pb.Abandon)]
+
+    def types(self) -> list[MessageType]:
+        return [r.type for r in self.frames()]
+
+    async def wait_places(self, count: int) -> list[pb.Place]:
+        await until(lambda: len(self.places) >= count, f"Place number {count} at the scheduler")
+        return self.places
+
+    async def barrier(self) -> None:
+        """Return once every frame the gateway sent before now has arrived: a Placement for a call
+        nobody waits for comes back as an Abandon on the same (ordered) connection."""
+        self._barriers += 1
+        call_id = f"barrier-{self._barriers}"
+        self.send(pb.Placement(call_id=call_id, attempt=1))
+        await until(
+            lambda: any(getattr(r.message, "call_id", "") == call_id for r in self.received),
+            "the router to hand back a placement nobody waits for",
+        )
+
+
+class FakeNode:
+    """Plays a node on a real socket: answers each Execute with what `script` holds for its token
+    (a reply and a body, CLOSE, or a future the test resolves later to hold the call); a token not
+    in the script runs as an echo (OK, the payload back with its content type). `stop()` leaves
+    nothing listening at its address, so connecting there is refused."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.script: dict[bytes, NodeAnswer | asyncio.Future[NodeAnswer]] = {}
+        self.executes: list[tuple[pb.Execute, bytes]] = []
+        self.accepted = 0
+        self.address = ""
+        self._server: Server | None = None
+        self._held: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> FakeNode:
+        self._server = Server(self._session, max_frame_bytes=MAX_PAYLOAD_BYTES + 1024 * 1024)
+        self.address = await self._server.start("127.0.0.1:0")
+        return self
+
+    async def stop(self) -> None:
+        for task in list(self._held):
+            task.cancel()
+        if self._server is not None:
+            await self._server.close()
+            self._server = None
+
+    def _session(self) -> FakeNode:
+        self.accepted += 1
+        return self
+
+    @property
+    def tokens(self) -> list[bytes]:
+        return [execute.token for execute, _ in self.executes]
+
+    def hold(self, token: bytes) -> asyncio.Future[NodeAnswer]:
+        """Keep the call with `token` unanswered until the returned future is resolved."""
+        future: asyncio.Future[NodeAnswer] = asyncio.get_running_loop().create_future()
+        self.script[token] = future
+        return future
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        assert frame.type == MessageType.EXECUTE and frame.is_request
+        execute = frame.message(pb.Execute)
+        self.executes.append((execute, frame.body))
+        answer = self.script.get(execute.token)
+        if answer is None:
+            answer = (make_reply(content_type=execute.content_type, batch_calls=1), frame.body)
+        if isinstance(answer, asyncio.Future):
+            task = asyncio.create_task(self._answer_later(conn, frame, answer))
+            self._held.add(task)
+            task.add_done_callback(self._held.discard)
+        else:
+            self._answer(conn, frame, answer)
+
+    async def _answer_later(self, conn: Connection, frame: Frame, future: asyncio.Future[NodeAnswer]) -> None:
+        self._answer(conn, frame, await future)
+
+    def _answer(self, conn: Connection, frame: Frame, answer: NodeAnswer) -> None:
+        if isinstance(answer, str):
+            assert answer == CLOSE
+            conn.close()
+            return
+        reply, body = answer
+        conn.reply(frame, MessageType.EXECUTE_REPLY, reply, body)
+
+    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
+        pass
+
+    def placement(
+        self, call_id: str, attempt: int, *, token: bytes | None = None, queue_s: float = 0.0
+    ) -> pb.Placement:
+        """A placement of `call_id` on this node's gpu0 (token "<call id>#<attempt>" unless given)."""
+        return pb.Placement(
+            call_id=call_id,
+            attempt=attempt,
+            node=self.name,
+            node_address=self.address,
+            gpu="gpu0",
+            hit=True,
+            queue_s=queue_s,
+            token=token if token is not None else f"{call_id}#{attempt}".encode(),
+        )
+
+
+# --- a router between the fakes ------------------------------------------------------------------
+
+
+@dataclass
+class Cluster:
+    scheduler: FakeScheduler
+    node_a: FakeNode
+    node_b: FakeNode
+    router: Router
+    tasks: list[asyncio.Task[CallResult]] = field(default_factory=list)
+
+    def invoke(
+        self,
+        call_id: str,
+        spec: FunctionSpec | None = None,
+        payload: bytes = PAYLOAD,
+        content_type: str = "application/octet-stream",
+    ) -> asyncio.Task[CallResult]:
+        """Start the call (as the invocation route does) and leave it running."""
+        task = asyncio.create_task(
+            self.router.invoke(spec or make_spec(), call_id, payload, content_type, clock=time.monotonic)
+        )
+        self.tasks.append(task)
+        return task
+
+
+@contextlib.asynccontextmanager
+async def cluster(*, scheduler_wait_s: float = 2.0, connected: bool = True) -> AsyncIterator[Cluster]:
+    """A FakeScheduler, two FakeNodes (a and b) and a started Router linked to the scheduler (and
+    connected, unless `connected` is False). Calls still running at the end are cancelled."""
+    scheduler = await FakeScheduler().start()
+    node_a, node_b = await FakeNode("node-a").start(), await FakeNode("node-b").start()
+    router = Router(
+        max_payload_bytes=MAX_PAYLOAD_BYTES, scheduler_address=scheduler.address, scheduler_wait_s=scheduler_wait_s
+    )
+    router.start()
+    env = Cluster(scheduler, node_a, node_b, router)
+    try:
+        if connected:
+            await until(lambda: router.scheduler is not None, "the router to connect to the scheduler")
+        yield env
+    finally:
+        for task in env.tasks:
+            task.cancel()
+        await asyncio.gather(*env.tasks, return_exceptions=True)
+        await router.stop()
+        for fake in (node_a, node_b, scheduler):
+            await fake.stop()
+
+
+async def failure(task: asyncio.Task[CallResult]) -> CallFailed:
+    with pytest.raises(CallFailed) as caught:
+        await task
+    return caught.value
+
+
+async def reconnected(env: Cluster, connections: int) -> None:
+    """Wait until the router is linked again, over the fake scheduler's connection `connections`."""
+    await until(
+        lambda: env.scheduler.accepted >= connections and env.router.scheduler is not None,
+        f"the router to reconnect (connection {connections})",
+    )
+
+
+# --- one call, end to end -------------------------------------------------------------------------
+
+
+def test_a_call_is_placed_by_the_scheduler_and_run_on_the_node_without_the_scheduler_seeing_the_payload() -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            spec = make_spec("resnet", timeout_s=5.0)
+            task = env.invoke("call-1", spec, PAYLOAD, "image/png")
+            (place,) = await env.scheduler.wait_places(1)
+            assert (place.call_id, place.function, place.payload_bytes) == ("call-1", "resnet", len(PAYLOAD))
+            assert 4.5 < place.timeout_s <= 5.0, "Place carries what remains of the call's deadline"
+
+            sent = env.node_a.placement("call-1", 1, token=b"signed-grant", queue_s=0.25)
+            reply = make_reply(content_type="application/json", loaded=True, load_time_s=1.5, batch_calls=2)
+            env.node_a.script[b"signed-grant"] = (reply, b'{"label": "cat"}')
+            env.scheduler.send(sent)
+            result = await task
+
+            assert result.output == b'{"label": "cat"}'
+            assert result.placement == sent
+            assert result.reply == reply
+            ((execute, body),) = env.node_a.executes
+            assert (execute.token, execute.content_type) == (b"signed-grant", "image/png")
+            assert body == PAYLOAD
+            assert env.node_b.executes == []
+
+            await env.scheduler.barrier()
+            assert env.scheduler.types() == [MessageType.PLACE], "a call that ran is not abandoned"
+            seen = b"".join(r.raw for r in env.scheduler.received)
+            assert PAYLOAD[:64] not in seen and len(seen) < 1024, "the payload went to the scheduler"
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("status", "http_status"),
+    [
+        (pb.NOT_FOUND, 404),
+        (pb.INVALID, 400),
+        (pb.OVERLOADED, 429),
+        (pb.UNAVAILABLE, 503),
+        (pb.DEADLINE, 504),
+        (pb.FUNCTION_FAILED, 500),
+        (pb.TOO_LARGE, 413),
+        (pb.RESULT_TOO_LARGE, 502),
+    ],
+    ids=str,
+)
+def test_a_rejection_is_the_answer_with_its_http_status(status: int, http_status: int) -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            task = env.invoke("call-1")
+            await env.scheduler.wait_places(1)
+            env.scheduler.send(pb.Rejection(call_id="call-1", status=status, message="why, and what to do"))  # type: ignore[arg-type]
+            failed = await failure(task)
+            assert (failed.status, failed.message) == (http_status, "why, and what to do")
+            assert env.node_a.executes == [] and env.node_b.executes == []
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("outcome", "http_status"),
+    [
+        (pb.HANDLER_ERROR, 500),
+        (pb.LOAD_FAILED, 500),
+        (pb.OUTPUT_INVALID, 500),
+        (pb.INVALID_INPUT, 400),
+        (pb.OUTPUT_TOO_LARGE, 502),
+    ],
+    ids=str,
+)
+def test_a_failed_outcome_at_the_node_is_the_answer_with_the_nodes_message(outcome: int, http_status: int) -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            task = env.invoke("call-1")
+            await env.scheduler.wait_places(1)
+            env.node_a.script[b"call-1#1"] = (make_reply(outcome, "ValueError: bad image"), b"")
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            failed = await failure(task)
+            assert (failed.status, failed.message) == (http_status, "ValueError: bad image")
+            assert env.node_a.tokens == [b"call-1#1"], "a failed outcome is not retried"
+            await env.scheduler.barrier()
+            assert env.scheduler.places == [env.scheduler.places[0]]
+            assert not [a for a in env.scheduler.abandons if a.reason != pb.Abandon.CANCELLED]
+
+    run(scenario())
+
+
+def test_a_timeout_at_the_node_is_a_504_with_the_functions_deadline_message() -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            spec = make_spec("slowpoke", timeout_s=3.0)
+            task = env.invoke("call-1", spec)
+            await env.scheduler.wait_places(1)
+            env.node_a.script[b"call-1#1"] = (make_reply(pb.TIMEOUT, "worker killed after 3 s"), b"")
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            failed = await failure(task)
+            assert (failed.status, failed.message) == (504, spec.deadline_message())
+            assert "'slowpoke'" in failed.message and "3 s" in failed.message
+
+    run(scenario())
+
+
+# --- placements that cannot be used -------------------------------------------------------------
+
+
+def test_a_refused_token_is_abandoned_and_the_next_placement_used() -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            task = env.invoke("call-1")
+            await env.scheduler.wait_places(1)
+            env.node_a.script[b"call-1#1"] = (make_reply(pb.REFUSED, "the grant expired"), b"")
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            await until(lambda: env.scheduler.abandons, "the Abandon of the refused placement")
+            (abandon,) = env.scheduler.abandons
+            assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-1", 1, pb.Abandon.REFUSED)
+            assert abandon.detail == "the grant expired"
+            assert not task.done(), "a refusal is not the call's answer"
+
+            env.scheduler.send(env.node_b.placement("call-1", 2))
+            result = await task
+            assert result.output == PAYLOAD and result.placement.attempt == 2
+            assert (env.node_a.tokens, env.node_b.tokens) == ([b"call-1#1"], [b"call-1#2"])
+            await env.scheduler.barrier()
+            assert env.scheduler.types() == [MessageType.PLACE, MessageType.ABANDON], "the Place is sent once"
+
+    run(scenario())
+
+
+def test_an_unreachable_node_is_abandoned_and_the_call_runs_on_the_next_placement() -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            await env.node_a.stop()  # connecting to node a is now refused
+            task = env.invoke("call-1")
+            await env.scheduler.wait_places(1)
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            await until(lambda: env.scheduler.abandons, "the Abandon of the unreachable node")
+            (abandon,) = env.scheduler.abandons
+            assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-1", 1, pb.Abandon.NODE_UNREACHABLE)
+            assert env.node_a.address in abandon.detail
+
+            env.scheduler.send(env.node_b.placement("call-1", 2))
+            result = await task
+            assert (result.output, result.placement.node, result.placement.attempt) == (PAYLOAD, "node-b", 2)
+            assert env.node_b.tokens == [b"call-1#2"]
+            await env.scheduler.barrier()
+            assert env.scheduler.types() == [MessageType.PLACE, MessageType.ABANDON]
+
+    run(scenario())
+
+
+def test_a_dead_worker_is_not_abandoned_the_router_waits_for_the_next_placement() -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            task = env.invoke("call-1")
+            await env.scheduler.wait_places(1)
+            env.node_a.script[b"call-1#1"] = (make_reply(pb.WORKER_DIED, "exit code -9"), b"")
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            await until(lambda: env.node_a.executes, "the Execute at node a")
+            await env.scheduler.barrier()
+            assert env.scheduler.types() == [MessageType.PLACE], "the node reports a dead worker itself"
+            assert not task.done()
+
+            env.scheduler.send(env.node_b.placement("call-1", 2))
+            result = await task
+            assert (result.placement.node, result.placement.attempt, result.output) == ("node-b", 2, PAYLOAD)
+            await env.scheduler.barrier()
+            assert env.scheduler.types() == [MessageType.PLACE]
+
+    run(scenario())
+
+
+def test_a_dead_worker_then_a_rejection_makes_the_rejection_the_answer() -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            task = env.invoke("call-1")
+            await env.scheduler.wait_places(1)
+            env.node_a.script[b"call-1#1"] = (make_reply(pb.WORKER_DIED, "exit code -9"), b"")
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            await until(lambda: env.node_a.executes, "the Execute at node a")
+            message = "the function's worker died twice; see the node's log"
+            env.scheduler.send(pb.Rejection(call_id="call-1", status=pb.UNAVAILABLE, message=message))
+            failed = await failure(task)
+            assert (failed.status, failed.message) == (503, message)
+
+    run(scenario())
+
+
+def test_a_stale_placement_is_ignored() -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            task = env.invoke("call-1")
+            await env.scheduler.wait_places(1)
+            env.node_a.script[b"call-1#1"] = (make_reply(pb.REFUSED, "revoked"), b"")
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            await until(lambda: env.scheduler.abandons, "the Abandon of the refused placement")
+            # Attempt 1 again (a duplicate) and attempt 0: both already tried or replaced.
+            env.scheduler.send(
+                env.node_b.placement("call-1", 1, token=b"duplicate"),
+                env.node_b.placement("call-1", 0, token=b"older"),
+                env.node_b.placement("call-1", 2),
+            )
+            result = await task
+            assert result.placement.attempt == 2 and result.placement.token == b"call-1#2"
+            assert env.node_b.tokens == [b"call-1#2"]
+
+    run(scenario())
+
+
+def test_a_placement_for_a_call_nobody_waits_for_is_handed_back() -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            env.scheduler.send(env.node_a.placement("gone-1", 3))
+            await until(lambda: env.scheduler.abandons, "the Abandon of the unwanted placement")
+            (abandon,) = env.scheduler.abandons
+            assert (abandon.call_id, abandon.attempt, abandon.reason) == ("gone-1", 3, pb.Abandon.CANCELLED)
+            # A rejection for such a call needs no answer.
+            env.scheduler.send(pb.Rejection(call_id="gone-2", status=pb.DEADLINE, message="late"))
+            await env.scheduler.barrier()
+            assert [a.call_id for a in env.scheduler.abandons] == ["gone-1"]
+            assert env.node_a.executes == []
+
+    run(scenario())
+
+
+# --- the one deadline, and a client that goes away ----------------------------------------------
+
+
+@pytest.mark.parametrize("stuck", ["at the scheduler", "at the node"])
+def test_past_the_deadline_the_call_is_a_504_and_withdrawn(stuck: str) -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            spec = make_spec("quick", timeout_s=0.2)
+            started = time.monotonic()
+            task = env.invoke("call-1", spec)
+            await env.scheduler.wait_places(1)
+            if stuck == "at the node":
+                env.node_a.hold(b"call-1#1")
+                env.scheduler.send(env.node_a.placement("call-1", 1))
+            failed = await failure(task)
+            elapsed = time.monotonic() - started
+            assert (failed.status, failed.message) == (504, spec.deadline_message())
+            budget_s = spec.timeout_s + DEADLINE_GRACE_S
+            assert budget_s - 0.05 <= elapsed < budget_s + 1.0, f"answered after {elapsed:.2f} s"
+            await until(lambda: env.scheduler.abandons, "the Abandon of the call")
+            (abandon,) = env.scheduler.abandons
+            assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-1", 0, pb.Abandon.CANCELLED)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("waiting", ["for a placement", "at the node"])
+def test_a_cancelled_call_is_withdrawn(waiting: str) -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            task = env.invoke("call-1")
+            await env.scheduler.wait_places(1)
+            if waiting == "at the node":
+                env.node_a.hold(b"call-1#1")
+                env.scheduler.send(env.node_a.placement("call-1", 1))
+                await until(lambda: env.node_a.executes, "the Execute at node a")
+            task.cancel()  # the client went away
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await until(lambda: env.scheduler.abandons, "the Abandon of the call")
+            (abandon,) = env.scheduler.abandons
+            assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-1", 0, pb.Abandon.CANCELLED)
+            # The call id is free again.
+            again = env.invoke("call-1")
+            await env.scheduler.wait_places(2)
+            env.scheduler.send(env.node_b.placement("call-1", 1, token=b"again"))
+            assert (await again).output == PAYLOAD
+
+    run(scenario())
+
+
+def test_a_call_id_already_in_flight_is_a_409_and_leaves_the_first_call_alone() -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            first = env.invoke("call-1")
+            await env.scheduler.wait_places(1)
+            failed = await failure(env.invoke("call-1", payload=b"another"))
+            assert failed.status == 409 and "'call-1'" in failed.message
+            await env.scheduler.barrier()
+            assert env.scheduler.types() == [MessageType.PLACE]
+
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            assert (await first).output == PAYLOAD
+            assert [body for _, body in env.node_a.executes] == [PAYLOAD]
+
+    run(scenario())
+
+
+# --- the scheduler connection -------------------------------------------------------------------
+
+
+def test_a_scheduler_unreachable_at_start_is_a_503_after_scheduler_wait_s() -> None:
+    async def scenario() -> None:
+        async with cluster(scheduler_wait_s=0.3, connected=False) as env:
+            await env.scheduler.stop()  # nothing listens at the router's scheduler address
+            started = time.monotonic()
+            failed = await failure(env.invoke("call-1", make_spec(timeout_s=5.0)))
+            elapsed = time.monotonic() - started
+            assert failed.status == 503 and "scheduler is unreachable" in failed.message
+            assert 0.25 <= elapsed < 1.0, f"answered after {elapsed:.2f} s; scheduler_wait_s is 0.3 s"
+
+    run(scenario())
+
+
+def test_a_call_waits_for_a_scheduler_that_comes_up_within_scheduler_wait_s() -> None:
+    async def scenario() -> None:
+        async with cluster(scheduler_wait_s=3.0, connected=False) as env:
+            address = env.scheduler.address
+            await env.scheduler.stop()
+            task = env.invoke("call-1")
+            await asyncio.sleep(0.3)
+            assert not task.done()
+            await env.scheduler.start(address)
+            (place,) = await env.scheduler.wait_places(1)
+            assert place.call_id == "call-1"
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            assert (await task).output == PAYLOAD
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("how", ["keeps listening", "restarts"])
+def test_a_call_waiting_for_its_placement_is_placed_again_after_a_reconnection(how: str) -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            task = env.invoke("call-1", make_spec("resnet"), b"small payload")
+            await env.scheduler.wait_places(1)
+            first = env.scheduler.frames()[0].conn
+            if how == "keeps listening":
+                env.scheduler.drop()
+            else:
+                address = env.scheduler.address
+                await env.scheduler.stop()
+                await asyncio.sleep(2 * RECONNECT_S)
+                await env.scheduler.start(address)
+            places = await env.scheduler.wait_places(2)
+            assert env.scheduler.frames()[1].conn is not first, "the Place is sent on the new connection"
+            assert (places[1].call_id, places[1].function, places[1].payload_bytes) == ("call-1", "resnet", 13)
+            assert env.scheduler.accepted == 2
+
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            assert (await task).output == b"small payload"
+
+    run(scenario())
+
+
+def test_a_place_sent_again_after_a_reconnection_carries_what_remains_of_the_deadline() -> None:
+    """Place.timeout_s is "what remains of the call's end-to-end deadline" (gpufaas.proto): the
+    scheduler derives the grant's expiry from it, so that the node answers before the gateway's
+    own deadline. After a reconnection the remaining time is smaller than at the first Place."""
+
+    async def scenario() -> None:
+        async with cluster() as env:
+            started = time.monotonic()
+            task = env.invoke("call-1", make_spec(timeout_s=5.0))
+            await env.scheduler.wait_places(1)
+            await asyncio.sleep(0.4)
+            env.scheduler.drop()
+            places = await env.scheduler.wait_places(2)
+            remaining_s = 5.0 - (time.monotonic() - started)
+            assert places[1].timeout_s <= remaining_s + 0.05, (
+                f"the Place sent again says {places[1].timeout_s:.3f} s remain; at most {remaining_s:.3f} s do "
+                f"(the first said {places[0].timeout_s:.3f} s)"
+            )
+            assert not task.done()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("outcome", [pb.WORKER_DIED, pb.REFUSED], ids=["WORKER_DIED", "REFUSED"])
+def test_a_placement_lost_with_its_scheduler_is_placed_afresh_with_the_new_one(outcome: int) -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            task = env.invoke("call-1")
+            await env.scheduler.wait_places(1)
+            answer = env.node_a.hold(b"call-1#1")
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            await until(lambda: env.node_a.executes, "the Execute at node a")
+
+            env.scheduler.drop()
+            await reconnected(env, 2)
+            await env.scheduler.barrier()
+            assert len(env.scheduler.places) == 1, "a call running on a node is not placed again on reconnection"
+
+            answer.set_result((make_reply(outcome, "gone with the old scheduler"), b""))
+            places = await env.scheduler.wait_places(2)
+            assert places[1].call_id == "call-1"
+            assert places[1].timeout_s <= places[0].timeout_s - RECONNECT_S, "the fresh Place has what remains"
+            assert env.scheduler.frames()[-1].conn is env.scheduler.gateway
+            await env.scheduler.barrier()
+            assert env.scheduler.abandons == [], "the new scheduler never placed attempt 1"
+
+            # The new scheduler numbers its attempts from 1 again.
+            env.scheduler.send(env.node_b.placement("call-1", 1, token=b"from-the-new-scheduler"))
+            result = await task
+            assert result.placement.token == b"from-the-new-scheduler" and result.output == PAYLOAD
+
+    run(scenario())
+
+
+def test_a_node_lost_after_its_scheduler_changed_gets_the_call_placed_afresh() -> None:
+    """Like a dead worker or a refusal after the scheduler connection changed: the new scheduler
+    never heard of the call (it was running, so the reconnection did not place it again), so an
+    Abandon NODE_UNREACHABLE means nothing to it; only a fresh Place gets the call run."""
+
+    async def scenario() -> None:
+        async with cluster() as env:
+            task = env.invoke("call-1", make_spec(timeout_s=5.0))
+            await env.scheduler.wait_places(1)
+            answer = env.node_a.hold(b"call-1#1")
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            await until(lambda: env.node_a.executes, "the Execute at node a")
+
+            env.scheduler.drop()
+            await reconnected(env, 2)
+            answer.set_result(CLOSE)  # the node goes too, under the call
+            await until(
+                lambda: len(env.scheduler.places) >= 2,
+                "a fresh Place for the call whose node was lost after the scheduler connection changed",
+                timeout_s=1.0,
+            )
+            env.scheduler.send(env.node_b.placement("call-1", 1, token=b"from-the-new-scheduler"))
+            assert (await task).placement.token == b"from-the-new-scheduler"
+
+    run(scenario())
+
+
+# --- node connections ---------------------------------------------------------------------------
+
+
+def test_one_connection_per_node_is_reused_across_calls() -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            for i in range(3):
+                task = env.invoke(f"call-{i}", payload=f"payload {i}".encode())
+                await env.scheduler.wait_places(i + 1)
+                env.scheduler.send(env.node_a.placement(f"call-{i}", 1))
+                assert (await task).output == f"payload {i}".encode()
+            assert env.node_a.accepted == 1
+            assert env.node_a.tokens == [b"call-0#1", b"call-1#1", b"call-2#1"]
+
+    run(scenario())
+
+
+def test_calls_placed_together_on_a_new_node_share_one_connection() -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            tasks = [env.invoke(f"call-{i}", payload=f"payload {i}".encode()) for i in range(4)]
+            await env.scheduler.wait_places(4)
+            # Answered in reverse order, in one pass of the event loop.
+            env.scheduler.send(*(env.node_a.placement(f"call-{i}", 1) for i in reversed(range(4))))
+            results = await asyncio.gather(*tasks)
+            assert [r.output for r in results] == [f"payload {i}".encode() for i in range(4)]
+            assert env.node_a.accepted == 1
+
+    run(scenario())
+
+
+def test_a_node_connection_that_broke_is_opened_again() -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            warm = env.invoke("warm-up")
+            await env.scheduler.wait_places(1)
+            env.scheduler.send(env.node_a.placement("warm-up", 1))
+            await warm
+
+            task = env.invoke("call-1")
+            await env.scheduler.wait_places(2)
+            env.node_a.script[b"call-1#1"] = CLOSE
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            await until(lambda: env.scheduler.abandons, "the Abandon of the lost node connection")
+            (abandon,) = env.scheduler.abandons
+            assert (abandon.attempt, abandon.reason) == (1, pb.Abandon.NODE_UNREACHABLE)
+
+            env.scheduler.send(env.node_a.placement("call-1", 2))
+            assert (await task).output == PAYLOAD
+            assert env.node_a.accepted == 2
+            assert env.node_a.tokens == [b"warm-up#1", b"call-1#1", b"call-1#2"]
+
+    run(scenario())
+
+
+# --- POST /function/{name} over the router --------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def http_gateway(
+    tmp_path: Path, scheduler: FakeScheduler, *specs: FunctionSpec, max_payload_bytes: int = MAX_PAYLOAD_BYTES
+) -> AsyncIterator[httpx.AsyncClient]:
+    """The gateway app (MemoryStore holding `specs`) linked to `scheduler`, as an httpx client."""
+    store = MemoryStore()
+    keys = Keys("/unit")
+    for spec in specs:
+        await store.put(keys.function(spec.name), spec.to_json())
+    config = GatewayConfig(
+        state_dir=tmp_path,
+        scheduler_address=scheduler.address,
+        keys=keys,
+        max_payload_bytes=max_payload_bytes,
+        scheduler_wait_s=2.0,
+    )
+    app = create_app(store, config)
+    try:
+        async with app.router.lifespan_context(app):
+            router: Router = app.state.gateway.router
+            await until(lambda: router.scheduler is not None, "the gateway to connect to the scheduler")
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+                yield client
+    finally:
+        await store.close()
+
+
+@contextlib.asynccontextmanager
+async def fakes() -> AsyncIterator[tuple[FakeScheduler, FakeNode]]:
+    scheduler, node = await FakeScheduler().start(), await FakeNode("node-a").start()
+    try:
+        yield scheduler, node
+    finally:
+        await node.stop()
+        await scheduler.stop()
+
+
+def assert_error(response: httpx.Response, status: int, message: str) -> None:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    assert response.json() == {"error": message, "status": status}
+
+
+def server_timing(header: str) -> dict[str, float]:
+    """Server-Timing "name;dur=ms, ..." as {name: ms}, in order."""
+    stages: dict[str, float] = {}
+    for part in header.split(", "):
+        name, _, duration = part.partition(";dur=")
+        stages[name] = float(duration)
+    return stages
+
+
+def test_http_a_miss_answers_the_result_with_its_headers_and_server_timing(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with fakes() as (scheduler, node):
+            stages = pb.MissStages(
+                fetch_s=0.5,
+                prefetch_s=0.25,
+                start_s=0.125,
+                context_s=0.0625,
+                load_s=1.5,
+                spare_start_s=0.75,
+                spare_context_s=0.375,
+            )
+            reply = make_reply(
+                content_type="application/json",
+                loaded=True,
+                load_time_s=1.75,
+                inference_time_s=0.03125,
+                batch_calls=3,
+                stages=stages,
+            )
+            node.script[b"grant"] = (reply, b'{"label": "cat"}')
+            scheduler.respond = lambda place: [node.placement(place.call_id, 1, token=b"grant", queue_s=0.25)]
+            async with http_gateway(tmp_path, scheduler, make_spec("resnet")) as client:
+                response = await client.post(
+                    "/function/resnet", content=PAYLOAD, headers={"X-Call-Id": "http-1", "Content-Type": "image/png"}
+                )
+            assert response.status_code == 200, response.text
+            assert response.content == b'{"label": "cat"}'
+            headers = response.headers
+            assert headers["content-type"] == "application/json"
+            assert headers["x-call-id"] == "http-1"
+            assert headers["x-gpu"] == "node-a/gpu0"
+            assert headers["x-cache"] == "miss"
+            assert float(headers["x-queue-seconds"]) == 0.25
+            assert float(headers["x-load-seconds"]) == 1.75
+            assert float(headers["x-inference-seconds"]) == 0.03125
+            assert headers["x-batch-calls"] == "3"
+            assert float(headers["x-duration-seconds"]) >= 0
+            assert "x-attempts" not in headers, "one placement: no X-Attempts"
+            assert server_timing(headers["server-timing"]) == pytest.approx(
+                {
+                    "fetch": 500.0,
+                    "prefetch": 250.0,
+                    "start": 125.0,
+                    "context": 62.5,
+                    "load": 1500.0,
+                    "inference": 31.25,
+                    "spare-start": 750.0,
+                    "spare-context": 375.0,
+                }
+            )
+            assert list(server_timing(headers["server-timing"]))[:6] == [
+                "fetch",
+                "prefetch",
+                "start",
+                "context",
+                "load",
+                "inference",
+            ]
+            ((execute, body),) = node.executes
+            assert (execute.token, execute.content_type, body) == (b"grant", "image/png", PAYLOAD)
+            (place,) = scheduler.places
+            assert (place.call_id, place.function, place.payload_bytes) == ("http-1", "resnet", len(PAYLOAD))
+
+    run(scenario())
+
+
+def test_http_a_hit_after_a_retry_says_so_and_has_no_server_timing(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with fakes() as (scheduler, node):
+            node.script[b"stale"] = (make_reply(pb.REFUSED, "the grant was revoked"), b"")
+            node.script[b"fresh"] = (make_reply(loaded=False, batch_calls=1), b"\x00result")
+            scheduler.respond = lambda place: [
+                node.placement(place.call_id, 1, token=b"stale"),
+                node.placement(place.call_id, 2, token=b"fresh"),
+            ]
+            async with http_gateway(tmp_path, scheduler, make_spec("resnet")) as client:
+                response = await client.post("/function/resnet", content=b"input")  # no X-Call-Id
+            assert response.status_code == 200, response.text
+            assert response.content == b"\x00result"
+            headers = response.headers
+            assert headers["content-type"] == "application/octet-stream", "a reply without a content type"
+            assert headers["x-cache"] == "hit"
+            assert headers["x-attempts"] == "2"
+            assert headers["x-batch-calls"] == "1"
+            assert "server-timing" not in headers
+            (place,) = scheduler.places
+            call_id = headers["x-call-id"]
+            assert len(call_id) == 32 and int(call_id, 16) >= 0, "a generated call id"
+            assert place.call_id == call_id
+            assert [(a.call_id, a.attempt, a.reason) for a in scheduler.abandons] == [(call_id, 1, pb.Abandon.REFUSED)]
+
+    run(scenario())
+
+
+def test_http_errors_are_json_with_the_call_id_and_retry_after_on_429(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with fakes() as (scheduler, node):
+            answers: dict[str, pb.Placement | pb.Rejection] = {
+                "busy": pb.Rejection(call_id="busy", status=pb.OVERLOADED, message="the global queue is full"),
+                "unknown": pb.Rejection(call_id="unknown", status=pb.NOT_FOUND, message="not in the scheduler"),
+                "raises": node.placement("raises", 1),
+            }
+            node.script[b"raises#1"] = (make_reply(pb.HANDLER_ERROR, "KeyError: 'image'"), b"")
+            scheduler.respond = lambda place: [answers[place.call_id]]
+            async with http_gateway(tmp_path, scheduler, make_spec("resnet")) as client:
+
+                async def post(call_id: str) -> httpx.Response:
+                    return await client.post("/function/resnet", content=b"{}", headers={"X-Call-Id": call_id})
+
+                busy, unknown, raises = await post("busy"), await post("unknown"), await post("raises")
+                metrics = (await client.get("/metrics")).text
+            assert_error(busy, 429, "the global queue is full")
+            assert busy.headers["retry-after"] == "1"
+            assert_error(unknown, 404, "not in the scheduler")
+            assert_error(raises, 500, "KeyError: 'image'")
+            for response, call_id in ((busy, "busy"), (unknown, "unknown"), (raises, "raises")):
+                assert response.headers["x-call-id"] == call_id
+            assert "retry-after" not in unknown.headers and "retry-after" not in raises.headers
+            assert 'gateway_function_invocation_total{function_name="resnet",code="429"} 1' in metrics
+
+    run(scenario())
+
+
+def test_http_unknown_function_and_oversized_payload_never_reach_the_scheduler(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with fakes() as (scheduler, _):
+            # Were a call let through, it would be answered at once (and this test fail fast).
+            scheduler.respond = lambda place: [
+                pb.Rejection(call_id=place.call_id, status=pb.UNAVAILABLE, message="let through")
+            ]
+            pulled: list[bytes] = []
+
+            async def stream(chunks: list[bytes]) -> AsyncIterator[bytes]:
+                for chunk in chunks:
+                    pulled.append(chunk)
+                    yield chunk
+
+            async with http_gateway(tmp_path, scheduler, make_spec("small"), max_payload_bytes=1024) as client:
+                missing = await client.post("/function/nope", content=b"{}", headers={"X-Call-Id": "c-404"})
+                declared = await client.post("/function/small", content=b"x" * 1025, headers={"X-Call-Id": "c-413"})
+                streamed = await client.post("/function/small", content=stream([b"y" * 500] * 3))
+                assert len(pulled) == 3, "a body without a declared length is read until it is over the limit"
+                pulled.clear()
+                # A declared length over the limit is refused before the body is read.
+                unread = await client.post(
+                    "/function/small", content=stream([b"tiny"]), headers={"Content-Length": "1025"}
+                )
+                await scheduler.barrier()
+            body = missing.json()
+            assert (missing.status_code, set(body), body["status"]) == (404, {"error", "status"}, 404)
+            assert "'nope'" in body["error"]
+            assert missing.headers["x-call-id"] == "c-404"
+            limit = "the payload is larger than the limit of 1024 bytes"
+            assert_error(declared, 413, limit)
+            assert declared.headers["x-call-id"] == "c-413"
+            assert_error(streamed, 413, limit)
+            assert_error(unread, 413, limit)
+            assert pulled == [], "the body of a call refused on its declared length was read"
+            assert scheduler.frames() == [], "nothing reached the scheduler"
+
+    run(scenario())
