@@ -299,16 +299,23 @@ def up(
     gpu_memory_mb: Annotated[int, typer.Option(min=1, help="Cache capacity per logical GPU (MB).")] = 8192,
     policy: Annotated[str, typer.Option(help="Scheduling policy: lb, lalb or lalb-o3.")] = "lalb-o3",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Gateway port.")] = 8080,
+    slots: Annotated[str, typer.Option(help="Calls a GPU runs at once: N, or N,GPU_TYPE=M,... per GPU type.")] = "4",
+    spares: Annotated[int, typer.Option(min=0, help="Warm spare workers per GPU (a miss takes one).")] = 1,
     state_dir: StateDir = state_dir_default(),  # noqa: B008
 ) -> None:
     """Start a local cluster in the background: etcd, scheduler, gateway and GPU managers."""
     from gpufaas.local_cluster import ClusterError, LocalCluster, pid_alive, recorded_pids
     from scheduler import make_policy
+    from scheduler.service import SlotConfig
 
     try:
         make_policy(policy)
     except GpufaasError as exc:
         raise typer.BadParameter(str(exc), param_hint="--policy") from None
+    try:
+        SlotConfig.parse(slots)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--slots") from None
     if backend is None:
         backend = "cuda" if _nvml_finds_gpus() else "cpu"
     if backend not in ("cuda", "cpu", "emulated"):
@@ -329,6 +336,8 @@ def up(
         gpu_memory_mb=gpu_memory_mb,
         policy=policy,
         gateway_port=port,
+        slots=slots,
+        spares=spares,
     )
     with _user_errors(), err_console.status("starting etcd, the scheduler, the gateway and the GPU managers..."):
         try:
