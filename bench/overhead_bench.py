@@ -187,35 +187,49 @@ def server_timing(header: str) -> dict[str, float]:
 
 
 def bench_misses(url: str, package: bytes, functions: int) -> dict[str, Any]:
-    """Each of `functions` functions sharing `package` called once, in turn: every call a miss."""
+    """Each of `functions` functions sharing `package` called once, in turn: every call a miss that
+    loads through a warm spare; then the first ten again: misses whose model was evicted since
+    and comes back from the node's host memory (the cpu backend's host tier)."""
     digest = httpx.post(f"{url}/system/packages", content=package, timeout=30).json()["digest"]
     body = json.dumps({"inputs": [[0.1, 0.2, 0.3, 0.4]]}).encode()
-    latencies_ms: list[float] = []
-    stages: dict[str, list[float]] = {}
+    runs: dict[str, tuple[list[float], dict[str, list[float]]]] = {"loaded": ([], {}), "from_host": ([], {})}
     with httpx.Client(base_url=url, timeout=60) as client:
-        for index in range(functions):
-            name = f"miss{index}"
-            spec = {"name": name, "package_digest": digest, "memory_mb": 100}
-            client.post("/system/functions", json=spec).raise_for_status()
+
+        def miss(name: str) -> None:
             time.sleep(0.3)  # the replacement spare is ready again, as between misses of a steady load
             started = time.perf_counter()
             response = client.post(f"/function/{name}", content=body, headers={"content-type": "application/json"})
-            latencies_ms.append((time.perf_counter() - started) * 1e3)
+            elapsed_ms = (time.perf_counter() - started) * 1e3
             if response.status_code != 200 or response.headers.get("x-cache") != "miss":
                 raise RuntimeError(f"expected a miss: {response.status_code} {response.headers} {response.text}")
-            for stage, ms in server_timing(response.headers["server-timing"]).items():
-                stages.setdefault(stage, []).append(ms)
+            stages = server_timing(response.headers["server-timing"])
+            latencies, by_stage = runs["from_host" if "host" in stages else "loaded"]
+            latencies.append(elapsed_ms)
+            for stage, ms in stages.items():
+                by_stage.setdefault(stage, []).append(ms)
+
+        for index in range(functions):
+            spec = {"name": f"miss{index}", "package_digest": digest, "memory_mb": 100}
+            client.post("/system/functions", json=spec).raise_for_status()
+            miss(f"miss{index}")
+        for index in range(min(10, functions)):
+            miss(f"miss{index}")
 
     def spread(values: list[float]) -> dict[str, float]:
         ordered = sorted(values)
         return {"p50_ms": round(statistics.median(ordered), 3), "p90_ms": round(quantile(ordered, 0.9), 3)}
 
     return {
-        "misses": functions,
-        "end_to_end": spread(latencies_ms),
-        "stages": {stage: spread(values) for stage, values in stages.items()},
-        "note": "start/context are on the critical path (0 when a warm spare was ready); spare-start/"
-        "spare-context are what readying that spare cost, off the critical path",
+        kind: {
+            "misses": len(latencies),
+            "end_to_end": spread(latencies),
+            "stages": {stage: spread(values) for stage, values in by_stage.items()},
+        }
+        for kind, (latencies, by_stage) in runs.items()
+        if latencies
+    } | {
+        "note": "loaded: through a warm spare (start/context 0 when it was ready; spare-start/spare-context "
+        "are what readying it cost, off the critical path); from_host: the model came back from host memory"
     }
 
 
@@ -282,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         "miss": {
             **misses,
             "target_p50_ms": MISS_TARGET_MS,
-            "target_met": misses["end_to_end"]["p50_ms"] <= MISS_TARGET_MS,
+            "target_met": misses["loaded"]["end_to_end"]["p50_ms"] <= MISS_TARGET_MS,
         },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -303,9 +317,13 @@ def main(argv: list[str] | None = None) -> int:
         f"target (1 client: overhead p50 <= {TARGET_P50_MS} ms, p99 <= {TARGET_P99_MS} ms): "
         f"{'met' if report['target_met'] else 'NOT met'}"
     )
-    end_to_end = misses["end_to_end"]
-    print(f"miss end to end: p50 {end_to_end['p50_ms']} ms, p90 {end_to_end['p90_ms']} ms; stages p50:")
-    print("  " + ", ".join(f"{stage} {v['p50_ms']} ms" for stage, v in misses["stages"].items()))
+    for kind in ("loaded", "from_host"):
+        if kind in misses:
+            end_to_end = misses[kind]["end_to_end"]
+            print(
+                f"miss ({kind}) end to end: p50 {end_to_end['p50_ms']} ms, p90 {end_to_end['p90_ms']} ms; stages p50:"
+            )
+            print("  " + ", ".join(f"{stage} {v['p50_ms']} ms" for stage, v in misses[kind]["stages"].items()))
     print(f"wrote {args.out}")
     return 0
 

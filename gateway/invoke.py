@@ -129,7 +129,8 @@ async def _error(send: Send, status: int, message: str, call_id: str, *, retry_a
 
 
 def miss_timing(reply: pb.ExecuteReply) -> str:
-    """A miss's stages as a Server-Timing header (durations in milliseconds, W3C Server Timing)."""
+    """A miss's stages as a Server-Timing header (durations in milliseconds, W3C Server Timing);
+    `host` only when the model came back from the node's host memory instead of being loaded."""
     stages = reply.stages
     parts = [
         ("fetch", stages.fetch_s),
@@ -137,6 +138,7 @@ def miss_timing(reply: pb.ExecuteReply) -> str:
         ("start", stages.start_s),
         ("context", stages.context_s),
         ("load", stages.load_s),
+        *([("host", stages.host_s)] if stages.from_host else []),
         ("inference", reply.inference_time_s),
         ("spare-start", stages.spare_start_s),
         ("spare-context", stages.spare_context_s),

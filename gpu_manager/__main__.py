@@ -8,7 +8,7 @@ import socket
 import sys
 from pathlib import Path
 
-from gpu_manager.daemon import GpuManagerDaemon
+from gpu_manager.daemon import DEFAULT_HOST_CACHE_MB, GpuManagerDaemon
 from gpu_manager.devices import discover_nvml, logical_devices
 from gpu_manager.packages import PackageCache
 from gpufaas.keys import Keys
@@ -45,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-payload-mb", type=float, default=16.0, help="largest payload or result a call may carry (MiB)"
     )
+    parser.add_argument(
+        "--host-cache-mb",
+        type=int,
+        default=None,
+        help="cpu backend: models evicted from a GPU kept in host memory up to this much, taken back on a "
+        f"miss instead of loaded (default {DEFAULT_HOST_CACHE_MB} on cpu; 0: off; other backends: 0)",
+    )
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
 
@@ -60,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         devices = logical_devices(args.gpus, args.gpu_memory_mb, args.gpu_type or backend)
     if args.spares < 0 or args.max_payload_mb <= 0:
         parser.error("--spares must be >= 0 and --max-payload-mb positive")
+    host_cache_mb = (
+        args.host_cache_mb if args.host_cache_mb is not None else (DEFAULT_HOST_CACHE_MB if backend == "cpu" else 0)
+    )
+    if host_cache_mb < 0 or (host_cache_mb and backend != "cpu"):
+        parser.error(
+            f"--host-cache-mb: the host tier is built for the cpu backend only; pass 0 with --backend {backend}"
+        )
 
     async def run() -> None:
         store = await EtcdStore.open(args.etcd)
@@ -73,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             keys=Keys(args.root),
             spares_per_gpu=args.spares,
             max_body_bytes=int(args.max_payload_mb * 1024 * 1024),
+            host_cache_mb=host_cache_mb,
         )
 
         async def start() -> None:

@@ -33,6 +33,7 @@ from gpufaas.wire import Connection, Frame, MessageType, Server, max_frame_bytes
 
 log = logging.getLogger("gpufaas.gpu_manager")
 LEASE_TTL_S = 3  # the node's heartbeat: a node silent this long leaves the cluster
+DEFAULT_HOST_CACHE_MB = 4096  # the cpu backend's host tier
 PRUNE_INTERVAL_S = 10.0
 # Outcomes after which the model's worker is gone from the GPU (the scheduler drops its entry).
 _WORKER_LOST = {pb.LOAD_FAILED, pb.WORKER_DIED}
@@ -54,6 +55,7 @@ class GpuManagerDaemon:
         keys: Keys | None = None,
         spares_per_gpu: int = 1,
         max_body_bytes: int = 16 * 1024 * 1024,
+        host_cache_mb: int = 0,
     ) -> None:
         if not devices:
             raise ValueError("a GPU manager needs at least one device")
@@ -70,6 +72,7 @@ class GpuManagerDaemon:
             fetch_package=self._package,
             spares_per_gpu=spares_per_gpu,
             max_body_bytes=max_body_bytes,
+            host_cache_mb=host_cache_mb,
         )
         self.ledger = GrantLedger(node, frozenset(self.devices))
         self.incarnation = uuid.uuid4().hex

@@ -9,6 +9,13 @@ spare (EDAS's parallel loading).
 Calls for a ready worker are written to it at once, in order (its socket is the queue), so it
 never idles between calls; a function that batches has the waiting calls merged by the worker.
 
+Two tiers (DESIGN: GPU memory, and host memory from which a model comes back onto any GPU of its
+node): with `host_cache_mb` > 0 an evicted worker is not stopped but parked, its model kept in host
+memory (least recently parked first out, within `host_cache_mb` of declared model memory); a miss
+for that model (same package) takes it back instead of loading. On the cpu backend a worker is not
+bound to a device, so taking it back is free; the cuda backend's host tier (weights kept in host
+memory and copied back onto any GPU, Torpor's late binding) is not built, so it stops its victims.
+
 `run` answers every call with a RunResult whose `outcome` (a gpufaas.proto Outcome) says what
 happened; it raises only when cancelled:
 
@@ -31,7 +38,7 @@ import signal
 import socket
 import sys
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,14 +96,16 @@ class _State(enum.Enum):
     SPARE = "spare"  # warm (runtime imported, context created), waiting for a model
     LOADING = "loading"  # taking a model
     READY = "ready"  # serving calls
+    PARKED = "parked"  # evicted from its GPU, its model kept in host memory (host tier)
     GONE = "gone"  # exited, killed or being stopped
 
 
 class _Worker:
     """One worker process (forked by the zygote) and the node's end of its socket.
 
-    Lifecycle: STARTING -> SPARE -> LOADING -> READY -> GONE (any state may jump to GONE; a spare
-    claimed while starting goes straight to LOADING). GONE when its socket closes (it exited, or
+    Lifecycle: STARTING -> SPARE -> LOADING -> READY <-> PARKED, and GONE (any state may jump to
+    GONE; a spare claimed while starting goes straight to LOADING; a parked worker taken back
+    serves on whichever GPU took it). GONE when its socket closes (it exited, or
     the pool let go of it); `exited` resolves once its process is gone too (its device memory is
     then free). `pid` is known from its hello on.
     """
@@ -188,6 +197,7 @@ class WorkerPool:
     - `_workers`: (model, gpu_id) -> its worker, LOADING or READY. An entry goes when the worker
       is evicted, found dead, killed by a timeout, or replaced after a redeploy.
     - `_spares`: gpu_id -> warm spares, oldest first; `_starting`: gpu_id -> spares on their way.
+    - `_parked`: model -> a PARKED worker (the host tier), least recently parked first.
     - `_live`: every process this pool started and has not yet seen exit; shutdown kills them all.
     """
 
@@ -200,24 +210,30 @@ class WorkerPool:
         spares_per_gpu: int = 1,
         max_body_bytes: int = 16 * 1024 * 1024,
         wait_for_victims: bool | None = None,
+        host_cache_mb: int = 0,
         python: str = sys.executable,
     ) -> None:
         """`gpus`: node-local GPU id -> device index. `fetch_package(digest)` returns the package's
         directory, fetching it if needed. `wait_for_victims`: a miss waits for its victims to exit
-        before loading (their device memory must be free first); default: on cuda only."""
+        before loading (their device memory must be free first); default: on cuda only.
+        `host_cache_mb`: the host tier's size (0: off; the cpu backend only)."""
         backend_class(backend)  # an unknown name fails here, at startup, listing the valid ones
         if spares_per_gpu < 0:
             raise ValueError(f"spares_per_gpu must be >= 0, got {spares_per_gpu}")
+        if host_cache_mb < 0 or (host_cache_mb and backend != "cpu"):
+            raise ValueError(f"host_cache_mb must be >= 0, and 0 on the {backend} backend (a cpu-backend tier)")
         self.backend = backend
         self.gpus = dict(gpus)
         self.spares_per_gpu = spares_per_gpu
         self.max_body_bytes = max_body_bytes
         self.wait_for_victims = backend == "cuda" if wait_for_victims is None else wait_for_victims
+        self.host_cache_mb = host_cache_mb
         self._fetch_package = fetch_package
         self._python = python
         self._workers: dict[tuple[str, str], _Worker] = {}
         self._spares: dict[str, deque[_Worker]] = {gpu: deque() for gpu in self.gpus}
         self._starting: dict[str, list[_Worker]] = {gpu: [] for gpu in self.gpus}
+        self._parked: OrderedDict[str, _Worker] = OrderedDict()  # model -> worker, oldest parked first
         self._live: set[_Worker] = set()
         self._tasks: set[asyncio.Task[object]] = set()  # loads and stops in the background
         self._watchers: set[asyncio.Task[None]] = set()  # one per worker: starts it, waits for its exit
@@ -304,34 +320,15 @@ class WorkerPool:
             # The function was redeployed (a new package): its worker runs stale code. Look again
             # after stopping it: a concurrent call may have started the new one meanwhile.
             await self._stop(worker)
-        stages: pb.MissStages | None = None
-        loaded = False
+        stages: pb.MissStages | None = None  # set on a miss
         if worker is None or worker.state is _State.GONE:
             if worker is not None:
                 self._forget(worker)
-            victims_stopped = self._evict_for_miss(gpu_id, evict, seq)
-            worker = self._begin_load(run, gpu_id)
-            loaded = True
-            load_task = asyncio.create_task(self._load(worker, run, gpu_id, victims_stopped))
-            self._track(load_task)
-            try:
-                async with asyncio.timeout_at(deadline):
-                    stages = await asyncio.shield(load_task)
-            except TimeoutError:
-                self._kill(worker)
-                return RunResult(
-                    pb.TIMEOUT,
-                    f"model {run.model!r} on {gpu_id}: not loaded within the {timeout_s:g} s timeout; worker killed",
-                    loaded=True,
-                    worker_killed=True,
-                )
-            except _LoadFailed as exc:
-                return RunResult(exc.outcome, exc.message, loaded=True)
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    raise  # this call was cancelled
-                return RunResult(pb.WORKER_DIED, "the node shut down while the model loaded", loaded=True)
+            victims = self._evict_for_miss(gpu_id, evict, seq)
+            taken = self._take_back(run, gpu_id) or await self._load_here(run, gpu_id, victims, deadline, timeout_s)
+            if isinstance(taken, RunResult):
+                return taken  # the load failed or timed out
+            worker, stages = taken
         else:
             self._evict_for_miss(gpu_id, evict, seq)  # a grant that expected a miss can still name victims
             if worker.state is _State.LOADING:
@@ -347,11 +344,38 @@ class WorkerPool:
         result = await self._call(
             worker, call_id, payload, content_type=content_type, deadline=deadline, timeout_s=timeout_s
         )
-        if loaded and stages is not None:
+        if stages is not None:
             result.loaded = True
             result.stages = stages
-            result.load_time_s = stages.fetch_s + stages.start_s + stages.context_s + stages.load_s
+            result.load_time_s = stages.fetch_s + stages.start_s + stages.context_s + stages.load_s + stages.host_s
         return result
+
+    async def _load_here(
+        self, run: ModelRun, gpu_id: str, victims: list[asyncio.Future[None]], deadline: float, timeout_s: float
+    ) -> tuple[_Worker, pb.MissStages] | RunResult:
+        """Load `run` on `gpu_id` through a spare: the worker and the miss's stages, or the
+        call's answer when the load failed or timed out."""
+        worker = self._begin_load(run, gpu_id)
+        load_task = asyncio.create_task(self._load(worker, run, gpu_id, victims))
+        self._track(load_task)
+        try:
+            async with asyncio.timeout_at(deadline):
+                return worker, await asyncio.shield(load_task)
+        except TimeoutError:
+            self._kill(worker)
+            return RunResult(
+                pb.TIMEOUT,
+                f"model {run.model!r} on {gpu_id}: not loaded within the {timeout_s:g} s timeout; worker killed",
+                loaded=True,
+                worker_killed=True,
+            )
+        except _LoadFailed as exc:
+            return RunResult(exc.outcome, exc.message, loaded=True)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this call was cancelled
+            return RunResult(pb.WORKER_DIED, "the node shut down while the model loaded", loaded=True)
 
     async def evict(self, model: str, gpu_id: str) -> bool:
         """Stop `model`'s worker on `gpu_id` and wait for it to exit (its memory is then free);
@@ -372,10 +396,40 @@ class WorkerPool:
             victim = self._workers.get((model, gpu_id))
             if victim is None or victim.pending or victim.state is _State.LOADING or victim.last_seq > seq:
                 continue
+            if self.host_cache_mb and victim.state is _State.READY:
+                self._park(victim)
+                continue
             self._forget(victim)
             self._track(asyncio.create_task(self._stop(victim)))
             exits.append(victim.exited)
         return exits
+
+    def _park(self, worker: _Worker) -> None:
+        """Move a ready worker from its GPU to the host tier (oldest parked out past the budget)."""
+        self._forget(worker)
+        worker.state = _State.PARKED
+        older = self._parked.pop(worker.model, None)  # another replica of the model, parked before
+        self._parked[worker.model] = worker
+        if older is not None:
+            self._track(asyncio.create_task(self._stop(older)))
+        while sum(w.memory_mb for w in self._parked.values()) > self.host_cache_mb:
+            _, oldest = self._parked.popitem(last=False)
+            self._track(asyncio.create_task(self._stop(oldest)))
+
+    def _take_back(self, run: ModelRun, gpu_id: str) -> tuple[_Worker, pb.MissStages] | None:
+        """The model's parked worker (same package), now serving on `gpu_id`, or None."""
+        started = time.perf_counter()
+        worker = self._parked.get(run.model)
+        if worker is None or worker.state is not _State.PARKED:
+            return None
+        del self._parked[run.model]
+        if worker.run is None or worker.run.package_digest != run.package_digest:
+            self._track(asyncio.create_task(self._stop(worker)))  # a redeploy: its code is stale
+            return None
+        worker.gpu_id = gpu_id
+        worker.state = _State.READY
+        self._workers[(run.model, gpu_id)] = worker
+        return worker, pb.MissStages(from_host=True, host_s=time.perf_counter() - started)
 
     def _begin_load(self, run: ModelRun, gpu_id: str) -> _Worker:
         """Claim a worker for `run` on `gpu_id` now (a spare if one is warm, else one that is
@@ -633,6 +687,8 @@ class WorkerPool:
     def _on_exit(self, worker: _Worker) -> None:
         self._live.discard(worker)
         self._forget(worker)
+        if self._parked.get(worker.model) is worker:
+            del self._parked[worker.model]
         was_spare = False
         for group in (self._starting.get(worker.gpu_id, []), self._spares.get(worker.gpu_id, deque())):
             if worker in group:

@@ -171,7 +171,7 @@ class Execute(_message.Message):
     def __init__(self, token: _Optional[bytes] = ..., content_type: _Optional[str] = ...) -> None: ...
 
 class MissStages(_message.Message):
-    __slots__ = ("fetch_s", "start_s", "context_s", "load_s", "prefetch_s", "spare_start_s", "spare_context_s")
+    __slots__ = ("fetch_s", "start_s", "context_s", "load_s", "prefetch_s", "spare_start_s", "spare_context_s", "host_s", "from_host")
     FETCH_S_FIELD_NUMBER: _ClassVar[int]
     START_S_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_S_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,8 @@ class MissStages(_message.Message):
     PREFETCH_S_FIELD_NUMBER: _ClassVar[int]
     SPARE_START_S_FIELD_NUMBER: _ClassVar[int]
     SPARE_CONTEXT_S_FIELD_NUMBER: _ClassVar[int]
+    HOST_S_FIELD_NUMBER: _ClassVar[int]
+    FROM_HOST_FIELD_NUMBER: _ClassVar[int]
     fetch_s: float
     start_s: float
     context_s: float
@@ -186,7 +188,9 @@ class MissStages(_message.Message):
     prefetch_s: float
     spare_start_s: float
     spare_context_s: float
-    def __init__(self, fetch_s: _Optional[float] = ..., start_s: _Optional[float] = ..., context_s: _Optional[float] = ..., load_s: _Optional[float] = ..., prefetch_s: _Optional[float] = ..., spare_start_s: _Optional[float] = ..., spare_context_s: _Optional[float] = ...) -> None: ...
+    host_s: float
+    from_host: bool
+    def __init__(self, fetch_s: _Optional[float] = ..., start_s: _Optional[float] = ..., context_s: _Optional[float] = ..., load_s: _Optional[float] = ..., prefetch_s: _Optional[float] = ..., spare_start_s: _Optional[float] = ..., spare_context_s: _Optional[float] = ..., host_s: _Optional[float] = ..., from_host: _Optional[bool] = ...) -> None: ...
 
 class ExecuteReply(_message.Message):
     __slots__ = ("outcome", "message", "loaded", "load_time_s", "inference_time_s", "batch_calls", "stages", "content_type", "node_s")

@@ -322,7 +322,7 @@ def emulated(model: str, digest: str, *, load_s: float = 0.001, inference_s: flo
 
 
 def on_cpu(model: str, digest: str, **options: Any) -> ModelRun:
-    return ModelRun(model, digest, memory_mb=300, **options)
+    return ModelRun(model, digest, **{"memory_mb": 300, **options})
 
 
 def ok(result: RunResult) -> dict[str, Any]:
@@ -768,6 +768,72 @@ def test_a_victim_is_stopped_on_a_miss_unless_a_later_grant_used_it_or_it_has_ca
             await eventually(lambda: not second.running, "the victim exits")
 
     run(scenario)
+
+
+def test_the_host_tier_keeps_an_evicted_worker_and_a_miss_takes_it_back(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path)
+
+    async def scenario() -> None:
+        probe = shelf.digest("probe_function")
+        async with open_pool("cpu", shelf, gpus=("gpu0", "gpu1"), host_cache_mb=250) as node:
+            first = ok(await node.call(on_cpu("a", probe, memory_mb=100), {}))
+            ok(await node.call(on_cpu("b", probe, memory_mb=100), {}, evict=("a",), seq=1))
+            assert node.models() == ["b"]  # "a" left the GPU...
+            parked = Proc.of(first["pid"])
+            assert parked.running  # ... but its process stays, its model in host memory
+
+            # A miss for "a", even on the other GPU, takes it back: no load, the same process.
+            back = await node.call(on_cpu("a", probe, memory_mb=100), {}, gpu="gpu1", seq=2)
+            assert ok(back)["pid"] == parked.pid
+            assert back.loaded and back.stages is not None
+            assert back.stages.from_host and back.stages.load_s == 0.0
+            assert node.models("gpu1") == ["a"]
+
+            # The tier holds 250 MB of models: parking a third 100 MB one pushes the oldest out.
+            ok(await node.call(on_cpu("c", probe, memory_mb=100), {}, seq=3))
+            b_proc, c_proc = Proc.of(node.pid_of("b")), Proc.of(node.pid_of("c"))
+            for victim, seq in (("b", 4), ("c", 5)):
+                ok(await node.call(on_cpu(f"new-{victim}", probe, memory_mb=100), {}, evict=(victim,), seq=seq))
+            ok(await node.call(on_cpu("d", probe, memory_mb=100), {}, gpu="gpu1", evict=("a",), seq=6))
+            await eventually(lambda: not b_proc.running, "the oldest parked worker is stopped")
+            assert c_proc.running and parked.running
+            b_back = await node.call(on_cpu("b", probe, memory_mb=100), {}, seq=7)
+            assert b_back.loaded and b_back.stages is not None and not b_back.stages.from_host, "b was pushed out"
+
+    run(scenario)
+
+
+def test_a_parked_worker_of_an_older_package_or_a_dead_one_is_not_taken_back(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path)
+
+    async def scenario() -> None:
+        probe, echo = shelf.digest("probe_function"), shelf.digest("echo_function")
+        async with open_pool("cpu", shelf, host_cache_mb=1000) as node:
+            old = Proc.of(ok(await node.call(on_cpu("a", probe), {}))["pid"])
+            ok(await node.call(on_cpu("b", probe), {}, evict=("a",), seq=1))
+            assert old.running
+            # Redeployed meanwhile: the parked worker runs stale code; it is stopped, the new loads.
+            fresh = await node.call(on_cpu("a", echo), {"x": 1}, seq=2)
+            assert ok(fresh)["echo"] == {"x": 1}
+            assert fresh.stages is not None and not fresh.stages.from_host
+            await eventually(lambda: not old.running, "the stale parked worker exits")
+
+            ok(await node.call(on_cpu("c", echo), {}, evict=("b",), seq=3))
+            parked = Proc.of(node.pid_of("c"))
+            ok(await node.call(on_cpu("d", echo), {}, evict=("c",), seq=4))
+            parked.kill()
+            await eventually(lambda: not parked.running, "the parked worker dies")
+            await asyncio.sleep(0.1)
+            again = await node.call(on_cpu("c", echo), {"y": 2}, seq=5)
+            assert ok(again)["echo"] == {"y": 2} and again.stages is not None and not again.stages.from_host
+
+    run(scenario)
+
+
+def test_the_host_tier_is_the_cpu_backends(tmp_path: Path) -> None:
+    for backend in ("emulated", "cuda"):
+        with pytest.raises(ValueError, match="cpu"):
+            WorkerPool(backend, gpus={"gpu0": 0}, fetch_package=Shelf(tmp_path).fetch, host_cache_mb=100)
 
 
 @pytest.mark.parametrize("wait_for_victims", [False, True])

@@ -1017,3 +1017,22 @@ def test_http_unknown_function_and_oversized_payload_never_reach_the_scheduler(t
             assert scheduler.frames() == [], "nothing reached the scheduler"
 
     run(scenario())
+
+
+def test_server_timing_names_the_host_stage_only_when_the_model_came_back_from_host_memory() -> None:
+    from gateway.invoke import miss_timing
+
+    loaded = pb.ExecuteReply(loaded=True, stages=pb.MissStages(load_s=0.004), inference_time_s=0.001)
+    assert [part.split(";")[0] for part in miss_timing(loaded).split(", ")] == [
+        "fetch",
+        "prefetch",
+        "start",
+        "context",
+        "load",
+        "inference",
+        "spare-start",
+        "spare-context",
+    ]
+    taken_back = pb.ExecuteReply(loaded=True, stages=pb.MissStages(from_host=True, host_s=0.00002))
+    assert "host;dur=0.020" in miss_timing(taken_back)
+    assert miss_timing(taken_back).index("host") < miss_timing(taken_back).index("inference")
