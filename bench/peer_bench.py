@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -153,9 +153,35 @@ def ray_python(args: argparse.Namespace) -> Path:
     return python
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc), so that what a server leaves behind can be stopped
+    by PID (Ray's raylet and GCS start sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def signal_pids(pids: list[int], signum: signal.Signals) -> None:
+    for pid in pids:
+        with suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
+
+
 @contextmanager
 def server(command: list[str], env: dict[str, str], ready_url: str, log: Path, **ready: Any) -> Iterator[int]:
-    """Start a server, wait until `ready_url` answers 2xx, stop it (by PID, with its group) after."""
+    """Start a server, wait until `ready_url` answers 2xx, stop it and everything it started (by
+    PID) after. A server that does not come up is an error quoting the end of its log."""
     with log.open("wb") as out:
         process = subprocess.Popen(
             command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=PEER, start_new_session=True
@@ -163,24 +189,28 @@ def server(command: list[str], env: dict[str, str], ready_url: str, log: Path, *
     try:
         deadline = time.monotonic() + 300
         while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{command[1]} exited with {process.returncode}; see {log}")
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+                raise RuntimeError(f"{' '.join(command[1:3])} did not come up (status {process.poll()}):\n{tail}")
             try:
                 if httpx.post(ready_url, timeout=5, **ready).is_success:
                     break
             except httpx.HTTPError:
                 pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{ready_url} did not answer within 300 s; see {log}")
             time.sleep(0.5)
         yield process.pid
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
+        family = descendants(process.pid)
+        signal_pids([process.pid], signal.SIGTERM)
         try:
             process.wait(timeout=90)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            signal_pids([process.pid], signal.SIGKILL)
             process.wait()
+        family += [pid for pid in descendants(os.getpid()) if pid not in family]
+        signal_pids(family, signal.SIGTERM)
+        time.sleep(2)
+        signal_pids(family, signal.SIGKILL)
 
 
 def replica_loads(url: str) -> dict[int, int]:
@@ -294,19 +324,24 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
     results: dict[str, Any] = {}
+    failures: dict[str, str] = {}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpufaas-peer-bench-") as tmp:
         work = Path(tmp)
         for system in systems:
             print(f"== {system}", flush=True)
-            if system == "gpufaas":
-                results[system] = run_gpufaas(args, work, gpu_memory_mb=300)
-            elif system == "gpufaas-hits":
-                results[system] = run_gpufaas(args, work, gpu_memory_mb=1000)
-            elif system.startswith("ray-"):
-                results[system] = run_ray(args, work, system.removeprefix("ray-"))
-            else:
-                results[system] = run_fastapi(args, work)
+            try:
+                if system == "gpufaas":
+                    results[system] = run_gpufaas(args, work, gpu_memory_mb=300)
+                elif system == "gpufaas-hits":
+                    results[system] = run_gpufaas(args, work, gpu_memory_mb=1000)
+                elif system.startswith("ray-"):
+                    results[system] = run_ray(args, work, system.removeprefix("ray-"))
+                else:
+                    results[system] = run_fastapi(args, work)
+            except (RuntimeError, subprocess.SubprocessError, httpx.HTTPError) as exc:
+                print(f"  {system} failed: {exc}", flush=True)
+                failures[system] = str(exc)
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "")
     report = {
@@ -324,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             "client": "bench/peer/load_client.py (closed loop, aiohttp + uvloop), same host",
         },
         "results": results,
+        "failures": failures,
         "verdict": verdict(results),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
