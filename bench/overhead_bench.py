@@ -8,8 +8,8 @@ call on the same kind of worker process through the GPU manager's own `WorkerPoo
 process: what is left of the latency when the control plane is taken away. Both run a no-op handler,
 warm (every call a hit), with 1, 8 and 32 concurrent clients, each for a fixed number of calls.
 Overhead = gateway p50/p99 minus direct p50/p99 at the same concurrency, measured twice: as the
-client sees it (which includes this process's own HTTP client, a cost the direct path does not
-pay), and inside the system, from the gateway's X-Duration-Seconds header (request received to
+client sees it (which includes this process's own HTTP client, aiohttp, a cost the direct path
+does not pay), and inside the system, from the gateway's X-Duration-Seconds header (request received to
 answer ready: scheduler, GPU manager and worker included, client and socket excluded).
 
 Misses: functions that share one package (so the node holds it already) are each called once, in
@@ -117,15 +117,20 @@ async def drive(clients: int, calls: int, one_call: Any) -> dict[str, Any]:
 
 
 async def bench_gateway(url: str, calls: int) -> dict[int, dict[str, float]]:
+    """The client is aiohttp's (as bench/peer's load client): httpx's own cost would be most of
+    what is measured at one client."""
+    import aiohttp
+
     results = {}
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as client:
+    connector = aiohttp.TCPConnector(limit=64)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as client:
 
         async def one() -> float:
-            response = await client.post("/function/noop", content=b"{}", headers={"content-type": "application/json"})
-            if response.status_code != 200 or response.headers.get("x-cache") != "hit":
-                raise RuntimeError(f"unexpected answer {response.status_code} {response.headers} {response.text}")
-            return float(response.headers["x-duration-seconds"])
+            async with client.post("/function/noop", data=b"{}", headers={"content-type": "application/json"}) as r:
+                body = await r.read()
+                if r.status != 200 or r.headers.get("x-cache") != "hit":
+                    raise RuntimeError(f"unexpected answer {r.status} {r.headers} {body!r}")
+                return float(r.headers["x-duration-seconds"])
 
         await drive(4, 100, one)  # warm connections and code paths
         for clients in CONCURRENCY:
