@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import io
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -37,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from bench.machine import run_metadata
 from gpu_manager.backends import Handler, import_handler
 from gpu_manager.devices import Nvml, discover_nvml
 from gpu_manager.packages import PackageCache, package_digest
@@ -255,15 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     report: dict[str, Any] = {
-        "metadata": {
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "gpu": [f"{d.gpu_id}: {d.gpu_type}, {d.memory_mb} MiB" for d in devices],
-            "torch": torch.__version__,
-            "python": sys.version.split()[0],
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "calls": args.calls,
-        }
+        "metadata": run_metadata(
+            gpu=[f"{d.gpu_id}: {d.gpu_type}, {d.memory_mb} MiB" for d in devices],
+            torch=torch.__version__,
+            calls=args.calls,
+        )
     }
     step: Callable[[str], None] = lambda what: print(f"== {what}", flush=True)  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="gpufaas-cuda-bench-") as tmp:

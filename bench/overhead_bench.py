@@ -27,11 +27,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import io
 import json
-import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -44,6 +41,7 @@ from typing import Any
 
 import httpx
 
+from bench.machine import run_metadata
 from gpu_manager.packages import PackageCache, package_digest
 from gpu_manager.pool import ModelRun, WorkerPool
 from gpufaas.local_cluster import LocalCluster
@@ -238,13 +236,6 @@ def bench_misses(url: str, package: bytes, functions: int) -> dict[str, Any]:
     }
 
 
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, default=Path("bench/results/overhead_bench.json"))
@@ -284,15 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     single = rows[0]
     report = {
-        "metadata": {
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "git_commit": git_commit(),
-            "python": sys.version.split()[0],
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "loadavg_1min": os.getloadavg()[0],
-            "calls_per_level": args.calls,
-        },
+        "metadata": run_metadata(calls_per_level=args.calls),
         "target": {"overhead_p50_ms": TARGET_P50_MS, "overhead_p99_ms": TARGET_P99_MS, "at_clients": 1},
         "target_met": single["overhead_p50_ms"] <= TARGET_P50_MS and single["overhead_p99_ms"] <= TARGET_P99_MS,
         "target_met_inside": single["inside_overhead_p50_ms"] <= TARGET_P50_MS

@@ -22,10 +22,8 @@ Run: `python -m bench.peer_bench [--out bench/results/peer_bench.json] [--durati
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -39,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from bench.machine import run_metadata
 from gpufaas.etcd_server import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -301,14 +300,6 @@ def verdict(results: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def git_commit() -> str | None:
-    try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=REPO)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return done.stdout.strip()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/peer_bench.json")
@@ -342,22 +333,14 @@ def main(argv: list[str] | None = None) -> int:
             except (RuntimeError, subprocess.SubprocessError, httpx.HTTPError) as exc:
                 print(f"  {system} failed: {exc}", flush=True)
                 failures[system] = str(exc)
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "")
     report = {
-        "metadata": {
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "git_commit": git_commit(),
-            "python": sys.version.split()[0],
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "cpu_model": cpu,
-            "duration_s": args.duration,
-            "warmup_s": args.warmup,
-            "wall_s": round(time.monotonic() - started, 1),
-            "workload": f"{NUM_MODELS} models, Zipf {ZIPF}, 2 GPUs x 3 models, concurrency {list(CONCURRENCY)}",
-            "client": "bench/peer/load_client.py (closed loop, aiohttp + uvloop), same host",
-        },
+        "metadata": run_metadata(
+            duration_s=args.duration,
+            warmup_s=args.warmup,
+            wall_s=round(time.monotonic() - started, 1),
+            workload=f"{NUM_MODELS} models, Zipf {ZIPF}, 2 GPUs x 3 models, concurrency {list(CONCURRENCY)}",
+            client="bench/peer/load_client.py (closed loop, aiohttp + uvloop), same host",
+        ),
         "results": results,
         "failures": failures,
         "verdict": verdict(results),

@@ -23,16 +23,13 @@ Run: `python -m bench.scheduler_bench [--out bench/results/scheduler_bench.json]
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import heapq
 import itertools
 import json
 import math
-import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -40,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.machine import load_average, run_metadata
 from gpufaas.types import GpuSpec, ModelSpec, Request
 from scheduler import Dispatch, Park, Scheduler, make_policy
 
@@ -303,32 +301,12 @@ def summarize(
     return summary
 
 
-def git_commit() -> str | None:
-    try:
-        completed = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return completed.stdout.strip() or None
-
-
-def load_average() -> float | None:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (OSError, AttributeError):  # not available on this platform
-        return None
-
-
 def metadata(quick: bool) -> dict[str, Any]:
-    return {
-        "python": sys.version.split()[0],
-        "implementation": platform.python_implementation(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
-        "quick": quick,
-        "gc_disabled_during_steady_state": True,
-        "setup": {
+    return run_metadata(
+        implementation=platform.python_implementation(),
+        quick=quick,
+        gc_disabled_during_steady_state=True,
+        setup={
             "gpu_memory_mb": GPU_MEMORY_MB,
             "models": NUM_MODELS,
             "model_mb": [MODEL_MIN_MB, MODEL_MAX_MB],
@@ -337,7 +315,7 @@ def metadata(quick: bool) -> dict[str, Any]:
             "seed": SEED,
             "warmup_iterations": "max(warmup, gpus x slots)",
         },
-    }
+    )
 
 
 def print_table(results: Sequence[ConfigResult], summary: dict[str, Any]) -> None:
