@@ -302,7 +302,12 @@ class SchedulerService:
             self._attach(node, reply)
             lost = await conn.closed
             if self._nodes.get(node.record.node) is node:
-                log.warning("lost the connection to node %s (%s); taking its GPUs out", node.record.node, lost)
+                log.warning(
+                    "lost the connection to node %s (%s); taking its GPUs out, %d placed call(s) go back to the queue",
+                    node.record.node,
+                    lost,
+                    len(self.book.placed_on(node.record.node)),
+                )
                 self._detach(node)
             node.conn = None
             await asyncio.sleep(RECONNECT_S)

@@ -150,3 +150,25 @@ def test_deploy_invoke_hits_and_lru_state_in_etcd(make_cluster: ClusterFactory, 
     listed = {f["name"]: f for f in httpx.get(f"{cluster.gateway_url}/system/functions", timeout=10).json()}
     assert listed["lin-a"]["invocationCount"] >= 16
     assert httpx.get(f"{cluster.gateway_url}/system/queue", timeout=10).json()["length"] == 0
+
+
+def test_a_function_that_opts_in_gets_waiting_calls_merged_into_batches(
+    make_cluster: ClusterFactory, tmp_path: Path
+) -> None:
+    """max_batch_size in the spec reaches the worker: calls that wait for it are merged into one
+    predict (it receives a list), and every caller gets its own output back."""
+    cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000, slots="8")
+    deploy(cluster, "batched", "batch_function", tmp_path, memory_mb=100, max_batch_size=4, max_batch_wait_ms=50)
+    first = httpx.post(f"{cluster.gateway_url}/function/batched", json={"n": -1}, timeout=60)
+    assert first.status_code == 200, first.text
+
+    def call(n: int) -> httpx.Response:
+        return httpx.post(f"{cluster.gateway_url}/function/batched", json={"n": n, "sleep_s": 0.2}, timeout=60)
+
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(call, range(8)))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    assert sorted(r.json()["echo"]["n"] for r in responses) == list(range(8))  # each got its own
+    sizes = [r.json()["batch_size"] for r in responses]
+    assert max(sizes) > 1 and all(size <= 4 for size in sizes), sizes
+    assert {r.headers["X-Batch-Calls"] for r in responses} == {str(size) for size in sizes}
