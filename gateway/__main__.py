@@ -10,6 +10,7 @@ import uvicorn
 
 from gateway.app import GatewayConfig, create_app
 from gpufaas.keys import Keys
+from gpufaas.packages import DEFAULT_MAX_UNPACKED_MB
 from gpufaas.service_main import add_common_flags, configure_logging, run_daemon
 from gpufaas.store import EtcdStore
 
@@ -25,6 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--scheduler", default=None, help="scheduler address host:port (default: look it up in etcd)")
     parser.add_argument("--max-payload-mb", type=float, default=16.0, help="invocation body limit (413 above)")
+    parser.add_argument(
+        "--max-unpacked-mb",
+        type=int,
+        default=DEFAULT_MAX_UNPACKED_MB,
+        help="largest size a package may unpack to (413 at upload above)",
+    )
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     config = GatewayConfig(
@@ -32,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         public_url=args.public_url or f"http://{args.host}:{args.port}",
         scheduler_address=args.scheduler,
         max_payload_bytes=int(args.max_payload_mb * 1024 * 1024),
+        max_unpacked_bytes=args.max_unpacked_mb * 1024 * 1024,
         keys=Keys(args.root),
     )
 

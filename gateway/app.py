@@ -11,6 +11,7 @@ import logging
 import os
 import platform
 import tempfile
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,11 +26,13 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 import gpufaas
 from gateway.invoke import InvokeMiddleware
 from gateway.router import SCHEDULER_WAIT_S, CallFailed, Router
+from gpufaas.cluster import NodeRecord
 from gpufaas.errors import GpufaasError, InvalidInput
 from gpufaas.functions import DIGEST_PATTERN, FunctionSpec
 from gpufaas.keys import Keys
+from gpufaas.packages import DEFAULT_MAX_UNPACKED_MB, InvalidPackage, PackageTooLarge, check_archive
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.store import LeaseKeeper, Store, StoreError, WatchEvent
+from gpufaas.store import KeyValue, LeaseKeeper, Store, StoreError, WatchEvent, list_and_watch
 
 log = logging.getLogger("gpufaas.gateway")
 
@@ -43,6 +46,8 @@ class GatewayConfig:
     scheduler_address: str | None = None  # None: look it up in etcd (services/scheduler)
     max_payload_bytes: int = 16 * 1024 * 1024
     max_package_bytes: int = 2 * 1024 * 1024 * 1024
+    max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_MB * 1024 * 1024
+    package_grace_s: float = 3600.0  # a package no function uses is deleted once it is this old
     keys: Keys = field(default_factory=Keys)
     scheduler_wait_s: float = SCHEDULER_WAIT_S  # how long a call waits for a scheduler to (re)connect
 
@@ -58,8 +63,9 @@ class ApiError(Exception):
 
 
 class Gateway:
-    """State behind the HTTP API: a mirror of the function registry fed by an etcd watch, the
-    package files on disk, and the router (one connection to the scheduler, one per node)."""
+    """State behind the HTTP API: mirrors of the function registry and of the nodes fed by etcd
+    (list, then watch), the package files on disk, and the router (one connection to the
+    scheduler, one per node)."""
 
     def __init__(self, store: Store, config: GatewayConfig) -> None:
         self.store = store
@@ -73,24 +79,53 @@ class Gateway:
             scheduler_address=config.scheduler_address,
             scheduler_wait_s=config.scheduler_wait_s,
         )
+        self.nodes: dict[str, NodeRecord] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._lease: LeaseKeeper | None = None
 
     async def start(self) -> None:
+        """List what the gateway mirrors (functions, the scheduler's address, the nodes' GPUs) and
+        keep it current (StoreError if etcd cannot be reached now)."""
         self.packages_dir.mkdir(parents=True, exist_ok=True)
-        revision = await self.store.revision()
-        for kv in await self.store.get_prefix(self.keys.functions):
-            with contextlib.suppress(GpufaasError):
-                spec = FunctionSpec.from_json(kv.value)
-                self.functions[spec.name] = spec
-        if self.config.scheduler_address is None:
-            registered = await self.store.get(self.keys.service("scheduler"))
-            if registered is not None:
-                self.router.set_scheduler_address(registered.value.decode())
+        mirrors = (
+            (self.keys.functions, self._functions_listed, self._function_changed),
+            (self.keys.services, self._services_listed, self._service_changed),
+            (self.keys.nodes, self._nodes_listed, self._node_changed),
+        )
+        for prefix, on_list, on_event in mirrors:
+            revision = await self.store.revision()
+            on_list(await self.store.get_prefix(prefix), revision)
+            self._tasks.append(
+                asyncio.create_task(
+                    list_and_watch(self.store, prefix, on_list=on_list, on_event=on_event, listed_at=revision)
+                )
+            )
         self.router.start()
         self._lease = LeaseKeeper(self.store, LEASE_TTL_S, on_regrant=self._register)
         await self._register(await self._lease.start())
-        self._tasks = [asyncio.create_task(self._watch(revision))]
+        self._tasks.append(asyncio.create_task(self._collect_packages()))
+
+    async def _collect_packages(self) -> None:
+        """Delete, now and then, the stored packages that no function uses and that are older than
+        `package_grace_s` (the grace covers an upload whose deploy is on its way)."""
+        while True:
+            await asyncio.sleep(min(60.0, self.config.package_grace_s / 2))
+            with contextlib.suppress(OSError):
+                removed = await asyncio.to_thread(self.collect_packages, time.time())
+                if removed:
+                    log.info("deleted %d package(s) no function uses", len(removed))
+
+    def collect_packages(self, now_unix_s: float) -> list[str]:
+        """One collection (see `_collect_packages`); returns the digests deleted."""
+        used = {spec.package_digest.removeprefix("sha256:") for spec in self.functions.values()}
+        removed = []
+        for path in self.packages_dir.glob("*.tar.gz"):
+            hex_digest = path.name.removesuffix(".tar.gz")
+            with contextlib.suppress(FileNotFoundError):
+                if hex_digest not in used and now_unix_s - path.stat().st_mtime > self.config.package_grace_s:
+                    path.unlink()
+                    removed.append(f"sha256:{hex_digest}")
+        return removed
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -105,33 +140,51 @@ class Gateway:
     async def _register(self, lease: int) -> None:
         await self.store.put(self.keys.service("gateway"), self.config.public_url.encode(), lease=lease)
 
-    async def _watch(self, revision: int) -> None:
-        start = revision + 1
-        while True:
-            try:
-                async for event in self.store.watch_prefix(self.keys.root + "/", start_revision=start):
-                    start = event.mod_revision + 1
-                    self._apply(event)
-            except asyncio.CancelledError:
-                raise
-            except StoreError as exc:
-                log.warning("watch failed (%s); retrying", exc)
-                await asyncio.sleep(0.5)
+    # --- mirrors of etcd ------------------------------------------------------------------
+    def _functions_listed(self, kvs: list[KeyValue], revision: int) -> None:
+        self.functions = {}
+        for kv in kvs:
+            with contextlib.suppress(GpufaasError):
+                spec = FunctionSpec.from_json(kv.value)
+                self.functions[spec.name] = spec
 
-    def _apply(self, event: WatchEvent) -> None:
-        if event.key.startswith(self.keys.functions):
-            name = event.key.removeprefix(self.keys.functions)
-            if event.kind == "delete":
-                self.functions.pop(name, None)
-            else:
-                with contextlib.suppress(GpufaasError):
-                    self.functions[name] = FunctionSpec.from_json(event.value)
-        elif (
+    def _function_changed(self, event: WatchEvent) -> None:
+        name = event.key.removeprefix(self.keys.functions)
+        if event.kind == "delete":
+            self.functions.pop(name, None)
+        else:
+            with contextlib.suppress(GpufaasError):
+                self.functions[name] = FunctionSpec.from_json(event.value)
+
+    def _services_listed(self, kvs: list[KeyValue], revision: int) -> None:
+        for kv in kvs:
+            self._service_changed(WatchEvent("put", kv.key, kv.value, kv.mod_revision))
+
+    def _service_changed(self, event: WatchEvent) -> None:
+        if (
             event.key == self.keys.service("scheduler")
             and event.kind == "put"
             and self.config.scheduler_address is None
         ):
             self.router.set_scheduler_address(event.value.decode())
+
+    def _nodes_listed(self, kvs: list[KeyValue], revision: int) -> None:
+        self.nodes = {}
+        for kv in kvs:
+            self._node_changed(WatchEvent("put", kv.key, kv.value, kv.mod_revision))
+
+    def _node_changed(self, event: WatchEvent) -> None:
+        name = event.key.removeprefix(self.keys.nodes)
+        if event.kind == "delete":
+            self.nodes.pop(name, None)
+            return
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            self.nodes[name] = NodeRecord.from_json(event.value)
+
+    def largest_gpu_mb(self, gpu_type: str | None) -> int | None:
+        """The largest registered GPU (of `gpu_type`, if given), in MB; None if none is known."""
+        sizes = [g.memory_mb for n in self.nodes.values() for g in n.gpus if gpu_type in (None, g.gpu_type)]
+        return max(sizes, default=None)
 
     # --- packages -------------------------------------------------------------------------
     def package_path(self, digest: str) -> Path:
@@ -225,6 +278,11 @@ def create_app(store: Store, config: GatewayConfig) -> FastAPI:
         if expected is not None and expected != actual:
             os.unlink(part.name)
             raise ApiError(400, f"the package's digest is {actual}, not {expected}: the upload was corrupted; retry it")
+        try:  # refused at the door, not at its first call
+            await asyncio.to_thread(check_archive, part.name, max_unpacked_bytes=config.max_unpacked_bytes)
+        except InvalidPackage as exc:
+            os.unlink(part.name)
+            raise ApiError(413 if isinstance(exc, PackageTooLarge) else 400, str(exc)) from None
         os.replace(part.name, gateway.package_path(actual))
         return {"digest": actual, "size_bytes": size}
 
@@ -250,6 +308,14 @@ def create_app(store: Store, config: GatewayConfig) -> FastAPI:
         spec = FunctionSpec.from_dict(raw)
         if not gateway.package_path(spec.package_digest).exists():
             raise ApiError(400, f"package {spec.package_digest} is not uploaded; POST it to /system/packages first")
+        largest = gateway.largest_gpu_mb(spec.required_gpu_type)
+        if largest is not None and spec.memory_mb > largest:
+            kind = f"{spec.gpu} GPU" if spec.required_gpu_type else "GPU"
+            raise ApiError(
+                422,
+                f"memory_mb {spec.memory_mb} is more than any {kind} of the cluster holds (the largest: {largest} MB); "
+                "declare the model's real peak memory, or add a larger GPU",
+            )
         return spec
 
     @app.post("/system/functions", status_code=202)

@@ -35,6 +35,7 @@ log = logging.getLogger("gpufaas.gpu_manager")
 LEASE_TTL_S = 3  # the node's heartbeat: a node silent this long leaves the cluster
 DEFAULT_HOST_CACHE_MB = 4096  # the cpu backend's host tier
 PRUNE_INTERVAL_S = 10.0
+PACKAGE_GRACE_S = 3600.0  # an extracted package no worker uses is deleted once unused this long
 # Outcomes after which the model's worker is gone from the GPU (the scheduler drops its entry).
 _WORKER_LOST = {pb.LOAD_FAILED, pb.WORKER_DIED}
 
@@ -56,6 +57,7 @@ class GpuManagerDaemon:
         spares_per_gpu: int = 1,
         max_body_bytes: int = 16 * 1024 * 1024,
         host_cache_mb: int = 0,
+        package_grace_s: float = PACKAGE_GRACE_S,
     ) -> None:
         if not devices:
             raise ValueError("a GPU manager needs at least one device")
@@ -66,6 +68,7 @@ class GpuManagerDaemon:
         self.devices = {device.gpu_id: device for device in devices}
         self.packages = packages
         self.max_body_bytes = max_body_bytes
+        self.package_grace_s = package_grace_s
         self.pool = WorkerPool(
             backend,
             gpus={d.gpu_id: d.index for d in devices},
@@ -126,9 +129,16 @@ class GpuManagerDaemon:
         task.add_done_callback(self._tasks.discard)
 
     async def _prune(self) -> None:
+        """Now and then: forget old grants, delete packages no worker has used for a while."""
         while True:
             await asyncio.sleep(PRUNE_INTERVAL_S)
-            self.ledger.prune(time.time())
+            now = time.time()
+            self.ledger.prune(now)
+            in_use = self.pool.packages_in_use()
+            with contextlib.suppress(OSError):
+                removed = await asyncio.to_thread(self.packages.collect, in_use, now, self.package_grace_s)
+                if removed:
+                    log.info("deleted %d package(s) no worker used for %g s", len(removed), self.package_grace_s)
 
     # --- packages ---------------------------------------------------------------------------
     async def _package(self, digest: str) -> Path:

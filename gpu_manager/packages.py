@@ -1,36 +1,32 @@
-"""Function packages on a node: content-addressed `.tar.gz` archives, verified and safely extracted."""
+"""Function packages on a node: content-addressed `.tar.gz` archives, verified and safely extracted
+(the format and its checks: gpufaas.packages)."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import io
 import os
 import re
 import shutil
 import tarfile
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from gpufaas.errors import GpufaasError
+from gpufaas.packages import (
+    DEFAULT_MAX_UNPACKED_MB,
+    HANDLER_FILE,
+    InvalidPackage,
+    PackageTooLarge,
+    check_member,
+    package_digest,
+)
 
-HANDLER_FILE = "handler.py"
-"""Every package holds this file at its top level, defining `load(device)` and `predict(model, inputs)`."""
+__all__ = ["InvalidPackage", "PackageCache", "package_digest"]
 
 _DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
 _TMP_PREFIX = ".tmp-"
-
-
-class InvalidPackage(GpufaasError):
-    """A package whose bytes do not match its digest, that is not a gzip'd tar, that lacks
-    `handler.py`, or that holds a member which could escape its directory (absolute path, `..`,
-    link, device)."""
-
-
-def package_digest(data: bytes) -> str:
-    """The content address of a package: "sha256:<hex>" of its bytes."""
-    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 def _hex_of(digest: str) -> str:
@@ -49,14 +45,19 @@ class PackageCache:
     half-written package. `root` belongs to one cache (one gpu_manager) at a time.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(
+        self, root: Path, *, max_unpacked_mb: int = DEFAULT_MAX_UNPACKED_MB, clock: Callable[[], float] = time.time
+    ) -> None:
         self.root = root
+        self._clock = clock
+        self.max_unpacked_bytes = max_unpacked_mb * 1024 * 1024
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob(_TMP_PREFIX + "*"):
             shutil.rmtree(stale, ignore_errors=True)
         # Downloads in flight, by digest: concurrent `ensure`s of one digest await the same task.
         # An entry lives from the first `ensure` that finds the package absent until that task ends.
         self._pending: dict[str, asyncio.Task[Path]] = {}
+        self._used_at: dict[str, float] = {}  # digest -> when a worker last asked for it (wall clock)
 
     def path_for(self, digest: str) -> Path | None:
         """The extracted directory of `digest`, or None if it is not installed."""
@@ -78,6 +79,7 @@ class PackageCache:
         Concurrent calls for one digest share one download; a failed download is not remembered, so
         the next call tries again.
         """
+        self._used_at[digest] = self._clock()
         path = self.path_for(digest)
         if path is not None:
             return path
@@ -88,6 +90,24 @@ class PackageCache:
             task.add_done_callback(lambda _: self._pending.pop(digest, None))
         # Shielded: one caller giving up must not cancel the download the others are waiting for.
         return await asyncio.shield(task)
+
+    def collect(self, in_use: set[str], now_unix_s: float, grace_s: float) -> list[str]:
+        """Delete the extracted packages not `in_use` that nobody asked for in `grace_s` (or, if
+        none has since this cache opened, whose directory is that old); the digests deleted."""
+        removed = []
+        for path in self.root.iterdir():
+            if path.name.startswith(_TMP_PREFIX) or not _DIGEST.fullmatch(f"sha256:{path.name}"):
+                continue
+            digest = f"sha256:{path.name}"
+            try:
+                last = self._used_at.get(digest, path.stat().st_mtime)
+            except FileNotFoundError:
+                continue
+            if digest not in in_use and digest not in self._pending and now_unix_s - last > grace_s:
+                shutil.rmtree(path, ignore_errors=True)
+                self._used_at.pop(digest, None)
+                removed.append(digest)
+        return removed
 
     async def _download(self, digest: str, fetch: Callable[[str], Awaitable[bytes]]) -> Path:
         data = await fetch(digest)
@@ -102,7 +122,7 @@ class PackageCache:
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{hex_digest[:12]}-", dir=self.root))
         try:
-            _extract(data, tmp, digest)
+            _extract(data, tmp, digest, self.max_unpacked_bytes)
             try:
                 os.rename(tmp, target)  # atomic on one filesystem: the package appears whole or not at all
             except OSError:
@@ -113,27 +133,23 @@ class PackageCache:
         return target
 
 
-def _extract(data: bytes, dest: Path, digest: str) -> None:
+def _extract(data: bytes, dest: Path, digest: str, max_unpacked_bytes: int) -> None:
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
             members = tar.getmembers()
+            unpacked = 0
             for member in members:
-                _check_member(member, digest)
-            # The "data" filter re-checks what _check_member did and also strips setuid bits and
+                try:
+                    check_member(member)
+                except InvalidPackage as exc:
+                    raise InvalidPackage(f"package {digest}: {exc}") from None
+                unpacked += member.size if member.isfile() else 0
+                if unpacked > max_unpacked_bytes:
+                    raise PackageTooLarge(f"package {digest} unpacks to more than {max_unpacked_bytes} bytes")
+            # The "data" filter re-checks what check_member did and also strips setuid bits and
             # other special permissions: defence in depth against a crafted archive.
             tar.extractall(dest, members=members, filter="data")
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise InvalidPackage(f"package {digest} is not a valid .tar.gz: {exc}") from exc
     if not (dest / HANDLER_FILE).is_file():
         raise InvalidPackage(f"package {digest} has no top-level {HANDLER_FILE}")
-
-
-def _check_member(member: tarfile.TarInfo, digest: str) -> None:
-    name = member.name
-    parts = Path(name).parts
-    if name.startswith(("/", "\\")) or Path(name).is_absolute():
-        raise InvalidPackage(f"package {digest}: member {name!r} has an absolute path")
-    if ".." in parts:
-        raise InvalidPackage(f"package {digest}: member {name!r} climbs out of the package with '..'")
-    if not (member.isfile() or member.isdir()):
-        raise InvalidPackage(f"package {digest}: member {name!r} is a link or device; only files and directories")

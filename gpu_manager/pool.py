@@ -283,6 +283,10 @@ class WorkerPool:
             (model, gpu, w.pid, w.memory_mb) for (model, gpu), w in self._workers.items() if w.state is _State.READY
         ]
 
+    def packages_in_use(self) -> set[str]:
+        """The package digests of every worker that has or is taking a model (parked ones too)."""
+        return {w.run.package_digest for w in self._live if w.run is not None and w.state is not _State.GONE}
+
     def forget_grant_order(self) -> None:
         """A new scheduler attached: its grants are numbered afresh (see `run`'s `seq`)."""
         for worker in self._workers.values():

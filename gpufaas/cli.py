@@ -658,17 +658,10 @@ def _template_meta(path: Path) -> dict[str, Any]:
 
 
 def _package(directory: Path) -> bytes:
-    """The handler directory as a .tar.gz (paths relative to it; no caches or VCS files)."""
-    import io
-    import tarfile
+    """The handler directory as a package: the same bytes (and digest) every time for the same files."""
+    from gpufaas.packages import build_package
 
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        for path in sorted(directory.rglob("*")):
-            parts = set(path.relative_to(directory).parts)
-            if path.is_file() and not parts & {"__pycache__", ".git", ".venv"}:
-                tar.add(path, arcname=path.relative_to(directory).as_posix())
-    return buffer.getvalue()
+    return build_package(directory)
 
 
 def _upload(client: GatewayClient, package: bytes, name: str) -> str:

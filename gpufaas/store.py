@@ -724,3 +724,50 @@ class LeaseKeeper:
                 logger.exception("on_regrant(%x) failed (retrying)", lease)
             await self._sleep(self._backoff_s(failures))
             failures += 1
+
+
+# --- list, then watch -----------------------------------------------------------------------
+
+ListHandler = Callable[[list[KeyValue], int], Awaitable[None] | None]
+EventHandler = Callable[[WatchEvent], Awaitable[None] | None]
+
+
+async def list_and_watch(
+    store: Store,
+    prefix: str,
+    *,
+    on_list: ListHandler,
+    on_event: EventHandler,
+    listed_at: int | None = None,
+    retry_s: float = 0.5,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> None:
+    """Keep a mirror of `prefix` (Kubernetes' reflector): list it (`on_list(kvs, revision)`: the
+    whole state, to replace the mirror with), then watch from that revision (`on_event`), for
+    ever. A watch that breaks is resumed after the last event seen; one whose revision was
+    compacted away lists again. `listed_at`: the caller listed already, at this revision (so that
+    a daemon starts with its mirror filled, or fails to start). Runs until cancelled or the store
+    is closed; store errors are retried every `retry_s`. Handlers may be coroutines."""
+    revision = listed_at  # None: list first
+    while True:
+        try:
+            if revision is None:
+                revision = await store.revision()
+                await _maybe_await(on_list(await store.get_prefix(prefix), revision))
+            async for event in store.watch_prefix(prefix, start_revision=revision + 1):
+                revision = max(revision, event.mod_revision)
+                await _maybe_await(on_event(event))
+            return  # the watch ended: the store was closed
+        except asyncio.CancelledError:
+            raise
+        except RevisionCompacted as exc:
+            logger.warning("watch on %s: %s; listing again", prefix, exc)
+            revision = None
+        except StoreError as exc:
+            logger.warning("watch on %s failed (%s); retrying", prefix, exc)
+            await sleep(retry_s)
+
+
+async def _maybe_await(result: Awaitable[None] | None) -> None:
+    if result is not None:
+        await result

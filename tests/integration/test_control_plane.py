@@ -172,3 +172,14 @@ def test_a_function_that_opts_in_gets_waiting_calls_merged_into_batches(
     sizes = [r.json()["batch_size"] for r in responses]
     assert max(sizes) > 1 and all(size <= 4 for size in sizes), sizes
     assert {r.headers["X-Batch-Calls"] for r in responses} == {str(size) for size in sizes}
+
+
+def test_the_functions_environment_reaches_its_handler(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000)
+    deploy(cluster, "env", "probe_function", tmp_path, memory_mb=100, environment={"MYVAR": "hello", "MODE": "x"})
+    response = httpx.post(f"{cluster.gateway_url}/function/env", json={"env": ["MYVAR", "MODE"]}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json() == {
+        "env": {"MYVAR": "hello", "MODE": "x"},
+        "env_at_load": {"MYVAR": "hello", "MODE": "x"},  # set before the handler was imported
+    }

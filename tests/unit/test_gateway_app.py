@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 import json
+import tarfile
+import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -15,12 +19,25 @@ import httpx
 from fastapi import FastAPI
 
 from gateway.app import GatewayConfig, create_app
+from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
+from gpufaas.packages import build_package
 from gpufaas.store import MemoryStore
 from gpufaas.types import DEFAULT_BATCH_SIZE
 
-PACKAGE = b"\x1f\x8b not really a tarball, but bytes the gateway stores as they come" * 10
+
+def make_package(version: str = "1") -> bytes:
+    """A small real package (a handler and a data file), built deterministically."""
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        handler = "def load(device):\n    return None\n\ndef predict(model, inputs):\n    return VERSION\n"
+        (directory / "handler.py").write_text(f"VERSION = {version!r}\n\n{handler}")
+        (directory / "data.bin").write_bytes(bytes(range(256)) * 8)
+        return build_package(directory)
+
+
+PACKAGE = make_package()
 UNREACHABLE_SCHEDULER = "127.0.0.1:1"  # nothing listens there
 
 
@@ -202,6 +219,100 @@ def test_package_size_limit(tmp_path: Path) -> None:
     run(tmp_path, body, max_package_bytes=100)
 
 
+def tar_gz(members: list[tuple[tarfile.TarInfo, bytes]]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for info, data in members:
+            info.size = len(data) if info.isfile() else 0
+            tar.addfile(info, io.BytesIO(data) if info.isfile() else None)
+    return buffer.getvalue()
+
+
+def member(name: str, kind: bytes = tarfile.REGTYPE, target: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = target
+    return info
+
+
+HANDLER = (member("handler.py"), b"def load(d):\n    return None\n\ndef predict(m, i):\n    return i\n")
+
+
+def test_archives_that_could_escape_or_have_no_handler_are_refused_at_upload(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        bad = {
+            "climbs out of the package": [HANDLER, (member("../evil.py"), b"x")],
+            "absolute path": [HANDLER, (member("/etc/evil.py"), b"x")],
+            "link or device": [HANDLER, (member("passwd", tarfile.SYMTYPE, "/etc/passwd"), b"")],
+            "no handler.py": [(member("model.py"), b"x")],
+        }
+        for fragment, members in bad.items():
+            response = await env.client.post("/system/packages", content=tar_gz(members))
+            assert_error(response, 400, fragment)
+        assert_error(await env.client.post("/system/packages", content=b"\x1f\x8b but not gzip"), 400, "not a valid")
+        # A package that unpacks to more than the limit (4 KiB here): 413, however small it is.
+        bomb = tar_gz([HANDLER, (member("zeros.bin"), bytes(8192))])
+        assert len(bomb) < 1024
+        assert_error(await env.client.post("/system/packages", content=bomb), 413, "unpacks to more than 4096 bytes")
+        assert part_files(env.state_dir) == [] and list((env.state_dir / "packages").iterdir()) == []
+        assert (await env.client.post("/system/packages", content=tar_gz([HANDLER]))).status_code == 201
+
+    run(tmp_path, body, max_unpacked_bytes=4096)
+
+
+def test_the_same_directory_packs_to_the_same_digest(tmp_path: Path) -> None:
+    first, second = make_package(), make_package()
+    assert first == second  # fresh temporary directories, new mtimes: the same bytes
+    assert make_package("2") != first
+
+
+def test_a_model_larger_than_every_gpu_is_refused_at_deploy(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        digest = await env.upload()
+        spec = {"name": "huge", "package_digest": digest, "memory_mb": 5000}
+        # No node registered yet: nothing to compare with, so it is accepted.
+        assert (await env.client.post("/system/functions", json=spec)).status_code == 202
+        record = NodeRecord("node0", "127.0.0.1:1", "cpu", "i1", [GpuRecord("gpu0", 1000, "cpu")])
+        await env.store.put(env.keys.node("node0"), record.to_json())
+        await eventually(lambda: bool(env.app.state.gateway.nodes))
+        response = await env.client.post("/system/functions", json={**spec, "name": "huger"})
+        assert_error(response, 422, "memory_mb 5000", "the largest: 1000 MB")
+        response = await env.client.put("/system/functions", json=spec)
+        assert_error(response, 422, "memory_mb 5000")
+        typed = {**spec, "name": "typed", "memory_mb": 500, "gpu": "nvidia-h100"}
+        assert (await env.client.post("/system/functions", json=typed)).status_code == 202  # no such GPU known
+        assert (
+            await env.client.post("/system/functions", json={**spec, "name": "fits", "memory_mb": 1000})
+        ).status_code == 202
+
+    run(tmp_path, body)
+
+
+def test_packages_no_function_uses_are_collected_after_their_grace(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        used, unused = await env.upload(make_package("used")), await env.upload(make_package("unused"))
+        spec = {"name": "user", "package_digest": used, "memory_mb": 100}
+        assert (await env.client.post("/system/functions", json=spec)).status_code == 202
+        gateway = env.app.state.gateway
+        now = time.time()
+        assert gateway.collect_packages(now) == []  # both are younger than the grace
+        assert gateway.collect_packages(now + 120) == [unused]
+        assert (await env.client.get(f"/system/packages/{unused}")).status_code == 404
+        assert (await env.client.get(f"/system/packages/{used}")).status_code == 200
+        # Once its function is deleted, the other goes too.
+        await env.client.request("DELETE", "/system/functions", json={"functionName": "user"})
+        assert gateway.collect_packages(now + 120) == [used]
+
+    run(tmp_path, body, package_grace_s=60.0)
+
+
+async def eventually(predicate: Callable[[], bool], timeout_s: float = 2.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "not reached in time"
+        await asyncio.sleep(0.01)
+
+
 # --- function CRUD ------------------------------------------------------------------------
 
 
@@ -258,7 +369,7 @@ def test_deploy_list_describe_update_delete_through_the_store(tmp_path: Path) ->
         assert await env.store.get(env.keys.function("resnet")) == before
 
         # PUT replaces the whole spec.
-        new_digest = await env.upload(PACKAGE + b"v2")
+        new_digest = await env.upload(make_package("2"))
         updated = await env.client.put(
             "/system/functions", json={"name": "resnet", "package_digest": new_digest, "memory_mb": 900}
         )

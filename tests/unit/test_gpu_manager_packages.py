@@ -195,3 +195,35 @@ def test_a_caller_giving_up_does_not_cancel_the_download_of_the_others(tmp_path:
         return await patient
 
     assert asyncio.run(scenario()) == cache.path_for(digest)
+
+
+def test_an_archive_that_unpacks_past_the_limit_is_refused(tmp_path: Path) -> None:
+    cache = PackageCache(tmp_path / "packages", max_unpacked_mb=1)
+    data = make_tar([HANDLER, file_member("zeros.bin", bytes(2 * 1024 * 1024))])
+    with pytest.raises(InvalidPackage, match="unpacks to more than 1048576 bytes"):
+        asyncio.run(cache.install(package_digest(data), data))
+    assert list((tmp_path / "packages").iterdir()) == []
+
+
+def test_collect_deletes_the_packages_no_worker_used_for_the_grace(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        now = [1000.0]
+        cache = PackageCache(tmp_path / "packages", clock=lambda: now[0])
+        kept, idle, busy = (make_tar([HANDLER, file_member(f"v{i}.txt")]) for i in range(3))
+        digests = [package_digest(data) for data in (kept, idle, busy)]
+        for data, digest in zip((kept, idle, busy), digests, strict=True):
+            await cache.install(digest, data)
+
+        async def fetch(_: str) -> bytes:
+            raise AssertionError("installed already")
+
+        for digest in digests:
+            await cache.ensure(digest, fetch)
+        assert cache.collect({digests[2]}, 1030, grace_s=60) == []  # all used within the grace
+        now[0] = 1100
+        await cache.ensure(digests[0], fetch)  # used again later than the others
+        assert cache.collect({digests[2]}, 1120, grace_s=60) == [digests[1]]
+        assert cache.path_for(digests[1]) is None
+        assert cache.path_for(digests[0]) is not None and cache.path_for(digests[2]) is not None
+
+    asyncio.run(scenario())

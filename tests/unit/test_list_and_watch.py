@@ -1,0 +1,127 @@
+"""list_and_watch over the in-memory store: list then watch, resume after an outage, list again
+after compaction (a watch never goes blind)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gpufaas.store import KeyValue, MemoryStore, WatchEvent, list_and_watch
+
+
+class Mirror:
+    """What a daemon keeps: key -> value, rebuilt by a list, kept by events."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.lists = 0
+        self.changed = asyncio.Event()
+
+    def on_list(self, kvs: list[KeyValue], revision: int) -> None:
+        self.data = {kv.key: kv.value for kv in kvs}
+        self.lists += 1
+        self.changed.set()
+
+    def on_event(self, event: WatchEvent) -> None:
+        if event.kind == "put":
+            self.data[event.key] = event.value
+        else:
+            self.data.pop(event.key, None)
+        self.changed.set()
+
+    async def until(self, expected: dict[str, bytes], timeout_s: float = 2.0) -> None:
+        async with asyncio.timeout(timeout_s):
+            while self.data != expected:
+                self.changed.clear()
+                await self.changed.wait()
+
+
+def run(scenario):  # type: ignore[no-untyped-def]
+    asyncio.run(scenario())
+
+
+def test_lists_then_follows_every_change() -> None:
+    async def scenario() -> None:
+        store = MemoryStore()
+        await store.put("/p/a", b"1")
+        await store.put("/q/x", b"other prefix")
+        mirror = Mirror()
+        task = asyncio.create_task(list_and_watch(store, "/p/", on_list=mirror.on_list, on_event=mirror.on_event))
+        await mirror.until({"/p/a": b"1"})
+        await store.put("/p/b", b"2")
+        await store.delete("/p/a")
+        await mirror.until({"/p/b": b"2"})
+        assert mirror.lists == 1
+        task.cancel()
+        await store.close()
+
+    run(scenario)
+
+
+def test_an_outage_resumes_the_watch_without_listing_again() -> None:
+    async def scenario() -> None:
+        store = MemoryStore()
+        mirror = Mirror()
+        task = asyncio.create_task(
+            list_and_watch(store, "/p/", on_list=mirror.on_list, on_event=mirror.on_event, retry_s=0.01)
+        )
+        await mirror.until({})
+        store.set_reachable(False)
+        await asyncio.sleep(0.05)
+        store.set_reachable(True)
+        await store.put("/p/a", b"1")
+        await mirror.until({"/p/a": b"1"})
+        assert mirror.lists == 1
+        task.cancel()
+        await store.close()
+
+    run(scenario)
+
+
+def test_a_compacted_revision_lists_again_so_the_mirror_never_goes_blind() -> None:
+    async def scenario() -> None:
+        store = MemoryStore()
+        await store.put("/p/a", b"1")
+        mirror = Mirror()
+        retrying = asyncio.Event()
+        resume = asyncio.Event()
+
+        async def held_sleep(_: float) -> None:  # the retry waits until the test says so
+            retrying.set()
+            await resume.wait()
+
+        task = asyncio.create_task(
+            list_and_watch(store, "/p/", on_list=mirror.on_list, on_event=mirror.on_event, sleep=held_sleep)
+        )
+        await mirror.until({"/p/a": b"1"})
+        # The watch breaks; while it is down, keys change and their history is compacted away:
+        # resuming after the last revision seen is impossible, so it lists again.
+        store.set_reachable(False)
+        await asyncio.wait_for(retrying.wait(), 2)
+        store.set_reachable(True)
+        await store.put("/p/b", b"2")
+        await store.delete("/p/a")
+        store.compact(await store.revision())
+        resume.set()
+        await mirror.until({"/p/b": b"2"})
+        assert mirror.lists == 2
+        await store.put("/p/c", b"3")
+        await mirror.until({"/p/b": b"2", "/p/c": b"3"})
+        task.cancel()
+        await store.close()
+
+    run(scenario)
+
+
+def test_it_ends_when_the_store_is_closed() -> None:
+    async def scenario() -> None:
+        store = MemoryStore()
+        mirror = Mirror()
+        task = asyncio.create_task(list_and_watch(store, "/p/", on_list=mirror.on_list, on_event=mirror.on_event))
+        await mirror.until({})
+        while store.num_watchers == 0:  # watching
+            await asyncio.sleep(0.01)
+        await store.close()
+        async with asyncio.timeout(2):
+            await task
+
+    run(scenario)
