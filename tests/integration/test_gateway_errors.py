@@ -110,7 +110,6 @@ def env(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> It
             "failing": ("failing_function", {}),
             "echo": ("echo_function", {}),
             "echo-untouched": ("echo_function", {}),
-            "huge": ("echo_function", {"memory_mb": 5000}),
         }
         # 100 MB each, so every function's model fits beside the others on the 1000 MB GPU.
         models = {
@@ -271,16 +270,14 @@ def test_504_past_the_function_timeout_then_the_gpu_serves_again(env: Env) -> No
     env.wait_idle()
 
 
-# --- 503 ------------------------------------------------------------------------------------
+# --- 422 ------------------------------------------------------------------------------------
 
 
-def test_503_for_a_function_no_gpu_can_hold(env: Env) -> None:
-    before = env.counted("huge", 503)
-    response = env.invoke("huge", {"x": 1})
-    assert_error(response, 503, "5000 MB", "1000 MB", "never run")
-    assert env.counted("huge", 503) == before + 1
-    assert env.models["huge"] not in env.cached()
-    env.wait_idle()
+def test_a_function_no_gpu_can_hold_is_refused_at_deploy(env: Env) -> None:
+    spec = {"name": "huge", "package_digest": env.digests["echo_function"], "memory_mb": 5000}
+    response = httpx.post(f"{env.url}/system/functions", json=spec, timeout=30)
+    assert_error(response, 422, "memory_mb 5000", "1000 MB")
+    assert env.get("/system/function/huge").status_code == 404
 
 
 # --- 500 ------------------------------------------------------------------------------------
