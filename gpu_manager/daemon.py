@@ -28,7 +28,7 @@ from gpu_manager.pool import ModelRun, RunResult, WorkerPool
 from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.store import LeaseKeeper, Store
+from gpufaas.store import LeaseKeeper, LeaseLost, Store, list_and_watch
 from gpufaas.wire import Connection, Frame, MessageType, Server, max_frame_bytes_for
 
 log = logging.getLogger("gpufaas.gpu_manager")
@@ -100,15 +100,24 @@ class GpuManagerDaemon:
         self._lease = LeaseKeeper(self.store, LEASE_TTL_S, on_regrant=self._register)
         await self._register(await self._lease.start())
         self._spawn(self._prune())
+        key = self.keys.node(self.node)
+        self._spawn(
+            list_and_watch(
+                self.store,
+                key,  # a prefix: other nodes whose names start with ours are ignored below
+                on_list=lambda kvs, _: None if any(kv.key == key for kv in kvs) else self._reregister(),
+                on_event=lambda event: self._reregister() if event.key == key and event.kind == "delete" else None,
+            )
+        )
         log.info("node %s serving on %s with %d %s GPU(s)", self.node, self.address, len(self.devices), self.backend)
         return self.address
 
     async def stop(self) -> None:
+        for task in list(self._tasks):  # first: the key's watch must not put it back when it goes
+            task.cancel()
         if self._lease is not None:
             await self._lease.stop(revoke=True)
         await self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
         await self.pool.shutdown()
         await self._http.aclose()
 
@@ -122,6 +131,14 @@ class GpuManagerDaemon:
             gpus=[GpuRecord(d.gpu_id, max(1, d.memory_mb - spare_mb), d.gpu_type) for d in self.devices.values()],
         )
         await self.store.put(self.keys.node(self.node), record.to_json(), lease=lease)
+
+    async def _reregister(self) -> None:
+        """The node's key went while the node runs (deleted by hand, say): put it back."""
+        if self._lease is None:
+            return
+        log.warning("node %s: its key is gone from etcd; registering again", self.node)
+        with contextlib.suppress(LeaseLost):  # the lease keeper re-registers under a new lease then
+            await self._register(self._lease.lease)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)

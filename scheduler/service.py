@@ -29,7 +29,7 @@ from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys, gpu_address, split_gpu_address
 from gpufaas.profiles import paper_table1
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.store import KeyValue, LeaseKeeper, Store, StoreError, WatchEvent
+from gpufaas.store import KeyValue, LeaseKeeper, Store, StoreError, WatchEvent, list_and_watch
 from gpufaas.types import GpuSpec, ModelSpec
 from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, RemoteError, Server, connect
 from scheduler.calls import (
@@ -146,8 +146,11 @@ class SchedulerService:
         self.address = advertise or bound
         self._lease = LeaseKeeper(self.store, LEASE_TTL_S, on_regrant=self._register)
         await self._register(await self._lease.start())
-        self._spawn(self._watch(self.keys.functions, revision, self._on_function_event))
-        self._spawn(self._watch(self.keys.nodes, revision, self._on_node_event))
+        for prefix, on_list, on_event in (
+            (self.keys.functions, self._functions_listed, self._on_function_event),
+            (self.keys.nodes, self._nodes_listed, self._on_node_event),
+        ):
+            self._spawn(list_and_watch(self.store, prefix, on_list=on_list, on_event=on_event, listed_at=revision))
         self._spawn(self._flusher())
         self._spawn(self._ticker())
         log.info("scheduler serving on %s (policy %s)", self.address, self.policy_name)
@@ -177,19 +180,15 @@ class SchedulerService:
         await self.store.put(self.keys.service("scheduler"), self.address.encode(), lease=lease)
 
     async def _recover(self) -> int:
-        """Read functions, profiles, nodes and the persisted LRU lists; returns the revision read.
-        A node's GPUs join once it is attached (its workers then re-populate the cache)."""
+        """Read functions, profiles, nodes and the persisted LRU lists; returns the revision read
+        (the watches go on from there). A node's GPUs join once it is attached (its workers then
+        re-populate the cache)."""
         revision = await self.store.revision()
-        for kv in await self.store.get_prefix(self.keys.functions):
-            self._apply_function(kv.key, kv.value)
+        self._functions_listed(await self.store.get_prefix(self.keys.functions), revision)
         for kv in await self.store.get_prefix(self.keys.profiles):
             self._apply_profile(kv)
-        live: set[str] = set()
-        for kv in await self.store.get_prefix(self.keys.nodes):
-            with contextlib.suppress(ValueError, KeyError):
-                record = NodeRecord.from_json(kv.value)
-                live.update(gpu_address(record.node, gpu.gpu) for gpu in record.gpus)
-                self._node_seen(record)
+        self._nodes_listed(await self.store.get_prefix(self.keys.nodes), revision)
+        live = {address for node in self._nodes.values() for address in _gpu_addresses(node.record)}
         for kv in await self.store.get_prefix(self.keys.gpus):
             parsed = self.keys.parse_gpu_key(kv.key)
             if parsed is None or parsed[2] != "lru":
@@ -203,19 +202,21 @@ class SchedulerService:
         self._flush_wanted.set()
         return revision
 
-    # --- watches --------------------------------------------------------------------------
-    async def _watch(self, prefix: str, revision: int, apply: Callable[[WatchEvent], None]) -> None:
-        start = revision + 1
-        while True:
-            try:
-                async for event in self.store.watch_prefix(prefix, start_revision=start):
-                    start = event.mod_revision + 1
-                    apply(event)
-            except asyncio.CancelledError:
-                raise
-            except StoreError as exc:
-                log.warning("watch on %s failed (%s); retrying", prefix, exc)
-                await asyncio.sleep(0.5)
+    # --- mirrors of etcd (list, then watch) ------------------------------------------------
+    def _functions_listed(self, kvs: list[KeyValue], revision: int) -> None:
+        self._functions = {}
+        for kv in kvs:
+            self._apply_function(kv.key, kv.value)
+
+    def _nodes_listed(self, kvs: list[KeyValue], revision: int) -> None:
+        """The nodes registered now: new and changed ones are (re)attached, gone ones taken out."""
+        listed = set()
+        for kv in kvs:
+            self._on_node_event(WatchEvent("put", kv.key, kv.value, kv.mod_revision))
+            listed.add(kv.key.removeprefix(self.keys.nodes))
+        for name in set(self._nodes) - listed:
+            log.info("node %s is no longer registered", name)
+            self._node_gone(name)
 
     def _on_function_event(self, event: WatchEvent) -> None:
         if event.kind == "put":
@@ -597,6 +598,10 @@ class SchedulerService:
             return
         await self.store.put(key, value)
         self._written[key] = value
+
+
+def _gpu_addresses(record: NodeRecord) -> list[str]:
+    return [gpu_address(record.node, gpu.gpu) for gpu in record.gpus]
 
 
 class _GatewaySession:

@@ -108,3 +108,31 @@ def test_a_worker_dying_mid_request_is_retried_elsewhere_and_its_cache_entry_dro
         etcd_endpoint.endpoint, etcd_endpoint.root, lambda state: state[1] == {model: [response.headers["X-Gpu"]]}
     )
     assert sum(models.count(model) for models in lru.values()) == 1
+
+
+def test_a_node_key_deleted_by_hand_comes_back_with_its_gpus_and_their_models(
+    make_cluster: ClusterFactory, tmp_path: Path, etcd_endpoint: EtcdTarget
+) -> None:
+    import asyncio
+
+    from gpufaas.keys import Keys
+    from gpufaas.store import EtcdStore
+
+    cluster = make_cluster(nodes=1, gpus_per_node=2, backend="cpu", gpu_memory_mb=1000)
+    deploy(cluster, "steady", "sleepy_function", tmp_path)
+    assert call(cluster.gateway_url, "steady").headers["X-Cache"] == "miss"
+
+    async def delete_key() -> None:
+        store = await EtcdStore.open(etcd_endpoint.endpoint)
+        try:
+            assert await store.delete(Keys(etcd_endpoint.root).node("node0"))
+        finally:
+            await store.close()
+
+    started = time.monotonic()
+    asyncio.run(delete_key())
+    wait_for(lambda: len(httpx.get(f"{cluster.gateway_url}/system/gpus").json()) == 2, timeout_s=5.0)
+    assert time.monotonic() - started < 5.0
+    response = call(cluster.gateway_url, "steady")
+    assert response.status_code == 200, response.text
+    assert response.headers["X-Cache"] == "hit"  # the worker survived, and the scheduler adopted it again
