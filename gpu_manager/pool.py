@@ -382,13 +382,12 @@ class WorkerPool:
             return RunResult(pb.WORKER_DIED, "the node shut down while the model loaded", loaded=True)
 
     async def evict(self, model: str, gpu_id: str) -> bool:
-        """Stop `model`'s worker on `gpu_id` and wait for it to exit (its memory is then free);
-        False if there was none. Calls still on it fail with WORKER_DIED."""
-        worker = self._workers.get((model, gpu_id))
-        if worker is None:
-            return False
-        await self._stop(worker)
-        return True
+        """Stop `model`'s worker on `gpu_id` (and its copy in the host tier, if any) and wait for
+        them to exit (their memory is then free); False if there was none. Calls still on it fail
+        with WORKER_DIED."""
+        victims = [w for w in (self._workers.get((model, gpu_id)), self._parked.pop(model, None)) if w is not None]
+        await asyncio.gather(*(self._stop(worker) for worker in victims))
+        return bool(victims)
 
     # --- misses -----------------------------------------------------------------------------
     def _evict_for_miss(self, gpu_id: str, evict: tuple[str, ...], seq: int) -> list[asyncio.Future[None]]:

@@ -97,7 +97,8 @@ class CheckGrants:
 
 @dataclass(frozen=True, slots=True)
 class Evict:
-    """Stop these models' workers on `gpu_id` (they are not in the cache: orphans)."""
+    """Stop these models' workers on `gpu_id` (they are not in the cache: orphans, or models no
+    function runs any more)."""
 
     gpu_id: str
     models: tuple[str, ...]
@@ -151,6 +152,7 @@ class CallBook:
     _calls: dict[str, _Call] = field(default_factory=dict)
     # Per GPU, for as long as this book lives (a GPU that leaves and comes back goes on counting).
     _seq: dict[str, itertools.count[int]] = field(default_factory=dict)
+    _retired: set[str] = field(default_factory=set)  # models no function runs any more
     # What changed since the service last persisted (it drains these sets).
     dirty_gpus: set[str] = field(default_factory=set)
     dirty_models: set[str] = field(default_factory=set)
@@ -279,7 +281,30 @@ class CallBook:
             if self.scheduler.observe_memory(model, gpu_id, peak_memory_mb):
                 self.dirty_models.add(model)
             self._forget(call)
+        if model in self._retired:
+            effects += self._evict_retired(model)
         return effects + self.schedule(now)
+
+    # --- the catalog ------------------------------------------------------------------------
+    def retire(self, model: str) -> list[Effect]:
+        """No function runs `model` any more (it was deleted, or updated to a new package): evict
+        it from every GPU where no call uses it now, and from the others as their calls finish."""
+        self._retired.add(model)
+        return self._evict_retired(model)
+
+    def revive(self, model: str) -> None:
+        """A function runs `model` again (deployed anew with the same package)."""
+        self._retired.discard(model)
+
+    def _evict_retired(self, model: str) -> list[Effect]:
+        effects: list[Effect] = []
+        for gpu_id in sorted(self.scheduler.cache.gpus_with(model)):
+            if not self.scheduler.cache.gpu(gpu_id).is_pinned(model):
+                self.scheduler.cache.drop(gpu_id, model)
+                self.dirty_models.add(model)
+                self.dirty_gpus.add(gpu_id)
+                effects.append(Evict(gpu_id, (model,)))
+        return effects
 
     def grants_checked(
         self, node: str, unseen: Iterable[tuple[str, int]], seen: Iterable[tuple[str, int]], now: float

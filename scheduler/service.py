@@ -204,9 +204,16 @@ class SchedulerService:
 
     # --- mirrors of etcd (list, then watch) ------------------------------------------------
     def _functions_listed(self, kvs: list[KeyValue], revision: int) -> None:
+        before = self._functions
         self._functions = {}
         for kv in kvs:
             self._apply_function(kv.key, kv.value)
+        current = {spec.model for spec in self._functions.values()}
+        effects: list[Effect] = []
+        for spec in before.values():
+            if spec.model not in current:
+                effects += self.book.retire(spec.model)
+        self._apply(effects)
 
     def _nodes_listed(self, kvs: list[KeyValue], revision: int) -> None:
         """The nodes registered now: new and changed ones are (re)attached, gone ones taken out."""
@@ -221,8 +228,11 @@ class SchedulerService:
     def _on_function_event(self, event: WatchEvent) -> None:
         if event.kind == "put":
             self._apply_function(event.key, event.value)
-        else:
-            self._functions.pop(event.key.removeprefix(self.keys.functions), None)
+            return
+        gone = self._functions.pop(event.key.removeprefix(self.keys.functions), None)
+        if gone is not None:
+            log.info("function %s deleted: evicting its model %s", gone.name, gone.model)
+            self._apply(self.book.retire(gone.model))
 
     def _apply_function(self, key: str, value: bytes) -> FunctionSpec | None:
         try:
@@ -230,8 +240,13 @@ class SchedulerService:
         except GpufaasError as exc:
             log.warning("ignoring invalid function spec at %s: %s", key, exc)
             return None
+        old = self._functions.get(spec.name)
         self._functions[spec.name] = spec
         self.scheduler.register_model(ModelSpec(spec.model, spec.memory_mb, spec.required_gpu_type))
+        self.book.revive(spec.model)
+        if old is not None and old.model != spec.model:
+            log.info("function %s updated: evicting its old model %s", spec.name, old.model)
+            self._apply(self.book.retire(old.model))
         return spec
 
     def _apply_profile(self, kv: KeyValue) -> None:

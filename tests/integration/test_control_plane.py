@@ -12,6 +12,8 @@ import httpx
 import pytest
 
 from gpufaas.keys import Keys
+from gpufaas.local_cluster import pid_alive
+from tests.fixtures.make_packages import build_package
 from tests.integration.conftest import ClusterFactory, deploy
 
 INPUTS = [[1.0, 2.0, 3.0, 4.0], [-1.0, 0.5, 0.0, 2.0]]
@@ -183,3 +185,36 @@ def test_the_functions_environment_reaches_its_handler(make_cluster: ClusterFact
         "env": {"MYVAR": "hello", "MODE": "x"},
         "env_at_load": {"MYVAR": "hello", "MODE": "x"},  # set before the handler was imported
     }
+
+
+def test_an_updated_or_deleted_functions_old_model_is_evicted(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000)
+    url = cluster.gateway_url
+    old_model = deploy(cluster, "versioned", "probe_function", tmp_path, memory_mb=100)["model"]
+    first = httpx.post(f"{url}/function/versioned", json={}, timeout=60)
+    assert first.status_code == 200, first.text
+    old_pid = first.json()["pid"]
+
+    def resident() -> set[str]:
+        return {m for g in httpx.get(f"{url}/system/gpus", timeout=10).json() for m in g["lru"]}
+
+    # PUT a new package: the old version's model leaves the GPU and its worker is stopped.
+    echo = build_package("echo_function", tmp_path).read_bytes()
+    digest = httpx.post(f"{url}/system/packages", content=echo, timeout=30).json()["digest"]
+    updated = httpx.put(
+        f"{url}/system/functions", json={"name": "versioned", "package_digest": digest, "memory_mb": 100}, timeout=30
+    )
+    assert updated.status_code == 202, updated.text
+    new_model = updated.json()["model"]
+    wait_for(lambda: old_model not in resident())
+    wait_for(lambda: not pid_alive(old_pid))
+    response = httpx.post(f"{url}/function/versioned", json={"x": 1}, timeout=60)
+    assert response.status_code == 200 and response.json()["echo"] == {"x": 1}
+    assert resident() == {new_model}
+
+    # DELETE: its model leaves too.
+    new_pid = response.json()["pid"]
+    deleted = httpx.request("DELETE", f"{url}/system/functions", json={"functionName": "versioned"}, timeout=30)
+    assert deleted.status_code == 202
+    wait_for(lambda: resident() == set())
+    wait_for(lambda: not pid_alive(new_pid))

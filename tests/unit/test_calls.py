@@ -569,3 +569,25 @@ def test_claim_by_is_the_latest_claim_time_of_the_placed_calls_it_is_asked_about
     assert book.claim_by([("c1", 1), ("c2", 1)]) == 10.0 + CLAIM_S
     assert book.claim_by([("c2", 1)]) == 13.0
     assert book.claim_by([("c3", 1), ("gone", 1)]) == 0.0
+
+
+def test_a_retired_model_is_evicted_where_unused_and_where_used_once_its_calls_finish() -> None:
+    book = make_book(gpus=(N1, N2), slots=2)
+    cache_on(book.scheduler, N2, A.model)
+    book.submit("gw1", "c1", A, 60.0, now=0.0)  # a hit on N2: A is pinned there while it runs
+    cache_on(book.scheduler, N1, A.model)  # another replica, idle
+    assert running(book, N2) == ["c1"]
+    assert book.retire(A.model) == [Evict(N1, (A.model,))]
+    assert cached(book, A) == {N2}
+    assert book.done("c1", 1, pb.OK, now=1.0, inference_time_s=0.5) == [Evict(N2, (A.model,))]
+    assert cached(book, A) == set()
+    assert A.model in book.dirty_models and {N1, N2} <= book.dirty_gpus
+
+
+def test_a_revived_model_is_kept() -> None:
+    book = make_book(gpus=(N1,), slots=2)
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    assert book.retire(A.model) == []  # in use
+    book.revive(A.model)  # deployed again with the same package meanwhile
+    assert book.done("c1", 1, pb.OK, now=1.0, inference_time_s=0.5) == []
+    assert cached(book, A) == {N1}
