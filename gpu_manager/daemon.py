@@ -253,6 +253,10 @@ class GpuManagerDaemon:
         if old is not None and old is not conn:
             old.close()
         log.info("scheduler %s attached from %s", request.scheduler_id, conn.peer)
+        self.report_workers(conn, frame)
+
+    def report_workers(self, conn: Connection, frame: Frame) -> None:
+        """Answer with the models resident now (the workers that are ready), for reconciliation."""
         workers = [pb.Worker(gpu=gpu, model=model, memory_mb=mb) for model, gpu, _, mb in self.pool.workers()]
         conn.reply(
             frame,
@@ -298,6 +302,8 @@ class _Session:
             daemon.attach(conn, frame)
         elif frame.type == MessageType.REVOKE:
             daemon.revoke(conn, frame)
+        elif frame.type == MessageType.WORKERS:
+            daemon.report_workers(conn, frame)
         elif frame.type == MessageType.EVICT:
             daemon._spawn(daemon.evict(conn, frame))
         elif frame.is_request:

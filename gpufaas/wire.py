@@ -78,6 +78,7 @@ class MessageType(enum.IntEnum):
     MODEL_LOADED = 19
     CALL = 20
     CALL_RESULT = 21
+    WORKERS = 22
 
 
 MESSAGES: dict[MessageType, type[Message]] = {
@@ -102,6 +103,7 @@ MESSAGES: dict[MessageType, type[Message]] = {
     MessageType.MODEL_LOADED: pb.ModelLoaded,
     MessageType.CALL: pb.Call,
     MessageType.CALL_RESULT: pb.CallResult,
+    MessageType.WORKERS: pb.WorkersRequest,
 }
 
 

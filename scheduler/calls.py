@@ -399,7 +399,8 @@ class CallBook:
     def reconcile(self, gpu_id: str, resident: dict[str, int], now: float) -> list[Effect]:
         """A node reported the models resident on `gpu_id` (model -> MiB). Cache entries with no
         worker and no work are dropped (phantoms); workers the cache does not know are adopted
-        when they fit without evicting anything, else evicted (orphans)."""
+        when they fit without evicting anything and some function still runs them, else evicted
+        (orphans)."""
         cache = self.scheduler.cache.gpu(gpu_id)
         busy = {self._calls[r].spec.model for r in self.scheduler.gpu(gpu_id).running if r in self._calls}
         for model in list(cache):
@@ -410,7 +411,7 @@ class CallBook:
         for model, memory_mb in resident.items():
             if model in cache:
                 continue
-            if cache.free_mb >= memory_mb:
+            if model not in self._retired and cache.free_mb >= memory_mb:
                 self.scheduler.cache.admit(gpu_id, model, memory_mb)
                 self.dirty_models.add(model)
             else:

@@ -60,6 +60,7 @@ PROFILE_WRITE_INTERVAL_S = 5.0  # measured times move a little on every call: pe
 TICK_S = 0.25  # how often deadlines and unconfirmed placements are looked at
 NODE_TIMEOUT_S = 2.0  # a node that does not answer an Attach, Revoke or probe within this is out
 RECONNECT_S = 0.5
+RECONCILE_S = 5.0  # how often the GPUs' LRU lists are checked against the workers nodes run
 DEFAULT_SLOTS = 4
 MAX_CLAIM_S = 30.0  # nodes remember grants (and revocations) for 60 s: a claim must fall well inside
 
@@ -153,6 +154,7 @@ class SchedulerService:
             self._spawn(list_and_watch(self.store, prefix, on_list=on_list, on_event=on_event, listed_at=revision))
         self._spawn(self._flusher())
         self._spawn(self._ticker())
+        self._spawn(self._reconciler())
         log.info("scheduler serving on %s (policy %s)", self.address, self.policy_name)
         return self.address
 
@@ -329,9 +331,7 @@ class SchedulerService:
             await asyncio.sleep(RECONNECT_S)
 
     def _attach(self, node: _Node, reply: pb.AttachReply) -> None:
-        resident: dict[str, dict[str, int]] = {}
-        for worker in reply.workers:
-            resident.setdefault(gpu_address(node.record.node, worker.gpu), {})[worker.model] = int(worker.memory_mb)
+        resident = _resident(node.record.node, reply)
         effects: list[Effect] = []
         for gpu in node.record.gpus:
             address = gpu_address(node.record.node, gpu.gpu)
@@ -348,6 +348,27 @@ class SchedulerService:
             "node %s attached: %d GPU(s), %d resident model(s)", node.record.node, len(node.gpu_ids), len(reply.workers)
         )
         self._apply(effects + self.book.schedule(self.clock()))
+
+    async def _reconciler(self) -> None:
+        """Now and then, ask every attached node which models it runs and reconcile the GPUs' LRU
+        lists with that (phantoms dropped, orphans adopted or evicted): the cache follows what
+        really runs, whatever was missed (a worker that died between calls, a lost Done)."""
+        while True:
+            await asyncio.sleep(RECONCILE_S)
+            for node in list(self._nodes.values()):
+                if node.conn is None or not node.gpu_ids:
+                    continue
+                try:
+                    frame = await node.conn.request(MessageType.WORKERS, pb.WorkersRequest(), timeout_s=NODE_TIMEOUT_S)
+                except (ConnectionLost, TimeoutError, RemoteError):
+                    continue  # _keep_attached deals with a node that is gone
+                if not node.gpu_ids:  # detached meanwhile
+                    continue
+                resident = _resident(node.record.node, frame.message(pb.AttachReply))
+                effects: list[Effect] = []
+                for address in node.gpu_ids:
+                    effects += self.book.reconcile(address, resident.get(address, {}), self.clock())
+                self._apply(effects + self.book.schedule(self.clock()))
 
     def _detach(self, node: _Node) -> None:
         """Take a node's GPUs out: their calls go back to the queue (and are placed again)."""
@@ -613,6 +634,14 @@ class SchedulerService:
             return
         await self.store.put(key, value)
         self._written[key] = value
+
+
+def _resident(node: str, reply: pb.AttachReply) -> dict[str, dict[str, int]]:
+    """ "node/gpu" -> {model: MiB} of what a node reports it runs."""
+    resident: dict[str, dict[str, int]] = {}
+    for worker in reply.workers:
+        resident.setdefault(gpu_address(node, worker.gpu), {})[worker.model] = int(worker.memory_mb)
+    return resident
 
 
 def _gpu_addresses(record: NodeRecord) -> list[str]:

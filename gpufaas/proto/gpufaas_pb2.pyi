@@ -266,6 +266,10 @@ class AttachReply(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[Worker]
     def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ...) -> None: ...
 
+class WorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class GrantRef(_message.Message):
     __slots__ = ("call_id", "attempt")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]

@@ -110,6 +110,26 @@ def test_a_worker_dying_mid_request_is_retried_elsewhere_and_its_cache_entry_dro
     assert sum(models.count(model) for models in lru.values()) == 1
 
 
+def test_a_worker_dying_between_calls_leaves_the_cache_within_a_reconcile_period(
+    make_cluster: ClusterFactory, tmp_path: Path, etcd_endpoint: EtcdTarget
+) -> None:
+    from scheduler.service import RECONCILE_S
+
+    cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000)
+    model = str(deploy(cluster, "idle", "sleepy_function", tmp_path)["model"])
+    first = call(cluster.gateway_url, "idle")
+    etcd_state_when(etcd_endpoint.endpoint, etcd_endpoint.root, lambda state: model in state[1])
+    killed_at = time.monotonic()
+    os.kill(first.json()["pid"], signal.SIGKILL)  # no call runs: nothing tells the scheduler but reconciliation
+    etcd_state_when(
+        etcd_endpoint.endpoint, etcd_endpoint.root, lambda state: model not in state[1], timeout_s=RECONCILE_S + 5.0
+    )
+    assert time.monotonic() - killed_at < RECONCILE_S + 5.0
+    response = call(cluster.gateway_url, "idle")
+    assert response.status_code == 200, response.text
+    assert response.headers["X-Cache"] == "miss" and response.json()["pid"] != first.json()["pid"]
+
+
 def test_a_node_key_deleted_by_hand_comes_back_with_its_gpus_and_their_models(
     make_cluster: ClusterFactory, tmp_path: Path, etcd_endpoint: EtcdTarget
 ) -> None:

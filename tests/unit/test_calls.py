@@ -591,3 +591,12 @@ def test_a_revived_model_is_kept() -> None:
     book.revive(A.model)  # deployed again with the same package meanwhile
     assert book.done("c1", 1, pb.OK, now=1.0, inference_time_s=0.5) == []
     assert cached(book, A) == {N1}
+
+
+def test_reconcile_evicts_a_retired_model_a_node_still_reports() -> None:
+    book = make_book(gpus=(N1,), slots=2)
+    cache_on(book.scheduler, N1, A.model)
+    assert book.retire(A.model) == [Evict(N1, (A.model,))]
+    # The node reported before its evict finished: the model is not taken back into the cache.
+    assert book.reconcile(N1, {A.model: 1000}, now=1.0) == [Evict(N1, (A.model,))]
+    assert cached(book, A) == set()
