@@ -184,7 +184,7 @@ async def through_pool(models: dict[str, tuple[Path, bytes, bytes, str]], work: 
 
 
 async def timed_hits(
-    url: str, name: str, body: bytes, content_type: str, calls: int
+    url: str, name: str, body: bytes, content_type: str, calls: int, *, headers: dict[str, str]
 ) -> tuple[list[float], list[float]]:
     """`calls` calls one at a time with aiohttp (bench/peer's client library): client latency and
     the gateway's own duration (X-Duration-Seconds) of each."""
@@ -192,7 +192,7 @@ async def timed_hits(
 
     hits: list[float] = []
     inside: list[float] = []
-    async with aiohttp.ClientSession(url) as session:
+    async with aiohttp.ClientSession(url, headers=headers) as session:
         for index in range(calls + 10):
             started = time.perf_counter()
             async with session.post(f"/function/{name}", data=body, headers={"content-type": content_type}) as r:
@@ -212,8 +212,8 @@ def through_cluster(models: dict[str, tuple[Path, bytes, bytes, str]], work: Pat
     out: dict[str, Any] = {}
     try:
         url = cluster.gateway_url
-        out["gpus"] = httpx.get(f"{url}/system/gpus", timeout=30).json()
-        with httpx.Client(base_url=url, timeout=120) as client:
+        out["gpus"] = httpx.get(f"{url}/system/gpus", timeout=30, auth=cluster.admin_auth).json()
+        with httpx.Client(base_url=url, timeout=120, auth=cluster.admin_auth) as client:
             for name, (_, package, body, content_type) in models.items():
                 digest = client.post("/system/packages", content=package).json()["digest"]
                 spec = {"name": name, "package_digest": digest, "memory_mb": DECLARED_MB[name]}
@@ -228,7 +228,9 @@ def through_cluster(models: dict[str, tuple[Path, bytes, bytes, str]], work: Pat
                 started = time.perf_counter()
                 miss = call()
                 miss_s = time.perf_counter() - started
-                hits, inside = asyncio.run(timed_hits(url, name, body, content_type, calls))
+                hits, inside = asyncio.run(
+                    timed_hits(url, name, body, content_type, calls, headers=cluster.invoke_headers)
+                )
                 out[name] = {
                     "miss_ms": round(miss_s * 1e3, 3),
                     "miss_cache": miss.headers["x-cache"],
@@ -236,7 +238,7 @@ def through_cluster(models: dict[str, tuple[Path, bytes, bytes, str]], work: Pat
                     "hit": quantiles(hits),
                     "hit_inside_gateway": quantiles(inside),
                 }
-        out["gpus_after"] = httpx.get(f"{url}/system/gpus", timeout=30).json()
+        out["gpus_after"] = httpx.get(f"{url}/system/gpus", timeout=30, auth=cluster.admin_auth).json()
     finally:
         cluster.stop()
     return out

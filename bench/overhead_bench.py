@@ -114,9 +114,10 @@ async def drive(clients: int, calls: int, one_call: Any) -> dict[str, Any]:
     return summary
 
 
-async def bench_gateway(url: str, calls: int) -> dict[int, dict[str, float]]:
+async def bench_gateway(url: str, calls: int, headers: dict[str, str]) -> dict[int, dict[str, float]]:
     """The client is aiohttp's (as bench/peer's load client): httpx's own cost would be most of
-    what is measured at one client."""
+    what is measured at one client. It calls with `headers` (the invoke token, as an application
+    does: the credential check is part of what is measured)."""
     import aiohttp
 
     results = {}
@@ -124,7 +125,9 @@ async def bench_gateway(url: str, calls: int) -> dict[int, dict[str, float]]:
     async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as client:
 
         async def one() -> float:
-            async with client.post("/function/noop", data=b"{}", headers={"content-type": "application/json"}) as r:
+            async with client.post(
+                "/function/noop", data=b"{}", headers={"content-type": "application/json", **headers}
+            ) as r:
                 body = await r.read()
                 if r.status != 200 or r.headers.get("x-cache") != "hit":
                     raise RuntimeError(f"unexpected answer {r.status} {r.headers} {body!r}")
@@ -189,14 +192,14 @@ def server_timing(header: str) -> dict[str, float]:
     return stages
 
 
-def bench_misses(url: str, package: bytes, functions: int) -> dict[str, Any]:
+def bench_misses(url: str, package: bytes, functions: int, auth: httpx.Auth | None) -> dict[str, Any]:
     """Each of `functions` functions sharing `package` called once, in turn: every call a miss that
     loads through a warm spare; then the first ten again: misses whose model was evicted since
     and comes back from the node's host memory (the cpu backend's host tier)."""
-    digest = httpx.post(f"{url}/system/packages", content=package, timeout=30).json()["digest"]
+    digest = httpx.post(f"{url}/system/packages", content=package, timeout=30, auth=auth).json()["digest"]
     body = json.dumps({"inputs": [[0.1, 0.2, 0.3, 0.4]]}).encode()
     runs: dict[str, tuple[list[float], dict[str, list[float]]]] = {"loaded": ([], {}), "from_host": ([], {})}
-    with httpx.Client(base_url=url, timeout=60) as client:
+    with httpx.Client(base_url=url, timeout=60, auth=auth) as client:
 
         def miss(name: str) -> None:
             time.sleep(0.3)  # the replacement spare is ready again, as between misses of a steady load
@@ -250,12 +253,17 @@ def main(argv: list[str] | None = None) -> int:
         cluster = LocalCluster(state_dir / "cluster", nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000)
         cluster.start()
         try:
-            uploaded = httpx.post(f"{cluster.gateway_url}/system/packages", content=package, timeout=30).json()
+            auth = cluster.admin_auth
+            uploaded = httpx.post(
+                f"{cluster.gateway_url}/system/packages", content=package, timeout=30, auth=auth
+            ).json()
             spec = {"name": "noop", "package_digest": uploaded["digest"], "memory_mb": 100}
-            httpx.post(f"{cluster.gateway_url}/system/functions", json=spec, timeout=30).raise_for_status()
-            httpx.post(f"{cluster.gateway_url}/function/noop", content=b"{}", timeout=60).raise_for_status()
-            gateway = asyncio.run(bench_gateway(cluster.gateway_url, args.calls))
-            misses = bench_misses(cluster.gateway_url, tiny_mlp, args.misses)
+            httpx.post(f"{cluster.gateway_url}/system/functions", json=spec, timeout=30, auth=auth).raise_for_status()
+            httpx.post(
+                f"{cluster.gateway_url}/function/noop", content=b"{}", timeout=60, headers=cluster.invoke_headers
+            ).raise_for_status()
+            gateway = asyncio.run(bench_gateway(cluster.gateway_url, args.calls, cluster.invoke_headers))
+            misses = bench_misses(cluster.gateway_url, tiny_mlp, args.misses, auth)
         finally:
             cluster.stop()
 

@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 
 from bench.machine import run_metadata
+from gpufaas.credentials import SecretFiles, read_secret
 from gpufaas.etcd_server import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -92,7 +93,9 @@ def run_gpufaas(args: argparse.Namespace, work: Path, *, gpu_memory_mb: int) -> 
     functions = work / f"functions-{gpu_memory_mb}"
 
     def cli(*argv: str) -> None:
-        subprocess.run([*gpufaas, *argv], check=True, capture_output=True, text=True, cwd=work)
+        # GPUFAAS_STATE_DIR: the CLI finds this cluster's admin password there (as after `gpufaas up`).
+        env = {**os.environ, "GPUFAAS_STATE_DIR": str(state)}
+        subprocess.run([*gpufaas, *argv], check=True, capture_output=True, text=True, cwd=work, env=env)
 
     cli(
         "up",
@@ -118,6 +121,8 @@ def run_gpufaas(args: argparse.Namespace, work: Path, *, gpu_memory_mb: int) -> 
         cli("deploy", "-f", str(stack), "--gateway", url)
         body = work / "x.json"
         body.write_text(json.dumps({"inputs": [[0.1, 0.2, 0.3, 0.4]]}))
+        # Calls carry the invoke token, as an application's would (the functions are not public).
+        token = read_secret(SecretFiles(state / "secrets").invoke_token)
         results = {}
         for concurrency in CONCURRENCY:
             point = load(
@@ -128,6 +133,8 @@ def run_gpufaas(args: argparse.Namespace, work: Path, *, gpu_memory_mb: int) -> 
                 str(body),
                 "--count-header",
                 "X-Cache",
+                "-H",
+                f"Authorization: Bearer {token}",
                 "--label",
                 f"gpufaas ({gpu_memory_mb} MB GPUs)",
             )

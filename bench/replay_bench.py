@@ -62,12 +62,15 @@ def package() -> bytes:
 
 def deploy(cluster: LocalCluster, workload: Workload) -> dict[str, str]:
     """One function per working-set function, sized by its model; returns model -> function name."""
-    digest = httpx.post(f"{cluster.gateway_url}/system/packages", content=package(), timeout=30).json()["digest"]
+    auth = cluster.admin_auth
+    digest = httpx.post(f"{cluster.gateway_url}/system/packages", content=package(), timeout=30, auth=auth).json()[
+        "digest"
+    ]
     names = {}
     for index, profile in enumerate(workload.profiles):
         name = f"f{index:02d}"
         spec = {"name": name, "package_digest": digest, "memory_mb": profile.memory_mb, "timeout_s": 3600}
-        httpx.post(f"{cluster.gateway_url}/system/functions", json=spec, timeout=30).raise_for_status()
+        httpx.post(f"{cluster.gateway_url}/system/functions", json=spec, timeout=30, auth=auth).raise_for_status()
         names[profile.model] = name
     return names
 
@@ -77,7 +80,7 @@ async def seed_profiles(cluster: LocalCluster, workload: Workload, names: dict[s
     from gpufaas.keys import Keys
     from gpufaas.store import EtcdStore
 
-    functions = httpx.get(f"{cluster.gateway_url}/system/functions", timeout=30).json()
+    functions = httpx.get(f"{cluster.gateway_url}/system/functions", timeout=30, auth=cluster.admin_auth).json()
     model_of = {f["name"]: f["model"] for f in functions}
     assert cluster.etcd_endpoint is not None
     store = await EtcdStore.open(cluster.etcd_endpoint)
@@ -94,11 +97,11 @@ async def seed_profiles(cluster: LocalCluster, workload: Workload, names: dict[s
         await store.close()
 
 
-async def replay(url: str, workload: Workload, names: dict[str, str]) -> dict[str, Any]:
+async def replay(url: str, workload: Workload, names: dict[str, str], headers: dict[str, str]) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
     latencies: list[float] = []
     misses = errors = 0
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=3600) as client:
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=3600, headers=headers) as client:
         start = time.monotonic()
 
         async def one(arrival_s: float, name: str) -> None:
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 names = deploy(cluster, workload)
                 asyncio.run(seed_profiles(cluster, workload, names))
                 cluster.restart("scheduler")  # it reads profiles from etcd when it starts
-                real = asyncio.run(replay(cluster.gateway_url, workload, names))
+                real = asyncio.run(replay(cluster.gateway_url, workload, names, cluster.invoke_headers))
             finally:
                 cluster.stop()
         rows.append(

@@ -9,9 +9,11 @@ from pathlib import Path
 import uvicorn
 
 from gateway.app import GatewayConfig, create_app
+from gateway.auth import Credentials
+from gpufaas.credentials import CredentialError, node_token, read_secret, wire_key
 from gpufaas.keys import Keys
 from gpufaas.packages import DEFAULT_MAX_UNPACKED_MB
-from gpufaas.service_main import add_common_flags, configure_logging, run_daemon
+from gpufaas.service_main import add_common_flags, cluster_secret, configure_logging, run_daemon, warn_if_insecure
 from gpufaas.store import EtcdStore
 
 
@@ -32,8 +34,34 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_MAX_UNPACKED_MB,
         help="largest size a package may unpack to (413 at upload above)",
     )
+    parser.add_argument(
+        "--admin-password-file",
+        type=Path,
+        default=None,
+        help="the password of user `admin`, for /system/* and /metrics (mode 0600; required unless --insecure)",
+    )
+    parser.add_argument(
+        "--invoke-token-file",
+        type=Path,
+        default=None,
+        help="a bearer token that may call any function (mode 0600; default: only admin may call non-public ones)",
+    )
     args = parser.parse_args(argv)
+    secret = cluster_secret(parser, args)
+    credentials = None
+    if secret is not None:
+        if args.admin_password_file is None:
+            parser.error("--admin-password-file is required (`gpufaas up` makes STATE/secrets/admin-password)")
+        try:
+            credentials = Credentials(
+                admin_password=read_secret(args.admin_password_file),
+                invoke_token=read_secret(args.invoke_token_file) if args.invoke_token_file else None,
+                node_token=node_token(secret),
+            )
+        except CredentialError as exc:
+            parser.error(str(exc))
     configure_logging(args.log_level)
+    warn_if_insecure(args, "the gateway")
     config = GatewayConfig(
         state_dir=args.state_dir,
         public_url=args.public_url or f"http://{args.host}:{args.port}",
@@ -41,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         max_payload_bytes=int(args.max_payload_mb * 1024 * 1024),
         max_unpacked_bytes=args.max_unpacked_mb * 1024 * 1024,
         keys=Keys(args.root),
+        credentials=credentials,
+        wire_key=wire_key(secret) if secret is not None else None,
     )
 
     async def run() -> None:

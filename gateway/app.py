@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 
 import gpufaas
+from gateway.auth import AuthMiddleware, Credentials
 from gateway.invoke import InvokeMiddleware
 from gateway.router import SCHEDULER_WAIT_S, CallFailed, Router
 from gpufaas.cluster import NodeRecord
@@ -50,6 +51,9 @@ class GatewayConfig:
     package_grace_s: float = 3600.0  # a package no function uses is deleted once it is this old
     keys: Keys = field(default_factory=Keys)
     scheduler_wait_s: float = SCHEDULER_WAIT_S  # how long a call waits for a scheduler to (re)connect
+    # Who may use which route (gateway.auth); None: anyone may use any (--insecure, development only).
+    credentials: Credentials | None = None
+    wire_key: bytes | None = None  # proved to the scheduler and the nodes (gpufaas.wire)
 
 
 class ApiError(Exception):
@@ -78,6 +82,7 @@ class Gateway:
             max_payload_bytes=config.max_payload_bytes,
             scheduler_address=config.scheduler_address,
             scheduler_wait_s=config.scheduler_wait_s,
+            wire_key=config.wire_key,
         )
         self.nodes: dict[str, NodeRecord] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -211,7 +216,10 @@ def create_app(store: Store, config: GatewayConfig) -> FastAPI:
 
     app = FastAPI(title="gpufaas gateway", version=gpufaas.__version__, lifespan=lifespan)
     app.state.gateway = gateway
-    app.add_middleware(InvokeMiddleware, gateway=gateway)  # POST /function/{name}: see gateway.invoke
+    if config.credentials is not None:  # every route but invocations (checked per function by InvokeMiddleware)
+        app.add_middleware(AuthMiddleware, credentials=config.credentials)
+    # Added last, so outermost: POST /function/{name} is answered before the rest (gateway.invoke).
+    app.add_middleware(InvokeMiddleware, gateway=gateway)
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -355,6 +363,7 @@ def create_app(store: Store, config: GatewayConfig) -> FastAPI:
             "environment": spec.environment,
             "max_batch_size": spec.max_batch_size,
             "max_batch_wait_ms": spec.max_batch_wait_ms,
+            "public": spec.public,
             "invocationCount": sum(n for (name, _), n in gateway.invocations.items() if name == spec.name),
             "replicas": len(replicas),
             "gpus": replicas,

@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
+from gateway.auth import ANY_CALLER, refusal, send_refusal
 from gateway.router import CallFailed
 from gpufaas.proto import gpufaas_pb2 as pb
 
@@ -56,6 +57,13 @@ class InvokeMiddleware:
         headers = dict(scope["headers"])  # ASGI header names are lower-case bytes
         call_id = headers.get(b"x-call-id", b"").decode("latin-1") or uuid.uuid4().hex
         spec = gateway.functions.get(name)
+        credentials = gateway.config.credentials
+        if credentials is not None and (spec is None or not spec.public):  # unknown: 401 first, no 404 leak
+            role = credentials.role_of(headers.get(b"authorization"))
+            if role not in ANY_CALLER:
+                status, message = refusal(role, f"call function {name!r}")
+                await send_refusal(send, status, message, [(b"x-call-id", call_id.encode("latin-1"))])
+                return
         if spec is None:
             await _error(send, 404, f"function {name!r} is not deployed; deploy it first (gpufaas deploy)", call_id)
             return

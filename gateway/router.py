@@ -26,7 +26,16 @@ from dataclasses import dataclass
 
 from gpufaas.functions import FunctionSpec
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, RemoteError, connect, max_frame_bytes_for
+from gpufaas.wire import (
+    Connection,
+    ConnectionLost,
+    Frame,
+    MessageType,
+    RemoteError,
+    Unauthenticated,
+    connect,
+    max_frame_bytes_for,
+)
 
 log = logging.getLogger("gpufaas.gateway.router")
 
@@ -117,8 +126,10 @@ class Router:
         max_payload_bytes: int,
         scheduler_address: str | None = None,
         scheduler_wait_s: float = SCHEDULER_WAIT_S,
+        wire_key: bytes | None = None,
     ) -> None:
         self.max_payload_bytes = max_payload_bytes
+        self.wire_key = wire_key  # proved to the scheduler and the nodes (gpufaas.wire)
         self.scheduler_wait_s = scheduler_wait_s
         self._address = scheduler_address
         self._scheduler: Connection | None = None
@@ -166,9 +177,11 @@ class Router:
                 await self._address_changed.wait()
                 continue
             try:
-                conn = await connect(self._address, _SchedulerSession(self), timeout_s=2.0)
+                conn = await connect(self._address, _SchedulerSession(self), timeout_s=2.0, key=self.wire_key)
             except ConnectionLost as exc:
-                log.debug("scheduler at %s: %s", self._address, exc)
+                # A wrong secret is a misconfiguration an operator must see; the rest is routine.
+                level = logging.WARNING if isinstance(exc, Unauthenticated) else logging.DEBUG
+                log.log(level, "scheduler at %s: %s", self._address, exc)
                 await asyncio.sleep(RECONNECT_S)
                 continue
             self.epoch += 1
@@ -302,7 +315,13 @@ class Router:
         task = self._node_connects.get(address)
         if task is None:
             task = asyncio.create_task(
-                connect(address, None, max_frame_bytes=max_frame_bytes_for(self.max_payload_bytes), timeout_s=2.0)
+                connect(
+                    address,
+                    None,
+                    max_frame_bytes=max_frame_bytes_for(self.max_payload_bytes),
+                    timeout_s=2.0,
+                    key=self.wire_key,
+                )
             )
             self._node_connects[address] = task
             task.add_done_callback(lambda _: self._node_connects.pop(address, None))

@@ -11,8 +11,16 @@ from pathlib import Path
 from gpu_manager.daemon import DEFAULT_HOST_CACHE_MB, GpuManagerDaemon
 from gpu_manager.devices import discover_nvml, logical_devices
 from gpu_manager.packages import PackageCache
+from gpufaas.credentials import node_token, wire_key
 from gpufaas.keys import Keys
-from gpufaas.service_main import add_common_flags, configure_logging, run_daemon, run_until_signalled
+from gpufaas.service_main import (
+    add_common_flags,
+    cluster_secret,
+    configure_logging,
+    run_daemon,
+    run_until_signalled,
+    warn_if_insecure,
+)
 from gpufaas.store import EtcdStore
 
 
@@ -53,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         f"miss instead of loaded (default {DEFAULT_HOST_CACHE_MB} on cpu; 0: off; other backends: 0)",
     )
     args = parser.parse_args(argv)
+    secret = cluster_secret(parser, args)
     configure_logging(args.log_level)
+    warn_if_insecure(args, f"GPU manager {args.node}")
 
     found = discover_nvml()
     backend = args.backend or ("cuda" if found else "cpu")
@@ -88,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             spares_per_gpu=args.spares,
             max_body_bytes=int(args.max_payload_mb * 1024 * 1024),
             host_cache_mb=host_cache_mb,
+            wire_key=wire_key(secret) if secret is not None else None,
+            package_token=node_token(secret) if secret is not None else None,
         )
 
         async def start() -> None:

@@ -58,7 +58,12 @@ class GpuManagerDaemon:
         max_body_bytes: int = 16 * 1024 * 1024,
         host_cache_mb: int = 0,
         package_grace_s: float = PACKAGE_GRACE_S,
+        wire_key: bytes | None = None,
+        package_token: str | None = None,
     ) -> None:
+        """`wire_key`: the cluster's wire key; the scheduler and gateways must prove it before the
+        node reads anything from them. `package_token`: the bearer token packages are fetched
+        from the gateway with. None: neither (tests of the logic only)."""
         if not devices:
             raise ValueError("a GPU manager needs at least one device")
         self.store = store
@@ -82,9 +87,10 @@ class GpuManagerDaemon:
         self.address = ""
         self.context_mb = 0  # what one spare holds on its GPU (measured on cuda)
         self._scheduler: Connection | None = None
-        self._server = Server(lambda: _Session(self), max_frame_bytes=max_frame_bytes_for(max_body_bytes))
+        self._server = Server(lambda: _Session(self), max_frame_bytes=max_frame_bytes_for(max_body_bytes), key=wire_key)
         self._lease: LeaseKeeper | None = None
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0))
+        headers = {"authorization": f"Bearer {package_token}"} if package_token else {}
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0), headers=headers)
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self, listen: str = "127.0.0.1:0", *, advertise: str | None = None) -> str:

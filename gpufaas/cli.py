@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import os
@@ -16,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from gpufaas.credentials import ADMIN_USER
 from gpufaas.errors import GpufaasError
 
 if TYPE_CHECKING:
@@ -261,12 +263,47 @@ def gateway_url(flag: str | None, stack_gateway: str | None = None) -> str:
     return (flag or os.environ.get("GPUFAAS_URL") or stack_gateway or DEFAULT_GATEWAY).rstrip("/")
 
 
-class GatewayClient:
-    """The CLI's handle on a gateway: every failure becomes a GpufaasError that says what to do."""
+def credentials_path() -> Path:
+    """Where `gpufaas login` keeps passwords, by gateway URL (mode 0600)."""
+    env = os.environ.get("GPUFAAS_CONFIG_DIR")
+    return (Path(env) if env else Path.home() / ".config" / "gpufaas") / "credentials.json"
 
-    def __init__(self, url: str, *, timeout_s: float = 120.0) -> None:
+
+def _saved_credentials() -> dict[str, str]:
+    try:
+        saved = json.loads(credentials_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in saved.items()} if isinstance(saved, dict) else {}
+
+
+def admin_password_for(url: str, state_dir: Path | None = None) -> str | None:
+    """The admin password to use with the gateway at `url`: $GPUFAAS_PASSWORD, else what
+    `gpufaas login` saved for it, else the local cluster's own if `url` is its gateway."""
+    from gpufaas.credentials import CredentialError, SecretFiles, read_secret
+
+    if os.environ.get("GPUFAAS_PASSWORD"):
+        return os.environ["GPUFAAS_PASSWORD"]
+    saved = _saved_credentials().get(url)
+    if saved:
+        return saved
+    state_dir = state_dir or state_dir_default()
+    info = _cluster_info(state_dir)
+    if info.get("gateway_url", "").rstrip("/") == url and info.get("secrets"):
+        with contextlib.suppress(CredentialError):
+            return read_secret(SecretFiles(Path(info["secrets"])).admin_password)
+    return None
+
+
+class GatewayClient:
+    """The CLI's handle on a gateway: every failure becomes a GpufaasError that says what to do.
+    It authenticates as admin with `admin_password_for(url)` when there is one."""
+
+    def __init__(self, url: str, *, timeout_s: float = 120.0, password: str | None = None) -> None:
         self.url = url
-        self._client = httpx.Client(base_url=url, timeout=timeout_s)
+        password = password if password is not None else admin_password_for(url)
+        auth = httpx.BasicAuth(ADMIN_USER, password) if password else None
+        self._client = httpx.Client(base_url=url, timeout=timeout_s, auth=auth)
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
@@ -280,6 +317,11 @@ class GatewayClient:
             raise GpufaasError(f"talking to the gateway at {self.url} failed: {exc}") from None
 
     def ok(self, response: httpx.Response, *, accept: tuple[int, ...] = (200, 201, 202)) -> Any:
+        if response.status_code == 401:
+            raise GpufaasError(
+                f"the gateway at {self.url} needs credentials: `gpufaas login --gateway {self.url} --password-stdin` "
+                "(the password of a local cluster is in its state directory, secrets/admin-password)"
+            )
         if response.status_code not in accept:
             try:
                 message = response.json().get("error", response.text)
@@ -350,6 +392,10 @@ def up(
         f"{nodes} node(s) x {gpus_per_node} {backend} GPU(s), policy {policy}"
     )
     console.print(f"state: {state_dir}   logs: {state_dir / 'logs'}   (gpufaas logs \\[component])")
+    console.print(
+        f"credentials (mode 0600) in {cluster.secrets.directory}: admin-password (user admin: /system/*, and "
+        "this CLI uses it), invoke-token (Authorization: Bearer, to call functions)"
+    )
     console.print("stop it with `gpufaas down`")
 
 
@@ -390,6 +436,57 @@ def status(state_dir: StateDir = state_dir_default(), gateway: GatewayOpt = None
     console.print(f"gateway {url}: {'[green]answers[/]' if healthy else '[red]does not answer[/]'}")
     if not healthy:
         raise typer.Exit(code=1)
+
+
+@app.command()
+def login(
+    gateway: GatewayOpt = None,
+    password_stdin: Annotated[bool, typer.Option("--password-stdin", help="Read the password from stdin.")] = False,
+    state_dir: StateDir = state_dir_default(),  # noqa: B008
+) -> None:
+    """Check the admin password with the gateway and keep it for later commands (mode 0600).
+
+    Without --password-stdin: the local cluster's own password (its state directory), if the
+    gateway is the local cluster's."""
+    with _user_errors():
+        url = gateway_url(gateway, _cluster_info(state_dir).get("gateway_url"))
+        if password_stdin:
+            if sys.stdin.isatty():
+                raise GpufaasError("--password-stdin: pipe the password in, e.g. `cat FILE | gpufaas login ...`")
+            password = sys.stdin.readline().strip()
+        else:
+            password = admin_password_for(url, state_dir) or ""
+        if not password:
+            raise GpufaasError(
+                f"no password for {url}: pass it with --password-stdin (a local cluster keeps it in "
+                f"{state_dir / 'secrets' / 'admin-password'})"
+            )
+        client = GatewayClient(url, password=password)
+        response = client.request("GET", "/system/info")
+        if response.status_code in (401, 403):
+            raise GpufaasError(f"the gateway at {url} refused that password; check it and try again")
+        client.ok(response)
+        path = credentials_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        saved = _saved_credentials()
+        saved[url] = password
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            json.dump(saved, out, indent=2)
+        os.chmod(path, 0o600)
+    console.print(f"logged in to {url} as {ADMIN_USER} (kept in {path})")
+
+
+@app.command()
+def logout(gateway: GatewayOpt = None) -> None:
+    """Forget the password `gpufaas login` kept for a gateway."""
+    url = gateway_url(gateway)
+    saved = _saved_credentials()
+    if saved.pop(url, None) is None:
+        console.print(f"no password kept for {url}")
+        return
+    credentials_path().write_text(json.dumps(saved, indent=2))
+    console.print(f"forgot the password for {url}")
 
 
 @app.command()

@@ -30,6 +30,9 @@ class FunctionSpec:
     Dynamic batching is opt-in: with `max_batch_size` > 1 the worker merges up to that many calls
     that are waiting into one `predict(model, [inputs, ...])`, which returns a list of outputs;
     with fewer waiting it waits up to `max_batch_wait_ms` for more.
+
+    `public`: anyone who reaches the gateway may call it. By default a call needs the cluster's
+    invoke token or the admin credentials (docs/security.md).
     """
 
     name: str
@@ -42,6 +45,7 @@ class FunctionSpec:
     environment: dict[str, str] = field(default_factory=dict)
     max_batch_size: int = 1
     max_batch_wait_ms: float = 0.0
+    public: bool = False
 
     @property
     def required_gpu_type(self) -> str | None:
@@ -85,6 +89,7 @@ class FunctionSpec:
             "environment",
             "max_batch_size",
             "max_batch_wait_ms",
+            "public",
         }
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -107,6 +112,7 @@ class FunctionSpec:
             timeout_s=_timeout(raw, path),
             labels=_str_map(raw, "labels", path),
             environment=_str_map(raw, "environment", path),
+            public=_bool(raw, "public", path),
             **batching(raw, path),
         )
 
@@ -144,6 +150,13 @@ def _positive_int(raw: dict[str, Any], key: str, path: str, *, required: bool = 
     value = raw[key]
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise InvalidInput(f"{_at(path, key)}: expected a positive whole number, got {value!r}")
+    return value
+
+
+def _bool(raw: dict[str, Any], key: str, path: str) -> bool:
+    value = raw.get(key, False)
+    if not isinstance(value, bool):
+        raise InvalidInput(f"{_at(path, key)}: expected true or false, got {value!r}")
     return value
 
 

@@ -15,6 +15,7 @@ from typing import IO
 
 import httpx
 
+from gpufaas.credentials import ADMIN_USER, SecretFiles, ensure_secrets, read_secret, wire_key
 from gpufaas.errors import GpufaasError
 from gpufaas.etcd_server import free_port
 
@@ -96,8 +97,30 @@ class LocalCluster:
     slots: str = "4"  # concurrent calls per GPU (scheduler --slots)
     spares: int = 1  # warm spare workers per GPU
     claim_s: float = 5.0  # a placement not used within this long is checked with its node
+    secure: bool = True  # credentials on every interface (state_dir/secrets); False: --insecure daemons
     components: dict[str, Component] = field(default_factory=dict)
     _etcd: object | None = None
+
+    @property
+    def secrets(self) -> SecretFiles:
+        return SecretFiles(self.state_dir / "secrets")
+
+    @property
+    def admin_auth(self) -> httpx.BasicAuth | None:
+        """HTTP basic auth as admin (None for an insecure cluster)."""
+        return httpx.BasicAuth(ADMIN_USER, read_secret(self.secrets.admin_password)) if self.secure else None
+
+    @property
+    def wire_key(self) -> bytes | None:
+        """The key the daemons' wire handshake proves (None for an insecure cluster)."""
+        return wire_key(read_secret(self.secrets.cluster_secret)) if self.secure else None
+
+    @property
+    def invoke_headers(self) -> dict[str, str]:
+        """Headers that may call any function (none needed for an insecure cluster)."""
+        if not self.secure:
+            return {}
+        return {"authorization": f"Bearer {read_secret(self.secrets.invoke_token)}"}
 
     @property
     def gateway_url(self) -> str:
@@ -114,10 +137,13 @@ class LocalCluster:
 
     def _common(self) -> list[str]:
         assert self.etcd_endpoint is not None
-        return ["--etcd", self.etcd_endpoint, "--root", self.root]
+        security = ["--secret-file", str(self.secrets.cluster_secret)] if self.secure else ["--insecure"]
+        return ["--etcd", self.etcd_endpoint, "--root", self.root, *security]
 
     def start(self, timeout_s: float = 60.0) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        if self.secure:
+            ensure_secrets(self.secrets.directory)
         if self.etcd_endpoint is None:
             from gpufaas.etcd_server import EtcdServer
 
@@ -164,6 +190,16 @@ class LocalCluster:
                 self.scheduler_address,
                 "--max-payload-mb",
                 str(self.max_payload_mb),
+                *(
+                    [
+                        "--admin-password-file",
+                        str(self.secrets.admin_password),
+                        "--invoke-token-file",
+                        str(self.secrets.invoke_token),
+                    ]
+                    if self.secure
+                    else []
+                ),
             ],
             logs / "gateway.log",
         )
@@ -211,7 +247,7 @@ class LocalCluster:
                         f"its log ({component.log_path}) ends:\n{component.tail()}"
                     )
             try:
-                response = httpx.get(f"{self.gateway_url}/system/gpus", timeout=2.0)
+                response = httpx.get(f"{self.gateway_url}/system/gpus", timeout=2.0, auth=self.admin_auth)
                 if response.status_code == 200 and len(response.json()) >= expected:
                     return
                 last = f"{response.status_code} {response.text[:200]}"
@@ -254,6 +290,7 @@ class LocalCluster:
             "gpus_per_node": self.gpus_per_node,
             "backend": self.backend,
             "policy": self.policy,
+            "secrets": str(self.secrets.directory) if self.secure else None,
         }
         (self.state_dir / "cluster.json").write_text(json.dumps(info, indent=2) + "\n")
 

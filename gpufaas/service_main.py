@@ -6,11 +6,14 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
+from gpufaas.credentials import CredentialError, read_secret
 from gpufaas.keys import DEFAULT_ROOT
 
 
@@ -18,6 +21,41 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--etcd", default="127.0.0.1:2379", help="etcd client endpoint host:port")
     parser.add_argument("--root", default=DEFAULT_ROOT, help="etcd key root (default %(default)s)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--secret-file",
+        type=Path,
+        default=os.environ.get("GPUFAAS_SECRET_FILE") or None,
+        help="the cluster secret every daemon shares, mode 0600 (default $GPUFAAS_SECRET_FILE; "
+        "`gpufaas up` makes STATE/secrets/cluster-secret)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no credentials on any interface: development on a machine nobody else uses",
+    )
+
+
+def cluster_secret(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """The cluster secret named by --secret-file (None with --insecure); a usage error if it is
+    missing or unsafe. Safe by default: a daemon does not start open unless told to."""
+    if args.insecure:
+        if args.secret_file is not None:
+            parser.error("--insecure and --secret-file exclude each other")
+        return None
+    if args.secret_file is None:
+        parser.error(
+            "--secret-file is required: the cluster secret every daemon shares (`gpufaas up` makes one in "
+            "STATE/secrets/cluster-secret); --insecure runs without credentials (development only)"
+        )
+    try:
+        return read_secret(args.secret_file)
+    except CredentialError as exc:
+        parser.error(str(exc))
+
+
+def warn_if_insecure(args: argparse.Namespace, name: str) -> None:
+    if args.insecure:
+        logging.getLogger("gpufaas").warning("%s runs with --insecure: anyone who reaches its port may use it", name)
 
 
 def configure_logging(level: str) -> None:

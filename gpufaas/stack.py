@@ -25,6 +25,7 @@ FUNCTION_KEYS = {
     "environment",
     "max_batch_size",
     "max_batch_wait_ms",
+    "public",
 }
 
 
@@ -41,6 +42,7 @@ class StackFunction:
     environment: dict[str, str] = field(default_factory=dict)
     max_batch_size: int = 1
     max_batch_wait_ms: float = 0.0
+    public: bool = False  # callable without credentials
 
     def spec(self, package_digest: str) -> dict[str, Any]:
         """The gateway's function spec for this function's uploaded package."""
@@ -55,6 +57,7 @@ class StackFunction:
             "environment": self.environment,
             "max_batch_size": self.max_batch_size,
             "max_batch_wait_ms": self.max_batch_wait_ms,
+            "public": self.public,
         }
 
 
@@ -128,6 +131,9 @@ def parse_stack(raw: Any, path: Path) -> Stack:
             batch_settings = batching(settings, where)
         except InvalidInput as exc:
             raise InvalidInput(f"{path}: {exc}") from None
+        public = settings.get("public", False)
+        if not isinstance(public, bool):
+            raise fail(f"{where}.public", f"expected true or false, got {public!r}")
         template = settings.get("template")
         if template is not None and not isinstance(template, str):
             raise fail(f"{where}.template", f"expected a template name, got {template!r}")
@@ -142,6 +148,7 @@ def parse_stack(raw: Any, path: Path) -> Stack:
                 timeout_s=float(timeout_s),
                 labels=_string_map(settings.get("labels"), f"{where}.labels", fail),
                 environment=_string_map(settings.get("environment"), f"{where}.environment", fail),
+                public=public,
                 **batch_settings,
             )
         )

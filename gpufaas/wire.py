@@ -20,6 +20,14 @@ Messages produced within one pass of the event loop are written with one system 
 queued and flushed by a callback scheduled with `call_soon`), so a burst of small messages costs
 one write; a large body is handed to the transport at once, and `drain()` waits for the peer.
 
+Authentication: a server made with the cluster's wire key (gpufaas.credentials.wire_key) reads
+nothing from a peer until both have proved they hold it: the server sends a Hello with a fresh
+nonce, the client answers with its own nonce and HMAC(key, "client", both nonces), the server
+replies with HMAC(key, "server", both nonces). The key itself never crosses the connection; a
+replayed proof fails on the fresh nonces. A peer that sends anything else first, a wrong proof, or
+nothing within HANDSHAKE_S is cut off. Frames are not encrypted or signed one by one after that:
+on a network others can read, carry the wire over TLS or a private network (docs/security.md).
+
 Errors: `ConnectionLost` (OSError) when the connection closed under a request or a send;
 `RemoteError` when the peer answered a request with an Error message; `FrameTooLarge`
 (ConnectionLost) when a frame over the limit was announced.
@@ -30,8 +38,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import hashlib
+import hmac
 import itertools
 import logging
+import os
 import struct
 from collections.abc import Callable
 from typing import Protocol, TypeVar
@@ -50,6 +61,8 @@ DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 HEADER_ALLOWANCE_BYTES = 1024 * 1024  # what a frame may hold beside its body
 _SMALL_BUFFER_BYTES = 256 * 1024  # frames up to this size are read into one reused buffer
 _INLINE_BODY_BYTES = 64 * 1024  # bodies up to this size are copied into the frame's one write
+HANDSHAKE_S = 5.0  # a peer that has not proved the key by then is cut off
+_NONCE_BYTES = 16
 
 M = TypeVar("M", bound=Message)
 
@@ -79,6 +92,7 @@ class MessageType(enum.IntEnum):
     CALL = 20
     CALL_RESULT = 21
     WORKERS = 22
+    HELLO = 23
 
 
 MESSAGES: dict[MessageType, type[Message]] = {
@@ -104,6 +118,7 @@ MESSAGES: dict[MessageType, type[Message]] = {
     MessageType.CALL: pb.Call,
     MessageType.CALL_RESULT: pb.CallResult,
     MessageType.WORKERS: pb.WorkersRequest,
+    MessageType.HELLO: pb.Hello,
 }
 
 
@@ -118,6 +133,10 @@ class ConnectionLost(ConnectionError):
 
 class FrameTooLarge(ConnectionLost):
     """The peer announced a frame over this end's limit; the connection was closed."""
+
+
+class Unauthenticated(ConnectionLost):
+    """The peer does not hold the same wire key (or speaks no handshake)."""
 
 
 class RemoteError(Exception):
@@ -178,7 +197,14 @@ class Connection(asyncio.BufferedProtocol):
     waiting then fail with ConnectionLost, and the handler's `on_close` is called once.
     """
 
-    def __init__(self, handler: Handler | None, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+    def __init__(
+        self,
+        handler: Handler | None,
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        key: bytes | None = None,
+        server: bool = False,
+    ) -> None:
         self.handler = handler
         self.max_frame_bytes = max_frame_bytes
         self.peer = ""
@@ -197,6 +223,12 @@ class Connection(asyncio.BufferedProtocol):
         self._end = 0  # end of the bytes received into _buf
         self._big: bytearray | None = None  # the frame being received, when it is large
         self._big_filled = 0
+        # The handshake (see the module's doc): nothing but it is read until `authenticated`.
+        self._key = key
+        self._server_side = server
+        self.authenticated = key is None
+        self._server_nonce = b""
+        self._hello: asyncio.Future[bytes] = self._loop.create_future()  # client: the server's nonce
 
     # --- asyncio protocol ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -204,6 +236,10 @@ class Connection(asyncio.BufferedProtocol):
         self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "")
+        if self._key is not None and self._server_side:
+            self._server_nonce = os.urandom(_NONCE_BYTES)
+            self.send(MessageType.HELLO, pb.Hello(nonce=self._server_nonce))
+            self._loop.call_later(HANDSHAKE_S, self._handshake_expired)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail_all(exc)
@@ -296,6 +332,61 @@ class Connection(asyncio.BufferedProtocol):
         self.close()
         await asyncio.shield(self.closed)
 
+    # --- the handshake ------------------------------------------------------------------------
+    async def handshake(self, timeout_s: float) -> None:
+        """Client side: prove the key and check the server's proof (raises Unauthenticated)."""
+        assert self._key is not None and not self._server_side
+        try:
+            async with asyncio.timeout(timeout_s):
+                server_nonce = await asyncio.shield(self._hello)
+            client_nonce = os.urandom(_NONCE_BYTES)
+            proof = _proof(self._key, b"client", server_nonce, client_nonce)
+            frame = await self.request(
+                MessageType.HELLO, pb.Hello(nonce=client_nonce, proof=proof), timeout_s=timeout_s
+            )
+        except TimeoutError:
+            raise Unauthenticated(
+                f"{self.peer} sent no handshake in {timeout_s:g} s: is it a gpufaas daemon run with this cluster's "
+                "secret (--secret-file)?"
+            ) from None
+        except RemoteError as exc:
+            raise Unauthenticated(f"{self.peer} refused this end: {exc}") from None
+        if not hmac.compare_digest(
+            frame.message(pb.Hello).proof, _proof(self._key, b"server", server_nonce, client_nonce)
+        ):
+            raise Unauthenticated(f"{self.peer} does not hold this cluster's secret: check its --secret-file")
+        self.authenticated = True
+
+    def _handshake_frame(self, frame: Frame) -> None:
+        """A frame before the handshake completed: only the handshake's own are taken."""
+        if frame.type != MessageType.HELLO:
+            self._protocol_error(Unauthenticated(f"{self.peer} sent a {_type_name(frame.type)} before the handshake"))
+            return
+        hello = frame.message(pb.Hello)
+        if not self._server_side:
+            if not self._hello.done():
+                self._hello.set_result(hello.nonce)
+            return
+        assert self._key is not None
+        if frame.is_request and hmac.compare_digest(
+            hello.proof, _proof(self._key, b"client", self._server_nonce, hello.nonce)
+        ):
+            self.authenticated = True
+            self.reply(
+                frame,
+                MessageType.HELLO,
+                pb.Hello(proof=_proof(self._key, b"server", self._server_nonce, hello.nonce)),
+            )
+            return
+        if frame.is_request:
+            self.reply_error(frame, pb.UNAUTHENTICATED, "wrong cluster secret: check --secret-file on both ends")
+            self._flush()
+        self._protocol_error(Unauthenticated(f"{self.peer} failed the handshake (wrong cluster secret)"))
+
+    def _handshake_expired(self) -> None:
+        if not self.authenticated and not self.is_closed:
+            self._protocol_error(Unauthenticated(f"{self.peer} did not complete the handshake in {HANDSHAKE_S:g} s"))
+
     # --- internals ----------------------------------------------------------------------------
     def _write(self, prefix: bytes, body: bytes) -> None:
         if self.is_closed or self.transport is None:
@@ -361,6 +452,13 @@ class Connection(asyncio.BufferedProtocol):
         header = bytes(view[header_at:body_at])
         body = bytes(view[body_at : start + total]) if body_at < start + total else b""
         frame = Frame(type_, flags, correlation_id, header, body)
+        # Before the handshake, a client takes replies (its Hello's answer) and Hellos; a server Hellos.
+        if not self.authenticated and not (flags & FLAG_REPLY and not self._server_side):
+            try:
+                self._handshake_frame(frame)
+            except ConnectionLost as exc:  # a malformed Hello
+                self._protocol_error(exc)
+            return
         if flags & FLAG_REPLY:
             future = self._pending.pop(correlation_id, None)
             if future is not None and not future.done():
@@ -388,6 +486,10 @@ class Connection(asyncio.BufferedProtocol):
         if self.closed.done():
             return
         self.closed.set_result(exc)
+        if self._key is not None and not self._server_side and not self._hello.done():
+            self._hello.set_exception(
+                ConnectionLost(f"connection to {self.peer or 'peer'} closed during the handshake")
+            )
         self._can_write.set()
         self._out.clear()
         lost = ConnectionLost(f"connection to {self.peer or 'peer'} closed" + (f": {exc}" if exc else ""))
@@ -402,6 +504,10 @@ class Connection(asyncio.BufferedProtocol):
                 log.exception("on_close of %s failed", self.peer)
 
 
+def _proof(key: bytes, role: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(key, role + b"|" + server_nonce + b"|" + client_nonce, hashlib.sha256).digest()
+
+
 def _type_name(type_: int) -> str:
     with contextlib.suppress(ValueError):
         return MessageType(type_).name
@@ -414,17 +520,26 @@ async def connect(
     *,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     timeout_s: float = 5.0,
+    key: bytes | None = None,
 ) -> Connection:
-    """Open a connection to "host:port"; raises ConnectionLost if it cannot be opened in time."""
+    """Open a connection to "host:port" (proving `key` to the server, and checking its proof,
+    when given); raises ConnectionLost if it cannot be opened in time, Unauthenticated if the
+    handshake fails."""
     host, _, port = address.rpartition(":")
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(timeout_s):
             _, protocol = await loop.create_connection(
-                lambda: Connection(handler, max_frame_bytes=max_frame_bytes), host.strip("[]"), int(port)
+                lambda: Connection(handler, max_frame_bytes=max_frame_bytes, key=key), host.strip("[]"), int(port)
             )
     except (OSError, TimeoutError, ValueError) as exc:
         raise ConnectionLost(f"cannot connect to {address}: {exc or type(exc).__name__}") from None
+    if key is not None:
+        try:
+            await protocol.handshake(timeout_s)
+        except ConnectionLost:
+            protocol.close()
+            raise
     return protocol
 
 
@@ -432,13 +547,21 @@ class Server:
     """Accepts connections on "host:port" (port 0: any free one); each gets a handler of its own
     from `handler_for()`.
 
+    With `key`, every connection must pass the handshake before anything it sends is read.
     `address` is the bound "host:port" once started. `close()` stops listening and closes every
     accepted connection.
     """
 
-    def __init__(self, handler_for: Callable[[], Handler], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+    def __init__(
+        self,
+        handler_for: Callable[[], Handler],
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        key: bytes | None = None,
+    ) -> None:
         self._handler_for = handler_for
         self.max_frame_bytes = max_frame_bytes
+        self.key = key
         self.connections: set[Connection] = set()
         self._server: asyncio.Server | None = None
         self.address = ""
@@ -452,7 +575,7 @@ class Server:
         return self.address
 
     def _accept(self) -> Connection:
-        conn = Connection(self._handler_for(), max_frame_bytes=self.max_frame_bytes)
+        conn = Connection(self._handler_for(), max_frame_bytes=self.max_frame_bytes, key=self.key, server=True)
         self.connections.add(conn)
         conn.closed.add_done_callback(lambda _: self.connections.discard(conn))
         return conn

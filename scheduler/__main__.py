@@ -5,8 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from gpufaas.credentials import wire_key
 from gpufaas.keys import Keys
-from gpufaas.service_main import add_common_flags, configure_logging, run_daemon, run_until_signalled
+from gpufaas.service_main import (
+    add_common_flags,
+    cluster_secret,
+    configure_logging,
+    run_daemon,
+    run_until_signalled,
+    warn_if_insecure,
+)
 from gpufaas.store import EtcdStore
 from scheduler.policies import registered_policies
 from scheduler.service import MAX_CLAIM_S, SchedulerService, SlotConfig
@@ -35,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         slots = SlotConfig.parse(args.slots)
     except ValueError as exc:
         parser.error(str(exc))
+    secret = cluster_secret(parser, args)
     configure_logging(args.log_level)
+    warn_if_insecure(args, "the scheduler")
 
     async def run() -> None:
         store = await EtcdStore.open(args.etcd)
@@ -47,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             queue_capacity=args.queue_capacity,
             slots=slots,
             claim_s=args.claim_s,
+            wire_key=wire_key(secret) if secret is not None else None,
         )
 
         async def start() -> None:

@@ -31,7 +31,7 @@ from gpufaas.profiles import paper_table1
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import KeyValue, LeaseKeeper, Store, StoreError, WatchEvent, list_and_watch
 from gpufaas.types import GpuSpec, ModelSpec
-from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, RemoteError, Server, connect
+from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, RemoteError, Server, Unauthenticated, connect
 from scheduler.calls import (
     DEFAULT_CLAIM_S,
     DEFAULT_LOST_AFTER_S,
@@ -112,8 +112,12 @@ class SchedulerService:
         claim_s: float = DEFAULT_CLAIM_S,
         lost_after_s: float = DEFAULT_LOST_AFTER_S,
         clock: Callable[[], float] = time.monotonic,
+        wire_key: bytes | None = None,
     ) -> None:
+        """`wire_key`: the cluster's wire key (gpufaas.credentials); gateways must prove it, and
+        nodes are trusted only once they have. None: no handshake (tests of the logic only)."""
         self.store = store
+        self.wire_key = wire_key
         self.keys = keys if keys is not None else Keys()
         self.policy_name = policy
         self.slots = slots if slots is not None else SlotConfig()
@@ -134,7 +138,7 @@ class SchedulerService:
         self._written: dict[str, bytes] = {}  # last value put per key: unchanged values are not rewritten
         self._profile_written_at: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._server = Server(lambda: _GatewaySession(self))
+        self._server = Server(lambda: _GatewaySession(self), key=wire_key)
         self._lease: LeaseKeeper | None = None
         self.address = ""
 
@@ -301,7 +305,7 @@ class SchedulerService:
         session = _NodeSession(self, node)
         while self._nodes.get(node.record.node) is node:
             try:
-                conn = await connect(node.record.address, session, timeout_s=NODE_TIMEOUT_S)
+                conn = await connect(node.record.address, session, timeout_s=NODE_TIMEOUT_S, key=self.wire_key)
                 reply = (
                     await conn.request(
                         MessageType.ATTACH,
@@ -310,7 +314,9 @@ class SchedulerService:
                     )
                 ).message(pb.AttachReply)
             except (ConnectionLost, TimeoutError, RemoteError) as exc:
-                log.debug("node %s at %s: %s", node.record.node, node.record.address, exc)
+                # A wrong secret is a misconfiguration an operator must see; the rest is routine.
+                level = logging.WARNING if isinstance(exc, Unauthenticated) else logging.DEBUG
+                log.log(level, "node %s at %s: %s", node.record.node, node.record.address, exc)
                 await asyncio.sleep(RECONNECT_S)
                 continue
             if self._nodes.get(node.record.node) is not node or reply.incarnation != node.record.incarnation:

@@ -18,6 +18,7 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FUNCTION_FAILED: _ClassVar[Status]
     TOO_LARGE: _ClassVar[Status]
     RESULT_TOO_LARGE: _ClassVar[Status]
+    UNAUTHENTICATED: _ClassVar[Status]
 
 class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -40,6 +41,7 @@ DEADLINE: Status
 FUNCTION_FAILED: Status
 TOO_LARGE: Status
 RESULT_TOO_LARGE: Status
+UNAUTHENTICATED: Status
 OUTCOME_UNSPECIFIED: Outcome
 OK: Outcome
 HANDLER_ERROR: Outcome
@@ -359,6 +361,14 @@ class ClusterReply(_message.Message):
     policy: str
     queue_capacity: int
     def __init__(self, gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedCall, _Mapping]]] = ..., policy: _Optional[str] = ..., queue_capacity: _Optional[int] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("nonce", "proof")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    proof: bytes
+    def __init__(self, nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("status", "message")

@@ -105,10 +105,12 @@ def deploy(cluster: LocalCluster, name: str, fixture: str, tmp_path: Path, **spe
     package = tmp_path / f"{fixture}.tar.gz"
     if not package.exists():
         package = build_package(fixture, tmp_path)
-    uploaded = httpx.post(f"{cluster.gateway_url}/system/packages", content=package.read_bytes(), timeout=30)
+    uploaded = httpx.post(
+        f"{cluster.gateway_url}/system/packages", content=package.read_bytes(), timeout=30, auth=cluster.admin_auth
+    )
     assert uploaded.status_code == 201, uploaded.text
     body = {"name": name, "package_digest": uploaded.json()["digest"], "memory_mb": 800, **spec}
-    response = httpx.post(f"{cluster.gateway_url}/system/functions", json=body, timeout=30)
+    response = httpx.post(f"{cluster.gateway_url}/system/functions", json=body, timeout=30, auth=cluster.admin_auth)
     assert response.status_code == 202, response.text
     result: dict[str, object] = response.json()
     return result

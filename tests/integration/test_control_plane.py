@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from gpufaas.keys import Keys
-from gpufaas.local_cluster import pid_alive
+from gpufaas.local_cluster import LocalCluster, pid_alive
 from tests.fixtures.make_packages import build_package
 from tests.integration.conftest import ClusterFactory, deploy
 
@@ -35,9 +35,11 @@ def expected_outputs() -> list[float]:
     return flat(rows)
 
 
-def invoke(gateway_url: str, name: str, client: httpx.Client | None = None) -> httpx.Response:
+def invoke(cluster: LocalCluster, name: str, client: httpx.Client | None = None) -> httpx.Response:
     poster = client or httpx
-    return poster.post(f"{gateway_url}/function/{name}", json={"inputs": INPUTS}, timeout=60)
+    return poster.post(
+        f"{cluster.gateway_url}/function/{name}", json={"inputs": INPUTS}, timeout=60, headers=cluster.invoke_headers
+    )
 
 
 def etcd_state(endpoint: str, root: str) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
@@ -104,7 +106,7 @@ def test_deploy_invoke_hits_and_lru_state_in_etcd(make_cluster: ClusterFactory, 
 
     # The first call of each model is a miss and loads it; the model's outputs are right.
     for name in models:
-        response = invoke(cluster.gateway_url, name)
+        response = invoke(cluster, name)
         assert response.status_code == 200, response.text
         assert response.headers["X-Cache"] == "miss"
         assert flat(response.json()["outputs"]) == pytest.approx(expected)
@@ -113,7 +115,7 @@ def test_deploy_invoke_hits_and_lru_state_in_etcd(make_cluster: ClusterFactory, 
     # 47 more, 4 at a time: every one hits a resident model and answers correctly.
     names = [list(models)[i % 3] for i in range(47)]
     with httpx.Client() as client, ThreadPoolExecutor(4) as pool:
-        responses = list(pool.map(lambda n: invoke(cluster.gateway_url, n, client), names))
+        responses = list(pool.map(lambda n: invoke(cluster, n, client), names))
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
     assert [r.headers["X-Cache"] for r in responses] == ["hit"] * 47
     assert all(flat(r.json()["outputs"]) == pytest.approx(expected) for r in responses)
@@ -132,7 +134,7 @@ def test_deploy_invoke_hits_and_lru_state_in_etcd(make_cluster: ClusterFactory, 
     # Two more models on four one-model GPUs: the least recently used ones are evicted.
     for name in ("lin-d", "lin-e"):
         models[name] = deploy(cluster, name, "linear_function", tmp_path)["model"]
-        response = invoke(cluster.gateway_url, name)
+        response = invoke(cluster, name)
         assert response.status_code == 200 and response.headers["X-Cache"] == "miss"
 
     def settled() -> bool:
@@ -146,12 +148,15 @@ def test_deploy_invoke_hits_and_lru_state_in_etcd(make_cluster: ClusterFactory, 
     assert {m for models_on_gpu in lru.values() for m in models_on_gpu} == set(replicas)
 
     # The gateway's views agree with etcd.
-    gpus = httpx.get(f"{cluster.gateway_url}/system/gpus", timeout=10).json()
+    gpus = httpx.get(f"{cluster.gateway_url}/system/gpus", timeout=10, auth=cluster.admin_auth).json()
     assert {g["gpu"]: g["lru"] for g in gpus} == lru
     assert all(g["memory_used_mb"] <= g["memory_capacity_mb"] == 1000 for g in gpus)
-    listed = {f["name"]: f for f in httpx.get(f"{cluster.gateway_url}/system/functions", timeout=10).json()}
+    listed = {
+        f["name"]: f
+        for f in httpx.get(f"{cluster.gateway_url}/system/functions", timeout=10, auth=cluster.admin_auth).json()
+    }
     assert listed["lin-a"]["invocationCount"] >= 16
-    assert httpx.get(f"{cluster.gateway_url}/system/queue", timeout=10).json()["length"] == 0
+    assert httpx.get(f"{cluster.gateway_url}/system/queue", timeout=10, auth=cluster.admin_auth).json()["length"] == 0
 
 
 def test_a_function_that_opts_in_gets_waiting_calls_merged_into_batches(
@@ -161,11 +166,16 @@ def test_a_function_that_opts_in_gets_waiting_calls_merged_into_batches(
     predict (it receives a list), and every caller gets its own output back."""
     cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000, slots="8")
     deploy(cluster, "batched", "batch_function", tmp_path, memory_mb=100, max_batch_size=4, max_batch_wait_ms=50)
-    first = httpx.post(f"{cluster.gateway_url}/function/batched", json={"n": -1}, timeout=60)
+    first = httpx.post(f"{cluster.gateway_url}/function/batched", json={"n": -1}, timeout=60, auth=cluster.admin_auth)
     assert first.status_code == 200, first.text
 
     def call(n: int) -> httpx.Response:
-        return httpx.post(f"{cluster.gateway_url}/function/batched", json={"n": n, "sleep_s": 0.2}, timeout=60)
+        return httpx.post(
+            f"{cluster.gateway_url}/function/batched",
+            json={"n": n, "sleep_s": 0.2},
+            timeout=60,
+            auth=cluster.admin_auth,
+        )
 
     with ThreadPoolExecutor(8) as pool:
         responses = list(pool.map(call, range(8)))
@@ -179,7 +189,9 @@ def test_a_function_that_opts_in_gets_waiting_calls_merged_into_batches(
 def test_the_functions_environment_reaches_its_handler(make_cluster: ClusterFactory, tmp_path: Path) -> None:
     cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000)
     deploy(cluster, "env", "probe_function", tmp_path, memory_mb=100, environment={"MYVAR": "hello", "MODE": "x"})
-    response = httpx.post(f"{cluster.gateway_url}/function/env", json={"env": ["MYVAR", "MODE"]}, timeout=60)
+    response = httpx.post(
+        f"{cluster.gateway_url}/function/env", json={"env": ["MYVAR", "MODE"]}, timeout=60, auth=cluster.admin_auth
+    )
     assert response.status_code == 200, response.text
     assert response.json() == {
         "env": {"MYVAR": "hello", "MODE": "x"},
@@ -191,30 +203,37 @@ def test_an_updated_or_deleted_functions_old_model_is_evicted(make_cluster: Clus
     cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000)
     url = cluster.gateway_url
     old_model = deploy(cluster, "versioned", "probe_function", tmp_path, memory_mb=100)["model"]
-    first = httpx.post(f"{url}/function/versioned", json={}, timeout=60)
+    first = httpx.post(f"{url}/function/versioned", json={}, timeout=60, auth=cluster.admin_auth)
     assert first.status_code == 200, first.text
     old_pid = first.json()["pid"]
 
     def resident() -> set[str]:
-        return {m for g in httpx.get(f"{url}/system/gpus", timeout=10).json() for m in g["lru"]}
+        return {
+            m for g in httpx.get(f"{url}/system/gpus", timeout=10, auth=cluster.admin_auth).json() for m in g["lru"]
+        }
 
     # PUT a new package: the old version's model leaves the GPU and its worker is stopped.
     echo = build_package("echo_function", tmp_path).read_bytes()
-    digest = httpx.post(f"{url}/system/packages", content=echo, timeout=30).json()["digest"]
+    digest = httpx.post(f"{url}/system/packages", content=echo, timeout=30, auth=cluster.admin_auth).json()["digest"]
     updated = httpx.put(
-        f"{url}/system/functions", json={"name": "versioned", "package_digest": digest, "memory_mb": 100}, timeout=30
+        f"{url}/system/functions",
+        json={"name": "versioned", "package_digest": digest, "memory_mb": 100},
+        timeout=30,
+        auth=cluster.admin_auth,
     )
     assert updated.status_code == 202, updated.text
     new_model = updated.json()["model"]
     wait_for(lambda: old_model not in resident())
     wait_for(lambda: not pid_alive(old_pid))
-    response = httpx.post(f"{url}/function/versioned", json={"x": 1}, timeout=60)
+    response = httpx.post(f"{url}/function/versioned", json={"x": 1}, timeout=60, auth=cluster.admin_auth)
     assert response.status_code == 200 and response.json()["echo"] == {"x": 1}
     assert resident() == {new_model}
 
     # DELETE: its model leaves too.
     new_pid = response.json()["pid"]
-    deleted = httpx.request("DELETE", f"{url}/system/functions", json={"functionName": "versioned"}, timeout=30)
+    deleted = httpx.request(
+        "DELETE", f"{url}/system/functions", json={"functionName": "versioned"}, timeout=30, auth=cluster.admin_auth
+    )
     assert deleted.status_code == 202
     wait_for(lambda: resident() == set())
     wait_for(lambda: not pid_alive(new_pid))

@@ -12,27 +12,30 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gpufaas.local_cluster import LocalCluster
 from tests.integration.conftest import ClusterFactory, EtcdTarget, deploy
 from tests.integration.test_control_plane import etcd_state_when, wait_for
 
 pytestmark = pytest.mark.integration
 
 
-def call(url: str, name: str, sleep_s: float = 0.0, client: httpx.Client | None = None) -> httpx.Response:
-    return (client or httpx).post(f"{url}/function/{name}", json={"sleep_s": sleep_s}, timeout=60)
+def call(cluster: LocalCluster, name: str, sleep_s: float = 0.0, client: httpx.Client | None = None) -> httpx.Response:
+    return (client or httpx).post(
+        f"{cluster.gateway_url}/function/{name}", json={"sleep_s": sleep_s}, timeout=60, headers=cluster.invoke_headers
+    )
 
 
 def test_killing_a_gpu_manager_mid_burst_loses_no_invocation(make_cluster: ClusterFactory, tmp_path: Path) -> None:
     cluster = make_cluster(nodes=2, gpus_per_node=2, backend="cpu", gpu_memory_mb=1000)
     for name in ("slow-a", "slow-b"):
         deploy(cluster, name, "sleepy_function", tmp_path)
-        assert call(cluster.gateway_url, name).status_code == 200
+        assert call(cluster, name).status_code == 200
     completed: list[tuple[float, httpx.Response]] = []
     lock = threading.Lock()
     killed_at: list[float] = []
 
     def one(i: int, client: httpx.Client) -> None:
-        response = call(cluster.gateway_url, ("slow-a", "slow-b")[i % 2], 0.3, client)
+        response = call(cluster, ("slow-a", "slow-b")[i % 2], 0.3, client)
         with lock:
             completed.append((time.monotonic(), response))
             if len(completed) == 4 and not killed_at:
@@ -51,7 +54,12 @@ def test_killing_a_gpu_manager_mid_burst_loses_no_invocation(make_cluster: Clust
     late = [r.headers["X-Gpu"] for t, r in completed if t > killed_at[0] + 0.2]
     assert late and all(gpu.startswith("node1/") for gpu in late), late
     # Once the dead node's lease expires, its GPUs are gone from the cluster view.
-    wait_for(lambda: {g["node"] for g in httpx.get(f"{cluster.gateway_url}/system/gpus").json()} == {"node1"})
+    wait_for(
+        lambda: (
+            {g["node"] for g in httpx.get(f"{cluster.gateway_url}/system/gpus", auth=cluster.admin_auth).json()}
+            == {"node1"}
+        )
+    )
 
 
 def test_scheduler_restart_rebuilds_its_cache_state_from_the_nodes_and_etcd(
@@ -60,7 +68,7 @@ def test_scheduler_restart_rebuilds_its_cache_state_from_the_nodes_and_etcd(
     cluster = make_cluster(nodes=2, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000)
     for name in ("warm-a", "warm-b"):
         deploy(cluster, name, "sleepy_function", tmp_path)
-        assert call(cluster.gateway_url, name).headers["X-Cache"] == "miss"
+        assert call(cluster, name).headers["X-Cache"] == "miss"
     lru_before, replicas_before = etcd_state_when(
         etcd_endpoint.endpoint, etcd_endpoint.root, lambda state: sum(len(m) for m in state[0].values()) == 2
     )
@@ -70,7 +78,9 @@ def test_scheduler_restart_rebuilds_its_cache_state_from_the_nodes_and_etcd(
     cluster.restart("scheduler", kill=True)
 
     def in_memory() -> dict[str, list[str]]:
-        return {g["gpu"]: g["lru"] for g in httpx.get(f"{cluster.gateway_url}/system/gpus").json()}
+        return {
+            g["gpu"]: g["lru"] for g in httpx.get(f"{cluster.gateway_url}/system/gpus", auth=cluster.admin_auth).json()
+        }
 
     wait_for(lambda: in_memory() == lru_before)
     lru_after, replicas_after = etcd_state_when(
@@ -79,7 +89,7 @@ def test_scheduler_restart_rebuilds_its_cache_state_from_the_nodes_and_etcd(
     assert (lru_after, replicas_after) == (lru_before, replicas_before)
     # Invocations continue, and hit the workers that survived the scheduler's restart.
     for name in ("warm-a", "warm-b"):
-        response = call(cluster.gateway_url, name)
+        response = call(cluster, name)
         assert response.status_code == 200, response.text
         assert response.headers["X-Cache"] == "hit"
 
@@ -89,10 +99,10 @@ def test_a_worker_dying_mid_request_is_retried_elsewhere_and_its_cache_entry_dro
 ) -> None:
     cluster = make_cluster(nodes=1, gpus_per_node=2, backend="cpu", gpu_memory_mb=1000)
     model = str(deploy(cluster, "fragile", "sleepy_function", tmp_path)["model"])
-    first = call(cluster.gateway_url, "fragile")
+    first = call(cluster, "fragile")
     worker_pid = first.json()["pid"]
     results: list[httpx.Response] = []
-    caller = threading.Thread(target=lambda: results.append(call(cluster.gateway_url, "fragile", 2.0)))
+    caller = threading.Thread(target=lambda: results.append(call(cluster, "fragile", 2.0)))
     caller.start()
     time.sleep(0.7)  # the call is inside predict() now
     os.kill(worker_pid, signal.SIGKILL)
@@ -117,7 +127,7 @@ def test_a_worker_dying_between_calls_leaves_the_cache_within_a_reconcile_period
 
     cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000)
     model = str(deploy(cluster, "idle", "sleepy_function", tmp_path)["model"])
-    first = call(cluster.gateway_url, "idle")
+    first = call(cluster, "idle")
     etcd_state_when(etcd_endpoint.endpoint, etcd_endpoint.root, lambda state: model in state[1])
     killed_at = time.monotonic()
     os.kill(first.json()["pid"], signal.SIGKILL)  # no call runs: nothing tells the scheduler but reconciliation
@@ -125,7 +135,7 @@ def test_a_worker_dying_between_calls_leaves_the_cache_within_a_reconcile_period
         etcd_endpoint.endpoint, etcd_endpoint.root, lambda state: model not in state[1], timeout_s=RECONCILE_S + 5.0
     )
     assert time.monotonic() - killed_at < RECONCILE_S + 5.0
-    response = call(cluster.gateway_url, "idle")
+    response = call(cluster, "idle")
     assert response.status_code == 200, response.text
     assert response.headers["X-Cache"] == "miss" and response.json()["pid"] != first.json()["pid"]
 
@@ -140,7 +150,7 @@ def test_a_node_key_deleted_by_hand_comes_back_with_its_gpus_and_their_models(
 
     cluster = make_cluster(nodes=1, gpus_per_node=2, backend="cpu", gpu_memory_mb=1000)
     deploy(cluster, "steady", "sleepy_function", tmp_path)
-    assert call(cluster.gateway_url, "steady").headers["X-Cache"] == "miss"
+    assert call(cluster, "steady").headers["X-Cache"] == "miss"
 
     async def delete_key() -> None:
         store = await EtcdStore.open(etcd_endpoint.endpoint)
@@ -151,8 +161,10 @@ def test_a_node_key_deleted_by_hand_comes_back_with_its_gpus_and_their_models(
 
     started = time.monotonic()
     asyncio.run(delete_key())
-    wait_for(lambda: len(httpx.get(f"{cluster.gateway_url}/system/gpus").json()) == 2, timeout_s=5.0)
+    wait_for(
+        lambda: len(httpx.get(f"{cluster.gateway_url}/system/gpus", auth=cluster.admin_auth).json()) == 2, timeout_s=5.0
+    )
     assert time.monotonic() - started < 5.0
-    response = call(cluster.gateway_url, "steady")
+    response = call(cluster, "steady")
     assert response.status_code == 200, response.text
     assert response.headers["X-Cache"] == "hit"  # the worker survived, and the scheduler adopted it again

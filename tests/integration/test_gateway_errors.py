@@ -37,10 +37,12 @@ class Env:
     def invoke(self, name: str, body: Any = None, *, timeout: float = 30, **kwargs: Any) -> httpx.Response:
         if body is not None:
             kwargs["json"] = body
+        # Calls carry the invoke token (what an application holds), the rest the admin's password.
+        kwargs["headers"] = {**self.cluster.invoke_headers, **kwargs.get("headers", {})}
         return httpx.post(f"{self.url}/function/{name}", timeout=timeout, **kwargs)
 
     def get(self, path: str) -> httpx.Response:
-        return httpx.get(f"{self.url}{path}", timeout=10)
+        return httpx.get(f"{self.url}{path}", timeout=10, auth=self.cluster.admin_auth)
 
     def counted(self, name: str, code: int) -> int:
         """The gateway's invocation counter for (function, HTTP status), from /metrics."""
@@ -118,7 +120,10 @@ def env(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> It
         }
         uploaded = {
             fixture: httpx.post(
-                f"{cluster.gateway_url}/system/packages", content=(tmp / f"{fixture}.tar.gz").read_bytes(), timeout=30
+                f"{cluster.gateway_url}/system/packages",
+                content=(tmp / f"{fixture}.tar.gz").read_bytes(),
+                timeout=30,
+                auth=cluster.admin_auth,
             ).json()["digest"]
             for fixture in FIXTURES
         }
@@ -147,12 +152,15 @@ def test_health_info_and_metrics(env: Env) -> None:
 def test_404s_name_what_is_missing(env: Env) -> None:
     assert_error(env.invoke("nope", {}), 404, "'nope'", "deploy")
     assert_error(env.get("/system/function/nope"), 404, "'nope'", "GET /system/functions")
-    response = httpx.request("DELETE", f"{env.url}/system/functions", json={"functionName": "nope"}, timeout=10)
+    response = httpx.request(
+        "DELETE", f"{env.url}/system/functions", json={"functionName": "nope"}, timeout=10, auth=env.cluster.admin_auth
+    )
     assert_error(response, 404, "'nope'")
     response = httpx.put(
         f"{env.url}/system/functions",
         json={"name": "nope", "package_digest": env.digests["echo_function"], "memory_mb": 10},
         timeout=10,
+        auth=env.cluster.admin_auth,
     )
     assert_error(response, 404, "'nope'", "POST /system/functions")
     assert_error(env.get(f"/system/packages/sha256:{'1' * 64}"), 404, "POST /system/packages")
@@ -163,7 +171,7 @@ def test_404s_name_what_is_missing(env: Env) -> None:
 
 def test_400s_on_deploy_and_upload(env: Env) -> None:
     digest = env.digests["echo_function"]
-    post = lambda **kw: httpx.post(f"{env.url}/system/functions", timeout=10, **kw)  # noqa: E731
+    post = lambda **kw: httpx.post(f"{env.url}/system/functions", timeout=10, auth=env.cluster.admin_auth, **kw)  # noqa: E731
 
     response = post(json={"name": "Not_Valid", "package_digest": digest, "memory_mb": 10})
     assert_error(response, 400, "name:", "'Not_Valid'", "lower-case")
@@ -177,7 +185,9 @@ def test_400s_on_deploy_and_upload(env: Env) -> None:
 
     package = (env.tmp / "echo_function.tar.gz").read_bytes()
     wrong = f"sha256:{'b' * 64}"
-    response = httpx.post(f"{env.url}/system/packages", params={"digest": wrong}, content=package, timeout=10)
+    response = httpx.post(
+        f"{env.url}/system/packages", params={"digest": wrong}, content=package, timeout=10, auth=env.cluster.admin_auth
+    )
     assert_error(response, 400, wrong, digest, "corrupted", "retry")
 
     response = post(json={"name": "echo", "package_digest": digest, "memory_mb": 100})
@@ -275,7 +285,7 @@ def test_504_past_the_function_timeout_then_the_gpu_serves_again(env: Env) -> No
 
 def test_a_function_no_gpu_can_hold_is_refused_at_deploy(env: Env) -> None:
     spec = {"name": "huge", "package_digest": env.digests["echo_function"], "memory_mb": 5000}
-    response = httpx.post(f"{env.url}/system/functions", json=spec, timeout=30)
+    response = httpx.post(f"{env.url}/system/functions", json=spec, timeout=30, auth=env.cluster.admin_auth)
     assert_error(response, 422, "memory_mb 5000", "1000 MB")
     assert env.get("/system/function/huge").status_code == 404
 

@@ -27,7 +27,7 @@ def cluster(make_cluster: ClusterFactory, tmp_path: Path) -> LocalCluster:
 
 
 def post(cluster: LocalCluster, name: str, **kwargs: object) -> httpx.Response:
-    return httpx.post(f"{cluster.gateway_url}/function/{name}", timeout=60, **kwargs)  # type: ignore[arg-type]
+    return httpx.post(f"{cluster.gateway_url}/function/{name}", timeout=60, **kwargs, auth=cluster.admin_auth)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("size_mib", [5, 15])
@@ -47,7 +47,7 @@ def test_a_payload_over_the_limit_is_a_413_before_anything_runs(cluster: LocalCl
     response = post(cluster, "echo", content=b"x" * (17 * MIB), headers={"content-type": "application/octet-stream"})
     assert response.status_code == 413, response.text[:200]
     assert "16777216 bytes" in response.json()["error"]
-    gpus = httpx.get(f"{cluster.gateway_url}/system/gpus", timeout=10).json()
+    gpus = httpx.get(f"{cluster.gateway_url}/system/gpus", timeout=10, auth=cluster.admin_auth).json()
     assert all(g["lru"] == [] for g in gpus), "a refused payload must not start the function"
 
 

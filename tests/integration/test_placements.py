@@ -57,7 +57,7 @@ class FakeGateway:
         pass
 
     async def open(self, cluster: LocalCluster) -> None:
-        self.scheduler = await connect(cluster.scheduler_address, self)
+        self.scheduler = await connect(cluster.scheduler_address, self, key=cluster.wire_key)
 
     def place(self, call_id: str, function: str, timeout_s: float = 30.0) -> None:
         assert self.scheduler is not None
@@ -83,9 +83,11 @@ class FakeGateway:
             await asyncio.wait([asyncio.ensure_future(self.arrived.wait())], timeout=remaining)
 
 
-async def execute(placement: pb.Placement, payload: bytes = b'{"sleep_s": 0}', *, token: bytes | None = None) -> Any:
+async def execute(
+    placement: pb.Placement, payload: bytes = b'{"sleep_s": 0}', *, token: bytes | None = None, key: bytes | None
+) -> Any:
     """Send the payload to the placement's node as the gateway does; (ExecuteReply, body)."""
-    conn = await connect(placement.node_address)
+    conn = await connect(placement.node_address, key=key)
     try:
         frame = await conn.request(
             MessageType.EXECUTE,
@@ -99,7 +101,9 @@ async def execute(placement: pb.Placement, payload: bytes = b'{"sleep_s": 0}', *
 
 
 def gpus(cluster: LocalCluster) -> dict[str, dict[str, Any]]:
-    return {g["gpu"]: g for g in httpx.get(f"{cluster.gateway_url}/system/gpus", timeout=10).json()}
+    return {
+        g["gpu"]: g for g in httpx.get(f"{cluster.gateway_url}/system/gpus", timeout=10, auth=cluster.admin_auth).json()
+    }
 
 
 async def eventually(predicate: Callable[[], bool], timeout_s: float) -> float:
@@ -139,11 +143,15 @@ def test_a_gateway_dying_after_a_placement_frees_the_slot_at_once(cluster: Local
         )
         assert waited < CLAIM_S / 4, f"freed after {waited:.2f} s, not at once"
         # The revoked token is refused if it turns up after all, and runs nothing.
-        reply, _ = await execute(placement)
+        reply, _ = await execute(placement, key=cluster.wire_key)
         assert reply.outcome == pb.REFUSED and "revoked" in reply.message
         # The cluster serves as before.
         response = await asyncio.to_thread(
-            httpx.post, f"{cluster.gateway_url}/function/sleepy", json={"sleep_s": 0}, timeout=30
+            httpx.post,
+            f"{cluster.gateway_url}/function/sleepy",
+            json={"sleep_s": 0},
+            timeout=30,
+            auth=cluster.admin_auth,
         )
         assert response.status_code == 200, response.text
 
@@ -161,9 +169,9 @@ def test_a_placement_never_presented_is_revoked_and_placed_again(cluster: LocalC
         # scheduler checks with the node (never seen: revoked there) and places the call again.
         second = await gateway.placement("stalled-1", attempt=2, timeout_s=CLAIM_S * 5)
         assert time.monotonic() - started >= CLAIM_S * 0.8
-        old_reply, _ = await execute(first)
+        old_reply, _ = await execute(first, key=cluster.wire_key)
         assert old_reply.outcome == pb.REFUSED and "revoked" in old_reply.message
-        reply, body = await execute(second)
+        reply, body = await execute(second, key=cluster.wire_key)
         assert reply.outcome == pb.OK, reply.message
         assert b"slept_s" in body
 
@@ -176,10 +184,10 @@ def test_a_token_reused_or_forged_is_refused(cluster: LocalCluster) -> None:
         await gateway.open(cluster)
         gateway.place("once-1", "sleepy")
         placement = await gateway.placement("once-1")
-        reply, _ = await execute(placement)
+        reply, _ = await execute(placement, key=cluster.wire_key)
         assert reply.outcome == pb.OK, reply.message
 
-        again, again_body = await execute(placement)
+        again, again_body = await execute(placement, key=cluster.wire_key)
         assert again.outcome == pb.REFUSED and "used already" in again.message
         assert again_body == b""
 
@@ -187,12 +195,14 @@ def test_a_token_reused_or_forged_is_refused(cluster: LocalCluster) -> None:
         genuine = await gateway.placement("forged-1")
         forged = bytearray(genuine.token)
         forged[10] ^= 0xFF  # a byte of the grant: say, another call id or GPU
-        refused, _ = await execute(genuine, token=bytes(forged))
+        refused, _ = await execute(genuine, token=bytes(forged), key=cluster.wire_key)
         assert refused.outcome == pb.REFUSED and "signature" in refused.message
-        refused, _ = await execute(genuine, token=b"not a token at all, but long enough to look like one")
+        refused, _ = await execute(
+            genuine, token=b"not a token at all, but long enough to look like one", key=cluster.wire_key
+        )
         assert refused.outcome == pb.REFUSED
         # The genuine token still works: a refusal does not burn it.
-        reply, body = await execute(genuine)
+        reply, body = await execute(genuine, key=cluster.wire_key)
         assert reply.outcome == pb.OK and b"slept_s" in body
 
     asyncio.run(main())
@@ -208,14 +218,14 @@ def test_a_placement_on_a_node_that_left_is_placed_elsewhere_before_its_lease_ex
         first = await gateway.placement("moved-1")
         cluster.components[first.node].stop(kill=True)  # the node dies between placement and payload
         with pytest.raises(ConnectionLost):
-            await execute(first)
+            await execute(first, key=cluster.wire_key)
         started = time.monotonic()
         gateway.abandon("moved-1", first.attempt, pb.Abandon.NODE_UNREACHABLE)
         second = await gateway.placement("moved-1", attempt=2, timeout_s=10)
         waited = time.monotonic() - started
         assert second.node != first.node
         assert waited < 1.5, f"placed again after {waited:.2f} s; the node's lease (3 s) would have done it"
-        reply, _ = await execute(second)
+        reply, _ = await execute(second, key=cluster.wire_key)
         assert reply.outcome == pb.OK, reply.message
 
     asyncio.run(main())
@@ -236,11 +246,11 @@ def test_a_node_the_gateway_cannot_reach_gets_the_call_placed_elsewhere_and_the_
         waited = time.monotonic() - started
         assert second.node != first.node
         assert waited < CLAIM_S * 0.75, f"placed again after {waited:.2f} s: that was the claim check, not the report"
-        reply, _ = await execute(second)
+        reply, _ = await execute(second, key=cluster.wire_key)
         assert reply.outcome == pb.OK, reply.message
 
         async def revoked() -> bool:
-            old, _ = await execute(first)
+            old, _ = await execute(first, key=cluster.wire_key)
             assert old.outcome == pb.REFUSED, "the abandoned grant ran"
             return "revoked" in old.message
 

@@ -23,17 +23,24 @@ NAMESPACE = "gpufaas"
 
 DAEMONS = ("scheduler", "gateway", "gpu_manager")
 GPU_MANAGERS = ("gpu-manager-0", "gpu-manager-1")
-SERVICES = {"etcd", "scheduler", "gateway", *GPU_MANAGERS}
-# service -> the services it must wait for, healthy
-STARTS_AFTER = {
-    "etcd": set(),
-    "scheduler": {"etcd"},
-    "gateway": {"etcd", "scheduler"},
-    "gpu-manager-0": {"etcd", "scheduler"},
-    "gpu-manager-1": {"etcd", "scheduler"},
+LONG_RUNNING = {"etcd", "scheduler", "gateway", *GPU_MANAGERS}
+SERVICES = {"credentials", *LONG_RUNNING}  # credentials: one-shot, makes the cluster's credential files
+HEALTHY, DONE = "service_healthy", "service_completed_successfully"
+# service -> the services it waits for, and for what
+STARTS_AFTER: dict[str, dict[str, str]] = {
+    "credentials": {},
+    "etcd": {},
+    "scheduler": {"credentials": DONE, "etcd": HEALTHY},
+    "gateway": {"credentials": DONE, "etcd": HEALTHY, "scheduler": HEALTHY},
+    "gpu-manager-0": {"credentials": DONE, "etcd": HEALTHY, "scheduler": HEALTHY},
+    "gpu-manager-1": {"credentials": DONE, "etcd": HEALTHY, "scheduler": HEALTHY},
 }
-REQUIRED_FLAGS = {"scheduler": {"--etcd", "--listen", "--advertise"}, "gateway": {"--etcd", "--state-dir", "--host"}}
-REQUIRED_FLAGS["gpu_manager"] = {"--etcd", "--node", "--listen", "--advertise", "--state-dir"}
+CREDENTIALS_DIR = "/run/gpufaas"
+REQUIRED_FLAGS = {
+    "scheduler": {"--etcd", "--listen", "--advertise", "--secret-file"},
+    "gateway": {"--etcd", "--state-dir", "--host", "--secret-file", "--admin-password-file"},
+}
+REQUIRED_FLAGS["gpu_manager"] = {"--etcd", "--node", "--listen", "--advertise", "--state-dir", "--secret-file"}
 # Flags the deployment needs that a daemon does not have yet: (daemon, flag) -> why.
 PENDING_FLAGS: dict[tuple[str, str], str] = {}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet"}
@@ -107,7 +114,7 @@ def flag_values(argv: list[str]) -> dict[str, str]:
 
 def daemon_of(argv: list[str]) -> str | None:
     """`python -m scheduler ...` -> "scheduler"."""
-    if len(argv) >= 3 and argv[0].startswith("python") and argv[1] == "-m":
+    if len(argv) >= 3 and argv[0].startswith("python") and argv[1] == "-m" and argv[2] in DAEMONS:
         return argv[2]
     return None
 
@@ -179,21 +186,21 @@ def test_docker_compose_config_renders_the_file() -> None:
     assert result.returncode == 0, result.stderr
     rendered = yaml.safe_load(result.stdout)
     assert set(rendered["services"]) == SERVICES
-    assert {"etcd-data", "gateway-packages"} <= set(rendered["volumes"])
+    assert {"etcd-data", "gateway-packages", "credentials"} <= set(rendered["volumes"])
     for name in GPU_MANAGERS:
         devices = rendered["services"][name]["deploy"]["resources"]["reservations"]["devices"]
         assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
     assert (8080, 8080) in [published_port(port) for port in rendered["services"]["gateway"]["ports"]]
     for name, after in STARTS_AFTER.items():
         depends = rendered["services"][name].get("depends_on", {})
-        assert {dep: cond["condition"] for dep, cond in depends.items()} == dict.fromkeys(after, "service_healthy")
+        assert {dep: cond["condition"] for dep, cond in depends.items()} == after
 
 
-def test_compose_has_the_five_services() -> None:
+def test_compose_has_the_services() -> None:
     assert set(services()) == SERVICES
 
 
-@pytest.mark.parametrize("name", sorted(SERVICES))
+@pytest.mark.parametrize("name", sorted(LONG_RUNNING))
 def test_every_service_has_a_healthcheck(name: str) -> None:
     check = services()[name].get("healthcheck")
     assert check, f"{name} has no healthcheck"
@@ -208,9 +215,26 @@ def test_every_service_has_a_healthcheck(name: str) -> None:
 def test_services_start_in_health_order(name: str) -> None:
     depends = services()[name].get("depends_on", {})
     assert isinstance(depends, dict), "depends_on must use the long form with a condition"
-    assert set(depends) == STARTS_AFTER[name]
-    for dep, spec in depends.items():
-        assert spec == {"condition": "service_healthy"}, f"{name} -> {dep}"
+    assert {dep: spec.get("condition") for dep, spec in depends.items()} == STARTS_AFTER[name]
+
+
+def test_every_daemon_reads_its_credentials_from_the_volume_the_one_shot_service_fills() -> None:
+    made_in = services()["credentials"]["command"][-1]
+    assert made_in == CREDENTIALS_DIR
+    for name in sorted(LONG_RUNNING - {"etcd"}):
+        service = services()[name]
+        mounts = {v.split(":")[1]: v for v in service["volumes"]}
+        assert mounts[CREDENTIALS_DIR] == f"credentials:{CREDENTIALS_DIR}:ro", name
+        args = compose_command(name)
+        assert args["--secret-file"] == f"{CREDENTIALS_DIR}/cluster-secret", name
+        assert "--insecure" not in args, name
+    gateway = compose_command("gateway")
+    assert gateway["--admin-password-file"] == f"{CREDENTIALS_DIR}/admin-password"
+    assert gateway["--invoke-token-file"] == f"{CREDENTIALS_DIR}/invoke-token"
+
+
+def test_the_gateway_is_published_on_this_host_only() -> None:
+    assert services()["gateway"]["ports"] == ["127.0.0.1:8080:8080"]
 
 
 def test_etcd_service() -> None:

@@ -19,6 +19,7 @@ import httpx
 from fastapi import FastAPI
 
 from gateway.app import GatewayConfig, create_app
+from gateway.auth import Credentials
 from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
@@ -64,17 +65,26 @@ class Env:
         return None if kv is None else json.loads(kv.value)
 
 
+ADMIN_PASSWORD, INVOKE_TOKEN, NODE_TOKEN = "admin-pw", "invoke-tok", "node-tok"
+CREDENTIALS = Credentials(admin_password=ADMIN_PASSWORD, invoke_token=INVOKE_TOKEN, node_token=NODE_TOKEN)
+
+
 @asynccontextmanager
 async def gateway(tmp_path: Path, **config: Any) -> AsyncIterator[Env]:
+    """A gateway with credentials (CREDENTIALS unless `credentials=` says otherwise) and a client
+    that sends the admin's."""
     store = MemoryStore()
     keys = Keys("/unit")
+    config.setdefault("credentials", CREDENTIALS)
     app = create_app(
         store, GatewayConfig(state_dir=tmp_path, scheduler_address=UNREACHABLE_SCHEDULER, keys=keys, **config)
     )
     try:
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://gateway", auth=("admin", ADMIN_PASSWORD)
+            ) as client:
                 yield Env(client, store, app, keys, tmp_path)
         assert store.num_watchers == 0, "the gateway left a watch open after shutdown"
     finally:
@@ -344,6 +354,7 @@ def test_deploy_list_describe_update_delete_through_the_store(tmp_path: Path) ->
             "environment": {},
             "max_batch_size": 1,
             "max_batch_wait_ms": 0.0,
+            "public": False,
         }
         assert [kv.key for kv in await env.store.get_prefix(env.keys.functions)] == [env.keys.function("resnet")]
 

@@ -26,6 +26,7 @@ functions:
     environment: {MODE: fast}
     max_batch_size: 8
     max_batch_wait_ms: 2.5
+    public: true
 """
 
 
@@ -51,6 +52,7 @@ def test_a_good_stack_parses_with_handlers_relative_to_the_file(tmp_path: Path) 
         "environment": {"MODE": "fast"},
         "max_batch_size": 8,
         "max_batch_wait_ms": 2.5,
+        "public": True,
     }
 
 
@@ -73,6 +75,7 @@ def test_a_good_stack_parses_with_handlers_relative_to_the_file(tmp_path: Path) 
         (("gateway: http://127.0.0.1:8080", "gateway: 127.0.0.1"), "provider.gateway: expected an http"),
         (("version: 1.0", "versoin: 1.0"), "versoin: unknown key"),
         (("labels: {team: vision}", "labels: [vision]"), "functions.resnet.labels: expected a mapping"),
+        (("public: true", "public: sometimes"), "functions.resnet.public: expected true or false"),
     ],
 )
 def test_bad_keys_and_values_are_named_by_path(tmp_path: Path, change: tuple[str, str], message: str) -> None:

@@ -112,9 +112,11 @@ async def until(predicate: Callable[[], object]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def serving(peer: Peer, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> AsyncIterator[Server]:
+async def serving(
+    peer: Peer, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, key: bytes | None = None
+) -> AsyncIterator[Server]:
     """A Server on a free loopback port whose connections all report to `peer`."""
-    server = Server(lambda: peer, max_frame_bytes=max_frame_bytes)
+    server = Server(lambda: peer, max_frame_bytes=max_frame_bytes, key=key)
     await server.start("127.0.0.1:0")
     try:
         yield server
@@ -724,3 +726,134 @@ def test_a_malformed_frame_closes_the_connection(data: bytes, reason: str) -> No
     (exc,) = peer.closes
     assert isinstance(exc, ConnectionLost) and not isinstance(exc, FrameTooLarge)
     assert reason in str(exc)
+
+
+# --- the handshake ----------------------------------------------------------------------------
+
+KEY = b"k" * 32
+
+
+def keyed_server(peer: Peer, key: bytes | None = KEY) -> contextlib.AbstractAsyncContextManager[Server]:
+    return serving(peer, key=key)
+
+
+def test_ends_holding_the_same_key_talk_both_ways_after_the_handshake(run: Run) -> None:
+    async def scenario() -> None:
+        peer = Peer()
+        async with keyed_server(peer) as server:
+            conn = await connect(server.address, Peer(), key=KEY)
+            assert conn.authenticated
+            answer = await conn.request(MessageType.EXECUTE, pb.Execute(token=b"t"), b"payload", timeout_s=WAIT_S)
+            assert answer.body == b"payload"
+            server_end = await accepted(server)
+            assert server_end.authenticated
+            # Hellos are the connection's business: the handlers saw only the call.
+            assert [f.type for f in peer.frames] == [MessageType.EXECUTE]
+            await conn.aclose()
+
+    run(scenario())
+
+
+def test_a_client_with_the_wrong_key_is_refused_and_the_server_reads_nothing_from_it(run: Run) -> None:
+    async def scenario() -> None:
+        peer = Peer()
+        async with keyed_server(peer) as server:
+            with pytest.raises(wire.Unauthenticated, match=r"refused this end: .*wrong cluster secret"):
+                await connect(server.address, Peer(), key=b"x" * 32)
+            await until(lambda: not server.connections)
+            assert peer.frames == []
+
+    run(scenario())
+
+
+def test_a_server_with_another_key_is_not_trusted_by_the_client(run: Run) -> None:
+    async def scenario() -> None:
+        # A server that accepts any client proof but cannot prove the client's key (an impostor).
+        impostor = await asyncio.start_server(_impostor, "127.0.0.1", 0)
+        port = impostor.sockets[0].getsockname()[1]
+        try:
+            with pytest.raises(wire.Unauthenticated, match="does not hold this cluster's secret"):
+                await connect(f"127.0.0.1:{port}", key=KEY)
+        finally:
+            impostor.close()
+
+    run(scenario())
+
+
+async def _impostor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.write(raw_frame(MessageType.HELLO, pb.Hello(nonce=b"n" * 16)))
+    (length,) = struct.unpack("!I", await reader.readexactly(4))
+    rest = await reader.readexactly(length)
+    _, _, correlation_id, _ = struct.unpack_from("!HHII", rest)
+    writer.write(
+        raw_frame(MessageType.HELLO, pb.Hello(proof=b"p" * 32), flags=FLAG_REPLY, correlation_id=correlation_id)
+    )
+    await writer.drain()
+    await asyncio.sleep(1.0)
+    writer.close()
+
+
+def test_a_client_without_a_key_is_cut_off_at_its_first_frame(run: Run) -> None:
+    async def scenario() -> None:
+        peer = Peer()
+        async with keyed_server(peer) as server:
+            conn = await connect(server.address)  # no key: it never proves anything
+            with pytest.raises(ConnectionLost):
+                await conn.request(MessageType.EXECUTE, pb.Execute(token=b"t"), b"x", timeout_s=WAIT_S)
+            assert peer.frames == []
+
+    run(scenario())
+
+
+def test_a_keyless_server_makes_a_keyed_client_give_up_with_a_clear_error(run: Run) -> None:
+    async def scenario() -> None:
+        async with keyed_server(Peer(), key=None) as server:
+            with pytest.raises(wire.Unauthenticated, match=r"sent no handshake in 0\.5 s"):
+                await connect(server.address, key=KEY, timeout_s=0.5)
+
+    run(scenario())
+
+
+def test_a_client_that_stays_silent_is_cut_off_after_the_handshake_time(
+    run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(wire, "HANDSHAKE_S", 0.2)
+
+    async def scenario() -> None:
+        async with keyed_server(Peer()) as server:
+            reader, writer = await asyncio.open_connection(*server.address.rsplit(":", 1))
+            hello = await reader.readexactly(4)  # the server's Hello arrives ...
+            assert struct.unpack("!I", hello)[0] > 0
+            async with asyncio.timeout(WAIT_S):  # ... then, with nothing sent back, EOF
+                while await reader.read(4096):
+                    pass
+            writer.close()
+
+    run(scenario())
+
+
+def test_a_proof_replayed_on_a_new_connection_fails(run: Run) -> None:
+    async def scenario() -> None:
+        async with keyed_server(Peer()) as server:
+            host, port = server.address.rsplit(":", 1)
+            # Record a good client Hello against one server nonce ...
+            reader, writer = await asyncio.open_connection(host, port)
+            (length,) = struct.unpack("!I", await reader.readexactly(4))
+            first_nonce = Frame(0, 0, 0, (await reader.readexactly(length))[12:], b"").message(pb.Hello).nonce
+            client_nonce = b"c" * 16
+            proof = wire._proof(KEY, b"client", first_nonce, client_nonce)
+            writer.close()
+            # ... and replay it on a second connection, whose server nonce differs.
+            reader, writer = await asyncio.open_connection(host, port)
+            await reader.readexactly(4 + length)
+            replay = raw_frame(
+                MessageType.HELLO, pb.Hello(nonce=client_nonce, proof=proof), flags=FLAG_REQUEST, correlation_id=1
+            )
+            writer.write(replay)
+            (answer_length,) = struct.unpack("!I", await reader.readexactly(4))
+            answer = await reader.readexactly(answer_length)
+            assert struct.unpack_from("!H", answer)[0] == MessageType.ERROR
+            assert await reader.read() == b""  # and the connection is closed
+            writer.close()
+
+    run(scenario())

@@ -1,0 +1,131 @@
+"""Who may use which gateway route: credentials from the Authorization header, a role per
+credential, the roles each route admits (docs/security.md has the whole model).
+
+- admin (HTTP basic `admin:PASSWORD`, or `Bearer PASSWORD`): every route.
+- invoke (`Bearer INVOKE_TOKEN`): calls to functions (POST /function/{name}).
+- node (`Bearer NODE_TOKEN`, derived from the cluster secret): downloading packages by digest.
+- nobody: /healthz and the API's own documentation; calls to functions deployed `public`.
+
+A request without a valid credential gets 401 with a `WWW-Authenticate` challenge; a valid
+credential whose role the route does not admit gets 403.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpufaas.credentials import ADMIN_USER, basic_authorization
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class Role(enum.Enum):
+    ADMIN = "admin"
+    INVOKE = "invoke"
+    NODE = "node"
+
+
+ANY_CALLER = frozenset({Role.ADMIN, Role.INVOKE})
+OPEN_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+PACKAGE_PREFIX = "/system/packages/"
+CHALLENGE = b'Basic realm="gpufaas", charset="UTF-8"'
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """The secrets a gateway accepts. `invoke_token` and `node_token` may be absent (then no
+    caller has that role)."""
+
+    admin_password: str = field(repr=False)
+    invoke_token: str | None = field(default=None, repr=False)
+    node_token: str | None = field(default=None, repr=False)
+    _accepted: tuple[tuple[bytes, Role], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        accepted = [
+            (basic_authorization(ADMIN_USER, self.admin_password).encode(), Role.ADMIN),
+            (f"Bearer {self.admin_password}".encode(), Role.ADMIN),
+        ]
+        if self.invoke_token:
+            accepted.append((f"Bearer {self.invoke_token}".encode(), Role.INVOKE))
+        if self.node_token:
+            accepted.append((f"Bearer {self.node_token}".encode(), Role.NODE))
+        object.__setattr__(self, "_accepted", tuple(accepted))
+
+    def role_of(self, authorization: bytes | None) -> Role | None:
+        """The role an Authorization header value proves, or None. Compared in constant time
+        against every accepted value; the scheme's case does not matter (RFC 7235)."""
+        if not authorization:
+            return None
+        scheme, _, rest = authorization.partition(b" ")
+        value = scheme.capitalize() + b" " + rest.strip()
+        role = None
+        for candidate, candidate_role in self._accepted:
+            if hmac.compare_digest(value, candidate):
+                role = candidate_role
+        return role
+
+
+def roles_for(method: str, path: str) -> frozenset[Role] | None:
+    """The roles a (non-invocation) route admits; None: open to anyone."""
+    if path in OPEN_PATHS:
+        return None
+    if method in ("GET", "HEAD") and path.startswith(PACKAGE_PREFIX):
+        return frozenset({Role.ADMIN, Role.NODE})
+    return frozenset({Role.ADMIN})
+
+
+def refusal(role: Role | None, what: str) -> tuple[int, str]:
+    """The status and message for a caller whose `role` (None: no valid credential) may not `what`."""
+    if role is None:
+        return 401, (
+            f"{what} needs credentials: `gpufaas login` (or curl -u admin:PASSWORD, or "
+            "-H 'Authorization: Bearer TOKEN'); `gpufaas up` writes them to its state directory"
+        )
+    return 403, f"the {role.value} credential may not {what}; use the admin credentials"
+
+
+async def send_refusal(send: Send, status: int, message: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps({"error": message, "status": status}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", CHALLENGE))
+    await send({"type": "http.response.start", "status": status, "headers": headers + (extra or [])})
+    await send({"type": "http.response.body", "body": body})
+
+
+class AuthMiddleware:
+    """ASGI middleware: lets a request through to the app only if its credential's role is one
+    the route admits (`roles_for`). Invocations are checked by gateway.invoke, per function."""
+
+    def __init__(self, app: ASGIApp, credentials: Credentials) -> None:
+        self.app = app
+        self.credentials = credentials
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        admitted = roles_for(scope["method"], scope["path"])
+        if admitted is not None:
+            role = self.credentials.role_of(_header(scope, b"authorization"))
+            if role not in admitted:
+                status, message = refusal(role, f"{scope['method']} {scope['path']}")
+                await send_refusal(send, status, message)
+                return
+        await self.app(scope, receive, send)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None

@@ -1,0 +1,124 @@
+"""The cluster's credentials: the secret its daemons share, the admin password, the invoke token;
+made once (mode 0600), read back, and the keys derived from the shared secret.
+
+Who holds what (docs/security.md):
+- the cluster secret: every daemon (gateway, scheduler, GPU managers), never a worker. The wire's
+  handshake key and the token nodes fetch packages with are derived from it, one per purpose.
+- the admin password (user `admin`): operators; every `/system/*` route and `/metrics`.
+- the invoke token: applications; calls to functions that are not public.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import os
+import secrets
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpufaas.errors import GpufaasError
+
+ADMIN_USER = "admin"
+CLUSTER_SECRET_FILE = "cluster-secret"
+ADMIN_PASSWORD_FILE = "admin-password"
+INVOKE_TOKEN_FILE = "invoke-token"
+_SECRET_BYTES = 32
+
+
+class CredentialError(GpufaasError):
+    """A credential file is missing, empty or readable by others; the message says how to fix it."""
+
+
+@dataclass(frozen=True, slots=True)
+class SecretFiles:
+    """The credential files of one cluster, in one directory (mode 0700, files 0600)."""
+
+    directory: Path
+
+    @property
+    def cluster_secret(self) -> Path:
+        return self.directory / CLUSTER_SECRET_FILE
+
+    @property
+    def admin_password(self) -> Path:
+        return self.directory / ADMIN_PASSWORD_FILE
+
+    @property
+    def invoke_token(self) -> Path:
+        return self.directory / INVOKE_TOKEN_FILE
+
+
+def ensure_secrets(directory: Path) -> SecretFiles:
+    """The credential files in `directory`, each made (random, mode 0600) if absent; existing
+    ones are kept, so a restarted cluster keeps its credentials."""
+    directory.mkdir(parents=True, exist_ok=True)
+    os.chmod(directory, 0o700)
+    files = SecretFiles(directory)
+    for path in (files.cluster_secret, files.admin_password, files.invoke_token):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            continue
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_urlsafe(_SECRET_BYTES) + "\n")
+    return files
+
+
+def read_secret(path: Path) -> str:
+    """The secret in `path` (surrounding whitespace stripped). Refuses a file that is missing,
+    empty, or open to others (any user of the host): a secret anyone can read is none. Group
+    access is allowed: Kubernetes hands secrets to a pod's fsGroup that way."""
+    try:
+        mode = path.stat().st_mode
+        value = path.read_text().strip()
+    except FileNotFoundError:
+        raise CredentialError(f"the secret file {path} does not exist; `gpufaas up` makes one") from None
+    except OSError as exc:
+        raise CredentialError(f"cannot read the secret file {path}: {exc.strerror}") from None
+    if mode & stat.S_IRWXO:
+        raise CredentialError(f"the secret file {path} is open to every user; run `chmod 600 {path}`")
+    if not value:
+        raise CredentialError(f"the secret file {path} is empty; put a long random string in it")
+    return value
+
+
+def derive(secret: str, purpose: str) -> bytes:
+    """A key for one purpose, from the cluster secret: knowing one derived key tells nothing of
+    the secret or of the others."""
+    return hmac.new(secret.encode(), b"gpufaas/" + purpose.encode(), hashlib.sha256).digest()
+
+
+def wire_key(secret: str) -> bytes:
+    """The key the daemons' wire handshake proves (gpufaas.wire)."""
+    return derive(secret, "wire/v1")
+
+
+def node_token(secret: str) -> str:
+    """The bearer token GPU managers fetch packages from the gateway with."""
+    return derive(secret, "package-fetch/v1").hex()
+
+
+def basic_authorization(user: str, password: str) -> str:
+    """The `Authorization` header value for HTTP basic auth."""
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m gpufaas.credentials DIR`: make a cluster's credential files in DIR (kept if
+    there): what containers share through a volume (docker-compose.yml)."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m gpufaas.credentials DIR", file=sys.stderr)
+        return 2
+    files = ensure_secrets(Path(args[0]))
+    print(f"credentials in {files.directory}: {CLUSTER_SECRET_FILE}, {ADMIN_PASSWORD_FILE}, {INVOKE_TOKEN_FILE}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

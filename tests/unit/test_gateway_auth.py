@@ -1,0 +1,143 @@
+"""Gateway authentication: which credential may use which route, over the real app in process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.auth import Credentials, Role, roles_for
+from gpufaas.credentials import basic_authorization
+from gpufaas.functions import FunctionSpec
+from tests.unit.test_gateway_app import ADMIN_PASSWORD, CREDENTIALS, INVOKE_TOKEN, NODE_TOKEN, Env, assert_error, run
+
+ADMIN = {"authorization": f"Bearer {ADMIN_PASSWORD}"}
+INVOKER = {"authorization": f"Bearer {INVOKE_TOKEN}"}
+NODE = {"authorization": f"Bearer {NODE_TOKEN}"}
+NOBODY: dict[str, str] = {}
+WRONG = {"authorization": basic_authorization("admin", "guess")}
+
+
+@pytest.mark.parametrize(
+    ("header", "role"),
+    [
+        (basic_authorization("admin", ADMIN_PASSWORD), Role.ADMIN),
+        (f"Bearer {ADMIN_PASSWORD}", Role.ADMIN),
+        (f"bearer {ADMIN_PASSWORD}", Role.ADMIN),  # the scheme's case does not matter
+        (f"BASIC {basic_authorization('admin', ADMIN_PASSWORD).split()[1]}", Role.ADMIN),
+        (f"Bearer {INVOKE_TOKEN}", Role.INVOKE),
+        (f"Bearer {NODE_TOKEN}", Role.NODE),
+        (basic_authorization("root", ADMIN_PASSWORD), None),  # the user is admin, no other
+        (basic_authorization("admin", INVOKE_TOKEN), None),  # a token is not the password
+        (f"Bearer {ADMIN_PASSWORD}x", None),
+        (f"Basic {ADMIN_PASSWORD}", None),
+        ("", None),
+        ("Bearer", None),
+    ],
+)
+def test_a_header_proves_exactly_the_role_of_the_secret_it_carries(header: str, role: Role | None) -> None:
+    assert CREDENTIALS.role_of(header.encode()) == role
+
+
+def test_without_tokens_only_the_admin_has_a_role() -> None:
+    credentials = Credentials(admin_password="pw")
+    assert credentials.role_of(b"Bearer pw") == Role.ADMIN
+    assert credentials.role_of(b"Bearer ") is None
+    assert "pw" not in repr(credentials)  # secrets stay out of logs
+
+
+def test_routes_admit_admin_everywhere_nodes_only_to_read_packages_and_anyone_to_health_and_docs() -> None:
+    assert roles_for("GET", "/healthz") is None
+    assert roles_for("GET", "/openapi.json") is None
+    assert roles_for("GET", "/system/packages/sha256:" + "0" * 64) == {Role.ADMIN, Role.NODE}
+    assert roles_for("POST", "/system/packages") == {Role.ADMIN}
+    assert roles_for("DELETE", "/system/packages/x") == {Role.ADMIN}
+    for path in ("/system/functions", "/system/gpus", "/metrics", "/system/info", "/nowhere"):
+        assert roles_for("GET", path) == {Role.ADMIN}
+
+
+async def status(env: Env, method: str, path: str, headers: dict[str, str], **kwargs: object) -> httpx.Response:
+    # The fixture's client sends the admin's basic auth; `auth=None`-like override: an explicit header wins.
+    request = env.client.build_request(method, path, headers=headers, **kwargs)  # type: ignore[arg-type]
+    return await env.client.send(request, auth=_NoAuth())
+
+
+class _NoAuth(httpx.Auth):
+    def auth_flow(self, request: httpx.Request):  # type: ignore[no-untyped-def]
+        yield request
+
+
+def test_system_routes_need_the_admin_credentials(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        digest = await env.upload()
+        spec = {"name": "f", "package_digest": digest, "memory_mb": 100}
+        for headers, expected in ((NOBODY, 401), (WRONG, 401), (INVOKER, 403), (NODE, 403)):
+            for method, path, kwargs in (
+                ("GET", "/system/functions", {}),
+                ("POST", "/system/functions", {"json": spec}),
+                ("PUT", "/system/functions", {"json": spec}),
+                ("DELETE", "/system/functions", {"json": {"functionName": "f"}}),
+                ("POST", "/system/packages", {"content": b"anything"}),
+                ("GET", "/system/gpus", {}),
+                ("GET", "/system/info", {}),
+                ("GET", "/metrics", {}),
+            ):
+                response = await status(env, method, path, headers, **kwargs)
+                message = assert_error(response, expected)
+                if expected == 401:
+                    assert response.headers["www-authenticate"].startswith('Basic realm="gpufaas"')
+                    assert "gpufaas login" in message
+        assert await env.stored_spec("f") is None  # nothing got through
+        deployed = await status(env, "POST", "/system/functions", ADMIN, json=spec)
+        assert deployed.status_code == 202, deployed.text
+        assert (await status(env, "GET", "/healthz", NOBODY)).status_code == 200
+        assert (await status(env, "GET", "/openapi.json", NOBODY)).status_code == 200
+
+    run(tmp_path, body)
+
+
+def test_nodes_may_download_packages_and_nothing_else(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        digest = await env.upload()
+        downloaded = await status(env, "GET", f"/system/packages/{digest}", NODE)
+        assert downloaded.status_code == 200 and downloaded.content
+        assert_error(await status(env, "GET", f"/system/packages/{digest}", NOBODY), 401)
+        assert_error(await status(env, "GET", f"/system/packages/{digest}", INVOKER), 403)
+
+    run(tmp_path, body)
+
+
+def test_a_call_needs_a_caller_credential_unless_the_function_is_public(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        digest = await env.upload()
+        for name, public in (("private", False), ("open", True)):
+            spec = {"name": name, "package_digest": digest, "memory_mb": 100, "public": public}
+            assert (await env.client.post("/system/functions", json=spec)).status_code == 202
+        assert FunctionSpec.from_json((await env.store.get(env.keys.function("open"))).value).public  # type: ignore[union-attr]
+
+        refused = await status(env, "POST", "/function/private", NOBODY, json={})
+        assert_error(refused, 401, "call function 'private' needs credentials")
+        assert refused.headers["x-call-id"]
+        assert_error(await status(env, "POST", "/function/private", WRONG, json={}), 401)
+        assert_error(await status(env, "POST", "/function/private", NODE, json={}), 403)
+        # Past authentication, these calls meet the missing scheduler (503), not a refusal.
+        for headers in (INVOKER, ADMIN):
+            assert_error(await status(env, "POST", "/function/private", headers, json={}), 503)
+        assert_error(await status(env, "POST", "/function/open", NOBODY, json={}), 503)
+        # An unknown function is not revealed to a caller without credentials.
+        assert_error(await status(env, "POST", "/function/ghost", NOBODY, json={}), 401)
+        assert_error(await status(env, "POST", "/function/ghost", INVOKER, json={}), 404, "not deployed")
+
+    run(tmp_path, body, scheduler_wait_s=0.1)
+
+
+def test_an_insecure_gateway_admits_anyone(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        assert (await status(env, "GET", "/system/functions", NOBODY)).status_code == 200
+        digest = await env.upload()
+        spec = {"name": "f", "package_digest": digest, "memory_mb": 100}
+        assert (await status(env, "POST", "/system/functions", NOBODY, json=spec)).status_code == 202
+        assert_error(await status(env, "POST", "/function/f", NOBODY, json={}), 503)
+
+    run(tmp_path, body, credentials=None, scheduler_wait_s=0.1)
