@@ -92,6 +92,8 @@ class Gateway:
         """List what the gateway mirrors (functions, the scheduler's address, the nodes' GPUs) and
         keep it current (StoreError if etcd cannot be reached now)."""
         self.packages_dir.mkdir(parents=True, exist_ok=True)
+        # Every function's code is stored here: nobody but the gateway's user may look in.
+        os.chmod(self.config.state_dir, 0o700)
         mirrors = (
             (self.keys.functions, self._functions_listed, self._function_changed),
             (self.keys.services, self._services_listed, self._service_changed),

@@ -11,6 +11,7 @@ from pathlib import Path
 from gpu_manager.daemon import DEFAULT_HOST_CACHE_MB, GpuManagerDaemon
 from gpu_manager.devices import discover_nvml, logical_devices
 from gpu_manager.packages import PackageCache
+from gpu_manager.sandbox import Isolation
 from gpufaas.credentials import node_token, wire_key
 from gpufaas.keys import Keys
 from gpufaas.service_main import (
@@ -60,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         help="cpu backend: models evicted from a GPU kept in host memory up to this much, taken back on a "
         f"miss instead of loaded (default {DEFAULT_HOST_CACHE_MB} on cpu; 0: off; other backends: 0)",
     )
+    parser.add_argument(
+        "--unconfined-workers",
+        action="store_true",
+        help="workers keep the node's user and network (development only; see docs/security.md)",
+    )
     args = parser.parse_args(argv)
     secret = cluster_secret(parser, args)
     configure_logging(args.log_level)
@@ -85,6 +91,16 @@ def main(argv: list[str] | None = None) -> int:
             f"--host-cache-mb: the host tier is built for the cpu backend only; pass 0 with --backend {backend}"
         )
 
+    # Workers (other users) pass through the state directory to their own package, and list nothing.
+    for directory in (args.state_dir, args.state_dir / "packages"):
+        directory.mkdir(parents=True, exist_ok=True)
+        directory.chmod(0o711)
+    isolation = (
+        Isolation(network=False, users=False)
+        if args.unconfined_workers
+        else Isolation(homes_dir=args.state_dir / "homes")
+    )
+
     async def run() -> None:
         store = await EtcdStore.open(args.etcd)
         cache = PackageCache(args.state_dir / "packages")
@@ -100,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             host_cache_mb=host_cache_mb,
             wire_key=wire_key(secret) if secret is not None else None,
             package_token=node_token(secret) if secret is not None else None,
+            isolation=isolation,
         )
 
         async def start() -> None:

@@ -25,6 +25,7 @@ from gpu_manager.devices import Device
 from gpu_manager.ledger import GrantLedger, Refused
 from gpu_manager.packages import InvalidPackage, PackageCache
 from gpu_manager.pool import ModelRun, RunResult, WorkerPool
+from gpu_manager.sandbox import Isolation
 from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
@@ -60,6 +61,7 @@ class GpuManagerDaemon:
         package_grace_s: float = PACKAGE_GRACE_S,
         wire_key: bytes | None = None,
         package_token: str | None = None,
+        isolation: Isolation | None = None,
     ) -> None:
         """`wire_key`: the cluster's wire key; the scheduler and gateways must prove it before the
         node reads anything from them. `package_token`: the bearer token packages are fetched
@@ -81,6 +83,7 @@ class GpuManagerDaemon:
             spares_per_gpu=spares_per_gpu,
             max_body_bytes=max_body_bytes,
             host_cache_mb=host_cache_mb,
+            isolation=isolation,
         )
         self.ledger = GrantLedger(node, frozenset(self.devices))
         self.incarnation = uuid.uuid4().hex

@@ -42,16 +42,30 @@ from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gpu_manager.backends import backend_class
+from gpu_manager.sandbox import (
+    LOG_LINE_BYTES,
+    Isolation,
+    LogBudget,
+    data_allowance_mb,
+    lock_package,
+    package_uid,
+    private_home,
+    worker_environment,
+)
 from gpufaas.local_cluster import pid_alive
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, max_frame_bytes_for
 
 log = logging.getLogger("gpufaas.gpu_manager.pool")
+worker_log = logging.getLogger("gpufaas.worker")  # what workers print
 
 STOP_GRACE_S = 2.0
 """How long a stopped worker has to exit after SIGTERM before it gets SIGKILL."""
+_DROP_REPORT_S = 10.0  # how often a worker's dropped output is told of, at most
+_OUTPUT_GRACE_S = 1.0  # a worker's output is read this long after it exits (then its pipe is closed)
 _KILL_WAIT_S = 30.0  # tearing down a large CUDA context can take seconds; past this, log and move on
 _EXIT_POLL_S = 0.005
 _JUST_FETCHED_S = 0.05  # a package that took longer than this to get was fetched (and is in the page cache)
@@ -185,9 +199,56 @@ class _Zygote:
     def alive(self) -> bool:
         return self.process.returncode is None
 
-    def fork(self, gpu_id: str, device_index: int, sock: socket.socket) -> None:
-        """Ask for a worker for `gpu_id` on `sock` (raises OSError if the zygote is gone)."""
-        socket.send_fds(self.control, [f"{gpu_id} {device_index}".encode()], [sock.fileno()])
+    def fork(self, gpu_id: str, device_index: int, sock: socket.socket, output_fd: int) -> None:
+        """Ask for a worker for `gpu_id` on `sock`, writing its output to `output_fd` (raises
+        OSError if the zygote is gone)."""
+        socket.send_fds(self.control, [f"{gpu_id} {device_index}".encode()], [sock.fileno(), output_fd])
+
+
+class _OutputRelay(asyncio.Protocol):
+    """A worker's stdout and stderr (the read end of its pipe), logged line by line under
+    `gpufaas.worker` within its LogBudget: a function that prints without end costs the node a
+    bounded rate, and says how much it lost."""
+
+    def __init__(self, worker: _Worker, budget: LogBudget) -> None:
+        self.worker = worker
+        self.budget = budget
+        self._buffer = bytearray()
+        self._reported = 0  # bytes dropped already told of
+        self._reported_at = 0.0
+
+    def data_received(self, data: bytes) -> None:
+        now = time.monotonic()
+        allowed = self.budget.take(len(data), now)
+        self._buffer += data[:allowed]
+        while (end := self._buffer.find(b"\n")) >= 0:
+            self._emit(bytes(self._buffer[:end]))
+            del self._buffer[: end + 1]
+        if len(self._buffer) > LOG_LINE_BYTES:
+            self._emit(bytes(self._buffer[:LOG_LINE_BYTES]) + b" [line cut]")
+            self._buffer.clear()
+        if self.budget.dropped > self._reported and now - self._reported_at >= _DROP_REPORT_S:
+            self._report_dropped(now)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._buffer:
+            self._emit(bytes(self._buffer))
+            self._buffer.clear()
+        if self.budget.dropped > self._reported:
+            self._report_dropped(time.monotonic())
+
+    def _emit(self, line: bytes) -> None:
+        worker_log.info("%s (pid %d): %s", self.worker.model or "spare", self.worker.pid, line.decode(errors="replace"))
+
+    def _report_dropped(self, now: float) -> None:
+        worker_log.warning(
+            "%s (pid %d) wrote more than %d bytes/s: %d bytes of its output dropped so far",
+            self.worker.model or "spare",
+            self.worker.pid,
+            self.budget.rate_bytes_s,
+            self.budget.dropped,
+        )
+        self._reported, self._reported_at = self.budget.dropped, now
 
 
 class WorkerPool:
@@ -212,11 +273,13 @@ class WorkerPool:
         wait_for_victims: bool | None = None,
         host_cache_mb: int = 0,
         python: str = sys.executable,
+        isolation: Isolation | None = None,
     ) -> None:
         """`gpus`: node-local GPU id -> device index. `fetch_package(digest)` returns the package's
         directory, fetching it if needed. `wait_for_victims`: a miss waits for its victims to exit
         before loading (their device memory must be free first); default: on cuda only.
-        `host_cache_mb`: the host tier's size (0: off; the cpu backend only)."""
+        `host_cache_mb`: the host tier's size (0: off; the cpu backend only). `isolation`: how
+        workers are confined (gpu_manager.sandbox; default: all of it the node can do)."""
         backend_class(backend)  # an unknown name fails here, at startup, listing the valid ones
         if spares_per_gpu < 0:
             raise ValueError(f"spares_per_gpu must be >= 0, got {spares_per_gpu}")
@@ -230,6 +293,9 @@ class WorkerPool:
         self.host_cache_mb = host_cache_mb
         self._fetch_package = fetch_package
         self._python = python
+        self.isolation = isolation if isolation is not None else Isolation()
+        self._locked: set[str] = set()  # package digests made readable to their own user only
+        self._warned_network = False
         self._workers: dict[tuple[str, str], _Worker] = {}
         self._spares: dict[str, deque[_Worker]] = {gpu: deque() for gpu in self.gpus}
         self._starting: dict[str, list[_Worker]] = {gpu: [] for gpu in self.gpus}
@@ -460,6 +526,10 @@ class WorkerPool:
 
         async def package() -> Path:
             directory = await self._fetch_package(run.package_digest)
+            if self.isolation.per_package_users and run.package_digest not in self._locked:
+                # Readable by the package's own user only, writable by nobody (gpu_manager.sandbox).
+                await asyncio.to_thread(lock_package, directory, package_uid(run.package_digest))
+                self._locked.add(run.package_digest)
             stages.fetch_s = time.perf_counter() - started
             if not was_warm and stages.fetch_s < _JUST_FETCHED_S:
                 # The worker is still warming up: read the weights into host memory meanwhile (a
@@ -509,6 +579,7 @@ class WorkerPool:
                     load_time_s=run.load_time_s,
                     inference_time_s=run.inference_time_s,
                     max_result_bytes=self.max_body_bytes,
+                    **await self._confinement(run),
                 ),
             )
             loaded = await worker.loaded
@@ -603,15 +674,27 @@ class WorkerPool:
     async def _run_worker(self, worker: _Worker) -> None:
         """Have the worker forked, connect to it, and resolve `exited` once it is gone."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        output_read, output_write = os.pipe()
+        output: asyncio.BaseTransport | None = None
+        loop = asyncio.get_running_loop()
         try:
             zygote = await self._zygote_ready()
-            zygote.fork(worker.gpu_id, self.gpus[worker.gpu_id], child)
+            zygote.fork(worker.gpu_id, self.gpus[worker.gpu_id], child, output_write)
+            budget = LogBudget(self.isolation.log_rate_bytes_s, self.isolation.log_burst_bytes, time.monotonic())
+            output, _ = await loop.connect_read_pipe(
+                lambda: _OutputRelay(worker, budget), os.fdopen(output_read, "rb", buffering=0)
+            )
+            output_read = -1  # the transport owns it now
             max_frame_bytes = max_frame_bytes_for(self.max_body_bytes)
-            _, conn = await asyncio.get_running_loop().create_unix_connection(
+            _, conn = await loop.create_unix_connection(
                 lambda: Connection(worker, max_frame_bytes=max_frame_bytes), sock=parent
             )
         except (OSError, RuntimeError, asyncio.CancelledError) as exc:  # cancelled: shut down meanwhile
             parent.close()
+            if output is not None:
+                output.close()
+            elif output_read >= 0:
+                os.close(output_read)
             if not self._closed:
                 log.error("cannot start a worker for %s: %s", worker.gpu_id, exc)
             worker._gone(ConnectionLost(f"cannot start a worker: {exc or 'the pool shut down'}"))
@@ -619,9 +702,12 @@ class WorkerPool:
             return
         finally:
             child.close()  # the worker holds the only other end now: its exit reads as EOF here
+            os.close(output_write)  # likewise
         worker.conn = conn
         await asyncio.shield(conn.closed)
         worker._gone(ConnectionLost(f"worker pid {worker.pid} exited"))
+        assert output is not None
+        loop.call_later(_OUTPUT_GRACE_S, output.close)  # what it printed last still reaches the log
         # The zygote reaps it; its device memory is free once the process is gone.
         for _ in range(int(_KILL_WAIT_S / _EXIT_POLL_S)):
             if not worker.pid or not pid_alive(worker.pid):
@@ -654,8 +740,11 @@ class WorkerPool:
                 str(child.fileno()),
                 "--backend",
                 self.backend,
+                *(["--isolate"] if self.isolation.network else []),
                 pass_fds=(child.fileno(),),
                 stdin=asyncio.subprocess.DEVNULL,
+                # Workers inherit it: no cluster address or secret reaches a function.
+                env={**worker_environment(os.environ), "PYTHONUNBUFFERED": "1"},
             )
         finally:
             child.close()
@@ -680,7 +769,34 @@ class WorkerPool:
         self._zygote = _Zygote(process, parent, float(ready.split()[1]))
         return self._zygote
 
+    async def _confinement(self, run: ModelRun) -> dict[str, Any]:
+        """The LoadModel fields that confine the worker taking `run` (gpu_manager.sandbox)."""
+        isolation = self.isolation
+        fields: dict[str, Any] = {
+            "data_limit_mb": data_allowance_mb(self.backend, run.memory_mb) or 0,
+            "max_processes": isolation.max_processes,
+            "max_file_mb": isolation.max_file_mb,
+        }
+        if isolation.per_package_users:
+            uid = package_uid(run.package_digest)
+            fields |= {"uid": uid, "gid": uid}
+            if isolation.homes_dir is not None:
+                fields["home_dir"] = str(await asyncio.to_thread(private_home, isolation.homes_dir, uid))
+        return fields
+
     def _on_hello(self, worker: _Worker) -> None:
+        if (
+            self.isolation.network
+            and worker.hello.exception() is None
+            and not worker.hello.result().network_isolated
+            and not self._warned_network
+        ):
+            self._warned_network = True
+            log.warning(
+                "workers could not get a network namespace of their own (neither root nor user namespaces): "
+                "functions can reach the network, etcd and the daemons' ports; run the node as root or use "
+                "the docker runtime"
+            )
         starting = self._starting.get(worker.gpu_id, [])
         if worker in starting and worker.hello.exception() is None:
             starting.remove(worker)

@@ -33,6 +33,7 @@ import traceback
 from typing import NamedTuple
 
 from gpu_manager.backends import Backend, ModelSpec
+from gpu_manager.sandbox import DEFAULT_MAX_FILE_MB, DEFAULT_MAX_PROCESSES, Confinement, confine, current_data_mb
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import PREFIX_BYTES, MessageType, encode
 
@@ -232,9 +233,10 @@ def _run(backend: Backend, channel: Channel, spec: ModelSpec, frames: list[_Fram
         )
 
 
-def run_worker(sock: socket.socket, backend: Backend, *, import_s: float) -> int:
+def run_worker(sock: socket.socket, backend: Backend, *, import_s: float, network_isolated: bool = False) -> int:
     """A freshly forked worker (see gpu_manager.zygote): create the device context, say hello,
-    take a model, serve it. Returns the process's exit status."""
+    take a model, confine itself as the node says (gpu_manager.sandbox), load the model, serve
+    it. Returns the process's exit status."""
     # Ctrl-C in a terminal reaches the whole process group; the gpu_manager decides when workers
     # stop (it kills them), so a worker must not die half-way through an inference on SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -244,16 +246,25 @@ def run_worker(sock: socket.socket, backend: Backend, *, import_s: float) -> int
     channel.send(
         MessageType.WORKER_HELLO,
         pb.WorkerHello(
-            pid=os.getpid(), import_s=import_s, context_s=time.perf_counter() - started_s, context_mb=context_mb
+            pid=os.getpid(),
+            import_s=import_s,
+            context_s=time.perf_counter() - started_s,
+            context_mb=context_mb,
+            network_isolated=network_isolated,
         ),
     )
     frame = channel.recv()
     if frame is None or frame.type != MessageType.LOAD_MODEL:
         return 0  # a spare that was never needed
     load = pb.LoadModel.FromString(frame.header)
+    package_dir = load.package_dir
+    if load.uid:
+        # Held open from before the worker drops to the package's user: through it the package is
+        # reached whatever the permissions of the directories above it (the node's, closed to it).
+        package_dir = f"/proc/self/fd/{os.open(package_dir, os.O_PATH | os.O_DIRECTORY)}"
     spec = ModelSpec(
         model=load.model,
-        package_dir=load.package_dir,
+        package_dir=package_dir,
         memory_mb=int(load.memory_mb),
         max_batch_size=max(1, load.max_batch_size),
         max_batch_wait_s=max(0.0, load.max_batch_wait_s),
@@ -263,6 +274,17 @@ def run_worker(sock: socket.socket, backend: Backend, *, import_s: float) -> int
     )
     load_started_s = time.perf_counter()
     try:
+        confine(
+            Confinement(
+                uid=int(load.uid),
+                gid=int(load.gid),
+                # The allowance is on top of what the runtime holds now (measured here, not guessed).
+                data_limit_mb=current_data_mb() + int(load.data_limit_mb) if load.data_limit_mb else None,
+                max_processes=load.max_processes or DEFAULT_MAX_PROCESSES,
+                max_file_mb=int(load.max_file_mb) or DEFAULT_MAX_FILE_MB,
+                home=load.home_dir,
+            )
+        )
         backend.load(spec)
         peak_memory_mb = backend.peak_memory_mb()
     except Exception as exc:

@@ -6,8 +6,11 @@ The zygote never runs torch itself: it must not have threads or a device context
 
 `python -m gpu_manager.zygote --fd N --backend B`: fd N is a SOCK_SEQPACKET socket to the node's
 WorkerPool. The zygote first sends b"ready <import seconds>". Then each message the pool sends is
-b"<gpu id> <device index>" carrying one file descriptor (SCM_RIGHTS): the worker's end of a socket
-pair, on which the forked worker then speaks to the pool (gpu_manager.worker). Children are
+b"<gpu id> <device index>" carrying two file descriptors (SCM_RIGHTS): the worker's end of a
+socket pair, on which the forked worker then speaks to the pool (gpu_manager.worker), and the
+write end of a pipe that becomes the worker's stdout and stderr (the pool reads it, within a
+budget). With --isolate each worker first moves into a network namespace of its own
+(gpu_manager.sandbox): it reaches nothing but its pool. Children are
 reaped automatically (SIGCHLD ignored); the pool tells a worker's exit by its socket closing. The
 zygote exits when the pool closes its end.
 """
@@ -24,6 +27,7 @@ import time
 import traceback
 
 from gpu_manager.backends import WorkerDevice, backend_class
+from gpu_manager.sandbox import isolate_network
 from gpu_manager.worker import run_worker
 
 MAX_MESSAGE_BYTES = 1024
@@ -33,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpu_manager.zygote", description="gpufaas worker zygote")
     parser.add_argument("--fd", type=int, required=True, help="the pool's control socket (SOCK_SEQPACKET)")
     parser.add_argument("--backend", required=True)
+    parser.add_argument("--isolate", action="store_true", help="give each worker a network namespace of its own")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gpu_manager decides when this process stops
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped as they exit
@@ -49,12 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     control.sendall(f"ready {import_s:.6f}".encode())
     while True:
         try:
-            message, fds, _, _ = socket.recv_fds(control, MAX_MESSAGE_BYTES, 1)
+            message, fds, _, _ = socket.recv_fds(control, MAX_MESSAGE_BYTES, 2)
         except ConnectionResetError:
             return 0
         if not message:
             return 0  # the pool is gone
-        if not fds:
+        if len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
             continue
         gpu_id, index = message.decode().split()
         if os.fork() == 0:
@@ -62,8 +69,14 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             status = 1
             try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(fds[1], 1)  # its output goes to the pool, which caps it
+                os.dup2(fds[1], 2)
+                os.close(fds[1])
+                isolated = isolate_network() if args.isolate else False
                 worker = backend(WorkerDevice(args.backend, gpu_id, int(index)))
-                status = run_worker(socket.socket(fileno=fds[0]), worker, import_s=import_s)
+                status = run_worker(socket.socket(fileno=fds[0]), worker, import_s=import_s, network_isolated=isolated)
             except (BrokenPipeError, ConnectionResetError):
                 status = 0  # the pool let go of this worker (it shut down, or stopped a spare)
             except BaseException:
@@ -72,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(status)
-        os.close(fds[0])
+        for fd in fds:
+            os.close(fd)
 
 
 if __name__ == "__main__":

@@ -142,6 +142,9 @@ class LocalCluster:
 
     def start(self, timeout_s: float = 60.0) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        # Workers (other users) pass through to their own package; nobody else lists or reads here.
+        os.chmod(self.state_dir, 0o711)
+        (self.state_dir / "logs").mkdir(mode=0o700, exist_ok=True)
         if self.secure:
             ensure_secrets(self.secrets.directory)
         if self.etcd_endpoint is None:

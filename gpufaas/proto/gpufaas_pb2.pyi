@@ -379,19 +379,21 @@ class Error(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class WorkerHello(_message.Message):
-    __slots__ = ("pid", "import_s", "context_s", "context_mb")
+    __slots__ = ("pid", "import_s", "context_s", "context_mb", "network_isolated")
     PID_FIELD_NUMBER: _ClassVar[int]
     IMPORT_S_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_S_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_MB_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_ISOLATED_FIELD_NUMBER: _ClassVar[int]
     pid: int
     import_s: float
     context_s: float
     context_mb: int
-    def __init__(self, pid: _Optional[int] = ..., import_s: _Optional[float] = ..., context_s: _Optional[float] = ..., context_mb: _Optional[int] = ...) -> None: ...
+    network_isolated: bool
+    def __init__(self, pid: _Optional[int] = ..., import_s: _Optional[float] = ..., context_s: _Optional[float] = ..., context_mb: _Optional[int] = ..., network_isolated: _Optional[bool] = ...) -> None: ...
 
 class LoadModel(_message.Message):
-    __slots__ = ("model", "package_dir", "memory_mb", "max_batch_size", "max_batch_wait_s", "environment", "load_time_s", "inference_time_s", "max_result_bytes")
+    __slots__ = ("model", "package_dir", "memory_mb", "max_batch_size", "max_batch_wait_s", "environment", "load_time_s", "inference_time_s", "max_result_bytes", "uid", "gid", "data_limit_mb", "max_processes", "max_file_mb", "home_dir")
     class EnvironmentEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -408,6 +410,12 @@ class LoadModel(_message.Message):
     LOAD_TIME_S_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_TIME_S_FIELD_NUMBER: _ClassVar[int]
     MAX_RESULT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    GID_FIELD_NUMBER: _ClassVar[int]
+    DATA_LIMIT_MB_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    MAX_FILE_MB_FIELD_NUMBER: _ClassVar[int]
+    HOME_DIR_FIELD_NUMBER: _ClassVar[int]
     model: str
     package_dir: str
     memory_mb: int
@@ -417,7 +425,13 @@ class LoadModel(_message.Message):
     load_time_s: float
     inference_time_s: float
     max_result_bytes: int
-    def __init__(self, model: _Optional[str] = ..., package_dir: _Optional[str] = ..., memory_mb: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_wait_s: _Optional[float] = ..., environment: _Optional[_Mapping[str, str]] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., max_result_bytes: _Optional[int] = ...) -> None: ...
+    uid: int
+    gid: int
+    data_limit_mb: int
+    max_processes: int
+    max_file_mb: int
+    home_dir: str
+    def __init__(self, model: _Optional[str] = ..., package_dir: _Optional[str] = ..., memory_mb: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_wait_s: _Optional[float] = ..., environment: _Optional[_Mapping[str, str]] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., max_result_bytes: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., data_limit_mb: _Optional[int] = ..., max_processes: _Optional[int] = ..., max_file_mb: _Optional[int] = ..., home_dir: _Optional[str] = ...) -> None: ...
 
 class ModelLoaded(_message.Message):
     __slots__ = ("ok", "error", "load_s", "peak_memory_mb")

@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -27,6 +28,7 @@ import pytest
 from gpu_manager.backends import UnknownBackend
 from gpu_manager.packages import PackageCache, package_digest
 from gpu_manager.pool import STOP_GRACE_S, ModelRun, RunResult, WorkerPool
+from gpu_manager.sandbox import package_uid
 from gpufaas.proto import gpufaas_pb2 as pb
 from tests.fixtures.make_packages import build_package
 
@@ -467,7 +469,7 @@ def test_two_models_on_one_gpu_run_in_separate_processes_at_once(cpu_node: Node)
 def test_the_handler_sees_its_environment_package_directory_and_working_directory(cpu_node: Node) -> None:
     async def scenario(node: Node) -> None:
         echo, probe = node.shelf.digest("echo_function"), node.shelf.digest("probe_function")
-        names = ["GPUFAAS_TEST_GREETING", "GPUFAAS_PACKAGE_DIR", "OMP_NUM_THREADS"]
+        names = ["GPUFAAS_TEST_GREETING", "OMP_NUM_THREADS"]
 
         seen = ok(await node.call(on_cpu("env-echo", echo), {"x": 1}))
         greeted = ok(
@@ -475,10 +477,15 @@ def test_the_handler_sees_its_environment_package_directory_and_working_director
         )
         other = ok(await node.call(on_cpu("env-probe-2", probe), {"env": names}))
 
-        assert seen["package_dir"] == seen["cwd"] == node.shelf.directory(echo)
+        assert seen["package_dir_real"] == seen["cwd"] == node.shelf.directory(echo)
+        if os.geteuid() == 0:  # the worker runs as the package's user: a handle, opened before it dropped root
+            assert re.fullmatch(r"/proc/self/fd/\d+", seen["package_dir"]), seen["package_dir"]
+            assert seen["uid"] == package_uid(echo)
+        else:
+            assert seen["package_dir"] == node.shelf.directory(echo)
         assert seen["helper"] == "from helper.py"  # a module beside handler.py
         assert seen["device"] == "cpu"
-        expected = {"GPUFAAS_TEST_GREETING": "hello", "GPUFAAS_PACKAGE_DIR": node.shelf.directory(probe)}
+        expected = {"GPUFAAS_TEST_GREETING": "hello"}
         expected["OMP_NUM_THREADS"] = "1"  # the cpu backend: one thread per worker
         assert greeted == {"env": expected, "env_at_load": expected}
         assert other["env"]["GPUFAAS_TEST_GREETING"] is None  # each model's worker has its own

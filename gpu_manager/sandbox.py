@@ -1,0 +1,243 @@
+"""What a worker process may touch (the `process` runtime): its own user, no network, resource
+limits, a clean environment. Decisions are pure functions; the few calls that change a process
+(`isolate_network`, `confine`, `lock_package`) are at the bottom.
+
+A worker is confined in two steps:
+- as a spare, right after the zygote forks it: a network namespace of its own with nothing in it
+  (`isolate_network`), so a function reaches neither etcd, nor the daemons' ports, nor anything
+  else; it talks to its node over the socket pair it was born with.
+- when it takes a model, before the handler is imported (`confine`): resource limits, then,
+  where the node runs as root, the package's own user and group, so that it reads its package
+  (owned root:that group, read-only) and nothing of the node's or another function's.
+
+Each package has its own user id, derived from its digest (`package_uid`): the same on every node
+and after a restart, with no state to keep, and in a range no host account uses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import stat
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE_UID_BASE = 1 << 24  # 16,777,216: above system, user and container subordinate id ranges
+PACKAGE_UID_SPAN = (1 << 31) - PACKAGE_UID_BASE - 1
+DEFAULT_MAX_PROCESSES = 512  # tasks (processes and threads) of one package's user
+DEFAULT_MAX_FILE_MB = 1024  # largest file a worker may write (its home, /tmp)
+MEMORY_HEADROOM_MB = 512  # above twice the declared memory: loading often holds two copies
+# What a worker inherits from its node's environment (everything else is dropped: no cluster
+# addresses or secrets reach a function). Exact names, then prefixes.
+ENVIRONMENT_NAMES = frozenset({"PATH", "LANG", "LANGUAGE", "TZ", "PYTHONPATH", "PYTHONUNBUFFERED", "VIRTUAL_ENV"})
+ENVIRONMENT_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "OMP_", "MKL_", "OPENBLAS_", "TORCH_", "LD_LIBRARY_PATH")
+
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWNET = 0x40000000
+
+
+def package_uid(digest: str) -> int:
+    """The user (and group) id a package's workers run as: from the digest, in a range of ~2.1
+    billion ids (two of a thousand packages share one with odds of about 1 in 4,000)."""
+    hex_digest = digest.removeprefix("sha256:")
+    return PACKAGE_UID_BASE + int(hex_digest, 16) % PACKAGE_UID_SPAN
+
+
+def worker_environment(node_environment: Mapping[str, str]) -> dict[str, str]:
+    """The environment a node passes on to its workers: the allow-list above, nothing else."""
+    return {
+        name: value
+        for name, value in node_environment.items()
+        if name in ENVIRONMENT_NAMES or name.startswith(ENVIRONMENT_PREFIXES)
+    }
+
+
+def data_allowance_mb(backend: str, memory_mb: int) -> int | None:
+    """How much private writable memory (RLIMIT_DATA) a worker may add to what its runtime holds
+    when it takes a model (measured then, in the worker), or None for no limit.
+
+    On `cpu` the model lives in host memory, so its declared `memory_mb` bounds what the worker
+    may add: twice the declaration (a load often holds the file's bytes and the tensors at once),
+    plus a margin.
+    On `cuda` the model's memory is the GPU's (measured and reported per call); the CUDA driver's
+    mappings make a host limit unsafe there: the `docker` runtime's container limit covers it.
+    """
+    if backend != "cpu":
+        return None
+    return 2 * memory_mb + MEMORY_HEADROOM_MB
+
+
+LOG_RATE_BYTES_S = 64 * 1024  # what a worker may write to stdout/stderr, on average ...
+LOG_BURST_BYTES = 1024 * 1024  # ... and at once; the rest is dropped (and counted)
+LOG_LINE_BYTES = 16 * 1024  # a longer line is cut
+
+
+@dataclass(frozen=True, slots=True)
+class Isolation:
+    """How a node confines its workers (the `process` runtime).
+
+    `network`: each worker gets a network namespace of its own. `users`: each package's workers
+    run as the package's own user (None: when the node runs as root, the only way it can).
+    `homes_dir`: where the packages' private HOME/TMPDIR directories go (None: none)."""
+
+    network: bool = True
+    users: bool | None = None
+    homes_dir: Path | None = None
+    max_processes: int = DEFAULT_MAX_PROCESSES
+    max_file_mb: int = DEFAULT_MAX_FILE_MB
+    log_rate_bytes_s: int = LOG_RATE_BYTES_S
+    log_burst_bytes: int = LOG_BURST_BYTES
+
+    @property
+    def per_package_users(self) -> bool:
+        return os.geteuid() == 0 if self.users is None else self.users
+
+
+class LogBudget:
+    """A token bucket over a worker's output: `take(n, now)` says how many of `n` bytes may be
+    written at time `now` (seconds); the rest is dropped and counted in `dropped`."""
+
+    def __init__(self, rate_bytes_s: int, burst_bytes: int, now: float) -> None:
+        self.rate_bytes_s = rate_bytes_s
+        self.burst_bytes = burst_bytes
+        self.tokens = float(burst_bytes)
+        self.dropped = 0
+        self._at = now
+
+    def take(self, n: int, now: float) -> int:
+        self.tokens = min(self.burst_bytes, self.tokens + (now - self._at) * self.rate_bytes_s)
+        self._at = now
+        allowed = min(n, int(self.tokens))
+        self.tokens -= allowed
+        self.dropped += n - allowed
+        return allowed
+
+
+@dataclass(frozen=True, slots=True)
+class Confinement:
+    """What a worker is held to once it takes a model. `uid` 0: it keeps the node's user (a node
+    not running as root cannot give it another)."""
+
+    uid: int = 0
+    gid: int = 0
+    data_limit_mb: int | None = None
+    max_processes: int = DEFAULT_MAX_PROCESSES
+    max_file_mb: int = DEFAULT_MAX_FILE_MB
+    home: str = ""  # a private writable directory: HOME and TMPDIR
+
+
+def current_data_mb() -> int:
+    """This process's private writable memory now (VmData), in MiB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+# --- what changes a process -----------------------------------------------------------------
+
+
+def isolate_network() -> bool:
+    """Move this process into a network namespace of its own (only a loopback, down): nothing
+    outside is reachable, and sockets it already holds keep working. As root directly; otherwise
+    through a user namespace where the kernel allows them. False if neither is possible."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    flags = _CLONE_NEWNET if os.geteuid() == 0 else _CLONE_NEWUSER | _CLONE_NEWNET
+    return bool(libc.unshare(flags) == 0)
+
+
+def confine(confinement: Confinement) -> None:
+    """Apply `confinement` to this process for good (raises OSError if the kernel refuses)."""
+    _limit(resource.RLIMIT_CORE, 0)
+    _limit(resource.RLIMIT_FSIZE, confinement.max_file_mb * 1024 * 1024)
+    if confinement.data_limit_mb is not None:
+        _limit(resource.RLIMIT_DATA, confinement.data_limit_mb * 1024 * 1024)
+    if confinement.home:
+        os.environ["HOME"] = os.environ["TMPDIR"] = confinement.home
+        tempfile.tempdir = confinement.home  # it may have been looked up (and kept) before the fork
+    os.umask(0o077)
+    if confinement.uid:
+        keep_import_path()
+        # RLIMIT_NPROC counts the tasks of the real user: meaningful only for the package's own.
+        _limit(resource.RLIMIT_NPROC, confinement.max_processes)
+        os.setgroups([])
+        os.setresgid(confinement.gid, confinement.gid, confinement.gid)
+        os.setresuid(confinement.uid, confinement.uid, confinement.uid)
+
+
+def keep_import_path() -> None:
+    """Keep the runtime importable once this process is another user: an import directory that
+    user could not reach (Python installed under root's home, say) is replaced, on `sys.path` and
+    in the `__path__` of every package imported already, by a handle opened now:
+    `/proc/self/fd/N`, which needs no permission on the directories above it."""
+    handles: dict[str, str] = {}
+
+    def reachable(entry: str) -> str:
+        if entry not in handles:
+            handles[entry] = entry
+            if os.path.isdir(entry) and not _open_to_others(entry):
+                handles[entry] = f"/proc/self/fd/{os.open(entry, os.O_PATH | os.O_DIRECTORY)}"
+        return handles[entry]
+
+    sys.path[:] = [reachable(entry) if entry else entry for entry in sys.path]
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__path__", None)
+        if isinstance(path, list):
+            path[:] = [reachable(entry) if isinstance(entry, str) else entry for entry in path]
+    sys.path_importer_cache.clear()
+
+
+def _open_to_others(path: str) -> bool:
+    """Whether any user may list `path` and pass through every directory above it."""
+    current = os.path.abspath(path)
+    if not os.stat(current).st_mode & stat.S_IROTH:
+        return False
+    while True:
+        if not os.stat(current).st_mode & stat.S_IXOTH:
+            return False
+        parent = os.path.dirname(current)
+        if parent == current:
+            return True
+        current = parent
+
+
+def _limit(which: int, value: int) -> None:
+    _, hard = resource.getrlimit(which)
+    if hard != resource.RLIM_INFINITY:
+        value = min(value, hard)
+    resource.setrlimit(which, (value, value))
+
+
+def lock_package(path: Path, gid: int) -> None:
+    """Make an extracted package readable by group `gid` only, and writable by nobody but root:
+    owner root, directories 0750, files 0640 (0750 if executable)."""
+    for directory, dirnames, filenames in os.walk(path):
+        for name in (*dirnames, *filenames):
+            _lock(os.path.join(directory, name), gid)
+    _lock(str(path), gid)
+
+
+def _lock(path: str, gid: int) -> None:
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        return  # packages hold none (refused at upload); never follow one
+    os.chown(path, 0, gid, follow_symlinks=False)
+    executable = stat.S_ISDIR(mode) or mode & stat.S_IXUSR
+    os.chmod(path, 0o750 if executable else 0o640)
+
+
+def private_home(parent: Path, uid: int) -> Path:
+    """A directory only `uid` may use (HOME and TMPDIR of that package's workers)."""
+    parent.mkdir(mode=0o711, parents=True, exist_ok=True)
+    home = parent / str(uid)
+    home.mkdir(exist_ok=True)
+    os.chown(home, uid, uid)
+    os.chmod(home, 0o700)
+    return home

@@ -1,0 +1,134 @@
+"""The process runtime's confinement, probed from inside a real function on a real cluster: what
+a function can read, write, reach and use (gpu_manager.sandbox; docs/security.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gpu_manager.sandbox import package_uid
+from gpufaas.cluster import NodeRecord
+from gpufaas.keys import Keys
+from gpufaas.local_cluster import LocalCluster
+from gpufaas.store import EtcdStore
+from tests.integration.conftest import ClusterFactory, deploy
+
+pytestmark = pytest.mark.integration
+AS_ROOT = os.geteuid() == 0
+
+
+def probe(cluster: LocalCluster, **probes: Any) -> dict[str, Any]:
+    response = httpx.post(
+        f"{cluster.gateway_url}/function/prowler", json=probes, headers=cluster.invoke_headers, timeout=120
+    )
+    assert response.status_code == 200, response.text
+    report: dict[str, Any] = response.json()
+    return report
+
+
+def package_dir(cluster: LocalCluster, digest: str) -> Path:
+    return cluster.state_dir / "node0" / "packages" / digest.removeprefix("sha256:")
+
+
+def node_address(cluster: LocalCluster) -> tuple[str, int]:
+    async def read() -> str:
+        assert cluster.etcd_endpoint is not None
+        store = await EtcdStore.open(cluster.etcd_endpoint)
+        try:
+            kv = await store.get(Keys(cluster.root).node("node0"))
+        finally:
+            await store.close()
+        assert kv is not None
+        return NodeRecord.from_json(kv.value).address
+
+    host, port = asyncio.run(read()).rsplit(":", 1)
+    return host, int(port)
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="workers get users of their own only where the node runs as root (CI does)")
+def test_a_function_reads_its_own_package_only_and_writes_none(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    # As under /var/lib: the directories above the cluster may be passed through (pytest makes
+    # its own 0700), so that only the cluster's own permissions stand between functions.
+    for directory in [tmp_path, *tmp_path.parents]:
+        directory.chmod(directory.stat().st_mode | 0o001)
+    cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=2000)
+    deploy(cluster, "victim", "echo_function", tmp_path, memory_mb=100)
+    victim = httpx.post(f"{cluster.gateway_url}/function/victim", json={}, headers=cluster.invoke_headers, timeout=60)
+    assert victim.status_code == 200
+    deploy(cluster, "prowler", "prowler_function", tmp_path, memory_mb=100)
+    specs = {
+        f["name"]: f
+        for f in httpx.get(f"{cluster.gateway_url}/system/functions", auth=cluster.admin_auth, timeout=30).json()
+    }
+    victim_dir = package_dir(cluster, specs["victim"]["package_digest"])
+    own_dir = package_dir(cluster, specs["prowler"]["package_digest"])
+    secrets = cluster.secrets
+    report = probe(
+        cluster,
+        read=[
+            str(own_dir / "handler.py"),
+            str(victim_dir / "handler.py"),
+            str(secrets.cluster_secret),
+            str(secrets.admin_password),
+            str(cluster.state_dir / "logs" / "gateway.log"),
+        ],
+        write=[str(own_dir / "handler.py"), str(own_dir / "new.py"), str(victim_dir / "handler.py")],
+        list=[
+            str(cluster.state_dir),
+            str(cluster.state_dir / "node0" / "packages"),
+            str(cluster.state_dir / "gateway" / "packages"),
+            str(secrets.directory),
+        ],
+    )
+    assert report["uid"] == report["gid"] == package_uid(specs["prowler"]["package_digest"])
+    assert report["read"] == {
+        str(own_dir / "handler.py"): "ok",
+        str(victim_dir / "handler.py"): "PermissionError",
+        str(secrets.cluster_secret): "PermissionError",
+        str(secrets.admin_password): "PermissionError",
+        str(cluster.state_dir / "logs" / "gateway.log"): "PermissionError",
+    }
+    assert set(report["write"].values()) == {"PermissionError"}, report["write"]
+    assert set(report["list"].values()) == {"PermissionError"}, report["list"]
+    # The victim is untouched and serves as before.
+    again = httpx.post(f"{cluster.gateway_url}/function/victim", json={}, headers=cluster.invoke_headers, timeout=60)
+    assert again.status_code == 200 and again.json()["uid"] == package_uid(specs["victim"]["package_digest"])
+
+
+def test_a_function_reaches_no_network_sees_no_secrets_and_is_held_to_its_limits(
+    make_cluster: ClusterFactory, tmp_path: Path
+) -> None:
+    cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=2000)
+    deploy(cluster, "prowler", "prowler_function", tmp_path, memory_mb=100, environment={"MINE": "yes"})
+    assert cluster.etcd_endpoint is not None
+    etcd_host, etcd_port = cluster.etcd_endpoint.rsplit(":", 1)
+    targets = [
+        [etcd_host, int(etcd_port)],
+        ["127.0.0.1", cluster.scheduler_port],
+        ["127.0.0.1", cluster.gateway_port],
+        list(node_address(cluster)),
+    ]
+    report = probe(cluster, connect=targets, allocate_mb=4096, threads=2000)
+    assert all(outcome != "ok" for outcome in report["connect"].values()), report["connect"]
+    # Its environment: the function's own and the runtime's, nothing of the cluster's.
+    assert "MINE" in report["environment"]
+    assert not [name for name in report["environment"] if "SECRET" in name or "ETCD" in name], report["environment"]
+    assert [name for name in report["environment"] if name.startswith("GPUFAAS_")] == ["GPUFAAS_PACKAGE_DIR"]
+    # Memory: 4 GiB on a 100 MB declaration is refused (the worker lives on, the call answered).
+    assert report["allocate"] == "MemoryError"
+    if AS_ROOT:  # a task limit for the package's own user
+        assert report["threads"]["stopped_by"] == "RuntimeError" and report["threads"]["started"] < 2000
+
+    # Output: 200 MiB printed cost the node's log a bounded amount.
+    log = cluster.state_dir / "logs" / "node0.log"
+    before = log.stat().st_size
+    printed = probe(cluster, print_mb=200)
+    assert printed["printed_mb"] == 200
+    grown_mb = (log.stat().st_size - before) / 1024 / 1024
+    assert grown_mb < 8, f"the node's log grew by {grown_mb:.1f} MiB"
+    assert "bytes of its output dropped" in log.read_text(errors="replace")
