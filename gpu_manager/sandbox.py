@@ -178,11 +178,12 @@ def keep_import_path() -> None:
     in the `__path__` of every package imported already, by a handle opened now:
     `/proc/self/fd/N`, which needs no permission on the directories above it."""
     handles: dict[str, str] = {}
+    passable: dict[str, bool] = {}  # one stat per directory, however many packages live below it
 
     def reachable(entry: str) -> str:
         if entry not in handles:
             handles[entry] = entry
-            if os.path.isdir(entry) and not _open_to_others(entry):
+            if os.path.isdir(entry) and not _open_to_others(entry, passable):
                 handles[entry] = f"/proc/self/fd/{os.open(entry, os.O_PATH | os.O_DIRECTORY)}"
         return handles[entry]
 
@@ -194,18 +195,18 @@ def keep_import_path() -> None:
     sys.path_importer_cache.clear()
 
 
-def _open_to_others(path: str) -> bool:
-    """Whether any user may list `path` and pass through every directory above it."""
-    current = os.path.abspath(path)
-    if not os.stat(current).st_mode & stat.S_IROTH:
-        return False
-    while True:
-        if not os.stat(current).st_mode & stat.S_IXOTH:
-            return False
-        parent = os.path.dirname(current)
-        if parent == current:
-            return True
-        current = parent
+def _open_to_others(path: str, passable: dict[str, bool] | None = None) -> bool:
+    """Whether any user may list `path` and pass through it and every directory above it.
+    `passable` memoizes the latter by directory (shared across calls)."""
+    path = os.path.abspath(path)
+    return bool(os.stat(path).st_mode & stat.S_IROTH) and _passable(path, {} if passable is None else passable)
+
+
+def _passable(path: str, memo: dict[str, bool]) -> bool:
+    if path not in memo:
+        parent = os.path.dirname(path)
+        memo[path] = bool(os.stat(path).st_mode & stat.S_IXOTH) and (parent == path or _passable(parent, memo))
+    return memo[path]
 
 
 def _limit(which: int, value: int) -> None:
