@@ -38,6 +38,7 @@ from gpufaas.store import KeyValue, LeaseKeeper, Store, StoreError, WatchEvent, 
 log = logging.getLogger("gpufaas.gateway")
 
 LEASE_TTL_S = 5
+HEALTH_ETCD_TIMEOUT_S = 1.0
 
 
 @dataclass
@@ -243,7 +244,25 @@ def create_app(store: Store, config: GatewayConfig) -> FastAPI:
 
     # --- health and info ------------------------------------------------------------------
     @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
+    async def healthz() -> JSONResponse:
+        """Ready: the gateway reaches the scheduler (connected) and etcd (a read answered within
+        a second). 503 otherwise, naming what is missing: calls would fail or wait."""
+        scheduler = gateway.router.scheduler is not None
+        try:
+            async with asyncio.timeout(HEALTH_ETCD_TIMEOUT_S):
+                await store.revision()
+            etcd = True
+        except (StoreError, TimeoutError):
+            etcd = False
+        ready = scheduler and etcd
+        return JSONResponse(
+            {"status": "ok" if ready else "unavailable", "scheduler": scheduler, "etcd": etcd},
+            status_code=200 if ready else 503,
+        )
+
+    @app.get("/livez")
+    async def livez() -> dict[str, str]:
+        """Alive: the process answers (what a liveness probe restarts on; readiness is /healthz)."""
         return {"status": "ok"}
 
     @app.get("/system/info")

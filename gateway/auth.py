@@ -34,7 +34,7 @@ class Role(enum.Enum):
 
 
 ANY_CALLER = frozenset({Role.ADMIN, Role.INVOKE})
-OPEN_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+OPEN_PATHS = frozenset({"/healthz", "/livez", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 PACKAGE_PREFIX = "/system/packages/"
 CHALLENGE = b'Basic realm="gpufaas", charset="UTF-8"'
 

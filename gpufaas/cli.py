@@ -7,6 +7,7 @@ import enum
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -345,8 +346,11 @@ def up(
     spares: Annotated[int, typer.Option(min=0, help="Warm spare workers per GPU (a miss takes one).")] = 1,
     state_dir: StateDir = state_dir_default(),  # noqa: B008
 ) -> None:
-    """Start a local cluster in the background: etcd, scheduler, gateway and GPU managers."""
-    from gpufaas.local_cluster import ClusterError, LocalCluster, pid_alive, recorded_pids
+    """Start a local cluster in the background: etcd, scheduler, gateway and GPU managers, under a
+    supervisor that restarts any of them that exits (with backoff) until `gpufaas down`."""
+    import subprocess
+
+    from gpufaas.local_cluster import SUPERVISOR_STATUS, LocalCluster, pid_alive, read_supervisor_status, recorded_pids
     from scheduler import make_policy
     from scheduler.service import SlotConfig
 
@@ -370,23 +374,47 @@ def up(
             "`gpufaas status` shows it, `gpufaas down` stops it"
         )
         return
-    cluster = LocalCluster(
-        state_dir,
-        nodes=nodes,
-        gpus_per_node=gpus_per_node,
-        backend=backend,
-        gpu_memory_mb=gpu_memory_mb,
-        policy=policy,
-        gateway_port=port,
-        slots=slots,
-        spares=spares,
-    )
+    options = {
+        "nodes": nodes,
+        "gpus_per_node": gpus_per_node,
+        "backend": backend,
+        "gpu_memory_mb": gpu_memory_mb,
+        "policy": policy,
+        "gateway_port": port,
+        "slots": slots,
+        "spares": spares,
+    }
+    cluster = LocalCluster(state_dir, **options)  # type: ignore[arg-type]
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / SUPERVISOR_STATUS).unlink(missing_ok=True)
+    logs = state_dir / "logs"
+    logs.mkdir(mode=0o700, exist_ok=True)
+    with (logs / "supervisor.log").open("ab") as supervisor_log:
+        supervisor = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gpufaas.local_cluster",
+                "--state-dir",
+                str(state_dir),
+                "--options",
+                json.dumps(options),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=supervisor_log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # it outlives this command
+        )
     with _user_errors(), err_console.status("starting etcd, the scheduler, the gateway and the GPU managers..."):
-        try:
-            cluster.start(timeout_s=120)
-        except ClusterError as exc:
-            cluster.stop()
-            raise GpufaasError(f"the cluster did not start: {exc}") from None
+        while True:
+            status = read_supervisor_status(state_dir)
+            if status.get("status") == "up":
+                break
+            if status.get("status") == "failed" or supervisor.poll() is not None:
+                supervisor.wait()
+                tail = "\n".join((logs / "supervisor.log").read_text(errors="replace").splitlines()[-15:])
+                raise GpufaasError(f"the cluster did not start: {status.get('error') or tail}")
+            time.sleep(0.2)
     console.print(
         f"[bold green]gpufaas is up[/]: gateway {cluster.gateway_url}, "
         f"{nodes} node(s) x {gpus_per_node} {backend} GPU(s), policy {policy}"

@@ -178,6 +178,13 @@ class EtcdServer:
                 os.kill(process.pid, signal.SIGKILL)
         self._reap()
 
+    def restart(self, timeout_s: float = 20.0) -> None:
+        """Start again after the process exited (or was stopped): same data, same ports."""
+        if self.data_dir is None:
+            raise RuntimeError("EtcdServer was never started")
+        self._reap()
+        self.start(self.data_dir, client_port=self.client_port, peer_port=self.peer_port, timeout_s=timeout_s)
+
     def kill(self) -> None:
         """SIGKILL the process (a crash, for fault-injection tests) and reap it."""
         process = self._process

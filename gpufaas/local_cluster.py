@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +20,11 @@ import httpx
 
 from gpufaas.credentials import ADMIN_USER, SecretFiles, ensure_secrets, read_secret, wire_key
 from gpufaas.errors import GpufaasError
-from gpufaas.etcd_server import free_port
+from gpufaas.etcd_server import EtcdServer, free_port
+from gpufaas.supervision import Supervision
+
+log = logging.getLogger("gpufaas.local_cluster")
+SUPERVISE_POLL_S = 0.1
 
 
 class ClusterError(GpufaasError):
@@ -99,7 +106,11 @@ class LocalCluster:
     claim_s: float = 5.0  # a placement not used within this long is checked with its node
     secure: bool = True  # credentials on every interface (state_dir/secrets); False: --insecure daemons
     components: dict[str, Component] = field(default_factory=dict)
-    _etcd: object | None = None
+    supervision: Supervision = field(default_factory=Supervision)
+    supervisor_pid: int | None = None  # the process that supervises this cluster (gpufaas up), if any
+    _etcd: EtcdServer | None = None
+    _supervisor: threading.Thread | None = None
+    _stopping: threading.Event = field(default_factory=threading.Event)
 
     @property
     def secrets(self) -> SecretFiles:
@@ -148,8 +159,6 @@ class LocalCluster:
         if self.secure:
             ensure_secrets(self.secrets.directory)
         if self.etcd_endpoint is None:
-            from gpufaas.etcd_server import EtcdServer
-
             etcd = EtcdServer()
             etcd.start(self.state_dir / "etcd")
             self._etcd = etcd
@@ -267,19 +276,75 @@ class LocalCluster:
         self.wait_healthy(timeout_s)
 
     def stop(self) -> None:
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join()
+            self._supervisor = None
         for component in reversed(list(self.components.values())):
             component.stop()
         if self._etcd is not None:
-            self._etcd.stop()  # type: ignore[attr-defined]
+            self._etcd.stop()
             self._etcd = None
         self._write_pids()
 
+    # --- supervision ----------------------------------------------------------------------
+    def supervise(self, stopping: threading.Event, *, poll_s: float = SUPERVISE_POLL_S) -> None:
+        """Until `stopping` is set: restart every component that exits (and the private etcd,
+        on its ports and data), after the backoff `self.supervision` says."""
+        now = time.monotonic()
+        for name in self._supervised():
+            self.supervision.started(name, now)
+        while not stopping.wait(poll_s):
+            now = time.monotonic()
+            for name in self._supervised():
+                if not self.supervision.waiting(name) and not self._alive(name):
+                    delay_s = self.supervision.exited(name, now) - now
+                    log.warning("%s exited (%s); restarting it in %.1f s", name, self._exit_status(name), delay_s)
+            for name in self.supervision.due(now):
+                if stopping.is_set():
+                    return
+                try:
+                    self._restart_one(name)
+                    log.info("%s restarted (restart %d)", name, self.supervision.restarts[name])
+                except Exception as exc:  # seen gone again at the next poll: backed off further
+                    log.error("%s did not restart: %s", name, exc)
+                self.supervision.started(name, time.monotonic())
+                self._write_pids()
+
+    def supervise_in_background(self) -> None:
+        """Supervise from a thread of this process until `stop()`."""
+        self._stopping.clear()
+        self._supervisor = threading.Thread(target=self.supervise, args=(self._stopping,), daemon=True)
+        self._supervisor.start()
+
+    def _supervised(self) -> list[str]:
+        return [*(["etcd"] if self._etcd is not None else []), *self.components]
+
+    def _alive(self, name: str) -> bool:
+        if name == "etcd":
+            return self._etcd is not None and self._etcd.is_running()
+        return self.components[name].alive()
+
+    def _exit_status(self, name: str) -> str:
+        process = None if name == "etcd" else self.components[name].process
+        code = process.poll() if process is not None else None
+        return f"status {code}" if code is not None else "gone"
+
+    def _restart_one(self, name: str) -> None:
+        if name == "etcd":
+            assert self._etcd is not None
+            self._etcd.restart()
+            return
+        component = self.components[name]
+        component.stop()  # reaps it and closes its log
+        component.start(self._env())
+
     def pids(self) -> dict[str, int]:
         pids = {name: c.pid for name, c in self.components.items() if c.pid is not None and c.alive()}
-        if self._etcd is not None:
-            pid = getattr(self._etcd, "pid", None)
-            if pid is not None:
-                pids["etcd"] = pid
+        if self._etcd is not None and self._etcd.is_running():
+            pids["etcd"] = self._etcd.pid
+        if self.supervisor_pid is not None:
+            pids["supervisor"] = self.supervisor_pid
         return pids
 
     def _write_pids(self) -> None:
@@ -305,7 +370,9 @@ class LocalCluster:
         self.stop()
 
 
-STOP_ORDER = ("node", "gateway", "scheduler", "etcd")  # workers' managers first, the store last
+# The supervisor first (it stops the rest itself, and must not restart what is stopped), then
+# workers' managers, and the store last.
+STOP_ORDER = ("supervisor", "node", "gateway", "scheduler", "etcd")
 
 
 def recorded_pids(state_dir: Path) -> dict[str, int]:
@@ -335,8 +402,10 @@ def stop_recorded(state_dir: Path, timeout_s: float = 15.0) -> list[str]:
     """Stop exactly the processes recorded in `state_dir/pids.json` (their process groups: a GPU
     manager's workers too), GPU managers first and etcd last; returns the names stopped."""
     pids = recorded_pids(state_dir)
+    running = {name for name, pid in pids.items() if pid_alive(pid)}  # the supervisor stops some itself
     stopped: list[str] = []
     for prefix in STOP_ORDER:
+        stopped.extend(sorted(name for name in running if name.startswith(prefix)))
         group = {name: pid for name, pid in pids.items() if name.startswith(prefix) and pid_alive(pid)}
         for pid in group.values():
             _signal_group(pid, signal.SIGTERM)
@@ -346,7 +415,6 @@ def stop_recorded(state_dir: Path, timeout_s: float = 15.0) -> list[str]:
         for pid in group.values():
             if pid_alive(pid):
                 _signal_group(pid, signal.SIGKILL)
-        stopped.extend(group)
     with contextlib.suppress(OSError):
         (state_dir / "pids.json").write_text("{}\n")
     return stopped
@@ -358,3 +426,71 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
             os.killpg(pid, sig)
         else:
             os.kill(pid, sig)
+
+
+# --- the supervisor process (`gpufaas up`) ----------------------------------------------------
+
+SUPERVISOR_STATUS = "supervisor.json"
+SUPERVISED_OPTIONS = (
+    "nodes",
+    "gpus_per_node",
+    "backend",
+    "gpu_memory_mb",
+    "gpu_type",
+    "policy",
+    "gateway_port",
+    "slots",
+    "spares",
+)
+
+
+def read_supervisor_status(state_dir: Path) -> dict[str, object]:
+    try:
+        status: dict[str, object] = json.loads((state_dir / SUPERVISOR_STATUS).read_text())
+    except (OSError, ValueError):
+        return {}
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m gpufaas.local_cluster --state-dir DIR --options JSON`: start a LocalCluster and
+    supervise it (restart what exits, with backoff) until SIGTERM or SIGINT, then stop it all.
+    Its state (starting, up, or failed and why) is in DIR/supervisor.json."""
+    parser = argparse.ArgumentParser(prog="python -m gpufaas.local_cluster", description=main.__doc__)
+    parser.add_argument("--state-dir", type=Path, required=True)
+    parser.add_argument("--options", default="{}", help=f"JSON object of LocalCluster options: {SUPERVISED_OPTIONS}")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options = json.loads(args.options)
+    unknown = set(options) - set(SUPERVISED_OPTIONS)
+    if unknown:
+        parser.error(f"unknown options {sorted(unknown)}; known: {', '.join(SUPERVISED_OPTIONS)}")
+    cluster = LocalCluster(args.state_dir, supervisor_pid=os.getpid(), **options)
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
+    status_path = args.state_dir / SUPERVISOR_STATUS
+
+    def report(state: str, **extra: object) -> None:
+        status_path.write_text(json.dumps({"pid": os.getpid(), "status": state, **extra}) + "\n")
+
+    report("starting")
+    try:
+        cluster.start(timeout_s=150)
+    except ClusterError as exc:
+        report("failed", error=str(exc))
+        cluster.stop()
+        return 1
+    report("up", gateway_url=cluster.gateway_url)
+    log.info("cluster up (gateway %s); supervising", cluster.gateway_url)
+    try:
+        cluster.supervise(stopping)
+    finally:
+        log.info("stopping the cluster")
+        cluster.stop()
+        report("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

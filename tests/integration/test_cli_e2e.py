@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -87,6 +89,20 @@ def test_up_new_deploy_invoke_gpus_rm_down(tmp_path: Path, cli_env: dict[str, st
         assert second.returncode == 0 and json.loads(second.stdout)["outputs"] == outputs
         assert "x-cache: hit" in second.stderr.lower()
 
+        # The supervisor `up` left behind restarts a component that dies, and calls succeed again.
+        killed = recorded_pids(state)["scheduler"]
+        os.kill(killed, signal.SIGKILL)
+        killed_at = time.monotonic()
+        while time.monotonic() - killed_at < 5.0:
+            again_pid = recorded_pids(state).get("scheduler")
+            if again_pid not in (None, killed) and pid_alive(again_pid):
+                break
+            time.sleep(0.1)
+        third = gpufaas("invoke", "hello", "--data", '{"inputs": [[1, 2, 3, 4]]}', env=cli_env, cwd=work)
+        assert third.returncode == 0, third.stderr
+        assert time.monotonic() - killed_at < 5.0 + 3.0  # restarted within 5 s; the CLI itself takes ~1 s
+        assert "restarting" in (state / "logs" / "supervisor.log").read_text()
+
         gpus = gpufaas("gpus", env=cli_env, cwd=work)
         assert gpus.returncode == 0 and "hello@" in gpus.stdout
         listed = gpufaas("ls", env=cli_env, cwd=work)
@@ -101,7 +117,7 @@ def test_up_new_deploy_invoke_gpus_rm_down(tmp_path: Path, cli_env: dict[str, st
         assert removed.returncode == 0
         assert "hello" not in gpufaas("ls", env=cli_env, cwd=work).stdout
         pids = recorded_pids(state)
-        assert set(pids) >= {"etcd", "scheduler", "gateway", "node0"}
+        assert set(pids) >= {"etcd", "scheduler", "gateway", "node0", "supervisor"}
         workers = descendants(pids["node0"])  # the model's worker process, at least
         assert workers
         down = gpufaas("down", env=cli_env, cwd=work)

@@ -136,7 +136,7 @@ def env(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 def test_health_info_and_metrics(env: Env) -> None:
-    assert env.get("/healthz").json() == {"status": "ok"}
+    assert env.get("/healthz").json() == {"status": "ok", "scheduler": True, "etcd": True}
     assert env.get("/system/info").json()["provider"]["provider"] == "gpufaas"
     response = env.invoke("echo", {"hello": 1})
     assert response.status_code == 200, response.text

@@ -457,8 +457,8 @@ def test_scheduler_deployment() -> None:
 def test_gateway_deployment() -> None:
     (deployment,) = [d for d in objects("Deployment") if d["metadata"]["name"] == "gateway"]
     (container,) = containers(deployment)
-    for probe in (container["livenessProbe"], container["readinessProbe"]):
-        assert probe["httpGet"]["path"] == "/healthz"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"  # reaches the scheduler and etcd
+    assert container["livenessProbe"]["httpGet"]["path"] == "/livez"  # not restarted for another's outage"
     args = flag_values(container["args"])
     mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
     volume_names = {v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]}

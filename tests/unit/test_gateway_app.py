@@ -139,7 +139,11 @@ def test_registers_itself_while_running_and_unregisters_on_shutdown(tmp_path: Pa
 
 def test_health_info_and_metrics(tmp_path: Path) -> None:
     async def body(env: Env) -> None:
-        assert (await env.client.get("/healthz")).json() == {"status": "ok"}
+        # No scheduler listens: not ready (calls would wait, then fail), though alive.
+        health = await env.client.get("/healthz")
+        assert health.status_code == 503
+        assert health.json() == {"status": "unavailable", "scheduler": False, "etcd": True}
+        assert (await env.client.get("/livez")).json() == {"status": "ok"}
         info = (await env.client.get("/system/info")).json()
         assert info["provider"]["provider"] == "gpufaas"
         metrics = await env.client.get("/metrics")

@@ -91,7 +91,8 @@ def test_system_routes_need_the_admin_credentials(tmp_path: Path) -> None:
         assert await env.stored_spec("f") is None  # nothing got through
         deployed = await status(env, "POST", "/system/functions", ADMIN, json=spec)
         assert deployed.status_code == 202, deployed.text
-        assert (await status(env, "GET", "/healthz", NOBODY)).status_code == 200
+        assert (await status(env, "GET", "/healthz", NOBODY)).status_code == 503  # open, and says no scheduler
+        assert (await status(env, "GET", "/livez", NOBODY)).status_code == 200
         assert (await status(env, "GET", "/openapi.json", NOBODY)).status_code == 200
 
     run(tmp_path, body)
