@@ -21,15 +21,16 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 
 import gpufaas
-from gateway.auth import AuthMiddleware, Credentials
+from gateway.auth import OPEN_PATHS, AuthMiddleware, Credentials
 from gateway.invoke import InvokeMiddleware
 from gateway.router import SCHEDULER_WAIT_S, CallFailed, Router
 from gpufaas.cluster import NodeRecord
 from gpufaas.errors import GpufaasError, InvalidInput
-from gpufaas.functions import DIGEST_PATTERN, FunctionSpec
+from gpufaas.functions import DIGEST_PATTERN, FUNCTION_SPEC_SCHEMA, NAME_PATTERN, FunctionSpec
 from gpufaas.keys import Keys
 from gpufaas.packages import DEFAULT_MAX_UNPACKED_MB, InvalidPackage, PackageTooLarge, check_archive
 from gpufaas.proto import gpufaas_pb2 as pb
@@ -201,6 +202,34 @@ class Gateway:
         return self.packages_dir / f"{digest.removeprefix('sha256:')}.tar.gz"
 
 
+# The write routes read their bodies themselves (a package is streamed; a spec's errors name its
+# fields), so their bodies are described to OpenAPI here.
+PACKAGE_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "description": "the function's package: a .tar.gz with handler.py at its top (gpufaas.packages)",
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+SPEC_BODY: dict[str, Any] = {
+    "requestBody": {"required": True, "content": {"application/json": {"schema": FUNCTION_SPEC_SCHEMA}}}
+}
+DELETE_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["functionName"],
+                    "properties": {"functionName": {"type": "string", "pattern": NAME_PATTERN.pattern}},
+                }
+            }
+        },
+    }
+}
+
+
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": message, "status": status}, status_code=status, headers=headers)
 
@@ -278,7 +307,7 @@ def create_app(store: Store, config: GatewayConfig) -> FastAPI:
         }
 
     # --- packages -------------------------------------------------------------------------
-    @app.post("/system/packages", status_code=201)
+    @app.post("/system/packages", status_code=201, openapi_extra=PACKAGE_BODY)
     async def upload_package(request: Request, digest: str | None = None) -> dict[str, Any]:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > config.max_package_bytes:
@@ -347,7 +376,7 @@ def create_app(store: Store, config: GatewayConfig) -> FastAPI:
             )
         return spec
 
-    @app.post("/system/functions", status_code=202)
+    @app.post("/system/functions", status_code=202, openapi_extra=SPEC_BODY)
     async def deploy(request: Request) -> dict[str, Any]:
         spec = await spec_from(request)
         created = await store.compare_and_put(gateway.keys.function(spec.name), spec.to_json(), mod_revision=0)
@@ -356,7 +385,7 @@ def create_app(store: Store, config: GatewayConfig) -> FastAPI:
         gateway.functions[spec.name] = spec
         return {"name": spec.name, "model": spec.model}
 
-    @app.put("/system/functions", status_code=202)
+    @app.put("/system/functions", status_code=202, openapi_extra=SPEC_BODY)
     async def update(request: Request) -> dict[str, Any]:
         spec = await spec_from(request)
         key = gateway.keys.function(spec.name)
@@ -401,7 +430,7 @@ def create_app(store: Store, config: GatewayConfig) -> FastAPI:
             raise ApiError(404, f"function {name!r} is not deployed; list functions with GET /system/functions")
         return await describe(spec)
 
-    @app.delete("/system/functions", status_code=202)
+    @app.delete("/system/functions", status_code=202, openapi_extra=DELETE_BODY)
     async def delete(request: Request) -> dict[str, Any]:
         try:
             raw = await request.json()
@@ -473,4 +502,21 @@ def create_app(store: Store, config: GatewayConfig) -> FastAPI:
         ]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document, with the credentials every route but the open ones asks for."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schema.setdefault("components", {})["securitySchemes"] = {
+                "admin": {"type": "http", "scheme": "basic", "description": "user admin, the admin password"},
+                "token": {"type": "http", "scheme": "bearer", "description": "the admin password"},
+            }
+            schema["security"] = [{"admin": []}, {"token": []}]
+            for path, operations in schema["paths"].items():
+                if path in OPEN_PATHS:
+                    for operation in operations.values():
+                        operation["security"] = []
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

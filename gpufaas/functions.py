@@ -78,19 +78,7 @@ class FunctionSpec:
         """Validate user input; errors name the offending field and say what is expected."""
         if not isinstance(raw, dict):
             raise InvalidInput(f"{path or 'function spec'}: expected an object")
-        known = {
-            "name",
-            "package_digest",
-            "memory_mb",
-            "gpu",
-            "batch_size",
-            "timeout_s",
-            "labels",
-            "environment",
-            "max_batch_size",
-            "max_batch_wait_ms",
-            "public",
-        }
+        known = set(FUNCTION_SPEC_SCHEMA["properties"])
         unknown = sorted(set(raw) - known)
         if unknown:
             raise InvalidInput(f"{_at(path, unknown[0])}: unknown field; known fields: {', '.join(sorted(known))}")
@@ -115,6 +103,36 @@ class FunctionSpec:
             public=_bool(raw, "public", path),
             **batching(raw, path),
         )
+
+
+_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+
+# The JSON Schema of a function spec as the gateway takes it (POST/PUT /system/functions), for its
+# OpenAPI document. `FunctionSpec.from_dict` is what enforces it (tests/unit/test_functions_and_keys.py
+# checks that the two agree on fields and bounds).
+FUNCTION_SPEC_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "title": "FunctionSpec",
+    "required": ["name", "package_digest", "memory_mb"],
+    "additionalProperties": False,
+    "properties": {
+        "name": {"type": "string", "pattern": NAME_PATTERN.pattern, "maxLength": 63, "description": "the function"},
+        "package_digest": {
+            "type": "string",
+            "pattern": DIGEST_PATTERN.pattern,
+            "description": "an uploaded package (POST /system/packages)",
+        },
+        "memory_mb": {"type": "integer", "minimum": 1, "description": "the model's peak GPU memory at batch_size"},
+        "gpu": {"type": "string", "pattern": f"^any$|{GPU_TYPE_PATTERN.pattern}", "default": "any"},
+        "batch_size": {"type": "integer", "minimum": 1, "default": DEFAULT_BATCH_SIZE},
+        "timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_TIMEOUT_S, "default": DEFAULT_TIMEOUT_S},
+        "labels": _STRING_MAP,
+        "environment": {**_STRING_MAP, "description": "set in the worker before the handler is imported"},
+        "max_batch_size": {"type": "integer", "minimum": 1, "maximum": MAX_BATCH_SIZE, "default": 1},
+        "max_batch_wait_ms": {"type": "number", "minimum": 0, "maximum": MAX_BATCH_WAIT_MS, "default": 0},
+        "public": {"type": "boolean", "default": False, "description": "callable without credentials"},
+    },
+}
 
 
 def batching(raw: dict[str, Any], path: str = "") -> dict[str, Any]:

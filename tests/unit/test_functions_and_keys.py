@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gpufaas.errors import InvalidInput
-from gpufaas.functions import FunctionSpec
+from gpufaas.functions import FUNCTION_SPEC_SCHEMA, FunctionSpec
 from gpufaas.keys import Keys, gpu_address, split_gpu_address
 
 DIGEST = "sha256:" + "ab" * 32
@@ -66,3 +68,58 @@ def test_gpu_addresses() -> None:
     assert split_gpu_address(gpu_address("node0", "gpu1")) == ("node0", "gpu1")
     with pytest.raises(ValueError):
         split_gpu_address("nogpu")
+
+
+# --- the spec's JSON Schema agrees with its validation ----------------------------------------------
+
+SCHEMA_DIGEST = "sha256:" + "ab" * 32
+
+
+def test_the_schema_lists_exactly_the_fields_the_spec_takes() -> None:
+    fields = set(FunctionSpec.__dataclass_fields__)
+    assert set(FUNCTION_SPEC_SCHEMA["properties"]) == fields
+    assert FUNCTION_SPEC_SCHEMA["additionalProperties"] is False
+    with pytest.raises(InvalidInput, match="unknown field"):
+        FunctionSpec.from_dict({"name": "f", "package_digest": SCHEMA_DIGEST, "memory_mb": 1, "nope": 1})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("memory_mb", FUNCTION_SPEC_SCHEMA["properties"]["memory_mb"]["minimum"] - 1),
+        ("batch_size", 0),
+        ("timeout_s", FUNCTION_SPEC_SCHEMA["properties"]["timeout_s"]["maximum"] + 1),
+        ("timeout_s", 0),
+        ("max_batch_size", FUNCTION_SPEC_SCHEMA["properties"]["max_batch_size"]["maximum"] + 1),
+        ("max_batch_wait_ms", FUNCTION_SPEC_SCHEMA["properties"]["max_batch_wait_ms"]["maximum"] + 1),
+        ("max_batch_wait_ms", -1),
+        ("public", "yes"),
+        ("gpu", "Not A Type"),
+        ("labels", {"a": 1}),
+    ],
+)
+def test_a_value_outside_the_schema_is_refused(field: str, value: object) -> None:
+    with pytest.raises(InvalidInput, match=field):
+        FunctionSpec.from_dict({"name": "f", "package_digest": SCHEMA_DIGEST, "memory_mb": 1, field: value})
+
+
+@given(
+    memory_mb=st.integers(min_value=1, max_value=10**6),
+    timeout_s=st.floats(min_value=0.001, max_value=FUNCTION_SPEC_SCHEMA["properties"]["timeout_s"]["maximum"]),
+    max_batch_size=st.integers(min_value=1, max_value=FUNCTION_SPEC_SCHEMA["properties"]["max_batch_size"]["maximum"]),
+    public=st.booleans(),
+)
+def test_values_inside_the_schema_are_taken(
+    memory_mb: int, timeout_s: float, max_batch_size: int, public: bool
+) -> None:
+    spec = FunctionSpec.from_dict(
+        {
+            "name": "f",
+            "package_digest": SCHEMA_DIGEST,
+            "memory_mb": memory_mb,
+            "timeout_s": timeout_s,
+            "max_batch_size": max_batch_size,
+            "public": public,
+        }
+    )
+    assert (spec.memory_mb, spec.max_batch_size, spec.public) == (memory_mb, max_batch_size, public)
