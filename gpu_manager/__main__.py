@@ -8,6 +8,7 @@ import socket
 import sys
 from pathlib import Path
 
+from gpu_manager.containers import DEFAULT_IMAGE
 from gpu_manager.daemon import DEFAULT_HOST_CACHE_MB, GpuManagerDaemon
 from gpu_manager.devices import discover_nvml, logical_devices
 from gpu_manager.packages import PackageCache
@@ -62,6 +63,15 @@ def main(argv: list[str] | None = None) -> int:
         f"miss instead of loaded (default {DEFAULT_HOST_CACHE_MB} on cpu; 0: off; other backends: 0)",
     )
     parser.add_argument(
+        "--runtime",
+        choices=["process", "docker"],
+        default="process",
+        help="how workers run: processes forked here (confined: docs/security.md) or a Docker container each",
+    )
+    parser.add_argument(
+        "--docker-image", default=DEFAULT_IMAGE, help="the docker runtime's worker image (scripts/worker-image.sh)"
+    )
+    parser.add_argument(
         "--unconfined-workers",
         action="store_true",
         help="workers keep the node's user and network (development only; see docs/security.md)",
@@ -83,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         devices = logical_devices(args.gpus, args.gpu_memory_mb, args.gpu_type or backend)
     if args.spares < 0 or args.max_payload_mb <= 0:
         parser.error("--spares must be >= 0 and --max-payload-mb positive")
+    if args.runtime == "docker" and args.spares:
+        parser.error("--runtime docker keeps no warm spares (a container is made for its model): pass --spares 0")
     host_cache_mb = (
         args.host_cache_mb if args.host_cache_mb is not None else (DEFAULT_HOST_CACHE_MB if backend == "cpu" else 0)
     )
@@ -117,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             wire_key=wire_key(secret) if secret is not None else None,
             package_token=node_token(secret) if secret is not None else None,
             isolation=isolation,
+            runtime=args.runtime,
+            docker_image=args.docker_image,
         )
 
         async def start() -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from gpu_manager.containers import DEFAULT_IMAGE, DockerLauncher
 from gpu_manager.devices import Device
 from gpu_manager.ledger import GrantLedger, Refused
 from gpu_manager.packages import InvalidPackage, PackageCache
@@ -62,6 +63,8 @@ class GpuManagerDaemon:
         wire_key: bytes | None = None,
         package_token: str | None = None,
         isolation: Isolation | None = None,
+        runtime: str = "process",
+        docker_image: str = DEFAULT_IMAGE,
     ) -> None:
         """`wire_key`: the cluster's wire key; the scheduler and gateways must prove it before the
         node reads anything from them. `package_token`: the bearer token packages are fetched
@@ -84,6 +87,9 @@ class GpuManagerDaemon:
             max_body_bytes=max_body_bytes,
             host_cache_mb=host_cache_mb,
             isolation=isolation,
+            runtime=runtime,
+            launcher=DockerLauncher(docker_image) if runtime == "docker" else None,
+            node=node,
         )
         self.ledger = GrantLedger(node, frozenset(self.devices))
         self.incarnation = uuid.uuid4().hex
@@ -99,8 +105,9 @@ class GpuManagerDaemon:
     async def start(self, listen: str = "127.0.0.1:0", *, advertise: str | None = None) -> str:
         """Serve on `listen`; register `advertise` (the address gateways and the scheduler dial:
         needed when listening on 0.0.0.0 in a container) or else the bound listen address."""
+        await self.pool.check_runtime()
         self.pool.start()
-        if self.backend == "cuda":
+        if self.backend == "cuda" and self.pool.spares_per_gpu:
             # The cache may only plan with what the spares leave free: measure one context first.
             hellos = await self.pool.spares_ready()
             self.context_mb = max((int(h.context_mb) for h in hellos), default=0)

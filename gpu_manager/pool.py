@@ -34,10 +34,13 @@ import contextlib
 import enum
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
+import uuid
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -45,6 +48,13 @@ from pathlib import Path
 from typing import Any
 
 from gpu_manager.backends import backend_class
+from gpu_manager.containers import (
+    PACKAGE_MOUNT,
+    SOCKET_NAME,
+    DockerLauncher,
+    container_environment,
+    container_spec,
+)
 from gpu_manager.sandbox import (
     LOG_LINE_BYTES,
     Isolation,
@@ -69,6 +79,7 @@ _OUTPUT_GRACE_S = 1.0  # a worker's output is read this long after it exits (the
 _KILL_WAIT_S = 30.0  # tearing down a large CUDA context can take seconds; past this, log and move on
 _EXIT_POLL_S = 0.005
 _JUST_FETCHED_S = 0.05  # a package that took longer than this to get was fetched (and is in the page cache)
+RUNTIMES = ("process", "docker")  # how workers run: forked from the zygote, or in containers
 SPARE_START_TIMEOUT_S = 120.0  # importing torch and creating a CUDA context, on a busy machine
 SPARE_RETRY_S = 5.0  # after a spare died warming up (a broken runtime), before starting another
 
@@ -127,6 +138,8 @@ class _Worker:
     def __init__(self, gpu_id: str) -> None:
         self.gpu_id = gpu_id
         self.pid = 0
+        self.container = ""  # the docker runtime's container id (its pid is the container's own)
+        self.on_signal: Callable[[int], None] | None = None  # how to signal it, where not by pid
         self.state = _State.STARTING
         self.conn: Connection | None = None
         self.run: ModelRun | None = None
@@ -180,7 +193,9 @@ class _Worker:
     def signal(self, signum: int) -> None:
         """Send the process a signal; before its hello (no pid yet) closing its socket is what
         makes it exit."""
-        if self.pid:
+        if self.on_signal is not None:
+            self.on_signal(signum)
+        elif self.pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signum)
         elif self.conn is not None:
@@ -274,12 +289,21 @@ class WorkerPool:
         host_cache_mb: int = 0,
         python: str = sys.executable,
         isolation: Isolation | None = None,
+        runtime: str = "process",
+        launcher: DockerLauncher | None = None,
+        node: str = "node",
     ) -> None:
         """`gpus`: node-local GPU id -> device index. `fetch_package(digest)` returns the package's
         directory, fetching it if needed. `wait_for_victims`: a miss waits for its victims to exit
         before loading (their device memory must be free first); default: on cuda only.
         `host_cache_mb`: the host tier's size (0: off; the cpu backend only). `isolation`: how
-        workers are confined (gpu_manager.sandbox; default: all of it the node can do)."""
+        workers are confined (gpu_manager.sandbox; default: all of it the node can do).
+        `runtime`: "process" (forked from the zygote) or "docker" (a container per worker, made
+        by `launcher` for a model: no spares; gpu_manager.containers)."""
+        if runtime not in RUNTIMES:
+            raise ValueError(f"unknown worker runtime {runtime!r}; use one of {', '.join(RUNTIMES)}")
+        if runtime == "docker" and spares_per_gpu:
+            raise ValueError("the docker runtime keeps no spares (a container is made for a model): use 0 spares")
         backend_class(backend)  # an unknown name fails here, at startup, listing the valid ones
         if spares_per_gpu < 0:
             raise ValueError(f"spares_per_gpu must be >= 0, got {spares_per_gpu}")
@@ -294,6 +318,10 @@ class WorkerPool:
         self._fetch_package = fetch_package
         self._python = python
         self.isolation = isolation if isolation is not None else Isolation()
+        self.runtime = runtime
+        self.node = node
+        self.launcher = (launcher or DockerLauncher()) if runtime == "docker" else None
+        self._sockets: Path | None = None  # the docker runtime's socket directories (_socket_root)
         self._locked: set[str] = set()  # package digests made readable to their own user only
         self._warned_network = False
         self._workers: dict[tuple[str, str], _Worker] = {}
@@ -312,6 +340,15 @@ class WorkerPool:
         """Start every GPU's spares (in the background)."""
         for gpu_id in self.gpus:
             self._replenish(gpu_id)
+
+    async def check_runtime(self) -> None:
+        """The docker runtime: the engine answers and has the image (DockerUnavailable if not),
+        and the containers a previous run of this node left are removed."""
+        if self.launcher is not None:
+            await self.launcher.check()
+            removed = await self.launcher.remove_node_containers(self.node)
+            if removed:
+                log.info("removed %d worker container(s) a previous run of node %s left", removed, self.node)
 
     async def spares_ready(self, timeout_s: float = SPARE_START_TIMEOUT_S) -> list[pb.WorkerHello]:
         """Wait until every GPU's first spares are warm; their hellos (what they cost and hold)."""
@@ -333,6 +370,8 @@ class WorkerPool:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*(self._stop(worker) for worker in list(self._live)), return_exceptions=True)
+        if self._sockets is not None:
+            shutil.rmtree(self._sockets, ignore_errors=True)
         zygote = self._zygote
         if zygote is not None:
             zygote.control.close()  # it exits when its control socket closes
@@ -509,7 +548,7 @@ class WorkerPool:
         elif self._starting[gpu_id]:
             worker = self._starting[gpu_id].pop(0)
         else:
-            worker = self._spawn(gpu_id)
+            worker = self._spawn(gpu_id, run)
         worker.state = _State.LOADING
         worker.run = run
         worker.memory_mb = run.memory_mb
@@ -526,10 +565,7 @@ class WorkerPool:
 
         async def package() -> Path:
             directory = await self._fetch_package(run.package_digest)
-            if self.isolation.per_package_users and run.package_digest not in self._locked:
-                # Readable by the package's own user only, writable by nobody (gpu_manager.sandbox).
-                await asyncio.to_thread(lock_package, directory, package_uid(run.package_digest))
-                self._locked.add(run.package_digest)
+            await self._own_package(run.package_digest, directory)  # readable by its own user only
             stages.fetch_s = time.perf_counter() - started
             if not was_warm and stages.fetch_s < _JUST_FETCHED_S:
                 # The worker is still warming up: read the weights into host memory meanwhile (a
@@ -571,7 +607,7 @@ class WorkerPool:
                 MessageType.LOAD_MODEL,
                 pb.LoadModel(
                     model=run.model,
-                    package_dir=str(directory),
+                    package_dir=PACKAGE_MOUNT if self.runtime == "docker" else str(directory),
                     memory_mb=run.memory_mb,
                     max_batch_size=run.max_batch_size,
                     max_batch_wait_s=run.max_batch_wait_s,
@@ -658,15 +694,20 @@ class WorkerPool:
         while len(self._spares[gpu_id]) + len(self._starting[gpu_id]) < self.spares_per_gpu:
             self._starting[gpu_id].append(self._spawn(gpu_id))
 
-    def _spawn(self, gpu_id: str) -> _Worker:
-        """Fork a worker for `gpu_id` from the zygote (in the background); it becomes a spare when
-        it says hello, unless a miss claims it first."""
+    def _spawn(self, gpu_id: str, run: ModelRun | None = None) -> _Worker:
+        """Fork a worker for `gpu_id` from the zygote, or on the docker runtime start a container
+        for `run` (in the background); a forked one becomes a spare when it says hello, unless a
+        miss claims it first."""
         worker = _Worker(gpu_id)
         self._live.add(worker)
         worker.hello.add_done_callback(lambda _: self._on_hello(worker))
         worker.exited.add_done_callback(lambda _: self._on_exit(worker))
         # Not in _tasks: shutdown must not cancel it, it is what tells that the process exited.
-        watcher = asyncio.create_task(self._run_worker(worker))
+        if self.runtime == "docker":
+            assert run is not None, "the docker runtime starts a worker for a model"
+            watcher = asyncio.create_task(self._run_container(worker, run))
+        else:
+            watcher = asyncio.create_task(self._run_worker(worker))
         self._watchers.add(watcher)
         watcher.add_done_callback(self._watchers.discard)
         return worker
@@ -716,6 +757,106 @@ class WorkerPool:
         else:
             log.warning("worker pid %d (%s on %s) is still running", worker.pid, worker.model, worker.gpu_id)
         worker.exited.set_result(None)
+
+    async def _run_container(self, worker: _Worker, run: ModelRun) -> None:
+        """The docker runtime's `_run_worker`: a container for `run` on `worker.gpu_id` (its
+        package mounted read-only, a Unix socket of its own to talk on), connected to, and
+        `exited` resolved once it is gone and removed."""
+        assert self.launcher is not None
+        launcher = self.launcher
+        worker_id = uuid.uuid4().hex[:12]
+        socket_dir = self._socket_root() / worker_id
+        listener: socket.socket | None = None
+        loop = asyncio.get_running_loop()
+        try:
+            directory = await self._fetch_package(run.package_digest)
+            uid = await self._own_package(run.package_digest, directory)
+            socket_dir.mkdir(parents=True, mode=0o700)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(str(socket_dir / SOCKET_NAME))
+            listener.listen(1)
+            listener.setblocking(False)
+            if os.geteuid() == 0:
+                os.chown(socket_dir, uid, uid)
+                os.chown(socket_dir / SOCKET_NAME, uid, uid)
+            spec = container_spec(
+                image=launcher.image,
+                node=self.node,
+                worker_id=worker_id,
+                backend=self.backend,
+                gpu_id=worker.gpu_id,
+                gpu_index=self.gpus[worker.gpu_id],
+                memory_mb=run.memory_mb,
+                uid=uid,
+                package_dir=directory,
+                socket_dir=socket_dir,
+                max_processes=self.isolation.max_processes,
+                environment=container_environment(os.environ),
+            )
+            worker.container = await launcher.start(spec)
+            worker.on_signal = lambda signum: self._track(
+                asyncio.ensure_future(launcher.kill(worker.container, signum))
+            )
+            accepting = asyncio.ensure_future(loop.sock_accept(listener))
+            exiting = asyncio.ensure_future(launcher.exited(worker.container))
+            try:
+                done, _ = await asyncio.wait(
+                    {accepting, exiting}, timeout=SPARE_START_TIMEOUT_S, return_when="FIRST_COMPLETED"
+                )
+            finally:
+                exiting.cancel()
+                if not accepting.done():
+                    accepting.cancel()
+            if accepting not in done:
+                why = exiting.result() if exiting in done and exiting.exception() is None else "no answer"
+                raise RuntimeError(f"the worker container did not connect ({why})")
+            accepted, _ = accepting.result()
+            max_frame_bytes = max_frame_bytes_for(self.max_body_bytes)
+            _, conn = await loop.create_unix_connection(
+                lambda: Connection(worker, max_frame_bytes=max_frame_bytes), sock=accepted
+            )
+        except (OSError, RuntimeError, TimeoutError, asyncio.CancelledError) as exc:
+            if not self._closed:
+                log.error("cannot start a container for %s on %s: %s", run.model, worker.gpu_id, exc)
+            worker._gone(ConnectionLost(f"cannot start a worker container: {exc or 'the pool shut down'}"))
+            await self._remove_container(worker, socket_dir)
+            return
+        finally:
+            if listener is not None:
+                listener.close()  # one worker per socket: nobody else may connect
+        worker.conn = conn
+        await asyncio.shield(conn.closed)
+        worker._gone(ConnectionLost(f"worker container {worker.container[:12]} exited"))
+        await self._remove_container(worker, socket_dir)
+
+    async def _remove_container(self, worker: _Worker, socket_dir: Path) -> None:
+        assert self.launcher is not None
+        if worker.container:
+            status = await self.launcher.wait_and_remove(worker.container, _KILL_WAIT_S)
+            if status not in (None, 0, -signal.SIGKILL, 128 + signal.SIGKILL, 128 + signal.SIGTERM):
+                log.info("worker container %s (%s) exited with status %s", worker.container[:12], worker.model, status)
+        shutil.rmtree(socket_dir, ignore_errors=True)
+        if not worker.exited.done():
+            worker.exited.set_result(None)
+
+    async def _own_package(self, digest: str, directory: Path) -> int:
+        """The user a package's workers run as, its package made readable to that user only
+        (gpu_manager.sandbox); without root, the node's own user."""
+        if not self.isolation.per_package_users:
+            return os.getuid()
+        uid = package_uid(digest)
+        if digest not in self._locked:
+            await asyncio.to_thread(lock_package, directory, uid)
+            self._locked.add(digest)
+        return uid
+
+    def _socket_root(self) -> Path:
+        """Where the containers' sockets go: a short path of this pool's own (a Unix socket's path
+        may not pass 107 bytes, which a state directory's easily would)."""
+        if self._sockets is None:
+            self._sockets = Path(tempfile.mkdtemp(prefix="gpufaas-sockets-"))
+            self._sockets.chmod(0o711)
+        return self._sockets
 
     async def _zygote_ready(self) -> _Zygote:
         if self._zygote is not None and self._zygote.alive:
@@ -772,6 +913,8 @@ class WorkerPool:
     async def _confinement(self, run: ModelRun) -> dict[str, Any]:
         """The LoadModel fields that confine the worker taking `run` (gpu_manager.sandbox)."""
         isolation = self.isolation
+        if self.runtime == "docker":  # the container is the confinement: its user, limits, tmpfs
+            return {"max_file_mb": isolation.max_file_mb}
         fields: dict[str, Any] = {
             "data_limit_mb": data_allowance_mb(self.backend, run.memory_mb) or 0,
             "max_processes": isolation.max_processes,

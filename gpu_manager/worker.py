@@ -300,3 +300,40 @@ def run_worker(sock: socket.socket, backend: Backend, *, import_s: float, networ
     )
     serve(backend, channel, spec, int(load.max_result_bytes) or sys.maxsize)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m gpu_manager.worker --connect SOCKET ...`: a worker on its own (the `docker`
+    runtime's container command): import the runtime, connect to the node's socket, then as a
+    forked worker does (run_worker)."""
+    import argparse
+
+    from gpu_manager.backends import WorkerDevice, backend_class
+
+    parser = argparse.ArgumentParser(prog="python -m gpu_manager.worker", description=main.__doc__)
+    parser.add_argument("--connect", required=True, help="the node's Unix socket for this worker")
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--gpu-id", required=True)
+    parser.add_argument("--device-index", type=int, default=0)
+    parser.add_argument("--network-isolated", action="store_true", help="say so in the hello (no network here)")
+    args = parser.parse_args(argv)
+    backend = backend_class(args.backend)
+    started_s = time.perf_counter()
+    backend.setup()
+    backend.import_runtime()
+    import_s = time.perf_counter() - started_s
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(args.connect)
+    try:
+        return run_worker(
+            sock,
+            backend(WorkerDevice(args.backend, args.gpu_id, args.device_index)),
+            import_s=import_s,
+            network_isolated=args.network_isolated,
+        )
+    except (BrokenPipeError, ConnectionResetError):
+        return 0  # the node let go of this worker
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -105,6 +105,8 @@ class LocalCluster:
     spares: int = 1  # warm spare workers per GPU
     claim_s: float = 5.0  # a placement not used within this long is checked with its node
     secure: bool = True  # credentials on every interface (state_dir/secrets); False: --insecure daemons
+    runtime: str = "process"  # how GPU managers run workers: "process" or "docker" (then spares must be 0)
+    docker_image: str | None = None  # the docker runtime's image (default: the GPU manager's)
     components: dict[str, Component] = field(default_factory=dict)
     supervision: Supervision = field(default_factory=Supervision)
     supervisor_pid: int | None = None  # the process that supervises this cluster (gpufaas up), if any
@@ -239,6 +241,10 @@ class LocalCluster:
             ]
             if self.gpu_type:
                 argv += ["--gpu-type", self.gpu_type]
+            if self.runtime != "process":
+                argv += ["--runtime", self.runtime]
+            if self.docker_image:
+                argv += ["--docker-image", self.docker_image]
             self.components[name] = Component(name, argv, logs / f"{name}.log")
         env = self._env()
         for component in self.components.values():

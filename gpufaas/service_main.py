@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufaas.credentials import CredentialError, read_secret
+from gpufaas.errors import GpufaasError
 from gpufaas.keys import DEFAULT_ROOT
 
 
@@ -91,5 +92,8 @@ def run_daemon(main: Callable[[], Coroutine[Any, Any, None]], etcd_endpoint: str
             runner.run(main())
     except StoreError as exc:
         print(f"error: cannot reach etcd at {etcd_endpoint}: {exc}; start etcd or pass --etcd", file=sys.stderr)
+        return 1
+    except GpufaasError as exc:  # a setup the daemon cannot run with; the message says what to do
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -1,0 +1,265 @@
+"""The `docker` worker runtime: one container per (model, GPU) worker, made through the Docker SDK.
+
+What a worker's container is (`container_spec`, pure) and the few calls that make, signal and
+remove one (`DockerLauncher`, I/O; blocking SDK calls run in threads). A container:
+- runs the image's Python as the package's own user (never root), every capability dropped,
+  no new privileges;
+- has no network at all (`network_mode=none`): it speaks to its node over a Unix socket in a
+  directory of its own, mounted in;
+- sees a read-only root filesystem, its package read-only at /package, and a tmpfs /tmp;
+- is held to a memory limit from the function's declared memory, a task limit, and capped logs;
+- on `cuda`, gets exactly its GPU by device request.
+
+Containers are labelled with their node, so that what a crashed node left behind is removed when
+it starts again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpufaas.errors import GpufaasError
+
+log = logging.getLogger("gpufaas.gpu_manager.containers")
+
+DEFAULT_IMAGE = "gpufaas/worker:latest"  # scripts/worker-image.sh builds it
+PACKAGE_MOUNT = "/package"
+SOCKET_MOUNT = "/run/gpufaas"
+SOCKET_NAME = "worker.sock"
+RUNTIME_MB = 1024  # what the image's Python and torch hold before a model (measured ~250 MiB on cpu)
+HOST_HEADROOM_MB = 512
+TMPFS_MB = 256
+LOG_MAX_BYTES = "10m"  # docker's json-file log, one file: what a worker may print is capped there
+NODE_LABEL = "gpufaas.node"
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerSpec:
+    """Everything `docker run` is told for one worker."""
+
+    image: str
+    name: str
+    command: list[str]
+    user: str
+    environment: dict[str, str]
+    mounts: list[tuple[str, str, bool]]  # (host path, container path, read only)
+    memory_limit_mb: int
+    pids_limit: int
+    labels: dict[str, str]
+    gpu_index: int | None = None  # cuda: the host's device index to hand in
+    tmpfs_mb: int = TMPFS_MB
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def run_kwargs(self) -> dict[str, Any]:
+        """The Docker SDK's `containers.run` arguments."""
+        from docker.types import DeviceRequest, LogConfig, Mount
+
+        kwargs: dict[str, Any] = {
+            "image": self.image,
+            "name": self.name,
+            "command": self.command,
+            "user": self.user,
+            "environment": self.environment,
+            "mounts": [
+                Mount(target=target, source=source, type="bind", read_only=read_only)
+                for source, target, read_only in self.mounts
+            ],
+            "network_mode": "none",
+            "read_only": True,
+            "tmpfs": {"/tmp": f"rw,size={self.tmpfs_mb}m,mode=1777"},
+            "mem_limit": f"{self.memory_limit_mb}m",
+            "memswap_limit": f"{self.memory_limit_mb}m",  # no swap beyond the limit
+            "pids_limit": self.pids_limit,
+            "cap_drop": ["ALL"],
+            "security_opt": ["no-new-privileges"],
+            "log_config": LogConfig(type="json-file", config={"max-size": LOG_MAX_BYTES, "max-file": "1"}),
+            "labels": self.labels,
+            "detach": True,
+            **self.extra,
+        }
+        if self.gpu_index is not None:
+            kwargs["device_requests"] = [DeviceRequest(device_ids=[str(self.gpu_index)], capabilities=[["gpu"]])]
+        return kwargs
+
+
+def container_environment(node_environment: Mapping[str, str]) -> dict[str, str]:
+    """What a container takes from its node's environment: the runtime's thread and device
+    settings, not the node's paths (the image has its own)."""
+    from gpu_manager.sandbox import worker_environment
+
+    host_paths = {"PATH", "PYTHONPATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH"}
+    return {k: v for k, v in worker_environment(node_environment).items() if k not in host_paths}
+
+
+def memory_limit_mb(backend: str, memory_mb: int) -> int:
+    """The container's memory limit: the runtime's own, plus, on `cpu` (where the model lives in
+    host memory), twice the declared memory (a load may hold the file and the tensors), plus a
+    margin; on `cuda` the weights pass through host memory once on their way to the GPU."""
+    return RUNTIME_MB + 2 * memory_mb + HOST_HEADROOM_MB
+
+
+def container_spec(
+    *,
+    image: str,
+    node: str,
+    worker_id: str,
+    backend: str,
+    gpu_id: str,
+    gpu_index: int,
+    memory_mb: int,
+    uid: int,
+    package_dir: Path,
+    socket_dir: Path,
+    max_processes: int,
+    environment: Mapping[str, str] | None = None,
+) -> ContainerSpec:
+    """The container of one worker (see the module's doc). `environment`: the runtime's settings
+    (threads); the function's own arrives with its model, as in the process runtime."""
+    return ContainerSpec(
+        image=image,
+        name=f"gpufaas-{node}-{worker_id}",
+        command=[
+            "python",
+            "-m",
+            "gpu_manager.worker",
+            "--connect",
+            f"{SOCKET_MOUNT}/{SOCKET_NAME}",
+            "--backend",
+            backend,
+            "--gpu-id",
+            gpu_id,
+            "--device-index",
+            "0",  # the one device the container sees
+            "--network-isolated",
+        ],
+        user=f"{uid}:{uid}",
+        environment={"HOME": "/tmp", "PYTHONUNBUFFERED": "1", **(environment or {})},
+        mounts=[(str(package_dir), PACKAGE_MOUNT, True), (str(socket_dir), SOCKET_MOUNT, False)],
+        memory_limit_mb=memory_limit_mb(backend, memory_mb),
+        pids_limit=max_processes,
+        labels={NODE_LABEL: node, "gpufaas.gpu": gpu_id},
+        gpu_index=gpu_index if backend == "cuda" else None,
+    )
+
+
+class DockerUnavailable(GpufaasError):
+    """The Docker engine cannot be reached; the message says what to start or install."""
+
+
+class DockerLauncher:
+    """Makes, signals and removes worker containers through the Docker engine (DOCKER_HOST, or
+    the local socket)."""
+
+    def __init__(self, image: str = DEFAULT_IMAGE) -> None:
+        self.image = image
+        self._client: Any = None
+
+    def _docker(self) -> Any:
+        if self._client is None:
+            try:
+                import docker
+
+                self._client = docker.from_env()
+                self._client.ping()
+            except Exception as exc:
+                self._client = None
+                raise DockerUnavailable(
+                    f"the docker runtime needs a Docker engine, and none answers ({exc}); start dockerd, or run "
+                    "the GPU manager with --runtime process"
+                ) from None
+        return self._client
+
+    async def check(self) -> None:
+        """Raise DockerUnavailable unless the engine answers and has the image."""
+
+        def check() -> None:
+            import docker.errors
+
+            try:
+                self._docker().images.get(self.image)
+            except docker.errors.ImageNotFound:
+                raise DockerUnavailable(
+                    f"the worker image {self.image} is not in the Docker engine; build it with "
+                    "`bash scripts/worker-image.sh` (or pass --docker-image)"
+                ) from None
+
+        await asyncio.to_thread(check)
+
+    async def start(self, spec: ContainerSpec) -> str:
+        """Create and start the container; its id. One that was created but would not start is
+        removed before the error is raised."""
+
+        def start() -> str:
+            client = self._docker()
+            try:
+                return str(client.containers.run(**spec.run_kwargs()).id)
+            except Exception:
+                with contextlib.suppress(Exception):
+                    client.containers.get(spec.name).remove(force=True)
+                raise
+
+        return await asyncio.to_thread(start)
+
+    async def exited(self, container_id: str, poll_s: float = 0.2) -> str:
+        """Wait until the container exits (polled: no thread is held while it runs, and the wait
+        may be cancelled); what it said last (its status and log's tail)."""
+
+        def state() -> str | None:
+            container = self._docker().containers.get(container_id)
+            if container.status not in ("exited", "dead"):
+                return None
+            status = container.attrs["State"]["ExitCode"]
+            tail = container.logs(tail=10).decode(errors="replace").strip()
+            return f"status {status}" + (f"; its log ends: {tail}" if tail else "; it printed nothing")
+
+        while (said := await asyncio.to_thread(state)) is None:
+            await asyncio.sleep(poll_s)
+        return said
+
+    async def kill(self, container_id: str, signum: int) -> None:
+        def kill() -> None:
+            with contextlib.suppress(Exception):  # gone already
+                self._docker().containers.get(container_id).kill(signal=signum)
+
+        await asyncio.to_thread(kill)
+
+    async def wait_and_remove(self, container_id: str, timeout_s: float) -> int | None:
+        """Wait for the container to exit (SIGKILL past `timeout_s`), remove it; its exit status."""
+
+        def wait() -> int | None:
+            import docker.errors
+
+            try:
+                container = self._docker().containers.get(container_id)
+            except docker.errors.NotFound:
+                return None
+            status: int | None = None
+            try:
+                status = int(container.wait(timeout=timeout_s)["StatusCode"])
+            except Exception:
+                with contextlib.suppress(Exception):
+                    container.kill()
+            with contextlib.suppress(Exception):
+                container.remove(force=True)
+            return status
+
+        return await asyncio.to_thread(wait)
+
+    async def remove_node_containers(self, node: str) -> int:
+        """Remove every container a previous run of `node` left behind; how many."""
+
+        def remove() -> int:
+            removed = 0
+            for container in self._docker().containers.list(all=True, filters={"label": f"{NODE_LABEL}={node}"}):
+                with contextlib.suppress(Exception):
+                    container.remove(force=True)
+                    removed += 1
+            return removed
+
+        return await asyncio.to_thread(remove)
