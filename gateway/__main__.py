@@ -13,8 +13,15 @@ from gateway.auth import Credentials
 from gpufaas.credentials import CredentialError, node_token, read_secret, wire_key
 from gpufaas.keys import Keys
 from gpufaas.packages import DEFAULT_MAX_UNPACKED_MB
-from gpufaas.service_main import add_common_flags, cluster_secret, configure_logging, run_daemon, warn_if_insecure
-from gpufaas.store import EtcdStore
+from gpufaas.service_main import (
+    add_common_flags,
+    cluster_secret,
+    configure_logging,
+    etcd_credentials,
+    open_store,
+    run_daemon,
+    warn_if_insecure,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     secret = cluster_secret(parser, args)
+    etcd_creds = etcd_credentials(parser, args)
     credentials = None
     if secret is not None:
         if args.admin_password_file is None:
@@ -74,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     async def run() -> None:
-        store = await EtcdStore.open(args.etcd)
+        store = await open_store(args.etcd, etcd_creds)
         try:
             server = uvicorn.Server(
                 uvicorn.Config(create_app(store, config), host=args.host, port=args.port, log_level="warning")

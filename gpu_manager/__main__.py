@@ -19,11 +19,12 @@ from gpufaas.service_main import (
     add_common_flags,
     cluster_secret,
     configure_logging,
+    etcd_credentials,
+    open_store,
     run_daemon,
     run_until_signalled,
     warn_if_insecure,
 )
-from gpufaas.store import EtcdStore
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     secret = cluster_secret(parser, args)
+    etcd_creds = etcd_credentials(parser, args)
     configure_logging(args.log_level)
     warn_if_insecure(args, f"GPU manager {args.node}")
 
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     async def run() -> None:
-        store = await EtcdStore.open(args.etcd)
+        store = await open_store(args.etcd, etcd_creds)
         cache = PackageCache(args.state_dir / "packages")
         daemon = GpuManagerDaemon(
             store,

@@ -25,6 +25,7 @@ ADMIN_USER = "admin"
 CLUSTER_SECRET_FILE = "cluster-secret"
 ADMIN_PASSWORD_FILE = "admin-password"
 INVOKE_TOKEN_FILE = "invoke-token"
+ETCD_PASSWORD_FILE = "etcd-password"  # etcd's root user: the daemons authenticate to etcd with it
 _SECRET_BYTES = 32
 
 
@@ -50,6 +51,10 @@ class SecretFiles:
     def invoke_token(self) -> Path:
         return self.directory / INVOKE_TOKEN_FILE
 
+    @property
+    def etcd_password(self) -> Path:
+        return self.directory / ETCD_PASSWORD_FILE
+
 
 def ensure_secrets(directory: Path) -> SecretFiles:
     """The credential files in `directory`, each made (random, mode 0600) if absent; existing
@@ -57,7 +62,7 @@ def ensure_secrets(directory: Path) -> SecretFiles:
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
     files = SecretFiles(directory)
-    for path in (files.cluster_secret, files.admin_password, files.invoke_token):
+    for path in (files.cluster_secret, files.admin_password, files.invoke_token, files.etcd_password):
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
@@ -116,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m gpufaas.credentials DIR", file=sys.stderr)
         return 2
     files = ensure_secrets(Path(args[0]))
-    print(f"credentials in {files.directory}: {CLUSTER_SECRET_FILE}, {ADMIN_PASSWORD_FILE}, {INVOKE_TOKEN_FILE}")
+    names = (CLUSTER_SECRET_FILE, ADMIN_PASSWORD_FILE, INVOKE_TOKEN_FILE, ETCD_PASSWORD_FILE)
+    print(f"credentials in {files.directory}: {', '.join(names)}")
     return 0
 
 

@@ -12,6 +12,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
@@ -59,9 +60,12 @@ class EtcdServer:
     it hang instead (SIGSTOP/SIGCONT). Every signal goes to the PID this object started.
     """
 
-    def __init__(self, *, name: str = "gpufaas-etcd", binary: Path | None = None) -> None:
+    def __init__(
+        self, *, name: str = "gpufaas-etcd", binary: Path | None = None, extra_args: Sequence[str] = ()
+    ) -> None:
         self.name = name
         self._binary = binary
+        self._extra_args = list(extra_args)  # more etcd flags, e.g. "--auth-token-ttl=1"
         # Lifecycle: set by start(), cleared (process reaped, log closed) by stop()/kill().
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
@@ -145,6 +149,7 @@ class EtcdServer:
             f"--initial-advertise-peer-urls={peer_url}",
             f"--initial-cluster={self.name}={peer_url}",
             "--initial-cluster-state=new",
+            *self._extra_args,
         ]
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self._process = subprocess.Popen(

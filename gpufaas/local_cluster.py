@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import httpx
 
@@ -22,6 +22,9 @@ from gpufaas.credentials import ADMIN_USER, SecretFiles, ensure_secrets, read_se
 from gpufaas.errors import GpufaasError
 from gpufaas.etcd_server import EtcdServer, free_port
 from gpufaas.supervision import Supervision
+
+if TYPE_CHECKING:
+    from gpufaas.store import EtcdCredentials
 
 log = logging.getLogger("gpufaas.local_cluster")
 SUPERVISE_POLL_S = 0.1
@@ -105,6 +108,7 @@ class LocalCluster:
     spares: int = 1  # warm spare workers per GPU
     claim_s: float = 5.0  # a placement not used within this long is checked with its node
     secure: bool = True  # credentials on every interface (state_dir/secrets); False: --insecure daemons
+    etcd_auth: bool = False  # etcd's own authentication too (daemons log in as root); else loopback only
     runtime: str = "process"  # how GPU managers run workers: "process" or "docker" (then spares must be 0)
     docker_image: str | None = None  # the docker runtime's image (default: the GPU manager's)
     components: dict[str, Component] = field(default_factory=dict)
@@ -129,6 +133,15 @@ class LocalCluster:
         return wire_key(read_secret(self.secrets.cluster_secret)) if self.secure else None
 
     @property
+    def etcd_credentials(self) -> EtcdCredentials | None:
+        """What opens this cluster's etcd (None: etcd asks for nothing, reachable on loopback only)."""
+        from gpufaas.store import EtcdCredentials
+
+        if not (self.secure and self.etcd_auth):
+            return None
+        return EtcdCredentials("root", read_secret(self.secrets.etcd_password))
+
+    @property
     def invoke_headers(self) -> dict[str, str]:
         """Headers that may call any function (none needed for an insecure cluster)."""
         if not self.secure:
@@ -151,6 +164,8 @@ class LocalCluster:
     def _common(self) -> list[str]:
         assert self.etcd_endpoint is not None
         security = ["--secret-file", str(self.secrets.cluster_secret)] if self.secure else ["--insecure"]
+        if self.secure and self.etcd_auth:
+            security += ["--etcd-password-file", str(self.secrets.etcd_password)]
         return ["--etcd", self.etcd_endpoint, "--root", self.root, *security]
 
     def start(self, timeout_s: float = 60.0) -> None:

@@ -11,11 +11,14 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpufaas.credentials import CredentialError, read_secret
 from gpufaas.errors import GpufaasError
 from gpufaas.keys import DEFAULT_ROOT
+
+if TYPE_CHECKING:
+    from gpufaas.store import EtcdCredentials, EtcdStore
 
 
 def add_common_flags(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +31,14 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("GPUFAAS_SECRET_FILE") or None,
         help="the cluster secret every daemon shares, mode 0600 (default $GPUFAAS_SECRET_FILE; "
         "`gpufaas up` makes STATE/secrets/cluster-secret)",
+    )
+    parser.add_argument(
+        "--etcd-password-file",
+        type=Path,
+        default=os.environ.get("GPUFAAS_ETCD_PASSWORD_FILE") or None,
+        help="etcd's root password, mode 0600 (default $GPUFAAS_ETCD_PASSWORD_FILE): the daemon "
+        "authenticates to etcd as root, and turns etcd's authentication on if it is off. Without it "
+        "etcd must be reachable by the daemons only (loopback, or a network of their own)",
     )
     parser.add_argument(
         "--insecure",
@@ -52,6 +63,28 @@ def cluster_secret(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         return read_secret(args.secret_file)
     except CredentialError as exc:
         parser.error(str(exc))
+
+
+def etcd_credentials(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EtcdCredentials | None:
+    """etcd's credentials from --etcd-password-file (None without it); a usage error if the file
+    is missing or unsafe, or given with --insecure."""
+    from gpufaas.store import EtcdCredentials
+
+    if args.etcd_password_file is None:
+        return None
+    if args.insecure:
+        parser.error("--insecure and --etcd-password-file exclude each other")
+    try:
+        return EtcdCredentials("root", read_secret(args.etcd_password_file))
+    except CredentialError as exc:
+        parser.error(str(exc))
+
+
+async def open_store(endpoint: str, credentials: EtcdCredentials | None) -> EtcdStore:
+    """The daemon's etcd handle; with credentials, etcd's authentication is turned on if it is off."""
+    from gpufaas.store import EtcdStore
+
+    return await EtcdStore.open(endpoint, credentials=credentials, enable_auth=credentials is not None)
 
 
 def warn_if_insecure(args: argparse.Namespace, name: str) -> None:
@@ -91,7 +124,14 @@ def run_daemon(main: Callable[[], Coroutine[Any, Any, None]], etcd_endpoint: str
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             runner.run(main())
     except StoreError as exc:
-        print(f"error: cannot reach etcd at {etcd_endpoint}: {exc}; start etcd or pass --etcd", file=sys.stderr)
+        if "authentication failed" in str(exc) or "user name is empty" in str(exc):
+            print(
+                f"error: etcd at {etcd_endpoint} refused this daemon: {exc}; pass the cluster's "
+                "--etcd-password-file (the one the other daemons use)",
+                file=sys.stderr,
+            )
+        else:
+            print(f"error: cannot reach etcd at {etcd_endpoint}: {exc}; start etcd or pass --etcd", file=sys.stderr)
         return 1
     except GpufaasError as exc:  # a setup the daemon cannot run with; the message says what to do
         print(f"error: {exc}", file=sys.stderr)

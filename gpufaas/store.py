@@ -24,9 +24,10 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import aetcd
+import aetcd.exceptions
 
 logger = logging.getLogger(__name__)
 
@@ -187,27 +188,85 @@ def _from_etcd(kv: Any) -> KeyValue:  # an etcd mvccpb.KeyValue (protobuf, untyp
     )
 
 
+@dataclass(frozen=True)
+class EtcdCredentials:
+    """etcd's own authentication: a user and its password (etcd's `root` for the daemons).
+
+    Kept out of repr so that a logged store or flag set does not print the password."""
+
+    user: str
+    password: str = field(repr=False)
+
+
+# etcd answers these when a token is no longer valid (a simple token expires after --auth-token-ttl
+# of disuse, 300 s by default, and on every etcd restart); aetcd authenticates once per channel and
+# never again, so EtcdStore re-authenticates and retries once.
+_STALE_TOKEN = ("invalid auth token", "user name is empty", "auth: revision in header is old")
+_AUTH_NOT_ENABLED = "authentication is not enabled"
+
+
+def _stale_token(exc: BaseException) -> bool:
+    return isinstance(exc, aetcd.exceptions.UnauthenticatedError) or any(text in str(exc) for text in _STALE_TOKEN)
+
+
+T = TypeVar("T")
+
+
 class EtcdStore:
     """`Store` over etcd v3, through aetcd (asyncio gRPC).
 
     `timeout_s` bounds every unary call (a deadline); a stopped etcd answers at once with
     StoreError, a hung one after `timeout_s`. gRPC reconnects by itself once etcd is back.
     Use `await EtcdStore.open(endpoint)`, or construct and `await connect()`.
+
+    With `credentials`, every call carries an etcd token for that user; an expired token is
+    renewed (and the call retried once). With `enable_auth=True` as well, an etcd that has no
+    authentication yet is given it on connect (user `root` is made with the password, then auth is
+    enabled): the first daemon of a fresh cluster locks etcd to the holders of the password. A
+    wrong password, or auth refused, is StoreError naming it.
     """
 
-    def __init__(self, endpoint: str = "127.0.0.1:2379", *, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        endpoint: str = "127.0.0.1:2379",
+        *,
+        timeout_s: float = 5.0,
+        credentials: EtcdCredentials | None = None,
+        enable_auth: bool = False,
+    ) -> None:
         host, sep, port = endpoint.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"an etcd endpoint is 'host:port', got {endpoint!r}")
         self.endpoint = endpoint
         self._timeout_s = timeout_s
-        self._client = aetcd.Client(host=host, port=int(port), timeout=timeout_s)
+        self._credentials = credentials
+        self._enable_auth = enable_auth and credentials is not None
+        self._client = self._new_client()
         self._closed = False
+        self._renewing: asyncio.Lock | None = None
+
+    def _new_client(self) -> aetcd.Client:
+        host, _, port = self.endpoint.rpartition(":")
+        creds = self._credentials
+        return aetcd.Client(
+            host=host,
+            port=int(port),
+            timeout=self._timeout_s,
+            username=creds.user if creds else None,
+            password=creds.password if creds else None,
+        )
 
     @classmethod
-    async def open(cls, endpoint: str = "127.0.0.1:2379", *, timeout_s: float = 5.0) -> EtcdStore:
-        """A connected store; StoreError if etcd does not answer."""
-        store = cls(endpoint, timeout_s=timeout_s)
+    async def open(
+        cls,
+        endpoint: str = "127.0.0.1:2379",
+        *,
+        timeout_s: float = 5.0,
+        credentials: EtcdCredentials | None = None,
+        enable_auth: bool = False,
+    ) -> EtcdStore:
+        """A connected store; StoreError if etcd does not answer (or refuses the credentials)."""
+        store = cls(endpoint, timeout_s=timeout_s, credentials=credentials, enable_auth=enable_auth)
         try:
             await store.connect()
         except BaseException:
@@ -218,9 +277,82 @@ class EtcdStore:
     async def connect(self) -> None:
         """Open the channel and check that etcd answers (aetcd itself connects lazily)."""
         self._check_open()
-        with _etcd_errors("connect"):
-            await self._client.connect()
+        try:
+            with _etcd_errors("connect"):
+                await self._client.connect()
+        except StoreError as exc:
+            if not (self._enable_auth and _AUTH_NOT_ENABLED in str(exc)):
+                raise
+            await self._turn_auth_on()
+            with contextlib.suppress(Exception):
+                await self._client.close()  # the channel of the refused attempt
+            with _etcd_errors("connect"):
+                await self._client.connect()
         await self.revision()
+
+    async def _turn_auth_on(self) -> None:
+        """Make the user (root role) and enable etcd's authentication; idempotent, so daemons
+        starting together may all try. etcd enables auth only once a `root` user exists, so the
+        user that bootstraps must be `root`."""
+        assert self._credentials is not None
+        creds = self._credentials
+        if creds.user != "root":
+            raise StoreError(f"etcd at {self.endpoint} has no authentication; only user 'root' can enable it")
+        host, _, port = self.endpoint.rpartition(":")
+        bare = aetcd.Client(host=host, port=int(port), timeout=self._timeout_s)
+        rpc: Any = aetcd.rpc  # generated protobuf and stubs, untyped
+        try:
+            with _etcd_errors("enable auth"):
+                await bare.connect()
+                auth = rpc.AuthStub(bare.channel)
+                steps = (
+                    ("add user root", auth.UserAdd, rpc.AuthUserAddRequest(name="root", password=creds.password)),
+                    ("add role root", auth.RoleAdd, rpc.AuthRoleAddRequest(name="root")),
+                    ("grant root", auth.UserGrantRole, rpc.AuthUserGrantRoleRequest(user="root", role="root")),
+                    ("enable auth", auth.AuthEnable, rpc.AuthEnableRequest()),
+                )
+                for what, method, request in steps:
+                    # Each may find its work done ("already exists") or, when another daemon
+                    # enabled auth meanwhile, be refused: the connect that follows tells.
+                    try:
+                        await method(request, timeout=self._timeout_s)
+                    except rpc.AioRpcError as exc:
+                        logger.debug("etcd auth bootstrap: %s: %s", what, exc.details())
+            logger.info("etcd authentication enabled (user root)")
+        finally:
+            with contextlib.suppress(Exception):
+                await bare.close()
+
+    async def _renew_token(self) -> None:
+        """A fresh token for the credentials, on the channel in use (so running watches stay)."""
+        assert self._credentials is not None
+        if self._renewing is None:
+            self._renewing = asyncio.Lock()
+        async with self._renewing:
+            client = self._client
+            with _etcd_errors("authenticate"):
+                reply = await aetcd.rpc.AuthStub(client.channel).Authenticate(
+                    aetcd.rpc.AuthenticateRequest(name=self._credentials.user, password=self._credentials.password),
+                    timeout=self._timeout_s,
+                )
+            client.metadata = (("token", reply.token),)
+            # aetcd's watcher keeps the metadata it was made with: new watches need the new token.
+            watcher = getattr(client, "_watcher", None)
+            if watcher is not None:
+                watcher._metadata = client.metadata
+
+    async def _call(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """Run one etcd call with the error mapping; with credentials, renew a stale token and retry once."""
+        self._check_open()
+        try:
+            with _etcd_errors(what):
+                return await call()
+        except StoreError as exc:
+            if self._credentials is None or not _stale_token(exc.__cause__ or exc):
+                raise
+        await self._renew_token()
+        with _etcd_errors(what):
+            return await call()
 
     def _check_open(self) -> None:
         # aetcd would silently open a new channel after close(): that is a leak, and a bug here.
@@ -229,37 +361,29 @@ class EtcdStore:
 
     async def get(self, key: str) -> KeyValue | None:
         raw = _check_key(key)
-        self._check_open()
-        with _etcd_errors("get"):
-            kv = await self._client.get(raw)
+        kv = await self._call("get", lambda: self._client.get(raw))
         return None if kv is None else _from_etcd(kv)
 
     async def get_prefix(self, prefix: str) -> list[KeyValue]:
         raw = _check_prefix(prefix)
-        self._check_open()
-        with _etcd_errors("get_prefix"):
-            result = await self._client.get_prefix(raw, sort_order="ascend", sort_target="key")
+        result = await self._call(
+            "get_prefix", lambda: self._client.get_prefix(raw, sort_order="ascend", sort_target="key")
+        )
         return [_from_etcd(kv) for kv in result.kvs]
 
     async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
         raw = _check_key(key)
-        self._check_open()
-        with _etcd_errors("put"):
-            result = await self._client.put(raw, value, lease=lease)
+        result = await self._call("put", lambda: self._client.put(raw, value, lease=lease))
         return int(result.header.revision)
 
     async def delete(self, key: str) -> bool:
         raw = _check_key(key)
-        self._check_open()
-        with _etcd_errors("delete"):
-            result = await self._client.delete(raw)
+        result = await self._call("delete", lambda: self._client.delete(raw))
         return result is not None
 
     async def delete_prefix(self, prefix: str) -> int:
         raw = _check_prefix(prefix)
-        self._check_open()
-        with _etcd_errors("delete_prefix"):
-            result = await self._client.delete_prefix(raw)
+        result = await self._call("delete_prefix", lambda: self._client.delete_prefix(raw))
         return int(result.deleted)
 
     async def compare_and_put(self, key: str, value: bytes, *, mod_revision: int, lease: int = 0) -> bool:
@@ -267,10 +391,10 @@ class EtcdStore:
         self._check_open()
         txn = self._client.transactions
         compare = txn.create(raw) == 0 if mod_revision == 0 else txn.mod(raw) == mod_revision
-        with _etcd_errors("compare_and_put"):
-            succeeded, _ = await self._client.transaction(
-                compare=[compare], success=[txn.put(raw, value, lease=lease)], failure=[]
-            )
+        succeeded, _ = await self._call(
+            "compare_and_put",
+            lambda: self._client.transaction(compare=[compare], success=[txn.put(raw, value, lease=lease)], failure=[]),
+        )
         return bool(succeeded)
 
     async def compare_and_delete(self, key: str, *, mod_revision: int) -> bool:
@@ -279,55 +403,60 @@ class EtcdStore:
             raise ValueError(f"compare_and_delete needs the key's mod_revision (> 0), got {mod_revision}")
         self._check_open()
         txn = self._client.transactions
-        with _etcd_errors("compare_and_delete"):
-            succeeded, _ = await self._client.transaction(
+        succeeded, _ = await self._call(
+            "compare_and_delete",
+            lambda: self._client.transaction(
                 compare=[txn.mod(raw) == mod_revision], success=[txn.delete(raw)], failure=[]
-            )
+            ),
+        )
         return bool(succeeded)
 
     async def grant_lease(self, ttl_s: int) -> int:
-        self._check_open()
-        with _etcd_errors("grant_lease"):
-            lease = await self._client.lease(ttl_s)
+        lease = await self._call("grant_lease", lambda: self._client.lease(ttl_s))
         return int(lease.id)
 
     async def refresh_lease(self, lease: int) -> None:
-        self._check_open()
-        with _etcd_errors("refresh_lease"):
-            reply = await self._client.refresh_lease(lease)
+        reply = await self._call("refresh_lease", lambda: self._client.refresh_lease(lease))
         # etcd answers a keep-alive for an unknown lease with TTL 0, not with an error.
         if reply is None or int(reply.TTL) <= 0:
             raise LeaseLost(f"etcd lease {lease:x} expired or was revoked")
 
     async def revoke_lease(self, lease: int) -> None:
-        self._check_open()
-        with contextlib.suppress(LeaseLost), _etcd_errors("revoke_lease"):
-            await self._client.revoke_lease(lease)
+        with contextlib.suppress(LeaseLost):
+            await self._call("revoke_lease", lambda: self._client.revoke_lease(lease))
 
     async def watch_prefix(self, prefix: str, *, start_revision: int | None = None) -> AsyncGenerator[WatchEvent, None]:
         raw = _check_prefix(prefix)
         self._check_open()
-        with _etcd_errors("watch_prefix"):
-            watch = await self._client.watch_prefix(raw, start_revision=start_revision or None)
+        # etcd checks a new watch against the token its stream was opened with, and aetcd keeps one
+        # stream per client for good: once that token expires, new watches on it are silently
+        # refused. With credentials, each watch gets a client (a stream, a token) of its own; an
+        # open stream keeps delivering after its token expires.
+        client = self._new_client() if self._credentials is not None else self._client
         try:
             with _etcd_errors("watch_prefix"):
-                async for event in watch:
-                    kv = event.kv
-                    if event.kind == "DELETE":
-                        yield WatchEvent("delete", bytes(kv.key).decode(), b"", int(kv.mod_revision))
-                    else:
-                        yield WatchEvent("put", bytes(kv.key).decode(), bytes(kv.value), int(kv.mod_revision))
+                watch = await client.watch_prefix(raw, start_revision=start_revision or None)
+            try:
+                with _etcd_errors("watch_prefix"):
+                    async for event in watch:
+                        kv = event.kv
+                        if event.kind == "DELETE":
+                            yield WatchEvent("delete", bytes(kv.key).decode(), b"", int(kv.mod_revision))
+                        else:
+                            yield WatchEvent("put", bytes(kv.key).decode(), bytes(kv.value), int(kv.mod_revision))
+            finally:
+                # Tell etcd to drop the watch; bounded, and best effort (the stream may be gone).
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(watch.cancel(), self._timeout_s)
         finally:
-            # Tell etcd to drop the watch; bounded, and best effort (the stream may be gone).
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(watch.cancel(), self._timeout_s)
+            if client is not self._client:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(client.close(), self._timeout_s)
 
     async def revision(self) -> int:
-        self._check_open()
-        with _etcd_errors("revision"):
-            # aetcd's get() drops the response header when the key is missing; a range read does
-            # not. "\0" prefixes no key of ours, so this reads nothing but the header.
-            result = await self._client.get_prefix(b"\0", keys_only=True)
+        # aetcd's get() drops the response header when the key is missing; a range read does
+        # not. "\0" prefixes no key of ours, so this reads nothing but the header.
+        result = await self._call("revision", lambda: self._client.get_prefix(b"\0", keys_only=True))
         return int(result.header.revision)
 
     async def close(self) -> None:

@@ -11,11 +11,12 @@ from gpufaas.service_main import (
     add_common_flags,
     cluster_secret,
     configure_logging,
+    etcd_credentials,
+    open_store,
     run_daemon,
     run_until_signalled,
     warn_if_insecure,
 )
-from gpufaas.store import EtcdStore
 from scheduler.policies import registered_policies
 from scheduler.service import MAX_CLAIM_S, SchedulerService, SlotConfig
 
@@ -44,11 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     secret = cluster_secret(parser, args)
+    etcd_creds = etcd_credentials(parser, args)
     configure_logging(args.log_level)
     warn_if_insecure(args, "the scheduler")
 
     async def run() -> None:
-        store = await EtcdStore.open(args.etcd)
+        store = await open_store(args.etcd, etcd_creds)
         service = SchedulerService(
             store,
             keys=Keys(args.root),

@@ -16,6 +16,7 @@ import pytest
 from gpufaas.etcd_server import EtcdServer, free_port
 from gpufaas.local_cluster import pid_alive
 from gpufaas.store import (
+    EtcdCredentials,
     EtcdStore,
     LeaseKeeper,
     LeaseLost,
@@ -344,3 +345,58 @@ def test_store_error_while_etcd_is_down_and_recovery_after(tmp_path: Path) -> No
     finally:
         server.stop()
     assert not pid_alive(pid)
+
+
+def test_etcd_authentication_bootstrap_renewal_and_restart(tmp_path: Path) -> None:
+    """With credentials, the first store turns etcd's auth on; then nothing without the password
+    gets in; tokens (1 s here) expire while idle and are renewed for unary calls and new watches;
+    an etcd restart (which forgets every token) is survived the same way."""
+    server = EtcdServer(name="auth", extra_args=["--auth-token-ttl=1"]).start(tmp_path)
+    root = EtcdCredentials("root", "s3cret-password")
+
+    async def scenario() -> None:
+        store = await EtcdStore.open(server.endpoint, timeout_s=2, credentials=root, enable_auth=True)
+        await store.put("/a", b"1")
+
+        bare = EtcdStore(server.endpoint, timeout_s=2)
+        with pytest.raises(StoreError, match="user name is empty"):
+            await bare.get("/a")
+        await bare.close()
+        with pytest.raises(StoreError, match="authentication failed"):
+            await EtcdStore.open(server.endpoint, timeout_s=2, credentials=EtcdCredentials("root", "guess"))
+        with pytest.raises(StoreError, match="authentication failed"):
+            await EtcdStore.open(
+                server.endpoint, timeout_s=2, credentials=EtcdCredentials("someone", "x"), enable_auth=True
+            )
+
+        # A second daemon with the same password (bootstrap already done) gets in.
+        other = await EtcdStore.open(server.endpoint, timeout_s=2, credentials=root, enable_auth=True)
+        old_watch = store.watch_prefix("/", start_revision=await store.revision() + 1)
+        old_next = asyncio.ensure_future(anext(old_watch))
+        await asyncio.sleep(2.5)  # every token is idle past its TTL
+        assert (kv := await store.get("/a")) is not None and kv.value == b"1"
+        new_watch = store.watch_prefix("/", start_revision=await store.revision() + 1)
+        new_next = asyncio.ensure_future(anext(new_watch))
+        await asyncio.sleep(2.5)
+        await other.put("/b", b"2")
+        assert (await asyncio.wait_for(old_next, 5)).key == "/b"  # an open stream outlives its token
+        assert (await asyncio.wait_for(new_next, 5)).key == "/b"  # a new watch after expiry works
+        await old_watch.aclose()
+        await new_watch.aclose()
+
+        await asyncio.to_thread(server.stop)
+        await asyncio.to_thread(server.start, tmp_path, client_port=server.client_port, peer_port=server.peer_port)
+        for _ in range(100):  # gRPC reconnects with backoff; the token is renewed on the way
+            try:
+                await store.put("/c", b"3")
+                break
+            except StoreError:
+                await asyncio.sleep(0.1)
+        assert (kv := await other.get("/c")) is not None and kv.value == b"3"
+        await store.close()
+        await other.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), timeout=40))
+    finally:
+        server.stop()

@@ -127,6 +127,59 @@ def test_the_cli_finds_the_local_clusters_password_and_login_keeps_another(
     assert "listed" in cli(["ls", *gateway], elsewhere).stdout
 
 
+def test_etcd_authentication_locks_the_clusters_state_to_the_daemons(tmp_path: Path) -> None:
+    """A cluster with etcd's own authentication (compose and k8s run this way): the daemons turn
+    it on and serve; a client without the password reads nothing; a daemon with a wrong one says so."""
+    from gpufaas.store import EtcdStore, StoreError
+    from tests.integration.conftest import stop_clusters
+
+    cluster = LocalCluster(
+        state_dir=tmp_path / "cluster", etcd_auth=True, nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000
+    )
+    watched: list[int] = []
+    try:
+        cluster.start()
+        watched.extend(cluster.pids().values())
+        deploy(cluster, "behind", "echo_function", tmp_path, memory_mb=100)
+        response = httpx.post(
+            f"{cluster.gateway_url}/function/behind", json={"z": 3}, headers=cluster.invoke_headers, timeout=60
+        )
+        assert response.status_code == 200 and response.json()["echo"] == {"z": 3}
+        assert cluster.etcd_endpoint is not None
+        endpoint = cluster.etcd_endpoint
+
+        async def probe() -> int:
+            bare = EtcdStore(endpoint, timeout_s=5)
+            with pytest.raises(StoreError, match="user name is empty"):
+                await bare.get_prefix("/")
+            with pytest.raises(StoreError):
+                await bare.put(f"{cluster.root}/nodes/intruder", b"{}")
+            await bare.close()
+            store = await EtcdStore.open(endpoint, timeout_s=5, credentials=cluster.etcd_credentials)
+            try:
+                return len(await store.get_prefix(f"{cluster.root}/"))
+            finally:
+                await store.close()
+
+        assert asyncio.run(probe()) > 0
+        wrong = tmp_path / "wrong-etcd-password"
+        wrong.write_text("guess\n")
+        os.chmod(wrong, 0o600)
+        refused = run_daemon(
+            "scheduler",
+            "--etcd",
+            endpoint,
+            "--secret-file",
+            str(cluster.secrets.cluster_secret),
+            "--etcd-password-file",
+            str(wrong),
+        )
+        assert refused.returncode == 1 and "--etcd-password-file" in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+    finally:
+        stop_clusters([cluster], watched)
+
+
 # --- helpers ----------------------------------------------------------------------------------
 
 
@@ -164,7 +217,7 @@ def node_addresses(cluster: LocalCluster) -> list[str]:
 def run_daemon(daemon: str, *argv: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "GPUFAAS_SECRET_FILE"}
     return subprocess.run(
-        [sys.executable, "-m", daemon, "--etcd", "127.0.0.1:1", *argv],
+        [sys.executable, "-m", daemon, *(["--etcd", "127.0.0.1:1"] if "--etcd" not in argv else []), *argv],
         capture_output=True,
         text=True,
         timeout=60,

@@ -37,10 +37,18 @@ STARTS_AFTER: dict[str, dict[str, str]] = {
 }
 CREDENTIALS_DIR = "/run/gpufaas"
 REQUIRED_FLAGS = {
-    "scheduler": {"--etcd", "--listen", "--advertise", "--secret-file"},
-    "gateway": {"--etcd", "--state-dir", "--host", "--secret-file", "--admin-password-file"},
+    "scheduler": {"--etcd", "--listen", "--advertise", "--secret-file", "--etcd-password-file"},
+    "gateway": {"--etcd", "--state-dir", "--host", "--secret-file", "--admin-password-file", "--etcd-password-file"},
 }
-REQUIRED_FLAGS["gpu_manager"] = {"--etcd", "--node", "--listen", "--advertise", "--state-dir", "--secret-file"}
+REQUIRED_FLAGS["gpu_manager"] = {
+    "--etcd",
+    "--node",
+    "--listen",
+    "--advertise",
+    "--state-dir",
+    "--secret-file",
+    "--etcd-password-file",
+}
 # Flags the deployment needs that a daemon does not have yet: (daemon, flag) -> why.
 PENDING_FLAGS: dict[tuple[str, str], str] = {}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet"}
@@ -227,6 +235,7 @@ def test_every_daemon_reads_its_credentials_from_the_volume_the_one_shot_service
         assert mounts[CREDENTIALS_DIR] == f"credentials:{CREDENTIALS_DIR}:ro", name
         args = compose_command(name)
         assert args["--secret-file"] == f"{CREDENTIALS_DIR}/cluster-secret", name
+        assert args["--etcd-password-file"] == f"{CREDENTIALS_DIR}/etcd-password", name
         assert "--insecure" not in args, name
     gateway = compose_command("gateway")
     assert gateway["--admin-password-file"] == f"{CREDENTIALS_DIR}/admin-password"
@@ -247,7 +256,8 @@ def test_etcd_service() -> None:
     volumes = {v.split(":")[1]: v.split(":")[0] for v in etcd["volumes"]}
     assert volumes.get(data_dir) in compose()["volumes"], "etcd's data dir must be a named volume"
     assert "etcdctl" in " ".join(etcd["healthcheck"]["test"]) and "endpoint" in etcd["healthcheck"]["test"]
-    assert "health" in etcd["healthcheck"]["test"]
+    # `endpoint health` reads a key, which etcd refuses without a user once the daemons turn auth on.
+    assert "status" in etcd["healthcheck"]["test"]
 
 
 def test_scheduler_service() -> None:
