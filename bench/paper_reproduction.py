@@ -12,6 +12,7 @@ from pathlib import Path
 from simulator.engine import ClusterConfig, SimResult, simulate
 from simulator.report import (
     PAPER_POLICY_ORDER,
+    MappingSeed,
     build_workloads,
     execute,
     plot_policies,
@@ -20,7 +21,7 @@ from simulator.report import (
     shipped_trace,
     sweep_runs,
 )
-from simulator.workload import WorkloadConfig, load_trace, zipf_workload
+from simulator.workload import Workload, WorkloadConfig, load_trace, zipf_workload
 
 WORKING_SETS = (15, 25, 35)
 SWEEP_LIMITS = (0, 5, 10, 15, 20, 25, 30, 35, 40, 45)
@@ -138,7 +139,8 @@ def main() -> None:
         # The paper's Algorithm 2 to the letter for the comparison with the paper ...
         runs = policy_runs(WORKING_SETS, PAPER_POLICY_ORDER, 25)
         grid = execute(workloads, runs, cluster=cluster, room_aware_misses=False)
-        sweep = execute({35: workloads[35]}, sweep_runs([35], SWEEP_LIMITS), cluster=cluster, room_aware_misses=False)
+        ws35: dict[tuple[int, MappingSeed], Workload] = {(35, None): workloads[(35, None)]}
+        sweep = execute(ws35, sweep_runs([35], SWEEP_LIMITS), cluster=cluster, room_aware_misses=False)
         # ... and gpufaas' default (misses placed where they evict nothing, else the coldest model), beside it.
         refined = execute(workloads, runs, cluster=cluster, room_aware_misses=True)
         room_only = execute(workloads, runs, cluster=cluster, room_aware_misses=True, coldest_victim_misses=False)

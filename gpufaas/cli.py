@@ -23,6 +23,7 @@ from gpufaas.errors import GpufaasError
 
 if TYPE_CHECKING:
     from simulator.engine import SimResult
+    from simulator.report import Aggregate
 
 app = typer.Typer(
     name="gpufaas",
@@ -105,11 +106,28 @@ def sim(
     sweep_o3: Annotated[
         str | None, typer.Option(help="Run lalb-o3 at each of these limits (e.g. 0,5,10,...,45): Figure 7.")
     ] = None,
+    mappings: Annotated[
+        str,
+        typer.Option(
+            help="How models are dealt to functions: 'ends' (hottest gets the smallest, then the largest, ...) "
+            "and/or seeds of a shuffle, comma-separated (e.g. ends,1,2,3). Several: every figure as mean ± sd."
+        ),
+    ] = "ends",
+    timing_spread: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=10.0,
+            help="Noise on every load and batch time: coefficient of variation of a mean-1 log-normal factor "
+            "(0: the profile exactly, so every estimate is exact). Drawn from --seed.",
+        ),
+    ] = 0.0,
 ) -> None:
     """Replay a function trace through the real scheduler and cache manager on a virtual clock."""
     from scheduler import make_policy
     from simulator.engine import Batching, ClusterConfig
     from simulator.report import (
+        aggregate,
         build_workloads,
         compare_policies,
         execute,
@@ -122,6 +140,9 @@ def sim(
     from simulator.workload import WorkloadConfig, load_trace
 
     working_sets = _int_list(working_set, "--working-set", minimum=1)
+    mapping_seeds = _mapping_list(mappings)
+    if plot is not None and len(mapping_seeds) > 1:
+        raise typer.BadParameter("--plot draws one mapping; pass one --mappings value with it", param_hint="--plot")
     limits = _int_list(sweep_o3, "--sweep-o3", minimum=0) if sweep_o3 is not None else None
     if limits is not None and compare:
         raise typer.BadParameter("use either --compare or --sweep-o3, not both", param_hint="--sweep-o3")
@@ -138,16 +159,23 @@ def sim(
         trace_path = trace if trace is not None else shipped_trace()
         counts = load_trace(trace_path, trace_format.value)
         workload_config = WorkloadConfig(start_minute=start_minute, minutes=minutes, rpm=rpm, seed=seed)
-        workloads = build_workloads(counts, working_sets, workload_config)
+        workloads = build_workloads(counts, working_sets, workload_config, mapping_seeds)
         if limits is not None:
-            runs = sweep_runs(working_sets, limits)
+            runs = sweep_runs(working_sets, limits, mapping_seeds)
         elif compare or plot is not None:
-            runs = policy_runs(working_sets, compare_policies(), o3_limit)
+            runs = policy_runs(working_sets, compare_policies(), o3_limit, mapping_seeds)
         else:
-            runs = policy_runs(working_sets, [policy], o3_limit)
-        cluster = ClusterConfig(gpus=gpus, gpu_memory_mb=gpu_memory_mb, slots=slots, batch_exponent=batch_exponent)
+            runs = policy_runs(working_sets, [policy], o3_limit, mapping_seeds)
+        cluster = ClusterConfig(
+            gpus=gpus,
+            gpu_memory_mb=gpu_memory_mb,
+            slots=slots,
+            batch_exponent=batch_exponent,
+            timing_spread=timing_spread,
+            timing_seed=seed,
+        )
         batching = Batching(max_batch_size, max_batch_wait_ms) if max_batch_size > 1 else None
-        total = sum(len(workloads[run.working_set].requests) for run in runs)
+        total = sum(len(workloads[(run.working_set, run.mapping_seed)].requests) for run in runs)
         with _progress(total, enabled=not json_output and sys.stderr.isatty()) as advance:
             results = execute(
                 workloads,
@@ -172,26 +200,76 @@ def sim(
         "gpus": gpus,
         "gpu_memory_mb": gpu_memory_mb,
         "slots": slots,
+        "mappings": list(dict.fromkeys(result.mapping for result in results)),
+        "timing_spread": timing_spread,
     }
+    groups = aggregate(results) if len(mapping_seeds) > 1 else []
     if json_output:
         if len(results) == 1:
             print(json.dumps({**results[0].to_json(), **meta}, indent=2))
         else:
-            print(json.dumps({**meta, "results": [r.to_json() for r in results]}, indent=2))
+            document: dict[str, object] = {**meta, "results": [r.to_json() for r in results]}
+            if groups:
+                document["aggregates"] = [group.to_json() for group in groups]
+            print(json.dumps(document, indent=2))
+    elif groups:
+        _print_aggregates(groups, meta)
     else:
         _print_table(results, meta)
         if plot is not None:
             console.print(f"wrote {plot}")
 
 
-def _print_table(results: Sequence[SimResult], meta: Mapping[str, object]) -> None:
-    table = Table(
-        title=(
-            f"{meta['trace']} minutes {meta['start_minute']}+{meta['minutes']}, {meta['rpm']} rpm, "
-            f"{meta['gpus']} GPUs x {meta['gpu_memory_mb']} MB x {meta['slots']} slots, seed {meta['seed']}"
-        ),
-        title_justify="left",
+def _sim_title(meta: Mapping[str, object]) -> str:
+    noise = f", timing spread {meta['timing_spread']}" if meta.get("timing_spread") else ""
+    return (
+        f"{meta['trace']} minutes {meta['start_minute']}+{meta['minutes']}, {meta['rpm']} rpm, "
+        f"{meta['gpus']} GPUs x {meta['gpu_memory_mb']} MB x {meta['slots']} slots, seed {meta['seed']}{noise}, "
+        f"mapping {', '.join(str(m) for m in meta['mappings'])}"  # type: ignore[attr-defined]
     )
+
+
+def _print_aggregates(groups: Sequence[Aggregate], meta: Mapping[str, object]) -> None:
+    """One row per (policy, WS, O3 limit): each metric as mean ± sample sd over the mappings."""
+    table = Table(title=_sim_title(meta) + " (mean ± sd over mappings)", title_justify="left")
+    columns = [
+        ("avg lat (s)", "avg_latency_s"),
+        ("p50 (s)", "p50_latency_s"),
+        ("p99 (s)", "p99_latency_s"),
+        ("miss ratio", "miss_ratio"),
+        ("false miss", "false_miss_ratio"),
+        ("GPU util", "gpu_utilization"),
+        ("fn lat var (s²)", "function_latency_variance"),
+    ]
+    for header in ("policy", "WS", "O3 limit", "mappings", *(h for h, _ in columns)):
+        table.add_column(header, justify="left" if header == "policy" else "right")
+    for group in groups:
+        cells = [f"{group.metrics[f].mean:.3f} ± {group.metrics[f].stdev:.3f}" for _, f in columns]
+        table.add_row(group.policy, str(group.working_set), str(group.max_num_skips), str(len(group.mappings)), *cells)
+    Console(width=None if sys.stdout.isatty() else 250).print(table)
+
+
+def _mapping_list(text: str) -> list[int | None]:
+    """--mappings: 'ends' and/or non-negative shuffle seeds, comma-separated, no repeats."""
+    out: list[int | None] = []
+    for item in (part.strip() for part in text.split(",")):
+        if item == "ends":
+            value: int | None = None
+        elif item.isdigit():
+            value = int(item)
+        else:
+            raise typer.BadParameter(
+                f"expected 'ends' or a non-negative seed, got {item!r} (e.g. --mappings ends,1,2)",
+                param_hint="--mappings",
+            )
+        if value in out:
+            raise typer.BadParameter(f"{item!r} is listed twice", param_hint="--mappings")
+        out.append(value)
+    return out
+
+
+def _print_table(results: Sequence[SimResult], meta: Mapping[str, object]) -> None:
+    table = Table(title=_sim_title(meta), title_justify="left")
     columns = [
         ("policy", "policy"),
         ("WS", "working_set"),

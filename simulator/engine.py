@@ -15,6 +15,10 @@ adds is the ground truth of the GPUs, on a virtual clock:
   formed (time-slicing the GPU among processes adds no compute).
 - A miss's load is a transfer: it does not hold the GPU's compute, but its worker cannot run until
   the load is done. It takes the profile's load time; evictions are immediate.
+- Timing noise (`ClusterConfig.timing_spread` = c > 0): every load and every batch takes its time
+  above times a factor drawn from a log-normal of mean 1 and coefficient of variation c, from
+  random.Random(`timing_seed`) in event order (so a run is reproducible). Without it (c = 0, the
+  default) the scheduler's estimates are exact, which no real cluster's are.
 - A batch of k calls of b samples each takes t(k) = t(1) * k**beta, where t(1) is the profile's
   inference time scaled linearly to b samples and beta is `ClusterConfig.batch_exponent`. The
   default beta = 1 makes batching gain nothing, which keeps the paper's figures honest; real GPUs
@@ -33,6 +37,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 import statistics
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
@@ -57,6 +62,8 @@ class ClusterConfig:
     eviction: str = "lru"
     slots: int = 1
     batch_exponent: float = 1.0
+    timing_spread: float = 0.0  # c: coefficient of variation of load and batch times (0: exact)
+    timing_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.gpus <= 0:
@@ -67,6 +74,22 @@ class ClusterConfig:
             raise ValueError(f"slots must be at least 1, got {self.slots}")
         if not (self.batch_exponent > 0 and math.isfinite(self.batch_exponent)):
             raise ValueError(f"batch_exponent must be a positive number, got {self.batch_exponent}")
+        if not (0 <= self.timing_spread <= 10):
+            raise ValueError(f"timing_spread must be in [0, 10] (a coefficient of variation), got {self.timing_spread}")
+
+
+class Jitter:
+    """Multiplicative timing noise: log-normal factors with mean 1 and coefficient of variation
+    `spread`, from random.Random(seed); exactly 1.0 (and no draw) when `spread` is 0."""
+
+    def __init__(self, spread: float, seed: int) -> None:
+        self._rng = random.Random(seed)
+        # For a log-normal, CV**2 = exp(sigma**2) - 1 and mean = exp(mu + sigma**2 / 2).
+        self._sigma = math.sqrt(math.log1p(spread * spread))
+        self._mu = -self._sigma * self._sigma / 2
+
+    def factor(self) -> float:
+        return self._rng.lognormvariate(self._mu, self._sigma) if self._sigma > 0 else 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +145,8 @@ class SimResult:
     batch_exponent: float
     batches: int
     avg_batch_calls: float  # calls per batch
+    timing_spread: float = 0.0
+    mapping: str = "ends"  # how models were dealt to functions: "ends", or "seed K"
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -161,7 +186,12 @@ def simulate(
         scheduler.add_gpu(GpuSpec(f"gpu{index:03d}", cluster.gpu_memory_mb, cluster.gpu_type, slots=cluster.slots))
     for profile in workload.profiles:
         scheduler.register_model(profile.spec())
-    gpus = _Gpus({profile.model: profile for profile in workload.profiles}, batching, cluster.batch_exponent)
+    gpus = _Gpus(
+        {profile.model: profile for profile in workload.profiles},
+        batching,
+        cluster.batch_exponent,
+        Jitter(cluster.timing_spread, cluster.timing_seed),
+    )
     top_model = workload.function_models[workload.top_function]
 
     arrivals = workload.requests
@@ -248,6 +278,8 @@ def simulate(
         batch_exponent=cluster.batch_exponent,
         batches=gpus.batches,
         avg_batch_calls=dispatched / gpus.batches if gpus.batches else 0.0,
+        timing_spread=cluster.timing_spread,
+        mapping=workload.mapping,
     )
 
 
@@ -308,8 +340,11 @@ _Event = tuple[float, int, int, _Batch | _Worker]  # (time, kind, tie, subject);
 class _Gpus:
     """The simulated GPUs: workers, batches, compute queues, on the caller's virtual clock."""
 
-    def __init__(self, truth: dict[str, ModelProfile], batching: Mapping[str, Batching], exponent: float) -> None:
+    def __init__(
+        self, truth: dict[str, ModelProfile], batching: Mapping[str, Batching], exponent: float, jitter: Jitter
+    ) -> None:
         self._truth = truth
+        self._jitter = jitter
         self._batching = batching
         self._exponent = exponent
         self._workers: dict[tuple[str, str], _Worker] = {}
@@ -346,8 +381,9 @@ class _Gpus:
             call = _Call(request, tie, None)
             worker = self._workers[(gpu_id, request.model)]
         else:
-            call = _Call(request, tie, profile.load_time_s)
-            worker = _Worker(gpu_id, profile, now + profile.load_time_s)
+            load_s = profile.load_time_s * self._jitter.factor()
+            call = _Call(request, tie, load_s)
+            worker = _Worker(gpu_id, profile, now + load_s)
             self._workers[(gpu_id, request.model)] = worker
             heapq.heappush(self._events, (worker.loaded_at_s, _LOAD_DONE, tie, worker))
         worker.waiting.append(call)
@@ -393,7 +429,7 @@ class _Gpus:
                 return
         calls = [worker.waiting.popleft() for _ in range(min(len(worker.waiting), batching.max_batch_size))]
         samples = sum(call.request.batch_size for call in calls)
-        compute_s = batch_inference_s(worker.profile, samples, len(calls), self._exponent)
+        compute_s = batch_inference_s(worker.profile, samples, len(calls), self._exponent) * self._jitter.factor()
         worker.busy = True
         worker.wait_until_s = None
         self.batches += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from importlib import resources
@@ -23,19 +24,36 @@ def shipped_trace() -> Path:
     return Path(str(resources.files("simulator").joinpath(SHIPPED_TRACE)))
 
 
+MappingSeed = int | None
+"""How a workload's models are dealt to its functions: None = from both ends, K = seeded shuffle."""
+
+
 @dataclass(frozen=True, slots=True)
 class Run:
     policy: str
     working_set: int
     max_num_skips: int
+    mapping_seed: MappingSeed = None
 
 
-def policy_runs(working_sets: Sequence[int], policies: Sequence[str], max_num_skips: int) -> list[Run]:
-    return [Run(policy, ws, max_num_skips) for ws in working_sets for policy in policies]
+def policy_runs(
+    working_sets: Sequence[int],
+    policies: Sequence[str],
+    max_num_skips: int,
+    mapping_seeds: Sequence[MappingSeed] = (None,),
+) -> list[Run]:
+    return [
+        Run(policy, ws, max_num_skips, mapping)
+        for ws in working_sets
+        for mapping in mapping_seeds
+        for policy in policies
+    ]
 
 
-def sweep_runs(working_sets: Sequence[int], limits: Sequence[int]) -> list[Run]:
-    return [Run("lalb-o3", ws, limit) for ws in working_sets for limit in limits]
+def sweep_runs(
+    working_sets: Sequence[int], limits: Sequence[int], mapping_seeds: Sequence[MappingSeed] = (None,)
+) -> list[Run]:
+    return [Run("lalb-o3", ws, limit, mapping) for ws in working_sets for mapping in mapping_seeds for limit in limits]
 
 
 def compare_policies() -> list[str]:
@@ -45,17 +63,24 @@ def compare_policies() -> list[str]:
 
 
 def build_workloads(
-    trace: TraceCounts, working_sets: Sequence[int], workload_config: WorkloadConfig
-) -> dict[int, Workload]:
-    """One seeded workload per working set, the rest of `workload_config` shared."""
+    trace: TraceCounts,
+    working_sets: Sequence[int],
+    workload_config: WorkloadConfig,
+    mapping_seeds: Sequence[MappingSeed] = (None,),
+) -> dict[tuple[int, MappingSeed], Workload]:
+    """One seeded workload per (working set, mapping), the rest of `workload_config` shared:
+    the same requests for every mapping of a working set, only the models dealt differently."""
     return {
-        ws: build_workload(trace, replace(workload_config, working_set=ws), paper_table1())
+        (ws, mapping): build_workload(
+            trace, replace(workload_config, working_set=ws, mapping_seed=mapping), paper_table1()
+        )
         for ws in dict.fromkeys(working_sets)
+        for mapping in dict.fromkeys(mapping_seeds)
     }
 
 
 def execute(
-    workloads: dict[int, Workload],
+    workloads: dict[tuple[int, MappingSeed], Workload],
     runs: Sequence[Run],
     *,
     cluster: ClusterConfig,
@@ -69,7 +94,7 @@ def execute(
     is told of every `n` requests completed."""
     results = []
     for run in runs:
-        workload = workloads[run.working_set]
+        workload = workloads[(run.working_set, run.mapping_seed)]
         done = [0]
 
         def progress(completed: int, done: list[int] = done) -> None:
@@ -90,6 +115,64 @@ def execute(
             )
         )
     return results
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """One metric over several runs: mean and sample standard deviation (0 for one run)."""
+
+    mean: float
+    stdev: float
+
+
+AGGREGATED_METRICS = (
+    "avg_latency_s",
+    "p50_latency_s",
+    "p99_latency_s",
+    "miss_ratio",
+    "false_miss_ratio",
+    "avg_top_model_replicas",
+    "gpu_utilization",
+    "function_latency_variance",
+    "avg_batch_calls",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Aggregate:
+    """The runs of one (policy, working set, O3 limit) over several mappings."""
+
+    policy: str
+    working_set: int
+    max_num_skips: int
+    mappings: tuple[str, ...]
+    metrics: dict[str, Spread]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "policy": self.policy,
+            "working_set": self.working_set,
+            "max_num_skips": self.max_num_skips,
+            "mappings": list(self.mappings),
+            **{f"{name}_mean": spread.mean for name, spread in self.metrics.items()},
+            **{f"{name}_stdev": spread.stdev for name, spread in self.metrics.items()},
+        }
+
+
+def aggregate(results: Sequence[SimResult]) -> list[Aggregate]:
+    """Group results by (policy, working set, O3 limit), in first-seen order, and give each
+    metric's mean and spread over the group's mappings."""
+    groups: dict[tuple[str, int, int], list[SimResult]] = {}
+    for result in results:
+        groups.setdefault((result.policy, result.working_set, result.max_num_skips), []).append(result)
+    out = []
+    for (policy, ws, limit), members in groups.items():
+        metrics = {}
+        for name in AGGREGATED_METRICS:
+            values = [float(getattr(member, name)) for member in members]
+            metrics[name] = Spread(statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
+        out.append(Aggregate(policy, ws, limit, tuple(member.mapping for member in members), metrics))
+    return out
 
 
 # --- figures ---------------------------------------------------------------------------------

@@ -14,7 +14,10 @@ over the table and popularity does not correlate with size:
    index 0). With n = len(table) every model is picked once; with n > len(table) some repeat.
 2. Deal the picked models to the functions in popularity order (rank 0 = most invoked),
    alternately from both ends: rank 0 gets the smallest picked, rank 1 the largest, rank 2 the
-   second smallest, rank 3 the second largest, and so on.
+   second smallest, rank 3 the second largest, and so on. That is mapping "ends" (the default,
+   `mapping_seed=None`). It hands the hottest function the smallest model, and a run's latency
+   depends on that choice: with `mapping_seed=k` the same picked models are dealt in the order
+   of random.Random(k).shuffle instead, so a report can give every figure over several mappings.
 3. Every function gets its own model, i.e. a distinct cache item: it is named after the table
    model when that model was picked once, else `f"{name}#{k}"` with k = 1, 2, ... in rank order,
    and carries a copy of the table model's figures.
@@ -64,6 +67,9 @@ class WorkloadConfig:
     rpm: int = 325
     """Requests generated for every minute of the window that has any invocation."""
     seed: int = 0
+    mapping_seed: int | None = None
+    """How the picked models are dealt to the functions: None = from both ends (the module
+    docstring); an int = a random.Random(mapping_seed) shuffle."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,8 @@ class Workload:
     """The most invoked function in the window."""
     start_minute: int
     minutes: int
+    mapping: str = "ends"
+    """How models were dealt to functions: "ends" (mapping_seed None) or "seed K"."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,7 +288,9 @@ def _largest_remainder(counts: list[int], total: int) -> list[int]:
     return shares
 
 
-def assign_models(functions: list[str], table: list[ModelProfile]) -> list[ModelProfile]:
+def assign_models(
+    functions: list[str], table: list[ModelProfile], mapping_seed: int | None = None
+) -> list[ModelProfile]:
     """Give each function (in popularity order) its own model; see the module docstring."""
     if not table:
         raise InvalidInput("the model table is empty; expected at least one profile")
@@ -297,6 +307,8 @@ def assign_models(functions: list[str], table: list[ModelProfile]) -> list[Model
         else:
             dealt.append(picked[high])
             high -= 1
+    if mapping_seed is not None:
+        random.Random(mapping_seed).shuffle(dealt)
     uses: dict[str, int] = {}
     for profile in dealt:
         uses[profile.model] = uses.get(profile.model, 0) + 1
@@ -349,7 +361,7 @@ def build_workload(trace: TraceCounts, config: WorkloadConfig, table: list[Model
             f"{trace.path}: no invocations in window minutes {window[0]}..{window[-1]}; "
             "expected a window with at least one"
         )
-    profiles = assign_models(functions, table)
+    profiles = assign_models(functions, table, config.mapping_seed)
     function_models = {f: p.model for f, p in zip(functions, profiles, strict=True)}
 
     rng = random.Random(config.seed)
@@ -384,6 +396,7 @@ def build_workload(trace: TraceCounts, config: WorkloadConfig, table: list[Model
         top_function=functions[0],
         start_minute=start,
         minutes=config.minutes,
+        mapping="ends" if config.mapping_seed is None else f"seed {config.mapping_seed}",
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -165,3 +166,34 @@ def test_real_console_script_prints_no_traceback(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "nope.csv" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_several_mappings_give_mean_and_spread_per_policy() -> None:
+    args = ("--compare", "--working-set", "15", "--minutes", "1", "--mappings", "ends,1,2", "--timing-spread", "0.2")
+    code, out, _ = sim("--json", *args)
+    assert code == 0
+    data = json.loads(out)
+    assert data["mappings"] == ["ends", "seed 1", "seed 2"] and data["timing_spread"] == 0.2
+    assert len(data["results"]) == 3 * 3  # policies x mappings
+    by_policy = {group["policy"]: group for group in data["aggregates"]}
+    assert set(by_policy) == {"lb", "lalb", "lalb-o3"}
+    lalb = [r["avg_latency_s"] for r in data["results"] if r["policy"] == "lalb"]
+    assert by_policy["lalb"]["avg_latency_s_mean"] == pytest.approx(statistics.fmean(lalb))
+    assert by_policy["lalb"]["avg_latency_s_stdev"] == pytest.approx(statistics.stdev(lalb))
+    assert by_policy["lalb"]["mappings"] == ["ends", "seed 1", "seed 2"]
+    code, out, _ = sim(*args)
+    assert code == 0 and "mean ± sd over mappings" in out and "±" in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--mappings", "ends,x"), "expected 'ends' or a non-negative seed"),
+        (("--mappings", "1,1"), "listed twice"),
+        (("--mappings", "ends,1", "--plot", "f.png"), "--plot draws one mapping"),
+        (("--timing-spread", "-1"), "--timing-spread"),
+    ],
+)
+def test_bad_mappings_and_spread_are_clear_errors(flags: tuple[str, ...], message: str) -> None:
+    code, _, err = sim("--minutes", "1", *flags)
+    assert code == 2 and message in err and "Traceback" not in err

@@ -8,7 +8,7 @@ import pytest
 
 from gpufaas.profiles import ModelProfile, paper_table1
 from gpufaas.types import Request
-from simulator.engine import Batching, ClusterConfig, SimResult, simulate
+from simulator.engine import Batching, ClusterConfig, Jitter, SimResult, simulate
 from simulator.report import shipped_trace
 from simulator.workload import Workload, WorkloadConfig, build_workload, load_trace, zipf_workload
 
@@ -213,3 +213,40 @@ def test_coldest_victim_lowers_misses_one_call_at_a_time_on_two_small_gpus() -> 
     filling, coldest = miss_ratios(False), miss_ratios(True)
     assert statistics.fmean(coldest) < 0.9 * statistics.fmean(filling)
     assert max(coldest) < 0.8 * max(filling)
+
+
+def test_jitter_has_mean_one_and_the_asked_spread_and_none_at_zero() -> None:
+    jitter = Jitter(0.3, seed=7)
+    draws = [jitter.factor() for _ in range(40_000)]
+    assert statistics.fmean(draws) == pytest.approx(1.0, abs=0.01)
+    assert statistics.stdev(draws) / statistics.fmean(draws) == pytest.approx(0.3, abs=0.01)
+    assert min(draws) > 0
+    exact = Jitter(0.0, seed=7)
+    assert {exact.factor() for _ in range(100)} == {1.0}
+
+
+def test_timing_noise_makes_estimates_inexact_reproducibly() -> None:
+    counts = load_trace(shipped_trace(), "azure2019")
+    workload = build_workload(counts, WorkloadConfig(working_set=25), paper_table1())
+
+    def noisy(spread: float, seed: int) -> SimResult:
+        return simulate(workload, "lalb-o3", cluster=ClusterConfig(timing_spread=spread, timing_seed=seed))
+
+    exact = noisy(0.0, 0)
+    assert exact == simulate(workload, "lalb-o3")  # spread 0 is the exact model, whatever the seed
+    assert exact == noisy(0.0, 5)
+    first = noisy(0.25, 1)
+    assert first == noisy(0.25, 1)  # reproducible from its seed
+    assert first != noisy(0.25, 2)
+    assert first.timing_spread == 0.25 and first.completed == first.requests
+    assert first.avg_latency_s != exact.avg_latency_s
+
+
+def test_timing_noise_reaches_each_load_and_batch() -> None:
+    # One GPU, A then B then A: with noise the load (2 s) and each call (1 s) take other times.
+    workload = tiny([(0.0, "A"), (0.0, "A"), (10.0, "B")])
+    exact = run_tiny(workload)
+    assert exact.makespan_s == pytest.approx(10.0 + 2.0 + 1.0)
+    noisy = simulate(workload, "lalb", cluster=ClusterConfig(gpus=1, gpu_memory_mb=4000, timing_spread=0.5))
+    assert noisy.makespan_s != pytest.approx(exact.makespan_s)
+    assert noisy.completed == 3

@@ -463,3 +463,29 @@ def test_zipf_workload_spaces_calls_and_follows_the_popularity() -> None:
     assert again.requests == workload.requests
     with pytest.raises(InvalidInput, match="calls and models"):
         zipf_workload(calls=0, models=4, zipf_exponent=1.1, memory_mb=100, gap_s=10.0, seed=7)
+
+
+def test_mapping_ends_is_the_default_and_a_seed_deals_the_same_models_otherwise() -> None:
+    counts = load_trace(SHIPPED_TRACE, "azure2019")
+    table = paper_table1()
+    ends = build_workload(counts, WorkloadConfig(working_set=15), table)
+    assert ends.mapping == "ends"
+    assert build_workload(counts, WorkloadConfig(working_set=15, mapping_seed=None), table) == ends
+    sizes = {p.model: p.memory_mb for p in ends.profiles}
+    # "ends": the hottest function gets the smallest picked model, the next one the largest.
+    assert sizes[ends.function_models[ends.top_function]] == min(sizes.values())
+
+    shuffled = [build_workload(counts, WorkloadConfig(working_set=15, mapping_seed=k), table) for k in (1, 2)]
+    for workload in shuffled:
+        # Only the models move, not the calls.
+        assert [(r.request_id, r.function, r.arrival_s) for r in workload.requests] == [
+            (r.request_id, r.function, r.arrival_s) for r in ends.requests
+        ]
+        assert all(r.model == workload.function_models[r.function] for r in workload.requests)
+        assert sorted(p.memory_mb for p in workload.profiles) == sorted(sizes.values())
+        assert len(set(workload.function_models.values())) == 15  # still one model per function
+    assert shuffled[0].mapping == "seed 1"
+    assert shuffled[0].function_models != ends.function_models
+    assert shuffled[0].function_models != shuffled[1].function_models
+    again = build_workload(counts, WorkloadConfig(working_set=15, mapping_seed=1), table)
+    assert again.function_models == shuffled[0].function_models
