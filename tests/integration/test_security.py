@@ -19,7 +19,7 @@ from gpufaas.local_cluster import LocalCluster
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import ConnectionLost, MessageType, Unauthenticated, connect
 from tests.integration.conftest import ClusterFactory, EtcdTarget, deploy
-from tests.integration.test_control_plane import etcd_state
+from tests.integration.test_control_plane import etcd_state_when
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,8 +49,8 @@ def test_without_credentials_nothing_is_deployed_listed_or_called(
     # package), an anonymous client does not.
     described = httpx.get(f"{url}/system/function/guarded", auth=cluster.admin_auth, timeout=30).json()
     assert httpx.get(f"{url}/system/packages/{described['package_digest']}", timeout=30).status_code == 401
-    _, replicas = etcd_state(etcd_endpoint.endpoint, etcd_endpoint.root)
-    assert str(model) in replicas
+    # The scheduler writes its cache lists to etcd after the dispatch, not before the reply.
+    etcd_state_when(etcd_endpoint.endpoint, etcd_endpoint.root, lambda state: str(model) in state[1])
     assert "intruder" not in {f["name"] for f in list_functions(cluster)}
 
 
