@@ -92,6 +92,14 @@ def sim(
             "(else to the GPU being filled). Off with --literal-misses."
         ),
     ] = True,
+    literal_visits: Annotated[
+        bool,
+        typer.Option(
+            help="Algorithm 1's visit counting to the letter: every request a scan passes counts a visit, and "
+            "one is forced when its visits are higher than the limit (default: a skip counts only when a younger "
+            "request is dispatched ahead, and the limit is reached at >=)."
+        ),
+    ] = False,
     slots: Annotated[int, typer.Option(min=1, help="D: calls each GPU runs at once.")] = 1,
     max_batch_size: Annotated[
         int, typer.Option(min=1, help="Calls of one model a worker may merge into one batch (needs --slots > 1).")
@@ -183,6 +191,7 @@ def sim(
                 cluster=cluster,
                 room_aware_misses=not literal_misses,
                 coldest_victim_misses=coldest_victim,
+                literal_visits=literal_visits,
                 batching=batching,
                 on_progress=advance,
             )

@@ -122,6 +122,12 @@ class GlobalQueue:
         for other in exempt:
             self._nodes[other].own_skips -= 1
 
+    def visit(self, request_id: str) -> None:
+        """Count one visit (a skip) for one request: O(1). For Algorithm 1 read literally, which
+        counts every request a scan passes; it visits a prefix of the queue (less the requests
+        already over the limit, which are older and have more), so counts stay monotone."""
+        self._nodes[request_id].own_skips += 1
+
     # --- lookups --------------------------------------------------------------------------
     def oldest_of(self, models: Iterable[str]) -> Request | None:
         """The oldest queued request whose model is in `models`: O(len(models))."""

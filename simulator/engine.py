@@ -147,6 +147,7 @@ class SimResult:
     avg_batch_calls: float  # calls per batch
     timing_spread: float = 0.0
     mapping: str = "ends"  # how models were dealt to functions: "ends", or "seed K"
+    literal_visits: bool = False  # Algorithm 1's visit counting read literally (PolicyConfig)
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -160,13 +161,15 @@ def simulate(
     max_num_skips: int = DEFAULT_MAX_NUM_SKIPS,
     room_aware_misses: bool = True,
     coldest_victim_misses: bool = True,
+    literal_visits: bool = False,
     batching: Mapping[str, Batching] | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> SimResult:
     """Run every request of `workload` to completion under `policy` (the ground truth is in the
     module docstring). The scheduler's estimator starts from the same profiles as the ground
     truth and is fed every "measured" time, as the service feeds it. `room_aware_misses` and
-    `coldest_victim_misses` are PolicyConfig's (False = Algorithm 2 to the letter). `batching`
+    `coldest_victim_misses` are PolicyConfig's (False = Algorithm 2 to the letter), and so is
+    `literal_visits` (True = Algorithm 1's visit counting to the letter). `batching`
     maps a function to how its calls may be merged; functions absent from it are not batched.
     `on_progress(completed)` is called per completion.
     """
@@ -176,6 +179,7 @@ def simulate(
         max_num_skips=max_num_skips,
         room_aware_misses=room_aware_misses,
         coldest_victim_misses=coldest_victim_misses,
+        literal_visits=literal_visits,
     )
     scheduler = Scheduler(
         make_policy(policy, config),
@@ -280,6 +284,7 @@ def simulate(
         avg_batch_calls=dispatched / gpus.batches if gpus.batches else 0.0,
         timing_spread=cluster.timing_spread,
         mapping=workload.mapping,
+        literal_visits=literal_visits,
     )
 
 

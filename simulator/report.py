@@ -86,6 +86,7 @@ def execute(
     cluster: ClusterConfig,
     room_aware_misses: bool = True,
     coldest_victim_misses: bool = True,
+    literal_visits: bool = False,
     batching: Batching | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> list[SimResult]:
@@ -110,6 +111,7 @@ def execute(
                 max_num_skips=run.max_num_skips,
                 room_aware_misses=room_aware_misses,
                 coldest_victim_misses=coldest_victim_misses,
+                literal_visits=literal_visits,
                 batching=None if batching is None else dict.fromkeys(workload.function_models, batching),
                 on_progress=progress,
             )

@@ -22,6 +22,7 @@ def make_scheduler(
     speeds: dict[str, float] | None = None,
     slots: int | dict[str, int] = 1,
     coldest_victim_misses: bool = True,
+    literal_visits: bool = False,
 ) -> Scheduler:
     """A scheduler over GPUs g0, g1, ... (8000 MB each unless given; `slots` each, or per GPU
     id) and models with the same profile: load 2 s, inference 1 s at batch 32, unless the test
@@ -30,7 +31,9 @@ def make_scheduler(
     estimator = Estimator(
         ModelProfile(name, "rtx2080", memory_mb, LOAD_S, INFERENCE_S, 32) for name, memory_mb in models.items()
     )
-    config = PolicyConfig(max_num_skips=max_num_skips, coldest_victim_misses=coldest_victim_misses)
+    config = PolicyConfig(
+        max_num_skips=max_num_skips, coldest_victim_misses=coldest_victim_misses, literal_visits=literal_visits
+    )
     scheduler = Scheduler(make_policy(policy, config), estimator=estimator)
     sizes = gpus if isinstance(gpus, dict) else {f"g{i}": 8000 for i in range(gpus)}
     for gpu_id, memory_mb in sizes.items():

@@ -51,6 +51,11 @@ class PolicyConfig:
     # (whose LRU list would otherwise churn while other GPUs' models stay frozen). Only with
     # room_aware_misses.
     coldest_victim_misses: bool = True
+    # Algorithm 1 read literally: a scan for a hit counts a visit for every request it passes,
+    # whether or not anything is dispatched ahead of it, and a request is forced once its visits
+    # are *higher* than the limit. False (the default): a skip is counted only when a younger
+    # request is dispatched ahead, and a request is forced once its skips *reach* the limit.
+    literal_visits: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_skips < 0:

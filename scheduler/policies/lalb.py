@@ -81,20 +81,32 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
     first request under the limit, and with `max_num_skips == 0` step 1 covers the whole queue:
     strict arrival order, which is `lalb`. Cost: O(models cached here) for step 2, plus O(1)
     per request placed (each request is placed once).
+
+    `literal_visits=True` runs Algorithm 1 as printed instead (`_fill_literal`): O(queue) per fill.
     """
 
     def __init__(
-        self, max_num_skips: int = 0, *, room_aware_misses: bool = True, coldest_victim_misses: bool = True
+        self,
+        max_num_skips: int = 0,
+        *,
+        room_aware_misses: bool = True,
+        coldest_victim_misses: bool = True,
+        literal_visits: bool = False,
     ) -> None:
         if max_num_skips < 0:
             raise ValueError(f"max_num_skips must be >= 0, got {max_num_skips}")
         self.max_num_skips = max_num_skips
         self.room_aware_misses = room_aware_misses
         self.coldest_victim_misses = coldest_victim_misses
+        self.literal_visits = literal_visits
 
     @classmethod
     def from_config(cls, config: PolicyConfig) -> SchedulingPolicy:
-        return cls(room_aware_misses=config.room_aware_misses, coldest_victim_misses=config.coldest_victim_misses)
+        return cls(
+            room_aware_misses=config.room_aware_misses,
+            coldest_victim_misses=config.coldest_victim_misses,
+            literal_visits=config.literal_visits,
+        )
 
     def _balance(self, ctx: SchedulingContext, gpu_id: str, request: Request, now: float) -> Placement:
         return locality_load_balance(
@@ -107,6 +119,9 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
         )
 
     def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> None:
+        if self.literal_visits:
+            self._fill_literal(ctx, gpu_id, now)
+            return
         queue = ctx.queue
         cached_here = ctx.cache.models_on(gpu_id)
         # Requests at the limit that no idle GPU can hold: the dispatch below goes to a GPU they
@@ -134,16 +149,45 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
             if self._balance(ctx, gpu_id, request, now) is Placement.HERE:
                 return
 
+    def _fill_literal(self, ctx: SchedulingContext, gpu_id: str, now: float) -> None:
+        """Algorithm 1, lines 6-21, as printed: scan in arrival order; a request whose model is
+        cached here is dispatched (a hit); one whose visits are higher than the limit is placed
+        by Algorithm 2 (the scan ends if it landed here); any other is visited (+1) and passed.
+        If the scan found no hit, Algorithm 2 places requests in arrival order until one lands
+        here. So even with limit 0 a request may be passed over once."""
+        queue = ctx.queue
+        cached_here = ctx.cache.models_on(gpu_id)
+        for request, visits in queue.walk():
+            if request.model in cached_here and request.avoid_gpu != gpu_id:
+                ctx.dispatch(request, gpu_id, now)
+                return
+            if visits > self.max_num_skips:
+                if self._balance(ctx, gpu_id, request, now) is Placement.HERE:
+                    return
+            else:
+                queue.visit(request.request_id)
+        for request, _ in queue.walk():
+            if self._balance(ctx, gpu_id, request, now) is Placement.HERE:
+                return
+
 
 class OutOfOrderLocalityAwarePolicy(LocalityAwarePolicy, name="lalb-o3"):
     """`lalb` with out-of-order dispatch: a request may be passed over up to `max_num_skips`
     times (default 25) in favour of younger requests whose model is cached on an idle GPU."""
 
     def __init__(
-        self, max_num_skips: int = 25, *, room_aware_misses: bool = True, coldest_victim_misses: bool = True
+        self,
+        max_num_skips: int = 25,
+        *,
+        room_aware_misses: bool = True,
+        coldest_victim_misses: bool = True,
+        literal_visits: bool = False,
     ) -> None:
         super().__init__(
-            max_num_skips, room_aware_misses=room_aware_misses, coldest_victim_misses=coldest_victim_misses
+            max_num_skips,
+            room_aware_misses=room_aware_misses,
+            coldest_victim_misses=coldest_victim_misses,
+            literal_visits=literal_visits,
         )
 
     @classmethod
@@ -152,4 +196,5 @@ class OutOfOrderLocalityAwarePolicy(LocalityAwarePolicy, name="lalb-o3"):
             config.max_num_skips,
             room_aware_misses=config.room_aware_misses,
             coldest_victim_misses=config.coldest_victim_misses,
+            literal_visits=config.literal_visits,
         )

@@ -197,3 +197,16 @@ def test_several_mappings_give_mean_and_spread_per_policy() -> None:
 def test_bad_mappings_and_spread_are_clear_errors(flags: tuple[str, ...], message: str) -> None:
     code, _, err = sim("--minutes", "1", *flags)
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_literal_visits_is_passed_to_the_policy_and_reported() -> None:
+    base = ("--json", "--policy", "lalb", "--working-set", "35", "--minutes", "2")
+    code, out, _ = sim(*base, "--literal-visits")
+    assert code == 0
+    literal = json.loads(out)
+    assert literal["literal_visits"] is True
+    code, out, _ = sim(*base)
+    default = json.loads(out)
+    assert default["literal_visits"] is False
+    # Limit 0 read literally lets each request be passed once: no longer strict arrival order.
+    assert literal["avg_latency_s"] != default["avg_latency_s"]

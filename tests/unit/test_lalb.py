@@ -167,6 +167,55 @@ def test_limit_zero_is_exactly_lalb() -> None:
     assert _scenario("lalb-o3", 25) != _scenario("lalb", 0)
 
 
+# --- Algorithm 1 read literally (literal_visits) ---------------------------------------------
+
+
+def test_literal_visits_count_every_pass_even_without_a_dispatch_ahead() -> None:
+    s = make_scheduler("lalb-o3", gpus=1, max_num_skips=25, literal_visits=True)
+    _, c = submit(s, "B", "C")
+    # No request's model is cached on g0: the scan visits B and C (+1 each), then Algorithm 2
+    # places B (a miss here). The default counting would count nothing: nothing jumped ahead.
+    assert decided(s.schedule(0.0)) == [("dispatch", "B", "g0", False)]
+    assert s.queue.num_skips(c.request_id) == 1
+    default = make_scheduler("lalb-o3", gpus=1, max_num_skips=25)
+    _, c2 = submit(default, "B", "C")
+    default.schedule(0.0)
+    assert default.queue.num_skips(c2.request_id) == 0
+
+
+def test_literal_limit_zero_still_lets_a_hit_pass_a_request_once() -> None:
+    # Limit 0 read literally: a request is forced only when its visits are *higher* than 0, so
+    # the first scan visits B and dispatches the younger hit A; the next scan forces B.
+    s = make_scheduler("lalb", gpus=1, literal_visits=True)
+    cache_on(s, "g0", "A")
+    b, a = submit(s, "B", "A")
+    assert decided(s.schedule(0.0)) == [("dispatch", "A", "g0", True)]
+    assert s.queue.num_skips(b.request_id) == 1
+    s.on_complete(a.request_id, 1.0)
+    submit(s, "A", now=1.0)
+    assert decided(s.schedule(1.0)) == [("dispatch", "B", "g0", False)]
+    # The default reading of limit 0 is strict arrival order.
+    strict = make_scheduler("lalb", gpus=1)
+    cache_on(strict, "g0", "A")
+    submit(strict, "B", "A")
+    assert decided(strict.schedule(0.0)) == [("dispatch", "B", "g0", False)]
+
+
+def test_literal_limit_is_exceeded_not_reached() -> None:
+    s = make_scheduler("lalb-o3", gpus=1, max_num_skips=2, literal_visits=True)
+    cache_on(s, "g0", "A")
+    (b,) = submit(s, "B")
+    now = 0.0
+    for expected_visits in (1, 2, 3):  # at 2 visits (= the limit) B may still be passed
+        (a,) = submit(s, "A", now=now)
+        assert decided(s.schedule(now)) == [("dispatch", "A", "g0", True)]
+        assert s.queue.num_skips(b.request_id) == expected_visits
+        now += 1.0
+        s.on_complete(a.request_id, now)
+    submit(s, "A", now=now)
+    assert decided(s.schedule(now)) == [("dispatch", "B", "g0", False)]  # 3 > 2: forced
+
+
 # --- lb ------------------------------------------------------------------------------------
 
 
