@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Set
+from collections.abc import Callable, Iterator, Set
 from dataclasses import dataclass
 
 from cache_manager.eviction import EvictionPolicy, LruEviction
@@ -248,13 +248,15 @@ class CacheManager:
             self._tick += 1
             cache.touch(model, tick=self._tick)
             return Admission(hit=True)
-        victims = cache.plan_victims(model, memory_mb)
+        return self._admit_miss(cache, model, memory_mb, cache.plan_victims(model, memory_mb))
+
+    def _admit_miss(self, cache: GpuCache, model: str, memory_mb: int, victims: list[str]) -> Admission:
         for victim in victims:
             cache.remove(victim)
-            self._forget(victim, gpu_id)
+            self._forget(victim, cache.gpu_id)
         self._tick += 1
         cache.insert(model, memory_mb, tick=self._tick)
-        self._directory.setdefault(model, set()).add(gpu_id)
+        self._directory.setdefault(model, set()).add(cache.gpu_id)
         return Admission(hit=False, evicted=tuple(victims))
 
     def pin(self, gpu_id: str, model: str) -> None:
@@ -273,6 +275,43 @@ class CacheManager:
         self._forget(model, gpu_id)
         return True
 
+    # --- tentative changes ------------------------------------------------------------------
+    def admit_undoable(self, gpu_id: str, model: str, memory_mb: int) -> tuple[Admission, Callable[[], None]]:
+        """`admit`, and a function that undoes it exactly (recency order, ticks, the directory, the
+        clock); undos must run last-in first-out. The pin a caller adds is its own to undo."""
+        cache = self._gpus[gpu_id]
+        items, ticks = cache._items, cache._last_used_tick
+        order = tuple(items)  # the keys only: what undo needs to put recency back
+        clock_before = self._tick
+        if model in items:
+            tick_before = ticks[model]
+            admission = self.admit(gpu_id, model, memory_mb)
+
+            def undo_hit() -> None:
+                ticks[model] = tick_before
+                self._tick = clock_before
+                _reorder(items, order, moved_from=order.index(model))
+
+            return admission, undo_hit
+        victims = cache.plan_victims(model, memory_mb)
+        evicted = [(items[victim], ticks[victim]) for victim in victims]
+        admission = self._admit_miss(cache, model, memory_mb, victims)
+
+        def undo_miss() -> None:
+            item = items.pop(model)
+            del ticks[model]
+            cache.used_mb -= item.memory_mb
+            self._forget(model, gpu_id)
+            for victim, tick in evicted:
+                items[victim.model] = victim
+                ticks[victim.model] = tick
+                cache.used_mb += victim.memory_mb
+                self._directory.setdefault(victim.model, set()).add(gpu_id)
+            self._tick = clock_before
+            _reorder(items, order, moved_from=0)
+
+        return admission, undo_miss
+
     def _forget(self, model: str, gpu_id: str) -> None:
         holders = self._directory.get(model)
         if holders is not None:
@@ -283,6 +322,13 @@ class CacheManager:
     def snapshot(self) -> dict[str, list[CacheItem]]:
         """Every GPU's LRU list, most recent first (what is persisted and compared on recovery)."""
         return {gpu_id: [cache.item(model) for model in cache.lru_list()] for gpu_id, cache in self._gpus.items()}
+
+
+def _reorder(items: OrderedDict[str, CacheItem], order: tuple[str, ...], *, moved_from: int) -> None:
+    """Put `items` back in `order` (the same keys), knowing that the keys before `moved_from`
+    have not moved: move the rest to the end, in order. O(len(order) - moved_from)."""
+    for key in order[moved_from:]:
+        items.move_to_end(key)
 
 
 _EMPTY: frozenset[str] = frozenset()

@@ -8,16 +8,55 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterable, Set
+from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass, field
 
-from cache_manager import CacheManager
+from cache_manager import Admission, CacheManager
 from gpufaas.errors import ModelTooLarge, UnknownModel
 from gpufaas.types import GpuSpec, ModelSpec, Request
-from scheduler.decisions import Decision, Dispatch, Park
+from scheduler.decisions import Decision, Dispatch, Park, PassOver, Step, Visit
 from scheduler.estimator import Estimator
 from scheduler.policies.base import SchedulingPolicy
 from scheduler.queues import GlobalQueue
+
+_PLACEMENTS = (Dispatch, Park)  # the steps of a plan that are decisions (the rest is bookkeeping)
+
+
+class PolicyError(RuntimeError):
+    """A policy's plan cannot be applied (a step it did not reserve is not possible now): a bug in
+    the policy. The scheduler is left as it was before that policy's fill."""
+
+
+class _Journal:
+    """The undo log of one policy fill: each reservation and how to undo it, undone last-in
+    first-out. The policy's plan is what it keeps; `rollback` takes back the rest."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[Step, Callable[[], None]]] = []
+
+    def record(self, step: Step, undo: Callable[[], None]) -> None:
+        self._entries.append((step, undo))
+
+    def holds_exactly(self, plan: Sequence[Step]) -> bool:
+        """Whether `plan` is every reservation, in order (the usual case: nothing to roll back)."""
+        entries = self._entries
+        if len(plan) != len(entries):
+            return False
+        return all(kept is entries[index][0] for index, kept in enumerate(plan))
+
+    def savepoint(self) -> int:
+        return len(self._entries)
+
+    def rollback(self, savepoint: int = 0) -> None:
+        """Undo every reservation made after `savepoint` (all of them by default)."""
+        while len(self._entries) > savepoint:
+            _, undo = self._entries.pop()
+            undo()
+
+    def clear(self) -> None:
+        self._entries.clear()
 
 
 @dataclass(slots=True)
@@ -88,6 +127,11 @@ class Scheduler:
     them and reports each finished request with `on_complete()` (or `on_failure()`). A GPU runs
     up to D = `GpuSpec.slots` requests at once (`set_slots` changes D at run time); a GPU with a
     free slot is what policies call idle.
+
+    During `schedule()` the scheduler is the draft its policy plans on (`SchedulingContext`):
+    `dispatch`, `park`, `pass_over` and `visit` reserve a step (applied, and journalled), and the
+    policy's returned plan is what is kept; the rest is rolled back (see `SchedulingPolicy`).
+    Called outside `schedule()` (tests, tools) they apply directly.
     """
 
     def __init__(
@@ -116,7 +160,8 @@ class Scheduler:
         # that frees up first is O(log) instead of a scan of every replica. Entries go stale (GPU
         # idle, model evicted, version bumped) and are dropped lazily, or compacted.
         self._free_at: dict[str, list[tuple[float, str, int]]] = {}
-        self._decisions: list[Decision] = []
+        self._journal: _Journal | None = None  # open while a policy fills a GPU
+        self._spare_journal = _Journal()  # the one journal, reused fill after fill
         # GPUs that received a dispatch in the current pass of `schedule()` and had a free slot
         # left: the next pass offers them work again (cleared when a pass starts).
         self._refill: set[str] = set()
@@ -227,11 +272,10 @@ class Scheduler:
         a dispatch is full: one pass, as when a GPU ran one request at a time.
         """
         decisions: list[Decision] = []
-        self._decisions = decisions
         for gpu_id in sorted(self._ready_local):
             state = self._gpus[gpu_id]
             while state.idle and state.local_queue:
-                self._dispatch_local(state, now)
+                decisions.append(self._dispatch_local(state, now))
         self._ready_local.clear()
         offered = list(self._idle)  # (order key, GPU id), in idle order
         while self.queue:
@@ -240,11 +284,56 @@ class Scheduler:
                 if not self.queue:
                     break
                 if self._gpus[gpu_id].idle:
-                    self.policy.fill(self, gpu_id, now)
+                    decisions.extend(self._fill(gpu_id, now))
             if not self._refill:
                 break
             offered = sorted((self._gpus[g].order_key, g) for g in self._refill if self._gpus[g].idle)
         return decisions
+
+    def _fill(self, gpu_id: str, now: float) -> list[Decision]:
+        """Let the policy plan for `gpu_id` on the draft; keep its plan, roll back the rest."""
+        journal = self._journal = self._spare_journal
+        journal.clear()
+        try:
+            plan = self.policy.fill(self, gpu_id, now)
+            if not journal.holds_exactly(plan):
+                # The plan is not simply what was reserved (the policy tried what-ifs, or built
+                # steps itself): take everything back, then apply the plan step by step.
+                journal.rollback()
+                plan = [self._reapply(step, now) for step in plan]
+        except BaseException:
+            journal.rollback()
+            raise
+        finally:
+            self._journal = None
+            journal.clear()
+        return [step for step in plan if isinstance(step, _PLACEMENTS)]
+
+    def _reapply(self, step: Step, now: float) -> Step:
+        """Apply one step of a plan that was not reserved as such; PolicyError if it cannot be."""
+        queued = step.request.request_id if isinstance(step, Dispatch | Park) else step.request_id
+        if queued not in self.queue:
+            raise PolicyError(f"{type(self.policy).__name__}: its plan has {step!r} for a request not queued")
+        if isinstance(step, Dispatch):
+            if step.gpu_id not in self._gpus or not self._gpus[step.gpu_id].idle:
+                raise PolicyError(f"{type(self.policy).__name__}: its plan dispatches to {step.gpu_id!r}, not idle")
+            if not self.fits(step.request.model, step.gpu_id):
+                raise PolicyError(
+                    f"{type(self.policy).__name__}: its plan runs {step.request.model!r} on {step.gpu_id!r}, "
+                    "where it does not fit now"
+                )
+            return self.dispatch(step.request, step.gpu_id, now)
+        if isinstance(step, Park):
+            state = self._gpus.get(step.gpu_id)
+            if state is None or state.idle or step.request.model not in self.cache.models_on(step.gpu_id):
+                raise PolicyError(
+                    f"{type(self.policy).__name__}: its plan parks {step.request.model!r} on {step.gpu_id!r}, "
+                    "which is idle or does not hold the model"
+                )
+            return self.park(step.request, step.gpu_id, now)
+        if isinstance(step, PassOver):
+            return self.pass_over(step.request_id, exempt=step.exempt)
+        return self.visit(step.request_id)
 
     def on_complete(
         self,
@@ -447,47 +536,140 @@ class Scheduler:
 
     def dispatch(self, request: Request, gpu_id: str, now: float) -> Dispatch:
         """Run a globally queued request in a free slot of `gpu_id` (admitting its model to the
-        cache; the model must fit there now, see `fits`)."""
-        self.queue.remove(request.request_id)
-        return self._start(request, self._gpus[gpu_id], now, pinned=False)
+        cache; the model must fit there now, see `fits`). Reserved while a policy fills."""
+        state = self._gpus[gpu_id]
+        journal = self._journal
+        taken = self.queue.take(request.request_id)
+        if journal is None:
+            try:
+                return self._start(request, state, now, pinned=False)
+            except BaseException:
+                self.queue.untake(taken)
+                raise
+        busy_until_before, refilled_before = state.busy_until_s, gpu_id in self._refill
+        try:
+            decision, cache_undo = self._start_undoable(request, state, now)
+        except BaseException:
+            self.queue.untake(taken)
+            raise
+        left_idle = not state.idle
+        request_id = request.request_id
+
+        def undo() -> None:
+            del state.running[request_id]
+            del state.expected_finish_s[request_id]
+            del self._placed_on[request_id]
+            state.busy_until_s = busy_until_before
+            state.version += 1  # what it advertised while full no longer holds
+            if left_idle:
+                bisect.insort(self._idle, (state.order_key, gpu_id))
+            if not refilled_before:
+                self._refill.discard(gpu_id)
+            self.cache.unpin(gpu_id, request.model)
+            cache_undo()
+            self.queue.untake(taken)
+
+        journal.record(decision, undo)
+        return decision
 
     def park(self, request: Request, gpu_id: str, now: float) -> Park:
         """Move a globally queued request to the local queue of `gpu_id`, a GPU with no free slot
-        (its model is cached there and stays pinned until the request runs)."""
+        (its model is cached there and stays pinned until the request runs). Reserved while a
+        policy fills."""
         state = self._gpus[gpu_id]
+        work_before = state.local_work_s
         wait_s = self.estimated_wait_s(gpu_id, now)
-        self.queue.remove(request.request_id)
+        taken = self.queue.take(request.request_id)
         self.cache.pin(gpu_id, request.model)
         state.local_queue.append(request)
         state.local_work_s += self._inference_time_s(request, state)
         self._advertise(state)
         self._placed_on[request.request_id] = gpu_id
         decision = Park(request, gpu_id, wait_s)
-        self._decisions.append(decision)
+        if self._journal is not None:
+            request_id = request.request_id
+
+            def undo() -> None:
+                state.local_queue.pop()
+                state.local_work_s = work_before
+                del self._placed_on[request_id]
+                self.cache.unpin(gpu_id, request.model)
+                self._advertise(state)  # busy, and free when it was before the park
+                self.queue.untake(taken)
+
+            self._journal.record(decision, undo)
         return decision
 
+    def savepoint(self) -> int:
+        """A mark in the current fill's reservations, for `rollback` (a policy's what-if)."""
+        if self._journal is None:
+            raise RuntimeError("savepoint() is for a policy's fill: nothing is being reserved now")
+        return self._journal.savepoint()
+
+    def rollback(self, savepoint: int) -> None:
+        """Undo the reservations made since `savepoint` (last first): the draft is as it was then."""
+        if self._journal is None:
+            raise RuntimeError("rollback() is for a policy's fill: nothing is being reserved now")
+        self._journal.rollback(savepoint)
+
+    def pass_over(self, request_id: str, *, exempt: Sequence[str] = ()) -> PassOver:
+        """Count a skip for every request queued ahead of `request_id` but `exempt` (see
+        `GlobalQueue.pass_over`). Reserved while a policy fills."""
+        self.queue.pass_over(request_id, exempt=exempt)
+        step = PassOver(request_id, tuple(exempt))
+        if self._journal is not None:
+            self._journal.record(step, lambda: self.queue.unpass(request_id, exempt=exempt))
+        return step
+
+    def visit(self, request_id: str) -> Visit:
+        """Count one visit for one queued request (Algorithm 1 read literally). Reserved while a
+        policy fills."""
+        self.queue.visit(request_id)
+        step = Visit(request_id)
+        if self._journal is not None:
+            self._journal.record(step, lambda: self.queue.unvisit(request_id))
+        return step
+
     # --- internals ------------------------------------------------------------------------
-    def _dispatch_local(self, state: GpuState, now: float) -> None:
+    def _dispatch_local(self, state: GpuState, now: float) -> Dispatch:
         request = state.local_queue.popleft()
         state.local_work_s = max(0.0, state.local_work_s - self._inference_time_s(request, state))
         if not state.local_queue:
             state.local_work_s = 0.0  # no drift from float sums
-        self._start(request, state, now, pinned=True)
+        return self._start(request, state, now, pinned=True)
 
     def _start(self, request: Request, state: GpuState, now: float, *, pinned: bool) -> Dispatch:
+        spec = self._check_slot(request, state)
+        holders = self.cache.gpus_with(spec.name)
+        false_miss = state.spec.gpu_id not in holders and len(holders) > 0
+        admission = self.cache.admit(state.spec.gpu_id, spec.name, spec.memory_mb)
+        if not pinned:
+            self.cache.pin(state.spec.gpu_id, spec.name)
+        return self._occupy(request, state, spec, admission=admission, false_miss=false_miss, now=now)
+
+    def _start_undoable(self, request: Request, state: GpuState, now: float) -> tuple[Dispatch, Callable[[], None]]:
+        """`_start` of a globally queued request, and how to undo its admission (a reservation)."""
+        spec = self._check_slot(request, state)
+        holders = self.cache.gpus_with(spec.name)
+        false_miss = state.spec.gpu_id not in holders and len(holders) > 0
+        admission, cache_undo = self.cache.admit_undoable(state.spec.gpu_id, spec.name, spec.memory_mb)
+        self.cache.pin(state.spec.gpu_id, spec.name)
+        return self._occupy(request, state, spec, admission=admission, false_miss=false_miss, now=now), cache_undo
+
+    def _check_slot(self, request: Request, state: GpuState) -> ModelSpec:
+        if len(state.running) >= state.spec.slots:
+            raise RuntimeError(
+                f"GPU {state.spec.gpu_id!r} has no free slot ({len(state.running)} running, {state.spec.slots} "
+                f"slots); cannot dispatch {request.request_id!r}"
+            )
+        return self._models[request.model]
+
+    def _occupy(
+        self, request: Request, state: GpuState, spec: ModelSpec, *, admission: Admission, false_miss: bool, now: float
+    ) -> Dispatch:
+        """The request takes a slot of `state`, its model admitted: estimates, idle list, adverts."""
         gpu_id, slots = state.spec.gpu_id, state.spec.slots
         running = state.running
-        if len(running) >= slots:
-            raise RuntimeError(
-                f"GPU {gpu_id!r} has no free slot ({len(running)} running, {slots} slots); "
-                f"cannot dispatch {request.request_id!r}"
-            )
-        spec = self._models[request.model]
-        holders = self.cache.gpus_with(spec.name)
-        false_miss = gpu_id not in holders and len(holders) > 0
-        admission = self.cache.admit(gpu_id, spec.name, spec.memory_mb)
-        if not pinned:
-            self.cache.pin(gpu_id, spec.name)
         load_s = 0.0 if admission.hit else self.estimator.load_time_s(spec.name, state.spec.gpu_type, spec.memory_mb)
         inference_s = self._inference_time_s(request, state)
         running[request.request_id] = request
@@ -499,7 +681,7 @@ class Scheduler:
             self._leave_idle(state)
             self._advertise(state)
         self._placed_on[request.request_id] = gpu_id
-        decision = Dispatch(
+        return Dispatch(
             request=request,
             gpu_id=gpu_id,
             hit=admission.hit,
@@ -508,8 +690,6 @@ class Scheduler:
             est_load_time_s=load_s,
             est_inference_time_s=inference_s,
         )
-        self._decisions.append(decision)
-        return decision
 
     def _running(self, request_id: str) -> tuple[GpuState, Request]:
         """The GPU a request runs on, and the request; KeyError if it is not running."""

@@ -32,3 +32,26 @@ class Park:
 
 
 Decision = Dispatch | Park
+
+
+# --- what else a policy's plan may hold (the scheduler's own bookkeeping; not sent anywhere) -----
+
+
+@dataclass(frozen=True, slots=True)
+class PassOver:
+    """Count one skip for every request queued ahead of `request_id` (it is dispatched ahead of
+    them), except `exempt` ones (requests it could not have been dispatched to instead)."""
+
+    request_id: str
+    exempt: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Visit:
+    """Count one visit (a skip) for one queued request: Algorithm 1 read literally."""
+
+    request_id: str
+
+
+Step = Dispatch | Park | PassOver | Visit
+"""One step of a policy's plan for an idle GPU (`SchedulingPolicy.fill`)."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
 
 from gpufaas.types import Request
 
@@ -22,6 +24,31 @@ class _Node:
         self.own_skips = 0
         # "+pending to every node from the head up to and including this one" (a lazy range add).
         self.pending = 0
+
+
+@dataclass(slots=True)  # not frozen: one per reserved dispatch, and frozen ones cost 3x to make
+class Taken:
+    """A request taken out of the queue by `take`, with what `untake` needs to put it back
+    exactly (same place, same skip count, same marks): its node and its neighbours then."""
+
+    node: _Node
+    prev: _Node | None
+    next: _Node | None
+
+
+class QueueView(Protocol):
+    """What a scheduling policy may read of the global queue (it changes it through its draft)."""
+
+    @property
+    def head(self) -> Request | None: ...
+    def __len__(self) -> int: ...
+    def __bool__(self) -> bool: ...
+    def __contains__(self, request_id: object) -> bool: ...
+    def walk(self) -> Iterator[tuple[Request, int]]: ...
+    def oldest_of(self, models: Iterable[str]) -> Request | None: ...
+    def oldest_for(self, model: str) -> Request | None: ...
+    def head_skips(self) -> int: ...
+    def num_skips(self, request_id: str) -> int: ...
 
 
 class GlobalQueue:
@@ -112,6 +139,42 @@ class GlobalQueue:
             del self._by_model[node.request.model]
         return node.request
 
+    def take(self, request_id: str) -> Taken:
+        """`remove`, keeping what `untake` needs to undo it."""
+        node = self._nodes[request_id]
+        taken = Taken(node, node.prev, node.next)
+        self.remove(request_id)
+        return taken
+
+    def untake(self, taken: Taken) -> None:
+        """Undo a `take`: exact when undone last-in first-out (the neighbours are adjacent again)."""
+        node, prev, following = taken.node, taken.prev, taken.next
+        if (prev.next if prev is not None else self._head) is not following:
+            raise RuntimeError(f"cannot put back {node.request.request_id!r}: the queue changed around it")
+        node.prev, node.next = prev, following
+        if prev is not None:
+            prev.next = node
+            prev.pending -= node.pending  # remove() moved this node's mark onto its predecessor
+        else:
+            self._head = node
+            self._total_pending += node.pending
+        if following is not None:
+            following.prev = node
+        else:
+            self._tail = node
+        self._nodes[node.request.request_id] = node
+        index = self._by_model.setdefault(node.request.model, OrderedDict())
+        last = next(reversed(index.values()), None)
+        first = next(iter(index.values()), None)
+        index[node.request.request_id] = node
+        if last is not None and last.seq > node.seq:
+            if first is not None and node.seq < first.seq:
+                index.move_to_end(node.request.request_id, last=False)  # the usual case: the oldest
+            else:
+                ordered = sorted(index.values(), key=lambda n: n.seq)
+                index.clear()
+                index.update((n.request.request_id, n) for n in ordered)
+
     def pass_over(self, request_id: str, *, exempt: Iterable[str] = ()) -> None:
         """Count one skip for every request queued ahead of `request_id`, except `exempt` ones
         (requests the dispatch could not have gone to: O(len(exempt)))."""
@@ -122,11 +185,24 @@ class GlobalQueue:
         for other in exempt:
             self._nodes[other].own_skips -= 1
 
+    def unpass(self, request_id: str, *, exempt: Iterable[str] = ()) -> None:
+        """Undo a `pass_over` with the same arguments (last-in first-out)."""
+        node = self._nodes[request_id]
+        if node.prev is not None:
+            node.prev.pending -= 1
+            self._total_pending -= 1
+        for other in exempt:
+            self._nodes[other].own_skips += 1
+
     def visit(self, request_id: str) -> None:
         """Count one visit (a skip) for one request: O(1). For Algorithm 1 read literally, which
         counts every request a scan passes; it visits a prefix of the queue (less the requests
         already over the limit, which are older and have more), so counts stay monotone."""
         self._nodes[request_id].own_skips += 1
+
+    def unvisit(self, request_id: str) -> None:
+        """Undo a `visit`."""
+        self._nodes[request_id].own_skips -= 1
 
     # --- lookups --------------------------------------------------------------------------
     def oldest_of(self, models: Iterable[str]) -> Request | None:

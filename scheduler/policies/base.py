@@ -1,9 +1,20 @@
-"""The scheduling-policy interface, its registry by name, and what a policy may ask of the scheduler."""
+"""The scheduling-policy interface, its registry by name, and the draft a policy plans on.
+
+A policy is offered one idle GPU at a time (`fill`) and returns its plan: the steps it wants, in
+order. It plans on a `Draft` of the scheduler: it reads the queue, the cache and the GPUs, and
+reserves a step (`dispatch`, `park`, `pass_over`, `visit`) to see the state that step leads to
+(the GPU it dispatched to is busier, the model is cached there); Kubernetes' scheduling
+framework reserves the same way. The scheduler keeps exactly the plan the policy returns: a
+reservation the plan leaves out (a what-if the policy tried and dropped) is rolled back, and so
+is every reservation when the policy raises. Reservations are cheap (a journal entry each), so a
+policy may score alternatives: `savepoint()`, reserve one, read what it did (a Dispatch says
+what it would evict), `rollback(savepoint)`, try the next, then reserve the one it keeps.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Set
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
@@ -12,18 +23,22 @@ from gpufaas.types import Request
 
 if TYPE_CHECKING:
     from cache_manager import CacheManager
-    from scheduler.decisions import Dispatch, Park
-    from scheduler.queues import GlobalQueue
+    from scheduler.decisions import Dispatch, Park, PassOver, Step, Visit
+    from scheduler.queues import QueueView
 
 DEFAULT_MAX_NUM_SKIPS = 25
 """The paper's default out-of-order limit: how often a queued request may be passed over."""
 
 
 class SchedulingContext(Protocol):
-    """The narrow view of the scheduler a policy works through (implemented by `Scheduler`)."""
+    """The draft of the scheduler a policy plans on (implemented by the scheduler's `Draft`):
+    reads, and reservations that return the step they made. Read the cache only: change it
+    through reservations."""
 
-    queue: GlobalQueue
-    cache: CacheManager
+    @property
+    def queue(self) -> QueueView: ...
+    @property
+    def cache(self) -> CacheManager: ...
 
     def best_idle(self, gpu_ids: Set[str], exclude: str | None = None) -> str | None: ...
     def estimated_wait_s(self, gpu_id: str, now: float) -> float: ...
@@ -35,6 +50,10 @@ class SchedulingContext(Protocol):
     def idle_with_coldest_victim(self, model: str, exclude: str | None = None) -> str | None: ...
     def dispatch(self, request: Request, gpu_id: str, now: float) -> Dispatch: ...
     def park(self, request: Request, gpu_id: str, now: float) -> Park: ...
+    def pass_over(self, request_id: str, *, exempt: Sequence[str] = ()) -> PassOver: ...
+    def visit(self, request_id: str) -> Visit: ...
+    def savepoint(self) -> int: ...
+    def rollback(self, savepoint: int) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +100,13 @@ class SchedulingPolicy(ABC):
         return cls()
 
     @abstractmethod
-    def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> None:
-        """Offer idle `gpu_id` (it has a free slot; its local queue is empty) work from the global queue.
+    def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> list[Step]:
+        """Offer idle `gpu_id` (it has a free slot; its local queue is empty) work from the global
+        queue; returns the plan: the steps to keep, in the order they were reserved on `ctx`.
 
-        May dispatch to `gpu_id`, and on the way place other requests elsewhere (dispatch to
-        other idle GPUs, park on busy ones). Must not pass over a request without counting it.
+        The plan may dispatch to `gpu_id`, and on the way place other requests elsewhere
+        (dispatch to other idle GPUs, park on busy ones). It must not pass over a request
+        without counting it. An empty plan leaves everything as it was.
         """
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 from gpufaas.types import Request
+from scheduler.decisions import Dispatch, Park, Step
 from scheduler.policies.base import PolicyConfig, SchedulingContext, SchedulingPolicy
 
 
@@ -22,7 +23,7 @@ def locality_load_balance(
     *,
     room_aware: bool = True,
     coldest_victim: bool = True,
-) -> Placement:
+) -> tuple[Placement, Dispatch | Park | None]:
     """Algorithm 2: place `request` given that idle `gpu_id` (one with a free slot) wants work.
 
     Model cached nowhere -> miss here. Cached on another idle GPU -> hit there. Cached on busy
@@ -33,22 +34,20 @@ def locality_load_balance(
     least recently used model of those GPUs; else here; and if the model may not run here now
     (clusters of mixed memory sizes, models pinned by requests running here), on the first idle
     GPU it may, so that a younger request never takes the only GPU an older one could use.
-    `room_aware=False` is Algorithm 2 to the letter (and ignores `coldest_victim`).
+    `room_aware=False` is Algorithm 2 to the letter (and ignores `coldest_victim`). Returns where
+    the request went and the step reserved for it (None for NOWHERE).
     """
     avoid = request.avoid_gpu  # a retry after its worker died: never there again
     holders = ctx.cache.gpus_with(request.model)
     if gpu_id in holders and gpu_id != avoid:
-        ctx.dispatch(request, gpu_id, now)
-        return Placement.HERE
+        return Placement.HERE, ctx.dispatch(request, gpu_id, now)
     if holders:
         idle_holder = ctx.best_idle(holders, exclude=avoid)
         if idle_holder is not None:
-            ctx.dispatch(request, idle_holder, now)
-            return Placement.ELSEWHERE
+            return Placement.ELSEWHERE, ctx.dispatch(request, idle_holder, now)
         soonest = ctx.soonest_busy_holder(request.model, now)
         if soonest is not None and soonest[0] != avoid and soonest[1] < ctx.load_time_s(request.model, gpu_id):
-            ctx.park(request, soonest[0], now)
-            return Placement.ELSEWHERE
+            return Placement.ELSEWHERE, ctx.park(request, soonest[0], now)
     # The miss goes where it evicts nothing if an idle GPU has room (the paper misses on the GPU
     # being filled, which throws out a warm model while another idle GPU sits empty); else where
     # it evicts the coldest model; else here; else, on clusters of mixed memory sizes, on the
@@ -62,9 +61,9 @@ def locality_load_balance(
         here = gpu_id != avoid and ctx.fits(request.model, gpu_id)
         target = gpu_id if here else ctx.first_idle_fitting(request.model, exclude=avoid)
     if target is None:
-        return Placement.NOWHERE
-    ctx.dispatch(request, target, now)
-    return Placement.HERE if target == gpu_id else Placement.ELSEWHERE
+        return Placement.NOWHERE, None
+    step = ctx.dispatch(request, target, now)
+    return (Placement.HERE if target == gpu_id else Placement.ELSEWHERE), step
 
 
 class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
@@ -108,7 +107,9 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
             literal_visits=config.literal_visits,
         )
 
-    def _balance(self, ctx: SchedulingContext, gpu_id: str, request: Request, now: float) -> Placement:
+    def _balance(
+        self, ctx: SchedulingContext, gpu_id: str, request: Request, now: float
+    ) -> tuple[Placement, Dispatch | Park | None]:
         return locality_load_balance(
             ctx,
             gpu_id,
@@ -118,12 +119,12 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
             coldest_victim=self.coldest_victim_misses,
         )
 
-    def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> None:
+    def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> list[Step]:
         if self.literal_visits:
-            self._fill_literal(ctx, gpu_id, now)
-            return
+            return self._fill_literal(ctx, gpu_id, now)
         queue = ctx.queue
         cached_here = ctx.cache.models_on(gpu_id)
+        plan: list[Step] = []
         # Requests at the limit that no idle GPU can hold: the dispatch below goes to a GPU they
         # cannot use, so it does not pass them over.
         waiting_for_a_fit: list[str] = []
@@ -131,44 +132,56 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
             if num_skips < self.max_num_skips:
                 break
             if request.model in cached_here and request.avoid_gpu != gpu_id:
-                ctx.dispatch(request, gpu_id, now)
-                return
-            placement = self._balance(ctx, gpu_id, request, now)
+                plan.append(ctx.dispatch(request, gpu_id, now))
+                return plan
+            placement, step = self._balance(ctx, gpu_id, request, now)
+            if step is not None:
+                plan.append(step)
             if placement is Placement.HERE:
-                return
+                return plan
             if placement is Placement.NOWHERE:
                 waiting_for_a_fit.append(request.request_id)
         else:
-            return  # every queued request was placed (or waits for a GPU large enough)
+            return plan  # every queued request was placed (or waits for a GPU large enough)
         candidate = queue.oldest_of(cached_here)
         if candidate is not None and candidate.avoid_gpu != gpu_id:
-            queue.pass_over(candidate.request_id, exempt=waiting_for_a_fit)
-            ctx.dispatch(candidate, gpu_id, now)
-            return
-        for request, _ in queue.walk():
-            if self._balance(ctx, gpu_id, request, now) is Placement.HERE:
-                return
+            plan.append(ctx.pass_over(candidate.request_id, exempt=waiting_for_a_fit))
+            plan.append(ctx.dispatch(candidate, gpu_id, now))
+            return plan
+        return plan + self._balance_in_order(ctx, gpu_id, now)
 
-    def _fill_literal(self, ctx: SchedulingContext, gpu_id: str, now: float) -> None:
+    def _balance_in_order(self, ctx: SchedulingContext, gpu_id: str, now: float) -> list[Step]:
+        """Algorithm 2 for each queued request in arrival order until one lands on `gpu_id`."""
+        plan: list[Step] = []
+        for request, _ in ctx.queue.walk():
+            placement, step = self._balance(ctx, gpu_id, request, now)
+            if step is not None:
+                plan.append(step)
+            if placement is Placement.HERE:
+                break
+        return plan
+
+    def _fill_literal(self, ctx: SchedulingContext, gpu_id: str, now: float) -> list[Step]:
         """Algorithm 1, lines 6-21, as printed: scan in arrival order; a request whose model is
         cached here is dispatched (a hit); one whose visits are higher than the limit is placed
         by Algorithm 2 (the scan ends if it landed here); any other is visited (+1) and passed.
         If the scan found no hit, Algorithm 2 places requests in arrival order until one lands
         here. So even with limit 0 a request may be passed over once."""
-        queue = ctx.queue
         cached_here = ctx.cache.models_on(gpu_id)
-        for request, visits in queue.walk():
+        plan: list[Step] = []
+        for request, visits in ctx.queue.walk():
             if request.model in cached_here and request.avoid_gpu != gpu_id:
-                ctx.dispatch(request, gpu_id, now)
-                return
+                plan.append(ctx.dispatch(request, gpu_id, now))
+                return plan
             if visits > self.max_num_skips:
-                if self._balance(ctx, gpu_id, request, now) is Placement.HERE:
-                    return
+                placement, step = self._balance(ctx, gpu_id, request, now)
+                if step is not None:
+                    plan.append(step)
+                if placement is Placement.HERE:
+                    return plan
             else:
-                queue.visit(request.request_id)
-        for request, _ in queue.walk():
-            if self._balance(ctx, gpu_id, request, now) is Placement.HERE:
-                return
+                plan.append(ctx.visit(request.request_id))
+        return plan + self._balance_in_order(ctx, gpu_id, now)
 
 
 class OutOfOrderLocalityAwarePolicy(LocalityAwarePolicy, name="lalb-o3"):

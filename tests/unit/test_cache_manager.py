@@ -162,3 +162,42 @@ def test_can_admit_counts_the_memory_pinned_models_hold() -> None:
     cache.pin("g0", "A")
     cache.drop("g0", "A")
     assert gpu.pinned_mb == 0 and gpu.used_mb == 1800
+
+
+def full_state(cache: CacheManager) -> tuple[object, ...]:
+    return (
+        cache.snapshot(),
+        {g: {m: cache.gpu(g).last_used_tick(m) for m in cache.gpu(g)} for g in cache.gpu_ids()},
+        {m: sorted(cache.gpus_with(m)) for m in "ABCDE"},
+        {g: (cache.gpu(g).used_mb, cache.gpu(g).pinned_mb) for g in cache.gpu_ids()},
+    )
+
+
+def test_admit_undoable_undoes_hits_and_misses_last_in_first_out() -> None:
+    cache = make_cache(("g0", 3000), ("g1", 3000))
+    for model in "ABC":
+        cache.admit("g0", model, 1000)
+    cache.admit("g1", "A", 1000)
+    cache.pin("g0", "C")
+    before = full_state(cache)
+    undos = []
+    for gpu, model in (("g0", "A"), ("g0", "D"), ("g0", "E"), ("g1", "B"), ("g0", "D")):
+        _, undo = cache.admit_undoable(gpu, model, 1000)
+        undos.append(undo)
+    assert cache.gpu("g0").lru_list() == ["D", "E", "C"]  # B then A were evicted, C is pinned
+    for undo in reversed(undos):
+        undo()
+    assert full_state(cache) == before
+    assert cache.admit("g0", "D", 1000).evicted == ("A",)  # the recency order came back too
+
+
+def test_admit_undoable_that_cannot_admit_changes_nothing() -> None:
+    cache = make_cache(("g0", 2000))
+    cache.admit("g0", "A", 1000)
+    cache.admit("g0", "B", 1000)
+    cache.pin("g0", "A")
+    cache.pin("g0", "B")
+    before = full_state(cache)
+    with pytest.raises(CacheFull):
+        cache.admit_undoable("g0", "C", 1000)
+    assert full_state(cache) == before

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from scheduler.queues import GlobalQueue
 from tests.builders import make_request
 
@@ -74,3 +76,52 @@ def test_requeued_request_goes_back_in_arrival_order_keeping_counts_monotone() -
     assert [r.request_id for r in queue] == [a.request_id, b.request_id, c.request_id]
     assert [queue.num_skips(r.request_id) for r in (a, b, c)] == [1, 1, 0]
     assert queue.oldest_for("A") == a
+
+
+def snapshot(queue: GlobalQueue) -> list[tuple[str, int]]:
+    return [(r.request_id, queue.num_skips(r.request_id)) for r in queue]
+
+
+def test_take_and_untake_last_in_first_out_restore_order_marks_and_model_index() -> None:
+    queue, ids = make_queue("A", "B", "A", "C", "A")
+    queue.pass_over(ids[3])  # A, B, A: one skip each (the mark sits on ids[2])
+    queue.pass_over(ids[1])  # A: one more
+    queue.visit(ids[4])
+    before = snapshot(queue)
+    # Take the oldest A, then the A holding the mark, then the tail: undo in reverse.
+    taken = [queue.take(ids[0]), queue.take(ids[2]), queue.take(ids[4])]
+    assert [r.request_id for r in queue] == [ids[1], ids[3]]
+    assert queue.oldest_for("A") is None
+    for one in reversed(taken):
+        queue.untake(one)
+    assert snapshot(queue) == before
+    assert queue.oldest_for("A").request_id == ids[0]  # type: ignore[union-attr]
+    queue.remove(ids[0])
+    assert queue.oldest_for("A").request_id == ids[2]  # type: ignore[union-attr]  # index order kept
+
+
+def test_untake_of_a_younger_request_keeps_the_model_index_in_arrival_order() -> None:
+    queue, ids = make_queue("A", "B", "A", "A")
+    middle = queue.take(ids[2])
+    queue.untake(middle)
+    assert [r.request_id for r in queue] == ids
+    queue.remove(ids[0])
+    assert queue.oldest_for("A").request_id == ids[2]  # type: ignore[union-attr]
+
+
+def test_unpass_and_unvisit_undo_their_counts() -> None:
+    queue, ids = make_queue("A", "B", "C")
+    before = snapshot(queue)
+    queue.pass_over(ids[2], exempt=[ids[0]])
+    queue.visit(ids[1])
+    queue.unvisit(ids[1])
+    queue.unpass(ids[2], exempt=[ids[0]])
+    assert snapshot(queue) == before
+
+
+def test_untake_after_the_queue_changed_around_it_is_refused() -> None:
+    queue, ids = make_queue("A", "B", "C")
+    taken = queue.take(ids[1])
+    queue.remove(ids[2])
+    with pytest.raises(RuntimeError, match="changed around it"):
+        queue.untake(taken)
