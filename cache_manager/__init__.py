@@ -1,7 +1,7 @@
 """Per-GPU model caches (LRU lists), victim selection, and the model -> GPUs directory."""
 
 from cache_manager.eviction import EvictionPolicy, LruEviction, eviction_policy
-from cache_manager.manager import Admission, CacheItem, CacheManager, GpuCache
+from cache_manager.manager import Admission, CacheItem, CacheManager, GpuCache, HostTier
 
 __all__ = [
     "Admission",
@@ -9,6 +9,7 @@ __all__ = [
     "CacheManager",
     "EvictionPolicy",
     "GpuCache",
+    "HostTier",
     "LruEviction",
     "eviction_policy",
 ]

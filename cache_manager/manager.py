@@ -1,4 +1,5 @@
-"""The cache manager: one LRU list per GPU, pinning, admission with victims, model -> GPUs directory."""
+"""The cache manager: one LRU list per GPU, pinning, admission with victims, model -> GPUs directory,
+and per node a host tier that keeps what its GPUs evicted (Torpor)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,36 @@ class CacheItem:
 
 @dataclass(frozen=True, slots=True)
 class Admission:
-    """What admitting a model to a GPU did: a hit, or a miss that evicted `evicted` (LRU first)."""
+    """What admitting a model to a GPU did: a hit, or a miss that evicted `evicted` (LRU first).
+    `from_host`: the miss takes the model from its node's host tier (a swap-in, not a load)."""
 
     hit: bool
     evicted: tuple[str, ...] = ()
+    from_host: bool = False
+
+
+class HostTier:
+    """One node's host memory for models evicted from its GPUs (Torpor's host tier), least
+    recently evicted first. Exclusive of the GPUs: a model taken back onto a GPU leaves it, a model
+    evicted from a GPU of the node enters it (pushing out the oldest entries if it must). A model
+    larger than the whole tier does not enter."""
+
+    __slots__ = ("capacity_mb", "items", "node", "used_mb")
+
+    def __init__(self, node: str, capacity_mb: int) -> None:
+        if capacity_mb < 0:
+            raise ValueError(f"node {node!r}: host capacity_mb must be >= 0, got {capacity_mb}")
+        self.node = node
+        self.capacity_mb = capacity_mb
+        self.items: OrderedDict[str, CacheItem] = OrderedDict()
+        self.used_mb = 0
+
+    def __contains__(self, model: object) -> bool:
+        return model in self.items
+
+    def lru_list(self) -> list[str]:
+        """Held models, most recently evicted first."""
+        return list(reversed(self.items))
 
 
 class GpuCache:
@@ -193,25 +220,66 @@ class CacheManager:
         self._directory: dict[str, set[str]] = {}
         self._max_capacity_mb = 0  # kept as GPUs come and go: asked on every submit
         self._tick = 0  # the recency clock: the last tick handed out
+        self._hosts: dict[str, HostTier] = {}  # node -> its host tier (absent: the node has none)
+        self._node_of: dict[str, str] = {}  # GPU -> its node, for GPUs added with one
+        self._host_directory: dict[str, set[str]] = {}  # model -> nodes whose host tier holds it
 
     # --- GPUs -----------------------------------------------------------------------------
-    def add_gpu(self, gpu_id: str, capacity_mb: int) -> GpuCache:
+    def add_gpu(self, gpu_id: str, capacity_mb: int, *, node: str | None = None) -> GpuCache:
+        """Add a GPU; `node` names the machine it is in, whose host tier (`add_host`) it shares."""
         if gpu_id in self._gpus:
             raise KeyError(f"GPU {gpu_id!r} is already known to the cache manager")
         cache = GpuCache(gpu_id, capacity_mb, self._policy)
         self._gpus[gpu_id] = cache
+        if node is not None:
+            self._node_of[gpu_id] = node
         self._max_capacity_mb = max(self._max_capacity_mb, capacity_mb)
         return cache
 
     def remove_gpu(self, gpu_id: str) -> list[str]:
-        """Drop a GPU (its node left) and every cache entry on it; returns the models it held."""
+        """Drop a GPU (its node left) and every cache entry on it; returns the models it held. The
+        node's host tier goes with its last GPU."""
         cache = self._gpus.pop(gpu_id)
         if cache.capacity_mb == self._max_capacity_mb:
             self._max_capacity_mb = max((c.capacity_mb for c in self._gpus.values()), default=0)
         models = cache.lru_list()
         for model in models:
             self._forget(model, gpu_id)
+        node = self._node_of.pop(gpu_id, None)
+        if node is not None and node not in self._node_of.values():
+            self.remove_host(node)
         return models
+
+    def add_host(self, node: str, capacity_mb: int) -> HostTier:
+        """Give `node` a host tier of `capacity_mb` (0: none; replaces an existing one, emptied)."""
+        self.remove_host(node)
+        host = HostTier(node, capacity_mb)
+        if capacity_mb > 0:
+            self._hosts[node] = host
+        return host
+
+    def remove_host(self, node: str) -> None:
+        host = self._hosts.pop(node, None)
+        if host is not None:
+            for model in host.items:
+                self._forget_host(model, node)
+
+    def host(self, node: str) -> HostTier | None:
+        return self._hosts.get(node)
+
+    def host_of(self, gpu_id: str) -> HostTier | None:
+        """The host tier of the GPU's node, if it has one."""
+        node = self._node_of.get(gpu_id)
+        return None if node is None else self._hosts.get(node)
+
+    def in_host(self, model: str, gpu_id: str) -> bool:
+        """Whether a miss of `model` on `gpu_id` would take it from its node's host tier. O(1)."""
+        host = self.host_of(gpu_id) if self._hosts else None
+        return host is not None and model in host.items
+
+    def nodes_holding(self, model: str) -> Set[str]:
+        """Nodes whose host tier holds `model` (a live read-only view)."""
+        return self._host_directory.get(model, _EMPTY)
 
     def gpu(self, gpu_id: str) -> GpuCache:
         return self._gpus[gpu_id]
@@ -251,13 +319,35 @@ class CacheManager:
         return self._admit_miss(cache, model, memory_mb, cache.plan_victims(model, memory_mb))
 
     def _admit_miss(self, cache: GpuCache, model: str, memory_mb: int, victims: list[str]) -> Admission:
+        host = self.host_of(cache.gpu_id) if self._hosts else None
+        from_host = host is not None and model in host.items
+        if host is not None and from_host:
+            host.used_mb -= host.items.pop(model).memory_mb
+            self._forget_host(model, host.node)
         for victim in victims:
-            cache.remove(victim)
+            item = cache.remove(victim)
             self._forget(victim, cache.gpu_id)
+            if host is not None:
+                self._demote(host, item)
         self._tick += 1
         cache.insert(model, memory_mb, tick=self._tick)
         self._directory.setdefault(model, set()).add(cache.gpu_id)
-        return Admission(hit=False, evicted=tuple(victims))
+        return Admission(hit=False, evicted=tuple(victims), from_host=from_host)
+
+    def _demote(self, host: HostTier, item: CacheItem) -> None:
+        """An evicted model enters its node's host tier, as the most recent, if it can fit."""
+        if item.memory_mb > host.capacity_mb:
+            return
+        old = host.items.pop(item.model, None)  # a replica evicted from another GPU of the node
+        if old is not None:
+            host.used_mb -= old.memory_mb
+        while host.used_mb + item.memory_mb > host.capacity_mb:
+            _, pushed_out = host.items.popitem(last=False)
+            host.used_mb -= pushed_out.memory_mb
+            self._forget_host(pushed_out.model, host.node)
+        host.items[item.model] = item
+        host.used_mb += item.memory_mb
+        self._host_directory.setdefault(item.model, set()).add(host.node)
 
     def pin(self, gpu_id: str, model: str) -> None:
         self._gpus[gpu_id].pin(model)
@@ -295,9 +385,13 @@ class CacheManager:
             return admission, undo_hit
         victims = cache.plan_victims(model, memory_mb)
         evicted = [(items[victim], ticks[victim]) for victim in victims]
+        host = self.host_of(gpu_id) if self._hosts else None
+        host_before = None if host is None else (tuple(host.items.values()), host.used_mb)
         admission = self._admit_miss(cache, model, memory_mb, victims)
 
         def undo_miss() -> None:
+            if host is not None and host_before is not None:
+                self._restore_host(host, *host_before)
             item = items.pop(model)
             del ticks[model]
             cache.used_mb -= item.memory_mb
@@ -311,6 +405,21 @@ class CacheManager:
             _reorder(items, order, moved_from=0)
 
         return admission, undo_miss
+
+    def _restore_host(self, host: HostTier, items: tuple[CacheItem, ...], used_mb: int) -> None:
+        for model in host.items:
+            self._forget_host(model, host.node)
+        host.items = OrderedDict((item.model, item) for item in items)
+        host.used_mb = used_mb
+        for model in host.items:
+            self._host_directory.setdefault(model, set()).add(host.node)
+
+    def _forget_host(self, model: str, node: str) -> None:
+        nodes = self._host_directory.get(model)
+        if nodes is not None:
+            nodes.discard(node)
+            if not nodes:
+                del self._host_directory[model]
 
     def _forget(self, model: str, gpu_id: str) -> None:
         holders = self._directory.get(model)

@@ -121,6 +121,18 @@ def sim(
             "and/or seeds of a shuffle, comma-separated (e.g. ends,1,2,3). Several: every figure as mean ± sd."
         ),
     ] = "ends",
+    host_memory_mb: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Each node's host tier (Torpor): models its GPUs evict stay in host memory up to this much, and a "
+            "miss takes them back by a host-to-GPU copy instead of a load (0: none, the paper's testbed).",
+        ),
+    ] = 0,
+    gpus_per_node: Annotated[int, typer.Option(min=1, help="GPUs per node (they share its host tier).")] = 4,
+    host_to_gpu_mb_s: Annotated[
+        float, typer.Option(min=1.0, help="Host-to-GPU copy bandwidth of a swap-in (MB/s).")
+    ] = 10_000.0,
     timing_spread: Annotated[
         float,
         typer.Option(
@@ -181,6 +193,9 @@ def sim(
             batch_exponent=batch_exponent,
             timing_spread=timing_spread,
             timing_seed=seed,
+            gpus_per_node=gpus_per_node,
+            host_memory_mb=host_memory_mb,
+            host_to_gpu_mb_s=host_to_gpu_mb_s,
         )
         batching = Batching(max_batch_size, max_batch_wait_ms) if max_batch_size > 1 else None
         total = sum(len(workloads[(run.working_set, run.mapping_seed)].requests) for run in runs)
@@ -211,6 +226,7 @@ def sim(
         "slots": slots,
         "mappings": list(dict.fromkeys(result.mapping for result in results)),
         "timing_spread": timing_spread,
+        "host_memory_mb": host_memory_mb,
     }
     groups = aggregate(results) if len(mapping_seeds) > 1 else []
     if json_output:
@@ -231,6 +247,7 @@ def sim(
 
 def _sim_title(meta: Mapping[str, object]) -> str:
     noise = f", timing spread {meta['timing_spread']}" if meta.get("timing_spread") else ""
+    noise += f", host tier {meta['host_memory_mb']} MB/node" if meta.get("host_memory_mb") else ""
     return (
         f"{meta['trace']} minutes {meta['start_minute']}+{meta['minutes']}, {meta['rpm']} rpm, "
         f"{meta['gpus']} GPUs x {meta['gpu_memory_mb']} MB x {meta['slots']} slots, seed {meta['seed']}{noise}, "

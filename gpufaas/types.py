@@ -33,7 +33,7 @@ class GpuSpec:
     idle GPUs are offered work fastest first, then by `gpu_id`. `memory_mb` is what the cache may
     fill (the device's memory minus a reserve for the CUDA context and fragmentation). `slots` is
     D, how many requests the GPU may run at once (its workers share it; 1 = the paper's one
-    request at a time).
+    request at a time). `node` names the machine it is in: GPUs of one node share its host tier.
     """
 
     gpu_id: str
@@ -41,6 +41,7 @@ class GpuSpec:
     gpu_type: str = "rtx2080"
     speed: float = 1.0
     slots: int = 1
+    node: str | None = None
 
     def __post_init__(self) -> None:
         if self.memory_mb <= 0:

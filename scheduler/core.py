@@ -160,6 +160,7 @@ class Scheduler:
         # that frees up first is O(log) instead of a scan of every replica. Entries go stale (GPU
         # idle, model evicted, version bumped) and are dropped lazily, or compacted.
         self._free_at: dict[str, list[tuple[float, str, int]]] = {}
+        self._swapped_in: set[str] = set()  # running requests whose model came from the host tier
         self._journal: _Journal | None = None  # open while a policy fills a GPU
         self._spare_journal = _Journal()  # the one journal, reused fill after fill
         # GPUs that received a dispatch in the current pass of `schedule()` and had a free slot
@@ -172,7 +173,7 @@ class Scheduler:
             raise ValueError(f"GPU {spec.gpu_id!r} is already registered")
         state = GpuState(spec)
         self._gpus[spec.gpu_id] = state
-        self.cache.add_gpu(spec.gpu_id, spec.memory_mb)
+        self.cache.add_gpu(spec.gpu_id, spec.memory_mb, node=spec.node)
         bisect.insort(self._idle, (state.order_key, spec.gpu_id))
 
     def remove_gpu(self, gpu_id: str) -> list[Request]:
@@ -183,6 +184,7 @@ class Scheduler:
         returned.sort(key=lambda r: self._seq_of[r.request_id])
         for request in returned:
             del self._placed_on[request.request_id]
+            self._swapped_in.discard(request.request_id)
             self._pin_dropped.discard(request.request_id)
             self.queue.insert(request, self._seq_of[request.request_id])
         if state.idle:
@@ -190,6 +192,11 @@ class Scheduler:
         self._ready_local.discard(gpu_id)
         self.cache.remove_gpu(gpu_id)
         return returned
+
+    def add_host(self, node: str, capacity_mb: int) -> None:
+        """Give `node` a host tier: models its GPUs evict stay there, up to `capacity_mb`, and a
+        miss on one of its GPUs takes them back (a swap-in, estimated far below a load)."""
+        self.cache.add_host(node, capacity_mb)
 
     def set_slots(self, gpu_id: str, slots: int) -> None:
         """Change a GPU's D at run time (e.g. from its measured utilisation). Raising it lets the
@@ -353,8 +360,13 @@ class Scheduler:
         del self._placed_on[request_id]
         del self._seq_of[request_id]
         gpu_type = state.spec.gpu_type
+        swapped_in = request_id in self._swapped_in
+        self._swapped_in.discard(request_id)
         if load_time_s is not None:
-            self.estimator.observe_load(request.model, gpu_type, load_time_s)
+            if swapped_in:
+                self.estimator.observe_swap_in(request.model, gpu_type, load_time_s)
+            else:
+                self.estimator.observe_load(request.model, gpu_type, load_time_s)
         if inference_time_s is not None:
             samples = request.batch_size if batch_size is None else batch_size
             self.estimator.observe_inference(request.model, gpu_type, samples, inference_time_s)
@@ -378,6 +390,7 @@ class Scheduler:
         state, request = self._running(request_id)
         gpu_id = state.spec.gpu_id
         del self._placed_on[request_id]
+        self._swapped_in.discard(request_id)
         # A request whose entry already went with a sibling's failure (one worker death, several
         # calls) drops nothing more: the model there now, if any, is a later admission's.
         if drop_model and request_id not in self._pin_dropped:
@@ -465,8 +478,13 @@ class Scheduler:
         return max(0.0, state.busy_until_s - now) + state.local_work_s / state.spec.slots
 
     def load_time_s(self, model: str, gpu_id: str) -> float:
+        """What a miss of `model` on `gpu_id` would take: a swap-in when its node's host tier
+        holds the model, else a load."""
         spec = self._models[model]
-        return self.estimator.load_time_s(model, self._gpus[gpu_id].spec.gpu_type, spec.memory_mb)
+        gpu_type = self._gpus[gpu_id].spec.gpu_type
+        if self.cache.in_host(model, gpu_id):
+            return self.estimator.swap_in_time_s(model, gpu_type, spec.memory_mb)
+        return self.estimator.load_time_s(model, gpu_type, spec.memory_mb)
 
     def fits(self, model: str, gpu_id: str) -> bool:
         """Whether the model may run on this GPU now: large enough, of the required type, and,
@@ -500,6 +518,27 @@ class Scheduler:
             ):
                 return gpu_id
         return None
+
+    def idle_near_host_copy(self, model: str, prefer: str, exclude: str | None = None) -> str | None:
+        """An idle GPU the model may run on now (see `fits`) whose node's host tier holds it:
+        `prefer` if it is one, else the one with room for it (evicting nothing), else the first,
+        in idle order; None if no node holds it in host memory. O(1) without host copies, else
+        O(idle GPUs)."""
+        nodes = self.cache.nodes_holding(model)
+        if not nodes:
+            return None
+        if prefer != exclude and self.cache.in_host(model, prefer) and self.fits(model, prefer):
+            return prefer
+        spec = self._models[model]
+        first: str | None = None
+        for _, gpu_id in self._idle:
+            if gpu_id == exclude or self._gpus[gpu_id].spec.node not in nodes or not self.fits(model, gpu_id):
+                continue
+            if self.cache.gpu(gpu_id).free_mb >= spec.memory_mb:
+                return gpu_id
+            if first is None:
+                first = gpu_id
+        return first
 
     def first_idle_fitting(self, model: str, exclude: str | None = None) -> str | None:
         """The first idle GPU (in idle order) the model may run on now (see `fits`): O(idle GPUs);
@@ -559,6 +598,7 @@ class Scheduler:
             del state.running[request_id]
             del state.expected_finish_s[request_id]
             del self._placed_on[request_id]
+            self._swapped_in.discard(request_id)
             state.busy_until_s = busy_until_before
             state.version += 1  # what it advertised while full no longer holds
             if left_idle:
@@ -670,7 +710,13 @@ class Scheduler:
         """The request takes a slot of `state`, its model admitted: estimates, idle list, adverts."""
         gpu_id, slots = state.spec.gpu_id, state.spec.slots
         running = state.running
-        load_s = 0.0 if admission.hit else self.estimator.load_time_s(spec.name, state.spec.gpu_type, spec.memory_mb)
+        if admission.hit:
+            load_s = 0.0
+        elif admission.from_host:
+            load_s = self.estimator.swap_in_time_s(spec.name, state.spec.gpu_type, spec.memory_mb)
+            self._swapped_in.add(request.request_id)
+        else:
+            load_s = self.estimator.load_time_s(spec.name, state.spec.gpu_type, spec.memory_mb)
         inference_s = self._inference_time_s(request, state)
         running[request.request_id] = request
         state.expected_finish_s[request.request_id] = now + load_s + inference_s
@@ -689,6 +735,7 @@ class Scheduler:
             false_miss=false_miss,
             est_load_time_s=load_s,
             est_inference_time_s=inference_s,
+            from_host=admission.from_host,
         )
 
     def _running(self, request_id: str) -> tuple[GpuState, Request]:

@@ -14,6 +14,11 @@ from gpufaas.profiles import ModelProfile
 DEFAULT_LOAD_OVERHEAD_S = 1.5
 DEFAULT_LOAD_BANDWIDTH_MB_S = 1600.0
 DEFAULT_INFERENCE_S_PER_SAMPLE = 1.3 / 32
+# Taking a model back from its node's host tier onto a GPU: a host-to-device copy of its weights
+# (pinned memory, pipelined by layer, as Torpor does) at about what PCIe 3 x16 carries, plus a
+# fixed cost to hand the worker its GPU. Measured swap-ins replace it per (model, GPU type).
+DEFAULT_HOST_TO_GPU_MB_S = 10_000.0
+DEFAULT_SWAP_IN_OVERHEAD_S = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +42,20 @@ class Estimator:
     the nearest one (a batch twice as large takes twice as long). Pure: no clock, no I/O.
     """
 
-    def __init__(self, profiles: Iterable[ModelProfile] = (), *, alpha: float = 0.2) -> None:
+    def __init__(
+        self,
+        profiles: Iterable[ModelProfile] = (),
+        *,
+        alpha: float = 0.2,
+        host_to_gpu_mb_s: float = DEFAULT_HOST_TO_GPU_MB_S,
+    ) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if not host_to_gpu_mb_s > 0:
+            raise ValueError(f"host_to_gpu_mb_s must be positive, got {host_to_gpu_mb_s}")
         self.alpha = alpha
+        self.host_to_gpu_mb_s = host_to_gpu_mb_s
+        self._swap_in_s: dict[tuple[str, str], float] = {}
         self._load_s: dict[tuple[str, str], float] = {}
         self._inference_s: dict[tuple[str, str], dict[int, float]] = {}
         self._sizes: dict[tuple[str, str], int] = {}
@@ -64,6 +79,14 @@ class Estimator:
             return known
         return self._load_line(gpu_type).at(memory_mb)
 
+    def swap_in_time_s(self, model: str, gpu_type: str, memory_mb: int) -> float:
+        """Taking `model` back from its node's host tier: measured, else its size over the
+        host-to-GPU bandwidth plus a fixed cost."""
+        known = self._swap_in_s.get((model, gpu_type))
+        if known is not None:
+            return known
+        return DEFAULT_SWAP_IN_OVERHEAD_S + memory_mb / self.host_to_gpu_mb_s
+
     def inference_time_s(self, model: str, gpu_type: str, batch_size: int) -> float:
         by_batch = self._inference_s.get((model, gpu_type))
         if by_batch:
@@ -79,6 +102,11 @@ class Estimator:
         old = self._load_s.get(key)
         self._load_s[key] = load_time_s if old is None else old + self.alpha * (load_time_s - old)
         self._fits.pop(gpu_type, None)
+
+    def observe_swap_in(self, model: str, gpu_type: str, swap_in_time_s: float) -> None:
+        key = (model, gpu_type)
+        old = self._swap_in_s.get(key)
+        self._swap_in_s[key] = swap_in_time_s if old is None else old + self.alpha * (swap_in_time_s - old)
 
     def observe_inference(self, model: str, gpu_type: str, batch_size: int, inference_time_s: float) -> None:
         by_batch = self._inference_s.setdefault((model, gpu_type), {})

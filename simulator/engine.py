@@ -15,6 +15,10 @@ adds is the ground truth of the GPUs, on a virtual clock:
   formed (time-slicing the GPU among processes adds no compute).
 - A miss's load is a transfer: it does not hold the GPU's compute, but its worker cannot run until
   the load is done. It takes the profile's load time; evictions are immediate.
+- A host tier (`ClusterConfig.host_memory_mb` > 0 per node of `gpus_per_node` GPUs): what a GPU
+  evicts stays in its node's host memory (the cache manager's `HostTier`), and a miss that takes
+  it back is a swap-in: 5 ms plus the model's memory over `host_to_gpu_mb_s` (Torpor's pipelined
+  copy from pinned memory), instead of the profile's load time. Off by default (the paper's testbed).
 - Timing noise (`ClusterConfig.timing_spread` = c > 0): every load and every batch takes its time
   above times a factor drawn from a log-normal of mean 1 and coefficient of variation c, from
   random.Random(`timing_seed`) in event order (so a run is reproducible). Without it (c = 0, the
@@ -47,6 +51,7 @@ from cache_manager import CacheManager, eviction_policy
 from gpufaas.profiles import ModelProfile
 from gpufaas.types import GpuSpec, Request
 from scheduler import Dispatch, Estimator, Park, PolicyConfig, Scheduler, make_policy
+from scheduler.estimator import DEFAULT_HOST_TO_GPU_MB_S, DEFAULT_SWAP_IN_OVERHEAD_S
 from scheduler.policies import DEFAULT_MAX_NUM_SKIPS
 from simulator.workload import Workload
 
@@ -64,6 +69,9 @@ class ClusterConfig:
     batch_exponent: float = 1.0
     timing_spread: float = 0.0  # c: coefficient of variation of load and batch times (0: exact)
     timing_seed: int = 0
+    gpus_per_node: int = 4  # the paper's testbed: 3 nodes x 4 GPUs
+    host_memory_mb: int = 0  # each node's host tier (0: none)
+    host_to_gpu_mb_s: float = DEFAULT_HOST_TO_GPU_MB_S
 
     def __post_init__(self) -> None:
         if self.gpus <= 0:
@@ -74,6 +82,11 @@ class ClusterConfig:
             raise ValueError(f"slots must be at least 1, got {self.slots}")
         if not (self.batch_exponent > 0 and math.isfinite(self.batch_exponent)):
             raise ValueError(f"batch_exponent must be a positive number, got {self.batch_exponent}")
+        if self.gpus_per_node < 1 or self.host_memory_mb < 0 or not self.host_to_gpu_mb_s > 0:
+            raise ValueError(
+                f"gpus_per_node must be >= 1, host_memory_mb >= 0 and host_to_gpu_mb_s > 0, got "
+                f"{self.gpus_per_node}, {self.host_memory_mb}, {self.host_to_gpu_mb_s}"
+            )
         if not (0 <= self.timing_spread <= 10):
             raise ValueError(f"timing_spread must be in [0, 10] (a coefficient of variation), got {self.timing_spread}")
 
@@ -147,6 +160,8 @@ class SimResult:
     avg_batch_calls: float  # calls per batch
     timing_spread: float = 0.0
     mapping: str = "ends"  # how models were dealt to functions: "ends", or "seed K"
+    host_memory_mb: int = 0  # per node
+    swap_ins: int = 0  # misses that took the model back from the host tier
     literal_visits: bool = False  # Algorithm 1's visit counting read literally (PolicyConfig)
 
     def to_json(self) -> dict[str, object]:
@@ -183,11 +198,19 @@ def simulate(
     )
     scheduler = Scheduler(
         make_policy(policy, config),
-        estimator=Estimator(_as_gpu_type(workload.profiles, cluster.gpu_type)),
+        estimator=Estimator(
+            _as_gpu_type(workload.profiles, cluster.gpu_type), host_to_gpu_mb_s=cluster.host_to_gpu_mb_s
+        ),
         cache=CacheManager(eviction_policy(cluster.eviction)),
     )
     for index in range(cluster.gpus):
-        scheduler.add_gpu(GpuSpec(f"gpu{index:03d}", cluster.gpu_memory_mb, cluster.gpu_type, slots=cluster.slots))
+        node = f"node{index // cluster.gpus_per_node}"
+        scheduler.add_gpu(
+            GpuSpec(f"gpu{index:03d}", cluster.gpu_memory_mb, cluster.gpu_type, slots=cluster.slots, node=node)
+        )
+    if cluster.host_memory_mb > 0:
+        for node_index in range(math.ceil(cluster.gpus / cluster.gpus_per_node)):
+            scheduler.add_host(f"node{node_index}", cluster.host_memory_mb)
     for profile in workload.profiles:
         scheduler.register_model(profile.spec())
     gpus = _Gpus(
@@ -195,13 +218,14 @@ def simulate(
         batching,
         cluster.batch_exponent,
         Jitter(cluster.timing_spread, cluster.timing_seed),
+        cluster.host_to_gpu_mb_s,
     )
     top_model = workload.function_models[workload.top_function]
 
     arrivals = workload.requests
     latencies: dict[str, float] = {}
     per_function: dict[str, list[float]] = defaultdict(list)
-    hits = misses = false_misses = parks = 0
+    hits = misses = false_misses = parks = swap_ins = 0
     replica_area = 0.0  # integral of the top model's replica count over time
     max_queue_len = 0
     now = scheduled_at = 0.0
@@ -246,6 +270,7 @@ def simulate(
                 else:
                     misses += 1
                     false_misses += decision.false_miss
+                    swap_ins += decision.from_host
                 gpus.dispatch(decision, now, next(dispatch_ties))
         gpus.form_batches(now)
 
@@ -285,6 +310,8 @@ def simulate(
         timing_spread=cluster.timing_spread,
         mapping=workload.mapping,
         literal_visits=literal_visits,
+        host_memory_mb=cluster.host_memory_mb,
+        swap_ins=swap_ins,
     )
 
 
@@ -346,10 +373,16 @@ class _Gpus:
     """The simulated GPUs: workers, batches, compute queues, on the caller's virtual clock."""
 
     def __init__(
-        self, truth: dict[str, ModelProfile], batching: Mapping[str, Batching], exponent: float, jitter: Jitter
+        self,
+        truth: dict[str, ModelProfile],
+        batching: Mapping[str, Batching],
+        exponent: float,
+        jitter: Jitter,
+        host_to_gpu_mb_s: float,
     ) -> None:
         self._truth = truth
         self._jitter = jitter
+        self._host_to_gpu_mb_s = host_to_gpu_mb_s
         self._batching = batching
         self._exponent = exponent
         self._workers: dict[tuple[str, str], _Worker] = {}
@@ -386,7 +419,11 @@ class _Gpus:
             call = _Call(request, tie, None)
             worker = self._workers[(gpu_id, request.model)]
         else:
-            load_s = profile.load_time_s * self._jitter.factor()
+            if decision.from_host:
+                base_s = DEFAULT_SWAP_IN_OVERHEAD_S + profile.memory_mb / self._host_to_gpu_mb_s
+            else:
+                base_s = profile.load_time_s
+            load_s = base_s * self._jitter.factor()
             call = _Call(request, tie, load_s)
             worker = _Worker(gpu_id, profile, now + load_s)
             self._workers[(gpu_id, request.model)] = worker

@@ -23,6 +23,7 @@ def locality_load_balance(
     *,
     room_aware: bool = True,
     coldest_victim: bool = True,
+    tier_aware: bool = True,
 ) -> tuple[Placement, Dispatch | Park | None]:
     """Algorithm 2: place `request` given that idle `gpu_id` (one with a free slot) wants work.
 
@@ -34,8 +35,10 @@ def locality_load_balance(
     least recently used model of those GPUs; else here; and if the model may not run here now
     (clusters of mixed memory sizes, models pinned by requests running here), on the first idle
     GPU it may, so that a younger request never takes the only GPU an older one could use.
-    `room_aware=False` is Algorithm 2 to the letter (and ignores `coldest_victim`). Returns where
-    the request went and the step reserved for it (None for NOWHERE).
+    `room_aware=False` is Algorithm 2 to the letter (and ignores `coldest_victim`). With a host
+    tier (`tier_aware`), a miss first goes to an idle GPU whose node holds the model in host
+    memory (a swap-in instead of a load), this GPU first. Returns where the request went and the
+    step reserved for it (None for NOWHERE).
     """
     avoid = request.avoid_gpu  # a retry after its worker died: never there again
     holders = ctx.cache.gpus_with(request.model)
@@ -53,7 +56,10 @@ def locality_load_balance(
     # it evicts the coldest model; else here; else, on clusters of mixed memory sizes, on the
     # first idle GPU large enough.
     target = None
-    if room_aware:
+    if tier_aware:
+        # A swap-in from a node's host tier costs a copy, not a load: take an idle GPU there.
+        target = ctx.idle_near_host_copy(request.model, prefer=gpu_id, exclude=avoid)
+    if target is None and room_aware:
         target = ctx.idle_with_room(request.model, prefer=gpu_id, exclude=avoid)
         if target is None and coldest_victim:
             target = ctx.idle_with_coldest_victim(request.model, exclude=avoid)
@@ -91,6 +97,7 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
         room_aware_misses: bool = True,
         coldest_victim_misses: bool = True,
         literal_visits: bool = False,
+        tier_aware_misses: bool = True,
     ) -> None:
         if max_num_skips < 0:
             raise ValueError(f"max_num_skips must be >= 0, got {max_num_skips}")
@@ -98,6 +105,7 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
         self.room_aware_misses = room_aware_misses
         self.coldest_victim_misses = coldest_victim_misses
         self.literal_visits = literal_visits
+        self.tier_aware_misses = tier_aware_misses
 
     @classmethod
     def from_config(cls, config: PolicyConfig) -> SchedulingPolicy:
@@ -105,6 +113,7 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
             room_aware_misses=config.room_aware_misses,
             coldest_victim_misses=config.coldest_victim_misses,
             literal_visits=config.literal_visits,
+            tier_aware_misses=config.tier_aware_misses,
         )
 
     def _balance(
@@ -117,6 +126,7 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
             now,
             room_aware=self.room_aware_misses,
             coldest_victim=self.coldest_victim_misses,
+            tier_aware=self.tier_aware_misses,
         )
 
     def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> list[Step]:
@@ -195,12 +205,14 @@ class OutOfOrderLocalityAwarePolicy(LocalityAwarePolicy, name="lalb-o3"):
         room_aware_misses: bool = True,
         coldest_victim_misses: bool = True,
         literal_visits: bool = False,
+        tier_aware_misses: bool = True,
     ) -> None:
         super().__init__(
             max_num_skips,
             room_aware_misses=room_aware_misses,
             coldest_victim_misses=coldest_victim_misses,
             literal_visits=literal_visits,
+            tier_aware_misses=tier_aware_misses,
         )
 
     @classmethod
@@ -210,4 +222,5 @@ class OutOfOrderLocalityAwarePolicy(LocalityAwarePolicy, name="lalb-o3"):
             room_aware_misses=config.room_aware_misses,
             coldest_victim_misses=config.coldest_victim_misses,
             literal_visits=config.literal_visits,
+            tier_aware_misses=config.tier_aware_misses,
         )

@@ -201,3 +201,79 @@ def test_admit_undoable_that_cannot_admit_changes_nothing() -> None:
     with pytest.raises(CacheFull):
         cache.admit_undoable("g0", "C", 1000)
     assert full_state(cache) == before
+
+
+# --- the host tier -------------------------------------------------------------------------------
+
+
+def tiered(host_mb: int = 2000) -> CacheManager:
+    """Node n0 with GPUs g0, g1 (2000 MB each) and a host tier; node n1 with g2 and none."""
+    cache = CacheManager()
+    cache.add_gpu("g0", 2000, node="n0")
+    cache.add_gpu("g1", 2000, node="n0")
+    cache.add_gpu("g2", 2000, node="n1")
+    cache.add_host("n0", host_mb)
+    return cache
+
+
+def test_an_evicted_model_stays_in_its_nodes_host_tier_and_comes_back_by_swap_in() -> None:
+    cache = tiered()
+    cache.admit("g0", "A", 1000)
+    cache.admit("g0", "B", 1000)
+    assert cache.admit("g0", "C", 1000).evicted == ("A",)
+    host = cache.host("n0")
+    assert host is not None and host.lru_list() == ["A"] and sorted(cache.nodes_holding("A")) == ["n0"]
+    # Any GPU of the node takes it back (and the host tier lets it go: exclusive).
+    assert cache.in_host("A", "g1") and not cache.in_host("A", "g2")
+    admission = cache.admit("g1", "A", 1000)
+    assert (admission.hit, admission.from_host) == (False, True)
+    assert "A" not in host and not cache.nodes_holding("A")
+    # Another node has no host tier: its misses are loads, and what it evicts is gone.
+    assert cache.admit("g2", "A", 1000).from_host is False
+    cache.admit("g2", "D", 1000)
+    cache.admit("g2", "E", 1000)
+    assert not cache.nodes_holding("A")  # g2 evicted it into no tier
+
+
+def test_the_host_tier_pushes_out_its_oldest_and_refuses_what_cannot_fit() -> None:
+    cache = tiered(host_mb=2500)
+    for model in "ABCD":  # each evicts the one before last: A, then B
+        cache.admit("g0", model, 1000)
+    host = cache.host("n0")
+    assert host is not None and host.lru_list() == ["B", "A"] and host.used_mb == 2000
+    cache.admit("g0", "E", 1000)  # evicts C: A is pushed out to make room
+    assert host.lru_list() == ["C", "B"] and not cache.nodes_holding("A")
+    big = tiered(host_mb=500)
+    big.admit("g0", "A", 1000)
+    big.admit("g0", "B", 1000)
+    big.admit("g0", "C", 1000)
+    assert big.host("n0") is not None and big.host("n0").lru_list() == []  # type: ignore[union-attr]
+
+
+def test_a_dropped_model_does_not_enter_the_host_tier_and_the_tier_leaves_with_its_node() -> None:
+    cache = tiered()
+    cache.admit("g0", "A", 1000)
+    cache.drop("g0", "A")  # its worker died: nothing to keep
+    assert not cache.nodes_holding("A")
+    cache.admit("g0", "B", 1000)
+    cache.admit("g0", "C", 1000)
+    cache.admit("g0", "D", 1000)
+    assert cache.nodes_holding("B") == {"n0"}
+    cache.remove_gpu("g0")
+    assert cache.host("n0") is not None  # g1 is still there
+    cache.remove_gpu("g1")
+    assert cache.host("n0") is None and not cache.nodes_holding("B")
+
+
+def test_admit_undoable_restores_the_host_tier_too() -> None:
+    cache = tiered(host_mb=1000)
+    for model in "ABC":
+        cache.admit("g0", model, 1000)  # A went to the host tier
+    before = (full_state(cache), cache.host("n0").lru_list())  # type: ignore[union-attr]
+    undos = [cache.admit_undoable("g1", "A", 1000)[1]]  # a swap-in
+    undos.append(cache.admit_undoable("g0", "D", 1000)[1])  # evicts B into the tier
+    undos.append(cache.admit_undoable("g0", "E", 1000)[1])  # evicts C, pushes B out
+    for undo in reversed(undos):
+        undo()
+    assert (full_state(cache), cache.host("n0").lru_list()) == before  # type: ignore[union-attr]
+    assert cache.nodes_holding("A") == {"n0"} and not cache.nodes_holding("B")

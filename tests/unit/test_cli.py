@@ -210,3 +210,13 @@ def test_literal_visits_is_passed_to_the_policy_and_reported() -> None:
     assert default["literal_visits"] is False
     # Limit 0 read literally lets each request be passed once: no longer strict arrival order.
     assert literal["avg_latency_s"] != default["avg_latency_s"]
+
+
+def test_host_tier_flags_reach_the_simulated_cluster() -> None:
+    base = ("--json", "--policy", "lb", "--working-set", "35", "--minutes", "2")
+    code, out, _ = sim(*base, "--host-memory-mb", "8192", "--gpus-per-node", "2", "--host-to-gpu-mb-s", "5000")
+    assert code == 0
+    tiered = json.loads(out)
+    assert tiered["host_memory_mb"] == 8192 and tiered["swap_ins"] > 0
+    code, out, _ = sim(*base)
+    assert json.loads(out)["swap_ins"] == 0

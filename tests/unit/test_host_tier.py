@@ -1,0 +1,82 @@
+"""The host tier through the scheduler: swap-in estimates, measured swap-ins, tier-aware misses,
+and the simulator's ground truth."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpufaas.profiles import ModelProfile, paper_table1
+from gpufaas.types import GpuSpec, ModelSpec
+from scheduler import Dispatch, Estimator, PolicyConfig, Scheduler, make_policy
+from scheduler.estimator import DEFAULT_SWAP_IN_OVERHEAD_S
+from simulator.engine import ClusterConfig, simulate
+from simulator.report import shipped_trace
+from simulator.workload import WorkloadConfig, build_workload, load_trace
+from tests.builders import make_request
+
+LOAD_S, INFERENCE_S, MB_S = 2.0, 1.0, 1000.0
+
+
+def two_nodes(policy: str = "lalb", *, host_mb: int = 4000, tier_aware: bool = True) -> Scheduler:
+    """n0: g0, g1; n1: g2, g3 (2000 MB each, 1 slot); models A-F of 1000 MB loading in 2 s; a
+    host tier on each node; swap-ins at 1000 MB/s (1.005 s for a model)."""
+    estimator = Estimator(
+        [ModelProfile(m, "rtx2080", 1000, LOAD_S, INFERENCE_S, 32) for m in "ABCDEF"], host_to_gpu_mb_s=MB_S
+    )
+    s = Scheduler(make_policy(policy, PolicyConfig(tier_aware_misses=tier_aware)), estimator=estimator)
+    for index in range(4):
+        s.add_gpu(GpuSpec(f"g{index}", 2000, node=f"n{index // 2}"))
+    for node in ("n0", "n1"):
+        s.add_host(node, host_mb)
+    for model in "ABCDEF":
+        s.register_model(ModelSpec(model, 1000))
+    return s
+
+
+def run(s: Scheduler, model: str, gpu: str, now: float = 0.0) -> Dispatch:
+    request = make_request(model, now)
+    s.submit(request)
+    decision = s.dispatch(request, gpu, now)
+    s.on_complete(request.request_id, now + 0.1)
+    return decision
+
+
+def test_a_miss_from_the_host_tier_is_estimated_as_a_swap_in_and_learns_from_measurements() -> None:
+    s = two_nodes()
+    for model in "ABC":
+        run(s, model, "g0")  # C evicts A into n0's host tier
+    swap_s = DEFAULT_SWAP_IN_OVERHEAD_S + 1000 / MB_S
+    assert s.load_time_s("A", "g1") == pytest.approx(swap_s)  # same node: a swap-in
+    assert s.load_time_s("A", "g2") == pytest.approx(LOAD_S)  # other node: a load
+    request = make_request("A", 1.0)
+    s.submit(request)
+    decision = s.dispatch(request, "g1", 1.0)
+    assert decision.from_host and not decision.hit and decision.est_load_time_s == pytest.approx(swap_s)
+    s.on_complete(request.request_id, 2.0, load_time_s=0.5)  # measured: learnt as a swap-in
+    assert s.estimator.swap_in_time_s("A", "rtx2080", 1000) == pytest.approx(0.5)
+    assert s.estimator.load_time_s("A", "rtx2080", 1000) == pytest.approx(LOAD_S)
+
+
+@pytest.mark.parametrize("tier_aware", [True, False])
+def test_a_miss_goes_to_the_node_that_keeps_the_model_in_host_memory(tier_aware: bool) -> None:
+    s = two_nodes(tier_aware=tier_aware)
+    for model in "ABC":
+        run(s, model, "g2")  # n1 keeps A in host memory
+    s.submit(make_request("A", 1.0))
+    (decision,) = s.schedule(1.0)  # g0 (node n0) is offered first
+    assert isinstance(decision, Dispatch)
+    if tier_aware:
+        assert (decision.gpu_id, decision.from_host) == ("g3", True)  # idle, on n1, with room
+    else:
+        assert (decision.gpu_id, decision.from_host) == ("g0", False)
+
+
+def test_the_simulated_host_tier_turns_loads_into_swap_ins() -> None:
+    counts = load_trace(shipped_trace(), "azure2019")
+    workload = build_workload(counts, WorkloadConfig(working_set=35, minutes=3), paper_table1())
+    plain = simulate(workload, "lb")
+    tiered = simulate(workload, "lb", cluster=ClusterConfig(host_memory_mb=16_384))
+    assert plain.swap_ins == 0 and plain.host_memory_mb == 0
+    assert tiered.host_memory_mb == 16_384 and tiered.swap_ins > tiered.misses / 4  # the rest: first loads
+    assert tiered.avg_latency_s < plain.avg_latency_s / 2  # lb misses often: loads were its cost
+    assert tiered.completed == tiered.requests
