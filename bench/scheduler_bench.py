@@ -41,7 +41,7 @@ from bench.machine import load_average, run_metadata
 from gpufaas.types import GpuSpec, ModelSpec, Request
 from scheduler import Dispatch, Park, Scheduler, make_policy
 
-POLICIES: tuple[str, ...] = ("lb", "lalb", "lalb-o3")
+POLICIES: tuple[str, ...] = ("lb", "lalb", "lalb-o3", "mqfq-sticky")
 FULL_QUEUED: tuple[int, ...] = (100, 1_000, 10_000, 100_000)
 FULL_GPUS: tuple[int, ...] = (12, 100, 1_000)
 QUICK_QUEUED: tuple[int, ...] = (100, 10_000)

@@ -63,7 +63,7 @@ def sim(
         typer.Option(help="Trace file. Default: the Azure Functions 2019 extract shipped with gpufaas."),
     ] = None,
     trace_format: Annotated[TraceFormat, typer.Option(help="Trace file format.")] = TraceFormat.azure2019,
-    policy: Annotated[str, typer.Option(help="Scheduling policy: lb, lalb or lalb-o3.")] = "lalb-o3",
+    policy: Annotated[str, typer.Option(help="Scheduling policy: lb, lalb, lalb-o3 or mqfq-sticky.")] = "lalb-o3",
     o3_limit: Annotated[int, typer.Option(min=0, help="lalb-o3: how often a request may be passed over.")] = 25,
     gpus: Annotated[int, typer.Option(min=1, help="Number of simulated GPUs.")] = 12,
     gpu_memory_mb: Annotated[int, typer.Option(min=1, help="Cache capacity of each GPU (MB).")] = 8192,
@@ -100,6 +100,13 @@ def sim(
             "request is dispatched ahead, and the limit is reached at >=)."
         ),
     ] = False,
+    mqfq_overrun_s: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="mqfq-sticky: T, seconds of service a flow may run ahead of the slowest before it is throttled.",
+        ),
+    ] = 10.0,
     slots: Annotated[int, typer.Option(min=1, help="D: calls each GPU runs at once.")] = 1,
     max_batch_size: Annotated[
         int, typer.Option(min=1, help="Calls of one model a worker may merge into one batch (needs --slots > 1).")
@@ -207,6 +214,7 @@ def sim(
                 room_aware_misses=not literal_misses,
                 coldest_victim_misses=coldest_victim,
                 literal_visits=literal_visits,
+                mqfq_overrun_s=mqfq_overrun_s,
                 batching=batching,
                 on_progress=advance,
             )
@@ -444,7 +452,7 @@ def up(
         str | None, typer.Option(help="cuda, cpu or emulated (default: cuda if NVML finds GPUs).")
     ] = None,
     gpu_memory_mb: Annotated[int, typer.Option(min=1, help="Cache capacity per logical GPU (MB).")] = 8192,
-    policy: Annotated[str, typer.Option(help="Scheduling policy: lb, lalb or lalb-o3.")] = "lalb-o3",
+    policy: Annotated[str, typer.Option(help="Scheduling policy: lb, lalb, lalb-o3 or mqfq-sticky.")] = "lalb-o3",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Gateway port.")] = 8080,
     slots: Annotated[str, typer.Option(help="Calls a GPU runs at once: N, or N,GPU_TYPE=M,... per GPU type.")] = "4",
     spares: Annotated[int, typer.Option(min=0, help="Warm spare workers per GPU (a miss takes one).")] = 1,

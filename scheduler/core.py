@@ -264,6 +264,7 @@ class Scheduler:
         seq = next(self._seq)
         self._seq_of[request.request_id] = seq
         self.queue.push(request, seq)
+        self.policy.on_submit(request)
 
     def schedule(self, now: float) -> list[Decision]:
         """Fill free slots while work is waiting; returns the decisions in order.
@@ -282,7 +283,9 @@ class Scheduler:
         for gpu_id in sorted(self._ready_local):
             state = self._gpus[gpu_id]
             while state.idle and state.local_queue:
-                decisions.append(self._dispatch_local(state, now))
+                started = self._dispatch_local(state, now)
+                decisions.append(started)
+                self.policy.on_dispatch(started, now)
         self._ready_local.clear()
         offered = list(self._idle)  # (order key, GPU id), in idle order
         while self.queue:
@@ -291,7 +294,10 @@ class Scheduler:
                 if not self.queue:
                     break
                 if self._gpus[gpu_id].idle:
-                    decisions.extend(self._fill(gpu_id, now))
+                    for decision in self._fill(gpu_id, now):
+                        decisions.append(decision)
+                        if isinstance(decision, Dispatch):
+                            self.policy.on_dispatch(decision, now)
             if not self._refill:
                 break
             offered = sorted((self._gpus[g].order_key, g) for g in self._refill if self._gpus[g].idle)
@@ -372,6 +378,7 @@ class Scheduler:
             self.estimator.observe_inference(request.model, gpu_type, samples, inference_time_s)
         self._unpin_running(state, request)
         self._free_slot(state, request_id)
+        self.policy.on_finish(request, now, inference_time_s=inference_time_s)
         return request
 
     def on_failure(
@@ -414,6 +421,7 @@ class Scheduler:
         else:
             del self._seq_of[request_id]
         self._free_slot(state, request_id)
+        self.policy.on_finish(request, now, inference_time_s=None)
         return request
 
     def cancel(self, request_id: str) -> Request | None:
@@ -485,6 +493,10 @@ class Scheduler:
         if self.cache.in_host(model, gpu_id):
             return self.estimator.swap_in_time_s(model, gpu_type, spec.memory_mb)
         return self.estimator.load_time_s(model, gpu_type, spec.memory_mb)
+
+    def inference_time_s(self, model: str, gpu_id: str, batch_size: int) -> float:
+        """The estimated time of one call of `model` with `batch_size` samples on `gpu_id`."""
+        return self.estimator.inference_time_s(model, self._gpus[gpu_id].spec.gpu_type, batch_size)
 
     def fits(self, model: str, gpu_id: str) -> bool:
         """Whether the model may run on this GPU now: large enough, of the required type, and,

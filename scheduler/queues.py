@@ -47,6 +47,8 @@ class QueueView(Protocol):
     def walk(self) -> Iterator[tuple[Request, int]]: ...
     def oldest_of(self, models: Iterable[str]) -> Request | None: ...
     def oldest_for(self, model: str) -> Request | None: ...
+    def count_for(self, model: str) -> int: ...
+    def models(self) -> Iterable[str]: ...
     def head_skips(self) -> int: ...
     def num_skips(self, request_id: str) -> int: ...
 
@@ -219,6 +221,15 @@ class GlobalQueue:
     def oldest_for(self, model: str) -> Request | None:
         index = self._by_model.get(model)
         return None if not index else next(iter(index.values())).request
+
+    def count_for(self, model: str) -> int:
+        """Queued requests of `model`: O(1)."""
+        index = self._by_model.get(model)
+        return 0 if index is None else len(index)
+
+    def models(self) -> Iterable[str]:
+        """The models with queued requests (a live view: do not change the queue while iterating)."""
+        return self._by_model.keys()
 
     def walk(self) -> Iterator[tuple[Request, int]]:
         """(request, skips) from the head in arrival order; the consumer may remove the yielded request

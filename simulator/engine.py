@@ -53,6 +53,7 @@ from gpufaas.types import GpuSpec, Request
 from scheduler import Dispatch, Estimator, Park, PolicyConfig, Scheduler, make_policy
 from scheduler.estimator import DEFAULT_HOST_TO_GPU_MB_S, DEFAULT_SWAP_IN_OVERHEAD_S
 from scheduler.policies import DEFAULT_MAX_NUM_SKIPS
+from scheduler.policies.mqfq import DEFAULT_OVERRUN_S
 from simulator.workload import Workload
 
 
@@ -177,6 +178,7 @@ def simulate(
     room_aware_misses: bool = True,
     coldest_victim_misses: bool = True,
     literal_visits: bool = False,
+    mqfq_overrun_s: float = DEFAULT_OVERRUN_S,
     batching: Mapping[str, Batching] | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> SimResult:
@@ -195,6 +197,7 @@ def simulate(
         room_aware_misses=room_aware_misses,
         coldest_victim_misses=coldest_victim_misses,
         literal_visits=literal_visits,
+        mqfq_overrun_s=mqfq_overrun_s,
     )
     scheduler = Scheduler(
         make_policy(policy, config),

@@ -12,6 +12,7 @@ from typing import Any
 from gpufaas.errors import InvalidInput
 from gpufaas.profiles import paper_table1
 from scheduler import registered_policies
+from scheduler.policies.mqfq import DEFAULT_OVERRUN_S
 from simulator.engine import Batching, ClusterConfig, SimResult, simulate
 from simulator.workload import TraceCounts, Workload, WorkloadConfig, build_workload
 
@@ -87,6 +88,7 @@ def execute(
     room_aware_misses: bool = True,
     coldest_victim_misses: bool = True,
     literal_visits: bool = False,
+    mqfq_overrun_s: float = DEFAULT_OVERRUN_S,
     batching: Batching | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> list[SimResult]:
@@ -112,6 +114,7 @@ def execute(
                 room_aware_misses=room_aware_misses,
                 coldest_victim_misses=coldest_victim_misses,
                 literal_visits=literal_visits,
+                mqfq_overrun_s=mqfq_overrun_s,
                 batching=None if batching is None else dict.fromkeys(workload.function_models, batching),
                 on_progress=progress,
             )

@@ -10,10 +10,12 @@ from scheduler.policies.base import (
 )
 from scheduler.policies.lalb import LocalityAwarePolicy, OutOfOrderLocalityAwarePolicy
 from scheduler.policies.lb import LoadBalancePolicy
+from scheduler.policies.mqfq import MqfqStickyPolicy
 
 __all__ = [
     "DEFAULT_MAX_NUM_SKIPS",
     "LoadBalancePolicy",
+    "MqfqStickyPolicy",
     "LocalityAwarePolicy",
     "OutOfOrderLocalityAwarePolicy",
     "PolicyConfig",

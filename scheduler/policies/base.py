@@ -44,6 +44,7 @@ class SchedulingContext(Protocol):
     def estimated_wait_s(self, gpu_id: str, now: float) -> float: ...
     def soonest_busy_holder(self, model: str, now: float) -> tuple[str, float] | None: ...
     def load_time_s(self, model: str, gpu_id: str) -> float: ...
+    def inference_time_s(self, model: str, gpu_id: str, batch_size: int) -> float: ...
     def fits(self, model: str, gpu_id: str) -> bool: ...
     def first_idle_fitting(self, model: str, exclude: str | None = None) -> str | None: ...
     def idle_with_room(self, model: str, prefer: str, exclude: str | None = None) -> str | None: ...
@@ -79,6 +80,10 @@ class PolicyConfig:
     # With host tiers: a miss goes first to an idle GPU whose node keeps the model in host memory
     # (a swap-in, not a load). No effect without host tiers.
     tier_aware_misses: bool = True
+    # mqfq-sticky: T, how many seconds of service a flow may run ahead of Global_VT before it is
+    # throttled, and alpha, its keep-alive TTL in mean inter-arrival times.
+    mqfq_overrun_s: float = 10.0
+    mqfq_ttl_alpha: float = 1.5
 
     def __post_init__(self) -> None:
         if self.max_num_skips < 0:
@@ -102,6 +107,19 @@ class SchedulingPolicy(ABC):
     @classmethod
     def from_config(cls, config: PolicyConfig) -> SchedulingPolicy:
         return cls()
+
+    # --- what a policy with state of its own hears (the scheduler calls these; no-ops here) ----
+    def on_submit(self, request: Request) -> None:  # noqa: B027 (an optional hook)
+        """A request joined the global queue (at `request.arrival_s`)."""
+
+    def on_dispatch(self, decision: Dispatch, now: float) -> None:  # noqa: B027 (an optional hook)
+        """A dispatch was kept (from a plan, or a parked request that started)."""
+
+    def on_finish(  # noqa: B027 (an optional hook)
+        self, request: Request, now: float, *, inference_time_s: float | None
+    ) -> None:
+        """A dispatched request completed (with its measured inference time, if any) or failed
+        (`inference_time_s` None); a failed one may be queued again."""
 
     @abstractmethod
     def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> list[Step]:

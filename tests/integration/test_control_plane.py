@@ -237,3 +237,19 @@ def test_an_updated_or_deleted_functions_old_model_is_evicted(make_cluster: Clus
     assert deleted.status_code == 202
     wait_for(lambda: resident() == set())
     wait_for(lambda: not pid_alive(new_pid))
+
+
+@pytest.mark.integration
+def test_mqfq_sticky_runs_the_real_cluster(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    """The policy the simulator runs also drives the services (`gpufaas up --policy mqfq-sticky`)."""
+    cluster = make_cluster(nodes=1, gpus_per_node=2, backend="cpu", gpu_memory_mb=1000, policy="mqfq-sticky")
+    names = ("fq-a", "fq-b")
+    for name in names:
+        deploy(cluster, name, "linear_function", tmp_path)
+    calls = [names[i % 2] for i in range(24)]
+    with httpx.Client() as client, ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(lambda n: invoke(cluster, n, client), calls))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    assert all(flat(r.json()["outputs"]) == pytest.approx(expected_outputs()) for r in responses)
+    # Sticky: after the first call of each model, its calls hit where it is resident.
+    assert sum(r.headers["X-Cache"] == "miss" for r in responses) <= 4

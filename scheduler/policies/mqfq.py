@@ -1,0 +1,195 @@
+"""`mqfq-sticky`: multi-queue fair queuing with locality (Algorithm 1 of the MQFQ-Sticky paper).
+
+One flow per model (each function has a model of its own here), holding that model's queued
+requests in arrival order. A flow's virtual time (VT) grows by tau / w each time one of its calls
+is dispatched: tau is the model's average execution time (the estimator's, which learns from
+every measured call), w its weight (1). Global_VT is the least VT of the backlogged flows (with
+queued calls). A flow more than T ahead of Global_VT is throttled: it waits while the
+others catch up, so a popular function cannot monopolise the GPUs, yet runs small "mini-batches"
+of up to T seconds of work back to back, which keeps its model warm (locality).
+
+Among the flows that may run, an idle GPU takes the longest queue (the most batching and locality
+to gain, and the largest backlog), ties to the flow with the fewest calls running (so that flows
+progress side by side), then the least VT, then by name. Stickiness (the paper binds a function
+to the GPU it was launched on): the GPU takes its own flows (models it holds) first; of the
+others, a flow held by another idle GPU sends its call there, a flow held only by busy GPUs waits
+for them when they would reach its call before the model could load here (at most
+MAX_WAITING_FLOWS such flows per decision), and the first other flow runs here (a miss).
+
+Anticipatory keep-alive: a flow that empties keeps its VT for TTL = alpha x its mean inter-arrival
+time; a flow that comes back within TTL resumes where it was, one that comes back later restarts
+at Global_VT (fair queuing's rule: no credit hoarded while idle).
+
+Deviations from the paper, on purpose: the paper's line 22 reads "VT - Global_VT < T -> throttled",
+which inverts its own text ("throttled if its VT exceeds the global VT by T"); the text is
+implemented. Global_VT ranges over backlogged flows (as in MQFQ), not over every flow (line 2):
+a running or empty flow holding Global_VT down would leave GPUs idle with calls queued until the
+next event, since the scheduler runs at arrivals and completions only (the paper's memory effects of TTL,
+prefetching and swap-out, are the cache manager's business here: LRU and the host tier).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gpufaas.types import Request
+from scheduler.decisions import Dispatch, Step
+from scheduler.policies.base import PolicyConfig, SchedulingContext, SchedulingPolicy
+
+DEFAULT_OVERRUN_S = 10.0  # T: seconds of service a flow may run ahead of Global_VT
+DEFAULT_TTL_ALPHA = 1.5  # the paper's best keep-alive multiple of the inter-arrival time
+IAT_ALPHA = 0.2  # EWMA weight of a new inter-arrival time
+# Flows an idle GPU lets wait for their busy GPUs before it takes the next one anyway (a miss):
+# bounds the cost of a decision, and keeps the GPU from idling behind many short waits.
+MAX_WAITING_FLOWS = 8
+
+
+@dataclass(slots=True)
+class Flow:
+    """One model's flow: its virtual time and what the keep-alive needs."""
+
+    model: str
+    vt_s: float = 0.0
+    in_flight: int = 0
+    last_arrival_s: float | None = None
+    mean_iat_s: float | None = None  # EWMA of inter-arrival times
+    last_active_s: float = -math.inf  # when it last had work (queued or running)
+
+    def ttl_s(self, alpha: float) -> float:
+        return 0.0 if self.mean_iat_s is None else alpha * self.mean_iat_s
+
+
+class MqfqStickyPolicy(SchedulingPolicy, name="mqfq-sticky"):
+    """See the module docstring. `overrun_s` is T, `ttl_alpha` is alpha; weights are 1."""
+
+    def __init__(self, overrun_s: float = DEFAULT_OVERRUN_S, ttl_alpha: float = DEFAULT_TTL_ALPHA) -> None:
+        if not overrun_s >= 0 or not ttl_alpha >= 0:
+            raise ValueError(f"overrun_s and ttl_alpha must be >= 0, got {overrun_s}, {ttl_alpha}")
+        self.overrun_s = overrun_s
+        self.ttl_alpha = ttl_alpha
+        self._flows: dict[str, Flow] = {}
+        self._running: set[str] = set()  # models with calls in flight
+        self._global_vt_s = 0.0
+
+    @classmethod
+    def from_config(cls, config: PolicyConfig) -> SchedulingPolicy:
+        return cls(config.mqfq_overrun_s, config.mqfq_ttl_alpha)
+
+    def flow(self, model: str) -> Flow:
+        return self._flows[model]
+
+    @property
+    def global_vt_s(self) -> float:
+        return self._global_vt_s
+
+    # --- what the scheduler tells it --------------------------------------------------------
+    def on_submit(self, request: Request) -> None:
+        now = request.arrival_s
+        flow = self._flows.get(request.model)
+        if flow is None:
+            flow = self._flows[request.model] = Flow(request.model, vt_s=self._global_vt_s)
+        elif now - flow.last_active_s > flow.ttl_s(self.ttl_alpha):
+            # Back after its TTL: no credit hoarded while idle. (A flow with work is never behind
+            # Global_VT, so this changes only flows that were idle.)
+            flow.vt_s = max(flow.vt_s, self._global_vt_s)
+        if flow.last_arrival_s is not None:
+            iat_s = max(0.0, now - flow.last_arrival_s)
+            flow.mean_iat_s = (
+                iat_s if flow.mean_iat_s is None else flow.mean_iat_s + IAT_ALPHA * (iat_s - flow.mean_iat_s)
+            )
+        flow.last_arrival_s = now
+        flow.last_active_s = now
+
+    def on_dispatch(self, decision: Dispatch, now: float) -> None:
+        flow = self._flows.get(decision.request.model)
+        if flow is None:  # submitted before this policy was in place
+            flow = self._flows[decision.request.model] = Flow(decision.request.model, vt_s=self._global_vt_s)
+        flow.vt_s += decision.est_inference_time_s  # tau / w, w = 1
+        flow.in_flight += 1
+        flow.last_active_s = now
+        self._running.add(flow.model)
+
+    def on_finish(self, request: Request, now: float, *, inference_time_s: float | None) -> None:
+        flow = self._flows.get(request.model)
+        if flow is None:
+            return
+        flow.in_flight = max(0, flow.in_flight - 1)
+        flow.last_active_s = now
+        if not flow.in_flight:
+            self._running.discard(flow.model)
+
+    # --- Algorithm 1 ----------------------------------------------------------------------------
+    def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> list[Step]:
+        queue = ctx.queue
+        self._update_global_vt(queue.models())
+        limit_s = self._global_vt_s + self.overrun_s
+        flows = self._flows
+        # This GPU's own flows first (stickiness): O(models cached here).
+        own = [
+            (-queue.count_for(model), flows[model].in_flight, flows[model].vt_s, model)
+            for model in ctx.cache.models_on(gpu_id)
+            if queue.count_for(model) and model in flows and flows[model].vt_s <= limit_s
+        ]
+        if own:
+            request = queue.oldest_for(min(own)[3])
+            if request is not None and request.avoid_gpu != gpu_id:
+                return [ctx.dispatch(request, gpu_id, now)]
+        # Then every flow that may run, longest queue first: O(backlogged flows) to sort.
+        candidates = []
+        for model in queue.models():
+            flow = flows.get(model)
+            if flow is None:
+                flow = flows[model] = Flow(model, vt_s=self._global_vt_s)
+            if flow.vt_s <= limit_s:  # else throttled
+                candidates.append((-queue.count_for(model), flow.in_flight, flow.vt_s, model))
+        candidates.sort()
+        plan: list[Step] = []
+        waited = 0
+        for _, _, _, model in candidates:
+            request = queue.oldest_for(model)
+            if request is None:
+                continue
+            holders = ctx.cache.gpus_with(model)
+            if holders and waited < MAX_WAITING_FLOWS and ctx.best_idle(holders, exclude=request.avoid_gpu) is None:
+                # Held only by busy GPUs, which work through the flow's backlog side by side:
+                # if they get to this call before the model could load here, it waits for them.
+                soonest = ctx.soonest_busy_holder(model, now)
+                per_call_s = ctx.inference_time_s(model, gpu_id, request.batch_size)
+                backlog_s = (queue.count_for(model) - 1) * per_call_s / len(holders)
+                if soonest is not None and soonest[1] + backlog_s < ctx.load_time_s(model, gpu_id):
+                    waited += 1
+                    continue
+            target = self._sticky_target(ctx, gpu_id, request, here=False)
+            if target is None:
+                continue
+            plan.append(ctx.dispatch(request, target, now))
+            if target == gpu_id:
+                break
+        return plan
+
+    def _sticky_target(self, ctx: SchedulingContext, gpu_id: str, request: Request, here: bool) -> str | None:
+        """Where the flow's call runs: this GPU if it holds the model, else an idle GPU that
+        does, else this GPU (a miss), else the first idle GPU the model may run on."""
+        avoid = request.avoid_gpu
+        if here and gpu_id != avoid:
+            return gpu_id
+        holders = ctx.cache.gpus_with(request.model)
+        if holders:
+            idle_holder = ctx.best_idle(holders, exclude=avoid)
+            if idle_holder is not None:
+                return idle_holder
+        if gpu_id != avoid and ctx.fits(request.model, gpu_id):
+            return gpu_id
+        return ctx.first_idle_fitting(request.model, exclude=avoid)
+
+    # --- internals -------------------------------------------------------------------------------
+    def _update_global_vt(self, queued_models: Iterable[str]) -> None:
+        """Global_VT: the least VT of the backlogged flows (with queued calls); it never goes
+        back. The least backlogged flow is never throttled, so a GPU with a free slot never idles
+        while calls wait. O(backlogged flows)."""
+        flows = self._flows
+        least = min((flows[model].vt_s for model in queued_models if model in flows), default=None)
+        if least is not None:
+            self._global_vt_s = max(self._global_vt_s, least)

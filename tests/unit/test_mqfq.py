@@ -1,0 +1,119 @@
+"""mqfq-sticky on hand-built clusters: virtual time, throttling, keep-alive, stickiness."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler import Dispatch, PolicyConfig, Scheduler, make_policy
+from scheduler.policies.mqfq import MqfqStickyPolicy
+from tests.builders import cache_on, make_request, make_scheduler
+
+INFERENCE_S = 1.0  # the builders' models: 1 s a call, 2 s a load
+
+
+def mqfq(gpus: int = 1, *, overrun_s: float = 10.0, ttl_alpha: float = 1.5) -> tuple[Scheduler, MqfqStickyPolicy]:
+    s = make_scheduler("lb", gpus=gpus)
+    policy = make_policy("mqfq-sticky", PolicyConfig(mqfq_overrun_s=overrun_s, mqfq_ttl_alpha=ttl_alpha))
+    assert isinstance(policy, MqfqStickyPolicy)
+    s.policy = policy
+    return s, policy
+
+
+def submit_at(s: Scheduler, model: str, at_s: float, count: int = 1) -> list[str]:
+    ids = []
+    for _ in range(count):
+        request = make_request(model, at_s)
+        s.submit(request)
+        ids.append(request.request_id)
+    return ids
+
+
+def run_one(s: Scheduler, now: float) -> Dispatch:
+    (decision,) = s.schedule(now)
+    assert isinstance(decision, Dispatch)
+    s.on_complete(decision.request.request_id, now + INFERENCE_S, inference_time_s=INFERENCE_S)
+    return decision
+
+
+def test_each_dispatch_advances_its_flows_virtual_time_by_the_calls_service_time() -> None:
+    s, policy = mqfq()
+    cache_on(s, "g0", "A")
+    submit_at(s, "A", 0.0, count=3)
+    for _ in range(3):
+        run_one(s, 0.0)
+    assert policy.flow("A").vt_s == pytest.approx(3 * INFERENCE_S)
+
+
+def test_the_longest_queue_goes_first_and_a_flow_too_far_ahead_is_throttled() -> None:
+    s, policy = mqfq(overrun_s=2.0)
+    cache_on(s, "g0", "A", "B")
+    submit_at(s, "B", 0.0, count=2)
+    submit_at(s, "A", 0.0, count=6)
+    now = 0.0
+    order = []
+    for _ in range(8):
+        order.append(run_one(s, now).request.model)
+        now += INFERENCE_S
+    # A (the longer queue) runs until it is more than T = 2 s of service ahead of B, then B
+    # catches up, then A goes on.
+    assert order[:3] == ["A", "A", "A"]
+    assert order[3] == "B"
+    assert sorted(order) == ["A"] * 6 + ["B"] * 2
+    assert policy.global_vt_s >= 2.0
+
+
+def test_the_least_backlogged_flow_is_never_throttled_so_no_gpu_idles_with_work_queued() -> None:
+    s, policy = mqfq(overrun_s=0.0)
+    cache_on(s, "g0", "A")
+    submit_at(s, "A", 0.0, count=4)
+    for step in range(4):  # A alone: always the least VT of the backlogged flows
+        assert run_one(s, float(step)).request.model == "A"
+    assert policy.flow("A").vt_s == pytest.approx(4.0)
+
+
+def test_a_flow_back_within_its_ttl_keeps_its_virtual_time_and_one_back_later_restarts_at_global() -> None:
+    s, policy = mqfq(ttl_alpha=2.0)
+    cache_on(s, "g0", "A", "B")
+    for at_s in (0.0, 1.0):  # A's inter-arrival time: 1 s, so its TTL is 2 s
+        submit_at(s, "A", at_s)
+        run_one(s, at_s)
+    a_vt = policy.flow("A").vt_s
+    submit_at(s, "B", 2.0, count=5)
+    for step in range(5):
+        run_one(s, 2.0 + step)
+    assert policy.global_vt_s > a_vt
+    submit_at(s, "A", 3.5)  # 1.5 s after its last call ended: within its TTL
+    assert policy.flow("A").vt_s == pytest.approx(a_vt)
+    s2, policy2 = mqfq(ttl_alpha=2.0)
+    cache_on(s2, "g0", "A", "B")
+    for at_s in (0.0, 1.0):
+        submit_at(s2, "A", at_s)
+        run_one(s2, at_s)
+    submit_at(s2, "B", 2.0, count=5)
+    for step in range(5):
+        run_one(s2, 2.0 + step)
+    submit_at(s2, "A", 30.0)  # long after its TTL: no credit kept
+    assert policy2.flow("A").vt_s == pytest.approx(policy2.global_vt_s)
+
+
+def test_sticky_a_flow_runs_where_its_model_is_and_waits_for_a_busy_holder() -> None:
+    s, _ = mqfq(gpus=2)
+    cache_on(s, "g1", "A")
+    submit_at(s, "A", 0.0)
+    (decision,) = s.schedule(0.0)  # g0 is offered first: A goes to idle g1, which holds it
+    assert isinstance(decision, Dispatch) and (decision.gpu_id, decision.hit) == ("g1", True)
+    submit_at(s, "A", 0.1)  # g1 busy until 1.0 (0.9 s) < a 2 s load on g0: A waits for g1
+    assert s.schedule(0.1) == []
+    s.on_complete(decision.request.request_id, 1.0, inference_time_s=INFERENCE_S)
+    (second,) = s.schedule(1.0)
+    assert isinstance(second, Dispatch) and (second.gpu_id, second.hit) == ("g1", True)
+
+
+def test_a_long_backlog_on_a_busy_holder_spills_onto_an_idle_gpu() -> None:
+    s, _ = mqfq(gpus=2)
+    cache_on(s, "g1", "A")
+    submit_at(s, "A", 0.0)
+    s.schedule(0.0)  # A runs on g1
+    submit_at(s, "A", 0.1, count=4)  # 0.9 s + 3 calls x 1 s behind it > a 2 s load on g0
+    decisions = s.schedule(0.1)
+    assert [(d.gpu_id, d.hit) for d in decisions if isinstance(d, Dispatch)] == [("g0", False)]
