@@ -1,0 +1,146 @@
+"""Every policy (and the host tier, and D) on the shipped trace at working set 35, over several
+model mappings, with timing noise: the table of docs/policies.md, and the floor it is bounded by.
+
+Two operating points: the paper's (325 requests a minute, 8 GB of cache per GPU) and a loaded one
+(450 rpm, 6 GB), where queues build up. Each configuration runs on the same requests under every
+mapping (`--mappings`: "ends" and seeded shuffles) with the same timing noise; figures are means
+and sample standard deviations over the mappings.
+
+The floor: with the simulator's ground truth (a GPU computes one batch at a time, a batch of k
+calls takes k**beta times one call, beta = 1 here), no policy can answer a call faster than its
+own inference time, so the mean inference time per call bounds the average latency from below.
+
+    python -m bench.policy_compare            # writes bench/results/policy_compare.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.machine import git_commit
+from gpufaas.profiles import paper_table1
+from simulator.engine import ClusterConfig, SimResult, simulate
+from simulator.report import AGGREGATED_METRICS, shipped_trace
+from simulator.workload import Workload, WorkloadConfig, build_workload, load_trace
+
+MAPPINGS: tuple[int | None, ...] = (None, 1, 2, 3)
+TIMING_SPREAD = 0.2
+HOST_TIER_MB = 16_384
+
+
+@dataclass(frozen=True)
+class Config:
+    """One row: a policy, and what the cluster has beyond the paper's testbed."""
+
+    label: str
+    policy: str
+    host_memory_mb: int = 0
+    slots: int = 1
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+CONFIGS = (
+    Config("lb", "lb"),
+    Config("lalb", "lalb"),
+    Config("lalb-o3", "lalb-o3"),
+    Config("mqfq-sticky (T = 10 s)", "mqfq-sticky"),
+    Config("mqfq-sticky (T = 1000 s)", "mqfq-sticky", options={"mqfq_overrun_s": 1000.0}),
+    Config("lalb-o3 + host tier", "lalb-o3", host_memory_mb=HOST_TIER_MB),
+    Config("lalb-o3 + host tier, D = 2", "lalb-o3", host_memory_mb=HOST_TIER_MB, slots=2),
+)
+POINTS = {"paper (325 rpm, 8 GB)": (325, 8192), "loaded (450 rpm, 6 GB)": (450, 6144)}
+
+
+def mean_inference_s(workload: Workload) -> float:
+    """The floor: the mean of every call's own inference time (the profile's, at its batch)."""
+    by_model = {p.model: p for p in workload.profiles}
+    return statistics.fmean(
+        by_model[r.model].inference_time_s * r.batch_size / by_model[r.model].batch_size for r in workload.requests
+    )
+
+
+def run_point(rpm: int, memory_mb: int, mappings: Sequence[int | None]) -> dict[str, Any]:
+    counts = load_trace(shipped_trace(), "azure2019")
+    table = paper_table1()
+    workloads = [
+        build_workload(counts, WorkloadConfig(working_set=35, rpm=rpm, mapping_seed=m), table) for m in mappings
+    ]
+    rows: list[dict[str, Any]] = []
+    for config in CONFIGS:
+        cluster = ClusterConfig(
+            gpu_memory_mb=memory_mb,
+            slots=config.slots,
+            host_memory_mb=config.host_memory_mb,
+            timing_spread=TIMING_SPREAD,
+        )
+        results: list[SimResult] = [
+            simulate(workload, config.policy, cluster=cluster, **config.options) for workload in workloads
+        ]
+        metrics: dict[str, Any] = {}
+        for name in (*AGGREGATED_METRICS, "swap_ins"):
+            values = [float(getattr(r, name)) for r in results]
+            metrics[name] = {
+                "mean": statistics.fmean(values),
+                "stdev": statistics.stdev(values) if len(values) > 1 else 0.0,
+            }
+        rows.append({"config": config.label, "policy": config.policy, **metrics})
+    floor = statistics.fmean(mean_inference_s(w) for w in workloads)
+    o3 = next(r for r in rows if r["config"] == "lalb-o3")["avg_latency_s"]["mean"]
+    best = min(rows, key=lambda r: r["avg_latency_s"]["mean"])
+    return {
+        "rpm": rpm,
+        "gpu_memory_mb": memory_mb,
+        "floor_mean_inference_s": floor,
+        "lalb_o3_avg_latency_s": o3,
+        "best": best["config"],
+        "best_speedup_vs_lalb_o3": o3 / best["avg_latency_s"]["mean"],
+        "max_speedup_vs_lalb_o3_at_the_floor": o3 / floor,
+        "rows": rows,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results/policy_compare.json"))
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    points = {name: run_point(rpm, memory_mb, MAPPINGS) for name, (rpm, memory_mb) in POINTS.items()}
+    document = {
+        "metadata": {
+            "git_commit": git_commit(),
+            "trace": "simulator/traces/azure2019-500fn (shipped)",
+            "working_set": 35,
+            "mappings": ["ends" if m is None else f"seed {m}" for m in MAPPINGS],
+            "timing_spread": TIMING_SPREAD,
+            "host_memory_mb_per_node": HOST_TIER_MB,
+            "wall_s": round(time.perf_counter() - started, 1),
+        },
+        "points": points,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(document, indent=2) + "\n")
+    for name, point in points.items():
+        print(f"{name}: floor {point['floor_mean_inference_s']:.2f} s")
+        for row in point["rows"]:
+            lat, p99 = row["avg_latency_s"], row["p99_latency_s"]
+            print(
+                f"  {row['config']:28} avg {lat['mean']:7.2f} ± {lat['stdev']:5.2f} s  p99 {p99['mean']:7.2f} s  "
+                f"miss {row['miss_ratio']['mean']:.3f}  fn var {row['function_latency_variance']['mean']:8.2f}"
+            )
+        print(
+            f"  best {point['best']}: {point['best_speedup_vs_lalb_o3']:.2f}x lalb-o3; "
+            f"at most {point['max_speedup_vs_lalb_o3_at_the_floor']:.2f}x at the floor"
+        )
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
