@@ -43,6 +43,7 @@ class Config:
     policy: str
     host_memory_mb: int = 0
     slots: int = 1
+    eviction: str = "lru"
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -54,6 +55,7 @@ CONFIGS = (
     Config("mqfq-sticky (T = 1000 s)", "mqfq-sticky", options={"mqfq_overrun_s": 1000.0}),
     Config("lalb-o3 + host tier", "lalb-o3", host_memory_mb=HOST_TIER_MB),
     Config("lalb-o3 + host tier, D = 2", "lalb-o3", host_memory_mb=HOST_TIER_MB, slots=2),
+    Config("lalb-o3 + host tier + heaviness", "lalb-o3", host_memory_mb=HOST_TIER_MB, eviction="heaviness"),
 )
 POINTS = {"paper (325 rpm, 8 GB)": (325, 8192), "loaded (450 rpm, 6 GB)": (450, 6144)}
 
@@ -78,6 +80,7 @@ def run_point(rpm: int, memory_mb: int, mappings: Sequence[int | None]) -> dict[
             gpu_memory_mb=memory_mb,
             slots=config.slots,
             host_memory_mb=config.host_memory_mb,
+            eviction=config.eviction,
             timing_spread=TIMING_SPREAD,
         )
         results: list[SimResult] = [
@@ -131,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for row in point["rows"]:
             lat, p99 = row["avg_latency_s"], row["p99_latency_s"]
             print(
-                f"  {row['config']:28} avg {lat['mean']:7.2f} ± {lat['stdev']:5.2f} s  p99 {p99['mean']:7.2f} s  "
+                f"  {row['config']:32} avg {lat['mean']:7.2f} ± {lat['stdev']:5.2f} s  p99 {p99['mean']:7.2f} s  "
                 f"miss {row['miss_ratio']['mean']:.3f}  fn var {row['function_latency_variance']['mean']:8.2f}"
             )
         print(

@@ -1,6 +1,6 @@
 """Per-GPU model caches (LRU lists), victim selection, and the model -> GPUs directory."""
 
-from cache_manager.eviction import EvictionPolicy, LruEviction, eviction_policy
+from cache_manager.eviction import EvictionPolicy, HeavinessEviction, LruEviction, eviction_policy
 from cache_manager.manager import Admission, CacheItem, CacheManager, GpuCache, HostTier
 
 __all__ = [
@@ -9,6 +9,7 @@ __all__ = [
     "CacheManager",
     "EvictionPolicy",
     "GpuCache",
+    "HeavinessEviction",
     "HostTier",
     "LruEviction",
     "eviction_policy",

@@ -17,6 +17,9 @@ class EvictionPolicy(ABC):
 
     registry: ClassVar[dict[str, type[EvictionPolicy]]] = {}
     name: ClassVar[str]
+    # How many GPUs hold a model, for policies that weigh replicas (the cache manager sets it;
+    # None: not known, count one).
+    replicas_of: Callable[[str], int] | None = None
 
     def __init_subclass__(cls, *, name: str, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -85,6 +88,57 @@ class LruEviction(EvictionPolicy, name="lru"):
         if needed_mb <= 0:
             return None
         return next((model for model, _ in lru_order if not is_pinned(model)), None)
+
+
+DEFAULT_HEAVY_MB = 2048  # a model at least this large is "heavy": slow to swap back in
+
+
+class HeavinessEviction(EvictionPolicy, name="heaviness"):
+    """Torpor's eviction: under pressure, keep one replica of each model across the GPUs (evict
+    models that another GPU also holds first), then evict light models (cheap to swap back in)
+    before heavy ones, least recently used first within each group. Heavy: `memory_mb` at
+    least `heavy_mb` (Torpor measures swap interference; size stands for it here)."""
+
+    def __init__(self, heavy_mb: int = DEFAULT_HEAVY_MB) -> None:
+        self.heavy_mb = heavy_mb
+
+    def _order(self, lru_order: Iterable[tuple[str, int]], is_pinned: Callable[[str], bool]) -> list[tuple[str, int]]:
+        replicas_of = self.replicas_of
+        candidates = [(rank, model, mb) for rank, (model, mb) in enumerate(lru_order) if not is_pinned(model)]
+        candidates.sort(
+            key=lambda c: (
+                (replicas_of(c[1]) if replicas_of is not None else 1) <= 1,  # replicated ones first
+                c[2] >= self.heavy_mb,  # then light before heavy
+                c[0],  # then least recently used first
+            )
+        )
+        return [(model, mb) for _, model, mb in candidates]
+
+    def choose_victims(
+        self,
+        lru_order: Sequence[tuple[str, int]],
+        needed_mb: int,
+        is_pinned: Callable[[str], bool],
+    ) -> list[str] | None:
+        victims: list[str] = []
+        freed_mb = 0
+        for model, memory_mb in self._order(lru_order, is_pinned):
+            if freed_mb >= needed_mb:
+                break
+            victims.append(model)
+            freed_mb += memory_mb
+        return victims if freed_mb >= needed_mb else None
+
+    def first_victim(
+        self,
+        lru_order: Iterable[tuple[str, int]],
+        needed_mb: int,
+        is_pinned: Callable[[str], bool],
+    ) -> str | None:
+        if needed_mb <= 0:
+            return None
+        ordered = self._order(lru_order, is_pinned)
+        return ordered[0][0] if ordered else None
 
 
 def eviction_policy(name: str) -> EvictionPolicy:

@@ -216,6 +216,7 @@ class CacheManager:
 
     def __init__(self, policy: EvictionPolicy | None = None) -> None:
         self._policy = policy if policy is not None else LruEviction()
+        self._policy.replicas_of = lambda model: len(self._directory.get(model, _EMPTY))
         self._gpus: dict[str, GpuCache] = {}
         self._directory: dict[str, set[str]] = {}
         self._max_capacity_mb = 0  # kept as GPUs come and go: asked on every submit

@@ -137,6 +137,13 @@ def sim(
         ),
     ] = 0,
     gpus_per_node: Annotated[int, typer.Option(min=1, help="GPUs per node (they share its host tier).")] = 4,
+    eviction: Annotated[
+        str,
+        typer.Option(
+            help="Which models a miss evicts: lru (the paper's) or heaviness (Torpor's: replicated models first, "
+            "then light before heavy, LRU within)."
+        ),
+    ] = "lru",
     host_to_gpu_mb_s: Annotated[
         float, typer.Option(min=1.0, help="Host-to-GPU copy bandwidth of a swap-in (MB/s).")
     ] = 10_000.0,
@@ -151,6 +158,7 @@ def sim(
     ] = 0.0,
 ) -> None:
     """Replay a function trace through the real scheduler and cache manager on a virtual clock."""
+    from cache_manager import EvictionPolicy
     from scheduler import make_policy
     from simulator.engine import Batching, ClusterConfig
     from simulator.report import (
@@ -177,6 +185,10 @@ def sim(
         make_policy(policy)
     except GpufaasError as exc:
         raise typer.BadParameter(str(exc), param_hint="--policy") from None
+    if eviction not in EvictionPolicy.registry:
+        raise typer.BadParameter(
+            f"expected one of {', '.join(sorted(EvictionPolicy.registry))}, got {eviction!r}", param_hint="--eviction"
+        )
     if not batch_exponent > 0:
         raise typer.BadParameter(f"must be positive, got {batch_exponent}", param_hint="--batch-exponent")
     if plot is not None and plot.suffix.lower() != ".png":
@@ -202,6 +214,7 @@ def sim(
             timing_seed=seed,
             gpus_per_node=gpus_per_node,
             host_memory_mb=host_memory_mb,
+            eviction=eviction,
             host_to_gpu_mb_s=host_to_gpu_mb_s,
         )
         batching = Batching(max_batch_size, max_batch_wait_ms) if max_batch_size > 1 else None
@@ -235,6 +248,7 @@ def sim(
         "mappings": list(dict.fromkeys(result.mapping for result in results)),
         "timing_spread": timing_spread,
         "host_memory_mb": host_memory_mb,
+        "eviction": eviction,
     }
     groups = aggregate(results) if len(mapping_seeds) > 1 else []
     if json_output:

@@ -163,6 +163,7 @@ class SimResult:
     mapping: str = "ends"  # how models were dealt to functions: "ends", or "seed K"
     host_memory_mb: int = 0  # per node
     swap_ins: int = 0  # misses that took the model back from the host tier
+    eviction: str = "lru"
     literal_visits: bool = False  # Algorithm 1's visit counting read literally (PolicyConfig)
 
     def to_json(self) -> dict[str, object]:
@@ -315,6 +316,7 @@ def simulate(
         literal_visits=literal_visits,
         host_memory_mb=cluster.host_memory_mb,
         swap_ins=swap_ins,
+        eviction=cluster.eviction,
     )
 
 

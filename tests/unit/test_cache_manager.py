@@ -98,7 +98,7 @@ def test_snapshot_lists_items_most_recent_first() -> None:
 
 def test_unknown_eviction_policy_lists_the_valid_ones() -> None:
     assert eviction_policy("lru").name == "lru"
-    with pytest.raises(UnknownPolicy, match="valid policies: lru"):
+    with pytest.raises(UnknownPolicy, match="valid policies: heaviness, lru"):
         eviction_policy("fifo")
 
 
@@ -277,3 +277,37 @@ def test_admit_undoable_restores_the_host_tier_too() -> None:
         undo()
     assert (full_state(cache), cache.host("n0").lru_list()) == before  # type: ignore[union-attr]
     assert cache.nodes_holding("A") == {"n0"} and not cache.nodes_holding("B")
+
+
+# --- heaviness-aware eviction (Torpor) ------------------------------------------------------------
+
+
+def test_heaviness_eviction_takes_replicated_then_light_models_then_the_least_recent() -> None:
+    cache = CacheManager(eviction_policy("heaviness"))
+    cache.add_gpu("g0", 8000)
+    cache.add_gpu("g1", 8000)
+    # g0, least recent first: H1 (heavy), L1 (light), R (light, also on g1), H2 (heavy), L2 (light).
+    for model, mb in (("H1", 2500), ("L1", 1000), ("R", 1000), ("H2", 2500), ("L2", 1000)):
+        cache.admit("g0", model, mb)
+    cache.admit("g1", "R", 1000)
+    assert cache.gpu("g0").first_victim("N", 1000) == "R"  # full: the replicated model goes first
+    victims = cache.gpu("g0").plan_victims("N", 3000)  # needs 3000: R (a replica), then L1, L2
+    assert victims == ["R", "L1", "L2"]
+    assert cache.gpu("g0").plan_victims("N", 4500) == ["R", "L1", "L2", "H1"]  # then heavy, LRU first
+    lru = CacheManager()
+    lru.add_gpu("g0", 8000)
+    for model, mb in (("H1", 2500), ("L1", 1000), ("R", 1000), ("H2", 2500), ("L2", 1000)):
+        lru.admit("g0", model, mb)
+    assert lru.gpu("g0").plan_victims("N", 3000) == ["H1", "L1"]  # the paper's LRU, for contrast
+
+
+def test_heaviness_eviction_never_takes_a_pinned_model() -> None:
+    cache = CacheManager(eviction_policy("heaviness"))
+    cache.add_gpu("g0", 3000)
+    cache.admit("g0", "L1", 1000)
+    cache.admit("g0", "H1", 2000)
+    cache.pin("g0", "L1")
+    assert cache.gpu("g0").plan_victims("N", 2000) == ["H1"]
+    cache.pin("g0", "H1")
+    with pytest.raises(CacheFull):
+        cache.gpu("g0").plan_victims("N", 1000)
