@@ -66,16 +66,7 @@ class LruEviction(EvictionPolicy, name="lru"):
         needed_mb: int,
         is_pinned: Callable[[str], bool],
     ) -> list[str] | None:
-        victims: list[str] = []
-        freed_mb = 0
-        for model, memory_mb in lru_order:
-            if freed_mb >= needed_mb:
-                break
-            if is_pinned(model):
-                continue
-            victims.append(model)
-            freed_mb += memory_mb
-        return victims if freed_mb >= needed_mb else None
+        return _take_until(((m, mb) for m, mb in lru_order if not is_pinned(m)), needed_mb)
 
     def first_victim(
         self,
@@ -120,14 +111,7 @@ class HeavinessEviction(EvictionPolicy, name="heaviness"):
         needed_mb: int,
         is_pinned: Callable[[str], bool],
     ) -> list[str] | None:
-        victims: list[str] = []
-        freed_mb = 0
-        for model, memory_mb in self._order(lru_order, is_pinned):
-            if freed_mb >= needed_mb:
-                break
-            victims.append(model)
-            freed_mb += memory_mb
-        return victims if freed_mb >= needed_mb else None
+        return _take_until(self._order(lru_order, is_pinned), needed_mb)
 
     def first_victim(
         self,
@@ -139,6 +123,18 @@ class HeavinessEviction(EvictionPolicy, name="heaviness"):
             return None
         ordered = self._order(lru_order, is_pinned)
         return ordered[0][0] if ordered else None
+
+
+def _take_until(candidates: Iterable[tuple[str, int]], needed_mb: int) -> list[str] | None:
+    """The first candidates, in order, that free `needed_mb` together; None if all of them cannot."""
+    victims: list[str] = []
+    freed_mb = 0
+    for model, memory_mb in candidates:
+        if freed_mb >= needed_mb:
+            break
+        victims.append(model)
+        freed_mb += memory_mb
+    return victims if freed_mb >= needed_mb else None
 
 
 def eviction_policy(name: str) -> EvictionPolicy:
