@@ -63,7 +63,9 @@ def sim(
         typer.Option(help="Trace file. Default: the Azure Functions 2019 extract shipped with gpufaas."),
     ] = None,
     trace_format: Annotated[TraceFormat, typer.Option(help="Trace file format.")] = TraceFormat.azure2019,
-    policy: Annotated[str, typer.Option(help="Scheduling policy: lb, lalb, lalb-o3 or mqfq-sticky.")] = "lalb-o3",
+    policy: Annotated[
+        str, typer.Option(help="Scheduling policy: lb, lalb, lalb-o3, mqfq-sticky or torpor.")
+    ] = "lalb-o3",
     o3_limit: Annotated[int, typer.Option(min=0, help="lalb-o3: how often a request may be passed over.")] = 25,
     gpus: Annotated[int, typer.Option(min=1, help="Number of simulated GPUs.")] = 12,
     gpu_memory_mb: Annotated[int, typer.Option(min=1, help="Cache capacity of each GPU (MB).")] = 8192,
@@ -147,6 +149,14 @@ def sim(
     host_to_gpu_mb_s: Annotated[
         float, typer.Option(min=1.0, help="Host-to-GPU copy bandwidth of a swap-in (MB/s).")
     ] = 10_000.0,
+    slo_factor: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            help="Give every function an SLO of this multiple of its model's inference time (torpor orders by "
+            "it; every policy reports SLO attainment). Default: no SLOs.",
+        ),
+    ] = None,
     timing_spread: Annotated[
         float,
         typer.Option(
@@ -197,7 +207,9 @@ def sim(
     with _user_errors():
         trace_path = trace if trace is not None else shipped_trace()
         counts = load_trace(trace_path, trace_format.value)
-        workload_config = WorkloadConfig(start_minute=start_minute, minutes=minutes, rpm=rpm, seed=seed)
+        workload_config = WorkloadConfig(
+            start_minute=start_minute, minutes=minutes, rpm=rpm, seed=seed, slo_factor=slo_factor
+        )
         workloads = build_workloads(counts, working_sets, workload_config, mapping_seeds)
         if limits is not None:
             runs = sweep_runs(working_sets, limits, mapping_seeds)
@@ -249,6 +261,7 @@ def sim(
         "timing_spread": timing_spread,
         "host_memory_mb": host_memory_mb,
         "eviction": eviction,
+        "slo_factor": slo_factor,
     }
     groups = aggregate(results) if len(mapping_seeds) > 1 else []
     if json_output:
@@ -334,6 +347,8 @@ def _print_table(results: Sequence[SimResult], meta: Mapping[str, object]) -> No
     ]
     if any(result.max_batch_size > 1 for result in results):
         columns.append(("calls/batch", "avg_batch_calls"))
+    if meta.get("slo_factor"):
+        columns += [("SLO met", "slo_attainment"), ("fns in SLO", "slo_functions_met")]
     for header, _ in columns:
         table.add_column(header, justify="left" if header == "policy" else "right")
     for result in results:

@@ -33,6 +33,9 @@ class FunctionSpec:
 
     `public`: anyone who reaches the gateway may call it. By default a call needs the cluster's
     invoke token or the admin credentials (docs/security.md).
+
+    `slo_ms`: the latency a call should meet (end to end, from arrival); policies that know SLOs
+    (`torpor`) put first the functions most likely to meet theirs. None: no SLO.
     """
 
     name: str
@@ -46,6 +49,7 @@ class FunctionSpec:
     max_batch_size: int = 1
     max_batch_wait_ms: float = 0.0
     public: bool = False
+    slo_ms: float | None = None
 
     @property
     def required_gpu_type(self) -> str | None:
@@ -101,6 +105,7 @@ class FunctionSpec:
             labels=_str_map(raw, "labels", path),
             environment=_str_map(raw, "environment", path),
             public=_bool(raw, "public", path),
+            slo_ms=slo_ms(raw, path),
             **batching(raw, path),
         )
 
@@ -131,8 +136,27 @@ FUNCTION_SPEC_SCHEMA: dict[str, Any] = {
         "max_batch_size": {"type": "integer", "minimum": 1, "maximum": MAX_BATCH_SIZE, "default": 1},
         "max_batch_wait_ms": {"type": "number", "minimum": 0, "maximum": MAX_BATCH_WAIT_MS, "default": 0},
         "public": {"type": "boolean", "default": False, "description": "callable without credentials"},
+        "slo_ms": {
+            "type": ["number", "null"],
+            "exclusiveMinimum": 0,
+            "maximum": MAX_TIMEOUT_S * 1000,
+            "default": None,
+            "description": "the latency (ms) a call should meet; SLO-aware policies order by it",
+        },
     },
 }
+
+
+def slo_ms(raw: dict[str, Any], path: str = "") -> float | None:
+    """`slo_ms`: None (no SLO), or milliseconds in (0, MAX_TIMEOUT_S x 1000], validated."""
+    value = raw.get("slo_ms")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_TIMEOUT_S * 1000:
+        raise InvalidInput(
+            f"{_at(path, 'slo_ms')}: expected milliseconds in (0, {MAX_TIMEOUT_S * 1000:g}], got {value!r}"
+        )
+    return float(value)
 
 
 def batching(raw: dict[str, Any], path: str = "") -> dict[str, Any]:

@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from gpufaas.errors import InvalidInput
-from gpufaas.functions import DEFAULT_TIMEOUT_S, GPU_TYPE_PATTERN, MAX_TIMEOUT_S, NAME_PATTERN, batching
+from gpufaas.functions import DEFAULT_TIMEOUT_S, GPU_TYPE_PATTERN, MAX_TIMEOUT_S, NAME_PATTERN, batching, slo_ms
 from gpufaas.types import DEFAULT_BATCH_SIZE
 
 TOP_KEYS = {"version", "provider", "functions", "configuration"}
@@ -26,6 +26,7 @@ FUNCTION_KEYS = {
     "max_batch_size",
     "max_batch_wait_ms",
     "public",
+    "slo_ms",
 }
 
 
@@ -43,6 +44,7 @@ class StackFunction:
     max_batch_size: int = 1
     max_batch_wait_ms: float = 0.0
     public: bool = False  # callable without credentials
+    slo_ms: float | None = None  # the latency a call should meet (SLO-aware policies)
 
     def spec(self, package_digest: str) -> dict[str, Any]:
         """The gateway's function spec for this function's uploaded package."""
@@ -58,6 +60,7 @@ class StackFunction:
             "max_batch_size": self.max_batch_size,
             "max_batch_wait_ms": self.max_batch_wait_ms,
             "public": self.public,
+            "slo_ms": self.slo_ms,
         }
 
 
@@ -129,6 +132,7 @@ def parse_stack(raw: Any, path: Path) -> Stack:
             raise fail(f"{where}.timeout_s", f"expected seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}")
         try:
             batch_settings = batching(settings, where)
+            slo = slo_ms(settings, where)
         except InvalidInput as exc:
             raise InvalidInput(f"{path}: {exc}") from None
         public = settings.get("public", False)
@@ -149,6 +153,7 @@ def parse_stack(raw: Any, path: Path) -> Stack:
                 labels=_string_map(settings.get("labels"), f"{where}.labels", fail),
                 environment=_string_map(settings.get("environment"), f"{where}.environment", fail),
                 public=public,
+                slo_ms=slo,
                 **batch_settings,
             )
         )

@@ -23,6 +23,7 @@ class Request:
     arrival_s: float
     batch_size: int = DEFAULT_BATCH_SIZE
     avoid_gpu: str | None = None  # a GPU this request must not run on (its worker just died there)
+    slo_s: float | None = None  # the latency it should meet, from arrival (its function's SLO)
 
 
 @dataclass(frozen=True, slots=True)

@@ -190,7 +190,8 @@ class CallBook:
         if not self.scheduler.cache.gpu_ids():
             raise Rejected(pb.UNAVAILABLE, "no GPU manager is registered: start a node")
         try:
-            self.scheduler.submit(Request(call_id, spec.name, spec.model, now, spec.batch_size))
+            slo_s = None if spec.slo_ms is None else spec.slo_ms / 1000
+            self.scheduler.submit(Request(call_id, spec.name, spec.model, now, spec.batch_size, slo_s=slo_s))
         except ModelTooLarge as exc:
             raise Rejected(pb.UNAVAILABLE, str(exc)) from None
         except (UnknownModel, ValueError) as exc:

@@ -164,6 +164,10 @@ class SimResult:
     host_memory_mb: int = 0  # per node
     swap_ins: int = 0  # misses that took the model back from the host tier
     eviction: str = "lru"
+    # With SLOs (requests carrying slo_s): the share of calls answered within their SLO, and the
+    # share of functions whose p98 latency is (Torpor's "SLO-compliant functions"); 1.0 without.
+    slo_attainment: float = 1.0
+    slo_functions_met: float = 1.0
     literal_visits: bool = False  # Algorithm 1's visit counting read literally (PolicyConfig)
 
     def to_json(self) -> dict[str, object]:
@@ -279,6 +283,7 @@ def simulate(
         gpus.form_batches(now)
 
     all_latencies = sorted(latencies.values())
+    slo_attainment, slo_functions_met = _slo_figures(arrivals, latencies)
     function_means = [statistics.fmean(values) for values in per_function.values()]
     dispatched = hits + misses
     makespan_s = now
@@ -317,7 +322,32 @@ def simulate(
         host_memory_mb=cluster.host_memory_mb,
         swap_ins=swap_ins,
         eviction=cluster.eviction,
+        slo_attainment=slo_attainment,
+        slo_functions_met=slo_functions_met,
     )
+
+
+SLO_PERCENTILE = 98.0  # Torpor's: a function meets its SLO when its p98 latency does
+
+
+def _slo_figures(requests: Sequence[Request], latencies: Mapping[str, float]) -> tuple[float, float]:
+    """(share of calls within their SLO, share of functions whose p98 latency is within it),
+    over the requests that carry an SLO; (1.0, 1.0) when none does."""
+    met = total = 0
+    per_function: dict[str, list[float]] = defaultdict(list)
+    slo_of: dict[str, float] = {}
+    for request in requests:
+        if request.slo_s is None or request.request_id not in latencies:
+            continue
+        latency_s = latencies[request.request_id]
+        total += 1
+        met += latency_s <= request.slo_s
+        per_function[request.function].append(latency_s)
+        slo_of[request.function] = request.slo_s
+    if not total:
+        return 1.0, 1.0
+    compliant = sum(percentile(sorted(values), SLO_PERCENTILE) <= slo_of[f] for f, values in per_function.items())
+    return met / total, compliant / len(per_function)
 
 
 def percentile(sorted_values: Sequence[float], pct: float) -> float:

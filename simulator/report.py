@@ -140,6 +140,8 @@ AGGREGATED_METRICS = (
     "gpu_utilization",
     "function_latency_variance",
     "avg_batch_calls",
+    "slo_attainment",
+    "slo_functions_met",
 )
 
 

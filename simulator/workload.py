@@ -70,6 +70,8 @@ class WorkloadConfig:
     mapping_seed: int | None = None
     """How the picked models are dealt to the functions: None = from both ends (the module
     docstring); an int = a random.Random(mapping_seed) shuffle."""
+    slo_factor: float | None = None
+    """Each function's SLO: this multiple of its model's inference time (None: no SLOs)."""
 
 
 @dataclass(frozen=True)
@@ -379,6 +381,9 @@ def build_workload(trace: TraceCounts, config: WorkloadConfig, table: list[Model
                 drawn.append((arrival_s, rank))
     drawn.sort()
 
+    if config.slo_factor is not None and not config.slo_factor > 0:
+        raise InvalidInput(f"workload slo_factor is {config.slo_factor}; expected a positive number")
+    slos = [None if config.slo_factor is None else config.slo_factor * p.inference_time_s for p in profiles]
     requests = [
         Request(
             request_id=f"r{index:06d}",
@@ -386,6 +391,7 @@ def build_workload(trace: TraceCounts, config: WorkloadConfig, table: list[Model
             model=profiles[rank].model,
             arrival_s=arrival_s,
             batch_size=profiles[rank].batch_size,
+            slo_s=slos[rank],
         )
         for index, (arrival_s, rank) in enumerate(drawn)
     ]

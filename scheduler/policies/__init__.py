@@ -11,6 +11,7 @@ from scheduler.policies.base import (
 from scheduler.policies.lalb import LocalityAwarePolicy, OutOfOrderLocalityAwarePolicy
 from scheduler.policies.lb import LoadBalancePolicy
 from scheduler.policies.mqfq import MqfqStickyPolicy
+from scheduler.policies.torpor import TorporPolicy
 
 __all__ = [
     "DEFAULT_MAX_NUM_SKIPS",
@@ -21,6 +22,7 @@ __all__ = [
     "PolicyConfig",
     "SchedulingContext",
     "SchedulingPolicy",
+    "TorporPolicy",
     "make_policy",
     "registered_policies",
 ]

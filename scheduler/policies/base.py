@@ -84,6 +84,9 @@ class PolicyConfig:
     # throttled, and alpha, its keep-alive TTL in mean inter-arrival times.
     mqfq_overrun_s: float = 10.0
     mqfq_ttl_alpha: float = 1.5
+    # torpor: the share of the total positive required request count (RRC) the high-priority
+    # group may hold.
+    torpor_alpha: float = 0.5
 
     def __post_init__(self) -> None:
         if self.max_num_skips < 0:

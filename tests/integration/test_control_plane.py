@@ -240,12 +240,14 @@ def test_an_updated_or_deleted_functions_old_model_is_evicted(make_cluster: Clus
 
 
 @pytest.mark.integration
-def test_mqfq_sticky_runs_the_real_cluster(make_cluster: ClusterFactory, tmp_path: Path) -> None:
-    """The policy the simulator runs also drives the services (`gpufaas up --policy mqfq-sticky`)."""
-    cluster = make_cluster(nodes=1, gpus_per_node=2, backend="cpu", gpu_memory_mb=1000, policy="mqfq-sticky")
+@pytest.mark.parametrize("policy", ["mqfq-sticky", "torpor"])
+def test_the_newer_policies_run_the_real_cluster(make_cluster: ClusterFactory, tmp_path: Path, policy: str) -> None:
+    """The policies the simulator runs also drive the services (`gpufaas up --policy NAME`); torpor
+    reads the functions' SLOs from their specs."""
+    cluster = make_cluster(nodes=1, gpus_per_node=2, backend="cpu", gpu_memory_mb=1000, policy=policy)
     names = ("fq-a", "fq-b")
     for name in names:
-        deploy(cluster, name, "linear_function", tmp_path)
+        deploy(cluster, name, "linear_function", tmp_path, slo_ms=2000)
     calls = [names[i % 2] for i in range(24)]
     with httpx.Client() as client, ThreadPoolExecutor(6) as pool:
         responses = list(pool.map(lambda n: invoke(cluster, n, client), calls))

@@ -55,10 +55,12 @@ def test_compare_runs_every_policy_on_the_same_workload() -> None:
         (15, "lalb"),
         (15, "lalb-o3"),
         (15, "mqfq-sticky"),
+        (15, "torpor"),
         (25, "lb"),
         (25, "lalb"),
         (25, "lalb-o3"),
         (25, "mqfq-sticky"),
+        (25, "torpor"),
     ]
     assert len({r["requests"] for r in results}) == 1
 
@@ -118,7 +120,7 @@ def test_azure2021_trace(tmp_path: Path) -> None:
 def test_unknown_policy_lists_valid_ones() -> None:
     code, _, err = sim("--policy", "nonsense")
     assert code == 2
-    assert "valid policies: lalb, lalb-o3, lb, mqfq-sticky" in err
+    assert "valid policies: lalb, lalb-o3, lb, mqfq-sticky, torpor" in err
 
 
 @pytest.mark.parametrize(
@@ -176,9 +178,9 @@ def test_several_mappings_give_mean_and_spread_per_policy() -> None:
     assert code == 0
     data = json.loads(out)
     assert data["mappings"] == ["ends", "seed 1", "seed 2"] and data["timing_spread"] == 0.2
-    assert len(data["results"]) == 4 * 3  # policies x mappings
+    assert len(data["results"]) == 5 * 3  # policies x mappings
     by_policy = {group["policy"]: group for group in data["aggregates"]}
-    assert set(by_policy) == {"lb", "lalb", "lalb-o3", "mqfq-sticky"}
+    assert set(by_policy) == {"lb", "lalb", "lalb-o3", "mqfq-sticky", "torpor"}
     lalb = [r["avg_latency_s"] for r in data["results"] if r["policy"] == "lalb"]
     assert by_policy["lalb"]["avg_latency_s_mean"] == pytest.approx(statistics.fmean(lalb))
     assert by_policy["lalb"]["avg_latency_s_stdev"] == pytest.approx(statistics.stdev(lalb))

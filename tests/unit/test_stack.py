@@ -53,6 +53,7 @@ def test_a_good_stack_parses_with_handlers_relative_to_the_file(tmp_path: Path) 
         "max_batch_size": 8,
         "max_batch_wait_ms": 2.5,
         "public": True,
+        "slo_ms": None,
     }
 
 
@@ -76,6 +77,7 @@ def test_a_good_stack_parses_with_handlers_relative_to_the_file(tmp_path: Path) 
         (("version: 1.0", "versoin: 1.0"), "versoin: unknown key"),
         (("labels: {team: vision}", "labels: [vision]"), "functions.resnet.labels: expected a mapping"),
         (("public: true", "public: sometimes"), "functions.resnet.public: expected true or false"),
+        (("public: true", "public: true\n    slo_ms: 0"), "functions.resnet.slo_ms: expected milliseconds"),
     ],
 )
 def test_bad_keys_and_values_are_named_by_path(tmp_path: Path, change: tuple[str, str], message: str) -> None:
@@ -83,6 +85,12 @@ def test_bad_keys_and_values_are_named_by_path(tmp_path: Path, change: tuple[str
     with pytest.raises(InvalidInput, match=message) as caught:
         load_stack(path)
     assert str(path) in str(caught.value)
+
+
+def test_an_slo_reaches_the_function_spec(tmp_path: Path) -> None:
+    (function,) = load_stack(write(tmp_path, GOOD.replace("public: true", "public: true\n    slo_ms: 250"))).functions
+    assert function.slo_ms == 250.0
+    assert function.spec("sha256:" + "b" * 64)["slo_ms"] == 250.0
 
 
 def test_missing_and_malformed_files_are_explained(tmp_path: Path) -> None:

@@ -1,0 +1,98 @@
+"""`torpor`: SLO-aware queuing by required request count (Torpor, section 5.2), placing each call
+with LALB's locality (Algorithm 2, host-tier aware).
+
+A function with an SLO (`slo_ms` in stack.yml) has served n calls, m of them within the SLO. Its
+required request count RRC = (p n - m) / (1 - p), p = 0.98 (the tail Torpor checks), is how many
+more calls it must meet in a row to reach p: the smaller, the likelier it meets its SLO. The
+functions with calls queued are sorted by RRC; the first k form the high-priority group, k the
+largest with sum(max(RRC, 0)) over them <= alpha x the sum over all. High-priority functions go
+first, in descending RRC (those still short of p but closest to it before those already there),
+then the low-priority ones in ascending RRC, then functions without an SLO (oldest call first).
+An idle GPU takes, in that order, each function's oldest call and places it by Algorithm 2 (a hit
+here, a hit on another idle GPU, parked on a busy holder that frees up before a load, or a miss
+where the host tier or room makes it cheapest) until one lands on it.
+
+Deviation: alpha is fixed (`torpor_alpha`, default 0.5) rather than tuned at run time by Torpor's
+Algorithm 2 (a congestion-control loop on the share of SLO-compliant functions per period).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpufaas.types import Request
+from scheduler.decisions import Step
+from scheduler.policies.base import PolicyConfig, SchedulingContext, SchedulingPolicy
+from scheduler.policies.lalb import Placement, locality_load_balance
+
+SLO_TAIL = 0.98  # p: the share of calls a function must answer within its SLO
+DEFAULT_ALPHA = 0.5
+
+
+@dataclass(slots=True)
+class SloRecord:
+    """A function's calls served (n) and served within its SLO (m)."""
+
+    served: int = 0
+    met: int = 0
+
+    def rrc(self, tail: float = SLO_TAIL) -> float:
+        return (tail * self.served - self.met) / (1.0 - tail)
+
+
+class TorporPolicy(SchedulingPolicy, name="torpor"):
+    """See the module docstring. `alpha` in [0, 1]: the share of the total positive RRC the
+    high-priority group may hold (1: every function is high priority)."""
+
+    def __init__(self, alpha: float = DEFAULT_ALPHA, *, tier_aware_misses: bool = True) -> None:
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        self.alpha = alpha
+        self.tier_aware_misses = tier_aware_misses
+        self._records: dict[str, SloRecord] = {}  # function -> its SLO record
+
+    @classmethod
+    def from_config(cls, config: PolicyConfig) -> SchedulingPolicy:
+        return cls(config.torpor_alpha, tier_aware_misses=config.tier_aware_misses)
+
+    def record(self, function: str) -> SloRecord:
+        return self._records.setdefault(function, SloRecord())
+
+    def on_finish(self, request: Request, now: float, *, inference_time_s: float | None) -> None:
+        if request.slo_s is None or inference_time_s is None:  # no SLO, or failed (it may run again)
+            return
+        record = self.record(request.function)
+        record.served += 1
+        record.met += now - request.arrival_s <= request.slo_s
+
+    def order(self, oldest: list[Request]) -> list[Request]:
+        """The oldest queued call of each backlogged function, in the order they are served."""
+        with_slo = sorted(
+            ((self.record(r.function).rrc(), r) for r in oldest if r.slo_s is not None),
+            key=lambda pair: (pair[0], pair[1].arrival_s, pair[1].request_id),
+        )
+        total = sum(max(rrc, 0.0) for rrc, _ in with_slo)
+        budget = self.alpha * total
+        high: list[tuple[float, Request]] = []
+        taken = 0.0
+        for rrc, request in with_slo:
+            if taken + max(rrc, 0.0) > budget:
+                break
+            taken += max(rrc, 0.0)
+            high.append((rrc, request))
+        low = with_slo[len(high) :]
+        high.sort(key=lambda pair: (-pair[0], pair[1].arrival_s, pair[1].request_id))
+        without = sorted((r for r in oldest if r.slo_s is None), key=lambda r: (r.arrival_s, r.request_id))
+        return [r for _, r in high] + [r for _, r in low] + without
+
+    def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> list[Step]:
+        queue = ctx.queue
+        oldest = [request for model in queue.models() if (request := queue.oldest_for(model)) is not None]
+        plan: list[Step] = []
+        for request in self.order(oldest):
+            placement, step = locality_load_balance(ctx, gpu_id, request, now, tier_aware=self.tier_aware_misses)
+            if step is not None:
+                plan.append(step)
+            if placement is Placement.HERE:
+                break
+        return plan

@@ -1,0 +1,105 @@
+"""torpor: required request counts, priority groups, serving order, and SLOs end to end in the
+simulator and in function specs."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpufaas.errors import InvalidInput
+from gpufaas.functions import FunctionSpec
+from gpufaas.profiles import paper_table1
+from gpufaas.types import Request
+from scheduler import Dispatch, PolicyConfig, make_policy
+from scheduler.policies.torpor import SloRecord, TorporPolicy
+from simulator.engine import ClusterConfig, simulate
+from simulator.report import shipped_trace
+from simulator.workload import WorkloadConfig, build_workload, load_trace
+from tests.builders import cache_on, make_scheduler
+
+DIGEST = "sha256:" + "a" * 64
+
+
+def call(function: str, arrival_s: float, slo_s: float | None = 1.0) -> Request:
+    return Request(f"{function}-{arrival_s}", function, f"m-{function}", arrival_s, slo_s=slo_s)
+
+
+def torpor(alpha: float = 0.5) -> TorporPolicy:
+    policy = make_policy("torpor", PolicyConfig(torpor_alpha=alpha))
+    assert isinstance(policy, TorporPolicy)
+    return policy
+
+
+def test_required_request_count_is_what_a_function_must_still_meet_to_reach_the_tail() -> None:
+    assert SloRecord(served=100, met=98).rrc() == pytest.approx(0.0)
+    assert SloRecord(served=100, met=90).rrc() == pytest.approx(400.0)  # (98 - 90) / 0.02
+    assert SloRecord(served=100, met=100).rrc() == pytest.approx(-100.0)  # ahead: negative
+    # (m + RRC) / (n + RRC) == p: meeting RRC more calls in a row reaches the tail exactly.
+    record = SloRecord(served=50, met=45)
+    rrc = record.rrc()
+    assert (45 + rrc) / (50 + rrc) == pytest.approx(0.98)
+
+
+def test_served_calls_count_only_with_an_slo_and_only_when_they_completed() -> None:
+    policy = torpor()
+    policy.on_finish(call("f", 0.0, slo_s=1.0), 0.5, inference_time_s=0.4)  # met
+    policy.on_finish(call("f", 1.0, slo_s=1.0), 3.0, inference_time_s=0.4)  # missed
+    policy.on_finish(call("f", 2.0, slo_s=1.0), 2.1, inference_time_s=None)  # failed: not counted
+    policy.on_finish(call("g", 0.0, slo_s=None), 9.0, inference_time_s=0.4)  # no SLO
+    assert (policy.record("f").served, policy.record("f").met) == (2, 1)
+    assert policy.record("g").served == 0
+
+
+def test_high_priority_functions_go_first_in_descending_rrc_then_low_ascending_then_no_slo() -> None:
+    policy = torpor(alpha=0.5)
+    # RRCs: a -50 (ahead), b 50, c 150, d 300: positive total 500, high budget 250 -> a, b, c.
+    for function, served, met in (("a", 100, 99), ("b", 100, 97), ("c", 100, 95), ("d", 100, 92)):
+        policy.record(function).served, policy.record(function).met = served, met
+    assert [policy.record(f).rrc() for f in "abcd"] == pytest.approx([-50.0, 50.0, 150.0, 300.0])
+    oldest = [call("d", 0.0), call("none", 0.5, slo_s=None), call("a", 1.0), call("c", 2.0), call("b", 3.0)]
+    assert [r.function for r in policy.order(oldest)] == ["c", "b", "a", "d", "none"]
+
+
+def test_alpha_one_puts_every_function_in_the_high_group_and_zero_only_those_at_or_under_zero() -> None:
+    everyone, strict = torpor(alpha=1.0), torpor(alpha=0.0)
+    for policy in (everyone, strict):
+        for function, served, met in (("a", 100, 99), ("b", 100, 97), ("d", 100, 92)):
+            policy.record(function).served, policy.record(function).met = served, met
+    oldest = [call("a", 0.0), call("b", 1.0), call("d", 2.0)]
+    assert [r.function for r in everyone.order(oldest)] == ["d", "b", "a"]  # all high: descending
+    assert [r.function for r in strict.order(oldest)] == ["a", "b", "d"]  # a high; b, d low: ascending
+
+
+def test_the_chosen_call_is_placed_with_locality() -> None:
+    s = make_scheduler("torpor", gpus=2)
+    cache_on(s, "g1", "B")
+    for model, slo_s in (("A", 5.0), ("B", 5.0)):
+        s.submit(Request(f"r-{model}", f"fn-{model}", model, 0.0, slo_s=slo_s))
+    decisions = s.schedule(0.0)  # g0 offered first: the first call in order is placed by Algorithm 2
+    placed = {d.request.model: (d.gpu_id, d.hit) for d in decisions if isinstance(d, Dispatch)}
+    assert placed["B"] == ("g1", True)
+
+
+def test_slos_reach_the_simulator_and_its_report() -> None:
+    counts = load_trace(shipped_trace(), "azure2019")
+    plain = build_workload(counts, WorkloadConfig(working_set=35, minutes=2), paper_table1())
+    assert all(r.slo_s is None for r in plain.requests)
+    assert simulate(plain, "lalb-o3").slo_attainment == 1.0
+    with_slo = build_workload(counts, WorkloadConfig(working_set=35, minutes=2, slo_factor=2.0), paper_table1())
+    profiles = {p.model: p for p in with_slo.profiles}
+    assert all(r.slo_s == pytest.approx(2.0 * profiles[r.model].inference_time_s) for r in with_slo.requests)
+    tight = simulate(with_slo, "torpor", cluster=ClusterConfig(gpu_memory_mb=6144))
+    assert 0.0 < tight.slo_attainment < 1.0 and 0.0 <= tight.slo_functions_met <= 1.0
+    with pytest.raises(InvalidInput, match="slo_factor"):
+        build_workload(counts, WorkloadConfig(working_set=35, slo_factor=-1.0), paper_table1())
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"), [(250, True), (0.5, True), (None, True), (0, False), (-3, False), ("x", False), (True, False)]
+)
+def test_a_functions_slo_ms_is_validated(value: object, ok: bool) -> None:
+    raw = {"name": "f", "package_digest": DIGEST, "memory_mb": 100, "slo_ms": value}
+    if ok:
+        assert FunctionSpec.from_dict(raw).slo_ms == (None if value is None else float(value))  # type: ignore[arg-type]
+    else:
+        with pytest.raises(InvalidInput, match="slo_ms"):
+            FunctionSpec.from_dict(raw)
