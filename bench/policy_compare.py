@@ -45,6 +45,7 @@ class Config:
     host_memory_mb: int = 0
     slots: int = 1
     eviction: str = "lru"
+    staged_exit: tuple[float, float] | None = None  # (GPU idle s, host idle s): EDAS's staged exit
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -59,6 +60,7 @@ CONFIGS = (
     Config("lalb-o3 + host tier + heaviness", "lalb-o3", host_memory_mb=HOST_TIER_MB, eviction="heaviness"),
     Config("torpor (SLO-aware) + host tier", "torpor", host_memory_mb=HOST_TIER_MB),
     Config("torpor + host tier + heaviness", "torpor", host_memory_mb=HOST_TIER_MB, eviction="heaviness"),
+    Config("torpor + host tier + staged exit", "torpor", host_memory_mb=HOST_TIER_MB, staged_exit=(30.0, 30.0)),
 )
 POINTS = {"paper (325 rpm, 8 GB)": (325, 8192), "loaded (450 rpm, 6 GB)": (450, 6144)}
 
@@ -85,6 +87,8 @@ def run_point(rpm: int, memory_mb: int, mappings: Sequence[int | None]) -> dict[
             slots=config.slots,
             host_memory_mb=config.host_memory_mb,
             eviction=config.eviction,
+            gpu_idle_release_s=None if config.staged_exit is None else config.staged_exit[0],
+            host_idle_release_s=None if config.staged_exit is None else config.staged_exit[1],
             timing_spread=TIMING_SPREAD,
         )
         results: list[SimResult] = [
@@ -141,7 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"  {row['config']:33} avg {lat['mean']:7.2f} ± {lat['stdev']:5.2f} s  p99 {p99['mean']:7.2f} s  "
                 f"miss {row['miss_ratio']['mean']:.3f}  fn var {row['function_latency_variance']['mean']:8.2f}  "
-                f"SLO {row['slo_attainment']['mean']:.3f} fns {row['slo_functions_met']['mean']:.3f}"
+                f"SLO {row['slo_attainment']['mean']:.3f} fns {row['slo_functions_met']['mean']:.3f}  "
+                f"GPU mem {row['avg_gpu_memory_gb']['mean']:.1f} GB"
             )
         print(
             f"  best {point['best']}: {point['best_speedup_vs_lalb_o3']:.2f}x lalb-o3; "

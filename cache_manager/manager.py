@@ -278,6 +278,27 @@ class CacheManager:
         host = self.host_of(gpu_id) if self._hosts else None
         return host is not None and model in host.items
 
+    def release(self, gpu_id: str, model: str) -> bool:
+        """An idle model leaves its GPU (EDAS's staged exit): into its node's host tier if there is
+        one (returns True), else gone. It must not be pinned."""
+        cache = self._gpus[gpu_id]
+        item = cache.remove(model)  # raises CacheFull if pinned
+        self._forget(model, gpu_id)
+        host = self.host_of(gpu_id)
+        if host is None:
+            return False
+        self._demote(host, item)
+        return model in host.items
+
+    def release_from_host(self, node: str, model: str) -> bool:
+        """An idle model leaves its node's host tier; False if it was not there."""
+        host = self._hosts.get(node)
+        if host is None or model not in host.items:
+            return False
+        host.used_mb -= host.items.pop(model).memory_mb
+        self._forget_host(model, node)
+        return True
+
     def nodes_holding(self, model: str) -> Set[str]:
         """Nodes whose host tier holds `model` (a live read-only view)."""
         return self._host_directory.get(model, _EMPTY)

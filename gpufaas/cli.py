@@ -139,6 +139,14 @@ def sim(
         ),
     ] = 0,
     gpus_per_node: Annotated[int, typer.Option(min=1, help="GPUs per node (they share its host tier).")] = 4,
+    gpu_idle_release_s: Annotated[
+        float | None,
+        typer.Option(min=0.0, help="EDAS staged exit: a model unused this long leaves its GPU (for the host tier)."),
+    ] = None,
+    host_idle_release_s: Annotated[
+        float | None,
+        typer.Option(min=0.0, help="EDAS staged exit: a model this long in a host tier leaves it."),
+    ] = None,
     eviction: Annotated[
         str,
         typer.Option(
@@ -227,6 +235,8 @@ def sim(
             gpus_per_node=gpus_per_node,
             host_memory_mb=host_memory_mb,
             eviction=eviction,
+            gpu_idle_release_s=gpu_idle_release_s,
+            host_idle_release_s=host_idle_release_s,
             host_to_gpu_mb_s=host_to_gpu_mb_s,
         )
         batching = Batching(max_batch_size, max_batch_wait_ms) if max_batch_size > 1 else None

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from cache_manager import Admission, CacheManager
 from gpufaas.errors import ModelTooLarge, UnknownModel
 from gpufaas.types import GpuSpec, ModelSpec, Request
-from scheduler.decisions import Decision, Dispatch, Park, PassOver, Step, Visit
+from scheduler.decisions import Decision, Dispatch, Park, PassOver, Release, Step, Visit
 from scheduler.estimator import Estimator
 from scheduler.policies.base import SchedulingPolicy
 from scheduler.queues import GlobalQueue
@@ -161,6 +161,10 @@ class Scheduler:
         # idle, model evicted, version bumped) and are dropped lazily, or compacted.
         self._free_at: dict[str, list[tuple[float, str, int]]] = {}
         self._swapped_in: set[str] = set()  # running requests whose model came from the host tier
+        # When each cached model was last used on its GPU, and when each host-tier model entered
+        # its tier: the clocks of the staged exit (`release_idle`).
+        self._last_used_s: dict[tuple[str, str], float] = {}
+        self._host_since_s: dict[tuple[str, str], float] = {}
         self._journal: _Journal | None = None  # open while a policy fills a GPU
         self._spare_journal = _Journal()  # the one journal, reused fill after fill
         # GPUs that received a dispatch in the current pass of `schedule()` and had a free slot
@@ -190,7 +194,8 @@ class Scheduler:
         if state.idle:
             self._leave_idle(state)
         self._ready_local.discard(gpu_id)
-        self.cache.remove_gpu(gpu_id)
+        for model in self.cache.remove_gpu(gpu_id):
+            self._last_used_s.pop((gpu_id, model), None)
         return returned
 
     def add_host(self, node: str, capacity_mb: int) -> None:
@@ -285,7 +290,7 @@ class Scheduler:
             while state.idle and state.local_queue:
                 started = self._dispatch_local(state, now)
                 decisions.append(started)
-                self.policy.on_dispatch(started, now)
+                self._note_dispatch(started, now)
         self._ready_local.clear()
         offered = list(self._idle)  # (order key, GPU id), in idle order
         while self.queue:
@@ -297,11 +302,52 @@ class Scheduler:
                     for decision in self._fill(gpu_id, now):
                         decisions.append(decision)
                         if isinstance(decision, Dispatch):
-                            self.policy.on_dispatch(decision, now)
+                            self._note_dispatch(decision, now)
             if not self._refill:
                 break
             offered = sorted((self._gpus[g].order_key, g) for g in self._refill if self._gpus[g].idle)
         return decisions
+
+    def _note_dispatch(self, decision: Dispatch, now: float) -> None:
+        """A kept dispatch: its model was used now; what it evicted entered the host tier now."""
+        self._last_used_s[(decision.gpu_id, decision.request.model)] = now
+        node = self._gpus[decision.gpu_id].spec.node
+        for victim in decision.evict:
+            self._last_used_s.pop((decision.gpu_id, victim), None)
+            if node is not None:
+                self._host_since_s[(node, victim)] = now
+        if decision.from_host and node is not None:
+            self._host_since_s.pop((node, decision.request.model), None)
+        self.policy.on_dispatch(decision, now)
+
+    def release_idle(self, now: float, *, gpu_idle_s: float | None, host_idle_s: float | None) -> list[Release]:
+        """EDAS's staged exit: a model unused on its GPU for `gpu_idle_s` leaves it (for its
+        node's host tier when there is one), and one in a host tier for `host_idle_s` leaves that
+        too (None: that stage is off). Models in use (pinned) stay. The caller frees what each
+        Release names. O(models cached), so callers ask at events, not per call."""
+        releases: list[Release] = []
+        if gpu_idle_s is not None:
+            for gpu_id, state in self._gpus.items():
+                cache = self.cache.gpu(gpu_id)
+                for model in list(cache):
+                    used_s = self._last_used_s.setdefault((gpu_id, model), now)  # untracked: from now
+                    if cache.is_pinned(model) or now - used_s < gpu_idle_s:
+                        continue
+                    del self._last_used_s[(gpu_id, model)]
+                    to_host = self.cache.release(gpu_id, model)
+                    node = state.spec.node
+                    if to_host and node is not None:
+                        self._host_since_s[(node, model)] = now
+                    releases.append(Release("gpu", model, node, gpu_id, to_host))
+        if host_idle_s is not None:
+            for node in {state.spec.node for state in self._gpus.values() if state.spec.node is not None}:
+                host = self.cache.host(node)
+                for model in list(host.items) if host is not None else ():
+                    since_s = self._host_since_s.setdefault((node, model), now)
+                    if now - since_s >= host_idle_s and self.cache.release_from_host(node, model):
+                        del self._host_since_s[(node, model)]
+                        releases.append(Release("host", model, node))
+        return releases
 
     def _fill(self, gpu_id: str, now: float) -> list[Decision]:
         """Let the policy plan for `gpu_id` on the draft; keep its plan, roll back the rest."""
@@ -377,6 +423,8 @@ class Scheduler:
             samples = request.batch_size if batch_size is None else batch_size
             self.estimator.observe_inference(request.model, gpu_type, samples, inference_time_s)
         self._unpin_running(state, request)
+        if request.model in self.cache.models_on(state.spec.gpu_id):
+            self._last_used_s[(state.spec.gpu_id, request.model)] = now  # idle from now, if nothing else runs
         self._free_slot(state, request_id)
         self.policy.on_finish(request, now, inference_time_s=inference_time_s)
         return request
@@ -413,6 +461,7 @@ class Scheduler:
                 if other.model == request.model and other_id != request_id
             )
             self.cache.drop(gpu_id, request.model)
+            self._last_used_s.pop((gpu_id, request.model), None)
         else:
             self._unpin_running(state, request)
         if requeue:

@@ -36,6 +36,19 @@ class Park:
 Decision = Dispatch | Park
 
 
+@dataclass(frozen=True, slots=True)
+class Release:
+    """An idle model frees what it holds (EDAS's staged exit). Stage "gpu": it leaves `gpu_id`
+    (its weights go to the node's host tier when `to_host`, else its worker goes); stage "host":
+    it leaves the host tier of `node` (its worker goes)."""
+
+    stage: str  # "gpu" or "host"
+    model: str
+    node: str | None
+    gpu_id: str | None = None
+    to_host: bool = False
+
+
 # --- what else a policy's plan may hold (the scheduler's own bookkeeping; not sent anywhere) -----
 
 

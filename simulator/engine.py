@@ -19,6 +19,10 @@ adds is the ground truth of the GPUs, on a virtual clock:
   evicts stays in its node's host memory (the cache manager's `HostTier`), and a miss that takes
   it back is a swap-in: 5 ms plus the model's memory over `host_to_gpu_mb_s` (Torpor's pipelined
   copy from pinned memory), instead of the profile's load time. Off by default (the paper's testbed).
+- EDAS's staged exit (`gpu_idle_release_s`, `host_idle_release_s`): at each event, a model unused
+  on its GPU that long leaves it (into the host tier when there is one), one that long in the host
+  tier leaves it. `avg_gpu_memory_gb` measures what that saves: the GPU memory held, averaged
+  over time.
 - Timing noise (`ClusterConfig.timing_spread` = c > 0): every load and every batch takes its time
   above times a factor drawn from a log-normal of mean 1 and coefficient of variation c, from
   random.Random(`timing_seed`) in event order (so a run is reproducible). Without it (c = 0, the
@@ -73,6 +77,10 @@ class ClusterConfig:
     gpus_per_node: int = 4  # the paper's testbed: 3 nodes x 4 GPUs
     host_memory_mb: int = 0  # each node's host tier (0: none)
     host_to_gpu_mb_s: float = DEFAULT_HOST_TO_GPU_MB_S
+    # EDAS's staged exit: a model unused this long leaves its GPU (for the host tier), and one
+    # this long in the host tier leaves it (None: the stage is off). Checked at each event.
+    gpu_idle_release_s: float | None = None
+    host_idle_release_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.gpus <= 0:
@@ -88,6 +96,10 @@ class ClusterConfig:
                 f"gpus_per_node must be >= 1, host_memory_mb >= 0 and host_to_gpu_mb_s > 0, got "
                 f"{self.gpus_per_node}, {self.host_memory_mb}, {self.host_to_gpu_mb_s}"
             )
+        for name in ("gpu_idle_release_s", "host_idle_release_s"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"{name} must be >= 0 seconds (or None: off), got {value}")
         if not (0 <= self.timing_spread <= 10):
             raise ValueError(f"timing_spread must be in [0, 10] (a coefficient of variation), got {self.timing_spread}")
 
@@ -168,6 +180,8 @@ class SimResult:
     # share of functions whose p98 latency is (Torpor's "SLO-compliant functions"); 1.0 without.
     slo_attainment: float = 1.0
     slo_functions_met: float = 1.0
+    avg_gpu_memory_gb: float = 0.0  # time-averaged GPU memory the caches hold, cluster-wide
+    releases: int = 0  # staged-exit releases (GPU -> host, host -> gone)
     literal_visits: bool = False  # Algorithm 1's visit counting read literally (PolicyConfig)
 
     def to_json(self) -> dict[str, object]:
@@ -235,6 +249,9 @@ def simulate(
     per_function: dict[str, list[float]] = defaultdict(list)
     hits = misses = false_misses = parks = swap_ins = 0
     replica_area = 0.0  # integral of the top model's replica count over time
+    memory_area = 0.0  # integral of the GPU memory the caches hold (MB x s)
+    releases = 0
+    staged_exit = cluster.gpu_idle_release_s is not None or cluster.host_idle_release_s is not None
     max_queue_len = 0
     now = scheduled_at = 0.0
     next_arrival = 0
@@ -267,8 +284,18 @@ def simulate(
         if completed or arrived:
             # The cache changes only in schedule(): the count held since the previous call.
             replica_area += len(scheduler.cache.gpus_with(top_model)) * (now - scheduled_at)
+            memory_area += sum(scheduler.cache.gpu(g.spec.gpu_id).used_mb for g in scheduler.gpus()) * (
+                now - scheduled_at
+            )
             scheduled_at = now
             max_queue_len = max(max_queue_len, len(scheduler.queue))
+            if staged_exit:
+                for release in scheduler.release_idle(
+                    now, gpu_idle_s=cluster.gpu_idle_release_s, host_idle_s=cluster.host_idle_release_s
+                ):
+                    releases += 1
+                    if release.gpu_id is not None:
+                        gpus.release(release.gpu_id, release.model)
             for decision in scheduler.schedule(now):
                 if isinstance(decision, Park):
                     parks += 1
@@ -303,6 +330,8 @@ def simulate(
         miss_ratio=misses / dispatched if dispatched else 0.0,
         false_miss_ratio=false_misses / misses if misses else 0.0,
         avg_top_model_replicas=replica_area / makespan_s if makespan_s > 0 else 0.0,
+        avg_gpu_memory_gb=memory_area / makespan_s / 1024 if makespan_s > 0 else 0.0,
+        releases=releases,
         gpu_utilization=gpus.compute_s() / (cluster.gpus * makespan_s) if makespan_s > 0 else 0.0,
         function_latency_variance=statistics.pvariance(function_means) if len(function_means) > 1 else 0.0,
         hits=hits,
@@ -465,6 +494,12 @@ class _Gpus:
             heapq.heappush(self._events, (worker.loaded_at_s, _LOAD_DONE, tie, worker))
         worker.waiting.append(call)
         self._stir(worker)
+
+    def release(self, gpu_id: str, model: str) -> None:
+        """The scheduler released an idle model from a GPU: its worker goes."""
+        worker = self._workers.pop((gpu_id, model), None)
+        if worker is not None and (worker.waiting or worker.busy):
+            raise RuntimeError(f"the scheduler released {model!r} from {gpu_id!r} while calls use it")
 
     def advance(self, now: float) -> list[tuple[_Call, _Batch]]:
         """Handle every event due by `now`; returns the calls completed, in completion order."""

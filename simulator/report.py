@@ -142,6 +142,7 @@ AGGREGATED_METRICS = (
     "avg_batch_calls",
     "slo_attainment",
     "slo_functions_met",
+    "avg_gpu_memory_gb",
 )
 
 

@@ -80,3 +80,47 @@ def test_the_simulated_host_tier_turns_loads_into_swap_ins() -> None:
     assert tiered.host_memory_mb == 16_384 and tiered.swap_ins > tiered.misses / 4  # the rest: first loads
     assert tiered.avg_latency_s < plain.avg_latency_s / 2  # lb misses often: loads were its cost
     assert tiered.completed == tiered.requests
+
+
+# --- EDAS's staged exit ---------------------------------------------------------------------------
+
+
+def test_an_idle_model_leaves_its_gpu_for_the_host_tier_then_the_tier() -> None:
+    s = two_nodes()
+    run(s, "A", "g0", now=0.0)  # completes at 0.1: idle from then
+    busy = make_request("B", 0.0)
+    s.submit(busy)
+    s.dispatch(busy, "g1", 0.0)  # running (pinned) all along
+    assert s.release_idle(5.0, gpu_idle_s=10.0, host_idle_s=None) == []
+    (released,) = s.release_idle(10.2, gpu_idle_s=10.0, host_idle_s=None)
+    assert (released.stage, released.model, released.gpu_id, released.to_host) == ("gpu", "A", "g0", True)
+    assert "A" not in s.cache.models_on("g0") and s.cache.in_host("A", "g1")
+    assert "B" in s.cache.models_on("g1")  # in use: stays
+    assert s.load_time_s("A", "g0") < LOAD_S  # a later call swaps it back in
+    assert s.release_idle(15.0, gpu_idle_s=10.0, host_idle_s=30.0) == []
+    (gone,) = s.release_idle(40.3, gpu_idle_s=10.0, host_idle_s=30.0)
+    assert (gone.stage, gone.model, gone.node) == ("host", "A", "n0")
+    assert not s.cache.nodes_holding("A") and s.load_time_s("A", "g0") == pytest.approx(LOAD_S)
+
+
+def test_a_use_restarts_the_idle_clock() -> None:
+    s = two_nodes()
+    run(s, "A", "g0", now=0.0)
+    run(s, "A", "g0", now=8.0)  # used again at 8, done at 8.1
+    assert s.release_idle(12.0, gpu_idle_s=10.0, host_idle_s=None) == []
+    assert [r.model for r in s.release_idle(18.2, gpu_idle_s=10.0, host_idle_s=None)] == ["A"]
+
+
+def test_the_simulated_staged_exit_holds_less_gpu_memory_for_a_little_latency() -> None:
+    counts = load_trace(shipped_trace(), "azure2019")
+    workload = build_workload(counts, WorkloadConfig(working_set=35, minutes=3), paper_table1())
+    tiered = ClusterConfig(host_memory_mb=16_384)
+    kept = simulate(workload, "lalb-o3", cluster=tiered)
+    staged = simulate(
+        workload,
+        "lalb-o3",
+        cluster=ClusterConfig(host_memory_mb=16_384, gpu_idle_release_s=10.0, host_idle_release_s=60.0),
+    )
+    assert kept.releases == 0 and staged.releases > 0
+    assert staged.avg_gpu_memory_gb < 0.8 * kept.avg_gpu_memory_gb
+    assert staged.swap_ins > kept.swap_ins and staged.completed == staged.requests
