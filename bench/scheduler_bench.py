@@ -41,7 +41,7 @@ from bench.machine import load_average, run_metadata
 from gpufaas.types import GpuSpec, ModelSpec, Request
 from scheduler import Dispatch, Park, Scheduler, make_policy
 
-POLICIES: tuple[str, ...] = ("lb", "lalb", "lalb-o3", "mqfq-sticky")
+POLICIES: tuple[str, ...] = ("lb", "lalb", "lalb-o3", "mqfq-sticky", "torpor")
 FULL_QUEUED: tuple[int, ...] = (100, 1_000, 10_000, 100_000)
 FULL_GPUS: tuple[int, ...] = (12, 100, 1_000)
 QUICK_QUEUED: tuple[int, ...] = (100, 10_000)
@@ -176,7 +176,14 @@ def build(
         if not decisions:
             break
         push_dispatches(heap, decisions, now, tie)
-    else:
+    # A policy may leave a GPU idle on purpose (every request it was offered waits for a warm GPU
+    # elsewhere, as torpor's and LALB's parking do): start the rest directly, on a model each holds.
+    for state in sched.gpus():
+        while state.free_slots:
+            request = workload.request(now, next(iter(sched.cache.models_on(state.spec.gpu_id))))
+            sched.submit(request)
+            push_dispatches(heap, [sched.dispatch(request, state.spec.gpu_id, now)], now, tie)
+    if any(state.free_slots for state in sched.gpus()):
         raise RuntimeError(f"{policy}: could not fill the {slots} slots of all {gpus} GPUs")
 
     missing = queued - len(sched.queue)

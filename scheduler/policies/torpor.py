@@ -8,9 +8,9 @@ functions with calls queued are sorted by RRC; the first k form the high-priorit
 largest with sum(max(RRC, 0)) over them <= alpha x the sum over all. High-priority functions go
 first, in descending RRC (those still short of p but closest to it before those already there),
 then the low-priority ones in ascending RRC, then functions without an SLO (oldest call first).
-An idle GPU takes, in that order, each function's oldest call and places it by Algorithm 2 (a hit
-here, a hit on another idle GPU, parked on a busy holder that frees up before a load, or a miss
-where the host tier or room makes it cheapest) until one lands on it.
+An idle GPU takes the functions in that order and places each one's calls, oldest first, by
+Algorithm 2 (a hit here, a hit on another idle GPU, parked on a busy holder that frees up before
+a load, or a miss where the host tier or room makes it cheapest) until one lands on it.
 
 Deviation: alpha is fixed (`torpor_alpha`, default 0.5) rather than tuned at run time by Torpor's
 Algorithm 2 (a congestion-control loop on the share of SLO-compliant functions per period).
@@ -87,12 +87,20 @@ class TorporPolicy(SchedulingPolicy, name="torpor"):
 
     def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> list[Step]:
         queue = ctx.queue
-        oldest = [request for model in queue.models() if (request := queue.oldest_for(model)) is not None]
+        oldest = [call for model in queue.models() if (call := queue.oldest_for(model)) is not None]
         plan: list[Step] = []
-        for request in self.order(oldest):
-            placement, step = locality_load_balance(ctx, gpu_id, request, now, tier_aware=self.tier_aware_misses)
-            if step is not None:
-                plan.append(step)
-            if placement is Placement.HERE:
-                break
+        for first in self.order(oldest):
+            # The function's calls in arrival order, while they land elsewhere (parked on a busy
+            # holder, or a hit on another idle GPU); one that lands here ends the fill, one that
+            # cannot be placed now moves on to the next function.
+            request: Request | None = first
+            while request is not None:
+                placement, step = locality_load_balance(ctx, gpu_id, request, now, tier_aware=self.tier_aware_misses)
+                if step is not None:
+                    plan.append(step)
+                if placement is Placement.HERE:
+                    return plan
+                if placement is Placement.NOWHERE:
+                    break
+                request = queue.oldest_for(first.model)
         return plan
