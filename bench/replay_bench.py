@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=int, default=2)
     parser.add_argument("--rpm", type=int, default=325)
     parser.add_argument("--speedup", type=float, default=10.0)
-    parser.add_argument("--policies", default="lb,lalb,lalb-o3")
+    parser.add_argument("--policies", default="lb,lalb,lalb-o3,mqfq-sticky,torpor")
     parser.add_argument("--out", type=Path, default=Path("bench/results/replay_bench.json"))
     args = parser.parse_args(argv)
     table: list[ModelProfile] = paper_table1()
