@@ -224,3 +224,16 @@ def test_host_tier_flags_reach_the_simulated_cluster() -> None:
     assert tiered["host_memory_mb"] == 8192 and tiered["swap_ins"] > 0
     code, out, _ = sim(*base)
     assert json.loads(out)["swap_ins"] == 0
+
+
+def test_the_shipped_azure_2021_extract_runs_every_policy() -> None:
+    trace = Path(__file__).resolve().parents[2] / "simulator/traces/azure2021-head/Azure2021_200.csv"
+    code, out, _ = sim("--json", "--compare", "--trace", str(trace), "--trace-format", "azure2021", "--minutes", "1")
+    assert code == 0
+    data = json.loads(out)
+    assert data["trace_format"] == "azure2021"
+    results = {r["policy"]: r for r in data["results"]}
+    assert set(results) == {"lb", "lalb", "lalb-o3", "mqfq-sticky", "torpor"}
+    assert {r["working_set"] for r in results.values()} == {27}  # the extract's functions
+    assert all(r["completed"] == r["requests"] == 325 for r in results.values())
+    assert results["lalb"]["miss_ratio"] < results["lb"]["miss_ratio"]
