@@ -70,7 +70,7 @@ def cut(new: float, base: float) -> float:
 def mappings_study(counts: TraceCounts) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for ws in WORKING_SETS:
-        per_mapping = []
+        per_mapping: list[dict[str, Any]] = []
         for workload in workloads(counts, ws, 325):
             lb, lalb, o3 = (run(workload, p) for p in ("lb", "lalb", "lalb-o3"))
             per_mapping.append(
@@ -111,7 +111,7 @@ def visits_study(counts: TraceCounts) -> dict[str, Any]:
 
 
 def sensitivity(counts: TraceCounts) -> dict[str, Any]:
-    grid = []
+    grid: list[dict[str, Any]] = []
     for memory_mb in MEMORIES_MB:
         for rpm in RPMS:
             loads = workloads(counts, 35, rpm)
