@@ -323,13 +323,17 @@ class EtcdStore:
             with contextlib.suppress(Exception):
                 await bare.close()
 
-    async def _renew_token(self) -> None:
-        """A fresh token for the credentials, on the channel in use (so running watches stay)."""
+    async def _renew_token(self, stale: object) -> None:
+        """A fresh token for the credentials, on the channel in use (so running watches stay),
+        unless another call renewed it since `stale` (the metadata the failed call carried):
+        a burst of calls that find the token expired logs in once, not once each."""
         assert self._credentials is not None
         if self._renewing is None:
             self._renewing = asyncio.Lock()
         async with self._renewing:
             client = self._client
+            if client.metadata is not stale:
+                return
             with _etcd_errors("authenticate"):
                 reply = await aetcd.rpc.AuthStub(client.channel).Authenticate(
                     aetcd.rpc.AuthenticateRequest(name=self._credentials.user, password=self._credentials.password),
@@ -344,13 +348,14 @@ class EtcdStore:
     async def _call(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """Run one etcd call with the error mapping; with credentials, renew a stale token and retry once."""
         self._check_open()
+        token_used = self._client.metadata
         try:
             with _etcd_errors(what):
                 return await call()
         except StoreError as exc:
             if self._credentials is None or not _stale_token(exc.__cause__ or exc):
                 raise
-        await self._renew_token()
+        await self._renew_token(token_used)
         with _etcd_errors(what):
             return await call()
 

@@ -385,7 +385,7 @@ class CallBook:
         attempt is then stale)."""
         for gpu_id in gpu_ids:
             self.dirty_models.update(self.scheduler.cache.models_on(gpu_id))
-            for request in self.scheduler.remove_gpu(gpu_id):
+            for request in self.scheduler.remove_gpu(gpu_id, now):
                 call = self._calls.get(request.request_id)
                 if call is None:
                     continue

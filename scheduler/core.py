@@ -180,10 +180,13 @@ class Scheduler:
         self.cache.add_gpu(spec.gpu_id, spec.memory_mb, node=spec.node)
         bisect.insort(self._idle, (state.order_key, spec.gpu_id))
 
-    def remove_gpu(self, gpu_id: str) -> list[Request]:
+    def remove_gpu(self, gpu_id: str, now: float = 0.0) -> list[Request]:
         """Take a GPU out (its node left): its running and parked requests go back to the global
-        queue in arrival order, its cache entries are dropped. Returns the requeued requests."""
+        queue in arrival order, its cache entries are dropped. Returns the requeued requests. The
+        policy hears each running one end (`on_finish`, failed) as of `now`."""
         state = self._gpus.pop(gpu_id)
+        for request in state.running.values():
+            self.policy.on_finish(request, now, inference_time_s=None)
         returned = [*state.running.values(), *state.local_queue]
         returned.sort(key=lambda r: self._seq_of[r.request_id])
         for request in returned:
@@ -314,7 +317,7 @@ class Scheduler:
         node = self._gpus[decision.gpu_id].spec.node
         for victim in decision.evict:
             self._last_used_s.pop((decision.gpu_id, victim), None)
-            if node is not None:
+            if node is not None and self.cache.in_host(victim, decision.gpu_id):
                 self._host_since_s[(node, victim)] = now
         if decision.from_host and node is not None:
             self._host_since_s.pop((node, decision.request.model), None)
@@ -340,6 +343,11 @@ class Scheduler:
                         self._host_since_s[(node, model)] = now
                     releases.append(Release("gpu", model, node, gpu_id, to_host))
         if host_idle_s is not None:
+            # Clocks of models no longer in a host tier (pushed out by a later demotion, or their
+            # tier left with its node) go first.
+            stale = [(node, model) for node, model in self._host_since_s if node not in self.cache.nodes_holding(model)]
+            for key in stale:
+                del self._host_since_s[key]
             for node in {state.spec.node for state in self._gpus.values() if state.spec.node is not None}:
                 host = self.cache.host(node)
                 for model in list(host.items) if host is not None else ():

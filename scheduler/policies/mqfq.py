@@ -53,6 +53,7 @@ class Flow:
     model: str
     vt_s: float = 0.0
     in_flight: int = 0
+    queued: int = 0  # calls submitted and not yet dispatched (deadline cancellations are not told)
     last_arrival_s: float | None = None
     mean_iat_s: float | None = None  # EWMA of inter-arrival times
     last_active_s: float = -math.inf  # when it last had work (queued or running)
@@ -90,9 +91,8 @@ class MqfqStickyPolicy(SchedulingPolicy, name="mqfq-sticky"):
         flow = self._flows.get(request.model)
         if flow is None:
             flow = self._flows[request.model] = Flow(request.model, vt_s=self._global_vt_s)
-        elif now - flow.last_active_s > flow.ttl_s(self.ttl_alpha):
-            # Back after its TTL: no credit hoarded while idle. (A flow with work is never behind
-            # Global_VT, so this changes only flows that were idle.)
+        elif not flow.in_flight and flow.queued <= 0 and now - flow.last_active_s > flow.ttl_s(self.ttl_alpha):
+            # Empty, and back after its TTL: no credit hoarded while idle.
             flow.vt_s = max(flow.vt_s, self._global_vt_s)
         if flow.last_arrival_s is not None:
             iat_s = max(0.0, now - flow.last_arrival_s)
@@ -101,12 +101,14 @@ class MqfqStickyPolicy(SchedulingPolicy, name="mqfq-sticky"):
             )
         flow.last_arrival_s = now
         flow.last_active_s = now
+        flow.queued += 1
 
     def on_dispatch(self, decision: Dispatch, now: float) -> None:
         flow = self._flows.get(decision.request.model)
         if flow is None:  # submitted before this policy was in place
             flow = self._flows[decision.request.model] = Flow(decision.request.model, vt_s=self._global_vt_s)
         flow.vt_s += decision.est_inference_time_s  # tau / w, w = 1
+        flow.queued = max(0, flow.queued - 1)
         flow.in_flight += 1
         flow.last_active_s = now
         self._running.add(flow.model)

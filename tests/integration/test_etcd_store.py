@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aetcd
 import pytest
 
 from gpufaas.etcd_server import EtcdServer, free_port
@@ -393,6 +394,21 @@ def test_etcd_authentication_bootstrap_renewal_and_restart(tmp_path: Path) -> No
             except StoreError:
                 await asyncio.sleep(0.1)
         assert (kv := await other.get("/c")) is not None and kv.value == b"3"
+        # A burst of calls that all find the token expired logs in once, not once each.
+        await asyncio.sleep(2.5)
+        logins = []
+        request_type = aetcd.rpc.AuthenticateRequest
+
+        def counted(**fields: Any) -> Any:
+            logins.append(fields["name"])
+            return request_type(**fields)
+
+        aetcd.rpc.AuthenticateRequest = counted
+        try:
+            await asyncio.gather(*(store.get("/a") for _ in range(30)))
+        finally:
+            aetcd.rpc.AuthenticateRequest = request_type
+        assert logins == ["root"]
         await store.close()
         await other.close()
 

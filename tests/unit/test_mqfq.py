@@ -117,3 +117,26 @@ def test_a_long_backlog_on_a_busy_holder_spills_onto_an_idle_gpu() -> None:
     submit_at(s, "A", 0.1, count=4)  # 0.9 s + 3 calls x 1 s behind it > a 2 s load on g0
     decisions = s.schedule(0.1)
     assert [(d.gpu_id, d.hit) for d in decisions if isinstance(d, Dispatch)] == [("g0", False)]
+
+
+def test_a_flow_with_calls_queued_keeps_its_virtual_time_whatever_the_gap() -> None:
+    policy = MqfqStickyPolicy(overrun_s=100)
+    for at_s in (0.0, 0.1):  # mean inter-arrival 0.1 s: TTL 0.15 s
+        policy.on_submit(make_request("A", at_s))
+    policy.flow("A").vt_s = 2.0
+    policy.on_submit(make_request("B", 0.1))
+    policy.flow("B").vt_s = 10.0
+    policy._update_global_vt(["B"])  # Global_VT 10
+    policy.on_submit(make_request("A", 1.0))  # long after the TTL, but A still has 2 calls queued
+    assert policy.flow("A").vt_s == pytest.approx(2.0)
+
+
+def test_a_gpu_that_leaves_ends_its_running_calls_for_the_policy() -> None:
+    s, policy = mqfq(gpus=2)
+    cache_on(s, "g0", "A")
+    submit_at(s, "A", 0.0)
+    (decision,) = s.schedule(0.0)
+    assert isinstance(decision, Dispatch) and policy.flow("A").in_flight == 1
+    (requeued,) = s.remove_gpu("g0", 0.5)
+    assert requeued.request_id == decision.request.request_id
+    assert policy.flow("A").in_flight == 0
