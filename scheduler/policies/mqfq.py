@@ -71,7 +71,6 @@ class MqfqStickyPolicy(SchedulingPolicy, name="mqfq-sticky"):
         self.overrun_s = overrun_s
         self.ttl_alpha = ttl_alpha
         self._flows: dict[str, Flow] = {}
-        self._running: set[str] = set()  # models with calls in flight
         self._global_vt_s = 0.0
 
     @classmethod
@@ -111,7 +110,6 @@ class MqfqStickyPolicy(SchedulingPolicy, name="mqfq-sticky"):
         flow.queued = max(0, flow.queued - 1)
         flow.in_flight += 1
         flow.last_active_s = now
-        self._running.add(flow.model)
 
     def on_finish(self, request: Request, now: float, *, inference_time_s: float | None) -> None:
         flow = self._flows.get(request.model)
@@ -119,8 +117,6 @@ class MqfqStickyPolicy(SchedulingPolicy, name="mqfq-sticky"):
             return
         flow.in_flight = max(0, flow.in_flight - 1)
         flow.last_active_s = now
-        if not flow.in_flight:
-            self._running.discard(flow.model)
 
     # --- Algorithm 1 ----------------------------------------------------------------------------
     def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> list[Step]:
