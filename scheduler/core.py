@@ -183,7 +183,8 @@ class Scheduler:
     def remove_gpu(self, gpu_id: str, now: float = 0.0) -> list[Request]:
         """Take a GPU out (its node left): its running and parked requests go back to the global
         queue in arrival order, its cache entries are dropped. Returns the requeued requests. The
-        policy hears each running one end (`on_finish`, failed) as of `now`."""
+        policy hears each running one end (`on_finish`, failed) and each returned one requeued
+        (`on_requeue`), as of `now`."""
         state = self._gpus.pop(gpu_id)
         for request in state.running.values():
             self.policy.on_finish(request, now, inference_time_s=None)
@@ -194,6 +195,7 @@ class Scheduler:
             self._swapped_in.discard(request.request_id)
             self._pin_dropped.discard(request.request_id)
             self.queue.insert(request, self._seq_of[request.request_id])
+            self.policy.on_requeue(request, now, ran=request.request_id in state.running)
         if state.idle:
             self._leave_idle(state)
         self._ready_local.discard(gpu_id)
@@ -462,6 +464,7 @@ class Scheduler:
                 state.local_queue.remove(parked)
                 del self._placed_on[parked.request_id]
                 self.queue.insert(parked, self._seq_of[parked.request_id])
+                self.policy.on_requeue(parked, now, ran=False)
             state.local_work_s = sum(self._inference_time_s(r, state) for r in state.local_queue)
             self._pin_dropped.update(
                 other_id
@@ -479,6 +482,8 @@ class Scheduler:
             del self._seq_of[request_id]
         self._free_slot(state, request_id)
         self.policy.on_finish(request, now, inference_time_s=None)
+        if requeue:
+            self.policy.on_requeue(retry, now, ran=True)
         return request
 
     def cancel(self, request_id: str) -> Request | None:

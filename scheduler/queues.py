@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ class QueueView(Protocol):
     def oldest_for(self, model: str) -> Request | None: ...
     def count_for(self, model: str) -> int: ...
     def models(self) -> Iterable[str]: ...
+    def models_by_count(self) -> Iterator[tuple[int, list[str]]]: ...
+    def models_by_oldest(self) -> Iterator[str]: ...
     def head_skips(self) -> int: ...
     def num_skips(self, request_id: str) -> int: ...
 
@@ -68,6 +71,10 @@ class GlobalQueue:
         self._tail: _Node | None = None
         self._nodes: dict[str, _Node] = {}
         self._by_model: dict[str, OrderedDict[str, _Node]] = {}
+        # Models by how many requests they have queued, and those counts in ascending order:
+        # policies that serve the longest queue first read it without sorting every model.
+        self._models_with_count: dict[int, dict[str, None]] = {}
+        self._counts: list[int] = []
         self._total_pending = 0
 
     def __len__(self) -> int:
@@ -117,6 +124,7 @@ class GlobalQueue:
         index = self._by_model.setdefault(request.model, OrderedDict())
         needs_sort = bool(index) and next(reversed(index.values())).seq > seq
         index[request.request_id] = node
+        self._recount(request.model, len(index) - 1, len(index))
         if needs_sort:
             ordered = sorted(index.values(), key=lambda n: n.seq)
             index.clear()
@@ -137,6 +145,7 @@ class GlobalQueue:
             self._tail = node.prev
         index = self._by_model[node.request.model]
         del index[request_id]
+        self._recount(node.request.model, len(index) + 1, len(index))
         if not index:
             del self._by_model[node.request.model]
         return node.request
@@ -169,6 +178,7 @@ class GlobalQueue:
         last = next(reversed(index.values()), None)
         first = next(iter(index.values()), None)
         index[node.request.request_id] = node
+        self._recount(node.request.model, len(index) - 1, len(index))
         if last is not None and last.seq > node.seq:
             if first is not None and node.seq < first.seq:
                 index.move_to_end(node.request.request_id, last=False)  # the usual case: the oldest
@@ -231,6 +241,31 @@ class GlobalQueue:
         """The models with queued requests (a live view: do not change the queue while iterating)."""
         return self._by_model.keys()
 
+    def models_by_count(self) -> Iterator[tuple[int, list[str]]]:
+        """(count, the models with that many requests queued), largest count first. Each step is
+        a snapshot: the consumer may change the queue between steps, and a model whose count
+        dropped may then come again under its new count. O(1) per step plus the models yielded."""
+        buckets = self._models_with_count
+        for count in reversed(self._counts.copy()):
+            models = buckets.get(count)
+            if models:
+                yield count, list(models)
+
+    def models_by_oldest(self) -> Iterator[str]:
+        """Each model with queued requests once, in the arrival order of its oldest queued
+        request (the order a walk from the head meets them). Lazy, O(requests walked); the
+        consumer may remove requests between steps (a removed node still leads to its old
+        successor, and no node is added between them), not add any."""
+        seen: set[str] = set()
+        nodes = self._nodes
+        node = self._head
+        while node is not None:
+            request = node.request
+            if request.model not in seen and nodes.get(request.request_id) is node:
+                seen.add(request.model)
+                yield request.model
+            node = node.next
+
     def walk(self) -> Iterator[tuple[Request, int]]:
         """(request, skips) from the head in arrival order; the consumer may remove the yielded request
         (and only that one) before asking for the next."""
@@ -277,4 +312,21 @@ class GlobalQueue:
             node.next.prev = node
 
     def _index_append(self, node: _Node) -> None:
-        self._by_model.setdefault(node.request.model, OrderedDict())[node.request.request_id] = node
+        index = self._by_model.setdefault(node.request.model, OrderedDict())
+        index[node.request.request_id] = node
+        self._recount(node.request.model, len(index) - 1, len(index))
+
+    def _recount(self, model: str, old: int, new: int) -> None:
+        """Move `model` from the bucket of `old` queued requests to that of `new` (0: none)."""
+        buckets, counts = self._models_with_count, self._counts
+        if old:
+            bucket = buckets[old]
+            del bucket[model]
+            if not bucket:
+                del buckets[old]
+                del counts[bisect.bisect_left(counts, old)]
+        if new:
+            if new not in buckets:
+                buckets[new] = {}
+                bisect.insort(counts, new)
+            buckets[new][model] = None

@@ -115,6 +115,11 @@ class SchedulingPolicy(ABC):
     def on_submit(self, request: Request) -> None:  # noqa: B027 (an optional hook)
         """A request joined the global queue (at `request.arrival_s`)."""
 
+    def on_requeue(self, request: Request, now: float, *, ran: bool) -> None:  # noqa: B027 (an optional hook)
+        """A request went back to the global queue: a retry after a failure, or a call parked on
+        or running on a GPU that left or whose worker died. `ran`: it had been dispatched (the
+        policy heard `on_dispatch` for it), else it was parked."""
+
     def on_dispatch(self, decision: Dispatch, now: float) -> None:  # noqa: B027 (an optional hook)
         """A dispatch was kept (from a plan, or a parked request that started)."""
 

@@ -13,8 +13,13 @@ to gain, and the largest backlog), ties to the flow with the fewest calls runnin
 progress side by side), then the least VT, then by name. Stickiness (the paper binds a function
 to the GPU it was launched on): the GPU takes its own flows (models it holds) first; of the
 others, a flow held by another idle GPU sends its call there, a flow held only by busy GPUs waits
-for them when they would reach its call before the model could load here (at most
-MAX_WAITING_FLOWS such flows per decision), and the first other flow runs here (a miss).
+for the one that frees up first, parked in its local queue, when it would reach the call before
+the model could load here (at most MAX_PARKED_FLOWS such flows per decision), and the first other
+flow runs here (a miss).
+
+Cost per decision: O(models cached here + flows looked at), not O(backlogged flows): the queue
+keeps its models bucketed by queued count, and Global_VT is the top of a heap of the flows' VTs
+(stale entries dropped when they reach the top).
 
 Anticipatory keep-alive: a flow that empties keeps its VT for TTL = alpha x its mean inter-arrival
 time; a flow that comes back within TTL resumes where it was, one that comes back later restarts
@@ -30,20 +35,21 @@ prefetching and swap-out, are the cache manager's business here: LRU and the hos
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gpufaas.types import Request
 from scheduler.decisions import Dispatch, Step
 from scheduler.policies.base import PolicyConfig, SchedulingContext, SchedulingPolicy
+from scheduler.queues import QueueView
 
 DEFAULT_OVERRUN_S = 10.0  # T: seconds of service a flow may run ahead of Global_VT
 DEFAULT_TTL_ALPHA = 1.5  # the paper's best keep-alive multiple of the inter-arrival time
 IAT_ALPHA = 0.2  # EWMA weight of a new inter-arrival time
-# Flows an idle GPU lets wait for their busy GPUs before it takes the next one anyway (a miss):
-# bounds the cost of a decision, and keeps the GPU from idling behind many short waits.
-MAX_WAITING_FLOWS = 8
+# Flows an idle GPU parks on their busy GPUs before it takes the next one anyway (a miss): bounds
+# the cost of a decision.
+MAX_PARKED_FLOWS = 8
 
 
 @dataclass(slots=True)
@@ -57,6 +63,7 @@ class Flow:
     last_arrival_s: float | None = None
     mean_iat_s: float | None = None  # EWMA of inter-arrival times
     last_active_s: float = -math.inf  # when it last had work (queued or running)
+    heap_vt_s: float | None = None  # the VT of its newest entry in the policy's VT heap, if any
 
     def ttl_s(self, alpha: float) -> float:
         return 0.0 if self.mean_iat_s is None else alpha * self.mean_iat_s
@@ -72,6 +79,10 @@ class MqfqStickyPolicy(SchedulingPolicy, name="mqfq-sticky"):
         self.ttl_alpha = ttl_alpha
         self._flows: dict[str, Flow] = {}
         self._global_vt_s = 0.0
+        # (VT, model) of flows that may be backlogged; an entry is live while its flow still has
+        # that VT and calls queued. Read by `_update_global_vt`, pushed to when a VT changes or
+        # a flow may have become backlogged.
+        self._vt_heap: list[tuple[float, str]] = []
 
     @classmethod
     def from_config(cls, config: PolicyConfig) -> SchedulingPolicy:
@@ -101,6 +112,16 @@ class MqfqStickyPolicy(SchedulingPolicy, name="mqfq-sticky"):
         flow.last_arrival_s = now
         flow.last_active_s = now
         flow.queued += 1
+        self._note_vt(flow)
+
+    def on_requeue(self, request: Request, now: float, *, ran: bool) -> None:
+        flow = self._flows.get(request.model)
+        if flow is None:
+            flow = self._flows[request.model] = Flow(request.model, vt_s=self._global_vt_s)
+        if ran:  # counted out by on_dispatch; a parked call never was
+            flow.queued += 1
+        flow.last_active_s = now
+        self._note_vt(flow)
 
     def on_dispatch(self, decision: Dispatch, now: float) -> None:
         flow = self._flows.get(decision.request.model)
@@ -110,6 +131,7 @@ class MqfqStickyPolicy(SchedulingPolicy, name="mqfq-sticky"):
         flow.queued = max(0, flow.queued - 1)
         flow.in_flight += 1
         flow.last_active_s = now
+        self._note_vt(flow)
 
     def on_finish(self, request: Request, now: float, *, inference_time_s: float | None) -> None:
         flow = self._flows.get(request.model)
@@ -121,7 +143,7 @@ class MqfqStickyPolicy(SchedulingPolicy, name="mqfq-sticky"):
     # --- Algorithm 1 ----------------------------------------------------------------------------
     def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> list[Step]:
         queue = ctx.queue
-        self._update_global_vt(queue.models())
+        self._update_global_vt(queue)
         limit_s = self._global_vt_s + self.overrun_s
         flows = self._flows
         # This GPU's own flows first (stickiness): O(models cached here).
@@ -134,45 +156,52 @@ class MqfqStickyPolicy(SchedulingPolicy, name="mqfq-sticky"):
             request = queue.oldest_for(min(own)[3])
             if request is not None and request.avoid_gpu != gpu_id:
                 return [ctx.dispatch(request, gpu_id, now)]
-        # Then every flow that may run, longest queue first: O(backlogged flows) to sort.
-        candidates = []
-        for model in queue.models():
-            flow = flows.get(model)
-            if flow is None:
-                flow = flows[model] = Flow(model, vt_s=self._global_vt_s)
-            if flow.vt_s <= limit_s:  # else throttled
-                candidates.append((-queue.count_for(model), flow.in_flight, flow.vt_s, model))
-        candidates.sort()
+        # Then the flows that may run, longest queue first, until a call lands here.
         plan: list[Step] = []
-        waited = 0
-        for _, _, _, model in candidates:
-            request = queue.oldest_for(model)
-            if request is None:
-                continue
-            holders = ctx.cache.gpus_with(model)
-            if holders and waited < MAX_WAITING_FLOWS and ctx.best_idle(holders, exclude=request.avoid_gpu) is None:
-                # Held only by busy GPUs, which work through the flow's backlog side by side:
-                # if they get to this call before the model could load here, it waits for them.
-                soonest = ctx.soonest_busy_holder(model, now)
-                per_call_s = ctx.inference_time_s(model, gpu_id, request.batch_size)
-                backlog_s = (queue.count_for(model) - 1) * per_call_s / len(holders)
-                if soonest is not None and soonest[1] + backlog_s < ctx.load_time_s(model, gpu_id):
-                    waited += 1
+        parked_flows = 0
+        seen: set[str] = set()
+        for _, models in queue.models_by_count():
+            group = []
+            for model in models:
+                if model in seen:  # came again under a lower count after a call of it was placed
                     continue
-            target = self._sticky_target(ctx, gpu_id, request, here=False)
-            if target is None:
-                continue
-            plan.append(ctx.dispatch(request, target, now))
-            if target == gpu_id:
-                break
+                flow = flows.get(model)
+                if flow is None:  # submitted before this policy was in place
+                    flow = flows[model] = Flow(model, vt_s=self._global_vt_s)
+                    self._note_vt(flow)
+                if flow.vt_s <= limit_s:  # else throttled
+                    group.append((flow.in_flight, flow.vt_s, model))
+            group.sort()
+            for _, _, model in group:
+                seen.add(model)
+                request = queue.oldest_for(model)
+                parked_any = False
+                while request is not None:
+                    holders = ctx.cache.gpus_with(model)
+                    avoid = request.avoid_gpu
+                    if holders and parked_flows < MAX_PARKED_FLOWS and ctx.best_idle(holders, exclude=avoid) is None:
+                        # Held only by busy GPUs: the call waits, parked, for the one that frees
+                        # up first, if that gets to it (after the work parked there) before the
+                        # model could load here; the flow's next call is looked at the same way.
+                        soonest = ctx.soonest_busy_holder(model, now)
+                        if soonest is not None and soonest[0] != avoid and soonest[1] < ctx.load_time_s(model, gpu_id):
+                            plan.append(ctx.park(request, soonest[0], now))
+                            parked_any = True
+                            request = queue.oldest_for(model)
+                            continue
+                    target = self._sticky_target(ctx, gpu_id, request)
+                    if target is not None:
+                        plan.append(ctx.dispatch(request, target, now))
+                        if target == gpu_id:
+                            return plan
+                    break  # one call of the flow placed elsewhere (or none): the next flow
+                parked_flows += parked_any
         return plan
 
-    def _sticky_target(self, ctx: SchedulingContext, gpu_id: str, request: Request, here: bool) -> str | None:
-        """Where the flow's call runs: this GPU if it holds the model, else an idle GPU that
-        does, else this GPU (a miss), else the first idle GPU the model may run on."""
+    def _sticky_target(self, ctx: SchedulingContext, gpu_id: str, request: Request) -> str | None:
+        """Where the flow's call runs: an idle GPU that holds the model, else this GPU (a miss),
+        else the first idle GPU the model may run on."""
         avoid = request.avoid_gpu
-        if here and gpu_id != avoid:
-            return gpu_id
         holders = ctx.cache.gpus_with(request.model)
         if holders:
             idle_holder = ctx.best_idle(holders, exclude=avoid)
@@ -183,11 +212,34 @@ class MqfqStickyPolicy(SchedulingPolicy, name="mqfq-sticky"):
         return ctx.first_idle_fitting(request.model, exclude=avoid)
 
     # --- internals -------------------------------------------------------------------------------
-    def _update_global_vt(self, queued_models: Iterable[str]) -> None:
+    def _note_vt(self, flow: Flow) -> None:
+        """Give `flow` a heap entry at its current VT unless it has one."""
+        if flow.heap_vt_s != flow.vt_s:
+            heapq.heappush(self._vt_heap, (flow.vt_s, flow.model))
+            flow.heap_vt_s = flow.vt_s
+
+    def _update_global_vt(self, queue: QueueView) -> None:
         """Global_VT: the least VT of the backlogged flows (with queued calls); it never goes
         back. The least backlogged flow is never throttled, so a GPU with a free slot never idles
-        while calls wait. O(backlogged flows)."""
-        flows = self._flows
-        least = min((flows[model].vt_s for model in queued_models if model in flows), default=None)
-        if least is not None:
-            self._global_vt_s = max(self._global_vt_s, least)
+        while calls wait. Amortized O(log flows): stale entries (an older VT of their flow, or a
+        flow with nothing queued, which gets a new entry when a call of it is queued) are
+        dropped as they reach the top; the heap is rebuilt when they pile up."""
+        flows, heap = self._flows, self._vt_heap
+        if len(heap) > 4 * len(flows) + 64:
+            for flow in flows.values():
+                flow.heap_vt_s = None
+            heap.clear()
+            for model in queue.models():
+                if model in flows:
+                    flows[model].heap_vt_s = flows[model].vt_s
+                    heap.append((flows[model].vt_s, model))
+            heapq.heapify(heap)
+        while heap:
+            vt_s, model = heap[0]
+            flow = flows[model]
+            if vt_s == flow.vt_s and queue.count_for(model):
+                self._global_vt_s = max(self._global_vt_s, vt_s)
+                return
+            heapq.heappop(heap)
+            if vt_s == flow.heap_vt_s:
+                flow.heap_vt_s = None  # its newest entry is gone: the next call queued pushes one

@@ -12,18 +12,23 @@ An idle GPU takes the functions in that order and places each one's calls, oldes
 Algorithm 2 (a hit here, a hit on another idle GPU, parked on a busy holder that frees up before
 a load, or a miss where the host tier or room makes it cheapest) until one lands on it.
 
+Cost per decision: O(functions with an SLO and calls queued) to order them, then the functions
+without an SLO are met lazily by a walk from the head of the queue, as far as the fill goes.
+
 Deviation: alpha is fixed (`torpor_alpha`, default 0.5) rather than tuned at run time by Torpor's
 Algorithm 2 (a congestion-control loop on the share of SLO-compliant functions per period).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from gpufaas.types import Request
 from scheduler.decisions import Step
 from scheduler.policies.base import PolicyConfig, SchedulingContext, SchedulingPolicy
 from scheduler.policies.lalb import Placement, locality_load_balance
+from scheduler.queues import QueueView
 
 SLO_TAIL = 0.98  # p: the share of calls a function must answer within its SLO
 DEFAULT_ALPHA = 0.5
@@ -50,6 +55,7 @@ class TorporPolicy(SchedulingPolicy, name="torpor"):
         self.alpha = alpha
         self.tier_aware_misses = tier_aware_misses
         self._records: dict[str, SloRecord] = {}  # function -> its SLO record
+        self._slo_models: dict[str, None] = {}  # models of functions with an SLO, as submitted
 
     @classmethod
     def from_config(cls, config: PolicyConfig) -> SchedulingPolicy:
@@ -57,6 +63,10 @@ class TorporPolicy(SchedulingPolicy, name="torpor"):
 
     def record(self, function: str) -> SloRecord:
         return self._records.setdefault(function, SloRecord())
+
+    def on_submit(self, request: Request) -> None:
+        if request.slo_s is not None:
+            self._slo_models[request.model] = None
 
     def on_finish(self, request: Request, now: float, *, inference_time_s: float | None) -> None:
         if request.slo_s is None or inference_time_s is None:  # no SLO, or failed (it may run again)
@@ -87,9 +97,8 @@ class TorporPolicy(SchedulingPolicy, name="torpor"):
 
     def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> list[Step]:
         queue = ctx.queue
-        oldest = [call for model in queue.models() if (call := queue.oldest_for(model)) is not None]
         plan: list[Step] = []
-        for first in self.order(oldest):
+        for first in self._first_calls(queue):
             # The function's calls in arrival order, while they land elsewhere (parked on a busy
             # holder, or a hit on another idle GPU); one that lands here ends the fill, one that
             # cannot be placed now moves on to the next function.
@@ -104,3 +113,18 @@ class TorporPolicy(SchedulingPolicy, name="torpor"):
                     break
                 request = queue.oldest_for(first.model)
         return plan
+
+    def _first_calls(self, queue: QueueView) -> Iterator[Request]:
+        """`order` of the oldest queued call of each backlogged function, lazily: the functions
+        with an SLO are ordered up front (O(those with calls queued)); those without follow in
+        the arrival order of their oldest call, as a walk from the head meets them."""
+        with_slo = [
+            call
+            for model in self._slo_models
+            if (call := queue.oldest_for(model)) is not None and call.slo_s is not None
+        ]
+        yield from self.order(with_slo)
+        ordered = {call.model for call in with_slo}
+        for model in queue.models_by_oldest():
+            if model not in ordered and (call := queue.oldest_for(model)) is not None:
+                yield call

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import heapq
+import random
+
 import pytest
 
-from scheduler import Dispatch, PolicyConfig, Scheduler, make_policy
+from scheduler import Dispatch, Park, PolicyConfig, Scheduler, make_policy
 from scheduler.policies.mqfq import MqfqStickyPolicy
 from tests.builders import cache_on, make_request, make_scheduler
 
@@ -103,7 +106,9 @@ def test_sticky_a_flow_runs_where_its_model_is_and_waits_for_a_busy_holder() -> 
     (decision,) = s.schedule(0.0)  # g0 is offered first: A goes to idle g1, which holds it
     assert isinstance(decision, Dispatch) and (decision.gpu_id, decision.hit) == ("g1", True)
     submit_at(s, "A", 0.1)  # g1 busy until 1.0 (0.9 s) < a 2 s load on g0: A waits for g1
-    assert s.schedule(0.1) == []
+    (park,) = s.schedule(0.1)
+    assert isinstance(park, Park) and park.gpu_id == "g1" and park.est_wait_s == pytest.approx(0.9)
+    assert s.schedule(0.2) == []  # nothing queued: g0 stays idle
     s.on_complete(decision.request.request_id, 1.0, inference_time_s=INFERENCE_S)
     (second,) = s.schedule(1.0)
     assert isinstance(second, Dispatch) and (second.gpu_id, second.hit) == ("g1", True)
@@ -126,7 +131,7 @@ def test_a_flow_with_calls_queued_keeps_its_virtual_time_whatever_the_gap() -> N
     policy.flow("A").vt_s = 2.0
     policy.on_submit(make_request("B", 0.1))
     policy.flow("B").vt_s = 10.0
-    policy._update_global_vt(["B"])  # Global_VT 10
+    policy._global_vt_s = 10.0  # as if B were the least backlogged flow
     policy.on_submit(make_request("A", 1.0))  # long after the TTL, but A still has 2 calls queued
     assert policy.flow("A").vt_s == pytest.approx(2.0)
 
@@ -140,3 +145,40 @@ def test_a_gpu_that_leaves_ends_its_running_calls_for_the_policy() -> None:
     (requeued,) = s.remove_gpu("g0", 0.5)
     assert requeued.request_id == decision.request.request_id
     assert policy.flow("A").in_flight == 0
+
+
+def test_global_vt_from_the_heap_equals_the_least_vt_of_the_backlogged_flows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A random run long enough that the heap of VTs is rebuilt several times, with failures that
+    # requeue calls (the path that does not go through on_submit) and a GPU that leaves.
+    rebuilds: list[int] = []
+    heapify = heapq.heapify
+    monkeypatch.setattr(heapq, "heapify", lambda heap: (rebuilds.append(len(heap)), heapify(heap)))
+    rng = random.Random(3)
+    s, policy = mqfq(gpus=3, overrun_s=3.0)
+    expected_s = 0.0
+    running: list[tuple[float, str]] = []
+    now = 0.0
+    for step in range(1_500):
+        now += rng.uniform(0.0, 0.4)
+        for model in rng.choices("ABCDEF", weights=[8, 4, 2, 1, 1, 1], k=rng.randint(0, 2)):
+            submit_at(s, model, now)
+        if step == 700:
+            gone = {request.request_id for request in s.remove_gpu("g2", now)}
+            running = [(finish_s, rid) for finish_s, rid in running if rid not in gone]
+        running.sort()
+        while running and running[0][0] <= now:
+            finish_s, request_id = running.pop(0)
+            if rng.random() < 0.05:
+                s.on_failure(request_id, finish_s, drop_model=rng.random() < 0.5, requeue=True)
+            else:
+                s.on_complete(request_id, finish_s, inference_time_s=INFERENCE_S)
+        for decision in s.schedule(now):
+            if isinstance(decision, Dispatch):
+                finish_s = now + decision.est_load_time_s + decision.est_inference_time_s
+                running.append((finish_s, decision.request.request_id))
+        backlogged = [policy.flow(m).vt_s for m in s.queue.models()]
+        if backlogged:
+            expected_s = max(expected_s, min(backlogged))
+        policy._update_global_vt(s.queue)
+        assert policy.global_vt_s == pytest.approx(expected_s), step
+    assert len(rebuilds) >= 2

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from scheduler.queues import GlobalQueue
+from scheduler.queues import GlobalQueue, Taken
 from tests.builders import make_request
 
 
@@ -125,3 +127,41 @@ def test_untake_after_the_queue_changed_around_it_is_refused() -> None:
     queue.remove(ids[2])
     with pytest.raises(RuntimeError, match="changed around it"):
         queue.untake(taken)
+
+
+def test_models_by_count_and_by_oldest_match_a_recount_through_every_kind_of_change() -> None:
+    rng = random.Random(7)
+    queue = GlobalQueue()
+    seq = 0
+    undo: list[Taken] = []
+    for _ in range(2_000):
+        action = rng.random()
+        if action < 0.45 or not queue:
+            undo.clear()  # takes are undone only inside a draft, which pushes nothing
+            queue.push(make_request(rng.choice("ABCDEF")), seq)
+            seq += 1
+        elif action < 0.6:
+            undo.append(queue.take(rng.choice(list(queue)).request_id))
+        elif action < 0.7 and undo:
+            queue.untake(undo.pop())
+        else:
+            undo.clear()  # a removal outside a draft: what was taken stays out
+            request = queue.remove(rng.choice(list(queue)).request_id)
+            if action > 0.9:
+                queue.insert(request, seq)  # requeued (as the newest, to keep seqs unique)
+                seq += 1
+        counts = {model: queue.count_for(model) for model in queue.models()}
+        by_count = list(queue.models_by_count())
+        assert [count for count, _ in by_count] == sorted(set(counts.values()), reverse=True)
+        assert {model: count for count, models in by_count for model in models} == counts
+        in_order = list(dict.fromkeys(r.model for r in queue))
+        assert list(queue.models_by_oldest()) == in_order
+
+
+def test_models_by_oldest_tolerates_removals_between_steps() -> None:
+    queue, ids = make_queue("A", "A", "B", "A", "C", "B", "D")
+    walk = queue.models_by_oldest()
+    assert next(walk) == "A"
+    for request_id in (ids[0], ids[1], ids[3], ids[2]):  # every A, and the B right behind them
+        queue.remove(request_id)
+    assert list(walk) == ["C", "B", "D"]
