@@ -290,6 +290,19 @@ class CacheManager:
         self._demote(host, item)
         return model in host.items
 
+    def adopt_in_host(self, node: str, model: str, memory_mb: int) -> bool:
+        """A model the node reports in its host tier and this tier lacks (reconciliation): it
+        enters as the most recent if it fits without pushing anything out. True if it is there."""
+        host = self._hosts.get(node)
+        if host is None:
+            return False
+        if model in host.items:
+            return True
+        if host.used_mb + memory_mb > host.capacity_mb:
+            return False
+        self._demote(host, CacheItem(model, memory_mb))
+        return True
+
     def release_from_host(self, node: str, model: str) -> bool:
         """An idle model leaves its node's host tier; False if it was not there."""
         host = self._hosts.get(node)

@@ -470,6 +470,7 @@ def create_app(store: Store, config: GatewayConfig) -> FastAPI:
                 "local_queue": g.local_queue,
                 "slots": g.slots,
                 "running": list(g.running),
+                "host_tier": list(g.host_tier),
             }
             for g in reply.gpus
         ]

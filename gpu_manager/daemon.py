@@ -274,10 +274,17 @@ class GpuManagerDaemon:
     def report_workers(self, conn: Connection, frame: Frame) -> None:
         """Answer with the models resident now (the workers that are ready), for reconciliation."""
         workers = [pb.Worker(gpu=gpu, model=model, memory_mb=mb) for model, gpu, _, mb in self.pool.workers()]
+        parked = [pb.Worker(model=model, memory_mb=mb) for model, mb in self.pool.parked()]
         conn.reply(
             frame,
             MessageType.ATTACH_REPLY,
-            pb.AttachReply(node=self.node, incarnation=self.incarnation, workers=workers),
+            pb.AttachReply(
+                node=self.node,
+                incarnation=self.incarnation,
+                workers=workers,
+                parked=parked,
+                host_memory_mb=self.pool.host_cache_mb,
+            ),
         )
 
     def revoke(self, conn: Connection, frame: Frame) -> None:
@@ -296,7 +303,16 @@ class GpuManagerDaemon:
 
     async def evict(self, conn: Connection, frame: Frame) -> None:
         request = frame.message(pb.Evict)
-        evicted = [model for model in request.models if await self.pool.evict(model, request.gpu)]
+        if not request.gpu:  # the host tier's copies
+            evicted = [model for model in request.models if await self.pool.release_from_host(model)]
+        elif request.if_idle:  # a staged exit
+            evicted = [
+                model
+                for model in request.models
+                if await self.pool.release(model, request.gpu, to_host=request.to_host, seq=request.gpu_seq)
+            ]
+        else:
+            evicted = [model for model in request.models if await self.pool.evict(model, request.gpu)]
         conn.reply(frame, MessageType.EVICT_REPLY, pb.EvictReply(evicted=evicted))
 
     def detached(self, conn: Connection) -> None:

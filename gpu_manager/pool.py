@@ -494,6 +494,32 @@ class WorkerPool:
         await asyncio.gather(*(self._stop(worker) for worker in victims))
         return bool(victims)
 
+    async def release(self, model: str, gpu_id: str, *, to_host: bool, seq: int = 0) -> bool:
+        """EDAS's staged exit, first stage: the idle `model` leaves `gpu_id`, into the host tier
+        when `to_host` and the node has one (its process and host copy stay), else its worker
+        stops. A worker with calls in flight, still loading, or used by a grant later than `seq`
+        stays: the scheduler's view has moved on. True if it left."""
+        worker = self._workers.get((model, gpu_id))
+        if worker is None or worker.pending or worker.state is not _State.READY or worker.last_seq > seq:
+            return False
+        if to_host and self.host_cache_mb:
+            self._park(worker)
+            return True
+        await self._stop(worker)
+        return True
+
+    async def release_from_host(self, model: str) -> bool:
+        """The second stage: `model`'s copy in the host tier goes (its process stops)."""
+        worker = self._parked.pop(model, None)
+        if worker is None:
+            return False
+        await self._stop(worker)
+        return True
+
+    def parked(self) -> list[tuple[str, int]]:
+        """(model, memory_mb) of the host tier's workers, least recently parked first."""
+        return [(model, w.memory_mb) for model, w in self._parked.items() if w.state is _State.PARKED]
+
     # --- misses -----------------------------------------------------------------------------
     def _evict_for_miss(self, gpu_id: str, evict: tuple[str, ...], seq: int) -> list[asyncio.Future[None]]:
         """Stop the victims, except one that a later grant uses or that has calls in flight

@@ -491,10 +491,22 @@ def up(
         str | None, typer.Option(help="cuda, cpu or emulated (default: cuda if NVML finds GPUs).")
     ] = None,
     gpu_memory_mb: Annotated[int, typer.Option(min=1, help="Cache capacity per logical GPU (MB).")] = 8192,
-    policy: Annotated[str, typer.Option(help="Scheduling policy: lb, lalb, lalb-o3 or mqfq-sticky.")] = "lalb-o3",
+    policy: Annotated[
+        str, typer.Option(help="Scheduling policy: lb, lalb, lalb-o3, mqfq-sticky or torpor.")
+    ] = "lalb-o3",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Gateway port.")] = 8080,
     slots: Annotated[str, typer.Option(help="Calls a GPU runs at once: N, or N,GPU_TYPE=M,... per GPU type.")] = "4",
     spares: Annotated[int, typer.Option(min=0, help="Warm spare workers per GPU (a miss takes one).")] = 1,
+    gpu_idle_release_s: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001, help="EDAS staged exit: a model unused this long leaves its GPU (for its node's host tier)."
+        ),
+    ] = None,
+    host_idle_release_s: Annotated[
+        float | None,
+        typer.Option(min=0.001, help="EDAS staged exit: a model this long in a node's host tier leaves it."),
+    ] = None,
     state_dir: StateDir = state_dir_default(),  # noqa: B008
 ) -> None:
     """Start a local cluster in the background: etcd, scheduler, gateway and GPU managers, under a
@@ -534,6 +546,8 @@ def up(
         "gateway_port": port,
         "slots": slots,
         "spares": spares,
+        "gpu_idle_release_s": gpu_idle_release_s,
+        "host_idle_release_s": host_idle_release_s,
     }
     cluster = LocalCluster(state_dir, **options)  # type: ignore[arg-type]
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -857,12 +871,14 @@ def rm(name: Annotated[str, typer.Argument()], gateway: GatewayOpt = None) -> No
 
 @app.command()
 def gpus(gateway: GatewayOpt = None) -> None:
-    """Every GPU: node, status, memory used/capacity, LRU list (most recent first)."""
+    """Every GPU: node, status, memory used/capacity, LRU list (most recent first), and its node's
+    host tier (models evicted and kept in host memory, most recent first)."""
     with _user_errors():
         client = GatewayClient(gateway_url(gateway))
         rows = client.ok(client.request("GET", "/system/gpus"))
     table = Table(title_justify="left")
-    for column in ("node", "GPU", "type", "status", "memory (MB)", "queued", "LRU list (most recent first)"):
+    columns = ("node", "GPU", "type", "status", "memory (MB)", "queued", "LRU list (most recent first)", "host tier")
+    for column in columns:
         table.add_column(column)
     for g in sorted(rows, key=lambda g: g["gpu"]):
         table.add_row(
@@ -873,6 +889,7 @@ def gpus(gateway: GatewayOpt = None) -> None:
             f"{g['memory_used_mb']}/{g['memory_capacity_mb']}",
             str(g["local_queue"]),
             ", ".join(g["lru"]) or "-",
+            ", ".join(g.get("host_tier", [])) or "-",
         )
     Console(width=None if sys.stdout.isatty() else 200).print(table)
 

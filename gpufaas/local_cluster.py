@@ -111,6 +111,9 @@ class LocalCluster:
     etcd_auth: bool = False  # etcd's own authentication too (daemons log in as root); else loopback only
     runtime: str = "process"  # how GPU managers run workers: "process" or "docker" (then spares must be 0)
     docker_image: str | None = None  # the docker runtime's image (default: the GPU manager's)
+    # EDAS's staged exit (scheduler --gpu-idle-release-s / --host-idle-release-s); None: off.
+    gpu_idle_release_s: float | None = None
+    host_idle_release_s: float | None = None
     components: dict[str, Component] = field(default_factory=dict)
     supervision: Supervision = field(default_factory=Supervision)
     supervisor_pid: int | None = None  # the process that supervises this cluster (gpufaas up), if any
@@ -201,6 +204,8 @@ class LocalCluster:
                 self.slots,
                 "--claim-s",
                 str(self.claim_s),
+                *(["--gpu-idle-release-s", str(self.gpu_idle_release_s)] if self.gpu_idle_release_s else []),
+                *(["--host-idle-release-s", str(self.host_idle_release_s)] if self.host_idle_release_s else []),
             ],
             logs / "scheduler.log",
         )
@@ -462,6 +467,8 @@ SUPERVISED_OPTIONS = (
     "gateway_port",
     "slots",
     "spares",
+    "gpu_idle_release_s",
+    "host_idle_release_s",
 )
 
 

@@ -37,7 +37,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--claim-s", type=float, default=5.0, help="a placement not used within this long is checked with its node"
     )
+    parser.add_argument(
+        "--gpu-idle-release-s",
+        type=float,
+        default=None,
+        help="staged exit: a model unused on a GPU this long leaves it, for its node's host tier where "
+        "the node keeps one (default: never)",
+    )
+    parser.add_argument(
+        "--host-idle-release-s",
+        type=float,
+        default=None,
+        help="staged exit: a model in a node's host tier unused this long leaves it too (default: never)",
+    )
     args = parser.parse_args(argv)
+    for flag, value in (
+        ("--gpu-idle-release-s", args.gpu_idle_release_s),
+        ("--host-idle-release-s", args.host_idle_release_s),
+    ):
+        if value is not None and not value > 0:
+            parser.error(f"{flag} must be a number of seconds > 0 (leave it out to keep models until evicted)")
     if args.o3_limit < 0 or args.queue_capacity <= 0 or not 0 < args.claim_s <= MAX_CLAIM_S:
         parser.error(f"--o3-limit must be >= 0, --queue-capacity > 0 and --claim-s in (0, {MAX_CLAIM_S:g}]")
     try:
@@ -59,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             queue_capacity=args.queue_capacity,
             slots=slots,
             claim_s=args.claim_s,
+            gpu_idle_release_s=args.gpu_idle_release_s,
+            host_idle_release_s=args.host_idle_release_s,
             wire_key=wire_key(secret) if secret is not None else None,
         )
 

@@ -38,7 +38,6 @@ attempt that is no longer current is ignored. Failure handling, step by step:
 from __future__ import annotations
 
 import enum
-import itertools
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
@@ -98,13 +97,26 @@ class CheckGrants:
 @dataclass(frozen=True, slots=True)
 class Evict:
     """Stop these models' workers on `gpu_id` (they are not in the cache: orphans, or models no
-    function runs any more)."""
+    function runs any more). A staged exit's release (`if_idle`) moves them to the node's host
+    tier when `to_host`, and leaves a worker that has calls in flight or that a grant later than
+    `gpu_seq` (the GPU's latest when decided) uses."""
 
     gpu_id: str
     models: tuple[str, ...]
+    to_host: bool = False
+    if_idle: bool = False
+    gpu_seq: int = 0
 
 
-Effect = Assignment | Answer | CheckGrants | Evict
+@dataclass(frozen=True, slots=True)
+class EvictHost:
+    """Stop these models' copies in `node`'s host tier (released, or not in the scheduler's)."""
+
+    node: str
+    models: tuple[str, ...]
+
+
+Effect = Assignment | Answer | CheckGrants | Evict | EvictHost
 
 
 class Rejected(GpufaasError):
@@ -151,7 +163,7 @@ class CallBook:
     lost_after_s: float = DEFAULT_LOST_AFTER_S
     _calls: dict[str, _Call] = field(default_factory=dict)
     # Per GPU, for as long as this book lives (a GPU that leaves and comes back goes on counting).
-    _seq: dict[str, itertools.count[int]] = field(default_factory=dict)
+    _seq: dict[str, int] = field(default_factory=dict)  # the latest grant's gpu_seq
     _retired: set[str] = field(default_factory=set)  # models no function runs any more
     # What changed since the service last persisted (it drains these sets).
     dirty_gpus: set[str] = field(default_factory=set)
@@ -216,14 +228,14 @@ class CallBook:
             call.gpu_id = decision.gpu_id
             call.hit = decision.hit
             call.claimed = call.checking = False
-            seq = self._seq.setdefault(decision.gpu_id, itertools.count(1))
+            seq = self._seq[decision.gpu_id] = self._seq.get(decision.gpu_id, 0) + 1
             effects.append(
                 Assignment(
                     owner=call.owner,
                     call_id=call.call_id,
                     attempt=call.attempt,
                     gpu_id=decision.gpu_id,
-                    gpu_seq=next(seq),
+                    gpu_seq=seq,
                     hit=decision.hit,
                     evict=decision.evict,
                     spec=call.spec,
@@ -419,6 +431,50 @@ class CallBook:
                 orphans.append(model)
         self.dirty_gpus.add(gpu_id)
         return [Evict(gpu_id, tuple(orphans))] if orphans else []
+
+    def reconcile_host(self, node: str, capacity_mb: int, parked: dict[str, int]) -> list[Effect]:
+        """A node reported its host tier: `capacity_mb` (0: none) and the models parked there,
+        least recently parked first (model -> MiB). The scheduler's tier for the node follows:
+        created or resized to the node's size, entries the node does not hold dropped, parked
+        models it does not know adopted while they fit, the others stopped at the node."""
+        cache = self.scheduler.cache
+        host = cache.host(node)
+        if host is None or host.capacity_mb != capacity_mb:
+            if not capacity_mb:
+                cache.remove_host(node)
+                return [EvictHost(node, tuple(parked))] if parked else []
+            self.scheduler.add_host(node, capacity_mb)
+        tier = cache.host(node)
+        for model in [m for m in (tier.items if tier is not None else ()) if m not in parked]:
+            cache.release_from_host(node, model)
+        strays = [
+            model
+            for model, memory_mb in parked.items()
+            if model in self._retired or not cache.adopt_in_host(node, model, memory_mb)
+        ]
+        return [EvictHost(node, tuple(strays))] if strays else []
+
+    def release_idle(self, now: float, *, gpu_idle_s: float | None, host_idle_s: float | None) -> list[Effect]:
+        """EDAS's staged exit (see `Scheduler.release_idle`): what has been idle long enough
+        leaves its GPU (for the host tier where the node has one), then the host tier; returns
+        the releases for the nodes to carry out."""
+        effects: list[Effect] = []
+        for release in self.scheduler.release_idle(now, gpu_idle_s=gpu_idle_s, host_idle_s=host_idle_s):
+            self.dirty_models.add(release.model)
+            if release.gpu_id is not None:
+                self.dirty_gpus.add(release.gpu_id)
+                effects.append(
+                    Evict(
+                        release.gpu_id,
+                        (release.model,),
+                        to_host=release.to_host,
+                        if_idle=True,
+                        gpu_seq=self._seq.get(release.gpu_id, 0),
+                    )
+                )
+            elif release.node is not None:
+                effects.append(EvictHost(release.node, (release.model,)))
+        return effects
 
     # --- internals --------------------------------------------------------------------------
     def _current(self, call_id: str, attempt: int) -> _Call | None:

@@ -41,6 +41,7 @@ from scheduler.calls import (
     CheckGrants,
     Effect,
     Evict,
+    EvictHost,
     Rejected,
 )
 from scheduler.core import Scheduler
@@ -61,6 +62,8 @@ TICK_S = 0.25  # how often deadlines and unconfirmed placements are looked at
 NODE_TIMEOUT_S = 2.0  # a node that does not answer an Attach, Revoke or probe within this is out
 RECONNECT_S = 0.5
 RECONCILE_S = 5.0  # how often the GPUs' LRU lists are checked against the workers nodes run
+RELEASE_CHECK_MIN_S = 0.25  # bounds of how often the staged exit looks for idle models
+RELEASE_CHECK_MAX_S = 5.0
 DEFAULT_SLOTS = 4
 MAX_CLAIM_S = 30.0  # nodes remember grants (and revocations) for 60 s: a claim must fall well inside
 
@@ -113,9 +116,22 @@ class SchedulerService:
         lost_after_s: float = DEFAULT_LOST_AFTER_S,
         clock: Callable[[], float] = time.monotonic,
         wire_key: bytes | None = None,
+        gpu_idle_release_s: float | None = None,
+        host_idle_release_s: float | None = None,
     ) -> None:
         """`wire_key`: the cluster's wire key (gpufaas.credentials); gateways must prove it, and
-        nodes are trusted only once they have. None: no handshake (tests of the logic only)."""
+        nodes are trusted only once they have. None: no handshake (tests of the logic only).
+        `gpu_idle_release_s`, `host_idle_release_s`: EDAS's staged exit, None = that stage off: a
+        model unused on a GPU this long leaves it (for its node's host tier, where the node has
+        one), and one in a host tier this long leaves that too."""
+        for name, value in (
+            ("gpu_idle_release_s", gpu_idle_release_s),
+            ("host_idle_release_s", host_idle_release_s),
+        ):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds (or None: that stage off), got {value}")
+        self.gpu_idle_release_s = gpu_idle_release_s
+        self.host_idle_release_s = host_idle_release_s
         self.store = store
         self.wire_key = wire_key
         self.keys = keys if keys is not None else Keys()
@@ -159,6 +175,8 @@ class SchedulerService:
         self._spawn(self._flusher())
         self._spawn(self._ticker())
         self._spawn(self._reconciler())
+        if self.gpu_idle_release_s is not None or self.host_idle_release_s is not None:
+            self._spawn(self._releaser())
         log.info("scheduler serving on %s (policy %s)", self.address, self.policy_name)
         return self.address
 
@@ -342,7 +360,7 @@ class SchedulerService:
         for gpu in node.record.gpus:
             address = gpu_address(node.record.node, gpu.gpu)
             slots = self.slots.for_type(gpu.gpu_type)
-            self.scheduler.add_gpu(GpuSpec(address, gpu.memory_mb, gpu.gpu_type, slots=slots))
+            self.scheduler.add_gpu(GpuSpec(address, gpu.memory_mb, gpu.gpu_type, slots=slots, node=node.record.node))
             node.gpu_ids.append(address)
             self._deleted_gpus.discard(address)
             workers = resident.get(address, {})
@@ -350,6 +368,7 @@ class SchedulerService:
             order = [m for m in reversed(self._recovered_lru.pop(address, [])) if m in workers]
             ordered = {m: workers[m] for m in order} | workers
             effects += self.book.reconcile(address, ordered, self.clock())
+        effects += self.book.reconcile_host(node.record.node, reply.host_memory_mb, _parked(reply))
         log.info(
             "node %s attached: %d GPU(s), %d resident model(s)", node.record.node, len(node.gpu_ids), len(reply.workers)
         )
@@ -357,8 +376,9 @@ class SchedulerService:
 
     async def _reconciler(self) -> None:
         """Now and then, ask every attached node which models it runs and reconcile the GPUs' LRU
-        lists with that (phantoms dropped, orphans adopted or evicted): the cache follows what
-        really runs, whatever was missed (a worker that died between calls, a lost Done)."""
+        lists, and its host tier, with that (phantoms dropped, orphans adopted or evicted): the
+        cache follows what really runs, whatever was missed (a worker that died between calls, a
+        lost Done, a model the node pushed out of its host tier)."""
         while True:
             await asyncio.sleep(RECONCILE_S)
             for node in list(self._nodes.values()):
@@ -370,10 +390,12 @@ class SchedulerService:
                     continue  # _keep_attached deals with a node that is gone
                 if not node.gpu_ids:  # detached meanwhile
                     continue
-                resident = _resident(node.record.node, frame.message(pb.AttachReply))
+                reply = frame.message(pb.AttachReply)
+                resident = _resident(node.record.node, reply)
                 effects: list[Effect] = []
                 for address in node.gpu_ids:
                     effects += self.book.reconcile(address, resident.get(address, {}), self.clock())
+                effects += self.book.reconcile_host(node.record.node, reply.host_memory_mb, _parked(reply))
                 self._apply(effects + self.book.schedule(self.clock()))
 
     def _detach(self, node: _Node) -> None:
@@ -417,8 +439,18 @@ class SchedulerService:
         node = self._nodes.get(node_name)
         if node is None or node.conn is None:
             return
+        request = pb.Evict(
+            gpu=gpu, models=effect.models, to_host=effect.to_host, if_idle=effect.if_idle, gpu_seq=effect.gpu_seq
+        )
         with contextlib.suppress(ConnectionLost, TimeoutError, RemoteError):
-            await node.conn.request(MessageType.EVICT, pb.Evict(gpu=gpu, models=effect.models), timeout_s=30.0)
+            await node.conn.request(MessageType.EVICT, request, timeout_s=30.0)
+
+    async def _evict_host(self, effect: EvictHost) -> None:
+        node = self._nodes.get(effect.node)
+        if node is None or node.conn is None:
+            return
+        with contextlib.suppress(ConnectionLost, TimeoutError, RemoteError):
+            await node.conn.request(MessageType.EVICT, pb.Evict(models=effect.models), timeout_s=30.0)
 
     def _disconnect(self, node: _Node) -> None:
         """Stop using a node that does not answer: `_keep_attached` takes its GPUs out and
@@ -441,6 +473,8 @@ class SchedulerService:
                 )
             elif isinstance(effect, CheckGrants):
                 self._spawn(self._check_grants(effect))
+            elif isinstance(effect, EvictHost):
+                self._spawn(self._evict_host(effect))
             else:
                 self._spawn(self._evict(effect))
         self._flush_wanted.set()
@@ -548,6 +582,7 @@ class SchedulerService:
                         running=list(state.running),
                         gpu_type=state.spec.gpu_type,
                         slots=state.spec.slots,
+                        host_tier=host.lru_list() if (host := self.scheduler.cache.host_of(address)) else [],
                     )
                 )
         queue = [
@@ -561,6 +596,20 @@ class SchedulerService:
         while True:
             await asyncio.sleep(TICK_S)
             self._apply(self.book.tick(self.clock()))
+
+    async def _releaser(self) -> None:
+        """EDAS's staged exit: now and then, release what has been idle past its stage's timeout
+        (checked at a quarter of the shorter one, between RELEASE_CHECK_MIN_S and _MAX_S)."""
+        stages = [s for s in (self.gpu_idle_release_s, self.host_idle_release_s) if s is not None]
+        period_s = min(RELEASE_CHECK_MAX_S, max(RELEASE_CHECK_MIN_S, min(stages) / 4))
+        while True:
+            await asyncio.sleep(period_s)
+            effects = self.book.release_idle(
+                self.clock(), gpu_idle_s=self.gpu_idle_release_s, host_idle_s=self.host_idle_release_s
+            )
+            if effects:
+                log.info("staged exit: %d release(s)", len(effects))
+            self._apply(effects)
 
     async def _flusher(self) -> None:
         while True:
@@ -648,6 +697,11 @@ def _resident(node: str, reply: pb.AttachReply) -> dict[str, dict[str, int]]:
     for worker in reply.workers:
         resident.setdefault(gpu_address(node, worker.gpu), {})[worker.model] = int(worker.memory_mb)
     return resident
+
+
+def _parked(reply: pb.AttachReply) -> dict[str, int]:
+    """{model: MiB} of a node's host tier, least recently parked first."""
+    return {worker.model: int(worker.memory_mb) for worker in reply.parked}
 
 
 def _gpu_addresses(record: NodeRecord) -> list[str]:

@@ -259,14 +259,18 @@ class Worker(_message.Message):
     def __init__(self, gpu: _Optional[str] = ..., model: _Optional[str] = ..., memory_mb: _Optional[int] = ...) -> None: ...
 
 class AttachReply(_message.Message):
-    __slots__ = ("node", "incarnation", "workers")
+    __slots__ = ("node", "incarnation", "workers", "parked", "host_memory_mb")
     NODE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PARKED_FIELD_NUMBER: _ClassVar[int]
+    HOST_MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
     node: str
     incarnation: str
     workers: _containers.RepeatedCompositeFieldContainer[Worker]
-    def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ...) -> None: ...
+    parked: _containers.RepeatedCompositeFieldContainer[Worker]
+    host_memory_mb: int
+    def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., parked: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., host_memory_mb: _Optional[int] = ...) -> None: ...
 
 class WorkersRequest(_message.Message):
     __slots__ = ()
@@ -297,12 +301,18 @@ class RevokeReply(_message.Message):
     def __init__(self, unseen: _Optional[_Iterable[_Union[GrantRef, _Mapping]]] = ..., seen: _Optional[_Iterable[_Union[GrantRef, _Mapping]]] = ...) -> None: ...
 
 class Evict(_message.Message):
-    __slots__ = ("gpu", "models")
+    __slots__ = ("gpu", "models", "to_host", "gpu_seq", "if_idle")
     GPU_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    TO_HOST_FIELD_NUMBER: _ClassVar[int]
+    GPU_SEQ_FIELD_NUMBER: _ClassVar[int]
+    IF_IDLE_FIELD_NUMBER: _ClassVar[int]
     gpu: str
     models: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, gpu: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
+    to_host: bool
+    gpu_seq: int
+    if_idle: bool
+    def __init__(self, gpu: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., to_host: _Optional[bool] = ..., gpu_seq: _Optional[int] = ..., if_idle: _Optional[bool] = ...) -> None: ...
 
 class EvictReply(_message.Message):
     __slots__ = ("evicted",)
@@ -315,7 +325,7 @@ class ClusterRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GpuInfo(_message.Message):
-    __slots__ = ("gpu", "node", "status", "memory_used_mb", "memory_capacity_mb", "lru", "local_queue", "running", "gpu_type", "slots")
+    __slots__ = ("gpu", "node", "status", "memory_used_mb", "memory_capacity_mb", "lru", "local_queue", "running", "gpu_type", "slots", "host_tier")
     GPU_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -326,6 +336,7 @@ class GpuInfo(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     GPU_TYPE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_FIELD_NUMBER: _ClassVar[int]
     gpu: str
     node: str
     status: str
@@ -336,7 +347,8 @@ class GpuInfo(_message.Message):
     running: _containers.RepeatedScalarFieldContainer[str]
     gpu_type: str
     slots: int
-    def __init__(self, gpu: _Optional[str] = ..., node: _Optional[str] = ..., status: _Optional[str] = ..., memory_used_mb: _Optional[int] = ..., memory_capacity_mb: _Optional[int] = ..., lru: _Optional[_Iterable[str]] = ..., local_queue: _Optional[int] = ..., running: _Optional[_Iterable[str]] = ..., gpu_type: _Optional[str] = ..., slots: _Optional[int] = ...) -> None: ...
+    host_tier: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, gpu: _Optional[str] = ..., node: _Optional[str] = ..., status: _Optional[str] = ..., memory_used_mb: _Optional[int] = ..., memory_capacity_mb: _Optional[int] = ..., lru: _Optional[_Iterable[str]] = ..., local_queue: _Optional[int] = ..., running: _Optional[_Iterable[str]] = ..., gpu_type: _Optional[str] = ..., slots: _Optional[int] = ..., host_tier: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class QueuedCall(_message.Message):
     __slots__ = ("call_id", "function", "model", "waited_s")

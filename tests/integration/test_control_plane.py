@@ -255,3 +255,38 @@ def test_the_newer_policies_run_the_real_cluster(make_cluster: ClusterFactory, t
     assert all(flat(r.json()["outputs"]) == pytest.approx(expected_outputs()) for r in responses)
     # Sticky: after the first call of each model, its calls hit where it is resident.
     assert sum(r.headers["X-Cache"] == "miss" for r in responses) <= 4
+
+
+@pytest.mark.integration
+def test_staged_exit_moves_an_idle_model_to_the_host_tier_then_out(
+    make_cluster: ClusterFactory, tmp_path: Path
+) -> None:
+    """EDAS's staged exit in the services: unused for `gpu_idle_release_s` a model leaves its GPU
+    for the node's host tier (the scheduler and the node agree on it, and a call takes it back
+    without a load), and unused there for `host_idle_release_s` it leaves that too."""
+    cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_idle_release_s=1.0, host_idle_release_s=1.5)
+    model = deploy(cluster, "lin-x", "linear_function", tmp_path)["model"]
+    auth = cluster.admin_auth
+
+    def view() -> dict[str, object]:
+        (gpu,) = httpx.get(f"{cluster.gateway_url}/system/gpus", auth=auth, timeout=10).json()
+        return gpu  # type: ignore[no-any-return]
+
+    first = invoke(cluster, "lin-x")
+    assert first.status_code == 200 and first.headers["X-Cache"] == "miss"
+    assert view()["lru"] == [model]
+    wait_for(lambda: view()["lru"] == [] and view()["host_tier"] == [model], timeout_s=10)
+
+    # Taken back from host memory: a miss, but no load.
+    back = invoke(cluster, "lin-x")
+    assert back.status_code == 200, back.text
+    assert back.headers["X-Cache"] == "miss" and "host;dur=" in back.headers["Server-Timing"]
+    assert flat(back.json()["outputs"]) == pytest.approx(expected_outputs())
+    assert view()["lru"] == [model] and view()["host_tier"] == []
+
+    # Idle again: off the GPU, then out of host memory; the next call loads afresh.
+    wait_for(lambda: view()["host_tier"] == [model], timeout_s=10)
+    wait_for(lambda: view()["lru"] == [] and view()["host_tier"] == [], timeout_s=10)
+    again = invoke(cluster, "lin-x")
+    assert again.status_code == 200 and again.headers["X-Cache"] == "miss"
+    assert "host;dur=" not in again.headers["Server-Timing"]

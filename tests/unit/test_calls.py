@@ -8,6 +8,7 @@ import pytest
 
 from gpufaas.functions import FunctionSpec
 from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.types import GpuSpec
 from scheduler.calls import (
     MAX_PLACEMENTS,
     Answer,
@@ -16,6 +17,7 @@ from scheduler.calls import (
     CheckGrants,
     Effect,
     Evict,
+    EvictHost,
     Rejected,
 )
 from tests.builders import INFERENCE_S, LOAD_S, cache_on, make_scheduler
@@ -600,3 +602,72 @@ def test_reconcile_evicts_a_retired_model_a_node_still_reports() -> None:
     # The node reported before its evict finished: the model is not taken back into the cache.
     assert book.reconcile(N1, {A.model: 1000}, now=1.0) == [Evict(N1, (A.model,))]
     assert cached(book, A) == set()
+
+
+# --- the host tier and the staged exit ----------------------------------------------------------
+
+
+def book_on_node(*specs: FunctionSpec, host_mb: int = 0) -> CallBook:
+    """A book over one GPU, N1, of node "n1" (with a host tier of `host_mb`)."""
+    book = make_book(*specs, gpus=())
+    book.scheduler.add_gpu(GpuSpec(N1, 8000, node="n1"))
+    if host_mb:
+        book.scheduler.add_host("n1", host_mb)
+    return book
+
+
+def test_reconcile_host_follows_the_nodes_tier_adopting_what_fits_and_stopping_the_rest() -> None:
+    book = book_on_node(A, B, C)
+    cache = book.scheduler.cache
+    # The node keeps a 2500 MB tier the scheduler did not know of: made, and A, B adopted.
+    parked = {A.model: 1000, B.model: 1000, C.model: 1000}
+    assert book.reconcile_host("n1", 2500, parked) == [EvictHost("n1", (C.model,))]
+    assert cache.host("n1") is not None and cache.host("n1").lru_list() == [B.model, A.model]  # type: ignore[union-attr]
+    assert cache.in_host(A.model, N1)
+    # A left the node's tier (pushed out there): it leaves the scheduler's too.
+    assert book.reconcile_host("n1", 2500, {B.model: 1000}) == []
+    assert not cache.in_host(A.model, N1) and cache.in_host(B.model, N1)
+    # A model no function runs any more is stopped, not adopted.
+    book.retire(C.model)
+    assert book.reconcile_host("n1", 2500, {B.model: 1000, C.model: 1000}) == [EvictHost("n1", (C.model,))]
+    # The node restarted without a tier: the scheduler's goes.
+    assert book.reconcile_host("n1", 0, {}) == []
+    assert cache.host("n1") is None and not cache.in_host(B.model, N1)
+
+
+def test_a_miss_takes_a_model_back_from_the_host_tier_the_node_reported() -> None:
+    book = book_on_node(A, B, host_mb=4000)
+    book.reconcile_host("n1", 4000, {A.model: 1000})
+    assert book.scheduler.load_time_s(A.model, N1) < LOAD_S / 10  # a swap-in, not a load
+    assert book.scheduler.load_time_s(B.model, N1) == pytest.approx(LOAD_S)
+    (assignment,) = book.submit("gw", "c1", A, 60.0, now=0.0)
+    assert isinstance(assignment, Assignment) and not assignment.hit
+    assert not book.scheduler.cache.in_host(A.model, N1)  # on the GPU now
+
+
+def test_release_idle_moves_an_idle_model_to_the_host_tier_then_out_naming_the_gpus_latest_grant() -> None:
+    book = book_on_node(A, B, host_mb=4000)
+    placed(book.submit("gw", "c1", A, 60.0, now=0.0))
+    book.done("c1", 1, pb.OK, 1.0)
+    placed(book.submit("gw", "c2", A, 60.0, now=2.0))
+    book.done("c2", 1, pb.OK, 3.0)
+    book.dirty_models.clear()
+    book.dirty_gpus.clear()
+    assert book.release_idle(5.5, gpu_idle_s=3.0, host_idle_s=None) == []  # idle since its call ended at 3.0
+    assert book.release_idle(6.5, gpu_idle_s=3.0, host_idle_s=None) == [
+        Evict(N1, (A.model,), to_host=True, if_idle=True, gpu_seq=2)
+    ]
+    assert not book.scheduler.cache.is_cached(A.model, N1) and book.scheduler.cache.in_host(A.model, N1)
+    assert book.dirty_models == {A.model} and book.dirty_gpus == {N1}
+    assert book.release_idle(16.0, gpu_idle_s=3.0, host_idle_s=10.0) == []
+    assert book.release_idle(16.5, gpu_idle_s=3.0, host_idle_s=10.0) == [EvictHost("n1", (A.model,))]
+    assert not book.scheduler.cache.in_host(A.model, N1)
+
+
+def test_release_idle_without_a_host_tier_stops_the_idle_worker() -> None:
+    book = book_on_node(A)
+    placed(book.submit("gw", "c1", A, 60.0, now=0.0))
+    book.done("c1", 1, pb.OK, 1.0)
+    assert book.release_idle(9.0, gpu_idle_s=5.0, host_idle_s=5.0) == [
+        Evict(N1, (A.model,), to_host=False, if_idle=True, gpu_seq=1)
+    ]

@@ -810,6 +810,39 @@ def test_the_host_tier_keeps_an_evicted_worker_and_a_miss_takes_it_back(tmp_path
     run(scenario)
 
 
+def test_staged_exit_parks_an_idle_worker_then_stops_it_and_leaves_a_busy_or_regranted_one(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path)
+
+    async def scenario() -> None:
+        probe = shelf.digest("probe_function")
+        async with open_pool("cpu", shelf, host_cache_mb=1000) as node:
+            proc = Proc.of(ok(await node.call(on_cpu("a", probe, memory_mb=100), {}, seq=1))["pid"])
+            # Released to the host tier: off the GPU, its process kept, reported as parked.
+            assert await node.pool.release("a", "gpu0", to_host=True, seq=1) is True
+            assert node.models() == [] and node.pool.parked() == [("a", 100)] and proc.running
+            assert await node.pool.release("a", "gpu0", to_host=True, seq=1) is False  # not on the GPU now
+            # Second stage: the host copy goes, and its process with it.
+            assert await node.pool.release_from_host("a") is True
+            assert node.pool.parked() == [] and not proc.running
+            assert await node.pool.release_from_host("a") is False
+
+            # A worker a later grant used, or one with a call in flight, stays.
+            ok(await node.call(on_cpu("b", probe, memory_mb=100), {}, seq=5))
+            assert await node.pool.release("b", "gpu0", to_host=True, seq=4) is False
+            slow = on_cpu("slow", shelf.digest("sleepy_function"), memory_mb=100)
+            in_flight = asyncio.create_task(node.call(slow, {"sleep_s": 1.0}, seq=6))
+            await eventually(lambda: "slow" in node.models(), "slow is loaded")
+            await asyncio.sleep(0.1)
+            assert await node.pool.release("slow", "gpu0", to_host=False, seq=6) is False
+            ok(await in_flight)
+            # Without to_host (or without a tier) a release stops the worker.
+            b_proc = Proc.of(node.pid_of("b"))
+            assert await node.pool.release("b", "gpu0", to_host=False, seq=6) is True
+            assert not b_proc.running and node.pool.parked() == []
+
+    run(scenario)
+
+
 def test_a_parked_worker_of_an_older_package_or_a_dead_one_is_not_taken_back(tmp_path: Path) -> None:
     shelf = Shelf(tmp_path)
 
