@@ -12,7 +12,12 @@ adds is the ground truth of the GPUs, on a virtual clock:
   what it has. Calls dispatched at one instant reach it together. Batching needs D > 1: only then
   can several calls reach one worker at once.
 - A GPU computes one batch at a time: the batches of its workers run in the order they were
-  formed (time-slicing the GPU among processes adds no compute).
+  formed (time-slicing the GPU among processes adds no compute). With `ClusterConfig.interference`
+  = i instead, the batches of different workers run at once, each slowed down by 1 + i (k - 1)
+  while k run (processor sharing): i = 0 is no interference (D calls in the time of one), i = 1
+  gains nothing over one at a time (the default's throughput, in a different order), i > 1 is
+  contention that costs throughput. The time a call reports is then what it took, slowdowns
+  included, as a node measures it.
 - A miss's load is a transfer: it does not hold the GPU's compute, but its worker cannot run until
   the load is done. It takes the profile's load time; evictions are immediate.
 - A host tier (`ClusterConfig.host_memory_mb` > 0 per node of `gpus_per_node` GPUs): what a GPU
@@ -58,6 +63,7 @@ from scheduler import Dispatch, Estimator, Park, PolicyConfig, Scheduler, make_p
 from scheduler.estimator import DEFAULT_HOST_TO_GPU_MB_S, DEFAULT_SWAP_IN_OVERHEAD_S
 from scheduler.policies import DEFAULT_MAX_NUM_SKIPS
 from scheduler.policies.mqfq import DEFAULT_OVERRUN_S
+from scheduler.policies.torpor import DEFAULT_ALPHA_PERIOD_S
 from simulator.workload import Workload
 
 
@@ -81,6 +87,9 @@ class ClusterConfig:
     # this long in the host tier leaves it (None: the stage is off). Checked at each event.
     gpu_idle_release_s: float | None = None
     host_idle_release_s: float | None = None
+    # Concurrent batches on a GPU (D > 1): None, one at a time; i >= 0, all at once, each slowed
+    # down by 1 + i (k - 1) while k run (see the module docstring).
+    interference: float | None = None
 
     def __post_init__(self) -> None:
         if self.gpus <= 0:
@@ -100,6 +109,8 @@ class ClusterConfig:
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"{name} must be >= 0 seconds (or None: off), got {value}")
+        if self.interference is not None and not (0 <= self.interference <= 100):
+            raise ValueError(f"interference must be in [0, 100] (None: one batch at a time), got {self.interference}")
         if not (0 <= self.timing_spread <= 10):
             raise ValueError(f"timing_spread must be in [0, 10] (a coefficient of variation), got {self.timing_spread}")
 
@@ -183,6 +194,7 @@ class SimResult:
     avg_gpu_memory_gb: float = 0.0  # time-averaged GPU memory the caches hold, cluster-wide
     releases: int = 0  # staged-exit releases (GPU -> host, host -> gone)
     literal_visits: bool = False  # Algorithm 1's visit counting read literally (PolicyConfig)
+    interference: float | None = None  # ClusterConfig's: None, D calls on a GPU run one at a time
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -198,6 +210,7 @@ def simulate(
     coldest_victim_misses: bool = True,
     literal_visits: bool = False,
     mqfq_overrun_s: float = DEFAULT_OVERRUN_S,
+    torpor_alpha_period_s: float | None = DEFAULT_ALPHA_PERIOD_S,
     batching: Mapping[str, Batching] | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> SimResult:
@@ -205,7 +218,8 @@ def simulate(
     module docstring). The scheduler's estimator starts from the same profiles as the ground
     truth and is fed every "measured" time, as the service feeds it. `room_aware_misses` and
     `coldest_victim_misses` are PolicyConfig's (False = Algorithm 2 to the letter), and so is
-    `literal_visits` (True = Algorithm 1's visit counting to the letter). `batching`
+    `literal_visits` (True = Algorithm 1's visit counting to the letter), and
+    `torpor_alpha_period_s` (None: torpor's alpha fixed). `batching`
     maps a function to how its calls may be merged; functions absent from it are not batched.
     `on_progress(completed)` is called per completion.
     """
@@ -217,6 +231,7 @@ def simulate(
         coldest_victim_misses=coldest_victim_misses,
         literal_visits=literal_visits,
         mqfq_overrun_s=mqfq_overrun_s,
+        torpor_alpha_period_s=torpor_alpha_period_s,
     )
     scheduler = Scheduler(
         make_policy(policy, config),
@@ -241,6 +256,7 @@ def simulate(
         cluster.batch_exponent,
         Jitter(cluster.timing_spread, cluster.timing_seed),
         cluster.host_to_gpu_mb_s,
+        interference=cluster.interference,
     )
     top_model = workload.function_models[workload.top_function]
 
@@ -267,7 +283,7 @@ def simulate(
                 call.request.request_id,
                 now,
                 load_time_s=call.load_s,
-                inference_time_s=batch.compute_s,
+                inference_time_s=batch.elapsed_s(now),
                 batch_size=batch.samples,
             )
             latency_s = now - request.arrival_s
@@ -353,6 +369,7 @@ def simulate(
         eviction=cluster.eviction,
         slo_attainment=slo_attainment,
         slo_functions_met=slo_functions_met,
+        interference=cluster.interference,
     )
 
 
@@ -425,7 +442,17 @@ class _Batch:
     worker: _Worker
     calls: list[_Call]
     samples: int
-    compute_s: float
+    compute_s: float  # alone on the GPU
+    # With interference: the compute seconds (alone) it has left, when it started, and the end
+    # its latest event is for (other events for it are stale; inf once it is done).
+    left_s: float = 0.0
+    started_s: float = 0.0
+    end_s: float = math.nan
+
+    def elapsed_s(self, now: float) -> float:
+        """What the call took on the GPU as measured: its compute alone, or with interference,
+        the time since it started."""
+        return self.compute_s if math.isnan(self.end_s) else now - self.started_s
 
 
 # Event kinds, in the order they are handled at one instant: completions free compute first.
@@ -443,8 +470,13 @@ class _Gpus:
         exponent: float,
         jitter: Jitter,
         host_to_gpu_mb_s: float,
+        *,
+        interference: float | None = None,
     ) -> None:
         self._truth = truth
+        self._interference = interference
+        self._running: dict[str, list[_Batch]] = defaultdict(list)  # with interference: per GPU
+        self._progressed_s: dict[str, float] = {}  # when the GPU's running batches' left_s was last updated
         self._jitter = jitter
         self._host_to_gpu_mb_s = host_to_gpu_mb_s
         self._batching = batching
@@ -463,10 +495,23 @@ class _Gpus:
         self.batches = 0
 
     def busy(self) -> bool:
+        self._drop_stale()
         return bool(self._events)
 
     def next_event_s(self) -> float:
+        self._drop_stale()
         return self._events[0][0] if self._events else math.inf
+
+    def _drop_stale(self) -> None:
+        """Pop batch ends that a later reschedule replaced (with interference), so that they
+        neither wake the clock nor stretch the makespan."""
+        events = self._events
+        while events:
+            at_s, _, _, subject = events[0]
+            # Live: not a batch end, a batch end without interference (NaN), or its latest end.
+            if not isinstance(subject, _Batch) or math.isnan(subject.end_s) or subject.end_s == at_s:
+                return
+            heapq.heappop(events)
 
     def compute_s(self) -> float:
         return sum(seconds for _, seconds in sorted(self._compute_log))
@@ -508,11 +553,19 @@ class _Gpus:
             at_s, kind, _, subject = heapq.heappop(self._events)
             if isinstance(subject, _Batch):
                 worker = subject.worker
+                if self._interference is not None:
+                    if subject.end_s != at_s:
+                        continue  # rescheduled since: a batch joined or left its GPU
+                    self._progress(worker.gpu_id, at_s)
+                    self._running[worker.gpu_id].remove(subject)
+                    subject.end_s = math.inf  # done: any other event for it is stale
+                    self._reschedule(worker.gpu_id, at_s)
+                else:
+                    self._computing.discard(worker.gpu_id)
+                    if self._ready[worker.gpu_id]:
+                        self._start_next(worker.gpu_id, now)
                 worker.busy = False
-                self._computing.discard(worker.gpu_id)
                 completed.extend((call, subject) for call in subject.calls)
-                if self._ready[worker.gpu_id]:
-                    self._start_next(worker.gpu_id, now)
                 self._stir(worker)
             elif kind == _LOAD_DONE or subject.wait_until_s == at_s:
                 self._stir(subject)
@@ -545,9 +598,41 @@ class _Gpus:
         worker.busy = True
         worker.wait_until_s = None
         self.batches += 1
-        self._ready[worker.gpu_id].append(_Batch(worker, calls, samples, compute_s))
+        batch = _Batch(worker, calls, samples, compute_s)
+        if self._interference is not None:
+            self._compute_log.append((calls[0].tie, compute_s))
+            self._progress(worker.gpu_id, now)
+            batch.left_s, batch.started_s = compute_s, now
+            self._running[worker.gpu_id].append(batch)
+            self._reschedule(worker.gpu_id, now)
+            return
+        self._ready[worker.gpu_id].append(batch)
         if worker.gpu_id not in self._computing:
             self._start_next(worker.gpu_id, now)
+
+    def _slowdown(self, running: int) -> float:
+        assert self._interference is not None
+        return 1.0 + self._interference * max(0, running - 1)
+
+    def _progress(self, gpu_id: str, now: float) -> None:
+        """Count the compute the GPU's running batches did since the last change."""
+        running = self._running[gpu_id]
+        since_s = self._progressed_s.get(gpu_id, now)
+        if running and now > since_s:
+            done_s = (now - since_s) / self._slowdown(len(running))
+            for batch in running:
+                batch.left_s -= done_s
+        self._progressed_s[gpu_id] = now
+
+    def _reschedule(self, gpu_id: str, now: float) -> None:
+        """The running batches' ends at the GPU's new slowdown (an event each whose end moved)."""
+        running = self._running[gpu_id]
+        slowdown = self._slowdown(len(running))
+        for batch in running:
+            end_s = now + max(0.0, batch.left_s) * slowdown
+            if end_s != batch.end_s:
+                batch.end_s = end_s
+                heapq.heappush(self._events, (end_s, _BATCH_END, batch.calls[0].tie, batch))
 
     def _start_next(self, gpu_id: str, now: float) -> None:
         batch = self._ready[gpu_id].popleft()

@@ -13,6 +13,7 @@ from gpufaas.errors import InvalidInput
 from gpufaas.profiles import paper_table1
 from scheduler import registered_policies
 from scheduler.policies.mqfq import DEFAULT_OVERRUN_S
+from scheduler.policies.torpor import DEFAULT_ALPHA_PERIOD_S
 from simulator.engine import Batching, ClusterConfig, SimResult, simulate
 from simulator.workload import TraceCounts, Workload, WorkloadConfig, build_workload
 
@@ -89,6 +90,7 @@ def execute(
     coldest_victim_misses: bool = True,
     literal_visits: bool = False,
     mqfq_overrun_s: float = DEFAULT_OVERRUN_S,
+    torpor_alpha_period_s: float | None = DEFAULT_ALPHA_PERIOD_S,
     batching: Batching | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> list[SimResult]:
@@ -115,6 +117,7 @@ def execute(
                 coldest_victim_misses=coldest_victim_misses,
                 literal_visits=literal_visits,
                 mqfq_overrun_s=mqfq_overrun_s,
+                torpor_alpha_period_s=torpor_alpha_period_s,
                 batching=None if batching is None else dict.fromkeys(workload.function_models, batching),
                 on_progress=progress,
             )

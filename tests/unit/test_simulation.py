@@ -100,8 +100,11 @@ def run_tiny(
     exponent: float = 1.0,
     batching: Batching | None = None,
     gpus: int = 1,
+    interference: float | None = None,
 ) -> SimResult:
-    cluster = ClusterConfig(gpus=gpus, gpu_memory_mb=4000, slots=slots, batch_exponent=exponent)
+    cluster = ClusterConfig(
+        gpus=gpus, gpu_memory_mb=4000, slots=slots, batch_exponent=exponent, interference=interference
+    )
     per_function = None if batching is None else dict.fromkeys(workload.function_models, batching)
     return simulate(workload, "lalb", cluster=cluster, batching=per_function)
 
@@ -163,6 +166,41 @@ def test_batches_of_different_models_take_the_gpus_compute_in_turn() -> None:
     warm = [(0.0, "A"), (0.0, "B")]  # both load at once (a transfer each): done at 2, computed 2-3, 3-4
     result = run_tiny(tiny([*warm, (10.0, "A"), (10.0, "B")]), slots=2)
     assert result.avg_latency_s == pytest.approx((3.0 + 4.0 + 1.0 + 2.0) / 4)
+
+
+@pytest.mark.parametrize(
+    ("interference", "latencies"),
+    [
+        # Warm at 3 (one miss each, loaded together at 2, then computed side by side); at 10, A
+        # and B run together: each at 1 + i times one call's time.
+        (0.0, (3.0, 3.0, 1.0, 1.0)),  # no interference: D calls in the time of one
+        (0.5, (3.5, 3.5, 1.5, 1.5)),
+        (1.0, (4.0, 4.0, 2.0, 2.0)),  # no gain over one at a time: all end when the last would
+    ],
+)
+def test_with_interference_batches_of_different_models_run_at_once_slowed_down(
+    interference: float, latencies: tuple[float, ...]
+) -> None:
+    arrivals = [(0.0, "A"), (0.0, "B"), (10.0, "A"), (10.0, "B")]
+    result = run_tiny(tiny(arrivals), slots=2, interference=interference)
+    assert result.avg_latency_s == pytest.approx(sum(latencies) / 4)
+    assert result.interference == interference
+    # Utilization counts each call's compute alone, as without interference.
+    assert result.gpu_utilization == pytest.approx(4.0 / result.makespan_s)
+
+
+def test_with_interference_a_batch_that_joins_slows_the_one_running_and_speeds_up_when_it_ends() -> None:
+    # A runs alone from 10 (hit); B (warm) joins at 10.5: both at half speed (i = 1) until A's
+    # remaining 0.5 s of compute is done at 11.5; B then has 0.5 s left, alone: ends at 12.
+    arrivals = [(0.0, "A"), (0.0, "B"), (10.0, "A"), (10.5, "B")]
+    result = run_tiny(tiny(arrivals), slots=2, interference=1.0)
+    assert result.avg_latency_s == pytest.approx((4.0 + 4.0 + 1.5 + 1.5) / 4)
+    assert result.makespan_s == pytest.approx(12.0)
+
+
+def test_interference_must_be_a_non_negative_number() -> None:
+    with pytest.raises(ValueError, match="interference"):
+        ClusterConfig(interference=-0.5)
 
 
 def test_a_load_does_not_hold_the_gpus_compute() -> None:
