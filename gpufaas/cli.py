@@ -109,6 +109,14 @@ def sim(
             help="mqfq-sticky: T, seconds of service a flow may run ahead of the slowest before it is throttled.",
         ),
     ] = 10.0,
+    torpor_alpha_period_s: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="torpor: retune alpha this often by Torpor's Algorithm 2, from the share of functions within "
+            "their SLO (default 0: alpha fixed at 0.5).",
+        ),
+    ] = 0.0,
     slots: Annotated[int, typer.Option(min=1, help="D: calls each GPU runs at once.")] = 1,
     max_batch_size: Annotated[
         int, typer.Option(min=1, help="Calls of one model a worker may merge into one batch (needs --slots > 1).")
@@ -174,6 +182,15 @@ def sim(
             "(0: the profile exactly, so every estimate is exact). Drawn from --seed.",
         ),
     ] = 0.0,
+    interference: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            max=100.0,
+            help="With --slots > 1: the calls on a GPU run at once, each slowed down by 1 + I x (others running) "
+            "(0: no interference; 1: no gain over one at a time). Default: one batch at a time.",
+        ),
+    ] = None,
 ) -> None:
     """Replay a function trace through the real scheduler and cache manager on a virtual clock."""
     from cache_manager import EvictionPolicy
@@ -238,6 +255,7 @@ def sim(
             gpu_idle_release_s=gpu_idle_release_s,
             host_idle_release_s=host_idle_release_s,
             host_to_gpu_mb_s=host_to_gpu_mb_s,
+            interference=interference,
         )
         batching = Batching(max_batch_size, max_batch_wait_ms) if max_batch_size > 1 else None
         total = sum(len(workloads[(run.working_set, run.mapping_seed)].requests) for run in runs)
@@ -250,6 +268,7 @@ def sim(
                 coldest_victim_misses=coldest_victim,
                 literal_visits=literal_visits,
                 mqfq_overrun_s=mqfq_overrun_s,
+                torpor_alpha_period_s=torpor_alpha_period_s or None,
                 batching=batching,
                 on_progress=advance,
             )
@@ -272,6 +291,7 @@ def sim(
         "host_memory_mb": host_memory_mb,
         "eviction": eviction,
         "slo_factor": slo_factor,
+        "interference": interference,
     }
     groups = aggregate(results) if len(mapping_seeds) > 1 else []
     if json_output:
@@ -293,6 +313,7 @@ def sim(
 def _sim_title(meta: Mapping[str, object]) -> str:
     noise = f", timing spread {meta['timing_spread']}" if meta.get("timing_spread") else ""
     noise += f", host tier {meta['host_memory_mb']} MB/node" if meta.get("host_memory_mb") else ""
+    noise += f", interference {meta['interference']}" if meta.get("interference") is not None else ""
     return (
         f"{meta['trace']} minutes {meta['start_minute']}+{meta['minutes']}, {meta['rpm']} rpm, "
         f"{meta['gpus']} GPUs x {meta['gpu_memory_mb']} MB x {meta['slots']} slots, seed {meta['seed']}{noise}, "

@@ -509,23 +509,50 @@ class Scheduler:
         return None  # running: it will complete or fail on its own
 
     # --- what policies may ask (SchedulingContext) ----------------------------------------
-    def best_idle(self, gpu_ids: Set[str], exclude: str | None = None) -> str | None:
+    def best_idle(self, gpu_ids: Set[str], exclude: str | None = None, *, model: str | None = None) -> str | None:
         """Of `gpu_ids` (but `exclude`), the idle one with the most free slots, then the first in
         idle order (fastest, then by id); None if none is idle. With one slot per GPU that is
         the first in idle order; with several, hits of a model spread over the GPUs that hold it
-        instead of queueing on the first. O(min(len(gpu_ids), idle GPUs))."""
+        instead of queueing on the first. With `model`, the one whose worker of it would be free
+        soonest comes first (`worker_wait_s`; with one slot per GPU that is every idle one).
+        O(min(len(gpu_ids), idle GPUs)), times D with `model`."""
         # Usually a handful of GPUs are idle while a hot model sits on hundreds: walk the shorter.
         candidates: Iterable[str] = (
             (gpu_id for _, gpu_id in self._idle if gpu_id in gpu_ids) if len(self._idle) < len(gpu_ids) else gpu_ids
         )
         best: GpuState | None = None
+        best_key: tuple[float, int, tuple[float, str]] | None = None
         for gpu_id in candidates:
             state = self._gpus[gpu_id]
             if not state.idle or gpu_id == exclude:
                 continue
-            if best is None or (-state.free_slots, state.order_key) < (-best.free_slots, best.order_key):
-                best = state
+            busy_until_s = self._worker_busy_until_s(model, state) if model is not None else -math.inf
+            key = (busy_until_s, -state.free_slots, state.order_key)
+            if best_key is None or key < best_key:
+                best, best_key = state, key
         return None if best is None else best.spec.gpu_id
+
+    def running_calls(self, gpu_id: str) -> int:
+        """How many calls `gpu_id` runs now (at most its D)."""
+        return len(self._gpus[gpu_id].running)
+
+    def models_busy(self, gpu_id: str, now: float) -> set[str]:
+        """The models with a call running on `gpu_id` that is expected to end after `now` (a
+        further call of one would wait for its worker): O(D)."""
+        state = self._gpus[gpu_id]
+        finishes = state.expected_finish_s
+        return {request.model for r, request in state.running.items() if finishes[r] > now}
+
+    def worker_wait_s(self, model: str, gpu_id: str, now: float) -> float:
+        """How long a call of `model` started on `gpu_id` now would wait for the model's worker
+        there: the calls of it running there go one at a time (one process per model per GPU,
+        unless they batch), so until the last is expected to finish; 0 if none runs. O(D)."""
+        return max(0.0, self._worker_busy_until_s(model, self._gpus[gpu_id]) - now)
+
+    @staticmethod
+    def _worker_busy_until_s(model: str, state: GpuState) -> float:
+        finishes = state.expected_finish_s
+        return max((finishes[r] for r, request in state.running.items() if request.model == model), default=-math.inf)
 
     def soonest_busy_holder(self, model: str, now: float) -> tuple[str, float] | None:
         """The busy GPU holding `model` that is expected to free up first, with its estimated
@@ -613,6 +640,21 @@ class Scheduler:
             if first is None:
                 first = gpu_id
         return first
+
+    def idle_for_replica(self, model: str, exclude: str | None = None) -> str | None:
+        """An idle GPU that does not hold `model` and may run it now (see `fits`): the first in
+        idle order with room for it (evicting nothing), else the first; None if there is none.
+        O(idle GPUs): asked only when every idle holder's worker of the model is busy."""
+        holders = self.cache.gpus_with(model)
+        spec = self._models[model]
+        fallback: str | None = None
+        for _, gpu_id in self._idle:
+            if gpu_id == exclude or gpu_id in holders or not self.fits(model, gpu_id):
+                continue
+            if self.cache.gpu(gpu_id).free_mb >= spec.memory_mb:
+                return gpu_id
+            fallback = fallback or gpu_id
+        return fallback
 
     def first_idle_fitting(self, model: str, exclude: str | None = None) -> str | None:
         """The first idle GPU (in idle order) the model may run on now (see `fits`): O(idle GPUs);
@@ -792,8 +834,10 @@ class Scheduler:
         else:
             load_s = self.estimator.load_time_s(spec.name, state.spec.gpu_type, spec.memory_mb)
         inference_s = self._inference_time_s(request, state)
+        # Behind the calls of its model running there (they share a worker), or its load.
+        start_s = max(now + load_s, self._worker_busy_until_s(spec.name, state))
         running[request.request_id] = request
-        state.expected_finish_s[request.request_id] = now + load_s + inference_s
+        state.expected_finish_s[request.request_id] = start_s + inference_s
         if len(running) < slots:
             self._refill.add(gpu_id)
         else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection
 
 from gpufaas.types import Request
 from scheduler.decisions import Dispatch, Park, Step
@@ -41,13 +42,26 @@ def locality_load_balance(
     step reserved for it (None for NOWHERE).
     """
     avoid = request.avoid_gpu  # a retry after its worker died: never there again
-    holders = ctx.cache.gpus_with(request.model)
-    if gpu_id in holders and gpu_id != avoid:
+    model = request.model
+    holders = ctx.cache.gpus_with(model)
+    if gpu_id in holders and gpu_id != avoid and not ctx.worker_wait_s(model, gpu_id, now):
         return Placement.HERE, ctx.dispatch(request, gpu_id, now)
     if holders:
-        idle_holder = ctx.best_idle(holders, exclude=avoid)
+        idle_holder = ctx.best_idle(holders, exclude=avoid, model=model)
         if idle_holder is not None:
-            return Placement.ELSEWHERE, ctx.dispatch(request, idle_holder, now)
+            # With D > 1 an idle holder may be running calls of the model, which its worker
+            # serves one at a time: when the wait for them is longer than a load, a new replica
+            # serves the call sooner (and spreads the model's load): here, else on another idle
+            # GPU without the model.
+            wait_s = ctx.worker_wait_s(model, idle_holder, now)
+            if wait_s > ctx.load_time_s(model, gpu_id):
+                here = gpu_id not in holders and gpu_id != avoid and ctx.fits(model, gpu_id)
+                replica = gpu_id if here else ctx.idle_for_replica(model, exclude=avoid)
+                if replica is not None:
+                    placement = Placement.HERE if replica == gpu_id else Placement.ELSEWHERE
+                    return placement, ctx.dispatch(request, replica, now)
+            placement = Placement.HERE if idle_holder == gpu_id else Placement.ELSEWHERE
+            return placement, ctx.dispatch(request, idle_holder, now)
         soonest = ctx.soonest_busy_holder(request.model, now)
         if soonest is not None and soonest[0] != avoid and soonest[1] < ctx.load_time_s(request.model, gpu_id):
             return Placement.ELSEWHERE, ctx.park(request, soonest[0], now)
@@ -70,6 +84,19 @@ def locality_load_balance(
         return Placement.NOWHERE, None
     step = ctx.dispatch(request, target, now)
     return (Placement.HERE if target == gpu_id else Placement.ELSEWHERE), step
+
+
+def hits_here(ctx: SchedulingContext, gpu_id: str, now: float) -> Collection[str]:
+    """The models a call may hit on `gpu_id` straight away: those cached there, less (with
+    D > 1) those with a call running there that is expected to end after `now`, whose worker
+    would make it wait; their calls go through `locality_load_balance`, which weighs that wait
+    against a free worker elsewhere or a new replica. O(1) while the GPU runs nothing (always,
+    with one slot per GPU), else O(D)."""
+    cached = ctx.cache.models_on(gpu_id)
+    if not ctx.running_calls(gpu_id):
+        return cached
+    busy = ctx.models_busy(gpu_id, now)
+    return set(cached) - busy if busy else cached
 
 
 class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
@@ -133,7 +160,7 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
         if self.literal_visits:
             return self._fill_literal(ctx, gpu_id, now)
         queue = ctx.queue
-        cached_here = ctx.cache.models_on(gpu_id)
+        cached_here = hits_here(ctx, gpu_id, now)
         plan: list[Step] = []
         # Requests at the limit that no idle GPU can hold: the dispatch below goes to a GPU they
         # cannot use, so it does not pass them over.
@@ -177,7 +204,7 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
         by Algorithm 2 (the scan ends if it landed here); any other is visited (+1) and passed.
         If the scan found no hit, Algorithm 2 places requests in arrival order until one lands
         here. So even with limit 0 a request may be passed over once."""
-        cached_here = ctx.cache.models_on(gpu_id)
+        cached_here = hits_here(ctx, gpu_id, now)
         plan: list[Step] = []
         for request, visits in ctx.queue.walk():
             if request.model in cached_here and request.avoid_gpu != gpu_id:

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from gpufaas.types import Request
 from scheduler.decisions import Dispatch, Step
 from scheduler.policies.base import PolicyConfig, SchedulingContext, SchedulingPolicy
+from scheduler.policies.lalb import hits_here
 from scheduler.queues import QueueView
 
 DEFAULT_OVERRUN_S = 10.0  # T: seconds of service a flow may run ahead of Global_VT
@@ -146,10 +147,11 @@ class MqfqStickyPolicy(SchedulingPolicy, name="mqfq-sticky"):
         self._update_global_vt(queue)
         limit_s = self._global_vt_s + self.overrun_s
         flows = self._flows
-        # This GPU's own flows first (stickiness): O(models cached here).
+        # This GPU's own flows first (stickiness), those whose worker here is free: O(models
+        # cached here).
         own = [
             (-queue.count_for(model), flows[model].in_flight, flows[model].vt_s, model)
-            for model in ctx.cache.models_on(gpu_id)
+            for model in hits_here(ctx, gpu_id, now)
             if queue.count_for(model) and model in flows and flows[model].vt_s <= limit_s
         ]
         if own:
@@ -204,7 +206,7 @@ class MqfqStickyPolicy(SchedulingPolicy, name="mqfq-sticky"):
         avoid = request.avoid_gpu
         holders = ctx.cache.gpus_with(request.model)
         if holders:
-            idle_holder = ctx.best_idle(holders, exclude=avoid)
+            idle_holder = ctx.best_idle(holders, exclude=avoid, model=request.model)
             if idle_holder is not None:
                 return idle_holder
         if gpu_id != avoid and ctx.fits(request.model, gpu_id):

@@ -15,8 +15,13 @@ a load, or a miss where the host tier or room makes it cheapest) until one lands
 Cost per decision: O(functions with an SLO and calls queued) to order them, then the functions
 without an SLO are met lazily by a walk from the head of the queue, as far as the fill goes.
 
-Deviation: alpha is fixed (`torpor_alpha`, default 0.5) rather than tuned at run time by Torpor's
-Algorithm 2 (a congestion-control loop on the share of SLO-compliant functions per period).
+With `alpha_period_s`, alpha is tuned at run time by Torpor's Algorithm 2, a congestion-control
+loop: every period (by the completions' clock) the share of functions that met their SLO over
+the period (p of their calls in it within the SLO) is compared with the previous period's: up by
+more than 0.04, alpha doubles (at most 1); down by more than 0.04, it halves (at least
+MIN_ALPHA, so that it can grow again); else it stays. It starts at `torpor_alpha` (0.5). The
+paper gives no period. Off by default (alpha fixed): on the shipped trace it did not pay
+(docs/policies.md has the figures).
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ from scheduler.queues import QueueView
 
 SLO_TAIL = 0.98  # p: the share of calls a function must answer within its SLO
 DEFAULT_ALPHA = 0.5
+DEFAULT_ALPHA_PERIOD_S: float | None = None  # alpha fixed: Algorithm 2 did not pay here (docs/policies.md)
+ALPHA_SCALAR = 2.0  # Torpor's defaults for Algorithm 2
+ALPHA_THRESHOLD = 0.04
+MIN_ALPHA = 1.0 / 64
 
 
 @dataclass(slots=True)
@@ -49,17 +58,34 @@ class TorporPolicy(SchedulingPolicy, name="torpor"):
     """See the module docstring. `alpha` in [0, 1]: the share of the total positive RRC the
     high-priority group may hold (1: every function is high priority)."""
 
-    def __init__(self, alpha: float = DEFAULT_ALPHA, *, tier_aware_misses: bool = True) -> None:
+    def __init__(
+        self,
+        alpha: float = DEFAULT_ALPHA,
+        *,
+        tier_aware_misses: bool = True,
+        alpha_period_s: float | None = DEFAULT_ALPHA_PERIOD_S,
+    ) -> None:
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        if alpha_period_s is not None and not alpha_period_s > 0:
+            raise ValueError(f"alpha_period_s must be > 0 seconds (None: alpha fixed), got {alpha_period_s}")
         self.alpha = alpha
         self.tier_aware_misses = tier_aware_misses
+        self.alpha_period_s = alpha_period_s
+        self.alpha_changes: list[tuple[float, float]] = []  # (when, the new alpha)
+        self._period_start_s: float | None = None
+        self._period: dict[str, SloRecord] = {}  # function -> its calls in the current period
+        self._last_ratio: float | None = None
         self._records: dict[str, SloRecord] = {}  # function -> its SLO record
         self._slo_models: dict[str, None] = {}  # models of functions with an SLO, as submitted
 
     @classmethod
     def from_config(cls, config: PolicyConfig) -> SchedulingPolicy:
-        return cls(config.torpor_alpha, tier_aware_misses=config.tier_aware_misses)
+        return cls(
+            config.torpor_alpha,
+            tier_aware_misses=config.tier_aware_misses,
+            alpha_period_s=config.torpor_alpha_period_s,
+        )
 
     def record(self, function: str) -> SloRecord:
         return self._records.setdefault(function, SloRecord())
@@ -71,9 +97,39 @@ class TorporPolicy(SchedulingPolicy, name="torpor"):
     def on_finish(self, request: Request, now: float, *, inference_time_s: float | None) -> None:
         if request.slo_s is None or inference_time_s is None:  # no SLO, or failed (it may run again)
             return
+        met = now - request.arrival_s <= request.slo_s
         record = self.record(request.function)
         record.served += 1
-        record.met += now - request.arrival_s <= request.slo_s
+        record.met += met
+        if self.alpha_period_s is not None:
+            self._end_period_if_due(now)
+            in_period = self._period.setdefault(request.function, SloRecord())
+            in_period.served += 1
+            in_period.met += met
+
+    def _end_period_if_due(self, now: float) -> None:
+        """Algorithm 2 (PeriodicConfig) once a period has passed: compare its share of
+        SLO-compliant functions with the last period's and move alpha."""
+        assert self.alpha_period_s is not None
+        if self._period_start_s is None:
+            self._period_start_s = now
+            return
+        if now - self._period_start_s < self.alpha_period_s:
+            return
+        if self._period:
+            ratio = sum(r.met >= SLO_TAIL * r.served for r in self._period.values()) / len(self._period)
+            if self._last_ratio is not None:
+                alpha = self.alpha
+                if ratio - self._last_ratio > ALPHA_THRESHOLD:
+                    alpha = min(alpha * ALPHA_SCALAR, 1.0)
+                elif ratio - self._last_ratio < -ALPHA_THRESHOLD:
+                    alpha = max(alpha / ALPHA_SCALAR, MIN_ALPHA)
+                if alpha != self.alpha:
+                    self.alpha = alpha
+                    self.alpha_changes.append((now, alpha))
+            self._last_ratio = ratio
+        self._period.clear()
+        self._period_start_s = now
 
     def order(self, oldest: list[Request]) -> list[Request]:
         """The oldest queued call of each backlogged function, in the order they are served."""

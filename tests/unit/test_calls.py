@@ -423,8 +423,9 @@ def test_an_unseen_grant_of_a_call_still_wanted_is_placed_again() -> None:
 def test_a_miss_never_presented_keeps_the_model_that_a_call_beside_it_uses() -> None:
     # Two slots: c1 misses (admits A), c2 is a hit on the same entry and presents its grant, so
     # the node loads A for it. c1's grant is never presented: its slot is freed, but A is
-    # resident there and must stay in the cache (else n1 is overcommitted by A's memory).
-    book = make_book(slots=2)
+    # resident there and must stay in the cache (else n1 is overcommitted by A's memory). One
+    # GPU: with another idle, c2 would rather load A there than wait for c1 on A's worker.
+    book = make_book(gpus=(N1,), slots=2)
     book.submit("gw1", "c1", A, 60.0, now=0.0)
     assert placed(book.submit("gw2", "c2", A, 60.0, now=0.1)) == [("c2", 1, N1, 2, True)]
     book.owner_lost("gw1", now=1.0)
@@ -500,7 +501,7 @@ def test_a_lost_call_frees_its_slot_for_a_queued_one() -> None:
 def test_calls_on_gpus_that_left_are_placed_again_on_the_others() -> None:
     book = make_book(slots=2)
     book.submit("gw1", "c1", A, 60.0, now=0.0)
-    book.submit("gw1", "c2", A, 60.0, now=0.0)
+    book.submit("gw1", "c2", C, 60.0, now=0.0)
     book.submit("gw2", "c3", B, 60.0, now=0.0)
     assert sorted(running(book, N1)) == ["c1", "c2"] and running(book, N2) == ["c3"]
     book.dirty_gpus.clear()
@@ -512,7 +513,7 @@ def test_calls_on_gpus_that_left_are_placed_again_on_the_others() -> None:
     assert book.placed_on("n1") == [] and book.placed_on("n2") == [("c1", 2), ("c3", 1)]
     # The gateway's Abandon for the gone attempt is stale now.
     assert book.abandon("gw1", "c1", 1, pb.Abandon.NODE_UNREACHABLE, now=1.5) == []
-    assert placed(book.done("c3", 1, pb.OK, 2.0)) == [("c2", 2, N2, 3, True)]
+    assert placed(book.done("c3", 1, pb.OK, 2.0)) == [("c2", 2, N2, 3, False)]
     assert len(book) == 2
 
 

@@ -222,8 +222,10 @@ def test_raising_slots_fills_the_new_ones_local_queue_first() -> None:
 
 def test_lowering_slots_below_the_running_count_starts_nothing_until_enough_finish() -> None:
     s = make_scheduler("lb", gpus=1, slots=3)
-    missed, *hits = [run_on(s, "g0", "A", now=t) for t in (0.0, 0.5, 1.0)]  # end at 3, 1.5 and 2
-    submit(s, "B", now=1.0)
+    cache_on(s, "g0", "B", "C")
+    # Three models (calls of one model would wait for its worker): end at 3, 1.5 and 2.
+    missed, *hits = [run_on(s, "g0", model, now=t) for model, t in (("A", 0.0), ("B", 0.5), ("C", 1.0))]
+    submit(s, "D", now=1.0)
     s.set_slots("g0", 1)
     state = s.gpu("g0")
     assert not state.idle and state.free_slots == 0
@@ -232,7 +234,7 @@ def test_lowering_slots_below_the_running_count_starts_nothing_until_enough_fini
         s.on_complete(request.request_id, end_s)
         assert s.schedule(end_s) == [] and state.busy_until_s == pytest.approx(3.0)
     s.on_complete(missed.request_id, 3.0)
-    assert placed(s.schedule(3.0)) == [("dispatch", "B", "g0")]
+    assert placed(s.schedule(3.0)) == [("dispatch", "D", "g0")]
     with pytest.raises(ValueError, match="slots must be at least 1"):
         s.set_slots("g0", 0)
 
@@ -280,3 +282,44 @@ def test_a_hit_elsewhere_goes_to_the_holder_with_more_free_slots(policy: str) ->
     # g0 is offered work first; A is not cached there, so it is a hit on an idle holder: the one
     # with more free slots (g2), not the first in idle order (g1).
     assert placed(s.schedule(0.0)) == [("dispatch", "A", "g2")]
+
+
+# --- calls of one model share its worker -----------------------------------------------------
+
+
+def test_a_call_of_a_model_already_running_there_is_expected_to_wait_for_its_worker() -> None:
+    s = make_scheduler("lalb", gpus=1, slots=3)
+    cache_on(s, "g0", "A", "B")
+    first = run_on(s, "g0", "A", now=0.0)  # a hit: 0 -> 1
+    second = run_on(s, "g0", "A", now=0.0)  # behind it on A's worker: 1 -> 2
+    other = run_on(s, "g0", "B", now=0.0)  # its own worker: 0 -> 1
+    finishes = s.gpu("g0").expected_finish_s
+    assert [finishes[r.request_id] for r in (first, second, other)] == pytest.approx([1.0, 2.0, 1.0])
+    assert s.worker_wait_s("A", "g0", 0.5) == pytest.approx(1.5)
+    assert s.worker_wait_s("B", "g0", 0.5) == pytest.approx(0.5)
+    assert s.worker_wait_s("C", "g0", 0.5) == 0.0
+
+
+def test_a_hit_goes_to_the_holder_whose_worker_of_the_model_is_free() -> None:
+    s = make_scheduler("lalb", gpus=3, slots=2)
+    cache_on(s, "g0", "A")
+    cache_on(s, "g1", "A")
+    run_on(s, "g0", "A", now=0.0)  # g0 (first in idle order) has a free slot, but A's worker is busy
+    (request,) = submit(s, "A", now=0.1)
+    assert placed(s.schedule(0.1)) == [("dispatch", "A", "g1")]
+    assert s.gpu("g1").running == {request.request_id: request}
+
+
+@pytest.mark.parametrize(("running", "expected"), [(2, "g0"), (3, "g1")])
+def test_when_the_holders_worker_is_busy_longer_than_a_load_a_new_replica_is_made(running: int, expected: str) -> None:
+    # g0 holds A and runs `running` calls of it (1 s each, one at a time): one more waits 2 or
+    # 3 s there. A load takes 2 s: at 2 s the call waits for the worker, at 3 s it loads A on
+    # the idle g1 instead.
+    s = make_scheduler("lalb", gpus=2, slots=4)
+    cache_on(s, "g0", "A")
+    for _ in range(running):
+        run_on(s, "g0", "A", now=0.0)
+    submit(s, "A", now=0.0)
+    (decision,) = s.schedule(0.0)
+    assert isinstance(decision, Dispatch) and decision.gpu_id == expected
+    assert decision.hit == (expected == "g0")

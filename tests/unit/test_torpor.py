@@ -103,3 +103,39 @@ def test_a_functions_slo_ms_is_validated(value: object, ok: bool) -> None:
     else:
         with pytest.raises(InvalidInput, match="slo_ms"):
             FunctionSpec.from_dict(raw)
+
+
+def test_alpha_follows_the_share_of_functions_within_their_slo_period_by_period() -> None:
+    """Torpor's Algorithm 2: the share of SLO-compliant functions up by more than 0.04 over the
+    last period doubles alpha, down by more than that halves it, else it stays."""
+    policy = TorporPolicy(alpha=0.5, alpha_period_s=10.0)
+
+    def period(start_s: float, f2_meets: bool) -> None:
+        for offset_s in (0.0, 5.0):
+            now = start_s + offset_s
+            policy.on_finish(call("f1", now - 0.5), now, inference_time_s=0.1)  # within its 1 s SLO
+            arrival_s = now - (0.5 if f2_meets else 2.0)
+            policy.on_finish(call("f2", arrival_s), now, inference_time_s=0.1)
+
+    period(0.0, f2_meets=True)  # ratio 1.0: the first period only sets the reference
+    period(10.0, f2_meets=False)  # 0.5: down
+    period(20.0, f2_meets=True)  # 1.0: up
+    period(30.0, f2_meets=True)  # 1.0: unchanged
+    period(40.0, f2_meets=True)  # (closes the period before)
+    assert policy.alpha_changes == [(20.0, 0.25), (30.0, 0.5)]
+    assert policy.alpha == 0.5
+
+
+def test_alpha_stays_within_its_bounds_and_fixed_without_a_period() -> None:
+    policy = TorporPolicy(alpha=1.0, alpha_period_s=1.0)
+    for step in range(20):  # alternate all-miss / all-meet periods: down, up, down, ...
+        now = float(step)
+        late = step % 2 == 0
+        policy.on_finish(call("f", now - (2.0 if late else 0.5)), now, inference_time_s=0.1)
+    assert all(0.0 < alpha <= 1.0 for _, alpha in policy.alpha_changes)
+    fixed = TorporPolicy(alpha=0.5, alpha_period_s=None)
+    for step in range(20):
+        fixed.on_finish(call("f", step - 2.0 * (step % 2)), float(step), inference_time_s=0.1)
+    assert fixed.alpha == 0.5 and fixed.alpha_changes == []
+    with pytest.raises(ValueError, match="alpha_period_s"):
+        TorporPolicy(alpha_period_s=0.0)
