@@ -526,7 +526,7 @@ class Scheduler:
             state = self._gpus[gpu_id]
             if not state.idle or gpu_id == exclude:
                 continue
-            busy_until_s = self._worker_busy_until_s(model, state) if model is not None else -math.inf
+            busy_until_s = self._worker_busy_until_s(model, state) if model is not None and state.running else -math.inf
             key = (busy_until_s, -state.free_slots, state.order_key)
             if best_key is None or key < best_key:
                 best, best_key = state, key
@@ -835,7 +835,7 @@ class Scheduler:
             load_s = self.estimator.load_time_s(spec.name, state.spec.gpu_type, spec.memory_mb)
         inference_s = self._inference_time_s(request, state)
         # Behind the calls of its model running there (they share a worker), or its load.
-        start_s = max(now + load_s, self._worker_busy_until_s(spec.name, state))
+        start_s = max(now + load_s, self._worker_busy_until_s(spec.name, state)) if running else now + load_s
         running[request.request_id] = request
         state.expected_finish_s[request.request_id] = start_s + inference_s
         if len(running) < slots:
