@@ -268,6 +268,10 @@ class CacheManager:
     def host(self, node: str) -> HostTier | None:
         return self._hosts.get(node)
 
+    def node_of(self, gpu_id: str) -> str | None:
+        """The node a GPU was added with (None: added without one)."""
+        return self._node_of.get(gpu_id)
+
     def host_of(self, gpu_id: str) -> HostTier | None:
         """The host tier of the GPU's node, if it has one."""
         node = self._node_of.get(gpu_id)

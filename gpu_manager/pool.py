@@ -328,6 +328,9 @@ class WorkerPool:
         self._spares: dict[str, deque[_Worker]] = {gpu: deque() for gpu in self.gpus}
         self._starting: dict[str, list[_Worker]] = {gpu: [] for gpu in self.gpus}
         self._parked: OrderedDict[str, _Worker] = OrderedDict()  # model -> worker, oldest parked first
+        # GPU -> the exits of workers stopping there (evicted, released): a miss on that GPU waits
+        # for them as for its own victims, since their device memory is not free until then.
+        self._exiting: dict[str, set[asyncio.Future[None]]] = {}
         self._live: set[_Worker] = set()
         self._tasks: set[asyncio.Task[object]] = set()  # loads and stops in the background
         self._watchers: set[asyncio.Task[None]] = set()  # one per worker: starts it, waits for its exit
@@ -433,7 +436,7 @@ class WorkerPool:
         if worker is None or worker.state is _State.GONE:
             if worker is not None:
                 self._forget(worker)
-            victims = self._evict_for_miss(gpu_id, evict, seq)
+            victims = [*self._evict_for_miss(gpu_id, evict, seq), *self._exiting.get(gpu_id, ())]
             taken = self._take_back(run, gpu_id) or await self._load_here(run, gpu_id, victims, deadline, timeout_s)
             if isinstance(taken, RunResult):
                 return taken  # the load failed or timed out
@@ -1019,6 +1022,10 @@ class WorkerPool:
         self._forget(worker)
         if worker.exited.done():
             return
+        if worker.state is not _State.PARKED and worker.gpu_id:  # it holds device memory until it exits
+            exiting = self._exiting.setdefault(worker.gpu_id, set())
+            exiting.add(worker.exited)
+            worker.exited.add_done_callback(exiting.discard)
         worker._gone(ConnectionLost(f"worker pid {worker.pid} was stopped"))
         worker.signal(signal.SIGTERM)
         done, _ = await asyncio.wait({worker.exited}, timeout=STOP_GRACE_S)

@@ -413,7 +413,7 @@ class CallBook:
         """A node reported the models resident on `gpu_id` (model -> MiB). Cache entries with no
         worker and no work are dropped (phantoms); workers the cache does not know are adopted
         when they fit without evicting anything and some function still runs them, else evicted
-        (orphans)."""
+        (orphans) unless a grant from now on uses them or they have calls in flight."""
         cache = self.scheduler.cache.gpu(gpu_id)
         busy = {self._calls[r].spec.model for r in self.scheduler.gpu(gpu_id).running if r in self._calls}
         for model in list(cache):
@@ -430,7 +430,9 @@ class CallBook:
             else:
                 orphans.append(model)
         self.dirty_gpus.add(gpu_id)
-        return [Evict(gpu_id, tuple(orphans))] if orphans else []
+        # Only if still idle then: the report may be older than a placement that uses the model
+        # again (after a release, say), and that placement's worker must stay.
+        return [Evict(gpu_id, tuple(orphans), if_idle=True, gpu_seq=self._seq.get(gpu_id, 0))] if orphans else []
 
     def reconcile_host(self, node: str, capacity_mb: int, parked: dict[str, int]) -> list[Effect]:
         """A node reported its host tier: `capacity_mb` (0: none) and the models parked there,
@@ -447,10 +449,13 @@ class CallBook:
         tier = cache.host(node)
         for model in [m for m in (tier.items if tier is not None else ()) if m not in parked]:
             cache.release_from_host(node, model)
+        # A model on one of the node's GPUs is not in its host tier (the tiers are exclusive): a
+        # report that still lists it parked predates the grant that took it back.
+        on_gpus = {m for gpu_id in cache.gpu_ids() if cache.node_of(gpu_id) == node for m in cache.models_on(gpu_id)}
         strays = [
             model
             for model, memory_mb in parked.items()
-            if model in self._retired or not cache.adopt_in_host(node, model, memory_mb)
+            if model not in on_gpus and (model in self._retired or not cache.adopt_in_host(node, model, memory_mb))
         ]
         return [EvictHost(node, tuple(strays))] if strays else []
 

@@ -73,8 +73,9 @@ class GpuState:
     # Request id -> request, in dispatch order; at most `spec.slots` of them, unless `set_slots`
     # lowered D below the count (then nothing more starts here until enough finish).
     running: dict[str, Request] = field(default_factory=dict)
-    # Request id -> when it is expected to finish: dispatch time + estimated load (on a miss)
-    # + estimated inference.
+    # Request id -> when it is expected to finish: its estimated inference after the later of
+    # its estimated load (on a miss) and the expected finish of the calls of its model dispatched
+    # here before it (they share the model's worker, which serves them one at a time).
     expected_finish_s: dict[str, float] = field(default_factory=dict)
     # When a slot is expected to free up (an absolute time): the expected finish of the running
     # request whose end gives a full GPU a free slot (the earliest one, or a later one while D is
@@ -641,20 +642,24 @@ class Scheduler:
                 first = gpu_id
         return first
 
-    def idle_for_replica(self, model: str, exclude: str | None = None) -> str | None:
-        """An idle GPU that does not hold `model` and may run it now (see `fits`): the first in
-        idle order with room for it (evicting nothing), else the first; None if there is none.
-        O(idle GPUs): asked only when every idle holder's worker of the model is busy."""
+    def idle_for_replica(self, model: str, prefer: str, exclude: str | None = None) -> str | None:
+        """An idle GPU that does not hold `model` and has room for it now, evicting nothing
+        (`prefer` if it is one, else the first in idle order); None if there is none. O(idle
+        GPUs): asked only when the idle holders' workers of the model are busy."""
         holders = self.cache.gpus_with(model)
         spec = self._models[model]
-        fallback: str | None = None
-        for _, gpu_id in self._idle:
-            if gpu_id == exclude or gpu_id in holders or not self.fits(model, gpu_id):
-                continue
-            if self.cache.gpu(gpu_id).free_mb >= spec.memory_mb:
-                return gpu_id
-            fallback = fallback or gpu_id
-        return fallback
+
+        def room(gpu_id: str) -> bool:
+            return (
+                gpu_id != exclude
+                and gpu_id not in holders
+                and self._fits(spec, self._gpus[gpu_id])
+                and self.cache.gpu(gpu_id).free_mb >= spec.memory_mb
+            )
+
+        if self._gpus[prefer].idle and room(prefer):
+            return prefer
+        return next((gpu_id for _, gpu_id in self._idle if room(gpu_id)), None)
 
     def first_idle_fitting(self, model: str, exclude: str | None = None) -> str | None:
         """The first idle GPU (in idle order) the model may run on now (see `fits`): O(idle GPUs);

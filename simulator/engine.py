@@ -169,7 +169,10 @@ class SimResult:
     miss_ratio: float
     false_miss_ratio: float  # false misses / misses: a miss although another GPU held the model
     avg_top_model_replicas: float  # time-weighted number of GPUs holding the most popular model
-    gpu_utilization: float  # compute seconds (batches) / (GPUs x makespan); loading does not count
+    # compute seconds (batches, each as if alone on its GPU) / (GPUs x makespan); loading does not
+    # count. With interference below 1 overlapped batches do more than one GPU-second per second,
+    # so it can exceed 1.
+    gpu_utilization: float
     function_latency_variance: float  # population variance of per-function average latency (s^2)
     hits: int
     misses: int

@@ -51,20 +51,22 @@ def locality_load_balance(
         if idle_holder is not None:
             # With D > 1 an idle holder may be running calls of the model, which its worker
             # serves one at a time: when the wait for them is longer than a load, a new replica
-            # serves the call sooner (and spreads the model's load): here, else on another idle
-            # GPU without the model.
+            # serves the call sooner and spreads the model's load, where it evicts nothing
+            # (here first); a replica that would throw out a warm model is not worth it.
             wait_s = ctx.worker_wait_s(model, idle_holder, now)
-            if wait_s > ctx.load_time_s(model, gpu_id):
-                here = gpu_id not in holders and gpu_id != avoid and ctx.fits(model, gpu_id)
-                replica = gpu_id if here else ctx.idle_for_replica(model, exclude=avoid)
-                if replica is not None:
+            if wait_s:
+                replica = ctx.idle_for_replica(model, prefer=gpu_id, exclude=avoid)
+                if replica is not None and wait_s > ctx.load_time_s(model, replica):
                     placement = Placement.HERE if replica == gpu_id else Placement.ELSEWHERE
                     return placement, ctx.dispatch(request, replica, now)
             placement = Placement.HERE if idle_holder == gpu_id else Placement.ELSEWHERE
             return placement, ctx.dispatch(request, idle_holder, now)
-        soonest = ctx.soonest_busy_holder(request.model, now)
-        if soonest is not None and soonest[0] != avoid and soonest[1] < ctx.load_time_s(request.model, gpu_id):
-            return Placement.ELSEWHERE, ctx.park(request, soonest[0], now)
+        soonest = ctx.soonest_busy_holder(model, now)
+        if soonest is not None and soonest[0] != avoid:
+            # A parked call waits for a slot there, and (D > 1) for the calls of its model ahead.
+            wait_s = max(soonest[1], ctx.worker_wait_s(model, soonest[0], now))
+            if wait_s < ctx.load_time_s(model, gpu_id):
+                return Placement.ELSEWHERE, ctx.park(request, soonest[0], now)
     # The miss goes where it evicts nothing if an idle GPU has room (the paper misses on the GPU
     # being filled, which throws out a warm model while another idle GPU sits empty); else where
     # it evicts the coldest model; else here; else, on clusters of mixed memory sizes, on the

@@ -11,11 +11,12 @@ of up to T seconds of work back to back, which keeps its model warm (locality).
 Among the flows that may run, an idle GPU takes the longest queue (the most batching and locality
 to gain, and the largest backlog), ties to the flow with the fewest calls running (so that flows
 progress side by side), then the least VT, then by name. Stickiness (the paper binds a function
-to the GPU it was launched on): the GPU takes its own flows (models it holds) first; of the
-others, a flow held by another idle GPU sends its call there, a flow held only by busy GPUs waits
-for the one that frees up first, parked in its local queue, when it would reach the call before
-the model could load here (at most MAX_PARKED_FLOWS such flows per decision), and the first other
-flow runs here (a miss).
+to the GPU it was launched on): the GPU takes its own flows (models it holds, whose worker there
+is free) first; of the others, a flow held by another idle GPU sends one call there and the next
+flow is looked at; a flow held only by busy GPUs parks its calls, oldest first, in the local
+queue of the one that frees up first while that would reach them before the model could load
+here (at most MAX_PARKED_FLOWS such flows per decision), and the first call that cannot wait so
+runs here (a miss), which ends the decision.
 
 Cost per decision: O(models cached here + flows looked at), not O(backlogged flows): the queue
 keeps its models bucketed by queued count, and Global_VT is the top of a heap of the flows' VTs

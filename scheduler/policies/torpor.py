@@ -69,7 +69,8 @@ class TorporPolicy(SchedulingPolicy, name="torpor"):
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
         if alpha_period_s is not None and not alpha_period_s > 0:
             raise ValueError(f"alpha_period_s must be > 0 seconds (None: alpha fixed), got {alpha_period_s}")
-        self.alpha = alpha
+        # Tuned alpha moves by factors of ALPHA_SCALAR: from 0 it could never grow.
+        self.alpha = alpha if alpha_period_s is None else max(alpha, MIN_ALPHA)
         self.tier_aware_misses = tier_aware_misses
         self.alpha_period_s = alpha_period_s
         self.alpha_changes: list[tuple[float, float]] = []  # (when, the new alpha)
@@ -93,6 +94,9 @@ class TorporPolicy(SchedulingPolicy, name="torpor"):
     def on_submit(self, request: Request) -> None:
         if request.slo_s is not None:
             self._slo_models[request.model] = None
+
+    def on_requeue(self, request: Request, now: float, *, ran: bool) -> None:
+        self.on_submit(request)
 
     def on_finish(self, request: Request, now: float, *, inference_time_s: float | None) -> None:
         if request.slo_s is None or inference_time_s is None:  # no SLO, or failed (it may run again)
@@ -174,11 +178,13 @@ class TorporPolicy(SchedulingPolicy, name="torpor"):
         """`order` of the oldest queued call of each backlogged function, lazily: the functions
         with an SLO are ordered up front (O(those with calls queued)); those without follow in
         the arrival order of their oldest call, as a walk from the head meets them."""
-        with_slo = [
-            call
-            for model in self._slo_models
-            if (call := queue.oldest_for(model)) is not None and call.slo_s is not None
-        ]
+        with_slo = []
+        for model in list(self._slo_models):
+            call = queue.oldest_for(model)
+            if call is None:
+                del self._slo_models[model]  # nothing queued: on_submit brings it back
+            elif call.slo_s is not None:
+                with_slo.append(call)
         yield from self.order(with_slo)
         ordered = {call.model for call in with_slo}
         for model in queue.models_by_oldest():

@@ -542,7 +542,8 @@ def test_reconcile_drops_phantoms_adopts_workers_that_fit_and_evicts_the_rest() 
     book.dirty_models.clear()
     book.dirty_gpus.clear()
     resident = {B.model: 1000, big.model: 3000}
-    assert book.reconcile(N1, resident, now=1.0) == [Evict(N1, (big.model,))]
+    # Evicted only if still idle: a grant after this one (gpu_seq 1, c1's) may use it again.
+    assert book.reconcile(N1, resident, now=1.0) == [Evict(N1, (big.model,), if_idle=True, gpu_seq=1)]
     cache = book.scheduler.cache.gpu(N1)
     assert set(cache) == {A.model, B.model}
     assert cache.free_mb == 2000
@@ -601,7 +602,7 @@ def test_reconcile_evicts_a_retired_model_a_node_still_reports() -> None:
     cache_on(book.scheduler, N1, A.model)
     assert book.retire(A.model) == [Evict(N1, (A.model,))]
     # The node reported before its evict finished: the model is not taken back into the cache.
-    assert book.reconcile(N1, {A.model: 1000}, now=1.0) == [Evict(N1, (A.model,))]
+    assert book.reconcile(N1, {A.model: 1000}, now=1.0) == [Evict(N1, (A.model,), if_idle=True)]
     assert cached(book, A) == set()
 
 
@@ -672,3 +673,13 @@ def test_release_idle_without_a_host_tier_stops_the_idle_worker() -> None:
     assert book.release_idle(9.0, gpu_idle_s=5.0, host_idle_s=5.0) == [
         Evict(N1, (A.model,), to_host=False, if_idle=True, gpu_seq=1)
     ]
+
+
+def test_reconcile_host_leaves_alone_a_model_a_grant_took_back_onto_a_gpu_of_the_node() -> None:
+    book = book_on_node(A, host_mb=4000)
+    book.reconcile_host("n1", 4000, {A.model: 1000})
+    placed(book.submit("gw", "c1", A, 60.0, now=0.0))  # a swap-in: A leaves the tier for N1
+    # The node's next report predates c1's Execute and still lists A parked: not adopted back
+    # (the tiers are exclusive), and not stopped (c1 is about to take it back).
+    assert book.reconcile_host("n1", 4000, {A.model: 1000}) == []
+    assert not book.scheduler.cache.in_host(A.model, N1) and book.scheduler.cache.is_cached(A.model, N1)

@@ -843,6 +843,28 @@ def test_staged_exit_parks_an_idle_worker_then_stops_it_and_leaves_a_busy_or_reg
     run(scenario)
 
 
+def test_a_miss_waits_for_a_released_worker_still_exiting_on_its_gpu(tmp_path: Path) -> None:
+    """A release frees the scheduler's memory at once, so the next grant for that GPU names no
+    victims; where device memory matters (`wait_for_victims`, the cuda default) its load must
+    still wait until the released process is gone."""
+    shelf = Shelf(tmp_path)
+
+    async def scenario() -> None:
+        probe = shelf.digest("probe_function")
+        async with open_pool("cpu", shelf, wait_for_victims=True) as node:
+            # It ignores SIGTERM, so it exits only when it gets SIGKILL, STOP_GRACE_S later.
+            released = Proc.of(ok(await node.call(on_cpu("a", probe), {"ignore_sigterm": True}, seq=1))["pid"])
+            release = asyncio.create_task(node.pool.release("a", "gpu0", to_host=False, seq=1))
+            await asyncio.sleep(0.1)
+            started = time.perf_counter()
+            ok(await node.call(on_cpu("b", probe), {}, seq=2))  # a miss that names no victims
+            assert not released.running
+            assert time.perf_counter() - started >= STOP_GRACE_S - 0.3
+            assert await release is True
+
+    run(scenario)
+
+
 def test_a_parked_worker_of_an_older_package_or_a_dead_one_is_not_taken_back(tmp_path: Path) -> None:
     shelf = Shelf(tmp_path)
 

@@ -139,3 +139,8 @@ def test_alpha_stays_within_its_bounds_and_fixed_without_a_period() -> None:
     assert fixed.alpha == 0.5 and fixed.alpha_changes == []
     with pytest.raises(ValueError, match="alpha_period_s"):
         TorporPolicy(alpha_period_s=0.0)
+
+
+def test_a_tuned_alpha_starts_above_zero_so_that_it_can_grow() -> None:
+    assert TorporPolicy(alpha=0.0, alpha_period_s=10.0).alpha > 0.0
+    assert TorporPolicy(alpha=0.0).alpha == 0.0  # fixed: as given
