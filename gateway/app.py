@@ -22,11 +22,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import gpufaas
 from gateway.auth import OPEN_PATHS, AuthMiddleware, Credentials
 from gateway.invoke import InvokeMiddleware
+from gateway.metrics import GatewayMetrics
 from gateway.router import SCHEDULER_WAIT_S, CallFailed, Router
 from gpufaas.cluster import NodeRecord
 from gpufaas.errors import GpufaasError, InvalidInput
@@ -80,6 +82,7 @@ class Gateway:
         self.packages_dir = config.state_dir / "packages"
         self.functions: dict[str, FunctionSpec] = {}
         self.invocations: Counter[tuple[str, int]] = Counter()
+        self.metrics = GatewayMetrics(self.invocations, lambda: len(self.functions))
         self.router = Router(
             max_payload_bytes=config.max_payload_bytes,
             scheduler_address=config.scheduler_address,
@@ -489,19 +492,8 @@ def create_app(store: Store, config: GatewayConfig) -> FastAPI:
         }
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        lines = [
-            "# HELP gateway_function_invocation_total Function invocations by function and HTTP status.",
-            "# TYPE gateway_function_invocation_total counter",
-        ]
-        for (name, status), count in sorted(gateway.invocations.items()):
-            lines.append(f'gateway_function_invocation_total{{function_name="{name}",code="{status}"}} {count}')
-        lines += [
-            "# HELP gateway_functions_deployed Functions in the registry.",
-            "# TYPE gateway_functions_deployed gauge",
-            f"gateway_functions_deployed {len(gateway.functions)}",
-        ]
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+    async def metrics() -> Response:
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def openapi() -> dict[str, Any]:
         """FastAPI's document, with the credentials every route but the open ones asks for."""

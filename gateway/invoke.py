@@ -81,9 +81,11 @@ class InvokeMiddleware:
             result = await gateway.router.invoke(spec, call_id, payload, content_type, clock=time.monotonic)
         except CallFailed as exc:
             counts[(name, exc.status)] += 1
+            gateway.metrics.seconds.labels(name, str(exc.status)).observe(time.perf_counter() - started)
             await _error(send, exc.status, exc.message, call_id, retry_after=exc.status == 429)
             return
         counts[(name, 200)] += 1
+        gateway.metrics.seconds.labels(name, "200").observe(time.perf_counter() - started)
         placement, reply = result.placement, result.reply
         answer = [
             (b"content-type", (reply.content_type or "application/octet-stream").encode("latin-1")),

@@ -15,14 +15,17 @@ from gpu_manager.packages import PackageCache
 from gpu_manager.sandbox import Isolation
 from gpufaas.credentials import node_token, wire_key
 from gpufaas.keys import Keys
+from gpufaas.metrics import MetricsServer
 from gpufaas.service_main import (
     add_common_flags,
+    add_metrics_flag,
     cluster_secret,
     configure_logging,
     etcd_credentials,
     open_store,
     run_daemon,
     run_until_signalled,
+    start_metrics,
     warn_if_insecure,
 )
 
@@ -30,6 +33,7 @@ from gpufaas.service_main import (
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpu_manager", description="gpufaas GPU manager (one per node)")
     add_common_flags(parser)
+    add_metrics_flag(parser)
     parser.add_argument("--node", default=socket.gethostname(), help="node name (default: host name)")
     parser.add_argument("--listen", default="127.0.0.1:0", help="address to bind (port 0 = any free)")
     parser.add_argument(
@@ -135,11 +139,17 @@ def main(argv: list[str] | None = None) -> int:
             docker_image=args.docker_image,
         )
 
+        metrics: list[MetricsServer] = []
+
         async def start() -> None:
             await daemon.start(args.listen, advertise=args.advertise)
+            server = await start_metrics(daemon.metrics.registry, args.metrics_listen, secret)
+            metrics.extend([server] if server is not None else [])
             print(f"gpu manager {args.node} listening on {daemon.address}", flush=True)
 
         async def stop() -> None:
+            for server in metrics:
+                await server.close()
             await daemon.stop()
             await store.close()
 

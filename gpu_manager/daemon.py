@@ -24,6 +24,7 @@ import httpx
 from gpu_manager.containers import DEFAULT_IMAGE, DockerLauncher
 from gpu_manager.devices import Device
 from gpu_manager.ledger import GrantLedger, Refused
+from gpu_manager.metrics import NodeMetrics
 from gpu_manager.packages import InvalidPackage, PackageCache
 from gpu_manager.pool import ModelRun, RunResult, WorkerPool
 from gpu_manager.sandbox import Isolation
@@ -92,6 +93,7 @@ class GpuManagerDaemon:
             node=node,
         )
         self.ledger = GrantLedger(node, frozenset(self.devices))
+        self.metrics = NodeMetrics(workers=lambda: len(self.pool.workers()), parked=lambda: len(self.pool.parked()))
         self.incarnation = uuid.uuid4().hex
         self.address = ""
         self.context_mb = 0  # what one spare holds on its GPU (measured on cuda)
@@ -237,6 +239,7 @@ class GpuManagerDaemon:
             ),
             result.output,
         )
+        self.metrics.ran(grant.model, result)
         self._done(grant, result)
 
     def _done(self, grant: pb.Grant, result: RunResult) -> None:

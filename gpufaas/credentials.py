@@ -101,6 +101,12 @@ def wire_key(secret: str) -> bytes:
     return derive(secret, "wire/v1")
 
 
+def metrics_token(secret: str) -> str:
+    """The bearer token the scheduler's and the nodes' metrics endpoints ask for (gpufaas.metrics):
+    a Prometheus server scrapes every daemon with it."""
+    return derive(secret, "metrics/v1").hex()
+
+
 def node_token(secret: str) -> str:
     """The bearer token GPU managers fetch packages from the gateway with."""
     return derive(secret, "package-fetch/v1").hex()
@@ -113,12 +119,21 @@ def basic_authorization(user: str, password: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m gpufaas.credentials DIR`: make a cluster's credential files in DIR (kept if
-    there): what containers share through a volume (docker-compose.yml)."""
+    there): what containers share through a volume (docker-compose.yml). `--metrics-token DIR`
+    prints the bearer token the daemons' metrics endpoints ask for (for a Prometheus server's
+    `credentials_file`)."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
+    if len(args) == 2 and args[0] == "--metrics-token":
+        try:
+            print(metrics_token(read_secret(SecretFiles(Path(args[1])).cluster_secret)))
+        except CredentialError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        return 0
     if len(args) != 1:
-        print("usage: python -m gpufaas.credentials DIR", file=sys.stderr)
+        print("usage: python -m gpufaas.credentials DIR | --metrics-token DIR", file=sys.stderr)
         return 2
     files = ensure_secrets(Path(args[0]))
     names = (CLUSTER_SECRET_FILE, ADMIN_PASSWORD_FILE, INVOKE_TOKEN_FILE, ETCD_PASSWORD_FILE)

@@ -18,7 +18,7 @@ from typing import IO, TYPE_CHECKING
 
 import httpx
 
-from gpufaas.credentials import ADMIN_USER, SecretFiles, ensure_secrets, read_secret, wire_key
+from gpufaas.credentials import ADMIN_USER, SecretFiles, ensure_secrets, metrics_token, read_secret, wire_key
 from gpufaas.errors import GpufaasError
 from gpufaas.etcd_server import EtcdServer, free_port
 from gpufaas.supervision import Supervision
@@ -102,6 +102,9 @@ class LocalCluster:
     etcd_endpoint: str | None = None
     gateway_port: int = 0
     scheduler_port: int = 0
+    # Where the scheduler and each node serve Prometheus metrics ("scheduler", "node0", ...:
+    # HOST:PORT), filled in at start; a scrape asks for `metrics_token` (a secure cluster).
+    metrics_addresses: dict[str, str] = field(default_factory=dict)
     queue_capacity: int = 10_000
     max_payload_mb: float = 16.0
     slots: str = "4"  # concurrent calls per GPU (scheduler --slots)
@@ -129,6 +132,12 @@ class LocalCluster:
     def admin_auth(self) -> httpx.BasicAuth | None:
         """HTTP basic auth as admin (None for an insecure cluster)."""
         return httpx.BasicAuth(ADMIN_USER, read_secret(self.secrets.admin_password)) if self.secure else None
+
+    @property
+    def metrics_token(self) -> str | None:
+        """The bearer token the scheduler's and the nodes' metrics endpoints ask for (None for an
+        insecure cluster)."""
+        return metrics_token(read_secret(self.secrets.cluster_secret)) if self.secure else None
 
     @property
     def wire_key(self) -> bytes | None:
@@ -204,6 +213,8 @@ class LocalCluster:
                 self.slots,
                 "--claim-s",
                 str(self.claim_s),
+                "--metrics-listen",
+                self._metrics_address("scheduler"),
                 *(["--gpu-idle-release-s", str(self.gpu_idle_release_s)] if self.gpu_idle_release_s else []),
                 *(["--host-idle-release-s", str(self.host_idle_release_s)] if self.host_idle_release_s else []),
             ],
@@ -261,6 +272,7 @@ class LocalCluster:
             ]
             if self.gpu_type:
                 argv += ["--gpu-type", self.gpu_type]
+            argv += ["--metrics-listen", self._metrics_address(name)]
             if self.runtime != "process":
                 argv += ["--runtime", self.runtime]
             if self.docker_image:
@@ -271,6 +283,12 @@ class LocalCluster:
             component.start(env)
         self._write_pids()
         self.wait_healthy(timeout_s)
+
+    def _metrics_address(self, component: str) -> str:
+        """The metrics listener of `component`: kept across restarts, so a scraper need not follow."""
+        if component not in self.metrics_addresses:
+            self.metrics_addresses[component] = f"127.0.0.1:{free_port()}"
+        return self.metrics_addresses[component]
 
     def wait_healthy(self, timeout_s: float = 60.0, *, gpus: int | None = None) -> None:
         """Until the gateway answers and the scheduler sees every node's GPUs."""
@@ -378,6 +396,7 @@ class LocalCluster:
         info = {
             "gateway_url": self.gateway_url,
             "scheduler_address": self.scheduler_address,
+            "metrics": self.metrics_addresses,
             "etcd_endpoint": self.etcd_endpoint,
             "logs": str(self.state_dir / "logs"),
             "nodes": self.nodes,

@@ -18,6 +18,9 @@ from gpufaas.errors import GpufaasError
 from gpufaas.keys import DEFAULT_ROOT
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from gpufaas.metrics import MetricsServer
     from gpufaas.store import EtcdCredentials, EtcdStore
 
 
@@ -45,6 +48,30 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no credentials on any interface: development on a machine nobody else uses",
     )
+
+
+def add_metrics_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics, asking for the cluster's metrics token "
+        "(`python -m gpufaas.credentials --metrics-token SECRETS_DIR`) as a bearer token (default: none)",
+    )
+
+
+async def start_metrics(registry: CollectorRegistry, listen: str | None, secret: str | None) -> MetricsServer | None:
+    """The daemon's metrics listener on `listen` (None: none), asking for the metrics token
+    derived from `secret` (None, an insecure cluster: for anyone)."""
+    if listen is None:
+        return None
+    from gpufaas.credentials import metrics_token
+    from gpufaas.metrics import MetricsServer
+
+    server = MetricsServer(registry, token=metrics_token(secret) if secret is not None else None)
+    address = await server.start(listen)
+    logging.getLogger("gpufaas").info("metrics at http://%s/metrics", address)
+    return server
 
 
 def cluster_secret(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:

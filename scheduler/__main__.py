@@ -7,14 +7,17 @@ import sys
 
 from gpufaas.credentials import wire_key
 from gpufaas.keys import Keys
+from gpufaas.metrics import MetricsServer
 from gpufaas.service_main import (
     add_common_flags,
+    add_metrics_flag,
     cluster_secret,
     configure_logging,
     etcd_credentials,
     open_store,
     run_daemon,
     run_until_signalled,
+    start_metrics,
     warn_if_insecure,
 )
 from scheduler.policies import registered_policies
@@ -24,6 +27,7 @@ from scheduler.service import MAX_CLAIM_S, SchedulerService, SlotConfig
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scheduler", description="gpufaas scheduler service")
     add_common_flags(parser)
+    add_metrics_flag(parser)
     parser.add_argument("--listen", default="127.0.0.1:50051", help="address to bind (default %(default)s)")
     parser.add_argument("--advertise", default=None, help="address gateways dial (default: the listen address)")
     parser.add_argument("--policy", default="lalb-o3", choices=registered_policies())
@@ -83,11 +87,17 @@ def main(argv: list[str] | None = None) -> int:
             wire_key=wire_key(secret) if secret is not None else None,
         )
 
+        metrics: list[MetricsServer] = []
+
         async def start() -> None:
             await service.start(args.listen, advertise=args.advertise)
+            server = await start_metrics(service.metrics.registry, args.metrics_listen, secret)
+            metrics.extend([server] if server is not None else [])
             print(f"scheduler listening on {service.address}", flush=True)
 
         async def stop() -> None:
+            for server in metrics:
+                await server.close()
             await service.stop()
             await store.close()
 

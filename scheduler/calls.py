@@ -182,6 +182,11 @@ class CallBook:
         ]
         return max(times, default=0.0)
 
+    def placement(self, call_id: str, attempt: int) -> tuple[str, str] | None:
+        """(model, GPU) of the call's attempt `attempt` while it is the current placement."""
+        call = self._current(call_id, attempt)
+        return None if call is None else (call.spec.model, call.gpu_id)
+
     def placed_on(self, node: str) -> list[tuple[str, int]]:
         """(call id, attempt) of the calls placed on `node`'s GPUs and not yet done."""
         return [

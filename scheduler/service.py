@@ -46,6 +46,7 @@ from scheduler.calls import (
 )
 from scheduler.core import Scheduler
 from scheduler.estimator import Estimator
+from scheduler.metrics import SchedulerMetrics
 from scheduler.policies import PolicyConfig, make_policy
 
 log = logging.getLogger("gpufaas.scheduler")
@@ -144,6 +145,7 @@ class SchedulerService:
             cache=CacheManager(),
         )
         self.book = CallBook(self.scheduler, queue_capacity, claim_s=claim_s, lost_after_s=lost_after_s)
+        self.metrics = SchedulerMetrics(lambda: len(self.scheduler.queue))
         self.scheduler_id = uuid.uuid4().hex
         self._token_key = grants.new_key()
         self._functions: dict[str, FunctionSpec] = {}
@@ -463,6 +465,7 @@ class SchedulerService:
     # --- effects --------------------------------------------------------------------------
     def _apply(self, effects: Iterable[Effect]) -> None:
         for effect in effects:
+            self.metrics.applied(effect)
             if isinstance(effect, Assignment):
                 self._place(effect)
             elif isinstance(effect, Answer):
@@ -609,6 +612,7 @@ class SchedulerService:
             )
             if effects:
                 log.info("staged exit: %d release(s)", len(effects))
+                self.metrics.released(effects)
             self._apply(effects)
 
     async def _flusher(self) -> None:
@@ -745,6 +749,19 @@ class _NodeSession:
             return
         done = frame.message(pb.Done)
         service = self.service
+        placed = service.book.placement(done.call_id, done.attempt)
+        if placed is not None:
+            model, gpu_id = placed
+            gpu_type = next((g.spec.gpu_type for g in service.scheduler.gpus() if g.spec.gpu_id == gpu_id), "")
+            service.metrics.done(
+                model,
+                gpu_type,
+                ok=done.outcome == pb.OK,
+                outcome=pb.Outcome.Name(done.outcome).lower(),
+                loaded=done.loaded,
+                load_time_s=done.load_time_s,
+                inference_time_s=done.inference_time_s,
+            )
         service._apply(
             service.book.done(
                 done.call_id,

@@ -69,8 +69,12 @@ def test_scheduler_restart_rebuilds_its_cache_state_from_the_nodes_and_etcd(
     for name in ("warm-a", "warm-b"):
         deploy(cluster, name, "sleepy_function", tmp_path)
         assert call(cluster, name).headers["X-Cache"] == "miss"
+    # Both halves written (the LRU lists and the replicas are separate keys, persisted together
+    # but read one after the other here).
     lru_before, replicas_before = etcd_state_when(
-        etcd_endpoint.endpoint, etcd_endpoint.root, lambda state: sum(len(m) for m in state[0].values()) == 2
+        etcd_endpoint.endpoint,
+        etcd_endpoint.root,
+        lambda state: sum(len(m) for m in state[0].values()) == 2 and sum(len(g) for g in state[1].values()) == 2,
     )
 
     # No orderly shutdown: the new scheduler learns the resident models from the nodes that run

@@ -19,6 +19,7 @@ from gpufaas.etcd_server import EtcdServer
 from gpufaas.local_cluster import LocalCluster
 from tests.fixtures.make_packages import build_package
 from tests.integration.conftest import deploy, stop_clusters
+from tests.scrape import sample
 
 pytestmark = pytest.mark.integration
 
@@ -46,9 +47,8 @@ class Env:
 
     def counted(self, name: str, code: int) -> int:
         """The gateway's invocation counter for (function, HTTP status), from /metrics."""
-        prefix = f'gateway_function_invocation_total{{function_name="{name}",code="{code}"}} '
-        lines = [line for line in self.get("/metrics").text.splitlines() if line.startswith(prefix)]
-        return int(lines[0].removeprefix(prefix)) if lines else 0
+        text = self.get("/metrics").text
+        return int(sample(text, "gateway_function_invocation_total", function_name=name, code=str(code)))
 
     def cached(self) -> set[str]:
         """Every model cached on some GPU, per the scheduler."""

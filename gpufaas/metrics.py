@@ -1,0 +1,88 @@
+"""Prometheus metrics: each daemon's registry, its scrape endpoint, and the credential it asks for.
+
+The gateway serves its metrics at /metrics behind the admin credential. The scheduler and the
+nodes speak only gpufaas.wire, so each opens a small HTTP listener of its own for scrapes
+(`--metrics-listen`), which asks for `Authorization: Bearer <metrics token>`: a token derived
+from the cluster secret (`gpufaas.credentials.metrics_token`), so a Prometheus server needs one
+credential file for every daemon and nothing new has to be distributed. Labels are bounded: functions, models, GPU
+types, outcomes; never call ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
+
+log = logging.getLogger("gpufaas.metrics")
+
+disable_created_metrics()  # type: ignore[no-untyped-call]  # no `_created` series beside every counter: they double a scrape for nothing
+
+# Seconds: a warm call takes milliseconds, a miss up to a minute (a load), a queued call longer.
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_REQUEST_TIMEOUT_S = 5.0
+_MAX_HEAD_BYTES = 8192
+
+
+class MetricsServer:
+    """GET /metrics over HTTP/1.1 on a listener of its own (one request per connection).
+
+    With `token` set a request must carry `Authorization: Bearer <token>` (401 otherwise); None
+    serves anyone (an insecure cluster)."""
+
+    def __init__(self, registry: CollectorRegistry, *, token: str | None) -> None:
+        self.registry = registry
+        self.token = token
+        self._server: asyncio.Server | None = None
+
+    async def start(self, listen: str) -> str:
+        """Listen on HOST:PORT (port 0: any free one); returns the bound address."""
+        host, _, port = listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--metrics-listen: expected HOST:PORT, got {listen!r}")
+        self._server = await asyncio.start_server(self._serve, host.strip("[]"), int(port))
+        bound_host, bound_port = self._server.sockets[0].getsockname()[:2]
+        return f"{bound_host}:{bound_port}"
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _REQUEST_TIMEOUT_S)
+            status, content_type, body = self._answer(head[:_MAX_HEAD_BYTES].decode("latin-1"))
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
+            writer.close()
+            return
+        reason = {200: "OK", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed"}[status]
+        extra = 'WWW-Authenticate: Bearer realm="gpufaas metrics"\r\n' if status == 401 else ""
+        writer.write(
+            f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+            f"{extra}Connection: close\r\n\r\n".encode()
+            + body
+        )
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        writer.close()
+
+    def _answer(self, head: str) -> tuple[int, str, bytes]:
+        request_line, *header_lines = head.split("\r\n")
+        method, _, rest = request_line.partition(" ")
+        path = rest.split(" ", 1)[0].split("?", 1)[0]
+        if path != "/metrics":
+            return 404, "text/plain", b"not found: the metrics are at /metrics\n"
+        if method != "GET":
+            return 405, "text/plain", b"use GET\n"
+        if self.token is not None:
+            headers = {
+                name.strip().lower(): value.strip() for name, _, value in (h.partition(":") for h in header_lines)
+            }
+            offered = headers.get("authorization", "")
+            if not hmac.compare_digest(offered.encode(), f"Bearer {self.token}".encode()):
+                return 401, "text/plain", b"needs Authorization: Bearer <metrics token> (gpufaas credentials)\n"
+        return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)

@@ -1,0 +1,95 @@
+"""The scheduler's Prometheus metrics: what it placed, what it evicted, and what the nodes measured."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gpufaas.metrics import LATENCY_BUCKETS_S
+from scheduler.calls import Assignment, Evict, EvictHost
+
+
+class SchedulerMetrics:
+    """Counters the service feeds from the effects it applies and the Done messages it gets.
+    `queue_depth` is read at scrape time."""
+
+    def __init__(self, queue_depth: Callable[[], int], registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.calls = Counter(
+            "gpufaas_scheduler_calls",
+            "Calls done, by cache result (a miss loaded or took back the model).",
+            ["cache"],
+            registry=r,
+        )
+        self.placements = Counter(
+            "gpufaas_scheduler_placements", "Placements sent, by what the scheduler expected.", ["cache"], registry=r
+        )
+        self.evictions = Counter(
+            "gpufaas_scheduler_evictions", "Models a placement evicted from a GPU's LRU list.", registry=r
+        )
+        self.releases = Counter(
+            "gpufaas_scheduler_releases", "Staged-exit releases, by stage (gpu, host).", ["stage"], registry=r
+        )
+        self.failures = Counter(
+            "gpufaas_scheduler_call_failures", "Attempts that ended other than OK, by outcome.", ["outcome"], registry=r
+        )
+        self.queue_wait = Histogram(
+            "gpufaas_scheduler_queue_wait_seconds",
+            "Time a call waited before its placement.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.load = Histogram(
+            "gpufaas_load_seconds",
+            "Model loads (or take-backs from host memory) as nodes measured them.",
+            ["model", "gpu_type"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.inference = Histogram(
+            "gpufaas_inference_seconds",
+            "Batch inference times as nodes measured them.",
+            ["model", "gpu_type"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        Gauge("gpufaas_scheduler_queue_depth", "Calls in the global queue.", registry=r).set_function(queue_depth)
+
+    def applied(self, effect: object) -> None:
+        """An effect the service carries out."""
+        if isinstance(effect, Assignment):
+            self.placements.labels("hit" if effect.hit else "miss").inc()
+            self.queue_wait.observe(effect.queue_s)
+            if effect.evict:
+                self.evictions.inc(len(effect.evict))
+
+    def released(self, effects: Iterable[object]) -> None:
+        """The staged exit's releases (the Evict and EvictHost effects of `CallBook.release_idle`)."""
+        for effect in effects:
+            if isinstance(effect, Evict):
+                self.releases.labels("gpu").inc(len(effect.models))
+            elif isinstance(effect, EvictHost):
+                self.releases.labels("host").inc(len(effect.models))
+
+    def done(
+        self,
+        model: str,
+        gpu_type: str,
+        *,
+        ok: bool,
+        outcome: str,
+        loaded: bool,
+        load_time_s: float,
+        inference_time_s: float,
+    ) -> None:
+        """A node's Done for the current attempt of a call of `model` on a GPU of `gpu_type`."""
+        if not ok:
+            self.failures.labels(outcome).inc()
+            return
+        self.calls.labels("miss" if loaded else "hit").inc()
+        if loaded and load_time_s > 0:
+            self.load.labels(model, gpu_type).observe(load_time_s)
+        if inference_time_s > 0:
+            self.inference.labels(model, gpu_type).observe(inference_time_s)

@@ -1,0 +1,87 @@
+"""Prometheus metrics from every daemon of a real cluster, scraped as a Prometheus server would."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gpufaas import credentials
+from gpufaas.local_cluster import LocalCluster
+from tests.integration.conftest import ClusterFactory, deploy
+from tests.scrape import sample
+
+
+def scrape(cluster: LocalCluster, component: str, token: str | None) -> httpx.Response:
+    headers = {"authorization": f"Bearer {token}"} if token is not None else {}
+    return httpx.get(f"http://{cluster.metrics_addresses[component]}/metrics", headers=headers, timeout=10)
+
+
+def eventually(read: object, expected: float, timeout_s: float = 10.0) -> float:
+    """`read()` once it returns `expected` (Done messages reach the scheduler after the reply)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read()  # type: ignore[operator]
+        if value == expected or time.monotonic() > deadline:
+            return value  # type: ignore[no-any-return]
+        time.sleep(0.1)
+
+
+@pytest.mark.integration
+def test_every_daemon_counts_the_calls_made_hits_misses_and_evictions(
+    make_cluster: ClusterFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # One GPU that holds one 800 MB model: every change of model evicts the one before.
+    cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000)
+    for name in ("lin-a", "lin-b", "lin-c"):
+        deploy(cluster, name, "linear_function", tmp_path)
+    calls = ["lin-a", "lin-a", "lin-b", "lin-b", "lin-c", "lin-a"]
+    caches = []
+    for name in calls:
+        response = httpx.post(
+            f"{cluster.gateway_url}/function/{name}",
+            json={"inputs": [[1.0, 2.0, 3.0, 4.0]]},
+            headers=cluster.invoke_headers,
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        caches.append(response.headers["X-Cache"])
+    misses = caches.count("miss")
+    assert misses == 4  # a, b, c, then a again (from the node's host memory: still a miss)
+    # The token a Prometheus server scrapes with, as an operator gets it.
+    assert credentials.main(["--metrics-token", str(cluster.secrets.directory)]) == 0
+    token = capsys.readouterr().out.strip()
+    assert token == cluster.metrics_token
+
+    gateway = httpx.get(f"{cluster.gateway_url}/metrics", auth=cluster.admin_auth, timeout=10).text
+    assert sample(gateway, "gateway_function_invocation_total", code="200") == len(calls)
+    assert sample(gateway, "gateway_functions_seconds_count", function_name="lin-a") == 3
+    assert sample(gateway, "gateway_functions_deployed") == 3
+
+    def scheduler(name: str, **labels: str) -> float:
+        return sample(scrape(cluster, "scheduler", token).text, name, **labels)
+
+    assert eventually(lambda: scheduler("gpufaas_scheduler_calls_total"), len(calls)) == len(calls)
+    assert scheduler("gpufaas_scheduler_calls_total", cache="miss") == misses
+    assert scheduler("gpufaas_scheduler_calls_total", cache="hit") == len(calls) - misses
+    # What the GPU's LRU list lost: four models admitted, one resident now.
+    (gpu,) = httpx.get(f"{cluster.gateway_url}/system/gpus", auth=cluster.admin_auth, timeout=10).json()
+    assert scheduler("gpufaas_scheduler_evictions_total") == misses - len(gpu["lru"]) == 3
+    assert scheduler("gpufaas_scheduler_queue_depth") == 0
+    assert scheduler("gpufaas_load_seconds_count") == misses
+    assert scheduler("gpufaas_inference_seconds_count") == len(calls)
+
+    node = scrape(cluster, "node0", token).text
+    assert sample(node, "gpufaas_node_calls_total", outcome="ok") == len(calls)
+    assert sample(node, "gpufaas_node_calls_total", cache="miss") == misses
+    assert sample(node, "gpufaas_node_loads_total", source="load") == 3
+    assert sample(node, "gpufaas_node_loads_total", source="host") == 1
+    assert sample(node, "gpufaas_node_workers_lost_total") == 0
+
+    # The scrape endpoints ask for the metrics token, and serve /metrics only.
+    for component in ("scheduler", "node0"):
+        assert scrape(cluster, component, None).status_code == 401
+        assert scrape(cluster, component, "wrong").status_code == 401
+    assert httpx.get(f"http://{cluster.metrics_addresses['scheduler']}/other", timeout=10).status_code == 404
