@@ -13,11 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import logging
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
-
-log = logging.getLogger("gpufaas.metrics")
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # no `_created` series beside every counter: they double a scrape for nothing
 

@@ -14,8 +14,8 @@ class SchedulerMetrics:
     """Counters the service feeds from the effects it applies and the Done messages it gets.
     `queue_depth` is read at scrape time."""
 
-    def __init__(self, queue_depth: Callable[[], int], registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+    def __init__(self, queue_depth: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
         r = self.registry
         self.calls = Counter(
             "gpufaas_scheduler_calls",

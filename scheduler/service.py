@@ -752,7 +752,10 @@ class _NodeSession:
         placed = service.book.placement(done.call_id, done.attempt)
         if placed is not None:
             model, gpu_id = placed
-            gpu_type = next((g.spec.gpu_type for g in service.scheduler.gpus() if g.spec.gpu_id == gpu_id), "")
+            try:
+                gpu_type = service.scheduler.gpu(gpu_id).spec.gpu_type
+            except KeyError:  # its node left meanwhile
+                gpu_type = ""
             service.metrics.done(
                 model,
                 gpu_type,
