@@ -248,13 +248,20 @@ def test_the_newer_policies_run_the_real_cluster(make_cluster: ClusterFactory, t
     names = ("fq-a", "fq-b")
     for name in names:
         deploy(cluster, name, "linear_function", tmp_path, slo_ms=2000)
+    # One call each first, so that the scheduler has measured load and inference times: before
+    # that it plans with the profile's defaults (seconds), and a burst queued behind a loading
+    # worker may rightly look worth a second replica.
+    first = [invoke(cluster, name) for name in names]
+    assert [r.headers["X-Cache"] for r in first] == ["miss", "miss"]
+    time.sleep(0.5)  # the nodes' Done messages, with the measured times, reach the scheduler
     calls = [names[i % 2] for i in range(24)]
     with httpx.Client() as client, ThreadPoolExecutor(6) as pool:
         responses = list(pool.map(lambda n: invoke(cluster, n, client), calls))
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
     assert all(flat(r.json()["outputs"]) == pytest.approx(expected_outputs()) for r in responses)
-    # Sticky: after the first call of each model, its calls hit where it is resident.
-    assert sum(r.headers["X-Cache"] == "miss" for r in responses) <= 4
+    # Sticky: after the first call of each model, its calls hit where it is resident (a replica
+    # each at most).
+    assert sum(r.headers["X-Cache"] == "miss" for r in responses) <= 2
 
 
 @pytest.mark.integration
