@@ -25,7 +25,7 @@ from gateway.router import CallFailed
 from gpufaas.proto import gpufaas_pb2 as pb
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
+    from gateway.state import Gateway
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -82,11 +82,14 @@ class InvokeMiddleware:
         except CallFailed as exc:
             counts[(name, exc.status)] += 1
             gateway.metrics.seconds.labels(name, str(exc.status)).observe(time.perf_counter() - started)
+            gateway.stats.failed(name)
             await _error(send, exc.status, exc.message, call_id, retry_after=exc.status == 429)
             return
         counts[(name, 200)] += 1
-        gateway.metrics.seconds.labels(name, "200").observe(time.perf_counter() - started)
         placement, reply = result.placement, result.reply
+        duration_s = time.perf_counter() - started
+        gateway.metrics.seconds.labels(name, "200").observe(duration_s)
+        gateway.stats.answered(name, duration_s, hit=not reply.loaded)
         answer = [
             (b"content-type", (reply.content_type or "application/octet-stream").encode("latin-1")),
             (b"content-length", str(len(result.output)).encode()),

@@ -1,11 +1,13 @@
-"""Function specs: what a deployed function is, as stored in etcd and validated at every boundary."""
+"""Function specs: what a deployed function is — one pydantic schema, used by stack.yml, the gateway's
+routes (and its OpenAPI document) and the copies in etcd."""
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 
 from gpufaas.errors import InvalidInput
 from gpufaas.types import DEFAULT_BATCH_SIZE
@@ -18,14 +20,43 @@ MAX_TIMEOUT_S = 3600.0
 MAX_BATCH_SIZE = 1024
 MAX_BATCH_WAIT_MS = 10_000.0
 
+# What each field takes, in words: every error about a field says it (and where, and what it got).
+EXPECTED: dict[str, str] = {
+    "name": (
+        "a function name: lower-case letters, digits and '-', at most 63 characters, starting and ending with a "
+        "letter or digit"
+    ),
+    "package_digest": "expected 'sha256:' and 64 hex digits (the digest POST /system/packages answered)",
+    "memory_mb": "expected a positive whole number: the model's peak GPU memory in MB",
+    "gpu": "expected 'any' or a GPU type such as 'nvidia-h100-80gb-hbm3' (see GET /system/gpus)",
+    "batch_size": "expected a positive whole number",
+    "timeout_s": f"expected seconds in (0, {MAX_TIMEOUT_S:g}]",
+    "labels": "expected a map of strings to strings",
+    "environment": "expected a map of strings to strings",
+    "max_batch_size": f"expected a positive whole number, at most {MAX_BATCH_SIZE} calls per batch",
+    "max_batch_wait_ms": f"expected milliseconds in [0, {MAX_BATCH_WAIT_MS:g}]",
+    "public": "expected true or false",
+    "slo_ms": f"expected milliseconds in (0, {MAX_TIMEOUT_S * 1000:g}], or null for none",
+}
 
-@dataclass(frozen=True, slots=True)
-class FunctionSpec:
-    """A deployed inference function.
+StringMap = dict[str, str]
+
+
+def _whole(value: Any) -> Any:
+    # JSON Schema's "integer" takes 2.0 (a number whose fraction is zero): so does the spec.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+WHOLE = BeforeValidator(_whole)
+
+
+class FunctionSettings(BaseModel):
+    """What a function's owner chooses (stack.yml's keys beside `handler` and `template`).
 
     `memory_mb` is the declared *peak* GPU occupancy of its model at `batch_size` (what the cache
-    manager sizes it by until a measurement replaces it). Each (function, package) pair is its own
-    cache item: `model` changes when the package does, so an update never reuses stale workers.
+    manager sizes it by until a measurement replaces it).
 
     Dynamic batching is opt-in: with `max_batch_size` > 1 the worker merges up to that many calls
     that are waiting into one `predict(model, [inputs, ...])`, which returns a list of outputs;
@@ -36,20 +67,62 @@ class FunctionSpec:
 
     `slo_ms`: the latency a call should meet (end to end, from arrival); policies that know SLOs
     (`torpor`) put first the functions most likely to meet theirs. None: no SLO.
+
+    Strict: no value is coerced (`"5"` is not 5, `1` is not true); unknown fields are refused.
     """
 
-    name: str
-    package_digest: str
-    memory_mb: int
-    gpu: str = "any"  # a GPU type the function must run on, or "any"
-    batch_size: int = DEFAULT_BATCH_SIZE
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    labels: dict[str, str] = field(default_factory=dict)
-    environment: dict[str, str] = field(default_factory=dict)
-    max_batch_size: int = 1
-    max_batch_wait_ms: float = 0.0
-    public: bool = False
-    slo_ms: float | None = None
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    memory_mb: Annotated[int, Field(ge=1, description="the model's peak GPU memory (MB) at batch_size"), WHOLE]
+    gpu: Annotated[
+        str,
+        Field(pattern=f"^any$|{GPU_TYPE_PATTERN.pattern}", description="a GPU type the function must run on, or any"),
+    ] = "any"
+    batch_size: Annotated[int, Field(ge=1), WHOLE] = DEFAULT_BATCH_SIZE
+    timeout_s: Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, description="a call's deadline")] = DEFAULT_TIMEOUT_S
+    labels: StringMap = Field(default_factory=dict)
+    environment: StringMap = Field(default_factory=dict, description="set in the worker before the handler is imported")
+    max_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE), WHOLE] = 1
+    max_batch_wait_ms: Annotated[float, Field(ge=0, le=MAX_BATCH_WAIT_MS)] = 0.0
+    public: Annotated[bool, Field(description="callable without credentials")] = False
+    slo_ms: Annotated[
+        float | None,
+        Field(
+            gt=0,
+            le=MAX_TIMEOUT_S * 1000,
+            description="the latency (ms) a call should meet; SLO-aware policies order by it",
+        ),
+    ] = None
+
+    @classmethod
+    def from_dict(cls, raw: Any, *, path: str = "") -> FunctionSettings:
+        """Validate user input (InvalidInput naming the field, what it takes and what it got)."""
+        return _validate(cls, raw, path)
+
+
+class FunctionSpec(FunctionSettings):
+    """A deployed inference function: its settings, its name and its uploaded package.
+
+    Each (function, package) pair is its own cache item: `model` changes when the package does, so
+    an update never reuses stale workers.
+    """
+
+    name: Annotated[str, Field(pattern=NAME_PATTERN.pattern, max_length=63, description="the function")]
+    package_digest: Annotated[
+        str, Field(pattern=DIGEST_PATTERN.pattern, description="an uploaded package (POST /system/packages)")
+    ]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _openfaas_names(cls, raw: Any) -> Any:
+        # OpenFaaS's deploy request names the function "service" and its environment "envVars".
+        if isinstance(raw, dict) and (("service" in raw and "name" not in raw) or "envVars" in raw):
+            raw = dict(raw)
+            if "service" in raw and "name" not in raw:
+                raw["name"] = raw.pop("service")
+            if "envVars" in raw and "environment" not in raw:
+                raw["environment"] = raw.pop("envVars")
+        return raw
 
     @property
     def required_gpu_type(self) -> str | None:
@@ -67,160 +140,65 @@ class FunctionSpec:
         )
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        """The form stored in etcd (every field, defaults included)."""
+        return self.model_dump_json().encode()
 
     @classmethod
     def from_json(cls, data: bytes | str) -> FunctionSpec:
         try:
-            raw = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise InvalidInput(f"function spec is not valid JSON: {exc}") from None
-        return cls.from_dict(raw)
+            return cls.model_validate_json(data)
+        except ValidationError as exc:
+            raise InvalidInput(explain(exc.errors(), cls)) from None
 
     @classmethod
     def from_dict(cls, raw: Any, *, path: str = "") -> FunctionSpec:
-        """Validate user input; errors name the offending field and say what is expected."""
-        if not isinstance(raw, dict):
-            raise InvalidInput(f"{path or 'function spec'}: expected an object")
-        known = set(FUNCTION_SPEC_SCHEMA["properties"])
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise InvalidInput(f"{_at(path, unknown[0])}: unknown field; known fields: {', '.join(sorted(known))}")
-        name = _string(raw, "name", path)
-        if not NAME_PATTERN.match(name):
-            raise InvalidInput(
-                f"{_at(path, 'name')}: {name!r} is not a valid function name; use lower-case letters, digits and "
-                "'-' (at most 63 characters, starting and ending with a letter or digit)"
-            )
-        digest = _string(raw, "package_digest", path)
-        if not DIGEST_PATTERN.match(digest):
-            raise InvalidInput(f"{_at(path, 'package_digest')}: expected 'sha256:' and 64 hex digits, got {digest!r}")
-        return cls(
-            name=name,
-            package_digest=digest,
-            memory_mb=_positive_int(raw, "memory_mb", path, required=True),
-            gpu=_gpu(raw, path),
-            batch_size=_positive_int(raw, "batch_size", path, default=DEFAULT_BATCH_SIZE),
-            timeout_s=_timeout(raw, path),
-            labels=_str_map(raw, "labels", path),
-            environment=_str_map(raw, "environment", path),
-            public=_bool(raw, "public", path),
-            slo_ms=slo_ms(raw, path),
-            **batching(raw, path),
-        )
+        """Validate user input (InvalidInput naming the field, what it takes and what it got)."""
+        return _validate(cls, raw, path)
 
 
-_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
-
-# The JSON Schema of a function spec as the gateway takes it (POST/PUT /system/functions), for its
-# OpenAPI document. `FunctionSpec.from_dict` is what enforces it (tests/unit/test_functions_and_keys.py
-# checks that the two agree on fields and bounds).
-FUNCTION_SPEC_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "title": "FunctionSpec",
-    "required": ["name", "package_digest", "memory_mb"],
-    "additionalProperties": False,
-    "properties": {
-        "name": {"type": "string", "pattern": NAME_PATTERN.pattern, "maxLength": 63, "description": "the function"},
-        "package_digest": {
-            "type": "string",
-            "pattern": DIGEST_PATTERN.pattern,
-            "description": "an uploaded package (POST /system/packages)",
-        },
-        "memory_mb": {"type": "integer", "minimum": 1, "description": "the model's peak GPU memory at batch_size"},
-        "gpu": {"type": "string", "pattern": f"^any$|{GPU_TYPE_PATTERN.pattern}", "default": "any"},
-        "batch_size": {"type": "integer", "minimum": 1, "default": DEFAULT_BATCH_SIZE},
-        "timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_TIMEOUT_S, "default": DEFAULT_TIMEOUT_S},
-        "labels": _STRING_MAP,
-        "environment": {**_STRING_MAP, "description": "set in the worker before the handler is imported"},
-        "max_batch_size": {"type": "integer", "minimum": 1, "maximum": MAX_BATCH_SIZE, "default": 1},
-        "max_batch_wait_ms": {"type": "number", "minimum": 0, "maximum": MAX_BATCH_WAIT_MS, "default": 0},
-        "public": {"type": "boolean", "default": False, "description": "callable without credentials"},
-        "slo_ms": {
-            "type": ["number", "null"],
-            "exclusiveMinimum": 0,
-            "maximum": MAX_TIMEOUT_S * 1000,
-            "default": None,
-            "description": "the latency (ms) a call should meet; SLO-aware policies order by it",
-        },
-    },
-}
+M = TypeVar("M", bound=FunctionSettings)
 
 
-def slo_ms(raw: dict[str, Any], path: str = "") -> float | None:
-    """`slo_ms`: None (no SLO), or milliseconds in (0, MAX_TIMEOUT_S x 1000], validated."""
-    value = raw.get("slo_ms")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_TIMEOUT_S * 1000:
-        raise InvalidInput(
-            f"{_at(path, 'slo_ms')}: expected milliseconds in (0, {MAX_TIMEOUT_S * 1000:g}], got {value!r}"
-        )
-    return float(value)
+def _validate(model: type[M], raw: Any, path: str) -> M:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise InvalidInput(explain(exc.errors(), model, path)) from None
 
 
-def batching(raw: dict[str, Any], path: str = "") -> dict[str, Any]:
-    """`max_batch_size` (1 to MAX_BATCH_SIZE calls, default 1: no batching) and
-    `max_batch_wait_ms` (0 to MAX_BATCH_WAIT_MS, default 0), validated."""
-    size = _positive_int(raw, "max_batch_size", path, default=1)
-    if size > MAX_BATCH_SIZE:
-        raise InvalidInput(f"{_at(path, 'max_batch_size')}: at most {MAX_BATCH_SIZE} calls per batch, got {size}")
-    wait = raw.get("max_batch_wait_ms", 0.0)
-    if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= MAX_BATCH_WAIT_MS:
-        raise InvalidInput(
-            f"{_at(path, 'max_batch_wait_ms')}: expected milliseconds in [0, {MAX_BATCH_WAIT_MS:g}], got {wait!r}"
-        )
-    return {"max_batch_size": size, "max_batch_wait_ms": float(wait)}
+def explain(errors: list[ErrorDetails], model: type[BaseModel] = FunctionSpec, path: str = "") -> str:
+    """One line for the first of pydantic's `errors` about a `model`: where (`path`, then the
+    field), what the field takes, and what it got."""
+    if not errors:
+        return f"{path or 'function spec'}: invalid"
+    # Fields in the order a reader fills them in: the name first.
+    error = min(errors, key=lambda e: _ORDER.get(str(e["loc"][0]) if e["loc"] else "", -1))
+    loc = [str(part) for part in error["loc"]]
+    if not loc:
+        return f"{path or 'function spec'}: expected an object with the fields {', '.join(_fields(model))}"
+    if error["type"] == "json_invalid":
+        return f"{path or 'function spec'}: not valid JSON ({error['msg']})"
+    field = loc[0]
+    where = f"{path}.{field}" if path else field
+    if error["type"] == "extra_forbidden":
+        return f"{where}: unknown field; known fields: {', '.join(_fields(model))}"
+    expected = EXPECTED.get(field, error["msg"])
+    if error["type"] == "missing":
+        return f"{where}: required; {expected.removeprefix('expected ')}"
+    value = error.get("input")
+    if field == "name" and isinstance(value, str):
+        return f"{where}: {value!r} is not a valid function name; use {expected.removeprefix('a function name: ')}"
+    if len(loc) > 1:  # inside a mapping: say which entry
+        return f"{where}: {expected}; {'.'.join(loc[1:])} is {value!r}"
+    return f"{where}: {expected}, got {value!r}"
 
 
-def _at(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
+_ORDER = {name: i for i, name in enumerate(["name", "package_digest", *EXPECTED])}
 
 
-def _string(raw: dict[str, Any], key: str, path: str) -> str:
-    value = raw.get(key)
-    if not isinstance(value, str) or not value:
-        raise InvalidInput(f"{_at(path, key)}: required, a non-empty string")
-    return value
+def _fields(model: type[BaseModel]) -> list[str]:
+    return sorted(model.model_fields)
 
 
-def _positive_int(raw: dict[str, Any], key: str, path: str, *, required: bool = False, default: int = 0) -> int:
-    if key not in raw:
-        if required:
-            raise InvalidInput(f"{_at(path, key)}: required, a positive whole number")
-        return default
-    value = raw[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidInput(f"{_at(path, key)}: expected a positive whole number, got {value!r}")
-    return value
-
-
-def _bool(raw: dict[str, Any], key: str, path: str) -> bool:
-    value = raw.get(key, False)
-    if not isinstance(value, bool):
-        raise InvalidInput(f"{_at(path, key)}: expected true or false, got {value!r}")
-    return value
-
-
-def _gpu(raw: dict[str, Any], path: str) -> str:
-    value = raw.get("gpu", "any")
-    if not isinstance(value, str) or not GPU_TYPE_PATTERN.match(value):
-        raise InvalidInput(
-            f"{_at(path, 'gpu')}: expected 'any' or a GPU type such as 'nvidia-h100-80gb-hbm3' "
-            f"(see GET /system/gpus), got {value!r}"
-        )
-    return value
-
-
-def _timeout(raw: dict[str, Any], path: str) -> float:
-    value = raw.get("timeout_s", DEFAULT_TIMEOUT_S)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_TIMEOUT_S:
-        raise InvalidInput(f"{_at(path, 'timeout_s')}: expected seconds in (0, {MAX_TIMEOUT_S:g}], got {value!r}")
-    return float(value)
-
-
-def _str_map(raw: dict[str, Any], key: str, path: str) -> dict[str, str]:
-    value = raw.get(key, {})
-    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        raise InvalidInput(f"{_at(path, key)}: expected a map of strings to strings")
-    return dict(value)
+# The JSON Schema of a function spec as the gateway takes it (POST/PUT /system/functions).
+FUNCTION_SPEC_SCHEMA: dict[str, Any] = FunctionSpec.model_json_schema()

@@ -2,66 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from gpufaas.errors import InvalidInput
-from gpufaas.functions import DEFAULT_TIMEOUT_S, GPU_TYPE_PATTERN, MAX_TIMEOUT_S, NAME_PATTERN, batching, slo_ms
-from gpufaas.types import DEFAULT_BATCH_SIZE
+from gpufaas.functions import NAME_PATTERN, FunctionSettings, FunctionSpec
 
 TOP_KEYS = {"version", "provider", "functions", "configuration"}
 PROVIDER_KEYS = {"name", "gateway"}
-FUNCTION_KEYS = {
-    "template",
-    "handler",
-    "gpu",
-    "memory_mb",
-    "batch_size",
-    "timeout_s",
-    "labels",
-    "environment",
-    "max_batch_size",
-    "max_batch_wait_ms",
-    "public",
-    "slo_ms",
-}
+# A function's keys: where its code is, and the settings every function spec has (gpufaas.functions).
+FUNCTION_KEYS = {"template", "handler", *FunctionSettings.model_fields}
 
 
 @dataclass(frozen=True, slots=True)
 class StackFunction:
     name: str
     handler: Path  # resolved against the stack file's directory
+    settings: FunctionSettings
     template: str | None = None
-    gpu: str = "any"
-    memory_mb: int = 0
-    batch_size: int = DEFAULT_BATCH_SIZE
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    labels: dict[str, str] = field(default_factory=dict)
-    environment: dict[str, str] = field(default_factory=dict)
-    max_batch_size: int = 1
-    max_batch_wait_ms: float = 0.0
-    public: bool = False  # callable without credentials
-    slo_ms: float | None = None  # the latency a call should meet (SLO-aware policies)
 
     def spec(self, package_digest: str) -> dict[str, Any]:
-        """The gateway's function spec for this function's uploaded package."""
-        return {
-            "name": self.name,
-            "package_digest": package_digest,
-            "memory_mb": self.memory_mb,
-            "gpu": self.gpu,
-            "batch_size": self.batch_size,
-            "timeout_s": self.timeout_s,
-            "labels": self.labels,
-            "environment": self.environment,
-            "max_batch_size": self.max_batch_size,
-            "max_batch_wait_ms": self.max_batch_wait_ms,
-            "public": self.public,
-            "slo_ms": self.slo_ms,
-        }
+        """The gateway's function spec for this function's uploaded package (its JSON form)."""
+        spec = FunctionSpec(name=self.name, package_digest=package_digest, **self.settings.model_dump())
+        return spec.model_dump(mode="json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,43 +84,23 @@ def parse_stack(raw: Any, path: Path) -> Stack:
         handler = settings.get("handler")
         if not isinstance(handler, str) or not handler:
             raise fail(f"{where}.handler", "required: the directory with handler.py, relative to the stack file")
-        gpu = settings.get("gpu", "any")
-        if not isinstance(gpu, str) or not GPU_TYPE_PATTERN.match(gpu):
-            raise fail(f"{where}.gpu", f"expected 'any' or a GPU type, got {gpu!r}")
-        memory_mb = settings.get("memory_mb")
-        if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or memory_mb <= 0:
-            raise fail(f"{where}.memory_mb", f"required: the model's peak GPU memory in MB, got {memory_mb!r}")
-        batch_size = settings.get("batch_size", DEFAULT_BATCH_SIZE)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise fail(f"{where}.batch_size", f"expected a positive whole number, got {batch_size!r}")
-        timeout_s = settings.get("timeout_s", DEFAULT_TIMEOUT_S)
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 < timeout_s <= MAX_TIMEOUT_S:
-            raise fail(f"{where}.timeout_s", f"expected seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}")
-        try:
-            batch_settings = batching(settings, where)
-            slo = slo_ms(settings, where)
-        except InvalidInput as exc:
-            raise InvalidInput(f"{path}: {exc}") from None
-        public = settings.get("public", False)
-        if not isinstance(public, bool):
-            raise fail(f"{where}.public", f"expected true or false, got {public!r}")
         template = settings.get("template")
         if template is not None and not isinstance(template, str):
             raise fail(f"{where}.template", f"expected a template name, got {template!r}")
+        values = {key: value for key, value in settings.items() if key not in ("handler", "template")}
+        for key in ("labels", "environment"):  # YAML types `version: 1.0` as a number; a label is text
+            if isinstance(values.get(key), dict):
+                values[key] = {str(k): _text(v) for k, v in values[key].items()}
+        try:
+            function_settings = FunctionSettings.from_dict(values, path=where)
+        except InvalidInput as exc:
+            raise InvalidInput(f"{path}: {exc}") from None
         parsed.append(
             StackFunction(
                 name=name,
                 handler=(path.parent / handler).resolve(),
                 template=template,
-                gpu=gpu,
-                memory_mb=memory_mb,
-                batch_size=batch_size,
-                timeout_s=float(timeout_s),
-                labels=_string_map(settings.get("labels"), f"{where}.labels", fail),
-                environment=_string_map(settings.get("environment"), f"{where}.environment", fail),
-                public=public,
-                slo_ms=slo,
-                **batch_settings,
+                settings=function_settings,
             )
         )
     return Stack(path=path, gateway=gateway, functions=parsed)
@@ -167,9 +113,10 @@ def _reject_unknown(raw: dict[Any, Any], known: set[str], where: str, fail: Any)
             raise fail(path, f"unknown key; known keys here: {', '.join(sorted(known))}")
 
 
-def _string_map(value: Any, where: str, fail: Any) -> dict[str, str]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise fail(where, "expected a mapping of names to values")
-    return {str(k): str(v) for k, v in value.items()}
+def _text(value: Any) -> Any:
+    """A YAML scalar as the text it was written as (`true`, `1.0`); anything else as it is (refused)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float | str):
+        return str(value)
+    return value

@@ -46,6 +46,7 @@ from scheduler.calls import (
 )
 from scheduler.core import Scheduler
 from scheduler.estimator import Estimator
+from scheduler.evictions import EvictionLog
 from scheduler.metrics import SchedulerMetrics
 from scheduler.policies import PolicyConfig, make_policy
 
@@ -146,6 +147,7 @@ class SchedulerService:
         )
         self.book = CallBook(self.scheduler, queue_capacity, claim_s=claim_s, lost_after_s=lost_after_s)
         self.metrics = SchedulerMetrics(lambda: len(self.scheduler.queue))
+        self.evictions = EvictionLog()  # for the cluster views
         self.scheduler_id = uuid.uuid4().hex
         self._token_key = grants.new_key()
         self._functions: dict[str, FunctionSpec] = {}
@@ -466,6 +468,7 @@ class SchedulerService:
     def _apply(self, effects: Iterable[Effect]) -> None:
         for effect in effects:
             self.metrics.applied(effect)
+            self.evictions.record(effect, self.clock())
             if isinstance(effect, Assignment):
                 self._place(effect)
             elif isinstance(effect, Answer):
@@ -583,6 +586,7 @@ class SchedulerService:
                         lru=cache.lru_list(),
                         local_queue=len(state.local_queue),
                         running=list(state.running),
+                        running_models=[r.model for r in state.running.values()],
                         gpu_type=state.spec.gpu_type,
                         slots=state.spec.slots,
                         host_tier=host.lru_list() if (host := self.scheduler.cache.host_of(address)) else [],
@@ -592,7 +596,17 @@ class SchedulerService:
             pb.QueuedCall(call_id=r.request_id, function=r.function, model=r.model, waited_s=now - r.arrival_s)
             for r in self.scheduler.queue
         ]
-        return pb.ClusterReply(gpus=gpus, queue=queue, policy=self.policy_name, queue_capacity=self.book.queue_capacity)
+        evictions = [
+            pb.EvictionRecord(gpu=e.gpu, model=e.model, reason=e.reason, age_s=now - e.at_s)
+            for e in self.evictions.recent()
+        ]
+        return pb.ClusterReply(
+            gpus=gpus,
+            queue=queue,
+            policy=self.policy_name,
+            queue_capacity=self.book.queue_capacity,
+            evictions=evictions,
+        )
 
     # --- time and persistence -------------------------------------------------------------
     async def _ticker(self) -> None:

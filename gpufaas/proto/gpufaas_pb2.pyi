@@ -325,7 +325,7 @@ class ClusterRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GpuInfo(_message.Message):
-    __slots__ = ("gpu", "node", "status", "memory_used_mb", "memory_capacity_mb", "lru", "local_queue", "running", "gpu_type", "slots", "host_tier")
+    __slots__ = ("gpu", "node", "status", "memory_used_mb", "memory_capacity_mb", "lru", "local_queue", "running", "gpu_type", "slots", "host_tier", "running_models")
     GPU_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +337,7 @@ class GpuInfo(_message.Message):
     GPU_TYPE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_MODELS_FIELD_NUMBER: _ClassVar[int]
     gpu: str
     node: str
     status: str
@@ -348,7 +349,8 @@ class GpuInfo(_message.Message):
     gpu_type: str
     slots: int
     host_tier: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, gpu: _Optional[str] = ..., node: _Optional[str] = ..., status: _Optional[str] = ..., memory_used_mb: _Optional[int] = ..., memory_capacity_mb: _Optional[int] = ..., lru: _Optional[_Iterable[str]] = ..., local_queue: _Optional[int] = ..., running: _Optional[_Iterable[str]] = ..., gpu_type: _Optional[str] = ..., slots: _Optional[int] = ..., host_tier: _Optional[_Iterable[str]] = ...) -> None: ...
+    running_models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, gpu: _Optional[str] = ..., node: _Optional[str] = ..., status: _Optional[str] = ..., memory_used_mb: _Optional[int] = ..., memory_capacity_mb: _Optional[int] = ..., lru: _Optional[_Iterable[str]] = ..., local_queue: _Optional[int] = ..., running: _Optional[_Iterable[str]] = ..., gpu_type: _Optional[str] = ..., slots: _Optional[int] = ..., host_tier: _Optional[_Iterable[str]] = ..., running_models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class QueuedCall(_message.Message):
     __slots__ = ("call_id", "function", "model", "waited_s")
@@ -362,17 +364,31 @@ class QueuedCall(_message.Message):
     waited_s: float
     def __init__(self, call_id: _Optional[str] = ..., function: _Optional[str] = ..., model: _Optional[str] = ..., waited_s: _Optional[float] = ...) -> None: ...
 
+class EvictionRecord(_message.Message):
+    __slots__ = ("gpu", "model", "reason", "age_s")
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    gpu: str
+    model: str
+    reason: str
+    age_s: float
+    def __init__(self, gpu: _Optional[str] = ..., model: _Optional[str] = ..., reason: _Optional[str] = ..., age_s: _Optional[float] = ...) -> None: ...
+
 class ClusterReply(_message.Message):
-    __slots__ = ("gpus", "queue", "policy", "queue_capacity")
+    __slots__ = ("gpus", "queue", "policy", "queue_capacity", "evictions")
     GPUS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     QUEUE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     gpus: _containers.RepeatedCompositeFieldContainer[GpuInfo]
     queue: _containers.RepeatedCompositeFieldContainer[QueuedCall]
     policy: str
     queue_capacity: int
-    def __init__(self, gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedCall, _Mapping]]] = ..., policy: _Optional[str] = ..., queue_capacity: _Optional[int] = ...) -> None: ...
+    evictions: _containers.RepeatedCompositeFieldContainer[EvictionRecord]
+    def __init__(self, gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedCall, _Mapping]]] = ..., policy: _Optional[str] = ..., queue_capacity: _Optional[int] = ..., evictions: _Optional[_Iterable[_Union[EvictionRecord, _Mapping]]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("nonce", "proof")

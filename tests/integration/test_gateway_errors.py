@@ -178,7 +178,7 @@ def test_400s_on_deploy_and_upload(env: Env) -> None:
 
     never = f"sha256:{'a' * 64}"
     response = post(json={"name": "ghost", "package_digest": never, "memory_mb": 10})
-    assert_error(response, 400, never, "not uploaded", "POST it to /system/packages")
+    assert_error(response, 409, never, "not uploaded", "POST it to /system/packages")
 
     response = post(content=b'{"name": "x",', headers={"content-type": "application/json"})
     assert_error(response, 400, "JSON function spec")
@@ -280,13 +280,13 @@ def test_504_past_the_function_timeout_then_the_gpu_serves_again(env: Env) -> No
     env.wait_idle()
 
 
-# --- 422 ------------------------------------------------------------------------------------
+# --- 409 (well formed, but not for this cluster) --------------------------------------------
 
 
 def test_a_function_no_gpu_can_hold_is_refused_at_deploy(env: Env) -> None:
     spec = {"name": "huge", "package_digest": env.digests["echo_function"], "memory_mb": 5000}
     response = httpx.post(f"{env.url}/system/functions", json=spec, timeout=30, auth=env.cluster.admin_auth)
-    assert_error(response, 422, "memory_mb 5000", "1000 MB")
+    assert_error(response, 409, "memory_mb 5000", "1000 MB")
     assert env.get("/system/function/huge").status_code == 404
 
 

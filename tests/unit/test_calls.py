@@ -29,7 +29,9 @@ N1, N2 = "n1/g0", "n2/g0"
 
 def make_spec(name: str, memory_mb: int = 1000) -> FunctionSpec:
     """A function whose package digest is derived from its name (so its model is stable)."""
-    return FunctionSpec(name, "sha256:" + hashlib.sha256(name.encode()).hexdigest(), memory_mb)
+    return FunctionSpec(
+        name=name, package_digest="sha256:" + hashlib.sha256(name.encode()).hexdigest(), memory_mb=memory_mb
+    )
 
 
 A, B, C = make_spec("fn-a"), make_spec("fn-b"), make_spec("fn-c")

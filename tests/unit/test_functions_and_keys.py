@@ -76,7 +76,7 @@ SCHEMA_DIGEST = "sha256:" + "ab" * 32
 
 
 def test_the_schema_lists_exactly_the_fields_the_spec_takes() -> None:
-    fields = set(FunctionSpec.__dataclass_fields__)
+    fields = set(FunctionSpec.model_fields)
     assert set(FUNCTION_SPEC_SCHEMA["properties"]) == fields
     assert FUNCTION_SPEC_SCHEMA["additionalProperties"] is False
     with pytest.raises(InvalidInput, match="unknown field"):

@@ -291,9 +291,9 @@ def test_a_model_larger_than_every_gpu_is_refused_at_deploy(tmp_path: Path) -> N
         await env.store.put(env.keys.node("node0"), record.to_json())
         await eventually(lambda: bool(env.app.state.gateway.nodes))
         response = await env.client.post("/system/functions", json={**spec, "name": "huger"})
-        assert_error(response, 422, "memory_mb 5000", "the largest: 1000 MB")
+        assert_error(response, 409, "memory_mb 5000", "the largest: 1000 MB")
         response = await env.client.put("/system/functions", json=spec)
-        assert_error(response, 422, "memory_mb 5000")
+        assert_error(response, 409, "memory_mb 5000")
         typed = {**spec, "name": "typed", "memory_mb": 500, "gpu": "nvidia-h100"}
         assert (await env.client.post("/system/functions", json=typed)).status_code == 202  # no such GPU known
         assert (
@@ -517,7 +517,7 @@ def test_spec_validation_errors_name_the_field(tmp_path: Path) -> None:
         # A well-formed spec whose package was never uploaded.
         never = "sha256:" + "0" * 64
         response = await env.client.post("/system/functions", json={**good, "package_digest": never})
-        assert_error(response, 400, never, "not uploaded", "POST it to /system/packages")
+        assert_error(response, 409, never, "not uploaded", "POST it to /system/packages")
         # Bodies that are not JSON.
         for raw in (b"{not json", b"", b"\xff\xfe"):
             response = await env.client.post(

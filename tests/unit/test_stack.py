@@ -61,12 +61,15 @@ def test_a_good_stack_parses_with_handlers_relative_to_the_file(tmp_path: Path) 
     ("change", "message"),
     [
         (("memory_mb: 1700", "memroy_mb: 1700"), "functions.resnet.memroy_mb: unknown key"),
-        (("memory_mb: 1700", "memory_mb: -1"), "functions.resnet.memory_mb: required"),
+        (("memory_mb: 1700", "memory_mb: -1"), "functions.resnet.memory_mb: expected a positive whole number"),
         (("timeout_s: 30", "timeout_s: 0"), "functions.resnet.timeout_s: expected seconds"),
         (("batch_size: 16", "batch_size: lots"), "functions.resnet.batch_size: expected a positive"),
         (("gpu: any", "gpu: [a, b]"), "functions.resnet.gpu: expected 'any' or a GPU type"),
         (("max_batch_size: 8", "max_batch_size: 0"), "functions.resnet.max_batch_size: expected a positive"),
-        (("max_batch_size: 8", "max_batch_size: 5000"), "functions.resnet.max_batch_size: at most 1024"),
+        (
+            ("max_batch_size: 8", "max_batch_size: 5000"),
+            "functions.resnet.max_batch_size: expected a positive whole number, at most 1024",
+        ),
         (
             ("max_batch_wait_ms: 2.5", "max_batch_wait_ms: -1"),
             "functions.resnet.max_batch_wait_ms: expected milliseconds",
@@ -75,7 +78,7 @@ def test_a_good_stack_parses_with_handlers_relative_to_the_file(tmp_path: Path) 
         (("  resnet:", "  ResNet:"), "functions.ResNet: not a valid function name"),
         (("gateway: http://127.0.0.1:8080", "gateway: 127.0.0.1"), "provider.gateway: expected an http"),
         (("version: 1.0", "versoin: 1.0"), "versoin: unknown key"),
-        (("labels: {team: vision}", "labels: [vision]"), "functions.resnet.labels: expected a mapping"),
+        (("labels: {team: vision}", "labels: [vision]"), "functions.resnet.labels: expected a map"),
         (("public: true", "public: sometimes"), "functions.resnet.public: expected true or false"),
         (("public: true", "public: true\n    slo_ms: 0"), "functions.resnet.slo_ms: expected milliseconds"),
     ],
@@ -89,7 +92,7 @@ def test_bad_keys_and_values_are_named_by_path(tmp_path: Path, change: tuple[str
 
 def test_an_slo_reaches_the_function_spec(tmp_path: Path) -> None:
     (function,) = load_stack(write(tmp_path, GOOD.replace("public: true", "public: true\n    slo_ms: 250"))).functions
-    assert function.slo_ms == 250.0
+    assert function.settings.slo_ms == 250.0
     assert function.spec("sha256:" + "b" * 64)["slo_ms"] == 250.0
 
 

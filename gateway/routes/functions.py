@@ -1,0 +1,103 @@
+"""The function registry: deploy, update, list, describe and delete (specs kept in etcd)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.routes.deps import GatewayDep
+from gateway.state import ApiError, Gateway
+from gpufaas.functions import NAME_PATTERN, FunctionSpec
+
+router = APIRouter()
+
+
+class DeleteRequest(BaseModel):
+    """OpenFaaS's delete request."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    functionName: Annotated[str, Field(pattern=NAME_PATTERN.pattern, max_length=63)]  # noqa: N815 (OpenFaaS's name)
+
+
+class Deployed(BaseModel):
+    name: str
+    model: str = Field(description="the cache item: the function at its package (NAME@DIGEST12)")
+
+
+def _check_fits(gateway: Gateway, spec: FunctionSpec) -> None:
+    """What the schema cannot say: the package must be uploaded, and the model must fit a GPU of
+    the cluster as it is now. 409: the spec is well formed but conflicts with the cluster's state."""
+    if not gateway.package_path(spec.package_digest).exists():
+        raise ApiError(409, f"package {spec.package_digest} is not uploaded; POST it to /system/packages first")
+    largest = gateway.largest_gpu_mb(spec.required_gpu_type)
+    if largest is not None and spec.memory_mb > largest:
+        kind = f"{spec.gpu} GPU" if spec.required_gpu_type else "GPU"
+        raise ApiError(
+            409,
+            f"memory_mb {spec.memory_mb} is more than any {kind} of the cluster holds (the largest: {largest} MB); "
+            "declare the model's real peak memory, or add a larger GPU",
+        )
+
+
+@router.post("/system/functions", status_code=202)
+async def deploy(spec: Annotated[FunctionSpec, Body()], gateway: GatewayDep) -> Deployed:
+    """Deploy a new function (409 if the name is taken: update it with PUT)."""
+    _check_fits(gateway, spec)
+    created = await gateway.store.compare_and_put(gateway.keys.function(spec.name), spec.to_json(), mod_revision=0)
+    if not created:
+        raise ApiError(409, f"function {spec.name!r} already exists; update it with PUT /system/functions")
+    gateway.functions[spec.name] = spec
+    return Deployed(name=spec.name, model=spec.model)
+
+
+@router.put("/system/functions", status_code=202)
+async def update(spec: Annotated[FunctionSpec, Body()], gateway: GatewayDep) -> Deployed:
+    """Replace a deployed function's whole spec (404 if it is not deployed)."""
+    _check_fits(gateway, spec)
+    key = gateway.keys.function(spec.name)
+    for _ in range(5):
+        current = await gateway.store.get(key)
+        if current is None:
+            raise ApiError(404, f"function {spec.name!r} does not exist; deploy it with POST /system/functions")
+        if await gateway.store.compare_and_put(key, spec.to_json(), mod_revision=current.mod_revision):
+            gateway.functions[spec.name] = spec
+            return Deployed(name=spec.name, model=spec.model)
+    raise ApiError(409, f"function {spec.name!r} is being changed concurrently; retry")
+
+
+async def _describe(gateway: Gateway, spec: FunctionSpec) -> dict[str, Any]:
+    replicas_kv = await gateway.store.get(gateway.keys.replicas(spec.model))
+    replicas = json.loads(replicas_kv.value) if replicas_kv is not None else []
+    return {
+        **spec.model_dump(mode="json"),
+        "model": spec.model,
+        "invocationCount": sum(n for (name, _), n in gateway.invocations.items() if name == spec.name),
+        "replicas": len(replicas),
+        "gpus": replicas,
+    }
+
+
+@router.get("/system/functions")
+async def list_functions(gateway: GatewayDep) -> list[dict[str, Any]]:
+    return [await _describe(gateway, spec) for spec in sorted(gateway.functions.values(), key=lambda s: s.name)]
+
+
+@router.get("/system/function/{name}")
+async def get_function(name: str, gateway: GatewayDep) -> dict[str, Any]:
+    spec = gateway.functions.get(name)
+    if spec is None:
+        raise ApiError(404, f"function {name!r} is not deployed; list functions with GET /system/functions")
+    return await _describe(gateway, spec)
+
+
+@router.delete("/system/functions", status_code=202)
+async def delete(request: Annotated[DeleteRequest, Body()], gateway: GatewayDep) -> dict[str, Any]:
+    name = request.functionName
+    if not await gateway.store.delete(gateway.keys.function(name)):
+        raise ApiError(404, f"function {name!r} is not deployed")
+    gateway.functions.pop(name, None)
+    return {"name": name, "deleted": True}

@@ -1,0 +1,57 @@
+"""Health, version and metrics routes."""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import gpufaas
+from gateway.routes.deps import GatewayDep
+from gateway.state import HEALTH_ETCD_TIMEOUT_S
+from gpufaas.store import StoreError
+
+router = APIRouter()
+
+
+@router.get("/healthz")
+async def healthz(gateway: GatewayDep) -> JSONResponse:
+    """Ready: the gateway reaches the scheduler (connected) and etcd (a read answered within
+    a second). 503 otherwise, naming what is missing: calls would fail or wait."""
+    scheduler = gateway.router.scheduler is not None
+    try:
+        async with asyncio.timeout(HEALTH_ETCD_TIMEOUT_S):
+            await gateway.store.revision()
+        etcd = True
+    except (StoreError, TimeoutError):
+        etcd = False
+    ready = scheduler and etcd
+    return JSONResponse(
+        {"status": "ok" if ready else "unavailable", "scheduler": scheduler, "etcd": etcd},
+        status_code=200 if ready else 503,
+    )
+
+
+@router.get("/livez")
+async def livez() -> dict[str, str]:
+    """Alive: the process answers (what a liveness probe restarts on; readiness is /healthz)."""
+    return {"status": "ok"}
+
+
+@router.get("/system/info")
+async def info() -> dict[str, Any]:
+    return {
+        "provider": {"provider": "gpufaas", "orchestration": "gpufaas", "version": {"release": gpufaas.__version__}},
+        "version": {"release": gpufaas.__version__},
+        "arch": platform.machine(),
+    }
+
+
+@router.get("/metrics")
+async def metrics(gateway: GatewayDep) -> Response:
+    """Prometheus metrics (gateway.metrics)."""
+    return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
