@@ -98,7 +98,8 @@ def memory_bar(used_mb: float | None, capacity_mb: float | None, *, cells: int =
     fraction = used_mb / capacity_mb if capacity_mb > 0 else 0.0
     filled = round(min(max(fraction, 0.0), 1.0) * cells)
     style = "red" if fraction > 0.9 else "yellow" if fraction > 0.7 else "green"
-    bar = Text("█" * filled, style=style)
+    bar = Text()  # styled piece by piece: a Text's own style would colour the figures too
+    bar.append("█" * filled, style=style)
     bar.append("░" * (cells - filled), style="dim")
     bar.append(f" {_int_text(used_mb)}/{_int_text(capacity_mb)} MB")
     return bar
