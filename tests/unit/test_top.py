@@ -1,14 +1,29 @@
-"""`gpufaas top`: the frame rendered from /system/overview."""
+"""`gpufaas top`: the frame rendered from /system/overview, and the command against a real HTTP gateway stand-in."""
 
 from __future__ import annotations
 
+import base64
 import io
+import json
+import os
 import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
 from rich.console import Console
+from typer.testing import CliRunner
 
+from gpufaas.cli import app
 from gpufaas.top import age_text, natural_key, render, short_model_names
 
 NOW_S = 1_763_870_000.0
@@ -282,3 +297,151 @@ def test_missing_or_mistyped_keys_render_dashes_not_errors(overview: dict[str, A
 def test_a_gpu_with_missing_fields_shows_dashes() -> None:
     text = shown(make_overview(gpus=[{"gpu": "node-0/0"}]))
     assert row(text, "node-0/0") == ["node-0/0", "-", "-", "-", "0/-", "-", "-", "-"]
+
+
+# --- the command, against a real HTTP server on loopback ---------------------------------------------------
+
+
+@dataclass
+class FakeGateway:
+    """Answers GET /system/overview with `status` and `body`; records each request's path and credentials."""
+
+    url: str = ""
+    status: int = 200
+    body: bytes = b""
+    seen: list[tuple[str, str | None]] = field(default_factory=list)
+
+    def answer(self, status: int, document: object) -> None:
+        self.status, self.body = status, json.dumps(document).encode()
+
+
+@pytest.fixture
+def fake_gateway() -> Iterator[FakeGateway]:
+    gateway = FakeGateway()
+    gateway.answer(200, make_overview())
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            gateway.seen.append((self.path, self.headers.get("Authorization")))
+            status, body = (gateway.status, gateway.body) if self.path == "/system/overview" else (404, b"{}")
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # quiet test output
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    gateway.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield gateway
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+@pytest.fixture
+def cli_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """No saved login and no local cluster: only $GPUFAAS_PASSWORD authenticates."""
+    env = {
+        "GPUFAAS_CONFIG_DIR": str(tmp_path / "config"),
+        "GPUFAAS_STATE_DIR": str(tmp_path / "state"),
+        "GPUFAAS_PASSWORD": "s3cret",
+    }
+    monkeypatch.delenv("GPUFAAS_URL", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return env
+
+
+def top(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(app, ["top", *args])
+    return result.exit_code, result.stdout, " ".join(result.stderr.split())
+
+
+def test_once_prints_one_plain_frame_with_admin_credentials(fake_gateway: FakeGateway, cli_env: dict[str, str]) -> None:
+    gpu = make_gpu("node-0/0", memory_used_mb=1200, lru=[RESNET])
+    resnet = make_function("resnet", calls=120, hits=110, misses=10, hit_ratio=0.9167, latency_ms={"p50": 12.1})
+    fake_gateway.answer(200, make_overview(gpus=[gpu], functions=[resnet], queue={"length": 3, "capacity": 10000}))
+    code, out, err = top("--once", "--gateway", fake_gateway.url)
+    assert (code, err) == (0, "")
+    assert f"gpufaas top  {fake_gateway.url}  policy lalb-o3" in out
+    assert "hit ratio 91.7%  queue 3/10000" in out
+    assert "1200/8000 MB" in out and "12.1" in out
+    assert "\x1b[" not in out  # not a terminal: no colour codes in a script's output
+    expected_auth = "Basic " + base64.b64encode(b"admin:s3cret").decode()
+    assert fake_gateway.seen == [("/system/overview", expected_auth)]
+
+
+def test_an_older_gateway_without_the_overview_is_one_clear_line(
+    fake_gateway: FakeGateway, cli_env: dict[str, str]
+) -> None:
+    fake_gateway.answer(404, {"detail": "Not Found"})
+    code, out, err = top("--once", "--gateway", fake_gateway.url)
+    assert code == 1 and out == ""
+    assert err.startswith("error: the gateway at") and "has no /system/overview: it is older than this CLI" in err
+    assert "Traceback" not in err
+
+
+def test_refused_credentials_say_to_log_in(fake_gateway: FakeGateway, cli_env: dict[str, str]) -> None:
+    fake_gateway.answer(401, {"error": "unauthorized"})
+    code, _, err = top("--once", "--gateway", fake_gateway.url)
+    assert code == 1
+    assert f"needs credentials: `gpufaas login --gateway {fake_gateway.url} --password-stdin`" in err
+
+
+@pytest.mark.parametrize("body", [b"<html>proxy</html>", b"[1, 2]"], ids=["not-json", "not-an-object"])
+def test_an_answer_that_is_not_an_overview_is_a_clear_error(
+    fake_gateway: FakeGateway, cli_env: dict[str, str], body: bytes
+) -> None:
+    fake_gateway.status, fake_gateway.body = 200, body
+    code, _, err = top("--once", "--gateway", fake_gateway.url)
+    assert code == 1 and "answered /system/overview with something other than an overview" in err
+    assert "Traceback" not in err
+
+
+def test_no_gateway_is_a_clear_error(cli_env: dict[str, str]) -> None:
+    with socket.socket() as sock:  # a port nothing listens on once it is closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code, _, err = top("--once", "--gateway", f"http://127.0.0.1:{port}")
+    assert code == 1 and "no gateway answers at" in err
+
+
+def test_live_view_refreshes_survives_a_failed_refresh_and_ends_quietly_on_ctrl_c(
+    fake_gateway: FakeGateway, cli_env: dict[str, str]
+) -> None:
+    fake_gateway.answer(200, make_overview(queue={"length": 7, "capacity": 10000}))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gpufaas.cli", "top", "--gateway", fake_gateway.url, "--interval", "0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **cli_env},
+        text=True,
+    )
+    try:
+        _wait_for(lambda: len(fake_gateway.seen) >= 2)
+        fake_gateway.answer(503, {"error": "the scheduler is restarting"})
+        seen = len(fake_gateway.seen)
+        _wait_for(lambda: len(fake_gateway.seen) >= seen + 2)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, err
+    assert err == ""
+    assert out.count("queue 7/10000") >= 3  # piped: a frame per refresh
+    assert "refresh failed, showing the last overview: the scheduler is restarting (HTTP 503)" in out
+
+
+def _wait_for(condition: Any, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.02)
