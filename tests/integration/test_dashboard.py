@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -73,6 +75,22 @@ def test_the_overview_shows_gpus_functions_hits_and_evictions(make_cluster: Clus
     assert view["policy"] == "lalb-o3"
     # Credentials are asked for, as everywhere else.
     assert httpx.get(f"{cluster.gateway_url}/system/overview", timeout=10).status_code == 401
+
+    # `gpufaas top` shows the same numbers (one frame, as a script would take it).
+    env = {**os.environ, "GPUFAAS_PASSWORD": read_secret(cluster.secrets.admin_password), "COLUMNS": "160"}
+    shown = subprocess.run(
+        [sys.executable, "-m", "gpufaas.cli", "top", "--once", "--gateway", cluster.gateway_url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "\x1b[" not in shown.stdout  # no terminal: plain text
+    frame = shown.stdout
+    for fragment in ("lalb-o3", gpu["gpu"], "1000 MB", "lin-a", "lin-b", "66.7", "lru"):
+        assert fragment in frame, (fragment, frame)
 
 
 def _chromium() -> str | None:
