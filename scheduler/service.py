@@ -145,7 +145,7 @@ class SchedulerService:
             cache=CacheManager(),
         )
         self.book = CallBook(self.scheduler, queue_capacity, claim_s=claim_s, lost_after_s=lost_after_s)
-        self.metrics = SchedulerMetrics(lambda: len(self.scheduler.queue))
+        self.metrics = SchedulerMetrics(self.scheduler)
         self.scheduler_id = uuid.uuid4().hex
         self._token_key = grants.new_key()
         self._functions: dict[str, FunctionSpec] = {}
