@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from gpu_manager.containers import DEFAULT_IMAGE, DockerLauncher
-from gpu_manager.devices import Device
+from gpu_manager.devices import Device, Nvml
 from gpu_manager.ledger import GrantLedger, Refused
 from gpu_manager.metrics import NodeMetrics
 from gpu_manager.packages import InvalidPackage, PackageCache
@@ -93,7 +93,9 @@ class GpuManagerDaemon:
             node=node,
         )
         self.ledger = GrantLedger(node, frozenset(self.devices))
-        self.metrics = NodeMetrics(workers=lambda: len(self.pool.workers()), parked=lambda: len(self.pool.parked()))
+        # The metrics' measure of each GPU's memory in use (cuda: NVML; the other backends have none).
+        self._nvml = Nvml.open() if backend == "cuda" else None
+        self.metrics = NodeMetrics(self.pool, node=node, device_used_mb=self._device_used_mb)
         self.incarnation = uuid.uuid4().hex
         self.address = ""
         self.context_mb = 0  # what one spare holds on its GPU (measured on cuda)
@@ -138,6 +140,8 @@ class GpuManagerDaemon:
         await self._server.close()
         await self.pool.shutdown()
         await self._http.aclose()
+        if self._nvml is not None:
+            self._nvml.close()
 
     async def _register(self, lease: int) -> None:
         spare_mb = self.context_mb * self.pool.spares_per_gpu
@@ -157,6 +161,9 @@ class GpuManagerDaemon:
         log.warning("node %s: its key is gone from etcd; registering again", self.node)
         with contextlib.suppress(LeaseLost):  # the lease keeper re-registers under a new lease then
             await self._register(self._lease.lease)
+
+    def _device_used_mb(self, gpu_id: str) -> int | None:
+        return self._nvml.used_mb(self.devices[gpu_id].index) if self._nvml is not None else None
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)

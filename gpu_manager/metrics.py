@@ -1,22 +1,35 @@
-"""A node's Prometheus metrics: the calls it ran, the loads it did, the workers it lost."""
+"""A node's Prometheus metrics: the calls it ran, the loads it did, its workers and their memory."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-from gpu_manager.pool import RunResult
-from gpufaas.metrics import LATENCY_BUCKETS_S
+from gpu_manager.pool import EXIT_CAUSES, RunResult, WorkerPool
+from gpufaas.keys import gpu_address
+from gpufaas.metrics import BYTES_PER_MB, LATENCY_BUCKETS_S, ProcessErrors
 from gpufaas.proto import gpufaas_pb2 as pb
 
 
 class NodeMetrics:
-    """Fed by the daemon with every call's result; worker counts are read at scrape time."""
+    """Fed by the daemon with every call's result; the pool's workers, its process counts and
+    the GPUs' memory are read at scrape time. `device_used_mb(gpu_id)`: what the device says is
+    in use on that GPU (NVML, on cuda), None where nothing measures it."""
 
-    def __init__(self, *, workers: Callable[[], int], parked: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        *,
+        node: str,
+        device_used_mb: Callable[[str], int | None] = lambda gpu_id: None,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        r.register(_PoolState(pool, node, device_used_mb))
+        r.register(ProcessErrors())
         self.calls = Counter(
             "gpufaas_node_calls", "Calls run here, by outcome and cache result.", ["outcome", "cache"], registry=r
         )
@@ -33,8 +46,6 @@ class NodeMetrics:
         self.workers_lost = Counter(
             "gpufaas_node_workers_lost", "Workers that died under a call, failed to load, or were killed.", registry=r
         )
-        Gauge("gpufaas_node_workers", "Workers serving a model on a GPU.", registry=r).set_function(workers)
-        Gauge("gpufaas_node_parked_workers", "Workers parked in the host tier.", registry=r).set_function(parked)
 
     def ran(self, model: str, result: RunResult) -> None:
         outcome = pb.Outcome.Name(result.outcome).lower()
@@ -45,3 +56,62 @@ class NodeMetrics:
             self.load_seconds.labels(model).observe(result.load_time_s)
         if result.outcome in (pb.LOAD_FAILED, pb.WORKER_DIED) or result.worker_killed:
             self.workers_lost.inc()
+
+
+class _PoolState(Collector):
+    """The pool's workers and process counts, and each GPU's memory, read when scraped: O(workers).
+    GPUs are labelled "node/gpu", as the scheduler labels them, so the two line up."""
+
+    def __init__(self, pool: WorkerPool, node: str, device_used_mb: Callable[[str], int | None]) -> None:
+        self._pool = pool
+        self._node = node
+        self._device_used_mb = device_used_mb
+
+    def collect(self) -> Iterator[Metric]:
+        pool = self._pool
+        ready = pool.workers()
+        yield GaugeMetricFamily("gpufaas_node_workers", "Workers serving a model on a GPU.", value=len(ready))
+        yield GaugeMetricFamily(
+            "gpufaas_node_parked_workers", "Workers parked in the host tier.", value=len(pool.parked())
+        )
+        yield GaugeMetricFamily(
+            "gpufaas_node_worker_processes",
+            "Worker processes running (spares, loading, serving, parked): started less exited.",
+            value=pool.live_workers(),
+        )
+        yield CounterMetricFamily(
+            "gpufaas_node_worker_starts",
+            "Worker processes started (warm spares; on the docker runtime, a container per model).",
+            value=pool.worker_starts,
+        )
+        exits = CounterMetricFamily(
+            "gpufaas_node_worker_exits",
+            "Worker processes that exited, by cause (stopped: evicted, released or replaced; load_failed; "
+            "killed: a call's timeout; died: by itself; start_failed; shutdown).",
+            labels=["cause"],
+        )
+        for cause in EXIT_CAUSES:
+            exits.add_metric([cause], pool.worker_exits[cause])
+        yield exits
+        workers_mb = dict.fromkeys(pool.gpus, 0)
+        for _, gpu_id, _, memory_mb in ready:
+            workers_mb[gpu_id] = workers_mb.get(gpu_id, 0) + memory_mb
+        reported = GaugeMetricFamily(
+            "gpufaas_node_gpu_memory_workers_bytes",
+            "Peak GPU memory of the models this node's workers serve, as the workers measured it on load "
+            "(the declared size on the cpu and emulated backends): what the node reports to the scheduler.",
+            labels=["gpu"],
+        )
+        used = GaugeMetricFamily(
+            "gpufaas_node_gpu_memory_used_bytes",
+            "GPU memory in use by every process on the device, as NVML measures it (cuda backend only).",
+            labels=["gpu"],
+        )
+        for gpu_id, memory_mb in sorted(workers_mb.items()):
+            address = gpu_address(self._node, gpu_id)
+            reported.add_metric([address], memory_mb * BYTES_PER_MB)
+            device_mb = self._device_used_mb(gpu_id)
+            if device_mb is not None:
+                used.add_metric([address], device_mb * BYTES_PER_MB)
+        yield reported
+        yield used

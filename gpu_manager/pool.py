@@ -30,6 +30,7 @@ happened; it raises only when cancelled:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import logging
@@ -82,6 +83,10 @@ _JUST_FETCHED_S = 0.05  # a package that took longer than this to get was fetche
 RUNTIMES = ("process", "docker")  # how workers run: forked from the zygote, or in containers
 SPARE_START_TIMEOUT_S = 120.0  # importing torch and creating a CUDA context, on a busy machine
 SPARE_RETRY_S = 5.0  # after a spare died warming up (a broken runtime), before starting another
+EXIT_CAUSES = ("stopped", "load_failed", "killed", "died", "start_failed", "shutdown")
+"""Why a worker process exited (`WorkerPool.worker_exits`): the pool stopped it (evicted, released,
+replaced after a redeploy, pushed out of the host tier), its load failed, it was killed (a call's
+timeout), it exited by itself, it could not be started, or the node shut down."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +146,7 @@ class _Worker:
         self.container = ""  # the docker runtime's container id (its pid is the container's own)
         self.on_signal: Callable[[int], None] | None = None  # how to signal it, where not by pid
         self.state = _State.STARTING
+        self.exit_cause = ""  # set by whoever ends it (one of EXIT_CAUSES); empty: it exited by itself
         self.conn: Connection | None = None
         self.run: ModelRun | None = None
         self.memory_mb = 0
@@ -337,6 +343,10 @@ class WorkerPool:
         self._zygote: _Zygote | None = None
         self._zygote_starting: asyncio.Future[_Zygote] | None = None
         self._closed = False
+        # Worker processes started and exited (by cause) since the pool was made: counted for the
+        # node's metrics, which read them when scraped. Started - exited = len(_live).
+        self.worker_starts = 0
+        self.worker_exits: collections.Counter[str] = collections.Counter()
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -390,6 +400,10 @@ class WorkerPool:
         return [
             (model, gpu, w.pid, w.memory_mb) for (model, gpu), w in self._workers.items() if w.state is _State.READY
         ]
+
+    def live_workers(self) -> int:
+        """Worker processes started and not yet seen exit (spares, loading, ready, parked)."""
+        return len(self._live)
 
     def packages_in_use(self) -> set[str]:
         """The package digests of every worker that has or is taking a model (parked ones too)."""
@@ -616,6 +630,7 @@ class WorkerPool:
             hello, directory = await asyncio.gather(warm(), package_task)
         except Exception as exc:
             package_task.cancel()
+            worker.exit_cause = worker.exit_cause or ("died" if isinstance(exc, ConnectionLost) else "load_failed")
             self._kill(worker)
             if isinstance(exc, ConnectionLost):
                 message = f"worker for {run.model!r} on {gpu_id} exited while starting"
@@ -656,6 +671,7 @@ class WorkerPool:
         stages.load_s = time.perf_counter() - load_started
         if not loaded.ok:
             self._forget(worker)
+            worker.exit_cause = "load_failed"
             self._track(asyncio.create_task(self._stop(worker)))
             failure = _LoadFailed(pb.LOAD_FAILED, f"model {run.model!r} on {gpu_id}: load failed: {loaded.error}")
             if not worker.ready.done():
@@ -729,6 +745,7 @@ class WorkerPool:
         miss claims it first."""
         worker = _Worker(gpu_id)
         self._live.add(worker)
+        self.worker_starts += 1
         worker.hello.add_done_callback(lambda _: self._on_hello(worker))
         worker.exited.add_done_callback(lambda _: self._on_exit(worker))
         # Not in _tasks: shutdown must not cancel it, it is what tells that the process exited.
@@ -767,6 +784,7 @@ class WorkerPool:
                 os.close(output_read)
             if not self._closed:
                 log.error("cannot start a worker for %s: %s", worker.gpu_id, exc)
+            worker.exit_cause = worker.exit_cause or ("shutdown" if self._closed else "start_failed")
             worker._gone(ConnectionLost(f"cannot start a worker: {exc or 'the pool shut down'}"))
             worker.exited.set_result(None)
             return
@@ -847,6 +865,7 @@ class WorkerPool:
         except (OSError, RuntimeError, TimeoutError, asyncio.CancelledError) as exc:
             if not self._closed:
                 log.error("cannot start a container for %s on %s: %s", run.model, worker.gpu_id, exc)
+            worker.exit_cause = worker.exit_cause or ("shutdown" if self._closed else "start_failed")
             worker._gone(ConnectionLost(f"cannot start a worker container: {exc or 'the pool shut down'}"))
             await self._remove_container(worker, socket_dir)
             return
@@ -977,6 +996,7 @@ class WorkerPool:
 
     def _on_exit(self, worker: _Worker) -> None:
         self._live.discard(worker)
+        self.worker_exits[worker.exit_cause or ("shutdown" if self._closed else "died")] += 1
         self._forget(worker)
         if self._parked.get(worker.model) is worker:
             del self._parked[worker.model]
@@ -1014,6 +1034,7 @@ class WorkerPool:
     def _kill(self, worker: _Worker) -> None:
         """SIGKILL now, without waiting."""
         self._forget(worker)
+        worker.exit_cause = worker.exit_cause or "killed"
         worker._gone(ConnectionLost(f"worker pid {worker.pid} was killed"))
         worker.signal(signal.SIGKILL)
 
@@ -1022,6 +1043,7 @@ class WorkerPool:
         self._forget(worker)
         if worker.exited.done():
             return
+        worker.exit_cause = worker.exit_cause or ("shutdown" if self._closed else "stopped")
         if worker.state is not _State.PARKED and worker.gpu_id:  # it holds device memory until it exits
             exiting = self._exiting.setdefault(worker.gpu_id, set())
             exiting.add(worker.exited)

@@ -6,6 +6,8 @@ Who holds what (docs/security.md):
   handshake key and the token nodes fetch packages with are derived from it, one per purpose.
 - the admin password (user `admin`): operators; every `/system/*` route and `/metrics`.
 - the invoke token: applications; calls to functions that are not public.
+- the metrics token (derived from the cluster secret, written as `metrics-token`): a Prometheus
+  server; /metrics of the scheduler and the nodes.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ CLUSTER_SECRET_FILE = "cluster-secret"
 ADMIN_PASSWORD_FILE = "admin-password"
 INVOKE_TOKEN_FILE = "invoke-token"
 ETCD_PASSWORD_FILE = "etcd-password"  # etcd's root user: the daemons authenticate to etcd with it
+METRICS_TOKEN_FILE = "metrics-token"  # derived (metrics_token): what a Prometheus server scrapes with
 _SECRET_BYTES = 32
 
 
@@ -107,6 +110,17 @@ def metrics_token(secret: str) -> str:
     return derive(secret, "metrics/v1").hex()
 
 
+def write_metrics_token(files: SecretFiles) -> Path:
+    """Write the metrics token (derived from the cluster secret) beside the other credentials,
+    mode 0600: the file a Prometheus server's `credentials_file` names (deploy/monitoring). Derived,
+    so writing it again writes the same token."""
+    path = files.directory / METRICS_TOKEN_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(metrics_token(read_secret(files.cluster_secret)) + "\n")
+    return path
+
+
 def node_token(secret: str) -> str:
     """The bearer token GPU managers fetch packages from the gateway with."""
     return derive(secret, "package-fetch/v1").hex()
@@ -119,7 +133,8 @@ def basic_authorization(user: str, password: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m gpufaas.credentials DIR`: make a cluster's credential files in DIR (kept if
-    there): what containers share through a volume (docker-compose.yml). `--metrics-token DIR`
+    there), and the metrics token derived from them: what containers share through a volume
+    (docker-compose.yml; Prometheus reads DIR/metrics-token). `--metrics-token DIR`
     prints the bearer token the daemons' metrics endpoints ask for (for a Prometheus server's
     `credentials_file`)."""
     import sys
@@ -136,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m gpufaas.credentials DIR | --metrics-token DIR", file=sys.stderr)
         return 2
     files = ensure_secrets(Path(args[0]))
-    names = (CLUSTER_SECRET_FILE, ADMIN_PASSWORD_FILE, INVOKE_TOKEN_FILE, ETCD_PASSWORD_FILE)
+    write_metrics_token(files)
+    names = (CLUSTER_SECRET_FILE, ADMIN_PASSWORD_FILE, INVOKE_TOKEN_FILE, ETCD_PASSWORD_FILE, METRICS_TOKEN_FILE)
     print(f"credentials in {files.directory}: {', '.join(names)}")
     return 0
 

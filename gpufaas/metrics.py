@@ -13,13 +13,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gpufaas import store, wire
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # no `_created` series beside every counter: they double a scrape for nothing
 
 # Seconds: a warm call takes milliseconds, a miss up to a minute (a load), a queued call longer.
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+BYTES_PER_MB = 1024 * 1024  # gpufaas's "MB" is a MiB (NVML's and torch's); Prometheus wants bytes
 _REQUEST_TIMEOUT_S = 5.0
 _MAX_HEAD_BYTES = 8192
 
@@ -83,3 +89,28 @@ class MetricsServer:
             if not hmac.compare_digest(offered.encode(), f"Bearer {self.token}".encode()):
                 return 401, "text/plain", b"needs Authorization: Bearer <metrics token> (gpufaas credentials)\n"
         return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
+
+
+class ProcessErrors(Collector):
+    """The etcd and wire errors of this process (one daemon), as counted where they happen
+    (`gpufaas.store.etcd_error_counts`, `gpufaas.wire.error_counts`): every daemon's registry
+    has one."""
+
+    def collect(self) -> Iterator[Metric]:
+        etcd = CounterMetricFamily(
+            "gpufaas_etcd_errors",
+            "etcd calls that failed, by operation and kind (unavailable, refused, token_expired, lease_lost, "
+            "compacted).",
+            labels=["operation", "kind"],
+        )
+        for (operation, kind), count in sorted(store.etcd_error_counts.items()):
+            etcd.add_metric([operation, kind], count)
+        yield etcd
+        errors = CounterMetricFamily(
+            "gpufaas_wire_errors",
+            "Daemon-to-daemon connection errors, by kind (connect, auth, frame_too_large, malformed, handler).",
+            labels=["kind"],
+        )
+        for kind in wire.WIRE_ERROR_KINDS:
+            errors.add_metric([kind], wire.error_counts[kind])
+        yield errors

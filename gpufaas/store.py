@@ -17,6 +17,7 @@ expired or revoked lease produces delete events. `LeaseKeeper` keeps one lease p
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import heapq
 import itertools
@@ -160,21 +161,31 @@ def _check_prefix(prefix: str) -> bytes:
 # --- etcd -----------------------------------------------------------------------------------
 
 
+# etcd's errors in this process by (operation, kind: compacted, lease_lost, refused, token_expired,
+# unavailable), counted where they are translated. A process is one daemon, whose metrics read this
+# when scraped (gpufaas.metrics.ProcessErrors); a plain Counter, so an error costs a dict increment.
+etcd_error_counts: collections.Counter[tuple[str, str]] = collections.Counter()
+
+
 @contextlib.contextmanager
 def _etcd_errors(what: str) -> Iterator[None]:
     """The one place where aetcd/gRPC errors become StoreError (or LeaseLost, RevisionCompacted)."""
     try:
         yield
     except aetcd.RevisionCompactedError as exc:
+        etcd_error_counts[(what, "compacted")] += 1
         raise RevisionCompacted(f"etcd {what}: {exc}") from exc
     except aetcd.ClientError as exc:
         # aetcd maps gRPC NOT_FOUND to a bare ClientError caused by the AioRpcError. On the KV and
         # lease APIs NOT_FOUND only ever means "etcdserver: requested lease not found".
         cause = exc.__cause__
         if isinstance(cause, aetcd.rpc.AioRpcError) and cause.code() == aetcd.rpc.StatusCode.NOT_FOUND:
+            etcd_error_counts[(what, "lease_lost")] += 1
             raise LeaseLost(f"etcd {what}: {exc}") from exc
+        etcd_error_counts[(what, _client_error_kind(exc))] += 1
         raise StoreError(f"etcd {what}: {exc}") from exc
     except (aetcd.rpc.RpcError, aetcd.rpc.BaseError, TimeoutError, OSError) as exc:
+        etcd_error_counts[(what, "unavailable")] += 1
         raise StoreError(f"etcd {what}: {exc!r}") from exc
 
 
@@ -207,6 +218,14 @@ _AUTH_NOT_ENABLED = "authentication is not enabled"
 
 def _stale_token(exc: BaseException) -> bool:
     return isinstance(exc, aetcd.exceptions.UnauthenticatedError) or any(text in str(exc) for text in _STALE_TOKEN)
+
+
+def _client_error_kind(exc: aetcd.ClientError) -> str:
+    """How `etcd_error_counts` files an error etcd's client raised: it did not reach etcd
+    (unavailable), its token had expired (token_expired: renewed and retried), or etcd refused."""
+    if isinstance(exc, aetcd.exceptions.ConnectionFailedError | aetcd.exceptions.ConnectionTimeoutError):
+        return "unavailable"
+    return "token_expired" if _stale_token(exc) else "refused"
 
 
 T = TypeVar("T")
@@ -424,6 +443,7 @@ class EtcdStore:
         reply = await self._call("refresh_lease", lambda: self._client.refresh_lease(lease))
         # etcd answers a keep-alive for an unknown lease with TTL 0, not with an error.
         if reply is None or int(reply.TTL) <= 0:
+            etcd_error_counts[("refresh_lease", "lease_lost")] += 1
             raise LeaseLost(f"etcd lease {lease:x} expired or was revoked")
 
     async def revoke_lease(self, lease: int) -> None:

@@ -36,6 +36,7 @@ Errors: `ConnectionLost` (OSError) when the connection closed under a request or
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import hashlib
@@ -65,6 +66,13 @@ HANDSHAKE_S = 5.0  # a peer that has not proved the key by then is cut off
 _NONCE_BYTES = 16
 
 M = TypeVar("M", bound=Message)
+
+WIRE_ERROR_KINDS = ("connect", "auth", "frame_too_large", "malformed", "handler")
+# The wire's errors in this process by kind: a connection that could not be opened (connect), a
+# handshake that failed either way (auth), a frame over the limit or one that does not parse
+# (frame_too_large, malformed: the connection is cut), a handler that raised on a frame (handler).
+# A process is one daemon, whose metrics read this when scraped (gpufaas.metrics.ProcessErrors).
+error_counts: collections.Counter[str] = collections.Counter()
 
 
 class MessageType(enum.IntEnum):
@@ -474,11 +482,13 @@ class Connection(asyncio.BufferedProtocol):
             log.warning("closing connection from %s: %s", self.peer, exc)
             self._protocol_error(exc)
         except Exception:
+            error_counts["handler"] += 1
             log.exception("handling a %s frame from %s failed", _type_name(type_), self.peer)
             if frame.is_request:
                 self.reply_error(frame, pb.UNAVAILABLE, "internal error; see the daemon's log")
 
     def _protocol_error(self, exc: ConnectionLost) -> None:
+        error_counts[_error_kind(exc)] += 1
         log.warning("connection %s: %s", self.peer, exc)
         self.close(exc)
 
@@ -502,6 +512,12 @@ class Connection(asyncio.BufferedProtocol):
                 self.handler.on_close(self, exc)
             except Exception:
                 log.exception("on_close of %s failed", self.peer)
+
+
+def _error_kind(exc: ConnectionLost) -> str:
+    if isinstance(exc, Unauthenticated):
+        return "auth"
+    return "frame_too_large" if isinstance(exc, FrameTooLarge) else "malformed"
 
 
 def _proof(key: bytes, role: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
@@ -533,11 +549,13 @@ async def connect(
                 lambda: Connection(handler, max_frame_bytes=max_frame_bytes, key=key), host.strip("[]"), int(port)
             )
     except (OSError, TimeoutError, ValueError) as exc:
+        error_counts["connect"] += 1
         raise ConnectionLost(f"cannot connect to {address}: {exc or type(exc).__name__}") from None
     if key is not None:
         try:
             await protocol.handshake(timeout_s)
-        except ConnectionLost:
+        except ConnectionLost as exc:
+            error_counts["auth" if isinstance(exc, Unauthenticated) else "connect"] += 1
             protocol.close()
             raise
     return protocol

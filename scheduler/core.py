@@ -171,6 +171,9 @@ class Scheduler:
         # GPUs that received a dispatch in the current pass of `schedule()` and had a free slot
         # left: the next pass offers them work again (cleared when a pass starts).
         self._refill: set[str] = set()
+        # Kept out-of-order dispatches (a `pass_over` of a request that was not the queue's head):
+        # read by the service's metrics; a pass-over the policy drops is taken back with it.
+        self.num_dispatched_ahead = 0
 
     # --- cluster and catalog ------------------------------------------------------------
     def add_gpu(self, spec: GpuSpec) -> None:
@@ -776,10 +779,18 @@ class Scheduler:
     def pass_over(self, request_id: str, *, exempt: Sequence[str] = ()) -> PassOver:
         """Count a skip for every request queued ahead of `request_id` but `exempt` (see
         `GlobalQueue.pass_over`). Reserved while a policy fills."""
+        head = self.queue.head
+        ahead = int(head is not None and head.request_id != request_id)
         self.queue.pass_over(request_id, exempt=exempt)
+        self.num_dispatched_ahead += ahead
         step = PassOver(request_id, tuple(exempt))
         if self._journal is not None:
-            self._journal.record(step, lambda: self.queue.unpass(request_id, exempt=exempt))
+
+            def undo() -> None:
+                self.queue.unpass(request_id, exempt=exempt)
+                self.num_dispatched_ahead -= ahead
+
+            self._journal.record(step, undo)
         return step
 
     def visit(self, request_id: str) -> Visit:

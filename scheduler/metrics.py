@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-from gpufaas.metrics import LATENCY_BUCKETS_S
+from gpufaas.metrics import BYTES_PER_MB, LATENCY_BUCKETS_S, ProcessErrors
 from scheduler.calls import Assignment, Evict, EvictHost
+from scheduler.core import Scheduler
 
 
 class SchedulerMetrics:
-    """Counters the service feeds from the effects it applies and the Done messages it gets.
-    `queue_depth` is read at scrape time."""
+    """Counters the service feeds from the effects it applies and the Done messages it gets;
+    what the pure scheduler holds (its queue, its out-of-order count, the memory its cache
+    manager plans on each GPU) is read at scrape time, so the hot path pays nothing for it."""
 
-    def __init__(self, queue_depth: Callable[[], int]) -> None:
+    def __init__(self, scheduler: Scheduler) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        r.register(_SchedulerState(scheduler))
+        r.register(ProcessErrors())
         self.calls = Counter(
             "gpufaas_scheduler_calls",
             "Calls done, by cache result (a miss loaded or took back the model).",
@@ -55,7 +61,6 @@ class SchedulerMetrics:
             buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
-        Gauge("gpufaas_scheduler_queue_depth", "Calls in the global queue.", registry=r).set_function(queue_depth)
 
     def applied(self, effect: object) -> None:
         """An effect the service carries out."""
@@ -93,3 +98,43 @@ class SchedulerMetrics:
             self.load.labels(model, gpu_type).observe(load_time_s)
         if inference_time_s > 0:
             self.inference.labels(model, gpu_type).observe(inference_time_s)
+
+
+class _SchedulerState(Collector):
+    """What the scheduler holds now, read when scraped: O(GPUs)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+
+    def collect(self) -> Iterator[Metric]:
+        scheduler = self._scheduler
+        yield GaugeMetricFamily(
+            "gpufaas_scheduler_queue_depth", "Calls in the global queue.", value=len(scheduler.queue)
+        )
+        yield GaugeMetricFamily(
+            "gpufaas_scheduler_queue_head_skips",
+            "Times the call at the head of the global queue was passed over (lalb-o3 forces it at --o3-limit).",
+            value=scheduler.queue.head_skips(),
+        )
+        yield CounterMetricFamily(
+            "gpufaas_scheduler_o3_skips",
+            "Out-of-order dispatches (lalb-o3): calls run ahead of older queued calls, each of which counted a skip.",
+            value=scheduler.num_dispatched_ahead,
+        )
+        planned = GaugeMetricFamily(
+            "gpufaas_gpu_memory_planned_bytes",
+            "GPU memory the cache manager plans as used on each GPU (the models in its LRU list).",
+            labels=["gpu"],
+        )
+        capacity = GaugeMetricFamily(
+            "gpufaas_gpu_memory_capacity_bytes",
+            "GPU memory the cache manager may plan with on each GPU (the node's figure, less its reserve).",
+            labels=["gpu"],
+        )
+        for state in scheduler.gpus():
+            gpu_id = state.spec.gpu_id
+            cache = scheduler.cache.gpu(gpu_id)
+            planned.add_metric([gpu_id], cache.used_mb * BYTES_PER_MB)
+            capacity.add_metric([gpu_id], cache.capacity_mb * BYTES_PER_MB)
+        yield planned
+        yield capacity

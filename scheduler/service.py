@@ -146,7 +146,7 @@ class SchedulerService:
             cache=CacheManager(),
         )
         self.book = CallBook(self.scheduler, queue_capacity, claim_s=claim_s, lost_after_s=lost_after_s)
-        self.metrics = SchedulerMetrics(lambda: len(self.scheduler.queue))
+        self.metrics = SchedulerMetrics(self.scheduler)
         self.evictions = EvictionLog()  # for the cluster views
         self.scheduler_id = uuid.uuid4().hex
         self._token_key = grants.new_key()

@@ -54,4 +54,5 @@ async def info() -> dict[str, Any]:
 @router.get("/metrics")
 async def metrics(gateway: GatewayDep) -> Response:
     """Prometheus metrics (gateway.metrics)."""
+    await gateway.metrics.count_replicas(gateway.store, gateway.keys, gateway.functions)
     return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -73,15 +76,82 @@ def test_every_daemon_counts_the_calls_made_hits_misses_and_evictions(
     assert scheduler("gpufaas_load_seconds_count") == misses
     assert scheduler("gpufaas_inference_seconds_count") == len(calls)
 
+    assert scheduler("gpufaas_scheduler_o3_skips_total") == 0  # one call at a time: nothing to overtake
+
     node = scrape(cluster, "node0", token).text
     assert sample(node, "gpufaas_node_calls_total", outcome="ok") == len(calls)
     assert sample(node, "gpufaas_node_calls_total", cache="miss") == misses
     assert sample(node, "gpufaas_node_loads_total", source="load") == 3
     assert sample(node, "gpufaas_node_loads_total", source="host") == 1
     assert sample(node, "gpufaas_node_workers_lost_total") == 0
+    # One warm spare, and one started to replace it after each of the 3 loads; every evicted
+    # worker was parked in the host tier (and lin-a taken back), so none has exited.
+    assert sample(node, "gpufaas_node_worker_starts_total") == cluster.spares + 3
+    assert sample(node, "gpufaas_node_worker_exits_total") == 0
+    assert sample(node, "gpufaas_node_worker_processes") == cluster.spares + 3
+    assert sample(node, "gpufaas_node_parked_workers") == 2
+    # GPU memory: what the cache manager plans is what the node's worker measured (lin-a's).
+    address = gpu["gpu"]
+    planned = scheduler("gpufaas_gpu_memory_planned_bytes", gpu=address)
+    assert planned == gpu["memory_used_mb"] * 1024 * 1024 > 0
+    assert sample(node, "gpufaas_node_gpu_memory_workers_bytes", gpu=address) == planned
+    # A clean run: no etcd or wire error anywhere.
+    for text in (gateway, scrape(cluster, "scheduler", token).text, node):
+        assert sample(text, "gpufaas_etcd_errors_total") == 0
+        assert sample(text, "gpufaas_wire_errors_total") == 0
 
     # The scrape endpoints ask for the metrics token, and serve /metrics only.
     for component in ("scheduler", "node0"):
         assert scrape(cluster, component, None).status_code == 401
         assert scrape(cluster, component, "wrong").status_code == 401
     assert httpx.get(f"http://{cluster.metrics_addresses['scheduler']}/other", timeout=10).status_code == 404
+
+
+@pytest.mark.integration
+def test_o3_skips_and_worker_deaths_are_counted_as_they_happen(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    # One GPU, one call at a time: calls queue at the scheduler while it is busy.
+    cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=4000, slots="1")
+    deploy(cluster, "slow", "sleepy_function", tmp_path, memory_mb=300)
+    deploy(cluster, "other", "linear_function", tmp_path)
+    token = cluster.metrics_token
+
+    def invoke(name: str, inputs: object, out: dict[str, httpx.Response]) -> None:
+        out[name] = httpx.post(
+            f"{cluster.gateway_url}/function/{name}", json=inputs, headers=cluster.invoke_headers, timeout=60
+        )
+
+    warm: dict[str, httpx.Response] = {}
+    invoke("slow", {"sleep_s": 0}, warm)  # slow's model is now on the GPU
+    assert warm["slow"].status_code == 200, warm["slow"].text
+    # While slow holds the GPU, `other` (a miss) queues, then a second `slow` (a hit) behind it.
+    first: dict[str, httpx.Response] = {}
+    later: dict[str, httpx.Response] = {}
+    threads = [threading.Thread(target=invoke, args=("slow", {"sleep_s": 3}, first))]
+    threads.append(threading.Thread(target=invoke, args=("other", {"inputs": [[1.0, 2.0, 3.0, 4.0]]}, later)))
+    threads.append(threading.Thread(target=invoke, args=("slow", {"sleep_s": 0}, later)))
+    for thread in threads:
+        thread.start()
+        time.sleep(0.5)  # in this order at the scheduler
+    for thread in threads:
+        thread.join(timeout=60)
+    assert {r.status_code for r in (first["slow"], later["slow"], later["other"])} == {200}
+    assert (later["slow"].headers["X-Cache"], later["other"].headers["X-Cache"]) == ("hit", "miss")
+
+    def scheduler(name: str) -> float:
+        return sample(scrape(cluster, "scheduler", token).text, name)
+
+    # lalb-o3 ran the younger hit ahead of the older miss: one out-of-order dispatch.
+    assert eventually(lambda: scheduler("gpufaas_scheduler_calls_total"), 4) == 4
+    assert scheduler("gpufaas_scheduler_o3_skips_total") == 1
+    assert scheduler("gpufaas_scheduler_queue_head_skips") == 0  # the queue is empty again
+
+    # A worker killed outside gpufaas is a death, not a stop.
+    def node(name: str, **labels: str) -> float:
+        return sample(scrape(cluster, "node0", token).text, name, **labels)
+
+    assert node("gpufaas_node_worker_exits_total", cause="died") == 0
+    os.kill(int(later["slow"].json()["pid"]), signal.SIGKILL)
+    assert eventually(lambda: node("gpufaas_node_worker_exits_total", cause="died"), 1) == 1
+    assert node("gpufaas_node_worker_starts_total") - node("gpufaas_node_worker_exits_total") == node(
+        "gpufaas_node_worker_processes"
+    )
