@@ -261,7 +261,10 @@ def test_the_newer_policies_run_the_real_cluster(make_cluster: ClusterFactory, t
     assert all(flat(r.json()["outputs"]) == pytest.approx(expected_outputs()) for r in responses)
     # Sticky: after the first call of each model, its calls hit where it is resident (a replica
     # each at most).
-    assert sum(r.headers["X-Cache"] == "miss" for r in responses) <= 2
+    assert sum(r.headers["X-Cache"] == "miss" for r in responses) <= 2, [
+        (n, r.headers["X-Gpu"], r.headers["X-Cache"], r.headers["X-Queue-Seconds"])
+        for n, r in zip(calls, responses, strict=True)
+    ]
 
 
 @pytest.mark.integration
