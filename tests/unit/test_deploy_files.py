@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -341,10 +342,11 @@ def test_control_plane_dockerfile() -> None:
     assert re.search(r"^EXPOSE .*\b50051\b.*\b8080\b", text, re.MULTILINE)
 
 
-def test_control_plane_requirements_leave_out_only_torch() -> None:
-    """Run the Dockerfile's own requirements one-liner against pyproject.toml."""
+def test_control_plane_requirements_leave_out_torch() -> None:
+    """Run the Dockerfile's own requirements one-liner against pyproject.toml: torch is the
+    `worker` extra's, which the control plane does not install."""
     text = (DEPLOY / "Dockerfile.control-plane").read_text()
-    match = re.search(r'python -c "(import re, tomllib;.*?)" >', text)
+    match = re.search(r'python -c "(import tomllib;.*?)" >', text)
     assert match, "requirements one-liner not found"
     code = match.group(1).replace("\\\\", "\\")  # sh's double quotes turn \\ into \
     result = subprocess.run(
@@ -354,6 +356,18 @@ def test_control_plane_requirements_leave_out_only_torch() -> None:
     names = [re.split(r"[<>=!~;\[ ]", r)[0].lower() for r in requirements]
     assert "torch" not in names
     assert {"protobuf", "fastapi", "uvicorn", "aetcd"} <= set(names)
+    assert "pip install --no-deps ." in text, "the project itself must not pull its extras"
+
+
+def test_torch_is_the_worker_extra() -> None:
+    """Only the GPU managers' workers need torch: it is an extra, which the gpu-manager image
+    installs and the control-plane image does not."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = [re.split(r"[<>=!~;\[ ]", r)[0].lower() for r in project["dependencies"]]
+    assert "torch" not in names
+    assert [r for r in project["optional-dependencies"]["worker"] if r.startswith("torch")]
+    assert "'.[worker]'" in (DEPLOY / "Dockerfile.gpu-manager").read_text()
+    assert "[worker]" not in (DEPLOY / "Dockerfile.control-plane").read_text()
 
 
 def test_gpu_manager_dockerfile() -> None:
