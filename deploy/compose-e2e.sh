@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
 CLI=${GPUFAAS_CLI:-$ROOT/.venv/bin/gpufaas}
-PROJECT=gpufaas-e2e
+PROJECT=gpufaas-e2e-$$  # its own containers, volumes and network, beside any other run
 HEALTH_TIMEOUT_S=240
 RECOVERY_TIMEOUT_S=180
 started_s=$SECONDS
