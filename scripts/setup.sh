@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs gpufaas and what it needs into .venv (idempotent): the pinned torch first, then the
-# project with its dev tools. Sourced by demo.sh and test.sh.
+# project with its dev tools and its `worker` extra (torch). Sourced by demo.sh and test.sh.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -10,4 +10,4 @@ fi
 # torch==2.13.0 first: on this project's machines it is a local CPU build; an unpinned torch
 # would pull several GB of CUDA packages. Skipped when already there.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e '.[dev]'
+.venv/bin/pip install -q -e '.[dev,worker]'

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the image the `docker` worker runtime runs functions in, from local parts only (no image
-# registry is needed): a Debian bookworm root filesystem made with debootstrap (with python3), then
-# the project and torch installed into /opt/gpufaas inside it, committed as $IMAGE.
+# registry is needed): the Debian bookworm base of scripts/base-image.sh (debootstrap), then the
+# project and torch installed into /opt/gpufaas inside it, committed as $IMAGE.
 #
 #   bash scripts/worker-image.sh [IMAGE]      # default gpufaas/worker:latest; needs root, dockerd
 #
@@ -14,15 +14,7 @@ IMAGE=${1:-gpufaas/worker:latest}
 BASE=gpufaas/base:bookworm
 TORCH=torch==2.13.0
 
-if ! docker image inspect "$BASE" >/dev/null 2>&1; then
-  command -v debootstrap >/dev/null || { echo "debootstrap is missing: apt-get install -y debootstrap" >&2; exit 1; }
-  rootfs=$(mktemp -d)
-  trap 'rm -rf "$rootfs"' EXIT
-  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$rootfs" \
-    http://deb.debian.org/debian >/dev/null
-  tar -C "$rootfs" -c . | docker import - "$BASE" >/dev/null
-  echo "built $BASE"
-fi
+bash scripts/base-image.sh
 
 mounts=()
 for path in /etc/pip.conf /etc/xdg/pip /opt/wheels /opt/pypi /opt/pypi-more /etc/ssl/certs; do

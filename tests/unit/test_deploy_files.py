@@ -1,14 +1,18 @@
-"""The deployment files stay valid and agree with the daemons: docker-compose.yml (rendered by
-`docker-compose config` where it is installed, and parsed), deploy/k8s/*.yaml, the Dockerfiles,
-and every daemon flag they use, checked against that daemon's `--help`."""
+"""The deployment files stay valid and agree with the daemons: docker-compose.yml and its cpu
+override deploy/compose.local-cpu.yml (rendered by `docker-compose config` where it is installed,
+and parsed), the `monitoring` profile, deploy/k8s/*.yaml, the Dockerfiles, and every daemon flag
+they use, checked against that daemon's `--help`."""
 
 from __future__ import annotations
 
 import functools
+import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +22,16 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 DEPLOY = ROOT / "deploy"
+CPU_OVERRIDE = DEPLOY / "compose.local-cpu.yml"
 K8S = DEPLOY / "k8s"
 NAMESPACE = "gpufaas"
 
 DAEMONS = ("scheduler", "gateway", "gpu_manager")
 GPU_MANAGERS = ("gpu-manager-0", "gpu-manager-1")
 LONG_RUNNING = {"etcd", "scheduler", "gateway", *GPU_MANAGERS}
-SERVICES = {"credentials", *LONG_RUNNING}  # credentials: one-shot, makes the cluster's credential files
+MONITORING = {"prometheus", "grafana"}  # the `monitoring` profile: started only when asked for
+SERVICES = {"credentials", *LONG_RUNNING, *MONITORING}  # credentials: one-shot, makes the credential files
+METRICS_PORT = 9100  # the scheduler's and the GPU managers' --metrics-listen, inside the compose network
 HEALTHY, DONE = "service_healthy", "service_completed_successfully"
 # service -> the services it waits for, and for what
 STARTS_AFTER: dict[str, dict[str, str]] = {
@@ -34,6 +41,8 @@ STARTS_AFTER: dict[str, dict[str, str]] = {
     "gateway": {"credentials": DONE, "etcd": HEALTHY, "scheduler": HEALTHY},
     "gpu-manager-0": {"credentials": DONE, "etcd": HEALTHY, "scheduler": HEALTHY},
     "gpu-manager-1": {"credentials": DONE, "etcd": HEALTHY, "scheduler": HEALTHY},
+    "prometheus": {"credentials": DONE},
+    "grafana": {"credentials": DONE, "prometheus": "service_started"},
 }
 CREDENTIALS_DIR = "/run/gpufaas"
 REQUIRED_FLAGS = {
@@ -150,7 +159,8 @@ def published_port(port: str | dict[str, Any]) -> tuple[int, int]:
     """(published, target) of a compose port: short "8080:8080" or long form (v1 and v2 render it so)."""
     if isinstance(port, dict):
         return int(port["published"]), int(port["target"])
-    published, target = str(port).rsplit("/", 1)[0].split(":")[-2:]
+    defaults = re.sub(r"\$\{\w+:-(\d+)\}", r"\1", str(port))  # "${GPUFAAS_GATEWAY_PORT:-8080}" -> "8080"
+    published, target = defaults.rsplit("/", 1)[0].split(":")[-2:]
     return int(published), int(target)
 
 
@@ -179,22 +189,30 @@ def used_flags() -> list[Any]:
 
 
 # --- docker-compose.yml -----------------------------------------------------------------------
-def test_docker_compose_config_renders_the_file() -> None:
+def docker_compose_config(*files: Path, profiles: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`docker-compose config` of `files` merged (the default port variables unset)."""
     binary = shutil.which("docker-compose")
     if binary is None:
         pytest.skip("docker-compose is not installed (CI: apt-get install -y docker-compose)")
+    argv = [binary, "--project-directory", str(ROOT)]
+    for path in files:
+        argv += ["--file", str(path)]
+    for profile in profiles:
+        argv += ["--profile", profile]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFAAS_")}
     result = subprocess.run(
-        [binary, "--file", str(COMPOSE), "--project-directory", str(ROOT), "config"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+        [*argv, "config"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
     )
     assert result.returncode == 0, result.stderr
     rendered = yaml.safe_load(result.stdout)
+    assert isinstance(rendered, dict)
+    return rendered
+
+
+def test_docker_compose_config_renders_the_file() -> None:
+    rendered = docker_compose_config(COMPOSE, profiles=("monitoring",))
     assert set(rendered["services"]) == SERVICES
-    assert {"etcd-data", "gateway-packages", "credentials"} <= set(rendered["volumes"])
+    assert {"etcd-data", "gateway-packages", "credentials", "prometheus-data"} <= set(rendered["volumes"])
     for name in GPU_MANAGERS:
         devices = rendered["services"][name]["deploy"]["resources"]["reservations"]["devices"]
         assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
@@ -206,6 +224,66 @@ def test_docker_compose_config_renders_the_file() -> None:
 
 def test_compose_has_the_services() -> None:
     assert set(services()) == SERVICES
+    for name, service in services().items():
+        assert service.get("profiles", []) == (["monitoring"] if name in MONITORING else []), name
+
+
+# --- deploy/compose.local-cpu.yml: the stack with no GPU and no image registry ----------------
+@functools.cache
+def cpu_override() -> dict[str, Any]:
+    loaded = yaml.safe_load(CPU_OVERRIDE.read_text())
+    assert isinstance(loaded, dict)
+    return loaded
+
+
+def test_cpu_override_names_only_base_services_and_local_images() -> None:
+    overridden = cpu_override()["services"]
+    assert set(overridden) <= set(services())
+    for name in SERVICES - {"grafana"}:  # grafana has no local stand-in (the e2e script leaves it out)
+        assert overridden[name]["image"].endswith(":local"), name
+    assert set(overridden["gateway"]) == {"image"}, "the override changes images and GPU managers' flags only"
+
+
+@pytest.mark.parametrize("name", GPU_MANAGERS)
+def test_cpu_override_runs_the_cpu_backend_with_the_base_flags(name: str) -> None:
+    args = flag_values([str(token) for token in cpu_override()["services"][name]["command"]])
+    assert args["--backend"] == "cpu"
+    assert int(args["--gpu-memory-mb"]) >= 600, "the pytorch-custom template declares 600 MB"
+    base = compose_command(name)
+    assert set(base) - {"--backend"} <= set(args), "the cpu command drops none of the base's flags"
+    for flag in base.keys() - {"--backend"}:
+        assert args[flag] == base[flag], flag
+
+
+def test_cpu_render_drops_the_gpu_reservations() -> None:
+    """What deploy/compose-e2e.sh runs: the merged render without NVIDIA device reservations."""
+    rendered = docker_compose_config(COMPOSE, CPU_OVERRIDE)
+    result = subprocess.run(
+        [sys.executable, str(DEPLOY / "drop_gpu_reservations.py")],
+        input=yaml.safe_dump(rendered),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    cpu = yaml.safe_load(result.stdout)
+    assert set(cpu["services"]) == set(rendered["services"])
+    for name in GPU_MANAGERS:
+        assert "deploy" not in cpu["services"][name]
+        assert cpu["services"][name]["image"] == "gpufaas/gpu-manager:local"
+        assert "cpu" in cpu["services"][name]["command"]
+    assert cpu["services"]["etcd"]["image"] == "gpufaas/etcd:local"
+    unchanged = {name: {k: v for k, v in s.items() if k != "deploy"} for name, s in rendered["services"].items()}
+    assert {name: s for name, s in cpu["services"].items()} == unchanged
+
+
+def test_e2e_script_uses_the_override_and_cleans_up() -> None:
+    script = (DEPLOY / "compose-e2e.sh").read_text()
+    assert "compose.local-cpu.yml" in script and "drop_gpu_reservations.py" in script
+    assert "trap cleanup EXIT" in script
+    assert "down --volumes" in script
+    # never an unpinned torch (it would pull several GB of CUDA packages)
+    assert re.search(r"^TORCH=torch==\d+\.\d+\.\d+ ", (DEPLOY / "local-images.sh").read_text(), re.MULTILINE)
 
 
 @pytest.mark.parametrize("name", sorted(LONG_RUNNING))
@@ -226,9 +304,14 @@ def test_services_start_in_health_order(name: str) -> None:
     assert {dep: spec.get("condition") for dep, spec in depends.items()} == STARTS_AFTER[name]
 
 
+def credentials_script() -> str:
+    command = services()["credentials"]["command"]
+    assert command[:2] == ["sh", "-ec"]
+    return str(command[2])
+
+
 def test_every_daemon_reads_its_credentials_from_the_volume_the_one_shot_service_fills() -> None:
-    made_in = services()["credentials"]["command"][-1]
-    assert made_in == CREDENTIALS_DIR
+    assert f"python -m gpufaas.credentials {CREDENTIALS_DIR}\n" in credentials_script()
     for name in sorted(LONG_RUNNING - {"etcd"}):
         service = services()[name]
         mounts = {v.split(":")[1]: v for v in service["volumes"]}
@@ -242,8 +325,67 @@ def test_every_daemon_reads_its_credentials_from_the_volume_the_one_shot_service
     assert gateway["--invoke-token-file"] == f"{CREDENTIALS_DIR}/invoke-token"
 
 
+def test_the_credentials_service_writes_the_metrics_token_for_the_monitoring_group_only(tmp_path: Path) -> None:
+    """Run the service's own script against a directory here: the metrics token is the one the
+    daemons derive; it and the admin password are group-readable, the rest stays 0600."""
+    from gpufaas.credentials import SecretFiles, metrics_token, read_secret
+
+    directory = tmp_path / "gpufaas"
+    script = credentials_script().replace(CREDENTIALS_DIR, str(directory)).replace("python ", f"{sys.executable} ")
+    for _ in range(2):  # the service runs on every `up`: a second run keeps the credentials
+        subprocess.run(["sh", "-ec", script], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    files = SecretFiles(directory)
+    token_file = directory / "metrics-token"
+    assert token_file.read_text().strip() == metrics_token(read_secret(files.cluster_secret))
+    mode = {path.name: stat.S_IMODE(path.stat().st_mode) for path in directory.iterdir()}
+    assert mode == {
+        "cluster-secret": 0o600,
+        "etcd-password": 0o600,
+        "invoke-token": 0o600,
+        "admin-password": 0o640,
+        "metrics-token": 0o640,
+    }
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o750
+    read_secret(files.admin_password)  # the daemons still accept it
+
+
+@pytest.mark.parametrize("name", ["scheduler", *GPU_MANAGERS])
+def test_metrics_listen_inside_the_compose_network(name: str) -> None:
+    assert compose_command(name)["--metrics-listen"] == f"0.0.0.0:{METRICS_PORT}"
+    assert "ports" not in services()[name]
+
+
+@pytest.mark.parametrize("name", sorted(MONITORING))
+def test_monitoring_services_read_credentials_as_the_daemons_group(name: str) -> None:
+    service = services()[name]
+    assert service["group_add"] == ["10001"]
+    mounts = {v.split(":")[1]: v for v in service["volumes"]}
+    assert mounts[CREDENTIALS_DIR] == f"credentials:{CREDENTIALS_DIR}:ro"
+    for port in service["ports"]:
+        assert str(port).startswith("127.0.0.1:"), "published on this host only"
+
+
+def test_prometheus_service() -> None:
+    prometheus = services()["prometheus"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in prometheus["volumes"]}
+    assert mounts["/etc/prometheus/prometheus.yml"] == "./deploy/monitoring/prometheus.yml"
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
+    assert mounts["/prometheus"] in compose()["volumes"]
+
+
+def test_grafana_is_provisioned_with_the_dashboard_and_prometheus() -> None:
+    grafana = services()["grafana"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in grafana["volumes"]}
+    provisioning = ROOT / mounts["/etc/grafana/provisioning"]
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert source["url"] == "http://prometheus:9090"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "gpufaas.yml").read_text())["providers"]
+    assert mounts[provider["options"]["path"]] == "./deploy/monitoring/grafana"
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"] == f"{CREDENTIALS_DIR}/admin-password"
+
+
 def test_the_gateway_is_published_on_this_host_only() -> None:
-    assert services()["gateway"]["ports"] == ["127.0.0.1:8080:8080"]
+    assert services()["gateway"]["ports"] == ["127.0.0.1:${GPUFAAS_GATEWAY_PORT:-8080}:8080"]
 
 
 def test_etcd_service() -> None:
@@ -341,10 +483,11 @@ def test_control_plane_dockerfile() -> None:
     assert re.search(r"^EXPOSE .*\b50051\b.*\b8080\b", text, re.MULTILINE)
 
 
-def test_control_plane_requirements_leave_out_only_torch() -> None:
-    """Run the Dockerfile's own requirements one-liner against pyproject.toml."""
+def test_control_plane_requirements_leave_out_torch() -> None:
+    """Run the Dockerfile's own requirements one-liner against pyproject.toml: torch is the
+    `worker` extra's, which the control plane does not install."""
     text = (DEPLOY / "Dockerfile.control-plane").read_text()
-    match = re.search(r'python -c "(import re, tomllib;.*?)" >', text)
+    match = re.search(r'python -c "(import tomllib;.*?)" >', text)
     assert match, "requirements one-liner not found"
     code = match.group(1).replace("\\\\", "\\")  # sh's double quotes turn \\ into \
     result = subprocess.run(
@@ -354,6 +497,18 @@ def test_control_plane_requirements_leave_out_only_torch() -> None:
     names = [re.split(r"[<>=!~;\[ ]", r)[0].lower() for r in requirements]
     assert "torch" not in names
     assert {"protobuf", "fastapi", "uvicorn", "aetcd"} <= set(names)
+    assert "pip install --no-deps ." in text, "the project itself must not pull its extras"
+
+
+def test_torch_is_the_worker_extra() -> None:
+    """Only the GPU managers' workers need torch: it is an extra, which the gpu-manager image
+    installs and the control-plane image does not."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = [re.split(r"[<>=!~;\[ ]", r)[0].lower() for r in project["dependencies"]]
+    assert "torch" not in names
+    assert [r for r in project["optional-dependencies"]["worker"] if r.startswith("torch")]
+    assert "'.[worker]'" in (DEPLOY / "Dockerfile.gpu-manager").read_text()
+    assert "[worker]" not in (DEPLOY / "Dockerfile.control-plane").read_text()
 
 
 def test_gpu_manager_dockerfile() -> None:
@@ -500,7 +655,7 @@ def test_gpu_manager_daemonset() -> None:
 
 
 def test_k8s_images_match_compose_images() -> None:
-    compose_images = {s["image"].rsplit(":", 1)[0] for s in services().values()}
+    compose_images = {s["image"].rsplit(":", 1)[0] for name, s in services().items() if name not in MONITORING}
     k8s_images = {c["image"].rsplit(":", 1)[0] for w in workloads() for c in containers(w)}
     assert k8s_images == compose_images
     overridable = {image["name"] for image in kustomization().get("images", [])}

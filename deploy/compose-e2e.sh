@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# The compose stack for real, end to end, on a machine with no GPU and no image registry: builds
+# the images from local parts (deploy/local-images.sh), starts docker-compose.yml with the cpu
+# backend (deploy/compose.local-cpu.yml), waits for every service's health, deploys and calls a
+# template function with the `gpufaas` CLI, crashes a GPU manager and checks that its restart
+# policy brings it back and calls succeed again, then takes everything down (volumes included) and
+# removes the images built from the project. The cached images (base, torch, etcd, prometheus) stay.
+# With deploy/monitoring/prometheus.yml present it also starts the `monitoring` profile's
+# Prometheus and checks that every scrape target is up.
+#
+#   bash deploy/compose-e2e.sh       # root, docker-compose, dockerd (started here if none runs),
+#                                    # debootstrap; the CLI from .venv (or $GPUFAAS_CLI)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$PWD
+CLI=${GPUFAAS_CLI:-$ROOT/.venv/bin/gpufaas}
+PROJECT=gpufaas-e2e-$$  # its own containers, volumes and network, beside any other run
+HEALTH_TIMEOUT_S=240
+RECOVERY_TIMEOUT_S=180
+started_s=$SECONDS
+
+say() { echo "[compose-e2e $((SECONDS - started_s))s] $*"; }
+fail() { say "FAILED: $*" >&2; exit 1; }
+
+[ "$(id -u)" = 0 ] || fail "needs root (dockerd, debootstrap)"
+command -v docker-compose >/dev/null || fail "docker-compose is missing: apt-get install -y docker-compose"
+[ -x "$CLI" ] || fail "no gpufaas CLI at $CLI (bash scripts/setup.sh, or set GPUFAAS_CLI)"
+
+work=$(mktemp -d /tmp/gpufaas-compose-e2e.XXXXXX)
+dockerd_pid=""
+compose() { docker-compose --project-name "$PROJECT" --project-directory "$ROOT" --file "$work/compose.yml" "$@"; }
+
+cleanup() {
+  local status=$?
+  set +e
+  if [ "$status" != 0 ] && [ -f "$work/compose.yml" ]; then
+    say "logs of the failed run (last 40 lines per service):"
+    compose --profile monitoring logs --no-color --tail 40 2>&1 | tail -300
+  fi
+  if [ -f "$work/compose.yml" ]; then
+    compose --profile monitoring down --volumes --remove-orphans --timeout 10 >/dev/null 2>&1
+  fi
+  docker rmi gpufaas/control-plane:local gpufaas/gpu-manager:local >/dev/null 2>&1
+  rm -rf "$work"
+  if [ -n "$dockerd_pid" ]; then
+    kill "$dockerd_pid" 2>/dev/null
+    wait "$dockerd_pid" 2>/dev/null
+  fi
+  say "cleaned up (exit status $status)"
+}
+trap cleanup EXIT
+
+if ! docker info >/dev/null 2>&1; then
+  # As scripts/test.sh starts it: no default bridge, no iptables. Compose's own network is a
+  # user-defined bridge, whose embedded DNS resolves the service names without either.
+  dockerd --iptables=false --bridge=none >"$work/dockerd.log" 2>&1 &
+  dockerd_pid=$!
+  for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
+  docker info >/dev/null 2>&1 || fail "dockerd did not start: $(tail -5 "$work/dockerd.log")"
+  say "started dockerd (pid $dockerd_pid)"
+fi
+
+monitoring=false
+[ -f deploy/monitoring/prometheus.yml ] && monitoring=true
+
+say "building the images"
+if $monitoring; then bash deploy/local-images.sh --monitoring; else bash deploy/local-images.sh; fi
+
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+GPUFAAS_GATEWAY_PORT=$(free_port)
+GPUFAAS_PROMETHEUS_PORT=$(free_port)
+export GPUFAAS_GATEWAY_PORT GPUFAAS_PROMETHEUS_PORT
+URL=http://127.0.0.1:$GPUFAAS_GATEWAY_PORT
+docker-compose --project-directory "$ROOT" -f docker-compose.yml -f deploy/compose.local-cpu.yml config \
+  | python3 deploy/drop_gpu_reservations.py >"$work/compose.yml"
+
+say "docker-compose up ($(docker-compose version --short), gateway on $URL)"
+compose up -d --no-build
+
+health() { docker inspect -f '{{if .State.Health}}{{.State.Health.Status}}{{else}}{{.State.Status}}{{end}}' "$(compose ps -q "$1")"; }
+wait_healthy() {
+  local deadline=$((SECONDS + $2)) service
+  while [ $SECONDS -lt $deadline ]; do
+    local pending=()
+    for service in $1; do [ "$(health "$service" 2>/dev/null)" = healthy ] || pending+=("$service"); done
+    [ ${#pending[@]} = 0 ] && return 0
+    sleep 2
+  done
+  fail "not healthy after $2 s: ${pending[*]}"
+}
+wait_healthy "etcd scheduler gateway gpu-manager-0 gpu-manager-1" "$HEALTH_TIMEOUT_S"
+say "every service is healthy"
+compose ps
+
+export GPUFAAS_CONFIG_DIR=$work/config  # gpufaas login keeps the password here, not in ~/.config
+unset GPUFAAS_URL GPUFAAS_PASSWORD
+compose exec -T gateway cat /run/gpufaas/admin-password | "$CLI" login --gateway "$URL" --password-stdin
+"$CLI" new hello --template pytorch-custom --dir "$work"
+"$CLI" deploy --file "$work/stack.yml" --gateway "$URL"
+
+# invoke_until N DEADLINE_S: N successful calls in a row before the deadline; prints the tries.
+invoke_until() {
+  local wanted=$1 deadline=$((SECONDS + $2)) ok=0 tries=0
+  while [ $ok -lt "$wanted" ]; do
+    [ $SECONDS -lt $deadline ] || fail "$ok of $wanted calls in a row succeeded after $tries tries"
+    tries=$((tries + 1))
+    if "$CLI" invoke hello --gateway "$URL" -v -d '{"inputs": [[1, 2, 3, 4]]}' >"$work/out" 2>"$work/err"; then
+      ok=$((ok + 1))
+    else
+      ok=0
+      say "call $tries failed: $(tail -1 "$work/err")"
+      sleep 2
+    fi
+  done
+  say "$wanted calls in a row succeeded ($tries tries): $(head -c 200 "$work/out")"
+  grep -i '^x-' "$work/err" || true
+}
+invoke_until 3 120
+
+# The node that served the last call (X-Gpu names it) is the one to crash.
+victim=gpu-manager-0
+grep -qi '^x-gpu: .*gpu-manager-1' "$work/err" && victim=gpu-manager-1
+container=$(compose ps -q "$victim")
+restarts=$(docker inspect -f '{{.RestartCount}}' "$container")
+# A crash, not `docker kill`: Docker counts `docker kill` (like `docker stop`) as a manual stop,
+# which no restart policy undoes. SIGKILL to the container's first process from outside is what
+# the kernel's OOM killer or a segfault looks like to Docker.
+say "crashing $victim (kill -KILL its pid 1 from the host)"
+kill -KILL "$(docker inspect -f '{{.State.Pid}}' "$container")"
+deadline=$((SECONDS + 60))
+until [ "$(docker inspect -f '{{.RestartCount}}' "$container")" -gt "$restarts" ]; do
+  [ $SECONDS -lt $deadline ] || fail "$victim was not restarted"
+  sleep 1
+done
+say "$victim restarted by its restart policy (restart count $(docker inspect -f '{{.RestartCount}}' "$container"))"
+wait_healthy "$victim" "$RECOVERY_TIMEOUT_S"
+say "$victim is healthy again"
+invoke_until 5 "$RECOVERY_TIMEOUT_S"
+
+if $monitoring; then
+  say "starting the monitoring profile's prometheus"
+  compose --profile monitoring up -d --no-build prometheus
+  targets_url=http://127.0.0.1:$GPUFAAS_PROMETHEUS_PORT/api/v1/targets
+  deadline=$((SECONDS + 90))
+  until python3 - "$targets_url" <<'EOF'
+import json, sys, urllib.request
+try:
+    targets = json.load(urllib.request.urlopen(sys.argv[1], timeout=5))["data"]["activeTargets"]
+except OSError:
+    sys.exit(1)
+for t in targets:
+    print(f"  {t['labels'].get('job')} {t['scrapeUrl']}: {t['health']} {t.get('lastError', '')}")
+sys.exit(0 if targets and all(t["health"] == "up" for t in targets) else 1)
+EOF
+  do
+    [ $SECONDS -lt $deadline ] || fail "prometheus: not every target is up"
+    sleep 5
+  done
+  say "prometheus scrapes every target"
+else
+  say "no deploy/monitoring/prometheus.yml: the monitoring profile is not checked"
+fi
+
+say "PASSED"
