@@ -97,15 +97,10 @@ build "$BASE" gpufaas/control-plane:local "
 " --change "ENV PATH=$VENV_PATH" --change 'ENV PYTHONUNBUFFERED=1' --change 'USER 10001:10001' \
   --change 'WORKDIR /var/lib/gpufaas' --change 'CMD ["python", "-m", "scheduler", "--help"]'
 
-# Debian bookworm's Python is 3.11.2, older than tarfile's extraction filters (PEP 706, 3.11.4),
-# which the GPU manager unpacks packages with (gpu_manager/packages.py): where they are missing,
-# the venv loads the backports.tarfile module (the same filters, from CPython 3.12) as `tarfile`.
-TARFILE_SHIM='import sys, tarfile; hasattr(tarfile, "data_filter") or sys.modules.__setitem__("tarfile", __import__("backports.tarfile", fromlist=["tarfile"]))'
 build "$BASE_TORCH" gpufaas/gpu-manager:local "
   $COPY_SRC
-  /opt/venv/bin/pip install -q '/tmp/src[worker]' 'backports.tarfile>=1.2'
-  echo '$TARFILE_SHIM' > /opt/venv/lib/python3.11/site-packages/gpufaas-tarfile-filters.pth
-  /opt/venv/bin/python -c 'import tarfile; tarfile.data_filter'
+  /opt/venv/bin/pip install -q '/tmp/src[worker]'
+  /opt/venv/bin/python -c 'import gpu_manager.packages as p; p.tarfile.data_filter'  # bookworm's 3.11.2: the backport
   rm -rf /tmp/src /root/.cache
   /opt/venv/bin/python -c 'import gpu_manager.daemon, torch; print(\"torch\", torch.__version__)'
 " --change "ENV PATH=$VENV_PATH" --change 'ENV PYTHONUNBUFFERED=1' --change 'USER 10001:10001' \

@@ -23,6 +23,9 @@ from gpufaas.packages import (
     package_digest,
 )
 
+if not hasattr(tarfile, "data_filter"):  # before Python 3.11.4 (Debian bookworm: 3.11.2): PEP 706's filters
+    from backports import tarfile  # type: ignore[no-redef,import-not-found,unused-ignore]
+
 __all__ = ["InvalidPackage", "PackageCache", "package_digest"]
 
 _DIGEST = re.compile(r"sha256:([0-9a-f]{64})")

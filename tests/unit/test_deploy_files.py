@@ -660,3 +660,24 @@ def test_k8s_images_match_compose_images() -> None:
     assert k8s_images == compose_images
     overridable = {image["name"] for image in kustomization().get("images", [])}
     assert k8s_images - {"quay.io/coreos/etcd"} <= overridable
+
+
+def test_prometheus_scrapes_each_daemon_where_compose_makes_it_listen() -> None:
+    """Every target of deploy/monitoring/prometheus.yml is a compose service listening on that
+    port (--metrics-listen, or the gateway's own --port), with the credential that port asks for."""
+    config = yaml.safe_load((DEPLOY / "monitoring" / "prometheus.yml").read_text())
+    listening: dict[str, str] = {}  # "service:port" -> the credential file it asks for
+    for name, service in services().items():
+        command = [str(part) for part in service.get("command", [])]
+        if "--metrics-listen" in command:
+            port = command[command.index("--metrics-listen") + 1].rsplit(":", 1)[1]
+            listening[f"{name}:{port}"] = f"{CREDENTIALS_DIR}/metrics-token"
+        if "gateway" in command and "--port" in command:
+            listening[f"{name}:{command[command.index('--port') + 1]}"] = f"{CREDENTIALS_DIR}/admin-password"
+    scraped = {
+        target: job["authorization"]["credentials_file"]
+        for job in config["scrape_configs"]
+        for group in job["static_configs"]
+        for target in group["targets"]
+    }
+    assert scraped == listening
