@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import gpufaas
 from gateway.auth import OPEN_PATHS, AuthMiddleware
@@ -37,6 +38,11 @@ def _invalid_request(request: Request, exc: RequestValidationError) -> str:
     first = errors[0] if errors else {}
     loc = [str(part) for part in first.get("loc", ())]
     if loc[:1] == ["body"]:
+        if isinstance(first.get("input"), bytes):  # a body FastAPI did not read as JSON: its content type
+            return (
+                f"the body was sent as {request.headers.get('content-type', 'no content type')!r}; "
+                "send JSON with Content-Type: application/json"
+            )
         if first.get("type") == "json_invalid" or (loc == ["body"] and first.get("type") == "missing"):
             if request.url.path == "/system/functions" and request.method == "DELETE":
                 return 'the body must be JSON like {"functionName": "NAME"}'
@@ -83,6 +89,11 @@ def create_app(store: Store, config: GatewayConfig) -> FastAPI:
     @app.exception_handler(StoreError)
     async def on_store(request: Request, exc: StoreError) -> JSONResponse:
         return _error(503, f"the datastore (etcd) is unreachable: {exc}; check that etcd runs")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own answers (a body it cannot parse, an unknown route or method) in the same form.
+        return _error(exc.status_code, str(exc.detail), dict(exc.headers) if exc.headers else None)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -83,6 +83,27 @@ def roles_for(method: str, path: str) -> frozenset[Role] | None:
     return frozenset({Role.ADMIN})
 
 
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+CROSS_SITE_MESSAGE = (
+    "a cross-site request may not use the admin's browser credentials to change anything; "
+    "call the API directly (curl, gpufaas), or with a bearer token"
+)
+
+
+def forged(method: str, headers: dict[bytes, bytes]) -> bool:
+    """Whether this is another site's write riding on the admin's Basic credentials, which a
+    browser keeps after the dashboard asked for them and sends with any request to the gateway
+    (CSRF): a method that changes something, Basic credentials, and a browser's sign that another
+    origin sent it (Sec-Fetch-Site: cross-site, or an Origin that is not this host). Bearer tokens
+    are never sent by a browser on its own, and a script cannot add one cross-site unasked."""
+    if method in SAFE_METHODS or headers.get(b"authorization", b"")[:6].lower() != b"basic ":
+        return False
+    if headers.get(b"sec-fetch-site") == b"cross-site":
+        return True
+    origin = headers.get(b"origin")
+    return origin is not None and origin.partition(b"://")[2] != headers.get(b"host")
+
+
 def refusal(role: Role | None, what: str) -> tuple[int, str]:
     """The status and message for a caller whose `role` (None: no valid credential) may not `what`."""
     if role is None:
@@ -120,6 +141,9 @@ class AuthMiddleware:
             if role not in admitted:
                 status, message = refusal(role, f"{scope['method']} {scope['path']}")
                 await send_refusal(send, status, message)
+                return
+            if forged(scope["method"], dict(scope["headers"])):
+                await send_refusal(send, 403, CROSS_SITE_MESSAGE)
                 return
         await self.app(scope, receive, send)
 

@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from gateway.auth import ANY_CALLER, refusal, send_refusal
+from gateway.auth import ANY_CALLER, CROSS_SITE_MESSAGE, forged, refusal, send_refusal
 from gateway.router import CallFailed
 from gpufaas.proto import gpufaas_pb2 as pb
 
@@ -63,6 +63,9 @@ class InvokeMiddleware:
             if role not in ANY_CALLER:
                 status, message = refusal(role, f"call function {name!r}")
                 await send_refusal(send, status, message, [(b"x-call-id", call_id.encode("latin-1"))])
+                return
+            if forged("POST", headers):
+                await send_refusal(send, 403, CROSS_SITE_MESSAGE, [(b"x-call-id", call_id.encode("latin-1"))])
                 return
         if spec is None:
             await _error(send, 404, f"function {name!r} is not deployed; deploy it first (gpufaas deploy)", call_id)

@@ -115,7 +115,8 @@ class Gateway:
 
     def collect_packages(self, now_unix_s: float) -> list[str]:
         """One collection (see `_collect_packages`); returns the digests deleted."""
-        used = {spec.package_digest.removeprefix("sha256:") for spec in self.functions.values()}
+        # A thread runs this (asyncio.to_thread) while the loop may change `functions`: a snapshot.
+        used = {spec.package_digest.removeprefix("sha256:") for spec in list(self.functions.values())}
         removed = []
         for path in self.packages_dir.glob("*.tar.gz"):
             hex_digest = path.name.removesuffix(".tar.gz")
@@ -150,9 +151,14 @@ class Gateway:
         name = event.key.removeprefix(self.keys.functions)
         if event.kind == "delete":
             self.functions.pop(name, None)
+            self.stats.drop(name)
         else:
             with contextlib.suppress(GpufaasError):
-                self.functions[name] = FunctionSpec.from_json(event.value)
+                spec = FunctionSpec.from_json(event.value)
+                old = self.functions.get(name)
+                if old is not None and old.model != spec.model:
+                    self.stats.drop(name)  # a new package: its hit ratio and latency start afresh
+                self.functions[name] = spec
 
     def _services_listed(self, kvs: list[KeyValue], revision: int) -> None:
         for kv in kvs:

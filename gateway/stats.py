@@ -46,6 +46,10 @@ class FunctionStats:
         """A call that got an error (the function's own, a timeout, no capacity...)."""
         self._of(name).errors += 1
 
+    def drop(self, name: str) -> None:
+        """Forget one function (deleted, or deployed with a new package)."""
+        self._functions.pop(name, None)
+
     def forget(self, keep: set[str]) -> None:
         """Drop the functions not in `keep` (deleted ones), so the table stays bounded."""
         for name in [n for n in self._functions if n not in keep]:

@@ -19,6 +19,7 @@ DEFAULT_TIMEOUT_S = 60.0
 MAX_TIMEOUT_S = 3600.0
 MAX_BATCH_SIZE = 1024
 MAX_BATCH_WAIT_MS = 10_000.0
+MAX_MEMORY_MB = 10_000_000  # 10 TB: far past any GPU, well inside the wire's int64
 
 # What each field takes, in words: every error about a field says it (and where, and what it got).
 EXPECTED: dict[str, str] = {
@@ -27,7 +28,7 @@ EXPECTED: dict[str, str] = {
         "letter or digit"
     ),
     "package_digest": "expected 'sha256:' and 64 hex digits (the digest POST /system/packages answered)",
-    "memory_mb": "expected a positive whole number: the model's peak GPU memory in MB",
+    "memory_mb": f"expected a positive whole number, at most {MAX_MEMORY_MB}: the model's peak GPU memory in MB",
     "gpu": "expected 'any' or a GPU type such as 'nvidia-h100-80gb-hbm3' (see GET /system/gpus)",
     "batch_size": "expected a positive whole number",
     "timeout_s": f"expected seconds in (0, {MAX_TIMEOUT_S:g}]",
@@ -68,12 +69,16 @@ class FunctionSettings(BaseModel):
     `slo_ms`: the latency a call should meet (end to end, from arrival); policies that know SLOs
     (`torpor`) put first the functions most likely to meet theirs. None: no SLO.
 
-    Strict: no value is coerced (`"5"` is not 5, `1` is not true); unknown fields are refused.
+    Strict: no text or boolean stands for a number (`"5"` is not 5, `true` is not 1) nor a number
+    for a boolean; a whole number may be written `5.0` (JSON Schema's integer) and a number of
+    seconds or milliseconds `30`. Unknown fields are refused.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    memory_mb: Annotated[int, Field(ge=1, description="the model's peak GPU memory (MB) at batch_size"), WHOLE]
+    memory_mb: Annotated[
+        int, Field(ge=1, le=MAX_MEMORY_MB, description="the model's peak GPU memory (MB) at batch_size"), WHOLE
+    ]
     gpu: Annotated[
         str,
         Field(pattern=f"^any$|{GPU_TYPE_PATTERN.pattern}", description="a GPU type the function must run on, or any"),
@@ -174,10 +179,10 @@ def explain(errors: list[ErrorDetails], model: type[BaseModel] = FunctionSpec, p
     # Fields in the order a reader fills them in: the name first.
     error = min(errors, key=lambda e: _ORDER.get(str(e["loc"][0]) if e["loc"] else "", -1))
     loc = [str(part) for part in error["loc"]]
+    if error["type"] == "json_invalid":
+        return f"{path or 'function spec'}: not valid JSON ({error.get('ctx', {}).get('error', error['msg'])})"
     if not loc:
         return f"{path or 'function spec'}: expected an object with the fields {', '.join(_fields(model))}"
-    if error["type"] == "json_invalid":
-        return f"{path or 'function spec'}: not valid JSON ({error['msg']})"
     field = loc[0]
     where = f"{path}.{field}" if path else field
     if error["type"] == "extra_forbidden":
@@ -186,8 +191,10 @@ def explain(errors: list[ErrorDetails], model: type[BaseModel] = FunctionSpec, p
     if error["type"] == "missing":
         return f"{where}: required; {expected.removeprefix('expected ')}"
     value = error.get("input")
-    if field == "name" and isinstance(value, str):
-        return f"{where}: {value!r} is not a valid function name; use {expected.removeprefix('a function name: ')}"
+    if field == "name":
+        if isinstance(value, str):
+            return f"{where}: {value!r} is not a valid function name; use {expected.removeprefix('a function name: ')}"
+        return f"{where}: expected {expected}, got {value!r}"
     if len(loc) > 1:  # inside a mapping: say which entry
         return f"{where}: {expected}; {'.'.join(loc[1:])} is {value!r}"
     return f"{where}: {expected}, got {value!r}"
@@ -198,7 +205,3 @@ _ORDER = {name: i for i, name in enumerate(["name", "package_digest", *EXPECTED]
 
 def _fields(model: type[BaseModel]) -> list[str]:
     return sorted(model.model_fields)
-
-
-# The JSON Schema of a function spec as the gateway takes it (POST/PUT /system/functions).
-FUNCTION_SPEC_SCHEMA: dict[str, Any] = FunctionSpec.model_json_schema()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,9 @@ def parse_stack(raw: Any, path: Path) -> Stack:
             raise fail(f"{where}.template", f"expected a template name, got {template!r}")
         values = {key: value for key, value in settings.items() if key not in ("handler", "template")}
         for key in ("labels", "environment"):  # YAML types `version: 1.0` as a number; a label is text
-            if isinstance(values.get(key), dict):
+            if key in values and values[key] is None:  # `labels:` with nothing (or only comments) under it
+                del values[key]
+            elif isinstance(values.get(key), dict):
                 values[key] = {str(k): _text(v) for k, v in values[key].items()}
         try:
             function_settings = FunctionSettings.from_dict(values, path=where)
@@ -114,9 +117,12 @@ def _reject_unknown(raw: dict[Any, Any], known: set[str], where: str, fail: Any)
 
 
 def _text(value: Any) -> Any:
-    """A YAML scalar as the text it was written as (`true`, `1.0`); anything else as it is (refused)."""
+    """A YAML scalar as text (`true`, `1.0`, `2024-01-01`, and an empty value as ''); anything else
+    as it is (refused: a label is not a list or a mapping)."""
+    if value is None:
+        return ""
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, int | float | str):
+    if isinstance(value, int | float | str | datetime.date):
         return str(value)
     return value

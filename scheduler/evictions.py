@@ -22,8 +22,10 @@ class Eviction:
 class EvictionLog:
     """The last `size` models that left a GPU or a host tier, and why:
     - lru: a placement made room for another model (Algorithm 1's eviction);
-    - idle: the staged exit released an idle model (to the host tier or out);
-    - removed: a model no function runs any more, or an orphan a node reported;
+    - idle: a release the scheduler asked for if the worker is idle: the staged exit's (to the host
+      tier or out), or an orphan's a node reported (the node keeps a worker that has calls in
+      flight or that a later grant uses, so this is what was asked, not always what happened);
+    - removed: a model no function runs any more;
     - host: a copy left a node's host tier."""
 
     def __init__(self, size: int = RECENT_EVICTIONS) -> None:

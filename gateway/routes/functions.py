@@ -12,13 +12,16 @@ from gateway.routes.deps import GatewayDep
 from gateway.state import ApiError, Gateway
 from gpufaas.functions import NAME_PATTERN, FunctionSpec
 
-router = APIRouter()
+# A body without a Content-Type is read as JSON (as before the routes were typed); one sent as a
+# form or as text is not (what a browser can send cross-site without asking).
+router = APIRouter(strict_content_type=False)
 
 
 class DeleteRequest(BaseModel):
     """OpenFaaS's delete request."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # Other keys are ignored: OpenFaaS clients may send more (a namespace), as the old route allowed.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     functionName: Annotated[str, Field(pattern=NAME_PATTERN.pattern, max_length=63)]  # noqa: N815 (OpenFaaS's name)
 

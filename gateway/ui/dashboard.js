@@ -3,6 +3,7 @@
 "use strict";
 
 const REFRESH_MS = 2000;
+const TIMEOUT_MS = 10000;  // a request that hangs must not stop the polling
 
 function el(tag, attributes = {}, ...children) {
   const node = document.createElement(tag);
@@ -108,9 +109,15 @@ function render(overview) {
 async function refresh() {
   const problem = document.getElementById("problem");
   try {
-    const response = await fetch("/system/overview", { headers: { accept: "application/json" }, cache: "no-store" });
-    const body = await response.json();
-    if (!response.ok) throw new Error(body.error || `HTTP ${response.status}`);
+    const response = await fetch("/system/overview", {
+      headers: { accept: "application/json" },
+      cache: "no-store",
+      signal: AbortSignal.timeout(TIMEOUT_MS),
+    });
+    const json = (response.headers.get("content-type") || "").startsWith("application/json");
+    const body = json ? await response.json() : {};
+    if (!response.ok) throw new Error(body.error || `HTTP ${response.status} ${response.statusText}`);
+    if (!json) throw new Error("the gateway did not answer with JSON");
     render(body);
     problem.hidden = true;
   } catch (error) {

@@ -203,19 +203,13 @@ class MqfqStickyPolicy(SchedulingPolicy, name="mqfq-sticky"):
 
     def _sticky_target(self, ctx: SchedulingContext, gpu_id: str, request: Request) -> str | None:
         """Where the flow's call runs: an idle GPU that holds the model, else this GPU (a miss),
-        else the first idle GPU the model may run on. With D > 1, a holder with a free slot but
-        the model's worker busy takes the call behind that worker unless a replica fits on an
-        idle GPU evicting nothing: a replica that evicts another flow's model makes the two
-        flows chase each other between GPUs (each miss evicting what the other needs next)."""
+        else the first idle GPU the model may run on."""
         avoid = request.avoid_gpu
         holders = ctx.cache.gpus_with(request.model)
         if holders:
             idle_holder = ctx.best_idle(holders, exclude=avoid, model=request.model)
             if idle_holder is not None:
                 return idle_holder
-            slot_holder = ctx.best_idle(holders, exclude=avoid)  # D = 1: None here (its worker would be free)
-            if slot_holder is not None:
-                return ctx.idle_for_replica(request.model, gpu_id, exclude=avoid) or slot_holder
         if gpu_id != avoid and ctx.fits(request.model, gpu_id):
             return gpu_id
         return ctx.first_idle_fitting(request.model, exclude=avoid)

@@ -259,9 +259,13 @@ def test_the_newer_policies_run_the_real_cluster(make_cluster: ClusterFactory, t
         responses = list(pool.map(lambda n: invoke(cluster, n, client), calls))
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
     assert all(flat(r.json()["outputs"]) == pytest.approx(expected_outputs()) for r in responses)
-    # Sticky: after the first call of each model, its calls hit where it is resident (a replica
-    # each at most).
-    assert sum(r.headers["X-Cache"] == "miss" for r in responses) <= 2, [
+    # Sticky: after the first call of each model, its calls hit where it is resident: for torpor
+    # (LALB's placement) a replica each at most. MQFQ-Sticky also loads a flow's model on another
+    # GPU when every holder's slots are full and the load is expected to take less than the wait
+    # (these models load in milliseconds), evicting the other flow's model there: a few more
+    # misses, still far from a placement that ignores where models are (about half the burst).
+    bound = 2 if policy == "torpor" else len(calls) // 4
+    assert sum(r.headers["X-Cache"] == "miss" for r in responses) <= bound, [
         (n, r.headers["X-Gpu"], r.headers["X-Cache"], r.headers["X-Queue-Seconds"])
         for n, r in zip(calls, responses, strict=True)
     ]

@@ -525,6 +525,16 @@ def test_spec_validation_errors_name_the_field(tmp_path: Path) -> None:
             )
             assert_error(response, 400, "JSON function spec")
         assert await env.store.get_prefix(env.keys.functions) == []
+        # A form or text body is not read as JSON (a browser sends those cross-site unasked): the
+        # answer says what to send instead.
+        for content_type in ("application/x-www-form-urlencoded", "text/plain"):
+            response = await env.client.post(
+                "/system/functions", content=json.dumps(good).encode(), headers={"content-type": content_type}
+            )
+            assert_error(response, 400, content_type, "Content-Type: application/json")
+        # FastAPI's own refusals come in the same form as the gateway's.
+        assert_error(await env.client.get("/system/nowhere"), 404)
+        assert_error(await env.client.patch("/system/functions", json=good), 405)
 
         # DELETE bodies.
         for raw_body in (b"nope", b'"x"', b"{}", b'{"functionName": 3}'):
@@ -534,6 +544,11 @@ def test_spec_validation_errors_name_the_field(tmp_path: Path) -> None:
         assert_error(response, 400, "'a/b'", "not a valid function name")
         response = await env.client.request("DELETE", "/system/functions", json={"functionName": "nope"})
         assert_error(response, 404, "'nope'")
+        # OpenFaaS clients may say more (a namespace); a body without a content type is read as JSON.
+        extra = await env.client.request("DELETE", "/system/functions", json={"functionName": "nope", "namespace": "x"})
+        assert_error(extra, 404, "'nope'")
+        bare = await env.client.request("DELETE", "/system/functions", content=b'{"functionName": "nope"}')
+        assert_error(bare, 404, "'nope'")
 
     run(tmp_path, body)
 

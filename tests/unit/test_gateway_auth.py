@@ -142,3 +142,34 @@ def test_an_insecure_gateway_admits_anyone(tmp_path: Path) -> None:
         assert_error(await status(env, "POST", "/function/f", NOBODY, json={}), 503)
 
     run(tmp_path, body, credentials=None, scheduler_wait_s=0.1)
+
+
+BROWSER_ADMIN = {"authorization": basic_authorization("admin", ADMIN_PASSWORD)}
+
+
+def test_another_site_cannot_write_with_the_admins_browser_credentials(tmp_path: Path) -> None:
+    """Once the dashboard asked for them, a browser sends the admin's Basic credentials with any
+    request to the gateway, even one another site's page makes (CSRF): writes that a browser marks
+    as cross-site are refused; reads, same-origin writes and bearer tokens are not."""
+
+    async def body(env: Env) -> None:
+        digest = await env.upload()
+        spec = {"name": "f", "package_digest": digest, "memory_mb": 100}
+        cross_site = (
+            {**BROWSER_ADMIN, "sec-fetch-site": "cross-site"},
+            {**BROWSER_ADMIN, "origin": "https://evil.example"},
+            {**BROWSER_ADMIN, "origin": "null"},
+        )
+        for headers in cross_site:
+            assert_error(await status(env, "POST", "/system/functions", headers, json=spec), 403, "cross-site")
+            assert_error(await status(env, "POST", "/system/packages", headers, content=b"x"), 403, "cross-site")
+            refused = await status(env, "POST", "/function/f", headers, content=b"{}")
+            assert_error(refused, 403, "cross-site")
+            assert (await status(env, "GET", "/system/functions", headers)).status_code == 200  # reads are fine
+        assert await env.stored_spec("f") is None
+        same_origin = {**BROWSER_ADMIN, "origin": "http://gateway", "sec-fetch-site": "same-origin"}
+        assert (await status(env, "POST", "/system/functions", same_origin, json=spec)).status_code == 202
+        bearer = {**ADMIN, "sec-fetch-site": "cross-site"}  # a token is never the browser's own doing
+        assert_error(await status(env, "POST", "/function/f", bearer, json={}), 503)  # past auth: no scheduler
+
+    run(tmp_path, body, scheduler_wait_s=0.1)

@@ -50,9 +50,12 @@ def test_stats_forget_deleted_functions() -> None:
     stats = FunctionStats()
     stats.answered("kept", 0.1, hit=True)
     stats.answered("gone", 0.1, hit=True)
-    stats.forget({"kept"})
+    stats.answered("redeployed", 0.1, hit=True)
+    stats.forget({"kept", "redeployed"})
     assert stats.summary("kept")["calls"] == 1
     assert stats.summary("gone")["calls"] == 0
+    stats.drop("redeployed")
+    assert stats.summary("redeployed")["calls"] == 0
 
 
 def _assignment(gpu_id: str, evict: tuple[str, ...]) -> Assignment:

@@ -103,3 +103,12 @@ def test_missing_and_malformed_files_are_explained(tmp_path: Path) -> None:
         load_stack(write(tmp_path, "functions: [unclosed\n"))
     with pytest.raises(InvalidInput, match="functions: expected a mapping"):
         load_stack(write(tmp_path, "version: 1.0\nfunctions: {}\n"))
+
+
+def test_empty_and_dated_yaml_values_are_taken_as_yaml_means_them(tmp_path: Path) -> None:
+    text = GOOD.replace("labels: {team: vision}", "labels:\n      # none yet").replace(
+        "environment: {MODE: fast}", "environment: {EMPTY: , SINCE: 2024-01-01, DEBUG: true}"
+    )
+    (function,) = load_stack(write(tmp_path, text)).functions
+    assert function.settings.labels == {}
+    assert function.settings.environment == {"EMPTY": "", "SINCE": "2024-01-01", "DEBUG": "true"}
