@@ -582,7 +582,9 @@ def test_workload_selectors_match_their_pods() -> None:
         assert selector.items() <= labels.items(), workload["metadata"]["name"]
 
 
-@pytest.mark.parametrize(("service", "ports"), [("etcd", {2379, 2380}), ("scheduler", {50051}), ("gateway", {8080})])
+@pytest.mark.parametrize(
+    ("service", "ports"), [("etcd", {2379, 2380}), ("scheduler", {50051, 9100}), ("gateway", {8080})]
+)
 def test_service_ports_reach_a_container(service: str, ports: set[int]) -> None:
     (svc,) = [s for s in objects("Service") if s["metadata"]["name"] == service]
     assert {port["port"] for port in svc["spec"]["ports"]} == ports
@@ -681,3 +683,24 @@ def test_prometheus_scrapes_each_daemon_where_compose_makes_it_listen() -> None:
         for target in group["targets"]
     }
     assert scraped == listening
+
+
+def test_kubernetes_exposes_the_same_metrics_as_compose() -> None:
+    """The scheduler and the GPU managers listen for Prometheus on the port compose uses, announce
+    it for pod discovery, and the Secret carries the token they ask for."""
+    compose_ports = {
+        str(service["command"][service["command"].index("--metrics-listen") + 1]).rsplit(":", 1)[1]
+        for service in services().values()
+        if "--metrics-listen" in [str(part) for part in service.get("command", [])]
+    }
+    (port,) = compose_ports
+    for name in ("scheduler", "gpu-manager"):
+        (workload,) = [w for w in workloads() if w["metadata"]["name"] == name]
+        (container,) = containers(workload)
+        assert f"--metrics-listen=0.0.0.0:{port}" in container["args"]
+        assert {"name": "metrics", "containerPort": int(port)} in container["ports"]
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": port}
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    (generator,) = kustomization["secretGenerator"]
+    assert "secrets/metrics-token" in generator["files"]
