@@ -157,6 +157,30 @@ EOF
     sleep 5
   done
   say "prometheus scrapes every target"
+  # Every query of the Grafana dashboard is one Prometheus accepts, and the counters it reads saw
+  # the calls made above (8 answered at least: 3, then 5 after the crash).
+  python3 - "http://127.0.0.1:$GPUFAAS_PROMETHEUS_PORT" deploy/monitoring/grafana/gpufaas-dashboard.json <<'EOF' \
+    || fail "prometheus: the dashboard's queries or the call counters are wrong"
+import json, sys, urllib.error, urllib.parse, urllib.request
+base, dashboard = sys.argv[1], sys.argv[2]
+
+def query(expr):
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    try:
+        return json.load(urllib.request.urlopen(url, timeout=10))
+    except urllib.error.HTTPError as error:  # 400: a query Prometheus refuses, with its reason
+        return json.load(error)
+
+exprs = [t["expr"] for p in json.load(open(dashboard))["panels"] for t in p.get("targets", [])]
+refused = [(e, a.get("error")) for e in exprs if (a := query(e.replace("$__rate_interval", "1m")))["status"] != "success"]
+for expr, error in refused:
+    print(f"  refused: {expr}: {error}")
+result = query("sum(gpufaas_scheduler_calls_total)")["data"]["result"]
+calls = float(result[0]["value"][1]) if result else 0.0
+print(f"  {len(exprs) - len(refused)} of {len(exprs)} dashboard queries accepted; the scheduler counted {calls:.0f} calls")
+sys.exit(1 if refused or calls < 8 else 0)
+EOF
+  say "the dashboard's queries run on the scraped series"
 else
   say "no deploy/monitoring/prometheus.yml: the monitoring profile is not checked"
 fi
