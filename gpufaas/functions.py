@@ -3,6 +3,7 @@ routes (and its OpenAPI document) and the copies in etcd."""
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Annotated, Any, TypeVar
 
@@ -133,8 +134,10 @@ class FunctionSpec(FunctionSettings):
     def required_gpu_type(self) -> str | None:
         return None if self.gpu == "any" else self.gpu
 
-    @property
+    @functools.cached_property
     def model(self) -> str:
+        # Cached: the scheduler and the gateway ask for it several times per call (not a field:
+        # neither dumped nor compared).
         return f"{self.name}@{self.package_digest.removeprefix('sha256:')[:12]}"
 
     def deadline_message(self) -> str:
