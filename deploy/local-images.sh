@@ -21,12 +21,7 @@ TORCH=torch==2.13.0  # an unpinned torch would pull several GB of CUDA packages
 monitoring=false
 [ "${1:-}" = --monitoring ] && monitoring=true
 
-mounts=()
-for path in /etc/pip.conf /etc/xdg/pip /opt/wheels /opt/pypi /opt/pypi-more /etc/ssl/certs; do
-  [ -e "$path" ] && mounts+=(-v "$path:$path:ro")
-done
-envs=()
-while IFS='=' read -r name _; do envs+=(-e "$name"); done < <(env | grep '^PIP_' || true)
+source scripts/pip-mounts.sh  # mounts, envs: what pip in the build container needs
 # The daemons' user, as in deploy/Dockerfile.*; the directories the named volumes copy their owner from.
 ADD_USER='groupadd --system --gid 10001 gpufaas
   useradd --system --uid 10001 --gid gpufaas --home-dir /var/lib/gpufaas --shell /usr/sbin/nologin gpufaas

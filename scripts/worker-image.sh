@@ -16,12 +16,7 @@ TORCH=torch==2.13.0
 
 bash scripts/base-image.sh
 
-mounts=()
-for path in /etc/pip.conf /etc/xdg/pip /opt/wheels /opt/pypi /opt/pypi-more /etc/ssl/certs; do
-  [ -e "$path" ] && mounts+=(-v "$path:$path:ro")
-done
-envs=()
-while IFS='=' read -r name _; do envs+=(-e "$name"); done < <(env | grep '^PIP_' || true)
+source scripts/pip-mounts.sh  # mounts, envs: what pip in the build container needs
 
 name=gpufaas-worker-build-$$
 docker rm -f "$name" >/dev/null 2>&1 || true

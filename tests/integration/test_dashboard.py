@@ -18,6 +18,7 @@ import pytest
 from gpufaas.credentials import ADMIN_USER, read_secret
 from gpufaas.local_cluster import LocalCluster
 from tests.integration.conftest import ClusterFactory, deploy
+from tests.integration.test_control_plane import invoke
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,12 +26,7 @@ SCREENSHOT = ROOT / "test-artifacts" / "dashboard.png"
 
 
 def call(cluster: LocalCluster, name: str) -> httpx.Response:
-    response = httpx.post(
-        f"{cluster.gateway_url}/function/{name}",
-        json={"inputs": [[1.0, 2.0, 3.0, 4.0]]},
-        headers=cluster.invoke_headers,
-        timeout=60,
-    )
+    response = invoke(cluster, name)
     assert response.status_code == 200, response.text
     return response
 

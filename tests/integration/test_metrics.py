@@ -14,6 +14,7 @@ import pytest
 from gpufaas import credentials
 from gpufaas.local_cluster import LocalCluster
 from tests.integration.conftest import ClusterFactory, deploy
+from tests.integration.test_control_plane import invoke
 from tests.scrape import sample
 
 
@@ -43,12 +44,7 @@ def test_every_daemon_counts_the_calls_made_hits_misses_and_evictions(
     calls = ["lin-a", "lin-a", "lin-b", "lin-b", "lin-c", "lin-a"]
     caches = []
     for name in calls:
-        response = httpx.post(
-            f"{cluster.gateway_url}/function/{name}",
-            json={"inputs": [[1.0, 2.0, 3.0, 4.0]]},
-            headers=cluster.invoke_headers,
-            timeout=60,
-        )
+        response = invoke(cluster, name)
         assert response.status_code == 200, response.text
         caches.append(response.headers["X-Cache"])
     misses = caches.count("miss")
@@ -115,20 +111,20 @@ def test_o3_skips_and_worker_deaths_are_counted_as_they_happen(make_cluster: Clu
     deploy(cluster, "other", "linear_function", tmp_path)
     token = cluster.metrics_token
 
-    def invoke(name: str, inputs: object, out: dict[str, httpx.Response]) -> None:
+    def call_into(name: str, inputs: object, out: dict[str, httpx.Response]) -> None:
         out[name] = httpx.post(
             f"{cluster.gateway_url}/function/{name}", json=inputs, headers=cluster.invoke_headers, timeout=60
         )
 
     warm: dict[str, httpx.Response] = {}
-    invoke("slow", {"sleep_s": 0}, warm)  # slow's model is now on the GPU
+    call_into("slow", {"sleep_s": 0}, warm)  # slow's model is now on the GPU
     assert warm["slow"].status_code == 200, warm["slow"].text
     # While slow holds the GPU, `other` (a miss) queues, then a second `slow` (a hit) behind it.
     first: dict[str, httpx.Response] = {}
     later: dict[str, httpx.Response] = {}
-    threads = [threading.Thread(target=invoke, args=("slow", {"sleep_s": 3}, first))]
-    threads.append(threading.Thread(target=invoke, args=("other", {"inputs": [[1.0, 2.0, 3.0, 4.0]]}, later)))
-    threads.append(threading.Thread(target=invoke, args=("slow", {"sleep_s": 0}, later)))
+    threads = [threading.Thread(target=call_into, args=("slow", {"sleep_s": 3}, first))]
+    threads.append(threading.Thread(target=call_into, args=("other", {"inputs": [[1.0, 2.0, 3.0, 4.0]]}, later)))
+    threads.append(threading.Thread(target=call_into, args=("slow", {"sleep_s": 0}, later)))
     for thread in threads:
         thread.start()
         time.sleep(0.5)  # in this order at the scheduler
