@@ -466,9 +466,10 @@ class SchedulerService:
 
     # --- effects --------------------------------------------------------------------------
     def _apply(self, effects: Iterable[Effect]) -> None:
+        now = self.clock()  # one reading for the batch: the effects were decided together
         for effect in effects:
             self.metrics.applied(effect)
-            self.evictions.record(effect, self.clock())
+            self.evictions.record(effect, now)
             if isinstance(effect, Assignment):
                 self._place(effect)
             elif isinstance(effect, Answer):
