@@ -38,8 +38,8 @@ import httpx
 from bench.machine import run_metadata
 from gpu_manager.backends import Handler, import_handler
 from gpu_manager.devices import Nvml, discover_nvml
-from gpu_manager.packages import PackageCache, package_digest
 from gpu_manager.pool import ModelRun, WorkerPool
+from gpu_manager.staging import LocalPackages
 from gpufaas.local_cluster import LocalCluster
 from gpufaas.proto import gpufaas_pb2 as pb
 
@@ -114,13 +114,9 @@ def time_direct(handler: Handler, inputs: object, calls: int) -> dict[str, Any]:
 
 
 async def through_pool(models: dict[str, tuple[Path, bytes, bytes, str]], work: Path, calls: int) -> dict[str, Any]:
-    cache = PackageCache(work / "pool-packages")
-    packages = {package_digest(p): p for _, p, _, _ in models.values()}
-
-    async def fetch(digest: str) -> Path:
-        return await cache.ensure(digest, lambda d: asyncio.sleep(0, packages[d]))
-
-    pool = WorkerPool("cuda", gpus={"gpu0": 0}, fetch_package=fetch, spares_per_gpu=1)
+    local = LocalPackages(work / "pool-packages")
+    digests = {name: local.add_archive(package) for name, (_, package, _, _) in models.items()}
+    pool = WorkerPool("cuda", gpus={"gpu0": 0}, fetch_package=local.ensure, spares_per_gpu=1)
     pool.start()
     out: dict[str, Any] = {}
     call_ids = iter(range(10**9))
@@ -131,9 +127,9 @@ async def through_pool(models: dict[str, tuple[Path, bytes, bytes, str]], work: 
             "context_ms": round(hellos[0].context_s * 1e3, 3) if hellos else None,
             "context_mb": int(hellos[0].context_mb) if hellos else None,
         }
-        for name, (_, package, body, content_type) in models.items():
+        for name, (_, _, body, content_type) in models.items():
             await asyncio.sleep(0.5)  # a warm spare again
-            run = ModelRun(name, package_digest(package), DECLARED_MB[name])
+            run = ModelRun(name, digests[name], DECLARED_MB[name])
 
             async def call(run: ModelRun = run, body: bytes = body, content_type: str = content_type) -> Any:
                 result = await pool.run(

@@ -42,8 +42,8 @@ from typing import Any
 import httpx
 
 from bench.machine import run_metadata
-from gpu_manager.packages import PackageCache, package_digest
 from gpu_manager.pool import ModelRun, WorkerPool
+from gpu_manager.staging import LocalPackages
 from gpufaas.local_cluster import LocalCluster
 from gpufaas.proto import gpufaas_pb2 as pb
 
@@ -140,16 +140,9 @@ async def bench_gateway(url: str, calls: int, headers: dict[str, str]) -> dict[i
 
 
 async def bench_direct(state_dir: Path, package: bytes, calls: int) -> dict[int, dict[str, float]]:
-    cache = PackageCache(state_dir / "direct-packages")
-    digest = package_digest(package)
-    await cache.install(digest, package)
-
-    async def fetch(wanted: str) -> Path:
-        path = cache.path_for(wanted)
-        assert path is not None
-        return path
-
-    pool = WorkerPool("cpu", gpus={"gpu0": 0}, fetch_package=fetch)
+    local = LocalPackages(state_dir / "direct-packages")
+    digest = local.add_archive(package)
+    pool = WorkerPool("cpu", gpus={"gpu0": 0}, fetch_package=local.ensure)
     pool.start()
     run = ModelRun("noop", digest, 100)
     results = {}

@@ -1,6 +1,7 @@
 """Per-GPU model caches (LRU lists), victim selection, and the model -> GPUs directory."""
 
 from cache_manager.eviction import EvictionPolicy, HeavinessEviction, LruEviction, eviction_policy
+from cache_manager.holdings import NodeHoldings, Tier
 from cache_manager.manager import Admission, CacheItem, CacheManager, GpuCache, HostTier
 
 __all__ = [
@@ -12,5 +13,7 @@ __all__ = [
     "HeavinessEviction",
     "HostTier",
     "LruEviction",
+    "NodeHoldings",
+    "Tier",
     "eviction_policy",
 ]

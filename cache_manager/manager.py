@@ -1,5 +1,6 @@
 """The cache manager: one LRU list per GPU, pinning, admission with victims, model -> GPUs directory,
-and per node a host tier that keeps what its GPUs evicted (Torpor)."""
+per node a host tier that keeps what its GPUs evicted (Torpor), and what each node's host model
+pool and disk hold (`NodeHoldings`): the tier a miss comes from."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Callable, Iterator, Set
 from dataclasses import dataclass
 
 from cache_manager.eviction import EvictionPolicy, LruEviction
+from cache_manager.holdings import NodeHoldings, Tier
 from gpufaas.errors import CacheFull, ModelTooLarge
 
 
@@ -20,11 +22,13 @@ class CacheItem:
 @dataclass(frozen=True, slots=True)
 class Admission:
     """What admitting a model to a GPU did: a hit, or a miss that evicted `evicted` (LRU first).
-    `from_host`: the miss takes the model from its node's host tier (a swap-in, not a load)."""
+    `from_host`: the miss takes the model from its node's host tier (a swap-in, not a load);
+    `from_pool`: its weights from its node's host model pool (a swap-in too)."""
 
     hit: bool
     evicted: tuple[str, ...] = ()
     from_host: bool = False
+    from_pool: bool = False
 
 
 class HostTier:
@@ -224,6 +228,7 @@ class CacheManager:
         self._hosts: dict[str, HostTier] = {}  # node -> its host tier (absent: the node has none)
         self._node_of: dict[str, str] = {}  # GPU -> its node, for GPUs added with one
         self._host_directory: dict[str, set[str]] = {}  # model -> nodes whose host tier holds it
+        self.holdings = NodeHoldings()  # what nodes' host pools and disks hold, as they report it
 
     # --- GPUs -----------------------------------------------------------------------------
     def add_gpu(self, gpu_id: str, capacity_mb: int, *, node: str | None = None) -> GpuCache:
@@ -249,6 +254,7 @@ class CacheManager:
         node = self._node_of.pop(gpu_id, None)
         if node is not None and node not in self._node_of.values():
             self.remove_host(node)
+            self.holdings.forget(node)
         return models
 
     def add_host(self, node: str, capacity_mb: int) -> HostTier:
@@ -281,6 +287,16 @@ class CacheManager:
         """Whether a miss of `model` on `gpu_id` would take it from its node's host tier. O(1)."""
         host = self.host_of(gpu_id) if self._hosts else None
         return host is not None and model in host.items
+
+    def tier(self, model: str, gpu_id: str) -> Tier:
+        """Where a miss of `model` on `gpu_id` would take it from. O(1)."""
+        if self._hosts and self.in_host(model, gpu_id):
+            return Tier.HOST
+        node = self._node_of.get(gpu_id)
+        holdings = self.holdings
+        if holdings.in_pool(model, node):
+            return Tier.POOL
+        return Tier.DISK if holdings.on_disk(model, node) or not holdings.reports(node) else Tier.REMOTE
 
     def release(self, gpu_id: str, model: str) -> bool:
         """An idle model leaves its GPU (EDAS's staged exit): into its node's host tier if there is
@@ -371,7 +387,8 @@ class CacheManager:
         self._tick += 1
         cache.insert(model, memory_mb, tick=self._tick)
         self._directory.setdefault(model, set()).add(cache.gpu_id)
-        return Admission(hit=False, evicted=tuple(victims), from_host=from_host)
+        from_pool = not from_host and self.holdings.in_pool(model, self._node_of.get(cache.gpu_id))
+        return Admission(hit=False, evicted=tuple(victims), from_host=from_host, from_pool=from_pool)
 
     def _demote(self, host: HostTier, item: CacheItem) -> None:
         """An evicted model enters its node's host tier, as the most recent, if it can fit."""

@@ -43,6 +43,9 @@ def _invalid_request(request: Request, exc: RequestValidationError) -> str:
                 f"the body was sent as {request.headers.get('content-type', 'no content type')!r}; "
                 "send JSON with Content-Type: application/json"
             )
+        if request.url.path == "/system/blobs/missing":
+            where = ".".join(loc[1:]) or "body"
+            return f'{where}: the body must be JSON like {{"blobs": {{"sha256:<64 hex digits>": SIZE_IN_BYTES}}}}'
         if first.get("type") == "json_invalid" or (loc == ["body"] and first.get("type") == "missing"):
             if request.url.path == "/system/functions" and request.method == "DELETE":
                 return 'the body must be JSON like {"functionName": "NAME"}'

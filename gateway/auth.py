@@ -3,7 +3,7 @@ credential, the roles each route admits (docs/security.md has the whole model).
 
 - admin (HTTP basic `admin:PASSWORD`, or `Bearer PASSWORD`): every route.
 - invoke (`Bearer INVOKE_TOKEN`): calls to functions (POST /function/{name}).
-- node (`Bearer NODE_TOKEN`, derived from the cluster secret): downloading packages by digest.
+- node (`Bearer NODE_TOKEN`, derived from the cluster secret): reading packages and blobs by digest.
 - nobody: /healthz and the API's own documentation; calls to functions deployed `public`.
 
 A request without a valid credential gets 401 with a `WWW-Authenticate` challenge; a valid
@@ -36,6 +36,7 @@ class Role(enum.Enum):
 ANY_CALLER = frozenset({Role.ADMIN, Role.INVOKE})
 OPEN_PATHS = frozenset({"/healthz", "/livez", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 PACKAGE_PREFIX = "/system/packages/"
+BLOB_PREFIX = "/system/blobs/"
 CHALLENGE = b'Basic realm="gpufaas", charset="UTF-8"'
 
 
@@ -78,7 +79,7 @@ def roles_for(method: str, path: str) -> frozenset[Role] | None:
     """The roles a (non-invocation) route admits; None: open to anyone."""
     if path in OPEN_PATHS:
         return None
-    if method in ("GET", "HEAD") and path.startswith(PACKAGE_PREFIX):
+    if method in ("GET", "HEAD") and path.startswith((PACKAGE_PREFIX, BLOB_PREFIX)):
         return frozenset({Role.ADMIN, Role.NODE})
     return frozenset({Role.ADMIN})
 

@@ -1,10 +1,12 @@
 """The gateway's state behind its routes: its configuration, the mirrors of etcd (functions,
-nodes, the scheduler's address), the package files on disk, the router, and per-function stats."""
+nodes, the scheduler's address), the artifact store (packages and blobs), the router, and
+per-function stats."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import time
@@ -12,16 +14,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.auth import Credentials
+from gateway.artifacts import Artifacts, blob_authorizer
+from gateway.auth import Credentials, Role
 from gateway.metrics import GatewayMetrics
 from gateway.router import SCHEDULER_WAIT_S, Router
 from gateway.stats import FunctionStats
 from gpufaas.cluster import NodeRecord
 from gpufaas.errors import GpufaasError
-from gpufaas.functions import DIGEST_PATTERN, FunctionSpec
+from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
 from gpufaas.packages import DEFAULT_MAX_UNPACKED_MB
-from gpufaas.store import KeyValue, LeaseKeeper, Store, WatchEvent, list_and_watch
+from gpufaas.store import KeyValue, LeaseKeeper, Store, StoreError, WatchEvent, list_and_watch
 
 log = logging.getLogger("gpufaas.gateway")
 
@@ -37,7 +40,11 @@ class GatewayConfig:
     max_payload_bytes: int = 16 * 1024 * 1024
     max_package_bytes: int = 2 * 1024 * 1024 * 1024
     max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_MB * 1024 * 1024
-    package_grace_s: float = 3600.0  # a package no function uses is deleted once it is this old
+    package_grace_s: float = 3600.0  # a package (or blob) no function uses is deleted once it is this old
+    # The blob server (gpufaas.blobnet): where it listens (None: none; blobs then move through the
+    # API only) and the URL nodes and the CLI are told (default: http://the bound address).
+    blob_listen: str | None = "127.0.0.1:0"
+    blob_advertise: str | None = None
     keys: Keys = field(default_factory=Keys)
     scheduler_wait_s: float = SCHEDULER_WAIT_S  # how long a call waits for a scheduler to (re)connect
     # Who may use which route (gateway.auth); None: anyone may use any (--insecure, development only).
@@ -57,14 +64,24 @@ class ApiError(Exception):
 
 class Gateway:
     """State behind the HTTP API: mirrors of the function registry and of the nodes fed by etcd
-    (list, then watch), the package files on disk, and the router (one connection to the
-    scheduler, one per node)."""
+    (list, then watch), the artifact store, and the router (one connection to the scheduler,
+    one per node)."""
 
     def __init__(self, store: Store, config: GatewayConfig) -> None:
         self.store = store
         self.config = config
         self.keys = config.keys
-        self.packages_dir = config.state_dir / "packages"
+        self.spool_dir = config.state_dir / "spool"  # request bodies on their way into the store
+        # Known to nodes as a blob holder by a name that survives restarts (its public URL).
+        holder_name = "gateway-" + hashlib.sha256(config.public_url.encode()).hexdigest()[:12]
+        self.artifacts = Artifacts(
+            store,
+            config.keys,
+            config.state_dir / "blobs",
+            name=holder_name,
+            max_unpacked_bytes=config.max_unpacked_bytes,
+            grace_s=config.package_grace_s,
+        )
         self.functions: dict[str, FunctionSpec] = {}
         self.invocations: Counter[tuple[str, int]] = Counter()
         self.metrics = GatewayMetrics(self.invocations, lambda: len(self.functions))
@@ -82,9 +99,19 @@ class Gateway:
     async def start(self) -> None:
         """List what the gateway mirrors (functions, the scheduler's address, the nodes' GPUs) and
         keep it current (StoreError if etcd cannot be reached now)."""
-        self.packages_dir.mkdir(parents=True, exist_ok=True)
+        self.spool_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.spool_dir.glob("*.part"):
+            stale.unlink(missing_ok=True)
         # Every function's code is stored here: nobody but the gateway's user may look in.
         os.chmod(self.config.state_dir, 0o700)
+        if self.config.blob_listen is not None:
+            credentials = self.config.credentials
+            authorize = (
+                blob_authorizer(credentials.role_of, Role.ADMIN, Role.NODE)
+                if credentials is not None
+                else (lambda method, authorization: None)
+            )
+            self.artifacts.serve(self.config.blob_listen, authorize, advertise=self.config.blob_advertise)
         mirrors = (
             (self.keys.functions, self._functions_listed, self._function_changed),
             (self.keys.services, self._services_listed, self._service_changed),
@@ -104,27 +131,22 @@ class Gateway:
         self._tasks.append(asyncio.create_task(self._collect_packages()))
 
     async def _collect_packages(self) -> None:
-        """Delete, now and then, the stored packages that no function uses and that are older than
-        `package_grace_s` (the grace covers an upload whose deploy is on its way)."""
+        """Delete, now and then, the packages no function uses and the blobs no package names,
+        once older than `package_grace_s` (the grace covers an upload whose deploy is on its way)."""
         while True:
             await asyncio.sleep(min(60.0, self.config.package_grace_s / 2))
-            with contextlib.suppress(OSError):
-                removed = await asyncio.to_thread(self.collect_packages, time.time())
-                if removed:
-                    log.info("deleted %d package(s) no function uses", len(removed))
+            with contextlib.suppress(OSError, StoreError):
+                await self.collect_packages(time.time())
 
-    def collect_packages(self, now_unix_s: float) -> list[str]:
-        """One collection (see `_collect_packages`); returns the digests deleted."""
-        # A thread runs this (asyncio.to_thread) while the loop may change `functions`: a snapshot.
-        used = {spec.package_digest.removeprefix("sha256:") for spec in list(self.functions.values())}
-        removed = []
-        for path in self.packages_dir.glob("*.tar.gz"):
-            hex_digest = path.name.removesuffix(".tar.gz")
-            with contextlib.suppress(FileNotFoundError):
-                if hex_digest not in used and now_unix_s - path.stat().st_mtime > self.config.package_grace_s:
-                    path.unlink()
-                    removed.append(f"sha256:{hex_digest}")
-        return removed
+    async def collect_packages(self, now_unix_s: float) -> tuple[list[str], list[str]]:
+        """One collection (see `_collect_packages`): the packages and blobs deleted."""
+        in_use = {spec.package_digest for spec in self.functions.values()}
+        packages, blobs = await self.artifacts.collect(in_use, now_unix_s)
+        if packages or blobs:
+            log.info(
+                "deleted %d package(s) no function uses and %d blob(s) no package names", len(packages), len(blobs)
+            )
+        return packages, blobs
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -135,9 +157,12 @@ class Gateway:
         if self._lease is not None:
             await self._lease.stop(revoke=True)
         await self.router.stop()
+        self.artifacts.stop()
 
     async def _register(self, lease: int) -> None:
         await self.store.put(self.keys.service("gateway"), self.config.public_url.encode(), lease=lease)
+        holder = self.artifacts.holder(self.config.public_url)
+        await self.store.put(self.keys.holder(holder.name), holder.to_json(), lease=lease)
 
     # --- mirrors of etcd ------------------------------------------------------------------
     def _functions_listed(self, kvs: list[KeyValue], revision: int) -> None:
@@ -189,9 +214,3 @@ class Gateway:
         """The largest registered GPU (of `gpu_type`, if given), in MB; None if none is known."""
         sizes = [g.memory_mb for n in self.nodes.values() for g in n.gpus if gpu_type in (None, g.gpu_type)]
         return max(sizes, default=None)
-
-    # --- packages -------------------------------------------------------------------------
-    def package_path(self, digest: str) -> Path:
-        if not DIGEST_PATTERN.match(digest):
-            raise ApiError(400, f"{digest!r} is not a package digest; expected 'sha256:' and 64 hex digits")
-        return self.packages_dir / f"{digest.removeprefix('sha256:')}.tar.gz"

@@ -11,7 +11,6 @@ from pathlib import Path
 from gpu_manager.containers import DEFAULT_IMAGE
 from gpu_manager.daemon import DEFAULT_HOST_CACHE_MB, GpuManagerDaemon
 from gpu_manager.devices import discover_nvml, logical_devices
-from gpu_manager.packages import PackageCache
 from gpu_manager.sandbox import Isolation
 from gpufaas.credentials import node_token, wire_key
 from gpufaas.keys import Keys
@@ -53,7 +52,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--reserve-mb", type=int, default=1024, help="cuda: memory kept free per GPU (contexts, fragmentation)"
     )
-    parser.add_argument("--state-dir", type=Path, required=True, help="package cache directory")
+    parser.add_argument("--state-dir", type=Path, required=True, help="the disk cache of packages (and homes)")
+    parser.add_argument(
+        "--disk-cache-mb",
+        type=int,
+        default=None,
+        help="disk the staged packages' blobs may use, least recently used out first (default: half the free space)",
+    )
+    parser.add_argument(
+        "--pool-mb",
+        type=int,
+        default=None,
+        help="the host model pool: weights kept in shared memory for any GPU of the node to map "
+        "(default: half of --pool-dir's free memory; 0: no pool)",
+    )
+    parser.add_argument(
+        "--pool-dir",
+        type=Path,
+        default=None,
+        help="a directory on a memory filesystem for the pool (default: /dev/shm/...)",
+    )
+    parser.add_argument(
+        "--blob-listen", default=None, help="where peers fetch this node's blobs (default: the --listen host, any port)"
+    )
+    parser.add_argument(
+        "--blob-advertise", default=None, help="the blob URL peers are told (default: http://the bound address)"
+    )
     parser.add_argument(
         "--spares", type=int, default=1, help="warm spare workers per GPU (a miss takes one; 0: start a process)"
     )
@@ -97,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.gpus <= 0 or args.gpu_memory_mb <= 0:
             parser.error("--gpus and --gpu-memory-mb must be positive")
         devices = logical_devices(args.gpus, args.gpu_memory_mb, args.gpu_type or backend)
+    if (args.disk_cache_mb is not None and args.disk_cache_mb < 1) or (args.pool_mb is not None and args.pool_mb < 0):
+        parser.error("--disk-cache-mb must be >= 1 and --pool-mb >= 0")
     if args.spares < 0 or args.max_payload_mb <= 0:
         parser.error("--spares must be >= 0 and --max-payload-mb positive")
     if args.runtime == "docker" and args.spares:
@@ -121,13 +147,17 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> None:
         store = await open_store(args.etcd, etcd_creds)
-        cache = PackageCache(args.state_dir / "packages")
         daemon = GpuManagerDaemon(
             store,
             node=args.node,
             backend=backend,
             devices=devices,
-            packages=cache,
+            state_dir=args.state_dir,
+            disk_cache_mb=args.disk_cache_mb,
+            pool_mb=args.pool_mb,
+            pool_dir=args.pool_dir,
+            blob_listen=args.blob_listen or f"{args.listen.rpartition(':')[0] or '127.0.0.1'}:0",
+            blob_advertise=args.blob_advertise,
             keys=Keys(args.root),
             spares_per_gpu=args.spares,
             max_body_bytes=int(args.max_payload_mb * 1024 * 1024),

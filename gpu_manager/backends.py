@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from gpu_manager.devices import Nvml
+from gpufaas import weights
 from gpufaas.errors import GpufaasError
 from gpufaas.profiles import paper_table1
 
@@ -73,6 +74,7 @@ class ModelSpec:
     environment: dict[str, str] = field(default_factory=dict)
     load_time_s: float | None = None
     inference_time_s: float | None = None
+    pooled: dict[str, int] = field(default_factory=dict)  # package path -> fd on its host-pool copy
 
 
 class Backend(ABC):
@@ -154,10 +156,13 @@ def make_backend(device: WorkerDevice) -> Backend:
 
 @dataclass(frozen=True, slots=True)
 class Handler:
-    """The two entry points of a function package's `handler.py`."""
+    """The entry points of a function package's `handler.py`: `load(device)` and
+    `predict(model, inputs)`, and optionally `warmup(model)`, run once after the load and before
+    any call (a first inference that pays cuDNN's autotuning, say), so no caller pays it."""
 
     load: Callable[[str], object]
     predict: Callable[[object, object], object]
+    warmup: Callable[[object], object] | None = None
 
 
 def import_handler(package_dir: str) -> Handler:
@@ -176,7 +181,10 @@ def import_handler(package_dir: str) -> Handler:
     load, predict = getattr(module, "load", None), getattr(module, "predict", None)
     if not callable(load) or not callable(predict):
         raise TypeError(f"{path} must define load(device) and predict(model, inputs)")
-    return Handler(load=load, predict=predict)
+    warmup = getattr(module, "warmup", None)
+    if warmup is not None and not callable(warmup):
+        raise TypeError(f"{path}: warmup must be a function warmup(model), or absent")
+    return Handler(load=load, predict=predict, warmup=warmup)
 
 
 def _import_torch() -> Any:
@@ -212,8 +220,11 @@ class _HandlerBackend(Backend):
         os.environ.update(spec.environment)
         os.environ[PACKAGE_DIR_ENV] = package_dir
         os.chdir(package_dir)
+        weights.configure(package_dir, spec.pooled)  # what gpufaas.weights.load_file maps from the pool
         self._handler = import_handler(package_dir)
         self._model = self._handler.load(self.device)
+        if self._handler.warmup is not None:
+            self._handler.warmup(self._model)
 
     def predict(self, inputs: object) -> object:
         return self._handler.predict(self._model, inputs)

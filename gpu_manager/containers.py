@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,8 @@ log = logging.getLogger("gpufaas.gpu_manager.containers")
 DEFAULT_IMAGE = "gpufaas/worker:latest"  # scripts/worker-image.sh builds it
 PACKAGE_MOUNT = "/package"
 SOCKET_MOUNT = "/run/gpufaas"
+POOL_MOUNT = "/gpufaas/pool"  # the worker's files of the node's host model pool, one mount each
+LAYER_MOUNT = "/gpufaas/layer"  # its requirements layer
 SOCKET_NAME = "worker.sock"
 RUNTIME_MB = 1024  # what the image's Python and torch hold before a model (measured ~250 MiB on cpu)
 HOST_HEADROOM_MB = 512
@@ -118,9 +120,12 @@ def container_spec(
     socket_dir: Path,
     max_processes: int,
     environment: Mapping[str, str] | None = None,
+    read_only_mounts: Sequence[tuple[str, str]] = (),
 ) -> ContainerSpec:
     """The container of one worker (see the module's doc). `environment`: the runtime's settings
-    (threads); the function's own arrives with its model, as in the process runtime."""
+    (threads); the function's own arrives with its model, as in the process runtime.
+    `read_only_mounts`: (host path, container path) of what else it reads (its weights in the
+    host model pool, its requirements layer)."""
     return ContainerSpec(
         image=image,
         name=f"gpufaas-{node}-{worker_id}",
@@ -140,7 +145,11 @@ def container_spec(
         ],
         user=f"{uid}:{uid}",
         environment={"HOME": "/tmp", "PYTHONUNBUFFERED": "1", **(environment or {})},
-        mounts=[(str(package_dir), PACKAGE_MOUNT, True), (str(socket_dir), SOCKET_MOUNT, False)],
+        mounts=[
+            (str(package_dir), PACKAGE_MOUNT, True),
+            (str(socket_dir), SOCKET_MOUNT, False),
+            *((host, inside, True) for host, inside in read_only_mounts),
+        ],
         memory_limit_mb=memory_limit_mb(backend, memory_mb),
         pids_limit=max_processes,
         labels={NODE_LABEL: node, "gpufaas.gpu": gpu_id},

@@ -50,7 +50,9 @@ from typing import Any
 
 from gpu_manager.backends import backend_class
 from gpu_manager.containers import (
+    LAYER_MOUNT,
     PACKAGE_MOUNT,
+    POOL_MOUNT,
     SOCKET_NAME,
     DockerLauncher,
     container_environment,
@@ -121,6 +123,22 @@ class RunResult:
     worker_killed: bool = False  # the call's worker was killed (a timeout in the handler)
 
 
+@dataclass(frozen=True, slots=True)
+class WeightsPlan:
+    """How a worker taking a model gets what lies beside its package (from the node's
+    `prepare_weights`): `pooled` maps package paths to their copies in the host model pool,
+    `layer_dir` is its installed requirements layer (empty: none). `pool_s`: copying into the
+    pool on this call's path; `from_pool`: the weights were in the pool already."""
+
+    pooled: dict[str, str] = field(default_factory=dict)
+    layer_dir: str = ""
+    pool_s: float = 0.0
+    from_pool: bool = False
+
+
+NO_WEIGHTS = WeightsPlan()
+
+
 class _State(enum.Enum):
     STARTING = "starting"  # process started, not yet warm
     SPARE = "spare"  # warm (runtime imported, context created), waiting for a model
@@ -149,6 +167,7 @@ class _Worker:
         self.exit_cause = ""  # set by whoever ends it (one of EXIT_CAUSES); empty: it exited by itself
         self.conn: Connection | None = None
         self.run: ModelRun | None = None
+        self.weights: WeightsPlan | None = None  # the docker runtime's, fixed when its container is made
         self.memory_mb = 0
         loop = asyncio.get_running_loop()
         self.hello: asyncio.Future[pb.WorkerHello] = loop.create_future()
@@ -298,12 +317,14 @@ class WorkerPool:
         runtime: str = "process",
         launcher: DockerLauncher | None = None,
         node: str = "node",
+        prepare_weights: Callable[[str, Path], Awaitable[WeightsPlan]] | None = None,
     ) -> None:
         """`gpus`: node-local GPU id -> device index. `fetch_package(digest)` returns the package's
-        directory, fetching it if needed. `wait_for_victims`: a miss waits for its victims to exit
-        before loading (their device memory must be free first); default: on cuda only.
-        `host_cache_mb`: the host tier's size (0: off; the cpu backend only). `isolation`: how
-        workers are confined (gpu_manager.sandbox; default: all of it the node can do).
+        directory, fetching it if needed; `prepare_weights(digest, directory)` what the worker maps
+        from the host model pool and its requirements layer (None: neither). `wait_for_victims`: a
+        miss waits for its victims to exit before loading (their device memory must be free
+        first); default: on cuda only. `host_cache_mb`: the host tier's size (0: off; the cpu
+        backend only). `isolation`: how workers are confined (gpu_manager.sandbox; default: all of it the node can do).
         `runtime`: "process" (forked from the zygote) or "docker" (a container per worker, made
         by `launcher` for a model: no spares; gpu_manager.containers)."""
         if runtime not in RUNTIMES:
@@ -322,6 +343,7 @@ class WorkerPool:
         self.wait_for_victims = backend == "cuda" if wait_for_victims is None else wait_for_victims
         self.host_cache_mb = host_cache_mb
         self._fetch_package = fetch_package
+        self._prepare_weights = prepare_weights
         self._python = python
         self.isolation = isolation if isolation is not None else Isolation()
         self.runtime = runtime
@@ -473,7 +495,9 @@ class WorkerPool:
         if stages is not None:
             result.loaded = True
             result.stages = stages
-            result.load_time_s = stages.fetch_s + stages.start_s + stages.context_s + stages.load_s + stages.host_s
+            result.load_time_s = (
+                stages.fetch_s + stages.pool_s + stages.start_s + stages.context_s + stages.load_s + stages.host_s
+            )
         return result
 
     async def _load_here(
@@ -606,10 +630,14 @@ class WorkerPool:
         stages = pb.MissStages()
         was_warm = worker.hello.done()
 
-        async def package() -> Path:
+        async def package() -> tuple[Path, WeightsPlan]:
             directory = await self._fetch_package(run.package_digest)
             await self._own_package(run.package_digest, directory)  # readable by its own user only
             stages.fetch_s = time.perf_counter() - started
+            weights = worker.weights or await self._weights(run, directory)
+            stages.pool_s, stages.from_pool = weights.pool_s, weights.from_pool
+            if weights.pooled:
+                return directory, weights  # the worker maps them from memory: nothing to read ahead
             if not was_warm and stages.fetch_s < _JUST_FETCHED_S:
                 # The worker is still warming up: read the weights into host memory meanwhile (a
                 # package fetched just now is in the page cache already, and with a warm spare
@@ -617,7 +645,7 @@ class WorkerPool:
                 prefetch_started = time.perf_counter()
                 await asyncio.to_thread(_read_ahead, directory)
                 stages.prefetch_s = time.perf_counter() - prefetch_started
-            return directory
+            return directory, weights
 
         async def warm() -> pb.WorkerHello:
             hello = await worker.hello
@@ -627,7 +655,7 @@ class WorkerPool:
 
         package_task = asyncio.ensure_future(package())
         try:
-            hello, directory = await asyncio.gather(warm(), package_task)
+            hello, (directory, weights) = await asyncio.gather(warm(), package_task)
         except Exception as exc:
             package_task.cancel()
             worker.exit_cause = worker.exit_cause or ("died" if isinstance(exc, ConnectionLost) else "load_failed")
@@ -652,6 +680,8 @@ class WorkerPool:
                 pb.LoadModel(
                     model=run.model,
                     package_dir=PACKAGE_MOUNT if self.runtime == "docker" else str(directory),
+                    pooled=weights.pooled,
+                    layer_dir=weights.layer_dir,
                     memory_mb=run.memory_mb,
                     max_batch_size=run.max_batch_size,
                     max_batch_wait_s=run.max_batch_wait_s,
@@ -683,6 +713,11 @@ class WorkerPool:
         if not worker.ready.done():
             worker.ready.set_result(None)
         return stages
+
+    async def _weights(self, run: ModelRun, directory: Path) -> WeightsPlan:
+        if self._prepare_weights is None:
+            return NO_WEIGHTS
+        return await self._prepare_weights(run.package_digest, directory)
 
     # --- calls ------------------------------------------------------------------------------
     async def _call(
@@ -818,6 +853,17 @@ class WorkerPool:
         try:
             directory = await self._fetch_package(run.package_digest)
             uid = await self._own_package(run.package_digest, directory)
+            weights = await self._weights(run, directory)
+            # The container sees its pool files and layer at paths of its own (read-only mounts).
+            mounts = [(host, f"{POOL_MOUNT}/{Path(host).name}") for host in weights.pooled.values()]
+            if weights.layer_dir:
+                mounts.append((weights.layer_dir, LAYER_MOUNT))
+            worker.weights = WeightsPlan(
+                {path: f"{POOL_MOUNT}/{Path(host).name}" for path, host in weights.pooled.items()},
+                LAYER_MOUNT if weights.layer_dir else "",
+                weights.pool_s,
+                weights.from_pool,
+            )
             socket_dir.mkdir(parents=True, mode=0o700)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             listener.bind(str(socket_dir / SOCKET_NAME))
@@ -839,6 +885,7 @@ class WorkerPool:
                 socket_dir=socket_dir,
                 max_processes=self.isolation.max_processes,
                 environment=container_environment(os.environ),
+                read_only_mounts=mounts,
             )
             worker.container = await launcher.start(spec)
             worker.on_signal = lambda signum: self._track(

@@ -262,6 +262,14 @@ def run_worker(sock: socket.socket, backend: Backend, *, import_s: float, networ
         # Held open from before the worker drops to the package's user: through it the package is
         # reached whatever the permissions of the directories above it (the node's, closed to it).
         package_dir = f"/proc/self/fd/{os.open(package_dir, os.O_PATH | os.O_DIRECTORY)}"
+    try:
+        # Likewise its weights in the host model pool (whose directory is the node's alone).
+        pooled = {path: os.open(pool_path, os.O_RDONLY | os.O_CLOEXEC) for path, pool_path in load.pooled.items()}
+    except OSError as exc:
+        channel.send(MessageType.MODEL_LOADED, pb.ModelLoaded(ok=False, error=f"its pooled weights: {describe(exc)}"))
+        return 1
+    if load.layer_dir:
+        sys.path.insert(0, load.layer_dir)  # its requirements first: they may shadow the base's versions
     spec = ModelSpec(
         model=load.model,
         package_dir=package_dir,
@@ -271,6 +279,7 @@ def run_worker(sock: socket.socket, backend: Backend, *, import_s: float, networ
         environment=dict(load.environment),
         load_time_s=load.load_time_s or None,
         inference_time_s=load.inference_time_s or None,
+        pooled=pooled,
     )
     load_started_s = time.perf_counter()
     try:

@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from gpufaas.credentials import ADMIN_USER
+from gpufaas.credentials import ADMIN_USER, basic_authorization
 from gpufaas.errors import GpufaasError
 
 if TYPE_CHECKING:
@@ -476,6 +476,8 @@ class GatewayClient:
         self.url = url
         password = password if password is not None else admin_password_for(url)
         auth = httpx.BasicAuth(ADMIN_USER, password) if password else None
+        # The same credential for the gateway's blob server (gpufaas.blobnet), which httpx does not reach.
+        self.authorization = basic_authorization(ADMIN_USER, password) if password else None
         self._client = httpx.Client(base_url=url, timeout=timeout_s, auth=auth)
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
@@ -778,7 +780,10 @@ def deploy(
     gateway: GatewayOpt = None,
     only: Annotated[list[str] | None, typer.Option("--filter", help="Deploy only these functions.")] = None,
 ) -> None:
-    """Package each function's handler directory, upload it, and register or update the function."""
+    """Upload what the gateway lacks of each function's handler directory (files it holds already,
+    such as unchanged weights, are not sent again), then register or update the functions."""
+    from gpufaas import uploads
+    from gpufaas.packages import DigestCache
     from gpufaas.stack import load_stack
 
     with _user_errors():
@@ -790,16 +795,51 @@ def deploy(
         for function in selected:
             if not (function.handler / "handler.py").is_file():
                 raise GpufaasError(f"{file}: functions.{function.name}.handler: {function.handler} has no handler.py")
-            package = _package(function.handler)
-            digest = _upload(client, package, function.name)
-            spec = function.spec(digest)
+        scanned = uploads.scan([(f.name, f.handler) for f in selected], DigestCache(_digest_cache_path()))
+        with _transfer_progress("uploading") as progress:
+            report = uploads.upload(client, scanned, progress=progress)
+        for function, package in zip(selected, scanned, strict=True):
+            registered = report.packages[package.manifest.digest]
+            spec = function.spec(str(registered["digest"]))
             response = client.request("POST", "/system/functions", json=spec)
             if response.status_code == 409:
                 response = client.request("PUT", "/system/functions", json=spec)
             answer = client.ok(response)
+            layer = registered.get("requirements") or []
+            extra = f", requirements: {', '.join(layer)}" if layer else ""
             console.print(
-                f"deployed [bold]{function.name}[/] (model {answer['model']}, {len(package) / 1e6:.1f} MB package)"
+                f"deployed [bold]{function.name}[/] (model {answer['model']}, "
+                f"{package.manifest.unpacked_bytes / 1e6:.1f} MB in {len(package.manifest.files)} files{extra})"
             )
+        how = " (through its API: its blob server is not reachable from here)" if report.via_api else ""
+        console.print(
+            f"sent {report.bytes_sent / 1e6:.1f} MB in {report.blobs_sent} blob(s); the gateway had the rest{how}"
+        )
+
+
+def _digest_cache_path() -> Path:
+    """Where `deploy` remembers the digests of files it hashed (XDG cache)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "gpufaas" / "digests.json"
+
+
+@contextmanager
+def _transfer_progress(what: str) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar of bytes on stderr when it is a terminal (nothing otherwise)."""
+    if not err_console.is_terminal:
+        yield lambda sent, total: None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    with Progress(
+        TextColumn(what), BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=err_console
+    ) as progress:
+        task = progress.add_task(what, total=None)
+
+        def update(sent: int, total: int) -> None:
+            progress.update(task, completed=sent, total=total)
+
+        yield update
 
 
 @app.command()
@@ -1025,41 +1065,6 @@ def _template_meta(path: Path) -> dict[str, Any]:
     except (OSError, yaml.YAMLError):
         return {}
     return meta if isinstance(meta, dict) else {}
-
-
-def _package(directory: Path) -> bytes:
-    """The handler directory as a package: the same bytes (and digest) every time for the same files."""
-    from gpufaas.packages import build_package
-
-    return build_package(directory)
-
-
-def _upload(client: GatewayClient, package: bytes, name: str) -> str:
-    import hashlib
-
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-
-    digest = f"sha256:{hashlib.sha256(package).hexdigest()}"
-    chunk = 256 * 1024
-    with Progress(
-        TextColumn(f"uploading {name}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        console=err_console,
-        disable=not err_console.is_terminal,
-    ) as progress:
-        task = progress.add_task("upload", total=len(package))
-
-        def chunks() -> Iterator[bytes]:
-            for start in range(0, len(package), chunk):
-                piece = package[start : start + chunk]
-                progress.advance(task, len(piece))
-                yield piece
-
-        response = client.request("POST", "/system/packages", params={"digest": digest}, content=chunks())
-    answer = client.ok(response)
-    return str(answer["digest"])
 
 
 def main() -> None:

@@ -18,6 +18,10 @@ class Keys:
     {root}/profiles/{gpu_type}/{model}      load time, inference time per batch size (JSON)
     {root}/models/{model}/replicas          GPUs where the model is cached (JSON list of "node/gpu")
     {root}/services/{service}               a service's address (scheduler, gateway), under its lease
+    {root}/packages/{hex}                   a package: its manifest, the gateway that took its blobs, its
+                                            resolved requirements (JSON), written once by that gateway
+    {root}/holders/{name}                   a blob holder (gateway or node): its blob address and the
+                                            packages it holds whole (JSON), under the holder's lease
     """
 
     root: str = DEFAULT_ROOT
@@ -86,6 +90,21 @@ class Keys:
 
     def service(self, name: str) -> str:
         return f"{self.services}{_segment(name)}"
+
+    # --- packages and the holders of their blobs -------------------------------------------------
+    @property
+    def packages(self) -> str:
+        return f"{self.root}/packages/"
+
+    def package(self, digest: str) -> str:
+        return f"{self.packages}{_segment(digest.removeprefix('sha256:'))}"
+
+    @property
+    def holders(self) -> str:
+        return f"{self.root}/holders/"
+
+    def holder(self, name: str) -> str:
+        return f"{self.holders}{_segment(name)}"
 
 
 def _segment(value: str) -> str:

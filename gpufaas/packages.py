@@ -1,81 +1,320 @@
-"""Function packages: the format (a gzip'd tar with `handler.py` at its top), its checks, its
-content address, and a deterministic builder.
+"""Function packages: a manifest (path -> sha256, size, mode) over content-addressed blobs, its
+checks and digest, building one from a directory, and the `.tar.gz` form uploads may also take.
 
-Checked where a package enters (the gateway's upload, refusing it with 400 or 413) and again where
-it is unpacked (the GPU manager): only regular files and directories, relative paths that stay
-inside the package, a `handler.py` at the top, and at most `max_unpacked_bytes` unpacked.
+A package is its manifest. Each file's bytes are a blob named by their sha256 ("sha256:<hex>"),
+stored, uploaded and fetched once however many functions and versions hold them: a model's
+weights are uploaded once, and a redeploy with a changed handler moves only the handler. The
+package's digest (what a function spec names) is the sha256 of the manifest's canonical JSON:
 
-The builder gives the same bytes (and so the same digest) for the same directory: entries sorted,
-modification times, owners and gzip's timestamp fixed, modes reduced to 0644 / 0755.
+    {"files":[{"digest":"sha256:...","mode":420,"path":"handler.py","size":312}, ...],"version":1}
+
+(keys sorted, no spaces, files sorted by path). Checked wherever a manifest enters (the gateway,
+then every node): relative POSIX paths that stay inside the package, no path both a file and a
+directory, modes 0644 or 0755 only, a `handler.py` at the top, at most `MAX_FILES` files and
+`max_unpacked_bytes` in all. Links, devices and empty directories have no place in a manifest.
+
+The `.tar.gz` form (a gzipped tar with `handler.py` at its top) is what `POST /system/packages`
+has always taken; the gateway turns it into blobs and a manifest (`read_archive`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import gzip
 import hashlib
 import io
+import json
 import os
+import re
+import stat
 import tarfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import IO
+from typing import IO, Any
 
 from gpufaas.errors import GpufaasError
 
 HANDLER_FILE = "handler.py"
 """Every package holds this file at its top level, defining `load(device)` and `predict(model, inputs)`."""
+MANIFEST_VERSION = 1
 DEFAULT_MAX_UNPACKED_MB = 4096
+MAX_FILES = 5000  # a manifest lives in etcd (about 150 bytes a file): well under its 1.5 MiB value limit
+MAX_PATH_BYTES = 1024
 SKIPPED_PARTS = frozenset({"__pycache__", ".git", ".venv", ".mypy_cache", ".pytest_cache"})
+FILE_MODES = (0o644, 0o755)
+DIGEST_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
+EMPTY_DIGEST = "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+_HASH_CHUNK_BYTES = 1 << 20
 
 
 class InvalidPackage(GpufaasError):
-    """A package that is not a gzip'd tar, lacks `handler.py`, holds a member that could escape
-    its directory (absolute path, `..`, link, device), or whose bytes do not match its digest."""
+    """A package (manifest or archive) that breaks a rule of the module docstring, or bytes that
+    do not match their digest."""
 
 
 class PackageTooLarge(InvalidPackage):
-    """A package that unpacks to more than the limit."""
+    """A package over its limits (files, bytes)."""
 
 
-@dataclass(frozen=True, slots=True)
-class PackageSummary:
-    files: int
-    unpacked_bytes: int
-
-
-def package_digest(data: bytes) -> str:
-    """The content address of a package: "sha256:<hex>" of its bytes."""
+def sha256_digest(data: bytes | bytearray | memoryview) -> str:
+    """The content address of some bytes: "sha256:<hex>"."""
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def check_archive(source: str | os.PathLike[str] | IO[bytes], *, max_unpacked_bytes: int) -> PackageSummary:
-    """Read the whole archive (streaming, nothing extracted) and check every member; raises
-    InvalidPackage (PackageTooLarge past `max_unpacked_bytes`) naming what is wrong."""
-    files = unpacked = 0
-    has_handler = False
-    try:
-        with _open(source) as tar:
-            for member in tar:
-                check_member(member)
-                if member.isfile():
-                    files += 1
-                    unpacked += member.size
-                    if unpacked > max_unpacked_bytes:
-                        raise PackageTooLarge(
-                            f"the package unpacks to more than {max_unpacked_bytes} bytes (the limit); "
-                            "leave data out of it or raise the limit"
-                        )
-                    has_handler = has_handler or PurePosixPath(member.name) == PurePosixPath(HANDLER_FILE)
-    except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile, ValueError) as exc:
-        raise InvalidPackage(f"the package is not a valid .tar.gz: {exc}") from None
-    if not has_handler:
-        raise InvalidPackage(f"the package has no {HANDLER_FILE} at its top; put the handler's directory in it")
-    return PackageSummary(files, unpacked)
+package_digest = sha256_digest  # the name the `.tar.gz` form has always used for its digest
+
+
+def hex_of(digest: str) -> str:
+    """The 64 hex digits of a "sha256:<hex>" digest; InvalidPackage if it is not one."""
+    if not DIGEST_PATTERN.fullmatch(digest):
+        raise InvalidPackage(f"{digest!r} is not a digest; expected 'sha256:' and 64 lowercase hex digits")
+    return digest[7:]
+
+
+@dataclass(frozen=True, slots=True)
+class PackageFile:
+    """One file of a package: where it goes, its blob, how many bytes, and its mode (0644 or 0755)."""
+
+    path: str
+    digest: str
+    size: int
+    mode: int = 0o644
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"digest": self.digest, "mode": self.mode, "path": self.path, "size": self.size}
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """A package: its files, sorted by path (use `Manifest.of` or `from_json`, which check it)."""
+
+    files: tuple[PackageFile, ...]
+
+    @classmethod
+    def of(cls, files: Iterable[PackageFile], *, max_unpacked_bytes: int | None = None) -> Manifest:
+        """A checked manifest of `files` (any order); InvalidPackage naming what is wrong."""
+        manifest = cls(tuple(sorted(files, key=lambda f: f.path)))
+        manifest.check(max_unpacked_bytes=max_unpacked_bytes)
+        return manifest
+
+    def to_json(self) -> bytes:
+        """The canonical form: the bytes the digest is taken of."""
+        document = {"files": [f.to_dict() for f in self.files], "version": MANIFEST_VERSION}
+        return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def digest(self) -> str:
+        return sha256_digest(self.to_json())
+
+    @property
+    def unpacked_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def blobs(self) -> dict[str, int]:
+        """Every distinct blob the package needs: digest -> size."""
+        return {f.digest: f.size for f in self.files}
+
+    def file(self, path: str) -> PackageFile | None:
+        return next((f for f in self.files if f.path == path), None)
+
+    def large_files(self, min_bytes: int) -> list[PackageFile]:
+        """The files of at least `min_bytes` (its weights, in practice), largest first."""
+        return sorted((f for f in self.files if f.size >= min_bytes), key=lambda f: (-f.size, f.path))
+
+    @classmethod
+    def from_json(cls, data: bytes | str, *, max_unpacked_bytes: int | None = None) -> Manifest:
+        """Parse and check a manifest (any key order, any file order: the digest is of the
+        canonical form, `to_json`); InvalidPackage naming the first thing wrong."""
+        try:
+            raw = json.loads(data)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise InvalidPackage(f"the manifest is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict) or set(raw) != {"files", "version"}:
+            raise InvalidPackage('a manifest is an object with exactly the keys "version" and "files"')
+        if raw["version"] != MANIFEST_VERSION or isinstance(raw["version"], bool):
+            raise InvalidPackage(f"manifest version {raw['version']!r} is not supported; this gateway reads version 1")
+        entries = raw["files"]
+        if not isinstance(entries, list):
+            raise InvalidPackage('the manifest\'s "files" must be a list')
+        if len(entries) > MAX_FILES:
+            raise PackageTooLarge(f"the package has {len(entries)} files, more than the limit of {MAX_FILES}")
+        files = []
+        for index, entry in enumerate(entries):
+            if not isinstance(entry, dict) or set(entry) != {"path", "digest", "size", "mode"}:
+                raise InvalidPackage(f"files[{index}]: expected an object with path, digest, size and mode")
+            path, digest, size, mode = entry["path"], entry["digest"], entry["size"], entry["mode"]
+            if not isinstance(path, str) or not isinstance(digest, str):
+                raise InvalidPackage(f"files[{index}]: path and digest must be strings")
+            if (
+                not isinstance(size, int)
+                or isinstance(size, bool)
+                or not isinstance(mode, int)
+                or isinstance(mode, bool)
+            ):
+                raise InvalidPackage(f"files[{index}] ({path}): size and mode must be whole numbers")
+            files.append(PackageFile(path, digest, size, mode))
+        return cls.of(files, max_unpacked_bytes=max_unpacked_bytes)
+
+    def check(self, *, max_unpacked_bytes: int | None = None) -> None:
+        """Every rule of the module docstring (InvalidPackage, PackageTooLarge)."""
+        if not self.files:
+            raise InvalidPackage(f"the package is empty; it needs at least a {HANDLER_FILE}")
+        if len(self.files) > MAX_FILES:
+            raise PackageTooLarge(f"the package has {len(self.files)} files, more than the limit of {MAX_FILES}")
+        seen: set[str] = set()
+        directories: set[str] = set()
+        total = 0
+        for entry in self.files:
+            check_path(entry.path)
+            hex_of(entry.digest)
+            if entry.path in seen:
+                raise InvalidPackage(f"{entry.path!r} is in the package twice")
+            seen.add(entry.path)
+            directories.update(str(parent) for parent in PurePosixPath(entry.path).parents if str(parent) != ".")
+            if entry.size < 0:
+                raise InvalidPackage(f"{entry.path!r}: size {entry.size} is negative")
+            if entry.size == 0 and entry.digest != EMPTY_DIGEST:
+                raise InvalidPackage(f"{entry.path!r}: an empty file's digest is {EMPTY_DIGEST}, not {entry.digest}")
+            if entry.mode not in FILE_MODES:
+                raise InvalidPackage(f"{entry.path!r}: mode {entry.mode:o} is neither 644 nor 755")
+            total += entry.size
+            if max_unpacked_bytes is not None and total > max_unpacked_bytes:
+                raise PackageTooLarge(
+                    f"the package holds more than {max_unpacked_bytes} bytes (the limit); "
+                    "leave data out of it or raise the limit"
+                )
+        clash = seen & directories
+        if clash:
+            raise InvalidPackage(f"{sorted(clash)[0]!r} is both a file and a directory of the package")
+        if HANDLER_FILE not in seen:
+            raise InvalidPackage(f"the package has no {HANDLER_FILE} at its top; put the handler's directory in it")
+
+
+def check_path(path: str) -> None:
+    """A package path: relative, POSIX, no '.', '..' or empty parts, no control characters or
+    backslashes, at most MAX_PATH_BYTES (InvalidPackage otherwise)."""
+    if not path or path.startswith("/") or PurePosixPath(path).is_absolute():
+        raise InvalidPackage(f"{path!r} is not a relative path; paths must be relative to the package")
+    if len(path.encode()) > MAX_PATH_BYTES:
+        raise InvalidPackage(f"{path[:60]!r}...: a path may not be longer than {MAX_PATH_BYTES} bytes")
+    if "\\" in path or any(ord(c) < 32 or ord(c) == 127 for c in path):
+        raise InvalidPackage(f"{path!r} holds a backslash or a control character")
+    parts = path.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        raise InvalidPackage(f"{path!r} has an empty, '.' or '..' part; paths must stay inside the package")
+
+
+# --- building a manifest from a directory (the CLI) ---------------------------------------------
+
+
+class DigestCache:
+    """Digests of files already hashed, keyed by path and the stat fields that change with their
+    content (size, mtime, ctime, inode), kept in a JSON file: a redeploy does not hash unchanged
+    weights again. A file changed without any of those changing would be missed (as git's index
+    would); deleting the cache file forgets everything."""
+
+    MAX_ENTRIES = 20_000
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._entries: dict[str, list[Any]] = {}
+        self._dirty = False
+        if path is not None:
+            with contextlib.suppress(OSError, ValueError):
+                loaded = json.loads(path.read_text())
+                if isinstance(loaded, dict):
+                    self._entries = {k: v for k, v in loaded.items() if isinstance(v, list) and len(v) == 5}
+
+    @staticmethod
+    def _key(st: os.stat_result) -> list[Any]:
+        return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+    def get(self, path: Path, st: os.stat_result) -> str | None:
+        entry = self._entries.get(str(path))
+        return entry[4] if entry is not None and entry[:4] == self._key(st) else None
+
+    def put(self, path: Path, st: os.stat_result, digest: str) -> None:
+        self._entries[str(path)] = [*self._key(st), digest]
+        self._dirty = True
+
+    def save(self) -> None:
+        if self.path is None or not self._dirty:
+            return
+        entries = self._entries
+        if len(entries) > self.MAX_ENTRIES:  # keep the newest (dicts keep insertion order)
+            entries = dict(list(entries.items())[-self.MAX_ENTRIES :])
+        with contextlib.suppress(OSError):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(entries))
+            os.replace(tmp, self.path)
+        self._dirty = False
+
+
+def file_sha256(path: Path) -> str:
+    """The digest of a file's bytes, read in 1 MiB chunks (hashlib drops the GIL on each)."""
+    hasher = hashlib.sha256()
+    buffer = bytearray(_HASH_CHUNK_BYTES)
+    view = memoryview(buffer)
+    with path.open("rb", buffering=0) as source:
+        while n := source.readinto(view):
+            hasher.update(view[:n])
+    return "sha256:" + hasher.hexdigest()
+
+
+def package_files(directory: Path, *, skip: Iterable[str] = SKIPPED_PARTS) -> Iterator[tuple[str, Path]]:
+    """(package path, file) of every regular file under `directory`, sorted, leaving out links
+    and `skip`ped parts (caches, version control)."""
+    skipped = frozenset(skip)
+    for path in sorted(directory.rglob("*")):
+        relative = path.relative_to(directory)
+        if path.is_symlink() or not path.is_file() or skipped & set(relative.parts):
+            continue
+        yield relative.as_posix(), path
+
+
+def scan_directory(
+    directory: Path,
+    *,
+    cache: DigestCache | None = None,
+    max_unpacked_bytes: int | None = None,
+    threads: int = 0,
+) -> tuple[Manifest, dict[str, Path]]:
+    """`directory` as a package: its manifest and, per blob digest, a file holding its bytes.
+    Files are hashed on `threads` threads (0: one per CPU, at most 4), skipping those `cache`
+    knows unchanged; modes are reduced to 0644 / 0755."""
+    found = list(package_files(directory))
+    stats = {path: path.stat() for _, path in found}
+    digests: dict[Path, str] = {}
+    todo = []
+    for _, path in found:
+        known = cache.get(path, stats[path]) if cache is not None else None
+        if known is not None:
+            digests[path] = known
+        else:
+            todo.append(path)
+    workers = threads or min(4, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        for path, digest in zip(todo, pool.map(file_sha256, todo), strict=True):
+            digests[path] = digest
+            if cache is not None:
+                cache.put(path, stats[path], digest)
+    files = [
+        PackageFile(name, digests[path], stats[path].st_size, 0o755 if stats[path].st_mode & stat.S_IXUSR else 0o644)
+        for name, path in found
+    ]
+    manifest = Manifest.of(files, max_unpacked_bytes=max_unpacked_bytes)
+    return manifest, {digests[path]: path for _, path in found}
+
+
+# --- the .tar.gz form -------------------------------------------------------------------------------
 
 
 def check_member(member: tarfile.TarInfo) -> None:
-    """Raise InvalidPackage for a member that could escape the package or is not a file or directory."""
+    """Raise InvalidPackage for an archive member that could escape the package or is not a file
+    or directory."""
     name = member.name
     if name.startswith(("/", "\\")) or PurePosixPath(name).is_absolute():
         raise InvalidPackage(f"member {name!r} has an absolute path; paths must be relative to the package")
@@ -85,29 +324,76 @@ def check_member(member: tarfile.TarInfo) -> None:
         raise InvalidPackage(f"member {name!r} is a link or device; a package holds only files and directories")
 
 
+def read_archive(
+    source: str | os.PathLike[str] | IO[bytes],
+    store: Callable[[str, int, IO[bytes]], str],
+    *,
+    max_unpacked_bytes: int,
+    compressed: bool = True,
+) -> Manifest:
+    """Read a package archive member by member (streaming, nothing extracted to a path): each
+    file's bytes go to `store(path, size, reader)`, which keeps them and returns their digest.
+    Returns the checked manifest; InvalidPackage (PackageTooLarge past the limits) naming what
+    is wrong. `compressed=False` reads a plain tar. A path that appears twice takes the later
+    member (as extracting the archive would)."""
+    files: dict[str, PackageFile] = {}
+    unpacked = 0
+    try:
+        with _open_stream(source, compressed) as tar:
+            for member in tar:
+                check_member(member)
+                if not member.isfile():
+                    continue
+                unpacked += member.size
+                if unpacked > max_unpacked_bytes:
+                    raise PackageTooLarge(
+                        f"the package unpacks to more than {max_unpacked_bytes} bytes (the limit); "
+                        "leave data out of it or raise the limit"
+                    )
+                if len(files) >= MAX_FILES:
+                    raise PackageTooLarge(f"the package has more than {MAX_FILES} files (the limit)")
+                reader = tar.extractfile(member)
+                if reader is None:
+                    continue
+                name = PurePosixPath(member.name).as_posix().removeprefix("./")
+                check_path(name)
+                digest = store(name, member.size, reader)
+                files[name] = PackageFile(name, digest, member.size, 0o755 if member.mode & 0o111 else 0o644)
+    except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile, ValueError) as exc:
+        raise InvalidPackage(f"the package is not a valid .tar.gz: {exc}") from None
+    return Manifest.of(files.values(), max_unpacked_bytes=max_unpacked_bytes)
+
+
+def _open_stream(source: str | os.PathLike[str] | IO[bytes], compressed: bool) -> tarfile.TarFile:
+    if isinstance(source, str | os.PathLike):
+        return tarfile.open(source, mode="r|gz") if compressed else tarfile.open(source, mode="r|")
+    return tarfile.open(fileobj=source, mode="r|gz") if compressed else tarfile.open(fileobj=source, mode="r|")
+
+
 def build_package(directory: Path, *, skip: Iterable[str] = SKIPPED_PARTS) -> bytes:
-    """`directory` as a package, the same bytes every time for the same files (see the module)."""
-    skipped = frozenset(skip)
+    """`directory` as a `.tar.gz`, the same bytes every time for the same files: entries sorted,
+    modification times, owners and gzip's timestamp fixed, modes reduced to 0644 / 0755."""
     buffer = io.BytesIO()
     with (
         gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0, filename="") as zipped,
         tarfile.open(fileobj=zipped, mode="w", format=tarfile.PAX_FORMAT) as tar,
     ):
-        for path in sorted(directory.rglob("*")):
-            relative = path.relative_to(directory)
-            if not path.is_file() or path.is_symlink() or skipped & set(relative.parts):
-                continue
-            info = tar.gettarinfo(str(path), arcname=relative.as_posix())
-            info.mtime = 0
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            info.mode = 0o755 if info.mode & 0o111 else 0o644
-            with path.open("rb") as data:
-                tar.addfile(info, data)
+        add_files(tar, ((name, path) for name, path in package_files(directory, skip=skip)))
     return buffer.getvalue()
 
 
-def _open(source: str | os.PathLike[str] | IO[bytes]) -> tarfile.TarFile:
-    if isinstance(source, str | os.PathLike):
-        return tarfile.open(source, mode="r|gz")
-    return tarfile.open(fileobj=source, mode="r|gz")
+def add_files(tar: tarfile.TarFile, files: Iterable[tuple[str, Path]]) -> None:
+    """Append (name, file) pairs to `tar`, deterministically (see `build_package`)."""
+    for name, path in files:
+        info = tar.gettarinfo(str(path), arcname=name)
+        info.mtime = 0
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        info.mode = 0o755 if info.mode & 0o111 else 0o644
+        with path.open("rb") as data:
+            tar.addfile(info, data)
+
+
+def manifest_summary(manifest: Manifest) -> Mapping[str, int]:
+    """What an answer about a package says of it: files and bytes."""
+    return {"files": len(manifest.files), "unpacked_bytes": manifest.unpacked_bytes}

@@ -101,6 +101,9 @@ class MessageType(enum.IntEnum):
     CALL_RESULT = 21
     WORKERS = 22
     HELLO = 23
+    STAGE = 24
+    STAGE_REPLY = 25
+    HOLDINGS = 26
 
 
 MESSAGES: dict[MessageType, type[Message]] = {
@@ -127,6 +130,9 @@ MESSAGES: dict[MessageType, type[Message]] = {
     MessageType.CALL_RESULT: pb.CallResult,
     MessageType.WORKERS: pb.WorkersRequest,
     MessageType.HELLO: pb.Hello,
+    MessageType.STAGE: pb.Stage,
+    MessageType.STAGE_REPLY: pb.StageReply,
+    MessageType.HOLDINGS: pb.Holdings,
 }
 
 

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass, field
 
-from cache_manager import Admission, CacheManager
+from cache_manager import Admission, CacheManager, Tier
 from gpufaas.errors import ModelTooLarge, UnknownModel
 from gpufaas.types import GpuSpec, ModelSpec, Request
 from scheduler.decisions import Decision, Dispatch, Park, PassOver, Release, Step, Visit
@@ -579,13 +579,15 @@ class Scheduler:
         return max(0.0, state.busy_until_s - now) + state.local_work_s / state.spec.slots
 
     def load_time_s(self, model: str, gpu_id: str) -> float:
-        """What a miss of `model` on `gpu_id` would take: a swap-in when its node's host tier
-        holds the model, else a load."""
+        """What a miss of `model` on `gpu_id` would take, by the tier it comes from: a swap-in
+        from its node's host tier or host model pool, a load from its disk, or a fetch and a load."""
         spec = self._models[model]
         gpu_type = self._gpus[gpu_id].spec.gpu_type
-        if self.cache.in_host(model, gpu_id):
+        tier = self.cache.tier(model, gpu_id)
+        if tier <= Tier.POOL:
             return self.estimator.swap_in_time_s(model, gpu_type, spec.memory_mb)
-        return self.estimator.load_time_s(model, gpu_type, spec.memory_mb)
+        load_s = self.estimator.load_time_s(model, gpu_type, spec.memory_mb)
+        return load_s + self.estimator.fetch_time_s(spec.memory_mb) if tier is Tier.REMOTE else load_s
 
     def inference_time_s(self, model: str, gpu_id: str, batch_size: int) -> float:
         """The estimated time of one call of `model` with `batch_size` samples on `gpu_id`."""
@@ -624,15 +626,30 @@ class Scheduler:
                 return gpu_id
         return None
 
-    def idle_near_host_copy(self, model: str, prefer: str, exclude: str | None = None) -> str | None:
-        """An idle GPU the model may run on now (see `fits`) whose node's host tier holds it:
-        `prefer` if it is one, else the one with room for it (evicting nothing), else the first,
-        in idle order; None if no node holds it in host memory. O(1) without host copies, else
-        O(idle GPUs)."""
-        nodes = self.cache.nodes_holding(model)
-        if not nodes:
-            return None
-        if prefer != exclude and self.cache.in_host(model, prefer) and self.fits(model, prefer):
+    def idle_nearest_copy(self, model: str, prefer: str, exclude: str | None = None) -> str | None:
+        """An idle GPU the model may run on now (see `fits`) whose node holds it nearer than the
+        GPU being filled (`prefer`) would have it: in host memory (its host tier or host model
+        pool: a swap-in, not a load), else, when `prefer`'s node would have to fetch it, on disk
+        (a load without the fetch). The nearest tier wins; within it `prefer` if it is one, else
+        one with room for the model (evicting nothing), else the first, in idle order. None if no
+        node holds it nearer. O(1) without copies, else O(idle GPUs)."""
+        holdings = self.cache.holdings
+        in_memory: Set[str] = self.cache.nodes_holding(model)
+        pooling = holdings.nodes_pooling(model)
+        if pooling:
+            in_memory = in_memory | pooling if in_memory else pooling
+        if in_memory:
+            found = self._idle_on(model, in_memory, prefer, exclude)
+            if found is not None:
+                return found
+        staging = holdings.nodes_staging(model)
+        if staging and self.cache.tier(model, prefer) is Tier.REMOTE:
+            return self._idle_on(model, staging, prefer, exclude)
+        return None
+
+    def _idle_on(self, model: str, nodes: Set[str], prefer: str, exclude: str | None) -> str | None:
+        """`idle_nearest_copy`'s choice among the idle GPUs of `nodes`."""
+        if prefer != exclude and self._gpus[prefer].spec.node in nodes and self.fits(model, prefer):
             return prefer
         spec = self._models[model]
         first: str | None = None
@@ -844,11 +861,13 @@ class Scheduler:
         running = state.running
         if admission.hit:
             load_s = 0.0
-        elif admission.from_host:
+        elif admission.from_host or admission.from_pool:
             load_s = self.estimator.swap_in_time_s(spec.name, state.spec.gpu_type, spec.memory_mb)
             self._swapped_in.add(request.request_id)
         else:
             load_s = self.estimator.load_time_s(spec.name, state.spec.gpu_type, spec.memory_mb)
+            if self.cache.tier(spec.name, gpu_id) is Tier.REMOTE:
+                load_s += self.estimator.fetch_time_s(spec.memory_mb)
         inference_s = self._inference_time_s(request, state)
         # Behind the calls of its model running there (they share a worker), or its load.
         start_s = max(now + load_s, self._worker_busy_until_s(spec.name, state)) if running else now + load_s
@@ -870,6 +889,7 @@ class Scheduler:
             est_load_time_s=load_s,
             est_inference_time_s=inference_s,
             from_host=admission.from_host,
+            from_pool=admission.from_pool,
         )
 
     def _running(self, request_id: str) -> tuple[GpuState, Request]:

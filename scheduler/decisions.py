@@ -10,17 +10,19 @@ from gpufaas.types import Request
 @dataclass(frozen=True, slots=True)
 class Dispatch:
     """Run `request` on `gpu_id` now. On a miss, first evict `evict` (least recently used first)
-    and load the model (`from_host`: take it back from the node's host tier, a swap-in);
-    `false_miss` marks a miss although another GPU held the model."""
+    and load the model (`from_host`: take it back from the node's host tier, a swap-in;
+    `from_pool`: map its weights from the node's host model pool, a swap-in too); `false_miss`
+    marks a miss although another GPU held the model."""
 
     request: Request
     gpu_id: str
     hit: bool
     evict: tuple[str, ...] = ()
     false_miss: bool = False
-    est_load_time_s: float = 0.0  # a swap-in's time when `from_host`
+    est_load_time_s: float = 0.0  # a swap-in's time when `from_host` or `from_pool`
     est_inference_time_s: float = 0.0
     from_host: bool = False
+    from_pool: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,11 @@ DEFAULT_INFERENCE_S_PER_SAMPLE = 1.3 / 32
 # fixed cost to hand the worker its GPU. Measured swap-ins replace it per (model, GPU type).
 DEFAULT_HOST_TO_GPU_MB_S = 10_000.0
 DEFAULT_SWAP_IN_OVERHEAD_S = 0.005
+# Fetching a package a node has not staged, from another holder, before it loads: at about what
+# a 10 Gb/s link carries, plus the round trips to find and start it. The size is the declared
+# memory: the weights a package carries are most of a model's memory.
+DEFAULT_FETCH_MB_S = 1_000.0
+DEFAULT_FETCH_OVERHEAD_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +91,10 @@ class Estimator:
         if known is not None:
             return known
         return DEFAULT_SWAP_IN_OVERHEAD_S + memory_mb / self.host_to_gpu_mb_s
+
+    def fetch_time_s(self, memory_mb: int) -> float:
+        """Bringing a package of about `memory_mb` to a node that lacks it (before its load)."""
+        return DEFAULT_FETCH_OVERHEAD_S + memory_mb / DEFAULT_FETCH_MB_S
 
     def inference_time_s(self, model: str, gpu_type: str, batch_size: int) -> float:
         by_batch = self._inference_s.get((model, gpu_type))

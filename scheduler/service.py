@@ -49,6 +49,7 @@ from scheduler.estimator import Estimator
 from scheduler.evictions import EvictionLog
 from scheduler.metrics import SchedulerMetrics
 from scheduler.policies import PolicyConfig, make_policy
+from scheduler.staging import GpuRoom, staging_targets
 
 log = logging.getLogger("gpufaas.scheduler")
 
@@ -67,6 +68,7 @@ RECONCILE_S = 5.0  # how often the GPUs' LRU lists are checked against the worke
 RELEASE_CHECK_MIN_S = 0.25  # bounds of how often the staged exit looks for idle models
 RELEASE_CHECK_MAX_S = 5.0
 DEFAULT_SLOTS = 4
+DEFAULT_PRESTAGE_NODES = 2  # nodes that get a new function's package before its first call
 MAX_CLAIM_S = 30.0  # nodes remember grants (and revocations) for 60 s: a claim must fall well inside
 
 
@@ -100,6 +102,7 @@ class _Node:
     record: NodeRecord
     conn: Connection | None = None
     gpu_ids: list[str] = field(default_factory=list)  # in the scheduler (attached) or empty
+    holdings: pb.Holdings | None = None  # its latest report of what its disk and host pool hold
 
 
 class SchedulerService:
@@ -120,20 +123,25 @@ class SchedulerService:
         wire_key: bytes | None = None,
         gpu_idle_release_s: float | None = None,
         host_idle_release_s: float | None = None,
+        prestage_nodes: int = DEFAULT_PRESTAGE_NODES,
     ) -> None:
         """`wire_key`: the cluster's wire key (gpufaas.credentials); gateways must prove it, and
         nodes are trusted only once they have. None: no handshake (tests of the logic only).
         `gpu_idle_release_s`, `host_idle_release_s`: EDAS's staged exit, None = that stage off: a
         model unused on a GPU this long leaves it (for its node's host tier, where the node has
-        one), and one in a host tier this long leaves that too."""
+        one), and one in a host tier this long leaves that too. `prestage_nodes`: how many nodes
+        get a new function's package before its first call (0: none; calls fetch it)."""
         for name, value in (
             ("gpu_idle_release_s", gpu_idle_release_s),
             ("host_idle_release_s", host_idle_release_s),
         ):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds (or None: that stage off), got {value}")
+        if prestage_nodes < 0:
+            raise ValueError(f"prestage_nodes must be >= 0, got {prestage_nodes}")
         self.gpu_idle_release_s = gpu_idle_release_s
         self.host_idle_release_s = host_idle_release_s
+        self.prestage_nodes = prestage_nodes
         self.store = store
         self.wire_key = wire_key
         self.keys = keys if keys is not None else Keys()
@@ -275,6 +283,9 @@ class SchedulerService:
         if old is not None and old.model != spec.model:
             log.info("function %s updated: evicting its old model %s", spec.name, old.model)
             self._apply(self.book.retire(old.model))
+        if old is None or old.package_digest != spec.package_digest:
+            self._learn_holdings()  # nodes may hold its package already (another function's)
+            self._prestage([spec])
         return spec
 
     def _apply_profile(self, kv: KeyValue) -> None:
@@ -376,7 +387,9 @@ class SchedulerService:
         log.info(
             "node %s attached: %d GPU(s), %d resident model(s)", node.record.node, len(node.gpu_ids), len(reply.workers)
         )
+        self.holdings_reported(node, reply.holdings)
         self._apply(effects + self.book.schedule(self.clock()))
+        self._prestage(self._functions.values())
 
     async def _reconciler(self) -> None:
         """Now and then, ask every attached node which models it runs and reconcile the GPUs' LRU
@@ -400,7 +413,58 @@ class SchedulerService:
                 for address in node.gpu_ids:
                     effects += self.book.reconcile(address, resident.get(address, {}), self.clock())
                 effects += self.book.reconcile_host(node.record.node, reply.host_memory_mb, _parked(reply))
+                self.holdings_reported(node, reply.holdings)
                 self._apply(effects + self.book.schedule(self.clock()))
+
+    # --- what nodes hold below their GPUs, and pre-staging ---------------------------------
+    def holdings_reported(self, node: _Node, holdings: pb.Holdings) -> None:
+        """A node said what its disk and host pool hold (package digests): the cache manager
+        learns it by model, so misses are priced and placed by the tier they come from."""
+        node.holdings = holdings
+        self._learn_holdings(node)
+
+    def _learn_holdings(self, only: _Node | None = None) -> None:
+        models_of: dict[str, list[str]] = {}
+        for spec in self._functions.values():
+            models_of.setdefault(spec.package_digest, []).append(spec.model)
+        for node in [only] if only is not None else list(self._nodes.values()):
+            if node.holdings is None or not node.gpu_ids:
+                continue
+            self.scheduler.cache.holdings.report(
+                node.record.node,
+                pooled={m for d in node.holdings.pooled for m in models_of.get(d, ())},
+                staged={m for d in node.holdings.staged for m in models_of.get(d, ())},
+            )
+
+    def _prestage(self, specs: Iterable[FunctionSpec]) -> None:
+        """Ask the nodes a function's misses are expected to land on to bring its package now
+        (scheduler.staging), each node once for all it lacks."""
+        if not self.prestage_nodes:
+            return
+        rooms: dict[str, list[GpuRoom]] = {}
+        for name, node in self._nodes.items():
+            if node.conn is None or not node.gpu_ids or node.holdings is None:
+                continue
+            rooms[name] = [
+                GpuRoom(spec.memory_mb, spec.gpu_type, self.scheduler.cache.gpu(gpu_id).free_mb)
+                for gpu_id in node.gpu_ids
+                for spec in (self.scheduler.gpu(gpu_id).spec,)
+            ]
+        wanted: dict[str, list[str]] = {}
+        for spec in specs:
+            staged_on = {n for n in rooms if spec.package_digest in self._nodes[n].holdings.staged}  # type: ignore[union-attr]
+            model = ModelSpec(spec.model, spec.memory_mb, spec.required_gpu_type)
+            for target in staging_targets(model, rooms, staged_on, copies=self.prestage_nodes):
+                wanted.setdefault(target, []).append(spec.package_digest)
+        for name, digests in wanted.items():
+            self._spawn(self._stage(self._nodes[name], sorted(set(digests))))
+
+    async def _stage(self, node: _Node, digests: list[str]) -> None:
+        if node.conn is None:
+            return
+        with contextlib.suppress(ConnectionLost, TimeoutError, RemoteError):
+            await node.conn.request(MessageType.STAGE, pb.Stage(packages=digests), timeout_s=NODE_TIMEOUT_S)
+            log.info("asked node %s to stage %d package(s)", node.record.node, len(digests))
 
     def _detach(self, node: _Node) -> None:
         """Take a node's GPUs out: their calls go back to the queue (and are placed again)."""
@@ -507,7 +571,9 @@ class SchedulerService:
             expires_unix_s=a.deadline + to_wall,
             max_batch_size=spec.max_batch_size,
             max_batch_wait_s=spec.max_batch_wait_ms / 1000.0,
-            load_time_s=self.scheduler.load_time_s(spec.model, a.gpu_id),
+            load_time_s=self.scheduler.estimator.load_time_s(
+                spec.model, self.scheduler.gpu(a.gpu_id).spec.gpu_type, spec.memory_mb
+            ),
             inference_time_s=a.est_inference_time_s,
             environment=spec.environment,
         )
@@ -760,6 +826,9 @@ class _NodeSession:
         self.node = node
 
     def on_frame(self, conn: Connection, frame: Frame) -> None:
+        if frame.type == MessageType.HOLDINGS:
+            self.service.holdings_reported(self.node, frame.message(pb.Holdings))
+            return
         if frame.type != MessageType.DONE:
             return
         done = frame.message(pb.Done)

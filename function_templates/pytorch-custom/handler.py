@@ -4,8 +4,8 @@ Inputs:  {"inputs": [[x1, x2, x3, x4], ...]}   rows of IN_FEATURES numbers
 Output:  {"outputs": [[y1, y2, y3], ...]}       one row of OUT_FEATURES numbers per input row
 
 The contract (README.md has it in full): the worker imports this file with its directory as the
-working directory and first on sys.path, calls `load(device)` once and `predict(model, inputs)`
-per request, one at a time.
+working directory and first on sys.path, calls `load(device)` once, `warmup(model)` once if it is
+defined, and `predict(model, inputs)` per request, one at a time.
 """
 
 from __future__ import annotations
@@ -14,8 +14,12 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
+
+try:  # on a gpufaas node: weights from its host model pool (mapped on cpu, pinned copies on cuda)
+    from gpufaas.weights import load_file
+except ImportError:  # elsewhere (your own tests): the same tensors, read from the file
+    from safetensors.torch import load_file
 
 # The package directory: the worker sets GPUFAAS_PACKAGE_DIR (and the cwd) to it.
 PACKAGE_DIR = Path(os.environ.get("GPUFAAS_PACKAGE_DIR") or Path(__file__).resolve().parent)
@@ -37,9 +41,17 @@ def load(device: str) -> nn.Module:
             "or save your trained model's state dict there with safetensors (see README.md)"
         )
     model = build_model()
-    # safetensors reads the tensors straight onto the device; assign=True adopts them without a copy.
+    # The tensors arrive on the device; assign=True adopts them without a copy.
     model.load_state_dict(load_file(weights, device=device), assign=True)
     return model.eval()
+
+
+def warmup(model: nn.Module) -> None:
+    """Optional: run once after `load`, before any request (its first inference's one-off costs,
+    cuDNN's and cuBLAS's set-up on a GPU, are paid here and not by a caller)."""
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        model(torch.zeros(1, IN_FEATURES, device=device))
 
 
 def predict(model: nn.Module, inputs: object) -> dict[str, object]:

@@ -31,10 +31,10 @@ class Deployed(BaseModel):
     model: str = Field(description="the cache item: the function at its package (NAME@DIGEST12)")
 
 
-def _check_fits(gateway: Gateway, spec: FunctionSpec) -> None:
-    """What the schema cannot say: the package must be uploaded, and the model must fit a GPU of
-    the cluster as it is now. 409: the spec is well formed but conflicts with the cluster's state."""
-    if not gateway.package_path(spec.package_digest).exists():
+async def _check_fits(gateway: Gateway, spec: FunctionSpec) -> None:
+    """What the schema cannot say: the package must be registered, and the model must fit a GPU
+    of the cluster as it is now. 409: the spec is well formed but conflicts with the cluster's state."""
+    if await gateway.artifacts.record(spec.package_digest) is None:
         raise ApiError(409, f"package {spec.package_digest} is not uploaded; POST it to /system/packages first")
     largest = gateway.largest_gpu_mb(spec.required_gpu_type)
     if largest is not None and spec.memory_mb > largest:
@@ -49,7 +49,7 @@ def _check_fits(gateway: Gateway, spec: FunctionSpec) -> None:
 @router.post("/system/functions", status_code=202)
 async def deploy(spec: Annotated[FunctionSpec, Body()], gateway: GatewayDep) -> Deployed:
     """Deploy a new function (409 if the name is taken: update it with PUT)."""
-    _check_fits(gateway, spec)
+    await _check_fits(gateway, spec)
     created = await gateway.store.compare_and_put(gateway.keys.function(spec.name), spec.to_json(), mod_revision=0)
     if not created:
         raise ApiError(409, f"function {spec.name!r} already exists; update it with PUT /system/functions")
@@ -60,7 +60,7 @@ async def deploy(spec: Annotated[FunctionSpec, Body()], gateway: GatewayDep) -> 
 @router.put("/system/functions", status_code=202)
 async def update(spec: Annotated[FunctionSpec, Body()], gateway: GatewayDep) -> Deployed:
     """Replace a deployed function's whole spec (404 if it is not deployed)."""
-    _check_fits(gateway, spec)
+    await _check_fits(gateway, spec)
     key = gateway.keys.function(spec.name)
     for _ in range(5):
         current = await gateway.store.get(key)

@@ -1,90 +1,265 @@
-"""Function packages: uploaded once (streamed, checked, stored by digest), fetched by the nodes."""
+"""Packages and their blobs: which blobs are missing, blob uploads (resumable) and downloads, a
+batch of small blobs in one tar, package registration from a manifest (or a whole `.tar.gz`),
+and a package's manifest by digest (gateway.artifacts does the work)."""
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
+import contextlib
+import json
 import os
-import tempfile
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Body, Path, Query, Request, Response
 from fastapi.responses import FileResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import ClientDisconnect
 
+from gateway.artifacts import MAX_BATCH_BYTES, MissingBlobs, OffsetMismatch, spool
 from gateway.routes.deps import GatewayDep
 from gateway.state import ApiError
-from gpufaas.functions import DIGEST_PATTERN
-from gpufaas.packages import InvalidPackage, PackageTooLarge, check_archive
+from gpufaas.blobnet import UPLOAD_OFFSET
+from gpufaas.blobs import BlobBusy, CorruptBlob
+from gpufaas.functions import DIGEST_PATTERN, WHOLE
+from gpufaas.holders import PackageRecord
+from gpufaas.packages import InvalidPackage, Manifest, PackageTooLarge
+from gpufaas.requirements import RequirementsError
 
 router = APIRouter()
 
 Digest = Annotated[str, Path(pattern=DIGEST_PATTERN.pattern, description="'sha256:' and 64 hex digits")]
 
-# The body is streamed to disk as it arrives (a package may be GBs), so it is read from the request
-# and described to OpenAPI here rather than declared as a parameter.
+# Bodies that are streamed to disk as they arrive (a package or a blob may be GBs) are read from the
+# request and described to OpenAPI here rather than declared as parameters.
+MANIFEST_MEDIA_TYPE = "application/vnd.gpufaas.manifest+json"  # (plain application/json is taken too)
+_MANIFEST_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["version", "files"],
+    "properties": {
+        "version": {"const": 1},
+        "files": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["path", "digest", "size", "mode"],
+                "properties": {
+                    "path": {"type": "string", "description": "relative POSIX path; handler.py at the top"},
+                    "digest": {"type": "string", "pattern": DIGEST_PATTERN.pattern},
+                    "size": {"type": "integer", "minimum": 0},
+                    "mode": {"enum": [0o644, 0o755]},
+                },
+            },
+        },
+    },
+}
 PACKAGE_BODY: dict[str, Any] = {
     "requestBody": {
         "required": True,
-        "description": "the function's package: a gzipped tar with handler.py at its top (gpufaas.packages)",
-        "content": {"application/gzip": {"schema": {"type": "string", "format": "binary"}}},
+        "description": (
+            "a manifest (gpufaas.packages) whose blobs are uploaded already, or the whole package as a gzipped tar "
+            "with handler.py at its top (application/gzip)"
+        ),
+        "content": {
+            MANIFEST_MEDIA_TYPE: {"schema": _MANIFEST_SCHEMA},
+            "application/gzip": {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+}
+BLOB_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "description": "the blob's bytes from Upload-Offset (default 0) to its end",
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+BATCH_MEDIA_TYPE = "application/vnd.gpufaas.blobs+gzip"  # (application/x-tar: the same, not compressed)
+BATCH_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "description": "a gzipped tar whose members are small blobs, each named by its digest",
+        "content": {BATCH_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
     }
 }
 
 
+class WantedBlobs(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    blobs: dict[Annotated[str, Field(pattern=DIGEST_PATTERN.pattern)], Annotated[int, Field(ge=0), WHOLE]] = Field(
+        description="digest -> size in bytes of every blob a package needs",
+        json_schema_extra={"additionalProperties": False},  # keys other than digests are refused
+    )
+
+
+class MissingAnswer(BaseModel):
+    missing: list[str] = Field(description="the blobs this gateway lacks: upload these")
+    offsets: dict[str, int] = Field(description="bytes of a missing blob already here (an upload resumes there)")
+    upload_url: str | None = Field(description="this gateway's blob server (gpufaas.blobnet), the fast way in")
+
+
+def _package_answer(record: PackageRecord, size_bytes: int | None = None) -> dict[str, Any]:
+    answer: dict[str, Any] = {
+        "digest": record.digest,
+        "files": len(record.manifest.files),
+        "unpacked_bytes": record.manifest.unpacked_bytes,
+        "requirements": list(record.requirements.pins) if record.requirements is not None else [],
+    }
+    if size_bytes is not None:
+        answer["size_bytes"] = size_bytes
+    return answer
+
+
+def _refused(exc: InvalidPackage | RequirementsError) -> ApiError:
+    if isinstance(exc, PackageTooLarge):
+        return ApiError(413, str(exc))
+    if isinstance(exc, MissingBlobs):
+        return ApiError(409, str(exc))
+    return ApiError(400, str(exc))
+
+
+@router.post("/system/blobs/missing")
+async def missing_blobs(wanted: Annotated[WantedBlobs, Body()], gateway: GatewayDep) -> MissingAnswer:
+    """Which of a package's blobs this gateway lacks (upload only those), and how much of each a
+    broken upload left here."""
+    artifacts = gateway.artifacts
+    limit = artifacts.max_unpacked_bytes
+    too_large = next((d for d, size in wanted.blobs.items() if size > limit), None)
+    if too_large is not None:  # well formed, but more than this gateway takes: a conflict with it
+        raise ApiError(409, f"blob {too_large} is larger than this gateway's limit of {limit} bytes per package")
+    missing, offsets = artifacts.missing(wanted.blobs)
+    return MissingAnswer(missing=missing, offsets=offsets, upload_url=artifacts.url or None)
+
+
+@router.put("/system/blobs/{digest}", status_code=201, openapi_extra=BLOB_BODY)
+async def upload_blob(
+    request: Request,
+    digest: Digest,
+    gateway: GatewayDep,
+    size: Annotated[int, Query(ge=0, description="the whole blob's size in bytes")],
+) -> Response:
+    """Upload one blob, verified as it streams (the blob server does the same faster). A broken
+    upload resumes: send the rest with Upload-Offset: the bytes already here (HEAD says)."""
+    offset_header = request.headers.get(UPLOAD_OFFSET.lower(), "0")
+    if not offset_header.isdigit():
+        raise ApiError(400, f"{UPLOAD_OFFSET} must be a whole number of bytes, got {offset_header!r}")
+    offset = int(offset_header)
+    try:
+        reached = await gateway.artifacts.receive(digest, size, offset, request.stream())
+    except OffsetMismatch as exc:
+        raise ApiError(409, str(exc), headers={UPLOAD_OFFSET: str(exc.offset)}) from None
+    except BlobBusy as exc:
+        raise ApiError(409, str(exc)) from None
+    except (CorruptBlob, PackageTooLarge) as exc:
+        raise _refused(exc) from None
+    except ClientDisconnect:
+        return Response(status_code=400)  # nobody hears it; the partial stays for a resume
+    if reached < size:
+        raise ApiError(
+            400,
+            f"{reached} of the blob's {size} bytes are here; send the rest with {UPLOAD_OFFSET}: {reached}",
+            headers={UPLOAD_OFFSET: str(reached)},
+        )
+    return Response(status_code=201, headers={UPLOAD_OFFSET: str(size)})
+
+
+@router.head("/system/blobs/{digest}", response_class=FileResponse)
+async def blob_status(digest: Digest, gateway: GatewayDep) -> Response:
+    """200 and its size if the blob is here; 404 with Upload-Offset: what a broken upload left."""
+    return await download_blob(digest, gateway)
+
+
+@router.get("/system/blobs/{digest}", response_class=FileResponse)
+async def download_blob(digest: Digest, gateway: GatewayDep) -> Response:
+    """A blob's bytes (Range: bytes=N- for the rest from N). 404 with Upload-Offset: what a
+    broken upload of it left."""
+    path = gateway.artifacts.blobs.path(digest)
+    if path is None:
+        offset = gateway.artifacts.blobs.partial_size(digest)
+        raise ApiError(404, f"blob {digest} is not stored here", headers={UPLOAD_OFFSET: str(offset)})
+    return FileResponse(path, media_type="application/octet-stream")
+
+
+@router.post("/system/blobs", status_code=201, openapi_extra=BATCH_BODY)
+async def upload_blob_batch(request: Request, gateway: GatewayDep) -> dict[str, Any]:
+    """Many small blobs in one request: a tar whose members are named by their digests."""
+    compressed = request.headers.get("content-type", "").split(";", 1)[0].strip().lower() != "application/x-tar"
+    spooled, _, _ = await _spool(request, gateway, MAX_BATCH_BYTES)
+    try:
+        stored = await gateway.artifacts.receive_batch(spooled, compressed=compressed)
+    except InvalidPackage as exc:
+        raise _refused(exc) from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(spooled)
+    return {"stored": stored}
+
+
 @router.post("/system/packages", status_code=201, openapi_extra=PACKAGE_BODY)
-async def upload_package(
+async def register_package(
     request: Request,
     gateway: GatewayDep,
     digest: Annotated[
         str | None,
         Query(
             pattern=DIGEST_PATTERN.pattern,
-            description="the package's sha256, checked against what arrives (also taken as X-Package-Digest)",
+            description="with a .tar.gz body: its sha256, checked against what arrives (or X-Package-Digest)",
         ),
     ] = None,
 ) -> dict[str, Any]:
-    """Store a package; answers its digest (what a function spec names). Refused: larger than the
-    limits, not a gzipped tar with handler.py, or not matching the digest given."""
-    config = gateway.config
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > config.max_package_bytes:
-        raise ApiError(413, f"the package is larger than the gateway's limit of {config.max_package_bytes} bytes")
-    expected = digest or request.headers.get("x-package-digest")
-    if expected is not None:
-        gateway.package_path(expected)  # validates the form
-    hasher = hashlib.sha256()
-    size = 0
-    with tempfile.NamedTemporaryFile(dir=gateway.packages_dir, delete=False, suffix=".part") as part:
+    """Register a package; answers its digest (what a function spec names). A manifest names
+    blobs uploaded already (409 naming one that is not); a .tar.gz carries them. Refused: over
+    the limits (413), a package that breaks a rule, or a requirements.txt that cannot be
+    resolved (400 naming the requirement)."""
+    artifacts = gateway.artifacts
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    try:
+        if media in (MANIFEST_MEDIA_TYPE, "application/json"):
+            body = await request.body()
+            if len(body) > 4 << 20:
+                raise PackageTooLarge("a manifest may not be larger than 4 MiB")
+            record = await artifacts.register(Manifest.from_json(body, max_unpacked_bytes=artifacts.max_unpacked_bytes))
+            return _package_answer(record)
+        expected = digest or request.headers.get("x-package-digest")
+        if expected is not None and not DIGEST_PATTERN.fullmatch(expected):
+            raise ApiError(400, f"{expected!r} is not a package digest; expected 'sha256:' and 64 hex digits")
+        spooled, size, actual = await _spool(request, gateway, gateway.config.max_package_bytes)
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > config.max_package_bytes:
-                    raise ApiError(413, f"the package is larger than the limit of {config.max_package_bytes} bytes")
-                hasher.update(chunk)
-                part.write(chunk)
-        except BaseException:
-            part.close()
-            os.unlink(part.name)
-            raise
-    actual = f"sha256:{hasher.hexdigest()}"
-    if size == 0:
-        os.unlink(part.name)
-        raise ApiError(400, "the package is empty; send the function's .tar.gz as the request body")
-    if expected is not None and expected != actual:
-        os.unlink(part.name)
-        raise ApiError(400, f"the package's digest is {actual}, not {expected}: the upload was corrupted; retry it")
-    try:  # refused at the door, not at its first call
-        await asyncio.to_thread(check_archive, part.name, max_unpacked_bytes=config.max_unpacked_bytes)
-    except InvalidPackage as exc:
-        os.unlink(part.name)
-        raise ApiError(413 if isinstance(exc, PackageTooLarge) else 400, str(exc)) from None
-    os.replace(part.name, gateway.package_path(actual))
-    return {"digest": actual, "size_bytes": size}
+            if size == 0:
+                raise ApiError(400, "the package is empty; send the function's .tar.gz as the request body")
+            if expected is not None and expected != actual:
+                raise ApiError(
+                    400, f"the archive's sha256 is {actual}, not {expected}: the upload was corrupted; retry it"
+                )
+            manifest = await artifacts.receive_archive(spooled)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(spooled)
+        return _package_answer(await artifacts.register(manifest), size)
+    except (InvalidPackage, RequirementsError) as exc:
+        raise _refused(exc) from None
 
 
-@router.get("/system/packages/{digest}", response_class=FileResponse)
-async def download_package(digest: Digest, gateway: GatewayDep) -> FileResponse:
-    path = gateway.package_path(digest)
-    if not path.exists():
-        raise ApiError(404, f"package {digest} is not stored here; upload it with POST /system/packages")
-    return FileResponse(path, media_type="application/gzip")
+@router.get("/system/packages/{digest}")
+async def get_package(digest: Digest, gateway: GatewayDep) -> dict[str, Any]:
+    """A registered package: its manifest, and the Python distributions its requirements.txt
+    resolved to."""
+    record = await gateway.artifacts.record(digest)
+    if record is None:
+        raise ApiError(404, f"package {digest} is not registered; register it with POST /system/packages")
+    return {
+        "digest": record.digest,
+        "manifest": json.loads(record.manifest.to_json()),
+        "requirements": list(record.requirements.pins) if record.requirements is not None else [],
+        "gateway": record.gateway,
+    }
+
+
+async def _spool(request: Request, gateway: GatewayDep, limit_bytes: int) -> tuple[Any, int, str]:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
+        raise ApiError(413, f"the request is larger than the gateway's limit of {limit_bytes} bytes")
+    try:
+        return await spool(request.stream(), gateway.spool_dir, limit_bytes)
+    except PackageTooLarge as exc:
+        raise ApiError(413, str(exc)) from None

@@ -173,7 +173,7 @@ class Execute(_message.Message):
     def __init__(self, token: _Optional[bytes] = ..., content_type: _Optional[str] = ...) -> None: ...
 
 class MissStages(_message.Message):
-    __slots__ = ("fetch_s", "start_s", "context_s", "load_s", "prefetch_s", "spare_start_s", "spare_context_s", "host_s", "from_host")
+    __slots__ = ("fetch_s", "start_s", "context_s", "load_s", "prefetch_s", "spare_start_s", "spare_context_s", "host_s", "from_host", "pool_s", "from_pool")
     FETCH_S_FIELD_NUMBER: _ClassVar[int]
     START_S_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_S_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,8 @@ class MissStages(_message.Message):
     SPARE_CONTEXT_S_FIELD_NUMBER: _ClassVar[int]
     HOST_S_FIELD_NUMBER: _ClassVar[int]
     FROM_HOST_FIELD_NUMBER: _ClassVar[int]
+    POOL_S_FIELD_NUMBER: _ClassVar[int]
+    FROM_POOL_FIELD_NUMBER: _ClassVar[int]
     fetch_s: float
     start_s: float
     context_s: float
@@ -192,7 +194,9 @@ class MissStages(_message.Message):
     spare_context_s: float
     host_s: float
     from_host: bool
-    def __init__(self, fetch_s: _Optional[float] = ..., start_s: _Optional[float] = ..., context_s: _Optional[float] = ..., load_s: _Optional[float] = ..., prefetch_s: _Optional[float] = ..., spare_start_s: _Optional[float] = ..., spare_context_s: _Optional[float] = ..., host_s: _Optional[float] = ..., from_host: _Optional[bool] = ...) -> None: ...
+    pool_s: float
+    from_pool: bool
+    def __init__(self, fetch_s: _Optional[float] = ..., start_s: _Optional[float] = ..., context_s: _Optional[float] = ..., load_s: _Optional[float] = ..., prefetch_s: _Optional[float] = ..., spare_start_s: _Optional[float] = ..., spare_context_s: _Optional[float] = ..., host_s: _Optional[float] = ..., from_host: _Optional[bool] = ..., pool_s: _Optional[float] = ..., from_pool: _Optional[bool] = ...) -> None: ...
 
 class ExecuteReply(_message.Message):
     __slots__ = ("outcome", "message", "loaded", "load_time_s", "inference_time_s", "batch_calls", "stages", "content_type", "node_s")
@@ -259,18 +263,48 @@ class Worker(_message.Message):
     def __init__(self, gpu: _Optional[str] = ..., model: _Optional[str] = ..., memory_mb: _Optional[int] = ...) -> None: ...
 
 class AttachReply(_message.Message):
-    __slots__ = ("node", "incarnation", "workers", "parked", "host_memory_mb")
+    __slots__ = ("node", "incarnation", "workers", "parked", "host_memory_mb", "holdings")
     NODE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     PARKED_FIELD_NUMBER: _ClassVar[int]
     HOST_MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
+    HOLDINGS_FIELD_NUMBER: _ClassVar[int]
     node: str
     incarnation: str
     workers: _containers.RepeatedCompositeFieldContainer[Worker]
     parked: _containers.RepeatedCompositeFieldContainer[Worker]
     host_memory_mb: int
-    def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., parked: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., host_memory_mb: _Optional[int] = ...) -> None: ...
+    holdings: Holdings
+    def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., parked: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., host_memory_mb: _Optional[int] = ..., holdings: _Optional[_Union[Holdings, _Mapping]] = ...) -> None: ...
+
+class Holdings(_message.Message):
+    __slots__ = ("staged", "pooled", "disk_used_bytes", "disk_budget_bytes", "pool_used_bytes", "pool_budget_bytes")
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
+    DISK_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    staged: _containers.RepeatedScalarFieldContainer[str]
+    pooled: _containers.RepeatedScalarFieldContainer[str]
+    disk_used_bytes: int
+    disk_budget_bytes: int
+    pool_used_bytes: int
+    pool_budget_bytes: int
+    def __init__(self, staged: _Optional[_Iterable[str]] = ..., pooled: _Optional[_Iterable[str]] = ..., disk_used_bytes: _Optional[int] = ..., disk_budget_bytes: _Optional[int] = ..., pool_used_bytes: _Optional[int] = ..., pool_budget_bytes: _Optional[int] = ...) -> None: ...
+
+class Stage(_message.Message):
+    __slots__ = ("packages",)
+    PACKAGES_FIELD_NUMBER: _ClassVar[int]
+    packages: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, packages: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StageReply(_message.Message):
+    __slots__ = ("staged",)
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    staged: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, staged: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkersRequest(_message.Message):
     __slots__ = ()
@@ -421,8 +455,15 @@ class WorkerHello(_message.Message):
     def __init__(self, pid: _Optional[int] = ..., import_s: _Optional[float] = ..., context_s: _Optional[float] = ..., context_mb: _Optional[int] = ..., network_isolated: _Optional[bool] = ...) -> None: ...
 
 class LoadModel(_message.Message):
-    __slots__ = ("model", "package_dir", "memory_mb", "max_batch_size", "max_batch_wait_s", "environment", "load_time_s", "inference_time_s", "max_result_bytes", "uid", "gid", "data_limit_mb", "max_processes", "max_file_mb", "home_dir")
+    __slots__ = ("model", "package_dir", "memory_mb", "max_batch_size", "max_batch_wait_s", "environment", "load_time_s", "inference_time_s", "max_result_bytes", "uid", "gid", "data_limit_mb", "max_processes", "max_file_mb", "home_dir", "pooled", "layer_dir")
     class EnvironmentEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class PooledEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -444,6 +485,8 @@ class LoadModel(_message.Message):
     MAX_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     MAX_FILE_MB_FIELD_NUMBER: _ClassVar[int]
     HOME_DIR_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
+    LAYER_DIR_FIELD_NUMBER: _ClassVar[int]
     model: str
     package_dir: str
     memory_mb: int
@@ -459,7 +502,9 @@ class LoadModel(_message.Message):
     max_processes: int
     max_file_mb: int
     home_dir: str
-    def __init__(self, model: _Optional[str] = ..., package_dir: _Optional[str] = ..., memory_mb: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_wait_s: _Optional[float] = ..., environment: _Optional[_Mapping[str, str]] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., max_result_bytes: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., data_limit_mb: _Optional[int] = ..., max_processes: _Optional[int] = ..., max_file_mb: _Optional[int] = ..., home_dir: _Optional[str] = ...) -> None: ...
+    pooled: _containers.ScalarMap[str, str]
+    layer_dir: str
+    def __init__(self, model: _Optional[str] = ..., package_dir: _Optional[str] = ..., memory_mb: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_wait_s: _Optional[float] = ..., environment: _Optional[_Mapping[str, str]] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., max_result_bytes: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., data_limit_mb: _Optional[int] = ..., max_processes: _Optional[int] = ..., max_file_mb: _Optional[int] = ..., home_dir: _Optional[str] = ..., pooled: _Optional[_Mapping[str, str]] = ..., layer_dir: _Optional[str] = ...) -> None: ...
 
 class ModelLoaded(_message.Message):
     __slots__ = ("ok", "error", "load_s", "peak_memory_mb")

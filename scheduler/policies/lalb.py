@@ -36,10 +36,10 @@ def locality_load_balance(
     least recently used model of those GPUs; else here; and if the model may not run here now
     (clusters of mixed memory sizes, models pinned by requests running here), on the first idle
     GPU it may, so that a younger request never takes the only GPU an older one could use.
-    `room_aware=False` is Algorithm 2 to the letter (and ignores `coldest_victim`). With a host
-    tier (`tier_aware`), a miss first goes to an idle GPU whose node holds the model in host
-    memory (a swap-in instead of a load), this GPU first. Returns where the request went and the
-    step reserved for it (None for NOWHERE).
+    `room_aware=False` is Algorithm 2 to the letter (and ignores `coldest_victim`). With
+    `tier_aware`, a miss first goes to an idle GPU whose node holds the model in host memory (a
+    swap-in instead of a load), this GPU first, else on disk when this GPU's node would fetch it.
+    Returns where the request went and the step reserved for it (None for NOWHERE).
     """
     avoid = request.avoid_gpu  # a retry after its worker died: never there again
     model = request.model
@@ -73,8 +73,9 @@ def locality_load_balance(
     # first idle GPU large enough.
     target = None
     if tier_aware:
-        # A swap-in from a node's host tier costs a copy, not a load: take an idle GPU there.
-        target = ctx.idle_near_host_copy(request.model, prefer=gpu_id, exclude=avoid)
+        # A swap-in from a node's host memory costs a copy, not a load, and a package on a node's
+        # disk needs no fetch: take an idle GPU there.
+        target = ctx.idle_nearest_copy(request.model, prefer=gpu_id, exclude=avoid)
     if target is None and room_aware:
         target = ctx.idle_with_room(request.model, prefer=gpu_id, exclude=avoid)
         if target is None and coldest_victim:

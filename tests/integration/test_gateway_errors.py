@@ -4,6 +4,7 @@ limit), each with its JSON body."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -188,7 +189,8 @@ def test_400s_on_deploy_and_upload(env: Env) -> None:
     response = httpx.post(
         f"{env.url}/system/packages", params={"digest": wrong}, content=package, timeout=10, auth=env.cluster.admin_auth
     )
-    assert_error(response, 400, wrong, digest, "corrupted", "retry")
+    archive_digest = f"sha256:{hashlib.sha256(package).hexdigest()}"  # what ?digest= checks: the bytes sent
+    assert_error(response, 400, wrong, archive_digest, "corrupted", "retry")
 
     response = post(json={"name": "echo", "package_digest": digest, "memory_mb": 100})
     assert_error(response, 409, "'echo'", "PUT /system/functions")

@@ -23,7 +23,7 @@ from gateway.auth import Credentials
 from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
-from gpufaas.packages import build_package
+from gpufaas.packages import EMPTY_DIGEST, build_package
 from gpufaas.store import MemoryStore
 from gpufaas.types import DEFAULT_BATCH_SIZE
 from tests.scrape import sample
@@ -113,7 +113,12 @@ def assert_error(response: httpx.Response, status: int, *fragments: str) -> str:
 
 
 def part_files(state_dir: Path) -> list[Path]:
-    return sorted((state_dir / "packages").glob("*.part"))
+    """Request bodies left behind (they must never be: each is removed once read)."""
+    return sorted((state_dir / "spool").glob("*.part"))
+
+
+def package_records(env: Env) -> Awaitable[list[Any]]:
+    return env.store.get_prefix(env.keys.packages)
 
 
 # --- lifecycle ------------------------------------------------------------------------------
@@ -158,22 +163,42 @@ def test_health_info_and_metrics(tmp_path: Path) -> None:
 # --- packages -------------------------------------------------------------------------------
 
 
+def manifest_of(data: bytes) -> dict[str, Any]:
+    """The manifest (as JSON) of a .tar.gz package's files."""
+    files = []
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        for info in tar:
+            content = tar.extractfile(info)
+            assert content is not None
+            blob = content.read()
+            files.append({"path": info.name, "digest": sha256(blob), "size": len(blob), "mode": info.mode & 0o777})
+    return {"version": 1, "files": sorted(files, key=lambda f: f["path"])}
+
+
 def test_package_upload_download_round_trip(tmp_path: Path) -> None:
     async def body(env: Env) -> None:
         uploaded = await env.client.post("/system/packages", content=PACKAGE)
         assert uploaded.status_code == 201, uploaded.text
-        assert uploaded.json() == {"digest": sha256(PACKAGE), "size_bytes": len(PACKAGE)}
-        stored = env.state_dir / "packages" / f"{hashlib.sha256(PACKAGE).hexdigest()}.tar.gz"
-        assert stored.read_bytes() == PACKAGE
-
-        downloaded = await env.client.get(f"/system/packages/{sha256(PACKAGE)}")
-        assert downloaded.status_code == 200
-        assert downloaded.content == PACKAGE
-        assert downloaded.headers["content-type"] == "application/gzip"
+        manifest = manifest_of(PACKAGE)
+        digest = sha256(json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode())
+        assert uploaded.json() == {
+            "digest": digest,
+            "files": 2,
+            "unpacked_bytes": sum(f["size"] for f in manifest["files"]),
+            "requirements": [],
+            "size_bytes": len(PACKAGE),
+        }
+        described = (await env.client.get(f"/system/packages/{digest}")).json()
+        assert described["manifest"] == manifest and described["requirements"] == []
+        with tarfile.open(fileobj=io.BytesIO(PACKAGE), mode="r:gz") as tar:
+            for info in tar:
+                blob = await env.client.get(f"/system/blobs/{sha256(tar.extractfile(info).read())}")  # type: ignore[union-attr]
+                assert blob.status_code == 200
+                assert blob.content == tar.extractfile(info).read()  # type: ignore[union-attr]
 
         # The same bytes again, with the right digest (query or header): idempotent.
         again = await env.client.post("/system/packages", params={"digest": sha256(PACKAGE)}, content=PACKAGE)
-        assert again.status_code == 201 and again.json()["digest"] == sha256(PACKAGE)
+        assert again.status_code == 201 and again.json()["digest"] == digest
         header = await env.client.post(
             "/system/packages", headers={"X-Package-Digest": sha256(PACKAGE)}, content=PACKAGE
         )
@@ -229,7 +254,7 @@ def test_package_size_limit(tmp_path: Path) -> None:
         response = await env.client.post("/system/packages", content=stream())
         assert_error(response, 413, "100 bytes")
         assert part_files(env.state_dir) == []
-        assert list((env.state_dir / "packages").iterdir()) == []
+        assert await package_records(env) == []
 
     run(tmp_path, body, max_package_bytes=100)
 
@@ -269,7 +294,7 @@ def test_archives_that_could_escape_or_have_no_handler_are_refused_at_upload(tmp
         bomb = tar_gz([HANDLER, (member("zeros.bin"), bytes(8192))])
         assert len(bomb) < 1024
         assert_error(await env.client.post("/system/packages", content=bomb), 413, "unpacks to more than 4096 bytes")
-        assert part_files(env.state_dir) == [] and list((env.state_dir / "packages").iterdir()) == []
+        assert part_files(env.state_dir) == [] and await package_records(env) == []
         assert (await env.client.post("/system/packages", content=tar_gz([HANDLER]))).status_code == 201
 
     run(tmp_path, body, max_unpacked_bytes=4096)
@@ -309,14 +334,22 @@ def test_packages_no_function_uses_are_collected_after_their_grace(tmp_path: Pat
         spec = {"name": "user", "package_digest": used, "memory_mb": 100}
         assert (await env.client.post("/system/functions", json=spec)).status_code == 202
         gateway = env.app.state.gateway
+        blobs = gateway.artifacts.blobs
+        held = set(blobs.digests())
         now = time.time()
-        assert gateway.collect_packages(now) == []  # both are younger than the grace
-        assert gateway.collect_packages(now + 120) == [unused]
+        assert await gateway.collect_packages(now) == ([], [])  # both are younger than the grace
+        packages, gone = await gateway.collect_packages(now + 120)
+        assert packages == [unused]
+        # Only the blob of its own handler.py goes: data.bin is the used package's too.
+        used_blobs = {f["digest"] for f in manifest_of(make_package("used"))["files"]}
+        own = {f["digest"] for f in manifest_of(make_package("unused"))["files"]} - used_blobs
+        assert set(gone) == own and set(blobs.digests()) == held - own
         assert (await env.client.get(f"/system/packages/{unused}")).status_code == 404
         assert (await env.client.get(f"/system/packages/{used}")).status_code == 200
-        # Once its function is deleted, the other goes too.
+        # Once its function is deleted, the other goes too, and every blob but the empty one.
         await env.client.request("DELETE", "/system/functions", json={"functionName": "user"})
-        assert gateway.collect_packages(now + 120) == [used]
+        assert (await gateway.collect_packages(now + 120))[0] == [used]
+        assert set(blobs.digests()) == {EMPTY_DIGEST}
 
     run(tmp_path, body, package_grace_s=60.0)
 

@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 
 from gpu_manager.backends import UnknownBackend
-from gpu_manager.packages import PackageCache, package_digest
 from gpu_manager.pool import STOP_GRACE_S, ModelRun, RunResult, WorkerPool
 from gpu_manager.sandbox import package_uid
+from gpu_manager.staging import LocalPackages
 from gpufaas.proto import gpufaas_pb2 as pb
 from tests.fixtures.make_packages import build_package
 
@@ -110,41 +110,52 @@ async def eventually(predicate: Callable[[], bool], what: str, timeout_s: float 
 
 
 class Shelf:
-    """The function packages a test's pool can fetch (built from tests/fixtures), by digest, into a
-    real PackageCache. `fetched` lists every download; each takes `fetch_delay_s`."""
+    """The function packages a test's pool can fetch (built from tests/fixtures), by digest, from
+    real blobs and links (gpu_manager.staging.LocalPackages). `fetched` lists every download
+    (concurrent fetches of one package share one); each takes `fetch_delay_s`."""
 
     def __init__(self, tmp_path: Path, *, fetch_delay_s: float = 0.0) -> None:
         self.tmp_path = tmp_path
-        self.cache = PackageCache(tmp_path / "packages")
+        self.local = LocalPackages(tmp_path / "store")
         self.fetch_delay_s = fetch_delay_s
         self.fetched: list[str] = []
-        self._data: dict[str, bytes] = {}
+        self._known: set[str] = set()
+        self._ready: dict[str, Path] = {}
+        self._pending: dict[str, asyncio.Task[Path]] = {}
 
     def digest(self, fixture: str) -> str:
         """Build `fixture` (e.g. "echo_function") into a package, once; its digest."""
         archive = self.tmp_path / f"{fixture}.tar.gz"
         if not archive.exists():
             build_package(fixture, self.tmp_path)
-        data = archive.read_bytes()
-        digest = package_digest(data)
-        self._data[digest] = data
+        digest = self.local.add_archive(archive.read_bytes())
+        self._known.add(digest)
         return digest
 
     def directory(self, digest: str) -> str:
-        path = self.cache.path_for(digest)
+        path = self._ready.get(digest)
         assert path is not None, f"package {digest} is not installed"
         return str(path)
 
-    async def _download(self, digest: str) -> bytes:
+    async def _download(self, digest: str) -> Path:
         self.fetched.append(digest)
         await asyncio.sleep(self.fetch_delay_s)
-        if digest not in self._data:
+        if digest not in self._known:
             raise LookupError(f"no package {digest} in the registry")
-        return self._data[digest]
+        path = await self.local.ensure(digest)
+        self._ready[digest] = path
+        return path
 
     async def fetch(self, digest: str) -> Path:
         """The pool's `fetch_package`."""
-        return await self.cache.ensure(digest, self._download)
+        if digest in self._ready:
+            return self._ready[digest]
+        task = self._pending.get(digest)
+        if task is None:
+            task = asyncio.ensure_future(self._download(digest))
+            self._pending[digest] = task
+            task.add_done_callback(lambda _: self._pending.pop(digest, None))
+        return await asyncio.shield(task)
 
 
 # --- the pool --------------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.metrics import GatewayMetrics
 from gpu_manager.metrics import NodeMetrics
-from gpu_manager.packages import PackageCache, package_digest
 from gpu_manager.pool import EXIT_CAUSES, ModelRun, WorkerPool
+from gpu_manager.staging import LocalPackages
 from gpufaas import store, wire
 from gpufaas.etcd_server import free_port
 from gpufaas.functions import FunctionSpec
@@ -106,15 +106,9 @@ def test_the_memory_the_cache_manager_plans_is_exported_per_gpu() -> None:
 
 def test_a_nodes_worker_processes_are_counted_as_they_start_and_by_why_they_exit(tmp_path: Path) -> None:
     build_package("echo_function", tmp_path)
-    archive = (tmp_path / "echo_function.tar.gz").read_bytes()
-    digest = package_digest(archive)
-    packages = PackageCache(tmp_path / "packages")
-
-    async def fetch(wanted: str) -> Path:
-        async def download(_: str) -> bytes:
-            return archive
-
-        return await packages.ensure(wanted, download)
+    packages = LocalPackages(tmp_path / "store")
+    digest = packages.add_archive((tmp_path / "echo_function.tar.gz").read_bytes())
+    fetch = packages.ensure
 
     def run(model: str, **profile: float) -> ModelRun:
         return ModelRun(model, digest, memory_mb=100, **{"load_time_s": 0.001, "inference_time_s": 0.001, **profile})

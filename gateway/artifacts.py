@@ -1,0 +1,343 @@
+"""The gateway's artifact store: blobs on disk (uploaded once, verified while they stream in),
+packages registered in etcd (their requirements resolved on the way), the blob server nodes and
+the CLI move bytes through, and the collection of what no function uses any more.
+
+An upload, as `gpufaas deploy` makes it: ask which blobs are missing (`missing`), send those
+(large ones to the blob server, `gpufaas.blobnet`; small ones batched in one tar), then register
+the manifest (`register`), whose digest a function spec names. The older `.tar.gz` upload is the
+same in one request (`receive_archive`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import sys
+import tarfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from pathlib import Path
+
+from gpufaas.blobnet import Authorizer, BlobServer
+from gpufaas.blobs import BlobBusy, BlobStore, CorruptBlob, empty_blob
+from gpufaas.holders import HolderRecord, PackageRecord, read_holders, read_package
+from gpufaas.keys import Keys
+from gpufaas.packages import DIGEST_PATTERN, EMPTY_DIGEST, InvalidPackage, Manifest, PackageTooLarge, read_archive
+from gpufaas.requirements import (
+    REQUIREMENTS_FILE,
+    Layer,
+    PipRunner,
+    RequirementsError,
+    base_environment,
+    parse_requirements,
+    pip_runner,
+    resolve,
+)
+from gpufaas.store import KeyValue, Store
+
+log = logging.getLogger("gpufaas.gateway.artifacts")
+
+WRITE_BATCH_BYTES = 4 << 20  # chunks of an upload through the API are written this many at a time
+MAX_BATCH_BYTES = 256 << 20  # the tar of small files one request may carry
+
+
+class MissingBlobs(InvalidPackage):
+    """A manifest names blobs this gateway does not hold (yet): upload them, then register."""
+
+    def __init__(self, missing: list[str]) -> None:
+        super().__init__(
+            f"{len(missing)} blob(s) of this package are not uploaded (e.g. {missing[0]}); "
+            "upload them (POST /system/blobs/missing says which), then register the manifest"
+        )
+        self.missing = missing
+
+
+class Artifacts:
+    """Blobs under `root` and packages in etcd, for one gateway, known to nodes as holder `name`."""
+
+    def __init__(
+        self,
+        store: Store,
+        keys: Keys,
+        root: Path,
+        *,
+        name: str,
+        max_unpacked_bytes: int,
+        grace_s: float = 3600.0,
+        run_pip: PipRunner | None = None,
+    ) -> None:
+        self.store = store
+        self.keys = keys
+        self.name = name
+        self.blobs = BlobStore(root)
+        empty_blob(self.blobs)
+        self.max_unpacked_bytes = max_unpacked_bytes
+        self.grace_s = grace_s
+        self.url = ""  # where this gateway serves blobs (gpufaas.blobnet), once started
+        self._server: BlobServer | None = None
+        self._run_pip = run_pip if run_pip is not None else pip_runner(sys.executable)
+        self._resolving: dict[str, asyncio.Task[Layer]] = {}
+
+    # --- the blob server ------------------------------------------------------------------------
+    def serve(self, listen: str, authorize: Authorizer, *, advertise: str | None = None) -> str:
+        """Start the blob server (uploads taken, each at most the package limit); its URL."""
+        server = BlobServer(self.blobs, authorize, accept_uploads=True, max_blob_bytes=self.max_unpacked_bytes)
+        bound = server.start(listen)
+        self._server = server
+        self.url = advertise or f"http://{bound}"
+        return self.url
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    def holder(self, fallback_url: str) -> HolderRecord:
+        """This gateway as a blob holder: its blob server, else its API (`fallback_url`/system)."""
+        return HolderRecord(self.name, "gateway", self.url or f"{fallback_url}/system")
+
+    # --- uploads --------------------------------------------------------------------------------
+    def missing(self, wanted: dict[str, int]) -> tuple[list[str], dict[str, int]]:
+        """Of `wanted` (digest -> size), those not held whole here, and how many bytes of each an
+        earlier, broken upload left (where its next upload starts)."""
+        missing = [digest for digest in wanted if not self.blobs.has(digest)]
+        offsets = {digest: n for digest in missing if (n := self.blobs.partial_size(digest))}
+        return missing, offsets
+
+    async def receive(self, digest: str, size: int, offset: int, chunks: AsyncIterator[bytes]) -> int:
+        """One blob through the API (the slow path beside the blob server): `chunks` are its
+        bytes from `offset` on. Returns the offset reached; raises CorruptBlob (bytes wrong),
+        BlobBusy, or OffsetMismatch."""
+        if size > self.max_unpacked_bytes:
+            raise PackageTooLarge(f"a blob may not be larger than {self.max_unpacked_bytes} bytes (the limit)")
+        if self.blobs.has(digest):
+            return size
+        writer = await asyncio.to_thread(self.blobs.writer, digest, size)
+        try:
+            if offset != writer.offset:
+                raise OffsetMismatch(writer.offset)
+            batch: list[bytes] = []
+            batched = 0
+            async for chunk in chunks:
+                batch.append(chunk)
+                batched += len(chunk)
+                if batched >= WRITE_BATCH_BYTES:
+                    await asyncio.to_thread(writer.write_many, batch)
+                    batch, batched = [], 0
+            if batch:
+                await asyncio.to_thread(writer.write_many, batch)
+            if writer.offset == size:
+                await asyncio.to_thread(writer.commit)
+            return writer.offset
+        finally:
+            writer.close()
+
+    async def receive_batch(self, spooled: Path, *, compressed: bool) -> dict[str, int]:
+        """A tar of small blobs, each member named by its digest: every one verified and stored.
+        Returns digest -> size of what it held."""
+        return await asyncio.to_thread(self._receive_batch, spooled, compressed)
+
+    def _receive_batch(self, spooled: Path, compressed: bool) -> dict[str, int]:
+        stored: dict[str, int] = {}
+        try:
+            with tarfile.open(spooled, mode="r|gz" if compressed else "r|") as tar:
+                for member in tar:
+                    if not member.isfile() or not DIGEST_PATTERN.fullmatch(member.name):
+                        raise InvalidPackage(f"member {member.name!r}: a blob batch holds files named sha256:<hex>")
+                    reader = tar.extractfile(member)
+                    if reader is None:
+                        continue
+                    data = reader.read()
+                    if hashlib.sha256(data).hexdigest() != member.name[7:]:
+                        raise CorruptBlob(f"blob {member.name}: its bytes hash to something else; upload it again")
+                    self.blobs.put(data, member.name)
+                    stored[member.name] = len(data)
+        except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
+            raise InvalidPackage(f"the blob batch is not a valid tar: {exc}") from None
+        return stored
+
+    async def receive_archive(self, spooled: Path) -> Manifest:
+        """A whole package as a `.tar.gz` (the older upload): its files become blobs."""
+
+        def store(path: str, size: int, reader: object) -> str:
+            return self.blobs.ingest(reader.readinto, size)  # type: ignore[attr-defined]
+
+        return await asyncio.to_thread(
+            read_archive, spooled, store, max_unpacked_bytes=self.max_unpacked_bytes, compressed=True
+        )
+
+    # --- packages -------------------------------------------------------------------------------
+    async def register(self, manifest: Manifest) -> PackageRecord:
+        """Record a package whose blobs are all here (MissingBlobs otherwise; CorruptBlob if one
+        has another size than the manifest says), resolving its requirements.txt first
+        (RequirementsError naming what cannot be had). Idempotent."""
+        manifest.check(max_unpacked_bytes=self.max_unpacked_bytes)
+        existing = await self.record(manifest.digest)
+        if existing is not None:
+            return existing
+        missing = []
+        for digest, size in manifest.blobs().items():
+            held = self.blobs.size(digest)
+            if held is None:
+                missing.append(digest)
+            elif held != size:
+                raise CorruptBlob(f"blob {digest} holds {held} bytes here; the manifest says {size}")
+        if missing:
+            raise MissingBlobs(missing)
+        layer = await self._requirements(manifest)
+        record = PackageRecord(manifest, self.name, layer, time.time())
+        key = self.keys.package(manifest.digest)
+        if not await self.store.compare_and_put(key, record.to_json(), mod_revision=0):
+            raced = await self.record(manifest.digest)  # registered meanwhile (another gateway)
+            if raced is not None:
+                return raced
+        log.info(
+            "registered package %s (%d files, %d bytes)", manifest.digest, len(manifest.files), manifest.unpacked_bytes
+        )
+        return record
+
+    async def record(self, digest: str) -> PackageRecord | None:
+        return await read_package(self.store, self.keys, digest)
+
+    async def _requirements(self, manifest: Manifest) -> Layer | None:
+        entry = manifest.file(REQUIREMENTS_FILE)
+        if entry is None:
+            return None
+        path = self.blobs.path(entry.digest)
+        assert path is not None  # checked present by `register`
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            raise RequirementsError(f"{REQUIREMENTS_FILE} is not UTF-8 text") from None
+        requirements = parse_requirements(text)
+        if not requirements:
+            return None
+        base = await self._base_environment()
+        key = hashlib.sha256(repr((requirements, sorted(base.items()))).encode()).hexdigest()
+        task = self._resolving.get(key)
+        if task is None:  # two deploys of one requirements.txt resolve it once
+            task = asyncio.create_task(
+                asyncio.to_thread(resolve, requirements, base, run=self._run_pip), name=f"resolve {key[:12]}"
+            )
+            self._resolving[key] = task
+            task.add_done_callback(lambda _: self._resolving.pop(key, None))
+        return await asyncio.shield(task)
+
+    async def _base_environment(self) -> dict[str, str]:
+        """What the workers run with: a node's (they share one image), else this process's own."""
+        for holder in await read_holders(self.store, self.keys):
+            if holder.kind == "node" and holder.base_environment:
+                return holder.base_environment
+        return await asyncio.to_thread(base_environment)
+
+    # --- collection -----------------------------------------------------------------------------
+    async def collect(self, in_use: Iterable[str], now_unix_s: float) -> tuple[list[str], list[str]]:
+        """Delete the packages no function names that are older than the grace, then the blobs
+        (and broken uploads) no package record names that are older than it. Returns the
+        packages and blobs deleted."""
+        used = set(in_use)
+        removed_packages = []
+        kept: list[KeyValue] = []
+        for kv in await self.store.get_prefix(self.keys.packages):
+            digest = "sha256:" + kv.key.removeprefix(self.keys.packages)
+            try:
+                record = PackageRecord.from_json(kv.value)
+            except InvalidPackage:
+                continue
+            old = digest not in used and now_unix_s - record.created_unix_s > self.grace_s
+            if old and await self.store.compare_and_delete(kv.key, mod_revision=kv.mod_revision):
+                removed_packages.append(digest)
+                continue
+            kept.append(kv)
+        referenced: set[str] = set()
+        for kv in kept:
+            with contextlib.suppress(InvalidPackage):
+                referenced.update(PackageRecord.from_json(kv.value).manifest.blobs())
+        removed_blobs = await asyncio.to_thread(self._collect_blobs, referenced, now_unix_s)
+        return removed_packages, removed_blobs
+
+    def _collect_blobs(self, referenced: set[str], now_unix_s: float) -> list[str]:
+        removed = []
+        for digest in list(self.blobs.digests()):
+            path = self.blobs.path(digest)
+            if digest in referenced or digest == EMPTY_DIGEST or path is None:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if now_unix_s - path.stat().st_mtime > self.grace_s and self.blobs.remove(digest):
+                    removed.append(digest)
+        old = self.grace_s
+
+        def stale(digest: str) -> bool:
+            with contextlib.suppress(FileNotFoundError):
+                return now_unix_s - (self.blobs.root / "partial" / digest[7:]).stat().st_mtime <= old
+            return True
+
+        removed += self.blobs.discard_partials(keep=stale)
+        return removed
+
+
+class OffsetMismatch(InvalidPackage):
+    """An upload that does not start where the blob's partial ends (`offset`)."""
+
+    def __init__(self, offset: int) -> None:
+        super().__init__(f"this gateway holds {offset} bytes of the blob; send from Upload-Offset {offset}")
+        self.offset = offset
+
+
+def spool_limit_error(limit_bytes: int) -> PackageTooLarge:
+    return PackageTooLarge(f"the request is larger than the limit of {limit_bytes} bytes")
+
+
+async def spool(chunks: AsyncIterator[bytes], directory: Path, limit_bytes: int) -> tuple[Path, int, str]:
+    """Write a request body to a temporary file in `directory` (PackageTooLarge past the limit):
+    its path, size and sha256 digest. The caller removes the file."""
+    hasher = hashlib.sha256()
+    size = 0
+    fd, name = await asyncio.to_thread(_mkstemp, directory)
+    try:
+        batch: list[bytes] = []
+        batched = 0
+        async for chunk in chunks:
+            size += len(chunk)
+            if size > limit_bytes:
+                raise spool_limit_error(limit_bytes)
+            hasher.update(chunk)
+            batch.append(chunk)
+            batched += len(chunk)
+            if batched >= WRITE_BATCH_BYTES:
+                await asyncio.to_thread(os.writev, fd, batch)
+                batch, batched = [], 0
+        if batch:
+            await asyncio.to_thread(os.writev, fd, batch)
+    except BaseException:
+        os.close(fd)
+        os.unlink(name)
+        raise
+    os.close(fd)
+    return Path(name), size, "sha256:" + hasher.hexdigest()
+
+
+def _mkstemp(directory: Path) -> tuple[int, str]:
+    import tempfile
+
+    return tempfile.mkstemp(dir=directory, suffix=".part")
+
+
+def blob_authorizer(role_of: Callable[[bytes | None], object], admin: object, node: object) -> Authorizer:
+    """The gateway's blob server admits the admin for anything, and nodes to read."""
+
+    def authorize(method: str, authorization: str | None) -> tuple[int, str] | None:
+        role = role_of(authorization.encode("latin-1") if authorization else None)
+        if role is admin or (role is node and method in ("GET", "HEAD")):
+            return None
+        if role is None:
+            return 401, "blobs need credentials: the admin's (`gpufaas login`) or, to read, a node's"
+        return 403, "this credential may only read blobs; uploads need the admin credentials"
+
+    return authorize
+
+
+__all__ = ["Artifacts", "BlobBusy", "MissingBlobs", "OffsetMismatch", "blob_authorizer", "spool"]

@@ -1,0 +1,205 @@
+"""The node's host model pool (Torpor's late binding): weights read once per node into shared host
+memory, mapped by any worker for any GPU of the node, kept while memory allows.
+
+An entry is one blob (a package's large file: its weights), copied from the disk cache into a
+file on a memory filesystem (tmpfs: /dev/shm by default), keyed by digest, so functions that share
+weights share the copy. A worker taking a model is handed read-only descriptors on its entries
+(gpufaas.weights maps them: no copy on cpu, a pinned copy onto the device on cuda). A GPU eviction
+drops only the GPU copy: the entry stays, and the next miss for that model on any GPU of the node
+maps it again (a swap-in, no disk read).
+
+Entries go least recently used first when a new one needs room, but never one a live worker maps
+(`in_use`): unlinking it would not free its memory while mapped. The budget counts the bytes of
+the entries; what a worker then copies privately (on cpu, a tensor it writes) is its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpufaas.blobs import BlobStore
+from gpufaas.packages import Manifest, hex_of
+
+log = logging.getLogger("gpufaas.gpu_manager.host_pool")
+
+POOL_MIN_FILE_BYTES = 1 << 20  # files this large go to the pool (weights); smaller ones are read from disk
+DEFAULT_POOL_SHARE = 0.5  # of the memory filesystem's free space, when no budget is given
+_COPY_CHUNK_BYTES = 64 << 20
+
+
+@dataclass(slots=True)
+class _Entry:
+    path: Path
+    size: int
+
+
+class HostModelPool:
+    """Pool entries under `root` (a directory on a memory filesystem), within `budget_bytes`.
+    `in_use()` names the blobs live workers map now. Touched from the event loop only (copies
+    run in threads)."""
+
+    def __init__(
+        self,
+        root: Path,
+        budget_bytes: int,
+        *,
+        in_use: Callable[[], set[str]] = set,
+        min_file_bytes: int = POOL_MIN_FILE_BYTES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"a host pool budget must be >= 0 bytes, got {budget_bytes}")
+        self.root = root
+        self.budget_bytes = budget_bytes
+        self.min_file_bytes = min_file_bytes
+        self._in_use = in_use
+        self._clock = clock
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._copying: dict[str, asyncio.Task[Path | None]] = {}
+        self.used_bytes = 0
+        self.admitted = 0  # entries copied in since start (for the metrics)
+        self.evicted = 0
+        if budget_bytes:
+            root.mkdir(parents=True, exist_ok=True)
+            os.chmod(root, 0o700)  # workers get descriptors, never the directory
+            for stale in root.iterdir():  # a previous run's copies: not worth trusting or keeping
+                stale.unlink(missing_ok=True)
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget_bytes > 0
+
+    def weights(self, manifest: Manifest) -> list[tuple[str, str, int]]:
+        """(path, blob digest, size) of a package's files that belong in the pool."""
+        return [(f.path, f.digest, f.size) for f in manifest.large_files(self.min_file_bytes)]
+
+    def holds(self, manifest: Manifest) -> bool:
+        """Whether every pooled file of the package is in the pool (a package with none is not)."""
+        wanted = self.weights(manifest)
+        return bool(wanted) and all(digest in self._entries for _, digest, _ in wanted)
+
+    def path(self, digest: str) -> Path | None:
+        entry = self._entries.get(digest)
+        if entry is None:
+            return None
+        self._entries.move_to_end(digest)
+        return entry.path
+
+    def blobs(self) -> set[str]:
+        return set(self._entries)
+
+    async def admit(self, manifest: Manifest, blobs: BlobStore) -> dict[str, str] | None:
+        """Bring a package's weights into the pool (copying from the disk cache those not there
+        yet); returns package path -> pool file for each, or None if they do not all fit (then
+        the worker reads them from disk)."""
+        wanted = self.weights(manifest)
+        if not self.enabled or not wanted:
+            return None
+        if sum(size for _, digest, size in wanted if digest not in self._entries) > self.budget_bytes:
+            return None
+        placed: dict[str, str] = {}
+        for path, digest, size in wanted:
+            pooled = await self._admit_blob(digest, size, blobs, keep={d for _, d, _ in wanted})
+            if pooled is None:
+                return None
+            placed[path] = str(pooled)
+        return placed
+
+    async def _admit_blob(self, digest: str, size: int, blobs: BlobStore, keep: set[str]) -> Path | None:
+        existing = self.path(digest)
+        if existing is not None:
+            return existing
+        task = self._copying.get(digest)
+        if task is None:
+            task = asyncio.create_task(self._copy_in(digest, size, blobs, keep), name=f"pool {digest[:19]}")
+            self._copying[digest] = task
+            task.add_done_callback(lambda _: self._copying.pop(digest, None))
+        return await asyncio.shield(task)
+
+    async def _copy_in(self, digest: str, size: int, blobs: BlobStore, keep: set[str]) -> Path | None:
+        if not self._make_room(size, keep):
+            return None
+        source = blobs.path(digest)
+        if source is None:
+            return None
+        target = self.root / hex_of(digest)
+        self.used_bytes += size  # reserved now: concurrent admissions see it
+        try:
+            await asyncio.to_thread(_copy, source, target, size)
+        except OSError as exc:
+            self.used_bytes -= size
+            target.unlink(missing_ok=True)
+            log.warning("could not copy blob %s into the host pool: %s", digest, exc)
+            return None
+        self._entries[digest] = _Entry(target, size)
+        self.admitted += 1
+        return target
+
+    def _make_room(self, size: int, keep: set[str]) -> bool:
+        """Evict least recently used entries no worker maps until `size` more bytes fit."""
+        if self.used_bytes + size <= self.budget_bytes:
+            return True
+        busy = self._in_use() | keep
+        for digest in list(self._entries):
+            if self.used_bytes + size <= self.budget_bytes:
+                break
+            if digest not in busy:
+                self.drop(digest)
+        return self.used_bytes + size <= self.budget_bytes
+
+    def drop(self, digest: str) -> bool:
+        entry = self._entries.pop(digest, None)
+        if entry is None:
+            return False
+        entry.path.unlink(missing_ok=True)
+        self.used_bytes -= entry.size
+        self.evicted += 1
+        return True
+
+    def retain(self, wanted: Iterable[str]) -> None:
+        """Drop the entries of blobs no longer wanted (their packages left the disk cache)."""
+        keep = set(wanted) | self._in_use()
+        for digest in [d for d in self._entries if d not in keep]:
+            self.drop(digest)
+
+    def close(self) -> None:
+        for digest in list(self._entries):
+            self.drop(digest)
+        with contextlib.suppress(OSError):
+            self.root.rmdir()
+
+
+def _copy(source: Path, target: Path, size: int) -> None:
+    """Copy a blob into the pool, in the kernel (sendfile between files: no pass through user space)."""
+    tmp = target.with_suffix(".tmp")
+    with source.open("rb") as reader, tmp.open("wb") as writer:
+        offset = 0
+        while offset < size:
+            n = os.sendfile(writer.fileno(), reader.fileno(), offset, min(_COPY_CHUNK_BYTES, size - offset))
+            if n == 0:
+                raise OSError(f"{source} ended at byte {offset} of {size}")
+            offset += n
+    # Readable by anyone who can reach it: only the node can pass the pool's directory (0700); a
+    # container gets just its own files bind-mounted, a forked worker a descriptor.
+    os.chmod(tmp, 0o444)
+    os.replace(tmp, target)
+
+
+def default_budget_bytes(root: Path, share: float = DEFAULT_POOL_SHARE) -> int:
+    """A share of what the memory filesystem under `root` has free (0 if it cannot be told)."""
+    probe = root
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        stats = os.statvfs(probe)
+    except OSError:
+        return 0
+    return int(stats.f_bavail * stats.f_frsize * share)

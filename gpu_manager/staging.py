@@ -1,0 +1,378 @@
+"""The node's disk cache of packages: blobs fetched from the nearest holder (verified on the way,
+resumed after a break), package directories made of hard links to them, requirement layers
+installed beside, all within a disk budget (least recently used packages out first).
+
+A package is *staged* here when its directory exists (every blob fetched and linked, its layer
+installed): a call then needs no fetch. The scheduler asks for packages ahead of their first call
+(pre-staging); a call for a package not staged fetches it on its critical path (`ensure`).
+
+Layout under `root` (the node's state directory; workers pass through, list nothing):
+
+    root/blobs/...          gpufaas.blobs.BlobStore (private to the node)
+    root/packages/<hex>     a staged package: files linked to blobs (large, 0644) or copied
+    root/layers/<hex>       an installed requirements layer (gpufaas.requirements.LayerCache)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from gpufaas.blobnet import TransferError, fetch_blob
+from gpufaas.blobs import BlobBusy, BlobStore, CorruptBlob, empty_blob
+from gpufaas.holders import HolderRecord, PackageRecord, sources_for
+from gpufaas.packages import InvalidPackage, Manifest, hex_of, read_archive, scan_directory
+from gpufaas.requirements import LayerCache, RequirementsError, pip_runner
+
+log = logging.getLogger("gpufaas.gpu_manager.staging")
+
+LINK_MIN_BYTES = 64 << 10  # files this large (mode 0644) are hard links to their blob; smaller ones copies
+PARALLEL_FETCHES = 4
+FETCH_ATTEMPTS = 3  # passes over the holders before a blob is given up on
+_TMP_PREFIX = ".tmp-"
+_BUSY_WAIT_S = 0.05
+
+
+@dataclass
+class StageStats:
+    """What staging one package cost: seconds fetching blobs (and bytes, from whom), linking its
+    directory, installing its layer."""
+
+    fetch_s: float = 0.0
+    fetched_bytes: int = 0
+    link_s: float = 0.0
+    layer_s: float = 0.0
+    sources: dict[str, int] = field(default_factory=dict)  # holder -> bytes it served
+
+
+class PackageStore:
+    """Staged packages under `root` (see the module docstring).
+
+    `records(digest)` reads a package's record (etcd), `holders()` the blob holders, `me` and
+    `my_host` name this node (never asked for its own blobs; holders on its host are nearest).
+    `budget_bytes`: disk the blobs may use (None: no bound). `in_use()` names the packages
+    workers hold now, which are never evicted. `on_change()` runs after the set of staged
+    packages changed. `layers`: where requirements layers go (default: `root/layers`, installed
+    with this interpreter's pip). Concurrent `ensure`s of one package share one staging.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        records: Callable[[str], Awaitable[PackageRecord | None]],
+        holders: Callable[[], Awaitable[list[HolderRecord]]],
+        me: str,
+        my_host: str = "",
+        authorization: str | None = None,
+        budget_bytes: int | None = None,
+        in_use: Callable[[], set[str]] = set,
+        on_change: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.time,
+        layers: LayerCache | None = None,
+    ) -> None:
+        self.root = root
+        self.blobs = BlobStore(root / "blobs")
+        empty_blob(self.blobs)
+        self.packages_dir = root / "packages"
+        self.layers = layers if layers is not None else LayerCache(root / "layers", run=pip_runner(sys.executable))
+        for directory in (root, self.packages_dir):
+            directory.mkdir(parents=True, exist_ok=True)
+            directory.chmod(0o711)  # workers pass through to their own package; nobody lists them
+        for stale in self.packages_dir.glob(_TMP_PREFIX + "*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        self._records = records
+        self._holders = holders
+        self.me = me
+        self.my_host = my_host
+        self.authorization = authorization
+        self.budget_bytes = budget_bytes
+        self._in_use = in_use
+        self._on_change = on_change
+        self._clock = clock
+        self._staging: dict[str, asyncio.Task[Path]] = {}
+        self._fetching: dict[str, asyncio.Task[Path]] = {}
+        self._fetch_slots = asyncio.Semaphore(PARALLEL_FETCHES)
+        # Staged packages: digest -> (manifest, layer directory or None), and when each was last used.
+        self._staged: dict[str, tuple[Manifest, Path | None]] = {}
+        self._used_at: dict[str, float] = {}
+        self.stats: dict[str, StageStats] = {}  # the latest staging of each package
+        self.fetched_bytes = 0  # since start, for the metrics
+
+    # --- what is here -------------------------------------------------------------------------
+    def path_for(self, digest: str) -> Path | None:
+        """The directory of a staged package, or None."""
+        path = self.packages_dir / hex_of(digest)
+        return path if digest in self._staged and path.is_dir() else None
+
+    def staged(self) -> set[str]:
+        return set(self._staged)
+
+    def manifest(self, digest: str) -> Manifest | None:
+        entry = self._staged.get(digest)
+        return entry[0] if entry is not None else None
+
+    def layer_dir(self, digest: str) -> Path | None:
+        """The installed requirements layer of a staged package (None: it has none)."""
+        entry = self._staged.get(digest)
+        return entry[1] if entry is not None else None
+
+    def used_bytes(self) -> int:
+        return self.blobs.used_bytes()
+
+    async def recover(self) -> None:
+        """Adopt the packages a previous run of this node staged (their records permitting)."""
+        for path in list(self.packages_dir.iterdir()):
+            if path.name.startswith(_TMP_PREFIX) or len(path.name) != 64:
+                continue
+            digest = f"sha256:{path.name}"
+            record = await self._records(digest)
+            if record is None or not all(self.blobs.has(d) for d in record.manifest.blobs()):
+                await asyncio.to_thread(shutil.rmtree, path, True)
+                continue
+            layer = self.layers.path_for(record.requirements) if record.requirements is not None else None
+            if record.requirements is not None and layer is None:
+                continue  # its layer is gone: staged again when asked
+            self._staged[digest] = (record.manifest, layer)
+            self._used_at[digest] = path.stat().st_mtime
+        if self._staged and self._on_change is not None:
+            self._on_change()
+
+    # --- staging ------------------------------------------------------------------------------
+    async def ensure(self, digest: str) -> Path:
+        """The directory of package `digest`, staging it first if it is not here; InvalidPackage
+        (or RequirementsError) saying why it cannot be had."""
+        self._used_at[digest] = self._clock()
+        path = self.path_for(digest)
+        if path is not None:
+            return path
+        task = self._staging.get(digest)
+        if task is None:
+            task = asyncio.create_task(self._stage(digest), name=f"stage {digest[:19]}")
+            self._staging[digest] = task
+            task.add_done_callback(lambda _: self._staging.pop(digest, None))
+        # Shielded: one caller giving up must not cancel the staging others wait for.
+        return await asyncio.shield(task)
+
+    async def _stage(self, digest: str) -> Path:
+        record = await self._records(digest)
+        if record is None:
+            raise InvalidPackage(f"package {digest} is not registered (deleted, or never uploaded)")
+        manifest = record.manifest
+        stats = StageStats()
+        started = time.perf_counter()
+        missing = {d: size for d, size in manifest.blobs().items() if not self.blobs.has(d)}
+        if missing:
+            await self._make_room(sum(missing.values()))
+            sources = sources_for(record, await self._holders(), me=self.me, my_host=self.my_host)
+            # Largest first: the weights set the pace; the small files fit in around them.
+            order = sorted(missing, key=lambda d: -missing[d])
+            await asyncio.gather(*(self._blob(d, missing[d], sources, stats) for d in order))
+            stats.fetch_s = time.perf_counter() - started
+        linked = time.perf_counter()
+        path = await asyncio.to_thread(self._link, manifest)
+        stats.link_s = time.perf_counter() - linked
+        layer_path: Path | None = None
+        if record.requirements is not None and not record.requirements.empty:
+            installing = time.perf_counter()
+            try:
+                layer_path = await self.layers.ensure(record.requirements)
+            except RequirementsError as exc:
+                raise InvalidPackage(f"package {digest}: its requirements could not be installed: {exc}") from None
+            stats.layer_s = time.perf_counter() - installing
+        self._staged[digest] = (manifest, layer_path)
+        self._used_at.setdefault(digest, self._clock())
+        self.stats[digest] = stats
+        if stats.fetched_bytes:
+            log.info(
+                "staged package %s: %d bytes fetched in %.2f s (%s)",
+                digest[:19],
+                stats.fetched_bytes,
+                stats.fetch_s,
+                ", ".join(f"{n} B from {h}" for h, n in stats.sources.items()),
+            )
+        if self._on_change is not None:
+            self._on_change()
+        return path
+
+    async def _blob(self, digest: str, size: int, sources: list[HolderRecord], stats: StageStats) -> None:
+        task = self._fetching.get(digest)
+        if task is None:  # packages that share a blob (the same weights) fetch it once
+            task = asyncio.create_task(self._fetch(digest, size, sources, stats), name=f"fetch {digest[:19]}")
+            self._fetching[digest] = task
+            task.add_done_callback(lambda _: self._fetching.pop(digest, None))
+        await asyncio.shield(task)
+
+    async def _fetch(self, digest: str, size: int, sources: list[HolderRecord], stats: StageStats) -> Path:
+        """One blob from the first holder that serves it whole and right; holders that refuse,
+        break off (what arrived is kept: the next one resumes) or send wrong bytes are passed."""
+        reasons: list[str] = []
+        async with self._fetch_slots:
+            for _ in range(FETCH_ATTEMPTS):
+                for holder in sources:
+                    before = self.blobs.partial_size(digest)
+                    try:
+                        path = await asyncio.to_thread(
+                            fetch_blob, holder.url, digest, size, self.blobs, authorization=self.authorization
+                        )
+                    except BlobBusy:
+                        await asyncio.sleep(_BUSY_WAIT_S)
+                        continue
+                    except CorruptBlob as exc:
+                        log.warning(
+                            "holder %s sent wrong bytes for blob %s; fetching it elsewhere", holder.name, digest
+                        )
+                        reasons.append(f"{holder.name}: {exc}")
+                        continue
+                    except TransferError as exc:
+                        reasons.append(f"{holder.name}: {exc}")
+                        continue
+                    served = size - before
+                    stats.fetched_bytes += served
+                    stats.sources[holder.name] = stats.sources.get(holder.name, 0) + served
+                    self.fetched_bytes += served
+                    return path
+                if not sources:
+                    break
+        detail = "; ".join(reasons[-3:]) or "no gateway or node holds it"
+        raise InvalidPackage(f"blob {digest} could not be fetched: {detail}")
+
+    def _link(self, manifest: Manifest) -> Path:
+        return link_package(self.blobs, manifest, self.packages_dir)
+
+    # --- room ---------------------------------------------------------------------------------
+    async def _make_room(self, nbytes: int) -> None:
+        """Evict least recently used packages no worker holds until `nbytes` more fit the budget
+        (as far as that goes: a package larger than the budget is still staged)."""
+        if self.budget_bytes is None:
+            return
+        used = await asyncio.to_thread(self.blobs.used_bytes)
+        if used + nbytes <= self.budget_bytes:
+            return
+        in_use = self._in_use() | set(self._staging)
+        for digest in sorted(self._staged, key=lambda d: self._used_at.get(d, 0.0)):
+            if digest in in_use:
+                continue
+            freed = await self.remove(digest)
+            used -= freed
+            if used + nbytes <= self.budget_bytes:
+                return
+
+    async def remove(self, digest: str) -> int:
+        """Unstage a package: its directory, and the blobs no other staged package needs; the
+        bytes freed."""
+        entry = self._staged.pop(digest, None)
+        self._used_at.pop(digest, None)
+        self.stats.pop(digest, None)
+        path = self.packages_dir / hex_of(digest)
+        await asyncio.to_thread(shutil.rmtree, path, True)
+        if entry is None:
+            return 0
+        kept = {d for manifest, _ in self._staged.values() for d in manifest.blobs()} | set(self._fetching)
+        freed = 0
+        for blob, size in entry[0].blobs().items():
+            if blob not in kept and await asyncio.to_thread(self.blobs.remove, blob):
+                freed += size
+        empty_blob(self.blobs)
+        if self._on_change is not None:
+            self._on_change()
+        return freed
+
+    async def collect(self, in_use: Iterable[str], now_unix_s: float, grace_s: float) -> list[str]:
+        """Unstage the packages no worker holds that nobody asked for in `grace_s`; and drop
+        partial blobs no fetch is writing. The digests unstaged."""
+        busy = set(in_use) | set(self._staging)
+        removed = []
+        for digest in list(self._staged):
+            if digest not in busy and now_unix_s - self._used_at.get(digest, now_unix_s) > grace_s:
+                await self.remove(digest)
+                removed.append(digest)
+        partials = self.blobs.root / "partial"
+
+        def keep(digest: str) -> bool:  # being written, or young enough for its fetch to resume
+            with contextlib.suppress(FileNotFoundError):
+                return digest in self._fetching or now_unix_s - (partials / digest[7:]).stat().st_mtime <= grace_s
+            return False
+
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(self.blobs.discard_partials, keep)
+        return removed
+
+
+def link_package(blobs: BlobStore, manifest: Manifest, packages_dir: Path) -> Path:
+    """A package's directory under `packages_dir` from its blobs, atomically (it appears whole or
+    not at all); large plain files are hard links to their blob (shared, 0444, the node's), the
+    rest copies with the manifest's mode."""
+    target = packages_dir / hex_of(manifest.digest)
+    if target.is_dir():
+        return target
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{target.name[:12]}-", dir=packages_dir))
+    try:
+        for entry in manifest.files:
+            destination = tmp / entry.path
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            if entry.size >= LINK_MIN_BYTES and entry.mode == 0o644:
+                blobs.link_into(entry.digest, destination)
+            else:
+                source = blobs.path(entry.digest)
+                if source is None:
+                    raise InvalidPackage(f"blob {entry.digest} went while package {manifest.digest} was linked")
+                shutil.copyfile(source, destination)
+                destination.chmod(entry.mode)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not target.is_dir():  # lost a race to an identical staging: fine; else real
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+class LocalPackages:
+    """Packages made from local directories or archives, with the same blobs and links as staged
+    ones but no holder to fetch from: what the worker pool's tests and the benchmarks run."""
+
+    def __init__(self, root: Path) -> None:
+        self.blobs = BlobStore(root / "blobs")
+        empty_blob(self.blobs)
+        self.packages_dir = root / "packages"
+        self.packages_dir.mkdir(parents=True, exist_ok=True)
+        self.manifests: dict[str, Manifest] = {}
+        self.fetched: list[str] = []  # digests `ensure` was asked for, in order
+
+    def add(self, directory: Path) -> str:
+        """A package of `directory`'s files; its digest."""
+        manifest, files = scan_directory(directory)
+        for digest, path in files.items():
+            self.blobs.put_file(path, digest)
+        self.manifests[manifest.digest] = manifest
+        return manifest.digest
+
+    def add_archive(self, data: bytes) -> str:
+        """A package of a `.tar.gz`'s files; its digest."""
+
+        def store(path: str, size: int, reader: IO[bytes]) -> str:
+            return self.blobs.ingest(reader.readinto, size)  # type: ignore[attr-defined]
+
+        manifest = read_archive(io.BytesIO(data), store, max_unpacked_bytes=1 << 40)
+        self.manifests[manifest.digest] = manifest
+        return manifest.digest
+
+    async def ensure(self, digest: str) -> Path:
+        self.fetched.append(digest)
+        manifest = self.manifests.get(digest)
+        if manifest is None:
+            raise InvalidPackage(f"package {digest} is not here")
+        return await asyncio.to_thread(link_package, self.blobs, manifest, self.packages_dir)

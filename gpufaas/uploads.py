@@ -1,0 +1,219 @@
+"""The client side of a deploy's upload: scan the handler directories into manifests, ask the
+gateway which blobs it lacks, send only those (large ones to its blob server in parallel, small
+ones batched in one gzipped tar), then register each manifest. What a broken upload sent stays
+on the gateway: the next deploy resumes it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gzip
+import io
+import tarfile
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+
+from gpufaas.blobnet import UPLOAD_OFFSET, TransferError, upload_blob
+from gpufaas.errors import GpufaasError
+from gpufaas.packages import DigestCache, Manifest, scan_directory
+
+BATCH_MAX_BYTES = 1 << 20  # files up to this size go in the batch (code, configs, labels)
+BATCH_LIMIT_BYTES = 64 << 20  # a batch request carries at most this much; more batches beyond
+PARALLEL_UPLOADS = 4
+API_CHUNK_BYTES = 1 << 20
+
+
+class Gateway(Protocol):
+    """What the upload needs of the CLI's gateway client."""
+
+    url: str
+    authorization: str | None
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response: ...
+    def ok(self, response: httpx.Response, *, accept: tuple[int, ...] = ...) -> Any: ...
+
+
+@dataclass
+class Scanned:
+    """One function's package, as found on disk."""
+
+    name: str
+    manifest: Manifest
+    files: dict[str, Path]  # blob digest -> a file holding its bytes
+
+
+@dataclass
+class UploadReport:
+    """What an upload moved: per package digest its answer, and the bytes sent in all."""
+
+    packages: dict[str, dict[str, Any]] = field(default_factory=dict)
+    blobs_sent: int = 0
+    bytes_sent: int = 0
+    bytes_total: int = 0
+    via_api: bool = False  # the blob server could not be reached: bytes went through the API
+
+
+def scan(functions: Sequence[tuple[str, Path]], cache: DigestCache) -> list[Scanned]:
+    """Manifests of the functions' directories (hashing what the cache does not know)."""
+    scanned = []
+    for name, directory in functions:
+        manifest, files = scan_directory(directory, cache=cache)
+        scanned.append(Scanned(name, manifest, files))
+    cache.save()
+    return scanned
+
+
+def upload(
+    gateway: Gateway,
+    packages: Sequence[Scanned],
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> UploadReport:
+    """Send what the gateway lacks of `packages`, then register each; GpufaasError on failure
+    (what was sent stays there for the next try). `progress(sent, total)` hears the bytes."""
+    wanted: dict[str, int] = {}
+    files: dict[str, Path] = {}
+    for package in packages:
+        wanted |= package.manifest.blobs()
+        files |= package.files
+    answer = gateway.ok(gateway.request("POST", "/system/blobs/missing", json={"blobs": wanted}))
+    missing: list[str] = answer["missing"]
+    offsets: dict[str, int] = answer.get("offsets", {})
+    report = UploadReport(bytes_total=sum(wanted[d] for d in missing))
+    sent = _Progress(report.bytes_total, progress)
+    sent.add(sum(offsets.values()))  # what a broken upload left there already
+    small = [d for d in missing if wanted[d] <= BATCH_MAX_BYTES and not offsets.get(d)]
+    large = [d for d in missing if d not in set(small)]
+    for batch in _batches(small, wanted):
+        _send_batch(gateway, batch, files)
+        sent.add(sum(wanted[d] for d in batch))
+    upload_url = answer.get("upload_url")
+    if large:
+        report.via_api = _send_large(gateway, upload_url, large, files, sent)
+    report.blobs_sent = len(missing)
+    report.bytes_sent = sent.sent
+    for package in packages:
+        response = gateway.request(
+            "POST",
+            "/system/packages",
+            content=package.manifest.to_json(),
+            headers={"content-type": "application/vnd.gpufaas.manifest+json"},
+        )
+        try:
+            report.packages[package.manifest.digest] = gateway.ok(response)
+        except GpufaasError as exc:
+            raise GpufaasError(f"{package.name}: {exc}") from None
+    return report
+
+
+class _Progress:
+    def __init__(self, total: int, callback: Callable[[int, int], None] | None) -> None:
+        self.total = total
+        self.sent = 0
+        self._callback = callback
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.sent += n
+            if self._callback is not None:
+                self._callback(self.sent, self.total)
+
+
+def _batches(digests: list[str], sizes: dict[str, int]) -> list[list[str]]:
+    batches: list[list[str]] = []
+    current: list[str] = []
+    size = 0
+    for digest in digests:
+        if current and size + sizes[digest] > BATCH_LIMIT_BYTES:
+            batches.append(current)
+            current, size = [], 0
+        current.append(digest)
+        size += sizes[digest]
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _send_batch(gateway: Gateway, digests: list[str], files: dict[str, Path]) -> None:
+    buffer = io.BytesIO()
+    with (
+        gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0, compresslevel=6) as zipped,
+        tarfile.open(fileobj=zipped, mode="w", format=tarfile.PAX_FORMAT) as tar,
+    ):
+        for digest in digests:
+            data = files[digest].read_bytes()
+            info = tarfile.TarInfo(digest)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    gateway.ok(
+        gateway.request(
+            "POST",
+            "/system/blobs",
+            content=buffer.getvalue(),
+            headers={"content-type": "application/vnd.gpufaas.blobs+gzip"},
+        )
+    )
+
+
+def _send_large(
+    gateway: Gateway, upload_url: str | None, digests: list[str], files: dict[str, Path], sent: _Progress
+) -> bool:
+    """Upload through the blob server, in parallel; where it cannot be reached, through the API.
+    Returns whether the API was used."""
+    via_api = upload_url is None
+    if upload_url is not None:
+        url = upload_url
+        try:
+            _parallel(
+                lambda d: upload_blob(url, files[d], d, authorization=gateway.authorization, progress=sent.add),
+                digests,
+            )
+        except TransferError as exc:
+            if exc.status in (401, 403, 413, 400):
+                raise GpufaasError(f"the gateway's blob server refused an upload: {exc}") from None
+            via_api = True  # not reachable from here (another network): the API takes the rest
+    if via_api:
+        remaining = gateway.ok(
+            gateway.request(
+                "POST", "/system/blobs/missing", json={"blobs": {d: files[d].stat().st_size for d in digests}}
+            )
+        )["missing"]
+        _parallel(lambda d: _send_through_api(gateway, d, files[d], sent), remaining)
+    return via_api
+
+
+def _send_through_api(gateway: Gateway, digest: str, path: Path, sent: _Progress) -> None:
+    size = path.stat().st_size
+    head = gateway.request("HEAD", f"/system/blobs/{digest}")
+    if head.status_code == 200:
+        return
+    offset = int(head.headers.get(UPLOAD_OFFSET, "0") or 0)
+
+    def body() -> Any:
+        with path.open("rb") as source:
+            source.seek(offset)
+            while chunk := source.read(API_CHUNK_BYTES):
+                sent.add(len(chunk))
+                yield chunk
+
+    response = gateway.request(
+        "PUT",
+        f"/system/blobs/{digest}",
+        params={"size": size},
+        content=body(),
+        headers={UPLOAD_OFFSET: str(offset), "content-length": str(size - offset)},
+    )
+    gateway.ok(response, accept=(201,))
+
+
+def _parallel(work: Callable[[str], object], digests: list[str]) -> None:
+    if not digests:
+        return
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(PARALLEL_UPLOADS, len(digests))) as pool:
+        for future in [pool.submit(work, d) for d in digests]:
+            future.result()

@@ -1,0 +1,222 @@
+"""The blob server and its clients over real sockets on loopback: fetches and uploads that resume
+where they broke off, wrong bytes refused, credentials checked, bad requests answered plainly."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpufaas.blobnet import UPLOAD_OFFSET, BlobServer, TransferError, fetch_blob, upload_blob
+from gpufaas.blobs import PUMP_BUFFER_BYTES, BlobStore, CorruptBlob
+from gpufaas.packages import sha256_digest
+
+TOKEN = "Bearer secret"
+
+
+def only_token(method: str, authorization: str | None) -> tuple[int, str] | None:
+    if authorization == TOKEN:
+        return None
+    return (401 if authorization is None else 403), "no"
+
+
+@pytest.fixture
+def holder(tmp_path: Path) -> Iterator[tuple[BlobServer, str]]:
+    server = BlobServer(BlobStore(tmp_path / "holder"), only_token, accept_uploads=True, max_blob_bytes=64 << 20)
+    address = server.start("127.0.0.1:0")
+    yield server, f"http://{address}"
+    server.stop()
+
+
+def big(n: int = 3 * PUMP_BUFFER_BYTES + 17) -> bytes:
+    return os.urandom(n)
+
+
+def test_fetch_moves_a_blob_and_checks_it(tmp_path: Path, holder: tuple[BlobServer, str]) -> None:
+    server, url = holder
+    data = big()
+    digest = server.store.put(data)
+    mine = BlobStore(tmp_path / "mine")
+    path = fetch_blob(url, digest, len(data), mine, authorization=TOKEN)
+    assert path.read_bytes() == data and server.bytes_sent == len(data)
+    assert fetch_blob(url, digest, len(data), mine, authorization=TOKEN) == path  # here already: no transfer
+    assert server.bytes_sent == len(data)
+
+
+def test_fetch_resumes_from_what_a_broken_one_left(tmp_path: Path, holder: tuple[BlobServer, str]) -> None:
+    server, url = holder
+    data = big()
+    digest = server.store.put(data)
+    mine = BlobStore(tmp_path / "mine")
+    with mine.writer(digest, len(data)) as writer:
+        writer.write(data[:1000])  # an earlier fetch broke off here
+    fetch_blob(url, digest, len(data), mine, authorization=TOKEN)
+    assert mine.path(digest).read_bytes() == data  # type: ignore[union-attr]
+    assert server.bytes_sent == len(data) - 1000  # only the rest crossed
+
+
+def serve_half(data: bytes) -> tuple[str, threading.Thread]:
+    """A holder that promises the whole blob and breaks off half way."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def run() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data[: len(data) // 2])
+        conn.close()
+        listener.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", thread
+
+
+def test_a_fetch_that_breaks_off_keeps_what_arrived_and_the_next_resumes(
+    tmp_path: Path, holder: tuple[BlobServer, str]
+) -> None:
+    server, url = holder
+    data = big()
+    digest = server.store.put(data)
+    mine = BlobStore(tmp_path / "mine")
+    broken, thread = serve_half(data)
+    with pytest.raises(TransferError, match="broke off"):
+        fetch_blob(broken, digest, len(data), mine)
+    thread.join()
+    assert mine.partial_size(digest) == len(data) // 2
+    fetch_blob(url, digest, len(data), mine, authorization=TOKEN)
+    assert mine.path(digest).read_bytes() == data  # type: ignore[union-attr]
+    assert server.bytes_sent == len(data) - len(data) // 2
+
+
+def test_a_holder_with_wrong_bytes_is_refused_and_nothing_is_kept(
+    tmp_path: Path, holder: tuple[BlobServer, str]
+) -> None:
+    server, url = holder
+    data = big()
+    digest = sha256_digest(data)
+    tampered = bytearray(data)
+    tampered[12345] ^= 0xFF
+    wrong = server.store.put(bytes(tampered))
+    os.replace(server.store.path(wrong), server.store.root / "sha256" / digest[7:])  # type: ignore[arg-type]
+    mine = BlobStore(tmp_path / "mine")
+    with pytest.raises(CorruptBlob, match="hash to"):
+        fetch_blob(url, digest, len(data), mine, authorization=TOKEN)
+    assert not mine.has(digest) and mine.partial_size(digest) == 0
+
+
+def test_credentials_and_missing_blobs(tmp_path: Path, holder: tuple[BlobServer, str]) -> None:
+    server, url = holder
+    digest = server.store.put(b"x")
+    mine = BlobStore(tmp_path / "mine")
+    with pytest.raises(TransferError) as refused:
+        fetch_blob(url, digest, 1, mine)
+    assert refused.value.status == 401
+    with pytest.raises(TransferError) as wrong:
+        fetch_blob(url, digest, 1, mine, authorization="Bearer nope")
+    assert wrong.value.status == 403
+    with pytest.raises(TransferError) as missing:
+        fetch_blob(url, sha256_digest(b"y"), 1, mine, authorization=TOKEN)
+    assert missing.value.status == 404 and "is not here" in str(missing.value)
+    with pytest.raises(TransferError, match="offers 1 bytes"):
+        fetch_blob(url, digest, 2, mine, authorization=TOKEN)  # the size the caller expects is not the blob's
+    with pytest.raises(TransferError, match="cannot reach"):
+        fetch_blob("http://127.0.0.1:1", digest, 1, mine)
+
+
+def raw(url: str, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(request)
+        conn.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers, body
+
+
+def test_bad_requests_are_answered_plainly(holder: tuple[BlobServer, str]) -> None:
+    server, url = holder
+    digest = server.store.put(b"abc")
+    status, _, body = raw(url, f"GET /nope HTTP/1.1\r\nAuthorization: {TOKEN}\r\n\r\n".encode())
+    assert status == 404 and "blobs are at" in json.loads(body)["error"]
+    status, _, _ = raw(
+        url, f"GET /blobs/{digest} HTTP/1.1\r\nAuthorization: {TOKEN}\r\nRange: bytes=9-\r\n\r\n".encode()
+    )
+    assert status == 416
+    status, headers, body = raw(
+        url, f"GET /blobs/{digest} HTTP/1.1\r\nAuthorization: {TOKEN}\r\nRange: bytes=1-\r\n\r\n".encode()
+    )
+    assert status == 206 and body == b"bc" and headers["content-range"] == "bytes 1-2/3"
+    status, _, _ = raw(
+        url, f"PUT /blobs/{digest} HTTP/1.1\r\nAuthorization: {TOKEN}\r\nContent-Length: 0\r\n\r\n".encode()
+    )
+    assert status == 400  # no ?size=
+
+
+def test_upload_sends_only_what_is_missing_and_resumes(tmp_path: Path, holder: tuple[BlobServer, str]) -> None:
+    server, url = holder
+    source = tmp_path / "weights.bin"
+    data = big()
+    source.write_bytes(data)
+    digest = sha256_digest(data)
+    # An earlier upload broke off after 5 MB: its partial is on the holder.
+    with server.store.writer(digest, len(data)) as writer:
+        writer.write(data[: 5 << 20])
+    seen: list[int] = []
+    sent = upload_blob(url, source, digest, authorization=TOKEN, progress=seen.append)
+    assert sent == len(data) - (5 << 20) and sum(seen) == len(data)
+    assert server.store.path(digest).read_bytes() == data  # type: ignore[union-attr]
+    assert upload_blob(url, source, digest, authorization=TOKEN) == 0  # there already
+    with pytest.raises(TransferError) as refused:
+        upload_blob(url, source, sha256_digest(b"not these bytes"), authorization=TOKEN)
+    assert refused.value.status == 400 and "hash to" in str(refused.value)
+    assert server.store.partial_size(sha256_digest(b"not these bytes")) == 0
+
+
+def test_an_upload_that_does_not_start_where_the_holder_is_gets_its_offset(holder: tuple[BlobServer, str]) -> None:
+    server, url = holder
+    data = b"0123456789"
+    digest = sha256_digest(data)
+    with server.store.writer(digest, len(data)) as writer:
+        writer.write(data[:4])
+    status, headers, body = raw(
+        url,
+        f"PUT /blobs/{digest}?size=10 HTTP/1.1\r\nAuthorization: {TOKEN}\r\n{UPLOAD_OFFSET}: 0\r\n"
+        f"Content-Length: 10\r\n\r\n".encode()
+        + data,
+    )
+    assert status == 409 and headers[UPLOAD_OFFSET.lower()] == "4" and "Upload-Offset 4" in json.loads(body)["error"]
+    status, _, _ = raw(
+        url,
+        f"PUT /blobs/{digest}?size=10 HTTP/1.1\r\nAuthorization: {TOKEN}\r\n{UPLOAD_OFFSET}: 4\r\n"
+        f"Content-Length: 6\r\n\r\n".encode()
+        + data[4:],
+    )
+    assert status == 201 and server.store.path(digest).read_bytes() == data  # type: ignore[union-attr]
+
+
+def test_a_holder_that_takes_no_uploads_and_the_size_limit(tmp_path: Path) -> None:
+    reader = BlobServer(BlobStore(tmp_path / "node"), only_token)
+    url = f"http://{reader.start('127.0.0.1:0')}"
+    limited = BlobServer(BlobStore(tmp_path / "gw"), only_token, accept_uploads=True, max_blob_bytes=10)
+    limited_url = f"http://{limited.start('127.0.0.1:0')}"
+    try:
+        source = tmp_path / "f"
+        source.write_bytes(b"x" * 11)
+        with pytest.raises(TransferError) as refused:
+            upload_blob(url, source, sha256_digest(b"x" * 11), authorization=TOKEN)
+        assert refused.value.status == 405
+        with pytest.raises(TransferError) as large:
+            upload_blob(limited_url, source, sha256_digest(b"x" * 11), authorization=TOKEN)
+        assert large.value.status == 413
+    finally:
+        reader.stop()
+        limited.stop()

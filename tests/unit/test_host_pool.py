@@ -1,0 +1,79 @@
+"""The host model pool: weights copied once from the disk cache into shared memory, shared by the
+packages that hold them, least recently used out first, never one a worker maps."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from gpu_manager.host_pool import HostModelPool, default_budget_bytes
+from gpufaas.blobs import BlobStore
+from gpufaas.packages import Manifest, PackageFile, sha256_digest
+
+MB = 1 << 20
+
+
+def package(blobs: BlobStore, weights: bytes, handler: bytes = b"h") -> Manifest:
+    return Manifest.of(
+        [
+            PackageFile("handler.py", blobs.put(handler), len(handler)),
+            PackageFile("w.bin", blobs.put(weights), len(weights)),
+        ]
+    )
+
+
+def test_weights_are_copied_in_once_and_shared(tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path / "blobs")
+    weights = os.urandom(2 * MB)
+    first, second = package(blobs, weights), package(blobs, weights, b"other handler")
+
+    async def main() -> None:
+        pool = HostModelPool(tmp_path / "shm", 10 * MB)
+        placed = await pool.admit(first, blobs)
+        assert placed is not None and list(placed) == ["w.bin"]  # the handler is too small to pool
+        copy = Path(placed["w.bin"])
+        assert copy.read_bytes() == weights and copy.stat().st_ino != blobs.path(sha256_digest(weights)).stat().st_ino  # type: ignore[union-attr]
+        assert oct(copy.stat().st_mode & 0o777) == "0o444" and oct((tmp_path / "shm").stat().st_mode & 0o777) == "0o700"
+        assert pool.holds(first) and pool.holds(second)  # the same weights: the same copy
+        assert await pool.admit(second, blobs) == placed and pool.admitted == 1 and pool.used_bytes == 2 * MB
+
+    asyncio.run(main())
+
+
+def test_least_recently_used_weights_leave_but_not_those_in_use(tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path / "blobs")
+    a, b, c = (package(blobs, os.urandom(4 * MB), bytes([i])) for i in range(3))
+    mapped: set[str] = set()
+
+    async def main() -> None:
+        pool = HostModelPool(tmp_path / "shm", 9 * MB, in_use=lambda: set(mapped))
+        assert await pool.admit(a, blobs) and await pool.admit(b, blobs)
+        mapped.update(d for _, d, _ in pool.weights(a))  # a worker maps a's weights
+        assert await pool.admit(c, blobs)
+        assert pool.holds(a) and not pool.holds(b) and pool.holds(c) and pool.evicted == 1
+        mapped.update(d for _, d, _ in pool.weights(c))
+        assert await pool.admit(b, blobs) is None  # everything else is mapped: b is read from disk
+        assert pool.used_bytes == 8 * MB
+        mapped.clear()
+        pool.retain(d for _, d, _ in pool.weights(c))  # a's package left the disk cache
+        assert not pool.holds(a) and pool.holds(c)
+
+    asyncio.run(main())
+
+
+def test_no_pool_and_a_model_larger_than_it(tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path / "blobs")
+    manifest = package(blobs, os.urandom(3 * MB))
+
+    async def main() -> None:
+        assert await HostModelPool(tmp_path / "none", 0).admit(manifest, blobs) is None
+        assert not (tmp_path / "none").exists()
+        assert await HostModelPool(tmp_path / "small", 2 * MB).admit(manifest, blobs) is None
+
+    asyncio.run(main())
+
+
+def test_the_default_budget_is_a_share_of_free_memory(tmp_path: Path) -> None:
+    free = os.statvfs(tmp_path)
+    assert default_budget_bytes(tmp_path / "not" / "yet", 0.5) == int(free.f_bavail * free.f_frsize * 0.5)

@@ -1,0 +1,233 @@
+"""The node's disk cache (gpu_manager.staging.PackageStore) against real blob servers on loopback:
+nearest holder first, a wrong or broken holder passed over, shared blobs fetched once, packages
+linked, evicted within the budget, adopted after a restart; and its requirements layer."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from gpu_manager.staging import LINK_MIN_BYTES, PackageStore
+from gpufaas.blobnet import BlobServer
+from gpufaas.blobs import BlobStore
+from gpufaas.holders import HolderRecord, PackageRecord
+from gpufaas.packages import InvalidPackage, Manifest, PackageFile, sha256_digest
+from gpufaas.requirements import Layer, LayerCache, python_tag
+
+TOKEN = "Bearer node-token"
+
+
+def open_to(method: str, authorization: str | None) -> tuple[int, str] | None:
+    return None if authorization == TOKEN else (403, "no")
+
+
+class Cluster:
+    """Package records and holders (real blob servers) a PackageStore fetches from."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.records: dict[str, PackageRecord] = {}
+        self.holders: list[HolderRecord] = []
+        self.servers: dict[str, BlobServer] = {}
+
+    def holder(self, name: str, kind: str = "gateway") -> BlobServer:
+        server = BlobServer(BlobStore(self.tmp_path / name), open_to)
+        url = f"http://{server.start('127.0.0.1:0')}"
+        self.servers[name] = server
+        self.holders.append(HolderRecord(name, kind, url))  # type: ignore[arg-type]
+        return server
+
+    def package(self, files: dict[str, bytes], gateway: str = "gw", *, layer: Layer | None = None) -> str:
+        entries = []
+        for path, data in files.items():
+            entries.append(PackageFile(path, sha256_digest(data), len(data)))
+            for name, server in self.servers.items():
+                if name == gateway or any(h.name == name and h.kind == "node" for h in self.holders):
+                    server.store.put(data)
+        manifest = Manifest.of(entries)
+        self.records[manifest.digest] = PackageRecord(manifest, gateway, layer)
+        return manifest.digest
+
+    def store(self, root: Path, **options: object) -> PackageStore:
+        async def records(digest: str) -> PackageRecord | None:
+            return self.records.get(digest)
+
+        async def holders() -> list[HolderRecord]:
+            return list(self.holders)
+
+        return PackageStore(root, records=records, holders=holders, me="node-me", authorization=TOKEN, **options)  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):  # type: ignore[no-untyped-def]
+    c = Cluster(tmp_path)
+    yield c
+    c.stop()
+
+
+HANDLER = b"def load(d):\n    return 1\n\ndef predict(m, i):\n    return i\n"
+
+
+def test_a_package_is_fetched_once_and_linked(tmp_path: Path, cluster: Cluster) -> None:
+    gateway = cluster.holder("gw")
+    weights = os.urandom(LINK_MIN_BYTES * 3)
+    digest = cluster.package({"handler.py": HANDLER, "model/w.bin": weights, "empty.txt": b""})
+    changes: list[int] = []
+
+    async def main() -> None:
+        store = cluster.store(tmp_path / "node", on_change=lambda: changes.append(1))
+        paths = await asyncio.gather(*(store.ensure(digest) for _ in range(3)))  # share one staging
+        assert len(set(paths)) == 1 and store.staged() == {digest}
+        directory = paths[0]
+        assert (directory / "handler.py").read_bytes() == HANDLER
+        linked = directory / "model" / "w.bin"
+        assert linked.read_bytes() == weights and linked.stat().st_nlink == 2  # a link to its blob
+        assert (directory / "handler.py").stat().st_nlink == 1  # small: a copy
+        assert gateway.bytes_sent == len(weights) + len(HANDLER)
+        stats = store.stats[digest]
+        assert stats.fetched_bytes == len(weights) + len(HANDLER) and stats.sources == {"gw": stats.fetched_bytes}
+        assert await store.ensure(digest) == directory and gateway.bytes_sent == stats.fetched_bytes
+        assert changes == [1]
+
+    asyncio.run(main())
+
+
+def test_peers_come_first_and_a_wrong_or_dead_holder_is_passed(tmp_path: Path, cluster: Cluster) -> None:
+    gateway = cluster.holder("gw")
+    peer = cluster.holder("node-peer", kind="node")
+    weights = os.urandom(1 << 20)
+    digest = cluster.package({"handler.py": HANDLER, "w.bin": weights})
+    cluster.holders = [
+        HolderRecord("node-peer", "node", cluster.holders[1].url, frozenset({digest})),
+        HolderRecord("node-dead", "node", "http://127.0.0.1:1", frozenset({digest})),
+        cluster.holders[0],
+    ]
+    # The peer's copy of the weights went bad on its disk.
+    path = peer.store.path(sha256_digest(weights))
+    assert path is not None
+    path.chmod(0o644)
+    corrupt = bytearray(weights)
+    corrupt[0] ^= 1
+    path.write_bytes(bytes(corrupt))
+
+    async def main() -> None:
+        store = cluster.store(tmp_path / "node")
+        directory = await store.ensure(digest)
+        assert (directory / "w.bin").read_bytes() == weights
+        # The handler came from the peer; the weights, refused from it, from the gateway.
+        assert store.stats[digest].sources == {"node-peer": len(HANDLER), "gw": len(weights)}
+        assert gateway.bytes_sent == len(weights)
+
+    asyncio.run(main())
+
+
+def test_nothing_to_fetch_from_says_why(tmp_path: Path, cluster: Cluster) -> None:
+    cluster.holder("gw")
+    digest = cluster.package({"handler.py": HANDLER})
+    cluster.servers["gw"].store.remove(sha256_digest(HANDLER))
+
+    async def main() -> None:
+        store = cluster.store(tmp_path / "node")
+        with pytest.raises(InvalidPackage, match=r"could not be fetched.*is not here"):
+            await store.ensure(digest)
+        with pytest.raises(InvalidPackage, match="not registered"):
+            await store.ensure(sha256_digest(b"nothing"))
+        assert store.staged() == set()
+
+    asyncio.run(main())
+
+
+def test_shared_weights_are_fetched_once_for_two_packages(tmp_path: Path, cluster: Cluster) -> None:
+    gateway = cluster.holder("gw")
+    weights = os.urandom(2 << 20)
+    first = cluster.package({"handler.py": HANDLER, "w.bin": weights})
+    second = cluster.package({"handler.py": HANDLER + b"# v2\n", "w.bin": weights})
+
+    async def main() -> None:
+        store = cluster.store(tmp_path / "node")
+        await asyncio.gather(store.ensure(first), store.ensure(second))
+        assert gateway.bytes_sent == len(weights) + len(HANDLER) + len(HANDLER) + 5
+
+    asyncio.run(main())
+
+
+def test_least_recently_used_packages_leave_for_a_new_one_but_never_one_in_use(
+    tmp_path: Path, cluster: Cluster
+) -> None:
+    cluster.holder("gw")
+    packages = [cluster.package({"handler.py": HANDLER + bytes([i]), "w.bin": os.urandom(1 << 20)}) for i in range(4)]
+    busy: set[str] = set()
+    clock = [0.0]
+
+    async def main() -> None:
+        store = cluster.store(
+            tmp_path / "node", budget_bytes=int(2.5 * (1 << 20)), in_use=lambda: set(busy), clock=lambda: clock[0]
+        )
+        for index in range(2):
+            clock[0] = index
+            await store.ensure(packages[index])
+        busy.add(packages[0])  # the oldest, but a worker holds it
+        clock[0] = 2
+        await store.ensure(packages[2])
+        assert store.staged() == {packages[0], packages[2]}
+        assert store.used_bytes() <= int(2.5 * (1 << 20)) + 200
+        assert not (store.packages_dir / packages[1][7:]).exists()
+        busy.clear()
+        clock[0] = 3
+        await store.ensure(packages[3])
+        assert store.staged() == {packages[2], packages[3]}
+        # Unused for longer than the grace: collected, unless in use.
+        busy.add(packages[3])
+        assert await store.collect(set(busy), now_unix_s=100.0, grace_s=50.0) == [packages[2]]
+        assert store.staged() == {packages[3]}
+
+    asyncio.run(main())
+
+
+def test_a_restarted_node_adopts_what_it_staged(tmp_path: Path, cluster: Cluster) -> None:
+    gateway = cluster.holder("gw")
+    digest = cluster.package({"handler.py": HANDLER, "w.bin": os.urandom(1 << 20)})
+    stray = tmp_path / "node" / "packages" / ("f" * 64)
+
+    async def main() -> None:
+        await cluster.store(tmp_path / "node").ensure(digest)
+        stray.mkdir()  # a package whose record is gone
+        sent = gateway.bytes_sent
+        again = cluster.store(tmp_path / "node")
+        await again.recover()
+        assert again.staged() == {digest} and not stray.exists()
+        await again.ensure(digest)
+        assert gateway.bytes_sent == sent
+
+    asyncio.run(main())
+
+
+def test_a_package_with_requirements_gets_its_layer(tmp_path: Path, cluster: Cluster) -> None:
+    cluster.holder("gw")
+    layer = Layer(("tabulate==0.9.0",), python_tag())
+    digest = cluster.package({"handler.py": HANDLER, "requirements.txt": b"tabulate==0.9.0\n"}, layer=layer)
+    installs: list[list[str]] = []
+
+    def pip(argv: list[str], timeout_s: float) -> tuple[int, str, str]:
+        installs.append(list(argv))
+        target = Path(argv[argv.index("--target") + 1])
+        (target / "tabulate-0.9.0.dist-info").mkdir(parents=True)
+        (target / "tabulate-0.9.0.dist-info" / "METADATA").write_text("Name: tabulate\nVersion: 0.9.0\n")
+        (target / "tabulate.py").write_text("VERSION = '0.9.0'\n")
+        return 0, "", ""
+
+    async def main() -> None:
+        store = cluster.store(tmp_path / "node", layers=LayerCache(tmp_path / "layers", run=pip))  # type: ignore[arg-type]
+        await store.ensure(digest)
+        directory = store.layer_dir(digest)
+        assert directory is not None and (directory / "tabulate.py").exists()
+        assert len(installs) == 1 and "tabulate==0.9.0" in installs[0]
+
+    asyncio.run(main())
