@@ -116,7 +116,7 @@ def time_direct(handler: Handler, inputs: object, calls: int) -> dict[str, Any]:
 async def through_pool(models: dict[str, tuple[Path, bytes, bytes, str]], work: Path, calls: int) -> dict[str, Any]:
     local = LocalPackages(work / "pool-packages")
     digests = {name: local.add_archive(package) for name, (_, package, _, _) in models.items()}
-    pool = WorkerPool("cuda", gpus={"gpu0": 0}, fetch_package=local.ensure, spares_per_gpu=1)
+    pool = WorkerPool("cuda", gpus={"gpu0": 0}, fetch_package=local.fetch, spares_per_gpu=1)
     pool.start()
     out: dict[str, Any] = {}
     call_ids = iter(range(10**9))

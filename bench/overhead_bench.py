@@ -142,7 +142,7 @@ async def bench_gateway(url: str, calls: int, headers: dict[str, str]) -> dict[i
 async def bench_direct(state_dir: Path, package: bytes, calls: int) -> dict[int, dict[str, float]]:
     local = LocalPackages(state_dir / "direct-packages")
     digest = local.add_archive(package)
-    pool = WorkerPool("cpu", gpus={"gpu0": 0}, fetch_package=local.ensure)
+    pool = WorkerPool("cpu", gpus={"gpu0": 0}, fetch_package=local.fetch)
     pool.start()
     run = ModelRun("noop", digest, 100)
     results = {}

@@ -69,7 +69,12 @@ if $monitoring; then bash deploy/local-images.sh --monitoring; else bash deploy/
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 GPUFAAS_GATEWAY_PORT=$(free_port)
 GPUFAAS_PROMETHEUS_PORT=$(free_port)
-export GPUFAAS_GATEWAY_PORT GPUFAAS_PROMETHEUS_PORT
+# The blob server at 8081 when it is free (deploy then reaches it there), else another port (deploy
+# then uploads through the API).
+GPUFAAS_BLOB_PORT=$(python3 -c 'import socket; s = socket.socket()
+try: s.bind(("127.0.0.1", 8081)); print(8081)
+except OSError: s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+export GPUFAAS_GATEWAY_PORT GPUFAAS_PROMETHEUS_PORT GPUFAAS_BLOB_PORT
 URL=http://127.0.0.1:$GPUFAAS_GATEWAY_PORT
 docker-compose --project-directory "$ROOT" -f docker-compose.yml -f deploy/compose.local-cpu.yml config \
   | python3 deploy/drop_gpu_reservations.py >"$work/compose.yml"

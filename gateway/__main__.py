@@ -34,6 +34,16 @@ def main(argv: list[str] | None = None) -> int:
         "--public-url", default=None, help="URL other hosts reach this gateway at (default: http://HOST:PORT)"
     )
     parser.add_argument("--scheduler", default=None, help="scheduler address host:port (default: look it up in etcd)")
+    parser.add_argument(
+        "--blob-listen",
+        default=None,
+        help="where the blob server listens: uploads from `gpufaas deploy`, fetches by nodes (default: HOST, any port)",
+    )
+    parser.add_argument(
+        "--blob-advertise",
+        default=None,
+        help="the blob server's URL for nodes and the CLI (default: http://the --public-url host:the bound port)",
+    )
     parser.add_argument("--max-payload-mb", type=float, default=16.0, help="invocation body limit (413 above)")
     parser.add_argument(
         "--max-unpacked-mb",
@@ -74,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         state_dir=args.state_dir,
         public_url=args.public_url or f"http://{args.host}:{args.port}",
         scheduler_address=args.scheduler,
+        blob_listen=args.blob_listen or f"{args.host}:0",
+        blob_advertise=args.blob_advertise,
         max_payload_bytes=int(args.max_payload_mb * 1024 * 1024),
         max_unpacked_bytes=args.max_unpacked_mb * 1024 * 1024,
         keys=Keys(args.root),

@@ -82,12 +82,14 @@ class Artifacts:
         self._resolving: dict[str, asyncio.Task[Layer]] = {}
 
     # --- the blob server ------------------------------------------------------------------------
-    def serve(self, listen: str, authorize: Authorizer, *, advertise: str | None = None) -> str:
-        """Start the blob server (uploads taken, each at most the package limit); its URL."""
+    def serve(self, listen: str, authorize: Authorizer, *, advertise: str | None = None, host: str = "") -> str:
+        """Start the blob server (uploads taken, each at most the package limit); its URL:
+        `advertise`, else http://`host` (the gateway's public host) at the bound port."""
         server = BlobServer(self.blobs, authorize, accept_uploads=True, max_blob_bytes=self.max_unpacked_bytes)
         bound = server.start(listen)
         self._server = server
-        self.url = advertise or f"http://{bound}"
+        bound_host, _, port = bound.rpartition(":")
+        self.url = advertise or f"http://{host or bound_host}:{port}"
         return self.url
 
     def stop(self) -> None:

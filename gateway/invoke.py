@@ -146,10 +146,14 @@ async def _error(send: Send, status: int, message: str, call_id: str, *, retry_a
 
 def miss_timing(reply: pb.ExecuteReply) -> str:
     """A miss's stages as a Server-Timing header (durations in milliseconds, W3C Server Timing);
-    `host` only when the model came back from the node's host memory instead of being loaded."""
+    `host` only when the model came back from the node's host tier instead of being loaded;
+    `pool` (its weights copied into the node's host model pool on this call's path) and
+    `from-pool` (they were there: mapped, not read from disk) where the node has a pool."""
     stages = reply.stages
     parts = [
         ("fetch", stages.fetch_s),
+        *([("pool", stages.pool_s)] if stages.pool_s else []),
+        *([("from-pool", 0.0)] if stages.from_pool else []),
         ("prefetch", stages.prefetch_s),
         ("start", stages.start_s),
         ("context", stages.context_s),

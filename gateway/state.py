@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import time
+import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,7 +112,10 @@ class Gateway:
                 if credentials is not None
                 else (lambda method, authorization: None)
             )
-            self.artifacts.serve(self.config.blob_listen, authorize, advertise=self.config.blob_advertise)
+            public_host = urllib.parse.urlsplit(self.config.public_url).hostname or ""
+            self.artifacts.serve(
+                self.config.blob_listen, authorize, advertise=self.config.blob_advertise, host=public_host
+            )
         mirrors = (
             (self.keys.functions, self._functions_listed, self._function_changed),
             (self.keys.services, self._services_listed, self._service_changed),

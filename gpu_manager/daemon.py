@@ -128,7 +128,7 @@ class GpuManagerDaemon:
         self.pool = WorkerPool(
             backend,
             gpus={d.gpu_id: d.index for d in devices},
-            fetch_package=self.packages.ensure,
+            fetch_package=self.packages.fetch,
             prepare_weights=self._weights,
             spares_per_gpu=spares_per_gpu,
             max_body_bytes=max_body_bytes,
@@ -161,8 +161,9 @@ class GpuManagerDaemon:
             self.context_mb = max((int(h.context_mb) for h in hellos), default=0)
         bound = await self._server.start(listen)
         self.address = advertise or bound
-        blob_bound = self.blob_server.start(self._blob_listen)
-        self.blob_url = self._blob_advertise or f"http://{blob_bound}"
+        # Peers reach the blob server on the host they reach the wire at, unless told otherwise.
+        blob_port = self.blob_server.start(self._blob_listen).rpartition(":")[2]
+        self.blob_url = self._blob_advertise or f"http://{self.address.rpartition(':')[0]}:{blob_port}"
         self.packages.my_host = urllib.parse.urlsplit(self.blob_url).hostname or ""
         self._base_environment = await asyncio.to_thread(base_environment)
         await self.packages.recover()

@@ -81,7 +81,7 @@ _DROP_REPORT_S = 10.0  # how often a worker's dropped output is told of, at most
 _OUTPUT_GRACE_S = 1.0  # a worker's output is read this long after it exits (then its pipe is closed)
 _KILL_WAIT_S = 30.0  # tearing down a large CUDA context can take seconds; past this, log and move on
 _EXIT_POLL_S = 0.005
-_JUST_FETCHED_S = 0.05  # a package that took longer than this to get was fetched (and is in the page cache)
+_JUST_FETCHED_S = 0.05  # a package that took longer than this to get is in the page cache already
 RUNTIMES = ("process", "docker")  # how workers run: forked from the zygote, or in containers
 SPARE_START_TIMEOUT_S = 120.0  # importing torch and creating a CUDA context, on a busy machine
 SPARE_RETRY_S = 5.0  # after a spare died warming up (a broken runtime), before starting another
@@ -307,7 +307,7 @@ class WorkerPool:
         backend: str,
         *,
         gpus: dict[str, int],
-        fetch_package: Callable[[str], Awaitable[Path]],
+        fetch_package: Callable[[str], Awaitable[tuple[Path, float]]],
         spares_per_gpu: int = 1,
         max_body_bytes: int = 16 * 1024 * 1024,
         wait_for_victims: bool | None = None,
@@ -320,13 +320,14 @@ class WorkerPool:
         prepare_weights: Callable[[str, Path], Awaitable[WeightsPlan]] | None = None,
     ) -> None:
         """`gpus`: node-local GPU id -> device index. `fetch_package(digest)` returns the package's
-        directory, fetching it if needed; `prepare_weights(digest, directory)` what the worker maps
-        from the host model pool and its requirements layer (None: neither). `wait_for_victims`: a
-        miss waits for its victims to exit before loading (their device memory must be free
-        first); default: on cuda only. `host_cache_mb`: the host tier's size (0: off; the cpu
-        backend only). `isolation`: how workers are confined (gpu_manager.sandbox; default: all of it the node can do).
-        `runtime`: "process" (forked from the zygote) or "docker" (a container per worker, made
-        by `launcher` for a model: no spares; gpu_manager.containers)."""
+        directory, fetching it if needed, and the seconds that took (0: it was on disk);
+        `prepare_weights(digest, directory)` what the worker maps from the host model pool and its
+        requirements layer (None: neither). `wait_for_victims`: a miss waits for its victims to
+        exit before loading (their device memory must be free first); default: on cuda only.
+        `host_cache_mb`: the host tier's size (0: off; the cpu backend only). `isolation`: how
+        workers are confined (gpu_manager.sandbox; default: all of it the node can do).
+        `runtime`: "process" (forked from the zygote) or "docker" (a container per worker, made by
+        `launcher` for a model: no spares; gpu_manager.containers)."""
         if runtime not in RUNTIMES:
             raise ValueError(f"unknown worker runtime {runtime!r}; use one of {', '.join(RUNTIMES)}")
         if runtime == "docker" and spares_per_gpu:
@@ -631,9 +632,8 @@ class WorkerPool:
         was_warm = worker.hello.done()
 
         async def package() -> tuple[Path, WeightsPlan]:
-            directory = await self._fetch_package(run.package_digest)
+            directory, stages.fetch_s = await self._fetch_package(run.package_digest)
             await self._own_package(run.package_digest, directory)  # readable by its own user only
-            stages.fetch_s = time.perf_counter() - started
             weights = worker.weights or await self._weights(run, directory)
             stages.pool_s, stages.from_pool = weights.pool_s, weights.from_pool
             if weights.pooled:
@@ -851,7 +851,7 @@ class WorkerPool:
         listener: socket.socket | None = None
         loop = asyncio.get_running_loop()
         try:
-            directory = await self._fetch_package(run.package_digest)
+            directory, _ = await self._fetch_package(run.package_digest)
             uid = await self._own_package(run.package_digest, directory)
             weights = await self._weights(run, directory)
             # The container sees its pool files and layer at paths of its own (read-only mounts).

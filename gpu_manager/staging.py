@@ -165,6 +165,16 @@ class PackageStore:
         # Shielded: one caller giving up must not cancel the staging others wait for.
         return await asyncio.shield(task)
 
+    async def fetch(self, digest: str) -> tuple[Path, float]:
+        """`ensure`, and the seconds it spent staging the package for this caller (0: it was here)."""
+        path = self.path_for(digest)
+        if path is not None:
+            self._used_at[digest] = self._clock()
+            return path, 0.0
+        started = time.perf_counter()
+        path = await self.ensure(digest)
+        return path, time.perf_counter() - started
+
     async def _stage(self, digest: str) -> Path:
         record = await self._records(digest)
         if record is None:
@@ -376,3 +386,7 @@ class LocalPackages:
         if manifest is None:
             raise InvalidPackage(f"package {digest} is not here")
         return await asyncio.to_thread(link_package, self.blobs, manifest, self.packages_dir)
+
+    async def fetch(self, digest: str) -> tuple[Path, float]:
+        """The worker pool's `fetch_package`: nothing is ever fetched from elsewhere."""
+        return await self.ensure(digest), 0.0

@@ -117,6 +117,7 @@ class LocalCluster:
     # EDAS's staged exit (scheduler --gpu-idle-release-s / --host-idle-release-s); None: off.
     gpu_idle_release_s: float | None = None
     host_idle_release_s: float | None = None
+    node_flags: list[str] = field(default_factory=list)  # more flags for every GPU manager
     components: dict[str, Component] = field(default_factory=dict)
     supervision: Supervision = field(default_factory=Supervision)
     supervisor_pid: int | None = None  # the process that supervises this cluster (gpufaas up), if any
@@ -277,6 +278,7 @@ class LocalCluster:
                 argv += ["--runtime", self.runtime]
             if self.docker_image:
                 argv += ["--docker-image", self.docker_image]
+            argv += self.node_flags
             self.components[name] = Component(name, argv, logs / f"{name}.log")
         env = self._env()
         for component in self.components.values():

@@ -10,6 +10,7 @@ import gzip
 import io
 import tarfile
 import threading
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +49,9 @@ class Scanned:
 
 @dataclass
 class UploadReport:
-    """What an upload moved: per package digest its answer, and the bytes sent in all."""
+    """What an upload moved: per package digest its answer; the blobs the gateway lacked, the
+    bytes sent now (`bytes_sent`: not what a broken upload had sent before) and of those blobs in
+    all (`bytes_total`)."""
 
     packages: dict[str, dict[str, Any]] = field(default_factory=dict)
     blobs_sent: int = 0
@@ -85,7 +88,6 @@ def upload(
     offsets: dict[str, int] = answer.get("offsets", {})
     report = UploadReport(bytes_total=sum(wanted[d] for d in missing))
     sent = _Progress(report.bytes_total, progress)
-    sent.add(sum(offsets.values()))  # what a broken upload left there already
     small = [d for d in missing if wanted[d] <= BATCH_MAX_BYTES and not offsets.get(d)]
     large = [d for d in missing if d not in set(small)]
     for batch in _batches(small, wanted):
@@ -95,7 +97,7 @@ def upload(
     if large:
         report.via_api = _send_large(gateway, upload_url, large, files, sent)
     report.blobs_sent = len(missing)
-    report.bytes_sent = sent.sent
+    report.bytes_sent = sent.sent - sent.resumed
     for package in packages:
         response = gateway.request(
             "POST",
@@ -113,13 +115,16 @@ def upload(
 class _Progress:
     def __init__(self, total: int, callback: Callable[[int, int], None] | None) -> None:
         self.total = total
-        self.sent = 0
+        self.sent = 0  # shown: what the gateway has of the blobs
+        self.resumed = 0  # of which it had before this upload (resumed, and blobs found there)
         self._callback = callback
         self._lock = threading.Lock()
 
-    def add(self, n: int) -> None:
+    def add(self, n: int, *, resumed: int = 0) -> None:
+        """`n` more bytes are on the gateway, of which `resumed` were there before."""
         with self._lock:
             self.sent += n
+            self.resumed += resumed
             if self._callback is not None:
                 self._callback(self.sent, self.total)
 
@@ -165,18 +170,19 @@ def _send_large(
 ) -> bool:
     """Upload through the blob server, in parallel; where it cannot be reached, through the API.
     Returns whether the API was used."""
-    via_api = upload_url is None
-    if upload_url is not None:
-        url = upload_url
+    via_api = True
+    for url in _blob_urls(upload_url, gateway.url):
         try:
             _parallel(
-                lambda d: upload_blob(url, files[d], d, authorization=gateway.authorization, progress=sent.add),
+                lambda d, url=url: _upload_one(gateway, url, d, files[d], sent),  # type: ignore[misc]
                 digests,
             )
         except TransferError as exc:
             if exc.status in (401, 403, 413, 400):
                 raise GpufaasError(f"the gateway's blob server refused an upload: {exc}") from None
-            via_api = True  # not reachable from here (another network): the API takes the rest
+            continue  # not reachable from here (another network): the next way in
+        via_api = False
+        break
     if via_api:
         remaining = gateway.ok(
             gateway.request(
@@ -187,12 +193,40 @@ def _send_large(
     return via_api
 
 
+def _upload_one(gateway: Gateway, url: str, digest: str, path: Path, sent: _Progress) -> None:
+    """One blob to the blob server; what it had already counts as resumed, not sent."""
+    shown = 0
+
+    def progress(n: int) -> None:
+        nonlocal shown
+        shown += n
+        sent.add(n)
+
+    sent_now = upload_blob(url, path, digest, authorization=gateway.authorization, progress=progress)
+    sent.add(0, resumed=shown - sent_now)
+
+
+def _blob_urls(advertised: str | None, gateway_url: str) -> list[str]:
+    """Where to reach the gateway's blob server: the URL it advertises, then the same port on the
+    host this CLI reaches the gateway at (a published port, when the advertised name is one of
+    the cluster's network: compose, a pod)."""
+    if advertised is None:
+        return []
+    urls = [advertised]
+    advertised_parts, gateway_parts = urllib.parse.urlsplit(advertised), urllib.parse.urlsplit(gateway_url)
+    if advertised_parts.hostname != gateway_parts.hostname and gateway_parts.hostname and advertised_parts.port:
+        urls.append(f"http://{gateway_parts.hostname}:{advertised_parts.port}")
+    return urls
+
+
 def _send_through_api(gateway: Gateway, digest: str, path: Path, sent: _Progress) -> None:
     size = path.stat().st_size
     head = gateway.request("HEAD", f"/system/blobs/{digest}")
     if head.status_code == 200:
+        sent.add(size, resumed=size)
         return
     offset = int(head.headers.get(UPLOAD_OFFSET, "0") or 0)
+    sent.add(offset, resumed=offset)
 
     def body() -> Any:
         with path.open("rb") as source:

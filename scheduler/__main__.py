@@ -21,7 +21,7 @@ from gpufaas.service_main import (
     warn_if_insecure,
 )
 from scheduler.policies import registered_policies
-from scheduler.service import MAX_CLAIM_S, SchedulerService, SlotConfig
+from scheduler.service import DEFAULT_PRESTAGE_NODES, MAX_CLAIM_S, SchedulerService, SlotConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +54,16 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="staged exit: a model in a node's host tier unused this long leaves it too (default: never)",
     )
+    parser.add_argument(
+        "--prestage-nodes",
+        type=int,
+        default=DEFAULT_PRESTAGE_NODES,
+        help="nodes that get a new function's package (and weights) before its first call; 0: none "
+        "(default %(default)s)",
+    )
     args = parser.parse_args(argv)
+    if args.prestage_nodes < 0:
+        parser.error("--prestage-nodes must be >= 0")
     for flag, value in (
         ("--gpu-idle-release-s", args.gpu_idle_release_s),
         ("--host-idle-release-s", args.host_idle_release_s),
@@ -84,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             claim_s=args.claim_s,
             gpu_idle_release_s=args.gpu_idle_release_s,
             host_idle_release_s=args.host_idle_release_s,
+            prestage_nodes=args.prestage_nodes,
             wire_key=wire_key(secret) if secret is not None else None,
         )
 

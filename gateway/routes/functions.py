@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.routes.deps import GatewayDep
 from gateway.state import ApiError, Gateway
 from gpufaas.functions import NAME_PATTERN, FunctionSpec
+from gpufaas.holders import HolderRecord, read_holders
 
 # A body without a Content-Type is read as JSON (as before the routes were typed); one sent as a
 # form or as text is not (what a browser can send cross-site without asking).
@@ -72,7 +73,7 @@ async def update(spec: Annotated[FunctionSpec, Body()], gateway: GatewayDep) -> 
     raise ApiError(409, f"function {spec.name!r} is being changed concurrently; retry")
 
 
-async def _describe(gateway: Gateway, spec: FunctionSpec) -> dict[str, Any]:
+async def _describe(gateway: Gateway, spec: FunctionSpec, holders: list[HolderRecord]) -> dict[str, Any]:
     replicas_kv = await gateway.store.get(gateway.keys.replicas(spec.model))
     replicas = json.loads(replicas_kv.value) if replicas_kv is not None else []
     return {
@@ -81,12 +82,19 @@ async def _describe(gateway: Gateway, spec: FunctionSpec) -> dict[str, Any]:
         "invocationCount": sum(n for (name, _), n in gateway.invocations.items() if name == spec.name),
         "replicas": len(replicas),
         "gpus": replicas,
+        # Nodes whose disk holds its package: a call there fetches nothing (pre-staging puts it there).
+        "staged_on": sorted(
+            h.name.removeprefix("node-") for h in holders if h.kind == "node" and spec.package_digest in h.packages
+        ),
     }
 
 
 @router.get("/system/functions")
 async def list_functions(gateway: GatewayDep) -> list[dict[str, Any]]:
-    return [await _describe(gateway, spec) for spec in sorted(gateway.functions.values(), key=lambda s: s.name)]
+    holders = await read_holders(gateway.store, gateway.keys)
+    return [
+        await _describe(gateway, spec, holders) for spec in sorted(gateway.functions.values(), key=lambda s: s.name)
+    ]
 
 
 @router.get("/system/function/{name}")
@@ -94,7 +102,7 @@ async def get_function(name: str, gateway: GatewayDep) -> dict[str, Any]:
     spec = gateway.functions.get(name)
     if spec is None:
         raise ApiError(404, f"function {name!r} is not deployed; list functions with GET /system/functions")
-    return await _describe(gateway, spec)
+    return await _describe(gateway, spec, await read_holders(gateway.store, gateway.keys))
 
 
 @router.delete("/system/functions", status_code=202)

@@ -385,7 +385,10 @@ def test_grafana_is_provisioned_with_the_dashboard_and_prometheus() -> None:
 
 
 def test_the_gateway_is_published_on_this_host_only() -> None:
-    assert services()["gateway"]["ports"] == ["127.0.0.1:${GPUFAAS_GATEWAY_PORT:-8080}:8080"]
+    assert services()["gateway"]["ports"] == [
+        "127.0.0.1:${GPUFAAS_GATEWAY_PORT:-8080}:8080",
+        "127.0.0.1:${GPUFAAS_BLOB_PORT:-8081}:8081",  # its blob server, for `gpufaas deploy` on this host
+    ]
 
 
 def test_etcd_service() -> None:
@@ -418,6 +421,9 @@ def test_gateway_service() -> None:
     assert args["--scheduler"] == compose_command("scheduler")["--advertise"]
     assert args["--public-url"] == "http://gateway:8080"
     assert (8080, 8080) in [published_port(port) for port in gateway["ports"]]
+    # Nodes fetch blobs from the advertised address; the CLI, from the published port on this host.
+    assert args["--blob-listen"] == "0.0.0.0:8081" and args["--blob-advertise"] == "http://gateway:8081"
+    assert (8081, 8081) in [published_port(port) for port in gateway["ports"]]
     mounts = {v.split(":")[1]: v.split(":")[0] for v in gateway["volumes"]}
     assert mounts.get(args["--state-dir"]) in compose()["volumes"], "uploaded packages need a volume"
     assert "/healthz" in " ".join(gateway["healthcheck"]["test"])
@@ -480,7 +486,7 @@ def test_control_plane_dockerfile() -> None:
     text = (DEPLOY / "Dockerfile.control-plane").read_text()
     assert re.search(r"^FROM python:3\.11-slim", text, re.MULTILINE)
     assert re.search(r"^USER (?!0\b|root\b)\S+", text, re.MULTILINE), "must run as non-root"
-    assert re.search(r"^EXPOSE .*\b50051\b.*\b8080\b", text, re.MULTILINE)
+    assert re.search(r"^EXPOSE .*\b50051\b.*\b8080\b.*\b8081\b", text, re.MULTILINE)
 
 
 def test_control_plane_requirements_leave_out_torch() -> None:
@@ -583,7 +589,7 @@ def test_workload_selectors_match_their_pods() -> None:
 
 
 @pytest.mark.parametrize(
-    ("service", "ports"), [("etcd", {2379, 2380}), ("scheduler", {50051, 9100}), ("gateway", {8080})]
+    ("service", "ports"), [("etcd", {2379, 2380}), ("scheduler", {50051, 9100}), ("gateway", {8080, 8081})]
 )
 def test_service_ports_reach_a_container(service: str, ports: set[int]) -> None:
     (svc,) = [s for s in objects("Service") if s["metadata"]["name"] == service]

@@ -146,16 +146,17 @@ class Shelf:
         self._ready[digest] = path
         return path
 
-    async def fetch(self, digest: str) -> Path:
+    async def fetch(self, digest: str) -> tuple[Path, float]:
         """The pool's `fetch_package`."""
         if digest in self._ready:
-            return self._ready[digest]
+            return self._ready[digest], 0.0
+        started = time.perf_counter()
         task = self._pending.get(digest)
         if task is None:
             task = asyncio.ensure_future(self._download(digest))
             self._pending[digest] = task
             task.add_done_callback(lambda _: self._pending.pop(digest, None))
-        return await asyncio.shield(task)
+        return await asyncio.shield(task), time.perf_counter() - started
 
 
 # --- the pool --------------------------------------------------------------------------------------

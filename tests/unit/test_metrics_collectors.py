@@ -108,7 +108,7 @@ def test_a_nodes_worker_processes_are_counted_as_they_start_and_by_why_they_exit
     build_package("echo_function", tmp_path)
     packages = LocalPackages(tmp_path / "store")
     digest = packages.add_archive((tmp_path / "echo_function.tar.gz").read_bytes())
-    fetch = packages.ensure
+    fetch = packages.fetch
 
     def run(model: str, **profile: float) -> ModelRun:
         return ModelRun(model, digest, memory_mb=100, **{"load_time_s": 0.001, "inference_time_s": 0.001, **profile})

@@ -46,7 +46,7 @@ def exported(registry: CollectorRegistry) -> set[str]:
 
 @pytest.fixture(scope="module")
 def daemon_series(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
-    async def no_package(digest: str) -> Path:
+    async def no_package(digest: str) -> tuple[Path, float]:
         raise LookupError(digest)
 
     async def node_registry() -> CollectorRegistry:  # a pool needs a running loop; it starts nothing here
