@@ -208,8 +208,14 @@ class GpuManagerDaemon:
         await self._put_holder(lease)
 
     async def _put_holder(self, lease: int) -> None:
+        holdings = self.holdings()
         holder = HolderRecord(
-            self.holder_name, "node", self.blob_url, frozenset(self.packages.staged()), self._base_environment
+            self.holder_name,
+            "node",
+            self.blob_url,
+            frozenset(holdings.staged),
+            self._base_environment,
+            frozenset(holdings.pooled),
         )
         await self.store.put(self.keys.holder(self.holder_name), holder.to_json(), lease=lease)
 

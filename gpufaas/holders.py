@@ -63,14 +63,16 @@ class PackageRecord:
 @dataclass(frozen=True, slots=True)
 class HolderRecord:
     """A blob holder (`{root}/holders/{name}`): where it serves blobs (`url`, http://HOST:PORT)
-    and, for a node, the packages it holds whole; `base_environment` (a node's) is the Python
-    distributions its workers run with (name -> version), which requirements resolve against."""
+    and, for a node, the packages it holds whole on disk (`packages`) and those whose weights are
+    in its host model pool (`pooled`); `base_environment` (a node's) is the Python distributions
+    its workers run with (name -> version), which requirements resolve against."""
 
     name: str
     kind: HolderKind
     url: str
     packages: frozenset[str] = frozenset()
     base_environment: dict[str, str] = field(default_factory=dict)
+    pooled: frozenset[str] = frozenset()
 
     def to_json(self) -> bytes:
         document = {
@@ -79,6 +81,7 @@ class HolderRecord:
             "url": self.url,
             "packages": sorted(self.packages),
             "base_environment": self.base_environment,
+            "pooled": sorted(self.pooled),
         }
         return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
 
@@ -94,6 +97,7 @@ class HolderRecord:
             str(raw["url"]),
             frozenset(raw.get("packages", ())),
             {str(k): str(v) for k, v in raw.get("base_environment", {}).items()},
+            frozenset(raw.get("pooled", ())),
         )
 
     @property

@@ -82,9 +82,13 @@ async def _describe(gateway: Gateway, spec: FunctionSpec, holders: list[HolderRe
         "invocationCount": sum(n for (name, _), n in gateway.invocations.items() if name == spec.name),
         "replicas": len(replicas),
         "gpus": replicas,
-        # Nodes whose disk holds its package: a call there fetches nothing (pre-staging puts it there).
+        # Nodes whose disk holds its package: a call there fetches nothing (pre-staging puts it
+        # there); and those whose host model pool holds its weights: a miss there maps them.
         "staged_on": sorted(
             h.name.removeprefix("node-") for h in holders if h.kind == "node" and spec.package_digest in h.packages
+        ),
+        "pooled_on": sorted(
+            h.name.removeprefix("node-") for h in holders if h.kind == "node" and spec.package_digest in h.pooled
         ),
     }
 

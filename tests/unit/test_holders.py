@@ -19,7 +19,9 @@ def test_records_round_trip_and_refuse_garbage() -> None:
     assert PackageRecord.from_json(PackageRecord(MANIFEST, "g").to_json()).requirements is None
     with pytest.raises(InvalidPackage):
         PackageRecord.from_json(b'{"manifest": {"version": 1, "files": []}, "gateway": "g"}')
-    holder = HolderRecord("node-n1", "node", "http://10.0.0.2:7000", frozenset({MANIFEST.digest}), {"torch": "2.13.0"})
+    holder = HolderRecord(
+        "node-n1", "node", "http://10.0.0.2:7000", frozenset({MANIFEST.digest}), {"torch": "2.13.0"}, frozenset({"x"})
+    )
     assert HolderRecord.from_json(holder.to_json()) == holder and holder.host == "10.0.0.2"
 
 
