@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import mmap
 import os
 import time
 from collections import OrderedDict
@@ -178,19 +179,52 @@ class HostModelPool:
 
 
 def _copy(source: Path, target: Path, size: int) -> None:
-    """Copy a blob into the pool, in the kernel (sendfile between files: no pass through user space)."""
+    """Copy a blob into the pool: read around the page cache (O_DIRECT, into one reused aligned
+    buffer) where the filesystem allows, else in the kernel (sendfile), so that the pool's copy is
+    the only one the copy puts in memory."""
     tmp = target.with_suffix(".tmp")
-    with source.open("rb") as reader, tmp.open("wb") as writer:
-        offset = 0
-        while offset < size:
-            n = os.sendfile(writer.fileno(), reader.fileno(), offset, min(_COPY_CHUNK_BYTES, size - offset))
-            if n == 0:
-                raise OSError(f"{source} ended at byte {offset} of {size}")
-            offset += n
+    with tmp.open("wb") as writer:
+        try:
+            reader = os.open(source, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        except OSError:
+            reader = -1
+        if reader >= 0:
+            try:
+                _copy_direct(reader, writer.fileno(), size, source)
+            finally:
+                os.close(reader)
+        else:
+            _copy_sendfile(source, writer.fileno(), size)
     # Readable by anyone who can reach it: only the node can pass the pool's directory (0700); a
     # container gets just its own files bind-mounted, a forked worker a descriptor.
     os.chmod(tmp, 0o444)
     os.replace(tmp, target)
+
+
+def _copy_direct(reader: int, writer: int, size: int, source: Path) -> None:
+    view = memoryview(mmap.mmap(-1, _COPY_CHUNK_BYTES))  # page-aligned, as O_DIRECT reads need
+    offset = 0
+    while offset < size:
+        n = os.preadv(reader, [view], offset)
+        if n == 0:
+            raise OSError(f"{source} ended at byte {offset} of {size}")
+        _write_all(writer, view[:n])
+        offset += n
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _copy_sendfile(source: Path, writer: int, size: int) -> None:
+    with source.open("rb") as reader:
+        offset = 0
+        while offset < size:
+            n = os.sendfile(writer, reader.fileno(), offset, min(_COPY_CHUNK_BYTES, size - offset))
+            if n == 0:
+                raise OSError(f"{source} ended at byte {offset} of {size}")
+            offset += n
 
 
 def default_budget_bytes(root: Path, share: float = DEFAULT_POOL_SHARE) -> int:

@@ -217,8 +217,11 @@ def _limit(which: int, value: int) -> None:
 
 
 def lock_package(path: Path, gid: int) -> None:
-    """Make an extracted package readable by group `gid` only, and writable by nobody but root:
-    owner root, directories 0750, files 0640 (0750 if executable)."""
+    """Make a staged package readable by group `gid` only, and writable by nobody but root:
+    owner root, directories 0750, files 0640 (0750 if executable). A file with other links (a
+    blob another package shares: its weights) is left as the node's blob store made it, root's
+    and read-only (0444): changing it would change it for every package, and only this
+    package's group can pass its directories to reach it."""
     for directory, dirnames, filenames in os.walk(path):
         for name in (*dirnames, *filenames):
             _lock(os.path.join(directory, name), gid)
@@ -226,9 +229,12 @@ def lock_package(path: Path, gid: int) -> None:
 
 
 def _lock(path: str, gid: int) -> None:
-    mode = os.lstat(path).st_mode
+    status = os.lstat(path)
+    mode = status.st_mode
     if stat.S_ISLNK(mode):
         return  # packages hold none (refused at upload); never follow one
+    if stat.S_ISREG(mode) and status.st_nlink > 1:
+        return  # shared with the blob store and other packages (see lock_package)
     os.chown(path, 0, gid, follow_symlinks=False)
     executable = stat.S_ISDIR(mode) or mode & stat.S_IXUSR
     os.chmod(path, 0o750 if executable else 0o640)

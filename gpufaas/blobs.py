@@ -12,9 +12,9 @@ keeps its partial, and the hash state of what was written stays in memory, so th
 that blob in this process resumes where it stopped without reading it again (after a restart
 the partial is read back once). One writer per blob at a time (BlobBusy for a second).
 
-`pump` is the fast path for large blobs: one thread reads into buffers and writes them while
-another hashes them (both drop the GIL), so a blob moves at about the speed of the slower of the
-two rather than of their sum.
+`pump` is the fast path for large blobs: one thread reads into buffers and writes them (around
+the page cache: O_DIRECT) while another hashes them (both drop the GIL), so a blob moves at about
+the speed of the slower of the two rather than of their sum.
 
 Both directories are private to the daemon (0700): a function reaches a blob only through its
 own package directory, into which `link_into` hard-links it.
@@ -39,6 +39,12 @@ from gpufaas.packages import EMPTY_DIGEST, InvalidPackage, hex_of
 
 PUMP_BUFFER_BYTES = 4 << 20
 PUMP_DEPTH = 4  # buffers in flight between the reading and the hashing thread
+# A large blob's bytes are written around the page cache (O_DIRECT, in whole aligned buffers):
+# a node or gateway receiving GBs of weights would otherwise fill its memory with a second copy of
+# them that nobody reads soon (the host pool holds the one that matters), and page-cache pages the
+# machine has to find (on a VM, have backed) cost more than the write. Where the filesystem cannot
+# (tmpfs), the page cache it is.
+DIRECT_ALIGN = 4096
 
 
 class CorruptBlob(InvalidPackage):
@@ -298,33 +304,44 @@ class BlobWriter:
             got = _fill(read_into, small[:nbytes])
             self.write(small[:got])
             return got
-        free: queue.Queue[memoryview] = queue.Queue()
+        # Page-aligned buffers (anonymous mappings), reused: what O_DIRECT writes need.
+        free: queue.Queue[mmap.mmap] = queue.Queue()
         for _ in range(PUMP_DEPTH):
-            free.put(memoryview(bytearray(PUMP_BUFFER_BYTES)))
-        filled: queue.Queue[memoryview | None] = queue.Queue()
+            free.put(mmap.mmap(-1, PUMP_BUFFER_BYTES))
+        filled: queue.Queue[tuple[mmap.mmap, int] | None] = queue.Queue()
         hasher = self._hasher
 
         def hash_loop() -> None:
-            while (chunk := filled.get()) is not None:
-                hasher.update(chunk)
-                free.put(memoryview(chunk.obj))  # the whole buffer again (`chunk` is a slice of it)
+            while (item := filled.get()) is not None:
+                buffer, length = item
+                hasher.update(memoryview(buffer)[:length])
+                free.put(buffer)
 
         thread = threading.Thread(target=hash_loop, name=f"hash {self.digest[:19]}", daemon=True)
         thread.start()
+        direct = _open_direct(self._partial) if self.offset % DIRECT_ALIGN == 0 else -1
         appended = 0
         try:
             while appended < nbytes:
                 buffer = free.get()
-                want = min(len(buffer), nbytes - appended)
-                got = _fill(read_into, buffer[:want])
+                want = min(PUMP_BUFFER_BYTES, nbytes - appended)
+                got = _fill(read_into, memoryview(buffer)[:want])
                 if got:
-                    chunk = buffer[:got]
-                    view = chunk
-                    while view:
-                        view = view[os.write(self._fd, view) :]
+                    # Whole aligned buffers go around the page cache (see DIRECT_ALIGN); a last,
+                    # shorter one through it.
+                    aligned = direct >= 0 and got % DIRECT_ALIGN == 0 and self.offset % DIRECT_ALIGN == 0
+                    try:
+                        _pwrite_all(direct if aligned else self._fd, memoryview(buffer)[:got], self.offset)
+                    except OSError as exc:
+                        if not aligned or exc.errno != errno.EINVAL:
+                            raise
+                        # A device whose blocks are larger than DIRECT_ALIGN: the page cache, then.
+                        os.close(direct)
+                        direct = -1
+                        _pwrite_all(self._fd, memoryview(buffer)[:got], self.offset)
                     appended += got
                     self.offset += got
-                    filled.put(chunk)
+                    filled.put((buffer, got))
                 else:
                     free.put(buffer)
                 if got < want:
@@ -332,6 +349,9 @@ class BlobWriter:
         finally:
             filled.put(None)
             thread.join()
+            if direct >= 0:
+                os.close(direct)
+            os.lseek(self._fd, self.offset, os.SEEK_SET)  # `write` goes on from here
         return appended
 
     def commit(self) -> Path:
@@ -367,6 +387,22 @@ class BlobWriter:
         self._done = True
         self.store._release(self.digest)
         raise CorruptBlob(message)
+
+
+def _open_direct(path: Path) -> int:
+    """A second descriptor on `path` that writes around the page cache (O_DIRECT), or -1 where
+    the filesystem will not (tmpfs)."""
+    try:
+        return os.open(path, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return -1
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view = view[written:]
+        offset += written
 
 
 def _fill(read_into: Callable[[memoryview], int | None], buffer: memoryview) -> int:

@@ -15,6 +15,7 @@ from gpu_manager.sandbox import (
     LogBudget,
     _open_to_others,
     data_allowance_mb,
+    lock_package,
     package_uid,
     worker_environment,
 )
@@ -88,3 +89,22 @@ def test_a_directory_is_open_to_others_only_if_every_one_above_may_be_passed(tmp
 @pytest.mark.parametrize(("users", "expected"), [(True, True), (False, False), (None, os.geteuid() == 0)])
 def test_package_users_follow_the_setting_or_whether_the_node_is_root(users: bool | None, expected: bool) -> None:
     assert Isolation(users=users).per_package_users is expected
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="changing owners needs root (CI runs as root)")
+def test_locking_a_package_leaves_the_blobs_it_shares_as_they_are(tmp_path: Path) -> None:
+    package = tmp_path / "package"
+    (package / "sub").mkdir(parents=True)
+    (package / "handler.py").write_text("def load(d): ...\n")
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"weights")
+    blob.chmod(0o444)
+    os.link(blob, package / "sub" / "weights.bin")  # as staging links a large file to its blob
+
+    lock_package(package, 4242)
+
+    handler = (package / "handler.py").stat()
+    assert (handler.st_uid, handler.st_gid, handler.st_mode & 0o777) == (0, 4242, 0o640)
+    assert ((package / "sub").stat().st_gid, (package / "sub").stat().st_mode & 0o777) == (4242, 0o750)
+    shared = blob.stat()
+    assert (shared.st_uid, shared.st_gid, shared.st_mode & 0o777) == (0, 0, 0o444)  # another package's too
