@@ -95,7 +95,7 @@ build "$BASE" gpufaas/control-plane:local "
 build "$BASE_TORCH" gpufaas/gpu-manager:local "
   $COPY_SRC
   /opt/venv/bin/pip install -q '/tmp/src[worker]'
-  /opt/venv/bin/python -c 'import gpu_manager.packages as p; p.tarfile.data_filter'  # bookworm's 3.11.2: the backport
+  /opt/venv/bin/python -c 'import gpu_manager.staging, gpu_manager.host_pool, gpufaas.blobnet, os; os.O_DIRECT'
   rm -rf /tmp/src /root/.cache
   /opt/venv/bin/python -c 'import gpu_manager.daemon, torch; print(\"torch\", torch.__version__)'
 " --change "ENV PATH=$VENV_PATH" --change 'ENV PYTHONUNBUFFERED=1' --change 'USER 10001:10001' \
