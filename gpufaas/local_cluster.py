@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -278,6 +280,8 @@ class LocalCluster:
                 argv += ["--runtime", self.runtime]
             if self.docker_image:
                 argv += ["--docker-image", self.docker_image]
+            if "--pool-dir" not in self.node_flags:
+                argv += ["--pool-dir", str(self._pool_dir(name))]
             argv += self.node_flags
             self.components[name] = Component(name, argv, logs / f"{name}.log")
         env = self._env()
@@ -331,7 +335,15 @@ class LocalCluster:
         if self._etcd is not None:
             self._etcd.stop()
             self._etcd = None
+        for index in range(self.nodes):  # a node that was killed could not remove its pool
+            shutil.rmtree(self._pool_dir(f"node{index}"), ignore_errors=True)
         self._write_pids()
+
+    def _pool_dir(self, node: str) -> Path:
+        """Where a node keeps its host model pool: memory (/dev/shm) where the machine has it."""
+        tag = hashlib.sha256(str((self.state_dir / node).resolve()).encode()).hexdigest()[:12]
+        shm = Path("/dev/shm")
+        return (shm if shm.is_dir() else self.state_dir / node) / f"gpufaas-pool-{tag}"
 
     # --- supervision ----------------------------------------------------------------------
     def supervise(self, stopping: threading.Event, *, poll_s: float = SUPERVISE_POLL_S) -> None:
