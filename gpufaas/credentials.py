@@ -137,20 +137,26 @@ def main(argv: list[str] | None = None) -> int:
     (docker-compose.yml; Prometheus reads DIR/metrics-token). `--metrics-token DIR`
     prints the bearer token the daemons' metrics endpoints ask for (for a Prometheus server's
     `credentials_file`)."""
+    import argparse
     import sys
 
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) == 2 and args[0] == "--metrics-token":
+    parser = argparse.ArgumentParser(
+        prog="python -m gpufaas.credentials",
+        description="Make a cluster's credential files in DIR (those there are kept), or print the metrics token.",
+    )
+    parser.add_argument("directory", type=Path, metavar="DIR", help="where the credential files go (made 0700)")
+    parser.add_argument(
+        "--metrics-token", action="store_true", help="print the metrics token of the credentials in DIR instead"
+    )
+    args = parser.parse_args(argv)  # `--help` prints this and exits: it is never taken for a DIR
+    if args.metrics_token:
         try:
-            print(metrics_token(read_secret(SecretFiles(Path(args[1])).cluster_secret)))
+            print(metrics_token(read_secret(SecretFiles(args.directory).cluster_secret)))
         except CredentialError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         return 0
-    if len(args) != 1:
-        print("usage: python -m gpufaas.credentials DIR | --metrics-token DIR", file=sys.stderr)
-        return 2
-    files = ensure_secrets(Path(args[0]))
+    files = ensure_secrets(args.directory)
     write_metrics_token(files)
     names = (CLUSTER_SECRET_FILE, ADMIN_PASSWORD_FILE, INVOKE_TOKEN_FILE, ETCD_PASSWORD_FILE, METRICS_TOKEN_FILE)
     print(f"credentials in {files.directory}: {', '.join(names)}")

@@ -1,0 +1,37 @@
+"""`python -m gpufaas.credentials`: makes the credential files in a directory, prints the metrics
+token, and takes `--help` for help (never for a directory to write secrets into)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gpufaas import credentials
+
+
+def test_help_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        credentials.main(["--help"])
+    assert exited.value.code == 0
+    assert "DIR" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_makes_the_files_then_prints_the_metrics_token(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    directory = tmp_path / "secrets"
+    assert credentials.main([str(directory)]) == 0
+    files = credentials.SecretFiles(directory)
+    assert oct(directory.stat().st_mode & 0o777) == "0o700"
+    assert oct(os.stat(files.cluster_secret).st_mode & 0o777) == "0o600"
+    capsys.readouterr()
+    assert credentials.main(["--metrics-token", str(directory)]) == 0
+    token = capsys.readouterr().out.strip()
+    assert token == credentials.metrics_token(credentials.read_secret(files.cluster_secret))
+    with pytest.raises(SystemExit) as exited:
+        credentials.main([])  # no DIR: a usage error, not a traceback
+    assert exited.value.code == 2
