@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
-import urllib.parse
 import uuid
 from collections.abc import Coroutine
 from pathlib import Path
@@ -28,19 +26,14 @@ from typing import Any
 
 from gpu_manager.containers import DEFAULT_IMAGE, DockerLauncher
 from gpu_manager.devices import Device, Nvml
-from gpu_manager.host_pool import HostModelPool, default_budget_bytes
 from gpu_manager.ledger import GrantLedger, Refused
 from gpu_manager.metrics import NodeMetrics
-from gpu_manager.pool import ModelRun, RunResult, WeightsPlan, WorkerPool
+from gpu_manager.pool import ModelRun, RunResult, WorkerPool
 from gpu_manager.sandbox import Isolation
-from gpu_manager.staging import PackageStore
-from gpufaas.blobnet import BlobServer
+from gpu_manager.storage import NodeStorage
 from gpufaas.cluster import GpuRecord, NodeRecord
-from gpufaas.holders import HolderRecord, PackageRecord, read_holders, read_package
 from gpufaas.keys import Keys
-from gpufaas.packages import InvalidPackage
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.requirements import RequirementsError, base_environment
 from gpufaas.store import LeaseKeeper, LeaseLost, Store, StoreError, list_and_watch
 from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, Server, max_frame_bytes_for
 
@@ -49,7 +42,6 @@ LEASE_TTL_S = 3  # the node's heartbeat: a node silent this long leaves the clus
 DEFAULT_HOST_CACHE_MB = 4096  # the cpu backend's host tier
 PRUNE_INTERVAL_S = 10.0
 PACKAGE_GRACE_S = 3600.0  # a staged package no worker uses is deleted once unused this long
-DEFAULT_DISK_SHARE = 0.5  # of the state directory's free disk, for the blobs, when no budget is given
 HOLDINGS_COALESCE_S = 0.05  # changes to what the node holds are reported at most this often
 # Outcomes after which the model's worker is gone from the GPU (the scheduler drops its entry).
 _WORKER_LOST = {pb.LOAD_FAILED, pb.WORKER_DIED}
@@ -101,35 +93,26 @@ class GpuManagerDaemon:
         self.devices = {device.gpu_id: device for device in devices}
         self.max_body_bytes = max_body_bytes
         self.package_grace_s = package_grace_s
-        self.package_token = package_token
-        self.holder_name = f"node-{node}"
-        disk_budget = disk_cache_mb * 1024 * 1024 if disk_cache_mb else _free_bytes(state_dir, DEFAULT_DISK_SHARE)
-        self.packages = PackageStore(
-            state_dir,
-            records=self._package_record,
-            holders=self._holders,
-            me=self.holder_name,
-            authorization=f"Bearer {package_token}" if package_token else None,
-            budget_bytes=disk_budget,
-            in_use=self._packages_in_use,
-            on_change=self._holdings_changed,
-        )
-        # Named after the state directory: several nodes of one machine (and test clusters) apart.
-        tag = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
-        pool_root = pool_dir or Path("/dev/shm") / f"gpufaas-pool-{tag}"
-        pool_bytes = pool_mb * 1024 * 1024 if pool_mb is not None else default_budget_bytes(pool_root)
-        self.host_pool = HostModelPool(pool_root, pool_bytes, in_use=self._pooled_in_use)
-        self.blob_server = BlobServer(self.packages.blobs, self._authorize_blob)
-        self._blob_listen = blob_listen
-        self._blob_advertise = blob_advertise
-        self.blob_url = ""
-        self._base_environment: dict[str, str] = {}
         self._holdings_dirty = asyncio.Event()
+        self.storage = NodeStorage(
+            store,
+            self.keys,
+            node=node,
+            state_dir=state_dir,
+            in_use=self._packages_in_use,
+            on_change=self._holdings_dirty.set,
+            package_token=package_token,
+            disk_cache_mb=disk_cache_mb,
+            pool_mb=pool_mb,
+            pool_dir=pool_dir,
+            blob_listen=blob_listen,
+            blob_advertise=blob_advertise,
+        )
         self.pool = WorkerPool(
             backend,
             gpus={d.gpu_id: d.index for d in devices},
-            fetch_package=self.packages.fetch,
-            prepare_weights=self._weights,
+            fetch_package=self.storage.packages.fetch,
+            prepare_weights=self.storage.weights,
             spares_per_gpu=spares_per_gpu,
             max_body_bytes=max_body_bytes,
             host_cache_mb=host_cache_mb,
@@ -161,12 +144,7 @@ class GpuManagerDaemon:
             self.context_mb = max((int(h.context_mb) for h in hellos), default=0)
         bound = await self._server.start(listen)
         self.address = advertise or bound
-        # Peers reach the blob server on the host they reach the wire at, unless told otherwise.
-        blob_port = self.blob_server.start(self._blob_listen).rpartition(":")[2]
-        self.blob_url = self._blob_advertise or f"http://{self.address.rpartition(':')[0]}:{blob_port}"
-        self.packages.my_host = urllib.parse.urlsplit(self.blob_url).hostname or ""
-        self._base_environment = await asyncio.to_thread(base_environment)
-        await self.packages.recover()
+        await self.storage.start(self.address)
         self._lease = LeaseKeeper(self.store, LEASE_TTL_S, on_regrant=self._register)
         await self._register(await self._lease.start())
         self._spawn(self._prune())
@@ -190,8 +168,7 @@ class GpuManagerDaemon:
             await self._lease.stop(revoke=True)
         await self._server.close()
         await self.pool.shutdown()
-        self.blob_server.stop()
-        self.host_pool.close()
+        self.storage.stop()
         if self._nvml is not None:
             self._nvml.close()
 
@@ -205,19 +182,7 @@ class GpuManagerDaemon:
             gpus=[GpuRecord(d.gpu_id, max(1, d.memory_mb - spare_mb), d.gpu_type) for d in self.devices.values()],
         )
         await self.store.put(self.keys.node(self.node), record.to_json(), lease=lease)
-        await self._put_holder(lease)
-
-    async def _put_holder(self, lease: int) -> None:
-        holdings = self.holdings()
-        holder = HolderRecord(
-            self.holder_name,
-            "node",
-            self.blob_url,
-            frozenset(holdings.staged),
-            self._base_environment,
-            frozenset(holdings.pooled),
-        )
-        await self.store.put(self.keys.holder(self.holder_name), holder.to_json(), lease=lease)
+        await self.storage.put_holder(lease)
 
     async def _reregister(self) -> None:
         """The node's key went while the node runs (deleted by hand, say): put it back."""
@@ -243,81 +208,12 @@ class GpuManagerDaemon:
             now = time.time()
             self.ledger.prune(now)
             with contextlib.suppress(OSError):
-                removed = await self.packages.collect(self.pool.packages_in_use(), now, self.package_grace_s)
+                removed = await self.storage.prune(now, self.package_grace_s)
                 if removed:
                     log.info("unstaged %d package(s) no worker used for %g s", len(removed), self.package_grace_s)
-            staged = (self.packages.manifest(d) for d in self.packages.staged())
-            self.host_pool.retain(f.digest for m in staged if m is not None for f in m.files)
-
-    # --- packages, blobs, the host pool -------------------------------------------------------
-    async def _package_record(self, digest: str) -> PackageRecord | None:
-        return await read_package(self.store, self.keys, digest)
-
-    async def _holders(self) -> list[HolderRecord]:
-        return await read_holders(self.store, self.keys)
-
-    def _authorize_blob(self, method: str, authorization: str | None) -> tuple[int, str] | None:
-        """Peers (and gateways) read this node's blobs with the cluster's node token."""
-        if self.package_token is None or authorization == f"Bearer {self.package_token}":
-            return None if method in ("GET", "HEAD") else (405, "a node's blobs are read-only")
-        return (401 if not authorization else 403), "reading a node's blobs needs the cluster's node token"
-
-    async def _weights(self, digest: str, directory: Path) -> WeightsPlan:
-        """A taking worker's weights from the host pool (copied in first if they are not there)
-        and its requirements layer."""
-        manifest = self.packages.manifest(digest)
-        layer = self.packages.layer_dir(digest)
-        if manifest is None:
-            return WeightsPlan(layer_dir=str(layer or ""))
-        was_pooled = self.host_pool.holds(manifest)
-        started = time.perf_counter()
-        pooled = await self.host_pool.admit(manifest, self.packages.blobs) or {}
-        if pooled and not was_pooled:
-            self._holdings_changed()
-        return WeightsPlan(
-            pooled=pooled,
-            layer_dir=str(layer or ""),
-            pool_s=0.0 if was_pooled else time.perf_counter() - started,
-            from_pool=was_pooled,
-        )
 
     def _packages_in_use(self) -> set[str]:
         return self.pool.packages_in_use()
-
-    def _pooled_in_use(self) -> set[str]:
-        """The pool's blobs that live workers map (never dropped under them)."""
-        blobs: set[str] = set()
-        for digest in self.pool.packages_in_use():
-            manifest = self.packages.manifest(digest)
-            if manifest is not None:
-                blobs.update(d for _, d, _ in self.host_pool.weights(manifest))
-        return blobs
-
-    async def _stage(self, digest: str) -> None:
-        """Pre-staging: the package on disk, and its weights in the host pool if they fit."""
-        try:
-            await self.packages.ensure(digest)
-        except (InvalidPackage, RequirementsError, OSError) as exc:
-            log.warning("could not stage package %s: %s", digest, exc)
-            return
-        manifest = self.packages.manifest(digest)
-        if manifest is not None and await self.host_pool.admit(manifest, self.packages.blobs):
-            self._holdings_changed()
-
-    def holdings(self) -> pb.Holdings:
-        staged = sorted(self.packages.staged())
-        pooled = [d for d in staged if (m := self.packages.manifest(d)) is not None and self.host_pool.holds(m)]
-        return pb.Holdings(
-            staged=staged,
-            pooled=pooled,
-            disk_used_bytes=self.packages.used_bytes(),
-            disk_budget_bytes=self.packages.budget_bytes or 0,
-            pool_used_bytes=self.host_pool.used_bytes,
-            pool_budget_bytes=self.host_pool.budget_bytes,
-        )
-
-    def _holdings_changed(self) -> None:
-        self._holdings_dirty.set()
 
     async def _report_holdings(self) -> None:
         """Tell the scheduler (and etcd, for peers) what the node holds, when that changed."""
@@ -328,10 +224,10 @@ class GpuManagerDaemon:
             scheduler = self._scheduler
             if scheduler is not None and not scheduler.is_closed:
                 with contextlib.suppress(ConnectionLost):
-                    scheduler.send(MessageType.HOLDINGS, self.holdings())
+                    scheduler.send(MessageType.HOLDINGS, self.storage.holdings())
             if self._lease is not None:
                 with contextlib.suppress(StoreError):
-                    await self._put_holder(self._lease.lease)
+                    await self.storage.put_holder(self._lease.lease)
 
     # --- calls from gateways ----------------------------------------------------------------
     async def execute(self, conn: Connection, frame: Frame) -> None:
@@ -427,17 +323,17 @@ class GpuManagerDaemon:
                 workers=workers,
                 parked=parked,
                 host_memory_mb=self.pool.host_cache_mb,
-                holdings=self.holdings(),
+                holdings=self.storage.holdings(),
             ),
         )
 
     def stage(self, conn: Connection, frame: Frame) -> None:
         request = frame.message(pb.Stage)
-        already = [d for d in request.packages if self.packages.path_for(d) is not None]
+        already = [d for d in request.packages if self.storage.packages.path_for(d) is not None]
         conn.reply(frame, MessageType.STAGE_REPLY, pb.StageReply(staged=already))
         for digest in request.packages:
             if digest not in already:
-                self._spawn(self._stage(digest))
+                self._spawn(self.storage.stage(digest))
 
     def revoke(self, conn: Connection, frame: Frame) -> None:
         request = frame.message(pb.Revoke)
@@ -498,14 +394,3 @@ class _Session:
     def on_close(self, conn: Connection, exc: BaseException | None) -> None:
         with contextlib.suppress(Exception):
             self.daemon.detached(conn)
-
-
-def _free_bytes(path: Path, share: float) -> int:
-    """A share of the free space of the filesystem `path` is on."""
-    import os
-
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    stats = os.statvfs(probe)
-    return int(stats.f_bavail * stats.f_frsize * share)
