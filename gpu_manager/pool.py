@@ -3,8 +3,10 @@
 A miss costs a weight load, not a process start: each GPU keeps `spares_per_gpu` spare workers
 that have imported the runtime (torch) and created their device context. A miss takes one, sends
 it the model, and a new spare starts in the background. Meanwhile the package is fetched (if this
-node lacks it) and its files are read ahead into host memory, in parallel with waiting for a
-spare (EDAS's parallel loading).
+node lacks it) and its weights are readied (mapped from the node's host model pool: the node's
+`prepare_weights`), or its files read ahead into host memory, in parallel with waiting for a
+spare (EDAS's parallel loading). How worker processes are started and stopped is the runtime's
+(gpu_manager.runtimes: forked from a zygote, or containers); what a worker is, gpu_manager.workers.
 
 Calls for a ready worker are written to it at once, in order (its socket is the queue), so it
 never idles between calls; a function that batches has the waiting calls merged by the worker.
@@ -13,8 +15,8 @@ Two tiers (DESIGN: GPU memory, and host memory from which a model comes back ont
 node): with `host_cache_mb` > 0 an evicted worker is not stopped but parked, its model kept in host
 memory (least recently parked first out, within `host_cache_mb` of declared model memory); a miss
 for that model (same package) takes it back instead of loading. On the cpu backend a worker is not
-bound to a device, so taking it back is free; the cuda backend's host tier (weights kept in host
-memory and copied back onto any GPU, Torpor's late binding) is not built, so it stops its victims.
+bound to a device, so taking it back is free; on cuda an evicted worker stops, and its weights stay
+in the node's host model pool, from which the next miss copies them (gpu_manager.host_pool).
 
 `run` answers every call with a RunResult whose `outcome` (a gpufaas.proto Outcome) says what
 happened; it raises only when cancelled:
@@ -32,263 +34,38 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import enum
 import logging
 import os
-import shutil
 import signal
-import socket
 import sys
-import tempfile
 import time
-import uuid
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpu_manager.backends import backend_class
-from gpu_manager.containers import (
-    LAYER_MOUNT,
-    PACKAGE_MOUNT,
-    POOL_MOUNT,
-    SOCKET_NAME,
-    DockerLauncher,
-    container_environment,
-    container_spec,
+from gpu_manager.containers import DockerLauncher
+from gpu_manager.runtimes import (
+    KILL_WAIT_S,
+    RUNTIMES,
+    SPARE_RETRY_S,
+    SPARE_START_TIMEOUT_S,
+    STOP_GRACE_S,
+    DockerRuntime,
+    ProcessRuntime,
+    Runtime,
 )
-from gpu_manager.sandbox import (
-    LOG_LINE_BYTES,
-    Isolation,
-    LogBudget,
-    data_allowance_mb,
-    lock_package,
-    package_uid,
-    private_home,
-    worker_environment,
-)
-from gpufaas.local_cluster import pid_alive
+from gpu_manager.sandbox import Isolation, lock_package, package_uid
+from gpu_manager.workers import EXIT_CAUSES, NO_WEIGHTS, ModelRun, RunResult, WeightsPlan, Worker, WorkerState
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, max_frame_bytes_for
+from gpufaas.wire import ConnectionLost, Frame, MessageType
+
+__all__ = ["EXIT_CAUSES", "STOP_GRACE_S", "ModelRun", "RunResult", "WeightsPlan", "WorkerPool"]
 
 log = logging.getLogger("gpufaas.gpu_manager.pool")
-worker_log = logging.getLogger("gpufaas.worker")  # what workers print
 
-STOP_GRACE_S = 2.0
-"""How long a stopped worker has to exit after SIGTERM before it gets SIGKILL."""
-_DROP_REPORT_S = 10.0  # how often a worker's dropped output is told of, at most
-_OUTPUT_GRACE_S = 1.0  # a worker's output is read this long after it exits (then its pipe is closed)
-_KILL_WAIT_S = 30.0  # tearing down a large CUDA context can take seconds; past this, log and move on
-_EXIT_POLL_S = 0.005
 _JUST_FETCHED_S = 0.05  # a package that took longer than this to get is in the page cache already
-RUNTIMES = ("process", "docker")  # how workers run: forked from the zygote, or in containers
-SPARE_START_TIMEOUT_S = 120.0  # importing torch and creating a CUDA context, on a busy machine
-SPARE_RETRY_S = 5.0  # after a spare died warming up (a broken runtime), before starting another
-EXIT_CAUSES = ("stopped", "load_failed", "killed", "died", "start_failed", "shutdown")
-"""Why a worker process exited (`WorkerPool.worker_exits`): the pool stopped it (evicted, released,
-replaced after a redeploy, pushed out of the host tier), its load failed, it was killed (a call's
-timeout), it exited by itself, it could not be started, or the node shut down."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelRun:
-    """What a call needs of its model's worker (from the scheduler's signed grant)."""
-
-    model: str
-    package_digest: str
-    memory_mb: int
-    max_batch_size: int = 1
-    max_batch_wait_s: float = 0.0
-    environment: dict[str, str] = field(default_factory=dict)
-    load_time_s: float = 0.0  # emulated backend's profile; 0 = from Table I or size
-    inference_time_s: float = 0.0
-
-
-@dataclass(slots=True)
-class RunResult:
-    """One call's answer. `loaded`: this call loaded the model (a miss); `stages` then says
-    where the miss's time went."""
-
-    outcome: int
-    message: str = ""
-    output: bytes = b""
-    content_type: str = ""
-    loaded: bool = False
-    load_time_s: float = 0.0
-    inference_time_s: float = 0.0
-    batch_calls: int = 0
-    peak_memory_mb: int = 0
-    stages: pb.MissStages | None = None
-    worker_killed: bool = False  # the call's worker was killed (a timeout in the handler)
-
-
-@dataclass(frozen=True, slots=True)
-class WeightsPlan:
-    """How a worker taking a model gets what lies beside its package (from the node's
-    `prepare_weights`): `pooled` maps package paths to their copies in the host model pool,
-    `layer_dir` is its installed requirements layer (empty: none). `pool_s`: copying into the
-    pool on this call's path; `from_pool`: the weights were in the pool already."""
-
-    pooled: dict[str, str] = field(default_factory=dict)
-    layer_dir: str = ""
-    pool_s: float = 0.0
-    from_pool: bool = False
-
-
-NO_WEIGHTS = WeightsPlan()
-
-
-class _State(enum.Enum):
-    STARTING = "starting"  # process started, not yet warm
-    SPARE = "spare"  # warm (runtime imported, context created), waiting for a model
-    LOADING = "loading"  # taking a model
-    READY = "ready"  # serving calls
-    PARKED = "parked"  # evicted from its GPU, its model kept in host memory (host tier)
-    GONE = "gone"  # exited, killed or being stopped
-
-
-class _Worker:
-    """One worker process (forked by the zygote) and the node's end of its socket.
-
-    Lifecycle: STARTING -> SPARE -> LOADING -> READY <-> PARKED, and GONE (any state may jump to
-    GONE; a spare claimed while starting goes straight to LOADING; a parked worker taken back
-    serves on whichever GPU took it). GONE when its socket closes (it exited, or
-    the pool let go of it); `exited` resolves once its process is gone too (its device memory is
-    then free). `pid` is known from its hello on.
-    """
-
-    def __init__(self, gpu_id: str) -> None:
-        self.gpu_id = gpu_id
-        self.pid = 0
-        self.container = ""  # the docker runtime's container id (its pid is the container's own)
-        self.on_signal: Callable[[int], None] | None = None  # how to signal it, where not by pid
-        self.state = _State.STARTING
-        self.exit_cause = ""  # set by whoever ends it (one of EXIT_CAUSES); empty: it exited by itself
-        self.conn: Connection | None = None
-        self.run: ModelRun | None = None
-        self.weights: WeightsPlan | None = None  # the docker runtime's, fixed when its container is made
-        self.memory_mb = 0
-        loop = asyncio.get_running_loop()
-        self.hello: asyncio.Future[pb.WorkerHello] = loop.create_future()
-        self.loaded: asyncio.Future[pb.ModelLoaded] = loop.create_future()
-        self.ready: asyncio.Future[None] = loop.create_future()  # set when READY (or failed)
-        self.exited: asyncio.Future[None] = loop.create_future()
-        self.last_seq = 0  # the latest grant (per-GPU order) that used this worker
-        self.spawned_s = time.perf_counter()
-        self.warm_s = 0.0  # when its hello came
-        # Calls written to the worker and not yet answered, oldest first (the worker runs them in
-        # this order, so the oldest is the one running).
-        self.pending: dict[str, asyncio.Future[Frame]] = {}
-
-    @property
-    def model(self) -> str:
-        return self.run.model if self.run is not None else ""
-
-    # wire.Handler
-    def on_frame(self, conn: Connection, frame: Frame) -> None:
-        if frame.type == MessageType.CALL_RESULT:
-            result = frame.message(pb.CallResult)
-            future = self.pending.pop(result.call_id, None)
-            if future is not None and not future.done():
-                future.set_result(frame)
-        elif frame.type == MessageType.WORKER_HELLO:
-            hello = frame.message(pb.WorkerHello)
-            self.pid = hello.pid
-            self.warm_s = time.perf_counter()
-            if not self.hello.done():
-                self.hello.set_result(hello)
-        elif frame.type == MessageType.MODEL_LOADED and not self.loaded.done():
-            self.loaded.set_result(frame.message(pb.ModelLoaded))
-
-    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
-        self._gone(ConnectionLost(f"worker pid {self.pid} closed its socket"))
-
-    def _gone(self, exc: BaseException) -> None:
-        self.state = _State.GONE
-        for future in (self.hello, self.loaded, self.ready):
-            if not future.done():
-                future.set_exception(exc)
-                future.exception()  # retrieved: nobody may be waiting
-        for call in self.pending.values():
-            if not call.done():
-                call.set_exception(exc)
-        self.pending.clear()
-
-    def signal(self, signum: int) -> None:
-        """Send the process a signal; before its hello (no pid yet) closing its socket is what
-        makes it exit."""
-        if self.on_signal is not None:
-            self.on_signal(signum)
-        elif self.pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signum)
-        elif self.conn is not None:
-            self.conn.close()
-
-
-class _Zygote:
-    """The zygote process (gpu_manager.zygote) and the pool's end of its control socket."""
-
-    def __init__(self, process: asyncio.subprocess.Process, control: socket.socket, import_s: float) -> None:
-        self.process = process
-        self.control = control
-        self.import_s = import_s
-
-    @property
-    def alive(self) -> bool:
-        return self.process.returncode is None
-
-    def fork(self, gpu_id: str, device_index: int, sock: socket.socket, output_fd: int) -> None:
-        """Ask for a worker for `gpu_id` on `sock`, writing its output to `output_fd` (raises
-        OSError if the zygote is gone)."""
-        socket.send_fds(self.control, [f"{gpu_id} {device_index}".encode()], [sock.fileno(), output_fd])
-
-
-class _OutputRelay(asyncio.Protocol):
-    """A worker's stdout and stderr (the read end of its pipe), logged line by line under
-    `gpufaas.worker` within its LogBudget: a function that prints without end costs the node a
-    bounded rate, and says how much it lost."""
-
-    def __init__(self, worker: _Worker, budget: LogBudget) -> None:
-        self.worker = worker
-        self.budget = budget
-        self._buffer = bytearray()
-        self._reported = 0  # bytes dropped already told of
-        self._reported_at = 0.0
-
-    def data_received(self, data: bytes) -> None:
-        now = time.monotonic()
-        allowed = self.budget.take(len(data), now)
-        self._buffer += data[:allowed]
-        while (end := self._buffer.find(b"\n")) >= 0:
-            self._emit(bytes(self._buffer[:end]))
-            del self._buffer[: end + 1]
-        if len(self._buffer) > LOG_LINE_BYTES:
-            self._emit(bytes(self._buffer[:LOG_LINE_BYTES]) + b" [line cut]")
-            self._buffer.clear()
-        if self.budget.dropped > self._reported and now - self._reported_at >= _DROP_REPORT_S:
-            self._report_dropped(now)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._buffer:
-            self._emit(bytes(self._buffer))
-            self._buffer.clear()
-        if self.budget.dropped > self._reported:
-            self._report_dropped(time.monotonic())
-
-    def _emit(self, line: bytes) -> None:
-        worker_log.info("%s (pid %d): %s", self.worker.model or "spare", self.worker.pid, line.decode(errors="replace"))
-
-    def _report_dropped(self, now: float) -> None:
-        worker_log.warning(
-            "%s (pid %d) wrote more than %d bytes/s: %d bytes of its output dropped so far",
-            self.worker.model or "spare",
-            self.worker.pid,
-            self.budget.rate_bytes_s,
-            self.budget.dropped,
-        )
-        self._reported, self._reported_at = self.budget.dropped, now
 
 
 class WorkerPool:
@@ -330,8 +107,6 @@ class WorkerPool:
         `launcher` for a model: no spares; gpu_manager.containers)."""
         if runtime not in RUNTIMES:
             raise ValueError(f"unknown worker runtime {runtime!r}; use one of {', '.join(RUNTIMES)}")
-        if runtime == "docker" and spares_per_gpu:
-            raise ValueError("the docker runtime keeps no spares (a container is made for a model): use 0 spares")
         backend_class(backend)  # an unknown name fails here, at startup, listing the valid ones
         if spares_per_gpu < 0:
             raise ValueError(f"spares_per_gpu must be >= 0, got {spares_per_gpu}")
@@ -345,27 +120,43 @@ class WorkerPool:
         self.host_cache_mb = host_cache_mb
         self._fetch_package = fetch_package
         self._prepare_weights = prepare_weights
-        self._python = python
         self.isolation = isolation if isolation is not None else Isolation()
         self.runtime = runtime
         self.node = node
-        self.launcher = (launcher or DockerLauncher()) if runtime == "docker" else None
-        self._sockets: Path | None = None  # the docker runtime's socket directories (_socket_root)
+        self._closed = False
+        common: dict[str, Any] = {
+            "backend": backend,
+            "gpus": self.gpus,
+            "isolation": self.isolation,
+            "max_body_bytes": max_body_bytes,
+            "closing": lambda: self._closed,
+        }
+        # The one place the runtime is chosen: the pool speaks to it through `Runtime` only.
+        self._runtime: Runtime = (
+            DockerRuntime(
+                launcher=launcher or DockerLauncher(),
+                node=node,
+                prepare=self._prepare_container,
+                track=self._track,
+                **common,
+            )
+            if runtime == "docker"
+            else ProcessRuntime(python=python, **common)
+        )
+        if spares_per_gpu and not self._runtime.keeps_spares:
+            raise ValueError(f"the {runtime} runtime keeps no spares (a worker is made for a model): use 0 spares")
         self._locked: set[str] = set()  # package digests made readable to their own user only
         self._warned_network = False
-        self._workers: dict[tuple[str, str], _Worker] = {}
-        self._spares: dict[str, deque[_Worker]] = {gpu: deque() for gpu in self.gpus}
-        self._starting: dict[str, list[_Worker]] = {gpu: [] for gpu in self.gpus}
-        self._parked: OrderedDict[str, _Worker] = OrderedDict()  # model -> worker, oldest parked first
+        self._workers: dict[tuple[str, str], Worker] = {}
+        self._spares: dict[str, deque[Worker]] = {gpu: deque() for gpu in self.gpus}
+        self._starting: dict[str, list[Worker]] = {gpu: [] for gpu in self.gpus}
+        self._parked: OrderedDict[str, Worker] = OrderedDict()  # model -> worker, oldest parked first
         # GPU -> the exits of workers stopping there (evicted, released): a miss on that GPU waits
         # for them as for its own victims, since their device memory is not free until then.
         self._exiting: dict[str, set[asyncio.Future[None]]] = {}
-        self._live: set[_Worker] = set()
+        self._live: set[Worker] = set()
         self._tasks: set[asyncio.Task[object]] = set()  # loads and stops in the background
         self._watchers: set[asyncio.Task[None]] = set()  # one per worker: starts it, waits for its exit
-        self._zygote: _Zygote | None = None
-        self._zygote_starting: asyncio.Future[_Zygote] | None = None
-        self._closed = False
         # Worker processes started and exited (by cause) since the pool was made: counted for the
         # node's metrics, which read them when scraped. Started - exited = len(_live).
         self.worker_starts = 0
@@ -378,13 +169,9 @@ class WorkerPool:
             self._replenish(gpu_id)
 
     async def check_runtime(self) -> None:
-        """The docker runtime: the engine answers and has the image (DockerUnavailable if not),
-        and the containers a previous run of this node left are removed."""
-        if self.launcher is not None:
-            await self.launcher.check()
-            removed = await self.launcher.remove_node_containers(self.node)
-            if removed:
-                log.info("removed %d worker container(s) a previous run of node %s left", removed, self.node)
+        """Refuse to start where the runtime cannot run (the docker runtime: no engine, no image);
+        clear what a previous run of the node left (its containers)."""
+        await self._runtime.check()
 
     async def spares_ready(self, timeout_s: float = SPARE_START_TIMEOUT_S) -> list[pb.WorkerHello]:
         """Wait until every GPU's first spares are warm; their hellos (what they cost and hold)."""
@@ -398,30 +185,19 @@ class WorkerPool:
     async def shutdown(self) -> None:
         """Stop every worker this pool started, ready or not, and the zygote; later calls are refused."""
         self._closed = True
-        # First the zygote still starting (it would fork spares nobody stops), then the loads.
-        if self._zygote_starting is not None and not self._zygote_starting.done():
-            self._zygote_starting.cancel()
-            with contextlib.suppress(BaseException):
-                await self._zygote_starting
+        # First what is still starting (a zygote would fork spares nobody stops), then the loads.
+        await self._runtime.stop_starting()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*(self._stop(worker) for worker in list(self._live)), return_exceptions=True)
-        if self._sockets is not None:
-            shutil.rmtree(self._sockets, ignore_errors=True)
-        zygote = self._zygote
-        if zygote is not None:
-            zygote.control.close()  # it exits when its control socket closes
-            try:
-                await asyncio.wait_for(zygote.process.wait(), STOP_GRACE_S)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    zygote.process.kill()
-                await zygote.process.wait()
+        await self._runtime.shutdown()
 
     def workers(self) -> list[tuple[str, str, int, int]]:
         """(model, gpu_id, pid, memory_mb) of every worker that is READY."""
         return [
-            (model, gpu, w.pid, w.memory_mb) for (model, gpu), w in self._workers.items() if w.state is _State.READY
+            (model, gpu, w.pid, w.memory_mb)
+            for (model, gpu), w in self._workers.items()
+            if w.state is WorkerState.READY
         ]
 
     def live_workers(self) -> int:
@@ -430,7 +206,7 @@ class WorkerPool:
 
     def packages_in_use(self) -> set[str]:
         """The package digests of every worker that has or is taking a model (parked ones too)."""
-        return {w.run.package_digest for w in self._live if w.run is not None and w.state is not _State.GONE}
+        return {w.run.package_digest for w in self._live if w.run is not None and w.state is not WorkerState.GONE}
 
     def forget_grant_order(self) -> None:
         """A new scheduler attached: its grants are numbered afresh (see `run`'s `seq`)."""
@@ -470,7 +246,7 @@ class WorkerPool:
             # after stopping it: a concurrent call may have started the new one meanwhile.
             await self._stop(worker)
         stages: pb.MissStages | None = None  # set on a miss
-        if worker is None or worker.state is _State.GONE:
+        if worker is None or worker.state is WorkerState.GONE:
             if worker is not None:
                 self._forget(worker)
             victims = [*self._evict_for_miss(gpu_id, evict, seq), *self._exiting.get(gpu_id, ())]
@@ -480,7 +256,7 @@ class WorkerPool:
             worker, stages = taken
         else:
             self._evict_for_miss(gpu_id, evict, seq)  # a grant that expected a miss can still name victims
-            if worker.state is _State.LOADING:
+            if worker.state is WorkerState.LOADING:
                 try:
                     async with asyncio.timeout_at(deadline):
                         await asyncio.shield(worker.ready)
@@ -503,7 +279,7 @@ class WorkerPool:
 
     async def _load_here(
         self, run: ModelRun, gpu_id: str, victims: list[asyncio.Future[None]], deadline: float, timeout_s: float
-    ) -> tuple[_Worker, pb.MissStages] | RunResult:
+    ) -> tuple[Worker, pb.MissStages] | RunResult:
         """Load `run` on `gpu_id` through a spare: the worker and the miss's stages, or the
         call's answer when the load failed or timed out."""
         worker = self._begin_load(run, gpu_id)
@@ -542,7 +318,7 @@ class WorkerPool:
         stops. A worker with calls in flight, still loading, or used by a grant later than `seq`
         stays: the scheduler's view has moved on. True if it left."""
         worker = self._workers.get((model, gpu_id))
-        if worker is None or worker.pending or worker.state is not _State.READY or worker.last_seq > seq:
+        if worker is None or worker.pending or worker.state is not WorkerState.READY or worker.last_seq > seq:
             return False
         if to_host and self.host_cache_mb:
             self._park(worker)
@@ -560,7 +336,7 @@ class WorkerPool:
 
     def parked(self) -> list[tuple[str, int]]:
         """(model, memory_mb) of the host tier's workers, least recently parked first."""
-        return [(model, w.memory_mb) for model, w in self._parked.items() if w.state is _State.PARKED]
+        return [(model, w.memory_mb) for model, w in self._parked.items() if w.state is WorkerState.PARKED]
 
     # --- misses -----------------------------------------------------------------------------
     def _evict_for_miss(self, gpu_id: str, evict: tuple[str, ...], seq: int) -> list[asyncio.Future[None]]:
@@ -570,9 +346,9 @@ class WorkerPool:
         exits: list[asyncio.Future[None]] = []
         for model in evict:
             victim = self._workers.get((model, gpu_id))
-            if victim is None or victim.pending or victim.state is _State.LOADING or victim.last_seq > seq:
+            if victim is None or victim.pending or victim.state is WorkerState.LOADING or victim.last_seq > seq:
                 continue
-            if self.host_cache_mb and victim.state is _State.READY:
+            if self.host_cache_mb and victim.state is WorkerState.READY:
                 self._park(victim)
                 continue
             self._forget(victim)
@@ -580,10 +356,10 @@ class WorkerPool:
             exits.append(victim.exited)
         return exits
 
-    def _park(self, worker: _Worker) -> None:
+    def _park(self, worker: Worker) -> None:
         """Move a ready worker from its GPU to the host tier (oldest parked out past the budget)."""
         self._forget(worker)
-        worker.state = _State.PARKED
+        worker.state = WorkerState.PARKED
         older = self._parked.pop(worker.model, None)  # another replica of the model, parked before
         self._parked[worker.model] = worker
         if older is not None:
@@ -592,22 +368,22 @@ class WorkerPool:
             _, oldest = self._parked.popitem(last=False)
             self._track(asyncio.create_task(self._stop(oldest)))
 
-    def _take_back(self, run: ModelRun, gpu_id: str) -> tuple[_Worker, pb.MissStages] | None:
+    def _take_back(self, run: ModelRun, gpu_id: str) -> tuple[Worker, pb.MissStages] | None:
         """The model's parked worker (same package), now serving on `gpu_id`, or None."""
         started = time.perf_counter()
         worker = self._parked.get(run.model)
-        if worker is None or worker.state is not _State.PARKED:
+        if worker is None or worker.state is not WorkerState.PARKED:
             return None
         del self._parked[run.model]
         if worker.run is None or worker.run.package_digest != run.package_digest:
             self._track(asyncio.create_task(self._stop(worker)))  # a redeploy: its code is stale
             return None
         worker.gpu_id = gpu_id
-        worker.state = _State.READY
+        worker.state = WorkerState.READY
         self._workers[(run.model, gpu_id)] = worker
         return worker, pb.MissStages(from_host=True, host_s=time.perf_counter() - started)
 
-    def _begin_load(self, run: ModelRun, gpu_id: str) -> _Worker:
+    def _begin_load(self, run: ModelRun, gpu_id: str) -> Worker:
         """Claim a worker for `run` on `gpu_id` now (a spare if one is warm, else one that is
         starting, else a new process), so that concurrent calls of the model share its load."""
         spares = self._spares[gpu_id]
@@ -617,7 +393,7 @@ class WorkerPool:
             worker = self._starting[gpu_id].pop(0)
         else:
             worker = self._spawn(gpu_id, run)
-        worker.state = _State.LOADING
+        worker.state = WorkerState.LOADING
         worker.run = run
         worker.memory_mb = run.memory_mb
         self._workers[(run.model, gpu_id)] = worker
@@ -625,7 +401,7 @@ class WorkerPool:
         return worker
 
     async def _load(
-        self, worker: _Worker, run: ModelRun, gpu_id: str, victims: list[asyncio.Future[None]]
+        self, worker: Worker, run: ModelRun, gpu_id: str, victims: list[asyncio.Future[None]]
     ) -> pb.MissStages:
         started = time.perf_counter()
         stages = pb.MissStages()
@@ -634,7 +410,7 @@ class WorkerPool:
         async def package() -> tuple[Path, WeightsPlan]:
             directory, stages.fetch_s = await self._fetch_package(run.package_digest)
             await self._own_package(run.package_digest, directory)  # readable by its own user only
-            weights = worker.weights or await self._weights(run, directory)
+            weights = await self._weights(run, directory)
             stages.pool_s, stages.from_pool = weights.pool_s, weights.from_pool
             if weights.pooled:
                 return directory, weights  # the worker maps them from memory: nothing to read ahead
@@ -671,17 +447,18 @@ class WorkerPool:
             stages.start_s = max(0.0, stages.start_s - hello.context_s)
             stages.context_s = hello.context_s
         if victims and self.wait_for_victims:
-            await asyncio.wait(victims, timeout=_KILL_WAIT_S)  # their device memory must be free first
+            await asyncio.wait(victims, timeout=KILL_WAIT_S)  # their device memory must be free first
         load_started = time.perf_counter()
         assert worker.conn is not None
+        seen = self._runtime.worker_view(weights)  # its weights where the worker sees them
         try:
             worker.conn.send(
                 MessageType.LOAD_MODEL,
                 pb.LoadModel(
                     model=run.model,
-                    package_dir=PACKAGE_MOUNT if self.runtime == "docker" else str(directory),
-                    pooled=weights.pooled,
-                    layer_dir=weights.layer_dir,
+                    package_dir=self._runtime.package_dir(directory),
+                    pooled=seen.pooled,
+                    layer_dir=seen.layer_dir,
                     memory_mb=run.memory_mb,
                     max_batch_size=run.max_batch_size,
                     max_batch_wait_s=run.max_batch_wait_s,
@@ -689,7 +466,7 @@ class WorkerPool:
                     load_time_s=run.load_time_s,
                     inference_time_s=run.inference_time_s,
                     max_result_bytes=self.max_body_bytes,
-                    **await self._confinement(run),
+                    **await self._runtime.confinement(run),
                 ),
             )
             loaded = await worker.loaded
@@ -709,7 +486,7 @@ class WorkerPool:
                 worker.ready.exception()
             raise failure
         worker.memory_mb = int(loaded.peak_memory_mb) or run.memory_mb
-        worker.state = _State.READY
+        worker.state = WorkerState.READY
         if not worker.ready.done():
             worker.ready.set_result(None)
         return stages
@@ -721,10 +498,10 @@ class WorkerPool:
 
     # --- calls ------------------------------------------------------------------------------
     async def _call(
-        self, worker: _Worker, call_id: str, payload: bytes, *, content_type: str, deadline: float, timeout_s: float
+        self, worker: Worker, call_id: str, payload: bytes, *, content_type: str, deadline: float, timeout_s: float
     ) -> RunResult:
         model, gpu_id = worker.model, worker.gpu_id
-        if worker.state is not _State.READY or worker.conn is None:
+        if worker.state is not WorkerState.READY or worker.conn is None:
             return self._died(worker, call_id)
         future: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
         worker.pending[call_id] = future
@@ -760,7 +537,7 @@ class WorkerPool:
             peak_memory_mb=int(reply.peak_memory_mb),
         )
 
-    def _died(self, worker: _Worker, call_id: str) -> RunResult:
+    def _died(self, worker: Worker, call_id: str) -> RunResult:
         self._forget(worker)
         return RunResult(
             pb.WORKER_DIED,
@@ -774,165 +551,27 @@ class WorkerPool:
         while len(self._spares[gpu_id]) + len(self._starting[gpu_id]) < self.spares_per_gpu:
             self._starting[gpu_id].append(self._spawn(gpu_id))
 
-    def _spawn(self, gpu_id: str, run: ModelRun | None = None) -> _Worker:
+    def _spawn(self, gpu_id: str, run: ModelRun | None = None) -> Worker:
         """Fork a worker for `gpu_id` from the zygote, or on the docker runtime start a container
         for `run` (in the background); a forked one becomes a spare when it says hello, unless a
         miss claims it first."""
-        worker = _Worker(gpu_id)
+        worker = Worker(gpu_id)
         self._live.add(worker)
         self.worker_starts += 1
         worker.hello.add_done_callback(lambda _: self._on_hello(worker))
         worker.exited.add_done_callback(lambda _: self._on_exit(worker))
         # Not in _tasks: shutdown must not cancel it, it is what tells that the process exited.
-        if self.runtime == "docker":
-            assert run is not None, "the docker runtime starts a worker for a model"
-            watcher = asyncio.create_task(self._run_container(worker, run))
-        else:
-            watcher = asyncio.create_task(self._run_worker(worker))
+        watcher = asyncio.create_task(self._runtime.run(worker, run))
         self._watchers.add(watcher)
         watcher.add_done_callback(self._watchers.discard)
         return worker
 
-    async def _run_worker(self, worker: _Worker) -> None:
-        """Have the worker forked, connect to it, and resolve `exited` once it is gone."""
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        output_read, output_write = os.pipe()
-        output: asyncio.BaseTransport | None = None
-        loop = asyncio.get_running_loop()
-        try:
-            zygote = await self._zygote_ready()
-            zygote.fork(worker.gpu_id, self.gpus[worker.gpu_id], child, output_write)
-            budget = LogBudget(self.isolation.log_rate_bytes_s, self.isolation.log_burst_bytes, time.monotonic())
-            output, _ = await loop.connect_read_pipe(
-                lambda: _OutputRelay(worker, budget), os.fdopen(output_read, "rb", buffering=0)
-            )
-            output_read = -1  # the transport owns it now
-            max_frame_bytes = max_frame_bytes_for(self.max_body_bytes)
-            _, conn = await loop.create_unix_connection(
-                lambda: Connection(worker, max_frame_bytes=max_frame_bytes), sock=parent
-            )
-        except (OSError, RuntimeError, asyncio.CancelledError) as exc:  # cancelled: shut down meanwhile
-            parent.close()
-            if output is not None:
-                output.close()
-            elif output_read >= 0:
-                os.close(output_read)
-            if not self._closed:
-                log.error("cannot start a worker for %s: %s", worker.gpu_id, exc)
-            worker.exit_cause = worker.exit_cause or ("shutdown" if self._closed else "start_failed")
-            worker._gone(ConnectionLost(f"cannot start a worker: {exc or 'the pool shut down'}"))
-            worker.exited.set_result(None)
-            return
-        finally:
-            child.close()  # the worker holds the only other end now: its exit reads as EOF here
-            os.close(output_write)  # likewise
-        worker.conn = conn
-        await asyncio.shield(conn.closed)
-        worker._gone(ConnectionLost(f"worker pid {worker.pid} exited"))
-        assert output is not None
-        loop.call_later(_OUTPUT_GRACE_S, output.close)  # what it printed last still reaches the log
-        # The zygote reaps it; its device memory is free once the process is gone.
-        for _ in range(int(_KILL_WAIT_S / _EXIT_POLL_S)):
-            if not worker.pid or not pid_alive(worker.pid):
-                break
-            await asyncio.sleep(_EXIT_POLL_S)
-        else:
-            log.warning("worker pid %d (%s on %s) is still running", worker.pid, worker.model, worker.gpu_id)
-        worker.exited.set_result(None)
-
-    async def _run_container(self, worker: _Worker, run: ModelRun) -> None:
-        """The docker runtime's `_run_worker`: a container for `run` on `worker.gpu_id` (its
-        package mounted read-only, a Unix socket of its own to talk on), connected to, and
-        `exited` resolved once it is gone and removed."""
-        assert self.launcher is not None
-        launcher = self.launcher
-        worker_id = uuid.uuid4().hex[:12]
-        socket_dir = self._socket_root() / worker_id
-        listener: socket.socket | None = None
-        loop = asyncio.get_running_loop()
-        try:
-            directory, _ = await self._fetch_package(run.package_digest)
-            uid = await self._own_package(run.package_digest, directory)
-            weights = await self._weights(run, directory)
-            # The container sees its pool files and layer at paths of its own (read-only mounts).
-            mounts = [(host, f"{POOL_MOUNT}/{Path(host).name}") for host in weights.pooled.values()]
-            if weights.layer_dir:
-                mounts.append((weights.layer_dir, LAYER_MOUNT))
-            worker.weights = WeightsPlan(
-                {path: f"{POOL_MOUNT}/{Path(host).name}" for path, host in weights.pooled.items()},
-                LAYER_MOUNT if weights.layer_dir else "",
-                weights.pool_s,
-                weights.from_pool,
-            )
-            socket_dir.mkdir(parents=True, mode=0o700)
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            listener.bind(str(socket_dir / SOCKET_NAME))
-            listener.listen(1)
-            listener.setblocking(False)
-            if os.geteuid() == 0:
-                os.chown(socket_dir, uid, uid)
-                os.chown(socket_dir / SOCKET_NAME, uid, uid)
-            spec = container_spec(
-                image=launcher.image,
-                node=self.node,
-                worker_id=worker_id,
-                backend=self.backend,
-                gpu_id=worker.gpu_id,
-                gpu_index=self.gpus[worker.gpu_id],
-                memory_mb=run.memory_mb,
-                uid=uid,
-                package_dir=directory,
-                socket_dir=socket_dir,
-                max_processes=self.isolation.max_processes,
-                environment=container_environment(os.environ),
-                read_only_mounts=mounts,
-            )
-            worker.container = await launcher.start(spec)
-            worker.on_signal = lambda signum: self._track(
-                asyncio.ensure_future(launcher.kill(worker.container, signum))
-            )
-            accepting = asyncio.ensure_future(loop.sock_accept(listener))
-            exiting = asyncio.ensure_future(launcher.exited(worker.container))
-            try:
-                done, _ = await asyncio.wait(
-                    {accepting, exiting}, timeout=SPARE_START_TIMEOUT_S, return_when="FIRST_COMPLETED"
-                )
-            finally:
-                exiting.cancel()
-                if not accepting.done():
-                    accepting.cancel()
-            if accepting not in done:
-                why = exiting.result() if exiting in done and exiting.exception() is None else "no answer"
-                raise RuntimeError(f"the worker container did not connect ({why})")
-            accepted, _ = accepting.result()
-            max_frame_bytes = max_frame_bytes_for(self.max_body_bytes)
-            _, conn = await loop.create_unix_connection(
-                lambda: Connection(worker, max_frame_bytes=max_frame_bytes), sock=accepted
-            )
-        except (OSError, RuntimeError, TimeoutError, asyncio.CancelledError) as exc:
-            if not self._closed:
-                log.error("cannot start a container for %s on %s: %s", run.model, worker.gpu_id, exc)
-            worker.exit_cause = worker.exit_cause or ("shutdown" if self._closed else "start_failed")
-            worker._gone(ConnectionLost(f"cannot start a worker container: {exc or 'the pool shut down'}"))
-            await self._remove_container(worker, socket_dir)
-            return
-        finally:
-            if listener is not None:
-                listener.close()  # one worker per socket: nobody else may connect
-        worker.conn = conn
-        await asyncio.shield(conn.closed)
-        worker._gone(ConnectionLost(f"worker container {worker.container[:12]} exited"))
-        await self._remove_container(worker, socket_dir)
-
-    async def _remove_container(self, worker: _Worker, socket_dir: Path) -> None:
-        assert self.launcher is not None
-        if worker.container:
-            status = await self.launcher.wait_and_remove(worker.container, _KILL_WAIT_S)
-            if status not in (None, 0, -signal.SIGKILL, 128 + signal.SIGKILL, 128 + signal.SIGTERM):
-                log.info("worker container %s (%s) exited with status %s", worker.container[:12], worker.model, status)
-        shutil.rmtree(socket_dir, ignore_errors=True)
-        if not worker.exited.done():
-            worker.exited.set_result(None)
+    async def _prepare_container(self, run: ModelRun) -> tuple[Path, int, WeightsPlan]:
+        """What a container for `run` mounts: its package's directory, the user that owns it, and
+        its weights in the host pool (the docker runtime's `prepare`)."""
+        directory, _ = await self._fetch_package(run.package_digest)
+        uid = await self._own_package(run.package_digest, directory)
+        return directory, uid, await self._weights(run, directory)
 
     async def _own_package(self, digest: str, directory: Path) -> int:
         """The user a package's workers run as, its package made readable to that user only
@@ -945,84 +584,7 @@ class WorkerPool:
             self._locked.add(digest)
         return uid
 
-    def _socket_root(self) -> Path:
-        """Where the containers' sockets go: a short path of this pool's own (a Unix socket's path
-        may not pass 107 bytes, which a state directory's easily would)."""
-        if self._sockets is None:
-            self._sockets = Path(tempfile.mkdtemp(prefix="gpufaas-sockets-"))
-            self._sockets.chmod(0o711)
-        return self._sockets
-
-    async def _zygote_ready(self) -> _Zygote:
-        if self._zygote is not None and self._zygote.alive:
-            return self._zygote
-        if self._closed:
-            raise RuntimeError("the worker pool is shut down")
-        if self._zygote_starting is None or self._zygote_starting.done():
-            self._zygote_starting = asyncio.ensure_future(self._start_zygote())
-        return await asyncio.shield(self._zygote_starting)
-
-    async def _start_zygote(self) -> _Zygote:
-        if self._zygote is not None:  # it died: not in a tight loop
-            log.error("the worker zygote exited with status %s; restarting it", self._zygote.process.returncode)
-            await asyncio.sleep(SPARE_RETRY_S)
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            process = await asyncio.create_subprocess_exec(
-                self._python,
-                "-m",
-                "gpu_manager.zygote",
-                "--fd",
-                str(child.fileno()),
-                "--backend",
-                self.backend,
-                *(["--isolate"] if self.isolation.network else []),
-                pass_fds=(child.fileno(),),
-                stdin=asyncio.subprocess.DEVNULL,
-                # Workers inherit it: no cluster address or secret reaches a function.
-                env={**worker_environment(os.environ), "PYTHONUNBUFFERED": "1"},
-            )
-        finally:
-            child.close()
-        parent.setblocking(False)
-        try:
-            async with asyncio.timeout(SPARE_START_TIMEOUT_S):
-                ready = await asyncio.get_running_loop().sock_recv(parent, 64)
-        except (TimeoutError, OSError):
-            ready = b""
-        except asyncio.CancelledError:  # shut down while it started
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
-            parent.close()
-            raise
-        if not ready.startswith(b"ready "):
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
-            parent.close()
-            raise RuntimeError(f"the worker zygote did not start (status {process.returncode}); see the log above")
-        self._zygote = _Zygote(process, parent, float(ready.split()[1]))
-        return self._zygote
-
-    async def _confinement(self, run: ModelRun) -> dict[str, Any]:
-        """The LoadModel fields that confine the worker taking `run` (gpu_manager.sandbox)."""
-        isolation = self.isolation
-        if self.runtime == "docker":  # the container is the confinement: its user, limits, tmpfs
-            return {"max_file_mb": isolation.max_file_mb}
-        fields: dict[str, Any] = {
-            "data_limit_mb": data_allowance_mb(self.backend, run.memory_mb) or 0,
-            "max_processes": isolation.max_processes,
-            "max_file_mb": isolation.max_file_mb,
-        }
-        if isolation.per_package_users:
-            uid = package_uid(run.package_digest)
-            fields |= {"uid": uid, "gid": uid}
-            if isolation.homes_dir is not None:
-                fields["home_dir"] = str(await asyncio.to_thread(private_home, isolation.homes_dir, uid))
-        return fields
-
-    def _on_hello(self, worker: _Worker) -> None:
+    def _on_hello(self, worker: Worker) -> None:
         if (
             self.isolation.network
             and worker.hello.exception() is None
@@ -1038,10 +600,10 @@ class WorkerPool:
         starting = self._starting.get(worker.gpu_id, [])
         if worker in starting and worker.hello.exception() is None:
             starting.remove(worker)
-            worker.state = _State.SPARE
+            worker.state = WorkerState.SPARE
             self._spares[worker.gpu_id].append(worker)
 
-    def _on_exit(self, worker: _Worker) -> None:
+    def _on_exit(self, worker: Worker) -> None:
         self._live.discard(worker)
         self.worker_exits[worker.exit_cause or ("shutdown" if self._closed else "died")] += 1
         self._forget(worker)
@@ -1073,34 +635,34 @@ class WorkerPool:
         if not task.cancelled() and (exc := task.exception()) is not None and not isinstance(exc, _LoadFailed):
             log.error("background task %s failed", task.get_name(), exc_info=exc)
 
-    def _forget(self, worker: _Worker) -> None:
+    def _forget(self, worker: Worker) -> None:
         key = (worker.model, worker.gpu_id)
         if self._workers.get(key) is worker:  # a newer worker may hold the key already
             del self._workers[key]
 
-    def _kill(self, worker: _Worker) -> None:
+    def _kill(self, worker: Worker) -> None:
         """SIGKILL now, without waiting."""
         self._forget(worker)
         worker.exit_cause = worker.exit_cause or "killed"
-        worker._gone(ConnectionLost(f"worker pid {worker.pid} was killed"))
+        worker.gone(ConnectionLost(f"worker pid {worker.pid} was killed"))
         worker.signal(signal.SIGKILL)
 
-    async def _stop(self, worker: _Worker) -> None:
+    async def _stop(self, worker: Worker) -> None:
         """SIGTERM, SIGKILL after STOP_GRACE_S; returns once the process is gone."""
         self._forget(worker)
         if worker.exited.done():
             return
         worker.exit_cause = worker.exit_cause or ("shutdown" if self._closed else "stopped")
-        if worker.state is not _State.PARKED and worker.gpu_id:  # it holds device memory until it exits
+        if worker.state is not WorkerState.PARKED and worker.gpu_id:  # it holds device memory until it exits
             exiting = self._exiting.setdefault(worker.gpu_id, set())
             exiting.add(worker.exited)
             worker.exited.add_done_callback(exiting.discard)
-        worker._gone(ConnectionLost(f"worker pid {worker.pid} was stopped"))
+        worker.gone(ConnectionLost(f"worker pid {worker.pid} was stopped"))
         worker.signal(signal.SIGTERM)
         done, _ = await asyncio.wait({worker.exited}, timeout=STOP_GRACE_S)
         if not done:
             worker.signal(signal.SIGKILL)
-            await asyncio.wait({worker.exited}, timeout=_KILL_WAIT_S)
+            await asyncio.wait({worker.exited}, timeout=KILL_WAIT_S)
 
 
 class _LoadFailed(Exception):

@@ -113,3 +113,33 @@ def test_a_function_runs_in_a_container_of_its_own_held_to_its_limits(
 
     cluster.stop()
     assert containers("node0") == []  # the node removes its containers when it stops
+
+
+def test_a_container_maps_its_weights_from_the_host_pool(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    assert CLIENT is not None, WHY_NOT
+    import torch
+    from safetensors.torch import save_file
+
+    from gpufaas import uploads
+    from gpufaas.cli import GatewayClient
+    from gpufaas.credentials import read_secret
+    from gpufaas.packages import DigestCache
+    from tests.integration.test_packages import POOLED_HANDLER, invoke
+
+    cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=2000, runtime="docker", spares=0)
+    directory = tmp_path / "fn"
+    directory.mkdir()
+    (directory / "handler.py").write_text(f"VERSION = 'docker'\n{POOLED_HANDLER}")
+    weights = torch.randn(1 << 20)  # 4 MB: pooled
+    save_file({"w": weights}, directory / "weights.safetensors")
+    gateway = GatewayClient(cluster.gateway_url, password=read_secret(cluster.secrets.admin_password))
+    report = uploads.upload(gateway, uploads.scan([("pooled", directory)], DigestCache(None)))
+    (answer,) = report.packages.values()
+    spec = {"name": "pooled", "package_digest": answer["digest"], "memory_mb": 300}
+    assert gateway.request("POST", "/system/functions", json=spec).status_code == 202
+
+    result = invoke(cluster, "pooled").json()
+    assert result == {"sum": pytest.approx(float(weights.double().sum())), "pooled": True, "version": "docker"}
+    (container,) = containers("node0")
+    pool_mounts = [m for m in container.attrs["Mounts"] if m["Destination"].startswith("/gpufaas/pool/")]
+    assert len(pool_mounts) == 1 and pool_mounts[0]["RW"] is False  # its own weights only, read-only

@@ -1,0 +1,159 @@
+"""A node's worker processes as the node sees them: what a call needs of its model's worker
+(`ModelRun`), a call's answer (`RunResult`), what a taking worker maps beside its package
+(`WeightsPlan`), and one worker process's state and the node's end of its socket (`Worker`),
+shared by the worker pool (gpu_manager.pool) and the runtimes that start the processes
+(gpu_manager.runtimes)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType
+
+EXIT_CAUSES = ("stopped", "load_failed", "killed", "died", "start_failed", "shutdown")
+"""Why a worker process exited (`WorkerPool.worker_exits`): the pool stopped it (evicted, released,
+replaced after a redeploy, pushed out of the host tier), its load failed, it was killed (a call's
+timeout), it exited by itself, it could not be started, or the node shut down."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRun:
+    """What a call needs of its model's worker (from the scheduler's signed grant)."""
+
+    model: str
+    package_digest: str
+    memory_mb: int
+    max_batch_size: int = 1
+    max_batch_wait_s: float = 0.0
+    environment: dict[str, str] = field(default_factory=dict)
+    load_time_s: float = 0.0  # emulated backend's profile; 0 = from Table I or size
+    inference_time_s: float = 0.0
+
+
+@dataclass(slots=True)
+class RunResult:
+    """One call's answer. `loaded`: this call loaded the model (a miss); `stages` then says
+    where the miss's time went."""
+
+    outcome: int
+    message: str = ""
+    output: bytes = b""
+    content_type: str = ""
+    loaded: bool = False
+    load_time_s: float = 0.0
+    inference_time_s: float = 0.0
+    batch_calls: int = 0
+    peak_memory_mb: int = 0
+    stages: pb.MissStages | None = None
+    worker_killed: bool = False  # the call's worker was killed (a timeout in the handler)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsPlan:
+    """How a worker taking a model gets what lies beside its package (from the node's
+    `prepare_weights`): `pooled` maps package paths to their copies in the host model pool,
+    `layer_dir` is its installed requirements layer (empty: none). `pool_s`: copying into the
+    pool on this call's path; `from_pool`: the weights were in the pool already."""
+
+    pooled: dict[str, str] = field(default_factory=dict)
+    layer_dir: str = ""
+    pool_s: float = 0.0
+    from_pool: bool = False
+
+
+NO_WEIGHTS = WeightsPlan()
+
+
+class WorkerState(enum.Enum):
+    STARTING = "starting"  # process started, not yet warm
+    SPARE = "spare"  # warm (runtime imported, context created), waiting for a model
+    LOADING = "loading"  # taking a model
+    READY = "ready"  # serving calls
+    PARKED = "parked"  # evicted from its GPU, its model kept in host memory (host tier)
+    GONE = "gone"  # exited, killed or being stopped
+
+
+class Worker:
+    """One worker process (forked by the zygote, or a container) and the node's end of its socket.
+
+    Lifecycle: STARTING -> SPARE -> LOADING -> READY <-> PARKED, and GONE (any state may jump to
+    GONE; a spare claimed while starting goes straight to LOADING; a parked worker taken back
+    serves on whichever GPU took it). GONE when its socket closes (it exited, or
+    the pool let go of it); `exited` resolves once its process is gone too (its device memory is
+    then free). `pid` is known from its hello on.
+    """
+
+    def __init__(self, gpu_id: str) -> None:
+        self.gpu_id = gpu_id
+        self.pid = 0
+        self.container = ""  # the docker runtime's container id (its pid is the container's own)
+        self.on_signal: Callable[[int], None] | None = None  # how to signal it, where not by pid
+        self.state = WorkerState.STARTING
+        self.exit_cause = ""  # set by whoever ends it (one of EXIT_CAUSES); empty: it exited by itself
+        self.conn: Connection | None = None
+        self.run: ModelRun | None = None
+        self.memory_mb = 0
+        loop = asyncio.get_running_loop()
+        self.hello: asyncio.Future[pb.WorkerHello] = loop.create_future()
+        self.loaded: asyncio.Future[pb.ModelLoaded] = loop.create_future()
+        self.ready: asyncio.Future[None] = loop.create_future()  # set when READY (or failed)
+        self.exited: asyncio.Future[None] = loop.create_future()
+        self.last_seq = 0  # the latest grant (per-GPU order) that used this worker
+        self.spawned_s = time.perf_counter()
+        self.warm_s = 0.0  # when its hello came
+        # Calls written to the worker and not yet answered, oldest first (the worker runs them in
+        # this order, so the oldest is the one running).
+        self.pending: dict[str, asyncio.Future[Frame]] = {}
+
+    @property
+    def model(self) -> str:
+        return self.run.model if self.run is not None else ""
+
+    # wire.Handler
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        if frame.type == MessageType.CALL_RESULT:
+            result = frame.message(pb.CallResult)
+            future = self.pending.pop(result.call_id, None)
+            if future is not None and not future.done():
+                future.set_result(frame)
+        elif frame.type == MessageType.WORKER_HELLO:
+            hello = frame.message(pb.WorkerHello)
+            self.pid = hello.pid
+            self.warm_s = time.perf_counter()
+            if not self.hello.done():
+                self.hello.set_result(hello)
+        elif frame.type == MessageType.MODEL_LOADED and not self.loaded.done():
+            self.loaded.set_result(frame.message(pb.ModelLoaded))
+
+    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
+        self.gone(ConnectionLost(f"worker pid {self.pid} closed its socket"))
+
+    def gone(self, exc: BaseException) -> None:
+        """The process is gone or let go of: every future waiting on it fails with `exc`."""
+        self.state = WorkerState.GONE
+        for future in (self.hello, self.loaded, self.ready):
+            if not future.done():
+                future.set_exception(exc)
+                future.exception()  # retrieved: nobody may be waiting
+        for call in self.pending.values():
+            if not call.done():
+                call.set_exception(exc)
+        self.pending.clear()
+
+    def signal(self, signum: int) -> None:
+        """Send the process a signal; before its hello (no pid yet) closing its socket is what
+        makes it exit."""
+        if self.on_signal is not None:
+            self.on_signal(signum)
+        elif self.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+        elif self.conn is not None:
+            self.conn.close()
