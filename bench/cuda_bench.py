@@ -273,7 +273,7 @@ async def pool_miss(
 
     local = LocalPackages(work / f"pool-miss-{backend}")
     digest = local.add_archive(models[name][1])
-    host_pool = HostModelPool(Path("/dev/shm") / f"gpufaas-bench-pool-{os.getpid()}", 4 << 30)
+    host_pool = HostModelPool(Path("/dev/shm"), 4 << 30, name=f"gpufaas-bench-pool-{os.getpid()}")
 
     async def prepare_weights(package: str, directory: Path) -> WeightsPlan:
         manifest = local.manifests[package]

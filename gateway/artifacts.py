@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -42,6 +43,7 @@ log = logging.getLogger("gpufaas.gateway.artifacts")
 
 WRITE_BATCH_BYTES = 4 << 20  # chunks of an upload through the API are written this many at a time
 MAX_BATCH_BYTES = 256 << 20  # the tar of small files one request may carry
+BATCH_MEMBER_MAX_BYTES = 16 << 20  # each read whole: bounded
 
 
 class MissingBlobs(InvalidPackage):
@@ -102,10 +104,21 @@ class Artifacts:
         return HolderRecord(self.name, "gateway", self.url or f"{fallback_url}/system")
 
     # --- uploads --------------------------------------------------------------------------------
-    def missing(self, wanted: dict[str, int]) -> tuple[list[str], dict[str, int]]:
+    async def missing(self, wanted: dict[str, int]) -> tuple[list[str], dict[str, int]]:
         """Of `wanted` (digest -> size), those not held whole here, and how many bytes of each an
-        earlier, broken upload left (where its next upload starts)."""
-        missing = [digest for digest in wanted if not self.blobs.has(digest)]
+        earlier, broken upload left (where its next upload starts). Those held are marked wanted
+        now: the collection leaves them be for another grace, while their package is on its way."""
+        return await asyncio.to_thread(self._missing, wanted)
+
+    def _missing(self, wanted: dict[str, int]) -> tuple[list[str], dict[str, int]]:
+        missing = []
+        for digest in wanted:
+            path = self.blobs.path(digest)
+            if path is None:
+                missing.append(digest)
+            else:
+                with contextlib.suppress(OSError):
+                    os.utime(path)
         offsets = {digest: n for digest in missing if (n := self.blobs.partial_size(digest))}
         return missing, offsets
 
@@ -149,6 +162,11 @@ class Artifacts:
                 for member in tar:
                     if not member.isfile() or not DIGEST_PATTERN.fullmatch(member.name):
                         raise InvalidPackage(f"member {member.name!r}: a blob batch holds files named sha256:<hex>")
+                    if member.size > BATCH_MEMBER_MAX_BYTES:
+                        raise PackageTooLarge(
+                            f"blob {member.name} is {member.size} bytes; a batch holds blobs of at most "
+                            f"{BATCH_MEMBER_MAX_BYTES}: send larger ones with PUT /system/blobs/DIGEST"
+                        )
                     reader = tar.extractfile(member)
                     if reader is None:
                         continue
@@ -179,7 +197,7 @@ class Artifacts:
         manifest.check(max_unpacked_bytes=self.max_unpacked_bytes)
         existing = await self.record(manifest.digest)
         if existing is not None:
-            return existing
+            return await self._refreshed(existing)
         missing = []
         for digest, size in manifest.blobs().items():
             held = self.blobs.size(digest)
@@ -201,6 +219,19 @@ class Artifacts:
         )
         return record
 
+    async def _refreshed(self, record: PackageRecord) -> PackageRecord:
+        """A package registered again (a redeploy, another function with it): young again for the
+        collection, so that it cannot go between this registration and the deploy that follows."""
+        now = time.time()
+        if now - record.created_unix_s < self.grace_s / 2:
+            return record
+        key = self.keys.package(record.digest)
+        kv = await self.store.get(key)
+        fresh = dataclasses.replace(record, created_unix_s=now)
+        if kv is not None:
+            await self.store.compare_and_put(key, fresh.to_json(), mod_revision=kv.mod_revision)
+        return fresh
+
     async def record(self, digest: str) -> PackageRecord | None:
         return await read_package(self.store, self.keys, digest)
 
@@ -211,7 +242,7 @@ class Artifacts:
         path = self.blobs.path(entry.digest)
         assert path is not None  # checked present by `register`
         try:
-            text = path.read_text()
+            text = await asyncio.to_thread(path.read_text)
         except UnicodeDecodeError:
             raise RequirementsError(f"{REQUIREMENTS_FILE} is not UTF-8 text") from None
         requirements = parse_requirements(text)

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         "--pool-dir",
         type=Path,
         default=None,
-        help="a directory on a memory filesystem for the pool (default: /dev/shm/...)",
+        help="a directory on a memory filesystem where the pool makes its own (default: /dev/shm)",
     )
     parser.add_argument(
         "--blob-listen", default=None, help="where peers fetch this node's blobs (default: the --listen host, any port)"

@@ -20,6 +20,9 @@ import contextlib
 import logging
 import mmap
 import os
+import shutil
+import stat
+import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -43,22 +46,26 @@ class _Entry:
 
 
 class HostModelPool:
-    """Pool entries under `root` (a directory on a memory filesystem), within `budget_bytes`.
+    """Pool entries within `budget_bytes`, in a directory of the pool's own that it makes in
+    `parent` (a memory filesystem: /dev/shm by default) with an unguessable name, 0700: nobody
+    else can plant or swap anything in it, even where `parent` is writable by everyone (sticky,
+    as /dev/shm is). What earlier runs named `name` left there (theirs: this user's) goes.
     `in_use()` names the blobs live workers map now. Touched from the event loop only (copies
     run in threads)."""
 
     def __init__(
         self,
-        root: Path,
+        parent: Path,
         budget_bytes: int,
         *,
+        name: str = "gpufaas-pool",
         in_use: Callable[[], set[str]] = set,
         min_file_bytes: int = POOL_MIN_FILE_BYTES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if budget_bytes < 0:
             raise ValueError(f"a host pool budget must be >= 0 bytes, got {budget_bytes}")
-        self.root = root
+        self.root = parent / name  # replaced by the pool's own directory below, where it has one
         self.budget_bytes = budget_bytes
         self.min_file_bytes = min_file_bytes
         self._in_use = in_use
@@ -69,10 +76,11 @@ class HostModelPool:
         self.admitted = 0  # entries copied in since start (for the metrics)
         self.evicted = 0
         if budget_bytes:
-            root.mkdir(parents=True, exist_ok=True)
-            os.chmod(root, 0o700)  # workers get descriptors, never the directory
-            for stale in root.iterdir():  # a previous run's copies: not worth trusting or keeping
-                stale.unlink(missing_ok=True)
+            parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _check_parent(parent)
+            _remove_stale(parent, name)
+            # Workers get descriptors, never the directory (mkdtemp: 0700, this user's, fresh).
+            self.root = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=parent))
 
     @property
     def enabled(self) -> bool:
@@ -97,16 +105,19 @@ class HostModelPool:
     def blobs(self) -> set[str]:
         return set(self._entries)
 
-    async def admit(self, manifest: Manifest, blobs: BlobStore) -> dict[str, str] | None:
+    async def admit(self, manifest: Manifest, blobs: BlobStore, *, evict: bool = True) -> dict[str, str] | None:
         """Bring a package's weights into the pool (copying from the disk cache those not there
         yet); returns package path -> pool file for each, or None if they do not all fit (then
-        the worker reads them from disk)."""
+        the worker reads them from disk). `evict=False`: only into free room (pre-staging, a guess,
+        pushes out no weights a miss might want)."""
         wanted = self.weights(manifest)
         if not self.enabled or not wanted:
             return None
         if sum(size for _, digest, size in wanted if digest not in self._entries) > self.budget_bytes:
             return None
         placed: dict[str, str] = {}
+        if not evict and sum(s for _, d, s in wanted if d not in self._entries) > self.budget_bytes - self.used_bytes:
+            return None
         for path, digest, size in wanted:
             pooled = await self._admit_blob(digest, size, blobs, keep={d for _, d, _ in wanted})
             if pooled is None:
@@ -135,9 +146,11 @@ class HostModelPool:
         self.used_bytes += size  # reserved now: concurrent admissions see it
         try:
             await asyncio.to_thread(_copy, source, target, size)
-        except OSError as exc:
+        except BaseException as exc:  # cancelled too: the reservation goes with the copy
             self.used_bytes -= size
             target.unlink(missing_ok=True)
+            if not isinstance(exc, OSError):
+                raise
             log.warning("could not copy blob %s into the host pool: %s", digest, exc)
             return None
         self._entries[digest] = _Entry(target, size)
@@ -174,8 +187,8 @@ class HostModelPool:
     def close(self) -> None:
         for digest in list(self._entries):
             self.drop(digest)
-        with contextlib.suppress(OSError):
-            self.root.rmdir()
+        if self.enabled:
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 def _copy(source: Path, target: Path, size: int) -> None:
@@ -183,7 +196,9 @@ def _copy(source: Path, target: Path, size: int) -> None:
     buffer) where the filesystem allows, else in the kernel (sendfile), so that the pool's copy is
     the only one the copy puts in memory."""
     tmp = target.with_suffix(".tmp")
-    with tmp.open("wb") as writer:
+    # A new file, never one found there (the directory is the pool's own: defence in depth).
+    descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(descriptor, "wb") as writer:
         try:
             reader = os.open(source, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
         except OSError:
@@ -225,6 +240,29 @@ def _copy_sendfile(source: Path, writer: int, size: int) -> None:
             if n == 0:
                 raise OSError(f"{source} ended at byte {offset} of {size}")
             offset += n
+
+
+def _check_parent(parent: Path) -> None:
+    """The parent of the pool's directory must not let another user rename or replace what the
+    pool makes in it: owned by this user or root, and writable by nobody else unless sticky."""
+    status = os.lstat(parent)
+    if stat.S_ISLNK(status.st_mode) or not stat.S_ISDIR(status.st_mode):
+        raise OSError(f"the host pool's directory {parent} is not a directory (a link?): choose another --pool-dir")
+    shared = status.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if status.st_uid not in (0, os.geteuid()) or (shared and not status.st_mode & stat.S_ISVTX):
+        raise OSError(
+            f"{parent} lets other users replace the host pool's files (owner {status.st_uid}, mode "
+            f"{stat.S_IMODE(status.st_mode):o}): choose a --pool-dir of this user's, or a sticky one like /dev/shm"
+        )
+
+
+def _remove_stale(parent: Path, name: str) -> None:
+    """The pool directories earlier runs of this node left (crashed): this user's own only."""
+    for path in parent.glob(f"{name}-*"):
+        with contextlib.suppress(OSError):
+            status = os.lstat(path)
+            if stat.S_ISDIR(status.st_mode) and status.st_uid == os.geteuid():
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def default_budget_bytes(root: Path, share: float = DEFAULT_POOL_SHARE) -> int:

@@ -24,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ from typing import IO
 from gpufaas.blobnet import TransferError, fetch_blob
 from gpufaas.blobs import BlobBusy, BlobStore, CorruptBlob, empty_blob
 from gpufaas.holders import HolderRecord, PackageRecord, sources_for
-from gpufaas.packages import InvalidPackage, Manifest, hex_of, read_archive, scan_directory
+from gpufaas.packages import EMPTY_DIGEST, InvalidPackage, Manifest, hex_of, read_archive, scan_directory
 from gpufaas.requirements import LayerCache, RequirementsError, pip_runner
 
 log = logging.getLogger("gpufaas.gpu_manager.staging")
@@ -42,6 +43,10 @@ PARALLEL_FETCHES = 4
 FETCH_ATTEMPTS = 3  # passes over the holders before a blob is given up on
 _TMP_PREFIX = ".tmp-"
 _BUSY_WAIT_S = 0.05
+
+
+class NoRoom(InvalidPackage):
+    """A package that pre-staging would have to evict others for (it does not: a miss may)."""
 
 
 @dataclass
@@ -150,20 +155,28 @@ class PackageStore:
             self._on_change()
 
     # --- staging ------------------------------------------------------------------------------
-    async def ensure(self, digest: str) -> Path:
+    async def ensure(self, digest: str, *, make_room: bool = True) -> Path:
         """The directory of package `digest`, staging it first if it is not here; InvalidPackage
-        (or RequirementsError) saying why it cannot be had."""
+        (or RequirementsError) saying why it cannot be had. `make_room=False` (pre-staging, a
+        guess): only into free disk, evicting no package (NoRoom otherwise)."""
         self._used_at[digest] = self._clock()
-        path = self.path_for(digest)
-        if path is not None:
-            return path
-        task = self._staging.get(digest)
-        if task is None:
-            task = asyncio.create_task(self._stage(digest), name=f"stage {digest[:19]}")
-            self._staging[digest] = task
-            task.add_done_callback(lambda _: self._staging.pop(digest, None))
-        # Shielded: one caller giving up must not cancel the staging others wait for.
-        return await asyncio.shield(task)
+        for _ in range(2):
+            path = self.path_for(digest)
+            if path is not None:
+                return path
+            task = self._staging.get(digest)
+            if task is None:
+                task = asyncio.create_task(self._stage(digest, make_room), name=f"stage {digest[:19]}")
+                self._staging[digest] = task
+                task.add_done_callback(lambda _: self._staging.pop(digest, None))
+            try:
+                # Shielded: one caller giving up must not cancel the staging others wait for.
+                return await asyncio.shield(task)
+            except NoRoom:
+                if not make_room:
+                    raise
+                await asyncio.sleep(0)  # a pre-staging that would not evict: this call may, again
+        raise NoRoom(f"package {digest}: no room on this node's disk")
 
     async def fetch(self, digest: str) -> tuple[Path, float]:
         """`ensure`, and the seconds it spent staging the package for this caller (0: it was here)."""
@@ -175,7 +188,7 @@ class PackageStore:
         path = await self.ensure(digest)
         return path, time.perf_counter() - started
 
-    async def _stage(self, digest: str) -> Path:
+    async def _stage(self, digest: str, make_room: bool) -> Path:
         record = await self._records(digest)
         if record is None:
             raise InvalidPackage(f"package {digest} is not registered (deleted, or never uploaded)")
@@ -184,7 +197,10 @@ class PackageStore:
         started = time.perf_counter()
         missing = {d: size for d, size in manifest.blobs().items() if not self.blobs.has(d)}
         if missing:
-            await self._make_room(sum(missing.values()))
+            if make_room:
+                await self._make_room(sum(missing.values()))
+            elif not await self._fits(sum(missing.values())):
+                raise NoRoom(f"package {digest}: {sum(missing.values())} bytes more do not fit the free disk budget")
             sources = sources_for(record, await self._holders(), me=self.me, my_host=self.my_host)
             # Largest first: the weights set the pace; the small files fit in around them.
             order = sorted(missing, key=lambda d: -missing[d])
@@ -262,6 +278,11 @@ class PackageStore:
         return link_package(self.blobs, manifest, self.packages_dir)
 
     # --- room ---------------------------------------------------------------------------------
+    async def _fits(self, nbytes: int) -> bool:
+        if self.budget_bytes is None:
+            return True
+        return await asyncio.to_thread(self.blobs.used_bytes) + nbytes <= self.budget_bytes
+
     async def _make_room(self, nbytes: int) -> None:
         """Evict least recently used packages no worker holds until `nbytes` more fit the budget
         (as far as that goes: a package larger than the budget is still staged)."""
@@ -285,8 +306,13 @@ class PackageStore:
         entry = self._staged.pop(digest, None)
         self._used_at.pop(digest, None)
         self.stats.pop(digest, None)
+        # Moved aside before anything awaits: a staging of it that starts meanwhile makes a new
+        # directory rather than find this one half deleted.
         path = self.packages_dir / hex_of(digest)
-        await asyncio.to_thread(shutil.rmtree, path, True)
+        doomed = self.packages_dir / f"{_TMP_PREFIX}gone-{uuid.uuid4().hex}"
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(path, doomed)
+        await asyncio.to_thread(shutil.rmtree, doomed, True)
         if entry is None:
             return 0
         kept = {d for manifest, _ in self._staged.values() for d in manifest.blobs()} | set(self._fetching)
@@ -300,14 +326,23 @@ class PackageStore:
         return freed
 
     async def collect(self, in_use: Iterable[str], now_unix_s: float, grace_s: float) -> list[str]:
-        """Unstage the packages no worker holds that nobody asked for in `grace_s`; and drop
-        partial blobs no fetch is writing. The digests unstaged."""
+        """Unstage the packages no worker holds that nobody asked for in `grace_s`; then drop
+        what no staged package needs any more and is older than the grace: blobs (left by a
+        staging that failed half way, or by a package a restart did not adopt), partial blobs no
+        fetch is writing, requirement layers. The digests unstaged."""
         busy = set(in_use) | set(self._staging)
         removed = []
         for digest in list(self._staged):
             if digest not in busy and now_unix_s - self._used_at.get(digest, now_unix_s) > grace_s:
                 await self.remove(digest)
                 removed.append(digest)
+        needed = {d for manifest, _ in self._staged.values() for d in manifest.blobs()} | set(self._fetching)
+        if not self._staging:  # a staging under way may need any blob here
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(self._collect_blobs, needed, now_unix_s, grace_s)
+        layers = {f"sha256:{layer.name}" for _, layer in self._staged.values() if layer is not None}
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(self.layers.collect, layers, now_unix_s, grace_s)
         partials = self.blobs.root / "partial"
 
         def keep(digest: str) -> bool:  # being written, or young enough for its fetch to resume
@@ -318,6 +353,15 @@ class PackageStore:
         with contextlib.suppress(OSError):
             await asyncio.to_thread(self.blobs.discard_partials, keep)
         return removed
+
+    def _collect_blobs(self, needed: set[str], now_unix_s: float, grace_s: float) -> None:
+        for digest in list(self.blobs.digests()):
+            path = self.blobs.path(digest)
+            if digest in needed or digest == EMPTY_DIGEST or path is None:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if now_unix_s - path.stat().st_mtime > grace_s:
+                    self.blobs.remove(digest)
 
 
 def link_package(blobs: BlobStore, manifest: Manifest, packages_dir: Path) -> Path:

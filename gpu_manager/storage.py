@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import logging
 import os
 import time
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from gpu_manager.host_pool import HostModelPool, default_budget_bytes
 from gpu_manager.pool import WeightsPlan
-from gpu_manager.staging import PackageStore
+from gpu_manager.staging import NoRoom, PackageStore
 from gpufaas.blobnet import BlobServer
 from gpufaas.holders import HolderRecord, PackageRecord, read_holders, read_package
 from gpufaas.keys import Keys
@@ -39,8 +40,8 @@ class NodeStorage:
     `in_use()` names the packages live workers hold (never evicted from disk or pool);
     `package_token`: what peers must show to read this node's blobs, and what it shows to read
     theirs (None: nothing asked, nothing shown). `disk_cache_mb` (None: half the free disk),
-    `pool_mb` (None: half of `pool_dir`'s free memory; 0: no pool), `pool_dir` (None: a directory
-    of this node's in /dev/shm), `blob_listen`, `blob_advertise` (None: the host the node's wire
+    `pool_mb` (None: half of `pool_dir`'s free memory; 0: no pool), `pool_dir` (where the pool
+    makes a directory of its own; None: /dev/shm), `blob_listen`, `blob_advertise` (None: the host the node's wire
     is reached at, the bound port): as the daemon's flags say.
     """
 
@@ -77,11 +78,11 @@ class NodeStorage:
             in_use=in_use,
             on_change=on_change,
         )
-        # Named after the state directory: several nodes of one machine (and test clusters) apart.
+        # Named after the state directory: what a crashed run of this node left is found again.
         tag = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
-        pool_root = pool_dir or Path("/dev/shm") / f"gpufaas-pool-{tag}"
-        pool_bytes = pool_mb * 1024 * 1024 if pool_mb is not None else default_budget_bytes(pool_root)
-        self.host_pool = HostModelPool(pool_root, pool_bytes, in_use=self._pooled_in_use)
+        pool_parent = pool_dir or Path("/dev/shm")
+        pool_bytes = pool_mb * 1024 * 1024 if pool_mb is not None else default_budget_bytes(pool_parent)
+        self.host_pool = HostModelPool(pool_parent, pool_bytes, name=f"gpufaas-pool-{tag}", in_use=self._pooled_in_use)
         self.blob_server = BlobServer(self.packages.blobs, self._authorize)
         self._blob_listen = blob_listen
         self._blob_advertise = blob_advertise
@@ -131,12 +132,15 @@ class NodeStorage:
     async def stage(self, digest: str) -> None:
         """Pre-staging: the package on disk, and its weights in the host pool if they fit."""
         try:
-            await self.packages.ensure(digest)
+            await self.packages.ensure(digest, make_room=False)  # a guess evicts nothing
+        except NoRoom as exc:
+            log.info("not pre-staging: %s", exc)
+            return
         except (InvalidPackage, RequirementsError, OSError) as exc:
             log.warning("could not stage package %s: %s", digest, exc)
             return
         manifest = self.packages.manifest(digest)
-        if manifest is not None and await self.host_pool.admit(manifest, self.packages.blobs):
+        if manifest is not None and await self.host_pool.admit(manifest, self.packages.blobs, evict=False):
             self._on_change()
 
     async def weights(self, digest: str, directory: Path) -> WeightsPlan:
@@ -175,7 +179,8 @@ class NodeStorage:
 
     def _authorize(self, method: str, authorization: str | None) -> tuple[int, str] | None:
         """Peers (and gateways) read this node's blobs with the cluster's node token."""
-        if self.package_token is None or authorization == f"Bearer {self.package_token}":
+        expected = f"Bearer {self.package_token}"
+        if self.package_token is None or hmac.compare_digest((authorization or "").encode(), expected.encode()):
             return None if method in ("GET", "HEAD") else (405, "a node's blobs are read-only")
         return (401 if not authorization else 403), "reading a node's blobs needs the cluster's node token"
 

@@ -187,6 +187,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if found is None:
             return
         blobs, digest, query = found
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            self._answer(411, "send a blob with a Content-Length (no chunked encoding): its size is known")
+            return
         if not blobs.accept_uploads:
             self._answer(405, "this holder does not take uploads; upload through the gateway")
             return
@@ -252,6 +255,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.rfile.read(length)
 
     def _answer(self, status: int, message: str, headers: dict[str, str] | None = None, *, head: bool = False) -> None:
+        head = head or self.command == "HEAD"  # never a body after HEAD: a kept-alive client would misread it
+        if self.command == "PUT" and status >= 400:
+            self.close_connection = True  # its body is left unread: the connection cannot go on
         body = json.dumps({"error" if status >= 400 else "message": message, "status": status}).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -260,6 +266,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("WWW-Authenticate", 'Bearer realm="gpufaas"')
         for name, value in (headers or {}).items():
             self.send_header(name, value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         if not head:
             self.wfile.write(body)
@@ -377,8 +385,11 @@ def fetch_blob(
             headers = {"Authorization": authorization} if authorization else {}
             if writer.offset:
                 headers["Range"] = f"bytes={writer.offset}-"
-            conn.send_head("GET", f"/blobs/{digest}", headers)
-            reply = conn.reply()
+            try:
+                conn.send_head("GET", f"/blobs/{digest}", headers)
+                reply = conn.reply()
+            except OSError as exc:  # reset, timed out: this holder is no good now, another may be
+                raise TransferError(f"{base_url} did not answer for blob {digest}: {exc}") from None
             if reply.status == 200 and writer.offset:
                 writer.restart()  # the holder ignored the range: take it all
             elif reply.status not in (200, 206):

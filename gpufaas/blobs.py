@@ -198,13 +198,13 @@ class BlobStore:
             if path.name.startswith(".ingest-"):
                 continue  # an ingest of this process (its writer removes it on failure)
             digest = f"sha256:{path.name}"
-            with self._lock:
+            with self._lock:  # held while it goes: no writer may open it meanwhile
                 if digest in self._writing or keep(digest):
                     continue
                 self._resume.pop(digest, None)
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-                removed.append(digest)
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                    removed.append(digest)
         return removed
 
     def link_into(self, digest: str, target: Path) -> None:
@@ -244,15 +244,22 @@ class BlobWriter:
         self._partial = partial
         self._fd = os.open(partial, os.O_WRONLY | os.O_CREAT, 0o600)
         self._done = False
-        on_disk = os.fstat(self._fd).st_size
-        if on_disk > size:  # not this blob's prefix: start over
-            os.ftruncate(self._fd, 0)
-            on_disk = 0
-        if resume is not None and resume[0] == on_disk:
-            self.offset, self._hasher = resume
-        else:
-            self.offset, self._hasher = on_disk, _hash_prefix(partial, on_disk)
-        os.lseek(self._fd, self.offset, os.SEEK_SET)
+        # A write that failed half way (disk full): what the partial holds is no longer what was
+        # hashed, so a later writer reads it back rather than resume from the hash kept here.
+        self._broken = False
+        try:
+            on_disk = os.fstat(self._fd).st_size
+            if on_disk > size:  # not this blob's prefix: start over
+                os.ftruncate(self._fd, 0)
+                on_disk = 0
+            if resume is not None and resume[0] == on_disk:
+                self.offset, self._hasher = resume
+            else:
+                self.offset, self._hasher = on_disk, _hash_prefix(partial, on_disk)
+            os.lseek(self._fd, self.offset, os.SEEK_SET)
+        except BaseException:
+            os.close(self._fd)
+            raise
 
     def __enter__(self) -> BlobWriter:
         return self
@@ -270,11 +277,15 @@ class BlobWriter:
         """Append bytes (CorruptBlob past the declared size: the partial is discarded)."""
         if self.offset + len(data) > self.size:
             self._fail(f"blob {self.digest}: more bytes than its declared {self.size}")
-        self._hasher.update(data)
         view = memoryview(data)
-        while view:
-            written = os.write(self._fd, view)
-            view = view[written:]
+        try:
+            while view:
+                written = os.write(self._fd, view)
+                view = view[written:]
+        except OSError:
+            self._broken = True
+            raise
+        self._hasher.update(data)  # once written: the hash is of what the partial holds
         self.offset += len(data)
 
     def write_many(self, chunks: list[bytes]) -> None:
@@ -282,13 +293,17 @@ class BlobWriter:
         total = sum(len(chunk) for chunk in chunks)
         if self.offset + total > self.size:
             self._fail(f"blob {self.digest}: more bytes than its declared {self.size}")
+        try:
+            written = os.writev(self._fd, chunks)
+            if written != total:  # a short write (rare): the rest one by one
+                rest = memoryview(b"".join(chunks))[written:]
+                while rest:
+                    rest = rest[os.write(self._fd, rest) :]
+        except OSError:
+            self._broken = True
+            raise
         for chunk in chunks:
             self._hasher.update(chunk)
-        written = os.writev(self._fd, chunks)
-        if written != total:  # a short write (rare): the rest one by one
-            rest = memoryview(b"".join(chunks))[written:]
-            while rest:
-                rest = rest[os.write(self._fd, rest) :]
         self.offset += total
 
     def pump(self, read_into: Callable[[memoryview], int | None], nbytes: int) -> int:
@@ -334,6 +349,7 @@ class BlobWriter:
                         _pwrite_all(direct if aligned else self._fd, memoryview(buffer)[:got], self.offset)
                     except OSError as exc:
                         if not aligned or exc.errno != errno.EINVAL:
+                            self._broken = True
                             raise
                         # A device whose blocks are larger than DIRECT_ALIGN: the page cache, then.
                         os.close(direct)
@@ -365,9 +381,10 @@ class BlobWriter:
         os.close(self._fd)
         self._fd = -1
         self._done = True
-        path = self.store._finished(self.digest, self._partial)
-        self.store._release(self.digest)
-        return path
+        try:
+            return self.store._finished(self.digest, self._partial)
+        finally:
+            self.store._release(self.digest)  # whatever happened: the blob is not held any more
 
     def close(self) -> None:
         """Leave without committing: the partial stays for a resume (unless it was discarded)."""
@@ -376,7 +393,7 @@ class BlobWriter:
             self._fd = -1
         if not self._done:
             self._done = True
-            self.store._release(self.digest, (self.offset, self._hasher))
+            self.store._release(self.digest, None if self._broken else (self.offset, self._hasher))
 
     def _fail(self, message: str) -> None:
         if self._fd >= 0:

@@ -281,6 +281,7 @@ class LocalCluster:
             if self.docker_image:
                 argv += ["--docker-image", self.docker_image]
             if "--pool-dir" not in self.node_flags:
+                self._pool_dir(name).mkdir(mode=0o700, parents=True, exist_ok=True)
                 argv += ["--pool-dir", str(self._pool_dir(name))]
             argv += self.node_flags
             self.components[name] = Component(name, argv, logs / f"{name}.log")
@@ -340,10 +341,11 @@ class LocalCluster:
         self._write_pids()
 
     def _pool_dir(self, node: str) -> Path:
-        """Where a node keeps its host model pool: memory (/dev/shm) where the machine has it."""
+        """Where a node makes its host model pool: memory (/dev/shm) where the machine has it, in
+        a directory of this cluster's, removed when it stops."""
         tag = hashlib.sha256(str((self.state_dir / node).resolve()).encode()).hexdigest()[:12]
         shm = Path("/dev/shm")
-        return (shm if shm.is_dir() else self.state_dir / node) / f"gpufaas-pool-{tag}"
+        return (shm if shm.is_dir() else self.state_dir / node) / f"gpufaas-cluster-{tag}"
 
     # --- supervision ----------------------------------------------------------------------
     def supervise(self, stopping: threading.Event, *, poll_s: float = SUPERVISE_POLL_S) -> None:

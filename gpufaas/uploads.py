@@ -20,7 +20,7 @@ import httpx
 
 from gpufaas.blobnet import UPLOAD_OFFSET, TransferError, upload_blob
 from gpufaas.errors import GpufaasError
-from gpufaas.packages import DigestCache, Manifest, scan_directory
+from gpufaas.packages import DigestCache, InvalidPackage, Manifest, scan_directory
 
 BATCH_MAX_BYTES = 1 << 20  # files up to this size go in the batch (code, configs, labels)
 BATCH_LIMIT_BYTES = 64 << 20  # a batch request carries at most this much; more batches beyond
@@ -64,7 +64,12 @@ def scan(functions: Sequence[tuple[str, Path]], cache: DigestCache) -> list[Scan
     """Manifests of the functions' directories (hashing what the cache does not know)."""
     scanned = []
     for name, directory in functions:
-        manifest, files = scan_directory(directory, cache=cache)
+        try:
+            manifest, files = scan_directory(directory, cache=cache)
+        except OSError as exc:  # a file unreadable, or gone while it was read
+            raise GpufaasError(f"{name}: cannot read {directory}: {exc}") from None
+        except InvalidPackage as exc:
+            raise GpufaasError(f"{name}: {exc}") from None
         scanned.append(Scanned(name, manifest, files))
     cache.save()
     return scanned
@@ -84,6 +89,13 @@ def upload(
         wanted |= package.manifest.blobs()
         files |= package.files
     answer = gateway.ok(gateway.request("POST", "/system/blobs/missing", json={"blobs": wanted}))
+    limit = answer.get("limit_bytes")
+    for package in packages:  # said before anything is sent, not after
+        if limit is not None and package.manifest.unpacked_bytes > limit:
+            raise GpufaasError(
+                f"{package.name}: its files hold {package.manifest.unpacked_bytes} bytes, more than the gateway "
+                f"takes in one package ({limit}); leave data out of it or raise the gateway's --max-unpacked-mb"
+            )
     missing: list[str] = answer["missing"]
     offsets: dict[str, int] = answer.get("offsets", {})
     report = UploadReport(bytes_total=sum(wanted[d] for d in missing))

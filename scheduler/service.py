@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -159,6 +160,7 @@ class SchedulerService:
         self.scheduler_id = uuid.uuid4().hex
         self._token_key = grants.new_key()
         self._functions: dict[str, FunctionSpec] = {}
+        self._prestaged: set[str] = set()  # packages pre-staging has placed (once each)
         self._nodes: dict[str, _Node] = {}
         self._recovered_lru: dict[str, list[str]] = {}  # "node/gpu" -> models, most recent first
         self._deleted_gpus: set[str] = set()
@@ -283,7 +285,7 @@ class SchedulerService:
         if old is not None and old.model != spec.model:
             log.info("function %s updated: evicting its old model %s", spec.name, old.model)
             self._apply(self.book.retire(old.model))
-        if old is None or old.package_digest != spec.package_digest:
+        if spec.package_digest not in self._prestaged:  # a new package (a re-list finds old ones)
             self._learn_holdings()  # nodes may hold its package already (another function's)
             self._prestage([spec])
         return spec
@@ -456,6 +458,13 @@ class SchedulerService:
             model = ModelSpec(spec.model, spec.memory_mb, spec.required_gpu_type)
             for target in staging_targets(model, rooms, staged_on, copies=self.prestage_nodes):
                 wanted.setdefault(target, []).append(spec.package_digest)
+                # Its miss is expected there: the next function's room is what is left of it, so
+                # many functions deployed at once spread over the nodes rather than all go to one.
+                gpus = rooms[target]
+                best = max(range(len(gpus)), key=lambda i: gpus[i].free_mb)
+                gpus[best] = dataclasses.replace(gpus[best], free_mb=gpus[best].free_mb - spec.memory_mb)
+            if rooms:
+                self._prestaged.add(spec.package_digest)
         for name, digests in wanted.items():
             self._spawn(self._stage(self._nodes[name], sorted(set(digests))))
 

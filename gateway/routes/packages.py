@@ -96,6 +96,7 @@ class MissingAnswer(BaseModel):
     missing: list[str] = Field(description="the blobs this gateway lacks: upload these")
     offsets: dict[str, int] = Field(description="bytes of a missing blob already here (an upload resumes there)")
     upload_url: str | None = Field(description="this gateway's blob server (gpufaas.blobnet), the fast way in")
+    limit_bytes: int = Field(description="the most a package may hold, in all (larger ones are refused)")
 
 
 def _package_answer(record: PackageRecord, size_bytes: int | None = None) -> dict[str, Any]:
@@ -127,8 +128,8 @@ async def missing_blobs(wanted: Annotated[WantedBlobs, Body()], gateway: Gateway
     too_large = next((d for d, size in wanted.blobs.items() if size > limit), None)
     if too_large is not None:  # well formed, but more than this gateway takes: a conflict with it
         raise ApiError(409, f"blob {too_large} is larger than this gateway's limit of {limit} bytes per package")
-    missing, offsets = artifacts.missing(wanted.blobs)
-    return MissingAnswer(missing=missing, offsets=offsets, upload_url=artifacts.url or None)
+    missing, offsets = await artifacts.missing(wanted.blobs)
+    return MissingAnswer(missing=missing, offsets=offsets, upload_url=artifacts.url or None, limit_bytes=limit)
 
 
 @router.put("/system/blobs/{digest}", status_code=201, openapi_extra=BLOB_BODY)

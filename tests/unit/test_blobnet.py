@@ -220,3 +220,16 @@ def test_a_holder_that_takes_no_uploads_and_the_size_limit(tmp_path: Path) -> No
     finally:
         reader.stop()
         limited.stop()
+
+
+def test_refusals_of_head_carry_no_body_and_chunked_uploads_are_refused(holder: tuple[BlobServer, str]) -> None:
+    server, url = holder
+    digest = sha256_digest(b"abc")
+    status, headers, body = raw(url, f"HEAD /blobs/{digest} HTTP/1.1\r\n\r\n".encode())
+    assert status == 401 and body == b"" and int(headers["content-length"]) > 0
+    status, _, _ = raw(
+        url,
+        f"PUT /blobs/{digest}?size=3 HTTP/1.1\r\nAuthorization: {TOKEN}\r\nTransfer-Encoding: chunked\r\n\r\n"
+        "3\r\nabc\r\n0\r\n\r\n".encode(),
+    )
+    assert status == 411 and not server.store.has(digest)

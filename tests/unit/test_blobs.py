@@ -134,3 +134,44 @@ def test_writers_of_different_blobs_run_at_once(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert not errors and all(store.has(sha256_digest(b)) for b in blobs)
+
+
+def test_a_write_that_fails_leaves_a_partial_the_next_writer_reads_back(tmp_path: Path, monkeypatch) -> None:
+    from gpufaas import blobs
+
+    data = os.urandom(3000)
+    digest = sha256_digest(data)
+    store = BlobStore(tmp_path)
+    real_write = os.write
+
+    def disk_full(fd: int, view: object) -> int:
+        raise OSError(28, "No space left on device")
+
+    with store.writer(digest, len(data)) as writer:
+        writer.write(data[:1000])
+        monkeypatch.setattr(blobs.os, "write", disk_full)
+        with pytest.raises(OSError, match="No space"):
+            writer.write(data[1000:2000])
+        monkeypatch.setattr(blobs.os, "write", real_write)
+    with store.writer(digest, len(data)) as writer:  # resumes from what is on disk, not a stale hash
+        assert writer.offset == 1000
+        writer.write(data[1000:])
+        writer.commit()
+    assert store.path(digest).read_bytes() == data  # type: ignore[union-attr]
+
+
+def test_a_commit_that_fails_does_not_hold_the_blob(tmp_path: Path, monkeypatch) -> None:
+    store = BlobStore(tmp_path)
+    digest = sha256_digest(b"data")
+
+    def fail(*args: object) -> None:
+        raise OSError(5, "I/O error")
+
+    with store.writer(digest, 4) as writer:
+        writer.write(b"data")
+        monkeypatch.setattr(store, "_finished", fail)
+        with pytest.raises(OSError):
+            writer.commit()
+    monkeypatch.undo()
+    store.put(b"data")  # not BlobBusy
+    assert store.has(digest)

@@ -7,6 +7,8 @@ import asyncio
 import os
 from pathlib import Path
 
+import pytest
+
 from gpu_manager.host_pool import HostModelPool, default_budget_bytes
 from gpufaas.blobs import BlobStore
 from gpufaas.packages import Manifest, PackageFile, sha256_digest
@@ -34,7 +36,8 @@ def test_weights_are_copied_in_once_and_shared(tmp_path: Path) -> None:
         assert placed is not None and list(placed) == ["w.bin"]  # the handler is too small to pool
         copy = Path(placed["w.bin"])
         assert copy.read_bytes() == weights and copy.stat().st_ino != blobs.path(sha256_digest(weights)).stat().st_ino  # type: ignore[union-attr]
-        assert oct(copy.stat().st_mode & 0o777) == "0o444" and oct((tmp_path / "shm").stat().st_mode & 0o777) == "0o700"
+        assert oct(copy.stat().st_mode & 0o777) == "0o444" and oct(pool.root.stat().st_mode & 0o777) == "0o700"
+        assert pool.root.parent == tmp_path / "shm" and pool.root.name.startswith("gpufaas-pool-")
         assert pool.holds(first) and pool.holds(second)  # the same weights: the same copy
         assert await pool.admit(second, blobs) == placed and pool.admitted == 1 and pool.used_bytes == 2 * MB
 
@@ -77,3 +80,40 @@ def test_no_pool_and_a_model_larger_than_it(tmp_path: Path) -> None:
 def test_the_default_budget_is_a_share_of_free_memory(tmp_path: Path) -> None:
     free = os.statvfs(tmp_path)
     assert default_budget_bytes(tmp_path / "not" / "yet", 0.5) == int(free.f_bavail * free.f_frsize * 0.5)
+
+
+def test_the_pool_makes_a_directory_of_its_own_and_clears_what_a_crashed_run_left(tmp_path: Path) -> None:
+    parent = tmp_path / "shm"
+    parent.mkdir()
+    parent.chmod(0o1777)  # like /dev/shm: everyone may write, the sticky bit keeps each one's own
+    left = parent / "gpufaas-pool-node-x1y2"
+    left.mkdir()
+    (left / "stale").write_bytes(b"x")
+    planted = parent / "gpufaas-pool-node-zzzz"
+    planted.symlink_to(tmp_path / "elsewhere")
+    pool = HostModelPool(parent, MB, name="gpufaas-pool-node")
+    assert not left.exists() and planted.is_symlink()  # a link is never followed, never removed
+    assert pool.root.parent == parent and pool.root.name.startswith("gpufaas-pool-node-")
+    pool.close()
+    assert not pool.root.exists()
+
+
+def test_a_parent_others_may_write_without_the_sticky_bit_is_refused(tmp_path: Path) -> None:
+    parent = tmp_path / "open"
+    parent.mkdir()
+    parent.chmod(0o777)
+    with pytest.raises(OSError, match="other users"):
+        HostModelPool(parent, MB)
+
+
+def test_prestaging_takes_only_free_room(tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path / "blobs")
+    a, b = (package(blobs, os.urandom(4 * MB), bytes([i])) for i in range(2))
+
+    async def main() -> None:
+        pool = HostModelPool(tmp_path / "shm", 6 * MB)
+        assert await pool.admit(a, blobs)
+        assert await pool.admit(b, blobs, evict=False) is None and pool.holds(a)  # a stays
+        assert await pool.admit(b, blobs) and not pool.holds(a)  # a miss may push it out
+
+    asyncio.run(main())

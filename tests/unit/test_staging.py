@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -229,5 +230,24 @@ def test_a_package_with_requirements_gets_its_layer(tmp_path: Path, cluster: Clu
         directory = store.layer_dir(digest)
         assert directory is not None and (directory / "tabulate.py").exists()
         assert len(installs) == 1 and "tabulate==0.9.0" in installs[0]
+
+    asyncio.run(main())
+
+
+def test_blobs_a_failed_staging_left_are_collected_after_the_grace(tmp_path: Path, cluster: Cluster) -> None:
+    gateway = cluster.holder("gw")
+    weights = os.urandom(1 << 20)
+    digest = cluster.package({"handler.py": HANDLER, "w.bin": weights})
+    gateway.store.remove(sha256_digest(HANDLER))  # the handler cannot be had: the staging fails
+
+    async def main() -> None:
+        store = cluster.store(tmp_path / "node")
+        with pytest.raises(InvalidPackage):
+            await store.ensure(digest)
+        assert store.blobs.has(sha256_digest(weights))  # fetched before the failure
+        await store.collect(set(), now_unix_s=time.time(), grace_s=60.0)
+        assert store.blobs.has(sha256_digest(weights))  # young: a retry may want it
+        await store.collect(set(), now_unix_s=time.time() + 120, grace_s=60.0)
+        assert not store.blobs.has(sha256_digest(weights))
 
     asyncio.run(main())
