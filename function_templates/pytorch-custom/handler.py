@@ -48,10 +48,14 @@ def load(device: str) -> nn.Module:
 
 def warmup(model: nn.Module) -> None:
     """Optional: run once after `load`, before any request (its first inference's one-off costs,
-    cuDNN's and cuBLAS's set-up on a GPU, are paid here and not by a caller)."""
+    cuDNN's and cuBLAS's set-up on a GPU, are paid here and not by a caller). A CPU has none to
+    pay: nothing to do there, and a load that does nothing is a cheaper miss."""
     device = next(model.parameters()).device
+    if device.type != "cuda":
+        return
     with torch.inference_mode():
         model(torch.zeros(1, IN_FEATURES, device=device))
+    torch.cuda.synchronize(device)
 
 
 def predict(model: nn.Module, inputs: object) -> dict[str, object]:

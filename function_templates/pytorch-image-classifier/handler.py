@@ -85,7 +85,10 @@ def load(device: str) -> Classifier:
 
 def warmup(classifier: Classifier) -> None:
     """Once after `load`, before any request: a first forward pass at one image, which on a GPU
-    pays cuDNN's algorithm choice and the kernels' loading (200-300 ms on an H100), so no caller does."""
+    pays cuDNN's algorithm choice and the kernels' loading (200-300 ms on an H100), so no caller does.
+    A CPU has no such cost: nothing to do there."""
+    if classifier.device.type != "cuda":
+        return
     with torch.inference_mode():
         image = torch.zeros(1, 3, IMAGE_SIZE, IMAGE_SIZE, device=classifier.device, dtype=classifier.dtype)
         classifier.model(image)
