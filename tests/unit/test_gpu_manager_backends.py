@@ -320,3 +320,25 @@ def test_logical_devices_and_gpu_type_names() -> None:
 def test_nvml_discovery_never_raises() -> None:
     devices = discover_nvml()  # [] on a machine without an NVIDIA driver
     assert all(d.gpu_id == f"gpu{d.index}" and d.memory_mb > 0 for d in devices)
+
+
+def test_priming_runs_every_layer_on_a_device_and_a_failing_layer_only_warns(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch = pytest.importorskip("torch")
+    from gpu_manager.backends import prime_kernels
+
+    with caplog.at_level("WARNING", logger="gpu_manager.backends"):
+        prime_kernels(torch.device("cpu"))  # the same calls a spare makes on cuda:N
+    assert caplog.records == []
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", broken)
+    with caplog.at_level("WARNING", logger="gpu_manager.backends"):
+        prime_kernels(torch.device("cpu"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "priming the kernels of cpu failed (a miss will load them): no kernel image is available for execution "
+        "on the device"
+    ]
