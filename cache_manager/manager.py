@@ -4,6 +4,7 @@ pool and disk hold (`NodeHoldings`): the tier a miss comes from."""
 
 from __future__ import annotations
 
+import statistics
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Set
 from dataclasses import dataclass
@@ -35,9 +36,14 @@ class HostTier:
     """One node's host memory for models evicted from its GPUs (Torpor's host tier), least
     recently evicted first. Exclusive of the GPUs: a model taken back onto a GPU leaves it, a model
     evicted from a GPU of the node enters it (pushing out the oldest entries if it must). A model
-    larger than the whole tier does not enter."""
+    larger than the whole tier does not enter.
 
-    __slots__ = ("capacity_mb", "items", "node", "used_mb")
+    An entry is charged the host memory its node measured for the model (`measured`: a parked
+    worker's PSS, from the node's reports), else the median of what the node measured for other
+    models, else the model's declared GPU memory (the simulator's case: it measures nothing).
+    `items` hold the charged MiB."""
+
+    __slots__ = ("_measured_mb", "capacity_mb", "items", "node", "used_mb")
 
     def __init__(self, node: str, capacity_mb: int) -> None:
         if capacity_mb < 0:
@@ -46,9 +52,28 @@ class HostTier:
         self.capacity_mb = capacity_mb
         self.items: OrderedDict[str, CacheItem] = OrderedDict()
         self.used_mb = 0
+        self._measured_mb: dict[str, int] = {}
 
     def __contains__(self, model: object) -> bool:
         return model in self.items
+
+    def charge_mb(self, model: str, declared_mb: int) -> int:
+        """What `model` counts against the capacity when it enters (see the class)."""
+        known = self._measured_mb.get(model)
+        if known is not None:
+            return known
+        if self._measured_mb:
+            return int(statistics.median(self._measured_mb.values()))
+        return declared_mb
+
+    def measured(self, model: str, host_mb: int) -> None:
+        """The node measured `model`'s footprint: its entry (if any) is charged that from now on.
+        The caller trims the tier if this took it past its capacity."""
+        self._measured_mb[model] = host_mb
+        item = self.items.get(model)
+        if item is not None:
+            self.used_mb += host_mb - item.memory_mb
+            self.items[model] = CacheItem(model, host_mb)
 
     def lru_list(self) -> list[str]:
         """Held models, most recently evicted first."""
@@ -310,17 +335,21 @@ class CacheManager:
         self._demote(host, item)
         return model in host.items
 
-    def adopt_in_host(self, node: str, model: str, memory_mb: int) -> bool:
-        """A model the node reports in its host tier and this tier lacks (reconciliation): it
-        enters as the most recent if it fits without pushing anything out. True if it is there."""
+    def adopt_in_host(self, node: str, model: str, host_mb: int) -> bool:
+        """A model the node reports in its host tier, charged `host_mb` there (reconciliation): an
+        entry this tier has is charged that from now on (the oldest pushed out if that takes the
+        tier past its capacity); one it lacks enters as the most recent if it fits without pushing
+        anything out. True if it is there."""
         host = self._hosts.get(node)
         if host is None:
             return False
+        host.measured(model, host_mb)
         if model in host.items:
-            return True
-        if host.used_mb + memory_mb > host.capacity_mb:
+            self._trim_host(host)
+            return model in host.items
+        if host.used_mb + host_mb > host.capacity_mb:
             return False
-        self._demote(host, CacheItem(model, memory_mb))
+        self._demote(host, CacheItem(model, host_mb))
         return True
 
     def release_from_host(self, node: str, model: str) -> bool:
@@ -366,6 +395,10 @@ class CacheManager:
         fits; pinned models are never victims. Raises ModelTooLarge / CacheFull and then changes
         nothing.
         """
+        self._policy.record_access(model)
+        return self._admit(gpu_id, model, memory_mb)
+
+    def _admit(self, gpu_id: str, model: str, memory_mb: int) -> Admission:
         cache = self._gpus[gpu_id]
         if model in cache:
             self._tick += 1
@@ -391,19 +424,25 @@ class CacheManager:
         return Admission(hit=False, evicted=tuple(victims), from_host=from_host, from_pool=from_pool)
 
     def _demote(self, host: HostTier, item: CacheItem) -> None:
-        """An evicted model enters its node's host tier, as the most recent, if it can fit."""
-        if item.memory_mb > host.capacity_mb:
+        """An evicted model (`item` holds its GPU memory) enters its node's host tier, as the most
+        recent, charged what it uses there, if it can fit."""
+        charged = CacheItem(item.model, host.charge_mb(item.model, item.memory_mb))
+        if charged.memory_mb > host.capacity_mb:
             return
         old = host.items.pop(item.model, None)  # a replica evicted from another GPU of the node
         if old is not None:
             host.used_mb -= old.memory_mb
-        while host.used_mb + item.memory_mb > host.capacity_mb:
+        host.items[item.model] = charged
+        host.used_mb += charged.memory_mb
+        self._host_directory.setdefault(item.model, set()).add(host.node)
+        self._trim_host(host)
+
+    def _trim_host(self, host: HostTier) -> None:
+        """Push out the least recently evicted entries until the tier is within its capacity."""
+        while host.used_mb > host.capacity_mb:
             _, pushed_out = host.items.popitem(last=False)
             host.used_mb -= pushed_out.memory_mb
             self._forget_host(pushed_out.model, host.node)
-        host.items[item.model] = item
-        host.used_mb += item.memory_mb
-        self._host_directory.setdefault(item.model, set()).add(host.node)
 
     def pin(self, gpu_id: str, model: str) -> None:
         self._gpus[gpu_id].pin(model)
@@ -429,14 +468,16 @@ class CacheManager:
         items, ticks = cache._items, cache._last_used_tick
         order = tuple(items)  # the keys only: what undo needs to put recency back
         clock_before = self._tick
+        undo_access = self._policy.record_access(model)
         if model in items:
             tick_before = ticks[model]
-            admission = self.admit(gpu_id, model, memory_mb)
+            admission = self._admit(gpu_id, model, memory_mb)
 
             def undo_hit() -> None:
                 ticks[model] = tick_before
                 self._tick = clock_before
                 _reorder(items, order, moved_from=order.index(model))
+                undo_access()
 
             return admission, undo_hit
         victims = cache.plan_victims(model, memory_mb)
@@ -459,6 +500,7 @@ class CacheManager:
                 self._directory.setdefault(victim.model, set()).add(gpu_id)
             self._tick = clock_before
             _reorder(items, order, moved_from=0)
+            undo_access()
 
         return admission, undo_miss
 

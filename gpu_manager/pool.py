@@ -13,8 +13,9 @@ never idles between calls; a function that batches has the waiting calls merged 
 
 Two tiers (DESIGN: GPU memory, and host memory from which a model comes back onto any GPU of its
 node): with `host_cache_mb` > 0 an evicted worker is not stopped but parked, its model kept in host
-memory (least recently parked first out, within `host_cache_mb` of declared model memory); a miss
-for that model (same package) takes it back instead of loading. On the cpu backend a worker is not
+memory (least recently parked first out, within `host_cache_mb` of the host memory parked workers
+measurably use: gpu_manager.host_tier); a miss for that model (same package) takes it back instead
+of loading. On the cpu backend a worker is not
 bound to a device, so taking it back is free; on cuda an evicted worker stops, and its weights stay
 in the node's host model pool, from which the next miss copies them (gpu_manager.host_pool).
 
@@ -39,13 +40,14 @@ import os
 import signal
 import sys
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from gpu_manager.backends import backend_class
 from gpu_manager.containers import DockerLauncher
+from gpu_manager.host_tier import ParkedTier, proportional_set_mb
 from gpu_manager.runtimes import (
     KILL_WAIT_S,
     RUNTIMES,
@@ -95,13 +97,15 @@ class WorkerPool:
         launcher: DockerLauncher | None = None,
         node: str = "node",
         prepare_weights: Callable[[str, Path], Awaitable[WeightsPlan]] | None = None,
+        measure_host_mb: Callable[[int], int | None] = proportional_set_mb,
     ) -> None:
         """`gpus`: node-local GPU id -> device index. `fetch_package(digest)` returns the package's
         directory, fetching it if needed, and the seconds that took (0: it was on disk);
         `prepare_weights(digest, directory)` what the worker maps from the host model pool and its
         requirements layer (None: neither). `wait_for_victims`: a miss waits for its victims to
         exit before loading (their device memory must be free first); default: on cuda only.
-        `host_cache_mb`: the host tier's size (0: off; the cpu backend only). `isolation`: how
+        `host_cache_mb`: the host tier's size (0: off; the cpu backend only), in MiB of what its
+        workers measurably use, read by `measure_host_mb(pid)` once parked. `isolation`: how
         workers are confined (gpu_manager.sandbox; default: all of it the node can do).
         `runtime`: "process" (forked from the zygote) or "docker" (a container per worker, made by
         `launcher` for a model: no spares; gpu_manager.containers)."""
@@ -120,6 +124,7 @@ class WorkerPool:
         self.host_cache_mb = host_cache_mb
         self._fetch_package = fetch_package
         self._prepare_weights = prepare_weights
+        self._measure_host_mb = measure_host_mb
         self.isolation = isolation if isolation is not None else Isolation()
         self.runtime = runtime
         self.node = node
@@ -150,7 +155,7 @@ class WorkerPool:
         self._workers: dict[tuple[str, str], Worker] = {}
         self._spares: dict[str, deque[Worker]] = {gpu: deque() for gpu in self.gpus}
         self._starting: dict[str, list[Worker]] = {gpu: [] for gpu in self.gpus}
-        self._parked: OrderedDict[str, Worker] = OrderedDict()  # model -> worker, oldest parked first
+        self._parked: ParkedTier[Worker] = ParkedTier(host_cache_mb)  # model -> worker, oldest parked first
         # GPU -> the exits of workers stopping there (evicted, released): a miss on that GPU waits
         # for them as for its own victims, since their device memory is not free until then.
         self._exiting: dict[str, set[asyncio.Future[None]]] = {}
@@ -308,7 +313,7 @@ class WorkerPool:
         """Stop `model`'s worker on `gpu_id` (and its copy in the host tier, if any) and wait for
         them to exit (their memory is then free); False if there was none. Calls still on it fail
         with WORKER_DIED."""
-        victims = [w for w in (self._workers.get((model, gpu_id)), self._parked.pop(model, None)) if w is not None]
+        victims = [w for w in (self._workers.get((model, gpu_id)), self._parked.pop(model)) if w is not None]
         await asyncio.gather(*(self._stop(worker) for worker in victims))
         return bool(victims)
 
@@ -328,15 +333,16 @@ class WorkerPool:
 
     async def release_from_host(self, model: str) -> bool:
         """The second stage: `model`'s copy in the host tier goes (its process stops)."""
-        worker = self._parked.pop(model, None)
+        worker = self._parked.pop(model)
         if worker is None:
             return False
         await self._stop(worker)
         return True
 
     def parked(self) -> list[tuple[str, int]]:
-        """(model, memory_mb) of the host tier's workers, least recently parked first."""
-        return [(model, w.memory_mb) for model, w in self._parked.items() if w.state is WorkerState.PARKED]
+        """(model, MiB of host memory it is charged) of the host tier's workers, least recently
+        parked first."""
+        return self._parked.models()
 
     # --- misses -----------------------------------------------------------------------------
     def _evict_for_miss(self, gpu_id: str, evict: tuple[str, ...], seq: int) -> list[asyncio.Future[None]]:
@@ -360,13 +366,20 @@ class WorkerPool:
         """Move a ready worker from its GPU to the host tier (oldest parked out past the budget)."""
         self._forget(worker)
         worker.state = WorkerState.PARKED
-        older = self._parked.pop(worker.model, None)  # another replica of the model, parked before
-        self._parked[worker.model] = worker
-        if older is not None:
-            self._track(asyncio.create_task(self._stop(older)))
-        while sum(w.memory_mb for w in self._parked.values()) > self.host_cache_mb:
-            _, oldest = self._parked.popitem(last=False)
-            self._track(asyncio.create_task(self._stop(oldest)))
+        worker.host_mb = None
+        self._stop_displaced(self._parked.park(worker))
+        if worker.pid and not worker.container and self._parked.get(worker.model) is worker:
+            self._track(asyncio.create_task(self._measure_parked(worker)))
+
+    async def _measure_parked(self, worker: Worker) -> None:
+        """Charge a parked worker what it uses (its PSS, read off the event loop)."""
+        host_mb = await asyncio.to_thread(self._measure_host_mb, worker.pid)
+        if host_mb is not None and worker.state is WorkerState.PARKED:
+            self._stop_displaced(self._parked.measured(worker, host_mb))
+
+    def _stop_displaced(self, workers: list[Worker]) -> None:
+        for displaced in workers:
+            self._track(asyncio.create_task(self._stop(displaced)))
 
     def _take_back(self, run: ModelRun, gpu_id: str) -> tuple[Worker, pb.MissStages] | None:
         """The model's parked worker (same package), now serving on `gpu_id`, or None."""
@@ -374,7 +387,7 @@ class WorkerPool:
         worker = self._parked.get(run.model)
         if worker is None or worker.state is not WorkerState.PARKED:
             return None
-        del self._parked[run.model]
+        self._parked.pop(run.model)
         if worker.run is None or worker.run.package_digest != run.package_digest:
             self._track(asyncio.create_task(self._stop(worker)))  # a redeploy: its code is stale
             return None
@@ -608,7 +621,7 @@ class WorkerPool:
         self.worker_exits[worker.exit_cause or ("shutdown" if self._closed else "died")] += 1
         self._forget(worker)
         if self._parked.get(worker.model) is worker:
-            del self._parked[worker.model]
+            self._parked.pop(worker.model)
         was_spare = False
         for group in (self._starting.get(worker.gpu_id, []), self._spares.get(worker.gpu_id, deque())):
             if worker in group:

@@ -100,6 +100,7 @@ class Worker:
         self.conn: Connection | None = None
         self.run: ModelRun | None = None
         self.memory_mb = 0
+        self.host_mb: int | None = None  # host memory measured while parked (gpu_manager.host_tier)
         loop = asyncio.get_running_loop()
         self.hello: asyncio.Future[pb.WorkerHello] = loop.create_future()
         self.loaded: asyncio.Future[pb.ModelLoaded] = loop.create_future()

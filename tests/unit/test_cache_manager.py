@@ -265,6 +265,26 @@ def test_a_dropped_model_does_not_enter_the_host_tier_and_the_tier_leaves_with_i
     assert cache.host("n0") is None and not cache.nodes_holding("B")
 
 
+def test_the_host_tier_charges_what_its_node_measured_not_declared_gpu_memory() -> None:
+    cache = tiered(host_mb=100)
+    host = cache.host("n0")
+    assert host is not None
+    cache.admit("g0", "A", 1000)
+    cache.admit("g0", "B", 1000)
+    cache.admit("g0", "C", 1000)  # evicts A: 1000 MB declared, more than the tier
+    assert host.lru_list() == []
+    # The node reports A parked at 30 MB (its worker's PSS): adopted, and the figure remembered.
+    assert cache.adopt_in_host("n0", "A", 30) and host.used_mb == 30
+    cache.admit("g1", "A", 1000)  # taken back
+    cache.admit("g0", "D", 1000)  # evicts B: not measured, charged the median of what was (30)
+    cache.admit("g0", "E", 1000)  # evicts C: likewise
+    assert host.lru_list() == ["C", "B"] and host.used_mb == 60
+    # A later report measures B at 50: 80 MB; then C at 80: 130 > 100, B (the older) goes.
+    assert cache.adopt_in_host("n0", "B", 50) and host.used_mb == 80
+    assert cache.adopt_in_host("n0", "C", 80) and host.lru_list() == ["C"] and host.used_mb == 80
+    assert not cache.nodes_holding("B")
+
+
 def test_admit_undoable_restores_the_host_tier_too() -> None:
     cache = tiered(host_mb=1000)
     for model in "ABC":

@@ -794,7 +794,10 @@ def test_the_host_tier_keeps_an_evicted_worker_and_a_miss_takes_it_back(tmp_path
 
     async def scenario() -> None:
         probe = shelf.digest("probe_function")
-        async with open_pool("cpu", shelf, gpus=("gpu0", "gpu1"), host_cache_mb=250) as node:
+        # Each parked worker measures 100 MB here (the real measure is the next test's).
+        async with open_pool(
+            "cpu", shelf, gpus=("gpu0", "gpu1"), host_cache_mb=250, measure_host_mb=lambda pid: 100
+        ) as node:
             first = ok(await node.call(on_cpu("a", probe, memory_mb=100), {}))
             ok(await node.call(on_cpu("b", probe, memory_mb=100), {}, evict=("a",), seq=1))
             assert node.models() == ["b"]  # "a" left the GPU...
@@ -822,12 +825,34 @@ def test_the_host_tier_keeps_an_evicted_worker_and_a_miss_takes_it_back(tmp_path
     run(scenario)
 
 
+def test_parked_workers_are_charged_their_measured_host_memory_not_their_declared_gpu_memory(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path)
+
+    async def scenario() -> None:
+        probe = shelf.digest("probe_function")
+        # 1,500 MB of tier and models declared at 1,000 MB: by declared memory one would fit.
+        async with open_pool("cpu", shelf, host_cache_mb=1500) as node:
+            procs = [Proc.of(ok(await node.call(on_cpu("a", probe, memory_mb=1000), {}, seq=1))["pid"])]
+            for seq, (model, victim) in enumerate(zip("bcd", "abc", strict=True), start=2):
+                call = await node.call(on_cpu(model, probe, memory_mb=1000), {}, evict=(victim,), seq=seq)
+                procs.append(Proc.of(ok(call)["pid"]))
+                # Measured once parked (until then a worker is charged its declared 1,000 MB).
+                await eventually(lambda: all(mb < 1000 for _, mb in node.pool.parked()), f"{victim} charged its PSS")
+            assert [m for m, _ in node.pool.parked()] == ["a", "b", "c"]
+            procs.pop()  # d's, on the GPU
+            assert all(p.running for p in procs)
+            for _, host_mb in node.pool.parked():
+                assert 0 < host_mb < 500  # a worker forked from the zygote shares most of its pages
+
+    run(scenario)
+
+
 def test_staged_exit_parks_an_idle_worker_then_stops_it_and_leaves_a_busy_or_regranted_one(tmp_path: Path) -> None:
     shelf = Shelf(tmp_path)
 
     async def scenario() -> None:
         probe = shelf.digest("probe_function")
-        async with open_pool("cpu", shelf, host_cache_mb=1000) as node:
+        async with open_pool("cpu", shelf, host_cache_mb=1000, measure_host_mb=lambda pid: 100) as node:
             proc = Proc.of(ok(await node.call(on_cpu("a", probe, memory_mb=100), {}, seq=1))["pid"])
             # Released to the host tier: off the GPU, its process kept, reported as parked.
             assert await node.pool.release("a", "gpu0", to_host=True, seq=1) is True
