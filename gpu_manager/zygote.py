@@ -27,7 +27,7 @@ import time
 import traceback
 
 from gpu_manager.backends import WorkerDevice, backend_class
-from gpu_manager.sandbox import isolate_network
+from gpu_manager.sandbox import isolate_network, plan_import_path
 from gpu_manager.worker import run_worker
 
 MAX_MESSAGE_BYTES = 1024
@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     backend.setup()
     backend.import_runtime()
     import_s = time.perf_counter() - started_s
+    plan_import_path()  # what confining a worker will change, found once here (gpu_manager.sandbox)
     # Everything imported so far is shared with the workers until written; the garbage collector
     # would write to every object it scans (copying each page in each worker), so it leaves the
     # zygote's objects alone from now on (as Instagram's pre-fork servers do).

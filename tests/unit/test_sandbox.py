@@ -4,6 +4,8 @@ the output budget, and which directories others can reach."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,8 @@ from gpu_manager.sandbox import (
     package_uid,
     worker_environment,
 )
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_package_user_is_fixed_by_its_digest_and_clear_of_host_ids() -> None:
@@ -108,3 +112,45 @@ def test_locking_a_package_leaves_the_blobs_it_shares_as_they_are(tmp_path: Path
     assert ((package / "sub").stat().st_gid, (package / "sub").stat().st_mode & 0o777) == (4242, 0o750)
     shared = blob.stat()
     assert (shared.st_uid, shared.st_gid, shared.st_mode & 0o777) == (0, 0, 0o444)  # another package's too
+
+
+PLANNED_CONFINEMENT = r"""
+import os, sys
+sys.path.insert(0, sys.argv[2])
+from gpu_manager.sandbox import Confinement, confine, plan_import_path
+root = sys.argv[1]
+for name in ("early", "late"):  # packages in directories only root can reach
+    package = os.path.join(root, "private", name, "pkg_" + name)
+    os.makedirs(package)
+    for file in ("__init__.py", "sub.py"):
+        open(os.path.join(package, file), "w").write("VALUE = 1\n")
+os.chmod(os.path.join(root, "private"), 0o700)
+sys.path.insert(0, os.path.join(root, "private", "early"))
+import pkg_early
+plan = plan_import_path()  # as the zygote does, before it forks workers
+assert os.path.join(root, "private", "early") in plan.unreachable, plan.unreachable
+assert "pkg_early" in plan.affected and "pkg_late" not in plan.seen
+sys.path.insert(0, os.path.join(root, "private", "late"))
+import pkg_late  # imported after the plan (as a worker's backend may)
+finders = set(sys.path_importer_cache)
+confine(Confinement(uid=65534, gid=65534, data_limit_mb=None, max_processes=64, max_file_mb=64, home=root))
+import pkg_early.sub, pkg_late.sub  # reached through handles, as the package's user
+assert os.getuid() == 65534 and pkg_early.__path__[0].startswith("/proc/self/fd/")
+kept = {d for d in finders if d not in plan.unreachable and not d.startswith(root)}
+assert kept and kept <= set(sys.path_importer_cache)  # only the replaced directories' finders went
+print("ok")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
+def test_a_planned_confinement_keeps_private_import_directories_reachable(tmp_path: Path) -> None:
+    tmp_path.chmod(0o755)
+    out = subprocess.run(
+        [sys.executable, "-c", PLANNED_CONFINEMENT, str(tmp_path), str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+        check=False,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
