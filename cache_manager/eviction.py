@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from typing import ClassVar
@@ -40,6 +42,11 @@ class EvictionPolicy(ABC):
         `lru_order` lists (model, memory_mb) from least to most recently used. Pinned models
         must never be returned.
         """
+
+    def record_access(self, model: str) -> Callable[[], None]:
+        """`model` was admitted to a GPU (a hit or a miss). For policies that count accesses;
+        returns how to take the count back (the scheduler's drafts undo admissions)."""
+        return _nothing
 
     def first_victim(
         self,
@@ -81,29 +88,11 @@ class LruEviction(EvictionPolicy, name="lru"):
         return next((model for model, _ in lru_order if not is_pinned(model)), None)
 
 
-DEFAULT_HEAVY_MB = 2048  # a model at least this large is "heavy": slow to swap back in
+class _RankedVictims:
+    """Victims in the order a policy's `_order` ranks a GPU's unpinned models, first ones first."""
 
-
-class HeavinessEviction(EvictionPolicy, name="heaviness"):
-    """Torpor's eviction: under pressure, keep one replica of each model across the GPUs (evict
-    models that another GPU also holds first), then evict light models (cheap to swap back in)
-    before heavy ones, least recently used first within each group. Heavy: `memory_mb` at
-    least `heavy_mb` (Torpor measures swap interference; size stands for it here)."""
-
-    def __init__(self, heavy_mb: int = DEFAULT_HEAVY_MB) -> None:
-        self.heavy_mb = heavy_mb
-
-    def _order(self, lru_order: Iterable[tuple[str, int]], is_pinned: Callable[[str], bool]) -> list[tuple[str, int]]:
-        replicas_of = self.replicas_of
-        candidates = [(rank, model, mb) for rank, (model, mb) in enumerate(lru_order) if not is_pinned(model)]
-        candidates.sort(
-            key=lambda c: (
-                (replicas_of(c[1]) if replicas_of is not None else 1) <= 1,  # replicated ones first
-                c[2] >= self.heavy_mb,  # then light before heavy
-                c[0],  # then least recently used first
-            )
-        )
-        return [(model, mb) for _, model, mb in candidates]
+    def _order(self, lru_order: Sequence[tuple[str, int]], is_pinned: Callable[[str], bool]) -> list[tuple[str, int]]:
+        raise NotImplementedError
 
     def choose_victims(
         self,
@@ -121,8 +110,128 @@ class HeavinessEviction(EvictionPolicy, name="heaviness"):
     ) -> str | None:
         if needed_mb <= 0:
             return None
-        ordered = self._order(lru_order, is_pinned)
+        ordered = self._order(list(lru_order), is_pinned)
         return ordered[0][0] if ordered else None
+
+
+DEFAULT_HEAVY_MB = 2048  # a model at least this large is "heavy": slow to swap back in
+
+
+class HeavinessEviction(_RankedVictims, EvictionPolicy, name="heaviness"):
+    """Torpor's eviction: under pressure, keep one replica of each model across the GPUs (evict
+    models that another GPU also holds first), then evict light models (cheap to swap back in)
+    before heavy ones, least recently used first within each group. Heavy: `memory_mb` at
+    least `heavy_mb` (Torpor measures swap interference; size stands for it here)."""
+
+    def __init__(self, heavy_mb: int = DEFAULT_HEAVY_MB) -> None:
+        self.heavy_mb = heavy_mb
+
+    def _order(self, lru_order: Sequence[tuple[str, int]], is_pinned: Callable[[str], bool]) -> list[tuple[str, int]]:
+        replicas_of = self.replicas_of
+        candidates = [(rank, model, mb) for rank, (model, mb) in enumerate(lru_order) if not is_pinned(model)]
+        candidates.sort(
+            key=lambda c: (
+                (replicas_of(c[1]) if replicas_of is not None else 1) <= 1,  # replicated ones first
+                c[2] >= self.heavy_mb,  # then light before heavy
+                c[0],  # then least recently used first
+            )
+        )
+        return [(model, mb) for _, model, mb in candidates]
+
+
+class FrequencySketch:
+    """How often each key was seen lately, approximately, in fixed memory (TinyLFU's count-min
+    sketch): `depth` rows of `width` counters, each key counted in one counter per row (picked by
+    a stable hash, so runs repeat), its estimate the smallest of them. Counters stop at 15, and
+    every `10 x width` additions all of them halve, so that old popularity fades."""
+
+    MAX_COUNT = 15
+
+    def __init__(self, width: int = 1024, depth: int = 4) -> None:
+        if width < 1 or width > 1 << 16 or depth < 1 or depth > 4:
+            raise ValueError(f"width must be 1..65536 and depth 1..4, got {width} and {depth}")
+        self.width = width
+        self.depth = depth
+        self.sample_size = 10 * width
+        self._rows = [[0] * width for _ in range(depth)]
+        self._additions = 0
+        self._slots: dict[str, tuple[int, ...]] = {}  # key -> its counter in each row
+
+    def estimate(self, key: str) -> int:
+        return min(row[slot] for row, slot in zip(self._rows, self._slots_of(key), strict=True))
+
+    def add(self, key: str) -> Callable[[], None]:
+        """Count `key` once; returns how to undo exactly that (last-in first-out)."""
+        slots = self._slots_of(key)
+        before = [row[slot] for row, slot in zip(self._rows, slots, strict=True)]
+        for row, slot in zip(self._rows, slots, strict=True):
+            if row[slot] < self.MAX_COUNT:
+                row[slot] += 1
+        self._additions += 1
+        if self._additions < self.sample_size:
+
+            def undo() -> None:
+                self._additions -= 1
+                for row, slot, value in zip(self._rows, slots, before, strict=True):
+                    row[slot] = value
+
+            return undo
+        snapshot = [row[:] for row in self._rows]
+        for row, slot, value in zip(snapshot, slots, before, strict=True):
+            row[slot] = value
+        self._age()
+
+        def undo_with_aging() -> None:
+            self._rows = snapshot
+            self._additions = self.sample_size - 1
+
+        return undo_with_aging
+
+    def _age(self) -> None:
+        for row in self._rows:
+            row[:] = [count >> 1 for count in row]
+        self._additions //= 2
+
+    def _slots_of(self, key: str) -> tuple[int, ...]:
+        slots = self._slots.get(key)
+        if slots is None:
+            digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+            slots = tuple(int.from_bytes(digest[2 * i : 2 * i + 2], "little") % self.width for i in range(self.depth))
+            self._slots[key] = slots
+        return slots
+
+
+class TinyLfuEviction(_RankedVictims, EvictionPolicy, name="tinylfu"):
+    """Frequency-aware eviction after TinyLFU (Einziger et al.; Caffeine's W-TinyLFU): every
+    admission is counted in a `FrequencySketch` that forgets with time, and victims are the
+    models used least often lately, least recently used first among equals. The most recently
+    used `window` share of a GPU's models (at least one) is a window that goes last, so a model
+    just loaded is not evicted by the next miss for having no history yet. A miss cannot be
+    refused here (the call needs its model on the GPU), so TinyLFU's admission filter becomes the
+    victim choice."""
+
+    def __init__(self, width: int = 1024, window: float = 0.1) -> None:
+        if not 0.0 <= window < 1.0:
+            raise ValueError(f"window must be in [0, 1), got {window}")
+        self.sketch = FrequencySketch(width)
+        self.window = window
+
+    def record_access(self, model: str) -> Callable[[], None]:
+        return self.sketch.add(model)
+
+    def _order(self, lru_order: Sequence[tuple[str, int]], is_pinned: Callable[[str], bool]) -> list[tuple[str, int]]:
+        protected_from = len(lru_order) - max(1, math.ceil(len(lru_order) * self.window))
+        candidates = [
+            (rank >= protected_from, self.sketch.estimate(model), rank, model, mb)
+            for rank, (model, mb) in enumerate(lru_order)
+            if not is_pinned(model)
+        ]
+        candidates.sort()
+        return [(model, mb) for *_, model, mb in candidates]
+
+
+def _nothing() -> None:
+    pass
 
 
 def _take_until(candidates: Iterable[tuple[str, int]], needed_mb: int) -> list[str] | None:

@@ -158,8 +158,8 @@ def sim(
     eviction: Annotated[
         str,
         typer.Option(
-            help="Which models a miss evicts: lru (the paper's) or heaviness (Torpor's: replicated models first, "
-            "then light before heavy, LRU within)."
+            help="Which models a miss evicts: lru (the paper's), heaviness (Torpor's: replicated models first, "
+            "then light before heavy, LRU within) or tinylfu (the least used lately, after TinyLFU)."
         ),
     ] = "lru",
     host_to_gpu_mb_s: Annotated[
@@ -271,6 +271,7 @@ def sim(
                 torpor_alpha_period_s=torpor_alpha_period_s or None,
                 batching=batching,
                 on_progress=advance,
+                optimum=True,
             )
         if plot is not None:
             (plot_sweep if limits is not None else plot_policies)(results, plot)
@@ -371,6 +372,7 @@ def _print_table(results: Sequence[SimResult], meta: Mapping[str, object]) -> No
         ("p50 (s)", "p50_latency_s"),
         ("p99 (s)", "p99_latency_s"),
         ("miss ratio", "miss_ratio"),
+        ("optimal", "optimal_miss_ratio"),
         ("false miss", "false_miss_ratio"),
         ("top replicas", "avg_top_model_replicas"),
         ("GPU util", "gpu_utilization"),
@@ -386,6 +388,9 @@ def _print_table(results: Sequence[SimResult], meta: Mapping[str, object]) -> No
         row = []
         for _, field in columns:
             value = getattr(result, field)
+            if field == "optimal_miss_ratio":  # a floor; "≥" where the solver only bounded it
+                row.append("-" if value is None else f"{'' if result.optimal_exact else '≥'}{value:.3f}")
+                continue
             row.append(f"{value:.3f}" if isinstance(value, float) else str(value))
         table.add_row(*row)
     Console(width=None if sys.stdout.isatty() else 200).print(table)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cache_manager import EvictionPolicy
 from gpufaas.credentials import wire_key
 from gpufaas.keys import Keys
 from gpufaas.metrics import MetricsServer
@@ -32,6 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--advertise", default=None, help="address gateways dial (default: the listen address)")
     parser.add_argument("--policy", default="lalb-o3", choices=registered_policies())
     parser.add_argument("--o3-limit", type=int, default=25, help="lalb-o3: max skips per request")
+    parser.add_argument(
+        "--eviction",
+        default="lru",
+        choices=sorted(EvictionPolicy.registry),
+        help="which models a miss evicts from a GPU: lru (the paper's), heaviness (Torpor's) or tinylfu "
+        "(the least used lately; docs/policies.md) (default %(default)s)",
+    )
     parser.add_argument("--queue-capacity", type=int, default=10_000, help="calls waiting before 429")
     parser.add_argument(
         "--slots",
@@ -88,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             keys=Keys(args.root),
             policy=args.policy,
             max_num_skips=args.o3_limit,
+            eviction=args.eviction,
             queue_capacity=args.queue_capacity,
             slots=slots,
             claim_s=args.claim_s,

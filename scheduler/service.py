@@ -22,7 +22,7 @@ from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_manager import CacheManager
+from cache_manager import CacheManager, eviction_policy
 from gpufaas import grants
 from gpufaas.cluster import NodeRecord
 from gpufaas.errors import GpufaasError
@@ -125,13 +125,15 @@ class SchedulerService:
         gpu_idle_release_s: float | None = None,
         host_idle_release_s: float | None = None,
         prestage_nodes: int = DEFAULT_PRESTAGE_NODES,
+        eviction: str = "lru",
     ) -> None:
         """`wire_key`: the cluster's wire key (gpufaas.credentials); gateways must prove it, and
         nodes are trusted only once they have. None: no handshake (tests of the logic only).
         `gpu_idle_release_s`, `host_idle_release_s`: EDAS's staged exit, None = that stage off: a
         model unused on a GPU this long leaves it (for its node's host tier, where the node has
         one), and one in a host tier this long leaves that too. `prestage_nodes`: how many nodes
-        get a new function's package before its first call (0: none; calls fetch it)."""
+        get a new function's package before its first call (0: none; calls fetch it). `eviction`:
+        the registered eviction policy a miss chooses its victims by (cache_manager.eviction)."""
         for name, value in (
             ("gpu_idle_release_s", gpu_idle_release_s),
             ("host_idle_release_s", host_idle_release_s),
@@ -152,7 +154,7 @@ class SchedulerService:
         self.scheduler = Scheduler(
             make_policy(policy, PolicyConfig(max_num_skips=max_num_skips)),
             estimator=Estimator(paper_table1()),
-            cache=CacheManager(),
+            cache=CacheManager(eviction_policy(eviction)),
         )
         self.book = CallBook(self.scheduler, queue_capacity, claim_s=claim_s, lost_after_s=lost_after_s)
         self.metrics = SchedulerMetrics(self.scheduler)

@@ -198,6 +198,10 @@ class SimResult:
     releases: int = 0  # staged-exit releases (GPU -> host, host -> gone)
     literal_visits: bool = False  # Algorithm 1's visit counting read literally (PolicyConfig)
     interference: float | None = None  # ClusterConfig's: None, D calls on a GPU run one at a time
+    # The floor (simulator.optimal): the fewest misses per request any eviction could have on this
+    # workload's arrival order in the pooled GPU memory; None where it was not computed.
+    optimal_miss_ratio: float | None = None
+    optimal_exact: bool | None = None  # False: a bound the solver proved before its time limit
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -15,6 +16,7 @@ from scheduler import registered_policies
 from scheduler.policies.mqfq import DEFAULT_OVERRUN_S
 from scheduler.policies.torpor import DEFAULT_ALPHA_PERIOD_S
 from simulator.engine import Batching, ClusterConfig, SimResult, simulate
+from simulator.optimal import Optimum, optimal_misses
 from simulator.workload import TraceCounts, Workload, WorkloadConfig, build_workload
 
 SHIPPED_TRACE = "traces/azure2019-500fn/invocations.csv"
@@ -93,13 +95,20 @@ def execute(
     torpor_alpha_period_s: float | None = DEFAULT_ALPHA_PERIOD_S,
     batching: Batching | None = None,
     on_progress: Callable[[int], None] | None = None,
+    optimum: bool = False,
 ) -> list[SimResult]:
     """Run each simulation on its working set's workload (the same requests for every policy);
     `batching` applies to every function of the workload (None: no batching). `on_progress(n)`
-    is told of every `n` requests completed."""
+    is told of every `n` requests completed. With `optimum`, each result carries the workload's
+    floor (`workload_optimum`), computed once per workload."""
     results = []
+    floors: dict[tuple[int, MappingSeed], Optimum] = {}
     for run in runs:
-        workload = workloads[(run.working_set, run.mapping_seed)]
+        key = (run.working_set, run.mapping_seed)
+        workload = workloads[key]
+        if optimum and key not in floors:
+            with contextlib.suppress(ImportError):  # several sizes and no scipy: no floor to show
+                floors[key] = workload_optimum(workload, cluster)
         done = [0]
 
         def progress(completed: int, done: list[int] = done) -> None:
@@ -122,7 +131,19 @@ def execute(
                 on_progress=progress,
             )
         )
+        if key in floors:
+            results[-1] = replace(
+                results[-1], optimal_miss_ratio=floors[key].miss_ratio, optimal_exact=floors[key].exact
+            )
     return results
+
+
+def workload_optimum(workload: Workload, cluster: ClusterConfig) -> Optimum:
+    """The fewest misses any eviction could have on `workload`'s arrival order in the cluster's
+    GPU memory pooled (simulator.optimal)."""
+    memory_of = {profile.model: profile.memory_mb for profile in workload.profiles}
+    sequence = [(request.model, memory_of[request.model]) for request in workload.requests]
+    return optimal_misses(sequence, cluster.gpus * cluster.gpu_memory_mb)
 
 
 @dataclass(frozen=True, slots=True)

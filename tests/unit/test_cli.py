@@ -44,6 +44,8 @@ def test_json_output_has_the_paper_metrics() -> None:
     assert data["policy"] == "lalb"
     assert data["requests"] == data["completed"] == 650
     assert 0.0 <= data["miss_ratio"] <= 1.0
+    # The floor beside it: the offline optimum of the same requests in the pooled GPU memory.
+    assert data["optimal_exact"] is True and 0.0 < data["optimal_miss_ratio"] <= data["miss_ratio"]
 
 
 def test_compare_runs_every_policy_on_the_same_workload() -> None:
