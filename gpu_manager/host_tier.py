@@ -4,11 +4,12 @@ A parked worker is a process whose model stays loaded in host memory after its G
 miss for the model takes it back (one message, no process start). The tier's budget is host
 memory, so each worker is charged its proportional set size (PSS: its private pages plus its share
 of the pages it shares with the zygote and the other workers; the sum over processes is what they
-use together), read from /proc once it is parked. Until then, and for a worker whose memory the
-node cannot read (a container's process in its own PID namespace), it is charged what the last
-worker of the same model measured, else the median of what parked workers measured, else the
-model's declared memory. A cpu worker of a 100 MB model measures about 17 MB: charging declared
-memory kept a sixth of the models a 4 GB tier can hold.
+use together), read from /proc once it is parked, for one worker of each model a minute (reading
+it walks the page tables: 1-4 ms of the node's CPU, more than a take-back costs). Until then, and
+for a worker whose memory the node cannot read (a container's process in its own PID namespace),
+it is charged what the last worker of the same model measured, else the median of what parked
+workers measured, else the model's declared memory. A cpu worker of a 100 MB model measures
+about 17 MB: charging declared memory kept a sixth of the models a 4 GB tier can hold.
 
 `ParkedTier` is plain bookkeeping (no I/O, no clock): the pool measures, and stops what the tier
 pushes out.
@@ -21,6 +22,7 @@ from collections import OrderedDict
 from typing import Generic, Protocol, TypeVar
 
 _MIB = 1024 * 1024
+REMEASURE_S = 60.0  # a model's parked workers are measured at most this often
 
 
 class Parkable(Protocol):
@@ -39,12 +41,21 @@ W = TypeVar("W", bound=Parkable)
 class ParkedTier(Generic[W]):
     """Parked workers by model, least recently parked first, within `budget_mb` of host memory."""
 
-    def __init__(self, budget_mb: int) -> None:
+    def __init__(self, budget_mb: int, *, remeasure_s: float = REMEASURE_S) -> None:
         if budget_mb < 0:
             raise ValueError(f"the host tier's budget must be >= 0 MiB, got {budget_mb}")
         self.budget_mb = budget_mb
+        self.remeasure_s = remeasure_s
         self._workers: OrderedDict[str, W] = OrderedDict()
         self._measured_mb: dict[str, int] = {}  # model -> its last parked worker's footprint
+        self._measured_at_s: dict[str, float] = {}  # model -> when that was read
+
+    def wants_measure(self, model: str, now_s: float) -> bool:
+        """Whether a worker of `model` parked at `now_s` should be measured: none of the model's
+        was in the last `remeasure_s` (a worker of the same model and runtime uses about the same;
+        reading the figure costs the node 1-4 ms of CPU, more than taking a worker back)."""
+        at_s = self._measured_at_s.get(model)
+        return at_s is None or now_s - at_s >= self.remeasure_s
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -88,12 +99,13 @@ class ParkedTier(Generic[W]):
         self._workers[worker.model] = worker
         return displaced + self._trim()
 
-    def measured(self, worker: W, host_mb: int) -> list[W]:
-        """`worker`'s footprint was read: charge it that from now on (and remember it for its
-        model's next worker, and for the estimate of those not measured yet); returns the workers
-        now past the budget, the oldest first."""
+    def measured(self, worker: W, host_mb: int, now_s: float) -> list[W]:
+        """`worker`'s footprint was read at `now_s`: charge it that from now on (and remember it
+        for its model's next workers, and for the estimate of those not measured yet); returns
+        the workers now past the budget, the oldest first."""
         worker.host_mb = host_mb
         self._measured_mb[worker.model] = host_mb
+        self._measured_at_s[worker.model] = now_s
         return self._trim()
 
     def _trim(self) -> list[W]:

@@ -368,14 +368,15 @@ class WorkerPool:
         worker.state = WorkerState.PARKED
         worker.host_mb = None
         self._stop_displaced(self._parked.park(worker))
-        if worker.pid and not worker.container and self._parked.get(worker.model) is worker:
+        measurable = worker.pid and not worker.container and self._parked.get(worker.model) is worker
+        if measurable and self._parked.wants_measure(worker.model, time.monotonic()):
             self._track(asyncio.create_task(self._measure_parked(worker)))
 
     async def _measure_parked(self, worker: Worker) -> None:
         """Charge a parked worker what it uses (its PSS, read off the event loop)."""
         host_mb = await asyncio.to_thread(self._measure_host_mb, worker.pid)
         if host_mb is not None and worker.state is WorkerState.PARKED:
-            self._stop_displaced(self._parked.measured(worker, host_mb))
+            self._stop_displaced(self._parked.measured(worker, host_mb, time.monotonic()))
 
     def _stop_displaced(self, workers: list[Worker]) -> None:
         for displaced in workers:

@@ -23,10 +23,10 @@ def test_a_worker_is_charged_its_measure_else_its_models_else_the_median_else_de
     a = Parked("a")
     tier.park(a)
     assert tier.models() == [("a", 100)]  # nothing measured yet: declared
-    tier.measured(a, 17)
+    tier.measured(a, 17, 0.0)
     b, c = Parked("b", memory_mb=400), Parked("c", memory_mb=400)
     tier.park(b)
-    tier.measured(b, 23)
+    tier.measured(b, 23, 0.0)
     tier.park(c)
     assert tier.models() == [("a", 17), ("b", 23), ("c", 20)]  # c: the median of 17 and 23
     assert tier.used_mb == 60
@@ -57,12 +57,12 @@ def test_a_measure_above_the_estimate_pushes_out_the_oldest_even_of_a_worker_gon
     for worker in (a, b, c):
         tier.park(worker)
     assert tier.used_mb == 300
-    assert tier.measured(c, 150) == [a]  # c uses more than declared: a (oldest) is pushed out
+    assert tier.measured(c, 150, 0.0) == [a]  # c uses more than declared: a (oldest) is pushed out
     assert tier.models() == [("b", 150), ("c", 150)]  # b: charged c's measure, the only one known
     # A worker measured after it left the tier is not charged, but its figure moves the estimate
     # of those not measured yet: b is now charged the median of 150 and 999, and no longer fits.
     gone = Parked("gone")
-    assert tier.measured(gone, 999) == [b]
+    assert tier.measured(gone, 999, 0.0) == [b]
     assert tier.models() == [("c", 150)]
 
 
@@ -77,3 +77,16 @@ def test_the_pss_of_this_process_is_read_and_a_missing_process_reads_as_none() -
     mine = proportional_set_mb(os.getpid())
     assert mine is not None and 1 <= mine < 64 * 1024
     assert proportional_set_mb(2**22 + 12345) is None  # above pid_max: no such process
+
+
+def test_a_model_is_measured_again_only_once_its_last_measure_is_old() -> None:
+    tier: ParkedTier[Parked] = ParkedTier(1000, remeasure_s=60.0)
+    a = Parked("a")
+    assert tier.wants_measure("a", 0.0)
+    tier.park(a)
+    tier.measured(a, 17, 10.0)
+    tier.pop("a")
+    again = Parked("a")
+    tier.park(again)
+    assert not tier.wants_measure("a", 69.9) and tier.charge_mb(again) == 17  # the model's figure
+    assert tier.wants_measure("a", 70.0) and tier.wants_measure("b", 0.0)
