@@ -12,6 +12,7 @@ from gpu_manager.containers import DEFAULT_IMAGE
 from gpu_manager.daemon import DEFAULT_HOST_CACHE_MB, GpuManagerDaemon
 from gpu_manager.devices import discover_nvml, logical_devices
 from gpu_manager.sandbox import Isolation
+from gpu_manager.spares import DEFAULT_MAX_EXTRA
 from gpufaas.credentials import node_token, wire_key
 from gpufaas.keys import Keys
 from gpufaas.metrics import MetricsServer
@@ -82,6 +83,13 @@ def main(argv: list[str] | None = None) -> int:
         "--spares", type=int, default=1, help="warm spare workers per GPU (a miss takes one; 0: start a process)"
     )
     parser.add_argument(
+        "--extra-spares",
+        type=int,
+        default=DEFAULT_MAX_EXTRA,
+        help="spares beyond --spares a GPU may keep while misses come faster than spares are made, when the "
+        "CPUs are not all busy (not on cuda, where a spare holds GPU memory) (default %(default)s)",
+    )
+    parser.add_argument(
         "--max-payload-mb", type=float, default=16.0, help="largest payload or result a call may carry (MiB)"
     )
     parser.add_argument(
@@ -123,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         devices = logical_devices(args.gpus, args.gpu_memory_mb, args.gpu_type or backend)
     if (args.disk_cache_mb is not None and args.disk_cache_mb < 1) or (args.pool_mb is not None and args.pool_mb < 0):
         parser.error("--disk-cache-mb must be >= 1 and --pool-mb >= 0")
-    if args.spares < 0 or args.max_payload_mb <= 0:
-        parser.error("--spares must be >= 0 and --max-payload-mb positive")
+    if args.spares < 0 or args.extra_spares < 0 or args.max_payload_mb <= 0:
+        parser.error("--spares and --extra-spares must be >= 0 and --max-payload-mb positive")
+    if not args.spares:
+        args.extra_spares = 0  # no spares asked for (the docker runtime): none made ahead either
     if args.runtime == "docker" and args.spares:
         parser.error("--runtime docker keeps no warm spares (a container is made for its model): pass --spares 0")
     host_cache_mb = (
@@ -160,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             blob_advertise=args.blob_advertise,
             keys=Keys(args.root),
             spares_per_gpu=args.spares,
+            extra_spares=args.extra_spares,
             max_body_bytes=int(args.max_payload_mb * 1024 * 1024),
             host_cache_mb=host_cache_mb,
             wire_key=wire_key(secret) if secret is not None else None,

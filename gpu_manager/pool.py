@@ -1,7 +1,8 @@
 """The node's worker processes: warm spares per GPU, one worker per (model, GPU), calls pipelined.
 
 A miss costs a weight load, not a process start: each GPU keeps `spares_per_gpu` spare workers
-that have imported the runtime (torch) and created their device context. A miss takes one, sends
+(more while misses come faster than spares are made: gpu_manager.spares) that have imported the
+runtime (torch) and created their device context. A miss takes one, sends
 it the model, and a new spare starts in the background. Meanwhile the package is fetched (if this
 node lacks it) and its weights are readied (mapped from the node's host model pool: the node's
 `prepare_weights`), or its files read ahead into host memory, in parallel with waiting for a
@@ -59,6 +60,7 @@ from gpu_manager.runtimes import (
     Runtime,
 )
 from gpu_manager.sandbox import Isolation, lock_package, package_uid
+from gpu_manager.spares import SpareTarget
 from gpu_manager.workers import EXIT_CAUSES, NO_WEIGHTS, ModelRun, RunResult, WeightsPlan, Worker, WorkerState
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import ConnectionLost, Frame, MessageType
@@ -88,6 +90,7 @@ class WorkerPool:
         gpus: dict[str, int],
         fetch_package: Callable[[str], Awaitable[tuple[Path, float]]],
         spares_per_gpu: int = 1,
+        extra_spares: int = 0,
         max_body_bytes: int = 16 * 1024 * 1024,
         wait_for_victims: bool | None = None,
         host_cache_mb: int = 0,
@@ -98,6 +101,7 @@ class WorkerPool:
         node: str = "node",
         prepare_weights: Callable[[str, Path], Awaitable[WeightsPlan]] | None = None,
         measure_host_mb: Callable[[int], int | None] = proportional_set_mb,
+        cpu_busy: Callable[[], bool] | None = None,
     ) -> None:
         """`gpus`: node-local GPU id -> device index. `fetch_package(digest)` returns the package's
         directory, fetching it if needed, and the seconds that took (0: it was on disk);
@@ -107,13 +111,18 @@ class WorkerPool:
         `host_cache_mb`: the host tier's size (0: off; the cpu backend only), in MiB of what its
         workers measurably use, read by `measure_host_mb(pid)` once parked. `isolation`: how
         workers are confined (gpu_manager.sandbox; default: all of it the node can do).
-        `runtime`: "process" (forked from the zygote) or "docker" (a container per worker, made by
-        `launcher` for a model: no spares; gpu_manager.containers)."""
+        `extra_spares`: how many spares beyond `spares_per_gpu` a GPU may keep while misses come
+        faster than spares are made and `cpu_busy()` says no (default: the load average below the
+        CPU count; gpu_manager.spares; 0 on cuda). `runtime`: "process" (forked
+        from the zygote) or "docker" (a container per worker, made by `launcher` for a model: no
+        spares; gpu_manager.containers)."""
         if runtime not in RUNTIMES:
             raise ValueError(f"unknown worker runtime {runtime!r}; use one of {', '.join(RUNTIMES)}")
         backend_class(backend)  # an unknown name fails here, at startup, listing the valid ones
         if spares_per_gpu < 0:
             raise ValueError(f"spares_per_gpu must be >= 0, got {spares_per_gpu}")
+        if extra_spares < 0:
+            raise ValueError(f"extra_spares must be >= 0, got {extra_spares}")
         if host_cache_mb < 0 or (host_cache_mb and backend != "cpu"):
             raise ValueError(f"host_cache_mb must be >= 0, and 0 on the {backend} backend (a cpu-backend tier)")
         self.backend = backend
@@ -125,6 +134,7 @@ class WorkerPool:
         self._fetch_package = fetch_package
         self._prepare_weights = prepare_weights
         self._measure_host_mb = measure_host_mb
+        self._cpu_busy = cpu_busy if cpu_busy is not None else _cpu_busy
         self.isolation = isolation if isolation is not None else Isolation()
         self.runtime = runtime
         self.node = node
@@ -155,6 +165,10 @@ class WorkerPool:
         self._workers: dict[tuple[str, str], Worker] = {}
         self._spares: dict[str, deque[Worker]] = {gpu: deque() for gpu in self.gpus}
         self._starting: dict[str, list[Worker]] = {gpu: [] for gpu in self.gpus}
+        # Up to `extra_spares` beyond the floor follow the miss rate (gpu_manager.spares); not on
+        # cuda, where each spare holds a device context the GPU's registered capacity leaves out.
+        extra = 0 if backend == "cuda" else extra_spares
+        self._spare_targets = {gpu: SpareTarget(spares_per_gpu, max_extra=extra) for gpu in self.gpus}
         self._parked: ParkedTier[Worker] = ParkedTier(host_cache_mb)  # model -> worker, oldest parked first
         # GPU -> the exits of workers stopping there (evicted, released): a miss on that GPU waits
         # for them as for its own victims, since their device memory is not free until then.
@@ -394,6 +408,9 @@ class WorkerPool:
             return None
         worker.gpu_id = gpu_id
         worker.state = WorkerState.READY
+        # Grants are ordered per GPU: the order it was used in on its last GPU means nothing here
+        # (kept, it made a later grant's eviction of it look stale, and it stayed for good).
+        worker.last_seq = 0
         self._workers[(run.model, gpu_id)] = worker
         return worker, pb.MissStages(from_host=True, host_s=time.perf_counter() - started)
 
@@ -401,6 +418,7 @@ class WorkerPool:
         """Claim a worker for `run` on `gpu_id` now (a spare if one is warm, else one that is
         starting, else a new process), so that concurrent calls of the model share its load."""
         spares = self._spares[gpu_id]
+        self._spare_targets[gpu_id].record_load(time.monotonic())
         if spares:
             worker = spares.popleft()
         elif self._starting[gpu_id]:
@@ -562,7 +580,8 @@ class WorkerPool:
     def _replenish(self, gpu_id: str) -> None:
         if self._closed:
             return
-        while len(self._spares[gpu_id]) + len(self._starting[gpu_id]) < self.spares_per_gpu:
+        target = self._spare_targets[gpu_id].target(time.monotonic(), cpu_busy=self._cpu_busy())
+        while len(self._spares[gpu_id]) + len(self._starting[gpu_id]) < target:
             self._starting[gpu_id].append(self._spawn(gpu_id))
 
     def _spawn(self, gpu_id: str, run: ModelRun | None = None) -> Worker:
@@ -599,6 +618,8 @@ class WorkerPool:
         return uid
 
     def _on_hello(self, worker: Worker) -> None:
+        if worker.hello.exception() is None and worker.gpu_id in self._spare_targets:
+            self._spare_targets[worker.gpu_id].record_start(worker.warm_s - worker.spawned_s)
         if (
             self.isolation.network
             and worker.hello.exception() is None
@@ -684,6 +705,15 @@ class _LoadFailed(Exception):
         super().__init__(message)
         self.outcome = outcome
         self.message = message
+
+
+def _cpu_busy() -> bool:
+    """Whether the machine's CPUs are all busy (the last minute's load average at their number):
+    no spares are made ahead then, beyond each GPU's floor."""
+    try:
+        return os.getloadavg()[0] >= (os.cpu_count() or 1)
+    except OSError:
+        return False
 
 
 def _read_ahead(directory: Path) -> None:

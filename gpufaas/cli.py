@@ -524,7 +524,23 @@ def up(
     ] = "lalb-o3",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Gateway port.")] = 8080,
     slots: Annotated[str, typer.Option(help="Calls a GPU runs at once: N, or N,GPU_TYPE=M,... per GPU type.")] = "4",
-    spares: Annotated[int, typer.Option(min=0, help="Warm spare workers per GPU (a miss takes one).")] = 1,
+    spares: Annotated[
+        int | None,
+        typer.Option(min=0, help="Warm spare workers per GPU (a miss takes one; default 1, 0 with --runtime docker)."),
+    ] = None,
+    runtime: Annotated[
+        str,
+        typer.Option(
+            help="How nodes run workers: process (forked from a zygote, confined) or docker (a container per "
+            "model, from --docker-image: no spares)."
+        ),
+    ] = "process",
+    docker_image: Annotated[
+        str | None, typer.Option(help="The docker runtime's worker image (default: the GPU manager's).")
+    ] = None,
+    eviction: Annotated[
+        str, typer.Option(help="Which models a miss evicts: lru, heaviness or tinylfu (docs/policies.md).")
+    ] = "lru",
     gpu_idle_release_s: Annotated[
         float | None,
         typer.Option(
@@ -553,6 +569,21 @@ def up(
         SlotConfig.parse(slots)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--slots") from None
+    if runtime not in ("process", "docker"):
+        raise typer.BadParameter(f"expected process or docker, got {runtime!r}", param_hint="--runtime")
+    if runtime == "docker" and spares:
+        raise typer.BadParameter(
+            "the docker runtime keeps no warm spares (a container is made for its model): leave --spares out or pass 0",
+            param_hint="--spares",
+        )
+    if docker_image is not None and runtime != "docker":
+        raise typer.BadParameter("--docker-image goes with --runtime docker", param_hint="--docker-image")
+    from cache_manager import EvictionPolicy
+
+    if eviction not in EvictionPolicy.registry:
+        raise typer.BadParameter(
+            f"expected one of {', '.join(sorted(EvictionPolicy.registry))}, got {eviction!r}", param_hint="--eviction"
+        )
     if backend is None:
         backend = "cuda" if _nvml_finds_gpus() else "cpu"
     if backend not in ("cuda", "cpu", "emulated"):
@@ -573,7 +604,10 @@ def up(
         "policy": policy,
         "gateway_port": port,
         "slots": slots,
-        "spares": spares,
+        "spares": spares if spares is not None else (0 if runtime == "docker" else 1),
+        "runtime": runtime,
+        "docker_image": docker_image,
+        "eviction": eviction,
         "gpu_idle_release_s": gpu_idle_release_s,
         "host_idle_release_s": host_idle_release_s,
     }

@@ -100,6 +100,7 @@ class LocalCluster:
     gpu_memory_mb: int = 8192
     gpu_type: str | None = None
     policy: str = "lalb-o3"
+    eviction: str = "lru"  # which models a miss evicts (scheduler --eviction)
     root: str = "/gpufaas"
     etcd_endpoint: str | None = None
     gateway_port: int = 0
@@ -210,6 +211,8 @@ class LocalCluster:
                 self.scheduler_address,
                 "--policy",
                 self.policy,
+                "--eviction",
+                self.eviction,
                 "--queue-capacity",
                 str(self.queue_capacity),
                 "--slots",
@@ -499,9 +502,12 @@ SUPERVISED_OPTIONS = (
     "gpu_memory_mb",
     "gpu_type",
     "policy",
+    "eviction",
     "gateway_port",
     "slots",
     "spares",
+    "runtime",
+    "docker_image",
     "gpu_idle_release_s",
     "host_idle_release_s",
 )

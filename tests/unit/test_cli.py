@@ -239,3 +239,19 @@ def test_the_shipped_azure_2021_extract_runs_every_policy() -> None:
     assert {r["working_set"] for r in results.values()} == {27}  # the extract's functions
     assert all(r["completed"] == r["requests"] == 325 for r in results.values())
     assert results["lalb"]["miss_ratio"] < results["lb"]["miss_ratio"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--runtime", "docker", "--spares", "2"], "keeps no warm spares"),
+        (["--runtime", "podman"], "expected process or docker"),
+        (["--docker-image", "x"], "goes with --runtime docker"),
+        (["--eviction", "fifo"], "heaviness, lru, tinylfu"),
+    ],
+)
+def test_up_refuses_what_cannot_run_before_it_starts_anything(tmp_path: Path, flags: list[str], says: str) -> None:
+    result = runner.invoke(app, ["up", "--state-dir", str(tmp_path / "state"), "--backend", "cpu", *flags])
+    assert result.exit_code == 2
+    assert says in " ".join(result.stderr.replace("│", " ").split())
+    assert not (tmp_path / "state").exists()  # nothing was started or written

@@ -825,6 +825,49 @@ def test_the_host_tier_keeps_an_evicted_worker_and_a_miss_takes_it_back(tmp_path
     run(scenario)
 
 
+def test_misses_faster_than_spares_are_made_raise_the_spares_kept_up_to_the_extra(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path)
+
+    async def scenario() -> None:
+        probe = shelf.digest("probe_function")
+        async with open_pool("cpu", shelf, extra_spares=1, cpu_busy=lambda: False) as node:
+            assert node.pool.spare_count("gpu0") == 1
+            for seq, model in enumerate("abcdefgh", start=1):  # loads as fast as spares are made
+                ok(await node.call(on_cpu(model, probe, memory_mb=100), {}, seq=seq))
+            await eventually(lambda: node.pool.spare_count("gpu0") == 2, "the floor and 1 extra spare warm")
+            await asyncio.sleep(0.3)
+            assert len(node.forked_workers()) == 8 + 2  # never more than floor + extra
+
+        async with open_pool("cpu", shelf, extra_spares=1, cpu_busy=lambda: True) as busy:
+            for seq, model in enumerate("abcdefgh", start=1):
+                ok(await busy.call(on_cpu(model, probe, memory_mb=100), {}, seq=seq))
+            await asyncio.sleep(0.5)
+            assert busy.pool.spare_count("gpu0") == 1  # busy CPUs: the floor only
+
+    run(scenario)
+
+
+def test_a_worker_taken_back_onto_another_gpu_follows_that_gpus_grant_order(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path)
+
+    async def scenario() -> None:
+        probe = shelf.digest("probe_function")
+        async with open_pool(
+            "cpu", shelf, gpus=("gpu0", "gpu1"), host_cache_mb=1000, measure_host_mb=lambda pid: 20
+        ) as node:
+            # "a" serves on gpu0 at grant 500 of gpu0's order, then is parked.
+            ok(await node.call(on_cpu("a", probe, memory_mb=100), {}, gpu="gpu0", seq=500))
+            ok(await node.call(on_cpu("b", probe, memory_mb=100), {}, gpu="gpu0", evict=("a",), seq=501))
+            # gpu1's order is at 3: "a" comes back there, and grant 4 of gpu1 evicts it.
+            back = await node.call(on_cpu("a", probe, memory_mb=100), {}, gpu="gpu1", seq=3)
+            assert back.stages is not None and back.stages.from_host
+            ok(await node.call(on_cpu("c", probe, memory_mb=100), {}, gpu="gpu1", evict=("a",), seq=4))
+            assert node.models("gpu1") == ["c"]  # gpu0's grant 500 did not make it look newer
+            assert [m for m, _ in node.pool.parked()] == ["a"]
+
+    run(scenario)
+
+
 def test_parked_workers_are_charged_their_measured_host_memory_not_their_declared_gpu_memory(tmp_path: Path) -> None:
     shelf = Shelf(tmp_path)
 
