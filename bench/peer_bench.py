@@ -22,16 +22,19 @@ Run: `python -m bench.peer_bench [--out bench/results/peer_bench.json] [--durati
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +61,16 @@ TARGETS = {
 }
 
 
-def load(url: str, concurrency: int, args: argparse.Namespace, *extra: str) -> dict[str, Any]:
-    """One point of the closed-loop client (this Python, which has aiohttp and uvloop)."""
+def load(
+    url: str,
+    concurrency: int,
+    args: argparse.Namespace,
+    *extra: str,
+    num_models: int = NUM_MODELS,
+    zipf: float = ZIPF,
+) -> dict[str, Any]:
+    """One point of the closed-loop client (this Python, which has aiohttp and uvloop): models
+    m0..m{num_models-1}, Zipf `zipf` popularity."""
     command = [
         sys.executable,
         str(PEER / "load_client.py"),
@@ -71,9 +82,9 @@ def load(url: str, concurrency: int, args: argparse.Namespace, *extra: str) -> d
         "--warmup",
         str(args.warmup),
         "--num-models",
-        str(NUM_MODELS),
+        str(num_models),
         "--zipf",
-        str(ZIPF),
+        str(zipf),
         *extra,
     ]
     done = subprocess.run(command, capture_output=True, text=True, check=True, timeout=args.duration * 4 + 120)
@@ -85,12 +96,26 @@ def load(url: str, concurrency: int, args: argparse.Namespace, *extra: str) -> d
 # --- gpufaas --------------------------------------------------------------------------------
 
 
-def run_gpufaas(args: argparse.Namespace, work: Path, *, gpu_memory_mb: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class RunningCluster:
+    url: str  # the gateway's
+    invoke_token: str
+    state_dir: Path  # `gpufaas up`'s: cluster.json, pids.json, logs, secrets
+
+
+@contextmanager
+def gpufaas_cluster(
+    work: Path, *, gpu_memory_mb: int, functions: int = NUM_MODELS, model_memory_mb: int = 100, up: tuple[str, ...] = ()
+) -> Iterator[RunningCluster]:
+    """A local cluster as a user starts it (`gpufaas up`: 1 node, 2 cpu GPUs of `gpu_memory_mb`,
+    its defaults, `up` added), with `functions` functions m0..m{functions-1} of the pytorch-custom
+    template deployed at `model_memory_mb` each, each with weights of its own (the template's
+    `make_weights`, seeded by its index: per-customer variants of one model); `gpufaas down` after."""
     gpufaas = [str(Path(sys.executable).parent / "gpufaas")]  # the CLI, as a user runs it
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    state = work / f"state-{gpu_memory_mb}"
-    functions = work / f"functions-{gpu_memory_mb}"
+    state = work / f"state-{gpu_memory_mb}-{functions}"
+    directory = work / f"functions-{gpu_memory_mb}-{functions}"
 
     def cli(*argv: str) -> None:
         # GPUFAAS_STATE_DIR: the CLI finds this cluster's admin password there (as after `gpufaas up`).
@@ -111,22 +136,60 @@ def run_gpufaas(args: argparse.Namespace, work: Path, *, gpu_memory_mb: int) -> 
         str(port),
         "--state-dir",
         str(state),
+        *up,
     )
     try:
-        for index in range(NUM_MODELS):
-            cli("new", f"m{index}", "--template", "pytorch-custom", "--dir", str(functions))
-        stack = functions / "stack.yml"
-        # 100 MB each: 3 models fit on a 300 MB logical GPU.
-        stack.write_text(re.sub(r"(?m)^(\s*memory_mb:).*$", r"\1 100", stack.read_text()))
+        cli("new", "m0", "--template", "pytorch-custom", "--dir", str(directory))
+        stack = directory / "stack.yml"
+        add_variants(directory, functions)
+        stack.write_text(re.sub(r"(?m)^(\s*memory_mb:).*$", rf"\1 {model_memory_mb}", stack.read_text()))
         cli("deploy", "-f", str(stack), "--gateway", url)
-        body = work / "x.json"
-        body.write_text(json.dumps({"inputs": [[0.1, 0.2, 0.3, 0.4]]}))
         # Calls carry the invoke token, as an application's would (the functions are not public).
-        token = read_secret(SecretFiles(state / "secrets").invoke_token)
-        results = {}
+        yield RunningCluster(url, read_secret(SecretFiles(state / "secrets").invoke_token), state)
+    finally:
+        subprocess.run([*gpufaas, "down", "--state-dir", str(state)], check=False, capture_output=True)
+
+
+def add_variants(directory: Path, functions: int) -> None:
+    """m1..m{functions-1} beside `gpufaas new`'s m0 in `directory`: its handler, weights of their
+    own (written as the template's make_weights.py writes them, seeded by index), entries in
+    stack.yml alike m0's. (What `gpufaas new` does per function, without starting Python 200 times.)"""
+    import yaml
+    from safetensors.torch import save_file
+
+    first = directory / "m0"
+    sys.path.insert(0, str(first))
+    try:
+        make_weights = importlib.import_module("make_weights")  # the template's own
+    finally:
+        sys.path.remove(str(first))
+    stack_path = directory / "stack.yml"
+    stack = yaml.safe_load(stack_path.read_text())
+    for index in range(1, functions):
+        name = f"m{index}"
+        shutil.copytree(first, directory / name, ignore=shutil.ignore_patterns("weights.safetensors", "__pycache__"))
+        save_file(make_weights.random_state_dict(index), str(directory / name / "weights.safetensors"))
+        stack["functions"][name] = {**stack["functions"]["m0"], "handler": f"./{name}"}
+    stack_path.write_text(yaml.safe_dump(stack, sort_keys=False))
+
+
+def count_misses(point: dict[str, Any]) -> dict[str, Any]:
+    """The model loads of a gpufaas point, from its X-Cache counts."""
+    misses = point.get("header_counts", {}).get("X-Cache", {}).get("miss", 0)
+    point["model_loads"] = misses
+    point["reload_ratio"] = round(misses / max(1, point["requests"]), 4)
+    return point
+
+
+def run_gpufaas(args: argparse.Namespace, work: Path, *, gpu_memory_mb: int) -> dict[str, Any]:
+    body = work / "x.json"
+    body.write_text(json.dumps({"inputs": [[0.1, 0.2, 0.3, 0.4]]}))
+    results = {}
+    # 100 MB each: 3 models fit on a 300 MB logical GPU.
+    with gpufaas_cluster(work, gpu_memory_mb=gpu_memory_mb) as cluster:
         for concurrency in CONCURRENCY:
             point = load(
-                f"{url}/function/{{model}}",
+                f"{cluster.url}/function/{{model}}",
                 concurrency,
                 args,
                 "--body-file",
@@ -134,17 +197,12 @@ def run_gpufaas(args: argparse.Namespace, work: Path, *, gpu_memory_mb: int) -> 
                 "--count-header",
                 "X-Cache",
                 "-H",
-                f"Authorization: Bearer {token}",
+                f"Authorization: Bearer {cluster.invoke_token}",
                 "--label",
                 f"gpufaas ({gpu_memory_mb} MB GPUs)",
             )
-            misses = point.get("header_counts", {}).get("X-Cache", {}).get("miss", 0)
-            point["model_loads"] = misses
-            point["reload_ratio"] = round(misses / max(1, point["requests"]), 4)
-            results[f"c{concurrency}"] = point
-        return results
-    finally:
-        subprocess.run([*gpufaas, "down", "--state-dir", str(state)], check=False, capture_output=True)
+            results[f"c{concurrency}"] = count_misses(point)
+    return results
 
 
 # --- Ray Serve and the bare floor -----------------------------------------------------------
@@ -228,29 +286,49 @@ def replica_loads(url: str) -> dict[int, int]:
     return loads
 
 
-def run_ray(args: argparse.Namespace, work: Path, variant: str) -> dict[str, Any]:
+@contextmanager
+def ray_serve(args: argparse.Namespace, work: Path, variant: str, *, models_per_replica: int = 3) -> Iterator[str]:
+    """Ray Serve's app (bench/peer/ray_serve_app.py) in `variant` ("default" or "haproxy"), its
+    2 mux replicas keeping `models_per_replica` models each; yields the URL of /mux."""
     python = ray_python(args)
     port = free_port()
-    env = {**os.environ, "RAY_AUTH_TOKEN_PATH": str(work / "ray_auth_token")}
+    env = {
+        **os.environ,
+        "RAY_AUTH_TOKEN_PATH": str(work / "ray_auth_token"),
+        "MUX_MODELS_PER_REPLICA": str(models_per_replica),
+    }
     (work / "ray_auth_token").write_text(os.urandom(32).hex())
     if variant == "haproxy":
         env |= {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
-    body = work / "x16.json"
-    body.write_text(json.dumps({"x": [0.1 * i for i in range(16)]}))
     url = f"http://127.0.0.1:{port}/mux"
     command = [str(python), "ray_serve_app.py", "--port", str(port)]
-    ready = {"content": body.read_bytes(), "headers": {"serve_multiplexed_model_id": "m0"}}
-    results = {}
+    ready = {"content": ray_body(work).read_bytes(), "headers": {"serve_multiplexed_model_id": "m0"}}
     with server(command, env, url, work / f"ray-{variant}.log", **ready):
-        for concurrency in CONCURRENCY:
-            before = replica_loads(url)
-            point = load(url, concurrency, args, "--body-file", str(body), "--label", f"ray-{variant}")
-            after = replica_loads(url)
-            point["model_loads"] = sum(n - before.get(pid, 0) for pid, n in after.items())
-            point["reload_ratio"] = round(point["model_loads"] / max(1, point["requests"]), 4)
-            point["replicas_seen"] = len(after)
-            results[f"c{concurrency}"] = point
-    return results
+        yield url
+
+
+def ray_body(work: Path) -> Path:
+    body = work / "x16.json"
+    body.write_text(json.dumps({"x": [0.1 * i for i in range(16)]}))
+    return body
+
+
+def ray_point(
+    url: str, concurrency: int, args: argparse.Namespace, work: Path, label: str, **workload: Any
+) -> dict[str, Any]:
+    """One point against Ray's /mux, with the model loads its replicas report over the point."""
+    before = replica_loads(url)
+    point = load(url, concurrency, args, "--body-file", str(ray_body(work)), "--label", label, **workload)
+    after = replica_loads(url)
+    point["model_loads"] = sum(n - before.get(pid, 0) for pid, n in after.items())
+    point["reload_ratio"] = round(point["model_loads"] / max(1, point["requests"]), 4)
+    point["replicas_seen"] = len(after)
+    return point
+
+
+def run_ray(args: argparse.Namespace, work: Path, variant: str) -> dict[str, Any]:
+    with ray_serve(args, work, variant) as url:
+        return {f"c{c}": ray_point(url, c, args, work, f"ray-{variant}") for c in CONCURRENCY}
 
 
 def run_fastapi(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -321,25 +399,18 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         parser.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
-    results: dict[str, Any] = {}
-    failures: dict[str, str] = {}
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="gpufaas-peer-bench-") as tmp:
-        work = Path(tmp)
-        for system in systems:
-            print(f"== {system}", flush=True)
-            try:
-                if system == "gpufaas":
-                    results[system] = run_gpufaas(args, work, gpu_memory_mb=300)
-                elif system == "gpufaas-hits":
-                    results[system] = run_gpufaas(args, work, gpu_memory_mb=1000)
-                elif system.startswith("ray-"):
-                    results[system] = run_ray(args, work, system.removeprefix("ray-"))
-                else:
-                    results[system] = run_fastapi(args, work)
-            except (RuntimeError, subprocess.SubprocessError, httpx.HTTPError) as exc:
-                print(f"  {system} failed: {exc}", flush=True)
-                failures[system] = str(exc)
+
+    def run_system(system: str, work: Path) -> dict[str, Any]:
+        if system == "gpufaas":
+            return run_gpufaas(args, work, gpu_memory_mb=300)
+        if system == "gpufaas-hits":
+            return run_gpufaas(args, work, gpu_memory_mb=1000)
+        if system.startswith("ray-"):
+            return run_ray(args, work, system.removeprefix("ray-"))
+        return run_fastapi(args, work)
+
+    results, failures = run_systems(systems, run_system, prefix="gpufaas-peer-bench-")
     report = {
         "metadata": run_metadata(
             duration_s=args.duration,
@@ -352,18 +423,43 @@ def main(argv: list[str] | None = None) -> int:
         "failures": failures,
         "verdict": verdict(results),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"\n{'system':<14} {'c':>3} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>9} {'errors':>6} {'reloads/req':>11}")
-    for system, points in results.items():
+    write_report(args.out, report, point_label="c")
+    return 0
+
+
+def run_systems(
+    systems: list[str], run: Callable[[str, Path], dict[str, Any]], *, prefix: str
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """`run(system, work)` for each system in turn, in one temporary directory: (results by system,
+    failures by system); a system that fails is reported and the next one runs."""
+    results: dict[str, Any] = {}
+    failures: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        for system in systems:
+            print(f"== {system}", flush=True)
+            try:
+                results[system] = run(system, Path(tmp))
+            except (RuntimeError, subprocess.SubprocessError, httpx.HTTPError, OSError) as exc:
+                print(f"  {system} failed: {exc}", flush=True)
+                failures[system] = str(exc)
+    return results, failures
+
+
+def write_report(out: Path, report: dict[str, Any], *, point_label: str) -> None:
+    """Write `report` (metadata, results by system and point, failures, verdict) as JSON to `out`
+    and print its table (`point_label` heads the column of point names, "c" or "N") and verdict."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    header = f"{'system':<14} {point_label:>4} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>9} {'errors':>6} {'loads/req':>9}"
+    print(f"\n{header}")
+    for system, points in report["results"].items():
         for name, point in points.items():
             print(
-                f"{system:<14} {name[1:]:>3} {point['throughput_rps']:>9} {point['p50_ms']:>8} {point['p99_ms']:>9} "
-                f"{point['errors']:>6} {point.get('reload_ratio', '-')!s:>11}"
+                f"{system:<14} {name[1:]:>4} {point['throughput_rps']:>9} {point['p50_ms']:>8} {point['p99_ms']:>9} "
+                f"{point['errors']:>6} {point.get('reload_ratio', '-')!s:>9}"
             )
     print(json.dumps(report["verdict"], indent=1))
-    print(f"wrote {args.out}")
-    return 0
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
