@@ -38,7 +38,10 @@ def test_every_daemon_counts_the_calls_made_hits_misses_and_evictions(
     make_cluster: ClusterFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # One GPU that holds one 800 MB model: every change of model evicts the one before.
-    cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000)
+    # Spares exactly as configured (none made ahead for a burst of misses): the counts below are exact.
+    cluster = make_cluster(
+        nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000, node_flags=["--extra-spares", "0"]
+    )
     for name in ("lin-a", "lin-b", "lin-c"):
         deploy(cluster, name, "linear_function", tmp_path)
     calls = ["lin-a", "lin-a", "lin-b", "lin-b", "lin-c", "lin-a"]
