@@ -369,6 +369,7 @@ def _print_table(results: Sequence[SimResult], meta: Mapping[str, object]) -> No
         ("O3 limit", "max_num_skips"),
         ("requests", "requests"),
         ("avg lat (s)", "avg_latency_s"),
+        ("floor (s)", "floor_latency_s"),
         ("p50 (s)", "p50_latency_s"),
         ("p99 (s)", "p99_latency_s"),
         ("miss ratio", "miss_ratio"),

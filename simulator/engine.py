@@ -164,6 +164,9 @@ class SimResult:
     requests: int
     completed: int
     avg_latency_s: float
+    # The mean time the calls' own batches ran on their GPUs: no policy can average less (no
+    # queueing, no load, nothing else); a policy's latency above it is what scheduling costs.
+    floor_latency_s: float
     p50_latency_s: float
     p99_latency_s: float
     miss_ratio: float
@@ -274,6 +277,7 @@ def simulate(
     replica_area = 0.0  # integral of the top model's replica count over time
     memory_area = 0.0  # integral of the GPU memory the caches hold (MB x s)
     releases = 0
+    inference_s_sum = 0.0  # what each completed call's batch took on its GPU: the latency floor
     staged_exit = cluster.gpu_idle_release_s is not None or cluster.host_idle_release_s is not None
     max_queue_len = 0
     now = scheduled_at = 0.0
@@ -295,6 +299,7 @@ def simulate(
             )
             latency_s = now - request.arrival_s
             latencies[request.request_id] = latency_s
+            inference_s_sum += batch.elapsed_s(now)
             per_function[request.function].append(latency_s)
             if on_progress is not None:
                 on_progress(len(latencies))
@@ -348,6 +353,7 @@ def simulate(
         requests=len(arrivals),
         completed=len(latencies),
         avg_latency_s=statistics.fmean(all_latencies) if all_latencies else 0.0,
+        floor_latency_s=inference_s_sum / len(all_latencies) if all_latencies else 0.0,
         p50_latency_s=percentile(all_latencies, 50),
         p99_latency_s=percentile(all_latencies, 99),
         miss_ratio=misses / dispatched if dispatched else 0.0,

@@ -156,6 +156,7 @@ class Spread:
 
 AGGREGATED_METRICS = (
     "avg_latency_s",
+    "floor_latency_s",
     "p50_latency_s",
     "p99_latency_s",
     "miss_ratio",

@@ -46,6 +46,8 @@ def test_json_output_has_the_paper_metrics() -> None:
     assert 0.0 <= data["miss_ratio"] <= 1.0
     # The floor beside it: the offline optimum of the same requests in the pooled GPU memory.
     assert data["optimal_exact"] is True and 0.0 < data["optimal_miss_ratio"] <= data["miss_ratio"]
+    # And the latency floor: the mean time the calls' own batches ran (no policy averages less).
+    assert 0.0 < data["floor_latency_s"] < data["avg_latency_s"]
 
 
 def test_compare_runs_every_policy_on_the_same_workload() -> None:

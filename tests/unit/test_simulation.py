@@ -288,3 +288,12 @@ def test_timing_noise_reaches_each_load_and_batch() -> None:
     noisy = simulate(workload, "lalb", cluster=ClusterConfig(gpus=1, gpu_memory_mb=4000, timing_spread=0.5))
     assert noisy.makespan_s != pytest.approx(exact.makespan_s)
     assert noisy.completed == 3
+
+
+def test_the_latency_floor_is_the_calls_own_compute_and_no_policy_averages_below_it() -> None:
+    # Equal models, 1 s of compute per call, no noise, one call at a time per GPU: the floor is 1 s.
+    workload = zipf_workload(calls=400, models=12, zipf_exponent=1.1, memory_mb=1000, gap_s=0.3, seed=5)
+    for policy in ("lb", "lalb", "lalb-o3", "mqfq-sticky", "torpor"):
+        result = simulate(workload, policy, cluster=ClusterConfig(gpus=4, gpu_memory_mb=4000))
+        assert result.floor_latency_s == pytest.approx(1.0)
+        assert result.avg_latency_s >= result.floor_latency_s
