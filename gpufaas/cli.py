@@ -311,6 +311,23 @@ def sim(
             console.print(f"wrote {plot}")
 
 
+def _scheduler_flags(text: str) -> list[str]:
+    """`gpufaas up --scheduler-args`: split as a shell would, and checked by the scheduler's own
+    parser now (a mistake is one line here, not a scheduler that keeps failing to start)."""
+    import shlex
+
+    from scheduler.__main__ import check_flags
+
+    try:
+        flags = shlex.split(text)
+    except ValueError as exc:
+        raise typer.BadParameter(f"cannot split {text!r}: {exc}", param_hint="--scheduler-args") from None
+    problem = check_flags(flags)
+    if problem:
+        raise typer.BadParameter(problem, param_hint="--scheduler-args")
+    return flags
+
+
 def _sim_title(meta: Mapping[str, object]) -> str:
     noise = f", timing spread {meta['timing_spread']}" if meta.get("timing_spread") else ""
     noise += f", host tier {meta['host_memory_mb']} MB/node" if meta.get("host_memory_mb") else ""
@@ -552,6 +569,13 @@ def up(
         float | None,
         typer.Option(min=0.001, help="EDAS staged exit: a model this long in a node's host tier leaves it."),
     ] = None,
+    scheduler_args: Annotated[
+        str,
+        typer.Option(
+            help="More flags for the scheduler, as one string: the policy's tunables as the simulator takes them, "
+            "e.g. '--mqfq-ttl-alpha 3 --torpor-alpha-period-s 10' (python -m scheduler --help lists them)."
+        ),
+    ] = "",
     state_dir: StateDir = state_dir_default(),  # noqa: B008
 ) -> None:
     """Start a local cluster in the background: etcd, scheduler, gateway and GPU managers, under a
@@ -585,6 +609,7 @@ def up(
         raise typer.BadParameter(
             f"expected one of {', '.join(sorted(EvictionPolicy.registry))}, got {eviction!r}", param_hint="--eviction"
         )
+    scheduler_flags = _scheduler_flags(scheduler_args)
     if backend is None:
         backend = "cuda" if _nvml_finds_gpus() else "cpu"
     if backend not in ("cuda", "cpu", "emulated"):
@@ -611,6 +636,7 @@ def up(
         "eviction": eviction,
         "gpu_idle_release_s": gpu_idle_release_s,
         "host_idle_release_s": host_idle_release_s,
+        "scheduler_flags": scheduler_flags,
     }
     cluster = LocalCluster(state_dir, **options)  # type: ignore[arg-type]
     state_dir.mkdir(parents=True, exist_ok=True)

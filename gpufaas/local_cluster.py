@@ -121,6 +121,7 @@ class LocalCluster:
     gpu_idle_release_s: float | None = None
     host_idle_release_s: float | None = None
     node_flags: list[str] = field(default_factory=list)  # more flags for every GPU manager
+    scheduler_flags: list[str] = field(default_factory=list)  # more flags for the scheduler (policy tunables)
     components: dict[str, Component] = field(default_factory=dict)
     supervision: Supervision = field(default_factory=Supervision)
     supervisor_pid: int | None = None  # the process that supervises this cluster (gpufaas up), if any
@@ -223,6 +224,7 @@ class LocalCluster:
                 self._metrics_address("scheduler"),
                 *(["--gpu-idle-release-s", str(self.gpu_idle_release_s)] if self.gpu_idle_release_s else []),
                 *(["--host-idle-release-s", str(self.host_idle_release_s)] if self.host_idle_release_s else []),
+                *self.scheduler_flags,
             ],
             logs / "scheduler.log",
         )
@@ -510,6 +512,7 @@ SUPERVISED_OPTIONS = (
     "docker_image",
     "gpu_idle_release_s",
     "host_idle_release_s",
+    "scheduler_flags",
 )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from cache_manager import EvictionPolicy
 from gpufaas.credentials import wire_key
@@ -21,18 +22,45 @@ from gpufaas.service_main import (
     start_metrics,
     warn_if_insecure,
 )
-from scheduler.policies import registered_policies
+from scheduler.policies import PolicyConfig, registered_policies
 from scheduler.service import DEFAULT_PRESTAGE_NODES, MAX_CLAIM_S, SchedulerService, SlotConfig
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m scheduler", description="gpufaas scheduler service")
     add_common_flags(parser)
     add_metrics_flag(parser)
     parser.add_argument("--listen", default="127.0.0.1:50051", help="address to bind (default %(default)s)")
     parser.add_argument("--advertise", default=None, help="address gateways dial (default: the listen address)")
     parser.add_argument("--policy", default="lalb-o3", choices=registered_policies())
-    parser.add_argument("--o3-limit", type=int, default=25, help="lalb-o3: max skips per request")
+    defaults = PolicyConfig()
+    parser.add_argument(
+        "--o3-limit", type=int, default=defaults.max_num_skips, help="lalb-o3: max skips per request (%(default)s)"
+    )
+    parser.add_argument(
+        "--mqfq-overrun-s",
+        type=float,
+        default=defaults.mqfq_overrun_s,
+        help="mqfq-sticky: T, seconds of service a flow may run ahead before it is throttled (%(default)s)",
+    )
+    parser.add_argument(
+        "--mqfq-ttl-alpha",
+        type=float,
+        default=defaults.mqfq_ttl_alpha,
+        help="mqfq-sticky: a flow's keep-alive, in mean inter-arrival times (%(default)s)",
+    )
+    parser.add_argument(
+        "--torpor-alpha",
+        type=float,
+        default=defaults.torpor_alpha,
+        help="torpor: the share of the required request count the high-priority group starts with (%(default)s)",
+    )
+    parser.add_argument(
+        "--torpor-alpha-period-s",
+        type=float,
+        default=None,
+        help="torpor: retune alpha this often by Torpor's Algorithm 2 (default: alpha fixed)",
+    )
     parser.add_argument(
         "--eviction",
         default="lru",
@@ -69,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         help="nodes that get a new function's package (and weights) before its first call; 0: none "
         "(default %(default)s)",
     )
+    return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, SlotConfig]:
+    """The flags, checked: anything wrong is `parser.error`."""
     args = parser.parse_args(argv)
     if args.prestage_nodes < 0:
         parser.error("--prestage-nodes must be >= 0")
@@ -80,10 +113,42 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag} must be a number of seconds > 0 (leave it out to keep models until evicted)")
     if args.o3_limit < 0 or args.queue_capacity <= 0 or not 0 < args.claim_s <= MAX_CLAIM_S:
         parser.error(f"--o3-limit must be >= 0, --queue-capacity > 0 and --claim-s in (0, {MAX_CLAIM_S:g}]")
+    if args.mqfq_overrun_s < 0 or args.mqfq_ttl_alpha < 0 or not 0 <= args.torpor_alpha <= 1:
+        parser.error("--mqfq-overrun-s and --mqfq-ttl-alpha must be >= 0 and --torpor-alpha in [0, 1]")
+    if args.torpor_alpha_period_s is not None and not args.torpor_alpha_period_s > 0:
+        parser.error("--torpor-alpha-period-s must be > 0 seconds (leave it out to keep alpha fixed)")
     try:
         slots = SlotConfig.parse(args.slots)
     except ValueError as exc:
         parser.error(str(exc))
+    return args, slots
+
+
+class _FlagError(Exception):
+    pass
+
+
+def check_flags(flags: list[str]) -> str | None:
+    """What is wrong with scheduler flags `flags` (as `python -m scheduler` would say it), or
+    None: for launchers that pass them on (`gpufaas up --scheduler-args`)."""
+    parser = _parser()
+
+    def error(message: str) -> NoReturn:
+        raise _FlagError(message)
+
+    parser.error = error  # type: ignore[method-assign]  # report, do not exit
+    try:
+        _parse(parser, flags)
+    except _FlagError as exc:
+        return str(exc)
+    except SystemExit:
+        return "--help and --version are not scheduler settings"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args, slots = _parse(parser, argv)
     secret = cluster_secret(parser, args)
     etcd_creds = etcd_credentials(parser, args)
     configure_logging(args.log_level)
@@ -95,7 +160,13 @@ def main(argv: list[str] | None = None) -> int:
             store,
             keys=Keys(args.root),
             policy=args.policy,
-            max_num_skips=args.o3_limit,
+            policy_config=PolicyConfig(
+                max_num_skips=args.o3_limit,
+                mqfq_overrun_s=args.mqfq_overrun_s,
+                mqfq_ttl_alpha=args.mqfq_ttl_alpha,
+                torpor_alpha=args.torpor_alpha,
+                torpor_alpha_period_s=args.torpor_alpha_period_s,
+            ),
             eviction=args.eviction,
             queue_capacity=args.queue_capacity,
             slots=slots,

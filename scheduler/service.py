@@ -115,7 +115,7 @@ class SchedulerService:
         *,
         keys: Keys | None = None,
         policy: str = "lalb-o3",
-        max_num_skips: int = 25,
+        policy_config: PolicyConfig | None = None,
         queue_capacity: int = 10_000,
         slots: SlotConfig | None = None,
         claim_s: float = DEFAULT_CLAIM_S,
@@ -133,7 +133,8 @@ class SchedulerService:
         model unused on a GPU this long leaves it (for its node's host tier, where the node has
         one), and one in a host tier this long leaves that too. `prestage_nodes`: how many nodes
         get a new function's package before its first call (0: none; calls fetch it). `eviction`:
-        the registered eviction policy a miss chooses its victims by (cache_manager.eviction)."""
+        the registered eviction policy a miss chooses its victims by (cache_manager.eviction).
+        `policy_config`: the policy's tunables, as the simulator takes them (default: theirs)."""
         for name, value in (
             ("gpu_idle_release_s", gpu_idle_release_s),
             ("host_idle_release_s", host_idle_release_s),
@@ -149,10 +150,12 @@ class SchedulerService:
         self.wire_key = wire_key
         self.keys = keys if keys is not None else Keys()
         self.policy_name = policy
+        self.policy_config = policy_config if policy_config is not None else PolicyConfig()
+        self.eviction = eviction
         self.slots = slots if slots is not None else SlotConfig()
         self.clock = clock
         self.scheduler = Scheduler(
-            make_policy(policy, PolicyConfig(max_num_skips=max_num_skips)),
+            make_policy(policy, self.policy_config),
             estimator=Estimator(paper_table1()),
             cache=CacheManager(eviction_policy(eviction)),
         )
@@ -193,7 +196,13 @@ class SchedulerService:
         self._spawn(self._reconciler())
         if self.gpu_idle_release_s is not None or self.host_idle_release_s is not None:
             self._spawn(self._releaser())
-        log.info("scheduler serving on %s (policy %s)", self.address, self.policy_name)
+        log.info(
+            "scheduler serving on %s (policy %s, %s; eviction %s)",
+            self.address,
+            self.policy_name,
+            self.policy_config,
+            self.eviction,
+        )
         return self.address
 
     async def stop(self) -> None:

@@ -154,3 +154,23 @@ def test_o3_skips_and_worker_deaths_are_counted_as_they_happen(make_cluster: Clu
     assert node("gpufaas_node_worker_starts_total") - node("gpufaas_node_worker_exits_total") == node(
         "gpufaas_node_worker_processes"
     )
+
+
+@pytest.mark.integration
+def test_a_policys_tunables_reach_the_real_scheduler(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    # The knobs the simulator takes, passed to the scheduler of a running cluster (as
+    # `gpufaas up --scheduler-args` does): the policy runs with them and calls are served.
+    cluster = make_cluster(
+        nodes=1,
+        gpus_per_node=1,
+        backend="cpu",
+        gpu_memory_mb=1000,
+        policy="mqfq-sticky",
+        eviction="tinylfu",
+        scheduler_flags=["--mqfq-ttl-alpha", "3.5", "--mqfq-overrun-s", "7.5"],
+    )
+    deploy(cluster, "lin", "linear_function", tmp_path)
+    assert invoke(cluster, "lin").status_code == 200
+    log = (cluster.state_dir / "logs" / "scheduler.log").read_text()
+    assert "policy mqfq-sticky, PolicyConfig(max_num_skips=25" in log
+    assert "mqfq_overrun_s=7.5, mqfq_ttl_alpha=3.5" in log and "eviction tinylfu" in log

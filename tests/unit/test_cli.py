@@ -250,6 +250,9 @@ def test_the_shipped_azure_2021_extract_runs_every_policy() -> None:
         (["--runtime", "podman"], "expected process or docker"),
         (["--docker-image", "x"], "goes with --runtime docker"),
         (["--eviction", "fifo"], "heaviness, lru, tinylfu"),
+        (["--scheduler-args", "--mqfq-ttl-alpha -1"], "--mqfq-ttl-alpha must be >= 0"),
+        (["--scheduler-args", "--torpor-alpha-period-s"], "expected one argument"),
+        (["--scheduler-args", "--mqfq-ttl-alpha '3"], "cannot split"),
     ],
 )
 def test_up_refuses_what_cannot_run_before_it_starts_anything(tmp_path: Path, flags: list[str], says: str) -> None:
