@@ -109,6 +109,21 @@ def sim(
             help="mqfq-sticky: T, seconds of service a flow may run ahead of the slowest before it is throttled.",
         ),
     ] = 10.0,
+    mqfq_ttl_alpha: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="mqfq-sticky: a flow's keep-alive, in mean inter-arrival times (with --mqfq-swap-out, past "
+            "it its model leaves GPU memory for the host tier).",
+        ),
+    ] = 1.5,
+    mqfq_swap_out: Annotated[
+        bool,
+        typer.Option(
+            help="mqfq-sticky: swap a flow's model out to its node's host tier (--host-memory-mb) once the flow "
+            "is past its keep-alive (the paper's proactive memory management)."
+        ),
+    ] = False,
     torpor_alpha_period_s: Annotated[
         float,
         typer.Option(
@@ -268,6 +283,8 @@ def sim(
                 coldest_victim_misses=coldest_victim,
                 literal_visits=literal_visits,
                 mqfq_overrun_s=mqfq_overrun_s,
+                mqfq_ttl_alpha=mqfq_ttl_alpha,
+                mqfq_swap_out=mqfq_swap_out,
                 torpor_alpha_period_s=torpor_alpha_period_s or None,
                 batching=batching,
                 on_progress=advance,

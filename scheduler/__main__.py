@@ -50,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
         help="mqfq-sticky: a flow's keep-alive, in mean inter-arrival times (%(default)s)",
     )
     parser.add_argument(
+        "--mqfq-swap-out",
+        action="store_true",
+        help="mqfq-sticky: move a flow's model to its node's host tier once the flow is past its keep-alive",
+    )
+    parser.add_argument(
         "--torpor-alpha",
         type=float,
         default=defaults.torpor_alpha,
@@ -164,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_num_skips=args.o3_limit,
                 mqfq_overrun_s=args.mqfq_overrun_s,
                 mqfq_ttl_alpha=args.mqfq_ttl_alpha,
+                mqfq_swap_out=args.mqfq_swap_out,
                 torpor_alpha=args.torpor_alpha,
                 torpor_alpha_period_s=args.torpor_alpha_period_s,
             ),

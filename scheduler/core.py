@@ -332,9 +332,22 @@ class Scheduler:
     def release_idle(self, now: float, *, gpu_idle_s: float | None, host_idle_s: float | None) -> list[Release]:
         """EDAS's staged exit: a model unused on its GPU for `gpu_idle_s` leaves it (for its
         node's host tier when there is one), and one in a host tier for `host_idle_s` leaves that
-        too (None: that stage is off). Models in use (pinned) stay. The caller frees what each
-        Release names. O(models cached), so callers ask at events, not per call."""
+        too (None: that stage is off). And the policy's swap-out (`releases_memory`): a model it
+        names idle (`idle_models`) leaves every GPU that holds it unpinned, for the node's host
+        tier; where the node keeps none it stays. Models in use (pinned) stay. The caller frees
+        what each Release names. O(models cached), so callers ask at events, not per call."""
         releases: list[Release] = []
+        if self.policy.releases_memory:
+            for model in self.policy.idle_models(now):
+                for gpu_id in list(self.cache.gpus_with(model)):
+                    node = self._gpus[gpu_id].spec.node
+                    if node is None or self.cache.host(node) is None or self.cache.gpu(gpu_id).is_pinned(model):
+                        continue
+                    self._last_used_s.pop((gpu_id, model), None)
+                    to_host = self.cache.release(gpu_id, model)
+                    if to_host:
+                        self._host_since_s[(node, model)] = now
+                    releases.append(Release("gpu", model, node, gpu_id, to_host))
         if gpu_idle_s is not None:
             for gpu_id, state in self._gpus.items():
                 cache = self.cache.gpu(gpu_id)

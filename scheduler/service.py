@@ -194,7 +194,11 @@ class SchedulerService:
         self._spawn(self._flusher())
         self._spawn(self._ticker())
         self._spawn(self._reconciler())
-        if self.gpu_idle_release_s is not None or self.host_idle_release_s is not None:
+        if (
+            self.gpu_idle_release_s is not None
+            or self.host_idle_release_s is not None
+            or self.scheduler.policy.releases_memory
+        ):
             self._spawn(self._releaser())
         log.info(
             "scheduler serving on %s (policy %s, %s; eviction %s)",
@@ -702,17 +706,20 @@ class SchedulerService:
             self._apply(self.book.tick(self.clock()))
 
     async def _releaser(self) -> None:
-        """EDAS's staged exit: now and then, release what has been idle past its stage's timeout
-        (checked at a quarter of the shorter one, between RELEASE_CHECK_MIN_S and _MAX_S)."""
+        """EDAS's staged exit and the policy's swap-out: now and then, release what has been idle
+        past its stage's timeout or what the policy names idle (checked at a quarter of the
+        shorter timeout, between RELEASE_CHECK_MIN_S and _MAX_S; at the shortest for the policy's)."""
         stages = [s for s in (self.gpu_idle_release_s, self.host_idle_release_s) if s is not None]
-        period_s = min(RELEASE_CHECK_MAX_S, max(RELEASE_CHECK_MIN_S, min(stages) / 4))
+        period_s = RELEASE_CHECK_MIN_S
+        if stages and not self.scheduler.policy.releases_memory:
+            period_s = min(RELEASE_CHECK_MAX_S, max(RELEASE_CHECK_MIN_S, min(stages) / 4))
         while True:
             await asyncio.sleep(period_s)
             effects = self.book.release_idle(
                 self.clock(), gpu_idle_s=self.gpu_idle_release_s, host_idle_s=self.host_idle_release_s
             )
             if effects:
-                log.info("staged exit: %d release(s)", len(effects))
+                log.info("%d release(s) of idle models", len(effects))
                 self.metrics.released(effects)
             self._apply(effects)
 

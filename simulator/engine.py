@@ -62,7 +62,7 @@ from gpufaas.types import GpuSpec, Request
 from scheduler import Dispatch, Estimator, Park, PolicyConfig, Scheduler, make_policy
 from scheduler.estimator import DEFAULT_HOST_TO_GPU_MB_S, DEFAULT_SWAP_IN_OVERHEAD_S
 from scheduler.policies import DEFAULT_MAX_NUM_SKIPS
-from scheduler.policies.mqfq import DEFAULT_OVERRUN_S
+from scheduler.policies.mqfq import DEFAULT_OVERRUN_S, DEFAULT_TTL_ALPHA
 from scheduler.policies.torpor import DEFAULT_ALPHA_PERIOD_S
 from simulator.workload import Workload
 
@@ -220,6 +220,8 @@ def simulate(
     coldest_victim_misses: bool = True,
     literal_visits: bool = False,
     mqfq_overrun_s: float = DEFAULT_OVERRUN_S,
+    mqfq_ttl_alpha: float = DEFAULT_TTL_ALPHA,
+    mqfq_swap_out: bool = False,
     torpor_alpha_period_s: float | None = DEFAULT_ALPHA_PERIOD_S,
     batching: Mapping[str, Batching] | None = None,
     on_progress: Callable[[int], None] | None = None,
@@ -241,6 +243,8 @@ def simulate(
         coldest_victim_misses=coldest_victim_misses,
         literal_visits=literal_visits,
         mqfq_overrun_s=mqfq_overrun_s,
+        mqfq_ttl_alpha=mqfq_ttl_alpha,
+        mqfq_swap_out=mqfq_swap_out,
         torpor_alpha_period_s=torpor_alpha_period_s,
     )
     scheduler = Scheduler(
@@ -279,6 +283,8 @@ def simulate(
     releases = 0
     inference_s_sum = 0.0  # what each completed call's batch took on its GPU: the latency floor
     staged_exit = cluster.gpu_idle_release_s is not None or cluster.host_idle_release_s is not None
+    # The policy's own swap-out (mqfq-sticky's keep-alive) needs host tiers to move models into.
+    staged_exit = staged_exit or (scheduler.policy.releases_memory and cluster.host_memory_mb > 0)
     max_queue_len = 0
     now = scheduled_at = 0.0
     next_arrival = 0

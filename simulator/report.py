@@ -13,7 +13,7 @@ from typing import Any
 from gpufaas.errors import InvalidInput
 from gpufaas.profiles import paper_table1
 from scheduler import registered_policies
-from scheduler.policies.mqfq import DEFAULT_OVERRUN_S
+from scheduler.policies.mqfq import DEFAULT_OVERRUN_S, DEFAULT_TTL_ALPHA
 from scheduler.policies.torpor import DEFAULT_ALPHA_PERIOD_S
 from simulator.engine import Batching, ClusterConfig, SimResult, simulate
 from simulator.optimal import Optimum, optimal_misses
@@ -92,6 +92,8 @@ def execute(
     coldest_victim_misses: bool = True,
     literal_visits: bool = False,
     mqfq_overrun_s: float = DEFAULT_OVERRUN_S,
+    mqfq_ttl_alpha: float = DEFAULT_TTL_ALPHA,
+    mqfq_swap_out: bool = False,
     torpor_alpha_period_s: float | None = DEFAULT_ALPHA_PERIOD_S,
     batching: Batching | None = None,
     on_progress: Callable[[int], None] | None = None,
@@ -126,6 +128,8 @@ def execute(
                 coldest_victim_misses=coldest_victim_misses,
                 literal_visits=literal_visits,
                 mqfq_overrun_s=mqfq_overrun_s,
+                mqfq_ttl_alpha=mqfq_ttl_alpha,
+                mqfq_swap_out=mqfq_swap_out,
                 torpor_alpha_period_s=torpor_alpha_period_s,
                 batching=None if batching is None else dict.fromkeys(workload.function_models, batching),
                 on_progress=progress,

@@ -89,6 +89,10 @@ class PolicyConfig:
     # throttled, and alpha, its keep-alive TTL in mean inter-arrival times.
     mqfq_overrun_s: float = 10.0
     mqfq_ttl_alpha: float = 1.5
+    # mqfq-sticky: swap a flow's model out to its node's host tier once the flow is past its
+    # keep-alive (the paper's proactive memory management). Off by default: where GPU memory is
+    # wanted only by the next calls it costs latency (bench/results/mqfq_keepalive.json).
+    mqfq_swap_out: bool = False
     # torpor: the share of the total positive required request count (RRC) the high-priority
     # group may hold (where it starts), and how often Torpor's Algorithm 2 retunes it (None: fixed).
     torpor_alpha: float = 0.5
@@ -134,6 +138,15 @@ class SchedulingPolicy(ABC):
     ) -> None:
         """A dispatched request completed (with its measured inference time, if any) or failed
         (`inference_time_s` None); a failed one may be queued again."""
+
+    # Whether `idle_models` may name any: the scheduler asks it only then (at events).
+    releases_memory: bool = False
+
+    def idle_models(self, now: float) -> list[str]:
+        """Models the policy no longer expects to run soon (MQFQ-Sticky: flows whose keep-alive
+        expired), each named once when it becomes so: the scheduler moves them off their GPUs
+        into their nodes' host tiers, where they are idle and the node keeps a tier."""
+        return []
 
     @abstractmethod
     def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> list[Step]:

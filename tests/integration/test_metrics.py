@@ -174,3 +174,31 @@ def test_a_policys_tunables_reach_the_real_scheduler(make_cluster: ClusterFactor
     log = (cluster.state_dir / "logs" / "scheduler.log").read_text()
     assert "policy mqfq-sticky, PolicyConfig(max_num_skips=25" in log
     assert "mqfq_overrun_s=7.5, mqfq_ttl_alpha=3.5" in log and "eviction tinylfu" in log
+
+
+@pytest.mark.integration
+def test_mqfq_sticky_swaps_a_flow_past_its_keep_alive_out_to_the_host_tier(
+    make_cluster: ClusterFactory, tmp_path: Path
+) -> None:
+    # A keep-alive of 0: once its call is done the flow is inactive, and its model leaves the GPU
+    # for the node's host tier (the cpu backend keeps one) with no call asking; the next call
+    # takes it back from there.
+    cluster = make_cluster(
+        nodes=1,
+        gpus_per_node=1,
+        backend="cpu",
+        gpu_memory_mb=1000,
+        policy="mqfq-sticky",
+        scheduler_flags=["--mqfq-ttl-alpha", "0", "--mqfq-swap-out"],
+    )
+    deploy(cluster, "lin", "linear_function", tmp_path)
+    assert invoke(cluster, "lin").status_code == 200
+    deadline = time.monotonic() + 15
+    while True:
+        (gpu,) = httpx.get(f"{cluster.gateway_url}/system/gpus", auth=cluster.admin_auth, timeout=10).json()
+        if not gpu["lru"] and gpu["host_tier"]:
+            break
+        assert time.monotonic() < deadline, f"not swapped out: {gpu}"
+        time.sleep(0.2)
+    back = invoke(cluster, "lin")
+    assert back.status_code == 200 and "host;dur=" in back.headers["server-timing"]

@@ -182,3 +182,63 @@ def test_global_vt_from_the_heap_equals_the_least_vt_of_the_backlogged_flows(mon
         policy._update_global_vt(s.queue)
         assert policy.global_vt_s == pytest.approx(expected_s), step
     assert len(rebuilds) >= 2
+
+
+def mqfq_with_host_tier(ttl_alpha: float, *, host_mb: int | None = 8000) -> Scheduler:
+    """One GPU g0 on node n0 (a host tier of `host_mb` there, or none), models A-F as the builders'."""
+    from gpufaas.profiles import ModelProfile
+    from gpufaas.types import GpuSpec, ModelSpec
+    from scheduler import Estimator
+
+    policy = make_policy("mqfq-sticky", PolicyConfig(mqfq_ttl_alpha=ttl_alpha, mqfq_swap_out=True))
+    assert isinstance(policy, MqfqStickyPolicy)
+    s = Scheduler(policy, estimator=Estimator([ModelProfile(m, "rtx2080", 1000, 2.0, 1.0, 32) for m in "ABCDEF"]))
+    s.add_gpu(GpuSpec("g0", 8000, node="n0"))
+    if host_mb is not None:
+        s.add_host("n0", host_mb)
+    for model in "ABCDEF":
+        s.register_model(ModelSpec(model, 1000))
+    return s
+
+
+def test_a_flow_past_its_keep_alive_is_swapped_out_to_the_host_tier_once() -> None:
+    s = mqfq_with_host_tier(ttl_alpha=2.0)
+    for at_s in (0.0, 10.0):  # A every 10 s: its TTL is 2 x 10 = 20 s
+        submit_at(s, "A", at_s)
+        run_one(s, at_s)
+    # A's flow emptied at 11 s (its call ended): kept until 31 s.
+    assert s.release_idle(30.9, gpu_idle_s=None, host_idle_s=None) == []
+    (release,) = s.release_idle(31.0, gpu_idle_s=None, host_idle_s=None)
+    assert (release.model, release.gpu_id, release.to_host) == ("A", "g0", True)
+    assert "A" not in s.cache.gpu("g0") and s.cache.nodes_holding("A") == {"n0"}
+    assert s.release_idle(100.0, gpu_idle_s=None, host_idle_s=None) == []  # named once
+    # It comes back by swap-in; a call before the TTL ends keeps it on the GPU.
+    submit_at(s, "A", 40.0)
+    assert run_one(s, 40.0).from_host
+    submit_at(s, "A", 45.0)
+    run_one(s, 45.0)
+    assert s.release_idle(55.0, gpu_idle_s=None, host_idle_s=None) == []
+
+
+def test_without_a_host_tier_nothing_is_swapped_out() -> None:
+    s = mqfq_with_host_tier(ttl_alpha=0.0, host_mb=None)
+    submit_at(s, "A", 0.0)
+    run_one(s, 0.0)
+    assert s.release_idle(50.0, gpu_idle_s=None, host_idle_s=None) == []
+    assert "A" in s.cache.gpu("g0")  # LRU evicts it when room is needed, as before
+
+
+def test_in_the_simulator_a_shorter_keep_alive_swaps_out_more_with_host_tiers_only() -> None:
+    from simulator.engine import ClusterConfig, simulate
+    from simulator.workload import zipf_workload
+
+    workload = zipf_workload(calls=600, models=12, zipf_exponent=1.1, memory_mb=1000, gap_s=0.4, seed=2)
+    tiered = ClusterConfig(gpus=4, gpu_memory_mb=4000, gpus_per_node=4, host_memory_mb=16000)
+    short, long_ = (
+        simulate(workload, "mqfq-sticky", cluster=tiered, mqfq_ttl_alpha=a, mqfq_swap_out=True) for a in (0.5, 50.0)
+    )
+    assert short.releases > long_.releases and short.swap_ins > long_.swap_ins
+    assert simulate(workload, "mqfq-sticky", cluster=tiered).releases == 0  # swap-out is asked for
+    plain = ClusterConfig(gpus=4, gpu_memory_mb=4000)
+    a, b = (simulate(workload, "mqfq-sticky", cluster=plain, mqfq_ttl_alpha=x, mqfq_swap_out=True) for x in (0.5, 50.0))
+    assert a.releases == b.releases == 0  # alpha still decides when a flow's credit resets
