@@ -144,3 +144,30 @@ def test_alpha_stays_within_its_bounds_and_fixed_without_a_period() -> None:
 def test_a_tuned_alpha_starts_above_zero_so_that_it_can_grow() -> None:
     assert TorporPolicy(alpha=0.0, alpha_period_s=10.0).alpha > 0.0
     assert TorporPolicy(alpha=0.0).alpha == 0.0  # fixed: as given
+
+
+def test_without_slos_torpor_decides_exactly_as_lalb_o3_off_its_tuned_point() -> None:
+    # 450 rpm on 6 GB GPUs, no SLOs given: walking functions by their oldest call (no hit-first
+    # scan) made torpor 7.4x lalb-o3 here; now it is lalb-o3 to the last figure.
+    workload = build_workload(
+        load_trace(shipped_trace(), "azure2019"), WorkloadConfig(working_set=35, rpm=450), paper_table1()
+    )
+    cluster = ClusterConfig(gpus=12, gpu_memory_mb=6144)
+    reference, ours = (simulate(workload, policy, cluster=cluster) for policy in ("lalb-o3", "torpor"))
+    assert (ours.avg_latency_s, ours.miss_ratio, ours.hits) == (
+        reference.avg_latency_s,
+        reference.miss_ratio,
+        reference.hits,
+    )
+
+
+def test_an_idle_gpu_takes_the_highest_priority_function_whose_model_it_holds_first() -> None:
+    policy = torpor(alpha=1.0)
+    policy.record("b").served, policy.record("b").met = 100, 90  # b is further from its tail than a
+    s = make_scheduler("lalb", gpus=1, models={"m-a": 1000, "m-b": 1000})
+    s.policy = policy
+    cache_on(s, "g0", "m-a")
+    for request in (call("b", 0.0), call("a", 1.0)):
+        s.submit(request)
+    (decision,) = s.schedule(2.0)
+    assert isinstance(decision, Dispatch) and decision.request.function == "a" and decision.hit
