@@ -133,6 +133,17 @@ def sim(
         ),
     ] = 0.0,
     slots: Annotated[int, typer.Option(min=1, help="D: calls each GPU runs at once.")] = 1,
+    adaptive_slots: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Adaptive D (MQFQ-Sticky's): each GPU's D moves between 1 and this from its utilization every "
+            "200 ms, starting at --slots (use with --interference).",
+        ),
+    ] = None,
+    utilization_threshold: Annotated[
+        float, typer.Option(min=0.01, max=1.0, help="Adaptive D: above this share of time busy D steps down.")
+    ] = 0.9,
     max_batch_size: Annotated[
         int, typer.Option(min=1, help="Calls of one model a worker may merge into one batch (needs --slots > 1).")
     ] = 1,
@@ -271,6 +282,8 @@ def sim(
             host_idle_release_s=host_idle_release_s,
             host_to_gpu_mb_s=host_to_gpu_mb_s,
             interference=interference,
+            adaptive_slots=adaptive_slots,
+            utilization_threshold=utilization_threshold,
         )
         batching = Batching(max_batch_size, max_batch_wait_ms) if max_batch_size > 1 else None
         total = sum(len(workloads[(run.working_set, run.mapping_seed)].requests) for run in runs)
@@ -310,6 +323,7 @@ def sim(
         "eviction": eviction,
         "slo_factor": slo_factor,
         "interference": interference,
+        "adaptive_slots": adaptive_slots,
     }
     groups = aggregate(results) if len(mapping_seeds) > 1 else []
     if json_output:

@@ -22,6 +22,7 @@ from gpufaas.service_main import (
     start_metrics,
     warn_if_insecure,
 )
+from scheduler.adaptive_slots import DEFAULT_THRESHOLD
 from scheduler.policies import PolicyConfig, registered_policies
 from scheduler.service import DEFAULT_PRESTAGE_NODES, MAX_CLAIM_S, SchedulerService, SlotConfig
 
@@ -65,6 +66,20 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="torpor: retune alpha this often by Torpor's Algorithm 2 (default: alpha fixed)",
+    )
+    parser.add_argument(
+        "--adaptive-slots",
+        type=int,
+        default=None,
+        metavar="MAX",
+        help="adaptive D (MQFQ-Sticky's): each GPU's concurrent calls move between 1 and MAX from its "
+        "utilization every 200 ms, starting at --slots (default: D fixed)",
+    )
+    parser.add_argument(
+        "--utilization-threshold",
+        type=float,
+        default=DEFAULT_THRESHOLD,
+        help="adaptive D: above this share of time busy a GPU's D steps down, below it up (%(default)s)",
     )
     parser.add_argument(
         "--eviction",
@@ -120,6 +135,10 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[arg
         parser.error(f"--o3-limit must be >= 0, --queue-capacity > 0 and --claim-s in (0, {MAX_CLAIM_S:g}]")
     if args.mqfq_overrun_s < 0 or args.mqfq_ttl_alpha < 0 or not 0 <= args.torpor_alpha <= 1:
         parser.error("--mqfq-overrun-s and --mqfq-ttl-alpha must be >= 0 and --torpor-alpha in [0, 1]")
+    if args.adaptive_slots is not None and args.adaptive_slots < 1:
+        parser.error("--adaptive-slots must be >= 1 (leave it out to keep D fixed)")
+    if not 0 < args.utilization_threshold <= 1:
+        parser.error("--utilization-threshold must be in (0, 1]")
     if args.torpor_alpha_period_s is not None and not args.torpor_alpha_period_s > 0:
         parser.error("--torpor-alpha-period-s must be > 0 seconds (leave it out to keep alpha fixed)")
     try:
@@ -174,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                 torpor_alpha_period_s=args.torpor_alpha_period_s,
             ),
             eviction=args.eviction,
+            adaptive_slots=args.adaptive_slots,
+            utilization_threshold=args.utilization_threshold,
             queue_capacity=args.queue_capacity,
             slots=slots,
             claim_s=args.claim_s,

@@ -46,6 +46,7 @@ from gpufaas.functions import FunctionSpec
 from gpufaas.keys import split_gpu_address
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.types import Request
+from scheduler.adaptive_slots import AdaptiveSlots
 from scheduler.core import Scheduler
 from scheduler.decisions import Dispatch
 
@@ -161,6 +162,7 @@ class CallBook:
     queue_capacity: int = 10_000
     claim_s: float = DEFAULT_CLAIM_S
     lost_after_s: float = DEFAULT_LOST_AFTER_S
+    adaptive_slots: AdaptiveSlots | None = None  # D per GPU from its utilization (None: D fixed)
     _calls: dict[str, _Call] = field(default_factory=dict)
     # Per GPU, for as long as this book lives (a GPU that leaves and comes back goes on counting).
     _seq: dict[str, int] = field(default_factory=dict)  # the latest grant's gpu_seq
@@ -215,6 +217,18 @@ class CallBook:
             raise Rejected(pb.INVALID, str(exc)) from None
         self._calls[call_id] = _Call(call_id, owner, spec, submitted_at=now, deadline=now + timeout_s)
         return self.schedule(now)
+
+    def observe_utilization(self, now: float) -> list[Effect]:
+        """Adaptive D: tell the controller what runs on every GPU now; where it moves a GPU's D,
+        the scheduler follows (and fills a slot it opened)."""
+        if self.adaptive_slots is None:
+            return []
+        running = {g.spec.gpu_id: (len(g.running), g.spec.slots) for g in self.scheduler.gpus()}
+        changes = self.adaptive_slots.observe(now, running)
+        for gpu_id, slots in changes.items():
+            self.scheduler.set_slots(gpu_id, slots)
+            self.dirty_gpus.add(gpu_id)
+        return self.schedule(now) if changes else []
 
     def schedule(self, now: float) -> list[Effect]:
         """Run the policy for every GPU with a free slot; placements for what it dispatched."""

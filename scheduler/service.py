@@ -33,6 +33,7 @@ from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import KeyValue, LeaseKeeper, Store, StoreError, WatchEvent, list_and_watch
 from gpufaas.types import GpuSpec, ModelSpec
 from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, RemoteError, Server, Unauthenticated, connect
+from scheduler.adaptive_slots import DEFAULT_THRESHOLD, AdaptiveSlots
 from scheduler.calls import (
     DEFAULT_CLAIM_S,
     DEFAULT_LOST_AFTER_S,
@@ -63,6 +64,7 @@ LEASE_TTL_S = 5
 FLUSH_DELAY_S = 1.0
 PROFILE_WRITE_INTERVAL_S = 5.0  # measured times move a little on every call: persist them calmly
 TICK_S = 0.25  # how often deadlines and unconfirmed placements are looked at
+UTILIZATION_SAMPLE_S = 0.02  # how often adaptive D samples the running calls (its period: 0.2 s)
 NODE_TIMEOUT_S = 2.0  # a node that does not answer an Attach, Revoke or probe within this is out
 RECONNECT_S = 0.5
 RECONCILE_S = 5.0  # how often the GPUs' LRU lists are checked against the workers nodes run
@@ -126,6 +128,8 @@ class SchedulerService:
         host_idle_release_s: float | None = None,
         prestage_nodes: int = DEFAULT_PRESTAGE_NODES,
         eviction: str = "lru",
+        adaptive_slots: int | None = None,
+        utilization_threshold: float = DEFAULT_THRESHOLD,
     ) -> None:
         """`wire_key`: the cluster's wire key (gpufaas.credentials); gateways must prove it, and
         nodes are trusted only once they have. None: no handshake (tests of the logic only).
@@ -134,7 +138,9 @@ class SchedulerService:
         one), and one in a host tier this long leaves that too. `prestage_nodes`: how many nodes
         get a new function's package before its first call (0: none; calls fetch it). `eviction`:
         the registered eviction policy a miss chooses its victims by (cache_manager.eviction).
-        `policy_config`: the policy's tunables, as the simulator takes them (default: theirs)."""
+        `policy_config`: the policy's tunables, as the simulator takes them (default: theirs).
+        `adaptive_slots`: each GPU's D moves between 1 and this from its utilization against
+        `utilization_threshold` (scheduler.adaptive_slots; None: D fixed by `slots`)."""
         for name, value in (
             ("gpu_idle_release_s", gpu_idle_release_s),
             ("host_idle_release_s", host_idle_release_s),
@@ -159,7 +165,12 @@ class SchedulerService:
             estimator=Estimator(paper_table1()),
             cache=CacheManager(eviction_policy(eviction)),
         )
-        self.book = CallBook(self.scheduler, queue_capacity, claim_s=claim_s, lost_after_s=lost_after_s)
+        adaptive = (
+            AdaptiveSlots(adaptive_slots, threshold=utilization_threshold) if adaptive_slots is not None else None
+        )
+        self.book = CallBook(
+            self.scheduler, queue_capacity, claim_s=claim_s, lost_after_s=lost_after_s, adaptive_slots=adaptive
+        )
         self.metrics = SchedulerMetrics(self.scheduler)
         self.evictions = EvictionLog()  # for the cluster views
         self.scheduler_id = uuid.uuid4().hex
@@ -194,6 +205,8 @@ class SchedulerService:
         self._spawn(self._flusher())
         self._spawn(self._ticker())
         self._spawn(self._reconciler())
+        if self.book.adaptive_slots is not None:
+            self._spawn(self._utilization_sampler())
         if (
             self.gpu_idle_release_s is not None
             or self.host_idle_release_s is not None
@@ -704,6 +717,12 @@ class SchedulerService:
         while True:
             await asyncio.sleep(TICK_S)
             self._apply(self.book.tick(self.clock()))
+
+    async def _utilization_sampler(self) -> None:
+        """Adaptive D: what runs on each GPU, sampled a few times per controller period."""
+        while True:
+            await asyncio.sleep(UTILIZATION_SAMPLE_S)
+            self._apply(self.book.observe_utilization(self.clock()))
 
     async def _releaser(self) -> None:
         """EDAS's staged exit and the policy's swap-out: now and then, release what has been idle

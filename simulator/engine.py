@@ -60,6 +60,7 @@ from cache_manager import CacheManager, eviction_policy
 from gpufaas.profiles import ModelProfile
 from gpufaas.types import GpuSpec, Request
 from scheduler import Dispatch, Estimator, Park, PolicyConfig, Scheduler, make_policy
+from scheduler.adaptive_slots import AdaptiveSlots
 from scheduler.estimator import DEFAULT_HOST_TO_GPU_MB_S, DEFAULT_SWAP_IN_OVERHEAD_S
 from scheduler.policies import DEFAULT_MAX_NUM_SKIPS
 from scheduler.policies.mqfq import DEFAULT_OVERRUN_S, DEFAULT_TTL_ALPHA
@@ -90,6 +91,11 @@ class ClusterConfig:
     # Concurrent batches on a GPU (D > 1): None, one at a time; i >= 0, all at once, each slowed
     # down by 1 + i (k - 1) while k run (see the module docstring).
     interference: float | None = None
+    # Adaptive D (MQFQ-Sticky's controller, scheduler.adaptive_slots): each GPU's D moves between 1
+    # and this, starting at `slots`, from its utilization against `utilization_threshold` every
+    # 200 ms (None: D fixed at `slots`).
+    adaptive_slots: int | None = None
+    utilization_threshold: float = 0.9
 
     def __post_init__(self) -> None:
         if self.gpus <= 0:
@@ -109,6 +115,11 @@ class ClusterConfig:
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"{name} must be >= 0 seconds (or None: off), got {value}")
+        if self.adaptive_slots is not None and (self.adaptive_slots < 1 or not 0 < self.utilization_threshold <= 1):
+            raise ValueError(
+                f"adaptive_slots must be >= 1 and utilization_threshold in (0, 1], got {self.adaptive_slots}, "
+                f"{self.utilization_threshold}"
+            )
         if self.interference is not None and not (0 <= self.interference <= 100):
             raise ValueError(f"interference must be in [0, 100] (None: one batch at a time), got {self.interference}")
         if not (0 <= self.timing_spread <= 10):
@@ -201,6 +212,9 @@ class SimResult:
     releases: int = 0  # staged-exit releases (GPU -> host, host -> gone)
     literal_visits: bool = False  # Algorithm 1's visit counting read literally (PolicyConfig)
     interference: float | None = None  # ClusterConfig's: None, D calls on a GPU run one at a time
+    adaptive_slots: int | None = None  # ClusterConfig's: the most D may reach (None: D fixed)
+    avg_slots: float = 1.0  # D, averaged over the GPUs and time
+    slot_changes: int = 0  # steps of D the adaptive controller took
     # The floor (simulator.optimal): the fewest misses per request any eviction could have on this
     # workload's arrival order in the pooled GPU memory; None where it was not computed.
     optimal_miss_ratio: float | None = None
@@ -286,6 +300,12 @@ def simulate(
     # The policy's own swap-out (mqfq-sticky's keep-alive) needs host tiers to move models into.
     staged_exit = staged_exit or (scheduler.policy.releases_memory and cluster.host_memory_mb > 0)
     max_queue_len = 0
+    adaptive = (
+        AdaptiveSlots(cluster.adaptive_slots, threshold=cluster.utilization_threshold)
+        if cluster.adaptive_slots is not None
+        else None
+    )
+    slots_area = 0.0  # integral of the GPUs' D over time
     now = scheduled_at = 0.0
     next_arrival = 0
     dispatch_ties = itertools.count(1)
@@ -321,8 +341,13 @@ def simulate(
             memory_area += sum(scheduler.cache.gpu(g.spec.gpu_id).used_mb for g in scheduler.gpus()) * (
                 now - scheduled_at
             )
+            slots_area += sum(g.spec.slots for g in scheduler.gpus()) * (now - scheduled_at)
             scheduled_at = now
             max_queue_len = max(max_queue_len, len(scheduler.queue))
+            if adaptive is not None:
+                running = {g.spec.gpu_id: (len(g.running), g.spec.slots) for g in scheduler.gpus()}
+                for gpu_id, slots in adaptive.observe(now, running).items():
+                    scheduler.set_slots(gpu_id, slots)
             if staged_exit:
                 for release in scheduler.release_idle(
                     now, gpu_idle_s=cluster.gpu_idle_release_s, host_idle_s=cluster.host_idle_release_s
@@ -389,6 +414,9 @@ def simulate(
         slo_attainment=slo_attainment,
         slo_functions_met=slo_functions_met,
         interference=cluster.interference,
+        adaptive_slots=cluster.adaptive_slots,
+        avg_slots=slots_area / (makespan_s * cluster.gpus) if makespan_s > 0 else float(cluster.slots),
+        slot_changes=adaptive.changes if adaptive is not None else 0,
     )
 
 

@@ -6,7 +6,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -160,11 +162,8 @@ def test_o3_skips_and_worker_deaths_are_counted_as_they_happen(make_cluster: Clu
 def test_a_policys_tunables_reach_the_real_scheduler(make_cluster: ClusterFactory, tmp_path: Path) -> None:
     # The knobs the simulator takes, passed to the scheduler of a running cluster (as
     # `gpufaas up --scheduler-args` does): the policy runs with them and calls are served.
-    cluster = make_cluster(
-        nodes=1,
-        gpus_per_node=1,
-        backend="cpu",
-        gpu_memory_mb=1000,
+    cluster = one_cpu_gpu(
+        make_cluster,
         policy="mqfq-sticky",
         eviction="tinylfu",
         scheduler_flags=["--mqfq-ttl-alpha", "3.5", "--mqfq-overrun-s", "7.5"],
@@ -183,22 +182,37 @@ def test_mqfq_sticky_swaps_a_flow_past_its_keep_alive_out_to_the_host_tier(
     # A keep-alive of 0: once its call is done the flow is inactive, and its model leaves the GPU
     # for the node's host tier (the cpu backend keeps one) with no call asking; the next call
     # takes it back from there.
-    cluster = make_cluster(
-        nodes=1,
-        gpus_per_node=1,
-        backend="cpu",
-        gpu_memory_mb=1000,
-        policy="mqfq-sticky",
-        scheduler_flags=["--mqfq-ttl-alpha", "0", "--mqfq-swap-out"],
+    cluster = one_cpu_gpu(
+        make_cluster, policy="mqfq-sticky", scheduler_flags=["--mqfq-ttl-alpha", "0", "--mqfq-swap-out"]
     )
     deploy(cluster, "lin", "linear_function", tmp_path)
     assert invoke(cluster, "lin").status_code == 200
+    wait_for_the_gpu(cluster, lambda gpu: not gpu["lru"] and gpu["host_tier"], "swapped out")
+    back = invoke(cluster, "lin")
+    assert back.status_code == 200 and "host;dur=" in back.headers["server-timing"]
+
+
+@pytest.mark.integration
+def test_adaptive_d_raises_an_idle_gpus_slots_in_a_real_scheduler(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    # D starts at 1 (--slots); nothing runs, so every 200 ms period is under the threshold and
+    # D steps up to its maximum; calls are still served.
+    cluster = one_cpu_gpu(make_cluster, slots="1", scheduler_flags=["--adaptive-slots", "3"])
+    deploy(cluster, "lin", "linear_function", tmp_path)
+    wait_for_the_gpu(cluster, lambda gpu: gpu["slots"] == 3, "D risen to 3")
+    assert invoke(cluster, "lin").status_code == 200
+
+
+def wait_for_the_gpu(cluster: LocalCluster, ready: Callable[[dict[str, Any]], bool], what: str) -> None:
+    """Poll the cluster's one GPU (GET /system/gpus) until `ready` says so, at most 15 s."""
     deadline = time.monotonic() + 15
     while True:
         (gpu,) = httpx.get(f"{cluster.gateway_url}/system/gpus", auth=cluster.admin_auth, timeout=10).json()
-        if not gpu["lru"] and gpu["host_tier"]:
-            break
-        assert time.monotonic() < deadline, f"not swapped out: {gpu}"
-        time.sleep(0.2)
-    back = invoke(cluster, "lin")
-    assert back.status_code == 200 and "host;dur=" in back.headers["server-timing"]
+        if ready(gpu):
+            return
+        assert time.monotonic() < deadline, f"not {what} within 15 s: {gpu}"
+        time.sleep(0.1)
+
+
+def one_cpu_gpu(make_cluster: ClusterFactory, **options: Any) -> LocalCluster:
+    """A cluster of one node with one cpu GPU of 1,000 MB, the scheduler set as `options` say."""
+    return make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000, **options)

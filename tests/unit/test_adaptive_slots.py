@@ -1,0 +1,48 @@
+"""Adaptive D (scheduler.adaptive_slots): steps of D against utilization on a manual clock, and
+the controller driving the simulator's GPUs."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.adaptive_slots import AdaptiveSlots
+from simulator.engine import ClusterConfig, simulate
+from simulator.workload import zipf_workload
+
+
+def test_d_steps_down_while_busy_above_the_threshold_and_up_below_it_within_its_bounds() -> None:
+    d = AdaptiveSlots(3, threshold=0.9, period_s=0.2)
+    assert d.observe(0.0, {"g0": (1, 2)}) == {}  # first sight: D 2, its first period starts
+    # Busy the whole period (one call running throughout): 100% > 90%, D 2 -> 1.
+    assert d.observe(0.2, {"g0": (1, 2)}) == {"g0": 1}
+    assert d.observe(0.4, {"g0": (1, 1)}) == {}  # already at 1
+    # Busy 0.1 s of 0.2 (the call ended at 0.5): 50%, D 1 -> 2, then 3, then held at 3.
+    assert d.observe(0.5, {"g0": (0, 1)}) == {}
+    assert d.observe(0.6, {"g0": (0, 1)}) == {"g0": 2}
+    assert d.observe(0.8, {"g0": (0, 2)}) == {"g0": 3}
+    assert d.observe(1.0, {"g0": (0, 3)}) == {} and d.slots("g0") == 3
+    # Events far apart: the whole span is one period, one step.
+    assert d.observe(1.01, {"g0": (2, 3)}) == {}
+    assert d.observe(9.0, {"g0": (2, 3)}) == {"g0": 2}
+    assert d.changes == 4
+
+
+def test_a_gpu_whose_d_was_reset_gets_the_controllers_back_and_a_gpu_that_left_is_forgotten() -> None:
+    d = AdaptiveSlots(4, period_s=0.2)
+    d.observe(0.0, {"g0": (0, 1), "g1": (0, 1)})
+    assert d.observe(0.2, {"g0": (0, 1), "g1": (0, 1)}) == {"g0": 2, "g1": 2}
+    assert d.observe(0.3, {"g0": (0, 1)}) == {"g0": 2}  # g0 came back with its configured D
+    assert d.slots("g1") is None
+    with pytest.raises(ValueError, match="threshold"):
+        AdaptiveSlots(2, threshold=1.5)
+
+
+def test_in_the_simulator_d_rises_on_an_idle_cluster_and_falls_on_a_saturated_one() -> None:
+    light = zipf_workload(calls=200, models=4, zipf_exponent=1.1, memory_mb=1000, gap_s=5.0, seed=1)
+    heavy = zipf_workload(calls=600, models=4, zipf_exponent=1.1, memory_mb=1000, gap_s=0.05, seed=1)
+    cluster = ClusterConfig(gpus=2, gpu_memory_mb=8000, slots=2, interference=0.2, adaptive_slots=4)
+    quiet, busy = (simulate(w, "lalb-o3", cluster=cluster) for w in (light, heavy))
+    assert quiet.slot_changes > 0 and quiet.avg_slots > 3.0  # mostly idle: D at its maximum
+    assert busy.avg_slots < 1.5  # saturated: D held at 1, so calls do not slow each other down
+    fixed = simulate(heavy, "lalb-o3", cluster=ClusterConfig(gpus=2, gpu_memory_mb=8000, slots=2, interference=0.2))
+    assert fixed.slot_changes == 0 and fixed.avg_slots == 2.0 and fixed.adaptive_slots is None
