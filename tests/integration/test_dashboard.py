@@ -26,8 +26,19 @@ SCREENSHOT = ROOT / "test-artifacts" / "dashboard.png"
 
 
 def call(cluster: LocalCluster, name: str) -> httpx.Response:
+    """One call, answered 200, and then done in the scheduler's view too: the node tells the
+    gateway and the scheduler at once, so a next call made at the answer could find the model
+    still busy and be placed as a new replica on another GPU (the counts below would vary)."""
     response = invoke(cluster, name)
     assert response.status_code == 200, response.text
+
+    def gpus() -> list[dict[str, Any]]:
+        listed: list[dict[str, Any]] = httpx.get(
+            f"{cluster.gateway_url}/system/gpus", auth=cluster.admin_auth, timeout=10
+        ).json()
+        return listed
+
+    eventually(gpus, lambda listed: all(not gpu["running"] for gpu in listed))
     return response
 
 
