@@ -4,7 +4,6 @@ pool and disk hold (`NodeHoldings`): the tier a miss comes from."""
 
 from __future__ import annotations
 
-import statistics
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Set
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from dataclasses import dataclass
 from cache_manager.eviction import EvictionPolicy, LruEviction
 from cache_manager.holdings import NodeHoldings, Tier
 from gpufaas.errors import CacheFull, ModelTooLarge
+from gpufaas.footprints import Footprints
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,7 @@ class HostTier:
     models, else the model's declared GPU memory (the simulator's case: it measures nothing).
     `items` hold the charged MiB."""
 
-    __slots__ = ("_measured_mb", "capacity_mb", "items", "node", "used_mb")
+    __slots__ = ("_footprints", "capacity_mb", "items", "node", "used_mb")
 
     def __init__(self, node: str, capacity_mb: int) -> None:
         if capacity_mb < 0:
@@ -52,24 +52,19 @@ class HostTier:
         self.capacity_mb = capacity_mb
         self.items: OrderedDict[str, CacheItem] = OrderedDict()
         self.used_mb = 0
-        self._measured_mb: dict[str, int] = {}
+        self._footprints = Footprints()
 
     def __contains__(self, model: object) -> bool:
         return model in self.items
 
     def charge_mb(self, model: str, declared_mb: int) -> int:
         """What `model` counts against the capacity when it enters (see the class)."""
-        known = self._measured_mb.get(model)
-        if known is not None:
-            return known
-        if self._measured_mb:
-            return int(statistics.median(self._measured_mb.values()))
-        return declared_mb
+        return self._footprints.charge_mb(model, declared_mb)
 
     def measured(self, model: str, host_mb: int) -> None:
         """The node measured `model`'s footprint: its entry (if any) is charged that from now on.
         The caller trims the tier if this took it past its capacity."""
-        self._measured_mb[model] = host_mb
+        self._footprints.record(model, host_mb)
         item = self.items.get(model)
         if item is not None:
             self.used_mb += host_mb - item.memory_mb

@@ -17,9 +17,10 @@ pushes out.
 
 from __future__ import annotations
 
-import statistics
 from collections import OrderedDict
 from typing import Generic, Protocol, TypeVar
+
+from gpufaas.footprints import Footprints
 
 _MIB = 1024 * 1024
 REMEASURE_S = 60.0  # a model's parked workers are measured at most this often
@@ -47,7 +48,7 @@ class ParkedTier(Generic[W]):
         self.budget_mb = budget_mb
         self.remeasure_s = remeasure_s
         self._workers: OrderedDict[str, W] = OrderedDict()
-        self._measured_mb: dict[str, int] = {}  # model -> its last parked worker's footprint
+        self._footprints = Footprints()  # model -> its last parked worker's PSS
         self._measured_at_s: dict[str, float] = {}  # model -> when that was read
 
     def wants_measure(self, model: str, now_s: float) -> bool:
@@ -81,12 +82,7 @@ class ParkedTier(Generic[W]):
         """What `worker` counts against the budget (see the module)."""
         if worker.host_mb is not None:
             return worker.host_mb
-        known = self._measured_mb.get(worker.model)
-        if known is not None:
-            return known
-        if self._measured_mb:
-            return int(statistics.median(self._measured_mb.values()))
-        return worker.memory_mb
+        return self._footprints.charge_mb(worker.model, worker.memory_mb)
 
     def park(self, worker: W) -> list[W]:
         """`worker` enters as the most recent; returns the workers it displaces (another replica of
@@ -104,7 +100,7 @@ class ParkedTier(Generic[W]):
         for its model's next workers, and for the estimate of those not measured yet); returns
         the workers now past the budget, the oldest first."""
         worker.host_mb = host_mb
-        self._measured_mb[worker.model] = host_mb
+        self._footprints.record(worker.model, host_mb)
         self._measured_at_s[worker.model] = now_s
         return self._trim()
 

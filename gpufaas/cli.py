@@ -219,7 +219,6 @@ def sim(
     ] = None,
 ) -> None:
     """Replay a function trace through the real scheduler and cache manager on a virtual clock."""
-    from cache_manager import EvictionPolicy
     from scheduler import make_policy
     from simulator.engine import Batching, ClusterConfig
     from simulator.report import (
@@ -246,10 +245,7 @@ def sim(
         make_policy(policy)
     except GpufaasError as exc:
         raise typer.BadParameter(str(exc), param_hint="--policy") from None
-    if eviction not in EvictionPolicy.registry:
-        raise typer.BadParameter(
-            f"expected one of {', '.join(sorted(EvictionPolicy.registry))}, got {eviction!r}", param_hint="--eviction"
-        )
+    _check_eviction(eviction)
     if not batch_exponent > 0:
         raise typer.BadParameter(f"must be positive, got {batch_exponent}", param_hint="--batch-exponent")
     if plot is not None and plot.suffix.lower() != ".png":
@@ -340,6 +336,16 @@ def sim(
         _print_table(results, meta)
         if plot is not None:
             console.print(f"wrote {plot}")
+
+
+def _check_eviction(name: str) -> None:
+    """`--eviction`: a registered eviction policy, else one line listing them."""
+    from cache_manager import eviction_policy
+
+    try:
+        eviction_policy(name)
+    except GpufaasError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--eviction") from None
 
 
 def _scheduler_flags(text: str) -> list[str]:
@@ -634,12 +640,7 @@ def up(
         )
     if docker_image is not None and runtime != "docker":
         raise typer.BadParameter("--docker-image goes with --runtime docker", param_hint="--docker-image")
-    from cache_manager import EvictionPolicy
-
-    if eviction not in EvictionPolicy.registry:
-        raise typer.BadParameter(
-            f"expected one of {', '.join(sorted(EvictionPolicy.registry))}, got {eviction!r}", param_hint="--eviction"
-        )
+    _check_eviction(eviction)
     scheduler_flags = _scheduler_flags(scheduler_args)
     if backend is None:
         backend = "cuda" if _nvml_finds_gpus() else "cpu"

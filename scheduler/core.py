@@ -343,24 +343,15 @@ class Scheduler:
                     node = self._gpus[gpu_id].spec.node
                     if node is None or self.cache.host(node) is None or self.cache.gpu(gpu_id).is_pinned(model):
                         continue
-                    self._last_used_s.pop((gpu_id, model), None)
-                    to_host = self.cache.release(gpu_id, model)
-                    if to_host:
-                        self._host_since_s[(node, model)] = now
-                    releases.append(Release("gpu", model, node, gpu_id, to_host))
+                    releases.append(self._release_from_gpu(gpu_id, model, now))
         if gpu_idle_s is not None:
-            for gpu_id, state in self._gpus.items():
+            for gpu_id in self._gpus:
                 cache = self.cache.gpu(gpu_id)
                 for model in list(cache):
                     used_s = self._last_used_s.setdefault((gpu_id, model), now)  # untracked: from now
                     if cache.is_pinned(model) or now - used_s < gpu_idle_s:
                         continue
-                    del self._last_used_s[(gpu_id, model)]
-                    to_host = self.cache.release(gpu_id, model)
-                    node = state.spec.node
-                    if to_host and node is not None:
-                        self._host_since_s[(node, model)] = now
-                    releases.append(Release("gpu", model, node, gpu_id, to_host))
+                    releases.append(self._release_from_gpu(gpu_id, model, now))
         if host_idle_s is not None:
             # Clocks of models no longer in a host tier (pushed out by a later demotion, or their
             # tier left with its node) go first.
@@ -375,6 +366,16 @@ class Scheduler:
                         del self._host_since_s[(node, model)]
                         releases.append(Release("host", model, node))
         return releases
+
+    def _release_from_gpu(self, gpu_id: str, model: str, now: float) -> Release:
+        """Unpinned `model` leaves `gpu_id`, for its node's host tier if it has one (whose clock
+        for the staged exit's second stage starts now)."""
+        self._last_used_s.pop((gpu_id, model), None)
+        to_host = self.cache.release(gpu_id, model)
+        node = self._gpus[gpu_id].spec.node
+        if to_host and node is not None:
+            self._host_since_s[(node, model)] = now
+        return Release("gpu", model, node, gpu_id, to_host)
 
     def _fill(self, gpu_id: str, now: float) -> list[Decision]:
         """Let the policy plan for `gpu_id` on the draft; keep its plan, roll back the rest."""

@@ -296,9 +296,13 @@ def simulate(
     memory_area = 0.0  # integral of the GPU memory the caches hold (MB x s)
     releases = 0
     inference_s_sum = 0.0  # what each completed call's batch took on its GPU: the latency floor
-    staged_exit = cluster.gpu_idle_release_s is not None or cluster.host_idle_release_s is not None
-    # The policy's own swap-out (mqfq-sticky's keep-alive) needs host tiers to move models into.
-    staged_exit = staged_exit or (scheduler.policy.releases_memory and cluster.host_memory_mb > 0)
+    # EDAS's staged exit, or the policy's own swap-out (mqfq-sticky's keep-alive), which needs host
+    # tiers to move models into: asked at each event.
+    releasing = (
+        cluster.gpu_idle_release_s is not None
+        or cluster.host_idle_release_s is not None
+        or (scheduler.policy.releases_memory and cluster.host_memory_mb > 0)
+    )
     max_queue_len = 0
     adaptive = (
         AdaptiveSlots(cluster.adaptive_slots, threshold=cluster.utilization_threshold)
@@ -348,7 +352,7 @@ def simulate(
                 running = {g.spec.gpu_id: (len(g.running), g.spec.slots) for g in scheduler.gpus()}
                 for gpu_id, slots in adaptive.observe(now, running).items():
                     scheduler.set_slots(gpu_id, slots)
-            if staged_exit:
+            if releasing:
                 for release in scheduler.release_idle(
                     now, gpu_idle_s=cluster.gpu_idle_release_s, host_idle_s=cluster.host_idle_release_s
                 ):
