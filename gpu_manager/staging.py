@@ -204,7 +204,14 @@ class PackageStore:
             sources = sources_for(record, await self._holders(), me=self.me, my_host=self.my_host)
             # Largest first: the weights set the pace; the small files fit in around them.
             order = sorted(missing, key=lambda d: -missing[d])
-            await asyncio.gather(*(self._blob(d, missing[d], sources, stats) for d in order))
+            # Every fetch settles before a failure is raised: none runs on unowned after it, and
+            # what was fetched is on disk (collected after the grace if nothing wants it).
+            fetched = await asyncio.gather(
+                *(self._blob(d, missing[d], sources, stats) for d in order), return_exceptions=True
+            )
+            failure = next((r for r in fetched if isinstance(r, BaseException)), None)
+            if failure is not None:
+                raise failure
             stats.fetch_s = time.perf_counter() - started
         linked = time.perf_counter()
         path = await asyncio.to_thread(self._link, manifest)
