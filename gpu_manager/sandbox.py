@@ -1,8 +1,11 @@
 """What a worker process may touch (the `process` runtime): its own user, no network, resource
 limits, a clean environment. Decisions are pure functions; the few calls that change a process
-(`isolate_network`, `confine`, `lock_package`) are at the bottom.
+(`close_descriptors`, `isolate_network`, `confine`, `lock_package`) are at the bottom.
 
-A worker is confined in two steps:
+A worker is confined in three steps:
+- when it is made (`close_descriptors`): it keeps no descriptor but its stdio (a pipe of its own,
+  read by the node within a budget) and its channel to the node; whatever its parent held (the
+  node's log, which an event loop's spawn hands down as copies of its stdio) is closed.
 - as a spare, right after the zygote forks it: a network namespace of its own with nothing in it
   (`isolate_network`), so a function reaches neither etcd, nor the daemons' ports, nor anything
   else; it talks to its node over the socket pair it was born with.
@@ -38,6 +41,7 @@ ENVIRONMENT_NAMES = frozenset({"PATH", "LANG", "LANGUAGE", "TZ", "PYTHONPATH", "
 ENVIRONMENT_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "OMP_", "MKL_", "OPENBLAS_", "TORCH_", "LD_LIBRARY_PATH")
 
 _CLONE_NEWUSER = 0x10000000
+_DESCRIPTOR_END = 2**31 - 1  # above any descriptor (close_range closes only those open)
 _CLONE_NEWNET = 0x40000000
 
 
@@ -143,6 +147,15 @@ def current_data_mb() -> int:
 
 
 # --- what changes a process -----------------------------------------------------------------
+
+
+def close_descriptors(keep: Iterable[int] = ()) -> None:
+    """Close every file descriptor of this process but 0, 1, 2 and `keep`. A Python object that
+    owned one of the others must not be used (or collected) afterwards: close those first."""
+    kept = sorted({0, 1, 2, *keep})
+    for low, high in zip(kept, [*kept[1:], _DESCRIPTOR_END], strict=True):
+        if high > low + 1:
+            os.closerange(low + 1, high)
 
 
 def isolate_network() -> bool:

@@ -33,7 +33,14 @@ import traceback
 from typing import NamedTuple
 
 from gpu_manager.backends import Backend, ModelSpec
-from gpu_manager.sandbox import DEFAULT_MAX_FILE_MB, DEFAULT_MAX_PROCESSES, Confinement, confine, current_data_mb
+from gpu_manager.sandbox import (
+    DEFAULT_MAX_FILE_MB,
+    DEFAULT_MAX_PROCESSES,
+    Confinement,
+    close_descriptors,
+    confine,
+    current_data_mb,
+)
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import PREFIX_BYTES, MessageType, encode
 
@@ -318,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from gpu_manager.backends import WorkerDevice, backend_class
+
+    close_descriptors()  # as a forked worker: its stdio (the container's log) and, soon, its socket
 
     parser = argparse.ArgumentParser(prog="python -m gpu_manager.worker", description=main.__doc__)
     parser.add_argument("--connect", required=True, help="the node's Unix socket for this worker")

@@ -9,10 +9,11 @@ WorkerPool. The zygote first sends b"ready <import seconds>". Then each message 
 b"<gpu id> <device index>" carrying two file descriptors (SCM_RIGHTS): the worker's end of a
 socket pair, on which the forked worker then speaks to the pool (gpu_manager.worker), and the
 write end of a pipe that becomes the worker's stdout and stderr (the pool reads it, within a
-budget). With --isolate each worker first moves into a network namespace of its own
-(gpu_manager.sandbox): it reaches nothing but its pool. Children are
-reaped automatically (SIGCHLD ignored); the pool tells a worker's exit by its socket closing. The
-zygote exits when the pool closes its end.
+budget). A worker keeps no other descriptor (gpu_manager.sandbox.close_descriptors), nor does the
+zygote keep any it was started with but its stdio and fd N. With --isolate each worker first
+moves into a network namespace of its own (gpu_manager.sandbox): it reaches nothing but its pool.
+Children are reaped automatically (SIGCHLD ignored); the pool tells a worker's exit by its socket
+closing. The zygote exits when the pool closes its end.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 import traceback
 
 from gpu_manager.backends import WorkerDevice, backend_class
-from gpu_manager.sandbox import isolate_network, plan_import_path
+from gpu_manager.sandbox import close_descriptors, isolate_network, plan_import_path
 from gpu_manager.worker import run_worker
 
 MAX_MESSAGE_BYTES = 1024
@@ -39,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", required=True)
     parser.add_argument("--isolate", action="store_true", help="give each worker a network namespace of its own")
     args = parser.parse_args(argv)
+    # The node's event loop (uvloop) hands its children copies of the node's stdio (its log) that
+    # it made while spawning; nothing but the control socket is this process's to keep.
+    close_descriptors(keep=[args.fd])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gpu_manager decides when this process stops
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped as they exit
     backend = backend_class(args.backend)
@@ -75,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                 os.dup2(fds[1], 1)  # its output goes to the pool, which caps it
                 os.dup2(fds[1], 2)
                 os.close(fds[1])
+                # Its channel and stdio only: not the node's log, not another worker's pipe.
+                close_descriptors(keep=[fds[0]])
                 isolated = isolate_network() if args.isolate else False
                 worker = backend(WorkerDevice(args.backend, gpu_id, int(index)))
                 status = run_worker(socket.socket(fileno=fds[0]), worker, import_s=import_s, network_isolated=isolated)

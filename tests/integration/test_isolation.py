@@ -22,13 +22,18 @@ pytestmark = pytest.mark.integration
 AS_ROOT = os.geteuid() == 0
 
 
-def probe(cluster: LocalCluster, **probes: Any) -> dict[str, Any]:
+def call(cluster: LocalCluster, name: str, **inputs: Any) -> dict[str, Any]:
+    """Function `name`'s JSON answer to `inputs` (which must succeed)."""
     response = httpx.post(
-        f"{cluster.gateway_url}/function/prowler", json=probes, headers=cluster.invoke_headers, timeout=120
+        f"{cluster.gateway_url}/function/{name}", json=inputs, headers=cluster.invoke_headers, timeout=120
     )
     assert response.status_code == 200, response.text
     report: dict[str, Any] = response.json()
     return report
+
+
+def probe(cluster: LocalCluster, **probes: Any) -> dict[str, Any]:
+    return call(cluster, "prowler", **probes)
 
 
 def package_dir(cluster: LocalCluster, digest: str) -> Path:
@@ -132,3 +137,32 @@ def test_a_function_reaches_no_network_sees_no_secrets_and_is_held_to_its_limits
     grown_mb = (log.stat().st_size - before) / 1024 / 1024
     assert grown_mb < 8, f"the node's log grew by {grown_mb:.1f} MiB"
     assert "bytes of its output dropped" in log.read_text(errors="replace")
+
+
+O_PATH = 0o10000000  # a handle that names a file or directory but cannot read or write it
+SECRET = "card 4111 1111 1111 1111, planted by another function"
+
+
+def test_a_worker_holds_nothing_but_its_stdio_and_channel(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    """A handler that lists /proc/self/fd and tries every descriptor finds its stdio (/dev/null and
+    a pipe of its own), one socket (its channel to the node) and the O_PATH handles its worker
+    opened to reach its package and runtime: nothing it can read, reopen or write. Not the node's
+    log (where another function's output goes), not another worker's pipe."""
+    cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=2000)
+    deploy(cluster, "victim", "prowler_function", tmp_path, memory_mb=100)
+    deploy(cluster, "thief", "descriptor_function", tmp_path, memory_mb=100)
+    victim = call(cluster, "victim", say=SECRET)
+    report = call(cluster, "thief", look_for=SECRET)
+    descriptors = {int(fd): entry for fd, entry in report["descriptors"].items()}
+    assert report["found"] == [], descriptors
+    sockets = [fd for fd, entry in descriptors.items() if entry["target"].startswith("socket:")]
+    assert len(sockets) == 1, descriptors
+    assert descriptors[0]["target"] == "/dev/null"
+    stdout = descriptors[1]["target"]
+    assert stdout.startswith("pipe:") and descriptors[2]["target"] == stdout, descriptors
+    assert victim["stdout"].startswith("pipe:") and victim["stdout"] != stdout
+    others = {fd: entry for fd, entry in descriptors.items() if fd not in (0, 1, 2, *sockets)}
+    assert {fd: entry for fd, entry in others.items() if not entry["flags"] & O_PATH} == {}
+    assert not [entry for entry in others.values() if "ok" in (entry["read"], entry["reopen"], entry["write"])]
+    # Its output is its own pipe's, within its budget: nothing reached the node's log another way.
+    assert "forged log line" not in (cluster.state_dir / "logs" / "node0.log").read_text(errors="replace")

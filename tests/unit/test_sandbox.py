@@ -16,6 +16,7 @@ from gpu_manager.sandbox import (
     Isolation,
     LogBudget,
     _open_to_others,
+    close_descriptors,
     data_allowance_mb,
     lock_package,
     package_uid,
@@ -73,6 +74,37 @@ def test_the_output_budget_allows_a_burst_then_the_rate_and_counts_the_rest() ->
     assert budget.take(500, now=2.0) == 200  # 2 s at 100 B/s
     assert budget.take(10_000, now=1000.0) == 1000  # refilled to the burst, no more
     assert budget.dropped == 600 + 300 + 9000
+
+
+def test_closing_descriptors_keeps_stdio_and_those_named_only(tmp_path: Path) -> None:
+    """In a child (as a worker is made): descriptors its parent held, inheritable or not, are
+    gone, but its stdio and the one it keeps (its channel)."""
+    held = [os.open(tmp_path / f"held{i}", os.O_CREAT | os.O_WRONLY) for i in range(3)]
+    os.set_inheritable(held[0], True)  # as the copies of stdio an event loop's spawn hands down
+    report_read, report_write = os.pipe()
+    asked = [0, 1, 2, *held, report_read, report_write]
+    pid = os.fork()
+    if pid == 0:  # the child says which it still holds, then exits without Python's cleanup
+        try:
+            close_descriptors(keep=[report_write, held[1]])
+            os.write(report_write, " ".join(str(fd) for fd in asked if _is_open(fd)).encode())
+        finally:
+            os._exit(0)
+    os.close(report_write)
+    with os.fdopen(report_read, "rb") as report:
+        remaining = {int(fd) for fd in report.read().split()}
+    os.waitpid(pid, 0)
+    for fd in held:
+        os.close(fd)
+    assert remaining == {0, 1, 2, report_write, held[1]}
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def test_a_directory_is_open_to_others_only_if_every_one_above_may_be_passed(tmp_path: Path) -> None:
