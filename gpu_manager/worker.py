@@ -21,8 +21,12 @@ it: that is what frees its device memory.
 
 from __future__ import annotations
 
+import array
+import contextlib
+import itertools
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -45,27 +49,57 @@ from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import PREFIX_BYTES, MessageType, encode
 
 JSON_TYPES = ("application/json", "application/problem+json")
+MAX_JSON_DEPTH = 512
+"""Deepest nesting of arrays and objects a JSON payload may have: json's decoder recurses once a
+level, so a deeper one would exhaust the worker's stack (Python's limit is 1,000 frames)."""
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # brackets in strings do not nest
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_DEPTH_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1, +1, -1, -1 as signed bytes
 
 
 class InvalidInput(ValueError):
-    """The payload does not match its declared content type."""
+    """The payload does not match its declared content type, or is nested too deep."""
+
+
+def json_depth_over(payload: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether `payload`, read as JSON, nests arrays and objects deeper than `limit` levels. Costs
+    two byte counts for a payload with at most `limit` brackets, else a few passes in C over it."""
+    if payload.count(b"[") + payload.count(b"{") <= limit:
+        return False
+    steps = array.array("b", _JSON_STRING.sub(b"", payload).translate(_DEPTH_STEPS, _NOT_BRACKETS))
+    return max(itertools.accumulate(steps), default=0) > limit
+
+
+def _parse_json(payload: bytes) -> object:
+    """json.loads, with a payload nested past MAX_JSON_DEPTH refused (InvalidInput), never a
+    RecursionError. ValueError (UnicodeDecodeError included) if it is not JSON."""
+    too_deep = InvalidInput(f"the payload is JSON nested deeper than {MAX_JSON_DEPTH} levels; send it flatter")
+    if json_depth_over(payload):
+        raise too_deep
+    try:
+        return json.loads(payload)
+    except RecursionError:  # a stack already deep: still the caller's payload, not the worker's end
+        raise too_deep from None
 
 
 def decode_inputs(payload: bytes, content_type: str = "") -> object:
-    """The handler's `inputs`. Declared JSON is parsed (InvalidInput if it does not parse); a body
-    with no content type is parsed when it is UTF-8 JSON, else given as bytes; any other declared
-    type is given as the raw bytes (never parsed)."""
+    """The handler's `inputs`. Declared JSON is parsed (InvalidInput if it does not parse or nests
+    deeper than MAX_JSON_DEPTH); a body with no content type is parsed when it is UTF-8 JSON within
+    that depth, else given as bytes (binary data may well hold more "[" than "]"); any other
+    declared type is given as the raw bytes (never parsed)."""
     media = content_type.split(";", 1)[0].strip().lower()
     if media in JSON_TYPES or media.endswith("+json"):
         try:
-            return json.loads(payload or b"null")
-        except (UnicodeDecodeError, ValueError) as exc:
+            return _parse_json(payload or b"null")
+        except InvalidInput:
+            raise
+        except ValueError as exc:
             raise InvalidInput(f"the payload is declared {media} but is not valid JSON: {exc}") from None
     if media:
         return payload
     try:
-        return json.loads(payload)
-    except (UnicodeDecodeError, ValueError):
+        return _parse_json(payload)
+    except ValueError:  # InvalidInput included
         return payload
 
 
@@ -187,6 +221,8 @@ def serve(backend: Backend, channel: Channel, spec: ModelSpec, max_result_bytes:
 
 
 def _run(backend: Backend, channel: Channel, spec: ModelSpec, frames: list[_Frame], max_result_bytes: int) -> None:
+    """Answer each call of `frames`: whatever its payload or the handler does (an exception of any
+    kind, SystemExit included) is the call's answer, never the end of the worker's serve loop."""
     calls: list[pb.Call] = []
     inputs: list[object] = []
     for frame in frames:
@@ -202,9 +238,10 @@ def _run(backend: Backend, channel: Channel, spec: ModelSpec, frames: list[_Fram
     started_s = time.perf_counter()
     try:
         outputs = backend.predict_batch(inputs) if spec.max_batch_size > 1 else [backend.predict(inputs[0])]
-    except Exception as exc:
+    except BaseException as exc:  # the handler's sys.exit() too: it ends its calls, not the worker
         inference_s = time.perf_counter() - started_s
-        traceback.print_exc()  # the full traceback goes to the node's log; the caller gets one line
+        with contextlib.suppress(Exception):  # a handler may have closed its stderr
+            traceback.print_exc()  # the full traceback goes to the node's log; the caller gets one line
         for call in calls:
             _answer(channel, call, pb.HANDLER_ERROR, f"predict raised {describe(exc)}", inference_s=inference_s)
         return
@@ -213,7 +250,7 @@ def _run(backend: Backend, channel: Channel, spec: ModelSpec, frames: list[_Fram
     for call, output in zip(calls, outputs, strict=True):
         try:
             body, content_type = encode_result(output)
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # unencodable, nested too deep (RecursionError), a tensor that would not copy
             _answer(channel, call, pb.OUTPUT_INVALID, describe(exc), inference_s=inference_s)
             continue
         if len(body) > max_result_bytes:

@@ -166,3 +166,24 @@ def test_a_worker_holds_nothing_but_its_stdio_and_channel(make_cluster: ClusterF
     assert not [entry for entry in others.values() if "ok" in (entry["read"], entry["reopen"], entry["write"])]
     # Its output is its own pipe's, within its budget: nothing reached the node's log another way.
     assert "forged log line" not in (cluster.state_dir / "logs" / "node0.log").read_text(errors="replace")
+
+
+def test_a_caller_cannot_break_a_warm_worker(make_cluster: ClusterFactory, tmp_path: Path) -> None:
+    """JSON nested 100,000 deep is refused with a 400 (json's decoder would exhaust the worker's
+    stack: RecursionError ended its serve loop, and each such call cost a reload), and a handler
+    that calls sys.exit() gets its call a 500: the same warm worker serves the next call."""
+    cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=2000)
+    deploy(cluster, "prowler", "prowler_function", tmp_path, memory_mb=100)
+    pid = call(cluster, "prowler")["pid"]
+    deep = b"[" * 100_000 + b"]" * 100_000
+    url = f"{cluster.gateway_url}/function/prowler"
+    with httpx.Client(headers=cluster.invoke_headers, timeout=60) as client:
+        for _ in range(20):
+            response = client.post(url, content=deep, headers={"content-type": "application/json"})
+            assert response.status_code == 400, response.text
+            assert "nested deeper than 512 levels" in response.json()["error"]
+        response = client.post(url, json={"exit": 3})
+        assert response.status_code == 500 and "SystemExit: 3" in response.json()["error"], response.text
+        response = client.post(url, json={})
+        assert response.status_code == 200, response.text
+        assert response.headers["X-Cache"] == "hit" and response.json()["pid"] == pid
