@@ -191,6 +191,27 @@ def sim(
     host_to_gpu_mb_s: Annotated[
         float, typer.Option(min=1.0, help="Host-to-GPU copy bandwidth of a swap-in (MB/s).")
     ] = 10_000.0,
+    gpus_per_link: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="The transfer-bandwidth model: a node's GPUs sit behind shared host links (PCIe switches) of this "
+            "many GPUs each, and concurrent loads share their bandwidth (0: off, every load takes its fixed time).",
+        ),
+    ] = 0,
+    link_mb_s: Annotated[
+        float | None,
+        typer.Option(
+            min=1.0, help="With --gpus-per-link: a shared link's bandwidth (MB/s; default --host-to-gpu-mb-s)."
+        ),
+    ] = None,
+    interference_aware: Annotated[
+        bool,
+        typer.Option(
+            help="A miss prefers an idle GPU whose shared host link carries no load in flight (Torpor's "
+            "interference-aware placement; in effect with --gpus-per-link)."
+        ),
+    ] = True,
     slo_factor: Annotated[
         float | None,
         typer.Option(
@@ -277,6 +298,8 @@ def sim(
             gpu_idle_release_s=gpu_idle_release_s,
             host_idle_release_s=host_idle_release_s,
             host_to_gpu_mb_s=host_to_gpu_mb_s,
+            gpus_per_link=gpus_per_link,
+            link_mb_s=link_mb_s,
             interference=interference,
             adaptive_slots=adaptive_slots,
             utilization_threshold=utilization_threshold,
@@ -295,6 +318,7 @@ def sim(
                 mqfq_ttl_alpha=mqfq_ttl_alpha,
                 mqfq_swap_out=mqfq_swap_out,
                 torpor_alpha_period_s=torpor_alpha_period_s or None,
+                interference_aware_loads=interference_aware,
                 batching=batching,
                 on_progress=advance,
                 optimum=True,
@@ -320,6 +344,7 @@ def sim(
         "slo_factor": slo_factor,
         "interference": interference,
         "adaptive_slots": adaptive_slots,
+        "gpus_per_link": gpus_per_link,
     }
     groups = aggregate(results) if len(mapping_seeds) > 1 else []
     if json_output:

@@ -35,6 +35,9 @@ class GpuSpec:
     fill (the device's memory minus a reserve for the CUDA context and fragmentation). `slots` is
     D, how many requests the GPU may run at once (its workers share it; 1 = the paper's one
     request at a time). `node` names the machine it is in: GPUs of one node share its host tier.
+    `link` names the host link it shares with other GPUs for host-to-GPU copies (GPUs behind one
+    PCIe switch share its uplink: two loads there at once each get about half of it); None: a
+    link of its own. Unique cluster-wide (the node's name is part of it).
     """
 
     gpu_id: str
@@ -43,6 +46,7 @@ class GpuSpec:
     speed: float = 1.0
     slots: int = 1
     node: str | None = None
+    link: str | None = None
 
     def __post_init__(self) -> None:
         if self.memory_mb <= 0:

@@ -68,6 +68,13 @@ def _parser() -> argparse.ArgumentParser:
         help="torpor: retune alpha this often by Torpor's Algorithm 2 (default: alpha fixed)",
     )
     parser.add_argument(
+        "--no-interference-aware-loads",
+        dest="interference_aware_loads",
+        action="store_false",
+        help="misses no longer prefer a GPU whose shared host link (PCIe switch) carries no other load "
+        "(Torpor's interference-aware placement; in effect where nodes report shared links)",
+    )
+    parser.add_argument(
         "--adaptive-slots",
         type=int,
         default=None,
@@ -191,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                 mqfq_swap_out=args.mqfq_swap_out,
                 torpor_alpha=args.torpor_alpha,
                 torpor_alpha_period_s=args.torpor_alpha_period_s,
+                interference_aware_loads=args.interference_aware_loads,
             ),
             eviction=args.eviction,
             adaptive_slots=args.adaptive_slots,

@@ -162,6 +162,12 @@ class Scheduler:
         # idle, model evicted, version bumped) and are dropped lazily, or compacted.
         self._free_at: dict[str, list[tuple[float, str, int]]] = {}
         self._swapped_in: set[str] = set()  # running requests whose model came from the host tier
+        # Copies expected in flight per shared host link (`GpuSpec.link`): request id -> (start,
+        # end) of its load's host-to-GPU copy, the load's last `transfer_time_s` (a load from disk
+        # spends its first seconds starting and reading, not copying). Added at a dispatch that
+        # loads (or swaps in) on a GPU with a link, taken out when the request leaves its slot;
+        # entries past their end are pruned as they are read.
+        self._link_loads: dict[str, dict[str, tuple[float, float]]] = {}
         # When each cached model was last used on its GPU, and when each host-tier model entered
         # its tier: the clocks of the staged exit (`release_idle`).
         self._last_used_s: dict[tuple[str, str], float] = {}
@@ -197,6 +203,7 @@ class Scheduler:
         for request in returned:
             del self._placed_on[request.request_id]
             self._swapped_in.discard(request.request_id)
+            self._end_link_load(state, request.request_id)
             self._pin_dropped.discard(request.request_id)
             self.queue.insert(request, self._seq_of[request.request_id])
             self.policy.on_requeue(request, now, ran=request.request_id in state.running)
@@ -599,9 +606,53 @@ class Scheduler:
         gpu_type = self._gpus[gpu_id].spec.gpu_type
         tier = self.cache.tier(model, gpu_id)
         if tier <= Tier.POOL:
-            return self.estimator.swap_in_time_s(model, gpu_type, spec.memory_mb)
-        load_s = self.estimator.load_time_s(model, gpu_type, spec.memory_mb)
-        return load_s + self.estimator.fetch_time_s(spec.memory_mb) if tier is Tier.REMOTE else load_s
+            load_s = self.estimator.swap_in_time_s(model, gpu_type, spec.memory_mb)
+        else:
+            load_s = self.estimator.load_time_s(model, gpu_type, spec.memory_mb)
+            if tier is Tier.REMOTE:
+                load_s += self.estimator.fetch_time_s(spec.memory_mb)
+        return load_s
+
+    def copies_overlapping(self, model: str, gpu_id: str, now: float) -> int:
+        """How many copies expected in flight on `gpu_id`'s shared host link would overlap the
+        copy of `model` if it were loaded there now (0 for a GPU with a link of its own): each
+        would share the link's bandwidth with it. O(copies on that link)."""
+        link = self._gpus[gpu_id].spec.link
+        if link is None or not self._link_loads.get(link):
+            return 0
+        end_s = now + self.load_time_s(model, gpu_id)
+        return self._copies_overlapping(
+            link, end_s - self.estimator.transfer_time_s(self._models[model].memory_mb), end_s, now
+        )
+
+    def _copies_overlapping(self, link: str, start_s: float, end_s: float, now: float) -> int:
+        """Copies on `link` whose window meets [start_s, end_s]; those over by `now` are pruned."""
+        copies = self._link_loads.get(link)
+        if not copies:
+            return 0
+        for request_id in [r for r, (_, until_s) in copies.items() if until_s <= now]:
+            del copies[request_id]
+        return sum(1 for since_s, until_s in copies.values() if since_s < end_s and until_s > start_s)
+
+    def _end_link_load(self, state: GpuState, request_id: str) -> None:
+        link = state.spec.link
+        if link is not None and link in self._link_loads:
+            self._link_loads[link].pop(request_id, None)
+
+    def _quiet_first(self, model: str, candidates: Iterable[str], quiet_links_at: float | None) -> str | None:
+        """The first of `candidates` where `model`'s copy, loaded at `quiet_links_at`, would share
+        its host link with no other copy, else the first of them (Torpor's interference-aware
+        placement: two copies behind one PCIe switch each take up to twice as long). Without
+        `quiet_links_at`, or while no link has a copy, the first: lazy, as cheap as taking it."""
+        if quiet_links_at is None or not any(self._link_loads.values()):
+            return next(iter(candidates), None)
+        first: str | None = None
+        for gpu_id in candidates:
+            if not self.copies_overlapping(model, gpu_id, quiet_links_at):
+                return gpu_id
+            if first is None:
+                first = gpu_id
+        return first
 
     def inference_time_s(self, model: str, gpu_id: str, batch_size: int) -> float:
         """The estimated time of one call of `model` with `batch_size` samples on `gpu_id`."""
@@ -620,66 +671,81 @@ class Scheduler:
     def _fits(spec: ModelSpec, state: GpuState) -> bool:
         return spec.memory_mb <= state.spec.memory_mb and spec.gpu_type in (None, state.spec.gpu_type)
 
-    def idle_with_room(self, model: str, prefer: str, exclude: str | None = None) -> str | None:
+    def idle_with_room(
+        self, model: str, prefer: str, exclude: str | None = None, *, quiet_links_at: float | None = None
+    ) -> str | None:
         """An idle GPU whose cache has room for `model` without evicting anything: `prefer` if
-        it has, else the first in idle order; None if every idle GPU would have to evict. O(1)
-        when `prefer` has room, else O(idle GPUs)."""
+        it has, else the first in idle order; None if every idle GPU would have to evict. With
+        `quiet_links_at`, one whose host link carries no load then comes first (`_quiet_first`).
+        O(1) when `prefer` has room (and a quiet link), else O(idle GPUs)."""
         spec = self._models[model]
-        if (
-            prefer != exclude
-            and self.cache.gpu(prefer).free_mb >= spec.memory_mb
-            and self._fits(spec, self._gpus[prefer])
-        ):
-            return prefer
-        for _, gpu_id in self._idle:
-            if (
+
+        def room(gpu_id: str) -> bool:
+            return (
                 gpu_id != exclude
                 and self.cache.gpu(gpu_id).free_mb >= spec.memory_mb
                 and self._fits(spec, self._gpus[gpu_id])
-            ):
-                return gpu_id
-        return None
+            )
 
-    def idle_nearest_copy(self, model: str, prefer: str, exclude: str | None = None) -> str | None:
+        with_room = (gpu_id for gpu_id in itertools.chain((prefer,), (g for _, g in self._idle)) if room(gpu_id))
+        return self._quiet_first(model, with_room, quiet_links_at)
+
+    def idle_nearest_copy(
+        self, model: str, prefer: str, exclude: str | None = None, *, quiet_links_at: float | None = None
+    ) -> str | None:
         """An idle GPU the model may run on now (see `fits`) whose node holds it nearer than the
         GPU being filled (`prefer`) would have it: in host memory (its host tier or host model
         pool: a swap-in, not a load), else, when `prefer`'s node would have to fetch it, on disk
         (a load without the fetch). The nearest tier wins; within it `prefer` if it is one, else
         one with room for the model (evicting nothing), else the first, in idle order. None if no
-        node holds it nearer. O(1) without copies, else O(idle GPUs)."""
+        node holds it nearer. With `quiet_links_at`, a GPU whose host link carries no load then
+        comes first within a tier. O(1) without copies, else O(idle GPUs)."""
         holdings = self.cache.holdings
         in_memory: Set[str] = self.cache.nodes_holding(model)
         pooling = holdings.nodes_pooling(model)
         if pooling:
             in_memory = in_memory | pooling if in_memory else pooling
         if in_memory:
-            found = self._idle_on(model, in_memory, prefer, exclude)
+            found = self._idle_on(model, in_memory, prefer, exclude, quiet_links_at)
             if found is not None:
                 return found
         staging = holdings.nodes_staging(model)
         if staging and self.cache.tier(model, prefer) is Tier.REMOTE:
-            return self._idle_on(model, staging, prefer, exclude)
+            return self._idle_on(model, staging, prefer, exclude, quiet_links_at)
         return None
 
-    def _idle_on(self, model: str, nodes: Set[str], prefer: str, exclude: str | None) -> str | None:
-        """`idle_nearest_copy`'s choice among the idle GPUs of `nodes`."""
-        if prefer != exclude and self._gpus[prefer].spec.node in nodes and self.fits(model, prefer):
-            return prefer
+    def _idle_on(
+        self, model: str, nodes: Set[str], prefer: str, exclude: str | None, quiet_links_at: float | None
+    ) -> str | None:
+        """`idle_nearest_copy`'s choice among the idle GPUs of `nodes`: `prefer`, else one with
+        room, else the first. With `quiet_links_at`, a GPU with room on a quiet link (see
+        `_quiet_first`) goes before `prefer` on a loaded one; a quiet link never outweighs room (an
+        eviction costs a later load, contention a share of one copy)."""
         spec = self._models[model]
-        first: str | None = None
-        for _, gpu_id in self._idle:
-            if gpu_id == exclude or self._gpus[gpu_id].spec.node not in nodes or not self.fits(model, gpu_id):
-                continue
-            if self.cache.gpu(gpu_id).free_mb >= spec.memory_mb:
-                return gpu_id
-            if first is None:
-                first = gpu_id
-        return first
 
-    def idle_for_replica(self, model: str, prefer: str, exclude: str | None = None) -> str | None:
+        def eligible(gpu_id: str) -> bool:
+            return gpu_id != exclude and self._gpus[gpu_id].spec.node in nodes and self.fits(model, gpu_id)
+
+        def others(with_room: bool) -> Iterable[str]:
+            for _, gpu_id in self._idle:
+                if (
+                    gpu_id != prefer
+                    and eligible(gpu_id)
+                    and (self.cache.gpu(gpu_id).free_mb >= spec.memory_mb) == with_room
+                ):
+                    yield gpu_id
+
+        head = (prefer,) if eligible(prefer) else ()
+        found = self._quiet_first(model, itertools.chain(head, others(True)), quiet_links_at)
+        return found if found is not None else self._quiet_first(model, others(False), quiet_links_at)
+
+    def idle_for_replica(
+        self, model: str, prefer: str, exclude: str | None = None, *, quiet_links_at: float | None = None
+    ) -> str | None:
         """An idle GPU that does not hold `model` and has room for it now, evicting nothing
-        (`prefer` if it is one, else the first in idle order); None if there is none. O(idle
-        GPUs): asked only when the idle holders' workers of the model are busy."""
+        (`prefer` if it is one, else the first in idle order; with `quiet_links_at` a quiet host
+        link first, see `_quiet_first`); None if there is none. O(idle GPUs): asked only when the
+        idle holders' workers of the model are busy."""
         holders = self.cache.gpus_with(model)
         spec = self._models[model]
 
@@ -691,9 +757,10 @@ class Scheduler:
                 and self.cache.gpu(gpu_id).free_mb >= spec.memory_mb
             )
 
-        if self._gpus[prefer].idle and room(prefer):
-            return prefer
-        return next((gpu_id for _, gpu_id in self._idle if room(gpu_id)), None)
+        first = (prefer,) if self._gpus[prefer].idle and room(prefer) else ()
+        return self._quiet_first(
+            model, itertools.chain(first, (gpu_id for _, gpu_id in self._idle if room(gpu_id))), quiet_links_at
+        )
 
     def first_idle_fitting(self, model: str, exclude: str | None = None) -> str | None:
         """The first idle GPU (in idle order) the model may run on now (see `fits`): O(idle GPUs);
@@ -704,7 +771,9 @@ class Scheduler:
                 return gpu_id
         return None
 
-    def idle_with_coldest_victim(self, model: str, exclude: str | None = None) -> str | None:
+    def idle_with_coldest_victim(
+        self, model: str, exclude: str | None = None, *, quiet_links_at: float | None = None
+    ) -> str | None:
         """The idle GPU the model may run on now whose first eviction victim was used least
         recently, on the cache's clock shared by every GPU (a GPU that would evict nothing counts
         as coldest); None if the model may run on no idle GPU now. Ties (only between GPUs that
@@ -712,10 +781,12 @@ class Scheduler:
 
         Asked when no idle GPU has room for a miss: loading on the GPU being filled would always
         churn that GPU's LRU list while other GPUs' models stay frozen however cold; this evicts
-        the cluster's coldest model instead."""
+        the cluster's coldest model instead. With `quiet_links_at`, a quiet host link breaks ties
+        (GPUs that evict nothing): it never outweighs a colder victim."""
         spec = self._models[model]
         best_gpu: str | None = None
-        best_tick = 0
+        best_key = (0, 0)
+        weigh_at = quiet_links_at if any(self._link_loads.values()) else None
         for _, gpu_id in self._idle:
             if gpu_id == exclude or not self._fits(spec, self._gpus[gpu_id]):
                 continue
@@ -724,8 +795,9 @@ class Scheduler:
                 continue
             victim = cache.first_victim(model, spec.memory_mb)
             tick = -1 if victim is None else cache.last_used_tick(victim)
-            if best_gpu is None or tick < best_tick:
-                best_gpu, best_tick = gpu_id, tick
+            loading = min(1, self.copies_overlapping(model, gpu_id, weigh_at)) if weigh_at is not None else 0
+            if best_gpu is None or (tick, loading) < best_key:
+                best_gpu, best_key = gpu_id, (tick, loading)
         return best_gpu
 
     def dispatch(self, request: Request, gpu_id: str, now: float) -> Dispatch:
@@ -754,6 +826,7 @@ class Scheduler:
             del state.expected_finish_s[request_id]
             del self._placed_on[request_id]
             self._swapped_in.discard(request_id)
+            self._end_link_load(state, request_id)
             state.busy_until_s = busy_until_before
             state.version += 1  # what it advertised while full no longer holds
             if left_idle:
@@ -882,6 +955,12 @@ class Scheduler:
             load_s = self.estimator.load_time_s(spec.name, state.spec.gpu_type, spec.memory_mb)
             if self.cache.tier(spec.name, gpu_id) is Tier.REMOTE:
                 load_s += self.estimator.fetch_time_s(spec.memory_mb)
+        link = state.spec.link
+        if load_s and link is not None:
+            # The copy shares the link with the loads in flight there (an equal share each).
+            transfer_s = self.estimator.transfer_time_s(spec.memory_mb)
+            load_s += self._copies_overlapping(link, now + load_s - transfer_s, now + load_s, now) * transfer_s
+            self._link_loads.setdefault(link, {})[request.request_id] = (now + load_s - transfer_s, now + load_s)
         inference_s = self._inference_time_s(request, state)
         # Behind the calls of its model running there (they share a worker), or its load.
         start_s = max(now + load_s, self._worker_busy_until_s(spec.name, state)) if running else now + load_s
@@ -927,6 +1006,7 @@ class Scheduler:
         was_full = not state.idle
         del state.running[request_id]
         del state.expected_finish_s[request_id]
+        self._end_link_load(state, request_id)
         state.update_busy_until()
         state.version += 1
         if not state.idle:

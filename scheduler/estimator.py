@@ -92,6 +92,11 @@ class Estimator:
             return known
         return DEFAULT_SWAP_IN_OVERHEAD_S + memory_mb / self.host_to_gpu_mb_s
 
+    def transfer_time_s(self, memory_mb: int) -> float:
+        """The host-to-GPU copy of `memory_mb` alone on its link: the part of a load or swap-in that
+        a second copy over the same link (GPUs behind one PCIe switch) slows down."""
+        return memory_mb / self.host_to_gpu_mb_s
+
     def fetch_time_s(self, memory_mb: int) -> float:
         """Bringing a package of about `memory_mb` to a node that lacks it (before its load)."""
         return DEFAULT_FETCH_OVERHEAD_S + memory_mb / DEFAULT_FETCH_MB_S

@@ -20,6 +20,14 @@ adds is the ground truth of the GPUs, on a virtual clock:
   included, as a node measures it.
 - A miss's load is a transfer: it does not hold the GPU's compute, but its worker cannot run until
   the load is done. It takes the profile's load time; evictions are immediate.
+- The transfer-bandwidth model (`ClusterConfig.gpus_per_link` > 0): the GPUs of a node sit behind
+  shared host links (PCIe switches), `gpus_per_link` GPUs each, and a load's bytes (the model's
+  memory) cross them. A load is a fixed part (for a load from disk: the profile's load time less
+  its bytes at `host_to_gpu_mb_s`; for a swap-in: 5 ms) and then a copy of its bytes; copies in
+  flight share bandwidth: each runs at the lesser of an equal share of its GPU's own link
+  (`host_to_gpu_mb_s`) and an equal share of its shared link (`link_mb_s`, default the same: a
+  switch whose uplink is as wide as one GPU's link). Alone on its link a load takes exactly what
+  it takes without the model; two at once behind one switch take up to twice as long.
 - A host tier (`ClusterConfig.host_memory_mb` > 0 per node of `gpus_per_node` GPUs): what a GPU
   evicts stays in its node's host memory (the cache manager's `HostTier`), and a miss that takes
   it back is a swap-in: 5 ms plus the model's memory over `host_to_gpu_mb_s` (Torpor's pipelined
@@ -91,6 +99,10 @@ class ClusterConfig:
     # Concurrent batches on a GPU (D > 1): None, one at a time; i >= 0, all at once, each slowed
     # down by 1 + i (k - 1) while k run (see the module docstring).
     interference: float | None = None
+    # The transfer-bandwidth model (see the module docstring): GPUs per shared host link (0: off,
+    # every load takes its fixed time), and that link's bandwidth (None: host_to_gpu_mb_s).
+    gpus_per_link: int = 0
+    link_mb_s: float | None = None
     # Adaptive D (MQFQ-Sticky's controller, scheduler.adaptive_slots): each GPU's D moves between 1
     # and this, starting at `slots`, from its utilization against `utilization_threshold` every
     # 200 ms (None: D fixed at `slots`).
@@ -119,6 +131,11 @@ class ClusterConfig:
             raise ValueError(
                 f"adaptive_slots must be >= 1 and utilization_threshold in (0, 1], got {self.adaptive_slots}, "
                 f"{self.utilization_threshold}"
+            )
+        if self.gpus_per_link < 0 or (self.link_mb_s is not None and not self.link_mb_s > 0):
+            raise ValueError(
+                f"gpus_per_link must be >= 0 (0: no transfer model) and link_mb_s > 0, got {self.gpus_per_link}, "
+                f"{self.link_mb_s}"
             )
         if self.interference is not None and not (0 <= self.interference <= 100):
             raise ValueError(f"interference must be in [0, 100] (None: one batch at a time), got {self.interference}")
@@ -211,6 +228,7 @@ class SimResult:
     avg_gpu_memory_gb: float = 0.0  # time-averaged GPU memory the caches hold, cluster-wide
     releases: int = 0  # staged-exit releases (GPU -> host, host -> gone)
     literal_visits: bool = False  # Algorithm 1's visit counting read literally (PolicyConfig)
+    interference_aware_loads: bool = True  # PolicyConfig's
     interference: float | None = None  # ClusterConfig's: None, D calls on a GPU run one at a time
     adaptive_slots: int | None = None  # ClusterConfig's: the most D may reach (None: D fixed)
     avg_slots: float = 1.0  # D, averaged over the GPUs and time
@@ -219,6 +237,11 @@ class SimResult:
     # workload's arrival order in the pooled GPU memory; None where it was not computed.
     optimal_miss_ratio: float | None = None
     optimal_exact: bool | None = None  # False: a bound the solver proved before its time limit
+    gpus_per_link: int = 0  # ClusterConfig's: 0, no transfer model
+    # With the transfer model: loads whose copy overlapped another copy on its shared link, and the
+    # mean time a load took (fixed part and copy), in seconds.
+    contended_loads: int = 0
+    avg_load_s: float = 0.0
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -237,6 +260,7 @@ def simulate(
     mqfq_ttl_alpha: float = DEFAULT_TTL_ALPHA,
     mqfq_swap_out: bool = False,
     torpor_alpha_period_s: float | None = DEFAULT_ALPHA_PERIOD_S,
+    interference_aware_loads: bool = True,
     batching: Mapping[str, Batching] | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> SimResult:
@@ -245,7 +269,8 @@ def simulate(
     truth and is fed every "measured" time, as the service feeds it. `room_aware_misses` and
     `coldest_victim_misses` are PolicyConfig's (False = Algorithm 2 to the letter), and so is
     `literal_visits` (True = Algorithm 1's visit counting to the letter), and
-    `torpor_alpha_period_s` (None: torpor's alpha fixed). `batching`
+    `torpor_alpha_period_s` (None: torpor's alpha fixed), and `interference_aware_loads` (misses
+    prefer GPUs whose shared host link is quiet; in effect with `ClusterConfig.gpus_per_link`). `batching`
     maps a function to how its calls may be merged; functions absent from it are not batched.
     `on_progress(completed)` is called per completion.
     """
@@ -260,6 +285,7 @@ def simulate(
         mqfq_ttl_alpha=mqfq_ttl_alpha,
         mqfq_swap_out=mqfq_swap_out,
         torpor_alpha_period_s=torpor_alpha_period_s,
+        interference_aware_loads=interference_aware_loads,
     )
     scheduler = Scheduler(
         make_policy(policy, config),
@@ -270,8 +296,13 @@ def simulate(
     )
     for index in range(cluster.gpus):
         node = f"node{index // cluster.gpus_per_node}"
+        link = (
+            f"{node}/link{(index % cluster.gpus_per_node) // cluster.gpus_per_link}" if cluster.gpus_per_link else None
+        )
         scheduler.add_gpu(
-            GpuSpec(f"gpu{index:03d}", cluster.gpu_memory_mb, cluster.gpu_type, slots=cluster.slots, node=node)
+            GpuSpec(
+                f"gpu{index:03d}", cluster.gpu_memory_mb, cluster.gpu_type, slots=cluster.slots, node=node, link=link
+            )
         )
     if cluster.host_memory_mb > 0:
         for node_index in range(math.ceil(cluster.gpus / cluster.gpus_per_node)):
@@ -285,7 +316,11 @@ def simulate(
         Jitter(cluster.timing_spread, cluster.timing_seed),
         cluster.host_to_gpu_mb_s,
         interference=cluster.interference,
+        links=_Links(cluster.host_to_gpu_mb_s, cluster.link_mb_s or cluster.host_to_gpu_mb_s)
+        if cluster.gpus_per_link
+        else None,
     )
+    link_of = {g.spec.gpu_id: g.spec.link for g in scheduler.gpus()}
     top_model = workload.function_models[workload.top_function]
 
     arrivals = workload.requests
@@ -369,7 +404,7 @@ def simulate(
                     misses += 1
                     false_misses += decision.false_miss
                     swap_ins += decision.from_host
-                gpus.dispatch(decision, now, next(dispatch_ties))
+                gpus.dispatch(decision, now, next(dispatch_ties), link=link_of[decision.gpu_id])
         gpus.form_batches(now)
 
     all_latencies = sorted(latencies.values())
@@ -421,6 +456,10 @@ def simulate(
         adaptive_slots=cluster.adaptive_slots,
         avg_slots=slots_area / (makespan_s * cluster.gpus) if makespan_s > 0 else float(cluster.slots),
         slot_changes=adaptive.changes if adaptive is not None else 0,
+        gpus_per_link=cluster.gpus_per_link,
+        interference_aware_loads=interference_aware_loads,
+        contended_loads=gpus.links.contended if gpus.links is not None else 0,
+        avg_load_s=statistics.fmean(gpus.load_s) if gpus.load_s else 0.0,
     )
 
 
@@ -506,9 +545,74 @@ class _Batch:
         return self.compute_s if math.isnan(self.end_s) else now - self.started_s
 
 
+@dataclass(slots=True)
+class _Copy:
+    """A load's copy over its GPU's links (the transfer model). Lifecycle: made at dispatch, it
+    joins its link when the load's fixed part is over (`_COPY_START`), shares bandwidth while the
+    copies beside it come and go (each change reschedules its end), and ends the load."""
+
+    worker: _Worker
+    call: _Call
+    link: str
+    dispatched_s: float
+    left_mb: float
+    rate_mb_s: float = 0.0
+    since_s: float = 0.0  # when left_mb was last brought up to date
+    end_s: float = math.nan  # the end its latest event is for (inf once done)
+    contended: bool = False  # it shared its link with another copy at some point
+
+
+class _Links:
+    """Shared host links (PCIe switches) and the copies in flight on them: each copy runs at the
+    lesser of an equal share of its GPU's own link and an equal share of its shared link."""
+
+    def __init__(self, gpu_mb_s: float, link_mb_s: float) -> None:
+        self.gpu_mb_s = gpu_mb_s
+        self.link_mb_s = link_mb_s
+        self._copies: dict[str, list[_Copy]] = defaultdict(list)
+        self.contended = 0  # copies that shared their link with another
+
+    def join(self, copy: _Copy, now: float) -> list[_Copy]:
+        """`copy` starts on its link; returns the copies there whose end moved."""
+        self._progress(copy.link, now)
+        copy.since_s = now
+        self._copies[copy.link].append(copy)
+        return self._rerate(copy.link, now)
+
+    def leave(self, copy: _Copy, now: float) -> list[_Copy]:
+        """`copy` is done; returns the copies left on its link whose end moved."""
+        self._progress(copy.link, now)
+        self._copies[copy.link].remove(copy)
+        copy.end_s = math.inf
+        return self._rerate(copy.link, now)
+
+    def _progress(self, link: str, now: float) -> None:
+        for copy in self._copies[link]:
+            copy.left_mb -= copy.rate_mb_s * (now - copy.since_s)
+            copy.since_s = now
+
+    def _rerate(self, link: str, now: float) -> list[_Copy]:
+        copies = self._copies[link]
+        on_gpu: dict[str, int] = defaultdict(int)
+        for copy in copies:
+            on_gpu[copy.worker.gpu_id] += 1
+        moved: list[_Copy] = []
+        for copy in copies:
+            if len(copies) > 1 and not copy.contended:
+                copy.contended = True
+                self.contended += 1
+            copy.rate_mb_s = min(self.gpu_mb_s / on_gpu[copy.worker.gpu_id], self.link_mb_s / len(copies))
+            end_s = now + max(0.0, copy.left_mb) / copy.rate_mb_s
+            if end_s != copy.end_s:
+                copy.end_s = end_s
+                moved.append(copy)
+        return moved
+
+
 # Event kinds, in the order they are handled at one instant: completions free compute first.
-_BATCH_END, _LOAD_DONE, _WAIT_OVER = 0, 1, 2
-_Event = tuple[float, int, int, _Batch | _Worker]  # (time, kind, tie, subject); (time, kind, tie) is unique
+_BATCH_END, _LOAD_DONE, _WAIT_OVER, _COPY_START = 0, 1, 2, 3
+# (time, kind, tie, subject); (time, kind, tie) is unique.
+_Event = tuple[float, int, int, _Batch | _Worker | _Copy]
 
 
 class _Gpus:
@@ -523,9 +627,12 @@ class _Gpus:
         host_to_gpu_mb_s: float,
         *,
         interference: float | None = None,
+        links: _Links | None = None,
     ) -> None:
         self._truth = truth
         self._interference = interference
+        self.links = links
+        self.load_s: list[float] = []  # what each load took, fixed part and copy (transfer model)
         self._running: dict[str, list[_Batch]] = defaultdict(list)  # with interference: per GPU
         self._progressed_s: dict[str, float] = {}  # when the GPU's running batches' left_s was last updated
         self._jitter = jitter
@@ -558,17 +665,22 @@ class _Gpus:
         neither wake the clock nor stretch the makespan."""
         events = self._events
         while events:
-            at_s, _, _, subject = events[0]
-            # Live: not a batch end, a batch end without interference (NaN), or its latest end.
-            if not isinstance(subject, _Batch) or math.isnan(subject.end_s) or subject.end_s == at_s:
+            at_s, kind, _, subject = events[0]
+            # Live: not a batch end or a copy's end, a batch end without interference (NaN), or the
+            # latest end of either.
+            if isinstance(subject, _Copy):
+                if kind == _COPY_START or subject.end_s == at_s:
+                    return
+            elif not isinstance(subject, _Batch) or math.isnan(subject.end_s) or subject.end_s == at_s:
                 return
             heapq.heappop(events)
 
     def compute_s(self) -> float:
         return sum(seconds for _, seconds in sorted(self._compute_log))
 
-    def dispatch(self, decision: Dispatch, now: float, tie: int) -> None:
-        """A call starts on its GPU: on a miss its model starts loading there."""
+    def dispatch(self, decision: Dispatch, now: float, tie: int, *, link: str | None = None) -> None:
+        """A call starts on its GPU: on a miss its model starts loading there (over `link` with
+        the transfer model)."""
         request, gpu_id = decision.request, decision.gpu_id
         for victim in decision.evict:
             evicted = self._workers.pop((gpu_id, victim), None)
@@ -583,11 +695,22 @@ class _Gpus:
                 base_s = DEFAULT_SWAP_IN_OVERHEAD_S + profile.memory_mb / self._host_to_gpu_mb_s
             else:
                 base_s = profile.load_time_s
-            load_s = base_s * self._jitter.factor()
-            call = _Call(request, tie, load_s)
-            worker = _Worker(gpu_id, profile, now + load_s)
+            factor = self._jitter.factor()
+            load_s = base_s * factor
+            if self.links is not None and link is not None:
+                # The copy of the model's bytes after the load's fixed part, at the links' pace.
+                copy_s = profile.memory_mb / self._host_to_gpu_mb_s
+                fixed_s = (DEFAULT_SWAP_IN_OVERHEAD_S if decision.from_host else max(0.0, base_s - copy_s)) * factor
+                call = _Call(request, tie, load_s)
+                worker = _Worker(gpu_id, profile, math.inf)
+                copy = _Copy(worker, call, link, now, profile.memory_mb * factor)
+                heapq.heappush(self._events, (now + fixed_s, _COPY_START, tie, copy))
+            else:
+                call = _Call(request, tie, load_s)
+                worker = _Worker(gpu_id, profile, now + load_s)
+                self.load_s.append(load_s)
+                heapq.heappush(self._events, (worker.loaded_at_s, _LOAD_DONE, tie, worker))
             self._workers[(gpu_id, request.model)] = worker
-            heapq.heappush(self._events, (worker.loaded_at_s, _LOAD_DONE, tie, worker))
         worker.waiting.append(call)
         self._stir(worker)
 
@@ -618,10 +741,28 @@ class _Gpus:
                 worker.busy = False
                 completed.extend((call, subject) for call in subject.calls)
                 self._stir(worker)
+            elif isinstance(subject, _Copy):
+                self._copy_event(subject, kind, at_s)
             elif kind == _LOAD_DONE or subject.wait_until_s == at_s:
                 self._stir(subject)
             # else: a wait that a full batch ended early
         return completed
+
+    def _copy_event(self, copy: _Copy, kind: int, at_s: float) -> None:
+        """A copy joins its link, or ends (its load is done) unless a change since moved its end."""
+        assert self.links is not None
+        if kind == _COPY_START:
+            moved = self.links.join(copy, at_s)
+        elif copy.end_s == at_s:
+            moved = self.links.leave(copy, at_s)
+            copy.worker.loaded_at_s = at_s
+            copy.call.load_s = at_s - copy.dispatched_s
+            self.load_s.append(copy.call.load_s)
+            self._stir(copy.worker)
+        else:
+            return  # stale: rescheduled since
+        for other in moved:
+            heapq.heappush(self._events, (other.end_s, _LOAD_DONE, other.call.tie, other))
 
     def form_batches(self, now: float) -> None:
         """End the instant: every stirred worker that is free forms its batch, or starts waiting."""

@@ -95,6 +95,7 @@ def execute(
     mqfq_ttl_alpha: float = DEFAULT_TTL_ALPHA,
     mqfq_swap_out: bool = False,
     torpor_alpha_period_s: float | None = DEFAULT_ALPHA_PERIOD_S,
+    interference_aware_loads: bool = True,
     batching: Batching | None = None,
     on_progress: Callable[[int], None] | None = None,
     optimum: bool = False,
@@ -131,6 +132,7 @@ def execute(
                 mqfq_ttl_alpha=mqfq_ttl_alpha,
                 mqfq_swap_out=mqfq_swap_out,
                 torpor_alpha_period_s=torpor_alpha_period_s,
+                interference_aware_loads=interference_aware_loads,
                 batching=None if batching is None else dict.fromkeys(workload.function_models, batching),
                 on_progress=progress,
             )

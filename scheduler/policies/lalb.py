@@ -25,6 +25,7 @@ def locality_load_balance(
     room_aware: bool = True,
     coldest_victim: bool = True,
     tier_aware: bool = True,
+    interference_aware: bool = True,
 ) -> tuple[Placement, Dispatch | Park | None]:
     """Algorithm 2: place `request` given that idle `gpu_id` (one with a free slot) wants work.
 
@@ -39,10 +40,13 @@ def locality_load_balance(
     `room_aware=False` is Algorithm 2 to the letter (and ignores `coldest_victim`). With
     `tier_aware`, a miss first goes to an idle GPU whose node holds the model in host memory (a
     swap-in instead of a load), this GPU first, else on disk when this GPU's node would fetch it.
-    Returns where the request went and the step reserved for it (None for NOWHERE).
+    With `interference_aware`, each of those choices takes a GPU whose shared host link carries no
+    load in flight before one whose link does (Torpor: concurrent copies behind one PCIe switch
+    share its bandwidth). Returns where the request went and the step reserved for it (None for NOWHERE).
     """
     avoid = request.avoid_gpu  # a retry after its worker died: never there again
     model = request.model
+    quiet_at = now if interference_aware else None
     holders = ctx.cache.gpus_with(model)
     if gpu_id in holders and gpu_id != avoid and not ctx.worker_wait_s(model, gpu_id, now):
         return Placement.HERE, ctx.dispatch(request, gpu_id, now)
@@ -55,7 +59,7 @@ def locality_load_balance(
             # (here first); a replica that would throw out a warm model is not worth it.
             wait_s = ctx.worker_wait_s(model, idle_holder, now)
             if wait_s:
-                replica = ctx.idle_for_replica(model, prefer=gpu_id, exclude=avoid)
+                replica = ctx.idle_for_replica(model, prefer=gpu_id, exclude=avoid, quiet_links_at=quiet_at)
                 if replica is not None and wait_s > ctx.load_time_s(model, replica):
                     placement = Placement.HERE if replica == gpu_id else Placement.ELSEWHERE
                     return placement, ctx.dispatch(request, replica, now)
@@ -75,11 +79,11 @@ def locality_load_balance(
     if tier_aware:
         # A swap-in from a node's host memory costs a copy, not a load, and a package on a node's
         # disk needs no fetch: take an idle GPU there.
-        target = ctx.idle_nearest_copy(request.model, prefer=gpu_id, exclude=avoid)
+        target = ctx.idle_nearest_copy(request.model, prefer=gpu_id, exclude=avoid, quiet_links_at=quiet_at)
     if target is None and room_aware:
-        target = ctx.idle_with_room(request.model, prefer=gpu_id, exclude=avoid)
+        target = ctx.idle_with_room(request.model, prefer=gpu_id, exclude=avoid, quiet_links_at=quiet_at)
         if target is None and coldest_victim:
-            target = ctx.idle_with_coldest_victim(request.model, exclude=avoid)
+            target = ctx.idle_with_coldest_victim(request.model, exclude=avoid, quiet_links_at=quiet_at)
     if target is None:
         here = gpu_id != avoid and ctx.fits(request.model, gpu_id)
         target = gpu_id if here else ctx.first_idle_fitting(request.model, exclude=avoid)
@@ -128,6 +132,7 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
         coldest_victim_misses: bool = True,
         literal_visits: bool = False,
         tier_aware_misses: bool = True,
+        interference_aware_loads: bool = True,
     ) -> None:
         if max_num_skips < 0:
             raise ValueError(f"max_num_skips must be >= 0, got {max_num_skips}")
@@ -136,6 +141,7 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
         self.coldest_victim_misses = coldest_victim_misses
         self.literal_visits = literal_visits
         self.tier_aware_misses = tier_aware_misses
+        self.interference_aware_loads = interference_aware_loads
 
     @classmethod
     def from_config(cls, config: PolicyConfig) -> SchedulingPolicy:
@@ -144,6 +150,7 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
             coldest_victim_misses=config.coldest_victim_misses,
             literal_visits=config.literal_visits,
             tier_aware_misses=config.tier_aware_misses,
+            interference_aware_loads=config.interference_aware_loads,
         )
 
     def _balance(
@@ -157,6 +164,7 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
             room_aware=self.room_aware_misses,
             coldest_victim=self.coldest_victim_misses,
             tier_aware=self.tier_aware_misses,
+            interference_aware=self.interference_aware_loads,
         )
 
     def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> list[Step]:
@@ -236,6 +244,7 @@ class OutOfOrderLocalityAwarePolicy(LocalityAwarePolicy, name="lalb-o3"):
         coldest_victim_misses: bool = True,
         literal_visits: bool = False,
         tier_aware_misses: bool = True,
+        interference_aware_loads: bool = True,
     ) -> None:
         super().__init__(
             max_num_skips,
@@ -243,6 +252,7 @@ class OutOfOrderLocalityAwarePolicy(LocalityAwarePolicy, name="lalb-o3"):
             coldest_victim_misses=coldest_victim_misses,
             literal_visits=literal_visits,
             tier_aware_misses=tier_aware_misses,
+            interference_aware_loads=interference_aware_loads,
         )
 
     @classmethod
@@ -253,4 +263,5 @@ class OutOfOrderLocalityAwarePolicy(LocalityAwarePolicy, name="lalb-o3"):
             coldest_victim_misses=config.coldest_victim_misses,
             literal_visits=config.literal_visits,
             tier_aware_misses=config.tier_aware_misses,
+            interference_aware_loads=config.interference_aware_loads,
         )

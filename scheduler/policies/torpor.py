@@ -69,6 +69,7 @@ class TorporPolicy(SchedulingPolicy, name="torpor"):
         alpha: float = DEFAULT_ALPHA,
         *,
         tier_aware_misses: bool = True,
+        interference_aware_loads: bool = True,
         alpha_period_s: float | None = DEFAULT_ALPHA_PERIOD_S,
         rest: SchedulingPolicy | None = None,
     ) -> None:
@@ -79,6 +80,7 @@ class TorporPolicy(SchedulingPolicy, name="torpor"):
         # Tuned alpha moves by factors of ALPHA_SCALAR: from 0 it could never grow.
         self.alpha = alpha if alpha_period_s is None else max(alpha, MIN_ALPHA)
         self.tier_aware_misses = tier_aware_misses
+        self.interference_aware_loads = interference_aware_loads
         self.alpha_period_s = alpha_period_s
         self.alpha_changes: list[tuple[float, float]] = []  # (when, the new alpha)
         self._period_start_s: float | None = None
@@ -87,13 +89,20 @@ class TorporPolicy(SchedulingPolicy, name="torpor"):
         self._records: dict[str, SloRecord] = {}  # function -> its SLO record
         self._slo_models: dict[str, None] = {}  # models of functions with an SLO, as submitted
         # What fills the rest: the cluster's default policy, as configured.
-        self._rest = rest if rest is not None else OutOfOrderLocalityAwarePolicy(tier_aware_misses=tier_aware_misses)
+        self._rest = (
+            rest
+            if rest is not None
+            else OutOfOrderLocalityAwarePolicy(
+                tier_aware_misses=tier_aware_misses, interference_aware_loads=interference_aware_loads
+            )
+        )
 
     @classmethod
     def from_config(cls, config: PolicyConfig) -> SchedulingPolicy:
         return cls(
             config.torpor_alpha,
             tier_aware_misses=config.tier_aware_misses,
+            interference_aware_loads=config.interference_aware_loads,
             alpha_period_s=config.torpor_alpha_period_s,
             rest=OutOfOrderLocalityAwarePolicy.from_config(config),
         )
@@ -181,7 +190,14 @@ class TorporPolicy(SchedulingPolicy, name="torpor"):
             # cannot be placed now moves on to the next function.
             request: Request | None = first
             while request is not None:
-                placement, step = locality_load_balance(ctx, gpu_id, request, now, tier_aware=self.tier_aware_misses)
+                placement, step = locality_load_balance(
+                    ctx,
+                    gpu_id,
+                    request,
+                    now,
+                    tier_aware=self.tier_aware_misses,
+                    interference_aware=self.interference_aware_loads,
+                )
                 if step is not None:
                     plan.append(step)
                 if placement is Placement.HERE:
