@@ -48,6 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, default=2, help="logical GPUs for the cpu/emulated backends")
     parser.add_argument("--gpu-memory-mb", type=int, default=8192, help="cache capacity per logical GPU")
     parser.add_argument(
+        "--gpus-per-link",
+        type=int,
+        default=0,
+        help="logical GPUs behind each shared host link (PCIe switch), for the scheduler's interference-aware "
+        "placement (default 0: a link per GPU; on cuda NVML's topology decides)",
+    )
+    parser.add_argument(
         "--gpu-type", default=None, help="GPU type reported for logical GPUs (default: the backend name)"
     )
     parser.add_argument(
@@ -128,7 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if args.gpus <= 0 or args.gpu_memory_mb <= 0:
             parser.error("--gpus and --gpu-memory-mb must be positive")
-        devices = logical_devices(args.gpus, args.gpu_memory_mb, args.gpu_type or backend)
+        if args.gpus_per_link < 0:
+            parser.error("--gpus-per-link must be >= 0")
+        devices = logical_devices(
+            args.gpus, args.gpu_memory_mb, args.gpu_type or backend, gpus_per_link=args.gpus_per_link
+        )
     if (args.disk_cache_mb is not None and args.disk_cache_mb < 1) or (args.pool_mb is not None and args.pool_mb < 0):
         parser.error("--disk-cache-mb must be >= 1 and --pool-mb >= 0")
     if args.spares < 0 or args.extra_spares < 0 or args.max_payload_mb <= 0:

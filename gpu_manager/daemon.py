@@ -181,7 +181,10 @@ class GpuManagerDaemon:
             address=self.address,
             backend=self.backend,
             incarnation=self.incarnation,
-            gpus=[GpuRecord(d.gpu_id, max(1, d.memory_mb - spare_mb), d.gpu_type) for d in self.devices.values()],
+            gpus=[
+                GpuRecord(d.gpu_id, max(1, d.memory_mb - spare_mb), d.gpu_type, link=d.link)
+                for d in self.devices.values()
+            ],
         )
         await self.store.put(self.keys.node(self.node), record.to_json(), lease=lease)
         await self.storage.put_holder(lease)

@@ -3,23 +3,32 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 _MIB = 1024 * 1024
+# NVML's topology levels (nvmlGpuTopologyLevel_t): two GPUs whose closest common ancestor is the
+# same board (0), one PCIe switch (10) or several switches below one host bridge (20) share that
+# switch's uplink for host-to-device copies; above it (30: host bridge, 40: NUMA node, 50: across
+# sockets) each reaches the host on a link of its own.
+_SHARED_UPLINK_LEVEL = 20
 
 
 @dataclass(frozen=True, slots=True)
 class Device:
     """One GPU this node offers. `index` is the CUDA ordinal the worker opens (`cuda:{index}`);
     NVML numbers devices in PCI bus order, and the cuda backend sets `CUDA_DEVICE_ORDER=PCI_BUS_ID`
-    in its workers so that both numberings agree."""
+    in its workers so that both numberings agree. `link` names the host link (PCIe switch) it
+    shares with other GPUs of the node, None when it has one of its own (see GpuSpec.link)."""
 
     gpu_id: str
     memory_mb: int
     gpu_type: str
     index: int
+    link: str | None = None
 
 
 def normalize_gpu_type(name: str) -> str:
@@ -39,13 +48,48 @@ def discover_nvml() -> list[Device]:
         nvml.close()
 
 
-def logical_devices(count: int, memory_mb: int, gpu_type: str) -> list[Device]:
-    """`count` identical devices gpu0..gpu{count-1} for the cpu and emulated backends."""
+def logical_devices(count: int, memory_mb: int, gpu_type: str, *, gpus_per_link: int = 0) -> list[Device]:
+    """`count` identical devices gpu0..gpu{count-1} for the cpu and emulated backends; with
+    `gpus_per_link` > 0 they sit behind shared links pcie0, pcie1, ... of that many GPUs each (a
+    topology to place against, as NVML reports one on cuda)."""
     if count < 0:
         raise ValueError(f"logical device count must be >= 0, got {count}")
     if memory_mb <= 0:
         raise ValueError(f"logical device memory_mb must be positive, got {memory_mb}")
-    return [Device(gpu_id=f"gpu{i}", memory_mb=memory_mb, gpu_type=gpu_type, index=i) for i in range(count)]
+    if gpus_per_link < 0:
+        raise ValueError(f"gpus_per_link must be >= 0 (0: a link per GPU), got {gpus_per_link}")
+    return [
+        Device(
+            gpu_id=f"gpu{i}",
+            memory_mb=memory_mb,
+            gpu_type=gpu_type,
+            index=i,
+            link=f"pcie{i // gpus_per_link}" if gpus_per_link else None,
+        )
+        for i in range(count)
+    ]
+
+
+def shared_links(count: int, level: Callable[[int, int], int | None]) -> list[str | None]:
+    """Each of `count` GPUs' shared host link from `level(i, j)`, the NVML topology level of GPUs i
+    and j (None: unknown): GPUs joined by a level up to `_SHARED_UPLINK_LEVEL`, directly or through
+    others, share a link named after the lowest index among them (pcie{k}); a GPU that shares with
+    none has its own (None)."""
+    group = list(range(count))  # union-find over the GPUs
+
+    def root(i: int) -> int:
+        while group[i] != i:
+            group[i] = group[group[i]]
+            i = group[i]
+        return i
+
+    for i in range(count):
+        for j in range(i + 1, count):
+            shared = level(i, j)
+            if shared is not None and shared <= _SHARED_UPLINK_LEVEL:
+                group[max(root(i), root(j))] = min(root(i), root(j))
+    roots = [root(i) for i in range(count)]
+    return [f"pcie{r}" if roots.count(r) > 1 else None for r in roots]
 
 
 class Nvml:
@@ -73,9 +117,20 @@ class Nvml:
 
     def devices(self) -> list[Device]:
         try:
-            return [self._device(i) for i in range(int(self._nvml.nvmlDeviceGetCount()))]
+            found = [self._device(i) for i in range(int(self._nvml.nvmlDeviceGetCount()))]
         except Exception:
             return []
+        links = shared_links(len(found), self.topology_level)
+        return [dataclasses.replace(device, link=link) for device, link in zip(found, links, strict=True)]
+
+    def topology_level(self, i: int, j: int) -> int | None:
+        """The NVML topology level of the closest common ancestor of devices `i` and `j`."""
+        try:
+            first = self._nvml.nvmlDeviceGetHandleByIndex(i)
+            second = self._nvml.nvmlDeviceGetHandleByIndex(j)
+            return int(self._nvml.nvmlDeviceGetTopologyCommonAncestor(first, second))
+        except Exception:  # not supported (e.g. some virtualised GPUs): no sharing known
+            return None
 
     def used_mb(self, index: int) -> int | None:
         """Memory in use on device `index` by every process (MiB)."""

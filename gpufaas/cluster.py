@@ -11,6 +11,7 @@ class GpuRecord:
     gpu: str  # node-local id, e.g. "gpu0"
     memory_mb: int  # what the cache may fill
     gpu_type: str
+    link: str | None = None  # the shared host link (PCIe switch) on the node, None: its own
 
 
 @dataclass(frozen=True, slots=True)

@@ -405,7 +405,10 @@ class SchedulerService:
         for gpu in node.record.gpus:
             address = gpu_address(node.record.node, gpu.gpu)
             slots = self.slots.for_type(gpu.gpu_type)
-            self.scheduler.add_gpu(GpuSpec(address, gpu.memory_mb, gpu.gpu_type, slots=slots, node=node.record.node))
+            link = None if gpu.link is None else f"{node.record.node}/{gpu.link}"
+            self.scheduler.add_gpu(
+                GpuSpec(address, gpu.memory_mb, gpu.gpu_type, slots=slots, node=node.record.node, link=link)
+            )
             node.gpu_ids.append(address)
             self._deleted_gpus.discard(address)
             workers = resident.get(address, {})

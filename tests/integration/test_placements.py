@@ -259,3 +259,41 @@ def test_a_node_the_gateway_cannot_reach_gets_the_call_placed_elsewhere_and_the_
         assert {g["node"] for g in gpus(cluster).values()} == {"node0", "node1"}
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(("scheduler_flags", "second_gpu"), [([], "gpu2"), (["--no-interference-aware-loads"], "gpu1")])
+def test_two_misses_at_once_go_behind_different_switches(
+    make_cluster: ClusterFactory, tmp_path: Path, scheduler_flags: list[str], second_gpu: str
+) -> None:
+    """A node reports its GPUs' shared host links (gpu0 and gpu1 behind pcie0, gpu2 behind pcie1):
+    two misses placed at once go where their copies do not share a switch; without
+    interference-aware loads the second takes the next GPU in order, beside the first."""
+    cluster = make_cluster(
+        nodes=1,
+        gpus_per_node=3,
+        backend="cpu",
+        gpu_memory_mb=20_000,
+        slots="1",
+        node_flags=["--gpus-per-link", "2"],
+        # Nothing pre-staged: both models are as far (fetch and load), so their copies are expected
+        # at the same moments after their placements (a staged one's would come 15 s earlier).
+        scheduler_flags=["--prestage-nodes", "0", *scheduler_flags],
+    )
+    # 15,000 MB each (declared; the handler holds nothing): one per GPU, and a copy the scheduler
+    # expects to last 1.5 s at 10 GB/s, so that the two placements' copies overlap however slowly
+    # the scheduler takes the second.
+    for name in ("first", "second"):
+        deploy(cluster, name, "sleepy_function", tmp_path, memory_mb=15_000)
+
+    async def main() -> None:
+        gateway = FakeGateway()
+        await gateway.open(cluster)
+        gateway.place("first-1", "first")
+        gateway.place("second-1", "second")
+        placed = [await gateway.placement(call_id) for call_id in ("first-1", "second-1")]
+        assert [(p.gpu, p.hit) for p in placed] == [("gpu0", False), (second_gpu, False)]
+        for placement in placed:
+            reply, _ = await execute(placement, key=cluster.wire_key)
+            assert reply.outcome == pb.OK, reply.message
+
+    asyncio.run(main())

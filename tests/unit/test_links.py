@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpu_manager.devices import Nvml, logical_devices, shared_links
 from gpufaas.profiles import ModelProfile
 from gpufaas.types import GpuSpec, ModelSpec, Request
 from scheduler import Dispatch, Estimator, PolicyConfig, Scheduler, make_policy
@@ -162,3 +163,55 @@ def test_the_transfer_model_rejects_nonsense() -> None:
         ClusterConfig(gpus_per_link=-1)
     with pytest.raises(ValueError, match="link_mb_s"):
         ClusterConfig(gpus_per_link=2, link_mb_s=0.0)
+
+
+# --- the node's topology -----------------------------------------------------------------------
+
+
+def test_logical_devices_sit_behind_shared_links_when_asked() -> None:
+    devices = logical_devices(3, 1000, "cpu", gpus_per_link=2)
+    assert [d.link for d in devices] == ["pcie0", "pcie0", "pcie1"]
+    assert all(d.link is None for d in logical_devices(2, 1000, "cpu"))
+    with pytest.raises(ValueError, match="gpus_per_link"):
+        logical_devices(2, 1000, "cpu", gpus_per_link=-1)
+
+
+class FakeNvml:
+    """pynvml's calls that `Nvml.devices` makes, over a fixed topology (levels by index pair)."""
+
+    def __init__(self, levels: dict[tuple[int, int], int], count: int) -> None:
+        self.levels, self.count = levels, count
+
+    def nvmlDeviceGetCount(self) -> int:
+        return self.count
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        return index
+
+    def nvmlDeviceGetName(self, handle: int) -> str:
+        return "NVIDIA H100 80GB HBM3"
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> object:
+        return type("Memory", (), {"total": 80 * 1024**3, "used": 0})()
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, first: int, second: int) -> int:
+        level = self.levels.get((min(first, second), max(first, second)))
+        if level is None:
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+        return level
+
+
+def test_nvml_topology_groups_gpus_behind_one_switch() -> None:
+    """A DGX-like node: GPUs 0-1 and 2-3 each behind a PCIe switch (levels 10 and 20), the pairs
+    apart through the host bridge (30) and across sockets (50); GPU 4's level is unknown."""
+    levels = {(0, 1): 10, (2, 3): 20, (0, 2): 30, (0, 3): 30, (1, 2): 30, (1, 3): 30}
+    levels |= {(i, 4): 50 for i in range(3)}
+    devices = Nvml(FakeNvml(levels, 5)).devices()
+    assert [d.link for d in devices] == ["pcie0", "pcie0", "pcie2", "pcie2", None]
+    assert devices[0].gpu_type == "nvidia-h100-80gb-hbm3"
+
+
+def test_shared_links_join_gpus_through_each_other() -> None:
+    # 0-1 and 1-2 share switches: all three are one group, whatever 0-2 says.
+    assert shared_links(3, lambda i, j: {(0, 1): 10, (1, 2): 20}.get((i, j), 40)) == ["pcie0"] * 3
+    assert shared_links(2, lambda i, j: None) == [None, None]
