@@ -10,6 +10,7 @@ import uvicorn
 
 from gateway.app import GatewayConfig, create_app
 from gateway.auth import Credentials
+from gateway.http import HEAD_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, MAX_HEAD_BYTES, HttpLimits, server_config
 from gpufaas.credentials import CredentialError, node_token, read_secret, wire_key
 from gpufaas.keys import Keys
 from gpufaas.packages import DEFAULT_MAX_UNPACKED_MB
@@ -63,7 +64,29 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="a bearer token that may call any function (mode 0600; default: only admin may call non-public ones)",
     )
+    parser.add_argument(
+        "--max-header-kb",
+        type=int,
+        default=MAX_HEAD_BYTES // 1024,
+        help="largest request line and headers, in KiB (431 above)",
+    )
+    parser.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=HEAD_TIMEOUT_S,
+        help="a request's headers must arrive within this after its first byte (408 and closed past it)",
+    )
+    parser.add_argument(
+        "--keep-alive-timeout-s",
+        type=float,
+        default=KEEP_ALIVE_TIMEOUT_S,
+        help="a connection with no request under way is closed after this",
+    )
     args = parser.parse_args(argv)
+    try:
+        limits = HttpLimits(args.max_header_kb * 1024, args.header_timeout_s, args.keep_alive_timeout_s)
+    except ValueError as exc:
+        parser.error(str(exc))
     secret = cluster_secret(parser, args)
     etcd_creds = etcd_credentials(parser, args)
     credentials = None
@@ -97,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         store = await open_store(args.etcd, etcd_creds)
         try:
             server = uvicorn.Server(
-                uvicorn.Config(create_app(store, config), host=args.host, port=args.port, log_level="warning")
+                server_config(
+                    create_app(store, config), host=args.host, port=args.port, limits=limits, log_level="warning"
+                )
             )
             await server.serve()
         finally:

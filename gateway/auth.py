@@ -7,7 +7,8 @@ credential, the roles each route admits (docs/security.md has the whole model).
 - nobody: /healthz and the API's own documentation; calls to functions deployed `public`.
 
 A request without a valid credential gets 401 with a `WWW-Authenticate` challenge; a valid
-credential whose role the route does not admit gets 403.
+credential whose role the route does not admit gets 403; one with several Authorization headers
+gets 400 (`caller_role` reads them, for every route).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import enum
 import hmac
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,20 @@ class Credentials:
             if hmac.compare_digest(value, candidate):
                 role = candidate_role
         return role
+
+
+class AmbiguousCredentials(ValueError):
+    """A request carried several Authorization headers (a proxy, or two routes, could each read
+    a different one): it is refused with 400, whatever they hold."""
+
+
+def caller_role(credentials: Credentials, headers: Iterable[tuple[bytes, bytes]]) -> Role | None:
+    """The role the request's Authorization header proves (None: it has none, or an invalid one);
+    AmbiguousCredentials if it has more than one. `headers`: ASGI's (lower-case names)."""
+    values = [value for name, value in headers if name == b"authorization"]
+    if len(values) > 1:
+        raise AmbiguousCredentials(f"send one Authorization header; this request has {len(values)}")
+    return credentials.role_of(bytes(values[0]) if values else None)
 
 
 def roles_for(method: str, path: str) -> frozenset[Role] | None:
@@ -138,7 +153,11 @@ class AuthMiddleware:
             return
         admitted = roles_for(scope["method"], scope["path"])
         if admitted is not None:
-            role = self.credentials.role_of(_header(scope, b"authorization"))
+            try:
+                role = caller_role(self.credentials, scope["headers"])
+            except AmbiguousCredentials as exc:
+                await send_refusal(send, 400, str(exc))
+                return
             if role not in admitted:
                 status, message = refusal(role, f"{scope['method']} {scope['path']}")
                 await send_refusal(send, status, message)
@@ -147,10 +166,3 @@ class AuthMiddleware:
                 await send_refusal(send, 403, CROSS_SITE_MESSAGE)
                 return
         await self.app(scope, receive, send)
-
-
-def _header(scope: Scope, name: bytes) -> bytes | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return bytes(value)
-    return None

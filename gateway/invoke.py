@@ -20,7 +20,15 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from gateway.auth import ANY_CALLER, CROSS_SITE_MESSAGE, forged, refusal, send_refusal
+from gateway.auth import (
+    ANY_CALLER,
+    CROSS_SITE_MESSAGE,
+    AmbiguousCredentials,
+    caller_role,
+    forged,
+    refusal,
+    send_refusal,
+)
 from gateway.router import CallFailed
 from gpufaas.proto import gpufaas_pb2 as pb
 
@@ -59,7 +67,11 @@ class InvokeMiddleware:
         spec = gateway.functions.get(name)
         credentials = gateway.config.credentials
         if credentials is not None and (spec is None or not spec.public):  # unknown: 401 first, no 404 leak
-            role = credentials.role_of(headers.get(b"authorization"))
+            try:
+                role = caller_role(credentials, scope["headers"])
+            except AmbiguousCredentials as exc:
+                await send_refusal(send, 400, str(exc), [(b"x-call-id", call_id.encode("latin-1"))])
+                return
             if role not in ANY_CALLER:
                 status, message = refusal(role, f"call function {name!r}")
                 await send_refusal(send, status, message, [(b"x-call-id", call_id.encode("latin-1"))])

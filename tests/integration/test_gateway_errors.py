@@ -5,6 +5,8 @@ limit), each with its JSON body."""
 from __future__ import annotations
 
 import hashlib
+import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,11 +18,14 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.http import HEAD_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S
+from gpufaas.credentials import ADMIN_USER, basic_authorization, read_secret
 from gpufaas.etcd_server import EtcdServer
 from gpufaas.local_cluster import LocalCluster
 from tests.fixtures.make_packages import build_package
 from tests.integration.conftest import deploy, stop_clusters
 from tests.scrape import sample
+from tests.unit.test_gateway_http import read_until_closed, send_head_until_refused
 
 pytestmark = pytest.mark.integration
 
@@ -306,3 +311,75 @@ def test_500_carries_the_function_error_and_the_worker_stays(env: Env) -> None:
     assert response.text == "ok"  # a str result comes back as plain text
     assert response.headers["X-Cache"] == "hit"
     env.wait_idle()
+
+
+# --- the connection itself (gateway.auth, gateway.http) ---------------------------------------
+
+
+def test_two_authorization_headers_are_a_400_on_every_route(env: Env) -> None:
+    # /function read the last, the other routes the first: a proxy that checks one of them could
+    # be told one caller and the gateway another. Either order, either route: refused.
+    valid = env.cluster.invoke_headers["authorization"]
+    admin = basic_authorization(ADMIN_USER, read_secret(env.cluster.secrets.admin_password))
+    for pair in ([valid, "Bearer wrong"], ["Bearer wrong", valid], [valid, valid]):
+        headers = [("authorization", value) for value in pair]
+        response = httpx.post(f"{env.url}/function/echo", json={}, headers=headers, timeout=10)
+        assert_error(response, 400, "one Authorization header", "has 2")
+        assert response.headers["x-call-id"]
+    for pair in ([admin, "Bearer wrong"], ["Bearer wrong", admin]):
+        response = httpx.get(f"{env.url}/system/functions", headers=[("authorization", v) for v in pair], timeout=10)
+        assert_error(response, 400, "one Authorization header", "has 2")
+    assert env.invoke("echo", {}).status_code == 200  # one is fine
+
+
+def gateway_socket(env: Env) -> socket.socket:
+    host, port = env.url.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def test_20_mb_of_headers_are_a_431_not_a_500(env: Env) -> None:
+    with gateway_socket(env) as sock:
+        start = b"POST /function/echo HTTP/1.1\r\nHost: gateway\r\n"
+        sent, answer = send_head_until_refused(sock, start, b"X-Filler: " + b"a" * 1000 + b"\r\n")
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert b"larger than the limit of 65536 bytes" in answer
+    assert sent < 20 * 1024 * 1024, "the gateway read all 20 MB"
+    assert env.invoke("echo", {}).status_code == 200
+
+
+def test_a_slowloris_connection_is_closed_at_the_header_deadline(env: Env) -> None:
+    with gateway_socket(env) as sock:
+        sock.sendall(b"POST /function/echo HTTP/1.1\r\n")
+        started = time.monotonic()
+        closed = threading.Event()
+
+        def trickle() -> None:  # one header byte a second, until the gateway hangs up
+            while not closed.wait(1.0):
+                try:
+                    sock.send(b"X")
+                except OSError:
+                    return
+
+        sender = threading.Thread(target=trickle)
+        sender.start()
+        try:
+            answer = read_until_closed(sock)
+        finally:
+            closed.set()
+            sender.join()
+        closed_after_s = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 408") and b"within 10 s" in answer, answer
+    assert HEAD_TIMEOUT_S <= closed_after_s < HEAD_TIMEOUT_S + 3, closed_after_s
+
+
+def test_idle_connections_are_closed_after_the_keep_alive_timeout(env: Env) -> None:
+    idle = [gateway_socket(env) for _ in range(200)]
+    started = time.monotonic()
+    try:
+        for sock in idle:
+            assert read_until_closed(sock) == b""
+    finally:
+        for sock in idle:
+            sock.close()
+    closed_after_s = time.monotonic() - started
+    assert closed_after_s < KEEP_ALIVE_TIMEOUT_S + 3, closed_after_s

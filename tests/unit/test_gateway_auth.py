@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.auth import Credentials, Role, roles_for
+from gateway.auth import AmbiguousCredentials, Credentials, Role, caller_role, roles_for
 from gpufaas.credentials import basic_authorization
 from gpufaas.functions import FunctionSpec
 from tests.unit.test_gateway_app import ADMIN_PASSWORD, CREDENTIALS, INVOKE_TOKEN, NODE_TOKEN, Env, assert_error, run
@@ -38,6 +38,15 @@ WRONG = {"authorization": basic_authorization("admin", "guess")}
 )
 def test_a_header_proves_exactly_the_role_of_the_secret_it_carries(header: str, role: Role | None) -> None:
     assert CREDENTIALS.role_of(header.encode()) == role
+
+
+def test_a_request_proves_a_role_with_exactly_one_authorization_header() -> None:
+    admin = f"Bearer {ADMIN_PASSWORD}".encode()
+    assert caller_role(CREDENTIALS, [(b"host", b"x"), (b"authorization", admin)]) == Role.ADMIN
+    assert caller_role(CREDENTIALS, [(b"host", b"x")]) is None
+    for pair in ([admin, b"Bearer wrong"], [b"Bearer wrong", admin]):
+        with pytest.raises(AmbiguousCredentials, match="send one Authorization header; this request has 2"):
+            caller_role(CREDENTIALS, [(b"authorization", value) for value in pair])
 
 
 def test_without_tokens_only_the_admin_has_a_role() -> None:

@@ -1,0 +1,180 @@
+"""The gateway's HTTP/1.1 connections: uvicorn's httptools protocol held to a head size and to
+deadlines, so that a client cannot hold the gateway's memory or its connections for free.
+
+- A request's head (request line and headers) may hold `max_head_bytes`; a longer one is answered
+  431 and the connection closed, before the rest of it is read (httptools sets no limit: 20 MB of
+  headers were buffered whole, then answered 500).
+- Once a request's first byte arrives, its whole head must within `head_timeout_s`, else 408 and
+  the connection is closed (a slowloris client, sending a header byte a second, held its
+  connection as long as it liked).
+- A connection with no request under way is closed after `keep_alive_timeout_s`, a new one that
+  sends nothing included (uvicorn arms that timer only after a first response).
+
+`server_config` makes the uvicorn.Config that serves an app so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import httptools
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+MAX_HEAD_BYTES = 64 * 1024  # as nginx's large_client_header_buffers (4 x 8k) gives room for, and more
+HEAD_TIMEOUT_S = 10.0
+KEEP_ALIVE_TIMEOUT_S = 5.0  # uvicorn's default
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """What one client connection may take (see the module docstring)."""
+
+    max_head_bytes: int = MAX_HEAD_BYTES
+    head_timeout_s: float = HEAD_TIMEOUT_S
+    keep_alive_timeout_s: float = KEEP_ALIVE_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.max_head_bytes < 1024:
+            raise ValueError(f"the header limit must be at least 1 KiB, got {self.max_head_bytes} bytes")
+        timeouts = {"header timeout": self.head_timeout_s, "keep-alive timeout": self.keep_alive_timeout_s}
+        for what, seconds in timeouts.items():
+            if not seconds > 0:  # NaN too
+                raise ValueError(f"the {what} must be above 0 s, got {seconds}")
+
+
+class _HeadTooLarge(Exception):
+    """Raised from a parser callback to stop reading a head past the limit."""
+
+
+class LimitedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the head limit and deadlines of `limits` (a subclass per
+    HttpLimits: uvicorn makes its protocol from the class)."""
+
+    limits: ClassVar[HttpLimits] = HttpLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._awaiting_head = True  # no request under way: the next bytes are a head
+        self._head_bytes = 0  # of the head under way: as received, and as parsed
+        self._parsed_head_bytes = 0
+        self._head_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        # Idle from the start: the same deadline as between requests.
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_deadline()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self._unset_keepalive_if_required()
+        if self._awaiting_head:
+            if self._head_deadline is None:
+                self._head_deadline = self.loop.call_later(self.limits.head_timeout_s, self._head_timed_out)
+            self._head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._unsupported_upgrade_warning()  # the gateway speaks no WebSocket (ws="none")
+        except httptools.HttpParserError:
+            if self._parsed_head_bytes > self.limits.max_head_bytes:
+                self._refuse_head_too_large()
+            else:
+                self.logger.warning("Invalid HTTP request received.")
+                self.send_400_response("Invalid HTTP request received.")
+            return
+        # A head still incomplete is counted as it arrives: httptools would buffer a header whole.
+        if self._awaiting_head and self._head_bytes > self.limits.max_head_bytes:
+            self._refuse_head_too_large()
+
+    # The parser's callbacks: the head as parsed (a whole head may arrive in one read).
+    def on_message_begin(self) -> None:
+        self._parsed_head_bytes = 0
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_parsed(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_parsed(len(name) + len(value) + 4)  # ": " and CRLF
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._awaiting_head = False
+        self._head_bytes = 0
+        self._disarm_head_deadline()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._awaiting_head = True
+
+    def _count_parsed(self, size: int) -> None:
+        self._parsed_head_bytes += size
+        if self._parsed_head_bytes > self.limits.max_head_bytes:
+            raise _HeadTooLarge
+
+    def _disarm_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _head_timed_out(self) -> None:
+        self._head_deadline = None
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A pipelined head waits for the answer before it under way (a call may take long).
+            self._head_deadline = self.loop.call_later(self.limits.head_timeout_s, self._head_timed_out)
+            return
+        self._refuse(408, f"the request's headers did not arrive within {self.limits.head_timeout_s:g} s")
+
+    def _refuse_head_too_large(self) -> None:
+        self._refuse(
+            431, f"the request line and headers are larger than the limit of {self.limits.max_head_bytes} bytes"
+        )
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer `status` with the gateway's error body, and close the connection."""
+        self._disarm_head_deadline()
+        self._awaiting_head = False
+        if self.transport.is_closing():
+            return
+        body = json.dumps({"error": message, "status": status}).encode()
+        head = [STATUS_LINE[status]]
+        head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
+        head += [
+            b"content-type: application/json\r\n",
+            b"content-length: " + str(len(body)).encode() + b"\r\n",
+            b"connection: close\r\n\r\n",
+        ]
+        self.transport.write(b"".join(head) + body)
+        self.transport.close()
+
+
+def protocol_for(limits: HttpLimits) -> type[LimitedHttpProtocol]:
+    """The protocol class uvicorn is to use for `limits`."""
+
+    class GatewayHttpProtocol(LimitedHttpProtocol):
+        pass
+
+    GatewayHttpProtocol.limits = limits
+    return GatewayHttpProtocol
+
+
+def server_config(app: Any, *, host: str, port: int, limits: HttpLimits, **options: Any) -> uvicorn.Config:
+    """A uvicorn.Config serving `app` on httptools held to `limits` (`options`: uvicorn's others)."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=protocol_for(limits),
+        ws="none",
+        timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]  # a float works (call_later)
+        **options,
+    )

@@ -1,0 +1,132 @@
+"""The gateway's HTTP connections (gateway.http) over a real socket, with short limits: a head past
+its size is a 431 before the rest is read, a head that trickles in is cut at its deadline (408),
+idle connections are closed, and a request under way is never cut for taking long."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import uvicorn
+
+from gateway.http import HttpLimits, server_config
+
+LIMITS = HttpLimits(max_head_bytes=4096, head_timeout_s=1.0, keep_alive_timeout_s=1.0)
+MARGIN_S = 1.0  # a busy 2-core machine's scheduling delay
+
+
+async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Answers 200 "ok"; /slow after 1.5 s (longer than the head deadline)."""
+    if scope["type"] != "http":
+        return
+    if scope["path"] == "/slow":
+        await asyncio.sleep(1.5)
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = int(probe.getsockname()[1])
+    server = uvicorn.Server(server_config(app, host="127.0.0.1", port=free, limits=LIMITS, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    yield free
+    server.should_exit = True
+    thread.join(10)
+
+
+def connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def request(path: str = "/", headers: bytes = b"") -> bytes:
+    return b"GET " + path.encode() + b" HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n"
+
+
+def test_a_head_within_the_limit_is_served_and_one_past_it_is_a_431(port: int) -> None:
+    with connect(port) as sock:
+        sock.sendall(request(headers=b"X-Fill: " + b"a" * 3000 + b"\r\n"))
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    with connect(port) as sock:  # in one read: counted as parsed
+        sock.sendall(request(headers=b"X-Fill: " + b"a" * 5000 + b"\r\n"))
+        answer = read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 431") and b"larger than the limit of 4096 bytes" in answer
+
+
+def send_head_until_refused(sock: socket.socket, start: bytes, filler: bytes) -> tuple[int, bytes]:
+    """Send `start`, then `filler` until 20 MB went or the server hung up; (bytes of filler sent,
+    the server's answer)."""
+    sent = 0
+    sock.sendall(start)
+    try:
+        while sent < 20 * 1024 * 1024:
+            sent += sock.send(filler)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    return sent, read_until_closed(sock)
+
+
+def test_20_mb_of_headers_are_refused_before_they_are_read(port: int) -> None:
+    with connect(port) as sock:  # one header that never ends: httptools would buffer it whole
+        sent, answer = send_head_until_refused(sock, b"GET / HTTP/1.1\r\nHost: x\r\nX-Fill: ", b"a" * 65536)
+    assert sent < 20 * 1024 * 1024, "the server read 20 MB of headers"
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+
+
+def test_a_head_that_trickles_in_is_cut_at_its_deadline(port: int) -> None:
+    with connect(port) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\n")
+        started = time.monotonic()
+        closed_after_s = None
+        for _ in range(10):  # one header byte each 0.2 s: never done in 2 s
+            try:
+                sock.sendall(b"X")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            time.sleep(0.2)
+        answer = read_until_closed(sock)
+        closed_after_s = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 408") and b"within 1 s" in answer
+    assert closed_after_s < LIMITS.head_timeout_s + MARGIN_S + 1.0
+
+
+def test_idle_connections_are_closed_after_the_keep_alive_timeout(port: int) -> None:
+    fresh = [connect(port) for _ in range(50)]
+    used = connect(port)
+    used.sendall(request())
+    assert used.recv(65536).startswith(b"HTTP/1.1 200")
+    started = time.monotonic()
+    for sock in [*fresh, used]:
+        assert read_until_closed(sock) == b""
+        sock.close()
+    assert time.monotonic() - started < LIMITS.keep_alive_timeout_s + MARGIN_S
+
+
+def test_a_request_under_way_is_not_cut_for_taking_longer_than_the_deadlines(port: int) -> None:
+    with connect(port) as sock:
+        sock.sendall(request("/slow") + request())  # the second pipelined behind it
+        answer = b""
+        while answer.count(b"HTTP/1.1 200") < 2:
+            chunk = sock.recv(65536)
+            assert chunk, answer
+            answer += chunk
