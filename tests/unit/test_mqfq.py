@@ -9,14 +9,19 @@ import pytest
 
 from scheduler import Dispatch, Park, PolicyConfig, Scheduler, make_policy
 from scheduler.policies.mqfq import MqfqStickyPolicy
-from tests.builders import cache_on, make_request, make_scheduler
+from tests.builders import cache_on, make_request, make_scheduler, run_on
 
 INFERENCE_S = 1.0  # the builders' models: 1 s a call, 2 s a load
 
 
-def mqfq(gpus: int = 1, *, overrun_s: float = 10.0, ttl_alpha: float = 1.5) -> tuple[Scheduler, MqfqStickyPolicy]:
-    s = make_scheduler("lb", gpus=gpus)
-    policy = make_policy("mqfq-sticky", PolicyConfig(mqfq_overrun_s=overrun_s, mqfq_ttl_alpha=ttl_alpha))
+def mqfq(
+    gpus: int = 1, *, overrun_s: float = 10.0, ttl_alpha: float = 1.5, max_num_skips: int = 25, slots: int = 1
+) -> tuple[Scheduler, MqfqStickyPolicy]:
+    s = make_scheduler("lb", gpus=gpus, slots=slots)
+    policy = make_policy(
+        "mqfq-sticky",
+        PolicyConfig(mqfq_overrun_s=overrun_s, mqfq_ttl_alpha=ttl_alpha, max_num_skips=max_num_skips),
+    )
     assert isinstance(policy, MqfqStickyPolicy)
     s.policy = policy
     return s, policy
@@ -122,6 +127,86 @@ def test_a_long_backlog_on_a_busy_holder_spills_onto_an_idle_gpu() -> None:
     submit_at(s, "A", 0.1, count=4)  # 0.9 s + 3 calls x 1 s behind it > a 2 s load on g0
     decisions = s.schedule(0.1)
     assert [(d.gpu_id, d.hit) for d in decisions if isinstance(d, Dispatch)] == [("g0", False)]
+
+
+@pytest.mark.parametrize(("max_num_skips", "b_runs_after"), [(3, 6), (25, 8)])
+def test_a_throttled_flow_keeps_its_own_gpu_rather_than_it_loading_another_flows_model(
+    max_num_skips: int, b_runs_after: int
+) -> None:
+    # g0 holds A. B (older, held nowhere) is eligible once A is T = 2 s ahead, but its call would
+    # be a load here: A's hit goes instead and passes B over, until B has been passed over
+    # max_num_skips times (then it goes first) or A has nothing left.
+    s, _ = mqfq(overrun_s=2.0, max_num_skips=max_num_skips)
+    cache_on(s, "g0", "A")
+    (b_id,) = submit_at(s, "B", 0.0)
+    submit_at(s, "A", 0.0, count=8)
+    order = []
+    for step in range(9):
+        decision = run_one(s, float(step))
+        order.append(decision.request.model)
+        if decision.request.model == "A" and b_id in s.queue:
+            assert s.queue.num_skips(b_id) == max(0, step - 2)  # 3 eligible A's pass nothing
+    assert order == ["A"] * b_runs_after + ["B"] + ["A"] * (8 - b_runs_after)
+
+
+def test_no_call_is_passed_over_more_than_max_num_skips_times() -> None:
+    rng = random.Random(5)
+    s, _ = mqfq(gpus=2, overrun_s=1.0, max_num_skips=4)
+    cache_on(s, "g0", "A")
+    cache_on(s, "g1", "A")
+    running: list[tuple[float, str]] = []
+    now = 0.0
+    most = 0
+    for _ in range(600):
+        now += rng.uniform(0.0, 0.5)
+        for model in rng.choices("ABCDEF", weights=[12, 2, 1, 1, 1, 1], k=rng.randint(0, 2)):
+            submit_at(s, model, now)
+        running.sort()
+        while running and running[0][0] <= now:
+            s.on_complete(running.pop(0)[1], now, inference_time_s=INFERENCE_S)
+        for decision in s.schedule(now):
+            if isinstance(decision, Dispatch):
+                finish_s = now + decision.est_load_time_s + decision.est_inference_time_s
+                running.append((finish_s, decision.request.request_id))
+        most = max([most, *(skips for _, skips in s.queue.walk())])
+    assert most == 4  # reached (A's hits do pass the others over), never passed
+
+
+def test_a_throttled_flow_runs_when_the_eligible_flows_calls_went_elsewhere() -> None:
+    # B (eligible, behind) parks on its busy holder g1; A, on g0, is throttled: g0 runs A rather
+    # than idle until the next event, as the letter did.
+    s, policy = mqfq(gpus=2, overrun_s=0.0, ttl_alpha=1000.0)
+    cache_on(s, "g1", "B")
+    for at_s in (0.0, 1.0):  # B's flow: a keep-alive of 1000 s
+        submit_at(s, "B", at_s)
+        run_one(s, at_s)
+    for at_s in (2.0, 3.0, 4.0):  # A on g0 (a miss, then hits) runs ahead of B
+        submit_at(s, "A", at_s)
+        assert run_one(s, at_s).gpu_id == "g0"
+    submit_at(s, "B", 5.0)
+    (b_runs,) = s.schedule(5.0)  # on g1, until 6.0
+    assert isinstance(b_runs, Dispatch) and b_runs.gpu_id == "g1"
+    submit_at(s, "B", 5.1)
+    submit_at(s, "A", 5.1)
+    decisions = s.schedule(5.1)
+    assert policy.flow("A").vt_s - INFERENCE_S > policy.global_vt_s  # A was throttled
+    assert [(type(d).__name__, d.request.model, d.gpu_id) for d in decisions] == [
+        ("Park", "B", "g1"),  # 0.9 s < a 2 s load on g0
+        ("Dispatch", "A", "g0"),
+    ]
+
+
+@pytest.mark.parametrize(("running", "expected"), [(2, "g0"), (3, "g1")])
+def test_a_flows_calls_do_not_pile_on_a_busy_worker_when_a_load_is_sooner(running: int, expected: str) -> None:
+    # D = 4: g0 holds A and runs `running` calls of it (1 s each, one at a time on A's worker).
+    # One more waits 2 or 3 s there; a load on the idle g1 takes 2 s.
+    s, _ = mqfq(gpus=2, slots=4)
+    cache_on(s, "g0", "A")
+    for _ in range(running):
+        run_on(s, "g0", "A", now=0.0)
+    submit_at(s, "A", 0.0)
+    (decision,) = s.schedule(0.0)
+    assert isinstance(decision, Dispatch) and decision.gpu_id == expected
 
 
 def test_a_flow_with_calls_queued_keeps_its_virtual_time_whatever_the_gap() -> None:
