@@ -34,6 +34,7 @@ from simulator.report import AGGREGATED_METRICS, shipped_trace
 from simulator.workload import Workload, WorkloadConfig, build_workload, load_trace
 
 MAPPINGS: tuple[int | None, ...] = (None, 1, 2, 3)
+WORKING_SET = 35
 TIMING_SPREAD = 0.2
 HOST_TIER_MB = 16_384
 SLO_FACTOR = 4.0  # every function's SLO: 4x its model's inference time (5.0-6.5 s here)
@@ -125,13 +126,32 @@ def mean_inference_s(workload: Workload) -> float:
     )
 
 
-def run_point(rpm: int, memory_mb: int, mappings: Sequence[int | None]) -> dict[str, Any]:
+def trace_workloads(
+    rpm: int,
+    mappings: Sequence[int | None],
+    *,
+    start_minute: int | None = None,
+    working_set: int = WORKING_SET,
+    slo_factor: float | None = SLO_FACTOR,
+) -> list[Workload]:
+    """The same requests of one window of the shipped trace (None: its first minute), one
+    workload per mapping of models to functions."""
     counts = load_trace(shipped_trace(), "azure2019")
     table = paper_table1()
-    workloads = [
-        build_workload(counts, WorkloadConfig(working_set=35, rpm=rpm, mapping_seed=m, slo_factor=SLO_FACTOR), table)
+    return [
+        build_workload(
+            counts,
+            WorkloadConfig(
+                start_minute=start_minute, working_set=working_set, rpm=rpm, mapping_seed=m, slo_factor=slo_factor
+            ),
+            table,
+        )
         for m in mappings
     ]
+
+
+def run_point(rpm: int, memory_mb: int, mappings: Sequence[int | None]) -> dict[str, Any]:
+    workloads = trace_workloads(rpm, mappings)
     rows: list[dict[str, Any]] = []
     for config in CONFIGS:
         cluster = ClusterConfig(
@@ -183,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "metadata": {
             "git_commit": git_commit(),
             "trace": "simulator/traces/azure2019-500fn (shipped)",
-            "working_set": 35,
+            "working_set": WORKING_SET,
             "mappings": ["ends" if m is None else f"seed {m}" for m in MAPPINGS],
             "timing_spread": TIMING_SPREAD,
             "host_memory_mb_per_node": HOST_TIER_MB,
