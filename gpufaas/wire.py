@@ -28,6 +28,13 @@ replayed proof fails on the fresh nonces. A peer that sends anything else first,
 nothing within HANDSHAKE_S is cut off. Frames are not encrypted or signed one by one after that:
 on a network others can read, carry the wire over TLS or a private network (docs/security.md).
 
+Nothing is allocated for a peer before it is authenticated: until then a connection reads into a
+buffer of HANDSHAKE_FRAME_BYTES, and a frame announced larger than that (a Hello is under 100
+bytes) cuts it off, whatever `max_frame_bytes` allows afterwards; the full read buffer is made
+once the peer has proved the key. A server holds at most `max_unauthenticated` connections that
+have not finished the handshake (MAX_UNAUTHENTICATED by default); one accepted past that is closed
+at once, without a read.
+
 Errors: `ConnectionLost` (OSError) when the connection closed under a request or a send;
 `RemoteError` when the peer answered a request with an Error message; `FrameTooLarge`
 (ConnectionLost) when a frame over the limit was announced.
@@ -63,14 +70,18 @@ HEADER_ALLOWANCE_BYTES = 1024 * 1024  # what a frame may hold beside its body
 _SMALL_BUFFER_BYTES = 256 * 1024  # frames up to this size are read into one reused buffer
 _INLINE_BODY_BYTES = 64 * 1024  # bodies up to this size are copied into the frame's one write
 HANDSHAKE_S = 5.0  # a peer that has not proved the key by then is cut off
+HANDSHAKE_FRAME_BYTES = 1024  # the largest frame read before the handshake (a Hello, an Error's answer)
+MAX_UNAUTHENTICATED = 64  # a server's connections still in the handshake; more are closed at once
 _NONCE_BYTES = 16
 
 M = TypeVar("M", bound=Message)
 
 WIRE_ERROR_KINDS = ("connect", "auth", "frame_too_large", "malformed", "handler")
 # The wire's errors in this process by kind: a connection that could not be opened (connect), a
-# handshake that failed either way (auth), a frame over the limit or one that does not parse
-# (frame_too_large, malformed: the connection is cut), a handler that raised on a frame (handler).
+# handshake that failed either way, a frame over HANDSHAKE_FRAME_BYTES before it, or a connection
+# closed on accepting it because `max_unauthenticated` others were in the handshake (auth), a
+# frame over the limit or one that does not parse (frame_too_large, malformed: the connection is
+# cut), a handler that raised on a frame (handler).
 # A process is one daemon, whose metrics read this when scraped (gpufaas.metrics.ProcessErrors).
 error_counts: collections.Counter[str] = collections.Counter()
 
@@ -218,7 +229,9 @@ class Connection(asyncio.BufferedProtocol):
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         key: bytes | None = None,
         server: bool = False,
+        handshake_s: float | None = None,
     ) -> None:
+        """`handshake_s`: how long a server end waits for the peer's proof (None: HANDSHAKE_S)."""
         self.handler = handler
         self.max_frame_bytes = max_frame_bytes
         self.peer = ""
@@ -232,7 +245,9 @@ class Connection(asyncio.BufferedProtocol):
         self._can_write = asyncio.Event()
         self._can_write.set()
         # Reading: small frames land in `_buf` (reused); one large frame gets a buffer of its own.
-        self._buf = bytearray(_SMALL_BUFFER_BYTES)
+        # Before the handshake `_buf` is HANDSHAKE_FRAME_BYTES: a peer not yet authenticated gets
+        # no more memory than that (get_buffer grows it once the peer has proved the key).
+        self._buf = bytearray(_SMALL_BUFFER_BYTES if key is None else HANDSHAKE_FRAME_BYTES)
         self._start = 0  # first unparsed byte in _buf
         self._end = 0  # end of the bytes received into _buf
         self._big: bytearray | None = None  # the frame being received, when it is large
@@ -243,6 +258,8 @@ class Connection(asyncio.BufferedProtocol):
         self.authenticated = key is None
         self._server_nonce = b""
         self._hello: asyncio.Future[bytes] = self._loop.create_future()  # client: the server's nonce
+        self._handshake_s = handshake_s
+        self.on_authenticated: Callable[[Connection], None] | None = None  # server end: told once
 
     # --- asyncio protocol ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -253,7 +270,8 @@ class Connection(asyncio.BufferedProtocol):
         if self._key is not None and self._server_side:
             self._server_nonce = os.urandom(_NONCE_BYTES)
             self.send(MessageType.HELLO, pb.Hello(nonce=self._server_nonce))
-            self._loop.call_later(HANDSHAKE_S, self._handshake_expired)
+            handshake_s = HANDSHAKE_S if self._handshake_s is None else self._handshake_s
+            self._loop.call_later(handshake_s, self._handshake_expired, handshake_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail_all(exc)
@@ -267,6 +285,12 @@ class Connection(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._big is not None:
             return memoryview(self._big)[self._big_filled :]
+        if self.authenticated and len(self._buf) < _SMALL_BUFFER_BYTES:
+            # The peer proved the key: the full buffer now, with what is unparsed at its front.
+            grown = bytearray(_SMALL_BUFFER_BYTES)
+            tail = self._end - self._start
+            grown[:tail] = self._buf[self._start : self._end]
+            self._buf, self._start, self._end = grown, 0, tail
         if self._end == len(self._buf):
             # Move the unparsed tail to the front (it is shorter than one small frame).
             tail = self._end - self._start
@@ -386,6 +410,8 @@ class Connection(asyncio.BufferedProtocol):
             hello.proof, _proof(self._key, b"client", self._server_nonce, hello.nonce)
         ):
             self.authenticated = True
+            if self.on_authenticated is not None:
+                self.on_authenticated(self)
             self.reply(
                 frame,
                 MessageType.HELLO,
@@ -397,9 +423,9 @@ class Connection(asyncio.BufferedProtocol):
             self._flush()
         self._protocol_error(Unauthenticated(f"{self.peer} failed the handshake (wrong cluster secret)"))
 
-    def _handshake_expired(self) -> None:
+    def _handshake_expired(self, handshake_s: float) -> None:
         if not self.authenticated and not self.is_closed:
-            self._protocol_error(Unauthenticated(f"{self.peer} did not complete the handshake in {HANDSHAKE_S:g} s"))
+            self._protocol_error(Unauthenticated(f"{self.peer} did not complete the handshake in {handshake_s:g} s"))
 
     # --- internals ----------------------------------------------------------------------------
     def _write(self, prefix: bytes, body: bytes) -> None:
@@ -429,6 +455,15 @@ class Connection(asyncio.BufferedProtocol):
             while end - start >= 4:
                 (length,) = struct.unpack_from("!I", buf, start)
                 total = 4 + length
+                if not self.authenticated and total > HANDSHAKE_FRAME_BYTES:
+                    # Checked again each frame: the Hello that authenticates may come first in a read.
+                    self._protocol_error(
+                        Unauthenticated(
+                            f"{self.peer} announced a frame of {total} bytes before the handshake "
+                            f"(at most {HANDSHAKE_FRAME_BYTES} are read before it)"
+                        )
+                    )
+                    return
                 if length < PREFIX_BYTES - 4 or total > self.max_frame_bytes:
                     self._protocol_error(
                         FrameTooLarge(
@@ -571,7 +606,10 @@ class Server:
     """Accepts connections on "host:port" (port 0: any free one); each gets a handler of its own
     from `handler_for()`.
 
-    With `key`, every connection must pass the handshake before anything it sends is read.
+    With `key`, every connection must pass the handshake (within `handshake_s`; None:
+    HANDSHAKE_S) before anything it sends is read, and at most `max_unauthenticated` may be in
+    it at once: one accepted past that is closed at once (counted as an "auth" wire error), so
+    that peers without the key hold no more than that many connections' worth of memory.
     `address` is the bound "host:port" once started. `close()` stops listening and closes every
     accepted connection.
     """
@@ -582,11 +620,21 @@ class Server:
         *,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         key: bytes | None = None,
+        max_unauthenticated: int = MAX_UNAUTHENTICATED,
+        handshake_s: float | None = None,
     ) -> None:
+        if max_unauthenticated < 1:
+            raise ValueError(f"max_unauthenticated must be >= 1, got {max_unauthenticated}")
+        if handshake_s is not None and handshake_s <= 0:
+            raise ValueError(f"handshake_s must be positive, got {handshake_s}")
         self._handler_for = handler_for
         self.max_frame_bytes = max_frame_bytes
         self.key = key
+        self.max_unauthenticated = max_unauthenticated
+        self.handshake_s = handshake_s
         self.connections: set[Connection] = set()
+        self.handshaking: set[Connection] = set()  # accepted, not yet authenticated
+        self._refusing = False  # a refusal was logged since the handshakes last fell under the cap
         self._server: asyncio.Server | None = None
         self.address = ""
 
@@ -598,11 +646,38 @@ class Server:
         self.address = f"{host}:{bound[1]}"
         return self.address
 
-    def _accept(self) -> Connection:
-        conn = Connection(self._handler_for(), max_frame_bytes=self.max_frame_bytes, key=self.key, server=True)
+    def _accept(self) -> Connection | _Refused:
+        if self.key is not None and len(self.handshaking) >= self.max_unauthenticated:
+            error_counts["auth"] += 1
+            if not self._refusing:  # once per burst: a flood must not flood the log too
+                self._refusing = True
+                log.warning(
+                    "%d connections are in the handshake already: closing new ones until they finish or time out",
+                    len(self.handshaking),
+                )
+            return _Refused()
+        conn = Connection(
+            self._handler_for(),
+            max_frame_bytes=self.max_frame_bytes,
+            key=self.key,
+            server=True,
+            handshake_s=self.handshake_s,
+        )
         self.connections.add(conn)
-        conn.closed.add_done_callback(lambda _: self.connections.discard(conn))
+        if not conn.authenticated:
+            self.handshaking.add(conn)
+            conn.on_authenticated = self._authenticated
+        conn.closed.add_done_callback(lambda _: self._gone(conn))
         return conn
+
+    def _authenticated(self, conn: Connection) -> None:
+        self.handshaking.discard(conn)
+
+    def _gone(self, conn: Connection) -> None:
+        self.connections.discard(conn)
+        self.handshaking.discard(conn)
+        if len(self.handshaking) < self.max_unauthenticated:
+            self._refusing = False
 
     async def close(self) -> None:
         if self._server is not None:
@@ -612,3 +687,10 @@ class Server:
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
+
+
+class _Refused(asyncio.Protocol):
+    """A connection accepted past the server's `max_unauthenticated`: closed at once, unread."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.abort()  # type: ignore[attr-defined]  # every stream transport has it

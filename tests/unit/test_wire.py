@@ -857,3 +857,108 @@ def test_a_proof_replayed_on_a_new_connection_fails(run: Run) -> None:
             writer.close()
 
     run(scenario())
+
+
+# --- nothing allocated before the handshake ---------------------------------------------------
+def test_a_frame_announced_before_the_handshake_past_its_cap_cuts_the_peer_off_unallocated() -> None:
+    async def scenario() -> None:
+        conn = Connection(Peer(), max_frame_bytes=max_frame_bytes_for(16 * MIB), key=KEY, server=True)
+        conn.connection_made(RecordingTransport())
+        assert len(conn._buf) == wire.HANDSHAKE_FRAME_BYTES  # not the 256 KiB read buffer yet
+        # A length the connection's limit allows once authenticated: before, it is refused unread.
+        feed(conn, struct.pack("!I", 16 * MIB) + b"x" * 100)
+        assert conn.is_closed
+        assert isinstance(conn.closed.result(), wire.Unauthenticated)
+        assert conn._big is None and len(conn._buf) == wire.HANDSHAKE_FRAME_BYTES
+
+    asyncio.run(scenario())
+
+
+def test_after_the_handshake_the_full_buffer_is_made_and_large_frames_pass(run: Run) -> None:
+    body = random.Random(3).randbytes(SMALL_BUFFER_BYTES * 3)
+
+    async def scenario() -> None:
+        limit = max_frame_bytes_for(4 * MIB)
+        server = Server(lambda: Peer(), max_frame_bytes=limit, key=KEY)
+        await server.start("127.0.0.1:0")
+        try:
+            conn = await connect(server.address, Peer(), key=KEY, max_frame_bytes=limit)
+            answer = await conn.request(MessageType.EXECUTE, pb.Execute(), body, timeout_s=WAIT_S)
+            assert answer.body == body
+            server_end = await accepted(server)
+            assert len(server_end._buf) == SMALL_BUFFER_BYTES and len(conn._buf) == SMALL_BUFFER_BYTES
+            await conn.aclose()
+        finally:
+            await server.close()
+
+    run(scenario())
+
+
+async def _open_silent(address: str, count: int) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    host, port = address.rsplit(":", 1)
+    return [await asyncio.open_connection(host, int(port)) for _ in range(count)]
+
+
+async def _hello_or_eof(reader: asyncio.StreamReader) -> bytes:
+    """The first bytes the server sends (its Hello), or b"" when it closed the connection unread."""
+    try:
+        return await asyncio.wait_for(reader.read(4096), WAIT_S)
+    except ConnectionResetError:
+        return b""
+
+
+def test_connections_past_the_handshake_cap_are_closed_at_once_and_authenticated_ones_do_not_count(
+    run: Run,
+) -> None:
+    async def scenario() -> None:
+        server = Server(lambda: Peer(), key=KEY, max_unauthenticated=3)
+        await server.start("127.0.0.1:0")
+        try:
+            # Authenticated clients hold no handshake slot.
+            clients = [await connect(server.address, Peer(), key=KEY) for _ in range(4)]
+            silent = await _open_silent(server.address, 5)
+            greeted = [await _hello_or_eof(reader) for reader, _ in silent]
+            assert [bool(first) for first in greeted] == [True, True, True, False, False]
+            await until(lambda: len(server.handshaking) == 3)
+            with pytest.raises(ConnectionLost):  # no slot while three peers sit in the handshake
+                await connect(server.address, key=KEY, timeout_s=1.0)
+            silent[0][1].close()  # one leaves: a proper client gets in again
+            await until(lambda: len(server.handshaking) == 2)
+            late = await connect(server.address, Peer(), key=KEY)
+            answer = await late.request(MessageType.EXECUTE, pb.Execute(), b"still served", timeout_s=WAIT_S)
+            assert answer.body == b"still served"
+            for conn in [*clients, late]:
+                await conn.aclose()
+            for _, writer in silent:
+                writer.close()
+        finally:
+            await server.close()
+
+    run(scenario())
+
+
+def test_a_servers_own_handshake_time_cuts_off_a_silent_peer_and_frees_its_slot(run: Run) -> None:
+    async def scenario() -> None:
+        server = Server(lambda: Peer(), key=KEY, max_unauthenticated=1, handshake_s=0.2)
+        await server.start("127.0.0.1:0")
+        try:
+            ((reader, writer),) = await _open_silent(server.address, 1)
+            assert await _hello_or_eof(reader)
+            async with asyncio.timeout(WAIT_S):  # then EOF, with nothing sent back
+                while await reader.read(4096):
+                    pass
+            await until(lambda: not server.handshaking)
+            conn = await connect(server.address, Peer(), key=KEY)
+            assert conn.authenticated
+            await conn.aclose()
+            writer.close()
+        finally:
+            await server.close()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("options", [{"max_unauthenticated": 0}, {"handshake_s": 0.0}])
+def test_a_server_refuses_limits_that_would_admit_nobody(options: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="must be"):
+        Server(lambda: Peer(), key=KEY, **options)
