@@ -24,6 +24,7 @@ from gpufaas.cluster import NodeRecord
 from gpufaas.errors import GpufaasError
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
+from gpufaas.liveness import LoopLag, LoopLagCollector, run_loop_lag
 from gpufaas.packages import DEFAULT_MAX_UNPACKED_MB
 from gpufaas.store import KeyValue, LeaseKeeper, Store, StoreError, WatchEvent, list_and_watch
 
@@ -87,6 +88,8 @@ class Gateway:
         self.invocations: Counter[tuple[str, int]] = Counter()
         self.metrics = GatewayMetrics(self.invocations, lambda: len(self.functions))
         self.stats = FunctionStats()  # for the overview (GET /system/overview)
+        self.loop_lag = LoopLag()  # this process's event-loop lag: /healthz and the metrics
+        self.metrics.registry.register(LoopLagCollector(self.loop_lag, time.monotonic))
         self.router = Router(
             max_payload_bytes=config.max_payload_bytes,
             scheduler_address=config.scheduler_address,
@@ -133,6 +136,7 @@ class Gateway:
         self._lease = LeaseKeeper(self.store, LEASE_TTL_S, on_regrant=self._register)
         await self._register(await self._lease.start())
         self._tasks.append(asyncio.create_task(self._collect_packages()))
+        self._tasks.append(asyncio.create_task(run_loop_lag(self.loop_lag)))
 
     async def _collect_packages(self) -> None:
         """Delete, now and then, the packages no function uses and the blobs no package names,

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
@@ -23,6 +24,7 @@ import httpx
 from gpufaas.credentials import ADMIN_USER, SecretFiles, ensure_secrets, metrics_token, read_secret, wire_key
 from gpufaas.errors import GpufaasError
 from gpufaas.etcd_server import EtcdServer, free_port
+from gpufaas.liveness import Watchdog
 from gpufaas.supervision import Supervision
 
 if TYPE_CHECKING:
@@ -124,6 +126,9 @@ class LocalCluster:
     scheduler_flags: list[str] = field(default_factory=list)  # more flags for the scheduler (policy tunables)
     components: dict[str, Component] = field(default_factory=dict)
     supervision: Supervision = field(default_factory=Supervision)
+    # Liveness: every component's health endpoint probed; one that stops answering is killed
+    # (and so restarted). None: restart only what exits.
+    watchdog: Watchdog | None = field(default_factory=Watchdog)
     supervisor_pid: int | None = None  # the process that supervises this cluster (gpufaas up), if any
     _etcd: EtcdServer | None = None
     _supervisor: threading.Thread | None = None
@@ -355,26 +360,84 @@ class LocalCluster:
     # --- supervision ----------------------------------------------------------------------
     def supervise(self, stopping: threading.Event, *, poll_s: float = SUPERVISE_POLL_S) -> None:
         """Until `stopping` is set: restart every component that exits (and the private etcd,
-        on its ports and data), after the backoff `self.supervision` says."""
+        on its ports and data), after the backoff `self.supervision` says; with a `watchdog`,
+        probe every component's health endpoint and SIGKILL one that stops answering (a stalled
+        loop, SIGSTOP), which is then restarted like one that exited."""
         now = time.monotonic()
         for name in self._supervised():
             self.supervision.started(name, now)
-        while not stopping.wait(poll_s):
-            now = time.monotonic()
-            for name in self._supervised():
-                if not self.supervision.waiting(name) and not self._alive(name):
-                    delay_s = self.supervision.exited(name, now) - now
-                    log.warning("%s exited (%s); restarting it in %.1f s", name, self._exit_status(name), delay_s)
-            for name in self.supervision.due(now):
-                if stopping.is_set():
-                    return
-                try:
-                    self._restart_one(name)
-                    log.info("%s restarted (restart %d)", name, self.supervision.restarts[name])
-                except Exception as exc:  # seen gone again at the next poll: backed off further
-                    log.error("%s did not restart: %s", name, exc)
-                self.supervision.started(name, time.monotonic())
-                self._write_pids()
+            if self.watchdog is not None:
+                self.watchdog.started(name, now)
+        probes: dict[str, Future[bool]] = {}
+        with ThreadPoolExecutor(max_workers=len(self._supervised()), thread_name_prefix="probe") as prober:
+            while not stopping.wait(poll_s):
+                now = time.monotonic()
+                if self.watchdog is not None:
+                    self._watch(self.watchdog, prober, probes, now)
+                for name in self._supervised():
+                    if not self.supervision.waiting(name) and not self._alive(name):
+                        delay_s = self.supervision.exited(name, now) - now
+                        if self.watchdog is not None:
+                            self.watchdog.forget(name)
+                        log.warning("%s exited (%s); restarting it in %.1f s", name, self._exit_status(name), delay_s)
+                for name in self.supervision.due(now):
+                    if stopping.is_set():
+                        return
+                    try:
+                        self._restart_one(name)
+                        log.info("%s restarted (restart %d)", name, self.supervision.restarts[name])
+                    except Exception as exc:  # seen gone again at the next poll: backed off further
+                        log.error("%s did not restart: %s", name, exc)
+                    self.supervision.started(name, time.monotonic())
+                    if self.watchdog is not None:
+                        self.watchdog.started(name, time.monotonic())
+                    self._write_pids()
+
+    def _watch(
+        self, watchdog: Watchdog, prober: ThreadPoolExecutor, probes: dict[str, Future[bool]], now: float
+    ) -> None:
+        """Collect the probes that finished (killing what the watchdog condemns), send those due."""
+        for name, probe in list(probes.items()):
+            if not probe.done():
+                continue
+            del probes[name]
+            if watchdog.probed(name, probe.result(), now) and self._alive(name):
+                log.error(
+                    "%s stopped answering (%d probes of %.1f s unanswered); killing it to restart it (kill %d)",
+                    name,
+                    watchdog.failing[name],
+                    watchdog.policy.timeout_s,
+                    watchdog.kills[name],
+                )
+                self._kill(name)
+        for name in watchdog.due(now):
+            url = self._health_url(name)
+            if url is None:  # nothing to probe (no health endpoint): judged by its exit only
+                watchdog.forget(name)
+                continue
+            probes[name] = prober.submit(_answers, url, watchdog.policy.timeout_s)
+
+    def _health_url(self, name: str) -> str | None:
+        """Where `name` answers when its event loop runs: the gateway's /livez, the scheduler's
+        and the nodes' /healthz on their metrics listeners, etcd's /version (any answer counts: etcd's
+        /health waits on a quorum read, which is etcd's readiness, not whether it runs)."""
+        if name == "etcd":
+            return None if self.etcd_endpoint is None else f"http://{self.etcd_endpoint}/version"
+        if name == "gateway":
+            return f"{self.gateway_url}/livez"
+        address = self.metrics_addresses.get(name)
+        return None if address is None else f"http://{address}/healthz"
+
+    def _kill(self, name: str) -> None:
+        """SIGKILL `name` (a stopped process dies of SIGKILL too); the next poll sees it exited."""
+        if name == "etcd":
+            if self._etcd is not None:
+                self._etcd.kill()
+            return
+        process = self.components[name].process
+        if process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)  # its workers too, as a stop would
 
     def supervise_in_background(self) -> None:
         """Supervise from a thread of this process until `stop()`."""
@@ -448,6 +511,15 @@ def recorded_pids(state_dir: Path) -> dict[str, int]:
     except (OSError, ValueError):
         return {}
     return {str(name): int(pid) for name, pid in raw.items()}
+
+
+def _answers(url: str, timeout_s: float) -> bool:
+    """Whether `url` answers an HTTP GET within `timeout_s` (any status: the process runs)."""
+    try:
+        httpx.get(url, timeout=timeout_s)
+    except httpx.HTTPError:
+        return False
+    return True
 
 
 def pid_alive(pid: int) -> bool:
@@ -533,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--options", default="{}", help=f"JSON object of LocalCluster options: {SUPERVISED_OPTIONS}")
     args = parser.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per liveness probe
     options = json.loads(args.options)
     unknown = set(options) - set(SUPERVISED_OPTIONS)
     if unknown:

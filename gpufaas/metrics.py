@@ -6,6 +6,10 @@ nodes speak only gpufaas.wire, so each opens a small HTTP listener of its own fo
 from the cluster secret (`gpufaas.credentials.metrics_token`), so a Prometheus server needs one
 credential file for every daemon and nothing new has to be distributed. Labels are bounded: functions, models, GPU
 types, outcomes; never call ids.
+
+The same listener answers GET /healthz for anyone: the daemon's event-loop lag (gpufaas.liveness),
+nothing else. It is what the local cluster's watchdog probes: the listener runs on the daemon's
+own event loop, so a stalled loop does not answer.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
@@ -20,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gpufaas import store, wire
+from gpufaas.liveness import LoopLag, LoopLagCollector, run_loop_lag
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # no `_created` series beside every counter: they double a scrape for nothing
 
@@ -31,15 +37,19 @@ _MAX_HEAD_BYTES = 8192
 
 
 class MetricsServer:
-    """GET /metrics over HTTP/1.1 on a listener of its own (one request per connection).
+    """GET /metrics over HTTP/1.1 on a listener of its own (one request per connection), and
+    GET /healthz (the loop lag as JSON, open: a liveness probe holds no credential).
 
-    With `token` set a request must carry `Authorization: Bearer <token>` (401 otherwise); None
-    serves anyone (an insecure cluster)."""
+    With `token` set a /metrics request must carry `Authorization: Bearer <token>` (401
+    otherwise); None serves anyone (an insecure cluster). From `start()` on the event loop's lag
+    is measured (`loop_lag`) and is in the registry's metrics."""
 
     def __init__(self, registry: CollectorRegistry, *, token: str | None) -> None:
         self.registry = registry
         self.token = token
+        self.loop_lag = LoopLag()
         self._server: asyncio.Server | None = None
+        self._lag_task: asyncio.Task[None] | None = None
 
     async def start(self, listen: str) -> str:
         """Listen on HOST:PORT (port 0: any free one); returns the bound address."""
@@ -47,10 +57,16 @@ class MetricsServer:
         if not host or not port.isdigit():
             raise ValueError(f"--metrics-listen: expected HOST:PORT, got {listen!r}")
         self._server = await asyncio.start_server(self._serve, host.strip("[]"), int(port))
+        loop = asyncio.get_running_loop()
+        self.registry.register(LoopLagCollector(self.loop_lag, loop.time))
+        self._lag_task = loop.create_task(run_loop_lag(self.loop_lag))
         bound_host, bound_port = self._server.sockets[0].getsockname()[:2]
         return f"{bound_host}:{bound_port}"
 
     async def close(self) -> None:
+        if self._lag_task is not None:
+            self._lag_task.cancel()
+            self._lag_task = None
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
@@ -77,10 +93,13 @@ class MetricsServer:
         request_line, *header_lines = head.split("\r\n")
         method, _, rest = request_line.partition(" ")
         path = rest.split(" ", 1)[0].split("?", 1)[0]
-        if path != "/metrics":
+        if path not in ("/metrics", "/healthz"):
             return 404, "text/plain", b"not found: the metrics are at /metrics\n"
         if method != "GET":
             return 405, "text/plain", b"use GET\n"
+        if path == "/healthz":
+            health = {"status": "ok", **self.loop_lag.report(asyncio.get_running_loop().time())}
+            return 200, "application/json", json.dumps(health).encode() + b"\n"
         if self.token is not None:
             headers = {
                 name.strip().lower(): value.strip() for name, _, value in (h.partition(":") for h in header_lines)
