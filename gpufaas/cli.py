@@ -66,7 +66,9 @@ def sim(
     policy: Annotated[
         str, typer.Option(help="Scheduling policy: lb, lalb, lalb-o3, mqfq-sticky or torpor.")
     ] = "lalb-o3",
-    o3_limit: Annotated[int, typer.Option(min=0, help="lalb-o3: how often a request may be passed over.")] = 25,
+    o3_limit: Annotated[
+        int, typer.Option(min=0, help="lalb-o3 and mqfq-sticky: how often a request may be passed over.")
+    ] = 25,
     gpus: Annotated[int, typer.Option(min=1, help="Number of simulated GPUs.")] = 12,
     gpu_memory_mb: Annotated[int, typer.Option(min=1, help="Cache capacity of each GPU (MB).")] = 8192,
     working_set: Annotated[

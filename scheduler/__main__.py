@@ -36,7 +36,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--policy", default="lalb-o3", choices=registered_policies())
     defaults = PolicyConfig()
     parser.add_argument(
-        "--o3-limit", type=int, default=defaults.max_num_skips, help="lalb-o3: max skips per request (%(default)s)"
+        "--o3-limit",
+        type=int,
+        default=defaults.max_num_skips,
+        help="lalb-o3 and mqfq-sticky: how often a request may be passed over (%(default)s)",
     )
     parser.add_argument(
         "--mqfq-overrun-s",

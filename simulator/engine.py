@@ -242,9 +242,17 @@ class SimResult:
     # mean time a load took (fixed part and copy), in seconds.
     contended_loads: int = 0
     avg_load_s: float = 0.0
+    # Waits from arrival until a call starts on a GPU (a parked call starts when its slot frees):
+    # the longest of all, and each function's longest, in seconds (starvation shows here).
+    max_wait_s: float = 0.0
+    function_max_wait_s: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
+
+
+# The policies that read PolicyConfig.max_num_skips (a call passed over that often goes first).
+SKIP_LIMITED_POLICIES = ("lalb-o3", "mqfq-sticky")
 
 
 def simulate(
@@ -339,6 +347,7 @@ def simulate(
         or (scheduler.policy.releases_memory and cluster.host_memory_mb > 0)
     )
     max_queue_len = 0
+    function_max_wait_s: dict[str, float] = {}
     adaptive = (
         AdaptiveSlots(cluster.adaptive_slots, threshold=cluster.utilization_threshold)
         if cluster.adaptive_slots is not None
@@ -405,6 +414,10 @@ def simulate(
                     false_misses += decision.false_miss
                     swap_ins += decision.from_host
                 gpus.dispatch(decision, now, next(dispatch_ties), link=link_of[decision.gpu_id])
+                function = decision.request.function
+                waited_s = now - decision.request.arrival_s
+                if waited_s > function_max_wait_s.get(function, -1.0):
+                    function_max_wait_s[function] = waited_s
         gpus.form_batches(now)
 
     all_latencies = sorted(latencies.values())
@@ -414,7 +427,7 @@ def simulate(
     makespan_s = now
     return SimResult(
         policy=policy,
-        max_num_skips=max_num_skips if policy == "lalb-o3" else 0,
+        max_num_skips=max_num_skips if policy in SKIP_LIMITED_POLICIES else 0,
         room_aware_misses=room_aware_misses,
         coldest_victim_misses=coldest_victim_misses,
         working_set=len(workload.function_models),
@@ -460,6 +473,8 @@ def simulate(
         interference_aware_loads=interference_aware_loads,
         contended_loads=gpus.links.contended if gpus.links is not None else 0,
         avg_load_s=statistics.fmean(gpus.load_s) if gpus.load_s else 0.0,
+        max_wait_s=max(function_max_wait_s.values(), default=0.0),
+        function_max_wait_s=dict(sorted(function_max_wait_s.items())),
     )
 
 
