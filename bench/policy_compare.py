@@ -150,7 +150,9 @@ def trace_workloads(
     ]
 
 
-def run_point(rpm: int, memory_mb: int, mappings: Sequence[int | None]) -> dict[str, Any]:
+def run_point(rpm: int, memory_mb: int, mappings: Sequence[int | None], *, gpus_per_link: int = 0) -> dict[str, Any]:
+    """Every configuration at one operating point; with `gpus_per_link` > 0, under the simulator's
+    transfer-bandwidth model (loads share PCIe switches of that many GPUs)."""
     workloads = trace_workloads(rpm, mappings)
     rows: list[dict[str, Any]] = []
     for config in CONFIGS:
@@ -164,6 +166,7 @@ def run_point(rpm: int, memory_mb: int, mappings: Sequence[int | None]) -> dict[
             timing_spread=TIMING_SPREAD,
             interference=config.interference,
             adaptive_slots=config.adaptive_slots,
+            gpus_per_link=gpus_per_link,
         )
         results: list[SimResult] = [
             simulate(workload, config.policy, cluster=cluster, **config.options) for workload in workloads
@@ -196,9 +199,18 @@ def run_point(rpm: int, memory_mb: int, mappings: Sequence[int | None]) -> dict[
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/policy_compare.json"))
+    parser.add_argument(
+        "--gpus-per-link",
+        type=int,
+        default=0,
+        help="run under the transfer-bandwidth model, GPUs sharing PCIe switches of this many (default 0: off)",
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    points = {name: run_point(rpm, memory_mb, MAPPINGS) for name, (rpm, memory_mb) in POINTS.items()}
+    points = {
+        name: run_point(rpm, memory_mb, MAPPINGS, gpus_per_link=args.gpus_per_link)
+        for name, (rpm, memory_mb) in POINTS.items()
+    }
     document = {
         "metadata": {
             "git_commit": git_commit(),
@@ -209,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "host_memory_mb_per_node": HOST_TIER_MB,
             "slo_factor": SLO_FACTOR,
             "interference": {"value": INTERFERENCE, "slots": CONCURRENT_SLOTS, "rows": "'D = 4 overlapped'"},
+            "gpus_per_link": args.gpus_per_link,
             "wall_s": round(time.perf_counter() - started, 1),
         },
         "points": points,
