@@ -109,6 +109,8 @@ class GpuManagerDaemon:
             blob_listen=blob_listen,
             blob_advertise=blob_advertise,
         )
+        # NVML on cuda: the metrics' measure of each GPU's memory, and the pool's of each worker's.
+        self._nvml = Nvml.open() if backend == "cuda" else None
         self.pool = WorkerPool(
             backend,
             gpus={d.gpu_id: d.index for d in devices},
@@ -122,10 +124,10 @@ class GpuManagerDaemon:
             runtime=runtime,
             launcher=DockerLauncher(docker_image) if runtime == "docker" else None,
             node=node,
+            nvml=self._nvml,
+            capacity_mb=self._capacity_mb,
         )
         self.ledger = GrantLedger(node, frozenset(self.devices))
-        # The metrics' measure of each GPU's memory in use (cuda: NVML; the other backends have none).
-        self._nvml = Nvml.open() if backend == "cuda" else None
         self.metrics = NodeMetrics(self.pool, node=node, device_used_mb=self._device_used_mb)
         self.incarnation = uuid.uuid4().hex
         self.address = ""
@@ -174,16 +176,18 @@ class GpuManagerDaemon:
         if self._nvml is not None:
             self._nvml.close()
 
+    def _capacity_mb(self, gpu_id: str) -> int:
+        """What the scheduler may book on `gpu_id`: the device less its spares' contexts."""
+        return max(1, self.devices[gpu_id].memory_mb - self.context_mb * self.pool.spares_per_gpu)
+
     async def _register(self, lease: int) -> None:
-        spare_mb = self.context_mb * self.pool.spares_per_gpu
         record = NodeRecord(
             node=self.node,
             address=self.address,
             backend=self.backend,
             incarnation=self.incarnation,
             gpus=[
-                GpuRecord(d.gpu_id, max(1, d.memory_mb - spare_mb), d.gpu_type, link=d.link)
-                for d in self.devices.values()
+                GpuRecord(d.gpu_id, self._capacity_mb(d.gpu_id), d.gpu_type, link=d.link) for d in self.devices.values()
             ],
         )
         await self.store.put(self.keys.node(self.node), record.to_json(), lease=lease)

@@ -87,19 +87,31 @@ class _PoolState(Collector):
         exits = CounterMetricFamily(
             "gpufaas_node_worker_exits",
             "Worker processes that exited, by cause (stopped: evicted, released or replaced; load_failed; "
-            "killed: a call's timeout; died: by itself; start_failed; shutdown).",
+            "killed: a call's timeout; died: by itself; start_failed; shutdown; over_memory: measured over its "
+            "declared size, with no room for that on its GPU).",
             labels=["cause"],
         )
         for cause in EXIT_CAUSES:
             exits.add_metric([cause], pool.worker_exits[cause])
         yield exits
+        over = CounterMetricFamily(
+            "gpufaas_node_models_over_declared",
+            "Workers whose model was over its declared memory_mb beyond the margin, once each, by source "
+            "(measured: NVML's figure for its PID, which it is booked at; claimed: its own report, booked at the "
+            "declared size).",
+            labels=["source"],
+        )
+        for source in ("measured", "claimed"):
+            over.add_metric([source], pool.models_over_declared[source])
+        yield over
         workers_mb = dict.fromkeys(pool.gpus, 0)
         for _, gpu_id, _, memory_mb in ready:
             workers_mb[gpu_id] = workers_mb.get(gpu_id, 0) + memory_mb
         reported = GaugeMetricFamily(
             "gpufaas_node_gpu_memory_workers_bytes",
-            "Peak GPU memory of the models this node's workers serve, as the workers measured it on load "
-            "(the declared size on the cpu and emulated backends): what the node reports to the scheduler.",
+            "GPU memory of the models this node's workers serve, as the node books them: NVML's peak figure for "
+            "each worker's PID on cuda, the declared size elsewhere (never the worker's own report): what the node "
+            "reports to the scheduler.",
             labels=["gpu"],
         )
         used = GaugeMetricFamily(

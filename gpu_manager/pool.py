@@ -20,6 +20,14 @@ of loading. On the cpu backend a worker is not
 bound to a device, so taking it back is free; on cuda an evicted worker stops, and its weights stay
 in the node's host model pool, from which the next miss copies them (gpu_manager.host_pool).
 
+GPU memory is measured from outside the worker, never taken from its report (its handler can
+rewrite that): with an NVML session (cuda) each worker's model is booked at NVML's peak figure for
+its PID, read after its load and after calls (at most once per MEASURE_EVERY_S); elsewhere at its
+declared size (gpu_manager.workers' `book_memory`). A model over its declaration beyond a margin
+is logged and counted (`models_over_declared`, once per worker); one measured over it whose GPU's
+models then add up to more than the GPU's capacity is stopped (exit cause "over_memory"), its
+call answered, its measured size reported so that the scheduler books it at that from then on.
+
 `run` answers every call with a RunResult whose `outcome` (a gpufaas.proto Outcome) says what
 happened; it raises only when cancelled:
 
@@ -48,6 +56,7 @@ from typing import Any
 
 from gpu_manager.backends import backend_class
 from gpu_manager.containers import DockerLauncher
+from gpu_manager.devices import Nvml
 from gpu_manager.host_tier import ParkedTier, proportional_set_mb
 from gpu_manager.runtimes import (
     KILL_WAIT_S,
@@ -61,7 +70,17 @@ from gpu_manager.runtimes import (
 )
 from gpu_manager.sandbox import Isolation, lock_package, package_uid
 from gpu_manager.spares import SpareTarget
-from gpu_manager.workers import EXIT_CAUSES, NO_WEIGHTS, ModelRun, RunResult, WeightsPlan, Worker, WorkerState
+from gpu_manager.workers import (
+    EXIT_CAUSES,
+    NO_WEIGHTS,
+    ModelRun,
+    RunResult,
+    WeightsPlan,
+    Worker,
+    WorkerState,
+    book_memory,
+    memory_margin_mb,
+)
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import ConnectionLost, Frame, MessageType
 
@@ -70,6 +89,7 @@ __all__ = ["EXIT_CAUSES", "STOP_GRACE_S", "ModelRun", "RunResult", "WeightsPlan"
 log = logging.getLogger("gpufaas.gpu_manager.pool")
 
 _JUST_FETCHED_S = 0.05  # a package that took longer than this to get is in the page cache already
+MEASURE_EVERY_S = 1.0  # NVML's per-process query costs about a small model's inference: not per call
 
 
 class WorkerPool:
@@ -102,6 +122,8 @@ class WorkerPool:
         prepare_weights: Callable[[str, Path], Awaitable[WeightsPlan]] | None = None,
         measure_host_mb: Callable[[int], int | None] = proportional_set_mb,
         cpu_busy: Callable[[], bool] | None = None,
+        nvml: Nvml | None = None,
+        capacity_mb: Callable[[str], int] | None = None,
     ) -> None:
         """`gpus`: node-local GPU id -> device index. `fetch_package(digest)` returns the package's
         directory, fetching it if needed, and the seconds that took (0: it was on disk);
@@ -115,7 +137,10 @@ class WorkerPool:
         faster than spares are made and `cpu_busy()` says no (default: the load average below the
         CPU count; gpu_manager.spares; 0 on cuda). `runtime`: "process" (forked
         from the zygote) or "docker" (a container per worker, made by `launcher` for a model: no
-        spares; gpu_manager.containers)."""
+        spares; gpu_manager.containers). `nvml`: the session the node measures its workers' GPU
+        memory with (None: nothing measures it, models are booked at their declared sizes);
+        `capacity_mb(gpu_id)`: the GPU memory the scheduler may book on that GPU, against which a
+        model measured over its declaration is checked (None: no check)."""
         if runtime not in RUNTIMES:
             raise ValueError(f"unknown worker runtime {runtime!r}; use one of {', '.join(RUNTIMES)}")
         backend_class(backend)  # an unknown name fails here, at startup, listing the valid ones
@@ -135,6 +160,8 @@ class WorkerPool:
         self._prepare_weights = prepare_weights
         self._measure_host_mb = measure_host_mb
         self._cpu_busy = cpu_busy if cpu_busy is not None else _cpu_busy
+        self._nvml = nvml
+        self._capacity_mb = capacity_mb
         self.isolation = isolation if isolation is not None else Isolation()
         self.runtime = runtime
         self.node = node
@@ -180,6 +207,9 @@ class WorkerPool:
         # node's metrics, which read them when scraped. Started - exited = len(_live).
         self.worker_starts = 0
         self.worker_exits: collections.Counter[str] = collections.Counter()
+        # Workers whose model was over its declared size beyond the margin, by how that was seen:
+        # "measured" (NVML) or "claimed" (the worker's own report, booked at the declared size).
+        self.models_over_declared: collections.Counter[str] = collections.Counter()
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -316,7 +346,7 @@ class WorkerPool:
                 worker_killed=True,
             )
         except _LoadFailed as exc:
-            return RunResult(exc.outcome, exc.message, loaded=True)
+            return RunResult(exc.outcome, exc.message, loaded=True, peak_memory_mb=exc.peak_memory_mb)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -517,7 +547,12 @@ class WorkerPool:
                 worker.ready.set_exception(failure)
                 worker.ready.exception()
             raise failure
-        worker.memory_mb = int(loaded.peak_memory_mb) or run.memory_mb
+        if not self._book(worker, int(loaded.peak_memory_mb), measure=True):
+            failure = _LoadFailed(pb.LOAD_FAILED, self._over_memory_message(worker), worker.memory_mb)
+            if not worker.ready.done():
+                worker.ready.set_exception(failure)
+                worker.ready.exception()
+            raise failure
         worker.state = WorkerState.READY
         if not worker.ready.done():
             worker.ready.set_result(None)
@@ -559,14 +594,83 @@ class WorkerPool:
         finally:
             worker.pending.pop(call_id, None)
         reply = frame.message(pb.CallResult)
+        kept = self._book(worker, int(reply.peak_memory_mb))
         return RunResult(
             outcome=reply.outcome,
-            message=reply.message,
+            message=reply.message if kept else (reply.message or self._over_memory_message(worker)),
             output=frame.body,
             content_type=reply.content_type,
             inference_time_s=reply.inference_s,
             batch_calls=reply.batch_calls or 1,
-            peak_memory_mb=int(reply.peak_memory_mb),
+            peak_memory_mb=worker.memory_mb,
+            worker_killed=not kept,  # the scheduler drops the model from the GPU (Done.worker_lost)
+        )
+
+    # --- GPU memory -------------------------------------------------------------------------
+    def _book(self, worker: Worker, reported_mb: int, *, measure: bool = False) -> bool:
+        """Set what `worker`'s model is booked at (`worker.memory_mb`) from the node's own
+        measurement where it has one (`measure`: now, else at most once per MEASURE_EVERY_S),
+        never from the worker's `reported_mb` (see book_memory). Returns False when the worker
+        was stopped: measured over its declaration, its GPU's models would overcommit it."""
+        run = worker.run
+        if run is None:
+            return True
+        booking = book_memory(run.memory_mb, reported_mb, self._measure_gpu_mb(worker, force=measure))
+        worker.memory_mb = booking.booked_mb
+        if not booking.over_declared:
+            return True
+        source = "measured" if booking.measured else "claimed"
+        if not worker.over_declared:
+            worker.over_declared = True
+            self.models_over_declared[source] += 1
+            figure = booking.booked_mb if booking.measured else reported_mb
+            log.warning(
+                "model %r on %s (pid %d) %s %d MiB of GPU memory, over its declared %d MiB by more than the "
+                "%d MiB margin%s",
+                run.model,
+                worker.gpu_id,
+                worker.pid,
+                "holds" if booking.measured else "reports",
+                figure,
+                run.memory_mb,
+                memory_margin_mb(run.memory_mb),
+                "; declare what it uses" if booking.measured else f"; booked at the declared {run.memory_mb} MiB",
+            )
+        if not booking.measured or self._capacity_mb is None:
+            return True
+        booked_mb = sum(
+            w.memory_mb
+            for (_, gpu_id), w in self._workers.items()
+            if gpu_id == worker.gpu_id and w.state in (WorkerState.LOADING, WorkerState.READY)
+        )
+        if booked_mb <= self._capacity_mb(worker.gpu_id):
+            return True
+        log.error("%s; its models would then book %d MiB", self._over_memory_message(worker), booked_mb)
+        worker.exit_cause = "over_memory"
+        self._forget(worker)
+        self._track(asyncio.create_task(self._stop(worker)))
+        return False
+
+    def _measure_gpu_mb(self, worker: Worker, *, force: bool) -> int | None:
+        """The most GPU memory the node has seen `worker` hold (NVML, by PID), measuring again
+        when `force`d or MEASURE_EVERY_S after the last time; None where nothing measures it (no
+        NVML; a container's PID, which NVML does not know; NVML not listing it yet)."""
+        if self._nvml is None or not worker.pid or worker.container:
+            return None
+        now = time.monotonic()
+        if force or now - worker.measured_s >= MEASURE_EVERY_S:
+            worker.measured_s = now
+            process_mb = self._nvml.process_mb(self.gpus[worker.gpu_id], worker.pid)
+            if process_mb is not None:
+                worker.measured_mb = max(worker.measured_mb, process_mb)
+        return worker.measured_mb or None
+
+    def _over_memory_message(self, worker: Worker) -> str:
+        declared_mb = worker.run.memory_mb if worker.run is not None else 0
+        return (
+            f"model {worker.model!r} on {worker.gpu_id} holds {worker.memory_mb} MiB of GPU memory, over its declared "
+            f"{declared_mb} MiB, and its GPU has no room for that: its worker was stopped (declare memory_mb >= "
+            f"{worker.memory_mb})"
         )
 
     def _died(self, worker: Worker, call_id: str) -> RunResult:
@@ -701,10 +805,11 @@ class WorkerPool:
 
 
 class _LoadFailed(Exception):
-    def __init__(self, outcome: int, message: str) -> None:
+    def __init__(self, outcome: int, message: str, peak_memory_mb: int = 0) -> None:
         super().__init__(message)
         self.outcome = outcome
         self.message = message
+        self.peak_memory_mb = peak_memory_mb  # measured: the worker was stopped for holding that
 
 
 def _cpu_busy() -> bool:

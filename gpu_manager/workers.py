@@ -1,14 +1,15 @@
 """A node's worker processes as the node sees them: what a call needs of its model's worker
 (`ModelRun`), a call's answer (`RunResult`), what a taking worker maps beside its package
-(`WeightsPlan`), and one worker process's state and the node's end of its socket (`Worker`),
-shared by the worker pool (gpu_manager.pool) and the runtimes that start the processes
-(gpu_manager.runtimes)."""
+(`WeightsPlan`), one worker process's state and the node's end of its socket (`Worker`), and what
+its model is booked at on its GPU (`book_memory`), shared by the worker pool (gpu_manager.pool)
+and the runtimes that start the processes (gpu_manager.runtimes)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import enum
+import math
 import os
 import time
 from collections.abc import Callable
@@ -17,10 +18,50 @@ from dataclasses import dataclass, field
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType
 
-EXIT_CAUSES = ("stopped", "load_failed", "killed", "died", "start_failed", "shutdown")
+EXIT_CAUSES = ("stopped", "load_failed", "killed", "died", "start_failed", "shutdown", "over_memory")
 """Why a worker process exited (`WorkerPool.worker_exits`): the pool stopped it (evicted, released,
 replaced after a redeploy, pushed out of the host tier), its load failed, it was killed (a call's
-timeout), it exited by itself, it could not be started, or the node shut down."""
+timeout), it exited by itself, it could not be started, the node shut down, or its GPU memory (as
+the node measured it) was over its declared size and more than its GPU had room for."""
+
+MEMORY_MARGIN_MB = 64
+MEMORY_MARGIN_FRACTION = 0.10
+"""A model may hold up to max(MEMORY_MARGIN_MB, MEMORY_MARGIN_FRACTION of its declared size) more
+than it declared before the node calls it over its declaration (allocator rounding, a library's
+workspace: an honest declaration is an estimate)."""
+
+
+def memory_margin_mb(declared_mb: int) -> int:
+    """How far over `declared_mb` a model may measure before it counts as over its declaration."""
+    return max(MEMORY_MARGIN_MB, math.ceil(declared_mb * MEMORY_MARGIN_FRACTION))
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryBooking:
+    """What a worker's model is booked at on its GPU (`booked_mb`, what the node tells the
+    scheduler), whether that is the node's own measurement (`measured`) or the declared size,
+    and whether the figure seen (the measurement, or else the worker's claim) is over the
+    declared size beyond its margin (`over_declared`)."""
+
+    booked_mb: int
+    measured: bool
+    over_declared: bool
+
+
+def book_memory(declared_mb: int, reported_mb: int, measured_mb: int | None) -> MemoryBooking:
+    """The node's decision on a worker's GPU memory. `measured_mb`: what the node measured itself
+    (NVML's figure for the worker's PID, on cuda: its peak so far), None where nothing outside the
+    worker measures it (the cpu and emulated backends; cuda where NVML cannot see the PID);
+    `reported_mb`: the worker's own report, which its handler can rewrite.
+
+    - Measured: booked at the measurement, over or under the declaration; the report is ignored.
+    - Not measured: booked at `declared_mb`. The report is a claim the node cannot check: lower
+      (that would overcommit the GPU) or higher (that would take GPU room from other models) it
+      moves nothing; one over declared + margin only marks the model as over its declaration."""
+    margin_mb = memory_margin_mb(declared_mb)
+    if measured_mb is not None:
+        return MemoryBooking(max(1, measured_mb), True, measured_mb > declared_mb + margin_mb)
+    return MemoryBooking(declared_mb, False, reported_mb > declared_mb + margin_mb)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +140,10 @@ class Worker:
         self.exit_cause = ""  # set by whoever ends it (one of EXIT_CAUSES); empty: it exited by itself
         self.conn: Connection | None = None
         self.run: ModelRun | None = None
-        self.memory_mb = 0
+        self.memory_mb = 0  # what its model is booked at on its GPU (see book_memory)
+        self.measured_mb = 0  # the most GPU memory the node has measured it hold (0: none yet)
+        self.measured_s = 0.0  # when it was last measured (time.monotonic)
+        self.over_declared = False  # logged and counted as over its declaration once already
         self.host_mb: int | None = None  # host memory measured while parked (gpu_manager.host_tier)
         loop = asyncio.get_running_loop()
         self.hello: asyncio.Future[pb.WorkerHello] = loop.create_future()
@@ -124,12 +168,13 @@ class Worker:
             future = self.pending.pop(result.call_id, None)
             if future is not None and not future.done():
                 future.set_result(frame)
-        elif frame.type == MessageType.WORKER_HELLO:
+        elif frame.type == MessageType.WORKER_HELLO and not self.hello.done():
+            # The first hello only: it comes before any handler code runs in the process. A later
+            # one would be the handler's, naming another PID for the node to measure.
             hello = frame.message(pb.WorkerHello)
             self.pid = hello.pid
             self.warm_s = time.perf_counter()
-            if not self.hello.done():
-                self.hello.set_result(hello)
+            self.hello.set_result(hello)
         elif frame.type == MessageType.MODEL_LOADED and not self.loaded.done():
             self.loaded.set_result(frame.message(pb.ModelLoaded))
 

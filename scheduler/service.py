@@ -883,6 +883,12 @@ class _NodeSession:
         done = frame.message(pb.Done)
         service = self.service
         placed = service.book.placement(done.call_id, done.attempt)
+        if placed is not None and done.worker_lost and done.peak_memory_mb > 0:
+            # The node stopped a worker it measured over its declared size, with no room for that on
+            # its GPU (gpu_manager.pool): later admissions book what it measured, so that the next
+            # call makes room for the model instead of loading it to be stopped again. (Otherwise
+            # the book's `done` takes the size in, which it does not for a worker lost.)
+            service.scheduler.observe_memory(placed[0], placed[1], int(done.peak_memory_mb))
         if placed is not None:
             model, gpu_id = placed
             try:

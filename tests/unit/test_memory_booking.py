@@ -1,0 +1,182 @@
+"""What a node books a worker's model at on its GPU: the node's own measurement (NVML, here a fake
+one behind gpu_manager.devices.Nvml) or the declared size, never the worker's report; a model
+measured over its declaration with no room for it on its GPU is stopped (gpu_manager.workers'
+`book_memory`, gpu_manager.pool)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpu_manager.devices import Nvml
+from gpu_manager.pool import MEASURE_EVERY_S
+from gpu_manager.workers import MEMORY_MARGIN_MB, Worker, book_memory, memory_margin_mb
+from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.wire import Frame, MessageType
+from tests.unit.test_gpu_manager_pool import Shelf, eventually, ok, on_cpu, open_pool, run
+
+
+class FakeNvml(Nvml):
+    """Answers `process_mb` with `mb` for every PID (None: NVML does not list it), and keeps the
+    PIDs it was asked about."""
+
+    def __init__(self, mb: int | None) -> None:
+        super().__init__(module=None)
+        self.mb = mb
+        self.asked: list[tuple[int, int]] = []
+
+    def process_mb(self, index: int, pid: int) -> int | None:
+        self.asked.append((index, pid))
+        return self.mb
+
+
+# --- the decision ---------------------------------------------------------------------------------
+def test_the_margin_is_a_floor_or_a_tenth_of_the_declared_size() -> None:
+    assert memory_margin_mb(100) == MEMORY_MARGIN_MB
+    assert memory_margin_mb(1800) == 180
+
+
+@pytest.mark.parametrize("reported_mb", [1, 1200, 1800, 1980, 1999, 10**9])
+def test_without_a_measurement_the_declared_size_is_booked_whatever_the_worker_reports(reported_mb: int) -> None:
+    booking = book_memory(1800, reported_mb, None)
+    assert (booking.booked_mb, booking.measured) == (1800, False)
+    assert booking.over_declared == (reported_mb > 1800 + 180)
+
+
+@pytest.mark.parametrize(
+    ("measured_mb", "over"), [(300, False), (1800, False), (1980, False), (1981, True), (5000, True)]
+)
+def test_a_measurement_is_booked_as_it_is_and_the_report_is_ignored(measured_mb: int, over: bool) -> None:
+    for reported_mb in (1, 1800, 1999):
+        booking = book_memory(1800, reported_mb, measured_mb)
+        assert (booking.booked_mb, booking.measured, booking.over_declared) == (measured_mb, True, over)
+
+
+def test_a_measurement_of_nothing_still_books_something() -> None:
+    assert book_memory(100, 0, 0).booked_mb == 1
+
+
+def test_a_worker_takes_its_first_hello_only() -> None:
+    def hello(pid: int) -> Frame:
+        return Frame(MessageType.WORKER_HELLO, 0, 0, pb.WorkerHello(pid=pid).SerializeToString(), b"")
+
+    async def scenario() -> None:
+        worker = Worker("gpu0")
+        conn: Any = None  # the worker's handler does not use its connection
+        worker.on_frame(conn, hello(4242))
+        worker.on_frame(conn, hello(1))  # a handler's, naming another process for the node to measure
+        assert worker.pid == 4242 and worker.hello.result().pid == 4242
+
+    asyncio.run(scenario())
+
+
+# --- the pool, over real cpu workers measured by a fake NVML -----------------------------------------
+def test_a_measured_model_is_booked_at_its_measurement_and_one_over_its_declaration_is_counted(
+    tmp_path: Path,
+) -> None:
+    shelf = Shelf(tmp_path)
+    nvml = FakeNvml(450)
+
+    async def scenario() -> None:
+        async with open_pool("cpu", shelf, nvml=nvml, capacity_mb=lambda gpu_id: 2000) as node:
+            model = on_cpu("liar", shelf.digest("memory_liar_function"), environment={"CLAIM_MB": "1999"})
+            miss = await node.call(model)
+            assert ok(miss)["claimed_mb"] == 1999
+            assert miss.peak_memory_mb == 450  # NVML's figure, not the declared 300 nor the claimed 1,999
+            ((name, gpu, pid, booked_mb),) = node.pool.workers()
+            assert (name, gpu, booked_mb) == ("liar", "gpu0", 450) and (0, pid) in nvml.asked
+            assert node.pool.models_over_declared == {"measured": 1}
+            nvml.mb = 100  # it freed memory: the peak stays booked
+            await asyncio.sleep(MEASURE_EVERY_S)
+            hit = await node.call(model)
+            assert hit.peak_memory_mb == 450 and not hit.worker_killed
+            assert node.pool.models_over_declared == {"measured": 1}  # once per worker, not per call
+
+    run(scenario)
+
+
+def test_without_a_measurement_a_lying_worker_is_booked_at_its_declared_size_and_counted_once(
+    tmp_path: Path,
+) -> None:
+    shelf = Shelf(tmp_path)
+
+    async def scenario() -> None:
+        async with open_pool("cpu", shelf, nvml=FakeNvml(None)) as node:
+            for claim_mb, name in (("1", "under"), ("1999", "over")):
+                model = on_cpu(name, shelf.digest("memory_liar_function"), environment={"CLAIM_MB": claim_mb})
+                for _ in range(2):
+                    result = await node.call(model)
+                    assert ok(result)["claimed_mb"] == int(claim_mb)
+                    assert result.peak_memory_mb == 300
+            assert sorted(mb for _, _, _, mb in node.pool.workers()) == [300, 300]
+            assert node.pool.models_over_declared == {"claimed": 1}
+
+    run(scenario)
+
+
+def test_a_model_measured_over_its_declaration_with_no_room_on_its_gpu_is_stopped_at_its_load(
+    tmp_path: Path,
+) -> None:
+    shelf = Shelf(tmp_path)
+
+    async def scenario() -> None:
+        async with open_pool("cpu", shelf, nvml=FakeNvml(900), capacity_mb=lambda gpu_id: 1000) as node:
+            echo = shelf.digest("echo_function")
+            ok(await node.call(on_cpu("small", echo, memory_mb=100), {}))
+            # Declared 300, holds 900: with the other model's 900 (it measures the same here) the
+            # GPU's 1,000 MiB would book 1,800.
+            result = await node.call(on_cpu("big", echo), {})
+            assert result.outcome == pb.LOAD_FAILED and "declare memory_mb >= 900" in result.message
+            assert result.peak_memory_mb == 900  # so that the scheduler books it at that from then on
+            await eventually(lambda: node.pool.worker_exits["over_memory"] == 1, "the worker exits", 10.0)
+            assert [name for name, *_ in node.pool.workers()] == ["small"]
+
+    run(scenario)
+
+
+def test_a_model_that_grows_past_its_gpu_after_its_load_is_stopped_after_its_call(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path)
+    nvml = FakeNvml(250)
+
+    async def scenario() -> None:
+        async with open_pool("cpu", shelf, nvml=nvml, capacity_mb=lambda gpu_id: 1000) as node:
+            model = on_cpu("grows", shelf.digest("echo_function"))
+            assert ok(await node.call(model, {})) and node.pool.workers()[0][3] == 250
+            nvml.mb = 1200
+            await asyncio.sleep(MEASURE_EVERY_S)
+            grown = await node.call(model, {"x": 1})
+            assert ok(grown)["echo"] == {"x": 1}  # its call is answered ...
+            assert grown.worker_killed and grown.peak_memory_mb == 1200  # ... its worker stopped
+            await eventually(lambda: node.pool.worker_exits["over_memory"] == 1, "the worker exits", 10.0)
+            assert node.pool.workers() == []
+
+    run(scenario)
+
+
+# --- the scheduler's end ----------------------------------------------------------------------------
+@pytest.mark.parametrize(("worker_lost", "observed"), [(True, [("m", "g0", 900)]), (False, [])])
+def test_the_scheduler_takes_in_the_size_of_a_worker_its_node_stopped_for_it(
+    worker_lost: bool, observed: list[tuple[str, str, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Done for a worker lost with a measured size: later admissions book that size (a Done
+    for a worker kept is the book's to take in, as before)."""
+    from gpufaas.store import MemoryStore
+    from scheduler.service import SchedulerService, _NodeSession
+
+    async def scenario() -> None:
+        service = SchedulerService(MemoryStore())
+        seen: list[tuple[str, str, int]] = []
+        monkeypatch.setattr(service.book, "placement", lambda call_id, attempt: ("m", "g0"))
+        monkeypatch.setattr(service.book, "done", lambda *args, **kwargs: [])
+        monkeypatch.setattr(service.scheduler, "gpu", lambda gpu_id: (_ for _ in ()).throw(KeyError(gpu_id)))
+        monkeypatch.setattr(service.scheduler, "observe_memory", lambda *args: bool(seen.append(args)))
+        done = pb.Done(call_id="c", attempt=1, outcome=pb.OK, peak_memory_mb=900, worker_lost=worker_lost)
+        session = _NodeSession(service, None)  # type: ignore[arg-type]  # the node is not looked at
+        conn: Any = None
+        session.on_frame(conn, Frame(MessageType.DONE, 0, 0, done.SerializeToString(), b""))
+        assert seen == observed
+
+    asyncio.run(scenario())
