@@ -90,8 +90,8 @@ class WatchdogPolicy:
     `failures * max(every_s, timeout_s)` before the kill: short enough that calls wait seconds,
     not minutes; long enough that a loop busy for a moment is not killed."""
 
-    every_s: float = 0.5
-    timeout_s: float = 1.0
+    every_s: float = 0.25
+    timeout_s: float = 0.5
     failures: int = 2
     start_grace_s: float = 60.0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import threading
@@ -35,6 +36,7 @@ from tests.integration.conftest import deploy, descendants
 from tests.integration.test_control_plane import wait_for
 
 pytestmark = pytest.mark.integration
+log = logging.getLogger("tests.chaos")
 
 RECOVERY_BOUND_S = 5.0  # from a kill to the first success of a call sent after it
 CONVERGE_S = 12.0  # LRU lists equal the running workers within this (reconciliation runs every 5 s)
@@ -50,6 +52,7 @@ class Call:
     done_s: float = 0.0
     status: int | None = None  # HTTP status, None if no answer came
     error: str = ""  # a connection error instead of a status
+    gpu: str = ""  # where it ran (the X-Gpu header of an answer)
 
 
 @dataclass
@@ -84,13 +87,25 @@ class Load:
                 call = Call(sent_s=time.monotonic())
                 self.calls.append(call)
                 try:
-                    call.status = client.post(f"{url}/function/{name}", json={"sleep_s": 0.05}).status_code
+                    response = client.post(f"{url}/function/{name}", json={"sleep_s": 0.05})
+                    call.status, call.gpu = response.status_code, response.headers.get("x-gpu", "")
                 except httpx.TimeoutException as exc:
                     call.error = f"timeout: {type(exc).__name__}"
                 except httpx.TransportError as exc:
                     call.error = type(exc).__name__
                     time.sleep(0.05)  # the gateway is down: do not spin
                 call.done_s = time.monotonic()
+
+
+def first_success_after(load: Load, since_s: float) -> float | None:
+    """When the first call sent after `since_s` succeeded; waits for one (bounded), None if none."""
+    deadline = since_s + RECOVERY_BOUND_S + 10
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        done = [c.done_s for c in list(load.calls) if c.sent_s > since_s and c.status == 200]
+        if done:
+            return min(done)
+    return None
 
 
 def worker_pid(cluster: LocalCluster) -> int:
@@ -121,7 +136,7 @@ def lru_and_workers(cluster: LocalCluster) -> tuple[dict[str, set[str]], dict[st
 
     async def ask() -> dict[str, set[str]]:
         assert cluster.etcd_endpoint is not None
-        store = await EtcdStore.open(cluster.etcd_endpoint)
+        store = await EtcdStore.open(cluster.etcd_endpoint, credentials=cluster.etcd_credentials)
         try:
             records = [NodeRecord.from_json(kv.value) for kv in await store.get_prefix(Keys(cluster.root).nodes)]
         finally:
@@ -170,13 +185,7 @@ def test_every_call_is_answered_and_service_returns_after_each_kill(tmp_path: Pa
                 before = len(load.calls)
                 killed_s = time.monotonic()
                 kill()
-                # Until a call sent after the kill succeeds (bounded), then a steady spell.
-                deadline = killed_s + RECOVERY_BOUND_S + 10
-                recovered_s = None
-                while recovered_s is None and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    done = [c for c in list(load.calls) if c.sent_s > killed_s and c.status == 200]
-                    recovered_s = min((c.done_s for c in done), default=None)
+                recovered_s = first_success_after(load, killed_s)  # then a steady spell
                 time.sleep(STEADY_S)
                 wait_for(lambda: converged(cluster), timeout_s=CONVERGE_S)
                 window = load.calls[before:]
@@ -219,3 +228,104 @@ def test_every_call_is_answered_and_service_returns_after_each_kill(tmp_path: Pa
 
         leftovers = [pid for pid in watched if pid_alive(pid)]
         assert not leftovers, f"processes left running: {leftovers}"
+
+
+STALL_FUNCTIONS = [f"s{i}" for i in range(6)]  # 6 x 300 MB: more than one 1000 MB GPU holds
+BURST_CALLS = 24  # at once, each 0.5 s: three times one GPU's 4 slots
+
+
+def gpus(cluster: LocalCluster) -> list[dict[str, Any]]:
+    response = httpx.get(f"{cluster.gateway_url}/system/gpus", auth=cluster.admin_auth, timeout=10)
+    result: list[dict[str, Any]] = response.json()
+    return result
+
+
+def burst_gpus(cluster: LocalCluster, functions: list[str]) -> list[str]:
+    """BURST_CALLS calls at once over `functions`; where each ran (X-Gpu), all must succeed."""
+
+    async def burst() -> list[str]:
+        async with httpx.AsyncClient(timeout=CALL_TIMEOUT_S, headers=cluster.invoke_headers) as client:
+            responses = await asyncio.gather(
+                *(
+                    client.post(f"{cluster.gateway_url}/function/{name}", json={"sleep_s": 0.5})
+                    for name in (functions[i % len(functions)] for i in range(BURST_CALLS))
+                )
+            )
+        assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+        return [r.headers.get("x-gpu", "") for r in responses]
+
+    return asyncio.run(burst())
+
+
+def test_a_stopped_scheduler_or_node_is_killed_and_restarted_and_the_restarted_node_takes_calls(
+    tmp_path: Path,
+) -> None:
+    """SIGSTOP (a stalled event loop, as far as anyone can tell) of the scheduler, then of a node,
+    under load: the supervisor's watchdog kills and restarts it, and calls succeed again within
+    RECOVERY_BOUND_S; the gateway's /healthz says the stopped scheduler is not ready meanwhile;
+    the restarted node takes calls again (X-Gpu)."""
+    cluster = LocalCluster(tmp_path / "cluster", nodes=2, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000)
+    cluster.start()
+    try:
+        cluster.supervise_in_background()
+        for name in STALL_FUNCTIONS:
+            deploy(cluster, name, "sleepy_function", tmp_path, memory_mb=300)
+        load = Load(cluster, STALL_FUNCTIONS)
+        load.start()
+        report: dict[str, Any] = {"recovery_bound_s": RECOVERY_BOUND_S, "stops": []}
+        try:
+            time.sleep(STEADY_S)
+            for what in ("scheduler", "node0"):
+                pid = cluster.pids()[what]
+                stopped_s = time.monotonic()
+                os.kill(pid, signal.SIGSTOP)
+                log.warning("SIGSTOP %s", what)
+                health = None
+                if what == "scheduler":
+                    time.sleep(0.2)
+                    health = httpx.get(f"{cluster.gateway_url}/healthz", timeout=5)
+                recovered_s = first_success_after(load, stopped_s)
+
+                def restarted(name: str = what, old: int = pid) -> bool:
+                    return cluster.pids().get(name, old) != old
+
+                wait_for(restarted, timeout_s=RECOVERY_BOUND_S + 10)
+                restarted_s = time.monotonic()
+                time.sleep(STEADY_S)
+                # Every call in flight at the stop or sent after it: answered, and when.
+                window = [c for c in list(load.calls) if c.done_s == 0.0 or c.done_s > stopped_s]
+                time.sleep(STEADY_S)
+                report["stops"].append(
+                    {
+                        "stopped": what,
+                        "healthz_while_stopped": None if health is None else [health.status_code, health.json()],
+                        "recovery_s": None if recovered_s is None else round(recovered_s - stopped_s, 3),
+                        "restarted_after_s": round(restarted_s - stopped_s, 3),
+                        "last_answer_of_a_call_then_in_flight_s": round(
+                            max(c.done_s for c in window if c.sent_s <= stopped_s + 0.1) - stopped_s, 3
+                        ),
+                        "answered_by_status": dict(Counter(str(c.status) for c in window if c.status is not None)),
+                        "watchdog_kills": dict(cluster.watchdog.kills) if cluster.watchdog else {},
+                    }
+                )
+        finally:
+            load.stop()
+        # The node that was stopped, killed and restarted takes calls again once there is work for
+        # it: a burst more than the other node's slots hold (light load stays where the models are).
+        wait_for(lambda: any(g["node"] == "node0" for g in gpus(cluster)), timeout_s=CONVERGE_S)
+        restarted_node = burst_gpus(cluster, STALL_FUNCTIONS)
+        report["burst_calls_by_gpu_after_the_node_restart"] = dict(Counter(restarted_node))
+        print(json.dumps(report, indent=2))
+        (tmp_path / "stalls.json").write_text(json.dumps(report, indent=2) + "\n")
+        scheduler, node = report["stops"]
+        assert scheduler["healthz_while_stopped"][0] == 503, scheduler
+        assert scheduler["healthz_while_stopped"][1]["scheduler"] is False, scheduler
+        for entry in (scheduler, node):
+            assert entry["recovery_s"] is not None and entry["recovery_s"] <= RECOVERY_BOUND_S, entry
+            assert entry["last_answer_of_a_call_then_in_flight_s"] <= RECOVERY_BOUND_S, entry
+            assert {int(s) for s in entry["answered_by_status"]} <= {200} | RETRYABLE, entry
+        assert node["watchdog_kills"] == {"scheduler": 1, "node0": 1}, node
+        assert any(gpu.startswith("node0/") for gpu in restarted_node), report
+        assert not [c for c in load.calls if c.status is None and not c.error], "calls never answered"
+    finally:
+        cluster.stop()
