@@ -116,7 +116,11 @@ class LocalCluster:
     spares: int = 1  # warm spare workers per GPU
     claim_s: float = 5.0  # a placement not used within this long is checked with its node
     secure: bool = True  # credentials on every interface (state_dir/secrets); False: --insecure daemons
-    etcd_auth: bool = False  # etcd's own authentication too (daemons log in as root); else loopback only
+    # etcd's own authentication too (the daemons log in as root with STATE/secrets/etcd-password):
+    # any local process could otherwise rewrite the cluster's state (a function made public).
+    # None: on when this cluster runs its own etcd; an etcd given by `etcd_endpoint` is its
+    # owner's to lock (the tests' shared etcd serves many clusters that read it directly).
+    etcd_auth: bool | None = None
     runtime: str = "process"  # how GPU managers run workers: "process" or "docker" (then spares must be 0)
     docker_image: str | None = None  # the docker runtime's image (default: the GPU manager's)
     # EDAS's staged exit (scheduler --gpu-idle-release-s / --host-idle-release-s); None: off.
@@ -133,6 +137,10 @@ class LocalCluster:
     _etcd: EtcdServer | None = None
     _supervisor: threading.Thread | None = None
     _stopping: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        if self.etcd_auth is None:
+            self.etcd_auth = self.etcd_endpoint is None
 
     @property
     def secrets(self) -> SecretFiles:
