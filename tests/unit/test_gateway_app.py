@@ -148,7 +148,13 @@ def test_health_info_and_metrics(tmp_path: Path) -> None:
         # No scheduler listens: not ready (calls would wait, then fail), though alive.
         health = await env.client.get("/healthz")
         assert health.status_code == 503
-        assert health.json() == {"status": "unavailable", "scheduler": False, "etcd": True}
+        report = health.json()
+        assert {k: report.pop(k) for k in ("status", "scheduler", "etcd")} == {
+            "status": "unavailable",
+            "scheduler": False,
+            "etcd": True,
+        }
+        assert set(report) == {"loop_lag_s", "loop_lag_max_s"}  # this process's own event loop
         assert (await env.client.get("/livez")).json() == {"status": "ok"}
         info = (await env.client.get("/system/info")).json()
         assert info["provider"]["provider"] == "gpufaas"
@@ -156,6 +162,7 @@ def test_health_info_and_metrics(tmp_path: Path) -> None:
         assert metrics.status_code == 200
         assert metrics.headers["content-type"].startswith("text/plain")
         assert sample(metrics.text, "gateway_functions_deployed") == 0
+        assert sample(metrics.text, "gpufaas_event_loop_lag_seconds") >= 0
 
     run(tmp_path, body)
 

@@ -58,3 +58,34 @@ def test_loop_lag_keeps_the_latest_reading_and_the_worst_of_its_window() -> None
     assert lag.max_s(69.0) == 5.0 and lag.max_s(70.4) == 0.001  # the stall left the window
     lag.measured(-0.001, 71.0)  # a timer that fired early is no lag
     assert lag.latest_s == 0.0
+
+
+def test_a_daemons_metrics_listener_answers_healthz_without_the_token_with_its_loop_lag() -> None:
+    import asyncio
+    import json
+
+    from prometheus_client import CollectorRegistry
+
+    from gpufaas.metrics import MetricsServer
+
+    async def ask(address: str, path: str) -> bytes:
+        host, _, port = address.rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        answer = await reader.read()
+        writer.close()
+        return answer
+
+    async def main() -> tuple[bytes, bytes]:
+        server = MetricsServer(CollectorRegistry(), token="secret")
+        address = await server.start("127.0.0.1:0")
+        await asyncio.sleep(0.3)  # a reading or so
+        try:
+            return await ask(address, "/healthz"), await ask(address, "/metrics")
+        finally:
+            await server.close()
+
+    health, metrics = asyncio.run(main())
+    head, _, body = health.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and set(json.loads(body)) == {"status", "loop_lag_s", "loop_lag_max_s"}
+    assert metrics.startswith(b"HTTP/1.1 401")  # the metrics still ask for the token
