@@ -252,7 +252,7 @@ class SimResult:
 
 
 # The policies that read PolicyConfig.max_num_skips (a call passed over that often goes first).
-SKIP_LIMITED_POLICIES = ("lalb-o3", "mqfq-sticky")
+SKIP_LIMITED_POLICIES = ("lalb-o3", "mqfq-sticky", "torpor")
 
 
 def simulate(

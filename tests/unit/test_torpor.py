@@ -171,3 +171,19 @@ def test_an_idle_gpu_takes_the_highest_priority_function_whose_model_it_holds_fi
         s.submit(request)
     (decision,) = s.schedule(2.0)
     assert isinstance(decision, Dispatch) and decision.request.function == "a" and decision.hit
+
+
+def test_a_function_without_an_slo_is_overtaken_at_most_max_num_skips_times() -> None:
+    """One GPU holding B; a call of A (no SLO, not cached) waits at the head while calls of B
+    (with an SLO, hits here) keep coming: each B placed ahead of it counts a skip, and once A has
+    been passed over twice (the limit here) it runs next, before the B queued behind it."""
+    scheduler = make_scheduler("torpor", gpus=1, models={"m-A": 1000, "m-B": 1000}, max_num_skips=2)
+    cache_on(scheduler, "g0", "m-B")
+    scheduler.submit(call("A", 0.0, slo_s=None))
+    ran: list[str] = []
+    for step in range(4):
+        scheduler.submit(call("B", 1.0 + step))
+        (decision,) = [d for d in scheduler.schedule(1.0 + step) if isinstance(d, Dispatch)]
+        ran.append(decision.request.function)
+        scheduler.on_complete(decision.request.request_id, 1.5 + step)
+    assert ran == ["B", "B", "A", "B"]
