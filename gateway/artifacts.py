@@ -42,7 +42,10 @@ from gpufaas.store import KeyValue, Store
 log = logging.getLogger("gpufaas.gateway.artifacts")
 
 WRITE_BATCH_BYTES = 4 << 20  # chunks of an upload through the API are written this many at a time
-MAX_BATCH_BYTES = 256 << 20  # the tar of small files one request may carry
+# The tar of small files one request may carry, compressed as sent and unpacked alike: a batch that
+# gzip shrinks 1000-fold (zeros) is refused at its header past this, not read to the end (gpufaas
+# deploy sends at most 64 MiB a batch).
+MAX_BATCH_BYTES = 256 << 20
 BATCH_MEMBER_MAX_BYTES = 16 << 20  # each read whole: bounded
 
 
@@ -70,6 +73,7 @@ class Artifacts:
         max_unpacked_bytes: int,
         grace_s: float = 3600.0,
         run_pip: PipRunner | None = None,
+        max_batch_bytes: int = MAX_BATCH_BYTES,
     ) -> None:
         self.store = store
         self.keys = keys
@@ -77,6 +81,7 @@ class Artifacts:
         self.blobs = BlobStore(root)
         empty_blob(self.blobs)
         self.max_unpacked_bytes = max_unpacked_bytes
+        self.max_batch_bytes = max_batch_bytes
         self.grace_s = grace_s
         self.url = ""  # where this gateway serves blobs (gpufaas.blobnet), once started
         self._server: BlobServer | None = None
@@ -157,11 +162,18 @@ class Artifacts:
 
     def _receive_batch(self, spooled: Path, compressed: bool) -> dict[str, int]:
         stored: dict[str, int] = {}
+        unpacked_bytes = 0
         try:
             with tarfile.open(spooled, mode="r|gz" if compressed else "r|") as tar:
                 for member in tar:
                     if not member.isfile() or not DIGEST_PATTERN.fullmatch(member.name):
                         raise InvalidPackage(f"member {member.name!r}: a blob batch holds files named sha256:<hex>")
+                    unpacked_bytes += member.size
+                    if unpacked_bytes > self.max_batch_bytes:
+                        raise PackageTooLarge(
+                            f"the blob batch unpacks to more than {self.max_batch_bytes} bytes (the limit); "
+                            "send fewer blobs per batch"
+                        )
                     if member.size > BATCH_MEMBER_MAX_BYTES:
                         raise PackageTooLarge(
                             f"blob {member.name} is {member.size} bytes; a batch holds blobs of at most "

@@ -668,3 +668,23 @@ def test_invoke_errors_answered_by_the_gateway_itself(tmp_path: Path) -> None:
         assert sample((await env.client.get("/metrics")).text, "gateway_function_invocation_total") == 0
 
     run(tmp_path, body, max_payload_bytes=1024)
+
+
+def test_a_blob_batch_is_bounded_by_what_it_unpacks_to_not_by_what_it_weighs(tmp_path: Path) -> None:
+    """A batch of blobs that gzip shrinks to almost nothing (zeros) is refused once its members'
+    sizes pass the limit, read from their headers: 413, the rest not unpacked."""
+
+    async def body(env: Env) -> None:
+        env.app.state.gateway.artifacts.max_batch_bytes = 100_000
+        blobs = [bytes(40_000) + bytes([i]) for i in range(3)]  # 3 x 40 KB: over 100 KB together
+        batch = tar_gz([(member(sha256(blob)), blob) for blob in blobs])
+        assert len(batch) < 2_000
+        headers = {"content-type": "application/vnd.gpufaas.blobs+gzip"}
+        response = await env.client.post("/system/blobs", content=batch, headers=headers)
+        assert_error(response, 413, "unpacks to more than 100000 bytes")
+        fits = await env.client.post(
+            "/system/blobs", content=tar_gz([(member(sha256(b)), b) for b in blobs[:2]]), headers=headers
+        )
+        assert fits.status_code == 201 and len(fits.json()["stored"]) == 2
+
+    run(tmp_path, body)
