@@ -4,7 +4,8 @@ credential, the roles each route admits (docs/security.md has the whole model).
 - admin (HTTP basic `admin:PASSWORD`, or `Bearer PASSWORD`): every route.
 - invoke (`Bearer INVOKE_TOKEN`): calls to functions (POST /function/{name}).
 - node (`Bearer NODE_TOKEN`, derived from the cluster secret): reading packages and blobs by digest.
-- nobody: /healthz and the API's own documentation; calls to functions deployed `public`.
+- nobody: /healthz, /livez and the API's own documentation (`OPEN_PATHS`); calls to functions deployed
+  `public`.
 
 A request without a valid credential gets 401 with a `WWW-Authenticate` challenge; a valid
 credential whose role the route does not admit gets 403; one with several Authorization headers

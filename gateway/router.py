@@ -45,7 +45,7 @@ DEADLINE_GRACE_S = 1.0
 SCHEDULER_WAIT_S = 5.0  # how long a call waits for a scheduler that is (re)connecting
 RECONNECT_S = 0.2
 
-# Why a call ended without a result -> HTTP status, in one place (STYLE §6).
+# Why a call ended without a result -> HTTP status, in one place (README's HTTP API lists them).
 STATUS_TO_HTTP = {
     pb.NOT_FOUND: 404,
     pb.INVALID: 400,

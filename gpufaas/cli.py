@@ -1,4 +1,5 @@
-"""The `gpufaas` command line: the user's entry point (today: `gpufaas sim`, the simulator)."""
+"""The `gpufaas` command line: the user's entry point (a local cluster: up, down, status; functions: new,
+deploy, invoke, ls, describe, rm; the cluster: gpus, top, logs; login, logout; sim, the simulator)."""
 
 from __future__ import annotations
 

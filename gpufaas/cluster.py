@@ -16,7 +16,7 @@ class GpuRecord:
 
 @dataclass(frozen=True, slots=True)
 class NodeRecord:
-    """`address` is the node's GPU-manager gRPC endpoint; `incarnation` changes on every start, so
+    """`address` is the node's GPU-manager endpoint (gpufaas.wire); `incarnation` changes on every start, so
     a restarted manager (whose workers, and so whose cached models, are gone) is told apart."""
 
     node: str

@@ -12,9 +12,11 @@ DEFAULT_BATCH_SIZE = 32
 class Request:
     """One invocation waiting for, or holding, a GPU.
 
-    `seq` orders requests by arrival: the scheduler assigns it on submit, and every queue in the
-    scheduler sorts by it. `arrival_s` is the caller's clock (virtual in the simulator, monotonic in
-    the service) and is carried, never read, by the scheduling core.
+    Requests are ordered by arrival: the scheduler numbers each one on submit (`Scheduler.submit`;
+    the number is kept beside the request, not in it), and every queue in the scheduler sorts by
+    that number. `arrival_s` is the caller's clock (virtual in the simulator, monotonic in the
+    service): the core does not read it, policies may (mqfq-sticky's inter-arrival times, torpor's
+    SLO clock).
     """
 
     request_id: str

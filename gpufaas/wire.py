@@ -2,8 +2,8 @@
 
 Why not gRPC: on this project's machines a grpc.aio round trip costs 240-440 us at concurrency 1
 and tops out near 3,000-3,800 calls/s per core (unary or bidi stream), against 14 us and over
-60,000 for a frame on an asyncio (uvloop) socket (bench/wire_bench.py). The serving path crosses
-three such hops per call.
+60,000 for a frame on an asyncio (uvloop) socket (measured when the wire was chosen; that
+benchmark is not kept in this repository). The serving path crosses three such hops per call.
 
 A frame (all integers big-endian):
 

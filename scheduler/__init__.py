@@ -1,4 +1,5 @@
-"""The global scheduler: queues, policies (lb, lalb, lalb-o3), estimator, and (later) its service."""
+"""The global scheduler: queues, policies (lb, lalb, lalb-o3, mqfq-sticky, torpor), estimator, the call
+state machine (scheduler.calls) and its service (scheduler.service, `python -m scheduler`)."""
 
 from scheduler.core import GpuState, Scheduler
 from scheduler.decisions import Decision, Dispatch, Park

@@ -1,1 +1,2 @@
-"""gRPC messages and stubs, generated from gpufaas.proto by `python -m gpufaas.proto.generate`."""
+"""Protobuf messages of gpufaas.wire (no gRPC stubs), generated from gpufaas.proto by
+`python -m gpufaas.proto.generate`."""

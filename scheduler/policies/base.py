@@ -1,7 +1,7 @@
 """The scheduling-policy interface, its registry by name, and the draft a policy plans on.
 
 A policy is offered one idle GPU at a time (`fill`) and returns its plan: the steps it wants, in
-order. It plans on a `Draft` of the scheduler: it reads the queue, the cache and the GPUs, and
+order. It plans on the scheduler itself, as a draft: it reads the queue, the cache and the GPUs, and
 reserves a step (`dispatch`, `park`, `pass_over`, `visit`) to see the state that step leads to
 (the GPU it dispatched to is busier, the model is cached there); Kubernetes' scheduling
 framework reserves the same way. The scheduler keeps exactly the plan the policy returns: a
@@ -31,7 +31,7 @@ DEFAULT_MAX_NUM_SKIPS = 25
 
 
 class SchedulingContext(Protocol):
-    """The draft of the scheduler a policy plans on (implemented by the scheduler's `Draft`):
+    """The draft of the scheduler a policy plans on (implemented by `Scheduler` itself, during `schedule`):
     reads, and reservations that return the step they made. Read the cache only: change it
     through reservations."""
 
