@@ -8,6 +8,7 @@ import socket
 import sys
 from pathlib import Path
 
+from gpu_manager.cgroups import group_prefix
 from gpu_manager.containers import DEFAULT_IMAGE
 from gpu_manager.daemon import DEFAULT_HOST_CACHE_MB, GpuManagerDaemon
 from gpu_manager.devices import discover_nvml, logical_devices
@@ -116,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         "--docker-image", default=DEFAULT_IMAGE, help="the docker runtime's worker image (scripts/worker-image.sh)"
     )
     parser.add_argument(
+        "--worker-cpus",
+        type=float,
+        default=0.0,
+        help="CPUs' worth of time each worker's cgroup may use, all its threads and children together "
+        "(default %(default)s; 0: no quota, only an equal CPU weight per worker)",
+    )
+    parser.add_argument(
         "--unconfined-workers",
         action="store_true",
         help="workers keep the node's user and network (development only; see docs/security.md)",
@@ -160,10 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     for directory in (args.state_dir, args.state_dir / "packages"):
         directory.mkdir(parents=True, exist_ok=True)
         directory.chmod(0o711)
+    if args.worker_cpus < 0:
+        parser.error("--worker-cpus must be >= 0")
     isolation = (
         Isolation(network=False, users=False)
         if args.unconfined_workers
-        else Isolation(homes_dir=args.state_dir / "homes")
+        else Isolation(
+            homes_dir=args.state_dir / "homes",
+            cgroup_prefix=group_prefix(args.node, args.state_dir),
+            worker_cpus=args.worker_cpus or None,
+        )
     )
 
     async def run() -> None:

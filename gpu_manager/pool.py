@@ -514,6 +514,14 @@ class WorkerPool:
         assert worker.conn is not None
         seen = self._runtime.worker_view(weights)  # its weights where the worker sees them
         try:
+            confinement = await self._runtime.confinement(worker, run)
+        except OSError as exc:
+            self._forget(worker)
+            worker.exit_cause = "load_failed"
+            self._kill(worker)
+            message = f"model {run.model!r} on {gpu_id}: cannot confine its worker: {exc}"
+            raise _LoadFailed(pb.LOAD_FAILED, message) from None
+        try:
             worker.conn.send(
                 MessageType.LOAD_MODEL,
                 pb.LoadModel(
@@ -528,7 +536,7 @@ class WorkerPool:
                     load_time_s=run.load_time_s,
                     inference_time_s=run.inference_time_s,
                     max_result_bytes=self.max_body_bytes,
-                    **await self._runtime.confinement(run),
+                    **confinement,
                 ),
             )
             loaded = await worker.loaded
@@ -675,6 +683,14 @@ class WorkerPool:
 
     def _died(self, worker: Worker, call_id: str) -> RunResult:
         self._forget(worker)
+        if self._runtime.over_memory(worker):  # the kernel killed it at its group's limit: not transient
+            return RunResult(
+                pb.HANDLER_ERROR,
+                f"model {worker.model!r} on {worker.gpu_id}: its processes went over their {worker.cgroup_limit_mb} "
+                f"MiB of host memory (declared memory_mb {worker.run.memory_mb if worker.run else 0}); its worker "
+                f"was killed during call {call_id}",
+                worker_killed=True,
+            )
         return RunResult(
             pb.WORKER_DIED,
             f"worker of model {worker.model!r} on {worker.gpu_id} (pid {worker.pid}) exited during call {call_id}",

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
+from gpu_manager.cgroups import Cgroups, Unavailable, open_cgroups, resident_mb, worker_group, worker_limits
 from gpu_manager.containers import (
     LAYER_MOUNT,
     PACKAGE_MOUNT,
@@ -64,6 +65,7 @@ KILL_WAIT_S = 30.0  # tearing down a large CUDA context can take seconds; past t
 _DROP_REPORT_S = 10.0  # how often a worker's dropped output is told of, at most
 _OUTPUT_GRACE_S = 1.0  # a worker's output is read this long after it exits (then its pipe is closed)
 _EXIT_POLL_S = 0.005
+OOM_POLL_S = 0.25  # how often the worker groups' OOM-kill counters are read (a small file each)
 
 # A container's package, owner and weights, made ready by the worker pool before it starts.
 Prepare = Callable[[ModelRun], Awaitable[tuple[Path, int, WeightsPlan]]]
@@ -109,8 +111,13 @@ class Runtime(ABC):
         return weights
 
     @abstractmethod
-    async def confinement(self, run: ModelRun) -> dict[str, Any]:
-        """The LoadModel fields that confine the worker taking `run` (gpu_manager.sandbox)."""
+    async def confinement(self, worker: Worker, run: ModelRun) -> dict[str, Any]:
+        """The LoadModel fields that confine `worker`, taking `run` (gpu_manager.sandbox); what
+        the node itself holds it to is set up here, before its handler runs (OSError if not)."""
+
+    def over_memory(self, worker: Worker) -> bool:
+        """Whether `worker` (or a process it started) was killed for its memory limit."""
+        return worker.exit_cause == "over_memory"
 
     async def stop_starting(self) -> None:  # noqa: B027  (an optional hook)
         """The node is shutting down: cancel what would still start workers."""
@@ -201,6 +208,33 @@ class ProcessRuntime(Runtime):
         self._python = python
         self._zygote: _Zygote | None = None
         self._zygote_starting: asyncio.Future[_Zygote] | None = None
+        self._cgroups: Cgroups | None = None
+        self._grouped: dict[str, Worker] = {}  # group name -> its worker, while it lives
+        self._oom_watch: asyncio.Task[None] | None = None
+
+    async def check(self) -> None:
+        """Find the host's control groups (gpu_manager.cgroups) and clear what a previous
+        incarnation of this node left in them (its workers' processes, detached ones included);
+        where there are none, say once what that leaves unbounded."""
+        prefix = self.isolation.cgroup_prefix
+        if prefix is None:
+            return
+        found = await asyncio.to_thread(open_cgroups, prefix, root=self.isolation.cgroup_root)
+        if isinstance(found, Unavailable):
+            log.warning(
+                "worker cgroups unavailable (%s): a function's memory and tasks are bounded per process only "
+                "(RLIMIT_DATA, RLIMIT_NPROC), it gets no CPU share of its own, and processes it starts are not "
+                "killed with its worker; run the node as root with cgroups writable (or delegated)",
+                found.reason,
+            )
+            return
+        self._cgroups = found
+        stale = await asyncio.to_thread(found.names)
+        killed = await asyncio.to_thread(found.clear)
+        if stale:
+            log.info("removed %d worker cgroup(s) a previous run left, killing %d process(es)", len(stale), killed)
+        log.info("worker cgroups: v%d under %s", found.version, prefix)
+        self._oom_watch = asyncio.create_task(self._watch_memory())
 
     async def run(self, worker: Worker, model: ModelRun | None) -> None:
         """Have the worker forked from the zygote, connect to it, and resolve `exited` once it is gone."""
@@ -240,6 +274,7 @@ class ProcessRuntime(Runtime):
         worker.gone(ConnectionLost(f"worker pid {worker.pid} exited"))
         assert output is not None
         loop.call_later(_OUTPUT_GRACE_S, output.close)  # what it printed last still reaches the log
+        await self._kill_group(worker)  # its children too, detached or not (and itself, if it lingers)
         # The zygote reaps it; its device memory is free once the process is gone.
         for _ in range(int(KILL_WAIT_S / _EXIT_POLL_S)):
             if not worker.pid or not pid_alive(worker.pid):
@@ -301,8 +336,12 @@ class ProcessRuntime(Runtime):
         self._zygote = _Zygote(process, parent, float(ready.split()[1]))
         return self._zygote
 
-    async def confinement(self, run: ModelRun) -> dict[str, Any]:
-        """Resource limits and, where the node is root, the package's own user and a private home."""
+    async def confinement(self, worker: Worker, run: ModelRun) -> dict[str, Any]:
+        """Its control group, made and joined here (before the LoadModel these fields go in, so
+        before its handler runs); resource limits and, where the node is root, the package's own
+        user and a private home."""
+        if self._cgroups is not None and worker.pid and not worker.cgroup:
+            await asyncio.to_thread(self._group, worker, run)
         isolation = self.isolation
         fields: dict[str, Any] = {
             "data_limit_mb": data_allowance_mb(self.backend, run.memory_mb) or 0,
@@ -316,6 +355,75 @@ class ProcessRuntime(Runtime):
                 fields["home_dir"] = str(await asyncio.to_thread(private_home, isolation.homes_dir, uid))
         return fields
 
+    def _group(self, worker: Worker, run: ModelRun) -> None:
+        """Make `worker`'s group and move it in (in a thread: a few writes to cgroupfs)."""
+        assert self._cgroups is not None
+        name = worker_group(worker.pid)
+        limits = worker_limits(
+            memory_mb=run.memory_mb,
+            runtime_mb=resident_mb(worker.pid),
+            max_processes=self.isolation.max_processes,
+            cpus=self.isolation.worker_cpus,
+        )
+        self._cgroups.create(name, limits)
+        self._cgroups.attach(name, worker.pid)
+        worker.cgroup = name
+        worker.cgroup_limit_mb = (limits.memory_bytes or 0) // (1024 * 1024)
+        self._grouped[name] = worker
+
+    def over_memory(self, worker: Worker) -> bool:
+        if worker.exit_cause != "over_memory" and worker.cgroup and self._cgroups is not None:
+            with contextlib.suppress(OSError):
+                if self._cgroups.oom_kills(worker.cgroup):
+                    self._note_over_memory(worker)
+        return worker.exit_cause == "over_memory"
+
+    def _note_over_memory(self, worker: Worker) -> None:
+        worker.exit_cause = "over_memory"
+        log.error(
+            "%s on %s (pid %d): its processes went over their %d MiB of host memory (declared %d MiB); the kernel "
+            "killed one, and its whole group is stopped",
+            worker.model,
+            worker.gpu_id,
+            worker.pid,
+            worker.cgroup_limit_mb,
+            worker.run.memory_mb if worker.run is not None else 0,
+        )
+
+    async def _watch_memory(self) -> None:
+        """Kill the whole group of a worker whose group met its memory limit: the kernel killed
+        one of its processes (perhaps a child the worker waits on); what is left of it goes too,
+        so that its call fails now and its model is loaded afresh."""
+        cgroups = self._cgroups
+        assert cgroups is not None
+        while True:
+            await asyncio.sleep(OOM_POLL_S)
+            for name, worker in list(self._grouped.items()):
+                if worker.exit_cause == "over_memory" or not self.over_memory(worker):
+                    continue
+                worker.gone(ConnectionLost(f"worker pid {worker.pid} went over its memory limit"))
+                try:
+                    await asyncio.to_thread(cgroups.kill, name)
+                except OSError as exc:
+                    log.error("cannot kill worker cgroup %s: %s", name, exc)
+
+    async def _kill_group(self, worker: Worker) -> None:
+        """Kill what is left of `worker`'s group (the processes it started, detached or not) and
+        remove the group."""
+        cgroups, name = self._cgroups, worker.cgroup
+        if cgroups is None or not name:
+            return
+        self.over_memory(worker)  # read before the group goes: the call's answer depends on it
+        try:
+            killed = await asyncio.to_thread(cgroups.kill, name)
+        except OSError as exc:
+            log.error("cannot kill worker cgroup %s (%s): %s", name, worker.model, exc)
+            return
+        finally:
+            self._grouped.pop(name, None)
+        if killed:
+            log.info("killed %d process(es) left in the group of %s (pid %d)", killed, worker.model, worker.pid)
+
     async def stop_starting(self) -> None:
         """A zygote still starting is cancelled: it would fork spares nobody stops."""
         if self._zygote_starting is not None and not self._zygote_starting.done():
@@ -324,7 +432,14 @@ class ProcessRuntime(Runtime):
                 await self._zygote_starting
 
     async def shutdown(self) -> None:
-        """The zygote exits when its control socket closes."""
+        """The zygote exits when its control socket closes; every worker group goes (what is left
+        in them is killed)."""
+        if self._oom_watch is not None:
+            self._oom_watch.cancel()
+        if self._cgroups is not None:
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(self._cgroups.clear)
+                await asyncio.to_thread(self._cgroups.remove_base)
         zygote = self._zygote
         if zygote is not None:
             zygote.control.close()
@@ -379,7 +494,7 @@ class DockerRuntime(Runtime):
             layer_dir=LAYER_MOUNT if weights.layer_dir else "",
         )
 
-    async def confinement(self, run: ModelRun) -> dict[str, Any]:
+    async def confinement(self, worker: Worker, run: ModelRun) -> dict[str, Any]:
         return {"max_file_mb": self.isolation.max_file_mb}  # the container is the rest: user, limits, tmpfs
 
     async def shutdown(self) -> None:

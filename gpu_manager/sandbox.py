@@ -87,11 +87,17 @@ class Isolation:
 
     `network`: each worker gets a network namespace of its own. `users`: each package's workers
     run as the package's own user (None: when the node runs as root, the only way it can).
-    `homes_dir`: where the packages' private HOME/TMPDIR directories go (None: none)."""
+    `homes_dir`: where the packages' private HOME/TMPDIR directories go (None: none).
+    `cgroup_prefix`: the name of the node's directory of per-worker control groups
+    (gpu_manager.cgroups' `group_prefix`; None: no groups), under `cgroup_root`; `worker_cpus`:
+    the CPUs' worth of time each worker's group may use (None: no quota, only an equal weight)."""
 
     network: bool = True
     users: bool | None = None
     homes_dir: Path | None = None
+    cgroup_prefix: str | None = None
+    cgroup_root: Path = Path("/sys/fs/cgroup")
+    worker_cpus: float | None = None
     max_processes: int = DEFAULT_MAX_PROCESSES
     max_file_mb: int = DEFAULT_MAX_FILE_MB
     log_rate_bytes_s: int = LOG_RATE_BYTES_S

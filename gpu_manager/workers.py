@@ -145,6 +145,8 @@ class Worker:
         self.measured_s = 0.0  # when it was last measured (time.monotonic)
         self.over_declared = False  # logged and counted as over its declaration once already
         self.host_mb: int | None = None  # host memory measured while parked (gpu_manager.host_tier)
+        self.cgroup = ""  # its control group (gpu_manager.cgroups), once it took a model; "": none
+        self.cgroup_limit_mb = 0  # that group's memory limit
         loop = asyncio.get_running_loop()
         self.hello: asyncio.Future[pb.WorkerHello] = loop.create_future()
         self.loaded: asyncio.Future[pb.ModelLoaded] = loop.create_future()
