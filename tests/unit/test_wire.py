@@ -879,7 +879,7 @@ def test_after_the_handshake_the_full_buffer_is_made_and_large_frames_pass(run: 
 
     async def scenario() -> None:
         limit = max_frame_bytes_for(4 * MIB)
-        server = Server(lambda: Peer(), max_frame_bytes=limit, key=KEY)
+        server = Server(Peer, max_frame_bytes=limit, key=KEY)
         await server.start("127.0.0.1:0")
         try:
             conn = await connect(server.address, Peer(), key=KEY, max_frame_bytes=limit)
@@ -911,7 +911,7 @@ def test_connections_past_the_handshake_cap_are_closed_at_once_and_authenticated
     run: Run,
 ) -> None:
     async def scenario() -> None:
-        server = Server(lambda: Peer(), key=KEY, max_unauthenticated=3)
+        server = Server(Peer, key=KEY, max_unauthenticated=3)
         await server.start("127.0.0.1:0")
         try:
             # Authenticated clients hold no handshake slot.
@@ -939,7 +939,7 @@ def test_connections_past_the_handshake_cap_are_closed_at_once_and_authenticated
 
 def test_a_servers_own_handshake_time_cuts_off_a_silent_peer_and_frees_its_slot(run: Run) -> None:
     async def scenario() -> None:
-        server = Server(lambda: Peer(), key=KEY, max_unauthenticated=1, handshake_s=0.2)
+        server = Server(Peer, key=KEY, max_unauthenticated=1, handshake_s=0.2)
         await server.start("127.0.0.1:0")
         try:
             ((reader, writer),) = await _open_silent(server.address, 1)
@@ -961,4 +961,4 @@ def test_a_servers_own_handshake_time_cuts_off_a_silent_peer_and_frees_its_slot(
 @pytest.mark.parametrize("options", [{"max_unauthenticated": 0}, {"handshake_s": 0.0}])
 def test_a_server_refuses_limits_that_would_admit_nobody(options: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="must be"):
-        Server(lambda: Peer(), key=KEY, **options)
+        Server(Peer, key=KEY, **options)
