@@ -58,6 +58,7 @@ from gpufaas.credentials import read_secret
 from gpufaas.local_cluster import LocalCluster
 from gpufaas.packages import DigestCache
 from gpufaas.proto import gpufaas_pb2 as pb
+from simulator.engine import percentile
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATES = {"resnet18": "pytorch-image-classifier", "tiny-mlp": "pytorch-custom"}
@@ -67,8 +68,8 @@ DECLARED_MB = {"resnet18": 1400, "tiny-mlp": 600}
 def quantiles(values_s: list[float]) -> dict[str, float]:
     ordered = sorted(values_s)
     return {
-        "p50_ms": round(statistics.median(ordered) * 1e3, 3),
-        "p90_ms": round(ordered[int(0.9 * (len(ordered) - 1))] * 1e3, 3),
+        "p50_ms": round(percentile(ordered, 50) * 1e3, 3),
+        "p90_ms": round(percentile(ordered, 90) * 1e3, 3),
         "calls": len(ordered),
     }
 

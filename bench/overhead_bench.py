@@ -46,6 +46,7 @@ from gpu_manager.pool import ModelRun, WorkerPool
 from gpu_manager.staging import LocalPackages
 from gpufaas.local_cluster import LocalCluster
 from gpufaas.proto import gpufaas_pb2 as pb
+from simulator.engine import percentile
 
 NOOP_HANDLER = '''"""A no-op function: the cost of the call itself."""
 
@@ -73,16 +74,12 @@ def noop_package() -> bytes:
     return buffer.getvalue()
 
 
-def quantile(sorted_values: list[float], fraction: float) -> float:
-    return sorted_values[min(len(sorted_values) - 1, int(fraction * len(sorted_values)))]
-
-
 def summarize(latencies_s: list[float], wall_s: float) -> dict[str, float]:
     values = sorted(latencies_s)
     return {
         "calls": len(values),
-        "p50_ms": round(quantile(values, 0.50) * 1e3, 3),
-        "p99_ms": round(quantile(values, 0.99) * 1e3, 3),
+        "p50_ms": round(percentile(values, 50) * 1e3, 3),
+        "p99_ms": round(percentile(values, 99) * 1e3, 3),
         "mean_ms": round(statistics.fmean(values) * 1e3, 3),
         "throughput_per_s": round(len(values) / wall_s, 1),
     }
@@ -109,8 +106,8 @@ async def drive(clients: int, calls: int, one_call: Any) -> dict[str, Any]:
     summary: dict[str, Any] = summarize(latencies, time.perf_counter() - started)
     if inside:
         inside.sort()
-        summary["inside_p50_ms"] = round(quantile(inside, 0.50) * 1e3, 3)
-        summary["inside_p99_ms"] = round(quantile(inside, 0.99) * 1e3, 3)
+        summary["inside_p50_ms"] = round(percentile(inside, 50) * 1e3, 3)
+        summary["inside_p99_ms"] = round(percentile(inside, 99) * 1e3, 3)
     return summary
 
 
@@ -216,7 +213,7 @@ def bench_misses(url: str, package: bytes, functions: int, auth: httpx.Auth | No
 
     def spread(values: list[float]) -> dict[str, float]:
         ordered = sorted(values)
-        return {"p50_ms": round(statistics.median(ordered), 3), "p90_ms": round(quantile(ordered, 0.9), 3)}
+        return {"p50_ms": round(percentile(ordered, 50), 3), "p90_ms": round(percentile(ordered, 90), 3)}
 
     return {
         kind: {

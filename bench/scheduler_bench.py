@@ -10,7 +10,8 @@ next completes (`on_complete`), the global queue is topped up to exactly `queued
 `schedule(now)` (the decision round for the freed GPU) is timed with `time.perf_counter_ns()`. Every `Dispatch`
 it returns is put back on the completion heap, so `now` advances monotonically along estimated finish times.
 Reported per decision (`p50_us`, `p99_us`: a round that returns k decisions counts k decisions of a k-th of
-its time each; the target applies to these) and per round (`call_p50_us`, `call_p99_us`).
+its time each; the target applies to these) and per round (`call_p50_us`, `call_p99_us`), all four
+`simulator.engine.percentile` (linear interpolation between closest ranks, numpy's default).
 
 Garbage collection: `gc.collect()` runs before each configuration and the collector is disabled for the whole
 steady-state loop, so that a generation-2 pass over the >100,000 live queue objects is not charged to whichever
@@ -27,7 +28,6 @@ import gc
 import heapq
 import itertools
 import json
-import math
 import platform
 import random
 import sys
@@ -40,6 +40,7 @@ from typing import Any
 from bench.machine import load_average, run_metadata
 from gpufaas.types import GpuSpec, ModelSpec, Request
 from scheduler import Dispatch, Park, Scheduler, make_policy
+from simulator.engine import percentile
 
 POLICIES: tuple[str, ...] = ("lb", "lalb", "lalb-o3", "mqfq-sticky", "torpor")
 FULL_QUEUED: tuple[int, ...] = (100, 1_000, 10_000, 100_000)
@@ -116,12 +117,6 @@ class Workload:
 
 def make_models(rng: random.Random) -> list[ModelSpec]:
     return [ModelSpec(f"m{i:03d}", rng.randint(MODEL_MIN_MB, MODEL_MAX_MB)) for i in range(NUM_MODELS)]
-
-
-def percentile(sorted_values: Sequence[int], fraction: float) -> int:
-    """Nearest-rank percentile of already sorted values."""
-    rank = max(1, math.ceil(fraction * len(sorted_values)))
-    return sorted_values[min(rank, len(sorted_values)) - 1]
 
 
 Heap = list[tuple[float, int, str]]  # (finish time, tie-break, request id)
@@ -250,10 +245,10 @@ def run_config(  # noqa: PLR0917 (the configuration, positionally, as everywhere
         slots=slots,
         iterations=len(samples),
         decisions_per_s=round(num_decisions / (total_ns / 1e9), 1) if total_ns else 0.0,
-        p50_us=round(_quantile(per_decision, 0.50) / 1e3, 2),
-        p99_us=round(_quantile(per_decision, 0.99) / 1e3, 2),
-        call_p50_us=round(percentile(samples, 0.50) / 1e3, 2),
-        call_p99_us=round(percentile(samples, 0.99) / 1e3, 2),
+        p50_us=round(percentile(per_decision, 50) / 1e3, 2),
+        p99_us=round(percentile(per_decision, 99) / 1e3, 2),
+        call_p50_us=round(percentile(samples, 50) / 1e3, 2),
+        call_p99_us=round(percentile(samples, 99) / 1e3, 2),
         mean_us=round(total_ns / len(samples) / 1e3, 2),
         max_us=round(samples[-1] / 1e3, 2),
         dispatches=dispatches,
@@ -261,12 +256,6 @@ def run_config(  # noqa: PLR0917 (the configuration, positionally, as everywhere
         hits=hits,
         setup_s=round(setup_s, 3),
     )
-
-
-def _quantile(sorted_values: Sequence[float], fraction: float) -> float:
-    if not sorted_values:
-        return 0.0
-    return sorted_values[min(len(sorted_values) - 1, int(fraction * len(sorted_values)))]
 
 
 def summarize(
