@@ -38,7 +38,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -56,7 +55,7 @@ from gpufaas import uploads
 from gpufaas.cli import GatewayClient
 from gpufaas.credentials import read_secret
 from gpufaas.local_cluster import LocalCluster
-from gpufaas.packages import DigestCache
+from gpufaas.packages import DigestCache, build_package
 from gpufaas.proto import gpufaas_pb2 as pb
 from simulator.engine import percentile
 
@@ -80,19 +79,15 @@ def prepare(name: str, work: Path) -> tuple[Path, bytes, bytes, str]:
     directory = work / name
     shutil.copytree(REPO / "function_templates" / TEMPLATES[name], directory)
     subprocess.run([sys.executable, "make_weights.py"], cwd=directory, check=True, capture_output=True)
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        for path in sorted(directory.rglob("*")):
-            if path.is_file() and "__pycache__" not in path.parts:
-                tar.add(path, arcname=path.relative_to(directory).as_posix())
+    package = build_package(directory)
     if name == "resnet18":
         from PIL import Image
 
         image = Image.frombytes("RGB", (224, 224), os.urandom(224 * 224 * 3))
         png = io.BytesIO()
         image.save(png, format="PNG")
-        return directory, buffer.getvalue(), png.getvalue(), "image/png"
-    return directory, buffer.getvalue(), json.dumps({"inputs": [[0.1, 0.2, 0.3, 0.4]]}).encode(), "application/json"
+        return directory, package, png.getvalue(), "image/png"
+    return directory, package, json.dumps({"inputs": [[0.1, 0.2, 0.3, 0.4]]}).encode(), "application/json"
 
 
 def direct(directory: Path, body: bytes, calls: int) -> dict[str, Any]:

@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import json
 import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -45,6 +43,7 @@ from bench.machine import run_metadata
 from gpu_manager.pool import ModelRun, WorkerPool
 from gpu_manager.staging import LocalPackages
 from gpufaas.local_cluster import LocalCluster
+from gpufaas.packages import build_package
 from gpufaas.proto import gpufaas_pb2 as pb
 from simulator.engine import percentile
 
@@ -65,13 +64,9 @@ MISS_TARGET_MS = 50.0  # a miss of a tiny model whose package the node holds, en
 
 
 def noop_package() -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        data = NOOP_HANDLER.encode()
-        info = tarfile.TarInfo("handler.py")
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "handler.py").write_text(NOOP_HANDLER)
+        return build_package(Path(tmp))
 
 
 def summarize(latencies_s: list[float], wall_s: float) -> dict[str, float]:
@@ -165,12 +160,7 @@ def template_package(workdir: Path) -> bytes:
     target = workdir / "tiny-mlp"
     shutil.copytree(source, target)
     subprocess.run([sys.executable, "make_weights.py"], cwd=target, check=True, capture_output=True)
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        for path in sorted(target.rglob("*")):
-            if path.is_file() and "__pycache__" not in path.parts:
-                tar.add(path, arcname=path.relative_to(target).as_posix())
-    return buffer.getvalue()
+    return build_package(target)
 
 
 def server_timing(header: str) -> dict[str, float]:

@@ -18,10 +18,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import io
 import json
 import statistics
-import tarfile
 import tempfile
 import time
 from dataclasses import replace
@@ -31,6 +29,7 @@ from typing import Any
 import httpx
 
 from gpufaas.local_cluster import LocalCluster
+from gpufaas.packages import build_package
 from gpufaas.profiles import ModelProfile, paper_table1
 from simulator.engine import ClusterConfig, percentile, simulate
 from simulator.report import shipped_trace
@@ -52,12 +51,9 @@ def compressed(workload: Workload, speedup: float) -> Workload:
 
 
 def package() -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        info = tarfile.TarInfo("handler.py")
-        info.size = len(HANDLER)
-        tar.addfile(info, io.BytesIO(HANDLER.encode()))
-    return buffer.getvalue()
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "handler.py").write_text(HANDLER)
+        return build_package(Path(tmp))
 
 
 def deploy(cluster: LocalCluster, workload: Workload) -> dict[str, str]:
