@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from gpufaas.store import KeyValue, MemoryStore, WatchEvent, list_and_watch
+
+pytestmark = pytest.mark.anyio  # async tests run under anyio's pytest plugin, on asyncio (tests/conftest.py)
 
 
 class Mirror:
@@ -35,93 +39,77 @@ class Mirror:
                 await self.changed.wait()
 
 
-def run(scenario):  # type: ignore[no-untyped-def]
-    asyncio.run(scenario())
+async def test_lists_then_follows_every_change() -> None:
+    store = MemoryStore()
+    await store.put("/p/a", b"1")
+    await store.put("/q/x", b"other prefix")
+    mirror = Mirror()
+    task = asyncio.create_task(list_and_watch(store, "/p/", on_list=mirror.on_list, on_event=mirror.on_event))
+    await mirror.until({"/p/a": b"1"})
+    await store.put("/p/b", b"2")
+    await store.delete("/p/a")
+    await mirror.until({"/p/b": b"2"})
+    assert mirror.lists == 1
+    task.cancel()
+    await store.close()
 
 
-def test_lists_then_follows_every_change() -> None:
-    async def scenario() -> None:
-        store = MemoryStore()
-        await store.put("/p/a", b"1")
-        await store.put("/q/x", b"other prefix")
-        mirror = Mirror()
-        task = asyncio.create_task(list_and_watch(store, "/p/", on_list=mirror.on_list, on_event=mirror.on_event))
-        await mirror.until({"/p/a": b"1"})
-        await store.put("/p/b", b"2")
-        await store.delete("/p/a")
-        await mirror.until({"/p/b": b"2"})
-        assert mirror.lists == 1
-        task.cancel()
-        await store.close()
-
-    run(scenario)
-
-
-def test_an_outage_resumes_the_watch_without_listing_again() -> None:
-    async def scenario() -> None:
-        store = MemoryStore()
-        mirror = Mirror()
-        task = asyncio.create_task(
-            list_and_watch(store, "/p/", on_list=mirror.on_list, on_event=mirror.on_event, retry_s=0.01)
-        )
-        await mirror.until({})
-        store.set_reachable(False)
-        await asyncio.sleep(0.05)
-        store.set_reachable(True)
-        await store.put("/p/a", b"1")
-        await mirror.until({"/p/a": b"1"})
-        assert mirror.lists == 1
-        task.cancel()
-        await store.close()
-
-    run(scenario)
+async def test_an_outage_resumes_the_watch_without_listing_again() -> None:
+    store = MemoryStore()
+    mirror = Mirror()
+    task = asyncio.create_task(
+        list_and_watch(store, "/p/", on_list=mirror.on_list, on_event=mirror.on_event, retry_s=0.01)
+    )
+    await mirror.until({})
+    store.set_reachable(False)
+    await asyncio.sleep(0.05)
+    store.set_reachable(True)
+    await store.put("/p/a", b"1")
+    await mirror.until({"/p/a": b"1"})
+    assert mirror.lists == 1
+    task.cancel()
+    await store.close()
 
 
-def test_a_compacted_revision_lists_again_so_the_mirror_never_goes_blind() -> None:
-    async def scenario() -> None:
-        store = MemoryStore()
-        await store.put("/p/a", b"1")
-        mirror = Mirror()
-        retrying = asyncio.Event()
-        resume = asyncio.Event()
+async def test_a_compacted_revision_lists_again_so_the_mirror_never_goes_blind() -> None:
+    store = MemoryStore()
+    await store.put("/p/a", b"1")
+    mirror = Mirror()
+    retrying = asyncio.Event()
+    resume = asyncio.Event()
 
-        async def held_sleep(_: float) -> None:  # the retry waits until the test says so
-            retrying.set()
-            await resume.wait()
+    async def held_sleep(_: float) -> None:  # the retry waits until the test says so
+        retrying.set()
+        await resume.wait()
 
-        task = asyncio.create_task(
-            list_and_watch(store, "/p/", on_list=mirror.on_list, on_event=mirror.on_event, sleep=held_sleep)
-        )
-        await mirror.until({"/p/a": b"1"})
-        # The watch breaks; while it is down, keys change and their history is compacted away:
-        # resuming after the last revision seen is impossible, so it lists again.
-        store.set_reachable(False)
-        await asyncio.wait_for(retrying.wait(), 2)
-        store.set_reachable(True)
-        await store.put("/p/b", b"2")
-        await store.delete("/p/a")
-        store.compact(await store.revision())
-        resume.set()
-        await mirror.until({"/p/b": b"2"})
-        assert mirror.lists == 2
-        await store.put("/p/c", b"3")
-        await mirror.until({"/p/b": b"2", "/p/c": b"3"})
-        task.cancel()
-        await store.close()
-
-    run(scenario)
+    task = asyncio.create_task(
+        list_and_watch(store, "/p/", on_list=mirror.on_list, on_event=mirror.on_event, sleep=held_sleep)
+    )
+    await mirror.until({"/p/a": b"1"})
+    # The watch breaks; while it is down, keys change and their history is compacted away:
+    # resuming after the last revision seen is impossible, so it lists again.
+    store.set_reachable(False)
+    await asyncio.wait_for(retrying.wait(), 2)
+    store.set_reachable(True)
+    await store.put("/p/b", b"2")
+    await store.delete("/p/a")
+    store.compact(await store.revision())
+    resume.set()
+    await mirror.until({"/p/b": b"2"})
+    assert mirror.lists == 2
+    await store.put("/p/c", b"3")
+    await mirror.until({"/p/b": b"2", "/p/c": b"3"})
+    task.cancel()
+    await store.close()
 
 
-def test_it_ends_when_the_store_is_closed() -> None:
-    async def scenario() -> None:
-        store = MemoryStore()
-        mirror = Mirror()
-        task = asyncio.create_task(list_and_watch(store, "/p/", on_list=mirror.on_list, on_event=mirror.on_event))
-        await mirror.until({})
-        while store.num_watchers == 0:  # watching
-            await asyncio.sleep(0.01)
-        await store.close()
-        async with asyncio.timeout(2):
-            await task
-
-    run(scenario)
+async def test_it_ends_when_the_store_is_closed() -> None:
+    store = MemoryStore()
+    mirror = Mirror()
+    task = asyncio.create_task(list_and_watch(store, "/p/", on_list=mirror.on_list, on_event=mirror.on_event))
+    await mirror.until({})
+    while store.num_watchers == 0:  # watching
+        await asyncio.sleep(0.01)
+    await store.close()
+    async with asyncio.timeout(2):
+        await task

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -20,15 +18,8 @@ from gpufaas.store import (
     WatchEvent,
 )
 
-
-def async_test(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
-    """Run an async test body in a fresh event loop (pytest-asyncio is not a dependency)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> None:
-        asyncio.run(asyncio.wait_for(fn(*args, **kwargs), timeout=10))
-
-    return wrapper
+# Async tests run under anyio's pytest plugin, on asyncio (tests/conftest.py), each bounded in time.
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
 
 
 def make_store() -> tuple[MemoryStore, ManualClock]:
@@ -44,7 +35,6 @@ async def take(events: Any, n: int) -> list[WatchEvent]:
 # --- keys and revisions ---------------------------------------------------------------------
 
 
-@async_test
 async def test_revisions_count_every_mutation_and_only_mutations() -> None:
     store, _ = make_store()
     assert await store.revision() == 1  # like a fresh etcd
@@ -62,7 +52,6 @@ async def test_revisions_count_every_mutation_and_only_mutations() -> None:
     assert kv is not None and kv.create_revision == 5  # a re-created key starts over
 
 
-@async_test
 async def test_prefix_reads_are_sorted_and_bounded_by_the_prefix() -> None:
     store, _ = make_store()
     for key in ["/n/b", "/n/a", "/nx", "/n/c/d"]:
@@ -71,7 +60,6 @@ async def test_prefix_reads_are_sorted_and_bounded_by_the_prefix() -> None:
     assert await store.get_prefix("/none/") == []
 
 
-@async_test
 async def test_delete_prefix_is_one_revision() -> None:
     store, _ = make_store()
     for key in ["/n/a", "/n/b", "/nx"]:
@@ -90,7 +78,6 @@ async def test_delete_prefix_is_one_revision() -> None:
     await events.aclose()
 
 
-@async_test
 async def test_empty_key_or_prefix_is_refused() -> None:
     store, _ = make_store()
     with pytest.raises(ValueError):
@@ -102,7 +89,6 @@ async def test_empty_key_or_prefix_is_refused() -> None:
 # --- compare-and-swap -----------------------------------------------------------------------
 
 
-@async_test
 async def test_create_if_absent() -> None:
     store, _ = make_store()
     assert await store.compare_and_put("/k", b"first", mod_revision=0) is True
@@ -111,7 +97,6 @@ async def test_create_if_absent() -> None:
     assert kv is not None and kv.value == b"first"
 
 
-@async_test
 async def test_compare_and_put_needs_the_current_mod_revision() -> None:
     store, _ = make_store()
     await store.put("/k", b"v1")
@@ -127,7 +112,6 @@ async def test_compare_and_put_needs_the_current_mod_revision() -> None:
     assert await store.compare_and_put("/absent", b"x", mod_revision=current.mod_revision) is False
 
 
-@async_test
 async def test_compare_and_delete() -> None:
     store, _ = make_store()
     await store.put("/k", b"v")
@@ -141,7 +125,6 @@ async def test_compare_and_delete() -> None:
         await store.compare_and_delete("/k", mod_revision=0)
 
 
-@async_test
 async def test_compare_and_put_checks_the_lease_only_when_the_comparison_holds() -> None:
     store, _ = make_store()
     lease = await store.grant_lease(5)
@@ -156,7 +139,6 @@ async def test_compare_and_put_checks_the_lease_only_when_the_comparison_holds()
 # --- leases ---------------------------------------------------------------------------------
 
 
-@async_test
 async def test_expired_lease_deletes_its_keys_in_one_revision_and_watchers_see_it() -> None:
     store, clock = make_store()
     lease = await store.grant_lease(10)
@@ -183,7 +165,6 @@ async def test_expired_lease_deletes_its_keys_in_one_revision_and_watchers_see_i
     await events.aclose()
 
 
-@async_test
 async def test_leases_expire_lazily_on_any_call() -> None:
     store, clock = make_store()
     lease = await store.grant_lease(3)
@@ -192,7 +173,6 @@ async def test_leases_expire_lazily_on_any_call() -> None:
     assert await store.get("/k") is None
 
 
-@async_test
 async def test_a_put_without_lease_detaches_the_key() -> None:
     store, clock = make_store()
     lease = await store.grant_lease(3)
@@ -203,7 +183,6 @@ async def test_a_put_without_lease_detaches_the_key() -> None:
     assert kv is not None and kv.lease == 0 and kv.value == b"free"
 
 
-@async_test
 async def test_revoke_deletes_the_keys_and_is_idempotent() -> None:
     store, _ = make_store()
     lease = await store.grant_lease(30)
@@ -221,7 +200,6 @@ async def test_revoke_deletes_the_keys_and_is_idempotent() -> None:
 # --- watches --------------------------------------------------------------------------------
 
 
-@async_test
 async def test_watch_from_start_revision_replays_then_follows() -> None:
     store, _ = make_store()
     first = await store.put("/w/a", b"1")
@@ -239,7 +217,6 @@ async def test_watch_from_start_revision_replays_then_follows() -> None:
     await events.aclose()
 
 
-@async_test
 async def test_watch_without_start_revision_sees_only_later_changes() -> None:
     store, _ = make_store()
     await store.put("/w/old", b"")
@@ -251,7 +228,6 @@ async def test_watch_without_start_revision_sees_only_later_changes() -> None:
     await events.aclose()
 
 
-@async_test
 async def test_get_then_watch_has_no_gap() -> None:
     store, _ = make_store()
     await store.put("/m/a", b"1")
@@ -264,7 +240,6 @@ async def test_get_then_watch_has_no_gap() -> None:
     await events.aclose()
 
 
-@async_test
 async def test_cancelling_the_consumer_removes_the_watch() -> None:
     store, _ = make_store()
 
@@ -281,7 +256,6 @@ async def test_cancelling_the_consumer_removes_the_watch() -> None:
     assert store.num_watchers == 0
 
 
-@async_test
 async def test_watch_of_compacted_history_fails() -> None:
     store, _ = make_store()
     first = await store.put("/w/a", b"1")
@@ -294,7 +268,6 @@ async def test_watch_of_compacted_history_fails() -> None:
     await events.aclose()
 
 
-@async_test
 async def test_outage_fails_calls_and_watches_and_close_ends_watches() -> None:
     store, _ = make_store()
     broken = store.watch_prefix("/w/")
@@ -336,7 +309,6 @@ class Daemon:
         return None if kv is None else kv.lease
 
 
-@async_test
 async def test_keeper_keeps_the_lease_alive() -> None:
     store, clock = make_store()
     daemon = Daemon(store)
@@ -350,7 +322,6 @@ async def test_keeper_keeps_the_lease_alive() -> None:
     assert await daemon.lease_of_key() is None  # revoked on stop
 
 
-@async_test
 async def test_keeper_regrants_and_reregisters_after_the_lease_is_revoked() -> None:
     store, clock = make_store()
     daemon = Daemon(store)
@@ -367,7 +338,6 @@ async def test_keeper_regrants_and_reregisters_after_the_lease_is_revoked() -> N
     assert await daemon.lease_of_key() == keeper.lease  # left to expire by itself
 
 
-@async_test
 async def test_keeper_rides_out_a_short_outage_and_regrants_after_a_long_one() -> None:
     store, clock = make_store()
     daemon = Daemon(store)
@@ -391,7 +361,6 @@ async def test_keeper_rides_out_a_short_outage_and_regrants_after_a_long_one() -
     await keeper.stop()
 
 
-@async_test
 async def test_keeper_retries_a_failed_registration() -> None:
     store, clock = make_store()
     failures = [StoreError("flaky"), RuntimeError("a bug, logged and retried")]
