@@ -12,7 +12,7 @@ from gpu_manager.cgroups import group_prefix
 from gpu_manager.containers import DEFAULT_IMAGE
 from gpu_manager.daemon import DEFAULT_HOST_CACHE_MB, GpuManagerDaemon
 from gpu_manager.devices import discover_nvml, logical_devices
-from gpu_manager.sandbox import Isolation
+from gpu_manager.sandbox import DEFAULT_HOME_MB, Isolation
 from gpu_manager.spares import DEFAULT_MAX_EXTRA
 from gpufaas.credentials import node_token, wire_key
 from gpufaas.keys import Keys
@@ -117,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         "--docker-image", default=DEFAULT_IMAGE, help="the docker runtime's worker image (scripts/worker-image.sh)"
     )
     parser.add_argument(
+        "--home-mb",
+        type=int,
+        default=DEFAULT_HOME_MB,
+        help="what a package's workers on this node may write in all (HOME, /tmp, /var/tmp, /dev/shm: one tmpfs "
+        "per package, removed when its last worker stops; as root) (default %(default)s)",
+    )
+    parser.add_argument(
         "--worker-cpus",
         type=float,
         default=0.0,
@@ -168,13 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     for directory in (args.state_dir, args.state_dir / "packages"):
         directory.mkdir(parents=True, exist_ok=True)
         directory.chmod(0o711)
-    if args.worker_cpus < 0:
-        parser.error("--worker-cpus must be >= 0")
+    if args.worker_cpus < 0 or args.home_mb < 1:
+        parser.error("--worker-cpus must be >= 0 and --home-mb >= 1")
     isolation = (
         Isolation(network=False, users=False)
         if args.unconfined_workers
         else Isolation(
             homes_dir=args.state_dir / "homes",
+            home_mb=args.home_mb,
             cgroup_prefix=group_prefix(args.node, args.state_dir),
             worker_cpus=args.worker_cpus or None,
         )

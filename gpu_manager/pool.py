@@ -762,6 +762,11 @@ class WorkerPool:
         self._live.discard(worker)
         self.worker_exits[worker.exit_cause or ("shutdown" if self._closed else "died")] += 1
         self._forget(worker)
+        if worker.run is not None and worker.run.package_digest not in self.packages_in_use():
+            digest = worker.run.package_digest
+            self._track(
+                asyncio.ensure_future(self._runtime.release_package(digest, lambda: digest in self.packages_in_use()))
+            )
         if self._parked.get(worker.model) is worker:
             self._parked.pop(worker.model)
         was_spare = False

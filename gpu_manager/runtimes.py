@@ -44,9 +44,11 @@ from gpu_manager.sandbox import (
     LOG_LINE_BYTES,
     Isolation,
     LogBudget,
+    clear_homes,
     data_allowance_mb,
     package_uid,
     private_home,
+    remove_home,
     worker_environment,
 )
 from gpu_manager.workers import ModelRun, WeightsPlan, Worker
@@ -118,6 +120,9 @@ class Runtime(ABC):
     def over_memory(self, worker: Worker) -> bool:
         """Whether `worker` (or a process it started) was killed for its memory limit."""
         return worker.exit_cause == "over_memory"
+
+    async def release_package(self, digest: str, in_use: Callable[[], bool]) -> None:  # noqa: B027
+        """No worker of package `digest` is left on this node: what the runtime keeps for it goes."""
 
     async def stop_starting(self) -> None:  # noqa: B027  (an optional hook)
         """The node is shutting down: cancel what would still start workers."""
@@ -211,11 +216,19 @@ class ProcessRuntime(Runtime):
         self._cgroups: Cgroups | None = None
         self._grouped: dict[str, Worker] = {}  # group name -> its worker, while it lives
         self._oom_watch: asyncio.Task[None] | None = None
+        self._homes: dict[str, Path] = {}  # package digest -> its home, while a worker may use it
+        self._home_lock = asyncio.Lock()  # a home is not removed while another worker mounts it
+        self._warned_home = False
 
     async def check(self) -> None:
         """Find the host's control groups (gpu_manager.cgroups) and clear what a previous
         incarnation of this node left in them (its workers' processes, detached ones included);
         where there are none, say once what that leaves unbounded."""
+        homes = self.isolation.homes_dir
+        if homes is not None and self.isolation.per_package_users:
+            cleared = await asyncio.to_thread(clear_homes, homes)
+            if cleared:
+                log.info("removed %d package home(s) a previous run left", cleared)
         prefix = self.isolation.cgroup_prefix
         if prefix is None:
             return
@@ -352,7 +365,17 @@ class ProcessRuntime(Runtime):
             uid = package_uid(run.package_digest)
             fields |= {"uid": uid, "gid": uid}
             if isolation.homes_dir is not None:
-                fields["home_dir"] = str(await asyncio.to_thread(private_home, isolation.homes_dir, uid))
+                async with self._home_lock:
+                    home, bounded = await asyncio.to_thread(private_home, isolation.homes_dir, uid, isolation.home_mb)
+                    self._homes[run.package_digest] = home
+                if not bounded and not self._warned_home:
+                    self._warned_home = True
+                    log.warning(
+                        "cannot mount a tmpfs for a package's home (%s): what a function writes there is bounded per "
+                        "file only (RLIMIT_FSIZE), not in total",
+                        home,
+                    )
+                fields["home_dir"] = str(home)
         return fields
 
     def _group(self, worker: Worker, run: ModelRun) -> None:
@@ -424,6 +447,16 @@ class ProcessRuntime(Runtime):
         if killed:
             log.info("killed %d process(es) left in the group of %s (pid %d)", killed, worker.model, worker.pid)
 
+    async def release_package(self, digest: str, in_use: Callable[[], bool]) -> None:
+        """No worker of package `digest` is left on this node (`in_use()` says whether one took
+        it meanwhile): its home goes, with all its workers wrote there."""
+        async with self._home_lock:
+            home = self._homes.get(digest)
+            if home is None or in_use():
+                return
+            del self._homes[digest]
+            await asyncio.to_thread(remove_home, home)
+
     async def stop_starting(self) -> None:
         """A zygote still starting is cancelled: it would fork spares nobody stops."""
         if self._zygote_starting is not None and not self._zygote_starting.done():
@@ -440,6 +473,8 @@ class ProcessRuntime(Runtime):
             with contextlib.suppress(OSError):
                 await asyncio.to_thread(self._cgroups.clear)
                 await asyncio.to_thread(self._cgroups.remove_base)
+        for digest in list(self._homes):
+            await self.release_package(digest, lambda: False)
         zygote = self._zygote
         if zygote is not None:
             zygote.control.close()

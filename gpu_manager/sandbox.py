@@ -23,6 +23,7 @@ import ctypes
 import itertools
 import os
 import resource
+import shutil
 import stat
 import sys
 import tempfile
@@ -34,6 +35,8 @@ PACKAGE_UID_BASE = 1 << 24  # 16,777,216: above system, user and container subor
 PACKAGE_UID_SPAN = (1 << 31) - PACKAGE_UID_BASE - 1
 DEFAULT_MAX_PROCESSES = 512  # tasks (processes and threads) of one package's user
 DEFAULT_MAX_FILE_MB = 1024  # largest file a worker may write (its home, /tmp)
+DEFAULT_HOME_MB = 1024  # all a package's workers on a node may write (its home: HOME, /tmp, /var/tmp, /dev/shm)
+PRIVATE_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # the world-writable places: a worker sees its home there
 MEMORY_HEADROOM_MB = 512  # above twice the declared memory: loading often holds two copies
 # What a worker inherits from its node's environment (everything else is dropped: no cluster
 # addresses or secrets reach a function). Exact names, then prefixes.
@@ -43,6 +46,10 @@ ENVIRONMENT_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "OMP_", "MKL_", "OPENBLAS_", 
 _CLONE_NEWUSER = 0x10000000
 _DESCRIPTOR_END = 2**31 - 1  # above any descriptor (close_range closes only those open)
 _CLONE_NEWNET = 0x40000000
+_CLONE_NEWNS = 0x00020000
+_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
+_MNT_DETACH = 0x2
+_PR_SET_NO_NEW_PRIVS = 38
 
 
 def package_uid(digest: str) -> int:
@@ -87,7 +94,8 @@ class Isolation:
 
     `network`: each worker gets a network namespace of its own. `users`: each package's workers
     run as the package's own user (None: when the node runs as root, the only way it can).
-    `homes_dir`: where the packages' private HOME/TMPDIR directories go (None: none).
+    `homes_dir`: where the packages' private HOME/TMPDIR directories go (None: none): each a
+    tmpfs of `home_mb` where the node can mount one.
     `cgroup_prefix`: the name of the node's directory of per-worker control groups
     (gpu_manager.cgroups' `group_prefix`; None: no groups), under `cgroup_root`; `worker_cpus`:
     the CPUs' worth of time each worker's group may use (None: no quota, only an equal weight)."""
@@ -100,6 +108,7 @@ class Isolation:
     worker_cpus: float | None = None
     max_processes: int = DEFAULT_MAX_PROCESSES
     max_file_mb: int = DEFAULT_MAX_FILE_MB
+    home_mb: int = DEFAULT_HOME_MB
     log_rate_bytes_s: int = LOG_RATE_BYTES_S
     log_burst_bytes: int = LOG_BURST_BYTES
 
@@ -131,7 +140,8 @@ class LogBudget:
 @dataclass(frozen=True, slots=True)
 class Confinement:
     """What a worker is held to once it takes a model. `uid` 0: it keeps the node's user (a node
-    not running as root cannot give it another)."""
+    not running as root cannot give it another). With a `uid` and a `home`, the worker sees its
+    home at /tmp, /var/tmp and /dev/shm too (a mount namespace of its own) and HOME is /tmp."""
 
     uid: int = 0
     gid: int = 0
@@ -173,18 +183,109 @@ def isolate_network() -> bool:
     return bool(libc.unshare(flags) == 0)
 
 
+def no_new_privileges() -> None:
+    """PR_SET_NO_NEW_PRIVS: nothing this process or its children execute gains privileges (no
+    set-user-ID, set-group-ID or file capabilities), for good (OSError if refused)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) refused")
+
+
+_own_mounts = False  # whether this process is in a mount namespace of its own (own_mount_namespace)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        raise OSError(ctypes.get_errno(), f"{what} refused")
+
+
+def own_mount_namespace() -> None:
+    """As root: move into a mount namespace of this process's own, private (nothing mounted here
+    reaches the node's namespace, nor back). A worker does so before it opens its package's
+    handles: a directory opened before would belong to the node's namespace, and a working
+    directory there has no path here (getcwd fails)."""
+    global _own_mounts  # noqa: PLW0603  this process's, once
+    if _own_mounts:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    _check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    _check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "making / private")
+    _own_mounts = True
+
+
+def private_tmp(home: str) -> None:
+    """As root, in a mount namespace of its own (`own_mount_namespace`): `home` is also /tmp,
+    /var/tmp and /dev/shm, so that the host's world-writable directories are out of its reach and
+    what it writes there counts against its home's size (OSError if the kernel refuses). What it
+    opened before (its package, weights and layer handles) stays reachable."""
+    own_mount_namespace()
+    libc = ctypes.CDLL(None, use_errno=True)
+    source = home  # then /tmp: `home` may be below /tmp (and hidden once /tmp is bound)
+    for target in PRIVATE_TMP_DIRS:
+        if os.path.isdir(target):
+            _check(libc.mount(source.encode(), target.encode(), None, _MS_BIND, None), f"binding its home on {target}")
+            source = PRIVATE_TMP_DIRS[0]
+
+
+def mount_home(path: Path, uid: int, size_mb: int) -> bool:
+    """Mount a tmpfs of `size_mb` owned by `uid` (0700, nosuid, nodev) on `path`; False if the
+    kernel refuses (not root, or no mount allowed here)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    options = f"size={size_mb}m,mode=0700,uid={uid},gid={uid}".encode()
+    return bool(libc.mount(b"tmpfs", str(path).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) == 0)
+
+
+def mounted_under(parent: Path, mountinfo: str) -> list[Path]:
+    """The mount points below `parent` in /proc/self/mountinfo's text (field 5), deepest first."""
+    prefix = str(parent.resolve()).rstrip("/") + "/"
+    points = []
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) > 4:
+            point = fields[4].replace("\\040", " ")
+            if point.startswith(prefix):
+                points.append(Path(point))
+    return sorted(points, key=lambda p: len(p.parts), reverse=True)
+
+
+def remove_home(path: Path) -> None:
+    """Unmount (lazily: a dying worker may hold it a moment longer) and delete a package's home."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    mountinfo = Path("/proc/self/mountinfo").read_text()
+    for point in mounted_under(path.parent, mountinfo):
+        if point == path.resolve():
+            libc.umount2(str(point).encode(), _MNT_DETACH)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def clear_homes(parent: Path) -> int:
+    """Remove every home under `parent` (at a node's start: what a previous run left). Returns how many."""
+    if not parent.is_dir():
+        return 0
+    homes = [entry for entry in parent.iterdir() if entry.is_dir()]
+    for home in homes:
+        remove_home(home)
+    return len(homes)
+
+
 def confine(confinement: Confinement) -> None:
     """Apply `confinement` to this process for good (raises OSError if the kernel refuses)."""
     _limit(resource.RLIMIT_CORE, 0)
     _limit(resource.RLIMIT_FSIZE, confinement.max_file_mb * 1024 * 1024)
     if confinement.data_limit_mb is not None:
         _limit(resource.RLIMIT_DATA, confinement.data_limit_mb * 1024 * 1024)
-    if confinement.home:
-        os.environ["HOME"] = os.environ["TMPDIR"] = confinement.home
-        tempfile.tempdir = confinement.home  # it may have been looked up (and kept) before the fork
-    os.umask(0o077)
     if confinement.uid:
-        keep_import_path()
+        keep_import_path()  # before /tmp is its home: an import directory there is reached by handle
+    home = confinement.home
+    if home and confinement.uid:
+        private_tmp(home)
+        home = PRIVATE_TMP_DIRS[0]
+    if home:
+        os.environ["HOME"] = os.environ["TMPDIR"] = home
+        tempfile.tempdir = home  # it may have been looked up (and kept) before the fork
+    os.umask(0o077)
+    no_new_privileges()
+    if confinement.uid:
         # RLIMIT_NPROC counts the tasks of the real user: meaningful only for the package's own.
         _limit(resource.RLIMIT_NPROC, confinement.max_processes)
         os.setgroups([])
@@ -318,11 +419,16 @@ def _lock(path: str, gid: int) -> None:
     os.chmod(path, 0o750 if executable else 0o640)
 
 
-def private_home(parent: Path, uid: int) -> Path:
-    """A directory only `uid` may use (HOME and TMPDIR of that package's workers)."""
+def private_home(parent: Path, uid: int, size_mb: int | None = None) -> tuple[Path, bool]:
+    """A directory only `uid` may use (HOME and TMPDIR of that package's workers), and whether
+    it is bounded: with `size_mb`, a tmpfs of that size (mounted once; False where the node
+    cannot mount, then it is a plain directory)."""
     parent.mkdir(mode=0o711, parents=True, exist_ok=True)
     home = parent / str(uid)
     home.mkdir(exist_ok=True)
+    bounded = False
+    if size_mb is not None:
+        bounded = os.path.ismount(home) or mount_home(home, uid, size_mb)
     os.chown(home, uid, uid)
     os.chmod(home, 0o700)
-    return home
+    return home, bounded

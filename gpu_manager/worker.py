@@ -44,6 +44,7 @@ from gpu_manager.sandbox import (
     close_descriptors,
     confine,
     current_data_mb,
+    own_mount_namespace,
 )
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import PREFIX_BYTES, MessageType, encode
@@ -302,6 +303,8 @@ def run_worker(sock: socket.socket, backend: Backend, *, import_s: float, networ
         return 0  # a spare that was never needed
     load = pb.LoadModel.FromString(frame.header)
     package_dir = load.package_dir
+    if load.uid and load.home_dir:
+        own_mount_namespace()  # before its handles are opened (gpu_manager.sandbox.private_tmp)
     if load.uid:
         # Held open from before the worker drops to the package's user: through it the package is
         # reached whatever the permissions of the directories above it (the node's, closed to it).
@@ -313,7 +316,12 @@ def run_worker(sock: socket.socket, backend: Backend, *, import_s: float, networ
         channel.send(MessageType.MODEL_LOADED, pb.ModelLoaded(ok=False, error=f"its pooled weights: {describe(exc)}"))
         return 1
     if load.layer_dir:
-        sys.path.insert(0, load.layer_dir)  # its requirements first: they may shadow the base's versions
+        # Its requirements first: they may shadow the base's versions. A handle too, once it runs
+        # as the package's user (and its /tmp is its own: the state directory may be under /tmp).
+        layer_dir = load.layer_dir
+        if load.uid:
+            layer_dir = f"/proc/self/fd/{os.open(layer_dir, os.O_PATH | os.O_DIRECTORY)}"
+        sys.path.insert(0, layer_dir)
     spec = ModelSpec(
         model=load.model,
         package_dir=package_dir,

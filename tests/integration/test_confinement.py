@@ -203,3 +203,38 @@ def test_a_detached_child_ends_with_its_function_and_with_the_cluster(
     assert response.json()["detached"] in processes_of(uid)
     cluster.stop()
     assert wait_until_none(uid, timeout_s=5) == [], "a process of the function's user outlived the cluster"
+
+
+def test_a_packages_home_and_tmp_are_bounded_in_total_and_removed_with_it(
+    make_cluster: ClusterFactory, tmp_path: Path
+) -> None:
+    """Row (2): a handler writes 3 files of 100 MiB in HOME, /tmp, /var/tmp and /dev/shm (RLIMIT_FSIZE
+    caps each file only). They are all one tmpfs of --home-mb (256 MiB here), its own: nothing
+    lands in the host's /tmp, and its home is gone once the function is removed. Its worker runs
+    with no_new_privs."""
+    cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=2000, node_flags=["--home-mb", "256"])
+    deploy(cluster, "rogue", "rogue_function", tmp_path, memory_mb=100)
+    uid = package_uid(digest_of(cluster, "rogue"))
+    places = ["$HOME", "/tmp", "/var/tmp", "/dev/shm"]
+    response = post(cluster, "rogue", write_mb=100, files=3, where=places)
+    assert response.status_code == 200, response.text
+    report = response.json()
+    wrote = report["wrote"]
+    total_mb = sum(place["written_mb"] for place in wrote.values())
+    print(f"written in all: {total_mb} MiB of 1,200 tried; {wrote}")
+    assert total_mb <= 256, wrote
+    assert {place["error"] for place in wrote.values()} == {"OSError"}, wrote  # ENOSPC everywhere
+    assert report["home"] == "/tmp" and report["no_new_privs"] == "1"
+    for place in places[1:]:
+        assert not list(Path(place).glob("rogue-*")), f"the function wrote in the host's {place}"
+    home = cluster.state_dir / "node0" / "homes" / str(uid)
+    assert home.is_dir()
+    removed = httpx.request(
+        "DELETE", f"{cluster.gateway_url}/system/functions", json={"functionName": "rogue"}, auth=cluster.admin_auth
+    )
+    assert removed.is_success, removed.text
+    deadline = time.monotonic() + 15
+    while home.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not home.exists(), "the function's home outlived `gpufaas rm`"
+    assert str(home) not in Path("/proc/self/mountinfo").read_text()

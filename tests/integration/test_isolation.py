@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +19,7 @@ from gpufaas.cluster import NodeRecord
 from gpufaas.keys import Keys
 from gpufaas.local_cluster import LocalCluster
 from gpufaas.store import EtcdStore
-from tests.integration.conftest import ClusterFactory, deploy
+from tests.integration.conftest import ClusterFactory, EtcdTarget, deploy, stop_clusters
 
 pytestmark = pytest.mark.integration
 AS_ROOT = os.geteuid() == 0
@@ -55,13 +58,40 @@ def node_address(cluster: LocalCluster) -> tuple[str, int]:
     return host, int(port)
 
 
+@pytest.fixture
+def state_outside_tmp() -> Iterator[Path]:
+    """A state directory under /var/lib, as a deployment's: under /tmp (pytest's), a worker would
+    not see the node's paths at all (its /tmp is its own home), and this test probes them."""
+    state = Path(tempfile.mkdtemp(prefix="gpufaas-test-", dir="/var/lib"))
+    state.chmod(0o711)
+    try:
+        yield state
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+
+
 @pytest.mark.skipif(not AS_ROOT, reason="workers get users of their own only where the node runs as root (CI does)")
-def test_a_function_reads_its_own_package_only_and_writes_none(make_cluster: ClusterFactory, tmp_path: Path) -> None:
-    # As under /var/lib: the directories above the cluster may be passed through (pytest makes
-    # its own 0700), so that only the cluster's own permissions stand between functions.
-    for directory in [tmp_path, *tmp_path.parents]:
-        directory.chmod(directory.stat().st_mode | 0o001)
-    cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=2000)
+def test_a_function_reads_its_own_package_only_and_writes_none(
+    etcd_endpoint: EtcdTarget, state_outside_tmp: Path, tmp_path: Path
+) -> None:
+    cluster = LocalCluster(
+        state_dir=state_outside_tmp / "cluster0",
+        etcd_endpoint=etcd_endpoint.endpoint,
+        root=etcd_endpoint.root,
+        nodes=1,
+        gpus_per_node=1,
+        backend="cpu",
+        gpu_memory_mb=2000,
+    )
+    cluster.start()
+    watched = list(cluster.pids().values())
+    try:
+        probe_own_package_only(cluster, tmp_path)
+    finally:
+        stop_clusters([cluster], watched)
+
+
+def probe_own_package_only(cluster: LocalCluster, tmp_path: Path) -> None:
     deploy(cluster, "victim", "echo_function", tmp_path, memory_mb=100)
     victim = httpx.post(f"{cluster.gateway_url}/function/victim", json={}, headers=cluster.invoke_headers, timeout=60)
     assert victim.status_code == 200
