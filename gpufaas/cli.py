@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import httpx
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from gpufaas.credentials import ADMIN_USER, basic_authorization
@@ -485,7 +486,7 @@ def _user_errors() -> Iterator[None]:
     try:
         yield
     except GpufaasError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)  # its words, not markup
         raise typer.Exit(code=1) from None
 
 
@@ -833,7 +834,7 @@ def logout(gateway: GatewayOpt = None) -> None:
 
 @app.command()
 def new(
-    name: Annotated[str, typer.Argument(help="The new function's name.")],
+    name: Annotated[str | None, typer.Argument(help="The new function's name.", show_default=False)] = None,
     template: Annotated[
         str, typer.Option("--template", "-t", help="A template from `gpufaas new --list`.")
     ] = "pytorch-custom",
@@ -856,6 +857,8 @@ def new(
             meta = _template_meta(path)
             console.print(f"{template_name:28} {meta.get('description', '')}")
         return
+    if name is None:
+        raise typer.BadParameter("give the new function's name (or --list for the templates)", param_hint="NAME")
     if not NAME_PATTERN.match(name):
         raise typer.BadParameter("use lower-case letters, digits and '-' (at most 63)", param_hint="NAME")
     if template not in templates:
@@ -867,34 +870,52 @@ def new(
         raise typer.BadParameter(f"{target} already exists", param_hint="NAME")
     source = templates[template]
     meta = _template_meta(source)
-    shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "stack.yml", "template.yml"))
-    with _user_errors():
-        if (target / "make_weights.py").exists():
-            done = subprocess.run(
-                [sys.executable, "make_weights.py"], cwd=target, capture_output=True, text=True, check=False
-            )
-            if done.returncode != 0:
-                raise GpufaasError(f"writing the template's weights failed:\n{done.stderr.strip()}")
-        stack_path = directory / "stack.yml"
-        stack: dict[str, Any] = {
-            "version": 1.0,
-            "provider": {"name": "gpufaas", "gateway": DEFAULT_GATEWAY},
-            "functions": {},
-        }
-        if stack_path.exists():
-            stack = yaml.safe_load(stack_path.read_text()) or stack
-            stack.setdefault("functions", {})
-        stack["functions"][name] = {
-            "template": template,
-            "handler": f"./{name}",
-            "gpu": meta.get("gpu", "any"),
-            "memory_mb": int(meta.get("memory_mb", 1024)),
-            "batch_size": int(meta.get("batch_size", 32)),
-            "timeout_s": float(meta.get("timeout_s", 60)),
-            "labels": {},
-            "environment": {},
-        }
-        stack_path.write_text(yaml.safe_dump(stack, sort_keys=False))
+    # What this command makes, removed again if any step fails: the function's directory and the
+    # folders above it that did not exist (a stack.yml it had not finished is never left half written).
+    made = target
+    while not made.parent.exists():
+        made = made.parent
+    try:
+        with _user_errors():
+            shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "stack.yml", "template.yml"))
+            if (target / "make_weights.py").exists():
+                done = subprocess.run(
+                    [sys.executable, "make_weights.py"], cwd=target, capture_output=True, text=True, check=False
+                )
+                if done.returncode != 0:
+                    raise GpufaasError(_weights_failure(template, done.stderr))
+            stack_path = directory / "stack.yml"
+            stack: dict[str, Any] = {
+                "version": 1.0,
+                "provider": {"name": "gpufaas", "gateway": DEFAULT_GATEWAY},
+                "functions": {},
+            }
+            if stack_path.exists():
+                try:
+                    stack = yaml.safe_load(stack_path.read_text()) or stack
+                except (OSError, yaml.YAMLError) as exc:
+                    raise GpufaasError(f"cannot read {stack_path}: {exc}") from None
+                if not isinstance(stack, dict) or not isinstance(stack.setdefault("functions", {}), dict):
+                    raise GpufaasError(f"{stack_path} is not a stack file (no functions mapping)")
+            stack["functions"][name] = {
+                "template": template,
+                "handler": f"./{name}",
+                "gpu": meta.get("gpu", "any"),
+                "memory_mb": int(meta.get("memory_mb", 1024)),
+                "batch_size": int(meta.get("batch_size", 32)),
+                "timeout_s": float(meta.get("timeout_s", 60)),
+                "labels": {},
+                "environment": {},
+            }
+            partial = stack_path.with_name(f".{stack_path.name}.{os.getpid()}.tmp")
+            try:
+                partial.write_text(yaml.safe_dump(stack, sort_keys=False))
+                partial.replace(stack_path)
+            finally:
+                partial.unlink(missing_ok=True)
+    except BaseException:
+        shutil.rmtree(made, ignore_errors=True)
+        raise
     console.print(
         f"created {target} from {template} and added it to {stack_path}; deploy with `gpufaas deploy -f {stack_path}`"
     )
@@ -1181,6 +1202,29 @@ def _templates() -> dict[str, Path]:
     except ModuleNotFoundError:
         root = Path(__file__).resolve().parent.parent / "function_templates"
     return {p.name: p for p in root.iterdir() if p.is_dir() and (p / "handler.py").exists()} if root.is_dir() else {}
+
+
+# Modules a template's make_weights.py imports that come with an extra of gpufaas (the rest with gpufaas itself).
+_EXTRA_OF_MODULE = {"torch": "worker", "numpy": "worker", "PIL": "worker"}
+
+
+def _weights_failure(template: str, stderr: str) -> str:
+    """One line for a template's make_weights.py that failed: what to install when a module is
+    missing (the usual cause outside a dev install), else the script's last line of error."""
+    import re
+
+    missing = re.findall(r"(?:ModuleNotFoundError|ImportError): No module named '([\w.]+)'", stderr)
+    if missing:
+        module = missing[-1].split(".")[0]
+        extra = _EXTRA_OF_MODULE.get(module)
+        install = f"pip install 'gpufaas[{extra}]'" if extra else f"pip install {module}"
+        return (
+            f"the {template} template writes its weights with {module}, which this Python ({sys.executable}) "
+            f"lacks: {install}, then run `gpufaas new` again"
+        )
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    last = lines[-1] if lines else "no message"
+    return f"the {template} template's make_weights.py failed: {last}"
 
 
 def _template_meta(path: Path) -> dict[str, Any]:

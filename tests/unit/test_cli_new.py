@@ -1,0 +1,73 @@
+"""`gpufaas new` where a template's weights cannot be written (a module missing, as in an install
+without the worker extra): one line that says what to install, no traceback, and nothing left behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gpufaas.cli import _weights_failure, app
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def without_numpy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """make_weights.py (a subprocess) finds a numpy that fails to import, as an absent one does."""
+    fake = tmp_path / "no-numpy" / "numpy"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'numpy'\", name='numpy')\n")
+    monkeypatch.setenv("PYTHONPATH", str(fake.parent))
+
+
+def test_a_missing_module_says_what_to_install_and_leaves_nothing(tmp_path: Path, without_numpy: None) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    result = runner.invoke(app, ["new", "hello", "--template", "pytorch-custom", "--dir", str(work / "fns" / "a")])
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output
+    message = " ".join(result.stderr.split())
+    assert "numpy" in message and "pip install 'gpufaas[worker]'" in message
+    assert len(result.stderr.strip().splitlines()) <= 2  # one line (the console may wrap it)
+    assert list(work.iterdir()) == []  # neither the function nor the folders made for it
+
+
+def test_a_failure_keeps_the_existing_stack_file_as_it_was(tmp_path: Path, without_numpy: None) -> None:
+    stack = tmp_path / "stack.yml"
+    before = "version: 1.0\nfunctions:\n  other:\n    handler: ./other\n"
+    stack.write_text(before)
+    result = runner.invoke(app, ["new", "hello", "--template", "pytorch-text-classifier", "--dir", str(tmp_path)])
+    assert result.exit_code == 1
+    assert stack.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["no-numpy", "stack.yml"]
+
+
+def test_an_unreadable_stack_file_is_one_line_and_removes_the_function(tmp_path: Path) -> None:
+    pytest.importorskip("numpy")
+    pytest.importorskip("torch")
+    (tmp_path / "stack.yml").write_text("functions: [oops\n")
+    result = runner.invoke(app, ["new", "hello", "--template", "pytorch-custom", "--dir", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output and "cannot read" in result.stderr
+    assert not (tmp_path / "hello").exists()
+
+
+def test_other_failures_name_the_script_and_its_last_line() -> None:
+    stderr = "Traceback (most recent call last):\n  File ...\nOSError: [Errno 28] No space left on device\n"
+    message = _weights_failure("pytorch-custom", stderr)
+    assert "\n" not in message and message.endswith("OSError: [Errno 28] No space left on device")
+    assert "pip install 'gpufaas[worker]'" in _weights_failure("x", "ModuleNotFoundError: No module named 'torch'\n")
+    assert "pip install tokenizers" in _weights_failure("x", "ModuleNotFoundError: No module named 'tokenizers.x'\n")
+
+
+def test_list_needs_no_name_and_a_missing_name_is_a_usage_error(tmp_path: Path) -> None:
+    listed = runner.invoke(app, ["new", "--list"])
+    assert listed.exit_code == 0
+    assert {"pytorch-custom", "pytorch-image-classifier", "pytorch-text-classifier"} <= {
+        line.split()[0] for line in listed.stdout.splitlines() if line.strip()
+    }
+    nameless = runner.invoke(app, ["new", "--dir", str(tmp_path)])
+    assert nameless.exit_code == 2 and "name" in nameless.stderr
+    assert list(tmp_path.iterdir()) == []
