@@ -1,11 +1,12 @@
 """The global scheduler: queues, policies (lb, lalb, lalb-o3, mqfq-sticky, torpor), estimator, the call
 state machine (scheduler.calls) and its service (scheduler.service, `python -m scheduler`)."""
 
-from scheduler.core import GpuState, Scheduler
+from scheduler.core import Scheduler
 from scheduler.decisions import Decision, Dispatch, Park
 from scheduler.estimator import Estimator
 from scheduler.policies import PolicyConfig, SchedulingPolicy, make_policy, registered_policies
 from scheduler.queues import GlobalQueue
+from scheduler.state import GpuState
 
 __all__ = [
     "Decision",
