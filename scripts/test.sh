@@ -31,6 +31,11 @@ fi
 .venv/bin/ruff format --check .
 .venv/bin/mypy
 .venv/bin/python -m pytest -q "$@"
+# gpufaas as a user installs it (the wheel in a fresh virtualenv outside the repository, its extras,
+# the README's path from up to down; 4 to 6 minutes here, most of it installing torch): under CI.
+if [ "${CI:-}" = true ]; then
+  bash scripts/install-test.sh
+fi
 # The compose stack for real (local images, cpu backend; about 2 minutes with the base images
 # cached, 3 from nothing): under CI, where the Docker engine above runs.
 if [ "${CI:-}" = true ] && [ "$(id -u)" = 0 ] && docker info >/dev/null 2>&1; then
