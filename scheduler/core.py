@@ -4,58 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 
-from cache_manager import Admission, CacheManager, Tier
+from cache_manager import CacheManager
 from gpufaas.errors import ModelTooLarge, UnknownModel
 from gpufaas.types import GpuSpec, ModelSpec, Request
-from scheduler.decisions import Decision, Dispatch, Park, PassOver, Release, Step, Visit
+from scheduler.decisions import Decision, Dispatch, Park, Release
+from scheduler.draft import Draft
 from scheduler.estimator import Estimator
-from scheduler.placement import PlacementPieces
 from scheduler.policies.base import SchedulingPolicy
+from scheduler.reservations import reserve_dispatch, reserve_park, start_parked
 from scheduler.state import ClusterState, GpuState
 
-_PLACEMENTS = (Dispatch, Park)  # the steps of a plan that are decisions (the rest is bookkeeping)
 
-
-class PolicyError(RuntimeError):
-    """A policy's plan cannot be applied (a step it did not reserve is not possible now): a bug in
-    the policy. The scheduler is left as it was before that policy's fill."""
-
-
-class _Journal:
-    """The undo log of one policy fill: each reservation and how to undo it, undone last-in
-    first-out. The policy's plan is what it keeps; `rollback` takes back the rest."""
-
-    __slots__ = ("_entries",)
-
-    def __init__(self) -> None:
-        self._entries: list[tuple[Step, Callable[[], None]]] = []
-
-    def record(self, step: Step, undo: Callable[[], None]) -> None:
-        self._entries.append((step, undo))
-
-    def holds_exactly(self, plan: Sequence[Step]) -> bool:
-        """Whether `plan` is every reservation, in order (the usual case: nothing to roll back)."""
-        entries = self._entries
-        if len(plan) != len(entries):
-            return False
-        return all(kept is entries[index][0] for index, kept in enumerate(plan))
-
-    def savepoint(self) -> int:
-        return len(self._entries)
-
-    def rollback(self, savepoint: int = 0) -> None:
-        """Undo every reservation made after `savepoint` (all of them by default)."""
-        while len(self._entries) > savepoint:
-            _, undo = self._entries.pop()
-            undo()
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-
-class Scheduler(PlacementPieces):
+class Scheduler:
     """Places requests on GPUs. Pure: time comes in as `now`, decisions go out as data.
 
     Flow: `submit()` appends to the global queue; `schedule(now)` returns the decisions that fill
@@ -64,10 +26,10 @@ class Scheduler(PlacementPieces):
     up to D = `GpuSpec.slots` requests at once (`set_slots` changes D at run time); a GPU with a
     free slot is what policies call idle.
 
-    During `schedule()` the scheduler is the draft its policy plans on (`SchedulingContext`):
-    `dispatch`, `park`, `pass_over` and `visit` reserve a step (applied, and journalled), and the
-    policy's returned plan is what is kept; the rest is rolled back (see `SchedulingPolicy`).
-    Called outside `schedule()` (tests, tools) they apply directly.
+    Committed state lives in `cluster` (`ClusterState`). During `schedule()` each fill of a GPU
+    gets a `Draft` of it, the `SchedulingContext` its policy plans on: the draft's reservations
+    are applied and journalled, the policy's returned plan is what is kept and the rest is rolled
+    back (see `SchedulingPolicy`). `dispatch` and `park` here apply directly (tests, tools).
     """
 
     def __init__(
@@ -88,8 +50,6 @@ class Scheduler(PlacementPieces):
         # its tier: the clocks of the staged exit (`release_idle`).
         self._last_used_s: dict[tuple[str, str], float] = {}
         self._host_since_s: dict[tuple[str, str], float] = {}
-        self._journal: _Journal | None = None  # open while a policy fills a GPU
-        self._spare_journal = _Journal()  # the one journal, reused fill after fill
 
     @property
     def cache(self) -> CacheManager:
@@ -230,7 +190,7 @@ class Scheduler(PlacementPieces):
         for gpu_id in sorted(self.cluster.ready_local):
             state = self.cluster.gpus[gpu_id]
             while state.idle and state.local_queue:
-                started = self._dispatch_local(state, now)
+                started = start_parked(self.cluster, state, now)
                 decisions.append(started)
                 self._note_dispatch(started, now)
         self.cluster.ready_local.clear()
@@ -241,7 +201,7 @@ class Scheduler(PlacementPieces):
                 if not self.queue:
                     break
                 if self.cluster.gpus[gpu_id].idle:
-                    for decision in self._fill(gpu_id, now):
+                    for decision in Draft(self.cluster).fill(self.policy, gpu_id, now):
                         decisions.append(decision)
                         if isinstance(decision, Dispatch):
                             self._note_dispatch(decision, now)
@@ -311,51 +271,6 @@ class Scheduler(PlacementPieces):
         if to_host and node is not None:
             self._host_since_s[(node, model)] = now
         return Release("gpu", model, node, gpu_id, to_host)
-
-    def _fill(self, gpu_id: str, now: float) -> list[Decision]:
-        """Let the policy plan for `gpu_id` on the draft; keep its plan, roll back the rest."""
-        journal = self._journal = self._spare_journal
-        journal.clear()
-        try:
-            plan = self.policy.fill(self, gpu_id, now)
-            if not journal.holds_exactly(plan):
-                # The plan is not simply what was reserved (the policy tried what-ifs, or built
-                # steps itself): take everything back, then apply the plan step by step.
-                journal.rollback()
-                plan = [self._reapply(step, now) for step in plan]
-        except BaseException:
-            journal.rollback()
-            raise
-        finally:
-            self._journal = None
-            journal.clear()
-        return [step for step in plan if isinstance(step, _PLACEMENTS)]
-
-    def _reapply(self, step: Step, now: float) -> Step:
-        """Apply one step of a plan that was not reserved as such; PolicyError if it cannot be."""
-        queued = step.request.request_id if isinstance(step, Dispatch | Park) else step.request_id
-        if queued not in self.queue:
-            raise PolicyError(f"{type(self.policy).__name__}: its plan has {step!r} for a request not queued")
-        if isinstance(step, Dispatch):
-            if step.gpu_id not in self.cluster.gpus or not self.cluster.gpus[step.gpu_id].idle:
-                raise PolicyError(f"{type(self.policy).__name__}: its plan dispatches to {step.gpu_id!r}, not idle")
-            if not self.fits(step.request.model, step.gpu_id):
-                raise PolicyError(
-                    f"{type(self.policy).__name__}: its plan runs {step.request.model!r} on {step.gpu_id!r}, "
-                    "where it does not fit now"
-                )
-            return self.dispatch(step.request, step.gpu_id, now)
-        if isinstance(step, Park):
-            state = self.cluster.gpus.get(step.gpu_id)
-            if state is None or state.idle or step.request.model not in self.cache.models_on(step.gpu_id):
-                raise PolicyError(
-                    f"{type(self.policy).__name__}: its plan parks {step.request.model!r} on {step.gpu_id!r}, "
-                    "which is idle or does not hold the model"
-                )
-            return self.park(step.request, step.gpu_id, now)
-        if isinstance(step, PassOver):
-            return self.pass_over(step.request_id, exempt=step.exempt)
-        return self.visit(step.request_id)
 
     def on_complete(
         self,
@@ -463,219 +378,38 @@ class Scheduler(PlacementPieces):
                 return parked
         return None  # running: it will complete or fail on its own
 
-    # --- what policies may ask (SchedulingContext; the idle-GPU choices from PlacementPieces) ------
-    def running_calls(self, gpu_id: str) -> int:
-        return self.cluster.running_calls(gpu_id)
+    # --- applied outside a fill (tests, tools), and reads of the committed state --------------
+    def dispatch(self, request: Request, gpu_id: str, now: float) -> Dispatch:
+        """Run a globally queued request in a free slot of `gpu_id` now, for good (admitting its
+        model to the cache; the model must fit there now). A policy reserves it on its `Draft`."""
+        return reserve_dispatch(self.cluster, request, gpu_id, now)[0]
 
-    def models_busy(self, gpu_id: str, now: float) -> set[str]:
-        return self.cluster.models_busy(gpu_id, now)
-
-    def worker_wait_s(self, model: str, gpu_id: str, now: float) -> float:
-        return self.cluster.worker_wait_s(model, gpu_id, now)
+    def park(self, request: Request, gpu_id: str, now: float) -> Park:
+        """Move a globally queued request to the local queue of busy `gpu_id`, for good (its model
+        is cached there and stays pinned until the request runs). A policy reserves it on its `Draft`."""
+        return reserve_park(self.cluster, request, gpu_id, now)[0]
 
     def soonest_busy_holder(self, model: str, now: float) -> tuple[str, float] | None:
+        """See `ClusterState.soonest_busy_holder`."""
         return self.cluster.soonest_busy_holder(model, now)
 
     def estimated_wait_s(self, gpu_id: str, now: float) -> float:
+        """See `ClusterState.estimated_wait_s`."""
         return self.cluster.estimated_wait_s(gpu_id, now)
 
+    def worker_wait_s(self, model: str, gpu_id: str, now: float) -> float:
+        """See `ClusterState.worker_wait_s`."""
+        return self.cluster.worker_wait_s(model, gpu_id, now)
+
     def load_time_s(self, model: str, gpu_id: str) -> float:
+        """See `ClusterState.load_time_s`."""
         return self.cluster.load_time_s(model, gpu_id)
 
     def copies_overlapping(self, model: str, gpu_id: str, now: float) -> int:
+        """See `ClusterState.copies_overlapping`."""
         return self.cluster.copies_overlapping(model, gpu_id, now)
 
-    def inference_time_s(self, model: str, gpu_id: str, batch_size: int) -> float:
-        return self.cluster.inference_time_s(model, gpu_id, batch_size)
-
-    def fits(self, model: str, gpu_id: str) -> bool:
-        return self.cluster.fits(model, gpu_id)
-
-    def dispatch(self, request: Request, gpu_id: str, now: float) -> Dispatch:
-        """Run a globally queued request in a free slot of `gpu_id` (admitting its model to the
-        cache; the model must fit there now, see `fits`). Reserved while a policy fills."""
-        state = self.cluster.gpus[gpu_id]
-        journal = self._journal
-        taken = self.queue.take(request.request_id)
-        if journal is None:
-            try:
-                return self._start(request, state, now, pinned=False)
-            except BaseException:
-                self.queue.untake(taken)
-                raise
-        busy_until_before, refilled_before = state.busy_until_s, gpu_id in self.cluster.refill
-        try:
-            decision, cache_undo = self._start_undoable(request, state, now)
-        except BaseException:
-            self.queue.untake(taken)
-            raise
-        left_idle = not state.idle
-        request_id = request.request_id
-
-        def undo() -> None:
-            del state.running[request_id]
-            del state.expected_finish_s[request_id]
-            del self.cluster.placed_on[request_id]
-            self.cluster.swapped_in.discard(request_id)
-            self.cluster.links.end(state.spec.link, request_id)
-            state.busy_until_s = busy_until_before
-            state.version += 1  # what it advertised while full no longer holds
-            if left_idle:
-                self.cluster.enter_idle(state)
-            if not refilled_before:
-                self.cluster.refill.discard(gpu_id)
-            self.cache.unpin(gpu_id, request.model)
-            cache_undo()
-            self.queue.untake(taken)
-
-        journal.record(decision, undo)
-        return decision
-
-    def park(self, request: Request, gpu_id: str, now: float) -> Park:
-        """Move a globally queued request to the local queue of `gpu_id`, a GPU with no free slot
-        (its model is cached there and stays pinned until the request runs). Reserved while a
-        policy fills."""
-        state = self.cluster.gpus[gpu_id]
-        work_before = state.local_work_s
-        wait_s = self.estimated_wait_s(gpu_id, now)
-        taken = self.queue.take(request.request_id)
-        self.cache.pin(gpu_id, request.model)
-        state.local_queue.append(request)
-        state.local_work_s += self.cluster.call_time_s(request, state)
-        self.cluster.advertise(state)
-        self.cluster.placed_on[request.request_id] = gpu_id
-        decision = Park(request, gpu_id, wait_s)
-        if self._journal is not None:
-            request_id = request.request_id
-
-            def undo() -> None:
-                state.local_queue.pop()
-                state.local_work_s = work_before
-                del self.cluster.placed_on[request_id]
-                self.cache.unpin(gpu_id, request.model)
-                self.cluster.advertise(state)  # busy, and free when it was before the park
-                self.queue.untake(taken)
-
-            self._journal.record(decision, undo)
-        return decision
-
-    def savepoint(self) -> int:
-        """A mark in the current fill's reservations, for `rollback` (a policy's what-if)."""
-        if self._journal is None:
-            raise RuntimeError("savepoint() is for a policy's fill: nothing is being reserved now")
-        return self._journal.savepoint()
-
-    def rollback(self, savepoint: int) -> None:
-        """Undo the reservations made since `savepoint` (last first): the draft is as it was then."""
-        if self._journal is None:
-            raise RuntimeError("rollback() is for a policy's fill: nothing is being reserved now")
-        self._journal.rollback(savepoint)
-
-    def pass_over(self, request_id: str, *, exempt: Sequence[str] = ()) -> PassOver:
-        """Count a skip for every request queued ahead of `request_id` but `exempt` (see
-        `GlobalQueue.pass_over`). Reserved while a policy fills."""
-        head = self.queue.head
-        ahead = int(head is not None and head.request_id != request_id)
-        self.queue.pass_over(request_id, exempt=exempt)
-        self.cluster.dispatched_ahead += ahead
-        step = PassOver(request_id, tuple(exempt))
-        if self._journal is not None:
-
-            def undo() -> None:
-                self.queue.unpass(request_id, exempt=exempt)
-                self.cluster.dispatched_ahead -= ahead
-
-            self._journal.record(step, undo)
-        return step
-
-    def visit(self, request_id: str) -> Visit:
-        """Count one visit for one queued request (Algorithm 1 read literally). Reserved while a
-        policy fills."""
-        self.queue.visit(request_id)
-        step = Visit(request_id)
-        if self._journal is not None:
-            self._journal.record(step, lambda: self.queue.unvisit(request_id))
-        return step
-
     # --- internals ------------------------------------------------------------------------
-    def _dispatch_local(self, state: GpuState, now: float) -> Dispatch:
-        request = state.local_queue.popleft()
-        state.local_work_s = max(0.0, state.local_work_s - self.cluster.call_time_s(request, state))
-        if not state.local_queue:
-            state.local_work_s = 0.0  # no drift from float sums
-        return self._start(request, state, now, pinned=True)
-
-    def _start(self, request: Request, state: GpuState, now: float, *, pinned: bool) -> Dispatch:
-        spec = self._check_slot(request, state)
-        holders = self.cache.gpus_with(spec.name)
-        false_miss = state.spec.gpu_id not in holders and len(holders) > 0
-        admission = self.cache.admit(state.spec.gpu_id, spec.name, spec.memory_mb)
-        if not pinned:
-            self.cache.pin(state.spec.gpu_id, spec.name)
-        return self._occupy(request, state, spec, admission=admission, false_miss=false_miss, now=now)
-
-    def _start_undoable(self, request: Request, state: GpuState, now: float) -> tuple[Dispatch, Callable[[], None]]:
-        """`_start` of a globally queued request, and how to undo its admission (a reservation)."""
-        spec = self._check_slot(request, state)
-        holders = self.cache.gpus_with(spec.name)
-        false_miss = state.spec.gpu_id not in holders and len(holders) > 0
-        admission, cache_undo = self.cache.admit_undoable(state.spec.gpu_id, spec.name, spec.memory_mb)
-        self.cache.pin(state.spec.gpu_id, spec.name)
-        return self._occupy(request, state, spec, admission=admission, false_miss=false_miss, now=now), cache_undo
-
-    def _check_slot(self, request: Request, state: GpuState) -> ModelSpec:
-        if len(state.running) >= state.spec.slots:
-            raise RuntimeError(
-                f"GPU {state.spec.gpu_id!r} has no free slot ({len(state.running)} running, {state.spec.slots} "
-                f"slots); cannot dispatch {request.request_id!r}"
-            )
-        return self.cluster.models[request.model]
-
-    def _occupy(
-        self, request: Request, state: GpuState, spec: ModelSpec, *, admission: Admission, false_miss: bool, now: float
-    ) -> Dispatch:
-        """The request takes a slot of `state`, its model admitted: estimates, idle list, adverts."""
-        gpu_id, slots = state.spec.gpu_id, state.spec.slots
-        running = state.running
-        if admission.hit:
-            load_s = 0.0
-        elif admission.from_host or admission.from_pool:
-            load_s = self.estimator.swap_in_time_s(spec.name, state.spec.gpu_type, spec.memory_mb)
-            self.cluster.swapped_in.add(request.request_id)
-        else:
-            load_s = self.estimator.load_time_s(spec.name, state.spec.gpu_type, spec.memory_mb)
-            if self.cache.tier(spec.name, gpu_id) is Tier.REMOTE:
-                load_s += self.estimator.fetch_time_s(spec.memory_mb)
-        link = state.spec.link
-        if load_s and link is not None:
-            # The copy shares the link with the loads in flight there (an equal share each).
-            transfer_s = self.estimator.transfer_time_s(spec.memory_mb)
-            load_s += self.cluster.links.overlapping(link, now + load_s - transfer_s, now + load_s, now) * transfer_s
-            self.cluster.links.add(link, request.request_id, now + load_s - transfer_s, now + load_s)
-        inference_s = self.cluster.call_time_s(request, state)
-        # Behind the calls of its model running there (they share a worker), or its load.
-        start_s = max(now + load_s, self.cluster.worker_busy_until_s(spec.name, state)) if running else now + load_s
-        running[request.request_id] = request
-        state.expected_finish_s[request.request_id] = start_s + inference_s
-        if len(running) < slots:
-            self.cluster.refill.add(gpu_id)
-        else:
-            state.update_busy_until()
-            self.cluster.leave_idle(state)
-            self.cluster.advertise(state)
-        self.cluster.placed_on[request.request_id] = gpu_id
-        return Dispatch(
-            request=request,
-            gpu_id=gpu_id,
-            hit=admission.hit,
-            evict=admission.evicted,
-            false_miss=false_miss,
-            est_load_time_s=load_s,
-            est_inference_time_s=inference_s,
-            from_host=admission.from_host,
-            from_pool=admission.from_pool,
-        )
-
     def _running(self, request_id: str) -> tuple[GpuState, Request]:
         """The GPU a request runs on, and the request; KeyError if it is not running."""
         gpu_id = self.cluster.placed_on.get(request_id)

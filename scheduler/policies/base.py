@@ -1,14 +1,15 @@
 """The scheduling-policy interface, its registry by name, and the draft a policy plans on.
 
 A policy is offered one idle GPU at a time (`fill`) and returns its plan: the steps it wants, in
-order. It plans on the scheduler itself, as a draft: it reads the queue, the cache and the GPUs, and
-reserves a step (`dispatch`, `park`, `pass_over`, `visit`) to see the state that step leads to
-(the GPU it dispatched to is busier, the model is cached there); Kubernetes' scheduling
-framework reserves the same way. The scheduler keeps exactly the plan the policy returns: a
-reservation the plan leaves out (a what-if the policy tried and dropped) is rolled back, and so
-is every reservation when the policy raises. Reservations are cheap (a journal entry each), so a
-policy may score alternatives: `savepoint()`, reserve one, read what it did (a Dispatch says
-what it would evict), `rollback(savepoint)`, try the next, then reserve the one it keeps.
+order. It plans on a draft of the scheduler's committed state (`scheduler.draft.Draft`, one per
+fill): it reads the queue, the cache and the GPUs, and reserves a step (`dispatch`, `park`,
+`pass_over`, `visit`) to see the state that step leads to (the GPU it dispatched to is busier,
+the model is cached there); Kubernetes' scheduling framework reserves the same way. The scheduler
+keeps exactly the plan the policy returns: a reservation the plan leaves out (a what-if the
+policy tried and dropped) is rolled back, and so is every reservation when the policy raises.
+Reservations are cheap (a journal entry each), so a policy may score alternatives: `savepoint()`,
+reserve one, read what it did (a Dispatch says what it would evict), `rollback(savepoint)`, try
+the next, then reserve the one it keeps.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ DEFAULT_MAX_NUM_SKIPS = 25
 
 
 class SchedulingContext(Protocol):
-    """The draft of the scheduler a policy plans on (implemented by `Scheduler` itself, during `schedule`):
-    reads, and reservations that return the step they made. Read the cache only: change it
-    through reservations."""
+    """The draft of the scheduler a policy plans on (implemented by `scheduler.draft.Draft`, one per
+    fill during `Scheduler.schedule`): reads, and reservations that return the step they made.
+    Read the cache only: change it through reservations."""
 
     @property
     def queue(self) -> QueueView: ...

@@ -9,6 +9,7 @@ from gpu_manager.devices import Nvml, logical_devices, shared_links
 from gpufaas.profiles import ModelProfile
 from gpufaas.types import GpuSpec, ModelSpec, Request
 from scheduler import Dispatch, Estimator, PolicyConfig, Scheduler, make_policy
+from scheduler.draft import Draft
 from simulator.engine import ClusterConfig, simulate
 from simulator.workload import Workload
 from tests.builders import make_request
@@ -82,12 +83,11 @@ def test_a_shared_copy_is_expected_to_take_longer() -> None:
 def test_a_rolled_back_dispatch_leaves_no_copy() -> None:
     s = linked()
     s.submit(make_request("A"))
-    s._journal = s._spare_journal  # a policy's fill: reservations are journalled
-    mark = s.savepoint()
-    s.dispatch(s.queue.head or make_request("A"), "g0", 0.0)
+    draft = Draft(s.cluster)  # a policy's fill: reservations are journalled
+    mark = draft.savepoint()
+    draft.dispatch(s.queue.head or make_request("A"), "g0", 0.0)
     assert s.copies_overlapping("B", "g1", 0.0) == 1
-    s.rollback(mark)
-    s._journal = None
+    draft.rollback(mark)
     assert s.copies_overlapping("B", "g1", 0.0) == 0
 
 

@@ -9,8 +9,8 @@ import pytest
 
 from gpufaas.profiles import paper_table1
 from scheduler import Dispatch, Park, PolicyConfig, Scheduler, make_policy
-from scheduler.core import PolicyError
 from scheduler.decisions import Step
+from scheduler.draft import Draft, PolicyError
 from scheduler.policies.base import SchedulingContext, SchedulingPolicy
 from simulator.engine import ClusterConfig, simulate
 from simulator.report import shipped_trace
@@ -177,12 +177,18 @@ def test_a_park_rolled_back_keeps_the_busy_gpu_advertised() -> None:
     assert isinstance(later, Park) and later.est_wait_s == pytest.approx(1.0)
 
 
-def test_reservation_helpers_refuse_outside_a_fill() -> None:
+def test_only_a_fills_draft_reserves() -> None:
+    """Outside a fill nothing is reserved: the scheduler has no savepoint or rollback. A fill's
+    `Draft` reserves on the committed state, and its rollback takes that back exactly."""
     s = make_scheduler("lalb", gpus=1)
-    with pytest.raises(RuntimeError, match="fill"):
-        s.savepoint()
-    with pytest.raises(RuntimeError, match="fill"):
-        s.rollback(0)
+    assert not hasattr(s, "savepoint") and not hasattr(s, "rollback")
+    (a,) = submit(s, "A")
+    draft = Draft(s.cluster)
+    mark = draft.savepoint()
+    draft.dispatch(a, "g0", 0.0)
+    assert not s.queue and not s.gpu("g0").idle
+    draft.rollback(mark)
+    assert list(s.queue) == [a] and s.gpu("g0").idle and not s.gpu("g0").running
 
 
 @pytest.mark.parametrize("slots", [1, 3])
