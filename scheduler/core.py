@@ -14,6 +14,7 @@ from scheduler.draft import Draft
 from scheduler.estimator import Estimator
 from scheduler.policies.base import SchedulingPolicy
 from scheduler.reservations import reserve_dispatch, reserve_park, start_parked
+from scheduler.staged_exit import StagedExit
 from scheduler.state import ClusterState, GpuState
 
 
@@ -46,10 +47,7 @@ class Scheduler:
         self.queue = self.cluster.queue
         self._seq = itertools.count()
         self._seq_of: dict[str, int] = {}  # every request queued, parked or running
-        # When each cached model was last used on its GPU, and when each host-tier model entered
-        # its tier: the clocks of the staged exit (`release_idle`).
-        self._last_used_s: dict[tuple[str, str], float] = {}
-        self._host_since_s: dict[tuple[str, str], float] = {}
+        self._exit = StagedExit(self.cluster)  # the clocks of `release_idle`
 
     @property
     def cache(self) -> CacheManager:
@@ -95,7 +93,7 @@ class Scheduler:
             self.cluster.leave_idle(state)
         self.cluster.ready_local.discard(gpu_id)
         for model in self.cache.remove_gpu(gpu_id):
-            self._last_used_s.pop((gpu_id, model), None)
+            self._exit.forget(gpu_id, model)
         return returned
 
     def add_host(self, node: str, capacity_mb: int) -> None:
@@ -213,15 +211,8 @@ class Scheduler:
         return decisions
 
     def _note_dispatch(self, decision: Dispatch, now: float) -> None:
-        """A kept dispatch: its model was used now; what it evicted entered the host tier now."""
-        self._last_used_s[(decision.gpu_id, decision.request.model)] = now
-        node = self.cluster.gpus[decision.gpu_id].spec.node
-        for victim in decision.evict:
-            self._last_used_s.pop((decision.gpu_id, victim), None)
-            if node is not None and self.cache.in_host(victim, decision.gpu_id):
-                self._host_since_s[(node, victim)] = now
-        if decision.from_host and node is not None:
-            self._host_since_s.pop((node, decision.request.model), None)
+        """A kept dispatch: the staged exit's clocks, and the policy, hear of it."""
+        self._exit.dispatched(decision, now)
         self.policy.on_dispatch(decision, now)
 
     def release_idle(self, now: float, *, gpu_idle_s: float | None, host_idle_s: float | None) -> list[Release]:
@@ -231,46 +222,7 @@ class Scheduler:
         names idle (`idle_models`) leaves every GPU that holds it unpinned, for the node's host
         tier; where the node keeps none it stays. Models in use (pinned) stay. The caller frees
         what each Release names. O(models cached), so callers ask at events, not per call."""
-        releases: list[Release] = []
-        if self.policy.releases_memory:
-            for model in self.policy.idle_models(now):
-                for gpu_id in list(self.cache.gpus_with(model)):
-                    node = self.cluster.gpus[gpu_id].spec.node
-                    if node is None or self.cache.host(node) is None or self.cache.gpu(gpu_id).is_pinned(model):
-                        continue
-                    releases.append(self._release_from_gpu(gpu_id, model, now))
-        if gpu_idle_s is not None:
-            for gpu_id in self.cluster.gpus:
-                cache = self.cache.gpu(gpu_id)
-                for model in list(cache):
-                    used_s = self._last_used_s.setdefault((gpu_id, model), now)  # untracked: from now
-                    if cache.is_pinned(model) or now - used_s < gpu_idle_s:
-                        continue
-                    releases.append(self._release_from_gpu(gpu_id, model, now))
-        if host_idle_s is not None:
-            # Clocks of models no longer in a host tier (pushed out by a later demotion, or their
-            # tier left with its node) go first.
-            stale = [(node, model) for node, model in self._host_since_s if node not in self.cache.nodes_holding(model)]
-            for key in stale:
-                del self._host_since_s[key]
-            for node in {state.spec.node for state in self.cluster.gpus.values() if state.spec.node is not None}:
-                host = self.cache.host(node)
-                for model in list(host.items) if host is not None else ():
-                    since_s = self._host_since_s.setdefault((node, model), now)
-                    if now - since_s >= host_idle_s and self.cache.release_from_host(node, model):
-                        del self._host_since_s[(node, model)]
-                        releases.append(Release("host", model, node))
-        return releases
-
-    def _release_from_gpu(self, gpu_id: str, model: str, now: float) -> Release:
-        """Unpinned `model` leaves `gpu_id`, for its node's host tier if it has one (whose clock
-        for the staged exit's second stage starts now)."""
-        self._last_used_s.pop((gpu_id, model), None)
-        to_host = self.cache.release(gpu_id, model)
-        node = self.cluster.gpus[gpu_id].spec.node
-        if to_host and node is not None:
-            self._host_since_s[(node, model)] = now
-        return Release("gpu", model, node, gpu_id, to_host)
+        return self._exit.release_idle(now, self.policy, gpu_idle_s=gpu_idle_s, host_idle_s=host_idle_s)
 
     def on_complete(
         self,
@@ -302,7 +254,7 @@ class Scheduler:
             self.estimator.observe_inference(request.model, gpu_type, samples, inference_time_s)
         self._unpin_running(state, request)
         if request.model in self.cache.models_on(state.spec.gpu_id):
-            self._last_used_s[(state.spec.gpu_id, request.model)] = now  # idle from now, if nothing else runs
+            self._exit.used(state.spec.gpu_id, request.model, now)  # idle from now, if nothing else runs
         self.cluster.free_slot(state, request_id)
         self.policy.on_finish(request, now, inference_time_s=inference_time_s)
         return request
@@ -340,7 +292,7 @@ class Scheduler:
                 if other.model == request.model and other_id != request_id
             )
             self.cache.drop(gpu_id, request.model)
-            self._last_used_s.pop((gpu_id, request.model), None)
+            self._exit.forget(gpu_id, request.model)
         else:
             self._unpin_running(state, request)
         if requeue:
