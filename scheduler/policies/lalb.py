@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection
+from collections.abc import Collection, Set
 
 from gpufaas.types import Request
 from scheduler.decisions import Dispatch, Park, Step
@@ -51,26 +51,60 @@ def locality_load_balance(
     if gpu_id in holders and gpu_id != avoid and not ctx.worker_wait_s(model, gpu_id, now):
         return Placement.HERE, ctx.dispatch(request, gpu_id, now)
     if holders:
-        idle_holder = ctx.best_idle(holders, exclude=avoid, model=model)
-        if idle_holder is not None:
-            # With D > 1 an idle holder may be running calls of the model, which its worker
-            # serves one at a time: when the wait for them is longer than a load, a new replica
-            # serves the call sooner and spreads the model's load, where it evicts nothing
-            # (here first); a replica that would throw out a warm model is not worth it.
-            wait_s = ctx.worker_wait_s(model, idle_holder, now)
-            if wait_s:
-                replica = ctx.idle_for_replica(model, prefer=gpu_id, exclude=avoid, quiet_links_at=quiet_at)
-                if replica is not None and wait_s > ctx.load_time_s(model, replica):
-                    placement = Placement.HERE if replica == gpu_id else Placement.ELSEWHERE
-                    return placement, ctx.dispatch(request, replica, now)
-            placement = Placement.HERE if idle_holder == gpu_id else Placement.ELSEWHERE
-            return placement, ctx.dispatch(request, idle_holder, now)
-        soonest = ctx.soonest_busy_holder(model, now)
-        if soonest is not None and soonest[0] != avoid:
-            # A parked call waits for a slot there, and (D > 1) for the calls of its model ahead.
-            wait_s = max(soonest[1], ctx.worker_wait_s(model, soonest[0], now))
-            if wait_s < ctx.load_time_s(model, gpu_id):
-                return Placement.ELSEWHERE, ctx.park(request, soonest[0], now)
+        placed = _place_with_holders(ctx, gpu_id, request, holders, now=now, quiet_at=quiet_at)
+        if placed is not None:
+            return placed
+    target = _miss_target(
+        ctx, gpu_id, request, quiet_at, room_aware=room_aware, coldest_victim=coldest_victim, tier_aware=tier_aware
+    )
+    if target is None:
+        return Placement.NOWHERE, None
+    step = ctx.dispatch(request, target, now)
+    return (Placement.HERE if target == gpu_id else Placement.ELSEWHERE), step
+
+
+def _place_with_holders(
+    ctx: SchedulingContext, gpu_id: str, request: Request, holders: Set[str], *, now: float, quiet_at: float | None
+) -> tuple[Placement, Dispatch | Park] | None:
+    """Algorithm 2 where GPUs hold the model: a hit on the best idle holder (or a new replica
+    when its worker's wait is longer than a load), else a park on the busy holder that frees up
+    soonest when that beats a load here; None when neither applies (a miss, then)."""
+    avoid, model = request.avoid_gpu, request.model
+    idle_holder = ctx.best_idle(holders, exclude=avoid, model=model)
+    if idle_holder is not None:
+        # With D > 1 an idle holder may be running calls of the model, which its worker
+        # serves one at a time: when the wait for them is longer than a load, a new replica
+        # serves the call sooner and spreads the model's load, where it evicts nothing
+        # (here first); a replica that would throw out a warm model is not worth it.
+        wait_s = ctx.worker_wait_s(model, idle_holder, now)
+        if wait_s:
+            replica = ctx.idle_for_replica(model, prefer=gpu_id, exclude=avoid, quiet_links_at=quiet_at)
+            if replica is not None and wait_s > ctx.load_time_s(model, replica):
+                placement = Placement.HERE if replica == gpu_id else Placement.ELSEWHERE
+                return placement, ctx.dispatch(request, replica, now)
+        placement = Placement.HERE if idle_holder == gpu_id else Placement.ELSEWHERE
+        return placement, ctx.dispatch(request, idle_holder, now)
+    soonest = ctx.soonest_busy_holder(model, now)
+    if soonest is not None and soonest[0] != avoid:
+        # A parked call waits for a slot there, and (D > 1) for the calls of its model ahead.
+        wait_s = max(soonest[1], ctx.worker_wait_s(model, soonest[0], now))
+        if wait_s < ctx.load_time_s(model, gpu_id):
+            return Placement.ELSEWHERE, ctx.park(request, soonest[0], now)
+    return None
+
+
+def _miss_target(
+    ctx: SchedulingContext,
+    gpu_id: str,
+    request: Request,
+    quiet_at: float | None,
+    *,
+    room_aware: bool,
+    coldest_victim: bool,
+    tier_aware: bool,
+) -> str | None:
+    """Where Algorithm 2's miss goes; None if no idle GPU may run the model now."""
+    avoid = request.avoid_gpu
     # The miss goes where it evicts nothing if an idle GPU has room (the paper misses on the GPU
     # being filled, which throws out a warm model while another idle GPU sits empty); else where
     # it evicts the coldest model; else here; else, on clusters of mixed memory sizes, on the
@@ -87,10 +121,7 @@ def locality_load_balance(
     if target is None:
         here = gpu_id != avoid and ctx.fits(request.model, gpu_id)
         target = gpu_id if here else ctx.first_idle_fitting(request.model, exclude=avoid)
-    if target is None:
-        return Placement.NOWHERE, None
-    step = ctx.dispatch(request, target, now)
-    return (Placement.HERE if target == gpu_id else Placement.ELSEWHERE), step
+    return target
 
 
 def hits_here(ctx: SchedulingContext, gpu_id: str, now: float) -> Collection[str]:
