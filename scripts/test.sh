@@ -33,7 +33,7 @@ fi
 bash scripts/secret-scan.sh  # a tracked file with a secret that .secrets.baseline does not list fails
 .venv/bin/python -m pytest -q "$@"
 # gpufaas as a user installs it (the wheel in a fresh virtualenv outside the repository, its extras,
-# the README's path from up to down; 4 to 6 minutes here, most of it installing torch): under CI.
+# the README's path from up to down; 3.5 to 6.5 minutes here, most of it installing torch): under CI.
 if [ "${CI:-}" = true ]; then
   bash scripts/install-test.sh
 fi
