@@ -138,8 +138,12 @@ def test_deploy_invoke_hits_and_lru_state_in_etcd(make_cluster: ClusterFactory, 
         assert response.status_code == 200 and response.headers["X-Cache"] == "miss"
 
     def settled() -> bool:
+        # The scheduler persists a placement after it answers, so the state after lin-d (four
+        # models, four entries) can still be what etcd holds when lin-e's answer is back: wait for
+        # lin-e's admission too (under load CI read the state before it landed).
         lru, replicas = etcd_state(etcd_endpoint.endpoint, etcd_endpoint.root)
-        return sum(len(v) for v in lru.values()) == 4 and len(replicas) == 4
+        placed = models["lin-d"] in replicas and models["lin-e"] in replicas
+        return placed and sum(len(v) for v in lru.values()) == 4 and len(replicas) == 4
 
     wait_for(settled)
     lru, replicas = etcd_state(etcd_endpoint.endpoint, etcd_endpoint.root)

@@ -142,7 +142,13 @@ def env(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 def test_health_info_and_metrics(env: Env) -> None:
-    assert env.get("/healthz").json() == {"status": "ok", "scheduler": True, "etcd": True}
+    health = env.get("/healthz").json()
+    assert {k: health.pop(k) for k in ("status", "scheduler", "etcd")} == {
+        "status": "ok",
+        "scheduler": True,
+        "etcd": True,
+    }
+    assert set(health) == {"loop_lag_s", "loop_lag_max_s"} and all(v >= 0 for v in health.values())
     assert env.get("/system/info").json()["provider"]["provider"] == "gpufaas"
     response = env.invoke("echo", {"hello": 1})
     assert response.status_code == 200, response.text
