@@ -67,7 +67,10 @@ KILL_WAIT_S = 30.0  # tearing down a large CUDA context can take seconds; past t
 _DROP_REPORT_S = 10.0  # how often a worker's dropped output is told of, at most
 _OUTPUT_GRACE_S = 1.0  # a worker's output is read this long after it exits (then its pipe is closed)
 _EXIT_POLL_S = 0.005
-OOM_POLL_S = 0.25  # how often the worker groups' OOM-kill counters are read (a small file each)
+# How often the worker groups' OOM-kill counters are read: a small file each, read in a thread, so
+# that hundreds of parked workers cost the node's event loop nothing (a call's own answer reads its
+# worker's counter at once; this only clears what is left of a group the kernel cut into).
+OOM_POLL_S = 1.0
 
 # A container's package, owner and weights, made ready by the worker pool before it starts.
 Prepare = Callable[[ModelRun], Awaitable[tuple[Path, int, WeightsPlan]]]
@@ -401,6 +404,16 @@ class ProcessRuntime(Runtime):
                     self._note_over_memory(worker)
         return worker.exit_cause == "over_memory"
 
+    def _over_memory_among(self, grouped: list[tuple[str, Worker]]) -> list[tuple[str, Worker]]:
+        """Those of `grouped` whose group's OOM-kill counter moved (in a thread: a file read each)."""
+        assert self._cgroups is not None
+        over = []
+        for name, worker in grouped:
+            with contextlib.suppress(OSError):
+                if self._cgroups.oom_kills(name):
+                    over.append((name, worker))
+        return over
+
     def _note_over_memory(self, worker: Worker) -> None:
         worker.exit_cause = "over_memory"
         log.error(
@@ -421,9 +434,12 @@ class ProcessRuntime(Runtime):
         assert cgroups is not None
         while True:
             await asyncio.sleep(OOM_POLL_S)
-            for name, worker in list(self._grouped.items()):
-                if worker.exit_cause == "over_memory" or not self.over_memory(worker):
-                    continue
+            grouped = [(name, worker) for name, worker in self._grouped.items() if worker.exit_cause != "over_memory"]
+            over = await asyncio.to_thread(self._over_memory_among, grouped)
+            for name, worker in over:
+                if self._grouped.get(name) is not worker or worker.exit_cause == "over_memory":
+                    continue  # gone, or judged by its own call's answer, while the thread read
+                self._note_over_memory(worker)
                 worker.gone(ConnectionLost(f"worker pid {worker.pid} went over its memory limit"))
                 try:
                     await asyncio.to_thread(cgroups.kill, name)
