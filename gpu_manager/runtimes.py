@@ -52,7 +52,7 @@ from gpu_manager.sandbox import (
     worker_environment,
 )
 from gpu_manager.workers import ModelRun, WeightsPlan, Worker
-from gpufaas.local_cluster import pid_alive
+from gpufaas.processes import pid_alive
 from gpufaas.wire import Connection, ConnectionLost, max_frame_bytes_for
 
 log = logging.getLogger("gpufaas.gpu_manager.pool")

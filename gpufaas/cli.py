@@ -648,7 +648,8 @@ def up(
     supervisor that restarts any of them that exits (with backoff) until `gpufaas down`."""
     import subprocess
 
-    from gpufaas.local_cluster import SUPERVISOR_STATUS, LocalCluster, pid_alive, read_supervisor_status, recorded_pids
+    from gpufaas.local_cluster import SUPERVISOR_STATUS, LocalCluster, read_supervisor_status, recorded_pids
+    from gpufaas.processes import pid_alive
     from scheduler import make_policy
     from scheduler.service import SlotConfig
 
@@ -757,7 +758,8 @@ def down(state_dir: StateDir = state_dir_default()) -> None:  # noqa: B008
 @app.command()
 def status(state_dir: StateDir = state_dir_default(), gateway: GatewayOpt = None) -> None:  # noqa: B008
     """Say what runs: the local cluster's processes and whether the gateway answers."""
-    from gpufaas.local_cluster import pid_alive, recorded_pids
+    from gpufaas.local_cluster import recorded_pids
+    from gpufaas.processes import pid_alive
 
     pids = recorded_pids(state_dir)
     info = _cluster_info(state_dir)

@@ -25,6 +25,7 @@ from gpufaas.credentials import ADMIN_USER, SecretFiles, ensure_secrets, metrics
 from gpufaas.errors import GpufaasError
 from gpufaas.etcd_server import EtcdServer, free_port
 from gpufaas.liveness import Watchdog
+from gpufaas.processes import pid_alive
 from gpufaas.supervision import Supervision
 
 if TYPE_CHECKING:
@@ -527,20 +528,6 @@ def _answers(url: str, timeout_s: float) -> bool:
         httpx.get(url, timeout=timeout_s)
     except httpx.HTTPError:
         return False
-    return True
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    with contextlib.suppress(OSError):
-        # A zombie is dead for our purposes.
-        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-            return False
     return True
 
 

@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from gpufaas.etcd_server import EtcdServer
-from gpufaas.local_cluster import LocalCluster, pid_alive
+from gpufaas.local_cluster import LocalCluster
+from gpufaas.processes import pid_alive
 from tests.fixtures.make_packages import build_package
 
 

@@ -224,7 +224,7 @@ def test_every_call_is_answered_and_service_returns_after_each_kill(tmp_path: Pa
         } == dict.fromkeys(("node0", "scheduler", "etcd", "gateway"), True), restarts
     finally:
         cluster.stop()
-        from gpufaas.local_cluster import pid_alive
+        from gpufaas.processes import pid_alive
 
         leftovers = [pid for pid in watched if pid_alive(pid)]
         assert not leftovers, f"processes left running: {leftovers}"

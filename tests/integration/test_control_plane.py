@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from gpufaas.keys import Keys
-from gpufaas.local_cluster import LocalCluster, pid_alive
+from gpufaas.local_cluster import LocalCluster
+from gpufaas.processes import pid_alive
 from tests.fixtures.make_packages import build_package
 from tests.integration.conftest import ClusterFactory, deploy
 

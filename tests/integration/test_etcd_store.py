@@ -15,7 +15,7 @@ import aetcd
 import pytest
 
 from gpufaas.etcd_server import EtcdServer, free_port
-from gpufaas.local_cluster import pid_alive
+from gpufaas.processes import pid_alive
 from gpufaas.store import (
     EtcdCredentials,
     EtcdStore,
