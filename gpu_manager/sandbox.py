@@ -31,6 +31,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpufaas.mounts import detach, mounted_under
+
 PACKAGE_UID_BASE = 1 << 24  # 16,777,216: above system, user and container subordinate id ranges
 PACKAGE_UID_SPAN = (1 << 31) - PACKAGE_UID_BASE - 1
 DEFAULT_MAX_PROCESSES = 512  # tasks (processes and threads) of one package's user
@@ -48,7 +50,6 @@ _DESCRIPTOR_END = 2**31 - 1  # above any descriptor (close_range closes only tho
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWNS = 0x00020000
 _MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
-_MNT_DETACH = 0x2
 _PR_SET_NO_NEW_PRIVS = 38
 
 
@@ -235,26 +236,11 @@ def mount_home(path: Path, uid: int, size_mb: int) -> bool:
     return bool(libc.mount(b"tmpfs", str(path).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) == 0)
 
 
-def mounted_under(parent: Path, mountinfo: str) -> list[Path]:
-    """The mount points below `parent` in /proc/self/mountinfo's text (field 5), deepest first."""
-    prefix = str(parent.resolve()).rstrip("/") + "/"
-    points = []
-    for line in mountinfo.splitlines():
-        fields = line.split()
-        if len(fields) > 4:
-            point = fields[4].replace("\\040", " ")
-            if point.startswith(prefix):
-                points.append(Path(point))
-    return sorted(points, key=lambda p: len(p.parts), reverse=True)
-
-
 def remove_home(path: Path) -> None:
     """Unmount (lazily: a dying worker may hold it a moment longer) and delete a package's home."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    mountinfo = Path("/proc/self/mountinfo").read_text()
-    for point in mounted_under(path.parent, mountinfo):
+    for point in mounted_under(path.parent):
         if point == path.resolve():
-            libc.umount2(str(point).encode(), _MNT_DETACH)
+            detach(point)
     shutil.rmtree(path, ignore_errors=True)
 
 

@@ -25,6 +25,7 @@ from gpufaas.credentials import ADMIN_USER, SecretFiles, ensure_secrets, metrics
 from gpufaas.errors import GpufaasError
 from gpufaas.etcd_server import EtcdServer, free_port
 from gpufaas.liveness import Watchdog
+from gpufaas.mounts import detach_under
 from gpufaas.processes import pid_alive
 from gpufaas.supervision import Supervision
 
@@ -357,6 +358,9 @@ class LocalCluster:
             self._etcd = None
         for index in range(self.nodes):  # a node that was killed could not remove its pool
             shutil.rmtree(self._pool_dir(f"node{index}"), ignore_errors=True)
+        # Nor its packages' homes (tmpfs mounts in its state directory): they would hold memory and
+        # keep the directory from being removed.
+        detach_under(self.state_dir)
         self._write_pids()
 
     def _pool_dir(self, node: str) -> Path:
@@ -548,6 +552,7 @@ def stop_recorded(state_dir: Path, timeout_s: float = 15.0) -> list[str]:
         for pid in group.values():
             if pid_alive(pid):
                 _signal_group(pid, signal.SIGKILL)
+    detach_under(state_dir)  # a GPU manager's package homes, if it could not unmount them itself
     with contextlib.suppress(OSError):
         (state_dir / "pids.json").write_text("{}\n")
     return stopped

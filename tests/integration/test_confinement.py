@@ -18,6 +18,7 @@ import pytest
 from gpu_manager.cgroups import CGROUP_ROOT, Unavailable, open_cgroups
 from gpu_manager.sandbox import package_uid
 from gpufaas.local_cluster import LocalCluster
+from gpufaas.mounts import mounted_under
 from tests.integration.conftest import ClusterFactory, deploy
 
 
@@ -238,3 +239,18 @@ def test_a_packages_home_and_tmp_are_bounded_in_total_and_removed_with_it(
         time.sleep(0.1)
     assert not home.exists(), "the function's home outlived `gpufaas rm`"
     assert str(home) not in Path("/proc/self/mountinfo").read_text()
+
+
+@pytest.mark.parametrize("node_killed", [False, True])
+def test_no_package_home_outlives_its_cluster(make_cluster: ClusterFactory, tmp_path: Path, node_killed: bool) -> None:
+    """A package's home is a tmpfs in its node's state directory: after the cluster stops none is
+    left mounted, whether the node unmounted them itself or was killed first (then the launcher
+    does; left mounted, they held memory and kept the directory from being removed)."""
+    cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=2000)
+    deploy(cluster, "rogue", "rogue_function", tmp_path, memory_mb=100)
+    assert post(cluster, "rogue").status_code == 200
+    assert mounted_under(cluster.state_dir), "the package's home is not a mount: nothing to check"
+    if node_killed:
+        cluster.components["node0"].stop(kill=True)
+    cluster.stop()
+    assert mounted_under(cluster.state_dir) == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpu_manager.sandbox import mounted_under
+from gpufaas.mounts import mounted_under
 
 MOUNTINFO = """\
 22 1 253:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
