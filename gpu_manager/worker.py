@@ -74,13 +74,17 @@ def json_depth_over(payload: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
 def _parse_json(payload: bytes) -> object:
     """json.loads, with a payload nested past MAX_JSON_DEPTH refused (InvalidInput), never a
     RecursionError. ValueError (UnicodeDecodeError included) if it is not JSON."""
-    too_deep = InvalidInput(f"the payload is JSON nested deeper than {MAX_JSON_DEPTH} levels; send it flatter")
     if json_depth_over(payload):
-        raise too_deep
+        raise _too_deep()
     try:
         return json.loads(payload)
     except RecursionError:  # a stack already deep: still the caller's payload, not the worker's end
-        raise too_deep from None
+        raise _too_deep() from None
+
+
+def _too_deep() -> InvalidInput:
+    # Made only when refusing: _parse_json runs on every call's payload.
+    return InvalidInput(f"the payload is JSON nested deeper than {MAX_JSON_DEPTH} levels; send it flatter")
 
 
 def decode_inputs(payload: bytes, content_type: str = "") -> object:
