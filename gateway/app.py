@@ -3,7 +3,7 @@ gateway's state (gateway.state), its authentication and the invoke path (gateway
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -80,6 +80,16 @@ def create_app(store: Store, config: GatewayConfig) -> FastAPI:
         app.add_middleware(AuthMiddleware, credentials=config.credentials)
     # Added last, so outermost: POST /function/{name} is answered before the rest (gateway.invoke).
     app.add_middleware(InvokeMiddleware, gateway=gateway)
+    _add_error_handlers(app)
+    for module in (health, packages, functions, cluster, dashboard):
+        app.include_router(module.router)
+    app.openapi = _secured_openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Answer every error as {"error": ..., "status": N}: the API's own, invalid input (400), an
+    unreachable etcd (503), and FastAPI's (an unparsable body, an unknown route or method)."""
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -102,11 +112,12 @@ def create_app(store: Store, config: GatewayConfig) -> FastAPI:
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _error(400, _invalid_request(request, exc))
 
-    for module in (health, packages, functions, cluster, dashboard):
-        app.include_router(module.router)
+
+def _secured_openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """`app.openapi` for `app`: FastAPI's document, with the credentials every route but the
+    open ones asks for (built once, on the first call)."""
 
     def openapi() -> dict[str, Any]:
-        """FastAPI's document, with the credentials every route but the open ones asks for."""
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             schema.setdefault("components", {})["securitySchemes"] = {
@@ -121,5 +132,4 @@ def create_app(store: Store, config: GatewayConfig) -> FastAPI:
             app.openapi_schema = schema
         return app.openapi_schema
 
-    app.openapi = openapi  # type: ignore[method-assign]
-    return app
+    return openapi

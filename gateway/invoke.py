@@ -29,11 +29,12 @@ from gateway.auth import (
     refusal,
     send_refusal,
 )
-from gateway.router import CallFailed
+from gateway.router import CallFailed, CallResult
 from gpufaas.proto import gpufaas_pb2 as pb
 
 if TYPE_CHECKING:
     from gateway.state import Gateway
+    from gpufaas.functions import FunctionSpec
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -65,20 +66,8 @@ class InvokeMiddleware:
         headers = dict(scope["headers"])  # ASGI header names are lower-case bytes
         call_id = headers.get(b"x-call-id", b"").decode("latin-1") or uuid.uuid4().hex
         spec = gateway.functions.get(name)
-        credentials = gateway.config.credentials
-        if credentials is not None and (spec is None or not spec.public):  # unknown: 401 first, no 404 leak
-            try:
-                role = caller_role(credentials, scope["headers"])
-            except AmbiguousCredentials as exc:
-                await send_refusal(send, 400, str(exc), [(b"x-call-id", call_id.encode("latin-1"))])
-                return
-            if role not in ANY_CALLER:
-                status, message = refusal(role, f"call function {name!r}")
-                await send_refusal(send, status, message, [(b"x-call-id", call_id.encode("latin-1"))])
-                return
-            if forged("POST", headers):
-                await send_refusal(send, 403, CROSS_SITE_MESSAGE, [(b"x-call-id", call_id.encode("latin-1"))])
-                return
+        if await self._refused(send, scope, headers, name=name, spec=spec, call_id=call_id):
+            return
         if spec is None:
             await _error(send, 404, f"function {name!r} is not deployed; deploy it first (gpufaas deploy)", call_id)
             return
@@ -101,28 +90,66 @@ class InvokeMiddleware:
             await _error(send, exc.status, exc.message, call_id, retry_after=exc.status == 429)
             return
         counts[(name, 200)] += 1
-        placement, reply = result.placement, result.reply
         duration_s = time.perf_counter() - started
         gateway.metrics.seconds.labels(name, "200").observe(duration_s)
-        gateway.stats.answered(name, duration_s, hit=not reply.loaded)
-        answer = [
-            (b"content-type", (reply.content_type or "application/octet-stream").encode("latin-1")),
-            (b"content-length", str(len(result.output)).encode()),
-            (b"x-call-id", call_id.encode("latin-1")),
-            (b"x-duration-seconds", f"{time.perf_counter() - started:.6f}".encode()),
-            (b"x-gpu", f"{placement.node}/{placement.gpu}".encode()),
-            (b"x-cache", b"miss" if reply.loaded else b"hit"),
-            (b"x-queue-seconds", f"{placement.queue_s:.6f}".encode()),
-            (b"x-load-seconds", f"{reply.load_time_s:.6f}".encode()),
-            (b"x-inference-seconds", f"{reply.inference_time_s:.6f}".encode()),
-            (b"x-batch-calls", str(reply.batch_calls).encode()),
-        ]
-        if placement.attempt > 1:
-            answer.append((b"x-attempts", str(placement.attempt).encode()))
-        if reply.loaded:
-            answer.append((b"server-timing", miss_timing(reply).encode()))
-        await send({"type": "http.response.start", "status": 200, "headers": answer})
+        gateway.stats.answered(name, duration_s, hit=not result.reply.loaded)
+        await send({"type": "http.response.start", "status": 200, "headers": _answer_headers(result, call_id, started)})
         await send({"type": "http.response.body", "body": result.output})
+
+    async def _refused(
+        self,
+        send: Send,
+        scope: Scope,
+        headers: dict[bytes, bytes],
+        *,
+        name: str,
+        spec: FunctionSpec | None,
+        call_id: str,
+    ) -> bool:
+        """Refuse the call unless its caller may make it (400 for ambiguous credentials, 401/403
+        for a caller without the right, 403 for a cross-site POST); True once refused. A public
+        function needs no credential; an unknown one does, so that a 401 comes before the 404 and
+        no caller without a right learns which functions exist."""
+        credentials = self.gateway.config.credentials
+        if credentials is None or (spec is not None and spec.public):
+            return False
+        call_header = [(b"x-call-id", call_id.encode("latin-1"))]
+        try:
+            role = caller_role(credentials, scope["headers"])
+        except AmbiguousCredentials as exc:
+            await send_refusal(send, 400, str(exc), call_header)
+            return True
+        if role not in ANY_CALLER:
+            status, message = refusal(role, f"call function {name!r}")
+        elif forged("POST", headers):
+            status, message = 403, CROSS_SITE_MESSAGE
+        else:
+            return False
+        await send_refusal(send, status, message, call_header)
+        return True
+
+
+def _answer_headers(result: CallResult, call_id: str, started: float) -> list[tuple[bytes, bytes]]:
+    """The headers of a call's answer: its output's type and length, and the X-* headers
+    (X-Duration-Seconds up to now, from `started` on the perf_counter clock)."""
+    placement, reply = result.placement, result.reply
+    answer = [
+        (b"content-type", (reply.content_type or "application/octet-stream").encode("latin-1")),
+        (b"content-length", str(len(result.output)).encode()),
+        (b"x-call-id", call_id.encode("latin-1")),
+        (b"x-duration-seconds", f"{time.perf_counter() - started:.6f}".encode()),
+        (b"x-gpu", f"{placement.node}/{placement.gpu}".encode()),
+        (b"x-cache", b"miss" if reply.loaded else b"hit"),
+        (b"x-queue-seconds", f"{placement.queue_s:.6f}".encode()),
+        (b"x-load-seconds", f"{reply.load_time_s:.6f}".encode()),
+        (b"x-inference-seconds", f"{reply.inference_time_s:.6f}".encode()),
+        (b"x-batch-calls", str(reply.batch_calls).encode()),
+    ]
+    if placement.attempt > 1:
+        answer.append((b"x-attempts", str(placement.attempt).encode()))
+    if reply.loaded:
+        answer.append((b"server-timing", miss_timing(reply).encode()))
+    return answer
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:
