@@ -9,9 +9,11 @@ A worker is confined in three steps:
 - as a spare, right after the zygote forks it: a network namespace of its own with nothing in it
   (`isolate_network`), so a function reaches neither etcd, nor the daemons' ports, nor anything
   else; it talks to its node over the socket pair it was born with.
-- when it takes a model, before the handler is imported (`confine`): resource limits, then,
-  where the node runs as root, the package's own user and group, so that it reads its package
-  (owned root:that group, read-only) and nothing of the node's or another function's.
+- when it takes a model, before the handler is imported (`confine`): resource limits, no new
+  privileges and a seccomp filter that refuses the system calls a handler never needs
+  (gpu_manager.seccomp), then, where the node runs as root, the package's own user and group, so
+  that it reads its package (owned root:that group, read-only) and nothing of the node's or
+  another function's.
 
 Each package has its own user id, derived from its digest (`package_uid`): the same on every node
 and after a restart, with no state to keep, and in a range no host account uses.
@@ -31,6 +33,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpu_manager import seccomp
 from gpufaas.mounts import detach, mounted_under
 
 PACKAGE_UID_BASE = 1 << 24  # 16,777,216: above system, user and container subordinate id ranges
@@ -192,6 +195,20 @@ def no_new_privileges() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) refused")
 
 
+def filter_system_calls() -> bool:
+    """Refuse this process, and every process and thread it starts, the system calls a function
+    never needs (gpu_manager.seccomp), for good; no_new_privileges first. Where this kernel or
+    an outer sandbox allows no seccomp filter, say so on stderr (a worker's goes to its node's
+    log) and return False; OSError if one is allowed and this one is refused."""
+    reason = seccomp.unavailable_reason()
+    arch = seccomp.native_arch()
+    if reason is not None or arch is None:
+        print(f"no seccomp filter for this worker ({reason}): it may make any system call", file=sys.stderr, flush=True)
+        return False
+    seccomp.install(seccomp.program(arch))
+    return True
+
+
 _own_mounts = False  # whether this process is in a mount namespace of its own (own_mount_namespace)
 
 
@@ -271,6 +288,7 @@ def confine(confinement: Confinement) -> None:
         tempfile.tempdir = home  # it may have been looked up (and kept) before the fork
     os.umask(0o077)
     no_new_privileges()
+    filter_system_calls()  # after the mount namespace and home above: it refuses mount and unshare
     if confinement.uid:
         # RLIMIT_NPROC counts the tasks of the real user: meaningful only for the package's own.
         _limit(resource.RLIMIT_NPROC, confinement.max_processes)

@@ -1,15 +1,21 @@
 """gpu_manager.sandbox's decisions: package users, the environment passed on, memory allowances,
-the output budget, and which directories others can reach."""
+the output budget, and which directories others can reach; a confined worker's seccomp filter."""
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import io
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from gpu_manager import seccomp
 from gpu_manager.sandbox import (
     MEMORY_HEADROOM_MB,
     PACKAGE_UID_BASE,
@@ -18,7 +24,9 @@ from gpu_manager.sandbox import (
     _open_to_others,
     close_descriptors,
     data_allowance_mb,
+    filter_system_calls,
     lock_package,
+    no_new_privileges,
     package_uid,
     worker_environment,
 )
@@ -186,3 +194,75 @@ def test_a_planned_confinement_keeps_private_import_directories_reachable(tmp_pa
         check=False,
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+CONFINED_WORKER = r"""
+import ctypes, json, os, re, sys, threading
+sys.path.insert(0, sys.argv[1])
+from gpu_manager.sandbox import Confinement, confine
+confine(Confinement(max_processes=64, max_file_mb=64))  # the node's user: no root needed
+libc = ctypes.CDLL(None, use_errno=True)
+refusal = 0 if libc.unshare(0x10000000) == 0 else ctypes.get_errno()  # CLONE_NEWUSER
+seen = []
+thread = threading.Thread(target=lambda: seen.append(1))
+thread.start()
+thread.join()
+child = os.fork()
+if child == 0:
+    os._exit(5)
+status = open("/proc/self/status").read()
+print(json.dumps({
+    "seccomp": re.search(r"^Seccomp:\s+(\d)", status, re.M)[1],
+    "no_new_privs": re.search(r"^NoNewPrivs:\s+(\d)", status, re.M)[1],
+    "unshare": refusal,
+    "thread": len(seen),
+    "child": os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]),
+}))
+"""
+
+
+@pytest.mark.skipif(seccomp.unavailable_reason() is not None, reason="no seccomp filter on this machine")
+def test_a_confined_worker_has_the_seccomp_filter_and_still_starts_threads_and_children() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", CONFINED_WORKER, str(REPO)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {
+        "seccomp": "2",
+        "no_new_privs": "1",
+        "unshare": errno.EPERM,
+        "thread": 1,
+        "child": 5,
+    }
+
+
+@pytest.mark.skipif(seccomp.native_arch() is None or seccomp.unavailable_reason() is not None, reason="no seccomp")
+def test_where_an_outer_sandbox_refuses_seccomp_a_worker_says_so_and_goes_on() -> None:
+    """As inside a container whose profile refuses seccomp(2) and prctl(2): made here with a filter
+    of our own that refuses both, in a child."""
+    arch = seccomp.native_arch()
+    assert arch is not None
+    prctl = {"x86_64": 157, "aarch64": 167}[arch.name]
+    outer = dataclasses.replace(arch, numbers={**arch.numbers, "prctl": prctl})
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            no_new_privileges()
+            seccomp.install(seccomp.program(outer, [seccomp.Rule("seccomp"), seccomp.Rule("prctl")]))
+            sys.stderr = io.StringIO()
+            applied = filter_system_calls()
+            filters = re.search(r"^Seccomp_filters:\s+(\d+)", Path("/proc/self/status").read_text(), re.M)
+            report = {"applied": applied, "said": sys.stderr.getvalue(), "filters": filters[1] if filters else "?"}
+            os.write(write_end, json.dumps(report).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        report = json.loads(pipe.read())
+    os.waitpid(pid, 0)
+    assert report["applied"] is False and report["filters"] == "1"  # the outer one only
+    assert (
+        report["said"].count("\n") == 1
+        and "no seccomp filter for this worker (PR_SET_SECCOMP: EPERM)" in report["said"]
+    )
