@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection, Set
+from typing import ClassVar
 
 from gpufaas.types import Request
 from scheduler.decisions import Dispatch, Park, Step
-from scheduler.policies.base import PolicyConfig, SchedulingContext, SchedulingPolicy
+from scheduler.policies.base import DEFAULT_MAX_NUM_SKIPS, PolicyConfig, SchedulingContext, SchedulingPolicy
 
 
 class Placement(enum.Enum):
@@ -155,9 +156,11 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
     `literal_visits=True` runs Algorithm 1 as printed instead (`_fill_literal`): O(queue) per fill.
     """
 
+    out_of_order: ClassVar[bool] = False  # lalb dispatches in order: no request is passed over
+
     def __init__(
         self,
-        max_num_skips: int = 0,
+        max_num_skips: int | None = None,
         *,
         room_aware_misses: bool = True,
         coldest_victim_misses: bool = True,
@@ -165,6 +168,8 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
         tier_aware_misses: bool = True,
         interference_aware_loads: bool = True,
     ) -> None:
+        if max_num_skips is None:
+            max_num_skips = DEFAULT_MAX_NUM_SKIPS if self.out_of_order else 0
         if max_num_skips < 0:
             raise ValueError(f"max_num_skips must be >= 0, got {max_num_skips}")
         self.max_num_skips = max_num_skips
@@ -177,6 +182,7 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
     @classmethod
     def from_config(cls, config: PolicyConfig) -> SchedulingPolicy:
         return cls(
+            config.max_num_skips if cls.out_of_order else 0,
             room_aware_misses=config.room_aware_misses,
             coldest_victim_misses=config.coldest_victim_misses,
             literal_visits=config.literal_visits,
@@ -267,32 +273,4 @@ class OutOfOrderLocalityAwarePolicy(LocalityAwarePolicy, name="lalb-o3"):
     """`lalb` with out-of-order dispatch: a request may be passed over up to `max_num_skips`
     times (default 25) in favour of younger requests whose model is cached on an idle GPU."""
 
-    def __init__(
-        self,
-        max_num_skips: int = 25,
-        *,
-        room_aware_misses: bool = True,
-        coldest_victim_misses: bool = True,
-        literal_visits: bool = False,
-        tier_aware_misses: bool = True,
-        interference_aware_loads: bool = True,
-    ) -> None:
-        super().__init__(
-            max_num_skips,
-            room_aware_misses=room_aware_misses,
-            coldest_victim_misses=coldest_victim_misses,
-            literal_visits=literal_visits,
-            tier_aware_misses=tier_aware_misses,
-            interference_aware_loads=interference_aware_loads,
-        )
-
-    @classmethod
-    def from_config(cls, config: PolicyConfig) -> SchedulingPolicy:
-        return cls(
-            config.max_num_skips,
-            room_aware_misses=config.room_aware_misses,
-            coldest_victim_misses=config.coldest_victim_misses,
-            literal_visits=config.literal_visits,
-            tier_aware_misses=config.tier_aware_misses,
-            interference_aware_loads=config.interference_aware_loads,
-        )
+    out_of_order = True
