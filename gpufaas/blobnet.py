@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpufaas.blobs import BlobBusy, BlobStore, CorruptBlob
+from gpufaas.blobs import BlobBusy, BlobStore, BlobWriter, CorruptBlob
 from gpufaas.packages import DIGEST_PATTERN, InvalidPackage
 
 log = logging.getLogger("gpufaas.blobnet")
@@ -203,20 +203,36 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if size > blobs.max_blob_bytes:
             self._answer(413, f"a blob may not be larger than {blobs.max_blob_bytes} bytes (the gateway's limit)")
             return
-        if blobs.store.has(digest):
+        writer = self._writer(blobs.store, digest, size, length)
+        if writer is None or not self._receive(writer, blobs, size, offset, length):
+            return
+        if blobs.on_stored is not None:
+            blobs.on_stored(digest)
+        self._answer(201, "stored", {UPLOAD_OFFSET: str(size)})
+
+    def _writer(self, store: BlobStore, digest: str, size: int, length: int) -> BlobWriter | None:
+        """The writer an upload of `length` bytes goes to, or None once answered (its body
+        discarded): 201 when the blob is stored already, 409 while another upload of it runs,
+        400 when what is on disk of it is wrong."""
+        if store.has(digest):
             self._discard(length)
             self._answer(201, "stored", {UPLOAD_OFFSET: str(size)})
-            return
+            return None
         try:
-            writer = blobs.store.writer(digest, size)
+            return store.writer(digest, size)
         except BlobBusy as exc:
-            self._discard(length)
-            self._answer(409, str(exc))
-            return
+            status, message = 409, str(exc)
         except CorruptBlob as exc:
-            self._discard(length)
-            self._answer(400, str(exc))
-            return
+            status, message = 400, str(exc)
+        self._discard(length)
+        self._answer(status, message)
+        return None
+
+    def _receive(self, writer: BlobWriter, blobs: BlobServer, size: int, offset: int, length: int) -> bool:
+        """Append the body (`length` bytes from `offset` of the blob's `size`) and commit the blob; True once it is
+        stored. False once answered (409 when the upload does not start where the partial ends
+        or does not end the blob, 400 when the bytes are wrong), or when the client broke off
+        (the connection closes; the partial is kept for a resume)."""
         with writer:
             if offset != writer.offset or offset + length != size:
                 current = writer.offset
@@ -228,7 +244,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     f"send from Upload-Offset {current}",
                     {UPLOAD_OFFSET: str(current)},
                 )
-                return
+                return False
             try:
                 got = writer.pump(self.rfile.readinto, length)
             except OSError:
@@ -236,15 +252,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             blobs.bytes_received += max(0, got)
             if got != length:
                 self.close_connection = True  # the client broke off: keep the partial for a resume
-                return
+                return False
             try:
                 writer.commit()
             except CorruptBlob as exc:
                 self._answer(400, str(exc))
-                return
-        if blobs.on_stored is not None:
-            blobs.on_stored(digest)
-        self._answer(201, "stored", {UPLOAD_OFFSET: str(size)})
+                return False
+        return True
 
     def _discard(self, length: int) -> None:
         """Read and drop a body this server will not keep (so the connection can go on)."""

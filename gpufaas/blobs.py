@@ -319,26 +319,12 @@ class BlobWriter:
             got = _fill(read_into, small[:nbytes])
             self.write(small[:got])
             return got
-        # Page-aligned buffers (anonymous mappings), reused: what O_DIRECT writes need.
-        free: queue.Queue[mmap.mmap] = queue.Queue()
-        for _ in range(PUMP_DEPTH):
-            free.put(mmap.mmap(-1, PUMP_BUFFER_BYTES))
-        filled: queue.Queue[tuple[mmap.mmap, int] | None] = queue.Queue()
-        hasher = self._hasher
-
-        def hash_loop() -> None:
-            while (item := filled.get()) is not None:
-                buffer, length = item
-                hasher.update(memoryview(buffer)[:length])
-                free.put(buffer)
-
-        thread = threading.Thread(target=hash_loop, name=f"hash {self.digest[:19]}", daemon=True)
-        thread.start()
+        pipe = _HashPipe(self._hasher.update, f"hash {self.digest[:19]}")
         direct = _open_direct(self._partial) if self.offset % DIRECT_ALIGN == 0 else -1
         appended = 0
         try:
             while appended < nbytes:
-                buffer = free.get()
+                buffer = pipe.free.get()
                 want = min(PUMP_BUFFER_BYTES, nbytes - appended)
                 got = _fill(read_into, memoryview(buffer)[:want])
                 if got:
@@ -357,14 +343,13 @@ class BlobWriter:
                         _pwrite_all(self._fd, memoryview(buffer)[:got], self.offset)
                     appended += got
                     self.offset += got
-                    filled.put((buffer, got))
+                    pipe.hash(buffer, got)
                 else:
-                    free.put(buffer)
+                    pipe.free.put(buffer)
                 if got < want:
                     break
         finally:
-            filled.put(None)
-            thread.join()
+            pipe.close()
             if direct >= 0:
                 os.close(direct)
             os.lseek(self._fd, self.offset, os.SEEK_SET)  # `write` goes on from here
@@ -404,6 +389,38 @@ class BlobWriter:
         self._done = True
         self.store._release(self.digest)
         raise CorruptBlob(message)
+
+
+class _HashPipe:
+    """The hashing thread of a large `BlobWriter.pump`, and the buffers that go around between
+    it and the pump: PUMP_DEPTH page-aligned buffers (anonymous mappings, reused: what O_DIRECT
+    writes need). The pump takes a buffer from `free`, fills and writes it, and passes it to
+    `hash`; the thread hashes it and puts it back in `free`. Lifecycle: made by the pump, which
+    `close`s it (waiting for the hashing to end) whatever happens."""
+
+    def __init__(self, update: Callable[[memoryview], None], name: str) -> None:
+        self.free: queue.Queue[mmap.mmap] = queue.Queue()
+        for _ in range(PUMP_DEPTH):
+            self.free.put(mmap.mmap(-1, PUMP_BUFFER_BYTES))
+        self._filled: queue.Queue[tuple[mmap.mmap, int] | None] = queue.Queue()
+        self._update = update
+        self._thread = threading.Thread(target=self._hash_loop, name=name, daemon=True)
+        self._thread.start()
+
+    def hash(self, buffer: mmap.mmap, length: int) -> None:
+        """Hash the first `length` bytes of `buffer` (written already), then free it."""
+        self._filled.put((buffer, length))
+
+    def close(self) -> None:
+        """Hash what was passed, and end the thread."""
+        self._filled.put(None)
+        self._thread.join()
+
+    def _hash_loop(self) -> None:
+        while (item := self._filled.get()) is not None:
+            buffer, length = item
+            self._update(memoryview(buffer)[:length])
+            self.free.put(buffer)
 
 
 def _open_direct(path: Path) -> int:

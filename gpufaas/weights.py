@@ -347,6 +347,40 @@ def _plan_chunks(entries: Sequence[_Entry], chunk_bytes: int, page_bytes: int = 
     return chunks
 
 
+class _Registrations:
+    """The ranges of one mapping page-locked for a cuda copy (`HostToDevice.register`), in offset
+    order. Lifecycle: made by `_copy_to_device`, which unregisters `addresses` once its copies end."""
+
+    def __init__(self, h2d: HostToDevice, mapping: mmap.mmap, base_address: int) -> None:
+        self.h2d = h2d
+        self.mapping = mapping
+        self.base_address = base_address  # the mapping's first byte
+        self.addresses: list[int] = []  # registered, to unregister
+        self.begins: list[int] = []  # their offsets in the mapping, ascending
+        self.pinning = True  # False once the first registration failed: every copy is from pageable memory
+        self.seconds = 0.0  # spent registering
+
+    def register(self, chunk: _Chunk) -> None:
+        """Page-lock `chunk`'s registration, if it has one and pinning is on. A failure on the first
+        one turns pinning off (and is logged); a later one raises."""
+        if not (self.pinning and chunk.register_end > chunk.register_begin):
+            return
+        started = time.perf_counter()
+        try:
+            self.h2d.register(self.base_address + chunk.register_begin, chunk.register_end - chunk.register_begin)
+        except RuntimeError as exc:
+            if self.addresses:
+                raise
+            # Read-only registration is missing on some devices and drivers: copy from
+            # pageable memory (slower, still right) rather than fail the load.
+            log.warning("cannot page-lock %s for its copy (%s); copying unpinned", self.mapping, exc)
+            self.pinning = False
+        else:
+            self.addresses.append(self.base_address + chunk.register_begin)
+            self.begins.append(chunk.register_begin)
+        self.seconds += time.perf_counter() - started
+
+
 def _copy_to_device(
     mapping: mmap.mmap, entries: Sequence[_Entry], h2d: HostToDevice, chunk_bytes: int
 ) -> tuple[dict[str, torch.Tensor], float, float, int]:
@@ -357,44 +391,16 @@ def _copy_to_device(
     with warnings.catch_warnings():  # a read-only buffer: only ever copied from, never written
         warnings.simplefilter("ignore", UserWarning)
         whole = torch.frombuffer(mapping, dtype=torch.uint8)  # byte views: no dtype alignment to respect
-    base_address = whole.data_ptr()
     tensors = {e.name: h2d.empty(e.shape, e.dtype) for e in entries if e.nbytes == 0}
-    registered: list[int] = []
-    register_begins: list[int] = []  # offsets, ascending
-    register_s = copy_s = 0.0
+    pins = _Registrations(h2d, mapping, whole.data_ptr())
+    copy_s = 0.0
     chunks = _plan_chunks(entries, chunk_bytes)
-    pinning = True
     try:
         for chunk in chunks:
-            if pinning and chunk.register_end > chunk.register_begin:
-                started = time.perf_counter()
-                try:
-                    h2d.register(base_address + chunk.register_begin, chunk.register_end - chunk.register_begin)
-                except RuntimeError as exc:
-                    if registered:
-                        raise
-                    # Read-only registration is missing on some devices and drivers: copy from
-                    # pageable memory (slower, still right) rather than fail the load.
-                    log.warning("cannot page-lock %s for its copy (%s); copying unpinned", mapping, exc)
-                    pinning = False
-                else:
-                    registered.append(base_address + chunk.register_begin)
-                    register_begins.append(chunk.register_begin)
-                register_s += time.perf_counter() - started
+            pins.register(chunk)
             # Enqueued without waiting: the next chunk's registration overlaps these transfers.
             started = time.perf_counter()
-            for e in chunk.entries:
-                dst = h2d.empty(e.shape, e.dtype)
-                dst_bytes = dst.reshape(-1).view(torch.uint8)
-                # A tensor whose first page went with the previous chunk spans two registrations: one
-                # copy per registration, as a copy's source must lie within one page-locked range.
-                first, last = (
-                    bisect.bisect_right(register_begins, e.begin),
-                    bisect.bisect_left(register_begins, e.end),
-                )
-                for begin, end in itertools.pairwise([e.begin, *register_begins[first:last], e.end]):
-                    h2d.copy(dst_bytes[begin - e.begin : end - e.begin], whole[begin:end])
-                tensors[e.name] = dst
+            tensors.update(_enqueue_copies(h2d, whole, chunk.entries, pins.begins))
             copy_s += time.perf_counter() - started
         started = time.perf_counter()
         h2d.synchronize()
@@ -404,13 +410,36 @@ def _copy_to_device(
         with contextlib.suppress(Exception):
             h2d.synchronize()
         with contextlib.suppress(Exception):
-            _unregister_all(h2d, registered)
+            _unregister_all(h2d, pins.addresses)
         raise
     started = time.perf_counter()
-    _unregister_all(h2d, registered)
-    register_s += time.perf_counter() - started
+    _unregister_all(h2d, pins.addresses)
+    register_s = pins.seconds + (time.perf_counter() - started)
     # In file order, as safetensors returns them (empty tensors were allocated first).
     return {e.name: tensors[e.name] for e in entries}, register_s, copy_s, len(chunks)
+
+
+def _enqueue_copies(
+    h2d: HostToDevice, whole: torch.Tensor, entries: Sequence[_Entry], register_begins: Sequence[int]
+) -> dict[str, torch.Tensor]:
+    """Allocate each tensor on the device and enqueue its copy from `whole` (the mapping's bytes),
+    without waiting; `register_begins` are the offsets of the page-locked ranges, ascending."""
+    import torch
+
+    tensors: dict[str, torch.Tensor] = {}
+    for e in entries:
+        dst = h2d.empty(e.shape, e.dtype)
+        dst_bytes = dst.reshape(-1).view(torch.uint8)
+        # A tensor whose first page went with the previous chunk spans two registrations: one
+        # copy per registration, as a copy's source must lie within one page-locked range.
+        first, last = (
+            bisect.bisect_right(register_begins, e.begin),
+            bisect.bisect_left(register_begins, e.end),
+        )
+        for begin, end in itertools.pairwise([e.begin, *register_begins[first:last], e.end]):
+            h2d.copy(dst_bytes[begin - e.begin : end - e.begin], whole[begin:end])
+        tensors[e.name] = dst
+    return tensors
 
 
 def _unregister_all(h2d: HostToDevice, addresses: Sequence[int]) -> None:
