@@ -19,7 +19,7 @@ import urllib.parse
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 import httpx
 
@@ -32,7 +32,11 @@ from gpufaas.processes import pid_alive
 from gpufaas.supervision import Supervision
 
 if TYPE_CHECKING:
+    from gateway.settings import GatewaySettings
+    from gpu_manager.settings import NodeSettings
+    from gpufaas.settings import DaemonSettings
     from gpufaas.store import EtcdCredentials
+    from scheduler.settings import SchedulerSettings
 
 log = logging.getLogger("gpufaas.local_cluster")
 SUPERVISE_POLL_S = 0.1
@@ -195,12 +199,67 @@ class LocalCluster:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def _common(self) -> list[str]:
+    def _common(self) -> dict[str, Any]:
+        """The settings every daemon of this cluster shares: its etcd, its key root, its credentials."""
         assert self.etcd_endpoint is not None
-        security = ["--secret-file", str(self.secrets.cluster_secret)] if self.secure else ["--insecure"]
+        common: dict[str, Any] = {"etcd": self.etcd_endpoint, "root": self.root, "insecure": not self.secure}
+        if self.secure:
+            common["secret_file"] = self.secrets.cluster_secret
         if self.secure and self.etcd_auth:
-            security += ["--etcd-password-file", str(self.secrets.etcd_password)]
-        return ["--etcd", self.etcd_endpoint, "--root", self.root, *security]
+            common["etcd_password_file"] = self.secrets.etcd_password
+        return common
+
+    def scheduler_settings(self) -> SchedulerSettings:
+        """What the scheduler runs with: this cluster's fields, then `scheduler_flags` on top."""
+        from scheduler.settings import SchedulerSettings
+
+        return SchedulerSettings(
+            **self._common(),
+            listen=self.scheduler_address,
+            metrics_listen=self._metrics_address("scheduler"),
+            policy=self.policy,
+            eviction=self.eviction,
+            queue_capacity=self.queue_capacity,
+            slots=self.slots,
+            claim_s=self.claim_s,
+            gpu_idle_release_s=self.gpu_idle_release_s,
+            host_idle_release_s=self.host_idle_release_s,
+        ).with_flags(self.scheduler_flags)
+
+    def gateway_settings(self) -> GatewaySettings:
+        from gateway.settings import GatewaySettings
+
+        values = self._common()
+        if self.secure:
+            values.update(admin_password_file=self.secrets.admin_password, invoke_token_file=self.secrets.invoke_token)
+        return GatewaySettings(
+            **values,
+            port=self.gateway_port,
+            state_dir=self.state_dir / "gateway",
+            scheduler=self.scheduler_address,
+            max_payload_mb=self.max_payload_mb,
+        )
+
+    def node_settings(self, name: str) -> NodeSettings:
+        """What node `name` runs with: this cluster's fields, then `node_flags` on top."""
+        from gpu_manager.settings import NodeSettings
+
+        values = self._common()
+        if self.docker_image:
+            values["docker_image"] = self.docker_image
+        values.update(backend=self.backend, runtime=self.runtime)
+        return NodeSettings(
+            **values,
+            node=name,
+            gpus=self.gpus_per_node,
+            gpu_memory_mb=self.gpu_memory_mb,
+            gpu_type=self.gpu_type,
+            state_dir=self.state_dir / name,
+            spares=self.spares,
+            max_payload_mb=self.max_payload_mb,
+            metrics_listen=self._metrics_address(name),
+            pool_dir=self._pool_dir(name),
+        ).with_flags(self.node_flags)
 
     def start(self, timeout_s: float = 60.0) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -216,102 +275,23 @@ class LocalCluster:
             self.etcd_endpoint = etcd.endpoint
         self.gateway_port = self.gateway_port or free_port()
         self.scheduler_port = self.scheduler_port or free_port()
-        logs = self.state_dir / "logs"
-        python = sys.executable
-        self.components["scheduler"] = Component(
-            "scheduler",
-            [
-                python,
-                "-m",
-                "scheduler",
-                *self._common(),
-                "--listen",
-                self.scheduler_address,
-                "--policy",
-                self.policy,
-                "--eviction",
-                self.eviction,
-                "--queue-capacity",
-                str(self.queue_capacity),
-                "--slots",
-                self.slots,
-                "--claim-s",
-                str(self.claim_s),
-                "--metrics-listen",
-                self._metrics_address("scheduler"),
-                *(["--gpu-idle-release-s", str(self.gpu_idle_release_s)] if self.gpu_idle_release_s else []),
-                *(["--host-idle-release-s", str(self.host_idle_release_s)] if self.host_idle_release_s else []),
-                *self.scheduler_flags,
-            ],
-            logs / "scheduler.log",
-        )
-        self.components["gateway"] = Component(
-            "gateway",
-            [
-                python,
-                "-m",
-                "gateway",
-                *self._common(),
-                "--port",
-                str(self.gateway_port),
-                "--state-dir",
-                str(self.state_dir / "gateway"),
-                "--scheduler",
-                self.scheduler_address,
-                "--max-payload-mb",
-                str(self.max_payload_mb),
-                *(
-                    [
-                        "--admin-password-file",
-                        str(self.secrets.admin_password),
-                        "--invoke-token-file",
-                        str(self.secrets.invoke_token),
-                    ]
-                    if self.secure
-                    else []
-                ),
-            ],
-            logs / "gateway.log",
-        )
+        self._add("scheduler", "scheduler", self.scheduler_settings())
+        self._add("gateway", "gateway", self.gateway_settings())
         for index in range(self.nodes):
-            name = f"node{index}"
-            argv = [
-                python,
-                "-m",
-                "gpu_manager",
-                *self._common(),
-                "--node",
-                name,
-                "--backend",
-                self.backend,
-                "--gpus",
-                str(self.gpus_per_node),
-                "--gpu-memory-mb",
-                str(self.gpu_memory_mb),
-                "--state-dir",
-                str(self.state_dir / name),
-                "--spares",
-                str(self.spares),
-                "--max-payload-mb",
-                str(self.max_payload_mb),
-            ]
-            if self.gpu_type:
-                argv += ["--gpu-type", self.gpu_type]
-            argv += ["--metrics-listen", self._metrics_address(name)]
-            if self.runtime != "process":
-                argv += ["--runtime", self.runtime]
-            if self.docker_image:
-                argv += ["--docker-image", self.docker_image]
-            if "--pool-dir" not in self.node_flags:
-                self._pool_dir(name).mkdir(mode=0o700, parents=True, exist_ok=True)
-                argv += ["--pool-dir", str(self._pool_dir(name))]
-            argv += self.node_flags
-            self.components[name] = Component(name, argv, logs / f"{name}.log")
+            node = self.node_settings(f"node{index}")
+            if node.pool_dir == self._pool_dir(node.node):
+                node.pool_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._add(node.node, "gpu_manager", node)
         env = self._env()
         for component in self.components.values():
             component.start(env)
         self._write_pids()
         self.wait_healthy(timeout_s)
+
+    def _add(self, name: str, module: str, settings: DaemonSettings) -> None:
+        """Component `name`: `python -m module` with the flags that give it `settings`."""
+        argv = [sys.executable, "-m", module, *settings.to_argv()]
+        self.components[name] = Component(name, argv, self.state_dir / "logs" / f"{name}.log")
 
     def _metrics_address(self, component: str) -> str:
         """The metrics listener of `component`: kept across restarts, so a scraper need not follow."""

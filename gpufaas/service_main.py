@@ -1,4 +1,5 @@
-"""What every gpufaas daemon shares at start: flags for etcd and logging, signals, a clean stop."""
+"""What every gpufaas daemon shares at start: its credentials checked, logging, signals, a clean stop
+(its flags are its settings model: gpufaas.settings)."""
 
 from __future__ import annotations
 
@@ -6,58 +7,20 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpufaas.credentials import CredentialError, read_secret
 from gpufaas.errors import GpufaasError
-from gpufaas.keys import DEFAULT_ROOT
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from gpufaas.metrics import MetricsServer
+    from gpufaas.settings import DaemonSettings
     from gpufaas.store import EtcdCredentials, EtcdStore
-
-
-def add_common_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--etcd", default="127.0.0.1:2379", help="etcd client endpoint host:port")
-    parser.add_argument("--root", default=DEFAULT_ROOT, help="etcd key root (default %(default)s)")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument(
-        "--secret-file",
-        type=Path,
-        default=os.environ.get("GPUFAAS_SECRET_FILE") or None,
-        help="the cluster secret every daemon shares, mode 0600 (default $GPUFAAS_SECRET_FILE; "
-        "`gpufaas up` makes STATE/secrets/cluster-secret)",
-    )
-    parser.add_argument(
-        "--etcd-password-file",
-        type=Path,
-        default=os.environ.get("GPUFAAS_ETCD_PASSWORD_FILE") or None,
-        help="etcd's root password, mode 0600 (default $GPUFAAS_ETCD_PASSWORD_FILE): the daemon "
-        "authenticates to etcd as root, and turns etcd's authentication on if it is off. Without it "
-        "etcd must be reachable by the daemons only (loopback, or a network of their own)",
-    )
-    parser.add_argument(
-        "--insecure",
-        action="store_true",
-        help="no credentials on any interface: development on a machine nobody else uses",
-    )
-
-
-def add_metrics_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--metrics-listen",
-        default=None,
-        metavar="HOST:PORT",
-        help="serve Prometheus metrics at http://HOST:PORT/metrics, asking for the cluster's metrics token "
-        "(`python -m gpufaas.credentials --metrics-token SECRETS_DIR`) as a bearer token (default: none)",
-    )
 
 
 async def start_metrics(registry: CollectorRegistry, listen: str | None, secret: str | None) -> MetricsServer | None:
@@ -74,7 +37,7 @@ async def start_metrics(registry: CollectorRegistry, listen: str | None, secret:
     return server
 
 
-def cluster_secret(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+def cluster_secret(parser: argparse.ArgumentParser, args: DaemonSettings) -> str | None:
     """The cluster secret named by --secret-file (None with --insecure); a usage error if it is
     missing or unsafe. Safe by default: a daemon does not start open unless told to."""
     if args.insecure:
@@ -92,7 +55,7 @@ def cluster_secret(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser.error(str(exc))
 
 
-def etcd_credentials(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EtcdCredentials | None:
+def etcd_credentials(parser: argparse.ArgumentParser, args: DaemonSettings) -> EtcdCredentials | None:
     """etcd's credentials from --etcd-password-file (None without it); a usage error if the file
     is missing or unsafe, or given with --insecure."""
     from gpufaas.store import EtcdCredentials
@@ -114,7 +77,7 @@ async def open_store(endpoint: str, credentials: EtcdCredentials | None) -> Etcd
     return await EtcdStore.open(endpoint, credentials=credentials, enable_auth=credentials is not None)
 
 
-def warn_if_insecure(args: argparse.Namespace, name: str) -> None:
+def warn_if_insecure(args: DaemonSettings, name: str) -> None:
     if args.insecure:
         logging.getLogger("gpufaas").warning("%s runs with --insecure: anyone who reaches its port may use it", name)
 

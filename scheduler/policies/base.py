@@ -17,7 +17,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence, Set
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Annotated, ClassVar, Protocol
+
+from pydantic import Field
 
 from gpufaas.errors import UnknownPolicy
 from gpufaas.types import Request
@@ -74,44 +76,87 @@ class SchedulingContext(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
-    """Tunables of every policy; each policy reads the ones it knows."""
+    """Tunables of every policy; each policy reads the ones it knows. Each field's `Field` is its
+    description and bounds where a daemon takes it as a setting (`python -m scheduler --o3-limit`,
+    `gpufaas up`): `scheduler.settings` derives those flags from this declaration."""
 
-    max_num_skips: int = DEFAULT_MAX_NUM_SKIPS
+    max_num_skips: Annotated[
+        int,
+        Field(
+            ge=0,
+            json_schema_extra={"flag": "--o3-limit"},
+            description="lalb-o3 and mqfq-sticky: how often a request may be passed over",
+        ),
+    ] = DEFAULT_MAX_NUM_SKIPS
     # Place a load-balancing miss on an idle GPU with room for the model when one exists, so no
     # warm model is evicted while another idle GPU has space. False = Algorithm 2 to the letter
     # (the miss goes to the GPU being filled), for reproducing the paper.
-    room_aware_misses: bool = True
+    room_aware_misses: Annotated[
+        bool, Field(description="a miss goes to an idle GPU with room for its model when one exists (off: Algorithm 2)")
+    ] = True
     # When such a miss must evict (no idle GPU has room), place it on the idle GPU whose first
     # victim was used least recently across the cluster, rather than on the GPU being filled
     # (whose LRU list would otherwise churn while other GPUs' models stay frozen). Only with
     # room_aware_misses.
-    coldest_victim_misses: bool = True
+    coldest_victim_misses: Annotated[
+        bool, Field(description="a miss that must evict goes to the idle GPU whose victim is least recently used")
+    ] = True
     # Algorithm 1 read literally: a scan for a hit counts a visit for every request it passes,
     # whether or not anything is dispatched ahead of it, and a request is forced once its visits
     # are *higher* than the limit. False (the default): a skip is counted only when a younger
     # request is dispatched ahead, and a request is forced once its skips *reach* the limit.
-    literal_visits: bool = False
+    literal_visits: Annotated[
+        bool, Field(description="Algorithm 1's visit counting to the letter (every request a scan passes)")
+    ] = False
     # A miss goes first to an idle GPU whose node keeps the model in host memory (its host tier or
     # host model pool: a swap-in, not a load), else on disk where the GPU being filled would have to
     # fetch it. No effect where nodes hold nothing but their GPUs' models.
-    tier_aware_misses: bool = True
+    tier_aware_misses: Annotated[
+        bool, Field(description="a miss goes first to an idle GPU whose node keeps the model in host memory")
+    ] = True
     # Torpor's interference-aware placement: a miss goes to an idle GPU whose host link (the PCIe
     # switch it shares with other GPUs, `GpuSpec.link`) carries no other load, where the choice is
     # otherwise equal, so that two copies do not halve each other's bandwidth. No effect where
     # every GPU has a link of its own.
-    interference_aware_loads: bool = True
+    interference_aware_loads: Annotated[
+        bool,
+        Field(
+            description="misses prefer a GPU whose shared host link (PCIe switch) carries no other load "
+            "(Torpor's interference-aware placement; in effect where nodes report shared links)"
+        ),
+    ] = True
     # mqfq-sticky: T, how many seconds of service a flow may run ahead of Global_VT before it is
     # throttled, and alpha, its keep-alive TTL in mean inter-arrival times.
-    mqfq_overrun_s: float = 10.0
-    mqfq_ttl_alpha: float = 1.5
+    mqfq_overrun_s: Annotated[
+        float,
+        Field(ge=0, description="mqfq-sticky: T, seconds of service a flow may run ahead before it is throttled"),
+    ] = 10.0
+    mqfq_ttl_alpha: Annotated[
+        float, Field(ge=0, description="mqfq-sticky: a flow's keep-alive, in mean inter-arrival times")
+    ] = 1.5
     # mqfq-sticky: swap a flow's model out to its node's host tier once the flow is past its
     # keep-alive (the paper's proactive memory management). Off by default: where GPU memory is
     # wanted only by the next calls it costs latency (bench/results/mqfq_keepalive.json).
-    mqfq_swap_out: bool = False
+    mqfq_swap_out: Annotated[
+        bool,
+        Field(
+            description="mqfq-sticky: move a flow's model to its node's host tier once the flow is past its keep-alive"
+        ),
+    ] = False
     # torpor: the share of the total positive required request count (RRC) the high-priority
     # group may hold (where it starts), and how often Torpor's Algorithm 2 retunes it (None: fixed).
-    torpor_alpha: float = 0.5
-    torpor_alpha_period_s: float | None = None
+    torpor_alpha: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=1,
+            description="torpor: the share of the required request count the high-priority group starts with",
+        ),
+    ] = 0.5
+    torpor_alpha_period_s: Annotated[
+        float | None,
+        Field(gt=0, description="torpor: retune alpha this often by Torpor's Algorithm 2 (default: alpha fixed)"),
+    ] = None
 
     def __post_init__(self) -> None:
         if self.max_num_skips < 0:

@@ -1,25 +1,88 @@
-"""gpufaas.local_cluster's defaults: the local cluster's own etcd asks for a password."""
+"""gpufaas.local_cluster's defaults: the local cluster's own etcd asks for a password, and every
+daemon's command line is its settings model's, read back by the daemon as the same settings."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from gateway.settings import GatewaySettings
+from gpu_manager.settings import NodeSettings
 from gpufaas.local_cluster import LocalCluster
+from gpufaas.settings import DaemonSettings, SettingsError
+from scheduler.policies import PolicyConfig
+from scheduler.settings import SchedulerSettings
+
+
+def argvs(cluster: LocalCluster) -> list[list[str]]:
+    """The three daemons' flags as `start()` would pass them."""
+    cluster.etcd_endpoint = cluster.etcd_endpoint or "127.0.0.1:2379"  # what start() sets once its etcd runs
+    return [
+        cluster.scheduler_settings().to_argv(),
+        cluster.gateway_settings().to_argv(),
+        cluster.node_settings("node0").to_argv(),
+    ]
 
 
 def test_a_cluster_that_runs_its_own_etcd_turns_etcds_authentication_on(tmp_path: Path) -> None:
     cluster = LocalCluster(tmp_path)  # as `gpufaas up` makes it (python -m gpufaas.local_cluster)
     assert cluster.etcd_auth is True
-    cluster.etcd_endpoint = "127.0.0.1:2379"  # what start() sets once its etcd runs
-    argv = cluster._common()
-    assert argv[argv.index("--etcd-password-file") + 1] == str(cluster.secrets.etcd_password)
+    for argv in argvs(cluster):
+        assert argv[argv.index("--etcd-password-file") + 1] == str(cluster.secrets.etcd_password)
+        assert argv[argv.index("--secret-file") + 1] == str(cluster.secrets.cluster_secret)
 
 
 def test_an_etcd_given_to_the_cluster_is_left_as_its_owner_runs_it(tmp_path: Path) -> None:
     shared = LocalCluster(tmp_path, etcd_endpoint="127.0.0.1:2379")  # the tests' shared etcd
-    assert shared.etcd_auth is False and "--etcd-password-file" not in shared._common()
+    assert shared.etcd_auth is False and all("--etcd-password-file" not in argv for argv in argvs(shared))
     locked = LocalCluster(tmp_path, etcd_endpoint="127.0.0.1:2379", etcd_auth=True)
-    assert "--etcd-password-file" in locked._common()
+    assert all("--etcd-password-file" in argv for argv in argvs(locked))
     insecure = LocalCluster(tmp_path, secure=False)  # --insecure daemons: no credentials at all
-    insecure.etcd_endpoint = "127.0.0.1:2379"
-    assert "--etcd-password-file" not in insecure._common() and insecure.etcd_credentials is None
+    assert all("--insecure" in argv and "--etcd-password-file" not in argv for argv in argvs(insecure))
+    assert insecure.etcd_credentials is None
+
+
+@pytest.mark.parametrize(
+    ("model", "settings"),
+    [
+        (SchedulerSettings, LocalCluster.scheduler_settings),
+        (GatewaySettings, LocalCluster.gateway_settings),
+        (NodeSettings, lambda cluster: cluster.node_settings("node1")),
+    ],
+    ids=["scheduler", "gateway", "node"],
+)
+def test_each_daemon_reads_its_command_line_back_as_the_settings_it_came_from(
+    tmp_path: Path, model: type[DaemonSettings], settings: object
+) -> None:
+    cluster = LocalCluster(
+        tmp_path,
+        policy="mqfq-sticky",
+        eviction="heaviness",
+        slots="2,cpu=3",
+        gpu_idle_release_s=4.5,
+        runtime="docker",
+        spares=0,
+        scheduler_flags=["--o3-limit", "0", "--no-interference-aware-loads", "--mqfq-overrun-s", "2.5"],
+        node_flags=["--home-mb", "256", "--pool-dir", str(tmp_path / "pool")],
+    )
+    cluster.etcd_endpoint = "127.0.0.1:2379"
+    assert callable(settings)
+    expected = settings(cluster)
+    assert isinstance(expected, model)
+    assert model.from_args(expected.to_argv(), "test", "") == expected
+
+
+def test_policy_knobs_reach_the_scheduler_as_one_policy_config(tmp_path: Path) -> None:
+    cluster = LocalCluster(tmp_path, etcd_endpoint="127.0.0.1:2379", scheduler_flags=["--o3-limit", "0"])
+    cluster.scheduler_flags += ["--mqfq-ttl-alpha", "3", "--torpor-alpha-period-s", "10", "--mqfq-swap-out"]
+    config = cluster.scheduler_settings().policy_config
+    assert config == PolicyConfig(max_num_skips=0, mqfq_ttl_alpha=3, torpor_alpha_period_s=10, mqfq_swap_out=True)
+
+
+def test_node_flags_override_the_cluster_and_are_checked(tmp_path: Path) -> None:
+    cluster = LocalCluster(tmp_path, etcd_endpoint="127.0.0.1:2379", node_flags=["--gpus", "5"])
+    assert cluster.node_settings("node0").gpus == 5  # later flags win, as on a command line
+    cluster.node_flags = ["--spares", "-1"]
+    with pytest.raises(SettingsError, match="--spares must be >= 0"):
+        cluster.node_settings("node0")

@@ -1,0 +1,91 @@
+"""The scheduler's settings, declared once: `python -m scheduler`'s flags and environment
+(GPUFAAS_SCHEDULER_*), and what the local cluster and `gpufaas up` pass it."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+from pydantic_settings import SettingsConfigDict
+
+from cache_manager import EvictionPolicy
+from gpufaas.settings import MetricsSettings
+from scheduler.adaptive_slots import DEFAULT_THRESHOLD
+from scheduler.policies import PolicyConfig, registered_policies
+from scheduler.service import DEFAULT_PRESTAGE_NODES, MAX_CLAIM_S, SlotConfig
+
+PROG = "python -m scheduler"
+DESCRIPTION = "gpufaas scheduler service"
+
+
+class SchedulerSettings(MetricsSettings):
+    """Everything `python -m scheduler` takes. The policy's knobs are `policy_config`, one flag
+    per `PolicyConfig` field (`--o3-limit`, `--mqfq-overrun-s`, ...), as the simulator takes them."""
+
+    model_config = SettingsConfigDict(env_prefix="GPUFAAS_SCHEDULER_")
+
+    listen: str = Field("127.0.0.1:50051", description="address to bind")
+    advertise: str | None = Field(None, description="address gateways dial (default: the listen address)")
+    policy: str = Field("lalb-o3", description=f"the scheduling policy: {', '.join(registered_policies())}")
+    policy_config: PolicyConfig = PolicyConfig()
+    eviction: str = Field(
+        "lru",
+        description="which models a miss evicts from a GPU: lru (the paper's), heaviness (Torpor's) or tinylfu "
+        "(the least used lately; docs/policies.md)",
+    )
+    adaptive_slots: int | None = Field(
+        None,
+        ge=1,
+        json_schema_extra={"metavar": "MAX"},
+        description="adaptive D (MQFQ-Sticky's): each GPU's concurrent calls move between 1 and MAX from its "
+        "utilization every 200 ms, starting at --slots (default: D fixed)",
+    )
+    utilization_threshold: float = Field(
+        DEFAULT_THRESHOLD,
+        gt=0,
+        le=1,
+        description="adaptive D: above this share of time busy a GPU's D steps down, below it up",
+    )
+    queue_capacity: int = Field(10_000, gt=0, description="calls waiting before 429")
+    slots: str = Field("4", description="concurrent calls per GPU: N, or N,GPU_TYPE=M,... per GPU type")
+    claim_s: float = Field(
+        5.0, gt=0, le=MAX_CLAIM_S, description="a placement not used within this long is checked with its node"
+    )
+    gpu_idle_release_s: float | None = Field(
+        None,
+        gt=0,
+        description="staged exit: a model unused on a GPU this long leaves it, for its node's host tier where "
+        "the node keeps one (default: never)",
+    )
+    host_idle_release_s: float | None = Field(
+        None,
+        gt=0,
+        description="staged exit: a model in a node's host tier unused this long leaves it too (default: never)",
+    )
+    prestage_nodes: int = Field(
+        DEFAULT_PRESTAGE_NODES,
+        ge=0,
+        description="nodes that get a new function's package (and weights) before its first call; 0: none",
+    )
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        if name not in registered_policies():
+            raise ValueError(f"unknown scheduling policy {name!r}; valid policies: {', '.join(registered_policies())}")
+        return name
+
+    @field_validator("eviction")
+    @classmethod
+    def _known_eviction(cls, name: str) -> str:
+        if name not in EvictionPolicy.registry:
+            raise ValueError(f"unknown eviction policy {name!r}; valid: {', '.join(sorted(EvictionPolicy.registry))}")
+        return name
+
+    @field_validator("slots")
+    @classmethod
+    def _slots_parse(cls, text: str) -> str:
+        SlotConfig.parse(text)  # its ValueError says what is wrong
+        return text
+
+    @property
+    def slot_config(self) -> SlotConfig:
+        return SlotConfig.parse(self.slots)
