@@ -1,8 +1,9 @@
 """A node's worker processes as the node sees them: what a call needs of its model's worker
 (`ModelRun`), a call's answer (`RunResult`), what a taking worker maps beside its package
-(`WeightsPlan`), one worker process's state and the node's end of its socket (`Worker`), and what
-its model is booked at on its GPU (`book_memory`), shared by the worker pool (gpu_manager.pool)
-and the runtimes that start the processes (gpu_manager.runtimes)."""
+(`WeightsPlan`), one worker process's state and the node's end of its socket (`Worker`, which
+holds the node's side of the protocol with it: hello, LoadModel, calls), and what its model is
+booked at on its GPU (`book_memory`), shared by the worker pool (gpu_manager.pool) and the
+runtimes that start the processes (gpu_manager.runtimes)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType
+
+_DRAIN_OVER_BYTES = 65536  # a call's payload larger than this waits for the socket to take it
 
 EXIT_CAUSES = ("stopped", "load_failed", "killed", "died", "start_failed", "shutdown", "over_memory")
 """Why a worker process exited (`WorkerPool.worker_exits`): the pool stopped it (evicted, released,
@@ -112,6 +115,15 @@ class WeightsPlan:
 NO_WEIGHTS = WeightsPlan()
 
 
+class CallTimedOut(Exception):
+    """A call had no result by its deadline. `running`: the worker was running it (it may be stuck
+    in the handler), rather than still holding it queued behind others."""
+
+    def __init__(self, running: bool) -> None:
+        super().__init__("no result by the deadline")
+        self.running = running
+
+
 class WorkerState(enum.Enum):
     STARTING = "starting"  # process started, not yet warm
     SPARE = "spare"  # warm (runtime imported, context created), waiting for a model
@@ -162,6 +174,31 @@ class Worker:
     @property
     def model(self) -> str:
         return self.run.model if self.run is not None else ""
+
+    # The node's side of the protocol (gpu_manager.worker has the worker's).
+    async def load(self, load: pb.LoadModel) -> pb.ModelLoaded:
+        """Send the worker its model and wait for its ModelLoaded (ConnectionLost if it goes first)."""
+        assert self.conn is not None
+        self.conn.send(MessageType.LOAD_MODEL, load)
+        return await self.loaded
+
+    async def call(self, call_id: str, payload: bytes, *, content_type: str, deadline: float) -> Frame:
+        """Write one call and wait for its CallResult frame until `deadline` (the event loop's
+        clock): raises ConnectionLost if the worker goes first, CallTimedOut at the deadline. Calls
+        are written at once, in order: the socket is the worker's queue."""
+        assert self.conn is not None
+        future: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+        self.pending[call_id] = future
+        try:
+            self.conn.send(MessageType.CALL, pb.Call(call_id=call_id, content_type=content_type), payload)
+            if len(payload) > _DRAIN_OVER_BYTES:
+                await self.conn.drain()
+            async with asyncio.timeout_at(deadline):
+                return await future
+        except TimeoutError:
+            raise CallTimedOut(running=next(iter(self.pending), None) == call_id) from None
+        finally:
+            self.pending.pop(call_id, None)
 
     # wire.Handler
     def on_frame(self, conn: Connection, frame: Frame) -> None:

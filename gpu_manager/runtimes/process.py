@@ -1,48 +1,24 @@
-"""How a node's worker processes are started, connected to and stopped: one `Runtime` per way of
-running them, chosen once when the node starts (`make_runtime`).
-
-- `ProcessRuntime` (`--runtime process`): workers forked from the node's zygote
-  (gpu_manager.zygote), which imported the backend's runtime (torch) once; they start as warm
-  spares before any model is known, and confine themselves when they take one (gpu_manager.sandbox).
-- `DockerRuntime` (`--runtime docker`): one container per worker, made for a model (its package
-  and weights mounted read-only), so it keeps no spares (gpu_manager.containers).
-
-A runtime's `run(worker, model)` starts the process, connects `worker` to it, and returns once it
-has exited (`worker.exited` resolved); the worker pool does everything else.
-"""
+"""The process runtime (`--runtime process`): workers forked from the node's zygote
+(gpu_manager.zygote), warm spares before any model is known, confined when they take one
+(gpu_manager.sandbox, gpu_manager.cgroups)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
-import shutil
-import signal
 import socket
 import sys
-import tempfile
 import time
-import uuid
-from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from gpu_manager.cgroups import Cgroups, Unavailable, open_cgroups, resident_mb, worker_group, worker_limits
-from gpu_manager.containers import (
-    LAYER_MOUNT,
-    PACKAGE_MOUNT,
-    POOL_MOUNT,
-    SOCKET_NAME,
-    DockerLauncher,
-    container_environment,
-    container_spec,
-)
+from gpu_manager.runtimes.base import KILL_WAIT_S, SPARE_RETRY_S, SPARE_START_TIMEOUT_S, STOP_GRACE_S, Runtime, log
 from gpu_manager.sandbox import (
     LOG_LINE_BYTES,
-    Isolation,
     LogBudget,
     clear_homes,
     data_allowance_mb,
@@ -51,19 +27,11 @@ from gpu_manager.sandbox import (
     remove_home,
     worker_environment,
 )
-from gpu_manager.workers import ModelRun, WeightsPlan, Worker
+from gpu_manager.workers import ModelRun, Worker
 from gpufaas.processes import pid_alive
-from gpufaas.wire import Connection, ConnectionLost, max_frame_bytes_for
+from gpufaas.wire import Connection, ConnectionLost
 
-log = logging.getLogger("gpufaas.gpu_manager.pool")
 worker_log = logging.getLogger("gpufaas.worker")  # what workers print
-
-RUNTIMES = ("process", "docker")  # how workers run: forked from the zygote, or in containers
-SPARE_START_TIMEOUT_S = 120.0  # importing torch and creating a CUDA context, on a busy machine
-SPARE_RETRY_S = 5.0  # after a spare (or the zygote) died warming up (a broken runtime), before another
-STOP_GRACE_S = 2.0
-"""How long a stopped worker has to exit after SIGTERM before it gets SIGKILL."""
-KILL_WAIT_S = 30.0  # tearing down a large CUDA context can take seconds; past this, log and move on
 _DROP_REPORT_S = 10.0  # how often a worker's dropped output is told of, at most
 _OUTPUT_GRACE_S = 1.0  # a worker's output is read this long after it exits (then its pipe is closed)
 _EXIT_POLL_S = 0.005
@@ -71,73 +39,6 @@ _EXIT_POLL_S = 0.005
 # that hundreds of parked workers cost the node's event loop nothing (a call's own answer reads its
 # worker's counter at once; this only clears what is left of a group the kernel cut into).
 OOM_POLL_S = 1.0
-
-# A container's package, owner and weights, made ready by the worker pool before it starts.
-Prepare = Callable[[ModelRun], Awaitable[tuple[Path, int, WeightsPlan]]]
-
-
-class Runtime(ABC):
-    """One way of running a node's workers (see the module docstring)."""
-
-    name: ClassVar[str]
-    keeps_spares: ClassVar[bool]  # whether a worker starts before its model is known
-
-    def __init__(
-        self,
-        *,
-        backend: str,
-        gpus: dict[str, int],
-        isolation: Isolation,
-        max_body_bytes: int,
-        closing: Callable[[], bool],
-    ) -> None:
-        """`gpus`: node-local GPU id -> device index; `closing()`: whether the node is shutting
-        down (a worker that cannot start then is no error)."""
-        self.backend = backend
-        self.gpus = gpus
-        self.isolation = isolation
-        self.max_frame_bytes = max_frame_bytes_for(max_body_bytes)
-        self._closing = closing
-
-    async def check(self) -> None:  # noqa: B027  (an optional hook)
-        """Refuse to start (with an error that says what to do) where this runtime cannot run."""
-
-    @abstractmethod
-    async def run(self, worker: Worker, model: ModelRun | None) -> None:
-        """Start `worker`'s process (for `model`, where the runtime makes a worker for a model),
-        connect it (`worker.conn`), and return once it is gone, `worker.exited` resolved."""
-
-    def package_dir(self, directory: Path) -> str:
-        """Where the worker finds its package (what LoadModel says)."""
-        return str(directory)
-
-    def worker_view(self, weights: WeightsPlan) -> WeightsPlan:
-        """`weights` at the paths the worker sees them (what LoadModel says)."""
-        return weights
-
-    @abstractmethod
-    async def confinement(self, worker: Worker, run: ModelRun) -> dict[str, Any]:
-        """The LoadModel fields that confine `worker`, taking `run` (gpu_manager.sandbox); what
-        the node itself holds it to is set up here, before its handler runs (OSError if not)."""
-
-    def over_memory(self, worker: Worker) -> bool:
-        """Whether `worker` (or a process it started) was killed for its memory limit."""
-        return worker.exit_cause == "over_memory"
-
-    async def release_package(self, digest: str, in_use: Callable[[], bool]) -> None:  # noqa: B027
-        """No worker of package `digest` is left on this node: what the runtime keeps for it goes."""
-
-    async def stop_starting(self) -> None:  # noqa: B027  (an optional hook)
-        """The node is shutting down: cancel what would still start workers."""
-
-    async def shutdown(self) -> None:  # noqa: B027  (an optional hook)
-        """After every worker stopped: what the runtime itself holds goes."""
-
-    def _start_failed(self, worker: Worker, exc: BaseException | None, what: str) -> None:
-        if not self._closing():
-            log.error("cannot start %s: %s", what, exc)
-        worker.exit_cause = worker.exit_cause or ("shutdown" if self._closing() else "start_failed")
-        worker.gone(ConnectionLost(f"cannot start {what}: {exc or 'the pool shut down'}"))
 
 
 class _Zygote:
@@ -276,10 +177,7 @@ class ProcessRuntime(Runtime):
                 output.close()
             elif output_read >= 0:
                 os.close(output_read)
-            if not self._closing():
-                log.error("cannot start a worker for %s: %s", worker.gpu_id, exc)
-            worker.exit_cause = worker.exit_cause or ("shutdown" if self._closing() else "start_failed")
-            worker.gone(ConnectionLost(f"cannot start a worker: {exc or 'the pool shut down'}"))
+            self._start_failed(worker, exc, f"a worker for {worker.gpu_id}")
             worker.exited.set_result(None)
             return
         finally:
@@ -500,152 +398,3 @@ class ProcessRuntime(Runtime):
                 with contextlib.suppress(ProcessLookupError):
                     zygote.process.kill()
                 await zygote.process.wait()
-
-
-class DockerRuntime(Runtime):
-    """A container per worker, made for its model by `launcher` (gpu_manager.containers): its
-    package, pooled weights and requirements layer mounted read-only, a Unix socket of its own to
-    talk on. `prepare(run)` brings the package and says its directory, its user and its weights;
-    `track(task)` keeps a background task (a signal sent through the engine)."""
-
-    name = "docker"
-    keeps_spares = False
-
-    def __init__(
-        self,
-        *,
-        launcher: DockerLauncher,
-        node: str,
-        prepare: Prepare,
-        track: Callable[[asyncio.Task[Any]], None],
-        **common: Any,
-    ) -> None:
-        super().__init__(**common)
-        self.launcher = launcher
-        self.node = node
-        self._prepare = prepare
-        self._track = track
-        self._sockets: Path | None = None
-
-    async def check(self) -> None:
-        """The engine answers and has the image (DockerUnavailable if not), and the containers a
-        previous run of this node left are removed."""
-        await self.launcher.check()
-        removed = await self.launcher.remove_node_containers(self.node)
-        if removed:
-            log.info("removed %d worker container(s) a previous run of node %s left", removed, self.node)
-
-    def package_dir(self, directory: Path) -> str:
-        return PACKAGE_MOUNT
-
-    def worker_view(self, weights: WeightsPlan) -> WeightsPlan:
-        return dataclasses.replace(
-            weights,
-            pooled={path: _pool_mount(host) for path, host in weights.pooled.items()},
-            layer_dir=LAYER_MOUNT if weights.layer_dir else "",
-        )
-
-    async def confinement(self, worker: Worker, run: ModelRun) -> dict[str, Any]:
-        return {"max_file_mb": self.isolation.max_file_mb}  # the container is the rest: user, limits, tmpfs
-
-    async def shutdown(self) -> None:
-        if self._sockets is not None:
-            shutil.rmtree(self._sockets, ignore_errors=True)
-
-    async def run(self, worker: Worker, model: ModelRun | None) -> None:
-        """A container for `model` on `worker.gpu_id`, connected to, and `exited` resolved once it
-        is gone and removed."""
-        assert model is not None, "the docker runtime starts a worker for a model"
-        run = model
-        launcher = self.launcher
-        worker_id = uuid.uuid4().hex[:12]
-        socket_dir = self._socket_root() / worker_id
-        listener: socket.socket | None = None
-        loop = asyncio.get_running_loop()
-        try:
-            directory, uid, weights = await self._prepare(run)
-            # The container sees its pool files and layer at paths of its own (`worker_view`).
-            mounts = [(host, _pool_mount(host)) for host in weights.pooled.values()]
-            if weights.layer_dir:
-                mounts.append((weights.layer_dir, LAYER_MOUNT))
-            socket_dir.mkdir(parents=True, mode=0o700)
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            listener.bind(str(socket_dir / SOCKET_NAME))
-            listener.listen(1)
-            listener.setblocking(False)
-            if os.geteuid() == 0:
-                os.chown(socket_dir, uid, uid)
-                os.chown(socket_dir / SOCKET_NAME, uid, uid)
-            spec = container_spec(
-                image=launcher.image,
-                node=self.node,
-                worker_id=worker_id,
-                backend=self.backend,
-                gpu_id=worker.gpu_id,
-                gpu_index=self.gpus[worker.gpu_id],
-                memory_mb=run.memory_mb,
-                uid=uid,
-                package_dir=directory,
-                socket_dir=socket_dir,
-                max_processes=self.isolation.max_processes,
-                environment=container_environment(os.environ),
-                read_only_mounts=mounts,
-            )
-            worker.container = await launcher.start(spec)
-            worker.on_signal = lambda signum: self._track(
-                asyncio.ensure_future(launcher.kill(worker.container, signum))
-            )
-            accepting = asyncio.ensure_future(loop.sock_accept(listener))
-            exiting = asyncio.ensure_future(launcher.exited(worker.container))
-            try:
-                done, _ = await asyncio.wait(
-                    {accepting, exiting}, timeout=SPARE_START_TIMEOUT_S, return_when="FIRST_COMPLETED"
-                )
-            finally:
-                exiting.cancel()
-                if not accepting.done():
-                    accepting.cancel()
-            if accepting not in done:
-                why = exiting.result() if exiting in done and exiting.exception() is None else "no answer"
-                raise RuntimeError(f"the worker container did not connect ({why})")
-            accepted, _ = accepting.result()
-            max_frame_bytes = self.max_frame_bytes
-            _, conn = await loop.create_unix_connection(
-                lambda: Connection(worker, max_frame_bytes=max_frame_bytes), sock=accepted
-            )
-        except (OSError, RuntimeError, TimeoutError, asyncio.CancelledError) as exc:
-            if not self._closing():
-                log.error("cannot start a container for %s on %s: %s", run.model, worker.gpu_id, exc)
-            worker.exit_cause = worker.exit_cause or ("shutdown" if self._closing() else "start_failed")
-            worker.gone(ConnectionLost(f"cannot start a worker container: {exc or 'the pool shut down'}"))
-            await self._remove_container(worker, socket_dir)
-            return
-        finally:
-            if listener is not None:
-                listener.close()  # one worker per socket: nobody else may connect
-        worker.conn = conn
-        await asyncio.shield(conn.closed)
-        worker.gone(ConnectionLost(f"worker container {worker.container[:12]} exited"))
-        await self._remove_container(worker, socket_dir)
-
-    async def _remove_container(self, worker: Worker, socket_dir: Path) -> None:
-        if worker.container:
-            status = await self.launcher.wait_and_remove(worker.container, KILL_WAIT_S)
-            if status not in (None, 0, -signal.SIGKILL, 128 + signal.SIGKILL, 128 + signal.SIGTERM):
-                log.info("worker container %s (%s) exited with status %s", worker.container[:12], worker.model, status)
-        shutil.rmtree(socket_dir, ignore_errors=True)
-        if not worker.exited.done():
-            worker.exited.set_result(None)
-
-    def _socket_root(self) -> Path:
-        """Where the containers' sockets go: a short path of this pool's own (a Unix socket's path
-        may not pass 107 bytes, which a state directory's easily would)."""
-        if self._sockets is None:
-            self._sockets = Path(tempfile.mkdtemp(prefix="gpufaas-sockets-"))
-            self._sockets.chmod(0o711)
-        return self._sockets
-
-
-def _pool_mount(host_path: str) -> str:
-    """Where a container sees one of the host pool's files (one bind mount each)."""
-    return f"{POOL_MOUNT}/{Path(host_path).name}"

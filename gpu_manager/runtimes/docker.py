@@ -1,0 +1,196 @@
+"""The docker runtime (`--runtime docker`): a container per worker, made for its model (its package
+and weights mounted read-only), so it keeps no spares (gpu_manager.containers makes them)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gpu_manager.containers import (
+    LAYER_MOUNT,
+    PACKAGE_MOUNT,
+    POOL_MOUNT,
+    SOCKET_NAME,
+    ContainerSpec,
+    DockerLauncher,
+    container_environment,
+    container_spec,
+)
+from gpu_manager.runtimes.base import KILL_WAIT_S, SPARE_START_TIMEOUT_S, Prepare, Runtime, log
+from gpu_manager.workers import ModelRun, WeightsPlan, Worker
+from gpufaas.wire import Connection, ConnectionLost
+
+
+class DockerRuntime(Runtime):
+    """A container per worker, made for its model by `launcher` (gpu_manager.containers): its
+    package, pooled weights and requirements layer mounted read-only, a Unix socket of its own to
+    talk on. `prepare(run)` brings the package and says its directory, its user and its weights;
+    `track(task)` keeps a background task (a signal sent through the engine)."""
+
+    name = "docker"
+    keeps_spares = False
+
+    def __init__(
+        self,
+        *,
+        launcher: DockerLauncher,
+        node: str,
+        prepare: Prepare,
+        track: Callable[[asyncio.Task[Any]], None],
+        **common: Any,
+    ) -> None:
+        super().__init__(**common)
+        self.launcher = launcher
+        self.node = node
+        self._prepare = prepare
+        self._track = track
+        self._sockets: Path | None = None
+
+    async def check(self) -> None:
+        """The engine answers and has the image (DockerUnavailable if not), and the containers a
+        previous run of this node left are removed."""
+        await self.launcher.check()
+        removed = await self.launcher.remove_node_containers(self.node)
+        if removed:
+            log.info("removed %d worker container(s) a previous run of node %s left", removed, self.node)
+
+    def package_dir(self, directory: Path) -> str:
+        return PACKAGE_MOUNT
+
+    def worker_view(self, weights: WeightsPlan) -> WeightsPlan:
+        return dataclasses.replace(
+            weights,
+            pooled={path: _pool_mount(host) for path, host in weights.pooled.items()},
+            layer_dir=LAYER_MOUNT if weights.layer_dir else "",
+        )
+
+    async def confinement(self, worker: Worker, run: ModelRun) -> dict[str, Any]:
+        return {"max_file_mb": self.isolation.max_file_mb}  # the container is the rest: user, limits, tmpfs
+
+    async def shutdown(self) -> None:
+        if self._sockets is not None:
+            shutil.rmtree(self._sockets, ignore_errors=True)
+
+    async def run(self, worker: Worker, model: ModelRun | None) -> None:
+        """A container for `model` on `worker.gpu_id`, connected to, and `exited` resolved once it
+        is gone and removed."""
+        assert model is not None, "the docker runtime starts a worker for a model"
+        socket_dir = self._socket_root() / uuid.uuid4().hex[:12]
+        listener: socket.socket | None = None
+        try:
+            directory, uid, weights = await self._prepare(model)
+            listener = _listen(socket_dir, uid)
+            spec = self._spec(worker, model, socket_dir=socket_dir, directory=directory, uid=uid, weights=weights)
+            worker.container = await self.launcher.start(spec)
+            launcher = self.launcher
+            worker.on_signal = lambda signum: self._track(
+                asyncio.ensure_future(launcher.kill(worker.container, signum))
+            )
+            accepted = await self._accept(listener, worker.container)
+            max_frame_bytes = self.max_frame_bytes
+            _, conn = await asyncio.get_running_loop().create_unix_connection(
+                lambda: Connection(worker, max_frame_bytes=max_frame_bytes), sock=accepted
+            )
+        except (OSError, RuntimeError, TimeoutError, asyncio.CancelledError) as exc:
+            self._start_failed(worker, exc, f"a container for {model.model} on {worker.gpu_id}")
+            await self._remove_container(worker, socket_dir)
+            return
+        finally:
+            if listener is not None:
+                listener.close()  # one worker per socket: nobody else may connect
+        worker.conn = conn
+        await asyncio.shield(conn.closed)
+        worker.gone(ConnectionLost(f"worker container {worker.container[:12]} exited"))
+        await self._remove_container(worker, socket_dir)
+
+    def _spec(
+        self, worker: Worker, run: ModelRun, *, socket_dir: Path, directory: Path, uid: int, weights: WeightsPlan
+    ) -> ContainerSpec:
+        """The container of `worker` for `run`: its package, its socket's directory, and its pool
+        files and layer at paths of its own (`worker_view`), read-only."""
+        mounts = [(host, _pool_mount(host)) for host in weights.pooled.values()]
+        if weights.layer_dir:
+            mounts.append((weights.layer_dir, LAYER_MOUNT))
+        return container_spec(
+            image=self.launcher.image,
+            node=self.node,
+            worker_id=socket_dir.name,
+            backend=self.backend,
+            gpu_id=worker.gpu_id,
+            gpu_index=self.gpus[worker.gpu_id],
+            memory_mb=run.memory_mb,
+            uid=uid,
+            package_dir=directory,
+            socket_dir=socket_dir,
+            max_processes=self.isolation.max_processes,
+            environment=container_environment(os.environ),
+            read_only_mounts=mounts,
+        )
+
+    async def _accept(self, listener: socket.socket, container: str) -> socket.socket:
+        """The container's connection on `listener`; RuntimeError if it exits first or does not
+        connect within SPARE_START_TIMEOUT_S."""
+        accepting = asyncio.ensure_future(asyncio.get_running_loop().sock_accept(listener))
+        exiting = asyncio.ensure_future(self.launcher.exited(container))
+        try:
+            done, _ = await asyncio.wait(
+                {accepting, exiting}, timeout=SPARE_START_TIMEOUT_S, return_when="FIRST_COMPLETED"
+            )
+        finally:
+            exiting.cancel()
+            if not accepting.done():
+                accepting.cancel()
+        if accepting not in done:
+            why = exiting.result() if exiting in done and exiting.exception() is None else "no answer"
+            raise RuntimeError(f"the worker container did not connect ({why})")
+        accepted, _ = accepting.result()
+        return accepted
+
+    async def _remove_container(self, worker: Worker, socket_dir: Path) -> None:
+        if worker.container:
+            status = await self.launcher.wait_and_remove(worker.container, KILL_WAIT_S)
+            if status not in (None, 0, -signal.SIGKILL, 128 + signal.SIGKILL, 128 + signal.SIGTERM):
+                log.info("worker container %s (%s) exited with status %s", worker.container[:12], worker.model, status)
+        shutil.rmtree(socket_dir, ignore_errors=True)
+        if not worker.exited.done():
+            worker.exited.set_result(None)
+
+    def _socket_root(self) -> Path:
+        """Where the containers' sockets go: a short path of this pool's own (a Unix socket's path
+        may not pass 107 bytes, which a state directory's easily would)."""
+        if self._sockets is None:
+            self._sockets = Path(tempfile.mkdtemp(prefix="gpufaas-sockets-"))
+            self._sockets.chmod(0o711)
+        return self._sockets
+
+
+def _listen(socket_dir: Path, uid: int) -> socket.socket:
+    """A listening Unix socket for one worker in `socket_dir` (made here), owned by `uid` where the
+    node is root: the container runs as that user."""
+    socket_dir.mkdir(parents=True, mode=0o700)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(socket_dir / SOCKET_NAME))
+        listener.listen(1)
+        listener.setblocking(False)
+        if os.geteuid() == 0:
+            os.chown(socket_dir, uid, uid)
+            os.chown(socket_dir / SOCKET_NAME, uid, uid)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
+def _pool_mount(host_path: str) -> str:
+    """Where a container sees one of the host pool's files (one bind mount each)."""
+    return f"{POOL_MOUNT}/{Path(host_path).name}"
