@@ -9,20 +9,26 @@ types, outcomes; never call ids.
 
 The same listener answers GET /healthz for anyone: the daemon's event-loop lag (gpufaas.liveness),
 nothing else. It is what the local cluster's watchdog probes: the listener runs on the daemon's
-own event loop, so a stalled loop does not answer.
+own event loop (uvicorn serving a Starlette app, started in the running loop), so a stalled loop
+does not answer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 from collections.abc import Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
+import uvicorn
+from prometheus_client import CollectorRegistry, disable_created_metrics, make_asgi_app
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gpufaas import store, wire
 from gpufaas.liveness import LoopLag, LoopLagCollector, run_loop_lag
@@ -32,13 +38,16 @@ disable_created_metrics()  # type: ignore[no-untyped-call]  # no `_created` seri
 # Seconds: a warm call takes milliseconds, a miss up to a minute (a load), a queued call longer.
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 BYTES_PER_MB = 1024 * 1024  # gpufaas's "MB" is a MiB (NVML's and torch's); Prometheus wants bytes
-_REQUEST_TIMEOUT_S = 5.0
-_MAX_HEAD_BYTES = 8192
+_GRACEFUL_SHUTDOWN_S = 1  # close() waits this long for a response under way
+# An idle connection is closed after this long: the listener's clients do not reuse one sooner (a
+# scrape comes every 15 s or more; the watchdog's probe closes its connection).
+_KEEP_ALIVE_S = 1
 
 
 class MetricsServer:
-    """GET /metrics over HTTP/1.1 on a listener of its own (one request per connection), and
-    GET /healthz (the loop lag as JSON, open: a liveness probe holds no credential).
+    """GET /metrics (the registry, as prometheus-client's ASGI app serves it) and GET /healthz
+    (the loop lag as JSON, open: a liveness probe holds no credential), served by uvicorn on a
+    listener of its own, on the daemon's event loop.
 
     With `token` set a /metrics request must carry `Authorization: Bearer <token>` (401
     otherwise); None serves anyone (an insecure cluster). From `start()` on the event loop's lag
@@ -48,66 +57,93 @@ class MetricsServer:
         self.registry = registry
         self.token = token
         self.loop_lag = LoopLag()
-        self._server: asyncio.Server | None = None
+        self._expected_authorization = None if token is None else f"Bearer {token}".encode()
+        self._scrape = make_asgi_app(registry)
+        self._server: uvicorn.Server | None = None
         self._lag_task: asyncio.Task[None] | None = None
 
     async def start(self, listen: str) -> str:
-        """Listen on HOST:PORT (port 0: any free one); returns the bound address."""
+        """Listen on HOST:PORT (port 0: any free one; a name binds every address it resolves to,
+        as asyncio does); returns the bound address (the first socket's)."""
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"--metrics-listen: expected HOST:PORT, got {listen!r}")
-        self._server = await asyncio.start_server(self._serve, host.strip("[]"), int(port))
+        config = uvicorn.Config(
+            Starlette(
+                routes=[
+                    Route("/healthz", self._healthz, methods=["GET"]),
+                    Route("/metrics", _Guarded(self._expected_authorization, self._scrape), methods=["GET"]),
+                ]
+            ),
+            host=host.strip("[]"),
+            port=int(port),
+            lifespan="off",
+            interface="asgi3",
+            ws="none",
+            # The daemon's logging stays as it set it up, but for uvicorn's own loggers (process-wide:
+            # no other uvicorn runs in a scheduler or a node): no access log line per probe.
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            proxy_headers=False,
+            server_header=False,
+            date_header=False,
+            timeout_keep_alive=_KEEP_ALIVE_S,
+            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+        )
+        config.load()
+        server = uvicorn.Server(config)
+        # Not `serve()`: it installs SIGINT/SIGTERM handlers of its own (the daemon's would no
+        # longer reach it) and wakes every 0.1 s to refresh a Date header. `startup()` binds (as
+        # asyncio.start_server does: loop.create_server(host, port)) and serves; `shutdown()` undoes it.
+        server.lifespan = config.lifespan_class(config)  # what `serve()` sets first ("off": nothing)
+        try:
+            await server.startup()
+        except SystemExit as exc:  # uvicorn exits the process when it cannot bind, having logged why
+            raise OSError(f"--metrics-listen: cannot listen on {listen} (uvicorn logged the reason)") from exc
+        self._server = server
         loop = asyncio.get_running_loop()
         self.registry.register(LoopLagCollector(self.loop_lag, loop.time))
         self._lag_task = loop.create_task(run_loop_lag(self.loop_lag))
-        bound_host, bound_port = self._server.sockets[0].getsockname()[:2]
+        bound_host, bound_port = server.servers[0].sockets[0].getsockname()[:2]
         return f"{bound_host}:{bound_port}"
 
     async def close(self) -> None:
+        """Stop listening and close the open connections (a response under way gets
+        `_GRACEFUL_SHUTDOWN_S`). Takes 0.1 s or more: uvicorn's shutdown waits that long first."""
         if self._lag_task is not None:
             self._lag_task.cancel()
             self._lag_task = None
         if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+            server, self._server = self._server, None
+            await server.shutdown()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _REQUEST_TIMEOUT_S)
-            status, content_type, body = self._answer(head[:_MAX_HEAD_BYTES].decode("latin-1"))
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
-            writer.close()
-            return
-        reason = {200: "OK", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed"}[status]
-        extra = 'WWW-Authenticate: Bearer realm="gpufaas metrics"\r\n' if status == 401 else ""
-        writer.write(
-            f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
-            f"{extra}Connection: close\r\n\r\n".encode()
-            + body
-        )
-        with contextlib.suppress(ConnectionError):
-            await writer.drain()
-        writer.close()
+    async def _healthz(self, request: Request) -> Response:
+        health = {"status": "ok", **self.loop_lag.report(asyncio.get_running_loop().time())}
+        return Response(json.dumps(health).encode() + b"\n", media_type="application/json")
 
-    def _answer(self, head: str) -> tuple[int, str, bytes]:
-        request_line, *header_lines = head.split("\r\n")
-        method, _, rest = request_line.partition(" ")
-        path = rest.split(" ", 1)[0].split("?", 1)[0]
-        if path not in ("/metrics", "/healthz"):
-            return 404, "text/plain", b"not found: the metrics are at /metrics\n"
-        if method != "GET":
-            return 405, "text/plain", b"use GET\n"
-        if path == "/healthz":
-            health = {"status": "ok", **self.loop_lag.report(asyncio.get_running_loop().time())}
-            return 200, "application/json", json.dumps(health).encode() + b"\n"
-        if self.token is not None:
-            headers = {
-                name.strip().lower(): value.strip() for name, _, value in (h.partition(":") for h in header_lines)
-            }
-            offered = headers.get("authorization", "")
-            if not hmac.compare_digest(offered.encode(), f"Bearer {self.token}".encode()):
-                return 401, "text/plain", b"needs Authorization: Bearer <metrics token> (gpufaas credentials)\n"
-        return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
+
+class _Guarded:
+    """An ASGI app that passes a request on to `app` only with `Authorization: <expected>`
+    (compared in constant time), and answers 401 otherwise; `expected` None passes every request."""
+
+    def __init__(self, expected: bytes | None, app: ASGIApp) -> None:
+        self.expected = expected
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.expected is not None:
+            offered = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            if not hmac.compare_digest(offered, self.expected):
+                refusal = Response(
+                    b"needs Authorization: Bearer <metrics token> (gpufaas credentials)\n",
+                    status_code=401,
+                    headers={"WWW-Authenticate": 'Bearer realm="gpufaas metrics"'},
+                    media_type="text/plain",
+                )
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class ProcessErrors(Collector):
