@@ -6,12 +6,16 @@ remove one (`DockerLauncher`, I/O; blocking SDK calls run in threads). A contain
   no new privileges;
 - has no network at all (`network_mode=none`): it speaks to its node over a Unix socket in a
   directory of its own, mounted in;
-- sees a read-only root filesystem, its package read-only at /package, and a tmpfs /tmp;
-- is held to a memory limit from the function's declared memory, a task limit, and capped logs;
+- sees a read-only root filesystem, its package and its socket's directory read-only, and two
+  tmpfs mounts of bounded size, /tmp (its HOME) and /dev/shm: all it can write;
+- is held to a memory limit from the function's declared memory, a task limit, an equal CPU
+  weight (and a CPU quota where the node sets one), and capped logs;
 - on `cuda`, gets exactly its GPU by device request.
 
-Containers are labelled with their node, so that what a crashed node left behind is removed when
-it starts again.
+A container whose memory limit was met is killed whole (`DockerLauncher` watches the engine's
+`oom` events): the kernel kills one process at the limit, perhaps a child the worker waits on, and
+what is left must not live on as if nothing happened. Containers are labelled with their node, so
+that what a crashed node left behind is removed when it starts again.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,8 +43,12 @@ SOCKET_NAME = "worker.sock"
 RUNTIME_MB = 1024  # what the image's Python and torch hold before a model (measured ~250 MiB on cpu)
 HOST_HEADROOM_MB = 512
 TMPFS_MB = 256
+SHM_MB = 64  # /dev/shm: the engine's tmpfs of each container (the engine's default size, said here)
+CPU_SHARES = 1024  # every worker container the same CPU weight (cgroup v1 cpu.shares; v2 weight 100)
 LOG_MAX_BYTES = "10m"  # docker's json-file log, one file: what a worker may print is capped there
 NODE_LABEL = "gpufaas.node"
+OOM_RETRY_S = 1.0  # the engine's event stream broke (a restart, say): wait this long, then watch again
+OOM_REMEMBERED = 1024  # the latest containers killed for their memory, kept for `over_memory`
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +65,9 @@ class ContainerSpec:
     pids_limit: int
     labels: dict[str, str]
     gpu_index: int | None = None  # cuda: the host's device index to hand in
+    cpus: float | None = None  # a CPU quota (CPUs' worth of time), or none: the weight alone
     tmpfs_mb: int = TMPFS_MB
+    shm_mb: int = SHM_MB
     extra: dict[str, Any] = field(default_factory=dict)
 
     def run_kwargs(self) -> dict[str, Any]:
@@ -75,9 +87,11 @@ class ContainerSpec:
             "network_mode": "none",
             "read_only": True,
             "tmpfs": {"/tmp": f"rw,size={self.tmpfs_mb}m,mode=1777"},
+            "shm_size": f"{self.shm_mb}m",
             "mem_limit": f"{self.memory_limit_mb}m",
             "memswap_limit": f"{self.memory_limit_mb}m",  # no swap beyond the limit
             "pids_limit": self.pids_limit,
+            "cpu_shares": CPU_SHARES,
             "cap_drop": ["ALL"],
             "security_opt": ["no-new-privileges"],
             "log_config": LogConfig(type="json-file", config={"max-size": LOG_MAX_BYTES, "max-file": "1"}),
@@ -85,6 +99,8 @@ class ContainerSpec:
             "detach": True,
             **self.extra,
         }
+        if self.cpus is not None:
+            kwargs["nano_cpus"] = int(self.cpus * 1e9)
         if self.gpu_index is not None:
             kwargs["device_requests"] = [DeviceRequest(device_ids=[str(self.gpu_index)], capabilities=[["gpu"]])]
         return kwargs
@@ -121,11 +137,15 @@ def container_spec(
     max_processes: int,
     environment: Mapping[str, str] | None = None,
     read_only_mounts: Sequence[tuple[str, str]] = (),
+    cpus: float | None = None,
 ) -> ContainerSpec:
     """The container of one worker (see the module's doc). `environment`: the runtime's settings
     (threads); the function's own arrives with its model, as in the process runtime.
     `read_only_mounts`: (host path, container path) of what else it reads (its weights in the
-    host model pool, its requirements layer)."""
+    host model pool, its requirements layer). `cpus`: a CPU quota (the node's --worker-cpus), or
+    None for the equal weight alone. The socket's directory is mounted read-only: connecting to a
+    Unix socket needs no writable mount, and a writable one would let the function fill the
+    host's disk there."""
     return ContainerSpec(
         image=image,
         name=f"gpufaas-{node}-{worker_id}",
@@ -147,13 +167,14 @@ def container_spec(
         environment={"HOME": "/tmp", "PYTHONUNBUFFERED": "1", **(environment or {})},
         mounts=[
             (str(package_dir), PACKAGE_MOUNT, True),
-            (str(socket_dir), SOCKET_MOUNT, False),
+            (str(socket_dir), SOCKET_MOUNT, True),
             *((host, inside, True) for host, inside in read_only_mounts),
         ],
         memory_limit_mb=memory_limit_mb(backend, memory_mb),
         pids_limit=max_processes,
         labels={NODE_LABEL: node, "gpufaas.gpu": gpu_id},
         gpu_index=gpu_index if backend == "cuda" else None,
+        cpus=cpus,
     )
 
 
@@ -168,6 +189,14 @@ class DockerLauncher:
     def __init__(self, image: str = DEFAULT_IMAGE) -> None:
         self.image = image
         self._client: Any = None
+        # Containers killed for meeting their memory limit (ids, oldest first, at most
+        # OOM_REMEMBERED): written by the watcher threads, read by `over_memory`; kept past their
+        # removal, since the node may ask after it.
+        self._over_memory: dict[str, None] = {}
+        self._watched_nodes: set[str] = set()  # one `oom` watcher thread per node, for good
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._streams: dict[str, Any] = {}  # each watcher's open event stream (by node), closed by `close`
 
     def _docker(self) -> Any:
         if self._client is None:
@@ -200,12 +229,75 @@ class DockerLauncher:
 
         await asyncio.to_thread(check)
 
+    def over_memory(self, container_id: str) -> bool:
+        """Whether the container met its memory limit (the kernel killed one of its processes),
+        and so was killed whole."""
+        return container_id in self._over_memory
+
+    def close(self) -> None:
+        """Stop watching the engine's events."""
+        self._closed.set()
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            with contextlib.suppress(Exception):
+                stream.close()
+
+    def _watch_memory(self, node: str) -> None:
+        """Start, once per node, the thread that kills whole each container of `node` meeting its
+        memory limit (the engine's `oom` event: any process of the container killed at its limit)."""
+        with self._lock:
+            if node in self._watched_nodes:
+                return
+            self._watched_nodes.add(node)
+        threading.Thread(target=self._watch_events, args=(node,), name=f"oom-watch-{node}", daemon=True).start()
+
+    def _watch_events(self, node: str) -> None:
+        since_s = int(time.time()) - 1  # events of a second ago are read again: killing is idempotent
+        filters = {"type": "container", "event": "oom", "label": f"{NODE_LABEL}={node}"}
+        while not self._closed.is_set():
+            try:
+                stream = self._docker().events(decode=True, since=since_s, filters=filters)
+                with self._lock:
+                    self._streams[node] = stream
+                if self._closed.is_set():  # closed while it opened
+                    break
+                for event in stream:
+                    since_s = int(event.get("time", since_s))
+                    self._kill_over_memory(str(event["id"]))
+            except Exception as exc:
+                if not self._closed.is_set():
+                    log.warning(
+                        "watching the engine's oom events for node %s: %s; again in %.0f s", node, exc, OOM_RETRY_S
+                    )
+            self._closed.wait(OOM_RETRY_S)
+        with self._lock, contextlib.suppress(Exception):
+            self._streams.pop(node).close()
+
+    def _kill_over_memory(self, container_id: str) -> None:
+        """The container met its memory limit: noted first (the node asks why its worker went as
+        soon as the container is killed), then killed."""
+        with self._lock:
+            if container_id in self._over_memory:
+                return  # the engine says `oom` once per process killed
+            self._over_memory[container_id] = None
+            while len(self._over_memory) > OOM_REMEMBERED:
+                del self._over_memory[next(iter(self._over_memory))]
+        log.error(
+            "worker container %s: its processes went over their memory limit (the kernel killed one); killed whole",
+            container_id[:12],
+        )
+        with contextlib.suppress(Exception):  # gone already
+            self._docker().containers.get(container_id).kill()
+
     async def start(self, spec: ContainerSpec) -> str:
         """Create and start the container; its id. One that was created but would not start is
-        removed before the error is raised."""
+        removed before the error is raised. From its node's first container on, its node's
+        containers that meet their memory limit are killed whole."""
 
         def start() -> str:
             client = self._docker()
+            self._watch_memory(spec.labels[NODE_LABEL])
             try:
                 return str(client.containers.run(**spec.run_kwargs()).id)
             except Exception:
