@@ -50,6 +50,15 @@ _WORKER_LOST = {pb.LOAD_FAILED, pb.WORKER_DIED}
 class GpuManagerDaemon:
     """One per node. On start it registers `{root}/nodes/{node}` (address, GPUs, a fresh
     incarnation id) under its lease, so a restart is seen as a new incarnation whose cache is empty.
+
+    `wire_key`: the cluster's wire key; the scheduler and gateways must prove it before the node
+    reads anything from them. `package_token`: the bearer token blobs are fetched from other
+    holders with, and that this node asks of those fetching from it. None: neither (tests of the
+    logic only). `disk_cache_mb`: the disk the staged blobs may use (None: half the state
+    directory's free space). `pool_mb`: the host model pool's size (None: half of `pool_dir`'s
+    free memory; 0: no pool), in `pool_dir` (default: a directory of this node's in /dev/shm).
+    `blob_listen`/`blob_advertise`: the blob server's address and the URL other holders are told.
+    The rest configure the worker pool (gpu_manager.pool).
     """
 
     def __init__(
@@ -77,14 +86,7 @@ class GpuManagerDaemon:
         blob_listen: str = "127.0.0.1:0",
         blob_advertise: str | None = None,
     ) -> None:
-        """`wire_key`: the cluster's wire key; the scheduler and gateways must prove it before the
-        node reads anything from them. `package_token`: the bearer token blobs are fetched from
-        other holders with, and that this node asks of those fetching from it. None: neither
-        (tests of the logic only). `disk_cache_mb`: the disk the staged blobs may use (None:
-        half the state directory's free space). `pool_mb`: the host model pool's size (None: half
-        of `pool_dir`'s free memory; 0: no pool), in `pool_dir` (default: a directory of this
-        node's in /dev/shm). `blob_listen`/`blob_advertise`: the blob server's address and the URL
-        other holders are told."""
+        """See the class's docstring."""
         if not devices:
             raise ValueError("a GPU manager needs at least one device")
         self.store = store
@@ -95,14 +97,9 @@ class GpuManagerDaemon:
         self.max_body_bytes = max_body_bytes
         self.package_grace_s = package_grace_s
         self._holdings_dirty = asyncio.Event()
-        self.storage = NodeStorage(
-            store,
-            self.keys,
-            node=node,
-            state_dir=state_dir,
-            in_use=self._packages_in_use,
-            on_change=self._holdings_dirty.set,
-            package_token=package_token,
+        self.storage = self._make_storage(
+            state_dir,
+            package_token,
             disk_cache_mb=disk_cache_mb,
             pool_mb=pool_mb,
             pool_dir=pool_dir,
@@ -111,21 +108,8 @@ class GpuManagerDaemon:
         )
         # NVML on cuda: the metrics' measure of each GPU's memory, and the pool's of each worker's.
         self._nvml = Nvml.open() if backend == "cuda" else None
-        self.pool = WorkerPool(
-            backend,
-            gpus={d.gpu_id: d.index for d in devices},
-            fetch_package=self.storage.packages.fetch,
-            prepare_weights=self.storage.weights,
-            spares_per_gpu=spares_per_gpu,
-            extra_spares=extra_spares,
-            max_body_bytes=max_body_bytes,
-            host_cache_mb=host_cache_mb,
-            isolation=isolation,
-            runtime=runtime,
-            launcher=DockerLauncher(docker_image) if runtime == "docker" else None,
-            node=node,
-            nvml=self._nvml,
-            capacity_mb=self._capacity_mb,
+        self.pool = self._make_pool(
+            spares_per_gpu, extra_spares, host_cache_mb, isolation=isolation, runtime=runtime, docker_image=docker_image
         )
         self.ledger = GrantLedger(node, frozenset(self.devices))
         self.metrics = NodeMetrics(self.pool, node=node, device_used_mb=self._device_used_mb)
@@ -136,6 +120,61 @@ class GpuManagerDaemon:
         self._server = Server(lambda: _Session(self), max_frame_bytes=max_frame_bytes_for(max_body_bytes), key=wire_key)
         self._lease: LeaseKeeper | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def _make_storage(
+        self,
+        state_dir: Path,
+        package_token: str | None,
+        *,
+        disk_cache_mb: int | None,
+        pool_mb: int | None,
+        pool_dir: Path | None,
+        blob_listen: str,
+        blob_advertise: str | None,
+    ) -> NodeStorage:
+        """The node's packages on disk, its host model pool and its blob server (see `__init__`)."""
+        return NodeStorage(
+            self.store,
+            self.keys,
+            node=self.node,
+            state_dir=state_dir,
+            in_use=self._packages_in_use,
+            on_change=self._holdings_dirty.set,
+            package_token=package_token,
+            disk_cache_mb=disk_cache_mb,
+            pool_mb=pool_mb,
+            pool_dir=pool_dir,
+            blob_listen=blob_listen,
+            blob_advertise=blob_advertise,
+        )
+
+    def _make_pool(
+        self,
+        spares_per_gpu: int,
+        extra_spares: int,
+        host_cache_mb: int,
+        *,
+        isolation: Isolation | None,
+        runtime: str,
+        docker_image: str,
+    ) -> WorkerPool:
+        """The node's worker pool, over its devices and its storage's packages and weights."""
+        return WorkerPool(
+            self.backend,
+            gpus={d.gpu_id: d.index for d in self.devices.values()},
+            fetch_package=self.storage.packages.fetch,
+            prepare_weights=self.storage.weights,
+            spares_per_gpu=spares_per_gpu,
+            extra_spares=extra_spares,
+            max_body_bytes=self.max_body_bytes,
+            host_cache_mb=host_cache_mb,
+            isolation=isolation,
+            runtime=runtime,
+            launcher=DockerLauncher(docker_image) if runtime == "docker" else None,
+            node=self.node,
+            nvml=self._nvml,
+            capacity_mb=self._capacity_mb,
+        )
 
     async def start(self, listen: str = "127.0.0.1:0", *, advertise: str | None = None) -> str:
         """Serve on `listen`; register `advertise` (the address gateways and the scheduler dial:

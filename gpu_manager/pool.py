@@ -52,14 +52,21 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from gpu_manager.backends import backend_class
-from gpu_manager.containers import DockerLauncher
 from gpu_manager.devices import Nvml
 from gpu_manager.gpu_memory import MEASURE_EVERY_S, GpuMemory, over_memory_message
 from gpu_manager.gpu_workers import GpuWorkers
 from gpu_manager.host_tier import proportional_set_mb
 from gpu_manager.loads import LoadFailed, ModelFiles, ModelLoader
 from gpu_manager.parked_workers import ParkedWorkers
-from gpu_manager.runtimes import RUNTIMES, SPARE_START_TIMEOUT_S, STOP_GRACE_S, Prepare, Runtime, make_runtime
+from gpu_manager.runtimes import (
+    RUNTIMES,
+    SPARE_START_TIMEOUT_S,
+    STOP_GRACE_S,
+    ContainerEngine,
+    Prepare,
+    Runtime,
+    make_runtime,
+)
 from gpu_manager.sandbox import Isolation
 from gpu_manager.spare_workers import SpareWorkers
 from gpu_manager.worker_processes import WorkerProcesses
@@ -130,7 +137,7 @@ class WorkerPool:
         python: str = sys.executable,
         isolation: Isolation | None = None,
         runtime: str = "process",
-        launcher: DockerLauncher | None = None,
+        launcher: ContainerEngine | None = None,
         node: str = "node",
         prepare_weights: Callable[[str, Path], Awaitable[WeightsPlan]] | None = None,
         measure_host_mb: Callable[[int], int | None] = proportional_set_mb,
@@ -176,7 +183,7 @@ class WorkerPool:
             host_cache_mb, measure_host_mb=measure_host_mb, stop=self._stop_later, track=self._processes.track
         )
 
-    def _choose_runtime(self, *, python: str, launcher: DockerLauncher | None, prepare: Prepare) -> Runtime:
+    def _choose_runtime(self, *, python: str, launcher: ContainerEngine | None, prepare: Prepare) -> Runtime:
         """The one place the runtime is chosen: the pool speaks to it through `Runtime` only."""
         return make_runtime(
             self.runtime,

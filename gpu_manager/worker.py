@@ -306,6 +306,16 @@ def run_worker(sock: socket.socket, backend: Backend, *, import_s: float, networ
     if frame is None or frame.type != MessageType.LOAD_MODEL:
         return 0  # a spare that was never needed
     load = pb.LoadModel.FromString(frame.header)
+    spec = _take_model(channel, load)
+    if spec is None or not _load_model(channel, backend, spec, load):
+        return 1
+    serve(backend, channel, spec, int(load.max_result_bytes) or sys.maxsize)
+    return 0
+
+
+def _take_model(channel: Channel, load: pb.LoadModel) -> ModelSpec | None:
+    """The model `load` names, its files reached through handles opened now (before the worker
+    drops to its package's user); None, the node told, where its pooled weights cannot be opened."""
     package_dir = load.package_dir
     if load.uid and load.home_dir:
         own_mount_namespace()  # before its handles are opened (gpu_manager.sandbox.private_tmp)
@@ -318,7 +328,7 @@ def run_worker(sock: socket.socket, backend: Backend, *, import_s: float, networ
         pooled = {path: os.open(pool_path, os.O_RDONLY | os.O_CLOEXEC) for path, pool_path in load.pooled.items()}
     except OSError as exc:
         channel.send(MessageType.MODEL_LOADED, pb.ModelLoaded(ok=False, error=f"its pooled weights: {describe(exc)}"))
-        return 1
+        return None
     if load.layer_dir:
         # Its requirements first: they may shadow the base's versions. A handle too, once it runs
         # as the package's user (and its /tmp is its own: the state directory may be under /tmp).
@@ -326,7 +336,7 @@ def run_worker(sock: socket.socket, backend: Backend, *, import_s: float, networ
         if load.uid:
             layer_dir = f"/proc/self/fd/{os.open(layer_dir, os.O_PATH | os.O_DIRECTORY)}"
         sys.path.insert(0, layer_dir)
-    spec = ModelSpec(
+    return ModelSpec(
         model=load.model,
         package_dir=package_dir,
         memory_mb=int(load.memory_mb),
@@ -337,6 +347,11 @@ def run_worker(sock: socket.socket, backend: Backend, *, import_s: float, networ
         inference_time_s=load.inference_time_s or None,
         pooled=pooled,
     )
+
+
+def _load_model(channel: Channel, backend: Backend, spec: ModelSpec, load: pb.LoadModel) -> bool:
+    """Confine the worker as `load` says, then load `spec`; tell the node how that went (ModelLoaded).
+    Whether it loaded."""
     load_started_s = time.perf_counter()
     try:
         confine(
@@ -358,13 +373,12 @@ def run_worker(sock: socket.socket, backend: Backend, *, import_s: float, networ
             MessageType.MODEL_LOADED,
             pb.ModelLoaded(ok=False, error=describe(exc), load_s=time.perf_counter() - load_started_s),
         )
-        return 1
+        return False
     channel.send(
         MessageType.MODEL_LOADED,
         pb.ModelLoaded(ok=True, load_s=time.perf_counter() - load_started_s, peak_memory_mb=peak_memory_mb),
     )
-    serve(backend, channel, spec, int(load.max_result_bytes) or sys.maxsize)
-    return 0
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,12 +30,13 @@ from gpu_manager.runtimes.base import (
     Prepare,
     Runtime,
 )
-from gpu_manager.runtimes.docker import DockerRuntime
+from gpu_manager.runtimes.docker import ContainerEngine, DockerRuntime
 from gpu_manager.runtimes.process import ProcessRuntime
 from gpu_manager.sandbox import Isolation
 
 __all__ = [
     "KILL_WAIT_S",
+    "ContainerEngine",
     "Prepare",
     "RUNTIMES",
     "SPARE_RETRY_S",
@@ -61,15 +62,15 @@ def make_runtime(
     prepare: Prepare,
     track: Callable[[asyncio.Task[Any]], None],
     python: str = sys.executable,
-    launcher: DockerLauncher | None = None,
+    launcher: ContainerEngine | None = None,
     node: str = "node",
     spares_per_gpu: int = 0,
 ) -> Runtime:
     """The runtime called `name` (one of RUNTIMES; ValueError naming them otherwise). What every
     runtime takes: `gpus` (node-local GPU id -> device index), `isolation`, `max_body_bytes` and
     `closing()` (whether the node is shutting down). The process runtime's own: `python`, the
-    interpreter its zygote runs. The docker runtime's: `launcher` (default: the local engine's,
-    with the default image), `node` (its containers' label), `prepare(run)` (a container's
+    interpreter its zygote runs. The docker runtime's: `launcher`, its container engine (default:
+    the local Docker engine, with the default image), `node` (its containers' label), `prepare(run)` (a container's
     package, user and weights) and `track(task)` (keeps a background signal). `spares_per_gpu`:
     what the pool keeps, which a runtime that makes a worker for a model refuses (ValueError)."""
     common: dict[str, Any] = {

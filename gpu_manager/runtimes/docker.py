@@ -13,7 +13,7 @@ import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from gpu_manager.containers import (
     LAYER_MOUNT,
@@ -21,13 +21,37 @@ from gpu_manager.containers import (
     POOL_MOUNT,
     SOCKET_NAME,
     ContainerSpec,
-    DockerLauncher,
     container_environment,
     container_spec,
 )
 from gpu_manager.runtimes.base import KILL_WAIT_S, SPARE_START_TIMEOUT_S, Prepare, Runtime, log
 from gpu_manager.workers import ModelRun, WeightsPlan, Worker
 from gpufaas.wire import Connection, ConnectionLost
+
+
+class ContainerEngine(Protocol):
+    """What the docker runtime asks of the container engine: gpu_manager.containers'
+    DockerLauncher (the Docker engine), or a fake that keeps the same contract."""
+
+    image: str  # the worker image its containers run
+
+    async def check(self) -> None:
+        """Raise (DockerUnavailable) unless the engine answers and has the image."""
+
+    async def remove_node_containers(self, node: str) -> int:
+        """Remove every container a previous run of `node` left behind; how many."""
+
+    async def start(self, spec: ContainerSpec) -> str:
+        """Create and start the container `spec` says; its id."""
+
+    async def exited(self, container_id: str) -> str:
+        """Wait until the container exits; what it said last (its status and log's tail)."""
+
+    async def kill(self, container_id: str, signum: int) -> None:
+        """Send the container's process `signum` (nothing if it is gone)."""
+
+    async def wait_and_remove(self, container_id: str, timeout_s: float) -> int | None:
+        """Wait for the container to exit (SIGKILL past `timeout_s`), remove it; its exit status."""
 
 
 class DockerRuntime(Runtime):
@@ -42,7 +66,7 @@ class DockerRuntime(Runtime):
     def __init__(
         self,
         *,
-        launcher: DockerLauncher,
+        launcher: ContainerEngine,
         node: str,
         prepare: Prepare,
         track: Callable[[asyncio.Task[Any]], None],
