@@ -24,6 +24,7 @@ from gpufaas.credentials import ADMIN_USER, basic_authorization
 from gpufaas.errors import GpufaasError
 
 if TYPE_CHECKING:
+    from scheduler.settings import SchedulerSettings
     from simulator.engine import SimResult
     from simulator.report import Aggregate
 
@@ -377,23 +378,6 @@ def _check_eviction(name: str) -> None:
         raise typer.BadParameter(str(exc), param_hint="--eviction") from None
 
 
-def _scheduler_flags(text: str) -> list[str]:
-    """`gpufaas up --scheduler-args`: split as a shell would, and checked by the scheduler's own
-    parser now (a mistake is one line here, not a scheduler that keeps failing to start)."""
-    import shlex
-
-    from scheduler.__main__ import check_flags
-
-    try:
-        flags = shlex.split(text)
-    except ValueError as exc:
-        raise typer.BadParameter(f"cannot split {text!r}: {exc}", param_hint="--scheduler-args") from None
-    problem = check_flags(flags)
-    if problem:
-        raise typer.BadParameter(problem, param_hint="--scheduler-args")
-    return flags
-
-
 def _sim_title(meta: Mapping[str, object]) -> str:
     noise = f", timing spread {meta['timing_spread']}" if meta.get("timing_spread") else ""
     noise += f", host tier {meta['host_memory_mb']} MB/node" if meta.get("host_memory_mb") else ""
@@ -595,8 +579,9 @@ class GatewayClient:
         return response.json() if response.content else None
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def up(
+    ctx: typer.Context,
     nodes: Annotated[int, typer.Option(min=1, help="GPU managers to start.")] = 2,
     gpus_per_node: Annotated[int, typer.Option(min=1, help="Logical GPUs per node (cpu/emulated).")] = 2,
     backend: Annotated[
@@ -645,22 +630,14 @@ def up(
     state_dir: StateDir = state_dir_default(),  # noqa: B008
 ) -> None:
     """Start a local cluster in the background: etcd, scheduler, gateway and GPU managers, under a
-    supervisor that restarts any of them that exits (with backoff) until `gpufaas down`."""
-    import subprocess
+    supervisor that restarts any of them that exits (with backoff) until `gpufaas down`.
 
-    from gpufaas.local_cluster import SUPERVISOR_STATUS, LocalCluster, read_supervisor_status, recorded_pids
+    Any other scheduler setting may follow as the scheduler takes it (`python -m scheduler --help`):
+    the policy's knobs as `gpufaas sim` takes them, e.g. `gpufaas up --policy mqfq-sticky
+    --o3-limit 10 --mqfq-overrun-s 5 --mqfq-ttl-alpha 3 --torpor-alpha 0.3`."""
+    from gpufaas.local_cluster import recorded_pids
     from gpufaas.processes import pid_alive
-    from scheduler import make_policy
-    from scheduler.service import SlotConfig
 
-    try:
-        make_policy(policy)
-    except GpufaasError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--policy") from None
-    try:
-        SlotConfig.parse(slots)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--slots") from None
     if runtime not in ("process", "docker"):
         raise typer.BadParameter(f"expected process or docker, got {runtime!r}", param_hint="--runtime")
     if runtime == "docker" and spares:
@@ -670,72 +647,100 @@ def up(
         )
     if docker_image is not None and runtime != "docker":
         raise typer.BadParameter("--docker-image goes with --runtime docker", param_hint="--docker-image")
-    _check_eviction(eviction)
-    scheduler_flags = _scheduler_flags(scheduler_args)
-    if backend is None:
-        backend = "cuda" if _nvml_finds_gpus() else "cpu"
+    scheduler: dict[str, Any] = {
+        "policy": policy,
+        "eviction": eviction,
+        "slots": slots,
+        "gpu_idle_release_s": gpu_idle_release_s,
+        "host_idle_release_s": host_idle_release_s,
+    }
+    scheduler_flags = [*ctx.args, *_split_flags(scheduler_args)]
+    checked = _checked_scheduler(scheduler, scheduler_flags)
+    backend = backend if backend is not None else ("cuda" if _nvml_finds_gpus() else "cpu")
     if backend not in ("cuda", "cpu", "emulated"):
         raise typer.BadParameter(f"expected cuda, cpu or emulated, got {backend!r}", param_hint="--backend")
-    running = {name: pid for name, pid in recorded_pids(state_dir).items() if pid_alive(pid)}
-    if running:
-        info = _cluster_info(state_dir)
+    if any(pid_alive(pid) for pid in recorded_pids(state_dir).values()):
+        url = _cluster_info(state_dir).get("gateway_url", "?")
         console.print(
-            f"a cluster is already running from {state_dir} (gateway {info.get('gateway_url', '?')}); "
+            f"a cluster is already running from {state_dir} (gateway {url}); "
             "`gpufaas status` shows it, `gpufaas down` stops it"
         )
         return
     options = {
+        **scheduler,
         "nodes": nodes,
         "gpus_per_node": gpus_per_node,
         "backend": backend,
         "gpu_memory_mb": gpu_memory_mb,
-        "policy": policy,
         "gateway_port": port,
-        "slots": slots,
         "spares": spares if spares is not None else (0 if runtime == "docker" else 1),
         "runtime": runtime,
         "docker_image": docker_image,
-        "eviction": eviction,
-        "gpu_idle_release_s": gpu_idle_release_s,
-        "host_idle_release_s": host_idle_release_s,
         "scheduler_flags": scheduler_flags,
     }
-    cluster = LocalCluster(state_dir, **options)  # type: ignore[arg-type]
+    _start_supervised(state_dir, options, policy=checked.policy)
+
+
+def _split_flags(text: str) -> list[str]:
+    """`--scheduler-args`: split as a shell would."""
+    import shlex
+
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise typer.BadParameter(f"cannot split {text!r}: {exc}", param_hint="--scheduler-args") from None
+
+
+def _checked_scheduler(scheduler: dict[str, Any], flags: list[str]) -> SchedulerSettings:
+    """The settings `gpufaas up`'s scheduler will run with (its own scheduler options, `scheduler`
+    by field name, and `flags` on top), checked by the scheduler's settings model now: a mistake is
+    one line here, not a scheduler that keeps failing to start."""
+    from pydantic import ValidationError
+
+    from gpufaas.settings import SettingsError
+    from scheduler.settings import SchedulerSettings
+
+    try:
+        return SchedulerSettings(**scheduler).with_flags(flags)
+    except SettingsError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    except ValidationError as exc:
+        raise typer.BadParameter(SchedulerSettings.refusal(exc)) from None
+
+
+def _start_supervised(state_dir: Path, options: Mapping[str, Any], *, policy: str) -> None:
+    """Start `python -m gpufaas.local_cluster` with `options` in the background (it outlives this
+    command) and wait until it says the cluster is up, or why it is not."""
+    import subprocess
+
+    from gpufaas.local_cluster import SUPERVISOR_STATUS, LocalCluster, read_supervisor_status
+
+    cluster = LocalCluster(state_dir, **options)
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / SUPERVISOR_STATUS).unlink(missing_ok=True)
     logs = state_dir / "logs"
     logs.mkdir(mode=0o700, exist_ok=True)
+    argv = [sys.executable, "-m", "gpufaas.local_cluster", "--state-dir", str(state_dir)]
     with (logs / "supervisor.log").open("ab") as supervisor_log:
         supervisor = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gpufaas.local_cluster",
-                "--state-dir",
-                str(state_dir),
-                "--options",
-                json.dumps(options),
-            ],
+            [*argv, "--options", json.dumps(options)],
             stdin=subprocess.DEVNULL,
             stdout=supervisor_log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # it outlives this command
         )
     with _user_errors(), err_console.status("starting etcd, the scheduler, the gateway and the GPU managers..."):
-        while True:
-            status = read_supervisor_status(state_dir)
-            if status.get("status") == "up":
-                break
+        while (status := read_supervisor_status(state_dir)).get("status") != "up":
             if status.get("status") == "failed" or supervisor.poll() is not None:
                 supervisor.wait()
                 tail = "\n".join((logs / "supervisor.log").read_text(errors="replace").splitlines()[-15:])
                 raise GpufaasError(f"the cluster did not start: {status.get('error') or tail}")
             time.sleep(0.2)
     console.print(
-        f"[bold green]gpufaas is up[/]: gateway {cluster.gateway_url}, "
-        f"{nodes} node(s) x {gpus_per_node} {backend} GPU(s), policy {policy}"
+        f"[bold green]gpufaas is up[/]: gateway {cluster.gateway_url}, {cluster.nodes} node(s) x "
+        f"{cluster.gpus_per_node} {cluster.backend} GPU(s), policy {policy}"
     )
-    console.print(f"state: {state_dir}   logs: {state_dir / 'logs'}   (gpufaas logs \\[component])")
+    console.print(f"state: {state_dir}   logs: {logs}   (gpufaas logs \\[component])")
     console.print(
         f"credentials (mode 0600) in {cluster.secrets.directory}: admin-password (user admin: /system/*, and "
         "this CLI uses it), invoke-token (Authorization: Bearer, to call functions)"

@@ -186,8 +186,13 @@ class DaemonSettings(BaseSettings):
         try:
             return cls(**values)
         except ValidationError as exc:
-            flags = {option.path: option.flag for option in options_of(cls)}
-            parser.error("; ".join(_message(error, flags) for error in exc.errors()))
+            parser.error(cls.refusal(exc))
+
+    @classmethod
+    def refusal(cls, exc: ValidationError) -> str:
+        """What the model refused, by flag: `--claim-s must be <= 30; --prestage-nodes must be >= 0`."""
+        flags = {option.path: option.flag for option in options_of(cls)}
+        return "; ".join(_message(error, flags) for error in exc.errors())
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None, prog: str, description: str) -> Self:

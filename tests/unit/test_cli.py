@@ -253,6 +253,10 @@ def test_the_shipped_azure_2021_extract_runs_every_policy() -> None:
         (["--scheduler-args", "--mqfq-ttl-alpha -1"], "--mqfq-ttl-alpha must be >= 0"),
         (["--scheduler-args", "--torpor-alpha-period-s"], "expected one argument"),
         (["--scheduler-args", "--mqfq-ttl-alpha '3"], "cannot split"),
+        (["--o3-limit", "-1"], "--o3-limit must be >= 0"),  # a scheduler flag given to `up` itself
+        (["--torpor-alpha", "2"], "--torpor-alpha must be <= 1"),
+        (["--nodez", "3"], "unrecognized arguments: --nodez 3"),
+        (["--slots", "x"], "--slots: slots: expected N"),
     ],
 )
 def test_up_refuses_what_cannot_run_before_it_starts_anything(tmp_path: Path, flags: list[str], says: str) -> None:
@@ -260,3 +264,13 @@ def test_up_refuses_what_cannot_run_before_it_starts_anything(tmp_path: Path, fl
     assert result.exit_code == 2
     assert says in " ".join(result.stderr.replace("│", " ").split())
     assert not (tmp_path / "state").exists()  # nothing was started or written
+
+
+def test_up_passes_the_policys_knobs_on_to_the_scheduler_settings() -> None:
+    from gpufaas.cli import _checked_scheduler
+
+    flags = ["--o3-limit", "0", "--mqfq-overrun-s", "5", "--no-room-aware-misses", "--eviction", "tinylfu"]
+    settings = _checked_scheduler({"policy": "mqfq-sticky", "eviction": "lru"}, flags)
+    assert (settings.policy, settings.eviction) == ("mqfq-sticky", "tinylfu")  # a flag wins, as it comes later
+    config = settings.policy_config
+    assert (config.max_num_skips, config.mqfq_overrun_s, config.room_aware_misses) == (0, 5.0, False)
