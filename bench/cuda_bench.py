@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -142,43 +143,7 @@ async def through_pool(models: dict[str, tuple[Path, bytes, bytes, str]], work: 
         for name, (_, _, body, content_type) in models.items():
             await asyncio.sleep(0.5)  # a warm spare again
             run = ModelRun(name, digests[name], DECLARED_MB[name])
-
-            async def call(run: ModelRun = run, body: bytes = body, content_type: str = content_type) -> Any:
-                result = await pool.run(
-                    run, "gpu0", f"c{next(call_ids)}", body, content_type=content_type, timeout_s=120
-                )
-                if result.outcome != pb.OK:
-                    raise RuntimeError(f"{result.outcome}: {result.message}")
-                return result
-
-            started = time.perf_counter()
-            miss = await call()
-            miss_s = time.perf_counter() - started
-            assert miss.loaded and miss.stages is not None
-            stages = miss.stages
-            hits = []
-            for _ in range(10):
-                await call()
-            for _ in range(calls):
-                started = time.perf_counter()
-                await call()
-                hits.append(time.perf_counter() - started)
-            out[name] = {
-                "miss_ms": round(miss_s * 1e3, 3),
-                "miss_stages_ms": {
-                    "fetch": round(stages.fetch_s * 1e3, 3),
-                    "prefetch": round(stages.prefetch_s * 1e3, 3),
-                    "start": round(stages.start_s * 1e3, 3),
-                    "context": round(stages.context_s * 1e3, 3),
-                    "load": round(stages.load_s * 1e3, 3),
-                    "first_inference": round(miss.inference_time_s * 1e3, 3),
-                    "spare_start": round(stages.spare_start_s * 1e3, 3),
-                    "spare_context": round(stages.spare_context_s * 1e3, 3),
-                },
-                "hit": quantiles(hits),
-                "declared_memory_mb": DECLARED_MB[name],
-                "measured_peak_memory_mb": miss.peak_memory_mb,
-            }
+            out[name] = await _time_in_pool(pool, run, body, content_type, calls=calls, call_ids=call_ids)
         nvml = Nvml.open()
         if nvml is not None:
             out["nvml_process_mb"] = {
@@ -189,6 +154,48 @@ async def through_pool(models: dict[str, tuple[Path, bytes, bytes, str]], work: 
     finally:
         await pool.shutdown()
     return out
+
+
+async def _time_in_pool(
+    pool: WorkerPool, run: ModelRun, body: bytes, content_type: str, *, calls: int, call_ids: Iterator[int]
+) -> dict[str, Any]:
+    """One model through the pool on gpu0: its miss, stage by stage, then `calls` timed hits
+    (after 10 untimed), each call with `body`; call ids from `call_ids`."""
+
+    async def call() -> Any:
+        result = await pool.run(run, "gpu0", f"c{next(call_ids)}", body, content_type=content_type, timeout_s=120)
+        if result.outcome != pb.OK:
+            raise RuntimeError(f"{result.outcome}: {result.message}")
+        return result
+
+    started = time.perf_counter()
+    miss = await call()
+    miss_s = time.perf_counter() - started
+    assert miss.loaded and miss.stages is not None
+    stages = miss.stages
+    hits = []
+    for _ in range(10):
+        await call()
+    for _ in range(calls):
+        started = time.perf_counter()
+        await call()
+        hits.append(time.perf_counter() - started)
+    return {
+        "miss_ms": round(miss_s * 1e3, 3),
+        "miss_stages_ms": {
+            "fetch": round(stages.fetch_s * 1e3, 3),
+            "prefetch": round(stages.prefetch_s * 1e3, 3),
+            "start": round(stages.start_s * 1e3, 3),
+            "context": round(stages.context_s * 1e3, 3),
+            "load": round(stages.load_s * 1e3, 3),
+            "first_inference": round(miss.inference_time_s * 1e3, 3),
+            "spare_start": round(stages.spare_start_s * 1e3, 3),
+            "spare_context": round(stages.spare_context_s * 1e3, 3),
+        },
+        "hit": quantiles(hits),
+        "declared_memory_mb": DECLARED_MB[run.model],
+        "measured_peak_memory_mb": miss.peak_memory_mb,
+    }
 
 
 def pinned_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
@@ -411,19 +418,29 @@ def main(argv: list[str] | None = None) -> int:
         )
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    _run_parts(report, args.out, args.calls)
+    summary = _summary(report)
+    report["summary"] = summary
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _run_parts(report: dict[str, Any], out: Path, calls: int) -> None:
+    """Every part of the benchmark in turn, each's figures into `report`, written to `out` as the
+    next part starts."""
 
     def step(what: str) -> None:
         # Each part's figures are kept as soon as they exist: a later part that fails loses none.
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"== {what}", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="gpufaas-cuda-bench-") as tmp:
         work = Path(tmp)
         models = {name: prepare(name, work) for name in TEMPLATES}
         step("direct")
-        report["direct"] = {
-            name: direct(directory, body, args.calls) for name, (directory, _, body, _) in models.items()
-        }
+        report["direct"] = {name: direct(directory, body, calls) for name, (directory, _, body, _) in models.items()}
         step("pinned bandwidth")
         report["pinned"] = pinned_bandwidth("cuda:0")
         step("pool copy")
@@ -431,9 +448,14 @@ def main(argv: list[str] | None = None) -> int:
         step("pool miss")
         report["pool_miss"] = asyncio.run(pool_miss(models, work, "cuda"))
         step("pool")
-        report["pool"] = asyncio.run(through_pool(models, work, args.calls))
+        report["pool"] = asyncio.run(through_pool(models, work, calls))
         step("cluster")
-        report["cluster"] = through_cluster(models, work, args.calls)
+        report["cluster"] = through_cluster(models, work, calls)
+
+
+def _summary(report: dict[str, Any]) -> dict[str, Any]:
+    """The headline figures of a full report: per model, hits and misses on each path; the host
+    pool's against their goals."""
     summary = {}
     for name in TEMPLATES:
         direct_p50 = report["direct"][name]["p50_ms"]
@@ -453,11 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         "resnet18_miss_from_pool_ms": report["pool_miss"]["from_pool_median_ms"],  # goal <= 100
         "first_call_after_deploy_ms": {n: report["cluster"][n]["first_call_after_deploy_ms"] for n in TEMPLATES},
     }  # first call goal <= 300 ms
-    report["summary"] = summary
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(summary, indent=2))
-    print(f"wrote {args.out}")
-    return 0
+    return summary
 
 
 def smoke_cpu() -> int:

@@ -139,25 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for policy in args.policies.split(","):
         simulated = simulate(workload, policy, cluster=ClusterConfig())
-        with tempfile.TemporaryDirectory(prefix="gpufaas-replay-") as tmp:
-            cluster = LocalCluster(
-                Path(tmp),
-                nodes=3,
-                gpus_per_node=4,
-                backend="emulated",
-                gpu_memory_mb=8192,
-                gpu_type="rtx2080",
-                policy=policy,
-                slots="1",  # the paper's GPUs run one call at a time (the simulator's default too)
-            )
-            cluster.start()
-            try:
-                names = deploy(cluster, workload)
-                asyncio.run(seed_profiles(cluster, workload, names))
-                cluster.restart("scheduler")  # it reads profiles from etcd when it starts
-                real = asyncio.run(replay(cluster.gateway_url, workload, names, cluster.invoke_headers))
-            finally:
-                cluster.stop()
+        real = replay_on_cluster(workload, policy)
         rows.append(
             {
                 "policy": policy,
@@ -190,6 +172,30 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
+
+
+def replay_on_cluster(workload: Workload, policy: str) -> dict[str, Any]:
+    """`workload` replayed over HTTP on a fresh local cluster of 3 nodes x 4 emulated RTX 2080s
+    under `policy`, its functions deployed and their profiles seeded first: `replay`'s figures."""
+    with tempfile.TemporaryDirectory(prefix="gpufaas-replay-") as tmp:
+        cluster = LocalCluster(
+            Path(tmp),
+            nodes=3,
+            gpus_per_node=4,
+            backend="emulated",
+            gpu_memory_mb=8192,
+            gpu_type="rtx2080",
+            policy=policy,
+            slots="1",  # the paper's GPUs run one call at a time (the simulator's default too)
+        )
+        cluster.start()
+        try:
+            names = deploy(cluster, workload)
+            asyncio.run(seed_profiles(cluster, workload, names))
+            cluster.restart("scheduler")  # it reads profiles from etcd when it starts
+            return asyncio.run(replay(cluster.gateway_url, workload, names, cluster.invoke_headers))
+        finally:
+            cluster.stop()
 
 
 if __name__ == "__main__":

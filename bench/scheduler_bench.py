@@ -33,7 +33,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -142,9 +142,20 @@ def build(
     gpu_ids = [f"g{i}" for i in range(gpus)]
     for gpu_id in gpu_ids:
         sched.add_gpu(GpuSpec(gpu_id, GPU_MEMORY_MB, slots=slots))
-
-    # Warm every GPU's cache the same way for every policy: run a few requests on it directly.
     now = 0.0
+    warm(sched, workload, gpu_ids, now)
+    heap, tie = fill_slots(sched, workload, now)
+    if any(state.free_slots for state in sched.gpus()):
+        raise RuntimeError(f"{policy}: could not fill the {slots} slots of all {gpus} GPUs")
+
+    missing = queued - len(sched.queue)
+    for request in workload.requests(max(0, missing), now):
+        sched.submit(request)
+    return sched, workload, heap, tie
+
+
+def warm(sched: Scheduler, workload: Workload, gpu_ids: Sequence[str], now: float) -> None:
+    """Warm every GPU's cache the same way for every policy: run a few requests on it directly."""
     for gpu_id in gpu_ids:
         chosen: list[str] = []
         while len(chosen) < MODELS_PER_GPU_WARM:
@@ -157,8 +168,11 @@ def build(
             sched.dispatch(request, gpu_id, now)
             sched.on_complete(request.request_id, now)
 
-    # Fill the slots (a policy may park some requests instead, so submit until no slot is free, or until the
-    # models in use leave no room for the requests queued).
+
+def fill_slots(sched: Scheduler, workload: Workload, now: float) -> tuple[Heap, itertools.count[int]]:
+    """Occupy every slot it can: (the dispatches' completion heap, its tie-breaker)."""
+    # A policy may park some requests instead, so submit until no slot is free, or until the models
+    # in use leave no room for the requests queued.
     heap: Heap = []
     tie = itertools.count()
     for _ in range(100):
@@ -178,13 +192,7 @@ def build(
             request = workload.request(now, next(iter(sched.cache.models_on(state.spec.gpu_id))))
             sched.submit(request)
             push_dispatches(heap, [sched.dispatch(request, state.spec.gpu_id, now)], now, tie)
-    if any(state.free_slots for state in sched.gpus()):
-        raise RuntimeError(f"{policy}: could not fill the {slots} slots of all {gpus} GPUs")
-
-    missing = queued - len(sched.queue)
-    for request in workload.requests(max(0, missing), now):
-        sched.submit(request)
-    return sched, workload, heap, tie
+    return heap, tie
 
 
 def run_config(  # noqa: PLR0917 (the configuration, positionally, as everywhere in this file)
@@ -197,9 +205,7 @@ def run_config(  # noqa: PLR0917 (the configuration, positionally, as everywhere
 
     # Let every slot finish its first request at least once before measuring.
     warmup = max(warmup, gpus * slots)
-    samples: list[int] = []
-    per_decision: list[float] = []
-    dispatches = parks = hits = 0
+    tally = _Tally()
     now = 0.0
     queue = sched.queue
     perf_counter_ns = time.perf_counter_ns
@@ -222,40 +228,56 @@ def run_config(  # noqa: PLR0917 (the configuration, positionally, as everywhere
             elapsed = perf_counter_ns() - start
             push_dispatches(heap, decisions, now, tie)
             if step >= warmup:
-                samples.append(elapsed)
-                if decisions:
-                    per_decision.extend([elapsed / len(decisions)] * len(decisions))
-                for decision in decisions:
-                    if isinstance(decision, Dispatch):
-                        dispatches += 1
-                        hits += decision.hit
-                    else:
-                        parks += 1
+                tally.record(elapsed, decisions)
     finally:
         gc.enable()
+    return tally.result(policy, queued, gpus, slots, setup_s=setup_s)
 
-    samples.sort()
-    per_decision.sort()
-    total_ns = sum(samples)
-    num_decisions = dispatches + parks
-    return ConfigResult(
-        policy=policy,
-        queued=queued,
-        gpus=gpus,
-        slots=slots,
-        iterations=len(samples),
-        decisions_per_s=round(num_decisions / (total_ns / 1e9), 1) if total_ns else 0.0,
-        p50_us=round(percentile(per_decision, 50) / 1e3, 2),
-        p99_us=round(percentile(per_decision, 99) / 1e3, 2),
-        call_p50_us=round(percentile(samples, 50) / 1e3, 2),
-        call_p99_us=round(percentile(samples, 99) / 1e3, 2),
-        mean_us=round(total_ns / len(samples) / 1e3, 2),
-        max_us=round(samples[-1] / 1e3, 2),
-        dispatches=dispatches,
-        parks=parks,
-        hits=hits,
-        setup_s=round(setup_s, 3),
-    )
+
+@dataclass(slots=True)
+class _Tally:
+    """The measured rounds of one configuration: each round's time in ns (`samples`), each
+    decision's share of its round's time (`per_decision`), and what the decisions were."""
+
+    samples: list[int] = field(default_factory=list)
+    per_decision: list[float] = field(default_factory=list)
+    dispatches: int = 0
+    parks: int = 0
+    hits: int = 0
+
+    def record(self, elapsed_ns: int, decisions: Sequence[Dispatch | Park]) -> None:
+        self.samples.append(elapsed_ns)
+        if decisions:
+            self.per_decision.extend([elapsed_ns / len(decisions)] * len(decisions))
+        for decision in decisions:
+            if isinstance(decision, Dispatch):
+                self.dispatches += 1
+                self.hits += decision.hit
+            else:
+                self.parks += 1
+
+    def result(self, policy: str, queued: int, gpus: int, slots: int, *, setup_s: float) -> ConfigResult:
+        samples, per_decision = sorted(self.samples), sorted(self.per_decision)
+        total_ns = sum(samples)
+        num_decisions = self.dispatches + self.parks
+        return ConfigResult(
+            policy=policy,
+            queued=queued,
+            gpus=gpus,
+            slots=slots,
+            iterations=len(samples),
+            decisions_per_s=round(num_decisions / (total_ns / 1e9), 1) if total_ns else 0.0,
+            p50_us=round(percentile(per_decision, 50) / 1e3, 2),
+            p99_us=round(percentile(per_decision, 99) / 1e3, 2),
+            call_p50_us=round(percentile(samples, 50) / 1e3, 2),
+            call_p99_us=round(percentile(samples, 99) / 1e3, 2),
+            mean_us=round(total_ns / len(samples) / 1e3, 2),
+            max_us=round(samples[-1] / 1e3, 2),
+            dispatches=self.dispatches,
+            parks=self.parks,
+            hits=self.hits,
+            setup_s=round(setup_s, 3),
+        )
 
 
 def summarize(
