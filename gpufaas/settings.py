@@ -165,9 +165,13 @@ class DaemonSettings(BaseSettings):
 
     # --- the command line, derived ------------------------------------------------------------
     @classmethod
-    def parser(cls, prog: str, description: str, *, partial: bool = False) -> argparse.ArgumentParser:
-        """The daemon's argparse parser, one option per field (`partial`: none required)."""
+    def parser(
+        cls, prog: str, description: str, *, partial: bool = False, raising: bool = False
+    ) -> argparse.ArgumentParser:
+        """The daemon's argparse parser, one option per field (`partial`: none required;
+        `raising`: a usage error raises `SettingsError` instead of exiting)."""
         parser = _Parser(prog=prog, description=description)
+        parser.raising = raising
         for option in options_of(cls):
             _add_option(parser, option, partial=partial)
         return parser
@@ -203,9 +207,7 @@ class DaemonSettings(BaseSettings):
     def with_flags(self, flags: Sequence[str]) -> Self:
         """These settings with `flags` (as the daemon takes them) on top; `SettingsError` if the
         daemon would refuse them."""
-        parser = self.parser(type(self).__name__, "", partial=True)
-        assert isinstance(parser, _Parser)
-        parser.raising = True
+        parser = self.parser(type(self).__name__, "", partial=True, raising=True)
         given = vars(parser.parse_args(list(flags)))
         kept = {
             option.dest: self.value(option)
@@ -217,9 +219,7 @@ class DaemonSettings(BaseSettings):
     @classmethod
     def check_flags(cls, flags: Sequence[str]) -> str | None:
         """What is wrong with `flags` as this daemon would say it, or None (required flags aside)."""
-        parser = cls.parser(cls.__name__, "", partial=True)
-        assert isinstance(parser, _Parser)
-        parser.raising = True
+        parser = cls.parser(cls.__name__, "", partial=True, raising=True)
         try:
             cls.from_namespace(parser, parser.parse_args(list(flags)))
         except SettingsError as exc:

@@ -1,13 +1,15 @@
 """The deployment files stay valid and agree with the daemons: docker-compose.yml and its cpu
 override deploy/compose.local-cpu.yml (rendered by `docker-compose config` where it is installed,
-and parsed), the `monitoring` profile, deploy/k8s/*.yaml, the Dockerfiles, and every daemon flag
-they use, checked against that daemon's `--help`."""
+and parsed), the `monitoring` profile, deploy/k8s/*.yaml, the Dockerfiles, and every daemon
+command line they (and README.md) hold, read by that daemon's settings model as the daemon reads it:
+an unknown flag or a value the daemon would refuse fails here."""
 
 from __future__ import annotations
 
 import functools
 import os
 import re
+import shlex
 import shutil
 import stat
 import subprocess
@@ -19,6 +21,11 @@ from typing import Any
 import pytest
 import yaml
 
+from gateway.settings import GatewaySettings
+from gpu_manager.settings import NodeSettings
+from gpufaas.settings import DaemonSettings, SettingsError, options_of
+from scheduler.settings import SchedulerSettings
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 DEPLOY = ROOT / "deploy"
@@ -27,6 +34,11 @@ K8S = DEPLOY / "k8s"
 NAMESPACE = "gpufaas"
 
 DAEMONS = ("scheduler", "gateway", "gpu_manager")
+SETTINGS: dict[str, type[DaemonSettings]] = {
+    "scheduler": SchedulerSettings,
+    "gateway": GatewaySettings,
+    "gpu_manager": NodeSettings,
+}
 GPU_MANAGERS = ("gpu-manager-0", "gpu-manager-1")
 LONG_RUNNING = {"etcd", "scheduler", "gateway", *GPU_MANAGERS}
 MONITORING = {"prometheus", "grafana"}  # the `monitoring` profile: started only when asked for
@@ -58,8 +70,6 @@ REQUIRED_FLAGS["gpu_manager"] = {
     "--secret-file",
     "--etcd-password-file",
 }
-# Flags the deployment needs that a daemon does not have yet: (daemon, flag) -> why.
-PENDING_FLAGS: dict[tuple[str, str], str] = {}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet"}
 EXPECTED_KINDS = {
     "namespace.yaml": ["Namespace"],
@@ -137,12 +147,14 @@ def daemon_of(argv: list[str]) -> str | None:
 
 
 def command_lines() -> list[tuple[str, str, list[str]]]:
-    """(where, daemon, argv) for every gpufaas daemon started by compose or a k8s manifest."""
+    """(where, daemon, argv) for every gpufaas daemon started by compose (and its cpu override) or
+    a k8s manifest."""
     found: list[tuple[str, str, list[str]]] = []
-    for name, service in services().items():
-        argv = [str(token) for token in service.get("command", [])]
-        if (daemon := daemon_of(argv)) is not None:
-            found.append((f"docker-compose.yml:{name}", daemon, argv))
+    for path, compose_services in ((COMPOSE, services()), (CPU_OVERRIDE, cpu_override()["services"])):
+        for name, service in compose_services.items():
+            argv = [str(token) for token in service.get("command", [])]
+            if (daemon := daemon_of(argv)) is not None:
+                found.append((f"{path.name}:{name}", daemon, argv))
     for workload in workloads():
         for container in containers(workload):
             argv = [str(token) for token in [*container.get("command", []), *container.get("args", [])]]
@@ -164,28 +176,23 @@ def published_port(port: str | dict[str, Any]) -> tuple[int, int]:
     return int(published), int(target)
 
 
-@functools.cache
-def daemon_help(daemon: str) -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", daemon, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stdout
+def readme_command_lines() -> list[tuple[str, str, list[str]]]:
+    """(where, daemon, argv) for every daemon command line README.md shows, a line of its own that
+    starts `.venv/bin/python -m DAEMON` (continued at `\\`)."""
+    text = (ROOT / "README.md").read_text().replace("\\\n", " ")
+    found: list[tuple[str, str, list[str]]] = []
+    for match in re.finditer(rf"^\.venv/bin/python -m ({'|'.join(DAEMONS)}) (.*)$", text, re.MULTILINE):
+        argv = ["python", "-m", match[1], *shlex.split(match[2])]
+        found.append((f"README.md:{match[1]}", match[1], argv))
+    return found
 
 
-def used_flags() -> list[Any]:
-    pairs = sorted({(daemon, flag) for _, daemon, argv in command_lines() for flag in flag_values(argv)})
-    return [
-        pytest.param(
-            daemon,
-            flag,
-            id=f"{daemon}{flag}",
-            marks=[pytest.mark.xfail(strict=True, reason=PENDING_FLAGS[daemon, flag])]
-            if (daemon, flag) in PENDING_FLAGS
-            else [],
-        )
-        for daemon, flag in pairs
-    ]
+def parsed(daemon: str, argv: list[str]) -> DaemonSettings:
+    """What `python -m DAEMON argv...` runs with (its environment aside): its settings model reads
+    the command line as the daemon does; an unknown flag or a refused value is a SettingsError."""
+    model = SETTINGS[daemon]
+    parser = model.parser(daemon, "", raising=True)
+    return model.from_namespace(parser, parser.parse_args(argv[3:]))
 
 
 # --- docker-compose.yml -----------------------------------------------------------------------
@@ -470,13 +477,27 @@ def test_every_daemon_is_started_somewhere() -> None:
     assert started == set(DAEMONS)
 
 
-@pytest.mark.parametrize(("daemon", "flag"), used_flags())
-def test_flag_is_accepted_by_the_daemon(daemon: str, flag: str) -> None:
-    assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", daemon_help(daemon)), f"python -m {daemon} has no {flag}"
+@pytest.mark.parametrize(
+    ("where", "daemon", "argv"),
+    [pytest.param(*line, id=line[0]) for line in [*command_lines(), *readme_command_lines()]],
+)
+def test_every_command_line_is_read_by_the_daemons_settings(where: str, daemon: str, argv: list[str]) -> None:
+    """Every flag is a setting of the daemon's model with a value it takes (`$(POD_IP):50061`, a
+    k8s substitution, is a string like any other)."""
+    try:
+        settings = parsed(daemon, argv)
+    except SettingsError as exc:
+        pytest.fail(f"{where}: python -m {daemon} would refuse it: {exc}")
+    assert not settings.insecure and settings.secret_file is not None, f"{where} runs without credentials"
+
+
+def test_readme_shows_every_daemon() -> None:
+    assert {daemon for _, daemon, _ in readme_command_lines()} == set(DAEMONS)
 
 
 def test_every_command_passes_the_required_flags() -> None:
     for where, daemon, argv in command_lines():
+        assert REQUIRED_FLAGS[daemon] <= {option.flag for option in options_of(SETTINGS[daemon])}, daemon
         missing = REQUIRED_FLAGS[daemon] - set(flag_values(argv))
         assert not missing, f"{where}: {sorted(missing)}"
 
