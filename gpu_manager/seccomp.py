@@ -16,15 +16,15 @@ The program checks the architecture first (a foreign one, such as i386 calls mad
 on x86_64, numbers its calls differently, so it is killed: libseccomp's default for an
 architecture not in the filter, and systemd's `SystemCallArchitectures=native`), then refuses x32
 calls on x86_64 (ENOSYS: they share the architecture value and carry bit 30 in their number), then
-matches the number. Verdicts that depend only on the number are cached by the kernel (5.11 and
-later) per system call, so an allowed call does not run the filter at all.
+matches the number. A verdict that depends on the number alone (all but clone's, personality's and
+socket's) is cached by the kernel (5.11 and later): an allowed call does not run the filter again.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import platform
+import os
 import struct
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -243,7 +243,9 @@ def program(arch: Arch, rules: Iterable[Rule] = RULES) -> list[Instruction]:
     ]
     if arch.x32:
         code += [Instruction(JGE, 0, 1, X32_SYSCALL_BIT), _return(RET_ERRNO | errno.ENOSYS)]
-    present = sorted((arch.numbers[rule.name], rule) for rule in rules if rule.name in arch.numbers)
+    present = sorted(
+        ((arch.numbers[rule.name], rule) for rule in rules if rule.name in arch.numbers), key=lambda pair: pair[0]
+    )
     for number, rule in present:
         refused = _return(RET_ERRNO | rule.errno)
         if rule.when is None:
@@ -311,7 +313,7 @@ class _SockFprog(ctypes.Structure):
 
 def native_arch() -> Arch | None:
     """This process's architecture (see arch_named)."""
-    return arch_named(platform.machine(), struct.calcsize("P"))
+    return arch_named(os.uname().machine, struct.calcsize("P"))
 
 
 def unavailable_reason() -> str | None:
@@ -319,7 +321,7 @@ def unavailable_reason() -> str | None:
     systemd makes (PR_SET_SECCOMP with no program fails with EFAULT where filters exist; EINVAL:
     a kernel without them; EPERM or ENOSYS: an outer sandbox refusing the call)."""
     if native_arch() is None:
-        return f"no system call table for {platform.machine()} ({8 * struct.calcsize('P')}-bit)"
+        return f"no system call table for {os.uname().machine} ({8 * struct.calcsize('P')}-bit)"
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, None, 0, 0) == 0:
         return "PR_SET_SECCOMP took no program"  # not a kernel this code knows
@@ -333,7 +335,7 @@ def install(instructions: Sequence[Instruction]) -> None:
     the kernel refuses it."""
     arch = native_arch()
     if arch is None:
-        raise OSError(errno.ENOSYS, f"no seccomp filter for {platform.machine()}")
+        raise OSError(errno.ENOSYS, f"no seccomp filter for {os.uname().machine}")
     encoded = encode(instructions)
     buffer = ctypes.create_string_buffer(encoded, len(encoded))
     fprog = _SockFprog(len(instructions), ctypes.cast(buffer, ctypes.c_void_p))
