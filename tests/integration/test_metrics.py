@@ -102,10 +102,14 @@ def test_every_daemon_counts_the_calls_made_hits_misses_and_evictions(
     # A clean run: no etcd or wire error anywhere.
     assert error_counts(cluster) == errors_at_start
 
-    # The scrape endpoints ask for the metrics token, and serve /metrics only.
+    # The scrape endpoints ask for the metrics token; /healthz (what the watchdog probes) is open,
+    # with the daemon's loop lag; nothing else is served.
     for component in ("scheduler", "node0"):
         assert scrape(cluster, component, None).status_code == 401
         assert scrape(cluster, component, "wrong").status_code == 401
+        health = httpx.get(f"http://{cluster.metrics_addresses[component]}/healthz", timeout=10)
+        assert health.status_code == 200 and health.headers["content-type"] == "application/json"
+        assert set(health.json()) == {"status", "loop_lag_s", "loop_lag_max_s"} and health.json()["status"] == "ok"
     assert httpx.get(f"http://{cluster.metrics_addresses['scheduler']}/other", timeout=10).status_code == 404
 
 
