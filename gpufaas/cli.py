@@ -24,9 +24,11 @@ from gpufaas.credentials import ADMIN_USER, basic_authorization
 from gpufaas.errors import GpufaasError
 
 if TYPE_CHECKING:
+    from scheduler.policies import PolicyConfig
     from scheduler.settings import SchedulerSettings
-    from simulator.engine import SimResult
+    from simulator.engine import Batching, ClusterConfig, SimResult
     from simulator.report import Aggregate
+    from simulator.workload import Workload
 
 app = typer.Typer(
     name="gpufaas",
@@ -245,20 +247,80 @@ def sim(
     ] = None,
 ) -> None:
     """Replay a function trace through the real scheduler and cache manager on a virtual clock."""
-    from scheduler import make_policy
+    from scheduler.policies import PolicyConfig
     from simulator.engine import Batching, ClusterConfig
-    from simulator.report import (
-        aggregate,
-        build_workloads,
-        compare_policies,
-        execute,
-        plot_policies,
-        plot_sweep,
-        policy_runs,
-        shipped_trace,
-        sweep_runs,
-    )
+    from simulator.report import build_workloads, compare_policies, plot_policies, plot_sweep, shipped_trace
     from simulator.workload import WorkloadConfig, load_trace
+
+    working_sets, mapping_seeds, limits = _sim_checked(
+        working_set, mappings, sweep_o3, compare=compare, plot=plot, policy=policy, eviction=eviction
+    )
+    if not batch_exponent > 0:  # NaN too
+        raise typer.BadParameter(f"must be positive, got {batch_exponent}", param_hint="--batch-exponent")
+    cluster = ClusterConfig(
+        gpus=gpus,
+        gpu_memory_mb=gpu_memory_mb,
+        slots=slots,
+        batch_exponent=batch_exponent,
+        timing_spread=timing_spread,
+        timing_seed=seed,
+        gpus_per_node=gpus_per_node,
+        host_memory_mb=host_memory_mb,
+        eviction=eviction,
+        gpu_idle_release_s=gpu_idle_release_s,
+        host_idle_release_s=host_idle_release_s,
+        host_to_gpu_mb_s=host_to_gpu_mb_s,
+        gpus_per_link=gpus_per_link,
+        link_mb_s=link_mb_s,
+        interference=interference,
+        adaptive_slots=adaptive_slots,
+        utilization_threshold=utilization_threshold,
+    )
+    # The policy's knobs as the real scheduler takes them (python -m scheduler, gpufaas up).
+    config = PolicyConfig(
+        max_num_skips=o3_limit,
+        room_aware_misses=not literal_misses,
+        coldest_victim_misses=coldest_victim,
+        literal_visits=literal_visits,
+        mqfq_overrun_s=mqfq_overrun_s,
+        mqfq_ttl_alpha=mqfq_ttl_alpha,
+        mqfq_swap_out=mqfq_swap_out,
+        torpor_alpha_period_s=torpor_alpha_period_s or None,
+        interference_aware_loads=interference_aware,
+    )
+    policies = compare_policies() if compare or plot is not None else [policy]
+    workload_config = WorkloadConfig(
+        start_minute=start_minute, minutes=minutes, rpm=rpm, seed=seed, slo_factor=slo_factor
+    )
+    with _user_errors():
+        trace_path = trace if trace is not None else shipped_trace()
+        counts = load_trace(trace_path, trace_format.value)
+        workloads = build_workloads(counts, working_sets, workload_config, mapping_seeds)
+        batching = Batching(max_batch_size, max_batch_wait_ms) if max_batch_size > 1 else None
+        runs = (working_sets, policies, limits, mapping_seeds)
+        results = _sim_execute(workloads, runs, cluster, config, batching, progress=not json_output)
+        if plot is not None:
+            (plot_sweep if limits is not None else plot_policies)(results, plot)
+    first = next(iter(workloads.values()))
+    window = {"start_minute": first.start_minute, "minutes": first.minutes, "rpm": rpm, "seed": seed}
+    meta: dict[str, object] = {"trace": str(trace_path), "trace_format": trace_format.value, **window}
+    meta.update(_sim_cluster_meta(cluster, results, slo_factor))
+    _sim_output(results, meta, grouped=len(mapping_seeds) > 1, json_output=json_output, plot=plot)
+
+
+def _sim_checked(
+    working_set: str,
+    mappings: str,
+    sweep_o3: str | None,
+    *,
+    compare: bool,
+    plot: Path | None,
+    policy: str,
+    eviction: str,
+) -> tuple[list[int], list[int | None], list[int] | None]:
+    """`gpufaas sim`'s options that go together, checked: (working sets, mapping seeds, the o3
+    limits of a sweep or None)."""
+    from scheduler import make_policy
 
     working_sets = _int_list(working_set, "--working-set", minimum=1)
     mapping_seeds = _mapping_list(mappings)
@@ -272,86 +334,76 @@ def sim(
     except GpufaasError as exc:
         raise typer.BadParameter(str(exc), param_hint="--policy") from None
     _check_eviction(eviction)
-    if not batch_exponent > 0:
-        raise typer.BadParameter(f"must be positive, got {batch_exponent}", param_hint="--batch-exponent")
     if plot is not None and plot.suffix.lower() != ".png":
         raise typer.BadParameter(f"the plot is written as PNG; name it *.png, got {plot}", param_hint="--plot")
+    return working_sets, mapping_seeds, limits
 
-    with _user_errors():
-        trace_path = trace if trace is not None else shipped_trace()
-        counts = load_trace(trace_path, trace_format.value)
-        workload_config = WorkloadConfig(
-            start_minute=start_minute, minutes=minutes, rpm=rpm, seed=seed, slo_factor=slo_factor
-        )
-        workloads = build_workloads(counts, working_sets, workload_config, mapping_seeds)
-        if limits is not None:
-            runs = sweep_runs(working_sets, limits, mapping_seeds)
-        elif compare or plot is not None:
-            runs = policy_runs(working_sets, compare_policies(), o3_limit, mapping_seeds)
-        else:
-            runs = policy_runs(working_sets, [policy], o3_limit, mapping_seeds)
-        cluster = ClusterConfig(
-            gpus=gpus,
-            gpu_memory_mb=gpu_memory_mb,
-            slots=slots,
-            batch_exponent=batch_exponent,
-            timing_spread=timing_spread,
-            timing_seed=seed,
-            gpus_per_node=gpus_per_node,
-            host_memory_mb=host_memory_mb,
-            eviction=eviction,
-            gpu_idle_release_s=gpu_idle_release_s,
-            host_idle_release_s=host_idle_release_s,
-            host_to_gpu_mb_s=host_to_gpu_mb_s,
-            gpus_per_link=gpus_per_link,
-            link_mb_s=link_mb_s,
-            interference=interference,
-            adaptive_slots=adaptive_slots,
-            utilization_threshold=utilization_threshold,
-        )
-        batching = Batching(max_batch_size, max_batch_wait_ms) if max_batch_size > 1 else None
-        total = sum(len(workloads[(run.working_set, run.mapping_seed)].requests) for run in runs)
-        with _progress(total, enabled=not json_output and sys.stderr.isatty()) as advance:
-            results = execute(
-                workloads,
-                runs,
-                cluster=cluster,
-                room_aware_misses=not literal_misses,
-                coldest_victim_misses=coldest_victim,
-                literal_visits=literal_visits,
-                mqfq_overrun_s=mqfq_overrun_s,
-                mqfq_ttl_alpha=mqfq_ttl_alpha,
-                mqfq_swap_out=mqfq_swap_out,
-                torpor_alpha_period_s=torpor_alpha_period_s or None,
-                interference_aware_loads=interference_aware,
-                batching=batching,
-                on_progress=advance,
-                optimum=True,
-            )
-        if plot is not None:
-            (plot_sweep if limits is not None else plot_policies)(results, plot)
 
-    first = next(iter(workloads.values()))
-    meta = {
-        "trace": str(trace_path),
-        "trace_format": trace_format.value,
-        "start_minute": first.start_minute,
-        "minutes": first.minutes,
-        "rpm": rpm,
-        "seed": seed,
-        "gpus": gpus,
-        "gpu_memory_mb": gpu_memory_mb,
-        "slots": slots,
+def _sim_execute(
+    workloads: dict[tuple[int, int | None], Workload],
+    plan: tuple[list[int], list[str], list[int] | None, list[int | None]],
+    cluster: ClusterConfig,
+    config: PolicyConfig,
+    batching: Batching | None,
+    *,
+    progress: bool,
+) -> list[SimResult]:
+    """Every run of `plan` (working sets, policies, the o3 limits of a sweep or None, mapping
+    seeds: each policy, or lalb-o3 at each limit, per working set and mapping) with the policy's
+    knobs of `config`, a progress bar on a terminal."""
+    from simulator.report import execute, policy_runs, sweep_runs
+
+    working_sets, policies, limits, mapping_seeds = plan
+    if limits is not None:
+        runs = sweep_runs(working_sets, limits, mapping_seeds)
+    else:
+        runs = policy_runs(working_sets, policies, config.max_num_skips, mapping_seeds)
+    total = sum(len(workloads[(run.working_set, run.mapping_seed)].requests) for run in runs)
+    with _progress(total, enabled=progress and sys.stderr.isatty()) as advance:
+        return execute(
+            workloads,
+            runs,
+            cluster=cluster,
+            room_aware_misses=config.room_aware_misses,
+            coldest_victim_misses=config.coldest_victim_misses,
+            literal_visits=config.literal_visits,
+            mqfq_overrun_s=config.mqfq_overrun_s,
+            mqfq_ttl_alpha=config.mqfq_ttl_alpha,
+            mqfq_swap_out=config.mqfq_swap_out,
+            torpor_alpha_period_s=config.torpor_alpha_period_s,
+            interference_aware_loads=config.interference_aware_loads,
+            batching=batching,
+            on_progress=advance,
+            optimum=True,
+        )
+
+
+def _sim_cluster_meta(
+    cluster: ClusterConfig, results: Sequence[SimResult], slo_factor: float | None
+) -> dict[str, object]:
+    """What `gpufaas sim` reports of the simulated cluster beside the results."""
+    return {
+        "gpus": cluster.gpus,
+        "gpu_memory_mb": cluster.gpu_memory_mb,
+        "slots": cluster.slots,
         "mappings": list(dict.fromkeys(result.mapping for result in results)),
-        "timing_spread": timing_spread,
-        "host_memory_mb": host_memory_mb,
-        "eviction": eviction,
+        "timing_spread": cluster.timing_spread,
+        "host_memory_mb": cluster.host_memory_mb,
+        "eviction": cluster.eviction,
         "slo_factor": slo_factor,
-        "interference": interference,
-        "adaptive_slots": adaptive_slots,
-        "gpus_per_link": gpus_per_link,
+        "interference": cluster.interference,
+        "adaptive_slots": cluster.adaptive_slots,
+        "gpus_per_link": cluster.gpus_per_link,
     }
-    groups = aggregate(results) if len(mapping_seeds) > 1 else []
+
+
+def _sim_output(
+    results: list[SimResult], meta: dict[str, object], *, grouped: bool, json_output: bool, plot: Path | None
+) -> None:
+    """The results as JSON or tables (aggregated over mappings when `grouped`)."""
+    from simulator.report import aggregate
+
+    groups = aggregate(results) if grouped else []
     if json_output:
         if len(results) == 1:
             print(json.dumps({**results[0].to_json(), **meta}, indent=2))
@@ -854,15 +906,12 @@ def new(
     import shutil
     import subprocess
 
-    import yaml
-
     from gpufaas.functions import NAME_PATTERN
 
     templates = _templates()
     if list_templates:
         for template_name, path in sorted(templates.items()):
-            meta = _template_meta(path)
-            console.print(f"{template_name:28} {meta.get('description', '')}")
+            console.print(f"{template_name:28} {_template_meta(path).get('description', '')}")
         return
     if name is None:
         raise typer.BadParameter("give the new function's name (or --list for the templates)", param_hint="NAME")
@@ -876,7 +925,6 @@ def new(
     if target.exists():
         raise typer.BadParameter(f"{target} already exists", param_hint="NAME")
     source = templates[template]
-    meta = _template_meta(source)
     # What this command makes, removed again if any step fails: the function's directory and the
     # folders above it that did not exist (a stack.yml it had not finished is never left half written).
     made = target
@@ -891,41 +939,49 @@ def new(
                 )
                 if done.returncode != 0:
                     raise GpufaasError(_weights_failure(template, done.stderr))
-            stack_path = directory / "stack.yml"
-            stack: dict[str, Any] = {
-                "version": 1.0,
-                "provider": {"name": "gpufaas", "gateway": DEFAULT_GATEWAY},
-                "functions": {},
-            }
-            if stack_path.exists():
-                try:
-                    stack = yaml.safe_load(stack_path.read_text()) or stack
-                except (OSError, yaml.YAMLError) as exc:
-                    raise GpufaasError(f"cannot read {stack_path}: {exc}") from None
-                if not isinstance(stack, dict) or not isinstance(stack.setdefault("functions", {}), dict):
-                    raise GpufaasError(f"{stack_path} is not a stack file (no functions mapping)")
-            stack["functions"][name] = {
-                "template": template,
-                "handler": f"./{name}",
-                "gpu": meta.get("gpu", "any"),
-                "memory_mb": int(meta.get("memory_mb", 1024)),
-                "batch_size": int(meta.get("batch_size", 32)),
-                "timeout_s": float(meta.get("timeout_s", 60)),
-                "labels": {},
-                "environment": {},
-            }
-            partial = stack_path.with_name(f".{stack_path.name}.{os.getpid()}.tmp")
-            try:
-                partial.write_text(yaml.safe_dump(stack, sort_keys=False))
-                partial.replace(stack_path)
-            finally:
-                partial.unlink(missing_ok=True)
+            stack_path = _add_to_stack(directory / "stack.yml", name, template, _template_meta(source))
     except BaseException:
         shutil.rmtree(made, ignore_errors=True)
         raise
     console.print(
         f"created {target} from {template} and added it to {stack_path}; deploy with `gpufaas deploy -f {stack_path}`"
     )
+
+
+def _add_to_stack(stack_path: Path, name: str, template: str, meta: Mapping[str, Any]) -> Path:
+    """Add function `name` (from `template`, with its template.yml `meta`) to the stack file at
+    `stack_path`, made if absent; written whole or not at all. Returns `stack_path`."""
+    import yaml
+
+    stack: dict[str, Any] = {
+        "version": 1.0,
+        "provider": {"name": "gpufaas", "gateway": DEFAULT_GATEWAY},
+        "functions": {},
+    }
+    if stack_path.exists():
+        try:
+            stack = yaml.safe_load(stack_path.read_text()) or stack
+        except (OSError, yaml.YAMLError) as exc:
+            raise GpufaasError(f"cannot read {stack_path}: {exc}") from None
+        if not isinstance(stack, dict) or not isinstance(stack.setdefault("functions", {}), dict):
+            raise GpufaasError(f"{stack_path} is not a stack file (no functions mapping)")
+    stack["functions"][name] = {
+        "template": template,
+        "handler": f"./{name}",
+        "gpu": meta.get("gpu", "any"),
+        "memory_mb": int(meta.get("memory_mb", 1024)),
+        "batch_size": int(meta.get("batch_size", 32)),
+        "timeout_s": float(meta.get("timeout_s", 60)),
+        "labels": {},
+        "environment": {},
+    }
+    partial = stack_path.with_name(f".{stack_path.name}.{os.getpid()}.tmp")
+    try:
+        partial.write_text(yaml.safe_dump(stack, sort_keys=False))
+        partial.replace(stack_path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return stack_path
 
 
 @app.command()
