@@ -127,7 +127,7 @@ def test_a_worker_dying_mid_request_is_retried_elsewhere_and_its_cache_entry_dro
 def test_a_worker_dying_between_calls_leaves_the_cache_within_a_reconcile_period(
     make_cluster: ClusterFactory, tmp_path: Path, etcd_endpoint: EtcdTarget
 ) -> None:
-    from scheduler.service import RECONCILE_S
+    from scheduler.node_links import RECONCILE_S
 
     cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000)
     model = str(deploy(cluster, "idle", "sleepy_function", tmp_path)["model"])

@@ -164,7 +164,8 @@ def test_the_scheduler_takes_in_the_size_of_a_worker_its_node_stopped_for_it(
     """A Done for a worker lost with a measured size: later admissions book that size (a Done
     for a worker kept is the book's to take in, as before)."""
     from gpufaas.store import MemoryStore
-    from scheduler.service import SchedulerService, _NodeSession
+    from scheduler.service import SchedulerService
+    from scheduler.sessions import NodeSession
 
     async def scenario() -> None:
         service = SchedulerService(MemoryStore())
@@ -174,7 +175,7 @@ def test_the_scheduler_takes_in_the_size_of_a_worker_its_node_stopped_for_it(
         monkeypatch.setattr(service.scheduler, "gpu", lambda gpu_id: (_ for _ in ()).throw(KeyError(gpu_id)))
         monkeypatch.setattr(service.scheduler, "observe_memory", lambda *args: bool(seen.append(args)))
         done = pb.Done(call_id="c", attempt=1, outcome=pb.OK, peak_memory_mb=900, worker_lost=worker_lost)
-        session = _NodeSession(service, None)  # type: ignore[arg-type]  # the node is not looked at
+        session = NodeSession(service, None)  # type: ignore[arg-type]  # the node is not looked at
         conn: Any = None
         session.on_frame(conn, Frame(MessageType.DONE, 0, 0, done.SerializeToString(), b""))
         assert seen == observed

@@ -1,0 +1,156 @@
+"""The scheduler's catalog: its mirror of etcd's functions, profiles and nodes (list, then watch),
+which registers models with the scheduler, seeds the estimator and hands node records to the
+node links."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any
+
+from gpufaas.cluster import NodeRecord
+from gpufaas.errors import GpufaasError
+from gpufaas.functions import FunctionSpec
+from gpufaas.keys import Keys
+from gpufaas.store import KeyValue, Store, StoreError, WatchEvent, list_and_watch
+from gpufaas.types import ModelSpec
+from scheduler.calls import CallBook, Effect
+from scheduler.core import Scheduler
+from scheduler.node_links import NodeLinks
+
+log = logging.getLogger("gpufaas.scheduler")
+
+
+class Catalog:
+    """Functions by name (`functions`), each function's model registered with the scheduler and
+    revived in the book; a model no function runs any more is retired. Profiles persisted by an
+    earlier scheduler seed the estimator. Node records go to the node links (`seen`, `gone`).
+    Touched from the event loop only; what the book decides is handed to `apply`."""
+
+    def __init__(
+        self,
+        store: Store,
+        keys: Keys,
+        scheduler: Scheduler,
+        book: CallBook,
+        links: NodeLinks,
+        *,
+        functions: dict[str, FunctionSpec],
+        apply: Callable[[Iterable[Effect]], None],
+    ) -> None:
+        """`functions`: the mirror to keep, shared with its readers (the node links): it is
+        updated in place, never replaced."""
+        self.store = store
+        self.keys = keys
+        self.scheduler = scheduler
+        self.book = book
+        self.links = links
+        self.functions = functions
+        self.apply = apply
+
+    async def recover(self) -> int:
+        """Read functions, profiles and nodes; returns the revision read (the watches go on from
+        there). A node's GPUs join once it is attached (its workers then re-populate the cache)."""
+        revision = await self.store.revision()
+        self.functions_listed(await self.store.get_prefix(self.keys.functions), revision)
+        for kv in await self.store.get_prefix(self.keys.profiles):
+            self._apply_profile(kv)
+        self.nodes_listed(await self.store.get_prefix(self.keys.nodes), revision)
+        return revision
+
+    def watches(self, revision: int) -> list[Coroutine[Any, Any, None]]:
+        """The tasks that keep the mirror current from `revision` on (re-listing when told to)."""
+        return [
+            list_and_watch(self.store, prefix, on_list=on_list, on_event=on_event, listed_at=revision)
+            for prefix, on_list, on_event in (
+                (self.keys.functions, self.functions_listed, self.function_changed),
+                (self.keys.nodes, self.nodes_listed, self.node_changed),
+            )
+        ]
+
+    # --- functions --------------------------------------------------------------------------
+    def functions_listed(self, kvs: list[KeyValue], revision: int) -> None:
+        """The functions deployed now: the mirror is replaced, the models of those gone retired."""
+        before = dict(self.functions)
+        self.functions.clear()
+        for kv in kvs:
+            self.learn_function(kv.key, kv.value)
+        current = {spec.model for spec in self.functions.values()}
+        effects: list[Effect] = []
+        for spec in before.values():
+            if spec.model not in current:
+                effects += self.book.retire(spec.model)
+        self.apply(effects)
+
+    def function_changed(self, event: WatchEvent) -> None:
+        if event.kind == "put":
+            self.learn_function(event.key, event.value)
+            return
+        gone = self.functions.pop(event.key.removeprefix(self.keys.functions), None)
+        if gone is not None:
+            log.info("function %s deleted: evicting its model %s", gone.name, gone.model)
+            self.apply(self.book.retire(gone.model))
+
+    def learn_function(self, key: str, value: bytes) -> FunctionSpec | None:
+        """Take in a function's spec (None: invalid, ignored): its model is registered, an old
+        model it replaced retired, and a new package pre-staged."""
+        try:
+            spec = FunctionSpec.from_json(value)
+        except GpufaasError as exc:
+            log.warning("ignoring invalid function spec at %s: %s", key, exc)
+            return None
+        old = self.functions.get(spec.name)
+        self.functions[spec.name] = spec
+        self.scheduler.register_model(ModelSpec(spec.model, spec.memory_mb, spec.required_gpu_type))
+        self.book.revive(spec.model)
+        if old is not None and old.model != spec.model:
+            log.info("function %s updated: evicting its old model %s", spec.name, old.model)
+            self.apply(self.book.retire(old.model))
+        if not self.links.is_prestaged(spec.package_digest):  # a new package (a re-list finds old ones)
+            self.links.learn_holdings()  # nodes may hold its package already (another function's)
+            self.links.prestage([spec])
+        return spec
+
+    async def read_through(self, name: str) -> FunctionSpec | None:
+        """A function the mirror lacks, read from etcd (a deploy that just happened may not have
+        reached the watch yet); None if it is not deployed or etcd cannot say now."""
+        with contextlib.suppress(ValueError, StoreError):
+            kv = await self.store.get(self.keys.function(name))
+            if kv is not None:
+                return self.learn_function(kv.key, kv.value)
+        return None
+
+    def _apply_profile(self, kv: KeyValue) -> None:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            gpu_type, model = kv.key.removeprefix(self.keys.profiles).split("/", 1)
+            raw = json.loads(kv.value)
+            if raw.get("load_time_s") is not None:
+                self.scheduler.estimator.observe_load(model, gpu_type, float(raw["load_time_s"]))
+            for batch, seconds in raw.get("inference_time_s", {}).items():
+                self.scheduler.estimator.observe_inference(model, gpu_type, int(batch), float(seconds))
+
+    # --- nodes ------------------------------------------------------------------------------
+    def nodes_listed(self, kvs: list[KeyValue], revision: int) -> None:
+        """The nodes registered now: new and changed ones are (re)attached, gone ones taken out."""
+        listed = set()
+        for kv in kvs:
+            self.node_changed(WatchEvent("put", kv.key, kv.value, kv.mod_revision))
+            listed.add(kv.key.removeprefix(self.keys.nodes))
+        for name in set(self.links.nodes) - listed:
+            log.info("node %s is no longer registered", name)
+            self.links.gone(name)
+
+    def node_changed(self, event: WatchEvent) -> None:
+        name = event.key.removeprefix(self.keys.nodes)
+        if event.kind == "delete":
+            log.info("node %s left the cluster (lease expired or removed)", name)
+            self.links.gone(name)
+            return
+        try:
+            record = NodeRecord.from_json(event.value)
+        except (ValueError, KeyError) as exc:
+            log.warning("ignoring invalid node record for %s: %s", name, exc)
+            return
+        self.links.seen(record)

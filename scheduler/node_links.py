@@ -1,0 +1,350 @@
+"""The scheduler's links to its nodes: attach each registered node (hand it the token key, learn
+the workers it runs), keep it attached, reconcile with what it runs, learn what it holds below its
+GPUs, pre-stage packages, and carry the book's node effects (grant checks, evictions)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Coroutine, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpufaas.cluster import NodeRecord
+from gpufaas.functions import FunctionSpec
+from gpufaas.keys import gpu_address, split_gpu_address
+from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.types import GpuSpec, ModelSpec
+from gpufaas.wire import Connection, ConnectionLost, Handler, MessageType, RemoteError, Unauthenticated, connect
+from scheduler.calls import CallBook, CheckGrants, Effect, Evict, EvictHost
+from scheduler.core import Scheduler
+from scheduler.persister import StatePersister
+from scheduler.staging import GpuRoom, staging_targets
+
+log = logging.getLogger("gpufaas.scheduler")
+
+NODE_TIMEOUT_S = 2.0  # a node that does not answer an Attach, Revoke or probe within this is out
+EVICT_TIMEOUT_S = 30.0  # stopping workers may take a while: an Evict is not a liveness probe
+RECONNECT_S = 0.5
+RECONCILE_S = 5.0  # how often the GPUs' LRU lists are checked against the workers nodes run
+
+
+@dataclass(slots=True)
+class NodeLink:
+    """One registered node (one incarnation) and the scheduler's link to it."""
+
+    record: NodeRecord
+    conn: Connection | None = None
+    gpu_ids: list[str] = field(default_factory=list)  # in the scheduler (attached) or empty
+    holdings: pb.Holdings | None = None  # its latest report of what its disk and host pool hold
+
+
+class NodeLinks:
+    """Every registered node's link. A node's GPUs are in the scheduler exactly while its link is
+    attached (`gpu_ids` not empty); taking them out sends their calls back to the queue. Touched
+    from the event loop only; what is decided is handed to `apply`, tasks to `spawn`."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        book: CallBook,
+        persister: StatePersister,
+        *,
+        functions: Mapping[str, FunctionSpec],
+        apply: Callable[[Iterable[Effect]], None],
+        spawn: Callable[[Coroutine[Any, Any, None]], None],
+        session_for: Callable[[NodeLink], Handler],
+        slots_for: Callable[[str], int],
+        clock: Callable[[], float],
+        scheduler_id: str,
+        token_key: bytes,
+        wire_key: bytes | None,
+        prestage_nodes: int,
+    ) -> None:
+        """`functions`: the catalog's mirror, read here (which models a package digest backs).
+        `session_for`: the handler of a node's connection (its Done and Holdings frames).
+        `slots_for`: a GPU type's D. `token_key`: what grants are signed with, handed to every
+        node on Attach. `prestage_nodes`: how many nodes get a new function's package (0: none)."""
+        self.scheduler = scheduler
+        self.book = book
+        self.persister = persister
+        self.functions = functions
+        self.apply = apply
+        self.spawn = spawn
+        self.session_for = session_for
+        self.slots_for = slots_for
+        self.clock = clock
+        self.scheduler_id = scheduler_id
+        self.token_key = token_key
+        self.wire_key = wire_key
+        self.prestage_nodes = prestage_nodes
+        self.nodes: dict[str, NodeLink] = {}
+        # "node/gpu" -> models, most recent first, as persisted before a restart: each GPU's
+        # recency order, taken once when its node attaches.
+        self.recovered_lru: dict[str, list[str]] = {}
+        self._prestaged: set[str] = set()  # packages pre-staging has placed (once each)
+
+    def registered_gpu_ids(self) -> set[str]:
+        """Every registered node's GPUs, attached or not."""
+        return {gpu_address(node.record.node, gpu.gpu) for node in self.nodes.values() for gpu in node.record.gpus}
+
+    def close(self) -> None:
+        for node in self.nodes.values():
+            if node.conn is not None:
+                node.conn.close()
+
+    # --- registration -----------------------------------------------------------------------
+    def seen(self, record: NodeRecord) -> None:
+        """A node's record (new or changed): link to it, once per incarnation."""
+        known = self.nodes.get(record.node)
+        if known is not None and known.record == record:
+            return
+        if known is not None:
+            # A restarted GPU manager (a new incarnation): its workers, and so its models, are gone.
+            log.info("node %s re-registered (incarnation %s)", record.node, record.incarnation)
+            self.gone(record.node)
+        node = NodeLink(record)
+        self.nodes[record.node] = node
+        self.spawn(self._keep_attached(node))
+
+    def gone(self, name: str) -> None:
+        """A node is no longer registered: take its GPUs out and drop its link."""
+        node = self.nodes.pop(name, None)
+        if node is None:
+            return
+        self._detach(node)
+        if node.conn is not None:
+            node.conn.close()
+
+    # --- attachment -------------------------------------------------------------------------
+    async def _keep_attached(self, node: NodeLink) -> None:
+        """Connect to the node and attach (hand it the token key, learn its workers), then add
+        its GPUs; when the connection drops, take them out and try again while the node is
+        registered under the same incarnation."""
+        session = self.session_for(node)
+        while self.nodes.get(node.record.node) is node:
+            try:
+                conn = await connect(node.record.address, session, timeout_s=NODE_TIMEOUT_S, key=self.wire_key)
+                reply = (
+                    await conn.request(
+                        MessageType.ATTACH,
+                        pb.Attach(scheduler_id=self.scheduler_id, token_key=self.token_key),
+                        timeout_s=NODE_TIMEOUT_S,
+                    )
+                ).message(pb.AttachReply)
+            except (ConnectionLost, TimeoutError, RemoteError) as exc:
+                # A wrong secret is a misconfiguration an operator must see; the rest is routine.
+                level = logging.WARNING if isinstance(exc, Unauthenticated) else logging.DEBUG
+                log.log(level, "node %s at %s: %s", node.record.node, node.record.address, exc)
+                await asyncio.sleep(RECONNECT_S)
+                continue
+            if self.nodes.get(node.record.node) is not node or reply.incarnation != node.record.incarnation:
+                conn.close()  # it left or restarted meanwhile: the watch brings the new record
+                return
+            node.conn = conn
+            self._attach(node, reply)
+            lost = await conn.closed
+            if self.nodes.get(node.record.node) is node:
+                log.warning(
+                    "lost the connection to node %s (%s); taking its GPUs out, %d placed call(s) go back to the queue",
+                    node.record.node,
+                    lost,
+                    len(self.book.placed_on(node.record.node)),
+                )
+                self._detach(node)
+            node.conn = None
+            await asyncio.sleep(RECONNECT_S)
+
+    def _attach(self, node: NodeLink, reply: pb.AttachReply) -> None:
+        resident = _resident(node.record.node, reply)
+        effects: list[Effect] = []
+        for gpu in node.record.gpus:
+            address = gpu_address(node.record.node, gpu.gpu)
+            slots = self.slots_for(gpu.gpu_type)
+            link = None if gpu.link is None else f"{node.record.node}/{gpu.link}"
+            self.scheduler.add_gpu(
+                GpuSpec(address, gpu.memory_mb, gpu.gpu_type, slots=slots, node=node.record.node, link=link)
+            )
+            node.gpu_ids.append(address)
+            self.persister.gpu_joined(address)
+            workers = resident.get(address, {})
+            # Oldest first, so the recency order persisted before a restart comes back.
+            order = [m for m in reversed(self.recovered_lru.pop(address, [])) if m in workers]
+            ordered = {m: workers[m] for m in order} | workers
+            effects += self.book.reconcile(address, ordered, self.clock())
+        effects += self.book.reconcile_host(node.record.node, reply.host_memory_mb, _parked(reply))
+        log.info(
+            "node %s attached: %d GPU(s), %d resident model(s)", node.record.node, len(node.gpu_ids), len(reply.workers)
+        )
+        self.holdings_reported(node, reply.holdings)
+        self.apply(effects + self.book.schedule(self.clock()))
+        self.prestage(self.functions.values())
+
+    def _detach(self, node: NodeLink) -> None:
+        """Take a node's GPUs out: their calls go back to the queue (and are placed again)."""
+        if not node.gpu_ids:
+            return
+        gpu_ids, node.gpu_ids = node.gpu_ids, []
+        self.persister.gpus_left(gpu_ids)
+        self.apply(self.book.gpus_removed(gpu_ids, self.clock()))
+
+    def _disconnect(self, node: NodeLink) -> None:
+        """Stop using a node that does not answer: `_keep_attached` takes its GPUs out and
+        re-attaches it if it answers again (under the same incarnation)."""
+        if node.conn is not None:
+            node.conn.close()
+        else:
+            self._detach(node)
+
+    async def reconciler(self) -> None:
+        """Now and then, ask every attached node which models it runs and reconcile the GPUs' LRU
+        lists, and its host tier, with that (phantoms dropped, orphans adopted or evicted): the
+        cache follows what really runs, whatever was missed (a worker that died between calls, a
+        lost Done, a model the node pushed out of its host tier)."""
+        while True:
+            await asyncio.sleep(RECONCILE_S)
+            for node in list(self.nodes.values()):
+                if node.conn is None or not node.gpu_ids:
+                    continue
+                try:
+                    frame = await node.conn.request(MessageType.WORKERS, pb.WorkersRequest(), timeout_s=NODE_TIMEOUT_S)
+                except (ConnectionLost, TimeoutError, RemoteError):
+                    continue  # _keep_attached deals with a node that is gone
+                if not node.gpu_ids:  # detached meanwhile
+                    continue
+                reply = frame.message(pb.AttachReply)
+                resident = _resident(node.record.node, reply)
+                effects: list[Effect] = []
+                for address in node.gpu_ids:
+                    effects += self.book.reconcile(address, resident.get(address, {}), self.clock())
+                effects += self.book.reconcile_host(node.record.node, reply.host_memory_mb, _parked(reply))
+                self.holdings_reported(node, reply.holdings)
+                self.apply(effects + self.book.schedule(self.clock()))
+
+    # --- what nodes hold below their GPUs, and pre-staging ---------------------------------
+    def holdings_reported(self, node: NodeLink, holdings: pb.Holdings) -> None:
+        """A node said what its disk and host pool hold (package digests): the cache manager
+        learns it by model, so misses are priced and placed by the tier they come from."""
+        node.holdings = holdings
+        self.learn_holdings(node)
+
+    def learn_holdings(self, only: NodeLink | None = None) -> None:
+        """Tell the cache manager, by model, what `only` (else every attached node) last reported
+        holding: call it again when the functions change (a digest may back a new model)."""
+        models_of: dict[str, list[str]] = {}
+        for spec in self.functions.values():
+            models_of.setdefault(spec.package_digest, []).append(spec.model)
+        for node in [only] if only is not None else list(self.nodes.values()):
+            if node.holdings is None or not node.gpu_ids:
+                continue
+            self.scheduler.cache.holdings.report(
+                node.record.node,
+                pooled={m for d in node.holdings.pooled for m in models_of.get(d, ())},
+                staged={m for d in node.holdings.staged for m in models_of.get(d, ())},
+            )
+
+    def is_prestaged(self, package_digest: str) -> bool:
+        """Pre-staging has placed this package already (it is placed once)."""
+        return package_digest in self._prestaged
+
+    def prestage(self, specs: Iterable[FunctionSpec]) -> None:
+        """Ask the nodes a function's misses are expected to land on to bring its package now
+        (scheduler.staging), each node once for all it lacks."""
+        if not self.prestage_nodes:
+            return
+        rooms: dict[str, list[GpuRoom]] = {}
+        for name, node in self.nodes.items():
+            if node.conn is None or not node.gpu_ids or node.holdings is None:
+                continue
+            rooms[name] = [
+                GpuRoom(spec.memory_mb, spec.gpu_type, self.scheduler.cache.gpu(gpu_id).free_mb)
+                for gpu_id in node.gpu_ids
+                for spec in (self.scheduler.gpu(gpu_id).spec,)
+            ]
+        wanted: dict[str, list[str]] = {}
+        for spec in specs:
+            staged_on = {n for n in rooms if spec.package_digest in self.nodes[n].holdings.staged}  # type: ignore[union-attr]
+            model = ModelSpec(spec.model, spec.memory_mb, spec.required_gpu_type)
+            for target in staging_targets(model, rooms, staged_on, copies=self.prestage_nodes):
+                wanted.setdefault(target, []).append(spec.package_digest)
+                # Its miss is expected there: the next function's room is what is left of it, so
+                # many functions deployed at once spread over the nodes rather than all go to one.
+                gpus = rooms[target]
+                best = max(range(len(gpus)), key=lambda i: gpus[i].free_mb)
+                gpus[best] = dataclasses.replace(gpus[best], free_mb=gpus[best].free_mb - spec.memory_mb)
+            if rooms:
+                self._prestaged.add(spec.package_digest)
+        for name, digests in wanted.items():
+            self.spawn(self._stage(self.nodes[name], sorted(set(digests))))
+
+    async def _stage(self, node: NodeLink, digests: list[str]) -> None:
+        if node.conn is None:
+            return
+        with contextlib.suppress(ConnectionLost, TimeoutError, RemoteError):
+            await node.conn.request(MessageType.STAGE, pb.Stage(packages=digests), timeout_s=NODE_TIMEOUT_S)
+            log.info("asked node %s to stage %d package(s)", node.record.node, len(digests))
+
+    # --- the book's node effects ------------------------------------------------------------
+    async def check_grants(self, effect: CheckGrants) -> None:
+        """Ask the node which of these grants it has seen (revoking the rest); a node that cannot
+        answer is disconnected."""
+        node = self.nodes.get(effect.node)
+        claim_by = self.book.claim_by(effect.grants)
+        request = pb.Revoke(
+            grants=[pb.GrantRef(call_id=c, attempt=a) for c, a in effect.grants],
+            claim_by_unix_s=claim_by + time.time() - self.clock() if claim_by else 0.0,
+        )
+        try:
+            if node is None or node.conn is None:
+                raise ConnectionLost(f"node {effect.node} is not connected")
+            reply = (await node.conn.request(MessageType.REVOKE, request, timeout_s=NODE_TIMEOUT_S)).message(
+                pb.RevokeReply
+            )
+        except (ConnectionLost, TimeoutError, RemoteError) as exc:
+            # The node cannot say: if it is gone its calls were requeued with its GPUs.
+            log.warning("cannot check grants with node %s (%s); taking it out", effect.node, exc)
+            if node is not None:
+                self._disconnect(node)
+            return
+        self.apply(
+            self.book.grants_checked(
+                effect.node,
+                [(g.call_id, g.attempt) for g in reply.unseen],
+                [(g.call_id, g.attempt) for g in reply.seen],
+                self.clock(),
+            )
+        )
+
+    async def evict(self, effect: Evict) -> None:
+        node_name, gpu = split_gpu_address(effect.gpu_id)
+        node = self.nodes.get(node_name)
+        if node is None or node.conn is None:
+            return
+        request = pb.Evict(
+            gpu=gpu, models=effect.models, to_host=effect.to_host, if_idle=effect.if_idle, gpu_seq=effect.gpu_seq
+        )
+        with contextlib.suppress(ConnectionLost, TimeoutError, RemoteError):
+            await node.conn.request(MessageType.EVICT, request, timeout_s=EVICT_TIMEOUT_S)
+
+    async def evict_host(self, effect: EvictHost) -> None:
+        node = self.nodes.get(effect.node)
+        if node is None or node.conn is None:
+            return
+        with contextlib.suppress(ConnectionLost, TimeoutError, RemoteError):
+            await node.conn.request(MessageType.EVICT, pb.Evict(models=effect.models), timeout_s=EVICT_TIMEOUT_S)
+
+
+def _resident(node: str, reply: pb.AttachReply) -> dict[str, dict[str, int]]:
+    """ "node/gpu" -> {model: MiB} of what a node reports it runs."""
+    resident: dict[str, dict[str, int]] = {}
+    for worker in reply.workers:
+        resident.setdefault(gpu_address(node, worker.gpu), {})[worker.model] = int(worker.memory_mb)
+    return resident
+
+
+def _parked(reply: pb.AttachReply) -> dict[str, int]:
+    """{model: MiB} of a node's host tier, least recently parked first."""
+    return {worker.model: int(worker.memory_mb) for worker in reply.parked}

@@ -1,0 +1,173 @@
+"""The scheduler's state persister: the GPUs' LRU lists and status, replicas and profiles, written
+to etcd by one coalescing flusher, and read back by a restarted scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+
+from gpufaas.keys import Keys, gpu_address, split_gpu_address
+from gpufaas.store import Store, StoreError
+from scheduler.calls import CallBook
+from scheduler.core import Scheduler
+
+log = logging.getLogger("gpufaas.scheduler")
+
+# Changes are written to etcd within this long, coalesced: a burst of calls costs one write per
+# key that changed, not one per call (a GPU that went busy and idle again in between costs none).
+# etcd is the record for observers and for recovery (which also asks the nodes), not the path of
+# a call: a second of lag costs nothing, while writing per call would cost the scheduler and etcd
+# more CPU than the call itself.
+FLUSH_DELAY_S = 1.0
+PROFILE_WRITE_INTERVAL_S = 5.0  # measured times move a little on every call: persist them calmly
+RETRY_S = 0.5  # after a flush etcd refused
+
+
+class StatePersister:
+    """The single writer of the scheduler's keys in etcd (`gpus/`, `models/`, `profiles/`): it
+    writes what the book marked dirty and the GPUs that left, at most once per FLUSH_DELAY_S,
+    and never rewrites a value it last put unchanged. Plain puts suffice (no read-modify-write):
+    no one else writes these keys."""
+
+    def __init__(
+        self, store: Store, keys: Keys, scheduler: Scheduler, book: CallBook, clock: Callable[[], float]
+    ) -> None:
+        self.store = store
+        self.keys = keys
+        self.scheduler = scheduler
+        self.book = book
+        self.clock = clock
+        self._wanted = asyncio.Event()
+        self._deleted_gpus: set[str] = set()  # "node/gpu" whose keys go at the next flush
+        self._written: dict[str, bytes] = {}  # last value put per key: unchanged values are not rewritten
+        self._profile_written_at: dict[str, float] = {}
+
+    def want_flush(self) -> None:
+        """Something may have changed: flush within FLUSH_DELAY_S."""
+        self._wanted.set()
+
+    def gpus_left(self, gpu_ids: list[str]) -> None:
+        """These GPUs left the scheduler: their keys are deleted at the next flush."""
+        self._deleted_gpus.update(gpu_ids)
+
+    def gpu_joined(self, gpu_id: str) -> None:
+        """A GPU (re)joined: its keys stay (the flushes rewrite them)."""
+        self._deleted_gpus.discard(gpu_id)
+
+    async def recover(self, live_gpu_ids: set[str]) -> dict[str, list[str]]:
+        """Read the persisted LRU lists: "node/gpu" -> models, most recent first, for the GPUs of
+        nodes registered now; those of any other GPU (one that left while no scheduler ran) are
+        deleted at the next flush, which is wanted now."""
+        recovered: dict[str, list[str]] = {}
+        for kv in await self.store.get_prefix(self.keys.gpus):
+            parsed = self.keys.parse_gpu_key(kv.key)
+            if parsed is None or parsed[2] != "lru":
+                continue
+            address = gpu_address(parsed[0], parsed[1])
+            if address not in live_gpu_ids:
+                self._deleted_gpus.add(address)
+                continue
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                recovered[address] = [item["model"] for item in json.loads(kv.value)]
+        self._wanted.set()
+        return recovered
+
+    async def run(self) -> None:
+        """The flusher: wait for a change, let more gather for FLUSH_DELAY_S, write; on a StoreError
+        retry everything soon."""
+        while True:
+            await self._wanted.wait()
+            await asyncio.sleep(FLUSH_DELAY_S)
+            self._wanted.clear()
+            try:
+                await self.flush()
+            except StoreError as exc:
+                log.warning("could not persist cache state (%s); retrying", exc)
+                self._wanted.set()
+                await asyncio.sleep(RETRY_S)
+
+    async def flush(self) -> None:
+        """Write what changed since the last flush. StoreError: nothing is lost, the next flush
+        retries every key this one took."""
+        book = self.book
+        gpus, book.dirty_gpus = book.dirty_gpus, set()
+        models, book.dirty_models = book.dirty_models, set()
+        profiles, book.dirty_profiles = book.dirty_profiles, set()
+        deleted, self._deleted_gpus = self._deleted_gpus, set()
+        try:
+            await self._delete_gpus(deleted)
+            await self._write_gpus(gpus)
+            await self._write_replicas(models)
+            await self._write_profiles(profiles)
+        except StoreError:
+            # Put it all back: the next flush retries every key.
+            book.dirty_gpus |= gpus
+            book.dirty_models |= models
+            book.dirty_profiles |= profiles
+            self._deleted_gpus |= deleted
+            raise
+
+    async def _delete_gpus(self, deleted: set[str]) -> None:
+        for address in deleted:
+            node, gpu = split_gpu_address(address)
+            for key in (self.keys.gpu_lru(node, gpu), self.keys.gpu_status(node, gpu)):
+                await self.store.delete(key)
+                self._written.pop(key, None)
+
+    async def _write_gpus(self, gpus: set[str]) -> None:
+        """Each GPU's LRU list and status (a GPU that left meanwhile is skipped)."""
+        live = set(self.scheduler.cache.gpu_ids())
+        for address in gpus & live:
+            node, gpu = split_gpu_address(address)
+            cache = self.scheduler.cache.gpu(address)
+            state = self.scheduler.gpu(address)
+            lru = [{"model": m, "memory_mb": cache.item(m).memory_mb} for m in cache.lru_list()]
+            await self._put(self.keys.gpu_lru(node, gpu), json.dumps(lru).encode())
+            status = {
+                "status": "idle" if state.idle else "busy",
+                "memory_used_mb": cache.used_mb,
+                "memory_capacity_mb": cache.capacity_mb,
+                "running": len(state.running),
+                "slots": state.spec.slots,
+                "local_queue": len(state.local_queue),
+            }
+            await self._put(self.keys.gpu_status(node, gpu), json.dumps(status).encode())
+
+    async def _write_replicas(self, models: set[str]) -> None:
+        """Which GPUs hold each model; a model no GPU holds loses its key."""
+        for model in models:
+            holders = sorted(self.scheduler.cache.gpus_with(model))
+            key = self.keys.replicas(model)
+            if holders:
+                await self._put(key, json.dumps(holders).encode())
+            elif self._written.get(key) != b"":  # b"": deleted by us already
+                await self.store.delete(key)
+                self._written[key] = b""
+
+    async def _write_profiles(self, profiles: set[tuple[str, str, int]]) -> None:
+        """The estimator's times per (GPU type, model, batch), each key at most once per
+        PROFILE_WRITE_INTERVAL_S (a later one goes back to the book's dirty set)."""
+        now = self.clock()
+        for gpu_type, model, batch in profiles:
+            key = self.keys.profile(gpu_type, model)
+            if now - self._profile_written_at.get(key, -PROFILE_WRITE_INTERVAL_S) < PROFILE_WRITE_INTERVAL_S:
+                self.book.dirty_profiles.add((gpu_type, model, batch))  # later
+                continue
+            self._profile_written_at[key] = now
+            estimator = self.scheduler.estimator
+            with contextlib.suppress(KeyError):
+                memory_mb = self.scheduler.model(model).memory_mb
+                record = {
+                    "load_time_s": estimator.load_time_s(model, gpu_type, memory_mb),
+                    "inference_time_s": {str(batch): estimator.inference_time_s(model, gpu_type, batch)},
+                }
+                await self.store.put(key, json.dumps(record).encode())
+
+    async def _put(self, key: str, value: bytes) -> None:
+        if self._written.get(key) == value:
+            return
+        await self.store.put(key, value)
+        self._written[key] = value

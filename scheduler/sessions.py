@@ -1,0 +1,96 @@
+"""The scheduler's wire sessions: a gateway's connection (Place, Abandon, Cluster) and a node's
+(Done, Holdings), each frame turned into a call on the service or its book."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.wire import Connection, Frame, MessageType
+from scheduler.node_links import NodeLink
+
+if TYPE_CHECKING:
+    from scheduler.service import SchedulerService
+
+
+class GatewaySession:
+    """One gateway's connection: its calls are owned by the connection itself."""
+
+    def __init__(self, service: SchedulerService) -> None:
+        self.service = service
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        service = self.service
+        if frame.type == MessageType.PLACE:
+            service.place(conn, frame.message(pb.Place))
+        elif frame.type == MessageType.ABANDON:
+            abandon = frame.message(pb.Abandon)
+            service.apply(service.book.abandon(conn, abandon.call_id, abandon.attempt, abandon.reason, service.clock()))
+        elif frame.type == MessageType.CLUSTER:
+            conn.reply(frame, MessageType.CLUSTER_REPLY, service.cluster())
+        elif frame.is_request:
+            conn.reply_error(frame, pb.INVALID, f"the scheduler does not answer message type {frame.type}")
+
+    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
+        service = self.service
+        service.apply(service.book.owner_lost(conn, service.clock()))
+
+
+class NodeSession:
+    """The scheduler's connection to one node: Done messages arrive on it."""
+
+    def __init__(self, service: SchedulerService, node: NodeLink) -> None:
+        self.service = service
+        self.node = node
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        if frame.type == MessageType.HOLDINGS:
+            self.service.holdings_reported(self.node, frame.message(pb.Holdings))
+            return
+        if frame.type != MessageType.DONE:
+            return
+        done = frame.message(pb.Done)
+        service = self.service
+        placed = service.book.placement(done.call_id, done.attempt)
+        if placed is not None and done.worker_lost and done.peak_memory_mb > 0:
+            # The node stopped a worker it measured over its declared size, with no room for that on
+            # its GPU (gpu_manager.pool): later admissions book what it measured, so that the next
+            # call makes room for the model instead of loading it to be stopped again. (Otherwise
+            # the book's `done` takes the size in, which it does not for a worker lost.)
+            service.scheduler.observe_memory(placed[0], placed[1], int(done.peak_memory_mb))
+        if placed is not None:
+            self._measured(done, *placed)
+        service.apply(
+            service.book.done(
+                done.call_id,
+                done.attempt,
+                done.outcome,
+                service.clock(),
+                loaded=done.loaded,
+                load_time_s=done.load_time_s,
+                inference_time_s=done.inference_time_s,
+                peak_memory_mb=int(done.peak_memory_mb),
+                batch_calls=done.batch_calls,
+                worker_lost=done.worker_lost,
+            )
+        )
+
+    def _measured(self, done: pb.Done, model: str, gpu_id: str) -> None:
+        """What the node measured, into the metrics."""
+        service = self.service
+        try:
+            gpu_type = service.scheduler.gpu(gpu_id).spec.gpu_type
+        except KeyError:  # its node left meanwhile
+            gpu_type = ""
+        service.metrics.done(
+            model,
+            gpu_type,
+            ok=done.outcome == pb.OK,
+            outcome=pb.Outcome.Name(done.outcome).lower(),
+            loaded=done.loaded,
+            load_time_s=done.load_time_s,
+            inference_time_s=done.inference_time_s,
+        )
+
+    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
+        pass  # NodeLinks' keep-attached loop sees `conn.closed` resolve

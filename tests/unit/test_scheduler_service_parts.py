@@ -1,0 +1,143 @@
+"""The scheduler service's parts, on a MemoryStore: the state persister (what reaches etcd, what
+a failed flush keeps) and the catalog (its function mirror, shared with the node links)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from gpufaas.functions import FunctionSpec
+from gpufaas.keys import Keys
+from gpufaas.store import MemoryStore, StoreError
+from gpufaas.types import GpuSpec
+from scheduler.service import SchedulerService
+
+GPU = "n1/g0"
+
+
+def make_spec(name: str, memory_mb: int = 1000) -> FunctionSpec:
+    """A function whose package digest is derived from its name (so its model is stable)."""
+    return FunctionSpec(
+        name=name, package_digest="sha256:" + hashlib.sha256(name.encode()).hexdigest(), memory_mb=memory_mb
+    )
+
+
+def run(scenario: Callable[[SchedulerService, MemoryStore], Awaitable[None]]) -> None:
+    """`scenario` against a service that is built, not started (no watches, no flusher task),
+    with prestaging off (no node is attached)."""
+
+    async def main() -> None:
+        store = MemoryStore()
+        await scenario(SchedulerService(store, keys=Keys("/t"), prestage_nodes=0), store)
+
+    asyncio.run(main())
+
+
+def with_model_on_gpu(service: SchedulerService, spec: FunctionSpec) -> None:
+    """`spec`'s model registered, and resident on GPU (as a node's report adopts it)."""
+    service.catalog.learn_function(service.keys.function(spec.name), spec.to_json())
+    service.scheduler.add_gpu(GpuSpec(GPU, 8000, "cpu", node="n1"))
+    service.book.reconcile(GPU, {spec.model: spec.memory_mb}, 0.0)
+
+
+def test_a_flush_writes_what_changed_and_nothing_twice() -> None:
+    spec = make_spec("fn-a")
+
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        keys = service.keys
+        with_model_on_gpu(service, spec)
+        await service.persister.flush()
+        lru = await store.get(keys.gpu_lru("n1", "g0"))
+        status = await store.get(keys.gpu_status("n1", "g0"))
+        replicas = await store.get(keys.replicas(spec.model))
+        assert lru is not None and json.loads(lru.value) == [{"model": spec.model, "memory_mb": 1000}]
+        assert status is not None and json.loads(status.value)["memory_used_mb"] == 1000
+        assert replicas is not None and json.loads(replicas.value) == [GPU]
+        revision = await store.revision()
+        service.book.dirty_gpus.add(GPU)  # marked again, but unchanged: not rewritten
+        service.book.dirty_models.add(spec.model)
+        await service.persister.flush()
+        assert await store.revision() == revision
+
+    run(scenario)
+
+
+def test_a_gpu_that_left_loses_its_keys() -> None:
+    spec = make_spec("fn-a")
+
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        keys = service.keys
+        with_model_on_gpu(service, spec)
+        await service.persister.flush()
+        service.persister.gpus_left([GPU])
+        await service.persister.flush()
+        assert await store.get(keys.gpu_lru("n1", "g0")) is None
+        assert await store.get(keys.gpu_status("n1", "g0")) is None
+
+    run(scenario)
+
+
+def test_a_failed_flush_keeps_everything_for_the_next() -> None:
+    spec = make_spec("fn-a")
+
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        keys = service.keys
+        with_model_on_gpu(service, spec)
+        await store.put(keys.gpu_lru("n9", "g0"), b"[]")  # a GPU that left
+        service.persister.gpus_left(["n9/g0"])
+        store.set_reachable(False)
+        with pytest.raises(StoreError):
+            await service.persister.flush()
+        assert GPU in service.book.dirty_gpus and spec.model in service.book.dirty_models
+        store.set_reachable(True)
+        await service.persister.flush()
+        assert await store.get(keys.gpu_lru("n1", "g0")) is not None
+        assert await store.get(keys.gpu_lru("n9", "g0")) is None
+        assert not service.book.dirty_gpus and not service.book.dirty_models
+
+    run(scenario)
+
+
+def test_recovery_returns_the_lru_lists_of_registered_gpus_and_deletes_the_rest() -> None:
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        keys = service.keys
+        for node in ("n1", "gone"):
+            await store.put(keys.gpu_lru(node, "g0"), json.dumps([{"model": "m2"}, {"model": "m1"}]).encode())
+        recovered = await service.persister.recover({GPU})
+        assert recovered == {GPU: ["m2", "m1"]}
+        await service.persister.flush()
+        assert await store.get(keys.gpu_lru("gone", "g0")) is None
+        assert await store.get(keys.gpu_lru("n1", "g0")) is not None
+
+    run(scenario)
+
+
+def test_the_catalog_relists_in_place_and_retires_models_no_function_runs() -> None:
+    a, b = make_spec("fn-a"), make_spec("fn-b")
+
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        with_model_on_gpu(service, a)
+        mirror = service.catalog.functions
+        assert service.links.functions is mirror  # the node links read the catalog's mirror
+        await store.put(service.keys.function(b.name), b.to_json())
+        service.catalog.functions_listed(await store.get_prefix(service.keys.functions), await store.revision())
+        assert service.catalog.functions is mirror and list(mirror) == [b.name]
+        assert a.model not in service.scheduler.cache.gpu(GPU)  # fn-a is gone: its model was retired
+
+    run(scenario)
+
+
+def test_the_catalog_reads_through_for_a_function_the_watch_has_not_brought() -> None:
+    spec = make_spec("fn-a")
+
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        assert await service.catalog.read_through(spec.name) is None
+        await store.put(service.keys.function(spec.name), spec.to_json())
+        assert await service.catalog.read_through(spec.name) == spec
+        assert service.catalog.functions == {spec.name: spec}
+
+    run(scenario)
