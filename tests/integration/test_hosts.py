@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
 
+import httpx
 import pytest
 
+from gpufaas.credentials import ADMIN_USER, SecretFiles, ensure_secrets, read_secret
+from gpufaas.etcd_server import find_etcd_binary
 from gpufaas.netns import PREFIX, Hosts, NetnsUnavailable
+from tests.integration.conftest import deploy
 
 pytestmark = pytest.mark.integration
 
@@ -47,6 +56,21 @@ def leftovers(suffix: str) -> list[str]:
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout.split()
     names += subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout.split()
     return [name for name in names if name.startswith(PREFIX + suffix)]
+
+
+def test_without_root_the_harness_says_why(make_hosts: HostsFactory) -> None:
+    """What a test sees where namespaces cannot be made: NetnsUnavailable, saying to run as root."""
+    make_hosts(["probe"])  # skips (or fails under CI) where even root cannot make them
+    if shutil.which("setpriv") is None:
+        pytest.skip("no setpriv (util-linux) to drop to another user")
+    script = (
+        "from gpufaas.netns import Hosts, NetnsUnavailable\n"
+        "try:\n    Hosts(['a'])\nexcept NetnsUnavailable as exc:\n    print(exc)\n"
+    )
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", script]
+    repository = Path(__file__).parents[2]
+    done = subprocess.run(as_nobody, check=False, capture_output=True, text=True, timeout=60, cwd=repository)
+    assert done.stdout.strip() == "network namespaces need root: run as root or skip", done.stderr
 
 
 # A TCP echo server on (HOST, PORT), and a client that prints "ok MS" (connect, one byte there and
@@ -173,3 +197,200 @@ def test_hosts_are_apart_and_their_links_fail_and_heal(make_hosts: HostsFactory)
     hosts.close()
     hosts.close()  # twice is fine
     assert leftovers(suffix) == []
+
+
+# --- a whole cluster, a daemon per host ------------------------------------------------------------
+
+ETCD_PORT = 2379
+SCHEDULER_PORT = 50051
+GATEWAY_PORT = 8080
+NODE_PORT = 7000
+METRICS_PORT = 9100
+
+
+@dataclass
+class HostCluster:
+    """etcd, the scheduler, the gateway and GPU managers, each in its own host, secured as `gpufaas
+    up` secures a cluster (cluster secret, etcd's root password, admin password, invoke token)."""
+
+    hosts: Hosts
+    state_dir: Path
+    nodes: list[str]
+    logs: dict[str, IO[bytes]] = field(default_factory=dict)
+
+    @property
+    def secrets(self) -> SecretFiles:
+        return SecretFiles(self.state_dir / "secrets")
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{self.hosts.address('gateway')}:{GATEWAY_PORT}"
+
+    @property
+    def admin_auth(self) -> httpx.BasicAuth:
+        return httpx.BasicAuth(ADMIN_USER, read_secret(self.secrets.admin_password))
+
+    @property
+    def invoke_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {read_secret(self.secrets.invoke_token)}"}
+
+    def start(self) -> None:
+        os.chmod(self.state_dir, 0o711)  # workers (other users) pass through to their packages
+        ensure_secrets(self.secrets.directory)
+        address = self.hosts.address
+        etcd_url = f"http://{address('etcd')}:{ETCD_PORT}"
+        peer_url = "http://127.0.0.1:2380"  # a single member: its peer port stays on its host
+        self._start("etcd", [
+            str(find_etcd_binary()), "--name=etcd", f"--data-dir={self.state_dir / 'etcd'}",
+            f"--listen-client-urls={etcd_url}", f"--advertise-client-urls={etcd_url}",
+            f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
+            f"--initial-cluster=etcd={peer_url}", "--initial-cluster-state=new",
+        ])  # fmt: skip
+        self._wait(f"{etcd_url}/health", "etcd")
+        common = [
+            "--etcd", f"{address('etcd')}:{ETCD_PORT}", "--root", "/gpufaas",
+            "--secret-file", str(self.secrets.cluster_secret),
+            "--etcd-password-file", str(self.secrets.etcd_password),
+        ]  # fmt: skip
+        scheduler = f"{address('scheduler')}:{SCHEDULER_PORT}"
+        self._start("scheduler", [
+            sys.executable, "-m", "scheduler", *common, "--listen", scheduler,
+            "--metrics-listen", f"{address('scheduler')}:{METRICS_PORT}",
+        ])  # fmt: skip
+        self._start("gateway", [
+            sys.executable, "-m", "gateway", *common, "--host", address("gateway"), "--port", str(GATEWAY_PORT),
+            "--state-dir", str(self.state_dir / "gateway"), "--scheduler", scheduler,
+            "--admin-password-file", str(self.secrets.admin_password),
+            "--invoke-token-file", str(self.secrets.invoke_token),
+        ])  # fmt: skip
+        for node in self.nodes:
+            pool = self.state_dir / f"{node}-pool"
+            pool.mkdir(mode=0o700)
+            self._start(node, [
+                sys.executable, "-m", "gpu_manager", *common, "--node", node,
+                "--listen", f"{address(node)}:{NODE_PORT}", "--metrics-listen", f"{address(node)}:{METRICS_PORT}",
+                "--backend", "cpu", "--gpus", "1", "--gpu-memory-mb", "1000",
+                "--state-dir", str(self.state_dir / node), "--pool-dir", str(pool),
+            ])  # fmt: skip
+        self.wait_for_gpus(set(self.nodes), timeout_s=120)
+
+    def _start(self, host: str, argv: list[str]) -> None:
+        log = self.logs[host] = (self.state_dir / f"{host}.log").open("ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.hosts.run(host, argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+    def _wait(self, url: str, name: str, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"{name} did not answer at {url}; its log ends:\n{self.tail(name)}")
+
+    def gpu_nodes(self) -> set[str]:
+        """The nodes whose GPUs the cluster sees (the gateway's view)."""
+        response = httpx.get(f"{self.gateway_url}/system/gpus", timeout=5, auth=self.admin_auth)
+        response.raise_for_status()
+        return {gpu["node"] for gpu in response.json()}
+
+    def wait_for_gpus(self, nodes: set[str], timeout_s: float) -> float:
+        """Seconds until exactly `nodes` have GPUs in the cluster."""
+        started = time.monotonic()
+        last: object = None
+        while time.monotonic() - started < timeout_s:
+            try:
+                last = self.gpu_nodes()
+                if last == nodes:
+                    return time.monotonic() - started
+            except httpx.HTTPError as exc:
+                last = exc
+            time.sleep(0.2)
+        logs = "\n".join(f"--- {name}:\n{self.tail(name)}" for name in self.logs)
+        raise AssertionError(f"GPUs of {nodes} not seen in {timeout_s} s (last: {last}); logs:\n{logs}")
+
+    def call(self, function: str, client: httpx.Client, timeout_s: float = 30) -> httpx.Response:
+        return client.post(
+            f"{self.gateway_url}/function/{function}", json={"x": 1}, headers=self.invoke_headers, timeout=timeout_s
+        )
+
+    def tail(self, name: str, num_chars: int = 3000) -> str:
+        return (self.state_dir / f"{name}.log").read_text(errors="replace")[-num_chars:]
+
+    def close(self) -> None:
+        self.hosts.close()
+        for log in self.logs.values():
+            log.close()
+        for node in self.nodes:  # a node killed before it could remove its pool
+            shutil.rmtree(self.state_dir / f"{node}-pool", ignore_errors=True)
+
+
+def test_a_cluster_with_a_daemon_per_host_serves_and_survives_an_isolated_node(
+    make_hosts: HostsFactory, tmp_path: Path
+) -> None:
+    nodes = ["node0", "node1"]
+    hosts = make_hosts(["etcd", "scheduler", "gateway", *nodes])
+    cluster = HostCluster(hosts, tmp_path, nodes)
+    try:
+        started = time.monotonic()
+        cluster.start()
+        print(f"\ncluster up on {hosts.layout.network} in {time.monotonic() - started:.1f} s")
+        # Two functions, each filling a GPU (800 of its 1000 MB): one lands on each node.
+        functions = ["echo-a", "echo-b"]
+        for function in functions:
+            deploy(cluster, function, "echo_function", tmp_path)  # type: ignore[arg-type]
+        with httpx.Client() as client:
+            served: dict[str, set[str]] = {}
+            for _ in range(3):
+                for function in functions:
+                    response = cluster.call(function, client)
+                    assert response.status_code == 200, response.text
+                    served.setdefault(function, set()).add(response.headers["X-Gpu"].split("/")[0])
+            on_nodes = set().union(*served.values())
+            assert on_nodes == set(nodes), served
+
+            # Isolate the node serving echo-a: calls to both functions go on, on the other node.
+            victim = next(iter(served["echo-a"]))
+            survivor = next(node for node in nodes if node != victim)
+            hosts.isolate(victim)
+            isolated_at = time.monotonic()
+            watcher = ThreadPoolExecutor(1)  # when the gateway stops seeing the victim's GPUs, meanwhile
+            gone = watcher.submit(cluster.wait_for_gpus, {survivor}, 90)
+            rounds: list[str] = []  # what each round of calls got, for the figures
+            while True:
+                answers = []
+                for function in functions:
+                    sent_s = time.monotonic()
+                    try:
+                        answers.append(cluster.call(function, client, timeout_s=60))
+                        got = str(answers[-1].status_code)
+                    except httpx.TimeoutException:
+                        got = "timeout"
+                    rounds.append(
+                        f"{function} at {sent_s - isolated_at:.1f} s: {got} in {time.monotonic() - sent_s:.1f} s"
+                    )
+                if len(answers) == len(functions) and all(answer.status_code == 200 for answer in answers):
+                    break
+                assert time.monotonic() - isolated_at < 120, rounds
+            recovered_s = time.monotonic() - isolated_at
+            assert {a.headers["X-Gpu"].split("/")[0] for a in answers} == {survivor}
+            gone_s = gone.result()
+            watcher.shutdown()
+            for _ in range(5):
+                for function in functions:
+                    answer = cluster.call(function, client)
+                    assert answer.status_code == 200 and answer.headers["X-Gpu"].startswith(survivor + "/")
+
+            # Heal: the node comes back with its GPUs.
+            hosts.heal(victim)
+            back_s = cluster.wait_for_gpus(set(nodes), timeout_s=150)
+            assert cluster.call("echo-a", client).status_code == 200
+        print(
+            f"{victim} isolated: calls to both functions succeed again after {recovered_s:.1f} s "
+            f"({'; '.join(rounds)}); its GPUs gone from the gateway's view after {gone_s:.1f} s; "
+            f"healed: back in {back_s:.1f} s"
+        )
+    finally:
+        cluster.close()
