@@ -19,7 +19,8 @@ import pytest
 
 from gpufaas.credentials import ADMIN_USER, SecretFiles, ensure_secrets, read_secret
 from gpufaas.etcd_server import find_etcd_binary
-from gpufaas.netns import PREFIX, Hosts, NetnsUnavailable
+from gpufaas.netns import OWNERS_DIR, PREFIX, Hosts, NetnsUnavailable
+from gpufaas.processes import pid_alive
 from tests.integration.conftest import deploy
 
 pytestmark = pytest.mark.integration
@@ -71,6 +72,32 @@ def test_without_root_the_harness_says_why(make_hosts: HostsFactory) -> None:
     repository = Path(__file__).parents[2]
     done = subprocess.run(as_nobody, check=False, capture_output=True, text=True, timeout=60, cwd=repository)
     assert done.stdout.strip() == "network namespaces need root: run as root or skip", done.stderr
+
+
+def test_a_harness_whose_process_died_is_removed_by_the_next(make_hosts: HostsFactory) -> None:
+    make_hosts(["probe"])  # skips (or fails under CI) where namespaces cannot be made
+    script = (
+        "import sys, time\nfrom gpufaas.netns import Hosts\n"
+        "hosts = Hosts(['x', 'y'])\nhosts.run('x', ['sleep', '300'])\n"
+        "print(hosts.layout.suffix, flush=True)\ntime.sleep(300)\n"
+    )
+    crashing = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2]
+    )
+    assert crashing.stdout is not None
+    suffix = crashing.stdout.readline().strip()
+    try:
+        assert len(leftovers(suffix)) >= 4, leftovers(suffix)  # 2 namespaces, 2 veths, the bridge
+        sleeper = int(subprocess.run(["ip", "netns", "pids", f"{PREFIX}{suffix}-x"], capture_output=True, text=True,
+                                     check=True).stdout.split()[0])  # fmt: skip
+    finally:
+        crashing.kill()  # SIGKILL: no close()
+        crashing.wait()
+    assert leftovers(suffix) and pid_alive(sleeper)
+    make_hosts(["next"])
+    assert leftovers(suffix) == []
+    assert not pid_alive(sleeper)  # what ran in its hosts was stopped too
+    assert not (OWNERS_DIR / suffix).exists()
 
 
 # A TCP echo server on (HOST, PORT), and a client that prints "ok MS" (connect, one byte there and
