@@ -67,7 +67,7 @@ from dataclasses import asdict, dataclass, field
 from cache_manager import CacheManager, eviction_policy
 from gpufaas.profiles import ModelProfile
 from gpufaas.types import GpuSpec, Request
-from scheduler import Dispatch, Estimator, Park, PolicyConfig, Scheduler, make_policy
+from scheduler import Dispatch, Estimator, Park, PolicyConfig, Scheduler, SchedulingPolicy, make_policy
 from scheduler.adaptive_slots import AdaptiveSlots
 from scheduler.estimator import DEFAULT_HOST_TO_GPU_MB_S, DEFAULT_SWAP_IN_OVERHEAD_S
 from scheduler.policies import DEFAULT_MAX_NUM_SKIPS
@@ -283,7 +283,6 @@ def simulate(
     `on_progress(completed)` is called per completion.
     """
     cluster = cluster if cluster is not None else ClusterConfig()
-    batching = batching if batching is not None else {}
     config = PolicyConfig(
         max_num_skips=max_num_skips,
         room_aware_misses=room_aware_misses,
@@ -295,8 +294,22 @@ def simulate(
         torpor_alpha_period_s=torpor_alpha_period_s,
         interference_aware_loads=interference_aware_loads,
     )
+    run = _Run(
+        workload,
+        _make_scheduler(workload, make_policy(policy, config), cluster),
+        cluster,
+        batching if batching is not None else {},
+    )
+    run.run(on_progress)
+    return run.result(policy, config)
+
+
+def _make_scheduler(workload: Workload, policy: SchedulingPolicy, cluster: ClusterConfig) -> Scheduler:
+    """The scheduler the services run, over the simulated cluster: its GPUs (named `gpuNNN`, in
+    nodes of `gpus_per_node`, behind links of `gpus_per_link`), its nodes' host tiers, and the
+    workload's models, with an estimator that starts from the workload's profiles."""
     scheduler = Scheduler(
-        make_policy(policy, config),
+        policy,
         estimator=Estimator(
             _as_gpu_type(workload.profiles, cluster.gpu_type), host_to_gpu_mb_s=cluster.host_to_gpu_mb_s
         ),
@@ -317,54 +330,87 @@ def simulate(
             scheduler.add_host(f"node{node_index}", cluster.host_memory_mb)
     for profile in workload.profiles:
         scheduler.register_model(profile.spec())
-    gpus = _Gpus(
-        {profile.model: profile for profile in workload.profiles},
-        batching,
-        cluster.batch_exponent,
-        Jitter(cluster.timing_spread, cluster.timing_seed),
-        cluster.host_to_gpu_mb_s,
-        interference=cluster.interference,
-        links=_Links(cluster.host_to_gpu_mb_s, cluster.link_mb_s or cluster.host_to_gpu_mb_s)
-        if cluster.gpus_per_link
-        else None,
-    )
-    link_of = {g.spec.gpu_id: g.spec.link for g in scheduler.gpus()}
-    top_model = workload.function_models[workload.top_function]
+    return scheduler
 
-    arrivals = workload.requests
-    latencies: dict[str, float] = {}
-    per_function: dict[str, list[float]] = defaultdict(list)
-    hits = misses = false_misses = parks = swap_ins = 0
-    replica_area = 0.0  # integral of the top model's replica count over time
-    memory_area = 0.0  # integral of the GPU memory the caches hold (MB x s)
-    releases = 0
-    inference_s_sum = 0.0  # what each completed call's batch took on its GPU: the latency floor
-    # EDAS's staged exit, or the policy's own swap-out (mqfq-sticky's keep-alive), which needs host
-    # tiers to move models into: asked at each event.
-    releasing = (
-        cluster.gpu_idle_release_s is not None
-        or cluster.host_idle_release_s is not None
-        or (scheduler.policy.releases_memory and cluster.host_memory_mb > 0)
-    )
-    max_queue_len = 0
-    function_max_wait_s: dict[str, float] = {}
-    adaptive = (
-        AdaptiveSlots(cluster.adaptive_slots, threshold=cluster.utilization_threshold)
-        if cluster.adaptive_slots is not None
-        else None
-    )
-    slots_area = 0.0  # integral of the GPUs' D over time
-    now = scheduled_at = 0.0
-    next_arrival = 0
-    dispatch_ties = itertools.count(1)
 
-    while next_arrival < len(arrivals) or gpus.busy():
-        arrival_at = arrivals[next_arrival].arrival_s if next_arrival < len(arrivals) else math.inf
-        now = min(arrival_at, gpus.next_event_s())
-        # Completions at this instant first: a slot freed now can serve a request arriving now.
-        completed = gpus.advance(now)
+class _Run:
+    """One simulation: the scheduler under test, the ground truth of the GPUs it drives, the
+    virtual clock, and the tallies the result is made of. Lifecycle: made by `simulate`, `run`
+    once, then read with `result`.
+
+    The loop advances the clock to the next arrival or GPU event; at each instant it hands the
+    scheduler the completions, then the arrivals, then (only if either happened) asks it to
+    schedule and carries out its decisions on the GPUs.
+    """
+
+    def __init__(
+        self, workload: Workload, scheduler: Scheduler, cluster: ClusterConfig, batching: Mapping[str, Batching]
+    ) -> None:
+        self.workload = workload
+        self.scheduler = scheduler
+        self.cluster = cluster
+        self.batching = batching
+        self.gpus = _Gpus(
+            {profile.model: profile for profile in workload.profiles},
+            batching,
+            cluster.batch_exponent,
+            Jitter(cluster.timing_spread, cluster.timing_seed),
+            cluster.host_to_gpu_mb_s,
+            interference=cluster.interference,
+            links=_Links(cluster.host_to_gpu_mb_s, cluster.link_mb_s or cluster.host_to_gpu_mb_s)
+            if cluster.gpus_per_link
+            else None,
+        )
+        self.link_of = {g.spec.gpu_id: g.spec.link for g in scheduler.gpus()}
+        self.top_model = workload.function_models[workload.top_function]
+        self.arrivals = workload.requests
+        self.next_arrival = 0  # index in `arrivals` of the first not yet submitted
+        self.now = 0.0  # the virtual clock; the makespan once the run is over
+        self.scheduled_at = 0.0  # when the scheduler was last asked to schedule
+        self.dispatch_ties = itertools.count(1)
+        # EDAS's staged exit, or the policy's own swap-out (mqfq-sticky's keep-alive), which needs
+        # host tiers to move models into: asked at each event.
+        self.releasing = (
+            cluster.gpu_idle_release_s is not None
+            or cluster.host_idle_release_s is not None
+            or (scheduler.policy.releases_memory and cluster.host_memory_mb > 0)
+        )
+        self.adaptive = (
+            AdaptiveSlots(cluster.adaptive_slots, threshold=cluster.utilization_threshold)
+            if cluster.adaptive_slots is not None
+            else None
+        )
+        self.latencies: dict[str, float] = {}  # per completed request
+        self.per_function: dict[str, list[float]] = defaultdict(list)  # latencies
+        self.function_max_wait_s: dict[str, float] = {}  # arrival to dispatch, the longest
+        self.hits = self.misses = self.false_misses = self.parks = self.swap_ins = self.releases = 0
+        self.max_queue_len = 0
+        self.replica_area = 0.0  # integral of the top model's replica count over time
+        self.memory_area = 0.0  # integral of the GPU memory the caches hold (MB x s)
+        self.slots_area = 0.0  # integral of the GPUs' D over time
+        self.inference_s_sum = 0.0  # what each completed call's batch took on its GPU: the latency floor
+
+    def run(self, on_progress: Callable[[int], None] | None) -> None:
+        """Submit every arrival and run every call to completion, one instant at a time."""
+        arrivals = self.arrivals
+        while self.next_arrival < len(arrivals) or self.gpus.busy():
+            arrival_at = arrivals[self.next_arrival].arrival_s if self.next_arrival < len(arrivals) else math.inf
+            now = self.now = min(arrival_at, self.gpus.next_event_s())
+            # Completions at this instant first: a slot freed now can serve a request arriving now.
+            completed = self._complete(now, on_progress)
+            arrived = self._submit_arrivals(now)
+            # Only completions and arrivals change what the scheduler sees (a finished load or a
+            # worker's batch do not): it is asked at those instants and no others.
+            if completed or arrived:
+                self._schedule(now)
+            self.gpus.form_batches(now)
+
+    def _complete(self, now: float, on_progress: Callable[[int], None] | None) -> bool:
+        """Report every call whose batch ended by `now` to the scheduler, with the times it took;
+        True if there was one."""
+        completed = self.gpus.advance(now)
         for call, batch in completed:
-            request = scheduler.on_complete(
+            request = self.scheduler.on_complete(
                 call.request.request_id,
                 now,
                 load_time_s=call.load_s,
@@ -372,110 +418,125 @@ def simulate(
                 batch_size=batch.samples,
             )
             latency_s = now - request.arrival_s
-            latencies[request.request_id] = latency_s
-            inference_s_sum += batch.elapsed_s(now)
-            per_function[request.function].append(latency_s)
+            self.latencies[request.request_id] = latency_s
+            self.inference_s_sum += batch.elapsed_s(now)
+            self.per_function[request.function].append(latency_s)
             if on_progress is not None:
-                on_progress(len(latencies))
-        arrived = next_arrival < len(arrivals) and arrivals[next_arrival].arrival_s <= now
-        while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_s <= now:
-            scheduler.submit(arrivals[next_arrival])
-            next_arrival += 1
-        # Only completions and arrivals change what the scheduler sees (a finished load or a
-        # worker's batch do not): it is asked at those instants and no others.
-        if completed or arrived:
-            # The cache changes only in schedule(): the count held since the previous call.
-            replica_area += len(scheduler.cache.gpus_with(top_model)) * (now - scheduled_at)
-            memory_area += sum(scheduler.cache.gpu(g.spec.gpu_id).used_mb for g in scheduler.gpus()) * (
-                now - scheduled_at
-            )
-            slots_area += sum(g.spec.slots for g in scheduler.gpus()) * (now - scheduled_at)
-            scheduled_at = now
-            max_queue_len = max(max_queue_len, len(scheduler.queue))
-            if adaptive is not None:
-                running = {g.spec.gpu_id: (len(g.running), g.spec.slots) for g in scheduler.gpus()}
-                for gpu_id, slots in adaptive.observe(now, running).items():
-                    scheduler.set_slots(gpu_id, slots)
-            if releasing:
-                for release in scheduler.release_idle(
-                    now, gpu_idle_s=cluster.gpu_idle_release_s, host_idle_s=cluster.host_idle_release_s
-                ):
-                    releases += 1
-                    if release.gpu_id is not None:
-                        gpus.release(release.gpu_id, release.model)
-            for decision in scheduler.schedule(now):
-                if isinstance(decision, Park):
-                    parks += 1
-                    continue
-                if decision.hit:
-                    hits += 1
-                else:
-                    misses += 1
-                    false_misses += decision.false_miss
-                    swap_ins += decision.from_host
-                gpus.dispatch(decision, now, next(dispatch_ties), link=link_of[decision.gpu_id])
-                function = decision.request.function
-                waited_s = now - decision.request.arrival_s
-                if waited_s > function_max_wait_s.get(function, -1.0):
-                    function_max_wait_s[function] = waited_s
-        gpus.form_batches(now)
+                on_progress(len(self.latencies))
+        return bool(completed)
 
-    all_latencies = sorted(latencies.values())
-    slo_attainment, slo_functions_met = _slo_figures(arrivals, latencies)
-    function_means = [statistics.fmean(values) for values in per_function.values()]
-    dispatched = hits + misses
-    makespan_s = now
-    return SimResult(
-        policy=policy,
-        max_num_skips=max_num_skips if policy in SKIP_LIMITED_POLICIES else 0,
-        room_aware_misses=room_aware_misses,
-        coldest_victim_misses=coldest_victim_misses,
-        working_set=len(workload.function_models),
-        gpus=cluster.gpus,
-        slots=cluster.slots,
-        requests=len(arrivals),
-        completed=len(latencies),
-        avg_latency_s=statistics.fmean(all_latencies) if all_latencies else 0.0,
-        floor_latency_s=inference_s_sum / len(all_latencies) if all_latencies else 0.0,
-        p50_latency_s=percentile(all_latencies, 50),
-        p99_latency_s=percentile(all_latencies, 99),
-        miss_ratio=misses / dispatched if dispatched else 0.0,
-        false_miss_ratio=false_misses / misses if misses else 0.0,
-        avg_top_model_replicas=replica_area / makespan_s if makespan_s > 0 else 0.0,
-        avg_gpu_memory_gb=memory_area / makespan_s / 1024 if makespan_s > 0 else 0.0,
-        releases=releases,
-        gpu_utilization=gpus.compute_s() / (cluster.gpus * makespan_s) if makespan_s > 0 else 0.0,
-        function_latency_variance=statistics.pvariance(function_means) if len(function_means) > 1 else 0.0,
-        hits=hits,
-        misses=misses,
-        false_misses=false_misses,
-        parks=parks,
-        makespan_s=makespan_s,
-        max_queue_len=max_queue_len,
-        max_batch_size=max((b.max_batch_size for b in batching.values()), default=1),
-        max_batch_wait_ms=max((b.max_batch_wait_ms for b in batching.values()), default=0.0),
-        batch_exponent=cluster.batch_exponent,
-        batches=gpus.batches,
-        avg_batch_calls=dispatched / gpus.batches if gpus.batches else 0.0,
-        timing_spread=cluster.timing_spread,
-        mapping=workload.mapping,
-        literal_visits=literal_visits,
-        host_memory_mb=cluster.host_memory_mb,
-        swap_ins=swap_ins,
-        eviction=cluster.eviction,
-        slo_attainment=slo_attainment,
-        slo_functions_met=slo_functions_met,
-        interference=cluster.interference,
-        adaptive_slots=cluster.adaptive_slots,
-        avg_slots=slots_area / (makespan_s * cluster.gpus) if makespan_s > 0 else float(cluster.slots),
-        slot_changes=adaptive.changes if adaptive is not None else 0,
-        gpus_per_link=cluster.gpus_per_link,
-        interference_aware_loads=interference_aware_loads,
-        contended_loads=gpus.links.contended if gpus.links is not None else 0,
-        avg_load_s=statistics.fmean(gpus.load_s) if gpus.load_s else 0.0,
-        max_wait_s=max(function_max_wait_s.values(), default=0.0),
-        function_max_wait_s=dict(sorted(function_max_wait_s.items())),
-    )
+    def _submit_arrivals(self, now: float) -> bool:
+        """Submit every request that has arrived by `now`; True if there was one."""
+        arrivals = self.arrivals
+        arrived = self.next_arrival < len(arrivals) and arrivals[self.next_arrival].arrival_s <= now
+        while self.next_arrival < len(arrivals) and arrivals[self.next_arrival].arrival_s <= now:
+            self.scheduler.submit(arrivals[self.next_arrival])
+            self.next_arrival += 1
+        return arrived
+
+    def _schedule(self, now: float) -> None:
+        """Ask the scheduler (after its slot controller and staged exit have had their say) and
+        carry out its decisions on the GPUs."""
+        self._integrate(now)
+        self.max_queue_len = max(self.max_queue_len, len(self.scheduler.queue))
+        if self.adaptive is not None:
+            running = {g.spec.gpu_id: (len(g.running), g.spec.slots) for g in self.scheduler.gpus()}
+            for gpu_id, slots in self.adaptive.observe(now, running).items():
+                self.scheduler.set_slots(gpu_id, slots)
+        if self.releasing:
+            for release in self.scheduler.release_idle(
+                now, gpu_idle_s=self.cluster.gpu_idle_release_s, host_idle_s=self.cluster.host_idle_release_s
+            ):
+                self.releases += 1
+                if release.gpu_id is not None:
+                    self.gpus.release(release.gpu_id, release.model)
+        for decision in self.scheduler.schedule(now):
+            if isinstance(decision, Park):
+                self.parks += 1
+            else:
+                self._dispatch(decision, now)
+
+    def _integrate(self, now: float) -> None:
+        """Add the time since the scheduler was last asked to the time-weighted figures: the cache
+        changes only in schedule(), so what it holds now it held since then."""
+        scheduler, since_s = self.scheduler, self.scheduled_at
+        self.replica_area += len(scheduler.cache.gpus_with(self.top_model)) * (now - since_s)
+        self.memory_area += sum(scheduler.cache.gpu(g.spec.gpu_id).used_mb for g in scheduler.gpus()) * (now - since_s)
+        self.slots_area += sum(g.spec.slots for g in scheduler.gpus()) * (now - since_s)
+        self.scheduled_at = now
+
+    def _dispatch(self, decision: Dispatch, now: float) -> None:
+        """Count a dispatch (hit, miss, false miss, swap-in, its call's wait) and start it on its GPU."""
+        if decision.hit:
+            self.hits += 1
+        else:
+            self.misses += 1
+            self.false_misses += decision.false_miss
+            self.swap_ins += decision.from_host
+        self.gpus.dispatch(decision, now, next(self.dispatch_ties), link=self.link_of[decision.gpu_id])
+        function = decision.request.function
+        waited_s = now - decision.request.arrival_s
+        if waited_s > self.function_max_wait_s.get(function, -1.0):
+            self.function_max_wait_s[function] = waited_s
+
+    def result(self, policy: str, config: PolicyConfig) -> SimResult:
+        """The run's figures (once `run` has returned); `config` is the policy's."""
+        cluster, gpus, makespan_s = self.cluster, self.gpus, self.now
+        all_latencies = sorted(self.latencies.values())
+        slo_attainment, slo_functions_met = _slo_figures(self.arrivals, self.latencies)
+        function_means = [statistics.fmean(values) for values in self.per_function.values()]
+        dispatched = self.hits + self.misses
+        return SimResult(
+            policy=policy,
+            max_num_skips=config.max_num_skips if policy in SKIP_LIMITED_POLICIES else 0,
+            room_aware_misses=config.room_aware_misses,
+            coldest_victim_misses=config.coldest_victim_misses,
+            working_set=len(self.workload.function_models),
+            gpus=cluster.gpus,
+            slots=cluster.slots,
+            requests=len(self.arrivals),
+            completed=len(self.latencies),
+            avg_latency_s=statistics.fmean(all_latencies) if all_latencies else 0.0,
+            floor_latency_s=self.inference_s_sum / len(all_latencies) if all_latencies else 0.0,
+            p50_latency_s=percentile(all_latencies, 50),
+            p99_latency_s=percentile(all_latencies, 99),
+            miss_ratio=self.misses / dispatched if dispatched else 0.0,
+            false_miss_ratio=self.false_misses / self.misses if self.misses else 0.0,
+            avg_top_model_replicas=self.replica_area / makespan_s if makespan_s > 0 else 0.0,
+            avg_gpu_memory_gb=self.memory_area / makespan_s / 1024 if makespan_s > 0 else 0.0,
+            releases=self.releases,
+            gpu_utilization=gpus.compute_s() / (cluster.gpus * makespan_s) if makespan_s > 0 else 0.0,
+            function_latency_variance=statistics.pvariance(function_means) if len(function_means) > 1 else 0.0,
+            hits=self.hits,
+            misses=self.misses,
+            false_misses=self.false_misses,
+            parks=self.parks,
+            makespan_s=makespan_s,
+            max_queue_len=self.max_queue_len,
+            max_batch_size=max((b.max_batch_size for b in self.batching.values()), default=1),
+            max_batch_wait_ms=max((b.max_batch_wait_ms for b in self.batching.values()), default=0.0),
+            batch_exponent=cluster.batch_exponent,
+            batches=gpus.batches,
+            avg_batch_calls=dispatched / gpus.batches if gpus.batches else 0.0,
+            timing_spread=cluster.timing_spread,
+            mapping=self.workload.mapping,
+            literal_visits=config.literal_visits,
+            host_memory_mb=cluster.host_memory_mb,
+            swap_ins=self.swap_ins,
+            eviction=cluster.eviction,
+            slo_attainment=slo_attainment,
+            slo_functions_met=slo_functions_met,
+            interference=cluster.interference,
+            adaptive_slots=cluster.adaptive_slots,
+            avg_slots=self.slots_area / (makespan_s * cluster.gpus) if makespan_s > 0 else float(cluster.slots),
+            slot_changes=self.adaptive.changes if self.adaptive is not None else 0,
+            gpus_per_link=cluster.gpus_per_link,
+            interference_aware_loads=config.interference_aware_loads,
+            contended_loads=gpus.links.contended if gpus.links is not None else 0,
+            avg_load_s=statistics.fmean(gpus.load_s) if gpus.load_s else 0.0,
+            max_wait_s=max(self.function_max_wait_s.values(), default=0.0),
+            function_max_wait_s=dict(sorted(self.function_max_wait_s.items())),
+        )
 
 
 SLO_PERCENTILE = 98.0  # Torpor's: a function meets its SLO when its p98 latency does

@@ -335,51 +335,11 @@ def build_workload(trace: TraceCounts, config: WorkloadConfig, table: list[Model
     none. Each request arrives at (minute - start) * 60 + uniform(0, 60) seconds, drawn from
     random.Random(seed) minute by minute, function by function in rank order.
     """
-    for name, value in (
-        ("minutes", config.minutes),
-        ("working_set", config.working_set),
-        ("rpm", config.rpm),
-    ):
-        if value <= 0:
-            raise InvalidInput(f"workload {name} is {value}; expected a positive integer")
-    if not trace.minutes:
-        raise InvalidInput(f"{trace.path}: the trace has no minutes; expected at least one")
-    start = trace.minutes[0] if config.start_minute is None else config.start_minute
-    window = range(start, start + config.minutes)
-    available = set(trace.minutes)
-    if any(minute not in available for minute in window):
-        raise InvalidInput(
-            f"{trace.path}: window minutes {window[0]}..{window[-1]} are not all in the trace, "
-            f"which has {_describe_minutes(trace.minutes)}; expected a window inside it"
-        )
-
-    totals = {
-        function: sum(per_minute.get(minute, 0) for minute in window) for function, per_minute in trace.counts.items()
-    }
-    ranked = sorted((f for f, total in totals.items() if total > 0), key=lambda f: (-totals[f], f))
-    functions = ranked[: config.working_set]
-    if not functions:
-        raise InvalidInput(
-            f"{trace.path}: no invocations in window minutes {window[0]}..{window[-1]}; "
-            "expected a window with at least one"
-        )
+    window = _window(trace, config)
+    functions = _working_set(trace, window, config.working_set)
     profiles = assign_models(functions, table, config.mapping_seed)
     function_models = {f: p.model for f, p in zip(functions, profiles, strict=True)}
-
-    rng = random.Random(config.seed)
-    drawn: list[tuple[float, int]] = []  # (arrival_s, function rank)
-    for minute in window:
-        counts = [trace.counts[f].get(minute, 0) for f in functions]
-        if sum(counts) == 0:
-            continue
-        offset_s = float((minute - start) * SECONDS_PER_MINUTE)
-        # Keep the arrival inside its minute even if the float addition rounds up to its end.
-        last_s = math.nextafter(offset_s + SECONDS_PER_MINUTE, -math.inf)
-        for rank, share in enumerate(_largest_remainder(counts, config.rpm)):
-            for _ in range(share):
-                arrival_s = min(offset_s + rng.uniform(0, SECONDS_PER_MINUTE), last_s)
-                drawn.append((arrival_s, rank))
-    drawn.sort()
+    drawn = _draw_arrivals(trace, functions, window, config)
 
     if config.slo_factor is not None and not config.slo_factor > 0:
         raise InvalidInput(f"workload slo_factor is {config.slo_factor}; expected a positive number")
@@ -400,10 +360,71 @@ def build_workload(trace: TraceCounts, config: WorkloadConfig, table: list[Model
         profiles=profiles,
         function_models=function_models,
         top_function=functions[0],
-        start_minute=start,
+        start_minute=window.start,
         minutes=config.minutes,
         mapping="ends" if config.mapping_seed is None else f"seed {config.mapping_seed}",
     )
+
+
+def _window(trace: TraceCounts, config: WorkloadConfig) -> range:
+    """The minutes `config` cuts out of `trace`; InvalidInput for a non-positive size or a
+    window not wholly inside the trace."""
+    for name, value in (
+        ("minutes", config.minutes),
+        ("working_set", config.working_set),
+        ("rpm", config.rpm),
+    ):
+        if value <= 0:
+            raise InvalidInput(f"workload {name} is {value}; expected a positive integer")
+    if not trace.minutes:
+        raise InvalidInput(f"{trace.path}: the trace has no minutes; expected at least one")
+    start = trace.minutes[0] if config.start_minute is None else config.start_minute
+    window = range(start, start + config.minutes)
+    available = set(trace.minutes)
+    if any(minute not in available for minute in window):
+        raise InvalidInput(
+            f"{trace.path}: window minutes {window[0]}..{window[-1]} are not all in the trace, "
+            f"which has {_describe_minutes(trace.minutes)}; expected a window inside it"
+        )
+    return window
+
+
+def _working_set(trace: TraceCounts, window: range, size: int) -> list[str]:
+    """The `size` functions invoked most over `window`, most first (ties by function id);
+    InvalidInput when none is invoked in it."""
+    totals = {
+        function: sum(per_minute.get(minute, 0) for minute in window) for function, per_minute in trace.counts.items()
+    }
+    ranked = sorted((f for f, total in totals.items() if total > 0), key=lambda f: (-totals[f], f))
+    functions = ranked[:size]
+    if not functions:
+        raise InvalidInput(
+            f"{trace.path}: no invocations in window minutes {window[0]}..{window[-1]}; "
+            "expected a window with at least one"
+        )
+    return functions
+
+
+def _draw_arrivals(
+    trace: TraceCounts, functions: list[str], window: range, config: WorkloadConfig
+) -> list[tuple[float, int]]:
+    """(arrival_s, function rank) of every request, in arrival order: each minute's counts scaled
+    to `config.rpm`, each arrival uniform in its minute (see `build_workload`)."""
+    rng = random.Random(config.seed)
+    drawn: list[tuple[float, int]] = []
+    for minute in window:
+        counts = [trace.counts[f].get(minute, 0) for f in functions]
+        if sum(counts) == 0:
+            continue
+        offset_s = float((minute - window.start) * SECONDS_PER_MINUTE)
+        # Keep the arrival inside its minute even if the float addition rounds up to its end.
+        last_s = math.nextafter(offset_s + SECONDS_PER_MINUTE, -math.inf)
+        for rank, share in enumerate(_largest_remainder(counts, config.rpm)):
+            for _ in range(share):
+                arrival_s = min(offset_s + rng.uniform(0, SECONDS_PER_MINUTE), last_s)
+                drawn.append((arrival_s, rank))
+    drawn.sort()
+    return drawn
 
 
 def zipf_workload(
