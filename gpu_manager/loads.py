@@ -54,7 +54,7 @@ class ModelFiles:
         prepare_weights: Callable[[str, Path], Awaitable[WeightsPlan]] | None,
         isolation: Isolation,
     ) -> None:
-        self.fetch_package = fetch_package
+        self._fetch_package = fetch_package
         self._prepare_weights = prepare_weights
         self._isolation = isolation
         self._locked: set[str] = set()  # package digests made readable to their own user only
@@ -63,7 +63,7 @@ class ModelFiles:
         """`run`'s package directory and weights, their times written into `stages`. With
         `read_ahead` (the worker is still warming up) a package found on disk and not pooled is
         read into host memory meanwhile: its load then finds the weights in the page cache."""
-        directory, stages.fetch_s = await self.fetch_package(run.package_digest)
+        directory, stages.fetch_s = await self._fetch_package(run.package_digest)
         await self.own(run.package_digest, directory)  # readable by its own user only
         weights = await self.weights(run, directory)
         stages.pool_s, stages.from_pool = weights.pool_s, weights.from_pool
@@ -80,7 +80,7 @@ class ModelFiles:
     async def for_container(self, run: ModelRun) -> tuple[Path, int, WeightsPlan]:
         """What a container for `run` mounts: its package's directory, the user that owns it, and
         its weights in the host pool (the docker runtime's `prepare`)."""
-        directory, _ = await self.fetch_package(run.package_digest)
+        directory, _ = await self._fetch_package(run.package_digest)
         uid = await self.own(run.package_digest, directory)
         return directory, uid, await self.weights(run, directory)
 

@@ -1,9 +1,9 @@
 """The node's worker processes: warm spares per GPU, one worker per (model, GPU), calls pipelined.
 
 A miss costs a weight load, not a process start: each GPU keeps `spares_per_gpu` spare workers
-(more while misses come faster than spares are made: gpu_manager.spares) that have imported the
-runtime (torch) and created their device context. A miss takes one, sends
-it the model, and a new spare starts in the background. Meanwhile the package is fetched (if this
+(gpu_manager.spare_workers; more while misses come faster than spares are made:
+gpu_manager.spares) that have imported the runtime (torch) and created their device context. A
+miss takes one, sends it the model, and a new spare starts in the background. Meanwhile the package is fetched (if this
 node lacks it) and its weights are readied (mapped from the node's host model pool: the node's
 `prepare_weights`), or its files read ahead into host memory, in parallel with waiting for a
 spare (EDAS's parallel loading: gpu_manager.loads). How worker processes are started and stopped
