@@ -21,45 +21,45 @@ class GatewaySettings(DaemonSettings):
 
     model_config = SettingsConfigDict(env_prefix="GPUFAAS_GATEWAY_")
 
-    host: str = Field("127.0.0.1", description="address to bind")
-    port: int = Field(8080, ge=0, le=65535, description="port to bind")
+    host: str = Field(default="127.0.0.1", description="address to bind")
+    port: int = Field(default=8080, ge=0, le=65535, description="port to bind")
     state_dir: Path = Field(description="where uploaded packages are kept")
     public_url: str | None = Field(
-        None, description="URL other hosts reach this gateway at (default: http://HOST:PORT)"
+        default=None, description="URL other hosts reach this gateway at (default: http://HOST:PORT)"
     )
-    scheduler: str | None = Field(None, description="scheduler address host:port (default: look it up in etcd)")
+    scheduler: str | None = Field(default=None, description="scheduler address host:port (default: look it up in etcd)")
     blob_listen: str | None = Field(
-        None,
+        default=None,
         description="where the blob server listens: uploads from `gpufaas deploy`, fetches by nodes "
         "(default: HOST, any port)",
     )
     blob_advertise: str | None = Field(
-        None,
+        default=None,
         description="the blob server's URL for nodes and the CLI "
         "(default: http://the --public-url host:the bound port)",
     )
-    max_payload_mb: float = Field(16.0, gt=0, description="invocation body limit (413 above)")
+    max_payload_mb: float = Field(default=16.0, gt=0, description="invocation body limit (413 above)")
     max_unpacked_mb: int = Field(
-        DEFAULT_MAX_UNPACKED_MB, gt=0, description="largest size a package may unpack to (413 at upload above)"
+        default=DEFAULT_MAX_UNPACKED_MB, gt=0, description="largest size a package may unpack to (413 at upload above)"
     )
     admin_password_file: Path | None = Field(
-        None,
+        default=None,
         description="the password of user `admin`, for /system/* and /metrics (mode 0600; required unless --insecure)",
     )
     invoke_token_file: Path | None = Field(
-        None,
+        default=None,
         description="a bearer token that may call any function "
         "(mode 0600; default: only admin may call non-public ones)",
     )
     max_header_kb: int = Field(
-        MAX_HEAD_BYTES // 1024, description="largest request line and headers, in KiB (431 above)"
+        default=MAX_HEAD_BYTES // 1024, description="largest request line and headers, in KiB (431 above)"
     )
     header_timeout_s: float = Field(
-        HEAD_TIMEOUT_S,
+        default=HEAD_TIMEOUT_S,
         description="a request's headers must arrive within this after its first byte (408 and closed past it)",
     )
     keep_alive_timeout_s: float = Field(
-        KEEP_ALIVE_TIMEOUT_S, description="a connection with no request under way is closed after this"
+        default=KEEP_ALIVE_TIMEOUT_S, description="a connection with no request under way is closed after this"
     )
 
     @model_validator(mode="after")

@@ -25,78 +25,84 @@ class NodeSettings(MetricsSettings):
     model_config = SettingsConfigDict(env_prefix="GPUFAAS_NODE_")
 
     node: str = Field(default_factory=socket.gethostname, description="node name (default: host name)")
-    listen: str = Field("127.0.0.1:0", description="address to bind (port 0 = any free)")
+    listen: str = Field(default="127.0.0.1:0", description="address to bind (port 0 = any free)")
     advertise: str | None = Field(
-        None, description="address gateways and the scheduler dial (default: the listen address)"
+        default=None, description="address gateways and the scheduler dial (default: the listen address)"
     )
     backend: Literal["cuda", "cpu", "emulated"] | None = Field(
-        None, description="default: cuda if NVML finds GPUs, else cpu"
+        default=None, description="default: cuda if NVML finds GPUs, else cpu"
     )
-    gpus: int = Field(2, gt=0, description="logical GPUs for the cpu/emulated backends")
-    gpu_memory_mb: int = Field(8192, gt=0, description="cache capacity per logical GPU")
+    gpus: int = Field(default=2, gt=0, description="logical GPUs for the cpu/emulated backends")
+    gpu_memory_mb: int = Field(default=8192, gt=0, description="cache capacity per logical GPU")
     gpus_per_link: int = Field(
-        0,
+        default=0,
         ge=0,
         description="logical GPUs behind each shared host link (PCIe switch), for the scheduler's "
         "interference-aware placement (0: a link per GPU; on cuda NVML's topology decides)",
     )
-    gpu_type: str | None = Field(None, description="GPU type reported for logical GPUs (default: the backend name)")
-    reserve_mb: int = Field(1024, ge=0, description="cuda: memory kept free per GPU (contexts, fragmentation)")
+    gpu_type: str | None = Field(
+        default=None, description="GPU type reported for logical GPUs (default: the backend name)"
+    )
+    reserve_mb: int = Field(default=1024, ge=0, description="cuda: memory kept free per GPU (contexts, fragmentation)")
     state_dir: Path = Field(description="the disk cache of packages (and homes)")
     disk_cache_mb: int | None = Field(
-        None,
+        default=None,
         ge=1,
         description="disk the staged packages' blobs may use, least recently used out first "
         "(default: half the free space)",
     )
     pool_mb: int | None = Field(
-        None,
+        default=None,
         ge=0,
         description="the host model pool: weights kept in shared memory for any GPU of the node to map "
         "(default: half of --pool-dir's free memory; 0: no pool)",
     )
     pool_dir: Path | None = Field(
-        None, description="a directory on a memory filesystem where the pool makes its own (default: /dev/shm)"
+        default=None, description="a directory on a memory filesystem where the pool makes its own (default: /dev/shm)"
     )
     blob_listen: str | None = Field(
-        None, description="where peers fetch this node's blobs (default: the --listen host, any port)"
+        default=None, description="where peers fetch this node's blobs (default: the --listen host, any port)"
     )
     blob_advertise: str | None = Field(
-        None, description="the blob URL peers are told (default: http://the bound address)"
+        default=None, description="the blob URL peers are told (default: http://the bound address)"
     )
-    spares: int = Field(1, ge=0, description="warm spare workers per GPU (a miss takes one; 0: start a process)")
+    spares: int = Field(
+        default=1, ge=0, description="warm spare workers per GPU (a miss takes one; 0: start a process)"
+    )
     extra_spares: int = Field(
-        DEFAULT_MAX_EXTRA,
+        default=DEFAULT_MAX_EXTRA,
         ge=0,
         description="spares beyond --spares a GPU may keep while misses come faster than spares are made, when "
         "the CPUs are not all busy (not on cuda, where a spare holds GPU memory)",
     )
-    max_payload_mb: float = Field(16.0, gt=0, description="largest payload or result a call may carry (MiB)")
+    max_payload_mb: float = Field(default=16.0, gt=0, description="largest payload or result a call may carry (MiB)")
     host_cache_mb: int | None = Field(
-        None,
+        default=None,
         ge=0,
         description="cpu backend: models evicted from a GPU kept in host memory up to this much, taken back on "
         "a miss instead of loaded (default: the node's own on cpu; 0: off; other backends: 0)",
     )
     runtime: Literal["process", "docker"] = Field(
-        "process",
+        default="process",
         description="how workers run: processes forked here (confined: docs/security.md) or a Docker container each",
     )
-    docker_image: str = Field(DEFAULT_IMAGE, description="the docker runtime's worker image (scripts/worker-image.sh)")
+    docker_image: str = Field(
+        default=DEFAULT_IMAGE, description="the docker runtime's worker image (scripts/worker-image.sh)"
+    )
     home_mb: int = Field(
-        DEFAULT_HOME_MB,
+        default=DEFAULT_HOME_MB,
         ge=1,
         description="what a package's workers on this node may write in all (HOME, /tmp, /var/tmp, /dev/shm: one "
         "tmpfs per package, removed when its last worker stops; as root)",
     )
     worker_cpus: float = Field(
-        0.0,
+        default=0.0,
         ge=0,
         description="CPUs' worth of time each worker's cgroup may use, all its threads and children together "
         "(0: no quota, only an equal CPU weight per worker)",
     )
     unconfined_workers: bool = Field(
-        False, description="workers keep the node's user and network (development only; see docs/security.md)"
+        default=False, description="workers keep the node's user and network (development only; see docs/security.md)"
     )
 
     @model_validator(mode="after")

@@ -143,24 +143,24 @@ class DaemonSettings(BaseSettings):
         frozen=True, extra="forbid", validate_by_name=True, env_nested_delimiter="__", env_prefix="GPUFAAS_"
     )
 
-    etcd: str = Field("127.0.0.1:2379", description="etcd client endpoint host:port")
-    root: str = Field(DEFAULT_ROOT, description="etcd key root")
-    log_level: LogLevel = Field("info", description="the least severe log lines written")
+    etcd: str = Field(default="127.0.0.1:2379", description="etcd client endpoint host:port")
+    root: str = Field(default=DEFAULT_ROOT, description="etcd key root")
+    log_level: LogLevel = Field(default="info", description="the least severe log lines written")
     secret_file: Path | None = Field(
-        None,
+        default=None,
         validation_alias="GPUFAAS_SECRET_FILE",
         description="the cluster secret every daemon shares, mode 0600 (or $GPUFAAS_SECRET_FILE; "
         "`gpufaas up` makes STATE/secrets/cluster-secret)",
     )
     etcd_password_file: Path | None = Field(
-        None,
+        default=None,
         validation_alias="GPUFAAS_ETCD_PASSWORD_FILE",
         description="etcd's root password, mode 0600 (or $GPUFAAS_ETCD_PASSWORD_FILE): the daemon "
         "authenticates to etcd as root, and turns etcd's authentication on if it is off. Without it "
         "etcd must be reachable by the daemons only (loopback, or a network of their own)",
     )
     insecure: bool = Field(
-        False, description="no credentials on any interface: development on a machine nobody else uses"
+        default=False, description="no credentials on any interface: development on a machine nobody else uses"
     )
 
     # --- the command line, derived ------------------------------------------------------------
@@ -257,7 +257,7 @@ class MetricsSettings(DaemonSettings):
     """A daemon that serves Prometheus metrics (the scheduler, a node)."""
 
     metrics_listen: str | None = Field(
-        None,
+        default=None,
         json_schema_extra={"metavar": "HOST:PORT"},
         description="serve Prometheus metrics at http://HOST:PORT/metrics, asking for the cluster's metrics token "
         "(`python -m gpufaas.credentials --metrics-token SECRETS_DIR`) as a bearer token (default: none)",

@@ -22,46 +22,46 @@ class SchedulerSettings(MetricsSettings):
 
     model_config = SettingsConfigDict(env_prefix="GPUFAAS_SCHEDULER_")
 
-    listen: str = Field("127.0.0.1:50051", description="address to bind")
-    advertise: str | None = Field(None, description="address gateways dial (default: the listen address)")
-    policy: str = Field("lalb-o3", description=f"the scheduling policy: {', '.join(registered_policies())}")
+    listen: str = Field(default="127.0.0.1:50051", description="address to bind")
+    advertise: str | None = Field(default=None, description="address gateways dial (default: the listen address)")
+    policy: str = Field(default="lalb-o3", description=f"the scheduling policy: {', '.join(registered_policies())}")
     policy_config: PolicyConfig = PolicyConfig()
     eviction: str = Field(
-        "lru",
+        default="lru",
         description="which models a miss evicts from a GPU: lru (the paper's), heaviness (Torpor's) or tinylfu "
         "(the least used lately; docs/policies.md)",
     )
     adaptive_slots: int | None = Field(
-        None,
+        default=None,
         ge=1,
         json_schema_extra={"metavar": "MAX"},
         description="adaptive D (MQFQ-Sticky's): each GPU's concurrent calls move between 1 and MAX from its "
         "utilization every 200 ms, starting at --slots (default: D fixed)",
     )
     utilization_threshold: float = Field(
-        DEFAULT_THRESHOLD,
+        default=DEFAULT_THRESHOLD,
         gt=0,
         le=1,
         description="adaptive D: above this share of time busy a GPU's D steps down, below it up",
     )
-    queue_capacity: int = Field(10_000, gt=0, description="calls waiting before 429")
-    slots: str = Field("4", description="concurrent calls per GPU: N, or N,GPU_TYPE=M,... per GPU type")
+    queue_capacity: int = Field(default=10_000, gt=0, description="calls waiting before 429")
+    slots: str = Field(default="4", description="concurrent calls per GPU: N, or N,GPU_TYPE=M,... per GPU type")
     claim_s: float = Field(
-        5.0, gt=0, le=MAX_CLAIM_S, description="a placement not used within this long is checked with its node"
+        default=5.0, gt=0, le=MAX_CLAIM_S, description="a placement not used within this long is checked with its node"
     )
     gpu_idle_release_s: float | None = Field(
-        None,
+        default=None,
         gt=0,
         description="staged exit: a model unused on a GPU this long leaves it, for its node's host tier where "
         "the node keeps one (default: never)",
     )
     host_idle_release_s: float | None = Field(
-        None,
+        default=None,
         gt=0,
         description="staged exit: a model in a node's host tier unused this long leaves it too (default: never)",
     )
     prestage_nodes: int = Field(
-        DEFAULT_PRESTAGE_NODES,
+        default=DEFAULT_PRESTAGE_NODES,
         ge=0,
         description="nodes that get a new function's package (and weights) before its first call; 0: none",
     )
