@@ -140,7 +140,12 @@ class DaemonSettings(BaseSettings):
     """What every gpufaas daemon takes: its etcd, its credentials, its logging."""
 
     model_config = SettingsConfigDict(
-        frozen=True, extra="forbid", validate_by_name=True, env_nested_delimiter="__", env_prefix="GPUFAAS_"
+        frozen=True,
+        extra="forbid",
+        validate_by_name=True,
+        env_nested_delimiter="__",
+        env_prefix="GPUFAAS_",
+        env_ignore_empty=True,  # GPUFAAS_SECRET_FILE= means unset, as it always did
     )
 
     etcd: str = Field(default="127.0.0.1:2379", description="etcd client endpoint host:port")
