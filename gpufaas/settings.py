@@ -221,18 +221,6 @@ class DaemonSettings(BaseSettings):
         }
         return self.from_namespace(parser, argparse.Namespace(**kept, **given))
 
-    @classmethod
-    def check_flags(cls, flags: Sequence[str]) -> str | None:
-        """What is wrong with `flags` as this daemon would say it, or None (required flags aside)."""
-        parser = cls.parser(cls.__name__, "", partial=True, raising=True)
-        try:
-            cls.from_namespace(parser, parser.parse_args(list(flags)))
-        except SettingsError as exc:
-            return str(exc)
-        except SystemExit:
-            return "--help is not a setting"
-        return None
-
     def value(self, option: Option) -> Any:
         value: Any = self
         for part in option.path:

@@ -25,12 +25,6 @@ if TYPE_CHECKING:
     from gpufaas.store import EtcdCredentials
 
 
-def check_flags(flags: list[str]) -> str | None:
-    """What is wrong with scheduler flags `flags` (as `python -m scheduler` would say it), or
-    None: for launchers that pass them on (`gpufaas up --scheduler-args`)."""
-    return SchedulerSettings.check_flags(flags)
-
-
 async def serve(settings: SchedulerSettings, secret: str | None, etcd_creds: EtcdCredentials | None) -> None:
     """Run the scheduler with `settings` until SIGTERM or SIGINT."""
     store = await open_store(settings.etcd, etcd_creds)
