@@ -134,8 +134,10 @@ class LocalCluster:
     # EDAS's staged exit (scheduler --gpu-idle-release-s / --host-idle-release-s); None: off.
     gpu_idle_release_s: float | None = None
     host_idle_release_s: float | None = None
-    node_flags: list[str] = field(default_factory=list)  # more flags for every GPU manager
-    scheduler_flags: list[str] = field(default_factory=list)  # more flags for the scheduler (policy tunables)
+    # Any other setting, as the daemon's flags (the policy's knobs: `--o3-limit 0`), read by its
+    # settings model over the fields above (node_settings, scheduler_settings): a later flag wins.
+    node_flags: list[str] = field(default_factory=list)
+    scheduler_flags: list[str] = field(default_factory=list)
     components: dict[str, Component] = field(default_factory=dict)
     supervision: Supervision = field(default_factory=Supervision)
     # Liveness: every component's health endpoint probed; one that stops answering is killed
@@ -258,7 +260,7 @@ class LocalCluster:
             spares=self.spares,
             max_payload_mb=self.max_payload_mb,
             metrics_listen=self._metrics_address(name),
-            pool_dir=self._pool_dir(name),
+            pool_dir=pool_dir(self.state_dir, name),
         ).with_flags(self.node_flags)
 
     def start(self, timeout_s: float = 60.0) -> None:
@@ -279,7 +281,7 @@ class LocalCluster:
         self._add("gateway", "gateway", self.gateway_settings())
         for index in range(self.nodes):
             node = self.node_settings(f"node{index}")
-            if node.pool_dir == self._pool_dir(node.node):
+            if node.pool_dir == pool_dir(self.state_dir, node.node):
                 node.pool_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._add(node.node, "gpu_manager", node)
         env = self._env()
@@ -339,18 +341,11 @@ class LocalCluster:
             self._etcd.stop()
             self._etcd = None
         for index in range(self.nodes):  # a node that was killed could not remove its pool
-            shutil.rmtree(self._pool_dir(f"node{index}"), ignore_errors=True)
+            shutil.rmtree(pool_dir(self.state_dir, f"node{index}"), ignore_errors=True)
         # Nor its packages' homes (tmpfs mounts in its state directory): they would hold memory and
         # keep the directory from being removed.
         detach_under(self.state_dir)
         self._write_pids()
-
-    def _pool_dir(self, node: str) -> Path:
-        """Where a node makes its host model pool: memory (/dev/shm) where the machine has it, in
-        a directory of this cluster's, removed when it stops."""
-        tag = hashlib.sha256(str((self.state_dir / node).resolve()).encode()).hexdigest()[:12]
-        shm = Path("/dev/shm")
-        return (shm if shm.is_dir() else self.state_dir / node) / f"gpufaas-cluster-{tag}"
 
     # --- supervision ----------------------------------------------------------------------
     def supervise(self, stopping: threading.Event, *, poll_s: float = SUPERVISE_POLL_S) -> None:
@@ -492,6 +487,14 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def pool_dir(state_dir: Path, node: str) -> Path:
+    """Where `node` of the cluster in `state_dir` makes its host model pool: memory (/dev/shm)
+    where the machine has it, in a directory of this cluster's, removed when it stops."""
+    tag = hashlib.sha256(str((state_dir / node).resolve()).encode()).hexdigest()[:12]
+    shm = Path("/dev/shm")
+    return (shm if shm.is_dir() else state_dir / node) / f"gpufaas-cluster-{tag}"
 
 
 # The supervisor first (it stops the rest itself, and must not restart what is stopped), then
