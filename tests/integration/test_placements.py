@@ -292,8 +292,10 @@ def test_two_misses_at_once_go_behind_different_switches(
         gateway.place("second-1", "second")
         placed = [await gateway.placement(call_id) for call_id in ("first-1", "second-1")]
         assert [(p.gpu, p.hit) for p in placed] == [("gpu0", False), (second_gpu, False)]
-        for placement in placed:
-            reply, _ = await execute(placement, key=cluster.wire_key)
+        # Both at once, as a gateway runs them: one after the other, the second would wait out the
+        # first's whole miss, past its claim time on a loaded machine (and be revoked).
+        replies = await asyncio.gather(*(execute(placement, key=cluster.wire_key) for placement in placed))
+        for reply, _ in replies:
             assert reply.outcome == pb.OK, reply.message
 
     asyncio.run(main())
