@@ -1,7 +1,8 @@
 """The docker worker runtime on a real Docker engine: a function's worker in a container of its
 own, checked from inside (its user, no network, a read-only filesystem) and from the engine (the
-container's limits), and its memory limit enforced. CI starts dockerd and builds the image
-(scripts/worker-image.sh); elsewhere these tests say why they skip."""
+container's limits), and its memory limit enforced; then each function-side attack of
+docs/security.md's "Attacks probed", reproduced on containers through a real cluster. CI starts
+dockerd and builds the image (scripts/worker-image.sh); elsewhere these tests say why they skip."""
 
 from __future__ import annotations
 
