@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from gpu_manager.devices import Nvml
 from gpufaas import weights
 from gpufaas.errors import GpufaasError
+from gpufaas.functions import WorkerSettings
 from gpufaas.profiles import paper_table1
 
 if TYPE_CHECKING:
@@ -65,19 +66,17 @@ class WorkerDevice:
 
 
 @dataclass(frozen=True, slots=True)
-class ModelSpec:
+class ModelLoad:
     """The model a worker takes (on a miss): the function's package and how to run it.
 
-    `memory_mb` is the function's declared peak; `max_batch_size` > 1 makes `predict` receive a
-    list of inputs and return a list; `load_time_s` / `inference_time_s` are the emulated backend's
-    profile (None: Table I or size)."""
+    `memory_mb` is the function's declared peak; `settings` are the function's own for its worker
+    (`max_batch_size` > 1 makes `predict` receive a list of inputs and return a list);
+    `load_time_s` / `inference_time_s` are the emulated backend's profile (None: Table I or size)."""
 
     model: str
     package_dir: str
     memory_mb: int
-    max_batch_size: int = 1
-    max_batch_wait_s: float = 0.0
-    environment: dict[str, str] = field(default_factory=dict)
+    settings: WorkerSettings = field(default_factory=WorkerSettings)
     load_time_s: float | None = None
     inference_time_s: float | None = None
     pooled: dict[str, int] = field(default_factory=dict)  # package path -> fd on its host-pool copy
@@ -98,7 +97,7 @@ class Backend(ABC):
 
     def __init__(self, device: WorkerDevice) -> None:
         self.worker_device = device
-        self.spec: ModelSpec | None = None
+        self.spec: ModelLoad | None = None
 
     @property
     @abstractmethod
@@ -120,7 +119,7 @@ class Backend(ABC):
         return 0
 
     @abstractmethod
-    def load(self, spec: ModelSpec) -> None:
+    def load(self, spec: ModelLoad) -> None:
         """Load the function's model onto the device; an exception means the load failed."""
 
     @abstractmethod
@@ -219,17 +218,17 @@ class _HandlerBackend(Backend):
                 with contextlib.suppress(Exception):  # a broken optional package must not stop the node
                     importlib.import_module(name)
 
-    def load(self, spec: ModelSpec) -> None:
+    def load(self, spec: ModelLoad) -> None:
         self.spec = spec
         package_dir = spec.package_dir
         # Handlers find their weights by `GPUFAAS_PACKAGE_DIR` or by relative path: give them both.
-        os.environ.update(spec.environment)
+        os.environ.update(spec.settings.environment)
         os.environ[PACKAGE_DIR_ENV] = package_dir
         os.chdir(package_dir)
         weights.configure(package_dir, spec.pooled)  # what gpufaas.weights.load_file maps from the pool
         self._handler = import_handler(package_dir)
         self._model = self._handler.load(self.device)
-        if self._handler.warmup is not None:
+        if spec.settings.warmup and self._handler.warmup is not None:
             self._handler.warmup(self._model)
 
     def predict(self, inputs: object) -> object:
@@ -252,7 +251,7 @@ class CpuBackend(_HandlerBackend, name="cpu"):
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ[var] = "1"
 
-    def load(self, spec: ModelSpec) -> None:
+    def load(self, spec: ModelLoad) -> None:
         super().load(spec)
         torch = sys.modules.get("torch")
         if torch is not None:  # a handler without torch pays no torch import for this
@@ -348,7 +347,7 @@ class CudaBackend(_HandlerBackend, name="cuda"):
             self._overhead_mb = self.DEFAULT_CONTEXT_MB
         return self._overhead_mb
 
-    def load(self, spec: ModelSpec) -> None:
+    def load(self, spec: ModelLoad) -> None:
         import torch
 
         super().load(spec)
@@ -390,7 +389,7 @@ class EmulatedBackend(Backend, name="emulated"):
     def device(self) -> str:
         return f"emulated:{self.worker_device.device_index}"
 
-    def load(self, spec: ModelSpec) -> None:
+    def load(self, spec: ModelLoad) -> None:
         self.spec = spec
         self.load_time_s, self.inference_time_s = emulated_times(spec.model, spec.memory_mb)
         if spec.load_time_s is not None:

@@ -291,9 +291,7 @@ class GpuManagerDaemon:
             model=grant.model,
             package_digest=grant.package_digest,
             memory_mb=int(grant.memory_mb),
-            max_batch_size=max(1, grant.max_batch_size),
-            max_batch_wait_s=grant.max_batch_wait_s,
-            environment=dict(grant.environment),
+            worker=grant.worker,
             load_time_s=grant.load_time_s,
             inference_time_s=grant.inference_time_s,
         )

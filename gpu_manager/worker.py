@@ -36,7 +36,9 @@ import time
 import traceback
 from typing import NamedTuple
 
-from gpu_manager.backends import Backend, ModelSpec
+from pydantic import ValidationError
+
+from gpu_manager.backends import Backend, ModelLoad
 from gpu_manager.sandbox import (
     DEFAULT_MAX_FILE_MB,
     DEFAULT_MAX_PROCESSES,
@@ -46,6 +48,7 @@ from gpu_manager.sandbox import (
     current_data_mb,
     own_mount_namespace,
 )
+from gpufaas.functions import WorkerSettings
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import PREFIX_BYTES, MessageType, encode
 
@@ -208,16 +211,17 @@ def _answer(channel: Channel, call: pb.Call, outcome: int, message: str = "", **
     )
 
 
-def serve(backend: Backend, channel: Channel, spec: ModelSpec, max_result_bytes: int) -> None:
+def serve(backend: Backend, channel: Channel, spec: ModelLoad, max_result_bytes: int) -> None:
     """Answer calls until the node closes the socket."""
+    max_batch_size = spec.settings.max_batch_size
     while True:
         first = channel.recv()
         if first is None:
             return
         batch = [first]
-        if spec.max_batch_size > 1:
-            wait_until = time.perf_counter() + spec.max_batch_wait_s
-            while len(batch) < spec.max_batch_size and channel.pending(max(0.0, wait_until - time.perf_counter())):
+        if max_batch_size > 1:
+            wait_until = time.perf_counter() + spec.settings.max_batch_wait_s
+            while len(batch) < max_batch_size and channel.pending(max(0.0, wait_until - time.perf_counter())):
                 frame = channel.recv()
                 if frame is None:
                     break
@@ -225,7 +229,7 @@ def serve(backend: Backend, channel: Channel, spec: ModelSpec, max_result_bytes:
         _run(backend, channel, spec, batch, max_result_bytes)
 
 
-def _run(backend: Backend, channel: Channel, spec: ModelSpec, frames: list[_Frame], max_result_bytes: int) -> None:
+def _run(backend: Backend, channel: Channel, spec: ModelLoad, frames: list[_Frame], max_result_bytes: int) -> None:
     """Answer each call of `frames`: whatever its payload or the handler does (an exception of any
     kind, SystemExit included) is the call's answer, never the end of the worker's serve loop."""
     calls: list[pb.Call] = []
@@ -242,7 +246,7 @@ def _run(backend: Backend, channel: Channel, spec: ModelSpec, frames: list[_Fram
         return
     started_s = time.perf_counter()
     try:
-        outputs = backend.predict_batch(inputs) if spec.max_batch_size > 1 else [backend.predict(inputs[0])]
+        outputs = backend.predict_batch(inputs) if spec.settings.max_batch_size > 1 else [backend.predict(inputs[0])]
     except BaseException as exc:  # the handler's sys.exit() too: it ends its calls, not the worker
         inference_s = time.perf_counter() - started_s
         with contextlib.suppress(Exception):  # a handler may have closed its stderr
@@ -313,7 +317,7 @@ def run_worker(sock: socket.socket, backend: Backend, *, import_s: float, networ
     return 0
 
 
-def _take_model(channel: Channel, load: pb.LoadModel) -> ModelSpec | None:
+def _take_model(channel: Channel, load: pb.LoadModel) -> ModelLoad | None:
     """The model `load` names, its files reached through handles opened now (before the worker
     drops to its package's user); None, the node told, where its pooled weights cannot be opened."""
     package_dir = load.package_dir
@@ -336,20 +340,23 @@ def _take_model(channel: Channel, load: pb.LoadModel) -> ModelSpec | None:
         if load.uid:
             layer_dir = f"/proc/self/fd/{os.open(layer_dir, os.O_PATH | os.O_DIRECTORY)}"
         sys.path.insert(0, layer_dir)
-    return ModelSpec(
+    try:
+        settings = WorkerSettings.from_wire(load.worker)
+    except ValidationError as exc:
+        channel.send(MessageType.MODEL_LOADED, pb.ModelLoaded(ok=False, error=f"its settings: {exc}"))
+        return None
+    return ModelLoad(
         model=load.model,
         package_dir=package_dir,
         memory_mb=int(load.memory_mb),
-        max_batch_size=max(1, load.max_batch_size),
-        max_batch_wait_s=max(0.0, load.max_batch_wait_s),
-        environment=dict(load.environment),
+        settings=settings,
         load_time_s=load.load_time_s or None,
         inference_time_s=load.inference_time_s or None,
         pooled=pooled,
     )
 
 
-def _load_model(channel: Channel, backend: Backend, spec: ModelSpec, load: pb.LoadModel) -> bool:
+def _load_model(channel: Channel, backend: Backend, spec: ModelLoad, load: pb.LoadModel) -> bool:
     """Confine the worker as `load` says, then load `spec`; tell the node how that went (ModelLoaded).
     Whether it loaded."""
     load_started_s = time.perf_counter()

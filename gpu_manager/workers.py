@@ -74,9 +74,7 @@ class ModelRun:
     model: str
     package_digest: str
     memory_mb: int
-    max_batch_size: int = 1
-    max_batch_wait_s: float = 0.0
-    environment: dict[str, str] = field(default_factory=dict)
+    worker: bytes = b""  # the function's WorkerSettings, passed to the worker unread (empty: defaults)
     load_time_s: float = 0.0  # emulated backend's profile; 0 = from Table I or size
     inference_time_s: float = 0.0
 

@@ -38,6 +38,7 @@ EXPECTED: dict[str, str] = {
     "max_batch_size": f"expected a positive whole number, at most {MAX_BATCH_SIZE} calls per batch",
     "max_batch_wait_ms": f"expected milliseconds in [0, {MAX_BATCH_WAIT_MS:g}]",
     "public": "expected true or false",
+    "warmup": "expected true or false",
     "slo_ms": f"expected milliseconds in (0, {MAX_TIMEOUT_S * 1000:g}], or null for none",
 }
 
@@ -54,15 +55,46 @@ def _whole(value: Any) -> Any:
 WHOLE = BeforeValidator(_whole)
 
 
-class FunctionSettings(BaseModel):
-    """What a function's owner chooses (stack.yml's keys beside `handler` and `template`).
-
-    `memory_mb` is the declared *peak* GPU occupancy of its model at `batch_size` (what the cache
-    manager sizes it by until a measurement replaces it).
+class WorkerSettings(BaseModel):
+    """The settings a function's worker runs by: the one record that travels, unread, from the
+    scheduler's grant through the node to the worker (`to_wire` / `from_wire`). A setting the
+    worker needs is a field here and is read where it is used (gpu_manager.backends, .worker).
 
     Dynamic batching is opt-in: with `max_batch_size` > 1 the worker merges up to that many calls
     that are waiting into one `predict(model, [inputs, ...])`, which returns a list of outputs;
     with fewer waiting it waits up to `max_batch_wait_ms` for more.
+
+    `warmup`: run the handler's `warmup(model)` (where it has one) after `load`, before the first
+    call; false makes a miss shorter by what the warm-up costs, and the first call pays it instead.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    environment: StringMap = Field(default_factory=dict, description="set in the worker before the handler is imported")
+    max_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE), WHOLE] = 1
+    max_batch_wait_ms: Annotated[float, Field(ge=0, le=MAX_BATCH_WAIT_MS)] = 0.0
+    warmup: Annotated[bool, Field(description="run the handler's warmup(model) after it loads")] = True
+
+    @property
+    def max_batch_wait_s(self) -> float:
+        return self.max_batch_wait_ms / 1000.0
+
+    def to_wire(self) -> bytes:
+        """What a grant and a worker's load carry (JSON; `from_wire` reads it)."""
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> WorkerSettings:
+        """Read what `to_wire` wrote; empty means the defaults."""
+        return cls.model_validate_json(data) if data else cls()
+
+
+class FunctionSettings(WorkerSettings):
+    """What a function's owner chooses (stack.yml's keys beside `handler` and `template`): the
+    worker's settings (WorkerSettings) and what the scheduler and the gateway go by.
+
+    `memory_mb` is the declared *peak* GPU occupancy of its model at `batch_size` (what the cache
+    manager sizes it by until a measurement replaces it).
 
     `public`: anyone who reaches the gateway may call it. By default a call needs the cluster's
     invoke token or the admin credentials (docs/security.md).
@@ -75,8 +107,6 @@ class FunctionSettings(BaseModel):
     seconds or milliseconds `30`. Unknown fields are refused.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
-
     memory_mb: Annotated[
         int, Field(ge=1, le=MAX_MEMORY_MB, description="the model's peak GPU memory (MB) at batch_size"), WHOLE
     ]
@@ -87,9 +117,6 @@ class FunctionSettings(BaseModel):
     batch_size: Annotated[int, Field(ge=1), WHOLE] = DEFAULT_BATCH_SIZE
     timeout_s: Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, description="a call's deadline")] = DEFAULT_TIMEOUT_S
     labels: StringMap = Field(default_factory=dict)
-    environment: StringMap = Field(default_factory=dict, description="set in the worker before the handler is imported")
-    max_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE), WHOLE] = 1
-    max_batch_wait_ms: Annotated[float, Field(ge=0, le=MAX_BATCH_WAIT_MS)] = 0.0
     public: Annotated[bool, Field(description="callable without credentials")] = False
     slo_ms: Annotated[
         float | None,
@@ -139,6 +166,11 @@ class FunctionSpec(FunctionSettings):
         # Cached: the scheduler and the gateway ask for it several times per call (not a field:
         # neither dumped nor compared).
         return f"{self.name}@{self.package_digest.removeprefix('sha256:')[:12]}"
+
+    @functools.cached_property
+    def worker_wire(self) -> bytes:
+        # Cached: every grant carries it (not a field: neither dumped nor compared).
+        return WorkerSettings.model_validate(self.model_dump(include=set(WorkerSettings.model_fields))).to_wire()
 
     def deadline_message(self) -> str:
         """What a caller is told when this function's `timeout_s` passed."""

@@ -282,13 +282,11 @@ class SchedulerService:
             evict=a.evict,
             claim_by_unix_s=a.claim_by + to_wall,
             expires_unix_s=a.deadline + to_wall,
-            max_batch_size=spec.max_batch_size,
-            max_batch_wait_s=spec.max_batch_wait_ms / 1000.0,
             load_time_s=self.scheduler.estimator.load_time_s(
                 spec.model, self.scheduler.gpu(a.gpu_id).spec.gpu_type, spec.memory_mb
             ),
             inference_time_s=a.est_inference_time_s,
-            environment=spec.environment,
+            worker=spec.worker_wire,
         )
         placement = pb.Placement(
             call_id=a.call_id,

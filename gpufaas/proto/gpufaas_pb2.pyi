@@ -118,14 +118,7 @@ class Abandon(_message.Message):
     def __init__(self, call_id: _Optional[str] = ..., attempt: _Optional[int] = ..., reason: _Optional[_Union[Abandon.Reason, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class Grant(_message.Message):
-    __slots__ = ("scheduler_id", "call_id", "attempt", "node", "gpu", "gpu_seq", "function", "model", "package_digest", "memory_mb", "evict", "claim_by_unix_s", "expires_unix_s", "max_batch_size", "max_batch_wait_s", "load_time_s", "inference_time_s", "environment")
-    class EnvironmentEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: str
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    __slots__ = ("scheduler_id", "call_id", "attempt", "node", "gpu", "gpu_seq", "function", "model", "package_digest", "memory_mb", "evict", "claim_by_unix_s", "expires_unix_s", "load_time_s", "inference_time_s", "worker")
     SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -139,11 +132,9 @@ class Grant(_message.Message):
     EVICT_FIELD_NUMBER: _ClassVar[int]
     CLAIM_BY_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_UNIX_S_FIELD_NUMBER: _ClassVar[int]
-    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
-    MAX_BATCH_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     LOAD_TIME_S_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_TIME_S_FIELD_NUMBER: _ClassVar[int]
-    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
     scheduler_id: str
     call_id: str
     attempt: int
@@ -157,12 +148,10 @@ class Grant(_message.Message):
     evict: _containers.RepeatedScalarFieldContainer[str]
     claim_by_unix_s: float
     expires_unix_s: float
-    max_batch_size: int
-    max_batch_wait_s: float
     load_time_s: float
     inference_time_s: float
-    environment: _containers.ScalarMap[str, str]
-    def __init__(self, scheduler_id: _Optional[str] = ..., call_id: _Optional[str] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ..., gpu: _Optional[str] = ..., gpu_seq: _Optional[int] = ..., function: _Optional[str] = ..., model: _Optional[str] = ..., package_digest: _Optional[str] = ..., memory_mb: _Optional[int] = ..., evict: _Optional[_Iterable[str]] = ..., claim_by_unix_s: _Optional[float] = ..., expires_unix_s: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., max_batch_wait_s: _Optional[float] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., environment: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    worker: bytes
+    def __init__(self, scheduler_id: _Optional[str] = ..., call_id: _Optional[str] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ..., gpu: _Optional[str] = ..., gpu_seq: _Optional[int] = ..., function: _Optional[str] = ..., model: _Optional[str] = ..., package_digest: _Optional[str] = ..., memory_mb: _Optional[int] = ..., evict: _Optional[_Iterable[str]] = ..., claim_by_unix_s: _Optional[float] = ..., expires_unix_s: _Optional[float] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., worker: _Optional[bytes] = ...) -> None: ...
 
 class Execute(_message.Message):
     __slots__ = ("token", "content_type")
@@ -455,14 +444,7 @@ class WorkerHello(_message.Message):
     def __init__(self, pid: _Optional[int] = ..., import_s: _Optional[float] = ..., context_s: _Optional[float] = ..., context_mb: _Optional[int] = ..., network_isolated: _Optional[bool] = ...) -> None: ...
 
 class LoadModel(_message.Message):
-    __slots__ = ("model", "package_dir", "memory_mb", "max_batch_size", "max_batch_wait_s", "environment", "load_time_s", "inference_time_s", "max_result_bytes", "uid", "gid", "data_limit_mb", "max_processes", "max_file_mb", "home_dir", "pooled", "layer_dir")
-    class EnvironmentEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: str
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    __slots__ = ("model", "package_dir", "memory_mb", "worker", "load_time_s", "inference_time_s", "max_result_bytes", "uid", "gid", "data_limit_mb", "max_processes", "max_file_mb", "home_dir", "pooled", "layer_dir")
     class PooledEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -473,9 +455,7 @@ class LoadModel(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PACKAGE_DIR_FIELD_NUMBER: _ClassVar[int]
     MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
-    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
-    MAX_BATCH_WAIT_S_FIELD_NUMBER: _ClassVar[int]
-    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
     LOAD_TIME_S_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_TIME_S_FIELD_NUMBER: _ClassVar[int]
     MAX_RESULT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -490,9 +470,7 @@ class LoadModel(_message.Message):
     model: str
     package_dir: str
     memory_mb: int
-    max_batch_size: int
-    max_batch_wait_s: float
-    environment: _containers.ScalarMap[str, str]
+    worker: bytes
     load_time_s: float
     inference_time_s: float
     max_result_bytes: int
@@ -504,7 +482,7 @@ class LoadModel(_message.Message):
     home_dir: str
     pooled: _containers.ScalarMap[str, str]
     layer_dir: str
-    def __init__(self, model: _Optional[str] = ..., package_dir: _Optional[str] = ..., memory_mb: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_wait_s: _Optional[float] = ..., environment: _Optional[_Mapping[str, str]] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., max_result_bytes: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., data_limit_mb: _Optional[int] = ..., max_processes: _Optional[int] = ..., max_file_mb: _Optional[int] = ..., home_dir: _Optional[str] = ..., pooled: _Optional[_Mapping[str, str]] = ..., layer_dir: _Optional[str] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., package_dir: _Optional[str] = ..., memory_mb: _Optional[int] = ..., worker: _Optional[bytes] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., max_result_bytes: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., data_limit_mb: _Optional[int] = ..., max_processes: _Optional[int] = ..., max_file_mb: _Optional[int] = ..., home_dir: _Optional[str] = ..., pooled: _Optional[_Mapping[str, str]] = ..., layer_dir: _Optional[str] = ...) -> None: ...
 
 class ModelLoaded(_message.Message):
     __slots__ = ("ok", "error", "load_s", "peak_memory_mb")

@@ -17,7 +17,7 @@ import pytest
 from gpu_manager.backends import (
     Backend,
     EmulatedBackend,
-    ModelSpec,
+    ModelLoad,
     UnknownBackend,
     WorkerDevice,
     backend_class,
@@ -27,6 +27,7 @@ from gpu_manager.backends import (
 )
 from gpu_manager.devices import Device, discover_nvml, logical_devices, normalize_gpu_type
 from gpu_manager.worker import InvalidInput, decode_inputs, encode_result
+from gpufaas.functions import FunctionSpec, WorkerSettings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,6 +51,7 @@ backend = backend_class("emulated")
 backend.setup()
 backend.import_runtime()
 node, worker_end = socket.socketpair()
+load["worker"] = load["worker"].encode()  # JSON carries it as text
 frames = [encode(MessageType.LOAD_MODEL, pb.LoadModel(**load), b"")]
 for call_id, content_type, payload in calls:
     body = payload.encode("latin-1")
@@ -93,9 +95,10 @@ def run_emulated_worker(load: dict[str, Any], calls: list[tuple[str, str, bytes]
     return result
 
 
-def load_model(**fields: Any) -> dict[str, Any]:
+def load_model(max_batch_size: int = 1, **fields: Any) -> dict[str, Any]:
     """A LoadModel for an emulated model with a tiny profile of its own."""
     return {
+        "worker": WorkerSettings(max_batch_size=max_batch_size).to_wire().decode(),
         "model": "resnet18",
         "package_dir": "/nowhere",
         "memory_mb": 100,
@@ -137,7 +140,7 @@ def test_emulated_times_come_from_table1_then_from_size() -> None:
 def test_the_spec_overrides_the_emulated_profile_and_a_batch_takes_one_inference_per_call() -> None:
     backend = EmulatedBackend(WorkerDevice("emulated", "gpu1", 1))
     assert backend.init_device() == 0  # no device context to hold
-    backend.load(ModelSpec("resnet18", "", 100, load_time_s=0.0, inference_time_s=0.05))
+    backend.load(ModelLoad("resnet18", "", 100, load_time_s=0.0, inference_time_s=0.05))
 
     assert (backend.load_time_s, backend.inference_time_s) == (0.0, 0.05)  # not Table I's 2.52 and 1.25
     assert backend.predict(b"abc") == {
@@ -167,7 +170,7 @@ class Scripted(Backend):
         self.outputs = outputs
         self.seen: list[object] = []
 
-    def load(self, spec: ModelSpec) -> None:
+    def load(self, spec: ModelLoad) -> None:
         self.spec = spec
 
     def predict(self, inputs: object) -> object:
@@ -342,3 +345,55 @@ def test_priming_runs_every_layer_on_a_device_and_a_failing_layer_only_warns(
         "priming the kernels of cpu failed (a miss will load them): no kernel image is available for execution "
         "on the device"
     ]
+
+
+# --- the function's worker settings ------------------------------------------------------------------
+
+WARMUP_HANDLER = """
+def load(device):
+    return {"warmups": 0}
+
+def warmup(model):
+    model["warmups"] += 1
+
+def predict(model, inputs):
+    return model["warmups"]
+"""
+
+LOAD_WITH_SETTINGS = """
+import json, sys
+from gpu_manager.backends import CpuBackend, ModelLoad, WorkerDevice
+from gpufaas.functions import FunctionSpec, WorkerSettings
+
+package_dir, settings = sys.argv[1], WorkerSettings.from_wire(sys.argv[2].encode())
+backend = CpuBackend(WorkerDevice("cpu", "gpu0", 0))
+backend.load(ModelLoad("warm", package_dir, 100, settings=settings))
+print(json.dumps(backend.predict(None)))
+"""
+
+
+@pytest.mark.parametrize(("settings", "warmups"), [(b"", 1), (b'{"warmup": true}', 1), (b'{"warmup": false}', 0)])
+def test_the_warmup_setting_decides_whether_the_handlers_warmup_runs_after_the_load(
+    tmp_path: Path, settings: bytes, warmups: int
+) -> None:
+    (tmp_path / "handler.py").write_text(WARMUP_HANDLER)
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_WITH_SETTINGS, str(tmp_path), settings.decode()],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == warmups
+
+
+def test_worker_settings_travel_as_json_and_a_spec_carries_only_its_workers_fields() -> None:
+    spec = FunctionSpec(
+        name="f", package_digest="sha256:" + "0" * 64, memory_mb=100, max_batch_size=4, warmup=False, public=True
+    )
+    settings = WorkerSettings.from_wire(spec.worker_wire)
+    assert settings == WorkerSettings(max_batch_size=4, warmup=False)
+    assert set(json.loads(spec.worker_wire)) == set(WorkerSettings.model_fields)  # no public, no memory_mb
+    assert WorkerSettings.from_wire(b"") == WorkerSettings()

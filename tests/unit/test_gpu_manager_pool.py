@@ -29,6 +29,7 @@ from gpu_manager.backends import UnknownBackend
 from gpu_manager.pool import STOP_GRACE_S, ModelRun, RunResult, WorkerPool
 from gpu_manager.sandbox import package_uid
 from gpu_manager.staging import LocalPackages
+from gpufaas.functions import WorkerSettings
 from gpufaas.proto import gpufaas_pb2 as pb
 from tests.fixtures.make_packages import build_package
 
@@ -335,8 +336,9 @@ def emulated(model: str, digest: str, *, load_s: float = 0.001, inference_s: flo
     return ModelRun(model, digest, memory_mb=100, load_time_s=load_s, inference_time_s=inference_s)
 
 
-def on_cpu(model: str, digest: str, **options: Any) -> ModelRun:
-    return ModelRun(model, digest, **{"memory_mb": 300, **options})
+def on_cpu(model: str, digest: str, memory_mb: int = 300, **settings: Any) -> ModelRun:
+    """A run of `digest`'s package; `settings` are the function's WorkerSettings fields."""
+    return ModelRun(model, digest, memory_mb, worker=WorkerSettings(**settings).to_wire())
 
 
 def ok(result: RunResult) -> dict[str, Any]:
@@ -1089,7 +1091,7 @@ def test_a_batch_whose_predict_returns_the_wrong_number_of_outputs_fails_every_c
 def test_max_batch_wait_lets_a_lone_call_wait_for_company_but_no_longer(cpu_node: Node) -> None:
     async def scenario(node: Node) -> None:
         batch = node.shelf.digest("batch_function")
-        model = on_cpu("waiting", batch, max_batch_size=4, max_batch_wait_s=0.4)
+        model = on_cpu("waiting", batch, max_batch_size=4, max_batch_wait_ms=400.0)
         ok(await node.call(model, {"i": 0}))
 
         started = time.perf_counter()
@@ -1105,7 +1107,7 @@ def test_max_batch_wait_lets_a_lone_call_wait_for_company_but_no_longer(cpu_node
 
         # A batch that fills up does not wait.
         await node.pool.spares_ready(TIMEOUT_S)
-        patient = on_cpu("patient", batch, max_batch_size=2, max_batch_wait_s=5.0)
+        patient = on_cpu("patient", batch, max_batch_size=2, max_batch_wait_ms=5000.0)
         started = time.perf_counter()
         full = await asyncio.gather(node.call(patient, {"i": 4}), node.call(patient, {"i": 5}))
         assert [r.batch_calls for r in full] == [2, 2]

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from gpu_manager.ledger import GrantLedger, Refused
+from gpufaas.functions import WorkerSettings
 from gpufaas.grants import KEY_BYTES, TAG_BYTES, BadToken, new_key, sign, verify
 from gpufaas.proto import gpufaas_pb2 as pb
 
@@ -52,7 +53,7 @@ def flip(token: bytes, index: int) -> bytes:
 
 
 def test_a_signed_grant_verifies_to_the_same_grant() -> None:
-    grant = make_grant(evict=["old@aaaaaaaaaaaa"], environment={"MODE": "fast"})
+    grant = make_grant(evict=["old@aaaaaaaaaaaa"], worker=WorkerSettings(environment={"MODE": "fast"}).to_wire())
     token = sign(grant, KEY)
     assert len(token) == grant.ByteSize() + TAG_BYTES
     assert verify(token, KEY) == grant

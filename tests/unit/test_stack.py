@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from gpufaas.errors import InvalidInput
+from gpufaas.functions import FunctionSpec
 from gpufaas.stack import load_stack
 
 GOOD = """
@@ -41,11 +42,10 @@ def test_a_good_stack_parses_with_handlers_relative_to_the_file(tmp_path: Path) 
     assert stack.gateway == "http://127.0.0.1:8080"
     (function,) = stack.functions
     assert function.handler == (tmp_path / "resnet").resolve()
-    assert function.spec("sha256:" + "0" * 64) == {
+    given = {
         "name": "resnet",
         "package_digest": "sha256:" + "0" * 64,
         "memory_mb": 1700,
-        "gpu": "any",
         "batch_size": 16,
         "timeout_s": 30.0,
         "labels": {"team": "vision"},
@@ -53,8 +53,11 @@ def test_a_good_stack_parses_with_handlers_relative_to_the_file(tmp_path: Path) 
         "max_batch_size": 8,
         "max_batch_wait_ms": 2.5,
         "public": True,
-        "slo_ms": None,
     }
+    # What the file sets, and every other setting at its default.
+    defaults = FunctionSpec(name="resnet", package_digest="sha256:" + "0" * 64, memory_mb=1).model_dump()
+    assert function.spec("sha256:" + "0" * 64) == {**defaults, **given}
+    assert defaults["gpu"] == "any" and defaults["slo_ms"] is None
 
 
 @pytest.mark.parametrize(
