@@ -61,7 +61,7 @@ _NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 _DEPTH_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1, +1, -1, -1 as signed bytes
 
 
-class InvalidInput(ValueError):
+class PayloadRefused(ValueError):
     """The payload does not match its declared content type, or is nested too deep."""
 
 
@@ -75,7 +75,7 @@ def json_depth_over(payload: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
 
 
 def _parse_json(payload: bytes) -> object:
-    """json.loads, with a payload nested past MAX_JSON_DEPTH refused (InvalidInput), never a
+    """json.loads, with a payload nested past MAX_JSON_DEPTH refused (PayloadRefused), never a
     RecursionError. ValueError (UnicodeDecodeError included) if it is not JSON."""
     if json_depth_over(payload):
         raise _too_deep()
@@ -85,13 +85,13 @@ def _parse_json(payload: bytes) -> object:
         raise _too_deep() from None
 
 
-def _too_deep() -> InvalidInput:
+def _too_deep() -> PayloadRefused:
     # Made only when refusing: _parse_json runs on every call's payload.
-    return InvalidInput(f"the payload is JSON nested deeper than {MAX_JSON_DEPTH} levels; send it flatter")
+    return PayloadRefused(f"the payload is JSON nested deeper than {MAX_JSON_DEPTH} levels; send it flatter")
 
 
 def decode_inputs(payload: bytes, content_type: str = "") -> object:
-    """The handler's `inputs`. Declared JSON is parsed (InvalidInput if it does not parse or nests
+    """The handler's `inputs`. Declared JSON is parsed (PayloadRefused if it does not parse or nests
     deeper than MAX_JSON_DEPTH); a body with no content type is parsed when it is UTF-8 JSON within
     that depth, else given as bytes (binary data may well hold more "[" than "]"); any other
     declared type is given as the raw bytes (never parsed)."""
@@ -99,15 +99,15 @@ def decode_inputs(payload: bytes, content_type: str = "") -> object:
     if media in JSON_TYPES or media.endswith("+json"):
         try:
             return _parse_json(payload or b"null")
-        except InvalidInput:
+        except PayloadRefused:
             raise
         except ValueError as exc:
-            raise InvalidInput(f"the payload is declared {media} but is not valid JSON: {exc}") from None
+            raise PayloadRefused(f"the payload is declared {media} but is not valid JSON: {exc}") from None
     if media:
         return payload
     try:
         return _parse_json(payload)
-    except ValueError:  # InvalidInput included
+    except ValueError:  # PayloadRefused included
         return payload
 
 
@@ -238,7 +238,7 @@ def _run(backend: Backend, channel: Channel, spec: ModelLoad, frames: list[_Fram
         call = pb.Call.FromString(frame.header)
         try:
             inputs.append(decode_inputs(frame.body, call.content_type))
-        except InvalidInput as exc:
+        except PayloadRefused as exc:
             _answer(channel, call, pb.INVALID_INPUT, str(exc))
             continue
         calls.append(call)

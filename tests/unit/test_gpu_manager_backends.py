@@ -26,7 +26,7 @@ from gpu_manager.backends import (
     make_backend,
 )
 from gpu_manager.devices import Device, discover_nvml, logical_devices, normalize_gpu_type
-from gpu_manager.worker import InvalidInput, decode_inputs, encode_result
+from gpu_manager.worker import PayloadRefused, decode_inputs, encode_result
 from gpufaas.functions import FunctionSpec, WorkerSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -223,7 +223,7 @@ def test_payloads_decode_as_their_content_type_says(payload: bytes, content_type
 )
 def test_declared_json_that_does_not_parse_is_invalid_input(payload: bytes, content_type: str, media: str) -> None:
     media = media or content_type
-    with pytest.raises(InvalidInput, match=re.escape(f"the payload is declared {media} but is not valid JSON: ")):
+    with pytest.raises(PayloadRefused, match=re.escape(f"the payload is declared {media} but is not valid JSON: ")):
         decode_inputs(payload, content_type)
 
 

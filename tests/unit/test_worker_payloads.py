@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gpu_manager.worker import MAX_JSON_DEPTH, InvalidInput, decode_inputs, json_depth_over
+from gpu_manager.worker import MAX_JSON_DEPTH, PayloadRefused, decode_inputs, json_depth_over
 
 
 def nested(depth: int, inner: bytes = b"") -> bytes:
@@ -32,7 +32,7 @@ def test_depth_counts_arrays_and_objects_but_not_brackets_in_strings() -> None:
 
 @pytest.mark.parametrize("content_type", ["application/json", "application/problem+json", "text/x+json"])
 def test_declared_json_nested_too_deep_is_invalid_input_not_a_recursion_error(content_type: str) -> None:
-    with pytest.raises(InvalidInput, match=f"nested deeper than {MAX_JSON_DEPTH} levels"):
+    with pytest.raises(PayloadRefused, match=f"nested deeper than {MAX_JSON_DEPTH} levels"):
         decode_inputs(b"[" * 100_000 + b"]" * 100_000, content_type)
 
 
