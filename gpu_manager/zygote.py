@@ -26,8 +26,9 @@ import socket
 import sys
 import time
 import traceback
+from typing import NoReturn
 
-from gpu_manager.backends import WorkerDevice, backend_class
+from gpu_manager.backends import Backend, WorkerDevice, backend_class
 from gpu_manager.sandbox import close_descriptors, isolate_network, plan_import_path
 from gpu_manager.worker import run_worker
 
@@ -71,29 +72,37 @@ def main(argv: list[str] | None = None) -> int:
         gpu_id, index = message.decode().split()
         if os.fork() == 0:
             control.close()
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            status = 1
-            try:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os.dup2(fds[1], 1)  # its output goes to the pool, which caps it
-                os.dup2(fds[1], 2)
-                os.close(fds[1])
-                # Its channel and stdio only: not the node's log, not another worker's pipe.
-                close_descriptors(keep=[fds[0]])
-                isolated = isolate_network() if args.isolate else False
-                worker = backend(WorkerDevice(args.backend, gpu_id, int(index)))
-                status = run_worker(socket.socket(fileno=fds[0]), worker, import_s=import_s, network_isolated=isolated)
-            except (BrokenPipeError, ConnectionResetError):
-                status = 0  # the pool let go of this worker (it shut down, or stopped a spare)
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(status)
+            _run_forked_worker(backend, gpu_id, int(index), fds, isolate=args.isolate, import_s=import_s)
         for fd in fds:
             os.close(fd)
+
+
+def _run_forked_worker(
+    backend: type[Backend], gpu_id: str, index: int, fds: list[int], *, isolate: bool, import_s: float
+) -> NoReturn:
+    """In the child just forked: become the worker of `gpu_id` on the channel `fds[0]`, its
+    stdio the pipe `fds[1]`, and exit with its status (never returns into the zygote's loop)."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    status = 1
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(fds[1], 1)  # its output goes to the pool, which caps it
+        os.dup2(fds[1], 2)
+        os.close(fds[1])
+        # Its channel and stdio only: not the node's log, not another worker's pipe.
+        close_descriptors(keep=[fds[0]])
+        isolated = isolate_network() if isolate else False
+        worker = backend(WorkerDevice(backend.name, gpu_id, index))
+        status = run_worker(socket.socket(fileno=fds[0]), worker, import_s=import_s, network_isolated=isolated)
+    except (BrokenPipeError, ConnectionResetError):
+        status = 0  # the pool let go of this worker (it shut down, or stopped a spare)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,42 +75,41 @@ def parse_stack(raw: Any, path: Path) -> Stack:
     functions = raw.get("functions")
     if not isinstance(functions, dict) or not functions:
         raise fail("functions", "expected a mapping of function names to their settings, with at least one")
-    parsed = []
-    for name, settings in functions.items():
-        where = f"functions.{name}"
-        if not isinstance(name, str) or not NAME_PATTERN.match(name):
-            raise fail(where, "not a valid function name: lower-case letters, digits and '-', at most 63")
-        if not isinstance(settings, dict):
-            raise fail(where, "expected a mapping of settings")
-        _reject_unknown(settings, FUNCTION_KEYS, where, fail)
-        handler = settings.get("handler")
-        if not isinstance(handler, str) or not handler:
-            raise fail(f"{where}.handler", "required: the directory with handler.py, relative to the stack file")
-        template = settings.get("template")
-        if template is not None and not isinstance(template, str):
-            raise fail(f"{where}.template", f"expected a template name, got {template!r}")
-        values = {key: value for key, value in settings.items() if key not in ("handler", "template")}
-        for key in ("labels", "environment"):  # YAML types `version: 1.0` as a number; a label is text
-            if key in values and values[key] is None:  # `labels:` with nothing (or only comments) under it
-                del values[key]
-            elif isinstance(values.get(key), dict):
-                values[key] = {str(k): _text(v) for k, v in values[key].items()}
-        try:
-            function_settings = FunctionSettings.from_dict(values, path=where)
-        except InvalidInput as exc:
-            raise InvalidInput(f"{path}: {exc}") from None
-        parsed.append(
-            StackFunction(
-                name=name,
-                handler=(path.parent / handler).resolve(),
-                template=template,
-                settings=function_settings,
-            )
-        )
+    parsed = [_parse_function(name, settings, path, fail) for name, settings in functions.items()]
     return Stack(path=path, gateway=gateway, functions=parsed)
 
 
-def _reject_unknown(raw: dict[Any, Any], known: set[str], where: str, fail: Any) -> None:
+def _parse_function(name: Any, settings: Any, path: Path, fail: Callable[[str, str], InvalidInput]) -> StackFunction:
+    """One entry of `functions:`: its name, handler directory (relative to the stack file),
+    template and settings, checked."""
+    where = f"functions.{name}"
+    if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        raise fail(where, "not a valid function name: lower-case letters, digits and '-', at most 63")
+    if not isinstance(settings, dict):
+        raise fail(where, "expected a mapping of settings")
+    _reject_unknown(settings, FUNCTION_KEYS, where, fail)
+    handler = settings.get("handler")
+    if not isinstance(handler, str) or not handler:
+        raise fail(f"{where}.handler", "required: the directory with handler.py, relative to the stack file")
+    template = settings.get("template")
+    if template is not None and not isinstance(template, str):
+        raise fail(f"{where}.template", f"expected a template name, got {template!r}")
+    values = {key: value for key, value in settings.items() if key not in ("handler", "template")}
+    for key in ("labels", "environment"):  # YAML types `version: 1.0` as a number; a label is text
+        if key in values and values[key] is None:  # `labels:` with nothing (or only comments) under it
+            del values[key]
+        elif isinstance(values.get(key), dict):
+            values[key] = {str(k): _text(v) for k, v in values[key].items()}
+    try:
+        function_settings = FunctionSettings.from_dict(values, path=where)
+    except InvalidInput as exc:
+        raise InvalidInput(f"{path}: {exc}") from None
+    return StackFunction(
+        name=name, handler=(path.parent / handler).resolve(), template=template, settings=function_settings
+    )
+
+
+def _reject_unknown(raw: dict[Any, Any], known: set[str], where: str, fail: Callable[[str, str], InvalidInput]) -> None:
     for key in raw:
         if key not in known:
             path = f"{where}.{key}" if where else str(key)
