@@ -53,6 +53,12 @@ class ContainerEngine(Protocol):
     async def wait_and_remove(self, container_id: str, timeout_s: float) -> int | None:
         """Wait for the container to exit (SIGKILL past `timeout_s`), remove it; its exit status."""
 
+    def over_memory(self, container_id: str) -> bool:
+        """Whether the container met its memory limit (and was killed whole)."""
+
+    def close(self) -> None:
+        """Stop watching the engine (the node is stopping)."""
+
 
 class DockerRuntime(Runtime):
     """A container per worker, made for its model by `launcher` (gpu_manager.containers): its
@@ -100,7 +106,15 @@ class DockerRuntime(Runtime):
     async def confinement(self, worker: Worker, run: ModelRun) -> dict[str, Any]:
         return {"max_file_mb": self.isolation.max_file_mb}  # the container is the rest: user, limits, tmpfs
 
+    def over_memory(self, worker: Worker) -> bool:
+        # The engine's oom events, watched by the launcher: a container whose memory limit was met
+        # is killed whole (the kernel ends only one of its processes).
+        if worker.exit_cause != "over_memory" and worker.container and self.launcher.over_memory(worker.container):
+            worker.exit_cause = "over_memory"
+        return worker.exit_cause == "over_memory"
+
     async def shutdown(self) -> None:
+        self.launcher.close()
         if self._sockets is not None:
             shutil.rmtree(self._sockets, ignore_errors=True)
 
@@ -114,6 +128,7 @@ class DockerRuntime(Runtime):
             directory, uid, weights = await self._prepare(model)
             listener = _listen(socket_dir, uid)
             spec = self._spec(worker, model, socket_dir=socket_dir, directory=directory, uid=uid, weights=weights)
+            worker.cgroup_limit_mb = spec.memory_limit_mb  # what an over-memory answer names
             worker.container = await self.launcher.start(spec)
             launcher = self.launcher
             worker.on_signal = lambda signum: self._track(
@@ -156,6 +171,7 @@ class DockerRuntime(Runtime):
             package_dir=directory,
             socket_dir=socket_dir,
             max_processes=self.isolation.max_processes,
+            cpus=self.isolation.worker_cpus,
             environment=container_environment(os.environ),
             read_only_mounts=mounts,
         )

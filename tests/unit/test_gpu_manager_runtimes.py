@@ -54,6 +54,8 @@ class FakeEngine:
         self.containers: dict[str, _Container] = {}
         self.loads: list[pb.LoadModel] = []
         self.checked = False
+        self.closed = False
+        self.out_of_memory: set[str] = set()  # containers the engine reported an oom event for
         self.cleared_nodes: list[str] = []
         self._ids = itertools.count(1)
 
@@ -91,6 +93,12 @@ class FakeEngine:
         container.status = 128 + signum
         container.done.set()
 
+    def over_memory(self, container_id: str) -> bool:
+        return container_id in self.out_of_memory
+
+    def close(self) -> None:
+        self.closed = True
+
     async def wait_and_remove(self, container_id: str, timeout_s: float) -> int | None:
         container = self.containers[container_id]
         try:
@@ -114,6 +122,10 @@ class _PlayedWorker:
             conn.send(MessageType.MODEL_LOADED, pb.ModelLoaded(ok=True, load_s=0.01, peak_memory_mb=1))
         elif frame.type == MessageType.CALL:
             call = frame.message(pb.Call)
+            if frame.body == b"hog":  # the engine's oom event, then the container killed whole
+                self.engine.out_of_memory.update(i for i, c in self.engine.containers.items() if c is self.container)
+                conn.close()
+                return
             result = pb.CallResult(call_id=call.call_id, outcome=pb.OK, content_type=OCTETS, batch_calls=1)
             conn.send(MessageType.CALL_RESULT, result, b"echo:" + frame.body)
 
@@ -240,5 +252,23 @@ def test_the_runtime_is_chosen_by_name_and_the_docker_one_keeps_no_spares() -> N
             make_runtime("docker", launcher=FakeEngine(), spares_per_gpu=1, **common)
         with pytest.raises(ValueError, match="unknown worker runtime 'podman'; use one of process, docker"):
             make_runtime("podman", **common)
+
+    asyncio.run(scenario())
+
+
+def test_a_container_over_its_memory_limit_answers_its_call_as_over_memory_and_is_replaced(tmp_path: Path) -> None:
+    engine = FakeEngine()
+
+    async def scenario() -> None:
+        async with docker_pool(tmp_path, engine) as pool:
+            result = await call(pool, b"hog")
+            # Not a transient death (retried elsewhere): the function's own doing, named with its limit.
+            assert result.outcome == pb.HANDLER_ERROR and result.worker_killed, result.message
+            assert "went over their" in result.message and "MiB of host memory" in result.message
+            await until(lambda: pool.live_workers() == 0)
+            assert pool.worker_exits["over_memory"] == 1
+            again = await call(pool, b"hi", "c2")
+            assert (again.outcome, again.loaded) == (pb.OK, True)  # a new container
+        assert engine.closed  # the node's shutdown stops watching the engine
 
     asyncio.run(scenario())
