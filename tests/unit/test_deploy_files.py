@@ -297,6 +297,8 @@ def test_e2e_script_uses_the_override_and_cleans_up() -> None:
 def test_every_service_has_a_healthcheck(name: str) -> None:
     check = services()[name].get("healthcheck")
     assert check, f"{name} has no healthcheck"
+    if name == "scheduler" or name.startswith("gpu-manager"):  # its loop answers, not only its port
+        assert "127.0.0.1:9100/healthz" in " ".join(check["test"]), f"{name}: {check['test']}"
     assert not check.get("disable", False)
     test = check["test"]
     assert isinstance(test, list) and test[0] in {"CMD", "CMD-SHELL"} and len(test) > 1
@@ -645,7 +647,17 @@ def test_scheduler_deployment() -> None:
     assert deployment["spec"]["replicas"] == 1
     assert deployment["spec"]["strategy"]["type"] == "Recreate", "two schedulers must never run at once"
     (container,) = containers(deployment)
-    assert "tcpSocket" in container["livenessProbe"] and "tcpSocket" in container["readinessProbe"]
+    assert "tcpSocket" in container["readinessProbe"]
+    assert_liveness_asks_the_event_loop(container)
+
+
+def assert_liveness_asks_the_event_loop(container: dict[str, Any]) -> None:
+    """A stopped or stalled daemon still accepts TCP connections (the kernel completes them): its
+    liveness probe must ask /healthz on the metrics listener, answered by the daemon's own loop."""
+    probe = container["livenessProbe"]["httpGet"]
+    assert probe["path"] == "/healthz" and probe["port"] == "metrics"
+    assert "--metrics-listen=0.0.0.0:9100" in container["args"]
+    assert {"name": "metrics", "containerPort": 9100} in container["ports"]
 
 
 def test_gateway_deployment() -> None:
@@ -681,6 +693,7 @@ def test_gpu_manager_daemonset() -> None:
     assert args["--advertise"] == f"$(POD_IP):{port}"
     assert args["--backend"] == "cuda"
     assert int(port) in {p["containerPort"] for p in container["ports"]}
+    assert_liveness_asks_the_event_loop(container)
 
 
 def test_k8s_images_match_compose_images() -> None:
