@@ -55,7 +55,7 @@ from gpu_manager.staging import LocalPackages
 from gpufaas import uploads
 from gpufaas.cli import GatewayClient
 from gpufaas.credentials import read_secret
-from gpufaas.local_cluster import LocalCluster
+from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.packages import DigestCache, build_package
 from gpufaas.proto import gpufaas_pb2 as pb
 from simulator.engine import percentile

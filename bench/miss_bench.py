@@ -45,7 +45,7 @@ from bench.machine import run_metadata
 from bench.overhead_bench import template_package
 from gpu_manager.pool import ModelRun, RunResult, WorkerPool
 from gpu_manager.staging import LocalPackages
-from gpufaas.local_cluster import LocalCluster
+from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.proto import gpufaas_pb2 as pb
 
 BODY = json.dumps({"inputs": [[0.1, 0.2, 0.3, 0.4]]}).encode()

@@ -42,7 +42,7 @@ import httpx
 from bench.machine import run_metadata
 from gpu_manager.pool import ModelRun, WorkerPool
 from gpu_manager.staging import LocalPackages
-from gpufaas.local_cluster import LocalCluster
+from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.packages import build_package
 from gpufaas.proto import gpufaas_pb2 as pb
 from simulator.engine import percentile

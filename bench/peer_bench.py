@@ -42,7 +42,7 @@ import httpx
 
 from bench.machine import run_metadata
 from gpufaas.credentials import SecretFiles, read_secret
-from gpufaas.etcd_server import free_port
+from gpufaas.dev.etcd_server import free_port
 
 HERE = Path(__file__).resolve().parent
 PEER = HERE / "peer"

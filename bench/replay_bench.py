@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from gpufaas.local_cluster import LocalCluster
+from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.packages import build_package
 from gpufaas.profiles import ModelProfile, paper_table1
 from simulator.engine import ClusterConfig, percentile, simulate

@@ -40,7 +40,7 @@ from bench.machine import REPO, run_metadata
 from gpufaas.blobnet import BlobServer, fetch_blob, measure_copy_gb_s
 from gpufaas.blobs import BlobStore
 from gpufaas.credentials import read_secret
-from gpufaas.local_cluster import LocalCluster
+from gpufaas.dev.local_cluster import LocalCluster
 
 GB = 1e9
 HANDLER = '''"""An embedding table of {size_mb} MB: a call looks up a few rows (it reads little of the table)."""

@@ -687,7 +687,7 @@ def up(
     Any other scheduler setting may follow as the scheduler takes it (`python -m scheduler --help`):
     the policy's knobs as `gpufaas sim` takes them, e.g. `gpufaas up --policy mqfq-sticky
     --o3-limit 10 --mqfq-overrun-s 5 --mqfq-ttl-alpha 3 --torpor-alpha 0.3`."""
-    from gpufaas.local_cluster import recorded_pids
+    from gpufaas.dev.local_cluster import recorded_pids
     from gpufaas.processes import pid_alive
 
     if runtime not in ("process", "docker"):
@@ -761,18 +761,18 @@ def _checked_scheduler(scheduler: dict[str, Any], flags: list[str]) -> Scheduler
 
 
 def _start_supervised(state_dir: Path, options: Mapping[str, Any], *, policy: str) -> None:
-    """Start `python -m gpufaas.local_cluster` with `options` in the background (it outlives this
+    """Start `python -m gpufaas.dev.local_cluster` with `options` in the background (it outlives this
     command) and wait until it says the cluster is up, or why it is not."""
     import subprocess
 
-    from gpufaas.local_cluster import SUPERVISOR_STATUS, LocalCluster, read_supervisor_status
+    from gpufaas.dev.local_cluster import SUPERVISOR_STATUS, LocalCluster, read_supervisor_status
 
     cluster = LocalCluster(state_dir, **options)
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / SUPERVISOR_STATUS).unlink(missing_ok=True)
     logs = state_dir / "logs"
     logs.mkdir(mode=0o700, exist_ok=True)
-    argv = [sys.executable, "-m", "gpufaas.local_cluster", "--state-dir", str(state_dir)]
+    argv = [sys.executable, "-m", "gpufaas.dev.local_cluster", "--state-dir", str(state_dir)]
     with (logs / "supervisor.log").open("ab") as supervisor_log:
         supervisor = subprocess.Popen(
             [*argv, "--options", json.dumps(options)],
@@ -803,7 +803,7 @@ def _start_supervised(state_dir: Path, options: Mapping[str, Any], *, policy: st
 @app.command()
 def down(state_dir: StateDir = state_dir_default()) -> None:  # noqa: B008
     """Stop exactly the processes `gpufaas up` started (by PID)."""
-    from gpufaas.local_cluster import stop_recorded
+    from gpufaas.dev.local_cluster import stop_recorded
 
     stopped = stop_recorded(state_dir)
     if stopped:
@@ -815,7 +815,7 @@ def down(state_dir: StateDir = state_dir_default()) -> None:  # noqa: B008
 @app.command()
 def status(state_dir: StateDir = state_dir_default(), gateway: GatewayOpt = None) -> None:  # noqa: B008
     """Say what runs: the local cluster's processes and whether the gateway answers."""
-    from gpufaas.local_cluster import recorded_pids
+    from gpufaas.dev.local_cluster import recorded_pids
     from gpufaas.processes import pid_alive
 
     pids = recorded_pids(state_dir)

@@ -8,7 +8,7 @@ event loop, SIGSTOP, a deadlock) was not: calls waited on it while it looked ali
   daemon's metrics, `LoopLag.report()` in its /healthz. `run_loop_lag` is the timer task.
 - `Watchdog` (in the supervisor): when to probe each component and when one that stopped
   answering is to be killed (and so restarted). Pure: time and probe outcomes are passed in;
-  gpufaas.local_cluster sends the probes and kills.
+  gpufaas.dev.local_cluster sends the probes and kills.
 """
 
 from __future__ import annotations

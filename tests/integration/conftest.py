@@ -10,8 +10,8 @@ from typing import NamedTuple
 import httpx
 import pytest
 
-from gpufaas.etcd_server import EtcdServer
-from gpufaas.local_cluster import LocalCluster
+from gpufaas.dev.etcd_server import EtcdServer
+from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.processes import pid_alive
 from tests.fixtures.make_packages import build_package
 

@@ -25,8 +25,8 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error, positive_data_acceptance
 
 from gpufaas.credentials import read_secret
+from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.functions import FunctionSpec
-from gpufaas.local_cluster import LocalCluster
 from tests.integration.conftest import deploy
 
 pytestmark = pytest.mark.integration

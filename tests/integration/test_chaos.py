@@ -27,8 +27,8 @@ import httpx
 import pytest
 
 from gpufaas.cluster import NodeRecord
+from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.keys import Keys
-from gpufaas.local_cluster import LocalCluster
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import EtcdStore
 from gpufaas.wire import MessageType, connect

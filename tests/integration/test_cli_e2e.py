@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpufaas.local_cluster import free_port, recorded_pids, stop_recorded
+from gpufaas.dev.local_cluster import free_port, recorded_pids, stop_recorded
 from gpufaas.processes import pid_alive
 from tests.integration.conftest import descendants
 

@@ -17,7 +17,7 @@ import pytest
 
 from gpu_manager.cgroups import CGROUP_ROOT, Unavailable, open_cgroups
 from gpu_manager.sandbox import package_uid
-from gpufaas.local_cluster import LocalCluster
+from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.mounts import mounted_under
 from tests.integration.conftest import ClusterFactory, deploy
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.keys import Keys
-from gpufaas.local_cluster import LocalCluster
 from gpufaas.processes import pid_alive
 from tests.fixtures.make_packages import build_package
 from tests.integration.conftest import ClusterFactory, deploy

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from gpufaas.credentials import ADMIN_USER, read_secret
-from gpufaas.local_cluster import LocalCluster
+from gpufaas.dev.local_cluster import LocalCluster
 from tests.integration.conftest import ClusterFactory, deploy
 from tests.integration.test_control_plane import invoke
 

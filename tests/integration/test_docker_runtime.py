@@ -28,7 +28,7 @@ from gpu_manager.containers import (
     memory_limit_mb,
 )
 from gpu_manager.sandbox import DEFAULT_MAX_PROCESSES, package_uid
-from gpufaas.local_cluster import LocalCluster
+from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.processes import pid_alive
 from tests.integration import test_isolation as isolation
 from tests.integration.conftest import ClusterFactory, deploy

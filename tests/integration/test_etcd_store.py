@@ -14,7 +14,7 @@ from typing import Any
 import aetcd
 import pytest
 
-from gpufaas.etcd_server import EtcdServer, free_port
+from gpufaas.dev.etcd_server import EtcdServer, free_port
 from gpufaas.processes import pid_alive
 from gpufaas.store import (
     EtcdCredentials,

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gpufaas.local_cluster import LocalCluster
+from gpufaas.dev.local_cluster import LocalCluster
 from tests.integration.conftest import ClusterFactory, EtcdTarget, deploy
 from tests.integration.test_control_plane import etcd_state_when, wait_for
 

@@ -20,8 +20,8 @@ import pytest
 
 from gateway.http import HEAD_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S
 from gpufaas.credentials import ADMIN_USER, basic_authorization, read_secret
-from gpufaas.etcd_server import EtcdServer
-from gpufaas.local_cluster import LocalCluster
+from gpufaas.dev.etcd_server import EtcdServer
+from gpufaas.dev.local_cluster import LocalCluster
 from tests.fixtures.make_packages import build_package
 from tests.integration.conftest import deploy, stop_clusters
 from tests.scrape import sample

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import statistics
@@ -17,10 +18,12 @@ from typing import IO
 import httpx
 import pytest
 
+from gpufaas import wire
 from gpufaas.credentials import ADMIN_USER, SecretFiles, ensure_secrets, read_secret
-from gpufaas.etcd_server import find_etcd_binary
+from gpufaas.dev.etcd_server import find_etcd_binary
 from gpufaas.netns import OWNERS_DIR, PREFIX, Hosts, NetnsUnavailable
 from gpufaas.processes import pid_alive
+from gpufaas.proto import gpufaas_pb2 as pb
 from tests.integration.conftest import deploy
 
 pytestmark = pytest.mark.integration
@@ -224,6 +227,88 @@ def test_hosts_are_apart_and_their_links_fail_and_heal(make_hosts: HostsFactory)
     hosts.close()
     hosts.close()  # twice is fine
     assert leftovers(suffix) == []
+
+
+# --- a wire connection to a host that vanishes ---------------------------------------------------
+
+# A wire server on (HOST, PORT) that takes requests and never answers them: what a peer looks like
+# from the other end once its host is cut off after the request was delivered.
+SILENT_WIRE_SERVER = """
+import asyncio, sys
+from gpufaas import wire
+class Silent:
+    def on_frame(self, conn, frame): pass
+    def on_close(self, conn, exc): pass
+async def main():
+    server = wire.Server(Silent)
+    await server.start(f"{sys.argv[1]}:{sys.argv[2]}")
+    print("listening", flush=True)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
+async def _wire_cases_after_isolation(
+    hosts: Hosts, host: str, dead_after_s: float | None, timeout_s: float
+) -> dict[str, float | None]:
+    """For three connections to `host`'s silent wire server (an idle one, one whose request was
+    delivered and waits for its answer, one whose request is sent after the cut), the seconds from
+    isolating `host` until each is lost (None: still open after `timeout_s`)."""
+    address = f"{hosts.address(host)}:{PORT}"
+    idle, awaiting, sending = [await wire.connect(address, dead_after_s=dead_after_s) for _ in range(3)]
+    delivered = asyncio.create_task(awaiting.request(wire.MessageType.CLUSTER, pb.ClusterRequest()))
+    await asyncio.sleep(0.5)  # delivered and acknowledged: nothing left unacknowledged
+    hosts.isolate(host)
+    isolated_at = time.monotonic()
+    sent = asyncio.create_task(sending.request(wire.MessageType.CLUSTER, pb.ClusterRequest()))
+    lost: dict[str, float | None] = {}
+
+    async def until_lost(name: str, conn: wire.Connection, request: asyncio.Task[wire.Frame] | None) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                if request is not None:
+                    with pytest.raises(wire.ConnectionLost):
+                        await request
+                await asyncio.shield(conn.closed)
+            lost[name] = time.monotonic() - isolated_at
+        except TimeoutError:
+            lost[name] = None
+
+    await asyncio.gather(
+        until_lost("idle", idle, None),
+        until_lost("awaiting", awaiting, delivered),
+        until_lost("sending", sending, sent),
+    )
+    for conn in (idle, awaiting, sending):
+        conn.close()
+    for task in (delivered, sent):
+        task.cancel()
+    return lost
+
+
+def test_a_wire_connection_to_a_vanished_host_is_lost_within_dead_after_s(make_hosts: HostsFactory) -> None:
+    """Packets to the host dropped, no reset: with the wire's keepalive options (DEAD_AFTER_S) an
+    idle connection, one awaiting an answer and one sending are all lost within a few seconds;
+    without them (the kernel's defaults: keepalive off, retransmissions for about 15 minutes) the
+    same connections stay open."""
+    hosts = make_hosts(["peer"])
+    server = hosts.run("peer", [sys.executable, "-c", SILENT_WIRE_SERVER, "0.0.0.0", str(PORT)],
+                       stdout=subprocess.PIPE, cwd=Path(__file__).parents[2])  # fmt: skip
+    assert server.stdout is not None and server.stdout.readline() == b"listening\n"
+
+    async def both() -> tuple[dict[str, float | None], dict[str, float | None]]:
+        without = asyncio.create_task(_wire_cases_after_isolation(hosts, "peer", None, wire.DEAD_AFTER_S + 5))
+        await asyncio.sleep(0)  # the two sets of connections are made before the one isolation
+        with_options = await _wire_cases_after_isolation(hosts, "peer", wire.DEAD_AFTER_S, wire.DEAD_AFTER_S + 5)
+        return with_options, await without
+
+    with_options, without = asyncio.run(both())
+    print(
+        f"\nisolated peer, lost after (s): with dead_after_s={wire.DEAD_AFTER_S:g}: {with_options}; without: {without}"
+    )
+    for case, lost_s in with_options.items():
+        assert lost_s is not None and lost_s < wire.DEAD_AFTER_S + 2, (case, with_options)
+    assert without == {"idle": None, "awaiting": None, "sending": None}, without
 
 
 # --- a whole cluster, a daemon per host ------------------------------------------------------------

@@ -16,8 +16,8 @@ import pytest
 
 from gpu_manager.sandbox import package_uid
 from gpufaas.cluster import NodeRecord
+from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.keys import Keys
-from gpufaas.local_cluster import LocalCluster
 from gpufaas.store import EtcdStore
 from tests.integration.conftest import ClusterFactory, EtcdTarget, deploy, stop_clusters
 

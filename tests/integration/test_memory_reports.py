@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gpufaas.local_cluster import LocalCluster
+from gpufaas.dev.local_cluster import LocalCluster
 from tests.integration.conftest import ClusterFactory, deploy
 from tests.integration.test_metrics import scrape
 from tests.scrape import sample

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from gpufaas import credentials
-from gpufaas.local_cluster import LocalCluster
+from gpufaas.dev.local_cluster import LocalCluster
 from tests.integration.conftest import ClusterFactory, deploy
 from tests.integration.test_control_plane import invoke
 from tests.scrape import sample

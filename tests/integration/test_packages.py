@@ -25,8 +25,8 @@ from safetensors.torch import save_file
 from gpufaas import uploads
 from gpufaas.cli import GatewayClient
 from gpufaas.credentials import read_secret
+from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.errors import GpufaasError
-from gpufaas.local_cluster import LocalCluster
 from gpufaas.packages import DigestCache, sha256_digest
 
 pytestmark = pytest.mark.integration

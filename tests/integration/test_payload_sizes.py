@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gpufaas.local_cluster import LocalCluster
+from gpufaas.dev.local_cluster import LocalCluster
 from tests.integration.conftest import ClusterFactory, deploy
 
 pytestmark = pytest.mark.integration

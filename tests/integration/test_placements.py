@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gpufaas.local_cluster import LocalCluster
+from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, connect
 from tests.integration.conftest import ClusterFactory, deploy

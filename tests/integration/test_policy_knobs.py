@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gpufaas.local_cluster import LocalCluster
+from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.profiles import ModelProfile
 from gpufaas.types import Request
 from simulator.engine import ClusterConfig, simulate

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from gpu_manager import seccomp
-from gpufaas.local_cluster import LocalCluster
+from gpufaas.dev.local_cluster import LocalCluster
 from tests.integration.conftest import ClusterFactory, deploy
 
 pytestmark = [

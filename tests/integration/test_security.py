@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from gpufaas.credentials import derive, read_secret
-from gpufaas.local_cluster import LocalCluster
+from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import ConnectionLost, MessageType, Unauthenticated, connect
 from tests.integration.conftest import ClusterFactory, EtcdTarget, deploy

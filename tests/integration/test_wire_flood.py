@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from gpufaas import wire
-from gpufaas.local_cluster import LocalCluster
+from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import MessageType, connect
 from tests.integration.conftest import ClusterFactory, deploy

@@ -1,4 +1,4 @@
-"""gpufaas.local_cluster's defaults: the local cluster's own etcd asks for a password, and every
+"""gpufaas.dev.local_cluster's defaults: the local cluster's own etcd asks for a password, and every
 daemon's command line is its settings model's, read back by the daemon as the same settings."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from gateway.settings import GatewaySettings
 from gpu_manager.settings import NodeSettings
-from gpufaas.local_cluster import LocalCluster
+from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.settings import DaemonSettings, SettingsError
 from scheduler.policies import PolicyConfig
 from scheduler.settings import SchedulerSettings
@@ -26,7 +26,7 @@ def argvs(cluster: LocalCluster) -> list[list[str]]:
 
 
 def test_a_cluster_that_runs_its_own_etcd_turns_etcds_authentication_on(tmp_path: Path) -> None:
-    cluster = LocalCluster(tmp_path)  # as `gpufaas up` makes it (python -m gpufaas.local_cluster)
+    cluster = LocalCluster(tmp_path)  # as `gpufaas up` makes it (python -m gpufaas.dev.local_cluster)
     assert cluster.etcd_auth is True
     for argv in argvs(cluster):
         assert argv[argv.index("--etcd-password-file") + 1] == str(cluster.secrets.etcd_password)

@@ -17,7 +17,7 @@ from gpu_manager.metrics import NodeMetrics
 from gpu_manager.pool import EXIT_CAUSES, ModelRun, WorkerPool
 from gpu_manager.staging import LocalPackages
 from gpufaas import store, wire
-from gpufaas.etcd_server import free_port
+from gpufaas.dev.etcd_server import free_port
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb

@@ -1,8 +1,8 @@
-"""gpufaas.supervision: when a crashed component is restarted (manual clock)."""
+"""gpufaas.dev.supervision: when a crashed component is restarted (manual clock)."""
 
 from __future__ import annotations
 
-from gpufaas.supervision import Backoff, Supervision
+from gpufaas.dev.supervision import Backoff, Supervision
 
 
 def test_a_component_that_keeps_crashing_waits_longer_each_time_up_to_the_cap() -> None:

@@ -1,5 +1,5 @@
 """When to restart a crashed component: exponential backoff, forgiven after a stable run. Pure:
-time is passed in; the local cluster's supervisor (gpufaas.local_cluster) does the restarting."""
+time is passed in; the local cluster's supervisor (gpufaas.dev.local_cluster) does the restarting."""
 
 from __future__ import annotations
 

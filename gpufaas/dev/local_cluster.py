@@ -24,12 +24,12 @@ from typing import IO, TYPE_CHECKING, Any
 import httpx
 
 from gpufaas.credentials import ADMIN_USER, SecretFiles, ensure_secrets, metrics_token, read_secret, wire_key
+from gpufaas.dev.etcd_server import EtcdServer, free_port
+from gpufaas.dev.supervision import Supervision
 from gpufaas.errors import GpufaasError
-from gpufaas.etcd_server import EtcdServer, free_port
 from gpufaas.liveness import Watchdog
 from gpufaas.mounts import detach_under
 from gpufaas.processes import pid_alive
-from gpufaas.supervision import Supervision
 
 if TYPE_CHECKING:
     from gateway.settings import GatewaySettings
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from gpufaas.store import EtcdCredentials
     from scheduler.settings import SchedulerSettings
 
-log = logging.getLogger("gpufaas.local_cluster")
+log = logging.getLogger("gpufaas.dev.local_cluster")
 SUPERVISE_POLL_S = 0.1
 
 
@@ -589,10 +589,10 @@ def read_supervisor_status(state_dir: Path) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m gpufaas.local_cluster --state-dir DIR --options JSON`: start a LocalCluster and
+    """`python -m gpufaas.dev.local_cluster --state-dir DIR --options JSON`: start a LocalCluster and
     supervise it (restart what exits, with backoff) until SIGTERM or SIGINT, then stop it all.
     Its state (starting, up, or failed and why) is in DIR/supervisor.json."""
-    parser = argparse.ArgumentParser(prog="python -m gpufaas.local_cluster", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m gpufaas.dev.local_cluster", description=main.__doc__)
     parser.add_argument("--state-dir", type=Path, required=True)
     parser.add_argument("--options", default="{}", help=f"JSON object of LocalCluster options: {SUPERVISED_OPTIONS}")
     args = parser.parse_args(argv)
