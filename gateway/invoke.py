@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
@@ -80,19 +79,13 @@ class InvokeMiddleware:
             await _error(send, 413, f"the payload is larger than the limit of {limit} bytes", call_id)
             return
         content_type = headers.get(b"content-type", b"").decode("latin-1")
-        counts: Counter[tuple[str, int]] = gateway.invocations
         try:
             result = await gateway.router.invoke(spec, call_id, payload, content_type, clock=time.monotonic)
         except CallFailed as exc:
-            counts[(name, exc.status)] += 1
-            gateway.metrics.seconds.labels(name, str(exc.status)).observe(time.perf_counter() - started)
-            gateway.stats.failed(name)
+            gateway.stats.record(name, exc.status, time.perf_counter() - started)
             await _error(send, exc.status, exc.message, call_id, retry_after=exc.status == 429)
             return
-        counts[(name, 200)] += 1
-        duration_s = time.perf_counter() - started
-        gateway.metrics.seconds.labels(name, "200").observe(duration_s)
-        gateway.stats.answered(name, duration_s, hit=not result.reply.loaded)
+        gateway.stats.record(name, 200, time.perf_counter() - started, hit=not result.reply.loaded)
         await send({"type": "http.response.start", "status": 200, "headers": _answer_headers(result, call_id, started)})
         await send({"type": "http.response.body", "body": result.output})
 

@@ -3,38 +3,32 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.stats import FunctionStats
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
-from gpufaas.metrics import LATENCY_BUCKETS_S, ProcessErrors
+from gpufaas.metrics import ProcessErrors
 from gpufaas.store import Store, StoreError
 
 
 class GatewayMetrics:
-    """`invocations` ((function, HTTP status) -> count) is kept by the invoke path as a plain
-    Counter (the hot path pays a dict increment) and read at scrape time, as is the count of
-    deployed functions; call durations go to a histogram. `gateway_service_count` (OpenFaaS: a
-    function's replicas; here the GPUs holding its model) is what `count_replicas` last read from
-    etcd: the /metrics route calls it before each scrape."""
+    """Read at scrape time: the calls, from the record the invoke path keeps (`calls`, the
+    gateway's FunctionStats: gateway_function_invocation_total and gateway_functions_seconds), the
+    count of deployed functions, and `gateway_service_count` (OpenFaaS: a function's replicas; here
+    the GPUs holding its model), what `count_replicas` last read from etcd: the /metrics route
+    calls it before each scrape."""
 
-    def __init__(self, invocations: Counter[tuple[str, int]], functions_deployed: Callable[[], int]) -> None:
+    def __init__(self, calls: FunctionStats, functions_deployed: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         self.replicas: dict[str, int] = {}  # function name -> GPUs holding its model, as last read
-        self.registry.register(_Counts(invocations, functions_deployed, self.replicas))
+        self.registry.register(calls)
+        self.registry.register(_Counts(functions_deployed, self.replicas))
         self.registry.register(ProcessErrors())
-        self.seconds = Histogram(
-            "gateway_functions_seconds",
-            "Invocation duration at the gateway, by function and HTTP status.",
-            ["function_name", "code"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=self.registry,
-        )
 
     async def count_replicas(self, store: Store, keys: Keys, functions: Mapping[str, FunctionSpec]) -> None:
         """Read every model's replicas (one range read of `{root}/models/`) and count, for each
@@ -58,25 +52,11 @@ class GatewayMetrics:
 
 
 class _Counts(Collector):
-    def __init__(
-        self,
-        invocations: Counter[tuple[str, int]],
-        functions_deployed: Callable[[], int],
-        replicas: Mapping[str, int],
-    ) -> None:
-        self._invocations = invocations
+    def __init__(self, functions_deployed: Callable[[], int], replicas: Mapping[str, int]) -> None:
         self._deployed = functions_deployed
         self._replicas = replicas
 
     def collect(self) -> Iterator[Metric]:
-        invocations = CounterMetricFamily(
-            "gateway_function_invocation",
-            "Function invocations by function and HTTP status.",
-            labels=["function_name", "code"],
-        )
-        for (name, status), count in sorted(self._invocations.items()):
-            invocations.add_metric([name, str(status)], count)
-        yield invocations
         yield GaugeMetricFamily("gateway_functions_deployed", "Functions in the registry.", value=self._deployed())
         service_count = GaugeMetricFamily(
             "gateway_service_count",

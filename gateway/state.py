@@ -11,7 +11,6 @@ import logging
 import os
 import time
 import urllib.parse
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,9 +84,9 @@ class Gateway:
             grace_s=config.package_grace_s,
         )
         self.functions: dict[str, FunctionSpec] = {}
-        self.invocations: Counter[tuple[str, int]] = Counter()
-        self.metrics = GatewayMetrics(self.invocations, lambda: len(self.functions))
-        self.stats = FunctionStats()  # for the overview (GET /system/overview)
+        # Every call, once: the metrics, the overview (GET /system/overview), invocationCount.
+        self.stats = FunctionStats()
+        self.metrics = GatewayMetrics(self.stats, lambda: len(self.functions))
         self.loop_lag = LoopLag()  # this process's event-loop lag: /healthz and the metrics
         self.metrics.registry.register(LoopLagCollector(self.loop_lag, time.monotonic))
         self.router = Router(
@@ -184,7 +183,7 @@ class Gateway:
         name = event.key.removeprefix(self.keys.functions)
         if event.kind == "delete":
             self.functions.pop(name, None)
-            self.stats.drop(name)
+            self.stats.drop(name)  # its overview; its Prometheus counters stay monotonic
         else:
             with contextlib.suppress(GpufaasError):
                 spec = FunctionSpec.from_json(event.value)

@@ -1,72 +1,137 @@
-"""Per-function call statistics the gateway keeps for its overview: calls by cache result, errors,
-and the latency percentiles of the most recent calls (a bounded window per function)."""
+"""The gateway's one record of its calls: the per-function counts and latency histograms its
+Prometheus metrics expose, and the overview's calls by cache result and recent latencies."""
 
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from gpufaas.metrics import LATENCY_BUCKETS_S
 
 RECENT_CALLS = 1024  # calls per function the percentiles are taken over
 QUANTILES = (0.5, 0.95, 0.99)
 
 
 @dataclass(slots=True)
-class _Function:
+class _Series:
+    """One (function, HTTP status) series: a counter and a histogram of durations at once (the
+    count is the sum of the bucket counts). Never reset: Prometheus reads it as monotonic."""
+
+    bucket_counts: list[int]  # calls per bucket, not cumulative; the last bucket is +Inf
+    sum_s: float = 0.0
+
+
+@dataclass(slots=True)
+class _Recent:
+    """A function's part of the overview, since the gateway started or the function's last
+    deletion or new package."""
+
     hits: int = 0
     misses: int = 0
     errors: int = 0
     recent_s: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_CALLS))
 
 
-class FunctionStats:
-    """Counts since the gateway started. Recording costs a dict lookup and a deque append (the
-    invoke path pays it per call); percentiles are computed only when asked for."""
+class FunctionStats(Collector):
+    """Every call the gateway answers or fails is recorded once, by `record`, and read in two ways:
 
-    def __init__(self) -> None:
-        self._functions: dict[str, _Function] = {}
+    - as Prometheus series, by function and HTTP status (this is the gateway registry's collector):
+      `gateway_function_invocation_total` and the histogram `gateway_functions_seconds`, with
+      OpenFaaS's names and labels. They are never reset while the gateway runs, not even for a
+      deleted or redeployed function, so that Prometheus sees counters that only grow; their
+      number is bounded by the functions ever called times the statuses they answered with.
+    - as the overview's summary of each function (`summary`): calls by cache result, errors, and
+      latency percentiles over its last RECENT_CALLS answered calls. `drop` and `forget` reset it.
 
-    def _of(self, name: str) -> _Function:
-        stats = self._functions.get(name)
-        if stats is None:
-            stats = self._functions[name] = _Function()
-        return stats
+    Recording costs two dict lookups, a bisection over the buckets and a deque append (the invoke
+    path pays it per call); cumulative buckets and percentiles are computed when read. Recorded
+    and read on the event loop's thread only (the /metrics route scrapes there): nothing is locked.
+    """
 
-    def answered(self, name: str, duration_s: float, *, hit: bool) -> None:
-        """A call that the function answered, in `duration_s` at the gateway."""
-        stats = self._of(name)
+    def __init__(self, buckets_s: Sequence[float] = LATENCY_BUCKETS_S) -> None:
+        if list(buckets_s) != sorted(set(buckets_s)) or not buckets_s or math.isinf(buckets_s[-1]):
+            raise ValueError(f"buckets_s must be finite upper bounds in increasing order, got {buckets_s!r}")
+        self._bounds_s = tuple(buckets_s)
+        # The buckets' `le` labels, written as prometheus-client writes its own histograms'.
+        self._le = [floatToGoString(b) for b in self._bounds_s] + ["+Inf"]  # type: ignore[no-untyped-call]
+        self._series: dict[tuple[str, int], _Series] = {}  # (function, HTTP status) -> its series
+        self._recent: dict[str, _Recent] = {}  # function -> its overview part
+
+    def record(self, name: str, status: int, duration_s: float, *, hit: bool | None = None) -> None:
+        """One call to function `name`, answered with HTTP `status` after `duration_s` at the
+        gateway. `hit`: for an answered call, whether its model was already loaded; None for a
+        call that failed (the function's own error, a timeout, no capacity...)."""
+        series = self._series.get((name, status))
+        if series is None:
+            series = self._series[(name, status)] = _Series([0] * len(self._le))
+        series.bucket_counts[bisect_left(self._bounds_s, duration_s)] += 1  # `le`: upper bounds are inclusive
+        series.sum_s += duration_s
+        recent = self._recent.get(name)
+        if recent is None:
+            recent = self._recent[name] = _Recent()
+        if hit is None:
+            recent.errors += 1
+            return
         if hit:
-            stats.hits += 1
+            recent.hits += 1
         else:
-            stats.misses += 1
-        stats.recent_s.append(duration_s)
+            recent.misses += 1
+        recent.recent_s.append(duration_s)
 
-    def failed(self, name: str) -> None:
-        """A call that got an error (the function's own, a timeout, no capacity...)."""
-        self._of(name).errors += 1
+    def count(self, name: str) -> int:
+        """Calls to function `name` since the gateway started, whatever their status."""
+        return sum(sum(s.bucket_counts) for (function, _), s in self._series.items() if function == name)
+
+    def collect(self) -> Iterator[Metric]:
+        invocations = CounterMetricFamily(
+            "gateway_function_invocation",
+            "Function invocations by function and HTTP status.",
+            labels=["function_name", "code"],
+        )
+        seconds = HistogramMetricFamily(
+            "gateway_functions_seconds",
+            "Invocation duration at the gateway, by function and HTTP status.",
+            labels=["function_name", "code"],
+        )
+        for (name, status), series in sorted(self._series.items()):
+            labels = [name, str(status)]
+            cumulative = list(accumulate(series.bucket_counts))
+            invocations.add_metric(labels, cumulative[-1])
+            seconds.add_metric(labels, list(zip(self._le, cumulative, strict=True)), series.sum_s)
+        yield invocations
+        yield seconds
 
     def drop(self, name: str) -> None:
-        """Forget one function (deleted, or deployed with a new package)."""
-        self._functions.pop(name, None)
+        """Reset one function's overview (deleted, or deployed with a new package); its
+        Prometheus series go on counting."""
+        self._recent.pop(name, None)
 
     def forget(self, keep: set[str]) -> None:
-        """Drop the functions not in `keep` (deleted ones), so the table stays bounded."""
-        for name in [n for n in self._functions if n not in keep]:
-            del self._functions[name]
+        """Drop the overview of the functions not in `keep` (deleted ones), so that it stays bounded."""
+        for name in [n for n in self._recent if n not in keep]:
+            del self._recent[name]
 
     def summary(self, name: str) -> dict[str, Any]:
         """calls, hits, misses, errors, hit_ratio (None before the first answered call) and
         latency_ms {p50, p95, p99} over the recent calls (None before the first)."""
-        stats = self._functions.get(name) or _Function()
-        answered = stats.hits + stats.misses
+        recent = self._recent.get(name) or _Recent()
+        answered = recent.hits + recent.misses
         return {
-            "calls": answered + stats.errors,
-            "hits": stats.hits,
-            "misses": stats.misses,
-            "errors": stats.errors,
-            "hit_ratio": stats.hits / answered if answered else None,
-            "latency_ms": _percentiles_ms(stats.recent_s),
+            "calls": answered + recent.errors,
+            "hits": recent.hits,
+            "misses": recent.misses,
+            "errors": recent.errors,
+            "hit_ratio": recent.hits / answered if answered else None,
+            "latency_ms": _percentiles_ms(recent.recent_s),
         }
 
 

@@ -79,7 +79,7 @@ async def _describe(gateway: Gateway, spec: FunctionSpec, holders: list[HolderRe
     return {
         **spec.model_dump(mode="json"),
         "model": spec.model,
-        "invocationCount": sum(n for (name, _), n in gateway.invocations.items() if name == spec.name),
+        "invocationCount": gateway.stats.count(spec.name),
         "replicas": len(replicas),
         "gpus": replicas,
         # Nodes whose disk holds its package: a call there fetches nothing (pre-staging puts it

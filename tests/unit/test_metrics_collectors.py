@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections import Counter
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.metrics import GatewayMetrics
+from gateway.stats import FunctionStats
 from gpu_manager.metrics import NodeMetrics
 from gpu_manager.pool import EXIT_CAUSES, ModelRun, WorkerPool
 from gpu_manager.staging import LocalPackages
@@ -172,7 +172,7 @@ def test_gateway_service_count_is_the_gpus_holding_each_deployed_functions_model
     keys = Keys()
     hot = FunctionSpec(name="hot", package_digest="sha256:" + "a" * 64, memory_mb=10)
     cold = FunctionSpec(name="cold", package_digest="sha256:" + "b" * 64, memory_mb=10)
-    metrics = GatewayMetrics(Counter(), lambda: 2)
+    metrics = GatewayMetrics(FunctionStats(), lambda: 2)
 
     async def scenario() -> None:
         memory = MemoryStore()

@@ -16,6 +16,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from gateway.metrics import GatewayMetrics
+from gateway.stats import FunctionStats
 from gpu_manager.metrics import NodeMetrics
 from gpu_manager.pool import WorkerPool
 from gpufaas.credentials import ADMIN_PASSWORD_FILE, METRICS_TOKEN_FILE
@@ -54,7 +55,7 @@ def daemon_series(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str
         return NodeMetrics(pool, node="n0").registry
 
     return {
-        "gateway": exported(GatewayMetrics(Counter(), lambda: 0).registry),
+        "gateway": exported(GatewayMetrics(FunctionStats(), lambda: 0).registry),
         "scheduler": exported(SchedulerMetrics(make_scheduler("lalb-o3")).registry),
         "gpu-manager": exported(asyncio.run(node_registry())),
     }

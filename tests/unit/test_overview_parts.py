@@ -23,10 +23,10 @@ def test_stats_count_calls_by_cache_result_and_errors() -> None:
         "hit_ratio": None,
         "latency_ms": None,
     }
-    stats.answered("f", 0.5, hit=False)
+    stats.record("f", 200, 0.5, hit=False)
     for _ in range(3):
-        stats.answered("f", 0.01, hit=True)
-    stats.failed("f")
+        stats.record("f", 200, 0.01, hit=True)
+    stats.record("f", 504, 30.0)
     summary = stats.summary("f")
     assert (summary["calls"], summary["hits"], summary["misses"], summary["errors"]) == (5, 3, 1, 1)
     assert summary["hit_ratio"] == pytest.approx(0.75)
@@ -35,22 +35,22 @@ def test_stats_count_calls_by_cache_result_and_errors() -> None:
 def test_percentiles_are_nearest_rank_over_the_recent_calls() -> None:
     stats = FunctionStats()
     for ms in range(1, 101):  # 1..100 ms
-        stats.answered("f", ms / 1000, hit=True)
+        stats.record("f", 200, ms / 1000, hit=True)
     assert stats.summary("f")["latency_ms"] == {"p50": 50.0, "p95": 95.0, "p99": 99.0}
-    stats.answered("g", 0.2, hit=True)
+    stats.record("g", 200, 0.2, hit=True)
     assert stats.summary("g")["latency_ms"] == {"p50": 200.0, "p95": 200.0, "p99": 200.0}
     # Only the last RECENT_CALLS count: old slow calls leave the window.
     for _ in range(RECENT_CALLS):
-        stats.answered("f", 0.001, hit=True)
+        stats.record("f", 200, 0.001, hit=True)
     assert stats.summary("f")["latency_ms"] == {"p50": 1.0, "p95": 1.0, "p99": 1.0}
     assert stats.summary("f")["calls"] == 100 + RECENT_CALLS
 
 
 def test_stats_forget_deleted_functions() -> None:
     stats = FunctionStats()
-    stats.answered("kept", 0.1, hit=True)
-    stats.answered("gone", 0.1, hit=True)
-    stats.answered("redeployed", 0.1, hit=True)
+    stats.record("kept", 200, 0.1, hit=True)
+    stats.record("gone", 200, 0.1, hit=True)
+    stats.record("redeployed", 200, 0.1, hit=True)
     stats.forget({"kept", "redeployed"})
     assert stats.summary("kept")["calls"] == 1
     assert stats.summary("gone")["calls"] == 0

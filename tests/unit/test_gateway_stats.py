@@ -1,0 +1,118 @@
+"""The gateway's one record of its calls (gateway.stats.FunctionStats) as Prometheus reads it: the
+same series prometheus-client's own Counter and Histogram would expose, never reset by a
+redeploy, and the counts GET /system/functions reports."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from gateway.stats import FunctionStats
+from gpufaas.metrics import LATENCY_BUCKETS_S
+from tests.scrape import sample
+
+# (function, HTTP status, seconds): on a bucket's upper bound, between two, under the first,
+# over the last; the first call of each (function, status) in sorted order, as the collector
+# lists them (prometheus-client lists series in the order they were first observed).
+CALLS = [
+    ("bert", 200, 0.005),
+    ("bert", 200, 0.0051),
+    ("bert", 429, 0.0004),
+    ("resnet", 200, 0.0),
+    ("resnet", 500, 200.0),
+    ("resnet", 200, 120.0),
+    ("bert", 200, 1.0),
+    ("resnet", 200, 0.25),
+]
+
+
+def recorded(calls: list[tuple[str, int, float]]) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    stats = FunctionStats()
+    registry.register(stats)
+    for name, status, duration_s in calls:
+        stats.record(name, status, duration_s, hit=True if status == 200 else None)
+    return registry
+
+
+def test_the_series_are_those_prometheus_clients_counter_and_histogram_expose() -> None:
+    # What the gateway exported before its calls had one record: a counter and a histogram
+    # kept by prometheus-client, under the same names, help and labels.
+    reference = CollectorRegistry()
+    invocations = Counter(
+        "gateway_function_invocation",
+        "Function invocations by function and HTTP status.",
+        ["function_name", "code"],
+        registry=reference,
+    )
+    seconds = Histogram(
+        "gateway_functions_seconds",
+        "Invocation duration at the gateway, by function and HTTP status.",
+        ["function_name", "code"],
+        buckets=LATENCY_BUCKETS_S,
+        registry=reference,
+    )
+    for name, status, duration_s in CALLS:
+        invocations.labels(name, str(status)).inc()
+        seconds.labels(name, str(status)).observe(duration_s)
+    assert generate_latest(recorded(CALLS)).decode() == generate_latest(reference).decode()
+
+
+def test_bucket_bounds_are_inclusive_and_the_count_is_the_inf_bucket() -> None:
+    stats = FunctionStats(buckets_s=(0.1, 1.0))
+    for duration_s in (0.1, 0.5, 2.0, 0.05):
+        stats.record("f", 200, duration_s, hit=True)
+    registry = CollectorRegistry()
+    registry.register(stats)
+    text = generate_latest(registry).decode()
+    buckets = {le: sample(text, "gateway_functions_seconds_bucket", le=le) for le in ("0.1", "1.0", "+Inf")}
+    assert buckets == {"0.1": 2, "1.0": 3, "+Inf": 4}
+    assert sample(text, "gateway_functions_seconds_count", function_name="f", code="200") == 4
+    assert sample(text, "gateway_functions_seconds_sum") == pytest.approx(2.65)
+    assert sample(text, "gateway_function_invocation_total", function_name="f", code="200") == 4
+
+
+def test_a_redeploy_resets_the_overview_but_not_the_counters() -> None:
+    stats = FunctionStats()
+    registry = CollectorRegistry()
+    registry.register(stats)
+    stats.record("f", 200, 0.02, hit=False)
+    stats.record("f", 503, 0.001)
+    stats.drop("f")  # a new package
+    stats.forget(set())  # then deleted
+    assert stats.summary("f")["calls"] == 0
+    stats.record("f", 200, 0.01, hit=True)
+    text = generate_latest(registry).decode()
+    assert sample(text, "gateway_function_invocation_total", function_name="f", code="200") == 2
+    assert sample(text, "gateway_function_invocation_total", function_name="f", code="503") == 1
+    assert sample(text, "gateway_functions_seconds_sum", code="200") == pytest.approx(0.03)
+    assert stats.count("f") == 3
+    assert stats.summary("f") == {
+        "calls": 1,
+        "hits": 1,
+        "misses": 0,
+        "errors": 0,
+        "hit_ratio": 1.0,
+        "latency_ms": {"p50": 10.0, "p95": 10.0, "p99": 10.0},
+    }
+
+
+def test_count_is_one_functions_calls_of_every_status() -> None:
+    stats = FunctionStats()
+    for name, status, duration_s in CALLS:
+        stats.record(name, status, duration_s, hit=True if status == 200 else None)
+    assert (stats.count("bert"), stats.count("resnet"), stats.count("absent")) == (4, 4, 0)
+
+
+def test_a_failed_call_is_an_error_in_the_overview_and_not_a_latency() -> None:
+    stats = FunctionStats()
+    stats.record("f", 200, 0.002, hit=True)
+    stats.record("f", 504, 30.0)
+    summary = stats.summary("f")
+    assert (summary["calls"], summary["errors"], summary["latency_ms"]["p99"]) == (2, 1, 2.0)
+
+
+@pytest.mark.parametrize("buckets_s", [(), (1.0, 0.5), (0.5, 0.5), (1.0, float("inf"))])
+def test_buckets_must_be_finite_and_increasing(buckets_s: tuple[float, ...]) -> None:
+    with pytest.raises(ValueError, match="increasing order"):
+        FunctionStats(buckets_s=buckets_s)
