@@ -31,6 +31,12 @@ class EvictionPolicy(ABC):
         EvictionPolicy.registry[name] = cls
 
     @abstractmethod
+    def victim_order(
+        self, lru_order: Iterable[tuple[str, int]], is_pinned: Callable[[str], bool]
+    ) -> Iterable[tuple[str, int]]:
+        """The unpinned (model, memory_mb) of `lru_order` (least to most recently used), in the
+        order this policy evicts them. Lazy where it can be: `first_victim` takes only the first."""
+
     def choose_victims(
         self,
         lru_order: Sequence[tuple[str, int]],
@@ -42,6 +48,7 @@ class EvictionPolicy(ABC):
         `lru_order` lists (model, memory_mb) from least to most recently used. Pinned models
         must never be returned.
         """
+        return _take_until(self.victim_order(lru_order, is_pinned), needed_mb)
 
     def record_access(self, model: str) -> Callable[[], None]:
         """`model` was admitted to a GPU (a hit or a miss). For policies that count accesses;
@@ -58,66 +65,26 @@ class EvictionPolicy(ABC):
         caller has checked that the unpinned models can free `needed_mb`.
 
         Asked once per idle GPU when a miss must evict somewhere (to compare what each GPU would
-        give up), so a policy that can answer without listing every victim should override it.
+        give up): O(pinned models before it) with LRU, whose order is lazy.
         """
-        victims = self.choose_victims(list(lru_order), needed_mb, is_pinned)
-        return victims[0] if victims else None
+        if needed_mb <= 0:
+            return None
+        return next((model for model, _ in self.victim_order(lru_order, is_pinned)), None)
 
 
 class LruEviction(EvictionPolicy, name="lru"):
     """The paper's policy: victims come from the LRU tail, skipping pinned models."""
 
-    def choose_victims(
-        self,
-        lru_order: Sequence[tuple[str, int]],
-        needed_mb: int,
-        is_pinned: Callable[[str], bool],
-    ) -> list[str] | None:
-        return _take_until(((m, mb) for m, mb in lru_order if not is_pinned(m)), needed_mb)
-
-    def first_victim(
-        self,
-        lru_order: Iterable[tuple[str, int]],
-        needed_mb: int,
-        is_pinned: Callable[[str], bool],
-    ) -> str | None:
-        """The least recently used unpinned model: O(pinned models before it), not O(models).
-        The caller has checked that the unpinned models can free `needed_mb`."""
-        if needed_mb <= 0:
-            return None
-        return next((model for model, _ in lru_order if not is_pinned(model)), None)
-
-
-class _RankedVictims:
-    """Victims in the order a policy's `_order` ranks a GPU's unpinned models, first ones first."""
-
-    def _order(self, lru_order: Sequence[tuple[str, int]], is_pinned: Callable[[str], bool]) -> list[tuple[str, int]]:
-        raise NotImplementedError
-
-    def choose_victims(
-        self,
-        lru_order: Sequence[tuple[str, int]],
-        needed_mb: int,
-        is_pinned: Callable[[str], bool],
-    ) -> list[str] | None:
-        return _take_until(self._order(lru_order, is_pinned), needed_mb)
-
-    def first_victim(
-        self,
-        lru_order: Iterable[tuple[str, int]],
-        needed_mb: int,
-        is_pinned: Callable[[str], bool],
-    ) -> str | None:
-        if needed_mb <= 0:
-            return None
-        ordered = self._order(list(lru_order), is_pinned)
-        return ordered[0][0] if ordered else None
+    def victim_order(
+        self, lru_order: Iterable[tuple[str, int]], is_pinned: Callable[[str], bool]
+    ) -> Iterable[tuple[str, int]]:
+        return ((model, mb) for model, mb in lru_order if not is_pinned(model))
 
 
 DEFAULT_HEAVY_MB = 2048  # a model at least this large is "heavy": slow to swap back in
 
 
-class HeavinessEviction(_RankedVictims, EvictionPolicy, name="heaviness"):
+class HeavinessEviction(EvictionPolicy, name="heaviness"):
     """Torpor's eviction: under pressure, keep one replica of each model across the GPUs (evict
     models that another GPU also holds first), then evict light models (cheap to swap back in)
     before heavy ones, least recently used first within each group. Heavy: `memory_mb` at
@@ -126,7 +93,9 @@ class HeavinessEviction(_RankedVictims, EvictionPolicy, name="heaviness"):
     def __init__(self, heavy_mb: int = DEFAULT_HEAVY_MB) -> None:
         self.heavy_mb = heavy_mb
 
-    def _order(self, lru_order: Sequence[tuple[str, int]], is_pinned: Callable[[str], bool]) -> list[tuple[str, int]]:
+    def victim_order(
+        self, lru_order: Iterable[tuple[str, int]], is_pinned: Callable[[str], bool]
+    ) -> list[tuple[str, int]]:
         replicas_of = self.replicas_of
         candidates = [(rank, model, mb) for rank, (model, mb) in enumerate(lru_order) if not is_pinned(model)]
         candidates.sort(
@@ -201,7 +170,7 @@ class FrequencySketch:
         return slots
 
 
-class TinyLfuEviction(_RankedVictims, EvictionPolicy, name="tinylfu"):
+class TinyLfuEviction(EvictionPolicy, name="tinylfu"):
     """Frequency-aware eviction after TinyLFU (Einziger et al.; Caffeine's W-TinyLFU): every
     admission is counted in a `FrequencySketch` that forgets with time, and victims are the
     models used least often lately, least recently used first among equals. The most recently
@@ -219,7 +188,10 @@ class TinyLfuEviction(_RankedVictims, EvictionPolicy, name="tinylfu"):
     def record_access(self, model: str) -> Callable[[], None]:
         return self.sketch.add(model)
 
-    def _order(self, lru_order: Sequence[tuple[str, int]], is_pinned: Callable[[str], bool]) -> list[tuple[str, int]]:
+    def victim_order(
+        self, lru_order: Iterable[tuple[str, int]], is_pinned: Callable[[str], bool]
+    ) -> list[tuple[str, int]]:
+        lru_order = list(lru_order)  # its length places the window
         protected_from = len(lru_order) - max(1, math.ceil(len(lru_order) * self.window))
         candidates = [
             (rank >= protected_from, self.sketch.estimate(model), rank, model, mb)
