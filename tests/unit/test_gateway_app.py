@@ -401,6 +401,7 @@ def test_deploy_list_describe_update_delete_through_the_store(tmp_path: Path) ->
             "max_batch_wait_ms": 0.0,
             "public": False,
             "slo_ms": None,
+            "warmup": True,
         }
         assert [kv.key for kv in await env.store.get_prefix(env.keys.functions)] == [env.keys.function("resnet")]
 
