@@ -22,8 +22,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from gpufaas import uploads
-from gpufaas.cli import GatewayClient
+from gpufaas.cli import uploads
+from gpufaas.cli.commands import GatewayClient
 from gpufaas.credentials import read_secret
 from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.errors import GpufaasError

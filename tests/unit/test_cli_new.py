@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from gpufaas.cli import _weights_failure, app
+from gpufaas.cli import app
+from gpufaas.cli.commands import _weights_failure
 
 runner = CliRunner()
 

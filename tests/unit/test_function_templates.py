@@ -181,8 +181,8 @@ def test_template_has_its_files_and_consistent_metadata(template: str) -> None:
 
 @pytest.mark.parametrize("template", TEMPLATES)
 def test_stack_file_passes_the_cli_validation(template: str) -> None:
-    pytest.importorskip("yaml", reason="gpufaas.stack needs PyYAML")
-    from gpufaas.stack import load_stack
+    pytest.importorskip("yaml", reason="gpufaas.cli.stack needs PyYAML")
+    from gpufaas.cli.stack import load_stack
 
     path = TEMPLATES_DIR / template / "stack.yml"
     (function,) = load_stack(path).functions

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from gpufaas.cli.stack import load_stack
 from gpufaas.errors import InvalidInput
 from gpufaas.functions import FunctionSpec
-from gpufaas.stack import load_stack
 
 GOOD = """
 version: 1.0

@@ -24,7 +24,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from gpufaas.cli import app
-from gpufaas.top import age_text, natural_key, render, short_model_names
+from gpufaas.cli.top import age_text, natural_key, render, short_model_names
 
 NOW_S = 1_763_870_000.0
 RESNET = "resnet@ab12cd34ef56"

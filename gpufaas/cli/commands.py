@@ -992,9 +992,9 @@ def deploy(
 ) -> None:
     """Upload what the gateway lacks of each function's handler directory (files it holds already,
     such as unchanged weights, are not sent again), then register or update the functions."""
-    from gpufaas import uploads
+    from gpufaas.cli import uploads
+    from gpufaas.cli.stack import load_stack
     from gpufaas.packages import DigestCache
-    from gpufaas.stack import load_stack
 
     with _user_errors():
         stack = load_stack(file)
@@ -1175,7 +1175,7 @@ def top(
     functions (calls, hit ratio, latency percentiles), the global queue and recent evictions."""
     from rich.live import Live
 
-    from gpufaas.top import render
+    from gpufaas.cli.top import render
 
     try:
         with _user_errors():
@@ -1263,7 +1263,7 @@ def _templates() -> dict[str, Path]:
 
         root = Path(str(resources.files("function_templates")))
     except ModuleNotFoundError:
-        root = Path(__file__).resolve().parent.parent / "function_templates"
+        root = Path(__file__).resolve().parents[2] / "function_templates"
     return {p.name: p for p in root.iterdir() if p.is_dir() and (p / "handler.py").exists()} if root.is_dir() else {}
 
 
@@ -1302,7 +1302,3 @@ def _template_meta(path: Path) -> dict[str, Any]:
 
 def main() -> None:
     app()
-
-
-if __name__ == "__main__":
-    main()
