@@ -63,6 +63,7 @@ import statistics
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TypedDict, Unpack
 
 from cache_manager import CacheManager, eviction_policy
 from gpufaas.profiles import ModelProfile
@@ -71,8 +72,6 @@ from scheduler import Dispatch, Estimator, Park, PolicyConfig, Scheduler, Schedu
 from scheduler.adaptive_slots import AdaptiveSlots
 from scheduler.estimator import DEFAULT_HOST_TO_GPU_MB_S, DEFAULT_SWAP_IN_OVERHEAD_S
 from scheduler.policies import DEFAULT_MAX_NUM_SKIPS
-from scheduler.policies.mqfq import DEFAULT_OVERRUN_S, DEFAULT_TTL_ALPHA
-from scheduler.policies.torpor import DEFAULT_ALPHA_PERIOD_S
 from simulator.workload import Workload
 
 
@@ -255,22 +254,29 @@ class SimResult:
 SKIP_LIMITED_POLICIES = ("lalb-o3", "mqfq-sticky", "torpor")
 
 
+class PolicyOptions(TypedDict, total=False):
+    """The PolicyConfig fields a simulation may set by keyword (max_num_skips aside: a sweep
+    varies it per run); one left out keeps PolicyConfig's default."""
+
+    room_aware_misses: bool
+    coldest_victim_misses: bool
+    literal_visits: bool
+    mqfq_overrun_s: float
+    mqfq_ttl_alpha: float
+    mqfq_swap_out: bool
+    torpor_alpha_period_s: float | None
+    interference_aware_loads: bool
+
+
 def simulate(
     workload: Workload,
     policy: str,
     *,
     cluster: ClusterConfig | None = None,
     max_num_skips: int = DEFAULT_MAX_NUM_SKIPS,
-    room_aware_misses: bool = True,
-    coldest_victim_misses: bool = True,
-    literal_visits: bool = False,
-    mqfq_overrun_s: float = DEFAULT_OVERRUN_S,
-    mqfq_ttl_alpha: float = DEFAULT_TTL_ALPHA,
-    mqfq_swap_out: bool = False,
-    torpor_alpha_period_s: float | None = DEFAULT_ALPHA_PERIOD_S,
-    interference_aware_loads: bool = True,
     batching: Mapping[str, Batching] | None = None,
     on_progress: Callable[[int], None] | None = None,
+    **options: Unpack[PolicyOptions],
 ) -> SimResult:
     """Run every request of `workload` to completion under `policy` (the ground truth is in the
     module docstring). The scheduler's estimator starts from the same profiles as the ground
@@ -283,17 +289,7 @@ def simulate(
     `on_progress(completed)` is called per completion.
     """
     cluster = cluster if cluster is not None else ClusterConfig()
-    config = PolicyConfig(
-        max_num_skips=max_num_skips,
-        room_aware_misses=room_aware_misses,
-        coldest_victim_misses=coldest_victim_misses,
-        literal_visits=literal_visits,
-        mqfq_overrun_s=mqfq_overrun_s,
-        mqfq_ttl_alpha=mqfq_ttl_alpha,
-        mqfq_swap_out=mqfq_swap_out,
-        torpor_alpha_period_s=torpor_alpha_period_s,
-        interference_aware_loads=interference_aware_loads,
-    )
+    config = PolicyConfig(max_num_skips=max_num_skips, **options)
     run = _Run(
         workload,
         _make_scheduler(workload, make_policy(policy, config), cluster),

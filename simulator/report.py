@@ -8,14 +8,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 from gpufaas.errors import InvalidInput
 from gpufaas.profiles import paper_table1
 from scheduler import registered_policies
-from scheduler.policies.mqfq import DEFAULT_OVERRUN_S, DEFAULT_TTL_ALPHA
-from scheduler.policies.torpor import DEFAULT_ALPHA_PERIOD_S
-from simulator.engine import Batching, ClusterConfig, SimResult, simulate
+from simulator.engine import Batching, ClusterConfig, PolicyOptions, SimResult, simulate
 from simulator.optimal import Optimum, optimal_misses
 from simulator.workload import TraceCounts, Workload, WorkloadConfig, build_workload
 
@@ -88,22 +86,16 @@ def execute(
     runs: Sequence[Run],
     *,
     cluster: ClusterConfig,
-    room_aware_misses: bool = True,
-    coldest_victim_misses: bool = True,
-    literal_visits: bool = False,
-    mqfq_overrun_s: float = DEFAULT_OVERRUN_S,
-    mqfq_ttl_alpha: float = DEFAULT_TTL_ALPHA,
-    mqfq_swap_out: bool = False,
-    torpor_alpha_period_s: float | None = DEFAULT_ALPHA_PERIOD_S,
-    interference_aware_loads: bool = True,
     batching: Batching | None = None,
     on_progress: Callable[[int], None] | None = None,
     optimum: bool = False,
+    **options: Unpack[PolicyOptions],
 ) -> list[SimResult]:
-    """Run each simulation on its working set's workload (the same requests for every policy);
-    `batching` applies to every function of the workload (None: no batching). `on_progress(n)`
-    is told of every `n` requests completed. With `optimum`, each result carries the workload's
-    floor (`workload_optimum`), computed once per workload."""
+    """Run each simulation on its working set's workload (the same requests for every policy),
+    under the PolicyConfig `options` as `simulate` takes them; `batching` applies to every
+    function of the workload (None: no batching). `on_progress(n)` is told of every `n` requests
+    completed. With `optimum`, each result carries the workload's floor (`workload_optimum`),
+    computed once per workload."""
     results = []
     floors: dict[tuple[int, MappingSeed], Optimum] = {}
     for run in runs:
@@ -125,16 +117,9 @@ def execute(
                 run.policy,
                 cluster=cluster,
                 max_num_skips=run.max_num_skips,
-                room_aware_misses=room_aware_misses,
-                coldest_victim_misses=coldest_victim_misses,
-                literal_visits=literal_visits,
-                mqfq_overrun_s=mqfq_overrun_s,
-                mqfq_ttl_alpha=mqfq_ttl_alpha,
-                mqfq_swap_out=mqfq_swap_out,
-                torpor_alpha_period_s=torpor_alpha_period_s,
-                interference_aware_loads=interference_aware_loads,
                 batching=None if batching is None else dict.fromkeys(workload.function_models, batching),
                 on_progress=progress,
+                **options,
             )
         )
         if key in floors:
