@@ -139,7 +139,7 @@ def operations() -> list[Any]:
 def _document_paths() -> dict[str, Any]:
     """The gateway's paths, from the app itself (no cluster needed to list them)."""
     from gateway.app import GatewayConfig, create_app
-    from gpufaas.store import MemoryStore
+    from tests.fakes import MemoryStore
 
     app = create_app(MemoryStore(), GatewayConfig(state_dir=Path("/nonexistent")))
     paths: dict[str, Any] = app.openapi()["paths"]

@@ -21,12 +21,11 @@ from gpufaas.store import (
     EtcdStore,
     LeaseKeeper,
     LeaseLost,
-    ManualClock,
-    MemoryStore,
     Store,
     StoreError,
     WatchEvent,
 )
+from tests.fakes import ManualClock, MemoryStore
 from tests.integration.conftest import EtcdTarget
 
 # etcd's smallest lease TTL with its default raft timings (it raises shorter ones to this).

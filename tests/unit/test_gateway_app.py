@@ -24,8 +24,8 @@ from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
 from gpufaas.packages import EMPTY_DIGEST, build_package
-from gpufaas.store import MemoryStore
 from gpufaas.types import DEFAULT_BATCH_SIZE
+from tests.fakes import MemoryStore
 from tests.scrape import sample
 
 

@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from gpufaas.store import KeyValue, MemoryStore, WatchEvent, list_and_watch
+from gpufaas.store import KeyValue, WatchEvent, list_and_watch
+from tests.fakes import MemoryStore
 
 pytestmark = pytest.mark.anyio  # async tests run under anyio's pytest plugin, on asyncio (tests/conftest.py)
 

@@ -163,9 +163,9 @@ def test_the_scheduler_takes_in_the_size_of_a_worker_its_node_stopped_for_it(
 ) -> None:
     """A Done for a worker lost with a measured size: later admissions book that size (a Done
     for a worker kept is the book's to take in, as before)."""
-    from gpufaas.store import MemoryStore
     from scheduler.service import SchedulerService
     from scheduler.sessions import NodeSession
+    from tests.fakes import MemoryStore
 
     async def scenario() -> None:
         service = SchedulerService(MemoryStore())

@@ -11,12 +11,11 @@ from gpufaas.store import (
     KeyValue,
     LeaseKeeper,
     LeaseLost,
-    ManualClock,
-    MemoryStore,
     RevisionCompacted,
     StoreError,
     WatchEvent,
 )
+from tests.fakes import ManualClock, MemoryStore
 
 # Async tests run under anyio's pytest plugin, on asyncio (tests/conftest.py), each bounded in time.
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]

@@ -21,12 +21,13 @@ from gpufaas.dev.etcd_server import free_port
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.store import EtcdStore, MemoryStore, StoreError
+from gpufaas.store import EtcdStore, StoreError
 from gpufaas.wire import Connection, ConnectionLost, Frame, Server, Unauthenticated, connect
 from scheduler.decisions import Dispatch, Step
 from scheduler.metrics import SchedulerMetrics
 from scheduler.policies.base import SchedulingContext, SchedulingPolicy
 from tests.builders import cache_on, make_scheduler, submit
+from tests.fakes import MemoryStore
 from tests.fixtures.make_packages import build_package
 from tests.scrape import sample
 

@@ -22,8 +22,8 @@ from gateway.router import DEADLINE_GRACE_S, RECONNECT_S, CallFailed, CallResult
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.store import MemoryStore
 from gpufaas.wire import MESSAGES, Connection, Frame, MessageType, Server
+from tests.fakes import MemoryStore
 from tests.scrape import sample
 
 SCENARIO_TIMEOUT_S = 10.0

@@ -12,9 +12,10 @@ import pytest
 
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
-from gpufaas.store import MemoryStore, StoreError
+from gpufaas.store import StoreError
 from gpufaas.types import GpuSpec
 from scheduler.service import SchedulerService
+from tests.fakes import MemoryStore
 
 GPU = "n1/g0"
 
