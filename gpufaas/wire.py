@@ -35,6 +35,15 @@ once the peer has proved the key. A server holds at most `max_unauthenticated` c
 have not finished the handshake (MAX_UNAUTHENTICATED by default); one accepted past that is closed
 at once, without a read.
 
+A peer whose host vanishes (powered off, partitioned: its packets dropped, so no reset ever comes)
+is noticed by the kernel within `dead_after_s` (DEAD_AFTER_S by default) on every TCP connection,
+whatever the connection is doing: TCP keepalive probes an idle one (no data unacknowledged, which
+includes one whose request was delivered and whose answer is awaited), and TCP_USER_TIMEOUT ends
+one whose sent data stays unacknowledged that long (see `keepalive_options`). The connection then
+closes with ConnectionLost (ETIMEDOUT) and its waiting requests fail at once. This costs nothing per
+frame (the probes are the kernel's, sent only on a silent connection); a peer process that is alive
+but stuck keeps its kernel answering and is not detected (the callers' deadlines cover it).
+
 Errors: `ConnectionLost` (OSError) when the connection closed under a request or a send;
 `RemoteError` when the peer answered a request with an Error message; `FrameTooLarge`
 (ConnectionLost) when a frame over the limit was announced.
@@ -50,7 +59,9 @@ import hashlib
 import hmac
 import itertools
 import logging
+import math
 import os
+import socket
 import struct
 from collections.abc import Callable
 from typing import Protocol, TypeVar
@@ -73,6 +84,8 @@ HANDSHAKE_S = 5.0  # a peer that has not proved the key by then is cut off
 HANDSHAKE_FRAME_BYTES = 1024  # the largest frame read before the handshake (a Hello, an Error's answer)
 MAX_UNAUTHENTICATED = 64  # a server's connections still in the handshake; more are closed at once
 _NONCE_BYTES = 16
+# A TCP peer silent this long while probed, or leaving sent data unacknowledged this long, is dead.
+DEAD_AFTER_S = 5.0
 
 M = TypeVar("M", bound=Message)
 
@@ -205,6 +218,28 @@ class Handler(Protocol):
     def on_close(self, conn: Connection, exc: BaseException | None) -> None: ...
 
 
+def keepalive_options(dead_after_s: float) -> list[tuple[int, int, int]]:
+    """The (level, option, value) socket options that make the kernel close a TCP connection whose
+    peer has been silent for `dead_after_s` (Linux; whole seconds, at least 2).
+
+    Keepalive: the first probe after TCP_KEEPIDLE (half of it) without traffic, then one each
+    second. With TCP_USER_TIMEOUT set, Linux gives up on a probed connection once nothing has been
+    received for the user timeout (TCP_KEEPCNT is then only a ceiling), and on one whose sent data
+    has gone unacknowledged that long (retransmissions): either way `dead_after_s` after the peer
+    fell silent, give or take a probe interval."""
+    if dead_after_s < 2:
+        raise ValueError(f"dead_after_s must be at least 2 s, got {dead_after_s}")
+    idle_s = math.floor(dead_after_s / 2)
+    interval_s = 1
+    return [
+        (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle_s),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval_s),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, math.ceil((dead_after_s - idle_s) / interval_s)),
+        (socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, math.ceil(dead_after_s * 1000)),
+    ]
+
+
 def encode(type_: int, header: Message | bytes, body: bytes, *, flags: int = 0, correlation_id: int = 0) -> bytes:
     """The frame's prefix and header (the body follows it, written separately when large)."""
     header_bytes = header if isinstance(header, bytes) else header.SerializeToString()
@@ -230,8 +265,13 @@ class Connection(asyncio.BufferedProtocol):
         key: bytes | None = None,
         server: bool = False,
         handshake_s: float | None = None,
+        dead_after_s: float | None = DEAD_AFTER_S,
     ) -> None:
-        """`handshake_s`: how long a server end waits for the peer's proof (None: HANDSHAKE_S)."""
+        """`handshake_s`: how long a server end waits for the peer's proof (None: HANDSHAKE_S);
+        `dead_after_s`: how soon a silent TCP peer is given up on (`keepalive_options`; None: never,
+        the kernel's defaults; ignored on a Unix socket)."""
+        if dead_after_s is not None:
+            keepalive_options(dead_after_s)  # a bad value is refused here, not on the first connection
         self.handler = handler
         self.max_frame_bytes = max_frame_bytes
         self.peer = ""
@@ -259,6 +299,7 @@ class Connection(asyncio.BufferedProtocol):
         self._server_nonce = b""
         self._hello: asyncio.Future[bytes] = self._loop.create_future()  # client: the server's nonce
         self._handshake_s = handshake_s
+        self._dead_after_s = dead_after_s
         self.on_authenticated: Callable[[Connection], None] | None = None  # server end: told once
 
     # --- asyncio protocol ---------------------------------------------------------------------
@@ -267,6 +308,10 @@ class Connection(asyncio.BufferedProtocol):
         self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "")
+        sock = transport.get_extra_info("socket")
+        if self._dead_after_s is not None and sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            for level, option, value in keepalive_options(self._dead_after_s):
+                sock.setsockopt(level, option, value)
         if self._key is not None and self._server_side:
             self._server_nonce = os.urandom(_NONCE_BYTES)
             self.send(MessageType.HELLO, pb.Hello(nonce=self._server_nonce))
@@ -578,16 +623,22 @@ async def connect(
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     timeout_s: float = 5.0,
     key: bytes | None = None,
+    dead_after_s: float | None = DEAD_AFTER_S,
 ) -> Connection:
     """Open a connection to "host:port" (proving `key` to the server, and checking its proof,
     when given); raises ConnectionLost if it cannot be opened in time, Unauthenticated if the
-    handshake fails."""
+    handshake fails. The connection is lost `dead_after_s` after its peer falls silent (see
+    `keepalive_options`)."""
+    if dead_after_s is not None:
+        keepalive_options(dead_after_s)  # raises ValueError on a bad value
     host, _, port = address.rpartition(":")
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(timeout_s):
             _, protocol = await loop.create_connection(
-                lambda: Connection(handler, max_frame_bytes=max_frame_bytes, key=key), host.strip("[]"), int(port)
+                lambda: Connection(handler, max_frame_bytes=max_frame_bytes, key=key, dead_after_s=dead_after_s),
+                host.strip("[]"),
+                int(port),
             )
     except (OSError, TimeoutError, ValueError) as exc:
         error_counts["connect"] += 1
@@ -609,7 +660,8 @@ class Server:
     With `key`, every connection must pass the handshake (within `handshake_s`; None:
     HANDSHAKE_S) before anything it sends is read, and at most `max_unauthenticated` may be in
     it at once: one accepted past that is closed at once (counted as an "auth" wire error), so
-    that peers without the key hold no more than that many connections' worth of memory.
+    that peers without the key hold no more than that many connections' worth of memory. Every
+    accepted connection is lost `dead_after_s` after its peer falls silent (`keepalive_options`).
     `address` is the bound "host:port" once started. `close()` stops listening and closes every
     accepted connection.
     """
@@ -622,7 +674,10 @@ class Server:
         key: bytes | None = None,
         max_unauthenticated: int = MAX_UNAUTHENTICATED,
         handshake_s: float | None = None,
+        dead_after_s: float | None = DEAD_AFTER_S,
     ) -> None:
+        if dead_after_s is not None:
+            keepalive_options(dead_after_s)  # raises ValueError on a bad value
         if max_unauthenticated < 1:
             raise ValueError(f"max_unauthenticated must be >= 1, got {max_unauthenticated}")
         if handshake_s is not None and handshake_s <= 0:
@@ -632,6 +687,7 @@ class Server:
         self.key = key
         self.max_unauthenticated = max_unauthenticated
         self.handshake_s = handshake_s
+        self.dead_after_s = dead_after_s
         self.connections: set[Connection] = set()
         self.handshaking: set[Connection] = set()  # accepted, not yet authenticated
         self._refusing = False  # a refusal was logged since the handshakes last fell under the cap
@@ -662,6 +718,7 @@ class Server:
             key=self.key,
             server=True,
             handshake_s=self.handshake_s,
+            dead_after_s=self.dead_after_s,
         )
         self.connections.add(conn)
         if not conn.authenticated:

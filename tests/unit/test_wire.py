@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import uvloop
+from google.protobuf.message import Message
 
 from gpufaas import wire
 from gpufaas.proto import gpufaas_pb2 as pb
@@ -91,7 +92,7 @@ def summary(frame: Frame) -> Summary:
 
 
 def raw_frame(
-    type_: int, header: pb.Message | bytes, body: bytes = b"", *, flags: int = 0, correlation_id: int = 0
+    type_: int, header: Message | bytes, body: bytes = b"", *, flags: int = 0, correlation_id: int = 0
 ) -> bytes:
     """A whole frame's bytes, as they go on the wire."""
     return encode(type_, header, body, flags=flags, correlation_id=correlation_id) + body
@@ -379,7 +380,7 @@ def test_a_reply_over_the_askers_limit_fails_all_its_pending_requests(run: Run) 
 
     client_peer = Peer()
 
-    async def scenario() -> tuple[list[BaseException | Frame], BaseException | None]:
+    async def scenario() -> tuple[tuple[Frame | BaseException, ...], BaseException | None]:
         async with serving(Peer(answer_the_second_with_too_much)) as server:
             conn = await connect(server.address, client_peer, max_frame_bytes=64 * 1024)
             outcomes = await asyncio.gather(
@@ -958,7 +959,86 @@ def test_a_servers_own_handshake_time_cuts_off_a_silent_peer_and_frees_its_slot(
     run(scenario())
 
 
-@pytest.mark.parametrize("options", [{"max_unauthenticated": 0}, {"handshake_s": 0.0}])
+@pytest.mark.parametrize("options", [{"max_unauthenticated": 0}, {"handshake_s": 0.0}, {"dead_after_s": 1.5}])
 def test_a_server_refuses_limits_that_would_admit_nobody(options: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="must be"):
         Server(Peer, key=KEY, **options)
+
+
+# --- a vanished peer: the kernel's keepalive and user timeout ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dead_after_s", "idle_s", "count", "user_timeout_ms"), [(5.0, 2, 3, 5000), (2, 1, 1, 2000), (9.5, 4, 6, 9500)]
+)
+def test_keepalive_options_give_up_on_a_silent_peer_after_dead_after_s(
+    dead_after_s: float, idle_s: int, count: int, user_timeout_ms: int
+) -> None:
+    """A probe after half of `dead_after_s` without traffic, then one a second; the user timeout
+    (which also ends a probed connection once nothing came back for that long) is `dead_after_s`."""
+    assert wire.keepalive_options(dead_after_s) == [
+        (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle_s),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count),
+        (socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, user_timeout_ms),
+    ]
+    # The last probe goes out no earlier than the user timeout: the count never ends it first.
+    assert idle_s + count >= dead_after_s
+
+
+def test_a_dead_after_s_under_two_seconds_is_refused() -> None:
+    for dead_after_s in (1.9, 0.0, -1.0):
+        with pytest.raises(ValueError, match="at least 2 s"):
+            wire.keepalive_options(dead_after_s)
+    with pytest.raises(ValueError, match="at least 2 s"):
+        asyncio.run(connect("127.0.0.1:1", dead_after_s=1.0))
+
+
+def _socket_options(conn: Connection) -> list[tuple[int, int, int]]:
+    assert conn.transport is not None
+    sock = conn.transport.get_extra_info("socket")
+    return [(level, option, sock.getsockopt(level, option)) for level, option, _ in wire.keepalive_options(2)]
+
+
+def test_both_ends_of_a_tcp_connection_give_up_on_a_silent_peer(run: Run) -> None:
+    """Every wire socket, client or accepted, keyed or not, carries `keepalive_options` of its own
+    `dead_after_s` (DEAD_AFTER_S by default); None leaves the kernel's defaults (keepalive off)."""
+
+    async def scenario() -> None:
+        peer = Peer()
+        for key in (None, KEY):
+            async with serving(peer, key=key) as server:
+                client = await connect(server.address, key=key)
+                assert _socket_options(client) == wire.keepalive_options(wire.DEAD_AFTER_S)
+                assert _socket_options(await accepted(server)) == wire.keepalive_options(wire.DEAD_AFTER_S)
+                client.close()
+        server = Server(lambda: peer, dead_after_s=None)
+        await server.start("127.0.0.1:0")
+        try:
+            own = await connect(server.address, dead_after_s=8)
+            assert _socket_options(own) == wire.keepalive_options(8)
+            assert _socket_options(await accepted(server))[0] == (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 0)
+            own.close()
+        finally:
+            await server.close()
+
+    run(scenario())
+
+
+def test_a_unix_socket_connection_is_left_as_it_is(run: Run) -> None:
+    """A worker's connection (a Unix socket) has no TCP options to set: it opens and carries frames."""
+
+    async def scenario() -> None:
+        peer = Peer()
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            loop = asyncio.get_running_loop()
+            _, conn = await loop.create_unix_connection(lambda: Connection(None), sock=ours)
+            _, other = await loop.create_unix_connection(lambda: Connection(peer), sock=theirs)
+            frame = await conn.request(MessageType.EXECUTE, pb.Execute(token=b"t"), b"body", timeout_s=WAIT_S)
+            assert frame.body == b"body"
+            conn.close()
+            other.close()
+
+    run(scenario())
