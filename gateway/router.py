@@ -7,8 +7,9 @@ The scheduler never sees the payload. Per call:
     Execute(token) + payload ─▶ node ... ExecuteReply + result
 
 A placement that cannot be used is not the end of the call: the node unreachable (Abandon
-NODE_UNREACHABLE) or refusing the token (Abandon REFUSED) are reported, and the scheduler places
-the call again; a worker that died under it is reported by the node itself, and the scheduler
+NODE_UNREACHABLE: its connection could not be opened, was lost, or was closed because the node left
+the cluster, `Router.node_left`) or refusing the token (Abandon REFUSED) are reported, and the
+scheduler places the call again; a worker that died under it is reported by the node itself, and the scheduler
 either places the call again or answers with a Rejection. The gateway keeps the one deadline:
 past it (plus a grace for the inner hops to answer first) it answers 504 and withdraws the call
 (Abandon CANCELLED). A placement for a call the gateway no longer waits for is handed back the
@@ -164,6 +165,18 @@ class Router:
             self._address_changed.set()
             if self._scheduler is not None:
                 self._scheduler.close()
+
+    def node_left(self, address: str) -> None:
+        """The node at `address` left the gateway's view of the cluster (its etcd key is gone: its
+        lease expired or it deregistered). Its connection is closed, so that the calls waiting on it
+        fail over at once through the node-unreachable path: the scheduler, which saw the node leave
+        too, has placed them again or will. Without this a node cut off by a partition holds its
+        calls until the wire gives up on it (gpufaas.wire's dead_after_s), or until their deadline
+        where the wire cannot tell. A later placement on that node opens a new connection."""
+        conn = self._nodes.pop(address, None)
+        if conn is not None and not conn.is_closed:
+            log.info("node at %s left the cluster: closing its connection", address)
+            conn.close(ConnectionLost(f"the node at {address} left the cluster"))
 
     @property
     def scheduler(self) -> Connection | None:

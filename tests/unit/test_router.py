@@ -800,6 +800,60 @@ def test_a_node_connection_that_broke_is_opened_again() -> None:
     run(scenario())
 
 
+def test_a_call_held_by_a_node_that_left_the_cluster_runs_on_its_next_placement() -> None:
+    """A node cut off by a partition answers nothing, and may never reset its connection: once the
+    gateway's etcd view loses it, `node_left` closes its connection and the call moves on to the
+    placement the scheduler made meanwhile."""
+
+    async def scenario() -> None:
+        async with cluster() as env:
+            task = env.invoke("call-1")
+            await env.scheduler.wait_places(1)
+            held = env.node_a.hold(b"call-1#1")  # never answered: the node is gone
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            await until(lambda: env.node_a.tokens == [b"call-1#1"], "the Execute on node a")
+            env.scheduler.send(env.node_b.placement("call-1", 2))  # the scheduler saw node a leave first
+            await env.scheduler.barrier()
+            assert not task.done()
+
+            env.router.node_left(env.node_a.address)
+            result = await task
+            assert (result.output, result.placement.node, result.placement.attempt) == (PAYLOAD, "node-b", 2)
+            (abandon,) = env.scheduler.abandons
+            assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-1", 1, pb.Abandon.NODE_UNREACHABLE)
+            assert "left the cluster" in abandon.detail
+            assert not held.done()
+
+            # Back in the cluster: a new placement there opens a new connection.
+            again = env.invoke("call-2")
+            await env.scheduler.wait_places(2)
+            env.scheduler.send(env.node_a.placement("call-2", 1))
+            assert (await again).placement.node == "node-a"
+            assert env.node_a.accepted == 2
+
+    run(scenario())
+
+
+def test_a_node_leaving_closes_only_its_own_connection() -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            task = env.invoke("call-1")
+            await env.scheduler.wait_places(1)
+            release = env.node_a.hold(b"call-1#1")
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            await until(lambda: env.node_a.tokens == [b"call-1#1"], "the Execute on node a")
+
+            env.router.node_left(env.node_b.address)  # connected to by nobody yet
+            env.router.node_left("127.0.0.1:1")  # never heard of
+            release.set_result((make_reply(batch_calls=1), b"from a"))
+            result = await task
+            assert (result.output, result.placement.attempt) == (b"from a", 1)
+            await env.scheduler.barrier()
+            assert env.scheduler.abandons == [] and env.node_a.accepted == 1
+
+    run(scenario())
+
+
 # --- POST /function/{name} over the router --------------------------------------------------------
 
 
