@@ -159,8 +159,15 @@ class PolicyConfig:
     ] = None
 
     def __post_init__(self) -> None:
-        if self.max_num_skips < 0:
-            raise ValueError(f"max_num_skips must be >= 0, got {self.max_num_skips}")
+        checked_max_num_skips(self.max_num_skips)
+
+
+def checked_max_num_skips(max_num_skips: int) -> int:
+    """`max_num_skips` itself; ValueError if it is negative (PolicyConfig and the policies that
+    take it directly both check it)."""
+    if max_num_skips < 0:
+        raise ValueError(f"max_num_skips must be >= 0, got {max_num_skips}")
+    return max_num_skips
 
 
 class SchedulingPolicy(ABC):

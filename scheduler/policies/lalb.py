@@ -8,7 +8,13 @@ from typing import ClassVar
 
 from gpufaas.types import Request
 from scheduler.decisions import Dispatch, Park, Step
-from scheduler.policies.base import DEFAULT_MAX_NUM_SKIPS, PolicyConfig, SchedulingContext, SchedulingPolicy
+from scheduler.policies.base import (
+    DEFAULT_MAX_NUM_SKIPS,
+    PolicyConfig,
+    SchedulingContext,
+    SchedulingPolicy,
+    checked_max_num_skips,
+)
 
 
 class Placement(enum.Enum):
@@ -170,9 +176,7 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
     ) -> None:
         if max_num_skips is None:
             max_num_skips = DEFAULT_MAX_NUM_SKIPS if self.out_of_order else 0
-        if max_num_skips < 0:
-            raise ValueError(f"max_num_skips must be >= 0, got {max_num_skips}")
-        self.max_num_skips = max_num_skips
+        self.max_num_skips = checked_max_num_skips(max_num_skips)
         self.room_aware_misses = room_aware_misses
         self.coldest_victim_misses = coldest_victim_misses
         self.literal_visits = literal_visits

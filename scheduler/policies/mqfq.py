@@ -81,7 +81,13 @@ from dataclasses import dataclass
 
 from gpufaas.types import Request
 from scheduler.decisions import Dispatch, Park, Step
-from scheduler.policies.base import DEFAULT_MAX_NUM_SKIPS, PolicyConfig, SchedulingContext, SchedulingPolicy
+from scheduler.policies.base import (
+    DEFAULT_MAX_NUM_SKIPS,
+    PolicyConfig,
+    SchedulingContext,
+    SchedulingPolicy,
+    checked_max_num_skips,
+)
 from scheduler.policies.lalb import Placement, hits_here, locality_load_balance
 from scheduler.queues import QueueView
 
@@ -124,10 +130,8 @@ class MqfqStickyPolicy(SchedulingPolicy, name="mqfq-sticky"):
     ) -> None:
         if not overrun_s >= 0 or not ttl_alpha >= 0:
             raise ValueError(f"overrun_s and ttl_alpha must be >= 0, got {overrun_s}, {ttl_alpha}")
-        if max_num_skips < 0:
-            raise ValueError(f"max_num_skips must be >= 0, got {max_num_skips}")
         self.overrun_s = overrun_s
-        self.max_num_skips = max_num_skips
+        self.max_num_skips = checked_max_num_skips(max_num_skips)
         self.ttl_alpha = ttl_alpha
         self.releases_memory = swap_out  # flows past their keep-alive are swapped out (idle_models)
         self._flows: dict[str, Flow] = {}

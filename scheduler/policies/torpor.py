@@ -44,7 +44,13 @@ from dataclasses import dataclass
 
 from gpufaas.types import Request
 from scheduler.decisions import Step
-from scheduler.policies.base import DEFAULT_MAX_NUM_SKIPS, PolicyConfig, SchedulingContext, SchedulingPolicy
+from scheduler.policies.base import (
+    DEFAULT_MAX_NUM_SKIPS,
+    PolicyConfig,
+    SchedulingContext,
+    SchedulingPolicy,
+    checked_max_num_skips,
+)
 from scheduler.policies.lalb import OutOfOrderLocalityAwarePolicy, Placement, hits_here, locality_load_balance
 from scheduler.queues import QueueView
 
@@ -85,9 +91,7 @@ class TorporPolicy(SchedulingPolicy, name="torpor"):
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
         if alpha_period_s is not None and not alpha_period_s > 0:
             raise ValueError(f"alpha_period_s must be > 0 seconds (None: alpha fixed), got {alpha_period_s}")
-        if max_num_skips < 0:
-            raise ValueError(f"max_num_skips must be >= 0, got {max_num_skips}")
-        self.max_num_skips = max_num_skips
+        self.max_num_skips = checked_max_num_skips(max_num_skips)
         # Tuned alpha moves by factors of ALPHA_SCALAR: from 0 it could never grow.
         self.alpha = alpha if alpha_period_s is None else max(alpha, MIN_ALPHA)
         self.tier_aware_misses = tier_aware_misses
