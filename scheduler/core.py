@@ -15,10 +15,10 @@ from scheduler.estimator import Estimator
 from scheduler.policies.base import SchedulingPolicy
 from scheduler.reservations import reserve_dispatch, reserve_park, start_parked
 from scheduler.staged_exit import StagedExit
-from scheduler.state import ClusterState, GpuState
+from scheduler.state import ClusterReads, ClusterState, GpuState
 
 
-class Scheduler:
+class Scheduler(ClusterReads):
     """Places requests on GPUs. Pure: time comes in as `now`, decisions go out as data.
 
     Flow: `submit()` appends to the global queue; `schedule(now)` returns the decisions that fill
@@ -330,7 +330,7 @@ class Scheduler:
                 return parked
         return None  # running: it will complete or fail on its own
 
-    # --- applied outside a fill (tests, tools), and reads of the committed state --------------
+    # --- applied outside a fill (tests, tools); reads of the committed state: ClusterReads ----
     def dispatch(self, request: Request, gpu_id: str, now: float) -> Dispatch:
         """Run a globally queued request in a free slot of `gpu_id` now, for good (admitting its
         model to the cache; the model must fit there now). A policy reserves it on its `Draft`."""
@@ -340,26 +340,6 @@ class Scheduler:
         """Move a globally queued request to the local queue of busy `gpu_id`, for good (its model
         is cached there and stays pinned until the request runs). A policy reserves it on its `Draft`."""
         return reserve_park(self.cluster, request, gpu_id, now)[0]
-
-    def soonest_busy_holder(self, model: str, now: float) -> tuple[str, float] | None:
-        """See `ClusterState.soonest_busy_holder`."""
-        return self.cluster.soonest_busy_holder(model, now)
-
-    def estimated_wait_s(self, gpu_id: str, now: float) -> float:
-        """See `ClusterState.estimated_wait_s`."""
-        return self.cluster.estimated_wait_s(gpu_id, now)
-
-    def worker_wait_s(self, model: str, gpu_id: str, now: float) -> float:
-        """See `ClusterState.worker_wait_s`."""
-        return self.cluster.worker_wait_s(model, gpu_id, now)
-
-    def load_time_s(self, model: str, gpu_id: str) -> float:
-        """See `ClusterState.load_time_s`."""
-        return self.cluster.load_time_s(model, gpu_id)
-
-    def copies_overlapping(self, model: str, gpu_id: str, now: float) -> int:
-        """See `ClusterState.copies_overlapping`."""
-        return self.cluster.copies_overlapping(model, gpu_id, now)
 
     # --- internals ------------------------------------------------------------------------
     def _running(self, request_id: str) -> tuple[GpuState, Request]:

@@ -18,7 +18,7 @@ from scheduler.reservations import (
     reserve_pass_over,
     reserve_visit,
 )
-from scheduler.state import ClusterState
+from scheduler.state import ClusterReads, ClusterState
 
 _PLACEMENTS = (Dispatch, Park)  # the steps of a plan that are decisions (the rest is bookkeeping)
 
@@ -57,7 +57,7 @@ class Journal:
             undo()
 
 
-class Draft(PlacementPieces):
+class Draft(ClusterReads, PlacementPieces):
     """The `SchedulingContext` of one fill: reads of the committed state `cluster` as this fill has
     reserved on it, and reservations (`dispatch`, `park`, `pass_over`, `visit`), each applied at
     once (the next read sees it) and journalled. `fill` keeps exactly the plan the policy returns
@@ -158,21 +158,6 @@ class Draft(PlacementPieces):
 
     def models_busy(self, gpu_id: str, now: float) -> set[str]:
         return self.cluster.models_busy(gpu_id, now)
-
-    def worker_wait_s(self, model: str, gpu_id: str, now: float) -> float:
-        return self.cluster.worker_wait_s(model, gpu_id, now)
-
-    def estimated_wait_s(self, gpu_id: str, now: float) -> float:
-        return self.cluster.estimated_wait_s(gpu_id, now)
-
-    def soonest_busy_holder(self, model: str, now: float) -> tuple[str, float] | None:
-        return self.cluster.soonest_busy_holder(model, now)
-
-    def load_time_s(self, model: str, gpu_id: str) -> float:
-        return self.cluster.load_time_s(model, gpu_id)
-
-    def copies_overlapping(self, model: str, gpu_id: str, now: float) -> int:
-        return self.cluster.copies_overlapping(model, gpu_id, now)
 
     def inference_time_s(self, model: str, gpu_id: str, batch_size: int) -> float:
         return self.cluster.inference_time_s(model, gpu_id, batch_size)

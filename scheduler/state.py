@@ -253,3 +253,30 @@ class ClusterState:
     def fits_spec(spec: ModelSpec, state: GpuState) -> bool:
         """Whether the GPU is large enough for the model and of the type it requires (if any)."""
         return spec.memory_mb <= state.spec.memory_mb and spec.gpu_type in (None, state.spec.gpu_type)
+
+
+class ClusterReads:
+    """The estimates of `ClusterState` that both the `Scheduler` (tests, tools) and a fill's
+    `Draft` (the policy's `SchedulingContext`) answer, read from their `cluster`."""
+
+    cluster: ClusterState
+
+    def soonest_busy_holder(self, model: str, now: float) -> tuple[str, float] | None:
+        """See `ClusterState.soonest_busy_holder`."""
+        return self.cluster.soonest_busy_holder(model, now)
+
+    def estimated_wait_s(self, gpu_id: str, now: float) -> float:
+        """See `ClusterState.estimated_wait_s`."""
+        return self.cluster.estimated_wait_s(gpu_id, now)
+
+    def worker_wait_s(self, model: str, gpu_id: str, now: float) -> float:
+        """See `ClusterState.worker_wait_s`."""
+        return self.cluster.worker_wait_s(model, gpu_id, now)
+
+    def load_time_s(self, model: str, gpu_id: str) -> float:
+        """See `ClusterState.load_time_s`."""
+        return self.cluster.load_time_s(model, gpu_id)
+
+    def copies_overlapping(self, model: str, gpu_id: str, now: float) -> int:
+        """See `ClusterState.copies_overlapping`."""
+        return self.cluster.copies_overlapping(model, gpu_id, now)
