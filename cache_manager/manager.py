@@ -508,22 +508,23 @@ class CacheManager:
             self._host_directory.setdefault(model, set()).add(host.node)
 
     def _forget_host(self, model: str, node: str) -> None:
-        nodes = self._host_directory.get(model)
-        if nodes is not None:
-            nodes.discard(node)
-            if not nodes:
-                del self._host_directory[model]
+        _discard(self._host_directory, model, node)
 
     def _forget(self, model: str, gpu_id: str) -> None:
-        holders = self._directory.get(model)
-        if holders is not None:
-            holders.discard(gpu_id)
-            if not holders:
-                del self._directory[model]
+        _discard(self._directory, model, gpu_id)
 
     def snapshot(self) -> dict[str, list[CacheItem]]:
         """Every GPU's LRU list, most recent first (what is persisted and compared on recovery)."""
         return {gpu_id: [cache.item(model) for model in cache.lru_list()] for gpu_id, cache in self._gpus.items()}
+
+
+def _discard(directory: dict[str, set[str]], model: str, holder: str) -> None:
+    """Take `holder` off `model`'s holders in `directory`; a model held nowhere leaves it."""
+    holders = directory.get(model)
+    if holders is not None:
+        holders.discard(holder)
+        if not holders:
+            del directory[model]
 
 
 def _reorder(items: OrderedDict[str, CacheItem], order: tuple[str, ...], *, moved_from: int) -> None:
