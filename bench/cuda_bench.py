@@ -53,7 +53,7 @@ from gpu_manager.host_pool import POOL_MIN_FILE_BYTES
 from gpu_manager.pool import ModelRun, WorkerPool
 from gpu_manager.staging import LocalPackages
 from gpufaas.cli import uploads
-from gpufaas.cli.commands import GatewayClient
+from gpufaas.cli.client import GatewayClient
 from gpufaas.credentials import read_secret
 from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.packages import DigestCache, build_package

@@ -114,7 +114,7 @@ gpufaas up --backend cpu --nodes 1 --gpus-per-node 2 --gpu-memory-mb 4000 --port
 GATEWAY_URL=http://127.0.0.1:$port  # as the README says: --gateway or $GPUFAAS_URL for a port of one's own
 
 # Every template the installed package ships (what `gpufaas new --list` lists).
-templates=$("$venv/bin/python" -c 'from gpufaas.cli.commands import _templates; print(*sorted(_templates()))')
+templates=$("$venv/bin/python" -c 'from gpufaas.cli.functions import _templates; print(*sorted(_templates()))')
 [ -n "$templates" ] || fail "gpufaas new --list lists no template"
 for template in $templates; do
   name=${template#pytorch-}

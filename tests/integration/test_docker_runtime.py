@@ -147,7 +147,7 @@ def test_a_container_maps_its_weights_from_the_host_pool(make_cluster: ClusterFa
     from safetensors.torch import save_file
 
     from gpufaas.cli import uploads
-    from gpufaas.cli.commands import GatewayClient
+    from gpufaas.cli.client import GatewayClient
     from gpufaas.credentials import read_secret
     from gpufaas.packages import DigestCache
     from tests.integration.test_packages import POOLED_HANDLER, invoke

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from gpufaas.cli import uploads
-from gpufaas.cli.commands import GatewayClient
+from gpufaas.cli.client import GatewayClient
 from gpufaas.credentials import read_secret
 from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.errors import GpufaasError

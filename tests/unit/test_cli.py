@@ -267,7 +267,7 @@ def test_up_refuses_what_cannot_run_before_it_starts_anything(tmp_path: Path, fl
 
 
 def test_up_passes_the_policys_knobs_on_to_the_scheduler_settings() -> None:
-    from gpufaas.cli.commands import _checked_scheduler
+    from gpufaas.cli.local import _checked_scheduler
 
     flags = ["--o3-limit", "0", "--mqfq-overrun-s", "5", "--no-room-aware-misses", "--eviction", "tinylfu"]
     settings = _checked_scheduler({"policy": "mqfq-sticky", "eviction": "lru"}, flags)

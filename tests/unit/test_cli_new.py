@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gpufaas.cli import app
-from gpufaas.cli.commands import _weights_failure
+from gpufaas.cli.functions import _weights_failure
 
 runner = CliRunner()
 

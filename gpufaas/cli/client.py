@@ -1,0 +1,108 @@
+"""The CLI's side of a gateway: which one (flag, environment, stack file), the admin password to
+use with it, and `GatewayClient`, its handle on it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from gpufaas.credentials import ADMIN_USER, basic_authorization
+from gpufaas.errors import GpufaasError
+
+DEFAULT_GATEWAY = "http://127.0.0.1:8080"
+
+
+def state_dir_default() -> Path:
+    """Where the local cluster keeps its state: $GPUFAAS_STATE_DIR, else ~/.local/state/gpufaas."""
+    env = os.environ.get("GPUFAAS_STATE_DIR")
+    return Path(env) if env else Path.home() / ".local" / "state" / "gpufaas"
+
+
+def gateway_url(flag: str | None, stack_gateway: str | None = None) -> str:
+    """--gateway, else $GPUFAAS_URL, else the stack file's provider.gateway, else the default."""
+    return (flag or os.environ.get("GPUFAAS_URL") or stack_gateway or DEFAULT_GATEWAY).rstrip("/")
+
+
+def credentials_path() -> Path:
+    """Where `gpufaas login` keeps passwords, by gateway URL (mode 0600)."""
+    env = os.environ.get("GPUFAAS_CONFIG_DIR")
+    return (Path(env) if env else Path.home() / ".config" / "gpufaas") / "credentials.json"
+
+
+def saved_credentials() -> dict[str, str]:
+    """The passwords `gpufaas login` kept, by gateway URL (none: {})."""
+    try:
+        saved = json.loads(credentials_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in saved.items()} if isinstance(saved, dict) else {}
+
+
+def admin_password_for(url: str, state_dir: Path | None = None) -> str | None:
+    """The admin password to use with the gateway at `url`: $GPUFAAS_PASSWORD, else what
+    `gpufaas login` saved for it, else the local cluster's own if `url` is its gateway."""
+    from gpufaas.credentials import CredentialError, SecretFiles, read_secret
+
+    if os.environ.get("GPUFAAS_PASSWORD"):
+        return os.environ["GPUFAAS_PASSWORD"]
+    saved = saved_credentials().get(url)
+    if saved:
+        return saved
+    state_dir = state_dir or state_dir_default()
+    info = cluster_info(state_dir)
+    if info.get("gateway_url", "").rstrip("/") == url and info.get("secrets"):
+        with contextlib.suppress(CredentialError):
+            return read_secret(SecretFiles(Path(info["secrets"])).admin_password)
+    return None
+
+
+class GatewayClient:
+    """The CLI's handle on a gateway: every failure becomes a GpufaasError that says what to do.
+    It authenticates as admin with `admin_password_for(url)` when there is one."""
+
+    def __init__(self, url: str, *, timeout_s: float = 120.0, password: str | None = None) -> None:
+        self.url = url
+        password = password if password is not None else admin_password_for(url)
+        auth = httpx.BasicAuth(ADMIN_USER, password) if password else None
+        # The same credential for the gateway's blob server (gpufaas.blobnet), which httpx does not reach.
+        self.authorization = basic_authorization(ADMIN_USER, password) if password else None
+        self._client = httpx.Client(base_url=url, timeout=timeout_s, auth=auth)
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return self._client.request(method, path, **kwargs)
+        except httpx.ConnectError:
+            raise GpufaasError(
+                f"no gateway answers at {self.url}; start a local cluster with `gpufaas up`, "
+                "or point --gateway / GPUFAAS_URL at a running one"
+            ) from None
+        except httpx.HTTPError as exc:
+            raise GpufaasError(f"talking to the gateway at {self.url} failed: {exc}") from None
+
+    def ok(self, response: httpx.Response, *, accept: tuple[int, ...] = (200, 201, 202)) -> Any:
+        if response.status_code == 401:
+            raise GpufaasError(
+                f"the gateway at {self.url} needs credentials: `gpufaas login --gateway {self.url} --password-stdin` "
+                "(the password of a local cluster is in its state directory, secrets/admin-password)"
+            )
+        if response.status_code not in accept:
+            try:
+                message = response.json().get("error", response.text)
+            except ValueError:
+                message = response.text
+            raise GpufaasError(f"{message} (HTTP {response.status_code})")
+        return response.json() if response.content else None
+
+
+def cluster_info(state_dir: Path) -> dict[str, Any]:
+    """What the local cluster in `state_dir` recorded of itself (its cluster.json; none: {})."""
+    try:
+        info: dict[str, Any] = json.loads((state_dir / "cluster.json").read_text())
+        return info
+    except (OSError, ValueError):
+        return {}

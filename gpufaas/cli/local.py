@@ -1,0 +1,238 @@
+"""The local cluster: `gpufaas up` (the supervisor, started in the background), `down` and `status`."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import httpx
+import typer
+from rich.table import Table
+
+from gpufaas.cli.base import GatewayOpt, StateDir, app, console, err_console, user_errors
+from gpufaas.cli.client import cluster_info, gateway_url, state_dir_default
+from gpufaas.errors import GpufaasError
+
+if TYPE_CHECKING:
+    from scheduler.settings import SchedulerSettings
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def up(
+    ctx: typer.Context,
+    nodes: Annotated[int, typer.Option(min=1, help="GPU managers to start.")] = 2,
+    gpus_per_node: Annotated[int, typer.Option(min=1, help="Logical GPUs per node (cpu/emulated).")] = 2,
+    backend: Annotated[
+        str | None, typer.Option(help="cuda, cpu or emulated (default: cuda if NVML finds GPUs).")
+    ] = None,
+    gpu_memory_mb: Annotated[int, typer.Option(min=1, help="Cache capacity per logical GPU (MB).")] = 8192,
+    policy: Annotated[
+        str, typer.Option(help="Scheduling policy: lb, lalb, lalb-o3, mqfq-sticky or torpor.")
+    ] = "lalb-o3",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Gateway port.")] = 8080,
+    slots: Annotated[str, typer.Option(help="Calls a GPU runs at once: N, or N,GPU_TYPE=M,... per GPU type.")] = "4",
+    spares: Annotated[
+        int | None,
+        typer.Option(min=0, help="Warm spare workers per GPU (a miss takes one; default 1, 0 with --runtime docker)."),
+    ] = None,
+    runtime: Annotated[
+        str,
+        typer.Option(
+            help="How nodes run workers: process (forked from a zygote, confined) or docker (a container per "
+            "model, from --docker-image: no spares)."
+        ),
+    ] = "process",
+    docker_image: Annotated[
+        str | None, typer.Option(help="The docker runtime's worker image (default: the GPU manager's).")
+    ] = None,
+    eviction: Annotated[
+        str, typer.Option(help="Which models a miss evicts: lru, heaviness or tinylfu (docs/policies.md).")
+    ] = "lru",
+    gpu_idle_release_s: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001, help="EDAS staged exit: a model unused this long leaves its GPU (for its node's host tier)."
+        ),
+    ] = None,
+    host_idle_release_s: Annotated[
+        float | None,
+        typer.Option(min=0.001, help="EDAS staged exit: a model this long in a node's host tier leaves it."),
+    ] = None,
+    scheduler_args: Annotated[
+        str,
+        typer.Option(
+            help="More flags for the scheduler, as one string: the policy's tunables as the simulator takes them, "
+            "e.g. '--mqfq-ttl-alpha 3 --torpor-alpha-period-s 10' (python -m scheduler --help lists them)."
+        ),
+    ] = "",
+    state_dir: StateDir = state_dir_default(),  # noqa: B008
+) -> None:
+    """Start a local cluster in the background: etcd, scheduler, gateway and GPU managers, under a
+    supervisor that restarts any of them that exits (with backoff) until `gpufaas down`.
+
+    Any other scheduler setting may follow as the scheduler takes it (`python -m scheduler --help`):
+    the policy's knobs as `gpufaas sim` takes them, e.g. `gpufaas up --policy mqfq-sticky
+    --o3-limit 10 --mqfq-overrun-s 5 --mqfq-ttl-alpha 3 --torpor-alpha 0.3`."""
+    from gpufaas.dev.local_cluster import recorded_pids
+    from gpufaas.processes import pid_alive
+
+    if runtime not in ("process", "docker"):
+        raise typer.BadParameter(f"expected process or docker, got {runtime!r}", param_hint="--runtime")
+    if runtime == "docker" and spares:
+        raise typer.BadParameter(
+            "the docker runtime keeps no warm spares (a container is made for its model): leave --spares out or pass 0",
+            param_hint="--spares",
+        )
+    if docker_image is not None and runtime != "docker":
+        raise typer.BadParameter("--docker-image goes with --runtime docker", param_hint="--docker-image")
+    scheduler: dict[str, Any] = {
+        "policy": policy,
+        "eviction": eviction,
+        "slots": slots,
+        "gpu_idle_release_s": gpu_idle_release_s,
+        "host_idle_release_s": host_idle_release_s,
+    }
+    scheduler_flags = [*ctx.args, *_split_flags(scheduler_args)]
+    checked = _checked_scheduler(scheduler, scheduler_flags)
+    backend = backend if backend is not None else ("cuda" if _nvml_finds_gpus() else "cpu")
+    if backend not in ("cuda", "cpu", "emulated"):
+        raise typer.BadParameter(f"expected cuda, cpu or emulated, got {backend!r}", param_hint="--backend")
+    if any(pid_alive(pid) for pid in recorded_pids(state_dir).values()):
+        url = cluster_info(state_dir).get("gateway_url", "?")
+        console.print(
+            f"a cluster is already running from {state_dir} (gateway {url}); "
+            "`gpufaas status` shows it, `gpufaas down` stops it"
+        )
+        return
+    options = {
+        **scheduler,
+        "nodes": nodes,
+        "gpus_per_node": gpus_per_node,
+        "backend": backend,
+        "gpu_memory_mb": gpu_memory_mb,
+        "gateway_port": port,
+        "spares": spares if spares is not None else (0 if runtime == "docker" else 1),
+        "runtime": runtime,
+        "docker_image": docker_image,
+        "scheduler_flags": scheduler_flags,
+    }
+    _start_supervised(state_dir, options, policy=checked.policy)
+
+
+def _split_flags(text: str) -> list[str]:
+    """`--scheduler-args`: split as a shell would."""
+    import shlex
+
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise typer.BadParameter(f"cannot split {text!r}: {exc}", param_hint="--scheduler-args") from None
+
+
+def _checked_scheduler(scheduler: dict[str, Any], flags: list[str]) -> SchedulerSettings:
+    """The settings `gpufaas up`'s scheduler will run with (its own scheduler options, `scheduler`
+    by field name, and `flags` on top), checked by the scheduler's settings model now: a mistake is
+    one line here, not a scheduler that keeps failing to start."""
+    from pydantic import ValidationError
+
+    from gpufaas.settings import SettingsError
+    from scheduler.settings import SchedulerSettings
+
+    try:
+        return SchedulerSettings(**scheduler).with_flags(flags)
+    except SettingsError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    except ValidationError as exc:
+        raise typer.BadParameter(SchedulerSettings.refusal(exc)) from None
+
+
+def _start_supervised(state_dir: Path, options: Mapping[str, Any], *, policy: str) -> None:
+    """Start `python -m gpufaas.dev.local_cluster` with `options` in the background (it outlives this
+    command) and wait until it says the cluster is up, or why it is not."""
+    import subprocess
+
+    from gpufaas.dev.local_cluster import SUPERVISOR_STATUS, LocalCluster, read_supervisor_status
+
+    cluster = LocalCluster(state_dir, **options)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / SUPERVISOR_STATUS).unlink(missing_ok=True)
+    logs = state_dir / "logs"
+    logs.mkdir(mode=0o700, exist_ok=True)
+    argv = [sys.executable, "-m", "gpufaas.dev.local_cluster", "--state-dir", str(state_dir)]
+    with (logs / "supervisor.log").open("ab") as supervisor_log:
+        supervisor = subprocess.Popen(
+            [*argv, "--options", json.dumps(options)],
+            stdin=subprocess.DEVNULL,
+            stdout=supervisor_log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # it outlives this command
+        )
+    with user_errors(), err_console.status("starting etcd, the scheduler, the gateway and the GPU managers..."):
+        while (status := read_supervisor_status(state_dir)).get("status") != "up":
+            if status.get("status") == "failed" or supervisor.poll() is not None:
+                supervisor.wait()
+                tail = "\n".join((logs / "supervisor.log").read_text(errors="replace").splitlines()[-15:])
+                raise GpufaasError(f"the cluster did not start: {status.get('error') or tail}")
+            time.sleep(0.2)
+    console.print(
+        f"[bold green]gpufaas is up[/]: gateway {cluster.gateway_url}, {cluster.nodes} node(s) x "
+        f"{cluster.gpus_per_node} {cluster.backend} GPU(s), policy {policy}"
+    )
+    console.print(f"state: {state_dir}   logs: {logs}   (gpufaas logs \\[component])")
+    console.print(
+        f"credentials (mode 0600) in {cluster.secrets.directory}: admin-password (user admin: /system/*, and "
+        "this CLI uses it), invoke-token (Authorization: Bearer, to call functions)"
+    )
+    console.print("stop it with `gpufaas down`")
+
+
+@app.command()
+def down(state_dir: StateDir = state_dir_default()) -> None:  # noqa: B008
+    """Stop exactly the processes `gpufaas up` started (by PID)."""
+    from gpufaas.dev.local_cluster import stop_recorded
+
+    stopped = stop_recorded(state_dir)
+    if stopped:
+        console.print(f"stopped {', '.join(stopped)}")
+    else:
+        console.print(f"nothing is running from {state_dir}")
+
+
+@app.command()
+def status(state_dir: StateDir = state_dir_default(), gateway: GatewayOpt = None) -> None:  # noqa: B008
+    """Say what runs: the local cluster's processes and whether the gateway answers."""
+    from gpufaas.dev.local_cluster import recorded_pids
+    from gpufaas.processes import pid_alive
+
+    pids = recorded_pids(state_dir)
+    info = cluster_info(state_dir)
+    url = gateway_url(gateway, info.get("gateway_url"))
+    table = Table(title=f"local cluster in {state_dir}", title_justify="left")
+    table.add_column("component")
+    table.add_column("pid", justify="right")
+    table.add_column("state")
+    for name, pid in pids.items():
+        table.add_row(name, str(pid), "running" if pid_alive(pid) else "[red]stopped[/]")
+    if pids:
+        console.print(table)
+    else:
+        console.print(f"no local cluster recorded in {state_dir}")
+    try:
+        healthy = httpx.get(f"{url}/healthz", timeout=3).status_code == 200
+    except httpx.HTTPError:
+        healthy = False
+    console.print(f"gateway {url}: {'[green]answers[/]' if healthy else '[red]does not answer[/]'}")
+    if not healthy:
+        raise typer.Exit(code=1)
+
+
+def _nvml_finds_gpus() -> bool:
+    try:
+        from gpu_manager.devices import discover_nvml
+    except ImportError:
+        return False
+    return bool(discover_nvml())

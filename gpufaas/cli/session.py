@@ -1,0 +1,74 @@
+"""`gpufaas login` and `logout`: the admin password kept for a gateway."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Annotated
+
+import typer
+
+from gpufaas.cli.base import GatewayOpt, StateDir, app, console, user_errors
+from gpufaas.cli.client import (
+    GatewayClient,
+    admin_password_for,
+    cluster_info,
+    credentials_path,
+    gateway_url,
+    saved_credentials,
+    state_dir_default,
+)
+from gpufaas.credentials import ADMIN_USER
+from gpufaas.errors import GpufaasError
+
+
+@app.command()
+def login(
+    gateway: GatewayOpt = None,
+    password_stdin: Annotated[bool, typer.Option("--password-stdin", help="Read the password from stdin.")] = False,
+    state_dir: StateDir = state_dir_default(),  # noqa: B008
+) -> None:
+    """Check the admin password with the gateway and keep it for later commands (mode 0600).
+
+    Without --password-stdin: the local cluster's own password (its state directory), if the
+    gateway is the local cluster's."""
+    with user_errors():
+        url = gateway_url(gateway, cluster_info(state_dir).get("gateway_url"))
+        if password_stdin:
+            if sys.stdin.isatty():
+                raise GpufaasError("--password-stdin: pipe the password in, e.g. `cat FILE | gpufaas login ...`")
+            password = sys.stdin.readline().strip()
+        else:
+            password = admin_password_for(url, state_dir) or ""
+        if not password:
+            raise GpufaasError(
+                f"no password for {url}: pass it with --password-stdin (a local cluster keeps it in "
+                f"{state_dir / 'secrets' / 'admin-password'})"
+            )
+        client = GatewayClient(url, password=password)
+        response = client.request("GET", "/system/info")
+        if response.status_code in (401, 403):
+            raise GpufaasError(f"the gateway at {url} refused that password; check it and try again")
+        client.ok(response)
+        path = credentials_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        saved = saved_credentials()
+        saved[url] = password
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            json.dump(saved, out, indent=2)
+        os.chmod(path, 0o600)
+    console.print(f"logged in to {url} as {ADMIN_USER} (kept in {path})")
+
+
+@app.command()
+def logout(gateway: GatewayOpt = None) -> None:
+    """Forget the password `gpufaas login` kept for a gateway."""
+    url = gateway_url(gateway)
+    saved = saved_credentials()
+    if saved.pop(url, None) is None:
+        console.print(f"no password kept for {url}")
+        return
+    credentials_path().write_text(json.dumps(saved, indent=2))
+    console.print(f"forgot the password for {url}")

@@ -1,0 +1,509 @@
+"""`gpufaas sim`: replay a trace through the real scheduler and cache manager on the simulator's
+virtual clock, one policy, a comparison or a sweep."""
+
+from __future__ import annotations
+
+import enum
+import json
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from gpufaas.cli.base import app, console, err_console, user_errors
+from gpufaas.errors import GpufaasError
+
+if TYPE_CHECKING:
+    from scheduler.policies import PolicyConfig
+    from simulator.engine import Batching, ClusterConfig, SimResult
+    from simulator.report import Aggregate
+    from simulator.workload import Workload
+
+
+class TraceFormat(enum.StrEnum):
+    azure2019 = "azure2019"
+    azure2021 = "azure2021"
+
+
+def _int_list(value: str, flag: str, *, minimum: int) -> list[int]:
+    try:
+        numbers = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated whole numbers, got {value!r}", param_hint=flag) from None
+    if not numbers or any(n < minimum for n in numbers):
+        raise typer.BadParameter(f"every value must be >= {minimum}, got {value!r}", param_hint=flag)
+    return numbers
+
+
+@app.command()
+def sim(
+    trace: Annotated[
+        Path | None,
+        typer.Option(help="Trace file. Default: the Azure Functions 2019 extract shipped with gpufaas."),
+    ] = None,
+    trace_format: Annotated[TraceFormat, typer.Option(help="Trace file format.")] = TraceFormat.azure2019,
+    policy: Annotated[
+        str, typer.Option(help="Scheduling policy: lb, lalb, lalb-o3, mqfq-sticky or torpor.")
+    ] = "lalb-o3",
+    o3_limit: Annotated[
+        int, typer.Option(min=0, help="lalb-o3 and mqfq-sticky: how often a request may be passed over.")
+    ] = 25,
+    gpus: Annotated[int, typer.Option(min=1, help="Number of simulated GPUs.")] = 12,
+    gpu_memory_mb: Annotated[int, typer.Option(min=1, help="Cache capacity of each GPU (MB).")] = 8192,
+    working_set: Annotated[
+        str, typer.Option(help="Most invoked functions to keep; a comma list (15,25,35) runs each.")
+    ] = "35",
+    start_minute: Annotated[int | None, typer.Option(help="First trace minute of the window.")] = None,
+    minutes: Annotated[int, typer.Option(min=1, help="Length of the window in minutes.")] = 6,
+    rpm: Annotated[int, typer.Option(min=1, help="Requests per minute after scaling.")] = 325,
+    seed: Annotated[int, typer.Option(help="Seed for arrival times inside each minute.")] = 0,
+    json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    compare: Annotated[bool, typer.Option(help="Run every policy on the same workload.")] = False,
+    plot: Annotated[
+        Path | None, typer.Option(help="Write the paper's figures (4-6 with --compare, 7 with --sweep-o3) to a PNG.")
+    ] = None,
+    literal_misses: Annotated[
+        bool,
+        typer.Option(
+            help="Algorithm 2 to the letter: a miss loads on the GPU being filled even if another idle GPU has room."
+        ),
+    ] = False,
+    coldest_victim: Annotated[
+        bool,
+        typer.Option(
+            help="A miss that must evict goes to the idle GPU whose victim is least recently used "
+            "(else to the GPU being filled). Off with --literal-misses."
+        ),
+    ] = True,
+    literal_visits: Annotated[
+        bool,
+        typer.Option(
+            help="Algorithm 1's visit counting to the letter: every request a scan passes counts a visit, and "
+            "one is forced when its visits are higher than the limit (default: a skip counts only when a younger "
+            "request is dispatched ahead, and the limit is reached at >=)."
+        ),
+    ] = False,
+    mqfq_overrun_s: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="mqfq-sticky: T, seconds of service a flow may run ahead of the slowest before it is throttled.",
+        ),
+    ] = 10.0,
+    mqfq_ttl_alpha: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="mqfq-sticky: a flow's keep-alive, in mean inter-arrival times (with --mqfq-swap-out, past "
+            "it its model leaves GPU memory for the host tier).",
+        ),
+    ] = 1.5,
+    mqfq_swap_out: Annotated[
+        bool,
+        typer.Option(
+            help="mqfq-sticky: swap a flow's model out to its node's host tier (--host-memory-mb) once the flow "
+            "is past its keep-alive (the paper's proactive memory management)."
+        ),
+    ] = False,
+    torpor_alpha_period_s: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="torpor: retune alpha this often by Torpor's Algorithm 2, from the share of functions within "
+            "their SLO (default 0: alpha fixed at 0.5).",
+        ),
+    ] = 0.0,
+    slots: Annotated[int, typer.Option(min=1, help="D: calls each GPU runs at once.")] = 1,
+    adaptive_slots: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Adaptive D (MQFQ-Sticky's): each GPU's D moves between 1 and this from its utilization every "
+            "200 ms, starting at --slots (use with --interference).",
+        ),
+    ] = None,
+    utilization_threshold: Annotated[
+        float, typer.Option(min=0.01, max=1.0, help="Adaptive D: above this share of time busy D steps down.")
+    ] = 0.9,
+    max_batch_size: Annotated[
+        int, typer.Option(min=1, help="Calls of one model a worker may merge into one batch (needs --slots > 1).")
+    ] = 1,
+    max_batch_wait_ms: Annotated[
+        float, typer.Option(min=0.0, help="How long a free worker with fewer calls than a batch waits for more.")
+    ] = 0.0,
+    batch_exponent: Annotated[
+        float,
+        typer.Option(help="A batch of k calls takes k**EXPONENT times one call's time (1: batching gains nothing)."),
+    ] = 1.0,
+    sweep_o3: Annotated[
+        str | None, typer.Option(help="Run lalb-o3 at each of these limits (e.g. 0,5,10,...,45): Figure 7.")
+    ] = None,
+    mappings: Annotated[
+        str,
+        typer.Option(
+            help="How models are dealt to functions: 'ends' (hottest gets the smallest, then the largest, ...) "
+            "and/or seeds of a shuffle, comma-separated (e.g. ends,1,2,3). Several: every figure as mean ± sd."
+        ),
+    ] = "ends",
+    host_memory_mb: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Each node's host tier (Torpor): models its GPUs evict stay in host memory up to this much, and a "
+            "miss takes them back by a host-to-GPU copy instead of a load (0: none, the paper's testbed).",
+        ),
+    ] = 0,
+    gpus_per_node: Annotated[int, typer.Option(min=1, help="GPUs per node (they share its host tier).")] = 4,
+    gpu_idle_release_s: Annotated[
+        float | None,
+        typer.Option(min=0.0, help="EDAS staged exit: a model unused this long leaves its GPU (for the host tier)."),
+    ] = None,
+    host_idle_release_s: Annotated[
+        float | None,
+        typer.Option(min=0.0, help="EDAS staged exit: a model this long in a host tier leaves it."),
+    ] = None,
+    eviction: Annotated[
+        str,
+        typer.Option(
+            help="Which models a miss evicts: lru (the paper's), heaviness (Torpor's: replicated models first, "
+            "then light before heavy, LRU within) or tinylfu (the least used lately, after TinyLFU)."
+        ),
+    ] = "lru",
+    host_to_gpu_mb_s: Annotated[
+        float, typer.Option(min=1.0, help="Host-to-GPU copy bandwidth of a swap-in (MB/s).")
+    ] = 10_000.0,
+    gpus_per_link: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="The transfer-bandwidth model: a node's GPUs sit behind shared host links (PCIe switches) of this "
+            "many GPUs each, and concurrent loads share their bandwidth (0: off, every load takes its fixed time).",
+        ),
+    ] = 0,
+    link_mb_s: Annotated[
+        float | None,
+        typer.Option(
+            min=1.0, help="With --gpus-per-link: a shared link's bandwidth (MB/s; default --host-to-gpu-mb-s)."
+        ),
+    ] = None,
+    interference_aware: Annotated[
+        bool,
+        typer.Option(
+            help="A miss prefers an idle GPU whose shared host link carries no load in flight (Torpor's "
+            "interference-aware placement; in effect with --gpus-per-link)."
+        ),
+    ] = True,
+    slo_factor: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            help="Give every function an SLO of this multiple of its model's inference time (torpor orders by "
+            "it; every policy reports SLO attainment). Default: no SLOs.",
+        ),
+    ] = None,
+    timing_spread: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=10.0,
+            help="Noise on every load and batch time: coefficient of variation of a mean-1 log-normal factor "
+            "(0: the profile exactly, so every estimate is exact). Drawn from --seed.",
+        ),
+    ] = 0.0,
+    interference: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            max=100.0,
+            help="With --slots > 1: the calls on a GPU run at once, each slowed down by 1 + I x (others running) "
+            "(0: no interference; 1: no gain over one at a time). Default: one batch at a time.",
+        ),
+    ] = None,
+) -> None:
+    """Replay a function trace through the real scheduler and cache manager on a virtual clock."""
+    from scheduler.policies import PolicyConfig
+    from simulator.engine import Batching, ClusterConfig
+    from simulator.report import build_workloads, compare_policies, plot_policies, plot_sweep, shipped_trace
+    from simulator.workload import WorkloadConfig, load_trace
+
+    working_sets, mapping_seeds, limits = _sim_checked(
+        working_set, mappings, sweep_o3, compare=compare, plot=plot, policy=policy, eviction=eviction
+    )
+    if not batch_exponent > 0:  # NaN too
+        raise typer.BadParameter(f"must be positive, got {batch_exponent}", param_hint="--batch-exponent")
+    cluster = ClusterConfig(
+        gpus=gpus,
+        gpu_memory_mb=gpu_memory_mb,
+        slots=slots,
+        batch_exponent=batch_exponent,
+        timing_spread=timing_spread,
+        timing_seed=seed,
+        gpus_per_node=gpus_per_node,
+        host_memory_mb=host_memory_mb,
+        eviction=eviction,
+        gpu_idle_release_s=gpu_idle_release_s,
+        host_idle_release_s=host_idle_release_s,
+        host_to_gpu_mb_s=host_to_gpu_mb_s,
+        gpus_per_link=gpus_per_link,
+        link_mb_s=link_mb_s,
+        interference=interference,
+        adaptive_slots=adaptive_slots,
+        utilization_threshold=utilization_threshold,
+    )
+    # The policy's knobs as the real scheduler takes them (python -m scheduler, gpufaas up).
+    config = PolicyConfig(
+        max_num_skips=o3_limit,
+        room_aware_misses=not literal_misses,
+        coldest_victim_misses=coldest_victim,
+        literal_visits=literal_visits,
+        mqfq_overrun_s=mqfq_overrun_s,
+        mqfq_ttl_alpha=mqfq_ttl_alpha,
+        mqfq_swap_out=mqfq_swap_out,
+        torpor_alpha_period_s=torpor_alpha_period_s or None,
+        interference_aware_loads=interference_aware,
+    )
+    policies = compare_policies() if compare or plot is not None else [policy]
+    workload_config = WorkloadConfig(
+        start_minute=start_minute, minutes=minutes, rpm=rpm, seed=seed, slo_factor=slo_factor
+    )
+    with user_errors():
+        trace_path = trace if trace is not None else shipped_trace()
+        counts = load_trace(trace_path, trace_format.value)
+        workloads = build_workloads(counts, working_sets, workload_config, mapping_seeds)
+        batching = Batching(max_batch_size, max_batch_wait_ms) if max_batch_size > 1 else None
+        runs = (working_sets, policies, limits, mapping_seeds)
+        results = _sim_execute(workloads, runs, cluster, config, batching, progress=not json_output)
+        if plot is not None:
+            (plot_sweep if limits is not None else plot_policies)(results, plot)
+    first = next(iter(workloads.values()))
+    window = {"start_minute": first.start_minute, "minutes": first.minutes, "rpm": rpm, "seed": seed}
+    meta: dict[str, object] = {"trace": str(trace_path), "trace_format": trace_format.value, **window}
+    meta.update(_sim_cluster_meta(cluster, results, slo_factor))
+    _sim_output(results, meta, grouped=len(mapping_seeds) > 1, json_output=json_output, plot=plot)
+
+
+def _sim_checked(
+    working_set: str,
+    mappings: str,
+    sweep_o3: str | None,
+    *,
+    compare: bool,
+    plot: Path | None,
+    policy: str,
+    eviction: str,
+) -> tuple[list[int], list[int | None], list[int] | None]:
+    """`gpufaas sim`'s options that go together, checked: (working sets, mapping seeds, the o3
+    limits of a sweep or None)."""
+    from scheduler import make_policy
+
+    working_sets = _int_list(working_set, "--working-set", minimum=1)
+    mapping_seeds = _mapping_list(mappings)
+    if plot is not None and len(mapping_seeds) > 1:
+        raise typer.BadParameter("--plot draws one mapping; pass one --mappings value with it", param_hint="--plot")
+    limits = _int_list(sweep_o3, "--sweep-o3", minimum=0) if sweep_o3 is not None else None
+    if limits is not None and compare:
+        raise typer.BadParameter("use either --compare or --sweep-o3, not both", param_hint="--sweep-o3")
+    try:
+        make_policy(policy)
+    except GpufaasError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--policy") from None
+    _check_eviction(eviction)
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise typer.BadParameter(f"the plot is written as PNG; name it *.png, got {plot}", param_hint="--plot")
+    return working_sets, mapping_seeds, limits
+
+
+def _sim_execute(
+    workloads: dict[tuple[int, int | None], Workload],
+    plan: tuple[list[int], list[str], list[int] | None, list[int | None]],
+    cluster: ClusterConfig,
+    config: PolicyConfig,
+    batching: Batching | None,
+    *,
+    progress: bool,
+) -> list[SimResult]:
+    """Every run of `plan` (working sets, policies, the o3 limits of a sweep or None, mapping
+    seeds: each policy, or lalb-o3 at each limit, per working set and mapping) with the policy's
+    knobs of `config`, a progress bar on a terminal."""
+    from simulator.report import execute, policy_runs, sweep_runs
+
+    working_sets, policies, limits, mapping_seeds = plan
+    if limits is not None:
+        runs = sweep_runs(working_sets, limits, mapping_seeds)
+    else:
+        runs = policy_runs(working_sets, policies, config.max_num_skips, mapping_seeds)
+    total = sum(len(workloads[(run.working_set, run.mapping_seed)].requests) for run in runs)
+    with _progress(total, enabled=progress and sys.stderr.isatty()) as advance:
+        return execute(
+            workloads,
+            runs,
+            cluster=cluster,
+            room_aware_misses=config.room_aware_misses,
+            coldest_victim_misses=config.coldest_victim_misses,
+            literal_visits=config.literal_visits,
+            mqfq_overrun_s=config.mqfq_overrun_s,
+            mqfq_ttl_alpha=config.mqfq_ttl_alpha,
+            mqfq_swap_out=config.mqfq_swap_out,
+            torpor_alpha_period_s=config.torpor_alpha_period_s,
+            interference_aware_loads=config.interference_aware_loads,
+            batching=batching,
+            on_progress=advance,
+            optimum=True,
+        )
+
+
+def _sim_cluster_meta(
+    cluster: ClusterConfig, results: Sequence[SimResult], slo_factor: float | None
+) -> dict[str, object]:
+    """What `gpufaas sim` reports of the simulated cluster beside the results."""
+    return {
+        "gpus": cluster.gpus,
+        "gpu_memory_mb": cluster.gpu_memory_mb,
+        "slots": cluster.slots,
+        "mappings": list(dict.fromkeys(result.mapping for result in results)),
+        "timing_spread": cluster.timing_spread,
+        "host_memory_mb": cluster.host_memory_mb,
+        "eviction": cluster.eviction,
+        "slo_factor": slo_factor,
+        "interference": cluster.interference,
+        "adaptive_slots": cluster.adaptive_slots,
+        "gpus_per_link": cluster.gpus_per_link,
+    }
+
+
+def _sim_output(
+    results: list[SimResult], meta: dict[str, object], *, grouped: bool, json_output: bool, plot: Path | None
+) -> None:
+    """The results as JSON or tables (aggregated over mappings when `grouped`)."""
+    from simulator.report import aggregate
+
+    groups = aggregate(results) if grouped else []
+    if json_output:
+        if len(results) == 1:
+            print(json.dumps({**results[0].to_json(), **meta}, indent=2))
+        else:
+            document: dict[str, object] = {**meta, "results": [r.to_json() for r in results]}
+            if groups:
+                document["aggregates"] = [group.to_json() for group in groups]
+            print(json.dumps(document, indent=2))
+    elif groups:
+        _print_aggregates(groups, meta)
+    else:
+        _print_table(results, meta)
+        if plot is not None:
+            console.print(f"wrote {plot}")
+
+
+def _check_eviction(name: str) -> None:
+    """`--eviction`: a registered eviction policy, else one line listing them."""
+    from cache_manager import eviction_policy
+
+    try:
+        eviction_policy(name)
+    except GpufaasError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--eviction") from None
+
+
+def _sim_title(meta: Mapping[str, object]) -> str:
+    noise = f", timing spread {meta['timing_spread']}" if meta.get("timing_spread") else ""
+    noise += f", host tier {meta['host_memory_mb']} MB/node" if meta.get("host_memory_mb") else ""
+    noise += f", interference {meta['interference']}" if meta.get("interference") is not None else ""
+    return (
+        f"{meta['trace']} minutes {meta['start_minute']}+{meta['minutes']}, {meta['rpm']} rpm, "
+        f"{meta['gpus']} GPUs x {meta['gpu_memory_mb']} MB x {meta['slots']} slots, seed {meta['seed']}{noise}, "
+        f"mapping {', '.join(str(m) for m in meta['mappings'])}"  # type: ignore[attr-defined]
+    )
+
+
+def _print_aggregates(groups: Sequence[Aggregate], meta: Mapping[str, object]) -> None:
+    """One row per (policy, WS, O3 limit): each metric as mean ± sample sd over the mappings."""
+    table = Table(title=_sim_title(meta) + " (mean ± sd over mappings)", title_justify="left")
+    columns = [
+        ("avg lat (s)", "avg_latency_s"),
+        ("p50 (s)", "p50_latency_s"),
+        ("p99 (s)", "p99_latency_s"),
+        ("miss ratio", "miss_ratio"),
+        ("false miss", "false_miss_ratio"),
+        ("GPU util", "gpu_utilization"),
+        ("fn lat var (s²)", "function_latency_variance"),
+    ]
+    for header in ("policy", "WS", "O3 limit", "mappings", *(h for h, _ in columns)):
+        table.add_column(header, justify="left" if header == "policy" else "right")
+    for group in groups:
+        cells = [f"{group.metrics[f].mean:.3f} ± {group.metrics[f].stdev:.3f}" for _, f in columns]
+        table.add_row(group.policy, str(group.working_set), str(group.max_num_skips), str(len(group.mappings)), *cells)
+    Console(width=None if sys.stdout.isatty() else 250).print(table)
+
+
+def _mapping_list(text: str) -> list[int | None]:
+    """--mappings: 'ends' and/or non-negative shuffle seeds, comma-separated, no repeats."""
+    out: list[int | None] = []
+    for item in (part.strip() for part in text.split(",")):
+        if item == "ends":
+            value: int | None = None
+        elif item.isdigit():
+            value = int(item)
+        else:
+            raise typer.BadParameter(
+                f"expected 'ends' or a non-negative seed, got {item!r} (e.g. --mappings ends,1,2)",
+                param_hint="--mappings",
+            )
+        if value in out:
+            raise typer.BadParameter(f"{item!r} is listed twice", param_hint="--mappings")
+        out.append(value)
+    return out
+
+
+def _print_table(results: Sequence[SimResult], meta: Mapping[str, object]) -> None:
+    table = Table(title=_sim_title(meta), title_justify="left")
+    columns = [
+        ("policy", "policy"),
+        ("WS", "working_set"),
+        ("O3 limit", "max_num_skips"),
+        ("requests", "requests"),
+        ("avg lat (s)", "avg_latency_s"),
+        ("floor (s)", "floor_latency_s"),
+        ("p50 (s)", "p50_latency_s"),
+        ("p99 (s)", "p99_latency_s"),
+        ("miss ratio", "miss_ratio"),
+        ("optimal", "optimal_miss_ratio"),
+        ("false miss", "false_miss_ratio"),
+        ("top replicas", "avg_top_model_replicas"),
+        ("GPU util", "gpu_utilization"),
+        ("fn lat var (s²)", "function_latency_variance"),
+    ]
+    if any(result.max_batch_size > 1 for result in results):
+        columns.append(("calls/batch", "avg_batch_calls"))
+    if meta.get("slo_factor"):
+        columns += [("SLO met", "slo_attainment"), ("fns in SLO", "slo_functions_met")]
+    for header, _ in columns:
+        table.add_column(header, justify="left" if header == "policy" else "right")
+    for result in results:
+        row = []
+        for _, field in columns:
+            value = getattr(result, field)
+            if field == "optimal_miss_ratio":  # a floor; "≥" where the solver only bounded it
+                row.append("-" if value is None else f"{'' if result.optimal_exact else '≥'}{value:.3f}")
+                continue
+            row.append(f"{value:.3f}" if isinstance(value, float) else str(value))
+        table.add_row(*row)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+
+
+@contextmanager
+def _progress(total: int, *, enabled: bool) -> Iterator[Callable[[int], None]]:
+    if not enabled:
+        yield lambda _: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(
+        TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err_console
+    ) as progress:
+        task = progress.add_task("sim", total=total)
+        yield lambda n: progress.advance(task, n)

@@ -1,0 +1,117 @@
+"""What a cluster runs: `gpufaas gpus`, `top` (a live view) and `logs` (the local cluster's)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from gpufaas.cli.base import GatewayOpt, StateDir, app, console, err_console, user_errors
+from gpufaas.cli.client import GatewayClient, gateway_url, state_dir_default
+from gpufaas.errors import GpufaasError
+
+
+@app.command()
+def gpus(gateway: GatewayOpt = None) -> None:
+    """Every GPU: node, status, memory used/capacity, LRU list (most recent first), and its node's
+    host tier (models evicted and kept in host memory, most recent first)."""
+    with user_errors():
+        client = GatewayClient(gateway_url(gateway))
+        rows = client.ok(client.request("GET", "/system/gpus"))
+    table = Table(title_justify="left")
+    columns = ("node", "GPU", "type", "status", "memory (MB)", "queued", "LRU list (most recent first)", "host tier")
+    for column in columns:
+        table.add_column(column)
+    for g in sorted(rows, key=lambda g: g["gpu"]):
+        table.add_row(
+            g["node"],
+            g["gpu"].split("/", 1)[1],
+            g["gpu_type"],
+            g["status"],
+            f"{g['memory_used_mb']}/{g['memory_capacity_mb']}",
+            str(g["local_queue"]),
+            ", ".join(g["lru"]) or "-",
+            ", ".join(g.get("host_tier", [])) or "-",
+        )
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+
+
+@app.command()
+def top(
+    gateway: GatewayOpt = None,
+    interval_s: Annotated[float, typer.Option("--interval", min=0.1, help="Seconds between refreshes.")] = 2.0,
+    once: Annotated[bool, typer.Option("--once", help="Print one frame and exit (for scripts).")] = False,
+) -> None:
+    """A live view of the cluster until Ctrl-C: GPUs (memory, running calls, LRU lists, host tiers),
+    functions (calls, hit ratio, latency percentiles), the global queue and recent evictions."""
+    from rich.live import Live
+
+    from gpufaas.cli.top import render
+
+    try:
+        with user_errors():
+            client = GatewayClient(gateway_url(gateway), timeout_s=10.0)
+            overview = _fetch_overview(client)  # a first failure (no gateway, 401, 404) ends the command
+        out = Console(width=None if sys.stdout.isatty() else 200)
+        if once:
+            out.print(render(overview, gateway_url=client.url, now_unix_s=time.time()))
+            return
+        problem: str | None = None
+        with Live(console=out, auto_refresh=False) if out.is_terminal else contextlib.nullcontext() as live:
+            while True:
+                frame = render(overview, gateway_url=client.url, now_unix_s=time.time(), problem=problem)
+                if live is not None:
+                    live.update(frame, refresh=True)
+                else:  # piped: one frame after another, like `top -b`
+                    out.print(frame, "")
+                time.sleep(interval_s)
+                # A later failure keeps the last overview on screen under the error, and tries again.
+                try:
+                    overview, problem = _fetch_overview(client), None
+                except GpufaasError as exc:
+                    problem = f"refresh failed, showing the last overview: {exc}"
+    except KeyboardInterrupt:  # Ctrl-C is how a live view ends: quietly, with status 0
+        return
+
+
+def _fetch_overview(client: GatewayClient) -> dict[str, Any]:
+    response = client.request("GET", "/system/overview")
+    if response.status_code == 404:
+        raise GpufaasError(
+            f"the gateway at {client.url} has no /system/overview: it is older than this CLI; upgrade the "
+            "gateway (meanwhile `gpufaas gpus` and `gpufaas ls` show part of the picture)"
+        )
+    try:
+        overview = client.ok(response, accept=(200,))
+    except ValueError:  # a 200 whose body is not JSON: not a gpufaas gateway, or a proxy's page
+        overview = None
+    if not isinstance(overview, dict):
+        raise GpufaasError(
+            f"the gateway at {client.url} answered /system/overview with something other than an overview"
+        )
+    return overview
+
+
+@app.command()
+def logs(
+    component: Annotated[str | None, typer.Argument(help="scheduler, gateway, node0, ... (default: list them)")] = None,
+    lines: Annotated[int, typer.Option("-n", "--lines", min=1, help="How many lines from the end.")] = 50,
+    state_dir: StateDir = state_dir_default(),  # noqa: B008
+) -> None:
+    """Show the local cluster's logs."""
+    log_dir = state_dir / "logs"
+    available = sorted(p.stem for p in log_dir.glob("*.log")) if log_dir.is_dir() else []
+    if component is None:
+        console.print(f"logs in {log_dir}: {', '.join(available) or 'none'}")
+        return
+    if component not in available:
+        known = ", ".join(available) or "none (is the cluster up?)"
+        err_console.print(f"[bold red]error:[/] no log for {component!r}; available: {known}")
+        raise typer.Exit(code=1)
+    text = (log_dir / f"{component}.log").read_text(errors="replace").splitlines()[-lines:]
+    sys.stdout.write("\n".join(text) + "\n")
