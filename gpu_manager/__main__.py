@@ -12,6 +12,7 @@ from gpu_manager.daemon import DEFAULT_HOST_CACHE_MB, GpuManagerDaemon
 from gpu_manager.devices import Device, discover_nvml, logical_devices
 from gpu_manager.sandbox import Isolation
 from gpu_manager.settings import DESCRIPTION, PROG, NodeSettings
+from gpu_manager.storage import StorageOptions
 from gpufaas.credentials import node_token, wire_key
 from gpufaas.keys import Keys
 from gpufaas.metrics import MetricsServer
@@ -87,11 +88,6 @@ def daemon(store: EtcdStore, settings: NodeSettings, machine: Hardware, secret: 
         backend=machine.backend,
         devices=machine.devices,
         state_dir=settings.state_dir,
-        disk_cache_mb=settings.disk_cache_mb,
-        pool_mb=settings.pool_mb,
-        pool_dir=settings.pool_dir,
-        blob_listen=settings.blob_listen or f"{settings.listen.rpartition(':')[0] or '127.0.0.1'}:0",
-        blob_advertise=settings.blob_advertise,
         keys=Keys(settings.root),
         spares_per_gpu=settings.spares,
         # No spares asked for (the docker runtime): none made ahead either.
@@ -99,10 +95,17 @@ def daemon(store: EtcdStore, settings: NodeSettings, machine: Hardware, secret: 
         max_body_bytes=int(settings.max_payload_mb * 1024 * 1024),
         host_cache_mb=machine.host_cache_mb,
         wire_key=wire_key(secret) if secret is not None else None,
-        package_token=node_token(secret) if secret is not None else None,
         isolation=machine.isolation,
         runtime=settings.runtime,
         docker_image=settings.docker_image,
+        storage=StorageOptions(
+            package_token=node_token(secret) if secret is not None else None,
+            disk_cache_mb=settings.disk_cache_mb,
+            pool_mb=settings.pool_mb,
+            pool_dir=settings.pool_dir,
+            blob_listen=settings.blob_listen or f"{settings.listen.rpartition(':')[0] or '127.0.0.1'}:0",
+            blob_advertise=settings.blob_advertise,
+        ),
     )
 
 

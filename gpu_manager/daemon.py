@@ -30,7 +30,7 @@ from gpu_manager.ledger import GrantLedger, Refused
 from gpu_manager.metrics import NodeMetrics
 from gpu_manager.pool import ModelRun, RunResult, WorkerPool
 from gpu_manager.sandbox import Isolation
-from gpu_manager.storage import NodeStorage
+from gpu_manager.storage import NodeStorage, StorageOptions
 from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
@@ -52,13 +52,9 @@ class GpuManagerDaemon:
     incarnation id) under its lease, so a restart is seen as a new incarnation whose cache is empty.
 
     `wire_key`: the cluster's wire key; the scheduler and gateways must prove it before the node
-    reads anything from them. `package_token`: the bearer token blobs are fetched from other
-    holders with, and that this node asks of those fetching from it. None: neither (tests of the
-    logic only). `disk_cache_mb`: the disk the staged blobs may use (None: half the state
-    directory's free space). `pool_mb`: the host model pool's size (None: half of `pool_dir`'s
-    free memory; 0: no pool), in `pool_dir` (default: a directory of this node's in /dev/shm).
-    `blob_listen`/`blob_advertise`: the blob server's address and the URL other holders are told.
-    The rest configure the worker pool (gpu_manager.pool).
+    reads anything from them. `storage`: how the node keeps packages, its host model pool and its
+    blob server (gpu_manager.storage.StorageOptions; None: its defaults). The rest configure the
+    worker pool (gpu_manager.pool).
     """
 
     def __init__(
@@ -76,15 +72,10 @@ class GpuManagerDaemon:
         host_cache_mb: int = 0,
         package_grace_s: float = PACKAGE_GRACE_S,
         wire_key: bytes | None = None,
-        package_token: str | None = None,
         isolation: Isolation | None = None,
         runtime: str = "process",
         docker_image: str = DEFAULT_IMAGE,
-        disk_cache_mb: int | None = None,
-        pool_mb: int | None = None,
-        pool_dir: Path | None = None,
-        blob_listen: str = "127.0.0.1:0",
-        blob_advertise: str | None = None,
+        storage: StorageOptions | None = None,
     ) -> None:
         """See the class's docstring."""
         if not devices:
@@ -97,15 +88,7 @@ class GpuManagerDaemon:
         self.max_body_bytes = max_body_bytes
         self.package_grace_s = package_grace_s
         self._holdings_dirty = asyncio.Event()
-        self.storage = self._make_storage(
-            state_dir,
-            package_token,
-            disk_cache_mb=disk_cache_mb,
-            pool_mb=pool_mb,
-            pool_dir=pool_dir,
-            blob_listen=blob_listen,
-            blob_advertise=blob_advertise,
-        )
+        self.storage = self._make_storage(state_dir, storage if storage is not None else StorageOptions())
         # NVML on cuda: the metrics' measure of each GPU's memory, and the pool's of each worker's.
         self._nvml = Nvml.open() if backend == "cuda" else None
         self.pool = self._make_pool(
@@ -121,17 +104,7 @@ class GpuManagerDaemon:
         self._lease: LeaseKeeper | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def _make_storage(
-        self,
-        state_dir: Path,
-        package_token: str | None,
-        *,
-        disk_cache_mb: int | None,
-        pool_mb: int | None,
-        pool_dir: Path | None,
-        blob_listen: str,
-        blob_advertise: str | None,
-    ) -> NodeStorage:
+    def _make_storage(self, state_dir: Path, options: StorageOptions) -> NodeStorage:
         """The node's packages on disk, its host model pool and its blob server (see `__init__`)."""
         return NodeStorage(
             self.store,
@@ -140,12 +113,7 @@ class GpuManagerDaemon:
             state_dir=state_dir,
             in_use=self._packages_in_use,
             on_change=self._holdings_dirty.set,
-            package_token=package_token,
-            disk_cache_mb=disk_cache_mb,
-            pool_mb=pool_mb,
-            pool_dir=pool_dir,
-            blob_listen=blob_listen,
-            blob_advertise=blob_advertise,
+            options=options,
         )
 
     def _make_pool(

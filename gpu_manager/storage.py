@@ -16,6 +16,7 @@ import os
 import time
 import urllib.parse
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from gpu_manager.host_pool import HostModelPool, default_budget_bytes
@@ -34,16 +35,31 @@ log = logging.getLogger("gpufaas.gpu_manager.storage")
 DEFAULT_DISK_SHARE = 0.5  # of the state directory's free disk, for the blobs, when no budget is given
 
 
-class NodeStorage:
-    """The disk cache, the host pool and the blob server of node `node` (see the module).
+@dataclass(frozen=True, slots=True)
+class StorageOptions:
+    """How a node keeps what it holds below its GPUs, as the daemon's flags say.
 
-    `in_use()` names the packages live workers hold (never evicted from disk or pool);
     `package_token`: what peers must show to read this node's blobs, and what it shows to read
-    theirs (None: nothing asked, nothing shown). `disk_cache_mb` (None: half the free disk),
-    `pool_mb` (None: half of `pool_dir`'s free memory; 0: no pool), `pool_dir` (where the pool
-    makes a directory of its own; None: /dev/shm), `blob_listen`, `blob_advertise` (None: the host the node's wire
-    is reached at, the bound port): as the daemon's flags say.
+    theirs (None: nothing asked, nothing shown; tests of the logic only). `disk_cache_mb`: the
+    disk the staged blobs may use (None: half the state directory's free space). `pool_mb`: the
+    host model pool's size (None: half of `pool_dir`'s free memory; 0: no pool), in `pool_dir`
+    (where the pool makes a directory of its own; None: /dev/shm). `blob_listen`: the blob
+    server's address; `blob_advertise`: the URL other holders are told (None: the host the
+    node's wire is reached at, the bound port).
     """
+
+    package_token: str | None = None
+    disk_cache_mb: int | None = None
+    pool_mb: int | None = None
+    pool_dir: Path | None = None
+    blob_listen: str = "127.0.0.1:0"
+    blob_advertise: str | None = None
+
+
+class NodeStorage:
+    """The disk cache, the host pool and the blob server of node `node` (see the module), kept
+    as `options` say. `in_use()` names the packages live workers hold (never evicted from disk
+    or pool)."""
 
     def __init__(
         self,
@@ -54,19 +70,15 @@ class NodeStorage:
         state_dir: Path,
         in_use: Callable[[], set[str]],
         on_change: Callable[[], None],
-        package_token: str | None = None,
-        disk_cache_mb: int | None = None,
-        pool_mb: int | None = None,
-        pool_dir: Path | None = None,
-        blob_listen: str = "127.0.0.1:0",
-        blob_advertise: str | None = None,
+        options: StorageOptions,
     ) -> None:
         self.store = store
         self.keys = keys
-        self.package_token = package_token
+        self.package_token = package_token = options.package_token
         self.name = f"node-{node}"
         self._in_use = in_use
         self._on_change = on_change
+        disk_cache_mb = options.disk_cache_mb
         disk_budget = disk_cache_mb * 1024 * 1024 if disk_cache_mb else _free_bytes(state_dir, DEFAULT_DISK_SHARE)
         self.packages = PackageStore(
             state_dir,
@@ -80,12 +92,13 @@ class NodeStorage:
         )
         # Named after the state directory: what a crashed run of this node left is found again.
         tag = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
-        pool_parent = pool_dir or Path("/dev/shm")
+        pool_parent = options.pool_dir or Path("/dev/shm")
+        pool_mb = options.pool_mb
         pool_bytes = pool_mb * 1024 * 1024 if pool_mb is not None else default_budget_bytes(pool_parent)
         self.host_pool = HostModelPool(pool_parent, pool_bytes, name=f"gpufaas-pool-{tag}", in_use=self._pooled_in_use)
         self.blob_server = BlobServer(self.packages.blobs, self._authorize)
-        self._blob_listen = blob_listen
-        self._blob_advertise = blob_advertise
+        self._blob_listen = options.blob_listen
+        self._blob_advertise = options.blob_advertise
         self.blob_url = ""
         self._base_environment: dict[str, str] = {}
 
