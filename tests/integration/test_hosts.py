@@ -172,6 +172,7 @@ def test_hosts_are_apart_and_their_links_fail_and_heal(make_hosts: HostsFactory)
     assert len(addresses) == 3 and hosts.bridge_address not in addresses
 
     # Each host reaches every other by address; the root namespace reaches all.
+    source: str | None  # a host's name, None for the root namespace
     for source in names:
         for target in names:
             assert probe(hosts, source, target).startswith("ok"), (source, target)
@@ -423,10 +424,24 @@ class HostCluster:
         logs = "\n".join(f"--- {name}:\n{self.tail(name)}" for name in self.logs)
         raise AssertionError(f"GPUs of {nodes} not seen in {timeout_s} s (last: {last}); logs:\n{logs}")
 
-    def call(self, function: str, client: httpx.Client, timeout_s: float = 30) -> httpx.Response:
+    def call(
+        self,
+        function: str,
+        client: httpx.Client,
+        timeout_s: float = 30,
+        payload: dict[str, object] | None = None,
+        call_id: str | None = None,
+    ) -> httpx.Response:
+        headers = self.invoke_headers | ({"x-call-id": call_id} if call_id else {})
         return client.post(
-            f"{self.gateway_url}/function/{function}", json={"x": 1}, headers=self.invoke_headers, timeout=timeout_s
+            f"{self.gateway_url}/function/{function}", json=payload or {"x": 1}, headers=headers, timeout=timeout_s
         )
+
+    def running_on(self, node: str) -> set[str]:
+        """The ids of the calls running on `node`'s GPUs (the scheduler's view, through the gateway)."""
+        response = httpx.get(f"{self.gateway_url}/system/gpus", timeout=5, auth=self.admin_auth)
+        response.raise_for_status()
+        return {call for gpu in response.json() if gpu["node"] == node for call in gpu["running"]}
 
     def tail(self, name: str, num_chars: int = 3000) -> str:
         return (self.state_dir / f"{name}.log").read_text(errors="replace")[-num_chars:]
@@ -439,6 +454,23 @@ class HostCluster:
             shutil.rmtree(self.state_dir / f"{node}-pool", ignore_errors=True)
 
 
+IN_FLIGHT_ID = "in-flight"
+IN_FLIGHT_SLEEP_S = 2.0
+IN_FLIGHT_ANSWERED_S = 15.0  # ~5 s to give up on the node, a miss on the survivor, the sleep; slack for 2 busy cores
+
+
+def call_in_flight(cluster: HostCluster) -> tuple[str, str, float]:
+    """Call sleepy-a for IN_FLIGHT_SLEEP_S as IN_FLIGHT_ID: its status (or "timeout" after the
+    client's 60 s), the GPU that answered, and when (monotonic seconds)."""
+    payload: dict[str, object] = {"sleep_s": IN_FLIGHT_SLEEP_S}
+    with httpx.Client() as client:
+        try:
+            response = cluster.call("sleepy-a", client, timeout_s=60, payload=payload, call_id=IN_FLIGHT_ID)
+        except httpx.TimeoutException:
+            return "timeout", "", time.monotonic()
+    return str(response.status_code), response.headers.get("X-Gpu", ""), time.monotonic()
+
+
 def test_a_cluster_with_a_daemon_per_host_serves_and_survives_an_isolated_node(
     make_hosts: HostsFactory, tmp_path: Path
 ) -> None:
@@ -449,10 +481,11 @@ def test_a_cluster_with_a_daemon_per_host_serves_and_survives_an_isolated_node(
         started = time.monotonic()
         cluster.start()
         print(f"\ncluster up on {hosts.layout.network} in {time.monotonic() - started:.1f} s")
-        # Two functions, each filling a GPU (800 of its 1000 MB): one lands on each node.
-        functions = ["echo-a", "echo-b"]
-        for function in functions:
-            deploy(cluster, function, "echo_function", tmp_path)  # type: ignore[arg-type]
+        # Two functions, each filling a GPU (800 of its 1000 MB): one lands on each node. sleepy-a
+        # sleeps as long as its payload's sleep_s says (none for {"x": 1}).
+        functions = ["sleepy-a", "echo-b"]
+        deploy(cluster, "sleepy-a", "sleepy_function", tmp_path)  # type: ignore[arg-type]
+        deploy(cluster, "echo-b", "echo_function", tmp_path)  # type: ignore[arg-type]
         with httpx.Client() as client:
             served: dict[str, set[str]] = {}
             for _ in range(3):
@@ -463,12 +496,18 @@ def test_a_cluster_with_a_daemon_per_host_serves_and_survives_an_isolated_node(
             on_nodes = set().union(*served.values())
             assert on_nodes == set(nodes), served
 
-            # Isolate the node serving echo-a: calls to both functions go on, on the other node.
-            victim = next(iter(served["echo-a"]))
+            # Isolate the node serving sleepy-a while a call runs there: that call is answered from
+            # the other node, and calls to both functions go on there.
+            victim = next(iter(served["sleepy-a"]))
             survivor = next(node for node in nodes if node != victim)
+            watcher = ThreadPoolExecutor(2)  # the call in flight, and when the victim leaves the gateway's view
+            in_flight = watcher.submit(call_in_flight, cluster)
+            started = time.monotonic()
+            while IN_FLIGHT_ID not in cluster.running_on(victim):
+                assert time.monotonic() - started < 10 and not in_flight.done(), "the call did not start on the victim"
+                time.sleep(0.05)
             hosts.isolate(victim)
             isolated_at = time.monotonic()
-            watcher = ThreadPoolExecutor(1)  # when the gateway stops seeing the victim's GPUs, meanwhile
             gone = watcher.submit(cluster.wait_for_gpus, {survivor}, 90)
             rounds: list[str] = []  # what each round of calls got, for the figures
             while True:
@@ -488,6 +527,13 @@ def test_a_cluster_with_a_daemon_per_host_serves_and_survives_an_isolated_node(
                 assert time.monotonic() - isolated_at < 120, rounds
             recovered_s = time.monotonic() - isolated_at
             assert {a.headers["X-Gpu"].split("/")[0] for a in answers} == {survivor}
+            in_flight_got, in_flight_gpu, answered_at = in_flight.result()
+            in_flight_s = answered_at - isolated_at
+            # Answered from the survivor: the gateway gave up on the silent node (the wire's
+            # keepalive: gpufaas.wire.DEAD_AFTER_S), took the scheduler's new placement and ran it
+            # there (a miss: a worker start and a load, then the sleep again).
+            assert (in_flight_got, in_flight_gpu.split("/")[0]) == ("200", survivor), (in_flight_got, in_flight_gpu)
+            assert in_flight_s < IN_FLIGHT_ANSWERED_S, in_flight_s
             gone_s = gone.result()
             watcher.shutdown()
             for _ in range(5):
@@ -498,9 +544,10 @@ def test_a_cluster_with_a_daemon_per_host_serves_and_survives_an_isolated_node(
             # Heal: the node comes back with its GPUs.
             hosts.heal(victim)
             back_s = cluster.wait_for_gpus(set(nodes), timeout_s=150)
-            assert cluster.call("echo-a", client).status_code == 200
+            assert cluster.call("sleepy-a", client).status_code == 200
         print(
-            f"{victim} isolated: calls to both functions succeed again after {recovered_s:.1f} s "
+            f"{victim} isolated: the call running there ({IN_FLIGHT_SLEEP_S:g} s) answered from {survivor} after "
+            f"{in_flight_s:.1f} s; calls to both functions succeed again after {recovered_s:.1f} s "
             f"({'; '.join(rounds)}); its GPUs gone from the gateway's view after {gone_s:.1f} s; "
             f"healed: back in {back_s:.1f} s"
         )
