@@ -24,24 +24,23 @@ import argparse
 import json
 import os
 import shlex
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.machine import run_metadata
 from bench.peer_bench import (
     RunningCluster,
+    bench_parser,
     count_misses,
     descendants,
     gpufaas_cluster,
-    load,
+    gpufaas_load,
+    parse_systems,
     ray_point,
     ray_serve,
-    run_systems,
-    write_report,
+    run_and_report,
 )
 from gpufaas.credentials import SecretFiles, metrics_token, read_secret
 
@@ -98,20 +97,8 @@ def node_sample(cluster: RunningCluster) -> dict[str, float]:
 def gpufaas_point(cluster: RunningCluster, functions: int, args: argparse.Namespace, body: Path) -> dict[str, Any]:
     before = node_sample(cluster)
     point = count_misses(
-        load(
-            f"{cluster.url}/function/{{model}}",
-            CONCURRENCY,
-            args,
-            "--body-file",
-            str(body),
-            "--count-header",
-            "X-Cache",
-            "-H",
-            f"Authorization: Bearer {cluster.invoke_token}",
-            "--label",
-            f"gpufaas, {functions} functions",
-            num_models=functions,
-            zipf=ZIPF,
+        gpufaas_load(
+            cluster, CONCURRENCY, args, body, f"gpufaas, {functions} functions", num_models=functions, zipf=ZIPF
         )
     )
     after = node_sample(cluster)
@@ -172,51 +159,31 @@ def verdict(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--out", type=Path, default=REPO / "bench/results/density_bench.json")
-    parser.add_argument("--duration", type=float, default=15.0, help="measured seconds per point")
-    parser.add_argument("--warmup", type=float, default=2.0, help="unrecorded seconds before each point")
+    parser = bench_parser(
+        __doc__, out_name="density_bench.json", duration_s=15.0, systems=SYSTEMS, default_systems="gpufaas,ray-haproxy"
+    )
     parser.add_argument(
         "--functions",
         type=lambda text: sorted({int(n) for n in text.split(",")}),
         default=list(FUNCTIONS),
         help="function counts, a comma list",
     )
-    parser.add_argument("--systems", default="gpufaas,ray-haproxy", help=f"a comma list of {', '.join(SYSTEMS)}")
     parser.add_argument("--up", default="", help="extra `gpufaas up` flags, e.g. '--spares 2'")
-    parser.add_argument(
-        "--ray-env", type=Path, default=Path.home() / ".cache/gpufaas-peer-bench/rayenv", help="Ray's virtualenv"
-    )
-    args = parser.parse_args(argv)
-    systems = [s for s in args.systems.split(",") if s]
-    unknown = sorted(set(systems) - set(SYSTEMS))
-    if unknown:
-        parser.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
-    started = time.monotonic()
-    results, failures = run_systems(
+    args, systems = parse_systems(parser, argv, SYSTEMS)
+    return run_and_report(
+        args,
         systems,
         lambda system, work: run_gpufaas(args, work) if system == "gpufaas" else run_ray(args, work, system[4:]),
         prefix="gpufaas-density-bench-",
-    )
-    report = {
-        "metadata": run_metadata(
-            duration_s=args.duration,
-            warmup_s=args.warmup,
-            wall_s=round(time.monotonic() - started, 1),
-            workload=(
-                f"functions {args.functions}, Zipf {ZIPF}, {CONCURRENCY} clients, 2 GPUs x {GPU_MEMORY_MB} MB, "
-                f"{MODEL_MEMORY_MB} MB per model ({2 * RESIDENT_PER_GPU} resident; Ray: 2 replicas x "
-                f"{RESIDENT_PER_GPU} models)"
-            ),
-            gpufaas_up=args.up,
-            client="bench/peer/load_client.py (closed loop, aiohttp + uvloop), same host",
+        point_label="N",
+        verdict=verdict,
+        workload=(
+            f"functions {args.functions}, Zipf {ZIPF}, {CONCURRENCY} clients, 2 GPUs x {GPU_MEMORY_MB} MB, "
+            f"{MODEL_MEMORY_MB} MB per model ({2 * RESIDENT_PER_GPU} resident; Ray: 2 replicas x "
+            f"{RESIDENT_PER_GPU} models)"
         ),
-        "results": results,
-        "failures": failures,
-        "verdict": verdict(results),
-    }
-    write_report(args.out, report, point_label="N")
-    return 0
+        gpufaas_up=args.up,
+    )
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,21 +188,30 @@ def run_gpufaas(args: argparse.Namespace, work: Path, *, gpu_memory_mb: int) -> 
     # 100 MB each: 3 models fit on a 300 MB logical GPU.
     with gpufaas_cluster(work, gpu_memory_mb=gpu_memory_mb) as cluster:
         for concurrency in CONCURRENCY:
-            point = load(
-                f"{cluster.url}/function/{{model}}",
-                concurrency,
-                args,
-                "--body-file",
-                str(body),
-                "--count-header",
-                "X-Cache",
-                "-H",
-                f"Authorization: Bearer {cluster.invoke_token}",
-                "--label",
-                f"gpufaas ({gpu_memory_mb} MB GPUs)",
-            )
+            point = gpufaas_load(cluster, concurrency, args, body, f"gpufaas ({gpu_memory_mb} MB GPUs)")
             results[f"c{concurrency}"] = count_misses(point)
     return results
+
+
+def gpufaas_load(
+    cluster: RunningCluster, concurrency: int, args: argparse.Namespace, body: Path, label: str, **workload: Any
+) -> dict[str, Any]:
+    """One point of `load` against the cluster's gateway: each call posts `body` to its model's
+    function with the invoke token, and the X-Cache answers (hit or miss) are counted."""
+    return load(
+        f"{cluster.url}/function/{{model}}",
+        concurrency,
+        args,
+        "--body-file",
+        str(body),
+        "--count-header",
+        "X-Cache",
+        "-H",
+        f"Authorization: Bearer {cluster.invoke_token}",
+        "--label",
+        label,
+        **workload,
+    )
 
 
 # --- Ray Serve and the bare floor -----------------------------------------------------------
@@ -386,20 +395,8 @@ def verdict(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--out", type=Path, default=REPO / "bench/results/peer_bench.json")
-    parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per point")
-    parser.add_argument("--warmup", type=float, default=2.0, help="unrecorded seconds before each point")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"a comma list of {', '.join(SYSTEMS)}")
-    parser.add_argument(
-        "--ray-env", type=Path, default=Path.home() / ".cache/gpufaas-peer-bench/rayenv", help="Ray's virtualenv"
-    )
-    args = parser.parse_args(argv)
-    systems = [s for s in args.systems.split(",") if s]
-    unknown = sorted(set(systems) - set(SYSTEMS))
-    if unknown:
-        parser.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
-    started = time.monotonic()
+    parser = bench_parser(__doc__, out_name="peer_bench.json", duration_s=10.0, systems=SYSTEMS)
+    args, systems = parse_systems(parser, argv, SYSTEMS)
 
     def run_system(system: str, work: Path) -> dict[str, Any]:
         if system == "gpufaas":
@@ -410,20 +407,79 @@ def main(argv: list[str] | None = None) -> int:
             return run_ray(args, work, system.removeprefix("ray-"))
         return run_fastapi(args, work)
 
-    results, failures = run_systems(systems, run_system, prefix="gpufaas-peer-bench-")
+    return run_and_report(
+        args,
+        systems,
+        run_system,
+        prefix="gpufaas-peer-bench-",
+        point_label="c",
+        verdict=verdict,
+        workload=f"{NUM_MODELS} models, Zipf {ZIPF}, 2 GPUs x 3 models, concurrency {list(CONCURRENCY)}",
+    )
+
+
+# --- shared with bench/density_bench.py ---------------------------------------------------
+
+
+def bench_parser(
+    doc: str | None, *, out_name: str, duration_s: float, systems: Sequence[str], default_systems: str | None = None
+) -> argparse.ArgumentParser:
+    """The options of a benchmark against its peers: --out (bench/results/`out_name`),
+    --duration and --warmup of each point, --systems (a comma list of `systems`, all of them by
+    default) and Ray's --ray-env; the caller adds its own before `parse_systems`."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
+    parser.add_argument("--out", type=Path, default=REPO / "bench/results" / out_name)
+    parser.add_argument("--duration", type=float, default=duration_s, help="measured seconds per point")
+    parser.add_argument("--warmup", type=float, default=2.0, help="unrecorded seconds before each point")
+    parser.add_argument(
+        "--systems",
+        default=",".join(systems) if default_systems is None else default_systems,
+        help=f"a comma list of {', '.join(systems)}",
+    )
+    parser.add_argument(
+        "--ray-env", type=Path, default=Path.home() / ".cache/gpufaas-peer-bench/rayenv", help="Ray's virtualenv"
+    )
+    return parser
+
+
+def parse_systems(
+    parser: argparse.ArgumentParser, argv: list[str] | None, systems: Sequence[str]
+) -> tuple[argparse.Namespace, list[str]]:
+    """The parsed arguments and the systems --systems names; a usage error for an unknown one."""
+    args = parser.parse_args(argv)
+    chosen = [s for s in args.systems.split(",") if s]
+    unknown = sorted(set(chosen) - set(systems))
+    if unknown:
+        parser.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(systems)}")
+    return args, chosen
+
+
+def run_and_report(
+    args: argparse.Namespace,
+    systems: list[str],
+    run: Callable[[str, Path], dict[str, Any]],
+    *,
+    prefix: str,
+    point_label: str,
+    verdict: Callable[[dict[str, Any]], dict[str, Any]],
+    **metadata: Any,
+) -> int:
+    """`run_systems`, then the report (`metadata` beside the run's own) written by `write_report`."""
+    started = time.monotonic()
+    results, failures = run_systems(systems, run, prefix=prefix)
     report = {
         "metadata": run_metadata(
             duration_s=args.duration,
             warmup_s=args.warmup,
             wall_s=round(time.monotonic() - started, 1),
-            workload=f"{NUM_MODELS} models, Zipf {ZIPF}, 2 GPUs x 3 models, concurrency {list(CONCURRENCY)}",
+            **metadata,
             client="bench/peer/load_client.py (closed loop, aiohttp + uvloop), same host",
         ),
         "results": results,
         "failures": failures,
         "verdict": verdict(results),
     }
-    write_report(args.out, report, point_label="c")
+    write_report(args.out, report, point_label=point_label)
     return 0
 
 
