@@ -50,10 +50,6 @@ class Scheduler(ClusterReads):
         self._exit = StagedExit(self.cluster)  # the clocks of `release_idle`
 
     @property
-    def cache(self) -> CacheManager:
-        return self.cluster.cache
-
-    @property
     def estimator(self) -> Estimator:
         return self.cluster.estimator
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cache_manager import CacheManager
 from gpufaas.types import Request
 from scheduler.decisions import Decision, Dispatch, Park, PassOver, Step, Visit
 from scheduler.placement import PlacementPieces
@@ -148,10 +147,6 @@ class Draft(ClusterReads, PlacementPieces):
     @property
     def queue(self) -> QueueView:
         return self.cluster.queue
-
-    @property
-    def cache(self) -> CacheManager:
-        return self.cluster.cache
 
     def running_calls(self, gpu_id: str) -> int:
         return self.cluster.running_calls(gpu_id)

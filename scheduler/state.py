@@ -256,10 +256,14 @@ class ClusterState:
 
 
 class ClusterReads:
-    """The estimates of `ClusterState` that both the `Scheduler` (tests, tools) and a fill's
-    `Draft` (the policy's `SchedulingContext`) answer, read from their `cluster`."""
+    """The reads of `ClusterState` that both the `Scheduler` (tests, tools) and a fill's `Draft`
+    (the policy's `SchedulingContext`) answer, from their `cluster`."""
 
     cluster: ClusterState
+
+    @property
+    def cache(self) -> CacheManager:
+        return self.cluster.cache
 
     def soonest_busy_holder(self, model: str, now: float) -> tuple[str, float] | None:
         """See `ClusterState.soonest_busy_holder`."""
