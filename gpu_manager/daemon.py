@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -387,21 +387,21 @@ class _Session:
 
     def __init__(self, daemon: GpuManagerDaemon) -> None:
         self.daemon = daemon
+        # The daemon's handler of each message type: execute and evict run as its tasks, the
+        # others answer at once.
+        self._routes: dict[int, Callable[[Connection, Frame], object]] = {
+            MessageType.EXECUTE: lambda conn, frame: daemon._spawn(daemon.execute(conn, frame)),
+            MessageType.ATTACH: daemon.attach,
+            MessageType.REVOKE: daemon.revoke,
+            MessageType.WORKERS: daemon.report_workers,
+            MessageType.EVICT: lambda conn, frame: daemon._spawn(daemon.evict(conn, frame)),
+            MessageType.STAGE: daemon.stage,
+        }
 
     def on_frame(self, conn: Connection, frame: Frame) -> None:
-        daemon = self.daemon
-        if frame.type == MessageType.EXECUTE:
-            daemon._spawn(daemon.execute(conn, frame))
-        elif frame.type == MessageType.ATTACH:
-            daemon.attach(conn, frame)
-        elif frame.type == MessageType.REVOKE:
-            daemon.revoke(conn, frame)
-        elif frame.type == MessageType.WORKERS:
-            daemon.report_workers(conn, frame)
-        elif frame.type == MessageType.EVICT:
-            daemon._spawn(daemon.evict(conn, frame))
-        elif frame.type == MessageType.STAGE:
-            daemon.stage(conn, frame)
+        route = self._routes.get(frame.type)
+        if route is not None:
+            route(conn, frame)
         elif frame.is_request:
             conn.reply_error(frame, pb.INVALID, f"a GPU manager does not answer message type {frame.type}")
 
