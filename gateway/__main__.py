@@ -14,14 +14,7 @@ from gateway.http import server_config
 from gateway.settings import DESCRIPTION, PROG, GatewaySettings
 from gpufaas.credentials import CredentialError, node_token, read_secret, wire_key
 from gpufaas.keys import Keys
-from gpufaas.service_main import (
-    cluster_secret,
-    configure_logging,
-    etcd_credentials,
-    open_store,
-    run_daemon,
-    warn_if_insecure,
-)
+from gpufaas.service_main import daemon_start, open_store, run_daemon, warn_if_insecure
 
 if TYPE_CHECKING:
     from gpufaas.store import EtcdCredentials
@@ -74,12 +67,8 @@ async def serve(settings: GatewaySettings, config: GatewayConfig, etcd_creds: Et
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = GatewaySettings.parser(PROG, DESCRIPTION)
-    settings = GatewaySettings.from_namespace(parser, parser.parse_args(argv))
-    secret = cluster_secret(parser, settings)
-    etcd_creds = etcd_credentials(parser, settings)
+    parser, settings, secret, etcd_creds = daemon_start(GatewaySettings, PROG, DESCRIPTION, argv)
     config = gateway_config(settings, secret, credentials(parser, settings, secret))
-    configure_logging(settings.log_level)
     warn_if_insecure(settings, "the gateway")
     return run_daemon(lambda: serve(settings, config, etcd_creds), settings.etcd)
 

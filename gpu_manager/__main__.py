@@ -15,17 +15,7 @@ from gpu_manager.settings import DESCRIPTION, PROG, NodeSettings
 from gpu_manager.storage import StorageOptions
 from gpufaas.credentials import node_token, wire_key
 from gpufaas.keys import Keys
-from gpufaas.metrics import MetricsServer
-from gpufaas.service_main import (
-    cluster_secret,
-    configure_logging,
-    etcd_credentials,
-    open_store,
-    run_daemon,
-    run_until_signalled,
-    start_metrics,
-    warn_if_insecure,
-)
+from gpufaas.service_main import daemon_start, open_store, run_daemon, serve_wire_daemon, warn_if_insecure
 
 if TYPE_CHECKING:
     from gpufaas.store import EtcdCredentials, EtcdStore
@@ -115,29 +105,11 @@ async def serve(
     """Run the node until SIGTERM or SIGINT."""
     store = await open_store(settings.etcd, etcd_creds)
     node = daemon(store, settings, machine, secret)
-    metrics: list[MetricsServer] = []
-
-    async def start() -> None:
-        await node.start(settings.listen, advertise=settings.advertise)
-        server = await start_metrics(node.metrics.registry, settings.metrics_listen, secret)
-        metrics.extend([server] if server is not None else [])
-        print(f"gpu manager {settings.node} listening on {node.address}", flush=True)
-
-    async def stop() -> None:
-        for server in metrics:
-            await server.close()
-        await node.stop()
-        await store.close()
-
-    await run_until_signalled(start, stop)
+    await serve_wire_daemon(node, store, settings, secret, f"gpu manager {settings.node}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = NodeSettings.parser(PROG, DESCRIPTION)
-    settings = NodeSettings.from_namespace(parser, parser.parse_args(argv))
-    secret = cluster_secret(parser, settings)
-    etcd_creds = etcd_credentials(parser, settings)
-    configure_logging(settings.log_level)
+    parser, settings, secret, etcd_creds = daemon_start(NodeSettings, PROG, DESCRIPTION, argv)
     warn_if_insecure(settings, f"GPU manager {settings.node}")
     machine = hardware(parser, settings)
     return run_daemon(lambda: serve(settings, machine, secret, etcd_creds), settings.etcd)

@@ -10,7 +10,7 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from gpufaas.credentials import CredentialError, read_secret
 from gpufaas.errors import GpufaasError
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from gpufaas.metrics import MetricsServer
     from gpufaas.settings import DaemonSettings
     from gpufaas.store import EtcdCredentials, EtcdStore
+
+S = TypeVar("S", bound="DaemonSettings")
 
 
 async def start_metrics(registry: CollectorRegistry, listen: str | None, secret: str | None) -> MetricsServer | None:
@@ -98,6 +100,65 @@ async def run_until_signalled(start: Callable[[], Awaitable[None]], stop: Callab
     finally:
         with contextlib.suppress(Exception):
             await stop()
+
+
+class _HasRegistry(Protocol):
+    registry: CollectorRegistry
+
+
+class WireDaemon(Protocol):
+    """A daemon that listens on the wire and exports metrics: the scheduler service, a node."""
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def metrics(self) -> _HasRegistry: ...
+
+    async def start(self, listen: str, *, advertise: str | None = None) -> str: ...
+
+    async def stop(self) -> None: ...
+
+
+class ListenSettings(Protocol):
+    listen: str
+    advertise: str | None
+    metrics_listen: str | None
+
+
+def daemon_start(
+    settings_class: type[S], prog: str, description: str, argv: list[str] | None
+) -> tuple[argparse.ArgumentParser, S, str | None, EtcdCredentials | None]:
+    """A daemon's first steps: its settings from `argv`, its cluster secret and etcd credentials
+    (a usage error where they are missing or unsafe), logging configured."""
+    parser = settings_class.parser(prog, description)
+    settings = settings_class.from_namespace(parser, parser.parse_args(argv))
+    secret = cluster_secret(parser, settings)
+    etcd_creds = etcd_credentials(parser, settings)
+    configure_logging(settings.log_level)
+    return parser, settings, secret, etcd_creds
+
+
+async def serve_wire_daemon(
+    daemon: WireDaemon, store: EtcdStore, settings: ListenSettings, secret: str | None, name: str
+) -> None:
+    """Run `daemon` (listening and advertised as `settings` say, its metrics beside it) until
+    SIGTERM or SIGINT; then stop its metrics, it and `store`, in that order."""
+    metrics: list[MetricsServer] = []
+
+    async def start() -> None:
+        await daemon.start(settings.listen, advertise=settings.advertise)
+        server = await start_metrics(daemon.metrics.registry, settings.metrics_listen, secret)
+        metrics.extend([server] if server is not None else [])
+        print(f"{name} listening on {daemon.address}", flush=True)
+
+    async def stop() -> None:
+        for server in metrics:
+            await server.close()
+        await daemon.stop()
+        await store.close()
+
+    await run_until_signalled(start, stop)
 
 
 def run_daemon(main: Callable[[], Coroutine[Any, Any, None]], etcd_endpoint: str) -> int:

@@ -7,17 +7,7 @@ from typing import TYPE_CHECKING
 
 from gpufaas.credentials import wire_key
 from gpufaas.keys import Keys
-from gpufaas.metrics import MetricsServer
-from gpufaas.service_main import (
-    cluster_secret,
-    configure_logging,
-    etcd_credentials,
-    open_store,
-    run_daemon,
-    run_until_signalled,
-    start_metrics,
-    warn_if_insecure,
-)
+from gpufaas.service_main import daemon_start, open_store, run_daemon, serve_wire_daemon, warn_if_insecure
 from scheduler.service import SchedulerService
 from scheduler.settings import DESCRIPTION, PROG, SchedulerSettings
 
@@ -44,29 +34,11 @@ async def serve(settings: SchedulerSettings, secret: str | None, etcd_creds: Etc
         prestage_nodes=settings.prestage_nodes,
         wire_key=wire_key(secret) if secret is not None else None,
     )
-    metrics: list[MetricsServer] = []
-
-    async def start() -> None:
-        await service.start(settings.listen, advertise=settings.advertise)
-        server = await start_metrics(service.metrics.registry, settings.metrics_listen, secret)
-        metrics.extend([server] if server is not None else [])
-        print(f"scheduler listening on {service.address}", flush=True)
-
-    async def stop() -> None:
-        for server in metrics:
-            await server.close()
-        await service.stop()
-        await store.close()
-
-    await run_until_signalled(start, stop)
+    await serve_wire_daemon(service, store, settings, secret, "scheduler")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = SchedulerSettings.parser(PROG, DESCRIPTION)
-    settings = SchedulerSettings.from_namespace(parser, parser.parse_args(argv))
-    secret = cluster_secret(parser, settings)
-    etcd_creds = etcd_credentials(parser, settings)
-    configure_logging(settings.log_level)
+    _, settings, secret, etcd_creds = daemon_start(SchedulerSettings, PROG, DESCRIPTION, argv)
     warn_if_insecure(settings, "the scheduler")
     return run_daemon(lambda: serve(settings, secret, etcd_creds), settings.etcd)
 
