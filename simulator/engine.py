@@ -63,7 +63,7 @@ import statistics
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TypedDict, Unpack
+from typing import TypedDict, Unpack, cast
 
 from cache_manager import CacheManager, eviction_policy
 from gpufaas.profiles import ModelProfile
@@ -266,6 +266,11 @@ class PolicyOptions(TypedDict, total=False):
     mqfq_swap_out: bool
     torpor_alpha_period_s: float | None
     interference_aware_loads: bool
+
+
+def policy_options(config: PolicyConfig) -> PolicyOptions:
+    """The PolicyOptions of `config` (every one PolicyOptions names), to pass on by keyword."""
+    return cast(PolicyOptions, {name: getattr(config, name) for name in PolicyOptions.__annotations__})
 
 
 def simulate(

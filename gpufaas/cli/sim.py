@@ -330,6 +330,7 @@ def _sim_execute(
     """Every run of `plan` (working sets, policies, the o3 limits of a sweep or None, mapping
     seeds: each policy, or lalb-o3 at each limit, per working set and mapping) with the policy's
     knobs of `config`, a progress bar on a terminal."""
+    from simulator.engine import policy_options
     from simulator.report import execute, policy_runs, sweep_runs
 
     working_sets, policies, limits, mapping_seeds = plan
@@ -343,17 +344,10 @@ def _sim_execute(
             workloads,
             runs,
             cluster=cluster,
-            room_aware_misses=config.room_aware_misses,
-            coldest_victim_misses=config.coldest_victim_misses,
-            literal_visits=config.literal_visits,
-            mqfq_overrun_s=config.mqfq_overrun_s,
-            mqfq_ttl_alpha=config.mqfq_ttl_alpha,
-            mqfq_swap_out=config.mqfq_swap_out,
-            torpor_alpha_period_s=config.torpor_alpha_period_s,
-            interference_aware_loads=config.interference_aware_loads,
             batching=batching,
             on_progress=advance,
             optimum=True,
+            **policy_options(config),
         )
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import pytest
 
 from gpufaas.profiles import ModelProfile, paper_table1
 from gpufaas.types import Request
-from simulator.engine import Batching, ClusterConfig, Jitter, SimResult, simulate
+from scheduler.policies import PolicyConfig
+from simulator.engine import Batching, ClusterConfig, Jitter, PolicyOptions, SimResult, policy_options, simulate
 from simulator.report import shipped_trace
 from simulator.workload import Workload, WorkloadConfig, build_workload, load_trace, zipf_workload
 
@@ -297,3 +299,11 @@ def test_the_latency_floor_is_the_calls_own_compute_and_no_policy_averages_below
         result = simulate(workload, policy, cluster=ClusterConfig(gpus=4, gpu_memory_mb=4000))
         assert result.floor_latency_s == pytest.approx(1.0)
         assert result.avg_latency_s >= result.floor_latency_s
+
+
+def test_policy_options_carry_every_option_of_a_policy_config() -> None:
+    config = PolicyConfig(mqfq_overrun_s=7.0, literal_visits=True, torpor_alpha_period_s=3.0)
+    options = policy_options(config)
+    assert set(options) == set(PolicyOptions.__annotations__) <= {f.name for f in dataclasses.fields(PolicyConfig)}
+    assert options["mqfq_overrun_s"] == 7.0 and options["literal_visits"] and options["torpor_alpha_period_s"] == 3.0
+    assert PolicyConfig(max_num_skips=config.max_num_skips, **options) == config
