@@ -34,7 +34,6 @@ from bench.peer_bench import (
     RunningCluster,
     bench_parser,
     count_misses,
-    descendants,
     gpufaas_cluster,
     gpufaas_load,
     parse_systems,
@@ -43,6 +42,7 @@ from bench.peer_bench import (
     run_and_report,
 )
 from gpufaas.credentials import SecretFiles, metrics_token, read_secret
+from gpufaas.processes import descendants
 
 REPO = Path(__file__).resolve().parent.parent
 FUNCTIONS = (40, 100, 200)

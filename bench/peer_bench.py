@@ -43,6 +43,7 @@ import httpx
 from bench.machine import run_metadata
 from gpufaas.credentials import SecretFiles, read_secret
 from gpufaas.dev.etcd_server import free_port
+from gpufaas.processes import descendants
 
 HERE = Path(__file__).resolve().parent
 PEER = HERE / "peer"
@@ -224,25 +225,6 @@ def ray_python(args: argparse.Namespace) -> Path:
         subprocess.run([sys.executable, "-m", "venv", str(args.ray_env)], check=True)
         subprocess.run([str(python), "-m", "pip", "install", "-q", *RAY_REQUIREMENTS], check=True)
     return python
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (from /proc), so that what a server leaves behind can be stopped
-    by PID (Ray's raylet and GCS start sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def signal_pids(pids: list[int], signum: signal.Signals) -> None:

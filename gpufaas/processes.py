@@ -1,4 +1,5 @@
-"""Whether a process lives: shared by the daemons (a node watching its workers) and the tooling."""
+"""Whether a process lives, and what runs below it: shared by the daemons (a node watching its
+workers), the tooling, the benches and the tests."""
 
 from __future__ import annotations
 
@@ -20,3 +21,22 @@ def pid_alive(pid: int) -> bool:
         if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
             return False
     return True
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc), so that what a server leaves behind can be found and
+    stopped by PID (a worker's children; Ray's raylet and GCS start sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

@@ -12,7 +12,7 @@ import pytest
 
 from gpufaas.dev.etcd_server import EtcdServer
 from gpufaas.dev.local_cluster import LocalCluster
-from gpufaas.processes import pid_alive
+from gpufaas.processes import descendants, pid_alive
 from tests.fixtures.make_packages import build_package
 
 
@@ -43,25 +43,6 @@ def etcd_endpoint(etcd_server: EtcdServer) -> EtcdTarget:
 
 
 ClusterFactory = Callable[..., LocalCluster]
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (a GPU manager's workers), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 @pytest.fixture

@@ -29,10 +29,11 @@ import pytest
 from gpufaas.cluster import NodeRecord
 from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.keys import Keys
+from gpufaas.processes import descendants
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import EtcdStore
 from gpufaas.wire import MessageType, connect
-from tests.integration.conftest import deploy, descendants
+from tests.integration.conftest import deploy
 from tests.integration.test_control_plane import wait_for
 
 pytestmark = pytest.mark.integration

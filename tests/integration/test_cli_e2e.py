@@ -14,8 +14,7 @@ import pytest
 import yaml
 
 from gpufaas.dev.local_cluster import free_port, recorded_pids, stop_recorded
-from gpufaas.processes import pid_alive
-from tests.integration.conftest import descendants
+from gpufaas.processes import descendants, pid_alive
 
 pytestmark = pytest.mark.integration
 
