@@ -415,3 +415,14 @@ def test_etcd_authentication_bootstrap_renewal_and_restart(tmp_path: Path) -> No
         asyncio.run(asyncio.wait_for(scenario(), timeout=40))
     finally:
         server.stop()
+
+
+def test_the_etcd_channel_keeps_alive_and_reconnects_quickly() -> None:
+    # A partition drops packets without a reset: only gRPC keepalive tells the channel its
+    # connection is gone, and a short backoff brings it back soon after the heal (docs/hosts.md).
+    client = EtcdStore("127.0.0.1:2379")._new_client()
+    options = dict(client._options)
+    assert options["grpc.keepalive_time_ms"] >= 5_000  # etcd refuses pings more often than 5 s
+    assert options["grpc.keepalive_timeout_ms"] <= 5_000
+    assert options["grpc.max_reconnect_backoff_ms"] <= 2_000
+    assert "grpc.keepalive_permit_without_calls" not in options  # etcd refuses pings on idle connections
