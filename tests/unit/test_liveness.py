@@ -71,7 +71,8 @@ def test_a_daemons_metrics_listener_answers_healthz_without_the_token_with_its_l
     async def ask(address: str, path: str) -> bytes:
         host, _, port = address.rpartition(":")
         reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        # Connection: close, so the answer ends with the connection (not at the keep-alive timeout).
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
         answer = await reader.read()
         writer.close()
         return answer
