@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gpu_manager import seccomp
 from gpu_manager.cgroups import Cgroups, Unavailable, open_cgroups, resident_mb, worker_group, worker_limits
 from gpu_manager.runtimes.base import KILL_WAIT_S, SPARE_RETRY_S, SPARE_START_TIMEOUT_S, STOP_GRACE_S, Runtime, log
 from gpu_manager.sandbox import (
@@ -127,7 +128,15 @@ class ProcessRuntime(Runtime):
     async def check(self) -> None:
         """Find the host's control groups (gpu_manager.cgroups) and clear what a previous
         incarnation of this node left in them (its workers' processes, detached ones included);
-        where there are none, say once what that leaves unbounded."""
+        where there are none, say once what that leaves unbounded; likewise where workers can get no
+        seccomp filter."""
+        no_filter = seccomp.unavailable_reason()
+        if no_filter is not None:
+            log.warning(
+                "no seccomp filter for workers here (%s): a function may make any system call its user may; "
+                "run the node on a Linux kernel with seccomp filters, outside a sandbox that refuses them",
+                no_filter,
+            )
         homes = self.isolation.homes_dir
         if homes is not None and self.isolation.per_package_users:
             cleared = await asyncio.to_thread(clear_homes, homes)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -16,9 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from gpu_manager import seccomp
 from gpu_manager.containers import LAYER_MOUNT, PACKAGE_MOUNT, POOL_MOUNT, SOCKET_MOUNT, SOCKET_NAME, ContainerSpec
 from gpu_manager.pool import ModelRun, RunResult, WeightsPlan, WorkerPool
 from gpu_manager.runtimes import make_runtime
+from gpu_manager.runtimes.base import log
+from gpu_manager.runtimes.process import ProcessRuntime
 from gpu_manager.sandbox import Isolation
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import Connection, Frame, MessageType
@@ -272,3 +276,22 @@ def test_a_container_over_its_memory_limit_answers_its_call_as_over_memory_and_i
         assert engine.closed  # the node's shutdown stops watching the engine
 
     asyncio.run(scenario())
+
+
+def test_a_node_whose_workers_can_get_no_seccomp_filter_says_so_once_at_start(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    runtime = ProcessRuntime(
+        backend="cpu", gpus={"gpu0": 0}, isolation=Isolation(users=False), max_body_bytes=1 << 20, closing=lambda: False
+    )
+    monkeypatch.setattr(seccomp, "unavailable_reason", lambda: "PR_SET_SECCOMP: EPERM")
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        asyncio.run(runtime.check())
+    (warning,) = [r.getMessage() for r in caplog.records if "seccomp" in r.getMessage()]
+    assert "no seccomp filter for workers here (PR_SET_SECCOMP: EPERM)" in warning
+
+    caplog.clear()
+    monkeypatch.setattr(seccomp, "unavailable_reason", lambda: None)
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        asyncio.run(runtime.check())
+    assert not [r for r in caplog.records if "seccomp" in r.getMessage()]
