@@ -38,6 +38,7 @@ from tests.integration.test_confinement import (
     latencies_ms,
     post,
     processes_of,
+    victim_under_a_spinner,
     wait_until_none,
 )
 from tests.integration.test_isolation import O_PATH, SECRET, node_address
@@ -356,29 +357,9 @@ def test_a_16_thread_spinner_in_a_container_leaves_another_function_answering(
     weighted 256x the other container took it from 8 to 265 ms, 32x). The process runtime's worker
     groups hold it to 1.5x (test_confinement.py)."""
     cluster = docker_cluster(make_cluster, gpus=2, gpu_memory_mb=4000)
-    deploy(cluster, "victim", "echo_function", tmp_path, memory_mb=100)
-    deploy(cluster, "rogue", "rogue_function", tmp_path, memory_mb=100)
-    assert post(cluster, "rogue").status_code == 200
-    latencies_ms(cluster, "victim", count=10)  # warm
-    idle = latencies_ms(cluster, "victim", count=60)
-    done = threading.Event()
-    answer: list[httpx.Response] = []
-
-    def spin() -> None:
-        try:
-            answer.append(post(cluster, "rogue", spin_threads=16, spin_s=8))
-        finally:
-            done.set()
-
-    spinner = threading.Thread(target=spin)
-    spinner.start()
-    time.sleep(1.0)  # its threads running
-    during = latencies_ms(cluster, "victim", until=done)  # each call must answer 200
-    spinner.join()
-    idle_p50, during_p50 = statistics.median(idle), statistics.median(during)
+    answer, idle_p50, during_p50 = victim_under_a_spinner(cluster, tmp_path)
     cpu = {c.name: c.attrs["HostConfig"]["CpuShares"] for c in containers("node0")}
-    print(f"victim p50 idle {idle_p50:.2f} ms, under a 16-thread spinner {during_p50:.2f} ms ({len(during)} calls)")
-    assert answer[0].status_code == 200 and answer[0].json()["spun"] == 16, answer[0].text
+    assert answer.status_code == 200 and answer.json()["spun"] == 16, answer.text
     assert during_p50 <= 5 * idle_p50, f"p50 {idle_p50:.2f} -> {during_p50:.2f} ms"
     assert len(cpu) == 2 and set(cpu.values()) == {CPU_SHARES}, cpu
 

@@ -79,19 +79,19 @@ print(json.dumps({"status": status, "pid": __import__("os").getpid(), "replies":
 """
 
 
+def run_script(script: str, *arguments: str) -> Any:
+    """Run `script` in a fresh interpreter at the repository's root; the JSON it printed."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, *arguments], cwd=REPO, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
 def run_emulated_worker(load: dict[str, Any], calls: list[tuple[str, str, bytes]]) -> dict[str, Any]:
     """Drive one emulated worker in a fresh interpreter (see WORKER_SCRIPT); what it did."""
     argument = json.dumps([load, [(call_id, ct, payload.decode("latin-1")) for call_id, ct, payload in calls]])
-    done = subprocess.run(
-        [sys.executable, "-c", WORKER_SCRIPT, argument],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    result: dict[str, Any] = json.loads(done.stdout)
+    result: dict[str, Any] = run_script(WORKER_SCRIPT, argument)
     return result
 
 
@@ -377,16 +377,7 @@ def test_the_warmup_setting_decides_whether_the_handlers_warmup_runs_after_the_l
     tmp_path: Path, settings: bytes, warmups: int
 ) -> None:
     (tmp_path / "handler.py").write_text(WARMUP_HANDLER)
-    done = subprocess.run(
-        [sys.executable, "-c", LOAD_WITH_SETTINGS, str(tmp_path), settings.decode()],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == warmups
+    assert run_script(LOAD_WITH_SETTINGS, str(tmp_path), settings.decode()) == warmups
 
 
 def test_worker_settings_travel_as_json_and_a_spec_carries_only_its_workers_fields() -> None:
