@@ -19,13 +19,13 @@ Run: `python -m bench.eviction_compare [--out bench/results/eviction_compare.jso
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.machine import run_metadata
+from bench.machine import results_parser, run_metadata, write_results
 from cache_manager import EvictionPolicy
 from gpufaas.profiles import paper_table1
 from simulator.engine import ClusterConfig, simulate
@@ -52,9 +52,7 @@ def workloads() -> list[tuple[str, Workload, ClusterConfig]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--out", type=Path, default=REPO / "bench/results/eviction_compare.json")
-    args = parser.parse_args(argv)
+    args = results_parser(__doc__, "eviction_compare.json").parse_args(argv)
     rows: list[dict[str, Any]] = []
     for name, workload, cluster in workloads():
         floor = workload_optimum(workload, cluster)
@@ -74,18 +72,20 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"metadata": run_metadata(), "rows": rows}, indent=2) + "\n")
-    print("| workload | eviction | miss ratio | floor | x floor | avg latency (s) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    write_results(args.out, {"metadata": run_metadata(), "rows": rows}, _table(rows))
+    return 0
+
+
+def _table(rows: list[dict[str, Any]]) -> Iterator[str]:
+    """The rows as a Markdown table."""
+    yield "| workload | eviction | miss ratio | floor | x floor | avg latency (s) |"
+    yield "| --- | --- | --- | --- | --- | --- |"
     for row in rows:
         floor_text = f"{row['optimal_miss_ratio']:.4f}" + ("" if row["optimal_exact"] else " (bound)")
-        print(
+        yield (
             f"| {row['workload']} | {row['eviction']} | {row['miss_ratio']:.4f} | {floor_text} | "
             f"{row['above_floor']} | {row['avg_latency_s']} |"
         )
-    print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,12 +1,16 @@
-"""What every benchmark records about the run: when, which commit, on what machine, how busy."""
+"""What every benchmark shares: what it records about the run (when, which commit, on what machine,
+how busy), its --out option, and how it writes its results."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import os
 import platform
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -51,3 +55,22 @@ def run_metadata(**extra: Any) -> dict[str, Any]:
         "loadavg_1min": load_average(),
         **extra,
     }
+
+
+def results_parser(doc: str | None, out_name: str) -> argparse.ArgumentParser:
+    """A benchmark's command line: its description (the first paragraph of `doc`) and --out, where
+    its JSON goes (bench/results/`out_name` by default); the caller adds its own options."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0] or None)
+    parser.add_argument("--out", type=Path, default=REPO / "bench/results" / out_name)
+    return parser
+
+
+def write_results(out: Path, document: object, summary: Iterable[str] = (), *, indent: int = 2) -> None:
+    """Write `document` as JSON to `out` (its folder made first), then print the lines of
+    `summary` and where the results went. `summary` is read after the file is written, so a
+    failure while printing it loses nothing."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(document, indent=indent) + "\n")
+    for line in summary:
+        print(line)
+    print(f"wrote {out}")

@@ -29,19 +29,19 @@ Run: `python -m bench.miss_bench [--out bench/results/miss_bench.json] [--misses
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.machine import run_metadata
+from bench.machine import results_parser, run_metadata, write_results
 from bench.overhead_bench import template_package
 from gpu_manager.pool import ModelRun, RunResult, WorkerPool
 from gpu_manager.staging import LocalPackages
@@ -280,8 +280,7 @@ def end_to_end(state_dir: Path, package: bytes, calls: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/miss_bench.json"))
+    parser = results_parser(__doc__, "miss_bench.json")
     parser.add_argument("--misses", type=int, default=40, help="misses per part")
     parser.add_argument("--calls", type=int, default=300, help="calls per kind, end to end")
     args = parser.parse_args(argv)
@@ -306,24 +305,27 @@ def main(argv: list[str] | None = None) -> int:
             and host["node_cpu_ms_per_call"] <= TARGET_HOST_MISS_NODE_CPU_MS,
         },
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print("CPU per miss from a spare (ms):")
+    write_results(args.out, report, _summary(report), indent=1)
+    return 0
+
+
+def _summary(report: dict[str, Any]) -> Iterator[str]:
+    """The report's figures, a line each."""
+    by_stage = report["miss_from_a_spare"]
+    yield "CPU per miss from a spare (ms):"
     for stage, value in by_stage["cpu_ms_per_miss"].items():
-        print(f"  {stage:<40} {value:>8}")
-    print("  wall p50 (ms): " + ", ".join(f"{k} {v['p50']}" for k, v in by_stage["wall_ms"].items()))
-    for kind, figures in from_host.items():
+        yield f"  {stage:<40} {value:>8}"
+    yield "  wall p50 (ms): " + ", ".join(f"{k} {v['p50']}" for k, v in by_stage["wall_ms"].items())
+    for kind, figures in report["pool_hit_and_miss_from_host"].items():
         if isinstance(figures, dict):
-            print(
-                f"pool {kind}: node CPU p50 {figures['node_cpu_ms']['p50']} ms, wall p50 {figures['wall_ms']['p50']} ms"
-            )
-    for kind, figures in http.items():
-        print(
+            cpu_ms, wall_ms = figures["node_cpu_ms"], figures["wall_ms"]
+            yield f"pool {kind}: node CPU p50 {cpu_ms['p50']} ms, wall p50 {wall_ms['p50']} ms"
+    for kind, figures in report["end_to_end"].items():
+        yield (
             f"end to end {kind}: p50 {figures['latency_ms']['p50']} ms, node CPU {figures['node_cpu_ms_per_call']} ms "
             f"per call, answers {figures['answers']}"
         )
-    print(f"targets met: {report['targets']['met']}; wrote {args.out}")
-    return 0
+    yield f"targets met: {report['targets']['met']}"
 
 
 if __name__ == "__main__":

@@ -12,19 +12,15 @@ Run: `python -m bench.mqfq_keepalive [--out bench/results/mqfq_keepalive.json]` 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-from pathlib import Path
 from typing import Any
 
-from bench.machine import run_metadata
+from bench.machine import results_parser, run_metadata, write_results
 from gpufaas.profiles import paper_table1
 from simulator.engine import ClusterConfig, SimResult, simulate
 from simulator.report import shipped_trace
 from simulator.workload import WorkloadConfig, build_workload, load_trace
 
-REPO = Path(__file__).resolve().parent.parent
 ALPHAS = (0.0, 0.5, 1.5, 3.0, 10.0, 1e9)  # 1e9: only flows with one call so far (a TTL of 0) go
 POINTS = {"paper (325 rpm, 8 GB)": (325, 8192), "loaded (450 rpm, 6 GB)": (450, 6144)}
 HOST_MB = 16384
@@ -44,9 +40,7 @@ def figures(result: SimResult) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--out", type=Path, default=REPO / "bench/results/mqfq_keepalive.json")
-    args = parser.parse_args(argv)
+    args = results_parser(__doc__, "mqfq_keepalive.json").parse_args(argv)
     trace = load_trace(shipped_trace(), "azure2019")
     report: dict[str, Any] = {"metadata": run_metadata(host_memory_mb_per_node=HOST_MB), "points": {}}
     for name, (rpm, gpu_memory_mb) in POINTS.items():
@@ -68,9 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"miss {row['miss_ratio']:.3f}  swap-ins {row['swap_ins_per_call']:.3f}  "
                 f"swap-outs {row['swap_outs']:>4}  GPU mem {row['avg_gpu_memory_gb']:>5.1f} GB"
             )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, report)
     return 0
 
 

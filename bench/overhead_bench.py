@@ -25,7 +25,6 @@ Run: `python -m bench.overhead_bench [--out bench/results/overhead_bench.json] [
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import shutil
@@ -34,12 +33,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.machine import run_metadata
+from bench.machine import results_parser, run_metadata, write_results
 from gpu_manager.pool import ModelRun, WorkerPool
 from gpu_manager.staging import LocalPackages
 from gpufaas.dev.local_cluster import LocalCluster
@@ -220,8 +220,7 @@ def bench_misses(url: str, package: bytes, functions: int, auth: httpx.Auth | No
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/overhead_bench.json"))
+    parser = results_parser(__doc__, "overhead_bench.json")
     parser.add_argument("--calls", type=int, default=400, help="calls per concurrency level")
     parser.add_argument("--misses", type=int, default=30, help="misses to time")
     args = parser.parse_args(argv)
@@ -241,10 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             "target_met": misses["loaded"]["end_to_end"]["p50_ms"] <= MISS_TARGET_MS,
         },
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    _print_report(rows, misses, target_met=bool(report["target_met"]))
-    print(f"wrote {args.out}")
+    write_results(args.out, report, _report_lines(rows, misses, target_met=bool(report["target_met"])))
     return 0
 
 
@@ -297,30 +293,29 @@ def _overhead_rows(gateway: dict[int, dict[str, float]], direct: dict[int, dict[
     return rows
 
 
-def _print_report(rows: list[dict[str, Any]], misses: dict[str, Any], *, target_met: bool) -> None:
-    print(
+def _report_lines(rows: list[dict[str, Any]], misses: dict[str, Any], *, target_met: bool) -> Iterator[str]:
+    """The overhead per concurrency level as a table, the verdict on the target, then the misses."""
+    yield (
         f"{'clients':>7} {'gw p50':>8} {'gw p99':>8} {'gw/s':>8} {'direct p50':>10} {'direct p99':>10} "
         f"{'direct/s':>9} {'ovh p50':>8} {'ovh p99':>8} {'in p50':>7} {'in p99':>7}  (ms)"
     )
     for row in rows:
         g, d = row["gateway"], row["direct"]
-        print(
+        yield (
             f"{row['clients']:>7} {g['p50_ms']:>8.2f} {g['p99_ms']:>8.2f} {g['throughput_per_s']:>8.0f} "
             f"{d['p50_ms']:>10.2f} {d['p99_ms']:>10.2f} {d['throughput_per_s']:>9.0f} "
             f"{row['overhead_p50_ms']:>8.2f} {row['overhead_p99_ms']:>8.2f} "
             f"{row['inside_overhead_p50_ms']:>7.2f} {row['inside_overhead_p99_ms']:>7.2f}"
         )
-    print(
+    yield (
         f"target (1 client: overhead p50 <= {TARGET_P50_MS} ms, p99 <= {TARGET_P99_MS} ms): "
         f"{'met' if target_met else 'NOT met'}"
     )
     for kind in ("loaded", "from_host"):
         if kind in misses:
             end_to_end = misses[kind]["end_to_end"]
-            print(
-                f"miss ({kind}) end to end: p50 {end_to_end['p50_ms']} ms, p90 {end_to_end['p90_ms']} ms; stages p50:"
-            )
-            print("  " + ", ".join(f"{stage} {v['p50_ms']} ms" for stage, v in misses[kind]["stages"].items()))
+            yield f"miss ({kind}) end to end: p50 {end_to_end['p50_ms']} ms, p90 {end_to_end['p90_ms']} ms; stages p50:"
+            yield "  " + ", ".join(f"{stage} {v['p50_ms']} ms" for stage, v in misses[kind]["stages"].items())
 
 
 if __name__ == "__main__":

@@ -18,16 +18,13 @@ its own inference time, so the same floor bounds them.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from bench.machine import git_commit
+from bench.machine import git_commit, results_parser, write_results
 from gpufaas.profiles import paper_table1
 from simulator.engine import ClusterConfig, SimResult, simulate
 from simulator.report import AGGREGATED_METRICS, shipped_trace
@@ -197,8 +194,7 @@ def run_point(rpm: int, memory_mb: int, mappings: Sequence[int | None], *, gpus_
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results/policy_compare.json"))
+    parser = results_parser(__doc__, "policy_compare.json")
     parser.add_argument(
         "--gpus-per-link",
         type=int,
@@ -226,25 +222,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "points": points,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(document, indent=2) + "\n")
+    write_results(args.out, document, _summary(points))
+    return 0
+
+
+def _summary(points: dict[str, dict[str, Any]]) -> Iterator[str]:
+    """Each point's rows, a line each, and its best configuration."""
     for name, point in points.items():
-        print(f"{name}: floor {point['floor_mean_inference_s']:.2f} s")
+        yield f"{name}: floor {point['floor_mean_inference_s']:.2f} s"
         for row in point["rows"]:
             lat, p99 = row["avg_latency_s"], row["p99_latency_s"]
-            print(
+            yield (
                 f"  {row['config']:33} avg {lat['mean']:7.2f} ± {lat['stdev']:5.2f} s  p99 {p99['mean']:7.2f} s  "
                 f"miss {row['miss_ratio']['mean']:.3f}  fn var {row['function_latency_variance']['mean']:8.2f}  "
                 f"SLO {row['slo_attainment']['mean']:.3f} fns {row['slo_functions_met']['mean']:.3f}  "
                 f"GPU mem {row['avg_gpu_memory_gb']['mean']:.1f} GB"
             )
-        print(
+        yield (
             f"  best {point['best']}: {point['best_speedup_vs_lalb_o3']:.2f}x lalb-o3, "
             f"{point['best_gap_closed_vs_lalb_o3']:.0%} of its latency above the floor; "
             f"at most {point['max_speedup_vs_lalb_o3_at_the_floor']:.2f}x at the floor"
         )
-    print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

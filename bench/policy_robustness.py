@@ -21,16 +21,13 @@ grows for every function, not because one function is passed over.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from bench.machine import git_commit
+from bench.machine import git_commit, results_parser, write_results
 from bench.policy_compare import MAPPINGS, POINTS, TIMING_SPREAD, trace_workloads
 from simulator.engine import ClusterConfig, simulate
 from simulator.report import compare_policies
@@ -169,9 +166,7 @@ def summary(runs: Sequence[dict[str, Any]], policies: Sequence[str]) -> dict[str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results/policy_robustness.json"))
-    args = parser.parse_args(argv)
+    args = results_parser(__doc__, "policy_robustness.json").parse_args(argv)
     started = time.perf_counter()
     policies = [p for p in compare_policies() if p != REFERENCE]
     runs = [
@@ -196,27 +191,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "violations": found,
         "runs": runs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(document, indent=2) + "\n")
+    write_results(args.out, document, _summary(runs, found))
+    return 0 if not found else 1
+
+
+def _summary(runs: list[dict[str, Any]], found: list[str]) -> Iterator[str]:
+    """Each run's lalb-o3 figures and every other policy's ratios to them, then the verdict."""
     for run in runs:
-        print(
+        yield (
             f"{run['window']}, {run['rpm']} rpm, {run['gpu_memory_mb']} MB: "
             f"lalb-o3 {run['lalb_o3_avg_latency_s']:.2f} s (p99 {run['lalb_o3_p99_latency_s']:.2f} s, "
             f"longest wait {run['lalb_o3_longest_wait_s']:.1f} s)"
         )
         for row in run["rows"]:
-            print(
+            yield (
                 f"  {row['policy']:12} avg {row['avg_ratio']:6.2f}x  p99 {row['p99_ratio']:6.2f}x  "
                 f"longest wait {row['longest_wait_s']:7.1f} s  starved {len(row['starved_functions'])}"
                 + ("  (the paper's, exempt)" if row["exempt"] else "")
             )
-    print(
-        "\n".join(found)
-        if found
-        else f"every policy but {', '.join(EXEMPT)} within {MAX_AVG_RATIO}x of lalb-o3, none starves"
-    )
-    print(f"wrote {args.out}")
-    return 0 if not found else 1
+    yield from found or [f"every policy but {', '.join(EXEMPT)} within {MAX_AVG_RATIO}x of lalb-o3, none starves"]
 
 
 if __name__ == "__main__":

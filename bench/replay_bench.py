@@ -15,7 +15,6 @@ Run: `python -m bench.replay_bench [--working-set 35] [--minutes 2] [--speedup 1
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime
 import json
@@ -28,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from bench.machine import results_parser, write_results
 from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.packages import build_package
 from gpufaas.profiles import ModelProfile, paper_table1
@@ -125,13 +125,12 @@ async def replay(url: str, workload: Workload, names: dict[str, str], headers: d
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = results_parser(__doc__, "replay_bench.json")
     parser.add_argument("--working-set", type=int, default=35)
     parser.add_argument("--minutes", type=int, default=2)
     parser.add_argument("--rpm", type=int, default=325)
     parser.add_argument("--speedup", type=float, default=10.0)
     parser.add_argument("--policies", default="lb,lalb,lalb-o3,mqfq-sticky,torpor")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/replay_bench.json"))
     args = parser.parse_args(argv)
     table: list[ModelProfile] = paper_table1()
     config = WorkloadConfig(working_set=args.working_set, minutes=args.minutes, rpm=args.rpm)
@@ -168,9 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "results": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, report)
     return 0
 
 

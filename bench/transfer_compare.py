@@ -17,16 +17,13 @@ bench/policy_compare.py.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from bench.machine import run_metadata
+from bench.machine import results_parser, run_metadata, write_results
 from bench.policy_compare import HOST_TIER_MB, MAPPINGS, SLO_FACTOR, TIMING_SPREAD
 from gpufaas.profiles import paper_table1
 from simulator.engine import ClusterConfig, SimResult, simulate
@@ -110,9 +107,7 @@ def run_point(rpm: int, memory_mb: int, mappings: Sequence[int | None]) -> list[
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results/transfer_compare.json"))
-    args = parser.parse_args(argv)
+    args = results_parser(__doc__, "transfer_compare.json").parse_args(argv)
     started = time.perf_counter()
     points = {name: run_point(rpm, memory_mb, MAPPINGS) for name, (rpm, memory_mb) in POINTS.items()}
     document = {
@@ -127,19 +122,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         "points": points,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(document, indent=2) + "\n")
+    write_results(args.out, document, _summary(points))
+    return 0
+
+
+def _summary(points: dict[str, list[dict[str, Any]]]) -> Iterator[str]:
+    """Each point's name, then its rows, a line each."""
     for name, rows in points.items():
-        print(name)
+        yield name
         for row in rows:
-            print(
+            yield (
                 f"  {row['config']:58} avg {row['avg_latency_s']['mean']:6.2f} ± {row['avg_latency_s']['stdev']:4.2f} s"
                 f"  p99 {row['p99_latency_s']['mean']:6.2f} s  miss {row['miss_ratio']['mean']:.3f}"
                 f"  swap-ins {row['swap_ins']['mean']:5.1f}  contended {row['contended_loads']['mean']:5.1f}"
                 f"  load {row['avg_load_s']['mean']:.2f} s"
             )
-    print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":
