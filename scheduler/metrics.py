@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -41,26 +41,17 @@ class SchedulerMetrics:
         self.failures = Counter(
             "gpufaas_scheduler_call_failures", "Attempts that ended other than OK, by outcome.", ["outcome"], registry=r
         )
-        self.queue_wait = Histogram(
-            "gpufaas_scheduler_queue_wait_seconds",
-            "Time a call waited before its placement.",
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
+
+        def seconds(name: str, documentation: str, labels: Sequence[str] = ()) -> Histogram:
+            """A histogram of durations in this registry, on the shared latency buckets."""
+            return Histogram(name, documentation, labels, buckets=LATENCY_BUCKETS_S, registry=r)
+
+        self.queue_wait = seconds("gpufaas_scheduler_queue_wait_seconds", "Time a call waited before its placement.")
+        measured = ("model", "gpu_type")  # what a node's timing is labelled with
+        self.load = seconds(
+            "gpufaas_load_seconds", "Model loads (or take-backs from host memory) as nodes measured them.", measured
         )
-        self.load = Histogram(
-            "gpufaas_load_seconds",
-            "Model loads (or take-backs from host memory) as nodes measured them.",
-            ["model", "gpu_type"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
-        )
-        self.inference = Histogram(
-            "gpufaas_inference_seconds",
-            "Batch inference times as nodes measured them.",
-            ["model", "gpu_type"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
-        )
+        self.inference = seconds("gpufaas_inference_seconds", "Batch inference times as nodes measured them.", measured)
 
     def applied(self, effect: object) -> None:
         """An effect the service carries out."""
