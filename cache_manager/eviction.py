@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from typing import ClassVar
 
-from gpufaas.errors import UnknownPolicy
+from gpufaas.types import Registry
 
 
 class EvictionPolicy(ABC):
@@ -17,7 +17,7 @@ class EvictionPolicy(ABC):
     Subclasses register under a short name: `class Foo(EvictionPolicy, name="foo")`.
     """
 
-    registry: ClassVar[dict[str, type[EvictionPolicy]]] = {}
+    registry: ClassVar[Registry[EvictionPolicy]] = Registry("eviction")
     name: ClassVar[str]
     # How many GPUs hold a model, for policies that weigh replicas (the cache manager sets it;
     # None: not known, count one).
@@ -25,10 +25,8 @@ class EvictionPolicy(ABC):
 
     def __init_subclass__(cls, *, name: str, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
-        if name in EvictionPolicy.registry:
-            raise ValueError(f"eviction policy {name!r} is registered twice")
+        EvictionPolicy.registry.register(name, cls)
         cls.name = name
-        EvictionPolicy.registry[name] = cls
 
     @abstractmethod
     def victim_order(
@@ -220,9 +218,4 @@ def _take_until(candidates: Iterable[tuple[str, int]], needed_mb: int) -> list[s
 
 def eviction_policy(name: str) -> EvictionPolicy:
     """Instantiate a registered eviction policy by name; unknown names list the valid ones."""
-    try:
-        cls = EvictionPolicy.registry[name]
-    except KeyError:
-        valid = ", ".join(sorted(EvictionPolicy.registry))
-        raise UnknownPolicy(f"unknown eviction policy {name!r}; valid policies: {valid}") from None
-    return cls()
+    return EvictionPolicy.registry.lookup(name)()

@@ -1,8 +1,14 @@
-"""Domain types shared by every role: requests, GPUs and models, as plain immutable values."""
+"""Domain types shared by every role: requests, GPUs and models, as plain immutable values, and
+the by-name registry of a policy family."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from gpufaas.errors import UnknownPolicy
+
+T = TypeVar("T")
 
 DEFAULT_BATCH_SIZE = 32
 """The batch size of the paper's profiles (Table I); a request carries its own."""
@@ -72,3 +78,26 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.memory_mb <= 0:
             raise ValueError(f"model {self.name!r}: memory_mb must be positive, got {self.memory_mb}")
+
+
+class Registry(dict[str, type[T]], Generic[T]):
+    """One policy family's classes by their short names ("lalb", "lru"): the family's base class
+    registers each subclass as it is defined, and a setting names one (`lookup`)."""
+
+    def __init__(self, family: str) -> None:
+        super().__init__()
+        self.family = family
+
+    def register(self, name: str, cls: type[T]) -> None:
+        """Add `cls` as `name`; ValueError if the name is taken (it would answer for two classes)."""
+        if name in self:
+            raise ValueError(f"{self.family} policy {name!r} is registered twice")
+        self[name] = cls
+
+    def lookup(self, name: str) -> type[T]:
+        """The class registered as `name`; UnknownPolicy, listing the valid names, if there is none."""
+        try:
+            return self[name]
+        except KeyError:
+            valid = ", ".join(sorted(self))
+            raise UnknownPolicy(f"unknown {self.family} policy {name!r}; valid policies: {valid}") from None

@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Protocol
 
 from pydantic import Field
 
-from gpufaas.errors import UnknownPolicy
-from gpufaas.types import Request
+from gpufaas.types import Registry, Request
 
 if TYPE_CHECKING:
     from cache_manager import CacheManager
@@ -174,15 +173,13 @@ class SchedulingPolicy(ABC):
     """Decides what an idle GPU runs next. Subclasses register by name:
     `class Foo(SchedulingPolicy, name="foo")`. A policy reads only its arguments."""
 
-    registry: ClassVar[dict[str, type[SchedulingPolicy]]] = {}
+    registry: ClassVar[Registry[SchedulingPolicy]] = Registry("scheduling")
     name: ClassVar[str]
 
     def __init_subclass__(cls, *, name: str, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
-        if name in SchedulingPolicy.registry:
-            raise ValueError(f"scheduling policy {name!r} is registered twice")
+        SchedulingPolicy.registry.register(name, cls)
         cls.name = name
-        SchedulingPolicy.registry[name] = cls
 
     @classmethod
     def from_config(cls, config: PolicyConfig) -> SchedulingPolicy:
@@ -232,10 +229,5 @@ def registered_policies() -> list[str]:
 
 def make_policy(name: str, config: PolicyConfig | None = None) -> SchedulingPolicy:
     """Build a registered policy by name; an unknown name is an error listing the valid ones."""
-    try:
-        cls = SchedulingPolicy.registry[name]
-    except KeyError:
-        raise UnknownPolicy(
-            f"unknown scheduling policy {name!r}; valid policies: {', '.join(registered_policies())}"
-        ) from None
+    cls = SchedulingPolicy.registry.lookup(name)
     return cls.from_config(config if config is not None else PolicyConfig())
