@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,17 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
     path = tmp_path / name
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def assert_rejected(load: Callable[[Path], object], path: Path, where: str, what: str) -> None:
+    """`load(path)` raises InvalidInput naming the place (`where`), the fault (`what`) and what
+    was expected."""
+    with pytest.raises(InvalidInput) as raised:
+        load(path)
+
+    assert where in str(raised.value)
+    assert what in str(raised.value)
+    assert "expected" in str(raised.value)
 
 
 def make_trace(counts: dict[str, dict[int, int]], minutes: list[int]) -> TraceCounts:
@@ -133,14 +145,7 @@ def test_load_azure2021_minutes_span_gaps(tmp_path: Path) -> None:
     ],
 )
 def test_load_azure2019_rejects_bad_input(tmp_path: Path, text: str, where: str, what: str) -> None:
-    path = write(tmp_path, "bad.csv", text)
-
-    with pytest.raises(InvalidInput) as raised:
-        load_azure2019(path)
-
-    assert where in str(raised.value)
-    assert what in str(raised.value)
-    assert "expected" in str(raised.value)
+    assert_rejected(load_azure2019, write(tmp_path, "bad.csv", text), where, what)
 
 
 @pytest.mark.parametrize(
@@ -158,14 +163,7 @@ def test_load_azure2019_rejects_bad_input(tmp_path: Path, text: str, where: str,
     ],
 )
 def test_load_azure2021_rejects_bad_input(tmp_path: Path, text: str, where: str, what: str) -> None:
-    path = write(tmp_path, "bad.txt", text)
-
-    with pytest.raises(InvalidInput) as raised:
-        load_azure2021(path)
-
-    assert where in str(raised.value)
-    assert what in str(raised.value)
-    assert "expected" in str(raised.value)
+    assert_rejected(load_azure2021, write(tmp_path, "bad.txt", text), where, what)
 
 
 def test_csv_error_names_its_line(tmp_path: Path) -> None:
