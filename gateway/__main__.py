@@ -40,7 +40,8 @@ def credentials(parser: argparse.ArgumentParser, settings: GatewaySettings, secr
 def gateway_config(settings: GatewaySettings, secret: str | None, who: Credentials | None) -> GatewayConfig:
     return GatewayConfig(
         state_dir=settings.state_dir,
-        public_url=settings.public_url or f"http://{settings.host}:{settings.port}",
+        public_url=settings.public_url
+        or f"{'https' if settings.public_cert_file else 'http'}://{settings.host}:{settings.port}",
         scheduler_address=settings.scheduler,
         blob_listen=settings.blob_listen or f"{settings.host}:0",
         blob_advertise=settings.blob_advertise,
@@ -58,8 +59,11 @@ async def serve(settings: GatewaySettings, config: GatewayConfig, etcd_creds: Et
     try:
         app = create_app(store, config)
         limits = settings.http_limits
+        tls: dict[str, str] = {}
+        if settings.public_cert_file is not None and settings.public_key_file is not None:
+            tls = {"ssl_certfile": str(settings.public_cert_file), "ssl_keyfile": str(settings.public_key_file)}
         server = uvicorn.Server(
-            server_config(app, host=settings.host, port=settings.port, limits=limits, log_level="warning")
+            server_config(app, host=settings.host, port=settings.port, limits=limits, log_level="warning", **tls)
         )
         await server.serve()
     finally:

@@ -62,9 +62,20 @@ class GatewaySettings(DaemonSettings):
         default=KEEP_ALIVE_TIMEOUT_S, description="a connection with no request under way is closed after this"
     )
 
+    public_cert_file: Path | None = Field(
+        default=None,
+        description="serve the public port over HTTPS with this certificate chain (PEM; one a client trusts, "
+        "not the cluster CA's) and --public-key-file (default: plain HTTP)",
+    )
+    public_key_file: Path | None = Field(
+        default=None, description="the private key of --public-cert-file (PEM, mode 0600)"
+    )
+
     @model_validator(mode="after")
     def _limits_valid(self) -> GatewaySettings:
         self.http_limits  # noqa: B018 (its ValueError says what is wrong)
+        if (self.public_cert_file is None) != (self.public_key_file is None):
+            raise ValueError("--public-cert-file and --public-key-file go together: pass both or neither")
         return self
 
     @property

@@ -17,7 +17,12 @@ space) and receives into large buffers that another thread hashes (gpufaas.blobs
 a blob crosses loopback at a few GB/s. The same bytes may also go through the gateway's API
 (`PUT /system/blobs/...`): slower, but it needs no second port.
 
-Every request needs an Authorization header that the holder's `authorize` accepts.
+Every request needs an Authorization header that the holder's `authorize` accepts. With TLS
+(gpufaas.tls: the process's link TLS unless one is passed), the server takes only clients showing
+a certificate of the cluster CA whose role belongs there (a node fetching), and the client checks
+the holder's the same way; the sendfile path then becomes TLS writes (the bytes are encrypted in
+user space). A client without a certificate (the CLI) is refused and uploads through the
+gateway's API instead.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpufaas.blobs import BlobBusy, BlobStore, BlobWriter, CorruptBlob
 from gpufaas.packages import DIGEST_PATTERN, InvalidPackage
+from gpufaas.tls import LinkTls, PeerRefused, process_links
 
 log = logging.getLogger("gpufaas.blobnet")
 
@@ -46,6 +53,7 @@ UPLOAD_OFFSET = "Upload-Offset"
 SEND_CHUNK_BYTES = 16 << 20  # sendfile per call: progress is reported this often
 HEADER_LIMIT_BYTES = 16 << 10
 DEFAULT_TIMEOUT_S = 60.0
+HANDSHAKE_S = 10.0  # a TLS client that has not finished its handshake by then is cut off
 _PATH = re.compile(r"/blobs/(" + DIGEST_PATTERN.pattern + r")")
 _RANGE = re.compile(r"bytes=(\d+)-$")
 
@@ -68,7 +76,8 @@ class TransferError(InvalidPackage):
 class BlobServer:
     """Serves `store` on a port of its own (threads; see the module docstring). `accept_uploads`:
     take PUTs (the gateway), up to `max_blob_bytes` each; `on_stored(digest)` runs (in the
-    connection's thread) after each blob an upload completed."""
+    connection's thread) after each blob an upload completed. `tls`: True, the process's link TLS
+    (plain where none); False, plain; or the one given."""
 
     def __init__(
         self,
@@ -78,12 +87,12 @@ class BlobServer:
         accept_uploads: bool = False,
         max_blob_bytes: int = 1 << 40,
         on_stored: Callable[[str], None] | None = None,
+        tls: LinkTls | bool = True,
     ) -> None:
-        self.store = store
-        self.authorize = authorize
+        self.store, self.authorize, self.on_stored = store, authorize, on_stored
         self.accept_uploads = accept_uploads
         self.max_blob_bytes = max_blob_bytes
-        self.on_stored = on_stored
+        self.tls = _links(tls)
         self.bytes_sent = 0  # for metrics; a racy sum across threads is fine for a counter
         self.bytes_received = 0
         self._server: _ThreadingServer | None = None
@@ -108,12 +117,31 @@ class BlobServer:
             self._server = None
 
 
+def _links(tls: LinkTls | bool) -> LinkTls | None:
+    return process_links() if tls is True else (tls or None)
+
+
 class _ThreadingServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
     block_on_close = False
     allow_reuse_address = True
     request_queue_size = 128
     blob_server: BlobServer
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        """Under TLS: the handshake and the peer's role checked in the connection's own thread
+        (a slow or hostile client holds up only itself), then the request."""
+        links = self.blob_server.tls
+        if links is not None:
+            request.settimeout(HANDSHAKE_S)
+            try:
+                request = links.server.wrap_socket(request, server_side=True)
+                links.check(request.getpeercert(), "blob-server")
+            except (OSError, PeerRefused) as exc:
+                log.warning("blob client %s refused: %s", client_address[0], exc)
+                request.close()
+                return
+        super().finish_request(request, client_address)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -300,17 +328,28 @@ class _Reply:
 class _Connection:
     """One HTTP/1.1 connection to a holder (blocking)."""
 
-    def __init__(self, base_url: str, timeout_s: float) -> None:
+    def __init__(self, base_url: str, timeout_s: float, tls: LinkTls | bool = True) -> None:
+        """Under TLS (the process's, unless `tls` says) the holder is reached over TLS whatever
+        the URL's scheme says (holders advertise http:// URLs), and its role checked."""
         url = urllib.parse.urlsplit(base_url)
-        if url.scheme != "http" or not url.hostname:
+        if url.scheme not in ("http", "https") or not url.hostname:
             raise TransferError(f"{base_url!r} is not an http://HOST:PORT blob address")
         self.host = url.netloc
         self.prefix = url.path.rstrip("/")
+        links = _links(tls)
         try:
-            self.sock = socket.create_connection((url.hostname, url.port or 80), timeout=timeout_s)
+            sock = socket.create_connection((url.hostname, url.port or 80), timeout=timeout_s)
         except OSError as exc:
             raise TransferError(f"cannot reach the blob holder at {base_url}: {exc}") from None
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if links is not None:
+                sock = links.client.wrap_socket(sock)
+                links.check(sock.getpeercert(), "blob-client")
+        except (OSError, PeerRefused) as exc:
+            sock.close()
+            raise TransferError(f"the blob holder at {base_url} is not one of this cluster's: {exc}") from None
+        self.sock = sock
         self._buffer = b""
 
     def close(self) -> None:
@@ -385,16 +424,18 @@ def fetch_blob(
     *,
     authorization: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    tls: LinkTls | bool = True,
 ) -> Path:
     """Bring blob `digest` (of `size` bytes) from the holder at `base_url` into `store`, verified
-    on the way; resumes a partial an earlier fetch left. Returns the blob's path. TransferError
+    on the way; resumes a partial an earlier fetch left (over TLS as `_Connection` says, `tls`
+    as for `BlobServer`). Returns the blob's path. TransferError
     when the holder refuses or breaks off (what arrived is kept), CorruptBlob when the bytes are
     not the blob's (nothing kept), BlobBusy when another fetch of it runs."""
     existing = store.path(digest)
     if existing is not None:
         return existing
     with store.writer(digest, size) as writer:
-        conn = _Connection(base_url, timeout_s)
+        conn = _Connection(base_url, timeout_s, tls)
         try:
             headers = {"Authorization": authorization} if authorization else {}
             if writer.offset:

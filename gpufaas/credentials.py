@@ -22,12 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpufaas.errors import GpufaasError
+from gpufaas.tls import InDirectory, TlsFiles, ensure_tls
 
 ADMIN_USER = "admin"
 CLUSTER_SECRET_FILE = "cluster-secret"
 ADMIN_PASSWORD_FILE = "admin-password"
 INVOKE_TOKEN_FILE = "invoke-token"
 ETCD_PASSWORD_FILE = "etcd-password"  # etcd's root user: the daemons authenticate to etcd with it
+TLS_DIR = "tls"  # the cluster CA and a certificate per daemon role (gpufaas.tls)
 METRICS_TOKEN_FILE = "metrics-token"  # derived (metrics_token): what a Prometheus server scrapes with
 _SECRET_BYTES = 32
 
@@ -41,27 +43,21 @@ class SecretFiles:
     """The credential files of one cluster, in one directory (mode 0700, files 0600)."""
 
     directory: Path
+    cluster_secret = InDirectory(CLUSTER_SECRET_FILE)
+    admin_password = InDirectory(ADMIN_PASSWORD_FILE)
+    invoke_token = InDirectory(INVOKE_TOKEN_FILE)
+    etcd_password = InDirectory(ETCD_PASSWORD_FILE)
 
     @property
-    def cluster_secret(self) -> Path:
-        return self.directory / CLUSTER_SECRET_FILE
-
-    @property
-    def admin_password(self) -> Path:
-        return self.directory / ADMIN_PASSWORD_FILE
-
-    @property
-    def invoke_token(self) -> Path:
-        return self.directory / INVOKE_TOKEN_FILE
-
-    @property
-    def etcd_password(self) -> Path:
-        return self.directory / ETCD_PASSWORD_FILE
+    def tls(self) -> TlsFiles:
+        """The cluster CA and the daemons' certificates (gpufaas.tls), in `tls/`."""
+        return TlsFiles(self.directory / TLS_DIR)
 
 
-def ensure_secrets(directory: Path) -> SecretFiles:
-    """The credential files in `directory`, each made (random, mode 0600) if absent; existing
-    ones are kept, so a restarted cluster keeps its credentials."""
+def ensure_secrets(directory: Path, *, tls_hosts: tuple[str, ...] = ()) -> SecretFiles:
+    """The credential files in `directory`, each made (random, mode 0600) if absent, and the
+    cluster's TLS files in its `tls/` (`tls_hosts`: addresses the certificates carry beside
+    loopback); existing ones are kept, so a restarted cluster keeps its credentials."""
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
     files = SecretFiles(directory)
@@ -72,6 +68,7 @@ def ensure_secrets(directory: Path) -> SecretFiles:
             continue
         with os.fdopen(fd, "w") as out:
             out.write(secrets.token_urlsafe(_SECRET_BYTES) + "\n")
+    ensure_tls(files.tls.directory, hosts=tls_hosts)
     return files
 
 

@@ -1,5 +1,5 @@
-"""What every gpufaas daemon shares at start: its credentials checked, logging, signals, a clean stop
-(its flags are its settings model: gpufaas.settings)."""
+"""What every gpufaas daemon shares at start: its credentials checked, its links' TLS configured,
+logging, signals, a clean stop (its flags are its settings model: gpufaas.settings)."""
 
 from __future__ import annotations
 
@@ -10,19 +10,24 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from gpufaas.credentials import CredentialError, read_secret
+from gpufaas.credentials import TLS_DIR, CredentialError, read_secret
 from gpufaas.errors import GpufaasError
+from gpufaas.tls import LinkTls, TlsError, TlsFiles, configure, etcd_client_files
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from gpufaas.metrics import MetricsServer
     from gpufaas.settings import DaemonSettings
-    from gpufaas.store import EtcdCredentials, EtcdStore
+    from gpufaas.store import EtcdCredentials, EtcdStore, EtcdTls
 
 S = TypeVar("S", bound="DaemonSettings")
+# The role each daemon's certificate names (gpufaas.tls), by the package its settings live in.
+_ROLES = {"gateway": "gateway", "scheduler": "scheduler", "gpu_manager": "node"}
+_etcd_tls: dict[str, EtcdTls] = {}  # "tls": what `open_store` reaches etcd with, set by `configure_tls`
 
 
 async def start_metrics(registry: CollectorRegistry, listen: str | None, secret: str | None) -> MetricsServer | None:
@@ -72,11 +77,57 @@ def etcd_credentials(parser: argparse.ArgumentParser, args: DaemonSettings) -> E
         parser.error(str(exc))
 
 
+def tls_directory(parser: argparse.ArgumentParser, settings: DaemonSettings, role: str) -> Path | None:
+    """Where the daemon's TLS files are: --tls-dir, else the secret file's directory's tls/ where
+    it holds this role's certificate (None: plain links, said in the log; with --insecure, always)."""
+    if settings.insecure:
+        if settings.tls_dir is not None or settings.etcd_tls:
+            parser.error("--insecure excludes --tls-dir and --etcd-tls")
+        return None
+    if settings.tls_dir is not None:
+        return settings.tls_dir
+    default = settings.secret_file.parent / TLS_DIR if settings.secret_file is not None else None
+    if default is None or not TlsFiles(default).cert(role).exists():
+        if settings.etcd_tls:
+            parser.error("--etcd-tls needs the cluster's TLS files: pass --tls-dir")
+        logging.getLogger("gpufaas").warning(
+            "no TLS files at %s: links to the other daemons are not encrypted (`python -m gpufaas.credentials "
+            "SECRETS_DIR` makes them)",
+            default,
+        )
+        return None
+    return default
+
+
+def configure_tls(parser: argparse.ArgumentParser, settings: DaemonSettings, role: str) -> LinkTls | None:
+    """Load the daemon's certificate and set this process's link TLS (gpufaas.tls.configure) and
+    etcd TLS (`open_store`); a usage error naming the file where one is missing or unsafe. The
+    gateway expects the scheduler's role at --scheduler's address."""
+    from gpufaas.store import EtcdTls
+
+    directory = tls_directory(parser, settings, role)
+    links = None
+    if directory is not None:
+        scheduler = getattr(settings, "scheduler", None)
+        pinned = {scheduler: "scheduler"} if role == "gateway" and isinstance(scheduler, str) else {}
+        try:
+            links = LinkTls.load(directory, role, pinned=pinned)
+            if settings.etcd_tls:
+                _etcd_tls["tls"] = EtcdTls(*etcd_client_files(directory, role))
+        except TlsError as exc:
+            parser.error(str(exc))
+    configure(links)
+    return links
+
+
 async def open_store(endpoint: str, credentials: EtcdCredentials | None) -> EtcdStore:
-    """The daemon's etcd handle; with credentials, etcd's authentication is turned on if it is off."""
+    """The daemon's etcd handle; with credentials, etcd's authentication is turned on if it is off.
+    Over TLS when the daemon was started with --etcd-tls (`configure_tls`)."""
     from gpufaas.store import EtcdStore
 
-    return await EtcdStore.open(endpoint, credentials=credentials, enable_auth=credentials is not None)
+    return await EtcdStore.open(
+        endpoint, credentials=credentials, enable_auth=credentials is not None, tls=_etcd_tls.get("tls")
+    )
 
 
 def warn_if_insecure(args: DaemonSettings, name: str) -> None:
@@ -129,13 +180,14 @@ class ListenSettings(Protocol):
 def daemon_start(
     settings_class: type[S], prog: str, description: str, argv: list[str] | None
 ) -> tuple[argparse.ArgumentParser, S, str | None, EtcdCredentials | None]:
-    """A daemon's first steps: its settings from `argv`, its cluster secret and etcd credentials
-    (a usage error where they are missing or unsafe), logging configured."""
+    """A daemon's first steps: its settings from `argv`, its cluster secret, etcd credentials and
+    TLS (a usage error where they are missing or unsafe; `configure_tls`), logging configured."""
     parser = settings_class.parser(prog, description)
     settings = settings_class.from_namespace(parser, parser.parse_args(argv))
     secret = cluster_secret(parser, settings)
     etcd_creds = etcd_credentials(parser, settings)
     configure_logging(settings.log_level)
+    configure_tls(parser, settings, _ROLES.get(settings_class.__module__.partition(".")[0], "node"))
     return parser, settings, secret, etcd_creds
 
 

@@ -165,7 +165,20 @@ class DaemonSettings(BaseSettings):
         "etcd must be reachable by the daemons only (loopback, or a network of their own)",
     )
     insecure: bool = Field(
-        default=False, description="no credentials on any interface: development on a machine nobody else uses"
+        default=False,
+        description="no credentials and no TLS on any interface: development on a machine nobody else uses",
+    )
+    tls_dir: Path | None = Field(
+        default=None,
+        validation_alias="GPUFAAS_TLS_DIR",
+        description="the cluster CA and the daemons' certificates (or $GPUFAAS_TLS_DIR): links to the other daemons "
+        "are TLS, both ends checked (default: the secret file's directory's tls/, where `python -m "
+        "gpufaas.credentials` makes them; without one, links are not encrypted and the daemon says so)",
+    )
+    etcd_tls: bool = Field(
+        default=False,
+        description="reach etcd over TLS, showing this daemon's certificate from the TLS directory (etcd started "
+        "with the cluster's etcd certificate and --client-cert-auth)",
     )
 
     # --- the command line, derived ------------------------------------------------------------

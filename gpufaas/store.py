@@ -22,7 +22,7 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypedDict, TypeVar, Unpack
 
 import aetcd
 import aetcd.exceptions
@@ -222,6 +222,61 @@ class EtcdCredentials:
     password: str = field(repr=False)
 
 
+@dataclass(frozen=True, slots=True)
+class EtcdTls:
+    """TLS to etcd: the cluster CA (PEM) etcd's certificate must be signed by, and the client
+    certificate and key this process shows (etcd runs with --client-cert-auth). etcd's certificate
+    is checked for the name `etcd` (gpufaas.tls.ETCD_NAME) whatever address is dialled."""
+
+    ca_pem: bytes
+    cert_pem: bytes
+    key_pem: bytes = field(repr=False)
+
+
+class StoreOptions(TypedDict, total=False):
+    """How `EtcdStore` reaches etcd (see its docstring)."""
+
+    timeout_s: float
+    credentials: EtcdCredentials | None
+    enable_auth: bool
+    tls: EtcdTls | None
+
+
+class _TlsClient(aetcd.Client):  # type: ignore[misc]  # aetcd is untyped
+    """aetcd's client on a TLS channel: aetcd 1.0 opens only plaintext ones, so the channel is
+    made here and the rest of aetcd's connect (login, stubs, watcher) is done as it does it."""
+
+    def __init__(self, tls: EtcdTls, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        import grpc
+
+        self._tls_credentials = grpc.ssl_channel_credentials(tls.ca_pem, tls.key_pem, tls.cert_pem)
+
+    @aetcd.client._handle_errors  # type: ignore[untyped-decorator]
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        import grpc.aio
+
+        from gpufaas.tls import ETCD_NAME
+
+        rpc: Any = aetcd.rpc
+        options = [*self._options.items(), ("grpc.ssl_target_name_override", ETCD_NAME)]
+        self.channel = grpc.aio.secure_channel(f"{self._host}:{self._port}", self._tls_credentials, options=options)
+        if self._username is not None and self._password is not None:
+            self.auth_stub = rpc.AuthStub(self.channel)
+            request = rpc.AuthenticateRequest(name=self._username, password=self._password)
+            self.metadata = (("token", (await self.auth_stub.Authenticate(request, timeout=self._timeout)).token),)
+        self.kvstub = rpc.KVStub(self.channel)
+        self.clusterstub = rpc.ClusterStub(self.channel)
+        self.leasestub = rpc.LeaseStub(self.channel)
+        self.maintenancestub = rpc.MaintenanceStub(self.channel)
+        self._watcher = aetcd.client.watcher.Watcher(
+            rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
+        )
+        self._connected.set()
+
+
 # etcd answers these when a token is no longer valid (a simple token expires after --auth-token-ttl
 # of disuse, 300 s by default, and on every etcd restart); aetcd authenticates once per channel and
 # never again, so EtcdStore re-authenticates and retries once.
@@ -265,6 +320,7 @@ class EtcdStore:
         timeout_s: float = 5.0,
         credentials: EtcdCredentials | None = None,
         enable_auth: bool = False,
+        tls: EtcdTls | None = None,
     ) -> None:
         host, sep, port = endpoint.rpartition(":")
         if not sep or not host or not port.isdigit():
@@ -273,33 +329,31 @@ class EtcdStore:
         self._timeout_s = timeout_s
         self._credentials = credentials
         self._enable_auth = enable_auth and credentials is not None
+        self._tls = tls
         self._client = self._new_client()
         self._closed = False
         self._renewing: asyncio.Lock | None = None
 
-    def _new_client(self) -> aetcd.Client:
+    def _new_client(self, *, login: bool = True) -> aetcd.Client:
+        """A client of this store's etcd (over TLS where the store has it); `login`: with the
+        store's credentials."""
         host, _, port = self.endpoint.rpartition(":")
-        creds = self._credentials
-        return aetcd.Client(
-            host=host,
-            port=int(port),
-            timeout=self._timeout_s,
-            username=creds.user if creds else None,
-            password=creds.password if creds else None,
-            options=ETCD_CHANNEL_OPTIONS,
-        )
+        creds = self._credentials if login else None
+        options: dict[str, Any] = {
+            "host": host,
+            "port": int(port),
+            "timeout": self._timeout_s,
+            "username": creds.user if creds else None,
+            "password": creds.password if creds else None,
+            "options": ETCD_CHANNEL_OPTIONS,
+        }
+        return aetcd.Client(**options) if self._tls is None else _TlsClient(self._tls, **options)
 
     @classmethod
-    async def open(
-        cls,
-        endpoint: str = "127.0.0.1:2379",
-        *,
-        timeout_s: float = 5.0,
-        credentials: EtcdCredentials | None = None,
-        enable_auth: bool = False,
-    ) -> EtcdStore:
-        """A connected store; StoreError if etcd does not answer (or refuses the credentials)."""
-        store = cls(endpoint, timeout_s=timeout_s, credentials=credentials, enable_auth=enable_auth)
+    async def open(cls, endpoint: str = "127.0.0.1:2379", **options: Unpack[StoreOptions]) -> EtcdStore:
+        """A connected store; StoreError if etcd does not answer (or refuses the credentials or
+        the certificate)."""
+        store = cls(endpoint, **options)
         try:
             await store.connect()
         except BaseException:
@@ -331,8 +385,7 @@ class EtcdStore:
         creds = self._credentials
         if creds.user != "root":
             raise StoreError(f"etcd at {self.endpoint} has no authentication; only user 'root' can enable it")
-        host, _, port = self.endpoint.rpartition(":")
-        bare = aetcd.Client(host=host, port=int(port), timeout=self._timeout_s)
+        bare = self._new_client(login=False)
         rpc: Any = aetcd.rpc  # generated protobuf and stubs, untyped
         try:
             with _etcd_errors("enable auth"):

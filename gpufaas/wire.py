@@ -44,6 +44,13 @@ closes with ConnectionLost (ETIMEDOUT) and its waiting requests fail at once. Th
 frame (the probes are the kernel's, sent only on a silent connection); a peer process that is alive
 but stuck keeps its kernel answering and is not detected (the callers' deadlines cover it).
 
+Encryption: with TLS (gpufaas.tls; a daemon configures its links once at start, and `connect` and
+`Server` use that unless given `tls`), every connection is TLS 1.3, both ends show a certificate
+of the cluster CA, and each checks that the other's role belongs on the link (a node's
+certificate is refused where the scheduler is expected). The key handshake above still runs
+inside it: it binds the link to this cluster's secret, so a leaked certificate alone opens
+nothing (docs/security.md).
+
 Errors: `ConnectionLost` (OSError) when the connection closed under a request or a send;
 `RemoteError` when the peer answered a request with an Error message; `FrameTooLarge`
 (ConnectionLost) when a frame over the limit was announced.
@@ -62,13 +69,15 @@ import logging
 import math
 import os
 import socket
+import ssl
 import struct
-from collections.abc import Callable
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
 from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.tls import LinkTls, PeerRefused, process_links
 
 log = logging.getLogger("gpufaas.wire")
 
@@ -266,10 +275,12 @@ class Connection(asyncio.BufferedProtocol):
         server: bool = False,
         handshake_s: float | None = None,
         dead_after_s: float | None = DEAD_AFTER_S,
+        peer_check: Callable[[Mapping[str, Any] | None], str] | None = None,
     ) -> None:
         """`handshake_s`: how long a server end waits for the peer's proof (None: HANDSHAKE_S);
         `dead_after_s`: how soon a silent TCP peer is given up on (`keepalive_options`; None: never,
-        the kernel's defaults; ignored on a Unix socket)."""
+        the kernel's defaults; ignored on a Unix socket); `peer_check`: a TLS server end's check of
+        the peer's certificate (`LinkTls.check`: its role, or PeerRefused, which closes the connection)."""
         if dead_after_s is not None:
             keepalive_options(dead_after_s)  # a bad value is refused here, not on the first connection
         self.handler = handler
@@ -301,6 +312,8 @@ class Connection(asyncio.BufferedProtocol):
         self._handshake_s = handshake_s
         self._dead_after_s = dead_after_s
         self.on_authenticated: Callable[[Connection], None] | None = None  # server end: told once
+        self._peer_check = peer_check
+        self.peer_role: str | None = None  # the role the peer's TLS certificate names (TLS only)
 
     # --- asyncio protocol ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -308,6 +321,8 @@ class Connection(asyncio.BufferedProtocol):
         self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "")
+        if self._peer_check is not None and not self._peer_allowed(transport):
+            return
         sock = transport.get_extra_info("socket")
         if self._dead_after_s is not None and sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             for level, option, value in keepalive_options(self._dead_after_s):
@@ -317,6 +332,18 @@ class Connection(asyncio.BufferedProtocol):
             self.send(MessageType.HELLO, pb.Hello(nonce=self._server_nonce))
             handshake_s = HANDSHAKE_S if self._handshake_s is None else self._handshake_s
             self._loop.call_later(handshake_s, self._handshake_expired, handshake_s)
+
+    def _peer_allowed(self, transport: asyncio.BaseTransport) -> bool:
+        assert self._peer_check is not None
+        try:
+            self.peer_role = self._peer_check(transport.get_extra_info("peercert"))
+        except PeerRefused as exc:
+            error_counts["auth"] += 1
+            log.warning("connection %s refused: %s", self.peer, exc)
+            transport.abort()  # type: ignore[attr-defined]  # every stream transport has it
+            self._fail_all(Unauthenticated(str(exc)))
+            return False
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail_all(exc)
@@ -586,6 +613,7 @@ class Connection(asyncio.BufferedProtocol):
             self._hello.set_exception(
                 ConnectionLost(f"connection to {self.peer or 'peer'} closed during the handshake")
             )
+            self._hello.exception()  # seen: a client refused before its handshake never awaits it
         self._can_write.set()
         self._out.clear()
         lost = ConnectionLost(f"connection to {self.peer or 'peer'} closed" + (f": {exc}" if exc else ""))
@@ -624,13 +652,19 @@ async def connect(
     timeout_s: float = 5.0,
     key: bytes | None = None,
     dead_after_s: float | None = DEAD_AFTER_S,
+    tls: LinkTls | bool = True,
+    peer_role: str | None = None,
 ) -> Connection:
     """Open a connection to "host:port" (proving `key` to the server, and checking its proof,
     when given); raises ConnectionLost if it cannot be opened in time, Unauthenticated if the
-    handshake fails. The connection is lost `dead_after_s` after its peer falls silent (see
-    `keepalive_options`)."""
+    handshake fails or the server's certificate does not belong there. The connection is lost
+    `dead_after_s` after its peer falls silent (see `keepalive_options`). `tls`: True, this
+    process's link TLS (gpufaas.tls.configure; plain where none); False, plain; or the one given.
+    `peer_role`: under TLS, the role the server's certificate must name ("scheduler", "node"),
+    beside what the link allows (gpufaas.tls.PEERS)."""
     if dead_after_s is not None:
         keepalive_options(dead_after_s)  # raises ValueError on a bad value
+    links = _links(tls)
     host, _, port = address.rpartition(":")
     loop = asyncio.get_running_loop()
     try:
@@ -639,10 +673,25 @@ async def connect(
                 lambda: Connection(handler, max_frame_bytes=max_frame_bytes, key=key, dead_after_s=dead_after_s),
                 host.strip("[]"),
                 int(port),
+                ssl=links.client if links is not None else None,
+                ssl_handshake_timeout=timeout_s if links is not None else None,
             )
+    except ssl.SSLError as exc:  # the server's certificate is not the cluster's, or it refused ours
+        error_counts["auth"] += 1
+        raise Unauthenticated(f"TLS with {address} failed: {exc}") from None
     except (OSError, TimeoutError, ValueError) as exc:
         error_counts["connect"] += 1
         raise ConnectionLost(f"cannot connect to {address}: {exc or type(exc).__name__}") from None
+    if links is not None:
+        assert protocol.transport is not None
+        try:
+            protocol.peer_role = links.check(
+                protocol.transport.get_extra_info("peercert"), "wire-client", address, peer_role
+            )
+        except PeerRefused as exc:
+            error_counts["auth"] += 1
+            protocol.close()
+            raise Unauthenticated(str(exc)) from None
     if key is not None:
         try:
             await protocol.handshake(timeout_s)
@@ -651,6 +700,12 @@ async def connect(
             protocol.close()
             raise
     return protocol
+
+
+def _links(tls: LinkTls | bool) -> LinkTls | None:
+    if tls is True:
+        return process_links()
+    return tls or None
 
 
 class Server:
@@ -662,8 +717,9 @@ class Server:
     it at once: one accepted past that is closed at once (counted as an "auth" wire error), so
     that peers without the key hold no more than that many connections' worth of memory. Every
     accepted connection is lost `dead_after_s` after its peer falls silent (`keepalive_options`).
-    `address` is the bound "host:port" once started. `close()` stops listening and closes every
-    accepted connection.
+    `tls` as for `connect`: with TLS, a peer whose certificate's role does not belong on the
+    server's side of the link is cut off as it connects. `address` is the bound "host:port" once
+    started. `close()` stops listening and closes every accepted connection.
     """
 
     def __init__(
@@ -675,6 +731,7 @@ class Server:
         max_unauthenticated: int = MAX_UNAUTHENTICATED,
         handshake_s: float | None = None,
         dead_after_s: float | None = DEAD_AFTER_S,
+        tls: LinkTls | bool = True,
     ) -> None:
         if dead_after_s is not None:
             keepalive_options(dead_after_s)  # raises ValueError on a bad value
@@ -688,6 +745,7 @@ class Server:
         self.max_unauthenticated = max_unauthenticated
         self.handshake_s = handshake_s
         self.dead_after_s = dead_after_s
+        self.tls = _links(tls)
         self.connections: set[Connection] = set()
         self.handshaking: set[Connection] = set()  # accepted, not yet authenticated
         self._refusing = False  # a refusal was logged since the handshakes last fell under the cap
@@ -697,7 +755,14 @@ class Server:
     async def start(self, listen: str) -> str:
         host, _, port = listen.rpartition(":")
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._accept, host.strip("[]") or None, int(port))
+        links = self.tls
+        self._server = await loop.create_server(
+            self._accept,
+            host.strip("[]") or None,
+            int(port),
+            ssl=links.server if links is not None else None,
+            ssl_handshake_timeout=self._handshake_s() if links is not None else None,
+        )
         bound = self._server.sockets[0].getsockname()
         self.address = f"{host}:{bound[1]}"
         return self.address
@@ -719,13 +784,27 @@ class Server:
             server=True,
             handshake_s=self.handshake_s,
             dead_after_s=self.dead_after_s,
+            peer_check=self._peer_check if self.tls is not None else None,
         )
         self.connections.add(conn)
+        if self.tls is not None:  # a TLS handshake that fails never makes the connection: drop it then
+            asyncio.get_running_loop().call_later(self._handshake_s() + 1.0, self._drop_unmade, conn)
         if not conn.authenticated:
             self.handshaking.add(conn)
             conn.on_authenticated = self._authenticated
         conn.closed.add_done_callback(lambda _: self._gone(conn))
         return conn
+
+    def _handshake_s(self) -> float:
+        return HANDSHAKE_S if self.handshake_s is None else self.handshake_s
+
+    def _peer_check(self, peercert: Mapping[str, Any] | None) -> str:
+        assert self.tls is not None
+        return self.tls.check(peercert, "wire-server")
+
+    def _drop_unmade(self, conn: Connection) -> None:
+        if conn.transport is None:
+            conn.close()
 
     def _authenticated(self, conn: Connection) -> None:
         self.handshaking.discard(conn)

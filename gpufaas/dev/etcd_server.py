@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -58,12 +59,22 @@ class EtcdServer:
     `stop()` then `start()` again on the same data_dir and client_port restarts the same cluster
     (the data survives), which is how tests simulate an etcd outage; `suspend()`/`resume()` make
     it hang instead (SIGSTOP/SIGCONT). Every signal goes to the PID this object started.
+
+    With `tls_dir` (the cluster's TLS files, gpufaas.tls) etcd serves its clients over TLS with the
+    cluster's etcd certificate and takes only clients that show a certificate of the cluster CA
+    (--client-cert-auth); a single member, so its peer URL stays on loopback in plain.
     """
 
     def __init__(
-        self, *, name: str = "gpufaas-etcd", binary: Path | None = None, extra_args: Sequence[str] = ()
+        self,
+        *,
+        name: str = "gpufaas-etcd",
+        binary: Path | None = None,
+        extra_args: Sequence[str] = (),
+        tls_dir: Path | None = None,
     ) -> None:
         self.name = name
+        self.tls_dir = tls_dir
         self._binary = binary
         self._extra_args = list(extra_args)  # more etcd flags, e.g. "--auth-token-ttl=1"
         # Lifecycle: set by start(), cleared (process reaped, log closed) by stop()/kill().
@@ -137,7 +148,7 @@ class EtcdServer:
         binary = self._binary if self._binary is not None else find_etcd_binary()
         etcd_data = data_dir / "data"
         etcd_data.mkdir(mode=0o700, exist_ok=True)
-        client_url = f"http://{_LOOPBACK}:{self.client_port}"
+        client_url = f"{'https' if self.tls_dir else 'http'}://{_LOOPBACK}:{self.client_port}"
         peer_url = f"http://{_LOOPBACK}:{self.peer_port}"
         argv = [
             str(binary),
@@ -149,6 +160,7 @@ class EtcdServer:
             f"--initial-advertise-peer-urls={peer_url}",
             f"--initial-cluster={self.name}={peer_url}",
             "--initial-cluster-state=new",
+            *self._tls_args(),
             *self._extra_args,
         ]
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
@@ -156,13 +168,39 @@ class EtcdServer:
             argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
+    def _tls_args(self) -> list[str]:
+        if self.tls_dir is None:
+            return []
+        from gpufaas.tls import TlsFiles
+
+        files = TlsFiles(self.tls_dir)
+        return [
+            f"--cert-file={files.cert('etcd')}",
+            f"--key-file={files.key('etcd')}",
+            f"--trusted-ca-file={files.ca}",
+            "--client-cert-auth",
+        ]
+
+    def _health_context(self) -> ssl.SSLContext | None:
+        """What /health is asked with under TLS: the CA, and etcd's own certificate as the client's
+        (TLS 1.2: etcd 3.5 offers no more)."""
+        if self.tls_dir is None:
+            return None
+        from gpufaas.tls import TlsFiles
+
+        files = TlsFiles(self.tls_dir)
+        context = ssl.create_default_context(cafile=files.ca)
+        context.load_cert_chain(files.cert("etcd"), files.key("etcd"))
+        return context
+
     def _wait_healthy(self, deadline: float) -> None:
-        url = f"http://{self.endpoint}/health"
+        url = f"{'https' if self.tls_dir else 'http'}://{self.endpoint}/health"
+        context = self._health_context()
         while True:
             if self._process is None or self._process.poll() is not None:
                 raise _ExitedEarly
             try:
-                with urllib.request.urlopen(url, timeout=1.0) as response:
+                with urllib.request.urlopen(url, timeout=1.0, context=context) as response:
                     if json.loads(response.read()).get("health") == "true":
                         return
             except (OSError, ValueError):

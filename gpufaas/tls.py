@@ -1,0 +1,317 @@
+"""The cluster's TLS: a CA of its own, a certificate per daemon role, and the contexts and peer
+checks the daemons' links (gpufaas.wire, gpufaas.blobnet) and etcd (gpufaas.store) use.
+
+Every link is mutually authenticated: each side shows a certificate signed by the cluster CA and
+checks the other's. The certificate says which daemon role it belongs to, as a SAN URI
+`gpufaas://ROLE/NAME` (ROLE one of `ROLES`), and each side of each link accepts only the roles
+that belong there (`PEERS`): a node's certificate cannot act as the scheduler, nor a gateway's as
+a node. Host names are not checked on the wire and blob links (CA + role are; node addresses come
+and go); etcd's certificate carries the DNS name `etcd`, which clients verify whatever address
+they dial (docs/security.md).
+
+A daemon configures its links once at start (`configure`, from gpufaas.service_main); the wire
+and the blob client read that unless a caller passes its own `LinkTls`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import ssl
+import stat
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from gpufaas.errors import GpufaasError
+
+ROLES = ("gateway", "scheduler", "node", "etcd")
+URI_SCHEME = "gpufaas://"
+ETCD_NAME = "etcd"  # the DNS name in etcd's certificate that clients verify (grpc target name override)
+CA_FILE = "ca.pem"
+CA_KEY_FILE = "ca-key.pem"  # only in the secrets directory: signing new certificates needs it
+VALID_DAYS = 825
+CA_VALID_DAYS = 3650
+
+Link = Literal["wire-server", "wire-client", "blob-server", "blob-client"]
+
+# Which peer roles each daemon role accepts on each side of its links; anything else is refused.
+PEERS: Mapping[str, Mapping[Link, frozenset[str]]] = {
+    # The gateway dials the scheduler and the nodes (a scheduler at --scheduler's address, pinned:
+    # `LinkTls.pinned`; or named by the caller, `connect(peer_role=)`), and serves the nodes blobs.
+    "gateway": {"wire-client": frozenset({"scheduler", "node"}), "blob-server": frozenset({"node"})},
+    "scheduler": {"wire-server": frozenset({"gateway"}), "wire-client": frozenset({"node"})},
+    "node": {
+        "wire-server": frozenset({"scheduler", "gateway"}),
+        "blob-server": frozenset({"node"}),
+        "blob-client": frozenset({"gateway", "node"}),
+    },
+}
+
+
+class TlsError(GpufaasError):
+    """TLS files missing or unsafe, or a peer whose certificate does not belong on a link."""
+
+
+class PeerRefused(TlsError):
+    """The peer's certificate is the cluster's but its role does not belong on this link."""
+
+
+class InDirectory:
+    """A class attribute naming one file of an object's `directory`: `ca = InDirectory("ca.pem")`
+    reads as that object's `directory / "ca.pem"`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, files: Any, owner: type | None = None) -> Path:
+        return Path(files.directory) / self.name
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """The TLS files of one cluster in one directory (0700; keys 0600)."""
+
+    directory: Path
+    ca = InDirectory(CA_FILE)
+    ca_key = InDirectory(CA_KEY_FILE)
+
+    def cert(self, role: str) -> Path:
+        return self.directory / f"{role}.pem"
+
+    def key(self, role: str) -> Path:
+        return self.directory / f"{role}-key.pem"
+
+
+# --- making certificates --------------------------------------------------------------------------
+
+
+def _new_key() -> Any:
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _pem_key(key: Any) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+
+
+def _pem_cert(cert: Any) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+def make_ca(now: datetime.datetime, *, valid_days: int = CA_VALID_DAYS) -> tuple[bytes, bytes]:
+    """A new cluster CA: (certificate PEM, key PEM)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import NameOID
+
+    key = _new_key()
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gpufaas cluster CA")])
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=valid_days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True
+        )  # digital_signature, key_cert_sign, crl_sign
+        .sign(key, hashes.SHA256())
+    )
+    return _pem_cert(cert), _pem_key(key)
+
+
+def issue(
+    ca_pem: bytes,
+    ca_key_pem: bytes,
+    role: str,
+    now: datetime.datetime,
+    *,
+    name: str | None = None,
+    hosts: Iterable[str] = (),
+    valid_days: int = VALID_DAYS,
+) -> tuple[bytes, bytes]:
+    """A certificate for daemon `role` (named `name`, default the role) signed by the CA:
+    (certificate PEM, key PEM). It carries `gpufaas://ROLE/NAME`, the DNS names ROLE and
+    localhost, 127.0.0.1, ::1 and each of `hosts` (IP addresses or DNS names)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    ca_cert = x509.load_pem_x509_certificate(ca_pem)
+    ca_key = serialization.load_pem_private_key(ca_key_pem, None)
+    key = _new_key()
+    sans: list[x509.GeneralName] = [
+        x509.UniformResourceIdentifier(f"{URI_SCHEME}{role}/{name or role}"),
+        x509.DNSName(role),
+        x509.DNSName("localhost"),
+    ]
+    for host in ("127.0.0.1", "::1", *hosts):
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            sans.append(x509.DNSName(host))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"gpufaas {role} {name or role}")]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=valid_days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]  # an EC key, as make_ca makes
+    )
+    return _pem_cert(cert), _pem_key(key)
+
+
+def _write_new(path: Path, data: bytes, mode: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+
+
+def ensure_tls(directory: Path, *, hosts: Iterable[str] = (), now: datetime.datetime | None = None) -> TlsFiles:
+    """The cluster CA and a certificate per role in `directory`, each made if absent (existing
+    ones are kept: delete a file to have it made again, docs/security.md). Keys are mode 0600."""
+    directory.mkdir(parents=True, exist_ok=True)
+    os.chmod(directory, 0o700)
+    files = TlsFiles(directory)
+    now = now or datetime.datetime.now(datetime.UTC)
+    if not files.ca.exists():
+        ca_pem, ca_key_pem = make_ca(now)
+        _write_new(files.ca_key, ca_key_pem, 0o600)
+        _write_new(files.ca, ca_pem, 0o644)
+    ca_pem, ca_key_pem = files.ca.read_bytes(), files.ca_key.read_bytes()
+    host_list = list(hosts)
+    for role in ROLES:
+        if files.cert(role).exists():
+            continue
+        cert_pem, key_pem = issue(ca_pem, ca_key_pem, role, now, hosts=host_list)
+        files.key(role).unlink(missing_ok=True)
+        _write_new(files.key(role), key_pem, 0o600)
+        _write_new(files.cert(role), cert_pem, 0o644)
+    return files
+
+
+# --- using them ------------------------------------------------------------------------------------
+
+
+def role_of(peercert: Mapping[str, Any] | None) -> str | None:
+    """The role a verified peer certificate (`SSLSocket.getpeercert()`) names, None if none or
+    several."""
+    roles = {
+        value.removeprefix(URI_SCHEME).partition("/")[0]
+        for kind, value in (peercert or {}).get("subjectAltName", ())
+        if kind == "URI" and value.startswith(URI_SCHEME)
+    }
+    return roles.pop() if len(roles) == 1 else None
+
+
+def _check_key(path: Path) -> None:
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise TlsError(
+            f"the TLS key {path} does not exist; `python -m gpufaas.credentials SECRETS_DIR` makes the cluster's"
+        ) from None
+    if mode & stat.S_IRWXO:
+        raise TlsError(f"the TLS key {path} is open to every user; run `chmod 600 {path}`")
+
+
+@dataclass(frozen=True)
+class LinkTls:
+    """One daemon's TLS for its links: its role, the contexts it serves and dials with, and the
+    roles it expects at pinned addresses (the gateway's scheduler)."""
+
+    role: str
+    server: ssl.SSLContext
+    client: ssl.SSLContext
+    pinned: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, directory: Path, role: str, *, pinned: Mapping[str, str] | None = None) -> LinkTls:
+        """The contexts of `role` from the TLS files in `directory` (TlsError, saying what to do,
+        where a file is missing or a key open to others)."""
+        files = TlsFiles(directory)
+        _check_key(files.key(role))
+        server, client = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        for context in (server, client):
+            context.minimum_version = ssl.TLSVersion.TLSv1_3
+            context.verify_mode = ssl.CERT_REQUIRED  # mutual: the server asks the client for its own
+            try:
+                context.load_verify_locations(files.ca)
+                context.load_cert_chain(files.cert(role), files.key(role))
+            except (OSError, ssl.SSLError) as exc:
+                raise TlsError(f"cannot load the TLS files of role {role} in {directory}: {exc}") from None
+        client.check_hostname = False  # CA and role are checked (`check`); addresses come and go
+        return cls(role, server, client, dict(pinned or {}))
+
+    def peers(self, link: Link, address: str | None = None, expected: str | None = None) -> frozenset[str]:
+        """The roles accepted at the other end of `link`: those of `PEERS`, narrowed to the one
+        pinned at `address` (a client's) or to `expected` (what the caller dials)."""
+        allowed = PEERS.get(self.role, {}).get(link, frozenset())
+        for narrowed in (self.pinned.get(address or ""), expected):
+            if narrowed is not None:
+                allowed &= {narrowed}
+        return allowed
+
+    def check(
+        self, peercert: Mapping[str, Any] | None, link: Link, address: str | None = None, expected: str | None = None
+    ) -> str:
+        """The peer's role if it belongs on `link` (`peers`); PeerRefused otherwise."""
+        role = role_of(peercert)
+        allowed = self.peers(link, address, expected)
+        if role not in allowed:
+            where = f" at {address}" if address else ""
+            raise PeerRefused(
+                f"the peer{where} shows a certificate of role {role or 'none'}; this {self.role}'s {link} link "
+                f"accepts {', '.join(sorted(allowed)) or 'no role'}"
+            )
+        return role
+
+
+@dataclass
+class _Process:
+    links: LinkTls | None = None
+
+
+_process = _Process()
+
+
+def configure(links: LinkTls | None) -> None:
+    """Set this process's link TLS (a daemon does so once at start; None: plain links)."""
+    _process.links = links
+
+
+def process_links() -> LinkTls | None:
+    """This process's link TLS, as `configure` set it (None: plain links)."""
+    return _process.links
+
+
+def etcd_client_files(directory: Path, role: str) -> tuple[bytes, bytes, bytes]:
+    """(CA, certificate, key) PEMs a daemon of `role` presents to etcd with."""
+    files = TlsFiles(directory)
+    _check_key(files.key(role))
+    try:
+        return files.ca.read_bytes(), files.cert(role).read_bytes(), files.key(role).read_bytes()
+    except OSError as exc:
+        raise TlsError(f"cannot read the TLS files of role {role} in {directory}: {exc.strerror}") from None

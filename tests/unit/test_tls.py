@@ -1,0 +1,270 @@
+"""The cluster CA and role certificates (gpufaas.tls), and wire links over TLS on loopback:
+mutual authentication, roles checked on both sides, expiry, another CA refused."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import stat
+from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvloop
+
+from gpufaas import wire
+from gpufaas.credentials import ensure_secrets
+from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.tls import ROLES, LinkTls, PeerRefused, TlsError, TlsFiles, ensure_tls, issue, role_of
+from gpufaas.wire import Connection, Frame, MessageType, Server, connect
+
+KEY = b"k" * 32
+WAIT_S = 5.0
+LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "asyncio": asyncio.new_event_loop,
+    "uvloop": uvloop.new_event_loop,
+}
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+
+
+@pytest.fixture(params=sorted(LOOPS))
+def run(request: pytest.FixtureRequest) -> Run:
+    def run_(scenario: Coroutine[Any, Any, Any]) -> Any:
+        with asyncio.Runner(loop_factory=LOOPS[request.param]) as runner:
+            return runner.run(asyncio.wait_for(scenario, 30.0))
+
+    return run_
+
+
+@pytest.fixture(scope="module")
+def tls_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_tls(tmp_path_factory.mktemp("cluster") / "tls").directory
+
+
+class Echo:
+    def __init__(self) -> None:
+        self.frames: list[Frame] = []
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        self.frames.append(frame)
+        conn.reply(frame, MessageType.EXECUTE_REPLY, frame.header, frame.body)
+
+    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
+        pass
+
+
+@contextlib.asynccontextmanager
+async def node_server(tls_dir: Path) -> AsyncIterator[tuple[Server, Echo]]:
+    """A wire server holding the node's certificate, answering by echo; closed at the end."""
+    echo = Echo()
+    server = Server(lambda: echo, key=KEY, tls=LinkTls.load(tls_dir, "node"))
+    await server.start("127.0.0.1:0")
+    try:
+        yield server, echo
+    finally:
+        await server.close()
+
+
+async def _call(conn: Connection) -> bytes:
+    answer = await conn.request(MessageType.EXECUTE, pb.Execute(token=b"t"), b"payload", timeout_s=WAIT_S)
+    return answer.body
+
+
+# --- files ----------------------------------------------------------------------------------------
+
+
+def test_ensure_secrets_makes_a_ca_and_a_certificate_per_role_with_private_keys(tmp_path: Path) -> None:
+    files = TlsFiles(ensure_secrets(tmp_path / "secrets").directory / "tls")
+    assert stat.S_IMODE(files.directory.stat().st_mode) == 0o700
+    for role in ROLES:
+        assert stat.S_IMODE(files.key(role).stat().st_mode) == 0o600
+        assert files.cert(role).read_bytes().startswith(b"-----BEGIN CERTIFICATE-----")
+    assert stat.S_IMODE(files.ca_key.stat().st_mode) == 0o600
+    before = files.cert("node").read_bytes()
+    ensure_secrets(tmp_path / "secrets")  # a restart keeps them
+    assert files.cert("node").read_bytes() == before
+
+
+def test_a_certificate_names_its_role_and_the_hosts_it_was_made_for(tls_dir: Path) -> None:
+    from cryptography import x509
+
+    files = TlsFiles(tls_dir)
+    now = datetime.datetime.now(datetime.UTC)
+    cert_pem, _ = issue(files.ca.read_bytes(), files.ca_key.read_bytes(), "node", now, name="n1", hosts=["10.231.0.2"])
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert sans.get_values_for_type(x509.UniformResourceIdentifier) == ["gpufaas://node/n1"]
+    assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["127.0.0.1", "::1", "10.231.0.2"]
+    with pytest.raises(ValueError, match="role must be one of"):
+        issue(files.ca.read_bytes(), files.ca_key.read_bytes(), "admin", now)
+
+
+def test_role_of_reads_one_role_and_refuses_none_or_two() -> None:
+    assert role_of({"subjectAltName": (("URI", "gpufaas://scheduler/s"), ("DNS", "x"))}) == "scheduler"
+    assert role_of({"subjectAltName": (("DNS", "scheduler"),)}) is None
+    assert role_of({"subjectAltName": (("URI", "gpufaas://node/a"), ("URI", "gpufaas://scheduler/b"))}) is None
+    assert role_of(None) is None
+
+
+def test_a_peer_of_a_role_that_does_not_belong_is_refused_by_the_check(tls_dir: Path) -> None:
+    gateway = LinkTls.load(tls_dir, "gateway", pinned={"10.0.0.1:7000": "scheduler"})
+    node_cert = {"subjectAltName": (("URI", "gpufaas://node/node"),)}
+    assert gateway.check(node_cert, "wire-client", "10.0.0.2:7001") == "node"
+    with pytest.raises(PeerRefused, match=r"role node.*accepts scheduler"):
+        gateway.check(node_cert, "wire-client", "10.0.0.1:7000")
+
+
+def test_a_key_open_to_others_or_missing_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    files = ensure_tls(tmp_path / "tls")
+    files.key("node").chmod(0o644)
+    with pytest.raises(TlsError, match="chmod 600"):
+        LinkTls.load(files.directory, "node")
+    files.key("node").unlink()
+    with pytest.raises(TlsError, match=r"gpufaas\.credentials"):
+        LinkTls.load(files.directory, "node")
+
+
+# --- links ----------------------------------------------------------------------------------------
+
+
+def test_scheduler_and_node_talk_over_tls_and_each_knows_the_others_role(run: Run, tls_dir: Path) -> None:
+    async def scenario() -> None:
+        server = Server(Echo, key=KEY, tls=LinkTls.load(tls_dir, "node"))
+        await server.start("127.0.0.1:0")
+        try:
+            conn = await connect(server.address, key=KEY, tls=LinkTls.load(tls_dir, "scheduler"))
+            assert await _call(conn) == b"payload"
+            assert conn.peer_role == "node"
+            assert conn.transport is not None and conn.transport.get_extra_info("cipher") is not None
+            (server_end,) = server.connections
+            assert server_end.peer_role == "scheduler"
+            await conn.aclose()
+        finally:
+            await server.close()
+
+    run(scenario())
+
+
+def test_a_node_certificate_cannot_act_as_the_scheduler(run: Run, tls_dir: Path) -> None:
+    async def scenario() -> None:
+        async with node_server(tls_dir) as (server, echo):
+            # A node dialling a node's wire port as if it were the scheduler: the node refuses it.
+            with pytest.raises(wire.ConnectionLost):
+                conn = await connect(server.address, key=KEY, tls=LinkTls.load(tls_dir, "node"), timeout_s=WAIT_S)
+                await _call(conn)
+            assert echo.frames == []
+            # A node listening where the gateway expects its scheduler: the gateway refuses it.
+            gateway = LinkTls.load(tls_dir, "gateway", pinned={server.address: "scheduler"})
+            with pytest.raises(wire.Unauthenticated, match="role node"):
+                await connect(server.address, key=KEY, tls=gateway)
+            # What the gateway's router says it dials, where no address is pinned.
+            with pytest.raises(wire.Unauthenticated, match="accepts scheduler"):
+                await connect(server.address, key=KEY, tls=LinkTls.load(tls_dir, "gateway"), peer_role="scheduler")
+
+    run(scenario())
+
+
+def test_a_certificate_of_another_ca_is_refused_both_ways(run: Run, tls_dir: Path, tmp_path: Path) -> None:
+    other = ensure_tls(tmp_path / "other").directory
+
+    async def scenario() -> None:
+        async with node_server(tls_dir) as (server, echo):
+            with pytest.raises(wire.ConnectionLost):  # the server refuses the stranger's certificate
+                conn = await connect(server.address, key=KEY, tls=LinkTls.load(other, "scheduler"), timeout_s=WAIT_S)
+                await _call(conn)
+            assert echo.frames == []
+            with pytest.raises(wire.Unauthenticated, match="certificate verify failed"):
+                await connect(server.address, key=KEY, tls=LinkTls.load(other, "scheduler"))
+            with pytest.raises(wire.ConnectionLost):  # a client without TLS gets nothing either
+                conn = await connect(server.address, key=KEY, tls=False, timeout_s=1.0)
+                await _call(conn)
+        assert all(c.is_closed for c in server.connections)
+
+    run(scenario())
+
+
+def test_an_expired_certificate_is_refused(run: Run, tls_dir: Path, tmp_path: Path) -> None:
+    files = TlsFiles(tls_dir)
+    long_ago = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=30)
+    cert_pem, key_pem = issue(files.ca.read_bytes(), files.ca_key.read_bytes(), "scheduler", long_ago, valid_days=1)
+    expired = TlsFiles(tmp_path / "expired")
+    expired.directory.mkdir()
+    expired.ca.write_bytes(files.ca.read_bytes())
+    expired.cert("scheduler").write_bytes(cert_pem)
+    expired.key("scheduler").write_bytes(key_pem)
+    expired.key("scheduler").chmod(0o600)
+
+    async def scenario() -> None:
+        async with node_server(tls_dir) as (server, echo):
+            with pytest.raises(wire.ConnectionLost):
+                conn = await connect(server.address, key=KEY, tls=LinkTls.load(expired.directory, "scheduler"))
+                await _call(conn)
+            assert echo.frames == []
+
+    run(scenario())
+
+
+# --- blob fetches ---------------------------------------------------------------------------------
+
+
+def test_a_node_fetches_a_blob_over_tls_and_holders_refuse_the_wrong_roles(tmp_path: Path, tls_dir: Path) -> None:
+    from gpufaas.blobnet import BlobServer, TransferError, fetch_blob
+    from gpufaas.blobs import BlobStore
+
+    node = LinkTls.load(tls_dir, "node")
+    server = BlobServer(BlobStore(tmp_path / "holder"), lambda method, authorization: None, tls=node)
+    url = f"http://{server.start('127.0.0.1:0')}"
+    try:
+        data = b"weights" * 300_000  # over the sendfile chunk path's first write
+        digest = server.store.put(data)
+        path = fetch_blob(url, digest, len(data), BlobStore(tmp_path / "mine"), tls=node)
+        assert path.read_bytes() == data
+        for refused in (False, LinkTls.load(tls_dir, "scheduler")):  # no certificate; a role not taken
+            with pytest.raises(TransferError):
+                fetch_blob(url, digest, len(data), BlobStore(tmp_path / f"other-{refused}"), tls=refused, timeout_s=5)
+        # A holder showing a scheduler's certificate is no holder to a node.
+        impostor = BlobServer(server.store, lambda method, authorization: None, tls=LinkTls.load(tls_dir, "scheduler"))
+        impostor_url = f"http://{impostor.start('127.0.0.1:0')}"
+        try:
+            with pytest.raises(TransferError, match="not one of this cluster's"):
+                fetch_blob(impostor_url, digest, len(data), BlobStore(tmp_path / "fooled"), tls=node, timeout_s=5)
+        finally:
+            impostor.stop()
+    finally:
+        server.stop()
+
+
+# --- daemons --------------------------------------------------------------------------------------
+
+
+def test_a_daemon_with_credentials_turns_tls_on_by_itself_and_says_what_is_wrong(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gateway.settings import GatewaySettings
+    from gpufaas.service_main import configure_tls
+    from gpufaas.tls import configure, process_links
+
+    secrets = ensure_secrets(tmp_path / "secrets")
+    parser = GatewaySettings.parser("gateway", "")
+    base = {"state_dir": tmp_path / "state", "scheduler": "127.0.0.1:7000"}
+    try:
+        links = configure_tls(parser, GatewaySettings(**base, secret_file=secrets.cluster_secret), "gateway")
+        assert links is not None and process_links() is links
+        assert links.role == "gateway" and links.pinned == {"127.0.0.1:7000": "scheduler"}
+        bare = tmp_path / "bare"  # credentials made before TLS existed: plain links, said in the log
+        bare.mkdir()
+        (bare / "cluster-secret").write_text("s\n")
+        assert configure_tls(parser, GatewaySettings(**base, secret_file=bare / "cluster-secret"), "gateway") is None
+        assert process_links() is None
+        for settings, message in [
+            (GatewaySettings(**base, insecure=True, tls_dir=tmp_path), "--insecure excludes --tls-dir"),
+            (GatewaySettings(**base, tls_dir=tmp_path / "nowhere"), "does not exist; `python -m gpufaas.credentials"),
+            (GatewaySettings(**base, secret_file=bare / "cluster-secret", etcd_tls=True), "--etcd-tls needs"),
+        ]:
+            with pytest.raises(SystemExit):
+                configure_tls(parser, settings, "gateway")
+            assert message in capsys.readouterr().err
+    finally:
+        configure(None)
