@@ -35,13 +35,14 @@ import os
 import re
 import socket
 import socketserver
+import ssl
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from gpufaas.blobs import BlobBusy, BlobStore, BlobWriter, CorruptBlob
 from gpufaas.packages import DIGEST_PATTERN, InvalidPackage
@@ -53,6 +54,7 @@ UPLOAD_OFFSET = "Upload-Offset"
 SEND_CHUNK_BYTES = 16 << 20  # sendfile per call: progress is reported this often
 HEADER_LIMIT_BYTES = 16 << 10
 DEFAULT_TIMEOUT_S = 60.0
+TLS_SEND_BYTES = 1 << 20  # what one TLS send takes from the file
 HANDSHAKE_S = 10.0  # a TLS client that has not finished its handshake by then is cut off
 _PATH = re.compile(r"/blobs/(" + DIGEST_PATTERN.pattern + r")")
 _RANGE = re.compile(r"bytes=(\d+)-$")
@@ -68,6 +70,23 @@ class TransferError(InvalidPackage):
     def __init__(self, message: str, status: int = 0) -> None:
         super().__init__(message)
         self.status = status
+
+
+def send_range(sock: socket.socket, source: IO[bytes], offset: int, count: int) -> int:
+    """Send `count` bytes of `source` from `offset`; the bytes sent (fewer where the file is shorter).
+    sendfile(2) on a plain socket; under TLS the bytes are encrypted in user space, read in large
+    pieces (socket.sendfile's fallback reads 8 KiB at a time: a third of the speed)."""
+    if not isinstance(sock, ssl.SSLSocket):
+        return sock.sendfile(source, offset, count)
+    buffer = bytearray(TLS_SEND_BYTES)
+    sent = 0
+    while sent < count:
+        n = os.preadv(source.fileno(), [memoryview(buffer)[: min(TLS_SEND_BYTES, count - sent)]], offset + sent)
+        if n == 0:
+            break
+        sock.sendall(memoryview(buffer)[:n])
+        sent += n
+    return sent
 
 
 # --- the server ---------------------------------------------------------------------------------
@@ -205,7 +224,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             if head:
                 return
-            sent = self.connection.sendfile(source, start, size - start)
+            sent = send_range(self.connection, source, start, size - start)
             blobs.bytes_sent += sent
             if sent != size - start:
                 self.close_connection = True
@@ -521,7 +540,7 @@ def _send_file(conn: _Connection, path: Path, offset: int, size: int, progress: 
         position = offset
         while position < size:
             count = min(SEND_CHUNK_BYTES, size - position)
-            n = conn.sock.sendfile(source, position, count)
+            n = send_range(conn.sock, source, position, count)
             if n == 0:
                 raise OSError("the connection closed")
             position += n
