@@ -21,8 +21,8 @@ Every request needs an Authorization header that the holder's `authorize` accept
 (gpufaas.tls: the process's link TLS unless one is passed), the server takes only clients showing
 a certificate of the cluster CA whose role belongs there (a node fetching), and the client checks
 the holder's the same way; the sendfile path then becomes TLS writes (the bytes are encrypted in
-user space). A client without a certificate (the CLI) is refused and uploads through the
-gateway's API instead.
+user space). A server that takes uploads (the gateway's) also takes clients in plain HTTP, as the
+gateway's public port does: users' CLIs, which hold no certificate; the nodes always come in TLS.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ SEND_CHUNK_BYTES = 16 << 20  # sendfile per call: progress is reported this ofte
 HEADER_LIMIT_BYTES = 16 << 10
 DEFAULT_TIMEOUT_S = 60.0
 TLS_SEND_BYTES = 1 << 20  # what one TLS send takes from the file
+_TLS_HANDSHAKE = b"\x16"  # the first byte a TLS client sends (a handshake record)
 HANDSHAKE_S = 10.0  # a TLS client that has not finished its handshake by then is cut off
 _PATH = re.compile(r"/blobs/(" + DIGEST_PATTERN.pattern + r")")
 _RANGE = re.compile(r"bytes=(\d+)-$")
@@ -150,12 +151,15 @@ class _ThreadingServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
     def finish_request(self, request: Any, client_address: Any) -> None:
         """Under TLS: the handshake and the peer's role checked in the connection's own thread
         (a slow or hostile client holds up only itself), then the request."""
-        links = self.blob_server.tls
-        if links is not None:
+        blobs = self.blob_server
+        if blobs.tls is not None:
             request.settimeout(HANDSHAKE_S)
             try:
-                request = links.server.wrap_socket(request, server_side=True)
-                links.check(request.getpeercert(), "blob-server")
+                # A user's client in plain HTTP (uploads, as on the gateway's public port) goes on.
+                user_in_plain = blobs.accept_uploads and request.recv(1, socket.MSG_PEEK) != _TLS_HANDSHAKE
+                if not user_in_plain:
+                    request = blobs.tls.server.wrap_socket(request, server_side=True)
+                    blobs.tls.check(request.getpeercert(), "blob-server")
             except (OSError, PeerRefused) as exc:
                 log.warning("blob client %s refused: %s", client_address[0], exc)
                 request.close()

@@ -236,6 +236,29 @@ def test_a_node_fetches_a_blob_over_tls_and_holders_refuse_the_wrong_roles(tmp_p
         server.stop()
 
 
+def test_the_gateways_blob_server_takes_users_in_plain_http_and_nodes_in_tls(tmp_path: Path, tls_dir: Path) -> None:
+    from gpufaas.blobnet import BlobServer, TransferError, fetch_blob, upload_blob
+    from gpufaas.blobs import BlobStore
+    from gpufaas.packages import sha256_digest
+
+    gateway = LinkTls.load(tls_dir, "gateway")
+    server = BlobServer(BlobStore(tmp_path / "gw"), lambda m, a: None, accept_uploads=True, tls=gateway)
+    url = f"http://{server.start('127.0.0.1:0')}"
+    try:
+        data = b"package" * 10_000
+        blob = tmp_path / "blob"
+        blob.write_bytes(data)
+        digest = sha256_digest(data)
+        upload_blob(url, blob, digest)  # the CLI: no certificate, plain HTTP
+        assert server.store.path(digest) is not None
+        fetched = fetch_blob(url, digest, len(data), BlobStore(tmp_path / "n"), tls=LinkTls.load(tls_dir, "node"))
+        assert fetched.read_bytes() == data
+        with pytest.raises(TransferError):  # in TLS, the role is checked still
+            fetch_blob(url, digest, len(data), BlobStore(tmp_path / "s"), tls=LinkTls.load(tls_dir, "scheduler"))
+    finally:
+        server.stop()
+
+
 # --- daemons --------------------------------------------------------------------------------------
 
 
