@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 def up(
     ctx: typer.Context,
     nodes: Annotated[int, typer.Option(min=1, help="GPU managers to start.")] = 2,
+    gateways: Annotated[
+        int, typer.Option(min=1, help="Gateways to start; several: behind HAProxy (round robin) at --port.")
+    ] = 1,
+    schedulers: Annotated[int, typer.Option(min=1, help="Scheduler processes to start.")] = 1,
     gpus_per_node: Annotated[int, typer.Option(min=1, help="Logical GPUs per node (cpu/emulated).")] = 2,
     backend: Annotated[
         str | None, typer.Option(help="cuda, cpu or emulated (default: cuda if NVML finds GPUs).")
@@ -33,7 +37,7 @@ def up(
     policy: Annotated[
         str, typer.Option(help="Scheduling policy: lb, lalb, lalb-o3, mqfq-sticky or torpor.")
     ] = "lalb-o3",
-    port: Annotated[int, typer.Option(min=1, max=65535, help="Gateway port.")] = 8080,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Gateway port (the balancer's, with several).")] = 8080,
     slots: Annotated[str, typer.Option(help="Calls a GPU runs at once: N, or N,GPU_TYPE=M,... per GPU type.")] = "4",
     spares: Annotated[
         int | None,
@@ -52,16 +56,6 @@ def up(
     eviction: Annotated[
         str, typer.Option(help="Which models a miss evicts: lru, heaviness or tinylfu (docs/policies.md).")
     ] = "lru",
-    gpu_idle_release_s: Annotated[
-        float | None,
-        typer.Option(
-            min=0.001, help="EDAS staged exit: a model unused this long leaves its GPU (for its node's host tier)."
-        ),
-    ] = None,
-    host_idle_release_s: Annotated[
-        float | None,
-        typer.Option(min=0.001, help="EDAS staged exit: a model this long in a node's host tier leaves it."),
-    ] = None,
     scheduler_args: Annotated[
         str,
         typer.Option(
@@ -71,12 +65,14 @@ def up(
     ] = "",
     state_dir: StateDir = state_dir_default(),  # noqa: B008
 ) -> None:
-    """Start a local cluster in the background: etcd, scheduler, gateway and GPU managers, under a
-    supervisor that restarts any of them that exits (with backoff) until `gpufaas down`.
+    """Start a local cluster in the background: etcd, scheduler(s), gateway(s) (several: behind
+    HAProxy) and GPU managers, under a supervisor that restarts any of them that exits (with
+    backoff) until `gpufaas down`.
 
     Any other scheduler setting may follow as the scheduler takes it (`python -m scheduler --help`):
     the policy's knobs as `gpufaas sim` takes them, e.g. `gpufaas up --policy mqfq-sticky
-    --o3-limit 10 --mqfq-overrun-s 5 --mqfq-ttl-alpha 3 --torpor-alpha 0.3`."""
+    --o3-limit 10 --mqfq-overrun-s 5 --mqfq-ttl-alpha 3 --torpor-alpha 0.3`, or EDAS's staged exit,
+    `--gpu-idle-release-s S --host-idle-release-s S`."""
     from gpufaas.dev.local_cluster import recorded_pids
     from gpufaas.processes import pid_alive
 
@@ -89,13 +85,9 @@ def up(
         )
     if docker_image is not None and runtime != "docker":
         raise typer.BadParameter("--docker-image goes with --runtime docker", param_hint="--docker-image")
-    scheduler: dict[str, Any] = {
-        "policy": policy,
-        "eviction": eviction,
-        "slots": slots,
-        "gpu_idle_release_s": gpu_idle_release_s,
-        "host_idle_release_s": host_idle_release_s,
-    }
+    if gateways > 1:
+        _check_balancer()
+    scheduler: dict[str, Any] = {"policy": policy, "eviction": eviction, "slots": slots}
     scheduler_flags = [*ctx.args, *_split_flags(scheduler_args)]
     checked = _checked_scheduler(scheduler, scheduler_flags)
     backend = backend if backend is not None else ("cuda" if _nvml_finds_gpus() else "cpu")
@@ -111,6 +103,8 @@ def up(
     options = {
         **scheduler,
         "nodes": nodes,
+        "gateways": gateways,
+        "schedulers": schedulers,
         "gpus_per_node": gpus_per_node,
         "backend": backend,
         "gpu_memory_mb": gpu_memory_mb,
@@ -121,6 +115,16 @@ def up(
         "scheduler_flags": scheduler_flags,
     }
     _start_supervised(state_dir, options, policy=checked.policy)
+
+
+def _check_balancer() -> None:
+    """Several gateways stand behind HAProxy: say how to install it now, not as a failed start."""
+    from gpufaas.dev.balancer import haproxy_binary
+
+    try:
+        haproxy_binary()
+    except GpufaasError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--gateways") from None
 
 
 def _split_flags(text: str) -> list[str]:
@@ -171,16 +175,18 @@ def _start_supervised(state_dir: Path, options: Mapping[str, Any], *, policy: st
             stderr=subprocess.STDOUT,
             start_new_session=True,  # it outlives this command
         )
-    with user_errors(), err_console.status("starting etcd, the scheduler, the gateway and the GPU managers..."):
+    with user_errors(), err_console.status("starting etcd, the scheduler(s), the gateway(s) and the GPU managers..."):
         while (status := read_supervisor_status(state_dir)).get("status") != "up":
             if status.get("status") == "failed" or supervisor.poll() is not None:
                 supervisor.wait()
                 tail = "\n".join((logs / "supervisor.log").read_text(errors="replace").splitlines()[-15:])
                 raise GpufaasError(f"the cluster did not start: {status.get('error') or tail}")
             time.sleep(0.2)
+    gateways = f" (HAProxy over {cluster.gateways} gateways)" if cluster.gateways > 1 else ""
+    schedulers = f", {cluster.schedulers} schedulers" if cluster.schedulers > 1 else ""
     console.print(
-        f"[bold green]gpufaas is up[/]: gateway {cluster.gateway_url}, {cluster.nodes} node(s) x "
-        f"{cluster.gpus_per_node} {cluster.backend} GPU(s), policy {policy}"
+        f"[bold green]gpufaas is up[/]: gateway {cluster.gateway_url}{gateways}{schedulers}, {cluster.nodes} "
+        f"node(s) x {cluster.gpus_per_node} {cluster.backend} GPU(s), policy {policy}"
     )
     console.print(f"state: {state_dir}   logs: {logs}   (gpufaas logs \\[component])")
     console.print(

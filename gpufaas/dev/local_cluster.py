@@ -1,4 +1,5 @@
-"""A whole gpufaas cluster on one machine, as real processes: etcd, scheduler, gateway, GPU managers."""
+"""A whole gpufaas cluster on one machine, as real processes: etcd, schedulers, gateways (several
+behind a load balancer), GPU managers."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from typing import IO, TYPE_CHECKING, Any
 import httpx
 
 from gpufaas.credentials import ADMIN_USER, SecretFiles, ensure_secrets, metrics_token, read_secret, wire_key
+from gpufaas.dev.balancer import BALANCER_HEALTH_PATH, BalancerConfig, balancer_argv
 from gpufaas.dev.etcd_server import EtcdServer, free_port
 from gpufaas.dev.supervision import Supervision
 from gpufaas.errors import GpufaasError
@@ -100,7 +102,9 @@ class LocalCluster:
     """Starts and stops the control plane as separate OS processes bound to 127.0.0.1.
 
     `etcd_endpoint` None starts a private etcd in `state_dir/etcd`. Every PID is written to
-    `state_dir/pids.json`; `stop()` stops exactly those processes.
+    `state_dir/pids.json`; `stop()` stops exactly those processes. One gateway and one scheduler
+    are named `gateway` and `scheduler`; several are `gateway0`, `gateway1`, ... (behind HAProxy,
+    named `balancer`, at `gateway_url`) and `scheduler0`, `scheduler1`, ...
     """
 
     state_dir: Path
@@ -113,8 +117,13 @@ class LocalCluster:
     eviction: str = "lru"  # which models a miss evicts (scheduler --eviction)
     root: str = "/gpufaas"
     etcd_endpoint: str | None = None
-    gateway_port: int = 0
-    scheduler_port: int = 0
+    gateways: int = 1  # more than one: behind a load balancer (gpufaas.dev.balancer) at `gateway_port`
+    # More than one: each on its own ports, and the gateways follow the scheduler's key in etcd.
+    schedulers: int = 1
+    gateway_port: int = 0  # where calls go: the one gateway's port, or the balancer's (0: any free port)
+    scheduler_port: int = 0  # the first scheduler's
+    # The other gateways' and schedulers' ports by component name, kept across restarts (filled at start).
+    ports: dict[str, int] = field(default_factory=dict)
     # Where the scheduler and each node serve Prometheus metrics ("scheduler", "node0", ...:
     # HOST:PORT), filled in at start; a scrape asks for `metrics_token` (a secure cluster).
     metrics_addresses: dict[str, str] = field(default_factory=dict)
@@ -190,11 +199,42 @@ class LocalCluster:
 
     @property
     def gateway_url(self) -> str:
+        """Where calls go: the gateway, or the balancer in front of several."""
         return f"http://127.0.0.1:{self.gateway_port}"
 
     @property
     def scheduler_address(self) -> str:
+        """The (first) scheduler's wire address."""
         return f"127.0.0.1:{self.scheduler_port}"
+
+    @property
+    def gateway_names(self) -> list[str]:
+        return numbered("gateway", self.gateways)
+
+    @property
+    def scheduler_names(self) -> list[str]:
+        return numbered("scheduler", self.schedulers)
+
+    @property
+    def gateway_urls(self) -> dict[str, str]:
+        """Each gateway's own URL, by name (the balancer's backends)."""
+        return {name: f"http://127.0.0.1:{self._port(name)}" for name in self.gateway_names}
+
+    @property
+    def scheduler_addresses(self) -> dict[str, str]:
+        return {name: f"127.0.0.1:{self._port(name)}" for name in self.scheduler_names}
+
+    def _port(self, name: str) -> int:
+        """The port of gateway or scheduler `name`: chosen once, so that a restart keeps it."""
+        if name == "gateway":  # the one gateway, where calls go
+            self.gateway_port = self.gateway_port or free_port()
+            return self.gateway_port
+        if name == self.scheduler_names[0]:
+            self.scheduler_port = self.scheduler_port or free_port()
+            return self.scheduler_port
+        if name not in self.ports:
+            self.ports[name] = free_port()
+        return self.ports[name]
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -211,14 +251,16 @@ class LocalCluster:
             common["etcd_password_file"] = self.secrets.etcd_password
         return common
 
-    def scheduler_settings(self) -> SchedulerSettings:
-        """What the scheduler runs with: this cluster's fields, then `scheduler_flags` on top."""
+    def scheduler_settings(self, name: str | None = None) -> SchedulerSettings:
+        """What scheduler `name` (default: the first) runs with: this cluster's fields, then
+        `scheduler_flags` on top."""
         from scheduler.settings import SchedulerSettings
 
+        name = name or self.scheduler_names[0]
         return SchedulerSettings(
             **self._common(),
-            listen=self.scheduler_address,
-            metrics_listen=self._metrics_address("scheduler"),
+            listen=self.scheduler_addresses[name],
+            metrics_listen=self._metrics_address(name),
             policy=self.policy,
             eviction=self.eviction,
             queue_capacity=self.queue_capacity,
@@ -228,17 +270,20 @@ class LocalCluster:
             host_idle_release_s=self.host_idle_release_s,
         ).with_flags(self.scheduler_flags)
 
-    def gateway_settings(self) -> GatewaySettings:
+    def gateway_settings(self, name: str | None = None) -> GatewaySettings:
+        """What gateway `name` (default: the first) runs with. With several schedulers it is given
+        none: it dials the one whose address is in etcd (services/scheduler), and follows it."""
         from gateway.settings import GatewaySettings
 
+        name = name or self.gateway_names[0]
         values = self._common()
         if self.secure:
             values.update(admin_password_file=self.secrets.admin_password, invoke_token_file=self.secrets.invoke_token)
         return GatewaySettings(
             **values,
-            port=self.gateway_port,
-            state_dir=self.state_dir / "gateway",
-            scheduler=self.scheduler_address,
+            port=self._port(name),
+            state_dir=self.state_dir / name,
+            scheduler=self.scheduler_address if self.schedulers == 1 else None,
             max_payload_mb=self.max_payload_mb,
         )
 
@@ -277,23 +322,40 @@ class LocalCluster:
             self.etcd_endpoint = etcd.endpoint
         self.gateway_port = self.gateway_port or free_port()
         self.scheduler_port = self.scheduler_port or free_port()
-        self._add("scheduler", "scheduler", self.scheduler_settings())
-        self._add("gateway", "gateway", self.gateway_settings())
+        for name in self.scheduler_names:
+            self._add(name, "scheduler", self.scheduler_settings(name))
+        for name in self.gateway_names:
+            self._add(name, "gateway", self.gateway_settings(name))
         for index in range(self.nodes):
             node = self.node_settings(f"node{index}")
             if node.pool_dir == pool_dir(self.state_dir, node.node):
                 node.pool_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._add(node.node, "gpu_manager", node)
+        if self.gateways > 1:  # last: stopped first, so that no call reaches a gateway on its way out
+            self._add_balancer()
         env = self._env()
         for component in self.components.values():
             component.start(env)
-        self._write_pids()
+        self.write_pids()
         self.wait_healthy(timeout_s)
 
     def _add(self, name: str, module: str, settings: DaemonSettings) -> None:
         """Component `name`: `python -m module` with the flags that give it `settings`."""
         argv = [sys.executable, "-m", module, *settings.to_argv()]
         self.components[name] = Component(name, argv, self.state_dir / "logs" / f"{name}.log")
+
+    def _add_balancer(self) -> None:
+        """HAProxy at `gateway_port`, round robin over the gateways (ClusterError if it is not
+        installed)."""
+        backends = {name: url.removeprefix("http://") for name, url in self.gateway_urls.items()}
+        config = BalancerConfig(listen=f"127.0.0.1:{self.gateway_port}", gateways=backends)
+        path = self.state_dir / "haproxy.cfg"
+        path.write_text(config.render())
+        try:
+            argv = balancer_argv(path)
+        except GpufaasError as exc:
+            raise ClusterError(str(exc)) from None
+        self.components["balancer"] = Component("balancer", argv, self.state_dir / "logs" / "balancer.log")
 
     def _metrics_address(self, component: str) -> str:
         """The metrics listener of `component`: kept across restarts, so a scraper need not follow."""
@@ -302,10 +364,12 @@ class LocalCluster:
         return self.metrics_addresses[component]
 
     def wait_healthy(self, timeout_s: float = 60.0, *, gpus: int | None = None) -> None:
-        """Until the gateway answers and the scheduler sees every node's GPUs."""
+        """Until every gateway (and the balancer in front of several) answers and sees, through
+        the scheduler, every node's GPUs."""
         expected = self.nodes * self.gpus_per_node if gpus is None else gpus
+        urls = [*self.gateway_urls.values(), *([self.gateway_url] if self.gateways > 1 else [])]
         deadline = time.monotonic() + timeout_s
-        last = ""
+        last = "none"
         while time.monotonic() < deadline:
             for component in self.components.values():
                 if component.process is not None and not component.alive():
@@ -313,13 +377,9 @@ class LocalCluster:
                         f"{component.name} exited with status {component.process.returncode}; "
                         f"its log ({component.log_path}) ends:\n{component.tail()}"
                     )
-            try:
-                response = httpx.get(f"{self.gateway_url}/system/gpus", timeout=2.0, auth=self.admin_auth)
-                if response.status_code == 200 and len(response.json()) >= expected:
-                    return
-                last = f"{response.status_code} {response.text[:200]}"
-            except httpx.HTTPError as exc:
-                last = str(exc)
+            last = _unseen_gpus(urls, expected, self.admin_auth)
+            if not last:
+                return
             time.sleep(0.2)
         raise ClusterError(f"the cluster did not become healthy in {timeout_s:g} s (last answer: {last})")
 
@@ -327,7 +387,7 @@ class LocalCluster:
         component = self.components[name]
         component.stop(kill=kill)
         component.start(self._env())
-        self._write_pids()
+        self.write_pids()
         self.wait_healthy(timeout_s)
 
     def stop(self) -> None:
@@ -345,7 +405,7 @@ class LocalCluster:
         # Nor its packages' homes (tmpfs mounts in its state directory): they would hold memory and
         # keep the directory from being removed.
         detach_under(self.state_dir)
-        self._write_pids()
+        self.write_pids()
 
     # --- supervision ----------------------------------------------------------------------
     def supervise(self, stopping: threading.Event, *, poll_s: float = SUPERVISE_POLL_S) -> None:
@@ -353,72 +413,22 @@ class LocalCluster:
         on its ports and data), after the backoff `self.supervision` says; with a `watchdog`,
         probe every component's health endpoint and SIGKILL one that stops answering (a stalled
         loop, SIGSTOP), which is then restarted like one that exited."""
-        now = time.monotonic()
-        for name in self._supervised():
-            self.supervision.started(name, now)
-            if self.watchdog is not None:
-                self.watchdog.started(name, now)
-        probes: dict[str, Future[bool]] = {}
-        with ThreadPoolExecutor(max_workers=len(self._supervised()), thread_name_prefix="probe") as prober:
-            while not stopping.wait(poll_s):
-                now = time.monotonic()
-                if self.watchdog is not None:
-                    self._watch(self.watchdog, prober, probes, now)
-                for name in self._supervised():
-                    if not self.supervision.waiting(name) and not self._alive(name):
-                        delay_s = self.supervision.exited(name, now) - now
-                        if self.watchdog is not None:
-                            self.watchdog.forget(name)
-                        log.warning("%s exited (%s); restarting it in %.1f s", name, self._exit_status(name), delay_s)
-                for name in self.supervision.due(now):
-                    if stopping.is_set():
-                        return
-                    try:
-                        self._restart_one(name)
-                        log.info("%s restarted (restart %d)", name, self.supervision.restarts[name])
-                    except Exception as exc:  # seen gone again at the next poll: backed off further
-                        log.error("%s did not restart: %s", name, exc)
-                    self.supervision.started(name, time.monotonic())
-                    if self.watchdog is not None:
-                        self.watchdog.started(name, time.monotonic())
-                    self._write_pids()
+        ClusterSupervisor(self).run(stopping, poll_s)
 
-    def _watch(
-        self, watchdog: Watchdog, prober: ThreadPoolExecutor, probes: dict[str, Future[bool]], now: float
-    ) -> None:
-        """Collect the probes that finished (killing what the watchdog condemns), send those due."""
-        for name, probe in list(probes.items()):
-            if not probe.done():
-                continue
-            del probes[name]
-            if watchdog.probed(name, probe.result(), now) and self._alive(name):
-                log.error(
-                    "%s stopped answering (%d probes of %.1f s unanswered); killing it to restart it (kill %d)",
-                    name,
-                    watchdog.failing[name],
-                    watchdog.policy.timeout_s,
-                    watchdog.kills[name],
-                )
-                self._kill(name)
-        for name in watchdog.due(now):
-            url = self._health_url(name)
-            if url is None:  # nothing to probe (no health endpoint): judged by its exit only
-                watchdog.forget(name)
-                continue
-            probes[name] = prober.submit(_answers, url, watchdog.policy.timeout_s)
-
-    def _health_url(self, name: str) -> str | None:
+    def health_url(self, name: str) -> str | None:
         """Where `name` answers when its event loop runs: the gateway's /livez, the scheduler's
         and the nodes' /healthz on their metrics listeners, etcd's /version (any answer counts: etcd's
         /health waits on a quorum read, which is etcd's readiness, not whether it runs)."""
         if name == "etcd":
             return None if self.etcd_endpoint is None else f"http://{self.etcd_endpoint}/version"
-        if name == "gateway":
-            return f"{self.gateway_url}/livez"
+        if name == "balancer":
+            return f"{self.gateway_url}{BALANCER_HEALTH_PATH}"
+        if name in self.gateway_names:
+            return f"{self.gateway_urls[name]}/livez"
         address = self.metrics_addresses.get(name)
         return None if address is None else f"http://{address}/healthz"
 
-    def _kill(self, name: str) -> None:
+    def kill(self, name: str) -> None:
         """SIGKILL `name` (a stopped process dies of SIGKILL too); the next poll sees it exited."""
         if name == "etcd":
             if self._etcd is not None:
@@ -435,20 +445,15 @@ class LocalCluster:
         self._supervisor = threading.Thread(target=self.supervise, args=(self._stopping,), daemon=True)
         self._supervisor.start()
 
-    def _supervised(self) -> list[str]:
+    def supervised(self) -> list[str]:
         return [*(["etcd"] if self._etcd is not None else []), *self.components]
 
-    def _alive(self, name: str) -> bool:
+    def is_alive(self, name: str) -> bool:
         if name == "etcd":
             return self._etcd is not None and self._etcd.is_running()
         return self.components[name].alive()
 
-    def _exit_status(self, name: str) -> str:
-        process = None if name == "etcd" else self.components[name].process
-        code = process.poll() if process is not None else None
-        return f"status {code}" if code is not None else "gone"
-
-    def _restart_one(self, name: str) -> None:
+    def restart_one(self, name: str) -> None:
         if name == "etcd":
             assert self._etcd is not None
             self._etcd.restart()
@@ -465,11 +470,13 @@ class LocalCluster:
             pids["supervisor"] = self.supervisor_pid
         return pids
 
-    def _write_pids(self) -> None:
+    def write_pids(self) -> None:
         (self.state_dir / "pids.json").write_text(json.dumps(self.pids(), indent=2) + "\n")
         info = {
-            "gateway_url": self.gateway_url,
+            "gateway_url": self.gateway_url,  # the balancer's, in front of several gateways
             "scheduler_address": self.scheduler_address,
+            "gateways": self.gateway_urls,
+            "schedulers": self.scheduler_addresses,
             "metrics": self.metrics_addresses,
             "etcd_endpoint": self.etcd_endpoint,
             "logs": str(self.state_dir / "logs"),
@@ -489,6 +496,80 @@ class LocalCluster:
         self.stop()
 
 
+class ClusterSupervisor:
+    """The loop of `LocalCluster.supervise`: the cluster's components watched (exits, and the
+    watchdog's probes) and restarted on `cluster.supervision`'s schedule."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self.supervision = cluster.supervision
+        self.watchdog = cluster.watchdog
+
+    def run(self, stopping: threading.Event, poll_s: float) -> None:
+        cluster = self.cluster
+        now = time.monotonic()
+        for name in cluster.supervised():
+            self.supervision.started(name, now)
+            if self.watchdog is not None:
+                self.watchdog.started(name, now)
+        probes: dict[str, Future[bool]] = {}
+        with ThreadPoolExecutor(max_workers=len(cluster.supervised()), thread_name_prefix="probe") as prober:
+            while not stopping.wait(poll_s):
+                now = time.monotonic()
+                if self.watchdog is not None:
+                    self._watch(self.watchdog, prober, probes, now)
+                for name in cluster.supervised():
+                    if not self.supervision.waiting(name) and not cluster.is_alive(name):
+                        delay_s = self.supervision.exited(name, now) - now
+                        if self.watchdog is not None:
+                            self.watchdog.forget(name)
+                        log.warning("%s exited (%s); restarting it in %.1f s", name, self._exit_status(name), delay_s)
+                for name in self.supervision.due(now):
+                    if stopping.is_set():
+                        return
+                    self._restart(name)
+
+    def _exit_status(self, name: str) -> str:
+        process = None if name == "etcd" else self.cluster.components[name].process
+        code = process.poll() if process is not None else None
+        return f"status {code}" if code is not None else "gone"
+
+    def _restart(self, name: str) -> None:
+        try:
+            self.cluster.restart_one(name)
+            log.info("%s restarted (restart %d)", name, self.supervision.restarts[name])
+        except Exception as exc:  # seen gone again at the next poll: backed off further
+            log.error("%s did not restart: %s", name, exc)
+        self.supervision.started(name, time.monotonic())
+        if self.watchdog is not None:
+            self.watchdog.started(name, time.monotonic())
+        self.cluster.write_pids()
+
+    def _watch(
+        self, watchdog: Watchdog, prober: ThreadPoolExecutor, probes: dict[str, Future[bool]], now: float
+    ) -> None:
+        """Collect the probes that finished (killing what the watchdog condemns), send those due."""
+        for name, probe in list(probes.items()):
+            if not probe.done():
+                continue
+            del probes[name]
+            if watchdog.probed(name, probe.result(), now) and self.cluster.is_alive(name):
+                log.error(
+                    "%s stopped answering (%d probes of %.1f s unanswered); killing it to restart it (kill %d)",
+                    name,
+                    watchdog.failing[name],
+                    watchdog.policy.timeout_s,
+                    watchdog.kills[name],
+                )
+                self.cluster.kill(name)
+        for name in watchdog.due(now):
+            url = self.cluster.health_url(name)
+            if url is None:  # nothing to probe (no health endpoint): judged by its exit only
+                watchdog.forget(name)
+                continue
+            probes[name] = prober.submit(_answers, url, watchdog.policy.timeout_s)
+
+
 def pool_dir(state_dir: Path, node: str) -> Path:
     """Where `node` of the cluster in `state_dir` makes its host model pool: memory (/dev/shm)
     where the machine has it, in a directory of this cluster's, removed when it stops."""
@@ -497,9 +578,14 @@ def pool_dir(state_dir: Path, node: str) -> Path:
     return (shm if shm.is_dir() else state_dir / node) / f"gpufaas-cluster-{tag}"
 
 
+def numbered(kind: str, count: int) -> list[str]:
+    """Component names: `kind` alone, or `kind0`, `kind1`, ... for several."""
+    return [kind] if count == 1 else [f"{kind}{index}" for index in range(count)]
+
+
 # The supervisor first (it stops the rest itself, and must not restart what is stopped), then
-# workers' managers, and the store last.
-STOP_ORDER = ("supervisor", "node", "gateway", "scheduler", "etcd")
+# workers' managers, the balancer before the gateways behind it, and the store last.
+STOP_ORDER = ("supervisor", "node", "balancer", "gateway", "scheduler", "etcd")
 
 
 def recorded_pids(state_dir: Path) -> dict[str, int]:
@@ -509,6 +595,19 @@ def recorded_pids(state_dir: Path) -> dict[str, int]:
     except (OSError, ValueError):
         return {}
     return {str(name): int(pid) for name, pid in raw.items()}
+
+
+def _unseen_gpus(urls: list[str], expected: int, auth: httpx.BasicAuth | None) -> str:
+    """'' if every gateway at `urls` lists `expected` GPUs or more; else the first that does not,
+    and its answer."""
+    for url in urls:
+        try:
+            response = httpx.get(f"{url}/system/gpus", timeout=2.0, auth=auth)
+        except httpx.HTTPError as exc:
+            return f"{url}: {exc}"
+        if response.status_code != 200 or len(response.json()) < expected:
+            return f"{url}: {response.status_code} {response.text[:200]}"
+    return ""
 
 
 def _answers(url: str, timeout_s: float) -> bool:
@@ -570,6 +669,8 @@ SUPERVISED_OPTIONS = (
     "policy",
     "eviction",
     "gateway_port",
+    "gateways",
+    "schedulers",
     "slots",
     "spares",
     "runtime",
