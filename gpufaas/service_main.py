@@ -79,10 +79,16 @@ def etcd_credentials(parser: argparse.ArgumentParser, args: DaemonSettings) -> E
 
 def tls_directory(parser: argparse.ArgumentParser, settings: DaemonSettings, role: str) -> Path | None:
     """Where the daemon's TLS files are: --tls-dir, else the secret file's directory's tls/ where
-    it holds this role's certificate (None: plain links, said in the log; with --insecure, always)."""
+    it holds this role's certificate (None: plain links, said in the log; with --insecure or
+    --no-tls, always)."""
     if settings.insecure:
         if settings.tls_dir is not None or settings.etcd_tls:
             parser.error("--insecure excludes --tls-dir and --etcd-tls")
+        return None
+    if not settings.tls:
+        if settings.tls_dir is not None or settings.etcd_tls:
+            parser.error("--no-tls excludes --tls-dir and --etcd-tls")
+        logging.getLogger("gpufaas").warning("--no-tls: links to the other daemons are not encrypted")
         return None
     if settings.tls_dir is not None:
         return settings.tls_dir

@@ -175,6 +175,11 @@ class DaemonSettings(BaseSettings):
         "are TLS, both ends checked (default: the secret file's directory's tls/, where `python -m "
         "gpufaas.credentials` makes them; without one, links are not encrypted and the daemon says so)",
     )
+    tls: bool = Field(
+        default=True,
+        description="TLS on the links to the other daemons where the TLS files are there; --no-tls: plain links even "
+        "so (a network that is private already, or measuring what TLS costs)",
+    )
     etcd_tls: bool = Field(
         default=False,
         description="reach etcd over TLS, showing this daemon's certificate from the TLS directory (etcd started "

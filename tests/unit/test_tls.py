@@ -281,7 +281,10 @@ def test_a_daemon_with_credentials_turns_tls_on_by_itself_and_says_what_is_wrong
         (bare / "cluster-secret").write_text("s\n")
         assert configure_tls(parser, GatewaySettings(**base, secret_file=bare / "cluster-secret"), "gateway") is None
         assert process_links() is None
+        told_off = GatewaySettings(**base, secret_file=secrets.cluster_secret, tls=False)
+        assert configure_tls(parser, told_off, "gateway") is None
         for settings, message in [
+            (GatewaySettings(**base, tls=False, tls_dir=tmp_path), "--no-tls excludes --tls-dir"),
             (GatewaySettings(**base, insecure=True, tls_dir=tmp_path), "--insecure excludes --tls-dir"),
             (GatewaySettings(**base, tls_dir=tmp_path / "nowhere"), "does not exist; `python -m gpufaas.credentials"),
             (GatewaySettings(**base, secret_file=bare / "cluster-secret", etcd_tls=True), "--etcd-tls needs"),
