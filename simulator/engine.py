@@ -255,17 +255,19 @@ SKIP_LIMITED_POLICIES = ("lalb-o3", "mqfq-sticky", "torpor")
 
 
 class PolicyOptions(TypedDict, total=False):
-    """The PolicyConfig fields a simulation may set by keyword (max_num_skips aside: a sweep
-    varies it per run); one left out keeps PolicyConfig's default."""
+    """The PolicyConfig fields a simulation may set by keyword: every one but max_num_skips (a
+    sweep varies it per run); one left out keeps PolicyConfig's default."""
 
     room_aware_misses: bool
     coldest_victim_misses: bool
     literal_visits: bool
+    tier_aware_misses: bool
+    interference_aware_loads: bool
     mqfq_overrun_s: float
     mqfq_ttl_alpha: float
     mqfq_swap_out: bool
+    torpor_alpha: float
     torpor_alpha_period_s: float | None
-    interference_aware_loads: bool
 
 
 def policy_options(config: PolicyConfig) -> PolicyOptions:

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperCommand
 
 from gpufaas.cli.base import app, console, err_console, user_errors
 from gpufaas.errors import GpufaasError
@@ -40,8 +42,24 @@ def _int_list(value: str, flag: str, *, minimum: int) -> list[int]:
     return numbers
 
 
-@app.command()
+class _SimCommand(TyperCommand):
+    """`gpufaas sim`, whose `--help` ends with the policy's flags as the scheduler declares them
+    (built when read: the scheduler's settings are not imported by every command)."""
+
+    @property
+    def epilog(self) -> str:
+        from gpufaas.policy_flags import policy_flags_help
+
+        return escape(policy_flags_help())
+
+    @epilog.setter
+    def epilog(self, _: str | None) -> None:
+        """The command's declared epilog (none) gives way to the one above."""
+
+
+@app.command(cls=_SimCommand, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def sim(
+    ctx: typer.Context,
     trace: Annotated[
         Path | None,
         typer.Option(help="Trace file. Default: the Azure Functions 2019 extract shipped with gpufaas."),
@@ -50,9 +68,6 @@ def sim(
     policy: Annotated[
         str, typer.Option(help="Scheduling policy: lb, lalb, lalb-o3, mqfq-sticky or torpor.")
     ] = "lalb-o3",
-    o3_limit: Annotated[
-        int, typer.Option(min=0, help="lalb-o3 and mqfq-sticky: how often a request may be passed over.")
-    ] = 25,
     gpus: Annotated[int, typer.Option(min=1, help="Number of simulated GPUs.")] = 12,
     gpu_memory_mb: Annotated[int, typer.Option(min=1, help="Cache capacity of each GPU (MB).")] = 8192,
     working_set: Annotated[
@@ -67,57 +82,6 @@ def sim(
     plot: Annotated[
         Path | None, typer.Option(help="Write the paper's figures (4-6 with --compare, 7 with --sweep-o3) to a PNG.")
     ] = None,
-    literal_misses: Annotated[
-        bool,
-        typer.Option(
-            help="Algorithm 2 to the letter: a miss loads on the GPU being filled even if another idle GPU has room."
-        ),
-    ] = False,
-    coldest_victim: Annotated[
-        bool,
-        typer.Option(
-            help="A miss that must evict goes to the idle GPU whose victim is least recently used "
-            "(else to the GPU being filled). Off with --literal-misses."
-        ),
-    ] = True,
-    literal_visits: Annotated[
-        bool,
-        typer.Option(
-            help="Algorithm 1's visit counting to the letter: every request a scan passes counts a visit, and "
-            "one is forced when its visits are higher than the limit (default: a skip counts only when a younger "
-            "request is dispatched ahead, and the limit is reached at >=)."
-        ),
-    ] = False,
-    mqfq_overrun_s: Annotated[
-        float,
-        typer.Option(
-            min=0.0,
-            help="mqfq-sticky: T, seconds of service a flow may run ahead of the slowest before it is throttled.",
-        ),
-    ] = 10.0,
-    mqfq_ttl_alpha: Annotated[
-        float,
-        typer.Option(
-            min=0.0,
-            help="mqfq-sticky: a flow's keep-alive, in mean inter-arrival times (with --mqfq-swap-out, past "
-            "it its model leaves GPU memory for the host tier).",
-        ),
-    ] = 1.5,
-    mqfq_swap_out: Annotated[
-        bool,
-        typer.Option(
-            help="mqfq-sticky: swap a flow's model out to its node's host tier (--host-memory-mb) once the flow "
-            "is past its keep-alive (the paper's proactive memory management)."
-        ),
-    ] = False,
-    torpor_alpha_period_s: Annotated[
-        float,
-        typer.Option(
-            min=0.0,
-            help="torpor: retune alpha this often by Torpor's Algorithm 2, from the share of functions within "
-            "their SLO (default 0: alpha fixed at 0.5).",
-        ),
-    ] = 0.0,
     slots: Annotated[int, typer.Option(min=1, help="D: calls each GPU runs at once.")] = 1,
     adaptive_slots: Annotated[
         int | None,
@@ -167,13 +131,6 @@ def sim(
         float | None,
         typer.Option(min=0.0, help="EDAS staged exit: a model this long in a host tier leaves it."),
     ] = None,
-    eviction: Annotated[
-        str,
-        typer.Option(
-            help="Which models a miss evicts: lru (the paper's), heaviness (Torpor's: replicated models first, "
-            "then light before heavy, LRU within) or tinylfu (the least used lately, after TinyLFU)."
-        ),
-    ] = "lru",
     host_to_gpu_mb_s: Annotated[
         float, typer.Option(min=1.0, help="Host-to-GPU copy bandwidth of a swap-in (MB/s).")
     ] = 10_000.0,
@@ -191,13 +148,6 @@ def sim(
             min=1.0, help="With --gpus-per-link: a shared link's bandwidth (MB/s; default --host-to-gpu-mb-s)."
         ),
     ] = None,
-    interference_aware: Annotated[
-        bool,
-        typer.Option(
-            help="A miss prefers an idle GPU whose shared host link carries no load in flight (Torpor's "
-            "interference-aware placement; in effect with --gpus-per-link)."
-        ),
-    ] = True,
     slo_factor: Annotated[
         float | None,
         typer.Option(
@@ -225,14 +175,19 @@ def sim(
         ),
     ] = None,
 ) -> None:
-    """Replay a function trace through the real scheduler and cache manager on a virtual clock."""
-    from scheduler.policies import PolicyConfig
+    """Replay a function trace through the real scheduler and cache manager on a virtual clock.
+
+    The policy's knobs and the eviction choice follow as `python -m scheduler` takes them (listed
+    below), e.g. `--o3-limit 10 --no-room-aware-misses --eviction heaviness`."""
+    from gpufaas.policy_flags import policy_flags
     from simulator.engine import Batching, ClusterConfig
     from simulator.report import build_workloads, compare_policies, plot_policies, plot_sweep, shipped_trace
     from simulator.workload import WorkloadConfig, load_trace
 
+    # The policy's knobs and the eviction choice, as the real scheduler takes them.
+    config, eviction = policy_flags(ctx.args)
     working_sets, mapping_seeds, limits = _sim_checked(
-        working_set, mappings, sweep_o3, compare=compare, plot=plot, policy=policy, eviction=eviction
+        working_set, mappings, sweep_o3, compare=compare, plot=plot, policy=policy
     )
     if not batch_exponent > 0:  # NaN too
         raise typer.BadParameter(f"must be positive, got {batch_exponent}", param_hint="--batch-exponent")
@@ -254,18 +209,6 @@ def sim(
         interference=interference,
         adaptive_slots=adaptive_slots,
         utilization_threshold=utilization_threshold,
-    )
-    # The policy's knobs as the real scheduler takes them (python -m scheduler, gpufaas up).
-    config = PolicyConfig(
-        max_num_skips=o3_limit,
-        room_aware_misses=not literal_misses,
-        coldest_victim_misses=coldest_victim,
-        literal_visits=literal_visits,
-        mqfq_overrun_s=mqfq_overrun_s,
-        mqfq_ttl_alpha=mqfq_ttl_alpha,
-        mqfq_swap_out=mqfq_swap_out,
-        torpor_alpha_period_s=torpor_alpha_period_s or None,
-        interference_aware_loads=interference_aware,
     )
     policies = compare_policies() if compare or plot is not None else [policy]
     workload_config = WorkloadConfig(
@@ -295,7 +238,6 @@ def _sim_checked(
     compare: bool,
     plot: Path | None,
     policy: str,
-    eviction: str,
 ) -> tuple[list[int], list[int | None], list[int] | None]:
     """`gpufaas sim`'s options that go together, checked: (working sets, mapping seeds, the o3
     limits of a sweep or None)."""
@@ -312,7 +254,6 @@ def _sim_checked(
         make_policy(policy)
     except GpufaasError as exc:
         raise typer.BadParameter(str(exc), param_hint="--policy") from None
-    _check_eviction(eviction)
     if plot is not None and plot.suffix.lower() != ".png":
         raise typer.BadParameter(f"the plot is written as PNG; name it *.png, got {plot}", param_hint="--plot")
     return working_sets, mapping_seeds, limits
@@ -391,16 +332,6 @@ def _sim_output(
         _print_table(results, meta)
         if plot is not None:
             console.print(f"wrote {plot}")
-
-
-def _check_eviction(name: str) -> None:
-    """`--eviction`: a registered eviction policy, else one line listing them."""
-    from cache_manager import eviction_policy
-
-    try:
-        eviction_policy(name)
-    except GpufaasError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--eviction") from None
 
 
 def _sim_title(meta: Mapping[str, object]) -> str:

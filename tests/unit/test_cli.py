@@ -95,13 +95,74 @@ def test_misses_placement_flags() -> None:
     base = ("--json", "--policy", "lalb", "--working-set", "35", "--minutes", "1")
     for flags, expected in (
         ((), (True, True)),
-        (("--no-coldest-victim",), (True, False)),
-        (("--literal-misses",), (False, True)),
+        (("--no-coldest-victim-misses",), (True, False)),
+        (("--no-room-aware-misses",), (False, True)),
     ):
         code, out, _ = sim(*base, *flags)
         assert code == 0
         data = json.loads(out)
         assert (data["room_aware_misses"], data["coldest_victim_misses"]) == expected
+
+
+def test_a_policy_knob_reaches_the_simulated_policy() -> None:
+    base = ("--json", "--policy", "lalb-o3", "--working-set", "35", "--minutes", "2")
+    runs = {}
+    for limit in ("0", "25"):
+        code, out, _ = sim(*base, "--o3-limit", limit)
+        assert code == 0
+        runs[limit] = json.loads(out)
+    assert (runs["0"]["max_num_skips"], runs["25"]["max_num_skips"]) == (0, 25)
+    # Limit 0 is strict arrival order (lalb): other requests go first, so other latencies.
+    assert runs["0"]["avg_latency_s"] != runs["25"]["avg_latency_s"]
+    code, out, _ = sim(*base)
+    assert json.loads(out) == runs["25"]  # the scheduler's default limit, as the simulator's
+
+
+def test_a_refused_policy_knob_is_the_schedulers_one_line_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from scheduler.settings import DESCRIPTION, PROG, SchedulerSettings
+
+    with pytest.raises(SystemExit) as exited:
+        SchedulerSettings.from_args(["--o3-limit", "-1"], PROG, DESCRIPTION)
+    assert exited.value.code == 2
+    schedulers = capsys.readouterr().err.splitlines()[-1].removeprefix(f"{PROG}: error: ")
+    assert schedulers == "--o3-limit must be >= 0"
+    result = runner.invoke(app, ["sim", "--minutes", "1", "--o3-limit", "-1"])
+    assert result.exit_code == 2
+    assert any(schedulers in line for line in result.stderr.splitlines())
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (("--eviction", "fifo"), "--eviction: unknown eviction policy 'fifo'; valid: heaviness, lru, tinylfu"),
+        (("--torpor-alpha", "2"), "--torpor-alpha must be <= 1"),
+        (("--torpor-alpha-period-s", "0"), "--torpor-alpha-period-s must be > 0"),
+        (("--mqfq-ttl-alpha", "x"), "argument --mqfq-ttl-alpha: invalid float value: 'x'"),
+        (("--literal-misses",), "unrecognized arguments: --literal-misses"),  # the old spelling is gone
+        (("--listen", "0.0.0.0:1"), "--listen is a setting of the scheduler service, not of its policy"),
+    ],
+)
+def test_policy_flags_are_checked_as_the_scheduler_checks_them(flags: tuple[str, ...], says: str) -> None:
+    code, _, err = sim("--minutes", "1", *flags)
+    assert code == 2 and says in err and "Traceback" not in err
+
+
+def test_help_lists_the_schedulers_policy_flags() -> None:
+    result = runner.invoke(app, ["sim", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for flag in ("--o3-limit", "--no-room-aware-misses", "--mqfq-ttl-alpha", "--torpor-alpha-period-s", "--eviction"):
+        assert flag in result.stdout
+    assert "how often a request may be passed over (default 25)" in result.stdout
+
+
+def test_the_schedulers_environment_does_not_change_a_simulation(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = ("--json", "--policy", "lalb-o3", "--working-set", "15", "--minutes", "1")
+    _, plain, _ = sim(*base)
+    monkeypatch.setenv("GPUFAAS_SCHEDULER_POLICY_CONFIG__MAX_NUM_SKIPS", "0")
+    monkeypatch.setenv("GPUFAAS_SCHEDULER_EVICTION", "tinylfu")
+    _, under_env, _ = sim(*base)
+    assert json.loads(under_env) == json.loads(plain)
 
 
 def test_table_output_and_plot(tmp_path: Path) -> None:
