@@ -130,7 +130,8 @@ def basic_authorization(user: str, password: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m gpufaas.credentials DIR`: make a cluster's credential files in DIR (kept if
-    there), and the metrics token derived from them: what containers share through a volume
+    there), the cluster's TLS files in DIR/tls (`--tls-host` for addresses they carry), and the
+    metrics token derived from them: what containers share through a volume
     (docker-compose.yml; Prometheus reads DIR/metrics-token). `--metrics-token DIR`
     prints the bearer token the daemons' metrics endpoints ask for (for a Prometheus server's
     `credentials_file`)."""
@@ -145,6 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--metrics-token", action="store_true", help="print the metrics token of the credentials in DIR instead"
     )
+    parser.add_argument(
+        "--tls-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="an address or name the daemons' certificates carry beside loopback (repeatable; made once: "
+        "delete DIR/tls/ROLE.pem to make one again)",
+    )
     args = parser.parse_args(argv)  # `--help` prints this and exits: it is never taken for a DIR
     if args.metrics_token:
         try:
@@ -153,9 +162,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         return 0
-    files = ensure_secrets(args.directory)
+    files = ensure_secrets(args.directory, tls_hosts=tuple(args.tls_host))
     write_metrics_token(files)
-    names = (CLUSTER_SECRET_FILE, ADMIN_PASSWORD_FILE, INVOKE_TOKEN_FILE, ETCD_PASSWORD_FILE, METRICS_TOKEN_FILE)
+    names = (
+        CLUSTER_SECRET_FILE,
+        ADMIN_PASSWORD_FILE,
+        INVOKE_TOKEN_FILE,
+        ETCD_PASSWORD_FILE,
+        METRICS_TOKEN_FILE,
+        TLS_DIR,
+    )
     print(f"credentials in {files.directory}: {', '.join(names)}")
     return 0
 
