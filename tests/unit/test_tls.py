@@ -166,6 +166,19 @@ def test_a_node_certificate_cannot_act_as_the_scheduler(run: Run, tls_dir: Path)
     run(scenario())
 
 
+def test_a_valid_certificate_without_the_cluster_secret_opens_nothing(run: Run, tls_dir: Path) -> None:
+    """The key handshake inside TLS: a leaked certificate and key alone do not make a peer."""
+
+    async def scenario() -> None:
+        async with node_server(tls_dir) as (server, echo):
+            scheduler = LinkTls.load(tls_dir, "scheduler")
+            with pytest.raises(wire.Unauthenticated, match="wrong cluster secret"):
+                await connect(server.address, key=b"x" * 32, tls=scheduler)
+            assert echo.frames == []
+
+    run(scenario())
+
+
 def test_a_certificate_of_another_ca_is_refused_both_ways(run: Run, tls_dir: Path, tmp_path: Path) -> None:
     other = ensure_tls(tmp_path / "other").directory
 
