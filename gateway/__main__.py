@@ -72,6 +72,12 @@ async def serve(settings: GatewaySettings, config: GatewayConfig, etcd_creds: Et
 
 def main(argv: list[str] | None = None) -> int:
     parser, settings, secret, etcd_creds = daemon_start(GatewaySettings, PROG, DESCRIPTION, argv)
+    for flag, path in (
+        ("--public-cert-file", settings.public_cert_file),
+        ("--public-key-file", settings.public_key_file),
+    ):
+        if path is not None and not path.is_file():
+            parser.error(f"{flag} {path}: no such file (a PEM file, the certificate chain or its key)")
     config = gateway_config(settings, secret, credentials(parser, settings, secret))
     warn_if_insecure(settings, "the gateway")
     return run_daemon(lambda: serve(settings, config, etcd_creds), settings.etcd)

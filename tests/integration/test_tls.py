@@ -9,6 +9,7 @@ import dataclasses
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -19,12 +20,12 @@ import httpx
 import pytest
 
 from gpufaas import wire
-from gpufaas.dev.etcd_server import EtcdServer
+from gpufaas.dev.etcd_server import EtcdServer, free_port
 from gpufaas.netns import Hosts, NetnsUnavailable
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import EtcdStore, EtcdTls, StoreError
 from gpufaas.tls import LinkTls, TlsFiles, ensure_tls
-from tests.integration.conftest import ClusterFactory, deploy
+from tests.integration.conftest import ClusterFactory, EtcdTarget, deploy
 
 pytestmark = pytest.mark.integration
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -178,3 +179,43 @@ def test_a_capture_between_two_hosts_shows_the_payload_without_tls_and_not_with_
     sealed = _captured(two_hosts, tls_dir, "tls", tmp_path / "tls.pcap")
     assert len(sealed) > len(MARKER) * 100  # the call crossed it
     assert MARKER not in sealed
+
+
+def test_the_gateways_public_port_serves_https_with_a_users_certificate(
+    etcd_endpoint: EtcdTarget, tmp_path: Path
+) -> None:
+    # The user's own CA and certificate (any the clients trust; made here with the same tool).
+    user = ensure_tls(tmp_path / "user")
+    port = free_port()
+    argv = [sys.executable, "-m", "gateway", "--insecure", "--etcd", etcd_endpoint.endpoint]
+    argv += ["--root", etcd_endpoint.root, "--state-dir", str(tmp_path / "gw"), "--port", str(port)]
+    argv += ["--scheduler", f"127.0.0.1:{free_port()}"]
+    missing = subprocess.run(
+        [*argv, "--public-cert-file", str(tmp_path / "none.pem"), "--public-key-file", str(user.key("gateway"))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPOSITORY,
+    )
+    assert missing.returncode == 2 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
+    argv += ["--public-cert-file", str(user.cert("gateway")), "--public-key-file", str(user.key("gateway"))]
+    gateway = subprocess.Popen(argv, cwd=REPOSITORY, stderr=(tmp_path / "gateway.log").open("wb"))
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                answer = httpx.get(
+                    f"https://127.0.0.1:{port}/openapi.json",
+                    verify=ssl.create_default_context(cafile=user.ca),
+                    timeout=2,
+                )
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and gateway.poll() is None, "the gateway did not serve HTTPS"
+                time.sleep(0.2)
+        assert answer.status_code == 200
+        with pytest.raises(httpx.TransportError):  # not plain HTTP any more
+            httpx.get(f"http://127.0.0.1:{port}/openapi.json", timeout=2)
+    finally:
+        gateway.terminate()
+        gateway.wait(timeout=30)
