@@ -11,16 +11,13 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 import httpx
 import pytest
 
 from gpufaas import wire
-from gpufaas.credentials import ADMIN_USER, SecretFiles, ensure_secrets, read_secret
-from gpufaas.dev.etcd_server import find_etcd_binary
+from gpufaas.dev.host_cluster import HostCluster, host_names
 from gpufaas.netns import OWNERS_DIR, PREFIX, Hosts, NetnsUnavailable
 from gpufaas.processes import pid_alive
 from gpufaas.proto import gpufaas_pb2 as pb
@@ -314,146 +311,6 @@ def test_a_wire_connection_to_a_vanished_host_is_lost_within_dead_after_s(make_h
 
 # --- a whole cluster, a daemon per host ------------------------------------------------------------
 
-ETCD_PORT = 2379
-SCHEDULER_PORT = 50051
-GATEWAY_PORT = 8080
-NODE_PORT = 7000
-METRICS_PORT = 9100
-
-
-@dataclass
-class HostCluster:
-    """etcd, the scheduler, the gateway and GPU managers, each in its own host, secured as `gpufaas
-    up` secures a cluster (cluster secret, etcd's root password, admin password, invoke token)."""
-
-    hosts: Hosts
-    state_dir: Path
-    nodes: list[str]
-    logs: dict[str, IO[bytes]] = field(default_factory=dict)
-
-    @property
-    def secrets(self) -> SecretFiles:
-        return SecretFiles(self.state_dir / "secrets")
-
-    @property
-    def gateway_url(self) -> str:
-        return f"http://{self.hosts.address('gateway')}:{GATEWAY_PORT}"
-
-    @property
-    def admin_auth(self) -> httpx.BasicAuth:
-        return httpx.BasicAuth(ADMIN_USER, read_secret(self.secrets.admin_password))
-
-    @property
-    def invoke_headers(self) -> dict[str, str]:
-        return {"authorization": f"Bearer {read_secret(self.secrets.invoke_token)}"}
-
-    def start(self) -> None:
-        os.chmod(self.state_dir, 0o711)  # workers (other users) pass through to their packages
-        ensure_secrets(self.secrets.directory)
-        address = self.hosts.address
-        etcd_url = f"http://{address('etcd')}:{ETCD_PORT}"
-        peer_url = "http://127.0.0.1:2380"  # a single member: its peer port stays on its host
-        self._start("etcd", [
-            str(find_etcd_binary()), "--name=etcd", f"--data-dir={self.state_dir / 'etcd'}",
-            f"--listen-client-urls={etcd_url}", f"--advertise-client-urls={etcd_url}",
-            f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
-            f"--initial-cluster=etcd={peer_url}", "--initial-cluster-state=new",
-        ])  # fmt: skip
-        self._wait(f"{etcd_url}/health", "etcd")
-        common = [
-            "--etcd", f"{address('etcd')}:{ETCD_PORT}", "--root", "/gpufaas",
-            "--secret-file", str(self.secrets.cluster_secret),
-            "--etcd-password-file", str(self.secrets.etcd_password),
-        ]  # fmt: skip
-        scheduler = f"{address('scheduler')}:{SCHEDULER_PORT}"
-        self._start("scheduler", [
-            sys.executable, "-m", "scheduler", *common, "--listen", scheduler,
-            "--metrics-listen", f"{address('scheduler')}:{METRICS_PORT}",
-        ])  # fmt: skip
-        self._start("gateway", [
-            sys.executable, "-m", "gateway", *common, "--host", address("gateway"), "--port", str(GATEWAY_PORT),
-            "--state-dir", str(self.state_dir / "gateway"), "--scheduler", scheduler,
-            "--admin-password-file", str(self.secrets.admin_password),
-            "--invoke-token-file", str(self.secrets.invoke_token),
-        ])  # fmt: skip
-        for node in self.nodes:
-            pool = self.state_dir / f"{node}-pool"
-            pool.mkdir(mode=0o700)
-            self._start(node, [
-                sys.executable, "-m", "gpu_manager", *common, "--node", node,
-                "--listen", f"{address(node)}:{NODE_PORT}", "--metrics-listen", f"{address(node)}:{METRICS_PORT}",
-                "--backend", "cpu", "--gpus", "1", "--gpu-memory-mb", "1000",
-                "--state-dir", str(self.state_dir / node), "--pool-dir", str(pool),
-            ])  # fmt: skip
-        self.wait_for_gpus(set(self.nodes), timeout_s=120)
-
-    def _start(self, host: str, argv: list[str]) -> None:
-        log = self.logs[host] = (self.state_dir / f"{host}.log").open("ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.hosts.run(host, argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-
-    def _wait(self, url: str, name: str, timeout_s: float = 30) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"{name} did not answer at {url}; its log ends:\n{self.tail(name)}")
-
-    def gpu_nodes(self) -> set[str]:
-        """The nodes whose GPUs the cluster sees (the gateway's view)."""
-        response = httpx.get(f"{self.gateway_url}/system/gpus", timeout=5, auth=self.admin_auth)
-        response.raise_for_status()
-        return {gpu["node"] for gpu in response.json()}
-
-    def wait_for_gpus(self, nodes: set[str], timeout_s: float) -> float:
-        """Seconds until exactly `nodes` have GPUs in the cluster."""
-        started = time.monotonic()
-        last: object = None
-        while time.monotonic() - started < timeout_s:
-            try:
-                last = self.gpu_nodes()
-                if last == nodes:
-                    return time.monotonic() - started
-            except httpx.HTTPError as exc:
-                last = exc
-            time.sleep(0.2)
-        logs = "\n".join(f"--- {name}:\n{self.tail(name)}" for name in self.logs)
-        raise AssertionError(f"GPUs of {nodes} not seen in {timeout_s} s (last: {last}); logs:\n{logs}")
-
-    def call(
-        self,
-        function: str,
-        client: httpx.Client,
-        timeout_s: float = 30,
-        payload: dict[str, object] | None = None,
-        call_id: str | None = None,
-    ) -> httpx.Response:
-        headers = self.invoke_headers | ({"x-call-id": call_id} if call_id else {})
-        return client.post(
-            f"{self.gateway_url}/function/{function}", json=payload or {"x": 1}, headers=headers, timeout=timeout_s
-        )
-
-    def running_on(self, node: str) -> set[str]:
-        """The ids of the calls running on `node`'s GPUs (the scheduler's view, through the gateway)."""
-        response = httpx.get(f"{self.gateway_url}/system/gpus", timeout=5, auth=self.admin_auth)
-        response.raise_for_status()
-        return {call for gpu in response.json() if gpu["node"] == node for call in gpu["running"]}
-
-    def tail(self, name: str, num_chars: int = 3000) -> str:
-        return (self.state_dir / f"{name}.log").read_text(errors="replace")[-num_chars:]
-
-    def close(self) -> None:
-        self.hosts.close()
-        for log in self.logs.values():
-            log.close()
-        for node in self.nodes:  # a node killed before it could remove its pool
-            shutil.rmtree(self.state_dir / f"{node}-pool", ignore_errors=True)
-
-
 IN_FLIGHT_ID = "in-flight"
 IN_FLIGHT_SLEEP_S = 2.0
 IN_FLIGHT_ANSWERED_S = 15.0  # ~5 s to give up on the node, a miss on the survivor, the sleep; slack for 2 busy cores
@@ -475,7 +332,7 @@ def test_a_cluster_with_a_daemon_per_host_serves_and_survives_an_isolated_node(
     make_hosts: HostsFactory, tmp_path: Path
 ) -> None:
     nodes = ["node0", "node1"]
-    hosts = make_hosts(["etcd", "scheduler", "gateway", *nodes])
+    hosts = make_hosts(host_names(nodes))
     cluster = HostCluster(hosts, tmp_path, nodes)
     try:
         started = time.monotonic()
