@@ -2,8 +2,10 @@
 # The compose stack for real, end to end, on a machine with no GPU and no image registry: builds
 # the images from local parts (deploy/local-images.sh), starts docker-compose.yml with the cpu
 # backend (deploy/compose.local-cpu.yml), waits for every service's health, deploys and calls a
-# template function with the `gpufaas` CLI, crashes a GPU manager and checks that its restart
-# policy brings it back and calls succeed again, then takes everything down (volumes included) and
+# template function with the `gpufaas` CLI through the balancer, crashes a GPU manager and checks
+# that its restart policy brings it back and calls succeed again, SIGKILLs a gateway under a load of
+# 8 clients and checks that only calls in flight at its death failed (the balancer sends the rest to
+# the other gateway) and that it comes back, then takes everything down (volumes included) and
 # removes the images built from the project. The cached images (base, torch, etcd, prometheus) stay.
 # With deploy/monitoring/prometheus.yml present it also starts the `monitoring` profile's
 # Prometheus and checks that every scrape target is up.
@@ -71,10 +73,12 @@ GPUFAAS_GATEWAY_PORT=$(free_port)
 GPUFAAS_PROMETHEUS_PORT=$(free_port)
 # The blob server at 8081 when it is free (deploy then reaches it there), else another port (deploy
 # then uploads through the API).
-GPUFAAS_BLOB_PORT=$(python3 -c 'import socket; s = socket.socket()
-try: s.bind(("127.0.0.1", 8081)); print(8081)
-except OSError: s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-export GPUFAAS_GATEWAY_PORT GPUFAAS_PROMETHEUS_PORT GPUFAAS_BLOB_PORT
+blob_port() { python3 -c 'import socket, sys; s = socket.socket()
+try: s.bind(("127.0.0.1", int(sys.argv[1]))); print(sys.argv[1])
+except OSError: s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' "$1"; }
+GPUFAAS_BLOB_PORT=$(blob_port 8081)  # gateway-0's
+GPUFAAS_BLOB_PORT_1=$(blob_port 8082)  # gateway-1's
+export GPUFAAS_GATEWAY_PORT GPUFAAS_PROMETHEUS_PORT GPUFAAS_BLOB_PORT GPUFAAS_BLOB_PORT_1
 URL=http://127.0.0.1:$GPUFAAS_GATEWAY_PORT
 docker-compose --project-directory "$ROOT" -f docker-compose.yml -f deploy/compose.local-cpu.yml config \
   | python3 deploy/drop_gpu_reservations.py >"$work/compose.yml"
@@ -93,13 +97,13 @@ wait_healthy() {
   done
   fail "not healthy after $2 s: ${pending[*]}"
 }
-wait_healthy "etcd scheduler gateway gpu-manager-0 gpu-manager-1" "$HEALTH_TIMEOUT_S"
+wait_healthy "etcd scheduler-0 scheduler-1 gateway-0 gateway-1 balancer gpu-manager-0 gpu-manager-1" "$HEALTH_TIMEOUT_S"
 say "every service is healthy"
 compose ps
 
 export GPUFAAS_CONFIG_DIR=$work/config  # gpufaas login keeps the password here, not in ~/.config
 unset GPUFAAS_URL GPUFAAS_PASSWORD
-compose exec -T gateway cat /run/gpufaas/admin-password | "$CLI" login --gateway "$URL" --password-stdin
+compose exec -T gateway-0 cat /run/gpufaas/admin-password | "$CLI" login --gateway "$URL" --password-stdin
 "$CLI" new hello --template pytorch-custom --dir "$work"
 "$CLI" deploy --file "$work/stack.yml" --gateway "$URL"
 
@@ -141,6 +145,69 @@ say "$victim restarted by its restart policy (restart count $(docker inspect -f 
 wait_healthy "$victim" "$RECOVERY_TIMEOUT_S"
 say "$victim is healthy again"
 invoke_until 5 "$RECOVERY_TIMEOUT_S"
+
+# A gateway SIGKILLed (its container's pid 1, as a crash) under 8 clients calling through the
+# balancer: the calls that fail must be ones in flight at its death, every call sent after it
+# succeeds (HAProxy retries a refused connection on the other gateway), and its restart policy
+# brings it back.
+container=$(compose ps -q gateway-0)
+restarts=$(docker inspect -f '{{.RestartCount}}' "$container")
+compose exec -T gateway-0 cat /run/gpufaas/invoke-token >"$work/invoke-token"
+say "crashing gateway-0 under load"
+python3 - "$URL" "$work/invoke-token" "$(docker inspect -f '{{.State.Pid}}' "$container")" <<'EOF' \
+  || fail "the gateway's crash failed calls that were not in flight on it"
+import os, signal, sys, threading, time, urllib.request
+
+url, token, pid = sys.argv[1], open(sys.argv[2]).read().strip(), int(sys.argv[3])
+clients, calls, stopping = 8, [], threading.Event()
+
+def client():
+    while not stopping.is_set():
+        sent_s, ok = time.monotonic(), False
+        request = urllib.request.Request(
+            f"{url}/function/hello", data=b'{"inputs": [[1, 2, 3, 4]]}',
+            headers={"authorization": f"Bearer {token}", "content-type": "application/json"},
+        )
+        try:
+            ok = urllib.request.urlopen(request, timeout=60).status == 200
+        except OSError:
+            pass
+        calls.append((sent_s, time.monotonic(), ok))
+
+def gone(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    except OSError:
+        return True
+
+threads = [threading.Thread(target=client) for _ in range(clients)]
+for thread in threads:
+    thread.start()
+time.sleep(5)
+killed_s = time.monotonic()
+os.kill(pid, signal.SIGKILL)
+while not gone(pid):
+    time.sleep(0.001)
+dead_s = time.monotonic()  # its sockets closed: a call sent later cannot have reached it
+time.sleep(5)
+stopping.set()
+for thread in threads:
+    thread.join()
+failed = [c for c in calls if not c[2]]
+in_flight = [c for c in calls if c[0] < dead_s and c[1] > killed_s]
+after = [c for c in calls if c[0] > dead_s]
+print(f"  {len(calls)} calls, {len(failed)} failed, {len(in_flight)} in flight at the kill, "
+      f"{len(after)} sent after it ({sum(c[2] for c in after)} succeeded)")
+sys.exit(0 if all(c in in_flight for c in failed) and after and all(c[2] for c in after) else 1)
+EOF
+deadline=$((SECONDS + 60))
+until [ "$(docker inspect -f '{{.RestartCount}}' "$container")" -gt "$restarts" ]; do
+  [ $SECONDS -lt $deadline ] || fail "gateway-0 was not restarted"
+  sleep 1
+done
+wait_healthy "gateway-0 balancer" "$RECOVERY_TIMEOUT_S"
+say "gateway-0 is back"
+invoke_until 3 "$RECOVERY_TIMEOUT_S"
 
 if $monitoring; then
   say "starting the monitoring profile's prometheus"

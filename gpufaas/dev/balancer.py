@@ -42,15 +42,23 @@ class BalancerConfig:
     connect_timeout_ms: int = 250
     # A call may wait long for a model to load; the gateway's own deadlines end it first.
     call_timeout_s: int = 900
+    # A DNS server (HOST:PORT) that names the gateways, asked again while the balancer runs: a
+    # gateway container restarted with another address is followed (compose's: 127.0.0.11:53).
+    # None: the names are resolved once, at start (addresses on this host).
+    resolver: str | None = None
 
     def render(self) -> str:
         """haproxy.cfg's text."""
         gateways = sorted(self.gateways.items())
-        checked = "\n".join(f"    server {name} {address} check" for name, address in gateways)
+        dns = "" if self.resolver is None else " resolvers dns init-addr last,libc,none"
+        checked = "\n".join(f"    server {name} {address} check{dns}" for name, address in gateways)
         # The same gateways, up or down as the checks above say (not checked twice).
-        tracking = "\n".join(f"    server {name} {address} track gateways/{name}" for name, address in gateways)
+        tracking = "\n".join(f"    server {name} {address} track gateways/{name}{dns}" for name, address in gateways)
+        resolvers = ""
+        if self.resolver is not None:
+            resolvers = f"\nresolvers dns\n    nameserver dns {self.resolver}\n    hold valid 1s\n"
         return f"""\
-# Written by gpufaas.dev.balancer: the local cluster's gateways behind one address.
+# Written by gpufaas.dev.balancer (BalancerConfig.render): the gateways behind one address.
 global
     log stdout format raw local0
     maxconn 4096  # two descriptors a call: within a default 20000-descriptor limit
@@ -68,7 +76,7 @@ defaults
     retries {self.retries}
     retry-on conn-failure  # only where the gateway never got the call
     option redispatch 1
-
+{resolvers}
 frontend gateways
     bind {self.listen}
     monitor-uri {BALANCER_HEALTH_PATH}

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gpufaas.dev.balancer import BalancerUnavailable, haproxy_binary
 from gpufaas.dev.local_cluster import LocalCluster, free_port, recorded_pids, stop_recorded
 from gpufaas.processes import pid_alive
 from tests.fixtures.make_packages import build_package
@@ -25,6 +26,18 @@ from tests.integration.test_cli_e2e import cli_env, gpufaas  # noqa: F401 (a fix
 from tests.integration.test_control_plane import wait_for
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def haproxy() -> None:
+    """HAProxy stands in front of the gateways: without it these tests skip, but under CI=true fail."""
+    try:
+        haproxy_binary()
+    except BalancerUnavailable as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true and HAProxy is missing: {exc}")
+        pytest.skip(str(exc))
+
 
 CLIENTS = 8
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

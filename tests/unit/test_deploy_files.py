@@ -23,6 +23,7 @@ import yaml
 
 from gateway.settings import GatewaySettings
 from gpu_manager.settings import NodeSettings
+from gpufaas.dev.balancer import BalancerConfig
 from gpufaas.settings import DaemonSettings, SettingsError, options_of
 from scheduler.settings import SchedulerSettings
 
@@ -40,19 +41,21 @@ SETTINGS: dict[str, type[DaemonSettings]] = {
     "gpu_manager": NodeSettings,
 }
 GPU_MANAGERS = ("gpu-manager-0", "gpu-manager-1")
-LONG_RUNNING = {"etcd", "scheduler", "gateway", *GPU_MANAGERS}
+SCHEDULERS = ("scheduler-0", "scheduler-1")
+GATEWAYS = ("gateway-0", "gateway-1")
+LONG_RUNNING = {"etcd", *SCHEDULERS, *GATEWAYS, "balancer", *GPU_MANAGERS}
 MONITORING = {"prometheus", "grafana"}  # the `monitoring` profile: started only when asked for
 SERVICES = {"credentials", *LONG_RUNNING, *MONITORING}  # credentials: one-shot, makes the credential files
 METRICS_PORT = 9100  # the scheduler's and the GPU managers' --metrics-listen, inside the compose network
 HEALTHY, DONE = "service_healthy", "service_completed_successfully"
+AFTER_THE_SCHEDULERS = {"credentials": DONE, "etcd": HEALTHY, **dict.fromkeys(SCHEDULERS, HEALTHY)}
 # service -> the services it waits for, and for what
 STARTS_AFTER: dict[str, dict[str, str]] = {
     "credentials": {},
     "etcd": {},
-    "scheduler": {"credentials": DONE, "etcd": HEALTHY},
-    "gateway": {"credentials": DONE, "etcd": HEALTHY, "scheduler": HEALTHY},
-    "gpu-manager-0": {"credentials": DONE, "etcd": HEALTHY, "scheduler": HEALTHY},
-    "gpu-manager-1": {"credentials": DONE, "etcd": HEALTHY, "scheduler": HEALTHY},
+    **{name: {"credentials": DONE, "etcd": HEALTHY} for name in SCHEDULERS},
+    **{name: AFTER_THE_SCHEDULERS for name in [*GATEWAYS, *GPU_MANAGERS]},
+    "balancer": dict.fromkeys(GATEWAYS, HEALTHY),  # it resolves their names at start
     "prometheus": {"credentials": DONE},
     "grafana": {"credentials": DONE, "prometheus": "service_started"},
 }
@@ -219,11 +222,13 @@ def docker_compose_config(*files: Path, profiles: tuple[str, ...] = ()) -> dict[
 def test_docker_compose_config_renders_the_file() -> None:
     rendered = docker_compose_config(COMPOSE, profiles=("monitoring",))
     assert set(rendered["services"]) == SERVICES
-    assert {"etcd-data", "gateway-packages", "credentials", "prometheus-data"} <= set(rendered["volumes"])
+    assert {"etcd-data", "gateway-packages", "gateway-1-packages", "credentials", "prometheus-data"} <= set(
+        rendered["volumes"]
+    )
     for name in GPU_MANAGERS:
         devices = rendered["services"][name]["deploy"]["resources"]["reservations"]["devices"]
         assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
-    assert (8080, 8080) in [published_port(port) for port in rendered["services"]["gateway"]["ports"]]
+    assert (8080, 8080) in [published_port(port) for port in rendered["services"]["balancer"]["ports"]]
     for name, after in STARTS_AFTER.items():
         depends = rendered["services"][name].get("depends_on", {})
         assert {dep: cond["condition"] for dep, cond in depends.items()} == after
@@ -248,7 +253,8 @@ def test_cpu_override_names_only_base_services_and_local_images() -> None:
     assert set(overridden) <= set(services())
     for name in SERVICES - {"grafana"}:  # grafana has no local stand-in (the e2e script leaves it out)
         assert overridden[name]["image"].endswith(":local"), name
-    assert set(overridden["gateway"]) == {"image"}, "the override changes images and GPU managers' flags only"
+    for name in [*GATEWAYS, *SCHEDULERS, "balancer"]:
+        assert set(overridden[name]) == {"image"}, "the override changes images and GPU managers' flags only"
 
 
 @pytest.mark.parametrize("name", GPU_MANAGERS)
@@ -297,7 +303,7 @@ def test_e2e_script_uses_the_override_and_cleans_up() -> None:
 def test_every_service_has_a_healthcheck(name: str) -> None:
     check = services()[name].get("healthcheck")
     assert check, f"{name} has no healthcheck"
-    if name == "scheduler" or name.startswith("gpu-manager"):  # its loop answers, not only its port
+    if name.startswith(("scheduler", "gpu-manager")):  # its loop answers, not only its port
         assert "127.0.0.1:9100/healthz" in " ".join(check["test"]), f"{name}: {check['test']}"
     assert not check.get("disable", False)
     test = check["test"]
@@ -321,7 +327,7 @@ def credentials_script() -> str:
 
 def test_every_daemon_reads_its_credentials_from_the_volume_the_one_shot_service_fills() -> None:
     assert f"python -m gpufaas.credentials {CREDENTIALS_DIR}\n" in credentials_script()
-    for name in sorted(LONG_RUNNING - {"etcd"}):
+    for name in sorted(LONG_RUNNING - {"etcd", "balancer"}):
         service = services()[name]
         mounts = {v.split(":")[1]: v for v in service["volumes"]}
         assert mounts[CREDENTIALS_DIR] == f"credentials:{CREDENTIALS_DIR}:ro", name
@@ -329,9 +335,10 @@ def test_every_daemon_reads_its_credentials_from_the_volume_the_one_shot_service
         assert args["--secret-file"] == f"{CREDENTIALS_DIR}/cluster-secret", name
         assert args["--etcd-password-file"] == f"{CREDENTIALS_DIR}/etcd-password", name
         assert "--insecure" not in args, name
-    gateway = compose_command("gateway")
-    assert gateway["--admin-password-file"] == f"{CREDENTIALS_DIR}/admin-password"
-    assert gateway["--invoke-token-file"] == f"{CREDENTIALS_DIR}/invoke-token"
+    for name in GATEWAYS:
+        gateway = compose_command(name)
+        assert gateway["--admin-password-file"] == f"{CREDENTIALS_DIR}/admin-password"
+        assert gateway["--invoke-token-file"] == f"{CREDENTIALS_DIR}/invoke-token"
 
 
 def test_the_credentials_service_writes_the_metrics_token_for_the_monitoring_group_only(tmp_path: Path) -> None:
@@ -353,12 +360,13 @@ def test_the_credentials_service_writes_the_metrics_token_for_the_monitoring_gro
         "invoke-token": 0o600,
         "admin-password": 0o640,
         "metrics-token": 0o640,
+        "tls": 0o700,  # the cluster CA and the daemons' certificates (gpufaas.tls)
     }
     assert stat.S_IMODE(directory.stat().st_mode) == 0o750
     read_secret(files.admin_password)  # the daemons still accept it
 
 
-@pytest.mark.parametrize("name", ["scheduler", *GPU_MANAGERS])
+@pytest.mark.parametrize("name", [*SCHEDULERS, *GPU_MANAGERS])
 def test_metrics_listen_inside_the_compose_network(name: str) -> None:
     assert compose_command(name)["--metrics-listen"] == f"0.0.0.0:{METRICS_PORT}"
     assert "ports" not in services()[name]
@@ -393,11 +401,11 @@ def test_grafana_is_provisioned_with_the_dashboard_and_prometheus() -> None:
     assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"] == f"{CREDENTIALS_DIR}/admin-password"
 
 
-def test_the_gateway_is_published_on_this_host_only() -> None:
-    assert services()["gateway"]["ports"] == [
-        "127.0.0.1:${GPUFAAS_GATEWAY_PORT:-8080}:8080",
-        "127.0.0.1:${GPUFAAS_BLOB_PORT:-8081}:8081",  # its blob server, for `gpufaas deploy` on this host
-    ]
+def test_the_balancer_and_the_blob_servers_are_published_on_this_host_only() -> None:
+    assert services()["balancer"]["ports"] == ["127.0.0.1:${GPUFAAS_GATEWAY_PORT:-8080}:8080"]
+    # Each gateway's blob server, for `gpufaas deploy` on this host; calls go through the balancer.
+    assert services()["gateway-0"]["ports"] == ["127.0.0.1:${GPUFAAS_BLOB_PORT:-8081}:8081"]
+    assert services()["gateway-1"]["ports"] == ["127.0.0.1:${GPUFAAS_BLOB_PORT_1:-8082}:8082"]
 
 
 def test_etcd_service() -> None:
@@ -414,28 +422,52 @@ def test_etcd_service() -> None:
     assert "status" in etcd["healthcheck"]["test"]
 
 
-def test_scheduler_service() -> None:
-    args = compose_command("scheduler")
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_scheduler_service(name: str) -> None:
+    args = compose_command(name)
     assert args["--etcd"] == "etcd:2379"
     assert args["--listen"] == "0.0.0.0:50051"
-    assert args["--advertise"] == "scheduler:50051"
-    assert "ports" not in services()["scheduler"], "the scheduler stays on the compose network"
+    assert args["--advertise"] == f"{name}:50051"
+    assert "ports" not in services()[name], "the scheduler stays on the compose network"
 
 
-def test_gateway_service() -> None:
-    gateway = services()["gateway"]
-    args = compose_command("gateway")
+@pytest.mark.parametrize("name", GATEWAYS)
+def test_gateway_service(name: str) -> None:
+    gateway = services()[name]
+    args = compose_command(name)
     assert args["--etcd"] == "etcd:2379"
     assert (args["--host"], args["--port"]) == ("0.0.0.0", "8080")
-    assert args["--scheduler"] == compose_command("scheduler")["--advertise"]
-    assert args["--public-url"] == "http://gateway:8080"
-    assert (8080, 8080) in [published_port(port) for port in gateway["ports"]]
-    # Nodes fetch blobs from the advertised address; the CLI, from the published port on this host.
-    assert args["--blob-listen"] == "0.0.0.0:8081" and args["--blob-advertise"] == "http://gateway:8081"
-    assert (8081, 8081) in [published_port(port) for port in gateway["ports"]]
+    assert "--scheduler" not in args, "with several schedulers a gateway follows the one registered in etcd"
+    assert args["--public-url"] == f"http://{name}:8080"
+    # Nodes fetch blobs from the advertised address; the CLI, from the same port on this host.
+    blob_port = int(args["--blob-listen"].rsplit(":", 1)[1])
+    assert args["--blob-listen"] == f"0.0.0.0:{blob_port}" and args["--blob-advertise"] == f"http://{name}:{blob_port}"
+    assert [published_port(port) for port in gateway["ports"]] == [(blob_port, blob_port)]
     mounts = {v.split(":")[1]: v.split(":")[0] for v in gateway["volumes"]}
     assert mounts.get(args["--state-dir"]) in compose()["volumes"], "uploaded packages need a volume"
     assert "/healthz" in " ".join(gateway["healthcheck"]["test"])
+
+
+def test_gateways_keep_their_packages_apart_and_serve_blobs_on_their_own_ports() -> None:
+    volumes = [
+        next(v for v in services()[name]["volumes"] if v.endswith(":/var/lib/gpufaas/gateway")) for name in GATEWAYS
+    ]
+    assert len(set(volumes)) == len(GATEWAYS)
+    assert len({compose_command(name)["--blob-listen"] for name in GATEWAYS}) == len(GATEWAYS)
+
+
+def test_the_balancer_runs_the_config_gpufaas_writes_for_the_gateways() -> None:
+    """deploy/haproxy.cfg is what gpufaas.dev.balancer writes for compose's gateways (on a
+    mismatch: write this test's `expected` to the file), mounted where the image reads it."""
+    balancer = services()["balancer"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in balancer["volumes"]}
+    config_path = mounts["/usr/local/etc/haproxy/haproxy.cfg"]
+    assert config_path == "./deploy/haproxy.cfg" and "/usr/local/etc/haproxy/haproxy.cfg" in balancer["command"]
+    gateways = {name: f"{name}:{compose_command(name)['--port']}" for name in GATEWAYS}
+    expected = BalancerConfig(listen="0.0.0.0:8080", gateways=gateways, resolver="127.0.0.11:53").render()
+    assert (DEPLOY / "haproxy.cfg").read_text() == expected
+    assert [published_port(port) for port in balancer["ports"]] == [(8080, 8080)]
+    assert "/balancer/livez" in " ".join(balancer["healthcheck"]["test"])
 
 
 @pytest.mark.parametrize("name", GPU_MANAGERS)
@@ -697,7 +729,10 @@ def test_gpu_manager_daemonset() -> None:
 
 
 def test_k8s_images_match_compose_images() -> None:
-    compose_images = {s["image"].rsplit(":", 1)[0] for name, s in services().items() if name not in MONITORING}
+    # Kubernetes' Service balances over the gateways: no HAProxy there.
+    compose_images = {
+        s["image"].rsplit(":", 1)[0] for name, s in services().items() if name not in {*MONITORING, "balancer"}
+    }
     k8s_images = {c["image"].rsplit(":", 1)[0] for w in workloads() for c in containers(w)}
     assert k8s_images == compose_images
     overridable = {image["name"] for image in kustomization().get("images", [])}
