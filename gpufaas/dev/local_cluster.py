@@ -257,8 +257,12 @@ class LocalCluster:
         from scheduler.settings import SchedulerSettings
 
         name = name or self.scheduler_names[0]
+        # Its name among several, where schedulers elect a leader (else each has its address).
+        elects = self.schedulers > 1 and "name" in SchedulerSettings.model_fields
+        named: dict[str, Any] = {"name": name} if elects else {}
         return SchedulerSettings(
             **self._common(),
+            **named,
             listen=self.scheduler_addresses[name],
             metrics_listen=self._metrics_address(name),
             policy=self.policy,
