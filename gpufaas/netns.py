@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 from gpufaas.errors import GpufaasError
 from gpufaas.processes import pid_alive
@@ -316,7 +316,7 @@ def _remove(suffix: str, namespaces: Iterable[str]) -> None:
 # --- the harness --------------------------------------------------------------------------------
 
 
-class Hosts:
+class Hosts(contextlib.AbstractContextManager["Hosts"]):  # its __enter__ returns self
     """Named hosts, each a network namespace with its own address on a private bridge; the root
     namespace reaches every one at `address(host)` through the bridge's address.
 
@@ -473,9 +473,6 @@ class Hosts:
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=5)
         _remove(self.layout.suffix, [host.namespace for host in self.layout.hosts.values()])
-
-    def __enter__(self) -> Self:
-        return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None

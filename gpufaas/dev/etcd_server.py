@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -50,7 +51,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class EtcdServer:
+class EtcdServer(contextlib.AbstractContextManager["EtcdServer"]):  # its __enter__ returns self
     """One etcd process bound to 127.0.0.1 only, with its data and its log (`etcd.log`) in `data_dir`.
 
         with EtcdServer().start(tmp_path) as etcd:
@@ -257,9 +258,6 @@ class EtcdServer:
             return self.log_path.read_text(errors="replace")[-num_chars:]
         except OSError as exc:
             return f"(no log: {exc})"
-
-    def __enter__(self) -> Self:
-        return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
