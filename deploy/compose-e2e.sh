@@ -156,29 +156,26 @@ compose exec -T gateway-0 cat /run/gpufaas/invoke-token >"$work/invoke-token"
 say "crashing gateway-0 under load"
 python3 - "$URL" "$work/invoke-token" "$(docker inspect -f '{{.State.Pid}}' "$container")" <<'EOF' \
   || fail "the gateway's crash failed calls that were not in flight on it"
-import os, signal, sys, threading, time, urllib.request
+import os, signal, sys, threading, time, urllib.error, urllib.request
 
 url, token, pid = sys.argv[1], open(sys.argv[2]).read().strip(), int(sys.argv[3])
 clients, calls, stopping = 8, [], threading.Event()
 
 def client():
     while not stopping.is_set():
-        sent_s, ok = time.monotonic(), False
+        sent_s, answer = time.monotonic(), ""
         request = urllib.request.Request(
             f"{url}/function/hello", data=b'{"inputs": [[1, 2, 3, 4]]}',
             headers={"authorization": f"Bearer {token}", "content-type": "application/json"},
         )
         try:
-            ok = urllib.request.urlopen(request, timeout=60).status == 200
-        except OSError:
-            pass
-        calls.append((sent_s, time.monotonic(), ok))
-
-def gone(pid):
-    try:
-        return open(f"/proc/{pid}/stat").read().split()[2] == "Z"
-    except OSError:
-        return True
+            status = urllib.request.urlopen(request, timeout=60).status
+            answer = "" if status == 200 else str(status)
+        except urllib.error.HTTPError as error:
+            answer = f"{error.code} {error.read()[:200]!r}"
+        except OSError as error:
+            answer = repr(error)
+        calls.append((sent_s, time.monotonic(), not answer, answer))
 
 threads = [threading.Thread(target=client) for _ in range(clients)]
 for thread in threads:
@@ -186,9 +183,9 @@ for thread in threads:
 time.sleep(5)
 killed_s = time.monotonic()
 os.kill(pid, signal.SIGKILL)
-while not gone(pid):
-    time.sleep(0.001)
-dead_s = time.monotonic()  # its sockets closed: a call sent later cannot have reached it
+while os.path.exists(f"/proc/{pid}"):  # reaped: every thread gone, its sockets closed (a zombie
+    time.sleep(0.001)                   # leader may still have threads holding them)
+dead_s = time.monotonic()  # a call sent later cannot have reached it
 time.sleep(5)
 stopping.set()
 for thread in threads:
@@ -198,6 +195,8 @@ in_flight = [c for c in calls if c[0] < dead_s and c[1] > killed_s]
 after = [c for c in calls if c[0] > dead_s]
 print(f"  {len(calls)} calls, {len(failed)} failed, {len(in_flight)} in flight at the kill, "
       f"{len(after)} sent after it ({sum(c[2] for c in after)} succeeded)")
+for sent_s, done_s, _, answer in failed:
+    print(f"  failed: sent {1000 * (sent_s - dead_s):+.0f} ms from its death, done {1000 * (done_s - dead_s):+.0f}: {answer}")
 sys.exit(0 if all(c in in_flight for c in failed) and after and all(c[2] for c in after) else 1)
 EOF
 deadline=$((SECONDS + 60))
