@@ -34,7 +34,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,6 +52,7 @@ NO_ANSWER = frozenset({"timeout", "connection-error"})  # statuses of a call tha
 RAN_MARK = "chaos-ran"
 HURT_LISTED = 12
 DETAIL_CHARS = 160
+PROBE_CLIENT = 1000  # the probes' client numbers start here (call ids chaos-TAG-CLIENT-SEQUENCE)
 
 # The bench's function: says which call it runs (the node logs what its workers print), then
 # sleeps as its payload says.
@@ -136,6 +137,7 @@ class CallRecord:
     status: str
     node: str = ""
     detail: str = ""  # a failed call's answer (its start), or the client's error
+    probe: bool = False  # a longer call sent just before a fault (not counted for recovery)
 
     def good(self, slow_s: float) -> bool:
         """Answered 200 within `slow_s`: served as when nothing is wrong."""
@@ -144,22 +146,25 @@ class CallRecord:
 
 @dataclass(frozen=True, slots=True)
 class Phase:
-    """When a fault was applied and healed, and when the next one began (or the run ended);
-    `killed_s`: when its host's processes were killed (a kill fault)."""
+    """When a fault's probes were sent, when it was applied and healed, and when the next one's
+    probes were sent (or the run ended); `killed_s`: when its host's processes were killed (a
+    kill fault)."""
 
     fault: Fault
     applied_s: float
     healed_s: float
     ended_s: float
     killed_s: float | None = None
+    started_s: float = 0.0
 
 
 def recovery_s(records: Iterable[CallRecord], since_s: float, until_s: float, slow_s: float) -> float | None:
     """Seconds from `since_s` (a fault applied, or healed) until calls succeed again: 0 if no
     call in flight at `since_s` or sent before `until_s` was hurt (failed, or slower than
     `slow_s`); else until the first good call sent after the last hurt one was answered; None if
-    no good call followed it before `until_s` (not recovered)."""
-    affected = [r for r in records if r.done_s >= since_s and r.sent_s < until_s]
+    no good call followed it before `until_s` (not recovered). Probes do not count: they are
+    slow by design."""
+    affected = [r for r in records if r.done_s >= since_s and r.sent_s < until_s and not r.probe]
     hurt = [r for r in affected if not r.good(slow_s)]
     if not hurt:
         return 0.0
@@ -180,6 +185,7 @@ class FaultTally:
     ok: int
     failed_by_status: dict[str, int]
     run_twice: int
+    run_twice_in_flight_on_kill: int  # of those, running on the fault's host when it was killed
     lost: int  # no answer at all (the client's timeout, or its connection broken)
     lost_in_flight_on_kill: int  # of those, in flight when the fault's host was killed
     slow: int  # answered 200 but slower than slow_s
@@ -200,16 +206,18 @@ def tally(records: Sequence[CallRecord], phase: Phase, runs: Mapping[str, int], 
     lost = [r for r in mine if r.status in NO_ANSWER]
     killed_s = phase.killed_s
     latencies = [r.done_s - r.sent_s for r in mine if r.status == OK]
-    in_flight = [r for r in lost if killed_s is not None and r.sent_s <= killed_s < r.done_s]
+    spans_kill = [r for r in mine if killed_s is not None and r.sent_s <= killed_s < r.done_s]
+    twice = {r.call_id for r in mine if runs.get(r.call_id, 0) > 1}
     return FaultTally(
         fault=phase.fault.name,
         what=phase.fault.what,
         calls=len(mine),
         ok=sum(r.status == OK for r in mine),
         failed_by_status=dict(sorted(failed.items())),
-        run_twice=sum(runs.get(r.call_id, 0) > 1 for r in mine),
+        run_twice=len(twice),
+        run_twice_in_flight_on_kill=sum(r.call_id in twice for r in spans_kill),
         lost=len(lost),
-        lost_in_flight_on_kill=len(in_flight),
+        lost_in_flight_on_kill=sum(r.status in NO_ANSWER for r in spans_kill),
         slow=sum(r.status == OK and not r.good(slow_s) for r in mine),
         recovery_after_fault_s=recovery_s(records, phase.applied_s, phase.healed_s, slow_s),
         recovery_after_heal_s=recovery_s(records, phase.healed_s, phase.ended_s, slow_s),
@@ -223,7 +231,8 @@ def tally(records: Sequence[CallRecord], phase: Phase, runs: Mapping[str, int], 
 
 def _hurt_line(record: CallRecord, since_s: float) -> str:
     return (
-        f"sent {record.sent_s - since_s:+.1f} s, answered {record.done_s - since_s:+.1f} s: {record.status}"
+        f"{record.call_id} sent {record.sent_s - since_s:+.1f} s, answered {record.done_s - since_s:+.1f} s: "
+        f"{record.status}"
         f" ({record.node or 'no node'}){': ' + record.detail if record.detail else ''}"
     )
 
@@ -240,7 +249,7 @@ def settled(
     `last` calls answered since then all good."""
     if now_s - since_s < min_s:
         return False
-    answered = sorted((r for r in records if r.done_s >= since_s), key=lambda r: r.done_s)[-last:]
+    answered = sorted((r for r in records if r.done_s >= since_s and not r.probe), key=lambda r: r.done_s)[-last:]
     return len(answered) == last and all(r.good(slow_s) for r in answered)
 
 
@@ -262,8 +271,14 @@ class ChaosConfig:
     settle_max_s: float = 30.0
     settle_calls: int = 16
     delay_ms: float = 50.0
+    # Longer calls sent just before each fault, so that some run on its host as it strikes.
+    probes: int = 4
+    probe_sleep_s: float = 1.5
+    probe_lead_s: float = 0.5
     functions: tuple[str, ...] = ("chaos-a", "chaos-b")
-    function_memory_mb: int = 400  # both fit on a 1000 MB GPU: every node can hold both
+    # The probes' own function: its worker, not the load's, is held by them.
+    probe_function: str = "chaos-probe"
+    function_memory_mb: int = 300  # the three fit on a 1000 MB GPU: every node can hold them all
 
 
 @dataclass
@@ -291,6 +306,12 @@ class Load:
                 self.records.append(record)
             sequence += 1
 
+    def add(self, records: Iterable[CallRecord]) -> None:
+        """Records of calls made beside the loop (the probes)."""
+        added = list(records)
+        with self._lock:
+            self.records += added
+
     def snapshot(self) -> list[CallRecord]:
         with self._lock:
             return list(self.records)
@@ -313,18 +334,23 @@ class ChaosRun:
         self.tag = f"{time.time_ns():x}"[-8:]  # call ids unique across runs on one cluster
         self._clients: dict[int, httpx.Client] = {}  # one per client thread
         self.load = Load(self.call, config.clients)
+        self._probes = ThreadPoolExecutor(config.probes, thread_name_prefix="chaos-probe")
         self.phases: list[Phase] = []
         self.notes: list[str] = []
 
     # --- one call -------------------------------------------------------------------------------
-    def call(self, client: int, sequence: int) -> CallRecord:
-        """One call of client `client`: to a gateway in turn (or the balancer), function in turn."""
+    def call(self, client: int, sequence: int, sleep_s: float | None = None) -> CallRecord:
+        """One call of client `client`: to a gateway in turn (or the balancer), function in turn;
+        its work `sleep_s` (default the config's)."""
         cluster, config = self.cluster, self.config
         call_id = f"chaos-{self.tag}-{client}-{sequence}"
         function = config.functions[(client + sequence) % len(config.functions)]
+        if sleep_s is not None:
+            function = config.probe_function
         urls = [cluster.gateway_url] if cluster.balancer else cluster.gateway_urls
-        http = self._clients.setdefault(client, httpx.Client())
-        payload: dict[str, object] = {"call_id": call_id, "sleep_s": config.call_sleep_s}
+        http = self._clients.get(client) or self._clients.setdefault(client, httpx.Client())
+        work_s = config.call_sleep_s if sleep_s is None else sleep_s
+        payload: dict[str, object] = {"call_id": call_id, "sleep_s": work_s}
         sent_s = time.monotonic()
         try:
             response = cluster.call(
@@ -342,19 +368,23 @@ class ChaosRun:
         except httpx.TransportError as exc:
             status, node, detail = "connection-error", "", repr(exc)[:DETAIL_CHARS]
             time.sleep(0.1)  # a gateway refusing connections: not a busy loop
-        return CallRecord(call_id, sent_s, time.monotonic(), status, node, detail)
+        return CallRecord(call_id, sent_s, time.monotonic(), status, node, detail, probe=sleep_s is not None)
 
     # --- before the faults --------------------------------------------------------------------------
-    def prepare(self, timeout_s: float = 90.0) -> None:
-        """Deploy the functions and call them until every node has answered for each (so that
-        every node holds both and a fault moves calls, not models)."""
+    def prepare(self, timeout_s: float = 30.0) -> None:
+        """Deploy the functions, start the load and wait (at most `timeout_s`, else a note says
+        so) until every node has answered calls of each load function: a fault then moves calls,
+        not models. The probes' function is called once per probe, so its workers are up."""
         from gpufaas.packages import build_package
 
         with tempfile.TemporaryDirectory() as directory:
             (Path(directory) / "handler.py").write_text(HANDLER)
             package = build_package(Path(directory))
-        for function in self.config.functions:
+        for function in (*self.config.functions, self.config.probe_function):
             self.cluster.deploy(function, package, memory_mb=self.config.function_memory_mb)
+        warm = [self._probes.submit(self.call, PROBE_CLIENT - 1 - i, 0, 0.0) for i in range(self.config.probes)]
+        for probe in warm:  # its worker started before the faults: a probe is not a miss
+            probe.result()
         self.load.start()
         started = time.monotonic()
         want = {(f, n) for f in self.config.functions for n in self.cluster.nodes}
@@ -392,8 +422,11 @@ class ChaosRun:
         elif fault.action == "delay":
             hosts.delay(fault.hosts[0], fault.delay_ms)
         elif fault.action == "kill":
-            self.cluster.kill_host(fault.hosts[0])
-            return time.monotonic()
+            pids = self.cluster.kill_host(fault.hosts[0])
+            killed_s = time.monotonic()
+            if not self.cluster.wait_gone(pids):
+                self.notes.append(f"some of {fault.hosts[0]}'s processes outlived SIGKILL by 10 s: {pids}")
+            return killed_s
         else:
             raise ValueError(f"unknown fault action {fault.action!r}")
         return None
@@ -410,20 +443,44 @@ class ChaosRun:
         """Apply, hold, heal, and wait until the load is served normally and every node's GPUs
         are back; the phase is recorded (its end set by the next), what was seen is returned."""
         config = self.config
+        started_s = time.monotonic()
+        probes = self._send_probes(len(self.phases))
+        time.sleep(config.probe_lead_s)
         leader = self.leader() if LEADER in fault.hosts else ""
-        busiest = busiest_node(self.load.snapshot(), time.monotonic() - BUSIEST_WINDOW_S, self.cluster.nodes)
-        fault = fault.resolved(leader, busiest)
+        fault = fault.resolved(leader, self._struck_node() if BUSIEST in fault.hosts else "")
         applied_s = time.monotonic()
         killed_s = self.apply(fault)
         time.sleep(max(0.0, applied_s + config.hold_s - time.monotonic()))
         self.heal(fault)
         healed_s = time.monotonic()
-        self.phases.append(Phase(fault, applied_s, healed_s, healed_s, killed_s))
+        self.phases.append(Phase(fault, applied_s, healed_s, healed_s, killed_s, started_s))
+        self.load.add(probe.result() for probe in probes)
         settle_s = self._settle(healed_s)
         back_s: float | None = None
         with contextlib.suppress(AssertionError):
             back_s = self.cluster.wait_for_gpus(set(self.cluster.nodes), timeout_s=config.settle_max_s)
         return {"fault": fault.name, "hosts": list(fault.hosts), "settled_s": settle_s, "gpus_back_s": back_s}
+
+    def _struck_node(self) -> str:
+        """The node a node fault strikes: the one running the most probes now (the scheduler's
+        view), so that calls are in flight there; else the one that served the most lately."""
+        probe_prefix = f"chaos-{self.tag}-"
+        running: dict[str, int] = {}
+        with contextlib.suppress(httpx.HTTPError):
+            for node in self.cluster.nodes:
+                ids = self.cluster.running_on(node)
+                running[node] = sum(c.startswith(probe_prefix) and int(c.split("-")[2]) >= PROBE_CLIENT for c in ids)
+        busiest = busiest_node(self.load.snapshot(), time.monotonic() - BUSIEST_WINDOW_S, self.cluster.nodes)
+        most = max(running.values(), default=0)
+        return busiest if most == 0 or running.get(busiest) == most else max(running, key=running.__getitem__)
+
+    def _send_probes(self, fault_index: int) -> list[Future[CallRecord]]:
+        """`probes` calls of `probe_sleep_s`, as clients of their own (numbered from 1000)."""
+        config = self.config
+        return [
+            self._probes.submit(self.call, PROBE_CLIENT + fault_index * config.probes + i, 0, config.probe_sleep_s)
+            for i in range(config.probes)
+        ]
 
     def _settle(self, healed_s: float) -> float | None:
         config = self.config
@@ -448,9 +505,10 @@ class ChaosRun:
         started_s = time.monotonic()
         seen = [self.run_fault(fault) for fault in faults]
         records = self.load.stop()
+        self._probes.shutdown()
         for http in self._clients.values():
             http.close()
-        ended = [p.applied_s for p in self.phases[1:]] + [records_end(records)]
+        ended = [p.started_s for p in self.phases[1:]] + [records_end(records)]
         phases = [dataclasses.replace(p, ended_s=end) for p, end in zip(self.phases, ended, strict=True)]
         runs: Counter[str] = Counter()
         for node in self.cluster.nodes:

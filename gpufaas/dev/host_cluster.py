@@ -41,6 +41,14 @@ def election_available() -> bool:
     return "name" in SchedulerSettings.model_fields
 
 
+def _parent(pid: int) -> int | None:
+    """`pid`'s parent (None if it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def haproxy_available() -> bool:
     """Whether HAProxy is installed, so that a cluster can put its gateways behind it."""
     from gpufaas.dev.balancer import BalancerUnavailable, haproxy_binary
@@ -233,21 +241,29 @@ class HostCluster:
             ["ip", "netns", "pids", self.hosts.namespace(host)], capture_output=True, text=True, check=False
         ).stdout.split()
         pids = {int(pid) for pid in listed}
-        for pid in list(pids):
-            pids.update(descendants(pid))
+        # Below the namespace's roots only: one walk of /proc each, and a host has one or two.
+        for root in [pid for pid in pids if _parent(pid) not in pids]:
+            pids.update(descendants(root))
         return sorted(pids)
 
-    def kill_host(self, host: str, timeout_s: float = 10) -> list[int]:
+    def kill_host(self, host: str) -> list[int]:
         """SIGKILL every process of `host` at once (a host lost: no process gets to say goodbye);
-        returns their PIDs, once all are gone."""
+        returns their PIDs (`wait_gone` waits for them)."""
         pids = self.host_pids(host)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + timeout_s
-        while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.02)
         return pids
+
+    @staticmethod
+    def wait_gone(pids: Sequence[int], timeout_s: float = 10) -> bool:
+        """Whether every one of `pids` is gone within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while any(pid_alive(pid) for pid in pids):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def restart_host(self, host: str) -> None:
         """Start `host`'s daemon again with the command line it had (after `kill_host`)."""

@@ -106,11 +106,12 @@ def test_the_tally_counts_the_calls_answered_in_the_phase_by_status_twice_and_lo
         *steady(12.5, 29.5, "ok"),
         call("next-phase", 29.9, 30.2),
     ]
-    runs = Counter({"twice": 2, "ok0": 1, "earlier": 2})
+    runs = Counter({"twice": 2, "ok0": 1, "earlier": 2, "on-killed": 2})  # started on node1, then again
     result = tally(records, phase, runs, SLOW_S)
     assert (result.calls, result.ok) == (1 + 1 + 1 + 1 + len(steady(12.5, 29.5, "ok")), 1 + 34)
     assert result.failed_by_status == {"503": 1, "connection-error": 1, "timeout": 1}
-    assert result.run_twice == 1  # "earlier" ran twice but belongs to the phase before
+    assert result.run_twice == 2  # "earlier" ran twice but belongs to the phase before
+    assert result.run_twice_in_flight_on_kill == 1  # "on-killed"
     assert (result.lost, result.lost_in_flight_on_kill) == (2, 1)
     assert result.recovery_after_fault_s == pytest.approx(12.4 - 10.0)  # "twice", sent after "lost-later"
     assert result.recovery_after_heal_s == 0.0
@@ -133,3 +134,12 @@ def test_settled_needs_the_minimum_time_and_the_last_calls_all_good() -> None:
     assert settled(records, 10.0, 14.0, min_s=3.0, last=4, slow_s=SLOW_S)
     assert not settled(records, 10.0, 14.0, min_s=3.0, last=len(records), slow_s=SLOW_S)  # reaches the 503
     assert not settled(records[:2], 10.0, 14.0, min_s=3.0, last=4, slow_s=SLOW_S)  # too few calls
+
+
+def test_probes_count_in_the_tally_but_not_for_recovery() -> None:
+    probe = CallRecord("probe", 4.5, 9.0, "200", "node1", probe=True)  # slow by design
+    records = [*steady(0, 12, "c"), probe]
+    assert recovery_s(records, 5.0, 12.0, SLOW_S) == 0.0
+    assert settled(records, 5.0, 12.0, min_s=3.0, last=4, slow_s=SLOW_S)
+    phase = Phase(Fault("isolate-node", "isolate", ("node0",), ""), 5.0, 8.0, 12.0)
+    assert tally(records, phase, Counter(), SLOW_S).slow == 1

@@ -1,0 +1,85 @@
+"""Partitions and host loss under load, tested: the partition chaos bench on the netns harness."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.partition_chaos import ChaosConfig, run_chaos, summary_lines
+from gpufaas.dev.host_cluster import HostCluster, election_available, haproxy_available, host_names
+from tests.integration.test_hosts import HostsFactory, make_hosts  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.integration
+
+RECOVERY_TARGET_S = 5.0  # issue 21 item 5: calls succeed again within 5 s of a fault, and of its heal
+# Faults after which no other scheduler can take over where there is only one (no election yet):
+# calls fail until the heal, by design.
+ONLY_SCHEDULER_FAULTS = {"isolate-scheduler", "cut-scheduler-etcd"}
+# What the runs showed and why (docs/partitions.md, "What goes wrong"): each (fault, check) here is a
+# known defect of the system, not of the test. The test fails on any other miss; where only these
+# miss, it is an expected failure naming them with the figures measured.
+KNOWN_DEFECTS = {
+    ("isolate-node", "recovery"): "gateway/state.py's node mirror does not call Router.node_left when a node's key "
+    "goes: calls on the cut node wait for the wire's dead_after_s (5 s), not the node's 3 s lease",
+    ("isolate-node", "run twice"): "a call whose Execute reached the node before the cut runs there to its end; the "
+    "gateway gives up on the node and the call is placed again elsewhere",
+    ("cut-gateway-node-one-way", "recovery"): "the node keeps its lease and the scheduler's link: only the wire's "
+    "TCP_USER_TIMEOUT (dead_after_s, 5 s) on the gateway's unacknowledged Executes ends the link",
+    ("cut-gateway-node-one-way", "lost"): "a reply the node sends after its first retransmission timeout stays in its "
+    "send queue (no ACK comes back) while its retransmissions keep the gateway's keepalive quiet, and a call whose "
+    "Done reached the scheduler is not placed again on the gateway's Abandon: the gateway waits to the deadline",
+}
+RECOVERY_CEILING_S = 10.0  # a known recovery miss must still end within this
+
+
+def violations(fault: dict[str, Any], *, election: bool) -> list[tuple[str, str]]:
+    """(check, figure) for each check `fault`'s tally fails."""
+    name, found = fault["fault"], []
+    # A call started on a host as it was killed may start again elsewhere: its first run never
+    # finished, and the alternative is to lose it. Every other call starts at most once.
+    if fault["run_twice"] != fault["run_twice_in_flight_on_kill"]:
+        found.append(("run twice", f"{fault['run_twice']} calls ran twice"))
+    if fault["lost"] != fault["lost_in_flight_on_kill"]:
+        found.append(("lost", f"{fault['lost'] - fault['lost_in_flight_on_kill']} calls got no answer"))
+    after = {"after the heal": fault["recovery_after_heal_s"]}
+    if election or name not in ONLY_SCHEDULER_FAULTS:
+        after["after the fault"] = fault["recovery_after_fault_s"]
+    for when, seconds in after.items():
+        if seconds is None or seconds > RECOVERY_TARGET_S:
+            assert (name, "recovery") in KNOWN_DEFECTS and seconds is not None and seconds <= RECOVERY_CEILING_S, (
+                name,
+                when,
+                seconds,
+                fault["hurt"],
+            )
+            found.append(("recovery", f"recovered {seconds:.1f} s {when}"))
+    return found
+
+
+def test_each_fault_runs_no_call_twice_loses_none_and_recovers_within_the_target(
+    make_hosts: HostsFactory,  # noqa: F811 (the fixture imported above)
+    tmp_path: Path,
+) -> None:
+    """Two nodes, two gateways (behind HAProxy where it is installed, else the clients spread their
+    calls over them), the schedulers (two with leader election, else one), TLS on every link and
+    etcd; 8 clients of short calls and 4 longer probes while each fault of bench.partition_chaos
+    is applied, held 8 s and healed."""
+    election, balancer = election_available(), haproxy_available()
+    nodes = ["node0", "node1"]
+    hosts = make_hosts(host_names(nodes, 2 if election else 1, 2, balancer=balancer))
+    cluster = HostCluster.of_shape(hosts, tmp_path, nodes, balancer=balancer)
+    try:
+        document = run_chaos(cluster, ChaosConfig(), election=election)
+    finally:
+        cluster.close()
+    print("\n" + "\n".join(summary_lines(document)))
+    assert document["baseline"]["ok"] == document["baseline"]["calls"] > 0, document["baseline"]
+    assert all(fault["calls"] > 0 for fault in document["faults"]), document["faults"]
+    found = [(fault["fault"], *v) for fault in document["faults"] for v in violations(fault, election=election)]
+    unexplained = [v for v in found if v[:2] not in KNOWN_DEFECTS]
+    assert not unexplained, (unexplained, document["faults"])
+    if found:
+        said = "; ".join(f"{name}: {figure} ({KNOWN_DEFECTS[name, check]})" for name, check, figure in found)
+        pytest.xfail(f"known defects: {said}")
