@@ -141,17 +141,9 @@ def _checked_scheduler(scheduler: dict[str, Any], flags: list[str]) -> Scheduler
     """The settings `gpufaas up`'s scheduler will run with (its own scheduler options, `scheduler`
     by field name, and `flags` on top), checked by the scheduler's settings model now: a mistake is
     one line here, not a scheduler that keeps failing to start."""
-    from pydantic import ValidationError
+    from gpufaas.policy_flags import checked_scheduler
 
-    from gpufaas.settings import SettingsError
-    from scheduler.settings import SchedulerSettings
-
-    try:
-        return SchedulerSettings(**scheduler).with_flags(flags)
-    except SettingsError as exc:
-        raise typer.BadParameter(str(exc)) from None
-    except ValidationError as exc:
-        raise typer.BadParameter(SchedulerSettings.refusal(exc)) from None
+    return checked_scheduler(scheduler, flags)
 
 
 def _start_supervised(state_dir: Path, options: Mapping[str, Any], *, policy: str) -> None:

@@ -133,6 +133,7 @@ class LocalCluster:
     spares: int = 1  # warm spare workers per GPU
     claim_s: float = 5.0  # a placement not used within this long is checked with its node
     secure: bool = True  # credentials on every interface (state_dir/secrets); False: --insecure daemons
+    tls: bool = True  # with `secure`: TLS on the daemons' links (state_dir/secrets/tls); False: --no-tls
     # etcd's own authentication too (the daemons log in as root with STATE/secrets/etcd-password):
     # any local process could otherwise rewrite the cluster's state (a function made public).
     # None: on when this cluster runs its own etcd; an etcd given by `etcd_endpoint` is its
@@ -247,6 +248,7 @@ class LocalCluster:
         common: dict[str, Any] = {"etcd": self.etcd_endpoint, "root": self.root, "insecure": not self.secure}
         if self.secure:
             common["secret_file"] = self.secrets.cluster_secret
+            common["tls"] = self.tls
         if self.secure and self.etcd_auth:
             common["etcd_password_file"] = self.secrets.etcd_password
         return common

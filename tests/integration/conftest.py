@@ -13,6 +13,7 @@ import pytest
 from gpufaas.dev.etcd_server import EtcdServer
 from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.processes import descendants, pid_alive
+from gpufaas.tls import LinkTls, configure
 from tests.fixtures.make_packages import build_package
 
 
@@ -62,11 +63,16 @@ def make_cluster(etcd_endpoint: EtcdTarget, tmp_path: Path) -> Iterator[ClusterF
         clusters.append(cluster)
         cluster.start()
         watched.extend(cluster.pids().values())
+        if cluster.secure and cluster.tls:
+            # Tests that speak the wire to the cluster's daemons do so as its gateway would: over
+            # TLS with the gateway's certificate (the daemons refuse plain links).
+            configure(LinkTls.load(cluster.secrets.directory / "tls", "gateway"))
         return cluster
 
     try:
         yield factory
     finally:
+        configure(None)
         stop_clusters(clusters, watched)
 
 
