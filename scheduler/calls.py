@@ -7,11 +7,14 @@ ask a node which grants it has seen (revoking the others), evict).
 
 One call, from its owner's (the gateway connection's) Place:
 
-    QUEUED --dispatch--> PLACED(attempt k) --Done(k)--> finished
-       ^                   |
-       +----- requeued ----+  the worker died (Done WORKER_DIED, retried once), the node was
-                              unreachable or refused the grant (Abandon), the node left, or the
-                              grant was never presented (checked with the node after `claim_s`)
+    [WAITING --a GPU attached-->] QUEUED --dispatch--> PLACED(attempt k) --Done(k)--> finished
+                                     ^                   |
+                                     +----- requeued ----+
+
+    requeued: the worker died (Done WORKER_DIED, retried once), the node was unreachable or
+    refused the grant (Abandon), the node left, or the grant was never presented (checked with
+    the node after `claim_s`). WAITING: arrived while GPU managers were registered but none
+    attached (see `submit`).
 
 A GPU slot belongs to an attempt: it is freed by that attempt's Done, or when it is certain the
 attempt never ran (the node says it never saw the grant, refused it, or left). A Done for an
@@ -33,6 +36,13 @@ attempt that is no longer current is ignored. Failure handling, step by step:
   that it cannot run late); a node that does not answer that check is taken out.
 - a placed call with no Done long after its deadline (`tick`, `lost_after_s`): presumed lost
   with its node's answer; its slot is freed and the model's entry dropped (the node timed it out).
+- an Abandon (NODE_UNREACHABLE, REFUSED) for a call the book does not hold for that owner (its
+  Done finished it while its reply to the gateway was lost, or this scheduler never saw it): the
+  owner is answered at once that the call's outcome is unknown (`OUTCOME_UNKNOWN`), never by
+  running it again, so that it does not wait for a placement until its deadline.
+- a call that arrives while no GPU is attached but GPU managers are registered (a new leader
+  attaching its nodes, `submit(nodes_attaching=True)`): it waits (WAITING) and enters the
+  scheduler's queue when the first GPU attaches, or is answered DEADLINE at its deadline.
 """
 
 from __future__ import annotations
@@ -54,6 +64,10 @@ MAX_WORKER_ATTEMPTS = 2  # a call whose worker died is retried once
 MAX_PLACEMENTS = 6  # placements that never ran (node unreachable, grant refused) before giving up
 DEFAULT_CLAIM_S = 5.0
 DEFAULT_LOST_AFTER_S = 5.0
+# The Rejection status for "the scheduler no longer holds this call, whether it ran is unknown".
+# gpufaas.proto has no Status of that name yet; the gateway answers any status it does not map with
+# 502 and the Rejection's message, which is what such a call needs (a retry could run it twice).
+OUTCOME_UNKNOWN = pb.STATUS_UNSPECIFIED
 
 Owner = Hashable
 
@@ -129,6 +143,7 @@ class Rejected(GpufaasError):
 
 
 class _State(enum.Enum):
+    WAITING = "waiting"  # arrived while no GPU was attached: held here, not yet in the scheduler
     QUEUED = "queued"  # in the global queue or parked in a local queue
     PLACED = "placed"  # a placement was sent; waiting for the node's Done
 
@@ -167,6 +182,9 @@ class CallBook:
     # Per GPU, for as long as this book lives (a GPU that leaves and comes back goes on counting).
     _seq: dict[str, int] = field(default_factory=dict)  # the latest grant's gpu_seq
     _retired: set[str] = field(default_factory=set)  # models no function runs any more
+    # The WAITING calls in arrival order: added by `submit` while no GPU is attached, moved into the
+    # scheduler's queue by `schedule` once one is, removed at their deadline or withdrawal.
+    _waiting: dict[str, _Call] = field(default_factory=dict)
     # What changed since the service last persisted (it drains these sets).
     dirty_gpus: set[str] = field(default_factory=set)
     dirty_models: set[str] = field(default_factory=set)
@@ -198,25 +216,67 @@ class CallBook:
         ]
 
     # --- arrivals ---------------------------------------------------------------------------
-    def submit(self, owner: Owner, call_id: str, spec: FunctionSpec, timeout_s: float, now: float) -> list[Effect]:
-        """Queue a call and schedule. Raises Rejected (nothing is queued then)."""
+    def submit(
+        self,
+        owner: Owner,
+        call_id: str,
+        spec: FunctionSpec,
+        timeout_s: float,
+        now: float,
+        *,
+        nodes_attaching: bool = False,
+    ) -> list[Effect]:
+        """Queue a call and schedule. Raises Rejected (nothing is queued then).
+
+        `nodes_attaching`: some registered GPU manager is not attached yet (its GPUs are not in
+        the scheduler). A call that finds no GPU then waits for one (until its deadline) instead of
+        being refused; without it (default) no GPU means no GPU manager at all: UNAVAILABLE."""
         if call_id in self._calls:
             raise Rejected(pb.INVALID, f"call id {call_id!r} is already in flight; use a new X-Call-Id")
-        if len(self.scheduler.queue) >= self.queue_capacity:
+        if len(self.scheduler.queue) + len(self._waiting) >= self.queue_capacity:
             raise Rejected(
                 pb.OVERLOADED, f"the global queue is full ({self.queue_capacity} calls waiting); retry later"
             )
+        call = _Call(call_id, owner, spec, submitted_at=now, deadline=now + timeout_s)
         if not self.scheduler.cache.gpu_ids():
-            raise Rejected(pb.UNAVAILABLE, "no GPU manager is registered: start a node")
+            if not nodes_attaching:
+                raise Rejected(pb.UNAVAILABLE, "no GPU manager is registered: start a node")
+            # The core cannot take it (no GPU to check the model against): it enters at the first attach.
+            call.state = _State.WAITING
+            self._waiting[call_id] = self._calls[call_id] = call
+            return []
+        self._enqueue(call)
+        self._calls[call_id] = call
+        return self.schedule(now)
+
+    def _enqueue(self, call: _Call) -> None:
+        """Put the call in the scheduler's global queue (arriving when it was submitted). Raises
+        Rejected when it can never run (its model fits no GPU, or is unknown)."""
+        spec = call.spec
         try:
             slo_s = None if spec.slo_ms is None else spec.slo_ms / 1000
-            self.scheduler.submit(Request(call_id, spec.name, spec.model, now, spec.batch_size, slo_s=slo_s))
+            self.scheduler.submit(
+                Request(call.call_id, spec.name, spec.model, call.submitted_at, spec.batch_size, slo_s=slo_s)
+            )
         except ModelTooLarge as exc:
             raise Rejected(pb.UNAVAILABLE, str(exc)) from None
         except (UnknownModel, ValueError) as exc:
             raise Rejected(pb.INVALID, str(exc)) from None
-        self._calls[call_id] = _Call(call_id, owner, spec, submitted_at=now, deadline=now + timeout_s)
-        return self.schedule(now)
+        call.state = _State.QUEUED
+
+    def _admit_waiting(self) -> list[Effect]:
+        """GPUs are attached: the WAITING calls enter the scheduler's queue in arrival order; one
+        that can never run on the GPUs now attached is answered as `submit` would have refused it."""
+        if not self._waiting or not self.scheduler.cache.gpu_ids():
+            return []
+        effects: list[Effect] = []
+        waiting, self._waiting = self._waiting, {}
+        for call in waiting.values():
+            try:
+                self._enqueue(call)
+            except Rejected as exc:
+                effects += self._finish(call, exc.status, str(exc))
+        return effects
 
     def observe_utilization(self, now: float) -> list[Effect]:
         """Adaptive D: tell the controller what runs on every GPU now; where it moves a GPU's D,
@@ -231,8 +291,9 @@ class CallBook:
         return self.schedule(now) if changes else []
 
     def schedule(self, now: float) -> list[Effect]:
-        """Run the policy for every GPU with a free slot; placements for what it dispatched."""
-        effects: list[Effect] = []
+        """Run the policy for every GPU with a free slot; placements for what it dispatched (and
+        answers for WAITING calls that can never run on the GPUs attached now)."""
+        effects = self._admit_waiting()
         for decision in self.scheduler.schedule(now):
             self.dirty_gpus.add(decision.gpu_id)
             if not isinstance(decision, Dispatch):
@@ -367,7 +428,9 @@ class CallBook:
         NODE_UNREACHABLE its grant is also checked with the node (revoked there if never seen)."""
         call = self._calls.get(call_id)
         if call is None or call.owner != owner:
-            return []
+            if reason == pb.Abandon.CANCELLED:
+                return []  # the owner has stopped waiting: nothing to answer
+            return [Answer(owner, call_id, OUTCOME_UNKNOWN, _outcome_unknown_message(call_id))]
         if reason == pb.Abandon.CANCELLED:
             return self._withdraw(call, now)
         if call.state is not _State.PLACED or (attempt and attempt != call.attempt):
@@ -396,9 +459,9 @@ class CallBook:
         effects: list[Effect] = []
         checks: dict[str, list[tuple[str, int]]] = {}
         for call in list(self._calls.values()):
-            if call.state is _State.QUEUED:
+            if call.state is not _State.PLACED:
                 if now >= call.deadline:
-                    self.scheduler.cancel(call.call_id)
+                    self._unqueue(call)
                     effects += self._finish(call, pb.DEADLINE, call.spec.deadline_message())
             elif now >= call.deadline + self.lost_after_s:
                 self._release(call, now, drop_model=True, requeue=False)
@@ -519,8 +582,8 @@ class CallBook:
 
     def _withdraw(self, call: _Call, now: float) -> list[Effect]:
         call.wanted = False
-        if call.state is _State.QUEUED:
-            self.scheduler.cancel(call.call_id)
+        if call.state is not _State.PLACED:
+            self._unqueue(call)
             self._forget(call)
             return []
         if call.claimed or call.checking:
@@ -543,5 +606,21 @@ class CallBook:
         self._forget(call)
         return [Answer(call.owner, call.call_id, status, message)] if call.wanted else []
 
+    def _unqueue(self, call: _Call) -> None:
+        """Take a call that is not placed out of the queue it waits in."""
+        if call.state is _State.WAITING:
+            self._waiting.pop(call.call_id, None)
+        else:
+            self.scheduler.cancel(call.call_id)
+
     def _forget(self, call: _Call) -> None:
         self._calls.pop(call.call_id, None)
+        self._waiting.pop(call.call_id, None)
+
+
+def _outcome_unknown_message(call_id: str) -> str:
+    return (
+        f"the scheduler no longer holds call {call_id!r}: it finished on its node but its answer did not "
+        "reach the gateway, or it was never placed; its outcome is unknown, so it was not run again "
+        "(check its effects before retrying)"
+    )

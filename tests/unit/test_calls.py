@@ -11,6 +11,7 @@ from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.types import GpuSpec
 from scheduler.calls import (
     MAX_PLACEMENTS,
+    OUTCOME_UNKNOWN,
     Answer,
     Assignment,
     CallBook,
@@ -154,6 +155,51 @@ def test_no_gpu_rejects_with_unavailable() -> None:
         book.submit("gw1", "c1", A, 10.0, now=0.0)
     assert caught.value.status == pb.UNAVAILABLE
     assert len(book) == 0
+
+
+def test_a_call_waits_for_registered_nodes_that_are_not_attached_yet() -> None:
+    # A new leader takes calls before its nodes attach: they wait, then are placed in arrival order.
+    book = make_book(gpus=())
+    assert book.submit("gw1", "c1", A, 10.0, now=0.0, nodes_attaching=True) == []
+    assert book.submit("gw2", "c2", B, 10.0, now=0.5, nodes_attaching=True) == []
+    assert len(book) == 2 and queued(book) == []
+    assert book.tick(now=1.0) == []  # nothing to place on, nothing answered before the deadlines
+    book.scheduler.add_gpu(GpuSpec(N1, 8000, slots=1))
+    effects = book.schedule(now=1.5)  # what the service does once a node attached
+    assert placed(effects) == [("c1", 1, N1, 1, False)]
+    assert isinstance(effects[0], Assignment) and effects[0].queue_s == 1.5 and effects[0].deadline == 10.0
+    assert queued(book) == ["c2"]
+    assert placed(book.done("c1", 1, pb.OK, now=4.0)) == [("c2", 1, N1, 2, False)]
+
+
+def test_a_waiting_call_is_answered_at_its_deadline_or_forgotten_when_withdrawn() -> None:
+    book = make_book(gpus=())
+    book.submit("gw1", "c1", A, 2.0, now=0.0, nodes_attaching=True)
+    book.submit("gw1", "c2", B, 60.0, now=0.0, nodes_attaching=True)
+    book.submit("gw2", "c3", C, 60.0, now=0.0, nodes_attaching=True)
+    assert book.tick(now=2.0) == [Answer("gw1", "c1", pb.DEADLINE, A.deadline_message())]
+    assert book.abandon("gw1", "c2", 0, pb.Abandon.CANCELLED, now=2.5) == []
+    assert book.owner_lost("gw2", now=2.6) == []
+    assert len(book) == 0
+    book.scheduler.add_gpu(GpuSpec(N1, 8000, slots=1))
+    assert book.schedule(now=3.0) == [] and queued(book) == []
+
+
+def test_a_waiting_call_counts_against_the_queue_capacity() -> None:
+    book = make_book(gpus=(), queue_capacity=1)
+    book.submit("gw1", "c1", A, 10.0, now=0.0, nodes_attaching=True)
+    with pytest.raises(Rejected, match="queue is full"):
+        book.submit("gw1", "c2", A, 10.0, now=0.0, nodes_attaching=True)
+
+
+def test_a_waiting_call_that_can_never_run_on_the_attached_gpus_is_answered() -> None:
+    huge = make_spec("fn-huge", memory_mb=9000)
+    book = make_book(A, huge, gpus=())
+    book.submit("gw1", "c1", huge, 10.0, now=0.0, nodes_attaching=True)
+    book.scheduler.add_gpu(GpuSpec(N1, 8000, slots=1))
+    (answer,) = book.schedule(now=1.0)
+    assert isinstance(answer, Answer) and answer.status == pb.UNAVAILABLE and answer.call_id == "c1"
+    assert "can never run" in answer.message and len(book) == 0
 
 
 def test_a_model_larger_than_every_gpu_rejects_with_unavailable() -> None:
@@ -334,6 +380,30 @@ def test_a_refused_grant_places_the_call_again_elsewhere() -> None:
     # The node refused the token: nothing to revoke there.
     assert placed(book.abandon("gw1", "c1", 0, pb.Abandon.REFUSED, now=1.0)) == [("c1", 2, N2, 1, False)]
     assert cached(book, A) == {N1, N2}  # a hit's model stays where it was
+
+
+def test_an_abandon_for_a_call_already_done_says_its_outcome_is_unknown() -> None:
+    # A one-way gateway -> node cut: the node ran the call and its Done reached the scheduler, but
+    # its reply never reached the gateway, which then reports the node unreachable. The call is
+    # not run again; the gateway hears at once that its outcome is unknown (502), not at its deadline.
+    book = make_book()
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    assert book.done("c1", 1, pb.OK, now=2.0, inference_time_s=1.0) == []
+    assert len(book) == 0
+    for reason in (pb.Abandon.NODE_UNREACHABLE, pb.Abandon.REFUSED):
+        (answer,) = book.abandon("gw1", "c1", 1, reason, now=7.0)
+        assert isinstance(answer, Answer)
+        assert (answer.owner, answer.call_id, answer.status) == ("gw1", "c1", OUTCOME_UNKNOWN)
+        assert "outcome is unknown" in answer.message and "not run again" in answer.message
+    assert len(book) == 0 and queued(book) == [] and running(book, N1) == running(book, N2) == []
+
+
+def test_an_abandon_for_a_call_never_seen_says_its_outcome_is_unknown_unless_cancelled() -> None:
+    book = make_book()
+    effects = book.abandon("gw1", "c9", 2, pb.Abandon.NODE_UNREACHABLE, now=1.0)
+    assert [(e.call_id, e.status) for e in effects if isinstance(e, Answer)] == [("c9", OUTCOME_UNKNOWN)]
+    assert len(effects) == 1
+    assert book.abandon("gw1", "c9", 0, pb.Abandon.CANCELLED, now=1.0) == []  # nobody waits for it
 
 
 def test_an_abandon_about_a_replaced_placement_is_ignored() -> None:
