@@ -12,6 +12,12 @@ from gpufaas.errors import GpufaasError
 
 # Answered by HAProxy itself (its liveness, for the cluster's watchdog), never by a gateway.
 BALANCER_HEALTH_PATH = "/balancer/livez"
+# What the balancer asks each gateway: alive and serving (its event loop answers), not the
+# gateway's readiness (/healthz), which also needs the scheduler: during a leader change every
+# gateway loses the scheduler at once, and a check on it would take them all out together, so
+# HAProxy itself would answer 503; a live gateway instead holds its calls while it relinks
+# (gateway.router's SCHEDULER_WAIT_S) and answers each one itself.
+GATEWAY_CHECK_PATH = "/livez"
 HAPROXY_PATHS = ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy")
 
 
@@ -21,8 +27,9 @@ class BalancerUnavailable(GpufaasError):
 
 @dataclass(frozen=True, slots=True)
 class BalancerConfig:
-    """Round robin over `gateways` (name -> HOST:PORT), each checked with GET /healthz every
-    `check_interval_ms`: out after `fall` failed checks, back after `rise` good ones. A call whose
+    """Round robin over `gateways` (name -> HOST:PORT), each checked with GET /livez
+    (`GATEWAY_CHECK_PATH`: the gateway process serves) every `check_interval_ms`: out after
+    `fall` failed checks, back after `rise` good ones. A call whose
     connection to a gateway cannot be made (the gateway is gone) is sent to another (`retries`,
     redispatch); a call a gateway already took is never sent twice (an invocation is not
     idempotent), so a killed gateway fails at most the calls it was serving.
@@ -86,7 +93,7 @@ frontend gateways
 
 backend gateways
     balance roundrobin
-    option httpchk GET /healthz
+    option httpchk GET {GATEWAY_CHECK_PATH}
     http-check expect status 200
     default-server inter {self.check_interval_ms}ms fall {self.fall} rise {self.rise}
 {checked}

@@ -466,6 +466,9 @@ def test_the_balancer_runs_the_config_gpufaas_writes_for_the_gateways() -> None:
     gateways = {name: f"{name}:{compose_command(name)['--port']}" for name in GATEWAYS}
     expected = BalancerConfig(listen="0.0.0.0:8080", gateways=gateways, resolver="127.0.0.11:53").render()
     assert (DEPLOY / "haproxy.cfg").read_text() == expected
+    # The gateways' liveness, not their readiness: /healthz needs the scheduler, which every gateway
+    # loses at once during a leader change (HAProxy would then answer every call 503 itself).
+    assert "option httpchk GET /livez\n" in expected and "/healthz" not in expected
     assert [published_port(port) for port in balancer["ports"]] == [(8080, 8080)]
     assert "/balancer/livez" in " ".join(balancer["healthcheck"]["test"])
 
