@@ -6,6 +6,11 @@ An upload, as `gpufaas deploy` makes it: ask which blobs are missing (`missing`)
 (large ones to the blob server, `gpufaas.blobnet`; small ones batched in one tar), then register
 the manifest (`register`), whose digest a function spec names. The older `.tar.gz` upload is the
 same in one request (`receive_archive`).
+
+Durability (docs/weights.md): a commit fetches the blobs this gateway lacks from the other
+holders (`gather`: the upload may have gone to another gateway), and is answered only once one
+other gateway holds them too (`replicate` pushes them to its blob server), so that the package
+outlives the gateway that took it.
 """
 
 from __future__ import annotations
@@ -16,15 +21,17 @@ import dataclasses
 import hashlib
 import logging
 import os
+import random
 import sys
 import tarfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
-from gpufaas.blobnet import Authorizer, BlobServer
+from gateway.auth import Credentials
+from gpufaas.blobnet import Authorizer, BlobServer, TransferError, fetch_blob, upload_blob
 from gpufaas.blobs import BlobBusy, BlobStore, CorruptBlob, empty_blob
-from gpufaas.holders import HolderRecord, PackageRecord, read_holders, read_package
+from gpufaas.holders import HolderRecord, PackageRecord, read_holders, read_package, sources_for
 from gpufaas.keys import Keys
 from gpufaas.packages import DIGEST_PATTERN, EMPTY_DIGEST, InvalidPackage, Manifest, PackageTooLarge, read_archive
 from gpufaas.requirements import (
@@ -47,6 +54,25 @@ WRITE_BATCH_BYTES = 4 << 20  # chunks of an upload through the API are written t
 # deploy sends at most 64 MiB a batch).
 MAX_BATCH_BYTES = 256 << 20
 BATCH_MEMBER_MAX_BYTES = 16 << 20  # each read whole: bounded
+PEER_TIMEOUT_S = 30.0  # a holder silent this long on one connection is passed over for the next
+REPLICATE_TIMEOUT_S = 60.0  # the most a commit waits for a second gateway to take its blobs
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PeerAccess:
+    """The Authorization headers this gateway shows other holders: `read`, to fetch blobs (nodes
+    and gateways admit the node token); `write`, to push blobs to another gateway's blob server
+    (the admin's). None: an insecure cluster, where holders ask for none."""
+
+    read: str | None = None
+    write: str | None = None
+
+    @classmethod
+    def of(cls, credentials: Credentials | None) -> PeerAccess:
+        if credentials is None:
+            return cls()
+        admin = f"Bearer {credentials.admin_password}"
+        return cls(f"Bearer {credentials.node_token}" if credentials.node_token else admin, admin)
 
 
 class MissingBlobs(InvalidPackage):
@@ -202,21 +228,18 @@ class Artifacts:
         )
 
     # --- packages -------------------------------------------------------------------------------
-    async def register(self, manifest: Manifest) -> PackageRecord:
-        """Record a package whose blobs are all here (MissingBlobs otherwise; CorruptBlob if one
-        has another size than the manifest says), resolving its requirements.txt first
-        (RequirementsError naming what cannot be had). Idempotent."""
+    async def register(self, manifest: Manifest, access: PeerAccess | None = None) -> PackageRecord:
+        """Record a package whose blobs are all here, fetching those that are not from the other
+        holders first (`gather`; MissingBlobs when none has them, CorruptBlob if one has another
+        size than the manifest says), resolving its requirements.txt (RequirementsError naming
+        what cannot be had). Idempotent: a package registered already is answered as it is."""
         manifest.check(max_unpacked_bytes=self.max_unpacked_bytes)
         existing = await self.record(manifest.digest)
+        missing = await self.gather(manifest, existing, access or PeerAccess())
         if existing is not None:
+            if missing:  # its holders keep it; this gateway's copy comes with the next fetch
+                log.warning("package %s: %d of its blobs are on no holder reached", existing.digest, len(missing))
             return await self._refreshed(existing)
-        missing = []
-        for digest, size in manifest.blobs().items():
-            held = self.blobs.size(digest)
-            if held is None:
-                missing.append(digest)
-            elif held != size:
-                raise CorruptBlob(f"blob {digest} holds {held} bytes here; the manifest says {size}")
         if missing:
             raise MissingBlobs(missing)
         layer = await self._requirements(manifest)
@@ -230,6 +253,102 @@ class Artifacts:
             "registered package %s (%d files, %d bytes)", manifest.digest, len(manifest.files), manifest.unpacked_bytes
         )
         return record
+
+    # --- other holders --------------------------------------------------------------------------
+    async def gather(self, manifest: Manifest, record: PackageRecord | None, access: PeerAccess) -> list[str]:
+        """Fetch the blobs of `manifest` this gateway lacks from the other holders (those that
+        hold `record` whole first, then the gateways: `sources_for`), largest first. Returns those
+        still missing; CorruptBlob for a blob held here with another size than the manifest's."""
+        missing: dict[str, int] = {}
+        for digest, size in manifest.blobs().items():
+            held = self.blobs.size(digest)
+            if held is None:
+                missing[digest] = size
+            elif held != size:
+                raise CorruptBlob(f"blob {digest} holds {held} bytes here; the manifest says {size}")
+        if not missing:
+            return []
+        sources = sources_for(record, await read_holders(self.store, self.keys), me=self.name)
+        still = []
+        for digest in sorted(missing, key=lambda d: -missing[d]):
+            if not await asyncio.to_thread(self._fetch, digest, missing[digest], sources, access):
+                still.append(digest)
+        if len(still) < len(missing):
+            log.info("fetched %d blob(s) of package %s from other holders", len(missing) - len(still), manifest.digest)
+        return still
+
+    async def ensure_blob(self, digest: str, access: PeerAccess) -> Path | None:
+        """Blob `digest`'s path here, fetched from another holder first if a registered package
+        names it (its size comes from there) and this gateway lacks it; None if it cannot be had."""
+        path = self.blobs.path(digest)
+        if path is not None:
+            return path
+        for kv in await self.store.get_prefix(self.keys.packages):
+            with contextlib.suppress(InvalidPackage):
+                record = PackageRecord.from_json(kv.value)
+                size = record.manifest.blobs().get(digest)
+                if size is not None:
+                    sources = sources_for(record, await read_holders(self.store, self.keys), me=self.name)
+                    await asyncio.to_thread(self._fetch, digest, size, sources, access)
+                    return self.blobs.path(digest)
+        return None
+
+    def _fetch(self, digest: str, size: int, sources: list[HolderRecord], access: PeerAccess) -> bool:
+        """One blob from the first holder that serves it whole and right (blocking); True once here.
+        Gateways are reached in plain HTTP, as users' clients reach them (link TLS admits only
+        nodes to a gateway's blob server); nodes as the process's link TLS says."""
+        for holder in sources:
+            try:
+                fetch_blob(
+                    holder.url,
+                    digest,
+                    size,
+                    self.blobs,
+                    authorization=access.read,
+                    timeout_s=PEER_TIMEOUT_S,
+                    tls=holder.kind != "gateway",
+                )
+                return True
+            except BlobBusy:  # another upload or fetch of it runs here: it is on its way
+                time.sleep(0.2)
+                if self.blobs.has(digest):
+                    return True
+            except (TransferError, CorruptBlob) as exc:
+                log.info("blob %s not fetched from %s: %s", digest, holder.name, exc)
+        return self.blobs.has(digest)
+
+    async def replicate(self, manifest: Manifest, access: PeerAccess) -> tuple[str | None, int]:
+        """Push the blobs of `manifest` (all held here) to one other live gateway's blob server,
+        within REPLICATE_TIMEOUT_S, so that the package outlives this gateway. Returns that
+        gateway's name (None when none took them: logged) and how many other gateways were
+        registered (0: a cluster of one gateway, where only the nodes' staging copies it)."""
+        others = [h for h in await read_holders(self.store, self.keys) if h.kind == "gateway" and h.name != self.name]
+        random.shuffle(others)  # spread the second copies over the gateways
+        deadline_s = time.monotonic() + REPLICATE_TIMEOUT_S
+        for holder in others:
+            left_s = deadline_s - time.monotonic()
+            if left_s <= 0:
+                break
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self._push, holder.url, manifest, access), left_s)
+                return holder.name, len(others)
+            except (TransferError, TimeoutError, OSError) as exc:
+                log.warning("package %s: gateway %s did not take a copy: %s", manifest.digest, holder.name, exc)
+        log.log(
+            logging.WARNING if others else logging.INFO,
+            "package %s is held by this gateway only (%d other gateway(s) registered, none took a copy)",
+            manifest.digest,
+            len(others),
+        )
+        return None, len(others)
+
+    def _push(self, url: str, manifest: Manifest, access: PeerAccess) -> None:
+        """Every blob of `manifest` to the blob server at `url` (those it holds cost a HEAD)."""
+        for digest in manifest.blobs():
+            path = self.blobs.path(digest)
+            if path is None:
+                raise TransferError(f"blob {digest} left this gateway before it was copied")
+            upload_blob(url, path, digest, authorization=access.write, timeout_s=PEER_TIMEOUT_S, tls=False)
 
     async def _refreshed(self, record: PackageRecord) -> PackageRecord:
         """A package registered again (a redeploy, another function with it): young again for the
@@ -385,4 +504,4 @@ def blob_authorizer(role_of: Callable[[bytes | None], object], admin: object, no
     return authorize
 
 
-__all__ = ["Artifacts", "BlobBusy", "MissingBlobs", "OffsetMismatch", "blob_authorizer", "spool"]
+__all__ = ["Artifacts", "BlobBusy", "MissingBlobs", "OffsetMismatch", "PeerAccess", "blob_authorizer", "spool"]

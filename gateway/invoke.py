@@ -29,11 +29,13 @@ from gateway.auth import (
     send_refusal,
 )
 from gateway.router import CallFailed, CallResult
+from gpufaas.errors import GpufaasError
+from gpufaas.functions import FunctionSpec
 from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.store import StoreError
 
 if TYPE_CHECKING:
     from gateway.state import Gateway
-    from gpufaas.functions import FunctionSpec
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -64,7 +66,7 @@ class InvokeMiddleware:
         name = scope["path"][len(PREFIX) :].split("/", 1)[0]
         headers = dict(scope["headers"])  # ASGI header names are lower-case bytes
         call_id = headers.get(b"x-call-id", b"").decode("latin-1") or uuid.uuid4().hex
-        spec = gateway.functions.get(name)
+        spec = gateway.functions.get(name) or await self._deployed_meanwhile(name)
         if await self._refused(send, scope, headers, name=name, spec=spec, call_id=call_id):
             return
         if spec is None:
@@ -88,6 +90,18 @@ class InvokeMiddleware:
         gateway.stats.record(name, 200, time.perf_counter() - started, hit=not result.reply.loaded)
         await send({"type": "http.response.start", "status": 200, "headers": _answer_headers(result, call_id, started)})
         await send({"type": "http.response.body", "body": result.output})
+
+    async def _deployed_meanwhile(self, name: str) -> FunctionSpec | None:
+        """The function's spec read from etcd once, for a name the mirror does not know: a
+        deploy through another gateway reaches this one's watch some milliseconds after it was
+        answered, and a call sent at once must not get 404 in between. None: not deployed (or
+        etcd is unreachable now: the mirror's answer stands)."""
+        gateway = self.gateway
+        try:
+            kv = await gateway.store.get(gateway.keys.function(name))
+            return None if kv is None else FunctionSpec.from_json(kv.value)
+        except (StoreError, GpufaasError, ValueError):  # (ValueError: a name no key can hold)
+            return None
 
     async def _refused(
         self,

@@ -498,15 +498,17 @@ def upload_blob(
     authorization: str | None = None,
     progress: Callable[[int], None] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    tls: LinkTls | bool = True,
 ) -> int:
     """Send the file at `path` as blob `digest` to the holder at `base_url`, from wherever an
     earlier, broken upload of it stopped (the holder says where). `progress(n)` hears every
-    n bytes sent or found there already. Returns the bytes sent now. TransferError when the
-    holder refuses (its message) or the connection breaks."""
+    n bytes sent or found there already; `tls` as for `fetch_blob` (False: plain HTTP, as a
+    user's client, or a gateway copying to another gateway, speaks). Returns the bytes sent
+    now. TransferError when the holder refuses (its message) or the connection breaks."""
     size = path.stat().st_size
     headers = {"Authorization": authorization} if authorization else {}
     for _ in range(2):  # a second try if the offset moved under us
-        conn = _Connection(base_url, timeout_s)
+        conn = _Connection(base_url, timeout_s, tls)
         try:
             conn.send_head("HEAD", f"/blobs/{digest}", headers)
             reply = conn.reply()

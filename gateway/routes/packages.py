@@ -14,7 +14,7 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import ClientDisconnect
 
-from gateway.artifacts import MAX_BATCH_BYTES, MissingBlobs, OffsetMismatch, spool
+from gateway.artifacts import MAX_BATCH_BYTES, MissingBlobs, OffsetMismatch, PeerAccess, spool
 from gateway.routes.deps import GatewayDep
 from gateway.state import ApiError
 from gpufaas.blobnet import UPLOAD_OFFSET
@@ -73,6 +73,7 @@ BLOB_BODY: dict[str, Any] = {
         "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
     }
 }
+HOLDERS_HEADER = "X-Package-Holders"  # the gateways that hold a committed package's blobs
 BATCH_MEDIA_TYPE = "application/vnd.gpufaas.blobs+gzip"  # (application/x-tar: the same, not compressed)
 BATCH_BODY: dict[str, Any] = {
     "requestBody": {
@@ -172,9 +173,12 @@ async def blob_status(digest: Digest, gateway: GatewayDep) -> Response:
 
 @router.get("/system/blobs/{digest}", response_class=FileResponse)
 async def download_blob(digest: Digest, gateway: GatewayDep) -> Response:
-    """A blob's bytes (Range: bytes=N- for the rest from N). 404 with Upload-Offset: what a
+    """A blob's bytes (Range: bytes=N- for the rest from N), fetched from another holder first
+    if a registered package names it and this gateway lacks it. 404 with Upload-Offset: what a
     broken upload of it left."""
     path = gateway.artifacts.blobs.path(digest)
+    if path is None and gateway.artifacts.blobs.partial_size(digest) == 0:  # (not an upload under way)
+        path = await gateway.artifacts.ensure_blob(digest, PeerAccess.of(gateway.config.credentials))
     if path is None:
         offset = gateway.artifacts.blobs.partial_size(digest)
         raise ApiError(404, f"blob {digest} is not stored here", headers={UPLOAD_OFFSET: str(offset)})
@@ -199,6 +203,7 @@ async def upload_blob_batch(request: Request, gateway: GatewayDep) -> dict[str, 
 @router.post("/system/packages", status_code=201, openapi_extra=PACKAGE_BODY)
 async def register_package(
     request: Request,
+    response: Response,
     gateway: GatewayDep,
     digest: Annotated[
         str | None,
@@ -208,19 +213,22 @@ async def register_package(
         ),
     ] = None,
 ) -> dict[str, Any]:
-    """Register a package; answers its digest (what a function spec names). A manifest names
-    blobs uploaded already (409 naming one that is not); a .tar.gz carries them. Refused: over
-    the limits (413), a package that breaks a rule, or a requirements.txt that cannot be
-    resolved (400 naming the requirement)."""
+    """Register a package; answers its digest (what a function spec names) once its blobs are
+    held by this gateway and one other gateway (X-Package-Holders names them; a `warning` says
+    when no other gateway took a copy). A manifest names blobs uploaded already, to this gateway or another holder (409
+    naming one that none holds); a .tar.gz carries them. Refused: over the limits (413), a
+    package that breaks a rule, or a requirements.txt that cannot be resolved (400 naming the
+    requirement)."""
     artifacts = gateway.artifacts
+    access = PeerAccess.of(gateway.config.credentials)
     media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     try:
         if media in (MANIFEST_MEDIA_TYPE, "application/json"):
             body = await request.body()
             if len(body) > 4 << 20:
                 raise PackageTooLarge("a manifest may not be larger than 4 MiB")
-            record = await artifacts.register(Manifest.from_json(body, max_unpacked_bytes=artifacts.max_unpacked_bytes))
-            return _package_answer(record)
+            manifest = Manifest.from_json(body, max_unpacked_bytes=artifacts.max_unpacked_bytes)
+            return await _committed(gateway, response, await artifacts.register(manifest, access), access)
         expected = digest or request.headers.get("x-package-digest")
         if expected is not None and not DIGEST_PATTERN.fullmatch(expected):
             raise ApiError(400, f"{expected!r} is not a package digest; expected 'sha256:' and 64 hex digits")
@@ -236,9 +244,27 @@ async def register_package(
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(spooled)
-        return _package_answer(await artifacts.register(manifest), size)
+        return await _committed(gateway, response, await artifacts.register(manifest, access), access, size)
     except (InvalidPackage, RequirementsError) as exc:
         raise _refused(exc) from None
+
+
+async def _committed(
+    gateway: GatewayDep, response: Response, record: PackageRecord, access: PeerAccess, size_bytes: int | None = None
+) -> dict[str, Any]:
+    """The answer to a commit, once a second gateway holds the package's blobs (or none would):
+    X-Package-Holders names the gateways that hold them; a `warning` says when other gateways
+    were registered but none took a copy."""
+    artifacts = gateway.artifacts
+    copy, others = await artifacts.replicate(record.manifest, access)
+    response.headers[HOLDERS_HEADER] = ", ".join([artifacts.name, *([copy] if copy else [])])
+    answer = _package_answer(record, size_bytes)
+    if copy is None and others:
+        answer["warning"] = (
+            f"none of the {others} other gateway(s) took a copy of this package: it is held by this gateway only "
+            "until a node stages it"
+        )
+    return answer
 
 
 @router.get("/system/packages/{digest}")
