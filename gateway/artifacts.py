@@ -113,6 +113,7 @@ class Artifacts:
         self._server: BlobServer | None = None
         self._run_pip = run_pip if run_pip is not None else pip_runner(sys.executable)
         self._resolving: dict[str, asyncio.Task[Layer]] = {}
+        self._ensuring: set[str] = set()  # blobs `ensure_blob` is fetching now
 
     # --- the blob server ------------------------------------------------------------------------
     def serve(self, listen: str, authorize: Authorizer, *, advertise: str | None = None, host: str = "") -> str:
@@ -281,17 +282,23 @@ class Artifacts:
         """Blob `digest`'s path here, fetched from another holder first if a registered package
         names it (its size comes from there) and this gateway lacks it; None if it cannot be had."""
         path = self.blobs.path(digest)
-        if path is not None:
+        if path is not None or digest in self._ensuring:
+            # (Asked again while fetching it: another gateway that lacks it too asks back. It
+            # hears 404 and goes on to the next holder, instead of the two asking each other.)
             return path
-        for kv in await self.store.get_prefix(self.keys.packages):
-            with contextlib.suppress(InvalidPackage):
-                record = PackageRecord.from_json(kv.value)
-                size = record.manifest.blobs().get(digest)
-                if size is not None:
-                    sources = sources_for(record, await read_holders(self.store, self.keys), me=self.name)
-                    await asyncio.to_thread(self._fetch, digest, size, sources, access)
-                    return self.blobs.path(digest)
-        return None
+        self._ensuring.add(digest)
+        try:
+            for kv in await self.store.get_prefix(self.keys.packages):
+                with contextlib.suppress(InvalidPackage):
+                    record = PackageRecord.from_json(kv.value)
+                    size = record.manifest.blobs().get(digest)
+                    if size is not None:
+                        sources = sources_for(record, await read_holders(self.store, self.keys), me=self.name)
+                        await asyncio.to_thread(self._fetch, digest, size, sources, access)
+                        return self.blobs.path(digest)
+            return None
+        finally:
+            self._ensuring.discard(digest)
 
     def _fetch(self, digest: str, size: int, sources: list[HolderRecord], access: PeerAccess) -> bool:
         """One blob from the first holder that serves it whole and right (blocking); True once here.

@@ -1,14 +1,19 @@
-"""Package and holder records, and the order in which a node asks holders for a package's blobs."""
+"""Package and holder records, the order in which a node asks holders for a package's blobs, and a
+gateway's commit gathering blobs from other gateways and leaving a copy on one."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
+from gateway.artifacts import Artifacts, MissingBlobs, PeerAccess
 from gpufaas.holders import HolderRecord, PackageRecord, sources_for
+from gpufaas.keys import Keys
 from gpufaas.packages import InvalidPackage, Manifest, PackageFile, sha256_digest
 from gpufaas.requirements import Layer
+from tests.fakes import MemoryStore
 
 MANIFEST = Manifest.of([PackageFile("handler.py", sha256_digest(b"h"), 1)])
 
@@ -43,3 +48,56 @@ def test_nearest_holders_first() -> None:
         assert order == ["node-near", "node-far", "gw-took-it", "gw-other"]
     # Unknown package (no record): any gateway, no peer.
     assert {h.name for h in sources_for(None, holders, me="node-me")} == {"gw-other", "gw-took-it"}
+
+
+def _gateway(store: MemoryStore, root: Path, name: str) -> Artifacts:
+    """A gateway's artifact store serving its blobs on loopback (no credentials, plain links)."""
+    artifacts = Artifacts(store, Keys(), root / name, name=name, max_unpacked_bytes=1 << 20)
+    artifacts.serve("127.0.0.1:0", lambda method, authorization: None)
+    return artifacts
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_commit_gathers_blobs_from_another_gateway_and_leaves_a_copy_there(tmp_path: Path) -> None:
+    """Blobs uploaded to gateway a, the manifest committed through gateway b: b fetches them from
+    a; committed through c with a copy pushed to one other gateway."""
+    store = MemoryStore()
+    a, b, c = (_gateway(store, tmp_path, name) for name in ("gw-a", "gw-b", "gw-c"))
+    try:
+        for artifacts in (a, b):
+            await store.put(Keys().holder(artifacts.name), artifacts.holder("").to_json())
+        handler, weights = b"def load(device): ...\n", bytes(range(256)) * 64
+        manifest = Manifest.of(
+            [
+                PackageFile("handler.py", sha256_digest(handler), len(handler)),
+                PackageFile("w.bin", sha256_digest(weights), len(weights)),
+            ]
+        )
+        a.blobs.put(handler)
+        a.blobs.put(weights)
+        record = await b.register(manifest, PeerAccess())
+        assert record.gateway == "gw-b" and all(b.blobs.has(d) for d in manifest.blobs())
+        with pytest.raises(MissingBlobs):  # c is no holder others know; a blob none holds
+            await c.register(Manifest.of([PackageFile("handler.py", sha256_digest(b"x"), 1)]), PeerAccess())
+        await store.put(Keys().holder(c.name), c.holder("").to_json())
+        await c.register(manifest, PeerAccess())
+        copy, others = await c.replicate(manifest, PeerAccess())
+        assert copy in ("gw-a", "gw-b") and others == 2
+        assert await a.ensure_blob(sha256_digest(weights), PeerAccess()) is not None
+    finally:
+        for artifacts in (a, b, c):
+            artifacts.stop()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_gateway_alone_says_that_nobody_took_a_copy(tmp_path: Path) -> None:
+    store = MemoryStore()
+    alone = _gateway(store, tmp_path, "gw-alone")
+    try:
+        await store.put(Keys().holder(alone.name), alone.holder("").to_json())
+        alone.blobs.put(b"h")
+        assert await alone.replicate(MANIFEST, PeerAccess()) == (None, 0)
+    finally:
+        alone.stop()
