@@ -245,38 +245,9 @@ class CallBook:
             call.state = _State.WAITING
             self._waiting[call_id] = self._calls[call_id] = call
             return []
-        self._enqueue(call)
+        _enqueue(self.scheduler, call)
         self._calls[call_id] = call
         return self.schedule(now)
-
-    def _enqueue(self, call: _Call) -> None:
-        """Put the call in the scheduler's global queue (arriving when it was submitted). Raises
-        Rejected when it can never run (its model fits no GPU, or is unknown)."""
-        spec = call.spec
-        try:
-            slo_s = None if spec.slo_ms is None else spec.slo_ms / 1000
-            self.scheduler.submit(
-                Request(call.call_id, spec.name, spec.model, call.submitted_at, spec.batch_size, slo_s=slo_s)
-            )
-        except ModelTooLarge as exc:
-            raise Rejected(pb.UNAVAILABLE, str(exc)) from None
-        except (UnknownModel, ValueError) as exc:
-            raise Rejected(pb.INVALID, str(exc)) from None
-        call.state = _State.QUEUED
-
-    def _admit_waiting(self) -> list[Effect]:
-        """GPUs are attached: the WAITING calls enter the scheduler's queue in arrival order; one
-        that can never run on the GPUs now attached is answered as `submit` would have refused it."""
-        if not self._waiting or not self.scheduler.cache.gpu_ids():
-            return []
-        effects: list[Effect] = []
-        waiting, self._waiting = self._waiting, {}
-        for call in waiting.values():
-            try:
-                self._enqueue(call)
-            except Rejected as exc:
-                effects += self._finish(call, exc.status, str(exc))
-        return effects
 
     def observe_utilization(self, now: float) -> list[Effect]:
         """Adaptive D: tell the controller what runs on every GPU now; where it moves a GPU's D,
@@ -293,7 +264,11 @@ class CallBook:
     def schedule(self, now: float) -> list[Effect]:
         """Run the policy for every GPU with a free slot; placements for what it dispatched (and
         answers for WAITING calls that can never run on the GPUs attached now)."""
-        effects = self._admit_waiting()
+        effects: list[Effect] = []
+        if self._waiting and self.scheduler.cache.gpu_ids():  # GPUs attached: the WAITING calls enter
+            waiting, self._waiting = self._waiting, {}
+            for call, refusal in _admit(self.scheduler, waiting.values()):
+                effects += self._finish(call, refusal.status, str(refusal))
         for decision in self.scheduler.schedule(now):
             self.dirty_gpus.add(decision.gpu_id)
             if not isinstance(decision, Dispatch):
@@ -414,7 +389,7 @@ class CallBook:
                 continue
             call.checking = False
             retry = call.wanted and now < call.deadline and call.placements < MAX_PLACEMENTS
-            self._release(call, now, drop_model=self._never_loaded(call), requeue=retry)
+            self._release(call, now, drop_model=_never_loaded(self.scheduler, call), requeue=retry)
             if not retry:
                 effects += self._finish(
                     call, pb.UNAVAILABLE, f"the call was placed {call.placements} times and never reached a node"
@@ -439,7 +414,7 @@ class CallBook:
         if reason == pb.Abandon.NODE_UNREACHABLE:
             effects.append(CheckGrants(split_gpu_address(call.gpu_id)[0], ((call.call_id, call.attempt),)))
         retry = call.wanted and now < call.deadline and call.placements < MAX_PLACEMENTS
-        self._release(call, now, drop_model=self._never_loaded(call), requeue=retry, avoid_gpu=True)
+        self._release(call, now, drop_model=_never_loaded(self.scheduler, call), requeue=retry, avoid_gpu=True)
         if not retry:
             effects += self._finish(call, pb.UNAVAILABLE, f"no node could run the call ({call.placements} placements)")
         return effects + self.schedule(now)
@@ -461,7 +436,8 @@ class CallBook:
         for call in list(self._calls.values()):
             if call.state is not _State.PLACED:
                 if now >= call.deadline:
-                    self._unqueue(call)
+                    if call.state is _State.QUEUED:  # (a WAITING one is not in the scheduler yet)
+                        self.scheduler.cancel(call.call_id)
                     effects += self._finish(call, pb.DEADLINE, call.spec.deadline_message())
             elif now >= call.deadline + self.lost_after_s:
                 self._release(call, now, drop_model=True, requeue=False)
@@ -521,25 +497,7 @@ class CallBook:
         least recently parked first (model -> MiB). The scheduler's tier for the node follows:
         created or resized to the node's size, entries the node does not hold dropped, parked
         models it does not know adopted while they fit, the others stopped at the node."""
-        cache = self.scheduler.cache
-        host = cache.host(node)
-        if host is None or host.capacity_mb != capacity_mb:
-            if not capacity_mb:
-                cache.remove_host(node)
-                return [EvictHost(node, tuple(parked))] if parked else []
-            self.scheduler.add_host(node, capacity_mb)
-        tier = cache.host(node)
-        for model in [m for m in (tier.items if tier is not None else ()) if m not in parked]:
-            cache.release_from_host(node, model)
-        # A model on one of the node's GPUs is not in its host tier (the tiers are exclusive): a
-        # report that still lists it parked predates the grant that took it back.
-        on_gpus = {m for gpu_id in cache.gpu_ids() if cache.node_of(gpu_id) == node for m in cache.models_on(gpu_id)}
-        strays = [
-            model
-            for model, memory_mb in parked.items()
-            if model not in on_gpus and (model in self._retired or not cache.adopt_in_host(node, model, memory_mb))
-        ]
-        return [EvictHost(node, tuple(strays))] if strays else []
+        return _reconcile_host(self.scheduler, self._retired, node, capacity_mb, parked)
 
     def release_idle(self, now: float, *, gpu_idle_s: float | None, host_idle_s: float | None) -> list[Effect]:
         """EDAS's staged exit (see `Scheduler.release_idle`): what has been idle long enough
@@ -570,20 +528,11 @@ class CallBook:
             return None
         return call
 
-    def _never_loaded(self, call: _Call) -> bool:
-        """Whether the model's cache entry on the call's GPU goes with a placement that never ran:
-        it does when the placement was the miss that admitted it, unless another call on that GPU
-        uses the model meanwhile (its node loads the model for it then)."""
-        if call.hit:
-            return False
-        state = self.scheduler.gpu(call.gpu_id)
-        others = [r for r in state.running.values() if r.request_id != call.call_id] + list(state.local_queue)
-        return not any(r.model == call.spec.model for r in others)
-
     def _withdraw(self, call: _Call, now: float) -> list[Effect]:
         call.wanted = False
         if call.state is not _State.PLACED:
-            self._unqueue(call)
+            if call.state is _State.QUEUED:
+                self.scheduler.cancel(call.call_id)
             self._forget(call)
             return []
         if call.claimed or call.checking:
@@ -606,16 +555,71 @@ class CallBook:
         self._forget(call)
         return [Answer(call.owner, call.call_id, status, message)] if call.wanted else []
 
-    def _unqueue(self, call: _Call) -> None:
-        """Take a call that is not placed out of the queue it waits in."""
-        if call.state is _State.WAITING:
-            self._waiting.pop(call.call_id, None)
-        else:
-            self.scheduler.cancel(call.call_id)
-
     def _forget(self, call: _Call) -> None:
         self._calls.pop(call.call_id, None)
         self._waiting.pop(call.call_id, None)
+
+
+def _reconcile_host(
+    scheduler: Scheduler, retired: set[str], node: str, capacity_mb: int, parked: dict[str, int]
+) -> list[Effect]:
+    """`CallBook.reconcile_host`'s work (`retired`: models no function runs any more)."""
+    cache = scheduler.cache
+    host = cache.host(node)
+    if host is None or host.capacity_mb != capacity_mb:
+        if not capacity_mb:
+            cache.remove_host(node)
+            return [EvictHost(node, tuple(parked))] if parked else []
+        scheduler.add_host(node, capacity_mb)
+    tier = cache.host(node)
+    for model in [m for m in (tier.items if tier is not None else ()) if m not in parked]:
+        cache.release_from_host(node, model)
+    # A model on one of the node's GPUs is not in its host tier (the tiers are exclusive): a
+    # report that still lists it parked predates the grant that took it back.
+    on_gpus = {m for gpu_id in cache.gpu_ids() if cache.node_of(gpu_id) == node for m in cache.models_on(gpu_id)}
+    strays = [
+        model
+        for model, memory_mb in parked.items()
+        if model not in on_gpus and (model in retired or not cache.adopt_in_host(node, model, memory_mb))
+    ]
+    return [EvictHost(node, tuple(strays))] if strays else []
+
+
+def _enqueue(scheduler: Scheduler, call: _Call) -> None:
+    """Put the call in the scheduler's global queue (arriving when it was submitted). Raises
+    Rejected when it can never run (its model fits no GPU, or is unknown)."""
+    spec = call.spec
+    try:
+        slo_s = None if spec.slo_ms is None else spec.slo_ms / 1000
+        scheduler.submit(Request(call.call_id, spec.name, spec.model, call.submitted_at, spec.batch_size, slo_s=slo_s))
+    except ModelTooLarge as exc:
+        raise Rejected(pb.UNAVAILABLE, str(exc)) from None
+    except (UnknownModel, ValueError) as exc:
+        raise Rejected(pb.INVALID, str(exc)) from None
+    call.state = _State.QUEUED
+
+
+def _admit(scheduler: Scheduler, waiting: Iterable[_Call]) -> list[tuple[_Call, Rejected]]:
+    """Put WAITING calls in the scheduler's queue in arrival order (GPUs are attached now); returns
+    those that can never run on these GPUs, with the refusal `submit` would have raised."""
+    refused: list[tuple[_Call, Rejected]] = []
+    for call in waiting:
+        try:
+            _enqueue(scheduler, call)
+        except Rejected as exc:
+            refused.append((call, exc))
+    return refused
+
+
+def _never_loaded(scheduler: Scheduler, call: _Call) -> bool:
+    """Whether the model's cache entry on the call's GPU goes with a placement that never ran:
+    it does when the placement was the miss that admitted it, unless another call on that GPU
+    uses the model meanwhile (its node loads the model for it then)."""
+    if call.hit:
+        return False
+    state = scheduler.gpu(call.gpu_id)
+    others = [r for r in state.running.values() if r.request_id != call.call_id] + list(state.local_queue)
+    return not any(r.model == call.spec.model for r in others)
 
 
 def _outcome_unknown_message(call_id: str) -> str:
