@@ -100,7 +100,10 @@ class Artifacts:
         grace_s: float = 3600.0,
         run_pip: PipRunner | None = None,
         max_batch_bytes: int = MAX_BATCH_BYTES,
+        access: PeerAccess | None = None,
     ) -> None:
+        """`access`: what this gateway shows other holders when its blob server is asked for a
+        blob it lacks and fetches it (the API's routes pass their own)."""
         self.store = store
         self.keys = keys
         self.name = name
@@ -109,6 +112,7 @@ class Artifacts:
         self.max_unpacked_bytes = max_unpacked_bytes
         self.max_batch_bytes = max_batch_bytes
         self.grace_s = grace_s
+        self.access = access or PeerAccess()
         self.url = ""  # where this gateway serves blobs (gpufaas.blobnet), once started
         self._server: BlobServer | None = None
         self._run_pip = run_pip if run_pip is not None else pip_runner(sys.executable)
@@ -117,14 +121,34 @@ class Artifacts:
 
     # --- the blob server ------------------------------------------------------------------------
     def serve(self, listen: str, authorize: Authorizer, *, advertise: str | None = None, host: str = "") -> str:
-        """Start the blob server (uploads taken, each at most the package limit); its URL:
-        `advertise`, else http://`host` (the gateway's public host) at the bound port."""
-        server = BlobServer(self.blobs, authorize, accept_uploads=True, max_blob_bytes=self.max_unpacked_bytes)
+        """Start the blob server (uploads taken, each at most the package limit; a blob asked for
+        and not here fetched from another holder first, `ensure_blob`); its URL: `advertise`,
+        else http://`host` (the gateway's public host) at the bound port. Called on the gateway's
+        event loop, where those fetches run."""
+        loop = asyncio.get_running_loop()
+        server = BlobServer(
+            self.blobs,
+            authorize,
+            accept_uploads=True,
+            max_blob_bytes=self.max_unpacked_bytes,
+            on_missing=lambda digest: self._ensure_from_thread(digest, loop),
+        )
         bound = server.start(listen)
         self._server = server
         bound_host, _, port = bound.rpartition(":")
         self.url = advertise or f"http://{host or bound_host}:{port}"
         return self.url
+
+    def _ensure_from_thread(self, digest: str, loop: asyncio.AbstractEventLoop) -> Path | None:
+        """`ensure_blob` for the blob server's connection threads (a GET for a blob not here),
+        run on the gateway's loop; None past the time one holder may take."""
+        future = asyncio.run_coroutine_threadsafe(self.ensure_blob(digest, self.access), loop)
+        try:
+            return future.result(PEER_TIMEOUT_S)
+        except Exception as exc:  # (whatever failed, the client hears 404 and asks another holder)
+            future.cancel()
+            log.info("blob %s asked of this gateway's blob server could not be fetched: %r", digest, exc)
+            return None
 
     def stop(self) -> None:
         if self._server is not None:

@@ -96,8 +96,10 @@ def send_range(sock: socket.socket, source: IO[bytes], offset: int, count: int) 
 class BlobServer:
     """Serves `store` on a port of its own (threads; see the module docstring). `accept_uploads`:
     take PUTs (the gateway), up to `max_blob_bytes` each; `on_stored(digest)` runs (in the
-    connection's thread) after each blob an upload completed. `tls`: True, the process's link TLS
-    (plain where none); False, plain; or the one given."""
+    connection's thread) after each blob an upload completed; `on_missing(digest)` (in the
+    connection's thread, may block) is asked for the path of a blob a GET wants that is not
+    here, e.g. once fetched from another holder (None: 404 as without it). `tls`: True, the
+    process's link TLS (plain where none); False, plain; or the one given."""
 
     def __init__(
         self,
@@ -107,9 +109,10 @@ class BlobServer:
         accept_uploads: bool = False,
         max_blob_bytes: int = 1 << 40,
         on_stored: Callable[[str], None] | None = None,
+        on_missing: Callable[[str], Path | None] | None = None,
         tls: LinkTls | bool = True,
     ) -> None:
-        self.store, self.authorize, self.on_stored = store, authorize, on_stored
+        self.store, self.authorize, self.on_stored, self.on_missing = store, authorize, on_stored, on_missing
         self.accept_uploads = accept_uploads
         self.max_blob_bytes = max_blob_bytes
         self.tls = _links(tls)
@@ -201,6 +204,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         blobs, digest, _ = found
         path = blobs.store.path(digest)
+        if path is None and not head and blobs.on_missing is not None and not blobs.store.partial_size(digest):
+            path = blobs.on_missing(digest)  # (not while an upload of it is under way here)
         if path is None:
             offset = blobs.store.partial_size(digest)
             self._answer(404, f"blob {digest} is not here", {UPLOAD_OFFSET: str(offset)}, head=head)

@@ -3,12 +3,15 @@ gateway's commit gathering blobs from other gateways and leaving a copy on one."
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 
 import pytest
 
 from gateway.artifacts import Artifacts, MissingBlobs, PeerAccess
+from gpufaas.blobnet import fetch_blob
+from gpufaas.blobs import BlobStore
 from gpufaas.holders import HolderRecord, PackageRecord, sources_for
 from gpufaas.keys import Keys
 from gpufaas.packages import InvalidPackage, Manifest, PackageFile, sha256_digest
@@ -61,7 +64,8 @@ def _gateway(store: MemoryStore, root: Path, name: str) -> Artifacts:
 @pytest.mark.timeout(30)
 async def test_a_commit_gathers_blobs_from_another_gateway_and_leaves_a_copy_there(tmp_path: Path) -> None:
     """Blobs uploaded to gateway a, the manifest committed through gateway b: b fetches them from
-    a; committed through c with a copy pushed to one other gateway."""
+        a; committed through c with a copy pushed to one other gateway; a gateway's blob server asked
+    for a blob it lacks fetches it first."""
     store = MemoryStore()
     a, b, c = (_gateway(store, tmp_path, name) for name in ("gw-a", "gw-b", "gw-c"))
     try:
@@ -85,6 +89,13 @@ async def test_a_commit_gathers_blobs_from_another_gateway_and_leaves_a_copy_the
         copy, others = await c.replicate(manifest, PeerAccess())
         assert copy in ("gw-a", "gw-b") and others == 2
         assert await a.ensure_blob(sha256_digest(weights), PeerAccess()) is not None
+        late = _gateway(store, tmp_path, "gw-late")  # a node asks its blob server for a blob it lacks
+        try:
+            target = BlobStore(tmp_path / "node")
+            await asyncio.to_thread(fetch_blob, late.url, sha256_digest(weights), len(weights), target)
+            assert target.has(sha256_digest(weights)) and late.blobs.has(sha256_digest(weights))
+        finally:
+            late.stop()
     finally:
         for artifacts in (a, b, c):
             artifacts.stop()
