@@ -97,8 +97,53 @@ class Component:
             return ""
 
 
+class ClusterCredentials:
+    """What a local cluster's credentials open, read from its state directory (`secure` False: an
+    insecure cluster, where they open nothing and nothing asks for them)."""
+
+    state_dir: Path
+    secure: bool
+    etcd_auth: bool | None
+
+    @property
+    def secrets(self) -> SecretFiles:
+        return SecretFiles(self.state_dir / "secrets")
+
+    @property
+    def admin_auth(self) -> httpx.BasicAuth | None:
+        """HTTP basic auth as admin (None for an insecure cluster)."""
+        return httpx.BasicAuth(ADMIN_USER, read_secret(self.secrets.admin_password)) if self.secure else None
+
+    @property
+    def metrics_token(self) -> str | None:
+        """The bearer token the scheduler's and the nodes' metrics endpoints ask for (None for an
+        insecure cluster)."""
+        return metrics_token(read_secret(self.secrets.cluster_secret)) if self.secure else None
+
+    @property
+    def wire_key(self) -> bytes | None:
+        """The key the daemons' wire handshake proves (None for an insecure cluster)."""
+        return wire_key(read_secret(self.secrets.cluster_secret)) if self.secure else None
+
+    @property
+    def etcd_credentials(self) -> EtcdCredentials | None:
+        """What opens this cluster's etcd (None: etcd asks for nothing, reachable on loopback only)."""
+        from gpufaas.store import EtcdCredentials
+
+        if not (self.secure and self.etcd_auth):
+            return None
+        return EtcdCredentials("root", read_secret(self.secrets.etcd_password))
+
+    @property
+    def invoke_headers(self) -> dict[str, str]:
+        """Headers that may call any function (none needed for an insecure cluster)."""
+        if not self.secure:
+            return {}
+        return {"authorization": f"Bearer {read_secret(self.secrets.invoke_token)}"}
+
+
 @dataclass
-class LocalCluster:
+class LocalCluster(ClusterCredentials):
     """Starts and stops the control plane as separate OS processes bound to 127.0.0.1.
 
     `etcd_endpoint` None starts a private etcd in `state_dir/etcd`. Every PID is written to
@@ -161,42 +206,6 @@ class LocalCluster:
     def __post_init__(self) -> None:
         if self.etcd_auth is None:
             self.etcd_auth = self.etcd_endpoint is None
-
-    @property
-    def secrets(self) -> SecretFiles:
-        return SecretFiles(self.state_dir / "secrets")
-
-    @property
-    def admin_auth(self) -> httpx.BasicAuth | None:
-        """HTTP basic auth as admin (None for an insecure cluster)."""
-        return httpx.BasicAuth(ADMIN_USER, read_secret(self.secrets.admin_password)) if self.secure else None
-
-    @property
-    def metrics_token(self) -> str | None:
-        """The bearer token the scheduler's and the nodes' metrics endpoints ask for (None for an
-        insecure cluster)."""
-        return metrics_token(read_secret(self.secrets.cluster_secret)) if self.secure else None
-
-    @property
-    def wire_key(self) -> bytes | None:
-        """The key the daemons' wire handshake proves (None for an insecure cluster)."""
-        return wire_key(read_secret(self.secrets.cluster_secret)) if self.secure else None
-
-    @property
-    def etcd_credentials(self) -> EtcdCredentials | None:
-        """What opens this cluster's etcd (None: etcd asks for nothing, reachable on loopback only)."""
-        from gpufaas.store import EtcdCredentials
-
-        if not (self.secure and self.etcd_auth):
-            return None
-        return EtcdCredentials("root", read_secret(self.secrets.etcd_password))
-
-    @property
-    def invoke_headers(self) -> dict[str, str]:
-        """Headers that may call any function (none needed for an insecure cluster)."""
-        if not self.secure:
-            return {}
-        return {"authorization": f"Bearer {read_secret(self.secrets.invoke_token)}"}
 
     @property
     def gateway_url(self) -> str:
