@@ -27,9 +27,6 @@ KNOWN_DEFECTS = {
     "gateway gives up on the node and the call is placed again elsewhere",
     ("cut-gateway-node-one-way", "recovery"): "the node keeps its lease and the scheduler's link: only the wire's "
     "TCP_USER_TIMEOUT (dead_after_s, 5 s) on the gateway's unacknowledged Executes ends the link",
-    ("cut-gateway-node-one-way", "lost"): "a reply the node sends after its first retransmission timeout stays in its "
-    "send queue (no ACK comes back) while its retransmissions keep the gateway's keepalive quiet, and a call whose "
-    "Done reached the scheduler is not placed again on the gateway's Abandon: the gateway waits to the deadline",
 }
 RECOVERY_CEILING_S = 10.0  # a known recovery miss must still end within this
 
