@@ -6,6 +6,11 @@ The scheduler never sees the payload. Per call:
     Place(metadata) ─▶ scheduler ... Placement(node, GPU, token, attempt) or Rejection
     Execute(token) + payload ─▶ node ... ExecuteReply + result
 
+The scheduler is the leading one among several (scheduler.leadership): the router follows the
+address etcd's leader key names (`set_scheduler_address`) and hears placements only on its link
+to it (a leader that steps down closes its gateways' links); a node that has seen a newer leader
+refuses an older one's token, and the call is asked again of the leader.
+
 A placement that cannot be used is not the end of the call: the node unreachable (Abandon
 NODE_UNREACHABLE: its connection could not be opened, was lost, or was closed because the node left
 the cluster, `Router.node_left`) or refusing the token (Abandon REFUSED) are reported, and the
@@ -159,7 +164,7 @@ class Router:
             task.cancel()
 
     def set_scheduler_address(self, address: str) -> None:
-        """The scheduler registered (or moved): connect there."""
+        """The scheduler registered (or moved: another leads): connect there."""
         if address != self._address:
             self._address = address
             self._address_changed.set()
@@ -179,6 +184,11 @@ class Router:
             conn.close(ConnectionLost(f"the node at {address} left the cluster"))
 
     @property
+    def scheduler_address(self) -> str | None:
+        """Where the router links to the (leading) scheduler."""
+        return self._address
+
+    @property
     def scheduler(self) -> Connection | None:
         conn = self._scheduler
         return conn if conn is not None and not conn.is_closed else None
@@ -189,13 +199,14 @@ class Router:
                 self._address_changed.clear()
                 await self._address_changed.wait()
                 continue
+            self._address_changed.clear()
             try:
                 conn = await connect(self._address, _SchedulerSession(self), timeout_s=2.0, key=self.wire_key)
             except ConnectionLost as exc:
                 # A wrong secret is a misconfiguration an operator must see; the rest is routine.
                 level = logging.WARNING if isinstance(exc, Unauthenticated) else logging.DEBUG
                 log.log(level, "scheduler at %s: %s", self._address, exc)
-                await asyncio.sleep(RECONNECT_S)
+                await self._reconnect_pause()
                 continue
             self.epoch += 1
             self._scheduler = conn
@@ -209,7 +220,13 @@ class Router:
             self._connected.clear()
             self._scheduler = None
             log.warning("lost the connection to the scheduler at %s; reconnecting", self._address)
-            await asyncio.sleep(RECONNECT_S)
+            await self._reconnect_pause()
+
+    async def _reconnect_pause(self) -> None:
+        """RECONNECT_S before dialling again, cut short when another scheduler took the lead
+        since the last dial."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._address_changed.wait(), RECONNECT_S)
 
     async def cluster(self, timeout_s: float = 5.0) -> pb.ClusterReply:
         conn = self.scheduler
@@ -222,7 +239,13 @@ class Router:
         return frame.message(pb.ClusterReply)
 
     # --- from the scheduler -----------------------------------------------------------------
-    def on_scheduler_message(self, message: pb.Placement | pb.Rejection) -> None:
+    def on_scheduler_message(self, message: pb.Placement | pb.Rejection, conn: Connection | None = None) -> None:
+        """A Placement or Rejection arrived on `conn` (None: on the current link). Only the link to
+        the current leader is heard: a call a former leader's message was for waits on, and is
+        asked again of the leader when the router links to it."""
+        if conn is not None and conn is not self._scheduler:
+            log.debug("ignoring a message for call %s from a scheduler no longer linked", message.call_id)
+            return
         box = self._calls.get(message.call_id)
         if box is not None:
             box.put(message)
@@ -349,9 +372,9 @@ class _SchedulerSession:
 
     def on_frame(self, conn: Connection, frame: Frame) -> None:
         if frame.type == MessageType.PLACEMENT:
-            self.router.on_scheduler_message(frame.message(pb.Placement))
+            self.router.on_scheduler_message(frame.message(pb.Placement), conn)
         elif frame.type == MessageType.REJECTION:
-            self.router.on_scheduler_message(frame.message(pb.Rejection))
+            self.router.on_scheduler_message(frame.message(pb.Rejection), conn)
 
     def on_close(self, conn: Connection, exc: BaseException | None) -> None:
         pass  # Router._keep_linked sees `conn.closed` resolve

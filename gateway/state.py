@@ -37,7 +37,7 @@ HEALTH_ETCD_TIMEOUT_S = 1.0
 class GatewayConfig:
     state_dir: Path
     public_url: str = "http://127.0.0.1:8080"
-    scheduler_address: str | None = None  # None: look it up in etcd (services/scheduler)
+    scheduler_address: str | None = None  # None: follow the leader's in etcd (services/scheduler)
     max_payload_bytes: int = 16 * 1024 * 1024
     max_package_bytes: int = 2 * 1024 * 1024 * 1024
     max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED_MB * 1024 * 1024
@@ -197,12 +197,13 @@ class Gateway:
             self._service_changed(WatchEvent("put", kv.key, kv.value, kv.mod_revision))
 
     def _service_changed(self, event: WatchEvent) -> None:
-        if (
-            event.key == self.keys.service("scheduler")
-            and event.kind == "put"
-            and self.config.scheduler_address is None
-        ):
+        """The leader key: the scheduler that leads now, to link to (unless one was configured)."""
+        if event.key != self.keys.scheduler_leader or self.config.scheduler_address is not None:
+            return
+        if event.kind == "put":
             self.router.set_scheduler_address(event.value.decode())
+        else:  # its lease expired or was revoked: the next leader puts it again
+            log.info("no scheduler leads now; waiting for the next leader")
 
     def _nodes_listed(self, kvs: list[KeyValue], revision: int) -> None:
         self.nodes = {}

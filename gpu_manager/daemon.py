@@ -3,14 +3,17 @@
 It serves gpufaas.wire connections:
 - from gateways: Execute(token) + payload -> ExecuteReply + result. The token is a grant signed
   by the attached scheduler; the node checks it (gpu_manager.ledger) before running anything.
-- from the scheduler: Attach (its token key; answered with the workers this node runs and what
-  its disk and host pool hold), Revoke (grants never presented are refused from then on), Evict,
+- from the scheduler: Attach (its token key and epoch; answered with the workers this node runs
+  and what its disk and host pool hold, or refused (FENCED) when the node has seen a newer
+  leader's epoch), Revoke (grants never presented are refused from then on), Evict,
   Stage (packages to bring before their first call). Every call run is reported back on that
   connection with a Done (outcome, measured times, memory), and what the node holds with a
   Holdings whenever that changes.
 
 Beside the wire it serves its staged blobs to peer nodes (gpufaas.blobnet) and keeps a holder
-record in etcd saying where and which packages (gpufaas.holders).
+record in etcd saying where and which packages (gpufaas.holders). It watches the schedulers'
+leader key in etcd: the newest leader's epoch fences off an older one (gpu_manager.ledger), even
+before the new leader attaches.
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from gpu_manager.containers import DEFAULT_IMAGE, DockerLauncher
 from gpu_manager.devices import Device, Nvml
@@ -34,7 +40,7 @@ from gpu_manager.storage import NodeStorage, StorageOptions
 from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.store import LeaseKeeper, LeaseLost, Store, StoreError, list_and_watch
+from gpufaas.store import KeyValue, LeaseKeeper, LeaseLost, Store, StoreError, WatchEvent, list_and_watch
 from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, Server, max_frame_bytes_for
 
 log = logging.getLogger("gpufaas.gpu_manager")
@@ -96,6 +102,7 @@ class GpuManagerDaemon:
         )
         self.ledger = GrantLedger(node, frozenset(self.devices))
         self.metrics = NodeMetrics(self.pool, node=node, device_used_mb=self._device_used_mb)
+        self.metrics.registry.register(_LedgerCollector(self.ledger))
         self.incarnation = uuid.uuid4().hex
         self.address = ""
         self.context_mb = 0  # what one spare holds on its GPU (measured on cuda)
@@ -169,6 +176,11 @@ class GpuManagerDaemon:
                 on_event=lambda event: self._reregister() if event.key == key and event.kind == "delete" else None,
             )
         )
+        self._spawn(
+            list_and_watch(
+                self.store, self.keys.scheduler_leader, on_list=self._leaders_listed, on_event=self._leader_changed
+            )
+        )
         log.info("node %s serving on %s with %d %s GPU(s)", self.node, self.address, len(self.devices), self.backend)
         return self.address
 
@@ -207,6 +219,32 @@ class GpuManagerDaemon:
         log.warning("node %s: its key is gone from etcd; registering again", self.node)
         with contextlib.suppress(LeaseLost):  # the lease keeper re-registers under a new lease then
             await self._register(self._lease.lease)
+
+    # --- the schedulers' leader key -------------------------------------------------------------
+    def _leaders_listed(self, kvs: list[KeyValue], revision: int) -> None:
+        for kv in kvs:
+            if kv.key == self.keys.scheduler_leader:  # a prefix watch: not the keys that only start so
+                self._saw_epoch(kv.create_revision)
+
+    async def _leader_changed(self, event: WatchEvent) -> None:
+        if event.key != self.keys.scheduler_leader or event.kind != "put":
+            return
+        with contextlib.suppress(StoreError):  # the event lacks the key's create_revision (the epoch)
+            kv = await self.store.get(self.keys.scheduler_leader)
+            if kv is not None:
+                self._saw_epoch(kv.create_revision)
+
+    def _saw_epoch(self, epoch: int) -> None:
+        """A scheduler leads as `epoch`: an attached one of an older epoch is deposed; its link is
+        closed and its grants are refused (the new leader attaches by itself)."""
+        if self.ledger.saw_epoch(epoch) and self._scheduler is not None:
+            log.warning(
+                "the scheduler of epoch %d leads now: closing the link of the one attached (epoch %d)",
+                self.ledger.epoch,
+                self.ledger.scheduler_epoch,
+            )
+            self._scheduler.close()
+            self._scheduler = None
 
     def _device_used_mb(self, gpu_id: str) -> int | None:
         return self._nvml.used_mb(self.devices[gpu_id].index) if self._nvml is not None else None
@@ -277,12 +315,8 @@ class GpuManagerDaemon:
             frame,
             MessageType.EXECUTE_REPLY,
             pb.ExecuteReply(
-                outcome=result.outcome,  # type: ignore[arg-type]
+                **_measured(result),
                 message=result.message,
-                loaded=result.loaded,
-                load_time_s=result.load_time_s,
-                inference_time_s=result.inference_time_s,
-                batch_calls=result.batch_calls,
                 stages=result.stages,
                 content_type=result.content_type,
                 node_s=time.perf_counter() - received_s,
@@ -299,15 +333,11 @@ class GpuManagerDaemon:
         scheduler.send(
             MessageType.DONE,
             pb.Done(
+                **_measured(result),
                 call_id=grant.call_id,
                 attempt=grant.attempt,
                 gpu=grant.gpu,
-                outcome=result.outcome,  # type: ignore[arg-type]
-                loaded=result.loaded,
-                load_time_s=result.load_time_s,
-                inference_time_s=result.inference_time_s,
                 peak_memory_mb=result.peak_memory_mb,
-                batch_calls=result.batch_calls,
                 worker_lost=result.outcome in _WORKER_LOST or result.worker_killed,
             ),
         )
@@ -315,31 +345,34 @@ class GpuManagerDaemon:
     # --- requests from the scheduler --------------------------------------------------------
     def attach(self, conn: Connection, frame: Frame) -> None:
         request = frame.message(pb.Attach)
-        old, self._scheduler = self._scheduler, conn
-        if request.scheduler_id != self.ledger.scheduler_id:
+        new_scheduler = request.scheduler_id != self.ledger.scheduler_id
+        try:
+            self.ledger.attach(request.scheduler_id, request.token_key, request.epoch)
+        except Refused as exc:
+            log.warning("refused a scheduler from %s: %s", conn.peer, exc)
+            conn.reply_error(frame, pb.FENCED, str(exc))
+            return
+        if new_scheduler:
             self.pool.forget_grant_order()  # a new scheduler numbers its grants from 1
-        self.ledger.attach(request.scheduler_id, request.token_key)
+        old, self._scheduler = self._scheduler, conn
         if old is not None and old is not conn:
             old.close()
-        log.info("scheduler %s attached from %s", request.scheduler_id, conn.peer)
+        log.info("scheduler %s (epoch %d) attached from %s", request.scheduler_id, request.epoch, conn.peer)
         self.report_workers(conn, frame)
 
     def report_workers(self, conn: Connection, frame: Frame) -> None:
         """Answer with the models resident now (the workers that are ready), for reconciliation."""
         workers = [pb.Worker(gpu=gpu, model=model, memory_mb=mb) for model, gpu, _, mb in self.pool.workers()]
         parked = [pb.Worker(model=model, memory_mb=mb) for model, mb in self.pool.parked()]
-        conn.reply(
-            frame,
-            MessageType.ATTACH_REPLY,
-            pb.AttachReply(
-                node=self.node,
-                incarnation=self.incarnation,
-                workers=workers,
-                parked=parked,
-                host_memory_mb=self.pool.host_cache_mb,
-                holdings=self.storage.holdings(),
-            ),
+        reply = pb.AttachReply(
+            node=self.node,
+            incarnation=self.incarnation,
+            workers=workers,
+            parked=parked,
+            host_memory_mb=self.pool.host_cache_mb,
+            holdings=self.storage.holdings(),
         )
+        conn.reply(frame, MessageType.ATTACH_REPLY, reply)
 
     def stage(self, conn: Connection, frame: Frame) -> None:
         request = frame.message(pb.Stage)
@@ -380,6 +413,45 @@ class GpuManagerDaemon:
     def detached(self, conn: Connection) -> None:
         if self._scheduler is conn:
             self._scheduler = None
+
+
+def _measured(result: RunResult) -> dict[str, Any]:
+    """What a run's answer and its Done share: its outcome and what was measured."""
+    return {
+        "outcome": result.outcome,
+        "loaded": result.loaded,
+        "load_time_s": result.load_time_s,
+        "inference_time_s": result.inference_time_s,
+        "batch_calls": result.batch_calls,
+    }
+
+
+class _LedgerCollector(Collector):
+    """What the node's grant ledger admitted and refused, and the newest leader's epoch it has
+    seen, read when scraped."""
+
+    def __init__(self, ledger: GrantLedger) -> None:
+        self._ledger = ledger
+
+    def collect(self) -> Iterator[Metric]:
+        ledger = self._ledger
+        yield CounterMetricFamily("gpufaas_node_grants_admitted", "Grants this node admitted.", value=ledger.admitted)
+        yield CounterMetricFamily(
+            "gpufaas_node_calls_admitted_again",
+            "Grants admitted for a call admitted here before under another attempt or scheduler: a retry after its "
+            "worker died, or a call placed twice (what fencing the schedulers' epochs prevents).",
+            value=ledger.admitted_again,
+        )
+        yield CounterMetricFamily(
+            "gpufaas_node_grants_refused_stale",
+            "Grants refused because a newer scheduler leader's epoch has been seen (a deposed leader's).",
+            value=ledger.refused_stale,
+        )
+        yield GaugeMetricFamily(
+            "gpufaas_node_scheduler_epoch",
+            "The newest scheduler leader's epoch this node has seen.",
+            value=ledger.epoch,
+        )
 
 
 class _Session:

@@ -7,6 +7,16 @@ from dataclasses import dataclass
 DEFAULT_ROOT = "/gpufaas"
 
 
+class _Folder:
+    """A folder of the key layout, read on a `Keys`: "{root}/{name}/", its name the attribute's."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, keys: Keys | None, owner: type | None = None) -> str:
+        return f"{keys.root if keys is not None else '{root}'}/{self.name}/"
+
+
 @dataclass(frozen=True, slots=True)
 class Keys:
     """The key layout (docs/architecture.md says who writes each), under `root`:
@@ -17,7 +27,10 @@ class Keys:
     {root}/gpus/{node}/{gpu}/lru            the GPU's LRU list, most recent first (JSON)
     {root}/profiles/{gpu_type}/{model}      load time, inference time per batch size (JSON)
     {root}/models/{model}/replicas          GPUs where the model is cached (JSON list of "node/gpu")
-    {root}/services/{service}               a service's address (scheduler, gateway), under its lease
+    {root}/services/{service}               a service's address (scheduler, gateway), under its lease;
+                                            services/scheduler is the leader key: created only if
+                                            absent, under the leading scheduler's lease, its
+                                            create_revision the leader's epoch (scheduler.leadership)
     {root}/packages/{hex}                   a package: its manifest, the gateway that took its blobs, its
                                             resolved requirements (JSON), written once by that gateway
     {root}/holders/{name}                   a blob holder (gateway or node): its blob address and the
@@ -26,30 +39,27 @@ class Keys:
 
     root: str = DEFAULT_ROOT
 
+    # The folders (`keys.functions` is "{root}/functions/": what a prefix read or watch takes).
+    functions = _Folder()
+    nodes = _Folder()
+    gpus = _Folder()
+    profiles = _Folder()
+    models = _Folder()
+    services = _Folder()
+    packages = _Folder()
+    holders = _Folder()
+
     def __post_init__(self) -> None:
         if not self.root.startswith("/") or self.root.endswith("/"):
             raise ValueError(f"key root must start with '/' and not end with it, got {self.root!r}")
 
-    # --- functions ----------------------------------------------------------------------
-    @property
-    def functions(self) -> str:
-        return f"{self.root}/functions/"
-
     def function(self, name: str) -> str:
-        return f"{self.functions}{_segment(name)}"
-
-    # --- nodes and GPUs -----------------------------------------------------------------
-    @property
-    def nodes(self) -> str:
-        return f"{self.root}/nodes/"
+        return self.functions + _segment(name)
 
     def node(self, node: str) -> str:
-        return f"{self.nodes}{_segment(node)}"
+        return self.nodes + _segment(node)
 
-    @property
-    def gpus(self) -> str:
-        return f"{self.root}/gpus/"
-
+    # --- GPUs, profiles and replicas --------------------------------------------------------
     def node_gpus(self, node: str) -> str:
         return f"{self.gpus}{_segment(node)}/"
 
@@ -68,43 +78,26 @@ class Keys:
             return None
         return parts[0], parts[1], parts[2]
 
-    # --- profiles and replicas ----------------------------------------------------------
-    @property
-    def profiles(self) -> str:
-        return f"{self.root}/profiles/"
-
     def profile(self, gpu_type: str, model: str) -> str:
         return f"{self.profiles}{_segment(gpu_type)}/{_segment(model)}"
-
-    @property
-    def models(self) -> str:
-        return f"{self.root}/models/"
 
     def replicas(self, model: str) -> str:
         return f"{self.models}{_segment(model)}/replicas"
 
-    # --- services -----------------------------------------------------------------------
-    @property
-    def services(self) -> str:
-        return f"{self.root}/services/"
-
+    # --- services, packages and the holders of their blobs ------------------------------------
     def service(self, name: str) -> str:
-        return f"{self.services}{_segment(name)}"
+        return self.services + _segment(name)
 
-    # --- packages and the holders of their blobs -------------------------------------------------
     @property
-    def packages(self) -> str:
-        return f"{self.root}/packages/"
+    def scheduler_leader(self) -> str:
+        """The leading scheduler's address (see the layout above)."""
+        return self.service("scheduler")
 
     def package(self, digest: str) -> str:
-        return f"{self.packages}{_segment(digest.removeprefix('sha256:'))}"
-
-    @property
-    def holders(self) -> str:
-        return f"{self.root}/holders/"
+        return self.packages + _segment(digest.removeprefix("sha256:"))
 
     def holder(self, name: str) -> str:
-        return f"{self.holders}{_segment(name)}"
+        return self.holders + _segment(name)
 
 
 def _segment(value: str) -> str:

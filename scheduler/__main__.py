@@ -33,6 +33,8 @@ async def serve(settings: SchedulerSettings, secret: str | None, etcd_creds: Etc
         host_idle_release_s=settings.host_idle_release_s,
         prestage_nodes=settings.prestage_nodes,
         wire_key=wire_key(secret) if secret is not None else None,
+        name=settings.name,
+        lease_ttl_s=settings.lease_ttl_s,
     )
     await serve_wire_daemon(service, store, settings, secret, "scheduler")
 

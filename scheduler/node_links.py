@@ -59,15 +59,15 @@ class NodeLinks:
         session_for: Callable[[NodeLink], Handler],
         slots_for: Callable[[str], int],
         clock: Callable[[], float],
-        scheduler_id: str,
-        token_key: bytes,
         wire_key: bytes | None,
         prestage_nodes: int,
+        fenced: Callable[[], None] = lambda: None,
     ) -> None:
         """`functions`: the catalog's mirror, read here (which models a package digest backs).
         `session_for`: the handler of a node's connection (its Done and Holdings frames).
-        `slots_for`: a GPU type's D. `token_key`: what grants are signed with, handed to every
-        node on Attach. `prestage_nodes`: how many nodes get a new function's package (0: none)."""
+        `slots_for`: a GPU type's D. `prestage_nodes`: how many nodes get a new function's
+        package (0: none). `fenced`: a node refused to attach because it has seen a newer
+        leader's epoch. Nodes are attached only between `activate` and `deactivate` (a term)."""
         self.scheduler = scheduler
         self.book = book
         self.persister = persister
@@ -77,15 +77,24 @@ class NodeLinks:
         self.session_for = session_for
         self.slots_for = slots_for
         self.clock = clock
-        self.scheduler_id = scheduler_id
-        self.token_key = token_key
         self.wire_key = wire_key
         self.prestage_nodes = prestage_nodes
+        self.fenced = fenced
+        # The term's: who signs its grants (handed to every node on Attach, with its epoch).
+        self.scheduler_id = ""
+        self.token_key = b""
+        self.epoch = 0
+        self.term = 0  # counts terms; 0 (and whenever `active` is off): nothing is attached
+        self.active = False
         self.nodes: dict[str, NodeLink] = {}
         # "node/gpu" -> models, most recent first, as persisted before a restart: each GPU's
         # recency order, taken once when its node attaches.
         self.recovered_lru: dict[str, list[str]] = {}
         self._prestaged: set[str] = set()  # packages pre-staging has placed (once each)
+
+    def all_attached(self) -> bool:
+        """Whether every registered node is attached (its GPUs in the scheduler)."""
+        return all(node.gpu_ids for node in self.nodes.values())
 
     def registered_gpu_ids(self) -> set[str]:
         """Every registered node's GPUs, attached or not."""
@@ -95,6 +104,26 @@ class NodeLinks:
         for node in self.nodes.values():
             if node.conn is not None:
                 node.conn.close()
+
+    # --- terms --------------------------------------------------------------------------------
+    def activate(self, scheduler_id: str, token_key: bytes, epoch: int) -> None:
+        """A term begins: attach every registered node, handing it this term's key and epoch."""
+        self.scheduler_id, self.token_key, self.epoch = scheduler_id, token_key, epoch
+        self.term += 1
+        self.active = True
+        self._prestaged.clear()  # a new term places packages afresh
+        for node in self.nodes.values():
+            self.spawn(self._keep_attached(node))
+
+    def deactivate(self) -> None:
+        """The term ends: every node's GPUs are taken out and its connection closed; the
+        registered nodes are kept (the catalog goes on watching them) for the next term."""
+        self.active = False
+        for node in self.nodes.values():
+            self._detach(node)
+            if node.conn is not None:
+                node.conn.close()
+                node.conn = None
 
     # --- registration -----------------------------------------------------------------------
     def seen(self, record: NodeRecord) -> None:
@@ -108,7 +137,8 @@ class NodeLinks:
             self.gone(record.node)
         node = NodeLink(record)
         self.nodes[record.node] = node
-        self.spawn(self._keep_attached(node))
+        if self.active:
+            self.spawn(self._keep_attached(node))
 
     def gone(self, name: str) -> None:
         """A node is no longer registered: take its GPUs out and drop its link."""
@@ -121,33 +151,32 @@ class NodeLinks:
 
     # --- attachment -------------------------------------------------------------------------
     async def _keep_attached(self, node: NodeLink) -> None:
-        """Connect to the node and attach (hand it the token key, learn its workers), then add
-        its GPUs; when the connection drops, take them out and try again while the node is
-        registered under the same incarnation."""
+        """Connect to the node and attach (hand it the term's token key and epoch, learn its
+        workers), then add its GPUs; when the connection drops, take them out and try again
+        while the node is registered under the same incarnation and the term lasts."""
         session = self.session_for(node)
-        while self.nodes.get(node.record.node) is node:
+        term = self.term
+        while self._linked(node, term):
             try:
                 conn = await connect(node.record.address, session, timeout_s=NODE_TIMEOUT_S, key=self.wire_key)
                 reply = (
                     await conn.request(
                         MessageType.ATTACH,
-                        pb.Attach(scheduler_id=self.scheduler_id, token_key=self.token_key),
+                        pb.Attach(scheduler_id=self.scheduler_id, token_key=self.token_key, epoch=self.epoch),
                         timeout_s=NODE_TIMEOUT_S,
                     )
                 ).message(pb.AttachReply)
             except (ConnectionLost, TimeoutError, RemoteError) as exc:
-                # A wrong secret is a misconfiguration an operator must see; the rest is routine.
-                level = logging.WARNING if isinstance(exc, Unauthenticated) else logging.DEBUG
-                log.log(level, "node %s at %s: %s", node.record.node, node.record.address, exc)
+                self._attach_failed(node, exc)
                 await asyncio.sleep(RECONNECT_S)
                 continue
-            if self.nodes.get(node.record.node) is not node or reply.incarnation != node.record.incarnation:
-                conn.close()  # it left or restarted meanwhile: the watch brings the new record
+            if not self._linked(node, term) or reply.incarnation != node.record.incarnation:
+                conn.close()  # it left or restarted meanwhile (the watch brings the new record), or the term ended
                 return
             node.conn = conn
             self._attach(node, reply)
             lost = await conn.closed
-            if self.nodes.get(node.record.node) is node:
+            if self._linked(node, term):
                 log.warning(
                     "lost the connection to node %s (%s); taking its GPUs out, %d placed call(s) go back to the queue",
                     node.record.node,
@@ -155,8 +184,22 @@ class NodeLinks:
                     len(self.book.placed_on(node.record.node)),
                 )
                 self._detach(node)
-            node.conn = None
+            if node.conn is conn:  # (a later term may have attached it again meanwhile)
+                node.conn = None
             await asyncio.sleep(RECONNECT_S)
+
+    def _linked(self, node: NodeLink, term: int) -> bool:
+        """Whether `node` (this incarnation) is still to be kept attached in term `term`."""
+        return self.active and self.term == term and self.nodes.get(node.record.node) is node
+
+    def _attach_failed(self, node: NodeLink, exc: BaseException) -> None:
+        if isinstance(exc, RemoteError) and exc.status == pb.FENCED:
+            log.warning("node %s refused to attach: %s", node.record.node, exc)
+            self.fenced()
+            return
+        # A wrong secret is a misconfiguration an operator must see; the rest is routine.
+        level = logging.WARNING if isinstance(exc, Unauthenticated) else logging.DEBUG
+        log.log(level, "node %s at %s: %s", node.record.node, node.record.address, exc)
 
     def _attach(self, node: NodeLink, reply: pb.AttachReply) -> None:
         resident = _resident(node.record.node, reply)

@@ -26,16 +26,23 @@ PROFILE_WRITE_INTERVAL_S = 5.0  # measured times move a little on every call: pe
 RETRY_S = 0.5  # after a flush etcd refused
 
 
+class NotLeading(StoreError):
+    """A write refused because this scheduler does not lead now (or is unsure of it): another
+    scheduler may lead, and these keys are its to write."""
+
+
 class StatePersister:
     """The single writer of the scheduler's keys in etcd (`gpus/`, `models/`, `profiles/`): it
     writes what the book marked dirty and the GPUs that left, at most once per FLUSH_DELAY_S,
     and never rewrites a value it last put unchanged. Plain puts suffice (no read-modify-write):
-    no one else writes these keys."""
+    no one else writes these keys, for each write first asks `may_write` (whether this
+    scheduler leads now: a leader back from a pause writes nothing over its successor's)."""
 
     def __init__(
         self, store: Store, keys: Keys, scheduler: Scheduler, book: CallBook, clock: Callable[[], float]
     ) -> None:
         self.store = store
+        self.may_write: Callable[[], bool] = lambda: True  # the service says whether it leads
         self.keys = keys
         self.scheduler = scheduler
         self.book = book
@@ -44,6 +51,14 @@ class StatePersister:
         self._deleted_gpus: set[str] = set()  # "node/gpu" whose keys go at the next flush
         self._written: dict[str, bytes] = {}  # last value put per key: unchanged values are not rewritten
         self._profile_written_at: dict[str, float] = {}
+
+    def new_term(self) -> None:
+        """A term begins or ends: what is pending is dropped, and what was written is no longer
+        known to be there (another leader may have written since)."""
+        self.book.dirty_gpus, self.book.dirty_models, self.book.dirty_profiles = set(), set(), set()
+        self._deleted_gpus.clear()
+        self._written.clear()
+        self._wanted.clear()
 
     def want_flush(self) -> None:
         """Something may have changed: flush within FLUSH_DELAY_S."""
@@ -85,7 +100,8 @@ class StatePersister:
             try:
                 await self.flush()
             except StoreError as exc:
-                log.warning("could not persist cache state (%s); retrying", exc)
+                level = logging.DEBUG if isinstance(exc, NotLeading) else logging.WARNING
+                log.log(level, "could not persist cache state (%s); retrying", exc)
                 self._wanted.set()
                 await asyncio.sleep(RETRY_S)
 
@@ -114,7 +130,7 @@ class StatePersister:
         for address in deleted:
             node, gpu = split_gpu_address(address)
             for key in (self.keys.gpu_lru(node, gpu), self.keys.gpu_status(node, gpu)):
-                await self.store.delete(key)
+                await self._delete(key)
                 self._written.pop(key, None)
 
     async def _write_gpus(self, gpus: set[str]) -> None:
@@ -144,7 +160,7 @@ class StatePersister:
             if holders:
                 await self._put(key, json.dumps(holders).encode())
             elif self._written.get(key) != b"":  # b"": deleted by us already
-                await self.store.delete(key)
+                await self._delete(key)
                 self._written[key] = b""
 
     async def _write_profiles(self, profiles: set[tuple[str, str, int]]) -> None:
@@ -164,10 +180,20 @@ class StatePersister:
                     "load_time_s": estimator.load_time_s(model, gpu_type, memory_mb),
                     "inference_time_s": {str(batch): estimator.inference_time_s(model, gpu_type, batch)},
                 }
+                self._check_leading()
                 await self.store.put(key, json.dumps(record).encode())
 
     async def _put(self, key: str, value: bytes) -> None:
         if self._written.get(key) == value:
             return
+        self._check_leading()
         await self.store.put(key, value)
         self._written[key] = value
+
+    async def _delete(self, key: str) -> None:
+        self._check_leading()
+        await self.store.delete(key)
+
+    def _check_leading(self) -> None:
+        if not self.may_write():
+            raise NotLeading("this scheduler does not lead now: it writes nothing")

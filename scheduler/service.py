@@ -10,6 +10,11 @@ book and ticks its clock:
   learnt), reconciled, pre-staged, and sent the book's grant checks and evictions;
 - the state persister (scheduler.persister): LRU lists, replicas, GPU status and profiles written
   to etcd by one coalescing flusher, and read back after a restart.
+Several instances may run: one leads (scheduler.election, scheduler.leadership) and the others
+stand by, their catalogs kept current, until the leader's lease lapses. A term (from taking
+office to leaving it) is what one scheduler used to do from start to stop: recover the persisted
+state, attach the nodes (handing them the term's epoch), place what gateways ask. A standby closes
+gateways' connections; an unsure leader holds what it decides until its lease is confirmed.
 All scheduler state is touched from the event loop only, so no lock is needed.
 """
 
@@ -30,7 +35,7 @@ from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys, split_gpu_address
 from gpufaas.profiles import paper_table1
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.store import LeaseKeeper, Store, StoreError
+from gpufaas.store import Store, StoreError
 from gpufaas.wire import Connection, ConnectionLost, MessageType, Server
 from scheduler.adaptive_slots import DEFAULT_THRESHOLD, AdaptiveSlots
 from scheduler.calls import (
@@ -46,8 +51,10 @@ from scheduler.calls import (
 )
 from scheduler.catalog import Catalog
 from scheduler.core import Scheduler
+from scheduler.election import Election, LeadershipCollector
 from scheduler.estimator import Estimator
 from scheduler.evictions import EvictionLog
+from scheduler.leadership import Leadership, Role
 from scheduler.metrics import SchedulerMetrics
 from scheduler.node_links import NodeLink, NodeLinks
 from scheduler.persister import StatePersister
@@ -56,14 +63,30 @@ from scheduler.sessions import GatewaySession, NodeSession
 
 log = logging.getLogger("gpufaas.scheduler")
 
-LEASE_TTL_S = 5
+LEASE_TTL_S = 1  # the leadership lease (--lease-ttl-s); etcd may grant more (docs/failover.md)
 TICK_S = 0.25  # how often deadlines and unconfirmed placements are looked at
 UTILIZATION_SAMPLE_S = 0.02  # how often adaptive D samples the running calls (its period: 0.2 s)
 RELEASE_CHECK_MIN_S = 0.25  # bounds of how often the staged exit looks for idle models
 RELEASE_CHECK_MAX_S = 5.0
 DEFAULT_SLOTS = 4
 DEFAULT_PRESTAGE_NODES = 2  # nodes that get a new function's package before its first call
+ATTACH_WAIT_S = 2.0  # a new term takes calls once its registered nodes attached, or this long after it began
+ATTACH_POLL_S = 0.02
 MAX_CLAIM_S = 30.0  # nodes remember grants (and revocations) for 60 s: a claim must fall well inside
+
+
+@dataclass(slots=True)
+class _Term:
+    """One term of leadership: who signs its grants (its scheduler id) with which key, what it
+    decided while unsure of the leadership (`held`), whether it takes calls yet (`open`: not
+    while its nodes attach; the Places wait in `early`), and its tasks."""
+
+    scheduler_id: str = ""
+    token_key: bytes = b""
+    held: list[Effect] = field(default_factory=list)
+    open: bool = True
+    early: list[tuple[Connection, pb.Place]] = field(default_factory=list)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +138,8 @@ class SchedulerService:
         eviction: str = "lru",
         adaptive_slots: int | None = None,
         utilization_threshold: float = DEFAULT_THRESHOLD,
+        name: str | None = None,
+        lease_ttl_s: int = LEASE_TTL_S,
     ) -> None:
         """`wire_key`: the cluster's wire key (gpufaas.credentials); gateways must prove it, and
         nodes are trusted only once they have. None: no handshake (tests of the logic only).
@@ -125,39 +150,38 @@ class SchedulerService:
         the registered eviction policy a miss chooses its victims by (cache_manager.eviction).
         `policy_config`: the policy's tunables, as the simulator takes them (default: theirs).
         `adaptive_slots`: each GPU's D moves between 1 and this from its utilization against
-        `utilization_threshold` (scheduler.adaptive_slots; None: D fixed by `slots`)."""
+        `utilization_threshold` (scheduler.adaptive_slots; None: D fixed by `slots`). `name`, `lease_ttl_s`:
+        this instance's among several (default: its address), its leadership lease (scheduler.leadership)."""
         _check_settings(gpu_idle_release_s, host_idle_release_s, prestage_nodes)
-        self.gpu_idle_release_s = gpu_idle_release_s
-        self.host_idle_release_s = host_idle_release_s
+        self.gpu_idle_release_s, self.host_idle_release_s = gpu_idle_release_s, host_idle_release_s
         self.prestage_nodes = prestage_nodes
-        self.store = store
-        self.wire_key = wire_key
+        self.store, self.wire_key, self.clock = store, wire_key, clock
         self.keys = keys if keys is not None else Keys()
         self.policy_name = policy
         self.policy_config = policy_config if policy_config is not None else PolicyConfig()
         self.eviction = eviction
         self.slots = slots if slots is not None else SlotConfig()
-        self.clock = clock
         self.scheduler = _make_scheduler(policy, self.policy_config, eviction)
-        adaptive = (
-            AdaptiveSlots(adaptive_slots, threshold=utilization_threshold) if adaptive_slots is not None else None
-        )
+        adaptive = None if adaptive_slots is None else AdaptiveSlots(adaptive_slots, threshold=utilization_threshold)
         self.book = CallBook(
             self.scheduler, queue_capacity, claim_s=claim_s, lost_after_s=lost_after_s, adaptive_slots=adaptive
         )
         self.metrics = SchedulerMetrics(self.scheduler)
         self.evictions = EvictionLog()  # for the cluster views
-        self.scheduler_id = uuid.uuid4().hex
-        self._token_key = grants.new_key()
+        self.name = name or ""
+        self.leadership = Leadership("", lease_ttl_s)
+        self.metrics.registry.register(LeadershipCollector(self.leadership, self.clock))
+        self.election: Election | None = None  # from start()
+        self.term = _Term()  # a standby's: nothing
         self._tasks: set[asyncio.Task[None]] = set()
         self.persister, self.links, self.catalog = self._wire_parts()
         self._server = Server(lambda: GatewaySession(self), key=wire_key)
-        self._lease: LeaseKeeper | None = None
         self.address = ""
 
     def _wire_parts(self) -> tuple[StatePersister, NodeLinks, Catalog]:
         """The persister, the node links and the catalog, sharing the book and `apply`."""
         persister = StatePersister(self.store, self.keys, self.scheduler, self.book, self.clock)
+        persister.may_write = self._may_write
         functions: dict[str, FunctionSpec] = {}  # the catalog's mirror; the node links read it
         links = NodeLinks(
             self.scheduler,
@@ -169,10 +193,9 @@ class SchedulerService:
             session_for=lambda node: NodeSession(self, node),
             slots_for=self.slots.for_type,
             clock=self.clock,
-            scheduler_id=self.scheduler_id,
-            token_key=self._token_key,
             wire_key=self.wire_key,
             prestage_nodes=self.prestage_nodes,
+            fenced=self._fenced,
         )
         catalog = Catalog(
             self.store, self.keys, self.scheduler, self.book, links, functions=functions, apply=self.apply
@@ -181,28 +204,21 @@ class SchedulerService:
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self, listen: str = "127.0.0.1:0", *, advertise: str | None = None) -> str:
-        """Recover state from etcd, start watching, serve; returns the address registered in etcd
-        for gateways to find (`advertise`, else the bound listen address)."""
-        revision = await self._recover()
+        """Serve, mirror etcd's catalog (functions, profiles, nodes) and run for the leadership;
+        returns the address the leader key names while this scheduler leads (`advertise`, else
+        the bound listen address). It places calls only while it leads (`take_office`)."""
         bound = await self._server.start(listen)
         self.address = advertise or bound
-        self._lease = LeaseKeeper(self.store, LEASE_TTL_S, on_regrant=self._register)
-        await self._register(await self._lease.start())
+        self.name = self.name or self.address
+        self.leadership.address = self.address
+        revision = await self.catalog.recover()
         for watch in self.catalog.watches(revision):
             self._spawn(watch)
-        self._spawn(self.persister.run())
-        self._spawn(self._ticker())
-        self._spawn(self.links.reconciler())
-        if self.book.adaptive_slots is not None:
-            self._spawn(self._utilization_sampler())
-        if (
-            self.gpu_idle_release_s is not None
-            or self.host_idle_release_s is not None
-            or self.scheduler.policy.releases_memory
-        ):
-            self._spawn(self._releaser())
+        self.election = Election(self.store, self.keys.scheduler_leader, self.leadership, self, clock=self.clock)
+        self._spawn(self.election.run())
         log.info(
-            "scheduler serving on %s (policy %s, %s; eviction %s)",
+            "scheduler %s serving on %s (policy %s, %s; eviction %s); running for the leadership",
+            self.name,
             self.address,
             self.policy_name,
             self.policy_config,
@@ -211,50 +227,116 @@ class SchedulerService:
         return self.address
 
     async def stop(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(BaseException):
-                await task
-        with contextlib.suppress(StoreError):
-            await self.persister.flush()
+        leading = self.leadership.leading(self.clock())
+        await _cancel(self._tasks)
+        if leading:
+            with contextlib.suppress(StoreError):
+                await self.persister.flush()
         await self._server.close()
-        if self._lease is not None:
-            await self._lease.stop(revoke=True)
+        if self.election is not None:
+            await self.election.resign()  # the key goes at once: a standby takes over
         self.links.close()
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None], *, term: bool = False) -> None:
+        """Run `coro` as a task until stop(); a `term` one only until the term ends."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if term:
+            self.term.tasks.add(task)
+            task.add_done_callback(self.term.tasks.discard)
 
-    async def _register(self, lease: int) -> None:
-        await self.store.put(self.keys.service("scheduler"), self.address.encode(), lease=lease)
-
-    async def _recover(self) -> int:
-        """Read functions, profiles, nodes (the catalog) and the persisted LRU lists (for the
-        GPUs of the nodes registered now); returns the revision read (the watches go on from
-        there)."""
-        revision = await self.catalog.recover()
+    # --- terms (scheduler.election) -----------------------------------------------------------
+    async def take_office(self, epoch: int) -> None:
+        """Lead as `epoch`: what a restarted scheduler does. Read the persisted LRU lists, attach
+        the nodes under a new grant key, and run the term's loops; gateways find this scheduler
+        in etcd and send again the calls they hold."""
+        self.term = term = _Term(uuid.uuid4().hex, grants.new_key(), open=False)
+        self.persister.new_term()
         self.links.recovered_lru = await self.persister.recover(self.links.registered_gpu_ids())
-        return revision
+        self.links.activate(term.scheduler_id, term.token_key, epoch)
+        for work in self._term_work():
+            self._spawn(work, term=True)
+        log.info("scheduler %s leads (epoch %d): attaching %d node(s)", self.name, epoch, len(self.links.nodes))
+
+    def _term_work(self) -> list[Coroutine[Any, Any, None]]:
+        work = [self._open_when_attached(), self.persister.run(), self._ticker(), self.links.reconciler()]
+        if self.book.adaptive_slots is not None:
+            work.append(self._utilization_sampler())
+        if (
+            self.gpu_idle_release_s is not None
+            or self.host_idle_release_s is not None
+            or self.scheduler.policy.releases_memory
+        ):
+            work.append(self._releaser())
+        return work
+
+    async def _open_when_attached(self) -> None:
+        """Take calls once every registered node has attached (or after ATTACH_WAIT_S): a call
+        placed sooner would find no GPU, or not the one that holds its model."""
+        term, deadline = self.term, self.clock() + ATTACH_WAIT_S
+        while not self.links.all_attached() and self.clock() < deadline:
+            await asyncio.sleep(ATTACH_POLL_S)
+        term.open = True
+        early, term.early = term.early, []
+        for conn, request in early:
+            if not conn.is_closed:
+                self.place(conn, request)
+
+    def confirmed(self) -> None:
+        """Sure of the leadership again: carry out what was decided meanwhile."""
+        held, self.term.held = self.term.held, []
+        self.apply(held)
+
+    async def leave_office(self, reason: str) -> None:
+        """A standby again (the leadership says so already, so nothing decided now goes out):
+        end the term's loops, take every node's GPUs out and close its link, close every
+        gateway's connection (its calls are the next leader's to place) and forget the term."""
+        await _cancel(self.term.tasks)
+        self.term = _Term()  # what it held, and the Places it kept waiting, are dropped
+        self.links.deactivate()
+        now = self.clock()
+        for conn in list(self._server.connections):
+            conn.close()
+            self.book.owner_lost(conn, now)  # the gateway sends its calls to the next leader
+        self.persister.new_term()
+        if len(self.book):
+            log.warning("%d call(s) left in the book after stepping down", len(self.book))
+        log.info("scheduler %s stands by (%s)", self.name, reason)
+
+    def serves_gateways(self) -> bool:
+        """A gateway's connection is served while this scheduler leads (a standby closes it)."""
+        return self.leadership.role is Role.LEADER
+
+    def _may_write(self) -> bool:
+        """The persister writes while this scheduler leads and is sure of it (or, not started,
+        in tests of its parts)."""
+        return self.election is None or self.leadership.leading(self.clock())
+
+    def _fenced(self) -> None:
+        """A node has seen a newer leader: step down now."""
+        self.leadership.fenced()
+        if self.election is not None:
+            self.election.wake()
 
     # --- effects --------------------------------------------------------------------------
     def apply(self, effects: Iterable[Effect]) -> None:
         """Carry out what the book decided: placements and rejections to their gateways, grant
         checks and evictions to the nodes (as tasks); the changes are flushed to etcd soon."""
         now = self.clock()  # one reading for the batch: the effects were decided together
+        if not self.leadership.leading(now):
+            # An unsure leader holds them until its lease is confirmed (or drops them when it
+            # steps down); a standby's (its catalog retiring a model) are the leader's to do.
+            if self.leadership.unsure(now):
+                self.term.held.extend(effects)
+            return
         for effect in effects:
             self.metrics.applied(effect)
             self.evictions.record(effect, now)
             if isinstance(effect, Assignment):
                 self._place(effect)
             elif isinstance(effect, Answer):
-                self._send(
-                    effect.owner,
-                    MessageType.REJECTION,
-                    pb.Rejection(call_id=effect.call_id, status=effect.status, message=effect.message),  # type: ignore[arg-type]
-                )
+                self._reject(effect.owner, effect.call_id, effect.status, effect.message)
             elif isinstance(effect, CheckGrants):
                 self._spawn(self.links.check_grants(effect))
             elif isinstance(effect, EvictHost):
@@ -268,8 +350,10 @@ class SchedulerService:
         node = self.links.nodes[node_name]
         to_wall = time.time() - self.clock()
         spec = a.spec
+        epoch = self.leadership.epoch
         grant = pb.Grant(
-            scheduler_id=self.scheduler_id,
+            scheduler_id=self.term.scheduler_id,
+            epoch=epoch,
             call_id=a.call_id,
             attempt=a.attempt,
             node=node_name,
@@ -296,9 +380,15 @@ class SchedulerService:
             gpu=gpu,
             hit=a.hit,
             queue_s=a.queue_s,
-            token=grants.sign(grant, self._token_key),
+            token=grants.sign(grant, self.term.token_key),
+            epoch=epoch,
         )
         self._send(a.owner, MessageType.PLACEMENT, placement)
+
+    def _reject(self, owner: object, call_id: str, status: int, message: str) -> None:
+        """The call's answer without a result: a Rejection."""
+        rejection = pb.Rejection(call_id=call_id, status=status, message=message)  # type: ignore[arg-type]
+        self._send(owner, MessageType.REJECTION, rejection)
 
     @staticmethod
     def _send(owner: object, type_: int, message: Any) -> None:
@@ -308,6 +398,9 @@ class SchedulerService:
 
     # --- from gateways and nodes ------------------------------------------------------------
     def place(self, conn: Connection, request: pb.Place) -> None:
+        if not self.term.open:
+            self.term.early.append((conn, request))
+            return
         spec = self.catalog.functions.get(request.function)
         if spec is None:
             # A deploy that just happened may not have reached the watch yet: read through once.
@@ -318,15 +411,7 @@ class SchedulerService:
     async def _place_unknown(self, conn: Connection, request: pb.Place) -> None:
         spec = await self.catalog.read_through(request.function)
         if spec is None:
-            self._send(
-                conn,
-                MessageType.REJECTION,
-                pb.Rejection(
-                    call_id=request.call_id,
-                    status=pb.NOT_FOUND,
-                    message=f"function {request.function!r} is not deployed",
-                ),
-            )
+            self._reject(conn, request.call_id, pb.NOT_FOUND, f"function {request.function!r} is not deployed")
             return
         self._submit(conn, request, spec)
 
@@ -335,11 +420,7 @@ class SchedulerService:
         try:
             effects = self.book.submit(conn, request.call_id, spec, timeout_s, self.clock())
         except Rejected as exc:
-            self._send(
-                conn,
-                MessageType.REJECTION,
-                pb.Rejection(call_id=request.call_id, status=exc.status, message=str(exc)),  # type: ignore[arg-type]
-            )
+            self._reject(conn, request.call_id, exc.status, str(exc))
             return
         self.apply(effects)
 
@@ -384,6 +465,8 @@ class SchedulerService:
             policy=self.policy_name,
             queue_capacity=self.book.queue_capacity,
             evictions=evictions,
+            scheduler=self.name,
+            epoch=self.leadership.epoch,
         )
 
     # --- time -----------------------------------------------------------------------------
@@ -415,6 +498,15 @@ class SchedulerService:
                 log.info("%d release(s) of idle models", len(effects))
                 self.metrics.released(effects)
             self.apply(effects)
+
+
+async def _cancel(tasks: set[asyncio.Task[None]]) -> None:
+    """Cancel `tasks` and wait for them to end."""
+    for task in list(tasks):
+        task.cancel()
+    for task in list(tasks):
+        with contextlib.suppress(BaseException):
+            await task
 
 
 def _make_scheduler(policy: str, policy_config: PolicyConfig, eviction: str) -> Scheduler:

@@ -14,13 +14,17 @@ if TYPE_CHECKING:
 
 
 class GatewaySession:
-    """One gateway's connection: its calls are owned by the connection itself."""
+    """One gateway's connection: its calls are owned by the connection itself. A scheduler that
+    does not lead closes it at its first frame."""
 
     def __init__(self, service: SchedulerService) -> None:
         self.service = service
 
     def on_frame(self, conn: Connection, frame: Frame) -> None:
         service = self.service
+        if not service.serves_gateways():
+            conn.close()  # a standby: the gateway finds the leader in etcd
+            return
         if frame.type == MessageType.PLACE:
             service.place(conn, frame.message(pb.Place))
         elif frame.type == MessageType.ABANDON:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
@@ -10,10 +12,15 @@ from cache_manager import EvictionPolicy
 from gpufaas.settings import MetricsSettings
 from scheduler.adaptive_slots import DEFAULT_THRESHOLD
 from scheduler.policies import PolicyConfig, registered_policies
-from scheduler.service import DEFAULT_PRESTAGE_NODES, MAX_CLAIM_S, SlotConfig
+from scheduler.service import DEFAULT_PRESTAGE_NODES, LEASE_TTL_S, MAX_CLAIM_S, SlotConfig
 
 PROG = "python -m scheduler"
 DESCRIPTION = "gpufaas scheduler service"
+
+
+def _staged_exit(what: str) -> Any:
+    """A stage of the staged exit: seconds (> 0), off unless given."""
+    return Field(default=None, gt=0, description=f"staged exit: {what} (default: never)")
 
 
 class SchedulerSettings(MetricsSettings):
@@ -24,6 +31,18 @@ class SchedulerSettings(MetricsSettings):
 
     listen: str = Field(default="127.0.0.1:50051", description="address to bind")
     advertise: str | None = Field(default=None, description="address gateways dial (default: the listen address)")
+    name: str | None = Field(
+        default=None,
+        description="this scheduler's name among several (the leader's is in GET /system/overview; "
+        "default: its advertised address)",
+    )
+    lease_ttl_s: int = Field(
+        default=LEASE_TTL_S,
+        ge=1,
+        description="the leadership lease: a leader whose keep-alives go unanswered this long stops placing, and "
+        "a standby takes over once etcd expires the lease (etcd grants at least 1.5 x its election timeout, "
+        "rounded up to whole seconds)",
+    )
     policy: str = Field(default="lalb-o3", description=f"the scheduling policy: {', '.join(registered_policies())}")
     policy_config: PolicyConfig = PolicyConfig()
     eviction: str = Field(
@@ -49,17 +68,10 @@ class SchedulerSettings(MetricsSettings):
     claim_s: float = Field(
         default=5.0, gt=0, le=MAX_CLAIM_S, description="a placement not used within this long is checked with its node"
     )
-    gpu_idle_release_s: float | None = Field(
-        default=None,
-        gt=0,
-        description="staged exit: a model unused on a GPU this long leaves it, for its node's host tier where "
-        "the node keeps one (default: never)",
+    gpu_idle_release_s: float | None = _staged_exit(
+        "a model unused on a GPU this long leaves it, for its node's host tier where the node keeps one"
     )
-    host_idle_release_s: float | None = Field(
-        default=None,
-        gt=0,
-        description="staged exit: a model in a node's host tier unused this long leaves it too (default: never)",
-    )
+    host_idle_release_s: float | None = _staged_exit("a model in a node's host tier unused this long leaves it too")
     prestage_nodes: int = Field(
         default=DEFAULT_PRESTAGE_NODES,
         ge=0,

@@ -69,7 +69,8 @@ async def overview(gateway: GatewayDep) -> dict[str, Any]:
     """The cluster at a glance (what the dashboard at /ui and `gpufaas top` show): GPUs, the global
     queue (length and its oldest calls), every function with its calls by cache result and its
     latency percentiles at this gateway (since it started; over its last 1,024 calls), and the
-    recent evictions (most recent first)."""
+    recent evictions (most recent first), and the scheduler that leads (its name, address and
+    epoch)."""
     reply = await _cluster(gateway)
     now_unix_s = time.time()
     replicas: dict[str, int] = {}
@@ -83,6 +84,11 @@ async def overview(gateway: GatewayDep) -> dict[str, Any]:
     ]
     return {
         "time_unix_s": now_unix_s,
+        "scheduler_leader": {
+            "name": reply.scheduler,
+            "address": gateway.router.scheduler_address,
+            "epoch": reply.epoch,
+        },
         "policy": reply.policy,
         "gpus": [_gpu(g, running="models") for g in reply.gpus],
         "queue": {

@@ -19,6 +19,7 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TOO_LARGE: _ClassVar[Status]
     RESULT_TOO_LARGE: _ClassVar[Status]
     UNAUTHENTICATED: _ClassVar[Status]
+    FENCED: _ClassVar[Status]
 
 class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -42,6 +43,7 @@ FUNCTION_FAILED: Status
 TOO_LARGE: Status
 RESULT_TOO_LARGE: Status
 UNAUTHENTICATED: Status
+FENCED: Status
 OUTCOME_UNSPECIFIED: Outcome
 OK: Outcome
 HANDLER_ERROR: Outcome
@@ -66,7 +68,7 @@ class Place(_message.Message):
     def __init__(self, call_id: _Optional[str] = ..., function: _Optional[str] = ..., timeout_s: _Optional[float] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("call_id", "attempt", "node", "node_address", "gpu", "hit", "queue_s", "token")
+    __slots__ = ("call_id", "attempt", "node", "node_address", "gpu", "hit", "queue_s", "token", "epoch")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +77,7 @@ class Placement(_message.Message):
     HIT_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     call_id: str
     attempt: int
     node: str
@@ -83,7 +86,8 @@ class Placement(_message.Message):
     hit: bool
     queue_s: float
     token: bytes
-    def __init__(self, call_id: _Optional[str] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ..., node_address: _Optional[str] = ..., gpu: _Optional[str] = ..., hit: _Optional[bool] = ..., queue_s: _Optional[float] = ..., token: _Optional[bytes] = ...) -> None: ...
+    epoch: int
+    def __init__(self, call_id: _Optional[str] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ..., node_address: _Optional[str] = ..., gpu: _Optional[str] = ..., hit: _Optional[bool] = ..., queue_s: _Optional[float] = ..., token: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Rejection(_message.Message):
     __slots__ = ("call_id", "status", "message")
@@ -118,7 +122,7 @@ class Abandon(_message.Message):
     def __init__(self, call_id: _Optional[str] = ..., attempt: _Optional[int] = ..., reason: _Optional[_Union[Abandon.Reason, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class Grant(_message.Message):
-    __slots__ = ("scheduler_id", "call_id", "attempt", "node", "gpu", "gpu_seq", "function", "model", "package_digest", "memory_mb", "evict", "claim_by_unix_s", "expires_unix_s", "load_time_s", "inference_time_s", "worker")
+    __slots__ = ("scheduler_id", "call_id", "attempt", "node", "gpu", "gpu_seq", "function", "model", "package_digest", "memory_mb", "evict", "claim_by_unix_s", "expires_unix_s", "load_time_s", "inference_time_s", "worker", "epoch")
     SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +139,7 @@ class Grant(_message.Message):
     LOAD_TIME_S_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_TIME_S_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     scheduler_id: str
     call_id: str
     attempt: int
@@ -151,7 +156,8 @@ class Grant(_message.Message):
     load_time_s: float
     inference_time_s: float
     worker: bytes
-    def __init__(self, scheduler_id: _Optional[str] = ..., call_id: _Optional[str] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ..., gpu: _Optional[str] = ..., gpu_seq: _Optional[int] = ..., function: _Optional[str] = ..., model: _Optional[str] = ..., package_digest: _Optional[str] = ..., memory_mb: _Optional[int] = ..., evict: _Optional[_Iterable[str]] = ..., claim_by_unix_s: _Optional[float] = ..., expires_unix_s: _Optional[float] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., worker: _Optional[bytes] = ...) -> None: ...
+    epoch: int
+    def __init__(self, scheduler_id: _Optional[str] = ..., call_id: _Optional[str] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ..., gpu: _Optional[str] = ..., gpu_seq: _Optional[int] = ..., function: _Optional[str] = ..., model: _Optional[str] = ..., package_digest: _Optional[str] = ..., memory_mb: _Optional[int] = ..., evict: _Optional[_Iterable[str]] = ..., claim_by_unix_s: _Optional[float] = ..., expires_unix_s: _Optional[float] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., worker: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Execute(_message.Message):
     __slots__ = ("token", "content_type")
@@ -234,12 +240,14 @@ class Done(_message.Message):
     def __init__(self, call_id: _Optional[str] = ..., attempt: _Optional[int] = ..., gpu: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., loaded: _Optional[bool] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., peak_memory_mb: _Optional[int] = ..., batch_calls: _Optional[int] = ..., worker_lost: _Optional[bool] = ...) -> None: ...
 
 class Attach(_message.Message):
-    __slots__ = ("scheduler_id", "token_key")
+    __slots__ = ("scheduler_id", "token_key", "epoch")
     SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_KEY_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     scheduler_id: str
     token_key: bytes
-    def __init__(self, scheduler_id: _Optional[str] = ..., token_key: _Optional[bytes] = ...) -> None: ...
+    epoch: int
+    def __init__(self, scheduler_id: _Optional[str] = ..., token_key: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Worker(_message.Message):
     __slots__ = ("gpu", "model", "memory_mb")
@@ -400,18 +408,22 @@ class EvictionRecord(_message.Message):
     def __init__(self, gpu: _Optional[str] = ..., model: _Optional[str] = ..., reason: _Optional[str] = ..., age_s: _Optional[float] = ...) -> None: ...
 
 class ClusterReply(_message.Message):
-    __slots__ = ("gpus", "queue", "policy", "queue_capacity", "evictions")
+    __slots__ = ("gpus", "queue", "policy", "queue_capacity", "evictions", "scheduler", "epoch")
     GPUS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     QUEUE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     gpus: _containers.RepeatedCompositeFieldContainer[GpuInfo]
     queue: _containers.RepeatedCompositeFieldContainer[QueuedCall]
     policy: str
     queue_capacity: int
     evictions: _containers.RepeatedCompositeFieldContainer[EvictionRecord]
-    def __init__(self, gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedCall, _Mapping]]] = ..., policy: _Optional[str] = ..., queue_capacity: _Optional[int] = ..., evictions: _Optional[_Iterable[_Union[EvictionRecord, _Mapping]]] = ...) -> None: ...
+    scheduler: str
+    epoch: int
+    def __init__(self, gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedCall, _Mapping]]] = ..., policy: _Optional[str] = ..., queue_capacity: _Optional[int] = ..., evictions: _Optional[_Iterable[_Union[EvictionRecord, _Mapping]]] = ..., scheduler: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("nonce", "proof")

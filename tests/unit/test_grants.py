@@ -266,3 +266,55 @@ def test_a_grant_claimable_further_ahead_than_the_ledger_remembers_is_refused() 
     ledger = make_ledger(keep_s=60.0)
     with pytest.raises(Refused, match="more than 60 s ahead"):
         ledger.admit(sign(make_grant(claim_by_unix_s=NOW + 120.0), KEY), NOW)
+
+
+# --- fencing: the schedulers' epochs ----------------------------------------------------------
+
+
+def test_a_scheduler_of_an_older_epoch_may_not_attach_and_the_attached_one_stays() -> None:
+    ledger = GrantLedger("n1", frozenset({"0"}))
+    ledger.attach("leader-2", KEY, epoch=20)
+    with pytest.raises(Refused, match="epoch 10, but the leader of epoch 20 has been seen"):
+        ledger.attach("leader-1", OTHER_KEY, epoch=10)  # a deposed leader back from a pause
+    assert (ledger.scheduler_id, ledger.key, ledger.scheduler_epoch) == ("leader-2", KEY, 20)
+    ledger.attach("leader-2b", OTHER_KEY, epoch=20)  # the same epoch re-attaching is the leader
+    ledger.attach("leader-3", KEY, epoch=30)
+    assert ledger.epoch == 30
+
+
+def test_once_a_newer_leader_is_seen_in_etcd_the_attached_ones_grants_are_refused() -> None:
+    ledger = GrantLedger("n1", frozenset({"0"}))
+    ledger.attach(SCHEDULER, KEY, epoch=10)
+    assert ledger.admit(sign(make_grant(call_id="c1", epoch=10), KEY), NOW).call_id == "c1"
+    assert not ledger.saw_epoch(10)  # its own key: nothing new
+    assert ledger.saw_epoch(12)  # a newer leader: the attached one is deposed
+    with pytest.raises(Refused, match="epoch 10, deposed by the leader of epoch 12: place the call again"):
+        ledger.admit(sign(make_grant(call_id="c2", epoch=10), KEY), NOW)
+    assert ledger.refused_stale == 1 and ledger.admitted == 1
+    assert ledger.saw_epoch(11)  # still deposed: the epoch seen only grows
+    assert ledger.epoch == 12
+
+
+def test_the_ledger_counts_a_call_admitted_again_under_another_attempt_or_scheduler() -> None:
+    ledger = GrantLedger("n1", frozenset({"0"}))
+    ledger.attach("leader-1", KEY, epoch=1)
+    ledger.admit(sign(make_grant(scheduler_id="leader-1", call_id="c1", epoch=1), KEY), NOW)
+    ledger.admit(sign(make_grant(scheduler_id="leader-1", call_id="c2", epoch=1), KEY), NOW)
+    assert (ledger.admitted, ledger.admitted_again) == (2, 0)
+    ledger.attach("leader-2", OTHER_KEY, epoch=2)
+    same = make_grant(scheduler_id="leader-2", call_id="c1", epoch=2)
+    with pytest.raises(Refused, match="used already"):  # the same attempt, whoever signs it
+        ledger.admit(sign(same, OTHER_KEY), NOW)
+    again = make_grant(scheduler_id="leader-2", call_id="c1", attempt=2, epoch=2)  # it runs twice
+    ledger.admit(sign(again, OTHER_KEY), NOW)
+    assert (ledger.admitted, ledger.admitted_again) == (3, 1)
+    later = NOW + CLAIM_S + 61
+    ledger.prune(later)  # remembered as long as its grants are
+    ledger.admit(
+        sign(
+            make_grant(scheduler_id="leader-2", call_id="c1", attempt=3, epoch=2, claim_by_unix_s=later + CLAIM_S),
+            OTHER_KEY,
+        ),
+        later,
+    )
+    assert ledger.admitted_again == 1

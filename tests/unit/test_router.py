@@ -745,6 +745,36 @@ def test_a_node_lost_after_its_scheduler_changed_gets_the_call_placed_afresh() -
     run(scenario())
 
 
+def test_a_new_leader_gets_the_waiting_call_and_the_former_leaders_placements_are_ignored() -> None:
+    """Another scheduler leads (its address put in etcd): the router links to it and sends it the
+    calls that wait for a placement; whatever the former leader's link still delivers is not
+    heard (a deposed leader back from a pause must not get a call run twice)."""
+
+    async def scenario() -> None:
+        async with cluster() as env:
+            task = env.invoke("call-1")
+            await env.scheduler.wait_places(1)
+            former = env.router.scheduler
+            assert former is not None
+            leader = await FakeScheduler().start()
+            try:
+                env.router.set_scheduler_address(leader.address)
+                assert env.router.scheduler_address == leader.address
+                places = await leader.wait_places(1)
+                assert places[0].call_id == "call-1"
+                # A placement the former leader made before it was deposed, arriving late on its link.
+                env.router.on_scheduler_message(env.node_a.placement("call-1", 1, token=b"deposed"), former)
+                await asyncio.sleep(0.05)
+                assert env.node_a.executes == [] and not task.done()
+                leader.send(env.node_b.placement("call-1", 1, token=b"from-the-leader"))
+                assert (await task).placement.token == b"from-the-leader"
+                assert env.node_a.tokens == []
+            finally:
+                await leader.stop()
+
+    run(scenario())
+
+
 # --- node connections ---------------------------------------------------------------------------
 
 
