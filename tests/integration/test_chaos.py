@@ -32,6 +32,7 @@ from gpufaas.keys import Keys
 from gpufaas.processes import descendants
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import EtcdStore
+from gpufaas.tls import LinkTls
 from gpufaas.wire import MessageType, connect
 from tests.integration.conftest import deploy
 from tests.integration.test_control_plane import wait_for
@@ -135,6 +136,10 @@ def lru_and_workers(cluster: LocalCluster) -> tuple[dict[str, set[str]], dict[st
     gpus = httpx.get(f"{cluster.gateway_url}/system/gpus", auth=cluster.admin_auth, timeout=10).json()
     lru = {g["gpu"]: set(g["lru"]) for g in gpus}
 
+    # The nodes take wire links over TLS from their scheduler's or a gateway's certificate: ask as
+    # the scheduler does.
+    tls: LinkTls | bool = LinkTls.load(cluster.secrets.directory / "tls", "scheduler") if cluster.secure else False
+
     async def ask() -> dict[str, set[str]]:
         assert cluster.etcd_endpoint is not None
         store = await EtcdStore.open(cluster.etcd_endpoint, credentials=cluster.etcd_credentials)
@@ -144,7 +149,7 @@ def lru_and_workers(cluster: LocalCluster) -> tuple[dict[str, set[str]], dict[st
             await store.close()
         running: dict[str, set[str]] = {f"{r.node}/{g.gpu}": set() for r in records for g in r.gpus}
         for record in records:
-            conn = await connect(record.address, key=cluster.wire_key, timeout_s=5)
+            conn = await connect(record.address, key=cluster.wire_key, timeout_s=5, tls=tls)
             try:
                 reply = (await conn.request(MessageType.WORKERS, pb.WorkersRequest(), timeout_s=5)).message(
                     pb.AttachReply
