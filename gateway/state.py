@@ -14,7 +14,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.artifacts import Artifacts, blob_authorizer
+from gateway.artifacts import Artifacts, PeerAccess, blob_authorizer
 from gateway.auth import Credentials, Role
 from gateway.metrics import GatewayMetrics
 from gateway.router import SCHEDULER_WAIT_S, Router
@@ -82,6 +82,7 @@ class Gateway:
             name=holder_name,
             max_unpacked_bytes=config.max_unpacked_bytes,
             grace_s=config.package_grace_s,
+            access=PeerAccess.of(config.credentials),
         )
         self.functions: dict[str, FunctionSpec] = {}
         # Every call, once: the metrics, the overview (GET /system/overview), invocationCount.
