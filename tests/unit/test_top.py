@@ -415,13 +415,20 @@ def test_live_view_refreshes_survives_a_failed_refresh_and_ends_quietly_on_ctrl_
     fake_gateway: FakeGateway, cli_env: dict[str, str]
 ) -> None:
     fake_gateway.answer(200, make_overview(queue={"length": 7, "capacity": 10000}))
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gpufaas.cli", "top", "--gateway", fake_gateway.url, "--interval", "0.1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env={**os.environ, **cli_env},
-        text=True,
-    )
+    # Started as a terminal starts it, with Ctrl-C's default: a test run started in the background
+    # by a non-interactive shell has SIGINT ignored, which a child inherits (and Python then never
+    # raises KeyboardInterrupt); a handler, unlike an ignore, is reset to the default at exec.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gpufaas.cli", "top", "--gateway", fake_gateway.url, "--interval", "0.1"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, **cli_env},
+            text=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, before)
     try:
         _wait_for(lambda: len(fake_gateway.seen) >= 2)
         fake_gateway.answer(503, {"error": "the scheduler is restarting"})
