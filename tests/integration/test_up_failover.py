@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from gpufaas.dev.local_cluster import LocalCluster
+from gpufaas.processes import pid_alive
 from tests.integration.conftest import deploy
 from tests.integration.test_failover import (
     CALL_TIMEOUT_S,
@@ -91,8 +92,11 @@ def test_up_with_two_gateways_and_two_schedulers_loses_nothing_to_a_killed_leade
 
     with Load(cluster) as load:
         load.steady()
+        gateway0 = cluster.pids()["gateway0"]
+        os.kill(gateway0, signal.SIGKILL)
+        while pid_alive(gateway0):  # dying takes tens of ms: a call sent meanwhile was in flight on it
+            time.sleep(0.005)
         killed_s = time.monotonic()
-        os.kill(cluster.pids()["gateway0"], signal.SIGKILL)
         time.sleep(STEADY_S * 2)
     calls = list(load.calls)
     failed_after = [c for c in calls if c.status != 200 and c.sent_s > killed_s]
