@@ -6,7 +6,8 @@ Ray: 2 replicas with `@serve.multiplexed(max_num_models_per_replica=3)`), closed
 concurrency 1, 8 and 32 (bench/peer/load_client.py for every system). gpufaas runs as a user
 runs it: `gpufaas up` (cpu backend, its defaults), eight functions from the pytorch-custom
 template (`gpufaas new`, `gpufaas deploy`), invoked at /function/m{i}. Also measured: gpufaas with
-every model resident (hits only), Ray Serve's default proxy and its HAProxy mode, and a bare
+its daemons' links in plain (`gpufaas up --no-tls`: what TLS costs), gpufaas with every model
+resident (hits only), Ray Serve's default proxy and its HAProxy mode, and a bare
 FastAPI echo (one uvicorn worker): the floor of any Python HTTP service on this machine.
 
 Reloads per request: gpufaas counts misses from its X-Cache header; Ray, model loads reported by
@@ -16,7 +17,7 @@ Ray runs in a virtualenv of its own (`--ray-env`, created when missing: `ray[ser
 `torch==2.13.0`, fastapi, uvicorn, aiohttp, uvloop from PyPI, about a minute).
 
 Run: `python -m bench.peer_bench [--out bench/results/peer_bench.json] [--duration 10]
-[--systems gpufaas,gpufaas-hits,ray-default,ray-haproxy,fastapi]`.
+[--systems gpufaas,gpufaas-plain,gpufaas-hits,ray-default,ray-haproxy,fastapi]`.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ REPO = HERE.parent
 CONCURRENCY = (1, 8, 32)
 NUM_MODELS = 8
 ZIPF = 1.1
-SYSTEMS = ("gpufaas", "gpufaas-hits", "ray-default", "ray-haproxy", "fastapi")
+SYSTEMS = ("gpufaas", "gpufaas-plain", "gpufaas-hits", "ray-default", "ray-haproxy", "fastapi")
 RAY_REQUIREMENTS = ("ray[serve]", "torch==2.13.0", "fastapi", "uvicorn", "aiohttp", "uvloop")
 TARGETS = {
     "c32_rps_min": 1000.0,
@@ -182,12 +183,14 @@ def count_misses(point: dict[str, Any]) -> dict[str, Any]:
     return point
 
 
-def run_gpufaas(args: argparse.Namespace, work: Path, *, gpu_memory_mb: int) -> dict[str, Any]:
+def run_gpufaas(
+    args: argparse.Namespace, work: Path, *, gpu_memory_mb: int, up: tuple[str, ...] = ()
+) -> dict[str, Any]:
     body = work / "x.json"
     body.write_text(json.dumps({"inputs": [[0.1, 0.2, 0.3, 0.4]]}))
     results = {}
     # 100 MB each: 3 models fit on a 300 MB logical GPU.
-    with gpufaas_cluster(work, gpu_memory_mb=gpu_memory_mb) as cluster:
+    with gpufaas_cluster(work, gpu_memory_mb=gpu_memory_mb, up=up) as cluster:
         for concurrency in CONCURRENCY:
             point = gpufaas_load(cluster, concurrency, args, body, f"gpufaas ({gpu_memory_mb} MB GPUs)")
             results[f"c{concurrency}"] = count_misses(point)
@@ -383,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     def run_system(system: str, work: Path) -> dict[str, Any]:
         if system == "gpufaas":
             return run_gpufaas(args, work, gpu_memory_mb=300)
+        if system == "gpufaas-plain":  # what TLS on the daemons' links costs: the same, links in plain
+            return run_gpufaas(args, work, gpu_memory_mb=300, up=("--no-tls",))
         if system == "gpufaas-hits":
             return run_gpufaas(args, work, gpu_memory_mb=1000)
         if system.startswith("ray-"):

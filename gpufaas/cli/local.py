@@ -63,6 +63,14 @@ def up(
             "e.g. '--mqfq-ttl-alpha 3 --torpor-alpha-period-s 10' (python -m scheduler --help lists them)."
         ),
     ] = "",
+    tls: Annotated[
+        bool,
+        typer.Option(
+            "--tls/--no-tls",
+            help="TLS on the links between the daemons (the cluster CA and certificates in the state dir's "
+            "secrets/tls); --no-tls: plain links, authenticated still (a private network, or measuring TLS's cost).",
+        ),
+    ] = True,
     state_dir: StateDir = state_dir_default(),  # noqa: B008
 ) -> None:
     """Start a local cluster in the background: etcd, scheduler(s), gateway(s) (several: behind
@@ -113,6 +121,7 @@ def up(
         "runtime": runtime,
         "docker_image": docker_image,
         "scheduler_flags": scheduler_flags,
+        "tls": tls,
     }
     _start_supervised(state_dir, options, policy=checked.policy)
 
