@@ -1,0 +1,39 @@
+"""Run a module as `python -m MODULE ARGS...` under cProfile, profiling only between SIGUSR1 (on) and
+SIGUSR2 (off, and the statistics written): `python -m bench.profiled_main OUT MODULE ARGS...`.
+
+A benchmark starts a daemon this way to profile its steady state only (not its start-up, its
+warm-up or its shutdown). The signals' handlers run on the main thread, between bytecodes, which
+is where the daemons' event loop runs, so that is the thread profiled.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import runpy
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 2:
+        sys.exit("usage: python -m bench.profiled_main OUT MODULE [ARGS...]")
+    out, module, args = Path(argv[0]), argv[1], argv[2:]
+    profile = cProfile.Profile()
+
+    def start(signum: int, frame: FrameType | None) -> None:
+        profile.enable()
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        profile.disable()
+        profile.dump_stats(out)
+
+    signal.signal(signal.SIGUSR1, start)
+    signal.signal(signal.SIGUSR2, stop)
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
