@@ -454,6 +454,18 @@ class _LedgerCollector(Collector):
         )
 
 
+# Who may send each message a node answers, by the role its TLS certificate names (a plain link has
+# no role: the HMAC handshake alone admitted it, and any message goes).
+SENDERS: dict[int, str] = {
+    MessageType.EXECUTE: "gateway",
+    MessageType.ATTACH: "scheduler",
+    MessageType.REVOKE: "scheduler",
+    MessageType.WORKERS: "scheduler",
+    MessageType.EVICT: "scheduler",
+    MessageType.STAGE: "scheduler",
+}
+
+
 class _Session:
     """One accepted connection (a gateway's or the scheduler's): routes its frames."""
 
@@ -472,7 +484,20 @@ class _Session:
 
     def on_frame(self, conn: Connection, frame: Frame) -> None:
         route = self._routes.get(frame.type)
-        if route is not None:
+        sender = SENDERS.get(frame.type)
+        if route is not None and sender is not None and conn.peer_role not in (None, sender):
+            # Both roles reach this port and share the cluster secret; only the certificate tells
+            # them apart, so a gateway's cannot attach with an epoch of its choosing (and fence the
+            # real leader out) nor a scheduler's run calls.
+            log.warning(
+                "refused message type %d from a %s's certificate: only a %s sends it",
+                frame.type,
+                conn.peer_role,
+                sender,
+            )
+            if frame.is_request:
+                conn.reply_error(frame, pb.UNAUTHENTICATED, f"only the {sender} sends message type {frame.type}")
+        elif route is not None:
             route(conn, frame)
         elif frame.is_request:
             conn.reply_error(frame, pb.INVALID, f"a GPU manager does not answer message type {frame.type}")

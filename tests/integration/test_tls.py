@@ -20,7 +20,9 @@ import httpx
 import pytest
 
 from gpufaas import wire
+from gpufaas.cluster import NodeRecord
 from gpufaas.dev.etcd_server import EtcdServer, free_port
+from gpufaas.keys import Keys
 from gpufaas.netns import Hosts, NetnsUnavailable
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import EtcdStore, EtcdTls, StoreError
@@ -80,6 +82,33 @@ def test_a_secure_local_cluster_links_its_daemons_over_tls(make_cluster: Cluster
 
     asyncio.run(probe())
 
+    async def attach_as_gateway() -> None:
+        # A gateway's certificate and the cluster secret reach a node's port, as a gateway's calls
+        # do; attaching with an epoch of its choosing (which would fence the real leader out) and
+        # asking what runs there are the scheduler's alone.
+        store = await EtcdStore.open(cluster.etcd_endpoint, credentials=cluster.etcd_credentials)
+        try:
+            (node,) = [NodeRecord.from_json(kv.value) for kv in await store.get_prefix(Keys(cluster.root).nodes)]
+        finally:
+            await store.close()
+        conn = await wire.connect(node.address, key=cluster.wire_key, tls=gateway, peer_role="node", timeout_s=10)
+        try:
+            for kind, message in (
+                (MessageType.ATTACH, pb.Attach(scheduler_id="rogue", epoch=2**62)),
+                (MessageType.WORKERS, pb.WorkersRequest()),
+            ):
+                with pytest.raises(wire.RemoteError) as refused:
+                    await conn.request(kind, message, timeout_s=5)
+                assert refused.value.status == pb.UNAUTHENTICATED and "only the scheduler" in refused.value.message
+        finally:
+            conn.close()
+
+    asyncio.run(attach_as_gateway())
+    again = httpx.post(
+        f"{cluster.gateway_url}/function/sealed", json={"x": 2}, headers=cluster.invoke_headers, timeout=60
+    )
+    assert again.status_code == 200, again.text  # the leader is not fenced out
+
 
 MessageType = wire.MessageType
 
@@ -87,6 +116,7 @@ _SERVER = """
 import asyncio, sys
 from pathlib import Path
 from gpufaas import wire
+from gpufaas.cluster import NodeRecord
 from gpufaas.tls import LinkTls
 
 class Echo:
@@ -109,6 +139,7 @@ _CLIENT = """
 import asyncio, sys
 from pathlib import Path
 from gpufaas import wire
+from gpufaas.cluster import NodeRecord
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.tls import LinkTls
 
