@@ -74,11 +74,13 @@ REQUIRED_FLAGS["gpu_manager"] = {
     "--etcd-password-file",
 }
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet"}
+ETCD_ELECTION_TIMEOUT_MS = "500"  # etcd grants a 1 s lease as 1 s (2 s with its default 1000)
+TLS_ROLE = {"scheduler": "scheduler", "gateway": "gateway", "gpu_manager": "node"}  # the certificate each presents
 EXPECTED_KINDS = {
     "namespace.yaml": ["Namespace"],
     "etcd.yaml": ["Service", "StatefulSet"],
     "scheduler.yaml": ["Service", "Deployment"],
-    "gateway.yaml": ["Service", "PersistentVolumeClaim", "Deployment"],
+    "gateway.yaml": ["Service", "Service", "StatefulSet"],
     "gpu-manager.yaml": ["DaemonSet"],
 }
 
@@ -412,6 +414,7 @@ def test_etcd_service() -> None:
     etcd = services()["etcd"]
     assert re.fullmatch(r"quay\.io/coreos/etcd:v3\.5\.\d+", etcd["image"])
     args = flag_values([str(token) for token in etcd["command"]])
+    assert args["--election-timeout"] == ETCD_ELECTION_TIMEOUT_MS, "1 s scheduler leases (docs/failover.md)"
     assert args["--listen-client-urls"] == "http://0.0.0.0:2379"
     assert args["--advertise-client-urls"] == "http://etcd:2379"
     data_dir = args["--data-dir"]
@@ -647,7 +650,8 @@ def test_workload_selectors_match_their_pods() -> None:
 
 
 @pytest.mark.parametrize(
-    ("service", "ports"), [("etcd", {2379, 2380}), ("scheduler", {50051, 9100}), ("gateway", {8080, 8081})]
+    ("service", "ports"),
+    [("etcd", {2379, 2380}), ("scheduler", {50051, 9100}), ("gateway", {8080}), ("gateway-pods", {8080, 8081})],
 )
 def test_service_ports_reach_a_container(service: str, ports: set[int]) -> None:
     (svc,) = [s for s in objects("Service") if s["metadata"]["name"] == service]
@@ -667,7 +671,7 @@ def test_service_ports_reach_a_container(service: str, ports: set[int]) -> None:
 
 
 def test_etcd_statefulset() -> None:
-    (statefulset,) = objects("StatefulSet")
+    (statefulset,) = [s for s in objects("StatefulSet") if s["metadata"]["name"] == "etcd"]
     (headless,) = [s for s in objects("Service") if s["metadata"]["name"] == statefulset["spec"]["serviceName"]]
     assert headless["spec"]["clusterIP"] == "None"
     assert statefulset["spec"]["volumeClaimTemplates"], "etcd needs persistent storage"
@@ -675,15 +679,28 @@ def test_etcd_statefulset() -> None:
     assert container["image"] == services()["etcd"]["image"], "compose and k8s run the same etcd"
     claim = statefulset["spec"]["volumeClaimTemplates"][0]["metadata"]["name"]
     assert claim in {mount["name"] for mount in container["volumeMounts"]}
+    assert flag_values(container["args"])["--election-timeout"] == ETCD_ELECTION_TIMEOUT_MS, "as compose's"
 
 
-def test_scheduler_deployment() -> None:
+def test_two_schedulers_elect_their_leader_as_in_compose() -> None:
+    """As many schedulers as compose runs, each registering its own pod's address in the leader
+    election (a shared Service name would have every gateway dial whichever pod it balanced to)."""
     (deployment,) = [d for d in objects("Deployment") if d["metadata"]["name"] == "scheduler"]
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"]["type"] == "Recreate", "two schedulers must never run at once"
+    assert deployment["spec"]["replicas"] == len(SCHEDULERS) == 2
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0, "never more schedulers than replicas"
     (container,) = containers(deployment)
+    args = flag_values(container["args"])
+    assert args["--advertise"] == f"$(POD_IP):{args['--listen'].rsplit(':', 1)[1]}"
+    assert args["--name"] == "$(POD_NAME)"
+    assert pod_env(container) == {"POD_NAME": "metadata.name", "POD_IP": "status.podIP"}
+    (service,) = [s for s in objects("Service") if s["metadata"]["name"] == "scheduler"]
+    assert service["spec"]["clusterIP"] == "None", "nothing may be balanced over a leader and a standby"
     assert "tcpSocket" in container["readinessProbe"]
     assert_liveness_asks_the_event_loop(container)
+
+
+def pod_env(container: dict[str, Any]) -> dict[str, str | None]:
+    return {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in container["env"]}
 
 
 def assert_liveness_asks_the_event_loop(container: dict[str, Any]) -> None:
@@ -695,21 +712,73 @@ def assert_liveness_asks_the_event_loop(container: dict[str, Any]) -> None:
     assert {"name": "metrics", "containerPort": 9100} in container["ports"]
 
 
-def test_gateway_deployment() -> None:
-    (deployment,) = [d for d in objects("Deployment") if d["metadata"]["name"] == "gateway"]
-    (container,) = containers(deployment)
+def test_several_gateways_each_with_its_packages_and_addresses_as_in_compose() -> None:
+    (gateways,) = [d for d in objects("StatefulSet") if d["metadata"]["name"] == "gateway"]
+    assert gateways["spec"]["replicas"] == len(GATEWAYS) > 1
+    (container,) = containers(gateways)
     assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"  # reaches the scheduler and etcd
     assert container["livenessProbe"]["httpGet"]["path"] == "/livez"  # not restarted for another's outage"
     args = flag_values(container["args"])
+    assert "--scheduler" not in args, "with several schedulers a gateway follows the one registered in etcd"
     mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
-    volume_names = {v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]}
-    assert mounts.get(args["--state-dir"]) in volume_names, "packages need a volume"
-    claims = {
-        v["persistentVolumeClaim"]["claimName"]
-        for v in deployment["spec"]["template"]["spec"]["volumes"]
-        if "persistentVolumeClaim" in v
-    }
-    assert claims <= {pvc["metadata"]["name"] for pvc in objects("PersistentVolumeClaim")}
+    claims = {claim["metadata"]["name"] for claim in gateways["spec"]["volumeClaimTemplates"]}
+    assert mounts.get(args["--state-dir"]) in claims, "each gateway keeps its packages on a volume of its own"
+    # Each registers its own stable name, which the headless Service publishes even before it is ready.
+    (pods,) = [s for s in objects("Service") if s["metadata"]["name"] == gateways["spec"]["serviceName"]]
+    assert pods["spec"]["clusterIP"] == "None" and pods["spec"]["publishNotReadyAddresses"]
+    host = f"$(POD_NAME).{pods['metadata']['name']}"
+    assert args["--public-url"] == f"http://{host}:{args['--port']}"
+    assert args["--blob-advertise"] == f"http://{host}:{args['--blob-listen'].rsplit(':', 1)[1]}"
+    assert pod_env(container) == {"POD_NAME": "metadata.name"}
+
+
+def secret_keys(secrets: Path) -> dict[str, Path]:
+    """The Secret kustomization.yaml's generator makes: key -> the file under `secrets` it holds."""
+    (generator,) = kustomization()["secretGenerator"]
+    keys: dict[str, Path] = {}
+    for entry in generator["files"]:
+        key, _, path = entry.rpartition("=")
+        keys[key or Path(path).name] = secrets / Path(path).relative_to("secrets")
+    return keys
+
+
+@pytest.mark.parametrize("name", ["scheduler", "gateway", "gpu-manager"])
+def test_each_workload_gets_the_credentials_and_tls_files_its_daemon_loads(name: str, tmp_path: Path) -> None:
+    """Make the credentials as the kustomization's comment says, build the Secret from them, lay out
+    the workload's volume as the kubelet would (its items, its mode) and start the daemon's settings
+    on it: every credential file it names is there, and it finds its role's TLS files and loads them
+    (links are TLS by default: a daemon without them would talk in clear)."""
+    from gpufaas.credentials import main as make_credentials
+    from gpufaas.service_main import tls_directory
+    from gpufaas.tls import LinkTls
+
+    assert make_credentials([str(tmp_path / "secrets")]) == 0
+    keys = secret_keys(tmp_path / "secrets")
+    assert all(path.is_file() for path in keys.values()), "the generator names a file the credentials lack"
+    (workload,) = [w for w in workloads() if w["metadata"]["name"] == name]
+    (container,) = containers(workload)
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "credentials"]
+    (volume,) = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == "credentials"]
+    mounted = tmp_path / "mounted"
+    for item in volume["secret"]["items"]:
+        target = mounted / item["path"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(keys[item["key"]].read_bytes())
+        target.chmod(volume["secret"]["defaultMode"])
+    argv = [str(token) for token in [*container["command"], *container["args"]]]
+    daemon = daemon_of(argv)
+    assert daemon is not None
+    argv = [token.replace(mount["mountPath"], str(mounted)) for token in argv]
+    for flag, value in flag_values(argv).items():
+        if flag.endswith("-file"):
+            assert Path(value).is_file(), f"{name}: {flag} {value} is not in its volume"
+    model = SETTINGS[daemon]
+    parser = model.parser(daemon, "", raising=True)
+    settings = model.from_namespace(parser, parser.parse_args(argv[3:]))
+    directory = tls_directory(parser, settings, TLS_ROLE[daemon])
+    assert directory == mounted / "tls", f"{name} would run its links without TLS"
+    LinkTls.load(directory, TLS_ROLE[daemon])
+    assert "ca-key.pem" not in {Path(key).name for key in keys}, "no pod signs certificates: the CA key stays out"
 
 
 def test_gpu_manager_daemonset() -> None:
@@ -719,9 +788,7 @@ def test_gpu_manager_daemonset() -> None:
     assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
     assert pod.get("nodeSelector") or pod.get("affinity"), "must run only on GPU nodes"
     assert any(t.get("key") == "nvidia.com/gpu" for t in pod.get("tolerations", []))
-    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in container["env"]}
-    assert env["NODE_NAME"] == "spec.nodeName"
-    assert env["POD_IP"] == "status.podIP"
+    assert pod_env(container) == {"NODE_NAME": "spec.nodeName", "POD_IP": "status.podIP"}
     args = flag_values(container["args"])
     assert args["--node"] == "$(NODE_NAME)"
     port = args["--listen"].rsplit(":", 1)[1]
