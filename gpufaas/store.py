@@ -123,6 +123,12 @@ class Store(Protocol):
         """Delete only if the key exists with this mod_revision (> 0); True if it was deleted."""
         ...
 
+    async def put_fenced(self, key: str, value: bytes | None, *, guard_key: str, guard_create_revision: int) -> bool:
+        """Write `value` to `key` (None: delete it) only while `guard_key` exists with this
+        create_revision (an elected leader's epoch): a leader deposed while it paused writes
+        nothing over its successor's, whatever it believed. False, and nothing written, otherwise."""
+        ...
+
     async def grant_lease(self, ttl_s: int) -> int:
         """A new lease id (never 0). etcd may grant a longer TTL than asked (its minimum is ~2 s)."""
         ...
@@ -498,6 +504,21 @@ class EtcdStore:
             "compare_and_delete",
             lambda: self._client.transaction(
                 compare=[txn.mod(raw) == mod_revision], success=[txn.delete(raw)], failure=[]
+            ),
+        )
+        return bool(succeeded)
+
+    async def put_fenced(self, key: str, value: bytes | None, *, guard_key: str, guard_create_revision: int) -> bool:
+        raw, guard = check_key(key), check_key(guard_key)
+        if guard_create_revision <= 0:
+            raise ValueError(f"put_fenced needs the guard's create_revision (> 0), got {guard_create_revision}")
+        self._check_open()
+        txn = self._client.transactions
+        write = txn.delete(raw) if value is None else txn.put(raw, value)
+        succeeded, _ = await self._call(
+            "put_fenced",
+            lambda: self._client.transaction(
+                compare=[txn.create(guard) == guard_create_revision], success=[write], failure=[]
             ),
         )
         return bool(succeeded)

@@ -34,9 +34,11 @@ class NotLeading(StoreError):
 class StatePersister:
     """The single writer of the scheduler's keys in etcd (`gpus/`, `models/`, `profiles/`): it
     writes what the book marked dirty and the GPUs that left, at most once per FLUSH_DELAY_S,
-    and never rewrites a value it last put unchanged. Plain puts suffice (no read-modify-write):
-    no one else writes these keys, for each write first asks `may_write` (whether this
-    scheduler leads now: a leader back from a pause writes nothing over its successor's)."""
+    and never rewrites a value it last put unchanged. No read-modify-write: no one else writes
+    these keys. Each write first asks `may_write` (whether this scheduler leads and is sure of it),
+    and under an election each goes in a transaction fenced on the term's leader key (`new_term`'s
+    `fence`: the key and the epoch, its create_revision), so a leader that paused between the
+    question and the write, and was deposed meanwhile, writes nothing over its successor's."""
 
     def __init__(
         self, store: Store, keys: Keys, scheduler: Scheduler, book: CallBook, clock: Callable[[], float]
@@ -51,10 +53,13 @@ class StatePersister:
         self._deleted_gpus: set[str] = set()  # "node/gpu" whose keys go at the next flush
         self._written: dict[str, bytes] = {}  # last value put per key: unchanged values are not rewritten
         self._profile_written_at: dict[str, float] = {}
+        self._fence: tuple[str, int] | None = None  # (leader key, epoch) under an election
 
-    def new_term(self) -> None:
+    def new_term(self, fence: tuple[str, int] | None = None) -> None:
         """A term begins or ends: what is pending is dropped, and what was written is no longer
-        known to be there (another leader may have written since)."""
+        known to be there (another leader may have written since). `fence`: the term's leader key
+        and epoch, which every write of the term requires (None: plain writes, one scheduler)."""
+        self._fence = fence
         self.book.dirty_gpus, self.book.dirty_models, self.book.dirty_profiles = set(), set(), set()
         self._deleted_gpus.clear()
         self._written.clear()
@@ -180,20 +185,26 @@ class StatePersister:
                     "load_time_s": estimator.load_time_s(model, gpu_type, memory_mb),
                     "inference_time_s": {str(batch): estimator.inference_time_s(model, gpu_type, batch)},
                 }
-                self._check_leading()
-                await self.store.put(key, json.dumps(record).encode())
+                await self._write(key, json.dumps(record).encode())
 
     async def _put(self, key: str, value: bytes) -> None:
         if self._written.get(key) == value:
             return
-        self._check_leading()
-        await self.store.put(key, value)
+        await self._write(key, value)
         self._written[key] = value
 
     async def _delete(self, key: str) -> None:
-        self._check_leading()
-        await self.store.delete(key)
+        await self._write(key, None)
 
-    def _check_leading(self) -> None:
+    async def _write(self, key: str, value: bytes | None) -> None:
+        """Put `value` (None: delete the key) if this scheduler leads, fenced on its term's key."""
         if not self.may_write():
             raise NotLeading("this scheduler does not lead now: it writes nothing")
+        if self._fence is not None:
+            guard_key, epoch = self._fence
+            if not await self.store.put_fenced(key, value, guard_key=guard_key, guard_create_revision=epoch):
+                raise NotLeading(f"the leader key is no longer epoch {epoch}'s: a newer leader writes these keys")
+        elif value is None:
+            await self.store.delete(key)
+        else:
+            await self.store.put(key, value)

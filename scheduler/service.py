@@ -252,7 +252,8 @@ class SchedulerService:
         the nodes under a new grant key, and run the term's loops; gateways find this scheduler
         in etcd and send again the calls they hold."""
         self.term = term = _Term(uuid.uuid4().hex, grants.new_key(), open=False)
-        self.persister.new_term()
+        # Under an election every write of the term is fenced on the leader key being this term's.
+        self.persister.new_term(fence=(self.keys.scheduler_leader, epoch) if self.election is not None else None)
         self.links.recovered_lru = await self.persister.recover(self.links.registered_gpu_ids())
         self.links.activate(term.scheduler_id, term.token_key, epoch)
         for work in self._term_work():

@@ -182,6 +182,24 @@ class MemoryStore:
         self._put(key, value, lease)
         return True
 
+    async def put_fenced(self, key: str, value: bytes | None, *, guard_key: str, guard_create_revision: int) -> bool:
+        check_key(key)
+        check_key(guard_key)
+        if guard_create_revision <= 0:
+            raise ValueError(f"put_fenced needs the guard's create_revision (> 0), got {guard_create_revision}")
+        await self._enter()
+        guard = self._data.get(guard_key)
+        if guard is None or guard.create_revision != guard_create_revision:
+            return False
+        if value is None:
+            if key in self._data:
+                self._revision += 1
+                self._delete(key)
+        else:
+            self._revision += 1
+            self._put(key, value, 0)
+        return True
+
     async def compare_and_delete(self, key: str, *, mod_revision: int) -> bool:
         check_key(key)
         if mod_revision <= 0:

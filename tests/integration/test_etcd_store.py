@@ -148,6 +148,28 @@ async def test_compare_and_swap(harness: Harness) -> None:
 
 
 @async_test
+async def test_a_fenced_write_goes_through_only_while_the_guard_is_the_same_key(harness: Harness) -> None:
+    store, r = await harness.open_store(), harness.root
+    guard, key = f"{r}/leader", f"{r}/state"
+    await store.put(guard, b"me")
+    mine = await store.get(guard)
+    assert mine is not None
+    await store.put(guard, b"me again")  # a put keeps the key's create_revision: still my term
+    assert await store.put_fenced(key, b"1", guard_key=guard, guard_create_revision=mine.create_revision) is True
+    await store.delete(guard)
+    await store.put(guard, b"my successor")  # a new term: a new create_revision
+    assert await store.put_fenced(key, b"2", guard_key=guard, guard_create_revision=mine.create_revision) is False
+    assert await store.put_fenced(key, None, guard_key=guard, guard_create_revision=mine.create_revision) is False
+    kept = await store.get(key)
+    assert kept is not None and kept.value == b"1"
+    successor = await store.get(guard)
+    assert successor is not None
+    assert await store.put_fenced(key, None, guard_key=guard, guard_create_revision=successor.create_revision)
+    assert await store.get(key) is None
+    await store.close()
+
+
+@async_test
 async def test_a_lost_lease_is_refused_only_where_it_would_be_used(harness: Harness) -> None:
     store, r = await harness.open_store(), harness.root
     lease = await store.grant_lease(TTL_S)

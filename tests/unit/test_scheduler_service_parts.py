@@ -67,6 +67,31 @@ def test_a_flush_writes_what_changed_and_nothing_twice() -> None:
     run(scenario)
 
 
+def test_a_deposed_leaders_flush_writes_nothing_over_its_successors() -> None:
+    spec = make_spec("fn-a")
+
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        keys = service.keys
+        await store.put(keys.scheduler_leader, b"this scheduler")
+        term = await store.get(keys.scheduler_leader)
+        assert term is not None
+        service.persister.new_term(fence=(keys.scheduler_leader, term.create_revision))
+        with_model_on_gpu(service, spec)
+        await service.persister.flush()
+        assert await store.get(keys.gpu_lru("n1", "g0")) is not None
+        # Deposed while it paused: it still believes it leads (may_write), the key says otherwise.
+        await store.delete(keys.scheduler_leader)
+        await store.put(keys.scheduler_leader, b"its successor")
+        await store.put(keys.gpu_lru("n1", "g0"), b"the successor's")
+        service.book.reconcile(GPU, {}, 1.0)
+        with pytest.raises(StoreError, match="newer leader"):
+            await service.persister.flush()
+        written = await store.get(keys.gpu_lru("n1", "g0"))
+        assert written is not None and written.value == b"the successor's"
+
+    run(scenario)
+
+
 def test_a_gpu_that_left_loses_its_keys() -> None:
     spec = make_spec("fn-a")
 
