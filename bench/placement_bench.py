@@ -151,6 +151,18 @@ async def _cluster(address: str) -> pb.ClusterReply:
         conn.close()
 
 
+def _cluster_when_leading(address: str, timeout_s: float = ACCOUNTING_TIMEOUT_S) -> pb.ClusterReply:
+    """The ClusterReply, asked again while the scheduler stands by (a step-down closes the link)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return asyncio.run(_cluster(address))
+        except (ConnectionLost, RemoteError, TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def wait_ready(address: str, gpus: int, scheduler: Component) -> None:
     """Until the scheduler leads and has every node's GPUs."""
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -258,6 +270,18 @@ def scheduler_component(cluster: LocalCluster, profile: Path | None, directory: 
     return Component("scheduler", [sys.executable, *wrapper, *module, *argv], directory / "scheduler.log")
 
 
+def uncommitted_paths() -> list[str]:
+    """Files of the code under test that differ from the commit (a shared checkout being edited)."""
+    done = subprocess.run(
+        ["git", "status", "--porcelain", "--", "scheduler", "cache_manager", "gpufaas"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+    )
+    return [line[3:] for line in done.stdout.splitlines() if not line.startswith("??")]
+
+
 def _sleep_until(monotonic_s: float) -> None:
     time.sleep(max(0.0, monotonic_s - time.monotonic()))
 
@@ -301,7 +325,7 @@ def accounting(metrics_address: str, scheduler_address: str, dones_sent: int, pl
         if dones >= dones_sent or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    reply = asyncio.run(_cluster(scheduler_address))
+    reply = _cluster_when_leading(scheduler_address)
     running = sum(len(gpu.running) for gpu in reply.gpus)
     result = {
         "dones_sent_by_nodes": dones_sent,
@@ -408,12 +432,15 @@ def run(args: argparse.Namespace, mix: Mix, layout: Layout, directory: Path) -> 
         with started_clients(configs, directory) as clients:
             scheduler.start({**os.environ, "PYTHONUNBUFFERED": "1"})
             try:
+                started_s = time.monotonic()
                 wait_ready(cluster.scheduler_address, layout.gpus, scheduler)
+                ready_s = time.monotonic() - started_s
                 assert scheduler.pid is not None
                 pids = {"scheduler": scheduler.pid, "etcd": etcd.pid}
                 pids |= {f"client{i}": c.process.pid for i, c in enumerate(clients)}
                 measured = measure(clients, pids, args.warmup, args.seconds, args.profile is not None)
                 figures = summarize(measured, args.seconds)
+                figures["ready_s"] = round(ready_s, 2)  # scheduler started -> leading with every GPU attached
                 figures["accounting"] = accounting(
                     cluster.metrics_addresses["scheduler"],
                     cluster.scheduler_address,
@@ -494,6 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         functions=len(mix.functions),
         security="insecure (no wire handshake, no TLS, no etcd auth)",
         profiled=args.profile is not None,
+        uncommitted_paths=uncommitted_paths(),
     )
     document = json.dumps(result, indent=2)
     if args.out is not None:
