@@ -46,7 +46,7 @@ from typing import IO, Any
 
 from gpufaas.blobs import BlobBusy, BlobStore, BlobWriter, CorruptBlob
 from gpufaas.packages import DIGEST_PATTERN, InvalidPackage
-from gpufaas.tls import LinkTls, PeerRefused, process_links
+from gpufaas.tls import LinkTls, PeerRefused, links_of
 
 log = logging.getLogger("gpufaas.blobnet")
 
@@ -115,7 +115,7 @@ class BlobServer:
         self.store, self.authorize, self.on_stored, self.on_missing = store, authorize, on_stored, on_missing
         self.accept_uploads = accept_uploads
         self.max_blob_bytes = max_blob_bytes
-        self.tls = _links(tls)
+        self.tls = links_of(tls)
         self.bytes_sent = 0  # for metrics; a racy sum across threads is fine for a counter
         self.bytes_received = 0
         self._server: _ThreadingServer | None = None
@@ -140,10 +140,6 @@ class BlobServer:
             self._server = None
 
 
-def _links(tls: LinkTls | bool) -> LinkTls | None:
-    return process_links() if tls is True else (tls or None)
-
-
 class _ThreadingServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
     block_on_close = False
@@ -166,6 +162,13 @@ class _ThreadingServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
             except (OSError, PeerRefused) as exc:
                 log.warning("blob client %s refused: %s", client_address[0], exc)
                 request.close()
+                return
+            if isinstance(request, ssl.SSLSocket):
+                # wrap_socket detached the accepted socket, which is all socketserver closes after.
+                try:
+                    super().finish_request(request, client_address)
+                finally:
+                    request.close()
                 return
         super().finish_request(request, client_address)
 
@@ -364,7 +367,7 @@ class _Connection:
             raise TransferError(f"{base_url!r} is not an http://HOST:PORT blob address")
         self.host = url.netloc
         self.prefix = url.path.rstrip("/")
-        links = _links(tls)
+        links = links_of(tls)
         try:
             sock = socket.create_connection((url.hostname, url.port or 80), timeout=timeout_s)
         except OSError as exc:

@@ -191,22 +191,30 @@ def _write_new(path: Path, data: bytes, mode: int) -> None:
 
 def ensure_tls(directory: Path, *, hosts: Iterable[str] = (), now: datetime.datetime | None = None) -> TlsFiles:
     """The cluster CA and a certificate per role in `directory`, each made if absent (existing
-    ones are kept: delete a file to have it made again, docs/security.md). Keys are mode 0600."""
+    ones are kept: delete a file to have it made again, docs/security.md). Keys are mode 0600.
+
+    The CA's certificate and key are one unit: where either is missing both are made anew, and
+    then every role's certificate is issued again (the old ones name a CA that is gone; restart
+    the daemons). A role whose certificate or key is missing gets both anew."""
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
     files = TlsFiles(directory)
     now = now or datetime.datetime.now(datetime.UTC)
-    if not files.ca.exists():
+    new_ca = not (files.ca.exists() and files.ca_key.exists())
+    if new_ca:
         ca_pem, ca_key_pem = make_ca(now)
+        for path in (files.ca, files.ca_key):
+            path.unlink(missing_ok=True)
         _write_new(files.ca_key, ca_key_pem, 0o600)
         _write_new(files.ca, ca_pem, 0o644)
     ca_pem, ca_key_pem = files.ca.read_bytes(), files.ca_key.read_bytes()
     host_list = list(hosts)
     for role in ROLES:
-        if files.cert(role).exists():
+        if not new_ca and files.cert(role).exists() and files.key(role).exists():
             continue
         cert_pem, key_pem = issue(ca_pem, ca_key_pem, role, now, hosts=host_list)
-        files.key(role).unlink(missing_ok=True)
+        for path in (files.cert(role), files.key(role)):
+            path.unlink(missing_ok=True)
         _write_new(files.key(role), key_pem, 0o600)
         _write_new(files.cert(role), cert_pem, 0o644)
     return files
@@ -305,6 +313,12 @@ def configure(links: LinkTls | None) -> None:
 def process_links() -> LinkTls | None:
     """This process's link TLS, as `configure` set it (None: plain links)."""
     return _process.links
+
+
+def links_of(tls: LinkTls | bool) -> LinkTls | None:
+    """What a link's `tls` argument means: True, the process's link TLS (`configure`); False,
+    plain; a LinkTls, that one."""
+    return process_links() if tls is True else (tls or None)
 
 
 def etcd_client_files(directory: Path, role: str) -> tuple[bytes, bytes, bytes]:

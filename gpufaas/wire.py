@@ -77,7 +77,7 @@ from typing import Any, Protocol, TypeVar
 from google.protobuf.message import DecodeError, Message
 
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.tls import LinkTls, PeerRefused, process_links
+from gpufaas.tls import LinkTls, PeerRefused, links_of
 
 log = logging.getLogger("gpufaas.wire")
 
@@ -664,7 +664,7 @@ async def connect(
     beside what the link allows (gpufaas.tls.PEERS)."""
     if dead_after_s is not None:
         keepalive_options(dead_after_s)  # raises ValueError on a bad value
-    links = _links(tls)
+    links = links_of(tls)
     host, _, port = address.rpartition(":")
     loop = asyncio.get_running_loop()
     try:
@@ -700,12 +700,6 @@ async def connect(
             protocol.close()
             raise
     return protocol
-
-
-def _links(tls: LinkTls | bool) -> LinkTls | None:
-    if tls is True:
-        return process_links()
-    return tls or None
 
 
 class Server:
@@ -745,7 +739,7 @@ class Server:
         self.max_unauthenticated = max_unauthenticated
         self.handshake_s = handshake_s
         self.dead_after_s = dead_after_s
-        self.tls = _links(tls)
+        self.tls = links_of(tls)
         self.connections: set[Connection] = set()
         self.handshaking: set[Connection] = set()  # accepted, not yet authenticated
         self._refusing = False  # a refusal was logged since the handshakes last fell under the cap

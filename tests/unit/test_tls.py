@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import uvloop
+from cryptography import x509
 
 from gpufaas import wire
 from gpufaas.credentials import ensure_secrets
@@ -85,6 +86,25 @@ def test_ensure_secrets_makes_a_ca_and_a_certificate_per_role_with_private_keys(
     before = files.cert("node").read_bytes()
     ensure_secrets(tmp_path / "secrets")  # a restart keeps them
     assert files.cert("node").read_bytes() == before
+
+
+def test_a_lost_ca_file_remakes_the_ca_and_reissues_every_role_and_a_lost_key_its_role(tmp_path: Path) -> None:
+    files = ensure_tls(tmp_path / "tls")
+    first = {role: files.cert(role).read_bytes() for role in ROLES}
+    files.key("gateway").unlink()
+    ensure_tls(files.directory)
+    assert files.cert("gateway").read_bytes() != first["gateway"]  # a new pair: the key was gone
+    assert files.cert("node").read_bytes() == first["node"]
+    LinkTls.load(files.directory, "gateway")
+    ca = files.ca.read_bytes()
+    files.ca.unlink()  # the CA's key is left: the pair is made again, and every role with it
+    ensure_tls(files.directory)
+    assert files.ca.read_bytes() != ca
+    for role in ROLES:
+        assert files.cert(role).read_bytes() != first[role]
+    new_ca = x509.load_pem_x509_certificate(files.ca.read_bytes())
+    for role in ROLES:  # each signed by the new CA (raises otherwise)
+        x509.load_pem_x509_certificate(files.cert(role).read_bytes()).verify_directly_issued_by(new_ca)
 
 
 def test_a_certificate_names_its_role_and_the_hosts_it_was_made_for(tls_dir: Path) -> None:
