@@ -326,8 +326,7 @@ class Artifacts:
 
     def _fetch(self, digest: str, size: int, sources: list[HolderRecord], access: PeerAccess) -> bool:
         """One blob from the first holder that serves it whole and right (blocking); True once here.
-        Gateways are reached in plain HTTP, as users' clients reach them (link TLS admits only
-        nodes to a gateway's blob server); nodes as the process's link TLS says."""
+        Gateways and nodes alike over the process's link TLS (plain where the cluster has none)."""
         for holder in sources:
             try:
                 fetch_blob(
@@ -337,7 +336,6 @@ class Artifacts:
                     self.blobs,
                     authorization=access.read,
                     timeout_s=PEER_TIMEOUT_S,
-                    tls=holder.kind != "gateway",
                 )
                 return True
             except BlobBusy:  # another upload or fetch of it runs here: it is on its way
@@ -379,7 +377,8 @@ class Artifacts:
             path = self.blobs.path(digest)
             if path is None:
                 raise TransferError(f"blob {digest} left this gateway before it was copied")
-            upload_blob(url, path, digest, authorization=access.write, timeout_s=PEER_TIMEOUT_S, tls=False)
+            # Over the link TLS: the admin's credential it shows never crosses the network in clear.
+            upload_blob(url, path, digest, authorization=access.write, timeout_s=PEER_TIMEOUT_S)
 
     async def _refreshed(self, record: PackageRecord) -> PackageRecord:
         """A package registered again (a redeploy, another function with it): young again for the

@@ -40,12 +40,17 @@ Link = Literal["wire-server", "wire-client", "blob-server", "blob-client"]
 # Which peer roles each daemon role accepts on each side of its links; anything else is refused.
 PEERS: Mapping[str, Mapping[Link, frozenset[str]]] = {
     # The gateway dials the scheduler and the nodes (a scheduler at --scheduler's address, pinned:
-    # `LinkTls.pinned`; or named by the caller, `connect(peer_role=)`), and serves the nodes blobs.
-    "gateway": {"wire-client": frozenset({"scheduler", "node"}), "blob-server": frozenset({"node"})},
+    # `LinkTls.pinned`; or named by the caller, `connect(peer_role=)`), serves blobs to the nodes
+    # and the other gateways, and fetches blobs from (and pushes copies to) both.
+    "gateway": {
+        "wire-client": frozenset({"scheduler", "node"}),
+        "blob-server": frozenset({"node", "gateway"}),
+        "blob-client": frozenset({"gateway", "node"}),
+    },
     "scheduler": {"wire-server": frozenset({"gateway"}), "wire-client": frozenset({"node"})},
     "node": {
         "wire-server": frozenset({"scheduler", "gateway"}),
-        "blob-server": frozenset({"node"}),
+        "blob-server": frozenset({"node", "gateway"}),
         "blob-client": frozenset({"gateway", "node"}),
     },
 }

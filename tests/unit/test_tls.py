@@ -288,6 +288,14 @@ def test_the_gateways_blob_server_takes_users_in_plain_http_and_nodes_in_tls(tmp
         assert fetched.read_bytes() == data
         with pytest.raises(TransferError):  # in TLS, the role is checked still
             fetch_blob(url, digest, len(data), BlobStore(tmp_path / "s"), tls=LinkTls.load(tls_dir, "scheduler"))
+        # Another gateway fetches from it and pushes a copy to it over TLS (the admin's credential
+        # it shows to push never crosses in clear).
+        copied = fetch_blob(url, digest, len(data), BlobStore(tmp_path / "g2"), tls=gateway)
+        assert copied.read_bytes() == data
+        other = tmp_path / "other"
+        other.write_bytes(b"second" * 1000)
+        upload_blob(url, other, sha256_digest(other.read_bytes()), tls=gateway)
+        assert server.store.path(sha256_digest(other.read_bytes())) is not None
     finally:
         server.stop()
 
