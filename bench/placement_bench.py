@@ -262,10 +262,14 @@ def started_clients(configs: list[dict[str, Any]], directory: Path) -> Iterator[
             client.stop()
 
 
-def scheduler_component(cluster: LocalCluster, profile: Path | None, directory: Path) -> Component:
-    """`python -m scheduler` with the local cluster's argv (under bench.profiled_main with `profile`)."""
+def scheduler_component(
+    cluster: LocalCluster, profile: Path | None, directory: Path, *, from_start: bool = False
+) -> Component:
+    """`python -m scheduler` with the local cluster's argv (under bench.profiled_main with `profile`,
+    profiling `from_start` or from its SIGUSR1)."""
     argv = cluster.scheduler_settings().to_argv()
-    wrapper = [] if profile is None else ["-m", "bench.profiled_main", str(profile.resolve())]
+    start = ["--from-start"] if from_start else []
+    wrapper = [] if profile is None else ["-m", "bench.profiled_main", str(profile.resolve()), *start]
     module = ["scheduler"] if profile is not None else ["-m", "scheduler"]
     return Component("scheduler", [sys.executable, *wrapper, *module, *argv], directory / "scheduler.log")
 
@@ -427,15 +431,18 @@ def run(args: argparse.Namespace, mix: Mix, layout: Layout, directory: Path) -> 
             watchdog=None,
             scheduler_flags=shlex.split(args.scheduler_flags),
         )
-        scheduler = scheduler_component(cluster, args.profile, directory)
+        profile = args.profile or args.profile_attach
+        scheduler = scheduler_component(cluster, profile, directory, from_start=args.profile_attach is not None)
         configs = client_configs(layout, mix, etcd.endpoint, cluster.scheduler_address, args.seed)
         with started_clients(configs, directory) as clients:
             scheduler.start({**os.environ, "PYTHONUNBUFFERED": "1"})
             try:
                 started_s = time.monotonic()
+                assert scheduler.pid is not None
                 wait_ready(cluster.scheduler_address, layout.gpus, scheduler)
                 ready_s = time.monotonic() - started_s
-                assert scheduler.pid is not None
+                if args.profile_attach is not None:
+                    os.kill(scheduler.pid, signal.SIGUSR2)  # the attaches profiled, not the calls
                 pids = {"scheduler": scheduler.pid, "etcd": etcd.pid}
                 pids |= {f"client{i}": c.process.pid for i, c in enumerate(clients)}
                 measured = measure(clients, pids, args.warmup, args.seconds, args.profile is not None)
@@ -478,8 +485,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object, nothing else")
     parser.add_argument("--out", type=Path, help="write the same JSON there too")
     parser.add_argument("--profile", type=Path, help="profile the scheduler in the window (cProfile) into this file")
+    parser.add_argument(
+        "--profile-attach", type=Path, help="profile the scheduler from its start until every node attached"
+    )
     parser.add_argument("--state-dir", type=Path, help="keep etcd's data and the logs there (default: a temp dir)")
     args = parser.parse_args(argv)
+    if args.profile and args.profile_attach:
+        parser.error("--profile and --profile-attach profile different phases: give one")
     if args.gpus % args.gpus_per_node:
         parser.error(f"--gpus {args.gpus} is not a multiple of --gpus-per-node {args.gpus_per_node}")
     return args

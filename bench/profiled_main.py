@@ -1,5 +1,6 @@
 """Run a module as `python -m MODULE ARGS...` under cProfile, profiling only between SIGUSR1 (on) and
-SIGUSR2 (off, and the statistics written): `python -m bench.profiled_main OUT MODULE ARGS...`.
+SIGUSR2 (off, and the statistics written): `python -m bench.profiled_main OUT MODULE ARGS...`;
+with `--from-start` before MODULE, from the start until SIGUSR2.
 
 A benchmark starts a daemon this way to profile its steady state only (not its start-up, its
 warm-up or its shutdown). The signals' handlers run on the main thread, between bytecodes, which
@@ -17,8 +18,11 @@ from types import FrameType
 
 
 def main(argv: list[str]) -> None:
+    from_start = "--from-start" in argv[1:2]  # profile from the start (SIGUSR2 still ends it)
+    if from_start:
+        argv = [argv[0], *argv[2:]]
     if len(argv) < 2:
-        sys.exit("usage: python -m bench.profiled_main OUT MODULE [ARGS...]")
+        sys.exit("usage: python -m bench.profiled_main OUT [--from-start] MODULE [ARGS...]")
     out, module, args = Path(argv[0]), argv[1], argv[2:]
     profile = cProfile.Profile()
 
@@ -32,6 +36,8 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGUSR1, start)
     signal.signal(signal.SIGUSR2, stop)
     sys.argv = [module, *args]
+    if from_start:
+        profile.enable()
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
