@@ -4,7 +4,8 @@ with `--from-start` before MODULE, from the start until SIGUSR2.
 
 A benchmark starts a daemon this way to profile its steady state only (not its start-up, its
 warm-up or its shutdown). The signals' handlers run on the main thread, between bytecodes, which
-is where the daemons' event loop runs, so that is the thread profiled.
+is where the daemons' event loop runs, so that is the thread profiled. Times are the process's CPU
+time (`time.process_time`), so a profile taken on a busy host is not inflated by waiting for a CPU.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import cProfile
 import runpy
 import signal
 import sys
+import time
 from pathlib import Path
 from types import FrameType
 
@@ -24,7 +26,9 @@ def main(argv: list[str]) -> None:
     if len(argv) < 2:
         sys.exit("usage: python -m bench.profiled_main OUT [--from-start] MODULE [ARGS...]")
     out, module, args = Path(argv[0]), argv[1], argv[2:]
-    profile = cProfile.Profile()
+    # CPU time, not wall time: on a shared host a wall-clock profile charges whichever function
+    # was running when the process was descheduled.
+    profile = cProfile.Profile(time.process_time)
 
     def start(signum: int, frame: FrameType | None) -> None:
         profile.enable()
