@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -217,7 +218,8 @@ class Load:
                 call = Call(sent_s=time.monotonic())
                 self.calls.append(call)
                 try:
-                    response = client.post(f"{url}/function/{name}", json={"sleep_s": 0.05})
+                    payload = {"sleep_s": 0.05, "call_id": f"c{index}-{count}"}  # logged where it runs
+                    response = client.post(f"{url}/function/{name}", json=payload)
                     call.status = response.status_code
                     call.body = "" if response.status_code == 200 else response.text[:200]
                 except httpx.HTTPError as exc:
@@ -264,10 +266,18 @@ def assert_every_call_succeeded(report: dict[str, Any]) -> None:
     assert report["calls"] > 0 and report["by_status"] == {"200": report["calls"]}, report
 
 
-def assert_no_call_ran_twice(ledgers: dict[str, dict[str, float]], succeeded: int) -> None:
+def assert_no_call_ran_twice(failover: Failover, ledgers: dict[str, dict[str, float]], succeeded: int) -> None:
+    """No node admitted a grant twice (its ledger), and no call ran twice anywhere: the function
+    logs each call it runs, and every node's log is counted together (a call run once on each of
+    two nodes passes both ledgers)."""
     assert all(ledger["gpufaas_node_calls_admitted_again_total"] == 0 for ledger in ledgers.values()), ledgers
     admitted = sum(ledger["gpufaas_node_grants_admitted_total"] for ledger in ledgers.values())
     assert admitted >= succeeded, ledgers  # every call ran through a ledger (the deploy's warm-ups too)
+    runs: Counter[str] = Counter()
+    for log_file in (failover.cluster.state_dir / "logs").glob("node*.log"):
+        runs.update(re.findall(r"sleepy-ran (\S+)", log_file.read_text(errors="replace")))
+    assert sum(runs.values()) >= succeeded, (sum(runs.values()), succeeded)  # the marks are there to count
+    assert [call for call, count in runs.items() if count > 1] == []
 
 
 # --- the tests ------------------------------------------------------------------------------------
@@ -292,7 +302,7 @@ def test_killing_the_leading_scheduler_fails_no_call_and_a_standby_takes_over(fa
 
     assert_every_call_succeeded(report)
     assert report["first_success_of_a_call_sent_after_the_fault_s"] <= RECOVERY_BOUND_S, report
-    assert_no_call_ran_twice(ledgers, report["by_status"]["200"])
+    assert_no_call_ran_twice(failover, ledgers, report["by_status"]["200"])
     assert leader["name"] == "standby" and leader["epoch"] > first_epoch, leader
     assert failover.leader_key() == (leader["address"], leader["epoch"])
 
@@ -320,7 +330,7 @@ def test_a_leader_stopped_and_continued_runs_no_call_twice_and_stands_by(failove
     write_report(failover, "failover_sigstop", report)
 
     assert_every_call_succeeded(report)
-    assert_no_call_ran_twice(ledgers, report["by_status"]["200"])
+    assert_no_call_ran_twice(failover, ledgers, report["by_status"]["200"])
     assert failover.role("scheduler") == "standby" and failover.role("standby") == "leader"
     assert leader["name"] == "standby" and failover.leader_key() == (leader["address"], leader["epoch"])
     assert all(ledger["gpufaas_node_scheduler_epoch"] == leader["epoch"] for ledger in ledgers.values()), ledgers
@@ -443,7 +453,7 @@ def test_a_leader_cut_off_from_etcd_is_replaced_and_after_the_heal_stands_by(fai
         write_report(failover, "failover_partition", report)
 
         assert_every_call_succeeded(report)
-        assert_no_call_ran_twice(ledgers, report["by_status"]["200"])
+        assert_no_call_ran_twice(failover, ledgers, report["by_status"]["200"])
         assert not report["two_leaders_at"], report
         assert failover.role("cut") == "standby" and failover.role("standby") == "leader"
         assert failover.overview()["scheduler_leader"]["name"] == "standby"
