@@ -138,6 +138,8 @@ def deploy(
             report = uploads.upload(client, scanned, progress=progress)
         for function, package in zip(selected, scanned, strict=True):
             registered = report.packages[package.manifest.digest]
+            if registered.get("warning"):  # e.g. no second gateway holds it: it is not yet durable
+                err_console.print(f"[yellow]warning[/]: {function.name}: {registered['warning']}")
             spec = function.spec(str(registered["digest"]))
             response = client.request("POST", "/system/functions", json=spec)
             if response.status_code == 409:

@@ -335,3 +335,27 @@ def test_up_passes_the_policys_knobs_on_to_the_scheduler_settings() -> None:
     assert (settings.policy, settings.eviction) == ("mqfq-sticky", "tinylfu")  # a flag wins, as it comes later
     config = settings.policy_config
     assert (config.max_num_skips, config.mqfq_overrun_s, config.room_aware_misses) == (0, 5.0, False)
+
+
+def test_deploy_says_when_no_second_gateway_holds_the_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A commit's `warning` (no other gateway took a copy: the package is not yet durable) is shown."""
+    import httpx
+
+    from gpufaas.cli import uploads
+    from gpufaas.cli.client import GatewayClient
+
+    (tmp_path / "fn").mkdir()
+    (tmp_path / "fn" / "handler.py").write_text("def load(device):\n    return None\n")
+    (tmp_path / "stack.yml").write_text("functions:\n  fn:\n    handler: ./fn\n    memory_mb: 100\n")
+    warning = "none of the 1 other gateway(s) took a copy of this package"
+
+    def uploaded(client: object, scanned: list[uploads.Scanned], **_: object) -> uploads.UploadReport:
+        digest = scanned[0].manifest.digest
+        return uploads.UploadReport(packages={digest: {"digest": digest, "warning": warning}})
+
+    monkeypatch.setattr(uploads, "upload", uploaded)
+    monkeypatch.setattr(GatewayClient, "request", lambda self, *a, **k: httpx.Response(200, json={"model": "m"}))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    result = runner.invoke(app, ["deploy", "-f", str(tmp_path / "stack.yml"), "--gateway", "http://127.0.0.1:9"])
+    assert result.exit_code == 0, result.output
+    assert f"warning: fn: {warning}" in " ".join(result.output.split())
