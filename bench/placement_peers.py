@@ -57,6 +57,7 @@ OUTPUT = b'{"y": 0}'
 DRAIN_S = 10.0  # after the window: how long outstanding calls may take to finish
 RECONNECT_S = 0.2  # gateway.router's
 CHOICE_BLOCK = 4096  # functions drawn at once (one random.choices call per block)
+MAX_LOGGED = 5  # overcommits described on stderr (the client's log)
 
 
 @dataclass
@@ -69,6 +70,7 @@ class NodeCounts:
     dones: int = 0  # Done messages sent to the scheduler
     refused: int = 0  # tokens the ledger refused
     overcommits: int = 0  # a load left the GPU's resident models over its memory
+    out_of_order: int = 0  # grants presented after a later grant (higher gpu_seq) for the same GPU
     evict_requests: int = 0
     revokes: int = 0
 
@@ -92,6 +94,9 @@ class SyntheticNode:
         self.gpu_ids = [f"gpu{index}" for index in range(gpus)]
         # gpu -> {model: MiB}, least recently used first (insertion order).
         self.resident: dict[str, dict[str, int]] = {gpu: {} for gpu in self.gpu_ids}
+        # gpu -> {model: the latest grant (gpu_seq) that used it}, and the newest grant seen per GPU.
+        self.last_seq: dict[str, dict[str, int]] = {gpu: {} for gpu in self.gpu_ids}
+        self.newest_seq: dict[str, int] = {}
         self.ledger = GrantLedger(name, frozenset(self.gpu_ids))
         self.digests = digests
         self.counts = counts
@@ -137,11 +142,16 @@ class SyntheticNode:
 
     def attach(self, conn: Connection, frame: Frame) -> None:
         request = frame.message(pb.Attach)
+        new_scheduler = request.scheduler_id != self.ledger.scheduler_id
         try:
             self.ledger.attach(request.scheduler_id, request.token_key, request.epoch)
         except Refused as exc:
             conn.reply_error(frame, pb.FENCED, str(exc))
             return
+        if new_scheduler:
+            self.newest_seq.clear()  # a new scheduler numbers its grants from 1 (the pool forgets them)
+            for seqs in self.last_seq.values():
+                seqs.clear()
         old, self.scheduler = self.scheduler, conn
         if old is not None and old is not conn:
             old.close()
@@ -158,13 +168,26 @@ class SyntheticNode:
             counts.refused += 1
             conn.reply(frame, MessageType.EXECUTE_REPLY, pb.ExecuteReply(outcome=pb.REFUSED, message=str(exc)))
             return
-        models = self.resident[grant.gpu]
+        models, seqs = self.resident[grant.gpu], self.last_seq[grant.gpu]
+        counts.out_of_order += grant.gpu_seq < self.newest_seq.get(grant.gpu, 0)
+        self.newest_seq[grant.gpu] = max(self.newest_seq.get(grant.gpu, 0), grant.gpu_seq)
         for victim in grant.evict:
-            models.pop(victim, None)
+            # As gpu_manager.gpu_workers' `victim`: a worker a later grant used stays.
+            if seqs.get(victim, 0) <= grant.gpu_seq:
+                models.pop(victim, None)
         loaded = models.pop(grant.model, None) is None
         models[grant.model] = int(grant.memory_mb)  # the most recently used last
+        seqs[grant.model] = max(seqs.get(grant.model, 0), grant.gpu_seq)
         counts.loads += loaded
-        counts.overcommits += sum(models.values()) > self.memory_mb
+        if sum(models.values()) > self.memory_mb:
+            counts.overcommits += 1
+            if counts.overcommits <= MAX_LOGGED:  # what a reader needs to tell whose plan it was
+                print(
+                    f"overcommit {self.name}/{grant.gpu} seq {grant.gpu_seq} (newest {self.newest_seq[grant.gpu]}):"
+                    f" loaded {grant.model} evicting {list(grant.evict)}; resident {models}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         measured = {
             "outcome": pb.OK,
             "loaded": loaded,
