@@ -67,6 +67,7 @@ ROOT = "/gpufaas"
 READY_TIMEOUT_S = 90.0  # etcd, the scheduler's election and 50 attaches
 ACCOUNTING_TIMEOUT_S = 10.0
 PROFILE_TOP = 25
+LAG_SAMPLE_S = 1.0  # how often the window samples the scheduler's loop lag
 
 
 @dataclass(frozen=True)
@@ -290,11 +291,33 @@ def _sleep_until(monotonic_s: float) -> None:
     time.sleep(max(0.0, monotonic_s - time.monotonic()))
 
 
+def loop_lag(metrics_address: str) -> dict[str, float]:
+    """The scheduler's event-loop lag as its /healthz reports it: the latest reading and the worst
+    of the last minute (gpufaas.liveness), in seconds; empty if it did not answer."""
+    try:
+        health = httpx.get(f"http://{metrics_address}/healthz", timeout=10.0).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return {key: float(health[key]) for key in ("loop_lag_s", "loop_lag_max_s") if key in health}
+
+
+def _sample_lag_until(metrics_address: str, until_s: float) -> float:
+    """Until `until_s`: the worst of the scheduler's latest loop-lag readings, asked once a second."""
+    worst_s = 0.0
+    while time.monotonic() < until_s - LAG_SAMPLE_S:
+        time.sleep(LAG_SAMPLE_S)
+        worst_s = max(worst_s, loop_lag(metrics_address).get("loop_lag_s", 0.0))
+    _sleep_until(until_s)
+    return worst_s
+
+
 def measure(
-    clients: list[Client], pids: dict[str, int], warmup_s: float, seconds: float, profile: bool
+    clients: list[Client], pids: dict[str, int], window_s: tuple[float, float], metrics_address: str, profile: bool
 ) -> dict[str, Any]:
-    """Start the gateways, warm up, measure `seconds`; the clients' stats and each process's CPU
-    seconds in the window (`pids`: name -> PID, "scheduler" among them)."""
+    """Start the gateways, warm up, measure; the clients' stats, each process's CPU seconds in the
+    window (`pids`: name -> PID, "scheduler" among them) and the scheduler's loop lag sampled in it.
+    `window_s`: (warm-up, measured) seconds."""
+    warmup_s, seconds = window_s
     start_s = time.monotonic() + 0.3
     window = {"start_s": start_s, "open_s": start_s + warmup_s, "close_s": start_s + warmup_s + seconds}
     for client in clients:
@@ -303,13 +326,14 @@ def measure(
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     if profile:
         os.kill(pids["scheduler"], signal.SIGUSR1)
-    _sleep_until(window["close_s"])
+    worst_lag_s = _sample_lag_until(metrics_address, window["close_s"])
     after = {name: cpu_seconds(pid) for name, pid in pids.items()}
     if profile:
         os.kill(pids["scheduler"], signal.SIGUSR2)
     return {
         "stats": [client.expect("stats") for client in clients],
         "cpu_s": {name: round(after[name] - before[name], 3) for name in pids},
+        "window_loop_lag_max_s": worst_lag_s,
     }
 
 
@@ -445,9 +469,14 @@ def run(args: argparse.Namespace, mix: Mix, layout: Layout, directory: Path) -> 
                     os.kill(scheduler.pid, signal.SIGUSR2)  # the attaches profiled, not the calls
                 pids = {"scheduler": scheduler.pid, "etcd": etcd.pid}
                 pids |= {f"client{i}": c.process.pid for i, c in enumerate(clients)}
-                measured = measure(clients, pids, args.warmup, args.seconds, args.profile is not None)
+                metrics_address = cluster.metrics_addresses["scheduler"]
+                # The worst of the last minute: its start-up and the attaches.
+                attach_lag_s = loop_lag(metrics_address).get("loop_lag_max_s")
+                window_s = (args.warmup, args.seconds)
+                measured = measure(clients, pids, window_s, metrics_address, args.profile is not None)
                 figures = summarize(measured, args.seconds)
                 figures["ready_s"] = round(ready_s, 2)  # scheduler started -> leading with every GPU attached
+                figures["loop_lag_max_s"] = {"attach": attach_lag_s, "window": measured["window_loop_lag_max_s"]}
                 figures["accounting"] = accounting(
                     cluster.metrics_addresses["scheduler"],
                     cluster.scheduler_address,
