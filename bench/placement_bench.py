@@ -20,12 +20,17 @@ function gets its own model with a Table I model's size (simulator.workload.assi
 GB), so every model fits a GPU and, after the warm-up, most calls are hits; the miss share is
 reported.
 
-With `--profile FILE` the scheduler runs under cProfile for the measured window only
-(bench.profiled_main) and the JSON gains the top of the profile; its throughput is then the
-profiled one (cProfile costs the scheduler about as much again).
+With `--profile FILE` the scheduler runs under cProfile (on its CPU time) for the measured window
+only (bench.profiled_main) and the JSON gains the top of the profile; its throughput is then the
+profiled one (cProfile makes each placement about 6 times dearer). `--profile-attach FILE` profiles
+instead from the scheduler's start until every node attached. The JSON also has the scheduler's
+event-loop lag (its /healthz) during the attaches and in the window, and its log's count of terms
+and step-downs: at the local cluster's 1 s leader lease a scheduler of 1,000 GPUs on a 2-core host
+loses its lease while it attaches the nodes, again and again (docs/scheduler-throughput.md);
+`--scheduler-flags "--lease-ttl-s 30"` measures the placements beyond that.
 
 Run: `python -m bench.placement_bench [--gpus 1000] [--seconds 10] [--json] [--out FILE]
-[--profile FILE]`.
+[--profile FILE | --profile-attach FILE] [--scheduler-flags FLAGS]`.
 """
 
 from __future__ import annotations
