@@ -6,7 +6,9 @@ A `SyntheticNode` is what gpu_manager/daemon.py is to the scheduler and the gate
 workers: it registers its record in etcd under a lease, answers Attach and WorkersRequest with the
 models it holds (`AttachReply`), Revoke through the real `GrantLedger`, Evict, Stage; it admits
 every Execute's token through that ledger (signature, node, GPU, claim time, once), applies the
-grant's victims and load to its per-GPU table of resident models, answers `ExecuteReply` at once
+grant's victims (not one a later grant used, by `gpu_seq`, as gpu_manager.gpu_workers) and load to
+its per-GPU table of resident models, counting a load that leaves a GPU over its memory (an
+overcommit: the scheduler's plan and the node's disagree), answers `ExecuteReply` at once
 (no inference is emulated: the calls cost the scheduler what they cost it, nothing more) and sends
 the scheduler the `Done`, in that order, as the daemon does. Its holdings say every package is
 staged on its disk (a warm cluster: a miss is priced as a disk load).
@@ -15,7 +17,8 @@ A `SyntheticGateway` is what gateway/router.py is per call: `Place` (call id, fu
 timeout, the payload's size) on its one scheduler connection, wait for the `Placement` (or a
 `Rejection`), `Execute` (token) + payload on its connection to the node named, `ExecuteReply`;
 a refused token is reported with `Abandon(REFUSED)` and the call waits for its next placement,
-as the router does. It keeps `concurrency` calls outstanding (closed loop) and picks each call's
+and a lost scheduler link is dialled again and the waiting calls asked again, as the router (at
+this commit) does. It keeps `concurrency` calls outstanding (closed loop) and picks each call's
 function from the mix's popularity weights.
 
 The client process speaks JSON lines with the driver: it prints `{"event": "registered"}` once its
