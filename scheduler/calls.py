@@ -8,13 +8,17 @@ ask a node which grants it has seen (revoking the others), evict).
 One call, from its owner's (the gateway connection's) Place:
 
     [WAITING --a GPU attached-->] QUEUED --dispatch--> PLACED(attempt k) --Done(k)--> finished
-                                     ^                   |
-                                     +----- requeued ----+
+                                     ^                   |         |
+                                     +----- requeued ----+      its GPU left
+                                     |                             v
+                                     +--- owner: never sent --- STRANDED --owner: maybe sent--> outcome unknown
 
-    requeued: the worker died (Done WORKER_DIED, retried once), the node was unreachable or
-    refused the grant (Abandon), the node left, or the grant was never presented (checked with
-    the node after `claim_s`). WAITING: arrived while GPU managers were registered but none
-    attached (see `submit`).
+    requeued: only once it is certain that attempt k never ran (at most once): the node refused
+    the grant, the owner never sent it, or the node says it never saw it (CheckGrants, which
+    revokes it there); or its worker died (Done WORKER_DIED, retried once). WAITING: arrived while
+    GPU managers were registered but none attached (see `submit`). STRANDED: the GPU of a placed
+    call left (its node's link or lease was lost); whether the Execute reached the node is the
+    owner's to say.
 
 A GPU slot belongs to an attempt: it is freed by that attempt's Done, or when it is certain the
 attempt never ran (the node says it never saw the grant, refused it, or left). A Done for an
@@ -27,13 +31,18 @@ attempt that is no longer current is ignored. Failure handling, step by step:
   `claim_s` is checked with its node; if never presented it is revoked and the call placed again.
 - a token reused or forged: the node refuses it (it checks the signature and keeps a ledger of
   grants seen); the gateway reports the refusal (Abandon REFUSED) and the call is placed again.
+- the owner could not send the Execute (no connection to the node: Abandon REFUSED, "it did not
+  run there"): the call is placed again at once, on another GPU.
+- the owner lost the node after sending the Execute (Abandon NODE_UNREACHABLE: it may have
+  reached the node, and may run there to its end): the call is placed again only once the node
+  says it never saw the grant (CheckGrants, revoked there, so that it cannot run late). If the
+  node saw it, or cannot answer, or has left, the owner is answered at once that the call's
+  outcome is unknown (`OUTCOME_UNKNOWN`): a call is never run twice.
 - a placement for a GPU that has since left (`gpus_removed`, when the scheduler loses its
-  connection to the node or the node's lease expires): the GPU's running and parked calls go back
-  to the queue and are placed again; the gateway's Execute to the gone node fails and it waits for
-  the new placement (its Abandon NODE_UNREACHABLE for the old attempt is then stale).
-- a node the gateway cannot reach although the scheduler still can (`abandon` NODE_UNREACHABLE):
-  the call is placed again on another GPU at once, and the old grant is revoked at the node (so
-  that it cannot run late); a node that does not answer that check is taken out.
+  connection to the node or the node's lease expires): the GPU's parked calls go back to the
+  queue; its placed ones are STRANDED until their owner says whether it sent the Execute (never
+  sent: placed again; maybe sent: outcome unknown). A STRANDED call's owner that got its answer
+  from the node says nothing: the call is forgotten at its deadline.
 - a placed call with no Done long after its deadline (`tick`, `lost_after_s`): presumed lost
   with its node's answer; its slot is freed and the model's entry dropped (the node timed it out).
 - an Abandon (NODE_UNREACHABLE, REFUSED) for a call the book does not hold for that owner (its
@@ -146,6 +155,7 @@ class _State(enum.Enum):
     WAITING = "waiting"  # arrived while no GPU was attached: held here, not yet in the scheduler
     QUEUED = "queued"  # in the global queue or parked in a local queue
     PLACED = "placed"  # a placement was sent; waiting for the node's Done
+    STRANDED = "stranded"  # placed on a GPU that left: waiting for the owner to say if it sent the Execute
 
 
 @dataclass(slots=True)
@@ -167,10 +177,101 @@ class _Call:
     wanted: bool = True  # False once the owner gave up or went away: no answer is sent
     claimed: bool = False  # the node confirmed it has seen the current grant
     checking: bool = False  # a grant check for the current attempt is under way
+    # The owner lost the node after sending it the current attempt's Execute: whether it ran
+    # there is for the node's ledger to say (a check is under way).
+    maybe_ran: bool = False
+
+
+class _Upkeep:
+    """The models on the GPUs as the nodes report them and the catalog changes them (CallBook's
+    half that is about models, not calls): retired models evicted, reports reconciled, idle
+    models released. Its state is CallBook's."""
+
+    scheduler: Scheduler
+    _calls: dict[str, _Call]
+    _seq: dict[str, int]
+    _retired: set[str]
+    dirty_gpus: set[str]
+    dirty_models: set[str]
+
+    # --- the catalog ------------------------------------------------------------------------
+    def retire(self, model: str) -> list[Effect]:
+        """No function runs `model` any more (it was deleted, or updated to a new package): evict
+        it from every GPU where no call uses it now, and from the others as their calls finish."""
+        self._retired.add(model)
+        return self._evict_retired(model)
+
+    def revive(self, model: str) -> None:
+        """A function runs `model` again (deployed anew with the same package)."""
+        self._retired.discard(model)
+
+    def _evict_retired(self, model: str) -> list[Effect]:
+        effects: list[Effect] = []
+        for gpu_id in sorted(self.scheduler.cache.gpus_with(model)):
+            if not self.scheduler.cache.gpu(gpu_id).is_pinned(model):
+                self.scheduler.cache.drop(gpu_id, model)
+                self.dirty_models.add(model)
+                self.dirty_gpus.add(gpu_id)
+                effects.append(Evict(gpu_id, (model,)))
+        return effects
+
+    def reconcile(self, gpu_id: str, resident: dict[str, int], now: float) -> list[Effect]:
+        """A node reported the models resident on `gpu_id` (model -> MiB). Cache entries with no
+        worker and no work are dropped (phantoms); workers the cache does not know are adopted
+        when they fit without evicting anything and some function still runs them, else evicted
+        (orphans) unless a grant from now on uses them or they have calls in flight."""
+        cache = self.scheduler.cache.gpu(gpu_id)
+        busy = {self._calls[r].spec.model for r in self.scheduler.gpu(gpu_id).running if r in self._calls}
+        for model in list(cache):
+            if model not in resident and not cache.is_pinned(model) and model not in busy:
+                self.scheduler.cache.drop(gpu_id, model)
+                self.dirty_models.add(model)
+        orphans: list[str] = []
+        for model, memory_mb in resident.items():
+            if model in cache:
+                continue
+            if model not in self._retired and cache.free_mb >= memory_mb:
+                self.scheduler.cache.admit(gpu_id, model, memory_mb)
+                self.dirty_models.add(model)
+            else:
+                orphans.append(model)
+        self.dirty_gpus.add(gpu_id)
+        # Only if still idle then: the report may be older than a placement that uses the model
+        # again (after a release, say), and that placement's worker must stay.
+        return [Evict(gpu_id, tuple(orphans), if_idle=True, gpu_seq=self._seq.get(gpu_id, 0))] if orphans else []
+
+    def reconcile_host(self, node: str, capacity_mb: int, parked: dict[str, int]) -> list[Effect]:
+        """A node reported its host tier: `capacity_mb` (0: none) and the models parked there,
+        least recently parked first (model -> MiB). The scheduler's tier for the node follows:
+        created or resized to the node's size, entries the node does not hold dropped, parked
+        models it does not know adopted while they fit, the others stopped at the node."""
+        return _reconcile_host(self.scheduler, self._retired, node, capacity_mb, parked)
+
+    def release_idle(self, now: float, *, gpu_idle_s: float | None, host_idle_s: float | None) -> list[Effect]:
+        """EDAS's staged exit (see `Scheduler.release_idle`): what has been idle long enough
+        leaves its GPU (for the host tier where the node has one), then the host tier; returns
+        the releases for the nodes to carry out."""
+        effects: list[Effect] = []
+        for release in self.scheduler.release_idle(now, gpu_idle_s=gpu_idle_s, host_idle_s=host_idle_s):
+            self.dirty_models.add(release.model)
+            if release.gpu_id is not None:
+                self.dirty_gpus.add(release.gpu_id)
+                effects.append(
+                    Evict(
+                        release.gpu_id,
+                        (release.model,),
+                        to_host=release.to_host,
+                        if_idle=True,
+                        gpu_seq=self._seq.get(release.gpu_id, 0),
+                    )
+                )
+            elif release.node is not None:
+                effects.append(EvictHost(release.node, (release.model,)))
+        return effects
 
 
 @dataclass
-class CallBook:
+class CallBook(_Upkeep):
     """Every call the scheduler holds, driving the pure `Scheduler` (queues, policy, cache)."""
 
     scheduler: Scheduler
@@ -282,7 +383,7 @@ class CallBook:
             call.placed_at = now
             call.gpu_id = decision.gpu_id
             call.hit = decision.hit
-            call.claimed = call.checking = False
+            call.claimed = call.checking = call.maybe_ran = False
             seq = self._seq[decision.gpu_id] = self._seq.get(decision.gpu_id, 0) + 1
             effects.append(
                 Assignment(
@@ -320,6 +421,9 @@ class CallBook:
     ) -> list[Effect]:
         """A node finished attempt `attempt` of `call_id` (the gateway has its result or error)."""
         call = self._calls.get(call_id)
+        if call is not None and call.state is _State.STRANDED and call.attempt == attempt:
+            self._forget(call)  # it ran to its end on a node that left since: nothing to free
+            return []
         if call is None or call.state is not _State.PLACED or call.attempt != attempt:
             return []  # an attempt given up on already (its slot was freed then)
         effects: list[Effect] = []
@@ -353,43 +457,27 @@ class CallBook:
             effects += self._evict_retired(model)
         return effects + self.schedule(now)
 
-    # --- the catalog ------------------------------------------------------------------------
-    def retire(self, model: str) -> list[Effect]:
-        """No function runs `model` any more (it was deleted, or updated to a new package): evict
-        it from every GPU where no call uses it now, and from the others as their calls finish."""
-        self._retired.add(model)
-        return self._evict_retired(model)
-
-    def revive(self, model: str) -> None:
-        """A function runs `model` again (deployed anew with the same package)."""
-        self._retired.discard(model)
-
-    def _evict_retired(self, model: str) -> list[Effect]:
-        effects: list[Effect] = []
-        for gpu_id in sorted(self.scheduler.cache.gpus_with(model)):
-            if not self.scheduler.cache.gpu(gpu_id).is_pinned(model):
-                self.scheduler.cache.drop(gpu_id, model)
-                self.dirty_models.add(model)
-                self.dirty_gpus.add(gpu_id)
-                effects.append(Evict(gpu_id, (model,)))
-        return effects
-
     def grants_checked(
         self, node: str, unseen: Iterable[tuple[str, int]], seen: Iterable[tuple[str, int]], now: float
     ) -> list[Effect]:
-        """`node`'s answer to CheckGrants: `unseen` grants are revoked there (never ran)."""
+        """`node`'s answer to CheckGrants: `unseen` grants are revoked there (never ran: placed
+        again, elsewhere if the owner lost the node); `seen` ones ran or run there (a call whose
+        owner lost the node after sending it is answered that its outcome is unknown)."""
         effects: list[Effect] = []
         for call_id, attempt in seen:
             call = self._current(call_id, attempt)
             if call is not None:
                 call.claimed, call.checking = True, False
+                if call.maybe_ran:
+                    effects += self._unknown(call, _ran_there_message(call))
         for call_id, attempt in unseen:
             call = self._current(call_id, attempt)
             if call is None:
                 continue
             call.checking = False
             retry = call.wanted and now < call.deadline and call.placements < MAX_PLACEMENTS
-            self._release(call, now, drop_model=_never_loaded(self.scheduler, call), requeue=retry)
+            drop_model = _never_loaded(self.scheduler, call)
+            self._release(call, now, drop_model=drop_model, requeue=retry, avoid_gpu=call.maybe_ran)
             if not retry:
                 effects += self._finish(
                     call, pb.UNAVAILABLE, f"the call was placed {call.placements} times and never reached a node"
@@ -398,9 +486,11 @@ class CallBook:
 
     # --- from the owner (gateway) -----------------------------------------------------------
     def abandon(self, owner: Owner, call_id: str, attempt: int, reason: int, now: float) -> list[Effect]:
-        """The owner gave up on the call (CANCELLED) or on one placement of it (NODE_UNREACHABLE,
-        REFUSED: it did not run there). A placement given up on is placed again at once; after
-        NODE_UNREACHABLE its grant is also checked with the node (revoked there if never seen)."""
+        """The owner gave up on the call (CANCELLED) or on one placement of it: REFUSED, the grant
+        did not run at its node and never will (the node refused it, or the owner never sent it):
+        the call is placed again at once, elsewhere; NODE_UNREACHABLE, the owner lost the node
+        after sending it the Execute, which may have reached it (`_maybe_ran`): placed again only
+        once the node says it never saw the grant, else answered that its outcome is unknown."""
         call = self._calls.get(call_id)
         if call is None or call.owner != owner:
             if reason == pb.Abandon.CANCELLED:
@@ -408,16 +498,55 @@ class CallBook:
             return [Answer(owner, call_id, OUTCOME_UNKNOWN, _outcome_unknown_message(call_id))]
         if reason == pb.Abandon.CANCELLED:
             return self._withdraw(call, now)
-        if call.state is not _State.PLACED or (attempt and attempt != call.attempt):
+        if call.state not in (_State.PLACED, _State.STRANDED) or (attempt and attempt != call.attempt):
             return []  # about a placement already replaced
-        effects: list[Effect] = []
         if reason == pb.Abandon.NODE_UNREACHABLE:
-            effects.append(CheckGrants(split_gpu_address(call.gpu_id)[0], ((call.call_id, call.attempt),)))
+            return self._maybe_ran(call)
         retry = call.wanted and now < call.deadline and call.placements < MAX_PLACEMENTS
+        if call.state is _State.STRANDED:  # its GPU left already: back to the queue
+            return self._requeue_stranded(call, now) if retry else self._finish(call, *_no_node(call))
         self._release(call, now, drop_model=_never_loaded(self.scheduler, call), requeue=retry, avoid_gpu=True)
-        if not retry:
-            effects += self._finish(call, pb.UNAVAILABLE, f"no node could run the call ({call.placements} placements)")
+        effects = [] if retry else self._finish(call, *_no_node(call))
         return effects + self.schedule(now)
+
+    def _maybe_ran(self, call: _Call) -> list[Effect]:
+        """The owner lost the node after sending it the current attempt: the call may be running
+        there. Its node is asked (CheckGrants, which revokes the grant if never seen); one that
+        saw it, or has left (STRANDED), cannot have the call run again: its owner is answered
+        that the outcome is unknown."""
+        if call.state is _State.STRANDED:
+            return self._finish(call, OUTCOME_UNKNOWN, _unknown_whether_ran_message(call))
+        if call.claimed:  # seen there already: its Done (or the lost-call deadline) frees the slot
+            return self._unknown(call, _ran_there_message(call))
+        call.maybe_ran = True
+        if call.checking:
+            return []  # a check is under way already: its answer decides
+        call.checking = True
+        return [CheckGrants(split_gpu_address(call.gpu_id)[0], ((call.call_id, call.attempt),))]
+
+    def grants_unchecked(self, grants: Iterable[tuple[str, int]]) -> list[Effect]:
+        """A CheckGrants got no answer (the node is unreachable, or gone): a call whose owner lost
+        the node after sending it the grant is answered that its outcome is unknown. (The node is
+        taken out next: `gpus_removed` deals with the rest.)"""
+        effects: list[Effect] = []
+        for call_id, attempt in grants:
+            call = self._current(call_id, attempt)
+            if call is not None and call.maybe_ran:
+                effects += self._unknown(call, _unknown_whether_ran_message(call))
+        return effects
+
+    def _requeue_stranded(self, call: _Call, now: float) -> list[Effect]:
+        """A STRANDED call whose owner never sent its Execute goes back to the queue (WAITING while
+        no GPU is attached: its node may come back)."""
+        if not self.scheduler.cache.gpu_ids():
+            call.state = _State.WAITING
+            self._waiting[call.call_id] = call
+            return []
+        try:
+            _enqueue(self.scheduler, call)
+        except Rejected as exc:  # it fits none of the GPUs left
+            return self._finish(call, exc.status, str(exc))
+        return self.schedule(now)
 
     def owner_lost(self, owner: Owner, now: float) -> list[Effect]:
         """The owner's connection closed: withdraw its calls (placed ones are checked first)."""
@@ -450,76 +579,30 @@ class CallBook:
 
     # --- nodes ------------------------------------------------------------------------------
     def gpus_removed(self, gpu_ids: Iterable[str], now: float) -> list[Effect]:
-        """GPUs left (their node did): their running and parked calls go back to the queue (and
-        are placed again; the owner's Execute to the gone node fails, and its Abandon for that
-        attempt is then stale)."""
+        """GPUs left (their node did): their parked calls go back to the queue; their placed ones
+        are STRANDED: placed again only if their owner says it never sent the Execute (Abandon
+        REFUSED), else answered that their outcome is unknown (the call may have run on the node,
+        which is cut off, not dead, or was killed running it)."""
+        effects: list[Effect] = []
         for gpu_id in gpu_ids:
             self.dirty_models.update(self.scheduler.cache.models_on(gpu_id))
             for request in self.scheduler.remove_gpu(gpu_id, now):
                 call = self._calls.get(request.request_id)
                 if call is None:
                     continue
+                placed = call.state is _State.PLACED
                 call.state = _State.QUEUED
                 call.claimed = call.checking = False
+                if not call.wanted or placed:
+                    self.scheduler.cancel(call.call_id)  # (remove_gpu put it back in the queue)
                 if not call.wanted:
-                    self.scheduler.cancel(call.call_id)
                     self._forget(call)
+                elif placed and call.maybe_ran:  # its owner lost the node too, after sending it
+                    effects += self._finish(call, OUTCOME_UNKNOWN, _unknown_whether_ran_message(call))
+                elif placed:
+                    call.state = _State.STRANDED
             self.dirty_gpus.discard(gpu_id)
-        return self.schedule(now)
-
-    def reconcile(self, gpu_id: str, resident: dict[str, int], now: float) -> list[Effect]:
-        """A node reported the models resident on `gpu_id` (model -> MiB). Cache entries with no
-        worker and no work are dropped (phantoms); workers the cache does not know are adopted
-        when they fit without evicting anything and some function still runs them, else evicted
-        (orphans) unless a grant from now on uses them or they have calls in flight."""
-        cache = self.scheduler.cache.gpu(gpu_id)
-        busy = {self._calls[r].spec.model for r in self.scheduler.gpu(gpu_id).running if r in self._calls}
-        for model in list(cache):
-            if model not in resident and not cache.is_pinned(model) and model not in busy:
-                self.scheduler.cache.drop(gpu_id, model)
-                self.dirty_models.add(model)
-        orphans: list[str] = []
-        for model, memory_mb in resident.items():
-            if model in cache:
-                continue
-            if model not in self._retired and cache.free_mb >= memory_mb:
-                self.scheduler.cache.admit(gpu_id, model, memory_mb)
-                self.dirty_models.add(model)
-            else:
-                orphans.append(model)
-        self.dirty_gpus.add(gpu_id)
-        # Only if still idle then: the report may be older than a placement that uses the model
-        # again (after a release, say), and that placement's worker must stay.
-        return [Evict(gpu_id, tuple(orphans), if_idle=True, gpu_seq=self._seq.get(gpu_id, 0))] if orphans else []
-
-    def reconcile_host(self, node: str, capacity_mb: int, parked: dict[str, int]) -> list[Effect]:
-        """A node reported its host tier: `capacity_mb` (0: none) and the models parked there,
-        least recently parked first (model -> MiB). The scheduler's tier for the node follows:
-        created or resized to the node's size, entries the node does not hold dropped, parked
-        models it does not know adopted while they fit, the others stopped at the node."""
-        return _reconcile_host(self.scheduler, self._retired, node, capacity_mb, parked)
-
-    def release_idle(self, now: float, *, gpu_idle_s: float | None, host_idle_s: float | None) -> list[Effect]:
-        """EDAS's staged exit (see `Scheduler.release_idle`): what has been idle long enough
-        leaves its GPU (for the host tier where the node has one), then the host tier; returns
-        the releases for the nodes to carry out."""
-        effects: list[Effect] = []
-        for release in self.scheduler.release_idle(now, gpu_idle_s=gpu_idle_s, host_idle_s=host_idle_s):
-            self.dirty_models.add(release.model)
-            if release.gpu_id is not None:
-                self.dirty_gpus.add(release.gpu_id)
-                effects.append(
-                    Evict(
-                        release.gpu_id,
-                        (release.model,),
-                        to_host=release.to_host,
-                        if_idle=True,
-                        gpu_seq=self._seq.get(release.gpu_id, 0),
-                    )
-                )
-            elif release.node is not None:
-                effects.append(EvictHost(release.node, (release.model,)))
-        return effects
+        return effects + self.schedule(now)
 
     # --- internals --------------------------------------------------------------------------
     def _current(self, call_id: str, attempt: int) -> _Call | None:
@@ -547,13 +630,21 @@ class CallBook:
             self.dirty_models.add(call.spec.model)
         self.scheduler.on_failure(call.call_id, now, drop_model=drop_model, requeue=requeue, avoid_gpu=avoid_gpu)
         call.state = _State.QUEUED
-        call.claimed = call.checking = False
+        call.claimed = call.checking = call.maybe_ran = False
         if not requeue:
             self._forget(call)
 
     def _finish(self, call: _Call, status: int, message: str) -> list[Effect]:
         self._forget(call)
         return [Answer(call.owner, call.call_id, status, message)] if call.wanted else []
+
+    @staticmethod
+    def _unknown(call: _Call, message: str) -> list[Effect]:
+        """Answer the owner that the call's outcome is unknown; the call stays placed (its Done,
+        or the lost-call deadline, frees its slot) but nobody waits for it any more."""
+        answer: list[Effect] = [Answer(call.owner, call.call_id, OUTCOME_UNKNOWN, message)] if call.wanted else []
+        call.wanted = False
+        return answer
 
     def _forget(self, call: _Call) -> None:
         self._calls.pop(call.call_id, None)
@@ -622,9 +713,29 @@ def _never_loaded(scheduler: Scheduler, call: _Call) -> bool:
     return not any(r.model == call.spec.model for r in others)
 
 
+def _no_node(call: _Call) -> tuple[int, str]:
+    return pb.UNAVAILABLE, f"no node could run the call ({call.placements} placements)"
+
+
+def _ran_there_message(call: _Call) -> str:
+    return (
+        f"the outcome of call {call.call_id!r} is unknown: it started on node {split_gpu_address(call.gpu_id)[0]} "
+        "(its grant was presented there), but the gateway lost its connection to that node before the answer "
+        "came, so it was not run again (check its effects before retrying)"
+    )
+
+
+def _unknown_whether_ran_message(call: _Call) -> str:
+    return (
+        f"the outcome of call {call.call_id!r} is unknown: the gateway lost node {split_gpu_address(call.gpu_id)[0]} "
+        "after sending it the call, and the node cannot say whether it started it (it is unreachable or gone), so "
+        "it was not run again (check its effects before retrying)"
+    )
+
+
 def _outcome_unknown_message(call_id: str) -> str:
     return (
-        f"the scheduler no longer holds call {call_id!r}: it finished on its node but its answer did not "
-        "reach the gateway, or it was never placed; its outcome is unknown, so it was not run again "
-        "(check its effects before retrying)"
+        f"the outcome of call {call_id!r} is unknown: the scheduler no longer holds it (it finished on its node "
+        "but its answer did not reach the gateway, or it was never placed), so it was not run again (check its "
+        "effects before retrying)"
     )

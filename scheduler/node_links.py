@@ -178,7 +178,7 @@ class NodeLinks:
             lost = await conn.closed
             if self._linked(node, term):
                 log.warning(
-                    "lost the connection to node %s (%s); taking its GPUs out, %d placed call(s) go back to the queue",
+                    "lost the connection to node %s (%s); taking its GPUs out, %d placed call(s) stranded there",
                     node.record.node,
                     lost,
                     len(self.book.placed_on(node.record.node)),
@@ -227,7 +227,8 @@ class NodeLinks:
         self.prestage(self.functions.values())
 
     def _detach(self, node: NodeLink) -> None:
-        """Take a node's GPUs out: their calls go back to the queue (and are placed again)."""
+        """Take a node's GPUs out: their parked calls go back to the queue; their placed ones are
+        placed again only where their gateway never sent them (scheduler.calls, STRANDED)."""
         if not node.gpu_ids:
             return
         gpu_ids, node.gpu_ids = node.gpu_ids, []
@@ -347,8 +348,10 @@ class NodeLinks:
                 pb.RevokeReply
             )
         except (ConnectionLost, TimeoutError, RemoteError) as exc:
-            # The node cannot say: if it is gone its calls were requeued with its GPUs.
+            # The node cannot say: a call that may have reached it cannot be run again (its owner
+            # hears that its outcome is unknown); the rest are the node's GPUs' (`gpus_removed`).
             log.warning("cannot check grants with node %s (%s); taking it out", effect.node, exc)
+            self.apply(self.book.grants_unchecked(effect.grants))
             if node is not None:
                 self._disconnect(node)
             return

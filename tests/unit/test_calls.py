@@ -358,19 +358,75 @@ def test_a_cancelled_call_whose_grant_was_presented_waits_for_its_done() -> None
     assert len(book) == 0 and running(book, N1) == []
 
 
-def test_an_unreachable_node_places_the_call_elsewhere_and_revokes_the_old_grant() -> None:
+def test_a_node_lost_after_the_execute_was_sent_is_asked_first_and_a_grant_it_never_saw_is_placed_elsewhere() -> None:
+    # The gateway lost node n1 after sending it the Execute: the call may run there. It is placed
+    # again only once n1 says it never saw the grant (which revokes it there, so it cannot run late).
     book = make_book(slots=2)
     book.submit("gw1", "c1", A, 60.0, now=0.0)
-    effects = book.abandon("gw1", "c1", 1, pb.Abandon.NODE_UNREACHABLE, now=1.0)
-    assert effects[0] == CheckGrants("n1", (("c1", 1),))
-    assert placed(effects[1:]) == [("c1", 2, N2, 1, False)]
+    assert book.abandon("gw1", "c1", 1, pb.Abandon.NODE_UNREACHABLE, now=1.0) == [CheckGrants("n1", (("c1", 1),))]
+    assert running(book, N1) == ["c1"] and queued(book) == []  # nothing placed meanwhile
+    assert book.abandon("gw1", "c1", 1, pb.Abandon.NODE_UNREACHABLE, now=1.2) == []  # being checked
+    assert book.tick(CLAIM_S + 1.0) == []  # not checked twice
+    assert placed(book.grants_checked("n1", [("c1", 1)], [], now=1.5)) == [("c1", 2, N2, 1, False)]
     assert running(book, N1) == [] and running(book, N2) == ["c1"]
     assert cached(book, A) == {N2}  # the miss on n1 never happened
     assert book.placed_on("n1") == [] and book.placed_on("n2") == [("c1", 2)]
     # The node's answer about the old attempt changes nothing, whatever it says.
-    assert book.grants_checked("n1", [("c1", 1)], [], now=1.5) == []
-    assert book.grants_checked("n1", [], [("c1", 1)], now=1.5) == []
+    assert book.grants_checked("n1", [("c1", 1)], [], now=1.6) == []
+    assert book.grants_checked("n1", [], [("c1", 1)], now=1.6) == []
     assert running(book, N2) == ["c1"] and len(book) == 1
+
+
+def test_a_node_lost_after_the_execute_was_sent_that_saw_the_grant_makes_the_outcome_unknown() -> None:
+    # n1 started the call (a partition cut the gateway off it): answered 502 "outcome unknown"
+    # at once, never run again; the slot stays the call's until n1's Done (or the lost-call deadline).
+    book = make_book(gpus=(N1,))
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    book.submit("gw1", "c2", B, 60.0, now=0.0)
+    book.abandon("gw1", "c1", 1, pb.Abandon.NODE_UNREACHABLE, now=1.0)
+    (answer,) = book.grants_checked("n1", [], [("c1", 1)], now=1.5)
+    assert isinstance(answer, Answer) and (answer.owner, answer.call_id, answer.status) == (
+        "gw1",
+        "c1",
+        OUTCOME_UNKNOWN,
+    )
+    assert "started on node n1" in answer.message and "not run again" in answer.message
+    assert running(book, N1) == ["c1"] and queued(book) == ["c2"]
+    assert book.abandon("gw1", "c1", 1, pb.Abandon.NODE_UNREACHABLE, now=1.6) == []  # answered once
+    assert placed(book.done("c1", 1, pb.OK, now=3.0)) == [("c2", 1, N1, 2, False)]
+    assert len(book) == 1
+
+
+def test_a_node_lost_after_the_execute_was_sent_that_cannot_answer_makes_the_outcome_unknown() -> None:
+    book = make_book()
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    assert book.grants_unchecked([("c1", 1)]) == []  # a check nobody was waiting on: nothing to say
+    book.abandon("gw1", "c1", 1, pb.Abandon.NODE_UNREACHABLE, now=1.0)
+    (answer,) = book.grants_unchecked([("c1", 1)])
+    assert isinstance(answer, Answer) and (answer.call_id, answer.status) == ("c1", OUTCOME_UNKNOWN)
+    assert "cannot say whether it started it" in answer.message
+    # The node is taken out next: its GPU leaves, and the call with it, silently.
+    assert book.gpus_removed([N1], now=2.0) == []
+    assert len(book) == 0 and queued(book) == [] and running(book, N2) == []
+
+
+def test_a_call_seen_by_its_node_is_not_checked_again_when_the_gateway_loses_the_node() -> None:
+    book = make_book()
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    assert book.tick(CLAIM_S) == [CheckGrants("n1", (("c1", 1),))]
+    assert book.grants_checked("n1", [], [("c1", 1)], now=CLAIM_S) == []  # claimed: it runs there
+    (answer,) = book.abandon("gw1", "c1", 1, pb.Abandon.NODE_UNREACHABLE, now=CLAIM_S + 1)
+    assert isinstance(answer, Answer) and answer.status == OUTCOME_UNKNOWN and "started on node n1" in answer.message
+    assert running(book, N1) == ["c1"] and queued(book) == []
+
+
+def test_a_node_lost_during_a_claim_check_waits_for_that_checks_answer() -> None:
+    book = make_book()
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    assert book.tick(CLAIM_S) == [CheckGrants("n1", (("c1", 1),))]
+    assert book.abandon("gw1", "c1", 1, pb.Abandon.NODE_UNREACHABLE, now=CLAIM_S + 0.1) == []
+    (answer,) = book.grants_checked("n1", [], [("c1", 1)], now=CLAIM_S + 0.2)
+    assert isinstance(answer, Answer) and answer.status == OUTCOME_UNKNOWN
 
 
 def test_a_refused_grant_places_the_call_again_elsewhere() -> None:
@@ -394,7 +450,7 @@ def test_an_abandon_for_a_call_already_done_says_its_outcome_is_unknown() -> Non
         (answer,) = book.abandon("gw1", "c1", 1, reason, now=7.0)
         assert isinstance(answer, Answer)
         assert (answer.owner, answer.call_id, answer.status) == ("gw1", "c1", OUTCOME_UNKNOWN)
-        assert "outcome is unknown" in answer.message and "not run again" in answer.message
+        assert "is unknown" in answer.message and "not run again" in answer.message
     assert len(book) == 0 and queued(book) == [] and running(book, N1) == running(book, N2) == []
 
 
@@ -410,6 +466,7 @@ def test_an_abandon_about_a_replaced_placement_is_ignored() -> None:
     book = make_book()
     book.submit("gw1", "c1", A, 60.0, now=0.0)
     book.abandon("gw1", "c1", 1, pb.Abandon.NODE_UNREACHABLE, now=1.0)
+    book.grants_checked("n1", [("c1", 1)], [], now=1.2)
     assert book.abandon("gw1", "c1", 1, pb.Abandon.NODE_UNREACHABLE, now=1.5) == []
     assert book.abandon("gw1", "c1", 1, pb.Abandon.REFUSED, now=1.5) == []
     assert running(book, N2) == ["c1"] and book.placed_on("n2") == [("c1", 2)]
@@ -570,7 +627,7 @@ def test_a_lost_call_frees_its_slot_for_a_queued_one() -> None:
 # --- nodes ------------------------------------------------------------------------------------
 
 
-def test_calls_on_gpus_that_left_are_placed_again_on_the_others() -> None:
+def test_calls_placed_on_gpus_that_left_wait_for_their_owner_to_say_whether_it_sent_them() -> None:
     book = make_book(slots=2)
     book.submit("gw1", "c1", A, 60.0, now=0.0)
     book.submit("gw1", "c2", C, 60.0, now=0.0)
@@ -578,24 +635,70 @@ def test_calls_on_gpus_that_left_are_placed_again_on_the_others() -> None:
     assert sorted(running(book, N1)) == ["c1", "c2"] and running(book, N2) == ["c3"]
     book.dirty_gpus.clear()
     book.dirty_models.clear()
-    # n1 left: its calls go back to the queue in arrival order; n2 has one free slot.
-    assert placed(book.gpus_removed([N1], now=1.0)) == [("c1", 2, N2, 2, False)]
-    assert queued(book) == ["c2"]
+    # n1 left: its placed calls are not placed again by themselves (they may be running there:
+    # it may be cut off, not dead), nor answered: their owner says whether it sent them.
+    assert book.gpus_removed([N1], now=1.0) == []
+    assert queued(book) == [] and running(book, N2) == ["c3"] and len(book) == 3
     assert A.model in book.dirty_models and N1 not in book.dirty_gpus
-    assert book.placed_on("n1") == [] and book.placed_on("n2") == [("c1", 2), ("c3", 1)]
-    # The gateway's Abandon for the gone attempt is stale now.
-    assert book.abandon("gw1", "c1", 1, pb.Abandon.NODE_UNREACHABLE, now=1.5) == []
-    assert placed(book.done("c3", 1, pb.OK, 2.0)) == [("c2", 2, N2, 3, False)]
-    assert len(book) == 2
+    assert book.placed_on("n1") == [] and book.placed_on("n2") == [("c3", 1)]
+    # c1's Execute was never sent (no connection to n1): placed again, where there is room.
+    assert placed(book.abandon("gw1", "c1", 1, pb.Abandon.REFUSED, now=1.5)) == [("c1", 2, N2, 2, False)]
+    # c2's was, before the gateway lost n1: whether it ran is unknown, and it is not run again.
+    (answer,) = book.abandon("gw1", "c2", 1, pb.Abandon.NODE_UNREACHABLE, now=1.6)
+    assert isinstance(answer, Answer) and (answer.owner, answer.call_id, answer.status) == (
+        "gw1",
+        "c2",
+        OUTCOME_UNKNOWN,
+    )
+    assert "cannot say whether it started it" in answer.message
+    assert book.abandon("gw1", "c2", 1, pb.Abandon.NODE_UNREACHABLE, now=1.7)[0].status == OUTCOME_UNKNOWN  # type: ignore[union-attr]
+    assert len(book) == 2 and book.placed_on("n2") == [("c1", 2), ("c3", 1)]
 
 
-def test_calls_on_a_gpu_that_left_wait_for_a_slot_when_none_is_free() -> None:
+def test_a_stranded_call_waits_for_a_slot_when_none_is_free() -> None:
     book = make_book()
     book.submit("gw1", "c1", A, 60.0, now=0.0)
     book.submit("gw1", "c2", B, 60.0, now=0.0)
     assert book.gpus_removed([N1], now=1.0) == []
+    assert book.abandon("gw1", "c1", 0, pb.Abandon.REFUSED, now=1.1) == []
     assert queued(book) == ["c1"]
     assert placed(book.done("c2", 1, pb.OK, 2.0)) == [("c1", 2, N2, 2, False)]
+
+
+def test_parked_calls_on_a_gpu_that_left_go_back_to_the_queue() -> None:
+    book = make_book()
+    cache_on(book.scheduler, N1, A.model, B.model)
+    book.submit("gw1", "c1", B, 60.0, now=0.0)  # a hit on n1
+    assert book.submit("gw1", "c2", A, 60.0, now=0.0) == []  # parked on n1, behind c1
+    assert [r.request_id for r in book.scheduler.gpu(N1).local_queue] == ["c2"]
+    # Never placed: it is placed at once on the GPU left, c1 waits for its owner's word.
+    assert placed(book.gpus_removed([N1], now=1.0)) == [("c2", 1, N2, 1, False)]
+    assert len(book) == 2
+
+
+def test_a_stranded_call_is_forgotten_at_its_done_its_owners_departure_or_its_deadline() -> None:
+    book = make_book(gpus=(N1,), slots=3)
+    for call_id in ("c1", "c2", "c3"):
+        book.submit("gw1", call_id, A, 10.0, now=0.0)
+    book.gpus_removed([N1], now=1.0)
+    assert len(book) == 3 and queued(book) == []
+    # A Done that was on its way (the node finished it): the owner has its answer, or will ask.
+    assert book.done("c1", 1, pb.OK, now=1.5) == []
+    assert book.abandon("gw1", "c3", 0, pb.Abandon.CANCELLED, now=1.6) == []
+    assert len(book) == 1
+    assert book.tick(9.9) == []
+    (answer,) = book.tick(10.0)
+    assert isinstance(answer, Answer) and (answer.call_id, answer.status) == ("c2", pb.DEADLINE)
+    assert len(book) == 0
+
+
+def test_a_call_whose_node_is_being_asked_is_answered_if_the_node_leaves_before_it_answers() -> None:
+    book = make_book()
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    book.abandon("gw1", "c1", 1, pb.Abandon.NODE_UNREACHABLE, now=1.0)
+    (answer,) = book.gpus_removed([N1], now=1.5)
+    assert isinstance(answer, Answer) and (answer.call_id, answer.status) == ("c1", OUTCOME_UNKNOWN)
+    assert len(book) == 0 and queued(book) == [] and running(book, N2) == []
 
 
 def test_a_withdrawn_call_on_a_gpu_that_left_is_forgotten() -> None:
@@ -755,3 +858,13 @@ def test_reconcile_host_leaves_alone_a_model_a_grant_took_back_onto_a_gpu_of_the
     # (the tiers are exclusive), and not stopped (c1 is about to take it back).
     assert book.reconcile_host("n1", 4000, {A.model: 1000}) == []
     assert not book.scheduler.cache.in_host(A.model, N1) and book.scheduler.cache.is_cached(A.model, N1)
+
+
+def test_a_stranded_call_never_sent_waits_for_a_gpu_when_none_is_left() -> None:
+    book = make_book(gpus=(N1,))
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    book.gpus_removed([N1], now=1.0)
+    assert book.abandon("gw1", "c1", 1, pb.Abandon.REFUSED, now=1.5) == []  # WAITING, not refused
+    assert len(book) == 1 and queued(book) == []
+    book.scheduler.add_gpu(GpuSpec(N1, 8000, slots=1, node="n1"))  # its node attached again
+    assert placed(book.schedule(2.0)) == [("c1", 2, N1, 2, False)]  # (grants on n1/g0 go on counting)
