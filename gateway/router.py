@@ -11,14 +11,30 @@ address etcd's leader key names (`set_scheduler_address`) and hears placements o
 to it (a leader that steps down closes its gateways' links); a node that has seen a newer leader
 refuses an older one's token, and the call is asked again of the leader.
 
-A placement that cannot be used is not the end of the call: the node unreachable (Abandon
-NODE_UNREACHABLE: its connection could not be opened, was lost, or was closed because the node left
-the cluster, `Router.node_left`) or refusing the token (Abandon REFUSED) are reported, and the
-scheduler places the call again; a worker that died under it is reported by the node itself, and the scheduler
-either places the call again or answers with a Rejection. The gateway keeps the one deadline:
-past it (plus a grace for the inner hops to answer first) it answers 504 and withdraws the call
-(Abandon CANCELLED). A placement for a call the gateway no longer waits for is handed back the
-same way, so that its slot is freed.
+A placement that cannot be used is not the end of the call, but a call runs at most once:
+- the Execute was never sent (no connection to the node could be had, or the node is known to be
+  unreachable from this gateway just now, below): the gateway says so (Abandon REFUSED: "the grant
+  did not run there and never will") and the scheduler places the call again, elsewhere;
+- the node refused the token (Abandon REFUSED): the same;
+- the connection was lost after the Execute was sent (closed by the node, by the kernel's
+  keepalive, or because the node left the cluster: `Router.node_left`): the call may be running
+  there. The gateway says so (Abandon NODE_UNREACHABLE) and the scheduler places it again only
+  once the node's ledger says it never saw the grant (which revokes it there); otherwise it
+  answers that the call's outcome is unknown, and the gateway answers 502 saying so. A call in
+  that state is never sent to another scheduler (a new leader cannot ask the node about the
+  former leader's grant): across a scheduler change it is answered 502 "outcome unknown" too.
+A worker that died under a call is reported by the node itself, and the scheduler either places
+the call again or answers with a Rejection. The gateway keeps the one deadline: past it (plus a
+grace for the inner hops to answer first) it answers 504 and withdraws the call (Abandon
+CANCELLED). A placement for a call the gateway no longer waits for is handed back the same way,
+so that its slot is freed.
+
+Node connections (`NodeConnections`): one per node, pinged every PING_S. A node whose connection
+could not be made or was lost is dialled again in the background, and one that has answered
+nothing for PING_TIMEOUT_S (no ping answer, no reply) takes no new Execute: meanwhile its
+placements are handed back at once (never sent) instead of each waiting for a connect timeout or
+joining calls stuck on a link that is cut (a one-way cut never resets the connection: the unacknowledged
+ping makes the kernel end it within gpufaas.wire's dead_after_s, which fails the calls on it).
 """
 
 from __future__ import annotations
@@ -26,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +67,22 @@ log = logging.getLogger("gpufaas.gateway.router")
 DEADLINE_GRACE_S = 1.0
 SCHEDULER_WAIT_S = 5.0  # how long a call waits for a scheduler that is (re)connecting
 RECONNECT_S = 0.2
+_SILENT = "it answered no ping"
+NODE_CONNECT_S = 2.0  # a node connection not made within this is a node unreachable
+PING_S = 1.0  # how often each node connection is asked for an answer
+PING_TIMEOUT_S = 1.5  # a node that answers nothing this long after a ping takes no new Execute
+REDIAL_S = 0.5  # how often a node that could not be reached is dialled again in the background
+REDIAL_FOR_S = 60.0  # then its placements dial it themselves again
+# The ping: a request a node does not serve, answered at once with an Error. Any answer proves the
+# node reads this connection (gpufaas.wire has no ping message of its own).
+PING_TYPE = MessageType.CLUSTER
+# Abandon reasons, as the scheduler reads them (scheduler.calls): the grant did not run at its node
+# and never will (refused there, or never sent), or the Execute may have reached the node.
+NOT_SENT = pb.Abandon.REFUSED
+MAYBE_SENT = pb.Abandon.NODE_UNREACHABLE
+# A Rejection's status for "whether the call ran is unknown" (scheduler.calls.OUTCOME_UNKNOWN: no
+# Status names it yet); answered 502 like any status without a mapping below.
+OUTCOME_UNKNOWN = pb.STATUS_UNSPECIFIED
 
 # Why a call ended without a result -> HTTP status, in one place (README's HTTP API lists them).
 STATUS_TO_HTTP = {
@@ -87,13 +120,23 @@ class CallResult:
     reply: pb.ExecuteReply
 
 
+class _NotSent(Exception):
+    """The Execute was not sent: the placement cannot have run at its node."""
+
+
+class _MaybeSent(Exception):
+    """The connection to the node was lost after the Execute was sent: it may be running there."""
+
+
 class _Mailbox:
     """One call in flight: what the scheduler says about it (Placements, a Rejection), in
     arrival order, and what is needed to ask again. `waiting`: the call waits for a placement
     (it is not executing), so a new scheduler connection must be asked again; `attempt`: the
-    latest placement tried, under scheduler connection `epoch` (attempts restart with a new one)."""
+    latest placement tried, under scheduler connection `epoch` (attempts restart with a new one);
+    `unsure`: the node of that attempt was lost after its Execute was sent, and only the scheduler
+    that placed it can have the node say whether it ran (a new one gets no Place for it)."""
 
-    __slots__ = ("attempt", "clock", "deadline", "epoch", "messages", "place", "waiter", "waiting")
+    __slots__ = ("attempt", "clock", "deadline", "epoch", "messages", "place", "unsure", "waiter", "waiting")
 
     def __init__(self, place: pb.Place, deadline: float, clock: Callable[[], float]) -> None:
         self.place = place
@@ -102,6 +145,7 @@ class _Mailbox:
         self.messages: deque[pb.Placement | pb.Rejection] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self.waiting = False
+        self.unsure = False
         self.attempt = 0
         self.epoch = 0
 
@@ -120,6 +164,135 @@ class _Mailbox:
             self.waiter = asyncio.get_running_loop().create_future()
             await self.waiter
         return self.messages.popleft()
+
+
+class NodeConnections:
+    """The gateway's connections to the nodes, one per node address (opened on first use), and
+    which nodes take no Execute just now (`unusable`): a node whose connection could not be made
+    or was lost, dialled again in the background every REDIAL_S (for REDIAL_FOR_S, then a
+    placement dials it itself), and one that has answered nothing for PING_TIMEOUT_S after a ping
+    (each connection is pinged every PING_S), until it answers again."""
+
+    def __init__(self, *, max_frame_bytes: int, key: bytes | None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_frame_bytes = max_frame_bytes
+        self.key = key
+        self.clock = clock
+        self._conns: dict[str, Connection] = {}
+        self._connects: dict[str, asyncio.Task[Connection]] = {}
+        self.unusable: dict[str, str] = {}  # address -> why no Execute goes there now
+        self._heard: dict[str, float] = {}  # address -> when it last answered anything
+        self._redials: dict[str, asyncio.Task[None]] = {}
+        self._watches: set[asyncio.Task[None]] = set()
+
+    async def get(self, address: str) -> Connection:
+        """The open connection to `address`, made if there is none. Raises ConnectionLost (nothing
+        was sent) if the node takes no Execute now or cannot be connected to."""
+        why = self.unusable.get(address)
+        if why is not None:
+            raise ConnectionLost(f"node at {address} is unreachable from this gateway just now ({why})")
+        conn = self._conns.get(address)
+        if conn is not None and not conn.is_closed:
+            return conn
+        try:
+            return await self._connect(address)
+        except ConnectionLost as exc:
+            self._unreachable(address, str(exc))
+            raise
+
+    def heard(self, address: str) -> None:
+        """The node at `address` answered something (a reply, a ping's answer)."""
+        self._heard[address] = self.clock()
+        if self.unusable.get(address) == _SILENT:
+            del self.unusable[address]
+            log.info("node at %s answers again", address)
+
+    def left(self, address: str) -> None:
+        """The node left the cluster: its connection closes (failing the calls on it) and it takes
+        no Execute until a new connection is made (dialled in the background: it may come back)."""
+        conn = self._conns.pop(address, None)
+        if conn is not None and not conn.is_closed:
+            log.info("node at %s left the cluster: closing its connection", address)
+            conn.close(ConnectionLost(f"the node at {address} left the cluster"))
+        self._unreachable(address, "it left the cluster")
+
+    async def close(self) -> None:
+        tasks = [*self._connects.values(), *self._redials.values(), *self._watches]
+        for task in tasks:
+            task.cancel()
+        for conn in self._conns.values():
+            conn.close()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+    async def _connect(self, address: str) -> Connection:
+        """One dial at a time per address, shared by whoever asks meanwhile."""
+        task = self._connects.get(address)
+        if task is None:
+            task = asyncio.create_task(
+                connect(address, None, max_frame_bytes=self.max_frame_bytes, timeout_s=NODE_CONNECT_S, key=self.key)
+            )
+            self._connects[address] = task
+            task.add_done_callback(lambda _: self._connects.pop(address, None))
+            task.add_done_callback(lambda done: self._connected(address, done))
+        return await asyncio.shield(task)
+
+    def _connected(self, address: str, done: asyncio.Task[Connection]) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return
+        conn = done.result()
+        self._conns[address] = conn
+        self.heard(address)
+        self.unusable.pop(address, None)
+        watch = asyncio.create_task(self._watch(address, conn))
+        self._watches.add(watch)
+        watch.add_done_callback(self._watches.discard)
+
+    def _unreachable(self, address: str, why: str) -> None:
+        """No Execute goes to `address` until a connection is made again (dialled in the background)."""
+        self.unusable[address] = why
+        if address not in self._redials:
+            redial = asyncio.create_task(self._redial(address))
+            self._redials[address] = redial
+            redial.add_done_callback(lambda _: self._redials.pop(address, None))
+
+    async def _redial(self, address: str) -> None:
+        until = self.clock() + REDIAL_FOR_S
+        while self.clock() < until:
+            await asyncio.sleep(REDIAL_S)
+            conn = self._conns.get(address)
+            if conn is not None and not conn.is_closed:
+                return  # a placement made one meanwhile
+            with contextlib.suppress(ConnectionLost):
+                await self._connect(address)
+                log.info("node at %s reachable again", address)
+                return
+        self.unusable.pop(address, None)  # from now on a placement there dials it itself
+
+    async def _watch(self, address: str, conn: Connection) -> None:
+        """Ping the connection while it is open; mark the node silent while it answers nothing
+        (no Execute goes there meanwhile), and unreachable once the connection is lost."""
+        while not conn.is_closed:
+            await asyncio.sleep(PING_S)
+            sent = self.clock()
+            try:
+                await conn.request(PING_TYPE, pb.ClusterRequest(), timeout_s=PING_TIMEOUT_S)
+            except RemoteError:
+                pass  # the node's answer that it serves no such request: an answer all the same
+            except TimeoutError:
+                if self._heard.get(address, 0.0) < sent and self.unusable.get(address) != _SILENT:
+                    log.warning(
+                        "node at %s answered nothing for %.1f s: no new calls go there", address, PING_TIMEOUT_S
+                    )
+                    self.unusable[address] = _SILENT
+                continue
+            except ConnectionLost:
+                break
+            if self._conns.get(address) is conn:
+                self.heard(address)
+        if self._conns.get(address) is conn:
+            del self._conns[address]
+            self._unreachable(address, f"its connection was lost: {conn.closed.result() or 'closed'}")
 
 
 class Router:
@@ -141,8 +314,7 @@ class Router:
         self._scheduler: Connection | None = None
         self._connected = asyncio.Event()
         self._calls: dict[str, _Mailbox] = {}
-        self._nodes: dict[str, Connection] = {}
-        self._node_connects: dict[str, asyncio.Task[Connection]] = {}
+        self.nodes = NodeConnections(max_frame_bytes=max_frame_bytes_for(max_payload_bytes), key=wire_key)
         self._link: asyncio.Task[None] | None = None
         self._address_changed = asyncio.Event()
         self.epoch = 0  # bumped on every new scheduler connection: attempts restart with it
@@ -158,10 +330,7 @@ class Router:
                 await self._link
         if self._scheduler is not None:
             self._scheduler.close()
-        for conn in self._nodes.values():
-            conn.close()
-        for task in self._node_connects.values():
-            task.cancel()
+        await self.nodes.close()
 
     def set_scheduler_address(self, address: str) -> None:
         """The scheduler registered (or moved: another leads): connect there."""
@@ -173,15 +342,13 @@ class Router:
 
     def node_left(self, address: str) -> None:
         """The node at `address` left the gateway's view of the cluster (its etcd key is gone: its
-        lease expired or it deregistered). Its connection is closed, so that the calls waiting on it
-        fail over at once through the node-unreachable path: the scheduler, which saw the node leave
-        too, has placed them again or will. Without this a node cut off by a partition holds its
-        calls until the wire gives up on it (gpufaas.wire's dead_after_s), or until their deadline
-        where the wire cannot tell. A later placement on that node opens a new connection."""
-        conn = self._nodes.pop(address, None)
-        if conn is not None and not conn.is_closed:
-            log.info("node at %s left the cluster: closing its connection", address)
-            conn.close(ConnectionLost(f"the node at {address} left the cluster"))
+        lease expired or it deregistered). Its connection is closed, so that the calls on it end
+        now rather than when the wire gives up on a node cut off by a partition (gpufaas.wire's
+        dead_after_s), or at their deadline where the wire cannot tell: each is answered through
+        the scheduler (placed again where the node never saw its grant, else 502 "outcome
+        unknown": the scheduler saw the node leave too). The node is dialled again in the
+        background (it may come back), and takes no Execute until a connection is made."""
+        self.nodes.left(address)
 
     @property
     def scheduler_address(self) -> str | None:
@@ -212,7 +379,9 @@ class Router:
             self._scheduler = conn
             self._connected.set()
             for box in self._calls.values():  # a new scheduler knows none of them
-                if box.waiting:
+                if box.waiting and box.unsure:
+                    box.put(pb.Rejection(call_id=box.place.call_id, status=OUTCOME_UNKNOWN, message=_unsure(box)))
+                elif box.waiting:
                     box.attempt, box.epoch = 0, self.epoch
                     conn.send(MessageType.PLACE, box.place_now())
             log.info("connected to the scheduler at %s", self._address)
@@ -298,22 +467,17 @@ class Router:
                 raise CallFailed(STATUS_TO_HTTP.get(message.status, 502), message.message)
             if message.attempt <= box.attempt:
                 continue  # a placement already tried (or replaced)
-            box.attempt, box.waiting = message.attempt, False
+            # A new placement: the scheduler knows the one before it did not run (or its worker died).
+            box.attempt, box.waiting, box.unsure = message.attempt, False, False
             try:
-                node = await self._node(message.node_address)
-                frame = await node.request(
-                    MessageType.EXECUTE,
-                    pb.Execute(token=message.token, content_type=content_type),
-                    payload,
-                    timeout_s=max(0.001, box.deadline - box.clock()) + DEADLINE_GRACE_S,
-                )
-            except (ConnectionLost, RemoteError) as exc:
-                log.warning("call %s: node %s unreachable (%s)", call_id, message.node, exc)
-                box.waiting = True
-                if box.epoch != self.epoch:
-                    await self._ask(box)  # the scheduler that placed it is gone
-                else:
-                    self.abandon(call_id, box.attempt, pb.Abandon.NODE_UNREACHABLE, str(exc))
+                frame = await self._execute(box, message, payload, content_type)
+            except _NotSent as exc:
+                log.info("call %s: not sent to node %s (%s)", call_id, message.node, exc)
+                await self._placement_failed(box, NOT_SENT, str(exc))
+                continue
+            except _MaybeSent as exc:
+                log.warning("call %s: node %s lost after the call was sent (%s)", call_id, message.node, exc)
+                await self._placement_failed(box, MAYBE_SENT, str(exc))
                 continue
             reply = frame.message(pb.ExecuteReply)
             if reply.outcome == pb.OK:
@@ -331,6 +495,40 @@ class Router:
                 self.abandon(call_id, box.attempt, pb.Abandon.REFUSED, reply.message)
             # WORKER_DIED: the node told the scheduler, which places the call again or rejects it.
 
+    async def _execute(self, box: _Mailbox, placement: pb.Placement, payload: bytes, content_type: str) -> Frame:
+        """Send the placement's Execute and wait for the node's answer. Raises _NotSent when no
+        connection to the node could be had, _MaybeSent when it was lost after the Execute went."""
+        try:
+            node = await self.nodes.get(placement.node_address)
+        except ConnectionLost as exc:
+            raise _NotSent(exc) from None
+        if node.is_closed:  # (nothing awaited since: the Execute below is written, or this holds)
+            raise _NotSent(f"the connection to {placement.node_address} closed")
+        try:
+            frame = await node.request(
+                MessageType.EXECUTE,
+                pb.Execute(token=placement.token, content_type=content_type),
+                payload,
+                timeout_s=max(0.001, box.deadline - box.clock()) + DEADLINE_GRACE_S,
+            )
+        except (ConnectionLost, RemoteError) as exc:
+            raise _MaybeSent(exc) from None
+        self.nodes.heard(placement.node_address)
+        return frame
+
+    async def _placement_failed(self, box: _Mailbox, reason: int, detail: str) -> None:
+        """Report a placement that could not be used (`reason`: NOT_SENT or MAYBE_SENT) to the
+        scheduler that made it; if that one is gone, a call never sent is asked of the new one
+        afresh, and one that may have run is answered 502: its outcome is unknown."""
+        box.waiting = True
+        if box.epoch == self.epoch:
+            box.unsure = reason == MAYBE_SENT
+            self.abandon(box.place.call_id, box.attempt, reason, detail)
+        elif reason == MAYBE_SENT:
+            raise CallFailed(502, _unsure(box))
+        else:
+            await self._ask(box)  # the scheduler that placed it is gone: ask the new one
+
     async def _ask(self, box: _Mailbox) -> None:
         """Send the call's Place (waiting a little for a scheduler that is reconnecting)."""
         conn = self.scheduler
@@ -344,26 +542,13 @@ class Router:
         box.waiting, box.attempt, box.epoch = True, 0, self.epoch
         conn.send(MessageType.PLACE, box.place_now())
 
-    async def _node(self, address: str) -> Connection:
-        conn = self._nodes.get(address)
-        if conn is not None and not conn.is_closed:
-            return conn
-        task = self._node_connects.get(address)
-        if task is None:
-            task = asyncio.create_task(
-                connect(
-                    address,
-                    None,
-                    max_frame_bytes=max_frame_bytes_for(self.max_payload_bytes),
-                    timeout_s=2.0,
-                    key=self.wire_key,
-                )
-            )
-            self._node_connects[address] = task
-            task.add_done_callback(lambda _: self._node_connects.pop(address, None))
-        conn = await asyncio.shield(task)
-        self._nodes[address] = conn
-        return conn
+
+def _unsure(box: _Mailbox) -> str:
+    return (
+        f"the outcome of call {box.place.call_id!r} is unknown: the gateway lost its node after sending it the "
+        "call, and the scheduler that placed it is gone, so nobody can ask the node whether it started it; it was "
+        "not run again (check its effects before retrying)"
+    )
 
 
 class _SchedulerSession:

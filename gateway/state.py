@@ -207,17 +207,33 @@ class Gateway:
             log.info("no scheduler leads now; waiting for the next leader")
 
     def _nodes_listed(self, kvs: list[KeyValue], revision: int) -> None:
-        self.nodes = {}
+        before, self.nodes = self.nodes, {}
         for kv in kvs:
             self._node_changed(WatchEvent("put", kv.key, kv.value, kv.mod_revision))
+        for name, record in before.items():  # gone while the watch was down
+            if name not in self.nodes:
+                self._node_left(record)
 
     def _node_changed(self, event: WatchEvent) -> None:
+        """A node's key: its record, or its departure (its lease expired: cut off or dead, or it
+        deregistered), which the router hears at once (`Router.node_left`), so that the calls on
+        it end now rather than when the wire gives up on it."""
         name = event.key.removeprefix(self.keys.nodes)
         if event.kind == "delete":
-            self.nodes.pop(name, None)
+            record = self.nodes.pop(name, None)
+            if record is not None:
+                self._node_left(record)
             return
         with contextlib.suppress(ValueError, KeyError, TypeError):
-            self.nodes[name] = NodeRecord.from_json(event.value)
+            record = NodeRecord.from_json(event.value)
+            old = self.nodes.get(name)
+            self.nodes[name] = record
+            if old is not None and old.address != record.address:
+                self._node_left(old)  # it moved: nothing reaches it at the old address
+
+    def _node_left(self, record: NodeRecord) -> None:
+        log.info("node %s left the cluster (its key is gone)", record.node)
+        self.router.node_left(record.address)
 
     def largest_gpu_mb(self, gpu_type: str | None) -> int | None:
         """The largest registered GPU (of `gpu_type`, if given), in MB; None if none is known."""

@@ -17,8 +17,19 @@ import pytest
 import uvloop
 from google.protobuf.message import Message
 
+from gateway import router as router_module
 from gateway.app import GatewayConfig, create_app
-from gateway.router import DEADLINE_GRACE_S, RECONNECT_S, CallFailed, CallResult, Router
+from gateway.router import (
+    DEADLINE_GRACE_S,
+    MAYBE_SENT,
+    NOT_SENT,
+    OUTCOME_UNKNOWN,
+    RECONNECT_S,
+    CallFailed,
+    CallResult,
+    Router,
+)
+from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
@@ -166,14 +177,18 @@ class FakeScheduler:
 class FakeNode:
     """Plays a node on a real socket: answers each Execute with what `script` holds for its token
     (a reply and a body, CLOSE, or a future the test resolves later to hold the call); a token not
-    in the script runs as an echo (OK, the payload back with its content type). `stop()` leaves
-    nothing listening at its address, so connecting there is refused."""
+    in the script runs as an echo (OK, the payload back with its content type). Any other request
+    (the router's ping) is answered with an Error, as a node does; a `silent` node answers
+    nothing (its host cut off, its connections open). `stop()` leaves nothing listening at its
+    address, so connecting there is refused."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.script: dict[bytes, NodeAnswer | asyncio.Future[NodeAnswer]] = {}
         self.executes: list[tuple[pb.Execute, bytes]] = []
         self.accepted = 0
+        self.pings = 0
+        self.silent = False
         self.address = ""
         self._server: Server | None = None
         self._held: set[asyncio.Task[None]] = set()
@@ -205,7 +220,13 @@ class FakeNode:
         return future
 
     def on_frame(self, conn: Connection, frame: Frame) -> None:
-        assert frame.type == MessageType.EXECUTE and frame.is_request
+        assert frame.is_request
+        if self.silent:
+            return
+        if frame.type != MessageType.EXECUTE:
+            self.pings += 1
+            conn.reply_error(frame, pb.INVALID, f"a GPU manager does not answer message type {frame.type}")
+            return
         execute = frame.message(pb.Execute)
         self.executes.append((execute, frame.body))
         answer = self.script.get(execute.token)
@@ -442,7 +463,7 @@ def test_a_refused_token_is_abandoned_and_the_next_placement_used() -> None:
     run(scenario())
 
 
-def test_an_unreachable_node_is_abandoned_and_the_call_runs_on_the_next_placement() -> None:
+def test_a_node_that_cannot_be_connected_to_is_handed_back_as_never_sent_and_the_call_runs_on_the_next() -> None:
     async def scenario() -> None:
         async with cluster() as env:
             await env.node_a.stop()  # connecting to node a is now refused
@@ -451,8 +472,9 @@ def test_an_unreachable_node_is_abandoned_and_the_call_runs_on_the_next_placemen
             env.scheduler.send(env.node_a.placement("call-1", 1))
             await until(lambda: env.scheduler.abandons, "the Abandon of the unreachable node")
             (abandon,) = env.scheduler.abandons
-            assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-1", 1, pb.Abandon.NODE_UNREACHABLE)
-            assert env.node_a.address in abandon.detail
+            # Never sent: it cannot have run there (REFUSED), so the scheduler may place it again at once.
+            assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-1", 1, pb.Abandon.REFUSED)
+            assert abandon.reason == NOT_SENT and env.node_a.address in abandon.detail
 
             env.scheduler.send(env.node_b.placement("call-1", 2))
             result = await task
@@ -460,6 +482,40 @@ def test_an_unreachable_node_is_abandoned_and_the_call_runs_on_the_next_placemen
             assert env.node_b.tokens == [b"call-1#2"]
             await env.scheduler.barrier()
             assert env.scheduler.types() == [MessageType.PLACE, MessageType.ABANDON]
+
+    run(scenario())
+
+
+def test_a_node_found_unreachable_takes_no_execute_until_it_is_dialled_again_in_the_background() -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            address = env.node_a.address
+            await env.node_a.stop()
+            first = env.invoke("call-1")
+            await env.scheduler.wait_places(1)
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            await until(lambda: env.scheduler.abandons, "the Abandon of the unreachable node")
+            assert address in env.router.nodes.unusable
+            # The next placement there is handed back at once: no dial, no connect timeout.
+            second = env.invoke("call-2")
+            await env.scheduler.wait_places(2)
+            started = time.monotonic()
+            env.scheduler.send(env.node_a.placement("call-2", 1))
+            await until(lambda: len(env.scheduler.abandons) == 2, "the Abandon of the second placement")
+            assert time.monotonic() - started < 0.1
+            abandon = env.scheduler.abandons[1]
+            assert (abandon.call_id, abandon.reason) == ("call-2", NOT_SENT) and "just now" in abandon.detail
+
+            # The node comes back at its address: the background dial finds it, and calls go there.
+            env.node_a.address = address
+            env.node_a._server = Server(env.node_a._session, max_frame_bytes=MAX_PAYLOAD_BYTES + 1024 * 1024)
+            await env.node_a._server.start(address)
+            await until(lambda: address not in env.router.nodes.unusable, "the node dialled again", timeout_s=2.0)
+            assert env.node_a.accepted == 1
+            for call_id, task in (("call-1", first), ("call-2", second)):
+                env.scheduler.send(env.node_a.placement(call_id, 2))
+                assert (await task).placement.node == "node-a"
+            assert env.node_a.accepted == 1, "the connection the background dial made is used"
 
     run(scenario())
 
@@ -718,10 +774,10 @@ def test_a_placement_lost_with_its_scheduler_is_placed_afresh_with_the_new_one(o
     run(scenario())
 
 
-def test_a_node_lost_after_its_scheduler_changed_gets_the_call_placed_afresh() -> None:
-    """Like a dead worker or a refusal after the scheduler connection changed: the new scheduler
-    never heard of the call (it was running, so the reconnection did not place it again), so an
-    Abandon NODE_UNREACHABLE means nothing to it; only a fresh Place gets the call run."""
+def test_a_node_lost_after_the_execute_and_after_its_scheduler_changed_is_a_502_outcome_unknown() -> None:
+    """The node went under the call (it may have run it) after the scheduler connection changed:
+    the new scheduler never heard of the call and cannot ask the node about the former one's grant,
+    so the call is not placed afresh (it could run twice): answered 502, its outcome unknown."""
 
     async def scenario() -> None:
         async with cluster() as env:
@@ -734,13 +790,71 @@ def test_a_node_lost_after_its_scheduler_changed_gets_the_call_placed_afresh() -
             env.scheduler.drop()
             await reconnected(env, 2)
             answer.set_result(CLOSE)  # the node goes too, under the call
-            await until(
-                lambda: len(env.scheduler.places) >= 2,
-                "a fresh Place for the call whose node was lost after the scheduler connection changed",
-                timeout_s=1.0,
-            )
+            failed = await failure(task)
+            assert failed.status == 502 and "is unknown" in failed.message and "not run again" in failed.message
+            await env.scheduler.barrier()
+            assert len(env.scheduler.places) == 1 and env.scheduler.abandons == []
+
+    run(scenario())
+
+
+def test_a_node_not_reached_after_its_scheduler_changed_gets_the_call_placed_afresh() -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            await env.node_a.stop()
+            task = env.invoke("call-1", make_spec(timeout_s=5.0))
+            await env.scheduler.wait_places(1)
+            env.router.epoch += 1  # as if the scheduler connection changed while the placement was on its way
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            places = await env.scheduler.wait_places(2)
+            assert places[1].call_id == "call-1" and env.scheduler.abandons == []
             env.scheduler.send(env.node_b.placement("call-1", 1, token=b"from-the-new-scheduler"))
             assert (await task).placement.token == b"from-the-new-scheduler"
+
+    run(scenario())
+
+
+def test_a_node_lost_after_the_execute_waits_for_the_schedulers_word() -> None:
+    """The connection closed under the Execute: the router reports it (NODE_UNREACHABLE: it may
+    have run) and takes what the scheduler decides: a new placement (the node never saw the grant)
+    or a Rejection saying the outcome is unknown (502)."""
+
+    async def scenario() -> None:
+        async with cluster() as env:
+            placed_again, unknown = env.invoke("call-1"), env.invoke("call-2")
+            await env.scheduler.wait_places(2)
+            env.node_a.script[b"call-1#1"] = CLOSE
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            await until(lambda: len(env.scheduler.abandons) == 1, "the Abandon of call-1")
+            assert env.scheduler.abandons[0].reason == MAYBE_SENT == pb.Abandon.NODE_UNREACHABLE
+            env.scheduler.send(env.node_b.placement("call-1", 2))
+            assert (await placed_again).placement.attempt == 2
+
+            env.node_b.script[b"call-2#1"] = CLOSE
+            env.scheduler.send(env.node_b.placement("call-2", 1))
+            await until(lambda: len(env.scheduler.abandons) == 2, "the Abandon of call-2")
+            message = "the outcome of call 'call-2' is unknown: it started on node node-b ..."
+            env.scheduler.send(pb.Rejection(call_id="call-2", status=OUTCOME_UNKNOWN, message=message))
+            failed = await failure(unknown)
+            assert (failed.status, failed.message) == (502, message)
+
+    run(scenario())
+
+
+def test_a_call_whose_node_was_lost_after_the_execute_is_not_placed_again_by_a_new_scheduler() -> None:
+    async def scenario() -> None:
+        async with cluster() as env:
+            task = env.invoke("call-1")
+            await env.scheduler.wait_places(1)
+            env.node_a.script[b"call-1#1"] = CLOSE
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            await until(lambda: env.scheduler.abandons, "the Abandon of call-1")
+            env.scheduler.drop()  # before it answered about the node
+            failed = await failure(task)
+            assert failed.status == 502 and "is unknown" in failed.message
+            await reconnected(env, 2)
+            await env.scheduler.barrier()
+            assert len(env.scheduler.places) == 1, "not placed again with the new scheduler"
 
     run(scenario())
 
@@ -822,6 +936,8 @@ def test_a_node_connection_that_broke_is_opened_again() -> None:
             (abandon,) = env.scheduler.abandons
             assert (abandon.attempt, abandon.reason) == (1, pb.Abandon.NODE_UNREACHABLE)
 
+            # (The scheduler asks the node whether it saw attempt 1; it did not, so it places it again.)
+            await until(lambda: env.node_a.accepted == 2, "the node dialled again in the background", timeout_s=2.0)
             env.scheduler.send(env.node_a.placement("call-1", 2))
             assert (await task).output == PAYLOAD
             assert env.node_a.accepted == 2
@@ -854,7 +970,8 @@ def test_a_call_held_by_a_node_that_left_the_cluster_runs_on_its_next_placement(
             assert "left the cluster" in abandon.detail
             assert not held.done()
 
-            # Back in the cluster: a new placement there opens a new connection.
+            # Back in the cluster: dialled again in the background, it takes calls again.
+            await until(lambda: env.node_a.accepted == 2, "the node dialled again", timeout_s=2.0)
             again = env.invoke("call-2")
             await env.scheduler.wait_places(2)
             env.scheduler.send(env.node_a.placement("call-2", 1))
@@ -880,6 +997,49 @@ def test_a_node_leaving_closes_only_its_own_connection() -> None:
             assert (result.output, result.placement.attempt) == (b"from a", 1)
             await env.scheduler.barrier()
             assert env.scheduler.abandons == [] and env.node_a.accepted == 1
+
+    run(scenario())
+
+
+def test_a_node_that_answers_nothing_takes_no_new_execute_until_it_answers_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node cut off without a reset (a partition; a one-way cut never resets the connection):
+    pings go unanswered, so its placements are handed back at once, never sent, and run elsewhere;
+    the calls already on it wait (their answer may still come). Once it answers, calls go there."""
+    monkeypatch.setattr(router_module, "PING_S", 0.05)
+    monkeypatch.setattr(router_module, "PING_TIMEOUT_S", 0.2)
+
+    async def scenario() -> None:
+        async with cluster() as env:
+            held_task = env.invoke("held")
+            await env.scheduler.wait_places(1)
+            held = env.node_a.hold(b"held#1")
+            env.scheduler.send(env.node_a.placement("held", 1))
+            await until(lambda: env.node_a.pings >= 2, "pings answered")
+            assert env.node_a.address not in env.router.nodes.unusable
+
+            env.node_a.silent = True
+            await until(lambda: env.node_a.address in env.router.nodes.unusable, "the node found silent")
+            task = env.invoke("call-1")
+            await env.scheduler.wait_places(2)
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            await until(lambda: env.scheduler.abandons, "the Abandon of the placement on the silent node")
+            (abandon,) = env.scheduler.abandons
+            assert (abandon.call_id, abandon.reason) == ("call-1", NOT_SENT) and "answered no ping" in abandon.detail
+            env.scheduler.send(env.node_b.placement("call-1", 2))
+            assert (await task).placement.node == "node-b"
+            assert env.node_a.tokens == [b"held#1"] and not held_task.done()
+
+            env.node_a.silent = False  # it answers again: the held call's answer, then calls
+            held.set_result((make_reply(batch_calls=1), b"late"))
+            assert (await held_task).output == b"late"
+            await until(lambda: env.node_a.address not in env.router.nodes.unusable, "the node usable again")
+            again = env.invoke("call-2")
+            await env.scheduler.wait_places(3)
+            env.scheduler.send(env.node_a.placement("call-2", 1))
+            assert (await again).placement.node == "node-a"
+            assert env.node_a.accepted == 1
 
     run(scenario())
 
@@ -1060,6 +1220,39 @@ def test_http_errors_are_json_with_the_call_id_and_retry_after_on_429(tmp_path: 
                 assert response.headers["x-call-id"] == call_id
             assert "retry-after" not in unknown.headers and "retry-after" not in raises.headers
             assert sample(metrics, "gateway_function_invocation_total", function_name="resnet", code="429") == 1
+
+    run(scenario())
+
+
+def test_the_gateway_tells_the_router_when_a_node_leaves_its_view_of_the_cluster(tmp_path: Path) -> None:
+    """A node's etcd key deleted (its lease expired: cut off or dead), or gone while the watch was
+    re-listing, or the node registered again elsewhere: Router.node_left with its old address, so
+    that the calls on it end now rather than when the wire gives up on it."""
+
+    async def scenario() -> None:
+        async with fakes() as (scheduler, _):
+            store, keys = MemoryStore(), Keys("/unit")
+            records = {
+                name: NodeRecord(name, f"127.0.0.1:{port}", "cpu", "i1", [GpuRecord("gpu0", 1000, "cpu")])
+                for name, port in (("node0", 7001), ("node1", 7002), ("node2", 7003))
+            }
+            for name, record in records.items():
+                await store.put(keys.node(name), record.to_json())
+            config = GatewayConfig(state_dir=tmp_path, scheduler_address=scheduler.address, keys=keys)
+            app = create_app(store, config)
+            async with app.router.lifespan_context(app):
+                gateway = app.state.gateway
+                left: list[str] = []
+                gateway.router.node_left = left.append
+                await until(lambda: len(gateway.nodes) == 3, "the nodes mirrored")
+                await store.delete(keys.node("node0"))
+                await until(lambda: left == ["127.0.0.1:7001"], "node0's departure")
+                moved = NodeRecord("node1", "127.0.0.1:7012", "cpu", "i2", [GpuRecord("gpu0", 1000, "cpu")])
+                await store.put(keys.node("node1"), moved.to_json())
+                await until(lambda: left[1:] == ["127.0.0.1:7002"], "node1's old address")
+                gateway._nodes_listed([], await store.revision())  # a re-list that finds none
+                assert sorted(left[2:]) == ["127.0.0.1:7003", "127.0.0.1:7012"]
+            await store.close()
 
     run(scenario())
 
