@@ -419,7 +419,10 @@ class SchedulerService:
     def _submit(self, conn: Connection, request: pb.Place, spec: FunctionSpec) -> None:
         timeout_s = request.timeout_s if request.timeout_s > 0 else spec.timeout_s
         try:
-            effects = self.book.submit(conn, request.call_id, spec, timeout_s, self.clock())
+            # While a registered node is not attached (a new leader attaching them, a node linking
+            # again), a call that finds no GPU waits for one rather than being refused.
+            attaching = not self.links.all_attached()
+            effects = self.book.submit(conn, request.call_id, spec, timeout_s, self.clock(), nodes_attaching=attaching)
         except Rejected as exc:
             self._reject(conn, request.call_id, exc.status, str(exc))
             return
