@@ -32,7 +32,8 @@ class BalancerConfig:
     `fall` failed checks, back after `rise` good ones. A call whose
     connection to a gateway cannot be made (the gateway is gone) is sent to another (`retries`,
     redispatch); a call a gateway already took is never sent twice (an invocation is not
-    idempotent), so a killed gateway fails at most the calls it was serving.
+    idempotent), so a killed gateway fails at most the calls it was serving. Each call gets a new
+    connection to its gateway (server-close): none is sent on an idle one a dead gateway left.
 
     Uploads (/system/blobs..., /system/packages) go by the client's address to one gateway, the
     same while it is up: a deploy asks which blobs a gateway lacks, sends them, then registers
@@ -93,6 +94,10 @@ frontend gateways
 
 backend gateways
     balance roundrobin
+    # A connection to a gateway per call, closed after its answer: a call is never sent on an idle
+    # connection that a gateway closed as it died (HAProxy would answer it 502 itself, and could not
+    # retry it: it was sent); a dead gateway's refused connect is retried on another (retry-on).
+    option http-server-close
     option httpchk GET {GATEWAY_CHECK_PATH}
     http-check expect status 200
     default-server inter {self.check_interval_ms}ms fall {self.fall} rise {self.rise}
