@@ -9,9 +9,11 @@ one gateway -> node direction only; 50 ms more on everything a node sends; SIGKI
 of a node's host at once, then start it again. Each is held `hold_s`, healed, and the load runs on
 until calls are served normally again.
 
-Per fault: calls answered 200, failed by status ("503", "timeout", ...), calls run twice, calls
-lost (no answer at all) and which of those were in flight on a killed host, and the seconds until
-calls succeed again after the fault and after the heal (`recovery_s`). What ran is read from the
+Per fault: calls answered 200, failed by status ("503", "timeout", ...) and how many of the failed
+were answered 502 "outcome unknown" (a call that may have run on a node the gateway lost: never run
+again), calls run twice (and which of those first ran on a killed host, in flight there when it was
+killed), calls lost (no answer at all) and which of those were in flight on a killed host, and the
+seconds until calls succeed again after the fault and after the heal (`recovery_s`). What ran is read from the
 nodes: the bench's function prints `chaos-ran CALL_ID` when it starts, which the node logs
 (gpufaas.worker), so executions are counted across nodes and across a node's restarts. (The
 nodes' grant ledgers, gpu_manager.ledger, live in each node's memory only, per (call, attempt):
@@ -48,6 +50,9 @@ LEADER = "@leader"  # in a fault's hosts: the scheduler that leads when the faul
 BUSIEST = "@busiest-node"  # the node that served the most calls just before the fault
 BUSIEST_WINDOW_S = 5.0
 OK = "200"
+# What a gateway's answer says when a call may have run on a node it lost (gateway.router,
+# scheduler.calls): "the outcome of call ... is unknown: ..., so it was not run again".
+OUTCOME_UNKNOWN_MARK = "is unknown"
 NO_ANSWER = frozenset({"timeout", "connection-error"})  # statuses of a call that got no answer
 RAN_MARK = "chaos-ran"
 HURT_LISTED = 12
@@ -184,8 +189,9 @@ class FaultTally:
     calls: int
     ok: int
     failed_by_status: dict[str, int]
+    failed_outcome_unknown: int  # of the failed, answered 502 "outcome unknown" (not run again)
     run_twice: int
-    run_twice_in_flight_on_kill: int  # of those, running on the fault's host when it was killed
+    run_twice_in_flight_on_kill: int  # of those, first run on the killed host while it was killed
     lost: int  # no answer at all (the client's timeout, or its connection broken)
     lost_in_flight_on_kill: int  # of those, in flight when the fault's host was killed
     slow: int  # answered 200 but slower than slow_s
@@ -198,9 +204,18 @@ class FaultTally:
     hurt: list[str]  # the first HURT_LISTED hurt calls: "sent +S s, answered +S s: STATUS (NODE)"
 
 
-def tally(records: Sequence[CallRecord], phase: Phase, runs: Mapping[str, int], slow_s: float) -> FaultTally:
+def tally(
+    records: Sequence[CallRecord],
+    phase: Phase,
+    runs: Mapping[str, int],
+    slow_s: float,
+    *,
+    runs_on_killed: Mapping[str, int] | None = None,
+) -> FaultTally:
     """The phase's calls (those answered from its fault's application until the next's), how many
-    ran more than once (`runs`: executions by call id), lost, and the recovery times."""
+    ran more than once (`runs`: executions by call id, on every node), lost, and the recovery
+    times. A call run twice counts as in flight on a killed host if it was in flight (sent before
+    the kill, answered after) and ran on that host (`runs_on_killed`: its executions by call id)."""
     mine = [r for r in records if phase.applied_s <= r.done_s < phase.ended_s]
     failed = Counter(r.status for r in mine if r.status != OK)
     lost = [r for r in mine if r.status in NO_ANSWER]
@@ -208,14 +223,16 @@ def tally(records: Sequence[CallRecord], phase: Phase, runs: Mapping[str, int], 
     latencies = [r.done_s - r.sent_s for r in mine if r.status == OK]
     spans_kill = [r for r in mine if killed_s is not None and r.sent_s <= killed_s < r.done_s]
     twice = {r.call_id for r in mine if runs.get(r.call_id, 0) > 1}
+    on_killed = runs_on_killed or {}
     return FaultTally(
         fault=phase.fault.name,
         what=phase.fault.what,
         calls=len(mine),
         ok=sum(r.status == OK for r in mine),
         failed_by_status=dict(sorted(failed.items())),
+        failed_outcome_unknown=sum(r.status == "502" and OUTCOME_UNKNOWN_MARK in r.detail for r in mine),
         run_twice=len(twice),
-        run_twice_in_flight_on_kill=sum(r.call_id in twice for r in spans_kill),
+        run_twice_in_flight_on_kill=sum(r.call_id in twice and on_killed.get(r.call_id, 0) > 0 for r in spans_kill),
         lost=len(lost),
         lost_in_flight_on_kill=sum(r.status in NO_ANSWER for r in spans_kill),
         slow=sum(r.status == OK and not r.good(slow_s) for r in mine),
@@ -511,9 +528,19 @@ class ChaosRun:
         ended = [p.started_s for p in self.phases[1:]] + [records_end(records)]
         phases = [dataclasses.replace(p, ended_s=end) for p, end in zip(self.phases, ended, strict=True)]
         runs: Counter[str] = Counter()
-        for node in self.cluster.nodes:
-            runs.update(runs_in_log(self.cluster.log_text(node)))
-        tallies = [tally(records, phase, runs, self.config.slow_s) for phase in phases]
+        runs_by_node = {node: runs_in_log(self.cluster.log_text(node)) for node in self.cluster.nodes}
+        for node_runs in runs_by_node.values():
+            runs.update(node_runs)
+        tallies = [
+            tally(
+                records,
+                phase,
+                runs,
+                self.config.slow_s,
+                runs_on_killed=runs_by_node.get(phase.fault.hosts[0]) if phase.killed_s is not None else None,
+            )
+            for phase in phases
+        ]
         baseline = [r for r in records if r.done_s < started_s]
         return {
             "faults": [dataclasses.asdict(t) | s for t, s in zip(tallies, seen, strict=True)],
@@ -602,9 +629,11 @@ def _figure(value: float | None) -> str:
 def summary_lines(document: Mapping[str, Any]) -> Iterable[str]:
     for fault in document["faults"]:
         yield (
-            f"{fault['fault']}: {fault['ok']}/{fault['calls']} ok, failed {fault['failed_by_status']}, "
-            f"run twice {fault['run_twice']}, lost {fault['lost']} ({fault['lost_in_flight_on_kill']} in flight on a "
-            f"killed host); recovery after the fault {_figure(fault['recovery_after_fault_s'])}, after the heal "
+            f"{fault['fault']}: {fault['ok']}/{fault['calls']} ok, failed {fault['failed_by_status']} "
+            f"({fault.get('failed_outcome_unknown', 0)} outcome unknown), run twice {fault['run_twice']} "
+            f"({fault['run_twice_in_flight_on_kill']} first run on a killed host), lost {fault['lost']} "
+            f"({fault['lost_in_flight_on_kill']} in flight on a killed host); recovery after the fault "
+            f"{_figure(fault['recovery_after_fault_s'])}, after the heal "
             f"{_figure(fault['recovery_after_heal_s'])}"
         )
 

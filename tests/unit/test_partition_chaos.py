@@ -97,25 +97,32 @@ def test_a_call_in_flight_at_the_event_counts_and_no_good_follower_is_not_recove
 def test_the_tally_counts_the_calls_answered_in_the_phase_by_status_twice_and_lost() -> None:
     kill = Fault("kill-node-host", "kill", ("node1",), "killed")
     phase = Phase(kill, applied_s=10.0, healed_s=18.0, ended_s=30.0, killed_s=10.0)
+    unknown = '{"error": "the outcome of call \'c\' is unknown: the gateway lost node node1 after sending it'
     records = [
         call("earlier", 8.0, 8.1),  # answered before the phase
         call("on-killed", 9.9, 15.0, "connection-error"),  # lost, in flight at the kill
+        call("twice-elsewhere", 9.8, 10.5),  # in flight at the kill, but never ran on node1
         call("lost-later", 11.0, 16.0, "timeout"),  # lost, sent after the kill
         call("refused", 11.5, 11.6, "503"),
+        CallRecord("unknown", 9.5, 11.7, "502", "", unknown),  # in flight on node1: not run again
         call("twice", 12.0, 12.4),
         *steady(12.5, 29.5, "ok"),
         call("next-phase", 29.9, 30.2),
     ]
-    runs = Counter({"twice": 2, "ok0": 1, "earlier": 2, "on-killed": 2})  # started on node1, then again
-    result = tally(records, phase, runs, SLOW_S)
-    assert (result.calls, result.ok) == (1 + 1 + 1 + 1 + len(steady(12.5, 29.5, "ok")), 1 + 34)
-    assert result.failed_by_status == {"503": 1, "connection-error": 1, "timeout": 1}
-    assert result.run_twice == 2  # "earlier" ran twice but belongs to the phase before
-    assert result.run_twice_in_flight_on_kill == 1  # "on-killed"
+    runs = Counter({"twice": 2, "ok0": 1, "earlier": 2, "on-killed": 2, "twice-elsewhere": 2, "unknown": 1})
+    on_node1 = Counter({"on-killed": 1, "unknown": 1, "twice": 1})  # "twice" started there, but after the kill
+    result = tally(records, phase, runs, SLOW_S, runs_on_killed=on_node1)
+    assert (result.calls, result.ok) == (1 + 1 + 1 + 1 + 1 + 1 + len(steady(12.5, 29.5, "ok")), 2 + 34)
+    assert result.failed_by_status == {"502": 1, "503": 1, "connection-error": 1, "timeout": 1}
+    assert result.failed_outcome_unknown == 1
+    assert result.run_twice == 3  # "earlier" ran twice but belongs to the phase before
+    assert result.run_twice_in_flight_on_kill == 1  # "on-killed": in flight at the kill, and ran on node1
     assert (result.lost, result.lost_in_flight_on_kill) == (2, 1)
     assert result.recovery_after_fault_s == pytest.approx(12.4 - 10.0)  # "twice", sent after "lost-later"
     assert result.recovery_after_heal_s == 0.0
     assert result.held_s == 8.0
+    # Without the killed host's executions nothing counts as in flight there.
+    assert tally(records, phase, runs, SLOW_S).run_twice_in_flight_on_kill == 0
 
 
 def test_executions_are_read_from_what_the_workers_printed_in_the_node_log() -> None:
