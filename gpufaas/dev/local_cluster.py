@@ -695,6 +695,7 @@ SUPERVISED_OPTIONS = (
     "gpu_idle_release_s",
     "host_idle_release_s",
     "scheduler_flags",
+    "tls",
 )
 
 

@@ -359,3 +359,20 @@ def test_deploy_says_when_no_second_gateway_holds_the_package(monkeypatch: pytes
     result = runner.invoke(app, ["deploy", "-f", str(tmp_path / "stack.yml"), "--gateway", "http://127.0.0.1:9"])
     assert result.exit_code == 0, result.output
     assert f"warning: fn: {warning}" in " ".join(result.output.split())
+
+
+def test_every_option_up_hands_its_supervisor_is_one_the_supervisor_takes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`gpufaas up` passes its options as JSON to `python -m gpufaas.dev.local_cluster`, which
+    refuses any it does not know: an option added to one and not the other breaks every `up`."""
+    from gpufaas.cli import local
+    from gpufaas.dev.local_cluster import SUPERVISED_OPTIONS
+
+    handed: dict[str, object] = {}
+    monkeypatch.setattr(local, "_start_supervised", lambda state_dir, options, policy: handed.update(options))
+    argv = ["up", "--backend", "cpu", "--no-tls", "--gateways", "1", "--state-dir", str(tmp_path / "state")]
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    assert handed and set(handed) <= set(SUPERVISED_OPTIONS), set(handed) - set(SUPERVISED_OPTIONS)
+    assert handed["tls"] is False
