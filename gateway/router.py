@@ -33,8 +33,9 @@ Node connections (`NodeConnections`): one per node, pinged every PING_S. A node 
 could not be made or was lost is dialled again in the background, and one that has answered
 nothing for PING_TIMEOUT_S (no ping answer, no reply) takes no new Execute: meanwhile its
 placements are handed back at once (never sent) instead of each waiting for a connect timeout or
-joining calls stuck on a link that is cut (a one-way cut never resets the connection: the unacknowledged
-ping makes the kernel end it within gpufaas.wire's dead_after_s, which fails the calls on it).
+joining calls stuck on a link that is cut. One silent for SILENT_CLOSE_S has its connection
+closed, which ends the calls on it (a one-way cut never resets a connection, and a reply stuck
+behind the node's retransmissions would otherwise wait for the kernel's timeout or the deadline).
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ _SILENT = "it answered no ping"
 NODE_CONNECT_S = 2.0  # a node connection not made within this is a node unreachable
 PING_S = 1.0  # how often each node connection is asked for an answer
 PING_TIMEOUT_S = 1.5  # a node that answers nothing this long after a ping takes no new Execute
+# A node that answers nothing this long (as long as its lease would take to expire) is gone to this
+# gateway: its connection is closed, and the calls on it are reported (the scheduler asks the node).
+SILENT_CLOSE_S = 3.0
 REDIAL_S = 0.5  # how often a node that could not be reached is dialled again in the background
 REDIAL_FOR_S = 60.0  # then its placements dial it themselves again
 # The ping: a request a node does not serve, answered at once with an Error. Any answer proves the
@@ -248,6 +252,14 @@ class NodeConnections:
         self._watches.add(watch)
         watch.add_done_callback(self._watches.discard)
 
+    def _silent(self, address: str, conn: Connection, silent_s: float) -> None:
+        if self.unusable.get(address) != _SILENT:
+            log.warning("node at %s answered nothing for %.1f s: no new calls go there", address, silent_s)
+            self.unusable[address] = _SILENT
+        if silent_s >= SILENT_CLOSE_S:
+            log.warning("node at %s answered nothing for %.1f s: closing its connection", address, silent_s)
+            conn.close(ConnectionLost(f"the node at {address} answered nothing for {silent_s:.1f} s"))
+
     def _unreachable(self, address: str, why: str) -> None:
         """No Execute goes to `address` until a connection is made again (dialled in the background)."""
         self.unusable[address] = why
@@ -271,7 +283,10 @@ class NodeConnections:
 
     async def _watch(self, address: str, conn: Connection) -> None:
         """Ping the connection while it is open; mark the node silent while it answers nothing
-        (no Execute goes there meanwhile), and unreachable once the connection is lost."""
+        (no Execute goes there meanwhile), close the connection once it has been silent for
+        SILENT_CLOSE_S (the kernel's own timeout, checked only as its retransmissions back off, took
+        up to 8 s under a one-way cut), and mark the node unreachable once the connection is lost."""
+        silent_since: float | None = None
         while not conn.is_closed:
             await asyncio.sleep(PING_S)
             sent = self.clock()
@@ -280,14 +295,13 @@ class NodeConnections:
             except RemoteError:
                 pass  # the node's answer that it serves no such request: an answer all the same
             except TimeoutError:
-                if self._heard.get(address, 0.0) < sent and self.unusable.get(address) != _SILENT:
-                    log.warning(
-                        "node at %s answered nothing for %.1f s: no new calls go there", address, PING_TIMEOUT_S
-                    )
-                    self.unusable[address] = _SILENT
+                if self._heard.get(address, 0.0) < sent:
+                    silent_since = sent if silent_since is None else silent_since
+                    self._silent(address, conn, self.clock() - silent_since)
                 continue
             except ConnectionLost:
                 break
+            silent_since = None
             if self._conns.get(address) is conn:
                 self.heard(address)
         if self._conns.get(address) is conn:

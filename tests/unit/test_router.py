@@ -1009,6 +1009,7 @@ def test_a_node_that_answers_nothing_takes_no_new_execute_until_it_answers_again
     the calls already on it wait (their answer may still come). Once it answers, calls go there."""
     monkeypatch.setattr(router_module, "PING_S", 0.05)
     monkeypatch.setattr(router_module, "PING_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(router_module, "SILENT_CLOSE_S", 60.0)
 
     async def scenario() -> None:
         async with cluster() as env:
@@ -1040,6 +1041,34 @@ def test_a_node_that_answers_nothing_takes_no_new_execute_until_it_answers_again
             env.scheduler.send(env.node_a.placement("call-2", 1))
             assert (await again).placement.node == "node-a"
             assert env.node_a.accepted == 1
+
+    run(scenario())
+
+
+def test_a_node_silent_for_silent_close_s_has_its_connection_closed_and_its_calls_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reply stuck behind a one-way cut never comes and the kernel may take long to end the
+    connection: once the node has answered nothing for SILENT_CLOSE_S the router closes it, and
+    the call on it is reported as maybe run (the scheduler asks the node's ledger)."""
+    monkeypatch.setattr(router_module, "PING_S", 0.05)
+    monkeypatch.setattr(router_module, "PING_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(router_module, "SILENT_CLOSE_S", 0.5)
+
+    async def scenario() -> None:
+        async with cluster() as env:
+            task = env.invoke("call-1")
+            await env.scheduler.wait_places(1)
+            env.node_a.hold(b"call-1#1")
+            env.node_a.silent = True
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            await until(lambda: env.scheduler.abandons, "the Abandon of the call on the silent node")
+            (abandon,) = env.scheduler.abandons
+            assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-1", 1, MAYBE_SENT)
+            assert "answered nothing" in abandon.detail
+            assert not task.done()  # the scheduler's word decides
+            env.scheduler.send(env.node_b.placement("call-1", 2))
+            assert (await task).placement.node == "node-b"
 
     run(scenario())
 
