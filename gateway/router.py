@@ -234,7 +234,14 @@ class NodeConnections:
         task = self._connects.get(address)
         if task is None:
             task = asyncio.create_task(
-                connect(address, None, max_frame_bytes=self.max_frame_bytes, timeout_s=NODE_CONNECT_S, key=self.key)
+                connect(
+                    address,
+                    None,
+                    max_frame_bytes=self.max_frame_bytes,
+                    timeout_s=NODE_CONNECT_S,
+                    key=self.key,
+                    peer_role="node",  # under TLS: a scheduler's certificate is no node
+                )
             )
             self._connects[address] = task
             task.add_done_callback(lambda _: self._connects.pop(address, None))
@@ -381,8 +388,23 @@ class Router:
                 await self._address_changed.wait()
                 continue
             self._address_changed.clear()
+            # Under TLS the peer must show the scheduler's certificate (a node's is refused), pinned
+            # or found through the leader key alike.
+            dial = asyncio.ensure_future(
+                connect(self._address, _SchedulerSession(self), timeout_s=2.0, key=self.wire_key, peer_role="scheduler")
+            )
+            moved = asyncio.ensure_future(self._address_changed.wait())
+            await asyncio.wait({dial, moved}, return_when=asyncio.FIRST_COMPLETED)
+            moved.cancel()
+            if not dial.done():
+                # Another scheduler leads now: drop the dial of the old one, which may hang for its
+                # whole timeout (a dead container's address is not refused, it is silent).
+                dial.cancel()
+                with contextlib.suppress(asyncio.CancelledError, ConnectionLost):
+                    await dial
+                continue
             try:
-                conn = await connect(self._address, _SchedulerSession(self), timeout_s=2.0, key=self.wire_key)
+                conn = dial.result()
             except ConnectionLost as exc:
                 # A wrong secret is a misconfiguration an operator must see; the rest is routine.
                 level = logging.WARNING if isinstance(exc, Unauthenticated) else logging.DEBUG

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -691,6 +692,37 @@ def test_a_call_waits_for_a_scheduler_that_comes_up_within_scheduler_wait_s() ->
             assert place.call_id == "call-1"
             env.scheduler.send(env.node_a.placement("call-1", 1))
             assert (await task).output == PAYLOAD
+
+    run(scenario())
+
+
+def test_a_dial_hanging_on_a_deposed_scheduler_is_dropped_when_another_leads() -> None:
+    """A dead container's address is not refused but silent: the dial of it would wait its whole
+    2 s timeout. When the leader key names another scheduler meanwhile, the router drops that dial
+    and links to the new leader at once."""
+
+    async def scenario() -> None:
+        async with cluster() as env:
+            with socket.socket() as silent:  # its accept queue full: further SYNs go unanswered
+                silent.bind(("127.0.0.1", 0))
+                silent.listen(0)
+                fillers = [socket.socket() for _ in range(4)]
+                for filler in fillers:
+                    filler.setblocking(False)
+                    filler.connect_ex(silent.getsockname())
+                try:
+                    env.router.set_scheduler_address(f"127.0.0.1:{silent.getsockname()[1]}")
+                    await asyncio.sleep(0.5)  # the dial of the silent address is under way
+                    assert env.router.scheduler is None
+                    moved = time.monotonic()
+                    env.router.set_scheduler_address(env.scheduler.address)
+                    await reconnected(env, 2)
+                    linked_s = time.monotonic() - moved
+                finally:
+                    for filler in fillers:
+                        filler.close()
+            # Without dropping the dial: the 1.5 s left of its timeout, then the reconnect pause.
+            assert linked_s < 0.8, f"linked to the new leader {linked_s:.2f} s after the key moved"
 
     run(scenario())
 
