@@ -3,8 +3,9 @@ the scheduler, etcd and the gateway, and count every call.
 
 Per kill it reports calls sent, answered (by status), failed to connect, and the time from the kill
 to the first success of a call sent after it (JSON: the test's tmp dir, or $GPUFAAS_CHAOS_REPORT).
-It fails if a call is never answered, if a call fails with anything but a retryable status (502,
-503, 504) or a connection error at the gateway's own kill, if service does not come back within
+It fails if a call is never answered, if a call fails with anything but 503, 504, a 502 saying its
+outcome is unknown (a call in flight on a node that was killed or stopped: at most once, it is not
+run again) or a connection error at the gateway's own kill, if service does not come back within
 RECOVERY_BOUND_S, or if the scheduler's LRU lists do not come to equal the workers the nodes run.
 """
 
@@ -45,6 +46,7 @@ CONVERGE_S = 12.0  # LRU lists equal the running workers within this (reconcilia
 STEADY_S = 2.0  # load before each kill
 CLIENTS = 4
 CALL_TIMEOUT_S = 30.0
+# 503 and 504 may be retried; a 502 here says the call's outcome is unknown (checked apart).
 RETRYABLE = {502, 503, 504}
 
 
@@ -55,6 +57,13 @@ class Call:
     status: int | None = None  # HTTP status, None if no answer came
     error: str = ""  # a connection error instead of a status
     gpu: str = ""  # where it ran (the X-Gpu header of an answer)
+    body: str = ""  # the start of a failed call's answer
+
+
+def unexplained_502s(calls: list[Call]) -> list[str]:
+    """The 502 answers that do not say the call's outcome is unknown (the only 502 expected here:
+    a call that may have run on a node that was lost, not run again)."""
+    return [c.body for c in calls if c.status == 502 and "is unknown" not in c.body]
 
 
 @dataclass
@@ -91,6 +100,7 @@ class Load:
                 try:
                     response = client.post(f"{url}/function/{name}", json={"sleep_s": 0.05})
                     call.status, call.gpu = response.status_code, response.headers.get("x-gpu", "")
+                    call.body = "" if response.status_code == 200 else response.text[:300]
                 except httpx.TimeoutException as exc:
                     call.error = f"timeout: {type(exc).__name__}"
                 except httpx.TransportError as exc:
@@ -200,6 +210,7 @@ def test_every_call_is_answered_and_service_returns_after_each_kill(tmp_path: Pa
                         "killed": what,
                         "calls_sent": len(window),
                         "answered_by_status": dict(Counter(str(c.status) for c in window if c.status is not None)),
+                        "unexplained_502": unexplained_502s(window),
                         "connection_errors": dict(Counter(c.error for c in window if c.error)),
                         "recovery_s": None if recovered_s is None else round(recovered_s - killed_s, 3),
                         "restarts": dict(cluster.supervision.restarts),
@@ -219,7 +230,7 @@ def test_every_call_is_answered_and_service_returns_after_each_kill(tmp_path: Pa
             what = entry["killed"]
             assert entry["recovery_s"] is not None and entry["recovery_s"] <= RECOVERY_BOUND_S, entry
             statuses = {int(s) for s in entry["answered_by_status"]}
-            assert statuses <= {200} | RETRYABLE, entry
+            assert statuses <= {200} | RETRYABLE and not entry["unexplained_502"], entry
             if what != "gateway":  # only the gateway's own kill may cut connections
                 assert not entry["connection_errors"], entry
             assert not [e for e in entry["connection_errors"] if e.startswith("timeout")], entry
@@ -311,6 +322,7 @@ def test_a_stopped_scheduler_or_node_is_killed_and_restarted_and_the_restarted_n
                             max(c.done_s for c in window if c.sent_s <= stopped_s + 0.1) - stopped_s, 3
                         ),
                         "answered_by_status": dict(Counter(str(c.status) for c in window if c.status is not None)),
+                        "unexplained_502": unexplained_502s(window),
                         "watchdog_kills": dict(cluster.watchdog.kills) if cluster.watchdog else {},
                     }
                 )
@@ -330,6 +342,7 @@ def test_a_stopped_scheduler_or_node_is_killed_and_restarted_and_the_restarted_n
             assert entry["recovery_s"] is not None and entry["recovery_s"] <= RECOVERY_BOUND_S, entry
             assert entry["last_answer_of_a_call_then_in_flight_s"] <= RECOVERY_BOUND_S, entry
             assert {int(s) for s in entry["answered_by_status"]} <= {200} | RETRYABLE, entry
+            assert not entry["unexplained_502"], entry
         assert node["watchdog_kills"] == {"scheduler": 1, "node0": 1}, node
         assert any(gpu.startswith("node0/") for gpu in restarted_node), report
         assert not [c for c in load.calls if c.status is None and not c.error], "calls never answered"

@@ -7,10 +7,12 @@ gateway (it speaks gpufaas.wire to the scheduler and the nodes) so that it can f
   time and the call placed again; the old token is then refused;
 - a token reused or forged: refused by the node, which runs nothing;
 - a placement for a GPU that has since left: the scheduler notices the node is gone (its own
-  connection to it breaks) and places the call on another node well before the node's lease
+  connection to it breaks); the gateway, which could not send it the Execute, says so (Abandon
+  REFUSED: never sent), and the call is placed on another node well before the node's lease
   expires;
-- a node the gateway cannot reach while the scheduler can: the gateway's report (Abandon
-  NODE_UNREACHABLE) gets the call placed elsewhere at once, and the old grant revoked at the node.
+- a node the gateway lost after sending it the Execute while the scheduler can reach it: the
+  gateway's report (Abandon NODE_UNREACHABLE: it may run there) has the scheduler ask the node,
+  which never saw the grant: revoked there, and the call placed elsewhere at once.
 """
 
 from __future__ import annotations
@@ -220,7 +222,9 @@ def test_a_placement_on_a_node_that_left_is_placed_elsewhere_before_its_lease_ex
         with pytest.raises(ConnectionLost):
             await execute(first, key=cluster.wire_key)
         started = time.monotonic()
-        gateway.abandon("moved-1", first.attempt, pb.Abandon.NODE_UNREACHABLE)
+        # Not even connected: the Execute was never sent, so it cannot have run there (REFUSED). A
+        # NODE_UNREACHABLE (it may run there) would get a 502 "outcome unknown": the node is gone.
+        gateway.abandon("moved-1", first.attempt, pb.Abandon.REFUSED)
         second = await gateway.placement("moved-1", attempt=2, timeout_s=10)
         waited = time.monotonic() - started
         assert second.node != first.node
@@ -240,7 +244,8 @@ def test_a_node_the_gateway_cannot_reach_gets_the_call_placed_elsewhere_and_the_
         gateway.place("cut-off-1", "sleepy")
         first = await gateway.placement("cut-off-1")
         started = time.monotonic()
-        # As if the gateway's link to that node were cut (the node itself is fine).
+        # As if the gateway's link to that node were cut after its Execute went, which the cut
+        # dropped (the node itself is fine): the scheduler asks the node, which never saw it.
         gateway.abandon("cut-off-1", first.attempt, pb.Abandon.NODE_UNREACHABLE)
         second = await gateway.placement("cut-off-1", attempt=2, timeout_s=10)
         waited = time.monotonic() - started
@@ -257,6 +262,31 @@ def test_a_node_the_gateway_cannot_reach_gets_the_call_placed_elsewhere_and_the_
         assert await revoked()
         # The node stays in the cluster: only the gateway could not reach it.
         assert {g["node"] for g in gpus(cluster).values()} == {"node0", "node1"}
+
+    asyncio.run(main())
+
+
+def test_a_node_lost_after_it_started_the_call_gets_outcome_unknown_not_a_second_run(cluster: LocalCluster) -> None:
+    """At most once: the gateway lost the node after the node had started the call (its grant is in
+    the node's ledger). The scheduler asks the node, which saw it: the call is answered that its
+    outcome is unknown (502 at the gateway), never placed again."""
+
+    async def main() -> None:
+        gateway = FakeGateway()
+        await gateway.open(cluster)
+        gateway.place("started-1", "sleepy")
+        first = await gateway.placement("started-1")
+        running = asyncio.ensure_future(execute(first, b'{"sleep_s": 1.5}', key=cluster.wire_key))
+        await asyncio.sleep(0.5)  # the node has it
+        gateway.abandon("started-1", first.attempt, pb.Abandon.NODE_UNREACHABLE)
+        await eventually(lambda: bool(gateway.messages.get("started-1", [])[1:]), timeout_s=5)
+        (answer,) = gateway.messages["started-1"][1:]
+        assert isinstance(answer, pb.Rejection) and answer.status == pb.STATUS_UNSPECIFIED, answer
+        assert "is unknown" in answer.message and f"started on node {first.node}" in answer.message
+        reply, _ = await running  # it ran there, once
+        assert reply.outcome == pb.OK, reply.message
+        await asyncio.sleep(0.5)
+        assert len(gateway.messages["started-1"]) == 2, "placed again"
 
     asyncio.run(main())
 
