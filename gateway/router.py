@@ -210,6 +210,15 @@ class NodeConnections:
             del self.unusable[address]
             log.info("node at %s answers again", address)
 
+    def joined(self, address: str) -> None:
+        """A node registered at `address` (its etcd key put): if it was found unreachable, dial it
+        now rather than at the background dial's next turn, so that the scheduler, which attaches
+        it meanwhile, does not get its placements there handed back (on a single GPU they would
+        come back until the scheduler gave up on the call)."""
+        if address in self.unusable and self.unusable[address] != _SILENT and address not in self._connects:
+            dial = asyncio.ensure_future(self._connect(address))
+            dial.add_done_callback(lambda done: done.cancelled() or done.exception())  # (failures: the redial goes on)
+
     def left(self, address: str) -> None:
         """The node left the cluster: its connection closes (failing the calls on it) and it takes
         no Execute until a new connection is made (dialled in the background: it may come back)."""
@@ -360,6 +369,11 @@ class Router:
             self._address_changed.set()
             if self._scheduler is not None:
                 self._scheduler.close()
+
+    def node_joined(self, address: str) -> None:
+        """A node registered at `address` (again, after a restart or a partition): dialled at once
+        if it was found unreachable (`NodeConnections.joined`)."""
+        self.nodes.joined(address)
 
     def node_left(self, address: str) -> None:
         """The node at `address` left the gateway's view of the cluster (its etcd key is gone: its

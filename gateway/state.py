@@ -230,6 +230,8 @@ class Gateway:
             self.nodes[name] = record
             if old is not None and old.address != record.address:
                 self._node_left(old)  # it moved: nothing reaches it at the old address
+            if old != record:
+                self.router.node_joined(record.address)  # (back after a restart or a partition)
 
     def _node_left(self, record: NodeRecord) -> None:
         log.info("node %s left the cluster (its key is gone)", record.node)

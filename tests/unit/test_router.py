@@ -1033,6 +1033,31 @@ def test_a_node_leaving_closes_only_its_own_connection() -> None:
     run(scenario())
 
 
+def test_a_node_found_unreachable_is_dialled_at_once_when_it_registers_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(router_module, "REDIAL_S", 30.0)  # the background dial would come too late
+
+    async def scenario() -> None:
+        async with cluster() as env:
+            address = env.node_a.address
+            await env.node_a.stop()
+            task = env.invoke("call-1")
+            await env.scheduler.wait_places(1)
+            env.scheduler.send(env.node_a.placement("call-1", 1))
+            await until(lambda: env.scheduler.abandons, "the Abandon of the unreachable node")
+            env.router.node_joined(address)  # registered, but still down: nothing changes
+            await asyncio.sleep(0.1)
+            assert address in env.router.nodes.unusable
+
+            env.node_a._server = Server(env.node_a._session, max_frame_bytes=MAX_PAYLOAD_BYTES + 1024 * 1024)
+            await env.node_a._server.start(address)
+            env.router.node_joined(address)  # back: its key put again
+            await until(lambda: address not in env.router.nodes.unusable, "the node dialled at once", timeout_s=2.0)
+            env.scheduler.send(env.node_a.placement("call-1", 2))
+            assert (await task).placement.node == "node-a"
+
+    run(scenario())
+
+
 def test_a_node_that_answers_nothing_takes_no_new_execute_until_it_answers_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
