@@ -387,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         if system == "gpufaas":
             return run_gpufaas(args, work, gpu_memory_mb=300)
         if system == "gpufaas-plain":  # what TLS on the daemons' links costs: the same, links in plain
-            return run_gpufaas(args, work, gpu_memory_mb=300, up=("--no-tls",))
+            (work / "plain").mkdir(exist_ok=True)  # a cluster and functions of its own beside gpufaas's
+            return run_gpufaas(args, work / "plain", gpu_memory_mb=300, up=("--no-tls",))
         if system == "gpufaas-hits":
             return run_gpufaas(args, work, gpu_memory_mb=1000)
         if system.startswith("ray-"):
