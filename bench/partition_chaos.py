@@ -476,7 +476,16 @@ class ChaosRun:
         back_s: float | None = None
         with contextlib.suppress(AssertionError):
             back_s = self.cluster.wait_for_gpus(set(self.cluster.nodes), timeout_s=config.settle_max_s)
-        return {"fault": fault.name, "hosts": list(fault.hosts), "settled_s": settle_s, "gpus_back_s": back_s}
+        # After the heal one scheduler leads and the others stand by (a deposed leader does not
+        # come back as a second one).
+        roles = self.cluster.scheduler_roles() if self.election else {}
+        return {
+            "fault": fault.name,
+            "hosts": list(fault.hosts),
+            "settled_s": settle_s,
+            "gpus_back_s": back_s,
+            "scheduler_roles_after_heal": roles,
+        }
 
     def _struck_node(self) -> str:
         """The node a node fault strikes: the one running the most probes now (the scheduler's

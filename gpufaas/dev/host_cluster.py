@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from typing import IO
 
 import httpx
 
-from gpufaas.credentials import ADMIN_USER, SecretFiles, ensure_secrets, read_secret
+from gpufaas.credentials import ADMIN_USER, SecretFiles, ensure_secrets, metrics_token, read_secret
 from gpufaas.dev.etcd_server import find_etcd_binary
 from gpufaas.netns import Hosts
 from gpufaas.processes import descendants, pid_alive
@@ -171,6 +172,20 @@ class HostCluster:
         if self.balancer:
             self._start_balancer()
         self.wait_for_gpus(set(self.nodes), timeout_s=timeout_s)
+        # The GPUs are seen through the balancer, which answers once one gateway does: each is
+        # dialled directly too (deploy goes to the first), so every gateway must be serving.
+        for url in self.gateway_urls:
+            self._wait_live(url, timeout_s)
+
+    def _wait_live(self, url: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/livez", timeout=2).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{url}/livez did not answer 200 within {timeout_s} s")
+            time.sleep(0.1)
 
     def _etcd_argv(self) -> list[str]:
         scheme = "https" if self.etcd_tls else "http"
@@ -343,6 +358,21 @@ class HostCluster:
             headers=headers,
             timeout=timeout_s,
         )
+
+    def scheduler_roles(self) -> dict[str, str]:
+        """Each scheduler's role in the election as its metrics say (`gpufaas_scheduler_role`:
+        "leader", "unsure" or "standby"; "?" where its metrics do not answer)."""
+        token = metrics_token(read_secret(self.secrets.cluster_secret))
+        roles: dict[str, str] = {}
+        for name in self.schedulers:
+            url = f"http://{self.hosts.address(name)}:{METRICS_PORT}/metrics"
+            try:
+                text = httpx.get(url, headers={"authorization": f"Bearer {token}"}, timeout=5).text
+            except httpx.HTTPError:
+                text = ""
+            found = re.search(r'^gpufaas_scheduler_role\{role="(\w+)"\} 1(?:\.0)?$', text, re.MULTILINE)
+            roles[name] = found.group(1) if found else "?"
+        return roles
 
     def running_on(self, node: str) -> set[str]:
         """The ids of the calls running on `node`'s GPUs (the scheduler's view, through the gateway)."""

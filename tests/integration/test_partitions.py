@@ -30,6 +30,10 @@ RECOVERY_CEILING_S = 10.0  # a known recovery miss must still end within this
 def violations(fault: dict[str, Any], *, election: bool) -> list[tuple[str, str]]:
     """(check, figure) for each check `fault`'s tally fails."""
     name, found = fault["fault"], []
+    # After each heal exactly one scheduler leads: a deposed leader that is reachable again stands by.
+    roles = fault.get("scheduler_roles_after_heal", {})
+    if election and list(roles.values()).count("leader") != 1:
+        found.append(("one leader", f"scheduler roles after the heal: {roles}"))
     # At most once: no call starts twice, not even one in flight on a killed host (its gateway
     # answers it 502 "outcome unknown": its first run may have had effects).
     if fault["run_twice"]:
