@@ -124,10 +124,16 @@ def test_deploy_invoke_hits_and_lru_state_in_etcd(make_cluster: ClusterFactory, 
     for response in responses:
         assert set(response.headers) >= {"x-call-id", "x-duration-seconds", "x-gpu", "x-cache", "x-queue-seconds"}
 
-    # etcd holds each model on exactly one GPU, and the LRU lists agree with the replicas.
-    lru, replicas = etcd_state_when(
-        etcd_endpoint.endpoint, etcd_endpoint.root, lambda state: set(state[1]) == set(models.values())
-    )
+    # etcd holds each model on exactly one GPU, and the LRU lists agree with the replicas. Waited
+    # for as a whole: the LRU lists and the replicas are two reads, and a flush landing between
+    # them (it writes the lists first) showed CI a replica whose GPU's list was still the old one.
+    def agreed(state: EtcdState) -> bool:
+        lru, replicas = state
+        return set(replicas) == set(models.values()) and all(
+            len(gpus) == 1 and lru.get(gpus[0]) == [model] for model, gpus in replicas.items()
+        )
+
+    lru, replicas = etcd_state_when(etcd_endpoint.endpoint, etcd_endpoint.root, agreed)
     assert all(len(gpus) == 1 for gpus in replicas.values())
     for model, (gpu,) in replicas.items():
         assert lru[gpu] == [model]
