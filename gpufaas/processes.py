@@ -10,7 +10,12 @@ from pathlib import Path
 
 def pid_alive(pid: int) -> bool:
     """Whether process `pid` exists and is not a zombie (one that exited but was not reaped is
-    dead for every purpose here). A process of another user counts as alive."""
+    dead for every purpose here). A process of another user counts as alive.
+
+    A killed process's main thread can turn zombie while its other threads are still exiting and
+    still hold its descriptors (the last thread out unmaps the memory, then closes the files): a
+    dying server's listening socket can accept connections for tens of milliseconds after its
+    main thread shows `Z`. Such a process is alive until its last thread is gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -19,7 +24,7 @@ def pid_alive(pid: int) -> bool:
         return True
     with contextlib.suppress(OSError):
         if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-            return False
+            return len(os.listdir(f"/proc/{pid}/task")) > 1
     return True
 
 
