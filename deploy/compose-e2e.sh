@@ -24,13 +24,15 @@ RECOVERY_TIMEOUT_S=180
 started_s=$SECONDS
 
 say() { echo "[compose-e2e $((SECONDS - started_s))s] $*"; }
-fail() { say "FAILED: $*" >&2; exit 1; }
+# A failure's reason is said again after the services' logs (CI keeps only the output's tail).
+fail() { say "FAILED: $*" | tee -a "${verdict:-/dev/null}" >&2; exit 1; }
 
 [ "$(id -u)" = 0 ] || fail "needs root (dockerd, debootstrap)"
 command -v docker-compose >/dev/null || fail "docker-compose is missing: apt-get install -y docker-compose"
 [ -x "$CLI" ] || fail "no gpufaas CLI at $CLI (bash scripts/setup.sh, or set GPUFAAS_CLI)"
 
 work=$(mktemp -d /tmp/gpufaas-compose-e2e.XXXXXX)
+verdict=$work/verdict  # the load runs' reports and the failure, repeated last
 dockerd_pid=""
 compose() { docker-compose --project-name "$PROJECT" --project-directory "$ROOT" --file "$work/compose.yml" "$@"; }
 
@@ -40,6 +42,10 @@ cleanup() {
   if [ "$status" != 0 ] && [ -f "$work/compose.yml" ]; then
     say "logs of the failed run (last 40 lines per service):"
     compose --profile monitoring logs --no-color --tail 40 2>&1 | tail -300
+  fi
+  if [ "$status" != 0 ] && [ -s "$verdict" ]; then
+    say "the failed run, again:"
+    tail -40 "$verdict"
   fi
   if [ -f "$work/compose.yml" ]; then
     compose --profile monitoring down --volumes --remove-orphans --timeout 10 >/dev/null 2>&1
@@ -158,8 +164,8 @@ compose exec -T gateway-0 cat /run/gpufaas/admin-password >"$work/admin-password
 # scheduler with a higher epoch. `docker kill` counts as a manual stop, so it is started again.
 say "killing the leading scheduler under load"
 python3 deploy/compose_load.py leader "$URL" "$work/invoke-token" "$work/admin-password" \
-  "scheduler-0=$(compose ps -q scheduler-0)" "scheduler-1=$(compose ps -q scheduler-1)" \
-  || fail "the leader's kill failed calls, or service or a new leader came late"
+  "scheduler-0=$(compose ps -q scheduler-0)" "scheduler-1=$(compose ps -q scheduler-1)" 2>&1 \
+  | tee -a "$verdict" || fail "the leader's kill failed calls, or service or a new leader came late"
 for service in scheduler-0 scheduler-1; do
   if [ "$(docker inspect -f '{{.State.Running}}' "$(compose ps -q "$service")")" != true ]; then
     compose start "$service"
@@ -176,8 +182,8 @@ invoke_until 3 "$RECOVERY_TIMEOUT_S"
 container=$(compose ps -q gateway-0)
 restarts=$(docker inspect -f '{{.RestartCount}}' "$container")
 say "crashing gateway-0 under load"
-python3 deploy/compose_load.py gateway "$URL" "$work/invoke-token" "$(docker inspect -f '{{.State.Pid}}' "$container")" \
-  || fail "the gateway's crash failed calls that were not in flight on it"
+python3 deploy/compose_load.py gateway "$URL" "$work/invoke-token" "$(docker inspect -f '{{.State.Pid}}' "$container")" 2>&1 \
+  | tee -a "$verdict" || fail "the gateway's crash failed calls that were not in flight on it"
 deadline=$((SECONDS + 60))
 until [ "$(docker inspect -f '{{.RestartCount}}' "$container")" -gt "$restarts" ]; do
   [ $SECONDS -lt $deadline ] || fail "gateway-0 was not restarted"

@@ -37,6 +37,7 @@ STEADY_S = 5.0  # calls before the kill, and again after it
 CALL_TIMEOUT_S = 60.0
 RECOVERY_BOUND_S = 2.0  # issue 21: calls succeed again within 2 s of the leader's death
 NEW_LEADER_TIMEOUT_S = 30.0
+MAX_FAILED_SHOWN = 12
 FUNCTION = "hello"
 BODY = b'{"inputs": [[1, 2, 3, 4]]}'
 
@@ -161,12 +162,14 @@ def print_calls(calls: list[Call], killed_s: float, dead_s: float) -> None:
         f"  {len(calls)} calls, by status {by_outcome}; {in_flight} in flight at the kill, "
         f"{len(after)} sent after the death ({sum(c.ok for c in after)} succeeded)"
     )
-    for c in calls:
-        if not c.ok:
-            print(
-                f"  failed: sent {1000 * (c.sent_s - dead_s):+.0f} ms from the death, "
-                f"done {1000 * (c.done_s - dead_s):+.0f}: {c.status} {c.error}"
-            )
+    failed = [c for c in calls if not c.ok]
+    if len(failed) > MAX_FAILED_SHOWN:
+        print(f"  the first {MAX_FAILED_SHOWN} of {len(failed)} failed calls:")
+    for c in failed[:MAX_FAILED_SHOWN]:
+        print(
+            f"  failed: sent {1000 * (c.sent_s - dead_s):+.0f} ms from the death, "
+            f"done {1000 * (c.done_s - dead_s):+.0f}: {c.status} {c.error}"
+        )
 
 
 def kill_leader(url: str, token: str, admin_password: str, containers: dict[str, str]) -> bool:
