@@ -47,7 +47,10 @@ PEERS: Mapping[str, Mapping[Link, frozenset[str]]] = {
         "blob-server": frozenset({"node", "gateway"}),
         "blob-client": frozenset({"gateway", "node"}),
     },
-    "scheduler": {"wire-server": frozenset({"gateway"}), "wire-client": frozenset({"node"})},
+    # The scheduler serves the gateways and, as the leader, its standbys' tethers (links that carry
+    # nothing: scheduler.election); a scheduler's certificate could place calls as a gateway does,
+    # which gives nothing to the role that signs the grants.
+    "scheduler": {"wire-server": frozenset({"gateway", "scheduler"}), "wire-client": frozenset({"node", "scheduler"})},
     "node": {
         "wire-server": frozenset({"scheduler", "gateway"}),
         "blob-server": frozenset({"node", "gateway"}),

@@ -8,6 +8,16 @@ as the epoch. A term's lease is kept alive `KEEP_ALIVES_PER_TTL` times per TTL; 
 revokes it (best effort), so that a standby need not wait for it to expire, unless the term was
 left for want of answers: then a keep-alive of it answered later resumes the term (no one else can
 have led while its lease lived), and one refused lets it go.
+
+A standby with a way to dial the leader (`dial`) also holds a link to it, the *tether*, which
+carries nothing. A SIGKILLed leader's host closes it at once (a lease would take a TTL and etcd's
+expiry sweep, up to half a second more, to say the same); when the leader then answers no dial
+(`TETHER_PROBES` tries), the standby revokes the leader's lease: its key goes, and the standby
+campaigns at once. A tether lost to silence (the keep-alive probes of a partitioned link) is no
+evidence, nor is a leader that answers again (it closed the link, or restarted): then the lease
+decides, as without a tether. Revoking a live leader's lease by mistake costs a needless new term,
+never two leaders placing at once: the deposed leader sees its key go, and nodes that the new
+leader attached refuse its older epoch (`Leadership`).
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -29,6 +39,30 @@ from scheduler.leadership import Holder, Leadership, Role
 log = logging.getLogger("gpufaas.scheduler")
 
 KEEP_ALIVES_PER_TTL = 3
+TETHER_PROBES = 3  # dials after the tether closed, each within TETHER_DIAL_S: none answered = dead
+TETHER_DIAL_S = 0.3
+TETHER_IDLE_S = 0.1  # how often a standby with nothing to tether to (or a held tether) looks again
+
+
+class Link(Protocol):
+    """A standby's open link to the leader (a wire connection)."""
+
+    @property
+    def closed(self) -> asyncio.Future[BaseException | None]:
+        """Resolves, with the reason (None: the peer closed it), when the link is gone."""
+
+    def close(self) -> None:
+        """Close it from this end."""
+
+
+class TetherRefused(Exception):
+    """The leader's address answered a dial but refused the link (its credentials, or ours):
+    someone is there."""
+
+
+# Opens a link to the scheduler at an address within a timeout; raises ConnectionError when
+# nothing answers there in time, TetherRefused when it answers and refuses.
+Dial = Callable[[str, float], Awaitable[Link]]
 
 
 class Office(Protocol):
@@ -61,9 +95,12 @@ class Election:
         *,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        dial: Dial | None = None,
     ) -> None:
+        """`dial`: how a standby reaches the leader for its tether (None: no tether; a dead
+        leader's lease alone says it is gone)."""
         self.store, self.key, self.leadership, self.office = store, key, leadership, office
-        self.clock, self.sleep = clock, sleep
+        self.clock, self.sleep, self.dial = clock, sleep, dial
         self._changed = asyncio.Event()
         self._warned_unsure = False
 
@@ -72,15 +109,20 @@ class Election:
         self._changed.set()
 
     async def run(self) -> None:
-        watch = asyncio.ensure_future(
-            list_and_watch(self.store, self.key, on_list=self._listed, on_event=self._changed_key, sleep=self.sleep)
-        )
+        helpers = [
+            asyncio.ensure_future(
+                list_and_watch(self.store, self.key, on_list=self._listed, on_event=self._changed_key, sleep=self.sleep)
+            )
+        ]
+        if self.dial is not None:
+            helpers.append(asyncio.ensure_future(self._tether(self.dial)))
         try:
             await self._loop()
         finally:
-            watch.cancel()
-            with contextlib.suppress(BaseException):
-                await watch
+            for helper in helpers:
+                helper.cancel()
+                with contextlib.suppress(BaseException):
+                    await helper
 
     async def resign(self) -> None:
         """At a stop: give the key up at once (revoke the term's lease), so a standby takes over."""
@@ -226,6 +268,80 @@ class Election:
         with contextlib.suppress(StoreError, TimeoutError):
             async with asyncio.timeout(self.leadership.ttl_s):
                 await self.store.revoke_lease(lease)
+
+    # --- the tether (a standby's link to the leader) -----------------------------------------
+    def _tether_target(self) -> Holder | None:
+        """The leader a standby tethers to: the key's holder, when it is someone else."""
+        holder = self.leadership.holder
+        if self.leadership.role is not Role.STANDBY or holder is None or not holder.address:
+            return None
+        return None if holder.address == self.leadership.address else holder
+
+    async def _tether(self, dial: Dial) -> None:
+        """While a standby: hold a link to the leader, and end its term when it is dead (see the
+        module's doc)."""
+        refused_logged = False
+        while True:
+            holder = self._tether_target()
+            if holder is None:
+                await self.sleep(TETHER_IDLE_S)
+                continue
+            try:
+                link = await dial(holder.address, TETHER_DIAL_S)
+            except (ConnectionError, TimeoutError, TetherRefused) as exc:
+                if isinstance(exc, TetherRefused) and not refused_logged:
+                    refused_logged = True
+                    log.warning(
+                        "cannot hold a link to the leader at %s (%s): its lease alone says when it is gone",
+                        holder.address,
+                        exc,
+                    )
+                await self.sleep(self.leadership.ttl_s)  # out of reach: its lease decides
+                continue
+            cause = await self._hold(link, holder)
+            if cause is None or isinstance(cause, TimeoutError):
+                continue  # the leader changed (or the link went silent: a partition, no evidence)
+            if await self._answers(dial, holder.address):
+                await self.sleep(TETHER_IDLE_S)  # it closed the link itself (left office), or restarted
+                continue
+            if self._tether_target() == holder:
+                log.warning(
+                    "the leader at %s (epoch %d) is gone: it closed our link and answers no dial; "
+                    "revoking its lease rather than waiting it out",
+                    holder.address,
+                    holder.epoch,
+                )
+                await self._revoke(holder.lease)
+
+    async def _hold(self, link: Link, holder: Holder) -> BaseException | None:
+        """Wait until the link closes (its reason; a peer's close is a `ConnectionError`) or the
+        tether's target is `holder` no more (None: we closed it)."""
+        try:
+            while not link.closed.done():
+                if self._tether_target() != holder:
+                    return None
+                sleeper = asyncio.ensure_future(self.sleep(TETHER_IDLE_S))
+                try:
+                    waiters: set[asyncio.Future[Any]] = {link.closed, sleeper}
+                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    sleeper.cancel()
+            reason = link.closed.result()
+            return reason if reason is not None else ConnectionResetError("closed by the leader")
+        finally:
+            link.close()
+
+    async def _answers(self, dial: Dial, address: str) -> bool:
+        """Whether anything answers a dial at `address` within TETHER_PROBES tries."""
+        for _ in range(TETHER_PROBES):
+            try:
+                (await dial(address, TETHER_DIAL_S)).close()
+            except TetherRefused:
+                return True
+            except (ConnectionError, TimeoutError):
+                continue
+            return True
+        return False
 
     # --- the key's watch --------------------------------------------------------------------
     def _listed(self, kvs: list[KeyValue], revision: int) -> None:

@@ -36,7 +36,7 @@ from gpufaas.keys import Keys, split_gpu_address
 from gpufaas.profiles import paper_table1
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import Store, StoreError
-from gpufaas.wire import Connection, ConnectionLost, MessageType, Server
+from gpufaas.wire import Connection, ConnectionLost, MessageType, Server, Unauthenticated, connect
 from scheduler.adaptive_slots import DEFAULT_THRESHOLD, AdaptiveSlots
 from scheduler.calls import (
     DEFAULT_CLAIM_S,
@@ -51,7 +51,7 @@ from scheduler.calls import (
 )
 from scheduler.catalog import Catalog
 from scheduler.core import Scheduler
-from scheduler.election import Election, LeadershipCollector
+from scheduler.election import Election, LeadershipCollector, TetherRefused
 from scheduler.estimator import Estimator
 from scheduler.evictions import EvictionLog
 from scheduler.leadership import Leadership, Role
@@ -214,7 +214,9 @@ class SchedulerService:
         revision = await self.catalog.recover()
         for watch in self.catalog.watches(revision):
             self._spawn(watch)
-        self.election = Election(self.store, self.keys.scheduler_leader, self.leadership, self, clock=self.clock)
+        self.election = Election(
+            self.store, self.keys.scheduler_leader, self.leadership, self, clock=self.clock, dial=self._dial_leader
+        )
         self._spawn(self.election.run())
         log.info(
             "scheduler %s serving on %s (policy %s, %s; eviction %s); running for the leadership",
@@ -225,6 +227,13 @@ class SchedulerService:
             self.eviction,
         )
         return self.address
+
+    async def _dial_leader(self, address: str, timeout_s: float) -> Connection:
+        """A standby's tether to the leader (scheduler.election): a link that carries nothing."""
+        try:
+            return await connect(address, timeout_s=timeout_s, key=self.wire_key, peer_role="scheduler")
+        except Unauthenticated as exc:
+            raise TetherRefused(str(exc)) from None
 
     async def stop(self) -> None:
         leading = self.leadership.leading(self.clock())

@@ -316,3 +316,100 @@ def test_a_leader_rides_out_a_short_etcd_restart_unsure_and_then_carries_on() ->
         await a.freeze()
 
     on_store(scenario)
+
+
+# --- the tether: a standby's link to the leader -----------------------------------------------------
+
+
+class FakeLink:
+    def __init__(self) -> None:
+        self.closed: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+    def close(self) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+
+class LeaderHost:
+    """Where the standby dials the leader: links that a death (or the leader) closes, and dials
+    that a dead host refuses."""
+
+    def __init__(self) -> None:
+        self.links: list[FakeLink] = []
+        self.answering = True
+        self.dials = 0
+
+    async def dial(self, address: str, timeout_s: float) -> FakeLink:
+        self.dials += 1
+        if not self.answering:
+            raise ConnectionRefusedError(f"{address} refuses")
+        link = FakeLink()
+        self.links.append(link)
+        return link
+
+    def close_links(self, reason: BaseException | None = None) -> None:
+        for link in self.links:
+            if not link.closed.done():
+                link.closed.set_result(reason)
+
+
+async def tethered(store: MemoryStore, clock: ManualClock) -> tuple[Candidate, Candidate, LeaderHost]:
+    """a leads; b stands by with a tether to a (a's host: the LeaderHost)."""
+    host = LeaderHost()
+    a = await started(store, clock, "a:1")
+    b = Candidate("b:1", store, clock)
+    b.election.dial = host.dial
+    b.run()
+    await clock.advance(0.5)
+    assert b.leadership.role is Role.STANDBY and any(not link.closed.done() for link in host.links)
+    return a, b, host
+
+
+def test_a_standby_whose_tether_closes_and_whose_dials_go_unanswered_takes_over_before_the_lease_lapses() -> None:
+    async def scenario(store: MemoryStore, clock: ManualClock) -> None:
+        a, b, host = await tethered(store, clock)
+        first = a.leadership.epoch
+        await a.freeze()  # SIGKILL: no keep-alive, no revoke; its host closes its links, refuses dials
+        host.answering = False
+        host.close_links()
+        await clock.advance(0.1 * TTL_S)  # well inside the lease: only the tether can have told b
+        assert b.leadership.role is Role.LEADER and b.leadership.epoch > first
+        assert b.office.events == [("take", b.leadership.epoch)]
+        assert (await store.get(KEY)).value == b"b:1"  # type: ignore[union-attr]
+        await b.freeze()
+
+    on_store(scenario)
+
+
+@pytest.mark.parametrize("still_answering", [True, False])
+def test_a_tether_closed_by_a_live_leader_or_lost_to_silence_deposes_no_one(still_answering: bool) -> None:
+    async def scenario(store: MemoryStore, clock: ManualClock) -> None:
+        a, b, host = await tethered(store, clock)
+        dials = host.dials
+        if still_answering:
+            host.close_links()  # the leader closed it (e.g. it restarted its server): it answers dials
+        else:
+            host.answering = False  # a partition: the link's keep-alive probes time out, dials too
+            host.close_links(TimeoutError(110, "Connection timed out"))
+        await clock.advance(0.5 * TTL_S)
+        assert a.leadership.leading(clock()) and b.leadership.role is Role.STANDBY
+        assert (await store.get(KEY)).value == b"a:1"  # type: ignore[union-attr]
+        if still_answering:  # it probed, found the leader there, and tethered again
+            assert host.dials > dials and not host.links[-1].closed.done()
+        for candidate in (a, b):
+            await candidate.freeze()
+
+    on_store(scenario)
+
+
+def test_a_leader_holds_no_tether_and_a_new_leader_is_tethered_to_instead() -> None:
+    async def scenario(store: MemoryStore, clock: ManualClock) -> None:
+        a, b, host = await tethered(store, clock)
+        await a.election.resign()  # a hands over: b leads, and tethers to no one
+        await a.freeze()
+        await clock.advance(0.5)
+        assert b.leadership.role is Role.LEADER
+        assert all(link.closed.done() for link in host.links)
+        await b.freeze()
+
+    on_store(scenario)
