@@ -571,7 +571,7 @@ def records_end(records: Sequence[CallRecord]) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from bench.machine import results_parser, run_metadata, write_results
-    from gpufaas.dev.host_cluster import HostCluster, election_available, haproxy_available, host_names
+    from gpufaas.dev.host_cluster import HostCluster, haproxy_available, host_names
     from gpufaas.netns import Hosts
 
     parser = results_parser(__doc__, "partition_chaos.json")
@@ -590,9 +590,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--state-dir", type=Path, default=None, help="keep the cluster's state and logs here")
     parser.add_argument("--call-sleep-s", type=float, default=ChaosConfig.call_sleep_s, help="each call's work")
     args = parser.parse_args(argv)
-    election = election_available()
     balancer = haproxy_available() if args.balancer is None else args.balancer
-    schedulers = args.schedulers or (2 if election else 1)
+    schedulers = args.schedulers or 2
     nodes = [f"node{i}" for i in range(args.nodes)]
     config = ChaosConfig(hold_s=args.hold_s, call_sleep_s=args.call_sleep_s)
     with tempfile.TemporaryDirectory(prefix="partition-chaos-") as temporary:
@@ -601,7 +600,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hosts = Hosts(host_names(nodes, schedulers, args.gateways, balancer=balancer))
         cluster = HostCluster.of_shape(hosts, state, nodes, balancer=balancer)
         try:
-            document = run_chaos(cluster, config, election=election and schedulers > 1)
+            document = run_chaos(cluster, config, election=schedulers > 1)
         finally:
             cluster.close()
     document = run_metadata(**document)

@@ -34,14 +34,6 @@ BALANCER_PORT = 8000
 BALANCER_HOST = "balancer"
 
 
-def election_available() -> bool:
-    """Whether schedulers elect a leader among several (scheduler.settings has `--name`): before
-    that, a cluster runs one scheduler."""
-    from scheduler.settings import SchedulerSettings
-
-    return "name" in SchedulerSettings.model_fields
-
-
 def _parent(pid: int) -> int | None:
     """`pid`'s parent (None if it is gone)."""
     try:

@@ -8,15 +8,12 @@ from typing import Any
 import pytest
 
 from bench.partition_chaos import ChaosConfig, run_chaos, summary_lines
-from gpufaas.dev.host_cluster import HostCluster, election_available, haproxy_available, host_names
+from gpufaas.dev.host_cluster import HostCluster, haproxy_available, host_names
 from tests.integration.test_hosts import HostsFactory, make_hosts  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.integration
 
 RECOVERY_TARGET_S = 5.0  # issue 21 item 5: calls succeed again within 5 s of a fault, and of its heal
-# Faults after which no other scheduler can take over where there is only one (no election yet):
-# calls fail until the heal, by design.
-ONLY_SCHEDULER_FAULTS = {"isolate-scheduler", "cut-scheduler-etcd"}
 # Faults that cut a node off from a gateway, or kill it: a call whose Execute may have reached the
 # node is answered 502 "outcome unknown" rather than run again (at most once, docs/partitions.md).
 NODE_FAULTS = {"isolate-node", "cut-gateway-node-one-way", "kill-node-host"}
@@ -27,12 +24,12 @@ KNOWN_DEFECTS: dict[tuple[str, str], str] = {}
 RECOVERY_CEILING_S = 10.0  # a known recovery miss must still end within this
 
 
-def violations(fault: dict[str, Any], *, election: bool) -> list[tuple[str, str]]:
+def violations(fault: dict[str, Any]) -> list[tuple[str, str]]:
     """(check, figure) for each check `fault`'s tally fails."""
     name, found = fault["fault"], []
     # After each heal exactly one scheduler leads: a deposed leader that is reachable again stands by.
     roles = fault.get("scheduler_roles_after_heal", {})
-    if election and list(roles.values()).count("leader") != 1:
+    if list(roles.values()).count("leader") != 1:
         found.append(("one leader", f"scheduler roles after the heal: {roles}"))
     # At most once: no call starts twice, not even one in flight on a killed host (its gateway
     # answers it 502 "outcome unknown": its first run may have had effects).
@@ -47,9 +44,7 @@ def violations(fault: dict[str, Any], *, election: bool) -> list[tuple[str, str]
     failed = sum(fault["failed_by_status"].values()) - fault["lost"]
     if failed > allowed:
         found.append(("failed", f"{failed - allowed} calls failed: {fault['failed_by_status']}"))
-    after = {"after the heal": fault["recovery_after_heal_s"]}
-    if election or name not in ONLY_SCHEDULER_FAULTS:
-        after["after the fault"] = fault["recovery_after_fault_s"]
+    after = {"after the fault": fault["recovery_after_fault_s"], "after the heal": fault["recovery_after_heal_s"]}
     for when, seconds in after.items():
         if seconds is None or seconds > RECOVERY_TARGET_S:
             assert (name, "recovery") in KNOWN_DEFECTS and seconds is not None and seconds <= RECOVERY_CEILING_S, (
@@ -67,21 +62,21 @@ def test_each_fault_runs_no_call_twice_loses_none_and_recovers_within_the_target
     tmp_path: Path,
 ) -> None:
     """Two nodes, two gateways (behind HAProxy where it is installed, else the clients spread their
-    calls over them), the schedulers (two with leader election, else one), TLS on every link and
+    calls over them), two schedulers (one leads, by election), TLS on every link and
     etcd; 8 clients of short calls and 4 longer probes while each fault of bench.partition_chaos
     is applied, held 8 s and healed."""
-    election, balancer = election_available(), haproxy_available()
+    balancer = haproxy_available()
     nodes = ["node0", "node1"]
-    hosts = make_hosts(host_names(nodes, 2 if election else 1, 2, balancer=balancer))
+    hosts = make_hosts(host_names(nodes, 2, 2, balancer=balancer))
     cluster = HostCluster.of_shape(hosts, tmp_path, nodes, balancer=balancer)
     try:
-        document = run_chaos(cluster, ChaosConfig(), election=election)
+        document = run_chaos(cluster, ChaosConfig(), election=True)
     finally:
         cluster.close()
     print("\n" + "\n".join(summary_lines(document)))
     assert document["baseline"]["ok"] == document["baseline"]["calls"] > 0, document["baseline"]
     assert all(fault["calls"] > 0 for fault in document["faults"]), document["faults"]
-    found = [(fault["fault"], *v) for fault in document["faults"] for v in violations(fault, election=election)]
+    found = [(fault["fault"], *v) for fault in document["faults"] for v in violations(fault)]
     unexplained = [v for v in found if v[:2] not in KNOWN_DEFECTS]
     assert not unexplained, (unexplained, document["faults"])
     if found:
