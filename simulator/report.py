@@ -13,7 +13,7 @@ from typing import Any, Unpack
 from gpufaas.errors import InvalidInput
 from gpufaas.profiles import paper_table1
 from scheduler import registered_policies
-from simulator.engine import Batching, ClusterConfig, PolicyOptions, SimResult, simulate
+from simulator.engine import Batching, ClusterConfig, Meter, PolicyOptions, SimResult, simulate
 from simulator.optimal import Optimum, optimal_misses
 from simulator.workload import TraceCounts, Workload, WorkloadConfig, build_workload
 
@@ -89,13 +89,14 @@ def execute(
     batching: Batching | None = None,
     on_progress: Callable[[int], None] | None = None,
     optimum: bool = False,
+    meter: Meter | None = None,
     **options: Unpack[PolicyOptions],
 ) -> list[SimResult]:
     """Run each simulation on its working set's workload (the same requests for every policy),
     under the PolicyConfig `options` as `simulate` takes them; `batching` applies to every
     function of the workload (None: no batching). `on_progress(n)` is told of every `n` requests
     completed. With `optimum`, each result carries the workload's floor (`workload_optimum`),
-    computed once per workload."""
+    computed once per workload. `meter` is kept up to date by each run in turn (`simulate`'s)."""
     results = []
     floors: dict[tuple[int, MappingSeed], Optimum] = {}
     for run in runs:
@@ -119,6 +120,7 @@ def execute(
                 max_num_skips=run.max_num_skips,
                 batching=None if batching is None else dict.fromkeys(workload.function_models, batching),
                 on_progress=progress,
+                meter=meter,
                 **options,
             )
         )

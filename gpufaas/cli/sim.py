@@ -6,8 +6,10 @@ from __future__ import annotations
 import enum
 import json
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -22,9 +24,9 @@ from gpufaas.errors import GpufaasError
 
 if TYPE_CHECKING:
     from scheduler.policies import PolicyConfig
-    from simulator.engine import Batching, ClusterConfig, SimResult
+    from simulator.engine import Batching, ClusterConfig, Meter, SimResult
     from simulator.report import Aggregate
-    from simulator.workload import Workload
+    from simulator.workload import TraceCounts, Workload, WorkloadConfig
 
 
 class TraceFormat(enum.StrEnum):
@@ -71,10 +73,33 @@ def sim(
     gpus: Annotated[int, typer.Option(min=1, help="Number of simulated GPUs.")] = 12,
     gpu_memory_mb: Annotated[int, typer.Option(min=1, help="Cache capacity of each GPU (MB).")] = 8192,
     working_set: Annotated[
-        str, typer.Option(help="Most invoked functions to keep; a comma list (15,25,35) runs each.")
+        str,
+        typer.Option(
+            help="Most invoked functions to keep; a comma list (15,25,35) runs each; 'all': every function "
+            "the window invokes."
+        ),
     ] = "35",
     start_minute: Annotated[int | None, typer.Option(help="First trace minute of the window.")] = None,
     minutes: Annotated[int, typer.Option(min=1, help="Length of the window in minutes.")] = 6,
+    whole_trace: Annotated[
+        bool,
+        typer.Option(help="The window is the trace's whole span, first minute to last (instead of --minutes)."),
+    ] = False,
+    optimum: Annotated[
+        bool,
+        typer.Option(
+            help="Compute the optimal miss ratio (the floor every policy is measured against). An integer "
+            "program: leave it out (--no-optimum) for windows of millions of requests."
+        ),
+    ] = True,
+    progress_every_s: Annotated[
+        float | None,
+        typer.Option(
+            min=0.1,
+            help="Print a progress line on stderr this often (wall seconds): requests done, events, "
+            "events/s, requests/s. Default: a progress bar on a terminal, nothing otherwise.",
+        ),
+    ] = None,
     rpm: Annotated[int, typer.Option(min=1, help="Requests per minute after scaling.")] = 325,
     seed: Annotated[int, typer.Option(help="Seed for arrival times inside each minute.")] = 0,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
@@ -186,7 +211,8 @@ def sim(
 
     # The policy's knobs and the eviction choice, as the real scheduler takes them.
     config, eviction = policy_flags(ctx.args)
-    working_sets, mapping_seeds, limits = _sim_checked(
+    _check_whole_trace(ctx, whole_trace=whole_trace, start_minute=start_minute)
+    working_set_or_all, mapping_seeds, limits = _sim_checked(
         working_set, mappings, sweep_o3, compare=compare, plot=plot, policy=policy
     )
     if not batch_exponent > 0:  # NaN too
@@ -217,10 +243,14 @@ def sim(
     with user_errors():
         trace_path = trace if trace is not None else shipped_trace()
         counts = load_trace(trace_path, trace_format.value)
+        workload_config = _whole_window(counts, workload_config) if whole_trace else workload_config
+        # 'all' keeps every function of the trace: the window keeps those it invokes.
+        working_sets = [len(counts.counts) if ws is None else ws for ws in working_set_or_all]
         workloads = build_workloads(counts, working_sets, workload_config, mapping_seeds)
         batching = Batching(max_batch_size, max_batch_wait_ms) if max_batch_size > 1 else None
         runs = (working_sets, policies, limits, mapping_seeds)
-        results = _sim_execute(workloads, runs, cluster, config, batching, progress=not json_output)
+        show = _Show(bar=not json_output and progress_every_s is None, every_s=progress_every_s, optimum=optimum)
+        results = _sim_execute(workloads, runs, cluster, config, batching, show)
         if plot is not None:
             (plot_sweep if limits is not None else plot_policies)(results, plot)
     first = next(iter(workloads.values()))
@@ -228,6 +258,19 @@ def sim(
     meta: dict[str, object] = {"trace": str(trace_path), "trace_format": trace_format.value, **window}
     meta.update(_sim_cluster_meta(cluster, results, slo_factor))
     _sim_output(results, meta, grouped=len(mapping_seeds) > 1, json_output=json_output, plot=plot)
+
+
+def _check_whole_trace(ctx: typer.Context, *, whole_trace: bool, start_minute: int | None) -> None:
+    """--whole-trace is its own window: refuse --start-minute or --minutes beside it."""
+    minutes_source = ctx.get_parameter_source("minutes")
+    minutes_given = minutes_source is not None and minutes_source.name != "DEFAULT"
+    if whole_trace and (start_minute is not None or minutes_given):
+        raise typer.BadParameter("the whole trace is one window: leave out --start-minute and --minutes")
+
+
+def _whole_window(counts: TraceCounts, config: WorkloadConfig) -> WorkloadConfig:
+    """`config` with its window the trace's whole span, first minute to last."""
+    return replace(config, start_minute=counts.minutes[0], minutes=counts.minutes[-1] - counts.minutes[0] + 1)
 
 
 def _sim_checked(
@@ -238,12 +281,14 @@ def _sim_checked(
     compare: bool,
     plot: Path | None,
     policy: str,
-) -> tuple[list[int], list[int | None], list[int] | None]:
-    """`gpufaas sim`'s options that go together, checked: (working sets, mapping seeds, the o3
-    limits of a sweep or None)."""
+) -> tuple[list[int | None], list[int | None], list[int] | None]:
+    """`gpufaas sim`'s options that go together, checked: (working sets, None for 'all', mapping
+    seeds, the o3 limits of a sweep or None)."""
     from scheduler import make_policy
 
-    working_sets = _int_list(working_set, "--working-set", minimum=1)
+    working_sets: list[int | None] = (
+        [None] if working_set.strip() == "all" else list(_int_list(working_set, "--working-set", minimum=1))
+    )
     mapping_seeds = _mapping_list(mappings)
     if plot is not None and len(mapping_seeds) > 1:
         raise typer.BadParameter("--plot draws one mapping; pass one --mappings value with it", param_hint="--plot")
@@ -259,19 +304,28 @@ def _sim_checked(
     return working_sets, mapping_seeds, limits
 
 
+@dataclass(frozen=True)
+class _Show:
+    """How `gpufaas sim` shows a run going: a progress bar (on a terminal only), or a line on
+    stderr every `every_s` wall seconds; and whether it computes the optimal miss ratio."""
+
+    bar: bool
+    every_s: float | None
+    optimum: bool
+
+
 def _sim_execute(
     workloads: dict[tuple[int, int | None], Workload],
     plan: tuple[list[int], list[str], list[int] | None, list[int | None]],
     cluster: ClusterConfig,
     config: PolicyConfig,
     batching: Batching | None,
-    *,
-    progress: bool,
+    show: _Show,
 ) -> list[SimResult]:
     """Every run of `plan` (working sets, policies, the o3 limits of a sweep or None, mapping
     seeds: each policy, or lalb-o3 at each limit, per working set and mapping) with the policy's
-    knobs of `config`, a progress bar on a terminal."""
-    from simulator.engine import policy_options
+    knobs of `config`, shown going as `show` says."""
+    from simulator.engine import Meter, policy_options
     from simulator.report import execute, policy_runs, sweep_runs
 
     working_sets, policies, limits, mapping_seeds = plan
@@ -280,14 +334,21 @@ def _sim_execute(
     else:
         runs = policy_runs(working_sets, policies, config.max_num_skips, mapping_seeds)
     total = sum(len(workloads[(run.working_set, run.mapping_seed)].requests) for run in runs)
-    with _progress(total, enabled=progress and sys.stderr.isatty()) as advance:
+    meter = Meter()
+    progress = (
+        _progress_lines(total, meter, show.every_s)
+        if show.every_s is not None
+        else _progress(total, enabled=show.bar and sys.stderr.isatty())
+    )
+    with progress as advance:
         return execute(
             workloads,
             runs,
             cluster=cluster,
             batching=batching,
             on_progress=advance,
-            optimum=True,
+            optimum=show.optimum,
+            meter=meter,
             **policy_options(config),
         )
 
@@ -418,6 +479,34 @@ def _print_table(results: Sequence[SimResult], meta: Mapping[str, object]) -> No
             row.append(f"{value:.3f}" if isinstance(value, float) else str(value))
         table.add_row(*row)
     Console(width=None if sys.stdout.isatty() else 200).print(table)
+
+
+@contextmanager
+def _progress_lines(total: int, meter: Meter, every_s: float) -> Iterator[Callable[[int], None]]:
+    """A progress line on stderr every `every_s` wall seconds while the runs go, and one at the
+    end: requests done of `total`, the discrete-event loop's events, and both per wall second."""
+    started_s = time.perf_counter()
+    done = [0]
+    next_s = [started_s + every_s]
+
+    def line(end: bool) -> None:
+        elapsed_s = max(time.perf_counter() - started_s, 1e-9)
+        print(
+            f"sim{' done' if end else ''}: {done[0]:,}/{total:,} requests, {meter.events:,} events in "
+            f"{elapsed_s:,.0f} s wall ({meter.events / elapsed_s:,.0f} events/s, {done[0] / elapsed_s:,.0f} "
+            f"requests/s), virtual clock {meter.now_s:,.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def advance(completed: int) -> None:
+        done[0] += completed
+        if time.perf_counter() >= next_s[0]:
+            line(end=False)
+            next_s[0] = time.perf_counter() + every_s
+
+    yield advance
+    line(end=True)
 
 
 @contextmanager
