@@ -249,6 +249,10 @@ class CacheManager:
         self._node_of: dict[str, str] = {}  # GPU -> its node, for GPUs added with one
         self._host_directory: dict[str, set[str]] = {}  # model -> nodes whose host tier holds it
         self.holdings = NodeHoldings()  # what nodes' host pools and disks hold, as they report it
+        # Called with (model, gpu_id) whenever `gpu_id` joins `gpus_with(model)` (an admission that
+        # missed, or an undone miss putting its victims back): the scheduler's index of idle
+        # holders learns of a new holder from it. Leaving needs no call: readers check `gpus_with`.
+        self.on_holder_added: Callable[[str, str], None] | None = None
 
     # --- GPUs -----------------------------------------------------------------------------
     def add_gpu(self, gpu_id: str, capacity_mb: int, *, node: str | None = None) -> GpuCache:
@@ -414,7 +418,7 @@ class CacheManager:
                 self._demote(host, item)
         self._tick += 1
         cache.insert(model, memory_mb, tick=self._tick)
-        self._directory.setdefault(model, set()).add(cache.gpu_id)
+        self._add_holder(model, cache.gpu_id)
         from_pool = not from_host and self.holdings.in_pool(model, self._node_of.get(cache.gpu_id))
         return Admission(hit=False, evicted=tuple(victims), from_host=from_host, from_pool=from_pool)
 
@@ -492,7 +496,7 @@ class CacheManager:
                 items[victim.model] = victim
                 ticks[victim.model] = tick
                 cache.used_mb += victim.memory_mb
-                self._directory.setdefault(victim.model, set()).add(gpu_id)
+                self._add_holder(victim.model, gpu_id)
             self._tick = clock_before
             _reorder(items, order, moved_from=0)
             undo_access()
@@ -509,6 +513,11 @@ class CacheManager:
 
     def _forget_host(self, model: str, node: str) -> None:
         _discard(self._host_directory, model, node)
+
+    def _add_holder(self, model: str, gpu_id: str) -> None:
+        self._directory.setdefault(model, set()).add(gpu_id)
+        if self.on_holder_added is not None:
+            self.on_holder_added(model, gpu_id)
 
     def _forget(self, model: str, gpu_id: str) -> None:
         _discard(self._directory, model, gpu_id)

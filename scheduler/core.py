@@ -67,6 +67,7 @@ class Scheduler(ClusterReads):
         self.cluster.gpus[spec.gpu_id] = state
         self.cache.add_gpu(spec.gpu_id, spec.memory_mb, node=spec.node)
         self.cluster.enter_idle(state)
+        self.cluster.reindex(state)  # a stamp of its own: a GPU of this id before it had others
 
     def remove_gpu(self, gpu_id: str, now: float = 0.0) -> list[Request]:
         """Take a GPU out (its node left): its running and parked requests go back to the global
@@ -105,6 +106,7 @@ class Scheduler(ClusterReads):
         was_idle = state.idle
         state.spec = dataclasses.replace(state.spec, slots=slots)
         state.update_busy_until()
+        self.cluster.reindex(state)
         if state.idle:
             state.version += 1
             if not was_idle:

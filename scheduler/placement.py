@@ -45,6 +45,11 @@ class PlacementPieces:
                 best, best_key = state, key
         return None if best is None else best.spec.gpu_id
 
+    def best_idle_holder(self, model: str, exclude: str | None = None) -> str | None:
+        """`best_idle(cache.gpus_with(model), exclude, model=model)`, the same GPU, from the
+        cluster's index of idle holders: O(log holders) amortized instead of O(holders x D)."""
+        return self.cluster.best_idle_holder(model, exclude)
+
     def first_idle_fitting(self, model: str, exclude: str | None = None) -> str | None:
         """The first idle GPU (in idle order) the model may run on now (see `fits`): O(idle GPUs);
         only asked when it may not run on the GPU being filled (mixed memory sizes, a required

@@ -36,8 +36,7 @@ def reserve_dispatch(cluster: ClusterState, request: Request, gpu_id: str, now: 
     request_id = request.request_id
 
     def unreserve() -> None:
-        del state.running[request_id]
-        del state.expected_finish_s[request_id]
+        state.stop(request_id)
         del cluster.placed_on[request_id]
         cluster.swapped_in.discard(request_id)
         cluster.links.end(state.spec.link, request_id)
@@ -45,6 +44,7 @@ def reserve_dispatch(cluster: ClusterState, request: Request, gpu_id: str, now: 
         state.version += 1  # what it advertised while full no longer holds
         if left_idle:
             cluster.enter_idle(state)
+        cluster.reindex(state)  # before the cache's undo, which re-adds its victims to the index
         if not refilled_before:
             cluster.refill.discard(gpu_id)
         cache.unpin(gpu_id, request.model)
@@ -158,14 +158,14 @@ def _occupy(
     inference_s = cluster.call_time_s(request, state)
     # Behind the calls of its model running there (they share a worker), or its load.
     start_s = max(now + load_s, cluster.worker_busy_until_s(spec.name, state)) if running else now + load_s
-    running[request.request_id] = request
-    state.expected_finish_s[request.request_id] = start_s + inference_s
+    state.start(request, start_s + inference_s)
     if len(running) < slots:
         cluster.refill.add(gpu_id)
     else:
         state.update_busy_until()
         cluster.leave_idle(state)
         cluster.advertise(state)
+    cluster.reindex(state, grew=True)
     cluster.placed_on[request.request_id] = gpu_id
     return Dispatch(
         request=request,

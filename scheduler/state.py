@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -43,6 +44,14 @@ class GpuState:
     # Bumped whenever the GPU gets a free slot, and whenever it is advertised in the per-model
     # free-time heaps (full, with a new free time): marks older entries there as stale.
     version: int = 0
+    # Model -> when the last of its calls running here is expected to finish (its worker serves
+    # them one at a time); only models with a call running. Kept by `start` and `stop`.
+    worker_busy_until_s: dict[str, float] = field(default_factory=dict)
+    # Set anew (by `ClusterState.reindex`) whenever `running` or D changes: entries of the idle-holder
+    # index that carry another stamp are stale. Unique over every GPU's lifetime.
+    stamp: int = 0
+    # The stamp at which every model it held got an index entry (`reindex` without `grew`).
+    indexed_stamp: int = 0
 
     @property
     def idle(self) -> bool:
@@ -65,6 +74,26 @@ class GpuState:
     def order_key(self) -> tuple[float, str]:
         """Idle GPUs are offered work in this order: fastest first, then by id."""
         return (-self.spec.speed, self.spec.gpu_id)
+
+    def start(self, request: Request, finish_s: float) -> None:
+        """`request` takes a slot, expected to finish at `finish_s` (the caller keeps the rest)."""
+        self.running[request.request_id] = request
+        self.expected_finish_s[request.request_id] = finish_s
+        model = request.model
+        self.worker_busy_until_s[model] = max(self.worker_busy_until_s.get(model, -math.inf), finish_s)
+
+    def stop(self, request_id: str) -> Request:
+        """Take `request_id` out of its slot (the caller keeps the rest): O(D)."""
+        request = self.running.pop(request_id)
+        del self.expected_finish_s[request_id]
+        model = request.model
+        finishes = self.expected_finish_s
+        last_s = max((finishes[r] for r, other in self.running.items() if other.model == model), default=None)
+        if last_s is None:
+            del self.worker_busy_until_s[model]
+        else:
+            self.worker_busy_until_s[model] = last_s
+        return request
 
     def update_busy_until(self) -> None:
         """Recompute `busy_until_s` after `running` or D changed: O(D)."""
@@ -102,6 +131,15 @@ class ClusterState:
         # that frees up first is O(log) instead of a scan of every replica. Entries go stale (GPU
         # idle, model evicted, version bumped) and are dropped lazily, or compacted.
         self._free_at: dict[str, list[tuple[float, str, int]]] = {}
+        # Per model, its idle holders in `best_idle_holder`'s order: heaps of (worker busy until,
+        # -free slots, -speed, gpu_id, stamp), pushed whenever a GPU's calls or D change (`reindex`)
+        # and whenever a GPU comes to hold a model (the cache's `on_holder_added`). An entry whose
+        # stamp is not its GPU's, whose GPU is not idle or no longer holds the model, is stale and
+        # dropped lazily, or compacted. Invariant: every idle holder has an entry whose key is at most
+        # its current one (exactly it, if the entry carries its stamp).
+        self._idle_holders: dict[str, list[tuple[float, int, float, str, int]]] = {}
+        self._stamps = itertools.count(1)
+        cache.on_holder_added = self._holder_added
         self.swapped_in: set[str] = set()  # running requests whose model came from the host tier
         self.links = LinkCopies()
         # GPUs that received a dispatch in the current pass of `Scheduler.schedule` and had a free
@@ -146,14 +184,91 @@ class ClusterState:
         heapq.heapify(live)
         self._free_at[model] = live
 
+    # --- the idle holders of each model ---------------------------------------------------------
+    def reindex(self, state: GpuState, *, grew: bool = False) -> None:
+        """After `state`'s running calls or D changed: a new stamp (its older index entries go stale)
+        and, while it is idle, a fresh entry for every model it holds: O(models on it x log).
+        `grew`: it only took a call, so each of its keys grew (one free slot less, a worker busy
+        as long or longer) and its entries stay below where it now stands: they are put right
+        when they reach the top (`best_idle_holder`), and nothing is pushed now."""
+        state.stamp = next(self._stamps)
+        if grew:
+            return
+        state.indexed_stamp = state.stamp
+        if state.idle:
+            for model in self.cache.models_on(state.spec.gpu_id):
+                self._push_idle_holder(model, state)
+
+    def _holder_added(self, model: str, gpu_id: str) -> None:
+        state = self.gpus.get(gpu_id)
+        if state is not None and state.idle:
+            self._push_idle_holder(model, state)
+
+    @staticmethod
+    def _idle_holder_entry(model: str, state: GpuState) -> tuple[float, int, float, str, int]:
+        spec = state.spec
+        return (
+            state.worker_busy_until_s.get(model, -math.inf),
+            len(state.running) - spec.slots,  # -free slots, while idle
+            -spec.speed,
+            spec.gpu_id,
+            state.stamp,
+        )
+
+    def _push_idle_holder(self, model: str, state: GpuState) -> None:
+        heap = self._idle_holders.get(model)
+        if heap is None:
+            heap = self._idle_holders[model] = []
+        heapq.heappush(heap, self._idle_holder_entry(model, state))
+        # Rebuilt from the live holders at ~8x their count: amortized O(1) per push.
+        if len(heap) > 8 * len(self.cache.gpus_with(model)) + 64:
+            gpus = self.gpus
+            live = [
+                self._idle_holder_entry(model, holder)
+                for gpu_id in self.cache.gpus_with(model)
+                if (holder := gpus.get(gpu_id)) is not None and holder.idle
+            ]
+            heapq.heapify(live)
+            self._idle_holders[model] = live
+
+    def best_idle_holder(self, model: str, exclude: str | None = None) -> str | None:
+        """`PlacementPieces.best_idle(cache.gpus_with(model), exclude, model=model)`, from the index:
+        of the idle GPUs holding `model` (but `exclude`), the one whose worker of it is free soonest,
+        then with the most free slots, then fastest, then by id; None if none. O(log holders)
+        amortized (stale entries are popped on the way)."""
+        heap = self._idle_holders.get(model)
+        if not heap:
+            return None
+        holders, gpus = self.cache.gpus_with(model), self.gpus
+        skipped = None
+        found = None
+        while heap:
+            _, _, _, gpu_id, stamp = heap[0]
+            state = gpus.get(gpu_id)
+            if state is None or not state.idle or gpu_id not in holders:
+                heapq.heappop(heap)
+            elif state.stamp != stamp:
+                if state.indexed_stamp == state.stamp:
+                    heapq.heappop(heap)  # it has an entry with its current stamp
+                else:  # its key grew since (`reindex(grew=True)`): where it stands now
+                    heapq.heapreplace(heap, self._idle_holder_entry(model, state))
+            elif gpu_id == exclude:
+                skipped = heapq.heappop(heap)  # valid, but not for this call: put back below
+            else:
+                found = gpu_id
+                break
+        if skipped is not None:
+            heapq.heappush(heap, skipped)
+        return found
+
     def free_slot(self, state: GpuState, request_id: str) -> None:
         """Take a finished (or failed) request out of its slot and update the GPU's standing."""
         was_full = not state.idle
-        del state.running[request_id]
-        del state.expected_finish_s[request_id]
+        state.stop(request_id)
         self.links.end(state.spec.link, request_id)
         state.update_busy_until()
         state.version += 1
+        self.reindex(state)
         if not state.idle:
             self.advertise(state)  # still full (D was lowered): the slot it waits for moved
             return
@@ -177,14 +292,13 @@ class ClusterState:
     def worker_wait_s(self, model: str, gpu_id: str, now: float) -> float:
         """How long a call of `model` started on `gpu_id` now would wait for the model's worker
         there: the calls of it running there go one at a time (one process per model per GPU,
-        unless they batch), so until the last is expected to finish; 0 if none runs. O(D)."""
+        unless they batch), so until the last is expected to finish; 0 if none runs. O(1)."""
         return max(0.0, self.worker_busy_until_s(model, self.gpus[gpu_id]) - now)
 
     @staticmethod
     def worker_busy_until_s(model: str, state: GpuState) -> float:
-        """When the last call of `model` running on `state` is expected to finish; -inf if none runs."""
-        finishes = state.expected_finish_s
-        return max((finishes[r] for r, request in state.running.items() if request.model == model), default=-math.inf)
+        """When the last call of `model` running on `state` is expected to finish; -inf if none runs. O(1)."""
+        return state.worker_busy_until_s.get(model, -math.inf)
 
     def soonest_busy_holder(self, model: str, now: float) -> tuple[str, float] | None:
         """The busy GPU holding `model` that is expected to free up first, with its estimated

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Set
+from collections.abc import Collection
 from typing import ClassVar
 
 from gpufaas.types import Request
@@ -58,7 +58,7 @@ def locality_load_balance(
     if gpu_id in holders and gpu_id != avoid and not ctx.worker_wait_s(model, gpu_id, now):
         return Placement.HERE, ctx.dispatch(request, gpu_id, now)
     if holders:
-        placed = _place_with_holders(ctx, gpu_id, request, holders, now=now, quiet_at=quiet_at)
+        placed = _place_with_holders(ctx, gpu_id, request, now=now, quiet_at=quiet_at)
         if placed is not None:
             return placed
     target = _miss_target(
@@ -71,13 +71,13 @@ def locality_load_balance(
 
 
 def _place_with_holders(
-    ctx: SchedulingContext, gpu_id: str, request: Request, holders: Set[str], *, now: float, quiet_at: float | None
+    ctx: SchedulingContext, gpu_id: str, request: Request, *, now: float, quiet_at: float | None
 ) -> tuple[Placement, Dispatch | Park] | None:
     """Algorithm 2 where GPUs hold the model: a hit on the best idle holder (or a new replica
     when its worker's wait is longer than a load), else a park on the busy holder that frees up
     soonest when that beats a load here; None when neither applies (a miss, then)."""
     avoid, model = request.avoid_gpu, request.model
-    idle_holder = ctx.best_idle(holders, exclude=avoid, model=model)
+    idle_holder = ctx.best_idle_holder(model, exclude=avoid)
     if idle_holder is not None:
         # With D > 1 an idle holder may be running calls of the model, which its worker
         # serves one at a time: when the wait for them is longer than a load, a new replica
