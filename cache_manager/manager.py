@@ -371,6 +371,11 @@ class CacheManager:
         return list(self._gpus)
 
     @property
+    def num_gpus(self) -> int:
+        """How many GPUs are known: O(1), where `gpu_ids` copies them all."""
+        return len(self._gpus)
+
+    @property
     def max_capacity_mb(self) -> int:
         """The largest GPU's capacity: a model above it can never run here."""
         return self._max_capacity_mb

@@ -339,7 +339,7 @@ class CallBook(_Upkeep):
                 pb.OVERLOADED, f"the global queue is full ({self.queue_capacity} calls waiting); retry later"
             )
         call = _Call(call_id, owner, spec, submitted_at=now, deadline=now + timeout_s)
-        if not self.scheduler.cache.gpu_ids():
+        if not self.scheduler.cache.num_gpus:
             if not nodes_attaching:
                 raise Rejected(pb.UNAVAILABLE, "no GPU manager is registered: start a node")
             # The core cannot take it (no GPU to check the model against): it enters at the first attach.
@@ -366,7 +366,7 @@ class CallBook(_Upkeep):
         """Run the policy for every GPU with a free slot; placements for what it dispatched (and
         answers for WAITING calls that can never run on the GPUs attached now)."""
         effects: list[Effect] = []
-        if self._waiting and self.scheduler.cache.gpu_ids():  # GPUs attached: the WAITING calls enter
+        if self._waiting and self.scheduler.cache.num_gpus:  # GPUs attached: the WAITING calls enter
             waiting, self._waiting = self._waiting, {}
             for call, refusal in _admit(self.scheduler, waiting.values()):
                 effects += self._finish(call, refusal.status, str(refusal))
@@ -538,7 +538,7 @@ class CallBook(_Upkeep):
     def _requeue_stranded(self, call: _Call, now: float) -> list[Effect]:
         """A STRANDED call whose owner never sent its Execute goes back to the queue (WAITING while
         no GPU is attached: its node may come back)."""
-        if not self.scheduler.cache.gpu_ids():
+        if not self.scheduler.cache.num_gpus:
             call.state = _State.WAITING
             self._waiting[call.call_id] = call
             return []

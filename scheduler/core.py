@@ -182,6 +182,8 @@ class Scheduler(ClusterReads):
         slots, even when the policy can place nothing. With one slot per GPU a GPU that received
         a dispatch is full: one pass, as when a GPU ran one request at a time.
         """
+        if not self.queue and not self.cluster.ready_local:
+            return []  # nothing waits (after most completions): what the passes below would find
         decisions: list[Decision] = []
         for gpu_id in sorted(self.cluster.ready_local):
             state = self.cluster.gpus[gpu_id]

@@ -52,11 +52,16 @@ class SchedulerMetrics:
             "gpufaas_load_seconds", "Model loads (or take-backs from host memory) as nodes measured them.", measured
         )
         self.inference = seconds("gpufaas_inference_seconds", "Batch inference times as nodes measured them.", measured)
+        # The children every call touches, bound once: `labels()` takes a lock and builds a key.
+        self._placed = {True: self.placements.labels("hit"), False: self.placements.labels("miss")}
+        self._done = {True: self.calls.labels("miss"), False: self.calls.labels("hit")}  # by `loaded`
+        self._loads: dict[tuple[str, str], Histogram] = {}
+        self._inferences: dict[tuple[str, str], Histogram] = {}
 
     def applied(self, effect: object) -> None:
         """An effect the service carries out."""
         if isinstance(effect, Assignment):
-            self.placements.labels("hit" if effect.hit else "miss").inc()
+            self._placed[effect.hit].inc()
             self.queue_wait.observe(effect.queue_s)
             if effect.evict:
                 self.evictions.inc(len(effect.evict))
@@ -84,11 +89,19 @@ class SchedulerMetrics:
         if not ok:
             self.failures.labels(outcome).inc()
             return
-        self.calls.labels("miss" if loaded else "hit").inc()
+        self._done[loaded].inc()
         if loaded and load_time_s > 0:
-            self.load.labels(model, gpu_type).observe(load_time_s)
+            _child(self._loads, self.load, model, gpu_type).observe(load_time_s)
         if inference_time_s > 0:
-            self.inference.labels(model, gpu_type).observe(inference_time_s)
+            _child(self._inferences, self.inference, model, gpu_type).observe(inference_time_s)
+
+
+def _child(bound: dict[tuple[str, str], Histogram], parent: Histogram, model: str, gpu_type: str) -> Histogram:
+    """`parent.labels(model, gpu_type)`, bound once per pair in `bound`."""
+    child = bound.get((model, gpu_type))
+    if child is None:
+        child = bound[(model, gpu_type)] = parent.labels(model, gpu_type)
+    return child
 
 
 class _SchedulerState(Collector):
