@@ -8,6 +8,7 @@ presented before its claim time and that it has not seen before (gpu_manager.led
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import secrets
@@ -28,9 +29,20 @@ def new_key() -> bytes:
     return secrets.token_bytes(KEY_BYTES)
 
 
-def sign(grant: pb.Grant, key: bytes) -> bytes:
-    body = grant.SerializeToString()
+def sign(grant: pb.Grant, key: bytes, *, function_part: bytes = b"") -> bytes:
+    """The token of `grant` merged with `function_part` (see `function_part`): a protobuf message
+    parsed from concatenated encodings is their merge, so the node reads one Grant with both."""
+    body = function_part + grant.SerializeToString()
     return body + hmac.digest(key, body, "sha256")
+
+
+@functools.lru_cache(maxsize=4096)
+def function_part(function: str, model: str, package_digest: str, memory_mb: int, worker: bytes) -> bytes:
+    """The encoded Grant fields that are the function's own, the same in each of its grants:
+    encoded once per function version, not once per call (`sign(..., function_part=)`)."""
+    return pb.Grant(
+        function=function, model=model, package_digest=package_digest, memory_mb=memory_mb, worker=worker
+    ).SerializeToString()
 
 
 def verify(token: bytes, key: bytes) -> pb.Grant:

@@ -369,10 +369,6 @@ class SchedulerService:
             node=node_name,
             gpu=gpu,
             gpu_seq=a.gpu_seq,
-            function=spec.name,
-            model=spec.model,
-            package_digest=spec.package_digest,
-            memory_mb=spec.memory_mb,
             evict=a.evict,
             claim_by_unix_s=a.claim_by + to_wall,
             expires_unix_s=a.deadline + to_wall,
@@ -380,7 +376,10 @@ class SchedulerService:
                 spec.model, self.scheduler.gpu(a.gpu_id).spec.gpu_type, spec.memory_mb
             ),
             inference_time_s=a.est_inference_time_s,
-            worker=spec.worker_wire,
+        )
+        # The function's own fields are encoded once per function version (`grants.function_part`).
+        function_part = grants.function_part(
+            spec.name, spec.model, spec.package_digest, spec.memory_mb, spec.worker_wire
         )
         placement = pb.Placement(
             call_id=a.call_id,
@@ -390,7 +389,7 @@ class SchedulerService:
             gpu=gpu,
             hit=a.hit,
             queue_s=a.queue_s,
-            token=grants.sign(grant, self.term.token_key),
+            token=grants.sign(grant, self.term.token_key, function_part=function_part),
             epoch=epoch,
         )
         self._send(a.owner, MessageType.PLACEMENT, placement)
@@ -429,8 +428,9 @@ class SchedulerService:
         timeout_s = request.timeout_s if request.timeout_s > 0 else spec.timeout_s
         try:
             # While a registered node is not attached (a new leader attaching them, a node linking
-            # again), a call that finds no GPU waits for one rather than being refused.
-            attaching = not self.links.all_attached()
+            # again), a call that finds no GPU waits for one rather than being refused. The book
+            # reads it only when no GPU is attached: asked then only (it walks every node).
+            attaching = not self.scheduler.cache.num_gpus and not self.links.all_attached()
             effects = self.book.submit(conn, request.call_id, spec, timeout_s, self.clock(), nodes_attaching=attaching)
         except Rejected as exc:
             self._reject(conn, request.call_id, exc.status, str(exc))

@@ -9,7 +9,7 @@ import pytest
 
 from gpu_manager.ledger import GrantLedger, Refused
 from gpufaas.functions import WorkerSettings
-from gpufaas.grants import KEY_BYTES, TAG_BYTES, BadToken, new_key, sign, verify
+from gpufaas.grants import KEY_BYTES, TAG_BYTES, BadToken, function_part, new_key, sign, verify
 from gpufaas.proto import gpufaas_pb2 as pb
 
 KEY = bytes(range(KEY_BYTES))
@@ -57,6 +57,21 @@ def test_a_signed_grant_verifies_to_the_same_grant() -> None:
     token = sign(grant, KEY)
     assert len(token) == grant.ByteSize() + TAG_BYTES
     assert verify(token, KEY) == grant
+
+
+def test_a_grant_signed_with_its_function_part_verifies_to_the_whole_grant() -> None:
+    worker = WorkerSettings(environment={"MODE": "fast"}).to_wire()
+    whole = make_grant(evict=["old@aaaaaaaaaaaa"], package_digest="sha256:ab", worker=worker)
+    per_call = pb.Grant()
+    per_call.CopyFrom(whole)
+    for name in ("function", "model", "package_digest", "memory_mb", "worker"):
+        per_call.ClearField(name)
+    part = function_part(whole.function, whole.model, whole.package_digest, whole.memory_mb, worker)
+    assert part is function_part(whole.function, whole.model, whole.package_digest, whole.memory_mb, worker)
+    token = sign(per_call, KEY, function_part=part)
+    assert verify(token, KEY) == whole
+    ledger = make_ledger()
+    assert ledger.admit(token, now_unix_s=NOW).function == "resnet"
 
 
 def test_new_keys_are_random_and_of_the_key_size() -> None:
