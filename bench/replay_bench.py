@@ -79,7 +79,9 @@ async def seed_profiles(cluster: LocalCluster, workload: Workload, names: dict[s
     functions = httpx.get(f"{cluster.gateway_url}/system/functions", timeout=30, auth=cluster.admin_auth).json()
     model_of = {f["name"]: f["model"] for f in functions}
     assert cluster.etcd_endpoint is not None
-    store = await EtcdStore.open(cluster.etcd_endpoint, credentials=cluster.etcd_credentials)
+    store = await EtcdStore.open(
+        cluster.etcd_endpoint, credentials=cluster.etcd_credentials, tls=cluster.etcd_client_tls
+    )
     try:
         keys = Keys(cluster.root)
         for profile in workload.profiles:

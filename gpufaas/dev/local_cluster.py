@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from gateway.settings import GatewaySettings
     from gpu_manager.settings import NodeSettings
     from gpufaas.settings import DaemonSettings
-    from gpufaas.store import EtcdCredentials
+    from gpufaas.store import EtcdCredentials, EtcdTls
     from scheduler.settings import SchedulerSettings
 
 log = logging.getLogger("gpufaas.dev.local_cluster")
@@ -104,6 +104,7 @@ class ClusterCredentials:
     state_dir: Path
     secure: bool
     etcd_auth: bool | None
+    etcd_tls: bool | None
 
     @property
     def secrets(self) -> SecretFiles:
@@ -133,6 +134,17 @@ class ClusterCredentials:
         if not (self.secure and self.etcd_auth):
             return None
         return EtcdCredentials("root", read_secret(self.secrets.etcd_password))
+
+    @property
+    def etcd_client_tls(self) -> EtcdTls | None:
+        """What a client shows this cluster's etcd over TLS (the scheduler's certificate, as the
+        host harness's tools do); None: etcd serves plain."""
+        from gpufaas.store import EtcdTls
+        from gpufaas.tls import etcd_client_files
+
+        if not (self.secure and self.etcd_tls):
+            return None
+        return EtcdTls(*etcd_client_files(self.secrets.tls.directory, "scheduler"))
 
     @property
     def invoke_headers(self) -> dict[str, str]:
@@ -184,6 +196,9 @@ class LocalCluster(ClusterCredentials):
     # None: on when this cluster runs its own etcd; an etcd given by `etcd_endpoint` is its
     # owner's to lock (the tests' shared etcd serves many clusters that read it directly).
     etcd_auth: bool | None = None
+    # etcd over TLS, each client showing its certificate (`--client-cert-auth`), as the host
+    # harness and compose run it. None: on when this cluster runs its own etcd with TLS on (`tls`).
+    etcd_tls: bool | None = None
     runtime: str = "process"  # how GPU managers run workers: "process" or "docker" (then spares must be 0)
     docker_image: str | None = None  # the docker runtime's image (default: the GPU manager's)
     # EDAS's staged exit (scheduler --gpu-idle-release-s / --host-idle-release-s); None: off.
@@ -206,6 +221,8 @@ class LocalCluster(ClusterCredentials):
     def __post_init__(self) -> None:
         if self.etcd_auth is None:
             self.etcd_auth = self.etcd_endpoint is None
+        if self.etcd_tls is None:
+            self.etcd_tls = self.etcd_endpoint is None and self.secure and self.tls
 
     @property
     def gateway_url(self) -> str:
@@ -260,6 +277,8 @@ class LocalCluster(ClusterCredentials):
             common["tls"] = self.tls
         if self.secure and self.etcd_auth:
             common["etcd_password_file"] = self.secrets.etcd_password
+        if self.secure and self.etcd_tls:
+            common["etcd_tls"] = True
         return common
 
     def scheduler_settings(self, name: str | None = None) -> SchedulerSettings:
@@ -333,7 +352,8 @@ class LocalCluster(ClusterCredentials):
         if self.etcd_endpoint is None:
             # A 500 ms election timeout makes etcd grant the schedulers' 1 s leader lease as asked
             # (its least TTL is 1.5 election timeouts, whole seconds: 2 s at its default 1000 ms).
-            etcd = EtcdServer(extra_args=("--election-timeout=500",))
+            tls_dir = self.secrets.tls.directory if self.secure and self.etcd_tls else None
+            etcd = EtcdServer(extra_args=("--election-timeout=500",), tls_dir=tls_dir)
             etcd.start(self.state_dir / "etcd")
             self._etcd = etcd
             self.etcd_endpoint = etcd.endpoint

@@ -152,7 +152,9 @@ def lru_and_workers(cluster: LocalCluster) -> tuple[dict[str, set[str]], dict[st
 
     async def ask() -> dict[str, set[str]]:
         assert cluster.etcd_endpoint is not None
-        store = await EtcdStore.open(cluster.etcd_endpoint, credentials=cluster.etcd_credentials)
+        store = await EtcdStore.open(
+            cluster.etcd_endpoint, credentials=cluster.etcd_credentials, tls=cluster.etcd_client_tls
+        )
         try:
             records = [NodeRecord.from_json(kv.value) for kv in await store.get_prefix(Keys(cluster.root).nodes)]
         finally:

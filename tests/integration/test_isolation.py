@@ -46,7 +46,7 @@ def package_dir(cluster: LocalCluster, digest: str) -> Path:
 def node_address(cluster: LocalCluster) -> tuple[str, int]:
     async def read() -> str:
         assert cluster.etcd_endpoint is not None
-        store = await EtcdStore.open(cluster.etcd_endpoint)
+        store = await EtcdStore.open(cluster.etcd_endpoint, tls=cluster.etcd_client_tls)
         try:
             kv = await store.get(Keys(cluster.root).node("node0"))
         finally:

@@ -149,13 +149,21 @@ def test_etcd_authentication_locks_the_clusters_state_to_the_daemons(tmp_path: P
         endpoint = cluster.etcd_endpoint
 
         async def probe() -> int:
-            bare = EtcdStore(endpoint, timeout_s=5)
-            with pytest.raises(StoreError, match="user name is empty"):
+            plain = EtcdStore(endpoint, timeout_s=5)  # its own etcd takes TLS clients with certificates only
+            with pytest.raises(StoreError):
+                await plain.get_prefix("/")
+            await plain.close()
+            # A certificate without the password: etcd takes the certificate's name for a user that
+            # has no role, and refuses.
+            bare = EtcdStore(endpoint, timeout_s=5, tls=cluster.etcd_client_tls)
+            with pytest.raises(StoreError, match="permission denied"):
                 await bare.get_prefix("/")
             with pytest.raises(StoreError):
                 await bare.put(f"{cluster.root}/nodes/intruder", b"{}")
             await bare.close()
-            store = await EtcdStore.open(endpoint, timeout_s=5, credentials=cluster.etcd_credentials)
+            store = await EtcdStore.open(
+                endpoint, timeout_s=5, credentials=cluster.etcd_credentials, tls=cluster.etcd_client_tls
+            )
             try:
                 return len(await store.get_prefix(f"{cluster.root}/"))
             finally:
@@ -173,6 +181,7 @@ def test_etcd_authentication_locks_the_clusters_state_to_the_daemons(tmp_path: P
             str(cluster.secrets.cluster_secret),
             "--etcd-password-file",
             str(wrong),
+            "--etcd-tls",
         )
         assert refused.returncode == 1 and "--etcd-password-file" in refused.stderr, refused.stderr
         assert "Traceback" not in refused.stderr
@@ -204,7 +213,7 @@ def node_addresses(cluster: LocalCluster) -> list[str]:
 
     async def read() -> list[str]:
         assert cluster.etcd_endpoint is not None
-        store = await EtcdStore.open(cluster.etcd_endpoint)
+        store = await EtcdStore.open(cluster.etcd_endpoint, tls=cluster.etcd_client_tls)
         try:
             kvs = await store.get_prefix(Keys(cluster.root).nodes)
         finally:

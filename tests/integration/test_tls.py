@@ -86,7 +86,10 @@ def test_a_secure_local_cluster_links_its_daemons_over_tls(make_cluster: Cluster
         # A gateway's certificate and the cluster secret reach a node's port, as a gateway's calls
         # do; attaching with an epoch of its choosing (which would fence the real leader out) and
         # asking what runs there are the scheduler's alone.
-        store = await EtcdStore.open(cluster.etcd_endpoint, credentials=cluster.etcd_credentials)
+        assert cluster.etcd_endpoint is not None
+        store = await EtcdStore.open(
+            cluster.etcd_endpoint, credentials=cluster.etcd_credentials, tls=cluster.etcd_client_tls
+        )
         try:
             (node,) = [NodeRecord.from_json(kv.value) for kv in await store.get_prefix(Keys(cluster.root).nodes)]
         finally:

@@ -9,6 +9,7 @@ import pytest
 
 from gateway.settings import GatewaySettings
 from gpu_manager.settings import NodeSettings
+from gpufaas.credentials import ensure_secrets
 from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.settings import DaemonSettings, SettingsError
 from scheduler.policies import PolicyConfig
@@ -31,6 +32,21 @@ def test_a_cluster_that_runs_its_own_etcd_turns_etcds_authentication_on(tmp_path
     for argv in argvs(cluster):
         assert argv[argv.index("--etcd-password-file") + 1] == str(cluster.secrets.etcd_password)
         assert argv[argv.index("--secret-file") + 1] == str(cluster.secrets.cluster_secret)
+
+
+def test_a_cluster_that_runs_its_own_etcd_reaches_it_over_tls_unless_its_links_are_plain(tmp_path: Path) -> None:
+    cluster = LocalCluster(tmp_path)
+    assert cluster.etcd_tls is True and all("--etcd-tls" in argv for argv in argvs(cluster))
+    ensure_secrets(cluster.secrets.directory)  # as start() makes them
+    client = cluster.etcd_client_tls
+    assert client is not None and client.ca_pem == cluster.secrets.tls.ca.read_bytes()
+    for plain in (
+        LocalCluster(tmp_path, tls=False),  # --no-tls: no TLS anywhere
+        LocalCluster(tmp_path, secure=False),
+        LocalCluster(tmp_path, etcd_endpoint="127.0.0.1:2379"),  # the tests' shared etcd: its owner's
+    ):
+        assert not plain.etcd_tls and all("--etcd-tls" not in argv for argv in argvs(plain))
+        assert plain.etcd_client_tls is None
 
 
 def test_an_etcd_given_to_the_cluster_is_left_as_its_owner_runs_it(tmp_path: Path) -> None:
