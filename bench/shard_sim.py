@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.machine import results_parser, run_metadata, write_results
+from bench.sim_speed import uncommitted
 from cache_manager import CacheManager, eviction_policy
 from gpufaas.profiles import ModelProfile, paper_table1
 from gpufaas.types import GpuSpec, Request
@@ -425,6 +426,8 @@ def main() -> None:
         )
         for gpus in sizes
     }
+    # Before the sweep: the commit and the edits the code it imports came from, not those at its end.
+    meta = run_metadata(uncommitted=uncommitted(["scheduler", "cache_manager", "simulator"]))
     rows = sweep(sizes, shard_counts, args, workload_for)
     calls_per_gpu_s = PAPER_RPM / PAPER_GPUS / 60
     limits = [
@@ -439,7 +442,7 @@ def main() -> None:
         for utilization in (0.7, 1.0)
     ]
     document = {
-        "meta": run_metadata(),
+        "meta": meta,
         "setup": {key: value for key, value in vars(args).items() if key != "out"}
         | {"policy": POLICY, "gpus_per_node": 4, "gpu_memory_mb": 8192, "slots": 1, "calls_per_gpu_s": calls_per_gpu_s},
         "rows": rows,
