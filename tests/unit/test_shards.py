@@ -1,4 +1,4 @@
-"""Scheduler shards' pure parts: rendezvous homes (balance, stability, hot functions) and spills."""
+"""Scheduler shards: rendezvous homes (balance, stability, hot functions), spills, and the simulation's parts."""
 
 from __future__ import annotations
 
@@ -6,7 +6,17 @@ from collections import Counter
 
 import pytest
 
+from bench.shard_sim import (
+    ShardSimConfig,
+    cpu_figures,
+    lindley_responses,
+    one_scheduler_limit_gpus,
+    run_figures,
+    shard_cost_s,
+    simulate_shards,
+)
 from scheduler.shards import ShardLoad, ShardMap, SpillRule, home_count, rendezvous_rank
+from simulator.workload import zipf_workload
 
 FUNCTIONS = [f"fn-{index}" for index in range(6_000)]
 
@@ -105,3 +115,34 @@ def test_a_full_home_below_its_queue_bound_or_with_nowhere_to_go_keeps_the_call(
     assert SpillRule().target("m", home, []) == "a"
     with pytest.raises(ValueError):
         SpillRule(queue_bound=-1)
+
+
+def test_a_shard_process_queues_its_messages_first_come_first_served() -> None:
+    responses = lindley_responses([(0.0, 1.0, "a"), (0.0, 1.0, "b"), (0.5, 1.0, "c"), (10.0, 1.0, "d")])
+    assert responses == {"a": 1.0, "b": 2.0, "c": 2.5, "d": 1.0}
+
+
+def test_one_scheduler_serves_the_gpus_whose_calls_fill_its_core() -> None:
+    # No growth with size: n x 0.45 calls/s x 450 us = 1 at n = 4,938.
+    assert one_scheduler_limit_gpus(450.0, 0.45, 1.0, 1.0) == pytest.approx(4938, abs=1)
+    assert shard_cost_s(450.0, 10_000, 1.3) == pytest.approx(585e-6)
+    assert shard_cost_s(450.0, 100, 1.3) == pytest.approx(450e-6 / 1.3)
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4])
+def test_the_sharded_run_places_every_call_once_on_its_own_shards_gpus(shards: int) -> None:
+    workload = zipf_workload(calls=300, models=6, zipf_exponent=1.0, memory_mb=3000, gap_s=0.02, seed=0)
+    run = simulate_shards(workload, ShardSimConfig(gpus=16, shards=shards), window_s=10.0)
+    assert len(run.calls) == 300
+    assert sum(run.shard_gpus.values()) == 16 and len(run.shard_gpus) == shards
+    for call in run.calls.values():
+        assert call.shard in run.shard_gpus and call.arrival_s <= call.at_shard_s <= call.dispatch_s
+        assert call.spilled == (call.shard != call.home)
+    figures = run_figures(run, warmup_s=0.0)
+    assert figures["spills"] == sum(call.spilled for call in run.calls.values())
+    if shards == 1:
+        assert figures["spill_rate"] == 0.0 and figures["busiest_shard_share"] == 1.0
+    else:
+        assert figures["spills"] > 0  # 6 models on 16 GPUs: some home lacks an idle copy another shard has
+    cpu = cpu_figures(run, 450.0, 1.0, 0.25, 0.0)
+    assert cpu["capacity_placements_per_s"] <= shards / 450e-6
