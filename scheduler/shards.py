@@ -12,8 +12,9 @@ forwards it once to another shard by the spill rule. docs/scheduler-shards.md is
   first (about 1/(K+1) of them), and each to the new shard; removing one moves only its own.
 - Spill (`SpillRule`). A home places a call itself when it holds the model on an idle GPU;
   otherwise it may forward it to a shard whose last load summary (gossiped every few ms, so
-  possibly stale) shows the model on an idle GPU, or, when it has no idle GPU and a queue, to the
-  shard with the most idle GPUs. A forwarded call is never forwarded again.
+  possibly stale) shows the model on an idle GPU, or, when it has no idle GPU and `queue_bound`
+  calls or more wait there, to the shard with the most idle GPUs. A forwarded call is never
+  forwarded again.
 """
 
 from __future__ import annotations
