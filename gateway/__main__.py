@@ -62,8 +62,12 @@ async def serve(settings: GatewaySettings, config: GatewayConfig, etcd_creds: Et
         tls: dict[str, str] = {}
         if settings.public_cert_file is not None and settings.public_key_file is not None:
             tls = {"ssl_certfile": str(settings.public_cert_file), "ssl_keyfile": str(settings.public_key_file)}
+        # No access log: at level warning uvicorn drops its lines, but built each one's arguments
+        # (the client's address, the quoted path) per request first, 2.5 % of the gateway's CPU.
         server = uvicorn.Server(
-            server_config(app, host=settings.host, port=settings.port, limits=limits, log_level="warning", **tls)
+            server_config(
+                app, host=settings.host, port=settings.port, limits=limits, log_level="warning", access_log=False, **tls
+            )
         )
         await server.serve()
     finally:

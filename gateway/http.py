@@ -103,7 +103,10 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_parsed(len(name) + len(value) + 4)  # ": " and CRLF
+        # `_count_parsed` inlined: this runs for every header of every request.
+        self._parsed_head_bytes += len(name) + len(value) + 4  # ": " and CRLF
+        if self._parsed_head_bytes > self.limits.max_head_bytes:
+            raise _HeadTooLarge
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:

@@ -520,7 +520,7 @@ class Router:
             # A new placement: the scheduler knows the one before it did not run (or its worker died).
             box.attempt, box.waiting, box.unsure = message.attempt, False, False
             try:
-                frame = await self._execute(box, message, payload, content_type)
+                frame = await self._execute(message, payload, content_type)
             except _NotSent as exc:
                 log.info("call %s: not sent to node %s (%s)", call_id, message.node, exc)
                 await self._placement_failed(box, NOT_SENT, str(exc))
@@ -545,7 +545,7 @@ class Router:
                 self.abandon(call_id, box.attempt, pb.Abandon.REFUSED, reply.message)
             # WORKER_DIED: the node told the scheduler, which places the call again or rejects it.
 
-    async def _execute(self, box: _Mailbox, placement: pb.Placement, payload: bytes, content_type: str) -> Frame:
+    async def _execute(self, placement: pb.Placement, payload: bytes, content_type: str) -> Frame:
         """Send the placement's Execute and wait for the node's answer. Raises _NotSent when no
         connection to the node could be had, _MaybeSent when it was lost after the Execute went."""
         try:
@@ -555,11 +555,10 @@ class Router:
         if node.is_closed:  # (nothing awaited since: the Execute below is written, or this holds)
             raise _NotSent(f"the connection to {placement.node_address} closed")
         try:
+            # No timeout of its own: `invoke`'s (the call's deadline plus the grace) bounds the wait,
+            # and would end it at the same moment (one timer per call, not two).
             frame = await node.request(
-                MessageType.EXECUTE,
-                pb.Execute(token=placement.token, content_type=content_type),
-                payload,
-                timeout_s=max(0.001, box.deadline - box.clock()) + DEADLINE_GRACE_S,
+                MessageType.EXECUTE, pb.Execute(token=placement.token, content_type=content_type), payload
             )
         except (ConnectionLost, RemoteError) as exc:
             raise _MaybeSent(exc) from None
