@@ -250,7 +250,7 @@ class GpuManagerDaemon:
         return self._nvml.used_mb(self.devices[gpu_id].index) if self._nvml is not None else None
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
+        task = asyncio.create_task(coro)  # (not ensure_future: its type checks ran on every Execute)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

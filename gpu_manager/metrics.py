@@ -46,10 +46,17 @@ class NodeMetrics:
         self.workers_lost = Counter(
             "gpufaas_node_workers_lost", "Workers that died under a call, failed to load, or were killed.", registry=r
         )
+        # `calls`' children by (outcome, loaded), bound on first use: `labels()` builds and looks up
+        # its label tuple under a lock, on every call of the serving path otherwise.
+        self._calls_by: dict[tuple[int, bool], Counter] = {}
 
     def ran(self, model: str, result: RunResult) -> None:
-        outcome = pb.Outcome.Name(result.outcome).lower()
-        self.calls.labels(outcome, "miss" if result.loaded else "hit").inc()
+        key = (result.outcome, result.loaded)
+        calls = self._calls_by.get(key)
+        if calls is None:
+            outcome = pb.Outcome.Name(result.outcome).lower()
+            calls = self._calls_by[key] = self.calls.labels(outcome, "miss" if result.loaded else "hit")
+        calls.inc()
         if result.loaded and result.outcome == pb.OK:
             from_host = result.stages is not None and result.stages.from_host
             self.loads.labels("host" if from_host else "load").inc()

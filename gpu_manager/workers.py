@@ -185,14 +185,20 @@ class Worker:
         clock): raises ConnectionLost if the worker goes first, CallTimedOut at the deadline. Calls
         are written at once, in order: the socket is the worker's queue."""
         assert self.conn is not None
-        future: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Frame] = loop.create_future()
         self.pending[call_id] = future
         try:
             self.conn.send(MessageType.CALL, pb.Call(call_id=call_id, content_type=content_type), payload)
             if len(payload) > _DRAIN_OVER_BYTES:
                 await self.conn.drain()
-            async with asyncio.timeout_at(deadline):
+            # A timer on the future rather than asyncio.timeout_at (which cancels the task and maps
+            # the cancellation back): the same deadline for less, on every call.
+            timer = loop.call_at(deadline, _time_out, future)
+            try:
                 return await future
+            finally:
+                timer.cancel()
         except TimeoutError:
             raise CallTimedOut(running=next(iter(self.pending), None) == call_id) from None
         finally:
@@ -240,3 +246,9 @@ class Worker:
                 os.kill(self.pid, signum)
         elif self.conn is not None:
             self.conn.close()
+
+
+def _time_out(call: asyncio.Future[Frame]) -> None:
+    """A call's deadline passed with no result."""
+    if not call.done():
+        call.set_exception(TimeoutError())
