@@ -4,7 +4,7 @@ pool and disk hold (`NodeHoldings`): the tier a miss comes from."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Set
 from dataclasses import dataclass
 
@@ -244,6 +244,7 @@ class CacheManager:
         self._gpus: dict[str, GpuCache] = {}
         self._directory: dict[str, set[str]] = {}
         self._max_capacity_mb = 0  # kept as GPUs come and go: asked on every submit
+        self._capacities: Counter[int] = Counter()  # capacity -> GPUs of it: the max after a removal
         self._tick = 0  # the recency clock: the last tick handed out
         self._hosts: dict[str, HostTier] = {}  # node -> its host tier (absent: the node has none)
         self._node_of: dict[str, str] = {}  # GPU -> its node, for GPUs added with one
@@ -264,14 +265,19 @@ class CacheManager:
         if node is not None:
             self._node_of[gpu_id] = node
         self._max_capacity_mb = max(self._max_capacity_mb, capacity_mb)
+        self._capacities[capacity_mb] += 1
         return cache
 
     def remove_gpu(self, gpu_id: str) -> list[str]:
         """Drop a GPU (its node left) and every cache entry on it; returns the models it held. The
         node's host tier goes with its last GPU."""
         cache = self._gpus.pop(gpu_id)
-        if cache.capacity_mb == self._max_capacity_mb:
-            self._max_capacity_mb = max((c.capacity_mb for c in self._gpus.values()), default=0)
+        # O(distinct capacities), not O(GPUs): a node's step-down removes every GPU in turn.
+        self._capacities[cache.capacity_mb] -= 1
+        if not self._capacities[cache.capacity_mb]:
+            del self._capacities[cache.capacity_mb]
+            if cache.capacity_mb == self._max_capacity_mb:
+                self._max_capacity_mb = max(self._capacities, default=0)
         models = cache.lru_list()
         for model in models:
             self._forget(model, gpu_id)

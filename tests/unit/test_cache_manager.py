@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from cache_manager import CacheManager, eviction_policy
@@ -111,6 +113,22 @@ def test_max_capacity_follows_gpus_joining_and_leaving() -> None:
     assert cache.max_capacity_mb == 2000
     cache.remove_gpu("g0")
     assert cache.max_capacity_mb == 0
+
+
+def test_max_capacity_is_the_largest_gpu_left_after_random_joins_and_leaves() -> None:
+    rng = random.Random(7)
+    cache = CacheManager()
+    sizes: dict[str, int] = {}
+    for step in range(400):
+        if sizes and rng.random() < 0.45:
+            gone = rng.choice(sorted(sizes))
+            cache.remove_gpu(gone)
+            del sizes[gone]
+        else:
+            sizes[f"g{step}"] = rng.choice((2000, 4000, 6000, 8000))
+            cache.add_gpu(f"g{step}", sizes[f"g{step}"])
+        assert cache.max_capacity_mb == max(sizes.values(), default=0)
+        assert cache.num_gpus == len(sizes)
 
 
 def test_one_recency_clock_orders_admissions_and_hits_across_gpus() -> None:
