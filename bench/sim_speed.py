@@ -16,6 +16,7 @@ Run: `python -m bench.sim_speed [--gpus 1000] [--minutes 2 | --whole-trace] [--p
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import pstats
 import resource
@@ -26,9 +27,9 @@ from typing import Any
 
 from bench.machine import REPO, results_parser, run_metadata, write_results
 from gpufaas.profiles import paper_table1
-from simulator.engine import ClusterConfig, Meter, simulate
+from simulator.engine import ClusterConfig, Meter, SimResult, simulate
 from simulator.report import shipped_trace
-from simulator.workload import WorkloadConfig, build_workload, load_azure2019
+from simulator.workload import TraceCounts, Workload, WorkloadConfig, build_workload, load_azure2019
 
 PAPER_RPM, PAPER_GPUS = 325, 12  # the CLI's default load: 325 requests per minute on 12 GPUs
 POLICY = "lalb-o3"
@@ -103,7 +104,34 @@ def main() -> None:
     if profiler is not None:
         profiler.disable()
     wall_s, cpu_s = time.perf_counter() - started_s, time.process_time() - started_cpu_s
+    document = speed_document(args, trace, workload, result, meter, wall_s=wall_s, cpu_s=cpu_s, build_s=build_s)
+    if profiler is not None:
+        stats = pstats.Stats(profiler)
+        document["profile"] = {"area_shares": area_shares(stats), "top_functions": top_functions(stats)}
+    summary = [
+        f"{document['requests']:,} requests, {meter.events:,} events at {args.gpus} GPUs in {wall_s:,.1f} s: "
+        f"{document['events_per_s']:,} events/s, {document['requests_per_s']:,} requests/s "
+        f"({document['requests_per_cpu_s']:,} per CPU second), "
+        f"peak RSS {document['peak_rss_mb']:,} MB (workload built in {build_s:,.1f} s)"
+    ]
+    if profiler is not None:
+        summary.append(f"profile shares: {document['profile']['area_shares']}")
+    write_results(Path(args.out), document, summary)
 
+
+def speed_document(
+    args: argparse.Namespace,
+    trace: TraceCounts,
+    workload: Workload,
+    result: SimResult,
+    meter: Meter,
+    *,
+    wall_s: float,
+    cpu_s: float,
+    build_s: float,
+) -> dict[str, Any]:
+    """The results document of one run (what ran, how fast, its headline figures)."""
+    minutes = args.minutes if not args.whole_trace else trace.minutes[-1] - trace.minutes[0] + 1
     document: dict[str, Any] = {
         "meta": run_metadata(uncommitted=uncommitted(["simulator", "scheduler", "cache_manager"])),
         "run": {
@@ -112,11 +140,11 @@ def main() -> None:
             "minutes": minutes,
             "functions": len(workload.profiles),
             "gpus": args.gpus,
-            "rpm": rpm,
+            "rpm": scaled_rpm(args.gpus),
             "policy": POLICY,
             "slots": 1,
             "seed": 0,
-            "profiled": profiler is not None,
+            "profiled": args.profile,
         },
         "requests": len(workload.requests),
         "completed": meter.completed,
@@ -137,18 +165,7 @@ def main() -> None:
             if key in ("avg_latency_s", "p99_latency_s", "miss_ratio", "gpu_utilization", "makespan_s", "hits")
         },
     }
-    if profiler is not None:
-        stats = pstats.Stats(profiler)
-        document["profile"] = {"area_shares": area_shares(stats), "top_functions": top_functions(stats)}
-    summary = [
-        f"{document['requests']:,} requests, {meter.events:,} events at {args.gpus} GPUs in {wall_s:,.1f} s: "
-        f"{document['events_per_s']:,} events/s, {document['requests_per_s']:,} requests/s "
-        f"({document['requests_per_cpu_s']:,} per CPU second), "
-        f"peak RSS {document['peak_rss_mb']:,} MB (workload built in {build_s:,.1f} s)"
-    ]
-    if profiler is not None:
-        summary.append(f"profile shares: {document['profile']['area_shares']}")
-    write_results(Path(args.out), document, summary)
+    return document
 
 
 if __name__ == "__main__":
