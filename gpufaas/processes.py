@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -26,6 +28,18 @@ def pid_alive(pid: int) -> bool:
         if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
             return len(os.listdir(f"/proc/{pid}/task")) > 1
     return True
+
+
+def survivors(pids: Iterable[int], grace_s: float = 5.0) -> list[int]:
+    """Those of `pids` still alive once each had up to `grace_s` to finish dying: a process that was
+    killed, or told to stop, may take a moment (its last thread closes its descriptors at the end,
+    see pid_alive), and is no survivor for that. Polls every 10 ms; returns at once when none lives."""
+    left = [pid for pid in pids if pid_alive(pid)]
+    deadline = time.monotonic() + grace_s
+    while left and time.monotonic() < deadline:
+        time.sleep(0.01)
+        left = [pid for pid in left if pid_alive(pid)]
+    return left
 
 
 def descendants(pid: int) -> list[int]:

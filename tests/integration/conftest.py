@@ -12,7 +12,7 @@ import pytest
 
 from gpufaas.dev.etcd_server import EtcdServer
 from gpufaas.dev.local_cluster import LocalCluster
-from gpufaas.processes import descendants, pid_alive
+from gpufaas.processes import descendants, survivors
 from gpufaas.tls import LinkTls, configure
 from tests.fixtures.make_packages import build_package
 
@@ -26,7 +26,7 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer
         yield server
     finally:
         server.stop()
-        assert not pid_alive(pid), f"etcd (pid {pid}) is still running after stop()"
+        assert not survivors([pid]), f"etcd (pid {pid}) is still running after stop()"
 
 
 class EtcdTarget(NamedTuple):
@@ -84,7 +84,7 @@ def stop_clusters(clusters: list[LocalCluster], watched: list[int]) -> None:
             if component.pid is not None:
                 watched.extend(descendants(component.pid))
         cluster.stop()
-    leftovers = [pid for pid in watched if pid_alive(pid)]
+    leftovers = survivors(watched)
     assert not leftovers, f"processes left running: {leftovers}"
 
 

@@ -243,9 +243,9 @@ def test_every_call_is_answered_and_service_returns_after_each_kill(tmp_path: Pa
         } == dict.fromkeys(("node0", "scheduler", "etcd", "gateway"), True), restarts
     finally:
         cluster.stop()
-        from gpufaas.processes import pid_alive
+        from gpufaas.processes import survivors
 
-        leftovers = [pid for pid in watched if pid_alive(pid)]
+        leftovers = survivors(watched)
         assert not leftovers, f"processes left running: {leftovers}"
 
 

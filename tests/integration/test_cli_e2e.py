@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from gpufaas.dev.local_cluster import free_port, recorded_pids, stop_recorded
-from gpufaas.processes import descendants, pid_alive
+from gpufaas.processes import descendants, pid_alive, survivors
 
 pytestmark = pytest.mark.integration
 
@@ -122,8 +122,8 @@ def test_up_new_deploy_invoke_gpus_rm_down(tmp_path: Path, cli_env: dict[str, st
         assert workers
         down = gpufaas("down", env=cli_env, cwd=work)
         assert down.returncode == 0 and "stopped" in down.stdout
-        assert not [name for name, pid in pids.items() if pid_alive(pid)]
-        assert not [pid for pid in workers if pid_alive(pid)]
+        assert not survivors(pids.values()), pids
+        assert not survivors(workers)
     finally:
         stop_recorded(state)
 

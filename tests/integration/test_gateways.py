@@ -19,7 +19,7 @@ import pytest
 
 from gpufaas.dev.balancer import BalancerUnavailable, haproxy_binary
 from gpufaas.dev.local_cluster import LocalCluster, free_port, recorded_pids, stop_recorded
-from gpufaas.processes import pid_alive
+from gpufaas.processes import survivors
 from tests.fixtures.make_packages import build_package
 from tests.integration.conftest import ClusterFactory
 from tests.integration.test_cli_e2e import cli_env, gpufaas  # noqa: F401 (a fixture)
@@ -207,6 +207,6 @@ def test_up_with_two_gateways_writes_the_balancer_and_down_stops_everything(
         assert called.returncode == 0 and '"helper":1' in called.stdout, called.stdout
         down = gpufaas("down", env=cli_env, cwd=tmp_path)
         assert down.returncode == 0 and "balancer" in down.stdout
-        assert not [name for name, pid in pids.items() if pid_alive(pid)]
+        assert not survivors(pids.values()), pids
     finally:
         stop_recorded(state)

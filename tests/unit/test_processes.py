@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufaas.processes import pid_alive
+from gpufaas.processes import pid_alive, survivors
 
 # The child: a thread that runs until `release` exists, and a main thread that ends itself alone
 # (the raw exit syscall, not exit_group), so the process's main thread is a zombie while the other
@@ -63,3 +63,18 @@ def test_a_process_that_is_gone_is_not_alive() -> None:
     child.wait(timeout=30)
     assert not pid_alive(child.pid)
     assert pid_alive(os.getpid())
+
+
+def test_survivors_waits_for_the_dying_and_names_only_those_that_outlive_the_grace() -> None:
+    quick = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    lasting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = time.monotonic()
+        left = survivors([quick.pid, lasting.pid], grace_s=3.0)
+        assert left == [lasting.pid]  # the one that ended within the grace is no survivor
+        assert time.monotonic() - started >= 3.0  # it waited the grace for the other
+        quick.wait(timeout=10)
+        assert survivors([quick.pid], grace_s=60.0) == []  # none alive: at once
+    finally:
+        lasting.kill()
+        lasting.wait(timeout=10)
