@@ -15,7 +15,7 @@ import aetcd
 import pytest
 
 from gpufaas.dev.etcd_server import EtcdServer, free_port
-from gpufaas.processes import pid_alive
+from gpufaas.processes import survivors
 from gpufaas.store import (
     EtcdCredentials,
     EtcdStore,
@@ -366,7 +366,7 @@ def test_store_error_while_etcd_is_down_and_recovery_after(tmp_path: Path) -> No
         asyncio.run(asyncio.wait_for(scenario(), timeout=40))
     finally:
         server.stop()
-    assert not pid_alive(pid)
+    assert not survivors([pid])
 
 
 def test_etcd_authentication_bootstrap_renewal_and_restart(tmp_path: Path) -> None:
