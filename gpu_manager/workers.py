@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType
+from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, time_out
 
 _DRAIN_OVER_BYTES = 65536  # a call's payload larger than this waits for the socket to take it
 
@@ -194,7 +194,7 @@ class Worker:
                 await self.conn.drain()
             # A timer on the future rather than asyncio.timeout_at (which cancels the task and maps
             # the cancellation back): the same deadline for less, on every call.
-            timer = loop.call_at(deadline, _time_out, future)
+            timer = loop.call_at(deadline, time_out, future)
             try:
                 return await future
             finally:
@@ -246,9 +246,3 @@ class Worker:
                 os.kill(self.pid, signum)
         elif self.conn is not None:
             self.conn.close()
-
-
-def _time_out(call: asyncio.Future[Frame]) -> None:
-    """A call's deadline passed with no result."""
-    if not call.done():
-        call.set_exception(TimeoutError())
