@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import inspect
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -74,6 +76,11 @@ def make_spec(name: str = "resnet", *, timeout_s: float = 5.0) -> FunctionSpec:
 
 def make_reply(outcome: int = pb.OK, message: str = "", **fields: Any) -> pb.ExecuteReply:
     return pb.ExecuteReply(outcome=outcome, message=message, **fields)  # type: ignore[arg-type]
+
+
+def no_result(outcome: int, message: str) -> tuple[pb.ExecuteReply, bytes]:
+    """A node's answer of a call that did not run to its result: the outcome, and no body."""
+    return make_reply(outcome, message), b""
 
 
 # --- the fakes ----------------------------------------------------------------------------------
@@ -194,9 +201,9 @@ class FakeNode:
         self._server: Server | None = None
         self._held: set[asyncio.Task[None]] = set()
 
-    async def start(self) -> FakeNode:
+    async def start(self, listen: str = "127.0.0.1:0") -> FakeNode:
         self._server = Server(self._session, max_frame_bytes=MAX_PAYLOAD_BYTES + 1024 * 1024)
-        self.address = await self._server.start("127.0.0.1:0")
+        self.address = await self._server.start(listen)
         return self
 
     async def stop(self) -> None:
@@ -295,6 +302,30 @@ class Cluster:
         self.tasks.append(task)
         return task
 
+    async def placed(
+        self, call_id: str, spec: FunctionSpec | None = None, payload: bytes = PAYLOAD, *, places: int = 1
+    ) -> asyncio.Task[CallResult]:
+        """Start the call and wait for its Place: the scheduler's Place number `places`."""
+        task = self.invoke(call_id, spec, payload)
+        await self.scheduler.wait_places(places)
+        return task
+
+    def place_on(self, node: FakeNode, call_id: str, attempt: int, answer: NodeAnswer | None = None) -> None:
+        """Send the placement of `call_id`'s attempt on `node`; the node answers its Execute with
+        `answer` where given (an echo otherwise, or what the test scripted)."""
+        if answer is not None:
+            node.script[f"{call_id}#{attempt}".encode()] = answer
+        self.scheduler.send(node.placement(call_id, attempt))
+
+    async def executing(self, node: FakeNode) -> None:
+        await until(lambda: node.executes, f"the Execute at {node.name}")
+
+    async def abandoned(self, what: str) -> pb.Abandon:
+        """Wait for the scheduler's first Abandon and return it: the only one."""
+        await until(lambda: self.scheduler.abandons, what)
+        (abandon,) = self.scheduler.abandons
+        return abandon
+
 
 @contextlib.asynccontextmanager
 async def cluster(*, scheduler_wait_s: float = 2.0, connected: bool = True) -> AsyncIterator[Cluster]:
@@ -334,38 +365,66 @@ async def reconnected(env: Cluster, connections: int) -> None:
     )
 
 
+ClusterTest = Callable[..., Coroutine[Any, Any, None]]
+
+
+def in_cluster(
+    *, tuned: dict[str, float] | None = None, **options: Any
+) -> Callable[[ClusterTest], Callable[..., None]]:
+    """Make `async def test_x(env, ...)` a test that `run`s inside `cluster(**options)`; its other
+    parameters stay pytest's (fixtures, parametrize). `tuned` sets gateway.router's timing
+    constants for the test, before the cluster starts."""
+
+    def decorate(body: ClusterTest) -> Callable[..., None]:
+        @functools.wraps(body)
+        def test(**params: Any) -> None:
+            async def scenario() -> None:
+                async with cluster(**options) as env:
+                    await body(env, **params)
+
+            with pytest.MonkeyPatch.context() as patch:
+                for name, value in (tuned or {}).items():
+                    patch.setattr(router_module, name, value)
+                run(scenario())
+
+        signature = inspect.signature(body)
+        test.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])  # type: ignore[attr-defined]
+        return test
+
+    return decorate
+
+
 # --- one call, end to end -------------------------------------------------------------------------
 
 
-def test_a_call_is_placed_by_the_scheduler_and_run_on_the_node_without_the_scheduler_seeing_the_payload() -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            spec = make_spec("resnet", timeout_s=5.0)
-            task = env.invoke("call-1", spec, PAYLOAD, "image/png")
-            (place,) = await env.scheduler.wait_places(1)
-            assert (place.call_id, place.function, place.payload_bytes) == ("call-1", "resnet", len(PAYLOAD))
-            assert 4.5 < place.timeout_s <= 5.0, "Place carries what remains of the call's deadline"
+@in_cluster()
+async def test_a_call_is_placed_by_the_scheduler_and_run_on_the_node_without_the_scheduler_seeing_the_payload(
+    env: Cluster,
+) -> None:
+    spec = make_spec("resnet", timeout_s=5.0)
+    task = env.invoke("call-1", spec, PAYLOAD, "image/png")
+    (place,) = await env.scheduler.wait_places(1)
+    assert (place.call_id, place.function, place.payload_bytes) == ("call-1", "resnet", len(PAYLOAD))
+    assert 4.5 < place.timeout_s <= 5.0, "Place carries what remains of the call's deadline"
 
-            sent = env.node_a.placement("call-1", 1, token=b"signed-grant", queue_s=0.25)
-            reply = make_reply(content_type="application/json", loaded=True, load_time_s=1.5, batch_calls=2)
-            env.node_a.script[b"signed-grant"] = (reply, b'{"label": "cat"}')
-            env.scheduler.send(sent)
-            result = await task
+    sent = env.node_a.placement("call-1", 1, token=b"signed-grant", queue_s=0.25)
+    reply = make_reply(content_type="application/json", loaded=True, load_time_s=1.5, batch_calls=2)
+    env.node_a.script[b"signed-grant"] = (reply, b'{"label": "cat"}')
+    env.scheduler.send(sent)
+    result = await task
 
-            assert result.output == b'{"label": "cat"}'
-            assert result.placement == sent
-            assert result.reply == reply
-            ((execute, body),) = env.node_a.executes
-            assert (execute.token, execute.content_type) == (b"signed-grant", "image/png")
-            assert body == PAYLOAD
-            assert env.node_b.executes == []
+    assert result.output == b'{"label": "cat"}'
+    assert result.placement == sent
+    assert result.reply == reply
+    ((execute, body),) = env.node_a.executes
+    assert (execute.token, execute.content_type) == (b"signed-grant", "image/png")
+    assert body == PAYLOAD
+    assert env.node_b.executes == []
 
-            await env.scheduler.barrier()
-            assert env.scheduler.types() == [MessageType.PLACE], "a call that ran is not abandoned"
-            seen = b"".join(r.raw for r in env.scheduler.received)
-            assert PAYLOAD[:64] not in seen and len(seen) < 1024, "the payload went to the scheduler"
-
-    run(scenario())
+    await env.scheduler.barrier()
+    assert env.scheduler.types() == [MessageType.PLACE], "a call that ran is not abandoned"
+    seen = b"".join(r.raw for r in env.scheduler.received)
+    assert PAYLOAD[:64] not in seen and len(seen) < 1024, "the payload went to the scheduler"
 
 
 @pytest.mark.parametrize(
@@ -382,17 +441,13 @@ def test_a_call_is_placed_by_the_scheduler_and_run_on_the_node_without_the_sched
     ],
     ids=str,
 )
-def test_a_rejection_is_the_answer_with_its_http_status(status: int, http_status: int) -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            task = env.invoke("call-1")
-            await env.scheduler.wait_places(1)
-            env.scheduler.send(pb.Rejection(call_id="call-1", status=status, message="why, and what to do"))  # type: ignore[arg-type]
-            failed = await failure(task)
-            assert (failed.status, failed.message) == (http_status, "why, and what to do")
-            assert env.node_a.executes == [] and env.node_b.executes == []
-
-    run(scenario())
+@in_cluster()
+async def test_a_rejection_is_the_answer_with_its_http_status(env: Cluster, status: int, http_status: int) -> None:
+    task = await env.placed("call-1")
+    env.scheduler.send(pb.Rejection(call_id="call-1", status=status, message="why, and what to do"))  # type: ignore[arg-type]
+    failed = await failure(task)
+    assert (failed.status, failed.message) == (http_status, "why, and what to do")
+    assert env.node_a.executes == [] and env.node_b.executes == []
 
 
 @pytest.mark.parametrize(
@@ -406,728 +461,576 @@ def test_a_rejection_is_the_answer_with_its_http_status(status: int, http_status
     ],
     ids=str,
 )
-def test_a_failed_outcome_at_the_node_is_the_answer_with_the_nodes_message(outcome: int, http_status: int) -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            task = env.invoke("call-1")
-            await env.scheduler.wait_places(1)
-            env.node_a.script[b"call-1#1"] = (make_reply(outcome, "ValueError: bad image"), b"")
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            failed = await failure(task)
-            assert (failed.status, failed.message) == (http_status, "ValueError: bad image")
-            assert env.node_a.tokens == [b"call-1#1"], "a failed outcome is not retried"
-            await env.scheduler.barrier()
-            assert env.scheduler.places == [env.scheduler.places[0]]
-            assert not [a for a in env.scheduler.abandons if a.reason != pb.Abandon.CANCELLED]
-
-    run(scenario())
+@in_cluster()
+async def test_a_failed_outcome_at_the_node_is_the_answer_with_the_nodes_message(
+    env: Cluster, outcome: int, http_status: int
+) -> None:
+    task = await env.placed("call-1")
+    env.place_on(env.node_a, "call-1", 1, answer=no_result(outcome, "ValueError: bad image"))
+    failed = await failure(task)
+    assert (failed.status, failed.message) == (http_status, "ValueError: bad image")
+    assert env.node_a.tokens == [b"call-1#1"], "a failed outcome is not retried"
+    await env.scheduler.barrier()
+    assert env.scheduler.places == [env.scheduler.places[0]]
+    assert not [a for a in env.scheduler.abandons if a.reason != pb.Abandon.CANCELLED]
 
 
-def test_a_timeout_at_the_node_is_a_504_with_the_functions_deadline_message() -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            spec = make_spec("slowpoke", timeout_s=3.0)
-            task = env.invoke("call-1", spec)
-            await env.scheduler.wait_places(1)
-            env.node_a.script[b"call-1#1"] = (make_reply(pb.TIMEOUT, "worker killed after 3 s"), b"")
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            failed = await failure(task)
-            assert (failed.status, failed.message) == (504, spec.deadline_message())
-            assert "'slowpoke'" in failed.message and "3 s" in failed.message
-
-    run(scenario())
+@in_cluster()
+async def test_a_timeout_at_the_node_is_a_504_with_the_functions_deadline_message(env: Cluster) -> None:
+    spec = make_spec("slowpoke", timeout_s=3.0)
+    task = await env.placed("call-1", spec)
+    env.place_on(env.node_a, "call-1", 1, answer=no_result(pb.TIMEOUT, "worker killed after 3 s"))
+    failed = await failure(task)
+    assert (failed.status, failed.message) == (504, spec.deadline_message())
+    assert "'slowpoke'" in failed.message and "3 s" in failed.message
 
 
 # --- placements that cannot be used -------------------------------------------------------------
 
 
-def test_a_refused_token_is_abandoned_and_the_next_placement_used() -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            task = env.invoke("call-1")
-            await env.scheduler.wait_places(1)
-            env.node_a.script[b"call-1#1"] = (make_reply(pb.REFUSED, "the grant expired"), b"")
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            await until(lambda: env.scheduler.abandons, "the Abandon of the refused placement")
-            (abandon,) = env.scheduler.abandons
-            assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-1", 1, pb.Abandon.REFUSED)
-            assert abandon.detail == "the grant expired"
-            assert not task.done(), "a refusal is not the call's answer"
+@in_cluster()
+async def test_a_refused_token_is_abandoned_and_the_next_placement_used(env: Cluster) -> None:
+    task = await env.placed("call-1")
+    env.place_on(env.node_a, "call-1", 1, answer=no_result(pb.REFUSED, "the grant expired"))
+    abandon = await env.abandoned("the Abandon of the refused placement")
+    assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-1", 1, pb.Abandon.REFUSED)
+    assert abandon.detail == "the grant expired"
+    assert not task.done(), "a refusal is not the call's answer"
 
-            env.scheduler.send(env.node_b.placement("call-1", 2))
-            result = await task
-            assert result.output == PAYLOAD and result.placement.attempt == 2
-            assert (env.node_a.tokens, env.node_b.tokens) == ([b"call-1#1"], [b"call-1#2"])
-            await env.scheduler.barrier()
-            assert env.scheduler.types() == [MessageType.PLACE, MessageType.ABANDON], "the Place is sent once"
-
-    run(scenario())
+    env.place_on(env.node_b, "call-1", 2)
+    result = await task
+    assert result.output == PAYLOAD and result.placement.attempt == 2
+    assert (env.node_a.tokens, env.node_b.tokens) == ([b"call-1#1"], [b"call-1#2"])
+    await env.scheduler.barrier()
+    assert env.scheduler.types() == [MessageType.PLACE, MessageType.ABANDON], "the Place is sent once"
 
 
-def test_a_node_that_cannot_be_connected_to_is_handed_back_as_never_sent_and_the_call_runs_on_the_next() -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            await env.node_a.stop()  # connecting to node a is now refused
-            task = env.invoke("call-1")
-            await env.scheduler.wait_places(1)
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            await until(lambda: env.scheduler.abandons, "the Abandon of the unreachable node")
-            (abandon,) = env.scheduler.abandons
-            # Never sent: it cannot have run there (REFUSED), so the scheduler may place it again at once.
-            assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-1", 1, pb.Abandon.REFUSED)
-            assert abandon.reason == NOT_SENT and env.node_a.address in abandon.detail
+@in_cluster()
+async def test_a_node_that_cannot_be_connected_to_is_handed_back_as_never_sent_and_the_call_runs_on_the_next(
+    env: Cluster,
+) -> None:
+    await env.node_a.stop()  # connecting to node a is now refused
+    task = await env.placed("call-1")
+    env.place_on(env.node_a, "call-1", 1)
+    abandon = await env.abandoned("the Abandon of the unreachable node")
+    # Never sent: it cannot have run there (REFUSED), so the scheduler may place it again at once.
+    assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-1", 1, pb.Abandon.REFUSED)
+    assert abandon.reason == NOT_SENT and env.node_a.address in abandon.detail
 
-            env.scheduler.send(env.node_b.placement("call-1", 2))
-            result = await task
-            assert (result.output, result.placement.node, result.placement.attempt) == (PAYLOAD, "node-b", 2)
-            assert env.node_b.tokens == [b"call-1#2"]
-            await env.scheduler.barrier()
-            assert env.scheduler.types() == [MessageType.PLACE, MessageType.ABANDON]
-
-    run(scenario())
+    env.place_on(env.node_b, "call-1", 2)
+    result = await task
+    assert (result.output, result.placement.node, result.placement.attempt) == (PAYLOAD, "node-b", 2)
+    assert env.node_b.tokens == [b"call-1#2"]
+    await env.scheduler.barrier()
+    assert env.scheduler.types() == [MessageType.PLACE, MessageType.ABANDON]
 
 
-def test_a_node_found_unreachable_takes_no_execute_until_it_is_dialled_again_in_the_background() -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            address = env.node_a.address
-            await env.node_a.stop()
-            first = env.invoke("call-1")
-            await env.scheduler.wait_places(1)
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            await until(lambda: env.scheduler.abandons, "the Abandon of the unreachable node")
-            assert address in env.router.nodes.unusable
-            # The next placement there is handed back at once: no dial, no connect timeout.
-            second = env.invoke("call-2")
-            await env.scheduler.wait_places(2)
-            started = time.monotonic()
-            env.scheduler.send(env.node_a.placement("call-2", 1))
-            await until(lambda: len(env.scheduler.abandons) == 2, "the Abandon of the second placement")
-            assert time.monotonic() - started < 0.1
-            abandon = env.scheduler.abandons[1]
-            assert (abandon.call_id, abandon.reason) == ("call-2", NOT_SENT) and "just now" in abandon.detail
+@in_cluster()
+async def test_a_node_found_unreachable_takes_no_execute_until_it_is_dialled_again_in_the_background(
+    env: Cluster,
+) -> None:
+    address = env.node_a.address
+    await env.node_a.stop()
+    first = await env.placed("call-1")
+    env.place_on(env.node_a, "call-1", 1)
+    await until(lambda: env.scheduler.abandons, "the Abandon of the unreachable node")
+    assert address in env.router.nodes.unusable
+    # The next placement there is handed back at once: no dial, no connect timeout.
+    second = await env.placed("call-2", places=2)
+    started = time.monotonic()
+    env.place_on(env.node_a, "call-2", 1)
+    await until(lambda: len(env.scheduler.abandons) == 2, "the Abandon of the second placement")
+    assert time.monotonic() - started < 0.1
+    abandon = env.scheduler.abandons[1]
+    assert (abandon.call_id, abandon.reason) == ("call-2", NOT_SENT) and "just now" in abandon.detail
 
-            # The node comes back at its address: the background dial finds it, and calls go there.
-            env.node_a.address = address
-            env.node_a._server = Server(env.node_a._session, max_frame_bytes=MAX_PAYLOAD_BYTES + 1024 * 1024)
-            await env.node_a._server.start(address)
-            await until(lambda: address not in env.router.nodes.unusable, "the node dialled again", timeout_s=2.0)
-            assert env.node_a.accepted == 1
-            for call_id, task in (("call-1", first), ("call-2", second)):
-                env.scheduler.send(env.node_a.placement(call_id, 2))
-                assert (await task).placement.node == "node-a"
-            assert env.node_a.accepted == 1, "the connection the background dial made is used"
-
-    run(scenario())
+    # The node comes back at its address: the background dial finds it, and calls go there.
+    await env.node_a.start(address)
+    await until(lambda: address not in env.router.nodes.unusable, "the node dialled again", timeout_s=2.0)
+    assert env.node_a.accepted == 1
+    for call_id, task in (("call-1", first), ("call-2", second)):
+        env.place_on(env.node_a, call_id, 2)
+        assert (await task).placement.node == "node-a"
+    assert env.node_a.accepted == 1, "the connection the background dial made is used"
 
 
-def test_a_dead_worker_is_not_abandoned_the_router_waits_for_the_next_placement() -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            task = env.invoke("call-1")
-            await env.scheduler.wait_places(1)
-            env.node_a.script[b"call-1#1"] = (make_reply(pb.WORKER_DIED, "exit code -9"), b"")
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            await until(lambda: env.node_a.executes, "the Execute at node a")
-            await env.scheduler.barrier()
-            assert env.scheduler.types() == [MessageType.PLACE], "the node reports a dead worker itself"
-            assert not task.done()
+@in_cluster()
+async def test_a_dead_worker_is_not_abandoned_the_router_waits_for_the_next_placement(env: Cluster) -> None:
+    task = await env.placed("call-1")
+    env.place_on(env.node_a, "call-1", 1, answer=no_result(pb.WORKER_DIED, "exit code -9"))
+    await env.executing(env.node_a)
+    await env.scheduler.barrier()
+    assert env.scheduler.types() == [MessageType.PLACE], "the node reports a dead worker itself"
+    assert not task.done()
 
-            env.scheduler.send(env.node_b.placement("call-1", 2))
-            result = await task
-            assert (result.placement.node, result.placement.attempt, result.output) == ("node-b", 2, PAYLOAD)
-            await env.scheduler.barrier()
-            assert env.scheduler.types() == [MessageType.PLACE]
-
-    run(scenario())
+    env.place_on(env.node_b, "call-1", 2)
+    result = await task
+    assert (result.placement.node, result.placement.attempt, result.output) == ("node-b", 2, PAYLOAD)
+    await env.scheduler.barrier()
+    assert env.scheduler.types() == [MessageType.PLACE]
 
 
-def test_a_dead_worker_then_a_rejection_makes_the_rejection_the_answer() -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            task = env.invoke("call-1")
-            await env.scheduler.wait_places(1)
-            env.node_a.script[b"call-1#1"] = (make_reply(pb.WORKER_DIED, "exit code -9"), b"")
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            await until(lambda: env.node_a.executes, "the Execute at node a")
-            message = "the function's worker died twice; see the node's log"
-            env.scheduler.send(pb.Rejection(call_id="call-1", status=pb.UNAVAILABLE, message=message))
-            failed = await failure(task)
-            assert (failed.status, failed.message) == (503, message)
-
-    run(scenario())
+@in_cluster()
+async def test_a_dead_worker_then_a_rejection_makes_the_rejection_the_answer(env: Cluster) -> None:
+    task = await env.placed("call-1")
+    env.place_on(env.node_a, "call-1", 1, answer=no_result(pb.WORKER_DIED, "exit code -9"))
+    await env.executing(env.node_a)
+    message = "the function's worker died twice; see the node's log"
+    env.scheduler.send(pb.Rejection(call_id="call-1", status=pb.UNAVAILABLE, message=message))
+    failed = await failure(task)
+    assert (failed.status, failed.message) == (503, message)
 
 
-def test_a_stale_placement_is_ignored() -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            task = env.invoke("call-1")
-            await env.scheduler.wait_places(1)
-            env.node_a.script[b"call-1#1"] = (make_reply(pb.REFUSED, "revoked"), b"")
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            await until(lambda: env.scheduler.abandons, "the Abandon of the refused placement")
-            # Attempt 1 again (a duplicate) and attempt 0: both already tried or replaced.
-            env.scheduler.send(
-                env.node_b.placement("call-1", 1, token=b"duplicate"),
-                env.node_b.placement("call-1", 0, token=b"older"),
-                env.node_b.placement("call-1", 2),
-            )
-            result = await task
-            assert result.placement.attempt == 2 and result.placement.token == b"call-1#2"
-            assert env.node_b.tokens == [b"call-1#2"]
-
-    run(scenario())
+@in_cluster()
+async def test_a_stale_placement_is_ignored(env: Cluster) -> None:
+    task = await env.placed("call-1")
+    env.place_on(env.node_a, "call-1", 1, answer=no_result(pb.REFUSED, "revoked"))
+    await until(lambda: env.scheduler.abandons, "the Abandon of the refused placement")
+    # Attempt 1 again (a duplicate) and attempt 0: both already tried or replaced.
+    env.scheduler.send(
+        env.node_b.placement("call-1", 1, token=b"duplicate"),
+        env.node_b.placement("call-1", 0, token=b"older"),
+        env.node_b.placement("call-1", 2),
+    )
+    result = await task
+    assert result.placement.attempt == 2 and result.placement.token == b"call-1#2"
+    assert env.node_b.tokens == [b"call-1#2"]
 
 
-def test_a_placement_for_a_call_nobody_waits_for_is_handed_back() -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            env.scheduler.send(env.node_a.placement("gone-1", 3))
-            await until(lambda: env.scheduler.abandons, "the Abandon of the unwanted placement")
-            (abandon,) = env.scheduler.abandons
-            assert (abandon.call_id, abandon.attempt, abandon.reason) == ("gone-1", 3, pb.Abandon.CANCELLED)
-            # A rejection for such a call needs no answer.
-            env.scheduler.send(pb.Rejection(call_id="gone-2", status=pb.DEADLINE, message="late"))
-            await env.scheduler.barrier()
-            assert [a.call_id for a in env.scheduler.abandons] == ["gone-1"]
-            assert env.node_a.executes == []
-
-    run(scenario())
+@in_cluster()
+async def test_a_placement_for_a_call_nobody_waits_for_is_handed_back(env: Cluster) -> None:
+    env.place_on(env.node_a, "gone-1", 3)
+    abandon = await env.abandoned("the Abandon of the unwanted placement")
+    assert (abandon.call_id, abandon.attempt, abandon.reason) == ("gone-1", 3, pb.Abandon.CANCELLED)
+    # A rejection for such a call needs no answer.
+    env.scheduler.send(pb.Rejection(call_id="gone-2", status=pb.DEADLINE, message="late"))
+    await env.scheduler.barrier()
+    assert [a.call_id for a in env.scheduler.abandons] == ["gone-1"]
+    assert env.node_a.executes == []
 
 
 # --- the one deadline, and a client that goes away ----------------------------------------------
 
 
 @pytest.mark.parametrize("stuck", ["at the scheduler", "at the node"])
-def test_past_the_deadline_the_call_is_a_504_and_withdrawn(stuck: str) -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            spec = make_spec("quick", timeout_s=0.2)
-            started = time.monotonic()
-            task = env.invoke("call-1", spec)
-            await env.scheduler.wait_places(1)
-            if stuck == "at the node":
-                env.node_a.hold(b"call-1#1")
-                env.scheduler.send(env.node_a.placement("call-1", 1))
-            failed = await failure(task)
-            elapsed = time.monotonic() - started
-            assert (failed.status, failed.message) == (504, spec.deadline_message())
-            budget_s = spec.timeout_s + DEADLINE_GRACE_S
-            assert budget_s - 0.05 <= elapsed < budget_s + 1.0, f"answered after {elapsed:.2f} s"
-            await until(lambda: env.scheduler.abandons, "the Abandon of the call")
-            (abandon,) = env.scheduler.abandons
-            assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-1", 0, pb.Abandon.CANCELLED)
-
-    run(scenario())
+@in_cluster()
+async def test_past_the_deadline_the_call_is_a_504_and_withdrawn(env: Cluster, stuck: str) -> None:
+    spec = make_spec("quick", timeout_s=0.2)
+    started = time.monotonic()
+    task = await env.placed("call-1", spec)
+    if stuck == "at the node":
+        env.node_a.hold(b"call-1#1")
+        env.place_on(env.node_a, "call-1", 1)
+    failed = await failure(task)
+    elapsed = time.monotonic() - started
+    assert (failed.status, failed.message) == (504, spec.deadline_message())
+    budget_s = spec.timeout_s + DEADLINE_GRACE_S
+    assert budget_s - 0.05 <= elapsed < budget_s + 1.0, f"answered after {elapsed:.2f} s"
+    abandon = await env.abandoned("the Abandon of the call")
+    assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-1", 0, pb.Abandon.CANCELLED)
 
 
 @pytest.mark.parametrize("waiting", ["for a placement", "at the node"])
-def test_a_cancelled_call_is_withdrawn(waiting: str) -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            task = env.invoke("call-1")
-            await env.scheduler.wait_places(1)
-            if waiting == "at the node":
-                env.node_a.hold(b"call-1#1")
-                env.scheduler.send(env.node_a.placement("call-1", 1))
-                await until(lambda: env.node_a.executes, "the Execute at node a")
-            task.cancel()  # the client went away
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            await until(lambda: env.scheduler.abandons, "the Abandon of the call")
-            (abandon,) = env.scheduler.abandons
-            assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-1", 0, pb.Abandon.CANCELLED)
-            # The call id is free again.
-            again = env.invoke("call-1")
-            await env.scheduler.wait_places(2)
-            env.scheduler.send(env.node_b.placement("call-1", 1, token=b"again"))
-            assert (await again).output == PAYLOAD
-
-    run(scenario())
+@in_cluster()
+async def test_a_cancelled_call_is_withdrawn(env: Cluster, waiting: str) -> None:
+    task = await env.placed("call-1")
+    if waiting == "at the node":
+        env.node_a.hold(b"call-1#1")
+        env.place_on(env.node_a, "call-1", 1)
+        await env.executing(env.node_a)
+    task.cancel()  # the client went away
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    abandon = await env.abandoned("the Abandon of the call")
+    assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-1", 0, pb.Abandon.CANCELLED)
+    # The call id is free again.
+    again = await env.placed("call-1", places=2)
+    env.scheduler.send(env.node_b.placement("call-1", 1, token=b"again"))
+    assert (await again).output == PAYLOAD
 
 
-def test_a_call_id_already_in_flight_is_a_409_and_leaves_the_first_call_alone() -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            first = env.invoke("call-1")
-            await env.scheduler.wait_places(1)
-            failed = await failure(env.invoke("call-1", payload=b"another"))
-            assert failed.status == 409 and "'call-1'" in failed.message
-            await env.scheduler.barrier()
-            assert env.scheduler.types() == [MessageType.PLACE]
+@in_cluster()
+async def test_a_call_id_already_in_flight_is_a_409_and_leaves_the_first_call_alone(env: Cluster) -> None:
+    first = await env.placed("call-1")
+    failed = await failure(env.invoke("call-1", payload=b"another"))
+    assert failed.status == 409 and "'call-1'" in failed.message
+    await env.scheduler.barrier()
+    assert env.scheduler.types() == [MessageType.PLACE]
 
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            assert (await first).output == PAYLOAD
-            assert [body for _, body in env.node_a.executes] == [PAYLOAD]
-
-    run(scenario())
+    env.place_on(env.node_a, "call-1", 1)
+    assert (await first).output == PAYLOAD
+    assert [body for _, body in env.node_a.executes] == [PAYLOAD]
 
 
 # --- the scheduler connection -------------------------------------------------------------------
 
 
-def test_a_scheduler_unreachable_at_start_is_a_503_after_scheduler_wait_s() -> None:
-    async def scenario() -> None:
-        async with cluster(scheduler_wait_s=0.3, connected=False) as env:
-            await env.scheduler.stop()  # nothing listens at the router's scheduler address
-            started = time.monotonic()
-            failed = await failure(env.invoke("call-1", make_spec(timeout_s=5.0)))
-            elapsed = time.monotonic() - started
-            assert failed.status == 503 and "scheduler is unreachable" in failed.message
-            assert 0.25 <= elapsed < 1.0, f"answered after {elapsed:.2f} s; scheduler_wait_s is 0.3 s"
-
-    run(scenario())
+@in_cluster(scheduler_wait_s=0.3, connected=False)
+async def test_a_scheduler_unreachable_at_start_is_a_503_after_scheduler_wait_s(env: Cluster) -> None:
+    await env.scheduler.stop()  # nothing listens at the router's scheduler address
+    started = time.monotonic()
+    failed = await failure(env.invoke("call-1", make_spec(timeout_s=5.0)))
+    elapsed = time.monotonic() - started
+    assert failed.status == 503 and "scheduler is unreachable" in failed.message
+    assert 0.25 <= elapsed < 1.0, f"answered after {elapsed:.2f} s; scheduler_wait_s is 0.3 s"
 
 
-def test_a_call_waits_for_a_scheduler_that_comes_up_within_scheduler_wait_s() -> None:
-    async def scenario() -> None:
-        async with cluster(scheduler_wait_s=3.0, connected=False) as env:
-            address = env.scheduler.address
-            await env.scheduler.stop()
-            task = env.invoke("call-1")
-            await asyncio.sleep(0.3)
-            assert not task.done()
-            await env.scheduler.start(address)
-            (place,) = await env.scheduler.wait_places(1)
-            assert place.call_id == "call-1"
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            assert (await task).output == PAYLOAD
-
-    run(scenario())
+@in_cluster(scheduler_wait_s=3.0, connected=False)
+async def test_a_call_waits_for_a_scheduler_that_comes_up_within_scheduler_wait_s(env: Cluster) -> None:
+    address = env.scheduler.address
+    await env.scheduler.stop()
+    task = env.invoke("call-1")
+    await asyncio.sleep(0.3)
+    assert not task.done()
+    await env.scheduler.start(address)
+    (place,) = await env.scheduler.wait_places(1)
+    assert place.call_id == "call-1"
+    env.place_on(env.node_a, "call-1", 1)
+    assert (await task).output == PAYLOAD
 
 
-def test_a_dial_hanging_on_a_deposed_scheduler_is_dropped_when_another_leads() -> None:
+@in_cluster()
+async def test_a_dial_hanging_on_a_deposed_scheduler_is_dropped_when_another_leads(env: Cluster) -> None:
     """A dead container's address is not refused but silent: the dial of it would wait its whole
     2 s timeout. When the leader key names another scheduler meanwhile, the router drops that dial
     and links to the new leader at once."""
-
-    async def scenario() -> None:
-        async with cluster() as env:
-            with socket.socket() as silent:  # its accept queue full: further SYNs go unanswered
-                silent.bind(("127.0.0.1", 0))
-                silent.listen(0)
-                fillers = [socket.socket() for _ in range(4)]
-                for filler in fillers:
-                    filler.setblocking(False)
-                    filler.connect_ex(silent.getsockname())
-                try:
-                    env.router.set_scheduler_address(f"127.0.0.1:{silent.getsockname()[1]}")
-                    await asyncio.sleep(0.5)  # the dial of the silent address is under way
-                    assert env.router.scheduler is None
-                    moved = time.monotonic()
-                    env.router.set_scheduler_address(env.scheduler.address)
-                    await reconnected(env, 2)
-                    linked_s = time.monotonic() - moved
-                finally:
-                    for filler in fillers:
-                        filler.close()
-            # Without dropping the dial: the 1.5 s left of its timeout, then the reconnect pause.
-            assert linked_s < 0.8, f"linked to the new leader {linked_s:.2f} s after the key moved"
-
-    run(scenario())
+    with socket.socket() as silent:  # its accept queue full: further SYNs go unanswered
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(0)
+        fillers = [socket.socket() for _ in range(4)]
+        for filler in fillers:
+            filler.setblocking(False)
+            filler.connect_ex(silent.getsockname())
+        try:
+            env.router.set_scheduler_address(f"127.0.0.1:{silent.getsockname()[1]}")
+            await asyncio.sleep(0.5)  # the dial of the silent address is under way
+            assert env.router.scheduler is None
+            moved = time.monotonic()
+            env.router.set_scheduler_address(env.scheduler.address)
+            await reconnected(env, 2)
+            linked_s = time.monotonic() - moved
+        finally:
+            for filler in fillers:
+                filler.close()
+    # Without dropping the dial: the 1.5 s left of its timeout, then the reconnect pause.
+    assert linked_s < 0.8, f"linked to the new leader {linked_s:.2f} s after the key moved"
 
 
 @pytest.mark.parametrize("how", ["keeps listening", "restarts"])
-def test_a_call_waiting_for_its_placement_is_placed_again_after_a_reconnection(how: str) -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            task = env.invoke("call-1", make_spec("resnet"), b"small payload")
-            await env.scheduler.wait_places(1)
-            first = env.scheduler.frames()[0].conn
-            if how == "keeps listening":
-                env.scheduler.drop()
-            else:
-                address = env.scheduler.address
-                await env.scheduler.stop()
-                await asyncio.sleep(2 * RECONNECT_S)
-                await env.scheduler.start(address)
-            places = await env.scheduler.wait_places(2)
-            assert env.scheduler.frames()[1].conn is not first, "the Place is sent on the new connection"
-            assert (places[1].call_id, places[1].function, places[1].payload_bytes) == ("call-1", "resnet", 13)
-            assert env.scheduler.accepted == 2
+@in_cluster()
+async def test_a_call_waiting_for_its_placement_is_placed_again_after_a_reconnection(env: Cluster, how: str) -> None:
+    task = await env.placed("call-1", make_spec("resnet"), b"small payload")
+    first = env.scheduler.frames()[0].conn
+    if how == "keeps listening":
+        env.scheduler.drop()
+    else:
+        address = env.scheduler.address
+        await env.scheduler.stop()
+        await asyncio.sleep(2 * RECONNECT_S)
+        await env.scheduler.start(address)
+    places = await env.scheduler.wait_places(2)
+    assert env.scheduler.frames()[1].conn is not first, "the Place is sent on the new connection"
+    assert (places[1].call_id, places[1].function, places[1].payload_bytes) == ("call-1", "resnet", 13)
+    assert env.scheduler.accepted == 2
 
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            assert (await task).output == b"small payload"
-
-    run(scenario())
+    env.place_on(env.node_a, "call-1", 1)
+    assert (await task).output == b"small payload"
 
 
-def test_a_place_sent_again_after_a_reconnection_carries_what_remains_of_the_deadline() -> None:
+@in_cluster()
+async def test_a_place_sent_again_after_a_reconnection_carries_what_remains_of_the_deadline(env: Cluster) -> None:
     """Place.timeout_s is "what remains of the call's end-to-end deadline" (gpufaas.proto): the
     scheduler derives the grant's expiry from it, so that the node answers before the gateway's
     own deadline. After a reconnection the remaining time is smaller than at the first Place."""
-
-    async def scenario() -> None:
-        async with cluster() as env:
-            started = time.monotonic()
-            task = env.invoke("call-1", make_spec(timeout_s=5.0))
-            await env.scheduler.wait_places(1)
-            await asyncio.sleep(0.4)
-            env.scheduler.drop()
-            places = await env.scheduler.wait_places(2)
-            remaining_s = 5.0 - (time.monotonic() - started)
-            assert places[1].timeout_s <= remaining_s + 0.05, (
-                f"the Place sent again says {places[1].timeout_s:.3f} s remain; at most {remaining_s:.3f} s do "
-                f"(the first said {places[0].timeout_s:.3f} s)"
-            )
-            assert not task.done()
-
-    run(scenario())
+    started = time.monotonic()
+    task = await env.placed("call-1", make_spec(timeout_s=5.0))
+    await asyncio.sleep(0.4)
+    env.scheduler.drop()
+    places = await env.scheduler.wait_places(2)
+    remaining_s = 5.0 - (time.monotonic() - started)
+    assert places[1].timeout_s <= remaining_s + 0.05, (
+        f"the Place sent again says {places[1].timeout_s:.3f} s remain; at most {remaining_s:.3f} s do "
+        f"(the first said {places[0].timeout_s:.3f} s)"
+    )
+    assert not task.done()
 
 
 @pytest.mark.parametrize("outcome", [pb.WORKER_DIED, pb.REFUSED], ids=["WORKER_DIED", "REFUSED"])
-def test_a_placement_lost_with_its_scheduler_is_placed_afresh_with_the_new_one(outcome: int) -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            task = env.invoke("call-1")
-            await env.scheduler.wait_places(1)
-            answer = env.node_a.hold(b"call-1#1")
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            await until(lambda: env.node_a.executes, "the Execute at node a")
+@in_cluster()
+async def test_a_placement_lost_with_its_scheduler_is_placed_afresh_with_the_new_one(
+    env: Cluster, outcome: int
+) -> None:
+    task = await env.placed("call-1")
+    answer = env.node_a.hold(b"call-1#1")
+    env.place_on(env.node_a, "call-1", 1)
+    await env.executing(env.node_a)
 
-            env.scheduler.drop()
-            await reconnected(env, 2)
-            await env.scheduler.barrier()
-            assert len(env.scheduler.places) == 1, "a call running on a node is not placed again on reconnection"
+    env.scheduler.drop()
+    await reconnected(env, 2)
+    await env.scheduler.barrier()
+    assert len(env.scheduler.places) == 1, "a call running on a node is not placed again on reconnection"
 
-            answer.set_result((make_reply(outcome, "gone with the old scheduler"), b""))
-            places = await env.scheduler.wait_places(2)
-            assert places[1].call_id == "call-1"
-            assert places[1].timeout_s <= places[0].timeout_s - RECONNECT_S, "the fresh Place has what remains"
-            assert env.scheduler.frames()[-1].conn is env.scheduler.gateway
-            await env.scheduler.barrier()
-            assert env.scheduler.abandons == [], "the new scheduler never placed attempt 1"
+    answer.set_result(no_result(outcome, "gone with the old scheduler"))
+    places = await env.scheduler.wait_places(2)
+    assert places[1].call_id == "call-1"
+    assert places[1].timeout_s <= places[0].timeout_s - RECONNECT_S, "the fresh Place has what remains"
+    assert env.scheduler.frames()[-1].conn is env.scheduler.gateway
+    await env.scheduler.barrier()
+    assert env.scheduler.abandons == [], "the new scheduler never placed attempt 1"
 
-            # The new scheduler numbers its attempts from 1 again.
-            env.scheduler.send(env.node_b.placement("call-1", 1, token=b"from-the-new-scheduler"))
-            result = await task
-            assert result.placement.token == b"from-the-new-scheduler" and result.output == PAYLOAD
-
-    run(scenario())
+    # The new scheduler numbers its attempts from 1 again.
+    env.scheduler.send(env.node_b.placement("call-1", 1, token=b"from-the-new-scheduler"))
+    result = await task
+    assert result.placement.token == b"from-the-new-scheduler" and result.output == PAYLOAD
 
 
-def test_a_node_lost_after_the_execute_and_after_its_scheduler_changed_is_a_502_outcome_unknown() -> None:
+@in_cluster()
+async def test_a_node_lost_after_the_execute_and_after_its_scheduler_changed_is_a_502_outcome_unknown(
+    env: Cluster,
+) -> None:
     """The node went under the call (it may have run it) after the scheduler connection changed:
     the new scheduler never heard of the call and cannot ask the node about the former one's grant,
     so the call is not placed afresh (it could run twice): answered 502, its outcome unknown."""
+    task = await env.placed("call-1", make_spec(timeout_s=5.0))
+    answer = env.node_a.hold(b"call-1#1")
+    env.place_on(env.node_a, "call-1", 1)
+    await env.executing(env.node_a)
 
-    async def scenario() -> None:
-        async with cluster() as env:
-            task = env.invoke("call-1", make_spec(timeout_s=5.0))
-            await env.scheduler.wait_places(1)
-            answer = env.node_a.hold(b"call-1#1")
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            await until(lambda: env.node_a.executes, "the Execute at node a")
-
-            env.scheduler.drop()
-            await reconnected(env, 2)
-            answer.set_result(CLOSE)  # the node goes too, under the call
-            failed = await failure(task)
-            assert failed.status == 502 and "is unknown" in failed.message and "not run again" in failed.message
-            await env.scheduler.barrier()
-            assert len(env.scheduler.places) == 1 and env.scheduler.abandons == []
-
-    run(scenario())
+    env.scheduler.drop()
+    await reconnected(env, 2)
+    answer.set_result(CLOSE)  # the node goes too, under the call
+    failed = await failure(task)
+    assert failed.status == 502 and "is unknown" in failed.message and "not run again" in failed.message
+    await env.scheduler.barrier()
+    assert len(env.scheduler.places) == 1 and env.scheduler.abandons == []
 
 
-def test_a_node_not_reached_after_its_scheduler_changed_gets_the_call_placed_afresh() -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            await env.node_a.stop()
-            task = env.invoke("call-1", make_spec(timeout_s=5.0))
-            await env.scheduler.wait_places(1)
-            env.router.epoch += 1  # as if the scheduler connection changed while the placement was on its way
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            places = await env.scheduler.wait_places(2)
-            assert places[1].call_id == "call-1" and env.scheduler.abandons == []
-            env.scheduler.send(env.node_b.placement("call-1", 1, token=b"from-the-new-scheduler"))
-            assert (await task).placement.token == b"from-the-new-scheduler"
-
-    run(scenario())
+@in_cluster()
+async def test_a_node_not_reached_after_its_scheduler_changed_gets_the_call_placed_afresh(env: Cluster) -> None:
+    await env.node_a.stop()
+    task = await env.placed("call-1", make_spec(timeout_s=5.0))
+    env.router.epoch += 1  # as if the scheduler connection changed while the placement was on its way
+    env.place_on(env.node_a, "call-1", 1)
+    places = await env.scheduler.wait_places(2)
+    assert places[1].call_id == "call-1" and env.scheduler.abandons == []
+    env.scheduler.send(env.node_b.placement("call-1", 1, token=b"from-the-new-scheduler"))
+    assert (await task).placement.token == b"from-the-new-scheduler"
 
 
-def test_a_node_lost_after_the_execute_waits_for_the_schedulers_word() -> None:
+@in_cluster()
+async def test_a_node_lost_after_the_execute_waits_for_the_schedulers_word(env: Cluster) -> None:
     """The connection closed under the Execute: the router reports it (NODE_UNREACHABLE: it may
     have run) and takes what the scheduler decides: a new placement (the node never saw the grant)
     or a Rejection saying the outcome is unknown (502)."""
+    placed_again, unknown = env.invoke("call-1"), env.invoke("call-2")
+    await env.scheduler.wait_places(2)
+    env.place_on(env.node_a, "call-1", 1, answer=CLOSE)
+    await until(lambda: len(env.scheduler.abandons) == 1, "the Abandon of call-1")
+    assert env.scheduler.abandons[0].reason == MAYBE_SENT == pb.Abandon.NODE_UNREACHABLE
+    env.place_on(env.node_b, "call-1", 2)
+    assert (await placed_again).placement.attempt == 2
 
-    async def scenario() -> None:
-        async with cluster() as env:
-            placed_again, unknown = env.invoke("call-1"), env.invoke("call-2")
-            await env.scheduler.wait_places(2)
-            env.node_a.script[b"call-1#1"] = CLOSE
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            await until(lambda: len(env.scheduler.abandons) == 1, "the Abandon of call-1")
-            assert env.scheduler.abandons[0].reason == MAYBE_SENT == pb.Abandon.NODE_UNREACHABLE
-            env.scheduler.send(env.node_b.placement("call-1", 2))
-            assert (await placed_again).placement.attempt == 2
-
-            env.node_b.script[b"call-2#1"] = CLOSE
-            env.scheduler.send(env.node_b.placement("call-2", 1))
-            await until(lambda: len(env.scheduler.abandons) == 2, "the Abandon of call-2")
-            message = "the outcome of call 'call-2' is unknown: it started on node node-b ..."
-            env.scheduler.send(pb.Rejection(call_id="call-2", status=OUTCOME_UNKNOWN, message=message))
-            failed = await failure(unknown)
-            assert (failed.status, failed.message) == (502, message)
-
-    run(scenario())
+    env.place_on(env.node_b, "call-2", 1, answer=CLOSE)
+    await until(lambda: len(env.scheduler.abandons) == 2, "the Abandon of call-2")
+    message = "the outcome of call 'call-2' is unknown: it started on node node-b ..."
+    env.scheduler.send(pb.Rejection(call_id="call-2", status=OUTCOME_UNKNOWN, message=message))
+    failed = await failure(unknown)
+    assert (failed.status, failed.message) == (502, message)
 
 
-def test_a_call_whose_node_was_lost_after_the_execute_is_not_placed_again_by_a_new_scheduler() -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            task = env.invoke("call-1")
-            await env.scheduler.wait_places(1)
-            env.node_a.script[b"call-1#1"] = CLOSE
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            await until(lambda: env.scheduler.abandons, "the Abandon of call-1")
-            env.scheduler.drop()  # before it answered about the node
-            failed = await failure(task)
-            assert failed.status == 502 and "is unknown" in failed.message
-            await reconnected(env, 2)
-            await env.scheduler.barrier()
-            assert len(env.scheduler.places) == 1, "not placed again with the new scheduler"
-
-    run(scenario())
+@in_cluster()
+async def test_a_call_whose_node_was_lost_after_the_execute_is_not_placed_again_by_a_new_scheduler(
+    env: Cluster,
+) -> None:
+    task = await env.placed("call-1")
+    env.place_on(env.node_a, "call-1", 1, answer=CLOSE)
+    await until(lambda: env.scheduler.abandons, "the Abandon of call-1")
+    env.scheduler.drop()  # before it answered about the node
+    failed = await failure(task)
+    assert failed.status == 502 and "is unknown" in failed.message
+    await reconnected(env, 2)
+    await env.scheduler.barrier()
+    assert len(env.scheduler.places) == 1, "not placed again with the new scheduler"
 
 
-def test_a_new_leader_gets_the_waiting_call_and_the_former_leaders_placements_are_ignored() -> None:
+@in_cluster()
+async def test_a_new_leader_gets_the_waiting_call_and_the_former_leaders_placements_are_ignored(env: Cluster) -> None:
     """Another scheduler leads (its address put in etcd): the router links to it and sends it the
     calls that wait for a placement; whatever the former leader's link still delivers is not
     heard (a deposed leader back from a pause must not get a call run twice)."""
-
-    async def scenario() -> None:
-        async with cluster() as env:
-            task = env.invoke("call-1")
-            await env.scheduler.wait_places(1)
-            former = env.router.scheduler
-            assert former is not None
-            leader = await FakeScheduler().start()
-            try:
-                env.router.set_scheduler_address(leader.address)
-                assert env.router.scheduler_address == leader.address
-                places = await leader.wait_places(1)
-                assert places[0].call_id == "call-1"
-                # A placement the former leader made before it was deposed, arriving late on its link.
-                env.router.on_scheduler_message(env.node_a.placement("call-1", 1, token=b"deposed"), former)
-                await asyncio.sleep(0.05)
-                assert env.node_a.executes == [] and not task.done()
-                leader.send(env.node_b.placement("call-1", 1, token=b"from-the-leader"))
-                assert (await task).placement.token == b"from-the-leader"
-                assert env.node_a.tokens == []
-            finally:
-                await leader.stop()
-
-    run(scenario())
+    task = await env.placed("call-1")
+    former = env.router.scheduler
+    assert former is not None
+    leader = await FakeScheduler().start()
+    try:
+        env.router.set_scheduler_address(leader.address)
+        assert env.router.scheduler_address == leader.address
+        places = await leader.wait_places(1)
+        assert places[0].call_id == "call-1"
+        # A placement the former leader made before it was deposed, arriving late on its link.
+        env.router.on_scheduler_message(env.node_a.placement("call-1", 1, token=b"deposed"), former)
+        await asyncio.sleep(0.05)
+        assert env.node_a.executes == [] and not task.done()
+        leader.send(env.node_b.placement("call-1", 1, token=b"from-the-leader"))
+        assert (await task).placement.token == b"from-the-leader"
+        assert env.node_a.tokens == []
+    finally:
+        await leader.stop()
 
 
 # --- node connections ---------------------------------------------------------------------------
 
 
-def test_one_connection_per_node_is_reused_across_calls() -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            for i in range(3):
-                task = env.invoke(f"call-{i}", payload=f"payload {i}".encode())
-                await env.scheduler.wait_places(i + 1)
-                env.scheduler.send(env.node_a.placement(f"call-{i}", 1))
-                assert (await task).output == f"payload {i}".encode()
-            assert env.node_a.accepted == 1
-            assert env.node_a.tokens == [b"call-0#1", b"call-1#1", b"call-2#1"]
-
-    run(scenario())
+@in_cluster()
+async def test_one_connection_per_node_is_reused_across_calls(env: Cluster) -> None:
+    for i in range(3):
+        task = env.invoke(f"call-{i}", payload=f"payload {i}".encode())
+        await env.scheduler.wait_places(i + 1)
+        env.place_on(env.node_a, f"call-{i}", 1)
+        assert (await task).output == f"payload {i}".encode()
+    assert env.node_a.accepted == 1
+    assert env.node_a.tokens == [b"call-0#1", b"call-1#1", b"call-2#1"]
 
 
-def test_calls_placed_together_on_a_new_node_share_one_connection() -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            tasks = [env.invoke(f"call-{i}", payload=f"payload {i}".encode()) for i in range(4)]
-            await env.scheduler.wait_places(4)
-            # Answered in reverse order, in one pass of the event loop.
-            env.scheduler.send(*(env.node_a.placement(f"call-{i}", 1) for i in reversed(range(4))))
-            results = await asyncio.gather(*tasks)
-            assert [r.output for r in results] == [f"payload {i}".encode() for i in range(4)]
-            assert env.node_a.accepted == 1
-
-    run(scenario())
+@in_cluster()
+async def test_calls_placed_together_on_a_new_node_share_one_connection(env: Cluster) -> None:
+    tasks = [env.invoke(f"call-{i}", payload=f"payload {i}".encode()) for i in range(4)]
+    await env.scheduler.wait_places(4)
+    # Answered in reverse order, in one pass of the event loop.
+    env.scheduler.send(*(env.node_a.placement(f"call-{i}", 1) for i in reversed(range(4))))
+    results = await asyncio.gather(*tasks)
+    assert [r.output for r in results] == [f"payload {i}".encode() for i in range(4)]
+    assert env.node_a.accepted == 1
 
 
-def test_a_node_connection_that_broke_is_opened_again() -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            warm = env.invoke("warm-up")
-            await env.scheduler.wait_places(1)
-            env.scheduler.send(env.node_a.placement("warm-up", 1))
-            await warm
+@in_cluster()
+async def test_a_node_connection_that_broke_is_opened_again(env: Cluster) -> None:
+    warm = await env.placed("warm-up")
+    env.place_on(env.node_a, "warm-up", 1)
+    await warm
 
-            task = env.invoke("call-1")
-            await env.scheduler.wait_places(2)
-            env.node_a.script[b"call-1#1"] = CLOSE
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            await until(lambda: env.scheduler.abandons, "the Abandon of the lost node connection")
-            (abandon,) = env.scheduler.abandons
-            assert (abandon.attempt, abandon.reason) == (1, pb.Abandon.NODE_UNREACHABLE)
+    task = await env.placed("call-1", places=2)
+    env.place_on(env.node_a, "call-1", 1, answer=CLOSE)
+    abandon = await env.abandoned("the Abandon of the lost node connection")
+    assert (abandon.attempt, abandon.reason) == (1, pb.Abandon.NODE_UNREACHABLE)
 
-            # (The scheduler asks the node whether it saw attempt 1; it did not, so it places it again.)
-            await until(lambda: env.node_a.accepted == 2, "the node dialled again in the background", timeout_s=2.0)
-            env.scheduler.send(env.node_a.placement("call-1", 2))
-            assert (await task).output == PAYLOAD
-            assert env.node_a.accepted == 2
-            assert env.node_a.tokens == [b"warm-up#1", b"call-1#1", b"call-1#2"]
-
-    run(scenario())
+    # (The scheduler asks the node whether it saw attempt 1; it did not, so it places it again.)
+    await until(lambda: env.node_a.accepted == 2, "the node dialled again in the background", timeout_s=2.0)
+    env.place_on(env.node_a, "call-1", 2)
+    assert (await task).output == PAYLOAD
+    assert env.node_a.accepted == 2
+    assert env.node_a.tokens == [b"warm-up#1", b"call-1#1", b"call-1#2"]
 
 
-def test_a_call_held_by_a_node_that_left_the_cluster_runs_on_its_next_placement() -> None:
+@in_cluster()
+async def test_a_call_held_by_a_node_that_left_the_cluster_runs_on_its_next_placement(env: Cluster) -> None:
     """A node cut off by a partition answers nothing, and may never reset its connection: once the
     gateway's etcd view loses it, `node_left` closes its connection and the call moves on to the
     placement the scheduler made meanwhile."""
+    task = await env.placed("call-1")
+    held = env.node_a.hold(b"call-1#1")  # never answered: the node is gone
+    env.place_on(env.node_a, "call-1", 1)
+    await until(lambda: env.node_a.tokens == [b"call-1#1"], "the Execute on node a")
+    env.place_on(env.node_b, "call-1", 2)  # the scheduler saw node a leave first
+    await env.scheduler.barrier()
+    assert not task.done()
 
-    async def scenario() -> None:
-        async with cluster() as env:
-            task = env.invoke("call-1")
-            await env.scheduler.wait_places(1)
-            held = env.node_a.hold(b"call-1#1")  # never answered: the node is gone
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            await until(lambda: env.node_a.tokens == [b"call-1#1"], "the Execute on node a")
-            env.scheduler.send(env.node_b.placement("call-1", 2))  # the scheduler saw node a leave first
-            await env.scheduler.barrier()
-            assert not task.done()
+    env.router.node_left(env.node_a.address)
+    result = await task
+    assert (result.output, result.placement.node, result.placement.attempt) == (PAYLOAD, "node-b", 2)
+    (abandon,) = env.scheduler.abandons
+    assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-1", 1, pb.Abandon.NODE_UNREACHABLE)
+    assert "left the cluster" in abandon.detail
+    assert not held.done()
 
-            env.router.node_left(env.node_a.address)
-            result = await task
-            assert (result.output, result.placement.node, result.placement.attempt) == (PAYLOAD, "node-b", 2)
-            (abandon,) = env.scheduler.abandons
-            assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-1", 1, pb.Abandon.NODE_UNREACHABLE)
-            assert "left the cluster" in abandon.detail
-            assert not held.done()
-
-            # Back in the cluster: dialled again in the background, it takes calls again.
-            await until(lambda: env.node_a.accepted == 2, "the node dialled again", timeout_s=2.0)
-            again = env.invoke("call-2")
-            await env.scheduler.wait_places(2)
-            env.scheduler.send(env.node_a.placement("call-2", 1))
-            assert (await again).placement.node == "node-a"
-            assert env.node_a.accepted == 2
-
-    run(scenario())
+    # Back in the cluster: dialled again in the background, it takes calls again.
+    await until(lambda: env.node_a.accepted == 2, "the node dialled again", timeout_s=2.0)
+    again = await env.placed("call-2", places=2)
+    env.place_on(env.node_a, "call-2", 1)
+    assert (await again).placement.node == "node-a"
+    assert env.node_a.accepted == 2
 
 
-def test_a_node_leaving_closes_only_its_own_connection() -> None:
-    async def scenario() -> None:
-        async with cluster() as env:
-            task = env.invoke("call-1")
-            await env.scheduler.wait_places(1)
-            release = env.node_a.hold(b"call-1#1")
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            await until(lambda: env.node_a.tokens == [b"call-1#1"], "the Execute on node a")
+@in_cluster()
+async def test_a_node_leaving_closes_only_its_own_connection(env: Cluster) -> None:
+    task = await env.placed("call-1")
+    release = env.node_a.hold(b"call-1#1")
+    env.place_on(env.node_a, "call-1", 1)
+    await until(lambda: env.node_a.tokens == [b"call-1#1"], "the Execute on node a")
 
-            env.router.node_left(env.node_b.address)  # connected to by nobody yet
-            env.router.node_left("127.0.0.1:1")  # never heard of
-            release.set_result((make_reply(batch_calls=1), b"from a"))
-            result = await task
-            assert (result.output, result.placement.attempt) == (b"from a", 1)
-            await env.scheduler.barrier()
-            assert env.scheduler.abandons == [] and env.node_a.accepted == 1
-
-    run(scenario())
+    env.router.node_left(env.node_b.address)  # connected to by nobody yet
+    env.router.node_left("127.0.0.1:1")  # never heard of
+    release.set_result((make_reply(batch_calls=1), b"from a"))
+    result = await task
+    assert (result.output, result.placement.attempt) == (b"from a", 1)
+    await env.scheduler.barrier()
+    assert env.scheduler.abandons == [] and env.node_a.accepted == 1
 
 
-def test_a_node_found_unreachable_is_dialled_at_once_when_it_registers_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(router_module, "REDIAL_S", 30.0)  # the background dial would come too late
+@in_cluster(tuned={"REDIAL_S": 30.0})  # the background dial would come too late
+async def test_a_node_found_unreachable_is_dialled_at_once_when_it_registers_again(env: Cluster) -> None:
+    address = env.node_a.address
+    await env.node_a.stop()
+    task = await env.placed("call-1")
+    env.place_on(env.node_a, "call-1", 1)
+    await until(lambda: env.scheduler.abandons, "the Abandon of the unreachable node")
+    env.router.node_joined(address)  # registered, but still down: nothing changes
+    await asyncio.sleep(0.1)
+    assert address in env.router.nodes.unusable
 
-    async def scenario() -> None:
-        async with cluster() as env:
-            address = env.node_a.address
-            await env.node_a.stop()
-            task = env.invoke("call-1")
-            await env.scheduler.wait_places(1)
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            await until(lambda: env.scheduler.abandons, "the Abandon of the unreachable node")
-            env.router.node_joined(address)  # registered, but still down: nothing changes
-            await asyncio.sleep(0.1)
-            assert address in env.router.nodes.unusable
-
-            env.node_a._server = Server(env.node_a._session, max_frame_bytes=MAX_PAYLOAD_BYTES + 1024 * 1024)
-            await env.node_a._server.start(address)
-            env.router.node_joined(address)  # back: its key put again
-            await until(lambda: address not in env.router.nodes.unusable, "the node dialled at once", timeout_s=2.0)
-            env.scheduler.send(env.node_a.placement("call-1", 2))
-            assert (await task).placement.node == "node-a"
-
-    run(scenario())
+    await env.node_a.start(address)
+    env.router.node_joined(address)  # back: its key put again
+    await until(lambda: address not in env.router.nodes.unusable, "the node dialled at once", timeout_s=2.0)
+    env.place_on(env.node_a, "call-1", 2)
+    assert (await task).placement.node == "node-a"
 
 
-def test_a_node_that_answers_nothing_takes_no_new_execute_until_it_answers_again(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@in_cluster(tuned={"PING_S": 0.05, "PING_TIMEOUT_S": 0.2, "SILENT_CLOSE_S": 60.0})
+async def test_a_node_that_answers_nothing_takes_no_new_execute_until_it_answers_again(env: Cluster) -> None:
     """A node cut off without a reset (a partition; a one-way cut never resets the connection):
     pings go unanswered, so its placements are handed back at once, never sent, and run elsewhere;
     the calls already on it wait (their answer may still come). Once it answers, calls go there."""
-    monkeypatch.setattr(router_module, "PING_S", 0.05)
-    monkeypatch.setattr(router_module, "PING_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(router_module, "SILENT_CLOSE_S", 60.0)
+    held_task = await env.placed("held")
+    held = env.node_a.hold(b"held#1")
+    env.place_on(env.node_a, "held", 1)
+    await until(lambda: env.node_a.pings >= 2, "pings answered")
+    assert env.node_a.address not in env.router.nodes.unusable
 
-    async def scenario() -> None:
-        async with cluster() as env:
-            held_task = env.invoke("held")
-            await env.scheduler.wait_places(1)
-            held = env.node_a.hold(b"held#1")
-            env.scheduler.send(env.node_a.placement("held", 1))
-            await until(lambda: env.node_a.pings >= 2, "pings answered")
-            assert env.node_a.address not in env.router.nodes.unusable
+    env.node_a.silent = True
+    await until(lambda: env.node_a.address in env.router.nodes.unusable, "the node found silent")
+    task = await env.placed("call-1", places=2)
+    env.place_on(env.node_a, "call-1", 1)
+    abandon = await env.abandoned("the Abandon of the placement on the silent node")
+    assert (abandon.call_id, abandon.reason) == ("call-1", NOT_SENT) and "answered no ping" in abandon.detail
+    env.place_on(env.node_b, "call-1", 2)
+    assert (await task).placement.node == "node-b"
+    assert env.node_a.tokens == [b"held#1"] and not held_task.done()
 
-            env.node_a.silent = True
-            await until(lambda: env.node_a.address in env.router.nodes.unusable, "the node found silent")
-            task = env.invoke("call-1")
-            await env.scheduler.wait_places(2)
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            await until(lambda: env.scheduler.abandons, "the Abandon of the placement on the silent node")
-            (abandon,) = env.scheduler.abandons
-            assert (abandon.call_id, abandon.reason) == ("call-1", NOT_SENT) and "answered no ping" in abandon.detail
-            env.scheduler.send(env.node_b.placement("call-1", 2))
-            assert (await task).placement.node == "node-b"
-            assert env.node_a.tokens == [b"held#1"] and not held_task.done()
-
-            env.node_a.silent = False  # it answers again: the held call's answer, then calls
-            held.set_result((make_reply(batch_calls=1), b"late"))
-            assert (await held_task).output == b"late"
-            await until(lambda: env.node_a.address not in env.router.nodes.unusable, "the node usable again")
-            again = env.invoke("call-2")
-            await env.scheduler.wait_places(3)
-            env.scheduler.send(env.node_a.placement("call-2", 1))
-            assert (await again).placement.node == "node-a"
-            assert env.node_a.accepted == 1
-
-    run(scenario())
+    env.node_a.silent = False  # it answers again: the held call's answer, then calls
+    held.set_result((make_reply(batch_calls=1), b"late"))
+    assert (await held_task).output == b"late"
+    await until(lambda: env.node_a.address not in env.router.nodes.unusable, "the node usable again")
+    again = await env.placed("call-2", places=3)
+    env.place_on(env.node_a, "call-2", 1)
+    assert (await again).placement.node == "node-a"
+    assert env.node_a.accepted == 1
 
 
-def test_a_node_silent_for_silent_close_s_has_its_connection_closed_and_its_calls_reported(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@in_cluster(tuned={"PING_S": 0.05, "PING_TIMEOUT_S": 0.1, "SILENT_CLOSE_S": 0.5})
+async def test_a_node_silent_for_silent_close_s_has_its_connection_closed_and_its_calls_reported(env: Cluster) -> None:
     """A reply stuck behind a one-way cut never comes and the kernel may take long to end the
     connection: once the node has answered nothing for SILENT_CLOSE_S the router closes it, and
     the call on it is reported as maybe run (the scheduler asks the node's ledger)."""
-    monkeypatch.setattr(router_module, "PING_S", 0.05)
-    monkeypatch.setattr(router_module, "PING_TIMEOUT_S", 0.1)
-    monkeypatch.setattr(router_module, "SILENT_CLOSE_S", 0.5)
-
-    async def scenario() -> None:
-        async with cluster() as env:
-            task = env.invoke("call-1")
-            await env.scheduler.wait_places(1)
-            env.node_a.hold(b"call-1#1")
-            env.node_a.silent = True
-            env.scheduler.send(env.node_a.placement("call-1", 1))
-            await until(lambda: env.scheduler.abandons, "the Abandon of the call on the silent node")
-            (abandon,) = env.scheduler.abandons
-            assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-1", 1, MAYBE_SENT)
-            assert "answered nothing" in abandon.detail
-            assert not task.done()  # the scheduler's word decides
-            env.scheduler.send(env.node_b.placement("call-1", 2))
-            assert (await task).placement.node == "node-b"
-
-    run(scenario())
+    task = await env.placed("call-1")
+    env.node_a.hold(b"call-1#1")
+    env.node_a.silent = True
+    env.place_on(env.node_a, "call-1", 1)
+    abandon = await env.abandoned("the Abandon of the call on the silent node")
+    assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-1", 1, MAYBE_SENT)
+    assert "answered nothing" in abandon.detail
+    assert not task.done()  # the scheduler's word decides
+    env.place_on(env.node_b, "call-1", 2)
+    assert (await task).placement.node == "node-b"
 
 
 # --- POST /function/{name} over the router --------------------------------------------------------
@@ -1177,6 +1080,10 @@ def assert_error(response: httpx.Response, status: int, message: str) -> None:
     assert response.json() == {"error": message, "status": status}
 
 
+# A miss's stages in the order its Server-Timing header names them.
+MISS_STAGE_ORDER = ["fetch", "prefetch", "start", "context", "load", "inference", "spare-start", "spare-context"]
+
+
 def server_timing(header: str) -> dict[str, float]:
     """Server-Timing "name;dur=ms, ..." as {name: ms}, in order."""
     stages: dict[str, float] = {}
@@ -1189,15 +1096,16 @@ def server_timing(header: str) -> dict[str, float]:
 def test_http_a_miss_answers_the_result_with_its_headers_and_server_timing(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with fakes() as (scheduler, node):
-            stages = pb.MissStages(
-                fetch_s=0.5,
-                prefetch_s=0.25,
-                start_s=0.125,
-                context_s=0.0625,
-                load_s=1.5,
-                spare_start_s=0.75,
-                spare_context_s=0.375,
-            )
+            seconds = {
+                "fetch_s": 0.5,
+                "prefetch_s": 0.25,
+                "start_s": 0.125,
+                "context_s": 0.0625,
+                "load_s": 1.5,
+                "spare_start_s": 0.75,
+                "spare_context_s": 0.375,
+            }
+            stages = pb.MissStages(**seconds)
             reply = make_reply(
                 content_type="application/json",
                 loaded=True,
@@ -1237,14 +1145,7 @@ def test_http_a_miss_answers_the_result_with_its_headers_and_server_timing(tmp_p
                     "spare-context": 375.0,
                 }
             )
-            assert list(server_timing(headers["server-timing"]))[:6] == [
-                "fetch",
-                "prefetch",
-                "start",
-                "context",
-                "load",
-                "inference",
-            ]
+            assert list(server_timing(headers["server-timing"]))[:6] == MISS_STAGE_ORDER[:6]
             ((execute, body),) = node.executes
             assert (execute.token, execute.content_type, body) == (b"grant", "image/png", PAYLOAD)
             (place,) = scheduler.places
@@ -1256,7 +1157,7 @@ def test_http_a_miss_answers_the_result_with_its_headers_and_server_timing(tmp_p
 def test_http_a_hit_after_a_retry_says_so_and_has_no_server_timing(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with fakes() as (scheduler, node):
-            node.script[b"stale"] = (make_reply(pb.REFUSED, "the grant was revoked"), b"")
+            node.script[b"stale"] = no_result(pb.REFUSED, "the grant was revoked")
             node.script[b"fresh"] = (make_reply(loaded=False, batch_calls=1), b"\x00result")
             scheduler.respond = lambda place: [
                 node.placement(place.call_id, 1, token=b"stale"),
@@ -1289,7 +1190,7 @@ def test_http_errors_are_json_with_the_call_id_and_retry_after_on_429(tmp_path: 
                 "unknown": pb.Rejection(call_id="unknown", status=pb.NOT_FOUND, message="not in the scheduler"),
                 "raises": node.placement("raises", 1),
             }
-            node.script[b"raises#1"] = (make_reply(pb.HANDLER_ERROR, "KeyError: 'image'"), b"")
+            node.script[b"raises#1"] = no_result(pb.HANDLER_ERROR, "KeyError: 'image'")
             scheduler.respond = lambda place: [answers[place.call_id]]
             async with http_gateway(tmp_path, scheduler, make_spec("resnet")) as client:
 
@@ -1387,16 +1288,7 @@ def test_server_timing_names_the_host_stage_only_when_the_model_came_back_from_h
     from gateway.invoke import miss_timing
 
     loaded = pb.ExecuteReply(loaded=True, stages=pb.MissStages(load_s=0.004), inference_time_s=0.001)
-    assert [part.split(";")[0] for part in miss_timing(loaded).split(", ")] == [
-        "fetch",
-        "prefetch",
-        "start",
-        "context",
-        "load",
-        "inference",
-        "spare-start",
-        "spare-context",
-    ]
+    assert [part.split(";")[0] for part in miss_timing(loaded).split(", ")] == MISS_STAGE_ORDER
     taken_back = pb.ExecuteReply(loaded=True, stages=pb.MissStages(from_host=True, host_s=0.00002))
     assert "host;dur=0.020" in miss_timing(taken_back)
     assert miss_timing(taken_back).index("host") < miss_timing(taken_back).index("inference")
