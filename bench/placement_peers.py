@@ -34,16 +34,20 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import random
 import sys
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.router import Mailbox, SchedulerSession
+from gpu_manager.daemon import admit_scheduler, done_message, measured
 from gpu_manager.ledger import GrantLedger, Refused
+from gpu_manager.workers import RunResult
 from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
@@ -144,20 +148,14 @@ class SyntheticNode:
         )
 
     def attach(self, conn: Connection, frame: Frame) -> None:
-        request = frame.message(pb.Attach)
-        new_scheduler = request.scheduler_id != self.ledger.scheduler_id
-        try:
-            self.ledger.attach(request.scheduler_id, request.token_key, request.epoch)
-        except Refused as exc:
-            conn.reply_error(frame, pb.FENCED, str(exc))
+        attached = admit_scheduler(self.ledger, conn, frame, self.scheduler)
+        if attached is None:
             return
-        if new_scheduler:
+        if attached[1]:
             self.newest_seq.clear()  # a new scheduler numbers its grants from 1 (the pool forgets them)
             for seqs in self.last_seq.values():
                 seqs.clear()
-        old, self.scheduler = self.scheduler, conn
-        if old is not None and old is not conn:
-            old.close()
+        self.scheduler = conn
         self.counts.attaches += 1
         conn.reply(frame, MessageType.ATTACH_REPLY, self.workers())
 
@@ -191,32 +189,21 @@ class SyntheticNode:
                     file=sys.stderr,
                     flush=True,
                 )
-        measured = {
-            "outcome": pb.OK,
-            "loaded": loaded,
-            "load_time_s": grant.load_time_s if loaded else 0.0,
-            "inference_time_s": grant.inference_time_s,
-            "batch_calls": 1,
-        }
+        result = RunResult(
+            outcome=pb.OK,
+            loaded=loaded,
+            load_time_s=grant.load_time_s if loaded else 0.0,
+            inference_time_s=grant.inference_time_s,
+            batch_calls=1,
+            peak_memory_mb=grant.memory_mb,
+        )
         conn.reply(
-            frame,
-            MessageType.EXECUTE_REPLY,
-            pb.ExecuteReply(**measured, content_type=CONTENT_TYPE),  # type: ignore[arg-type]
-            OUTPUT,
+            frame, MessageType.EXECUTE_REPLY, pb.ExecuteReply(**measured(result), content_type=CONTENT_TYPE), OUTPUT
         )
         scheduler = self.scheduler
         if scheduler is None or scheduler.is_closed or grant.scheduler_id != self.ledger.scheduler_id:
             return
-        scheduler.send(
-            MessageType.DONE,
-            pb.Done(
-                **measured,  # type: ignore[arg-type]
-                call_id=grant.call_id,
-                attempt=grant.attempt,
-                gpu=grant.gpu,
-                peak_memory_mb=grant.memory_mb,
-            ),
-        )
+        scheduler.send(MessageType.DONE, done_message(grant, result))
         counts.dones += 1
 
     def revoke(self, conn: Connection, frame: Frame) -> None:
@@ -283,33 +270,6 @@ class GatewayStats:
     errors: Counter[str] = field(default_factory=Counter)
 
 
-class _Mailbox:
-    """One call in flight: its Place, what the scheduler said about it (Placements, a Rejection) in
-    arrival order, whether it waits for a placement (to be asked again of a new scheduler
-    connection), the latest attempt tried and the connection epoch it was asked under."""
-
-    __slots__ = ("attempt", "epoch", "messages", "place", "waiter", "waiting")
-
-    def __init__(self, place: pb.Place) -> None:
-        self.place = place
-        self.messages: deque[pb.Placement | pb.Rejection] = deque()
-        self.waiter: asyncio.Future[None] | None = None
-        self.waiting = True
-        self.attempt = 0
-        self.epoch = 0
-
-    def put(self, message: pb.Placement | pb.Rejection) -> None:
-        self.messages.append(message)
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    async def get(self) -> pb.Placement | pb.Rejection:
-        while not self.messages:
-            self.waiter = asyncio.get_running_loop().create_future()
-            await self.waiter
-        return self.messages.popleft()
-
-
 @dataclass(frozen=True)
 class Window:
     """When the gateways start, and the measured window, in time.monotonic() seconds."""
@@ -343,7 +303,7 @@ class SyntheticGateway:
         self.scheduler: Connection | None = None
         self.epoch = 0  # bumped on every new scheduler connection: attempts restart with it
         self._connected = asyncio.Event()
-        self._calls: dict[str, _Mailbox] = {}
+        self._calls: dict[str, Mailbox] = {}
         self._nodes: dict[str, Connection] = {}
         self._node_connects: dict[str, asyncio.Task[Connection]] = {}
         self._choices: list[FunctionSpec] = []
@@ -372,7 +332,7 @@ class SyntheticGateway:
         placement, and reconnect when the link drops (a leader that steps down closes it)."""
         while True:
             try:
-                conn = await connect(self.scheduler_address, _GatewaySession(self), timeout_s=2.0)
+                conn = await connect(self.scheduler_address, SchedulerSession(self), timeout_s=2.0)
             except ConnectionLost:
                 await asyncio.sleep(RECONNECT_S)
                 continue
@@ -415,7 +375,7 @@ class SyntheticGateway:
             self._sequence += 1
             call_id = f"{self.name}-{self._sequence}"
             place = pb.Place(call_id=call_id, function=spec.name, timeout_s=spec.timeout_s, payload_bytes=len(PAYLOAD))
-            box = self._calls[call_id] = _Mailbox(place)
+            box = self._calls[call_id] = Mailbox(place, math.inf, time.monotonic)
             try:
                 placed_s, ok = await self._call(box, window)
             finally:
@@ -427,14 +387,14 @@ class SyntheticGateway:
                 stats.place_us.append(round((placed_s - sent_s) * 1e6))
                 stats.call_us.append(round((done_s - sent_s) * 1e6))
 
-    async def _ask(self, box: _Mailbox) -> None:
+    async def _ask(self, box: Mailbox) -> None:
         """Send the call's Place (waiting for a scheduler that is reconnecting)."""
         await self._connected.wait()
         assert self.scheduler is not None
         box.waiting, box.attempt, box.epoch = True, 0, self.epoch
         self.scheduler.send(MessageType.PLACE, box.place)
 
-    async def _call(self, box: _Mailbox, window: Window) -> tuple[float | None, bool]:
+    async def _call(self, box: Mailbox, window: Window) -> tuple[float | None, bool]:
         """Place the call and run it where placed, as the router's `_run`: (when its first
         Placement came, whether it ran OK)."""
         stats = self.stats
@@ -486,20 +446,6 @@ class SyntheticGateway:
         conn = await asyncio.shield(task)
         self._nodes[address] = conn
         return conn
-
-
-class _GatewaySession:
-    def __init__(self, gateway: SyntheticGateway) -> None:
-        self.gateway = gateway
-
-    def on_frame(self, conn: Connection, frame: Frame) -> None:
-        if frame.type == MessageType.PLACEMENT:
-            self.gateway.on_scheduler_message(frame.message(pb.Placement), conn)
-        elif frame.type == MessageType.REJECTION:
-            self.gateway.on_scheduler_message(frame.message(pb.Rejection), conn)
-
-    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
-        pass
 
 
 def _cumulative(weights: list[float]) -> list[float]:

@@ -47,6 +47,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from gpufaas.functions import FunctionSpec
 from gpufaas.proto import gpufaas_pb2 as pb
@@ -132,7 +133,7 @@ class _MaybeSent(Exception):
     """The connection to the node was lost after the Execute was sent: it may be running there."""
 
 
-class _Mailbox:
+class Mailbox:
     """One call in flight: what the scheduler says about it (Placements, a Rejection), in
     arrival order, and what is needed to ask again. `waiting`: the call waits for a placement
     (it is not executing), so a new scheduler connection must be asked again; `attempt`: the
@@ -343,7 +344,7 @@ class Router:
         self._address = scheduler_address
         self._scheduler: Connection | None = None
         self._connected = asyncio.Event()
-        self._calls: dict[str, _Mailbox] = {}
+        self._calls: dict[str, Mailbox] = {}
         self.nodes = NodeConnections(max_frame_bytes=max_frame_bytes_for(max_payload_bytes), key=wire_key)
         self._link: asyncio.Task[None] | None = None
         self._address_changed = asyncio.Event()
@@ -405,7 +406,7 @@ class Router:
             # Under TLS the peer must show the scheduler's certificate (a node's is refused), pinned
             # or found through the leader key alike.
             dial = asyncio.ensure_future(
-                connect(self._address, _SchedulerSession(self), timeout_s=2.0, key=self.wire_key, peer_role="scheduler")
+                connect(self._address, SchedulerSession(self), timeout_s=2.0, key=self.wire_key, peer_role="scheduler")
             )
             moved = asyncio.ensure_future(self._address_changed.wait())
             await asyncio.wait({dial, moved}, return_when=asyncio.FIRST_COMPLETED)
@@ -488,7 +489,7 @@ class Router:
         if call_id in self._calls:
             raise CallFailed(409, f"call {call_id!r} is already in flight; use a new X-Call-Id")
         deadline = clock() + spec.timeout_s
-        box = _Mailbox(
+        box = Mailbox(
             pb.Place(call_id=call_id, function=spec.name, timeout_s=spec.timeout_s, payload_bytes=len(payload)),
             deadline,
             clock,
@@ -508,7 +509,7 @@ class Router:
         finally:
             del self._calls[call_id]
 
-    async def _run(self, box: _Mailbox, spec: FunctionSpec, payload: bytes, content_type: str) -> CallResult:
+    async def _run(self, box: Mailbox, spec: FunctionSpec, payload: bytes, content_type: str) -> CallResult:
         call_id = box.place.call_id
         await self._ask(box)
         while True:
@@ -565,7 +566,7 @@ class Router:
         self.nodes.heard(placement.node_address)
         return frame
 
-    async def _placement_failed(self, box: _Mailbox, reason: int, detail: str) -> None:
+    async def _placement_failed(self, box: Mailbox, reason: int, detail: str) -> None:
         """Report a placement that could not be used (`reason`: NOT_SENT or MAYBE_SENT) to the
         scheduler that made it; if that one is gone, a call never sent is asked of the new one
         afresh, and one that may have run is answered 502: its outcome is unknown."""
@@ -578,7 +579,7 @@ class Router:
         else:
             await self._ask(box)  # the scheduler that placed it is gone: ask the new one
 
-    async def _ask(self, box: _Mailbox) -> None:
+    async def _ask(self, box: Mailbox) -> None:
         """Send the call's Place (waiting a little for a scheduler that is reconnecting)."""
         conn = self.scheduler
         if conn is None:
@@ -592,7 +593,7 @@ class Router:
         conn.send(MessageType.PLACE, box.place_now())
 
 
-def _unsure(box: _Mailbox) -> str:
+def _unsure(box: Mailbox) -> str:
     return (
         f"the outcome of call {box.place.call_id!r} is unknown: the gateway lost its node after sending it the "
         "call, and the scheduler that placed it is gone, so nobody can ask the node whether it started it; it was "
@@ -600,15 +601,24 @@ def _unsure(box: _Mailbox) -> str:
     )
 
 
-class _SchedulerSession:
-    def __init__(self, router: Router) -> None:
-        self.router = router
+class PlacementListener(Protocol):
+    """What hears a scheduler link's answers: the router, or the placement bench's gateways."""
+
+    def on_scheduler_message(self, message: pb.Placement | pb.Rejection, conn: Connection) -> None: ...
+
+
+class SchedulerSession:
+    """A gateway's side of its scheduler link: hands each `Placement` and `Rejection` to `listener`.
+    A closed link is seen by whoever awaits `conn.closed` (the router's `_keep_linked`)."""
+
+    def __init__(self, listener: PlacementListener) -> None:
+        self.listener = listener
 
     def on_frame(self, conn: Connection, frame: Frame) -> None:
         if frame.type == MessageType.PLACEMENT:
-            self.router.on_scheduler_message(frame.message(pb.Placement), conn)
+            self.listener.on_scheduler_message(frame.message(pb.Placement), conn)
         elif frame.type == MessageType.REJECTION:
-            self.router.on_scheduler_message(frame.message(pb.Rejection), conn)
+            self.listener.on_scheduler_message(frame.message(pb.Rejection), conn)
 
     def on_close(self, conn: Connection, exc: BaseException | None) -> None:
-        pass  # Router._keep_linked sees `conn.closed` resolve
+        pass

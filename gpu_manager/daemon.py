@@ -315,7 +315,7 @@ class GpuManagerDaemon:
             frame,
             MessageType.EXECUTE_REPLY,
             pb.ExecuteReply(
-                **_measured(result),
+                **measured(result),
                 message=result.message,
                 stages=result.stages,
                 content_type=result.content_type,
@@ -330,33 +330,17 @@ class GpuManagerDaemon:
         scheduler = self._scheduler
         if scheduler is None or scheduler.is_closed or grant.scheduler_id != self.ledger.scheduler_id:
             return  # the scheduler that placed it is gone: a new one learns the workers on attach
-        scheduler.send(
-            MessageType.DONE,
-            pb.Done(
-                **_measured(result),
-                call_id=grant.call_id,
-                attempt=grant.attempt,
-                gpu=grant.gpu,
-                peak_memory_mb=result.peak_memory_mb,
-                worker_lost=result.outcome in _WORKER_LOST or result.worker_killed,
-            ),
-        )
+        scheduler.send(MessageType.DONE, done_message(grant, result))
 
     # --- requests from the scheduler --------------------------------------------------------
     def attach(self, conn: Connection, frame: Frame) -> None:
-        request = frame.message(pb.Attach)
-        new_scheduler = request.scheduler_id != self.ledger.scheduler_id
-        try:
-            self.ledger.attach(request.scheduler_id, request.token_key, request.epoch)
-        except Refused as exc:
-            log.warning("refused a scheduler from %s: %s", conn.peer, exc)
-            conn.reply_error(frame, pb.FENCED, str(exc))
+        attached = admit_scheduler(self.ledger, conn, frame, self._scheduler)
+        if attached is None:
             return
+        request, new_scheduler = attached
         if new_scheduler:
             self.pool.forget_grant_order()  # a new scheduler numbers its grants from 1
-        old, self._scheduler = self._scheduler, conn
-        if old is not None and old is not conn:
-            old.close()
+        self._scheduler = conn
         log.info("scheduler %s (epoch %d) attached from %s", request.scheduler_id, request.epoch, conn.peer)
         self.report_workers(conn, frame)
 
@@ -415,8 +399,27 @@ class GpuManagerDaemon:
             self._scheduler = None
 
 
-def _measured(result: RunResult) -> dict[str, Any]:
-    """What a run's answer and its Done share: its outcome and what was measured."""
+def admit_scheduler(
+    ledger: GrantLedger, conn: Connection, frame: Frame, current: Connection | None
+) -> tuple[pb.Attach, bool] | None:
+    """A scheduler's `Attach` frame on `conn`, put to `ledger`: None when it is fenced (answered
+    FENCED), else the request and whether it comes from a scheduler the ledger did not know (whose
+    grants are numbered afresh). `current`, the link it replaces, is closed if it is another."""
+    request = frame.message(pb.Attach)
+    new_scheduler = request.scheduler_id != ledger.scheduler_id
+    try:
+        ledger.attach(request.scheduler_id, request.token_key, request.epoch)
+    except Refused as exc:
+        log.warning("refused a scheduler from %s: %s", conn.peer, exc)
+        conn.reply_error(frame, pb.FENCED, str(exc))
+        return None
+    if current is not None and current is not conn:
+        current.close()
+    return request, new_scheduler
+
+
+def measured(result: RunResult) -> dict[str, Any]:
+    """What a run's answer (`ExecuteReply`) and its Done share: its outcome and what was measured."""
     return {
         "outcome": result.outcome,
         "loaded": result.loaded,
@@ -424,6 +427,18 @@ def _measured(result: RunResult) -> dict[str, Any]:
         "inference_time_s": result.inference_time_s,
         "batch_calls": result.batch_calls,
     }
+
+
+def done_message(grant: pb.Grant, result: RunResult) -> pb.Done:
+    """The Done a node sends the scheduler that placed `grant` once its run answered `result`."""
+    return pb.Done(
+        **measured(result),
+        call_id=grant.call_id,
+        attempt=grant.attempt,
+        gpu=grant.gpu,
+        peak_memory_mb=result.peak_memory_mb,
+        worker_lost=result.outcome in _WORKER_LOST or result.worker_killed,
+    )
 
 
 class _LedgerCollector(Collector):
