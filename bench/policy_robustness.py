@@ -33,14 +33,6 @@ from simulator.engine import ClusterConfig, simulate
 from simulator.report import compare_policies
 from simulator.workload import Workload
 
-REFERENCE = "lalb-o3"
-BASELINE = "lb"  # the paper's baseline: reported, exempt from the bound
-EXEMPT = (BASELINE, "lalb")  # the paper's reference algorithms, as printed (the module docstring)
-MAX_AVG_RATIO = 1.5
-# A function starves when one of its calls waits longer than this many times the longest wait of
-# any call under lalb-o3 in the same configuration (lalb-o3 passes a call over at most 25 times).
-STARVATION_FACTOR = 2.0
-
 
 @dataclass(frozen=True)
 class Window:
@@ -53,6 +45,15 @@ class Window:
     @property
     def label(self) -> str:
         return f"minutes {self.start_minute}-{self.start_minute + self.minutes - 1}, working set {self.working_set}"
+
+
+REFERENCE = "lalb-o3"
+BASELINE = "lb"  # the paper's baseline: reported, exempt from the bound
+EXEMPT = (BASELINE, "lalb")  # the paper's reference algorithms, as printed (the module docstring)
+MAX_AVG_RATIO = 1.5
+# A function starves when one of its calls waits longer than this many times the longest wait of
+# any call under lalb-o3 in the same configuration (lalb-o3 passes a call over at most 25 times).
+STARVATION_FACTOR = 2.0
 
 
 # Not the tuned window (minute 480, working set 35): later hours of the day, and smaller and larger

@@ -177,16 +177,11 @@ def replay_on_cluster(workload: Workload, policy: str) -> dict[str, Any]:
     """`workload` replayed over HTTP on a fresh local cluster of 3 nodes x 4 emulated RTX 2080s
     under `policy`, its functions deployed and their profiles seeded first: `replay`'s figures."""
     with tempfile.TemporaryDirectory(prefix="gpufaas-replay-") as tmp:
+        # slots="1": the paper's GPUs run one call at a time (the simulator's default too)
         cluster = LocalCluster(
-            Path(tmp),
-            nodes=3,
-            gpus_per_node=4,
-            backend="emulated",
-            gpu_memory_mb=8192,
-            gpu_type="rtx2080",
-            policy=policy,
-            slots="1",  # the paper's GPUs run one call at a time (the simulator's default too)
-        )
+            Path(tmp), nodes=3, gpus_per_node=4, backend="emulated", gpu_memory_mb=8192, gpu_type="rtx2080",
+            policy=policy, slots="1",
+        )  # fmt: skip
         cluster.start()
         try:
             names = deploy(cluster, workload)

@@ -203,15 +203,8 @@ def gpufaas(work: Path, *args: str, password: str) -> tuple[float, str]:
     """Run the CLI as a user would; its wall time and output."""
     environment = {**os.environ, "GPUFAAS_PASSWORD": password, "XDG_CACHE_HOME": str(work / "cache")}
     started = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "gpufaas.cli", *args],
-        check=False,
-        cwd=work,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    argv = [sys.executable, "-m", "gpufaas.cli", *args]
+    done = subprocess.run(argv, check=False, cwd=work, env=environment, capture_output=True, text=True, timeout=900)
     seconds = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"gpufaas {' '.join(args)} failed: {done.stdout}{done.stderr}")
@@ -256,15 +249,9 @@ def wait_staged(cluster: LocalCluster, names: list[str], password: str, timeout_
 def cluster_at(work: Path, *, baseline: bool = False) -> Iterator[LocalCluster]:
     flags = ["--host-cache-mb", "0"]
     cluster = LocalCluster(
-        work / "cluster",
-        nodes=1,
-        gpus_per_node=2,
-        backend="cpu",
-        gpu_memory_mb=4000,
-        slots="1",
-        gpu_idle_release_s=IDLE_RELEASE_S,
-        node_flags=[] if baseline else flags,
-    )
+        work / "cluster", nodes=1, gpus_per_node=2, backend="cpu", gpu_memory_mb=4000, slots="1",
+        gpu_idle_release_s=IDLE_RELEASE_S, node_flags=[] if baseline else flags,
+    )  # fmt: skip
     cluster.start()
     try:
         yield cluster

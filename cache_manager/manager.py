@@ -15,12 +15,6 @@ from gpufaas.footprints import Footprints
 
 
 @dataclass(frozen=True, slots=True)
-class CacheItem:
-    model: str
-    memory_mb: int
-
-
-@dataclass(frozen=True, slots=True)
 class Admission:
     """What admitting a model to a GPU did: a hit, or a miss that evicted `evicted` (LRU first).
     `from_host`: the miss takes the model from its node's host tier (a swap-in, not a load);
@@ -30,6 +24,12 @@ class Admission:
     evicted: tuple[str, ...] = ()
     from_host: bool = False
     from_pool: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CacheItem:
+    model: str
+    memory_mb: int
 
 
 class HostTier:

@@ -57,10 +57,7 @@ class GpuSpec:
     link: str | None = None
 
     def __post_init__(self) -> None:
-        if self.memory_mb <= 0:
-            raise ValueError(f"GPU {self.gpu_id!r}: memory_mb must be positive, got {self.memory_mb}")
-        if self.speed <= 0:
-            raise ValueError(f"GPU {self.gpu_id!r}: speed must be positive, got {self.speed}")
+        check_positive(f"GPU {self.gpu_id!r}: ", memory_mb=self.memory_mb, speed=self.speed)
         if self.slots < 1:
             raise ValueError(f"GPU {self.gpu_id!r}: slots must be at least 1, got {self.slots}")
 
@@ -76,8 +73,15 @@ class ModelSpec:
     labels: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        if self.memory_mb <= 0:
-            raise ValueError(f"model {self.name!r}: memory_mb must be positive, got {self.memory_mb}")
+        check_positive(f"model {self.name!r}: ", memory_mb=self.memory_mb)
+
+
+def check_positive(where: str, **values: float) -> None:
+    """ValueError for the first of `values` that is not above 0: "<where><name> must be positive,
+    got <value>" (`where` names the owner, e.g. "GPU 'g0': ", or is empty)."""
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{where}{name} must be positive, got {value}")
 
 
 class Registry(dict[str, type[T]], Generic[T]):

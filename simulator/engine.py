@@ -68,7 +68,7 @@ from typing import TypedDict, Unpack, cast
 
 from cache_manager import CacheManager, eviction_policy
 from gpufaas.profiles import ModelProfile
-from gpufaas.types import GpuSpec, Request
+from gpufaas.types import GpuSpec, Request, check_positive
 from scheduler import Dispatch, Estimator, Park, PolicyConfig, Scheduler, SchedulingPolicy, make_policy
 from scheduler.adaptive_slots import AdaptiveSlots
 from scheduler.estimator import DEFAULT_HOST_TO_GPU_MB_S, DEFAULT_SWAP_IN_OVERHEAD_S
@@ -110,10 +110,7 @@ class ClusterConfig:
     utilization_threshold: float = 0.9
 
     def __post_init__(self) -> None:
-        if self.gpus <= 0:
-            raise ValueError(f"gpus must be positive, got {self.gpus}")
-        if self.gpu_memory_mb <= 0:
-            raise ValueError(f"gpu_memory_mb must be positive, got {self.gpu_memory_mb}")
+        check_positive("", gpus=self.gpus, gpu_memory_mb=self.gpu_memory_mb)
         if self.slots < 1:
             raise ValueError(f"slots must be at least 1, got {self.slots}")
         if not (self.batch_exponent > 0 and math.isfinite(self.batch_exponent)):
@@ -539,11 +536,7 @@ class _Run:
         return SimResult(
             policy=policy,
             max_num_skips=config.max_num_skips if policy in SKIP_LIMITED_POLICIES else 0,
-            room_aware_misses=config.room_aware_misses,
-            coldest_victim_misses=config.coldest_victim_misses,
             working_set=len(self.workload.function_models),
-            gpus=cluster.gpus,
-            slots=cluster.slots,
             requests=len(self.arrivals),
             completed=len(self.latencies),
             avg_latency_s=statistics.fmean(all_latencies) if all_latencies else 0.0,
@@ -554,40 +547,35 @@ class _Run:
             false_miss_ratio=self.false_misses / self.misses if self.misses else 0.0,
             avg_top_model_replicas=self.replica_area / makespan_s if makespan_s > 0 else 0.0,
             avg_gpu_memory_gb=self.memory_area / makespan_s / 1024 if makespan_s > 0 else 0.0,
-            releases=self.releases,
             gpu_utilization=gpus.compute_s() / (cluster.gpus * makespan_s) if makespan_s > 0 else 0.0,
             function_latency_variance=statistics.pvariance(function_means) if len(function_means) > 1 else 0.0,
-            hits=self.hits,
-            misses=self.misses,
-            false_misses=self.false_misses,
-            parks=self.parks,
             makespan_s=makespan_s,
-            max_queue_len=self.max_queue_len,
             max_batch_size=max((b.max_batch_size for b in self.batching.values()), default=1),
             max_batch_wait_ms=max((b.max_batch_wait_ms for b in self.batching.values()), default=0.0),
-            batch_exponent=cluster.batch_exponent,
             batches=gpus.batches,
             avg_batch_calls=dispatched / gpus.batches if gpus.batches else 0.0,
-            timing_spread=cluster.timing_spread,
             mapping=self.workload.mapping,
-            literal_visits=config.literal_visits,
-            host_memory_mb=cluster.host_memory_mb,
-            swap_ins=self.swap_ins,
-            eviction=cluster.eviction,
             slo_attainment=slo_attainment,
             slo_functions_met=slo_functions_met,
-            interference=cluster.interference,
-            adaptive_slots=cluster.adaptive_slots,
             avg_slots=self.slots_area / (makespan_s * cluster.gpus) if makespan_s > 0 else float(cluster.slots),
             slot_changes=self.adaptive.changes if self.adaptive is not None else 0,
-            gpus_per_link=cluster.gpus_per_link,
-            interference_aware_loads=config.interference_aware_loads,
             contended_loads=gpus.links.contended if gpus.links is not None else 0,
             avg_load_s=statistics.fmean(gpus.load_s) if gpus.load_s else 0.0,
             max_wait_s=max(self.function_max_wait_s.values(), default=0.0),
             function_max_wait_s=dict(sorted(self.function_max_wait_s.items())),
+            **{name: getattr(cluster, name) for name in _ECHOED_CLUSTER},
+            **{name: getattr(config, name) for name in _ECHOED_CONFIG},
+            **{name: getattr(self, name) for name in _COUNTED},
         )
 
+
+# The result's fields that repeat the run's setting or a counter of the run under the same name.
+_ECHOED_CLUSTER = (
+    "gpus", "slots", "batch_exponent", "timing_spread", "host_memory_mb", "eviction", "interference",
+    "adaptive_slots", "gpus_per_link",
+)  # fmt: skip
+_ECHOED_CONFIG = ("room_aware_misses", "coldest_victim_misses", "literal_visits", "interference_aware_loads")
+_COUNTED = ("releases", "hits", "misses", "false_misses", "parks", "max_queue_len", "swap_ins")
 
 SLO_PERCENTILE = 98.0  # Torpor's: a function meets its SLO when its p98 latency does
 

@@ -16,6 +16,10 @@ class Backoff:
     max_s: float = 10.0
     stable_s: float = 30.0
 
+    def __post_init__(self) -> None:
+        if not (0 < self.first_s <= self.max_s and self.factor >= 1 and self.stable_s >= 0):
+            raise ValueError(f"a backoff needs 0 < first_s <= max_s, factor >= 1 and stable_s >= 0, got {self}")
+
 
 @dataclass
 class Supervision:

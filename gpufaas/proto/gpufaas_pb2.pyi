@@ -89,6 +89,14 @@ class Placement(_message.Message):
     epoch: int
     def __init__(self, call_id: _Optional[str] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ..., node_address: _Optional[str] = ..., gpu: _Optional[str] = ..., hit: _Optional[bool] = ..., queue_s: _Optional[float] = ..., token: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
 
+class Error(_message.Message):
+    __slots__ = ("status", "message")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    message: str
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
 class Rejection(_message.Message):
     __slots__ = ("call_id", "status", "message")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -425,22 +433,6 @@ class ClusterReply(_message.Message):
     epoch: int
     def __init__(self, gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedCall, _Mapping]]] = ..., policy: _Optional[str] = ..., queue_capacity: _Optional[int] = ..., evictions: _Optional[_Iterable[_Union[EvictionRecord, _Mapping]]] = ..., scheduler: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
-class Hello(_message.Message):
-    __slots__ = ("nonce", "proof")
-    NONCE_FIELD_NUMBER: _ClassVar[int]
-    PROOF_FIELD_NUMBER: _ClassVar[int]
-    nonce: bytes
-    proof: bytes
-    def __init__(self, nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
-
-class Error(_message.Message):
-    __slots__ = ("status", "message")
-    STATUS_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    status: Status
-    message: str
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., message: _Optional[str] = ...) -> None: ...
-
 class WorkerHello(_message.Message):
     __slots__ = ("pid", "import_s", "context_s", "context_mb", "network_isolated")
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -533,3 +525,11 @@ class CallResult(_message.Message):
     peak_memory_mb: int
     content_type: str
     def __init__(self, call_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., message: _Optional[str] = ..., inference_s: _Optional[float] = ..., batch_calls: _Optional[int] = ..., peak_memory_mb: _Optional[int] = ..., content_type: _Optional[str] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("nonce", "proof")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    proof: bytes
+    def __init__(self, nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...

@@ -91,29 +91,21 @@ class PolicyConfig:
     # Place a load-balancing miss on an idle GPU with room for the model when one exists, so no
     # warm model is evicted while another idle GPU has space. False = Algorithm 2 to the letter
     # (the miss goes to the GPU being filled), for reproducing the paper.
-    room_aware_misses: Annotated[
-        bool, Field(description="a miss goes to an idle GPU with room for its model when one exists (off: Algorithm 2)")
-    ] = True
+    room_aware_misses: Annotated[bool, Field(description="a miss goes to an idle GPU with room for it")] = True
     # When such a miss must evict (no idle GPU has room), place it on the idle GPU whose first
     # victim was used least recently across the cluster, rather than on the GPU being filled
     # (whose LRU list would otherwise churn while other GPUs' models stay frozen). Only with
     # room_aware_misses.
-    coldest_victim_misses: Annotated[
-        bool, Field(description="a miss that must evict goes to the idle GPU whose victim is least recently used")
-    ] = True
+    coldest_victim_misses: Annotated[bool, Field(description="a miss that must evict takes the coldest victim")] = True
     # Algorithm 1 read literally: a scan for a hit counts a visit for every request it passes,
     # whether or not anything is dispatched ahead of it, and a request is forced once its visits
     # are *higher* than the limit. False (the default): a skip is counted only when a younger
     # request is dispatched ahead, and a request is forced once its skips *reach* the limit.
-    literal_visits: Annotated[
-        bool, Field(description="Algorithm 1's visit counting to the letter (every request a scan passes)")
-    ] = False
+    literal_visits: Annotated[bool, Field(description="Algorithm 1's visit counting to the letter")] = False
     # A miss goes first to an idle GPU whose node keeps the model in host memory (its host tier or
     # host model pool: a swap-in, not a load), else on disk where the GPU being filled would have to
     # fetch it. No effect where nodes hold nothing but their GPUs' models.
-    tier_aware_misses: Annotated[
-        bool, Field(description="a miss goes first to an idle GPU whose node keeps the model in host memory")
-    ] = True
+    tier_aware_misses: Annotated[bool, Field(description="a miss prefers a GPU whose node holds it in RAM")] = True
     # Torpor's interference-aware placement: a miss goes to an idle GPU whose host link (the PCIe
     # switch it shares with other GPUs, `GpuSpec.link`) carries no other load, where the choice is
     # otherwise equal, so that two copies do not halve each other's bandwidth. No effect where

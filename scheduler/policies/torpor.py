@@ -116,11 +116,11 @@ class TorporPolicy(SchedulingPolicy, name="torpor"):
     def from_config(cls, config: PolicyConfig) -> SchedulingPolicy:
         return cls(
             config.torpor_alpha,
+            rest=OutOfOrderLocalityAwarePolicy.from_config(config),
             tier_aware_misses=config.tier_aware_misses,
             interference_aware_loads=config.interference_aware_loads,
             alpha_period_s=config.torpor_alpha_period_s,
             max_num_skips=config.max_num_skips,
-            rest=OutOfOrderLocalityAwarePolicy.from_config(config),
         )
 
     def record(self, function: str) -> SloRecord:

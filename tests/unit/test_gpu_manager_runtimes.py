@@ -113,12 +113,12 @@ class FakeEngine:
         return container.status
 
 
+@dataclass
 class _PlayedWorker:
     """The worker's side of the protocol (gpu_manager.worker), in the fake container."""
 
-    def __init__(self, engine: FakeEngine, container: _Container) -> None:
-        self.engine = engine
-        self.container = container
+    engine: FakeEngine
+    container: _Container
 
     def on_frame(self, conn: Connection, frame: Frame) -> None:
         if frame.type == MessageType.LOAD_MODEL:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from gpufaas.dev.supervision import Backoff, Supervision
 
 
@@ -42,3 +44,12 @@ def test_components_are_restarted_in_the_order_their_time_came() -> None:
     supervision.exited("gateway", 0.5)
     supervision.exited("node0", 0.2)
     assert supervision.due(2.0) == ["node0", "gateway"]
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [{"first_s": 0.0}, {"first_s": 20.0, "max_s": 10.0}, {"factor": 0.5}, {"stable_s": -1.0}],
+)
+def test_a_backoff_that_would_not_back_off_is_refused(bounds: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="a backoff needs"):
+        Backoff(**bounds)
