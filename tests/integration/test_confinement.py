@@ -9,6 +9,7 @@ import os
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,30 +92,37 @@ def digest_of(cluster: LocalCluster, name: str) -> str:
     return str(next(f["package_digest"] for f in specs if f["name"] == name))
 
 
-def test_children_holding_3x1500_mb_on_a_600_mb_declaration_are_stopped_at_the_limit(
-    make_cluster: ClusterFactory, tmp_path: Path
-) -> None:
-    """Row (1): 3 children of one worker each touch 1.5 GB (per-process limits let each through:
-    RLIMIT_DATA is 2 x 600 + 512 MiB per process). Their group's limit (the worker's resident
-    memory + 1,712 MiB) stops them: the kernel kills one, the node kills the rest of the group,
-    the call is a 500 saying so, and another function keeps answering."""
-    cluster = make_cluster(nodes=1, gpus_per_node=2, backend="cpu", gpu_memory_mb=4000)
-    deploy(cluster, "victim", "echo_function", tmp_path, memory_mb=100)
-    deploy(cluster, "rogue", "rogue_function", tmp_path, memory_mb=600)
-    assert post(cluster, "rogue").status_code == 200  # loaded: its worker holds its group
+@dataclass
+class Hogged:
+    """What `victim_under_a_hog` saw."""
+
+    response: httpx.Response  # the rogue's answer
+    took_s: float  # how long the rogue took to answer
+    taken_mb: int  # the most host memory taken meanwhile (how far MemAvailable fell)
+    idle: list[float]  # the victim's latencies (ms) before
+    during: list[float]  # and meanwhile
+
+    @property
+    def victim(self) -> str:
+        idle_p50, during_p50 = statistics.median(self.idle), statistics.median(self.during)
+        return f"victim p50 idle {idle_p50:.1f} ms, during {during_p50:.1f} ms ({len(self.during)} calls)"
+
+
+def victim_under_a_hog(cluster: LocalCluster) -> Hogged:
+    """With `rogue` loaded and `victim` deployed: call the victim 40 times, then call the rogue with
+    3 children touching 1,500 MB each for 10 s while calling the victim back to back (each call
+    must answer 200) and watching the host's available memory."""
     idle = latencies_ms(cluster, "victim", count=40)
     before_mb = available_mb()
     lowest_mb = [before_mb]
     done = threading.Event()
+    answer: list[httpx.Response] = []
+    hog_s: list[float] = []
 
     def watch_memory() -> None:
         while not done.is_set():
             lowest_mb.append(available_mb())
             time.sleep(0.02)
-
-    answer: list[httpx.Response] = []
-
-    hog_s: list[float] = []
 
     def hog() -> None:
         started = time.perf_counter()
@@ -130,12 +138,35 @@ def test_children_holding_3x1500_mb_on_a_600_mb_declaration_are_stopped_at_the_l
     during = latencies_ms(cluster, "victim", until=done)
     for thread in threads:
         thread.join()
-    taken_mb = before_mb - min(lowest_mb)
-    print(
-        f"host memory taken at most {taken_mb} MiB; the call answered in {hog_s[0]:.2f} s; victim p50 idle "
-        f"{statistics.median(idle):.1f} ms, during {statistics.median(during):.1f} ms ({len(during)} calls)"
-    )
-    response = answer[0]
+    return Hogged(answer[0], hog_s[0], before_mb - min(lowest_mb), idle, during)
+
+
+def written_everywhere(cluster: LocalCluster, places: list[str]) -> tuple[dict[str, Any], int]:
+    """Have `rogue` write 3 files of 100 MiB in each of `places` (it must answer 200): its report,
+    and the MiB it wrote in all."""
+    response = post(cluster, "rogue", write_mb=100, files=3, where=places)
+    assert response.status_code == 200, response.text
+    report = response.json()
+    wrote = report["wrote"]
+    total_mb = sum(place["written_mb"] for place in wrote.values())
+    print(f"written in all: {total_mb} MiB of {300 * len(places):,} tried; {wrote}")
+    return report, total_mb
+
+
+def test_children_holding_3x1500_mb_on_a_600_mb_declaration_are_stopped_at_the_limit(
+    make_cluster: ClusterFactory, tmp_path: Path
+) -> None:
+    """Row (1): 3 children of one worker each touch 1.5 GB (per-process limits let each through:
+    RLIMIT_DATA is 2 x 600 + 512 MiB per process). Their group's limit (the worker's resident
+    memory + 1,712 MiB) stops them: the kernel kills one, the node kills the rest of the group,
+    the call is a 500 saying so, and another function keeps answering."""
+    cluster = make_cluster(nodes=1, gpus_per_node=2, backend="cpu", gpu_memory_mb=4000)
+    deploy(cluster, "victim", "echo_function", tmp_path, memory_mb=100)
+    deploy(cluster, "rogue", "rogue_function", tmp_path, memory_mb=600)
+    assert post(cluster, "rogue").status_code == 200  # loaded: its worker holds its group
+    hogged = victim_under_a_hog(cluster)
+    response, taken_mb = hogged.response, hogged.taken_mb
+    print(f"host memory taken at most {taken_mb} MiB; the call answered in {hogged.took_s:.2f} s; {hogged.victim}")
     assert response.status_code == 500, response.text
     assert "went over their" in response.json()["error"] and "host memory" in response.json()["error"]
     assert taken_mb < 2600, f"the group took {taken_mb} MiB of host memory"  # 4,500 MiB without it
@@ -225,12 +256,8 @@ def test_a_packages_home_and_tmp_are_bounded_in_total_and_removed_with_it(
     deploy(cluster, "rogue", "rogue_function", tmp_path, memory_mb=100)
     uid = package_uid(digest_of(cluster, "rogue"))
     places = ["$HOME", "/tmp", "/var/tmp", "/dev/shm"]
-    response = post(cluster, "rogue", write_mb=100, files=3, where=places)
-    assert response.status_code == 200, response.text
-    report = response.json()
+    report, total_mb = written_everywhere(cluster, places)
     wrote = report["wrote"]
-    total_mb = sum(place["written_mb"] for place in wrote.values())
-    print(f"written in all: {total_mb} MiB of 1,200 tried; {wrote}")
     assert total_mb <= 256, wrote
     assert {place["error"] for place in wrote.values()} == {"OSError"}, wrote  # ENOSPC everywhere
     assert report["home"] == "/tmp" and report["no_new_privs"] == "1"

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -33,13 +31,14 @@ from gpufaas.processes import pid_alive
 from tests.integration import test_isolation as isolation
 from tests.integration.conftest import ClusterFactory, deploy
 from tests.integration.test_confinement import (
-    available_mb,
     digest_of,
     latencies_ms,
     post,
     processes_of,
+    victim_under_a_hog,
     victim_under_a_spinner,
     wait_until_none,
+    written_everywhere,
 )
 from tests.integration.test_isolation import O_PATH, SECRET, node_address
 from tests.integration.test_isolation import call as call_ok
@@ -305,38 +304,11 @@ def test_children_holding_3x1500_mb_on_a_600_mb_declaration_stop_at_the_containe
     deploy(cluster, "rogue", "rogue_function", tmp_path, memory_mb=600)
     assert post(cluster, "rogue").status_code == 200
     first = the_container(cluster, "rogue").id
-    idle = latencies_ms(cluster, "victim", count=40)
-    before_mb = available_mb()
-    lowest_mb = [before_mb]
-    done = threading.Event()
-    answer: list[httpx.Response] = []
-    hog_s: list[float] = []
-
-    def watch_memory() -> None:
-        while not done.is_set():
-            lowest_mb.append(available_mb())
-            time.sleep(0.02)
-
-    def hog() -> None:
-        started = time.perf_counter()
-        try:
-            answer.append(post(cluster, "rogue", children=3, mb=1500, hold_s=10))
-        finally:
-            hog_s.append(time.perf_counter() - started)
-            done.set()
-
-    threads = [threading.Thread(target=watch_memory), threading.Thread(target=hog)]
-    for thread in threads:
-        thread.start()
-    during = latencies_ms(cluster, "victim", until=done)
-    for thread in threads:
-        thread.join()
-    taken_mb = before_mb - min(lowest_mb)
-    response = answer[0]
+    hogged = victim_under_a_hog(cluster)
+    response, taken_mb = hogged.response, hogged.taken_mb
     print(
         f"host memory taken at most {taken_mb} MiB (limit {memory_limit_mb('cpu', 600)} MiB); the call answered "
-        f"{response.status_code} in {hog_s[0]:.2f} s: {response.text[:300]}; victim p50 idle "
-        f"{statistics.median(idle):.1f} ms, during {statistics.median(during):.1f} ms ({len(during)} calls)"
+        f"{response.status_code} in {hogged.took_s:.2f} s: {response.text[:300]}; {hogged.victim}"
     )
     # The node names the limit met (the engine's oom event), and does not retry the call.
     assert response.status_code == 500 and "went over their" in response.text, response.text
@@ -374,12 +346,8 @@ def test_a_containers_home_and_tmp_are_bounded_in_total_and_removed_with_it(
     cluster = docker_cluster(make_cluster)
     deploy(cluster, "rogue", "rogue_function", tmp_path, memory_mb=100)
     places = ["$HOME", "/tmp", "/var/tmp", "/dev/shm", SOCKET_MOUNT]
-    response = post(cluster, "rogue", write_mb=100, files=3, where=places)
-    assert response.status_code == 200, response.text
-    report = response.json()
+    report, total_mb = written_everywhere(cluster, places)
     wrote = report["wrote"]
-    total_mb = sum(place["written_mb"] for place in wrote.values())
-    print(f"written in all: {total_mb} MiB of 1,500 tried; {wrote}")
     assert total_mb <= TMPFS_MB + SHM_MB, wrote
     assert {place["error"] for place in wrote.values()} == {"OSError"}, wrote  # ENOSPC or EROFS everywhere
     assert report["home"] == "/tmp" and report["no_new_privs"] == "1"
