@@ -25,6 +25,7 @@ from gpufaas.dev.local_cluster import LocalCluster
 from tests.fixtures.make_packages import build_package
 from tests.integration.conftest import deploy, stop_clusters
 from tests.scrape import sample
+from tests.unit.test_gateway_app import assert_error
 from tests.unit.test_gateway_http import read_until_closed, send_head_until_refused
 
 pytestmark = pytest.mark.integration
@@ -77,17 +78,6 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"condition not reached in {timeout_s:g} s")
-
-
-def assert_error(response: httpx.Response, status: int, *fragments: str) -> str:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error", "status"}, body
-    assert body["status"] == status
-    message: str = body["error"]
-    for fragment in fragments:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
-    return message
 
 
 @pytest.fixture(scope="module")
