@@ -379,8 +379,12 @@ class _Run:
         )
         self.link_of = {g.spec.gpu_id: g.spec.link for g in scheduler.gpus()}
         self.top_model = workload.function_models[workload.top_function]
-        self.arrivals = workload.requests
-        self.next_arrival = 0  # index in `arrivals` of the first not yet submitted
+        # Arrivals are read as a stream (a trace's are drawn as read): the next one not yet submitted,
+        # None once all are; `next_arrival` counts those submitted.
+        self.requests_total = len(workload.requests)
+        self.arrivals = iter(workload.requests)
+        self.upcoming = next(self.arrivals, None)
+        self.next_arrival = 0
         self.now = 0.0  # the virtual clock; the makespan once the run is over
         self.scheduled_at = 0.0  # when the scheduler was last asked to schedule
         self.dispatch_ties = itertools.count(1)
@@ -423,9 +427,9 @@ class _Run:
     def run(self, on_progress: Callable[[int], None] | None, meter: Meter) -> None:
         """Submit every arrival and run every call to completion, one instant at a time,
         keeping `meter` up to date."""
-        arrivals, gpus = self.arrivals, self.gpus
-        while self.next_arrival < len(arrivals) or gpus.busy():
-            arrival_at = arrivals[self.next_arrival].arrival_s if self.next_arrival < len(arrivals) else math.inf
+        gpus = self.gpus
+        while self.upcoming is not None or gpus.busy():
+            arrival_at = self.upcoming.arrival_s if self.upcoming is not None else math.inf
             now = self.now = min(arrival_at, self.gpus.next_event_s())
             # Completions at this instant first: a slot freed now can serve a request arriving now.
             completed = self._complete(now, on_progress)
@@ -466,12 +470,13 @@ class _Run:
 
     def _submit_arrivals(self, now: float) -> bool:
         """Submit every request that has arrived by `now`; True if there was one."""
-        arrivals = self.arrivals
-        arrived = self.next_arrival < len(arrivals) and arrivals[self.next_arrival].arrival_s <= now
-        while self.next_arrival < len(arrivals) and arrivals[self.next_arrival].arrival_s <= now:
-            self.scheduler.submit(arrivals[self.next_arrival])
+        upcoming, submitted = self.upcoming, self.next_arrival
+        while upcoming is not None and upcoming.arrival_s <= now:
+            self.scheduler.submit(upcoming)
             self.next_arrival += 1
-        return arrived
+            upcoming = next(self.arrivals, None)
+        self.upcoming = upcoming
+        return self.next_arrival > submitted
 
     def _schedule(self, now: float) -> None:
         """Ask the scheduler (after its slot controller and staged exit have had their say) and
@@ -537,7 +542,7 @@ class _Run:
             policy=policy,
             max_num_skips=config.max_num_skips if policy in SKIP_LIMITED_POLICIES else 0,
             working_set=len(self.workload.function_models),
-            requests=len(self.arrivals),
+            requests=self.requests_total,
             completed=len(self.latencies),
             avg_latency_s=statistics.fmean(all_latencies) if all_latencies else 0.0,
             floor_latency_s=self.inference_s_sum / len(all_latencies) if all_latencies else 0.0,

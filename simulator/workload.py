@@ -31,9 +31,10 @@ from __future__ import annotations
 import csv
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import overload
 
 from gpufaas.errors import InvalidInput
 from gpufaas.profiles import ModelProfile
@@ -78,8 +79,9 @@ class WorkloadConfig:
 class Workload:
     """The requests to replay and the models they need."""
 
-    requests: list[Request]
-    """Sorted by arrival_s; request ids r000000, r000001, ... in that order."""
+    requests: Sequence[Request]
+    """Sorted by arrival_s; request ids r000000, r000001, ... in that order. A trace's are drawn
+    as they are iterated (`DrawnRequests`), so a run of millions of calls holds only a minute's."""
     profiles: list[ModelProfile]
     """One per working-set function, in popularity order: that function's own model."""
     function_models: dict[str, str]
@@ -339,24 +341,20 @@ def build_workload(trace: TraceCounts, config: WorkloadConfig, table: list[Model
     functions = _working_set(trace, window, config.working_set)
     profiles = assign_models(functions, table, config.mapping_seed)
     function_models = {f: p.model for f, p in zip(functions, profiles, strict=True)}
-    drawn = _draw_arrivals(trace, functions, window, config)
-
     if config.slo_factor is not None and not config.slo_factor > 0:
         raise InvalidInput(f"workload slo_factor is {config.slo_factor}; expected a positive number")
     slos = [None if config.slo_factor is None else config.slo_factor * p.inference_time_s for p in profiles]
-    requests = [
-        Request(
-            request_id=f"r{index:06d}",
-            function=functions[rank],
-            model=profiles[rank].model,
-            arrival_s=arrival_s,
-            batch_size=profiles[rank].batch_size,
-            slo_s=slos[rank],
-        )
-        for index, (arrival_s, rank) in enumerate(drawn)
+    shares = [
+        (minute, _largest_remainder(counts, config.rpm))
+        for minute in window
+        if sum(counts := [trace.counts[f].get(minute, 0) for f in functions])
+    ]
+    templates = [
+        (function, profile.model, profile.batch_size, slo_s)
+        for function, profile, slo_s in zip(functions, profiles, slos, strict=True)
     ]
     return Workload(
-        requests=requests,
+        requests=DrawnRequests(shares, templates, window.start, config.seed),
         profiles=profiles,
         function_models=function_models,
         top_function=functions[0],
@@ -405,26 +403,67 @@ def _working_set(trace: TraceCounts, window: range, size: int) -> list[str]:
     return functions
 
 
-def _draw_arrivals(
-    trace: TraceCounts, functions: list[str], window: range, config: WorkloadConfig
-) -> list[tuple[float, int]]:
-    """(arrival_s, function rank) of every request, in arrival order: each minute's counts scaled
-    to `config.rpm`, each arrival uniform in its minute (see `build_workload`)."""
-    rng = random.Random(config.seed)
-    drawn: list[tuple[float, int]] = []
-    for minute in window:
-        counts = [trace.counts[f].get(minute, 0) for f in functions]
-        if sum(counts) == 0:
-            continue
-        offset_s = float((minute - window.start) * SECONDS_PER_MINUTE)
-        # Keep the arrival inside its minute even if the float addition rounds up to its end.
-        last_s = math.nextafter(offset_s + SECONDS_PER_MINUTE, -math.inf)
-        for rank, share in enumerate(_largest_remainder(counts, config.rpm)):
-            for _ in range(share):
-                arrival_s = min(offset_s + rng.uniform(0, SECONDS_PER_MINUTE), last_s)
-                drawn.append((arrival_s, rank))
-    drawn.sort()
-    return drawn
+class DrawnRequests(Sequence[Request]):
+    """A trace window's requests, drawn when iterated: each minute's `shares` (requests per function
+    rank) arrive uniform at random in that minute, from random.Random(seed) minute by minute,
+    function by function in rank order, sorted by (arrival, rank) within the minute; request ids
+    r000000, r000001, ... in arrival order. Minutes do not overlap, so this is the order of the
+    whole window sorted at once. Iterating holds one minute's requests; every iteration draws the
+    same ones. Indexing materializes the whole list once (for small windows and tests)."""
+
+    def __init__(
+        self,
+        shares: list[tuple[int, list[int]]],
+        templates: list[tuple[str, str, int, float | None]],
+        start_minute: int,
+        seed: int,
+    ) -> None:
+        self._shares = shares
+        self._templates = templates  # per rank: (function, model, batch size, SLO)
+        self._start_minute = start_minute
+        self._seed = seed
+        self._count = sum(sum(per_rank) for _, per_rank in shares)
+        self._list: list[Request] | None = None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[Request]:
+        if self._list is not None:
+            yield from self._list
+            return
+        rng, templates, index = random.Random(self._seed), self._templates, 0
+        for minute, per_rank in self._shares:
+            offset_s = float((minute - self._start_minute) * SECONDS_PER_MINUTE)
+            # Keep the arrival inside its minute even if the float addition rounds up to its end.
+            last_s = math.nextafter(offset_s + SECONDS_PER_MINUTE, -math.inf)
+            drawn = [
+                (min(offset_s + rng.uniform(0, SECONDS_PER_MINUTE), last_s), rank)
+                for rank, share in enumerate(per_rank)
+                for _ in range(share)
+            ]
+            drawn.sort()
+            for arrival_s, rank in drawn:
+                function, model, batch_size, slo_s = templates[rank]
+                yield Request(f"r{index:06d}", function, model, arrival_s, batch_size, slo_s=slo_s)
+                index += 1
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to any sequence of the same requests in the same order (a list included)."""
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, which have none
+
+    @overload
+    def __getitem__(self, index: int) -> Request: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Request]: ...
+    def __getitem__(self, index: int | slice) -> Request | list[Request]:
+        if self._list is None:
+            self._list = list(iter(self))
+        return self._list[index]
 
 
 def zipf_workload(
