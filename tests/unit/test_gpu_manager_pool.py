@@ -291,6 +291,51 @@ def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(scenario())
 
 
+def on_own_pool(
+    tmp_path: Path, backend: str, scenario: Callable[[Node], Coroutine[Any, Any, None]], **options: Any
+) -> None:
+    """Run `scenario(node)` on a pool of its own, `open_pool(backend, ..., **options)`; the packages
+    it can fetch are `node.shelf`'s."""
+    shelf = Shelf(tmp_path)
+
+    async def main() -> None:
+        async with open_pool(backend, shelf, **options) as node:
+            await scenario(node)
+
+    run(main)
+
+
+def on_own_emulated_pool(tmp_path: Path, scenario: Callable[[Node, str], Coroutine[Any, Any, None]]) -> None:
+    """Run `scenario(node, digest)` on an emulated pool of its own; `digest` is echo_function's
+    package, built before the pool starts."""
+    shelf = Shelf(tmp_path)
+
+    async def main() -> None:
+        digest = shelf.digest("echo_function")
+        async with open_pool("emulated", shelf) as node:
+            await scenario(node, digest)
+
+    run(main)
+
+
+def on_two_gpus_and_a_host_tier(
+    tmp_path: Path, scenario: Callable[[Node, str], Coroutine[Any, Any, None]], *, host_cache_mb: int, parked_mb: int
+) -> None:
+    """Run `scenario(node, probe)` on a cpu pool of its own with gpu0 and gpu1 and a host tier of
+    `host_cache_mb`, where each parked worker measures `parked_mb`; `probe` is probe_function's
+    package, built before the pool starts."""
+    shelf = Shelf(tmp_path)
+
+    async def main() -> None:
+        probe = shelf.digest("probe_function")
+        async with open_pool(
+            "cpu", shelf, gpus=("gpu0", "gpu1"), host_cache_mb=host_cache_mb, measure_host_mb=lambda pid: parked_mb
+        ) as node:
+            await scenario(node, probe)
+
+    run(main)
+
+
 @pytest.fixture(scope="module")
 def cpu_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     """One cpu pool for the tests of this module that only use models of their own (`on_shared`)."""
@@ -415,23 +460,19 @@ def test_without_a_warm_spare_a_miss_waits_for_a_worker_process(tmp_path: Path) 
 
 
 def test_concurrent_first_calls_of_a_model_load_it_once(tmp_path: Path) -> None:
-    shelf = Shelf(tmp_path)
+    async def scenario(node: Node, digest: str) -> None:
+        model = emulated("m", digest, load_s=0.3)
 
-    async def scenario() -> None:
-        digest = shelf.digest("echo_function")
-        async with open_pool("emulated", shelf) as node:
-            model = emulated("m", digest, load_s=0.3)
+        results = await asyncio.gather(*(node.call(model, {"i": i}) for i in range(4)))
 
-            results = await asyncio.gather(*(node.call(model, {"i": i}) for i in range(4)))
+        assert [ok(r)["echo"] for r in results] == [{"i": i} for i in range(4)]
+        assert [r.loaded for r in results].count(True) == 1
+        assert len(node.pool.workers()) == 1
+        await node.pool.spares_ready(TIMEOUT_S)
+        assert len(node.forked_workers()) == 2  # the model's worker and the new spare
+        assert node.shelf.fetched == [digest]
 
-            assert [ok(r)["echo"] for r in results] == [{"i": i} for i in range(4)]
-            assert [r.loaded for r in results].count(True) == 1
-            assert len(node.pool.workers()) == 1
-            await node.pool.spares_ready(TIMEOUT_S)
-            assert len(node.forked_workers()) == 2  # the model's worker and the new spare
-            assert shelf.fetched == [digest]
-
-    run(scenario)
+    on_own_emulated_pool(tmp_path, scenario)
 
 
 def test_calls_pipelined_to_one_worker_all_answer_in_order_and_beat_one_at_a_time(cpu_node: Node) -> None:
@@ -728,103 +769,89 @@ def test_a_worker_killed_under_a_call_is_worker_died_and_the_next_call_loads_afr
 
 
 def test_evict_stops_the_process_and_answers_false_for_a_model_it_does_not_run(tmp_path: Path) -> None:
-    shelf = Shelf(tmp_path)
+    async def scenario(node: Node, digest: str) -> None:
+        ok(await node.call(emulated("a", digest)))
+        # Every call of b takes 30 s: its first is still running when b is evicted.
+        in_flight = asyncio.create_task(node.call(emulated("b", digest, inference_s=30)))
+        await eventually(lambda: node.models() == ["a", "b"], "b is loaded")
+        await asyncio.sleep(0.1)
+        pid_a, pid_b = Proc.of(node.pid_of("a")), Proc.of(node.pid_of("b"))
 
-    async def scenario() -> None:
-        digest = shelf.digest("echo_function")
-        async with open_pool("emulated", shelf) as node:
-            ok(await node.call(emulated("a", digest)))
-            # Every call of b takes 30 s: its first is still running when b is evicted.
-            in_flight = asyncio.create_task(node.call(emulated("b", digest, inference_s=30)))
-            await eventually(lambda: node.models() == ["a", "b"], "b is loaded")
-            await asyncio.sleep(0.1)
-            pid_a, pid_b = Proc.of(node.pid_of("a")), Proc.of(node.pid_of("b"))
+        assert await node.pool.evict("a", "gpu0") is True
+        assert not pid_a.running  # evict returns once the process is gone
+        assert node.models() == ["b"]
+        assert await node.pool.evict("a", "gpu0") is False
+        assert await node.pool.evict("never-loaded", "gpu0") is False
+        assert await node.pool.evict("b", "gpu1") is False  # no such GPU, no such worker
 
-            assert await node.pool.evict("a", "gpu0") is True
-            assert not pid_a.running  # evict returns once the process is gone
-            assert node.models() == ["b"]
-            assert await node.pool.evict("a", "gpu0") is False
-            assert await node.pool.evict("never-loaded", "gpu0") is False
-            assert await node.pool.evict("b", "gpu1") is False  # no such GPU, no such worker
+        assert await node.pool.evict("b", "gpu0") is True
+        assert not pid_b.running
+        assert (await in_flight).outcome == pb.WORKER_DIED
+        assert (await node.call(emulated("a", digest))).loaded
 
-            assert await node.pool.evict("b", "gpu0") is True
-            assert not pid_b.running
-            assert (await in_flight).outcome == pb.WORKER_DIED
-            assert (await node.call(emulated("a", digest))).loaded
-
-    run(scenario)
+    on_own_emulated_pool(tmp_path, scenario)
 
 
 def test_a_victim_is_stopped_on_a_miss_unless_a_later_grant_used_it_or_it_has_calls_in_flight(
     tmp_path: Path,
 ) -> None:
-    shelf = Shelf(tmp_path)
+    async def scenario(node: Node, digest: str) -> None:
+        victim = emulated("victim", digest, inference_s=0.5)
+        ok(await node.call(victim, seq=1))
+        first = Proc.of(node.pid_of("victim"))
 
-    async def scenario() -> None:
-        digest = shelf.digest("echo_function")
-        async with open_pool("emulated", shelf) as node:
-            victim = emulated("victim", digest, inference_s=0.5)
-            ok(await node.call(victim, seq=1))
-            first = Proc.of(node.pid_of("victim"))
+        ok(await node.call(emulated("b", digest), evict=("victim",), seq=2))
+        assert node.models() == ["b"]
+        await eventually(lambda: not first.running, "the victim exits")
 
-            ok(await node.call(emulated("b", digest), evict=("victim",), seq=2))
-            assert node.models() == ["b"]
-            await eventually(lambda: not first.running, "the victim exits")
+        ok(await node.call(victim, seq=5))
+        second = Proc.of(node.pid_of("victim"))
+        ok(await node.call(emulated("c", digest), evict=("victim",), seq=3))  # an older grant
+        assert node.models() == ["b", "c", "victim"]
 
-            ok(await node.call(victim, seq=5))
-            second = Proc.of(node.pid_of("victim"))
-            ok(await node.call(emulated("c", digest), evict=("victim",), seq=3))  # an older grant
-            assert node.models() == ["b", "c", "victim"]
+        in_flight = asyncio.create_task(node.call(victim, seq=6))
+        await asyncio.sleep(0.1)
+        ok(await node.call(emulated("d", digest), evict=("victim",), seq=10))
+        assert ok(await in_flight)["model"] == "victim"
+        assert node.models() == ["b", "c", "d", "victim"]
+        assert second.running
 
-            in_flight = asyncio.create_task(node.call(victim, seq=6))
-            await asyncio.sleep(0.1)
-            ok(await node.call(emulated("d", digest), evict=("victim",), seq=10))
-            assert ok(await in_flight)["model"] == "victim"
-            assert node.models() == ["b", "c", "d", "victim"]
-            assert second.running
+        # A hit may name victims too (the grant expected a miss).
+        ok(await node.call(emulated("b", digest), evict=("victim",), seq=11))
+        assert node.models() == ["b", "c", "d"]
+        await eventually(lambda: not second.running, "the victim exits")
 
-            # A hit may name victims too (the grant expected a miss).
-            ok(await node.call(emulated("b", digest), evict=("victim",), seq=11))
-            assert node.models() == ["b", "c", "d"]
-            await eventually(lambda: not second.running, "the victim exits")
-
-    run(scenario)
+    on_own_emulated_pool(tmp_path, scenario)
 
 
 def test_the_host_tier_keeps_an_evicted_worker_and_a_miss_takes_it_back(tmp_path: Path) -> None:
-    shelf = Shelf(tmp_path)
-
-    async def scenario() -> None:
-        probe = shelf.digest("probe_function")
+    async def scenario(node: Node, probe: str) -> None:
         # Each parked worker measures 100 MB here (the real measure is the next test's).
-        async with open_pool(
-            "cpu", shelf, gpus=("gpu0", "gpu1"), host_cache_mb=250, measure_host_mb=lambda pid: 100
-        ) as node:
-            first = ok(await node.call(on_cpu("a", probe, memory_mb=100), {}))
-            ok(await node.call(on_cpu("b", probe, memory_mb=100), {}, evict=("a",), seq=1))
-            assert node.models() == ["b"]  # "a" left the GPU...
-            parked = Proc.of(first["pid"])
-            assert parked.running  # ... but its process stays, its model in host memory
+        first = ok(await node.call(on_cpu("a", probe, memory_mb=100), {}))
+        ok(await node.call(on_cpu("b", probe, memory_mb=100), {}, evict=("a",), seq=1))
+        assert node.models() == ["b"]  # "a" left the GPU...
+        parked = Proc.of(first["pid"])
+        assert parked.running  # ... but its process stays, its model in host memory
 
-            # A miss for "a", even on the other GPU, takes it back: no load, the same process.
-            back = await node.call(on_cpu("a", probe, memory_mb=100), {}, gpu="gpu1", seq=2)
-            assert ok(back)["pid"] == parked.pid
-            assert back.loaded and back.stages is not None
-            assert back.stages.from_host and back.stages.load_s == 0.0
-            assert node.models("gpu1") == ["a"]
+        # A miss for "a", even on the other GPU, takes it back: no load, the same process.
+        back = await node.call(on_cpu("a", probe, memory_mb=100), {}, gpu="gpu1", seq=2)
+        assert ok(back)["pid"] == parked.pid
+        assert back.loaded and back.stages is not None
+        assert back.stages.from_host and back.stages.load_s == 0.0
+        assert node.models("gpu1") == ["a"]
 
-            # The tier holds 250 MB of models: parking a third 100 MB one pushes the oldest out.
-            ok(await node.call(on_cpu("c", probe, memory_mb=100), {}, seq=3))
-            b_proc, c_proc = Proc.of(node.pid_of("b")), Proc.of(node.pid_of("c"))
-            for victim, seq in (("b", 4), ("c", 5)):
-                ok(await node.call(on_cpu(f"new-{victim}", probe, memory_mb=100), {}, evict=(victim,), seq=seq))
-            ok(await node.call(on_cpu("d", probe, memory_mb=100), {}, gpu="gpu1", evict=("a",), seq=6))
-            await eventually(lambda: not b_proc.running, "the oldest parked worker is stopped")
-            assert c_proc.running and parked.running
-            b_back = await node.call(on_cpu("b", probe, memory_mb=100), {}, seq=7)
-            assert b_back.loaded and b_back.stages is not None and not b_back.stages.from_host, "b was pushed out"
+        # The tier holds 250 MB of models: parking a third 100 MB one pushes the oldest out.
+        ok(await node.call(on_cpu("c", probe, memory_mb=100), {}, seq=3))
+        b_proc, c_proc = Proc.of(node.pid_of("b")), Proc.of(node.pid_of("c"))
+        for victim, seq in (("b", 4), ("c", 5)):
+            ok(await node.call(on_cpu(f"new-{victim}", probe, memory_mb=100), {}, evict=(victim,), seq=seq))
+        ok(await node.call(on_cpu("d", probe, memory_mb=100), {}, gpu="gpu1", evict=("a",), seq=6))
+        await eventually(lambda: not b_proc.running, "the oldest parked worker is stopped")
+        assert c_proc.running and parked.running
+        b_back = await node.call(on_cpu("b", probe, memory_mb=100), {}, seq=7)
+        assert b_back.loaded and b_back.stages is not None and not b_back.stages.from_host, "b was pushed out"
 
-    run(scenario)
+    on_two_gpus_and_a_host_tier(tmp_path, scenario, host_cache_mb=250, parked_mb=100)
 
 
 def test_misses_faster_than_spares_are_made_raise_the_spares_kept_up_to_the_extra(tmp_path: Path) -> None:
@@ -850,24 +877,18 @@ def test_misses_faster_than_spares_are_made_raise_the_spares_kept_up_to_the_extr
 
 
 def test_a_worker_taken_back_onto_another_gpu_follows_that_gpus_grant_order(tmp_path: Path) -> None:
-    shelf = Shelf(tmp_path)
+    async def scenario(node: Node, probe: str) -> None:
+        # "a" serves on gpu0 at grant 500 of gpu0's order, then is parked.
+        ok(await node.call(on_cpu("a", probe, memory_mb=100), {}, gpu="gpu0", seq=500))
+        ok(await node.call(on_cpu("b", probe, memory_mb=100), {}, gpu="gpu0", evict=("a",), seq=501))
+        # gpu1's order is at 3: "a" comes back there, and grant 4 of gpu1 evicts it.
+        back = await node.call(on_cpu("a", probe, memory_mb=100), {}, gpu="gpu1", seq=3)
+        assert back.stages is not None and back.stages.from_host
+        ok(await node.call(on_cpu("c", probe, memory_mb=100), {}, gpu="gpu1", evict=("a",), seq=4))
+        assert node.models("gpu1") == ["c"]  # gpu0's grant 500 did not make it look newer
+        assert [m for m, _ in node.pool.parked()] == ["a"]
 
-    async def scenario() -> None:
-        probe = shelf.digest("probe_function")
-        async with open_pool(
-            "cpu", shelf, gpus=("gpu0", "gpu1"), host_cache_mb=1000, measure_host_mb=lambda pid: 20
-        ) as node:
-            # "a" serves on gpu0 at grant 500 of gpu0's order, then is parked.
-            ok(await node.call(on_cpu("a", probe, memory_mb=100), {}, gpu="gpu0", seq=500))
-            ok(await node.call(on_cpu("b", probe, memory_mb=100), {}, gpu="gpu0", evict=("a",), seq=501))
-            # gpu1's order is at 3: "a" comes back there, and grant 4 of gpu1 evicts it.
-            back = await node.call(on_cpu("a", probe, memory_mb=100), {}, gpu="gpu1", seq=3)
-            assert back.stages is not None and back.stages.from_host
-            ok(await node.call(on_cpu("c", probe, memory_mb=100), {}, gpu="gpu1", evict=("a",), seq=4))
-            assert node.models("gpu1") == ["c"]  # gpu0's grant 500 did not make it look newer
-            assert [m for m, _ in node.pool.parked()] == ["a"]
-
-    run(scenario)
+    on_two_gpus_and_a_host_tier(tmp_path, scenario, host_cache_mb=1000, parked_mb=20)
 
 
 def test_parked_workers_are_charged_their_measured_host_memory_not_their_declared_gpu_memory(tmp_path: Path) -> None:
@@ -1142,30 +1163,26 @@ def test_a_spare_that_dies_is_replaced(tmp_path: Path) -> None:
 
 
 def test_a_zygote_that_dies_is_restarted_and_misses_still_work(tmp_path: Path) -> None:
-    shelf = Shelf(tmp_path)
+    async def scenario(node: Node, digest: str) -> None:
+        [spare] = node.hellos
+        [zygote] = node.zygotes()
+        zygote.kill()
+        await eventually(lambda: not zygote.running, "the zygote dies")
 
-    async def scenario() -> None:
-        digest = shelf.digest("echo_function")
-        async with open_pool("emulated", shelf) as node:
-            [spare] = node.hellos
-            [zygote] = node.zygotes()
-            zygote.kill()
-            await eventually(lambda: not zygote.running, "the zygote dies")
+        # The spare it forked before it died still serves (it speaks to the pool, not the zygote).
+        assert ok(await node.call(emulated("a", digest)))["model"] == "a"
+        assert node.pid_of("a") == spare.pid
+        # A worker forked after: by a new zygote.
+        assert ok(await node.call(emulated("b", digest)))["model"] == "b"
+        [restarted] = node.zygotes()
+        assert restarted != zygote
+        node.watch()
 
-            # The spare it forked before it died still serves (it speaks to the pool, not the zygote).
-            assert ok(await node.call(emulated("a", digest)))["model"] == "a"
-            assert node.pid_of("a") == spare.pid
-            # A worker forked after: by a new zygote.
-            assert ok(await node.call(emulated("b", digest)))["model"] == "b"
-            [restarted] = node.zygotes()
-            assert restarted != zygote
-            node.watch()
+        # The dead zygote's workers are orphans now; stopping one is as prompt as any other.
+        async with asyncio.timeout(5):
+            assert await node.pool.evict("a", "gpu0")
 
-            # The dead zygote's workers are orphans now; stopping one is as prompt as any other.
-            async with asyncio.timeout(5):
-                assert await node.pool.evict("a", "gpu0")
-
-    run(scenario)
+    on_own_emulated_pool(tmp_path, scenario)
 
 
 def test_shutdown_stops_every_worker_and_the_zygote_and_refuses_later_calls(tmp_path: Path) -> None:

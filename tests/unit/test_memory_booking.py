@@ -16,7 +16,7 @@ from gpu_manager.pool import MEASURE_EVERY_S
 from gpu_manager.workers import MEMORY_MARGIN_MB, Worker, book_memory, memory_margin_mb
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import Frame, MessageType
-from tests.unit.test_gpu_manager_pool import Shelf, eventually, ok, on_cpu, open_pool, run
+from tests.unit.test_gpu_manager_pool import Node, eventually, ok, on_cpu, on_own_pool
 
 
 class FakeNvml(Nvml):
@@ -77,83 +77,73 @@ def test_a_worker_takes_its_first_hello_only() -> None:
 def test_a_measured_model_is_booked_at_its_measurement_and_one_over_its_declaration_is_counted(
     tmp_path: Path,
 ) -> None:
-    shelf = Shelf(tmp_path)
     nvml = FakeNvml(450)
 
-    async def scenario() -> None:
-        async with open_pool("cpu", shelf, nvml=nvml, capacity_mb=lambda gpu_id: 2000) as node:
-            model = on_cpu("liar", shelf.digest("memory_liar_function"), environment={"CLAIM_MB": "1999"})
-            miss = await node.call(model)
-            assert ok(miss)["claimed_mb"] == 1999
-            assert miss.peak_memory_mb == 450  # NVML's figure, not the declared 300 nor the claimed 1,999
-            ((name, gpu, pid, booked_mb),) = node.pool.workers()
-            assert (name, gpu, booked_mb) == ("liar", "gpu0", 450) and (0, pid) in nvml.asked
-            assert node.pool.models_over_declared == {"measured": 1}
-            nvml.mb = 100  # it freed memory: the peak stays booked
-            await asyncio.sleep(MEASURE_EVERY_S)
-            hit = await node.call(model)
-            assert hit.peak_memory_mb == 450 and not hit.worker_killed
-            assert node.pool.models_over_declared == {"measured": 1}  # once per worker, not per call
+    async def scenario(node: Node) -> None:
+        model = on_cpu("liar", node.shelf.digest("memory_liar_function"), environment={"CLAIM_MB": "1999"})
+        miss = await node.call(model)
+        assert ok(miss)["claimed_mb"] == 1999
+        assert miss.peak_memory_mb == 450  # NVML's figure, not the declared 300 nor the claimed 1,999
+        ((name, gpu, pid, booked_mb),) = node.pool.workers()
+        assert (name, gpu, booked_mb) == ("liar", "gpu0", 450) and (0, pid) in nvml.asked
+        assert node.pool.models_over_declared == {"measured": 1}
+        nvml.mb = 100  # it freed memory: the peak stays booked
+        await asyncio.sleep(MEASURE_EVERY_S)
+        hit = await node.call(model)
+        assert hit.peak_memory_mb == 450 and not hit.worker_killed
+        assert node.pool.models_over_declared == {"measured": 1}  # once per worker, not per call
 
-    run(scenario)
+    on_own_pool(tmp_path, "cpu", scenario, nvml=nvml, capacity_mb=lambda gpu_id: 2000)
 
 
 def test_without_a_measurement_a_lying_worker_is_booked_at_its_declared_size_and_counted_once(
     tmp_path: Path,
 ) -> None:
-    shelf = Shelf(tmp_path)
+    async def scenario(node: Node) -> None:
+        for claim_mb, name in (("1", "under"), ("1999", "over")):
+            model = on_cpu(name, node.shelf.digest("memory_liar_function"), environment={"CLAIM_MB": claim_mb})
+            for _ in range(2):
+                result = await node.call(model)
+                assert ok(result)["claimed_mb"] == int(claim_mb)
+                assert result.peak_memory_mb == 300
+        assert sorted(mb for _, _, _, mb in node.pool.workers()) == [300, 300]
+        assert node.pool.models_over_declared == {"claimed": 1}
 
-    async def scenario() -> None:
-        async with open_pool("cpu", shelf, nvml=FakeNvml(None)) as node:
-            for claim_mb, name in (("1", "under"), ("1999", "over")):
-                model = on_cpu(name, shelf.digest("memory_liar_function"), environment={"CLAIM_MB": claim_mb})
-                for _ in range(2):
-                    result = await node.call(model)
-                    assert ok(result)["claimed_mb"] == int(claim_mb)
-                    assert result.peak_memory_mb == 300
-            assert sorted(mb for _, _, _, mb in node.pool.workers()) == [300, 300]
-            assert node.pool.models_over_declared == {"claimed": 1}
-
-    run(scenario)
+    on_own_pool(tmp_path, "cpu", scenario, nvml=FakeNvml(None))
 
 
 def test_a_model_measured_over_its_declaration_with_no_room_on_its_gpu_is_stopped_at_its_load(
     tmp_path: Path,
 ) -> None:
-    shelf = Shelf(tmp_path)
+    async def scenario(node: Node) -> None:
+        echo = node.shelf.digest("echo_function")
+        ok(await node.call(on_cpu("small", echo, memory_mb=100), {}))
+        # Declared 300, holds 900: with the other model's 900 (it measures the same here) the
+        # GPU's 1,000 MiB would book 1,800.
+        result = await node.call(on_cpu("big", echo), {})
+        assert result.outcome == pb.LOAD_FAILED and "declare memory_mb >= 900" in result.message
+        assert result.peak_memory_mb == 900  # so that the scheduler books it at that from then on
+        await eventually(lambda: node.pool.worker_exits["over_memory"] == 1, "the worker exits", 10.0)
+        assert [name for name, *_ in node.pool.workers()] == ["small"]
 
-    async def scenario() -> None:
-        async with open_pool("cpu", shelf, nvml=FakeNvml(900), capacity_mb=lambda gpu_id: 1000) as node:
-            echo = shelf.digest("echo_function")
-            ok(await node.call(on_cpu("small", echo, memory_mb=100), {}))
-            # Declared 300, holds 900: with the other model's 900 (it measures the same here) the
-            # GPU's 1,000 MiB would book 1,800.
-            result = await node.call(on_cpu("big", echo), {})
-            assert result.outcome == pb.LOAD_FAILED and "declare memory_mb >= 900" in result.message
-            assert result.peak_memory_mb == 900  # so that the scheduler books it at that from then on
-            await eventually(lambda: node.pool.worker_exits["over_memory"] == 1, "the worker exits", 10.0)
-            assert [name for name, *_ in node.pool.workers()] == ["small"]
-
-    run(scenario)
+    on_own_pool(tmp_path, "cpu", scenario, nvml=FakeNvml(900), capacity_mb=lambda gpu_id: 1000)
 
 
 def test_a_model_that_grows_past_its_gpu_after_its_load_is_stopped_after_its_call(tmp_path: Path) -> None:
-    shelf = Shelf(tmp_path)
     nvml = FakeNvml(250)
 
-    async def scenario() -> None:
-        async with open_pool("cpu", shelf, nvml=nvml, capacity_mb=lambda gpu_id: 1000) as node:
-            model = on_cpu("grows", shelf.digest("echo_function"))
-            assert ok(await node.call(model, {})) and node.pool.workers()[0][3] == 250
-            nvml.mb = 1200
-            await asyncio.sleep(MEASURE_EVERY_S)
-            grown = await node.call(model, {"x": 1})
-            assert ok(grown)["echo"] == {"x": 1}  # its call is answered ...
-            assert grown.worker_killed and grown.peak_memory_mb == 1200  # ... its worker stopped
-            await eventually(lambda: node.pool.worker_exits["over_memory"] == 1, "the worker exits", 10.0)
-            assert node.pool.workers() == []
+    async def scenario(node: Node) -> None:
+        model = on_cpu("grows", node.shelf.digest("echo_function"))
+        assert ok(await node.call(model, {})) and node.pool.workers()[0][3] == 250
+        nvml.mb = 1200
+        await asyncio.sleep(MEASURE_EVERY_S)
+        grown = await node.call(model, {"x": 1})
+        assert ok(grown)["echo"] == {"x": 1}  # its call is answered ...
+        assert grown.worker_killed and grown.peak_memory_mb == 1200  # ... its worker stopped
+        await eventually(lambda: node.pool.worker_exits["over_memory"] == 1, "the worker exits", 10.0)
+        assert node.pool.workers() == []
 
-    run(scenario)
+    on_own_pool(tmp_path, "cpu", scenario, nvml=nvml, capacity_mb=lambda gpu_id: 1000)
 
 
 # --- the scheduler's end ----------------------------------------------------------------------------
