@@ -308,12 +308,20 @@ class Daemon:
         return None if kv is None else kv.lease
 
 
-async def test_keeper_keeps_the_lease_alive() -> None:
+async def kept_registration() -> tuple[MemoryStore, ManualClock, Daemon, LeaseKeeper, int]:
+    """A Daemon registered under the 3 s lease a started LeaseKeeper keeps (sleeping on the manual
+    clock, registering the daemon again on a regrant): the store, the clock, the daemon, the keeper
+    and its first lease."""
     store, clock = make_store()
     daemon = Daemon(store)
     keeper = LeaseKeeper(store, 3, on_regrant=daemon.register, sleep=clock.sleep)
-    lease = await keeper.start()
-    await daemon.register(lease)
+    first = await keeper.start()
+    await daemon.register(first)
+    return store, clock, daemon, keeper, first
+
+
+async def test_keeper_keeps_the_lease_alive() -> None:
+    _, clock, daemon, keeper, lease = await kept_registration()
     await clock.advance(60)
     assert keeper.lease == lease and keeper.num_regrants == 0
     assert await daemon.lease_of_key() == lease
@@ -322,11 +330,7 @@ async def test_keeper_keeps_the_lease_alive() -> None:
 
 
 async def test_keeper_regrants_and_reregisters_after_the_lease_is_revoked() -> None:
-    store, clock = make_store()
-    daemon = Daemon(store)
-    keeper = LeaseKeeper(store, 3, on_regrant=daemon.register, sleep=clock.sleep)
-    first = await keeper.start()
-    await daemon.register(first)
+    store, clock, daemon, keeper, first = await kept_registration()
     await store.revoke_lease(first)
     assert await daemon.lease_of_key() is None
     await clock.advance(1)  # one refresh period
@@ -338,11 +342,7 @@ async def test_keeper_regrants_and_reregisters_after_the_lease_is_revoked() -> N
 
 
 async def test_keeper_rides_out_a_short_outage_and_regrants_after_a_long_one() -> None:
-    store, clock = make_store()
-    daemon = Daemon(store)
-    keeper = LeaseKeeper(store, 3, on_regrant=daemon.register, sleep=clock.sleep)
-    first = await keeper.start()
-    await daemon.register(first)
+    store, clock, daemon, keeper, first = await kept_registration()
 
     store.set_reachable(False)
     await clock.advance(2)  # shorter than the TTL
