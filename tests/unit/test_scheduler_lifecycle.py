@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import Dispatch
+from gpufaas.types import Request
+from scheduler import Dispatch, Scheduler
 from tests.builders import cache_on, make_scheduler, run_on, submit
 
 
-def test_failure_with_drop_requeues_and_forgets_the_model() -> None:
-    s = make_scheduler("lalb", gpus=2)
+def running_and_parked(gpus: int) -> tuple[Scheduler, Request, Request]:
+    """A lalb scheduler of `gpus` GPUs where "A", cached on g0, runs there since 0.0, and a second
+    call of "A", submitted at 0.1, is parked behind it on g0."""
+    s = make_scheduler("lalb", gpus=gpus)
     cache_on(s, "g0", "A")
     running = run_on(s, "g0", "A", now=0.0)
     (parked,) = submit(s, "A", now=0.1)
     s.park(parked, "g0", 0.1)
+    return s, running, parked
+
+
+def test_failure_with_drop_requeues_and_forgets_the_model() -> None:
+    s, running, parked = running_and_parked(gpus=2)
     s.on_failure(running.request_id, 0.5, drop_model=True, requeue=True)
     assert not s.cache.is_cached("A", "g0")
     assert [r.request_id for r in s.queue] == [running.request_id, parked.request_id]
@@ -51,11 +59,7 @@ def test_cancel_withdraws_queued_and_parked_requests_but_not_running_ones() -> N
 
 
 def test_removing_a_gpu_requeues_its_work_in_arrival_order() -> None:
-    s = make_scheduler("lalb", gpus=2)
-    cache_on(s, "g0", "A")
-    first = run_on(s, "g0", "A", now=0.0)
-    (later,) = submit(s, "A", now=0.1)
-    s.park(later, "g0", 0.1)
+    s, first, later = running_and_parked(gpus=2)
     (newest,) = submit(s, "B", now=0.2)
     assert s.remove_gpu("g0") == [first, later]
     assert [r.request_id for r in s.queue] == [first.request_id, later.request_id, newest.request_id]
@@ -118,11 +122,7 @@ def test_cancelling_a_parked_request_brings_its_gpus_free_time_forward() -> None
 
 
 def test_completing_a_request_that_is_not_running_changes_nothing() -> None:
-    s = make_scheduler("lalb", gpus=1)
-    cache_on(s, "g0", "A")
-    running = run_on(s, "g0", "A", now=0.0)
-    (parked,) = submit(s, "A", now=0.1)
-    s.park(parked, "g0", 0.1)
+    s, running, parked = running_and_parked(gpus=1)
     with pytest.raises(KeyError, match="parked"):
         s.on_complete(parked.request_id, 0.5)
     with pytest.raises(KeyError, match="not running anywhere"):
