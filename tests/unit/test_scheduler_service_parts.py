@@ -45,12 +45,20 @@ def with_model_on_gpu(service: SchedulerService, spec: FunctionSpec) -> None:
     service.book.reconcile(GPU, {spec.model: spec.memory_mb}, 0.0)
 
 
-def test_a_flush_writes_what_changed_and_nothing_twice() -> None:
+def run_with_a_model(scenario: Callable[[SchedulerService, MemoryStore, FunctionSpec], Awaitable[None]]) -> None:
+    """`run` `scenario(service, store, spec)` with `spec` (function fn-a)'s model on GPU already."""
     spec = make_spec("fn-a")
 
-    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
-        keys = service.keys
+    async def with_a_model(service: SchedulerService, store: MemoryStore) -> None:
         with_model_on_gpu(service, spec)
+        await scenario(service, store, spec)
+
+    run(with_a_model)
+
+
+def test_a_flush_writes_what_changed_and_nothing_twice() -> None:
+    async def scenario(service: SchedulerService, store: MemoryStore, spec: FunctionSpec) -> None:
+        keys = service.keys
         await service.persister.flush()
         lru = await store.get(keys.gpu_lru("n1", "g0"))
         status = await store.get(keys.gpu_status("n1", "g0"))
@@ -64,7 +72,7 @@ def test_a_flush_writes_what_changed_and_nothing_twice() -> None:
         await service.persister.flush()
         assert await store.revision() == revision
 
-    run(scenario)
+    run_with_a_model(scenario)
 
 
 def test_a_deposed_leaders_flush_writes_nothing_over_its_successors() -> None:
@@ -93,26 +101,20 @@ def test_a_deposed_leaders_flush_writes_nothing_over_its_successors() -> None:
 
 
 def test_a_gpu_that_left_loses_its_keys() -> None:
-    spec = make_spec("fn-a")
-
-    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+    async def scenario(service: SchedulerService, store: MemoryStore, spec: FunctionSpec) -> None:
         keys = service.keys
-        with_model_on_gpu(service, spec)
         await service.persister.flush()
         service.persister.gpus_left([GPU])
         await service.persister.flush()
         assert await store.get(keys.gpu_lru("n1", "g0")) is None
         assert await store.get(keys.gpu_status("n1", "g0")) is None
 
-    run(scenario)
+    run_with_a_model(scenario)
 
 
 def test_a_failed_flush_keeps_everything_for_the_next() -> None:
-    spec = make_spec("fn-a")
-
-    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+    async def scenario(service: SchedulerService, store: MemoryStore, spec: FunctionSpec) -> None:
         keys = service.keys
-        with_model_on_gpu(service, spec)
         await store.put(keys.gpu_lru("n9", "g0"), b"[]")  # a GPU that left
         service.persister.gpus_left(["n9/g0"])
         store.set_reachable(False)
@@ -125,7 +127,7 @@ def test_a_failed_flush_keeps_everything_for_the_next() -> None:
         assert await store.get(keys.gpu_lru("n9", "g0")) is None
         assert not service.book.dirty_gpus and not service.book.dirty_models
 
-    run(scenario)
+    run_with_a_model(scenario)
 
 
 def test_recovery_returns_the_lru_lists_of_registered_gpus_and_deletes_the_rest() -> None:
