@@ -123,6 +123,19 @@ def mappings_of(path: Path) -> list[tuple[int, int, str]]:
     return found
 
 
+def in_pooled_package(
+    package: Path, pool: Callable[[Path], int], monkeypatch: pytest.MonkeyPatch, rel_path: str, *, named: str = ""
+) -> tuple[Path, int]:
+    """Write `rel_path` (make_tensors') into the package, pool a copy, configure the pool with it
+    (under `named`, `rel_path` unless given) and work in the package directory: the file and the
+    pool copy's fd."""
+    source = write_package_file(package, rel_path)
+    fd = pool(source)
+    weights.configure(str(package), {named or rel_path: fd})
+    monkeypatch.chdir(package)
+    return source, fd
+
+
 def pool_path(fd: int) -> Path:
     return Path(os.readlink(f"/proc/self/fd/{fd}"))
 
@@ -163,11 +176,8 @@ def test_cpu_load_reads_the_pool_copy_not_the_package_file(
 def test_cpu_tensors_lie_in_a_private_mapping_of_the_pool_copy_and_writes_stay_private(
     package: Path, pool: Callable[[Path], int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    source = write_package_file(package, "weights.safetensors")
-    fd = pool(source)
+    source, fd = in_pooled_package(package, pool, monkeypatch, "weights.safetensors")
     pooled_bytes = pool_path(fd).read_bytes()
-    weights.configure(str(package), {"weights.safetensors": fd})
-    monkeypatch.chdir(package)
 
     loaded = weights.load_file("weights.safetensors")
 
@@ -184,10 +194,7 @@ def test_cpu_tensors_lie_in_a_private_mapping_of_the_pool_copy_and_writes_stay_p
 def test_cpu_tensors_keep_the_mapping_alive_and_release_it_when_gone(
     package: Path, pool: Callable[[Path], int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    source = write_package_file(package, "weights.safetensors")
-    fd = pool(source)
-    weights.configure(str(package), {"weights.safetensors": fd})
-    monkeypatch.chdir(package)
+    source, fd = in_pooled_package(package, pool, monkeypatch, "weights.safetensors")
     expected = safetensors_torch.load_file(source)["f32"][1:3].clone()
 
     view = weights.load_file("weights.safetensors")["f32"][1:3]  # the dict and the base tensor are gone
@@ -230,10 +237,7 @@ def test_misaligned_tensors_load_as_aligned_copies(
 def test_pooled_files_in_subdirectories_match_however_the_path_is_spelled(
     package: Path, pool: Callable[[Path], int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    source = write_package_file(package, "sub/w.safetensors")
-    fd = pool(source)
-    weights.configure(str(package), {"./sub/w.safetensors": fd})
-    monkeypatch.chdir(package)
+    source, fd = in_pooled_package(package, pool, monkeypatch, "sub/w.safetensors", named="./sub/w.safetensors")
 
     assert weights.pooled_files() == {"sub/w.safetensors": fd}
     for spelling in ("sub/w.safetensors", "./sub/../sub/w.safetensors", source, str(source)):
