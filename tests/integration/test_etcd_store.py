@@ -62,6 +62,11 @@ class Harness:
             await self.pass_time(0.1)
         assert await check(), f"not true within {within_s} s"
 
+    async def open_with_a_lease(self) -> tuple[Store, str, int]:
+        """A store opened, the root to write under, and a lease of TTL_S granted there."""
+        store = await self.open_store()
+        return store, self.root, await store.grant_lease(TTL_S)
+
 
 @pytest.fixture(params=["memory", "etcd"])
 def harness(request: pytest.FixtureRequest) -> Harness:
@@ -171,8 +176,7 @@ async def test_a_fenced_write_goes_through_only_while_the_guard_is_the_same_key(
 
 @async_test
 async def test_a_lost_lease_is_refused_only_where_it_would_be_used(harness: Harness) -> None:
-    store, r = await harness.open_store(), harness.root
-    lease = await store.grant_lease(TTL_S)
+    store, r, lease = await harness.open_with_a_lease()
     await store.revoke_lease(lease)
     await store.revoke_lease(lease)  # idempotent
     with pytest.raises(LeaseLost):
@@ -188,8 +192,7 @@ async def test_a_lost_lease_is_refused_only_where_it_would_be_used(harness: Harn
 
 @async_test
 async def test_lease_expiry_deletes_its_keys_and_a_watcher_sees_it(harness: Harness) -> None:
-    store, r = await harness.open_store(), harness.root
-    lease = await store.grant_lease(TTL_S)
+    store, r, lease = await harness.open_with_a_lease()
     await store.put(f"{r}/live/a", b"a", lease=lease)
     await store.put(f"{r}/live/b", b"b", lease=lease)
     await store.put(f"{r}/live/c", b"c")
@@ -218,8 +221,7 @@ async def test_lease_expiry_deletes_its_keys_and_a_watcher_sees_it(harness: Harn
 
 @async_test
 async def test_refreshing_keeps_a_lease_past_its_ttl(harness: Harness) -> None:
-    store, r = await harness.open_store(), harness.root
-    lease = await store.grant_lease(TTL_S)
+    store, r, lease = await harness.open_with_a_lease()
     await store.put(f"{r}/k", b"v", lease=lease)
     for _ in range(4):
         await harness.pass_time(TTL_S / 3)
