@@ -25,6 +25,16 @@ def call(cluster: LocalCluster, name: str, sleep_s: float = 0.0, client: httpx.C
     )
 
 
+def sleepy_on_one_node(
+    make_cluster: ClusterFactory, tmp_path: Path, name: str, *, gpus: int
+) -> tuple[LocalCluster, str, httpx.Response]:
+    """A cpu cluster of one node with `gpus` GPUs of 1000 MB, and `name` (sleepy_function) deployed
+    there and called once: the cluster, the function's model and that first answer."""
+    cluster = make_cluster(nodes=1, gpus_per_node=gpus, backend="cpu", gpu_memory_mb=1000)
+    model = str(deploy(cluster, name, "sleepy_function", tmp_path)["model"])
+    return cluster, model, call(cluster, name)
+
+
 def test_killing_a_gpu_manager_mid_burst_loses_no_invocation(make_cluster: ClusterFactory, tmp_path: Path) -> None:
     """Every call is answered: those sent after the kill run on the other node; one running on the
     killed node is answered 502 "outcome unknown" (at most once: it may have had effects, so it is
@@ -108,9 +118,7 @@ def test_scheduler_restart_rebuilds_its_cache_state_from_the_nodes_and_etcd(
 def test_a_worker_dying_mid_request_is_retried_elsewhere_and_its_cache_entry_dropped(
     make_cluster: ClusterFactory, tmp_path: Path, etcd_endpoint: EtcdTarget
 ) -> None:
-    cluster = make_cluster(nodes=1, gpus_per_node=2, backend="cpu", gpu_memory_mb=1000)
-    model = str(deploy(cluster, "fragile", "sleepy_function", tmp_path)["model"])
-    first = call(cluster, "fragile")
+    cluster, model, first = sleepy_on_one_node(make_cluster, tmp_path, "fragile", gpus=2)
     worker_pid = first.json()["pid"]
     results: list[httpx.Response] = []
     caller = threading.Thread(target=lambda: results.append(call(cluster, "fragile", 2.0)))
@@ -136,9 +144,7 @@ def test_a_worker_dying_between_calls_leaves_the_cache_within_a_reconcile_period
 ) -> None:
     from scheduler.node_links import RECONCILE_S
 
-    cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000)
-    model = str(deploy(cluster, "idle", "sleepy_function", tmp_path)["model"])
-    first = call(cluster, "idle")
+    cluster, model, first = sleepy_on_one_node(make_cluster, tmp_path, "idle", gpus=1)
     etcd_state_when(etcd_endpoint.endpoint, etcd_endpoint.root, lambda state: model in state[1])
     killed_at = time.monotonic()
     os.kill(first.json()["pid"], signal.SIGKILL)  # no call runs: nothing tells the scheduler but reconciliation
@@ -159,9 +165,8 @@ def test_a_node_key_deleted_by_hand_comes_back_with_its_gpus_and_their_models(
     from gpufaas.keys import Keys
     from gpufaas.store import EtcdStore
 
-    cluster = make_cluster(nodes=1, gpus_per_node=2, backend="cpu", gpu_memory_mb=1000)
-    deploy(cluster, "steady", "sleepy_function", tmp_path)
-    assert call(cluster, "steady").headers["X-Cache"] == "miss"
+    cluster, _, first = sleepy_on_one_node(make_cluster, tmp_path, "steady", gpus=2)
+    assert first.headers["X-Cache"] == "miss"
 
     async def delete_key() -> None:
         store = await EtcdStore.open(etcd_endpoint.endpoint)
