@@ -428,9 +428,11 @@ class _Run:
         """Submit every arrival and run every call to completion, one instant at a time,
         keeping `meter` up to date."""
         gpus = self.gpus
-        while self.upcoming is not None or gpus.busy():
-            arrival_at = self.upcoming.arrival_s if self.upcoming is not None else math.inf
-            now = self.now = min(arrival_at, self.gpus.next_event_s())
+        while True:
+            event_s, upcoming = gpus.next_event_s(), self.upcoming
+            if upcoming is None and not gpus.events_pending():
+                return
+            now = self.now = event_s if upcoming is None or event_s < upcoming.arrival_s else upcoming.arrival_s
             # Completions at this instant first: a slot freed now can serve a request arriving now.
             completed = self._complete(now, on_progress)
             arrived = self._submit_arrivals(now)
@@ -778,8 +780,8 @@ class _Gpus:
         self.batches = 0
         self.events = 0  # events popped off the heap, stale ones included
 
-    def busy(self) -> bool:
-        self._drop_stale()
+    def events_pending(self) -> bool:
+        """Whether any event is due, stale ones dropped by the last `next_event_s` (or `busy`)."""
         return bool(self._events)
 
     def next_event_s(self) -> float:
@@ -912,8 +914,12 @@ class _Gpus:
                 heapq.heappush(self._events, (worker.wait_until_s, _WAIT_OVER, next(self._wait_ties), worker))
             if now < worker.wait_until_s:
                 return
-        calls = [worker.waiting.popleft() for _ in range(min(len(worker.waiting), batching.max_batch_size))]
-        samples = sum(call.request.batch_size for call in calls)
+        if batching.max_batch_size == 1:  # the common case, one call a batch
+            calls = [worker.waiting.popleft()]
+            samples = calls[0].request.batch_size
+        else:
+            calls = [worker.waiting.popleft() for _ in range(min(len(worker.waiting), batching.max_batch_size))]
+            samples = sum(call.request.batch_size for call in calls)
         compute_s = batch_inference_s(worker.profile, samples, len(calls), self._exponent) * self._jitter.factor()
         worker.busy = True
         worker.wait_until_s = None
