@@ -61,6 +61,12 @@ class Env:
         digest: str = response.json()["digest"]
         return digest
 
+    async def deploy(self, name: str, **fields: Any) -> None:
+        """Upload PACKAGE and deploy it as function `name` (with `fields`), which must be accepted."""
+        spec = {"name": name, "package_digest": await self.upload(), **fields}
+        response = await self.client.post("/system/functions", json=spec)
+        assert response.status_code == 202, response.text
+
     async def stored_spec(self, name: str) -> dict[str, Any] | None:
         kv = await self.store.get(self.keys.function(name))
         return None if kv is None else json.loads(kv.value)
@@ -618,11 +624,7 @@ def test_datastore_outage_is_a_503_naming_etcd(tmp_path: Path) -> None:
 
 def test_invoke_while_the_scheduler_is_unreachable(tmp_path: Path) -> None:
     async def body(env: Env) -> None:
-        digest = await env.upload()
-        response = await env.client.post(
-            "/system/functions", json={"name": "lonely", "package_digest": digest, "memory_mb": 1, "timeout_s": 2}
-        )
-        assert response.status_code == 202, response.text
+        await env.deploy("lonely", memory_mb=1, timeout_s=2)
 
         started = asyncio.get_running_loop().time()
         response = await env.client.post("/function/lonely", json={"x": 1}, headers={"X-Call-Id": "call-1"})
@@ -648,11 +650,7 @@ def test_invoke_while_the_scheduler_is_unreachable(tmp_path: Path) -> None:
 
 def test_invoke_errors_answered_by_the_gateway_itself(tmp_path: Path) -> None:
     async def body(env: Env) -> None:
-        digest = await env.upload()
-        response = await env.client.post(
-            "/system/functions", json={"name": "small", "package_digest": digest, "memory_mb": 1, "timeout_s": 2}
-        )
-        assert response.status_code == 202, response.text
+        await env.deploy("small", memory_mb=1, timeout_s=2)
 
         assert_error(await env.client.post("/function/nope", json={}), 404, "'nope'", "deploy")
         # Over the payload limit: declared, and streamed without a Content-Length.
