@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 
 from gpufaas.cli import app
 from gpufaas.cli.top import age_text, natural_key, render, short_model_names
+from tests.unit.test_overview_parts import NO_CALLS
 
 NOW_S = 1_763_870_000.0
 RESNET = "resnet@ab12cd34ef56"
@@ -50,18 +51,7 @@ def make_gpu(gpu: str = "node-0/0", **fields: Any) -> dict[str, Any]:
 
 
 def make_function(name: str = "resnet", **fields: Any) -> dict[str, Any]:
-    return {
-        "name": name,
-        "model": f"{name}@ab12cd34ef56",
-        "replicas": 1,
-        "calls": 0,
-        "hits": 0,
-        "misses": 0,
-        "errors": 0,
-        "hit_ratio": None,
-        "latency_ms": None,
-        **fields,
-    }
+    return {"name": name, "model": f"{name}@ab12cd34ef56", "replicas": 1, **NO_CALLS, **fields}
 
 
 def make_overview(**fields: Any) -> dict[str, Any]:
