@@ -44,13 +44,15 @@ def test_a_package_user_is_fixed_by_its_digest_and_clear_of_host_ids() -> None:
 
 
 def test_only_the_runtimes_variables_reach_a_worker() -> None:
-    node = {
+    passed = {
         "PATH": "/usr/bin",
         "LANG": "C.UTF-8",
         "LC_ALL": "C",
         "CUDA_VISIBLE_DEVICES": "0",
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": "/src",
+    }
+    withheld = {
         "GPUFAAS_SECRET_FILE": "/run/gpufaas/cluster-secret",
         "GPUFAAS_PASSWORD": "hunter2",
         "AWS_SECRET_ACCESS_KEY": "x",
@@ -58,14 +60,7 @@ def test_only_the_runtimes_variables_reach_a_worker() -> None:
         "HOME": "/root",
         "SSH_AUTH_SOCK": "/tmp/agent",
     }
-    assert worker_environment(node) == {
-        "PATH": "/usr/bin",
-        "LANG": "C.UTF-8",
-        "LC_ALL": "C",
-        "CUDA_VISIBLE_DEVICES": "0",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": "/src",
-    }
+    assert worker_environment({**passed, **withheld}) == passed
 
 
 def test_memory_is_bounded_by_the_declaration_on_cpu_only() -> None:
