@@ -61,6 +61,15 @@ class FakeGateway:
     async def open(self, cluster: LocalCluster) -> None:
         self.scheduler = await connect(cluster.scheduler_address, self, key=cluster.wire_key)
 
+    @classmethod
+    async def placing(cls, cluster: LocalCluster, call_id: str) -> tuple[FakeGateway, pb.Placement]:
+        """A gateway linked to the cluster's scheduler that sent a Place of `call_id` (of sleepy):
+        it, and the call's first placement."""
+        gateway = cls()
+        await gateway.open(cluster)
+        gateway.place(call_id, "sleepy")
+        return gateway, await gateway.placement(call_id)
+
     def place(self, call_id: str, function: str, timeout_s: float = 30.0) -> None:
         assert self.scheduler is not None
         self.scheduler.send(MessageType.PLACE, pb.Place(call_id=call_id, function=function, timeout_s=timeout_s))
@@ -102,6 +111,19 @@ async def execute(
         conn.close()
 
 
+async def placed_elsewhere(gateway: FakeGateway, cluster: LocalCluster, first: pb.Placement, reason: int) -> float:
+    """Abandon `first` for `reason`; the call's second placement must be on another node and run
+    there. The seconds from the Abandon to that placement."""
+    started = time.monotonic()
+    gateway.abandon(first.call_id, first.attempt, reason)
+    second = await gateway.placement(first.call_id, attempt=2, timeout_s=10)
+    waited = time.monotonic() - started
+    assert second.node != first.node
+    reply, _ = await execute(second, key=cluster.wire_key)
+    assert reply.outcome == pb.OK, reply.message
+    return waited
+
+
 def gpus(cluster: LocalCluster) -> dict[str, dict[str, Any]]:
     return {
         g["gpu"]: g for g in httpx.get(f"{cluster.gateway_url}/system/gpus", timeout=10, auth=cluster.admin_auth).json()
@@ -126,169 +148,128 @@ def cluster(make_cluster: ClusterFactory, tmp_path: Path) -> LocalCluster:
     return cluster
 
 
-def test_a_gateway_dying_after_a_placement_frees_the_slot_at_once(cluster: LocalCluster) -> None:
-    async def main() -> None:
-        gateway = FakeGateway()
-        await gateway.open(cluster)
-        gateway.place("orphan-1", "sleepy")
-        placement = await gateway.placement("orphan-1")
-        assert not placement.hit  # a miss: the model's entry was admitted for it
-        gpu = f"{placement.node}/{placement.gpu}"
-        assert gpus(cluster)[gpu]["running"] == ["orphan-1"]
-        assert gateway.scheduler is not None
-        gateway.scheduler.close()  # the gateway dies before sending the payload
+@pytest.mark.anyio
+async def test_a_gateway_dying_after_a_placement_frees_the_slot_at_once(cluster: LocalCluster) -> None:
+    gateway, placement = await FakeGateway.placing(cluster, "orphan-1")
+    assert not placement.hit  # a miss: the model's entry was admitted for it
+    gpu = f"{placement.node}/{placement.gpu}"
+    assert gpus(cluster)[gpu]["running"] == ["orphan-1"]
+    assert gateway.scheduler is not None
+    gateway.scheduler.close()  # the gateway dies before sending the payload
 
-        # The scheduler asks the node, which never saw the grant: the slot is free, and the model's
-        # entry (it never loaded) is gone, well before the claim time would have caught it.
-        waited = await eventually(
-            lambda: gpus(cluster)[gpu]["running"] == [] and gpus(cluster)[gpu]["lru"] == [], timeout_s=CLAIM_S * 3
-        )
-        assert waited < CLAIM_S / 4, f"freed after {waited:.2f} s, not at once"
-        # The revoked token is refused if it turns up after all, and runs nothing.
-        reply, _ = await execute(placement, key=cluster.wire_key)
-        assert reply.outcome == pb.REFUSED and "revoked" in reply.message
-        # The cluster serves as before.
-        response = await asyncio.to_thread(
-            httpx.post,
-            f"{cluster.gateway_url}/function/sleepy",
-            json={"sleep_s": 0},
-            timeout=30,
-            auth=cluster.admin_auth,
-        )
-        assert response.status_code == 200, response.text
-
-    asyncio.run(main())
+    # The scheduler asks the node, which never saw the grant: the slot is free, and the model's
+    # entry (it never loaded) is gone, well before the claim time would have caught it.
+    waited = await eventually(
+        lambda: gpus(cluster)[gpu]["running"] == [] and gpus(cluster)[gpu]["lru"] == [], timeout_s=CLAIM_S * 3
+    )
+    assert waited < CLAIM_S / 4, f"freed after {waited:.2f} s, not at once"
+    # The revoked token is refused if it turns up after all, and runs nothing.
+    reply, _ = await execute(placement, key=cluster.wire_key)
+    assert reply.outcome == pb.REFUSED and "revoked" in reply.message
+    # The cluster serves as before.
+    response = await asyncio.to_thread(
+        httpx.post,
+        f"{cluster.gateway_url}/function/sleepy",
+        json={"sleep_s": 0},
+        timeout=30,
+        auth=cluster.admin_auth,
+    )
+    assert response.status_code == 200, response.text
 
 
-def test_a_placement_never_presented_is_revoked_and_placed_again(cluster: LocalCluster) -> None:
-    async def main() -> None:
-        gateway = FakeGateway()
-        await gateway.open(cluster)
-        gateway.place("stalled-1", "sleepy")
-        first = await gateway.placement("stalled-1")
-        started = time.monotonic()
-        # The gateway keeps its connection but never sends the payload: after the claim time the
-        # scheduler checks with the node (never seen: revoked there) and places the call again.
-        second = await gateway.placement("stalled-1", attempt=2, timeout_s=CLAIM_S * 5)
-        assert time.monotonic() - started >= CLAIM_S * 0.8
-        old_reply, _ = await execute(first, key=cluster.wire_key)
-        assert old_reply.outcome == pb.REFUSED and "revoked" in old_reply.message
-        reply, body = await execute(second, key=cluster.wire_key)
-        assert reply.outcome == pb.OK, reply.message
-        assert b"slept_s" in body
-
-    asyncio.run(main())
+@pytest.mark.anyio
+async def test_a_placement_never_presented_is_revoked_and_placed_again(cluster: LocalCluster) -> None:
+    gateway, first = await FakeGateway.placing(cluster, "stalled-1")
+    started = time.monotonic()
+    # The gateway keeps its connection but never sends the payload: after the claim time the
+    # scheduler checks with the node (never seen: revoked there) and places the call again.
+    second = await gateway.placement("stalled-1", attempt=2, timeout_s=CLAIM_S * 5)
+    assert time.monotonic() - started >= CLAIM_S * 0.8
+    old_reply, _ = await execute(first, key=cluster.wire_key)
+    assert old_reply.outcome == pb.REFUSED and "revoked" in old_reply.message
+    reply, body = await execute(second, key=cluster.wire_key)
+    assert reply.outcome == pb.OK, reply.message
+    assert b"slept_s" in body
 
 
-def test_a_token_reused_or_forged_is_refused(cluster: LocalCluster) -> None:
-    async def main() -> None:
-        gateway = FakeGateway()
-        await gateway.open(cluster)
-        gateway.place("once-1", "sleepy")
-        placement = await gateway.placement("once-1")
-        reply, _ = await execute(placement, key=cluster.wire_key)
-        assert reply.outcome == pb.OK, reply.message
+@pytest.mark.anyio
+async def test_a_token_reused_or_forged_is_refused(cluster: LocalCluster) -> None:
+    gateway, placement = await FakeGateway.placing(cluster, "once-1")
+    reply, _ = await execute(placement, key=cluster.wire_key)
+    assert reply.outcome == pb.OK, reply.message
 
-        again, again_body = await execute(placement, key=cluster.wire_key)
-        assert again.outcome == pb.REFUSED and "used already" in again.message
-        assert again_body == b""
+    again, again_body = await execute(placement, key=cluster.wire_key)
+    assert again.outcome == pb.REFUSED and "used already" in again.message
+    assert again_body == b""
 
-        gateway.place("forged-1", "sleepy")
-        genuine = await gateway.placement("forged-1")
-        forged = bytearray(genuine.token)
-        forged[10] ^= 0xFF  # a byte of the grant: say, another call id or GPU
-        refused, _ = await execute(genuine, token=bytes(forged), key=cluster.wire_key)
-        assert refused.outcome == pb.REFUSED and "signature" in refused.message
-        refused, _ = await execute(
-            genuine, token=b"not a token at all, but long enough to look like one", key=cluster.wire_key
-        )
-        assert refused.outcome == pb.REFUSED
-        # The genuine token still works: a refusal does not burn it.
-        reply, body = await execute(genuine, key=cluster.wire_key)
-        assert reply.outcome == pb.OK and b"slept_s" in body
-
-    asyncio.run(main())
+    gateway.place("forged-1", "sleepy")
+    genuine = await gateway.placement("forged-1")
+    forged = bytearray(genuine.token)
+    forged[10] ^= 0xFF  # a byte of the grant: say, another call id or GPU
+    refused, _ = await execute(genuine, token=bytes(forged), key=cluster.wire_key)
+    assert refused.outcome == pb.REFUSED and "signature" in refused.message
+    refused, _ = await execute(
+        genuine, token=b"not a token at all, but long enough to look like one", key=cluster.wire_key
+    )
+    assert refused.outcome == pb.REFUSED
+    # The genuine token still works: a refusal does not burn it.
+    reply, body = await execute(genuine, key=cluster.wire_key)
+    assert reply.outcome == pb.OK and b"slept_s" in body
 
 
-def test_a_placement_on_a_node_that_left_is_placed_elsewhere_before_its_lease_expires(
+@pytest.mark.anyio
+async def test_a_placement_on_a_node_that_left_is_placed_elsewhere_before_its_lease_expires(
     cluster: LocalCluster,
 ) -> None:
-    async def main() -> None:
-        gateway = FakeGateway()
-        await gateway.open(cluster)
-        gateway.place("moved-1", "sleepy")
-        first = await gateway.placement("moved-1")
-        cluster.components[first.node].stop(kill=True)  # the node dies between placement and payload
-        with pytest.raises(ConnectionLost):
-            await execute(first, key=cluster.wire_key)
-        started = time.monotonic()
-        # Not even connected: the Execute was never sent, so it cannot have run there (REFUSED). A
-        # NODE_UNREACHABLE (it may run there) would get a 502 "outcome unknown": the node is gone.
-        gateway.abandon("moved-1", first.attempt, pb.Abandon.REFUSED)
-        second = await gateway.placement("moved-1", attempt=2, timeout_s=10)
-        waited = time.monotonic() - started
-        assert second.node != first.node
-        assert waited < 1.5, f"placed again after {waited:.2f} s; the node's lease (3 s) would have done it"
-        reply, _ = await execute(second, key=cluster.wire_key)
-        assert reply.outcome == pb.OK, reply.message
-
-    asyncio.run(main())
+    gateway, first = await FakeGateway.placing(cluster, "moved-1")
+    cluster.components[first.node].stop(kill=True)  # the node dies between placement and payload
+    with pytest.raises(ConnectionLost):
+        await execute(first, key=cluster.wire_key)
+    # Not even connected: the Execute was never sent, so it cannot have run there (REFUSED). A
+    # NODE_UNREACHABLE (it may run there) would get a 502 "outcome unknown": the node is gone.
+    waited = await placed_elsewhere(gateway, cluster, first, pb.Abandon.REFUSED)
+    assert waited < 1.5, f"placed again after {waited:.2f} s; the node's lease (3 s) would have done it"
 
 
-def test_a_node_the_gateway_cannot_reach_gets_the_call_placed_elsewhere_and_the_grant_revoked(
+@pytest.mark.anyio
+async def test_a_node_the_gateway_cannot_reach_gets_the_call_placed_elsewhere_and_the_grant_revoked(
     cluster: LocalCluster,
 ) -> None:
-    async def main() -> None:
-        gateway = FakeGateway()
-        await gateway.open(cluster)
-        gateway.place("cut-off-1", "sleepy")
-        first = await gateway.placement("cut-off-1")
-        started = time.monotonic()
-        # As if the gateway's link to that node were cut after its Execute went, which the cut
-        # dropped (the node itself is fine): the scheduler asks the node, which never saw it.
-        gateway.abandon("cut-off-1", first.attempt, pb.Abandon.NODE_UNREACHABLE)
-        second = await gateway.placement("cut-off-1", attempt=2, timeout_s=10)
-        waited = time.monotonic() - started
-        assert second.node != first.node
-        assert waited < CLAIM_S * 0.75, f"placed again after {waited:.2f} s: that was the claim check, not the report"
-        reply, _ = await execute(second, key=cluster.wire_key)
-        assert reply.outcome == pb.OK, reply.message
+    gateway, first = await FakeGateway.placing(cluster, "cut-off-1")
+    # As if the gateway's link to that node were cut after its Execute went, which the cut
+    # dropped (the node itself is fine): the scheduler asks the node, which never saw it.
+    waited = await placed_elsewhere(gateway, cluster, first, pb.Abandon.NODE_UNREACHABLE)
+    assert waited < CLAIM_S * 0.75, f"placed again after {waited:.2f} s: that was the claim check, not the report"
 
-        async def revoked() -> bool:
-            old, _ = await execute(first, key=cluster.wire_key)
-            assert old.outcome == pb.REFUSED, "the abandoned grant ran"
-            return "revoked" in old.message
+    async def revoked() -> bool:
+        old, _ = await execute(first, key=cluster.wire_key)
+        assert old.outcome == pb.REFUSED, "the abandoned grant ran"
+        return "revoked" in old.message
 
-        assert await revoked()
-        # The node stays in the cluster: only the gateway could not reach it.
-        assert {g["node"] for g in gpus(cluster).values()} == {"node0", "node1"}
-
-    asyncio.run(main())
+    assert await revoked()
+    # The node stays in the cluster: only the gateway could not reach it.
+    assert {g["node"] for g in gpus(cluster).values()} == {"node0", "node1"}
 
 
-def test_a_node_lost_after_it_started_the_call_gets_outcome_unknown_not_a_second_run(cluster: LocalCluster) -> None:
+@pytest.mark.anyio
+async def test_a_node_lost_after_it_started_the_call_gets_outcome_unknown_not_a_second_run(
+    cluster: LocalCluster,
+) -> None:
     """At most once: the gateway lost the node after the node had started the call (its grant is in
     the node's ledger). The scheduler asks the node, which saw it: the call is answered that its
     outcome is unknown (502 at the gateway), never placed again."""
-
-    async def main() -> None:
-        gateway = FakeGateway()
-        await gateway.open(cluster)
-        gateway.place("started-1", "sleepy")
-        first = await gateway.placement("started-1")
-        running = asyncio.ensure_future(execute(first, b'{"sleep_s": 1.5}', key=cluster.wire_key))
-        await asyncio.sleep(0.5)  # the node has it
-        gateway.abandon("started-1", first.attempt, pb.Abandon.NODE_UNREACHABLE)
-        await eventually(lambda: bool(gateway.messages.get("started-1", [])[1:]), timeout_s=5)
-        (answer,) = gateway.messages["started-1"][1:]
-        assert isinstance(answer, pb.Rejection) and answer.status == pb.STATUS_UNSPECIFIED, answer
-        assert "is unknown" in answer.message and f"started on node {first.node}" in answer.message
-        reply, _ = await running  # it ran there, once
-        assert reply.outcome == pb.OK, reply.message
-        await asyncio.sleep(0.5)
-        assert len(gateway.messages["started-1"]) == 2, "placed again"
-
-    asyncio.run(main())
+    gateway, first = await FakeGateway.placing(cluster, "started-1")
+    running = asyncio.ensure_future(execute(first, b'{"sleep_s": 1.5}', key=cluster.wire_key))
+    await asyncio.sleep(0.5)  # the node has it
+    gateway.abandon("started-1", first.attempt, pb.Abandon.NODE_UNREACHABLE)
+    await eventually(lambda: bool(gateway.messages.get("started-1", [])[1:]), timeout_s=5)
+    (answer,) = gateway.messages["started-1"][1:]
+    assert isinstance(answer, pb.Rejection) and answer.status == pb.STATUS_UNSPECIFIED, answer
+    assert "is unknown" in answer.message and f"started on node {first.node}" in answer.message
+    reply, _ = await running  # it ran there, once
+    assert reply.outcome == pb.OK, reply.message
+    await asyncio.sleep(0.5)
+    assert len(gateway.messages["started-1"]) == 2, "placed again"
 
 
 @pytest.mark.parametrize(("scheduler_flags", "second_gpu"), [([], "gpu2"), (["--no-interference-aware-loads"], "gpu1")])
