@@ -44,20 +44,20 @@ def test_local_queue_runs_before_the_global_queue(policy: str) -> None:
 
 
 @pytest.mark.parametrize("policy", ["lalb", "lalb-o3"])
-def test_idle_gpu_takes_a_request_whose_model_it_holds(policy: str) -> None:
-    s = make_scheduler(policy, gpus=2)
-    cache_on(s, "g0", "A")
+@pytest.mark.parametrize(
+    ("gpus", "holder"),
+    [
+        (2, "g0"),
+        # g0 is offered work first; the model is on idle g2: Algorithm 2 line 5 sends it there.
+        (3, "g2"),
+    ],
+    ids=["the-idle-gpu-offered-work", "another-idle-gpu"],
+)
+def test_a_request_goes_to_an_idle_gpu_that_holds_its_model(policy: str, gpus: int, holder: str) -> None:
+    s = make_scheduler(policy, gpus=gpus)
+    cache_on(s, holder, "A")
     submit(s, "A")
-    assert decided(s.schedule(0.0)) == [("dispatch", "A", "g0", True)]
-
-
-@pytest.mark.parametrize("policy", ["lalb", "lalb-o3"])
-def test_hit_on_another_idle_gpu(policy: str) -> None:
-    s = make_scheduler(policy, gpus=3)
-    cache_on(s, "g2", "A")
-    submit(s, "A")
-    # g0 is offered work first; the model is on idle g2: Algorithm 2 line 5 sends it there.
-    assert decided(s.schedule(0.0)) == [("dispatch", "A", "g2", True)]
+    assert decided(s.schedule(0.0)) == [("dispatch", "A", holder, True)]
 
 
 @pytest.mark.parametrize("policy", ["lalb", "lalb-o3"])
@@ -120,18 +120,26 @@ def test_o3_dispatches_a_younger_hit_and_counts_skips() -> None:
     assert s.queue.num_skips(c.request_id) == 1
 
 
-def test_o3_skip_limit_forces_the_starving_request() -> None:
-    s = make_scheduler("lalb-o3", gpus=1, max_num_skips=2)
+def passed_over(s: Scheduler, times: int) -> float:
+    """On a one-GPU scheduler: cache A on g0 and submit B; then `times` times submit A, which is
+    dispatched to g0 (a hit) ahead of B, whose count of skips (or visits) goes 1, 2, ..., and
+    completes a second later. Then submit A once more; the time it is."""
     cache_on(s, "g0", "A")
     (b,) = submit(s, "B")
     now = 0.0
-    for expected_skips in (1, 2):
+    for expected_skips in range(1, times + 1):
         (a,) = submit(s, "A", now=now)
         assert decided(s.schedule(now)) == [("dispatch", "A", "g0", True)]
         assert s.queue.num_skips(b.request_id) == expected_skips
         now += 1.0
         s.on_complete(a.request_id, now)
     submit(s, "A", now=now)
+    return now
+
+
+def test_o3_skip_limit_forces_the_starving_request() -> None:
+    s = make_scheduler("lalb-o3", gpus=1, max_num_skips=2)
+    now = passed_over(s, 2)
     # B has been passed over twice (the limit): it goes now, hit or miss (here a miss).
     assert decided(s.schedule(now)) == [("dispatch", "B", "g0", False)]
 
@@ -203,16 +211,7 @@ def test_literal_limit_zero_still_lets_a_hit_pass_a_request_once() -> None:
 
 def test_literal_limit_is_exceeded_not_reached() -> None:
     s = make_scheduler("lalb-o3", gpus=1, max_num_skips=2, literal_visits=True)
-    cache_on(s, "g0", "A")
-    (b,) = submit(s, "B")
-    now = 0.0
-    for expected_visits in (1, 2, 3):  # at 2 visits (= the limit) B may still be passed
-        (a,) = submit(s, "A", now=now)
-        assert decided(s.schedule(now)) == [("dispatch", "A", "g0", True)]
-        assert s.queue.num_skips(b.request_id) == expected_visits
-        now += 1.0
-        s.on_complete(a.request_id, now)
-    submit(s, "A", now=now)
+    now = passed_over(s, 3)  # at 2 visits (= the limit) B may still be passed
     assert decided(s.schedule(now)) == [("dispatch", "B", "g0", False)]  # 3 > 2: forced
 
 
