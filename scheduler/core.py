@@ -13,7 +13,7 @@ from scheduler.decisions import Decision, Dispatch, Park, Release
 from scheduler.draft import Draft
 from scheduler.estimator import Estimator
 from scheduler.policies.base import SchedulingPolicy
-from scheduler.reservations import reserve_dispatch, reserve_park, start_parked
+from scheduler.reservations import dispatch_now, reserve_park, start_parked
 from scheduler.staged_exit import StagedExit
 from scheduler.state import ClusterReads, ClusterState, GpuState
 
@@ -30,7 +30,10 @@ class Scheduler(ClusterReads):
     Committed state lives in `cluster` (`ClusterState`). During `schedule()` each fill of a GPU
     gets a `Draft` of it, the `SchedulingContext` its policy plans on: the draft's reservations
     are applied and journalled, the policy's returned plan is what is kept and the rest is rolled
-    back (see `SchedulingPolicy`). `dispatch` and `park` here apply directly (tests, tools).
+    back (see `SchedulingPolicy`). The common case, one request queued that the policy places
+    on an idle GPU holding its model (`SchedulingPolicy.lone_target`), skips the draft: the same
+    dispatch is applied directly (`fast_path`). `dispatch` and `park` here apply directly (tests,
+    tools).
     """
 
     def __init__(
@@ -39,8 +42,12 @@ class Scheduler(ClusterReads):
         *,
         estimator: Estimator | None = None,
         cache: CacheManager | None = None,
+        fast_path: bool = True,
     ) -> None:
         self.policy = policy
+        # Whether `schedule` may take the policy's `lone_target` instead of a full fill; off only
+        # to check that both decide alike (tests/property/test_fast_path_equivalence.py).
+        self.fast_path = fast_path
         self.cluster = ClusterState(
             cache if cache is not None else CacheManager(), estimator if estimator is not None else Estimator()
         )
@@ -192,6 +199,11 @@ class Scheduler(ClusterReads):
                 decisions.append(started)
                 self._note_dispatch(started, now)
         self.cluster.ready_local.clear()
+        if self.fast_path and len(self.queue) == 1:
+            lone = self._place_lone(now)
+            if lone is not None:
+                decisions.append(lone)
+                return decisions
         offered = list(self.cluster.idle)  # (order key, GPU id), in idle order
         while self.queue:
             self.cluster.refill.clear()
@@ -209,6 +221,27 @@ class Scheduler(ClusterReads):
                 (self.cluster.gpus[g].order_key, g) for g in self.cluster.refill if self.cluster.gpus[g].idle
             )
         return decisions
+
+    def _place_lone(self, now: float) -> Dispatch | None:
+        """The fast path of `schedule` when one request waits (after most arrivals): the passes
+        below would offer it first to the first idle GPU, whose fill either dispatches it (the
+        queue is then empty and the passes end) or not. Where the policy can say which GPU that
+        dispatch goes to without a draft (`SchedulingPolicy.lone_target`), apply it directly:
+        the same `Dispatch` and state as the fill's, without the draft, its journal and undo
+        closures. None (nothing changed) where the full passes must decide."""
+        idle = self.cluster.idle
+        if not idle:
+            return None
+        queue = self.queue
+        request = queue.head
+        assert request is not None  # one request is queued
+        target = self.policy.lone_target(self.cluster, request, idle[0][1], now)
+        if target is None:
+            return None
+        self.cluster.refill.clear()  # as the first pass starts
+        decision = dispatch_now(self.cluster, request, target, now)
+        self._note_dispatch(decision, now)
+        return decision
 
     def _note_dispatch(self, decision: Dispatch, now: float) -> None:
         """A kept dispatch: the staged exit's clocks, and the policy, hear of it."""
@@ -334,7 +367,7 @@ class Scheduler(ClusterReads):
     def dispatch(self, request: Request, gpu_id: str, now: float) -> Dispatch:
         """Run a globally queued request in a free slot of `gpu_id` now, for good (admitting its
         model to the cache; the model must fit there now). A policy reserves it on its `Draft`."""
-        return reserve_dispatch(self.cluster, request, gpu_id, now)[0]
+        return dispatch_now(self.cluster, request, gpu_id, now)
 
     def park(self, request: Request, gpu_id: str, now: float) -> Park:
         """Move a globally queued request to the local queue of busy `gpu_id`, for good (its model

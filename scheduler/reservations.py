@@ -24,8 +24,7 @@ def reserve_dispatch(cluster: ClusterState, request: Request, gpu_id: str, now: 
     busy_until_before, refilled_before = state.busy_until_s, gpu_id in cluster.refill
     try:
         spec = _check_slot(cluster, request, state)
-        holders = cache.gpus_with(spec.name)
-        false_miss = gpu_id not in holders and len(holders) > 0
+        false_miss = _false_miss(cluster, spec.name, gpu_id)
         admission, cache_undo = cache.admit_undoable(gpu_id, spec.name, spec.memory_mb)
         cache.pin(gpu_id, spec.name)
         decision = _occupy(cluster, request, state, spec, admission=admission, false_miss=false_miss, now=now)
@@ -111,10 +110,32 @@ def start_parked(cluster: ClusterState, state: GpuState, now: float) -> Dispatch
     if not state.local_queue:
         state.local_work_s = 0.0  # no drift from float sums
     spec = _check_slot(cluster, request, state)
-    holders = cluster.cache.gpus_with(spec.name)
-    false_miss = state.spec.gpu_id not in holders and len(holders) > 0
+    false_miss = _false_miss(cluster, spec.name, state.spec.gpu_id)
     admission = cluster.cache.admit(state.spec.gpu_id, spec.name, spec.memory_mb)
     return _occupy(cluster, request, state, spec, admission=admission, false_miss=false_miss, now=now)
+
+
+def dispatch_now(cluster: ClusterState, request: Request, gpu_id: str, now: float) -> Dispatch:
+    """`reserve_dispatch` applied for good, with nothing kept to take it back: the same state
+    and the same `Dispatch` (the cache's `admit` is `admit_undoable` without its undo), at the
+    cost of neither the queue's `Taken` nor the undo closures. For the scheduler's fast path
+    (`Scheduler.schedule`) and for `Scheduler.dispatch`. Raises, changing nothing, if it cannot."""
+    state = cluster.gpus[gpu_id]
+    if request.request_id not in cluster.queue:
+        raise KeyError(request.request_id)
+    spec = _check_slot(cluster, request, state)
+    false_miss = _false_miss(cluster, spec.name, gpu_id)
+    cache = cluster.cache
+    admission = cache.admit(gpu_id, spec.name, spec.memory_mb)  # raises changing nothing
+    cache.pin(gpu_id, spec.name)
+    cluster.queue.remove(request.request_id)
+    return _occupy(cluster, request, state, spec, admission=admission, false_miss=false_miss, now=now)
+
+
+def _false_miss(cluster: ClusterState, model: str, gpu_id: str) -> bool:
+    """Whether a dispatch of `model` to `gpu_id` misses although another GPU holds it."""
+    holders = cluster.cache.gpus_with(model)
+    return gpu_id not in holders and len(holders) > 0
 
 
 def _check_slot(cluster: ClusterState, request: Request, state: GpuState) -> ModelSpec:

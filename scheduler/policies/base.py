@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from cache_manager import CacheManager
     from scheduler.decisions import Dispatch, Park, PassOver, Step, Visit
     from scheduler.queues import QueueView
+    from scheduler.state import ClusterState
 
 DEFAULT_MAX_NUM_SKIPS = 25
 """The paper's default out-of-order limit: how often a queued request may be passed over."""
@@ -204,6 +205,21 @@ class SchedulingPolicy(ABC):
         expired), each named once when it becomes so: the scheduler moves them off their GPUs
         into their nodes' host tiers, where they are idle and the node keeps a tier."""
         return []
+
+    def lone_target(self, cluster: ClusterState, request: Request, gpu_id: str, now: float) -> str | None:
+        """The scheduler's fast path (`Scheduler.schedule`), for the common situation: `request`
+        is the only request in the global queue, no GPU's local queue waits to start, and
+        `gpu_id` is the first idle GPU, the first the scheduler offers work. Returns the GPU that
+        `fill(ctx, gpu_id, now)` would dispatch `request` to there, when that dispatch is the
+        fill's whole effect (its plan and its reservations hold nothing else, and the policy
+        changes no state of its own in `fill`); None whenever it is not sure. The scheduler then
+        applies that dispatch directly (no draft, no journal) and tells `on_dispatch` as for any
+        kept dispatch; on None it runs the full fill.
+
+        The contract is exactness: the answer must be the fill's, in every state, so a policy
+        that does not override this (None: always the full fill) is never wrong. Read only:
+        `cluster` is the committed state (no reservation may be made on it here)."""
+        return None
 
     @abstractmethod
     def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> list[Step]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from gpufaas.types import Request
 from scheduler.decisions import Dispatch, Park, Step
@@ -15,6 +15,9 @@ from scheduler.policies.base import (
     SchedulingPolicy,
     checked_max_num_skips,
 )
+
+if TYPE_CHECKING:
+    from scheduler.state import ClusterState
 
 
 class Placement(enum.Enum):
@@ -182,6 +185,8 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
         self.literal_visits = literal_visits
         self.tier_aware_misses = tier_aware_misses
         self.interference_aware_loads = interference_aware_loads
+        # `lone_target` answers for this class's `fill` only: a subclass may fill otherwise.
+        self._lone_fill = type(self) in (LocalityAwarePolicy, OutOfOrderLocalityAwarePolicy)
 
     @classmethod
     def from_config(cls, config: PolicyConfig) -> SchedulingPolicy:
@@ -207,6 +212,29 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
             tier_aware=self.tier_aware_misses,
             interference_aware=self.interference_aware_loads,
         )
+
+    def lone_target(self, cluster: ClusterState, request: Request, gpu_id: str, now: float) -> str | None:
+        """What `fill` does with a lone queued request (see `SchedulingPolicy.lone_target`), where
+        it is a hit on a free worker: here, when the model is cached here and no call of it runs
+        here past `now` (`hits_here`; in `lalb-o3` the head's pass-over then counts no skip, there
+        being no request ahead), else on the best idle holder (`best_idle_holder`, but
+        `avoid_gpu`) when its worker of the model is free, `_place_with_holders`' choice when it
+        weighs no replica. None for the rest: a busy worker (a replica may win), no idle holder (a
+        park or a miss), no holder at all (a miss), and `literal_visits` (its scan visits the
+        request first). `worker_wait_s` is 0 exactly when `models_busy` leaves the model out: both
+        compare the last expected finish of its calls there with `now`."""
+        if self.literal_visits or not self._lone_fill:
+            return None
+        model, avoid = request.model, request.avoid_gpu
+        cache = cluster.cache
+        if gpu_id != avoid and model in cache.models_on(gpu_id) and not cluster.worker_wait_s(model, gpu_id, now):
+            return gpu_id
+        if not cache.gpus_with(model):
+            return None  # a miss: the fill asks the index nothing then, and neither do we
+        holder = cluster.best_idle_holder(model, exclude=avoid)
+        if holder is None or cluster.worker_wait_s(model, holder, now):
+            return None
+        return holder
 
     def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> list[Step]:
         if self.literal_visits:
