@@ -182,13 +182,19 @@ class MemoryStore:
         self._put(key, value, lease)
         return True
 
+    async def _guarded(self, key: str, method: str, revision: tuple[str, int]) -> KeyValue | None:
+        """What `key` holds, for a call guarded by a revision (`revision`: its name and value),
+        after the checks EtcdStore makes first: a key, and a revision > 0 (ValueError otherwise)."""
+        check_key(key)
+        name, value = revision
+        if value <= 0:
+            raise ValueError(f"{method} needs the {name} (> 0), got {value}")
+        await self._enter()
+        return self._data.get(key)
+
     async def put_fenced(self, key: str, value: bytes | None, *, guard_key: str, guard_create_revision: int) -> bool:
         check_key(key)
-        check_key(guard_key)
-        if guard_create_revision <= 0:
-            raise ValueError(f"put_fenced needs the guard's create_revision (> 0), got {guard_create_revision}")
-        await self._enter()
-        guard = self._data.get(guard_key)
+        guard = await self._guarded(guard_key, "put_fenced", ("guard's create_revision", guard_create_revision))
         if guard is None or guard.create_revision != guard_create_revision:
             return False
         if value is None:
@@ -201,11 +207,7 @@ class MemoryStore:
         return True
 
     async def compare_and_delete(self, key: str, *, mod_revision: int) -> bool:
-        check_key(key)
-        if mod_revision <= 0:
-            raise ValueError(f"compare_and_delete needs the key's mod_revision (> 0), got {mod_revision}")
-        await self._enter()
-        current = self._data.get(key)
+        current = await self._guarded(key, "compare_and_delete", ("key's mod_revision", mod_revision))
         if current is None or current.mod_revision != mod_revision:
             return False
         self._revision += 1
