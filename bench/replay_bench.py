@@ -96,7 +96,10 @@ async def seed_profiles(cluster: LocalCluster, workload: Workload, names: dict[s
 
 
 async def replay(url: str, workload: Workload, names: dict[str, str], headers: dict[str, str]) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
+    # Idle connections are dropped after 2 s, before the gateway's 5 s keep-alive closes them: with
+    # httpx's default (5 s, the same) a call could go out on a connection the gateway was closing
+    # that instant, and fail with a ReadError that says nothing about the system under test.
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200, keepalive_expiry=2.0)
     latencies: list[float] = []
     misses = errors = 0
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=3600, headers=headers) as client:
