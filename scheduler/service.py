@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 import uuid
@@ -288,6 +289,7 @@ class SchedulerService:
         while not self.links.all_attached() and self.clock() < deadline:
             await asyncio.sleep(ATTACH_POLL_S)
         term.open = True
+        gc.freeze()  # what lives now (the attached cluster) leaves the collector's walks: O(1)
         early, term.early = term.early, []
         for conn, request in early:
             if not conn.is_closed:
