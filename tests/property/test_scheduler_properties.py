@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -252,9 +252,17 @@ def run_to_end(scenario: Scenario) -> Step:
     return last
 
 
+def property_of(strategy: st.SearchStrategy[Scenario]) -> Callable[[Callable[[Scenario], None]], Callable[[], None]]:
+    """A test that holds for every scenario `strategy` draws, run under SETTINGS."""
+
+    def decorate(test: Callable[[Scenario], None]) -> Callable[[], None]:
+        return SETTINGS(given(strategy)(test))
+
+    return decorate
+
+
 # --- properties of the pure scheduler -----------------------------------------------------------
-@SETTINGS
-@given(scenarios())
+@property_of(scenarios())
 def test_every_request_is_dispatched_and_completed_exactly_once(scenario: Scenario) -> None:
     final = run_to_end(scenario)
     ids = [r.request_id for r in make_requests(scenario)]
@@ -266,8 +274,7 @@ def test_every_request_is_dispatched_and_completed_exactly_once(scenario: Scenar
         assert final.scheduler.gpu(spec.gpu_id).idle
 
 
-@SETTINGS
-@given(scenarios())
+@property_of(scenarios())
 def test_resident_models_never_exceed_a_gpus_memory(scenario: Scenario) -> None:
     for step in steps(scenario):
         for spec in scenario.gpus:
@@ -276,8 +283,7 @@ def test_resident_models_never_exceed_a_gpus_memory(scenario: Scenario) -> None:
             assert cache.used_mb == sum(cache.item(model).memory_mb for model in cache)
 
 
-@SETTINGS
-@given(scenarios())
+@property_of(scenarios())
 def test_a_model_in_use_is_never_evicted(scenario: Scenario) -> None:
     evictions = 0
     for step in steps(scenario):
@@ -289,8 +295,7 @@ def test_a_model_in_use_is_never_evicted(scenario: Scenario) -> None:
     target(evictions, label="evictions")
 
 
-@SETTINGS
-@given(scenarios())
+@property_of(scenarios())
 def test_a_dispatch_is_a_hit_exactly_when_its_model_was_resident(scenario: Scenario) -> None:
     for step in steps(scenario):
         for item in step.seen:
@@ -305,8 +310,7 @@ def test_a_dispatch_is_a_hit_exactly_when_its_model_was_resident(scenario: Scena
             assert set(step.scheduler.cache.gpu(spec.gpu_id)) == step.book.resident.get(spec.gpu_id, set())
 
 
-@SETTINGS
-@given(scenarios())
+@property_of(scenarios())
 def test_the_directory_agrees_with_the_per_gpu_caches(scenario: Scenario) -> None:
     for step in steps(scenario):
         cache = step.scheduler.cache
@@ -315,8 +319,7 @@ def test_the_directory_agrees_with_the_per_gpu_caches(scenario: Scenario) -> Non
             assert set(cache.gpus_with(model.name)) == holders, model.name
 
 
-@SETTINGS
-@given(scenarios())
+@property_of(scenarios())
 def test_each_gpus_slots_running_requests_and_pins_agree_with_the_decisions(scenario: Scenario) -> None:
     most_running = 0
     for step in steps(scenario):
@@ -351,8 +354,7 @@ def test_each_gpus_slots_running_requests_and_pins_agree_with_the_decisions(scen
 # memory, or beside models pinned by requests running on a GPU with several slots, a younger
 # request may also go to a GPU an older one cannot use now: not a skip by the scheduler's count,
 # which is checked against the limit there.
-@SETTINGS
-@given(scenarios(policies=("lalb-o3",), fit_everywhere=True, max_slots=1))
+@property_of(scenarios(policies=("lalb-o3",), fit_everywhere=True, max_slots=1))
 def test_lalb_o3_passes_over_a_request_at_most_max_num_skips_times(scenario: Scenario) -> None:
     final = run_to_end(scenario)
     most = max(final.book.skips.values(), default=0)
@@ -360,15 +362,13 @@ def test_lalb_o3_passes_over_a_request_at_most_max_num_skips_times(scenario: Sce
     assert most <= scenario.max_num_skips, final.book.skips
 
 
-@SETTINGS
-@given(st.one_of(scenarios(policies=("lalb",), fit_everywhere=True, max_slots=1), scenarios(policies=("lb",))))
+@property_of(st.one_of(scenarios(policies=("lalb",), fit_everywhere=True, max_slots=1), scenarios(policies=("lb",))))
 def test_lb_and_lalb_never_pass_over_a_request(scenario: Scenario) -> None:
     final = run_to_end(scenario)
     assert not final.book.skips, final.book.skips
 
 
-@SETTINGS
-@given(scenarios(policies=("lalb-o3",), fit_everywhere=True, max_slots=1))
+@property_of(scenarios(policies=("lalb-o3",), fit_everywhere=True, max_slots=1))
 def test_the_queues_skip_counts_match_the_brute_force_count(scenario: Scenario) -> None:
     for step in steps(scenario):
         for request_id in step.book.queued:
@@ -419,16 +419,14 @@ def test_lalb_o3_never_counts_more_skips_than_the_limit_on_mixed_memory() -> Non
     assert s.queue.num_skips("b1") <= 1  # s3 went to a GPU b1 cannot use: not a skip
 
 
-@SETTINGS
-@given(scenarios(policies=("lalb-o3",)))
+@property_of(scenarios(policies=("lalb-o3",)))
 def test_lalb_o3_skip_counts_stay_within_the_limit_on_mixed_memory(scenario: Scenario) -> None:
     for step in steps(scenario):
         for request_id in step.book.queued:
             assert step.scheduler.queue.num_skips(request_id) <= scenario.max_num_skips, request_id
 
 
-@SETTINGS
-@given(scenarios())
+@property_of(scenarios())
 def test_same_inputs_give_the_same_decisions(scenario: Scenario) -> None:
     first, second = run_to_end(scenario), run_to_end(scenario)
     assert first.book.decisions == second.book.decisions
