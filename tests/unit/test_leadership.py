@@ -203,6 +203,15 @@ async def started(store: MemoryStore, clock: ManualClock, address: str, *, patie
     return candidate
 
 
+async def leader_cut_off(store: MemoryStore, clock: ManualClock) -> tuple[Candidate, int]:
+    """Candidate a:1 started (leading: the key was free), then etcd made unreachable: the candidate
+    and the epoch of its term."""
+    a = await started(store, clock, "a:1")
+    epoch = a.leadership.epoch
+    store.set_reachable(False)
+    return a, epoch
+
+
 async def lapse(store: MemoryStore, clock: ManualClock, seconds: float) -> None:
     """Let `seconds` pass, the leases past their TTL expiring (their keys' deletions watched)."""
     await clock.advance(seconds)
@@ -253,9 +262,7 @@ def test_a_frozen_leader_is_replaced_under_a_newer_epoch_and_steps_down_when_it_
 
 def test_a_leader_cut_off_from_etcd_holds_then_steps_down_and_a_standby_takes_over() -> None:
     async def scenario(store: MemoryStore, clock: ManualClock) -> None:
-        a = await started(store, clock, "a:1")
-        first = a.leadership.epoch
-        store.set_reachable(False)  # a partition (here, of everyone: the store's)
+        a, first = await leader_cut_off(store, clock)  # a partition (here, of everyone: the store's)
         await clock.advance(TTL_S)
         assert a.leadership.unsure(clock()) and a.leadership.role is Role.LEADER
         await clock.advance(1.4 * TTL_S)  # past its patience (a TTL more; looked at every third of one)
@@ -284,9 +291,7 @@ def test_a_resigning_leader_hands_over_at_once() -> None:
 
 def test_a_leader_silenced_by_an_etcd_restart_resumes_its_term_once_its_lease_answers() -> None:
     async def scenario(store: MemoryStore, clock: ManualClock) -> None:
-        a = await started(store, clock, "a:1")
-        epoch = a.leadership.epoch
-        store.set_reachable(False)  # etcd restarting
+        a, epoch = await leader_cut_off(store, clock)  # etcd restarting
         await clock.advance(2.4 * TTL_S)
         assert a.leadership.role is Role.STANDBY and a.leadership.kept is not None
         # A restarted etcd renews every lease it kept (its new raft leader does), so the key lives.
