@@ -4,6 +4,9 @@ after compaction (a watch never goes blind)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -33,6 +36,12 @@ class Mirror:
             self.data.pop(event.key, None)
         self.changed.set()
 
+    def follow(self, store: MemoryStore, **options: Any) -> asyncio.Task[None]:
+        """list_and_watch of /p/ into this mirror (`options`: its retry_s, sleep), as a task."""
+        return asyncio.create_task(
+            list_and_watch(store, "/p/", on_list=self.on_list, on_event=self.on_event, **options)
+        )
+
     async def until(self, expected: dict[str, bytes], timeout_s: float = 2.0) -> None:
         async with asyncio.timeout(timeout_s):
             while self.data != expected:
@@ -40,42 +49,46 @@ class Mirror:
                 await self.changed.wait()
 
 
+@contextlib.asynccontextmanager
+async def mirrored(store: MemoryStore, **options: Any) -> AsyncIterator[Mirror]:
+    """A Mirror of /p/ that list_and_watch keeps (`options`: its retry_s, sleep) while in the block;
+    then the watch is cancelled and the store closed."""
+    mirror = Mirror()
+    task = mirror.follow(store, **options)
+    try:
+        yield mirror
+    finally:
+        task.cancel()
+        await store.close()
+
+
 async def test_lists_then_follows_every_change() -> None:
     store = MemoryStore()
     await store.put("/p/a", b"1")
     await store.put("/q/x", b"other prefix")
-    mirror = Mirror()
-    task = asyncio.create_task(list_and_watch(store, "/p/", on_list=mirror.on_list, on_event=mirror.on_event))
-    await mirror.until({"/p/a": b"1"})
-    await store.put("/p/b", b"2")
-    await store.delete("/p/a")
-    await mirror.until({"/p/b": b"2"})
-    assert mirror.lists == 1
-    task.cancel()
-    await store.close()
+    async with mirrored(store) as mirror:
+        await mirror.until({"/p/a": b"1"})
+        await store.put("/p/b", b"2")
+        await store.delete("/p/a")
+        await mirror.until({"/p/b": b"2"})
+        assert mirror.lists == 1
 
 
 async def test_an_outage_resumes_the_watch_without_listing_again() -> None:
     store = MemoryStore()
-    mirror = Mirror()
-    task = asyncio.create_task(
-        list_and_watch(store, "/p/", on_list=mirror.on_list, on_event=mirror.on_event, retry_s=0.01)
-    )
-    await mirror.until({})
-    store.set_reachable(False)
-    await asyncio.sleep(0.05)
-    store.set_reachable(True)
-    await store.put("/p/a", b"1")
-    await mirror.until({"/p/a": b"1"})
-    assert mirror.lists == 1
-    task.cancel()
-    await store.close()
+    async with mirrored(store, retry_s=0.01) as mirror:
+        await mirror.until({})
+        store.set_reachable(False)
+        await asyncio.sleep(0.05)
+        store.set_reachable(True)
+        await store.put("/p/a", b"1")
+        await mirror.until({"/p/a": b"1"})
+        assert mirror.lists == 1
 
 
 async def test_a_compacted_revision_lists_again_so_the_mirror_never_goes_blind() -> None:
     store = MemoryStore()
     await store.put("/p/a", b"1")
-    mirror = Mirror()
     retrying = asyncio.Event()
     resume = asyncio.Event()
 
@@ -83,31 +96,27 @@ async def test_a_compacted_revision_lists_again_so_the_mirror_never_goes_blind()
         retrying.set()
         await resume.wait()
 
-    task = asyncio.create_task(
-        list_and_watch(store, "/p/", on_list=mirror.on_list, on_event=mirror.on_event, sleep=held_sleep)
-    )
-    await mirror.until({"/p/a": b"1"})
-    # The watch breaks; while it is down, keys change and their history is compacted away:
-    # resuming after the last revision seen is impossible, so it lists again.
-    store.set_reachable(False)
-    await asyncio.wait_for(retrying.wait(), 2)
-    store.set_reachable(True)
-    await store.put("/p/b", b"2")
-    await store.delete("/p/a")
-    store.compact(await store.revision())
-    resume.set()
-    await mirror.until({"/p/b": b"2"})
-    assert mirror.lists == 2
-    await store.put("/p/c", b"3")
-    await mirror.until({"/p/b": b"2", "/p/c": b"3"})
-    task.cancel()
-    await store.close()
+    async with mirrored(store, sleep=held_sleep) as mirror:
+        await mirror.until({"/p/a": b"1"})
+        # The watch breaks; while it is down, keys change and their history is compacted away:
+        # resuming after the last revision seen is impossible, so it lists again.
+        store.set_reachable(False)
+        await asyncio.wait_for(retrying.wait(), 2)
+        store.set_reachable(True)
+        await store.put("/p/b", b"2")
+        await store.delete("/p/a")
+        store.compact(await store.revision())
+        resume.set()
+        await mirror.until({"/p/b": b"2"})
+        assert mirror.lists == 2
+        await store.put("/p/c", b"3")
+        await mirror.until({"/p/b": b"2", "/p/c": b"3"})
 
 
 async def test_it_ends_when_the_store_is_closed() -> None:
     store = MemoryStore()
     mirror = Mirror()
-    task = asyncio.create_task(list_and_watch(store, "/p/", on_list=mirror.on_list, on_event=mirror.on_event))
+    task = mirror.follow(store)
     await mirror.until({})
     while store.num_watchers == 0:  # watching
         await asyncio.sleep(0.01)
