@@ -113,16 +113,21 @@ async def until(predicate: Callable[[], object]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def serving(
-    peer: Peer, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, key: bytes | None = None
-) -> AsyncIterator[Server]:
-    """A Server on a free loopback port whose connections all report to `peer`."""
-    server = Server(lambda: peer, max_frame_bytes=max_frame_bytes, key=key)
+async def listening(session: Callable[[], Peer], **options: Any) -> AsyncIterator[Server]:
+    """A Server(session, **options) on a free loopback port, closed on the way out."""
+    server = Server(session, **options)
     await server.start("127.0.0.1:0")
     try:
         yield server
     finally:
         await server.close()
+
+
+def serving(
+    peer: Peer, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, key: bytes | None = None
+) -> contextlib.AbstractAsyncContextManager[Server]:
+    """A Server on a free loopback port whose connections all report to `peer`."""
+    return listening(lambda: peer, max_frame_bytes=max_frame_bytes, key=key)
 
 
 async def accepted(server: Server) -> Connection:
@@ -880,17 +885,13 @@ def test_after_the_handshake_the_full_buffer_is_made_and_large_frames_pass(run: 
 
     async def scenario() -> None:
         limit = max_frame_bytes_for(4 * MIB)
-        server = Server(Peer, max_frame_bytes=limit, key=KEY)
-        await server.start("127.0.0.1:0")
-        try:
+        async with listening(Peer, max_frame_bytes=limit, key=KEY) as server:
             conn = await connect(server.address, Peer(), key=KEY, max_frame_bytes=limit)
             answer = await conn.request(MessageType.EXECUTE, pb.Execute(), body, timeout_s=WAIT_S)
             assert answer.body == body
             server_end = await accepted(server)
             assert len(server_end._buf) == SMALL_BUFFER_BYTES and len(conn._buf) == SMALL_BUFFER_BYTES
             await conn.aclose()
-        finally:
-            await server.close()
 
     run(scenario())
 
@@ -912,9 +913,7 @@ def test_connections_past_the_handshake_cap_are_closed_at_once_and_authenticated
     run: Run,
 ) -> None:
     async def scenario() -> None:
-        server = Server(Peer, key=KEY, max_unauthenticated=3)
-        await server.start("127.0.0.1:0")
-        try:
+        async with listening(Peer, key=KEY, max_unauthenticated=3) as server:
             # Authenticated clients hold no handshake slot.
             clients = [await connect(server.address, Peer(), key=KEY) for _ in range(4)]
             silent = await _open_silent(server.address, 5)
@@ -932,17 +931,13 @@ def test_connections_past_the_handshake_cap_are_closed_at_once_and_authenticated
                 await conn.aclose()
             for _, writer in silent:
                 writer.close()
-        finally:
-            await server.close()
 
     run(scenario())
 
 
 def test_a_servers_own_handshake_time_cuts_off_a_silent_peer_and_frees_its_slot(run: Run) -> None:
     async def scenario() -> None:
-        server = Server(Peer, key=KEY, max_unauthenticated=1, handshake_s=0.2)
-        await server.start("127.0.0.1:0")
-        try:
+        async with listening(Peer, key=KEY, max_unauthenticated=1, handshake_s=0.2) as server:
             ((reader, writer),) = await _open_silent(server.address, 1)
             assert await _hello_or_eof(reader)
             async with asyncio.timeout(WAIT_S):  # then EOF, with nothing sent back
@@ -953,8 +948,6 @@ def test_a_servers_own_handshake_time_cuts_off_a_silent_peer_and_frees_its_slot(
             assert conn.authenticated
             await conn.aclose()
             writer.close()
-        finally:
-            await server.close()
 
     run(scenario())
 
@@ -1013,15 +1006,11 @@ def test_both_ends_of_a_tcp_connection_give_up_on_a_silent_peer(run: Run) -> Non
                 assert _socket_options(client) == wire.keepalive_options(wire.DEAD_AFTER_S)
                 assert _socket_options(await accepted(server)) == wire.keepalive_options(wire.DEAD_AFTER_S)
                 client.close()
-        server = Server(lambda: peer, dead_after_s=None)
-        await server.start("127.0.0.1:0")
-        try:
+        async with listening(lambda: peer, dead_after_s=None) as server:
             own = await connect(server.address, dead_after_s=8)
             assert _socket_options(own) == wire.keepalive_options(8)
             assert _socket_options(await accepted(server))[0] == (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 0)
             own.close()
-        finally:
-            await server.close()
 
     run(scenario())
 
