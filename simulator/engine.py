@@ -366,17 +366,7 @@ class _Run:
         self.scheduler = scheduler
         self.cluster = cluster
         self.batching = batching
-        self.gpus = _Gpus(
-            {profile.model: profile for profile in workload.profiles},
-            batching,
-            cluster.batch_exponent,
-            Jitter(cluster.timing_spread, cluster.timing_seed),
-            cluster.host_to_gpu_mb_s,
-            interference=cluster.interference,
-            links=_Links(cluster.host_to_gpu_mb_s, cluster.link_mb_s or cluster.host_to_gpu_mb_s)
-            if cluster.gpus_per_link
-            else None,
-        )
+        self.gpus = _Gpus.of(workload, cluster, batching)
         self.link_of = {g.spec.gpu_id: g.spec.link for g in scheduler.gpus()}
         self.top_model = workload.function_models[workload.top_function]
         # Arrivals are read as a stream (a trace's are drawn as read): the next one not yet submitted,
@@ -744,6 +734,21 @@ _Event = tuple[float, int, int, _Batch | _Worker | _Copy]
 
 class _Gpus:
     """The simulated GPUs: workers, batches, compute queues, on the caller's virtual clock."""
+
+    @classmethod
+    def of(cls, workload: Workload, cluster: ClusterConfig, batching: Mapping[str, Batching]) -> _Gpus:
+        """The GPUs of `cluster` running `workload`'s models as their profiles say (the truth)."""
+        return cls(
+            {profile.model: profile for profile in workload.profiles},
+            batching,
+            cluster.batch_exponent,
+            Jitter(cluster.timing_spread, cluster.timing_seed),
+            cluster.host_to_gpu_mb_s,
+            interference=cluster.interference,
+            links=_Links(cluster.host_to_gpu_mb_s, cluster.link_mb_s or cluster.host_to_gpu_mb_s)
+            if cluster.gpus_per_link
+            else None,
+        )
 
     def __init__(
         self,
