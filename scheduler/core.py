@@ -31,8 +31,8 @@ class Scheduler(ClusterReads):
     gets a `Draft` of it, the `SchedulingContext` its policy plans on: the draft's reservations
     are applied and journalled, the policy's returned plan is what is kept and the rest is rolled
     back (see `SchedulingPolicy`). The common case, one request queued that the policy places
-    on an idle GPU holding its model (`SchedulingPolicy.lone_target`), skips the draft: the same
-    dispatch is applied directly (`fast_path`). `dispatch` and `park` here apply directly (tests,
+    on an idle GPU holding its model or parks on a busy one (`SchedulingPolicy.lone_target`),
+    skips the draft: the same step is applied directly (`fast_path`). `dispatch` and `park` here apply directly (tests,
     tools).
     """
 
@@ -222,13 +222,14 @@ class Scheduler(ClusterReads):
             )
         return decisions
 
-    def _place_lone(self, now: float) -> Dispatch | None:
+    def _place_lone(self, now: float) -> Decision | None:
         """The fast path of `schedule` when one request waits (after most arrivals): the passes
-        below would offer it first to the first idle GPU, whose fill either dispatches it (the
-        queue is then empty and the passes end) or not. Where the policy can say which GPU that
-        dispatch goes to without a draft (`SchedulingPolicy.lone_target`), apply it directly:
-        the same `Dispatch` and state as the fill's, without the draft, its journal and undo
-        closures. None (nothing changed) where the full passes must decide."""
+        below would offer it first to the first idle GPU, whose fill either places it (the
+        queue is then empty and the passes end) or not. Where the policy can say without a draft
+        which GPU that fill dispatches it to, or parks it on (`SchedulingPolicy.lone_target`; a
+        busy GPU means a park), apply that step directly: the same decision and state as the
+        fill's, without the draft, its journal and (for a dispatch) undo closures. None (nothing
+        changed) where the full passes must decide."""
         idle = self.cluster.idle
         if not idle:
             return None
@@ -239,6 +240,8 @@ class Scheduler(ClusterReads):
         if target is None:
             return None
         self.cluster.refill.clear()  # as the first pass starts
+        if not self.cluster.gpus[target].idle:
+            return reserve_park(self.cluster, request, target, now)[0]
         decision = dispatch_now(self.cluster, request, target, now)
         self._note_dispatch(decision, now)
         return decision

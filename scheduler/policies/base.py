@@ -210,11 +210,12 @@ class SchedulingPolicy(ABC):
         """The scheduler's fast path (`Scheduler.schedule`), for the common situation: `request`
         is the only request in the global queue, no GPU's local queue waits to start, and
         `gpu_id` is the first idle GPU, the first the scheduler offers work. Returns the GPU that
-        `fill(ctx, gpu_id, now)` would dispatch `request` to there, when that dispatch is the
-        fill's whole effect (its plan and its reservations hold nothing else, and the policy
-        changes no state of its own in `fill`); None whenever it is not sure. The scheduler then
-        applies that dispatch directly (no draft, no journal) and tells `on_dispatch` as for any
-        kept dispatch; on None it runs the full fill.
+        `fill(ctx, gpu_id, now)` would dispatch `request` to (a GPU with a free slot) or park it
+        on (a busy one) there, when that one step is the fill's whole effect (its plan and its
+        reservations hold nothing else, and the policy changes no state of its own in `fill`);
+        None whenever it is not sure. The scheduler then applies that step directly (no draft,
+        no journal) and tells `on_dispatch` of a dispatch as for any kept one; on None it runs
+        the full fill.
 
         The contract is exactness: the answer must be the fill's, in every state, so a policy
         that does not override this (None: always the full fill) is never wrong. Read only:

@@ -215,14 +215,16 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
 
     def lone_target(self, cluster: ClusterState, request: Request, gpu_id: str, now: float) -> str | None:
         """What `fill` does with a lone queued request (see `SchedulingPolicy.lone_target`), where
-        it is a hit on a free worker: here, when the model is cached here and no call of it runs
-        here past `now` (`hits_here`; in `lalb-o3` the head's pass-over then counts no skip, there
-        being no request ahead), else on the best idle holder (`best_idle_holder`, but
+        it is a hit on a free worker or a park: here, when the model is cached here and no call of
+        it runs here past `now` (`hits_here`; in `lalb-o3` the head's pass-over then counts no
+        skip, there being no request ahead), else on the best idle holder (`best_idle_holder`, but
         `avoid_gpu`) when its worker of the model is free, `_place_with_holders`' choice when it
-        weighs no replica. None for the rest: a busy worker (a replica may win), no idle holder (a
-        park or a miss), no holder at all (a miss), and `literal_visits` (its scan visits the
-        request first). `worker_wait_s` is 0 exactly when `models_busy` leaves the model out: both
-        compare the last expected finish of its calls there with `now`."""
+        weighs no replica; with no idle holder, a park on the busy holder that frees up soonest
+        when that beats a load here, as `_place_with_holders` decides it. None for the rest: a
+        busy worker (a replica may win), a miss (no holder, or a park that does not pay), and
+        `literal_visits` (its scan visits the request first). `worker_wait_s` is 0 exactly when
+        `models_busy` leaves the model out: both compare the last expected finish of its calls
+        there with `now`."""
         if self.literal_visits or not self._lone_fill:
             return None
         model, avoid = request.model, request.avoid_gpu
@@ -232,9 +234,13 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
         if not cache.gpus_with(model):
             return None  # a miss: the fill asks the index nothing then, and neither do we
         holder = cluster.best_idle_holder(model, exclude=avoid)
-        if holder is None or cluster.worker_wait_s(model, holder, now):
+        if holder is not None:
+            return None if cluster.worker_wait_s(model, holder, now) else holder
+        soonest = cluster.soonest_busy_holder(model, now)
+        if soonest is None or soonest[0] == avoid:
             return None
-        return holder
+        wait_s = max(soonest[1], cluster.worker_wait_s(model, soonest[0], now))
+        return soonest[0] if wait_s < cluster.load_time_s(model, gpu_id) else None
 
     def fill(self, ctx: SchedulingContext, gpu_id: str, now: float) -> list[Step]:
         if self.literal_visits:

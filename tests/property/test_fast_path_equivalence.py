@@ -190,12 +190,12 @@ class Twins:
         self.now = 0.0
         self.next_request = 0
         self.next_gpu = len(setup.slots)
-        self.fast_dispatches = 0  # dispatches the fast path made (the test would be empty without)
+        self.fast_placements = 0  # dispatches and parks the fast path made (the test would be empty without)
         place_lone = self.fast._place_lone
 
         def counted(now: float) -> Any:
             decision = place_lone(now)
-            self.fast_dispatches += decision is not None
+            self.fast_placements += decision is not None
             return decision
 
         self.fast._place_lone = counted  # type: ignore[method-assign]
@@ -297,8 +297,8 @@ def test_the_fast_path_decides_and_leaves_the_state_as_the_full_fill_does(
         step(twins, data)
     drain(twins)
     if setup.policy in ("mqfq-sticky", "torpor") or (setup.literal_visits and setup.policy != "lb"):
-        assert twins.fast_dispatches == 0  # these always fill in full
-    event(f"fast dispatches: {'none' if not twins.fast_dispatches else '1-9' if twins.fast_dispatches < 10 else '10+'}")
+        assert twins.fast_placements == 0  # these always fill in full
+    event(f"fast dispatches: {'none' if not twins.fast_placements else '1-9' if twins.fast_placements < 10 else '10+'}")
 
 
 def test_the_fast_path_places_the_lone_hits() -> None:
@@ -315,4 +315,4 @@ def test_the_fast_path_places_the_lone_hits() -> None:
         twins.now += 10.0  # every call has ended by the next
         request_id, now = twins.running()[0], twins.now
         twins.event(lambda s, request_id=request_id, now=now: s.on_complete(request_id, now))  # type: ignore[misc]
-    assert twins.fast_dispatches == 40 - 3
+    assert twins.fast_placements == 40 - 3

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from gpufaas.types import Request
-from scheduler import Decision, Scheduler
+from scheduler import Decision, Dispatch, Park, Scheduler
 from scheduler.draft import Draft
 from scheduler.policies.lalb import LocalityAwarePolicy
 from scheduler.state import ClusterState
@@ -96,6 +96,33 @@ def test_a_lone_call_whose_worker_is_busy_everywhere_fills_in_full(drafts: type[
     made = drafts.made
     schedule_both(fast, full, "lone", "A")
     assert drafts.made == made + 2  # both filled in full
+
+
+@pytest.mark.parametrize("policy", ["lalb", "lalb-o3"])
+def test_a_lone_call_whose_holders_are_busy_parks_without_a_draft_when_that_beats_a_load(
+    policy: str, drafts: type[CountedDraft]
+) -> None:
+    # D = 1: A runs on g0 (a hit: 1 s of inference left), g1 is idle and holds nothing: waiting
+    # for g0 beats loading A on g1 (2 s), so the call parks on g0.
+    fast, full = twins(policy, gpus=2)
+    alike(fast, full, lambda s: (cache_on(s, "g0", "A"), run_on(s, "g0", "A")))
+    made = drafts.made
+    (decision,) = schedule_both(fast, full, "lone", "A")
+    assert isinstance(decision, Park)
+    assert decision.gpu_id == "g0"
+    assert drafts.made == made + 1  # the full scheduler's fill only
+
+
+def test_a_park_that_does_not_beat_a_load_is_a_miss_and_fills_in_full(drafts: type[CountedDraft]) -> None:
+    # A runs on g0 after its load (2 s + 1 s of inference): waiting 3 s for g0 loses to loading A
+    # on g1 (2 s), so the fill loads it there.
+    fast, full = twins("lalb", gpus=2)
+    alike(fast, full, lambda s: run_on(s, "g0", "A"))
+    made = drafts.made
+    (decision,) = schedule_both(fast, full, "lone", "A")
+    assert isinstance(decision, Dispatch)
+    assert (decision.gpu_id, decision.hit) == ("g1", False)
+    assert drafts.made == made + 2
 
 
 @pytest.mark.parametrize("policy", ["lb", "lalb", "lalb-o3", "mqfq-sticky", "torpor"])
