@@ -32,8 +32,8 @@ class Scheduler(ClusterReads):
     are applied and journalled, the policy's returned plan is what is kept and the rest is rolled
     back (see `SchedulingPolicy`). The common case, one request queued that the policy places
     on an idle GPU holding its model or parks on a busy one (`SchedulingPolicy.lone_target`),
-    skips the draft: the same step is applied directly (`fast_path`). `dispatch` and `park` here apply directly (tests,
-    tools).
+    skips the draft: the same step is applied directly (`fast_path`). `dispatch` and `park`
+    here apply directly (tests, tools).
     """
 
     def __init__(
