@@ -179,11 +179,14 @@ def test_children_holding_3x1500_mb_on_a_600_mb_declaration_are_stopped_at_the_l
 
 def test_a_16_thread_spinner_leaves_another_function_its_latency(make_cluster: ClusterFactory, tmp_path: Path) -> None:
     """Row (1), CPU: a handler spinning 16 threads (each hashing: the GIL released) gets its
-    group's share; another function's p50 stays within 1.5x of its idle p50."""
+    group's share; another function's p50 stays within 2.5x of its idle p50."""
+    # Measured on 2 cores: 1.2-1.55x with the group's equal weight (the high end with CI's other
+    # jobs on the machine), 4.3x without cgroups (5.60 -> 23.90 ms). 2.5x is between the two, so
+    # noise does not fail it and losing the weight does.
     cluster = make_cluster(nodes=1, gpus_per_node=2, backend="cpu", gpu_memory_mb=4000)
     answer, idle_p50, during_p50 = victim_under_a_spinner(cluster, tmp_path)
     assert answer.status_code == 200, answer.text
-    assert during_p50 <= 1.5 * idle_p50, f"p50 {idle_p50:.2f} -> {during_p50:.2f} ms"
+    assert during_p50 <= 2.5 * idle_p50, f"p50 {idle_p50:.2f} -> {during_p50:.2f} ms"
 
 
 def victim_under_a_spinner(cluster: LocalCluster, tmp_path: Path) -> tuple[httpx.Response, float, float]:
