@@ -9,7 +9,7 @@ the CPU read again; the difference over the calls is that process's CPU per call
 every process below the node (its zygote, spares and model workers); "client" is the load
 client's own CPU, as it reports it. Rounds are reported one by one and by their median.
 
-With `--profile`, a last round runs with the gateway and the node under cProfile (process CPU
+With `--profile`, a last round runs with the gateway, the scheduler and the node under cProfile (process CPU
 time, between the signals bench/profiled_main.py uses; not counted in the CPU figures), and their
 top functions go into the results as `profile`. (py-spy was tried first: sampling uvloop's
 processes without stopping them, it charged most samples to the event loop's frame.)
@@ -124,11 +124,11 @@ def install_profiler(work: Path) -> Path:
 
 
 def profile_round(cluster: RunningCluster, body: Path, args: argparse.Namespace, profiles: Path) -> dict[str, Any]:
-    """One more round with the gateway and the node under cProfile (not counted in the CPU
+    """One more round with the gateway, the scheduler and the node under cProfile (not counted in the CPU
     figures): each one's top functions, by own time and with callees, in us of CPU per call
     (cProfile's own cost included: compare them with each other, not with the measured rounds)."""
     pids = recorded_pids(cluster.state_dir)
-    roles = {"gateway": pids["gateway"], "node": pids["node0"]}
+    roles = {"gateway": pids["gateway"], "scheduler": pids["scheduler"], "node": pids["node0"]}
     for pid in roles.values():
         os.kill(pid, signal.SIGUSR1)
     point = client(cluster, body, calls=args.calls, concurrency=args.concurrency, warmup_s=0)
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--no-tls", action="store_true", help="the daemons' links in plain (gpufaas up --no-tls)")
-    parser.add_argument("--profile", action="store_true", help="a last round with the gateway and node under cProfile")
+    parser.add_argument("--profile", action="store_true", help="a last round with the daemons under cProfile")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="gpufaas-hop-cpu-") as tmp:
         work = Path(tmp)
