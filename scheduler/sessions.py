@@ -86,11 +86,12 @@ class NodeSession:
             gpu_type = service.scheduler.gpu(gpu_id).spec.gpu_type
         except KeyError:  # its node left meanwhile
             gpu_type = ""
+        ok = done.outcome == pb.OK
         service.metrics.done(
             model,
             gpu_type,
-            ok=done.outcome == pb.OK,
-            outcome=pb.Outcome.Name(done.outcome).lower(),
+            ok=ok,
+            outcome="" if ok else pb.Outcome.Name(done.outcome).lower(),  # a label of failures only
             loaded=done.loaded,
             load_time_s=done.load_time_s,
             inference_time_s=done.inference_time_s,

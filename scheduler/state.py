@@ -170,8 +170,9 @@ class ClusterState:
             heap = self._free_at.setdefault(model, [])
             heapq.heappush(heap, (entry_key, gpu_id, state.version))
             # Rebuilds cost O(replicas): rare enough (a hot model's heap every ~8x its replicas
-            # pushes) to stay out of the per-decision tail, and amortized O(1).
-            if len(heap) > 8 * len(self.cache.gpus_with(model)) + 64:
+            # pushes) to stay out of the per-decision tail, and amortized O(1). (The length alone
+            # first: the holders are not counted for a heap of 64 or fewer.)
+            if len(heap) > 64 and len(heap) > 8 * len(self.cache.gpus_with(model)) + 64:
                 self._compact(model)
 
     def _compact(self, model: str) -> None:
@@ -221,7 +222,7 @@ class ClusterState:
             heap = self._idle_holders[model] = []
         heapq.heappush(heap, self._idle_holder_entry(model, state))
         # Rebuilt from the live holders at ~8x their count: amortized O(1) per push.
-        if len(heap) > 8 * len(self.cache.gpus_with(model)) + 64:
+        if len(heap) > 64 and len(heap) > 8 * len(self.cache.gpus_with(model)) + 64:
             gpus = self.gpus
             live = [
                 self._idle_holder_entry(model, holder)

@@ -1,0 +1,52 @@
+"""The scheduler's metrics from a node's Done: a failed attempt is counted by its outcome, an OK
+one by its cache result (scheduler.sessions.NodeSession, scheduler.metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.wire import Frame, MessageType
+from scheduler.service import SchedulerService
+from scheduler.sessions import NodeSession
+from tests.fakes import MemoryStore
+
+OUTCOMES = [pb.OK, pb.HANDLER_ERROR, pb.TIMEOUT, pb.OUTPUT_TOO_LARGE]
+
+
+def counted_after(outcome: int, monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
+    """Deliver one Done of `outcome` for a placed call of model `m`: the failures counter by
+    outcome label, and the calls counter by cache label (only the non-zero samples)."""
+    counted: dict[str, float] = {}
+
+    async def scenario() -> None:
+        service = SchedulerService(MemoryStore())
+        monkeypatch.setattr(service.book, "placement", lambda call_id, attempt: ("m", "g0"))
+        monkeypatch.setattr(service.book, "done", lambda *args, **kwargs: [])
+        monkeypatch.setattr(service.scheduler, "gpu", lambda gpu_id: (_ for _ in ()).throw(KeyError(gpu_id)))
+        done = pb.Done(call_id="c", attempt=1, outcome=outcome, inference_time_s=0.01)  # type: ignore[arg-type]
+        conn: Any = None
+        NodeSession(service, None).on_frame(  # type: ignore[arg-type]  # the node is not looked at
+            conn, Frame(MessageType.DONE, 0, 0, done.SerializeToString(), b"")
+        )
+        for family in service.metrics.registry.collect():
+            for sample in family.samples:
+                if sample.name in ("gpufaas_scheduler_call_failures_total", "gpufaas_scheduler_calls_total"):
+                    if sample.value:
+                        counted[f"{sample.name}:{','.join(sample.labels.values())}"] = sample.value
+
+    asyncio.run(scenario())
+    return counted
+
+
+@pytest.mark.parametrize("outcome", OUTCOMES, ids=[pb.Outcome.Name(o) for o in OUTCOMES])
+def test_a_done_is_counted_once_under_its_outcome(outcome: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    counted = counted_after(outcome, monkeypatch)
+    if outcome == pb.OK:
+        assert counted == {"gpufaas_scheduler_calls_total:hit": 1.0}
+    else:
+        label = pb.Outcome.Name(outcome).lower()  # type: ignore[arg-type]
+        assert counted == {f"gpufaas_scheduler_call_failures_total:{label}": 1.0}
