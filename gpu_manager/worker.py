@@ -57,6 +57,8 @@ MAX_JSON_DEPTH = 512
 """Deepest nesting of arrays and objects a JSON payload may have: json's decoder recurses once a
 level, so a deeper one would exhaust the worker's stack (Python's limit is 1,000 frames)."""
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # brackets in strings do not nest
+_NOT_PLAIN_UTF8 = (b"\xef", b"\xfe", b"\xff")  # first bytes of the byte-order marks json.loads reads
+_decode_json = json.JSONDecoder().decode  # json.loads' decoder (json's defaults)
 _NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 _DEPTH_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1, +1, -1, -1 as signed bytes
 
@@ -80,7 +82,10 @@ def _parse_json(payload: bytes) -> object:
     if json_depth_over(payload):
         raise _too_deep()
     try:
-        return json.loads(payload)
+        if payload[:1] in _NOT_PLAIN_UTF8 or b"\x00" in payload[:4]:
+            return json.loads(payload)  # a byte-order mark, or UTF-16 or UTF-32: json tells which
+        # What json.loads does with the rest (json.detect_encoding says UTF-8), without its checks.
+        return _decode_json(payload.decode("utf-8", "surrogatepass"))
     except RecursionError:  # a stack already deep: still the caller's payload, not the worker's end
         raise _too_deep() from None
 
@@ -115,11 +120,11 @@ def encode_result(result: object) -> tuple[bytes, str]:
     """The handler's output as (bytes, content type): bytes as they are, str as UTF-8 text,
     anything else as JSON (torch tensors and numpy arrays become nested lists). TypeError if it
     cannot be encoded."""
-    if isinstance(result, bytes | bytearray | memoryview):
+    if isinstance(result, _BINARY):
         return bytes(result), "application/octet-stream"
     if isinstance(result, str):
         return result.encode("utf-8"), "text/plain; charset=utf-8"
-    return json.dumps(result, default=_json_default, separators=(",", ":")).encode("utf-8"), "application/json"
+    return _encode_json(result).encode("utf-8"), "application/json"
 
 
 def _json_default(value: object) -> object:
@@ -134,8 +139,19 @@ def _json_default(value: object) -> object:
     raise TypeError(f"handler output of type {type(value).__name__} is not bytes, str or JSON-serializable")
 
 
+_BINARY = (bytes, bytearray, memoryview)
+# json.dumps(result, default=_json_default, separators=(",", ":")), its encoder made once.
+_encode_json = json.JSONEncoder(default=_json_default, separators=(",", ":")).encode
+
+
 def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+READ_BYTES = 65536
+"""What the worker's channel reads into (a larger frame gets a buffer of its own size while it is read)."""
+_LENGTH = struct.Struct("!I")
+_PREFIX = struct.Struct("!IHHII")  # gpufaas.wire's frame prefix: length, type, flags, correlation id, header length
 
 
 class _Frame(NamedTuple):
@@ -146,11 +162,19 @@ class _Frame(NamedTuple):
 
 class Channel:
     """Blocking frames over the worker's end of the socket pair (the node side is a
-    gpufaas.wire.Connection). Reads are buffered so that several waiting calls can be taken at once."""
+    gpufaas.wire.Connection). Reads are buffered so that several waiting calls can be taken at once.
+
+    The socket is read into one buffer kept for the worker's life (READ_BYTES, grown for a larger
+    frame and given back once it is taken), not into a new bytes object per read: a read of up to
+    a MiB into a fresh object cost the worker an mmap, an mremap and an munmap (and a page fault)
+    per call."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self._buf = bytearray()
+        self._buf = bytearray(READ_BYTES)
+        self._view = memoryview(self._buf)
+        self._start = 0  # the first byte not yet taken
+        self._end = 0  # past the last byte read
 
     def send(self, type_: int, header: pb.WorkerHello | pb.ModelLoaded | pb.CallResult, body: bytes = b"") -> None:
         # One-way frames (the node matches results to calls by call id); header and body are
@@ -165,43 +189,70 @@ class Channel:
     def pending(self, timeout_s: float = 0.0) -> bool:
         """Whether a whole frame can be read without waiting longer than `timeout_s`."""
         deadline = time.perf_counter() + timeout_s
-        while not self._has_frame():
+        while self._frame_end() < 0:
             remaining = deadline - time.perf_counter()
             readable, _, _ = select.select([self.sock], [], [], max(0.0, remaining))
             if not readable:
                 return False
             if not self._fill():
-                return self._has_frame()
+                return self._frame_end() >= 0
         return True
 
     def recv(self) -> _Frame | None:
         """The next frame; None when the node closed its end."""
-        while not self._has_frame():
+        while (frame_end := self._frame_end()) < 0:
             if not self._fill():
                 return None
-        (length,) = struct.unpack_from("!I", self._buf, 0)
-        _, type_, _flags, _corr, header_len = struct.unpack_from("!IHHII", self._buf, 0)
-        header_at = PREFIX_BYTES
+        start = self._start
+        _, type_, _flags, _corr, header_len = _PREFIX.unpack_from(self._buf, start)
+        header_at = start + PREFIX_BYTES
         body_at = header_at + header_len
-        frame = _Frame(type_, bytes(self._buf[header_at:body_at]), bytes(self._buf[body_at : 4 + length]))
-        del self._buf[: 4 + length]
+        view = self._view
+        frame = _Frame(type_, bytes(view[header_at:body_at]), bytes(view[body_at:frame_end]))
+        if frame_end == self._end:  # all taken: the next read starts at the front
+            self._start = self._end = 0
+            if len(self._buf) > READ_BYTES:  # a large frame's buffer goes with it
+                self._resize(READ_BYTES)
+        else:
+            self._start = frame_end
         return frame
 
-    def _has_frame(self) -> bool:
-        if len(self._buf) < 4:
-            return False
-        length: int = struct.unpack_from("!I", self._buf, 0)[0]
-        return len(self._buf) >= 4 + length
+    def _frame_end(self) -> int:
+        """Where the first whole frame buffered ends; -1 if there is none yet."""
+        start = self._start
+        if self._end - start < 4:
+            return -1
+        frame_end: int = start + 4 + _LENGTH.unpack_from(self._buf, start)[0]
+        return frame_end if frame_end <= self._end else -1
 
     def _fill(self) -> bool:
+        """Read what the socket holds (up to the buffer's free room, made room enough for the
+        frame under way); False at the end of the stream."""
+        start, end = self._start, self._end
+        needed = 4 + _LENGTH.unpack_from(self._buf, start)[0] if end - start >= 4 else READ_BYTES
+        if start + needed > len(self._buf) or end == len(self._buf):
+            # Move what is buffered to the front, into a larger buffer if the frame needs one.
+            kept = end - start
+            if needed > len(self._buf):
+                self._resize(needed, keep=(start, end))
+            elif start:
+                self._buf[:kept] = self._buf[start:end]
+            self._start, self._end = 0, kept
         try:
-            chunk = self.sock.recv(1 << 20)
+            count = self.sock.recv_into(self._view[self._end :])
         except ConnectionResetError:
             return False
-        if not chunk:
+        if not count:
             return False
-        self._buf += chunk
+        self._end += count
         return True
+
+    def _resize(self, size: int, keep: tuple[int, int] = (0, 0)) -> None:
+        """A buffer of `size` bytes instead, starting with the old one's bytes `keep`."""
+        buf = bytearray(size)
+        buf[: keep[1] - keep[0]] = self._view[keep[0] : keep[1]]
+        self._view.release()
+        self._buf, self._view = buf, memoryview(buf)
 
 
 def _answer(channel: Channel, call: pb.Call, outcome: int, message: str = "", **fields: object) -> None:
