@@ -167,7 +167,7 @@ class Worker:
         self.warm_s = 0.0  # when its hello came
         # Calls written to the worker and not yet answered, oldest first (the worker runs them in
         # this order, so the oldest is the one running).
-        self.pending: dict[str, asyncio.Future[Frame]] = {}
+        self.pending: dict[str, asyncio.Future[tuple[pb.CallResult, bytes]]] = {}
 
     @property
     def model(self) -> str:
@@ -180,13 +180,15 @@ class Worker:
         self.conn.send(MessageType.LOAD_MODEL, load)
         return await self.loaded
 
-    async def call(self, call_id: str, payload: bytes, *, content_type: str, deadline: float) -> Frame:
-        """Write one call and wait for its CallResult frame until `deadline` (the event loop's
+    async def call(
+        self, call_id: str, payload: bytes, *, content_type: str, deadline: float
+    ) -> tuple[pb.CallResult, bytes]:
+        """Write one call and wait for its CallResult and output until `deadline` (the event loop's
         clock): raises ConnectionLost if the worker goes first, CallTimedOut at the deadline. Calls
         are written at once, in order: the socket is the worker's queue."""
         assert self.conn is not None
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Frame] = loop.create_future()
+        future: asyncio.Future[tuple[pb.CallResult, bytes]] = loop.create_future()
         self.pending[call_id] = future
         try:
             self.conn.send(MessageType.CALL, pb.Call(call_id=call_id, content_type=content_type), payload)
@@ -207,10 +209,11 @@ class Worker:
     # wire.Handler
     def on_frame(self, conn: Connection, frame: Frame) -> None:
         if frame.type == MessageType.CALL_RESULT:
+            # Parsed here, once: the caller gets the message with its output.
             result = frame.message(pb.CallResult)
             future = self.pending.pop(result.call_id, None)
             if future is not None and not future.done():
-                future.set_result(frame)
+                future.set_result((result, frame.body))
         elif frame.type == MessageType.WORKER_HELLO and not self.hello.done():
             # The first hello only: it comes before any handler code runs in the process. A later
             # one would be the handler's, naming another PID for the node to measure.

@@ -112,6 +112,40 @@ def test_without_a_measurement_a_lying_worker_is_booked_at_its_declared_size_and
     on_own_pool(tmp_path, "cpu", scenario, nvml=FakeNvml(None))
 
 
+@pytest.mark.parametrize(
+    ("declared_mb", "claims_over"),
+    [
+        # The margin is its floor (64 MiB over 300): 364 is within it, 365 over.
+        (300, {"1": False, "300": False, "364": False, "365": True, "1999": True}),
+        # A tenth of the declared size (100 MiB over 1,000): past the floor but within the tenth.
+        (1000, {"1065": False, "1100": False, "1101": True}),
+    ],
+)
+def test_with_no_nvml_at_all_every_claim_is_booked_at_the_declared_size_and_one_over_the_margin_counted_once(
+    tmp_path: Path, declared_mb: int, claims_over: dict[str, bool]
+) -> None:
+    # The pool's booking after each call where nothing measures (the cpu backend's nodes): the
+    # same decisions as gpu_manager.gpu_memory's, claim by claim, call after call.
+    async def scenario(node: Node) -> None:
+        for claim_mb in claims_over:
+            model = on_cpu(
+                f"claims-{claim_mb}",
+                node.shelf.digest("memory_liar_function"),
+                memory_mb=declared_mb,
+                environment={"CLAIM_MB": claim_mb},
+            )
+            for _ in range(3):
+                result = await node.call(model)
+                assert ok(result)["claimed_mb"] == int(claim_mb)
+                assert (result.peak_memory_mb, result.worker_killed) == (declared_mb, False)
+            assert node.pool.workers()[0][3] == declared_mb
+            await node.pool.evict(model.model, "gpu0")
+        over = sum(claims_over.values())
+        assert node.pool.models_over_declared == ({"claimed": over} if over else {})
+
+    on_own_pool(tmp_path, "cpu", scenario, capacity_mb=lambda gpu_id: declared_mb)
+
+
 def test_a_model_measured_over_its_declaration_with_no_room_on_its_gpu_is_stopped_at_its_load(
     tmp_path: Path,
 ) -> None:
