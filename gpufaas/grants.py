@@ -33,7 +33,7 @@ def sign(grant: pb.Grant, key: bytes, *, function_part: bytes = b"") -> bytes:
     """The token of `grant` merged with `function_part` (see `function_part`): a protobuf message
     parsed from concatenated encodings is their merge, so the node reads one Grant with both."""
     body = function_part + grant.SerializeToString()
-    return body + hmac.digest(key, body, "sha256")
+    return body + _tag(key, body)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -52,9 +52,24 @@ def verify(token: bytes, key: bytes) -> pb.Grant:
     if len(token) <= TAG_BYTES:
         raise BadToken("the token is too short to be a signed grant")
     body, tag = token[:-TAG_BYTES], token[-TAG_BYTES:]
-    if not hmac.compare_digest(hmac.digest(key, body, "sha256"), tag):
+    if not hmac.compare_digest(_tag(key, body), tag):
         raise BadToken("the token's signature does not match: it was not issued by this cluster's scheduler")
     try:
         return pb.Grant.FromString(body)
     except DecodeError:
         raise BadToken("the signed token does not hold a grant") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _keyed(key: bytes) -> hmac.HMAC:
+    """An HMAC-SHA256 under `key` with nothing fed yet: `_tag` copies it. (Keys are few: a term's.)"""
+    return hmac.new(key, digestmod=hashlib.sha256)
+
+
+def _tag(key: bytes, body: bytes) -> bytes:
+    """HMAC-SHA256 of `body` under `key`. A copy of the keyed state, not `hmac.digest`, which looks
+    the digest up in OpenSSL and sets the key afresh on every call: measured 2.3 -> 1.5 us in a
+    loop; under cProfile it was 26-39 us of own time a call in the node and the scheduler."""
+    mac = _keyed(key).copy()
+    mac.update(body)
+    return mac.digest()

@@ -59,6 +59,21 @@ def test_a_signed_grant_verifies_to_the_same_grant() -> None:
     assert verify(token, KEY) == grant
 
 
+def test_the_tag_is_hmac_sha256_of_the_body_under_each_key_in_turn() -> None:
+    """The token's format (body + HMAC-SHA256 of it), whatever keys were used before: a node of
+    another version checks it, and the keyed state kept per key is not another key's."""
+    keys = [new_key(), new_key(), new_key()]
+    for key in [*keys, *reversed(keys)]:
+        token = sign(pb.Grant(call_id="c", node="n1"), key)
+        body, tag = token[:-TAG_BYTES], token[-TAG_BYTES:]
+        assert tag == hmac.digest(key, body, "sha256")
+        assert verify(token, key).call_id == "c"
+        for other in keys:
+            if other != key:
+                with pytest.raises(BadToken):
+                    verify(token, other)
+
+
 def test_a_grant_signed_with_its_function_part_verifies_to_the_whole_grant() -> None:
     worker = WorkerSettings(environment={"MODE": "fast"}).to_wire()
     whole = make_grant(evict=["old@aaaaaaaaaaaa"], package_digest="sha256:ab", worker=worker)
