@@ -14,6 +14,7 @@ from scheduler.service import SchedulerService
 from scheduler.sessions import NodeSession
 from tests.fakes import MemoryStore
 
+COUNTERS = ("gpufaas_scheduler_call_failures_total", "gpufaas_scheduler_calls_total")
 OUTCOMES = [pb.OK, pb.HANDLER_ERROR, pb.TIMEOUT, pb.OUTPUT_TOO_LARGE]
 
 
@@ -34,9 +35,8 @@ def counted_after(outcome: int, monkeypatch: pytest.MonkeyPatch) -> dict[str, fl
         )
         for family in service.metrics.registry.collect():
             for sample in family.samples:
-                if sample.name in ("gpufaas_scheduler_call_failures_total", "gpufaas_scheduler_calls_total"):
-                    if sample.value:
-                        counted[f"{sample.name}:{','.join(sample.labels.values())}"] = sample.value
+                if sample.value and sample.name in COUNTERS:
+                    counted[f"{sample.name}:{','.join(sample.labels.values())}"] = sample.value
 
     asyncio.run(scenario())
     return counted
@@ -48,5 +48,5 @@ def test_a_done_is_counted_once_under_its_outcome(outcome: int, monkeypatch: pyt
     if outcome == pb.OK:
         assert counted == {"gpufaas_scheduler_calls_total:hit": 1.0}
     else:
-        label = pb.Outcome.Name(outcome).lower()  # type: ignore[arg-type]
+        label = pb.Outcome.Name(outcome).lower()
         assert counted == {f"gpufaas_scheduler_call_failures_total:{label}": 1.0}
