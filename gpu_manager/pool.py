@@ -72,7 +72,6 @@ from gpu_manager.spare_workers import SpareWorkers
 from gpu_manager.worker_processes import WorkerProcesses
 from gpu_manager.workers import (
     EXIT_CAUSES,
-    MEMORY_MARGIN_MB,
     CallTimedOut,
     ModelRun,
     RunResult,
@@ -171,7 +170,6 @@ class WorkerPool:
             files, self._processes.runtime, max_body_bytes=max_body_bytes, wait_for_victims=self.wait_for_victims
         )
         self._memory = GpuMemory(self.gpus, nvml, capacity_mb)
-        self._measures_memory = nvml is not None
         # Not on cuda: there each spare holds a device context the GPU's registered capacity leaves out.
         self._spares = SpareWorkers(
             list(self.gpus),
@@ -295,8 +293,7 @@ class WorkerPool:
                 return taken  # the load failed or timed out
             worker, stages = taken
         else:
-            if evict:  # a grant that expected a miss can still name victims
-                self._evict_for_miss(gpu_id, evict, seq)
+            self._evict_for_miss(gpu_id, evict, seq)  # a grant that expected a miss can still name victims
             if worker.state is WorkerState.LOADING:
                 waited = await self._wait_loaded(worker, f"model {run.model!r} on {gpu_id}", deadline)
                 if waited is not None:
@@ -463,8 +460,6 @@ class WorkerPool:
     def _book(self, worker: Worker, reported_mb: int, *, measure: bool = False) -> bool:
         """Book `worker`'s model on its GPU (gpu_manager.gpu_memory); False when it was stopped:
         measured over its declaration, its GPU's models would overcommit it."""
-        if not self._measures_memory and _booked_as_declared(worker, reported_mb):
-            return True
         if self._memory.book(worker, reported_mb, measure=measure, booked_mb=self._workers.booked_mb):
             return True
         worker.exit_cause = "over_memory"
@@ -508,17 +503,6 @@ def _check_settings(backend: str, runtime: str, spares_per_gpu: int, extra_spare
         raise ValueError(f"extra_spares must be >= 0, got {extra_spares}")
     if host_cache_mb < 0 or (host_cache_mb and backend != "cpu"):
         raise ValueError(f"host_cache_mb must be >= 0, and 0 on the {backend} backend (a cpu-backend tier)")
-
-
-def _booked_as_declared(worker: Worker, reported_mb: int) -> bool:
-    """Where nothing measures `worker` (no NVML), what GpuMemory.book decides after each call for a
-    claim within the margin, or one already counted over it: booked at the declared size, kept
-    (True), without its steps. False: a claim over the margin not yet counted, for GpuMemory.book."""
-    run = worker.run
-    if run is None or not (reported_mb <= run.memory_mb + MEMORY_MARGIN_MB or worker.over_declared):
-        return False
-    worker.memory_mb = run.memory_mb
-    return True
 
 
 def _timeout_answer(worker: Worker, timeout_s: float, *, killed: bool) -> RunResult:

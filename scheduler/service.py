@@ -289,9 +289,8 @@ class SchedulerService:
         while not self.links.all_attached() and self.clock() < deadline:
             await asyncio.sleep(ATTACH_POLL_S)
         term.open = True
-        # What lives now (the attached cluster) leaves the collector's walks; collected first, so
-        gc.collect()  # that no cycle left over from an earlier term is frozen, never to be freed
-        gc.freeze()
+        gc.collect()  # first, so that no cycle left over from an earlier term is frozen for good
+        gc.freeze()  # what lives now (the attached cluster) leaves the collector's walks: O(1)
         early, term.early = term.early, []
         for conn, request in early:
             if not conn.is_closed:
