@@ -417,23 +417,27 @@ class _Run:
     def run(self, on_progress: Callable[[int], None] | None, meter: Meter) -> None:
         """Submit every arrival and run every call to completion, one instant at a time,
         keeping `meter` up to date."""
-        gpus = self.gpus
+        gpus, latencies = self.gpus, self.latencies
+        # Bound once: the loop runs twice per request.
+        next_event_s, complete, submit_arrivals = gpus.next_event_s, self._complete, self._submit_arrivals
+        schedule, form_batches = self._schedule, gpus.form_batches
         while True:
-            event_s, upcoming = gpus.next_event_s(), self.upcoming
+            event_s, upcoming = next_event_s(), self.upcoming
             if upcoming is None and not gpus.events_pending():
                 return
             now = self.now = event_s if upcoming is None or event_s < upcoming.arrival_s else upcoming.arrival_s
             # Completions at this instant first: a slot freed now can serve a request arriving now.
-            completed = self._complete(now, on_progress)
-            arrived = self._submit_arrivals(now)
+            completed = complete(now, on_progress)
+            arrived = submit_arrivals(now)
             # Only completions and arrivals change what the scheduler sees (a finished load or a
             # worker's batch do not): it is asked at those instants and no others.
             if completed or arrived:
-                self._schedule(now)
-            gpus.form_batches(now)
-            meter.submitted = self.next_arrival
-            meter.completed = len(self.latencies)
-            meter.events = self.next_arrival + gpus.events
+                schedule(now)
+            form_batches(now)
+            submitted = self.next_arrival
+            meter.submitted = submitted
+            meter.completed = len(latencies)
+            meter.events = submitted + gpus.events
             meter.instants += 1
             meter.now_s = now
 
@@ -441,34 +445,43 @@ class _Run:
         """Report every call whose batch ended by `now` to the scheduler, with the times it took;
         True if there was one."""
         completed = self.gpus.advance(now)
+        if not completed:
+            return False
+        on_complete, latencies, per_function = self.scheduler.on_complete, self.latencies, self.per_function
+        touched_gpus = self.touched_gpus
         for call, batch in completed:
-            request = self.scheduler.on_complete(
+            inference_s = batch.elapsed_s(now)
+            request = on_complete(
                 call.request.request_id,
                 now,
                 load_time_s=call.load_s,
-                inference_time_s=batch.elapsed_s(now),
+                inference_time_s=inference_s,
                 batch_size=batch.samples,
             )
             latency_s = now - request.arrival_s
-            self.latencies.append(latency_s)
-            self.inference_s_sum += batch.elapsed_s(now)
-            self.per_function[request.function].append(latency_s)
+            latencies.append(latency_s)
+            self.inference_s_sum += inference_s
+            per_function[request.function].append(latency_s)
             if request.slo_s is not None:
                 self.slo.add(request.function, latency_s, request.slo_s)
-            self.touched_gpus.add(batch.worker.gpu_id)
+            touched_gpus.add(batch.worker.gpu_id)
             if on_progress is not None:
-                on_progress(len(self.latencies))
-        return bool(completed)
+                on_progress(len(latencies))
+        return True
 
     def _submit_arrivals(self, now: float) -> bool:
         """Submit every request that has arrived by `now`; True if there was one."""
-        upcoming, submitted = self.upcoming, self.next_arrival
+        upcoming = self.upcoming
+        if upcoming is None or upcoming.arrival_s > now:
+            return False
+        submit, arrivals, submitted = self.scheduler.submit, self.arrivals, 0
         while upcoming is not None and upcoming.arrival_s <= now:
-            self.scheduler.submit(upcoming)
-            self.next_arrival += 1
-            upcoming = next(self.arrivals, None)
+            submit(upcoming)
+            submitted += 1
+            upcoming = next(arrivals, None)
         self.upcoming = upcoming
-        return self.next_arrival > submitted
+        self.next_arrival += submitted
+        return True
 
     def _schedule(self, now: float) -> None:
         """Ask the scheduler (after its slot controller and staged exit have had their say) and
@@ -488,8 +501,9 @@ class _Run:
                 if release.gpu_id is not None:
                     self.touched_gpus.add(release.gpu_id)
                     self.gpus.release(release.gpu_id, release.model)
+        touched_gpus = self.touched_gpus
         for decision in self.scheduler.schedule(now):
-            self.touched_gpus.add(decision.gpu_id)
+            touched_gpus.add(decision.gpu_id)
             if isinstance(decision, Park):
                 self.parks += 1
             else:
@@ -498,15 +512,19 @@ class _Run:
     def _integrate(self, now: float) -> None:
         """Add the time since the scheduler was last asked to the time-weighted figures: the cache
         changes only in schedule(), so what it holds now it held since then."""
-        scheduler, since_s = self.scheduler, self.scheduled_at
-        for gpu_id in self.touched_gpus:
-            used_mb = self.gpu_caches[gpu_id].used_mb
-            self.used_mb_total += used_mb - self.used_mb[gpu_id]
-            self.used_mb[gpu_id] = used_mb
-        self.touched_gpus.clear()
-        self.replica_area += len(scheduler.cache.gpus_with(self.top_model)) * (now - since_s)
-        self.memory_area += self.used_mb_total * (now - since_s)
-        self.slots_area += self.slots_total * (now - since_s)
+        touched_gpus = self.touched_gpus
+        if touched_gpus:
+            gpu_caches, used_mb_of, used_mb_total = self.gpu_caches, self.used_mb, self.used_mb_total
+            for gpu_id in touched_gpus:
+                used_mb = gpu_caches[gpu_id].used_mb
+                used_mb_total += used_mb - used_mb_of[gpu_id]
+                used_mb_of[gpu_id] = used_mb
+            self.used_mb_total = used_mb_total
+            touched_gpus.clear()
+        elapsed_s = now - self.scheduled_at
+        self.replica_area += len(self.scheduler.cache.gpus_with(self.top_model)) * elapsed_s
+        self.memory_area += self.used_mb_total * elapsed_s
+        self.slots_area += self.slots_total * elapsed_s
         self.scheduled_at = now
 
     def _dispatch(self, decision: Dispatch, now: float) -> None:
@@ -784,6 +802,9 @@ class _Gpus:
         self._compute_log: list[tuple[int, float]] = []
         self.batches = 0
         self.events = 0  # events popped off the heap, stale ones included
+        # Only interference reschedules batch ends and only shared links move copies' ends: without
+        # either, no event on the heap is ever stale.
+        self._may_go_stale = interference is not None or links is not None
 
     def events_pending(self) -> bool:
         """Whether any event is due, stale ones dropped by the last `next_event_s` (or `busy`)."""
@@ -796,6 +817,8 @@ class _Gpus:
     def _drop_stale(self) -> None:
         """Pop batch ends that a later reschedule replaced (with interference), so that they
         neither wake the clock nor stretch the makespan."""
+        if not self._may_go_stale:
+            return
         events = self._events
         while events:
             at_s, kind, _, subject = events[0]
@@ -857,8 +880,9 @@ class _Gpus:
     def advance(self, now: float) -> list[tuple[_Call, _Batch]]:
         """Handle every event due by `now`; returns the calls completed, in completion order."""
         completed: list[tuple[_Call, _Batch]] = []
-        while self._events and self._events[0][0] <= now:
-            at_s, kind, _, subject = heapq.heappop(self._events)
+        events = self._events
+        while events and events[0][0] <= now:
+            at_s, kind, _, subject = heapq.heappop(events)
             self.events += 1
             if isinstance(subject, _Batch):
                 worker = subject.worker
@@ -902,8 +926,12 @@ class _Gpus:
     def form_batches(self, now: float) -> None:
         """End the instant: every stirred worker that is free forms its batch, or starts waiting."""
         stirred, self._stirred = self._stirred, {}
+        try_batch = self._try_batch
         for worker in stirred.values():
-            self._try_batch(worker, now)
+            # _try_batch's first test, made here: most stirred workers (a batch just ended) have
+            # nothing waiting.
+            if worker.waiting and not worker.busy and now >= worker.loaded_at_s:
+                try_batch(worker, now)
 
     def _stir(self, worker: _Worker) -> None:
         self._stirred[(worker.gpu_id, worker.profile.model)] = worker
@@ -912,7 +940,9 @@ class _Gpus:
         """Form the worker's next batch if it is free and has calls (and no reason to wait)."""
         if worker.busy or not worker.waiting or now < worker.loaded_at_s:
             return
-        batching = self._batching.get(worker.waiting[0].request.function, NO_BATCHING)
+        batching = (
+            self._batching.get(worker.waiting[0].request.function, NO_BATCHING) if self._batching else NO_BATCHING
+        )
         if len(worker.waiting) < batching.max_batch_size and batching.max_batch_wait_ms > 0:
             if worker.wait_until_s is None:
                 worker.wait_until_s = now + batching.max_batch_wait_ms / 1000.0
