@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ from gateway.auth import (
     refusal,
     send_refusal,
 )
+from gateway.http import answer_whole
 from gateway.router import CallFailed, CallResult
 from gpufaas.errors import GpufaasError
 from gpufaas.functions import FunctionSpec
@@ -65,7 +67,11 @@ class InvokeMiddleware:
         limit = gateway.config.max_payload_bytes
         name = scope["path"][len(PREFIX) :].split("/", 1)[0]
         headers = dict(scope["headers"])  # ASGI header names are lower-case bytes
-        call_id = headers.get(b"x-call-id", b"").decode("latin-1") or new_call_id()
+        given_call_id = headers.get(b"x-call-id", b"")
+        if _NOT_VISIBLE.search(given_call_id):  # it is echoed in the answer's headers
+            await _error(send, 400, "X-Call-Id may hold only visible ASCII characters", new_call_id())
+            return
+        call_id = given_call_id.decode("ascii") or new_call_id()
         spec = gateway.functions.get(name) or await self._deployed_meanwhile(name)
         if await self._refused(send, scope, headers, name=name, spec=spec, call_id=call_id):
             return
@@ -88,8 +94,12 @@ class InvokeMiddleware:
             await _error(send, exc.status, exc.message, call_id, retry_after=exc.status == 429)
             return
         gateway.stats.record(name, 200, time.perf_counter() - started, hit=not result.reply.loaded)
-        await send({"type": "http.response.start", "status": 200, "headers": _answer_headers(result, call_id, started)})
-        await send({"type": "http.response.body", "body": result.output})
+        content_type = result.reply.content_type or "application/octet-stream"
+        if content_type not in _CONTENT_TYPES and _NOT_VISIBLE.search(content_type.encode()):
+            # Made by the function's worker, which runs the user's code: never a header unchecked.
+            await _error(send, 502, "the function's worker answered a content type that is not a header value", call_id)
+            return
+        await _respond(send, 200, _answer_head(result, content_type, call_id, started), result.output)
 
     async def _deployed_meanwhile(self, name: str) -> FunctionSpec | None:
         """The function's spec read from etcd once, for a name the mirror does not know: a
@@ -136,27 +146,48 @@ class InvokeMiddleware:
         return True
 
 
-def _answer_headers(result: CallResult, call_id: str, started: float) -> list[tuple[bytes, bytes]]:
-    """The headers of a call's answer: its output's type and length, and the X-* headers
+# What a worker answers (gpu_manager.worker.encode_result): known good as header values.
+_CONTENT_TYPES = frozenset({"application/octet-stream", "text/plain; charset=utf-8", "application/json"})
+# A header value must not hold a control character (but tab) or leave ASCII: CR/LF would split it.
+_NOT_VISIBLE = re.compile(rb"[^\t\x20-\x7e]")
+
+
+def _answer_head(result: CallResult, content_type: str, call_id: str, started: float) -> bytes:
+    """The header lines of a call's answer: its output's type and length, and the X-* headers
     (X-Duration-Seconds up to now, from `started` on the perf_counter clock)."""
     placement, reply = result.placement, result.reply
-    answer = [
-        (b"content-type", (reply.content_type or "application/octet-stream").encode("latin-1")),
-        (b"content-length", str(len(result.output)).encode()),
-        (b"x-call-id", call_id.encode("latin-1")),
-        (b"x-duration-seconds", f"{time.perf_counter() - started:.6f}".encode()),
-        (b"x-gpu", f"{placement.node}/{placement.gpu}".encode()),
-        (b"x-cache", b"miss" if reply.loaded else b"hit"),
-        (b"x-queue-seconds", f"{placement.queue_s:.6f}".encode()),
-        (b"x-load-seconds", f"{reply.load_time_s:.6f}".encode()),
-        (b"x-inference-seconds", f"{reply.inference_time_s:.6f}".encode()),
-        (b"x-batch-calls", str(reply.batch_calls).encode()),
-    ]
+    head = (
+        b"content-type: %s\r\ncontent-length: %d\r\nx-call-id: %s\r\nx-duration-seconds: %.6f\r\n"
+        b"x-gpu: %s/%s\r\nx-cache: %s\r\nx-queue-seconds: %.6f\r\nx-load-seconds: %.6f\r\n"
+        b"x-inference-seconds: %.6f\r\nx-batch-calls: %d\r\n"
+    ) % (
+        content_type.encode("ascii"),
+        len(result.output),
+        call_id.encode("ascii"),
+        time.perf_counter() - started,
+        placement.node.encode(),
+        placement.gpu.encode(),
+        b"miss" if reply.loaded else b"hit",
+        placement.queue_s,
+        reply.load_time_s,
+        reply.inference_time_s,
+        reply.batch_calls,
+    )
     if placement.attempt > 1:
-        answer.append((b"x-attempts", str(placement.attempt).encode()))
+        head += b"x-attempts: %d\r\n" % placement.attempt
     if reply.loaded:
-        answer.append((b"server-timing", miss_timing(reply).encode()))
-    return answer
+        head += b"server-timing: " + miss_timing(reply).encode() + b"\r\n"
+    return head
+
+
+async def _respond(send: Send, status: int, head: bytes, body: bytes) -> None:
+    """Answer `status` with the header lines `head` and `body`: in one write where the server is
+    uvicorn's (gateway.http.answer_whole), else as the two ASGI messages."""
+    if answer_whole(send, status, head, body):
+        return
+    headers = [tuple(line.split(b": ", 1)) for line in head.split(b"\r\n") if line]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def new_call_id() -> str:
@@ -188,15 +219,11 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
 
 async def _error(send: Send, status: int, message: str, call_id: str, *, retry_after: bool = False) -> None:
     body = json.dumps({"error": message, "status": status}).encode()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"x-call-id", call_id.encode("latin-1")),
-    ]
-    if retry_after:
-        headers.append((b"retry-after", b"1"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    head = b"content-type: application/json\r\ncontent-length: %d\r\nx-call-id: %s\r\n" % (
+        len(body),
+        call_id.encode("ascii"),
+    )
+    await _respond(send, status, head + b"retry-after: 1\r\n" if retry_after else head, body)
 
 
 def miss_timing(reply: pb.ExecuteReply) -> str:

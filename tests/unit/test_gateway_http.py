@@ -5,6 +5,7 @@ idle connections are closed, and a request under way is never cut for taking lon
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -30,21 +31,31 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-@pytest.fixture(scope="module")
-def port() -> Iterator[int]:
+@contextlib.contextmanager
+def serving(asgi_app: Any, limits: HttpLimits) -> Iterator[int]:
+    """`asgi_app` served by uvicorn as the gateway serves (gateway.http), in a thread, on a free
+    port of 127.0.0.1 (yielded)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         free = int(probe.getsockname()[1])
-    server = uvicorn.Server(server_config(app, host="127.0.0.1", port=free, limits=LIMITS, log_level="error"))
+    server = uvicorn.Server(server_config(asgi_app, host="127.0.0.1", port=free, limits=limits, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started:
         assert time.monotonic() < deadline, "the server did not start"
         time.sleep(0.01)
-    yield free
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield free
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    with serving(app, LIMITS) as free:
+        yield free
 
 
 def connect(port: int) -> socket.socket:

@@ -1154,6 +1154,34 @@ def test_http_a_miss_answers_the_result_with_its_headers_and_server_timing(tmp_p
     run(scenario())
 
 
+def test_http_a_content_type_that_is_no_header_value_is_a_502_and_never_a_header(tmp_path: Path) -> None:
+    """The content type is the worker's word, and the worker runs the user's code."""
+
+    async def scenario() -> None:
+        async with fakes() as (scheduler, node):
+            node.script[b"grant"] = (make_reply(content_type="text/plain\r\nset-cookie: a=b"), b"out")
+            scheduler.respond = lambda place: [node.placement(place.call_id, 1, token=b"grant")]
+            async with http_gateway(tmp_path, scheduler, make_spec("resnet")) as client:
+                response = await client.post("/function/resnet", content=b"input")
+            assert response.status_code == 502, response.text
+            assert "content type" in response.json()["error"]
+            assert "set-cookie" not in response.headers
+
+    run(scenario())
+
+
+def test_http_an_x_call_id_with_a_control_character_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with fakes() as (scheduler, node):
+            async with http_gateway(tmp_path, scheduler, make_spec("resnet")) as client:
+                response = await client.post("/function/resnet", content=b"input", headers={"X-Call-Id": "a\x01b"})
+            assert response.status_code == 400, response.text
+            assert "X-Call-Id" in response.json()["error"]
+            assert scheduler.places == [] and node.executes == []
+
+    run(scenario())
+
+
 def test_http_a_hit_after_a_retry_says_so_and_has_no_server_timing(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with fakes() as (scheduler, node):
