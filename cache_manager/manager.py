@@ -26,6 +26,9 @@ class Admission:
     from_pool: bool = False
 
 
+HIT = Admission(hit=True)  # every hit's Admission (frozen: one serves them all)
+
+
 @dataclass(frozen=True, slots=True)
 class CacheItem:
     model: str
@@ -413,7 +416,7 @@ class CacheManager:
         if model in cache:
             self._tick += 1
             cache.touch(model, tick=self._tick)
-            return Admission(hit=True)
+            return HIT
         return self._admit_miss(cache, model, memory_mb, cache.plan_victims(model, memory_mb))
 
     def _admit_miss(self, cache: GpuCache, model: str, memory_mb: int, victims: list[str]) -> Admission:

@@ -275,23 +275,25 @@ class Scheduler(ClusterReads):
         of the model into one (calls merged x `request.batch_size`); default `request.batch_size`.
         Raises KeyError (changing nothing) if the request is not running."""
         state, request = self._running(request_id)
-        del self.cluster.placed_on[request_id]
+        cluster, model = self.cluster, request.model
+        estimator, gpu_id, gpu_type = cluster.estimator, state.spec.gpu_id, state.spec.gpu_type
+        del cluster.placed_on[request_id]
         del self._seq_of[request_id]
-        gpu_type = state.spec.gpu_type
-        swapped_in = request_id in self.cluster.swapped_in
-        self.cluster.swapped_in.discard(request_id)
+        swapped_in = request_id in cluster.swapped_in
+        if swapped_in:
+            cluster.swapped_in.discard(request_id)
         if load_time_s is not None:
             if swapped_in:
-                self.estimator.observe_swap_in(request.model, gpu_type, load_time_s)
+                estimator.observe_swap_in(model, gpu_type, load_time_s)
             else:
-                self.estimator.observe_load(request.model, gpu_type, load_time_s)
+                estimator.observe_load(model, gpu_type, load_time_s)
         if inference_time_s is not None:
             samples = request.batch_size if batch_size is None else batch_size
-            self.estimator.observe_inference(request.model, gpu_type, samples, inference_time_s)
+            estimator.observe_inference(model, gpu_type, samples, inference_time_s)
         self._unpin_running(state, request)
-        if request.model in self.cache.models_on(state.spec.gpu_id):
-            self._exit.used(state.spec.gpu_id, request.model, now)  # idle from now, if nothing else runs
-        self.cluster.free_slot(state, request_id)
+        if model in cluster.cache.models_on(gpu_id):
+            self._exit.used(gpu_id, model, now)  # idle from now, if nothing else runs
+        cluster.free_slot(state, request_id)
         self.policy.on_finish(request, now, inference_time_s=inference_time_s)
         return request
 

@@ -158,19 +158,19 @@ def _occupy(
     now: float,
 ) -> Dispatch:
     """The request takes a slot of `state`, its model admitted: estimates, idle list, adverts."""
-    estimator = cluster.estimator
-    gpu_id, slots = state.spec.gpu_id, state.spec.slots
+    estimator, gpu = cluster.estimator, state.spec
+    gpu_id, slots = gpu.gpu_id, gpu.slots
     running = state.running
     if admission.hit:
         load_s = 0.0
     elif admission.from_host or admission.from_pool:
-        load_s = estimator.swap_in_time_s(spec.name, state.spec.gpu_type, spec.memory_mb)
+        load_s = estimator.swap_in_time_s(spec.name, gpu.gpu_type, spec.memory_mb)
         cluster.swapped_in.add(request.request_id)
     else:
-        load_s = estimator.load_time_s(spec.name, state.spec.gpu_type, spec.memory_mb)
+        load_s = estimator.load_time_s(spec.name, gpu.gpu_type, spec.memory_mb)
         if cluster.cache.tier(spec.name, gpu_id) is Tier.REMOTE:
             load_s += estimator.fetch_time_s(spec.memory_mb)
-    link = state.spec.link
+    link = gpu.link
     if load_s and link is not None:
         # The copy shares the link with the loads in flight there (an equal share each).
         transfer_s = estimator.transfer_time_s(spec.memory_mb)

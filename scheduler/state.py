@@ -84,11 +84,16 @@ class GpuState:
 
     def stop(self, request_id: str) -> Request:
         """Take `request_id` out of its slot (the caller keeps the rest): O(D)."""
-        request = self.running.pop(request_id)
-        del self.expected_finish_s[request_id]
+        running, finishes = self.running, self.expected_finish_s
+        request = running.pop(request_id)
+        del finishes[request_id]
         model = request.model
-        finishes = self.expected_finish_s
-        last_s = max((finishes[r] for r, other in self.running.items() if other.model == model), default=None)
+        # (Nothing left running, the common case with D = 1: no scan.)
+        last_s = (
+            max((finishes[r] for r, other in running.items() if other.model == model), default=None)
+            if running
+            else None
+        )
         if last_s is None:
             del self.worker_busy_until_s[model]
         else:
@@ -192,13 +197,14 @@ class ClusterState:
         `grew`: it only took a call, so each of its keys grew (one free slot less, a worker busy
         as long or longer) and its entries stay below where it now stands: they are put right
         when they reach the top (`best_idle_holder`), and nothing is pushed now."""
-        state.stamp = next(self._stamps)
+        stamp = state.stamp = next(self._stamps)
         if grew:
             return
-        state.indexed_stamp = state.stamp
-        if state.idle:
+        state.indexed_stamp = stamp
+        if len(state.running) < state.spec.slots:  # idle
+            push = self._push_idle_holder
             for model in self.cache.models_on(state.spec.gpu_id):
-                self._push_idle_holder(model, state)
+                push(model, state)
 
     def _holder_added(self, model: str, gpu_id: str) -> None:
         state = self.gpus.get(gpu_id)
@@ -264,19 +270,21 @@ class ClusterState:
 
     def free_slot(self, state: GpuState, request_id: str) -> None:
         """Take a finished (or failed) request out of its slot and update the GPU's standing."""
-        was_full = not state.idle
+        spec, running = state.spec, state.running
+        was_full = len(running) >= spec.slots  # not idle
         state.stop(request_id)
-        self.links.end(state.spec.link, request_id)
+        if spec.link is not None:
+            self.links.end(spec.link, request_id)
         state.update_busy_until()
         state.version += 1
         self.reindex(state)
-        if not state.idle:
+        if len(running) >= spec.slots:
             self.advertise(state)  # still full (D was lowered): the slot it waits for moved
             return
         if was_full:
             self.enter_idle(state)
         if state.local_queue:
-            self.ready_local.add(state.spec.gpu_id)
+            self.ready_local.add(spec.gpu_id)
 
     # --- reads (what a policy's draft may ask: `SchedulingContext`) ---------------------------
     def running_calls(self, gpu_id: str) -> int:
