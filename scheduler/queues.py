@@ -312,9 +312,12 @@ class GlobalQueue:
             node.next.prev = node
 
     def _index_append(self, node: _Node) -> None:
-        index = self._by_model.setdefault(node.request.model, OrderedDict())
+        model = node.request.model
+        index = self._by_model.get(model)
+        if index is None:  # (not setdefault: that makes an OrderedDict per call)
+            index = self._by_model[model] = OrderedDict()
         index[node.request.request_id] = node
-        self._recount(node.request.model, len(index) - 1, len(index))
+        self._recount(model, len(index) - 1, len(index))
 
     def _recount(self, model: str, old: int, new: int) -> None:
         """Move `model` from the bucket of `old` queued requests to that of `new` (0: none)."""

@@ -169,15 +169,17 @@ class ClusterState:
     def advertise(self, state: GpuState) -> None:
         """Publish a full GPU's new free time to the heaps of every model it holds."""
         state.version += 1
-        entry_key = state.free_at_s
-        gpu_id = state.spec.gpu_id
-        for model in self.cache.models_on(gpu_id):
-            heap = self._free_at.setdefault(model, [])
-            heapq.heappush(heap, (entry_key, gpu_id, state.version))
+        entry = (state.free_at_s, state.spec.gpu_id, state.version)
+        cache, free_at = self.cache, self._free_at
+        for model in cache.models_on(state.spec.gpu_id):
+            heap = free_at.get(model)
+            if heap is None:  # (not setdefault: that makes a list per call)
+                heap = free_at[model] = []
+            heapq.heappush(heap, entry)
             # Rebuilds cost O(replicas): rare enough (a hot model's heap every ~8x its replicas
             # pushes) to stay out of the per-decision tail, and amortized O(1). (The length alone
             # first: the holders are not counted for a heap of 64 or fewer.)
-            if len(heap) > 64 and len(heap) > 8 * len(self.cache.gpus_with(model)) + 64:
+            if len(heap) > 64 and len(heap) > 8 * len(cache.gpus_with(model)) + 64:
                 self._compact(model)
 
     def _compact(self, model: str) -> None:

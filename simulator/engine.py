@@ -427,8 +427,9 @@ class _Run:
                 return
             now = self.now = event_s if upcoming is None or event_s < upcoming.arrival_s else upcoming.arrival_s
             # Completions at this instant first: a slot freed now can serve a request arriving now.
-            completed = complete(now, on_progress)
-            arrived = submit_arrivals(now)
+            # (Each is asked only if its next event is due: most instants have one of the two.)
+            completed = event_s <= now and complete(now, on_progress)
+            arrived = upcoming is not None and upcoming.arrival_s <= now and submit_arrivals(now)
             # Only completions and arrivals change what the scheduler sees (a finished load or a
             # worker's batch do not): it is asked at those instants and no others.
             if completed or arrived:
@@ -807,18 +808,17 @@ class _Gpus:
         self._may_go_stale = interference is not None or links is not None
 
     def events_pending(self) -> bool:
-        """Whether any event is due, stale ones dropped by the last `next_event_s` (or `busy`)."""
+        """Whether any event is due, stale ones dropped by the last `next_event_s`."""
         return bool(self._events)
 
     def next_event_s(self) -> float:
-        self._drop_stale()
+        if self._may_go_stale:
+            self._drop_stale()
         return self._events[0][0] if self._events else math.inf
 
     def _drop_stale(self) -> None:
         """Pop batch ends that a later reschedule replaced (with interference), so that they
         neither wake the clock nor stretch the makespan."""
-        if not self._may_go_stale:
-            return
         events = self._events
         while events:
             at_s, kind, _, subject = events[0]
@@ -925,6 +925,8 @@ class _Gpus:
 
     def form_batches(self, now: float) -> None:
         """End the instant: every stirred worker that is free forms its batch, or starts waiting."""
+        if not self._stirred:
+            return
         stirred, self._stirred = self._stirred, {}
         try_batch = self._try_batch
         for worker in stirred.values():
