@@ -13,7 +13,7 @@ from scheduler.decisions import Decision, Dispatch, Park, Release
 from scheduler.draft import Draft
 from scheduler.estimator import Estimator
 from scheduler.policies.base import SchedulingPolicy
-from scheduler.reservations import dispatch_now, reserve_park, start_parked
+from scheduler.reservations import dispatch_now, park_now, start_parked
 from scheduler.staged_exit import StagedExit
 from scheduler.state import ClusterReads, ClusterState, GpuState
 
@@ -192,13 +192,14 @@ class Scheduler(ClusterReads):
         if not self.queue and not self.cluster.ready_local:
             return []  # nothing waits (after most completions): what the passes below would find
         decisions: list[Decision] = []
-        for gpu_id in sorted(self.cluster.ready_local):
-            state = self.cluster.gpus[gpu_id]
-            while state.idle and state.local_queue:
-                started = start_parked(self.cluster, state, now)
-                decisions.append(started)
-                self._note_dispatch(started, now)
-        self.cluster.ready_local.clear()
+        if self.cluster.ready_local:
+            for gpu_id in sorted(self.cluster.ready_local):
+                state = self.cluster.gpus[gpu_id]
+                while state.idle and state.local_queue:
+                    started = start_parked(self.cluster, state, now)
+                    decisions.append(started)
+                    self._note_dispatch(started, now)
+            self.cluster.ready_local.clear()
         if self.fast_path and len(self.queue) == 1:
             lone = self._place_lone(now)
             if lone is not None:
@@ -241,7 +242,7 @@ class Scheduler(ClusterReads):
             return None
         self.cluster.refill.clear()  # as the first pass starts
         if not self.cluster.gpus[target].idle:
-            return reserve_park(self.cluster, request, target, now)[0]
+            return park_now(self.cluster, request, target, now)
         decision = dispatch_now(self.cluster, request, target, now)
         self._note_dispatch(decision, now)
         return decision
@@ -377,7 +378,7 @@ class Scheduler(ClusterReads):
     def park(self, request: Request, gpu_id: str, now: float) -> Park:
         """Move a globally queued request to the local queue of busy `gpu_id`, for good (its model
         is cached there and stays pinned until the request runs). A policy reserves it on its `Draft`."""
-        return reserve_park(self.cluster, request, gpu_id, now)[0]
+        return park_now(self.cluster, request, gpu_id, now)
 
     # --- internals ------------------------------------------------------------------------
     def _running(self, request_id: str) -> tuple[GpuState, Request]:

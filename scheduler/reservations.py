@@ -61,11 +61,7 @@ def reserve_park(cluster: ClusterState, request: Request, gpu_id: str, now: floa
     work_before = state.local_work_s
     wait_s = cluster.estimated_wait_s(gpu_id, now)
     taken = queue.take(request.request_id)
-    cache.pin(gpu_id, request.model)
-    state.local_queue.append(request)
-    state.local_work_s += cluster.call_time_s(request, state)
-    cluster.advertise(state)
-    cluster.placed_on[request.request_id] = gpu_id
+    _enter_local_queue(cluster, request, state)
     request_id = request.request_id
 
     def unreserve() -> None:
@@ -77,6 +73,26 @@ def reserve_park(cluster: ClusterState, request: Request, gpu_id: str, now: floa
         queue.untake(taken)
 
     return Park(request, gpu_id, wait_s), unreserve
+
+
+def park_now(cluster: ClusterState, request: Request, gpu_id: str, now: float) -> Park:
+    """`reserve_park` applied for good, with nothing kept to take it back (neither the queue's
+    `Taken` nor the undo closure): the same state and the same `Park`. For the scheduler's fast
+    path (`Scheduler.schedule`) and for `Scheduler.park`."""
+    state = cluster.gpus[gpu_id]
+    wait_s = cluster.estimated_wait_s(gpu_id, now)
+    cluster.queue.remove(request.request_id)
+    _enter_local_queue(cluster, request, state)
+    return Park(request, gpu_id, wait_s)
+
+
+def _enter_local_queue(cluster: ClusterState, request: Request, state: GpuState) -> None:
+    """A request just out of the global queue waits in `state`'s local queue, its model pinned there."""
+    cluster.cache.pin(state.spec.gpu_id, request.model)
+    state.local_queue.append(request)
+    state.local_work_s += cluster.call_time_s(request, state)
+    cluster.advertise(state)
+    cluster.placed_on[request.request_id] = state.spec.gpu_id
 
 
 def reserve_pass_over(cluster: ClusterState, request_id: str, exempt: Sequence[str] = ()) -> tuple[PassOver, Unreserve]:
