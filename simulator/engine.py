@@ -369,6 +369,7 @@ class _Run:
         self.gpus = _Gpus.of(workload, cluster, batching)
         self.link_of = {g.spec.gpu_id: g.spec.link for g in scheduler.gpus()}
         self.top_model = workload.function_models[workload.top_function]
+        self.gpus_with = scheduler.cache.gpus_with  # the cache manager's holders of a model, bound once
         # Arrivals are read as a stream (a trace's are drawn as read): the next one not yet submitted,
         # None once all are; `next_arrival` counts those submitted.
         self.requests_total = len(workload.requests)
@@ -523,7 +524,7 @@ class _Run:
             self.used_mb_total = used_mb_total
             touched_gpus.clear()
         elapsed_s = now - self.scheduled_at
-        self.replica_area += len(self.scheduler.cache.gpus_with(self.top_model)) * elapsed_s
+        self.replica_area += len(self.gpus_with(self.top_model)) * elapsed_s
         self.memory_area += self.used_mb_total * elapsed_s
         self.slots_area += self.slots_total * elapsed_s
         self.scheduled_at = now
