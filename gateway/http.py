@@ -209,6 +209,7 @@ def answer_whole(
     if cycle.disconnected:
         return True
     cycle.response_started = cycle.response_complete = True
+    cycle.waiting_for_100_continue = False  # as uvicorn's send: no 100 Continue after an answer
     lines = [STATUS_LINE[status]]
     lines += [name + b": " + value + b"\r\n" for name, value in cycle.default_headers]
     lines += [head, b"\r\n" if cycle.keep_alive else b"connection: close\r\n\r\n", body]
