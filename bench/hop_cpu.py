@@ -15,6 +15,7 @@ top functions go into the results as `profile`. (py-spy was tried first: samplin
 processes without stopping them, it charged most samples to the event loop's frame.)
 
 Run: `python -m bench.hop_cpu [--calls 3000] [--rounds 3] [--concurrency 8] [--no-tls] [--profile]
+[--scheduler-in-gateway]
 [--out bench/results/hop_cpu.json]`.
 """
 
@@ -55,7 +56,7 @@ def cluster_pids(state_dir: Path) -> dict[str, list[int]]:
     pids = recorded_pids(state_dir)
     return {
         "gateway": [pids["gateway"]],
-        "scheduler": [pids["scheduler"]],
+        "scheduler": [pids["scheduler"]] if "scheduler" in pids else [],  # none: in the gateway's process
         "node": [pids["node0"]],
         "workers": descendants(pids["node0"]),
         "etcd": [pids["etcd"]] if "etcd" in pids else [],
@@ -128,7 +129,11 @@ def profile_round(cluster: RunningCluster, body: Path, args: argparse.Namespace,
     figures): each one's top functions, by own time and with callees, in us of CPU per call
     (cProfile's own cost included: compare them with each other, not with the measured rounds)."""
     pids = recorded_pids(cluster.state_dir)
-    roles = {"gateway": pids["gateway"], "scheduler": pids["scheduler"], "node": pids["node0"]}
+    roles = {
+        role: pids[name]
+        for role, name in (("gateway", "gateway"), ("scheduler", "scheduler"), ("node", "node0"))
+        if name in pids
+    }
     for pid in roles.values():
         os.kill(pid, signal.SIGUSR1)
     point = client(cluster, body, calls=args.calls, concurrency=args.concurrency, warmup_s=0)
@@ -171,12 +176,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--no-tls", action="store_true", help="the daemons' links in plain (gpufaas up --no-tls)")
     parser.add_argument("--profile", action="store_true", help="a last round with the daemons under cProfile")
+    parser.add_argument(
+        "--scheduler-in-gateway",
+        action="store_true",
+        help="the scheduler in the gateway's process (gpufaas up --scheduler-in-gateway; its CPU is the gateway's)",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="gpufaas-hop-cpu-") as tmp:
         work = Path(tmp)
         body = work / "x.json"
         body.write_text(json.dumps({"inputs": [[0.1, 0.2, 0.3, 0.4]]}))
-        up = ("--no-tls",) if args.no_tls else ()
+        up = (
+            *(("--no-tls",) if args.no_tls else ()),
+            *(("--scheduler-in-gateway",) if args.scheduler_in_gateway else ()),
+        )
         profiles = install_profiler(work) if args.profile else None
         # 1000 MB GPUs: all 8 models of 100 MB stay resident, so the measured calls are hits.
         with gpufaas_cluster(work, gpu_memory_mb=1000, up=up) as cluster:
@@ -194,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "meta": run_metadata(
             workload=f"{NUM_MODELS} models, Zipf {ZIPF}, hits only, concurrency {args.concurrency}",
             tls=not args.no_tls,
+            scheduler_in_gateway=args.scheduler_in_gateway,
             calls_per_round=args.calls,
         ),
         "median": {

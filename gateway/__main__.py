@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import sys
 from typing import TYPE_CHECKING
 
@@ -10,6 +12,7 @@ import uvicorn
 
 from gateway.app import GatewayConfig, create_app
 from gateway.auth import Credentials
+from gateway.embedded import EmbeddedScheduler
 from gateway.http import server_config
 from gateway.settings import DESCRIPTION, PROG, GatewaySettings
 from gpufaas.credentials import CredentialError, node_token, read_secret, wire_key
@@ -53,38 +56,65 @@ def gateway_config(settings: GatewaySettings, secret: str | None, who: Credentia
     )
 
 
-async def serve(settings: GatewaySettings, config: GatewayConfig, etcd_creds: EtcdCredentials | None) -> None:
-    """Serve until uvicorn stops (SIGTERM, SIGINT)."""
+async def serve(
+    settings: GatewaySettings,
+    config: GatewayConfig,
+    etcd_creds: EtcdCredentials | None,
+    scheduler: EmbeddedScheduler | None = None,
+) -> None:
+    """Serve until uvicorn stops (SIGTERM, SIGINT), with the scheduler of `--with-scheduler`
+    running beside it (started first, stopped last)."""
     store = await open_store(settings.etcd, etcd_creds)
     try:
-        app = create_app(store, config)
-        limits = settings.http_limits
-        tls: dict[str, str] = {}
-        if settings.public_cert_file is not None and settings.public_key_file is not None:
-            tls = {"ssl_certfile": str(settings.public_cert_file), "ssl_keyfile": str(settings.public_key_file)}
-        # No access log: at level warning uvicorn drops its lines, but built each one's arguments
-        # (the client's address, the quoted path) per request first, 2.5 % of the gateway's CPU.
-        server = uvicorn.Server(
-            server_config(
-                app, host=settings.host, port=settings.port, limits=limits, log_level="warning", access_log=False, **tls
+        async with contextlib.AsyncExitStack() as stack:
+            if scheduler is not None:
+                config = dataclasses.replace(config, local_scheduler=await stack.enter_async_context(scheduler.run()))
+            app = create_app(store, config)
+            limits = settings.http_limits
+            tls: dict[str, str] = {}
+            if settings.public_cert_file is not None and settings.public_key_file is not None:
+                tls = {"ssl_certfile": str(settings.public_cert_file), "ssl_keyfile": str(settings.public_key_file)}
+            # No access log: at level warning uvicorn drops its lines, but built each one's arguments
+            # (the client's address, the quoted path) per request first, 2.5 % of the gateway's CPU.
+            server = uvicorn.Server(
+                server_config(
+                    app,
+                    host=settings.host,
+                    port=settings.port,
+                    limits=limits,
+                    log_level="warning",
+                    access_log=False,
+                    **tls,
+                )
             )
-        )
-        await server.serve()
+            await server.serve()
     finally:
         await store.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, settings, secret, etcd_creds = daemon_start(GatewaySettings, PROG, DESCRIPTION, argv)
+    own, scheduler_argv = split_argv(sys.argv[1:] if argv is None else argv)
+    parser, settings, secret, etcd_creds = daemon_start(GatewaySettings, PROG, DESCRIPTION, own)
     for flag, path in (
         ("--public-cert-file", settings.public_cert_file),
         ("--public-key-file", settings.public_key_file),
     ):
         if path is not None and not path.is_file():
             parser.error(f"{flag} {path}: no such file (a PEM file, the certificate chain or its key)")
+    if scheduler_argv and not settings.with_scheduler:
+        parser.error("the flags after `--` are a scheduler's: pass --with-scheduler to run one in this process")
+    scheduler = EmbeddedScheduler.from_flags(parser, settings, scheduler_argv) if settings.with_scheduler else None
     config = gateway_config(settings, secret, credentials(parser, settings, secret))
     warn_if_insecure(settings, "the gateway")
-    return run_daemon(lambda: serve(settings, config, etcd_creds), settings.etcd)
+    return run_daemon(lambda: serve(settings, config, etcd_creds, scheduler), settings.etcd)
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the gateway's flags, the embedded scheduler's: those after the first `--`)."""
+    if "--" not in argv:
+        return argv, []
+    at = argv.index("--")
+    return argv[:at], argv[at + 1 :]
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ from gpufaas.wire import (
     Connection,
     ConnectionLost,
     Frame,
+    Handler,
     MessageType,
     RemoteError,
     Unauthenticated,
@@ -68,6 +69,7 @@ log = logging.getLogger("gpufaas.gateway.router")
 # so that they report first (one end-to-end deadline per call).
 DEADLINE_GRACE_S = 1.0
 SCHEDULER_WAIT_S = 5.0  # how long a call waits for a scheduler that is (re)connecting
+IN_PROCESS = " (in this process: linked in memory)"  # said of a link to the gateway's own scheduler
 RECONNECT_S = 0.2
 _SILENT = "it answered no ping"
 NODE_CONNECT_S = 2.0  # a node connection not made within this is a node unreachable
@@ -326,6 +328,19 @@ class NodeConnections:
             self._unreachable(address, f"its connection was lost: {conn.closed.result() or 'closed'}")
 
 
+class LocalScheduler(Protocol):
+    """A scheduler in the gateway's own process (scheduler.service.SchedulerService)."""
+
+    @property
+    def address(self) -> str:
+        """The address the leader key names while it leads."""
+        ...
+
+    def local_link(self, handler: Handler) -> Connection:
+        """The gateway's end of an in-process link to it, served as a TCP gateway's is."""
+        ...
+
+
 class Router:
     """The gateway's link to the scheduler (one connection, re-established when it drops) and to
     the nodes (one connection per node, opened on first use), and the calls in flight."""
@@ -337,8 +352,12 @@ class Router:
         scheduler_address: str | None = None,
         scheduler_wait_s: float = SCHEDULER_WAIT_S,
         wire_key: bytes | None = None,
+        local_scheduler: LocalScheduler | None = None,
     ) -> None:
+        """`local_scheduler`: a scheduler in this process (`python -m gateway --with-scheduler`),
+        linked in memory (gpufaas.wire_local) whenever it is the one at the scheduler address."""
         self.max_payload_bytes = max_payload_bytes
+        self._local = local_scheduler
         self.wire_key = wire_key  # proved to the scheduler and the nodes (gpufaas.wire)
         self.scheduler_wait_s = scheduler_wait_s
         self._address = scheduler_address
@@ -403,29 +422,15 @@ class Router:
                 await self._address_changed.wait()
                 continue
             self._address_changed.clear()
-            # Under TLS the peer must show the scheduler's certificate (a node's is refused), pinned
-            # or found through the leader key alike.
-            dial = asyncio.ensure_future(
-                connect(self._address, SchedulerSession(self), timeout_s=2.0, key=self.wire_key, peer_role="scheduler")
-            )
-            moved = asyncio.ensure_future(self._address_changed.wait())
-            await asyncio.wait({dial, moved}, return_when=asyncio.FIRST_COMPLETED)
-            moved.cancel()
-            if not dial.done():
-                # Another scheduler leads now: drop the dial of the old one, which may hang for its
-                # whole timeout (a dead container's address is not refused, it is silent).
-                dial.cancel()
-                with contextlib.suppress(asyncio.CancelledError, ConnectionLost):
-                    await dial
-                continue
-            try:
-                conn = dial.result()
-            except ConnectionLost as exc:
-                # A wrong secret is a misconfiguration an operator must see; the rest is routine.
-                level = logging.WARNING if isinstance(exc, Unauthenticated) else logging.DEBUG
-                log.log(level, "scheduler at %s: %s", self._address, exc)
-                await self._reconnect_pause()
-                continue
+            local = self._local
+            in_process = local is not None and local.address == self._address
+            if local is not None and in_process:
+                conn = local.local_link(SchedulerSession(self))  # the scheduler of this process
+            else:
+                dialled = await self._dial(self._address)
+                if dialled is None:
+                    continue
+                conn = dialled
             self.epoch += 1
             self._scheduler = conn
             self._connected.set()
@@ -435,12 +440,39 @@ class Router:
                 elif box.waiting:
                     box.attempt, box.epoch = 0, self.epoch
                     conn.send(MessageType.PLACE, box.place_now())
-            log.info("connected to the scheduler at %s", self._address)
+            log.info("connected to the scheduler at %s%s", self._address, IN_PROCESS if in_process else "")
             await conn.closed
             self._connected.clear()
             self._scheduler = None
             log.warning("lost the connection to the scheduler at %s; reconnecting", self._address)
             await self._reconnect_pause()
+
+    async def _dial(self, address: str) -> Connection | None:
+        """A connection to the scheduler at `address`; None where the dial failed (after the
+        reconnect pause) or another scheduler took the lead meanwhile."""
+        # Under TLS the peer must show the scheduler's certificate (a node's is refused), pinned
+        # or found through the leader key alike.
+        dial = asyncio.ensure_future(
+            connect(address, SchedulerSession(self), timeout_s=2.0, key=self.wire_key, peer_role="scheduler")
+        )
+        moved = asyncio.ensure_future(self._address_changed.wait())
+        await asyncio.wait({dial, moved}, return_when=asyncio.FIRST_COMPLETED)
+        moved.cancel()
+        if not dial.done():
+            # Another scheduler leads now: drop the dial of the old one, which may hang for its
+            # whole timeout (a dead container's address is not refused, it is silent).
+            dial.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ConnectionLost):
+                await dial
+            return None
+        try:
+            return dial.result()
+        except ConnectionLost as exc:
+            # A wrong secret is a misconfiguration an operator must see; the rest is routine.
+            level = logging.WARNING if isinstance(exc, Unauthenticated) else logging.DEBUG
+            log.log(level, "scheduler at %s: %s", address, exc)
+            await self._reconnect_pause()
+            return None
 
     async def _reconnect_pause(self) -> None:
         """RECONNECT_S before dialling again, cut short when another scheduler took the lead

@@ -62,6 +62,13 @@ class GatewaySettings(DaemonSettings):
         default=KEEP_ALIVE_TIMEOUT_S, description="a connection with no request under way is closed after this"
     )
 
+    with_scheduler: bool = Field(
+        default=False,
+        description="run a scheduler in this process too (the flags after `--` are its, `python -m scheduler`'s; "
+        "it takes this gateway's etcd, credentials and TLS flags unless they say otherwise): while it leads, this "
+        "gateway reaches it in memory, not over a socket; other gateways and the nodes reach it as any scheduler",
+    )
+
     public_cert_file: Path | None = Field(
         default=None,
         description="serve the public port over HTTPS with this certificate chain (PEM; one a client trusts, "

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -105,21 +105,32 @@ def tls_directory(parser: argparse.ArgumentParser, settings: DaemonSettings, rol
     return default
 
 
+def link_tls(parser: argparse.ArgumentParser, settings: DaemonSettings, role: str) -> LinkTls | None:
+    """The TLS of `role`'s links from the daemon's TLS files (None: plain links; `tls_directory`);
+    a usage error naming the file where one is missing or unsafe. The gateway expects the
+    scheduler's role at --scheduler's address."""
+    directory = tls_directory(parser, settings, role)
+    if directory is None:
+        return None
+    scheduler = getattr(settings, "scheduler", None)
+    pinned = {scheduler: "scheduler"} if role == "gateway" and isinstance(scheduler, str) else {}
+    try:
+        return LinkTls.load(directory, role, pinned=pinned)
+    except TlsError as exc:
+        parser.error(str(exc))
+
+
 def configure_tls(parser: argparse.ArgumentParser, settings: DaemonSettings, role: str) -> LinkTls | None:
-    """Load the daemon's certificate and set this process's link TLS (gpufaas.tls.configure) and
-    etcd TLS (`open_store`); a usage error naming the file where one is missing or unsafe. The
-    gateway expects the scheduler's role at --scheduler's address."""
+    """`link_tls`, set as this process's link TLS (gpufaas.tls.configure), and with --etcd-tls
+    what `open_store` reaches etcd with."""
     from gpufaas.store import EtcdTls
 
-    directory = tls_directory(parser, settings, role)
-    links = None
-    if directory is not None:
-        scheduler = getattr(settings, "scheduler", None)
-        pinned = {scheduler: "scheduler"} if role == "gateway" and isinstance(scheduler, str) else {}
+    links = link_tls(parser, settings, role)
+    if links is not None and settings.etcd_tls:
+        directory = tls_directory(parser, settings, role)
+        assert directory is not None
         try:
-            links = LinkTls.load(directory, role, pinned=pinned)
-            if settings.etcd_tls:
-                _etcd_tls["tls"] = EtcdTls(*etcd_client_files(directory, role))
+            _etcd_tls["tls"] = EtcdTls(*etcd_client_files(directory, role))
         except TlsError as exc:
             parser.error(str(exc))
     configure(links)
@@ -197,26 +208,35 @@ def daemon_start(
     return parser, settings, secret, etcd_creds
 
 
+@contextlib.asynccontextmanager
+async def wire_daemon_running(
+    daemon: WireDaemon, settings: ListenSettings, secret: str | None, name: str
+) -> AsyncIterator[None]:
+    """`daemon` started (listening and advertised as `settings` say, its metrics beside it) for
+    the body; then its metrics and it stopped, in that order."""
+    await daemon.start(settings.listen, advertise=settings.advertise)
+    metrics = await start_metrics(daemon.metrics.registry, settings.metrics_listen, secret)
+    print(f"{name} listening on {daemon.address}", flush=True)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            if metrics is not None:
+                await metrics.close()
+            await daemon.stop()
+
+
 async def serve_wire_daemon(
     daemon: WireDaemon, store: EtcdStore, settings: ListenSettings, secret: str | None, name: str
 ) -> None:
-    """Run `daemon` (listening and advertised as `settings` say, its metrics beside it) until
-    SIGTERM or SIGINT; then stop its metrics, it and `store`, in that order."""
-    metrics: list[MetricsServer] = []
-
-    async def start() -> None:
-        await daemon.start(settings.listen, advertise=settings.advertise)
-        server = await start_metrics(daemon.metrics.registry, settings.metrics_listen, secret)
-        metrics.extend([server] if server is not None else [])
-        print(f"{name} listening on {daemon.address}", flush=True)
+    """Run `daemon` (`wire_daemon_running`) until SIGTERM or SIGINT; then stop it and `store`."""
+    running = wire_daemon_running(daemon, settings, secret, name)
 
     async def stop() -> None:
-        for server in metrics:
-            await server.close()
-        await daemon.stop()
+        await running.__aexit__(None, None, None)
         await store.close()
 
-    await run_until_signalled(start, stop)
+    await run_until_signalled(running.__aenter__, stop)
 
 
 def run_daemon(main: Callable[[], Coroutine[Any, Any, None]], etcd_endpoint: str) -> int:

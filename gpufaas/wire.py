@@ -822,6 +822,12 @@ class Server:
         if len(self.handshaking) < self.max_unauthenticated:
             self._refusing = False
 
+    def adopt(self, conn: Connection) -> None:
+        """Serve `conn`, made elsewhere (gpufaas.wire_local's in-process end), as an accepted
+        connection: `close()` closes it with the rest."""
+        self.connections.add(conn)
+        conn.closed.add_done_callback(lambda _: self._gone(conn))
+
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()

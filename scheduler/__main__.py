@@ -12,13 +12,16 @@ from scheduler.service import SchedulerService
 from scheduler.settings import DESCRIPTION, PROG, SchedulerSettings
 
 if TYPE_CHECKING:
-    from gpufaas.store import EtcdCredentials
+    from gpufaas.store import EtcdCredentials, Store
+    from gpufaas.tls import LinkTls
 
 
-async def serve(settings: SchedulerSettings, secret: str | None, etcd_creds: EtcdCredentials | None) -> None:
-    """Run the scheduler with `settings` until SIGTERM or SIGINT."""
-    store = await open_store(settings.etcd, etcd_creds)
-    service = SchedulerService(
+def make_service(
+    settings: SchedulerSettings, secret: str | None, store: Store, *, tls: LinkTls | bool = True
+) -> SchedulerService:
+    """The scheduler service `settings` describe, on `store` (`tls`: its links', as
+    SchedulerService takes it)."""
+    return SchedulerService(
         store,
         keys=Keys(settings.root),
         policy=settings.policy,
@@ -35,8 +38,14 @@ async def serve(settings: SchedulerSettings, secret: str | None, etcd_creds: Etc
         wire_key=wire_key(secret) if secret is not None else None,
         name=settings.name,
         lease_ttl_s=settings.lease_ttl_s,
+        tls=tls,
     )
-    await serve_wire_daemon(service, store, settings, secret, "scheduler")
+
+
+async def serve(settings: SchedulerSettings, secret: str | None, etcd_creds: EtcdCredentials | None) -> None:
+    """Run the scheduler with `settings` until SIGTERM or SIGINT."""
+    store = await open_store(settings.etcd, etcd_creds)
+    await serve_wire_daemon(make_service(settings, secret, store), store, settings, secret, "scheduler")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from gpufaas.cluster import NodeRecord
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import gpu_address, split_gpu_address
 from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.tls import LinkTls
 from gpufaas.types import GpuSpec, ModelSpec
 from gpufaas.wire import Connection, ConnectionLost, Handler, MessageType, RemoteError, Unauthenticated, connect
 from scheduler.calls import CallBook, CheckGrants, Effect, Evict, EvictHost
@@ -63,12 +64,14 @@ class NodeLinks:
         wire_key: bytes | None,
         prestage_nodes: int,
         fenced: Callable[[], None] = lambda: None,
+        tls: LinkTls | bool = True,
     ) -> None:
         """`functions`: the catalog's mirror, read here (which models a package digest backs).
         `session_for`: the handler of a node's connection (its Done and Holdings frames).
         `slots_for`: a GPU type's D. `prestage_nodes`: how many nodes get a new function's
         package (0: none). `fenced`: a node refused to attach because it has seen a newer
-        leader's epoch. Nodes are attached only between `activate` and `deactivate` (a term)."""
+        leader's epoch. `tls`: the links' TLS (gpufaas.wire.connect's). Nodes are attached only
+        between `activate` and `deactivate` (a term)."""
         self.scheduler = scheduler
         self.book = book
         self.persister = persister
@@ -78,7 +81,7 @@ class NodeLinks:
         self.session_for = session_for
         self.slots_for = slots_for
         self.clock = clock
-        self.wire_key = wire_key
+        self.wire_key, self.tls = wire_key, tls
         self.prestage_nodes = prestage_nodes
         self.fenced = fenced
         # The term's: who signs its grants (handed to every node on Attach, with its epoch).
@@ -160,7 +163,9 @@ class NodeLinks:
         term = self.term
         while self._linked(node, term):
             try:
-                conn = await connect(node.record.address, session, timeout_s=NODE_TIMEOUT_S, key=self.wire_key)
+                conn = await connect(
+                    node.record.address, session, timeout_s=NODE_TIMEOUT_S, key=self.wire_key, tls=self.tls
+                )
                 reply = (
                     await conn.request(
                         MessageType.ATTACH,

@@ -37,7 +37,9 @@ from gpufaas.keys import Keys, split_gpu_address
 from gpufaas.profiles import paper_table1
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import Store, StoreError
-from gpufaas.wire import Connection, ConnectionLost, MessageType, Server, Unauthenticated, connect
+from gpufaas.tls import LinkTls
+from gpufaas.wire import Connection, ConnectionLost, Handler, MessageType, Server, Unauthenticated, connect
+from gpufaas.wire_local import local_pair
 from scheduler.adaptive_slots import DEFAULT_THRESHOLD, AdaptiveSlots
 from scheduler.calls import (
     DEFAULT_CLAIM_S,
@@ -141,6 +143,7 @@ class SchedulerService:
         utilization_threshold: float = DEFAULT_THRESHOLD,
         name: str | None = None,
         lease_ttl_s: int = LEASE_TTL_S,
+        tls: LinkTls | bool = True,
     ) -> None:
         """`wire_key`: the cluster's wire key (gpufaas.credentials); gateways must prove it, and
         nodes are trusted only once they have. None: no handshake (tests of the logic only).
@@ -152,11 +155,12 @@ class SchedulerService:
         `policy_config`: the policy's tunables, as the simulator takes them (default: theirs).
         `adaptive_slots`: each GPU's D moves between 1 and this from its utilization against
         `utilization_threshold` (scheduler.adaptive_slots; None: D fixed by `slots`). `name`, `lease_ttl_s`:
-        this instance's among several (default: its address), its leadership lease (scheduler.leadership)."""
+        this instance's among several (default: its address), its leadership lease (scheduler.leadership).
+        `tls`: its links' (gpufaas.wire's `tls`; a gateway running it in its process gives its own)."""
         _check_settings(gpu_idle_release_s, host_idle_release_s, prestage_nodes)
         self.gpu_idle_release_s, self.host_idle_release_s = gpu_idle_release_s, host_idle_release_s
         self.prestage_nodes = prestage_nodes
-        self.store, self.wire_key, self.clock = store, wire_key, clock
+        self.store, self.wire_key, self.clock, self.tls = store, wire_key, clock, tls
         self.keys = keys if keys is not None else Keys()
         self.policy_name = policy
         self.policy_config = policy_config if policy_config is not None else PolicyConfig()
@@ -176,7 +180,7 @@ class SchedulerService:
         self.term = _Term()  # a standby's: nothing
         self._tasks: set[asyncio.Task[None]] = set()
         self.persister, self.links, self.catalog = self._wire_parts()
-        self._server = Server(lambda: GatewaySession(self), key=wire_key)
+        self._server = Server(lambda: GatewaySession(self), key=wire_key, tls=tls)
         self.address = ""
 
     def _wire_parts(self) -> tuple[StatePersister, NodeLinks, Catalog]:
@@ -195,6 +199,7 @@ class SchedulerService:
             slots_for=self.slots.for_type,
             clock=self.clock,
             wire_key=self.wire_key,
+            tls=self.tls,
             prestage_nodes=self.prestage_nodes,
             fenced=self._fenced,
         )
@@ -232,9 +237,16 @@ class SchedulerService:
     async def _dial_leader(self, address: str, timeout_s: float) -> Connection:
         """A standby's tether to the leader (scheduler.election): a link that carries nothing."""
         try:
-            return await connect(address, timeout_s=timeout_s, key=self.wire_key, peer_role="scheduler")
+            return await connect(address, timeout_s=timeout_s, key=self.wire_key, tls=self.tls, peer_role="scheduler")
         except Unauthenticated as exc:
             raise TetherRefused(str(exc)) from None
+
+    def local_link(self, handler: Handler) -> Connection:
+        """A gateway in this process: its end of an in-process link (gpufaas.wire_local), served
+        as a TCP gateway's is (closed when this scheduler stands by or stops)."""
+        gateway_end, served = local_pair(handler, GatewaySession(self), server_role="scheduler", client_role="gateway")
+        self._server.adopt(served)
+        return gateway_end
 
     async def stop(self) -> None:
         leading = self.leadership.leading(self.clock())
@@ -443,47 +455,6 @@ class SchedulerService:
     def holdings_reported(self, node: NodeLink, holdings: pb.Holdings) -> None:
         """A node said what its disk and host pool hold (scheduler.node_links)."""
         self.links.holdings_reported(node, holdings)
-
-    def cluster(self) -> pb.ClusterReply:
-        now = self.clock()
-        gpus = []
-        for node in self.links.nodes.values():
-            for address in node.gpu_ids:
-                state = self.scheduler.gpu(address)
-                cache = self.scheduler.cache.gpu(address)
-                gpus.append(
-                    pb.GpuInfo(
-                        gpu=address,
-                        node=node.record.node,
-                        status="idle" if state.idle else "busy",
-                        memory_used_mb=cache.used_mb,
-                        memory_capacity_mb=cache.capacity_mb,
-                        lru=cache.lru_list(),
-                        local_queue=len(state.local_queue),
-                        running=list(state.running),
-                        running_models=[r.model for r in state.running.values()],
-                        gpu_type=state.spec.gpu_type,
-                        slots=state.spec.slots,
-                        host_tier=host.lru_list() if (host := self.scheduler.cache.host_of(address)) else [],
-                    )
-                )
-        queue = [
-            pb.QueuedCall(call_id=r.request_id, function=r.function, model=r.model, waited_s=now - r.arrival_s)
-            for r in self.scheduler.queue
-        ]
-        evictions = [
-            pb.EvictionRecord(gpu=e.gpu, model=e.model, reason=e.reason, age_s=now - e.at_s)
-            for e in self.evictions.recent()
-        ]
-        return pb.ClusterReply(
-            gpus=gpus,
-            queue=queue,
-            policy=self.policy_name,
-            queue_capacity=self.book.queue_capacity,
-            evictions=evictions,
-            scheduler=self.name,
-            epoch=self.leadership.epoch,
-        )
 
     # --- time -----------------------------------------------------------------------------
     async def _ticker(self) -> None:

@@ -31,7 +31,7 @@ class GatewaySession:
             abandon = frame.message(pb.Abandon)
             service.apply(service.book.abandon(conn, abandon.call_id, abandon.attempt, abandon.reason, service.clock()))
         elif frame.type == MessageType.CLUSTER:
-            conn.reply(frame, MessageType.CLUSTER_REPLY, service.cluster())
+            conn.reply(frame, MessageType.CLUSTER_REPLY, cluster_reply(service))
         elif frame.is_request:
             conn.reply_error(frame, pb.INVALID, f"the scheduler does not answer message type {frame.type}")
 
@@ -99,3 +99,46 @@ class NodeSession:
 
     def on_close(self, conn: Connection, exc: BaseException | None) -> None:
         pass  # NodeLinks' keep-attached loop sees `conn.closed` resolve
+
+
+def cluster_reply(service: SchedulerService) -> pb.ClusterReply:
+    """The cluster as this scheduler sees it: what a gateway's CLUSTER request is answered with."""
+    now = service.clock()
+    gpus = []
+    for node in service.links.nodes.values():
+        for address in node.gpu_ids:
+            state = service.scheduler.gpu(address)
+            cache = service.scheduler.cache.gpu(address)
+            gpus.append(
+                pb.GpuInfo(
+                    gpu=address,
+                    node=node.record.node,
+                    status="idle" if state.idle else "busy",
+                    memory_used_mb=cache.used_mb,
+                    memory_capacity_mb=cache.capacity_mb,
+                    lru=cache.lru_list(),
+                    local_queue=len(state.local_queue),
+                    running=list(state.running),
+                    running_models=[r.model for r in state.running.values()],
+                    gpu_type=state.spec.gpu_type,
+                    slots=state.spec.slots,
+                    host_tier=host.lru_list() if (host := service.scheduler.cache.host_of(address)) else [],
+                )
+            )
+    queue = [
+        pb.QueuedCall(call_id=r.request_id, function=r.function, model=r.model, waited_s=now - r.arrival_s)
+        for r in service.scheduler.queue
+    ]
+    evictions = [
+        pb.EvictionRecord(gpu=e.gpu, model=e.model, reason=e.reason, age_s=now - e.at_s)
+        for e in service.evictions.recent()
+    ]
+    return pb.ClusterReply(
+        gpus=gpus,
+        queue=queue,
+        policy=service.policy_name,
+        queue_capacity=service.book.queue_capacity,
+        evictions=evictions,
+        scheduler=service.name,
+        epoch=service.leadership.epoch,
+    )

@@ -29,6 +29,13 @@ def up(
         int, typer.Option(min=1, help="Gateways to start; several: behind HAProxy (round robin) at --port.")
     ] = 1,
     schedulers: Annotated[int, typer.Option(min=1, help="Scheduler processes to start.")] = 1,
+    scheduler_in_gateway: Annotated[
+        bool,
+        typer.Option(
+            help="Run the (first) scheduler in the (first) gateway's process, which then reaches it in memory, "
+            "not over a socket (docs/serving-path.md); the gateway's process also signs the grants."
+        ),
+    ] = False,
     gpus_per_node: Annotated[int, typer.Option(min=1, help="Logical GPUs per node (cpu/emulated).")] = 2,
     backend: Annotated[
         str | None, typer.Option(help="cuda, cpu or emulated (default: cuda if NVML finds GPUs).")
@@ -113,6 +120,7 @@ def up(
         "nodes": nodes,
         "gateways": gateways,
         "schedulers": schedulers,
+        "scheduler_in_gateway": scheduler_in_gateway,
         "gpus_per_node": gpus_per_node,
         "backend": backend,
         "gpu_memory_mb": gpu_memory_mb,

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import urllib.parse
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,6 +178,9 @@ class LocalCluster(ClusterCredentials):
     gateways: int = 1  # more than one: behind a load balancer (gpufaas.dev.balancer) at `gateway_port`
     # More than one: each on its own ports, and the gateways follow the scheduler's key in etcd.
     schedulers: int = 1
+    # The first scheduler runs in the first gateway's process (`python -m gateway --with-scheduler`),
+    # which reaches it in memory while it leads: no process of its own (the others, if any, have).
+    scheduler_in_gateway: bool = False
     gateway_port: int = 0  # where calls go: the one gateway's port, or the balancer's (0: any free port)
     scheduler_port: int = 0  # the first scheduler's
     # The other gateways' and schedulers' ports by component name, kept across restarts (filled at start).
@@ -359,10 +363,15 @@ class LocalCluster(ClusterCredentials):
             self.etcd_endpoint = etcd.endpoint
         self.gateway_port = self.gateway_port or free_port()
         self.scheduler_port = self.scheduler_port or free_port()
-        for name in self.scheduler_names:
+        embedded = self.scheduler_in_gateway
+        for name in self.scheduler_names[1 if embedded else 0 :]:
             self._add(name, "scheduler", self.scheduler_settings(name))
-        for name in self.gateway_names:
-            self._add(name, "gateway", self.gateway_settings(name))
+        for index, name in enumerate(self.gateway_names):
+            if index == 0 and embedded:
+                gateway = self.gateway_settings(name).model_copy(update={"with_scheduler": True})
+                self._add(name, "gateway", gateway, ["--", *self.scheduler_settings().to_argv()])
+            else:
+                self._add(name, "gateway", self.gateway_settings(name))
         for index in range(self.nodes):
             node = self.node_settings(f"node{index}")
             if node.pool_dir == pool_dir(self.state_dir, node.node):
@@ -376,9 +385,9 @@ class LocalCluster(ClusterCredentials):
         self.write_pids()
         self.wait_healthy(timeout_s)
 
-    def _add(self, name: str, module: str, settings: DaemonSettings) -> None:
-        """Component `name`: `python -m module` with the flags that give it `settings`."""
-        argv = [sys.executable, "-m", module, *settings.to_argv()]
+    def _add(self, name: str, module: str, settings: DaemonSettings, more: Sequence[str] = ()) -> None:
+        """Component `name`: `python -m module` with the flags that give it `settings`, then `more`."""
+        argv = [sys.executable, "-m", module, *settings.to_argv(), *more]
         self.components[name] = Component(name, argv, self.state_dir / "logs" / f"{name}.log")
 
     def _add_balancer(self) -> None:
@@ -708,6 +717,7 @@ SUPERVISED_OPTIONS = (
     "gateway_port",
     "gateways",
     "schedulers",
+    "scheduler_in_gateway",
     "slots",
     "spares",
     "runtime",

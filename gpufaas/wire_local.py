@@ -1,0 +1,111 @@
+"""The wire inside one process: two `Connection`s joined by memory instead of a socket.
+
+A gateway that runs the scheduler in its own process (`python -m gateway --with-scheduler`) links
+to it with a pair from `local_pair`: the same frames, the same `Connection` and handlers on both
+ends, so the router and the scheduler's gateway session cannot tell it from a TCP link, but a
+frame crosses by a copy into the peer's read buffer: no system call, no TLS record, no event loop
+wake-up of another process. Nothing on it is authenticated: both ends are this process.
+
+Order and timing are a socket's: what one end writes in one pass of the event loop reaches the
+other in a later callback (its `_flush`), in order; `close()` on either end closes both, and each
+end's handler hears `on_close` once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from gpufaas.wire import DEFAULT_MAX_FRAME_BYTES, Connection, Handler
+
+PEER_NAME = "in-process"  # what `Connection.peer` (and its log lines) name the other end as
+
+
+class _MemoryTransport(asyncio.Transport):
+    """One end's transport: `write` hands the bytes to the other end's protocol."""
+
+    def __init__(self, own: Connection) -> None:
+        super().__init__()
+        self._own = own
+        self.peer: _MemoryTransport | None = None
+        self._closing = False
+        self._out: list[bytes] = []  # written, not yet delivered
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        # Delivered from a callback of its own, never from inside the writer's call: a handler
+        # then never runs under the code that sent to it (as over a socket).
+        if self._closing or self.peer is None:
+            return
+        self._out.append(data if isinstance(data, bytes) else bytes(data))
+        if len(self._out) == 1:
+            asyncio.get_running_loop().call_soon(self._deliver)
+
+    def _deliver(self) -> None:
+        out, self._out = self._out, []
+        peer = self.peer
+        if peer is None or peer._closing:
+            return
+        target = peer._own
+        for data in out:
+            view = memoryview(data)
+            while view:
+                buffer = target.get_buffer(len(view))
+                n = min(len(buffer), len(view))
+                buffer[:n] = view[:n]
+                view = view[n:]
+                target.buffer_updated(n)
+                if peer._closing:  # the frame just delivered closed it
+                    return
+
+    def writelines(self, list_of_data: Any) -> None:
+        for data in list_of_data:
+            self.write(data)
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        loop = asyncio.get_running_loop()
+        loop.call_soon(self._own.connection_lost, None)
+        peer = self.peer
+        if peer is not None and not peer._closing:
+            peer._closing = True
+            loop.call_soon(peer._own.connection_lost, None)
+
+    def abort(self) -> None:
+        self.close()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return PEER_NAME if name == "peername" else default
+
+    def can_write_eof(self) -> bool:
+        return False
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+def local_pair(
+    client: Handler | None,
+    server: Handler | None,
+    *,
+    server_role: str | None = None,
+    client_role: str | None = None,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+) -> tuple[Connection, Connection]:
+    """Two connected ends: (the client's, the server's), with `client` and `server` as their
+    handlers. `server_role` is what the client end's `peer_role` says (the role a TLS link would
+    have shown it), `client_role` the server end's. Call on the event loop."""
+    ends = (
+        Connection(client, max_frame_bytes=max_frame_bytes, dead_after_s=None),
+        Connection(server, max_frame_bytes=max_frame_bytes, dead_after_s=None, server=True),
+    )
+    transports = (_MemoryTransport(ends[0]), _MemoryTransport(ends[1]))
+    transports[0].peer, transports[1].peer = transports[1], transports[0]
+    for end, transport in zip(ends, transports, strict=True):
+        end.connection_made(transport)
+    ends[0].peer_role, ends[1].peer_role = server_role, client_role
+    return ends

@@ -1,0 +1,117 @@
+"""gpufaas.wire_local: a Connection pair joined in memory behaves as a socket's ends do."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, RemoteError, Server
+from gpufaas.wire_local import PEER_NAME, local_pair
+
+
+class Recorder:
+    """A handler that keeps what it hears, answers CLUSTER requests with the body reversed and
+    refuses other requests."""
+
+    def __init__(self) -> None:
+        self.frames: list[Frame] = []
+        self.closed: list[BaseException | None] = []
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        self.frames.append(frame)
+        if frame.type == MessageType.CLUSTER:
+            conn.reply(frame, MessageType.CLUSTER_REPLY, pb.ClusterReply(), frame.body[::-1])
+        elif frame.is_request:
+            conn.reply_error(frame, pb.INVALID, "not this one")
+
+    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
+        self.closed.append(exc)
+
+
+def on_a_loop(scenario: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
+    """The test runs `scenario` on an event loop of its own."""
+
+    @functools.wraps(scenario)
+    def test(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(scenario(*args, **kwargs))
+
+    return test
+
+
+async def turns(n: int = 3) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+@on_a_loop
+async def test_a_request_is_answered_and_an_error_raised_as_over_a_socket() -> None:
+    server = Recorder()
+    client_end, server_end = local_pair(None, server, server_role="scheduler", client_role="gateway")
+    reply = await client_end.request(MessageType.CLUSTER, pb.ClusterRequest(), b"abc", timeout_s=1)
+    assert reply.type == MessageType.CLUSTER_REPLY and reply.body == b"cba"
+    with pytest.raises(RemoteError, match="not this one"):
+        await client_end.request(MessageType.PLACE, pb.Place(call_id="c1"), timeout_s=1)
+    assert (client_end.peer_role, server_end.peer_role) == ("scheduler", "gateway")
+    assert client_end.peer == server_end.peer == PEER_NAME
+
+
+@on_a_loop
+async def test_frames_arrive_in_order_and_never_inside_the_senders_call() -> None:
+    server = Recorder()
+    client_end, _ = local_pair(None, server)
+    for index in range(50):
+        client_end.send(MessageType.PLACE, pb.Place(call_id=f"c{index}"))
+        assert server.frames == [], "delivered under the sender's own call"
+    await turns()
+    assert [frame.message(pb.Place).call_id for frame in server.frames] == [f"c{i}" for i in range(50)]
+
+
+@on_a_loop
+async def test_a_body_larger_than_the_read_buffer_arrives_whole() -> None:
+    server = Recorder()
+    client_end, _ = local_pair(None, server)
+    body = bytes(range(256)) * 8192  # 2 MiB: several of the reader's buffers, a large body's path
+    reply = await client_end.request(MessageType.CLUSTER, pb.ClusterRequest(), body, timeout_s=2)
+    assert reply.body == body[::-1]
+
+
+@on_a_loop
+async def test_a_frame_over_the_limit_closes_both_ends() -> None:
+    server = Recorder()
+    client_end, server_end = local_pair(None, server, max_frame_bytes=64 * 1024)
+    with pytest.raises(ConnectionLost):
+        await client_end.request(MessageType.CLUSTER, pb.ClusterRequest(), b"x" * 100_000, timeout_s=1)
+    await turns()
+    assert client_end.is_closed and server_end.is_closed
+
+
+@pytest.mark.parametrize("closing", ["client", "server"])
+@on_a_loop
+async def test_closing_either_end_closes_both_and_each_handler_hears_it_once(closing: str) -> None:
+    client, server = Recorder(), Recorder()
+    client_end, server_end = local_pair(client, server)
+    waiting = asyncio.ensure_future(client_end.request(MessageType.CLUSTER, pb.ClusterRequest(), timeout_s=5))
+    (client_end if closing == "client" else server_end).close()
+    await turns()
+    assert client_end.is_closed and server_end.is_closed
+    assert len(client.closed) == 1 and len(server.closed) == 1
+    with pytest.raises(ConnectionLost):
+        await waiting
+    with pytest.raises(ConnectionLost):
+        client_end.send(MessageType.PLACE, pb.Place(call_id="late"))
+
+
+@on_a_loop
+async def test_a_server_closes_an_adopted_end_and_forgets_it_once_closed() -> None:
+    server = Server(Recorder, tls=False)
+    client_end, server_end = local_pair(None, Recorder())
+    server.adopt(server_end)
+    assert server_end in server.connections
+    await server.close()
+    await turns()
+    assert client_end.is_closed and server.connections == set()
