@@ -30,12 +30,15 @@ def up(
     ] = 1,
     schedulers: Annotated[int, typer.Option(min=1, help="Scheduler processes to start.")] = 1,
     scheduler_in_gateway: Annotated[
-        bool,
+        bool | None,
         typer.Option(
+            "--scheduler-in-gateway/--scheduler-apart",
             help="Run the (first) scheduler in the (first) gateway's process, which then reaches it in memory, "
-            "not over a socket (docs/serving-path.md); the gateway's process also signs the grants."
+            "not over a socket (docs/serving-path.md), or apart in a process of its own. Default: in the gateway "
+            "where there is one gateway (on one host, as one user, the two processes share every secret anyway).",
+            show_default=False,
         ),
-    ] = False,
+    ] = None,
     gpus_per_node: Annotated[int, typer.Option(min=1, help="Logical GPUs per node (cpu/emulated).")] = 2,
     backend: Annotated[
         str | None, typer.Option(help="cuda, cpu or emulated (default: cuda if NVML finds GPUs).")
@@ -120,7 +123,7 @@ def up(
         "nodes": nodes,
         "gateways": gateways,
         "schedulers": schedulers,
-        "scheduler_in_gateway": scheduler_in_gateway,
+        "scheduler_in_gateway": scheduler_in_gateway if scheduler_in_gateway is not None else gateways == 1,
         "gpus_per_node": gpus_per_node,
         "backend": backend,
         "gpu_memory_mb": gpu_memory_mb,
@@ -193,6 +196,7 @@ def _start_supervised(state_dir: Path, options: Mapping[str, Any], *, policy: st
             time.sleep(0.2)
     gateways = f" (HAProxy over {cluster.gateways} gateways)" if cluster.gateways > 1 else ""
     schedulers = f", {cluster.schedulers} schedulers" if cluster.schedulers > 1 else ""
+    schedulers += " (the scheduler in the gateway's process)" if cluster.scheduler_in_gateway else ""
     console.print(
         f"[bold green]gpufaas is up[/]: gateway {cluster.gateway_url}{gateways}{schedulers}, {cluster.nodes} "
         f"node(s) x {cluster.gpus_per_node} {cluster.backend} GPU(s), policy {policy}"

@@ -109,6 +109,9 @@ def logs(
     if component is None:
         console.print(f"logs in {log_dir}: {', '.join(available) or 'none'}")
         return
+    if component == "scheduler" and component not in available and "gateway" in available:
+        err_console.print("the scheduler runs in the gateway's process (gpufaas up --scheduler-in-gateway): its log")
+        component = "gateway"
     if component not in available:
         known = ", ".join(available) or "none (is the cluster up?)"
         err_console.print(f"[bold red]error:[/] no log for {component!r}; available: {known}")
