@@ -1,5 +1,8 @@
 """Benchmark: the CPU each process of the serving path spends per call (gateway, scheduler, node, workers).
 
+`gpufaas up` runs the scheduler in the gateway's process by default: its CPU is then the gateway's
+("scheduler" is 0); `--scheduler-apart` gives it a process of its own, measured apart.
+
 The workload is bench/peer_bench.py's (8 tiny torch models of the pytorch-custom template, Zipf
 1.1, `gpufaas up` with 1 node and 2 cpu GPUs, calls with the invoke token, the same closed-loop
 client), with GPUs large enough that all 8 models stay resident: every measured call is a hit, the
@@ -15,7 +18,7 @@ top functions go into the results as `profile`. (py-spy was tried first: samplin
 processes without stopping them, it charged most samples to the event loop's frame.)
 
 Run: `python -m bench.hop_cpu [--calls 3000] [--rounds 3] [--concurrency 8] [--no-tls] [--profile]
-[--scheduler-in-gateway]
+[--scheduler-apart]
 [--out bench/results/hop_cpu.json]`.
 """
 
@@ -177,9 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-tls", action="store_true", help="the daemons' links in plain (gpufaas up --no-tls)")
     parser.add_argument("--profile", action="store_true", help="a last round with the daemons under cProfile")
     parser.add_argument(
-        "--scheduler-in-gateway",
+        "--scheduler-apart",
         action="store_true",
-        help="the scheduler in the gateway's process (gpufaas up --scheduler-in-gateway; its CPU is the gateway's)",
+        help="the scheduler in a process of its own (gpufaas up --scheduler-apart); by default it runs in the "
+        "gateway's, and its CPU counts as the gateway's",
     )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="gpufaas-hop-cpu-") as tmp:
@@ -188,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         body.write_text(json.dumps({"inputs": [[0.1, 0.2, 0.3, 0.4]]}))
         up = (
             *(("--no-tls",) if args.no_tls else ()),
-            *(("--scheduler-in-gateway",) if args.scheduler_in_gateway else ()),
+            *(("--scheduler-apart",) if args.scheduler_apart else ()),
         )
         profiles = install_profiler(work) if args.profile else None
         # 1000 MB GPUs: all 8 models of 100 MB stay resident, so the measured calls are hits.
@@ -207,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "meta": run_metadata(
             workload=f"{NUM_MODELS} models, Zipf {ZIPF}, hits only, concurrency {args.concurrency}",
             tls=not args.no_tls,
-            scheduler_in_gateway=args.scheduler_in_gateway,
+            scheduler_apart=args.scheduler_apart,
             calls_per_round=args.calls,
         ),
         "median": {

@@ -7,8 +7,8 @@ concurrency 1, 8 and 32 (bench/peer/load_client.py for every system). gpufaas ru
 runs it: `gpufaas up` (cpu backend, its defaults), eight functions from the pytorch-custom
 template (`gpufaas new`, `gpufaas deploy`), invoked at /function/m{i}. Also measured: gpufaas with
 its daemons' links in plain (`gpufaas up --no-tls`: what TLS costs), gpufaas with every model
-resident (hits only), gpufaas with the scheduler in the gateway's process (`gpufaas up
---scheduler-in-gateway`: the placement crosses no socket), Ray Serve's default proxy and its HAProxy mode, and a bare
+resident (hits only), gpufaas with the scheduler in a process of its own (`gpufaas up
+--scheduler-apart`; by default it runs in the gateway's), Ray Serve's default proxy and its HAProxy mode, and a bare
 FastAPI echo (one uvicorn worker): the floor of any Python HTTP service on this machine.
 
 Reloads per request: gpufaas counts misses from its X-Cache header; Ray, model loads reported by
@@ -18,7 +18,7 @@ Ray runs in a virtualenv of its own (`--ray-env`, created when missing: `ray[ser
 `torch==2.13.0`, fastapi, uvicorn, aiohttp, uvloop from PyPI, about a minute).
 
 Run: `python -m bench.peer_bench [--out bench/results/peer_bench.json] [--duration 10]
-[--systems gpufaas,gpufaas-embedded,gpufaas-plain,gpufaas-hits,ray-default,ray-haproxy,fastapi]`.
+[--systems gpufaas,gpufaas-apart,gpufaas-plain,gpufaas-hits,ray-default,ray-haproxy,fastapi]`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ REPO = HERE.parent
 CONCURRENCY = (1, 8, 32)
 NUM_MODELS = 8
 ZIPF = 1.1
-SYSTEMS = ("gpufaas", "gpufaas-embedded", "gpufaas-plain", "gpufaas-hits", "ray-default", "ray-haproxy", "fastapi")
+SYSTEMS = ("gpufaas", "gpufaas-apart", "gpufaas-plain", "gpufaas-hits", "ray-default", "ray-haproxy", "fastapi")
 RAY_REQUIREMENTS = ("ray[serve]", "torch==2.13.0", "fastapi", "uvicorn", "aiohttp", "uvloop")
 TARGETS = {
     "c32_rps_min": 1000.0,
@@ -370,7 +370,7 @@ def verdict(results: dict[str, Any]) -> dict[str, Any]:
                 c: round(ours[c]["throughput_rps"] / ray[c]["throughput_rps"], 2) for c in ours
             }
     haproxy = results.get("ray-haproxy")
-    for system, key in (("gpufaas", "ratio_to_ray_haproxy"), ("gpufaas-embedded", "embedded_ratio_to_ray_haproxy")):
+    for system, key in (("gpufaas", "ratio_to_ray_haproxy"), ("gpufaas-apart", "apart_ratio_to_ray_haproxy")):
         runs = results.get(system)
         if runs and haproxy:
             out[key] = {c: round(runs[c]["throughput_rps"] / haproxy[c]["throughput_rps"], 2) for c in runs}
@@ -390,9 +390,9 @@ def main(argv: list[str] | None = None) -> int:
         if system == "gpufaas-plain":  # what TLS on the daemons' links costs: the same, links in plain
             (work / "plain").mkdir(exist_ok=True)  # a cluster and functions of its own beside gpufaas's
             return run_gpufaas(args, work / "plain", gpu_memory_mb=300, up=("--no-tls",))
-        if system == "gpufaas-embedded":  # the scheduler in the gateway's process
-            (work / "embedded").mkdir(exist_ok=True)
-            return run_gpufaas(args, work / "embedded", gpu_memory_mb=300, up=("--scheduler-in-gateway",))
+        if system == "gpufaas-apart":  # the scheduler in a process of its own
+            (work / "apart").mkdir(exist_ok=True)
+            return run_gpufaas(args, work / "apart", gpu_memory_mb=300, up=("--scheduler-apart",))
         if system == "gpufaas-hits":
             return run_gpufaas(args, work, gpu_memory_mb=1000)
         if system.startswith("ray-"):

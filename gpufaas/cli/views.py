@@ -110,7 +110,7 @@ def logs(
         console.print(f"logs in {log_dir}: {', '.join(available) or 'none'}")
         return
     if component == "scheduler" and component not in available and "gateway" in available:
-        err_console.print("the scheduler runs in the gateway's process (gpufaas up --scheduler-in-gateway): its log")
+        err_console.print("the scheduler runs in the gateway's process (`gpufaas up --scheduler-apart`: in its own)")
         component = "gateway"
     if component not in available:
         known = ", ".join(available) or "none (is the cluster up?)"

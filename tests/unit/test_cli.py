@@ -366,3 +366,17 @@ def test_every_option_up_hands_its_supervisor_is_one_the_supervisor_takes(
     assert result.exit_code == 0, result.output
     assert handed and set(handed) <= set(SUPERVISED_OPTIONS), set(handed) - set(SUPERVISED_OPTIONS)
     assert handed["tls"] is False
+    assert handed["scheduler_in_gateway"] is True  # one gateway: the scheduler runs in its process
+
+
+def test_logs_of_the_scheduler_in_the_gateways_process_are_the_gateways(tmp_path: Path) -> None:
+    """`gpufaas up` runs the scheduler in the gateway's process by default: it has no log of its own."""
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "gateway.log").write_text("one\nscheduler leads (epoch 3)\n")
+    (tmp_path / "logs" / "node0.log").write_text("node\n")
+    result = runner.invoke(app, ["logs", "scheduler", "--state-dir", str(tmp_path), "-n", "1"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "scheduler leads (epoch 3)\n"
+    assert "in the gateway's process" in result.stderr
+    (tmp_path / "logs" / "scheduler.log").write_text("apart\n")  # `gpufaas up --scheduler-apart`
+    assert runner.invoke(app, ["logs", "scheduler", "--state-dir", str(tmp_path)]).stdout == "apart\n"
