@@ -4,6 +4,7 @@ kept."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -13,24 +14,29 @@ import pytest
 from gateway.router import IN_PROCESS
 from gpufaas.dev.local_cluster import LocalCluster
 from tests.integration.conftest import ClusterFactory, deploy
+from tests.integration.test_control_plane import wait_for
 
 pytestmark = pytest.mark.integration
 
 
-def call(cluster: LocalCluster, name: str) -> httpx.Response:
+def call(cluster: LocalCluster, name: str, gateway_url: str | None = None) -> httpx.Response:
     return httpx.post(
-        f"{cluster.gateway_url}/function/{name}", json={"sleep_s": 0}, timeout=60, headers=cluster.invoke_headers
+        f"{gateway_url or cluster.gateway_url}/function/{name}",
+        json={"sleep_s": 0},
+        timeout=60,
+        headers=cluster.invoke_headers,
     )
 
 
-def gateway_log(cluster: LocalCluster) -> str:
-    return (cluster.state_dir / "logs" / "gateway.log").read_text()
+def gateway_log(cluster: LocalCluster, name: str = "gateway") -> str:
+    return (cluster.state_dir / "logs" / f"{name}.log").read_text()
 
 
-def wait_for_log(cluster: LocalCluster, text: str, count: int, timeout_s: float = 30.0) -> None:
+def wait_for_log(cluster: LocalCluster, text: str, count: int, timeout_s: float = 30.0, name: str = "gateway") -> None:
     deadline = time.monotonic() + timeout_s
-    while gateway_log(cluster).count(text) < count:
-        assert time.monotonic() < deadline, f"{text!r} not logged {count} time(s): {gateway_log(cluster)[-2000:]}"
+    while gateway_log(cluster, name).count(text) < count:
+        tail = gateway_log(cluster, name)[-2000:]
+        assert time.monotonic() < deadline, f"{text!r} not logged {count} time(s) by {name}: {tail}"
         time.sleep(0.1)
 
 
@@ -65,3 +71,28 @@ def test_a_gateway_killed_with_its_scheduler_comes_back_to_the_models_the_node_k
     response = call(cluster, "sleepy")
     assert response.status_code == 200, response.text
     assert response.headers["X-Cache"] == "hit"
+
+
+def test_with_two_gateways_the_leader_moves_into_a_gateway_and_out_of_it_when_that_gateway_dies(
+    make_cluster: ClusterFactory, tmp_path: Path
+) -> None:
+    """scheduler0 runs in gateway0's process, scheduler1 apart. With scheduler1 stopped, scheduler0
+    leads: gateway0 links to it in memory, gateway1 over TCP, and both serve. gateway0 SIGKILLed
+    takes the leader with it: scheduler1, started again, leads, and gateway1 serves."""
+    cluster = make_cluster(
+        gateways=2, schedulers=2, nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000, scheduler_in_gateway=True
+    )
+    assert "scheduler0" not in cluster.components and "scheduler1" in cluster.components
+    first, second = cluster.gateway_urls["gateway0"], cluster.gateway_urls["gateway1"]
+    deploy(cluster, "sleepy", "sleepy_function", tmp_path)
+    cluster.components["scheduler1"].stop(kill=True)  # if it led, scheduler0 takes over
+    embedded = cluster.scheduler_addresses["scheduler0"]
+    wait_for_log(cluster, f"connected to the scheduler at {embedded}{IN_PROCESS}", 1, timeout_s=60, name="gateway0")
+    for url in (first, second):
+        response = call(cluster, "sleepy", url)
+        assert response.status_code == 200, response.text
+
+    cluster.components["gateway0"].stop(kill=True)
+    cluster.components["scheduler1"].start(dict(os.environ))
+    wait_for(lambda: call(cluster, "sleepy", second).status_code == 200, timeout_s=60)
+    assert call(cluster, "sleepy", second).headers["X-Cache"] == "hit"  # the node kept its worker
