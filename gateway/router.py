@@ -617,8 +617,11 @@ class Router:
         if conn is None:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, min(self.scheduler_wait_s, box.deadline - box.clock()))):
-                    await self._connected.wait()
-            conn = self.scheduler
+                    while (conn := self.scheduler) is None:
+                        await self._connected.wait()
+                        # A link that closed this turn is still flagged until `_keep_linked` wakes
+                        # to clear it (its next turn): wait that out rather than take it for none.
+                        await asyncio.sleep(0)
             if conn is None:
                 raise CallFailed(503, "the scheduler is unreachable; check that it runs (gpufaas status)")
         box.waiting, box.attempt, box.epoch = True, 0, self.epoch

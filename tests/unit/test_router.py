@@ -689,6 +689,21 @@ async def test_a_call_waits_for_a_scheduler_that_comes_up_within_scheduler_wait_
     assert (await task).output == PAYLOAD
 
 
+@in_cluster(scheduler_wait_s=3.0)
+async def test_a_call_asking_as_the_scheduler_link_closes_waits_for_the_next_link(env: Cluster) -> None:
+    """The link closes in the turn before the call's first step, and the router's `_connected`
+    flag is cleared only a turn later: the call waits for the next link instead of seeing a
+    closed link still flagged (a 503 in compose's leader-kill test)."""
+    task = env.invoke("call-1")  # its first step runs in the next turn
+    link = env.router.scheduler
+    assert link is not None
+    link.close()
+    (place,) = await env.scheduler.wait_places(1)
+    assert place.call_id == "call-1"
+    env.place_on(env.node_a, "call-1", 1)
+    assert (await task).output == PAYLOAD
+
+
 @in_cluster()
 async def test_a_dial_hanging_on_a_deposed_scheduler_is_dropped_when_another_leads(env: Cluster) -> None:
     """A dead container's address is not refused but silent: the dial of it would wait its whole
