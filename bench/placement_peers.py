@@ -349,6 +349,10 @@ class SyntheticGateway:
             self.stats.errors["scheduler link lost"] += 1
             await asyncio.sleep(RECONNECT_S)
 
+    def on_scheduler_closed(self, conn: Connection) -> None:
+        if conn is self.scheduler:
+            self._connected.clear()  # at once, as the router: no call sent on a closed link
+
     def on_scheduler_message(self, message: pb.Placement | pb.Rejection, conn: Connection) -> None:
         if conn is not self.scheduler:
             return  # from a scheduler no longer linked (as the router)

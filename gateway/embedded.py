@@ -19,8 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpufaas.credentials import CredentialError, read_secret
-from gpufaas.service_main import etcd_credentials, link_tls, open_store, wire_daemon_running
+from gpufaas.service_main import cluster_secret, etcd_credentials, link_tls, open_store, wire_daemon_running
 from gpufaas.settings import DaemonSettings, SettingsError
 
 if TYPE_CHECKING:
@@ -38,7 +37,7 @@ class EmbeddedScheduler:
     settings: SchedulerSettings
     secret: str | None
     etcd_credentials: EtcdCredentials | None
-    tls: LinkTls | None  # the scheduler role's links (this process's are the gateway's)
+    tls: LinkTls | bool  # the scheduler role's links, False: plain (this process's are the gateway's)
 
     @classmethod
     def from_flags(
@@ -56,15 +55,8 @@ class EmbeddedScheduler:
             settings = SchedulerSettings(**shared).with_flags(flags)
         except (SettingsError, ValueError) as exc:
             parser.error(f"the scheduler's flags (after `--`): {exc}")
-        secret = None
-        if not settings.insecure:
-            if settings.secret_file is None:
-                parser.error("the scheduler's flags (after `--`): --secret-file is required unless --insecure")
-            try:
-                secret = read_secret(settings.secret_file)
-            except CredentialError as exc:
-                parser.error(f"the scheduler's flags (after `--`): {exc}")
-        return cls(settings, secret, etcd_credentials(parser, settings), link_tls(parser, settings, "scheduler"))
+        tls = link_tls(parser, settings, "scheduler")
+        return cls(settings, cluster_secret(parser, settings), etcd_credentials(parser, settings), tls or False)
 
     @contextlib.asynccontextmanager
     async def run(self) -> AsyncIterator[LocalScheduler]:
@@ -74,7 +66,7 @@ class EmbeddedScheduler:
 
         store = await open_store(self.settings.etcd, self.etcd_credentials)
         try:
-            service = make_service(self.settings, self.secret, store, tls=self.tls if self.tls is not None else False)
+            service = make_service(self.settings, self.secret, store, tls=self.tls)
             async with wire_daemon_running(service, self.settings, self.secret, "scheduler"):
                 yield service
         finally:

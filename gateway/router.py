@@ -424,7 +424,7 @@ class Router:
             self._address_changed.clear()
             local = self._local
             in_process = local is not None and local.address == self._address
-            if local is not None and in_process:
+            if in_process and local is not None:
                 conn = local.local_link(SchedulerSession(self))  # the scheduler of this process
             else:
                 dialled = await self._dial(self._address)
@@ -503,6 +503,12 @@ class Router:
             box.put(message)
         elif isinstance(message, pb.Placement):
             self.abandon(message.call_id, message.attempt, pb.Abandon.CANCELLED, "nobody waits for the call")
+
+    def on_scheduler_closed(self, conn: Connection) -> None:
+        """The link `conn` closed (this very moment, not when `_keep_linked` wakes to it): a call
+        asking now waits for the next link rather than find this one closed and give up."""
+        if conn is self._scheduler:
+            self._connected.clear()
 
     def abandon(self, call_id: str, attempt: int, reason: int, detail: str = "") -> None:
         conn = self.scheduler
@@ -617,11 +623,8 @@ class Router:
         if conn is None:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, min(self.scheduler_wait_s, box.deadline - box.clock()))):
-                    while (conn := self.scheduler) is None:
-                        await self._connected.wait()
-                        # A link that closed this turn is still flagged until `_keep_linked` wakes
-                        # to clear it (its next turn): wait that out rather than take it for none.
-                        await asyncio.sleep(0)
+                    await self._connected.wait()
+            conn = self.scheduler
             if conn is None:
                 raise CallFailed(503, "the scheduler is unreachable; check that it runs (gpufaas status)")
         box.waiting, box.attempt, box.epoch = True, 0, self.epoch
@@ -640,11 +643,12 @@ class PlacementListener(Protocol):
     """What hears a scheduler link's answers: the router, or the placement bench's gateways."""
 
     def on_scheduler_message(self, message: pb.Placement | pb.Rejection, conn: Connection) -> None: ...
+    def on_scheduler_closed(self, conn: Connection) -> None: ...
 
 
 class SchedulerSession:
-    """A gateway's side of its scheduler link: hands each `Placement` and `Rejection` to `listener`.
-    A closed link is seen by whoever awaits `conn.closed` (the router's `_keep_linked`)."""
+    """A gateway's side of its scheduler link: hands each `Placement` and `Rejection` to `listener`,
+    and tells it when the link closes."""
 
     def __init__(self, listener: PlacementListener) -> None:
         self.listener = listener
@@ -656,4 +660,4 @@ class SchedulerSession:
             self.listener.on_scheduler_message(frame.message(pb.Rejection), conn)
 
     def on_close(self, conn: Connection, exc: BaseException | None) -> None:
-        pass
+        self.listener.on_scheduler_closed(conn)

@@ -107,9 +107,31 @@ def tls_directory(parser: argparse.ArgumentParser, settings: DaemonSettings, rol
 
 def link_tls(parser: argparse.ArgumentParser, settings: DaemonSettings, role: str) -> LinkTls | None:
     """The TLS of `role`'s links from the daemon's TLS files (None: plain links; `tls_directory`);
-    a usage error naming the file where one is missing or unsafe. The gateway expects the
-    scheduler's role at --scheduler's address."""
+    a usage error naming the file where one is missing or unsafe."""
+    return _links_in(parser, settings, role, tls_directory(parser, settings, role))
+
+
+def configure_tls(parser: argparse.ArgumentParser, settings: DaemonSettings, role: str) -> LinkTls | None:
+    """`link_tls`, set as this process's link TLS (gpufaas.tls.configure), and with --etcd-tls
+    what `open_store` reaches etcd with."""
+    from gpufaas.store import EtcdTls
+
     directory = tls_directory(parser, settings, role)
+    links = _links_in(parser, settings, role, directory)
+    if directory is not None and settings.etcd_tls:
+        try:
+            _etcd_tls["tls"] = EtcdTls(*etcd_client_files(directory, role))
+        except TlsError as exc:
+            parser.error(str(exc))
+    configure(links)
+    return links
+
+
+def _links_in(
+    parser: argparse.ArgumentParser, settings: DaemonSettings, role: str, directory: Path | None
+) -> LinkTls | None:
+    """`role`'s link TLS from `directory` (None: plain). The gateway expects the scheduler's role
+    at --scheduler's address."""
     if directory is None:
         return None
     scheduler = getattr(settings, "scheduler", None)
@@ -118,23 +140,6 @@ def link_tls(parser: argparse.ArgumentParser, settings: DaemonSettings, role: st
         return LinkTls.load(directory, role, pinned=pinned)
     except TlsError as exc:
         parser.error(str(exc))
-
-
-def configure_tls(parser: argparse.ArgumentParser, settings: DaemonSettings, role: str) -> LinkTls | None:
-    """`link_tls`, set as this process's link TLS (gpufaas.tls.configure), and with --etcd-tls
-    what `open_store` reaches etcd with."""
-    from gpufaas.store import EtcdTls
-
-    links = link_tls(parser, settings, role)
-    if links is not None and settings.etcd_tls:
-        directory = tls_directory(parser, settings, role)
-        assert directory is not None
-        try:
-            _etcd_tls["tls"] = EtcdTls(*etcd_client_files(directory, role))
-        except TlsError as exc:
-            parser.error(str(exc))
-    configure(links)
-    return links
 
 
 async def open_store(endpoint: str, credentials: EtcdCredentials | None) -> EtcdStore:

@@ -17,6 +17,7 @@ import yaml
 
 from gpufaas.dev.local_cluster import free_port, recorded_pids, stop_recorded
 from gpufaas.processes import descendants, pid_alive, survivors
+from tests.integration.test_control_plane import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -43,15 +44,11 @@ def cli_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def wait_until_answering(url: str, timeout_s: float = 30.0) -> None:
-    """Until `url` answers 200 (a restarted gateway listens a moment after its process starts)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        assert time.monotonic() < deadline, f"{url} did not answer 200 within {timeout_s:g} s"
-        time.sleep(0.1)
+def answers(url: str) -> bool:
+    """Whether `url` answers 200 now (a restarted gateway listens a moment after its process starts)."""
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(url, timeout=2).status_code == 200
+    return False
 
 
 def test_up_new_deploy_invoke_gpus_rm_down(tmp_path: Path, cli_env: dict[str, str]) -> None:
@@ -116,7 +113,7 @@ def test_up_new_deploy_invoke_gpus_rm_down(tmp_path: Path, cli_env: dict[str, st
             time.sleep(0.1)
         assert restarted_after_s is not None, "the gateway was not restarted within 5 s"
         assert "restarting" in (state / "logs" / "supervisor.log").read_text()
-        wait_until_answering(f"{url}/livez")
+        wait_for(lambda: answers(f"{url}/livez"), timeout_s=30)
         third = gpufaas("invoke", "hello", "--data", '{"inputs": [[1, 2, 3, 4]]}', env=cli_env, cwd=work)
         assert third.returncode == 0, third.stderr
 

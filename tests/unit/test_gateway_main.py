@@ -49,4 +49,4 @@ def test_the_scheduler_takes_the_gateways_etcd_and_credentials_unless_its_flags_
     embedded = EmbeddedScheduler.from_flags(parser, gateway, ["--slots", "2", "--root", "/other"])
     settings = embedded.settings
     assert (settings.etcd, settings.root, settings.insecure, settings.slots) == ("127.0.0.1:3999", "/other", True, "2")
-    assert embedded.secret is None and embedded.tls is None
+    assert embedded.secret is None and embedded.tls is False  # --insecure: plain links

@@ -691,9 +691,9 @@ async def test_a_call_waits_for_a_scheduler_that_comes_up_within_scheduler_wait_
 
 @in_cluster(scheduler_wait_s=3.0)
 async def test_a_call_asking_as_the_scheduler_link_closes_waits_for_the_next_link(env: Cluster) -> None:
-    """The link closes in the turn before the call's first step, and the router's `_connected`
-    flag is cleared only a turn later: the call waits for the next link instead of seeing a
-    closed link still flagged (a 503 in compose's leader-kill test)."""
+    """The link closes in the turn before the call's first step, before `_keep_linked` wakes to
+    it: the call waits for the next link instead of finding the closed one still flagged as up
+    (a 503 in compose's leader-kill test)."""
     task = env.invoke("call-1")  # its first step runs in the next turn
     link = env.router.scheduler
     assert link is not None
