@@ -1,7 +1,8 @@
 """Benchmark: the CPU each process of the serving path spends per call (gateway, scheduler, node, workers).
 
-`gpufaas up` runs the scheduler in the gateway's process by default: its CPU is then the gateway's
-("scheduler" is 0); `--scheduler-apart` gives it a process of its own, measured apart.
+`gpufaas up` runs the scheduler and the node in the gateway's process by default: their CPU is then
+the gateway's ("scheduler" and "node" are 0); `--scheduler-apart` and `--node-apart` give them
+processes of their own, measured apart.
 
 The workload is bench/peer_bench.py's (8 tiny torch models of the pytorch-custom template, Zipf
 1.1, `gpufaas up` with 1 node and 2 cpu GPUs, calls with the invoke token, the same closed-loop
@@ -18,7 +19,7 @@ top functions go into the results as `profile`. (py-spy was tried first: samplin
 processes without stopping them, it charged most samples to the event loop's frame.)
 
 Run: `python -m bench.hop_cpu [--calls 3000] [--rounds 3] [--concurrency 8] [--no-tls] [--profile]
-[--scheduler-apart]
+[--scheduler-apart] [--node-apart]
 [--out bench/results/hop_cpu.json]`.
 """
 
@@ -55,13 +56,15 @@ def cpu_s(pid: int) -> float:
 
 
 def cluster_pids(state_dir: Path) -> dict[str, list[int]]:
-    """The serving path's processes of a `gpufaas up` cluster by role (workers: the node's descendants)."""
+    """The serving path's processes of a `gpufaas up` cluster by role (workers: the node's
+    descendants; the scheduler or the node none where they run in the gateway's process)."""
     pids = recorded_pids(state_dir)
+    node = pids.get("node0", pids["gateway"])
     return {
         "gateway": [pids["gateway"]],
-        "scheduler": [pids["scheduler"]] if "scheduler" in pids else [],  # none: in the gateway's process
-        "node": [pids["node0"]],
-        "workers": descendants(pids["node0"]),
+        "scheduler": [pids["scheduler"]] if "scheduler" in pids else [],
+        "node": [pids["node0"]] if "node0" in pids else [],
+        "workers": descendants(node),
         "etcd": [pids["etcd"]] if "etcd" in pids else [],
     }
 
@@ -171,7 +174,7 @@ def top_functions(stats: pstats.Stats, calls: int) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/hop_cpu.json")
     parser.add_argument("--calls", type=int, default=3000, help="calls per measured round")
@@ -185,7 +188,17 @@ def main(argv: list[str] | None = None) -> int:
         help="the scheduler in a process of its own (gpufaas up --scheduler-apart); by default it runs in the "
         "gateway's, and its CPU counts as the gateway's",
     )
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--node-apart",
+        action="store_true",
+        help="the node in a process of its own (gpufaas up --node-apart); by default it runs in the gateway's, "
+        "and its CPU counts as the gateway's",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="gpufaas-hop-cpu-") as tmp:
         work = Path(tmp)
         body = work / "x.json"
@@ -193,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         up = (
             *(("--no-tls",) if args.no_tls else ()),
             *(("--scheduler-apart",) if args.scheduler_apart else ()),
+            *(("--node-apart",) if args.node_apart else ()),
         )
         profiles = install_profiler(work) if args.profile else None
         # 1000 MB GPUs: all 8 models of 100 MB stay resident, so the measured calls are hits.
@@ -212,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             workload=f"{NUM_MODELS} models, Zipf {ZIPF}, hits only, concurrency {args.concurrency}",
             tls=not args.no_tls,
             scheduler_apart=args.scheduler_apart,
+            node_apart=args.node_apart,
             calls_per_round=args.calls,
         ),
         "median": {

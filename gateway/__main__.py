@@ -12,7 +12,7 @@ import uvicorn
 
 from gateway.app import GatewayConfig, create_app
 from gateway.auth import Credentials
-from gateway.embedded import EmbeddedScheduler
+from gateway.embedded import EmbeddedNode, EmbeddedScheduler, embedded_flags_error, split_argv
 from gateway.http import server_config
 from gateway.settings import DESCRIPTION, PROG, GatewaySettings
 from gpufaas.credentials import CredentialError, node_token, read_secret, wire_key
@@ -61,12 +61,16 @@ async def serve(
     config: GatewayConfig,
     etcd_creds: EtcdCredentials | None,
     scheduler: EmbeddedScheduler | None = None,
+    node: EmbeddedNode | None = None,
 ) -> None:
-    """Serve until uvicorn stops (SIGTERM, SIGINT), with the scheduler of `--with-scheduler`
-    running beside it (started first, stopped last)."""
+    """Serve until uvicorn stops (SIGTERM, SIGINT), with the node of `--with-node` and the
+    scheduler of `--with-scheduler` running beside it (started first, in that order; stopped
+    last, in the other)."""
     store = await open_store(settings.etcd, etcd_creds)
     try:
         async with contextlib.AsyncExitStack() as stack:
+            if node is not None:
+                await stack.enter_async_context(node.run())
             if scheduler is not None:
                 config = dataclasses.replace(config, local_scheduler=await stack.enter_async_context(scheduler.run()))
             app = create_app(store, config)
@@ -93,7 +97,10 @@ async def serve(
 
 
 def main(argv: list[str] | None = None) -> int:
-    own, scheduler_argv = split_argv(sys.argv[1:] if argv is None else argv)
+    try:
+        own, sections = split_argv(sys.argv[1:] if argv is None else argv)
+    except ValueError as exc:
+        GatewaySettings.parser(PROG, DESCRIPTION).error(str(exc))
     parser, settings, secret, etcd_creds = daemon_start(GatewaySettings, PROG, DESCRIPTION, own)
     for flag, path in (
         ("--public-cert-file", settings.public_cert_file),
@@ -101,20 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if path is not None and not path.is_file():
             parser.error(f"{flag} {path}: no such file (a PEM file, the certificate chain or its key)")
-    if scheduler_argv and not settings.with_scheduler:
-        parser.error("the flags after `--` are a scheduler's: pass --with-scheduler to run one in this process")
-    scheduler = EmbeddedScheduler.from_flags(parser, settings, scheduler_argv) if settings.with_scheduler else None
+    unasked = embedded_flags_error(sections, {"scheduler": settings.with_scheduler, "node": settings.with_node})
+    if unasked is not None:
+        parser.error(unasked)
+    scheduler, node = None, None
+    if settings.with_scheduler:
+        scheduler = EmbeddedScheduler.from_flags(parser, settings, sections.get("scheduler", []))
+    if settings.with_node:
+        node = EmbeddedNode.from_flags(parser, settings, sections.get("node", []))
     config = gateway_config(settings, secret, credentials(parser, settings, secret))
     warn_if_insecure(settings, "the gateway")
-    return run_daemon(lambda: serve(settings, config, etcd_creds, scheduler), settings.etcd)
-
-
-def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(the gateway's flags, the embedded scheduler's: those after the first `--`)."""
-    if "--" not in argv:
-        return argv, []
-    at = argv.index("--")
-    return argv[:at], argv[at + 1 :]
+    return run_daemon(lambda: serve(settings, config, etcd_creds, scheduler, node), settings.etcd)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
-"""`python -m gateway --with-scheduler`: a scheduler run in the gateway's process, which the gateway
-reaches in memory (gpufaas.wire_local) while it leads.
+"""`python -m gateway --with-scheduler --with-node`: a scheduler and a node run in the gateway's
+process, which the gateway reaches in memory (gpufaas.wire_local): the scheduler while it leads,
+the node always; the embedded scheduler reaches the embedded node in memory too.
 
-What it saves: a placement's Place and Placement cross no socket, no TLS record and no second
-process's event loop; the scheduler is the same service with the same election, and the nodes and
-any other gateway reach it over the wire as they reach any scheduler. What it costs: the gateway
-process also holds the scheduler's grant key and signs grants (docs/security.md), and a gateway
-that dies takes its scheduler with it (a standby, if any, takes over as after any leader's death).
+What it saves: a placement's Place and Placement, and a call's Execute, its answer and its Done,
+cross no socket, no TLS record and no second process's event loop; the scheduler and the node are
+the same services with the same election, fencing and grants, and the rest of the cluster (other
+gateways, nodes, schedulers) reaches them over the wire as it reaches any. What it costs: the
+gateway process also holds the scheduler's grant key and the node's worker control (docs/security.md),
+and a gateway that dies takes them with it: a standby scheduler, if any, takes over; the node's
+workers exit with it, so its models load again when it comes back.
 
-The gateway package depends on the scheduler here only, and only at run time: `scheduler` is
-imported inside these functions (docs/architecture.md).
+The gateway package depends on the scheduler and the node here only, and only at run time: they
+are imported inside these functions (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -17,14 +20,18 @@ import argparse
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpufaas.service_main import cluster_secret, etcd_credentials, link_tls, open_store, wire_daemon_running
 from gpufaas.settings import DaemonSettings, SettingsError
 
+_ROLE_FLAGS = {"scheduler": "--with-scheduler", "node": "--with-node"}
+
 if TYPE_CHECKING:
     from gateway.router import LocalScheduler
     from gateway.settings import GatewaySettings
+    from gpu_manager.__main__ import Hardware
+    from gpu_manager.settings import NodeSettings
     from gpufaas.store import EtcdCredentials
     from gpufaas.tls import LinkTls
     from scheduler.settings import SchedulerSettings
@@ -48,13 +55,10 @@ class EmbeddedScheduler:
         scheduler would refuse them."""
         from scheduler.settings import SchedulerSettings
 
-        shared = {
-            name: getattr(gateway, name) for name in DaemonSettings.model_fields if name in gateway.model_fields_set
-        }
         try:
-            settings = SchedulerSettings(**shared).with_flags(flags)
+            settings = SchedulerSettings(**_shared(gateway)).with_flags(flags)
         except (SettingsError, ValueError) as exc:
-            parser.error(f"the scheduler's flags (after `--`): {exc}")
+            parser.error(f"the scheduler's flags (after `-- scheduler`): {exc}")
         tls = link_tls(parser, settings, "scheduler")
         return cls(settings, cluster_secret(parser, settings), etcd_credentials(parser, settings), tls or False)
 
@@ -71,3 +75,90 @@ class EmbeddedScheduler:
                 yield service
         finally:
             await store.close()
+
+
+@dataclass(frozen=True)
+class EmbeddedNode:
+    """A node's settings, hardware and credentials, checked at start; `run()` serves it."""
+
+    settings: NodeSettings
+    machine: Hardware
+    secret: str | None
+    etcd_credentials: EtcdCredentials | None
+    tls: LinkTls | bool  # the node role's wire server, False: plain (this process's are the gateway's)
+
+    @classmethod
+    def from_flags(cls, parser: argparse.ArgumentParser, gateway: GatewaySettings, flags: list[str]) -> EmbeddedNode:
+        """The node `flags` describe (`python -m gpu_manager`'s), with the gateway's etcd,
+        credentials, TLS and logging flags where they say nothing of those; a usage error (through
+        `parser`) where the node would refuse them."""
+        from gpu_manager.__main__ import hardware
+        from gpu_manager.settings import NodeSettings
+
+        try:
+            # (constructed unchecked: the node's required flags come with `flags`, checked there)
+            settings = NodeSettings.model_construct(**_shared(gateway)).with_flags(flags)
+        except (SettingsError, ValueError) as exc:
+            parser.error(f"the node's flags (after `-- node`): {exc}")
+        tls = link_tls(parser, settings, "node")
+        secret = cluster_secret(parser, settings)
+        return cls(settings, hardware(parser, settings), secret, etcd_credentials(parser, settings), tls or False)
+
+    @contextlib.asynccontextmanager
+    async def run(self) -> AsyncIterator[None]:
+        """The node started (its own etcd handle, wire server, blob server and metrics, offered
+        in memory to this process's dialers) for the body; stopped, its workers with it, after."""
+        from gpu_manager.__main__ import daemon
+
+        store = await open_store(self.settings.etcd, self.etcd_credentials)
+        try:
+            node = daemon(store, self.settings, self.machine, self.secret, tls=self.tls, in_process=True)
+            async with wire_daemon_running(node, self.settings, self.secret, f"gpu manager {self.settings.node}"):
+                yield
+        finally:
+            await store.close()
+
+
+def _shared(gateway: GatewaySettings) -> dict[str, Any]:
+    """The gateway's daemon flags that were given (etcd, credentials, TLS, logging): an embedded
+    service's defaults."""
+    return {name: getattr(gateway, name) for name in DaemonSettings.model_fields if name in gateway.model_fields_set}
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """(the gateway's flags, each embedded service's by role): every `--` opens a section named by
+    its first word, `scheduler` or `node` (`-- scheduler --slots 2 -- node --gpus 2`); a first
+    section that opens with a flag (or is empty) is the scheduler's (`--with-scheduler -- --slots
+    2`). ValueError for a section named twice or by another word."""
+    if "--" not in argv:
+        return argv, {}
+    at = argv.index("--")
+    chunks: list[list[str]] = [[]]
+    for word in argv[at + 1 :]:
+        if word == "--":
+            chunks.append([])
+        else:
+            chunks[-1].append(word)
+    sections: dict[str, list[str]] = {}
+    for index, chunk in enumerate(chunks):
+        if chunk and chunk[0] in _ROLE_FLAGS:
+            role, flags = chunk[0], chunk[1:]
+        elif index == 0 and (not chunk or chunk[0].startswith("-")):
+            role, flags = "scheduler", chunk
+        else:
+            raise ValueError(
+                f"`-- {' '.join(chunk[:1])}`: each `--` opens the flags of `scheduler` or `node` "
+                "(`-- scheduler --slots 2 -- node --gpus 2`)"
+            )
+        if role in sections:
+            raise ValueError(f"the {role}'s flags are given twice: one `-- {role}` section each")
+        sections[role] = flags
+    return argv[:at], sections
+
+
+def embedded_flags_error(sections: dict[str, list[str]], with_flags: dict[str, bool]) -> str | None:
+    """What is wrong with giving a section for a service not asked to run here (None: nothing)."""
+    for role in sections:
+        if not with_flags[role]:
+            return f"the flags after `-- {role}` are a {role}'s: pass {_ROLE_FLAGS[role]} to run one in this process"
+    return None

@@ -62,6 +62,7 @@ from gpufaas.wire import (
     connect,
     max_frame_bytes_for,
 )
+from gpufaas.wire_local import PEER_NAME, link_here
 
 log = logging.getLogger("gpufaas.gateway.router")
 
@@ -69,7 +70,7 @@ log = logging.getLogger("gpufaas.gateway.router")
 # so that they report first (one end-to-end deadline per call).
 DEADLINE_GRACE_S = 1.0
 SCHEDULER_WAIT_S = 5.0  # how long a call waits for a scheduler that is (re)connecting
-IN_PROCESS = " (in this process: linked in memory)"  # said of a link to the gateway's own scheduler
+IN_PROCESS = " (in this process: linked in memory)"  # said of a link to the gateway's own scheduler or node
 RECONNECT_S = 0.2
 _SILENT = "it answered no ping"
 NODE_CONNECT_S = 2.0  # a node connection not made within this is a node unreachable
@@ -245,25 +246,31 @@ class NodeConnections:
         """One dial at a time per address, shared by whoever asks meanwhile."""
         task = self._connects.get(address)
         if task is None:
-            task = asyncio.create_task(
-                connect(
-                    address,
-                    None,
-                    max_frame_bytes=self.max_frame_bytes,
-                    timeout_s=NODE_CONNECT_S,
-                    key=self.key,
-                    peer_role="node",  # under TLS: a scheduler's certificate is no node
-                )
-            )
+            task = asyncio.create_task(self._dial(address))
             self._connects[address] = task
             task.add_done_callback(lambda _: self._connects.pop(address, None))
             task.add_done_callback(lambda done: self._connected(address, done))
         return await asyncio.shield(task)
 
+    async def _dial(self, address: str) -> Connection:
+        # In memory where this process runs the node (`python -m gateway --with-node`).
+        here = link_here(address, None, client_role="gateway", peer_role="node", max_frame_bytes=self.max_frame_bytes)
+        if here is not None:
+            return here
+        return await connect(
+            address,
+            None,
+            max_frame_bytes=self.max_frame_bytes,
+            timeout_s=NODE_CONNECT_S,
+            key=self.key,
+            peer_role="node",  # under TLS: a scheduler's certificate is no node
+        )
+
     def _connected(self, address: str, done: asyncio.Task[Connection]) -> None:
         if done.cancelled() or done.exception() is not None:
             return
         conn = done.result()
+        log.info("linked to the node at %s%s", address, IN_PROCESS if conn.peer == PEER_NAME else "")
         self._conns[address] = conn
         self.heard(address)
         self.unusable.pop(address, None)

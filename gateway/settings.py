@@ -64,9 +64,15 @@ class GatewaySettings(DaemonSettings):
 
     with_scheduler: bool = Field(
         default=False,
-        description="run a scheduler in this process too (the flags after `--` are its, `python -m scheduler`'s; "
+        description="run a scheduler in this process too (its flags, `python -m scheduler`'s, after `-- scheduler`; "
         "it takes this gateway's etcd, credentials and TLS flags unless they say otherwise): while it leads, this "
         "gateway reaches it in memory, not over a socket; other gateways and the nodes reach it as any scheduler",
+    )
+    with_node: bool = Field(
+        default=False,
+        description="run a node (GPU manager) in this process too (its flags, `python -m gpu_manager`'s, after "
+        "`-- node`; it takes this gateway's etcd, credentials and TLS flags unless they say otherwise): this "
+        "gateway and a scheduler in this process reach it in memory; the rest of the cluster as any node",
     )
 
     public_cert_file: Path | None = Field(

@@ -19,6 +19,7 @@ from gpufaas.service_main import daemon_start, open_store, run_daemon, serve_wir
 
 if TYPE_CHECKING:
     from gpufaas.store import EtcdCredentials, EtcdStore
+    from gpufaas.tls import LinkTls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,16 @@ def isolation(settings: NodeSettings) -> Isolation:
     )
 
 
-def daemon(store: EtcdStore, settings: NodeSettings, machine: Hardware, secret: str | None) -> GpuManagerDaemon:
+def daemon(
+    store: EtcdStore,
+    settings: NodeSettings,
+    machine: Hardware,
+    secret: str | None,
+    *,
+    tls: LinkTls | bool = True,
+    in_process: bool = False,
+) -> GpuManagerDaemon:
+    """The node `settings` describe (`tls`, `in_process`: GpuManagerDaemon's)."""
     return GpuManagerDaemon(
         store,
         node=settings.node,
@@ -96,6 +106,8 @@ def daemon(store: EtcdStore, settings: NodeSettings, machine: Hardware, secret: 
             blob_listen=settings.blob_listen or f"{settings.listen.rpartition(':')[0] or '127.0.0.1'}:0",
             blob_advertise=settings.blob_advertise,
         ),
+        tls=tls,
+        in_process=in_process,
     )
 
 

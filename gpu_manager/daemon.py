@@ -41,7 +41,9 @@ from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import KeyValue, LeaseKeeper, LeaseLost, Store, StoreError, WatchEvent, list_and_watch
+from gpufaas.tls import LinkTls
 from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, Server, max_frame_bytes_for
+from gpufaas.wire_local import serve_here, withdraw
 
 log = logging.getLogger("gpufaas.gpu_manager")
 LEASE_TTL_S = 3  # the node's heartbeat: a node silent this long leaves the cluster
@@ -59,8 +61,10 @@ class GpuManagerDaemon:
 
     `wire_key`: the cluster's wire key; the scheduler and gateways must prove it before the node
     reads anything from them. `storage`: how the node keeps packages, its host model pool and its
-    blob server (gpu_manager.storage.StorageOptions; None: its defaults). The rest configure the
-    worker pool (gpu_manager.pool).
+    blob server (gpu_manager.storage.StorageOptions; None: its defaults). `tls`: its wire
+    server's (gpufaas.wire.Server's: True, the process's). `in_process`: dials of its address from
+    this process reach it in memory (gpufaas.wire_local; a gateway running it, `python -m gateway
+    --with-node`). The rest configure the worker pool (gpu_manager.pool).
     """
 
     def __init__(
@@ -82,6 +86,8 @@ class GpuManagerDaemon:
         runtime: str = "process",
         docker_image: str = DEFAULT_IMAGE,
         storage: StorageOptions | None = None,
+        tls: LinkTls | bool = True,
+        in_process: bool = False,
     ) -> None:
         """See the class's docstring."""
         if not devices:
@@ -107,7 +113,10 @@ class GpuManagerDaemon:
         self.address = ""
         self.context_mb = 0  # what one spare holds on its GPU (measured on cuda)
         self._scheduler: Connection | None = None
-        self._server = Server(lambda: _Session(self), max_frame_bytes=max_frame_bytes_for(max_body_bytes), key=wire_key)
+        self._server = Server(
+            lambda: _Session(self), max_frame_bytes=max_frame_bytes_for(max_body_bytes), key=wire_key, tls=tls
+        )
+        self.in_process = in_process
         self._lease: LeaseKeeper | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -162,6 +171,8 @@ class GpuManagerDaemon:
             self.context_mb = max((int(h.context_mb) for h in hellos), default=0)
         bound = await self._server.start(listen)
         self.address = advertise or bound
+        if self.in_process:  # before the address is registered: no dial from here goes over TCP
+            serve_here(self.address, self._server, role="node")
         await self.storage.start(self.address)
         self._lease = LeaseKeeper(self.store, LEASE_TTL_S, on_regrant=self._register)
         await self._register(await self._lease.start())
@@ -189,6 +200,8 @@ class GpuManagerDaemon:
             task.cancel()
         if self._lease is not None:
             await self._lease.stop(revoke=True)
+        if self.in_process:
+            withdraw(self.address)
         await self._server.close()
         await self.pool.shutdown()
         self.storage.stop()

@@ -822,6 +822,10 @@ class Server:
         if len(self.handshaking) < self.max_unauthenticated:
             self._refusing = False
 
+    def handler(self) -> Handler:
+        """A new connection's handler (what `handler_for` makes)."""
+        return self._handler_for()
+
     def adopt(self, conn: Connection) -> None:
         """Serve `conn`, made elsewhere (gpufaas.wire_local's in-process end), as an accepted
         connection: `close()` closes it with the rest."""

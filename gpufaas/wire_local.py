@@ -1,10 +1,14 @@
 """The wire inside one process: two `Connection`s joined by memory instead of a socket.
 
-A gateway that runs the scheduler in its own process (`python -m gateway --with-scheduler`) links
-to it with a pair from `local_pair`: the same frames, the same `Connection` and handlers on both
-ends, so the router and the scheduler's gateway session cannot tell it from a TCP link, but a
+A gateway that runs the scheduler or a node in its own process (`python -m gateway
+--with-scheduler --with-node`) links to them with pairs from `local_pair`: the same frames, the
+same `Connection` and handlers on both ends, so neither end can tell it from a TCP link, but a
 frame crosses by a copy into the peer's read buffer: no system call, no TLS record, no event loop
 wake-up of another process. Nothing on it is authenticated: both ends are this process.
+
+A server that this process runs may be offered to its own dialers (`serve_here`): a dial of its
+address from here (`link_here`, which the gateway's router and the scheduler's node links try
+before a TCP dial) then gets an in-memory link, served by the server as one it accepted.
 
 Order and timing are a socket's: what one end writes in one pass of the event loop reaches the
 other in a later callback (its `_flush`), in order; `close()` on either end closes both, and each
@@ -14,9 +18,10 @@ end's handler hears `on_close` once.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
-from gpufaas.wire import DEFAULT_MAX_FRAME_BYTES, Connection, Handler
+from gpufaas.wire import DEFAULT_MAX_FRAME_BYTES, Connection, Handler, Server, Unauthenticated
 
 PEER_NAME = "in-process"  # what `Connection.peer` (and its log lines) name the other end as
 
@@ -109,3 +114,54 @@ def local_pair(
         end.connection_made(transport)
     ends[0].peer_role, ends[1].peer_role = server_role, client_role
     return ends
+
+
+@dataclass(frozen=True, slots=True)
+class _Served:
+    server: Server
+    role: str  # the role its TLS certificate names: what a dialer asking for a role is checked against
+
+
+# The servers of this process its own dialers reach in memory, by the address they are dialled at.
+_SERVED: dict[str, _Served] = {}
+
+
+def serve_here(address: str, server: Server, *, role: str) -> None:
+    """Dials of `address` from this process (`link_here`) reach `server` in memory until
+    `withdraw(address)`. `role`: the role `server` serves as (its certificate's, under TLS)."""
+    _SERVED[address] = _Served(server, role)
+
+
+def withdraw(address: str) -> None:
+    """`address` is dialled over the network again (its server stops, or moves)."""
+    _SERVED.pop(address, None)
+
+
+def link_here(
+    address: str,
+    handler: Handler | None,
+    *,
+    client_role: str,
+    peer_role: str | None = None,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+) -> Connection | None:
+    """The dialling end of an in-memory link to the server this process serves at `address`
+    (`serve_here`), with `handler` as its handler; None where this process serves nothing there
+    (dial it). `client_role`: the dialer's role (what the server end's `peer_role` says);
+    `peer_role`: the role the server must have, as `gpufaas.wire.connect` checks it (Unauthenticated
+    otherwise). The frame limit is the larger of the server's and `max_frame_bytes`."""
+    served = _SERVED.get(address)
+    if served is None:
+        return None
+    if peer_role is not None and peer_role != served.role:
+        raise Unauthenticated(f"{address} is this process's {served.role}, not a {peer_role}")
+    server = served.server
+    dialled, accepted = local_pair(
+        handler,
+        server.handler(),
+        server_role=served.role,
+        client_role=client_role,
+        max_frame_bytes=max(server.max_frame_bytes, max_frame_bytes),
+    )
+    server.adopt(accepted)
+    return dialled

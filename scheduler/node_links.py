@@ -20,6 +20,7 @@ from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.tls import LinkTls
 from gpufaas.types import GpuSpec, ModelSpec
 from gpufaas.wire import Connection, ConnectionLost, Handler, MessageType, RemoteError, Unauthenticated, connect
+from gpufaas.wire_local import link_here
 from scheduler.calls import CallBook, CheckGrants, Effect, Evict, EvictHost
 from scheduler.core import Scheduler
 from scheduler.persister import StatePersister
@@ -163,9 +164,7 @@ class NodeLinks:
         term = self.term
         while self._linked(node, term):
             try:
-                conn = await connect(
-                    node.record.address, session, timeout_s=NODE_TIMEOUT_S, key=self.wire_key, tls=self.tls
-                )
+                conn = await self._dial(node.record.address, session)
                 reply = (
                     await conn.request(
                         MessageType.ATTACH,
@@ -194,6 +193,13 @@ class NodeLinks:
             if node.conn is conn:  # (a later term may have attached it again meanwhile)
                 node.conn = None
             await asyncio.sleep(RECONNECT_S)
+
+    async def _dial(self, address: str, session: Handler) -> Connection:
+        # In memory where this process runs the node (a gateway run with --with-scheduler --with-node).
+        here = link_here(address, session, client_role="scheduler", peer_role="node")
+        if here is not None:
+            return here
+        return await connect(address, session, timeout_s=NODE_TIMEOUT_S, key=self.wire_key, tls=self.tls)
 
     def _linked(self, node: NodeLink, term: int) -> bool:
         """Whether `node` (this incarnation) is still to be kept attached in term `term`."""

@@ -39,6 +39,16 @@ def up(
             show_default=False,
         ),
     ] = None,
+    node_in_gateway: Annotated[
+        bool | None,
+        typer.Option(
+            "--node-in-gateway/--node-apart",
+            help="Run the (first) node in the (first) gateway's process, which then reaches it in memory: a call "
+            "crosses only the gateway and its worker's process (docs/serving-path.md), or apart in a process of "
+            "its own. Default: in the gateway where there is one gateway and one node.",
+            show_default=False,
+        ),
+    ] = None,
     gpus_per_node: Annotated[int, typer.Option(min=1, help="Logical GPUs per node (cpu/emulated).")] = 2,
     backend: Annotated[
         str | None, typer.Option(help="cuda, cpu or emulated (default: cuda if NVML finds GPUs).")
@@ -124,6 +134,7 @@ def up(
         "gateways": gateways,
         "schedulers": schedulers,
         "scheduler_in_gateway": scheduler_in_gateway if scheduler_in_gateway is not None else gateways == 1,
+        "node_in_gateway": node_in_gateway if node_in_gateway is not None else gateways == 1 and nodes == 1,
         "gpus_per_node": gpus_per_node,
         "backend": backend,
         "gpu_memory_mb": gpu_memory_mb,
@@ -196,7 +207,9 @@ def _start_supervised(state_dir: Path, options: Mapping[str, Any], *, policy: st
             time.sleep(0.2)
     gateways = f" (HAProxy over {cluster.gateways} gateways)" if cluster.gateways > 1 else ""
     schedulers = f", {cluster.schedulers} schedulers" if cluster.schedulers > 1 else ""
-    schedulers += " (the scheduler in the gateway's process)" if cluster.scheduler_in_gateway else ""
+    inside = (("scheduler", cluster.scheduler_in_gateway), ("node", cluster.node_in_gateway))
+    in_gateway = [role for role, embedded in inside if embedded]
+    schedulers += f" (the {' and the '.join(in_gateway)} in the gateway's process)" if in_gateway else ""
     console.print(
         f"[bold green]gpufaas is up[/]: gateway {cluster.gateway_url}{gateways}{schedulers}, {cluster.nodes} "
         f"node(s) x {cluster.gpus_per_node} {cluster.backend} GPU(s), policy {policy}"

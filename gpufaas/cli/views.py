@@ -109,8 +109,10 @@ def logs(
     if component is None:
         console.print(f"logs in {log_dir}: {', '.join(available) or 'none'}")
         return
-    if component == "scheduler" and component not in available and "gateway" in available:
-        err_console.print("the scheduler runs in the gateway's process (`gpufaas up --scheduler-apart`: in its own)")
+    apart = {"scheduler": "--scheduler-apart", "node0": "--node-apart"}
+    if component in apart and component not in available and "gateway" in available:
+        role = component.rstrip("0")
+        err_console.print(f"the {role} runs in the gateway's process (`gpufaas up {apart[component]}`: in its own)")
         component = "gateway"
     if component not in available:
         known = ", ".join(available) or "none (is the cluster up?)"

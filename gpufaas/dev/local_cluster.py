@@ -181,6 +181,9 @@ class LocalCluster(ClusterCredentials):
     # The first scheduler runs in the first gateway's process (`python -m gateway --with-scheduler`),
     # which reaches it in memory while it leads: no process of its own (the others, if any, have).
     scheduler_in_gateway: bool = False
+    # The first node runs in the first gateway's process too (`python -m gateway --with-node`),
+    # reached in memory by that gateway and by a scheduler in that process.
+    node_in_gateway: bool = False
     gateway_port: int = 0  # where calls go: the one gateway's port, or the balancer's (0: any free port)
     scheduler_port: int = 0  # the first scheduler's
     # The other gateways' and schedulers' ports by component name, kept across restarts (filled at start).
@@ -363,19 +366,15 @@ class LocalCluster(ClusterCredentials):
             self.etcd_endpoint = etcd.endpoint
         self.gateway_port = self.gateway_port or free_port()
         self.scheduler_port = self.scheduler_port or free_port()
-        embedded = self.scheduler_in_gateway
-        for name in self.scheduler_names[1 if embedded else 0 :]:
+        for name in self.scheduler_names[1 if self.scheduler_in_gateway else 0 :]:
             self._add(name, "scheduler", self.scheduler_settings(name))
-        for index, name in enumerate(self.gateway_names):
-            if index == 0 and embedded:
-                gateway = self.gateway_settings(name).model_copy(update={"with_scheduler": True})
-                self._add(name, "gateway", gateway, ["--", *self.scheduler_settings().to_argv()])
-            else:
-                self._add(name, "gateway", self.gateway_settings(name))
-        for index in range(self.nodes):
-            node = self.node_settings(f"node{index}")
+        nodes = [self.node_settings(f"node{index}") for index in range(self.nodes)]
+        for node in nodes:
             if node.pool_dir == pool_dir(self.state_dir, node.node):
                 node.pool_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for index, name in enumerate(self.gateway_names):
+            self._add_gateway(name, nodes[0] if index == 0 else None)
+        for node in nodes[1 if self.node_in_gateway else 0 :]:
             self._add(node.node, "gpu_manager", node)
         if self.gateways > 1:  # last: stopped first, so that no call reaches a gateway on its way out
             self._add_balancer()
@@ -384,6 +383,19 @@ class LocalCluster(ClusterCredentials):
             component.start(env)
         self.write_pids()
         self.wait_healthy(timeout_s)
+
+    def _add_gateway(self, name: str, first_node: NodeSettings | None) -> None:
+        """Gateway `name`; the first (given `first_node`) with the scheduler and that node in its
+        process where `scheduler_in_gateway` and `node_in_gateway` say."""
+        settings = self.gateway_settings(name)
+        sections: list[str] = []
+        if first_node is not None and self.scheduler_in_gateway:
+            settings = settings.model_copy(update={"with_scheduler": True})
+            sections += ["--", "scheduler", *self.scheduler_settings().to_argv()]
+        if first_node is not None and self.node_in_gateway:
+            settings = settings.model_copy(update={"with_node": True})
+            sections += ["--", "node", *first_node.to_argv()]
+        self._add(name, "gateway", settings, sections)
 
     def _add(self, name: str, module: str, settings: DaemonSettings, more: Sequence[str] = ()) -> None:
         """Component `name`: `python -m module` with the flags that give it `settings`, then `more`."""
@@ -718,6 +730,7 @@ SUPERVISED_OPTIONS = (
     "gateways",
     "schedulers",
     "scheduler_in_gateway",
+    "node_in_gateway",
     "slots",
     "spares",
     "runtime",

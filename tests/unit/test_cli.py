@@ -367,6 +367,11 @@ def test_every_option_up_hands_its_supervisor_is_one_the_supervisor_takes(
     assert handed and set(handed) <= set(SUPERVISED_OPTIONS), set(handed) - set(SUPERVISED_OPTIONS)
     assert handed["tls"] is False
     assert handed["scheduler_in_gateway"] is True  # one gateway: the scheduler runs in its process
+    assert handed["node_in_gateway"] is False  # two nodes (`up`'s default): each in a process of its own
+    runner.invoke(app, [*argv, "--nodes", "1"])
+    assert handed["node_in_gateway"] is True  # and one node: in the gateway's process too
+    runner.invoke(app, [*argv, "--nodes", "1", "--node-apart"])
+    assert handed["node_in_gateway"] is False
 
 
 def test_logs_of_the_scheduler_in_the_gateways_process_are_the_gateways(tmp_path: Path) -> None:
@@ -380,3 +385,7 @@ def test_logs_of_the_scheduler_in_the_gateways_process_are_the_gateways(tmp_path
     assert "in the gateway's process" in result.stderr
     (tmp_path / "logs" / "scheduler.log").write_text("apart\n")  # `gpufaas up --scheduler-apart`
     assert runner.invoke(app, ["logs", "scheduler", "--state-dir", str(tmp_path)]).stdout == "apart\n"
+    (tmp_path / "logs" / "node0.log").unlink()  # `gpufaas up --nodes 1`: the node in the gateway's process too
+    result = runner.invoke(app, ["logs", "node0", "--state-dir", str(tmp_path), "-n", "1"])
+    assert result.exit_code == 0 and result.stdout == "scheduler leads (epoch 3)\n", result.output
+    assert "the node runs in the gateway's process (`gpufaas up --node-apart`" in result.stderr

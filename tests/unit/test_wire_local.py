@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, RemoteError, Server
-from gpufaas.wire_local import PEER_NAME, local_pair
+from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, RemoteError, Server, Unauthenticated
+from gpufaas.wire_local import PEER_NAME, link_here, local_pair, serve_here, withdraw
 
 
 class Recorder:
@@ -115,3 +115,34 @@ async def test_a_server_closes_an_adopted_end_and_forgets_it_once_closed() -> No
     await server.close()
     await turns()
     assert client_end.is_closed and server.connections == set()
+
+
+@on_a_loop
+async def test_a_server_served_here_is_dialled_in_memory_until_withdrawn() -> None:
+    handlers: list[Recorder] = []
+
+    def handler() -> Recorder:
+        handlers.append(Recorder())
+        return handlers[-1]
+
+    server = Server(handler, tls=False, dead_after_s=None)
+    address = await server.start("127.0.0.1:0")
+    assert link_here(address, None, client_role="gateway") is None  # not offered: dial it
+    serve_here(address, server, role="node")
+    try:
+        dialled = link_here(address, None, client_role="gateway", peer_role="node")
+        assert dialled is not None and dialled.peer == PEER_NAME and dialled.peer_role == "node"
+        reply = await dialled.request(MessageType.CLUSTER, pb.ClusterRequest(), b"abc", timeout_s=1)
+        assert reply.body == b"cba"
+        # Served as an accepted connection: a handler of the server's own, closed with the server.
+        (accepted,) = server.connections
+        assert accepted.peer_role == "gateway" and len(handlers) == 1 and handlers[0].frames
+        assert link_here("127.0.0.1:1", None, client_role="gateway") is None  # another address
+        with pytest.raises(Unauthenticated, match="not a scheduler"):
+            link_here(address, None, client_role="gateway", peer_role="scheduler")
+    finally:
+        withdraw(address)
+    assert link_here(address, None, client_role="gateway") is None
+    await server.close()
+    await turns()
+    assert dialled.is_closed
