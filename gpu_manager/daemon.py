@@ -336,6 +336,12 @@ class GpuManagerDaemon:
             ),
             result.output,
         )
+        # The rest waits a turn of the loop: where the gateway and the scheduler share this process
+        # (`python -m gateway --with-node`), the answer then reaches the caller before the scheduler
+        # takes the Done, which costs the caller nothing (its slot is freed a few us later).
+        asyncio.get_running_loop().call_soon(self._ran, grant, result)
+
+    def _ran(self, grant: pb.Grant, result: RunResult) -> None:
         self.metrics.ran(grant.model, result)
         self._done(grant, result)
 
