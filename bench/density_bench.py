@@ -86,11 +86,14 @@ def node_sample(cluster: RunningCluster) -> dict[str, float]:
                 sample["worker_starts"] = metric.value
             elif metric.name == "gpufaas_node_parked_workers":
                 sample["parked_workers"] = metric.value
+    # The scheduler and the node in the gateway's process (`gpufaas up`'s default with one gateway
+    # and one node): their CPU is the gateway's, and 0 is recorded for them.
     for name in ("gateway", "scheduler", "node0"):
-        sample[f"cpu_{name}_s"] = cpu_seconds(pids[name])
+        sample[f"cpu_{name}_s"] = cpu_seconds(pids[name]) if name in pids else 0.0
     # Workers: the node's descendants (the zygote and what it forked); the zygote's reaped children
     # count the workers that exited.
-    sample["cpu_workers_s"] = sum(cpu_seconds(pid, children=True) for pid in descendants(pids["node0"]))
+    node = pids.get("node0", pids["gateway"])
+    sample["cpu_workers_s"] = sum(cpu_seconds(pid, children=True) for pid in descendants(node))
     return sample
 
 

@@ -79,7 +79,12 @@ class EmbeddedScheduler:
 
 @dataclass(frozen=True)
 class EmbeddedNode:
-    """A node's settings, hardware and credentials, checked at start; `run()` serves it."""
+    """A node's settings, hardware and credentials, checked at start; `run()` serves it.
+
+    What stays the process's: logging (the gateway's `--log-level`) and every TLS link but the
+    node's wire server (its blob server and client and its etcd client show the gateway's
+    certificate, which every blob link takes: gpufaas.tls.PEERS); the node's TLS flags say which
+    certificate its wire server shows."""
 
     settings: NodeSettings
     machine: Hardware
@@ -128,8 +133,8 @@ def _shared(gateway: GatewaySettings) -> dict[str, Any]:
 def split_argv(argv: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     """(the gateway's flags, each embedded service's by role): every `--` opens a section named by
     its first word, `scheduler` or `node` (`-- scheduler --slots 2 -- node --gpus 2`); a first
-    section that opens with a flag (or is empty) is the scheduler's (`--with-scheduler -- --slots
-    2`). ValueError for a section named twice or by another word."""
+    section that opens with a flag is the scheduler's (`--with-scheduler -- --slots 2`), and an
+    empty one is none. ValueError for a section named twice or by another word."""
     if "--" not in argv:
         return argv, {}
     at = argv.index("--")
@@ -141,9 +146,11 @@ def split_argv(argv: list[str]) -> tuple[list[str], dict[str, list[str]]]:
             chunks[-1].append(word)
     sections: dict[str, list[str]] = {}
     for index, chunk in enumerate(chunks):
-        if chunk and chunk[0] in _ROLE_FLAGS:
+        if not chunk:
+            continue  # a `--` with nothing after it (a trailing one) says nothing
+        if chunk[0] in _ROLE_FLAGS:
             role, flags = chunk[0], chunk[1:]
-        elif index == 0 and (not chunk or chunk[0].startswith("-")):
+        elif index == 0 and chunk[0].startswith("-"):
             role, flags = "scheduler", chunk
         else:
             raise ValueError(
@@ -160,5 +167,9 @@ def embedded_flags_error(sections: dict[str, list[str]], with_flags: dict[str, b
     """What is wrong with giving a section for a service not asked to run here (None: nothing)."""
     for role in sections:
         if not with_flags[role]:
-            return f"the flags after `-- {role}` are a {role}'s: pass {_ROLE_FLAGS[role]} to run one in this process"
+            also = ", or put a node's after `-- node`" if role == "scheduler" else ""
+            return (
+                f"the flags after `-- {role}` (or a first `--`) are a {role}'s: pass {_ROLE_FLAGS[role]} to run "
+                f"one in this process{also}"
+            )
     return None

@@ -173,6 +173,17 @@ class GpuManagerDaemon:
         self.address = advertise or bound
         if self.in_process:  # before the address is registered: no dial from here goes over TCP
             serve_here(self.address, self._server, role="node")
+        try:
+            await self._announce()
+        except BaseException:
+            if self.in_process:  # (a start that fails is not stopped: nothing else withdraws it)
+                withdraw(self.address)
+            raise
+        log.info("node %s serving on %s with %d %s GPU(s)", self.node, self.address, len(self.devices), self.backend)
+        return self.address
+
+    async def _announce(self) -> None:
+        """The blob server started, the node registered under its lease, and its watches begun."""
         await self.storage.start(self.address)
         self._lease = LeaseKeeper(self.store, LEASE_TTL_S, on_regrant=self._register)
         await self._register(await self._lease.start())
@@ -192,8 +203,6 @@ class GpuManagerDaemon:
                 self.store, self.keys.scheduler_leader, on_list=self._leaders_listed, on_event=self._leader_changed
             )
         )
-        log.info("node %s serving on %s with %d %s GPU(s)", self.node, self.address, len(self.devices), self.backend)
-        return self.address
 
     async def stop(self) -> None:
         for task in list(self._tasks):  # first: the key's watch must not put it back when it goes

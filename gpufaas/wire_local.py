@@ -100,13 +100,17 @@ def local_pair(
     server_role: str | None = None,
     client_role: str | None = None,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    server_max_frame_bytes: int | None = None,
 ) -> tuple[Connection, Connection]:
     """Two connected ends: (the client's, the server's), with `client` and `server` as their
     handlers. `server_role` is what the client end's `peer_role` says (the role a TLS link would
-    have shown it), `client_role` the server end's. Call on the event loop."""
+    have shown it), `client_role` the server end's. Each end refuses frames over its limit, as over
+    a socket: `max_frame_bytes` the client's (and the server's, unless `server_max_frame_bytes`
+    says). Call on the event loop."""
+    server_limit = max_frame_bytes if server_max_frame_bytes is None else server_max_frame_bytes
     ends = (
         Connection(client, max_frame_bytes=max_frame_bytes, dead_after_s=None),
-        Connection(server, max_frame_bytes=max_frame_bytes, dead_after_s=None, server=True),
+        Connection(server, max_frame_bytes=server_limit, dead_after_s=None, server=True),
     )
     transports = (_MemoryTransport(ends[0]), _MemoryTransport(ends[1]))
     transports[0].peer, transports[1].peer = transports[1], transports[0]
@@ -149,7 +153,7 @@ def link_here(
     (`serve_here`), with `handler` as its handler; None where this process serves nothing there
     (dial it). `client_role`: the dialer's role (what the server end's `peer_role` says);
     `peer_role`: the role the server must have, as `gpufaas.wire.connect` checks it (Unauthenticated
-    otherwise). The frame limit is the larger of the server's and `max_frame_bytes`."""
+    otherwise). `max_frame_bytes`: the dialer's limit on what it receives (the server keeps its own)."""
     served = _SERVED.get(address)
     if served is None:
         return None
@@ -161,7 +165,8 @@ def link_here(
         server.handler(),
         server_role=served.role,
         client_role=client_role,
-        max_frame_bytes=max(server.max_frame_bytes, max_frame_bytes),
+        max_frame_bytes=max_frame_bytes,
+        server_max_frame_bytes=server.max_frame_bytes,
     )
     server.adopt(accepted)
     return dialled

@@ -373,7 +373,7 @@ class LocalCluster(ClusterCredentials):
             if node.pool_dir == pool_dir(self.state_dir, node.node):
                 node.pool_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         for index, name in enumerate(self.gateway_names):
-            self._add_gateway(name, nodes[0] if index == 0 else None)
+            self._add_gateway(name, first=index == 0, node=nodes[0] if nodes else None)
         for node in nodes[1 if self.node_in_gateway else 0 :]:
             self._add(node.node, "gpu_manager", node)
         if self.gateways > 1:  # last: stopped first, so that no call reaches a gateway on its way out
@@ -384,17 +384,17 @@ class LocalCluster(ClusterCredentials):
         self.write_pids()
         self.wait_healthy(timeout_s)
 
-    def _add_gateway(self, name: str, first_node: NodeSettings | None) -> None:
-        """Gateway `name`; the first (given `first_node`) with the scheduler and that node in its
+    def _add_gateway(self, name: str, *, first: bool, node: NodeSettings | None) -> None:
+        """Gateway `name`; the `first` with the first scheduler and `node` (the first node) in its
         process where `scheduler_in_gateway` and `node_in_gateway` say."""
         settings = self.gateway_settings(name)
         sections: list[str] = []
-        if first_node is not None and self.scheduler_in_gateway:
+        if first and self.scheduler_in_gateway:
             settings = settings.model_copy(update={"with_scheduler": True})
             sections += ["--", "scheduler", *self.scheduler_settings().to_argv()]
-        if first_node is not None and self.node_in_gateway:
+        if first and node is not None and self.node_in_gateway:
             settings = settings.model_copy(update={"with_node": True})
-            sections += ["--", "node", *first_node.to_argv()]
+            sections += ["--", "node", *node.to_argv()]
         self._add(name, "gateway", settings, sections)
 
     def _add(self, name: str, module: str, settings: DaemonSettings, more: Sequence[str] = ()) -> None:

@@ -4,6 +4,8 @@ with it, and a second gateway reaches that node over the wire (its TLS as a node
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import httpx
@@ -48,11 +50,14 @@ def test_a_killed_gateway_takes_its_nodes_workers_with_it_and_serves_again_once_
     cluster = all_in_gateway(make_cluster)
     deploy(cluster, "sleepy", "sleepy_function", tmp_path)
     assert call(cluster, "sleepy").headers["X-Cache"] == "miss"
-    workers = descendants(recorded_pids(cluster.state_dir)["gateway"])
+    gateway_pid = recorded_pids(cluster.state_dir)["gateway"]
+    workers = descendants(gateway_pid)
     assert workers  # the zygote, a spare, the model's worker
-    cluster.restart("gateway", kill=True)  # SIGKILL: the node's pool cannot stop its workers itself
-    # Each worker (and the zygote) sees its socket to the pool close and exits: none is left behind.
+    # SIGKILL to the gateway alone, not its process group (which its workers share): the node's pool
+    # cannot stop them, so each (and the zygote) must see its socket to the pool close and exit.
+    os.kill(gateway_pid, signal.SIGKILL)
     assert survivors(workers, grace_s=15.0) == []
+    cluster.restart("gateway")
     wait_for_log(cluster, f"connected to the scheduler at {cluster.scheduler_address}{IN_PROCESS}", 2)
     response = call(cluster, "sleepy")
     assert response.status_code == 200, response.text

@@ -27,7 +27,8 @@ def test_a_first_section_that_opens_with_a_flag_is_the_schedulers() -> None:
         ["--with-scheduler"],
         {"scheduler": ["--slots", "2"]},
     )
-    assert split_argv(["--with-scheduler", "--"]) == (["--with-scheduler"], {"scheduler": []})
+    assert split_argv(["--with-node", "--"]) == (["--with-node"], {})  # a trailing `--` says nothing
+    assert split_argv(["--", "node", "--gpus", "2", "--"]) == ([], {"node": ["--gpus", "2"]})
 
 
 @pytest.mark.parametrize(
@@ -59,6 +60,15 @@ def test_a_services_flags_without_its_with_flag_are_a_usage_error(
         main(["--insecure", "--state-dir", str(tmp_path), "--", section, "--log-level", "info"])
     assert exited.value.code == 2
     assert f"pass {flag}" in capsys.readouterr().err
+
+
+def test_a_nodes_flags_given_unnamed_are_taken_for_a_schedulers_and_the_error_says_where_they_go(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--insecure", "--state-dir", str(tmp_path), "--with-node", "--", "--gpus", "2"])
+    assert exited.value.code == 2
+    assert "put a node's after `-- node`" in capsys.readouterr().err
 
 
 def test_a_flag_the_scheduler_refuses_is_a_usage_error_that_names_it(

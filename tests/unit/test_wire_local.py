@@ -146,3 +146,21 @@ async def test_a_server_served_here_is_dialled_in_memory_until_withdrawn() -> No
     await server.close()
     await turns()
     assert dialled.is_closed
+
+
+@on_a_loop
+async def test_each_end_of_a_link_made_here_keeps_its_own_frame_limit() -> None:
+    """As over a socket: the server refuses a frame over its limit even if the dialer takes larger."""
+    server = Server(Recorder, tls=False, dead_after_s=None, max_frame_bytes=4096)
+    address = await server.start("127.0.0.1:0")
+    serve_here(address, server, role="node")
+    try:
+        dialled = link_here(address, None, client_role="gateway", max_frame_bytes=1 << 20)
+        assert dialled is not None
+        (accepted,) = server.connections
+        assert (dialled.max_frame_bytes, accepted.max_frame_bytes) == (1 << 20, 4096)
+        with pytest.raises(ConnectionLost):
+            await dialled.request(MessageType.CLUSTER, pb.ClusterRequest(), b"x" * 8192, timeout_s=1)
+    finally:
+        withdraw(address)
+        await server.close()
