@@ -45,50 +45,34 @@ def test_a_section_named_by_another_word_or_twice_is_refused(argv: list[str], sa
         split_argv(argv)
 
 
-def test_a_bad_section_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """What `python -m gateway --insecure --state-dir TMP ARGV` says on stderr; it must exit 2."""
     with pytest.raises(SystemExit) as exited:
-        main(["--insecure", "--state-dir", str(tmp_path), "--with-node", "--", "nod", "--gpus", "2"])
+        main(["--insecure", "--state-dir", str(tmp_path), *argv])
     assert exited.value.code == 2
-    assert "`-- nod`" in capsys.readouterr().err
+    return capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("section", "flag"), [("scheduler", "--with-scheduler"), ("node", "--with-node")])
-def test_a_services_flags_without_its_with_flag_are_a_usage_error(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], section: str, flag: str
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        # A section named by another word.
+        (["--with-node", "--", "nod", "--gpus", "2"], ["`-- nod`"]),
+        # A service's flags without its --with flag.
+        (["--", "scheduler", "--log-level", "info"], ["pass --with-scheduler"]),
+        (["--", "node", "--log-level", "info"], ["pass --with-node"]),
+        # A node's flags given unnamed are taken for a scheduler's: the error says where they go.
+        (["--with-node", "--", "--gpus", "2"], ["put a node's after `-- node`"]),
+        # A flag the service refuses, named, and a node without its state directory.
+        (["--with-scheduler", "--", "--claim-s", "-1"], ["the scheduler's flags (after `-- scheduler`)", "--claim-s"]),
+        (["--with-node", "--", "node", "--gpus", "2"], ["the node's flags (after `-- node`)", "state"]),
+    ],
+)
+def test_bad_embedded_flags_are_usage_errors_that_say_what_is_wrong(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], said: list[str]
 ) -> None:
-    with pytest.raises(SystemExit) as exited:
-        main(["--insecure", "--state-dir", str(tmp_path), "--", section, "--log-level", "info"])
-    assert exited.value.code == 2
-    assert f"pass {flag}" in capsys.readouterr().err
-
-
-def test_a_nodes_flags_given_unnamed_are_taken_for_a_schedulers_and_the_error_says_where_they_go(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as exited:
-        main(["--insecure", "--state-dir", str(tmp_path), "--with-node", "--", "--gpus", "2"])
-    assert exited.value.code == 2
-    assert "put a node's after `-- node`" in capsys.readouterr().err
-
-
-def test_a_flag_the_scheduler_refuses_is_a_usage_error_that_names_it(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as exited:
-        main(["--insecure", "--state-dir", str(tmp_path), "--with-scheduler", "--", "--claim-s", "-1"])
-    assert exited.value.code == 2
-    err = capsys.readouterr().err
-    assert "the scheduler's flags (after `-- scheduler`)" in err and "--claim-s" in err
-
-
-def test_a_node_without_its_state_dir_is_a_usage_error_that_names_it(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as exited:
-        main(["--insecure", "--state-dir", str(tmp_path), "--with-node", "--", "node", "--gpus", "2"])
-    assert exited.value.code == 2
-    err = capsys.readouterr().err
-    assert "the node's flags (after `-- node`)" in err and "state" in err
+    err = usage_error(tmp_path, capsys, *argv)
+    assert all(part in err for part in said), err
 
 
 def gateway_settings(tmp_path: Path, *more: str) -> GatewaySettings:
