@@ -7,9 +7,10 @@ concurrency 1, 8 and 32 (bench/peer/load_client.py for every system). gpufaas ru
 runs it: `gpufaas up` (cpu backend, its defaults), eight functions from the pytorch-custom
 template (`gpufaas new`, `gpufaas deploy`), invoked at /function/m{i}. Also measured: gpufaas with
 its daemons' links in plain (`gpufaas up --no-tls`: what TLS costs), gpufaas with every model
-resident (hits only), gpufaas with the scheduler in a process of its own (`gpufaas up
---scheduler-apart`; by default it runs in the gateway's), Ray Serve's default proxy and its HAProxy mode, and a bare
-FastAPI echo (one uvicorn worker): the floor of any Python HTTP service on this machine.
+resident (hits only), gpufaas with the scheduler and the node each in a process of its own
+(`gpufaas up --scheduler-apart --node-apart`; with one gateway and one node both run in the
+gateway's by default), Ray Serve's default proxy and its HAProxy mode, and a bare FastAPI echo
+(one uvicorn worker): the floor of any Python HTTP service on this machine.
 
 Reloads per request: gpufaas counts misses from its X-Cache header; Ray, model loads reported by
 its replicas (GET /mux) before and after each point.
@@ -390,9 +391,9 @@ def main(argv: list[str] | None = None) -> int:
         if system == "gpufaas-plain":  # what TLS on the daemons' links costs: the same, links in plain
             (work / "plain").mkdir(exist_ok=True)  # a cluster and functions of its own beside gpufaas's
             return run_gpufaas(args, work / "plain", gpu_memory_mb=300, up=("--no-tls",))
-        if system == "gpufaas-apart":  # the scheduler in a process of its own
+        if system == "gpufaas-apart":  # the scheduler and the node each in a process of its own
             (work / "apart").mkdir(exist_ok=True)
-            return run_gpufaas(args, work / "apart", gpu_memory_mb=300, up=("--scheduler-apart",))
+            return run_gpufaas(args, work / "apart", gpu_memory_mb=300, up=("--scheduler-apart", "--node-apart"))
         if system == "gpufaas-hits":
             return run_gpufaas(args, work, gpu_memory_mb=1000)
         if system.startswith("ray-"):
