@@ -1,6 +1,7 @@
 """A node in the gateway's process (`gpufaas up --node-in-gateway`, with the scheduler there too):
 calls run over in-memory links, the node's workers go with a killed gateway and the node comes back
-with it, and a second gateway reaches that node over the wire (its TLS as a node's)."""
+with it, and a scheduler apart and a second gateway reach that node over the wire (its TLS as a
+node's)."""
 
 from __future__ import annotations
 
@@ -64,14 +65,23 @@ def test_a_killed_gateway_takes_its_nodes_workers_with_it_and_serves_again_once_
     assert response.headers["X-Cache"] == "miss"  # a new incarnation of the node: its models load again
 
 
-def test_another_gateway_reaches_the_node_in_the_first_gateways_process_over_tls(
+def test_a_scheduler_apart_and_another_gateway_reach_the_node_in_a_gateways_process_over_tls(
     make_cluster: ClusterFactory, tmp_path: Path
 ) -> None:
-    cluster = all_in_gateway(make_cluster, gateways=2)
-    assert cluster.tls and sorted(cluster.components) == ["balancer", "gateway0", "gateway1"]
+    """The rest of the cluster reaches the embedded node as any node: its wire port shows the node's
+    certificate (a scheduler and a gateway both dial it expecting one), only its own gateway links
+    in memory."""
+    cluster = make_cluster(
+        gateways=2, nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000, node_in_gateway=True
+    )
+    assert cluster.tls and sorted(cluster.components) == ["balancer", "gateway0", "gateway1", "scheduler"]
     deploy(cluster, "sleepy", "sleepy_function", tmp_path)
     for name in ("gateway0", "gateway1", "gateway1"):
         response = call(cluster, "sleepy", cluster.gateway_urls[name])
         assert response.status_code == 200, (name, response.text)
+    attached = [line for line in gateway_log(cluster, "gateway0").splitlines() if "attached from" in line]
+    assert attached and "in-process" not in attached[-1], attached  # the scheduler's process, over TCP
     wait_for_log(cluster, "linked to the node at", 1, name="gateway1")
     assert IN_PROCESS not in gateway_log(cluster, "gateway1")
+    linked = [line for line in gateway_log(cluster, "gateway0").splitlines() if "linked to the node at" in line]
+    assert linked and all(line.endswith(IN_PROCESS) for line in linked), linked
