@@ -247,8 +247,11 @@ def status(state_dir: StateDir = state_dir_default(), gateway: GatewayOpt = None
     table.add_column("component")
     table.add_column("pid", justify="right")
     table.add_column("state")
+    first_gateway = next(iter(info.get("gateways") or {}), "gateway")
+    inside = ", ".join(info.get("in_gateway") or [])
     for name, pid in pids.items():
-        table.add_row(name, str(pid), "running" if pid_alive(pid) else "[red]stopped[/]")
+        label = f"{name} (with {inside} in its process)" if name == first_gateway and inside else name
+        table.add_row(label, str(pid), "running" if pid_alive(pid) else "[red]stopped[/]")
     if pids:
         console.print(table)
     else:

@@ -543,6 +543,7 @@ class LocalCluster(ClusterCredentials):
             "backend": self.backend,
             "policy": self.policy,
             "secrets": str(self.secrets.directory) if self.secure else None,
+            "in_gateway": in_gateway(self),
         }
         (self.state_dir / "cluster.json").write_text(json.dumps(info, indent=2) + "\n")
 
@@ -552,6 +553,12 @@ class LocalCluster(ClusterCredentials):
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def in_gateway(cluster: LocalCluster) -> list[str]:
+    """The components that run in the first gateway's process rather than a process of their own."""
+    embedded = (("scheduler", cluster.scheduler_in_gateway), ("node0", cluster.node_in_gateway and cluster.nodes > 0))
+    return [name for name, inside in embedded if inside]
 
 
 class ClusterSupervisor:

@@ -5,6 +5,7 @@ node's)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -31,6 +32,7 @@ def test_calls_run_on_the_node_in_the_gateways_process_over_in_memory_links(
 ) -> None:
     cluster = all_in_gateway(make_cluster, gpus_per_node=2)
     assert sorted(cluster.components) == ["gateway"]  # neither the scheduler nor the node has a process
+    assert json.loads((cluster.state_dir / "cluster.json").read_text())["in_gateway"] == ["scheduler", "node0"]
     deploy(cluster, "sleepy", "sleepy_function", tmp_path)
     first, second = call(cluster, "sleepy"), call(cluster, "sleepy")
     assert (first.status_code, second.status_code) == (200, 200), (first.text, second.text)

@@ -389,3 +389,16 @@ def test_logs_of_the_scheduler_in_the_gateways_process_are_the_gateways(tmp_path
     result = runner.invoke(app, ["logs", "node0", "--state-dir", str(tmp_path), "-n", "1"])
     assert result.exit_code == 0 and result.stdout == "scheduler leads (epoch 3)\n", result.output
     assert "the node runs in the gateway's process (`gpufaas up --node-apart`" in result.stderr
+
+
+def test_status_says_what_runs_in_the_gateways_process(tmp_path: Path) -> None:
+    """`gpufaas up --nodes 1` runs the scheduler and the node in the gateway's process: no rows of
+    their own, so the gateway's says so."""
+    (tmp_path / "pids.json").write_text(json.dumps({"etcd": 2**22 + 1, "gateway": 2**22 + 2}))
+    nobody = "http://127.0.0.1:9"  # no gateway answers: status exits 1 after its table
+    info = {"gateway_url": nobody, "gateways": {"gateway": nobody}, "in_gateway": ["scheduler", "node0"]}
+    (tmp_path / "cluster.json").write_text(json.dumps(info))
+    result = runner.invoke(app, ["status", "--state-dir", str(tmp_path)], terminal_width=200)
+    assert result.exit_code == 1, result.output
+    assert "gateway (with scheduler, node0 in its process)" in result.output
+    assert "etcd (with" not in result.output
