@@ -182,7 +182,7 @@ def _start_supervised(state_dir: Path, options: Mapping[str, Any], *, policy: st
     command) and wait until it says the cluster is up, or why it is not."""
     import subprocess
 
-    from gpufaas.dev.local_cluster import SUPERVISOR_STATUS, LocalCluster, read_supervisor_status
+    from gpufaas.dev.local_cluster import SUPERVISOR_STATUS, LocalCluster, in_gateway, read_supervisor_status
 
     cluster = LocalCluster(state_dir, **options)
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -207,9 +207,8 @@ def _start_supervised(state_dir: Path, options: Mapping[str, Any], *, policy: st
             time.sleep(0.2)
     gateways = f" (HAProxy over {cluster.gateways} gateways)" if cluster.gateways > 1 else ""
     schedulers = f", {cluster.schedulers} schedulers" if cluster.schedulers > 1 else ""
-    inside = (("scheduler", cluster.scheduler_in_gateway), ("node", cluster.node_in_gateway))
-    in_gateway = [role for role, embedded in inside if embedded]
-    schedulers += f" (the {' and the '.join(in_gateway)} in the gateway's process)" if in_gateway else ""
+    inside = in_gateway(cluster)
+    schedulers += f" ({' and '.join(inside)} in the gateway's process)" if inside else ""
     console.print(
         f"[bold green]gpufaas is up[/]: gateway {cluster.gateway_url}{gateways}{schedulers}, {cluster.nodes} "
         f"node(s) x {cluster.gpus_per_node} {cluster.backend} GPU(s), policy {policy}"
