@@ -20,7 +20,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypedDict, TypeVar, Unpack
 
@@ -28,6 +28,10 @@ import aetcd
 import aetcd.exceptions
 
 logger = logging.getLogger(__name__)
+
+# The most operations one etcd transaction may hold (etcd's --max-txn-ops default): a
+# `write_batch` is at most this many keys.
+MAX_TXN_OPS = 128
 
 
 # --- values and errors ----------------------------------------------------------------------
@@ -129,6 +133,15 @@ class Store(Protocol):
         nothing over its successor's, whatever it believed. False, and nothing written, otherwise."""
         ...
 
+    async def write_batch(
+        self, writes: Mapping[str, bytes | None], *, guard_key: str | None = None, guard_create_revision: int = 0
+    ) -> bool:
+        """Put each value (None: delete the key) in one transaction, at one revision: at most
+        MAX_TXN_OPS keys (etcd's default limit on one transaction's operations; ValueError past it).
+        With `guard_key`, only while it exists with `guard_create_revision` (> 0), as `put_fenced`:
+        False, and nothing written, otherwise."""
+        ...
+
     async def grant_lease(self, ttl_s: int) -> int:
         """A new lease id (never 0). etcd may grant a longer TTL than asked (its minimum is ~2 s)."""
         ...
@@ -168,6 +181,14 @@ def check_key(key: str) -> bytes:
     if not key:
         raise ValueError("a store key must be non-empty")
     return key.encode()
+
+
+def check_batch(count: int, guard_key: str | None, guard_create_revision: int) -> None:
+    """What `Store.write_batch` refuses (ValueError) before it asks the datastore."""
+    if count > MAX_TXN_OPS:
+        raise ValueError(f"write_batch takes at most {MAX_TXN_OPS} keys (etcd's --max-txn-ops), got {count}")
+    if guard_key is not None and guard_create_revision <= 0:
+        raise ValueError(f"write_batch needs the guard's create_revision (> 0), got {guard_create_revision}")
 
 
 def check_prefix(prefix: str) -> bytes:
@@ -520,6 +541,22 @@ class EtcdStore:
             lambda: self._client.transaction(
                 compare=[txn.create(guard) == guard_create_revision], success=[write], failure=[]
             ),
+        )
+        return bool(succeeded)
+
+    async def write_batch(
+        self, writes: Mapping[str, bytes | None], *, guard_key: str | None = None, guard_create_revision: int = 0
+    ) -> bool:
+        raw = {check_key(key): value for key, value in writes.items()}
+        check_batch(len(raw), guard_key, guard_create_revision)
+        if not raw:
+            return True
+        self._check_open()
+        txn = self._client.transactions
+        ops = [txn.delete(key) if value is None else txn.put(key, value) for key, value in raw.items()]
+        compare = [] if guard_key is None else [txn.create(check_key(guard_key)) == guard_create_revision]
+        succeeded, _ = await self._call(
+            "write_batch", lambda: self._client.transaction(compare=compare, success=ops, failure=[])
         )
         return bool(succeeded)
 

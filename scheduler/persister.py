@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 
 from gpufaas.keys import Keys, gpu_address, split_gpu_address
-from gpufaas.store import Store, StoreError
+from gpufaas.store import MAX_TXN_OPS, Store, StoreError
 from scheduler.calls import CallBook
 from scheduler.core import Scheduler
 
@@ -24,6 +24,7 @@ log = logging.getLogger("gpufaas.scheduler")
 FLUSH_DELAY_S = 1.0
 PROFILE_WRITE_INTERVAL_S = 5.0  # measured times move a little on every call: persist them calmly
 RETRY_S = 0.5  # after a flush etcd refused
+DELETED = b""  # in `_written`: this scheduler deleted the key (every value it puts is JSON, never empty)
 
 
 class NotLeading(StoreError):
@@ -51,7 +52,7 @@ class StatePersister:
         self.clock = clock
         self._wanted = asyncio.Event()
         self._deleted_gpus: set[str] = set()  # "node/gpu" whose keys go at the next flush
-        self._written: dict[str, bytes] = {}  # last value put per key: unchanged values are not rewritten
+        self._written: dict[str, bytes] = {}  # last value put per key (or DELETED): unchanged ones are not rewritten
         self._profile_written_at: dict[str, float] = {}
         self._fence: tuple[str, int] | None = None  # (leader key, epoch) under an election
 
@@ -111,18 +112,21 @@ class StatePersister:
                 await asyncio.sleep(RETRY_S)
 
     async def flush(self) -> None:
-        """Write what changed since the last flush. StoreError: nothing is lost, the next flush
-        retries every key this one took."""
+        """Write what changed since the last flush, MAX_TXN_OPS keys per etcd transaction (one
+        round trip and one revision each, not one per key). StoreError: nothing is lost, the next
+        flush retries every key this one took."""
         book = self.book
         gpus, book.dirty_gpus = book.dirty_gpus, set()
         models, book.dirty_models = book.dirty_models, set()
         profiles, book.dirty_profiles = book.dirty_profiles, set()
         deleted, self._deleted_gpus = self._deleted_gpus, set()
+        writes: dict[str, bytes | None] = {}  # key -> value (None: delete), in the order decided
         try:
-            await self._delete_gpus(deleted)
-            await self._write_gpus(gpus)
-            await self._write_replicas(models)
-            await self._write_profiles(profiles)
+            self._delete_gpus(deleted, writes)
+            self._write_gpus(gpus, writes)
+            self._write_replicas(models, writes)
+            self._write_profiles(profiles, writes)
+            await self._write_all(writes)
         except StoreError:
             # Put it all back: the next flush retries every key.
             book.dirty_gpus |= gpus
@@ -131,14 +135,12 @@ class StatePersister:
             self._deleted_gpus |= deleted
             raise
 
-    async def _delete_gpus(self, deleted: set[str]) -> None:
+    def _delete_gpus(self, deleted: set[str], writes: dict[str, bytes | None]) -> None:
         for address in deleted:
             node, gpu = split_gpu_address(address)
-            for key in (self.keys.gpu_lru(node, gpu), self.keys.gpu_status(node, gpu)):
-                await self._delete(key)
-                self._written.pop(key, None)
+            writes[self.keys.gpu_lru(node, gpu)] = writes[self.keys.gpu_status(node, gpu)] = None
 
-    async def _write_gpus(self, gpus: set[str]) -> None:
+    def _write_gpus(self, gpus: set[str], writes: dict[str, bytes | None]) -> None:
         """Each GPU's LRU list and status (a GPU that left meanwhile is skipped)."""
         live = set(self.scheduler.cache.gpu_ids())
         for address in gpus & live:
@@ -146,7 +148,7 @@ class StatePersister:
             cache = self.scheduler.cache.gpu(address)
             state = self.scheduler.gpu(address)
             lru = [{"model": m, "memory_mb": cache.item(m).memory_mb} for m in cache.lru_list()]
-            await self._put(self.keys.gpu_lru(node, gpu), json.dumps(lru).encode())
+            self._put(writes, self.keys.gpu_lru(node, gpu), json.dumps(lru).encode())
             status = {
                 "status": "idle" if state.idle else "busy",
                 "memory_used_mb": cache.used_mb,
@@ -155,20 +157,19 @@ class StatePersister:
                 "slots": state.spec.slots,
                 "local_queue": len(state.local_queue),
             }
-            await self._put(self.keys.gpu_status(node, gpu), json.dumps(status).encode())
+            self._put(writes, self.keys.gpu_status(node, gpu), json.dumps(status).encode())
 
-    async def _write_replicas(self, models: set[str]) -> None:
+    def _write_replicas(self, models: set[str], writes: dict[str, bytes | None]) -> None:
         """Which GPUs hold each model; a model no GPU holds loses its key."""
         for model in models:
             holders = sorted(self.scheduler.cache.gpus_with(model))
             key = self.keys.replicas(model)
             if holders:
-                await self._put(key, json.dumps(holders).encode())
-            elif self._written.get(key) != b"":  # b"": deleted by us already
-                await self._delete(key)
-                self._written[key] = b""
+                self._put(writes, key, json.dumps(holders).encode())
+            elif self._written.get(key) != DELETED:
+                writes[key] = None
 
-    async def _write_profiles(self, profiles: set[tuple[str, str, int]]) -> None:
+    def _write_profiles(self, profiles: set[tuple[str, str, int]], writes: dict[str, bytes | None]) -> None:
         """The estimator's times per (GPU type, model, batch), each key at most once per
         PROFILE_WRITE_INTERVAL_S (a later one goes back to the book's dirty set)."""
         now = self.clock()
@@ -185,26 +186,24 @@ class StatePersister:
                     "load_time_s": estimator.load_time_s(model, gpu_type, memory_mb),
                     "inference_time_s": {str(batch): estimator.inference_time_s(model, gpu_type, batch)},
                 }
-                await self._write(key, json.dumps(record).encode())
+                writes[key] = json.dumps(record).encode()
 
-    async def _put(self, key: str, value: bytes) -> None:
-        if self._written.get(key) == value:
-            return
-        await self._write(key, value)
-        self._written[key] = value
+    def _put(self, writes: dict[str, bytes | None], key: str, value: bytes) -> None:
+        if self._written.get(key) != value:  # a value this scheduler last put unchanged is not rewritten
+            writes[key] = value
 
-    async def _delete(self, key: str) -> None:
-        await self._write(key, None)
-
-    async def _write(self, key: str, value: bytes | None) -> None:
-        """Put `value` (None: delete the key) if this scheduler leads, fenced on its term's key."""
-        if not self.may_write():
-            raise NotLeading("this scheduler does not lead now: it writes nothing")
-        if self._fence is not None:
-            guard_key, epoch = self._fence
-            if not await self.store.put_fenced(key, value, guard_key=guard_key, guard_create_revision=epoch):
-                raise NotLeading(f"the leader key is no longer epoch {epoch}'s: a newer leader writes these keys")
-        elif value is None:
-            await self.store.delete(key)
-        else:
-            await self.store.put(key, value)
+    async def _write_all(self, writes: dict[str, bytes | None]) -> None:
+        """Write `writes` in transactions of at most MAX_TXN_OPS keys, each only if this scheduler
+        leads, and fenced on its term's key; remember what each one wrote."""
+        items = list(writes.items())
+        for start in range(0, len(items), MAX_TXN_OPS):
+            batch = dict(items[start : start + MAX_TXN_OPS])
+            if not self.may_write():
+                raise NotLeading("this scheduler does not lead now: it writes nothing")
+            if self._fence is None:
+                await self.store.write_batch(batch)
+            else:
+                guard_key, epoch = self._fence
+                if not await self.store.write_batch(batch, guard_key=guard_key, guard_create_revision=epoch):
+                    raise NotLeading(f"the leader key is no longer epoch {epoch}'s: a newer leader writes these keys")
+            self._written.update((key, DELETED if value is None else value) for key, value in batch.items())

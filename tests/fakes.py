@@ -7,10 +7,19 @@ import asyncio
 import heapq
 import itertools
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
 
-from gpufaas.store import KeyValue, LeaseLost, RevisionCompacted, StoreError, WatchEvent, check_key, check_prefix
+from gpufaas.store import (
+    KeyValue,
+    LeaseLost,
+    RevisionCompacted,
+    StoreError,
+    WatchEvent,
+    check_batch,
+    check_key,
+    check_prefix,
+)
 
 
 class ManualClock:
@@ -204,6 +213,27 @@ class MemoryStore:
         else:
             self._revision += 1
             self._put(key, value, 0)
+        return True
+
+    async def write_batch(
+        self, writes: Mapping[str, bytes | None], *, guard_key: str | None = None, guard_create_revision: int = 0
+    ) -> bool:
+        for key in writes:
+            check_key(key)
+        check_batch(len(writes), guard_key, guard_create_revision)
+        await self._enter()
+        if guard_key is not None:
+            guard = self._data.get(guard_key)
+            if guard is None or guard.create_revision != guard_create_revision:
+                return False
+        changes = [(key, value) for key, value in writes.items() if value is not None or key in self._data]
+        if changes:  # one transaction: one revision for every key it changed (none: none, as in etcd)
+            self._revision += 1
+        for key, value in changes:
+            if value is None:
+                self._delete(key)
+            else:
+                self._put(key, value, 0)
         return True
 
     async def compare_and_delete(self, key: str, *, mod_revision: int) -> bool:

@@ -175,6 +175,35 @@ async def test_a_fenced_write_goes_through_only_while_the_guard_is_the_same_key(
 
 
 @async_test
+async def test_a_batch_writes_and_deletes_at_one_revision_and_only_under_its_guard(harness: Harness) -> None:
+    store, r = await harness.open_store(), harness.root
+    guard, a, b, gone = f"{r}/leader", f"{r}/a", f"{r}/b", f"{r}/gone"
+    await store.put(gone, b"old")
+    await store.put(guard, b"me")
+    mine = await store.get(guard)
+    assert mine is not None
+    before = await store.revision()
+    assert await store.write_batch({a: b"1", b: b"2", gone: None}) is True
+    written = [await store.get(key) for key in (a, b)]
+    assert [kv.value for kv in written if kv] == [b"1", b"2"]
+    assert {kv.mod_revision for kv in written if kv} == {before + 1} == {await store.revision()}
+    assert await store.get(gone) is None
+    assert await store.write_batch({}) is True and await store.revision() == before + 1
+    epoch = mine.create_revision
+    assert await store.write_batch({a: b"3", b: None}, guard_key=guard, guard_create_revision=epoch) is True
+    await store.delete(guard)
+    await store.put(guard, b"my successor")
+    assert await store.write_batch({a: b"4", b: b"4"}, guard_key=guard, guard_create_revision=epoch) is False
+    kept = await store.get(a)
+    assert kept is not None and kept.value == b"3" and await store.get(b) is None
+    with pytest.raises(ValueError, match="at most 128 keys"):
+        await store.write_batch({f"{r}/k{i}": b"x" for i in range(129)})
+    with pytest.raises(ValueError, match="create_revision"):
+        await store.write_batch({a: b"5"}, guard_key=guard)
+    await store.close()
+
+
+@async_test
 async def test_a_lost_lease_is_refused_only_where_it_would_be_used(harness: Harness) -> None:
     store, r, lease = await harness.open_with_a_lease()
     await store.revoke_lease(lease)

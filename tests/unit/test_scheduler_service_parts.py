@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 from collections.abc import Awaitable, Callable
 
 import pytest
 
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
-from gpufaas.store import StoreError
+from gpufaas.store import MAX_TXN_OPS, StoreError
 from gpufaas.types import GpuSpec
 from scheduler.service import SchedulerService
 from tests.fakes import MemoryStore
@@ -73,6 +74,22 @@ def test_a_flush_writes_what_changed_and_nothing_twice() -> None:
         assert await store.revision() == revision
 
     run_with_a_model(scenario)
+
+
+def test_a_flush_of_many_gpus_takes_one_transaction_per_max_txn_ops_keys() -> None:
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        gpus = [GpuSpec(f"n1/g{i}", 8000, "cpu", node="n1") for i in range(100)]
+        for spec in gpus:
+            service.scheduler.add_gpu(spec)
+            service.book.dirty_gpus.add(spec.gpu_id)
+        before = await store.revision()
+        await service.persister.flush()
+        # 200 keys (an LRU list and a status per GPU): two transactions, two revisions.
+        assert await store.revision() == before + math.ceil(2 * len(gpus) / MAX_TXN_OPS) == before + 2
+        for spec in gpus:
+            assert await store.get(service.keys.gpu_status("n1", spec.gpu_id.split("/")[1])) is not None
+
+    run(scenario)
 
 
 def test_a_deposed_leaders_flush_writes_nothing_over_its_successors() -> None:
