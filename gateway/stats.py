@@ -4,7 +4,6 @@ Prometheus metrics expose, and the overview's calls by cache result and recent l
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -15,19 +14,10 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from gpufaas.metrics import LATENCY_BUCKETS_S
+from gpufaas.metrics import LATENCY_BUCKETS_S, LoopSeries
 
 RECENT_CALLS = 1024  # calls per function the percentiles are taken over
 QUANTILES = (0.5, 0.95, 0.99)
-
-
-@dataclass(slots=True)
-class _Series:
-    """One (function, HTTP status) series: a counter and a histogram of durations at once (the
-    count is the sum of the bucket counts). Never reset: Prometheus reads it as monotonic."""
-
-    bucket_counts: list[int]  # calls per bucket, not cumulative; the last bucket is +Inf
-    sum_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -52,7 +42,7 @@ class FunctionStats(Collector):
     - as the overview's summary of each function (`summary`): calls by cache result, errors, and
       latency percentiles over its last RECENT_CALLS answered calls. `drop` and `forget` reset it.
 
-    Recording costs two dict lookups, a bisection over the buckets and a deque append (the invoke
+    Recording costs two dict lookups, a bisection over the buckets (`LoopSeries`) and a deque append (the invoke
     path pays it per call); cumulative buckets and percentiles are computed when read. Recorded
     and read on the event loop's thread only (the /metrics route scrapes there): nothing is locked.
     """
@@ -63,7 +53,9 @@ class FunctionStats(Collector):
         self._bounds_s = tuple(buckets_s)
         # The buckets' `le` labels, written as prometheus-client writes its own histograms'.
         self._le = [floatToGoString(b) for b in self._bounds_s] + ["+Inf"]  # type: ignore[no-untyped-call]
-        self._series: dict[tuple[str, int], _Series] = {}  # (function, HTTP status) -> its series
+        # (function, HTTP status) -> its series: a counter and a histogram of durations at once (the
+        # count is the sum of the bucket counts). Never reset: Prometheus reads it as monotonic.
+        self._series: dict[tuple[str, int], LoopSeries] = {}
         self._recent: dict[str, _Recent] = {}  # function -> its overview part
 
     def record(self, name: str, status: int, duration_s: float, *, hit: bool | None = None) -> None:
@@ -72,9 +64,8 @@ class FunctionStats(Collector):
         call that failed (the function's own error, a timeout, no capacity...)."""
         series = self._series.get((name, status))
         if series is None:
-            series = self._series[(name, status)] = _Series([0] * len(self._le))
-        series.bucket_counts[bisect_left(self._bounds_s, duration_s)] += 1  # `le`: upper bounds are inclusive
-        series.sum_s += duration_s
+            series = self._series[(name, status)] = LoopSeries(self._bounds_s)
+        series.observe(duration_s)
         recent = self._recent.get(name)
         if recent is None:
             recent = self._recent[name] = _Recent()
@@ -89,7 +80,7 @@ class FunctionStats(Collector):
 
     def count(self, name: str) -> int:
         """Calls to function `name` since the gateway started, whatever their status."""
-        return sum(sum(s.bucket_counts) for (function, _), s in self._series.items() if function == name)
+        return sum(sum(s.counts) for (function, _), s in self._series.items() if function == name)
 
     def collect(self) -> Iterator[Metric]:
         invocations = CounterMetricFamily(
@@ -104,7 +95,7 @@ class FunctionStats(Collector):
         )
         for (name, status), series in sorted(self._series.items()):
             labels = [name, str(status)]
-            cumulative = list(accumulate(series.bucket_counts))
+            cumulative = list(accumulate(series.counts))
             invocations.add_metric(labels, cumulative[-1])
             seconds.add_metric(labels, list(zip(self._le, cumulative, strict=True)), series.sum_s)
         yield invocations

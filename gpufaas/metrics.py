@@ -18,13 +18,16 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
-from typing import Any
+from bisect import bisect_left
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
+from itertools import accumulate
+from typing import Any, Generic, TypeVar
 
 import uvicorn
 from prometheus_client import CollectorRegistry, disable_created_metrics, make_asgi_app
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from gpufaas import store, wire
 from gpufaas.liveness import LoopLag, LoopLagCollector, run_loop_lag
@@ -43,6 +46,7 @@ _UNAUTHORIZED = b"needs Authorization: Bearer <metrics token> (gpufaas credentia
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+S = TypeVar("S")
 
 
 class MetricsServer:
@@ -147,6 +151,95 @@ async def _respond(
     head = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *(headers or [])]
     await send({"type": "http.response.start", "status": status, "headers": head})
     await send({"type": "http.response.body", "body": body})
+
+
+class LoopCount:
+    """One counter series, counted on the event loop's thread: `value += n`, no lock."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class LoopSeries:
+    """One histogram series, observed on the event loop's thread: a bisection and two additions,
+    no lock (prometheus-client's `Histogram.observe` takes a lock per bucket it counts in)."""
+
+    __slots__ = ("_bounds_s", "counts", "sum_s")
+
+    def __init__(self, bounds_s: tuple[float, ...]) -> None:
+        self._bounds_s = bounds_s
+        self.counts = [0] * (len(bounds_s) + 1)  # per bucket, not cumulative; the last is +Inf
+        self.sum_s = 0.0
+
+    def observe(self, value_s: float) -> None:
+        self.counts[bisect_left(self._bounds_s, value_s)] += 1  # `le`: upper bounds are inclusive
+        self.sum_s += value_s
+
+
+class _LoopMetric(Collector, Generic[S]):
+    """A labelled metric for a daemon's per-call path: its series are plain objects that the event
+    loop's thread updates without a lock, and that a scrape, served on the same loop
+    (`MetricsServer`), reads. Register it in the daemon's registry (it is a Collector). A series
+    exists from its first `series(...)` and is never dropped."""
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
+        self.name, self.documentation, self.labels = name, documentation, list(labels)
+        self._series: dict[tuple[str, ...], S] = {}
+
+    def series(self, *values: str) -> S:
+        """The series of these label values: bind it once where a call path uses it, as
+        prometheus-client's `labels()`."""
+        if len(values) != len(self.labels):
+            raise ValueError(f"{self.name} takes the labels {self.labels}, got {values!r}")
+        found = self._series.get(values)
+        if found is None:
+            found = self._series[values] = self._new_series()
+        return found
+
+    def _new_series(self) -> S:
+        raise NotImplementedError
+
+    def _sorted(self) -> list[tuple[tuple[str, ...], S]]:
+        return sorted(self._series.items(), key=lambda item: item[0])
+
+
+class LoopCounter(_LoopMetric[LoopCount]):
+    """A counter (`name` without `_total`, which the exposition adds), as prometheus-client's."""
+
+    def _new_series(self) -> LoopCount:
+        return LoopCount()
+
+    def collect(self) -> Iterator[Metric]:
+        counter = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
+        for values, count in self._sorted():
+            counter.add_metric(list(values), count.value)
+        yield counter
+
+
+class LoopHistogram(_LoopMetric[LoopSeries]):
+    """A histogram of seconds on `buckets_s` (finite upper bounds; +Inf is added), as prometheus-client's."""
+
+    def __init__(
+        self, name: str, documentation: str, labels: Sequence[str] = (), buckets_s: Sequence[float] = LATENCY_BUCKETS_S
+    ) -> None:
+        super().__init__(name, documentation, labels)
+        self._bounds_s = tuple(buckets_s)
+        self._le = [floatToGoString(b) for b in self._bounds_s] + ["+Inf"]  # type: ignore[no-untyped-call]
+
+    def _new_series(self) -> LoopSeries:
+        return LoopSeries(self._bounds_s)
+
+    def collect(self) -> Iterator[Metric]:
+        histogram = HistogramMetricFamily(self.name, self.documentation, labels=self.labels)
+        for values, series in self._sorted():
+            cumulative = list(accumulate(series.counts))
+            histogram.add_metric(list(values), list(zip(self._le, cumulative, strict=True)), series.sum_s)
+        yield histogram
 
 
 class ProcessErrors(Collector):

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpufaas.metrics import BYTES_PER_MB, LATENCY_BUCKETS_S, ProcessErrors
+from gpufaas.metrics import BYTES_PER_MB, LoopCounter, LoopHistogram, LoopSeries, ProcessErrors
 from scheduler.calls import Assignment, Evict, EvictHost
 from scheduler.core import Scheduler
 
@@ -23,15 +23,25 @@ class SchedulerMetrics:
         r = self.registry
         r.register(_SchedulerState(scheduler))
         r.register(ProcessErrors())
-        self.calls = Counter(
-            "gpufaas_scheduler_calls",
-            "Calls done, by cache result (a miss loaded or took back the model).",
-            ["cache"],
-            registry=r,
+        # Per call: counted on the event loop without a lock (gpufaas.metrics.LoopCounter).
+        self.calls = LoopCounter(
+            "gpufaas_scheduler_calls", "Calls done, by cache result (a miss loaded or took back the model).", ["cache"]
         )
-        self.placements = Counter(
-            "gpufaas_scheduler_placements", "Placements sent, by what the scheduler expected.", ["cache"], registry=r
+        self.placements = LoopCounter(
+            "gpufaas_scheduler_placements", "Placements sent, by what the scheduler expected.", ["cache"]
         )
+        self.queue_wait = LoopHistogram(
+            "gpufaas_scheduler_queue_wait_seconds", "Time a call waited before its placement."
+        )
+        measured = ("model", "gpu_type")  # what a node's timing is labelled with
+        self.load = LoopHistogram(
+            "gpufaas_load_seconds", "Model loads (or take-backs from host memory) as nodes measured them.", measured
+        )
+        self.inference = LoopHistogram(
+            "gpufaas_inference_seconds", "Batch inference times as nodes measured them.", measured
+        )
+        for metric in (self.calls, self.placements, self.queue_wait, self.load, self.inference):
+            r.register(metric)
         self.evictions = Counter(
             "gpufaas_scheduler_evictions", "Models a placement evicted from a GPU's LRU list.", registry=r
         )
@@ -41,28 +51,18 @@ class SchedulerMetrics:
         self.failures = Counter(
             "gpufaas_scheduler_call_failures", "Attempts that ended other than OK, by outcome.", ["outcome"], registry=r
         )
-
-        def seconds(name: str, documentation: str, labels: Sequence[str] = ()) -> Histogram:
-            """A histogram of durations in this registry, on the shared latency buckets."""
-            return Histogram(name, documentation, labels, buckets=LATENCY_BUCKETS_S, registry=r)
-
-        self.queue_wait = seconds("gpufaas_scheduler_queue_wait_seconds", "Time a call waited before its placement.")
-        measured = ("model", "gpu_type")  # what a node's timing is labelled with
-        self.load = seconds(
-            "gpufaas_load_seconds", "Model loads (or take-backs from host memory) as nodes measured them.", measured
-        )
-        self.inference = seconds("gpufaas_inference_seconds", "Batch inference times as nodes measured them.", measured)
-        # The children every call touches, bound once: `labels()` takes a lock and builds a key.
-        self._placed = {True: self.placements.labels("hit"), False: self.placements.labels("miss")}
-        self._done = {True: self.calls.labels("miss"), False: self.calls.labels("hit")}  # by `loaded`
-        self._loads: dict[tuple[str, str], Histogram] = {}
-        self._inferences: dict[tuple[str, str], Histogram] = {}
+        # The series every call touches, bound once.
+        self._placed = {True: self.placements.series("hit"), False: self.placements.series("miss")}
+        self._done = {True: self.calls.series("miss"), False: self.calls.series("hit")}  # by `loaded`
+        self._queue_wait = self.queue_wait.series()
+        self._loads: dict[tuple[str, str], LoopSeries] = {}
+        self._inferences: dict[tuple[str, str], LoopSeries] = {}
 
     def applied(self, effect: object) -> None:
         """An effect the service carries out."""
         if isinstance(effect, Assignment):
             self._placed[effect.hit].inc()
-            self.queue_wait.observe(effect.queue_s)
+            self._queue_wait.observe(effect.queue_s)
             if effect.evict:
                 self.evictions.inc(len(effect.evict))
 
@@ -96,11 +96,11 @@ class SchedulerMetrics:
             _child(self._inferences, self.inference, model, gpu_type).observe(inference_time_s)
 
 
-def _child(bound: dict[tuple[str, str], Histogram], parent: Histogram, model: str, gpu_type: str) -> Histogram:
-    """`parent.labels(model, gpu_type)`, bound once per pair in `bound`."""
+def _child(bound: dict[tuple[str, str], LoopSeries], parent: LoopHistogram, model: str, gpu_type: str) -> LoopSeries:
+    """`parent.series(model, gpu_type)`, bound once per pair in `bound`."""
     child = bound.get((model, gpu_type))
     if child is None:
-        child = bound[(model, gpu_type)] = parent.labels(model, gpu_type)
+        child = bound[(model, gpu_type)] = parent.series(model, gpu_type)
     return child
 
 

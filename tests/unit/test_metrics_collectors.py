@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from gateway.metrics import GatewayMetrics
 from gateway.stats import FunctionStats
@@ -20,6 +20,7 @@ from gpufaas import store, wire
 from gpufaas.dev.etcd_server import free_port
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
+from gpufaas.metrics import LoopCounter, LoopHistogram
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import EtcdStore, StoreError
 from gpufaas.wire import Connection, ConnectionLost, Frame, Server, Unauthenticated, connect
@@ -237,3 +238,25 @@ def test_etcd_and_wire_errors_are_counted_where_they_happen_and_exported_by_kind
         "malformed": 0,
         "handler": 0,
     }
+
+
+def test_loop_metrics_expose_what_prometheus_clients_own_expose() -> None:
+    """LoopCounter and LoopHistogram (no lock, for the per-call path) read exactly as
+    prometheus-client's Counter and Histogram fed the same values, bucket edges included."""
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    counter = LoopCounter("demo_calls", "Calls.", ["cache"])
+    histogram = LoopHistogram("demo_seconds", "Durations.", ["model"], buckets_s=(0.001, 0.01, 0.1))
+    ours.register(counter)
+    ours.register(histogram)
+    their_counter = Counter("demo_calls", "Calls.", ["cache"], registry=theirs)
+    their_histogram = Histogram("demo_seconds", "Durations.", ["model"], buckets=(0.001, 0.01, 0.1), registry=theirs)
+    for cache, model, seconds in [("hit", "m", 0.001), ("miss", "m", 0.0105), ("hit", "n", 3.0), ("hit", "m", 0.0)]:
+        counter.series(cache).inc()
+        their_counter.labels(cache).inc()
+        histogram.series(model).observe(seconds)
+        their_histogram.labels(model).observe(seconds)
+    counter.series("miss").inc(2.5)
+    their_counter.labels("miss").inc(2.5)
+    assert generate_latest(ours) == generate_latest(theirs)
+    with pytest.raises(ValueError, match="takes the labels"):
+        counter.series("hit", "extra")
