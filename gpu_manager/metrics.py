@@ -10,7 +10,7 @@ from prometheus_client.registry import Collector
 
 from gpu_manager.pool import EXIT_CAUSES, RunResult, WorkerPool
 from gpufaas.keys import gpu_address
-from gpufaas.metrics import BYTES_PER_MB, LATENCY_BUCKETS_S, ProcessErrors
+from gpufaas.metrics import BYTES_PER_MB, LATENCY_BUCKETS_S, LoopCount, LoopCounter, ProcessErrors
 from gpufaas.proto import gpufaas_pb2 as pb
 
 
@@ -30,9 +30,11 @@ class NodeMetrics:
         r = self.registry
         r.register(_PoolState(pool, node, device_used_mb))
         r.register(ProcessErrors())
-        self.calls = Counter(
-            "gpufaas_node_calls", "Calls run here, by outcome and cache result.", ["outcome", "cache"], registry=r
+        # Per call: counted on the event loop without a lock (gpufaas.metrics.LoopCounter).
+        self.calls = LoopCounter(
+            "gpufaas_node_calls", "Calls run here, by outcome and cache result.", ["outcome", "cache"]
         )
+        r.register(self.calls)
         self.loads = Counter(
             "gpufaas_node_loads", "Misses served, by where the model came from (load, host).", ["source"], registry=r
         )
@@ -46,16 +48,16 @@ class NodeMetrics:
         self.workers_lost = Counter(
             "gpufaas_node_workers_lost", "Workers that died under a call, failed to load, or were killed.", registry=r
         )
-        # `calls`' children by (outcome, loaded), bound on first use: `labels()` builds and looks up
-        # its label tuple under a lock, on every call of the serving path otherwise.
-        self._calls_by: dict[tuple[int, bool], Counter] = {}
+        # `calls`' series by (outcome, loaded), bound on first use: `series()` builds and looks up
+        # its label tuple, on every call of the serving path otherwise.
+        self._calls_by: dict[tuple[int, bool], LoopCount] = {}
 
     def ran(self, model: str, result: RunResult) -> None:
         key = (result.outcome, result.loaded)
         calls = self._calls_by.get(key)
         if calls is None:
             outcome = pb.Outcome.Name(result.outcome).lower()
-            calls = self._calls_by[key] = self.calls.labels(outcome, "miss" if result.loaded else "hit")
+            calls = self._calls_by[key] = self.calls.series(outcome, "miss" if result.loaded else "hit")
         calls.inc()
         if result.loaded and result.outcome == pb.OK:
             from_host = result.stages is not None and result.stages.from_host
