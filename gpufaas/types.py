@@ -14,7 +14,8 @@ DEFAULT_BATCH_SIZE = 32
 """The batch size of the paper's profiles (Table I); a request carries its own."""
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is made per call, and a frozen one costs 3x to make (never changed once made).
+@dataclass(slots=True)
 class Request:
     """One invocation waiting for, or holding, a GPU.
 

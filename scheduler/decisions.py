@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from gpufaas.types import Request
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is made per call, and a frozen one costs 3x to make (never changed once made).
+@dataclass(slots=True)
 class Dispatch:
     """Run `request` on `gpu_id` now. On a miss, first evict `evict` (least recently used first)
     and load the model (`from_host`: take it back from the node's host tier, a swap-in;
