@@ -203,10 +203,21 @@ class ClusterState:
         if grew:
             return
         state.indexed_stamp = stamp
-        if len(state.running) < state.spec.slots:  # idle
-            push = self._push_idle_holder
-            for model in self.cache.models_on(state.spec.gpu_id):
-                push(model, state)
+        spec = state.spec
+        free = spec.slots - len(state.running)
+        if free <= 0:
+            return  # not idle: no entries
+        # The key's part that is the GPU's (the same for every model on it), made once: a
+        # completion reindexes every model its GPU holds (about 4 pushes per call at 1,000 GPUs).
+        neg_free, neg_speed, gpu_id = -free, -spec.speed, spec.gpu_id
+        busy_until, heaps, cache = state.worker_busy_until_s, self._idle_holders, self.cache
+        for model in cache.models_on(gpu_id):
+            heap = heaps.get(model)
+            if heap is None:
+                heap = heaps[model] = []
+            heapq.heappush(heap, (busy_until.get(model, -math.inf), neg_free, neg_speed, gpu_id, stamp))
+            if len(heap) > 64 and len(heap) > 8 * len(cache.gpus_with(model)) + 64:
+                self._compact_idle_holders(model)
 
     def _holder_added(self, model: str, gpu_id: str) -> None:
         state = self.gpus.get(gpu_id)
@@ -229,16 +240,20 @@ class ClusterState:
         if heap is None:
             heap = self._idle_holders[model] = []
         heapq.heappush(heap, self._idle_holder_entry(model, state))
-        # Rebuilt from the live holders at ~8x their count: amortized O(1) per push.
         if len(heap) > 64 and len(heap) > 8 * len(self.cache.gpus_with(model)) + 64:
-            gpus = self.gpus
-            live = [
-                self._idle_holder_entry(model, holder)
-                for gpu_id in self.cache.gpus_with(model)
-                if (holder := gpus.get(gpu_id)) is not None and holder.idle
-            ]
-            heapq.heapify(live)
-            self._idle_holders[model] = live
+            self._compact_idle_holders(model)
+
+    def _compact_idle_holders(self, model: str) -> None:
+        """Rebuild one model's index from its live holders, done at ~8x their count: amortized O(1)
+        per push."""
+        gpus = self.gpus
+        live = [
+            self._idle_holder_entry(model, holder)
+            for gpu_id in self.cache.gpus_with(model)
+            if (holder := gpus.get(gpu_id)) is not None and holder.idle
+        ]
+        heapq.heapify(live)
+        self._idle_holders[model] = live
 
     def best_idle_holder(self, model: str, exclude: str | None = None) -> str | None:
         """`PlacementPieces.best_idle(cache.gpus_with(model), exclude, model=model)`, from the index:
