@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import sys
 from typing import TYPE_CHECKING
 
@@ -72,7 +71,7 @@ async def serve(
             if node is not None:
                 await stack.enter_async_context(node.run())
             if scheduler is not None:
-                config = dataclasses.replace(config, local_scheduler=await stack.enter_async_context(scheduler.run()))
+                await stack.enter_async_context(scheduler.run())
             app = create_app(store, config)
             limits = settings.http_limits
             tls: dict[str, str] = {}

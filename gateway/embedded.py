@@ -28,7 +28,6 @@ from gpufaas.settings import DaemonSettings, SettingsError
 _ROLE_FLAGS = {"scheduler": "--with-scheduler", "node": "--with-node"}
 
 if TYPE_CHECKING:
-    from gateway.router import LocalScheduler
     from gateway.settings import GatewaySettings
     from gpu_manager.__main__ import Hardware
     from gpu_manager.settings import NodeSettings
@@ -63,16 +62,16 @@ class EmbeddedScheduler:
         return cls(settings, cluster_secret(parser, settings), etcd_credentials(parser, settings), tls or False)
 
     @contextlib.asynccontextmanager
-    async def run(self) -> AsyncIterator[LocalScheduler]:
-        """The scheduler started (its own etcd handle, listener and metrics) for the body; stopped
-        after it."""
+    async def run(self) -> AsyncIterator[None]:
+        """The scheduler started (its own etcd handle, listener and metrics, offered in memory to
+        this process's dialers) for the body; stopped after it."""
         from scheduler.__main__ import make_service
 
         store = await open_store(self.settings.etcd, self.etcd_credentials)
         try:
-            service = make_service(self.settings, self.secret, store, tls=self.tls)
+            service = make_service(self.settings, self.secret, store, tls=self.tls, in_process=True)
             async with wire_daemon_running(service, self.settings, self.secret, "scheduler"):
-                yield service
+                yield
         finally:
             await store.close()
 

@@ -55,7 +55,6 @@ from gpufaas.wire import (
     Connection,
     ConnectionLost,
     Frame,
-    Handler,
     MessageType,
     RemoteError,
     Unauthenticated,
@@ -335,19 +334,6 @@ class NodeConnections:
             self._unreachable(address, f"its connection was lost: {conn.closed.result() or 'closed'}")
 
 
-class LocalScheduler(Protocol):
-    """A scheduler in the gateway's own process (scheduler.service.SchedulerService)."""
-
-    @property
-    def address(self) -> str:
-        """The address the leader key names while it leads."""
-        ...
-
-    def local_link(self, handler: Handler) -> Connection:
-        """The gateway's end of an in-process link to it, served as a TCP gateway's is."""
-        ...
-
-
 class Router:
     """The gateway's link to the scheduler (one connection, re-established when it drops) and to
     the nodes (one connection per node, opened on first use), and the calls in flight."""
@@ -359,12 +345,10 @@ class Router:
         scheduler_address: str | None = None,
         scheduler_wait_s: float = SCHEDULER_WAIT_S,
         wire_key: bytes | None = None,
-        local_scheduler: LocalScheduler | None = None,
     ) -> None:
-        """`local_scheduler`: a scheduler in this process (`python -m gateway --with-scheduler`),
-        linked in memory (gpufaas.wire_local) whenever it is the one at the scheduler address."""
+        """A scheduler in this process (`python -m gateway --with-scheduler`) is linked in memory
+        whenever it is the one at the scheduler address (`_dial`: gpufaas.wire_local)."""
         self.max_payload_bytes = max_payload_bytes
-        self._local = local_scheduler
         self.wire_key = wire_key  # proved to the scheduler and the nodes (gpufaas.wire)
         self.scheduler_wait_s = scheduler_wait_s
         self._address = scheduler_address
@@ -429,15 +413,9 @@ class Router:
                 await self._address_changed.wait()
                 continue
             self._address_changed.clear()
-            local = self._local
-            in_process = local is not None and local.address == self._address
-            if in_process and local is not None:
-                conn = local.local_link(SchedulerSession(self))  # the scheduler of this process
-            else:
-                dialled = await self._dial(self._address)
-                if dialled is None:
-                    continue
-                conn = dialled
+            conn = await self._dial(self._address)
+            if conn is None:
+                continue
             self.epoch += 1
             self._scheduler = conn
             self._connected.set()
@@ -447,7 +425,7 @@ class Router:
                 elif box.waiting:
                     box.attempt, box.epoch = 0, self.epoch
                     conn.send(MessageType.PLACE, box.place_now())
-            log.info("connected to the scheduler at %s%s", self._address, IN_PROCESS if in_process else "")
+            log.info("connected to the scheduler at %s%s", self._address, IN_PROCESS if conn.peer == PEER_NAME else "")
             await conn.closed
             self._connected.clear()
             self._scheduler = None
@@ -455,8 +433,17 @@ class Router:
             await self._reconnect_pause()
 
     async def _dial(self, address: str) -> Connection | None:
-        """A connection to the scheduler at `address`; None where the dial failed (after the
-        reconnect pause) or another scheduler took the lead meanwhile."""
+        """A connection to the scheduler at `address` (in memory where this process runs it:
+        gpufaas.wire_local); None where the dial failed (after the reconnect pause) or another
+        scheduler took the lead meanwhile."""
+        try:
+            here = link_here(address, SchedulerSession(self), client_role="gateway", peer_role="scheduler")
+        except Unauthenticated as exc:  # this process serves something else there
+            log.warning("scheduler at %s: %s", address, exc)
+            await self._reconnect_pause()
+            return None
+        if here is not None:
+            return here
         # Under TLS the peer must show the scheduler's certificate (a node's is refused), pinned
         # or found through the leader key alike.
         dial = asyncio.ensure_future(

@@ -17,7 +17,7 @@ from pathlib import Path
 from gateway.artifacts import Artifacts, PeerAccess, blob_authorizer
 from gateway.auth import Credentials, Role
 from gateway.metrics import GatewayMetrics
-from gateway.router import SCHEDULER_WAIT_S, LocalScheduler, Router
+from gateway.router import SCHEDULER_WAIT_S, Router
 from gateway.stats import FunctionStats
 from gpufaas.cluster import NodeRecord
 from gpufaas.errors import GpufaasError
@@ -51,8 +51,6 @@ class GatewayConfig:
     # Who may use which route (gateway.auth); None: anyone may use any (--insecure, development only).
     credentials: Credentials | None = None
     wire_key: bytes | None = None  # proved to the scheduler and the nodes (gpufaas.wire)
-    # A scheduler in this process (--with-scheduler; gateway.embedded), linked in memory while it leads.
-    local_scheduler: LocalScheduler | None = None
 
 
 class ApiError(Exception):
@@ -97,7 +95,6 @@ class Gateway:
             scheduler_address=config.scheduler_address,
             scheduler_wait_s=config.scheduler_wait_s,
             wire_key=config.wire_key,
-            local_scheduler=config.local_scheduler,
         )
         self.nodes: dict[str, NodeRecord] = {}
         self._tasks: list[asyncio.Task[None]] = []

@@ -17,10 +17,15 @@ if TYPE_CHECKING:
 
 
 def make_service(
-    settings: SchedulerSettings, secret: str | None, store: Store, *, tls: LinkTls | bool = True
+    settings: SchedulerSettings,
+    secret: str | None,
+    store: Store,
+    *,
+    tls: LinkTls | bool = True,
+    in_process: bool = False,
 ) -> SchedulerService:
-    """The scheduler service `settings` describe, on `store` (`tls`: its links', as
-    SchedulerService takes it)."""
+    """The scheduler service `settings` describe, on `store` (`tls`, `in_process`: as
+    SchedulerService takes them)."""
     return SchedulerService(
         store,
         keys=Keys(settings.root),
@@ -39,6 +44,7 @@ def make_service(
         name=settings.name,
         lease_ttl_s=settings.lease_ttl_s,
         tls=tls,
+        in_process=in_process,
     )
 
 

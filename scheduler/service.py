@@ -38,8 +38,8 @@ from gpufaas.profiles import paper_table1
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import Store, StoreError
 from gpufaas.tls import LinkTls
-from gpufaas.wire import Connection, ConnectionLost, Handler, MessageType, Server, Unauthenticated, connect
-from gpufaas.wire_local import local_pair
+from gpufaas.wire import Connection, ConnectionLost, MessageType, Server, Unauthenticated, connect
+from gpufaas.wire_local import serve_here, withdraw
 from scheduler.adaptive_slots import DEFAULT_THRESHOLD, AdaptiveSlots
 from scheduler.calls import (
     DEFAULT_CLAIM_S,
@@ -144,6 +144,7 @@ class SchedulerService:
         name: str | None = None,
         lease_ttl_s: int = LEASE_TTL_S,
         tls: LinkTls | bool = True,
+        in_process: bool = False,
     ) -> None:
         """`wire_key`: the cluster's wire key (gpufaas.credentials); gateways must prove it, and
         nodes are trusted only once they have. None: no handshake (tests of the logic only).
@@ -156,7 +157,9 @@ class SchedulerService:
         `adaptive_slots`: each GPU's D moves between 1 and this from its utilization against
         `utilization_threshold` (scheduler.adaptive_slots; None: D fixed by `slots`). `name`, `lease_ttl_s`:
         this instance's among several (default: its address), its leadership lease (scheduler.leadership).
-        `tls`: its links' (gpufaas.wire's `tls`; a gateway running it in its process gives its own)."""
+        `tls`: its links' (gpufaas.wire's `tls`; a gateway running it in its process gives its own).
+        `in_process`: it runs in a gateway's process, which then reaches it in memory while it is
+        the one to dial (gpufaas.wire_local's `serve_here`)."""
         _check_settings(gpu_idle_release_s, host_idle_release_s, prestage_nodes)
         self.gpu_idle_release_s, self.host_idle_release_s = gpu_idle_release_s, host_idle_release_s
         self.prestage_nodes = prestage_nodes
@@ -182,6 +185,7 @@ class SchedulerService:
         self.persister, self.links, self.catalog = self._wire_parts()
         self._server = Server(lambda: GatewaySession(self), key=wire_key, tls=tls)
         self.address = ""
+        self.in_process = in_process
 
     def _wire_parts(self) -> tuple[StatePersister, NodeLinks, Catalog]:
         """The persister, the node links and the catalog, sharing the book and `apply`."""
@@ -217,7 +221,14 @@ class SchedulerService:
         self.address = advertise or bound
         self.name = self.name or self.address
         self.leadership.address = self.address
-        revision = await self.catalog.recover()
+        if self.in_process:  # before it can lead: a gateway of this process never dials it over TCP
+            serve_here(self.address, self._server, role="scheduler")
+        try:
+            revision = await self.catalog.recover()
+        except BaseException:
+            if self.in_process:  # (a start that fails is not stopped: nothing else withdraws it)
+                withdraw(self.address)
+            raise
         for watch in self.catalog.watches(revision):
             self._spawn(watch)
         self.election = Election(
@@ -241,19 +252,14 @@ class SchedulerService:
         except Unauthenticated as exc:
             raise TetherRefused(str(exc)) from None
 
-    def local_link(self, handler: Handler) -> Connection:
-        """A gateway in this process: its end of an in-process link (gpufaas.wire_local), served
-        as a TCP gateway's is (closed when this scheduler stands by or stops)."""
-        gateway_end, served = local_pair(handler, GatewaySession(self), server_role="scheduler", client_role="gateway")
-        self._server.adopt(served)
-        return gateway_end
-
     async def stop(self) -> None:
         leading = self.leadership.leading(self.clock())
         await _cancel(self._tasks)
         if leading:
             with contextlib.suppress(StoreError):
                 await self.persister.flush()
+        if self.in_process:
+            withdraw(self.address)
         await self._server.close()
         if self.election is not None:
             await self.election.resign()  # the key goes at once: a standby takes over

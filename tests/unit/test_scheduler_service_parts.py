@@ -15,6 +15,8 @@ from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
 from gpufaas.store import MAX_TXN_OPS, StoreError
 from gpufaas.types import GpuSpec
+from gpufaas.wire import Unauthenticated
+from gpufaas.wire_local import PEER_NAME, link_here
 from scheduler.service import SchedulerService
 from tests.fakes import MemoryStore
 
@@ -186,3 +188,27 @@ def test_the_catalog_reads_through_for_a_function_the_watch_has_not_brought() ->
         assert service.catalog.functions == {spec.name: spec}
 
     run(scenario)
+
+
+def test_a_scheduler_in_a_gateways_process_is_offered_to_its_dialers_while_it_runs() -> None:
+    """`in_process=True`: from its start this process's dials of its address get an in-memory link
+    it serves as a gateway's (gpufaas.wire_local); after its stop they go over TCP again."""
+
+    async def main() -> None:
+        store = MemoryStore()
+        apart = SchedulerService(store, keys=Keys("/t"), prestage_nodes=0, tls=False)
+        inside = SchedulerService(store, keys=Keys("/t"), prestage_nodes=0, tls=False, in_process=True)
+        apart_address, inside_address = await apart.start(), await inside.start()
+        try:
+            assert link_here(apart_address, None, client_role="gateway") is None
+            conn = link_here(inside_address, None, client_role="gateway", peer_role="scheduler")
+            assert conn is not None and conn.peer == PEER_NAME
+            with pytest.raises(Unauthenticated, match="scheduler, not a node"):
+                link_here(inside_address, None, client_role="gateway", peer_role="node")
+        finally:
+            await inside.stop()
+            await apart.stop()
+        assert conn.is_closed  # served as an accepted connection: closed with the server
+        assert link_here(inside_address, None, client_role="gateway") is None
+
+    asyncio.run(main())
