@@ -157,14 +157,11 @@ class SchedulerService:
         `adaptive_slots`: each GPU's D moves between 1 and this from its utilization against
         `utilization_threshold` (scheduler.adaptive_slots; None: D fixed by `slots`). `name`, `lease_ttl_s`:
         this instance's among several (default: its address), its leadership lease (scheduler.leadership).
-        `tls`: its links' (gpufaas.wire's `tls`; a gateway running it in its process gives its own).
-        `in_process`: it runs in a gateway's process, which then reaches it in memory while it is
-        the one to dial (gpufaas.wire_local's `serve_here`)."""
+        `tls`: its links' (gpufaas.wire's); `in_process`: in a gateway's process, whose dials reach it in memory."""
         _check_settings(gpu_idle_release_s, host_idle_release_s, prestage_nodes)
         self.gpu_idle_release_s, self.host_idle_release_s = gpu_idle_release_s, host_idle_release_s
-        self.prestage_nodes = prestage_nodes
-        self.store, self.wire_key, self.clock, self.tls = store, wire_key, clock, tls
-        self.keys = keys if keys is not None else Keys()
+        self.prestage_nodes, self.in_process = prestage_nodes, in_process
+        self.store, self.wire_key, self.clock, self.tls, self.keys = store, wire_key, clock, tls, keys or Keys()
         self.policy_name = policy
         self.policy_config = policy_config if policy_config is not None else PolicyConfig()
         self.eviction = eviction
@@ -185,7 +182,6 @@ class SchedulerService:
         self.persister, self.links, self.catalog = self._wire_parts()
         self._server = Server(lambda: GatewaySession(self), key=wire_key, tls=tls)
         self.address = ""
-        self.in_process = in_process
 
     def _wire_parts(self) -> tuple[StatePersister, NodeLinks, Catalog]:
         """The persister, the node links and the catalog, sharing the book and `apply`."""
