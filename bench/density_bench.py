@@ -42,6 +42,7 @@ from bench.peer_bench import (
     run_and_report,
 )
 from gpufaas.credentials import SecretFiles, metrics_token, read_secret
+from gpufaas.dev.local_cluster import node_pid, recorded_pids
 from gpufaas.processes import descendants
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,7 +73,7 @@ def cpu_seconds(pid: int, *, children: bool = False) -> float:
 def node_sample(cluster: RunningCluster) -> dict[str, float]:
     """The node's counters (from its metrics) and every component's CPU seconds so far."""
     info = json.loads((cluster.state_dir / "cluster.json").read_text())
-    pids: dict[str, int] = json.loads((cluster.state_dir / "pids.json").read_text())
+    pids = recorded_pids(cluster.state_dir)
     token = metrics_token(read_secret(SecretFiles(cluster.state_dir / "secrets").cluster_secret))
     text = httpx.get(
         f"http://{info['metrics']['node0']}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=10
@@ -92,7 +93,7 @@ def node_sample(cluster: RunningCluster) -> dict[str, float]:
         sample[f"cpu_{name}_s"] = cpu_seconds(pids[name]) if name in pids else 0.0
     # Workers: the node's descendants (the zygote and what it forked); the zygote's reaped children
     # count the workers that exited.
-    node = pids.get("node0", pids["gateway"])
+    node = node_pid(pids)
     sample["cpu_workers_s"] = sum(cpu_seconds(pid, children=True) for pid in descendants(node))
     return sample
 

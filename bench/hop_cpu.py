@@ -38,7 +38,7 @@ from typing import Any
 
 from bench.machine import REPO, run_metadata, write_results
 from bench.peer_bench import NUM_MODELS, ZIPF, RunningCluster, gpufaas_cluster, load
-from gpufaas.dev.local_cluster import recorded_pids
+from gpufaas.dev.local_cluster import node_pid, recorded_pids
 from gpufaas.processes import descendants
 
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
@@ -59,7 +59,7 @@ def cluster_pids(state_dir: Path) -> dict[str, list[int]]:
     """The serving path's processes of a `gpufaas up` cluster by role (workers: the node's
     descendants; the scheduler or the node none where they run in the gateway's process)."""
     pids = recorded_pids(state_dir)
-    node = pids.get("node0", pids["gateway"])
+    node = node_pid(pids)
     return {
         "gateway": [pids["gateway"]],
         "scheduler": [pids["scheduler"]] if "scheduler" in pids else [],

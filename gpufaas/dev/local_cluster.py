@@ -662,6 +662,12 @@ def recorded_pids(state_dir: Path) -> dict[str, int]:
     return {str(name): int(pid) for name, pid in raw.items()}
 
 
+def node_pid(pids: dict[str, int], node: str = "node0") -> int:
+    """The process that runs `node`, in `recorded_pids`' record: its own, or the gateway's where the
+    node runs inside it (`gpufaas up --node-in-gateway`); its workers are that process's descendants."""
+    return pids[node] if node in pids else pids["gateway"]
+
+
 def _unseen_gpus(urls: list[str], expected: int, auth: httpx.BasicAuth | None) -> str:
     """'' if every gateway at `urls` lists `expected` GPUs or more; else the first that does not,
     and its answer."""

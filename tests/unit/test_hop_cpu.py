@@ -1,16 +1,19 @@
-"""bench/hop_cpu.py's measuring parts: a process's CPU from /proc, a call id's format, and the
-cProfile table it reports."""
+"""bench/hop_cpu.py's measuring parts: a process's CPU from /proc, a call id's format, the
+cProfile table it reports, and the cluster's processes by role."""
 
 from __future__ import annotations
 
 import cProfile
+import json
 import os
 import pstats
 import time
 import uuid
+from pathlib import Path
 
-from bench.hop_cpu import cpu_s, top_functions
+from bench.hop_cpu import cluster_pids, cpu_s, top_functions
 from gateway.invoke import new_call_id
+from gpufaas.dev.local_cluster import node_pid, recorded_pids
 
 
 def _spin(seconds: float) -> int:
@@ -51,3 +54,20 @@ def test_new_call_id_is_a_random_uuid4_in_hex() -> None:
     for call_id in ids:
         parsed = uuid.UUID(hex=call_id)
         assert (parsed.version, parsed.variant, parsed.hex) == (4, uuid.RFC_4122, call_id)
+
+
+def test_cluster_pids_name_the_gateway_as_the_node_where_the_node_runs_inside_it(tmp_path: Path) -> None:
+    """`node_pid`: a node of its own, or the gateway's process that runs it (its workers are that
+    process's descendants: none of these PIDs lives, so none is found)."""
+    (tmp_path / "pids.json").write_text(json.dumps({"gateway": 2**22 + 1, "etcd": 2**22 + 2}))
+    assert node_pid(recorded_pids(tmp_path)) == 2**22 + 1
+    assert cluster_pids(tmp_path) == {
+        "gateway": [2**22 + 1],
+        "scheduler": [],
+        "node": [],
+        "workers": [],
+        "etcd": [2**22 + 2],
+    }
+    (tmp_path / "pids.json").write_text(json.dumps({"gateway": 2**22 + 1, "node0": 2**22 + 3}))
+    assert node_pid(recorded_pids(tmp_path)) == 2**22 + 3
+    assert cluster_pids(tmp_path)["node"] == [2**22 + 3]
