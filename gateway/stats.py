@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from gpufaas.metrics import LATENCY_BUCKETS_S, LoopSeries
+from gpufaas.metrics import LATENCY_BUCKETS_S, LoopSeries, check_buckets_s
 
 RECENT_CALLS = 1024  # calls per function the percentiles are taken over
 QUANTILES = (0.5, 0.95, 0.99)
@@ -48,9 +48,7 @@ class FunctionStats(Collector):
     """
 
     def __init__(self, buckets_s: Sequence[float] = LATENCY_BUCKETS_S) -> None:
-        if list(buckets_s) != sorted(set(buckets_s)) or not buckets_s or math.isinf(buckets_s[-1]):
-            raise ValueError(f"buckets_s must be finite upper bounds in increasing order, got {buckets_s!r}")
-        self._bounds_s = tuple(buckets_s)
+        self._bounds_s = check_buckets_s(buckets_s)
         # The buckets' `le` labels, written as prometheus-client writes its own histograms'.
         self._le = [floatToGoString(b) for b in self._bounds_s] + ["+Inf"]  # type: ignore[no-untyped-call]
         # (function, HTTP status) -> its series: a counter and a histogram of durations at once (the

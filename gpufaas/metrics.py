@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import math
 from bisect import bisect_left
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
 from itertools import accumulate
@@ -153,6 +154,14 @@ async def _respond(
     await send({"type": "http.response.body", "body": body})
 
 
+def check_buckets_s(buckets_s: Sequence[float]) -> tuple[float, ...]:
+    """A histogram's bucket bounds, checked: finite upper bounds in increasing order (+Inf is
+    always added); ValueError otherwise."""
+    if list(buckets_s) != sorted(set(buckets_s)) or not buckets_s or math.isinf(buckets_s[-1]):
+        raise ValueError(f"buckets_s must be finite upper bounds in increasing order, got {buckets_s!r}")
+    return tuple(buckets_s)
+
+
 class LoopCount:
     """One counter series, counted on the event loop's thread: `value += n`, no lock."""
 
@@ -162,6 +171,8 @@ class LoopCount:
         self.value = 0.0
 
     def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError(f"a counter only goes up; got {amount}")
         self.value += amount
 
 
@@ -228,7 +239,7 @@ class LoopHistogram(_LoopMetric[LoopSeries]):
         self, name: str, documentation: str, labels: Sequence[str] = (), buckets_s: Sequence[float] = LATENCY_BUCKETS_S
     ) -> None:
         super().__init__(name, documentation, labels)
-        self._bounds_s = tuple(buckets_s)
+        self._bounds_s = check_buckets_s(buckets_s)
         self._le = [floatToGoString(b) for b in self._bounds_s] + ["+Inf"]  # type: ignore[no-untyped-call]
 
     def _new_series(self) -> LoopSeries:

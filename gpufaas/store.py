@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 # The most operations one etcd transaction may hold (etcd's --max-txn-ops default): a
 # `write_batch` is at most this many keys.
 MAX_TXN_OPS = 128
+# What a caller should keep a `write_batch`'s keys and values under: etcd refuses a request over
+# its --max-request-bytes (1.5 MiB by default), whatever its count of keys.
+MAX_TXN_BYTES = 1024 * 1024
 
 
 # --- values and errors ----------------------------------------------------------------------
@@ -549,9 +552,9 @@ class EtcdStore:
     ) -> bool:
         raw = {check_key(key): value for key, value in writes.items()}
         check_batch(len(raw), guard_key, guard_create_revision)
-        if not raw:
-            return True
         self._check_open()
+        if not raw:
+            return True  # nothing to write: etcd is not asked (nor the guard checked)
         txn = self._client.transactions
         ops = [txn.delete(key) if value is None else txn.put(key, value) for key, value in raw.items()]
         compare = [] if guard_key is None else [txn.create(check_key(guard_key)) == guard_create_revision]

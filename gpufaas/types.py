@@ -1,5 +1,5 @@
-"""Domain types shared by every role: requests, GPUs and models, as plain immutable values, and
-the by-name registry of a policy family."""
+"""Domain types shared by every role: requests, GPUs and models, as plain values (immutable but
+`Request`, which is never changed once made either), and the by-name registry of a policy family."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 
 from gpufaas.keys import Keys, gpu_address, split_gpu_address
-from gpufaas.store import MAX_TXN_OPS, Store, StoreError
+from gpufaas.store import MAX_TXN_BYTES, MAX_TXN_OPS, Store, StoreError
 from scheduler.calls import CallBook
 from scheduler.core import Scheduler
 
@@ -112,9 +112,10 @@ class StatePersister:
                 await asyncio.sleep(RETRY_S)
 
     async def flush(self) -> None:
-        """Write what changed since the last flush, MAX_TXN_OPS keys per etcd transaction (one
-        round trip and one revision each, not one per key). StoreError: nothing is lost, the next
-        flush retries every key this one took."""
+        """Write what changed since the last flush, up to MAX_TXN_OPS keys (and about
+        MAX_TXN_BYTES) per etcd transaction: one round trip and one revision each, not one per key.
+        StoreError (or a cancellation, as at stop): nothing is lost, the next flush retries every
+        key this one took."""
         book = self.book
         gpus, book.dirty_gpus = book.dirty_gpus, set()
         models, book.dirty_models = book.dirty_models, set()
@@ -127,8 +128,9 @@ class StatePersister:
             self._write_replicas(models, writes)
             self._write_profiles(profiles, writes)
             await self._write_all(writes)
-        except StoreError:
-            # Put it all back: the next flush retries every key.
+        except BaseException:
+            # Put it all back: the next flush retries every key (stop's last flush too, when the
+            # flusher was cancelled in the middle of this one).
             book.dirty_gpus |= gpus
             book.dirty_models |= models
             book.dirty_profiles |= profiles
@@ -189,15 +191,15 @@ class StatePersister:
                 writes[key] = json.dumps(record).encode()
 
     def _put(self, writes: dict[str, bytes | None], key: str, value: bytes) -> None:
-        if self._written.get(key) != value:  # a value this scheduler last put unchanged is not rewritten
+        # A value this scheduler last put unchanged is not rewritten, unless this flush was to
+        # delete the key (a GPU that left and came back): the put replaces the delete.
+        if key in writes or self._written.get(key) != value:
             writes[key] = value
 
     async def _write_all(self, writes: dict[str, bytes | None]) -> None:
-        """Write `writes` in transactions of at most MAX_TXN_OPS keys, each only if this scheduler
-        leads, and fenced on its term's key; remember what each one wrote."""
-        items = list(writes.items())
-        for start in range(0, len(items), MAX_TXN_OPS):
-            batch = dict(items[start : start + MAX_TXN_OPS])
+        """Write `writes` in transactions (`_batches`), each only if this scheduler leads, and
+        fenced on its term's key; remember what each one wrote."""
+        for batch in _batches(writes):
             if not self.may_write():
                 raise NotLeading("this scheduler does not lead now: it writes nothing")
             if self._fence is None:
@@ -207,3 +209,23 @@ class StatePersister:
                 if not await self.store.write_batch(batch, guard_key=guard_key, guard_create_revision=epoch):
                     raise NotLeading(f"the leader key is no longer epoch {epoch}'s: a newer leader writes these keys")
             self._written.update((key, DELETED if value is None else value) for key, value in batch.items())
+
+
+def _batches(writes: dict[str, bytes | None]) -> list[dict[str, bytes | None]]:
+    """`writes` in order, cut into batches of at most MAX_TXN_OPS keys and, but for a single key
+    larger than that, MAX_TXN_BYTES of keys and values: etcd refuses a request over its
+    --max-request-bytes (1.5 MiB by default), and a replicas list of a model on thousands of GPUs
+    is tens of KiB."""
+    batches: list[dict[str, bytes | None]] = []
+    batch: dict[str, bytes | None] = {}
+    size = 0
+    for key, value in writes.items():
+        item = len(key) + (len(value) if value is not None else 0)
+        if batch and (len(batch) == MAX_TXN_OPS or size + item > MAX_TXN_BYTES):
+            batches.append(batch)
+            batch, size = {}, 0
+        batch[key] = value
+        size += item
+    if batch:
+        batches.append(batch)
+    return batches

@@ -221,8 +221,11 @@ class MemoryStore:
         for key in writes:
             check_key(key)
         check_batch(len(writes), guard_key, guard_create_revision)
+        if not writes:
+            return True  # as EtcdStore: nothing to write, nothing asked
         await self._enter()
         if guard_key is not None:
+            check_key(guard_key)
             guard = self._data.get(guard_key)
             if guard is None or guard.create_revision != guard_create_revision:
                 return False

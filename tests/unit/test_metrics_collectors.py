@@ -260,3 +260,8 @@ def test_loop_metrics_expose_what_prometheus_clients_own_expose() -> None:
     assert generate_latest(ours) == generate_latest(theirs)
     with pytest.raises(ValueError, match="takes the labels"):
         counter.series("hit", "extra")
+    with pytest.raises(ValueError, match="only goes up"):
+        counter.series("hit").inc(-1)
+    for bad in [(), (0.1, 0.01), (0.1, float("inf"))]:
+        with pytest.raises(ValueError, match="increasing order"):
+            LoopHistogram("demo_bad_seconds", "Durations.", buckets_s=bad)

@@ -8,15 +8,17 @@ import hashlib
 import json
 import math
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
-from gpufaas.store import MAX_TXN_OPS, StoreError
+from gpufaas.store import MAX_TXN_BYTES, MAX_TXN_OPS, StoreError
 from gpufaas.types import GpuSpec
 from gpufaas.wire import Unauthenticated
 from gpufaas.wire_local import PEER_NAME, link_here
+from scheduler.persister import _batches
 from scheduler.service import SchedulerService
 from tests.fakes import MemoryStore
 
@@ -212,3 +214,51 @@ def test_a_scheduler_in_a_gateways_process_is_offered_to_its_dialers_while_it_ru
         assert link_here(inside_address, None, client_role="gateway") is None
 
     asyncio.run(main())
+
+
+def test_a_gpu_that_left_and_came_back_before_the_flush_keeps_its_keys() -> None:
+    async def scenario(service: SchedulerService, store: MemoryStore, spec: FunctionSpec) -> None:
+        keys = service.keys
+        await service.persister.flush()
+        service.persister.gpus_left([GPU])  # its delete is pending when it is written again
+        service.book.dirty_gpus.add(GPU)
+        await service.persister.flush()
+        assert await store.get(keys.gpu_lru("n1", "g0")) is not None
+        assert await store.get(keys.gpu_status("n1", "g0")) is not None
+
+    run_with_a_model(scenario)
+
+
+def test_a_flush_cancelled_in_the_middle_keeps_everything_for_the_next() -> None:
+    """As at stop: the flusher is cancelled while etcd has not answered; stop's own flush then
+    still has every key."""
+
+    async def scenario(service: SchedulerService, store: MemoryStore, spec: FunctionSpec) -> None:
+        answered = asyncio.Event()
+        write_batch = store.write_batch
+
+        async def slow_write_batch(*args: Any, **kwargs: Any) -> bool:
+            await answered.wait()
+            return await write_batch(*args, **kwargs)
+
+        store.write_batch = slow_write_batch  # type: ignore[method-assign]
+        flush = asyncio.ensure_future(service.persister.flush())
+        await asyncio.sleep(0.01)
+        flush.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await flush
+        assert GPU in service.book.dirty_gpus and spec.model in service.book.dirty_models
+        answered.set()
+        await service.persister.flush()
+        assert await store.get(service.keys.gpu_lru("n1", "g0")) is not None
+
+    run_with_a_model(scenario)
+
+
+def test_flush_batches_keep_to_etcds_count_and_size_limits() -> None:
+    small = {f"/k{i}": b"x" for i in range(2 * MAX_TXN_OPS + 1)}
+    assert [len(b) for b in _batches(small)] == [MAX_TXN_OPS, MAX_TXN_OPS, 1]
+    big = MAX_TXN_BYTES // 2 + 1  # two do not fit one transaction; one over the limit goes alone
+    writes: dict[str, bytes | None] = {"/a": b"x" * big, "/b": b"x" * big, "/c": None, "/d": b"x" * 3 * MAX_TXN_BYTES}
+    assert [list(b) for b in _batches(writes)] == [["/a"], ["/b", "/c"], ["/d"]]
+    assert _batches({}) == []
