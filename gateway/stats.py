@@ -42,9 +42,10 @@ class FunctionStats(Collector):
     - as the overview's summary of each function (`summary`): calls by cache result, errors, and
       latency percentiles over its last RECENT_CALLS answered calls. `drop` and `forget` reset it.
 
-    Recording costs two dict lookups, a bisection over the buckets (`LoopSeries`) and a deque append (the invoke
-    path pays it per call); cumulative buckets and percentiles are computed when read. Recorded
-    and read on the event loop's thread only (the /metrics route scrapes there): nothing is locked.
+    Recording costs two dict lookups, a bisection over the buckets (`LoopSeries`) and a deque
+    append (the invoke path pays it per call); cumulative buckets and percentiles are computed
+    when read. Recorded and read on the event loop's thread only (the /metrics route scrapes
+    there): nothing is locked.
     """
 
     def __init__(self, buckets_s: Sequence[float] = LATENCY_BUCKETS_S) -> None:

@@ -207,17 +207,12 @@ class ClusterState:
         free = spec.slots - len(state.running)
         if free <= 0:
             return  # not idle: no entries
-        # The key's part that is the GPU's (the same for every model on it), made once: a
-        # completion reindexes every model its GPU holds (about 4 pushes per call at 1,000 GPUs).
+        # `_idle_holder_entry`'s key, with the GPU's part (the same for every model on it) made
+        # once: a completion reindexes every model its GPU holds (about 4 per call at 1,000 GPUs).
         neg_free, neg_speed, gpu_id = -free, -spec.speed, spec.gpu_id
-        busy_until, heaps, cache = state.worker_busy_until_s, self._idle_holders, self.cache
-        for model in cache.models_on(gpu_id):
-            heap = heaps.get(model)
-            if heap is None:
-                heap = heaps[model] = []
-            heapq.heappush(heap, (busy_until.get(model, -math.inf), neg_free, neg_speed, gpu_id, stamp))
-            if len(heap) > 64 and len(heap) > 8 * len(cache.gpus_with(model)) + 64:
-                self._compact_idle_holders(model)
+        busy_until, push = state.worker_busy_until_s, self._push_entry
+        for model in self.cache.models_on(gpu_id):
+            push(model, (busy_until.get(model, -math.inf), neg_free, neg_speed, gpu_id, stamp))
 
     def _holder_added(self, model: str, gpu_id: str) -> None:
         state = self.gpus.get(gpu_id)
@@ -236,10 +231,13 @@ class ClusterState:
         )
 
     def _push_idle_holder(self, model: str, state: GpuState) -> None:
+        self._push_entry(model, self._idle_holder_entry(model, state))
+
+    def _push_entry(self, model: str, entry: tuple[float, int, float, str, int]) -> None:
         heap = self._idle_holders.get(model)
         if heap is None:
             heap = self._idle_holders[model] = []
-        heapq.heappush(heap, self._idle_holder_entry(model, state))
+        heapq.heappush(heap, entry)
         if len(heap) > 64 and len(heap) > 8 * len(self.cache.gpus_with(model)) + 64:
             self._compact_idle_holders(model)
 
