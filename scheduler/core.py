@@ -55,6 +55,7 @@ class Scheduler(ClusterReads):
         self._seq = itertools.count()
         self._seq_of: dict[str, int] = {}  # every request queued, parked or running
         self._exit = StagedExit(self.cluster)  # the clocks of `release_idle`
+        self.fast_path_decisions = 0  # dispatches and parks `_place_lone` made (tests read it)
 
     @property
     def estimator(self) -> Estimator:
@@ -241,6 +242,7 @@ class Scheduler(ClusterReads):
         if target is None:
             return None
         self.cluster.refill.clear()  # as the first pass starts
+        self.fast_path_decisions += 1
         if not self.cluster.gpus[target].idle:
             return park_now(self.cluster, request, target, now)
         decision = dispatch_now(self.cluster, request, target, now)

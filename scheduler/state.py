@@ -10,6 +10,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from mypy_extensions import mypyc_attr
+
 from cache_manager import CacheManager, Tier
 from gpufaas.types import GpuSpec, ModelSpec, Request
 from scheduler.estimator import Estimator
@@ -393,6 +395,8 @@ class ClusterState:
         return spec.memory_mb <= state.spec.memory_mb and spec.gpu_type in (None, state.spec.gpu_type)
 
 
+# Draft, which is not compiled (gpufaas.native), reads through it too.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class ClusterReads:
     """The reads of `ClusterState` that both the `Scheduler` (tests, tools) and a fill's `Draft`
     (the policy's `SchedulingContext`) answer, from their `cluster`."""

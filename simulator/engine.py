@@ -66,6 +66,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TypedDict, Unpack, cast
 
+from mypy_extensions import mypyc_attr
+
 from cache_manager import CacheManager, eviction_policy
 from gpufaas.profiles import ModelProfile
 from gpufaas.types import GpuSpec, Request, check_positive
@@ -349,6 +351,8 @@ def _make_scheduler(workload: Workload, policy: SchedulingPolicy, cluster: Clust
     return scheduler
 
 
+# tests/unit/test_sim_scale.py checks its running totals from a subclass (it is compiled: gpufaas.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class _Run:
     """One simulation: the scheduler under test, the ground truth of the GPUs it drives, the
     virtual clock, and the tallies the result is made of. Lifecycle: made by `simulate`, `run`

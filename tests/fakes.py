@@ -1,5 +1,5 @@
-"""In-memory fakes for tests: `MemoryStore` (a `Store` with etcd's semantics) and `ManualClock`
-(the virtual time that drives it and `LeaseKeeper`)."""
+"""In-memory fakes for tests: `MemoryStore` (a `Store` with etcd's semantics), `ManualClock`
+(the virtual time that drives it and `LeaseKeeper`) and `PlacedBook` (a call book with one call placed)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import itertools
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpufaas.store import (
     KeyValue,
@@ -334,3 +335,22 @@ class MemoryStore:
         for watcher in self._watchers:
             if event.key.startswith(watcher.prefix) and event.mod_revision >= watcher.start_revision:
                 watcher.queue.put_nowait(event)
+
+
+class PlacedBook:
+    """A scheduler service's call book (`scheduler.calls.CallBook`, which is compiled and cannot be
+    patched: gpufaas.native) in which every call is placed as `model` on `gpu_id` and a Done
+    releases nothing; anything else is the real book's."""
+
+    def __init__(self, book: Any, model: str, gpu_id: str) -> None:
+        self._book = book
+        self._placed = (model, gpu_id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._book, name)
+
+    def placement(self, call_id: str, attempt: int) -> tuple[str, str]:
+        return self._placed
+
+    def done(self, *args: Any, **kwargs: Any) -> list[Any]:
+        return []

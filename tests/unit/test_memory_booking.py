@@ -15,6 +15,7 @@ from gpu_manager.devices import Nvml
 from gpu_manager.pool import MEASURE_EVERY_S
 from gpu_manager.workers import MEMORY_MARGIN_MB, Worker, book_memory, memory_margin_mb
 from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.types import ModelSpec
 from gpufaas.wire import Frame, MessageType
 from tests.unit.test_gpu_manager_pool import Node, eventually, ok, on_cpu, on_own_pool
 
@@ -181,27 +182,24 @@ def test_a_model_that_grows_past_its_gpu_after_its_load_is_stopped_after_its_cal
 
 
 # --- the scheduler's end ----------------------------------------------------------------------------
-@pytest.mark.parametrize(("worker_lost", "observed"), [(True, [("m", "g0", 900)]), (False, [])])
+@pytest.mark.parametrize(("worker_lost", "booked_mb"), [(True, 900), (False, 500)])
 def test_the_scheduler_takes_in_the_size_of_a_worker_its_node_stopped_for_it(
-    worker_lost: bool, observed: list[tuple[str, str, int]], monkeypatch: pytest.MonkeyPatch
+    worker_lost: bool, booked_mb: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A Done for a worker lost with a measured size: later admissions book that size (a Done
     for a worker kept is the book's to take in, as before)."""
     from scheduler.service import SchedulerService
     from scheduler.sessions import NodeSession
-    from tests.fakes import MemoryStore
+    from tests.fakes import MemoryStore, PlacedBook
 
     async def scenario() -> None:
         service = SchedulerService(MemoryStore())
-        seen: list[tuple[str, str, int]] = []
-        monkeypatch.setattr(service.book, "placement", lambda call_id, attempt: ("m", "g0"))
-        monkeypatch.setattr(service.book, "done", lambda *args, **kwargs: [])
-        monkeypatch.setattr(service.scheduler, "gpu", lambda gpu_id: (_ for _ in ()).throw(KeyError(gpu_id)))
-        monkeypatch.setattr(service.scheduler, "observe_memory", lambda *args: bool(seen.append(args)))
+        service.scheduler.register_model(ModelSpec("m", 500))  # declared 500 MB; its GPU g0 is gone
+        monkeypatch.setattr(service, "book", PlacedBook(service.book, "m", "g0"))
         done = pb.Done(call_id="c", attempt=1, outcome=pb.OK, peak_memory_mb=900, worker_lost=worker_lost)
         session = NodeSession(service, None)  # type: ignore[arg-type]  # the node is not looked at
         conn: Any = None
         session.on_frame(conn, Frame(MessageType.DONE, 0, 0, done.SerializeToString(), b""))
-        assert seen == observed
+        assert service.scheduler.model("m").memory_mb == booked_mb
 
     asyncio.run(scenario())

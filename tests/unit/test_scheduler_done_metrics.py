@@ -12,7 +12,7 @@ from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import Frame, MessageType
 from scheduler.service import SchedulerService
 from scheduler.sessions import NodeSession
-from tests.fakes import MemoryStore
+from tests.fakes import MemoryStore, PlacedBook
 
 COUNTERS = ("gpufaas_scheduler_call_failures_total", "gpufaas_scheduler_calls_total")
 OUTCOMES = [pb.OK, pb.HANDLER_ERROR, pb.TIMEOUT, pb.OUTPUT_TOO_LARGE]
@@ -25,9 +25,8 @@ def counted_after(outcome: int, monkeypatch: pytest.MonkeyPatch) -> dict[str, fl
 
     async def scenario() -> None:
         service = SchedulerService(MemoryStore())
-        monkeypatch.setattr(service.book, "placement", lambda call_id, attempt: ("m", "g0"))
-        monkeypatch.setattr(service.book, "done", lambda *args, **kwargs: [])
-        monkeypatch.setattr(service.scheduler, "gpu", lambda gpu_id: (_ for _ in ()).throw(KeyError(gpu_id)))
+        monkeypatch.setattr(service, "book", PlacedBook(service.book, "m", "g0"))
+        assert not list(service.scheduler.gpus())  # so its gpu("g0") raises KeyError: the GPU is gone
         done = pb.Done(call_id="c", attempt=1, outcome=outcome, inference_time_s=0.01)  # type: ignore[arg-type]
         conn: Any = None
         NodeSession(service, None).on_frame(  # type: ignore[arg-type]  # the node is not looked at

@@ -1,0 +1,126 @@
+"""The compiled decision core (gpufaas.native): a build is used only while it matches every source,
+it is switched off by GPUFAAS_NATIVE=0, and the simulator decides alike compiled and from source."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpufaas import native
+from gpufaas.native import NATIVE_MODULES, Manifest, current_build, python_tag, stale_modules
+
+REPO = Path(__file__).resolve().parents[2]
+BUILT = current_build() is not None
+# CI builds the modules (scripts/setup.sh): there the tests that need a build must not skip.
+needs_build = pytest.mark.skipif(
+    not BUILT and os.environ.get("CI") != "true", reason="not built: python -m gpufaas.native build"
+)
+
+# Four runs of the simulator that between them reach every compiled module's branches that the
+# shipped trace can: the policies, D > 1 with interference and adaptive D, host tiers with the
+# staged exit and swap-ins, and shared host links.
+SIMULATE = """
+import json, sys
+from dataclasses import asdict
+from gpufaas import native
+from gpufaas.profiles import paper_table1
+from simulator.engine import ClusterConfig, simulate
+from simulator.report import shipped_trace
+from simulator.workload import WorkloadConfig, build_workload, load_azure2019
+
+workload = build_workload(
+    load_azure2019(shipped_trace()), WorkloadConfig(minutes=4, working_set=50, rpm=1500, slo_factor=3.0), paper_table1()
+)
+runs = [
+    ("lalb-o3", ClusterConfig(gpus=6)),
+    ("lalb", ClusterConfig(gpus=6, host_memory_mb=8192, gpu_idle_release_s=5.0, host_idle_release_s=10.0)),
+    ("mqfq-sticky", ClusterConfig(gpus=6, slots=2, host_memory_mb=16384, interference=0.5, adaptive_slots=4)),
+    ("torpor", ClusterConfig(gpus=6, host_memory_mb=16384, gpus_per_link=2)),
+]
+results = [asdict(simulate(workload, policy, cluster=cluster)) for policy, cluster in runs]
+print(json.dumps({"active": native.active(), "results": results}, sort_keys=True))
+"""
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def manifest_for(modules: dict[str, str], python: str | None = None) -> Manifest:
+    files = {name: name.replace(".", "/") + ".so" for name in modules}
+    return Manifest(python=python or python_tag(), modules=modules, files=files)
+
+
+def test_a_build_matches_only_the_sources_it_was_compiled_from() -> None:
+    current = {"scheduler.state": "a", "scheduler.core": "b"}
+    assert stale_modules(manifest_for(dict(current)), current, python_tag()) == []
+    changed = manifest_for({**current, "scheduler.core": "old"})
+    assert stale_modules(changed, current, python_tag()) == ["scheduler.core"]
+    # A module added to the compiled set since the build, or one gone from it, makes it stale too.
+    assert stale_modules(manifest_for({"scheduler.state": "a"}), current, python_tag()) == ["scheduler.core"]
+    assert stale_modules(manifest_for(current), {"scheduler.state": "a"}, python_tag()) == ["scheduler.core"]
+    # Built for another interpreter: nothing of it is usable.
+    assert stale_modules(manifest_for(current), current, "cpython-312.so") == ["scheduler.core", "scheduler.state"]
+
+
+def test_the_manifest_round_trips_through_its_json() -> None:
+    manifest = manifest_for({"scheduler.state": "a"})
+    assert Manifest.from_json(manifest.to_json()) == manifest
+
+
+def test_a_stale_build_is_not_loaded_and_says_how_to_rebuild(tmp_path: Path) -> None:
+    directory = tmp_path / native.native_dir().name
+    directory.mkdir()
+    digests = native.digests(NATIVE_MODULES)
+    digests["scheduler.state"] = "0" * 64  # compiled from another source than the one here
+    (directory / native.MANIFEST).write_text(manifest_for(digests).to_json())
+    code = "import scheduler.state, json; from gpufaas import native; print(json.dumps(native.active()))"
+    result = run_python(code, GPUFAAS_NATIVE_DIR=str(tmp_path), GPUFAAS_NATIVE="1")
+    assert result.returncode == 0, result.stderr
+    assert set(json.loads(result.stdout).values()) == {False}  # the whole group: they share one library
+    assert "do not match the sources (scheduler.state)" in result.stderr
+    assert "python -m gpufaas.native build" in result.stderr
+
+
+def test_without_a_build_everything_runs_from_source_silently(tmp_path: Path) -> None:
+    code = "import simulator.engine, json; from gpufaas import native; print(json.dumps(native.active()))"
+    result = run_python(code, GPUFAAS_NATIVE_DIR=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert set(json.loads(result.stdout).values()) == {False}
+    assert result.stderr == ""
+
+
+@needs_build
+def test_every_module_of_the_set_runs_compiled_where_built() -> None:
+    code = "import json, importlib; from gpufaas import native\n"
+    code += "[importlib.import_module(m) for m in native.NATIVE_MODULES]; print(json.dumps(native.active()))"
+    result = run_python(code, GPUFAAS_NATIVE="1")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == dict.fromkeys(NATIVE_MODULES, True)
+    switched_off = run_python(code, GPUFAAS_NATIVE="0")
+    assert json.loads(switched_off.stdout) == dict.fromkeys(NATIVE_MODULES, False)
+
+
+@needs_build
+def test_the_simulator_decides_alike_compiled_and_from_source() -> None:
+    compiled, source = (run_python(SIMULATE, GPUFAAS_NATIVE=switch) for switch in ("1", "0"))
+    assert compiled.returncode == 0, compiled.stderr
+    assert source.returncode == 0, source.stderr
+    compiled_out, source_out = json.loads(compiled.stdout), json.loads(source.stdout)
+    assert set(compiled_out["active"].values()) == {True}
+    assert set(source_out["active"].values()) == {False}
+    assert compiled_out["results"] == source_out["results"]
+    assert all(result["completed"] == result["requests"] > 0 for result in compiled_out["results"])
