@@ -28,7 +28,7 @@ ADD_USER='groupadd --system --gid 10001 gpufaas
   useradd --system --uid 10001 --gid gpufaas --home-dir /var/lib/gpufaas --shell /usr/sbin/nologin gpufaas
   mkdir -p /var/lib/gpufaas/gateway /var/lib/gpufaas/node /run/gpufaas
   chown -R gpufaas:gpufaas /var/lib/gpufaas /run/gpufaas'
-COPY_SRC='mkdir /tmp/src && tar -C /src --exclude=./.venv --exclude=./.git -c . | tar -C /tmp/src -x'
+COPY_SRC='mkdir /tmp/src && tar -C /src --exclude=./.venv --exclude=./.git --exclude=./.native -c . | tar -C /tmp/src -x'
 VENV_PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
 # build FROM IMAGE SCRIPT [--change ...]: run SCRIPT (sh -e, as root) in a container of FROM with

@@ -43,6 +43,7 @@ NATIVE_MODULES: tuple[str, ...] = (
     "cache_manager.manager",
     "scheduler.calls",
     "scheduler.core",
+    "scheduler.decisions",
     "scheduler.estimator",
     "scheduler.queues",
     "scheduler.reservations",
