@@ -79,6 +79,15 @@ class Manifest:
         return cls(python=str(raw["python"]), modules=dict(raw["modules"]), files=dict(raw["files"]))
 
 
+# What reading a manifest may raise: missing or unreadable, not JSON, or not a manifest's shape.
+MANIFEST_ERRORS = (OSError, ValueError, KeyError, TypeError)
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """The manifest of the build in `directory`; raises one of MANIFEST_ERRORS where there is none."""
+    return Manifest.from_json((directory / MANIFEST).read_text())
+
+
 def python_tag() -> str:
     """The interpreter a build is for: its cache tag and extension suffix (ABI and platform)."""
     return f"{sys.implementation.cache_tag}{sysconfig.get_config_var('EXT_SUFFIX')}"
@@ -151,13 +160,11 @@ def install() -> bool:
         return False
     directory = native_dir()
     try:
-        manifest = Manifest.from_json((directory / MANIFEST).read_text())
+        manifest = read_manifest(directory)
     except FileNotFoundError:
         return False  # not built: from source
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        logger.warning(
-            "ignoring the compiled modules in %s (%s): rebuild with `python -m gpufaas.native build`", directory, exc
-        )
+    except MANIFEST_ERRORS as exc:
+        logger.warning("ignoring the compiled modules in %s (%s): rebuild with `%s`", directory, exc, REBUILD)
         return False
     stale = stale_modules(manifest, digests(NATIVE_MODULES), python_tag())
     paths = {name: directory / file for name, file in manifest.files.items()}
@@ -240,10 +247,9 @@ def build(directory: Path | None = None) -> Manifest:
 
 def current_build(directory: Path | None = None) -> Manifest | None:
     """The build in `directory` (default `native_dir()`) if it matches every source; else None."""
-    path = (directory if directory is not None else native_dir()) / MANIFEST
     try:
-        manifest = Manifest.from_json(path.read_text())
-    except (OSError, ValueError, KeyError, TypeError):
+        manifest = read_manifest(directory if directory is not None else native_dir())
+    except MANIFEST_ERRORS:
         return None
     return None if stale_modules(manifest, digests(NATIVE_MODULES), python_tag()) else manifest
 

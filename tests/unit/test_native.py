@@ -124,3 +124,14 @@ def test_the_simulator_decides_alike_compiled_and_from_source() -> None:
     assert set(source_out["active"].values()) == {False}
     assert compiled_out["results"] == source_out["results"]
     assert all(result["completed"] == result["requests"] > 0 for result in compiled_out["results"])
+
+
+def test_a_damaged_manifest_is_ignored_with_a_warning(tmp_path: Path) -> None:
+    directory = tmp_path / native.native_dir().name
+    directory.mkdir()
+    (directory / native.MANIFEST).write_text('{"python": "x"')  # cut short
+    code = "import scheduler.state, json; from gpufaas import native; print(json.dumps(native.active()))"
+    result = run_python(code, GPUFAAS_NATIVE_DIR=str(tmp_path), GPUFAAS_NATIVE="1")
+    assert result.returncode == 0, result.stderr
+    assert set(json.loads(result.stdout).values()) == {False}
+    assert "ignoring the compiled modules" in result.stderr and "python -m gpufaas.native build" in result.stderr
