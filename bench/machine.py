@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from gpufaas import native
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -43,11 +45,19 @@ def cpu_model() -> str | None:
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
 
 
+def compiled_decision_core() -> bool:
+    """Whether a process started now would load gpufaas.native's builds."""
+    return os.environ.get(native.ENV_SWITCH, "1") != "0" and native.current_build() is not None
+
+
 def run_metadata(**extra: Any) -> dict[str, Any]:
-    """Date, commit, Python, platform, CPUs and load average, plus `extra`."""
+    """Date, commit, Python, platform, CPUs and load average, whether the processes started from
+    here run the decision core compiled (gpufaas.native: built, current and not switched off), plus
+    `extra`."""
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
+        "compiled_decision_core": compiled_decision_core(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),

@@ -39,6 +39,12 @@ fi
 .venv/bin/mypy
 bash scripts/secret-scan.sh  # a tracked file with a secret that .secrets.baseline does not list fails
 .venv/bin/python -m pytest -q "$@"
+# The suite above ran the decision core compiled (gpufaas.native); the wheel and the images run it
+# from source: the scheduler's and the simulator's logic again that way (about a minute).
+if [ $# -eq 0 ]; then
+  GPUFAAS_NATIVE=0 .venv/bin/python -m pytest -q tests/property tests/unit/test_simulation.py \
+    tests/unit/test_lalb.py tests/unit/test_calls.py tests/unit/test_queues.py tests/unit/test_cache_manager.py
+fi
 # gpufaas as a user installs it (the wheel in a fresh virtualenv outside the repository, its extras,
 # the README's path from up to down; 3.5 to 6.5 minutes here, most of it installing torch): under CI.
 if [ "${CI:-}" = true ]; then

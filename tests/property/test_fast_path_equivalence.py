@@ -117,7 +117,11 @@ def add_gpu(scheduler: Scheduler, spec: GpuSpec, setup: Setup) -> None:
 
 
 # --- what the two must agree on ------------------------------------------------------------------
-CACHE_FIELDS = ("gpu_id", "capacity_mb", "_items", "_last_used_tick", "_pins", "used_mb", "pinned_mb")
+def fields(obj: object, *, but: str) -> dict[str, Any]:
+    """Every field of `obj` but `but`: its `__dict__`, or a compiled class's declared attributes
+    (gpufaas.native), so that a field added later is compared too."""
+    names = getattr(type(obj), "__mypyc_attrs__", None) or vars(obj)
+    return {name: getattr(obj, name) for name in names if name != but and hasattr(obj, name)}
 
 
 def snapshot(scheduler: Scheduler, now: float) -> dict[str, Any]:
@@ -144,8 +148,7 @@ def snapshot(scheduler: Scheduler, now: float) -> dict[str, Any]:
     caches = {}
     for gpu_id in cache.gpu_ids():
         gpu_cache = cache.gpu(gpu_id)
-        # Every field of the GpuCache but its eviction policy (named: a compiled one has no __dict__).
-        items = {k: getattr(gpu_cache, k) for k in CACHE_FIELDS}
+        items = fields(gpu_cache, but="_policy")
         caches[gpu_id] = {k: list(v.items()) if isinstance(v, dict) else v for k, v in items.items()}
     hosts = {}
     for node in {state.spec.node for state in cluster.gpus.values()}:
@@ -169,7 +172,7 @@ def snapshot(scheduler: Scheduler, now: float) -> dict[str, Any]:
         "refill": sorted(cluster.refill),
         "dispatched_ahead": cluster.dispatched_ahead,
         "seq_of": dict(scheduler._seq_of),
-        "exit": (dict(scheduler._exit._last_used_s), dict(scheduler._exit._host_since_s)),
+        "exit": fields(scheduler._exit, but="cluster"),
         "links": {link: dict(copies) for link, copies in cluster.links._by_link.items()},
         "best_idle_holder": {m: cluster.best_idle_holder(m) for m in MODELS},
         "soonest_busy_holder": {m: cluster.soonest_busy_holder(m, now) for m in MODELS},

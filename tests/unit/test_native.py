@@ -43,7 +43,8 @@ runs = [
     ("torpor", ClusterConfig(gpus=6, host_memory_mb=16384, gpus_per_link=2)),
 ]
 results = [asdict(simulate(workload, policy, cluster=cluster)) for policy, cluster in runs]
-print(json.dumps({"active": native.active(), "results": results}, sort_keys=True))
+print(json.dumps(native.active()))
+print(json.dumps(results, sort_keys=True))  # compared as text: 0 and 0.0 differ there
 """
 
 
@@ -60,7 +61,7 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 def manifest_for(modules: dict[str, str], python: str | None = None) -> Manifest:
-    files = {name: name.replace(".", "/") + ".so" for name in modules}
+    files = {name: name.replace(".", "/") + ".so" for name in (*NATIVE_MODULES, f"{native.GROUP}__mypyc")}
     return Manifest(python=python or python_tag(), modules=modules, files=files)
 
 
@@ -119,11 +120,13 @@ def test_the_simulator_decides_alike_compiled_and_from_source() -> None:
     compiled, source = (run_python(SIMULATE, GPUFAAS_NATIVE=switch) for switch in ("1", "0"))
     assert compiled.returncode == 0, compiled.stderr
     assert source.returncode == 0, source.stderr
-    compiled_out, source_out = json.loads(compiled.stdout), json.loads(source.stdout)
-    assert set(compiled_out["active"].values()) == {True}
-    assert set(source_out["active"].values()) == {False}
-    assert compiled_out["results"] == source_out["results"]
-    assert all(result["completed"] == result["requests"] > 0 for result in compiled_out["results"])
+    (compiled_active, compiled_results), (source_active, source_results) = (
+        out.stdout.splitlines() for out in (compiled, source)
+    )
+    assert set(json.loads(compiled_active).values()) == {True}
+    assert set(json.loads(source_active).values()) == {False}
+    assert compiled_results == source_results
+    assert all(result["completed"] == result["requests"] > 0 for result in json.loads(compiled_results))
 
 
 def test_a_damaged_manifest_is_ignored_with_a_warning(tmp_path: Path) -> None:
@@ -135,3 +138,47 @@ def test_a_damaged_manifest_is_ignored_with_a_warning(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert set(json.loads(result.stdout).values()) == {False}
     assert "ignoring the compiled modules" in result.stderr and "python -m gpufaas.native build" in result.stderr
+
+
+def test_a_build_depends_on_what_its_modules_import_directly_or_not(tmp_path: Path) -> None:
+    for name, text in {
+        "gpufaas/__init__.py": "",
+        "gpufaas/types.py": "from gpufaas.errors import Oops\n",
+        "gpufaas/errors.py": "class Oops(Exception): ...\n",
+        "gpufaas/unused.py": "",
+        "scheduler/__init__.py": "",
+        "scheduler/core.py": "import json\n\ndef f():\n    from gpufaas.types import Request\n",
+    }.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    got = native.build_sources(["scheduler.core"], root=tmp_path)
+    assert got == ["gpufaas", "gpufaas.errors", "gpufaas.types", "scheduler.core"]
+    # And the real set: what the compiled code checks values against is in it, the gateway is not.
+    sources = native.build_sources()
+    assert {"gpufaas.types", "scheduler.policies.base", *NATIVE_MODULES} <= set(sources)
+    assert not any(name.startswith(("gateway", "gpu_manager")) for name in sources)
+    assert "gpufaas.native" not in sources
+
+
+def test_a_build_is_stale_when_a_module_it_imports_changed(tmp_path: Path) -> None:
+    directory = tmp_path / native.native_dir().name
+    directory.mkdir()
+    digests = native.digests(native.build_sources())
+    digests["gpufaas.types"] = "0" * 64  # Request's fields as they were when built
+    (directory / native.MANIFEST).write_text(manifest_for(digests).to_json())
+    result = run_python("import scheduler.core", GPUFAAS_NATIVE_DIR=str(tmp_path), GPUFAAS_NATIVE="1")
+    assert result.returncode == 0, result.stderr
+    assert "do not match the sources (gpufaas.types)" in result.stderr
+
+
+@needs_build
+def test_the_choice_is_made_once_a_process_and_never_mixes_builds_with_sources() -> None:
+    # From source at the first import; the switch turned on later changes nothing (loading the
+    # builds beside modules of the group already imported would mix two copies of its classes).
+    code = "import os, json, scheduler\nos.environ['GPUFAAS_NATIVE'] = '1'\nimport simulator.engine\n"
+    code += "from gpufaas import native\nprint(json.dumps([native.install(), native.active()]))"
+    result = run_python(code, GPUFAAS_NATIVE="0")
+    assert result.returncode == 0, result.stderr
+    installed, active = json.loads(result.stdout)
+    assert installed is False
+    assert set(active.values()) == {False} and "simulator.engine" in active
