@@ -34,8 +34,10 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import sys
 import sysconfig
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -60,7 +62,8 @@ NATIVE_MODULES: tuple[str, ...] = (
     "scheduler.state",
     "simulator.engine",
 )
-GROUP = "gpufaas_native"  # the shared library's name: `<GROUP>__mypyc`
+GROUP = "gpufaas_native"  # mypyc's group name
+LIBRARY = f"{GROUP}__mypyc"  # the group's shared library, a module of its own
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 2  # 2: `modules` holds every source of `build_sources`, not only the compiled ones
 ENV_SWITCH = "GPUFAAS_NATIVE"  # "0": run from source even where built
@@ -201,7 +204,7 @@ def usable_build(directory: Path) -> Manifest:
         raise
     except MANIFEST_ERRORS as exc:
         raise NotUsable(f"its manifest is damaged ({exc})") from exc
-    if set(manifest.files) != {*NATIVE_MODULES, f"{GROUP}__mypyc"}:
+    if set(manifest.files) != {*NATIVE_MODULES, LIBRARY}:
         raise NotUsable("it was built for another set of modules")
     stale = stale_modules(manifest, digests(sorted({*manifest.modules, *NATIVE_MODULES})), python_tag())
     if stale:
@@ -261,14 +264,12 @@ def build(directory: Path | None = None) -> Manifest:
     extra and the system's cc) and point `directory` (default `native_dir()`) at the build once the
     whole build succeeded. Returns its manifest. Raises RuntimeError, saying what is missing,
     where it cannot build."""
-    import shutil
-
     try:
         from mypyc.build import mypycify
         from setuptools import Distribution  # type: ignore[import-untyped]
     except ImportError as exc:
         raise RuntimeError(
-            f"building the compiled modules needs mypy and setuptools ({exc}): pip install mypy"
+            f"building the compiled modules needs mypy and setuptools ({exc}): install the dev extra"
         ) from exc
     compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
     if shutil.which(compiler) is None:
@@ -285,9 +286,6 @@ def _build_into(mypycify: Any, distribution_class: Any, link: Path) -> Manifest:
     """Compile into a new directory beside `link`, then point `link` at it in one step (a process
     starting meanwhile sees the old build or the new one, never none), and remove the builds
     older than the one it replaced."""
-    import shutil
-    import tempfile
-
     sources = build_sources()
     before = digests(sources)
     version = link.parent / f"{link.name}.{int(time.time())}-{os.getpid()}"
@@ -308,7 +306,7 @@ def _build_into(mypycify: Any, distribution_class: Any, link: Path) -> Manifest:
             raise RuntimeError("a source changed during the build: build again")
         suffix = sysconfig.get_config_var("EXT_SUFFIX")
         files = {name: str(Path(*name.split(".")).with_suffix("")) + suffix for name in NATIVE_MODULES}
-        files[f"{GROUP}__mypyc"] = f"{GROUP}__mypyc{suffix}"
+        files[LIBRARY] = f"{LIBRARY}{suffix}"
         absent = [file for file in files.values() if not (work / "lib" / file).is_file()]
         if absent:
             raise RuntimeError(f"mypyc's build did not write {', '.join(absent)}")

@@ -61,8 +61,22 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 def manifest_for(modules: dict[str, str], python: str | None = None) -> Manifest:
-    files = {name: name.replace(".", "/") + ".so" for name in (*NATIVE_MODULES, f"{native.GROUP}__mypyc")}
+    files = {name: name.replace(".", "/") + ".so" for name in (*NATIVE_MODULES, native.LIBRARY)}
     return Manifest(python=python or python_tag(), modules=modules, files=files)
+
+
+def imports_and_reports(module: str) -> str:
+    """Code that imports `module` (so its package's install() runs) and prints which of the group run compiled."""
+    return f"import {module}, json; from gpufaas import native; print(json.dumps(native.active()))"
+
+
+def import_beside_build(tmp_path: Path, manifest_text: str, module: str) -> subprocess.CompletedProcess[str]:
+    """`imports_and_reports(module)` in a new process whose build directory holds only a manifest
+    of `manifest_text`."""
+    directory = tmp_path / native.native_dir().name
+    directory.mkdir()
+    (directory / native.MANIFEST).write_text(manifest_text)
+    return run_python(imports_and_reports(module), GPUFAAS_NATIVE_DIR=str(tmp_path), GPUFAAS_NATIVE="1")
 
 
 def test_a_build_matches_only_the_sources_it_was_compiled_from() -> None:
@@ -83,13 +97,9 @@ def test_the_manifest_round_trips_through_its_json() -> None:
 
 
 def test_a_stale_build_is_not_loaded_and_says_how_to_rebuild(tmp_path: Path) -> None:
-    directory = tmp_path / native.native_dir().name
-    directory.mkdir()
     digests = native.digests(NATIVE_MODULES)
     digests["scheduler.state"] = "0" * 64  # compiled from another source than the one here
-    (directory / native.MANIFEST).write_text(manifest_for(digests).to_json())
-    code = "import scheduler.state, json; from gpufaas import native; print(json.dumps(native.active()))"
-    result = run_python(code, GPUFAAS_NATIVE_DIR=str(tmp_path), GPUFAAS_NATIVE="1")
+    result = import_beside_build(tmp_path, manifest_for(digests).to_json(), "scheduler.state")
     assert result.returncode == 0, result.stderr
     assert set(json.loads(result.stdout).values()) == {False}  # the whole group: they share one library
     assert "do not match the sources (scheduler.state)" in result.stderr
@@ -97,8 +107,7 @@ def test_a_stale_build_is_not_loaded_and_says_how_to_rebuild(tmp_path: Path) -> 
 
 
 def test_without_a_build_everything_runs_from_source_silently(tmp_path: Path) -> None:
-    code = "import simulator.engine, json; from gpufaas import native; print(json.dumps(native.active()))"
-    result = run_python(code, GPUFAAS_NATIVE_DIR=str(tmp_path))
+    result = run_python(imports_and_reports("simulator.engine"), GPUFAAS_NATIVE_DIR=str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert set(json.loads(result.stdout).values()) == {False}
     assert result.stderr == ""
@@ -130,11 +139,7 @@ def test_the_simulator_decides_alike_compiled_and_from_source() -> None:
 
 
 def test_a_damaged_manifest_is_ignored_with_a_warning(tmp_path: Path) -> None:
-    directory = tmp_path / native.native_dir().name
-    directory.mkdir()
-    (directory / native.MANIFEST).write_text('{"python": "x"')  # cut short
-    code = "import scheduler.state, json; from gpufaas import native; print(json.dumps(native.active()))"
-    result = run_python(code, GPUFAAS_NATIVE_DIR=str(tmp_path), GPUFAAS_NATIVE="1")
+    result = import_beside_build(tmp_path, '{"python": "x"', "scheduler.state")  # cut short
     assert result.returncode == 0, result.stderr
     assert set(json.loads(result.stdout).values()) == {False}
     assert "ignoring the compiled modules" in result.stderr and "python -m gpufaas.native build" in result.stderr
@@ -161,13 +166,11 @@ def test_a_build_depends_on_what_its_modules_import_directly_or_not(tmp_path: Pa
 
 
 def test_a_build_is_stale_when_a_module_it_imports_changed(tmp_path: Path) -> None:
-    directory = tmp_path / native.native_dir().name
-    directory.mkdir()
     digests = native.digests(native.build_sources())
     digests["gpufaas.types"] = "0" * 64  # Request's fields as they were when built
-    (directory / native.MANIFEST).write_text(manifest_for(digests).to_json())
-    result = run_python("import scheduler.core", GPUFAAS_NATIVE_DIR=str(tmp_path), GPUFAAS_NATIVE="1")
+    result = import_beside_build(tmp_path, manifest_for(digests).to_json(), "scheduler.core")
     assert result.returncode == 0, result.stderr
+    assert set(json.loads(result.stdout).values()) == {False}
     assert "do not match the sources (gpufaas.types)" in result.stderr
 
 
