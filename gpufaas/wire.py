@@ -382,6 +382,11 @@ class Connection(asyncio.BufferedProtocol):
             return
         self._end += nbytes
         self._parse()
+        if self._out:
+            # What the frames just read were answered with leaves now, not after every other
+            # connection's reads of this loop iteration have been handled (as many writes: one
+            # per read instead of one per iteration, and a connection is read once an iteration).
+            self._flush()
 
     def eof_received(self) -> bool | None:
         return None  # close our side too

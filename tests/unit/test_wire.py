@@ -642,6 +642,30 @@ def test_messages_sent_in_one_loop_pass_are_written_with_one_write() -> None:
     asyncio.run(scenario())
 
 
+def test_the_answers_to_what_one_read_brought_are_written_before_the_loop_turns() -> None:
+    """A server answers what it just read at once, with one write: not after every other
+    connection's reads of the loop pass (a scheduler reads dozens of them per pass)."""
+
+    async def scenario() -> None:
+        conn = attached(Peer())
+        transport = recorded(conn)
+        requests = [
+            raw_frame(MessageType.PLACE, f"h{i}".encode(), b"", flags=FLAG_REQUEST, correlation_id=i) for i in range(3)
+        ]
+        feed(conn, b"".join(requests))
+        answers = [
+            raw_frame(MessageType.EXECUTE_REPLY, f"h{i}".encode(), b"", flags=FLAG_REPLY, correlation_id=i)
+            for i in range(3)
+        ]
+        assert transport.writes == [b"".join(answers)]
+        feed(conn, one_way(9, 4)[0])  # nothing to answer: nothing written
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert transport.writes == [b"".join(answers)]  # and no empty write when the loop turns
+
+    asyncio.run(scenario())
+
+
 def test_a_large_body_is_written_at_once_after_what_was_queued_before_it() -> None:
     async def scenario() -> None:
         conn = attached()
