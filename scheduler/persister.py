@@ -24,6 +24,9 @@ log = logging.getLogger("gpufaas.scheduler")
 FLUSH_DELAY_S = 1.0
 PROFILE_WRITE_INTERVAL_S = 5.0  # measured times move a little on every call: persist them calmly
 RETRY_S = 0.5  # after a flush etcd refused
+# GPUs encoded between two yields to the event loop: a flush of a thousand busy GPUs is about 7 ms
+# of JSON, which in one piece would hold every call the scheduler is placing for as long.
+GPUS_PER_SLICE = 64
 DELETED = b""  # in `_written`: this scheduler deleted the key (every value it puts is JSON, never empty)
 
 
@@ -124,7 +127,7 @@ class StatePersister:
         writes: dict[str, bytes | None] = {}  # key -> value (None: delete), in the order decided
         try:
             self._delete_gpus(deleted, writes)
-            self._write_gpus(gpus, writes)
+            await self._write_gpus(gpus, writes)
             self._write_replicas(models, writes)
             self._write_profiles(profiles, writes)
             await self._write_all(writes)
@@ -142,13 +145,17 @@ class StatePersister:
             node, gpu = split_gpu_address(address)
             writes[self.keys.gpu_lru(node, gpu)] = writes[self.keys.gpu_status(node, gpu)] = None
 
-    def _write_gpus(self, gpus: set[str], writes: dict[str, bytes | None]) -> None:
-        """Each GPU's LRU list and status (a GPU that left meanwhile is skipped)."""
-        live = set(self.scheduler.cache.gpu_ids())
-        for address in gpus & live:
+    async def _write_gpus(self, gpus: set[str], writes: dict[str, bytes | None]) -> None:
+        """Each GPU's LRU list and status (a GPU that left meanwhile is skipped), GPUS_PER_SLICE at
+        a time between the event loop's other work; each as it is when encoded."""
+        for index, address in enumerate(gpus):
+            if index and not index % GPUS_PER_SLICE:
+                await asyncio.sleep(0)
+            try:
+                cache, state = self.scheduler.cache.gpu(address), self.scheduler.gpu(address)
+            except KeyError:
+                continue  # it left
             node, gpu = split_gpu_address(address)
-            cache = self.scheduler.cache.gpu(address)
-            state = self.scheduler.gpu(address)
             lru = [{"model": m, "memory_mb": cache.item(m).memory_mb} for m in cache.lru_list()]
             self._put(writes, self.keys.gpu_lru(node, gpu), json.dumps(lru).encode())
             status = {

@@ -75,6 +75,7 @@ DEFAULT_SLOTS = 4
 DEFAULT_PRESTAGE_NODES = 2  # nodes that get a new function's package before its first call
 ATTACH_WAIT_S = 2.0  # a new term takes calls once its registered nodes attached, or this long after it began
 ATTACH_POLL_S = 0.02
+EARLY_PER_SLICE = 256  # Places that waited for the attaches, placed between two turns of the loop
 MAX_CLAIM_S = 30.0  # nodes remember grants (and revocations) for 60 s: a claim must fall well inside
 
 
@@ -302,13 +303,18 @@ class SchedulerService:
         term, deadline = self.term, self.clock() + ATTACH_WAIT_S
         while not self.links.all_attached() and self.clock() < deadline:
             await asyncio.sleep(ATTACH_POLL_S)
-        term.open = True
         gc.collect()  # first, so that no cycle left over from an earlier term is frozen for good
         gc.freeze()  # what lives now (the attached cluster) leaves the collector's walks: O(1)
-        early, term.early = term.early, []
-        for conn, request in early:
-            if not conn.is_closed:
-                self.place(conn, request)
+        # The Places that waited, oldest first, EARLY_PER_SLICE at a time with the loop's other
+        # work between (the lease's keep-alives among it: a new leader under a flood has
+        # thousands); those arriving meanwhile queue behind them, until none is left.
+        while term.early:
+            early, term.early = term.early[:EARLY_PER_SLICE], term.early[EARLY_PER_SLICE:]
+            for conn, request in early:
+                if not conn.is_closed:
+                    self._take(conn, request)
+            await asyncio.sleep(0)
+        term.open = True
 
     def confirmed(self) -> None:
         """Sure of the leadership again: carry out what was decided meanwhile."""
@@ -427,6 +433,9 @@ class SchedulerService:
         if not self.term.open:
             self.term.early.append((conn, request))
             return
+        self._take(conn, request)
+
+    def _take(self, conn: Connection, request: pb.Place) -> None:
         spec = self.catalog.functions.get(request.function)
         if spec is None:
             # A deploy that just happened may not have reached the watch yet: read through once.

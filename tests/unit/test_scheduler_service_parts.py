@@ -8,18 +8,19 @@ import hashlib
 import json
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
+from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import MAX_TXN_BYTES, MAX_TXN_OPS, StoreError
 from gpufaas.types import GpuSpec
-from gpufaas.wire import Unauthenticated
+from gpufaas.wire import Connection, Unauthenticated
 from gpufaas.wire_local import PEER_NAME, link_here
-from scheduler.persister import _batches
-from scheduler.service import SchedulerService
+from scheduler.persister import GPUS_PER_SLICE, _batches
+from scheduler.service import EARLY_PER_SLICE, SchedulerService
 from tests.fakes import MemoryStore
 
 GPU = "n1/g0"
@@ -90,6 +91,35 @@ def test_a_flush_of_many_gpus_takes_one_transaction_per_max_txn_ops_keys() -> No
         await service.persister.flush()
         # 200 keys (an LRU list and a status per GPU): two transactions, two revisions.
         assert await store.revision() == before + math.ceil(2 * len(gpus) / MAX_TXN_OPS) == before + 2
+        for spec in gpus:
+            assert await store.get(service.keys.gpu_status("n1", spec.gpu_id.split("/")[1])) is not None
+
+    run(scenario)
+
+
+def test_a_flush_of_many_gpus_lets_the_loop_run_between_slices_of_them() -> None:
+    """Encoding a thousand GPUs' keys is milliseconds of CPU: the calls being placed meanwhile
+    get the loop every GPUS_PER_SLICE GPUs, before the first write and not only at it."""
+
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        gpus = [GpuSpec(f"n1/g{i}", 8000, "cpu", node="n1") for i in range(3 * GPUS_PER_SLICE + 1)]
+        for spec in gpus:
+            service.scheduler.add_gpu(spec)
+            service.book.dirty_gpus.add(spec.gpu_id)
+        before = await store.revision()
+        turns_before_a_write = 0
+
+        async def other_work() -> None:
+            nonlocal turns_before_a_write
+            while await store.revision() == before:  # (the read is a turn of the loop too)
+                turns_before_a_write += 1
+
+        watcher = asyncio.create_task(other_work())
+        await asyncio.sleep(0)
+        await service.persister.flush()
+        await watcher
+        # 3 yields between the 4 slices; the first write's own turn is not counted.
+        assert turns_before_a_write >= 3
         for spec in gpus:
             assert await store.get(service.keys.gpu_status("n1", spec.gpu_id.split("/")[1])) is not None
 
@@ -262,3 +292,44 @@ def test_flush_batches_keep_to_etcds_count_and_size_limits() -> None:
     writes: dict[str, bytes | None] = {"/a": b"x" * big, "/b": b"x" * big, "/c": None, "/d": b"x" * 3 * MAX_TXN_BYTES}
     assert [list(b) for b in _batches(writes)] == [["/a"], ["/b", "/c"], ["/d"]]
     assert _batches({}) == []
+
+
+class OpenConn:
+    """A gateway's connection as `_open_when_attached` reads it: open."""
+
+    is_closed = False
+
+
+def test_the_places_that_waited_for_the_attaches_go_first_in_slices_with_the_loop_between() -> None:
+    """A new leader under a flood holds thousands of Places while its nodes attach: placed in
+    one go they held the loop (and the lease's keep-alives) for a second. The ones arriving
+    meanwhile wait behind them."""
+
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        taken: list[str] = []
+        service._take = lambda conn, request: taken.append(request.call_id)  # type: ignore[method-assign]
+        conn = cast(Connection, OpenConn())
+        service.term.open = False  # as a term begins (take_office)
+        early = [pb.Place(call_id=f"c{i}", function="fn") for i in range(2 * EARLY_PER_SLICE + 1)]
+        for request in early:
+            service.place(conn, request)
+        assert taken == []  # the term is not open: every Place waits
+        turns = 0
+
+        async def other_work() -> None:
+            nonlocal turns
+            while not service.term.open:
+                turns += 1
+                if turns == 2:
+                    service.place(conn, pb.Place(call_id="late", function="fn"))
+                await asyncio.sleep(0)
+
+        watcher = asyncio.create_task(other_work())
+        await service._open_when_attached()  # no node is registered: all attached
+        await watcher
+        assert turns >= 3  # between the three slices
+        assert taken == [request.call_id for request in early] + ["late"]
+        service.place(conn, pb.Place(call_id="open", function="fn"))
+        assert taken[-1] == "open"
+
+    run(scenario)
