@@ -122,11 +122,13 @@ class NodeLinks:
             self.spawn(self._keep_attached(node))
 
     def deactivate(self) -> None:
-        """The term ends: every node's GPUs are taken out and its connection closed; the
-        registered nodes are kept (the catalog goes on watching them) for the next term."""
+        """The term ends: every node's GPUs are taken out, all at once, and its connection
+        closed; the registered nodes are kept (the catalog goes on watching them) for the next
+        term. (Node by node, each node's calls would be placed again on the nodes not yet taken
+        out: a scheduler stepping down with a long queue spent seconds placing it 50 times.)"""
         self.active = False
+        self._detach(*self.nodes.values())
         for node in self.nodes.values():
-            self._detach(node)
             if node.conn is not None:
                 node.conn.close()
                 node.conn = None
@@ -239,12 +241,14 @@ class NodeLinks:
         self.apply(effects + self.book.schedule(self.clock()))
         self._prestage_all_soon()
 
-    def _detach(self, node: NodeLink) -> None:
-        """Take a node's GPUs out: their parked calls go back to the queue; their placed ones are
+    def _detach(self, *nodes: NodeLink) -> None:
+        """Take the nodes' GPUs out: their parked calls go back to the queue; their placed ones are
         placed again only where their gateway never sent them (scheduler.calls, STRANDED)."""
-        if not node.gpu_ids:
+        gpu_ids = [gpu_id for node in nodes for gpu_id in node.gpu_ids]
+        for node in nodes:
+            node.gpu_ids = []
+        if not gpu_ids:
             return
-        gpu_ids, node.gpu_ids = node.gpu_ids, []
         self.persister.gpus_left(gpu_ids)
         self.apply(self.book.gpus_removed(gpu_ids, self.clock()))
 

@@ -121,14 +121,7 @@ class GlobalQueue:
         # The marks at or behind the insertion point count for the new node as for `behind`.
         node.own_skips = 0 if behind is None else behind.own_skips
         self._link_after(self._tail if behind is None else behind.prev, node)
-        index = self._by_model.setdefault(request.model, OrderedDict())
-        needs_sort = bool(index) and next(reversed(index.values())).seq > seq
-        index[request.request_id] = node
-        self._recount(request.model, len(index) - 1, len(index))
-        if needs_sort:
-            ordered = sorted(index.values(), key=lambda n: n.seq)
-            index.clear()
-            index.update((n.request.request_id, n) for n in ordered)
+        self._index_insert(node)
 
     def remove(self, request_id: str) -> Request:
         node = self._nodes.pop(request_id)
@@ -174,18 +167,7 @@ class GlobalQueue:
         else:
             self._tail = node
         self._nodes[node.request.request_id] = node
-        index = self._by_model.setdefault(node.request.model, OrderedDict())
-        last = next(reversed(index.values()), None)
-        first = next(iter(index.values()), None)
-        index[node.request.request_id] = node
-        self._recount(node.request.model, len(index) - 1, len(index))
-        if last is not None and last.seq > node.seq:
-            if first is not None and node.seq < first.seq:
-                index.move_to_end(node.request.request_id, last=False)  # the usual case: the oldest
-            else:
-                ordered = sorted(index.values(), key=lambda n: n.seq)
-                index.clear()
-                index.update((n.request.request_id, n) for n in ordered)
+        self._index_insert(node)
 
     def pass_over(self, request_id: str, *, exempt: Iterable[str] = ()) -> None:
         """Count one skip for every request queued ahead of `request_id`, except `exempt` ones
@@ -318,6 +300,32 @@ class GlobalQueue:
             index = self._by_model[model] = OrderedDict()
         index[node.request.request_id] = node
         self._recount(model, len(index) - 1, len(index))
+
+    def _index_insert(self, node: _Node) -> None:
+        """Put `node` in its model's index in arrival order: O(1) as its youngest or its oldest,
+        else O(the model's requests older than it). A requeue goes near the front, and a node's
+        calls requeued together (a node left, a scheduler stepped down) are each O(those ahead),
+        where sorting the index each time was O(n log n): seconds for a long queue of one model."""
+        model, request_id = node.request.model, node.request.request_id
+        index = self._by_model.get(model)
+        if index is None:
+            index = self._by_model[model] = OrderedDict()
+        youngest = next(reversed(index.values()), None)
+        oldest = next(iter(index.values()), None)
+        index[request_id] = node
+        self._recount(model, len(index) - 1, len(index))
+        if youngest is None or youngest.seq < node.seq:
+            return  # the youngest: where it was put
+        older: list[str] = []
+        if oldest is not None and oldest.seq < node.seq:
+            for other in index.values():
+                if other.seq > node.seq:
+                    break
+                older.append(other.request.request_id)
+        # Ahead of the younger ones, behind `older` (none: the oldest).
+        index.move_to_end(request_id, last=False)
+        for other_id in reversed(older):
+            index.move_to_end(other_id, last=False)
 
     def _recount(self, model: str, old: int, new: int) -> None:
         """Move `model` from the bucket of `old` queued requests to that of `new` (0: none)."""

@@ -6,7 +6,9 @@ import hashlib
 
 import pytest
 
+from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.functions import FunctionSpec
+from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.types import GpuSpec
 from scheduler.calls import (
@@ -21,7 +23,10 @@ from scheduler.calls import (
     EvictHost,
     Rejected,
 )
+from scheduler.node_links import NodeLink, NodeLinks
+from scheduler.persister import StatePersister
 from tests.builders import INFERENCE_S, LOAD_S, cache_on, make_scheduler
+from tests.fakes import MemoryStore
 
 CLAIM_S = 5.0
 LOST_AFTER_S = 5.0
@@ -868,3 +873,41 @@ def test_a_stranded_call_never_sent_waits_for_a_gpu_when_none_is_left() -> None:
     assert len(book) == 1 and queued(book) == []
     book.scheduler.add_gpu(GpuSpec(N1, 8000, slots=1, node="n1"))  # its node attached again
     assert placed(book.schedule(2.0)) == [("c1", 2, N1, 2, False)]  # (grants on n1/g0 go on counting)
+
+
+# --- a term's end (scheduler.node_links) --------------------------------------------------------
+
+
+def test_a_term_that_ends_takes_every_gpu_out_at_once_and_places_nothing_meanwhile() -> None:
+    """Node by node, the call parked on n1 would be placed on n2 (idle) before n2 is taken out
+    too: wasted work, in the thousands of calls for a long queue at a step-down."""
+    book = make_book(A)
+    cache_on(book.scheduler, N1, A.model)
+    first = placed(book.submit("gw", "c1", A, 60.0, 0.0))
+    assert first == [("c1", 1, N1, 1, True)]
+    assert book.submit("gw", "c2", A, 60.0, 0.0) == []  # parked behind c1: waiting beats loading
+    assert [r.request_id for r in book.scheduler.gpu(N1).local_queue] == ["c2"]
+    applied: list[Effect] = []
+    links = NodeLinks(
+        book.scheduler,
+        book,
+        StatePersister(MemoryStore(), Keys("/t"), book.scheduler, book, lambda: 0.0),
+        functions={},
+        apply=applied.extend,
+        spawn=lambda coroutine: coroutine.close(),
+        session_for=lambda node: pytest.fail("nothing is linked here"),
+        slots_for=lambda gpu_type: 1,
+        clock=lambda: 1.0,
+        wire_key=None,
+        prestage_nodes=0,
+    )
+    for gpu_id in (N1, N2):
+        node = gpu_id.split("/")[0]
+        record = NodeRecord(node, f"{node}:7001", "cpu", "i1", [GpuRecord("g0", 8000, "cpu")])
+        links.nodes[node] = NodeLink(record, gpu_ids=[gpu_id])
+
+    links.deactivate()
+
+    assert not any(isinstance(effect, Assignment) for effect in applied), applied
+    assert book.scheduler.cache.num_gpus == 0
+    assert queued(book) == ["c2"]  # the next term's to place; c1 (sent) is stranded

@@ -80,6 +80,26 @@ def test_requeued_request_goes_back_in_arrival_order_keeping_counts_monotone() -
     assert queue.oldest_for("A") == a
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_requests_requeued_in_any_order_leave_each_models_index_in_arrival_order(seed: int) -> None:
+    """A node's calls go back together (a node left, a scheduler stepped down), in no particular
+    order, into a queue that has younger calls of the same models."""
+    rng = random.Random(seed)
+    models = [rng.choice("ABC") for _ in range(60)]
+    queue, ids = make_queue(*models)
+    requeued = rng.sample(range(60), 25)
+    requests = {i: queue.remove(ids[i]) for i in requeued}
+    for i in rng.sample(requeued, len(requeued)):
+        queue.insert(requests[i], i)
+    assert [r.request_id for r in queue] == ids
+    for model in "ABC":
+        drained = []
+        while (oldest := queue.oldest_for(model)) is not None:
+            drained.append(oldest.request_id)
+            queue.remove(oldest.request_id)
+        assert drained == [ids[i] for i, m in enumerate(models) if m == model]
+
+
 def snapshot(queue: GlobalQueue) -> list[tuple[str, int]]:
     return [(r.request_id, queue.num_skips(r.request_id)) for r in queue]
 
