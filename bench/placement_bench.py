@@ -3,15 +3,29 @@
 It starts etcd and ONE `python -m scheduler` with the argv gpufaas.dev.local_cluster gives it
 (`LocalCluster.scheduler_settings`, insecure: no wire handshake, no TLS, no etcd password; the
 handshake costs one exchange per connection, never per call), registers synthetic nodes (default
-50 x 20 = 1,000 GPUs of 8192 MB) and runs closed-loop synthetic gateways, all in client processes
-(bench.placement_peers: what those peers send and answer, and in which order). Every call is a real
-call to the scheduler: Place, the policy's decision, a signed grant in a Placement, the node's
-ledger admitting the token, the node's Done, the slot freed; only the node's work (loading, running)
-is not done (answered at once). After a warm-up, it counts for `--seconds` the Placements the
-gateways receive, the time from each Place sent to its Placement received (p50, p99), and the
-scheduler process's CPU seconds (utime + stime from /proc/PID/stat) per placement. Then it checks
-that the scheduler accounted every call: its Done counter equals the Dones the nodes sent, and every
-GPU slot is free again (a ClusterRequest, as `gpufaas top` asks).
+50 x 20 = 1,000 GPUs of 8192 MB) and runs closed-loop synthetic gateways (`--concurrency` calls
+outstanding each), all in client processes (bench.placement_peers: what those peers send and
+answer, and in which order). Every call is a real call to the scheduler: Place, the policy's
+decision, a signed grant in a Placement, the node's ledger admitting the token, the node's Done, the
+slot freed; only the node's work (loading, running) is not done (answered at once). After a
+warm-up, it counts for `--seconds` the Placements the gateways receive, the time from each Place
+sent to its Placement received (p50, p99), and the scheduler process's CPU seconds (utime + stime
+from /proc/PID/stat) per placement. Then it checks that the scheduler accounted every call: its Done
+counter equals the Dones the nodes sent, and every GPU slot is free again (a ClusterRequest, as
+`gpufaas top` asks).
+
+The load generator shares the host's cores with the scheduler. A gateway sends a node an Execute
+on the wire, as gateway/router.py does; with `--execute direct` it hands a node of its own client
+process the call's token in the process instead (the scheduler sees the same Place, Placement and
+Done either way), which saves the client about a fifth of its CPU: an open loop at a high rate
+needs it on a small host. The clients' garbage collector is off while the calls run.
+
+A closed loop's latency at saturation is set by the loop: Place -> Placement is about the calls
+outstanding over the throughput (Little's law), so `--concurrency` moves it. `--rate R` adds a
+second phase (same cluster, warm) in which calls arrive as a Poisson process of R per second however
+many are outstanding, as a cluster's users send them: its figures are under `offered_load`, with
+how late the client released its calls (`p99_release_lag_ms`: the client's own loop lag, which
+every latency it measures includes).
 
 The mix: the functions of the shipped Azure Functions 2019 extract (simulator/traces, the one
 `gpufaas sim` replays), the `--functions` most invoked, each call's function drawn with weight its
@@ -29,8 +43,9 @@ and step-downs: at the local cluster's 1 s leader lease a scheduler of 1,000 GPU
 loses its lease while it attaches the nodes, again and again (docs/scheduler-throughput.md);
 `--scheduler-flags "--lease-ttl-s 30"` measures the placements beyond that.
 
-Run: `python -m bench.placement_bench [--gpus 1000] [--seconds 10] [--json] [--out FILE]
-[--profile FILE | --profile-attach FILE] [--scheduler-flags FLAGS]`.
+Run: `python -m bench.placement_bench [--gpus 1000] [--seconds 10] [--concurrency 16] [--rate R]
+[--execute direct|wire] [--json] [--out FILE] [--profile FILE | --profile-attach FILE]
+[--scheduler-flags FLAGS]`.
 """
 
 from __future__ import annotations
@@ -47,6 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -126,6 +142,7 @@ class Layout:
     gateways: int
     concurrency: int  # outstanding calls per gateway
     clients: int  # client processes
+    execute: str  # "direct": a gateway hands its own process's nodes their Executes; "wire": on the wire
 
     @property
     def gpus(self) -> int:
@@ -246,6 +263,7 @@ def client_configs(layout: Layout, mix: Mix, endpoint: str, scheduler: str, seed
             "gpus_per_node": layout.gpus_per_node,
             "gpu_memory_mb": layout.gpu_memory_mb,
             "concurrency": layout.concurrency,
+            "execute": layout.execute,
             "functions": [spec.model_dump(mode="json") for spec in mix.functions],
             "weights": mix.weights,
             "seed": seed + 1000 * index,
@@ -317,16 +335,23 @@ def _sample_lag_until(metrics_address: str, until_s: float) -> float:
 
 
 def measure(
-    clients: list[Client], pids: dict[str, int], window_s: tuple[float, float], metrics_address: str, profile: bool
+    clients: list[Client],
+    pids: dict[str, int],
+    window_s: tuple[float, float],
+    metrics_address: str,
+    profile: bool,
+    *,
+    rate_per_gateway_s: float | None = None,
 ) -> dict[str, Any]:
-    """Start the gateways, warm up, measure; the clients' stats, each process's CPU seconds in the
-    window (`pids`: name -> PID, "scheduler" among them) and the scheduler's loop lag sampled in it.
-    `window_s`: (warm-up, measured) seconds."""
+    """Start the gateways (closed-loop, or open-loop at `rate_per_gateway_s` each), warm up,
+    measure; the clients' stats, each process's CPU seconds in the window (`pids`: name -> PID,
+    "scheduler" among them) and the scheduler's loop lag sampled in it. `window_s`: (warm-up,
+    measured) seconds."""
     warmup_s, seconds = window_s
     start_s = time.monotonic() + 0.3
     window = {"start_s": start_s, "open_s": start_s + warmup_s, "close_s": start_s + warmup_s + seconds}
     for client in clients:
-        client.tell({"go": window})
+        client.tell({"go": {**window, "rate_per_gateway_s": rate_per_gateway_s}})
     _sleep_until(window["open_s"])
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     if profile:
@@ -350,7 +375,15 @@ def _metric(text: str, name: str) -> float:
 
 def accounting(metrics_address: str, scheduler_address: str, dones_sent: int, placements: int) -> dict[str, Any]:
     """What the scheduler says it accounted, once the nodes' last Dones reached it: its Done and
-    placement counters, the calls still running on its GPUs and waiting in its queue."""
+    placement counters, the calls still running on its GPUs and waiting in its queue. A scheduler
+    that does not answer (overloaded) is a result too: not accounted, and why."""
+    try:
+        return _accounting(metrics_address, scheduler_address, dones_sent, placements)
+    except (httpx.HTTPError, ConnectionLost, RemoteError, TimeoutError) as exc:
+        return {"every_done_accounted": False, "unanswered": repr(exc)[:300]}
+
+
+def _accounting(metrics_address: str, scheduler_address: str, dones_sent: int, placements: int) -> dict[str, Any]:
     deadline = time.monotonic() + ACCOUNTING_TIMEOUT_S
     while True:
         text = httpx.get(f"http://{metrics_address}/metrics", timeout=10.0).text
@@ -411,6 +444,7 @@ def summarize(measured: dict[str, Any], seconds: float) -> dict[str, Any]:
     gateways = [s["gateways"] for s in measured["stats"]]
     nodes = [s["nodes"] for s in measured["stats"]]
     place_us = sorted(us for g in gateways for us in g["place_us"])
+    release_lag_us = sorted(us for g in gateways for us in g["release_lag_us"])
     call_us = sorted(us for g in gateways for us in g["call_us"])
     placements = sum(g["placements"] for g in gateways)
     errors: dict[str, int] = {}
@@ -440,7 +474,22 @@ def summarize(measured: dict[str, Any], seconds: float) -> dict[str, Any]:
         "calls_completed": sum(g["completed"] for g in gateways),
         "hit_mismatches": sum(g["hit_mismatches"] for g in gateways),
         "placements_total": sum(g["placements_total"] for g in gateways),
+        "p99_release_lag_ms": ms(release_lag_us, 99),
     }
+
+
+def with_offered_load(saturated: dict[str, Any], offered: dict[str, Any], rate_per_s: float) -> dict[str, Any]:
+    """The run's figures: the closed loop's, the open loop's (offered `rate_per_s`) in full under
+    `offered_load`, and the counts the accounting checks summed over both."""
+    figures = dict(saturated)
+    figures["offered_load"] = {"offered_per_s": rate_per_s, **offered}
+    figures["nodes_saw"] = offered["nodes_saw"]  # the nodes count across the phases
+    errors = Counter(saturated["errors"])
+    errors.update(offered["errors"])
+    figures["errors"] = dict(errors)
+    for key in ("error_count", "calls_completed", "hit_mismatches", "placements_total"):
+        figures[key] = saturated[key] + offered[key]
+    return figures
 
 
 def run(args: argparse.Namespace, mix: Mix, layout: Layout, directory: Path) -> dict[str, Any]:
@@ -482,6 +531,12 @@ def run(args: argparse.Namespace, mix: Mix, layout: Layout, directory: Path) -> 
                 figures = summarize(measured, args.seconds)
                 figures["ready_s"] = round(ready_s, 2)  # scheduler started -> leading with every GPU attached
                 figures["loop_lag_max_s"] = {"attach": attach_lag_s, "window": measured["window_loop_lag_max_s"]}
+                if args.rate > 0:
+                    offered = measure(
+                        clients, pids, window_s, metrics_address, False, rate_per_gateway_s=args.rate / layout.gateways
+                    )
+                    figures = with_offered_load(figures, summarize(offered, args.seconds), args.rate)
+                    figures["loop_lag_max_s"]["offered_window"] = offered["window_loop_lag_max_s"]
                 figures["accounting"] = accounting(
                     cluster.metrics_addresses["scheduler"],
                     cluster.scheduler_address,
@@ -504,6 +559,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpu-memory-mb", type=int, default=8192, help="each GPU's (the local cluster's default)")
     parser.add_argument("--gateways", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=16, help="outstanding calls per gateway (closed loop)")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="then a second phase: calls offered at this rate (per second, Poisson) in an open loop",
+    )
+    parser.add_argument(
+        "--execute",
+        choices=("wire", "direct"),
+        default="wire",
+        help="how a gateway hands a node of its own client process the call (the scheduler never sees it)",
+    )
     parser.add_argument("--clients", type=int, default=1, help="client processes hosting the nodes and gateways")
     parser.add_argument("--seconds", type=float, default=10.0, help="the measured window")
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds of calls before the window")
@@ -541,6 +608,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.gateways,
         args.concurrency,
         args.clients,
+        args.execute,
     )
     with tempfile.TemporaryDirectory(prefix="placement-bench-") as temporary:
         directory = args.state_dir or Path(temporary)
@@ -559,6 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         concurrency_per_gateway=layout.concurrency,
         outstanding_calls=layout.gateways * layout.concurrency,
         client_processes=layout.clients,
+        execute=layout.execute,
         seconds=args.seconds,
         warmup_s=args.warmup,
         policy=args.policy,

@@ -1,5 +1,5 @@
 """The scheduler placement benchmark's synthetic peers: nodes that speak a GPU manager's side of the
-wire but run no workers, and closed-loop gateways that speak a gateway's; one client process hosts
+wire but run no workers, and gateways that speak a gateway's; one client process hosts
 some of each (`python -m bench.placement_peers`, started by bench.placement_bench).
 
 A `SyntheticNode` is what gpu_manager/daemon.py is to the scheduler and the gateways, minus the
@@ -19,12 +19,14 @@ timeout, the payload's size) on its one scheduler connection, wait for the `Plac
 a refused token is reported with `Abandon(REFUSED)` and the call waits for its next placement,
 and a lost scheduler link is dialled again and the waiting calls asked again, as the router (at
 this commit) does. It keeps `concurrency` calls outstanding (closed loop) and picks each call's
-function from the mix's popularity weights.
+function from the mix's popularity weights; or, given a rate, it sends calls as they arrive (a
+Poisson process), however many are outstanding (an open loop).
 
 The client process speaks JSON lines with the driver: it prints `{"event": "registered"}` once its
-nodes are in etcd, reads one `{"go": ...}` line (when to start, when the measured window opens
-and closes, in `time.monotonic()` seconds: CLOCK_MONOTONIC is one clock for every process of the
-machine), prints `{"event": "stats", ...}` after the window closed and its calls drained, and
+nodes are in etcd; then, for each `{"go": ...}` line it reads (when to start, when the measured
+window opens and closes, in `time.monotonic()` seconds: CLOCK_MONOTONIC is one clock for every
+process of the machine; and `rate_per_gateway_s` for an open loop), it runs a phase with new
+gateways and prints `{"event": "stats", ...}` after the window closed and its calls drained. It
 leaves (deregistering its nodes) when its standard input closes.
 """
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import math
 import random
@@ -64,6 +67,7 @@ OUTPUT = b'{"y": 0}'
 DRAIN_S = 10.0  # after the window: how long outstanding calls may take to finish
 RECONNECT_S = 0.2  # gateway.router's
 CHOICE_BLOCK = 4096  # functions drawn at once (one random.choices call per block)
+RELEASE_TICK_S = 0.001  # an open loop wakes at most this often (the loop's timers have milliseconds)
 MAX_LOGGED = 5  # overcommits described on stderr (the client's log)
 
 
@@ -160,15 +164,21 @@ class SyntheticNode:
         conn.reply(frame, MessageType.ATTACH_REPLY, self.workers())
 
     def execute(self, conn: Connection, frame: Frame) -> None:
-        """Admit the token, apply the grant's victims and load, answer, then tell the scheduler."""
+        """An Execute on the wire: `run` its token, answer, then tell the scheduler."""
+        reply, done = self.run(frame.message(pb.Execute).token)
+        conn.reply(frame, MessageType.EXECUTE_REPLY, reply, OUTPUT if reply.outcome == pb.OK else b"")
+        self.report(done)
+
+    def run(self, token: bytes) -> tuple[pb.ExecuteReply, pb.Done | None]:
+        """Admit the token, apply the grant's victims and load: the answer, and the Done for its
+        scheduler (None for a refused token, or one another scheduler granted)."""
         counts = self.counts
         counts.executes += 1
         try:
-            grant = self.ledger.admit(frame.message(pb.Execute).token, time.time())
+            grant = self.ledger.admit(token, time.time())
         except Refused as exc:
             counts.refused += 1
-            conn.reply(frame, MessageType.EXECUTE_REPLY, pb.ExecuteReply(outcome=pb.REFUSED, message=str(exc)))
-            return
+            return pb.ExecuteReply(outcome=pb.REFUSED, message=str(exc)), None
         models, seqs = self.resident[grant.gpu], self.last_seq[grant.gpu]
         counts.out_of_order += grant.gpu_seq < self.newest_seq.get(grant.gpu, 0)
         self.newest_seq[grant.gpu] = max(self.newest_seq.get(grant.gpu, 0), grant.gpu_seq)
@@ -197,14 +207,15 @@ class SyntheticNode:
             batch_calls=1,
             peak_memory_mb=grant.memory_mb,
         )
-        conn.reply(
-            frame, MessageType.EXECUTE_REPLY, pb.ExecuteReply(**measured(result), content_type=CONTENT_TYPE), OUTPUT
-        )
+        reply = pb.ExecuteReply(**measured(result), content_type=CONTENT_TYPE)
+        return reply, done_message(grant, result) if grant.scheduler_id == self.ledger.scheduler_id else None
+
+    def report(self, done: pb.Done | None) -> None:
+        """Send the scheduler a call's Done (as the daemon, after the call's answer)."""
         scheduler = self.scheduler
-        if scheduler is None or scheduler.is_closed or grant.scheduler_id != self.ledger.scheduler_id:
-            return
-        scheduler.send(MessageType.DONE, done_message(grant, result))
-        counts.dones += 1
+        if done is not None and scheduler is not None and not scheduler.is_closed:
+            scheduler.send(MessageType.DONE, done)
+            self.counts.dones += 1
 
     def revoke(self, conn: Connection, frame: Frame) -> None:
         request = frame.message(pb.Revoke)
@@ -267,6 +278,7 @@ class GatewayStats:
     placements_total: int = 0  # Placements received, all run long
     place_us: list[int] = field(default_factory=list)  # Place sent -> first Placement, calls sent in the window
     call_us: list[int] = field(default_factory=list)  # Place sent -> ExecuteReply, the same calls
+    release_lag_us: list[int] = field(default_factory=list)  # open loop: arrival time -> sent, in the window
     errors: Counter[str] = field(default_factory=Counter)
 
 
@@ -281,7 +293,7 @@ class Window:
 
 class SyntheticGateway:
     """One gateway's scheduler link (re-established when it drops, as the router's) and node links,
-    and `concurrency` closed-loop callers."""
+    and its callers: `concurrency` in a closed loop, or an open loop's arrivals."""
 
     def __init__(
         self,
@@ -293,8 +305,11 @@ class SyntheticGateway:
         concurrency: int,
         seed: int,
         stats: GatewayStats,
+        local_nodes: dict[str, SyntheticNode] | None = None,
     ) -> None:
         self.name, self.scheduler_address = name, scheduler_address
+        # address -> a node of this process whose Executes it hands over directly (no wire hop)
+        self.local_nodes = local_nodes or {}
         self.functions = functions
         self.cum_weights = _cumulative(weights)
         self.concurrency = concurrency
@@ -309,18 +324,46 @@ class SyntheticGateway:
         self._choices: list[FunctionSpec] = []
         self._sequence = 0
 
-    async def run(self, window: Window) -> None:
-        """Call from `window.start_s` until it closes, then let the calls in flight finish."""
+    async def run(self, window: Window, rate_per_s: float | None = None) -> None:
+        """Call from `window.start_s` until it closes, then let the calls in flight finish: with
+        `concurrency` calls outstanding (a closed loop), or, given `rate_per_s`, calls arriving at
+        that rate whatever is outstanding (an open loop)."""
         link = asyncio.create_task(self._keep_linked())
         await asyncio.sleep(max(0.0, window.start_s - time.monotonic()))
-        callers = [asyncio.create_task(self._caller(window)) for _ in range(self.concurrency)]
-        done, pending = await asyncio.wait(callers, timeout=window.close_s - time.monotonic() + DRAIN_S)
+        if rate_per_s is None:
+            callers = [asyncio.create_task(self._caller(window)) for _ in range(self.concurrency)]
+        else:
+            callers = await self._arrivals(window, rate_per_s)
+        if callers:
+            done, pending = await asyncio.wait(callers, timeout=window.close_s - time.monotonic() + DRAIN_S)
+        else:
+            done, pending = set(), set()
         for task in [*pending, link]:
             task.cancel()
         self.stats.errors["unfinished"] += len(pending)
         for task in done:
             if task.exception() is not None:
                 self.stats.errors[f"caller: {task.exception()!r}"[:120]] += 1
+
+    async def _arrivals(self, window: Window, rate_per_s: float) -> list[asyncio.Task[None]]:
+        """Calls arriving as a Poisson process of `rate_per_s` until the window closes, each its own
+        task; the tasks still running when it closed. The loop's timers wake it about once a
+        millisecond, so the calls due since are sent together, each timed from when it is sent; how
+        late that is after its arrival time goes into `stats.release_lag_us`."""
+        stats = self.stats
+        running: set[asyncio.Task[None]] = set()
+        due_s = window.start_s + self.rng.expovariate(rate_per_s)
+        while due_s < window.close_s:
+            now_s = time.monotonic()
+            while due_s <= now_s:
+                if window.open_s <= due_s:
+                    stats.release_lag_us.append(round((now_s - due_s) * 1e6))
+                task = asyncio.create_task(self._one_call(window))
+                running.add(task)
+                task.add_done_callback(running.discard)
+                due_s += self.rng.expovariate(rate_per_s)
+            await asyncio.sleep(max(due_s - now_s, RELEASE_TICK_S))
+        return list(running)
 
     async def close(self) -> None:
         for conn in [self.scheduler, *self._nodes.values()]:
@@ -373,23 +416,28 @@ class SyntheticGateway:
 
     async def _caller(self, window: Window) -> None:
         """One outstanding call at a time until the window closes."""
+        while time.monotonic() < window.close_s:
+            await self._one_call(window)
+
+    async def _one_call(self, window: Window) -> None:
+        """One call, sent now, timed if sent in the window."""
         stats = self.stats
-        while (sent_s := time.monotonic()) < window.close_s:
-            spec = self._next_function()
-            self._sequence += 1
-            call_id = f"{self.name}-{self._sequence}"
-            place = pb.Place(call_id=call_id, function=spec.name, timeout_s=spec.timeout_s, payload_bytes=len(PAYLOAD))
-            box = self._calls[call_id] = Mailbox(place, math.inf, time.monotonic)
-            try:
-                placed_s, ok = await self._call(box, window)
-            finally:
-                del self._calls[call_id]
-            if ok:
-                stats.completed += 1
-            if window.open_s <= sent_s < window.close_s and placed_s is not None:
-                done_s = time.monotonic()
-                stats.place_us.append(round((placed_s - sent_s) * 1e6))
-                stats.call_us.append(round((done_s - sent_s) * 1e6))
+        sent_s = time.monotonic()
+        spec = self._next_function()
+        self._sequence += 1
+        call_id = f"{self.name}-{self._sequence}"
+        place = pb.Place(call_id=call_id, function=spec.name, timeout_s=spec.timeout_s, payload_bytes=len(PAYLOAD))
+        box = self._calls[call_id] = Mailbox(place, math.inf, time.monotonic)
+        try:
+            placed_s, ok = await self._call(box, window)
+        finally:
+            del self._calls[call_id]
+        if ok:
+            stats.completed += 1
+        if window.open_s <= sent_s < window.close_s and placed_s is not None:
+            done_s = time.monotonic()
+            stats.place_us.append(round((placed_s - sent_s) * 1e6))
+            stats.call_us.append(round((done_s - sent_s) * 1e6))
 
     async def _ask(self, box: Mailbox) -> None:
         """Send the call's Place (waiting for a scheduler that is reconnecting)."""
@@ -418,11 +466,16 @@ class SyntheticGateway:
             if window.open_s <= arrived_s < window.close_s:
                 stats.placements += 1
                 stats.misses += not message.hit
-            node = await self._node(message.node_address)
-            frame = await node.request(
-                MessageType.EXECUTE, pb.Execute(token=message.token, content_type=CONTENT_TYPE), PAYLOAD
-            )
-            reply = frame.message(pb.ExecuteReply)
+            local = self.local_nodes.get(message.node_address)
+            if local is not None:
+                reply, done = local.run(message.token)
+                local.report(done)
+            else:
+                node = await self._node(message.node_address)
+                frame = await node.request(
+                    MessageType.EXECUTE, pb.Execute(token=message.token, content_type=CONTENT_TYPE), PAYLOAD
+                )
+                reply = frame.message(pb.ExecuteReply)
             if reply.outcome == pb.OK:
                 stats.hit_mismatches += message.hit == reply.loaded
                 return placed_s, True
@@ -491,28 +544,39 @@ async def client(config: dict[str, Any]) -> None:
     for node in nodes:
         await node.start()
     _emit("registered", nodes=len(nodes))
-    go = json.loads(await _read_line())["go"]
-    window = Window(go["start_s"], go["open_s"], go["close_s"])
-    stats = GatewayStats()
-    gateways = [
-        SyntheticGateway(
-            name,
-            config["scheduler"],
-            functions=functions,
-            weights=config["weights"],
-            concurrency=config["concurrency"],
-            seed=config["seed"] + i,
-            stats=stats,
-        )
-        for i, name in enumerate(config["gateways"])
-    ]
-    await asyncio.gather(*(gateway.run(window) for gateway in gateways))
-    # The last Dones leave with the replies; give the loop a moment to write them.
-    await asyncio.sleep(0.05)
-    _emit("stats", nodes=vars(node_counts), gateways={**vars(stats), "errors": dict(stats.errors)})
-    await _read_line()  # the driver closes our stdin when it has checked the scheduler
-    for gateway in gateways:
-        await gateway.close()
+    phase = 0
+    local_nodes = {node.address: node for node in nodes} if config["execute"] == "direct" else {}
+    # One phase per `go` line; the driver closes our stdin when it has checked the scheduler.
+    while line := await _read_line():
+        go = json.loads(line)["go"]
+        window = Window(go["start_s"], go["open_s"], go["close_s"])
+        phase += 1
+        stats = GatewayStats()
+        gateways = [
+            SyntheticGateway(
+                f"{name}p{phase}",  # call ids stay unique across phases (nodes admit a grant once)
+                config["scheduler"],
+                functions=functions,
+                weights=config["weights"],
+                concurrency=config["concurrency"],
+                seed=config["seed"] + 100 * phase + i,
+                stats=stats,
+                local_nodes=local_nodes,
+            )
+            for i, name in enumerate(config["gateways"])
+        ]
+        # The collector off while the calls run: its full walks of this process's heap (the nodes'
+        # ledgers, the calls) stalled the loop for milliseconds, and every call in flight with it.
+        gc.disable()
+        try:
+            await asyncio.gather(*(gateway.run(window, go.get("rate_per_gateway_s")) for gateway in gateways))
+        finally:
+            gc.enable()
+        # The last Dones leave with the replies; give the loop a moment to write them.
+        await asyncio.sleep(0.05)
+        _emit("stats", nodes=vars(node_counts), gateways={**vars(stats), "errors": dict(stats.errors)})
+        for gateway in gateways:
+            await gateway.close()
     for node in nodes:
         with contextlib.suppress(Exception):
             await node.stop()

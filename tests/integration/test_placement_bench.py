@@ -1,5 +1,6 @@
 """bench.placement_bench, briefly (40 GPUs, 1 s): one JSON object on stdout, the same in --out, and
-every call really placed, executed at its node and accounted by the scheduler."""
+every call really placed, executed at its node and accounted by the scheduler, in a closed loop and
+then an open one (`--rate`), with the node handed each call in the client's process or on the wire."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from bench.machine import REPO
 
@@ -20,10 +23,18 @@ ARGS = [
 ]
 
 
-def test_a_brief_run_places_executes_and_accounts_every_call(tmp_path: Path) -> None:
+RATE_PER_S = 1500
+
+
+@pytest.mark.parametrize("execute", ["direct", "wire"])
+def test_a_brief_run_places_executes_and_accounts_every_call(tmp_path: Path, execute: str) -> None:
     out = tmp_path / "placement.json"
+    phases = ["--rate", str(RATE_PER_S)] if execute == "direct" else []  # (the open loop's use)
     done = subprocess.run(
-        [sys.executable, "-m", "bench.placement_bench", *ARGS, "--json", "--out", str(out)],
+        [
+            *(sys.executable, "-m", "bench.placement_bench", *ARGS, *phases),
+            *("--execute", execute, "--json", "--out", str(out)),
+        ],
         capture_output=True,
         text=True,
         timeout=180,
@@ -57,3 +68,16 @@ def test_a_brief_run_places_executes_and_accounts_every_call(tmp_path: Path) -> 
     assert 0 < nodes["loads"] < nodes["executes"]
     assert result["hit_mismatches"] <= 0.05 * nodes["executes"]
     assert result["error_count"] == 0, result["errors"]
+    assert result["execute"] == execute
+
+    if execute == "direct":
+        # The open loop's phase: calls sent at the rate asked, whatever was outstanding, each
+        # placed; the figures the closed loop's are.
+        offered = result["offered_load"]
+        assert offered["offered_per_s"] == RATE_PER_S
+        assert 0.7 * RATE_PER_S < offered["placements_per_s"] < 1.3 * RATE_PER_S
+        assert 0 < offered["p50_place_ms"] <= offered["p99_place_ms"]
+        assert offered["p99_release_lag_ms"] is not None and offered["cpu_us_per_placement"] > 0
+        assert offered["placements_total"] < result["placements_total"]
+    else:
+        assert "offered_load" not in result
