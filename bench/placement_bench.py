@@ -24,8 +24,8 @@ A closed loop's latency at saturation is set by the loop: Place -> Placement is 
 outstanding over the throughput (Little's law), so `--concurrency` moves it. `--rate R` adds a
 second phase (same cluster, warm) in which calls arrive as a Poisson process of R per second however
 many are outstanding, as a cluster's users send them: its figures are under `offered_load`, with
-how late the client released its calls (`p99_release_lag_ms`: the client's own loop lag, which
-every latency it measures includes).
+how late the client released its calls after their arrival times (`p99_release_lag_ms`: its own
+loop's lag, which each Placement's arrival waits out too; a call is timed from its release).
 
 The mix: the functions of the shipped Azure Functions 2019 extract (simulator/traces, the one
 `gpufaas sim` replays), the `--functions` most invoked, each call's function drawn with weight its
@@ -67,7 +67,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -142,7 +142,7 @@ class Layout:
     gateways: int
     concurrency: int  # outstanding calls per gateway
     clients: int  # client processes
-    execute: str  # "direct": a gateway hands its own process's nodes their Executes; "wire": on the wire
+    execute: Literal["wire", "direct"]  # "direct": a gateway hands its own process's nodes their calls
 
     @property
     def gpus(self) -> int:
@@ -341,9 +341,9 @@ def measure(
     metrics_address: str,
     profile: bool,
     *,
-    rate_per_gateway_s: float | None = None,
+    calls_per_s_per_gateway: float | None = None,
 ) -> dict[str, Any]:
-    """Start the gateways (closed-loop, or open-loop at `rate_per_gateway_s` each), warm up,
+    """Start the gateways (closed-loop, or open-loop at `calls_per_s_per_gateway` each), warm up,
     measure; the clients' stats, each process's CPU seconds in the window (`pids`: name -> PID,
     "scheduler" among them) and the scheduler's loop lag sampled in it. `window_s`: (warm-up,
     measured) seconds."""
@@ -351,7 +351,7 @@ def measure(
     start_s = time.monotonic() + 0.3
     window = {"start_s": start_s, "open_s": start_s + warmup_s, "close_s": start_s + warmup_s + seconds}
     for client in clients:
-        client.tell({"go": {**window, "rate_per_gateway_s": rate_per_gateway_s}})
+        client.tell({"go": {**window, "calls_per_s_per_gateway": calls_per_s_per_gateway}})
     _sleep_until(window["open_s"])
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     if profile:
@@ -482,13 +482,39 @@ def with_offered_load(saturated: dict[str, Any], offered: dict[str, Any], rate_p
     """The run's figures: the closed loop's, the open loop's (offered `rate_per_s`) in full under
     `offered_load`, and the counts the accounting checks summed over both."""
     figures = dict(saturated)
-    figures["offered_load"] = {"offered_per_s": rate_per_s, **offered}
-    figures["nodes_saw"] = offered["nodes_saw"]  # the nodes count across the phases
+    # The nodes count across the phases: the open loop's own are the difference.
+    across = offered["nodes_saw"]
+    own = {key: across[key] - saturated["nodes_saw"][key] for key in across}
+    figures["offered_load"] = {
+        "offered_per_s": rate_per_s,
+        **offered,
+        "nodes_saw": own,
+        "error_count": sum(offered["errors"].values()) + own["refused"],
+    }
+    figures["nodes_saw"] = across
     errors = Counter(saturated["errors"])
     errors.update(offered["errors"])
     figures["errors"] = dict(errors)
-    for key in ("error_count", "calls_completed", "hit_mismatches", "placements_total"):
+    figures["error_count"] = sum(errors.values()) + across["refused"]
+    for key in ("calls_completed", "hit_mismatches", "placements_total"):
         figures[key] = saturated[key] + offered[key]
+    return figures
+
+
+def phases(
+    args: argparse.Namespace, layout: Layout, clients: list[Client], pids: dict[str, int], metrics_address: str
+) -> dict[str, Any]:
+    """The closed loop's window, then (`--rate`) the open loop's: their figures."""
+    window_s = (args.warmup, args.seconds)
+    measured = measure(clients, pids, window_s, metrics_address, args.profile is not None)
+    figures = summarize(measured, args.seconds)
+    figures["loop_lag_max_s"] = {"window": measured["window_loop_lag_max_s"]}
+    if args.rate > 0:
+        offered = measure(
+            clients, pids, window_s, metrics_address, False, calls_per_s_per_gateway=args.rate / layout.gateways
+        )
+        figures = with_offered_load(figures, summarize(offered, args.seconds), args.rate)
+        figures["loop_lag_max_s"]["offered_window"] = offered["window_loop_lag_max_s"]
     return figures
 
 
@@ -526,17 +552,9 @@ def run(args: argparse.Namespace, mix: Mix, layout: Layout, directory: Path) -> 
                 metrics_address = cluster.metrics_addresses["scheduler"]
                 # The worst of the last minute: its start-up and the attaches.
                 attach_lag_s = loop_lag(metrics_address).get("loop_lag_max_s")
-                window_s = (args.warmup, args.seconds)
-                measured = measure(clients, pids, window_s, metrics_address, args.profile is not None)
-                figures = summarize(measured, args.seconds)
+                figures = phases(args, layout, clients, pids, metrics_address)
                 figures["ready_s"] = round(ready_s, 2)  # scheduler started -> leading with every GPU attached
-                figures["loop_lag_max_s"] = {"attach": attach_lag_s, "window": measured["window_loop_lag_max_s"]}
-                if args.rate > 0:
-                    offered = measure(
-                        clients, pids, window_s, metrics_address, False, rate_per_gateway_s=args.rate / layout.gateways
-                    )
-                    figures = with_offered_load(figures, summarize(offered, args.seconds), args.rate)
-                    figures["loop_lag_max_s"]["offered_window"] = offered["window_loop_lag_max_s"]
+                figures["loop_lag_max_s"]["attach"] = attach_lag_s
                 figures["accounting"] = accounting(
                     cluster.metrics_addresses["scheduler"],
                     cluster.scheduler_address,
@@ -569,7 +587,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--execute",
         choices=("wire", "direct"),
         default="wire",
-        help="how a gateway hands a node of its own client process the call (the scheduler never sees it)",
+        help="how a gateway hands a node of its own client process its call (the scheduler sees neither)",
     )
     parser.add_argument("--clients", type=int, default=1, help="client processes hosting the nodes and gateways")
     parser.add_argument("--seconds", type=float, default=10.0, help="the measured window")

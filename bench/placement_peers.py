@@ -25,7 +25,7 @@ Poisson process), however many are outstanding (an open loop).
 The client process speaks JSON lines with the driver: it prints `{"event": "registered"}` once its
 nodes are in etcd; then, for each `{"go": ...}` line it reads (when to start, when the measured
 window opens and closes, in `time.monotonic()` seconds: CLOCK_MONOTONIC is one clock for every
-process of the machine; and `rate_per_gateway_s` for an open loop), it runs a phase with new
+process of the machine; and `calls_per_s_per_gateway` for an open loop), it runs a phase with new
 gateways and prints `{"event": "stats", ...}` after the window closed and its calls drained. It
 leaves (deregistering its nodes) when its standard input closes.
 """
@@ -322,6 +322,7 @@ class SyntheticGateway:
         self._nodes: dict[str, Connection] = {}
         self._node_connects: dict[str, asyncio.Task[Connection]] = {}
         self._choices: list[FunctionSpec] = []
+        self._running: set[asyncio.Task[None]] = set()  # an open loop's calls in flight
         self._sequence = 0
 
     async def run(self, window: Window, rate_per_s: float | None = None) -> None:
@@ -351,19 +352,25 @@ class SyntheticGateway:
         millisecond, so the calls due since are sent together, each timed from when it is sent; how
         late that is after its arrival time goes into `stats.release_lag_us`."""
         stats = self.stats
-        running: set[asyncio.Task[None]] = set()
+        running = self._running
         due_s = window.start_s + self.rng.expovariate(rate_per_s)
         while due_s < window.close_s:
             now_s = time.monotonic()
-            while due_s <= now_s:
+            while due_s <= now_s and due_s < window.close_s:
                 if window.open_s <= due_s:
                     stats.release_lag_us.append(round((now_s - due_s) * 1e6))
                 task = asyncio.create_task(self._one_call(window))
                 running.add(task)
-                task.add_done_callback(running.discard)
+                task.add_done_callback(self._finished)
                 due_s += self.rng.expovariate(rate_per_s)
             await asyncio.sleep(max(due_s - now_s, RELEASE_TICK_S))
         return list(running)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        """An open loop's call ended: its failure counted, as a closed loop's caller's is."""
+        self._running.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.stats.errors[f"caller: {task.exception()!r}"[:120]] += 1
 
     async def close(self) -> None:
         for conn in [self.scheduler, *self._nodes.values()]:
@@ -522,6 +529,45 @@ async def _read_line() -> str:
     return await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
 
 
+async def _phase(
+    go: dict[str, Any],
+    phase: int,
+    config: dict[str, Any],
+    *,
+    functions: list[FunctionSpec],
+    local_nodes: dict[str, SyntheticNode],
+    node_counts: NodeCounts,
+) -> list[SyntheticGateway]:
+    """One phase (`go`: its window, and a rate for an open loop) with new gateways; its stats
+    printed; the gateways, still linked."""
+    window = Window(go["start_s"], go["open_s"], go["close_s"])
+    stats = GatewayStats()
+    gateways = [
+        SyntheticGateway(
+            f"{name}p{phase}",  # call ids stay unique across phases (nodes admit a grant once)
+            config["scheduler"],
+            functions=functions,
+            weights=config["weights"],
+            concurrency=config["concurrency"],
+            seed=config["seed"] + 100 * phase + i,
+            stats=stats,
+            local_nodes=local_nodes,
+        )
+        for i, name in enumerate(config["gateways"])
+    ]
+    # The collector off while the calls run: its full walks of this process's heap (the nodes'
+    # ledgers, the calls) stalled the loop for milliseconds, and every call in flight with it.
+    gc.disable()
+    try:
+        await asyncio.gather(*(gateway.run(window, go.get("calls_per_s_per_gateway")) for gateway in gateways))
+    finally:
+        gc.enable()
+    # The last Dones leave with the replies; give the loop a moment to write them.
+    await asyncio.sleep(0.05)
+    _emit("stats", nodes=vars(node_counts), gateways={**vars(stats), "errors": dict(stats.errors)})
+    return gateways
+
+
 async def client(config: dict[str, Any]) -> None:
     """Host `config`'s nodes and gateways (the driver's JSON: see bench.placement_bench)."""
     store = await EtcdStore.open(config["etcd"])
@@ -545,38 +591,18 @@ async def client(config: dict[str, Any]) -> None:
         await node.start()
     _emit("registered", nodes=len(nodes))
     phase = 0
+    gateways: list[SyntheticGateway] = []
     local_nodes = {node.address: node for node in nodes} if config["execute"] == "direct" else {}
     # One phase per `go` line; the driver closes our stdin when it has checked the scheduler.
     while line := await _read_line():
-        go = json.loads(line)["go"]
-        window = Window(go["start_s"], go["open_s"], go["close_s"])
         phase += 1
-        stats = GatewayStats()
-        gateways = [
-            SyntheticGateway(
-                f"{name}p{phase}",  # call ids stay unique across phases (nodes admit a grant once)
-                config["scheduler"],
-                functions=functions,
-                weights=config["weights"],
-                concurrency=config["concurrency"],
-                seed=config["seed"] + 100 * phase + i,
-                stats=stats,
-                local_nodes=local_nodes,
-            )
-            for i, name in enumerate(config["gateways"])
-        ]
-        # The collector off while the calls run: its full walks of this process's heap (the nodes'
-        # ledgers, the calls) stalled the loop for milliseconds, and every call in flight with it.
-        gc.disable()
-        try:
-            await asyncio.gather(*(gateway.run(window, go.get("rate_per_gateway_s")) for gateway in gateways))
-        finally:
-            gc.enable()
-        # The last Dones leave with the replies; give the loop a moment to write them.
-        await asyncio.sleep(0.05)
-        _emit("stats", nodes=vars(node_counts), gateways={**vars(stats), "errors": dict(stats.errors)})
-        for gateway in gateways:
+        for gateway in gateways:  # the last phase's: open until now, as the driver checked the book
             await gateway.close()
+        gateways = await _phase(
+            json.loads(line)["go"], phase, config, functions=functions, local_nodes=local_nodes, node_counts=node_counts
+        )
+    for gateway in gateways:
+        await gateway.close()
     for node in nodes:
         with contextlib.suppress(Exception):
             await node.stop()

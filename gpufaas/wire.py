@@ -379,9 +379,9 @@ class Connection(asyncio.BufferedProtocol):
             if self._big_filled == len(self._big):
                 big, self._big = self._big, None
                 self._deliver(memoryview(big), 0, len(big), owned=True)
-            return
-        self._end += nbytes
-        self._parse()
+        else:
+            self._end += nbytes
+            self._parse()
         if self._out:
             # What the frames just read were answered with leaves now, not after every other
             # connection's reads of this loop iteration have been handled (as many writes: one

@@ -83,7 +83,8 @@ MAX_CLAIM_S = 30.0  # nodes remember grants (and revocations) for 60 s: a claim 
 class _Term:
     """One term of leadership: who signs its grants (its scheduler id) with which key, what it
     decided while unsure of the leadership (`held`), whether it takes calls yet (`open`: not
-    while its nodes attach; the Places wait in `early`), and its tasks."""
+    while its nodes attach, nor while it places the Places that waited meanwhile in `early`),
+    and its tasks."""
 
     scheduler_id: str = ""
     token_key: bytes = b""
@@ -307,14 +308,20 @@ class SchedulerService:
         gc.freeze()  # what lives now (the attached cluster) leaves the collector's walks: O(1)
         # The Places that waited, oldest first, EARLY_PER_SLICE at a time with the loop's other
         # work between (the lease's keep-alives among it: a new leader under a flood has
-        # thousands); those arriving meanwhile queue behind them, until none is left.
-        while term.early:
-            early, term.early = term.early[:EARLY_PER_SLICE], term.early[EARLY_PER_SLICE:]
-            for conn, request in early:
-                if not conn.is_closed:
-                    self._take(conn, request)
+        # thousands); then, in one go, those that arrived meanwhile, and the term is open.
+        waited, taken = len(term.early), 0
+        while taken < waited:
+            self._take_early(term.early[taken : min(taken + EARLY_PER_SLICE, waited)])
+            taken += EARLY_PER_SLICE
             await asyncio.sleep(0)
+        self._take_early(term.early[waited:])
+        term.early.clear()
         term.open = True
+
+    def _take_early(self, early: list[tuple[Connection, pb.Place]]) -> None:
+        for conn, request in early:
+            if not conn.is_closed:
+                self._take(conn, request)
 
     def confirmed(self) -> None:
         """Sure of the leadership again: carry out what was decided meanwhile."""
@@ -430,12 +437,14 @@ class SchedulerService:
 
     # --- from gateways and nodes ------------------------------------------------------------
     def place(self, conn: Connection, request: pb.Place) -> None:
+        """A gateway's Place: submitted now, or kept in arrival order while the term is not open."""
         if not self.term.open:
             self.term.early.append((conn, request))
             return
         self._take(conn, request)
 
     def _take(self, conn: Connection, request: pb.Place) -> None:
+        """Submit a Place to the book (a function not known yet is read through etcd first)."""
         spec = self.catalog.functions.get(request.function)
         if spec is None:
             # A deploy that just happened may not have reached the watch yet: read through once.
@@ -444,7 +453,10 @@ class SchedulerService:
         self._submit(conn, request, spec)
 
     async def _place_unknown(self, conn: Connection, request: pb.Place) -> None:
+        term = self.term
         spec = await self.catalog.read_through(request.function)
+        if conn.is_closed or self.term is not term:
+            return  # its gateway, or the term, ended meanwhile: the next leader places it
         if spec is None:
             self._reject(conn, request.call_id, pb.NOT_FOUND, f"function {request.function!r} is not deployed")
             return

@@ -75,9 +75,9 @@ def test_a_brief_run_places_executes_and_accounts_every_call(tmp_path: Path, exe
         # placed; the figures the closed loop's are.
         offered = result["offered_load"]
         assert offered["offered_per_s"] == RATE_PER_S
-        assert 0.7 * RATE_PER_S < offered["placements_per_s"] < 1.3 * RATE_PER_S
+        assert 0.5 * RATE_PER_S < offered["placements_per_s"] < 1.5 * RATE_PER_S
         assert 0 < offered["p50_place_ms"] <= offered["p99_place_ms"]
         assert offered["p99_release_lag_ms"] is not None and offered["cpu_us_per_placement"] > 0
-        assert offered["placements_total"] < result["placements_total"]
+        assert offered["error_count"] == 0 and offered["nodes_saw"]["dones"] == offered["placements_total"] > 0
     else:
         assert "offered_load" not in result

@@ -4,6 +4,7 @@ a failed flush keeps) and the catalog (its function mirror, shared with the node
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import json
 import math
@@ -325,7 +326,10 @@ def test_the_places_that_waited_for_the_attaches_go_first_in_slices_with_the_loo
                 await asyncio.sleep(0)
 
         watcher = asyncio.create_task(other_work())
-        await service._open_when_attached()  # no node is registered: all attached
+        try:
+            await service._open_when_attached()  # no node is registered: all attached
+        finally:
+            gc.unfreeze()  # (it froze the heap, as a new term does: not this test process's)
         await watcher
         assert turns >= 3  # between the three slices
         assert taken == [request.call_id for request in early] + ["late"]
