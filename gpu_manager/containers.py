@@ -357,7 +357,10 @@ class DockerLauncher:
 
         def remove() -> int:
             removed = 0
-            for container in self._docker().containers.list(all=True, filters={"label": f"{NODE_LABEL}={node}"}):
+            # sparse: the listing's own fields, not an inspection of each container (one removed
+            # meanwhile would fail the whole listing)
+            listed = self._docker().containers.list(all=True, sparse=True, filters={"label": f"{NODE_LABEL}={node}"})
+            for container in listed:
                 with contextlib.suppress(Exception):
                     container.remove(force=True)
                     removed += 1
