@@ -333,18 +333,16 @@ class SyntheticGateway:
         await asyncio.sleep(max(0.0, window.start_s - time.monotonic()))
         if rate_per_s is None:
             callers = [asyncio.create_task(self._caller(window)) for _ in range(self.concurrency)]
+            for caller in callers:
+                caller.add_done_callback(self._finished)
         else:
             callers = await self._arrivals(window, rate_per_s)
+        pending: set[asyncio.Task[None]] = set()
         if callers:
-            done, pending = await asyncio.wait(callers, timeout=window.close_s - time.monotonic() + DRAIN_S)
-        else:
-            done, pending = set(), set()
+            _, pending = await asyncio.wait(callers, timeout=window.close_s - time.monotonic() + DRAIN_S)
         for task in [*pending, link]:
             task.cancel()
-        self.stats.errors["unfinished"] += len(pending)
-        for task in done:
-            if task.exception() is not None:
-                self.stats.errors[f"caller: {task.exception()!r}"[:120]] += 1
+        self.stats.errors["unfinished"] += len(pending)  # (a failure is counted as it ends: `_finished`)
 
     async def _arrivals(self, window: Window, rate_per_s: float) -> list[asyncio.Task[None]]:
         """Calls arriving as a Poisson process of `rate_per_s` until the window closes, each its own
@@ -367,7 +365,7 @@ class SyntheticGateway:
         return list(running)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
-        """An open loop's call ended: its failure counted, as a closed loop's caller's is."""
+        """A caller (closed loop) or a call (open loop) ended: its failure counted, once."""
         self._running.discard(task)
         if not task.cancelled() and task.exception() is not None:
             self.stats.errors[f"caller: {task.exception()!r}"[:120]] += 1

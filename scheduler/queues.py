@@ -306,24 +306,19 @@ class GlobalQueue:
         else O(the model's requests older than it). A requeue goes near the front, and a node's
         calls requeued together (a node left, a scheduler stepped down) are each O(those ahead),
         where sorting the index each time was O(n log n): seconds for a long queue of one model."""
-        model, request_id = node.request.model, node.request.request_id
-        index = self._by_model.get(model)
-        if index is None:
-            index = self._by_model[model] = OrderedDict()
-        youngest = next(reversed(index.values()), None)
-        oldest = next(iter(index.values()), None)
-        index[request_id] = node
-        self._recount(model, len(index) - 1, len(index))
+        index = self._by_model.get(node.request.model)
+        youngest = None if index is None else next(reversed(index.values()), None)
+        self._index_append(node)
         if youngest is None or youngest.seq < node.seq:
             return  # the youngest: where it was put
+        index = self._by_model[node.request.model]
         older: list[str] = []
-        if oldest is not None and oldest.seq < node.seq:
-            for other in index.values():
-                if other.seq > node.seq:
-                    break
-                older.append(other.request.request_id)
-        # Ahead of the younger ones, behind `older` (none: the oldest).
-        index.move_to_end(request_id, last=False)
+        for other in index.values():  # (the oldest: none, at once)
+            if other.seq > node.seq:
+                break
+            older.append(other.request.request_id)
+        # Ahead of the younger ones, behind `older`.
+        index.move_to_end(node.request.request_id, last=False)
         for other_id in reversed(older):
             index.move_to_end(other_id, last=False)
 
