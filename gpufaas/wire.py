@@ -89,6 +89,11 @@ DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 HEADER_ALLOWANCE_BYTES = 1024 * 1024  # what a frame may hold beside its body
 _SMALL_BUFFER_BYTES = 256 * 1024  # frames up to this size are read into one reused buffer
 _INLINE_BODY_BYTES = 64 * 1024  # bodies up to this size are copied into the frame's one write
+# The most frames of one connection handled in one turn of the loop; the rest of a read waits for
+# the next turn, with the connection's reading paused meanwhile. A read of the full buffer holds
+# thousands of small frames: handled at once, they held the loop for a third of a second, and an
+# overloaded scheduler's keep-alives of its leadership lease waited that out until the lease lapsed.
+FRAMES_PER_TURN = 64
 HANDSHAKE_S = 5.0  # a peer that has not proved the key by then is cut off
 HANDSHAKE_FRAME_BYTES = 1024  # the largest frame read before the handshake (a Hello, an Error's answer)
 MAX_UNAUTHENTICATED = 64  # a server's connections still in the handshake; more are closed at once
@@ -306,6 +311,7 @@ class Connection(asyncio.BufferedProtocol):
         self._end = 0  # end of the bytes received into _buf
         self._big: bytearray | None = None  # the frame being received, when it is large
         self._big_filled = 0
+        self._backlog = False  # frames past FRAMES_PER_TURN wait in `_buf` for the next turn
         # The handshake (see the module's doc): nothing but it is read until `authenticated`.
         self._key = key
         self._server_side = server
@@ -452,31 +458,7 @@ class Connection(asyncio.BufferedProtocol):
         self.close()
         await asyncio.shield(self.closed)
 
-    # --- the handshake ------------------------------------------------------------------------
-    async def handshake(self, timeout_s: float) -> None:
-        """Client side: prove the key and check the server's proof (raises Unauthenticated)."""
-        assert self._key is not None and not self._server_side
-        try:
-            async with asyncio.timeout(timeout_s):
-                server_nonce = await asyncio.shield(self._hello)
-            client_nonce = os.urandom(_NONCE_BYTES)
-            proof = _proof(self._key, b"client", server_nonce, client_nonce)
-            frame = await self.request(
-                MessageType.HELLO, pb.Hello(nonce=client_nonce, proof=proof), timeout_s=timeout_s
-            )
-        except TimeoutError:
-            raise Unauthenticated(
-                f"{self.peer} sent no handshake in {timeout_s:g} s: is it a gpufaas daemon run with this cluster's "
-                "secret (--secret-file)?"
-            ) from None
-        except RemoteError as exc:
-            raise Unauthenticated(f"{self.peer} refused this end: {exc}") from None
-        if not hmac.compare_digest(
-            frame.message(pb.Hello).proof, _proof(self._key, b"server", server_nonce, client_nonce)
-        ):
-            raise Unauthenticated(f"{self.peer} does not hold this cluster's secret: check its --secret-file")
-        self.authenticated = True
-
+    # --- the handshake (the client's side: `_client_handshake`) -------------------------------
     def _handshake_frame(self, frame: Frame) -> None:
         """A frame before the handshake completed: only the handshake's own are taken."""
         if frame.type != MessageType.HELLO:
@@ -533,6 +515,7 @@ class Connection(asyncio.BufferedProtocol):
     def _parse(self) -> None:
         buf, start, end = self._buf, self._start, self._end
         view = memoryview(buf)
+        turn_frames = 0
         try:
             while end - start >= 4:
                 (length,) = struct.unpack_from("!I", buf, start)
@@ -563,6 +546,10 @@ class Connection(asyncio.BufferedProtocol):
                         self._big, self._big_filled = big, end - start
                         start = end = 0
                     break
+                if turn_frames == FRAMES_PER_TURN:
+                    self._defer_rest()
+                    break
+                turn_frames += 1
                 self._deliver(view, start, total, owned=False)
                 start += total
                 if self.is_closed:
@@ -572,6 +559,23 @@ class Connection(asyncio.BufferedProtocol):
         if start == end:
             start = end = 0
         self._start, self._end = start, end
+
+    def _defer_rest(self) -> None:
+        """Leave the frames past this turn's for the next one, reading nothing more meanwhile."""
+        assert self.transport is not None
+        self._backlog = True
+        self.transport.pause_reading()  # again, from _parse_backlog: a transport's pause is idempotent
+        self._loop.call_soon(self._parse_backlog)
+
+    def _parse_backlog(self) -> None:
+        self._backlog = False
+        if self.is_closed or self.transport is None:
+            return
+        self._parse()
+        if not self._backlog:
+            self.transport.resume_reading()
+        if self._out:
+            self._flush()
 
     def _deliver(self, view: memoryview, start: int, total: int, *, owned: bool) -> None:
         _, type_, flags, correlation_id, header_len = _PREFIX.unpack_from(view, start)
@@ -712,12 +716,34 @@ async def connect(
             raise Unauthenticated(str(exc)) from None
     if key is not None:
         try:
-            await protocol.handshake(timeout_s)
+            await _client_handshake(protocol, timeout_s)
         except ConnectionLost as exc:
             error_counts["auth" if isinstance(exc, Unauthenticated) else "connect"] += 1
             protocol.close()
             raise
     return protocol
+
+
+async def _client_handshake(conn: Connection, timeout_s: float) -> None:
+    """The client's side of the handshake: prove the key and check the server's proof (raises
+    Unauthenticated)."""
+    assert conn._key is not None and not conn._server_side
+    try:
+        async with asyncio.timeout(timeout_s):
+            server_nonce = await asyncio.shield(conn._hello)
+        client_nonce = os.urandom(_NONCE_BYTES)
+        proof = _proof(conn._key, b"client", server_nonce, client_nonce)
+        frame = await conn.request(MessageType.HELLO, pb.Hello(nonce=client_nonce, proof=proof), timeout_s=timeout_s)
+    except TimeoutError:
+        raise Unauthenticated(
+            f"{conn.peer} sent no handshake in {timeout_s:g} s: is it a gpufaas daemon run with this cluster's "
+            "secret (--secret-file)?"
+        ) from None
+    except RemoteError as exc:
+        raise Unauthenticated(f"{conn.peer} refused this end: {exc}") from None
+    if not hmac.compare_digest(frame.message(pb.Hello).proof, _proof(conn._key, b"server", server_nonce, client_nonce)):
+        raise Unauthenticated(f"{conn.peer} does not hold this cluster's secret: check its --secret-file")
+    conn.authenticated = True
 
 
 class Server:

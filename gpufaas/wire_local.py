@@ -18,6 +18,7 @@ end's handler hears `on_close` once.
 from __future__ import annotations
 
 import asyncio
+import collections
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,40 +28,58 @@ PEER_NAME = "in-process"  # what `Connection.peer` (and its log lines) name the 
 
 
 class _MemoryTransport(asyncio.Transport):
-    """One end's transport: `write` hands the bytes to the other end's protocol."""
+    """One end's transport: `write` hands the bytes to the other end, which delivers them to its
+    protocol while its protocol reads (a protocol may pause its reading, as on a socket)."""
 
     def __init__(self, own: Connection) -> None:
         super().__init__()
         self._own = own
         self.peer: _MemoryTransport | None = None
         self._closing = False
-        self._out: list[bytes] = []  # written, not yet delivered
+        self._in: collections.deque[memoryview] = collections.deque()  # arrived, not yet delivered
+        self._reading = True
+        self._delivery_due = False
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        # Delivered from a callback of its own, never from inside the writer's call: a handler
-        # then never runs under the code that sent to it (as over a socket).
         if self._closing or self.peer is None:
             return
-        self._out.append(data if isinstance(data, bytes) else bytes(data))
-        if len(self._out) == 1:
+        self.peer._arrive(data if isinstance(data, bytes) else bytes(data))
+
+    def _arrive(self, data: bytes) -> None:
+        self._in.append(memoryview(data))
+        self._deliver_soon()
+
+    def _deliver_soon(self) -> None:
+        # Delivered from a callback of its own, never from inside the writer's call: a handler
+        # then never runs under the code that sent to it (as over a socket).
+        if self._reading and not self._delivery_due:
+            self._delivery_due = True
             asyncio.get_running_loop().call_soon(self._deliver)
 
     def _deliver(self) -> None:
-        out, self._out = self._out, []
-        peer = self.peer
-        if peer is None or peer._closing:
-            return
-        target = peer._own
-        for data in out:
-            view = memoryview(data)
-            while view:
-                buffer = target.get_buffer(len(view))
-                n = min(len(buffer), len(view))
-                buffer[:n] = view[:n]
-                view = view[n:]
-                target.buffer_updated(n)
-                if peer._closing:  # the frame just delivered closed it
-                    return
+        self._delivery_due = False
+        own, pending = self._own, self._in
+        while pending and self._reading and not self._closing:  # a frame just delivered may close it
+            view = pending[0]
+            buffer = own.get_buffer(len(view))
+            n = min(len(buffer), len(view))
+            buffer[:n] = view[:n]
+            if n == len(view):
+                pending.popleft()
+            else:
+                pending[0] = view[n:]
+            own.buffer_updated(n)
+
+    def pause_reading(self) -> None:
+        self._reading = False
+
+    def resume_reading(self) -> None:
+        self._reading = True
+        if self._in:
+            self._deliver_soon()
+
+    def is_reading(self) -> bool:
+        return self._reading
 
     def writelines(self, list_of_data: Any) -> None:
         for data in list_of_data:

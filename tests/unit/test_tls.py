@@ -167,6 +167,27 @@ def test_scheduler_and_node_talk_over_tls_and_each_knows_the_others_role(run: Ru
     run(scenario())
 
 
+def test_a_flood_of_requests_over_tls_is_answered_whole_and_in_order(run: Run, tls_dir: Path) -> None:
+    """Far more requests than one turn handles (wire.FRAMES_PER_TURN), sent at once over TLS: the
+    server's reading pauses and resumes through the TLS layer, and each request gets its answer."""
+    count = 20 * wire.FRAMES_PER_TURN + 3
+
+    async def scenario() -> None:
+        async with node_server(tls_dir) as (server, echo):
+            conn = await connect(server.address, key=KEY, tls=LinkTls.load(tls_dir, "scheduler"))
+            answers = await asyncio.gather(
+                *(
+                    conn.request(MessageType.EXECUTE, pb.Execute(token=b"t"), str(i).encode(), timeout_s=WAIT_S)
+                    for i in range(count)
+                )
+            )
+            assert [answer.body for answer in answers] == [str(i).encode() for i in range(count)]
+            assert [frame.body for frame in echo.frames] == [str(i).encode() for i in range(count)]
+            await conn.aclose()
+
+    run(scenario())
+
+
 def test_a_node_certificate_cannot_act_as_the_scheduler(run: Run, tls_dir: Path) -> None:
     async def scenario() -> None:
         async with node_server(tls_dir) as (server, echo):

@@ -144,6 +144,19 @@ class RecordingTransport(asyncio.Transport):
         super().__init__()
         self.writes: list[bytes] = []
         self.closing = False
+        self.reading = True
+        self.pauses = 0
+
+    def pause_reading(self) -> None:
+        self.pauses += self.reading  # counts pauses of a reading transport (a second is a no-op)
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        assert not self.reading, "resumed while reading"
+        self.reading = True
+
+    def is_reading(self) -> bool:
+        return self.reading
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.writes.append(bytes(data))
@@ -173,17 +186,24 @@ def recorded(conn: Connection) -> RecordingTransport:
     return conn.transport
 
 
-def feed(conn: Connection, data: bytes, chunk: int | None = None) -> None:
+async def feed(conn: Connection, data: bytes, chunk: int | None = None) -> None:
     """Deliver `data` the way a transport does (get_buffer, fill, buffer_updated), at most
-    `chunk` bytes per read; stops early if the connection closes."""
+    `chunk` bytes per read, reading nothing while the connection has paused reading (the loop
+    turns meanwhile); stops early if the connection closes."""
+    transport = recorded(conn)
     at = 0
     while at < len(data) and not conn.is_closed:
+        if not transport.reading:
+            await asyncio.sleep(0)
+            continue
         buffer = conn.get_buffer(-1)
         n = min(len(buffer), len(data) - at, chunk or len(data))
         assert n > 0, f"the connection offers no room to read into after {at} bytes"
         buffer[:n] = data[at : at + n]
         conn.buffer_updated(n)
         at += n
+    while not transport.reading and not conn.is_closed:
+        await asyncio.sleep(0)
 
 
 # --- requests and messages over TCP -----------------------------------------------------------
@@ -613,7 +633,7 @@ def test_a_stream_cut_into_any_reads_yields_the_same_frames(chunk: int | None) -
 
     async def scenario() -> None:
         conn = attached(peer, max_frame_bytes=4 * MIB)
-        feed(conn, data, chunk)
+        await feed(conn, data, chunk)
         assert not conn.is_closed
 
     asyncio.run(scenario())
@@ -652,16 +672,61 @@ def test_the_answers_to_what_one_read_brought_are_written_before_the_loop_turns(
         requests = [
             raw_frame(MessageType.PLACE, f"h{i}".encode(), b"", flags=FLAG_REQUEST, correlation_id=i) for i in range(3)
         ]
-        feed(conn, b"".join(requests))
+        await feed(conn, b"".join(requests))
         answers = [
             raw_frame(MessageType.EXECUTE_REPLY, f"h{i}".encode(), b"", flags=FLAG_REPLY, correlation_id=i)
             for i in range(3)
         ]
         assert transport.writes == [b"".join(answers)]
-        feed(conn, one_way(9, 4)[0])  # nothing to answer: nothing written
+        await feed(conn, one_way(9, 4)[0])  # nothing to answer: nothing written
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         assert transport.writes == [b"".join(answers)]  # and no empty write when the loop turns
+
+    asyncio.run(scenario())
+
+
+def test_one_read_of_many_frames_is_handled_a_turns_worth_at_a_time_with_reading_paused() -> None:
+    """A read of thousands of small frames is not handled in one callback: FRAMES_PER_TURN of
+    them per loop turn, the connection reading nothing more meanwhile, so that timers and other
+    connections run in between (an overloaded scheduler's lease keep-alives waited out whole
+    reads until its lease lapsed). Requests are answered turn by turn, in order."""
+    per_turn = wire.FRAMES_PER_TURN
+    count = 2 * per_turn + 5
+    requests = [
+        raw_frame(MessageType.PLACE, f"h{i}".encode(), b"", flags=FLAG_REQUEST, correlation_id=i + 1)
+        for i in range(count)
+    ]
+    peer = Peer()
+
+    async def scenario() -> None:
+        conn = attached(peer)
+        transport = recorded(conn)
+        ticks: list[int] = []  # frames handled when each of a chain of loop callbacks ran
+
+        def tick() -> None:
+            ticks.append(len(peer.frames))
+            if len(ticks) < 4:
+                asyncio.get_running_loop().call_soon(tick)
+
+        asyncio.get_running_loop().call_soon(tick)
+        buffer = conn.get_buffer(-1)
+        data = b"".join(requests)
+        buffer[: len(data)] = data
+        conn.buffer_updated(len(data))  # one read holding every frame
+        assert len(peer.frames) == per_turn
+        assert not transport.reading
+        assert len(transport.writes) == 1  # this turn's answers, at once
+        await until(lambda: len(peer.frames) == count)
+        assert ticks[:3] == [per_turn, 2 * per_turn, count]  # the loop turned between the slices
+        assert transport.reading and transport.pauses == 1
+        assert [f.correlation_id for f in peer.frames] == list(range(1, count + 1))
+        answered = b"".join(transport.writes)
+        assert answered == b"".join(
+            raw_frame(MessageType.EXECUTE_REPLY, f"h{i}".encode(), b"", flags=FLAG_REPLY, correlation_id=i + 1)
+            for i in range(count)
+        )
+        assert len(transport.writes) == 3
 
     asyncio.run(scenario())
 
@@ -713,13 +778,13 @@ def test_max_frame_bytes_for_fits_a_full_body_and_its_header_and_nothing_more() 
         fits = attached(Peer(), max_frame_bytes=limit)
         exact = raw_frame(MessageType.EXECUTE, header, bytes(max_body))
         assert len(exact) == limit
-        feed(fits, exact)
+        await feed(fits, exact)
         assert not fits.is_closed
         assert isinstance(fits.handler, Peer) and len(fits.handler.frames) == 1
 
         over = attached(Peer(), max_frame_bytes=limit)
         # Refused from the length alone: its first four bytes are enough.
-        feed(over, raw_frame(MessageType.EXECUTE, header, bytes(max_body + 1))[:4])
+        await feed(over, raw_frame(MessageType.EXECUTE, header, bytes(max_body + 1))[:4])
         reason = await over.closed
         assert isinstance(reason, FrameTooLarge)
         assert f"a frame of {limit + 1} bytes exceeds" in str(reason)
@@ -746,7 +811,7 @@ def test_a_malformed_frame_closes_the_connection(data: bytes, reason: str) -> No
         conn = attached(peer)
         waiting = asyncio.ensure_future(conn.request(MessageType.PLACE, pb.Place()))
         await asyncio.sleep(0)
-        feed(conn, data + raw_frame(MessageType.DONE, pb.Done()))
+        await feed(conn, data + raw_frame(MessageType.DONE, pb.Done()))
         assert conn.is_closed
         with pytest.raises(ConnectionLost):
             await waiting
@@ -896,7 +961,7 @@ def test_a_frame_announced_before_the_handshake_past_its_cap_cuts_the_peer_off_u
         conn.connection_made(RecordingTransport())
         assert len(conn._buf) == wire.HANDSHAKE_FRAME_BYTES  # not the 256 KiB read buffer yet
         # A length the connection's limit allows once authenticated: before, it is refused unread.
-        feed(conn, struct.pack("!I", 16 * MIB) + b"x" * 100)
+        await feed(conn, struct.pack("!I", 16 * MIB) + b"x" * 100)
         assert conn.is_closed
         assert isinstance(conn.closed.result(), wire.Unauthenticated)
         assert conn._big is None and len(conn._buf) == wire.HANDSHAKE_FRAME_BYTES

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from gpufaas import wire
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, RemoteError, Server, Unauthenticated
 from gpufaas.wire_local import PEER_NAME, link_here, local_pair, serve_here, withdraw
@@ -164,3 +165,24 @@ async def test_each_end_of_a_link_made_here_keeps_its_own_frame_limit() -> None:
     finally:
         withdraw(address)
         await server.close()
+
+
+@on_a_loop
+async def test_a_flood_is_delivered_a_turns_worth_at_a_time_whole_and_in_order() -> None:
+    """The receiving end pauses its reading past wire.FRAMES_PER_TURN frames in a turn, as on a
+    socket: the rest waits in memory and comes, in order, on the following turns."""
+    server = Recorder()
+    client_end, _ = local_pair(None, server)
+    count = 3 * wire.FRAMES_PER_TURN + 1
+    for i in range(count):
+        client_end.send(MessageType.DONE, pb.Done(call_id=f"c{i}"))
+    seen: list[int] = []
+    for _ in range(6):
+        await asyncio.sleep(0)
+        seen.append(len(server.frames))
+    assert seen[-1] == count
+    assert max(b - a for a, b in zip([0, *seen], seen, strict=False)) == wire.FRAMES_PER_TURN
+    assert [pb.Done.FromString(f.header).call_id for f in server.frames] == [f"c{i}" for i in range(count)]
+    # the link still carries both ways afterwards
+    reply = await client_end.request(MessageType.CLUSTER, pb.ClusterRequest(), b"ab", timeout_s=1)
+    assert reply.body == b"ba"
