@@ -312,6 +312,7 @@ class Connection(asyncio.BufferedProtocol):
         self._big: bytearray | None = None  # the frame being received, when it is large
         self._big_filled = 0
         self._backlog = False  # frames past FRAMES_PER_TURN wait in `_buf` for the next turn
+        self._lost_after_backlog: tuple[Exception | None] | None = None  # the transport went meanwhile
         # The handshake (see the module's doc): nothing but it is read until `authenticated`.
         self._key = key
         self._server_side = server
@@ -355,6 +356,11 @@ class Connection(asyncio.BufferedProtocol):
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._backlog and not self.is_closed:
+            # What the peer sent before it closed is handled first: a TLS end reads the close in
+            # the read that brought the frames, before the backlog of that read is handled.
+            self._lost_after_backlog = (exc,)
+            return
         self._fail_all(exc)
 
     def pause_writing(self) -> None:
@@ -572,10 +578,14 @@ class Connection(asyncio.BufferedProtocol):
         if self.is_closed or self.transport is None:
             return
         self._parse()
-        if not self._backlog:
-            self.transport.resume_reading()
         if self._out:
             self._flush()
+        if self._backlog:
+            return
+        if self._lost_after_backlog is not None:
+            self._fail_all(self._lost_after_backlog[0])
+        else:
+            self.transport.resume_reading()
 
     def _deliver(self, view: memoryview, start: int, total: int, *, owned: bool) -> None:
         _, type_, flags, correlation_id, header_len = _PREFIX.unpack_from(view, start)

@@ -11,8 +11,9 @@ address from here (`link_here`, which the gateway's router and the scheduler's n
 before a TCP dial) then gets an in-memory link, served by the server as one it accepted.
 
 Order and timing are a socket's: what one end writes in one pass of the event loop reaches the
-other in a later callback (its `_flush`), in order; `close()` on either end closes both, and each
-end's handler hears `on_close` once.
+other in a later callback (its `_flush`), in order; an end that pauses its reading gets nothing
+until it resumes; `close()` on either end closes both, the other one (as on a FIN) once it has
+read what was sent before the close, and each end's handler hears `on_close` once.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class _MemoryTransport(asyncio.Transport):
         self._in: collections.deque[memoryview] = collections.deque()  # arrived, not yet delivered
         self._reading = True
         self._delivery_due = False
+        self._eof = False  # the other end closed: once what it sent is delivered, this end closes
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if self._closing or self.peer is None:
@@ -46,6 +48,8 @@ class _MemoryTransport(asyncio.Transport):
         self.peer._arrive(data if isinstance(data, bytes) else bytes(data))
 
     def _arrive(self, data: bytes) -> None:
+        if self._closing:
+            return
         self._in.append(memoryview(data))
         self._deliver_soon()
 
@@ -69,13 +73,16 @@ class _MemoryTransport(asyncio.Transport):
             else:
                 pending[0] = view[n:]
             own.buffer_updated(n)
+        if self._eof and not pending and self._reading and not self._closing:
+            self._closing = True
+            own.connection_lost(None)
 
     def pause_reading(self) -> None:
         self._reading = False
 
     def resume_reading(self) -> None:
         self._reading = True
-        if self._in:
+        if self._in or self._eof:
             self._deliver_soon()
 
     def is_reading(self) -> bool:
@@ -96,8 +103,8 @@ class _MemoryTransport(asyncio.Transport):
         loop.call_soon(self._own.connection_lost, None)
         peer = self.peer
         if peer is not None and not peer._closing:
-            peer._closing = True
-            loop.call_soon(peer._own.connection_lost, None)
+            peer._eof = True  # as a FIN: the other end closes once it has read what came before
+            peer._deliver_soon()
 
     def abort(self) -> None:
         self.close()

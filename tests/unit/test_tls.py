@@ -188,6 +188,43 @@ def test_a_flood_of_requests_over_tls_is_answered_whole_and_in_order(run: Run, t
     run(scenario())
 
 
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+def test_what_a_peer_sent_before_it_closed_is_all_handled_before_the_close(run: Run, tls_dir: Path, tls: bool) -> None:
+    """A receiver that reads a flood and its sender's close in one go (TLS reads the close_notify
+    with the data) handles every frame before it hears the close, though the frames take it
+    several turns (wire.FRAMES_PER_TURN at a time)."""
+    count = 50 * wire.FRAMES_PER_TURN
+    heard: list[str] = []
+
+    class Tally:
+        def on_frame(self, conn: Connection, frame: Frame) -> None:
+            heard.append(frame.message(pb.Done).call_id)
+
+        def on_close(self, conn: Connection, exc: BaseException | None) -> None:
+            heard.append("closed")
+
+    async def scenario() -> None:
+        server = Server(Tally, key=KEY, tls=LinkTls.load(tls_dir, "node") if tls else False)
+        await server.start("127.0.0.1:0")
+        try:
+            conn = await connect(server.address, key=KEY, tls=LinkTls.load(tls_dir, "scheduler") if tls else False)
+            (server_end,) = server.connections
+            assert server_end.transport is not None
+            server_end.transport.pause_reading()  # busy: everything below waits in its socket
+            for i in range(count):
+                conn.send(MessageType.DONE, pb.Done(call_id=f"c{i}"))
+            await asyncio.sleep(0)  # the frames leave in one write
+            conn.close()
+            await asyncio.sleep(0.05)
+            server_end.transport.resume_reading()
+            await asyncio.wait_for(asyncio.shield(server_end.closed), WAIT_S)
+        finally:
+            await server.close()
+
+    run(scenario())
+    assert heard == [f"c{i}" for i in range(count)] + ["closed"]
+
+
 def test_a_node_certificate_cannot_act_as_the_scheduler(run: Run, tls_dir: Path) -> None:
     async def scenario() -> None:
         async with node_server(tls_dir) as (server, echo):

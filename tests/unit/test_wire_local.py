@@ -186,3 +186,19 @@ async def test_a_flood_is_delivered_a_turns_worth_at_a_time_whole_and_in_order()
     # the link still carries both ways afterwards
     reply = await client_end.request(MessageType.CLUSTER, pb.ClusterRequest(), b"ab", timeout_s=1)
     assert reply.body == b"ba"
+
+
+@on_a_loop
+async def test_an_end_that_closes_after_a_flood_is_heard_closing_after_all_it_sent() -> None:
+    """As a FIN: the other end still reads, a turn's worth at a time, everything sent before the
+    close, and hears the close after it."""
+    server = Recorder()
+    client_end, server_end = local_pair(None, server)
+    count = 5 * wire.FRAMES_PER_TURN
+    for i in range(count):
+        client_end.send(MessageType.DONE, pb.Done(call_id=f"c{i}"))
+    await asyncio.sleep(0)  # the frames leave in one write
+    client_end.close()
+    await asyncio.wait_for(asyncio.shield(server_end.closed), 1)
+    assert [pb.Done.FromString(f.header).call_id for f in server.frames] == [f"c{i}" for i in range(count)]
+    assert server.closed == [None]
