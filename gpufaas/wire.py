@@ -71,6 +71,7 @@ import os
 import socket
 import ssl
 import struct
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
@@ -313,6 +314,9 @@ class Connection(asyncio.BufferedProtocol):
         self._big_filled = 0
         self._backlog = False  # frames past FRAMES_PER_TURN wait in `_buf` for the next turn
         self._lost_after_backlog: tuple[Exception | None] | None = None  # the transport went meanwhile
+        # Since when (time.monotonic) this end has had frames of the connection left for a later
+        # turn without a pause: None while it keeps up. A handler sheds work on it (the scheduler).
+        self.behind_since: float | None = None
         # The handshake (see the module's doc): nothing but it is read until `authenticated`.
         self._key = key
         self._server_side = server
@@ -570,6 +574,8 @@ class Connection(asyncio.BufferedProtocol):
         """Leave the frames past this turn's for the next one, reading nothing more meanwhile."""
         assert self.transport is not None
         self._backlog = True
+        if self.behind_since is None:
+            self.behind_since = time.monotonic()
         self.transport.pause_reading()  # again, from _parse_backlog: a transport's pause is idempotent
         self._loop.call_soon(self._parse_backlog)
 
@@ -582,6 +588,7 @@ class Connection(asyncio.BufferedProtocol):
             self._flush()
         if self._backlog:
             return
+        self.behind_since = None
         if self._lost_after_backlog is not None:
             self._fail_all(self._lost_after_backlog[0])
         else:

@@ -7,6 +7,7 @@ import contextlib
 import random
 import socket
 import struct
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from typing import Any
 
@@ -716,10 +717,15 @@ def test_one_read_of_many_frames_is_handled_a_turns_worth_at_a_time_with_reading
         conn.buffer_updated(len(data))  # one read holding every frame
         assert len(peer.frames) == per_turn
         assert not transport.reading
+        behind_since = conn.behind_since
+        assert behind_since is not None and behind_since <= time.monotonic()
         assert len(transport.writes) == 1  # this turn's answers, at once
+        await asyncio.sleep(0)
+        assert conn.behind_since == behind_since  # since the first turn it left frames for, not the last
         await until(lambda: len(peer.frames) == count)
         assert ticks[:3] == [per_turn, 2 * per_turn, count]  # the loop turned between the slices
         assert transport.reading and transport.pauses == 1
+        assert conn.behind_since is None  # caught up
         assert [f.correlation_id for f in peer.frames] == list(range(1, count + 1))
         answered = b"".join(transport.writes)
         assert answered == b"".join(
