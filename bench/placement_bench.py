@@ -25,7 +25,8 @@ outstanding over the throughput (Little's law), so `--concurrency` moves it. `--
 second phase (same cluster, warm) in which calls arrive as a Poisson process of R per second however
 many are outstanding, as a cluster's users send them: its figures are under `offered_load`, with
 how late the client released its calls after their arrival times (`p99_release_lag_ms`: its own
-loop's lag, which each Placement's arrival waits out too; a call is timed from its release).
+loop's lag, which each Placement's arrival waits out too; a call is timed from its release), and
+the calls of the window the scheduler refused (`rejected_per_s`: an overloaded one sheds Places).
 
 The mix: the functions of the shipped Azure Functions 2019 extract (simulator/traces, the one
 `gpufaas sim` replays), the `--functions` most invoked, each call's function drawn with weight its
@@ -459,6 +460,8 @@ def summarize(measured: dict[str, Any], seconds: float) -> dict[str, Any]:
 
     return {
         "placements_per_s": round(placements / seconds, 1),
+        # Calls sent in the window and answered with a Rejection (errors counts the warm-up's too).
+        "rejected_per_s": round(sum(g["rejected"] for g in gateways) / seconds, 1),
         "p50_place_ms": ms(place_us, 50),
         "p99_place_ms": ms(place_us, 99),
         "p50_call_ms": ms(call_us, 50),

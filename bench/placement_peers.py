@@ -279,6 +279,7 @@ class GatewayStats:
     place_us: list[int] = field(default_factory=list)  # Place sent -> first Placement, calls sent in the window
     call_us: list[int] = field(default_factory=list)  # Place sent -> ExecuteReply, the same calls
     release_lag_us: list[int] = field(default_factory=list)  # open loop: arrival time -> sent, in the window
+    rejected: int = 0  # calls sent in the window that the scheduler answered with a Rejection
     errors: Counter[str] = field(default_factory=Counter)
 
 
@@ -434,7 +435,7 @@ class SyntheticGateway:
         place = pb.Place(call_id=call_id, function=spec.name, timeout_s=spec.timeout_s, payload_bytes=len(PAYLOAD))
         box = self._calls[call_id] = Mailbox(place, math.inf, time.monotonic)
         try:
-            placed_s, ok = await self._call(box, window)
+            placed_s, ok = await self._call(box, window, sent_s)
         finally:
             del self._calls[call_id]
         if ok:
@@ -451,7 +452,7 @@ class SyntheticGateway:
         box.waiting, box.attempt, box.epoch = True, 0, self.epoch
         self.scheduler.send(MessageType.PLACE, box.place)
 
-    async def _call(self, box: Mailbox, window: Window) -> tuple[float | None, bool]:
+    async def _call(self, box: Mailbox, window: Window, sent_s: float) -> tuple[float | None, bool]:
         """Place the call and run it where placed, as the router's `_run`: (when its first
         Placement came, whether it ran OK)."""
         stats = self.stats
@@ -461,6 +462,7 @@ class SyntheticGateway:
             message = await box.get()
             if isinstance(message, pb.Rejection):
                 stats.errors[f"rejection {pb.Status.Name(message.status)}"] += 1
+                stats.rejected += window.open_s <= sent_s < window.close_s
                 return placed_s, False
             if message.attempt <= box.attempt:
                 continue  # a placement already tried (or replaced)

@@ -295,9 +295,11 @@ class Connection(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self._loop = asyncio.get_running_loop()
         self.closed: asyncio.Future[BaseException | None] = self._loop.create_future()
-        # True once `closed` is resolved: a plain attribute, read several times per call on the
+        # True once nothing can be sent: `closed` resolved, or the transport lost while frames it
+        # brought wait for their turns. A plain attribute, read several times per call on the
         # serving path (a property calling `closed.done()` cost 1 % of the gateway's CPU).
         self.is_closed = False
+        self._failed = False  # `closed` resolved: no frame is handled any more
         self._pending: dict[int, asyncio.Future[Frame]] = {}
         self._ids = itertools.count(1)
         self._out: list[bytes] = []
@@ -314,8 +316,9 @@ class Connection(asyncio.BufferedProtocol):
         self._big_filled = 0
         self._backlog = False  # frames past FRAMES_PER_TURN wait in `_buf` for the next turn
         self._lost_after_backlog: tuple[Exception | None] | None = None  # the transport went meanwhile
-        # Since when (time.monotonic) this end has had frames of the connection left for a later
-        # turn without a pause: None while it keeps up. A handler sheds work on it (the scheduler).
+        # Since when (time.monotonic) every read of the connection has brought more frames than a
+        # turn handles: None once a read is handled in its own turn (caught up with the socket). A
+        # handler sheds work on a connection long behind (the scheduler).
         self.behind_since: float | None = None
         # The handshake (see the module's doc): nothing but it is read until `authenticated`.
         self._key = key
@@ -360,9 +363,11 @@ class Connection(asyncio.BufferedProtocol):
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._backlog and not self.is_closed:
+        if self._backlog and not self._failed:
             # What the peer sent before it closed is handled first: a TLS end reads the close in
-            # the read that brought the frames, before the backlog of that read is handled.
+            # the read that brought the frames, before the backlog of that read is handled. Nothing
+            # is sent meanwhile (`is_closed`).
+            self.is_closed = True
             self._lost_after_backlog = (exc,)
             return
         self._fail_all(exc)
@@ -398,6 +403,8 @@ class Connection(asyncio.BufferedProtocol):
         else:
             self._end += nbytes
             self._parse()
+        if not self._backlog:
+            self.behind_since = None  # a read handled in its turn: caught up with the socket
         if self._out:
             # What the frames just read were answered with leaves now, not after every other
             # connection's reads of this loop iteration have been handled (as many writes: one
@@ -562,7 +569,7 @@ class Connection(asyncio.BufferedProtocol):
                 turn_frames += 1
                 self._deliver(view, start, total, owned=False)
                 start += total
-                if self.is_closed:
+                if self._failed:
                     return
         finally:
             view.release()
@@ -581,14 +588,13 @@ class Connection(asyncio.BufferedProtocol):
 
     def _parse_backlog(self) -> None:
         self._backlog = False
-        if self.is_closed or self.transport is None:
+        if self._failed or self.transport is None:
             return
         self._parse()
         if self._out:
             self._flush()
         if self._backlog:
             return
-        self.behind_since = None
         if self._lost_after_backlog is not None:
             self._fail_all(self._lost_after_backlog[0])
         else:
@@ -639,7 +645,7 @@ class Connection(asyncio.BufferedProtocol):
     def _fail_all(self, exc: BaseException | None) -> None:
         if self.closed.done():
             return
-        self.is_closed = True
+        self.is_closed = self._failed = True
         self.closed.set_result(exc)
         if self._key is not None and not self._server_side and not self._hello.done():
             self._hello.set_exception(

@@ -61,18 +61,26 @@ class _MemoryTransport(asyncio.Transport):
             asyncio.get_running_loop().call_soon(self._deliver)
 
     def _deliver(self) -> None:
+        """One read, as from a socket: what is waiting, up to the reader's buffer, in one
+        `buffer_updated`; the rest on a later turn (so the reader's cap on frames per turn, and its
+        measure of being behind, hold here too)."""
         self._delivery_due = False
         own, pending = self._own, self._in
-        while pending and self._reading and not self._closing:  # a frame just delivered may close it
-            view = pending[0]
-            buffer = own.get_buffer(len(view))
-            n = min(len(buffer), len(view))
-            buffer[:n] = view[:n]
-            if n == len(view):
-                pending.popleft()
-            else:
-                pending[0] = view[n:]
-            own.buffer_updated(n)
+        if pending and self._reading and not self._closing:
+            buffer = own.get_buffer(-1)
+            filled = 0
+            while pending and filled < len(buffer):
+                view = pending[0]
+                n = min(len(buffer) - filled, len(view))
+                buffer[filled : filled + n] = view[:n]
+                filled += n
+                if n == len(view):
+                    pending.popleft()
+                else:
+                    pending[0] = view[n:]
+            own.buffer_updated(filled)
+            if pending:
+                self._deliver_soon()
         if self._eof and not pending and self._reading and not self._closing:
             self._closing = True
             own.connection_lost(None)

@@ -13,12 +13,14 @@ from scheduler.node_links import NodeLink
 if TYPE_CHECKING:
     from scheduler.service import SchedulerService
 
-# A gateway's Place read once its connection has been behind this long (frames left for later
-# turns of the loop without a pause: gpufaas.wire) is answered OVERLOADED instead of placed. The
+# A gateway's Place read once its connection has been behind this long (every read of it bringing
+# more frames than a turn handles: gpufaas.wire) is answered OVERLOADED instead of placed. The
 # scheduler's own CPU is the bottleneck then, and what it cannot read waits in the socket, unseen
 # by the global queue's bound: without shedding, every call's wait grows until its deadline. A
-# Rejection costs a fraction of a placement, so the backlog drains and placing resumes.
-SHED_AFTER_S = 0.1
+# Rejection costs a fraction of a placement, so the backlog drains and placing resumes. Half a
+# second lets through what is a burst, not an overload: the waiting calls every gateway sends a
+# new leader at once, a loop held by a collection or an attach.
+SHED_AFTER_S = 0.5
 
 
 class GatewaySession:

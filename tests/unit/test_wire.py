@@ -725,7 +725,7 @@ def test_one_read_of_many_frames_is_handled_a_turns_worth_at_a_time_with_reading
         await until(lambda: len(peer.frames) == count)
         assert ticks[:3] == [per_turn, 2 * per_turn, count]  # the loop turned between the slices
         assert transport.reading and transport.pauses == 1
-        assert conn.behind_since is None  # caught up
+        assert conn.behind_since == behind_since  # the read is handled; whether more waits is not known
         assert [f.correlation_id for f in peer.frames] == list(range(1, count + 1))
         answered = b"".join(transport.writes)
         assert answered == b"".join(
@@ -733,6 +733,32 @@ def test_one_read_of_many_frames_is_handled_a_turns_worth_at_a_time_with_reading
             for i in range(count)
         )
         assert len(transport.writes) == 3
+        await feed(conn, one_way(0, 4)[0])  # a read handled in its own turn: caught up
+        assert conn.behind_since is None
+
+    asyncio.run(scenario())
+
+
+def test_a_transport_lost_during_a_backlog_refuses_sends_at_once_and_closes_after_the_frames() -> None:
+    """The frames a read brought are all handled though the transport went meanwhile (TLS reads a
+    close with the data), but nothing is sent from the loss on: `is_closed` holds at once, so a
+    sender fails as on a closed connection instead of writing into a dead transport."""
+    count = 3 * wire.FRAMES_PER_TURN
+    peer = Peer()
+
+    async def scenario() -> None:
+        conn = attached(peer)
+        data = b"".join(one_way(i, 3)[0] for i in range(count))
+        buffer = conn.get_buffer(-1)
+        buffer[: len(data)] = data
+        conn.buffer_updated(len(data))
+        assert len(peer.frames) == wire.FRAMES_PER_TURN
+        conn.connection_lost(None)  # as the transport reports it
+        assert conn.is_closed and not conn.closed.done()
+        with pytest.raises(ConnectionLost):
+            conn.send(MessageType.DONE, pb.Done(call_id="late"))
+        await asyncio.wait_for(asyncio.shield(conn.closed), WAIT_S)
+        assert len(peer.frames) == count and peer.closes == [None]
 
     asyncio.run(scenario())
 
