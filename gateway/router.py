@@ -329,9 +329,12 @@ class NodeConnections:
             silent_since = None
             if self._conns.get(address) is conn:
                 self.heard(address)
+        # (A request fails at once on a lost transport whose last frames are still being handled:
+        # `closed` resolves after them.)
+        reason = await asyncio.shield(conn.closed)
         if self._conns.get(address) is conn:
             del self._conns[address]
-            self._unreachable(address, f"its connection was lost: {conn.closed.result() or 'closed'}")
+            self._unreachable(address, f"its connection was lost: {reason or 'closed'}")
 
 
 class Router:

@@ -71,7 +71,6 @@ import os
 import socket
 import ssl
 import struct
-import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
@@ -295,11 +294,9 @@ class Connection(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self._loop = asyncio.get_running_loop()
         self.closed: asyncio.Future[BaseException | None] = self._loop.create_future()
-        # True once nothing can be sent: `closed` resolved, or the transport lost while frames it
-        # brought wait for their turns. A plain attribute, read several times per call on the
+        # True once `closed` is resolved: a plain attribute, read several times per call on the
         # serving path (a property calling `closed.done()` cost 1 % of the gateway's CPU).
         self.is_closed = False
-        self._failed = False  # `closed` resolved: no frame is handled any more
         self._pending: dict[int, asyncio.Future[Frame]] = {}
         self._ids = itertools.count(1)
         self._out: list[bytes] = []
@@ -315,11 +312,9 @@ class Connection(asyncio.BufferedProtocol):
         self._big: bytearray | None = None  # the frame being received, when it is large
         self._big_filled = 0
         self._backlog = False  # frames past FRAMES_PER_TURN wait in `_buf` for the next turn
-        self._lost_after_backlog: tuple[Exception | None] | None = None  # the transport went meanwhile
-        # Since when (time.monotonic) every read of the connection has brought more frames than a
-        # turn handles: None once a read is handled in its own turn (caught up with the socket). A
-        # handler sheds work on a connection long behind (the scheduler).
-        self.behind_since: float | None = None
+        # The transport went while a backlog waits: `closed` resolves once it is handled, and
+        # nothing is written meanwhile.
+        self._lost_after_backlog: tuple[Exception | None] | None = None
         # The handshake (see the module's doc): nothing but it is read until `authenticated`.
         self._key = key
         self._server_side = server
@@ -363,11 +358,9 @@ class Connection(asyncio.BufferedProtocol):
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._backlog and not self._failed:
+        if self._backlog and not self.is_closed:
             # What the peer sent before it closed is handled first: a TLS end reads the close in
-            # the read that brought the frames, before the backlog of that read is handled. Nothing
-            # is sent meanwhile (`is_closed`).
-            self.is_closed = True
+            # the read that brought the frames, before the backlog of that read is handled.
             self._lost_after_backlog = (exc,)
             return
         self._fail_all(exc)
@@ -403,8 +396,6 @@ class Connection(asyncio.BufferedProtocol):
         else:
             self._end += nbytes
             self._parse()
-        if not self._backlog:
-            self.behind_since = None  # a read handled in its turn: caught up with the socket
         if self._out:
             # What the frames just read were answered with leaves now, not after every other
             # connection's reads of this loop iteration have been handled (as many writes: one
@@ -455,7 +446,7 @@ class Connection(asyncio.BufferedProtocol):
     def reply(self, to: Frame, type_: int, header: Message | bytes, body: bytes = b"") -> None:
         """Answer request `to`. A connection closed meanwhile drops the answer silently: the peer
         that asked is gone."""
-        if self.is_closed:
+        if self.is_closed or self._lost_after_backlog is not None:
             return
         self._write(encode(type_, header, body, flags=FLAG_REPLY, correlation_id=to.correlation_id), body)
 
@@ -510,7 +501,7 @@ class Connection(asyncio.BufferedProtocol):
 
     # --- internals ----------------------------------------------------------------------------
     def _write(self, prefix: bytes, body: bytes) -> None:
-        if self.is_closed or self.transport is None:
+        if self.is_closed or self.transport is None or self._lost_after_backlog is not None:
             raise ConnectionLost(f"connection to {self.peer or 'peer'} is closed")
         if len(body) > _INLINE_BODY_BYTES:
             self._flush()  # keep frames in order
@@ -569,7 +560,7 @@ class Connection(asyncio.BufferedProtocol):
                 turn_frames += 1
                 self._deliver(view, start, total, owned=False)
                 start += total
-                if self._failed:
+                if self.is_closed:
                     return
         finally:
             view.release()
@@ -581,14 +572,12 @@ class Connection(asyncio.BufferedProtocol):
         """Leave the frames past this turn's for the next one, reading nothing more meanwhile."""
         assert self.transport is not None
         self._backlog = True
-        if self.behind_since is None:
-            self.behind_since = time.monotonic()
         self.transport.pause_reading()  # again, from _parse_backlog: a transport's pause is idempotent
         self._loop.call_soon(self._parse_backlog)
 
     def _parse_backlog(self) -> None:
         self._backlog = False
-        if self._failed or self.transport is None:
+        if self.is_closed or self.transport is None:
             return
         self._parse()
         if self._out:
@@ -645,7 +634,7 @@ class Connection(asyncio.BufferedProtocol):
     def _fail_all(self, exc: BaseException | None) -> None:
         if self.closed.done():
             return
-        self.is_closed = self._failed = True
+        self.is_closed = True
         self.closed.set_result(exc)
         if self._key is not None and not self._server_side and not self._hello.done():
             self._hello.set_exception(

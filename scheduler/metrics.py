@@ -48,11 +48,6 @@ class SchedulerMetrics:
         self.releases = Counter(
             "gpufaas_scheduler_releases", "Staged-exit releases, by stage (gpu, host).", ["stage"], registry=r
         )
-        self.shed = Counter(
-            "gpufaas_scheduler_shed",
-            "Places answered OVERLOADED because the scheduler had fallen behind on its gateway's connection.",
-            registry=r,
-        )
         self.failures = Counter(
             "gpufaas_scheduler_call_failures", "Attempts that ended other than OK, by outcome.", ["outcome"], registry=r
         )

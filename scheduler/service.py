@@ -436,13 +436,6 @@ class SchedulerService:
             owner.send(type_, message)
 
     # --- from gateways and nodes ------------------------------------------------------------
-    def shed(self, conn: Connection, request: pb.Place, behind_s: float) -> None:
-        """A Place read after its gateway's link had been behind for over `behind_s` seconds: the
-        scheduler has no CPU for it. Answered OVERLOADED (the gateway's 429)."""
-        self.metrics.shed.inc()
-        behind = f"behind on this gateway's calls for over {behind_s * 1000:.0f} ms"
-        self._reject(conn, request.call_id, pb.OVERLOADED, f"the scheduler is overloaded ({behind}); retry later")
-
     def place(self, conn: Connection, request: pb.Place) -> None:
         """A gateway's Place: submitted now, or kept in arrival order while the term is not open."""
         if not self.term.open:

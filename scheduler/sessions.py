@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 from gpufaas.proto import gpufaas_pb2 as pb
@@ -12,15 +11,6 @@ from scheduler.node_links import NodeLink
 
 if TYPE_CHECKING:
     from scheduler.service import SchedulerService
-
-# A gateway's Place read once its connection has been behind this long (every read of it bringing
-# more frames than a turn handles: gpufaas.wire) is answered OVERLOADED instead of placed. The
-# scheduler's own CPU is the bottleneck then, and what it cannot read waits in the socket, unseen
-# by the global queue's bound: without shedding, every call's wait grows until its deadline. A
-# Rejection costs a fraction of a placement, so the backlog drains and placing resumes. Half a
-# second lets through what is a burst, not an overload: the waiting calls every gateway sends a
-# new leader at once, a loop held by a collection or an attach.
-SHED_AFTER_S = 0.5
 
 
 class GatewaySession:
@@ -36,11 +26,7 @@ class GatewaySession:
             conn.close()  # a standby: the gateway finds the leader in etcd
             return
         if frame.type == MessageType.PLACE:
-            behind_since = conn.behind_since
-            if behind_since is not None and time.monotonic() - behind_since > SHED_AFTER_S:
-                service.shed(conn, frame.message(pb.Place), SHED_AFTER_S)
-            else:
-                service.place(conn, frame.message(pb.Place))
+            service.place(conn, frame.message(pb.Place))
         elif frame.type == MessageType.ABANDON:
             abandon = frame.message(pb.Abandon)
             service.apply(service.book.abandon(conn, abandon.call_id, abandon.attempt, abandon.reason, service.clock()))

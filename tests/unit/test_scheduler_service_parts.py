@@ -8,7 +8,6 @@ import gc
 import hashlib
 import json
 import math
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
@@ -19,11 +18,10 @@ from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import MAX_TXN_BYTES, MAX_TXN_OPS, StoreError
 from gpufaas.types import GpuSpec
-from gpufaas.wire import Connection, Frame, MessageType, Unauthenticated
-from gpufaas.wire_local import PEER_NAME, link_here, local_pair
+from gpufaas.wire import Connection, Unauthenticated
+from gpufaas.wire_local import PEER_NAME, link_here
 from scheduler.persister import GPUS_PER_SLICE, _batches
 from scheduler.service import EARLY_PER_SLICE, SchedulerService
-from scheduler.sessions import SHED_AFTER_S, GatewaySession
 from tests.fakes import MemoryStore
 
 GPU = "n1/g0"
@@ -337,54 +335,5 @@ def test_the_places_that_waited_for_the_attaches_go_first_in_slices_with_the_loo
         assert taken == [request.call_id for request in early] + ["late"]
         service.place(conn, pb.Place(call_id="open", function="fn"))
         assert taken[-1] == "open"
-
-    run(scenario)
-
-
-class Heard:
-    """A gateway's end of the link: the scheduler's answers it hears, by type and call."""
-
-    def __init__(self) -> None:
-        self.answers: list[tuple[str, str, int]] = []  # (type, call id, Rejection status or 0)
-
-    def on_frame(self, conn: Connection, frame: Frame) -> None:
-        if frame.type == MessageType.REJECTION:
-            rejection = frame.message(pb.Rejection)
-            self.answers.append(("rejection", rejection.call_id, rejection.status))
-        elif frame.type == MessageType.PLACEMENT:
-            self.answers.append(("placement", frame.message(pb.Placement).call_id, 0))
-
-    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
-        pass
-
-
-def test_a_place_read_once_its_gateways_link_is_long_behind_is_answered_overloaded() -> None:
-    """The scheduler's CPU is the bottleneck when it has left a gateway's frames for later turns
-    for more than SHED_AFTER_S without a pause: the Places it reads then are shed (OVERLOADED,
-    counted), not placed; a link behind for less, or caught up again, is served as usual (here:
-    a function nobody deployed, answered NOT_FOUND once etcd is read)."""
-
-    def place(call_id: str) -> Frame:
-        return Frame(MessageType.PLACE, 0, 0, pb.Place(call_id=call_id, function="nope").SerializeToString(), b"")
-
-    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
-        service.leadership.won(1, 1, service.clock())
-        heard = Heard()
-        _, conn = local_pair(heard, None)
-        session = GatewaySession(service)
-        conn.behind_since = time.monotonic() - SHED_AFTER_S / 2
-        session.on_frame(conn, place("behind-briefly"))
-        conn.behind_since = time.monotonic() - 2 * SHED_AFTER_S
-        session.on_frame(conn, place("behind-long"))
-        conn.behind_since = None
-        session.on_frame(conn, place("caught-up"))
-        for _ in range(10):
-            await asyncio.sleep(0)
-        assert sorted(heard.answers) == [
-            ("rejection", "behind-briefly", pb.NOT_FOUND),
-            ("rejection", "behind-long", pb.OVERLOADED),
-            ("rejection", "caught-up", pb.NOT_FOUND),
-        ]
-        assert service.metrics.registry.get_sample_value("gpufaas_scheduler_shed_total") == 1
 
     run(scenario)

@@ -7,7 +7,6 @@ import contextlib
 import random
 import socket
 import struct
-import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from typing import Any
 
@@ -717,15 +716,10 @@ def test_one_read_of_many_frames_is_handled_a_turns_worth_at_a_time_with_reading
         conn.buffer_updated(len(data))  # one read holding every frame
         assert len(peer.frames) == per_turn
         assert not transport.reading
-        behind_since = conn.behind_since
-        assert behind_since is not None and behind_since <= time.monotonic()
         assert len(transport.writes) == 1  # this turn's answers, at once
-        await asyncio.sleep(0)
-        assert conn.behind_since == behind_since  # since the first turn it left frames for, not the last
         await until(lambda: len(peer.frames) == count)
         assert ticks[:3] == [per_turn, 2 * per_turn, count]  # the loop turned between the slices
         assert transport.reading and transport.pauses == 1
-        assert conn.behind_since == behind_since  # the read is handled; whether more waits is not known
         assert [f.correlation_id for f in peer.frames] == list(range(1, count + 1))
         answered = b"".join(transport.writes)
         assert answered == b"".join(
@@ -733,16 +727,14 @@ def test_one_read_of_many_frames_is_handled_a_turns_worth_at_a_time_with_reading
             for i in range(count)
         )
         assert len(transport.writes) == 3
-        await feed(conn, one_way(0, 4)[0])  # a read handled in its own turn: caught up
-        assert conn.behind_since is None
 
     asyncio.run(scenario())
 
 
 def test_a_transport_lost_during_a_backlog_refuses_sends_at_once_and_closes_after_the_frames() -> None:
     """The frames a read brought are all handled though the transport went meanwhile (TLS reads a
-    close with the data), but nothing is sent from the loss on: `is_closed` holds at once, so a
-    sender fails as on a closed connection instead of writing into a dead transport."""
+    close with the data), but nothing is written from the loss on: a send fails as on a closed
+    connection instead of going into a dead transport, and `closed` resolves after the frames."""
     count = 3 * wire.FRAMES_PER_TURN
     peer = Peer()
 
@@ -754,7 +746,7 @@ def test_a_transport_lost_during_a_backlog_refuses_sends_at_once_and_closes_afte
         conn.buffer_updated(len(data))
         assert len(peer.frames) == wire.FRAMES_PER_TURN
         conn.connection_lost(None)  # as the transport reports it
-        assert conn.is_closed and not conn.closed.done()
+        assert not conn.closed.done()
         with pytest.raises(ConnectionLost):
             conn.send(MessageType.DONE, pb.Done(call_id="late"))
         await asyncio.wait_for(asyncio.shield(conn.closed), WAIT_S)
