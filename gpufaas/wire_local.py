@@ -62,8 +62,8 @@ class _MemoryTransport(asyncio.Transport):
 
     def _deliver(self) -> None:
         """One read, as from a socket: what is waiting, up to the reader's buffer, in one
-        `buffer_updated`; the rest on a later turn (so the reader's cap on frames per turn, and its
-        measure of being behind, hold here too)."""
+        `buffer_updated`; the rest on a later turn (so the reader's cap on frames per turn holds here
+        too)."""
         self._delivery_due = False
         own, pending = self._own, self._in
         if pending and self._reading and not self._closing:
