@@ -16,7 +16,8 @@ And the host model pool (docs/weights.md) on the device:
 - pinned: the device's host-to-device bandwidth from pinned memory (the ceiling), and from
   pageable memory, 1 GiB copies;
 - pool_copy: `gpufaas.weights.load_file` of a 1 GiB safetensors file in the pool (/dev/shm) onto
-  cuda:0, chunked and pinned as a worker does it, as a fraction of the pinned bandwidth (goal >= 0.8);
+  cuda:0, staged through pinned buffers as a worker does it (buffers made for each load here; a
+  spare makes them beforehand), as a fraction of the pinned bandwidth (goal >= 0.8);
 - pool_miss: ResNet-18 through the WorkerPool with the node's host pool: a miss whose weights are
   in the pool (the worker evicted first), with the template's `warmup` (goal <= 100 ms);
 - cluster first_call_after_deploy: `gpufaas deploy`'s upload, pre-staging, then the first call
@@ -24,7 +25,7 @@ And the host model pool (docs/weights.md) on the device:
 
 Needs a CUDA GPU (`python -m bench.cuda_bench` exits with a message without one); `--smoke-cpu`
 runs the pool parts on the cpu backend with small sizes (checks the wiring, writes nothing).
-Run: `python -m bench.cuda_bench [--out bench/results/cuda_bench.json] [--calls 200]`.
+Run: `python -m bench.cuda_bench [--out bench/results/cuda_bench.json] [--calls 200] [--pool-dir DIR]`.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import httpx
 from bench.machine import run_metadata
 from gpu_manager.backends import Handler, import_handler
 from gpu_manager.devices import Nvml, discover_nvml
-from gpu_manager.host_pool import POOL_MIN_FILE_BYTES
+from gpu_manager.host_pool import POOL_MIN_FILE_BYTES, huge_pages
 from gpu_manager.pool import ModelRun, WorkerPool
 from gpu_manager.staging import LocalPackages
 from gpufaas.cli import uploads
@@ -225,9 +226,11 @@ def pinned_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 5) -> di
     return result
 
 
-def pool_copy(device: str, work: Path, nbytes: int = 1 << 30, repeats: int = 3) -> dict[str, Any]:
+def pool_copy(
+    device: str, work: Path, nbytes: int = 1 << 30, repeats: int = 3, pool_dir: Path = Path("/dev/shm")
+) -> dict[str, Any]:
     """gpufaas.weights.load_file of a safetensors file of about `nbytes` held in the host pool
-    (a file on /dev/shm, as the node keeps it) onto `device`: what a miss from the pool copies."""
+    (a file in `pool_dir`, as the node keeps it) onto `device`: what a miss from the pool copies."""
     import torch
     from safetensors.torch import save_file
 
@@ -237,7 +240,7 @@ def pool_copy(device: str, work: Path, nbytes: int = 1 << 30, repeats: int = 3) 
     package.mkdir(parents=True, exist_ok=True)
     layers = 24  # a model's worth of tensors: the copy goes chunk by chunk
     save_file({f"layer{i}": torch.randn(nbytes // 4 // layers) for i in range(layers)}, package / "w.safetensors")
-    shm = Path("/dev/shm") / f"gpufaas-bench-{os.getpid()}.safetensors"
+    shm = pool_dir / f"gpufaas-bench-{os.getpid()}.safetensors"
     shutil.copyfile(package / "w.safetensors", shm)
     fd = os.open(shm, os.O_RDONLY)
     runs = []
@@ -252,7 +255,8 @@ def pool_copy(device: str, work: Path, nbytes: int = 1 << 30, repeats: int = 3) 
                 {
                     "seconds": round(stats.seconds, 4),
                     "gb_s": round(stats.bytes / stats.seconds / 1e9, 3),
-                    "register_s": round(stats.register_s, 4),
+                    "pin_s": round(stats.pin_s, 4),
+                    "stage_s": round(stats.stage_s, 4),
                     "copy_s": round(stats.copy_s, 4),
                     "chunks": stats.chunks,
                 }
@@ -267,7 +271,11 @@ def pool_copy(device: str, work: Path, nbytes: int = 1 << 30, repeats: int = 3) 
 
 
 async def pool_miss(
-    models: dict[str, tuple[Path, bytes, bytes, str]], work: Path, backend: str, name: str = "resnet18"
+    models: dict[str, tuple[Path, bytes, bytes, str]],
+    work: Path,
+    backend: str,
+    name: str = "resnet18",
+    pool_dir: Path = Path("/dev/shm"),
 ) -> dict[str, Any]:
     """`name` through a WorkerPool wired to a host model pool as a node wires it: the first miss
     copies its weights into the pool, the next misses (the worker evicted between) map them."""
@@ -276,7 +284,7 @@ async def pool_miss(
 
     local = LocalPackages(work / f"pool-miss-{backend}")
     digest = local.add_archive(models[name][1])
-    host_pool = HostModelPool(Path("/dev/shm"), 4 << 30, name=f"gpufaas-bench-pool-{os.getpid()}")
+    host_pool = HostModelPool(pool_dir, 4 << 30, name=f"gpufaas-bench-pool-{os.getpid()}")
 
     async def prepare_weights(package: str, directory: Path) -> WeightsPlan:
         manifest = local.manifests[package]
@@ -401,6 +409,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/cuda_bench.json")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--smoke-cpu", action="store_true", help="the pool parts on the cpu backend, small")
+    parser.add_argument(
+        "--pool-dir",
+        type=Path,
+        default=Path("/dev/shm"),
+        help="the memory filesystem the pool parts keep weights on (a tmpfs mounted huge=within_size, say)",
+    )
     args = parser.parse_args(argv)
     if args.smoke_cpu:
         return smoke_cpu()
@@ -415,10 +429,12 @@ def main(argv: list[str] | None = None) -> int:
             gpu=[f"{d.gpu_id}: {d.gpu_type}, {d.memory_mb} MiB" for d in devices],
             torch=torch.__version__,
             calls=args.calls,
+            pool_dir=str(args.pool_dir),
+            pool_huge_pages=huge_pages(args.pool_dir),
         )
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    _run_parts(report, args.out, args.calls)
+    _run_parts(report, args.out, args.calls, args.pool_dir)
     summary = _summary(report)
     report["summary"] = summary
     args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -427,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_parts(report: dict[str, Any], out: Path, calls: int) -> None:
+def _run_parts(report: dict[str, Any], out: Path, calls: int, pool_dir: Path) -> None:
     """Every part of the benchmark in turn, each's figures into `report`, written to `out` as the
     next part starts."""
 
@@ -444,9 +460,9 @@ def _run_parts(report: dict[str, Any], out: Path, calls: int) -> None:
         step("pinned bandwidth")
         report["pinned"] = pinned_bandwidth("cuda:0")
         step("pool copy")
-        report["pool_copy"] = pool_copy("cuda:0", work)
+        report["pool_copy"] = pool_copy("cuda:0", work, pool_dir=pool_dir)
         step("pool miss")
-        report["pool_miss"] = asyncio.run(pool_miss(models, work, "cuda"))
+        report["pool_miss"] = asyncio.run(pool_miss(models, work, "cuda", pool_dir=pool_dir))
         step("pool")
         report["pool"] = asyncio.run(through_pool(models, work, calls))
         step("cluster")

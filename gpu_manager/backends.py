@@ -337,6 +337,12 @@ class CudaBackend(_HandlerBackend, name="cuda"):
         free, total = torch.cuda.mem_get_info(index)  # creates this process's CUDA context
         prime_kernels(torch.device(f"cuda:{index}"))
         torch.cuda.empty_cache()
+        try:
+            # The buffers a load from the host pool stages its weights through, made while the spare
+            # waits rather than on the miss's path (host memory, page-locked: no device memory).
+            weights.prepare_staging(self.device)
+        except Exception as exc:  # an optimization, never a reason to fail a spare
+            log.warning("making the weight staging buffers of %s failed (a load makes its own): %s", self.device, exc)
         process_mb = self._nvml.process_mb(index, os.getpid()) if self._nvml is not None else None
         if process_mb is not None:
             self._overhead_mb = process_mb
@@ -350,7 +356,10 @@ class CudaBackend(_HandlerBackend, name="cuda"):
     def load(self, spec: ModelLoad) -> None:
         import torch
 
-        super().load(spec)
+        try:
+            super().load(spec)
+        finally:
+            weights.release_staging()  # the model is on the device: the staging buffers go back
         torch.cuda.synchronize(self.worker_device.device_index)
 
     def predict(self, inputs: object) -> object:

@@ -1,5 +1,5 @@
 """Handlers' weight loading: safetensors files served from the node's host model pool, zero-copy on
-the cpu and through pinned, chunked, pipelined copies to a cuda device.
+the cpu and through pinned staging buffers, pipelined, to a cuda device.
 
 The worker calls `configure()` once, before the handler's `load(device)`, with the function's package
 directory and a read-only fd on the pool's copy (a tmpfs file) of each pooled weight file. Handlers
@@ -7,9 +7,14 @@ call `load_file()` where they would call `safetensors.torch.load_file()`; it ret
 
 - cpu: tensors over a private copy-on-write mapping of the pool's copy (`mmap.ACCESS_COPY`). Nothing
   is copied; a handler writing into a tensor changes only its own pages, never the pool.
-- cuda: the tensors' host ranges are page-locked one chunk (about `chunk_bytes`) at a time and copied
-  with non-blocking copies on a side stream, so the next chunk's registration overlaps the last
-  chunk's transfer; at the end the stream is synchronized and every registration undone.
+- cuda: the file's bytes go through two page-locked staging buffers of `chunk_bytes` each: torch's
+  (multithreaded) copy fills one from the pool's mapping while the other's transfer runs on a side
+  stream; at the end the stream is synchronized. Nothing of the pool is page-locked: locking its
+  pages (cudaHostRegister) cost more than the copy itself (on an H200, 14 GB/s against 28-31 GB/s
+  staged from a tmpfs of 4 KiB pages, 47-50 GB/s from one of huge pages; the device copies 55 GB/s
+  from pinned memory: `bench/pool_copy_probe.py`). A worker waiting for a model (a spare) makes
+  its staging buffers beforehand (`prepare_staging`) and gives them back once its model is loaded
+  (`release_staging`); a load without them makes and frees its own.
 - a file that is not pooled, or another device: `safetensors.torch.load_file()` itself.
 
 torch is imported inside functions: the daemons import this package without it.
@@ -17,9 +22,7 @@ torch is imported inside functions: the daemons import this package without it.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-import itertools
 import json
 import logging
 import mmap
@@ -39,7 +42,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("gpufaas.weights")
 
 CHUNK_BYTES = 64 * 1024 * 1024
-"""Host bytes page-locked and copied per step of the cuda path (one or a few layers of a large model)."""
+"""Bytes of each of the cuda path's two staging buffers: one step of the pipeline (on an H200, 16 MiB
+staged 28 GB/s, 64 MiB 31 GB/s, 128 MiB 22 GB/s: `bench/pool_copy_probe.py`)."""
 
 # safetensors' dtype names -> torch's attribute names, as safetensors.torch maps them; the float8 ones
 # exist from torch 2.1 on, U16-U64 from 2.3 (a name torch lacks reads as an unsupported dtype).
@@ -55,8 +59,9 @@ _CUDA_DEVICE = re.compile(r"cuda(:\d+)?")
 @dataclass(frozen=True)
 class LoadStats:
     """What one `load_file()` did: `bytes` of tensor data in `tensors` tensors over `seconds`, of which
-    `register_s` page-locking and unlocking host memory and `copy_s` issuing and waiting on copies,
-    in `chunks` chunks (cuda path only; 0 otherwise)."""
+    `pin_s` making and freeing staging buffers (0 when they were prepared beforehand), `stage_s`
+    filling them from the pool's copy and `copy_s` issuing and waiting on transfers, in `chunks`
+    fills of a staging buffer (cuda path only; 0 otherwise)."""
 
     file: str
     pooled: bool
@@ -64,7 +69,8 @@ class LoadStats:
     bytes: int
     tensors: int
     seconds: float
-    register_s: float
+    pin_s: float
+    stage_s: float
     copy_s: float
     chunks: int
 
@@ -77,6 +83,7 @@ class _WorkerState:
     package_real: str | None = None  # realpath of the package directory at configure time
     pooled: dict[str, int] = field(default_factory=dict)  # normalized package-relative path -> pool fd
     h2d_factory: Callable[[str], HostToDevice] | None = None  # None: CudaHostToDevice
+    staging: _Staging | None = None  # made by prepare_staging(), until release_staging()
     last_stats: LoadStats | None = None
 
 
@@ -86,11 +93,12 @@ _state = _WorkerState()
 class HostToDevice(Protocol):
     """The CUDA calls of the cuda path, behind one seam so that tests run it without a GPU."""
 
-    def register(self, address: int, nbytes: int) -> None:
-        """Page-lock host memory [address, address + nbytes) (page-aligned, never overlapping a live one)."""
+    def pin(self, nbytes: int) -> torch.Tensor:
+        """A new page-locked host buffer of `nbytes` (uint8). Raises RuntimeError if the device
+        cannot page-lock it."""
 
-    def unregister(self, address: int) -> None:
-        """Undo the registration that began at `address`."""
+    def unpin(self, buffer: torch.Tensor) -> None:
+        """Undo `pin(...)` of `buffer` (no transfer may still be reading it)."""
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A new, uninitialized destination tensor on the device."""
@@ -98,43 +106,48 @@ class HostToDevice(Protocol):
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Enqueue dst <- src (same number of bytes, both uint8) without waiting for it."""
 
+    def mark(self) -> object:
+        """A point after every copy enqueued so far (for `wait`)."""
+
+    def wait(self, mark: object) -> None:
+        """Wait until the copies enqueued before `mark` have finished."""
+
     def synchronize(self) -> None:
         """Wait until every enqueued copy has finished."""
 
 
-CUDA_HOST_REGISTER_READ_ONLY = 0x08
-"""cudaHostRegisterReadOnly: the device only reads the pages. The pool's copy is mapped read-only
-and shared (no page is copied privately); pinning it for writing would break that."""
-
-
 class CudaHostToDevice:
-    """HostToDevice over torch's cudart binding and one side stream of `device` ('cuda' or 'cuda:N').
-    `register_flags` go to cudaHostRegister as they are (default: read-only registration)."""
+    """HostToDevice over torch's cudart binding and one side stream of `device` ('cuda' or 'cuda:N')."""
 
-    def __init__(self, device: str, register_flags: int = CUDA_HOST_REGISTER_READ_ONLY) -> None:
+    def __init__(self, device: str) -> None:
         import torch
 
         self.device = torch.device(device)
-        self.register_flags = register_flags
         self._cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         self._stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]  # likewise
         # Destinations come from the current stream's pool: blocks it freed may still be in use by its
         # pending kernels, so the side stream starts after them.
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def register(self, address: int, nbytes: int) -> None:
+    def pin(self, nbytes: int) -> torch.Tensor:
+        import torch
+
+        # Ordinary memory, page-aligned, locked by cudaHostRegister and unlocked by `unpin`: a
+        # buffer from torch's pinned allocator would stay cached, locked, for the worker's life.
+        raw = torch.empty(nbytes + mmap.PAGESIZE, dtype=torch.uint8)
+        offset = -raw.data_ptr() % mmap.PAGESIZE
+        buffer = raw[offset : offset + nbytes]
+        with torch.cuda.device(self.device):
+            code = self._cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+        self._check(code, f"cudaHostRegister({buffer.data_ptr():#x}, {nbytes}, 0)")
+        return buffer
+
+    def unpin(self, buffer: torch.Tensor) -> None:
         import torch
 
         with torch.cuda.device(self.device):
-            code = self._cudart.cudaHostRegister(address, nbytes, self.register_flags)
-        self._check(code, f"cudaHostRegister({address:#x}, {nbytes}, {self.register_flags})")
-
-    def unregister(self, address: int) -> None:
-        import torch
-
-        with torch.cuda.device(self.device):
-            code = self._cudart.cudaHostUnregister(address)
-        self._check(code, f"cudaHostUnregister({address:#x})")
+            code = self._cudart.cudaHostUnregister(buffer.data_ptr())
+        self._check(code, f"cudaHostUnregister({buffer.data_ptr():#x})")
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         import torch
@@ -146,6 +159,19 @@ class CudaHostToDevice:
 
         with torch.cuda.stream(self._stream):
             dst.copy_(src, non_blocking=True)
+
+    def mark(self) -> object:
+        import torch
+
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        event.record(self._stream)
+        return event
+
+    def wait(self, mark: object) -> None:
+        import torch
+
+        assert isinstance(mark, torch.cuda.Event)
+        mark.synchronize()
 
     def synchronize(self) -> None:
         self._stream.synchronize()
@@ -182,6 +208,25 @@ def set_host_to_device_factory(factory: Callable[[str], HostToDevice] | None) ->
     _state.h2d_factory = factory
 
 
+def prepare_staging(device: str, nbytes: int = CHUNK_BYTES) -> None:
+    """Make the cuda path's staging buffers for `device` ('cuda' or 'cuda:N') now, ahead of a
+    load (a spare, while it waits for its model): `load_file` on that device then uses them
+    instead of making its own. Kept until `release_staging()`; a device that cannot page-lock
+    them gets ordinary memory (slower copies, still right)."""
+    current = _state.staging
+    if current is not None and current.device == device and current.nbytes >= nbytes:
+        return
+    release_staging()
+    _state.staging = _make_staging((_state.h2d_factory or CudaHostToDevice)(device), device, nbytes)
+
+
+def release_staging() -> None:
+    """Give back the buffers `prepare_staging` made (a worker, once its model is loaded)."""
+    staging, _state.staging = _state.staging, None
+    if staging is not None:
+        staging.free()
+
+
 def last_load_stats() -> LoadStats | None:
     """The figures of the most recent `load_file()` in this process (None before the first)."""
     return _state.last_stats
@@ -193,8 +238,9 @@ def load_file(
     """Same contract as `safetensors.torch.load_file()`: every tensor of `filename` (relative to the
     cwd) on `device`, in file order. A file registered by `configure()`, matched by its real path
     within the package's real path, is read from the pool; 'cpu' gives zero-copy tensors over a
-    private mapping, 'cuda', 'cuda:N' or N a pinned, chunked copy of at most `chunk_bytes` per chunk
-    (more for a single larger tensor). Raises ValueError naming the file on a corrupt header."""
+    private mapping, 'cuda', 'cuda:N' or N copies through staging buffers of `chunk_bytes` (those
+    `prepare_staging` made for the device, used up to `chunk_bytes`, or new ones freed at the end).
+    Raises ValueError naming the file on a corrupt header."""
     started = time.perf_counter()
     target = _target_device(device)
     fd = _pooled_fd(filename)
@@ -205,26 +251,40 @@ def load_file(
         tensors = safetensors_load_file(filename, device=device)
         nbytes = sum(t.nbytes for t in tensors.values())
         seconds = time.perf_counter() - started
-        _state.last_stats = LoadStats(real_path, False, str(device), nbytes, len(tensors), seconds, 0.0, 0.0, 0)
+        _state.last_stats = LoadStats(real_path, False, str(device), nbytes, len(tensors), seconds, 0.0, 0.0, 0.0, 0)
         return tensors
     size = os.fstat(fd).st_size
     if size < 8:
         raise ValueError(f"{real_path}: {size} bytes is too short for a safetensors file")
-    # Never closed here: tensors keep it referenced, and it unmaps when the last goes. On the cpu the
-    # tensors are the mapping, private (copy-on-write: a handler may write them); on cuda it is only
-    # read, and shared, so that pinning it copies no page.
+    # Never closed here: it unmaps when nothing references it. On the cpu the tensors are the mapping,
+    # private (copy-on-write: a handler may write them); on cuda it is only read, and shared.
     mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY if target == "cpu" else mmap.ACCESS_READ)
     entries = _parse_header(mapping, real_path)
-    register_s = copy_s = 0.0
+    nbytes = sum(e.nbytes for e in entries)
+    pin_s = stage_s = copy_s = 0.0
     chunks = 0
     if target == "cpu":
         tensors = _map_on_cpu(mapping, entries)
     else:
         h2d = (_state.h2d_factory or CudaHostToDevice)(target)
-        tensors, register_s, copy_s, chunks = _copy_to_device(mapping, entries, h2d, chunk_bytes)
-    nbytes = sum(e.nbytes for e in entries)
+        staging = _state.staging if _state.staging is not None and _state.staging.device == target else None
+        own = staging is None
+        if staging is None:
+            pinned_at = time.perf_counter()
+            staging = _make_staging(h2d, target, min(chunk_bytes, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE))
+            pin_s = time.perf_counter() - pinned_at
+        try:
+            copied = _copy_to_device(mapping, entries, h2d, staging, min(chunk_bytes, staging.nbytes))
+        finally:
+            if own:
+                pinned_at = time.perf_counter()
+                staging.free()
+                pin_s += time.perf_counter() - pinned_at
+        tensors, stage_s, copy_s, chunks = copied
     seconds = time.perf_counter() - started
-    _state.last_stats = LoadStats(real_path, True, target, nbytes, len(entries), seconds, register_s, copy_s, chunks)
+    _state.last_stats = LoadStats(
+        real_path, True, target, nbytes, len(entries), seconds, pin_s, stage_s, copy_s, chunks
+    )
     return tensors
 
 
@@ -318,138 +378,115 @@ def _map_on_cpu(mapping: mmap.mmap, entries: Sequence[_Entry]) -> dict[str, torc
     return tensors
 
 
+@dataclass(slots=True)
+class _Staging:
+    """The cuda path's two staging buffers of `nbytes` each, made by `h2d` for `device`: page-locked,
+    or ordinary memory where the device could not lock them (`pinned` False)."""
+
+    h2d: HostToDevice
+    device: str
+    nbytes: int
+    buffers: list[torch.Tensor]
+    pinned: bool
+
+    def free(self) -> None:
+        """Unlock the buffers (each one, even after one fails; then the first failure is raised)."""
+        buffers, self.buffers = self.buffers, []
+        first_error: Exception | None = None
+        for buffer in buffers if self.pinned else ():
+            try:
+                self.h2d.unpin(buffer)
+            except Exception as exc:
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+
+
+def _make_staging(h2d: HostToDevice, device: str, nbytes: int) -> _Staging:
+    import torch
+
+    buffers: list[torch.Tensor] = []
+    try:
+        for _ in range(2):
+            buffers.append(h2d.pin(nbytes))
+    except RuntimeError as exc:
+        for buffer in buffers:
+            with contextlib.suppress(Exception):
+                h2d.unpin(buffer)
+        # Some devices and drivers refuse to page-lock: copy from ordinary memory (slower, still right).
+        log.warning("cannot page-lock staging buffers on %s (%s); copying unpinned", device, exc)
+        return _Staging(h2d, device, nbytes, [torch.empty(nbytes, dtype=torch.uint8) for _ in range(2)], False)
+    return _Staging(h2d, device, nbytes, buffers, True)
+
+
 @dataclass(frozen=True, slots=True)
-class _Chunk:
-    """Tensors copied after one registration of mapping[register_begin:register_end] (empty when
-    their pages were all registered with an earlier chunk; the first tensor's first page may have been)."""
+class _Window:
+    """File bytes [begin, end) that go through one staging buffer at once, and the tensor pieces in
+    them: (tensor, first byte, end) in file offsets."""
 
-    entries: list[_Entry]
-    register_begin: int
-    register_end: int
+    begin: int
+    end: int
+    pieces: list[tuple[_Entry, int, int]]
 
 
-def _plan_chunks(entries: Sequence[_Entry], chunk_bytes: int, page_bytes: int = mmap.PAGESIZE) -> list[_Chunk]:
-    """Group the non-empty tensors, in file order, into chunks spanning at most `chunk_bytes` (a
-    larger tensor alone), each with a page-aligned registration. Registrations tile without overlap,
-    as CUDA refuses to register a page twice: each starts where the previous one ended."""
-    groups: list[tuple[list[_Entry], int]] = []  # (tensors, end of the furthest one)
+def _plan_windows(entries: Sequence[_Entry], window_bytes: int) -> list[_Window]:
+    """Cover every byte of the non-empty tensors, in file order, with windows of at most
+    `window_bytes` (a larger tensor spans several). A gap between tensors smaller than the room left
+    in a window is staged with it (safetensors' data is contiguous, so there are none in practice)."""
+    windows: list[_Window] = []
     for e in (e for e in entries if e.nbytes):
-        if groups and max(e.end, groups[-1][1]) - groups[-1][0][0].begin <= chunk_bytes:
-            groups[-1] = (groups[-1][0] + [e], max(e.end, groups[-1][1]))
-        else:
-            groups.append(([e], e.end))
-    chunks, registered_end = [], 0
-    for group, group_end in groups:
-        begin = max(group[0].begin // page_bytes * page_bytes, registered_end)
-        end = max(-(-group_end // page_bytes) * page_bytes, begin)
-        chunks.append(_Chunk(group, begin, end))
-        registered_end = end
-    return chunks
-
-
-class _Registrations:
-    """The ranges of one mapping page-locked for a cuda copy (`HostToDevice.register`), in offset
-    order. Lifecycle: made by `_copy_to_device`, which unregisters `addresses` once its copies end."""
-
-    def __init__(self, h2d: HostToDevice, mapping: mmap.mmap, base_address: int) -> None:
-        self.h2d = h2d
-        self.mapping = mapping
-        self.base_address = base_address  # the mapping's first byte
-        self.addresses: list[int] = []  # registered, to unregister
-        self.begins: list[int] = []  # their offsets in the mapping, ascending
-        self.pinning = True  # False once the first registration failed: every copy is from pageable memory
-        self.seconds = 0.0  # spent registering
-
-    def register(self, chunk: _Chunk) -> None:
-        """Page-lock `chunk`'s registration, if it has one and pinning is on. A failure on the first
-        one turns pinning off (and is logged); a later one raises."""
-        if not (self.pinning and chunk.register_end > chunk.register_begin):
-            return
-        started = time.perf_counter()
-        try:
-            self.h2d.register(self.base_address + chunk.register_begin, chunk.register_end - chunk.register_begin)
-        except RuntimeError as exc:
-            if self.addresses:
-                raise
-            # Read-only registration is missing on some devices and drivers: copy from
-            # pageable memory (slower, still right) rather than fail the load.
-            log.warning("cannot page-lock %s for its copy (%s); copying unpinned", self.mapping, exc)
-            self.pinning = False
-        else:
-            self.addresses.append(self.base_address + chunk.register_begin)
-            self.begins.append(chunk.register_begin)
-        self.seconds += time.perf_counter() - started
+        at = e.begin
+        while at < e.end:
+            last = windows[-1] if windows else None
+            if last is not None and last.begin <= at < last.begin + window_bytes:
+                end = min(e.end, last.begin + window_bytes)
+                windows[-1] = _Window(last.begin, max(last.end, end), [*last.pieces, (e, at, end)])
+            else:
+                end = min(e.end, at + window_bytes)
+                windows.append(_Window(at, end, [(e, at, end)]))
+            at = end
+    return windows
 
 
 def _copy_to_device(
-    mapping: mmap.mmap, entries: Sequence[_Entry], h2d: HostToDevice, chunk_bytes: int
+    mapping: mmap.mmap, entries: Sequence[_Entry], h2d: HostToDevice, staging: _Staging, window_bytes: int
 ) -> tuple[dict[str, torch.Tensor], float, float, int]:
-    """The cuda path: (tensors, register_s, copy_s, chunks). Every registration is undone, after the
-    copies have finished, whether or not they succeeded."""
+    """The cuda path: (tensors, stage_s, copy_s, fills). Each window of the file is staged into one
+    buffer while the transfers of the other's run; a buffer is filled again only once the transfers
+    that read it have ended. Returns after every transfer has ended, also when one fails."""
     import torch
 
     with warnings.catch_warnings():  # a read-only buffer: only ever copied from, never written
         warnings.simplefilter("ignore", UserWarning)
         whole = torch.frombuffer(mapping, dtype=torch.uint8)  # byte views: no dtype alignment to respect
-    tensors = {e.name: h2d.empty(e.shape, e.dtype) for e in entries if e.nbytes == 0}
-    pins = _Registrations(h2d, mapping, whole.data_ptr())
-    copy_s = 0.0
-    chunks = _plan_chunks(entries, chunk_bytes)
+    tensors = {e.name: h2d.empty(e.shape, e.dtype) for e in entries}
+    destinations = {name: t.reshape(-1).view(torch.uint8) for name, t in tensors.items() if t.numel()}
+    windows = _plan_windows(entries, window_bytes)
+    read_by: list[object | None] = [None, None]  # per buffer: the mark after the transfers reading it
+    stage_s = copy_s = 0.0
     try:
-        for chunk in chunks:
-            pins.register(chunk)
-            # Enqueued without waiting: the next chunk's registration overlaps these transfers.
+        for i, window in enumerate(windows):
+            buffer = staging.buffers[i % 2]
             started = time.perf_counter()
-            tensors.update(_enqueue_copies(h2d, whole, chunk.entries, pins.begins))
-            copy_s += time.perf_counter() - started
+            if read_by[i % 2] is not None:
+                h2d.wait(read_by[i % 2])
+            filled = time.perf_counter()
+            copy_s += filled - started
+            buffer[: window.end - window.begin].copy_(whole[window.begin : window.end])
+            stage_s += time.perf_counter() - filled
+            for e, begin, end in window.pieces:
+                h2d.copy(
+                    destinations[e.name][begin - e.begin : end - e.begin],
+                    buffer[begin - window.begin : end - window.begin],
+                )
+            read_by[i % 2] = h2d.mark()
         started = time.perf_counter()
         h2d.synchronize()
         copy_s += time.perf_counter() - started
     except BaseException:
-        # Copies in flight read the pinned pages: let them end before unpinning, and keep the first error.
+        # Transfers in flight read the staging buffers: let them end before they are reused or freed.
         with contextlib.suppress(Exception):
             h2d.synchronize()
-        with contextlib.suppress(Exception):
-            _unregister_all(h2d, pins.addresses)
         raise
-    started = time.perf_counter()
-    _unregister_all(h2d, pins.addresses)
-    register_s = pins.seconds + (time.perf_counter() - started)
-    # In file order, as safetensors returns them (empty tensors were allocated first).
-    return {e.name: tensors[e.name] for e in entries}, register_s, copy_s, len(chunks)
-
-
-def _enqueue_copies(
-    h2d: HostToDevice, whole: torch.Tensor, entries: Sequence[_Entry], register_begins: Sequence[int]
-) -> dict[str, torch.Tensor]:
-    """Allocate each tensor on the device and enqueue its copy from `whole` (the mapping's bytes),
-    without waiting; `register_begins` are the offsets of the page-locked ranges, ascending."""
-    import torch
-
-    tensors: dict[str, torch.Tensor] = {}
-    for e in entries:
-        dst = h2d.empty(e.shape, e.dtype)
-        dst_bytes = dst.reshape(-1).view(torch.uint8)
-        # A tensor whose first page went with the previous chunk spans two registrations: one
-        # copy per registration, as a copy's source must lie within one page-locked range.
-        first, last = (
-            bisect.bisect_right(register_begins, e.begin),
-            bisect.bisect_left(register_begins, e.end),
-        )
-        for begin, end in itertools.pairwise([e.begin, *register_begins[first:last], e.end]):
-            h2d.copy(dst_bytes[begin - e.begin : end - e.begin], whole[begin:end])
-        tensors[e.name] = dst
-    return tensors
-
-
-def _unregister_all(h2d: HostToDevice, addresses: Sequence[int]) -> None:
-    """Unregister every address, even after one fails (pinned pages would stay locked for the
-    worker's life); then raise the first failure."""
-    first_error: Exception | None = None
-    for address in addresses:
-        try:
-            h2d.unregister(address)
-        except Exception as exc:
-            first_error = first_error or exc
-    if first_error is not None:
-        raise first_error
+    # In file order, as safetensors returns them.
+    return {e.name: tensors[e.name] for e in entries}, stage_s, copy_s, len(windows)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_manager.host_pool import HostModelPool, default_budget_bytes
+from gpu_manager.host_pool import HostModelPool, default_budget_bytes, huge_pages
 from gpufaas.blobs import BlobStore
 from gpufaas.packages import Manifest, PackageFile, sha256_digest
 
@@ -117,3 +117,35 @@ def test_prestaging_takes_only_free_room(tmp_path: Path) -> None:
         assert await pool.admit(b, blobs) and not pool.holds(a)  # a miss may push it out
 
     asyncio.run(main())
+
+
+MOUNTINFO = """\
+22 27 0:21 / /proc rw,relatime - proc proc rw
+25 24 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=24684084k
+27 1 0:24 / / rw,relatime - ext4 /dev/vda rw
+30 27 0:40 / /mnt/huge rw,relatime - tmpfs tmpfs rw,size=6291456k,huge=always
+31 30 0:41 / /mnt/huge/small rw,relatime - tmpfs tmpfs rw,size=1024k
+32 27 0:42 / /mnt/within\\040size rw,relatime - tmpfs tmpfs rw,huge=within_size
+33 27 0:43 / /mnt/advise rw,relatime - tmpfs tmpfs rw,huge=advise
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("/dev/shm/gpufaas-pool", False),  # /dev/shm as most machines mount it: 4 KiB pages
+        ("/mnt/huge/pool", True),
+        ("/mnt/huge", True),
+        ("/mnt/huge/small/pool", False),  # the innermost mount decides
+        ("/mnt/hugetlb", None),  # a sibling whose name only starts the same: the root's ext4
+        ("/mnt/within size/pool", True),  # a space in a mount point is written \040
+        ("/mnt/advise/pool", False),  # huge=advise: only what is madvised, and the pool's copies are not
+        ("/var/lib/gpufaas", None),  # not a tmpfs
+    ],
+)
+def test_huge_pages_reads_the_innermost_mount_of_the_pool(path: str, expected: bool | None) -> None:
+    assert huge_pages(Path(path), MOUNTINFO) is expected
+
+
+def test_huge_pages_reads_this_processs_own_mounts() -> None:
+    assert huge_pages(Path("/proc/self")) is None  # procfs, found in /proc/self/mountinfo: not a tmpfs
