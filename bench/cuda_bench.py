@@ -16,8 +16,8 @@ And the host model pool (docs/weights.md) on the device:
 - pinned: the device's host-to-device bandwidth from pinned memory (the ceiling), and from
   pageable memory, 1 GiB copies;
 - pool_copy: `gpufaas.weights.load_file` of a 1 GiB safetensors file in the pool (/dev/shm) onto
-  cuda:0, staged through pinned buffers as a worker does it (buffers made for each load here; a
-  spare makes them beforehand), as a fraction of the pinned bandwidth (goal >= 0.8);
+  cuda:0, staged through pinned buffers as a worker does it (the buffers made beforehand, as a
+  spare makes them while it waits), as a fraction of the pinned bandwidth (goal >= 0.8);
 - pool_miss: ResNet-18 through the WorkerPool with the node's host pool: a miss whose weights are
   in the pool (the worker evicted first), with the template's `warmup` (goal <= 100 ms);
 - cluster first_call_after_deploy: `gpufaas deploy`'s upload, pre-staging, then the first call
@@ -246,6 +246,8 @@ def pool_copy(
     runs = []
     try:
         os.chdir(package)
+        if device.startswith("cuda"):
+            weights.prepare_staging(device)  # as a spare makes them while it waits
         weights.configure(str(package), {"w.safetensors": fd})
         for _ in range(repeats):
             tensors = weights.load_file("w.safetensors", device=device)
@@ -264,6 +266,7 @@ def pool_copy(
             del tensors
     finally:
         weights.configure(str(package), {})
+        weights.release_staging()
         os.close(fd)
         shm.unlink()
         os.chdir(REPO)

@@ -45,6 +45,10 @@ CHUNK_BYTES = 64 * 1024 * 1024
 """Bytes of each of the cuda path's two staging buffers: one step of the pipeline (on an H200, 16 MiB
 staged 28 GB/s, 64 MiB 31 GB/s, 128 MiB 22 GB/s: `bench/pool_copy_probe.py`)."""
 
+UNPREPARED_STAGE_BYTES = 16 * 1024 * 1024
+"""The staging buffers' size for a load that finds none prepared: page-locking fresh memory costs
+about 50 ms per 128 MiB on an H200, more than staging 1 GiB through smaller buffers loses."""
+
 # safetensors' dtype names -> torch's attribute names, as safetensors.torch maps them; the float8 ones
 # exist from torch 2.1 on, U16-U64 from 2.3 (a name torch lacks reads as an unsupported dtype).
 _DTYPE_NAMES = {
@@ -213,6 +217,8 @@ def prepare_staging(device: str, nbytes: int = CHUNK_BYTES) -> None:
     load (a spare, while it waits for its model): `load_file` on that device then uses them
     instead of making its own. Kept until `release_staging()`; a device that cannot page-lock
     them gets ordinary memory (slower copies, still right)."""
+    if not _CUDA_DEVICE.fullmatch(device):
+        raise ValueError(f"staging buffers are for a cuda device ('cuda' or 'cuda:N'), not {device!r}")
     current = _state.staging
     if current is not None and current.device == device and current.nbytes >= nbytes:
         return
@@ -239,7 +245,8 @@ def load_file(
     cwd) on `device`, in file order. A file registered by `configure()`, matched by its real path
     within the package's real path, is read from the pool; 'cpu' gives zero-copy tensors over a
     private mapping, 'cuda', 'cuda:N' or N copies through staging buffers of `chunk_bytes` (those
-    `prepare_staging` made for the device, used up to `chunk_bytes`, or new ones freed at the end).
+    `prepare_staging` made for the device, used up to `chunk_bytes`; else new ones of at most
+    UNPREPARED_STAGE_BYTES, freed at the end).
     Raises ValueError naming the file on a corrupt header."""
     started = time.perf_counter()
     target = _target_device(device)
@@ -271,7 +278,8 @@ def load_file(
         own = staging is None
         if staging is None:
             pinned_at = time.perf_counter()
-            staging = _make_staging(h2d, target, min(chunk_bytes, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE))
+            stage_bytes = min(chunk_bytes, UNPREPARED_STAGE_BYTES, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+            staging = _make_staging(h2d, target, stage_bytes)
             pin_s = time.perf_counter() - pinned_at
         try:
             copied = _copy_to_device(mapping, entries, h2d, staging, min(chunk_bytes, staging.nbytes))

@@ -549,6 +549,11 @@ def test_prepared_staging_is_used_by_loads_on_its_device_and_kept_until_released
     weights.release_staging()  # nothing left: a no-op
 
 
+def test_staging_is_refused_for_a_device_other_than_cuda() -> None:
+    with pytest.raises(ValueError, match="cuda device"):
+        weights.prepare_staging("cpu")
+
+
 @pytest.mark.parametrize(
     ("device", "target"),
     [
