@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         "--pool-dir",
         type=Path,
         default=Path("/dev/shm"),
-        help="the memory filesystem the pool parts keep weights on (a tmpfs mounted huge=within_size, say)",
+        help="the memory filesystem the pool parts keep weights on (a tmpfs mounted huge=always, say)",
     )
     args = parser.parse_args(argv)
     if args.smoke_cpu:

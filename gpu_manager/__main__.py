@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if machine.backend == "cuda" and settings.pool_mb != 0 and huge_pages(pool_dir) is False:
         log.info(
             "the host pool (%s) is on a tmpfs of 4 KiB pages: weights reach the GPUs up to 1.7x faster from "
-            "one mounted huge=within_size (--pool-dir; see docs/weights.md, 'Huge pages')",
+            "one mounted huge=always (--pool-dir; see docs/weights.md, 'Huge pages')",
             pool_dir,
         )
     return run_daemon(lambda: serve(settings, machine, secret, etcd_creds), settings.etcd)
