@@ -56,6 +56,7 @@ from gpufaas.wire import (
     ConnectionLost,
     Frame,
     MessageType,
+    NotSent,
     RemoteError,
     Unauthenticated,
     connect,
@@ -596,6 +597,8 @@ class Router:
             frame = await node.request(
                 MessageType.EXECUTE, pb.Execute(token=placement.token, content_type=content_type), payload
             )
+        except NotSent as exc:  # the link was lost while its last frames were handled: never written
+            raise _NotSent(exc) from None
         except (ConnectionLost, RemoteError) as exc:
             raise _MaybeSent(exc) from None
         self.nodes.heard(placement.node_address)
@@ -625,7 +628,10 @@ class Router:
             if conn is None:
                 raise CallFailed(503, "the scheduler is unreachable; check that it runs (gpufaas status)")
         box.waiting, box.attempt, box.epoch = True, 0, self.epoch
-        conn.send(MessageType.PLACE, box.place_now())
+        with contextlib.suppress(NotSent):
+            # A link lost while it handles its last frames writes nothing: the call waits, and the
+            # next link asks for it, as for every call waiting when a link is made.
+            conn.send(MessageType.PLACE, box.place_now())
 
 
 def _unsure(box: Mailbox) -> str:

@@ -183,6 +183,11 @@ class ConnectionLost(ConnectionError):
     """The connection closed (or could not be opened): nothing more goes through it."""
 
 
+class NotSent(ConnectionLost):
+    """Nothing was written: the connection was lost before the send or request (the peer cannot
+    have seen it), though `closed` may not have resolved yet (the last frames still being handled)."""
+
+
 class FrameTooLarge(ConnectionLost):
     """The peer announced a frame over this end's limit; the connection was closed."""
 
@@ -502,7 +507,7 @@ class Connection(asyncio.BufferedProtocol):
     # --- internals ----------------------------------------------------------------------------
     def _write(self, prefix: bytes, body: bytes) -> None:
         if self.is_closed or self.transport is None or self._lost_after_backlog is not None:
-            raise ConnectionLost(f"connection to {self.peer or 'peer'} is closed")
+            raise NotSent(f"connection to {self.peer or 'peer'} is closed")
         if len(body) > _INLINE_BODY_BYTES:
             self._flush()  # keep frames in order
             self.transport.writelines((prefix, body))

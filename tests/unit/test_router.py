@@ -526,6 +526,54 @@ async def test_a_node_that_cannot_be_connected_to_is_handed_back_as_never_sent_a
 
 
 @in_cluster()
+async def test_an_execute_refused_by_a_node_link_lost_during_its_last_frames_is_handed_back_as_never_sent(
+    env: Cluster,
+) -> None:
+    """A TLS link can read its peer's close in the read that brought its last frames, and handles
+    those frames over the next turns (wire.FRAMES_PER_TURN): until then it is not closed, but it
+    writes nothing. An Execute asked of it then never left: never sent (REFUSED), not "may have run"."""
+    first = await env.placed("call-1")
+    env.place_on(env.node_a, "call-1", 1)
+    await first
+    conn = await env.router.nodes.get(env.node_a.address)
+    conn._backlog = True  # as `_defer_rest` leaves it: frames of the last read wait for the next turn
+    conn.connection_lost(None)  # the loss, read with them
+    assert not conn.is_closed
+
+    task = await env.placed("call-2", places=2)
+    env.place_on(env.node_a, "call-2", 1)
+    abandon = await env.abandoned("the Abandon of the lost link's Execute")
+    assert (abandon.call_id, abandon.reason) == ("call-2", NOT_SENT)
+    conn._parse_backlog()  # the backlog handled: the link closes
+    assert conn.is_closed
+    env.place_on(env.node_b, "call-2", 2)
+    assert (await task).placement.node == "node-b"
+
+
+@in_cluster()
+async def test_a_call_asking_a_scheduler_link_lost_during_its_last_frames_is_asked_on_the_next_link(
+    env: Cluster,
+) -> None:
+    """As above, on the scheduler's link: the Place is not written; the call waits, and the next link
+    asks for it."""
+    conn = env.router.scheduler
+    assert conn is not None
+    conn._backlog = True
+    conn.connection_lost(None)
+    task = env.invoke("call-1")
+    await asyncio.sleep(0.05)
+    assert not task.done() and env.scheduler.places == []
+    conn._parse_backlog()
+    assert conn.transport is not None
+    conn.transport.close()
+    await reconnected(env, 2)
+    await env.scheduler.wait_places(1)
+    assert env.scheduler.places[0].call_id == "call-1"
+    env.place_on(env.node_a, "call-1", 1)
+    assert (await task).placement.node == "node-a"
+
+
+@in_cluster()
 async def test_a_node_found_unreachable_takes_no_execute_until_it_is_dialled_again_in_the_background(
     env: Cluster,
 ) -> None:

@@ -747,8 +747,10 @@ def test_a_transport_lost_during_a_backlog_refuses_sends_at_once_and_closes_afte
         assert len(peer.frames) == wire.FRAMES_PER_TURN
         conn.connection_lost(None)  # as the transport reports it
         assert not conn.closed.done()
-        with pytest.raises(ConnectionLost):
+        with pytest.raises(wire.NotSent):  # a ConnectionLost that says the peer cannot have seen it
             conn.send(MessageType.DONE, pb.Done(call_id="late"))
+        with pytest.raises(wire.NotSent):
+            await conn.request(MessageType.PLACE, pb.Place(call_id="late"))
         await asyncio.wait_for(asyncio.shield(conn.closed), WAIT_S)
         assert len(peer.frames) == count and peer.closes == [None]
 
