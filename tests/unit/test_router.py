@@ -573,6 +573,26 @@ async def test_a_call_asking_a_scheduler_link_lost_during_its_last_frames_is_ask
     assert (await task).placement.node == "node-a"
 
 
+@in_cluster(tuned={"PING_S": 0.01})
+async def test_a_node_link_lost_during_its_last_frames_is_given_up_once_they_are_handled(env: Cluster) -> None:
+    """The node's watcher finds its ping refused while the lost link still handles its last frames:
+    it waits for the link to close, then marks the node unreachable (before, it read a result
+    that was not there yet and died, leaving the node marked usable)."""
+    first = await env.placed("call-1")
+    env.place_on(env.node_a, "call-1", 1)
+    await first
+    conn = await env.router.nodes.get(env.node_a.address)
+    conn._backlog = True
+    conn.connection_lost(None)
+    await asyncio.sleep(0.05)  # pings meanwhile: each refused at once
+    assert env.node_a.address not in env.router.nodes.unusable
+    conn._parse_backlog()
+    assert conn.transport is not None
+    conn.transport.close()
+    await until(lambda: env.node_a.address in env.router.nodes.unusable, "the node marked unreachable")
+    assert "its connection was lost" in env.router.nodes.unusable[env.node_a.address]
+
+
 @in_cluster()
 async def test_a_node_found_unreachable_takes_no_execute_until_it_is_dialled_again_in_the_background(
     env: Cluster,
