@@ -21,6 +21,7 @@ import contextlib
 import logging
 import mmap
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -243,10 +244,13 @@ def _copy_sendfile(source: Path, writer: int, size: int) -> None:
             offset += n
 
 
-def huge_pages(path: Path, mountinfo: str | None = None) -> bool | None:
-    """Whether the files `path` makes land on a tmpfs of huge pages (mounted `huge=always` or
-    `huge=within_size`): True; on one of 4 KiB pages: False; not a tmpfs, or unknown: None.
-    `mountinfo`: /proc/self/mountinfo's text (read when not given).
+def huge_pages(path: Path, mountinfo: str | None = None, shmem_enabled: str | None = None) -> bool | None:
+    """Whether the files `path` makes land on a tmpfs of huge pages: True on one mounted
+    `huge=always` (or wherever the kernel forces them); False on one of 4 KiB pages (no `huge=`,
+    `huge=never` or `huge=advise`, or the kernel denies them); None where it cannot say (not a
+    tmpfs, `huge=within_size`, which depends on how and on which kernel a file is written, or
+    nothing to read). `mountinfo`: /proc/self/mountinfo's text, `shmem_enabled`:
+    /sys/kernel/mm/transparent_hugepage/shmem_enabled's (each read when not given).
 
     Why it matters: a cuda load reads the pool's copy through page faults, one per page; on an
     H200, staging 1 GiB from huge pages moved 47-50 GB/s against 28-31 from 4 KiB pages
@@ -256,23 +260,34 @@ def huge_pages(path: Path, mountinfo: str | None = None) -> bool | None:
             mountinfo = Path("/proc/self/mountinfo").read_text()
         except OSError:
             return None
+    if shmem_enabled is None:
+        try:
+            shmem_enabled = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
+        except OSError:
+            shmem_enabled = ""
     real = os.path.realpath(path)
     best: tuple[int, bool | None] = (-1, None)
     for line in mountinfo.splitlines():
         fields = line.split()
         if " - " not in line or len(fields) < 6:
             continue
-        mount_point = fields[4].replace("\\040", " ")
+        mount_point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
         inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
-        if not inside or len(mount_point) <= best[0]:
+        # `<`: of mounts stacked on one point the last listed, the one on top, is the one in use.
+        if not inside or len(mount_point) < best[0]:
             continue
         fs_type, _, super_options = line.split(" - ", 1)[1].split(" ")[:3]
-        options = set(super_options.split(","))
-        if fs_type != "tmpfs":
-            best = (len(mount_point), None)
-        else:
-            best = (len(mount_point), bool(options & {"huge=always", "huge=within_size"}))
+        best = (len(mount_point), _tmpfs_huge(super_options.split(",")) if fs_type == "tmpfs" else None)
+    if best[1] is not None and "[deny]" in shmem_enabled:
+        return False
+    if best[1] is not None and "[force]" in shmem_enabled:
+        return True
     return best[1]
+
+
+def _tmpfs_huge(options: list[str]) -> bool | None:
+    huge = next((o.removeprefix("huge=") for o in options if o.startswith("huge=")), "never")
+    return {"always": True, "never": False, "advise": False}.get(huge)
 
 
 def _check_parent(parent: Path) -> None:

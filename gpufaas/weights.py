@@ -23,6 +23,7 @@ torch is imported inside functions: the daemons import this package without it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import mmap
@@ -30,6 +31,7 @@ import os
 import posixpath
 import re
 import struct
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -88,10 +90,15 @@ class _WorkerState:
     pooled: dict[str, int] = field(default_factory=dict)  # normalized package-relative path -> pool fd
     h2d_factory: Callable[[str], HostToDevice] | None = None  # None: CudaHostToDevice
     staging: _Staging | None = None  # made by prepare_staging(), until release_staging()
+    # Counts prepare_staging() and release_staging() calls: a load gives back the buffers it took
+    # only if neither ran meanwhile (else they are freed).
+    staging_generation: int = 0
     last_stats: LoadStats | None = None
 
 
 _state = _WorkerState()
+_staging_lock = threading.Lock()  # handlers may load files from threads
+_unfreeable: list[torch.Tensor] = []  # buffers that could not be unpinned: never freed while locked
 
 
 class HostToDevice(Protocol):
@@ -184,7 +191,22 @@ class CudaHostToDevice:
         # The binding returns a cudaError enum (only `success` is named) and raises nothing itself.
         if int(code) != 0:
             message = self._cudart.cudaGetErrorString(code)
+            _clear_cuda_error()
             raise RuntimeError(f"{call} failed: {message} (cudaError {int(code)})")
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed call of ours: the runtime keeps it, and
+    torch's check after its next kernel launch would raise it as that kernel's (cudaGetLastError
+    returns and resets it; torch's binding has no call for it, so through the libcudart this
+    process loaded). Nothing is raised if that cannot be done."""
+    try:
+        with open("/proc/self/maps") as maps:
+            loaded = {line.split()[-1] for line in maps if "libcudart.so" in line}
+        for path in loaded:
+            ctypes.CDLL(path).cudaGetLastError()
+    except Exception as exc:  # best effort: the error it could not clear is the one raised anyway
+        log.debug("could not reset the CUDA runtime's last error: %s", exc)
 
 
 def configure(package_dir: str, pooled: Mapping[str, int]) -> None:
@@ -219,18 +241,34 @@ def prepare_staging(device: str, nbytes: int = CHUNK_BYTES) -> None:
     them gets ordinary memory (slower copies, still right)."""
     if not _CUDA_DEVICE.fullmatch(device):
         raise ValueError(f"staging buffers are for a cuda device ('cuda' or 'cuda:N'), not {device!r}")
-    current = _state.staging
-    if current is not None and current.device == device and current.nbytes >= nbytes:
-        return
+    with _staging_lock:
+        current = _state.staging
+        if current is not None and current.device == device and current.nbytes >= nbytes:
+            return
     release_staging()
-    _state.staging = _make_staging((_state.h2d_factory or CudaHostToDevice)(device), device, nbytes)
+    staging = _make_staging((_state.h2d_factory or CudaHostToDevice)(device), device, nbytes)
+    with _staging_lock:
+        _state.staging, replaced = staging, _state.staging
+        _state.staging_generation += 1
+    if replaced is not None:
+        replaced.free()
 
 
 def release_staging() -> None:
-    """Give back the buffers `prepare_staging` made (a worker, once its model is loaded)."""
-    staging, _state.staging = _state.staging, None
+    """Give back the buffers `prepare_staging` made (a worker, once its model is loaded; a load
+    running meanwhile frees them when it ends). Never raises: a buffer that cannot be unpinned is
+    kept, and logged."""
+    with _staging_lock:
+        staging, _state.staging = _state.staging, None
+        _state.staging_generation += 1
     if staging is not None:
         staging.free()
+
+
+def staging_bytes() -> int:
+    """The bytes of the buffers `prepare_staging` made that this process holds now."""
+    staging = _state.staging
+    return 2 * staging.nbytes if staging is not None else 0
 
 
 def last_load_stats() -> LoadStats | None:
@@ -249,6 +287,8 @@ def load_file(
     UNPREPARED_STAGE_BYTES, freed at the end).
     Raises ValueError naming the file on a corrupt header."""
     started = time.perf_counter()
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     target = _target_device(device)
     fd = _pooled_fd(filename)
     real_path = os.path.realpath(filename)
@@ -273,22 +313,7 @@ def load_file(
     if target == "cpu":
         tensors = _map_on_cpu(mapping, entries)
     else:
-        h2d = (_state.h2d_factory or CudaHostToDevice)(target)
-        staging = _state.staging if _state.staging is not None and _state.staging.device == target else None
-        own = staging is None
-        if staging is None:
-            pinned_at = time.perf_counter()
-            stage_bytes = min(chunk_bytes, UNPREPARED_STAGE_BYTES, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-            staging = _make_staging(h2d, target, stage_bytes)
-            pin_s = time.perf_counter() - pinned_at
-        try:
-            copied = _copy_to_device(mapping, entries, h2d, staging, min(chunk_bytes, staging.nbytes))
-        finally:
-            if own:
-                pinned_at = time.perf_counter()
-                staging.free()
-                pin_s += time.perf_counter() - pinned_at
-        tensors, stage_s, copy_s, chunks = copied
+        tensors, pin_s, stage_s, copy_s, chunks = _load_on_cuda(mapping, entries, target, chunk_bytes)
     seconds = time.perf_counter() - started
     _state.last_stats = LoadStats(
         real_path, True, target, nbytes, len(entries), seconds, pin_s, stage_s, copy_s, chunks
@@ -386,6 +411,75 @@ def _map_on_cpu(mapping: mmap.mmap, entries: Sequence[_Entry]) -> dict[str, torc
     return tensors
 
 
+def _load_on_cuda(
+    mapping: mmap.mmap, entries: Sequence[_Entry], target: str, chunk_bytes: int
+) -> tuple[dict[str, torch.Tensor], float, float, float, int]:
+    """`load_file`'s cuda path: (tensors, pin_s, stage_s, copy_s, fills). Uses the prepared staging
+    buffers for `target` when there are some and no other load has them, else makes its own."""
+    h2d = (_state.h2d_factory or CudaHostToDevice)(target)
+    nbytes = sum(e.nbytes for e in entries)
+    if nbytes == 0:  # nothing to stage: no buffer to make (a page-lock of 0 bytes is an error)
+        return {e.name: h2d.empty(e.shape, e.dtype) for e in entries}, 0.0, 0.0, 0.0, 0
+    taken = _take_staging(target)
+    pin_s = 0.0
+    if taken is None:
+        pinned_at = time.perf_counter()
+        stage_bytes = min(chunk_bytes, UNPREPARED_STAGE_BYTES, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+        staging = _make_staging(h2d, target, stage_bytes)
+        pin_s = time.perf_counter() - pinned_at
+    else:
+        staging = taken[0]
+    try:
+        tensors, stage_s, copy_s, fills = _copy_to_device(
+            mapping, entries, h2d, staging, min(chunk_bytes, staging.nbytes)
+        )
+    finally:
+        if taken is None:
+            pinned_at = time.perf_counter()
+            staging.free()
+            pin_s += time.perf_counter() - pinned_at
+        else:
+            _give_back_staging(*taken)
+    return tensors, pin_s, stage_s, copy_s, fills
+
+
+def _take_staging(target: str) -> tuple[_Staging, int] | None:
+    """The prepared buffers, if they are for `target` ('cuda' and 'cuda:N' of the current device
+    are one), taken for one load with the generation they belong to; None if there are none (or
+    another load has them: it makes its own then)."""
+    with _staging_lock:
+        staging = _state.staging
+        if staging is None or not _same_device(staging.device, target):
+            return None
+        _state.staging = None
+        return staging, _state.staging_generation
+
+
+def _give_back_staging(staging: _Staging, generation: int) -> None:
+    """A load is done with the buffers it took: they are the prepared ones again, unless staging
+    was prepared or released meanwhile (then they go)."""
+    with _staging_lock:
+        keep = _state.staging is None and _state.staging_generation == generation
+        if keep:
+            _state.staging = staging
+    if not keep:
+        staging.free()
+
+
+def _same_device(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    if "cuda" not in (a, b):
+        return False
+    try:
+        import torch
+
+        current = f"cuda:{torch.cuda.current_device()}"
+    except Exception:  # no cuda here: the spellings cannot be told to be the same device
+        return False
+    return current in (a, b)
+
+
 @dataclass(slots=True)
 class _Staging:
     """The cuda path's two staging buffers of `nbytes` each, made by `h2d` for `device`: page-locked,
@@ -398,16 +492,16 @@ class _Staging:
     pinned: bool
 
     def free(self) -> None:
-        """Unlock the buffers (each one, even after one fails; then the first failure is raised)."""
+        """Unlock and drop the buffers. Never raises: a buffer that cannot be unpinned is kept for
+        the process's life (freeing locked memory would hand the allocator pages the device may
+        still reach), and logged."""
         buffers, self.buffers = self.buffers, []
-        first_error: Exception | None = None
         for buffer in buffers if self.pinned else ():
             try:
                 self.h2d.unpin(buffer)
             except Exception as exc:
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
+                _unfreeable.append(buffer)
+                log.warning("could not unpin a staging buffer on %s (kept, not freed): %s", self.device, exc)
 
 
 def _make_staging(h2d: HostToDevice, device: str, nbytes: int) -> _Staging:
@@ -427,7 +521,7 @@ def _make_staging(h2d: HostToDevice, device: str, nbytes: int) -> _Staging:
     return _Staging(h2d, device, nbytes, buffers, True)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Window:
     """File bytes [begin, end) that go through one staging buffer at once, and the tensor pieces in
     them: (tensor, first byte, end) in file offsets."""
@@ -448,7 +542,8 @@ def _plan_windows(entries: Sequence[_Entry], window_bytes: int) -> list[_Window]
             last = windows[-1] if windows else None
             if last is not None and last.begin <= at < last.begin + window_bytes:
                 end = min(e.end, last.begin + window_bytes)
-                windows[-1] = _Window(last.begin, max(last.end, end), [*last.pieces, (e, at, end)])
+                last.end = max(last.end, end)
+                last.pieces.append((e, at, end))
             else:
                 end = min(e.end, at + window_bytes)
                 windows.append(_Window(at, end, [(e, at, end)]))

@@ -123,29 +123,40 @@ MOUNTINFO = """\
 22 27 0:21 / /proc rw,relatime - proc proc rw
 25 24 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=24684084k
 27 1 0:24 / / rw,relatime - ext4 /dev/vda rw
-30 27 0:40 / /mnt/huge rw,relatime - tmpfs tmpfs rw,size=6291456k,huge=always
+30 27 0:40 / /mnt/huge rw,relatime shared:7 - tmpfs tmpfs rw,size=6291456k,huge=always
 31 30 0:41 / /mnt/huge/small rw,relatime - tmpfs tmpfs rw,size=1024k
 32 27 0:42 / /mnt/within\\040size rw,relatime - tmpfs tmpfs rw,huge=within_size
 33 27 0:43 / /mnt/advise rw,relatime - tmpfs tmpfs rw,huge=advise
+34 27 0:44 / /mnt/tab\\011and\\134slash rw,relatime - tmpfs tmpfs rw,huge=always
+35 24 0:45 / /dev/shm rw,relatime - tmpfs tmpfs rw,huge=always
 """
 
 
 @pytest.mark.parametrize(
     ("path", "expected"),
     [
-        ("/dev/shm/gpufaas-pool", False),  # /dev/shm as most machines mount it: 4 KiB pages
-        ("/mnt/huge/pool", True),
+        ("/mnt/huge/pool", True),  # optional fields (shared:7) before the separator
         ("/mnt/huge", True),
         ("/mnt/huge/small/pool", False),  # the innermost mount decides
         ("/mnt/hugetlb", None),  # a sibling whose name only starts the same: the root's ext4
-        ("/mnt/within size/pool", True),  # a space in a mount point is written \040
+        ("/mnt/within size/pool", None),  # a space in a mount point is written \\040; within_size: it depends
         ("/mnt/advise/pool", False),  # huge=advise: only what is madvised, and the pool's copies are not
+        ("/mnt/tab\tand\\slash/pool", True),  # any octal escape
+        ("/dev/shm/gpufaas-pool", True),  # two mounts on one point: the later one, on top, is in use
         ("/var/lib/gpufaas", None),  # not a tmpfs
     ],
 )
-def test_huge_pages_reads_the_innermost_mount_of_the_pool(path: str, expected: bool | None) -> None:
-    assert huge_pages(Path(path), MOUNTINFO) is expected
+def test_huge_pages_reads_the_mount_in_use_for_the_pool(path: str, expected: bool | None) -> None:
+    assert huge_pages(Path(path), MOUNTINFO, "always within_size advise [never] deny force") is expected
+
+
+def test_the_kernels_shmem_setting_overrides_a_tmpfs_mount_option() -> None:
+    assert huge_pages(Path("/mnt/huge/pool"), MOUNTINFO, "always within_size advise never [deny] force") is False
+    assert huge_pages(Path("/mnt/huge/small"), MOUNTINFO, "always within_size advise never deny [force]") is True
+    assert huge_pages(Path("/var/lib/gpufaas"), MOUNTINFO, "always within_size advise never deny [force]") is None
 
 
 def test_huge_pages_reads_this_processs_own_mounts() -> None:
-    assert huge_pages(Path("/proc/self")) is None  # procfs, found in /proc/self/mountinfo: not a tmpfs
+    # Both from /proc/self/mountinfo: procfs is no tmpfs; /dev/shm is one on Linux, huge or not.
+    assert huge_pages(Path("/proc/self")) is None
+    assert huge_pages(Path("/dev/shm")) is not None
