@@ -257,7 +257,7 @@ def huge_pages(path: Path, mountinfo: str | None = None, shmem_enabled: str | No
     (`bench/pool_copy_probe.py`)."""
     if mountinfo is None:
         try:
-            mountinfo = Path("/proc/self/mountinfo").read_text()
+            mountinfo = os.fsdecode(Path("/proc/self/mountinfo").read_bytes())  # a mount point need not be UTF-8
         except OSError:
             return None
     if shmem_enabled is None:
@@ -266,7 +266,7 @@ def huge_pages(path: Path, mountinfo: str | None = None, shmem_enabled: str | No
         except OSError:
             shmem_enabled = ""
     real = os.path.realpath(path)
-    best: tuple[int, bool | None] = (-1, None)
+    best: tuple[int, bool, bool | None] = (-1, False, None)  # (mount point's length, a tmpfs, its answer)
     for line in mountinfo.splitlines():
         fields = line.split()
         if " - " not in line or len(fields) < 6:
@@ -277,12 +277,14 @@ def huge_pages(path: Path, mountinfo: str | None = None, shmem_enabled: str | No
         if not inside or len(mount_point) < best[0]:
             continue
         fs_type, _, super_options = line.split(" - ", 1)[1].split(" ")[:3]
-        best = (len(mount_point), _tmpfs_huge(super_options.split(",")) if fs_type == "tmpfs" else None)
-    if best[1] is not None and "[deny]" in shmem_enabled:
+        tmpfs = fs_type == "tmpfs"
+        best = (len(mount_point), tmpfs, _tmpfs_huge(super_options.split(",")) if tmpfs else None)
+    _, tmpfs, answer = best
+    if tmpfs and "[deny]" in shmem_enabled:  # the kernel's word goes over any tmpfs's option
         return False
-    if best[1] is not None and "[force]" in shmem_enabled:
+    if tmpfs and "[force]" in shmem_enabled:
         return True
-    return best[1]
+    return answer
 
 
 def _tmpfs_huge(options: list[str]) -> bool | None:

@@ -60,6 +60,7 @@ _DTYPE_NAMES = {
     "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
 }  # fmt: skip
 _CUDA_DEVICE = re.compile(r"cuda(:\d+)?")
+_CUDART = re.compile(r"/libcudart[^/]*\.so")
 
 
 @dataclass(frozen=True)
@@ -201,12 +202,19 @@ def _clear_cuda_error() -> None:
     returns and resets it; torch's binding has no call for it, so through the libcudart this
     process loaded). Nothing is raised if that cannot be done."""
     try:
-        with open("/proc/self/maps") as maps:
-            loaded = {line.split()[-1] for line in maps if "libcudart.so" in line}
-        for path in loaded:
-            ctypes.CDLL(path).cudaGetLastError()
-    except Exception as exc:  # best effort: the error it could not clear is the one raised anyway
-        log.debug("could not reset the CUDA runtime's last error: %s", exc)
+        with open("/proc/self/maps", encoding="utf-8", errors="surrogateescape") as maps:
+            fields = (line.rstrip("\n").split(maxsplit=5) for line in maps)
+            loaded = {f[5] for f in fields if len(f) == 6 and _CUDART.search(f[5]) and not f[5].endswith(" (deleted)")}
+    except OSError as exc:
+        log.debug("could not read this process's mappings to reset the CUDA runtime's last error: %s", exc)
+        return
+    if not loaded:
+        log.debug("no libcudart among this process's mappings: the CUDA runtime's last error stays")
+    for path in loaded:
+        try:
+            ctypes.CDLL(path).cudaGetLastError()  # dlopen of a loaded library: that same instance
+        except Exception as exc:  # best effort: the error it could not clear is the one raised anyway
+            log.debug("could not reset the last error of %s: %s", path, exc)
 
 
 def configure(package_dir: str, pooled: Mapping[str, int]) -> None:
@@ -241,6 +249,7 @@ def prepare_staging(device: str, nbytes: int = CHUNK_BYTES) -> None:
     them gets ordinary memory (slower copies, still right)."""
     if not _CUDA_DEVICE.fullmatch(device):
         raise ValueError(f"staging buffers are for a cuda device ('cuda' or 'cuda:N'), not {device!r}")
+    device = _resolved(device)
     with _staging_lock:
         current = _state.staging
         if current is not None and current.device == device and current.nbytes >= nbytes:
@@ -266,7 +275,8 @@ def release_staging() -> None:
 
 
 def staging_bytes() -> int:
-    """The bytes of the buffers `prepare_staging` made that this process holds now."""
+    """The bytes of the buffers `prepare_staging` made that wait for a load now (0 while a load
+    has them)."""
     staging = _state.staging
     return 2 * staging.nbytes if staging is not None else 0
 
@@ -416,6 +426,7 @@ def _load_on_cuda(
 ) -> tuple[dict[str, torch.Tensor], float, float, float, int]:
     """`load_file`'s cuda path: (tensors, pin_s, stage_s, copy_s, fills). Uses the prepared staging
     buffers for `target` when there are some and no other load has them, else makes its own."""
+    target = _resolved(target)
     h2d = (_state.h2d_factory or CudaHostToDevice)(target)
     nbytes = sum(e.nbytes for e in entries)
     if nbytes == 0:  # nothing to stage: no buffer to make (a page-lock of 0 bytes is an error)
@@ -449,7 +460,7 @@ def _take_staging(target: str) -> tuple[_Staging, int] | None:
     another load has them: it makes its own then)."""
     with _staging_lock:
         staging = _state.staging
-        if staging is None or not _same_device(staging.device, target):
+        if staging is None or staging.device != target:
             return None
         _state.staging = None
         return staging, _state.staging_generation
@@ -466,18 +477,17 @@ def _give_back_staging(staging: _Staging, generation: int) -> None:
         staging.free()
 
 
-def _same_device(a: str, b: str) -> bool:
-    if a == b:
-        return True
-    if "cuda" not in (a, b):
-        return False
+def _resolved(device: str) -> str:
+    """'cuda' as 'cuda:N' of the current device (staging buffers are page-locked for one device,
+    and which one 'cuda' means can change); 'cuda' itself where no CUDA runtime answers."""
+    if device != "cuda":
+        return device
     try:
         import torch
 
-        current = f"cuda:{torch.cuda.current_device()}"
-    except Exception:  # no cuda here: the spellings cannot be told to be the same device
-        return False
-    return current in (a, b)
+        return f"cuda:{torch.cuda.current_device()}"
+    except Exception:  # no cuda here (the tests' fakes)
+        return device
 
 
 @dataclass(slots=True)
@@ -497,11 +507,16 @@ class _Staging:
         still reach), and logged."""
         buffers, self.buffers = self.buffers, []
         for buffer in buffers if self.pinned else ():
-            try:
-                self.h2d.unpin(buffer)
-            except Exception as exc:
-                _unfreeable.append(buffer)
-                log.warning("could not unpin a staging buffer on %s (kept, not freed): %s", self.device, exc)
+            _unpin_or_keep(self.h2d, buffer, self.device)
+
+
+def _unpin_or_keep(h2d: HostToDevice, buffer: torch.Tensor, device: str) -> None:
+    """Unpin `buffer`; one that cannot be is kept for the process's life, never freed while locked."""
+    try:
+        h2d.unpin(buffer)
+    except Exception as exc:
+        _unfreeable.append(buffer)
+        log.warning("could not unpin a staging buffer on %s (kept, not freed): %s", device, exc)
 
 
 def _make_staging(h2d: HostToDevice, device: str, nbytes: int) -> _Staging:
@@ -513,8 +528,7 @@ def _make_staging(h2d: HostToDevice, device: str, nbytes: int) -> _Staging:
             buffers.append(h2d.pin(nbytes))
     except RuntimeError as exc:
         for buffer in buffers:
-            with contextlib.suppress(Exception):
-                h2d.unpin(buffer)
+            _unpin_or_keep(h2d, buffer, device)
         # Some devices and drivers refuse to page-lock: copy from ordinary memory (slower, still right).
         log.warning("cannot page-lock staging buffers on %s (%s); copying unpinned", device, exc)
         return _Staging(h2d, device, nbytes, [torch.empty(nbytes, dtype=torch.uint8) for _ in range(2)], False)

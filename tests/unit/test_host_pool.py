@@ -128,7 +128,7 @@ MOUNTINFO = """\
 32 27 0:42 / /mnt/within\\040size rw,relatime - tmpfs tmpfs rw,huge=within_size
 33 27 0:43 / /mnt/advise rw,relatime - tmpfs tmpfs rw,huge=advise
 34 27 0:44 / /mnt/tab\\011and\\134slash rw,relatime - tmpfs tmpfs rw,huge=always
-35 24 0:45 / /dev/shm rw,relatime - tmpfs tmpfs rw,huge=always
+35 25 0:45 / /dev/shm rw,relatime - tmpfs tmpfs rw,huge=always
 """
 
 
@@ -154,9 +154,14 @@ def test_the_kernels_shmem_setting_overrides_a_tmpfs_mount_option() -> None:
     assert huge_pages(Path("/mnt/huge/pool"), MOUNTINFO, "always within_size advise never [deny] force") is False
     assert huge_pages(Path("/mnt/huge/small"), MOUNTINFO, "always within_size advise never deny [force]") is True
     assert huge_pages(Path("/var/lib/gpufaas"), MOUNTINFO, "always within_size advise never deny [force]") is None
+    assert huge_pages(Path("/mnt/within size"), MOUNTINFO, "always within_size advise never [deny] force") is False
+    assert huge_pages(Path("/mnt/within size"), MOUNTINFO, "always within_size advise never deny [force]") is True
 
 
 def test_huge_pages_reads_this_processs_own_mounts() -> None:
-    # Both from /proc/self/mountinfo: procfs is no tmpfs; /dev/shm is one on Linux, huge or not.
-    assert huge_pages(Path("/proc/self")) is None
-    assert huge_pages(Path("/dev/shm")) is not None
+    mountinfo = Path("/proc/self/mountinfo").read_text()
+    shmem_enabled = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+    kernel = shmem_enabled.read_text() if shmem_enabled.exists() else ""
+    for path in (Path("/dev/shm"), Path("/proc/self"), Path("/")):
+        assert huge_pages(path) is huge_pages(path, mountinfo, kernel), path  # what it read is this process's
+    assert huge_pages(Path("/proc/self")) is None  # procfs: no tmpfs

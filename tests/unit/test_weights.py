@@ -615,8 +615,13 @@ def test_staging_prepared_for_the_current_device_serves_a_load_on_plain_cuda(
     weights.prepare_staging("cuda:1", 8192)
 
     weights.load_file(source, "cuda", chunk_bytes=8192)
-
     assert [f.events.count("pin") for f in fakes] == [2, 0]
+
+    weights.release_staging()
+    weights.prepare_staging("cuda", 8192)  # pinned for device 1, the current one: named so
+    assert fakes[-1].device == "cuda:1"
+    weights.load_file(source, "cuda:1", chunk_bytes=8192)
+    assert [f.events.count("pin") for f in fakes] == [2, 0, 2, 0]
 
 
 def test_a_file_of_empty_tensors_pins_nothing(package: Path, pool: Callable[[Path], int]) -> None:
@@ -642,6 +647,35 @@ def test_a_chunk_size_below_one_byte_is_refused(package: Path, pool: Callable[[P
 class UnpinnableBuffers(RecordingHostToDevice):
     def unpin(self, buffer: torch.Tensor) -> None:
         raise RuntimeError("cudaHostUnregister failed")
+
+
+class SecondPinFails(UnpinnableBuffers):
+    """Pins once, then refuses: the buffers it ends up copying from are ordinary memory."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.pending.append((self.enqueued, dst, src))
+        self.enqueued += 1
+        self.events.append("copy")
+
+    def pin(self, nbytes: int) -> torch.Tensor:
+        if self.pin_sizes:
+            raise RuntimeError("cudaHostRegister failed: out of memory")
+        return super().pin(nbytes)
+
+
+def test_a_buffer_pinned_before_a_failed_pin_is_kept_if_it_cannot_be_unpinned(
+    package: Path, pool: Callable[[Path], int]
+) -> None:
+    source = write_package_file(package, "weights.safetensors", big_tensors())
+    weights.configure(str(package), {"weights.safetensors": pool(source)})
+    pinned: dict[int, int] = {}
+    weights.set_host_to_device_factory(lambda device: SecondPinFails(device, pinned))
+    kept = len(weights._unfreeable)
+
+    loaded = weights.load_file(source, "cuda:0", chunk_bytes=8192)  # copied unpinned, still right
+
+    assert_same(loaded, safetensors_torch.load_file(source))
+    assert len(weights._unfreeable) == kept + 1
 
 
 def test_buffers_that_cannot_be_unpinned_are_kept_and_the_load_still_succeeds(
