@@ -36,6 +36,7 @@ from gpufaas.packages import Manifest, hex_of
 
 log = logging.getLogger("gpufaas.gpu_manager.host_pool")
 
+DEFAULT_POOL_PARENT = Path("/dev/shm")  # where the pool makes its directory unless --pool-dir says
 POOL_MIN_FILE_BYTES = 1 << 20  # files this large go to the pool (weights); smaller ones are read from disk
 DEFAULT_POOL_SHARE = 0.5  # of the memory filesystem's free space, when no budget is given
 _COPY_CHUNK_BYTES = 64 << 20

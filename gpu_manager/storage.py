@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpu_manager.host_pool import HostModelPool, default_budget_bytes
+from gpu_manager.host_pool import DEFAULT_POOL_PARENT, HostModelPool, default_budget_bytes
 from gpu_manager.pool import WeightsPlan
 from gpu_manager.staging import NoRoom, PackageStore
 from gpufaas.blobnet import BlobServer
@@ -92,7 +92,7 @@ class NodeStorage:
         )
         # Named after the state directory: what a crashed run of this node left is found again.
         tag = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
-        pool_parent = options.pool_dir or Path("/dev/shm")
+        pool_parent = options.pool_dir or DEFAULT_POOL_PARENT
         pool_mb = options.pool_mb
         pool_bytes = pool_mb * 1024 * 1024 if pool_mb is not None else default_budget_bytes(pool_parent)
         self.host_pool = HostModelPool(pool_parent, pool_bytes, name=f"gpufaas-pool-{tag}", in_use=self._pooled_in_use)

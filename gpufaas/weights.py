@@ -323,7 +323,7 @@ def load_file(
     if target == "cpu":
         tensors = _map_on_cpu(mapping, entries)
     else:
-        tensors, pin_s, stage_s, copy_s, chunks = _load_on_cuda(mapping, entries, target, chunk_bytes)
+        tensors, pin_s, stage_s, copy_s, chunks = _load_on_cuda(mapping, entries, nbytes, target, chunk_bytes)
     seconds = time.perf_counter() - started
     _state.last_stats = LoadStats(
         real_path, True, target, nbytes, len(entries), seconds, pin_s, stage_s, copy_s, chunks
@@ -422,13 +422,13 @@ def _map_on_cpu(mapping: mmap.mmap, entries: Sequence[_Entry]) -> dict[str, torc
 
 
 def _load_on_cuda(
-    mapping: mmap.mmap, entries: Sequence[_Entry], target: str, chunk_bytes: int
+    mapping: mmap.mmap, entries: Sequence[_Entry], nbytes: int, target: str, chunk_bytes: int
 ) -> tuple[dict[str, torch.Tensor], float, float, float, int]:
-    """`load_file`'s cuda path: (tensors, pin_s, stage_s, copy_s, fills). Uses the prepared staging
-    buffers for `target` when there are some and no other load has them, else makes its own."""
+    """`load_file`'s cuda path for `entries` (`nbytes` of data): (tensors, pin_s, stage_s, copy_s,
+    fills). Uses the prepared staging buffers for `target` when there are some and no other load has
+    them, else makes its own."""
     target = _resolved(target)
     h2d = (_state.h2d_factory or CudaHostToDevice)(target)
-    nbytes = sum(e.nbytes for e in entries)
     if nbytes == 0:  # nothing to stage: no buffer to make (a page-lock of 0 bytes is an error)
         return {e.name: h2d.empty(e.shape, e.dtype) for e in entries}, 0.0, 0.0, 0.0, 0
     taken = _take_staging(target)
@@ -455,9 +455,9 @@ def _load_on_cuda(
 
 
 def _take_staging(target: str) -> tuple[_Staging, int] | None:
-    """The prepared buffers, if they are for `target` ('cuda' and 'cuda:N' of the current device
-    are one), taken for one load with the generation they belong to; None if there are none (or
-    another load has them: it makes its own then)."""
+    """The prepared buffers, if they are for `target` ('cuda:N', `_resolved`), taken for one load
+    with the generation they belong to; None if there are none (or another load has them: it makes
+    its own then)."""
     with _staging_lock:
         staging = _state.staging
         if staging is None or staging.device != target:

@@ -430,6 +430,13 @@ def big_tensors() -> dict[str, torch.Tensor]:
     return tensors
 
 
+def pooled_big_file(package: Path, pool: Callable[[Path], int]) -> Path:
+    """`big_tensors()` written into the package as weights.safetensors, pooled and configured."""
+    source = write_package_file(package, "weights.safetensors", big_tensors())
+    weights.configure(str(package), {"weights.safetensors": pool(source)})
+    return source
+
+
 def install_fake(**options: object) -> list[RecordingHostToDevice]:
     """Make the cuda path use recording fakes; the list fills with those it builds."""
     fakes: list[RecordingHostToDevice] = []
@@ -446,8 +453,7 @@ def install_fake(**options: object) -> list[RecordingHostToDevice]:
 def load_on_fake_cuda(
     package: Path, pool: Callable[[Path], int], device: str | int = "cuda:1", **options: object
 ) -> tuple[Path, list[RecordingHostToDevice], dict[str, torch.Tensor]]:
-    source = write_package_file(package, "weights.safetensors", big_tensors())
-    weights.configure(str(package), {"weights.safetensors": pool(source)})
+    source = pooled_big_file(package, pool)
     fakes = install_fake(**options)
     return source, fakes, weights.load_file(source, device, chunk_bytes=8192)
 
@@ -520,8 +526,7 @@ def test_a_device_that_cannot_pin_still_gets_the_tensors(package: Path, pool: Ca
 def test_prepared_staging_is_used_by_loads_on_its_device_and_kept_until_released(
     package: Path, pool: Callable[[Path], int]
 ) -> None:
-    source = write_package_file(package, "weights.safetensors", big_tensors())
-    weights.configure(str(package), {"weights.safetensors": pool(source)})
+    source = pooled_big_file(package, pool)
     fakes = install_fake()
     weights.prepare_staging("cuda:1", 8192)
     weights.prepare_staging("cuda:1", 4096)  # already there, and large enough: nothing new
@@ -580,8 +585,7 @@ def test_a_load_running_inside_another_makes_buffers_of_its_own(package: Path, p
 
 
 def test_staging_released_during_a_load_is_freed_when_the_load_ends(package: Path, pool: Callable[[Path], int]) -> None:
-    source = write_package_file(package, "weights.safetensors", big_tensors())
-    weights.configure(str(package), {"weights.safetensors": pool(source)})
+    source = pooled_big_file(package, pool)
     fakes = install_fake()
     weights.prepare_staging("cuda:1", 8192)
     released: list[bool] = []
@@ -608,8 +612,7 @@ def test_staging_released_during_a_load_is_freed_when_the_load_ends(package: Pat
 def test_staging_prepared_for_the_current_device_serves_a_load_on_plain_cuda(
     package: Path, pool: Callable[[Path], int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    source = write_package_file(package, "weights.safetensors", big_tensors())
-    weights.configure(str(package), {"weights.safetensors": pool(source)})
+    source = pooled_big_file(package, pool)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     fakes = install_fake()
     weights.prepare_staging("cuda:1", 8192)
@@ -637,8 +640,7 @@ def test_a_file_of_empty_tensors_pins_nothing(package: Path, pool: Callable[[Pat
 
 
 def test_a_chunk_size_below_one_byte_is_refused(package: Path, pool: Callable[[Path], int]) -> None:
-    source = write_package_file(package, "weights.safetensors", big_tensors())
-    weights.configure(str(package), {"weights.safetensors": pool(source)})
+    source = pooled_big_file(package, pool)
     install_fake()
     with pytest.raises(ValueError, match="chunk_bytes must be positive"):
         weights.load_file(source, "cuda:0", chunk_bytes=0)
@@ -666,8 +668,7 @@ class SecondPinFails(UnpinnableBuffers):
 def test_a_buffer_pinned_before_a_failed_pin_is_kept_if_it_cannot_be_unpinned(
     package: Path, pool: Callable[[Path], int]
 ) -> None:
-    source = write_package_file(package, "weights.safetensors", big_tensors())
-    weights.configure(str(package), {"weights.safetensors": pool(source)})
+    source = pooled_big_file(package, pool)
     pinned: dict[int, int] = {}
     weights.set_host_to_device_factory(lambda device: SecondPinFails(device, pinned))
     kept = len(weights._unfreeable)
@@ -681,8 +682,7 @@ def test_a_buffer_pinned_before_a_failed_pin_is_kept_if_it_cannot_be_unpinned(
 def test_buffers_that_cannot_be_unpinned_are_kept_and_the_load_still_succeeds(
     package: Path, pool: Callable[[Path], int]
 ) -> None:
-    source = write_package_file(package, "weights.safetensors", big_tensors())
-    weights.configure(str(package), {"weights.safetensors": pool(source)})
+    source = pooled_big_file(package, pool)
     pinned: dict[int, int] = {}
     weights.set_host_to_device_factory(lambda device: UnpinnableBuffers(device, pinned))
     kept = len(weights._unfreeable)
