@@ -175,6 +175,8 @@ def _answer_head(result: CallResult, content_type: str, call_id: str, started: f
     )
     if placement.attempt > 1:
         head += b"x-attempts: %d\r\n" % placement.attempt
+    if result.leased:
+        head += b"x-lease: 1\r\n"  # it ran under a lease: no placement of its own
     if reply.loaded:
         head += b"server-timing: " + miss_timing(reply).encode() + b"\r\n"
     return head

@@ -23,11 +23,18 @@ A placement that cannot be used is not the end of the call, but a call runs at m
   answers that the call's outcome is unknown, and the gateway answers 502 saying so. A call in
   that state is never sent to another scheduler (a new leader cannot ask the node about the
   former leader's grant): across a scheduler change it is answered 502 "outcome unknown" too.
-A worker that died under a call is reported by the node itself, and the scheduler either places
-the call again or answers with a Rejection. The gateway keeps the one deadline: past it (plus a
-grace for the inner hops to answer first) it answers 504 and withdraws the call (Abandon
-CANCELLED). A placement for a call the gateway no longer waits for is handed back the same way,
-so that its slot is freed.
+A worker that died under a call is reported by the node itself, and the scheduler either places the
+call again or answers with a Rejection. The gateway keeps the one deadline: past it (plus a grace
+for the inner hops to answer first) it answers 504 and withdraws the call (Abandon CANCELLED). A
+placement for a call the gateway no longer waits for is handed back the same way, so that its slot
+is freed.
+
+Leases (docs/hit-leases.md): a Place says the gateway takes leases, and a hit's Placement may come
+with one (`lease_s`): once its call is answered, the function's next calls go straight to that node
+under the same token, one at a time, without a Place (gateway.leases). A call the node refuses under
+a lease (revoked, past its time, a call under it already) never ran: it is placed as any other. One
+whose node was lost after its Execute went may have run there, and no scheduler holds it to ask the
+node: it is answered 502 "outcome unknown", never run twice.
 
 Node connections (`NodeConnections`): one per node, pinged every PING_S. A node whose connection
 could not be made or was lost is dialled again in the background, and one that has answered
@@ -49,6 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from gateway.leases import Lease, Leases
 from gpufaas.functions import FunctionSpec
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import (
@@ -126,6 +134,7 @@ class CallResult:
     output: bytes
     placement: pb.Placement
     reply: pb.ExecuteReply
+    leased: bool = False  # it ran under a lease (no Place)
 
 
 class _NotSent(Exception):
@@ -349,10 +358,16 @@ class Router:
         scheduler_address: str | None = None,
         scheduler_wait_s: float = SCHEDULER_WAIT_S,
         wire_key: bytes | None = None,
+        take_leases: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """A scheduler in this process (`python -m gateway --with-scheduler`) is linked in memory
-        whenever it is the one at the scheduler address (`_dial`: gpufaas.wire_local)."""
+        whenever it is the one at the scheduler address (`_dial`: gpufaas.wire_local).
+        `take_leases`: the Places say the gateway takes leases (the scheduler grants them or not)."""
         self.max_payload_bytes = max_payload_bytes
+        self.take_leases = take_leases
+        self.clock = clock
+        self.leases = Leases()
         self.wire_key = wire_key  # proved to the scheduler and the nodes (gpufaas.wire)
         self.scheduler_wait_s = scheduler_wait_s
         self._address = scheduler_address
@@ -526,7 +541,13 @@ class Router:
             raise CallFailed(409, f"call {call_id!r} is already in flight; use a new X-Call-Id")
         deadline = clock() + spec.timeout_s
         box = Mailbox(
-            pb.Place(call_id=call_id, function=spec.name, timeout_s=spec.timeout_s, payload_bytes=len(payload)),
+            pb.Place(
+                call_id=call_id,
+                function=spec.name,
+                timeout_s=spec.timeout_s,
+                payload_bytes=len(payload),
+                lease=self.take_leases,
+            ),
             deadline,
             clock,
         )
@@ -547,6 +568,11 @@ class Router:
 
     async def _run(self, box: Mailbox, spec: FunctionSpec, payload: bytes, content_type: str) -> CallResult:
         call_id = box.place.call_id
+        lease = self.leases.take((spec.name, spec.model), self.clock(), self.epoch) if self.take_leases else None
+        if lease is not None:
+            leased = await self._run_leased(lease, box, spec, payload, content_type)
+            if leased is not None:
+                return leased
         await self._ask(box)
         while True:
             message = await box.get()
@@ -556,8 +582,12 @@ class Router:
                 continue  # a placement already tried (or replaced)
             # A new placement: the scheduler knows the one before it did not run (or its worker died).
             box.attempt, box.waiting, box.unsure = message.attempt, False, False
+            # The call's own deadline, for the node: a lease's grant holds a later one for its other calls.
+            execute = pb.Execute(
+                token=message.token, content_type=content_type, timeout_s=max(0.001, box.deadline - box.clock())
+            )
             try:
-                frame = await self._execute(message, payload, content_type)
+                frame = await self._execute(message, payload, content_type, execute)
             except _NotSent as exc:
                 log.info("call %s: not sent to node %s (%s)", call_id, message.node, exc)
                 await self._placement_failed(box, NOT_SENT, str(exc))
@@ -567,6 +597,8 @@ class Router:
                 await self._placement_failed(box, MAYBE_SENT, str(exc))
                 continue
             reply = frame.message(pb.ExecuteReply)
+            if message.lease_s > 0 and reply.outcome in _KEEPS_LEASE and box.epoch == self.epoch:
+                self.leases.add((spec.name, spec.model), message, self.clock(), box.epoch)
             if reply.outcome == pb.OK:
                 return CallResult(frame.body, message, reply)
             if reply.outcome == pb.TIMEOUT:
@@ -582,7 +614,49 @@ class Router:
                 self.abandon(call_id, box.attempt, pb.Abandon.REFUSED, reply.message)
             # WORKER_DIED: the node told the scheduler, which places the call again or rejects it.
 
-    async def _execute(self, placement: pb.Placement, payload: bytes, content_type: str) -> Frame:
+    async def _run_leased(
+        self, lease: Lease, box: Mailbox, spec: FunctionSpec, payload: bytes, content_type: str
+    ) -> CallResult | None:
+        """Run the call under `lease`; None where it did not run (the node refused the lease, or
+        could not be sent the call) or its worker died under it: it is then placed (as a retry)."""
+        execute = pb.Execute(
+            token=lease.placement.token,
+            content_type=content_type,
+            lease_call_id=box.place.call_id,
+            timeout_s=max(0.001, box.deadline - box.clock()),
+        )
+        try:
+            frame = await self._execute(lease.placement, payload, content_type, execute)
+        except _NotSent:
+            self.leases.drop(lease)
+            return None
+        except _MaybeSent as exc:
+            self.leases.drop(lease)
+            log.warning("call %s: node %s lost under a lease (%s)", box.place.call_id, lease.placement.node, exc)
+            raise CallFailed(502, _unsure_leased(box, lease)) from None
+        except BaseException:  # the call's deadline, or its client gone: whether the lease is free is unknown
+            self.leases.drop(lease)
+            raise
+        reply = frame.message(pb.ExecuteReply)
+        if reply.outcome in _KEEPS_LEASE:
+            self.leases.give_back(lease, self.clock())
+        else:
+            self.leases.drop(lease)
+        if reply.outcome == pb.OK:
+            return CallResult(frame.body, lease.answer, reply, leased=True)
+        if reply.outcome == pb.REFUSED:
+            log.debug("call %s: lease refused by %s: %s", box.place.call_id, lease.placement.node, reply.message)
+            return None
+        if reply.outcome == pb.WORKER_DIED:
+            box.place.worker_died = True  # placed as its retry: a second death is its answer
+            return None
+        if reply.outcome == pb.TIMEOUT:
+            raise CallFailed(504, spec.deadline_message())
+        raise CallFailed(OUTCOME_TO_HTTP.get(reply.outcome, 502), reply.message)
+
+    async def _execute(
+        self, placement: pb.Placement, payload: bytes, content_type: str, execute: pb.Execute | None = None
+    ) -> Frame:
         """Send the placement's Execute and wait for the node's answer. Raises _NotSent when no
         connection to the node could be had, _MaybeSent when it was lost after the Execute went."""
         try:
@@ -594,9 +668,9 @@ class Router:
         try:
             # No timeout of its own: `invoke`'s (the call's deadline plus the grace) bounds the wait,
             # and would end it at the same moment (one timer per call, not two).
-            frame = await node.request(
-                MessageType.EXECUTE, pb.Execute(token=placement.token, content_type=content_type), payload
-            )
+            if execute is None:
+                execute = pb.Execute(token=placement.token, content_type=content_type)
+            frame = await node.request(MessageType.EXECUTE, execute, payload)
         except NotSent as exc:  # the link was lost while its last frames were handled: never written
             raise _NotSent(exc) from None
         except (ConnectionLost, RemoteError) as exc:
@@ -632,6 +706,17 @@ class Router:
             # A link lost while it handles its last frames writes nothing: the call waits, and the
             # next link asks for it, as for every call waiting when a link is made.
             conn.send(MessageType.PLACE, box.place_now())
+
+
+# Outcomes after which a lease goes on (the node ends it where the worker was lost or timed out).
+_KEEPS_LEASE = frozenset({pb.OK, pb.HANDLER_ERROR, pb.INVALID_INPUT, pb.OUTPUT_TOO_LARGE, pb.OUTPUT_INVALID})
+
+
+def _unsure_leased(box: Mailbox, lease: Lease) -> str:
+    return (
+        f"the outcome of call {box.place.call_id!r} is unknown: the gateway lost node {lease.placement.node} after "
+        "sending it the call (under a lease), so it was not run again (check its effects before retrying)"
+    )
 
 
 def _unsure(box: Mailbox) -> str:

@@ -309,8 +309,10 @@ class GpuManagerDaemon:
     async def execute(self, conn: Connection, frame: Frame) -> None:
         request = frame.message(pb.Execute)
         received_s = time.perf_counter()
+        now_unix_s = time.time()
+        lease_call_id = request.lease_call_id
         try:
-            grant = self.ledger.admit(request.token, time.time())
+            grant = self._admit(request, now_unix_s)
         except Refused as exc:
             log.info("refused a call from %s: %s", conn.peer, exc)
             conn.reply(frame, MessageType.EXECUTE_REPLY, pb.ExecuteReply(outcome=pb.REFUSED, message=str(exc)))
@@ -323,16 +325,28 @@ class GpuManagerDaemon:
             load_time_s=grant.load_time_s,
             inference_time_s=grant.inference_time_s,
         )
-        result = await self.pool.run(
-            run,
-            grant.gpu,
-            grant.call_id,
-            frame.body,
-            content_type=request.content_type,
-            timeout_s=max(0.001, grant.expires_unix_s - time.time()),
-            evict=tuple(grant.evict),
-            seq=grant.gpu_seq,
-        )
+        # The gateway's: what remains of this call's deadline (a lease's grant holds its first call's).
+        timeout_s = request.timeout_s if lease_call_id else grant.expires_unix_s - now_unix_s
+        if request.timeout_s > 0:
+            timeout_s = min(timeout_s, request.timeout_s)
+        lease = (grant.call_id, grant.attempt) if grant.lease_s else None
+        try:
+            result = await self.pool.run(
+                run,
+                grant.gpu,
+                lease_call_id or grant.call_id,
+                frame.body,
+                content_type=request.content_type,
+                timeout_s=max(0.001, timeout_s),
+                evict=() if lease_call_id else tuple(grant.evict),  # (a lease's own call made the room)
+                seq=grant.gpu_seq,
+            )
+        except BaseException:
+            if lease is not None:
+                self.ledger.lease_call_ended(lease, time.time(), keep=False)
+            raise
+        # Before the answer: its gateway may send the lease's next call as soon as it has it.
+        lease_ended = lease is not None and self.ledger.lease_call_ended(lease, time.time(), keep=_keeps_lease(result))
         conn.reply(
             frame,
             MessageType.EXECUTE_REPLY,
@@ -348,17 +362,24 @@ class GpuManagerDaemon:
         # The rest waits a turn of the loop: where the gateway and the scheduler share this process
         # (`python -m gateway --with-node`), the answer then reaches the caller before the scheduler
         # takes the Done, which costs the caller nothing (its slot is freed a few us later).
-        asyncio.get_running_loop().call_soon(self._ran, grant, result)
+        asyncio.get_running_loop().call_soon(self._ran, grant, result, lease_call_id, lease_ended)
 
-    def _ran(self, grant: pb.Grant, result: RunResult) -> None:
+    def _admit(self, request: pb.Execute, now_unix_s: float) -> pb.Grant:
+        """The grant an Execute runs under: its placement's, or a lease's (`lease_call_id`); Refused."""
+        if not request.lease_call_id:
+            return self.ledger.admit(request.token, now_unix_s)
+        if not request.timeout_s > 0:
+            raise Refused("a call under a lease must say what remains of its deadline (Execute.timeout_s)")
+        return self.ledger.admit_under_lease(request.token, now_unix_s)
+
+    def _ran(self, grant: pb.Grant, result: RunResult, lease_call_id: str = "", lease_ended: bool = False) -> None:
         self.metrics.ran(grant.model, result)
-        self._done(grant, result)
-
-    def _done(self, grant: pb.Grant, result: RunResult) -> None:
         scheduler = self._scheduler
         if scheduler is None or scheduler.is_closed or grant.scheduler_id != self.ledger.scheduler_id:
             return  # the scheduler that placed it is gone: a new one learns the workers on attach
-        scheduler.send(MessageType.DONE, done_message(grant, result))
+        done = done_message(grant, result)
+        done.lease_call_id, done.lease_ended = lease_call_id, lease_ended
+        scheduler.send(MessageType.DONE, done)
 
     # --- requests from the scheduler --------------------------------------------------------
     def attach(self, conn: Connection, frame: Frame) -> None:
@@ -399,12 +420,14 @@ class GpuManagerDaemon:
         unseen, seen = self.ledger.revoke(
             ((g.call_id, g.attempt) for g in request.grants), time.time(), claim_by_unix_s=request.claim_by_unix_s
         )
+        busy = [ref for ref in seen if self.ledger.lease_busy(ref)]  # (a lease's: its last Done will say)
         conn.reply(
             frame,
             MessageType.REVOKE_REPLY,
             pb.RevokeReply(
                 unseen=[pb.GrantRef(call_id=c, attempt=a) for c, a in unseen],
                 seen=[pb.GrantRef(call_id=c, attempt=a) for c, a in seen],
+                busy=[pb.GrantRef(call_id=c, attempt=a) for c, a in busy],
             ),
         )
 
@@ -425,6 +448,7 @@ class GpuManagerDaemon:
     def detached(self, conn: Connection) -> None:
         if self._scheduler is conn:
             self._scheduler = None
+            self.ledger.end_leases()  # it counts their slots free once it has lost this node
 
 
 def admit_scheduler(
@@ -457,6 +481,12 @@ def measured(result: RunResult) -> dict[str, Any]:
     }
 
 
+def _keeps_lease(result: RunResult) -> bool:
+    """Whether a lease goes on after a call under it answered `result`: not once its worker is
+    lost (or a timeout killed it; the scheduler drops the model there, and the next call is placed)."""
+    return result.outcome not in _WORKER_LOST and result.outcome != pb.TIMEOUT and not result.worker_killed
+
+
 def done_message(grant: pb.Grant, result: RunResult) -> pb.Done:
     """The Done a node sends the scheduler that placed `grant` once its run answered `result`."""
     return pb.Done(
@@ -484,6 +514,11 @@ class _LedgerCollector(Collector):
             "Grants admitted for a call admitted here before under another attempt or scheduler: a retry after its "
             "worker died, or a call placed twice (what fencing the schedulers' epochs prevents).",
             value=ledger.admitted_again,
+        )
+        yield CounterMetricFamily(
+            "gpufaas_node_calls_admitted_under_leases",
+            "Calls admitted under a lease (docs/hit-leases.md): sent by a gateway without a placement of their own.",
+            value=ledger.admitted_under_leases,
         )
         yield CounterMetricFamily(
             "gpufaas_node_grants_refused_stale",

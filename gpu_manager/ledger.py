@@ -13,10 +13,18 @@ grows; a scheduler of an older epoch may not attach, and its grants are refused,
 deposed leader back from a pause places nothing here. The ledger counts what it admitted, and a
 call admitted again under another attempt or scheduler (`admitted_again`: a retry after its
 worker died, or a call placed twice, which fencing prevents).
+
+Leases (docs/hit-leases.md): a grant with `lease_s` is admitted once as any grant, for its own
+call; from then on the same token admits further calls of its function (`admit_under_lease`),
+one at a time, each within `lease_s` of the end of the one before (`lease_call_ended`), until
+the scheduler revokes it (`revoke` ends a lease it names), or until a call under it ends in a
+way that loses the worker. A lease's token is checked once: later calls find it by its bytes.
+A lease's grant is kept `keep_s` past its last call's end, as a grant past its claim time.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -32,6 +40,15 @@ class Refused(Exception):
     """A token the node will not run, or a scheduler it will not take; the message says why."""
 
 
+@dataclass(slots=True)
+class _Lease:
+    grant: pb.Grant
+    token: bytes
+    running: bool = True  # a call runs under it (the grant's own, from its admission)
+    ended: bool = False  # no call is admitted under it any more
+    until_unix_s: float = math.inf  # the next call must start by then (the end of the last + lease_s)
+
+
 @dataclass
 class GrantLedger:
     node: str
@@ -44,9 +61,12 @@ class GrantLedger:
     admitted: int = 0  # grants admitted
     admitted_again: int = 0  # of them, for a call admitted before (within keep_s)
     refused_stale: int = 0  # grants refused for an epoch older than `epoch`
+    admitted_under_leases: int = 0  # calls admitted under a lease (its grant's own not counted)
     _seen: dict[GrantRef, float] = field(default_factory=dict)  # -> when it may be pruned
     _revoked: dict[GrantRef, float] = field(default_factory=dict)
     _calls: dict[str, float] = field(default_factory=dict)  # call ids admitted -> when they may be pruned
+    _leases: dict[GrantRef, _Lease] = field(default_factory=dict)  # the leases admitted, while their grant is kept
+    _lease_tokens: dict[bytes, GrantRef] = field(default_factory=dict)
 
     def attach(self, scheduler_id: str, key: bytes, epoch: int = 0) -> None:
         """A scheduler (re)attached as the leader of `epoch`: grants are checked with its key
@@ -58,6 +78,14 @@ class GrantLedger:
             )
         self.epoch = epoch
         self.scheduler_id, self.key, self.scheduler_epoch = scheduler_id, key, epoch
+        self.end_leases()  # (the same scheduler too: attaching again, it counts every slot free)
+
+    def end_leases(self) -> None:
+        """No call is admitted under any lease from now on (the scheduler that granted them lost
+        this node, or attached again: it counts their slots free). Calls running under them end
+        as they will."""
+        for lease in self._leases.values():
+            lease.ended = True
 
     def saw_epoch(self, epoch: int) -> bool:
         """A leader of `epoch` exists (etcd's leader key says so): whether the attached scheduler
@@ -66,7 +94,75 @@ class GrantLedger:
         return bool(self.scheduler_id) and self.scheduler_epoch < self.epoch
 
     def admit(self, token: bytes, now_unix_s: float) -> pb.Grant:
-        """The grant `token` carries, recorded as seen; raises Refused."""
+        """The grant `token` carries, recorded as seen (a lease's, with its lease running its own
+        call); raises Refused."""
+        grant = self._verified(token)
+        ref = (grant.call_id, grant.attempt)
+        if ref in self._revoked:
+            raise Refused(f"the grant for call {grant.call_id} attempt {grant.attempt} was revoked")
+        if ref in self._seen:
+            raise Refused(f"the grant for call {grant.call_id} attempt {grant.attempt} was used already")
+        if now_unix_s > grant.claim_by_unix_s:
+            raise Refused(f"the grant for call {grant.call_id} expired {now_unix_s - grant.claim_by_unix_s:.3f} s ago")
+        if grant.claim_by_unix_s > now_unix_s + self.keep_s:
+            # A revocation is remembered for keep_s: a longer claim window could outlive it.
+            raise Refused(f"the grant's claim time is more than {self.keep_s:g} s ahead; check the clocks")
+        kept_until = grant.claim_by_unix_s + self.keep_s
+        # A lease's grant is kept while a call runs under it (its own first), and keep_s after.
+        self._seen[ref] = math.inf if grant.lease_s else kept_until
+        self.admitted += 1
+        if grant.call_id in self._calls:
+            self.admitted_again += 1
+        self._calls[grant.call_id] = max(self._calls.get(grant.call_id, 0.0), kept_until)
+        if grant.lease_s:
+            self._leases[ref] = _Lease(grant, token)
+            self._lease_tokens[token] = ref
+        return grant
+
+    def admit_under_lease(self, token: bytes, now_unix_s: float) -> pb.Grant:
+        """The lease `token` carries, admitting one more call under it; raises Refused (the
+        caller places the call instead: nothing ran)."""
+        ref = self._lease_tokens.get(token)
+        lease = None if ref is None else self._leases.get(ref)
+        if lease is None or ref is None:
+            grant = self._verified(token)  # (to say why: a bad token, or no lease of this node's)
+            if not grant.lease_s:
+                raise Refused(f"the grant for call {grant.call_id} is not a lease: it runs its own call only")
+            raise Refused(f"the lease of call {grant.call_id} attempt {grant.attempt} has ended here; place the call")
+        grant = lease.grant
+        if grant.scheduler_id != self.scheduler_id or grant.epoch < self.epoch:
+            raise Refused("the lease's scheduler is no longer the attached leader; place the call again")
+        if lease.ended or ref in self._revoked or now_unix_s > lease.until_unix_s:
+            lease.ended = True
+            raise Refused(f"the lease of call {grant.call_id} attempt {grant.attempt} has ended; place the call")
+        if lease.running:
+            raise Refused(f"a call runs under the lease of call {grant.call_id} already: one at a time")
+        lease.running = True
+        self._seen[ref] = math.inf  # kept while the call runs, however long
+        self.admitted_under_leases += 1
+        return grant
+
+    def lease_call_ended(self, ref: GrantRef, now_unix_s: float, *, keep: bool) -> bool:
+        """The call running under lease `ref` (its grant's own, or one admitted under it) ended at
+        `now_unix_s`; `keep`: the lease goes on, for a next call within `lease_s` (else it ends:
+        its worker is lost). Whether the lease has ended, so that this was its last call (its Done
+        says so, freeing the slot at the scheduler)."""
+        lease = self._leases.get(ref)
+        if lease is None:
+            return False
+        lease.running = False
+        lease.ended = lease.ended or not keep
+        lease.until_unix_s = now_unix_s + lease.grant.lease_s
+        self._seen[ref] = lease.until_unix_s + self.keep_s
+        return lease.ended
+
+    def lease_busy(self, ref: GrantRef) -> bool:
+        """Whether a call runs under lease `ref` now."""
+        lease = self._leases.get(ref)
+        return lease is not None and lease.running
+
+    def _verified(self, token: bytes) -> pb.Grant:
+        """The grant of a token this node may run: signed by the attached leader, for one of its GPUs."""
         try:
             grant = verify(token, self.key)
         except BadToken as exc:
@@ -81,35 +177,22 @@ class GrantLedger:
             )
         if grant.node != self.node or grant.gpu not in self.gpus:
             raise Refused(f"the grant is for {grant.node}/{grant.gpu}, not a GPU of node {self.node}")
-        ref = (grant.call_id, grant.attempt)
-        if ref in self._revoked:
-            raise Refused(f"the grant for call {grant.call_id} attempt {grant.attempt} was revoked")
-        if ref in self._seen:
-            raise Refused(f"the grant for call {grant.call_id} attempt {grant.attempt} was used already")
-        if now_unix_s > grant.claim_by_unix_s:
-            raise Refused(f"the grant for call {grant.call_id} expired {now_unix_s - grant.claim_by_unix_s:.3f} s ago")
-        if grant.claim_by_unix_s > now_unix_s + self.keep_s:
-            # A revocation is remembered for keep_s: a longer claim window could outlive it.
-            raise Refused(f"the grant's claim time is more than {self.keep_s:g} s ahead; check the clocks")
-        self._seen[ref] = grant.claim_by_unix_s + self.keep_s
-        self.admitted += 1
-        if grant.call_id in self._calls:
-            self.admitted_again += 1
-        self._calls[grant.call_id] = max(self._calls.get(grant.call_id, 0.0), self._seen[ref])
         return grant
 
     def revoke(
         self, refs: Iterable[GrantRef], now_unix_s: float, *, claim_by_unix_s: float = 0.0
     ) -> tuple[list[GrantRef], list[GrantRef]]:
-        """(unseen, seen): grants never presented are refused from now on; presented ones ran.
-        `claim_by_unix_s`: the latest claim time among the grants, so that the revocation
-        outlives any of them."""
+        """(unseen, seen): grants never presented are refused from now on; presented ones ran
+        (a lease among them ends: no call is admitted under it from now on). `claim_by_unix_s`:
+        the latest claim time among the grants, so that the revocation outlives any of them."""
         unseen: list[GrantRef] = []
         seen: list[GrantRef] = []
         until = max(now_unix_s, claim_by_unix_s) + self.keep_s
         for ref in refs:
             if ref in self._seen:
                 seen.append(ref)
+                if (lease := self._leases.get(ref)) is not None:
+                    lease.ended = True
             else:
                 unseen.append(ref)
                 self._revoked[ref] = until
@@ -119,6 +202,8 @@ class GrantLedger:
         for book in (self._seen, self._revoked):
             _prune(book, now_unix_s)
         _prune(self._calls, now_unix_s)
+        for ref in [ref for ref in self._leases if ref not in self._seen]:
+            del self._lease_tokens[self._leases.pop(ref).token]
 
     def __len__(self) -> int:
         return len(self._seen) + len(self._revoked)

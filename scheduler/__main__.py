@@ -37,6 +37,7 @@ def make_service(
         queue_capacity=settings.queue_capacity,
         slots=settings.slot_config,
         claim_s=settings.claim_s,
+        hit_lease_s=settings.hit_lease_s,
         gpu_idle_release_s=settings.gpu_idle_release_s,
         host_idle_release_s=settings.host_idle_release_s,
         prestage_nodes=settings.prestage_nodes,

@@ -57,6 +57,7 @@ attempt that is no longer current is ignored. Failure handling, step by step:
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
@@ -68,6 +69,7 @@ from gpufaas.types import Request
 from scheduler.adaptive_slots import AdaptiveSlots
 from scheduler.core import Scheduler
 from scheduler.decisions import Dispatch
+from scheduler.leases import may_lease, may_lease_on
 
 MAX_WORKER_ATTEMPTS = 2  # a call whose worker died is retried once
 MAX_PLACEMENTS = 6  # placements that never ran (node unreachable, grant refused) before giving up
@@ -99,6 +101,7 @@ class Assignment:
     claim_by: float  # the node refuses the grant after this, monotonic
     est_load_time_s: float
     est_inference_time_s: float
+    lease_s: float = 0.0  # > 0: the placement is also a lease on its slot for this long (`CallBook.lease_s`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +184,12 @@ class _Call:
     # The owner lost the node after sending it the current attempt's Execute: whether it ran
     # there is for the node's ledger to say (a check is under way).
     maybe_ran: bool = False
+    lease_wanted: bool = False  # the owner takes a lease with a hit's placement
+    # > 0: the current placement is a lease, ended at this time (monotonic): `lease_s` after the
+    # Done of its last call (infinite until its own call's Done).
+    lease_until: float = 0.0
+    lease_ending: bool = False  # its node was told to end it (a check is under way, or a Done will say)
+    lease_uses: int = 0  # calls run to their end under the lease (its own first)
 
 
 class _Upkeep:
@@ -271,8 +280,193 @@ class _Upkeep:
         return effects
 
 
+class _Leasing(_Upkeep):
+    """The leases of hit placements (docs/hit-leases.md; CallBook's half that is about them): a
+    lease is a placed call whose slot stays its owner's after its Done, for further calls of its
+    function run one at a time under its grant, until the book has its node end it. Its state
+    is CallBook's."""
+
+    lease_s: float
+    _leases: dict[str, _Call]
+    _waited_at: float
+    _parked_at: dict[str, float]
+    dirty_profiles: set[tuple[str, str, int]]
+
+    def schedule(self, now: float) -> list[Effect]:
+        raise NotImplementedError
+
+    def _release(self, call: _Call, now: float, *, drop_model: bool, requeue: bool, avoid_gpu: bool = False) -> None:
+        raise NotImplementedError
+
+    def _forget(self, call: _Call) -> None:
+        raise NotImplementedError
+
+    def _lease_done(
+        self, call: _Call, now: float, lease_ended: bool, inference_time_s: float, batch_size: int
+    ) -> list[Effect]:
+        """A call ran to its end under `call`'s lease (not its own call's last word, which `done`
+        takes as any placement's): a use, and the lease's end where the node ended it."""
+        self._lease_used(call, now, inference_time_s, batch_size)
+        if not lease_ended:
+            return []
+        return self._lease_over(call, now) + self.schedule(now)
+
+    def _leases_after(self, effects: list[Effect], parked: list[str], now: float) -> list[Effect]:
+        """After a pass of the policy: while calls wait in the global queue every lease ends; a
+        call parked on a GPU ends the leases there (it waits for that GPU's slots); a lease whose
+        model's entry went with another call's failure on its GPU ends; and where nothing waits,
+        the pass's hits lease their slots as the rules allow (`_grant_leases`)."""
+        for gpu_id in parked:
+            self._parked_at[gpu_id] = now
+        ending: list[Effect] = []
+        if self._leases and self.scheduler.cluster.pin_dropped:  # their model went with another call's failure
+            ending = self._end_leases(
+                [c for c in self._leases.values() if c.call_id in self.scheduler.cluster.pin_dropped]
+            )
+        if self.scheduler.queue:
+            self._waited_at = now
+            return ending + self._end_leases(list(self._leases.values())) if self._leases else ending
+        self._grant_leases(effects, now)
+        if not parked or not self._leases:
+            return ending
+        return ending + self._end_leases([c for c in self._leases.values() if c.gpu_id in parked])
+
+    def _grant_leases(self, effects: list[Effect], now: float) -> None:
+        """Each hit's placement whose owner takes leases leases its slot for `lease_s` where the
+        rules allow (`may_lease`, `may_lease_on`). A leased slot stays occupied in the scheduler's
+        state until the lease ends: nothing else is placed on it."""
+        candidates = [e for e in effects if isinstance(e, Assignment) and e.hit and self._calls[e.call_id].lease_wanted]
+        if not candidates or not may_lease(self.scheduler, now, self._waited_at, self.lease_s):
+            return
+        parked_at = self._parked_at
+        for assignment in candidates:
+            gpu_id = assignment.gpu_id
+            if not may_lease_on(self.scheduler.gpu(gpu_id), now, parked_at.get(gpu_id, -math.inf), self.lease_s):
+                continue
+            call = self._calls[assignment.call_id]
+            assignment.lease_s = self.lease_s
+            call.lease_until = math.inf  # (its own call's Done starts the clock)
+            self._leases[call.call_id] = call
+
+    def _end_leases(self, calls: Iterable[_Call]) -> list[Effect]:
+        """Have the nodes end these leases (a CheckGrants each node: no call is admitted under
+        them from then on); their slots are freed as `grants_checked` and `done` say."""
+        checks: dict[str, list[tuple[str, int]]] = {}
+        for call in calls:
+            if call.lease_ending:
+                continue
+            call.lease_ending = call.checking = True
+            checks.setdefault(split_gpu_address(call.gpu_id)[0], []).append((call.call_id, call.attempt))
+        return [CheckGrants(node, tuple(grants)) for node, grants in checks.items()]
+
+    def _lease_used(self, call: _Call, now: float, inference_time_s: float, batch_size: int) -> None:
+        """A call ran to its end under `call`'s lease (its own first): the model was used as by a
+        hit, its time measured; the slot stays the lease's. Its owner has its answer from the node."""
+        self.scheduler.on_lease_use(
+            call.call_id, inference_time_s=inference_time_s if inference_time_s > 0 else None, batch_size=batch_size
+        )
+        self.dirty_models.add(call.spec.model)
+        if inference_time_s > 0:
+            self.dirty_profiles.add((self.scheduler.gpu(call.gpu_id).spec.gpu_type, call.spec.model, batch_size))
+        call.lease_uses += 1
+        call.wanted, call.claimed = False, True
+        # The node admits the next call within lease_s of this one's end, and it may run its whole
+        # timeout: no Done for that long is not a lost call.
+        call.lease_until = now + self.lease_s
+        call.deadline = max(call.deadline, call.lease_until + call.spec.timeout_s)
+
+    def _lease_over(self, call: _Call, now: float) -> list[Effect]:
+        """No call runs under the lease any more, and none will: its slot is free (and its model
+        goes, if no function runs it any more)."""
+        self.dirty_gpus.add(call.gpu_id)
+        self.scheduler.on_complete(call.call_id, now)
+        self._forget(call)
+        return self._evict_retired(call.spec.model) if call.spec.model in self._retired else []
+
+
+class _GrantChecks(_Leasing):
+    """The nodes' answers about grants (CallBook's half that is about them): which a node saw
+    (ran, or runs) and which it revoked, and what a call whose owner lost the node after sending
+    it becomes. Its state is CallBook's."""
+
+    def _current(self, call_id: str, attempt: int) -> _Call | None:
+        raise NotImplementedError
+
+    def _finish(self, call: _Call, status: int, message: str) -> list[Effect]:
+        raise NotImplementedError
+
+    @staticmethod
+    def _unknown(call: _Call, message: str) -> list[Effect]:
+        raise NotImplementedError
+
+    def grants_checked(
+        self,
+        node: str,
+        unseen: Iterable[tuple[str, int]],
+        seen: Iterable[tuple[str, int]],
+        now: float,
+        busy: Iterable[tuple[str, int]] = (),
+    ) -> list[Effect]:
+        """`node`'s answer to CheckGrants: `unseen` grants are revoked there (never ran: placed
+        again, elsewhere if the owner lost the node); `seen` ones ran or run there (a call whose
+        owner lost the node after sending it is answered that its outcome is unknown). A seen
+        lease has ended there: its slot is free, unless it is `busy` (a call still runs under it,
+        whose Done says `lease_ended`)."""
+        effects: list[Effect] = []
+        still_running = set(busy)
+        for call_id, attempt in seen:
+            call = self._current(call_id, attempt)
+            if call is not None:
+                call.claimed, call.checking = True, False
+                if call.maybe_ran:
+                    effects += self._unknown(call, _ran_there_message(call))
+                if call.lease_until and (call_id, attempt) not in still_running:
+                    effects += self._lease_over(call, now)
+        for call_id, attempt in unseen:
+            call = self._current(call_id, attempt)
+            if call is None:
+                continue
+            call.checking = False
+            if call.claimed:
+                continue  # seen there before (the node forgot it): it may run, so never again
+            retry = call.wanted and now < call.deadline and call.placements < MAX_PLACEMENTS
+            drop_model = _never_loaded(self.scheduler, call)
+            self._release(call, now, drop_model=drop_model, requeue=retry, avoid_gpu=call.maybe_ran)
+            if not retry:
+                effects += self._finish(
+                    call, pb.UNAVAILABLE, f"the call was placed {call.placements} times and never reached a node"
+                )
+        return effects + self.schedule(now)
+
+    def _maybe_ran(self, call: _Call) -> list[Effect]:
+        """The owner lost the node after sending it the current attempt: the call may be running
+        there. Its node is asked (CheckGrants, which revokes the grant if never seen); one that
+        saw it, or has left (STRANDED), cannot have the call run again: its owner is answered
+        that the outcome is unknown."""
+        if call.state is _State.STRANDED:
+            return self._finish(call, OUTCOME_UNKNOWN, _unknown_whether_ran_message(call))
+        if call.claimed:  # seen there already: its Done (or the lost-call deadline) frees the slot
+            return self._unknown(call, _ran_there_message(call))
+        call.maybe_ran = True
+        if call.checking:
+            return []  # a check is under way already: its answer decides
+        call.checking = True
+        return [CheckGrants(split_gpu_address(call.gpu_id)[0], ((call.call_id, call.attempt),))]
+
+    def grants_unchecked(self, grants: Iterable[tuple[str, int]]) -> list[Effect]:
+        """A CheckGrants got no answer (the node is unreachable, or gone): a call whose owner lost
+        the node after sending it the grant is answered that its outcome is unknown. (The node is
+        taken out next: `gpus_removed` deals with the rest.)"""
+        effects: list[Effect] = []
+        for call_id, attempt in grants:
+            call = self._current(call_id, attempt)
+            if call is not None and call.maybe_ran:
+                effects += self._unknown(call, _unknown_whether_ran_message(call))
+        return effects
+
+
 @dataclass
-class CallBook(_Upkeep):
+class CallBook(_GrantChecks):
     """Every call the scheduler holds, driving the pure `Scheduler` (queues, policy, cache)."""
 
     scheduler: Scheduler
@@ -280,7 +474,12 @@ class CallBook(_Upkeep):
     claim_s: float = DEFAULT_CLAIM_S
     lost_after_s: float = DEFAULT_LOST_AFTER_S
     adaptive_slots: AdaptiveSlots | None = None  # D per GPU from its utilization (None: D fixed)
+    # How long a hit's placement leases its slot to its owner when nothing waits (0: never).
+    lease_s: float = 0.0
     _calls: dict[str, _Call] = field(default_factory=dict)
+    _leases: dict[str, _Call] = field(default_factory=dict)  # the calls whose placement is a lease
+    _waited_at: float = -math.inf  # when calls last waited in the global queue
+    _parked_at: dict[str, float] = field(default_factory=dict)  # per GPU, when a call was last parked there
     # Per GPU, for as long as this book lives (a GPU that leaves and comes back goes on counting).
     _seq: dict[str, int] = field(default_factory=dict)  # the latest grant's gpu_seq
     _retired: set[str] = field(default_factory=set)  # models no function runs any more
@@ -327,8 +526,11 @@ class CallBook(_Upkeep):
         now: float,
         *,
         nodes_attaching: bool = False,
+        lease: bool = False,
+        worker_died: bool = False,
     ) -> list[Effect]:
-        """Queue a call and schedule. Raises Rejected (nothing is queued then).
+        """Queue a call and schedule. Raises Rejected (nothing is queued then). `lease`: the owner
+        takes a lease with the call's placement where one is granted (`lease_s`).
 
         `nodes_attaching`: some registered GPU manager is not attached yet (its GPUs are not in
         the scheduler). A call that finds no GPU then waits for one (until its deadline) instead of
@@ -339,7 +541,8 @@ class CallBook(_Upkeep):
             raise Rejected(
                 pb.OVERLOADED, f"the global queue is full ({self.queue_capacity} calls waiting); retry later"
             )
-        call = _Call(call_id, owner, spec, submitted_at=now, deadline=now + timeout_s)
+        call = _Call(call_id, owner, spec, submitted_at=now, deadline=now + timeout_s, lease_wanted=lease)
+        call.worker_failures = int(worker_died)  # (its worker died under a lease: this is its retry)
         if not self.scheduler.cache.num_gpus:
             if not nodes_attaching:
                 raise Rejected(pb.UNAVAILABLE, "no GPU manager is registered: start a node")
@@ -371,9 +574,11 @@ class CallBook(_Upkeep):
             waiting, self._waiting = self._waiting, {}
             for call, refusal in _admit(self.scheduler, waiting.values()):
                 effects += self._finish(call, refusal.status, str(refusal))
+        parked: list[str] = []  # the GPUs calls were parked on
         for decision in self.scheduler.schedule(now):
             self.dirty_gpus.add(decision.gpu_id)
             if not isinstance(decision, Dispatch):
+                parked.append(decision.gpu_id)
                 continue  # parked: it is dispatched from the local queue later
             self.dirty_models.add(decision.request.model)
             self.dirty_models.update(decision.evict)
@@ -403,6 +608,8 @@ class CallBook(_Upkeep):
                     est_inference_time_s=decision.est_inference_time_s,
                 )
             )
+        if self.lease_s > 0:
+            effects += self._leases_after(effects, parked, now)
         return effects
 
     # --- answers from nodes -----------------------------------------------------------------
@@ -419,8 +626,10 @@ class CallBook(_Upkeep):
         peak_memory_mb: int = 0,
         batch_calls: int = 1,
         worker_lost: bool = False,
+        lease_ended: bool = False,
     ) -> list[Effect]:
-        """A node finished attempt `attempt` of `call_id` (the gateway has its result or error)."""
+        """A node finished attempt `attempt` of `call_id` (the gateway has its result or error), or a
+        call under that placement's lease (`lease_ended`: the lease's last; it ended at the node)."""
         call = self._calls.get(call_id)
         if call is not None and call.state is _State.STRANDED and call.attempt == attempt:
             self._forget(call)  # it ran to its end on a node that left since: nothing to free
@@ -431,6 +640,14 @@ class CallBook(_Upkeep):
         gpu_id = call.gpu_id
         model = call.spec.model
         self.dirty_gpus.add(gpu_id)
+        batch_size = max(1, batch_calls) * call.spec.batch_size
+        failed = outcome in (pb.WORKER_DIED, pb.LOAD_FAILED) or worker_lost
+        if call.lease_until and (call.lease_uses or not (lease_ended or failed)):
+            if failed:  # a call under the lease lost the worker: no retry here (its owner places it)
+                self._release(call, now, drop_model=True, requeue=False)
+                return self.schedule(now)
+            measured_s = inference_time_s if outcome in (pb.OK, pb.HANDLER_ERROR) else 0.0
+            return self._lease_done(call, now, lease_ended, measured_s, batch_size)
         if outcome == pb.WORKER_DIED:
             call.worker_failures += 1
             retry = call.wanted and call.worker_failures < MAX_WORKER_ATTEMPTS and now < call.deadline
@@ -441,7 +658,6 @@ class CallBook(_Upkeep):
             self._release(call, now, drop_model=True, requeue=False)
         else:
             measured = outcome in (pb.OK, pb.HANDLER_ERROR) and inference_time_s > 0
-            batch_size = max(1, batch_calls) * call.spec.batch_size
             self.scheduler.on_complete(
                 call_id,
                 now,
@@ -456,33 +672,6 @@ class CallBook(_Upkeep):
             self._forget(call)
         if model in self._retired:
             effects += self._evict_retired(model)
-        return effects + self.schedule(now)
-
-    def grants_checked(
-        self, node: str, unseen: Iterable[tuple[str, int]], seen: Iterable[tuple[str, int]], now: float
-    ) -> list[Effect]:
-        """`node`'s answer to CheckGrants: `unseen` grants are revoked there (never ran: placed
-        again, elsewhere if the owner lost the node); `seen` ones ran or run there (a call whose
-        owner lost the node after sending it is answered that its outcome is unknown)."""
-        effects: list[Effect] = []
-        for call_id, attempt in seen:
-            call = self._current(call_id, attempt)
-            if call is not None:
-                call.claimed, call.checking = True, False
-                if call.maybe_ran:
-                    effects += self._unknown(call, _ran_there_message(call))
-        for call_id, attempt in unseen:
-            call = self._current(call_id, attempt)
-            if call is None:
-                continue
-            call.checking = False
-            retry = call.wanted and now < call.deadline and call.placements < MAX_PLACEMENTS
-            drop_model = _never_loaded(self.scheduler, call)
-            self._release(call, now, drop_model=drop_model, requeue=retry, avoid_gpu=call.maybe_ran)
-            if not retry:
-                effects += self._finish(
-                    call, pb.UNAVAILABLE, f"the call was placed {call.placements} times and never reached a node"
-                )
         return effects + self.schedule(now)
 
     # --- from the owner (gateway) -----------------------------------------------------------
@@ -510,32 +699,6 @@ class CallBook(_Upkeep):
         effects = [] if retry else self._finish(call, *_no_node(call))
         return effects + self.schedule(now)
 
-    def _maybe_ran(self, call: _Call) -> list[Effect]:
-        """The owner lost the node after sending it the current attempt: the call may be running
-        there. Its node is asked (CheckGrants, which revokes the grant if never seen); one that
-        saw it, or has left (STRANDED), cannot have the call run again: its owner is answered
-        that the outcome is unknown."""
-        if call.state is _State.STRANDED:
-            return self._finish(call, OUTCOME_UNKNOWN, _unknown_whether_ran_message(call))
-        if call.claimed:  # seen there already: its Done (or the lost-call deadline) frees the slot
-            return self._unknown(call, _ran_there_message(call))
-        call.maybe_ran = True
-        if call.checking:
-            return []  # a check is under way already: its answer decides
-        call.checking = True
-        return [CheckGrants(split_gpu_address(call.gpu_id)[0], ((call.call_id, call.attempt),))]
-
-    def grants_unchecked(self, grants: Iterable[tuple[str, int]]) -> list[Effect]:
-        """A CheckGrants got no answer (the node is unreachable, or gone): a call whose owner lost
-        the node after sending it the grant is answered that its outcome is unknown. (The node is
-        taken out next: `gpus_removed` deals with the rest.)"""
-        effects: list[Effect] = []
-        for call_id, attempt in grants:
-            call = self._current(call_id, attempt)
-            if call is not None and call.maybe_ran:
-                effects += self._unknown(call, _unknown_whether_ran_message(call))
-        return effects
-
     def _requeue_stranded(self, call: _Call, now: float) -> list[Effect]:
         """A STRANDED call whose owner never sent its Execute goes back to the queue (WAITING while
         no GPU is attached: its node may come back)."""
@@ -561,7 +724,7 @@ class CallBook(_Upkeep):
         """Deadlines: calls queued past theirs are answered; placements not confirmed within
         `claim_s` are checked with their node; placements with no Done `lost_after_s` past the
         deadline are presumed lost."""
-        effects: list[Effect] = []
+        effects = self._end_leases([c for c in self._leases.values() if now >= c.lease_until])
         checks: dict[str, list[tuple[str, int]]] = {}
         for call in list(self._calls.values()):
             if call.state is not _State.PLACED:
@@ -593,7 +756,9 @@ class CallBook(_Upkeep):
                     continue
                 placed = call.state is _State.PLACED
                 call.state = _State.QUEUED
-                call.claimed = call.checking = False
+                call.claimed = call.checking = call.lease_ending = False
+                call.lease_until = 0.0
+                self._leases.pop(call.call_id, None)
                 if not call.wanted or placed:
                     self.scheduler.cancel(call.call_id)  # (remove_gpu put it back in the queue)
                 if not call.wanted:
@@ -603,6 +768,7 @@ class CallBook(_Upkeep):
                 elif placed:
                     call.state = _State.STRANDED
             self.dirty_gpus.discard(gpu_id)
+            self._parked_at.pop(gpu_id, None)
         return effects + self.schedule(now)
 
     # --- internals --------------------------------------------------------------------------
@@ -619,6 +785,8 @@ class CallBook(_Upkeep):
                 self.scheduler.cancel(call.call_id)
             self._forget(call)
             return []
+        if call.lease_until:  # its owner holds the lease no more: the node ends it
+            return self._end_leases((call,))
         if call.claimed or call.checking:
             return []  # a Done (or the check's answer) will free its slot
         call.checking = True
@@ -631,7 +799,9 @@ class CallBook(_Upkeep):
             self.dirty_models.add(call.spec.model)
         self.scheduler.on_failure(call.call_id, now, drop_model=drop_model, requeue=requeue, avoid_gpu=avoid_gpu)
         call.state = _State.QUEUED
-        call.claimed = call.checking = call.maybe_ran = False
+        call.claimed = call.checking = call.maybe_ran = call.lease_ending = False
+        call.lease_until = 0.0
+        self._leases.pop(call.call_id, None)
         if not requeue:
             self._forget(call)
 
@@ -650,6 +820,7 @@ class CallBook(_Upkeep):
     def _forget(self, call: _Call) -> None:
         self._calls.pop(call.call_id, None)
         self._waiting.pop(call.call_id, None)
+        self._leases.pop(call.call_id, None)
 
 
 def _reconcile_host(

@@ -300,6 +300,20 @@ class Scheduler(ClusterReads):
         self.policy.on_finish(request, now, inference_time_s=inference_time_s)
         return request
 
+    def on_lease_use(self, request_id: str, *, inference_time_s: float | None, batch_size: int) -> None:
+        """A call ran in running request `request_id`'s slot under its lease (docs/hit-leases.md:
+        the slot stays the request's until `on_complete`): the model is used there as by a hit
+        (its recency, and its eviction policy's count), and its measured time refines the
+        estimator as `on_complete`'s does (a model whose entry went with another call's failure
+        there is not admitted again: the lease is the caller's to end). Raises KeyError (changing
+        nothing) if the request is not running."""
+        state, request = self._running(request_id)
+        model, gpu_id = request.model, state.spec.gpu_id
+        if request_id not in self.cluster.pin_dropped:
+            self.cache.admit(gpu_id, model, self.model(model).memory_mb)  # resident and pinned: a hit
+        if inference_time_s is not None:
+            self.cluster.estimator.observe_inference(model, state.spec.gpu_type, batch_size, inference_time_s)
+
     def on_failure(
         self, request_id: str, now: float, *, drop_model: bool, requeue: bool, avoid_gpu: bool = False
     ) -> Request:

@@ -51,6 +51,11 @@ class SchedulerMetrics:
         self.failures = Counter(
             "gpufaas_scheduler_call_failures", "Attempts that ended other than OK, by outcome.", ["outcome"], registry=r
         )
+        self.leases = Counter(
+            "gpufaas_scheduler_leases",
+            "Hit placements that were also leases of their slot to their gateway (docs/hit-leases.md).",
+            registry=r,
+        )
         # The series every call touches, bound once.
         self._placed = {True: self.placements.series("hit"), False: self.placements.series("miss")}
         self._done = {True: self.calls.series("miss"), False: self.calls.series("hit")}  # by `loaded`
@@ -63,6 +68,8 @@ class SchedulerMetrics:
         if isinstance(effect, Assignment):
             self._placed[effect.hit].inc()
             self._queue_wait.observe(effect.queue_s)
+            if effect.lease_s:
+                self.leases.inc()
             if effect.evict:
                 self.evictions.inc(len(effect.evict))
 

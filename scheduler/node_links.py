@@ -396,6 +396,7 @@ class NodeLinks:
                 [(g.call_id, g.attempt) for g in reply.unseen],
                 [(g.call_id, g.attempt) for g in reply.seen],
                 self.clock(),
+                busy=[(g.call_id, g.attempt) for g in reply.busy],
             )
         )
 

@@ -77,6 +77,10 @@ ATTACH_WAIT_S = 2.0  # a new term takes calls once its registered nodes attached
 ATTACH_POLL_S = 0.02
 EARLY_PER_SLICE = 256  # Places that waited for the attaches, placed between two turns of the loop
 MAX_CLAIM_S = 30.0  # nodes remember grants (and revocations) for 60 s: a claim must fall well inside
+# How long a hit's placement leases its slot to its gateway when nothing waits (docs/hit-leases.md):
+# long enough that a busy function asks again about once a second, short enough that an idle one
+# gives its slot back soon without being asked (the lease is revoked anyway as soon as a call waits).
+DEFAULT_HIT_LEASE_S = 1.0
 
 
 @dataclass(slots=True)
@@ -147,6 +151,7 @@ class SchedulerService:
         lease_ttl_s: int = LEASE_TTL_S,
         tls: LinkTls | bool = True,
         in_process: bool = False,
+        hit_lease_s: float = DEFAULT_HIT_LEASE_S,
     ) -> None:
         """`wire_key`: the cluster's wire key (gpufaas.credentials); gateways must prove it, and
         nodes are trusted only once they have. None: no handshake (tests of the logic only).
@@ -159,7 +164,8 @@ class SchedulerService:
         `adaptive_slots`: each GPU's D moves between 1 and this from its utilization against
         `utilization_threshold` (scheduler.adaptive_slots; None: D fixed by `slots`). `name`, `lease_ttl_s`:
         this instance's among several (default: its address), its leadership lease (scheduler.leadership).
-        `tls`: its links' (gpufaas.wire's); `in_process`: in a gateway's process, whose dials reach it in memory."""
+        `tls`: its links' (gpufaas.wire's); `in_process`: in a gateway's process, whose dials reach it in memory.
+        `hit_lease_s`: how long a hit's placement leases its slot when nothing waits (0: never; CallBook.lease_s)."""
         _check_settings(gpu_idle_release_s, host_idle_release_s, prestage_nodes)
         self.gpu_idle_release_s, self.host_idle_release_s = gpu_idle_release_s, host_idle_release_s
         self.prestage_nodes, self.in_process = prestage_nodes, in_process
@@ -170,9 +176,7 @@ class SchedulerService:
         self.slots = slots if slots is not None else SlotConfig()
         self.scheduler = _make_scheduler(policy, self.policy_config, eviction)
         adaptive = None if adaptive_slots is None else AdaptiveSlots(adaptive_slots, threshold=utilization_threshold)
-        self.book = CallBook(
-            self.scheduler, queue_capacity, claim_s=claim_s, lost_after_s=lost_after_s, adaptive_slots=adaptive
-        )
+        self.book = CallBook(self.scheduler, queue_capacity, claim_s, lost_after_s, adaptive, hit_lease_s)
         self.metrics = SchedulerMetrics(self.scheduler)
         self.evictions = EvictionLog()  # for the cluster views
         self.name = name or ""
@@ -406,6 +410,7 @@ class SchedulerService:
                 spec.model, self.scheduler.gpu(a.gpu_id).spec.gpu_type, spec.memory_mb
             ),
             inference_time_s=a.est_inference_time_s,
+            lease_s=a.lease_s,  # (a call under the lease carries its own deadline: Execute.timeout_s)
         )
         # The function's own fields are encoded once per function version (`grants.function_part`).
         function_part = grants.function_part(
@@ -421,6 +426,7 @@ class SchedulerService:
             queue_s=a.queue_s,
             token=grants.sign(grant, self.term.token_key, function_part=function_part),
             epoch=epoch,
+            lease_s=a.lease_s,
         )
         self._send(a.owner, MessageType.PLACEMENT, placement)
 
@@ -469,7 +475,16 @@ class SchedulerService:
             # again), a call that finds no GPU waits for one rather than being refused. The book
             # reads it only when no GPU is attached: asked then only (it walks every node).
             attaching = not self.scheduler.cache.num_gpus and not self.links.all_attached()
-            effects = self.book.submit(conn, request.call_id, spec, timeout_s, self.clock(), nodes_attaching=attaching)
+            effects = self.book.submit(
+                conn,
+                request.call_id,
+                spec,
+                timeout_s,
+                self.clock(),
+                nodes_attaching=attaching,
+                lease=request.lease,
+                worker_died=request.worker_died,
+            )
         except Rejected as exc:
             self._reject(conn, request.call_id, exc.status, str(exc))
             return

@@ -76,6 +76,7 @@ class NodeSession:
                 peak_memory_mb=int(done.peak_memory_mb),
                 batch_calls=done.batch_calls,
                 worker_lost=done.worker_lost,
+                lease_ended=done.lease_ended,
             )
         )
 

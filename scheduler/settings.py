@@ -12,7 +12,7 @@ from cache_manager import EvictionPolicy
 from gpufaas.settings import MetricsSettings
 from scheduler.adaptive_slots import DEFAULT_THRESHOLD
 from scheduler.policies import PolicyConfig, registered_policies
-from scheduler.service import DEFAULT_PRESTAGE_NODES, LEASE_TTL_S, MAX_CLAIM_S, SlotConfig
+from scheduler.service import DEFAULT_HIT_LEASE_S, DEFAULT_PRESTAGE_NODES, LEASE_TTL_S, MAX_CLAIM_S, SlotConfig
 
 PROG = "python -m scheduler"
 DESCRIPTION = "gpufaas scheduler service"
@@ -67,6 +67,14 @@ class SchedulerSettings(MetricsSettings):
     slots: str = Field(default="4", description="concurrent calls per GPU: N, or N,GPU_TYPE=M,... per GPU type")
     claim_s: float = Field(
         default=5.0, gt=0, le=MAX_CLAIM_S, description="a placement not used within this long is checked with its node"
+    )
+    hit_lease_s: float = Field(
+        default=DEFAULT_HIT_LEASE_S,
+        ge=0,
+        le=MAX_CLAIM_S,
+        description="a hit's placement leases its slot to its gateway this long when nothing waits, so that the "
+        "gateway runs the function's next calls there without asking (revoked as soon as a call waits; "
+        "0: no leases; docs/hit-leases.md)",
     )
     gpu_idle_release_s: float | None = _staged_exit(
         "a model unused on a GPU this long leaves it, for its node's host tier where the node keeps one"

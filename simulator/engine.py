@@ -49,6 +49,16 @@ adds is the ground truth of the GPUs, on a virtual clock:
   time on the call whose dispatch loaded the model, so its estimator follows the ground truth as
   the service's follows the nodes' measurements.
 
+- Hit leases (`ClusterConfig.hit_lease_s` > 0, docs/hit-leases.md): the calls come through one
+  gateway that takes leases. A hit dispatched while nothing waits leases its slot by the call
+  book's rules (`scheduler.leases`): the slot stays its request's after its call, and the
+  function's next arrivals run there one at a time without the scheduler (each one's time fed to
+  the estimator and the cache as a hit's: `Scheduler.on_lease_use`). A lease ends, its slot freed
+  once the call under it completes, when calls wait in the global queue (every lease), when a
+  call is parked on its GPU (that GPU's), and when no call came for a lease time after the last;
+  none is granted for a lease time after calls waited. Ending one takes no time here (in the
+  service, a round trip to its node).
+
 With D = 1 and no batching this is exactly the one-call-at-a-time model: a miss takes load +
 inference, a hit its inference.
 """
@@ -74,6 +84,7 @@ from gpufaas.types import GpuSpec, Request, check_positive
 from scheduler import Dispatch, Estimator, Park, PolicyConfig, Scheduler, SchedulingPolicy, make_policy
 from scheduler.adaptive_slots import AdaptiveSlots
 from scheduler.estimator import DEFAULT_HOST_TO_GPU_MB_S, DEFAULT_SWAP_IN_OVERHEAD_S
+from scheduler.leases import may_lease, may_lease_on
 from scheduler.policies import DEFAULT_MAX_NUM_SKIPS
 from simulator.workload import Workload
 
@@ -110,6 +121,8 @@ class ClusterConfig:
     # 200 ms (None: D fixed at `slots`).
     adaptive_slots: int | None = None
     utilization_threshold: float = 0.9
+    # Hit leases (the module docstring): how long a hit's lease lasts (0: none, the default).
+    hit_lease_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_positive("", gpus=self.gpus, gpu_memory_mb=self.gpu_memory_mb)
@@ -138,6 +151,8 @@ class ClusterConfig:
             )
         if self.interference is not None and not (0 <= self.interference <= 100):
             raise ValueError(f"interference must be in [0, 100] (None: one batch at a time), got {self.interference}")
+        if not (0 <= self.hit_lease_s < math.inf):
+            raise ValueError(f"hit_lease_s must be >= 0 seconds (0: no leases), got {self.hit_lease_s}")
         if not (0 <= self.timing_spread <= 10):
             raise ValueError(f"timing_spread must be in [0, 10] (a coefficient of variation), got {self.timing_spread}")
 
@@ -245,6 +260,9 @@ class SimResult:
     # the longest of all, and each function's longest, in seconds (starvation shows here).
     max_wait_s: float = 0.0
     function_max_wait_s: dict[str, float] = field(default_factory=dict)
+    hit_lease_s: float = 0.0  # ClusterConfig's: 0, no leases
+    leases: int = 0  # hit placements that leased their slot
+    lease_calls: int = 0  # calls run under a lease (without the scheduler; counted among the hits)
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -390,11 +408,8 @@ class _Run:
             or cluster.host_idle_release_s is not None
             or (scheduler.policy.releases_memory and cluster.host_memory_mb > 0)
         )
-        self.adaptive = (
-            AdaptiveSlots(cluster.adaptive_slots, threshold=cluster.utilization_threshold)
-            if cluster.adaptive_slots is not None
-            else None
-        )
+        slots_max = cluster.adaptive_slots
+        self.adaptive = None if slots_max is None else AdaptiveSlots(slots_max, threshold=cluster.utilization_threshold)
         # Per completed call, in completion order: latencies (all of them, for the percentiles),
         # each function's (for its mean), and those with an SLO (for the SLO figures). Arrays of
         # doubles, 8 bytes a call: a run of millions of calls keeps no object per call.
@@ -418,6 +433,13 @@ class _Run:
         self.touched_gpus: set[str] = set()
         self.slots_total = sum(g.spec.slots for g in scheduler.gpus())
         self.inference_s_sum = 0.0  # what each completed call's batch took on its GPU: the latency floor
+        # Hit leases (the module docstring): by function, and by the running call under each.
+        self.lease_s = cluster.hit_lease_s
+        self.leased: dict[str, list[_Lease]] = {}
+        self.lease_of: dict[str, _Lease] = {}
+        self.waited_at = -math.inf  # when calls last waited in the global queue
+        self.parked_at: dict[str, float] = {}  # per GPU, when a call was last parked there
+        self.leases = self.lease_calls = 0
 
     def run(self, on_progress: Callable[[int], None] | None, meter: Meter) -> None:
         """Submit every arrival and run every call to completion, one instant at a time,
@@ -455,15 +477,21 @@ class _Run:
             return False
         on_complete, latencies, per_function = self.scheduler.on_complete, self.latencies, self.per_function
         touched_gpus = self.touched_gpus
+        lease_of = self.lease_of
         for call, batch in completed:
             inference_s = batch.elapsed_s(now)
-            request = on_complete(
-                call.request.request_id,
-                now,
-                load_time_s=call.load_s,
-                inference_time_s=inference_s,
-                batch_size=batch.samples,
-            )
+            lease = lease_of.pop(call.request.request_id, None) if lease_of else None
+            if lease is None:
+                request = on_complete(
+                    call.request.request_id,
+                    now,
+                    load_time_s=call.load_s,
+                    inference_time_s=inference_s,
+                    batch_size=batch.samples,
+                )
+            else:
+                request = call.request
+                self._lease_used(lease, inference_s, batch.samples, now)
             latency_s = now - request.arrival_s
             latencies.append(latency_s)
             self.inference_s_sum += inference_s
@@ -481,8 +509,10 @@ class _Run:
         if upcoming is None or upcoming.arrival_s > now:
             return False
         submit, arrivals, submitted = self.scheduler.submit, self.arrivals, 0
+        leased = self.leased
         while upcoming is not None and upcoming.arrival_s <= now:
-            submit(upcoming)
+            if not (leased and self._run_leased(upcoming, now)):
+                submit(upcoming)
             submitted += 1
             upcoming = next(arrivals, None)
         self.upcoming = upcoming
@@ -507,13 +537,100 @@ class _Run:
                 if release.gpu_id is not None:
                     self.touched_gpus.add(release.gpu_id)
                     self.gpus.release(release.gpu_id, release.model)
+        leasing = self.lease_s > 0
+        if leasing and self.leased:  # (the call book ends them at its tick)
+            for leases in list(self.leased.values()):
+                for lease in [lease for lease in leases if lease.until_s <= now]:
+                    self._end_lease(lease, now)
+        hits, parked = self._carry_out(now, leasing)
+        if leasing:
+            self._leases_after(hits, parked, now)
+
+    def _carry_out(self, now: float, leasing: bool = False) -> tuple[list[Dispatch], list[str]]:
+        """Ask the scheduler to schedule and carry out its decisions; with `leasing`, the hits
+        dispatched and the GPUs calls were parked on."""
         touched_gpus = self.touched_gpus
+        hits: list[Dispatch] = []
+        parked: list[str] = []
         for decision in self.scheduler.schedule(now):
             touched_gpus.add(decision.gpu_id)
             if isinstance(decision, Park):
                 self.parks += 1
+                if leasing:
+                    parked.append(decision.gpu_id)
             else:
                 self._dispatch(decision, now)
+                if leasing and decision.hit:
+                    hits.append(decision)
+        return hits, parked
+
+    # --- hit leases (the module docstring) ------------------------------------------------------
+    def _leases_after(self, hits: list[Dispatch], parked: list[str], now: float) -> None:
+        """After the scheduler's pass, as the call book does: while calls wait in the global queue
+        every lease ends; a call parked on a GPU ends the leases there; and where nothing waits,
+        the pass's hits lease their slots as the rules allow. The slots freed at once serve what
+        waits (another pass)."""
+        for gpu_id in parked:
+            self.parked_at[gpu_id] = now
+        if self.scheduler.queue:
+            self.waited_at = now
+            ending = [lease for leases in self.leased.values() for lease in leases]
+        else:
+            self._grant(hits, now)
+            parked_on = set(parked)
+            ending = [lease for leases in self.leased.values() for lease in leases if lease.gpu_id in parked_on]
+        freed = False
+        for lease in ending:
+            if not lease.ending:
+                freed = self._end_lease(lease, now) or freed
+        if freed:
+            self._leases_after(*self._carry_out(now, True), now)
+
+    def _grant(self, hits: list[Dispatch], now: float) -> None:
+        """The hits just dispatched lease their slots where the call book's rules allow."""
+        if not hits or not may_lease(self.scheduler, now, self.waited_at, self.lease_s):
+            return
+        for hit in hits:
+            gpu_id = hit.gpu_id
+            if may_lease_on(self.scheduler.gpu(gpu_id), now, self.parked_at.get(gpu_id, -math.inf), self.lease_s):
+                request = hit.request
+                lease = _Lease(request.request_id, gpu_id, request.function, math.inf)
+                self.leased.setdefault(request.function, []).append(lease)
+                self.lease_of[request.request_id] = lease
+                self.leases += 1
+
+    def _run_leased(self, request: Request, now: float) -> bool:
+        """Run an arrival under an idle lease of its function, if there is one (True)."""
+        for lease in self.leased.get(request.function, ()):
+            if not lease.busy and not lease.ending and lease.until_s > now:
+                lease.busy = True
+                self.lease_of[request.request_id] = lease
+                self.lease_calls += 1
+                self._dispatch(Dispatch(request, lease.gpu_id, True), now)
+                return True
+        return False
+
+    def _lease_used(self, lease: _Lease, inference_s: float, samples: int, now: float) -> None:
+        """A call under `lease` completed (its holder's own first): a use; the lease's end, if it
+        was ended meanwhile or its time is up."""
+        self.scheduler.on_lease_use(lease.holder, inference_time_s=inference_s, batch_size=samples)
+        lease.busy = False
+        lease.until_s = now + self.lease_s  # the next call must come within a lease time
+        if lease.ending:
+            self._end_lease(lease, now)
+
+    def _end_lease(self, lease: _Lease, now: float) -> bool:
+        """End `lease`: its slot is freed now (True), or when the call under it completes."""
+        lease.ending = True
+        if lease.busy:
+            return False
+        self.scheduler.on_complete(lease.holder, now)
+        self.touched_gpus.add(lease.gpu_id)
+        leases = self.leased[lease.function]
+        leases.remove(lease)
+        if not leases:
+            del self.leased[lease.function]
+        return True
 
     def _integrate(self, now: float) -> None:
         """Add the time since the scheduler was last asked to the time-weighted figures: the cache
@@ -593,12 +710,26 @@ class _Run:
 # The result's fields that repeat the run's setting or a counter of the run under the same name.
 _ECHOED_CLUSTER = (
     "gpus", "slots", "batch_exponent", "timing_spread", "host_memory_mb", "eviction", "interference",
-    "adaptive_slots", "gpus_per_link",
+    "adaptive_slots", "gpus_per_link", "hit_lease_s",
 )  # fmt: skip
 _ECHOED_CONFIG = ("room_aware_misses", "coldest_victim_misses", "literal_visits", "interference_aware_loads")
-_COUNTED = ("releases", "hits", "misses", "false_misses", "parks", "max_queue_len", "swap_ins")
+_COUNTED = ("releases", "hits", "misses", "false_misses", "parks", "max_queue_len", "swap_ins", "leases", "lease_calls")
 
 SLO_PERCENTILE = 98.0  # Torpor's: a function meets its SLO when its p98 latency does
+
+
+@dataclass(slots=True, eq=False)
+class _Lease:
+    """A leased slot: its holder (the scheduler's running request that keeps the slot), its GPU
+    and function, when its time is up, whether a call runs under it, and whether it was ended
+    (its slot is freed once that call completes)."""
+
+    holder: str
+    gpu_id: str
+    function: str
+    until_s: float
+    busy: bool = True  # its holder's own call first
+    ending: bool = False
 
 
 class _SloTally:

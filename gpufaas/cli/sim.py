@@ -119,6 +119,14 @@ def sim(
     utilization_threshold: Annotated[
         float, typer.Option(min=0.01, max=1.0, help="Adaptive D: above this share of time busy D steps down.")
     ] = 0.9,
+    hit_lease_s: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="Hit leases, as the scheduler's --hit-lease-s: a hit placed while nothing waits leases its slot this "
+            "long to the gateway, whose next calls of the function run there without the scheduler (0: none).",
+        ),
+    ] = 0.0,
     max_batch_size: Annotated[
         int, typer.Option(min=1, help="Calls of one model a worker may merge into one batch (needs --slots > 1).")
     ] = 1,
@@ -235,6 +243,7 @@ def sim(
         interference=interference,
         adaptive_slots=adaptive_slots,
         utilization_threshold=utilization_threshold,
+        hit_lease_s=hit_lease_s,
     )
     policies = compare_policies() if compare or plot is not None else [policy]
     workload_config = WorkloadConfig(
@@ -369,6 +378,7 @@ def _sim_cluster_meta(
         "interference": cluster.interference,
         "adaptive_slots": cluster.adaptive_slots,
         "gpus_per_link": cluster.gpus_per_link,
+        "hit_lease_s": cluster.hit_lease_s,
     }
 
 

@@ -56,19 +56,23 @@ OUTPUT_TOO_LARGE: Outcome
 OUTPUT_INVALID: Outcome
 
 class Place(_message.Message):
-    __slots__ = ("call_id", "function", "timeout_s", "payload_bytes")
+    __slots__ = ("call_id", "function", "timeout_s", "payload_bytes", "lease", "worker_died")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     FUNCTION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_DIED_FIELD_NUMBER: _ClassVar[int]
     call_id: str
     function: str
     timeout_s: float
     payload_bytes: int
-    def __init__(self, call_id: _Optional[str] = ..., function: _Optional[str] = ..., timeout_s: _Optional[float] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+    lease: bool
+    worker_died: bool
+    def __init__(self, call_id: _Optional[str] = ..., function: _Optional[str] = ..., timeout_s: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., lease: _Optional[bool] = ..., worker_died: _Optional[bool] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("call_id", "attempt", "node", "node_address", "gpu", "hit", "queue_s", "token", "epoch")
+    __slots__ = ("call_id", "attempt", "node", "node_address", "gpu", "hit", "queue_s", "token", "epoch", "lease_s")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +82,7 @@ class Placement(_message.Message):
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
     call_id: str
     attempt: int
     node: str
@@ -87,7 +92,8 @@ class Placement(_message.Message):
     queue_s: float
     token: bytes
     epoch: int
-    def __init__(self, call_id: _Optional[str] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ..., node_address: _Optional[str] = ..., gpu: _Optional[str] = ..., hit: _Optional[bool] = ..., queue_s: _Optional[float] = ..., token: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
+    lease_s: float
+    def __init__(self, call_id: _Optional[str] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ..., node_address: _Optional[str] = ..., gpu: _Optional[str] = ..., hit: _Optional[bool] = ..., queue_s: _Optional[float] = ..., token: _Optional[bytes] = ..., epoch: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("status", "message")
@@ -130,7 +136,7 @@ class Abandon(_message.Message):
     def __init__(self, call_id: _Optional[str] = ..., attempt: _Optional[int] = ..., reason: _Optional[_Union[Abandon.Reason, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class Grant(_message.Message):
-    __slots__ = ("scheduler_id", "call_id", "attempt", "node", "gpu", "gpu_seq", "function", "model", "package_digest", "memory_mb", "evict", "claim_by_unix_s", "expires_unix_s", "load_time_s", "inference_time_s", "worker", "epoch")
+    __slots__ = ("scheduler_id", "call_id", "attempt", "node", "gpu", "gpu_seq", "function", "model", "package_digest", "memory_mb", "evict", "claim_by_unix_s", "expires_unix_s", "load_time_s", "inference_time_s", "worker", "epoch", "lease_s")
     SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +154,7 @@ class Grant(_message.Message):
     INFERENCE_TIME_S_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
     scheduler_id: str
     call_id: str
     attempt: int
@@ -165,15 +172,20 @@ class Grant(_message.Message):
     inference_time_s: float
     worker: bytes
     epoch: int
-    def __init__(self, scheduler_id: _Optional[str] = ..., call_id: _Optional[str] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ..., gpu: _Optional[str] = ..., gpu_seq: _Optional[int] = ..., function: _Optional[str] = ..., model: _Optional[str] = ..., package_digest: _Optional[str] = ..., memory_mb: _Optional[int] = ..., evict: _Optional[_Iterable[str]] = ..., claim_by_unix_s: _Optional[float] = ..., expires_unix_s: _Optional[float] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., worker: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
+    lease_s: float
+    def __init__(self, scheduler_id: _Optional[str] = ..., call_id: _Optional[str] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ..., gpu: _Optional[str] = ..., gpu_seq: _Optional[int] = ..., function: _Optional[str] = ..., model: _Optional[str] = ..., package_digest: _Optional[str] = ..., memory_mb: _Optional[int] = ..., evict: _Optional[_Iterable[str]] = ..., claim_by_unix_s: _Optional[float] = ..., expires_unix_s: _Optional[float] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., worker: _Optional[bytes] = ..., epoch: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class Execute(_message.Message):
-    __slots__ = ("token", "content_type")
+    __slots__ = ("token", "content_type", "lease_call_id", "timeout_s")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     CONTENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     token: bytes
     content_type: str
-    def __init__(self, token: _Optional[bytes] = ..., content_type: _Optional[str] = ...) -> None: ...
+    lease_call_id: str
+    timeout_s: float
+    def __init__(self, token: _Optional[bytes] = ..., content_type: _Optional[str] = ..., lease_call_id: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class MissStages(_message.Message):
     __slots__ = ("fetch_s", "start_s", "context_s", "load_s", "prefetch_s", "spare_start_s", "spare_context_s", "host_s", "from_host", "pool_s", "from_pool")
@@ -224,7 +236,7 @@ class ExecuteReply(_message.Message):
     def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., message: _Optional[str] = ..., loaded: _Optional[bool] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., batch_calls: _Optional[int] = ..., stages: _Optional[_Union[MissStages, _Mapping]] = ..., content_type: _Optional[str] = ..., node_s: _Optional[float] = ...) -> None: ...
 
 class Done(_message.Message):
-    __slots__ = ("call_id", "attempt", "gpu", "outcome", "loaded", "load_time_s", "inference_time_s", "peak_memory_mb", "batch_calls", "worker_lost")
+    __slots__ = ("call_id", "attempt", "gpu", "outcome", "loaded", "load_time_s", "inference_time_s", "peak_memory_mb", "batch_calls", "worker_lost", "lease_call_id", "lease_ended")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +247,8 @@ class Done(_message.Message):
     PEAK_MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
     BATCH_CALLS_FIELD_NUMBER: _ClassVar[int]
     WORKER_LOST_FIELD_NUMBER: _ClassVar[int]
+    LEASE_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ENDED_FIELD_NUMBER: _ClassVar[int]
     call_id: str
     attempt: int
     gpu: str
@@ -245,7 +259,9 @@ class Done(_message.Message):
     peak_memory_mb: int
     batch_calls: int
     worker_lost: bool
-    def __init__(self, call_id: _Optional[str] = ..., attempt: _Optional[int] = ..., gpu: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., loaded: _Optional[bool] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., peak_memory_mb: _Optional[int] = ..., batch_calls: _Optional[int] = ..., worker_lost: _Optional[bool] = ...) -> None: ...
+    lease_call_id: str
+    lease_ended: bool
+    def __init__(self, call_id: _Optional[str] = ..., attempt: _Optional[int] = ..., gpu: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., loaded: _Optional[bool] = ..., load_time_s: _Optional[float] = ..., inference_time_s: _Optional[float] = ..., peak_memory_mb: _Optional[int] = ..., batch_calls: _Optional[int] = ..., worker_lost: _Optional[bool] = ..., lease_call_id: _Optional[str] = ..., lease_ended: _Optional[bool] = ...) -> None: ...
 
 class Attach(_message.Message):
     __slots__ = ("scheduler_id", "token_key", "epoch")
@@ -332,12 +348,14 @@ class Revoke(_message.Message):
     def __init__(self, grants: _Optional[_Iterable[_Union[GrantRef, _Mapping]]] = ..., claim_by_unix_s: _Optional[float] = ...) -> None: ...
 
 class RevokeReply(_message.Message):
-    __slots__ = ("unseen", "seen")
+    __slots__ = ("unseen", "seen", "busy")
     UNSEEN_FIELD_NUMBER: _ClassVar[int]
     SEEN_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
     unseen: _containers.RepeatedCompositeFieldContainer[GrantRef]
     seen: _containers.RepeatedCompositeFieldContainer[GrantRef]
-    def __init__(self, unseen: _Optional[_Iterable[_Union[GrantRef, _Mapping]]] = ..., seen: _Optional[_Iterable[_Union[GrantRef, _Mapping]]] = ...) -> None: ...
+    busy: _containers.RepeatedCompositeFieldContainer[GrantRef]
+    def __init__(self, unseen: _Optional[_Iterable[_Union[GrantRef, _Mapping]]] = ..., seen: _Optional[_Iterable[_Union[GrantRef, _Mapping]]] = ..., busy: _Optional[_Iterable[_Union[GrantRef, _Mapping]]] = ...) -> None: ...
 
 class Evict(_message.Message):
     __slots__ = ("gpu", "models", "to_host", "gpu_seq", "if_idle")

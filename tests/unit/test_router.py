@@ -1116,6 +1116,130 @@ async def test_a_node_silent_for_silent_close_s_has_its_connection_closed_and_it
     assert (await task).placement.node == "node-b"
 
 
+# --- leases (docs/hit-leases.md) -------------------------------------------------------------------
+
+
+async def leased(env: Cluster, call_id: str, lease_s: float = 5.0) -> CallResult:
+    """Run `call_id` on node a under a placement that is also a lease (the scheduler's first Place)."""
+    task = await env.placed(call_id, places=len(env.scheduler.places) + 1)
+    placement = env.node_a.placement(call_id, 1)
+    placement.lease_s = lease_s
+    env.scheduler.send(placement)
+    return await task
+
+
+@in_cluster()
+async def test_a_leases_calls_go_straight_to_its_node_under_its_token_without_a_place(env: Cluster) -> None:
+    first = await leased(env, "call-1")
+    (place,) = env.scheduler.places
+    assert place.lease, "the gateway says it takes leases"
+    assert not first.leased
+    for call_id in ("call-2", "call-3"):
+        result = await env.router.invoke(make_spec(), call_id, PAYLOAD, "image/png", clock=time.monotonic)
+        assert result.leased and result.output == PAYLOAD
+        assert (result.placement.node, result.placement.gpu, result.placement.attempt) == ("node-a", "gpu0", 1)
+    executes = [execute for execute, _ in env.node_a.executes]
+    assert [(e.token, e.lease_call_id) for e in executes] == [
+        (b"call-1#1", ""),
+        (b"call-1#1", "call-2"),
+        (b"call-1#1", "call-3"),
+    ]
+    assert all(0 < e.timeout_s <= 5.0 for e in executes), "each says what remains of its own deadline"
+    await env.scheduler.barrier()
+    assert len(env.scheduler.places) == 1 and env.scheduler.abandons == []
+    # Another function (or another version of this one) has no lease here: it is placed.
+    other = await env.placed("call-4", make_spec("other"), places=2)
+    env.place_on(env.node_b, "call-4", 1)
+    assert not (await other).leased
+
+
+@in_cluster()
+async def test_a_lease_serves_one_call_at_a_time_the_next_is_placed(env: Cluster) -> None:
+    await leased(env, "call-1")
+    release = env.node_a.hold(b"call-1#1")  # the lease's next call is held at the node
+    under = env.invoke("call-2")
+    await until(lambda: len(env.node_a.executes) == 2, "the call under the lease at the node")
+    beside = await env.placed("call-3", places=2)  # the lease is busy: asked of the scheduler
+    env.place_on(env.node_b, "call-3", 1)
+    assert not (await beside).leased
+    release.set_result((make_reply(), b"done"))
+    assert (await under).leased
+
+
+@in_cluster()
+async def test_a_lease_the_node_refuses_is_dropped_and_the_call_placed(env: Cluster) -> None:
+    await leased(env, "call-1")
+    env.node_a.script[b"call-1#1"] = no_result(pb.REFUSED, "the lease of call call-1 attempt 1 has ended")
+    task = await env.placed("call-2", places=2)
+    env.place_on(env.node_b, "call-2", 1)
+    result = await task
+    assert not result.leased and result.placement.node == "node-b"
+    await env.scheduler.barrier()
+    assert env.scheduler.abandons == [], "nothing ran: nothing to hand back"
+    again = await env.placed("call-3", places=3)  # the lease is gone
+    env.place_on(env.node_b, "call-3", 1)
+    assert not (await again).leased
+
+
+@in_cluster()
+async def test_a_call_under_a_lease_whose_node_was_lost_after_it_was_sent_is_a_502_outcome_unknown(
+    env: Cluster,
+) -> None:
+    await leased(env, "call-1")
+    env.node_a.script[b"call-1#1"] = CLOSE
+    caught = await failure(env.invoke("call-2"))
+    assert caught.status == 502 and "is unknown" in caught.message and "under a lease" in caught.message
+    await env.scheduler.barrier()
+    assert len(env.scheduler.places) == 1 and env.scheduler.abandons == [], "never run twice"
+
+
+@in_cluster()
+async def test_a_lease_on_a_node_found_unreachable_is_dropped_and_the_call_placed(env: Cluster) -> None:
+    await leased(env, "call-1")
+    env.router.node_left(env.node_a.address)
+    task = await env.placed("call-2", places=2)
+    env.place_on(env.node_b, "call-2", 1)
+    assert (await task).placement.node == "node-b"
+    assert len(env.node_a.executes) == 1
+
+
+@in_cluster()
+async def test_a_call_whose_worker_died_under_a_lease_is_placed_as_its_retry(env: Cluster) -> None:
+    await leased(env, "call-1")
+    env.node_a.script[b"call-1#1"] = no_result(pb.WORKER_DIED, "the worker exited")
+    task = env.invoke("call-2")
+    (_, place) = await env.scheduler.wait_places(2)
+    assert place.call_id == "call-2" and place.worker_died, "a second death must be its answer"
+    env.place_on(env.node_b, "call-2", 1)
+    assert (await task).placement.node == "node-b"
+    assert not env.scheduler.places[0].worker_died
+
+
+@in_cluster()
+async def test_a_call_given_up_under_a_lease_drops_the_lease(env: Cluster) -> None:
+    await leased(env, "call-1")
+    env.node_a.hold(b"call-1#1")  # the call under the lease never answers
+    task = env.invoke("call-2")
+    await until(lambda: len(env.node_a.executes) == 2, "the call under the lease at the node")
+    task.cancel()  # its client went away: whether the lease is free again is unknown
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert len(env.router.leases) == 0
+    again = await env.placed("call-3", places=2)
+    env.place_on(env.node_b, "call-3", 1)
+    assert not (await again).leased
+
+
+@in_cluster()
+async def test_a_lease_from_a_former_scheduler_link_is_not_used(env: Cluster) -> None:
+    await leased(env, "call-1")
+    env.scheduler.drop()
+    await reconnected(env, 2)
+    task = await env.placed("call-2", places=2)
+    env.place_on(env.node_b, "call-2", 1)
+    assert not (await task).leased
+
+
 # --- POST /function/{name} over the router --------------------------------------------------------
 
 

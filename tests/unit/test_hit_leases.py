@@ -1,0 +1,480 @@
+"""Hit leases (docs/hit-leases.md), layer by layer: the call book grants them and takes them back
+(scheduler.calls), the node's ledger admits calls under them (gpu_manager.ledger), the gateway
+holds them (gateway.leases), the simulator models them (simulator.engine)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from gateway.leases import USABLE_SHARE, Leases
+from gpu_manager.ledger import GrantLedger, Refused
+from gpufaas import grants
+from gpufaas.functions import FunctionSpec
+from gpufaas.profiles import ModelProfile
+from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.types import Request
+from scheduler.calls import Answer, Assignment, CallBook, CheckGrants, Effect
+from simulator.engine import ClusterConfig, SimResult, simulate
+from simulator.workload import Workload
+from tests.builders import make_scheduler
+
+LEASE_S = 1.0
+N1, N2 = "n1/g0", "n2/g0"
+
+
+def spec(name: str) -> FunctionSpec:
+    return FunctionSpec(name=name, package_digest="sha256:" + hashlib.sha256(name.encode()).hexdigest(), memory_mb=1000)
+
+
+A, B, C = spec("fn-a"), spec("fn-b"), spec("fn-c")
+
+
+def make_book(*, gpus: tuple[str, ...] = (N1, N2), slots: int = 1, lease_s: float = LEASE_S) -> CallBook:
+    scheduler = make_scheduler(
+        "lalb", gpus={gpu: 8000 for gpu in gpus}, models={s.model: s.memory_mb for s in (A, B, C)}, slots=slots
+    )
+    return CallBook(scheduler, claim_s=5.0, lost_after_s=5.0, lease_s=lease_s)
+
+
+def assignment(effects: list[Effect]) -> Assignment:
+    (effect,) = effects
+    assert isinstance(effect, Assignment), effects
+    return effect
+
+
+def leased_hit(book: CallBook, call_id: str = "c1", now: float = 1.0) -> Assignment:
+    """A hit of A placed with a lease: A loaded on N1 by an earlier call first."""
+    first = assignment(book.submit("gw1", "c0", A, 30.0, now=0.0, lease=True))
+    assert not first.hit and first.lease_s == 0.0  # a miss is never leased
+    assert book.done("c0", 1, pb.OK, now=0.5, inference_time_s=0.1) == []
+    hit = assignment(book.submit("gw1", call_id, A, 30.0, now=now, lease=True))
+    assert hit.hit and hit.gpu_id == N1
+    return hit
+
+
+def running(book: CallBook, gpu_id: str) -> list[str]:
+    return list(book.scheduler.gpu(gpu_id).running)
+
+
+# --- the call book ------------------------------------------------------------------------------
+
+
+def test_a_hit_placed_while_nothing_waits_is_a_lease_and_calls_under_it_keep_the_slot() -> None:
+    book = make_book()
+    hit = leased_hit(book)
+    assert hit.lease_s == LEASE_S
+    estimator = book.scheduler.estimator
+    # Its own call, then two more under the lease: each Done is a use, the slot stays the lease's.
+    for index, inference_s in enumerate((0.2, 0.3, 0.4)):
+        assert book.done("c1", 1, pb.OK, now=1.1 + index / 10, inference_time_s=inference_s) == []
+        assert running(book, N1) == ["c1"]
+    assert estimator.inference_time_s(A.model, "rtx2080", A.batch_size) != pytest.approx(1.0)  # it learnt them
+    assert (A.model, A.batch_size) in {(m, b) for _, m, b in book.dirty_profiles}
+    assert len(book) == 1  # nobody is answered for it: the node answered its gateway
+
+
+def test_no_lease_for_an_owner_that_takes_none_nor_when_no_gpu_would_keep_a_free_slot() -> None:
+    book = make_book()
+    assignment(book.submit("gw1", "c0", A, 30.0, now=0.0))
+    book.done("c0", 1, pb.OK, now=0.5)
+    assert assignment(book.submit("gw1", "c1", A, 30.0, now=1.0)).lease_s == 0.0  # lease=False
+    lone = make_book(gpus=(N1,))
+    assignment(lone.submit("gw1", "c0", A, 30.0, now=0.0, lease=True))
+    lone.done("c0", 1, pb.OK, now=0.5)
+    # The only slot: leased, the next arrival would queue behind a lease its gateway may not use.
+    assert assignment(lone.submit("gw1", "c1", A, 30.0, now=1.0, lease=True)).lease_s == 0.0
+    # Two slots: the first hit is leased, the second would leave none free for other models there.
+    pair = make_book(gpus=(N1,), slots=2)
+    assignment(pair.submit("gw1", "c0", A, 30.0, now=0.0, lease=True))
+    pair.done("c0", 1, pb.OK, now=0.5)
+    assert assignment(pair.submit("gw1", "c1", A, 30.0, now=1.0, lease=True)).lease_s == LEASE_S
+    assert assignment(pair.submit("gw1", "c2", A, 30.0, now=1.1, lease=True)).lease_s == 0.0
+
+
+def test_no_lease_until_nothing_has_waited_for_a_lease_time() -> None:
+    book = make_book(gpus=(N1, N2))
+    leased_hit(book, now=1.0)
+    assignment(book.submit("gw2", "c2", B, 30.0, now=1.1))  # on N2
+    assert book.submit("gw2", "c3", C, 30.0, now=1.2) == [CheckGrants("n1", (("c1", 1),))]  # c3 waits
+    book.grants_checked("n1", [], [("c1", 1)], now=1.3)  # c3 runs on N1
+    book.done("c3", 1, pb.OK, now=1.4)
+    book.done("c2", 1, pb.OK, now=1.5)
+    # Calls waited at 1.2: a hit within a lease time of it is placed without a lease, one after with.
+    assert assignment(book.submit("gw1", "c4", A, 30.0, now=1.2 + LEASE_S - 0.1, lease=True)).lease_s == 0.0
+    book.done("c4", 1, pb.OK, now=2.15)
+    assert assignment(book.submit("gw1", "c5", A, 30.0, now=1.2 + LEASE_S, lease=True)).lease_s == LEASE_S
+
+
+def test_a_queue_forming_ends_every_lease_and_the_slot_frees_once_the_node_says_so() -> None:
+    book = make_book()
+    leased_hit(book)
+    book.done("c1", 1, pb.OK, now=1.2, inference_time_s=0.1)
+    assert assignment(book.submit("gw2", "c2", B, 30.0, now=1.3)).gpu_id == N2  # the free GPU
+    assert book.submit("gw2", "c3", C, 30.0, now=1.4) == [CheckGrants("n1", (("c1", 1),))]  # c3 waits
+    assert book.tick(now=1.5) == []  # asked once
+    # The node ended the lease with nothing running under it: the slot is free, and c3 takes it.
+    effects = book.grants_checked("n1", [], [("c1", 1)], now=1.6)
+    assert [(e.call_id, e.gpu_id) for e in effects if isinstance(e, Assignment)] == [("c3", N1)]
+    assert book.done("c1", 1, pb.OK, now=1.7) == []  # a late Done for the ended lease changes nothing
+
+
+def test_a_call_parked_on_a_gpu_ends_the_leases_there_and_no_other() -> None:
+    book = make_book(gpus=(N1, N2, "n3/g0"))
+    leased_hit(book, now=1.0)  # A leased on N1
+    assignment(book.submit("gw2", "b0", B, 30.0, now=1.01, lease=True))  # B loads on another GPU
+    book.done("b0", 1, pb.OK, now=1.02)
+    b1 = assignment(book.submit("gw2", "b1", B, 30.0, now=1.03, lease=True))
+    assert b1.lease_s == LEASE_S and b1.gpu_id != N1
+    # A call of A parks behind N1 (its one slot frees sooner than A would load elsewhere): N1's
+    # lease ends, B's does not, and N1 is leased to nobody for a lease time.
+    assert book.submit("gw3", "c2", A, 30.0, now=1.2) == [CheckGrants("n1", (("c1", 1),))]
+    effects = book.grants_checked("n1", [], [("c1", 1)], now=1.3)
+    assert [(e.call_id, e.gpu_id, e.lease_s) for e in effects if isinstance(e, Assignment)] == [("c2", N1, 0.0)]
+    assert book.tick(now=1.4) == []
+
+
+def test_a_lease_ended_while_a_call_runs_under_it_frees_its_slot_at_that_calls_done() -> None:
+    book = make_book()
+    leased_hit(book)
+    book.done("c1", 1, pb.OK, now=1.2)
+    book.submit("gw2", "c2", B, 30.0, now=1.3)
+    book.submit("gw2", "c3", C, 30.0, now=1.4)
+    assert book.grants_checked("n1", [], [("c1", 1)], now=1.5, busy=[("c1", 1)]) == []
+    assert running(book, N1) == ["c1"]
+    effects = book.done("c1", 1, pb.OK, now=1.8, inference_time_s=0.1, lease_ended=True)
+    assert [(e.call_id, e.gpu_id) for e in effects if isinstance(e, Assignment)] == [("c3", N1)]
+
+
+def test_a_leases_own_call_still_running_when_it_ends_completes_as_a_plain_placement() -> None:
+    book = make_book()
+    leased_hit(book)
+    book.submit("gw2", "c2", B, 30.0, now=1.3)
+    book.submit("gw2", "c3", C, 30.0, now=1.4)  # the lease is ended before c1 is done
+    assert book.grants_checked("n1", [], [("c1", 1)], now=1.5, busy=[("c1", 1)]) == []
+    effects = book.done("c1", 1, pb.OK, now=1.8, inference_time_s=0.1, lease_ended=True)
+    assert [(e.call_id, e.gpu_id) for e in effects if isinstance(e, Assignment)] == [("c3", N1)]
+    assert "c1" not in running(book, N1)
+
+
+def test_a_lease_never_presented_when_it_ends_is_revoked_and_its_call_placed_again() -> None:
+    book = make_book()
+    leased_hit(book)
+    book.submit("gw2", "c2", B, 30.0, now=1.3)
+    book.submit("gw2", "c3", C, 30.0, now=1.4)
+    effects = book.grants_checked("n1", [("c1", 1)], [], now=1.5)
+    # c1 goes back to the queue ahead of c3 (it arrived first) and takes its freed slot, no lease.
+    assert [(e.call_id, e.attempt, e.gpu_id, e.lease_s) for e in effects if isinstance(e, Assignment)] == [
+        ("c1", 2, N1, 0.0)
+    ]
+
+
+def test_a_lease_with_no_call_for_its_time_is_ended_at_the_tick() -> None:
+    book = make_book()
+    leased_hit(book, now=1.0)
+    assert book.tick(now=1.0 + 4 * LEASE_S) == []  # its own call runs: its time has not begun
+    book.done("c1", 1, pb.OK, now=5.1)
+    book.done("c1", 1, pb.OK, now=5.5)  # a call under it: its time starts again
+    assert book.tick(now=5.5 + LEASE_S - 0.01) == []
+    assert book.tick(now=5.5 + LEASE_S) == [CheckGrants("n1", (("c1", 1),))]
+    assert book.tick(now=5.5 + LEASE_S + 0.3) == []
+    assert book.grants_checked("n1", [], [("c1", 1)], now=6.8) == []
+    assert running(book, N1) == [] and len(book) == 0
+
+
+def test_a_gateway_gone_has_its_leases_ended_at_their_nodes() -> None:
+    book = make_book()
+    leased_hit(book)
+    book.done("c1", 1, pb.OK, now=1.2)
+    assert book.owner_lost("gw1", now=1.3) == [CheckGrants("n1", (("c1", 1),))]
+    book.grants_checked("n1", [], [("c1", 1)], now=1.4)
+    assert running(book, N1) == [] and len(book) == 0
+
+
+@pytest.mark.parametrize(("outcome", "worker_lost"), [(pb.WORKER_DIED, True), (pb.TIMEOUT, True)])
+def test_a_worker_lost_under_a_lease_frees_the_slot_and_drops_the_model_without_a_retry(
+    outcome: int, worker_lost: bool
+) -> None:
+    book = make_book()
+    leased_hit(book)
+    book.done("c1", 1, pb.OK, now=1.2)
+    assert book.done("c1", 1, outcome, now=1.5, worker_lost=worker_lost, lease_ended=True) == []
+    assert running(book, N1) == [] and len(book) == 0
+    assert A.model not in book.scheduler.cache.models_on(N1)
+
+
+def test_a_timeout_under_a_lease_that_killed_no_worker_ends_the_lease_and_keeps_the_model() -> None:
+    book = make_book()
+    leased_hit(book)
+    book.done("c1", 1, pb.OK, now=1.2)
+    assert book.done("c1", 1, pb.TIMEOUT, now=1.5, lease_ended=True) == []
+    assert running(book, N1) == [] and len(book) == 0
+    assert A.model in book.scheduler.cache.models_on(N1)
+
+
+def test_a_model_dropped_by_another_calls_failure_ends_the_lease_on_it_and_is_not_admitted_again() -> None:
+    book = make_book(gpus=(N1, N2), slots=2)
+    leased_hit(book)  # c1 leases one of N1's two slots
+    book.done("c1", 1, pb.OK, now=1.2)
+    beside = assignment(book.submit("gw2", "c2", A, 30.0, now=1.3))  # the other slot, not leased
+    assert beside.gpu_id == N1 and beside.lease_s == 0.0
+    effects = book.done("c2", 1, pb.WORKER_DIED, now=1.4, worker_lost=True)  # A's worker there is gone
+    assert CheckGrants("n1", (("c1", 1),)) in effects
+    assert A.model not in book.scheduler.cache.models_on(N1)
+    book.done("c1", 1, pb.OK, now=1.5, inference_time_s=0.1)  # a call under it, run before the node heard
+    assert A.model not in book.scheduler.cache.models_on(N1), "admitted again, unpinned, under the lease"
+
+
+def test_a_call_retried_after_its_worker_died_under_a_lease_is_answered_at_a_second_death() -> None:
+    book = make_book()
+    first = assignment(book.submit("gw1", "c9", A, 30.0, now=0.0, worker_died=True))
+    (answer,) = book.done("c9", first.attempt, pb.WORKER_DIED, now=0.5, worker_lost=True)
+    assert answer == Answer("gw1", "c9", pb.UNAVAILABLE, "the function's worker died twice; see the node's log")
+
+
+def test_a_grant_its_node_saw_and_then_forgot_is_never_placed_again() -> None:
+    book = make_book()
+    leased_hit(book, now=1.0)  # c1's own call runs long
+    assert book.tick(now=6.5) == [CheckGrants("n1", (("c1", 1),))]  # the claim check: seen, running
+    assert book.grants_checked("n1", [], [("c1", 1)], now=6.6, busy=[("c1", 1)]) == []
+    book.submit("gw2", "c2", B, 30.0, now=6.7)
+    assert book.submit("gw2", "c3", C, 30.0, now=6.8) == [CheckGrants("n1", (("c1", 1),))]  # ends the lease
+    effects = book.grants_checked("n1", [("c1", 1)], [], now=6.9)  # "unseen": the node forgot it
+    assert [e for e in effects if isinstance(e, Assignment) and e.call_id == "c1"] == [], "it may run: twice"
+
+
+def test_a_gpu_that_leaves_takes_its_lease_with_it() -> None:
+    book = make_book()
+    leased_hit(book)
+    book.done("c1", 1, pb.OK, now=1.2)
+    assert book.gpus_removed([N1], now=1.3) == []
+    assert len(book) == 0
+    # Nothing of it is left to end: a queue forming asks no node.
+    book.submit("gw2", "c2", B, 30.0, now=1.4)
+    assert book.submit("gw2", "c3", C, 30.0, now=1.5) == []
+
+
+def test_a_lease_whose_own_call_is_running_on_a_gpu_that_left_is_stranded_as_any_placement() -> None:
+    book = make_book()
+    leased_hit(book)
+    assert book.gpus_removed([N1], now=1.3) == []
+    assert len(book) == 1  # its gateway says whether it sent the Execute (the book's usual rule)
+
+
+# --- the node's ledger --------------------------------------------------------------------------
+
+KEY = grants.new_key()
+
+
+def ledger() -> GrantLedger:
+    book = GrantLedger("n1", frozenset({"g0"}))
+    book.attach("sched-1", KEY, epoch=3)
+    return book
+
+
+def token(call_id: str = "c1", *, lease_s: float = 0.0, claim_by: float = 105.0) -> bytes:
+    grant = pb.Grant(
+        scheduler_id="sched-1",
+        epoch=3,
+        call_id=call_id,
+        attempt=1,
+        node="n1",
+        gpu="g0",
+        model="m",
+        claim_by_unix_s=claim_by,
+        expires_unix_s=200.0,
+        lease_s=lease_s,
+    )
+    return grants.sign(grant, KEY)
+
+
+def test_the_ledger_admits_calls_under_a_lease_one_at_a_time_each_within_its_time_of_the_last() -> None:
+    book = ledger()
+    lease = token(lease_s=1.0)
+    with pytest.raises(Refused, match="has ended here"):
+        book.admit_under_lease(lease, 100.0)  # its own call first
+    book.admit(lease, 100.0)
+    with pytest.raises(Refused, match="one at a time"):
+        book.admit_under_lease(lease, 103.0)  # its own call runs (for as long as it takes)
+    assert book.lease_call_ended(("c1", 1), 103.1, keep=True) is False
+    assert book.admit_under_lease(lease, 104.0).call_id == "c1"  # within 1 s of the last call's end
+    assert book.lease_busy(("c1", 1))
+    assert book.lease_call_ended(("c1", 1), 104.5, keep=True) is False
+    with pytest.raises(Refused, match="has ended"):
+        book.admit_under_lease(lease, 105.51)
+    assert book.admitted == 1 and book.admitted_under_leases == 1
+
+
+def test_the_ledger_ends_a_lease_it_is_asked_about_and_says_whether_a_call_runs_under_it() -> None:
+    book = ledger()
+    lease = token(lease_s=50.0)
+    book.admit(lease, 100.0)
+    book.lease_call_ended(("c1", 1), 100.05, keep=True)
+    book.admit_under_lease(lease, 100.1)
+    assert book.revoke([("c1", 1)], 100.2) == ([], [("c1", 1)])
+    assert book.lease_busy(("c1", 1))
+    assert book.lease_call_ended(("c1", 1), 100.25, keep=True) is True  # its last call: the Done says so
+    with pytest.raises(Refused, match="has ended"):
+        book.admit_under_lease(lease, 100.3)
+
+
+def test_the_ledger_keeps_a_lease_while_a_call_runs_under_it_however_long() -> None:
+    book = ledger()
+    lease = token(lease_s=1.0)
+    book.admit(lease, 100.0)
+    book.prune(100.0 + 10 * book.keep_s)  # its own call runs long past its claim time
+    assert book.revoke([("c1", 1)], 100.0 + 10 * book.keep_s) == ([], [("c1", 1)]), "forgotten: run again"
+    other = ledger()
+    other.admit(lease, 100.0)
+    other.lease_call_ended(("c1", 1), 101.0, keep=True)
+    other.admit_under_lease(lease, 101.5)
+    other.prune(101.5 + 10 * other.keep_s)  # a call under it runs long
+    assert other.lease_busy(("c1", 1))
+    other.lease_call_ended(("c1", 1), 101.5 + 10 * other.keep_s, keep=True)
+    other.prune(101.5 + 10 * other.keep_s + 1.0 + other.keep_s + 1)
+    assert len(other) == 0
+
+
+def test_the_ledger_ends_every_lease_when_a_scheduler_attaches_even_the_same_one() -> None:
+    book = ledger()
+    lease = token(lease_s=50.0)
+    book.admit(lease, 100.0)
+    book.lease_call_ended(("c1", 1), 100.1, keep=True)
+    book.attach("sched-1", KEY, epoch=3)  # its link dropped and came back: it counts the slot free
+    with pytest.raises(Refused, match="has ended"):
+        book.admit_under_lease(lease, 100.2)
+    plain = token("c2")
+    book.admit(plain, 100.2)  # grants are unaffected
+    again = ledger()
+    again.admit(lease, 100.0)
+    again.lease_call_ended(("c1", 1), 100.1, keep=True)
+    again.end_leases()  # the scheduler's link closed
+    with pytest.raises(Refused, match="has ended"):
+        again.admit_under_lease(lease, 100.2)
+
+
+def test_the_ledger_ends_a_lease_whose_worker_was_lost_and_refuses_what_is_no_lease() -> None:
+    book = ledger()
+    lease = token(lease_s=50.0)
+    book.admit(lease, 100.0)
+    assert book.lease_call_ended(("c1", 1), 100.05, keep=False) is True
+    with pytest.raises(Refused, match="has ended"):
+        book.admit_under_lease(lease, 100.1)
+    plain = token("c2")
+    book.admit(plain, 100.0)
+    with pytest.raises(Refused, match="not a lease"):
+        book.admit_under_lease(plain, 100.1)
+    forged = bytearray(token("c3", lease_s=50.0))
+    forged[5] ^= 0xFF
+    with pytest.raises(Refused, match="signature"):
+        book.admit_under_lease(bytes(forged), 100.1)
+
+
+def test_the_ledger_refuses_a_lease_of_a_deposed_leader_and_forgets_leases_with_their_grants() -> None:
+    book = ledger()
+    lease = token(lease_s=50.0)
+    book.admit(lease, 100.0)
+    book.lease_call_ended(("c1", 1), 100.0, keep=True)  # the next call is due by 150
+    book.saw_epoch(4)
+    with pytest.raises(Refused, match="no longer the attached leader"):
+        book.admit_under_lease(lease, 100.1)
+    book.prune(105.0 + book.keep_s + 1)  # kept past its lease time, not only its claim time
+    assert len(book) == 1
+    book.prune(150.0 + book.keep_s + 1)
+    assert len(book) == 0 and not book.lease_busy(("c1", 1))
+    with pytest.raises(Refused, match="deposed"):
+        book.admit_under_lease(lease, 100.2)
+
+
+# --- the gateway's leases -----------------------------------------------------------------------
+
+
+def placement(call_id: str, lease_s: float = LEASE_S) -> pb.Placement:
+    token = b"t-" + call_id.encode()
+    return pb.Placement(call_id=call_id, attempt=2, node="n1", gpu="g0", token=token, lease_s=lease_s)
+
+
+def test_a_gateways_lease_serves_one_call_at_a_time_and_is_answered_as_a_first_hit() -> None:
+    leases = Leases()
+    key = ("fn", "model")
+    leases.add(key, placement("c1"), now=10.0, epoch=1)
+    taken = leases.take(key, 10.1, epoch=1)
+    assert taken is not None and taken.placement.token == b"t-c1"
+    assert (taken.answer.node, taken.answer.gpu, taken.answer.attempt, taken.answer.queue_s) == ("n1", "g0", 1, 0.0)
+    assert leases.take(key, 10.1, epoch=1) is None  # busy
+    assert leases.take(("fn", "other model"), 10.1, epoch=1) is None  # another version of the function
+    leases.give_back(taken, 10.5)
+    assert leases.take(key, 10.5 + LEASE_S * USABLE_SHARE - 0.01, epoch=1) is taken  # its time runs from the answer
+
+
+def test_a_gateways_busy_lease_outlives_its_time_until_its_call_is_answered() -> None:
+    leases = Leases()
+    key = ("fn", "model")
+    leases.add(key, placement("c1"), now=10.0, epoch=1)
+    taken = leases.take(key, 10.1, epoch=1)
+    assert taken is not None
+    assert leases.take(key, 20.0, epoch=1) is None and len(leases) == 1  # its call runs long: kept
+    leases.give_back(taken, 20.0)
+    assert leases.take(key, 20.1, epoch=1) is taken
+
+
+def test_a_gateways_lease_is_dropped_past_its_usable_time_on_another_link_or_when_told() -> None:
+    leases = Leases()
+    key = ("fn", "model")
+    leases.add(key, placement("c1"), now=10.0, epoch=1)
+    assert leases.take(key, 10.0 + LEASE_S * USABLE_SHARE, epoch=1) is None
+    assert len(leases) == 0
+    leases.add(key, placement("c2"), now=20.0, epoch=1)
+    assert leases.take(key, 20.1, epoch=2) is None and len(leases) == 0
+    leases.add(key, placement("c3"), now=30.0, epoch=2)
+    taken = leases.take(key, 30.1, epoch=2)
+    assert taken is not None
+    leases.drop(taken)
+    leases.drop(taken)  # twice: nothing more
+    assert len(leases) == 0
+
+
+# --- the simulator ------------------------------------------------------------------------------
+
+
+def sim(arrivals: list[tuple[float, str]], *, lease_s: float, gpus: int = 1, slots: int = 2) -> SimResult:
+    """Models A, B, C of 1000 MB loading in 2 s and running a call in 1 s; calls at `arrivals`."""
+    names = ("A", "B", "C")
+    workload = Workload(
+        requests=[Request(f"r{i:03d}", f"fn-{m}", m, at_s, 32) for i, (at_s, m) in enumerate(arrivals)],
+        profiles=[ModelProfile(m, "rtx2080", 1000, 2.0, 1.0, 32) for m in names],
+        function_models={f"fn-{m}": m for m in names},
+        top_function="fn-A",
+        start_minute=0,
+        minutes=1,
+    )
+    cluster = ClusterConfig(gpus=gpus, gpu_memory_mb=4000, slots=slots, hit_lease_s=lease_s)
+    return simulate(workload, "lalb", cluster=cluster)
+
+
+def test_the_simulator_runs_a_functions_next_calls_under_its_hits_lease() -> None:
+    arrivals = [(0.0, "A"), (4.0, "A"), (6.0, "A"), (8.0, "A")]
+    result = sim(arrivals, lease_s=10.0)
+    # r0 misses (0 -> 3); r1 hits at 4, leasing its slot (one stays free); r2 and r3 run under it.
+    assert (result.misses, result.hits, result.leases, result.lease_calls) == (1, 3, 1, 2)
+    assert result.completed == 4 and result.avg_latency_s == pytest.approx((3 + 1 + 1 + 1) / 4)
+    assert sim(arrivals, lease_s=0.0).leases == 0
+
+
+def test_the_simulator_ends_every_lease_when_a_call_waits_and_grants_none_for_a_lease_time() -> None:
+    # r1 leases at 4; r2 (B) takes the GPU's other slot at 6; r3 (C) would wait at 6.5: the idle
+    # lease ends and r3 starts at once. r4 (A, at 8) is placed by the scheduler, without a lease:
+    # calls waited less than a lease time ago.
+    result = sim([(0.0, "A"), (4.0, "A"), (6.0, "B"), (6.5, "C"), (8.0, "A")], lease_s=5.0)
+    assert (result.leases, result.lease_calls, result.parks) == (1, 0, 0)
+    assert result.function_max_wait_s["fn-C"] == 0.0
+    assert result.completed == 5
+
+
+def test_the_simulator_ends_a_lease_with_no_call_for_its_time_and_leases_again() -> None:
+    # r1 leases at 4 (4 -> 5), r2 runs under it at 6 (within 1.5 s of 5; 6 -> 7); r3 at 9 finds it
+    # over (not within 1.5 s of 7), is placed, and leases anew.
+    result = sim([(0.0, "A"), (4.0, "A"), (6.0, "A"), (9.0, "A")], lease_s=1.5)
+    assert (result.leases, result.lease_calls) == (2, 1)
+    assert result.completed == 4
