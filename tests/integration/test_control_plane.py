@@ -138,7 +138,14 @@ def test_deploy_invoke_hits_and_lru_state_in_etcd(make_cluster: ClusterFactory, 
     for model, (gpu,) in replicas.items():
         assert lru[gpu] == [model]
 
-    # Two more models on four one-model GPUs: the least recently used ones are evicted.
+    # Two more models on four one-model GPUs: the least recently used ones are evicted. First the
+    # hits' leases end (no call for a lease time, --hit-lease-s): a leased model is pinned, and a
+    # miss meanwhile evicts among the others (docs/hit-leases.md).
+    def unleased() -> bool:
+        response = httpx.get(f"{cluster.gateway_url}/system/gpus", timeout=10, auth=cluster.admin_auth)
+        return all(not gpu["running"] for gpu in response.json())
+
+    wait_for(unleased)
     for name in ("lin-d", "lin-e"):
         models[name] = deploy(cluster, name, "linear_function", tmp_path)["model"]
         response = invoke(cluster, name)
