@@ -52,6 +52,12 @@ class Leases:
             call_id=placement.call_id, attempt=1, node=placement.node, gpu=placement.gpu, hit=True, epoch=epoch
         )
         lease = Lease(key, placement, answer, now + placement.lease_s * USABLE_SHARE, epoch)
+        # Leases are few and added seldom (one per lease): the idle ones past their time go now,
+        # those of functions never called again among them.
+        for other_key, leases in list(self._by_key.items()):
+            leases[:] = [held for held in leases if held.busy or held.usable_until > now]
+            if not leases:
+                del self._by_key[other_key]
         self._by_key.setdefault(key, []).append(lease)
 
     def take(self, key: LeaseKey, now: float, epoch: int) -> Lease | None:

@@ -343,10 +343,10 @@ class GpuManagerDaemon:
             )
         except BaseException:
             if lease is not None:
-                self.ledger.lease_call_ended(lease, time.time(), keep=False)
+                self.ledger.lease_call_ended(lease, time.time(), keep=False, done=False)
             raise
-        # Before the answer: its gateway may send the lease's next call as soon as it has it.
-        lease_ended = lease is not None and self.ledger.lease_call_ended(lease, time.time(), keep=_keeps_lease(result))
+        if lease is not None:  # before the answer: its gateway may send the lease's next call at once
+            self.ledger.lease_call_ended(lease, time.time(), keep=_keeps_lease(result))
         conn.reply(
             frame,
             MessageType.EXECUTE_REPLY,
@@ -362,7 +362,7 @@ class GpuManagerDaemon:
         # The rest waits a turn of the loop: where the gateway and the scheduler share this process
         # (`python -m gateway --with-node`), the answer then reaches the caller before the scheduler
         # takes the Done, which costs the caller nothing (its slot is freed a few us later).
-        asyncio.get_running_loop().call_soon(self._ran, grant, result, lease_call_id, lease_ended)
+        asyncio.get_running_loop().call_soon(self._ran, grant, result, lease_call_id)
 
     def _admit(self, request: pb.Execute, now_unix_s: float) -> pb.Grant:
         """The grant an Execute runs under: its placement's, or a lease's (`lease_call_id`); Refused."""
@@ -372,8 +372,9 @@ class GpuManagerDaemon:
             raise Refused("a call under a lease must say what remains of its deadline (Execute.timeout_s)")
         return self.ledger.admit_under_lease(request.token, now_unix_s)
 
-    def _ran(self, grant: pb.Grant, result: RunResult, lease_call_id: str = "", lease_ended: bool = False) -> None:
+    def _ran(self, grant: pb.Grant, result: RunResult, lease_call_id: str = "") -> None:
         self.metrics.ran(grant.model, result)
+        lease_ended = bool(grant.lease_s) and self.ledger.lease_done_sent((grant.call_id, grant.attempt))
         scheduler = self._scheduler
         if scheduler is None or scheduler.is_closed or grant.scheduler_id != self.ledger.scheduler_id:
             return  # the scheduler that placed it is gone: a new one learns the workers on attach
@@ -418,7 +419,10 @@ class GpuManagerDaemon:
     def revoke(self, conn: Connection, frame: Frame) -> None:
         request = frame.message(pb.Revoke)
         unseen, seen = self.ledger.revoke(
-            ((g.call_id, g.attempt) for g in request.grants), time.time(), claim_by_unix_s=request.claim_by_unix_s
+            ((g.call_id, g.attempt) for g in request.grants),
+            time.time(),
+            claim_by_unix_s=request.claim_by_unix_s,
+            if_idle=request.if_idle,
         )
         busy = [ref for ref in seen if self.ledger.lease_busy(ref)]  # (a lease's: its last Done will say)
         conn.reply(

@@ -45,6 +45,7 @@ class _Lease:
     grant: pb.Grant
     token: bytes
     running: bool = True  # a call runs under it (the grant's own, from its admission)
+    done_pending: bool = False  # a call under it ended, and its Done is not sent yet
     ended: bool = False  # no call is admitted under it any more
     until_unix_s: float = math.inf  # the next call must start by then (the end of the last + lease_s)
 
@@ -142,24 +143,32 @@ class GrantLedger:
         self.admitted_under_leases += 1
         return grant
 
-    def lease_call_ended(self, ref: GrantRef, now_unix_s: float, *, keep: bool) -> bool:
+    def lease_call_ended(self, ref: GrantRef, now_unix_s: float, *, keep: bool, done: bool = True) -> None:
         """The call running under lease `ref` (its grant's own, or one admitted under it) ended at
         `now_unix_s`; `keep`: the lease goes on, for a next call within `lease_s` (else it ends:
-        its worker is lost). Whether the lease has ended, so that this was its last call (its Done
-        says so, freeing the slot at the scheduler)."""
+        its worker is lost); `done`: its Done is to be sent (`lease_done_sent`)."""
         lease = self._leases.get(ref)
         if lease is None:
-            return False
-        lease.running = False
+            return
+        lease.running, lease.done_pending = False, done
         lease.ended = lease.ended or not keep
         lease.until_unix_s = now_unix_s + lease.grant.lease_s
         self._seen[ref] = lease.until_unix_s + self.keep_s
-        return lease.ended
+
+    def lease_done_sent(self, ref: GrantRef) -> bool:
+        """The Done of the last call ended under lease `ref` is being sent: whether the lease has
+        ended with it (no call runs under it, and none will: its slot is free at the scheduler)."""
+        lease = self._leases.get(ref)
+        if lease is None:
+            return False
+        lease.done_pending = False
+        return lease.ended and not lease.running
 
     def lease_busy(self, ref: GrantRef) -> bool:
-        """Whether a call runs under lease `ref` now."""
+        """Whether lease `ref` is open: a call runs under it or its Done is yet to be sent (so a
+        Revoke's answer cannot overtake that Done), or it has not ended."""
         lease = self._leases.get(ref)
-        return lease is not None and lease.running
+        return lease is not None and (lease.running or lease.done_pending or not lease.ended)
 
     def _verified(self, token: bytes) -> pb.Grant:
         """The grant of a token this node may run: signed by the attached leader, for one of its GPUs."""
@@ -180,7 +189,7 @@ class GrantLedger:
         return grant
 
     def revoke(
-        self, refs: Iterable[GrantRef], now_unix_s: float, *, claim_by_unix_s: float = 0.0
+        self, refs: Iterable[GrantRef], now_unix_s: float, *, claim_by_unix_s: float = 0.0, if_idle: bool = False
     ) -> tuple[list[GrantRef], list[GrantRef]]:
         """(unseen, seen): grants never presented are refused from now on; presented ones ran
         (a lease among them ends: no call is admitted under it from now on). `claim_by_unix_s`:
@@ -191,8 +200,9 @@ class GrantLedger:
         for ref in refs:
             if ref in self._seen:
                 seen.append(ref)
-                if (lease := self._leases.get(ref)) is not None:
-                    lease.ended = True
+                lease = self._leases.get(ref)
+                if lease is not None and not (if_idle and (lease.running or now_unix_s <= lease.until_unix_s)):
+                    lease.ended = True  # (`if_idle`: one in use, or within its time, goes on)
             else:
                 unseen.append(ref)
                 self._revoked[ref] = until

@@ -116,10 +116,12 @@ class Answer:
 
 @dataclass(frozen=True, slots=True)
 class CheckGrants:
-    """Ask `node` which of these grants it has seen, revoking the others (then `grants_checked`)."""
+    """Ask `node` which of these grants it has seen, revoking the others (then `grants_checked`);
+    a lease among them ends (`if_idle`: only if no call runs under it and its time is up there)."""
 
     node: str
     grants: tuple[tuple[str, int], ...]
+    if_idle: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +191,7 @@ class _Call:
     # Done of its last call (infinite until its own call's Done).
     lease_until: float = 0.0
     lease_ending: bool = False  # its node was told to end it (a check is under way, or a Done will say)
+    lease_if_idle: bool = False  # ... only if no call runs under it there (its time is up here)
     lease_uses: int = 0  # calls run to their end under the lease (its own first)
 
 
@@ -302,10 +305,14 @@ class _Leasing(_Upkeep):
         raise NotImplementedError
 
     def _lease_done(
-        self, call: _Call, now: float, lease_ended: bool, inference_time_s: float, batch_size: int
+        self, call: _Call, now: float, lease_ended: bool, inference_time_s: float, batch_size: int, *, failed: bool
     ) -> list[Effect]:
         """A call ran to its end under `call`'s lease (not its own call's last word, which `done`
-        takes as any placement's): a use, and the lease's end where the node ended it."""
+        takes as any placement's): a use, and the lease's end where the node ended it; one that
+        lost its worker frees the slot and drops the model (no retry here: its owner places it)."""
+        if failed:
+            self._release(call, now, drop_model=True, requeue=False)
+            return self.schedule(now)
         self._lease_used(call, now, inference_time_s, batch_size)
         if not lease_ended:
             return []
@@ -348,16 +355,18 @@ class _Leasing(_Upkeep):
             call.lease_until = math.inf  # (its own call's Done starts the clock)
             self._leases[call.call_id] = call
 
-    def _end_leases(self, calls: Iterable[_Call]) -> list[Effect]:
+    def _end_leases(self, calls: Iterable[_Call], *, if_idle: bool = False) -> list[Effect]:
         """Have the nodes end these leases (a CheckGrants each node: no call is admitted under
-        them from then on); their slots are freed as `grants_checked` and `done` say."""
+        them from then on; `if_idle`, their time being up here: only those with no call running
+        there whose time is up there too); their slots are freed as `grants_checked` and `done` say."""
         checks: dict[str, list[tuple[str, int]]] = {}
         for call in calls:
-            if call.lease_ending:
-                continue
+            if call.lease_ending and (if_idle or not call.lease_if_idle):
+                continue  # a check under way asks as much
             call.lease_ending = call.checking = True
+            call.lease_if_idle = if_idle
             checks.setdefault(split_gpu_address(call.gpu_id)[0], []).append((call.call_id, call.attempt))
-        return [CheckGrants(node, tuple(grants)) for node, grants in checks.items()]
+        return [CheckGrants(node, tuple(grants), if_idle) for node, grants in checks.items()]
 
     def _lease_used(self, call: _Call, now: float, inference_time_s: float, batch_size: int) -> None:
         """A call ran to its end under `call`'s lease (its own first): the model was used as by a
@@ -420,8 +429,13 @@ class _GrantChecks(_Leasing):
                 call.claimed, call.checking = True, False
                 if call.maybe_ran:
                     effects += self._unknown(call, _ran_there_message(call))
-                if call.lease_until and (call_id, attempt) not in still_running:
+                if not call.lease_until:
+                    continue
+                if (call_id, attempt) not in still_running:
                     effects += self._lease_over(call, now)
+                elif call.lease_if_idle:  # a call runs under it there: it goes on, its Done due
+                    call.lease_ending = call.lease_if_idle = False
+                    call.lease_until = now + self.lease_s
         for call_id, attempt in unseen:
             call = self._current(call_id, attempt)
             if call is None:
@@ -627,6 +641,7 @@ class CallBook(_GrantChecks):
         batch_calls: int = 1,
         worker_lost: bool = False,
         lease_ended: bool = False,
+        lease_call_id: str = "",
     ) -> list[Effect]:
         """A node finished attempt `attempt` of `call_id` (the gateway has its result or error), or a
         call under that placement's lease (`lease_ended`: the lease's last; it ended at the node)."""
@@ -636,6 +651,8 @@ class CallBook(_GrantChecks):
             return []
         if call is None or call.state is not _State.PLACED or call.attempt != attempt:
             return []  # an attempt given up on already (its slot was freed then)
+        if lease_call_id and not call.lease_until:
+            return []  # under a lease ended since (its X-Call-Id taken again meanwhile)
         effects: list[Effect] = []
         gpu_id = call.gpu_id
         model = call.spec.model
@@ -643,11 +660,8 @@ class CallBook(_GrantChecks):
         batch_size = max(1, batch_calls) * call.spec.batch_size
         failed = outcome in (pb.WORKER_DIED, pb.LOAD_FAILED) or worker_lost
         if call.lease_until and (call.lease_uses or not (lease_ended or failed)):
-            if failed:  # a call under the lease lost the worker: no retry here (its owner places it)
-                self._release(call, now, drop_model=True, requeue=False)
-                return self.schedule(now)
             measured_s = inference_time_s if outcome in (pb.OK, pb.HANDLER_ERROR) else 0.0
-            return self._lease_done(call, now, lease_ended, measured_s, batch_size)
+            return self._lease_done(call, now, lease_ended, measured_s, batch_size, failed=failed)
         if outcome == pb.WORKER_DIED:
             call.worker_failures += 1
             retry = call.wanted and call.worker_failures < MAX_WORKER_ATTEMPTS and now < call.deadline
@@ -724,7 +738,7 @@ class CallBook(_GrantChecks):
         """Deadlines: calls queued past theirs are answered; placements not confirmed within
         `claim_s` are checked with their node; placements with no Done `lost_after_s` past the
         deadline are presumed lost."""
-        effects = self._end_leases([c for c in self._leases.values() if now >= c.lease_until])
+        effects = self._end_leases([c for c in self._leases.values() if now >= c.lease_until], if_idle=True)
         checks: dict[str, list[tuple[str, int]]] = {}
         for call in list(self._calls.values()):
             if call.state is not _State.PLACED:

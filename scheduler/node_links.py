@@ -373,6 +373,7 @@ class NodeLinks:
         node = self.nodes.get(effect.node)
         claim_by = self.book.claim_by(effect.grants)
         request = pb.Revoke(
+            if_idle=effect.if_idle,
             grants=[pb.GrantRef(call_id=c, attempt=a) for c, a in effect.grants],
             claim_by_unix_s=claim_by + time.time() - self.clock() if claim_by else 0.0,
         )

@@ -77,6 +77,7 @@ class NodeSession:
                 batch_calls=done.batch_calls,
                 worker_lost=done.worker_lost,
                 lease_ended=done.lease_ended,
+                lease_call_id=done.lease_call_id,
             )
         )
 

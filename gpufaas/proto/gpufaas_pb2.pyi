@@ -340,12 +340,14 @@ class GrantRef(_message.Message):
     def __init__(self, call_id: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class Revoke(_message.Message):
-    __slots__ = ("grants", "claim_by_unix_s")
+    __slots__ = ("grants", "claim_by_unix_s", "if_idle")
     GRANTS_FIELD_NUMBER: _ClassVar[int]
     CLAIM_BY_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    IF_IDLE_FIELD_NUMBER: _ClassVar[int]
     grants: _containers.RepeatedCompositeFieldContainer[GrantRef]
     claim_by_unix_s: float
-    def __init__(self, grants: _Optional[_Iterable[_Union[GrantRef, _Mapping]]] = ..., claim_by_unix_s: _Optional[float] = ...) -> None: ...
+    if_idle: bool
+    def __init__(self, grants: _Optional[_Iterable[_Union[GrantRef, _Mapping]]] = ..., claim_by_unix_s: _Optional[float] = ..., if_idle: _Optional[bool] = ...) -> None: ...
 
 class RevokeReply(_message.Message):
     __slots__ = ("unseen", "seen", "busy")

@@ -129,7 +129,7 @@ def test_a_call_parked_on_a_gpu_ends_the_leases_there_and_no_other() -> None:
     assert b1.lease_s == LEASE_S and b1.gpu_id != N1
     # A call of A parks behind N1 (its one slot frees sooner than A would load elsewhere): N1's
     # lease ends, B's does not, and N1 is leased to nobody for a lease time.
-    assert book.submit("gw3", "c2", A, 30.0, now=1.2) == [CheckGrants("n1", (("c1", 1),))]
+    assert book.submit("gw3", "c2", A, 30.0, now=1.2, lease=True) == [CheckGrants("n1", (("c1", 1),))]
     effects = book.grants_checked("n1", [], [("c1", 1)], now=1.3)
     assert [(e.call_id, e.gpu_id, e.lease_s) for e in effects if isinstance(e, Assignment)] == [("c2", N1, 0.0)]
     assert book.tick(now=1.4) == []
@@ -177,9 +177,13 @@ def test_a_lease_with_no_call_for_its_time_is_ended_at_the_tick() -> None:
     book.done("c1", 1, pb.OK, now=5.1)
     book.done("c1", 1, pb.OK, now=5.5)  # a call under it: its time starts again
     assert book.tick(now=5.5 + LEASE_S - 0.01) == []
-    assert book.tick(now=5.5 + LEASE_S) == [CheckGrants("n1", (("c1", 1),))]
+    assert book.tick(now=5.5 + LEASE_S) == [CheckGrants("n1", (("c1", 1),), if_idle=True)]
     assert book.tick(now=5.5 + LEASE_S + 0.3) == []
-    assert book.grants_checked("n1", [], [("c1", 1)], now=6.8) == []
+    # A call runs under it at the node (the scheduler learns of it at its Done): it goes on.
+    assert book.grants_checked("n1", [], [("c1", 1)], now=6.6, busy=[("c1", 1)]) == []
+    assert running(book, N1) == ["c1"] and book.tick(now=6.6 + LEASE_S - 0.01) == []
+    assert book.tick(now=6.6 + LEASE_S) == [CheckGrants("n1", (("c1", 1),), if_idle=True)]
+    assert book.grants_checked("n1", [], [("c1", 1)], now=7.7) == []
     assert running(book, N1) == [] and len(book) == 0
 
 
@@ -297,10 +301,12 @@ def test_the_ledger_admits_calls_under_a_lease_one_at_a_time_each_within_its_tim
     book.admit(lease, 100.0)
     with pytest.raises(Refused, match="one at a time"):
         book.admit_under_lease(lease, 103.0)  # its own call runs (for as long as it takes)
-    assert book.lease_call_ended(("c1", 1), 103.1, keep=True) is False
+    book.lease_call_ended(("c1", 1), 103.1, keep=True)
+    assert book.lease_done_sent(("c1", 1)) is False
     assert book.admit_under_lease(lease, 104.0).call_id == "c1"  # within 1 s of the last call's end
     assert book.lease_busy(("c1", 1))
-    assert book.lease_call_ended(("c1", 1), 104.5, keep=True) is False
+    book.lease_call_ended(("c1", 1), 104.5, keep=True)
+    assert book.lease_done_sent(("c1", 1)) is False
     with pytest.raises(Refused, match="has ended"):
         book.admit_under_lease(lease, 105.51)
     assert book.admitted == 1 and book.admitted_under_leases == 1
@@ -314,7 +320,8 @@ def test_the_ledger_ends_a_lease_it_is_asked_about_and_says_whether_a_call_runs_
     book.admit_under_lease(lease, 100.1)
     assert book.revoke([("c1", 1)], 100.2) == ([], [("c1", 1)])
     assert book.lease_busy(("c1", 1))
-    assert book.lease_call_ended(("c1", 1), 100.25, keep=True) is True  # its last call: the Done says so
+    book.lease_call_ended(("c1", 1), 100.25, keep=True)
+    assert book.lease_done_sent(("c1", 1)) is True  # its last call: the Done says so
     with pytest.raises(Refused, match="has ended"):
         book.admit_under_lease(lease, 100.3)
 
@@ -334,6 +341,36 @@ def test_the_ledger_keeps_a_lease_while_a_call_runs_under_it_however_long() -> N
     other.lease_call_ended(("c1", 1), 101.5 + 10 * other.keep_s, keep=True)
     other.prune(101.5 + 10 * other.keep_s + 1.0 + other.keep_s + 1)
     assert len(other) == 0
+
+
+def test_the_ledger_ends_an_idle_lease_past_its_time_when_asked_if_idle_and_keeps_one_in_use() -> None:
+    book = ledger()
+    lease = token(lease_s=1.0)
+    book.admit(lease, 100.0)
+    book.lease_call_ended(("c1", 1), 100.5, keep=True)
+    book.lease_done_sent(("c1", 1))
+    assert book.revoke([("c1", 1)], 101.0, if_idle=True) == ([], [("c1", 1)])
+    assert book.lease_busy(("c1", 1)), "within its time: it goes on"
+    book.admit_under_lease(lease, 101.2)
+    assert book.revoke([("c1", 1)], 103.0, if_idle=True) == ([], [("c1", 1)])
+    assert book.lease_busy(("c1", 1)), "a call runs under it: it goes on"
+    book.lease_call_ended(("c1", 1), 103.1, keep=True)
+    book.lease_done_sent(("c1", 1))
+    book.revoke([("c1", 1)], 104.2, if_idle=True)
+    assert not book.lease_busy(("c1", 1))
+    with pytest.raises(Refused, match="has ended"):
+        book.admit_under_lease(lease, 104.3)
+
+
+def test_the_ledgers_answer_to_a_revoke_waits_for_the_last_calls_done() -> None:
+    book = ledger()
+    lease = token(lease_s=50.0)
+    book.admit(lease, 100.0)
+    book.lease_call_ended(("c1", 1), 100.5, keep=False)  # its worker was lost; its Done not sent yet
+    book.revoke([("c1", 1)], 100.6)
+    assert book.lease_busy(("c1", 1)), "answered not busy: the slot freed before the worker's loss is heard"
+    assert book.lease_done_sent(("c1", 1)) is True
+    assert not book.lease_busy(("c1", 1))
 
 
 def test_the_ledger_ends_every_lease_when_a_scheduler_attaches_even_the_same_one() -> None:
@@ -358,7 +395,8 @@ def test_the_ledger_ends_a_lease_whose_worker_was_lost_and_refuses_what_is_no_le
     book = ledger()
     lease = token(lease_s=50.0)
     book.admit(lease, 100.0)
-    assert book.lease_call_ended(("c1", 1), 100.05, keep=False) is True
+    book.lease_call_ended(("c1", 1), 100.05, keep=False)
+    assert book.lease_done_sent(("c1", 1)) is True
     with pytest.raises(Refused, match="has ended"):
         book.admit_under_lease(lease, 100.1)
     plain = token("c2")
@@ -417,6 +455,15 @@ def test_a_gateways_busy_lease_outlives_its_time_until_its_call_is_answered() ->
     assert leases.take(key, 20.0, epoch=1) is None and len(leases) == 1  # its call runs long: kept
     leases.give_back(taken, 20.0)
     assert leases.take(key, 20.1, epoch=1) is taken
+
+
+def test_a_gateway_forgets_the_idle_leases_past_their_time_of_functions_not_called_again() -> None:
+    leases = Leases()
+    for index in range(100):
+        leases.add((f"fn-{index}", "model"), placement(f"c{index}"), now=10.0, epoch=1)
+    assert len(leases) == 100
+    leases.add(("fn-new", "model"), placement("new"), now=10.0 + LEASE_S, epoch=1)
+    assert len(leases) == 1
 
 
 def test_a_gateways_lease_is_dropped_past_its_usable_time_on_another_link_or_when_told() -> None:
