@@ -58,6 +58,7 @@ from typing import Protocol
 
 from gateway.leases import Lease, Leases
 from gpufaas.functions import FunctionSpec
+from gpufaas.grants import LEASE_KEEPING_OUTCOMES
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import (
     Connection,
@@ -166,9 +167,13 @@ class Mailbox:
         self.attempt = 0
         self.epoch = 0
 
+    def remaining_s(self) -> float:
+        """What remains of the call's deadline now (at least a millisecond)."""
+        return max(0.001, self.deadline - self.clock())
+
     def place_now(self) -> pb.Place:
         """The call's Place, saying what remains of its deadline now."""
-        self.place.timeout_s = max(0.001, self.deadline - self.clock())
+        self.place.timeout_s = self.remaining_s()
         return self.place
 
     def put(self, message: pb.Placement | pb.Rejection) -> None:
@@ -583,11 +588,9 @@ class Router:
             # A new placement: the scheduler knows the one before it did not run (or its worker died).
             box.attempt, box.waiting, box.unsure = message.attempt, False, False
             # The call's own deadline, for the node: a lease's grant holds a later one for its other calls.
-            execute = pb.Execute(
-                token=message.token, content_type=content_type, timeout_s=max(0.001, box.deadline - box.clock())
-            )
+            execute = pb.Execute(token=message.token, content_type=content_type, timeout_s=box.remaining_s())
             try:
-                frame = await self._execute(message, payload, content_type, execute)
+                frame = await self._execute(message, payload, execute)
             except _NotSent as exc:
                 log.info("call %s: not sent to node %s (%s)", call_id, message.node, exc)
                 await self._placement_failed(box, NOT_SENT, str(exc))
@@ -597,7 +600,7 @@ class Router:
                 await self._placement_failed(box, MAYBE_SENT, str(exc))
                 continue
             reply = frame.message(pb.ExecuteReply)
-            if message.lease_s > 0 and reply.outcome in _KEEPS_LEASE and box.epoch == self.epoch:
+            if message.lease_s > 0 and reply.outcome in LEASE_KEEPING_OUTCOMES and box.epoch == self.epoch:
                 self.leases.add((spec.name, spec.model), message, self.clock(), box.epoch)
             if reply.outcome == pb.OK:
                 return CallResult(frame.body, message, reply)
@@ -623,10 +626,10 @@ class Router:
             token=lease.placement.token,
             content_type=content_type,
             lease_call_id=box.place.call_id,
-            timeout_s=max(0.001, box.deadline - box.clock()),
+            timeout_s=box.remaining_s(),
         )
         try:
-            frame = await self._execute(lease.placement, payload, content_type, execute)
+            frame = await self._execute(lease.placement, payload, execute)
         except _NotSent:
             self.leases.drop(lease)
             return None
@@ -638,7 +641,7 @@ class Router:
             self.leases.drop(lease)
             raise
         reply = frame.message(pb.ExecuteReply)
-        if reply.outcome in _KEEPS_LEASE:
+        if reply.outcome in LEASE_KEEPING_OUTCOMES:
             self.leases.give_back(lease, self.clock())
         else:
             self.leases.drop(lease)
@@ -654,10 +657,8 @@ class Router:
             raise CallFailed(504, spec.deadline_message())
         raise CallFailed(OUTCOME_TO_HTTP.get(reply.outcome, 502), reply.message)
 
-    async def _execute(
-        self, placement: pb.Placement, payload: bytes, content_type: str, execute: pb.Execute | None = None
-    ) -> Frame:
-        """Send the placement's Execute and wait for the node's answer. Raises _NotSent when no
+    async def _execute(self, placement: pb.Placement, payload: bytes, execute: pb.Execute) -> Frame:
+        """Send `execute` (of the placement's token) and wait for the node's answer. Raises _NotSent when no
         connection to the node could be had, _MaybeSent when it was lost after the Execute went."""
         try:
             node = await self.nodes.get(placement.node_address)
@@ -668,8 +669,6 @@ class Router:
         try:
             # No timeout of its own: `invoke`'s (the call's deadline plus the grace) bounds the wait,
             # and would end it at the same moment (one timer per call, not two).
-            if execute is None:
-                execute = pb.Execute(token=placement.token, content_type=content_type)
             frame = await node.request(MessageType.EXECUTE, execute, payload)
         except NotSent as exc:  # the link was lost while its last frames were handled: never written
             raise _NotSent(exc) from None
@@ -706,10 +705,6 @@ class Router:
             # A link lost while it handles its last frames writes nothing: the call waits, and the
             # next link asks for it, as for every call waiting when a link is made.
             conn.send(MessageType.PLACE, box.place_now())
-
-
-# Outcomes after which a lease goes on (the node ends it where the worker was lost or timed out).
-_KEEPS_LEASE = frozenset({pb.OK, pb.HANDLER_ERROR, pb.INVALID_INPUT, pb.OUTPUT_TOO_LARGE, pb.OUTPUT_INVALID})
 
 
 def _unsure_leased(box: Mailbox, lease: Lease) -> str:

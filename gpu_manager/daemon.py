@@ -38,6 +38,7 @@ from gpu_manager.pool import ModelRun, RunResult, WorkerPool
 from gpu_manager.sandbox import Isolation
 from gpu_manager.storage import NodeStorage, StorageOptions
 from gpufaas.cluster import GpuRecord, NodeRecord
+from gpufaas.grants import LEASE_KEEPING_OUTCOMES
 from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import KeyValue, LeaseKeeper, LeaseLost, Store, StoreError, WatchEvent, list_and_watch
@@ -486,9 +487,10 @@ def measured(result: RunResult) -> dict[str, Any]:
 
 
 def _keeps_lease(result: RunResult) -> bool:
-    """Whether a lease goes on after a call under it answered `result`: not once its worker is
-    lost (or a timeout killed it; the scheduler drops the model there, and the next call is placed)."""
-    return result.outcome not in _WORKER_LOST and result.outcome != pb.TIMEOUT and not result.worker_killed
+    """Whether a lease goes on after a call under it answered `result` (gpufaas.grants'
+    LEASE_KEEPING_OUTCOMES, the gateway's rule too): not once its worker is lost, killed or timed
+    out (the scheduler drops the model there where it is gone, and the next call is placed)."""
+    return result.outcome in LEASE_KEEPING_OUTCOMES and not result.worker_killed
 
 
 def done_message(grant: pb.Grant, result: RunResult) -> pb.Done:

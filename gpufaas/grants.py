@@ -19,6 +19,9 @@ from gpufaas.proto import gpufaas_pb2 as pb
 
 TAG_BYTES = hashlib.sha256().digest_size
 KEY_BYTES = 32
+# The outcomes of a call under a lease after which the lease goes on (docs/hit-leases.md): the node
+# ends it on any other (its worker lost or timed out), and the gateway drops it then.
+LEASE_KEEPING_OUTCOMES = frozenset({pb.OK, pb.HANDLER_ERROR, pb.INVALID_INPUT, pb.OUTPUT_TOO_LARGE, pb.OUTPUT_INVALID})
 
 
 class BadToken(ValueError):

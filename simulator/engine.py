@@ -611,8 +611,8 @@ class _Run:
         return False
 
     def _lease_used(self, lease: _Lease, inference_s: float, samples: int, now: float) -> None:
-        """A call under `lease` completed (its holder's own first): a use; the lease's end, if it
-        was ended meanwhile or its time is up."""
+        """A call under `lease` completed (its holder's own first): a use, and its time starts
+        again; the lease's end, if it was ended meanwhile."""
         self.scheduler.on_lease_use(lease.holder, inference_time_s=inference_s, batch_size=samples)
         lease.busy = False
         lease.until_s = now + self.lease_s  # the next call must come within a lease time
