@@ -331,7 +331,8 @@ class _Leasing(_Upkeep):
                 [c for c in self._leases.values() if c.call_id in self.scheduler.cluster.pin_dropped]
             )
         if self.scheduler.queue:
-            self._waited_at = now
+            if not self._leases:  # (a wait that ending leases may clear does not hold new ones back)
+                self._waited_at = now
             return ending + self._end_leases(list(self._leases.values())) if self._leases else ending
         self._grant_leases(effects, now)
         if not parked or not self._leases:

@@ -573,7 +573,8 @@ class _Run:
         for gpu_id in parked:
             self.parked_at[gpu_id] = now
         if self.scheduler.queue:
-            self.waited_at = now
+            if not self.leased:  # (a wait that ending leases may clear does not hold new ones back)
+                self.waited_at = now
             ending = [lease for leases in self.leased.values() for lease in leases]
         else:
             self._grant(hits, now)

@@ -28,12 +28,12 @@ def spec(name: str) -> FunctionSpec:
     return FunctionSpec(name=name, package_digest="sha256:" + hashlib.sha256(name.encode()).hexdigest(), memory_mb=1000)
 
 
-A, B, C = spec("fn-a"), spec("fn-b"), spec("fn-c")
+A, B, C, D = spec("fn-a"), spec("fn-b"), spec("fn-c"), spec("fn-d")
 
 
 def make_book(*, gpus: tuple[str, ...] = (N1, N2), slots: int = 1, lease_s: float = LEASE_S) -> CallBook:
     scheduler = make_scheduler(
-        "lalb", gpus={gpu: 8000 for gpu in gpus}, models={s.model: s.memory_mb for s in (A, B, C)}, slots=slots
+        "lalb", gpus={gpu: 8000 for gpu in gpus}, models={s.model: s.memory_mb for s in (A, B, C, D)}, slots=slots
     )
     return CallBook(scheduler, claim_s=5.0, lost_after_s=5.0, lease_s=lease_s)
 
@@ -93,18 +93,51 @@ def test_no_lease_for_an_owner_that_takes_none_nor_when_no_gpu_would_keep_a_free
     assert assignment(pair.submit("gw1", "c2", A, 30.0, now=1.1, lease=True)).lease_s == 0.0
 
 
-def test_no_lease_until_nothing_has_waited_for_a_lease_time() -> None:
+def test_a_wait_no_lease_holds_up_keeps_leases_back_for_a_lease_time() -> None:
     book = make_book(gpus=(N1, N2))
-    leased_hit(book, now=1.0)
+    assignment(book.submit("gw1", "c0", A, 30.0, now=0.0))
+    book.done("c0", 1, pb.OK, now=0.5)
+    assignment(book.submit("gw1", "c1", A, 30.0, now=1.0))  # a hit on N1, not leased (its owner takes none)
     assignment(book.submit("gw2", "c2", B, 30.0, now=1.1))  # on N2
-    assert book.submit("gw2", "c3", C, 30.0, now=1.2) == [CheckGrants("n1", (("c1", 1),))]  # c3 waits
-    book.grants_checked("n1", [], [("c1", 1)], now=1.3)  # c3 runs on N1
+    assert book.submit("gw2", "c3", C, 30.0, now=1.2) == []  # c3 waits: every slot runs a call
+    book.done("c1", 1, pb.OK, now=1.3)  # c3 runs on N1
     book.done("c3", 1, pb.OK, now=1.4)
     book.done("c2", 1, pb.OK, now=1.5)
     # Calls waited at 1.2: a hit within a lease time of it is placed without a lease, one after with.
     assert assignment(book.submit("gw1", "c4", A, 30.0, now=1.2 + LEASE_S - 0.1, lease=True)).lease_s == 0.0
     book.done("c4", 1, pb.OK, now=2.15)
     assert assignment(book.submit("gw1", "c5", A, 30.0, now=1.2 + LEASE_S, lease=True)).lease_s == LEASE_S
+
+
+def test_a_wait_that_ending_leases_clears_does_not_keep_leases_back() -> None:
+    book = make_book(gpus=(N1, N2))
+    leased_hit(book, now=1.0)  # A leased on N1, idle once its call is done
+    book.done("c1", 1, pb.OK, now=1.05)
+    assignment(book.submit("gw2", "c2", B, 30.0, now=1.1))  # on N2
+    assert book.submit("gw2", "c3", C, 30.0, now=1.2) == [CheckGrants("n1", (("c1", 1),))]  # c3 waits on the lease
+    effects = book.grants_checked("n1", [], [("c1", 1)], now=1.3)
+    assert [(e.call_id, e.gpu_id) for e in effects if isinstance(e, Assignment)] == [("c3", N1)]
+    book.done("c3", 1, pb.OK, now=1.4)
+    book.done("c2", 1, pb.OK, now=1.45)
+    # The wait was the lease's doing, and it ended: the next hit is leased at once (on a memory-
+    # pressed cluster every miss that must evict a leased model is such a wait).
+    assert assignment(book.submit("gw1", "c4", A, 30.0, now=1.5, lease=True)).lease_s == LEASE_S
+
+
+def test_a_wait_that_outlasts_the_leases_it_ended_keeps_leases_back_from_then() -> None:
+    book = make_book(gpus=(N1, N2))
+    leased_hit(book, now=1.0)
+    book.done("c1", 1, pb.OK, now=1.05)
+    assignment(book.submit("gw2", "c2", B, 30.0, now=1.1))  # on N2
+    book.submit("gw2", "c3", C, 30.0, now=1.2)  # waits; the lease on N1 ends
+    book.submit("gw2", "c4", D, 30.0, now=1.21)  # waits too
+    book.grants_checked("n1", [], [("c1", 1)], now=1.3)  # c3 runs on N1; c4 still waits, no lease left
+    book.done("c3", 1, pb.OK, now=1.4)  # c4 runs on N1
+    book.done("c4", 1, pb.OK, now=1.5)
+    book.done("c2", 1, pb.OK, now=1.6)
+    assert assignment(book.submit("gw1", "c5", A, 30.0, now=1.3 + LEASE_S - 0.1, lease=True)).lease_s == 0.0
+    book.done("c5", 1, pb.OK, now=2.25)
+    assert assignment(book.submit("gw1", "c6", A, 30.0, now=1.31 + LEASE_S, lease=True)).lease_s == LEASE_S
 
 
 def test_a_queue_forming_ends_every_lease_and_the_slot_frees_once_the_node_says_so() -> None:
@@ -509,13 +542,21 @@ def test_the_simulator_runs_a_functions_next_calls_under_its_hits_lease() -> Non
     assert sim(arrivals, lease_s=0.0).leases == 0
 
 
-def test_the_simulator_ends_every_lease_when_a_call_waits_and_grants_none_for_a_lease_time() -> None:
+def test_the_simulator_ends_every_lease_when_a_call_waits_and_leases_again_once_that_wait_is_over() -> None:
     # r1 leases at 4; r2 (B) takes the GPU's other slot at 6; r3 (C) would wait at 6.5: the idle
-    # lease ends and r3 starts at once. r4 (A, at 8) is placed by the scheduler, without a lease:
-    # calls waited less than a lease time ago.
-    result = sim([(0.0, "A"), (4.0, "A"), (6.0, "B"), (6.5, "C"), (8.0, "A")], lease_s=5.0)
-    assert (result.leases, result.lease_calls, result.parks) == (1, 0, 0)
+    # lease ends and r3 starts at once. That wait was the lease's: r4 (A, at 10) leases again.
+    result = sim([(0.0, "A"), (4.0, "A"), (6.0, "B"), (6.5, "C"), (10.0, "A")], lease_s=5.0)
+    assert (result.leases, result.lease_calls, result.parks) == (2, 0, 0)
     assert result.function_max_wait_s["fn-C"] == 0.0
+    assert result.completed == 5
+
+
+def test_the_simulator_grants_no_lease_for_a_lease_time_after_a_wait_no_lease_held_up() -> None:
+    # r2 (C) waits at 1 behind two misses; r3 (A, at 4) is a hit within a lease time of that wait,
+    # placed without a lease; r4 (A, at 6.5) is past it, and leases.
+    result = sim([(0.0, "A"), (0.5, "B"), (1.0, "C"), (4.0, "A"), (6.5, "A")], lease_s=5.0)
+    assert (result.leases, result.lease_calls) == (1, 0)
+    assert result.function_max_wait_s["fn-C"] > 0.0
     assert result.completed == 5
 
 
