@@ -42,7 +42,8 @@ attempt that is no longer current is ignored. Failure handling, step by step:
   connection to the node or the node's lease expires): the GPU's parked calls go back to the
   queue; its placed ones are STRANDED until their owner says whether it sent the Execute (never
   sent: placed again; maybe sent: outcome unknown). A STRANDED call's owner that got its answer
-  from the node says nothing: the call is forgotten at its deadline.
+  from the node says nothing: the call is forgotten at its Done or its deadline (a Done saying
+  its worker died places it again, once, as on a GPU that stayed: its owner waits for that).
 - a placed call with no Done long after its deadline (`tick`, `lost_after_s`): presumed lost
   with its node's answer; its slot is freed and the model's entry dropped (the node timed it out).
 - an Abandon (NODE_UNREACHABLE, REFUSED) for a call the book does not hold for that owner (its
@@ -648,8 +649,7 @@ class CallBook(_GrantChecks):
         call under that placement's lease (`lease_ended`: the lease's last; it ended at the node)."""
         call = self._calls.get(call_id)
         if call is not None and call.state is _State.STRANDED and call.attempt == attempt:
-            self._forget(call)  # it ran to its end on a node that left since: nothing to free
-            return []
+            return self._stranded_done(call, outcome, now)
         if call is None or call.state is not _State.PLACED or call.attempt != attempt:
             return []  # an attempt given up on already (its slot was freed then)
         if lease_call_id and not call.lease_until:
@@ -713,6 +713,18 @@ class CallBook(_GrantChecks):
         self._release(call, now, drop_model=_never_loaded(self.scheduler, call), requeue=retry, avoid_gpu=True)
         effects = [] if retry else self._finish(call, *_no_node(call))
         return effects + self.schedule(now)
+
+    def _stranded_done(self, call: _Call, outcome: int, now: float) -> list[Effect]:
+        """The Done of a STRANDED call (its GPU left since: no slot to free). It ran to its end
+        there: it is forgotten. Its worker died there: its owner, answered so by the node, waits
+        for the scheduler to place it again or answer, as for a placed call (`done`)."""
+        if outcome != pb.WORKER_DIED:
+            self._forget(call)
+            return []
+        call.worker_failures += 1
+        if call.wanted and call.worker_failures < MAX_WORKER_ATTEMPTS and now < call.deadline:
+            return self._requeue_stranded(call, now)
+        return self._finish(call, pb.UNAVAILABLE, "the function's worker died twice; see the node's log")
 
     def _requeue_stranded(self, call: _Call, now: float) -> list[Effect]:
         """A STRANDED call whose owner never sent its Execute goes back to the queue (WAITING while

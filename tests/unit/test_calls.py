@@ -670,6 +670,33 @@ def test_a_stranded_call_waits_for_a_slot_when_none_is_free() -> None:
     assert placed(book.done("c2", 1, pb.OK, 2.0)) == [("c1", 2, N2, 2, False)]
 
 
+def test_a_stranded_call_whose_worker_died_is_placed_again_as_its_retry() -> None:
+    book = make_book()
+    book.submit("gw1", "c1", A, 60.0, now=0.0)  # on n1
+    book.submit("gw1", "c2", A, 60.0, now=0.0)  # on n2
+    assert book.gpus_removed([N1], now=1.0) == []
+    # The Done on its way from n1: the worker died, and the gateway, told so by the node, waits
+    # for the retry (before, the call was forgotten and its gateway waited out its deadline).
+    assert book.done("c1", 1, pb.WORKER_DIED, now=1.5) == []  # n2's one slot is c2's
+    assert queued(book) == ["c1"]
+    assert placed(book.done("c2", 1, pb.OK, now=2.0)) == [("c1", 2, N2, 2, True)]  # a hit there
+    # A second death is its answer, as for a call placed on a GPU that stayed.
+    (answer,) = book.done("c1", 2, pb.WORKER_DIED, now=2.5)
+    assert isinstance(answer, Answer) and (answer.call_id, answer.status) == ("c1", pb.UNAVAILABLE)
+    assert len(book) == 0
+
+
+def test_a_stranded_call_whose_worker_died_a_second_time_is_answered() -> None:
+    book = make_book()
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    book.done("c1", 1, pb.WORKER_DIED, now=0.5)  # placed again, on n2 (away from n1)
+    assert book.placed_on("n2") == [("c1", 2)]
+    assert book.gpus_removed([N2], now=1.0) == []
+    (answer,) = book.done("c1", 2, pb.WORKER_DIED, now=1.5)
+    assert isinstance(answer, Answer) and (answer.call_id, answer.status) == ("c1", pb.UNAVAILABLE)
+    assert len(book) == 0
+
+
 def test_parked_calls_on_a_gpu_that_left_go_back_to_the_queue() -> None:
     book = make_book()
     cache_on(book.scheduler, N1, A.model, B.model)
