@@ -332,7 +332,9 @@ class _Leasing(_Upkeep):
                 [c for c in self._leases.values() if c.call_id in self.scheduler.cluster.pin_dropped]
             )
         if self.scheduler.queue:
-            if not self._leases:  # (a wait that ending leases may clear does not hold new ones back)
+            # A wait that the leases being ended now (or whose ends are being asked) may clear does
+            # not hold new ones back; one behind running calls does, a busy lease's among them.
+            if not any(not c.lease_ending or c.checking for c in self._leases.values()):
                 self._waited_at = now
             return ending + self._end_leases(list(self._leases.values())) if self._leases else ending
         self._grant_leases(effects, now)
@@ -494,7 +496,8 @@ class CallBook(_GrantChecks):
     lease_s: float = 0.0
     _calls: dict[str, _Call] = field(default_factory=dict)
     _leases: dict[str, _Call] = field(default_factory=dict)  # the calls whose placement is a lease
-    _waited_at: float = -math.inf  # when calls last waited in the global queue
+    # When calls last waited in the global queue on running calls (not on leases being ended).
+    _waited_at: float = -math.inf
     _parked_at: dict[str, float] = field(default_factory=dict)  # per GPU, when a call was last parked there
     # Per GPU, for as long as this book lives (a GPU that leaves and comes back goes on counting).
     _seq: dict[str, int] = field(default_factory=dict)  # the latest grant's gpu_seq

@@ -10,10 +10,11 @@ def may_lease(scheduler: Scheduler, now: float, waited_at: float, lease_s: float
     """Whether hits dispatched now, while the global queue is empty, may lease their slots at all:
     leases are on (`lease_s` > 0), no call has waited in the global queue since `waited_at` for
     `lease_s` (a load that queues calls now and then would have its leases ended each time, and
-    every gateway ask again), and some GPU has a free slot. The callers set `waited_at` only for a
-    wait while no lease was held: one while leases were held ends them all, and is over once they
-    are gone if they were what held it up (on a memory-pressed cluster, a miss whose eviction
-    candidates were leased: it must not keep leases back from a load that never queues on its own)."""
+    every gateway ask again), and some GPU has a free slot. The callers set `waited_at` for a wait
+    on running calls only (a lease that a call runs under is one): a wait that finds idle leases
+    ends them all, and is over once their slots are free if they were what held it up (on a
+    memory-pressed cluster, a miss whose eviction candidates were leased: it must not keep leases
+    back from a load that never queues on its own)."""
     return lease_s > 0 and now - waited_at >= lease_s and bool(scheduler.cluster.idle)
 
 

@@ -56,7 +56,8 @@ adds is the ground truth of the GPUs, on a virtual clock:
   the estimator and the cache as a hit's: `Scheduler.on_lease_use`). A lease ends, its slot freed
   once the call under it completes, when calls wait in the global queue (every lease), when a
   call is parked on its GPU (that GPU's), and when no call came for a lease time after the last;
-  none is granted for a lease time after calls waited. Ending one takes no time here (in the
+  none is granted for a lease time after calls waited on running calls (not on idle leases, which
+  such a wait ends: once their slots serve it, it is over). Ending one takes no time here (in the
   service, a round trip to its node).
 
 With D = 1 and no batching this is exactly the one-call-at-a-time model: a miss takes load +
@@ -573,8 +574,6 @@ class _Run:
         for gpu_id in parked:
             self.parked_at[gpu_id] = now
         if self.scheduler.queue:
-            if not self.leased:  # (a wait that ending leases may clear does not hold new ones back)
-                self.waited_at = now
             ending = [lease for leases in self.leased.values() for lease in leases]
         else:
             self._grant(hits, now)
@@ -584,8 +583,10 @@ class _Run:
         for lease in ending:
             if not lease.ending:
                 freed = self._end_lease(lease, now) or freed
-        if freed:
+        if freed:  # the slots freed serve what waits: that pass says whether calls still wait
             self._leases_after(*self._carry_out(now, True), now)
+        elif self.scheduler.queue:  # they wait on running calls (a busy lease's among them)
+            self.waited_at = now
 
     def _grant(self, hits: list[Dispatch], now: float) -> None:
         """The hits just dispatched lease their slots where the call book's rules allow."""

@@ -140,6 +140,20 @@ def test_a_wait_that_outlasts_the_leases_it_ended_keeps_leases_back_from_then() 
     assert assignment(book.submit("gw1", "c6", A, 30.0, now=1.31 + LEASE_S, lease=True)).lease_s == LEASE_S
 
 
+def test_a_wait_on_running_calls_counts_though_a_busy_lease_is_still_ending() -> None:
+    book = make_book(gpus=(N1, N2), slots=2)
+    leased_hit(book, now=1.0)  # A leased on N1 (one slot stays free there)
+    book.done("c1", 1, pb.OK, now=1.05)  # gw1 runs its next call under the lease at n1
+    for call_id, fn in (("b1", B), ("c2", C), ("d1", D)):  # calls of a gateway that takes none fill the rest
+        assignment(book.submit("gw2", call_id, fn, 30.0, now=1.1))
+    assert book.submit("gw2", "e1", B, 30.0, now=1.2) == [CheckGrants("n1", (("c1", 1),))]
+    assert book.grants_checked("n1", [], [("c1", 1)], now=1.21, busy=[("c1", 1)]) == []
+    book.done("c2", 1, pb.OK, now=1.3)  # e1 runs on N2: the wait ended with a call, not the lease
+    for call_id, at in (("b1", 1.4), ("d1", 1.45), ("e1", 1.5)):
+        book.done(call_id, 1, pb.OK, now=at)
+    assert assignment(book.submit("gw1", "g1", C, 30.0, now=1.3 + LEASE_S - 0.1, lease=True)).lease_s == 0.0
+
+
 def test_a_queue_forming_ends_every_lease_and_the_slot_frees_once_the_node_says_so() -> None:
     book = make_book()
     leased_hit(book)
@@ -552,12 +566,17 @@ def test_the_simulator_ends_every_lease_when_a_call_waits_and_leases_again_once_
 
 
 def test_the_simulator_grants_no_lease_for_a_lease_time_after_a_wait_no_lease_held_up() -> None:
-    # r2 (C) waits at 1 behind two misses; r3 (A, at 4) is a hit within a lease time of that wait,
-    # placed without a lease; r4 (A, at 6.5) is past it, and leases.
-    result = sim([(0.0, "A"), (0.5, "B"), (1.0, "C"), (4.0, "A"), (6.5, "A")], lease_s=5.0)
+    # r2 (A) waits at 1 behind two misses and runs at 3 as a hit; r3 (A, at 5.5, the GPU idle) is
+    # within a lease time of that wait: no lease; r4 (A, at 7) is past it, and leases.
+    result = sim([(0.0, "A"), (0.5, "B"), (1.0, "A"), (5.5, "A"), (7.0, "A")], lease_s=5.0)
     assert (result.leases, result.lease_calls) == (1, 0)
-    assert result.function_max_wait_s["fn-C"] > 0.0
-    assert result.completed == 5
+
+
+def test_the_simulator_counts_a_wait_on_a_busy_lease_as_one_on_running_calls() -> None:
+    # r2 leases at 5.3, its own call running; r4 (C, 6.2) and r5 (A, 6.8) wait on running calls,
+    # the busy lease's among them; r6 (A, 9.6) is within a lease time of those waits: no lease.
+    arrivals = [(0.3, "A"), (3.3, "C"), (5.3, "A"), (5.6, "B"), (6.2, "C"), (6.8, "A"), (9.6, "A"), (9.7, "A")]
+    assert sim(arrivals, lease_s=3.0, gpus=1, slots=3).leases == 1
 
 
 def test_the_simulator_ends_a_lease_with_no_call_for_its_time_and_leases_again() -> None:
