@@ -70,7 +70,7 @@ from gpufaas.types import Request
 from scheduler.adaptive_slots import AdaptiveSlots
 from scheduler.core import Scheduler
 from scheduler.decisions import Dispatch
-from scheduler.leases import may_lease, may_lease_on
+from scheduler.leases import leases_to_end, may_lease, may_lease_on
 
 MAX_WORKER_ATTEMPTS = 2  # a call whose worker died is retried once
 MAX_PLACEMENTS = 6  # placements that never ran (node unreachable, grant refused) before giving up
@@ -320,8 +320,9 @@ class _Leasing(_Upkeep):
         return self._lease_over(call, now) + self.schedule(now)
 
     def _leases_after(self, effects: list[Effect], parked: list[str], now: float) -> list[Effect]:
-        """After a pass of the policy: while calls wait in the global queue every lease ends; a
-        call parked on a GPU ends the leases there (it waits for that GPU's slots); a lease whose
+        """After a pass of the policy: while calls wait in the global queue the leases that hold
+        up the first end (`_leases_for_wait`: every lease, where none in particular does); a call
+        parked on a GPU ends the leases there (it waits for that GPU's slots); a lease whose
         model's entry went with another call's failure on its GPU ends; and where nothing waits,
         the pass's hits lease their slots as the rules allow (`_grant_leases`)."""
         for gpu_id in parked:
@@ -332,15 +333,33 @@ class _Leasing(_Upkeep):
                 [c for c in self._leases.values() if c.call_id in self.scheduler.cluster.pin_dropped]
             )
         if self.scheduler.queue:
-            # A wait that the leases being ended now (or whose ends are being asked) may clear does
-            # not hold new ones back; one behind running calls does, a busy lease's among them.
-            if not any(not c.lease_ending or c.checking for c in self._leases.values()):
-                self._waited_at = now
-            return ending + self._end_leases(list(self._leases.values())) if self._leases else ending
+            return ending + self._leases_for_wait(now)
         self._grant_leases(effects, now)
         if not parked or not self._leases:
             return ending
         return ending + self._end_leases([c for c in self._leases.values() if c.gpu_id in parked])
+
+    def _leases_for_wait(self, now: float) -> list[Effect]:
+        """Calls wait in the global queue: end the leases that hold up its head (`leases_to_end`),
+        or every lease, unless some are ending already (the call waits for those). The wait counts
+        for the hysteresis (`_waited_at`) unless leases are being ended for it: one that they were
+        what held up is over once their slots are free; a lease its node answered busy is a
+        running call."""
+        idle: dict[str, list[tuple[str, str]]] = {}
+        ending = asking = False
+        for call in self._leases.values():
+            if call.lease_ending:
+                ending, asking = True, asking or call.checking
+            else:
+                idle.setdefault(call.gpu_id, []).append((call.call_id, call.spec.model))
+        if ending or not idle:
+            if not asking:
+                self._waited_at = now
+            return []
+        chosen = leases_to_end(self.scheduler, idle)
+        if chosen is None:
+            return self._end_leases([self._leases[c] for leases in idle.values() for c, _ in leases])
+        return self._end_leases([self._leases[c] for c in chosen])
 
     def _grant_leases(self, effects: list[Effect], now: float) -> None:
         """Each hit's placement whose owner takes leases leases its slot for `lease_s` where the

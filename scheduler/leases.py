@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
 from scheduler.core import Scheduler
 from scheduler.state import GpuState
 
@@ -27,3 +30,36 @@ def may_lease_on(state: GpuState, now: float, parked_at: float, lease_s: float) 
     if state.local_queue or now - parked_at < lease_s:
         return False
     return state.free_slots > 0 or state.spec.slots == 1
+
+
+def leases_to_end(scheduler: Scheduler, leased: Mapping[str, Sequence[tuple[str, str]]]) -> list[str] | None:
+    """Which leases to end for the call at the head of the global queue, where none is ending yet:
+    `leased` maps GPUs to their leases, (lease id, model). On a memory-pressed cluster that call
+    is a miss whose eviction candidates are leased: ending every lease of the cluster for it would
+    have each of their gateways ask for its next call again. So: the fewest leases, least recently
+    used first, whose models (pinned by their lease alone) make room for its model on one GPU with
+    a free slot. None where no GPU is so (every slot runs a call, or a GPU has room for it already:
+    it waits for something else): then every lease ends."""
+    request = scheduler.queue.head
+    if request is None or request.model not in scheduler.cluster.models:
+        return None
+    memory_mb = scheduler.model(request.model).memory_mb
+    best: list[str] | None = None
+    for gpu_id, leases in leased.items():
+        state = scheduler.gpu(gpu_id)
+        cache = scheduler.cache.gpu(gpu_id)
+        if not state.free_slots:
+            continue
+        if cache.can_admit(request.model, memory_mb):
+            return None
+        running = Counter(r.model for r in state.running.values())
+        lease_of = {model: lease_id for lease_id, model in leases if running[model] == 1}
+        lacking_mb = memory_mb - (cache.capacity_mb - cache.pinned_mb)
+        chosen: list[str] = []
+        for model in reversed(cache.lru_list()):  # least recently used first
+            if model in lease_of and lacking_mb > 0:
+                chosen.append(lease_of[model])
+                lacking_mb -= cache.item(model).memory_mb
+        if lacking_mb <= 0 and (best is None or len(chosen) < len(best)):
+            best = chosen
+    return best

@@ -85,7 +85,7 @@ from gpufaas.types import GpuSpec, Request, check_positive
 from scheduler import Dispatch, Estimator, Park, PolicyConfig, Scheduler, SchedulingPolicy, make_policy
 from scheduler.adaptive_slots import AdaptiveSlots
 from scheduler.estimator import DEFAULT_HOST_TO_GPU_MB_S, DEFAULT_SWAP_IN_OVERHEAD_S
-from scheduler.leases import may_lease, may_lease_on
+from scheduler.leases import leases_to_end, may_lease, may_lease_on
 from scheduler.policies import DEFAULT_MAX_NUM_SKIPS
 from simulator.workload import Workload
 
@@ -568,13 +568,13 @@ class _Run:
     # --- hit leases (the module docstring) ------------------------------------------------------
     def _leases_after(self, hits: list[Dispatch], parked: list[str], now: float) -> None:
         """After the scheduler's pass, as the call book does: while calls wait in the global queue
-        every lease ends; a call parked on a GPU ends the leases there; and where nothing waits,
-        the pass's hits lease their slots as the rules allow. The slots freed at once serve what
-        waits (another pass)."""
+        the leases that hold up the first end (every lease, where none in particular does); a call
+        parked on a GPU ends the leases there; and where nothing waits, the pass's hits lease their
+        slots as the rules allow. The slots freed at once serve what waits (another pass)."""
         for gpu_id in parked:
             self.parked_at[gpu_id] = now
         if self.scheduler.queue:
-            ending = [lease for leases in self.leased.values() for lease in leases]
+            ending = self._leases_for_wait()
         else:
             self._grant(hits, now)
             parked_on = set(parked)
@@ -587,6 +587,22 @@ class _Run:
             self._leases_after(*self._carry_out(now, True), now)
         elif self.scheduler.queue:  # they wait on running calls (a busy lease's among them)
             self.waited_at = now
+
+    def _leases_for_wait(self) -> list[_Lease]:
+        """Calls wait in the global queue: the leases to end for its head, as the call book
+        chooses them (`leases_to_end`; every lease where it names none), or none while some are
+        ending already (the call waits for those)."""
+        idle: dict[str, list[tuple[str, str]]] = {}
+        by_holder: dict[str, _Lease] = {}
+        for leases in self.leased.values():
+            for lease in leases:
+                if lease.ending:
+                    return []
+                model = self.scheduler.gpu(lease.gpu_id).running[lease.holder].model
+                idle.setdefault(lease.gpu_id, []).append((lease.holder, model))
+                by_holder[lease.holder] = lease
+        chosen = leases_to_end(self.scheduler, idle) if idle else []
+        return list(by_holder.values()) if chosen is None else [by_holder[holder] for holder in chosen]
 
     def _grant(self, hits: list[Dispatch], now: float) -> None:
         """The hits just dispatched lease their slots where the call book's rules allow."""

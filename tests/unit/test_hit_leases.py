@@ -28,12 +28,17 @@ def spec(name: str) -> FunctionSpec:
     return FunctionSpec(name=name, package_digest="sha256:" + hashlib.sha256(name.encode()).hexdigest(), memory_mb=1000)
 
 
-A, B, C, D = spec("fn-a"), spec("fn-b"), spec("fn-c"), spec("fn-d")
+A, B, C, D, E = spec("fn-a"), spec("fn-b"), spec("fn-c"), spec("fn-d"), spec("fn-e")
 
 
-def make_book(*, gpus: tuple[str, ...] = (N1, N2), slots: int = 1, lease_s: float = LEASE_S) -> CallBook:
+def make_book(
+    *, gpus: tuple[str, ...] = (N1, N2), slots: int = 1, lease_s: float = LEASE_S, memory_mb: int = 8000
+) -> CallBook:
     scheduler = make_scheduler(
-        "lalb", gpus={gpu: 8000 for gpu in gpus}, models={s.model: s.memory_mb for s in (A, B, C, D)}, slots=slots
+        "lalb",
+        gpus={gpu: memory_mb for gpu in gpus},
+        models={s.model: s.memory_mb for s in (A, B, C, D, E)},
+        slots=slots,
     )
     return CallBook(scheduler, claim_s=5.0, lost_after_s=5.0, lease_s=lease_s)
 
@@ -152,6 +157,33 @@ def test_a_wait_on_running_calls_counts_though_a_busy_lease_is_still_ending() ->
     for call_id, at in (("b1", 1.4), ("d1", 1.45), ("e1", 1.5)):
         book.done(call_id, 1, pb.OK, now=at)
     assert assignment(book.submit("gw1", "g1", C, 30.0, now=1.3 + LEASE_S - 0.1, lease=True)).lease_s == 0.0
+
+
+def test_a_miss_that_waits_for_room_ends_only_the_lease_whose_model_makes_it() -> None:
+    # GPUs of two models each, all four leased: a miss of E finds nothing it may evict.
+    book = make_book(gpus=(N1, N2), slots=3, memory_mb=2000)
+    for index, fn in enumerate((A, B, C, D)):
+        assignment(book.submit("gw1", f"{fn.name}-0", fn, 30.0, now=index / 10))
+        book.done(f"{fn.name}-0", 1, pb.OK, now=index / 10 + 0.05)
+    where = {}
+    for index, fn in enumerate((A, B, C, D)):
+        hit = assignment(book.submit("gw1", f"{fn.name}-1", fn, 30.0, now=1.0 + index / 10, lease=True))
+        assert hit.hit and hit.lease_s == LEASE_S
+        book.done(f"{fn.name}-1", 1, pb.OK, now=1.05 + index / 10)
+        where[fn.name] = hit.gpu_id
+    assert sorted(where.values()) == sorted([N1, N1, N2, N2])
+    # Only A's lease ends (the least recently used, and its GPU has a free slot): not the other
+    # three, whose gateways keep sending their calls straight to the node.
+    node = where["fn-a"].split("/")[0]
+    assert book.submit("gw2", "e1", E, 30.0, now=1.5) == [CheckGrants(node, (("fn-a-1", 1),))]
+    assert book.tick(now=1.55) == []  # nothing more is ended while that answer is awaited
+    effects = book.grants_checked(node, [], [("fn-a-1", 1)], now=1.6)
+    (placed,) = [e for e in effects if isinstance(e, Assignment)]
+    assert (placed.call_id, placed.gpu_id, placed.evict) == ("e1", where["fn-a"], (A.model,))
+    assert sorted(book._leases) == ["fn-b-1", "fn-c-1", "fn-d-1"]
+    # That wait was the lease's doing: E's next hit is leased at once.
+    book.done("e1", 1, pb.OK, now=1.7)
+    assert assignment(book.submit("gw2", "e2", E, 30.0, now=1.8, lease=True)).lease_s == LEASE_S
 
 
 def test_a_queue_forming_ends_every_lease_and_the_slot_frees_once_the_node_says_so() -> None:
@@ -532,7 +564,9 @@ def test_a_gateways_lease_is_dropped_past_its_usable_time_on_another_link_or_whe
 # --- the simulator ------------------------------------------------------------------------------
 
 
-def sim(arrivals: list[tuple[float, str]], *, lease_s: float, gpus: int = 1, slots: int = 2) -> SimResult:
+def sim(
+    arrivals: list[tuple[float, str]], *, lease_s: float, gpus: int = 1, slots: int = 2, gpu_memory_mb: int = 4000
+) -> SimResult:
     """Models A, B, C of 1000 MB loading in 2 s and running a call in 1 s; calls at `arrivals`."""
     names = ("A", "B", "C")
     workload = Workload(
@@ -543,7 +577,7 @@ def sim(arrivals: list[tuple[float, str]], *, lease_s: float, gpus: int = 1, slo
         start_minute=0,
         minutes=1,
     )
-    cluster = ClusterConfig(gpus=gpus, gpu_memory_mb=4000, slots=slots, hit_lease_s=lease_s)
+    cluster = ClusterConfig(gpus=gpus, gpu_memory_mb=gpu_memory_mb, slots=slots, hit_lease_s=lease_s)
     return simulate(workload, "lalb", cluster=cluster)
 
 
@@ -563,6 +597,15 @@ def test_the_simulator_ends_every_lease_when_a_call_waits_and_leases_again_once_
     assert (result.leases, result.lease_calls, result.parks) == (2, 0, 0)
     assert result.function_max_wait_s["fn-C"] == 0.0
     assert result.completed == 5
+
+
+def test_the_simulator_ends_only_the_lease_that_makes_room_for_a_waiting_miss() -> None:
+    # One GPU of two models: A and B leased at 4 and 4.5; C (at 6) must evict one: A's lease (the
+    # least recently used) ends, C loads in its place, and B (at 7) still runs under its lease.
+    arrivals = [(0.0, "A"), (0.1, "B"), (4.0, "A"), (4.5, "B"), (6.0, "C"), (9.5, "B")]
+    result = sim(arrivals, lease_s=10.0, slots=3, gpu_memory_mb=2000)
+    assert (result.leases, result.lease_calls, result.misses) == (2, 1, 3)
+    assert result.function_max_wait_s["fn-C"] == 0.0
 
 
 def test_the_simulator_grants_no_lease_for_a_lease_time_after_a_wait_no_lease_held_up() -> None:
