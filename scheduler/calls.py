@@ -333,26 +333,27 @@ class _Leasing(_Upkeep):
                 [c for c in self._leases.values() if c.call_id in self.scheduler.cluster.pin_dropped]
             )
         if self.scheduler.queue:
-            return ending + self._leases_for_wait(now)
-        self._grant_leases(effects, now)
+            ending += self._leases_for_wait(now)
+        else:
+            self._grant_leases(effects, now)
         if not parked or not self._leases:
             return ending
         return ending + self._end_leases([c for c in self._leases.values() if c.gpu_id in parked])
 
     def _leases_for_wait(self, now: float) -> list[Effect]:
         """Calls wait in the global queue: end the leases that hold up its head (`leases_to_end`),
-        or every lease, unless some are ending already (the call waits for those). The wait counts
-        for the hysteresis (`_waited_at`) unless leases are being ended for it: one that they were
-        what held up is over once their slots are free; a lease its node answered busy is a
-        running call."""
+        or every lease, unless nodes are being asked to end some (the call waits for their
+        answers). A lease its node answered busy is a running call (its model pinned until its
+        Done). The wait counts for the hysteresis (`_waited_at`) unless leases are being ended
+        for it: one that they were what held up is over once their slots are free."""
         idle: dict[str, list[tuple[str, str]]] = {}
-        ending = asking = False
+        asking = False
         for call in self._leases.values():
             if call.lease_ending:
-                ending, asking = True, asking or call.checking
+                asking = asking or call.checking
             else:
                 idle.setdefault(call.gpu_id, []).append((call.call_id, call.spec.model))
-        if ending or not idle:
+        if asking or not idle:
             if not asking:
                 self._waited_at = now
             return []

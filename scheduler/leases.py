@@ -38,17 +38,18 @@ def leases_to_end(scheduler: Scheduler, leased: Mapping[str, Sequence[tuple[str,
     is a miss whose eviction candidates are leased: ending every lease of the cluster for it would
     have each of their gateways ask for its next call again. So: the fewest leases, least recently
     used first, whose models (pinned by their lease alone) make room for its model on one GPU with
-    a free slot. None where no GPU is so (every slot runs a call, or a GPU has room for it already:
-    it waits for something else): then every lease ends."""
+    a free slot (and that it may run on). None where no GPU is so (every slot runs a call, or a
+    GPU has room for it already: it waits for something else): then every lease ends."""
     request = scheduler.queue.head
     if request is None or request.model not in scheduler.cluster.models:
         return None
-    memory_mb = scheduler.model(request.model).memory_mb
+    spec = scheduler.model(request.model)
+    memory_mb = spec.memory_mb
     best: list[str] | None = None
     for gpu_id, leases in leased.items():
         state = scheduler.gpu(gpu_id)
         cache = scheduler.cache.gpu(gpu_id)
-        if not state.free_slots:
+        if not state.free_slots or gpu_id == request.avoid_gpu or not scheduler.cluster.fits_spec(spec, state):
             continue
         if cache.can_admit(request.model, memory_mb):
             return None

@@ -577,8 +577,10 @@ class _Run:
             ending = self._leases_for_wait()
         else:
             self._grant(hits, now)
+            ending = []
+        if parked:
             parked_on = set(parked)
-            ending = [lease for leases in self.leased.values() for lease in leases if lease.gpu_id in parked_on]
+            ending += [lease for leases in self.leased.values() for lease in leases if lease.gpu_id in parked_on]
         freed = False
         for lease in ending:
             if not lease.ending:
@@ -590,14 +592,14 @@ class _Run:
 
     def _leases_for_wait(self) -> list[_Lease]:
         """Calls wait in the global queue: the leases to end for its head, as the call book
-        chooses them (`leases_to_end`; every lease where it names none), or none while some are
-        ending already (the call waits for those)."""
+        chooses them (`leases_to_end`; every lease where it names none). One ending already runs
+        a call (it ends when that call completes): a running call's, its model stays pinned."""
         idle: dict[str, list[tuple[str, str]]] = {}
         by_holder: dict[str, _Lease] = {}
         for leases in self.leased.values():
             for lease in leases:
                 if lease.ending:
-                    return []
+                    continue
                 model = self.scheduler.gpu(lease.gpu_id).running[lease.holder].model
                 idle.setdefault(lease.gpu_id, []).append((lease.holder, model))
                 by_holder[lease.holder] = lease

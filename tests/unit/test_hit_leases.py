@@ -186,6 +186,64 @@ def test_a_miss_that_waits_for_room_ends_only_the_lease_whose_model_makes_it() -
     assert assignment(book.submit("gw2", "e2", E, 30.0, now=1.8, lease=True)).lease_s == LEASE_S
 
 
+def four_leases(book: CallBook) -> dict[str, str]:
+    """Models A to D loaded and each leased by a gateway of its own ("gw-fn-a", ...): where each is."""
+    for index, fn in enumerate((A, B, C, D)):
+        assignment(book.submit("gw1", f"{fn.name}-0", fn, 30.0, now=index / 10))
+        book.done(f"{fn.name}-0", 1, pb.OK, now=index / 10 + 0.05)
+    where = {}
+    for index, fn in enumerate((A, B, C, D)):
+        hit = assignment(book.submit(f"gw-{fn.name}", f"{fn.name}-1", fn, 30.0, now=1.0 + index / 10, lease=True))
+        assert hit.lease_s == LEASE_S
+        book.done(f"{fn.name}-1", 1, pb.OK, now=1.05 + index / 10)
+        where[fn.name] = hit.gpu_id
+    return where
+
+
+def test_a_lease_its_node_answers_busy_is_a_running_call_and_the_next_one_is_ended_for_the_wait() -> None:
+    book = make_book(gpus=(N1, N2), slots=3, memory_mb=2000)
+    where = four_leases(book)
+    (check,) = book.submit("gw2", "e1", E, 30.0, now=1.5)
+    assert check == CheckGrants(where["fn-a"].split("/")[0], (("fn-a-1", 1),))
+    # A call runs under A's lease: it ends at that call's Done. The least recently used lease
+    # after it, on a GPU with a free slot, is ended for E meanwhile; E does not wait for A's call.
+    effects = book.grants_checked(check.node, [], [("fn-a-1", 1)], now=1.6, busy=[("fn-a-1", 1)])
+    (next_check,) = effects
+    assert isinstance(next_check, CheckGrants) and next_check.grants == (("fn-b-1", 1),)
+    placed = assignment(book.grants_checked(next_check.node, [], [("fn-b-1", 1)], now=1.7))
+    assert (placed.call_id, placed.evict) == ("e1", (B.model,))
+
+
+def test_a_lease_ending_for_another_reason_does_not_hold_up_a_waiting_miss() -> None:
+    book = make_book(gpus=(N1, N2), slots=3, memory_mb=2000)
+    where = four_leases(book)
+    book.done("fn-a-1", 1, pb.OK, now=1.5, lease_call_id="a2")  # A used again: B is the least recent
+    (check,) = book.owner_lost("gw-fn-d", now=1.6)  # D's gateway left while a call ran under its lease
+    book.grants_checked(check.node, [], [("fn-d-1", 1)], now=1.65, busy=[("fn-d-1", 1)])
+    (check,) = book.submit("gw2", "e1", E, 30.0, now=1.7)
+    assert check == CheckGrants(where["fn-b"].split("/")[0], (("fn-b-1", 1),))
+    placed = assignment(book.grants_checked(check.node, [], [("fn-b-1", 1)], now=1.8))
+    assert (placed.call_id, placed.evict) == ("e1", (B.model,))
+
+
+def test_a_call_parked_while_a_miss_waits_for_room_ends_the_leases_of_its_gpu() -> None:
+    scheduler = make_scheduler(
+        "lalb", gpus={N1: 2000, N2: 8000}, models={s.model: 1000 for s in (A, B, C, E)}, slots={N1: 3, N2: 1}
+    )
+    book = CallBook(scheduler, claim_s=5.0, lost_after_s=5.0, lease_s=LEASE_S)
+    for index, fn in enumerate((A, B, C)):  # A and B fill N1, C goes to N2
+        assignment(book.submit("gw1", f"{fn.name}-0", fn, 30.0, now=index / 10))
+        book.done(f"{fn.name}-0", 1, pb.OK, now=index / 10 + 0.05)
+    for index, fn in enumerate((A, B, C)):  # each leased (N2's one slot too: N1 has a free one)
+        assert assignment(book.submit("gw1", f"{fn.name}-1", fn, 30.0, now=1.0 + index / 10, lease=True)).lease_s
+        book.done(f"{fn.name}-1", 1, pb.OK, now=1.05 + index / 10)
+    assert book.submit("gw2", "e1", E, 30.0, now=1.3) == [CheckGrants("n1", (("fn-a-1", 1),))]
+    # While E waits for A's lease to end, a call of C parks behind C's lease on N2: that lease ends
+    # too (before, the wait's pass skipped the park's rule, and a lease in steady use never ended).
+    assert book.submit("gw3", "x1", C, 30.0, now=1.31) == [CheckGrants("n2", (("fn-c-1", 1),))]
+    assert assignment(book.grants_checked("n2", [], [("fn-c-1", 1)], now=1.32)).call_id == "x1"
+
+
 def test_a_queue_forming_ends_every_lease_and_the_slot_frees_once_the_node_says_so() -> None:
     book = make_book()
     leased_hit(book)
