@@ -7,8 +7,9 @@ processes of their own, measured apart.
 The workload is bench/peer_bench.py's (8 tiny torch models of the pytorch-custom template, Zipf
 1.1, `gpufaas up` with 1 node and 2 cpu GPUs, calls with the invoke token, the same closed-loop
 client), with GPUs large enough that all 8 models stay resident: every measured call is a hit, the
-path this measures. Per round, after a warm-up that loads every model: each process's utime +
-stime (/proc/PID/stat) is read, the client makes exactly `--calls` calls at `--concurrency`, and
+path this measures (`--gpu-memory-mb 300` gives peer_bench's GPUs instead, whose misses count too).
+Per round, after a warm-up that loads every model: each process's utime + stime (/proc/PID/stat)
+is read, the client makes exactly `--calls` calls at `--concurrency`, and
 the CPU read again; the difference over the calls is that process's CPU per call. "workers" is
 every process below the node (its zygote, spares and model workers); "client" is the load
 client's own CPU, as it reports it. Rounds are reported one by one and by their median.
@@ -180,6 +181,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--calls", type=int, default=3000, help="calls per measured round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument(
+        "--gpu-memory-mb",
+        type=int,
+        default=1000,
+        help="each GPU's memory: 1000 (the default) holds all 8 models of 100 MB, so every call is a hit; "
+        "300 is bench/peer_bench.py's (3 models a GPU: about one call in eight reloads a model)",
+    )
     parser.add_argument("--no-tls", action="store_true", help="the daemons' links in plain (gpufaas up --no-tls)")
     parser.add_argument("--profile", action="store_true", help="a last round with the daemons under cProfile")
     parser.add_argument(
@@ -209,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             *(("--node-apart",) if args.node_apart else ()),
         )
         profiles = install_profiler(work) if args.profile else None
-        # 1000 MB GPUs: all 8 models of 100 MB stay resident, so the measured calls are hits.
-        with gpufaas_cluster(work, gpu_memory_mb=1000, up=up) as cluster:
+        # 1000 MB GPUs (the default): all 8 models of 100 MB stay resident, so the measured calls are hits.
+        with gpufaas_cluster(work, gpu_memory_mb=args.gpu_memory_mb, up=up) as cluster:
             client(cluster, body, calls=400, concurrency=args.concurrency, warmup_s=0)  # loads every model
             rounds = []
             for index in range(args.rounds):
@@ -223,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     report = {
         "meta": run_metadata(
-            workload=f"{NUM_MODELS} models, Zipf {ZIPF}, hits only, concurrency {args.concurrency}",
+            workload=f"{NUM_MODELS} models, Zipf {ZIPF}, GPUs of {args.gpu_memory_mb} MB"
+            + (" (hits only)" if args.gpu_memory_mb >= 1000 else "")
+            + f", concurrency {args.concurrency}",
             tls=not args.no_tls,
             scheduler_apart=args.scheduler_apart,
             node_apart=args.node_apart,
