@@ -15,9 +15,9 @@ def may_lease(scheduler: Scheduler, now: float, waited_at: float, lease_s: float
     `lease_s` (a load that queues calls now and then would have its leases ended each time, and
     every gateway ask again), and some GPU has a free slot. The callers set `waited_at` for a wait
     on running calls only (a lease that a call runs under is one): a wait that finds idle leases
-    ends them all, and is over once their slots are free if they were what held it up (on a
-    memory-pressed cluster, a miss whose eviction candidates were leased: it must not keep leases
-    back from a load that never queues on its own)."""
+    ends those in its way (`leases_to_end`), and is over once their slots are free if they were
+    what held it up (on a memory-pressed cluster, a miss whose eviction candidates were leased: it
+    must not keep leases back from a load that never queues on its own)."""
     return lease_s > 0 and now - waited_at >= lease_s and bool(scheduler.cluster.idle)
 
 

@@ -56,10 +56,9 @@ adds is the ground truth of the GPUs, on a virtual clock:
   the estimator and the cache as a hit's: `Scheduler.on_lease_use`). A lease ends, its slot freed
   once the call under it completes, when calls wait in the global queue (those in the way of the
   first, `leases_to_end`, or every lease), when a call is parked on its GPU (that GPU's), and
-  when no call came for a lease time after the last;
-  none is granted for a lease time after calls waited on running calls (not on idle leases, which
-  such a wait ends: once their slots serve it, it is over). Ending one takes no time here (in the
-  service, a round trip to its node).
+  when no call came for a lease time after the last; none is granted for a lease time after calls
+  waited on running calls (not on idle leases, which such a wait ends: once their slots serve it,
+  it is over). Ending one takes no time here (in the service, a round trip to its node).
 
 With D = 1 and no batching this is exactly the one-call-at-a-time model: a miss takes load +
 inference, a hit its inference.
