@@ -162,15 +162,7 @@ def test_a_wait_on_running_calls_counts_though_a_busy_lease_is_still_ending() ->
 def test_a_miss_that_waits_for_room_ends_only_the_lease_whose_model_makes_it() -> None:
     # GPUs of two models each, all four leased: a miss of E finds nothing it may evict.
     book = make_book(gpus=(N1, N2), slots=3, memory_mb=2000)
-    for index, fn in enumerate((A, B, C, D)):
-        assignment(book.submit("gw1", f"{fn.name}-0", fn, 30.0, now=index / 10))
-        book.done(f"{fn.name}-0", 1, pb.OK, now=index / 10 + 0.05)
-    where = {}
-    for index, fn in enumerate((A, B, C, D)):
-        hit = assignment(book.submit("gw1", f"{fn.name}-1", fn, 30.0, now=1.0 + index / 10, lease=True))
-        assert hit.hit and hit.lease_s == LEASE_S
-        book.done(f"{fn.name}-1", 1, pb.OK, now=1.05 + index / 10)
-        where[fn.name] = hit.gpu_id
+    where = four_leases(book)
     assert sorted(where.values()) == sorted([N1, N1, N2, N2])
     # Only A's lease ends (the least recently used, and its GPU has a free slot): not the other
     # three, whose gateways keep sending their calls straight to the node.
@@ -194,7 +186,7 @@ def four_leases(book: CallBook) -> dict[str, str]:
     where = {}
     for index, fn in enumerate((A, B, C, D)):
         hit = assignment(book.submit(f"gw-{fn.name}", f"{fn.name}-1", fn, 30.0, now=1.0 + index / 10, lease=True))
-        assert hit.lease_s == LEASE_S
+        assert hit.hit and hit.lease_s == LEASE_S
         book.done(f"{fn.name}-1", 1, pb.OK, now=1.05 + index / 10)
         where[fn.name] = hit.gpu_id
     return where
