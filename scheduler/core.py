@@ -73,6 +73,8 @@ class Scheduler(ClusterReads):
             raise ValueError(f"GPU {spec.gpu_id!r} is already registered")
         state = GpuState(spec)
         self.cluster.gpus[spec.gpu_id] = state
+        types = self.cluster.gpu_types
+        types[spec.gpu_type] = types.get(spec.gpu_type, 0) + 1
         self.cache.add_gpu(spec.gpu_id, spec.memory_mb, node=spec.node)
         self.cluster.enter_idle(state)
         self.cluster.reindex(state)  # a stamp of its own: a GPU of this id before it had others
@@ -83,6 +85,10 @@ class Scheduler(ClusterReads):
         policy hears each running one end (`on_finish`, failed) and each returned one requeued
         (`on_requeue`), as of `now`."""
         state = self.cluster.gpus.pop(gpu_id)
+        types = self.cluster.gpu_types
+        types[state.spec.gpu_type] -= 1
+        if not types[state.spec.gpu_type]:
+            del types[state.spec.gpu_type]
         for request in state.running.values():
             self.policy.on_finish(request, now, inference_time_s=None)
         returned = [*state.running.values(), *state.local_queue]

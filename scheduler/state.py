@@ -126,6 +126,7 @@ class ClusterState:
         self.estimator = estimator
         self.queue = GlobalQueue()
         self.gpus: dict[str, GpuState] = {}
+        self.gpu_types: dict[str, int] = {}  # GPU type -> how many of `gpus` are of it
         self.idle: list[tuple[tuple[float, str], str]] = []  # GPUs with a free slot, by GpuState.order_key
         self.models: dict[str, ModelSpec] = {}
         self.placed_on: dict[str, str] = {}  # parked or running request -> GPU
@@ -360,6 +361,21 @@ class ClusterState:
                 load_s += self.estimator.fetch_time_s(spec.memory_mb)
         return load_s
 
+    def least_load_time_s(self, model: str) -> float:
+        """At most `load_time_s(model, g)` for every GPU g: the least load of `model` on a GPU type
+        attached, or swap-in where a node's host tier or model pool holds it (a fetch only adds to
+        a load); 0.0 with no GPU. O(GPU types), where a search for the GPU that loads it soonest is
+        O(GPUs): a wait no load can beat needs no search."""
+        memory_mb = self.models[model].memory_mb
+        estimator, cache = self.estimator, self.cache
+        swaps_in = bool(cache.nodes_holding(model) or cache.holdings.nodes_pooling(model))
+        least = math.inf
+        for gpu_type in self.gpu_types:
+            least = min(least, estimator.load_time_s(model, gpu_type, memory_mb))
+            if swaps_in:
+                least = min(least, estimator.swap_in_time_s(model, gpu_type, memory_mb))
+        return 0.0 if least == math.inf else least
+
     def copies_overlapping(self, model: str, gpu_id: str, now: float) -> int:
         """How many copies expected in flight on `gpu_id`'s shared host link would overlap the
         copy of `model` if it were loaded there now (0 for a GPU with a link of its own): each
@@ -422,6 +438,10 @@ class ClusterReads:
     def load_time_s(self, model: str, gpu_id: str) -> float:
         """See `ClusterState.load_time_s`."""
         return self.cluster.load_time_s(model, gpu_id)
+
+    def least_load_time_s(self, model: str) -> float:
+        """See `ClusterState.least_load_time_s`."""
+        return self.cluster.least_load_time_s(model)
 
     def copies_overlapping(self, model: str, gpu_id: str, now: float) -> int:
         """See `ClusterState.copies_overlapping`."""

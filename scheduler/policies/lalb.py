@@ -87,7 +87,9 @@ def _place_with_holders(
         # serves the call sooner and spreads the model's load, where it evicts nothing
         # (here first); a replica that would throw out a warm model is not worth it.
         wait_s = ctx.worker_wait_s(model, idle_holder, now)
-        if wait_s:
+        # (Most waits are milliseconds and loads seconds: then no replica can win, and the
+        # O(idle GPUs) search for one is skipped.)
+        if wait_s > ctx.least_load_time_s(model):
             replica = ctx.idle_for_replica(model, prefer=gpu_id, exclude=avoid, quiet_links_at=quiet_at)
             if replica is not None and wait_s > ctx.load_time_s(model, replica):
                 placement = Placement.HERE if replica == gpu_id else Placement.ELSEWHERE
@@ -218,10 +220,11 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
         it is a hit on a free worker or a park: here, when the model is cached here and no call of
         it runs here past `now` (`hits_here`; in `lalb-o3` the head's pass-over then counts no
         skip, there being no request ahead), else on the best idle holder (`best_idle_holder`, but
-        `avoid_gpu`) when its worker of the model is free, `_place_with_holders`' choice when it
-        weighs no replica; with no idle holder, a park on the busy holder that frees up soonest
-        when that beats a load here, as `_place_with_holders` decides it. None for the rest: a
-        busy worker (a replica may win), a miss (no holder, or a park that does not pay), and
+        `avoid_gpu`) when its worker of the model is free or busy for no longer than any load
+        takes (`least_load_time_s`), `_place_with_holders`' choice when no replica can win; with no
+        idle holder, a park on the busy holder that frees up soonest when that beats a load here,
+        as `_place_with_holders` decides it. None for the rest: a worker busy for longer (a
+        replica may win), a miss (no holder, or a park that does not pay), and
         `literal_visits` (its scan visits the request first). `worker_wait_s` is 0 exactly when
         `models_busy` leaves the model out: both compare the last expected finish of its calls
         there with `now`."""
@@ -235,7 +238,8 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
             return None  # a miss: the fill asks the index nothing then, and neither do we
         holder = cluster.best_idle_holder(model, exclude=avoid)
         if holder is not None:
-            return None if cluster.worker_wait_s(model, holder, now) else holder
+            wait_s = cluster.worker_wait_s(model, holder, now)
+            return holder if wait_s <= cluster.least_load_time_s(model) else None
         soonest = cluster.soonest_busy_holder(model, now)
         if soonest is None or soonest[0] == avoid:
             return None

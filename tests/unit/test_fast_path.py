@@ -88,14 +88,32 @@ def test_a_lone_hit_goes_to_the_best_idle_holder_when_the_first_idle_gpu_lacks_t
     assert drafts.made == made + 1
 
 
-def test_a_lone_call_whose_worker_is_busy_everywhere_fills_in_full(drafts: type[CountedDraft]) -> None:
-    # A runs on its only holder until t = 1: the fill weighs a replica on g1 against that wait, so
-    # the fast path leaves the call to it.
+def test_a_lone_call_whose_worker_is_busy_for_longer_than_a_load_fills_in_full(
+    drafts: type[CountedDraft],
+) -> None:
+    # Three calls of A run on its only holder, one after another in its worker: until t = 3, longer
+    # than a load (2 s). The fill weighs a replica on g1 against that wait (and takes it), so the
+    # fast path leaves the call to it.
     fast, full = twins("lalb", gpus=2, slots=4)
+    alike(fast, full, lambda s: (cache_on(s, "g0", "A"), *(run_on(s, "g0", "A") for _ in range(3))))
+    made = drafts.made
+    (decision,) = schedule_both(fast, full, "lone", "A")
+    assert (decision.gpu_id, decision.hit) == ("g1", False)  # the replica
+    assert drafts.made == made + 2  # both filled in full
+
+
+@pytest.mark.parametrize("policy", ["lalb", "lalb-o3"])
+def test_a_lone_call_whose_worker_is_busy_for_less_than_any_load_takes_no_draft(
+    policy: str, drafts: type[CountedDraft]
+) -> None:
+    # A runs on its only holder until t = 1, less than any load of A (2 s): no replica can win, so
+    # the call goes to that holder, and the fast path says so without a fill.
+    fast, full = twins(policy, gpus=2, slots=4)
     alike(fast, full, lambda s: (cache_on(s, "g0", "A"), run_on(s, "g0", "A")))
     made = drafts.made
-    schedule_both(fast, full, "lone", "A")
-    assert drafts.made == made + 2  # both filled in full
+    (decision,) = schedule_both(fast, full, "lone", "A")
+    assert (decision.gpu_id, decision.hit) == ("g0", True)
+    assert drafts.made == made + 1  # the full scheduler's fill only
 
 
 @pytest.mark.parametrize("policy", ["lalb", "lalb-o3"])
