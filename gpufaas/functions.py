@@ -4,6 +4,8 @@ routes (and its OpenAPI document) and the copies in etcd."""
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import re
 from typing import Annotated, Any, TypeVar
 
@@ -89,6 +91,19 @@ class WorkerSettings(BaseModel):
         return cls.model_validate_json(data) if data else cls()
 
 
+def settings_tag(settings: WorkerSettings) -> str:
+    """A short name of worker settings other than the defaults ('' for the defaults): the part of a
+    function's model that tells workers started with other settings apart. The same settings in any
+    order of their environment's keys give the same tag."""
+    dumped = settings.model_dump(mode="json", include=set(WorkerSettings.model_fields))
+    if dumped == _DEFAULT_WORKER_SETTINGS:
+        return ""
+    return hashlib.sha256(json.dumps(dumped, sort_keys=True).encode()).hexdigest()[:8]
+
+
+_DEFAULT_WORKER_SETTINGS = WorkerSettings().model_dump(mode="json")
+
+
 class FunctionSettings(WorkerSettings):
     """What a function's owner chooses (stack.yml's keys beside `handler` and `template`): the
     worker's settings (WorkerSettings) and what the scheduler and the gateway go by.
@@ -136,8 +151,10 @@ class FunctionSettings(WorkerSettings):
 class FunctionSpec(FunctionSettings):
     """A deployed inference function: its settings, its name and its uploaded package.
 
-    Each (function, package) pair is its own cache item: `model` changes when the package does, so
-    an update never reuses stale workers.
+    Each (function, package, worker settings) is its own cache item: `model` changes when the
+    package does or a setting its worker reads at its start (`WorkerSettings`: the environment,
+    batching, warm-up), so an update never reuses a worker of the old version. Other settings
+    (memory, timeout, SLO) are the scheduler's and the gateway's, and keep the model.
     """
 
     name: Annotated[str, Field(pattern=NAME_PATTERN.pattern, max_length=63, description="the function")]
@@ -164,8 +181,11 @@ class FunctionSpec(FunctionSettings):
     @functools.cached_property
     def model(self) -> str:
         # Cached: the scheduler and the gateway ask for it several times per call (not a field:
-        # neither dumped nor compared).
-        return f"{self.name}@{self.package_digest.removeprefix('sha256:')[:12]}"
+        # neither dumped nor compared). `name@digest` (its first 12 hex digits), and with settings
+        # other than the defaults `-tag` (settings_tag).
+        model = f"{self.name}@{self.package_digest.removeprefix('sha256:')[:12]}"
+        tag = settings_tag(self)
+        return f"{model}-{tag}" if tag else model
 
     @functools.cached_property
     def worker_wire(self) -> bytes:

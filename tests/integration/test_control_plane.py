@@ -217,6 +217,45 @@ def test_the_functions_environment_reaches_its_handler(make_cluster: ClusterFact
     }
 
 
+def test_an_update_of_the_workers_settings_alone_reaches_the_handler(
+    make_cluster: ClusterFactory, tmp_path: Path
+) -> None:
+    """Redeployed with the same package and another environment, a function's next call runs in a
+    worker started with the new one: the worker that read the old one at its start is not reused
+    (nor its parked copy in the host tier, nor a lease on its slot)."""
+    cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000)
+    url = cluster.gateway_url
+    first_deploy = deploy(cluster, "env2", "probe_function", tmp_path, memory_mb=100, environment={"MYVAR": "old"})
+
+    def call() -> httpx.Response:
+        response = httpx.post(f"{url}/function/env2", json={"env": ["MYVAR"]}, timeout=60, auth=cluster.admin_auth)
+        assert response.status_code == 200, response.text
+        return response
+
+    for _ in range(3):  # warm, and under a lease from the second call on
+        assert call().json()["env"] == {"MYVAR": "old"}
+    package = (tmp_path / "probe_function.tar.gz").read_bytes()  # the one `deploy` built: the same digest
+    uploaded = httpx.post(f"{url}/system/packages", content=package, timeout=30, auth=cluster.admin_auth)
+    spec = {"name": "env2", "package_digest": uploaded.json()["digest"], "memory_mb": 100}
+    updated = httpx.put(
+        f"{url}/system/functions", json={**spec, "environment": {"MYVAR": "new"}}, timeout=30, auth=cluster.admin_auth
+    )
+    assert updated.status_code == 202, updated.text
+    assert updated.json()["model"] != first_deploy["model"]
+
+    def sees_new() -> bool:
+        return call().json()["env"] == {"MYVAR": "new"}
+
+    wait_for(sees_new)  # (the gateway and the scheduler learn the update through etcd's watch)
+    assert call().json() == {"env": {"MYVAR": "new"}, "env_at_load": {"MYVAR": "new"}}  # a worker started anew
+
+    def resident() -> set[str]:
+        gpus = httpx.get(f"{url}/system/gpus", timeout=10, auth=cluster.admin_auth).json()
+        return {model for gpu in gpus for model in gpu["lru"]}
+
+    wait_for(lambda: resident() == {updated.json()["model"]})  # the old version's worker evicted
+
+
 def test_an_updated_or_deleted_functions_old_model_is_evicted(make_cluster: ClusterFactory, tmp_path: Path) -> None:
     cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000)
     url = cluster.gateway_url

@@ -25,6 +25,30 @@ def test_spec_round_trips_and_names_its_model_by_package() -> None:
     assert other.model != spec.model
 
 
+def test_the_model_changes_with_the_settings_a_worker_reads_at_its_start_only() -> None:
+    """A worker reads its environment, batching and warm-up once: a change of them is a new model
+    (no worker of the old settings is reused); memory, timeout and SLO are not the worker's."""
+    base = {"name": "resnet", "package_digest": DIGEST, "memory_mb": 1500}
+    plain = FunctionSpec.from_dict(base)
+    assert plain.model == "resnet@" + "ab" * 6  # the defaults: no tag
+    same_model = [{"memory_mb": 3000}, {"timeout_s": 5}, {"slo_ms": 100}, {"labels": {"a": "b"}}, {"public": True}]
+    assert {FunctionSpec.from_dict({**base, **change}).model for change in same_model} == {plain.model}
+    changed = [
+        {"environment": {"A": "1"}},
+        {"environment": {"A": "2"}},
+        {"max_batch_size": 4},
+        {"max_batch_size": 4, "max_batch_wait_ms": 5},
+        {"warmup": False},
+    ]
+    models = [FunctionSpec.from_dict({**base, **change}).model for change in changed]
+    assert len({plain.model, *models}) == len(changed) + 1
+    assert all(model.startswith(plain.model + "-") for model in models)
+    # The environment's keys in another order are the same settings.
+    one = FunctionSpec.from_dict({**base, "environment": {"A": "1", "B": "2"}})
+    other = FunctionSpec.from_dict({**base, "environment": {"B": "2", "A": "1"}})
+    assert one.model == other.model
+
+
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
