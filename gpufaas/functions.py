@@ -91,19 +91,6 @@ class WorkerSettings(BaseModel):
         return cls.model_validate_json(data) if data else cls()
 
 
-def settings_tag(settings: WorkerSettings) -> str:
-    """A short name of worker settings other than the defaults ('' for the defaults): the part of a
-    function's model that tells workers started with other settings apart. The same settings in any
-    order of their environment's keys give the same tag."""
-    dumped = settings.model_dump(mode="json", include=set(WorkerSettings.model_fields))
-    if dumped == _DEFAULT_WORKER_SETTINGS:
-        return ""
-    return hashlib.sha256(json.dumps(dumped, sort_keys=True).encode()).hexdigest()[:8]
-
-
-_DEFAULT_WORKER_SETTINGS = WorkerSettings().model_dump(mode="json")
-
-
 class FunctionSettings(WorkerSettings):
     """What a function's owner chooses (stack.yml's keys beside `handler` and `template`): the
     worker's settings (WorkerSettings) and what the scheduler and the gateway go by.
@@ -148,12 +135,31 @@ class FunctionSettings(WorkerSettings):
         return _validate(cls, raw, path)
 
 
+_MODEL_BOUND = {*WorkerSettings.model_fields, "gpu"}
+_MODEL_BOUND_DEFAULTS = {
+    **WorkerSettings().model_dump(mode="json"),
+    "gpu": FunctionSettings.model_fields["gpu"].default,
+}
+
+
+def model_tag(settings: FunctionSettings) -> str:
+    """A short name of what a function's workers are bound to beyond its package, where it is not
+    the default ('' then): the worker settings (read once, at a worker's start) and the GPU type it
+    requires (where its workers may run). The part of a model that tells them apart; the same
+    settings in any order of their environment's keys give the same tag."""
+    bound = settings.model_dump(mode="json", include=_MODEL_BOUND)
+    if bound == _MODEL_BOUND_DEFAULTS:
+        return ""
+    return hashlib.sha256(json.dumps(bound, sort_keys=True).encode()).hexdigest()[:8]
+
+
 class FunctionSpec(FunctionSettings):
     """A deployed inference function: its settings, its name and its uploaded package.
 
-    Each (function, package, worker settings) is its own cache item: `model` changes when the
-    package does or a setting its worker reads at its start (`WorkerSettings`: the environment,
-    batching, warm-up), so an update never reuses a worker of the old version. Other settings
+    Each (function, package, worker settings, GPU type required) is its own cache item: `model`
+    changes when the package does, a setting its worker reads at its start (`WorkerSettings`: the
+    environment, batching, warm-up) or the GPU type it must run on, so an update never reuses a
+    worker of the old version, nor one on a GPU of a type no longer allowed. Other settings
     (memory, timeout, SLO) are the scheduler's and the gateway's, and keep the model.
     """
 
@@ -182,9 +188,9 @@ class FunctionSpec(FunctionSettings):
     def model(self) -> str:
         # Cached: the scheduler and the gateway ask for it several times per call (not a field:
         # neither dumped nor compared). `name@digest` (its first 12 hex digits), and with settings
-        # other than the defaults `-tag` (settings_tag).
+        # other than the defaults `-tag` (model_tag).
         model = f"{self.name}@{self.package_digest.removeprefix('sha256:')[:12]}"
-        tag = settings_tag(self)
+        tag = model_tag(self)
         return f"{model}-{tag}" if tag else model
 
     @functools.cached_property

@@ -25,9 +25,10 @@ def test_spec_round_trips_and_names_its_model_by_package() -> None:
     assert other.model != spec.model
 
 
-def test_the_model_changes_with_the_settings_a_worker_reads_at_its_start_only() -> None:
-    """A worker reads its environment, batching and warm-up once: a change of them is a new model
-    (no worker of the old settings is reused); memory, timeout and SLO are not the worker's."""
+def test_the_model_changes_with_what_its_workers_are_bound_to_only() -> None:
+    """A worker reads its environment, batching and warm-up once, and runs on a GPU of one type: a
+    change of them, or of the GPU type required, is a new model (no worker of the old version is
+    reused); memory, timeout and SLO are not the worker's."""
     base = {"name": "resnet", "package_digest": DIGEST, "memory_mb": 1500}
     plain = FunctionSpec.from_dict(base)
     assert plain.model == "resnet@" + "ab" * 6  # the defaults: no tag
@@ -39,6 +40,8 @@ def test_the_model_changes_with_the_settings_a_worker_reads_at_its_start_only() 
         {"max_batch_size": 4},
         {"max_batch_size": 4, "max_batch_wait_ms": 5},
         {"warmup": False},
+        {"gpu": "h100"},
+        {"gpu": "a100"},
     ]
     models = [FunctionSpec.from_dict({**base, **change}).model for change in changed]
     assert len({plain.model, *models}) == len(changed) + 1
@@ -47,6 +50,7 @@ def test_the_model_changes_with_the_settings_a_worker_reads_at_its_start_only() 
     one = FunctionSpec.from_dict({**base, "environment": {"A": "1", "B": "2"}})
     other = FunctionSpec.from_dict({**base, "environment": {"B": "2", "A": "1"}})
     assert one.model == other.model
+    assert FunctionSpec.from_dict({**base, "gpu": "any"}).model == plain.model  # the default, written out
 
 
 @pytest.mark.parametrize(
