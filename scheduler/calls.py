@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 from gpufaas.errors import GpufaasError, ModelTooLarge, UnknownModel
@@ -215,6 +215,13 @@ class _Upkeep:
         self._retired.add(model)
         return self._evict_retired(model)
 
+    def _runs(self, model: str) -> bool:
+        """Whether some function runs `model`: it was registered (the catalog registers every
+        function's model) and not retired since. A worker left by a model no function knows (one
+        of a version older than this scheduler's start, or named as an older gpufaas named them) is
+        not adopted."""
+        return model in self.scheduler.cluster.models and model not in self._retired
+
     def revive(self, model: str) -> None:
         """A function runs `model` again (deployed anew with the same package)."""
         self._retired.discard(model)
@@ -244,7 +251,7 @@ class _Upkeep:
         for model, memory_mb in resident.items():
             if model in cache:
                 continue
-            if model not in self._retired and cache.free_mb >= memory_mb:
+            if self._runs(model) and cache.free_mb >= memory_mb:
                 self.scheduler.cache.admit(gpu_id, model, memory_mb)
                 self.dirty_models.add(model)
             else:
@@ -259,7 +266,7 @@ class _Upkeep:
         least recently parked first (model -> MiB). The scheduler's tier for the node follows:
         created or resized to the node's size, entries the node does not hold dropped, parked
         models it does not know adopted while they fit, the others stopped at the node."""
-        return _reconcile_host(self.scheduler, self._retired, node, capacity_mb, parked)
+        return _reconcile_host(self.scheduler, self._runs, node, capacity_mb, parked)
 
     def release_idle(self, now: float, *, gpu_idle_s: float | None, host_idle_s: float | None) -> list[Effect]:
         """EDAS's staged exit (see `Scheduler.release_idle`): what has been idle long enough
@@ -304,6 +311,13 @@ class _Leasing(_Upkeep):
 
     def _forget(self, call: _Call) -> None:
         raise NotImplementedError
+
+    def retire(self, model: str) -> list[Effect]:
+        """`_Upkeep.retire`, and the leases on `model` end: a call under one would still reach a
+        worker of the old version (the model is retired once the catalog learns of the update;
+        the gateway that made it may have taken a lease for the new one's calls before)."""
+        ending = self._end_leases([call for call in self._leases.values() if call.spec.model == model])
+        return super().retire(model) + ending
 
     def _lease_done(
         self, call: _Call, now: float, lease_ended: bool, inference_time_s: float, batch_size: int, *, failed: bool
@@ -874,9 +888,9 @@ class CallBook(_GrantChecks):
 
 
 def _reconcile_host(
-    scheduler: Scheduler, retired: set[str], node: str, capacity_mb: int, parked: dict[str, int]
+    scheduler: Scheduler, runs: Callable[[str], bool], node: str, capacity_mb: int, parked: dict[str, int]
 ) -> list[Effect]:
-    """`CallBook.reconcile_host`'s work (`retired`: models no function runs any more)."""
+    """`CallBook.reconcile_host`'s work (`runs`: whether some function runs a model)."""
     cache = scheduler.cache
     host = cache.host(node)
     if host is None or host.capacity_mb != capacity_mb:
@@ -893,7 +907,7 @@ def _reconcile_host(
     strays = [
         model
         for model, memory_mb in parked.items()
-        if model not in on_gpus and (model in retired or not cache.adopt_in_host(node, model, memory_mb))
+        if model not in on_gpus and (not runs(model) or not cache.adopt_in_host(node, model, memory_mb))
     ]
     return [EvictHost(node, tuple(strays))] if strays else []
 

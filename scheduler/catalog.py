@@ -111,6 +111,10 @@ class Catalog:
         if not self.links.is_prestaged(spec.package_digest):  # a new package (a re-list finds old ones)
             self.links.learn_holdings()  # nodes may hold its package already (another function's)
             self.links.prestage([spec])
+        elif old is not None and old.model != spec.model:
+            # The same package under a new model (other worker settings): the nodes' disks and pools
+            # hold it for the old model's name; their holdings are read again, as by the reconciler.
+            self.links.learn_holdings()
         return spec
 
     async def read_through(self, name: str) -> FunctionSpec | None:

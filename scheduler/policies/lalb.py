@@ -89,7 +89,7 @@ def _place_with_holders(
         wait_s = ctx.worker_wait_s(model, idle_holder, now)
         # (Most waits are milliseconds and loads seconds: then no replica can win, and the
         # O(idle GPUs) search for one is skipped.)
-        if wait_s > ctx.least_load_time_s(model):
+        if wait_s and wait_s > ctx.least_load_time_s(model):
             replica = ctx.idle_for_replica(model, prefer=gpu_id, exclude=avoid, quiet_links_at=quiet_at)
             if replica is not None and wait_s > ctx.load_time_s(model, replica):
                 placement = Placement.HERE if replica == gpu_id else Placement.ELSEWHERE
@@ -239,7 +239,7 @@ class LocalityAwarePolicy(SchedulingPolicy, name="lalb"):
         holder = cluster.best_idle_holder(model, exclude=avoid)
         if holder is not None:
             wait_s = cluster.worker_wait_s(model, holder, now)
-            return holder if wait_s <= cluster.least_load_time_s(model) else None
+            return holder if not wait_s or wait_s <= cluster.least_load_time_s(model) else None
         soonest = cluster.soonest_busy_holder(model, now)
         if soonest is None or soonest[0] == avoid:
             return None

@@ -813,6 +813,17 @@ def test_reconcile_evicts_a_retired_model_a_node_still_reports() -> None:
     assert cached(book, A) == set()
 
 
+def test_reconcile_adopts_no_worker_of_a_model_no_function_runs() -> None:
+    """A worker whose model this scheduler never heard of (a version older than its start, or a
+    model named as an older gpufaas named them) is stopped, on a GPU and in a host tier, though it
+    fits: no call would use it."""
+    book = book_on_node(A, host_mb=4000)
+    unknown = make_spec("fn-gone").model  # not registered
+    assert book.reconcile(N1, {A.model: 1000, unknown: 1000}, now=1.0) == [Evict(N1, (unknown,), if_idle=True)]
+    assert cached(book, A) == {N1}
+    assert book.reconcile_host("n1", 4000, {unknown: 1000}) == [EvictHost("n1", (unknown,))]
+
+
 # --- the host tier and the staged exit ----------------------------------------------------------
 
 

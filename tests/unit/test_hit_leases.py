@@ -15,7 +15,7 @@ from gpufaas.functions import FunctionSpec
 from gpufaas.profiles import ModelProfile
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.types import Request
-from scheduler.calls import Answer, Assignment, CallBook, CheckGrants, Effect
+from scheduler.calls import Answer, Assignment, CallBook, CheckGrants, Effect, Evict
 from simulator.engine import ClusterConfig, SimResult, simulate
 from simulator.workload import Workload
 from tests.builders import make_scheduler
@@ -323,6 +323,18 @@ def test_a_gateway_gone_has_its_leases_ended_at_their_nodes() -> None:
     assert book.owner_lost("gw1", now=1.3) == [CheckGrants("n1", (("c1", 1),))]
     book.grants_checked("n1", [], [("c1", 1)], now=1.4)
     assert running(book, N1) == [] and len(book) == 0
+
+
+def test_a_retired_models_leases_end_and_it_leaves_once_they_have() -> None:
+    """A function updated (or deleted): a call under a lease on its old model would reach a worker
+    of the old version, so the leases end, and the model is evicted when their slots are free."""
+    book = make_book()
+    leased_hit(book)
+    book.done("c1", 1, pb.OK, now=1.2)
+    assert book.retire(A.model) == [CheckGrants("n1", (("c1", 1),))]  # pinned by the lease: no Evict yet
+    assert book.grants_checked("n1", [], [("c1", 1)], now=1.3) == [Evict(N1, (A.model,))]
+    assert running(book, N1) == [] and len(book) == 0
+    assert A.model not in book.scheduler.cache.gpu(N1)
 
 
 @pytest.mark.parametrize(("outcome", "worker_lost"), [(pb.WORKER_DIED, True), (pb.TIMEOUT, True)])
