@@ -389,6 +389,8 @@ class _Leasing(_Upkeep):
             if not may_lease_on(self.scheduler.gpu(gpu_id), now, parked_at.get(gpu_id, -math.inf), self.lease_s):
                 continue
             call = self._calls[assignment.call_id]
+            if call.spec.model in self._retired:
+                continue  # a call that came before its function's update: no lease on the old version
             assignment.lease_s = self.lease_s
             call.lease_until = math.inf  # (its own call's Done starts the clock)
             self._leases[call.call_id] = call
@@ -485,6 +487,8 @@ class _GrantChecks(_Leasing):
             drop_model = _never_loaded(self.scheduler, call)
             self._release(call, now, drop_model=drop_model, requeue=retry, avoid_gpu=call.maybe_ran)
             if not retry:
+                if call.spec.model in self._retired:  # its grant pinned it when it was retired
+                    effects += self._evict_retired(call.spec.model)
                 effects += self._finish(
                     call, pb.UNAVAILABLE, f"the call was placed {call.placements} times and never reached a node"
                 )

@@ -337,6 +337,26 @@ def test_a_retired_models_leases_end_and_it_leaves_once_they_have() -> None:
     assert A.model not in book.scheduler.cache.gpu(N1)
 
 
+def test_a_call_placed_again_after_its_model_was_retired_takes_no_lease_on_it() -> None:
+    """The retirement's revoke reached the node before the lease's first call did (unseen): the
+    call came before its function's update and is placed again on the old model, but not leased."""
+    book = make_book()
+    leased_hit(book)
+    assert book.retire(A.model) == [CheckGrants("n1", (("c1", 1),))]
+    effects = book.grants_checked("n1", [("c1", 1)], [], now=1.3)
+    (again,) = [e for e in effects if isinstance(e, Assignment)]
+    assert again.call_id == "c1" and again.hit and again.lease_s == 0.0
+
+
+def test_a_retired_model_a_revoked_grant_pinned_is_evicted_when_its_call_is_not_placed_again() -> None:
+    book = make_book()
+    leased_hit(book)
+    book.retire(A.model)
+    effects = book.grants_checked("n1", [("c1", 1)], [], now=100.0)  # past its deadline: answered
+    assert Evict(N1, (A.model,)) in effects
+    assert running(book, N1) == [] and len(book) == 0 and A.model not in book.scheduler.cache.gpu(N1)
+
+
 @pytest.mark.parametrize(("outcome", "worker_lost"), [(pb.WORKER_DIED, True), (pb.TIMEOUT, True)])
 def test_a_worker_lost_under_a_lease_frees_the_slot_and_drops_the_model_without_a_retry(
     outcome: int, worker_lost: bool
