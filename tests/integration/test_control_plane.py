@@ -222,7 +222,7 @@ def test_an_update_of_the_workers_settings_alone_reaches_the_handler(
 ) -> None:
     """Redeployed with the same package and another environment, a function's next call runs in a
     worker started with the new one: the worker that read the old one at its start is not reused
-    (nor its parked copy in the host tier, nor a lease on its slot)."""
+    (though the calls before the update ran under a lease on its slot), and it is evicted."""
     cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=1000)
     url = cluster.gateway_url
     first_deploy = deploy(cluster, "env2", "probe_function", tmp_path, memory_mb=100, environment={"MYVAR": "old"})
@@ -232,8 +232,9 @@ def test_an_update_of_the_workers_settings_alone_reaches_the_handler(
         assert response.status_code == 200, response.text
         return response
 
-    for _ in range(3):  # warm, and under a lease from the second call on
-        assert call().json()["env"] == {"MYVAR": "old"}
+    before = [call() for _ in range(3)]  # a miss, then a hit with a lease, then a call under it
+    assert [r.json()["env"] for r in before] == [{"MYVAR": "old"}] * 3
+    assert before[-1].headers.get("x-lease") == "1", before[-1].headers
     package = (tmp_path / "probe_function.tar.gz").read_bytes()  # the one `deploy` built: the same digest
     uploaded = httpx.post(f"{url}/system/packages", content=package, timeout=30, auth=cluster.admin_auth)
     spec = {"name": "env2", "package_digest": uploaded.json()["digest"], "memory_mb": 100}
