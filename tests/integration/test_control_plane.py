@@ -87,6 +87,12 @@ def etcd_state_when(
         time.sleep(0.2)
 
 
+def resident(cluster: LocalCluster) -> set[str]:
+    """The models resident on the cluster's GPUs, as `/system/gpus` lists them."""
+    gpus = httpx.get(f"{cluster.gateway_url}/system/gpus", timeout=10, auth=cluster.admin_auth).json()
+    return {model for gpu in gpus for model in gpu["lru"]}
+
+
 def wait_for(predicate: object, timeout_s: float = 10.0) -> None:
     import time
 
@@ -249,12 +255,7 @@ def test_an_update_of_the_workers_settings_alone_reaches_the_handler(
 
     wait_for(sees_new)  # (the gateway and the scheduler learn the update through etcd's watch)
     assert call().json() == {"env": {"MYVAR": "new"}, "env_at_load": {"MYVAR": "new"}}  # a worker started anew
-
-    def resident() -> set[str]:
-        gpus = httpx.get(f"{url}/system/gpus", timeout=10, auth=cluster.admin_auth).json()
-        return {model for gpu in gpus for model in gpu["lru"]}
-
-    wait_for(lambda: resident() == {updated.json()["model"]})  # the old version's worker evicted
+    wait_for(lambda: resident(cluster) == {updated.json()["model"]})  # the old version's worker evicted
 
 
 def test_an_updated_or_deleted_functions_old_model_is_evicted(make_cluster: ClusterFactory, tmp_path: Path) -> None:
@@ -264,11 +265,6 @@ def test_an_updated_or_deleted_functions_old_model_is_evicted(make_cluster: Clus
     first = httpx.post(f"{url}/function/versioned", json={}, timeout=60, auth=cluster.admin_auth)
     assert first.status_code == 200, first.text
     old_pid = first.json()["pid"]
-
-    def resident() -> set[str]:
-        return {
-            m for g in httpx.get(f"{url}/system/gpus", timeout=10, auth=cluster.admin_auth).json() for m in g["lru"]
-        }
 
     # PUT a new package: the old version's model leaves the GPU and its worker is stopped.
     echo = build_package("echo_function", tmp_path).read_bytes()
@@ -281,11 +277,11 @@ def test_an_updated_or_deleted_functions_old_model_is_evicted(make_cluster: Clus
     )
     assert updated.status_code == 202, updated.text
     new_model = updated.json()["model"]
-    wait_for(lambda: old_model not in resident())
+    wait_for(lambda: old_model not in resident(cluster))
     wait_for(lambda: not pid_alive(old_pid))
     response = httpx.post(f"{url}/function/versioned", json={"x": 1}, timeout=60, auth=cluster.admin_auth)
     assert response.status_code == 200 and response.json()["echo"] == {"x": 1}
-    assert resident() == {new_model}
+    assert resident(cluster) == {new_model}
 
     # DELETE: its model leaves too.
     new_pid = response.json()["pid"]
@@ -293,7 +289,7 @@ def test_an_updated_or_deleted_functions_old_model_is_evicted(make_cluster: Clus
         "DELETE", f"{url}/system/functions", json={"functionName": "versioned"}, timeout=30, auth=cluster.admin_auth
     )
     assert deleted.status_code == 202
-    wait_for(lambda: resident() == set())
+    wait_for(lambda: resident(cluster) == set())
     wait_for(lambda: not pid_alive(new_pid))
 
 
