@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.machine import run_metadata
+from bench.machine import print_results, run_metadata
 from gpufaas.profiles import ModelProfile
 from gpufaas.types import GpuSpec, ModelSpec, Request
 from scheduler import Dispatch, Estimator, PolicyConfig, Scheduler, make_policy
@@ -99,11 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the JSON there too")
     args = parser.parse_args(argv)
     results = [measure(gpus, args.holders, args.rounds, args.policy) for gpus in args.gpus]
-    report = run_metadata(benchmark="busy_holder_bench", results=results)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    print_results(run_metadata(benchmark="busy_holder_bench", results=results), args.out)
     return 0
 
 

@@ -75,6 +75,14 @@ def results_parser(doc: str | None, out_name: str) -> argparse.ArgumentParser:
     return parser
 
 
+def print_results(document: object, out: Path | None) -> None:
+    """Print `document` as JSON (a benchmark whose output is its JSON), and write it to `out` too."""
+    text = json.dumps(document, indent=2)
+    print(text)
+    if out is not None:
+        out.write_text(text + "\n")
+
+
 def write_results(out: Path, document: object, summary: Iterable[str] = (), *, indent: int = 2) -> None:
     """Write `document` as JSON to `out` (its folder made first), then print the lines of
     `summary` and where the results went. `summary` is read after the file is written, so a

@@ -315,7 +315,9 @@ class GpuManagerDaemon:
         try:
             grant = self._admit(request, now_unix_s)
         except Refused as exc:
-            log.info("refused a call from %s: %s", conn.peer, exc)
+            # Under a lease, routine (it ended, and the gateway places the call: counted in
+            # gpufaas_node_calls_refused_under_leases); a placement's grant refused is not.
+            (log.debug if lease_call_id else log.info)("refused a call from %s: %s", conn.peer, exc)
             conn.reply(frame, MessageType.EXECUTE_REPLY, pb.ExecuteReply(outcome=pb.REFUSED, message=str(exc)))
             return
         run = ModelRun(
@@ -525,6 +527,11 @@ class _LedgerCollector(Collector):
             "gpufaas_node_calls_admitted_under_leases",
             "Calls admitted under a lease (docs/hit-leases.md): sent by a gateway without a placement of their own.",
             value=ledger.admitted_under_leases,
+        )
+        yield CounterMetricFamily(
+            "gpufaas_node_calls_refused_under_leases",
+            "Calls refused under a lease (it had ended, or a call ran under it): their gateways placed them instead.",
+            value=ledger.refused_under_leases,
         )
         yield CounterMetricFamily(
             "gpufaas_node_grants_refused_stale",

@@ -25,15 +25,52 @@ A lease's grant is kept `keep_s` past its last call's end, as a grant past its c
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from gpufaas.grants import BadToken, verify
 from gpufaas.proto import gpufaas_pb2 as pb
 
 GrantRef = tuple[str, int]  # (call id, attempt)
 K = TypeVar("K")
+# Expired entries an admission prunes, at most (`GrantLedger.admit`): more than it adds (two), so
+# that the books shrink to what is kept while calls come, with no walk of them all.
+PRUNED_PER_ADMISSION = 4
+
+
+class _KeptUntil(Generic[K]):
+    """Keys each kept until a time (`until[key]`; math.inf while a call runs under it), pruned
+    in the order they came: a prune walks what is due, not every key. Each key has one entry in
+    that order, due at the time it was first kept until (or at once, for math.inf); a key found
+    set to a later time when its entry comes due is due again then (math.inf: at the next prune
+    after `now`). Times come in nearly increasing order (now plus a claim time plus `keep_s`), so a
+    key may outlive its time by the spread of the times ahead of it (seconds; `keep_s` at most):
+    it is kept at least until its time, never pruned before."""
+
+    __slots__ = ("until", "_due")
+
+    def __init__(self) -> None:
+        self.until: dict[K, float] = {}
+        self._due: deque[tuple[float, K]] = deque()
+
+    def set(self, key: K, until: float) -> None:
+        if key not in self.until:
+            self._due.append((until if until != math.inf else 0.0, key))
+        self.until[key] = until
+
+    def prune(self, now_unix_s: float, limit: int = -1) -> None:
+        """Drop the keys whose time passed before `now_unix_s` (at most `limit` of them, if >= 0)."""
+        due, until = self._due, self.until
+        while limit and due and due[0][0] < now_unix_s:
+            key = due.popleft()[1]
+            kept_until = until[key]
+            if kept_until < now_unix_s:
+                del until[key]
+                limit -= 1
+            else:  # kept longer since its entry was made: due again then
+                due.append((kept_until if kept_until != math.inf else now_unix_s, key))
 
 
 class Refused(Exception):
@@ -63,9 +100,10 @@ class GrantLedger:
     admitted_again: int = 0  # of them, for a call admitted before (within keep_s)
     refused_stale: int = 0  # grants refused for an epoch older than `epoch`
     admitted_under_leases: int = 0  # calls admitted under a lease (its grant's own not counted)
-    _seen: dict[GrantRef, float] = field(default_factory=dict)  # -> when it may be pruned
-    _revoked: dict[GrantRef, float] = field(default_factory=dict)
-    _calls: dict[str, float] = field(default_factory=dict)  # call ids admitted -> when they may be pruned
+    refused_under_leases: int = 0  # calls refused under a lease (ended, or in use): placed instead
+    _seen: _KeptUntil[GrantRef] = field(default_factory=_KeptUntil)
+    _revoked: _KeptUntil[GrantRef] = field(default_factory=_KeptUntil)
+    _calls: _KeptUntil[str] = field(default_factory=_KeptUntil)  # call ids admitted
     _leases: dict[GrantRef, _Lease] = field(default_factory=dict)  # the leases admitted, while their grant is kept
     _lease_tokens: dict[bytes, GrantRef] = field(default_factory=dict)
 
@@ -99,9 +137,9 @@ class GrantLedger:
         call); raises Refused."""
         grant = self._verified(token)
         ref = (grant.call_id, grant.attempt)
-        if ref in self._revoked:
+        if ref in self._revoked.until:
             raise Refused(f"the grant for call {grant.call_id} attempt {grant.attempt} was revoked")
-        if ref in self._seen:
+        if ref in self._seen.until:
             raise Refused(f"the grant for call {grant.call_id} attempt {grant.attempt} was used already")
         if now_unix_s > grant.claim_by_unix_s:
             raise Refused(f"the grant for call {grant.call_id} expired {now_unix_s - grant.claim_by_unix_s:.3f} s ago")
@@ -110,19 +148,33 @@ class GrantLedger:
             raise Refused(f"the grant's claim time is more than {self.keep_s:g} s ahead; check the clocks")
         kept_until = grant.claim_by_unix_s + self.keep_s
         # A lease's grant is kept while a call runs under it (its own first), and keep_s after.
-        self._seen[ref] = math.inf if grant.lease_s else kept_until
+        self._seen.set(ref, math.inf if grant.lease_s else kept_until)
         self.admitted += 1
-        if grant.call_id in self._calls:
+        calls = self._calls.until
+        if grant.call_id in calls:
             self.admitted_again += 1
-        self._calls[grant.call_id] = max(self._calls.get(grant.call_id, 0.0), kept_until)
+        self._calls.set(grant.call_id, max(calls.get(grant.call_id, 0.0), kept_until))
         if grant.lease_s:
             self._leases[ref] = _Lease(grant, token)
             self._lease_tokens[token] = ref
+        self._prune_books(now_unix_s, PRUNED_PER_ADMISSION)
         return grant
 
     def admit_under_lease(self, token: bytes, now_unix_s: float) -> pb.Grant:
         """The lease `token` carries, admitting one more call under it; raises Refused (the
-        caller places the call instead: nothing ran)."""
+        caller places the call instead: nothing ran), counted in `refused_under_leases`."""
+        try:
+            ref, lease = self._open_lease(token, now_unix_s)
+        except Refused:
+            self.refused_under_leases += 1
+            raise
+        lease.running = True
+        self._seen.set(ref, math.inf)  # kept while the call runs, however long
+        self.admitted_under_leases += 1
+        return lease.grant
+
+    def _open_lease(self, token: bytes, now_unix_s: float) -> tuple[GrantRef, _Lease]:
+        """The lease `token` carries, if a call may run under it now; raises Refused."""
         ref = self._lease_tokens.get(token)
         lease = None if ref is None else self._leases.get(ref)
         if lease is None or ref is None:
@@ -133,15 +185,12 @@ class GrantLedger:
         grant = lease.grant
         if grant.scheduler_id != self.scheduler_id or grant.epoch < self.epoch:
             raise Refused("the lease's scheduler is no longer the attached leader; place the call again")
-        if lease.ended or ref in self._revoked or now_unix_s > lease.until_unix_s:
+        if lease.ended or ref in self._revoked.until or now_unix_s > lease.until_unix_s:
             lease.ended = True
             raise Refused(f"the lease of call {grant.call_id} attempt {grant.attempt} has ended; place the call")
         if lease.running:
             raise Refused(f"a call runs under the lease of call {grant.call_id} already: one at a time")
-        lease.running = True
-        self._seen[ref] = math.inf  # kept while the call runs, however long
-        self.admitted_under_leases += 1
-        return grant
+        return ref, lease
 
     def lease_call_ended(self, ref: GrantRef, now_unix_s: float, *, keep: bool, done: bool = True) -> None:
         """The call running under lease `ref` (its grant's own, or one admitted under it) ended at
@@ -153,7 +202,7 @@ class GrantLedger:
         lease.running, lease.done_pending = False, done
         lease.ended = lease.ended or not keep
         lease.until_unix_s = now_unix_s + lease.grant.lease_s
-        self._seen[ref] = lease.until_unix_s + self.keep_s
+        self._seen.set(ref, lease.until_unix_s + self.keep_s)
 
     def lease_done_sent(self, ref: GrantRef) -> bool:
         """The Done of the last call ended under lease `ref` is being sent: whether the lease has
@@ -198,28 +247,27 @@ class GrantLedger:
         seen: list[GrantRef] = []
         until = max(now_unix_s, claim_by_unix_s) + self.keep_s
         for ref in refs:
-            if ref in self._seen:
+            if ref in self._seen.until:
                 seen.append(ref)
                 lease = self._leases.get(ref)
                 if lease is not None and not (if_idle and (lease.running or now_unix_s <= lease.until_unix_s)):
                     lease.ended = True  # (`if_idle`: one in use, or within its time, goes on)
             else:
                 unseen.append(ref)
-                self._revoked[ref] = until
+                self._revoked.set(ref, until)
         return unseen, seen
 
     def prune(self, now_unix_s: float) -> None:
-        for book in (self._seen, self._revoked):
-            _prune(book, now_unix_s)
-        _prune(self._calls, now_unix_s)
-        for ref in [ref for ref in self._leases if ref not in self._seen]:
+        """Forget what is kept no longer. (Admissions prune a few expired entries each as they
+        come; this sweeps the rest, as after a quiet spell.)"""
+        self._prune_books(now_unix_s)
+        seen = self._seen.until
+        for ref in [ref for ref in self._leases if ref not in seen]:
             del self._lease_tokens[self._leases.pop(ref).token]
 
+    def _prune_books(self, now_unix_s: float, limit: int = -1) -> None:
+        for book in (self._seen, self._revoked, self._calls):
+            book.prune(now_unix_s, limit)
+
     def __len__(self) -> int:
-        return len(self._seen) + len(self._revoked)
-
-
-def _prune(book: dict[K, float], now_unix_s: float) -> None:
-    """Drop the entries whose keep time has passed."""
-    for key in [key for key, until in book.items() if until < now_unix_s]:
-        del book[key]
+        return len(self._seen.until) + len(self._revoked.until)

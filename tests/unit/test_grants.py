@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hmac
+import math
+import random
 from typing import Any
 
 import pytest
@@ -348,3 +350,54 @@ def test_the_ledger_counts_a_call_admitted_again_under_another_attempt_or_schedu
         later,
     )
     assert ledger.admitted_again == 1
+
+
+def test_the_books_keep_every_key_until_its_time_and_not_much_longer() -> None:
+    # Keys set out of order, set again (a lease's grant after each call, or kept while a call
+    # runs: math.inf), pruned a few at a time or all: each is present while now <= its last time,
+    # and a full prune leaves none more than the spread of the times set (19 s here) past its time.
+    from gpu_manager.ledger import _KeptUntil
+
+    rng = random.Random(7)
+    book: _KeptUntil[int] = _KeptUntil()
+    expected: dict[int, float] = {}
+    now = 0.0
+    for step in range(3000):
+        now += rng.uniform(0.0, 0.2)
+        key = rng.randrange(200)
+        expected[key] = math.inf if rng.random() < 0.1 else now + rng.uniform(1.0, 20.0)
+        book.set(key, expected[key])
+        book.prune(now, limit=-1 if step % 50 == 0 else rng.choice((0, 1, 4)))
+        assert all(book.until.get(k) == t for k, t in expected.items() if t >= now), now
+        if step % 50 == 0:
+            assert all(t >= now - 19.0 for t in book.until.values()), now
+        expected = {k: t for k, t in expected.items() if k in book.until}
+    book.prune(now + 100.0)
+    assert set(book.until) == {k for k, t in expected.items() if t == math.inf}
+
+
+def test_admissions_prune_what_expired_without_a_sweep() -> None:
+    # A busy node's ledger stays the size of what it must keep, with no walk of every entry: each
+    # admission drops a few expired entries (the periodic sweep is then only for quiet spells).
+    ledger = make_ledger(keep_s=10.0)
+    for index in range(5000):
+        now = NOW + index * 0.01  # 100 grants a second, each kept CLAIM_S + 10 s
+        ledger.admit(sign(make_grant(call_id=f"c{index}", claim_by_unix_s=now + CLAIM_S), KEY), now)
+    assert len(ledger) <= 1600  # (15 s of grants, against 5000 admitted)
+    with pytest.raises(Refused, match="used already"):  # a grant still within its keep time is remembered
+        ledger.admit(sign(make_grant(call_id="c4000", claim_by_unix_s=NOW + 40.0 + CLAIM_S), KEY), NOW + 49.99)
+
+
+def test_a_leases_grant_is_kept_while_a_call_runs_under_it_and_keep_s_after_its_last() -> None:
+    ledger = make_ledger(keep_s=10.0)
+    token = sign(make_grant(lease_s=1.0), KEY)
+    ledger.admit(token, NOW)
+    ledger.lease_call_ended(("c1", 1), NOW + 0.5, keep=True)  # kept to NOW + 0.5 + 1 + 10
+    ledger.admit_under_lease(token, NOW + 1.0)  # a call runs under it: kept however long it runs
+    ledger.prune(NOW + 100.0)
+    assert len(ledger) == 1
+    ledger.lease_call_ended(("c1", 1), NOW + 100.0, keep=True)  # kept to NOW + 111
+    ledger.prune(NOW + 110.9)
+    assert len(ledger) == 1
+    ledger.prune(NOW + 111.1)
+    assert len(ledger) == 0
