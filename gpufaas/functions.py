@@ -7,7 +7,8 @@ import functools
 import hashlib
 import json
 import re
-from typing import Annotated, Any, TypeVar
+from collections.abc import Mapping
+from typing import Annotated, Any, Self, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
@@ -197,6 +198,15 @@ class FunctionSpec(FunctionSettings):
     def worker_wire(self) -> bytes:
         # Cached: every grant carries it (not a field: neither dumped nor compared).
         return WorkerSettings.model_validate(self.model_dump(include=set(WorkerSettings.model_fields))).to_wire()
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy (pydantic's: not validated); with `update`, its cached `model` and `worker_wire`
+        are made afresh from the copy's fields, not carried over from this spec's."""
+        copy = super().model_copy(update=update, deep=deep)
+        if update:
+            for cached in ("model", "worker_wire"):
+                copy.__dict__.pop(cached, None)
+        return copy
 
     def deadline_message(self) -> str:
         """What a caller is told when this function's `timeout_s` passed."""

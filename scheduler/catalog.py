@@ -74,10 +74,12 @@ class Catalog:
     def functions_listed(self, kvs: list[KeyValue], revision: int) -> None:
         """The functions deployed now: the mirror is replaced, the models of those gone retired."""
         before = dict(self.functions)
+        listed = [self.learn_function(kv.key, kv.value, relisting=True) for kv in kvs]  # (each against its old)
         self.functions.clear()
-        for kv in kvs:
-            self.learn_function(kv.key, kv.value)
+        self.functions.update((spec.name, spec) for spec in listed if spec is not None)
         current = {spec.model for spec in self.functions.values()}
+        if current - {spec.model for spec in before.values()}:
+            self.links.learn_holdings()  # new models of packages the nodes may hold: once, not per function
         effects: list[Effect] = []
         for spec in before.values():
             if spec.model not in current:
@@ -93,9 +95,11 @@ class Catalog:
             log.info("function %s deleted: evicting its model %s", gone.name, gone.model)
             self.apply(self.book.retire(gone.model))
 
-    def learn_function(self, key: str, value: bytes) -> FunctionSpec | None:
+    def learn_function(self, key: str, value: bytes, *, relisting: bool = False) -> FunctionSpec | None:
         """Take in a function's spec (None: invalid, ignored): its model is registered, an old
-        model it replaced retired, and a new package pre-staged."""
+        model it replaced retired, and a new package pre-staged. A new model of a package
+        pre-staged already has the nodes' holdings read again for it. (`relisting`: the caller
+        retires the old models and reads the holdings again, once for the whole list.)"""
         try:
             spec = FunctionSpec.from_json(value)
         except GpufaasError as exc:
@@ -103,19 +107,26 @@ class Catalog:
             return None
         old = self.functions.get(spec.name)
         self.functions[spec.name] = spec
-        self.scheduler.register_model(ModelSpec(spec.model, spec.memory_mb, spec.required_gpu_type))
+        if old is None or (old.model, old.memory_mb) != (spec.model, spec.memory_mb) or not self._registered(spec):
+            self.scheduler.register_model(ModelSpec(spec.model, spec.memory_mb, spec.required_gpu_type))
+        # (Else the model keeps its size, which its workers' measured peak may have replaced: a put
+        # that changed neither, such as new labels or a redeploy of the same, does not undo that.)
         self.book.revive(spec.model)
-        if old is not None and old.model != spec.model:
+        if old is not None and old.model != spec.model and not relisting:  # (a re-list retires them after)
             log.info("function %s updated: evicting its old model %s", spec.name, old.model)
             self.apply(self.book.retire(old.model))
         if not self.links.is_prestaged(spec.package_digest):  # a new package (a re-list finds old ones)
             self.links.learn_holdings()  # nodes may hold its package already (another function's)
             self.links.prestage([spec])
-        elif old is not None and old.model != spec.model:
-            # The same package under a new model (other worker settings): the nodes' disks and pools
-            # hold it for the old model's name; their holdings are read again, as by the reconciler.
+        elif not relisting and (old is None or old.model != spec.model):
+            # A package pre-staged already under a new model (other worker settings, or another
+            # function of the same package): the nodes' disks and pools hold it under the old
+            # model's name; their holdings are read again, as by the reconciler.
             self.links.learn_holdings()
         return spec
+
+    def _registered(self, spec: FunctionSpec) -> bool:
+        return spec.model in self.scheduler.cluster.models
 
     async def read_through(self, name: str) -> FunctionSpec | None:
         """A function the mirror lacks, read from etcd (a deploy that just happened may not have

@@ -53,6 +53,16 @@ def test_the_model_changes_with_what_its_workers_are_bound_to_only() -> None:
     assert FunctionSpec.from_dict({**base, "gpu": "any"}).model == plain.model  # the default, written out
 
 
+def test_a_copy_with_other_settings_names_its_own_model_and_worker_settings() -> None:
+    # `model` and `worker_wire` are cached on the spec: a copy must not carry the original's.
+    spec = FunctionSpec.from_dict({"name": "resnet", "package_digest": DIGEST, "memory_mb": 1500})
+    assert spec.model == "resnet@" + "ab" * 6 and spec.worker_wire  # (both cached now)
+    copy = spec.model_copy(update={"environment": {"A": "1"}})
+    rebuilt = FunctionSpec.from_dict({**json.loads(spec.to_json()), "environment": {"A": "1"}})
+    assert (copy.model, copy.worker_wire) == (rebuilt.model, rebuilt.worker_wire) != (spec.model, spec.worker_wire)
+    assert spec.model_copy().model == spec.model
+
+
 @pytest.mark.parametrize(
     ("raw", "message"),
     [

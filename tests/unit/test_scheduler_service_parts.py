@@ -337,3 +337,58 @@ def test_the_places_that_waited_for_the_attaches_go_first_in_slices_with_the_loo
         assert taken[-1] == "open"
 
     run(scenario)
+
+
+def test_a_put_of_a_function_that_changes_neither_its_model_nor_its_size_keeps_the_measured_size() -> None:
+    # A worker's measured peak replaces the declared size (a function that under-declares its
+    # memory must not skew placement); a put that changes neither (new labels, the same deployed
+    # again) leaves it, and a new declared size is taken (and measured again at the next Done).
+    spec = make_spec("fn-a", memory_mb=1000)
+
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        with_model_on_gpu(service, spec)
+        assert service.scheduler.observe_memory(spec.model, GPU, 3000)
+        relabelled = FunctionSpec.model_validate({**spec.model_dump(), "labels": {"team": "vision"}})
+        assert relabelled.model == spec.model
+        service.catalog.learn_function(service.keys.function(spec.name), relabelled.to_json())
+        assert service.scheduler.model(spec.model).memory_mb == 3000
+        resized = FunctionSpec.model_validate({**spec.model_dump(), "memory_mb": 2000})
+        assert resized.model == spec.model
+        service.catalog.learn_function(service.keys.function(spec.name), resized.to_json())
+        assert service.scheduler.model(spec.model).memory_mb == 2000
+
+    run(scenario)
+
+
+def with_a_node_holding(service: SchedulerService, spec: FunctionSpec) -> None:
+    """Node n1 (GPU) attached, its disk and host pool holding `spec`'s package, pre-staged already."""
+    from gpufaas.cluster import NodeRecord
+    from scheduler.node_links import NodeLink
+
+    with_model_on_gpu(service, spec)
+    holdings = pb.Holdings(staged=[spec.package_digest], pooled=[spec.package_digest])
+    service.links.nodes["n1"] = NodeLink(NodeRecord("n1", "127.0.0.1:1", "cpu", "i1"), gpu_ids=[GPU], holdings=holdings)
+    service.links._prestaged.add(spec.package_digest)  # (pre-staging placed it: no node is linked here)
+    service.links.learn_holdings()
+
+
+def test_a_new_model_of_a_package_the_nodes_hold_is_known_held_by_watch_or_by_relist() -> None:
+    # Another function of the same package (by the watch), and a settings-only update (found by a
+    # re-list): each a new model whose weights the node's disk and pool already hold.
+    a = make_spec("fn-a")
+    b = FunctionSpec.model_validate({**a.model_dump(), "name": "fn-b"})
+    a2 = FunctionSpec.model_validate({**a.model_dump(), "environment": {"V": "2"}})
+
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        with_a_node_holding(service, a)
+        holdings = service.scheduler.cache.holdings
+        assert a.model in holdings.pooled("n1") and b.model not in holdings.staged("n1")
+        service.catalog.learn_function(service.keys.function(b.name), b.to_json())
+        assert b.model in holdings.pooled("n1") and b.model in holdings.staged("n1")
+        await store.put(service.keys.function(a.name), a2.to_json())
+        await store.put(service.keys.function(b.name), b.to_json())
+        service.catalog.functions_listed(await store.get_prefix(service.keys.functions), await store.revision())
+        assert a2.model != a.model and a2.model in holdings.pooled("n1")
+        assert a.model not in service.scheduler.cache.gpu(GPU)  # the old model retired
+
+    run(scenario)
