@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 
 from gpu_manager.containers import DEFAULT_IMAGE, DockerLauncher
 from gpu_manager.devices import Device, Nvml
-from gpu_manager.ledger import GrantLedger, Refused
+from gpu_manager.ledger import GrantLedger, LeaseClosed, Refused
 from gpu_manager.metrics import NodeMetrics
 from gpu_manager.pool import ModelRun, RunResult, WorkerPool
 from gpu_manager.sandbox import Isolation
@@ -315,9 +315,9 @@ class GpuManagerDaemon:
         try:
             grant = self._admit(request, now_unix_s)
         except Refused as exc:
-            # Under a lease, routine (it ended, and the gateway places the call: counted in
-            # gpufaas_node_calls_refused_under_leases); a placement's grant refused is not.
-            (log.debug if lease_call_id else log.info)("refused a call from %s: %s", conn.peer, exc)
+            # A lease that ended is routine (the gateway places the call: counted in
+            # gpufaas_node_calls_refused_under_leases); a grant or a lease token refused is not.
+            (log.debug if isinstance(exc, LeaseClosed) else log.info)("refused a call from %s: %s", conn.peer, exc)
             conn.reply(frame, MessageType.EXECUTE_REPLY, pb.ExecuteReply(outcome=pb.REFUSED, message=str(exc)))
             return
         run = ModelRun(
@@ -530,7 +530,7 @@ class _LedgerCollector(Collector):
         )
         yield CounterMetricFamily(
             "gpufaas_node_calls_refused_under_leases",
-            "Calls refused under a lease (it had ended, or a call ran under it): their gateways placed them instead.",
+            "Calls refused under a lease that had ended, or under which a call ran: their gateways placed them.",
             value=ledger.refused_under_leases,
         )
         yield CounterMetricFamily(

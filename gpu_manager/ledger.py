@@ -55,9 +55,11 @@ class _KeptUntil(Generic[K]):
         self.until: dict[K, float] = {}
         self._due: deque[tuple[float, K]] = deque()
 
-    def set(self, key: K, until: float) -> None:
+    def set(self, key: K, until: float, *, due_by: float = math.inf) -> None:
+        """Keep `key` until `until`; a new key's entry comes due at `until`, or `due_by` if sooner."""
         if key not in self.until:
-            self._due.append((until if until != math.inf else 0.0, key))
+            due = min(until, due_by)
+            self._due.append((due if due != math.inf else 0.0, key))
         self.until[key] = until
 
     def prune(self, now_unix_s: float, limit: int = -1) -> None:
@@ -75,6 +77,11 @@ class _KeptUntil(Generic[K]):
 
 class Refused(Exception):
     """A token the node will not run, or a scheduler it will not take; the message says why."""
+
+
+class LeaseClosed(Refused):
+    """A call sent under a lease that has ended, or under which a call runs: routine (its gateway
+    places it instead), unlike a token that is bad or not a lease."""
 
 
 @dataclass(slots=True)
@@ -100,7 +107,7 @@ class GrantLedger:
     admitted_again: int = 0  # of them, for a call admitted before (within keep_s)
     refused_stale: int = 0  # grants refused for an epoch older than `epoch`
     admitted_under_leases: int = 0  # calls admitted under a lease (its grant's own not counted)
-    refused_under_leases: int = 0  # calls refused under a lease (ended, or in use): placed instead
+    refused_under_leases: int = 0  # calls refused under a lease that ended or was in use (LeaseClosed)
     _seen: _KeptUntil[GrantRef] = field(default_factory=_KeptUntil)
     _revoked: _KeptUntil[GrantRef] = field(default_factory=_KeptUntil)
     _calls: _KeptUntil[str] = field(default_factory=_KeptUntil)  # call ids admitted
@@ -143,9 +150,11 @@ class GrantLedger:
             raise Refused(f"the grant for call {grant.call_id} attempt {grant.attempt} was used already")
         if now_unix_s > grant.claim_by_unix_s:
             raise Refused(f"the grant for call {grant.call_id} expired {now_unix_s - grant.claim_by_unix_s:.3f} s ago")
-        if grant.claim_by_unix_s > now_unix_s + self.keep_s:
+        if not grant.claim_by_unix_s <= now_unix_s + self.keep_s:  # (not: NaN too, which no time passes)
             # A revocation is remembered for keep_s: a longer claim window could outlive it.
             raise Refused(f"the grant's claim time is more than {self.keep_s:g} s ahead; check the clocks")
+        if grant.lease_s and not 0.0 < grant.lease_s < math.inf:
+            raise Refused(f"the grant's lease time {grant.lease_s} is not a number of seconds")
         kept_until = grant.claim_by_unix_s + self.keep_s
         # A lease's grant is kept while a call runs under it (its own first), and keep_s after.
         self._seen.set(ref, math.inf if grant.lease_s else kept_until)
@@ -162,10 +171,11 @@ class GrantLedger:
 
     def admit_under_lease(self, token: bytes, now_unix_s: float) -> pb.Grant:
         """The lease `token` carries, admitting one more call under it; raises Refused (the
-        caller places the call instead: nothing ran), counted in `refused_under_leases`."""
+        caller places the call instead: nothing ran); LeaseClosed, the routine case, counted in
+        `refused_under_leases`."""
         try:
             ref, lease = self._open_lease(token, now_unix_s)
-        except Refused:
+        except LeaseClosed:
             self.refused_under_leases += 1
             raise
         lease.running = True
@@ -181,15 +191,17 @@ class GrantLedger:
             grant = self._verified(token)  # (to say why: a bad token, or no lease of this node's)
             if not grant.lease_s:
                 raise Refused(f"the grant for call {grant.call_id} is not a lease: it runs its own call only")
-            raise Refused(f"the lease of call {grant.call_id} attempt {grant.attempt} has ended here; place the call")
+            raise LeaseClosed(
+                f"the lease of call {grant.call_id} attempt {grant.attempt} has ended here; place the call"
+            )
         grant = lease.grant
         if grant.scheduler_id != self.scheduler_id or grant.epoch < self.epoch:
             raise Refused("the lease's scheduler is no longer the attached leader; place the call again")
         if lease.ended or ref in self._revoked.until or now_unix_s > lease.until_unix_s:
             lease.ended = True
-            raise Refused(f"the lease of call {grant.call_id} attempt {grant.attempt} has ended; place the call")
+            raise LeaseClosed(f"the lease of call {grant.call_id} attempt {grant.attempt} has ended; place the call")
         if lease.running:
-            raise Refused(f"a call runs under the lease of call {grant.call_id} already: one at a time")
+            raise LeaseClosed(f"a call runs under the lease of call {grant.call_id} already: one at a time")
         return ref, lease
 
     def lease_call_ended(self, ref: GrantRef, now_unix_s: float, *, keep: bool, done: bool = True) -> None:
@@ -254,7 +266,9 @@ class GrantLedger:
                     lease.ended = True  # (`if_idle`: one in use, or within its time, goes on)
             else:
                 unseen.append(ref)
-                self._revoked.set(ref, until)
+                # (Looked at again keep_s on at the latest: a claim time far ahead, which the
+                # scheduler's clock says, does not hold up the pruning of the revocations after it.)
+                self._revoked.set(ref, until, due_by=now_unix_s + self.keep_s)
         return unseen, seen
 
     def prune(self, now_unix_s: float) -> None:

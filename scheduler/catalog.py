@@ -107,7 +107,7 @@ class Catalog:
             return None
         old = self.functions.get(spec.name)
         self.functions[spec.name] = spec
-        if old is None or (old.model, old.memory_mb) != (spec.model, spec.memory_mb) or not self._registered(spec):
+        if old is None or (old.model, old.memory_mb) != (spec.model, spec.memory_mb):
             self.scheduler.register_model(ModelSpec(spec.model, spec.memory_mb, spec.required_gpu_type))
         # (Else the model keeps its size, which its workers' measured peak may have replaced: a put
         # that changed neither, such as new labels or a redeploy of the same, does not undo that.)
@@ -124,9 +124,6 @@ class Catalog:
             # model's name; their holdings are read again, as by the reconciler.
             self.links.learn_holdings()
         return spec
-
-    def _registered(self, spec: FunctionSpec) -> bool:
-        return spec.model in self.scheduler.cluster.models
 
     async def read_through(self, name: str) -> FunctionSpec | None:
         """A function the mirror lacks, read from etcd (a deploy that just happened may not have

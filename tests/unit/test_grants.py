@@ -401,3 +401,28 @@ def test_a_leases_grant_is_kept_while_a_call_runs_under_it_and_keep_s_after_its_
     assert len(ledger) == 1
     ledger.prune(NOW + 111.1)
     assert len(ledger) == 0
+
+
+def test_a_grant_whose_times_are_not_numbers_is_refused_and_holds_nothing_up() -> None:
+    # A NaN passes no comparison: kept, it would never come due, and the pruning behind it stop.
+    ledger = make_ledger(keep_s=10.0)
+    with pytest.raises(Refused, match="claim time"):
+        ledger.admit(sign(make_grant(call_id="nan", claim_by_unix_s=math.nan), KEY), NOW)
+    with pytest.raises(Refused, match="lease time"):
+        ledger.admit(sign(make_grant(call_id="nan-lease", lease_s=math.nan), KEY), NOW)
+    with pytest.raises(Refused, match="lease time"):
+        ledger.admit(sign(make_grant(call_id="inf-lease", lease_s=math.inf), KEY), NOW)
+    assert len(ledger) == 0
+
+
+def test_a_revocation_kept_long_does_not_hold_up_the_pruning_of_those_after_it() -> None:
+    # The scheduler's claim time may be far ahead (its clock): that revocation is kept till then,
+    # and the revocations after it are pruned at their own times, not after it.
+    ledger = make_ledger(keep_s=10.0)
+    ledger.revoke([("far", 1)], NOW, claim_by_unix_s=NOW + 3600.0)
+    for index in range(100):
+        ledger.revoke([(f"r{index}", 1)], NOW + index)
+    ledger.prune(NOW + 200.0)
+    assert len(ledger) == 1  # "far" alone
+    with pytest.raises(Refused, match="revoked"):
+        ledger.admit(sign(make_grant(call_id="far", claim_by_unix_s=NOW + 205.0), KEY), NOW + 200.0)

@@ -472,6 +472,9 @@ def test_the_ledger_admits_calls_under_a_lease_one_at_a_time_each_within_its_tim
         book.admit_under_lease(lease, 105.51)
     assert book.admitted == 1 and book.admitted_under_leases == 1
     assert book.refused_under_leases == 3  # (each placed by its gateway instead)
+    with pytest.raises(Refused, match="not a lease"):  # not routine: not counted with them
+        book.admit_under_lease(token(call_id="c2"), 105.6)
+    assert book.refused_under_leases == 3
 
 
 def test_the_ledger_ends_a_lease_it_is_asked_about_and_says_whether_a_call_runs_under_it() -> None:
