@@ -227,13 +227,20 @@ class _Upkeep:
         self._retired.discard(model)
 
     def _evict_retired(self, model: str) -> list[Effect]:
+        """Stop a model no function runs where no call uses it: on GPUs where it is not pinned,
+        and in the host tiers that hold it (a copy there serves no one)."""
+        cache = self.scheduler.cache
         effects: list[Effect] = []
-        for gpu_id in sorted(self.scheduler.cache.gpus_with(model)):
-            if not self.scheduler.cache.gpu(gpu_id).is_pinned(model):
-                self.scheduler.cache.drop(gpu_id, model)
+        for gpu_id in sorted(cache.gpus_with(model)):
+            if not cache.gpu(gpu_id).is_pinned(model):
+                cache.drop(gpu_id, model)
                 self.dirty_models.add(model)
                 self.dirty_gpus.add(gpu_id)
                 effects.append(Evict(gpu_id, (model,)))
+        for node in sorted(cache.nodes_holding(model)):
+            cache.release_from_host(node, model)
+            self.dirty_models.add(model)
+            effects.append(EvictHost(node, (model,)))
         return effects
 
     def reconcile(self, gpu_id: str, resident: dict[str, int], now: float) -> list[Effect]:
@@ -244,7 +251,9 @@ class _Upkeep:
         cache = self.scheduler.cache.gpu(gpu_id)
         busy = {self._calls[r].spec.model for r in self.scheduler.gpu(gpu_id).running if r in self._calls}
         for model in list(cache):
-            if model not in resident and not cache.is_pinned(model) and model not in busy:
+            # A retired model is dropped too (its last call ended some way without a Done): below,
+            # its worker is then an orphan, as no function runs it.
+            if (model not in resident or model in self._retired) and not cache.is_pinned(model) and model not in busy:
                 self.scheduler.cache.drop(gpu_id, model)
                 self.dirty_models.add(model)
         orphans: list[str] = []
@@ -487,8 +496,6 @@ class _GrantChecks(_Leasing):
             drop_model = _never_loaded(self.scheduler, call)
             self._release(call, now, drop_model=drop_model, requeue=retry, avoid_gpu=call.maybe_ran)
             if not retry:
-                if call.spec.model in self._retired:  # its grant pinned it when it was retired
-                    effects += self._evict_retired(call.spec.model)
                 effects += self._finish(
                     call, pb.UNAVAILABLE, f"the call was placed {call.placements} times and never reached a node"
                 )
@@ -851,8 +858,8 @@ class CallBook(_GrantChecks):
         if call.state is not _State.PLACED:
             if call.state is _State.QUEUED:
                 self.scheduler.cancel(call.call_id)
-            self._forget(call)
-            return []
+            self._forget(call)  # (placed before, and refused, it may have been what kept a retired model)
+            return self._evict_retired(call.spec.model) if call.spec.model in self._retired else []
         if call.lease_until:  # its owner holds the lease no more: the node ends it
             return self._end_leases((call,))
         if call.claimed or call.checking:
@@ -874,8 +881,11 @@ class CallBook(_GrantChecks):
             self._forget(call)
 
     def _finish(self, call: _Call, status: int, message: str) -> list[Effect]:
+        """Answer the call (if its owner still waits) and forget it; a model no function runs any
+        more goes where this call was all that kept it."""
         self._forget(call)
-        return [Answer(call.owner, call.call_id, status, message)] if call.wanted else []
+        effects: list[Effect] = [Answer(call.owner, call.call_id, status, message)] if call.wanted else []
+        return effects + self._evict_retired(call.spec.model) if call.spec.model in self._retired else effects
 
     @staticmethod
     def _unknown(call: _Call, message: str) -> list[Effect]:

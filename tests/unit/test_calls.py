@@ -949,3 +949,48 @@ def test_a_term_that_ends_takes_every_gpu_out_at_once_and_places_nothing_meanwhi
     assert not any(isinstance(effect, Assignment) for effect in applied), applied
     assert book.scheduler.cache.num_gpus == 0
     assert queued(book) == ["c2"]  # the next term's to place; c1 (sent) is stranded
+
+
+def test_a_retired_model_goes_when_its_last_call_is_answered_without_a_done() -> None:
+    # Its call pinned it when its function was updated; the node then refused the grant near the
+    # deadline (no retry): the call is answered with no Done, and the old version must still go.
+    book = make_book(gpus=(N1,), slots=1)
+    cache_on(book.scheduler, N1, A.model)
+    placed(book.submit("gw", "c1", A, 60.0, now=0.0))
+    assert book.retire(A.model) == []  # in use: evicted once its call ends
+    effects = book.abandon("gw", "c1", 1, pb.Abandon.REFUSED, now=61.0)
+    assert Evict(N1, (A.model,)) in effects and cached(book, A) == set()
+
+
+def test_a_retired_model_goes_when_its_refused_call_is_then_given_up() -> None:
+    # Refused at N1, placed again elsewhere (queued: N2 is busy), then given up by its client.
+    book = make_book(gpus=(N1, N2), slots=1)
+    cache_on(book.scheduler, N1, A.model)
+    cache_on(book.scheduler, N2, B.model)
+    placed(book.submit("gw", "c0", B, 600.0, now=0.0))  # a long call holds N2
+    assert placed(book.submit("gw", "c1", A, 60.0, now=0.0)) == [("c1", 1, N1, 1, True)]
+    assert book.retire(A.model) == []
+    book.abandon("gw", "c1", 1, pb.Abandon.REFUSED, now=1.0)  # placed again, not on N1
+    effects = book.abandon("gw", "c1", 0, pb.Abandon.CANCELLED, now=2.0)
+    assert Evict(N1, (A.model,)) in effects and cached(book, A) == set()
+
+
+def test_reconcile_stops_a_retired_model_the_cache_still_holds() -> None:
+    # The reconciler's pass stops what no call uses of a model no function runs, however it got
+    # left (here by hand: retired while cached, its eviction never applied).
+    book = make_book(gpus=(N1,), slots=1)
+    cache_on(book.scheduler, N1, A.model)
+    book._retired.add(A.model)
+    effects = book.reconcile(N1, {A.model: 1000}, now=70.0)
+    assert cached(book, A) == set()
+    assert [e for e in effects if isinstance(e, Evict)] == [Evict(N1, (A.model,), if_idle=True, gpu_seq=0)]
+
+
+def test_retire_stops_the_copy_parked_in_a_host_tier() -> None:
+    book = book_on_node(A, B, host_mb=4000)
+    placed(book.submit("gw", "c1", A, 60.0, now=0.0))
+    book.done("c1", 1, pb.OK, 1.0, inference_time_s=0.5)
+    book.release_idle(10.0, gpu_idle_s=3.0, host_idle_s=None)  # A parked in n1's host tier
+    assert book.scheduler.cache.in_host(A.model, N1)
+    assert book.retire(A.model) == [EvictHost("n1", (A.model,))]
+    assert not book.scheduler.cache.in_host(A.model, N1)
