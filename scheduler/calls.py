@@ -485,6 +485,9 @@ class _GrantChecks(_Leasing):
                 elif call.lease_if_idle:  # a call runs under it there: it goes on, its Done due
                     call.lease_ending = call.lease_if_idle = False
                     call.lease_until = now + self.lease_s
+                    # Alive at the node: not lost, however long that call runs (the gateway gives it
+                    # its own timeout, which an update may have raised past this spec's).
+                    call.deadline = max(call.deadline, call.lease_until + call.spec.timeout_s)
         for call_id, attempt in unseen:
             call = self._current(call_id, attempt)
             if call is None:

@@ -714,3 +714,28 @@ def test_the_simulator_ends_a_lease_with_no_call_for_its_time_and_leases_again()
     result = sim([(0.0, "A"), (4.0, "A"), (6.0, "A"), (9.0, "A")], lease_s=1.5)
     assert (result.leases, result.lease_calls) == (2, 1)
     assert result.completed == 4
+
+
+def test_a_lease_whose_call_outlasts_the_functions_timeout_here_stays_while_its_node_says_busy() -> None:
+    # The function's timeout_s was raised (same model: the lease goes on): a call under the lease
+    # runs longer than the spec here says. Each if-idle check finds it busy at the node, so the
+    # lease and its slot stay the scheduler's, not freed as a lost call while the node runs it.
+    book = make_book()
+    leased_hit(book)
+    book.done("c1", 1, pb.OK, now=1.2)  # the lease's own call; a long call under it starts at once
+    node = ledger()
+    lease = token(lease_s=LEASE_S, claim_by=105.0)
+    node.admit(lease, 100.0)
+    node.lease_call_ended(("c1", 1), 100.2, keep=True)
+    node.admit_under_lease(lease, 100.3)  # runs with the gateway's (new, longer) timeout
+    now = 1.2
+    while now < 1.2 + LEASE_S + A.timeout_s + 30.0:
+        now += 0.5
+        for effect in book.tick(now):
+            assert isinstance(effect, CheckGrants) and effect.if_idle
+            unseen, seen = node.revoke(effect.grants, 100.0 + now, if_idle=effect.if_idle)
+            book.grants_checked("n1", unseen, seen, now + 0.01, busy=[r for r in seen if node.lease_busy(r)])
+    assert running(book, N1) == ["c1"] and len(book) == 1  # still the lease's slot
+    node.lease_call_ended(("c1", 1), 100.0 + now, keep=True)  # the long call ends; its Done comes
+    book.done("c1", 1, pb.OK, now=now + 0.1, lease_call_id="l1")
+    assert running(book, N1) == ["c1"]  # the lease goes on, used again
