@@ -380,11 +380,12 @@ class Artifacts:
             # Over the link TLS: the admin's credential it shows never crosses the network in clear.
             upload_blob(url, path, digest, authorization=access.write, timeout_s=PEER_TIMEOUT_S)
 
-    async def _refreshed(self, record: PackageRecord) -> PackageRecord:
+    async def _refreshed(self, record: PackageRecord, *, always: bool = False) -> PackageRecord:
         """A package registered again (a redeploy, another function with it): young again for the
-        collection, so that it cannot go between this registration and the deploy that follows."""
+        collection, so that it cannot go between this registration and the deploy that follows.
+        Unless `always`, a record younger than half the grace is left as it is (one write saved)."""
         now = time.time()
-        if now - record.created_unix_s < self.grace_s / 2:
+        if not always and now - record.created_unix_s < self.grace_s / 2:
             return record
         key = self.keys.package(record.digest)
         kv = await self.store.get(key)
@@ -395,6 +396,14 @@ class Artifacts:
 
     async def record(self, digest: str) -> PackageRecord | None:
         return await read_package(self.store, self.keys, digest)
+
+    async def unnamed(self, digest: str) -> None:
+        """A package a function no longer names (it was updated to another, or deleted): young
+        again for the collection, which measures its grace from then. Calls that arrived before
+        the change may still run it (and a node fetch it) until their deadlines."""
+        record = await self.record(digest)
+        if record is not None:
+            await self._refreshed(record, always=True)
 
     async def _requirements(self, manifest: Manifest) -> Layer | None:
         entry = manifest.file(REQUIREMENTS_FILE)

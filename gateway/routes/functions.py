@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Annotated, Any
 
@@ -10,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.routes.deps import GatewayDep
 from gateway.state import ApiError, Gateway
+from gpufaas.errors import InvalidInput
 from gpufaas.functions import NAME_PATTERN, FunctionSpec
 from gpufaas.holders import HolderRecord, read_holders
 
@@ -69,8 +71,18 @@ async def update(spec: Annotated[FunctionSpec, Body()], gateway: GatewayDep) -> 
             raise ApiError(404, f"function {spec.name!r} does not exist; deploy it with POST /system/functions")
         if await gateway.store.compare_and_put(key, spec.to_json(), mod_revision=current.mod_revision):
             gateway.functions[spec.name] = spec
+            await _unnamed(gateway, current.value, spec.package_digest)
             return Deployed(name=spec.name, model=spec.model)
     raise ApiError(409, f"function {spec.name!r} is being changed concurrently; retry")
+
+
+async def _unnamed(gateway: Gateway, old_spec: bytes, package_digest: str | None) -> None:
+    """The old spec's package, where the change left it (`package_digest`: the new spec's, None
+    for a delete): its grace before the collection starts now, for the calls that still run it."""
+    with contextlib.suppress(InvalidInput):
+        old = FunctionSpec.from_json(old_spec).package_digest
+        if old != package_digest:
+            await gateway.artifacts.unnamed(old)
 
 
 async def _describe(gateway: Gateway, spec: FunctionSpec, holders: list[HolderRecord]) -> dict[str, Any]:
@@ -112,7 +124,15 @@ async def get_function(name: str, gateway: GatewayDep) -> dict[str, Any]:
 @router.delete("/system/functions", status_code=202)
 async def delete(request: Annotated[DeleteRequest, Body()], gateway: GatewayDep) -> dict[str, Any]:
     name = request.functionName
-    if not await gateway.store.delete(gateway.keys.function(name)):
-        raise ApiError(404, f"function {name!r} is not deployed")
+    key = gateway.keys.function(name)
+    for _ in range(5):
+        current = await gateway.store.get(key)
+        if current is None:
+            raise ApiError(404, f"function {name!r} is not deployed")
+        if await gateway.store.compare_and_delete(key, mod_revision=current.mod_revision):
+            break
+    else:
+        raise ApiError(409, f"function {name!r} is being changed concurrently; retry")
     gateway.functions.pop(name, None)
+    await _unnamed(gateway, current.value, None)
     return {"name": name, "deleted": True}

@@ -367,6 +367,38 @@ def test_packages_no_function_uses_are_collected_after_their_grace(tmp_path: Pat
     run(tmp_path, body, package_grace_s=60.0)
 
 
+def test_a_package_its_function_left_keeps_its_grace_from_the_change(tmp_path: Path) -> None:
+    """An update to another package (or a delete) starts the old package's grace anew: calls that
+    arrived before the change may still run it, and a node fetch it, however old the package is."""
+
+    async def body(env: Env) -> None:
+        gateway = env.app.state.gateway
+        first, second = await env.upload(make_package("first")), await env.upload(make_package("second"))
+        await age(env, first, time.time() - 1000)  # uploaded long ago
+        spec = {"name": "fn", "package_digest": first, "memory_mb": 100}
+        assert (await env.client.post("/system/functions", json=spec)).status_code == 202
+        now = time.time()
+        assert (await env.client.put("/system/functions", json={**spec, "package_digest": second})).status_code == 202
+        assert (await gateway.collect_packages(now + 30))[0] == []  # within the grace since the update
+        assert (await gateway.collect_packages(now + 120))[0] == [first]
+        # A delete: the same for the package it named.
+        await age(env, second, 0.0)
+        now = time.time()
+        await env.client.request("DELETE", "/system/functions", json={"functionName": "fn"})
+        assert (await gateway.collect_packages(now + 30))[0] == []
+        assert (await gateway.collect_packages(now + 120))[0] == [second]
+
+    run(tmp_path, body, package_grace_s=60.0)
+
+
+async def age(env: Env, digest: str, created_unix_s: float) -> None:
+    """Make the package's record say it was registered at `created_unix_s`."""
+    key = env.keys.package(digest)
+    kv = await env.store.get(key)
+    assert kv is not None
+    await env.store.put(key, json.dumps({**json.loads(kv.value), "created_unix_s": created_unix_s}).encode())
+
+
 async def eventually(predicate: Callable[[], bool], timeout_s: float = 2.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not predicate():
