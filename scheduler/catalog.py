@@ -49,6 +49,11 @@ class Catalog:
         self.links = links
         self.functions = functions
         self.apply = apply
+        # Function name -> the etcd revision of the last change to it taken in (a put or a
+        # delete), so that a change older than one taken already is ignored: the watch replays
+        # what a re-list read, and a read-through can answer ahead of the watch. Deleted names
+        # stay until a re-list past them (one int each).
+        self.revisions: dict[str, int] = {}
 
     async def recover(self) -> int:
         """Read functions, profiles and nodes; returns the revision read (the watches go on from
@@ -72,11 +77,16 @@ class Catalog:
 
     # --- functions --------------------------------------------------------------------------
     def functions_listed(self, kvs: list[KeyValue], revision: int) -> None:
-        """The functions deployed now: the mirror is replaced, the models of those gone retired."""
+        """The functions deployed now: the mirror is replaced, the models of those gone retired.
+        (The list may hold changes made after `revision`; the watch then replays them, ignored.)"""
         before = dict(self.functions)
-        listed = [self.learn_function(kv.key, kv.value, relisting=True) for kv in kvs]  # (each against its old)
+        # What the list cannot know: changes taken in after `revision` (a read-through) stay.
+        newer = {name: seen for name, seen in self.revisions.items() if seen > revision}
+        listed = [self.learn_function(kv, relisting=True) for kv in kvs]  # (each against its old)
         self.functions.clear()
         self.functions.update((spec.name, spec) for spec in listed if spec is not None)
+        self.functions.update((name, before[name]) for name in newer if name in before)
+        self.revisions = {**{spec.name: self.revisions[spec.name] for spec in self.functions.values()}, **newer}
         current = {spec.model for spec in self.functions.values()}
         if current - {spec.model for spec in before.values()}:
             self.links.learn_holdings()  # new models of packages the nodes may hold: once, not per function
@@ -88,23 +98,32 @@ class Catalog:
 
     def function_changed(self, event: WatchEvent) -> None:
         if event.kind == "put":
-            self.learn_function(event.key, event.value)
+            self.learn_function(KeyValue(event.key, event.value, 0, event.mod_revision, 0))
             return
-        gone = self.functions.pop(event.key.removeprefix(self.keys.functions), None)
+        name = event.key.removeprefix(self.keys.functions)
+        if event.mod_revision <= self.revisions.get(name, 0):
+            return  # older than what the mirror holds (a re-list's replay, a read-through ahead)
+        self.revisions[name] = event.mod_revision
+        gone = self.functions.pop(name, None)
         if gone is not None:
             log.info("function %s deleted: evicting its model %s", gone.name, gone.model)
             self.apply(self.book.retire(gone.model))
 
-    def learn_function(self, key: str, value: bytes, *, relisting: bool = False) -> FunctionSpec | None:
-        """Take in a function's spec (None: invalid, ignored): its model is registered, an old
-        model it replaced retired, and a new package pre-staged. A new model of a package
-        pre-staged already has the nodes' holdings read again for it. (`relisting`: the caller
-        retires the old models and reads the holdings again, once for the whole list.)"""
+    def learn_function(self, kv: KeyValue, *, relisting: bool = False) -> FunctionSpec | None:
+        """Take in a function's spec as stored (None: invalid, ignored; or deleted since): its model
+        is registered, an old model it replaced retired, and a new package pre-staged. A new model
+        of a package pre-staged already has the nodes' holdings read again for it. A spec older
+        than the last change taken in for its name is not taken: the mirror's is answered.
+        (`relisting`: the caller retires the old models and reads the holdings again, once for
+        the whole list.)"""
         try:
-            spec = FunctionSpec.from_json(value)
+            spec = FunctionSpec.from_json(kv.value)
         except GpufaasError as exc:
-            log.warning("ignoring invalid function spec at %s: %s", key, exc)
+            log.warning("ignoring invalid function spec at %s: %s", kv.key, exc)
             return None
+        if kv.mod_revision < self.revisions.get(spec.name, 0):
+            return self.functions.get(spec.name)
+        self.revisions[spec.name] = kv.mod_revision
         old = self.functions.get(spec.name)
         self.functions[spec.name] = spec
         if old is None or (old.model, old.memory_mb) != (spec.model, spec.memory_mb):
@@ -131,7 +150,7 @@ class Catalog:
         with contextlib.suppress(ValueError, StoreError):
             kv = await self.store.get(self.keys.function(name))
             if kv is not None:
-                return self.learn_function(kv.key, kv.value)
+                return self.learn_function(kv)
         return None
 
     def _apply_profile(self, kv: KeyValue) -> None:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import itertools
 
+from gpufaas.functions import FunctionSpec
+from gpufaas.keys import Keys
 from gpufaas.profiles import ModelProfile
+from gpufaas.store import KeyValue
 from gpufaas.types import GpuSpec, ModelSpec, Request
 from scheduler import Estimator, PolicyConfig, Scheduler, make_policy
 
@@ -72,3 +75,8 @@ def run_on(scheduler: Scheduler, gpu_id: str, model: str, now: float = 0.0) -> R
 def fill_slots(scheduler: Scheduler, gpu_id: str, model: str, now: float = 0.0) -> list[Request]:
     """Start requests for `model` on `gpu_id` until it has no free slot."""
     return [run_on(scheduler, gpu_id, model, now) for _ in range(scheduler.gpu(gpu_id).free_slots)]
+
+
+def stored_spec(keys: Keys, spec: FunctionSpec, mod_revision: int = 0) -> KeyValue:
+    """`spec` as etcd holds it under its key, changed at `mod_revision`."""
+    return KeyValue(keys.function(spec.name), spec.to_json(), mod_revision, mod_revision, 0)

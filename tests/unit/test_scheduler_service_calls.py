@@ -16,6 +16,7 @@ from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.types import GpuSpec
 from gpufaas.wire import Connection, MessageType
 from scheduler.service import SchedulerService
+from tests.builders import stored_spec
 from tests.fakes import MemoryStore
 
 SPEC = FunctionSpec(name="fn-a", package_digest="sha256:" + hashlib.sha256(b"fn-a").hexdigest(), memory_mb=1000)
@@ -36,7 +37,7 @@ class Gateway(Connection):
 def run(scenario: Callable[[SchedulerService, Gateway], Awaitable[None]]) -> None:
     async def main() -> None:
         service = SchedulerService(MemoryStore(), keys=Keys("/t"), prestage_nodes=0)
-        service.catalog.learn_function(service.keys.function(SPEC.name), SPEC.to_json())
+        service.catalog.learn_function(stored_spec(service.keys, SPEC))
         await scenario(service, Gateway())
 
     asyncio.run(main())

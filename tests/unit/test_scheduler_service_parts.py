@@ -16,12 +16,13 @@ import pytest
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.store import MAX_TXN_BYTES, MAX_TXN_OPS, StoreError
+from gpufaas.store import MAX_TXN_BYTES, MAX_TXN_OPS, StoreError, WatchEvent
 from gpufaas.types import GpuSpec
 from gpufaas.wire import Connection, Unauthenticated
 from gpufaas.wire_local import PEER_NAME, link_here
 from scheduler.persister import GPUS_PER_SLICE, _batches
 from scheduler.service import EARLY_PER_SLICE, SchedulerService
+from tests.builders import stored_spec
 from tests.fakes import MemoryStore
 
 GPU = "n1/g0"
@@ -47,7 +48,7 @@ def run(scenario: Callable[[SchedulerService, MemoryStore], Awaitable[None]]) ->
 
 def with_model_on_gpu(service: SchedulerService, spec: FunctionSpec) -> None:
     """`spec`'s model registered, and resident on GPU (as a node's report adopts it)."""
-    service.catalog.learn_function(service.keys.function(spec.name), spec.to_json())
+    service.catalog.learn_function(stored_spec(service.keys, spec))
     service.scheduler.add_gpu(GpuSpec(GPU, 8000, "cpu", node="n1"))
     service.book.reconcile(GPU, {spec.model: spec.memory_mb}, 0.0)
 
@@ -339,6 +340,47 @@ def test_the_places_that_waited_for_the_attaches_go_first_in_slices_with_the_loo
     run(scenario)
 
 
+def test_the_catalog_ignores_changes_older_than_those_it_took_in() -> None:
+    # A re-list reads etcd's revision, then lists: a delete and redeploy in between are in the
+    # list and replayed by the watch after it. A read-through can also answer ahead of the watch.
+    # Neither may evict the live model, undo an update, or bring back a deleted function.
+    spec = make_spec("fn-a")
+    updated = FunctionSpec.model_validate({**spec.model_dump(), "environment": {"V": "2"}})
+
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        catalog, cache = service.catalog, service.scheduler.cache
+        with_model_on_gpu(service, spec)
+        catalog.functions_listed([stored_spec(service.keys, spec, 12)], 10)
+        catalog.function_changed(WatchEvent("delete", service.keys.function(spec.name), b"", 11))
+        catalog.function_changed(WatchEvent("put", service.keys.function(spec.name), spec.to_json(), 12))
+        assert catalog.functions == {spec.name: spec} and spec.model in cache.gpu(GPU)
+        # The update read through at 14; the watch then brings the put of 12 again, and the update.
+        catalog.learn_function(stored_spec(service.keys, updated, 14))
+        assert spec.model not in cache.gpu(GPU)  # retired by the update
+        service.book.reconcile(GPU, {updated.model: updated.memory_mb}, 0.0)  # its worker loaded
+        catalog.function_changed(WatchEvent("put", service.keys.function(spec.name), spec.to_json(), 12))
+        assert catalog.functions == {spec.name: updated} and updated.model in cache.gpu(GPU)
+        # A re-list at 13 cannot know of 14: the update stays.
+        catalog.functions_listed([stored_spec(service.keys, spec, 12)], 13)
+        assert catalog.functions == {spec.name: updated}
+        # Deleted at 15; a read-through of 14 answered after it does not bring it back.
+        catalog.function_changed(WatchEvent("delete", service.keys.function(spec.name), b"", 15))
+        assert catalog.learn_function(stored_spec(service.keys, updated, 14)) is None
+        assert catalog.functions == {}
+        # A re-list past the delete forgets it: a deploy under the name again is taken.
+        catalog.functions_listed([], 16)
+        assert catalog.revisions == {}
+        catalog.function_changed(WatchEvent("put", service.keys.function(spec.name), spec.to_json(), 17))
+        assert catalog.functions == {spec.name: spec}
+        # A function read through at 19, not in a list read at 18 (listed before it was deployed).
+        other = make_spec("fn-b")
+        catalog.learn_function(stored_spec(service.keys, other, 19))
+        catalog.functions_listed([stored_spec(service.keys, spec, 17)], 18)
+        assert catalog.functions == {spec.name: spec, other.name: other}
+
+    run(scenario)
+
+
 def test_a_put_of_a_function_that_changes_neither_its_model_nor_its_size_keeps_the_measured_size() -> None:
     # A worker's measured peak replaces the declared size (a function that under-declares its
     # memory must not skew placement); a put that changes neither (new labels, the same deployed
@@ -350,11 +392,11 @@ def test_a_put_of_a_function_that_changes_neither_its_model_nor_its_size_keeps_t
         assert service.scheduler.observe_memory(spec.model, GPU, 3000)
         relabelled = FunctionSpec.model_validate({**spec.model_dump(), "labels": {"team": "vision"}})
         assert relabelled.model == spec.model
-        service.catalog.learn_function(service.keys.function(spec.name), relabelled.to_json())
+        service.catalog.learn_function(stored_spec(service.keys, relabelled))
         assert service.scheduler.model(spec.model).memory_mb == 3000
         resized = FunctionSpec.model_validate({**spec.model_dump(), "memory_mb": 2000})
         assert resized.model == spec.model
-        service.catalog.learn_function(service.keys.function(spec.name), resized.to_json())
+        service.catalog.learn_function(stored_spec(service.keys, resized))
         assert service.scheduler.model(spec.model).memory_mb == 2000
 
     run(scenario)
@@ -383,7 +425,7 @@ def test_a_new_model_of_a_package_the_nodes_hold_is_known_held_by_watch_or_by_re
         with_a_node_holding(service, a)
         holdings = service.scheduler.cache.holdings
         assert a.model in holdings.pooled("n1") and b.model not in holdings.staged("n1")
-        service.catalog.learn_function(service.keys.function(b.name), b.to_json())
+        service.catalog.learn_function(stored_spec(service.keys, b))
         assert b.model in holdings.pooled("n1") and b.model in holdings.staged("n1")
         await store.put(service.keys.function(a.name), a2.to_json())
         await store.put(service.keys.function(b.name), b.to_json())
