@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from gpu_manager.runtimes import KILL_WAIT_S, Runtime
-from gpu_manager.sandbox import Isolation, lock_package, package_uid
+from gpu_manager.sandbox import Isolation, lock_package, package_locked, package_uid
 from gpu_manager.workers import NO_WEIGHTS, ModelRun, WeightsPlan, Worker
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import ConnectionLost
@@ -57,7 +57,6 @@ class ModelFiles:
         self._fetch_package = fetch_package
         self._prepare_weights = prepare_weights
         self._isolation = isolation
-        self._locked: set[str] = set()  # package digests made readable to their own user only
 
     async def for_load(self, run: ModelRun, stages: pb.MissStages, *, read_ahead: bool) -> tuple[Path, WeightsPlan]:
         """`run`'s package directory and weights, their times written into `stages`. With
@@ -90,9 +89,10 @@ class ModelFiles:
         if not self._isolation.per_package_users:
             return os.getuid()
         uid = package_uid(digest)
-        if digest not in self._locked:
+        # Checked at every load, not remembered by digest: a package unstaged (unused, or evicted
+        # for room) and staged again is a new directory, which must be locked again.
+        if not package_locked(directory, uid):
             await asyncio.to_thread(lock_package, directory, uid)
-            self._locked.add(digest)
         return uid
 
     async def weights(self, run: ModelRun, directory: Path) -> WeightsPlan:

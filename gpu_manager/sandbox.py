@@ -411,6 +411,13 @@ def lock_package(path: Path, gid: int) -> None:
     _lock(str(path), gid)
 
 
+def package_locked(path: Path, gid: int) -> bool:
+    """Whether `lock_package(path, gid)` finished on this directory (it locks the top last): a
+    package staged again after it was unstaged is a new directory, mkdtemp's (root's, 0700)."""
+    status = os.lstat(path)
+    return (status.st_uid, status.st_gid, stat.S_IMODE(status.st_mode)) == (0, gid, 0o750)
+
+
 def _lock(path: str, gid: int) -> None:
     status = os.lstat(path)
     mode = status.st_mode

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +109,9 @@ class PackageStore:
         self._clock = clock
         self._staging: dict[str, asyncio.Task[Path]] = {}
         self._fetching: dict[str, asyncio.Task[Path]] = {}
+        # Blobs the stagings under way will link (how many of them each): an eviction for room, or
+        # a collection, must not delete one that is here already (shared with the old version).
+        self._linking: Counter[str] = Counter()
         self._fetch_slots = asyncio.Semaphore(PARALLEL_FETCHES)
         # Staged packages: digest -> (manifest, layer directory or None), and when each was last used.
         self._staged: dict[str, tuple[Manifest, Path | None]] = {}
@@ -192,6 +196,15 @@ class PackageStore:
         record = await self._records(digest)
         if record is None:
             raise InvalidPackage(f"package {digest} is not registered (deleted, or never uploaded)")
+        blobs = list(record.manifest.blobs())
+        self._linking.update(blobs)
+        try:
+            return await self._stage_record(digest, record, make_room)
+        finally:
+            self._linking.subtract(blobs)
+            self._linking = +self._linking  # (drops the blobs no staging needs any more)
+
+    async def _stage_record(self, digest: str, record: PackageRecord, make_room: bool) -> Path:
         manifest = record.manifest
         stats = StageStats()
         started = time.perf_counter()
@@ -322,7 +335,8 @@ class PackageStore:
         await asyncio.to_thread(shutil.rmtree, doomed, True)
         if entry is None:
             return 0
-        kept = {d for manifest, _ in self._staged.values() for d in manifest.blobs()} | set(self._fetching)
+        kept = {d for manifest, _ in self._staged.values() for d in manifest.blobs()}
+        kept |= self._fetching.keys() | self._linking.keys()
         freed = 0
         for blob, size in entry[0].blobs().items():
             if blob not in kept and await asyncio.to_thread(self.blobs.remove, blob):

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from gpu_manager.loads import ModelFiles
+from gpu_manager.sandbox import Isolation, package_uid
 from gpu_manager.staging import LINK_MIN_BYTES, PackageStore
 from gpufaas.blobnet import BlobServer
 from gpufaas.blobs import BlobStore
@@ -249,5 +251,52 @@ def test_blobs_a_failed_staging_left_are_collected_after_the_grace(tmp_path: Pat
         assert store.blobs.has(sha256_digest(weights))  # young: a retry may want it
         await store.collect(set(), now_unix_s=time.time() + 120, grace_s=60.0)
         assert not store.blobs.has(sha256_digest(weights))
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="changing owners needs root (CI runs as root)")
+def test_a_package_staged_again_is_locked_again_for_its_own_user(tmp_path: Path, cluster: Cluster) -> None:
+    # Unstaged (unused for the grace, or evicted for room) and staged again, a package is a new
+    # directory (mkdtemp's: root's, 0700), which its workers, running as its own user, cannot enter
+    # until it is locked for that user (root:uid, 0750) again.
+    cluster.holder("gw")
+    digest = cluster.package({"handler.py": HANDLER, "w.bin": os.urandom(1 << 20)})
+    uid = package_uid(digest)
+
+    def locked_for_its_user(path: Path, mode: int) -> bool:
+        status = path.stat()
+        return (status.st_uid, status.st_gid, status.st_mode & 0o777) == (0, uid, mode)
+
+    async def main() -> None:
+        store = cluster.store(tmp_path / "node")
+        files = ModelFiles(store.fetch, None, Isolation(users=True))
+        for _ in range(2):
+            directory, _ = await store.fetch(digest)
+            assert await files.own(digest, directory) == uid
+            assert locked_for_its_user(directory, 0o750) and locked_for_its_user(directory / "handler.py", 0o640)
+            assert await store.collect(set(), now_unix_s=time.time() + 7200, grace_s=3600) == [digest]
+
+    asyncio.run(main())
+
+
+def test_evicting_the_old_version_for_room_keeps_the_weights_the_new_one_shares(
+    tmp_path: Path, cluster: Cluster
+) -> None:
+    # A redeploy with only its handler changed, on a full disk: the new package needs only its
+    # handler fetched, the room is made by evicting the old version, and the weights blob the two
+    # share must stay for the new one to link.
+    gateway = cluster.holder("gw")
+    weights = os.urandom(1 << 20)
+    old = cluster.package({"handler.py": HANDLER, "w.bin": weights})
+    new = cluster.package({"handler.py": HANDLER + b"# v2\n", "w.bin": weights})
+
+    async def main() -> None:
+        store = cluster.store(tmp_path / "node", budget_bytes=(1 << 20) + len(HANDLER) + 2)
+        await store.ensure(old)
+        sent = gateway.bytes_sent
+        directory = await store.ensure(new)
+        assert (directory / "w.bin").read_bytes() == weights
+        assert store.staged() == {new} and gateway.bytes_sent == sent + len(HANDLER) + 5
 
     asyncio.run(main())
