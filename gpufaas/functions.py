@@ -10,7 +10,7 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Self, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 
 from gpufaas.errors import InvalidInput
@@ -24,6 +24,9 @@ MAX_TIMEOUT_S = 3600.0
 MAX_BATCH_SIZE = 1024
 MAX_BATCH_WAIT_MS = 10_000.0
 MAX_MEMORY_MB = 10_000_000  # 10 TB: far past any GPU, well inside the wire's int64
+# The batch `memory_mb` is declared at: far past any model's, and small enough that the scheduler's
+# estimates (seconds per sample times the batch) stay finite floats.
+MAX_DECLARED_BATCH_SIZE = 1_000_000
 
 # What each field takes, in words: every error about a field says it (and where, and what it got).
 EXPECTED: dict[str, str] = {
@@ -34,10 +37,10 @@ EXPECTED: dict[str, str] = {
     "package_digest": "expected 'sha256:' and 64 hex digits (the digest POST /system/packages answered)",
     "memory_mb": f"expected a positive whole number, at most {MAX_MEMORY_MB}: the model's peak GPU memory in MB",
     "gpu": "expected 'any' or a GPU type such as 'nvidia-h100-80gb-hbm3' (see GET /system/gpus)",
-    "batch_size": "expected a positive whole number",
+    "batch_size": f"expected a positive whole number, at most {MAX_DECLARED_BATCH_SIZE}",
     "timeout_s": f"expected seconds in (0, {MAX_TIMEOUT_S:g}]",
     "labels": "expected a map of strings to strings",
-    "environment": "expected a map of strings to strings",
+    "environment": "expected a map of variable names (not empty, without '=' or NUL) to strings (without NUL)",
     "max_batch_size": f"expected a positive whole number, at most {MAX_BATCH_SIZE} calls per batch",
     "max_batch_wait_ms": f"expected milliseconds in [0, {MAX_BATCH_WAIT_MS:g}]",
     "public": "expected true or false",
@@ -46,6 +49,17 @@ EXPECTED: dict[str, str] = {
 }
 
 StringMap = dict[str, str]
+
+
+def _environment(variables: dict[str, str]) -> dict[str, str]:
+    # What the worker's os.environ can take: anything else would fail every load of the function.
+    for name, value in variables.items():
+        if not name or "=" in name or "\x00" in name or "\x00" in value:
+            raise ValueError(f"{name!r} cannot be set in a process's environment")
+    return variables
+
+
+Environment = Annotated[StringMap, AfterValidator(_environment)]
 
 
 def _whole(value: Any) -> Any:
@@ -73,7 +87,9 @@ class WorkerSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    environment: StringMap = Field(default_factory=dict, description="set in the worker before the handler is imported")
+    environment: Environment = Field(
+        default_factory=dict, description="set in the worker before the handler is imported"
+    )
     max_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE), WHOLE] = 1
     max_batch_wait_ms: Annotated[float, Field(ge=0, le=MAX_BATCH_WAIT_MS)] = 0.0
     warmup: Annotated[bool, Field(description="run the handler's warmup(model) after it loads")] = True
@@ -117,7 +133,7 @@ class FunctionSettings(WorkerSettings):
         str,
         Field(pattern=f"^any$|{GPU_TYPE_PATTERN.pattern}", description="a GPU type the function must run on, or any"),
     ] = "any"
-    batch_size: Annotated[int, Field(ge=1), WHOLE] = DEFAULT_BATCH_SIZE
+    batch_size: Annotated[int, Field(ge=1, le=MAX_DECLARED_BATCH_SIZE), WHOLE] = DEFAULT_BATCH_SIZE
     timeout_s: Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, description="a call's deadline")] = DEFAULT_TIMEOUT_S
     labels: StringMap = Field(default_factory=dict)
     public: Annotated[bool, Field(description="callable without credentials")] = False

@@ -76,6 +76,13 @@ def test_a_copy_with_other_settings_names_its_own_model_and_worker_settings() ->
         ({"name": "f", "package_digest": DIGEST, "memory_mb": 1, "gpus": 2}, "gpus: unknown field"),
         ({"name": "f", "package_digest": DIGEST, "memory_mb": 1, "gpu": None}, "gpu: expected 'any' or a GPU type"),
         ({"name": "f", "package_digest": DIGEST, "memory_mb": 1, "gpu": ["x"]}, "gpu: expected 'any' or a GPU type"),
+        # Taken, these would fail later: every call's estimate (an int too large for a float
+        # wedged the scheduler's queue), every load (os.environ refuses such names and values).
+        ({"name": "f", "package_digest": DIGEST, "memory_mb": 1, "batch_size": 10**400}, "batch_size: expected a"),
+        ({"name": "f", "package_digest": DIGEST, "memory_mb": 1, "environment": {"A=B": "1"}}, "environment: exp"),
+        ({"name": "f", "package_digest": DIGEST, "memory_mb": 1, "environment": {"": "1"}}, "without '=' or NUL"),
+        ({"name": "f", "package_digest": DIGEST, "memory_mb": 1, "environment": {"A\x00": "1"}}, "environment: "),
+        ({"name": "f", "package_digest": DIGEST, "memory_mb": 1, "environment": {"A": "1\x00"}}, "environment: "),
     ],
 )
 def test_invalid_specs_say_which_field_and_what_is_expected(raw: dict[str, object], message: str) -> None:
@@ -127,6 +134,7 @@ def test_the_schema_lists_exactly_the_fields_the_spec_takes() -> None:
     [
         ("memory_mb", FUNCTION_SPEC_SCHEMA["properties"]["memory_mb"]["minimum"] - 1),
         ("batch_size", 0),
+        ("batch_size", FUNCTION_SPEC_SCHEMA["properties"]["batch_size"]["maximum"] + 1),
         ("timeout_s", FUNCTION_SPEC_SCHEMA["properties"]["timeout_s"]["maximum"] + 1),
         ("timeout_s", 0),
         ("max_batch_size", FUNCTION_SPEC_SCHEMA["properties"]["max_batch_size"]["maximum"] + 1),
