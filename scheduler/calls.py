@@ -765,6 +765,15 @@ class CallBook(_GrantChecks):
         effects = [] if retry else self._finish(call, *_no_node(call))
         return effects + self.schedule(now)
 
+    def unsent(self, call_id: str, attempt: int, now: float) -> list[Effect]:
+        """Placement `attempt` of the call never reached its owner (an unsure leader held it, and
+        its GPU left meanwhile): the call is placed again, as one its owner never sent. Nothing
+        for a call gone or placed again since."""
+        call = self._calls.get(call_id)
+        if call is None or call.attempt != attempt:
+            return []
+        return self.abandon(call.owner, call_id, attempt, pb.Abandon.REFUSED, now)
+
     def _stranded_done(self, call: _Call, outcome: int, now: float) -> list[Effect]:
         """The Done of a STRANDED call (its GPU left since: no slot to free). It ran to its end
         there: it is forgotten. Its worker died there: its owner, answered so by the node, waits

@@ -26,7 +26,7 @@ import gc
 import logging
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Container, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -328,9 +328,9 @@ class SchedulerService:
                 self._take(conn, request)
 
     def confirmed(self) -> None:
-        """Sure of the leadership again: carry out what was decided meanwhile."""
+        """Sure of the leadership again: carry out what was decided meanwhile (`still_due`)."""
         held, self.term.held = self.term.held, []
-        self.apply(held)
+        self.apply(still_due(held, self.book, self.scheduler.cluster.gpus, self.clock()))
 
     async def leave_office(self, reason: str) -> None:
         """A standby again (the leadership says so already, so nothing decided now goes out):
@@ -523,6 +523,21 @@ class SchedulerService:
                 log.info("%d release(s) of idle models", len(effects))
                 self.metrics.released(effects)
             self.apply(effects)
+
+
+def still_due(held: list[Effect], book: CallBook, gpus: Container[str], now: float) -> list[Effect]:
+    """What an unsure leader held, to carry out now it is sure again. A placement whose GPU left
+    meanwhile (its node detached or gone), so that the book stranded its call, is not sent: it
+    never reached its owner, so the call is placed again as one the owner never sent."""
+    due: list[Effect] = []
+    for effect in held:
+        if isinstance(effect, Assignment) and (
+            effect.gpu_id not in gpus or book.placement(effect.call_id, effect.attempt) is None
+        ):
+            due += book.unsent(effect.call_id, effect.attempt, now)
+        else:
+            due.append(effect)
+    return due
 
 
 async def _cancel(tasks: set[asyncio.Task[None]]) -> None:

@@ -9,6 +9,8 @@ import hashlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pytest
+
 from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
@@ -69,3 +71,39 @@ def test_a_call_waits_while_a_registered_node_is_not_attached_and_is_refused_whe
         assert (assignment.call_id, assignment.gpu_id) == ("c2", "n1/g0")  # type: ignore[union-attr]
 
     run(scenario)
+
+
+NODE_2 = NodeRecord("n2", "127.0.0.1:2", "cpu", "incarnation-1", [GpuRecord("g0", 8000, "cpu")])
+
+
+@pytest.mark.parametrize("leaves", ["unregistered", "detached"])
+def test_a_placement_held_while_unsure_whose_node_left_is_placed_again(leaves: str) -> None:
+    # An unsure leader holds what it decides. A node that leaves meanwhile strands the held
+    # placement's call; once sure again, the placement must not be sent (its GPU is gone: sending
+    # it raised, and the leader gave up its term), and the call is placed again on a node left.
+    async def main() -> None:
+        now = [100.0]
+        service = SchedulerService(MemoryStore(), keys=Keys("/t"), prestage_nodes=0, clock=lambda: now[0])
+        service.catalog.learn_function(stored_spec(service.keys, SPEC))
+        for record in (NODE, NODE_2):
+            service.links.seen(record)
+            service.scheduler.add_gpu(GpuSpec(f"{record.node}/g0", 8000, "cpu", node=record.node))
+            service.links.nodes[record.node].gpu_ids.append(f"{record.node}/g0")
+        service.leadership.won(7, 1, sent_at=now[0])
+        now[0] += 1.5  # a keep-alive late: unsure
+        gateway = Gateway()
+        service.place(gateway, pb.Place(call_id="c1", function=SPEC.name, timeout_s=30.0))
+        assert gateway.sent == [] and len(service.term.held) == 1
+        (held,) = service.term.held
+        leaving = service.links.nodes[held.gpu_id.split("/")[0]]
+        if leaves == "unregistered":
+            service.links.gone(leaving.record.node)
+        else:
+            service.links._detach(leaving)
+        service.leadership.renewed(now[0])
+        service.confirmed()
+        placements = [m for t, m in gateway.sent if t == MessageType.PLACEMENT]
+        assert [(p.call_id, p.attempt) for p in placements] == [("c1", held.attempt + 1)]
+        assert placements[0].node != leaving.record.node
+
+    asyncio.run(main())
