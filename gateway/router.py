@@ -700,6 +700,8 @@ class Router:
             conn = self.scheduler
             if conn is None:
                 raise CallFailed(503, "the scheduler is unreachable; check that it runs (gpufaas status)")
+            if box.waiting and box.epoch == self.epoch:
+                return  # the new link asked for it already, as for every call waiting (`_keep_linked`)
         box.waiting, box.attempt, box.epoch = True, 0, self.epoch
         with contextlib.suppress(NotSent):
             # A link lost while it handles its last frames writes nothing: the call waits, and the

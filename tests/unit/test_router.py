@@ -868,6 +868,34 @@ async def test_a_placement_lost_with_its_scheduler_is_placed_afresh_with_the_new
 
 
 @in_cluster()
+async def test_a_call_refused_while_its_new_link_is_down_too_is_asked_for_once_on_the_next(env: Cluster) -> None:
+    """The link changed under a running call, and the new one went too (a deposed leader closing
+    what it accepts): the node's refusal finds no link, and the call waits for the next. That link
+    asks for every waiting call; the call's own wait must not ask again (a second Place of one
+    call id is refused: the client got a 400)."""
+    task = await env.placed("call-1", make_spec(timeout_s=5.0))
+    answer = env.node_a.hold(b"call-1#1")
+    env.place_on(env.node_a, "call-1", 1)
+    await env.executing(env.node_a)
+    env.scheduler.drop()
+    await reconnected(env, 2)
+    address = env.scheduler.address
+    await env.scheduler.stop()
+    answer.set_result(no_result(pb.REFUSED, "fenced: a newer leader attached me"))
+    await until(lambda: env.router.scheduler is None, "the router to lose link 2")
+    await asyncio.sleep(0.05)  # the call waits for a link
+    await env.scheduler.start(address)
+    await reconnected(env, 3)
+    link = env.scheduler.gateway
+    await asyncio.sleep(0.05)
+    await env.scheduler.barrier()
+    asked = [r.message.call_id for r in env.scheduler.frames() if r.conn is link and isinstance(r.message, pb.Place)]
+    assert asked == ["call-1"]
+    env.scheduler.send(env.node_b.placement("call-1", 1, token=b"third"))
+    assert (await task).placement.token == b"third"
+
+
+@in_cluster()
 async def test_a_node_lost_after_the_execute_and_after_its_scheduler_changed_is_a_502_outcome_unknown(
     env: Cluster,
 ) -> None:
