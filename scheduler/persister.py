@@ -84,7 +84,13 @@ class StatePersister:
     async def recover(self, live_gpu_ids: set[str]) -> dict[str, list[str]]:
         """Read the persisted LRU lists: "node/gpu" -> models, most recent first, for the GPUs of
         nodes registered now; those of any other GPU (one that left while no scheduler ran) are
-        deleted at the next flush, which is wanted now."""
+        deleted at the next flush, which is wanted now. Every model with a replicas key is
+        written again from the cache as its nodes attach: a worker that died, or a node that
+        restarted or left, while no scheduler ran left it naming GPUs that no longer hold it."""
+        for kv in await self.store.get_prefix(self.keys.models):
+            model, _, leaf = kv.key.removeprefix(self.keys.models).rpartition("/")
+            if leaf == "replicas" and model:
+                self.book.dirty_models.add(model)
         recovered: dict[str, list[str]] = {}
         for kv in await self.store.get_prefix(self.keys.gpus):
             parsed = self.keys.parse_gpu_key(kv.key)

@@ -197,6 +197,31 @@ def test_recovery_returns_the_lru_lists_of_registered_gpus_and_deletes_the_rest(
     run(scenario)
 
 
+def test_a_new_term_writes_again_the_replicas_an_earlier_one_left() -> None:
+    # The last leader wrote that n1/g0 holds m and m2; while no scheduler ran, n1 restarted (its
+    # workers gone). Its attach adopts nothing, so nothing marks m dirty: the key said n1/g0 for
+    # good (GET /system/functions, the replica gauge). Recovery has every such key written again.
+    gone, kept = make_spec("fn-a"), make_spec("fn-b")
+
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        keys = service.keys
+        await store.put(keys.gpu_lru("n1", "g0"), json.dumps([{"model": gone.model, "memory_mb": 1000}]).encode())
+        for spec in (gone, kept):
+            service.catalog.learn_function(stored_spec(keys, spec))
+            await store.put(keys.replicas(spec.model), json.dumps([GPU]).encode())
+        service.persister.new_term()
+        assert await service.persister.recover({GPU}) == {GPU: [gone.model]}
+        service.scheduler.add_gpu(GpuSpec(GPU, 8000, "cpu", node="n1"))
+        service.persister.gpu_joined(GPU)
+        service.book.reconcile(GPU, {kept.model: kept.memory_mb}, 0.0)  # n1 runs fn-b's model only now
+        await service.persister.flush()
+        assert await store.get(keys.replicas(gone.model)) is None
+        replicas = await store.get(keys.replicas(kept.model))
+        assert replicas is not None and json.loads(replicas.value) == [GPU]
+
+    run(scenario)
+
+
 def test_the_catalog_relists_in_place_and_retires_models_no_function_runs() -> None:
     a, b = make_spec("fn-a"), make_spec("fn-b")
 
