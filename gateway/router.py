@@ -498,12 +498,13 @@ class Router:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._address_changed.wait(), RECONNECT_S)
 
-    async def cluster(self, timeout_s: float = 5.0) -> pb.ClusterReply:
+    async def cluster(self, timeout_s: float = 5.0, *, summary: bool = False) -> pb.ClusterReply:
+        """The scheduler's view of the cluster (`summary`: only that it answers, and its name)."""
         conn = self.scheduler
         if conn is None:
             raise CallFailed(503, "the scheduler is unreachable; check that it runs (gpufaas status)")
         try:
-            frame = await conn.request(MessageType.CLUSTER, pb.ClusterRequest(), timeout_s=timeout_s)
+            frame = await conn.request(MessageType.CLUSTER, pb.ClusterRequest(summary=summary), timeout_s=timeout_s)
         except (ConnectionLost, TimeoutError, RemoteError) as exc:
             raise CallFailed(503, f"the scheduler did not answer ({exc or type(exc).__name__})") from None
         return frame.message(pb.ClusterReply)

@@ -17,6 +17,7 @@ from pathlib import Path
 from gateway.artifacts import Artifacts, PeerAccess, blob_authorizer
 from gateway.auth import Credentials, Role
 from gateway.metrics import GatewayMetrics
+from gateway.readiness import ReadinessProbe, readiness_of
 from gateway.router import SCHEDULER_WAIT_S, Router
 from gateway.stats import FunctionStats
 from gpufaas.cluster import NodeRecord
@@ -30,7 +31,6 @@ from gpufaas.store import KeyValue, LeaseKeeper, Store, StoreError, WatchEvent, 
 log = logging.getLogger("gpufaas.gateway")
 
 LEASE_TTL_S = 5
-HEALTH_ETCD_TIMEOUT_S = 1.0
 
 
 @dataclass
@@ -96,6 +96,7 @@ class Gateway:
             scheduler_wait_s=config.scheduler_wait_s,
             wire_key=config.wire_key,
         )
+        self.readiness = ReadinessProbe(readiness_of(self.router, store))  # GET /healthz
         self.nodes: dict[str, NodeRecord] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._lease: LeaseKeeper | None = None

@@ -31,7 +31,7 @@ class GatewaySession:
             abandon = frame.message(pb.Abandon)
             service.apply(service.book.abandon(conn, abandon.call_id, abandon.attempt, abandon.reason, service.clock()))
         elif frame.type == MessageType.CLUSTER:
-            conn.reply(frame, MessageType.CLUSTER_REPLY, cluster_reply(service))
+            conn.reply(frame, MessageType.CLUSTER_REPLY, cluster_reply(service, frame.message(pb.ClusterRequest)))
         elif frame.is_request:
             conn.reply_error(frame, pb.INVALID, f"the scheduler does not answer message type {frame.type}")
 
@@ -103,8 +103,16 @@ class NodeSession:
         pass  # NodeLinks' keep-attached loop sees `conn.closed` resolve
 
 
-def cluster_reply(service: SchedulerService) -> pb.ClusterReply:
-    """The cluster as this scheduler sees it: what a gateway's CLUSTER request is answered with."""
+def cluster_reply(service: SchedulerService, request: pb.ClusterRequest | None = None) -> pb.ClusterReply:
+    """The cluster as this scheduler sees it: what a gateway's CLUSTER request is answered with
+    (a `summary` one: without the GPUs, the queue and the evictions)."""
+    if request is not None and request.summary:
+        return pb.ClusterReply(
+            policy=service.policy_name,
+            queue_capacity=service.book.queue_capacity,
+            scheduler=service.name,
+            epoch=service.leadership.epoch,
+        )
     now = service.clock()
     gpus = []
     for node in service.links.nodes.values():

@@ -11,41 +11,27 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import gpufaas
-from gateway.router import CallFailed
 from gateway.routes.deps import GatewayDep
-from gateway.state import HEALTH_ETCD_TIMEOUT_S
-from gpufaas.store import StoreError
 
 router = APIRouter()
-HEALTH_SCHEDULER_TIMEOUT_S = 1.0
 
 
 @router.get("/healthz")
 async def healthz(gateway: GatewayDep) -> JSONResponse:
-    """Ready: the scheduler answers (a cluster query within a second: a connected scheduler
-    whose loop is stalled, or that is SIGSTOPped, is not ready) and etcd does (a read within a
-    second). 503 otherwise, naming what is missing: calls would fail or wait. Also this
-    process's own event-loop lag (gpufaas.liveness)."""
-    try:
-        await gateway.router.cluster(timeout_s=HEALTH_SCHEDULER_TIMEOUT_S)
-        scheduler = True
-    except CallFailed:
-        scheduler = False
-    try:
-        async with asyncio.timeout(HEALTH_ETCD_TIMEOUT_S):
-            await gateway.store.revision()
-        etcd = True
-    except (StoreError, TimeoutError):
-        etcd = False
-    ready = scheduler and etcd
+    """Ready: the scheduler answers (within a second: a connected scheduler whose loop is
+    stalled, or that is SIGSTOPped, is not ready) and etcd does (a read within a second); asked
+    at most twice a second however many probes come (gateway.readiness). 503 otherwise, naming
+    what is missing: calls would fail or wait. Also this process's own event-loop lag
+    (gpufaas.liveness)."""
+    readiness = await gateway.readiness.check()
     return JSONResponse(
         {
-            "status": "ok" if ready else "unavailable",
-            "scheduler": scheduler,
-            "etcd": etcd,
+            "status": "ok" if readiness.ready else "unavailable",
+            "scheduler": readiness.scheduler,
+            "etcd": readiness.etcd,
             **gateway.loop_lag.report(asyncio.get_running_loop().time()),
         },
-        status_code=200 if ready else 503,
+        status_code=200 if readiness.ready else 503,
     )
 
 

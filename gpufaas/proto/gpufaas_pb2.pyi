@@ -380,8 +380,10 @@ class EvictReply(_message.Message):
     def __init__(self, evicted: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ClusterRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("summary",)
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    summary: bool
+    def __init__(self, summary: _Optional[bool] = ...) -> None: ...
 
 class GpuInfo(_message.Message):
     __slots__ = ("gpu", "node", "status", "memory_used_mb", "memory_capacity_mb", "lru", "local_queue", "running", "gpu_type", "slots", "host_tier", "running_models")

@@ -583,7 +583,7 @@ def test_spec_validation_errors_name_the_field(tmp_path: Path) -> None:
             ({**good, "timeout_s": 0}, ("timeout_s:", "(0, 3600]")),
             ({**good, "timeout_s": 3601}, ("timeout_s:", "3601")),
             ({**good, "labels": {"a": 1}}, ("labels:", "map of strings")),
-            ({**good, "environment": ["A=1"]}, ("environment:", "map of strings")),
+            ({**good, "environment": ["A=1"]}, ("environment:", "map of variable names")),
             ({**good, "replicas": 3}, ("replicas:", "unknown field", "memory_mb")),
             (["not", "an", "object"], ("function spec: expected an object",)),
         ]

@@ -18,6 +18,7 @@ from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.types import GpuSpec
 from gpufaas.wire import Connection, MessageType
 from scheduler.service import SchedulerService
+from scheduler.sessions import cluster_reply
 from tests.builders import stored_spec
 from tests.fakes import MemoryStore
 
@@ -107,3 +108,16 @@ def test_a_placement_held_while_unsure_whose_node_left_is_placed_again(leaves: s
         assert placements[0].node != leaving.record.node
 
     asyncio.run(main())
+
+
+def test_a_summary_of_the_cluster_lists_neither_gpus_nor_queue() -> None:
+    # What a readiness probe asks for: the full answer costs O(GPUs + calls queued) of the loop.
+    async def scenario(service: SchedulerService, gateway: Gateway) -> None:
+        service.links.seen(NODE)
+        service.scheduler.add_gpu(GpuSpec("n1/g0", 8000, "cpu", node="n1"))
+        service.links.nodes["n1"].gpu_ids.append("n1/g0")
+        full, summary = cluster_reply(service), cluster_reply(service, pb.ClusterRequest(summary=True))
+        assert [g.gpu for g in full.gpus] == ["n1/g0"] and not summary.gpus and not summary.queue
+        assert (summary.scheduler, summary.policy) == (full.scheduler, full.policy)
+
+    run(scenario)
