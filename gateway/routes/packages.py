@@ -96,7 +96,10 @@ class WantedBlobs(BaseModel):
 class MissingAnswer(BaseModel):
     missing: list[str] = Field(description="the blobs this gateway lacks: upload these")
     offsets: dict[str, int] = Field(description="bytes of a missing blob already here (an upload resumes there)")
-    upload_url: str | None = Field(description="this gateway's blob server (gpufaas.blobnet), the fast way in")
+    upload_url: str | None = Field(
+        description="this gateway's blob server (gpufaas.blobnet), the fast way in, in plain HTTP; null where the "
+        "gateway's public URL is https: upload through PUT /system/blobs/DIGEST"
+    )
     limit_bytes: int = Field(description="the most a package may hold, in all (larger ones are refused)")
 
 
@@ -130,7 +133,11 @@ async def missing_blobs(wanted: Annotated[WantedBlobs, Body()], gateway: Gateway
     if too_large is not None:  # well formed, but more than this gateway takes: a conflict with it
         raise ApiError(409, f"blob {too_large} is larger than this gateway's limit of {limit} bytes per package")
     missing, offsets = await artifacts.missing(wanted.blobs)
-    return MissingAnswer(missing=missing, offsets=offsets, upload_url=artifacts.url or None, limit_bytes=limit)
+    # Clients speak plain HTTP to the blob server: beside a gateway they reach over TLS (an https://
+    # public URL: its own certificate or a proxy's) it is not offered, or their admin password and
+    # weights would cross in the clear; they upload through the API, in TLS, instead.
+    upload_url = artifacts.url if gateway.config.public_url.startswith("http:") else None
+    return MissingAnswer(missing=missing, offsets=offsets, upload_url=upload_url or None, limit_bytes=limit)
 
 
 @router.put("/system/blobs/{digest}", status_code=201, openapi_extra=BLOB_BODY)

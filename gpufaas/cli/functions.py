@@ -151,7 +151,8 @@ def deploy(
                 f"deployed [bold]{function.name}[/] (model {answer['model']}, "
                 f"{package.manifest.unpacked_bytes / 1e6:.1f} MB in {len(package.manifest.files)} files{extra})"
             )
-        how = " (through its API: its blob server is not reachable from here)" if report.via_api else ""
+        why = "takes plain HTTP only" if client.url.startswith("https:") else "is not reachable from here"
+        how = f" (through its API: its blob server {why})" if report.via_api else ""
         console.print(
             f"sent {report.bytes_sent / 1e6:.1f} MB in {report.blobs_sent} blob(s); the gateway had the rest{how}"
         )

@@ -57,7 +57,7 @@ class UploadReport:
     blobs_sent: int = 0
     bytes_sent: int = 0
     bytes_total: int = 0
-    via_api: bool = False  # the blob server could not be reached: bytes went through the API
+    via_api: bool = False  # the blob server could not be reached (or not in TLS): bytes went through the API
 
 
 def scan(functions: Sequence[tuple[str, Path]], cache: DigestCache) -> list[Scanned]:
@@ -180,8 +180,8 @@ def _send_batch(gateway: Gateway, digests: list[str], files: dict[str, Path]) ->
 def _send_large(
     gateway: Gateway, upload_url: str | None, digests: list[str], files: dict[str, Path], sent: _Progress
 ) -> bool:
-    """Upload through the blob server, in parallel; where it cannot be reached, through the API.
-    Returns whether the API was used."""
+    """Upload through the blob server, in parallel; where it cannot be reached (or the gateway is
+    reached over TLS, `_blob_urls`), through the API. Returns whether the API was used."""
     via_api = True
     for url in _blob_urls(upload_url, gateway.url):
         try:
@@ -221,8 +221,10 @@ def _upload_one(gateway: Gateway, url: str, digest: str, path: Path, sent: _Prog
 def _blob_urls(advertised: str | None, gateway_url: str) -> list[str]:
     """Where to reach the gateway's blob server: the URL it advertises, then the same port on the
     host this CLI reaches the gateway at (a published port, when the advertised name is one of
-    the cluster's network: compose, a pod)."""
-    if advertised is None:
+    the cluster's network: compose, a pod). None when the gateway is reached over TLS: the CLI
+    speaks only plain HTTP to a blob server, and would send the admin password and the weights
+    in the clear beside an https:// gateway (its blobs go through the API, in TLS)."""
+    if advertised is None or urllib.parse.urlsplit(gateway_url).scheme != "http":
         return []
     urls = [advertised]
     advertised_parts, gateway_parts = urllib.parse.urlsplit(advertised), urllib.parse.urlsplit(gateway_url)

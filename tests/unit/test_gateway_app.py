@@ -719,3 +719,18 @@ def test_a_blob_batch_is_bounded_by_what_it_unpacks_to_not_by_what_it_weighs(tmp
         assert fits.status_code == 201 and len(fits.json()["stored"]) == 2
 
     run(tmp_path, body)
+
+
+def test_a_gateway_reached_over_tls_offers_no_plain_http_blob_server_for_uploads(tmp_path: Path) -> None:
+    """Clients speak plain HTTP to the blob server, with the admin password: a gateway whose public
+    URL is https (its own certificate, or a proxy's) does not offer it, and they upload through the API."""
+    wanted = {"blobs": {sha256(b"x"): 1}}
+
+    async def body(env: Env) -> None:
+        answer = (await env.client.post("/system/blobs/missing", json=wanted)).json()
+        https = env.app.state.gateway.config.public_url.startswith("https:")
+        assert (answer["upload_url"] is None) == https, answer
+        assert answer["missing"] == [sha256(b"x")]
+
+    run(tmp_path / "http", body)
+    run(tmp_path / "https", body, public_url="https://gw.example:8443")
