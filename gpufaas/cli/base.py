@@ -32,7 +32,13 @@ def _root() -> None:
 
 StateDir = Annotated[Path, typer.Option("--state-dir", help="Where the local cluster keeps its state and logs.")]
 GatewayOpt = Annotated[
-    str | None, typer.Option("--gateway", "-g", help="Gateway URL (else $GPUFAAS_URL, else http://127.0.0.1:8080).")
+    str | None,
+    typer.Option(
+        "--gateway",
+        "-g",
+        help="Gateway URL (else $GPUFAAS_URL, else the stack file's provider.gateway for deploy, else the local "
+        "cluster's, from its cluster.json, else http://127.0.0.1:8080).",
+    ),
 ]
 
 

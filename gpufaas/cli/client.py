@@ -23,9 +23,26 @@ def state_dir_default() -> Path:
     return Path(env) if env else Path.home() / ".local" / "state" / "gpufaas"
 
 
-def gateway_url(flag: str | None, stack_gateway: str | None = None) -> str:
-    """--gateway, else $GPUFAAS_URL, else the stack file's provider.gateway, else the default."""
-    return (flag or os.environ.get("GPUFAAS_URL") or stack_gateway or DEFAULT_GATEWAY).rstrip("/")
+def gateway_url(flag: str | None, stack_gateway: str | None = None, *, state_dir: Path | None = None) -> str:
+    """The gateway every command talks to, in one order: --gateway, else $GPUFAAS_URL, else the
+    stack file's provider.gateway (`deploy`), else the local cluster's (its cluster.json in
+    `state_dir`, by default `state_dir_default()`), else DEFAULT_GATEWAY."""
+    local = cluster_info(state_dir or state_dir_default()).get("gateway_url")
+    local = local if isinstance(local, str) else None
+    return (flag or os.environ.get("GPUFAAS_URL") or stack_gateway or local or DEFAULT_GATEWAY).rstrip("/")
+
+
+def running_cluster_url(state_dir: Path | None = None) -> str | None:
+    """The gateway URL of the local cluster in `state_dir` (default `state_dir_default()`) if any
+    of its processes runs; else None."""
+    from gpufaas.dev.local_cluster import recorded_pids
+    from gpufaas.processes import pid_alive
+
+    state_dir = state_dir or state_dir_default()
+    if not any(pid_alive(pid) for pid in recorded_pids(state_dir).values()):
+        return None
+    url = cluster_info(state_dir).get("gateway_url")
+    return url.rstrip("/") if isinstance(url, str) and url else None
 
 
 def credentials_path() -> Path:

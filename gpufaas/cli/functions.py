@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gpufaas.cli.base import GatewayOpt, app, console, err_console, user_errors
-from gpufaas.cli.client import DEFAULT_GATEWAY, GatewayClient, gateway_url
+from gpufaas.cli.client import GatewayClient, gateway_url, running_cluster_url
 from gpufaas.errors import GpufaasError
 
 
@@ -81,11 +81,11 @@ def _add_to_stack(stack_path: Path, name: str, template: str, meta: Mapping[str,
     `stack_path`, made if absent; written whole or not at all. Returns `stack_path`."""
     import yaml
 
-    stack: dict[str, Any] = {
-        "version": 1.0,
-        "provider": {"name": "gpufaas", "gateway": DEFAULT_GATEWAY},
-        "functions": {},
-    }
+    # The running local cluster's gateway; none running: no gateway, so `deploy` finds the local
+    # cluster's (or the default) when it runs, not a port guessed now.
+    running = running_cluster_url()
+    provider = {"name": "gpufaas", **({"gateway": running} if running else {})}
+    stack: dict[str, Any] = {"version": 1.0, "provider": provider, "functions": {}}
     if stack_path.exists():
         try:
             stack = yaml.safe_load(stack_path.read_text()) or stack

@@ -241,7 +241,7 @@ def status(state_dir: StateDir = state_dir_default(), gateway: GatewayOpt = None
 
     pids = recorded_pids(state_dir)
     info = cluster_info(state_dir)
-    url = gateway_url(gateway, info.get("gateway_url"))
+    url = gateway_url(gateway, state_dir=state_dir)
     table = Table(title=f"local cluster in {state_dir}", title_justify="left")
     table.add_column("component")
     table.add_column("pid", justify="right")

@@ -13,7 +13,6 @@ from gpufaas.cli.base import GatewayOpt, StateDir, app, console, user_errors
 from gpufaas.cli.client import (
     GatewayClient,
     admin_password_for,
-    cluster_info,
     credentials_path,
     gateway_url,
     saved_credentials,
@@ -34,7 +33,7 @@ def login(
     Without --password-stdin: the local cluster's own password (its state directory), if the
     gateway is the local cluster's."""
     with user_errors():
-        url = gateway_url(gateway, cluster_info(state_dir).get("gateway_url"))
+        url = gateway_url(gateway, state_dir=state_dir)
         if password_stdin:
             if sys.stdin.isatty():
                 raise GpufaasError("--password-stdin: pipe the password in, e.g. `cat FILE | gpufaas login ...`")
@@ -63,9 +62,9 @@ def login(
 
 
 @app.command()
-def logout(gateway: GatewayOpt = None) -> None:
+def logout(gateway: GatewayOpt = None, state_dir: StateDir = state_dir_default()) -> None:  # noqa: B008
     """Forget the password `gpufaas login` kept for a gateway."""
-    url = gateway_url(gateway)
+    url = gateway_url(gateway, state_dir=state_dir)
     saved = saved_credentials()
     if saved.pop(url, None) is None:
         console.print(f"no password kept for {url}")

@@ -3,18 +3,125 @@ command uses, what it sends where, and what it says when the other end is not a 
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import socket
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import yaml
+from typer.testing import CliRunner
 
-from gpufaas.cli import uploads
+from gpufaas.cli import app, uploads
 from gpufaas.cli.client import GatewayClient
 from gpufaas.packages import DigestCache
+
+FUNCTION = {"name": "f", "memory_mb": 100, "batch_size": 1, "timeout_s": 5.0, "gpu": "any"}
+FUNCTION |= {"invocationCount": 0, "replicas": 0}
+GPU = {"node": "n", "gpu": "n/0", "gpu_type": "t", "status": "idle", "memory_used_mb": 0}
+GPU |= {"memory_capacity_mb": 10, "local_queue": 0, "lru": []}
+
+
+@dataclass
+class Stand:
+    """A real HTTP server on loopback standing in for a gateway: it answers every request with
+    `answers[path]` (status, body, content type; by default a 200 fit for the route) and records
+    each request's method, path and Authorization."""
+
+    url: str = ""
+    answers: dict[str, tuple[int, bytes, str]] = field(default_factory=dict)
+    seen: list[tuple[str, str, str | None]] = field(default_factory=list)
+
+    def answer(self, path: str, status: int, document: object) -> None:
+        self.answers[path] = (status, json.dumps(document).encode(), "application/json")
+
+
+DEFAULT_ANSWERS = {
+    "/system/functions": [FUNCTION],
+    "/system/function/f": FUNCTION,
+    "/system/gpus": [GPU],
+    "/system/info": {"provider": "gpufaas"},
+    "/function/f": {"out": 1},
+}
+
+
+@pytest.fixture
+def stand() -> Iterator[Stand]:
+    gateway = Stand()
+
+    class Handler(BaseHTTPRequestHandler):
+        def answer(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            self.rfile.read(length)
+            path = self.path.split("?")[0]
+            gateway.seen.append((self.command, path, self.headers.get("Authorization")))
+            document = {"name": "f", "deleted": True} if self.command == "DELETE" else DEFAULT_ANSWERS.get(path, {})
+            status, body, kind = gateway.answers.get(path, (200, json.dumps(document).encode(), "application/json"))
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            self.answer()
+
+        def do_POST(self) -> None:
+            self.answer()
+
+        def do_DELETE(self) -> None:
+            self.answer()
+
+        def log_message(self, format: str, *args: Any) -> None:  # quiet test output
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    gateway.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield gateway
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+@pytest.fixture
+def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A state directory ($GPUFAAS_STATE_DIR), no saved login, no $GPUFAAS_URL or $GPUFAAS_PASSWORD."""
+    monkeypatch.setenv("GPUFAAS_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("GPUFAAS_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.delenv("GPUFAAS_URL", raising=False)
+    monkeypatch.delenv("GPUFAAS_PASSWORD", raising=False)
+    (tmp_path / "state").mkdir()
+    return tmp_path / "state"
+
+
+def local_cluster(state: Path, url: str, password: str, *, running: bool = True) -> None:
+    """What `gpufaas up` leaves in `state`: cluster.json (its gateway at `url`), the admin
+    password, and pids.json (this test's PID, alive, when `running`)."""
+    secrets = state / "secrets"
+    secrets.mkdir(mode=0o700, exist_ok=True)
+    fd = os.open(secrets / "admin-password", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(password + "\n")
+    (state / "cluster.json").write_text(json.dumps({"gateway_url": url, "secrets": str(secrets)}))
+    (state / "pids.json").write_text(json.dumps({"gateway": os.getpid() if running else 2**22 + 1}))
+
+
+def basic(password: str) -> str:
+    return "Basic " + base64.b64encode(f"admin:{password}".encode()).decode()
+
+
+def cli(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(app, list(args))
+    return result.exit_code, result.stdout, " ".join(result.stderr.split())
 
 
 @pytest.fixture
@@ -83,3 +190,47 @@ def test_a_deploy_to_an_https_gateway_sends_no_credential_to_its_plain_http_blob
     assert report.via_api
     assert len(through_api) == 1 and blobs[through_api[0]] > uploads.BATCH_MAX_BYTES
     assert heard == [], heard  # not a byte: no HEAD, no Authorization
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["ls"], ["gpus"], ["describe", "f"], ["rm", "f"], ["invoke", "f", "-d", "{}"], ["top", "--once"]],
+    ids=lambda argv: argv[0],
+)
+def test_every_command_finds_the_local_clusters_gateway(stand: Stand, state: Path, argv: list[str]) -> None:
+    """`gpufaas up --port P` records its gateway in cluster.json: every command finds it there
+    (not at the default port 8080), with the cluster's password."""
+    local_cluster(state, stand.url, "cluster-pw")
+    code, _, err = cli(*argv)
+    assert code == 0 or argv[0] == "top", err  # (top: the stand's overview is not one)
+    assert stand.seen and all(auth == basic("cluster-pw") for _, _, auth in stand.seen), stand.seen
+
+
+def test_the_gateway_is_the_flag_else_the_stack_files_else_the_local_clusters(state: Path) -> None:
+    from gpufaas.cli.client import gateway_url
+
+    local_cluster(state, "http://127.0.0.1:9000/", "pw")
+    assert gateway_url(None) == "http://127.0.0.1:9000"
+    assert gateway_url(None, "http://stack:1") == "http://stack:1"
+    assert gateway_url("http://flag:1", "http://stack:1") == "http://flag:1"
+    (state / "cluster.json").unlink()
+    assert gateway_url(None) == "http://127.0.0.1:8080"
+
+
+def test_new_writes_the_running_clusters_gateway_into_the_stack_file(state: Path, tmp_path: Path) -> None:
+    from gpufaas.cli.functions import _add_to_stack
+
+    local_cluster(state, "http://127.0.0.1:9000", "pw")
+    provider = yaml.safe_load(_add_to_stack(tmp_path / "a.yml", "f", "t", {}).read_text())["provider"]
+    assert provider == {"name": "gpufaas", "gateway": "http://127.0.0.1:9000"}
+    local_cluster(state, "http://127.0.0.1:9000", "pw", running=False)  # down: deploy decides when it runs
+    provider = yaml.safe_load(_add_to_stack(tmp_path / "b.yml", "f", "t", {}).read_text())["provider"]
+    assert provider == {"name": "gpufaas"}
+
+
+def test_logout_forgets_what_login_kept_for_the_local_cluster(stand: Stand, state: Path) -> None:
+    local_cluster(state, stand.url, "cluster-pw")
+    code, out, err = cli("login", "--state-dir", str(state))
+    assert code == 0 and stand.url in out, err
+    code, out, err = cli("logout", "--state-dir", str(state))
+    assert code == 0 and f"forgot the password for {stand.url}" in " ".join(out.split()), out
