@@ -61,18 +61,22 @@ def saved_credentials() -> dict[str, str]:
 
 
 def admin_password_for(url: str, state_dir: Path | None = None) -> str | None:
-    """The admin password to use with the gateway at `url`: $GPUFAAS_PASSWORD, else what
-    `gpufaas login` saved for it, else the local cluster's own if `url` is its gateway."""
-    from gpufaas.credentials import CredentialError, SecretFiles, read_secret
-
+    """The admin password to use with the gateway at `url`: $GPUFAAS_PASSWORD, else the local
+    cluster's own if `url` is its gateway (a cluster made again has a new one: a password
+    `gpufaas login` kept for its URL may be stale), else what `gpufaas login` kept for it."""
     if os.environ.get("GPUFAAS_PASSWORD"):
         return os.environ["GPUFAAS_PASSWORD"]
-    saved = saved_credentials().get(url)
-    if saved:
-        return saved
-    state_dir = state_dir or state_dir_default()
-    info = cluster_info(state_dir)
-    if info.get("gateway_url", "").rstrip("/") == url and info.get("secrets"):
+    return local_cluster_password(url, state_dir) or saved_credentials().get(url) or None
+
+
+def local_cluster_password(url: str, state_dir: Path | None = None) -> str | None:
+    """The admin password of the local cluster in `state_dir` (default `state_dir_default()`), from
+    its secrets, if `url` is that cluster's gateway; else None."""
+    from gpufaas.credentials import CredentialError, SecretFiles, read_secret
+
+    info = cluster_info(state_dir or state_dir_default())
+    local = info.get("gateway_url")
+    if isinstance(local, str) and local.rstrip("/") == url.rstrip("/") and info.get("secrets"):
         with contextlib.suppress(CredentialError):
             return read_secret(SecretFiles(Path(info["secrets"])).admin_password)
     return None

@@ -12,9 +12,9 @@ import typer
 from gpufaas.cli.base import GatewayOpt, StateDir, app, console, user_errors
 from gpufaas.cli.client import (
     GatewayClient,
-    admin_password_for,
     credentials_path,
     gateway_url,
+    local_cluster_password,
     saved_credentials,
     state_dir_default,
 )
@@ -39,7 +39,7 @@ def login(
                 raise GpufaasError("--password-stdin: pipe the password in, e.g. `cat FILE | gpufaas login ...`")
             password = sys.stdin.readline().strip()
         else:
-            password = admin_password_for(url, state_dir) or ""
+            password = local_cluster_password(url, state_dir) or ""  # its own, never a password kept before
         if not password:
             raise GpufaasError(
                 f"no password for {url}: pass it with --password-stdin (a local cluster keeps it in "

@@ -32,10 +32,12 @@ GPU |= {"memory_capacity_mb": 10, "local_queue": 0, "lru": []}
 @dataclass
 class Stand:
     """A real HTTP server on loopback standing in for a gateway: it answers every request with
-    `answers[path]` (status, body, content type; by default a 200 fit for the route) and records
+    `answers[path]` (status, body, content type; by default a 200 fit for the route), or 401 when
+    `password` is set and not given, and records
     each request's method, path and Authorization."""
 
     url: str = ""
+    password: str | None = None  # set: a request without admin:password is a 401
     answers: dict[str, tuple[int, bytes, str]] = field(default_factory=dict)
     seen: list[tuple[str, str, str | None]] = field(default_factory=list)
 
@@ -64,6 +66,8 @@ def stand() -> Iterator[Stand]:
             gateway.seen.append((self.command, path, self.headers.get("Authorization")))
             document = {"name": "f", "deleted": True} if self.command == "DELETE" else DEFAULT_ANSWERS.get(path, {})
             status, body, kind = gateway.answers.get(path, (200, json.dumps(document).encode(), "application/json"))
+            if gateway.password is not None and self.headers.get("Authorization") != basic(gateway.password):
+                status, body = 401, b'{"error": "unauthorized"}'
             self.send_response(status)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))
@@ -234,3 +238,19 @@ def test_logout_forgets_what_login_kept_for_the_local_cluster(stand: Stand, stat
     assert code == 0 and stand.url in out, err
     code, out, err = cli("logout", "--state-dir", str(state))
     assert code == 0 and f"forgot the password for {stand.url}" in " ".join(out.split()), out
+
+
+def test_the_local_clusters_own_password_wins_over_a_stale_login(stand: Stand, state: Path) -> None:
+    """`gpufaas login`, then the cluster made again (a new password): commands use the cluster's
+    new password, not the one kept, and `gpufaas login` (no --password-stdin) sends the new one."""
+    local_cluster(state, stand.url, "old-pw")
+    stand.password = "old-pw"
+    assert cli("login", "--state-dir", str(state))[0] == 0
+    local_cluster(state, stand.url, "new-pw")  # `rm -r STATE; gpufaas up`: a new password
+    stand.password = "new-pw"
+    code, _, err = cli("ls")
+    assert code == 0, err
+    code, out, err = cli("login", "--state-dir", str(state))
+    assert code == 0 and "logged in" in out, err
+    saved = json.loads((state.parent / "config" / "credentials.json").read_text())
+    assert saved == {stand.url: "new-pw"}
