@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -88,15 +89,27 @@ class GatewayClient:
 
     def __init__(self, url: str, *, timeout_s: float = 120.0, password: str | None = None) -> None:
         self.url = url
+        try:
+            parts = urllib.parse.urlsplit(url)
+            parts.port  # noqa: B018 (ValueError: not a port number)
+        except ValueError:  # (an unclosed [IPv6 address, a port past 65535)
+            raise not_a_gateway_url(url) from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise not_a_gateway_url(url)
         password = password if password is not None else admin_password_for(url)
         auth = httpx.BasicAuth(ADMIN_USER, password) if password else None
         # The same credential for the gateway's blob server (gpufaas.blobnet), which httpx does not reach.
         self.authorization = basic_authorization(ADMIN_USER, password) if password else None
-        self._client = httpx.Client(base_url=url, timeout=timeout_s, auth=auth)
+        try:
+            self._client = httpx.Client(base_url=url, timeout=timeout_s, auth=auth)
+        except httpx.InvalidURL:  # (a bad port, an unclosed [IPv6 address)
+            raise not_a_gateway_url(url) from None
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             return self._client.request(method, path, **kwargs)
+        except httpx.InvalidURL as exc:  # (a function name no URL can carry)
+            raise GpufaasError(f"cannot ask the gateway at {self.url} for {path!r}: {exc}") from None
         except httpx.ConnectError:
             raise GpufaasError(
                 f"no gateway answers at {self.url}; start a local cluster with `gpufaas up`, "
@@ -114,10 +127,37 @@ class GatewayClient:
         if response.status_code not in accept:
             try:
                 message = response.json().get("error", response.text)
-            except ValueError:
+            except (ValueError, AttributeError):  # not JSON, or not an object
                 message = response.text
             raise GpufaasError(f"{message} (HTTP {response.status_code})")
-        return response.json() if response.content else None
+        try:
+            return response.json() if response.content else None
+        except ValueError:  # a web page, a proxy's: whatever answers there, it is not a gateway
+            raise self.not_a_gateway(response, "JSON") from None
+
+    def not_a_gateway(self, response: httpx.Response, what: str) -> GpufaasError:
+        """The error for an answer (of HTTP status `accept` takes) that is not `what` a gateway answers."""
+        try:
+            asked = f" {response.request.url.path}"
+        except RuntimeError:  # (a response made without a request)
+            asked = ""
+        return GpufaasError(
+            f"the gateway at {self.url} answered{asked} with something other than {what} "
+            f"(HTTP {response.status_code}): is it a gpufaas gateway?"
+        )
+
+    def rows(self, response: httpx.Response, what: str, keys: tuple[str, ...]) -> list[dict[str, Any]]:
+        """The answer to a listing: a list of objects, each with `keys`; else `not_a_gateway`."""
+        answer = self.ok(response)
+        if not isinstance(answer, list) or not all(isinstance(r, dict) and set(keys) <= set(r) for r in answer):
+            raise self.not_a_gateway(response, what)
+        return answer
+
+
+def not_a_gateway_url(url: str) -> GpufaasError:
+    return GpufaasError(
+        f"{url!r} is not a gateway URL: give one like http://127.0.0.1:8080 or https://gateway.example.com:8443"
+    )
 
 
 def cluster_info(state_dir: Path) -> dict[str, Any]:

@@ -145,6 +145,8 @@ def deploy(
             if response.status_code == 409:
                 response = client.request("PUT", "/system/functions", json=spec)
             answer = client.ok(response)
+            if not isinstance(answer, dict) or "model" not in answer:
+                raise client.not_a_gateway(response, "a deployed function")
             layer = registered.get("requirements") or []
             extra = f", requirements: {', '.join(layer)}" if layer else ""
             console.print(
@@ -229,12 +231,16 @@ def invoke(
         sys.stdout.flush()
 
 
+# What `ls` shows of each function (what the gateway's GET /system/functions has).
+LISTED = ("name", "memory_mb", "batch_size", "timeout_s", "gpu", "invocationCount", "replicas")
+
+
 @app.command("ls")
 def list_functions(gateway: GatewayOpt = None) -> None:
     """List the deployed functions."""
     with user_errors():
         client = GatewayClient(gateway_url(gateway))
-        functions = client.ok(client.request("GET", "/system/functions"))
+        functions = client.rows(client.request("GET", "/system/functions"), "a list of functions", LISTED)
     table = Table(title_justify="left")
     for column in ("name", "memory (MB)", "batch", "timeout (s)", "GPU", "invocations", "replicas"):
         table.add_column(column, justify="left" if column in ("name", "GPU") else "right")
@@ -258,6 +264,8 @@ def describe(name: Annotated[str, typer.Argument()], gateway: GatewayOpt = None)
         client = GatewayClient(gateway_url(gateway))
         response = client.request("GET", f"/system/function/{name}")
         function = client.ok(response)
+        if not isinstance(function, dict) or function.get("name") != name:
+            raise client.not_a_gateway(response, f"function {name!r}")
     for key, value in function.items():
         console.print(f"{key + ':':18} {value}", highlight=False)
 
@@ -267,7 +275,10 @@ def rm(name: Annotated[str, typer.Argument()], gateway: GatewayOpt = None) -> No
     """Remove a deployed function."""
     with user_errors():
         client = GatewayClient(gateway_url(gateway))
-        client.ok(client.request("DELETE", "/system/functions", json={"functionName": name}))
+        response = client.request("DELETE", "/system/functions", json={"functionName": name})
+        answer = client.ok(response)
+        if not isinstance(answer, dict) or answer.get("deleted") is not True:  # never "removed" unless it says so
+            raise client.not_a_gateway(response, f"function {name!r} deleted")
     console.print(f"removed {name}")
 
 

@@ -257,7 +257,7 @@ def status(state_dir: StateDir = state_dir_default(), gateway: GatewayOpt = None
         console.print(f"no local cluster recorded in {state_dir}")
     try:
         healthy = httpx.get(f"{url}/healthz", timeout=3).status_code == 200
-    except httpx.HTTPError:
+    except (httpx.HTTPError, httpx.InvalidURL):  # (InvalidURL: not a URL at all)
         healthy = False
     console.print(f"gateway {url}: {'[green]answers[/]' if healthy else '[red]does not answer[/]'}")
     if not healthy:

@@ -88,7 +88,13 @@ def upload(
     for package in packages:
         wanted |= package.manifest.blobs()
         files |= package.files
-    answer = gateway.ok(gateway.request("POST", "/system/blobs/missing", json={"blobs": wanted}))
+    response = gateway.request("POST", "/system/blobs/missing", json={"blobs": wanted})
+    answer = gateway.ok(response)
+    if not isinstance(answer, dict) or not isinstance(answer.get("missing"), list):
+        raise GpufaasError(
+            f"the gateway at {gateway.url} answered /system/blobs/missing with something other than the blobs it "
+            f"lacks (HTTP {response.status_code}): is it a gpufaas gateway?"
+        )
     limit = answer.get("limit_bytes")
     for package in packages:  # said before anything is sent, not after
         if limit is not None and package.manifest.unpacked_bytes > limit:

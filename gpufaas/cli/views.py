@@ -15,6 +15,9 @@ from gpufaas.cli.base import GatewayOpt, StateDir, app, console, err_console, us
 from gpufaas.cli.client import GatewayClient, gateway_url, state_dir_default
 from gpufaas.errors import GpufaasError
 
+# What `gpus` shows of each GPU (what the gateway's GET /system/gpus has; host_tier is newer).
+SHOWN = ("node", "gpu", "gpu_type", "status", "memory_used_mb", "memory_capacity_mb", "local_queue", "lru")
+
 
 @app.command()
 def gpus(gateway: GatewayOpt = None) -> None:
@@ -22,7 +25,7 @@ def gpus(gateway: GatewayOpt = None) -> None:
     host tier (models evicted and kept in host memory, most recent first)."""
     with user_errors():
         client = GatewayClient(gateway_url(gateway))
-        rows = client.ok(client.request("GET", "/system/gpus"))
+        rows = client.rows(client.request("GET", "/system/gpus"), "a list of GPUs", SHOWN)
     table = Table(title_justify="left")
     columns = ("node", "GPU", "type", "status", "memory (MB)", "queued", "LRU list (most recent first)", "host tier")
     for column in columns:
@@ -86,14 +89,9 @@ def _fetch_overview(client: GatewayClient) -> dict[str, Any]:
             f"the gateway at {client.url} has no /system/overview: it is older than this CLI; upgrade the "
             "gateway (meanwhile `gpufaas gpus` and `gpufaas ls` show part of the picture)"
         )
-    try:
-        overview = client.ok(response, accept=(200,))
-    except ValueError:  # a 200 whose body is not JSON: not a gpufaas gateway, or a proxy's page
-        overview = None
+    overview = client.ok(response, accept=(200,))  # (a body that is not JSON: not a gateway)
     if not isinstance(overview, dict):
-        raise GpufaasError(
-            f"the gateway at {client.url} answered /system/overview with something other than an overview"
-        )
+        raise client.not_a_gateway(response, "an overview")
     return overview
 
 

@@ -124,7 +124,10 @@ def basic(password: str) -> str:
 
 
 def cli(*args: str) -> tuple[int, str, str]:
+    """Run a command: its exit status, stdout and stderr (one line); a traceback fails the test."""
     result = CliRunner().invoke(app, list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise AssertionError(f"gpufaas {' '.join(args)}: a traceback") from result.exception
     return result.exit_code, result.stdout, " ".join(result.stderr.split())
 
 
@@ -254,3 +257,31 @@ def test_the_local_clusters_own_password_wins_over_a_stale_login(stand: Stand, s
     assert code == 0 and "logged in" in out, err
     saved = json.loads((state.parent / "config" / "credentials.json").read_text())
     assert saved == {stand.url: "new-pw"}
+
+
+PATHS = {"ls": "/system/functions", "gpus": "/system/gpus", "describe": "/system/function/f", "rm": "/system/functions"}
+COMMANDS = [["ls"], ["gpus"], ["describe", "f"], ["rm", "f"]]
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=lambda argv: argv[0])
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [(b"<html>a proxy's page</html>", "something other than JSON"), (b'{"status": "ok"}', "something other than")],
+    ids=["html", "other-json"],
+)
+def test_something_that_is_not_a_gateway_is_one_clear_line(
+    stand: Stand, state: Path, argv: list[str], body: bytes, says: str
+) -> None:
+    """A 200 that is not JSON, or JSON that is not the route's answer: one line that says so (no
+    traceback), and `rm` never claims it removed anything."""
+    stand.answers[PATHS[argv[0]]] = (200, body, "text/html" if body.startswith(b"<") else "application/json")
+    code, out, err = cli(*argv, "--gateway", stand.url)
+    assert code == 1 and out == "", out
+    assert f"the gateway at {stand.url} answered {PATHS[argv[0]]} with {says}" in err, err
+    assert "is it a gpufaas gateway?" in err
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://127.0.0.1:99999", "gw.example:8080", "ftp://gw"])
+def test_a_malformed_gateway_url_says_what_one_looks_like(state: Path, url: str) -> None:
+    code, _, err = cli("ls", "--gateway", url)
+    assert code == 1 and "is not a gateway URL: give one like http://127.0.0.1:8080" in err, err

@@ -389,7 +389,8 @@ def test_an_answer_that_is_not_an_overview_is_a_clear_error(
 ) -> None:
     fake_gateway.status, fake_gateway.body = 200, body
     code, _, err = top("--once", "--gateway", fake_gateway.url)
-    assert code == 1 and "answered /system/overview with something other than an overview" in err
+    what = "JSON" if body.startswith(b"<") else "an overview"
+    assert code == 1 and f"answered /system/overview with something other than {what}" in err
     assert "Traceback" not in err
 
 
