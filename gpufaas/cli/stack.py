@@ -91,6 +91,8 @@ def _parse_function(name: Any, settings: Any, path: Path, fail: Callable[[str, s
     handler = settings.get("handler")
     if not isinstance(handler, str) or not handler:
         raise fail(f"{where}.handler", "required: the directory with handler.py, relative to the stack file")
+    if "\x00" in handler:  # no path holds one (resolve() would raise ValueError)
+        raise fail(f"{where}.handler", f"{handler!r} is not a path: it holds a NUL character")
     template = settings.get("template")
     if template is not None and not isinstance(template, str):
         raise fail(f"{where}.template", f"expected a template name, got {template!r}")

@@ -115,3 +115,11 @@ def test_empty_and_dated_yaml_values_are_taken_as_yaml_means_them(tmp_path: Path
     (function,) = load_stack(write(tmp_path, text)).functions
     assert function.settings.labels == {}
     assert function.settings.environment == {"EMPTY": "", "SINCE": "2024-01-01", "DEBUG": "true"}
+
+
+def test_a_handler_path_with_a_nul_is_a_clear_error(tmp_path: Path) -> None:
+    """YAML's "\\0" is a NUL, which no path holds: an error naming the key, not a ValueError."""
+    path = tmp_path / "stack.yml"
+    path.write_text('functions:\n  fn:\n    handler: "./a\\0b"\n    memory_mb: 100\n')
+    with pytest.raises(InvalidInput, match=r"functions\.fn\.handler: .* holds a NUL character"):
+        load_stack(path)
