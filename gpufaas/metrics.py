@@ -74,7 +74,7 @@ class MetricsServer:
         """Listen on HOST:PORT (port 0: any free one; a name binds every address it resolves to,
         as asyncio does); returns the bound address (the first socket's)."""
         host, _, port = listen.rpartition(":")
-        if not host or not port.isdigit():
+        if not host or not port.isdecimal():
             raise ValueError(f"--metrics-listen: expected HOST:PORT, got {listen!r}")
         config = uvicorn.Config(
             self._app,

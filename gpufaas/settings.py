@@ -24,12 +24,13 @@ import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, NoReturn, Self
+from typing import Annotated, Any, Literal, NoReturn, Self
 
-from pydantic import Field, ValidationError
+from pydantic import AfterValidator, Field, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsError as UnreadableEnvironment
 
 from gpufaas.keys import DEFAULT_ROOT
 
@@ -132,8 +133,17 @@ def _message(error: ErrorDetails, flags: dict[tuple[str, ...], str]) -> str:
     if error["type"] in bounds:
         (bound,) = ctx.values()
         return f"{flag} must be {bounds[error['type']]} {bound:g}"
+    if error["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+        return f"no setting {'.'.join(loc)} (from a flag, or a GPUFAAS_ environment variable naming it)"
     text = error["msg"].removeprefix("Value error, ")
     return text if not loc or loc not in flags else f"{flag}: {text}"
+
+
+def _host_port(endpoint: str) -> str:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdecimal():
+        raise ValueError(f"expected host:port, such as 127.0.0.1:2379; got {endpoint!r}")
+    return endpoint
 
 
 class DaemonSettings(BaseSettings):
@@ -148,7 +158,9 @@ class DaemonSettings(BaseSettings):
         env_ignore_empty=True,  # GPUFAAS_SECRET_FILE= means unset, as it always did
     )
 
-    etcd: str = Field(default="127.0.0.1:2379", description="etcd client endpoint host:port")
+    etcd: Annotated[str, AfterValidator(_host_port)] = Field(
+        default="127.0.0.1:2379", description="etcd client endpoint host:port"
+    )
     root: str = Field(default=DEFAULT_ROOT, description="etcd key root")
     log_level: LogLevel = Field(default="info", description="the least severe log lines written")
     secret_file: Path | None = Field(
@@ -214,6 +226,8 @@ class DaemonSettings(BaseSettings):
             return cls(**values)
         except ValidationError as exc:
             parser.error(cls.refusal(exc))
+        except UnreadableEnvironment as exc:  # a GPUFAAS_ variable of a structured setting: not JSON
+            parser.error(f"{exc}: check the GPUFAAS_ environment variables")
 
     @classmethod
     def refusal(cls, exc: ValidationError) -> str:

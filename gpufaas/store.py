@@ -353,7 +353,7 @@ class EtcdStore:
         tls: EtcdTls | None = None,
     ) -> None:
         host, sep, port = endpoint.rpartition(":")
-        if not sep or not host or not port.isdigit():
+        if not sep or not host or not port.isdecimal():
             raise ValueError(f"an etcd endpoint is 'host:port', got {endpoint!r}")
         self.endpoint = endpoint
         self._timeout_s = timeout_s

@@ -114,7 +114,7 @@ class SlotConfig:
         default, by_type = DEFAULT_SLOTS, {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             name, sep, value = part.rpartition("=")
-            if not value.isdigit() or int(value) < 1 or (sep and not name):
+            if not value.isdecimal() or int(value) < 1 or (sep and not name):
                 raise ValueError(f"slots: expected N or GPU_TYPE=N with N >= 1, got {part!r}")
             if sep:
                 by_type[name] = int(value)

@@ -150,7 +150,7 @@ async def upload_blob(
     """Upload one blob, verified as it streams (the blob server does the same faster). A broken
     upload resumes: send the rest with Upload-Offset: the bytes already here (HEAD says)."""
     offset_header = request.headers.get(UPLOAD_OFFSET.lower(), "0")
-    if not offset_header.isdigit():
+    if not offset_header.isdecimal():
         raise ApiError(400, f"{UPLOAD_OFFSET} must be a whole number of bytes, got {offset_header!r}")
     offset = int(offset_header)
     try:
@@ -291,7 +291,7 @@ async def get_package(digest: Digest, gateway: GatewayDep) -> dict[str, Any]:
 
 async def _spool(request: Request, gateway: GatewayDep, limit_bytes: int) -> tuple[Any, int, str]:
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
+    if declared is not None and declared.isdecimal() and int(declared) > limit_bytes:
         raise ApiError(413, f"the request is larger than the gateway's limit of {limit_bytes} bytes")
     try:
         return await spool(request.stream(), gateway.spool_dir, limit_bytes)

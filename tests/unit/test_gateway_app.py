@@ -313,6 +313,18 @@ def test_archives_that_could_escape_or_have_no_handler_are_refused_at_upload(tmp
     run(tmp_path, body, max_unpacked_bytes=4096)
 
 
+def test_an_upload_offset_that_is_not_a_number_is_a_400(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        digest = "sha256:" + "0" * 64
+        for offset in (b"x", b"-1", b"\xb2"):  # (the last: '²', a digit to str.isdigit, not to int)
+            response = await env.client.put(
+                f"/system/blobs/{digest}?size=1", content=b"x", headers={"Upload-Offset": offset}
+            )
+            assert_error(response, 400, "Upload-Offset must be a whole number of bytes")
+
+    run(tmp_path, body)
+
+
 def test_the_same_directory_packs_to_the_same_digest(tmp_path: Path) -> None:
     first, second = make_package(), make_package()
     assert first == second  # fresh temporary directories, new mtimes: the same bytes

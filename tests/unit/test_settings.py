@@ -47,6 +47,7 @@ def test_the_flags_that_existed_keep_their_meaning() -> None:
         (["--eviction", "fifo"], "--eviction: unknown eviction policy 'fifo'"),
         (["--queue-capacity", "x"], "argument --queue-capacity: invalid int value: 'x'"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--etcd", "nohostport"], "--etcd: expected host:port, such as 127.0.0.1:2379; got 'nohostport'"),
     ],
 )
 def test_a_refused_value_names_its_flag(argv: list[str], says: str) -> None:
@@ -63,6 +64,22 @@ def test_the_environment_is_a_second_source_and_a_flag_wins(monkeypatch: pytest.
     assert (settings.policy, settings.policy_config.mqfq_ttl_alpha) == ("lb", 3.0)
     assert settings.secret_file == Path("/run/secret")
     assert scheduler("--policy", "torpor").policy == "torpor"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [
+        ("GPUFAAS_SCHEDULER_POLICY_CONFIG__NOPE", "3", "no setting policy_config.nope"),
+        ("GPUFAAS_SCHEDULER_POLICY_CONFIG", "x", 'field "policy_config"'),
+    ],
+)
+def test_a_refused_environment_variable_is_one_line_naming_it(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, says: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SettingsError) as refused:
+        scheduler()
+    assert says in str(refused.value) and "GPUFAAS_" in str(refused.value)
 
 
 def test_rendered_flags_read_back_as_the_same_settings(tmp_path: Path) -> None:
