@@ -137,8 +137,8 @@ class Worker:
     Lifecycle: STARTING -> SPARE -> LOADING -> READY <-> PARKED, and GONE (any state may jump to
     GONE; a spare claimed while starting goes straight to LOADING; a parked worker taken back
     serves on whichever GPU took it). GONE when its socket closes (it exited, or
-    the pool let go of it); `exited` resolves once its process is gone too (its device memory is
-    then free). `pid` is known from its hello on.
+    the pool let go of it) or its runtime sees its process exit; `exited` resolves once its process
+    is gone too (its device memory is then free). `pid` is known from its hello on.
     """
 
     def __init__(self, gpu_id: str) -> None:

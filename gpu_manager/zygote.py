@@ -13,7 +13,8 @@ budget). A worker keeps no other descriptor (gpu_manager.sandbox.close_descripto
 zygote keep any it was started with but its stdio and fd N. With --isolate each worker first
 moves into a network namespace of its own (gpu_manager.sandbox): it reaches nothing but its pool.
 Children are reaped automatically (SIGCHLD ignored); the pool tells a worker's exit by its socket
-closing. The zygote exits when the pool closes its end.
+closing or, from its hello on, by its PID (a pidfd: a process its handler forked may hold a copy of
+its socket). The zygote exits when the pool closes its end.
 """
 
 from __future__ import annotations

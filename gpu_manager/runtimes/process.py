@@ -106,6 +106,51 @@ class _OutputRelay(asyncio.Protocol):
         self._reported, self._reported_at = self.budget.dropped, now
 
 
+async def _until_exit(worker: Worker, conn: Connection) -> None:
+    """Wait until `worker`'s process is gone, then close its socket: its socket reached EOF, or,
+    from its hello on, its PID exited. Its EOF alone would not do: a process its handler forked
+    (os.fork, multiprocessing's fork start method, Popen with close_fds=False) holds a copy of the
+    socket, and would keep a dead worker live for as long as it runs (its group never killed, its
+    stop waited on for KILL_WAIT_S)."""
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[None] = loop.create_future()
+    pidfd = -1
+
+    def watch_pid(hello: asyncio.Future[Any]) -> None:
+        # At its hello, before any handler code ran: the process that sent it is the worker, and
+        # it cannot have exited and its PID been reused in the turn of the loop since (that takes
+        # the kernel's whole PID space). From here on the pidfd names that process, whatever its PID
+        # comes to mean.
+        nonlocal pidfd
+        if hello.cancelled() or hello.exception() is not None or exited.done():
+            return
+        try:
+            pidfd = os.pidfd_open(worker.pid)
+        except ProcessLookupError:
+            exited.set_result(None)
+            return
+        except OSError:  # no pidfds (Linux before 5.3): its socket's EOF tells alone
+            return
+        loop.add_reader(pidfd, readable)
+
+    def readable() -> None:  # the process exited
+        if not exited.done():
+            exited.set_result(None)
+
+    worker.hello.add_done_callback(watch_pid)
+    try:
+        ends: set[asyncio.Future[Any]] = {conn.closed, exited}
+        await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        worker.hello.remove_done_callback(watch_pid)
+        if pidfd >= 0:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+        if not exited.done():
+            exited.cancel()
+    conn.close()  # a copy of its end may live on in what it started: the node lets go of its own
+
+
 class ProcessRuntime(Runtime):
     """Workers forked from the node's zygote (gpu_manager.zygote): warm spares, confined when they
     take a model. `python`: the interpreter the zygote runs."""
@@ -193,7 +238,7 @@ class ProcessRuntime(Runtime):
             child.close()  # the worker holds the only other end now: its exit reads as EOF here
             os.close(output_write)  # likewise
         worker.conn = conn
-        await asyncio.shield(conn.closed)
+        await _until_exit(worker, conn)
         worker.gone(ConnectionLost(f"worker pid {worker.pid} exited"))
         assert output is not None
         loop.call_later(_OUTPUT_GRACE_S, output.close)  # what it printed last still reaches the log

@@ -1,0 +1,100 @@
+"""How a node's workers end, over real processes (the helpers of test_gpu_manager_pool): a worker's
+exit is seen even where a process its handler started holds its socket, and its group goes with
+it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from gpu_manager import loads, worker_processes
+from gpu_manager.runtimes.process import ProcessRuntime
+from gpufaas.processes import pid_alive
+from tests.unit.test_gpu_manager_pool import Node, eventually, ok, on_cpu, on_own_pool
+
+
+class FakeCgroups:
+    """Stands in for gpu_manager.cgroups' writer (what `ProcessRuntime.check` finds on a root node):
+    a group's processes are those attached and those the test says were forked inside it (the
+    kernel puts a forked process in its parent's group); killing the group SIGKILLs them. Moving a
+    PID that no longer exists into a group fails as the kernel's write to cgroup.procs does."""
+
+    version = 2
+
+    def __init__(self) -> None:
+        self.groups: dict[str, list[int]] = {}
+        self.killed: list[str] = []
+
+    def create(self, name: str, limits: object) -> None:
+        self.groups.setdefault(name, [])
+
+    def attach(self, name: str, pid: int) -> None:
+        if not pid_alive(pid):
+            raise ProcessLookupError(3, "No such process")  # ESRCH
+        self.groups[name].append(pid)
+
+    def kill(self, name: str, timeout_s: float = 5.0) -> int:
+        self.killed.append(name)
+        pids = [pid for pid in self.groups.pop(name, []) if pid_alive(pid)]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        return len(pids)
+
+    def oom_kills(self, name: str) -> int:
+        return 0
+
+    def names(self) -> list[str]:
+        return sorted(self.groups)
+
+    def clear(self) -> int:
+        return sum(self.kill(name) for name in list(self.groups))
+
+    def remove_base(self) -> None:
+        pass
+
+
+def grouped(node: Node) -> FakeCgroups:
+    """Give `node`'s process runtime a FakeCgroups; returns it."""
+    runtime = node.pool._processes.runtime
+    assert isinstance(runtime, ProcessRuntime)
+    cgroups = FakeCgroups()
+    runtime._cgroups = cgroups  # type: ignore[assignment]
+    return cgroups
+
+
+def test_a_worker_whose_forked_child_holds_its_socket_is_seen_to_exit_and_its_group_killed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Shorter than the node's 30 s (the waits a worker never seen to exit cost): the test fails in seconds.
+    monkeypatch.setattr(worker_processes, "KILL_WAIT_S", 2.0)
+    monkeypatch.setattr(loads, "KILL_WAIT_S", 3.0)
+
+    async def scenario(node: Node) -> None:
+        cgroups = grouped(node)
+        out = ok(await node.call(on_cpu("forking", node.shelf.digest("forking_function")), {}))
+        worker, (child,) = out["pid"], out["children"]
+        [group] = cgroups.names()
+        cgroups.groups[group].append(child)  # forked inside its worker's group
+        try:
+            started = time.monotonic()
+            assert await node.pool.evict("forking", "gpu0")  # SIGTERM: the worker exits at once
+            evict_s = time.monotonic() - started
+            assert evict_s < 1.5, evict_s  # not STOP_GRACE_S + KILL_WAIT_S
+            assert (node.pool.worker_exits["stopped"], cgroups.killed) == (1, [group])
+            assert not pid_alive(worker)
+            await eventually(lambda: not pid_alive(child), "its child is killed with its group")
+            assert node.pool.live_workers() == 1  # the spare
+            assert node.pool._processes.exiting("gpu0") == set()
+            assert node.pool.packages_in_use() == set()
+            started = time.monotonic()
+            ok(await node.call(on_cpu("echo", node.shelf.digest("echo_function")), {}))
+            assert time.monotonic() - started < 2.0  # a later miss there waits for no exit
+        finally:
+            if pid_alive(child):
+                os.kill(child, signal.SIGKILL)
+
+    on_own_pool(tmp_path, "cpu", scenario, wait_for_victims=True)
