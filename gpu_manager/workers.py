@@ -173,6 +173,12 @@ class Worker:
     def model(self) -> str:
         return self.run.model if self.run is not None else ""
 
+    @property
+    def is_gone(self) -> bool:
+        """GONE: exited, or let go of (killed, stopped), perhaps before its runtime connected to it
+        (a property: its state moves across the runtime's awaits)."""
+        return self.state is WorkerState.GONE
+
     # The node's side of the protocol (gpu_manager.worker has the worker's).
     async def load(self, load: pb.LoadModel) -> pb.ModelLoaded:
         """Send the worker its model and wait for its ModelLoaded (ConnectionLost if it goes first)."""

@@ -124,12 +124,19 @@ class DockerRuntime(Runtime):
         assert model is not None, "the docker runtime starts a worker for a model"
         socket_dir = self._socket_root() / uuid.uuid4().hex[:12]
         listener: socket.socket | None = None
+        # A worker killed or stopped (a call's timeout) before its container started reaches no
+        # signal: each step after an await looks whether it was let go of meanwhile.
         try:
             directory, uid, weights = await self._prepare(model)
+            if worker.is_gone:
+                raise RuntimeError("let go of before its container started")
             listener = _listen(socket_dir, uid)
             spec = self._spec(worker, model, socket_dir=socket_dir, directory=directory, uid=uid, weights=weights)
             worker.cgroup_limit_mb = spec.memory_limit_mb  # what an over-memory answer names
             worker.container = await self.launcher.start(spec)
+            if worker.is_gone:
+                await self.launcher.kill(worker.container, signal.SIGKILL)
+                raise RuntimeError("let go of while its container started")
             launcher = self.launcher
             worker.on_signal = lambda signum: self._track(
                 asyncio.ensure_future(launcher.kill(worker.container, signum))
@@ -140,13 +147,16 @@ class DockerRuntime(Runtime):
                 lambda: Connection(worker, max_frame_bytes=max_frame_bytes), sock=accepted
             )
         except (OSError, RuntimeError, TimeoutError, asyncio.CancelledError) as exc:
-            self._start_failed(worker, exc, f"a container for {model.model} on {worker.gpu_id}")
+            if not worker.is_gone:  # else it was let go of: no failure
+                self._start_failed(worker, exc, f"a container for {model.model} on {worker.gpu_id}")
             await self._remove_container(worker, socket_dir)
             return
         finally:
             if listener is not None:
                 listener.close()  # one worker per socket: nobody else may connect
         worker.conn = conn
+        if worker.is_gone:  # let go of while it connected (its signal was sent)
+            conn.close()
         await asyncio.shield(conn.closed)
         worker.gone(ConnectionLost(f"worker container {worker.container[:12]} exited"))
         await self._remove_container(worker, socket_dir)

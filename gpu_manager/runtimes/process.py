@@ -215,6 +215,8 @@ class ProcessRuntime(Runtime):
         loop = asyncio.get_running_loop()
         try:
             zygote = await self._zygote_ready()
+            if worker.is_gone:  # killed or stopped (a call's timeout) while the zygote started
+                raise RuntimeError("let go of before it was forked")
             zygote.fork(worker.gpu_id, self.gpus[worker.gpu_id], child, output_write)
             budget = LogBudget(self.isolation.log_rate_bytes_s, self.isolation.log_burst_bytes, time.monotonic())
             output, _ = await loop.connect_read_pipe(
@@ -231,13 +233,18 @@ class ProcessRuntime(Runtime):
                 output.close()
             elif output_read >= 0:
                 os.close(output_read)
-            self._start_failed(worker, exc, f"a worker for {worker.gpu_id}")
+            if not worker.is_gone:  # else it was let go of: no failure
+                self._start_failed(worker, exc, f"a worker for {worker.gpu_id}")
             worker.exited.set_result(None)
             return
         finally:
             child.close()  # the worker holds the only other end now: its exit reads as EOF here
             os.close(output_write)  # likewise
         worker.conn = conn
+        if worker.is_gone:
+            # Killed or stopped while it was connected to: its signal reached nobody (no PID, no
+            # socket yet). Its socket's EOF is what makes it exit, as a spare let go of.
+            conn.close()
         await _until_exit(worker, conn)
         worker.gone(ConnectionLost(f"worker pid {worker.pid} exited"))
         assert output is not None

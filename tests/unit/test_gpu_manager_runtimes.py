@@ -138,14 +138,16 @@ class _PlayedWorker:
 
 
 @asynccontextmanager
-async def docker_pool(tmp_path: Path, engine: FakeEngine) -> AsyncIterator[WorkerPool]:
-    """A pool on the docker runtime whose package has weights in the host pool and a layer."""
+async def docker_pool(tmp_path: Path, engine: FakeEngine, *, fetch_s: float = 0.0) -> AsyncIterator[WorkerPool]:
+    """A pool on the docker runtime whose package (fetched in `fetch_s`) has weights in the host
+    pool and a layer."""
     package_dir = tmp_path / "packages" / "p1"
     package_dir.mkdir(parents=True)
     (tmp_path / "layer").mkdir()
 
     async def fetch(digest: str) -> tuple[Path, float]:
-        return package_dir, 0.0
+        await asyncio.sleep(fetch_s)
+        return package_dir, fetch_s
 
     async def weights(digest: str, directory: Path) -> WeightsPlan:
         pooled = {"model.safetensors": str(tmp_path / "pool" / f"{digest}-model.safetensors")}
@@ -170,9 +172,9 @@ async def docker_pool(tmp_path: Path, engine: FakeEngine) -> AsyncIterator[Worke
         await asyncio.wait_for(pool.shutdown(), TIMEOUT_S)
 
 
-async def call(pool: WorkerPool, payload: bytes, call_id: str = "c1") -> RunResult:
+async def call(pool: WorkerPool, payload: bytes, call_id: str = "c1", *, timeout_s: float = TIMEOUT_S) -> RunResult:
     run = ModelRun(model="m", package_digest="d1", memory_mb=100)
-    return await pool.run(run, "gpu0", call_id, payload, content_type=OCTETS, timeout_s=TIMEOUT_S)
+    return await pool.run(run, "gpu0", call_id, payload, content_type=OCTETS, timeout_s=timeout_s)
 
 
 async def until(predicate: Callable[[], bool]) -> None:
@@ -234,6 +236,22 @@ def test_a_container_that_exits_before_it_connects_fails_its_call_and_is_removed
             await until(lambda: container.removed and pool.live_workers() == 0)
             assert pool.worker_exits["start_failed"] == 1
             assert pool.workers() == []
+
+    asyncio.run(scenario())
+
+
+def test_a_container_killed_while_its_package_is_fetched_is_never_started(tmp_path: Path) -> None:
+    engine = FakeEngine()
+
+    async def scenario() -> None:
+        async with docker_pool(tmp_path, engine, fetch_s=0.5) as pool:  # a large package, from a peer
+            result = await call(pool, b"hi", timeout_s=0.1)
+            assert (result.outcome, result.worker_killed) == (pb.TIMEOUT, True)
+            await until(lambda: pool.live_workers() == 0)  # once the fetch ended
+            assert engine.containers == {}  # no container started for nobody
+            assert pool.worker_exits == {"killed": 1}
+            again = await call(pool, b"hi", "c2")
+            assert (again.outcome, again.output) == (pb.OK, b"echo:hi")
 
     asyncio.run(scenario())
 

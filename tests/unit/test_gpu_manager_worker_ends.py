@@ -14,7 +14,8 @@ import pytest
 from gpu_manager import loads, worker_processes
 from gpu_manager.runtimes.process import ProcessRuntime
 from gpufaas.processes import pid_alive
-from tests.unit.test_gpu_manager_pool import Node, eventually, ok, on_cpu, on_own_pool
+from gpufaas.proto import gpufaas_pb2 as pb
+from tests.unit.test_gpu_manager_pool import Node, Shelf, eventually, ok, on_cpu, on_own_pool, open_pool, run
 
 
 class FakeCgroups:
@@ -98,3 +99,20 @@ def test_a_worker_whose_forked_child_holds_its_socket_is_seen_to_exit_and_its_gr
                 os.kill(child, signal.SIGKILL)
 
     on_own_pool(tmp_path, "cpu", scenario, wait_for_victims=True)
+
+
+def test_a_worker_killed_while_the_zygote_starts_is_never_forked(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path)
+
+    async def main() -> None:
+        digest = shelf.digest("echo_function")
+        async with open_pool("cpu", shelf, spares_per_gpu=0, warm=False) as node:
+            # The node's first call: its zygote is still importing torch when the call times out.
+            result = await node.call(on_cpu("echo", digest), {}, timeout_s=0.1)
+            assert (result.outcome, result.worker_killed) == (pb.TIMEOUT, True)
+            await eventually(lambda: node.pool.live_workers() == 0, "the killed worker is seen gone")
+            assert node.zygotes() and not node.forked_workers()
+            assert node.pool.worker_exits == {"killed": 1}
+            ok(await node.call(on_cpu("echo", digest), {}))
+
+    run(main)
