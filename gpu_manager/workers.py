@@ -122,6 +122,16 @@ class CallTimedOut(Exception):
         self.running = running
 
 
+async def _drained(conn: Connection, answer: asyncio.Future[tuple[pb.CallResult, bytes]]) -> None:
+    """Until `conn`'s buffer is below its high-water mark, or `answer` is done (its deadline came,
+    or the worker went)."""
+    drained = asyncio.ensure_future(conn.drain())
+    try:
+        await asyncio.wait((drained, answer), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        drained.cancel()
+
+
 class WorkerState(enum.Enum):
     STARTING = "starting"  # process started, not yet warm
     SPARE = "spare"  # warm (runtime imported, context created), waiting for a model
@@ -192,24 +202,31 @@ class Worker:
         """Write one call and wait for its CallResult and output until `deadline` (the event loop's
         clock): raises ConnectionLost if the worker goes first, CallTimedOut at the deadline. Calls
         are written at once, in order: the socket is the worker's queue."""
-        assert self.conn is not None
+        conn = self.conn
+        assert conn is not None
         loop = asyncio.get_running_loop()
         future: asyncio.Future[tuple[pb.CallResult, bytes]] = loop.create_future()
         self.pending[call_id] = future
+        # A timer on the future rather than asyncio.timeout_at (which cancels the task and maps
+        # the cancellation back): the same deadline for less, on every call. Armed before the
+        # payload is written: a large one waits for the worker to read it, behind the calls before.
+        timer = loop.call_at(deadline, time_out, future)
         try:
-            self.conn.send(MessageType.CALL, pb.Call(call_id=call_id, content_type=content_type), payload)
+            conn.send(MessageType.CALL, pb.Call(call_id=call_id, content_type=content_type), payload)
+            frame_end = conn.sent_bytes
             if len(payload) > _DRAIN_OVER_BYTES:
-                await self.conn.drain()
-            # A timer on the future rather than asyncio.timeout_at (which cancels the task and maps
-            # the cancellation back): the same deadline for less, on every call.
-            timer = loop.call_at(deadline, time_out, future)
-            try:
-                return await future
-            finally:
-                timer.cancel()
+                await _drained(conn, future)
+            return await future
         except TimeoutError:
-            raise CallTimedOut(running=next(iter(self.pending), None) == call_id) from None
+            # Running: the oldest call unanswered and all of its frame written (the worker reads
+            # a call whole before it runs it). One whose frame is still partly in the node's
+            # buffer is queued, like any call behind another: its bytes stay there (taking them
+            # back mid-frame would cut the stream, and the worker with it), the worker runs it
+            # later and its answer is dropped; the worker is not killed for a call it never had.
+            written = conn.sent_bytes - conn.unwritten_bytes() >= frame_end
+            raise CallTimedOut(running=written and next(iter(self.pending), None) == call_id) from None
         finally:
+            timer.cancel()
             self.pending.pop(call_id, None)
 
     # wire.Handler

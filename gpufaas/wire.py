@@ -305,6 +305,7 @@ class Connection(asyncio.BufferedProtocol):
         self._pending: dict[int, asyncio.Future[Frame]] = {}
         self._ids = itertools.count(1)
         self._out: list[bytes] = []
+        self.sent_bytes = 0  # every byte of every frame sent on this end, written or still buffered
         self._flush_scheduled = False
         self._can_write = asyncio.Event()
         self._can_write.set()
@@ -458,6 +459,13 @@ class Connection(asyncio.BufferedProtocol):
     def reply_error(self, to: Frame, status: int, message: str) -> None:
         self.reply(to, MessageType.ERROR, pb.Error(status=status, message=message))  # type: ignore[arg-type]
 
+    def unwritten_bytes(self) -> int:
+        """How many of the last `sent_bytes` are still buffered on this end (here or in the
+        transport), not yet written to the socket: a frame that ended at `sent_bytes` == N is all
+        written once `sent_bytes - unwritten_bytes() >= N`."""
+        buffered = sum(map(len, self._out))
+        return buffered + (self.transport.get_write_buffer_size() if self.transport is not None else 0)
+
     async def drain(self) -> None:
         """Wait until the transport's buffer is below its high-water mark (or the connection closed)."""
         await self._can_write.wait()  # closing sets it too
@@ -508,6 +516,7 @@ class Connection(asyncio.BufferedProtocol):
     def _write(self, prefix: bytes, body: bytes) -> None:
         if self.is_closed or self.transport is None or self._lost_after_backlog is not None:
             raise NotSent(f"connection to {self.peer or 'peer'} is closed")
+        self.sent_bytes += len(prefix) + len(body)
         if len(body) > _INLINE_BODY_BYTES:
             self._flush()  # keep frames in order
             self.transport.writelines((prefix, body))

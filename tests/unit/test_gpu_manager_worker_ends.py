@@ -4,6 +4,8 @@ it."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import time
@@ -116,3 +118,41 @@ def test_a_worker_killed_while_the_zygote_starts_is_never_forked(tmp_path: Path)
             ok(await node.call(on_cpu("echo", digest), {}))
 
     run(main)
+
+
+def padded(sleep_s: float, pad_bytes: int) -> bytes:
+    """sleepy_function's input, padded to over `pad_bytes`: more than the socket takes at once."""
+    return json.dumps({"sleep_s": sleep_s, "pad": "x" * pad_bytes}).encode()
+
+
+def test_a_large_call_queued_behind_a_long_one_times_out_at_its_deadline_and_the_worker_stays(tmp_path: Path) -> None:
+    async def scenario(node: Node) -> None:
+        sleepy = on_cpu("sleepy", node.shelf.digest("sleepy_function"))
+        pid = ok(await node.call(sleepy, {}))["pid"]
+        running = asyncio.ensure_future(node.call(sleepy, {"sleep_s": 2.5}))
+        await asyncio.sleep(0.3)  # the worker is in it
+        started = time.monotonic()
+        queued = await node.call(sleepy, padded(0, 4 << 20), timeout_s=0.5)  # waits for the worker to read it
+        assert time.monotonic() - started < 1.0  # answered at its deadline, not once the worker read it
+        assert (queued.outcome, queued.worker_killed) == (pb.TIMEOUT, False), queued.message
+        assert "still queued at the worker" in queued.message
+        assert ok(await running)["pid"] == pid
+        assert ok(await node.call(sleepy, {}))["pid"] == pid  # the same worker: never killed
+        assert node.pool.worker_exits == {}
+
+    on_own_pool(tmp_path, "cpu", scenario, max_body_bytes=8 << 20)
+
+
+def test_a_worker_stuck_in_a_call_with_a_large_call_behind_it_is_killed_at_the_calls_deadline(tmp_path: Path) -> None:
+    async def scenario(node: Node) -> None:
+        sleepy = on_cpu("sleepy", node.shelf.digest("sleepy_function"))
+        pid = ok(await node.call(sleepy, {}))["pid"]
+        # Both written in one turn: the second's bytes wait in the node's buffer behind the first's.
+        stuck = asyncio.ensure_future(node.call(sleepy, padded(60, 1 << 20), timeout_s=1.0))
+        behind = asyncio.ensure_future(node.call(sleepy, padded(0, 4 << 20)))
+        timed_out = await stuck
+        assert (timed_out.outcome, timed_out.worker_killed) == (pb.TIMEOUT, True), timed_out.message
+        assert (await behind).outcome == pb.WORKER_DIED
+        await eventually(lambda: not pid_alive(pid), "the stuck worker is killed")
+
+    on_own_pool(tmp_path, "cpu", scenario, max_body_bytes=8 << 20)
