@@ -121,6 +121,7 @@ class ModelLoader:
         stages = pb.MissStages()
         was_warm = worker.hello.done()
         hello, directory, weights = await self._ready(worker, run, gpu_id, stages, was_warm=was_warm)
+        _check_live(worker, run, gpu_id)
         # What readying the worker cost (forked from the zygote, then its device context).
         stages.spare_context_s = hello.context_s
         stages.spare_start_s = max(0.0, worker.warm_s - worker.spawned_s - hello.context_s)
@@ -129,6 +130,7 @@ class ModelLoader:
             stages.context_s = hello.context_s
         if victims and self.wait_for_victims:
             await asyncio.wait(victims, timeout=KILL_WAIT_S)  # their device memory must be free first
+            _check_live(worker, run, gpu_id)
         load_started = time.perf_counter()
         loaded = await self._send(worker, run, gpu_id, directory, weights)
         stages.load_s = time.perf_counter() - load_started
@@ -193,6 +195,16 @@ class ModelLoader:
         except ConnectionLost:
             message = f"worker of model {run.model!r} on {gpu_id} (pid {worker.pid}) exited while loading"
             raise LoadFailed(pb.WORKER_DIED, message) from None
+
+
+def _check_live(worker: Worker, run: ModelRun, gpu_id: str) -> None:
+    """LoadFailed if `worker` exited or was let go of (killed at its call's deadline, stopped)
+    while its load waited (its files, its victims): nothing more is made for it (a control group,
+    a home), which its exit, already handled, would never remove."""
+    if worker.is_gone:
+        worker.exit_cause = worker.exit_cause or "died"
+        message = f"worker for {run.model!r} on {gpu_id} (pid {worker.pid}) exited or was let go of before its load"
+        raise LoadFailed(pb.WORKER_DIED, message)
 
 
 def _read_ahead(directory: Path) -> None:

@@ -315,8 +315,10 @@ class ProcessRuntime(Runtime):
         """Its control group, made and joined here (before the LoadModel these fields go in, so
         before its handler runs); resource limits and, where the node is root, the package's own
         user and a private home."""
-        if self._cgroups is not None and worker.pid and not worker.cgroup:
+        if self._cgroups is not None and worker.pid and not worker.cgroup and not worker.is_gone:
             await asyncio.to_thread(self._group, worker, run)
+            if worker.is_gone:  # let go of meanwhile: its exit may have found no group to kill
+                await self._kill_group(worker)
         isolation = self.isolation
         fields: dict[str, Any] = {
             "data_limit_mb": data_allowance_mb(self.backend, run.memory_mb) or 0,
@@ -328,6 +330,8 @@ class ProcessRuntime(Runtime):
             fields |= {"uid": uid, "gid": uid}
             if isolation.homes_dir is not None:
                 async with self._home_lock:
+                    if worker.is_gone:  # its exit may have released its package's home already: none made again
+                        return fields
                     home, bounded = await asyncio.to_thread(private_home, isolation.homes_dir, uid, isolation.home_mb)
                     self._homes[run.package_digest] = home
                 if not bounded and not self._warned_home:
@@ -351,7 +355,12 @@ class ProcessRuntime(Runtime):
             cpus=self.isolation.worker_cpus,
         )
         self._cgroups.create(name, limits)
-        self._cgroups.attach(name, worker.pid)
+        try:
+            self._cgroups.attach(name, worker.pid)
+        except OSError:  # the worker is gone (ESRCH), or the group refused it: the group goes
+            with contextlib.suppress(OSError):
+                self._cgroups.kill(name)
+            raise
         worker.cgroup = name
         worker.cgroup_limit_mb = (limits.memory_bytes or 0) // (1024 * 1024)
         self._grouped[name] = worker

@@ -8,15 +8,21 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from gpu_manager import loads, worker_processes
+from gpu_manager.runtimes import process
 from gpu_manager.runtimes.process import ProcessRuntime
+from gpu_manager.sandbox import Isolation
+from gpu_manager.workers import ModelRun, Worker
 from gpufaas.processes import pid_alive
 from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.wire import ConnectionLost
 from tests.unit.test_gpu_manager_pool import Node, Shelf, eventually, ok, on_cpu, on_own_pool, open_pool, run
 
 
@@ -58,6 +64,13 @@ class FakeCgroups:
 
     def remove_base(self) -> None:
         pass
+
+
+def exited_pid() -> int:
+    """The PID of a process that has exited (and been reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    return child.pid
 
 
 def grouped(node: Node) -> FakeCgroups:
@@ -156,3 +169,52 @@ def test_a_worker_stuck_in_a_call_with_a_large_call_behind_it_is_killed_at_the_c
         await eventually(lambda: not pid_alive(pid), "the stuck worker is killed")
 
     on_own_pool(tmp_path, "cpu", scenario, max_body_bytes=8 << 20)
+
+
+def test_a_load_whose_worker_was_killed_while_its_package_was_fetched_makes_it_no_group(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path, fetch_delay_s=1.0)  # a large package, from a peer: longer than the call may wait
+
+    async def main() -> None:
+        digest = shelf.digest("echo_function")
+        async with open_pool("emulated", shelf, isolation=Isolation(users=False)) as node:
+            cgroups = grouped(node)
+            result = await node.call(on_cpu("echo", digest), {}, timeout_s=0.3)  # through the warm spare
+            assert (result.outcome, result.worker_killed) == (pb.TIMEOUT, True)
+            await eventually(lambda: digest in shelf._ready, "the fetch ends")
+            await asyncio.sleep(0.2)  # what the load would do next
+            assert cgroups.names() == [] and cgroups.killed == []  # no group made for the dead worker
+            assert node.pool.worker_exits["killed"] == 1
+
+    run(main)
+
+
+def test_a_worker_gone_before_it_is_confined_gets_no_group_and_no_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    homes: list[int] = []
+
+    def private_home(homes_dir: Path, uid: int, home_mb: int) -> tuple[Path, bool]:
+        homes.append(uid)
+        return homes_dir / str(uid), True
+
+    monkeypatch.setattr(process, "private_home", private_home)
+
+    async def main() -> None:
+        isolation = Isolation(users=True, homes_dir=tmp_path)
+        runtime = ProcessRuntime(
+            backend="cpu", gpus={"gpu0": 0}, isolation=isolation, max_body_bytes=1 << 20, closing=lambda: False
+        )
+        cgroups = FakeCgroups()
+        runtime._cgroups = cgroups  # type: ignore[assignment]
+        model = ModelRun("m", "d1", memory_mb=100)
+        worker = Worker("gpu0")
+        worker.pid = exited_pid()
+        with pytest.raises(ProcessLookupError):  # exited, not yet seen to: the group made for it goes
+            await runtime.confinement(worker, model)
+        assert cgroups.names() == [] and worker.cgroup == ""
+        worker.gone(ConnectionLost("killed"))  # let go of (its exit may have run already)
+        fields = await runtime.confinement(worker, model)
+        assert "home_dir" not in fields and runtime._homes == {} and homes == []
+        assert cgroups.names() == []
+
+    run(main)
