@@ -79,7 +79,7 @@ class InvokeMiddleware:
             await _error(send, 404, f"function {name!r} is not deployed; deploy it first (gpufaas deploy)", call_id)
             return
         declared = headers.get(b"content-length", b"")
-        if declared.isdecimal() and int(declared) > limit:
+        if declared.isdigit() and int(declared) > limit:  # (bytes: ASCII digits only)
             await _error(send, 413, f"the payload is larger than the limit of {limit} bytes", call_id)
             return
         payload = await _read_body(receive, limit)
