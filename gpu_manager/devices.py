@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,16 +144,20 @@ class Nvml:
         """Memory process `pid` holds on device `index` (MiB): its CUDA context, library workspaces
         and allocator pool together. None when NVML does not list `pid`: inside a container without
         the host's PID namespace NVML reports host PIDs, so callers need a fallback."""
+        return self.processes_mb(index, (pid,))
+
+    def processes_mb(self, index: int, pids: Iterable[int]) -> int | None:
+        """Memory the processes `pids` hold on device `index` together (MiB), in one query; None
+        when NVML lists none of them (see `process_mb`)."""
         try:
             handle = self._nvml.nvmlDeviceGetHandleByIndex(index)
             processes = self._nvml.nvmlDeviceGetComputeRunningProcesses(handle)
         except Exception:
             return None
-        for process in processes:
-            used = process.usedGpuMemory
-            if process.pid == pid and used is not None:  # None: the driver withholds it (e.g. MIG)
-                return int(used) // _MIB
-        return None
+        wanted = set(pids)
+        # None: the driver withholds it (e.g. MIG)
+        held = [int(p.usedGpuMemory) for p in processes if p.pid in wanted and p.usedGpuMemory is not None]
+        return sum(held) // _MIB if held else None
 
     def _device(self, i: int) -> Device:
         handle = self._nvml.nvmlDeviceGetHandleByIndex(i)

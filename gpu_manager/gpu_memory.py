@@ -1,5 +1,6 @@
-"""What each worker's model is booked at on its GPU, from the node's own measurement (NVML, by PID)
-where it has one, and whether a model measured over its declaration has to go."""
+"""What each worker's model is booked at on its GPU, from the node's own measurement (NVML, by the
+PIDs of the worker and what it started) where it has one, and whether a model measured over its
+declaration has to go."""
 
 from __future__ import annotations
 
@@ -22,10 +23,19 @@ class GpuMemory:
     GPU id -> device index; `capacity_mb(gpu_id)`: what the scheduler may book on that GPU, against
     which a model measured over its declaration is checked (None: no check)."""
 
-    def __init__(self, gpus: dict[str, int], nvml: Nvml | None, capacity_mb: Callable[[str], int] | None) -> None:
+    def __init__(
+        self,
+        gpus: dict[str, int],
+        nvml: Nvml | None,
+        capacity_mb: Callable[[str], int] | None,
+        processes: Callable[[Worker], list[int]] = lambda worker: [worker.pid],
+    ) -> None:
+        """`processes(worker)`: the worker's process and those it started (its control group),
+        whose GPU memory is its model's: a handler may run its model in a process of its own."""
         self.gpus = gpus
         self._nvml = nvml
         self._capacity_mb = capacity_mb
+        self._processes = processes
         # Workers whose model was over its declared size beyond the margin, by how that was seen:
         # "measured" (NVML) or "claimed" (the worker's own report, booked at the declared size).
         self.models_over_declared: collections.Counter[str] = collections.Counter()
@@ -69,17 +79,18 @@ class GpuMemory:
         return False
 
     def _measure_gpu_mb(self, worker: Worker, *, force: bool) -> int | None:
-        """The most GPU memory the node has seen `worker` hold (NVML, by PID), measuring again
-        when `force`d or MEASURE_EVERY_S after the last time; None where nothing measures it (no
-        NVML; a container's PID, which NVML does not know; NVML not listing it yet)."""
+        """The most GPU memory the node has seen `worker` and the processes it started hold
+        together (NVML, by PID), measuring again when `force`d or MEASURE_EVERY_S after the last
+        time; None where nothing measures it (no NVML; a container's PID, which NVML does not
+        know; NVML not listing it yet)."""
         if self._nvml is None or not worker.pid or worker.container:
             return None
         now = time.monotonic()
         if force or now - worker.measured_s >= MEASURE_EVERY_S:
             worker.measured_s = now
-            process_mb = self._nvml.process_mb(self.gpus[worker.gpu_id], worker.pid)
-            if process_mb is not None:
-                worker.measured_mb = max(worker.measured_mb, process_mb)
+            held_mb = self._nvml.processes_mb(self.gpus[worker.gpu_id], self._processes(worker))
+            if held_mb is not None:
+                worker.measured_mb = max(worker.measured_mb, held_mb)
         return worker.measured_mb or None
 
 

@@ -169,7 +169,7 @@ class WorkerPool:
         self._loader = ModelLoader(
             files, self._processes.runtime, max_body_bytes=max_body_bytes, wait_for_victims=self.wait_for_victims
         )
-        self._memory = GpuMemory(self.gpus, nvml, capacity_mb)
+        self._memory = GpuMemory(self.gpus, nvml, capacity_mb, self._processes.runtime.processes)
         # Not on cuda: there each spare holds a device context the GPU's registered capacity leaves out.
         self._spares = SpareWorkers(
             list(self.gpus),

@@ -59,3 +59,17 @@ def descendants(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def tree(pid: int) -> list[int]:
+    """`pid` and every process below it, from each thread's /proc children list (cheap: no walk of
+    /proc); only `pid` where the kernel has no such lists. Reparented ones (a double fork) are
+    not found: a control group holds those (gpu_manager.cgroups)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for children in Path(f"/proc/{current}/task").glob("*/children"):
+            with contextlib.suppress(OSError, ValueError):
+                todo.extend(int(child) for child in children.read_text().split())
+    return found

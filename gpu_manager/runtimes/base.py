@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 from gpu_manager.sandbox import Isolation
 from gpu_manager.workers import ModelRun, WeightsPlan, Worker
+from gpufaas.processes import tree
 from gpufaas.wire import ConnectionLost, max_frame_bytes_for
 
 log = logging.getLogger("gpufaas.gpu_manager.pool")
@@ -68,6 +69,11 @@ class Runtime(ABC):
     async def confinement(self, worker: Worker, run: ModelRun) -> dict[str, Any]:
         """The LoadModel fields that confine `worker`, taking `run` (gpu_manager.sandbox); what
         the node itself holds it to is set up here, before its handler runs (OSError if not)."""
+
+    def processes(self, worker: Worker) -> list[int]:
+        """`worker`'s process and those it started, as far as this runtime can tell (their GPU
+        memory is its model's)."""
+        return tree(worker.pid)
 
     def over_memory(self, worker: Worker) -> bool:
         """Whether `worker` (or a process it started) was killed for its memory limit."""

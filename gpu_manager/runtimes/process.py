@@ -311,6 +311,14 @@ class ProcessRuntime(Runtime):
         self._zygote = _Zygote(process, parent, float(ready.split()[1]))
         return self._zygote
 
+    def processes(self, worker: Worker) -> list[int]:
+        """Its control group's processes where it has one (a double fork's too), else its tree."""
+        if self._cgroups is not None and worker.cgroup:
+            grouped = self._cgroups.pids(worker.cgroup)
+            if grouped:
+                return grouped
+        return super().processes(worker)
+
     async def confinement(self, worker: Worker, run: ModelRun) -> dict[str, Any]:
         """Its control group, made and joined here (before the LoadModel these fields go in, so
         before its handler runs); resource limits and, where the node is root, the package's own

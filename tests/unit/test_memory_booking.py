@@ -6,6 +6,9 @@ measured over its declaration with no room for it on its GPU is stopped (gpu_man
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +24,20 @@ from tests.unit.test_gpu_manager_pool import Node, eventually, ok, on_cpu, on_ow
 
 
 class FakeNvml(Nvml):
-    """Answers `process_mb` with `mb` for every PID (None: NVML does not list it), and keeps the
-    PIDs it was asked about."""
+    """Answers for the first PID asked about with `mb` (None: NVML does not list it), and with
+    `by_pid` for the others; keeps the PIDs it was asked about."""
 
     def __init__(self, mb: int | None) -> None:
         super().__init__(module=None)
         self.mb = mb
+        self.by_pid: dict[int, int] = {}
         self.asked: list[tuple[int, int]] = []
 
-    def process_mb(self, index: int, pid: int) -> int | None:
-        self.asked.append((index, pid))
-        return self.mb
+    def processes_mb(self, index: int, pids: Iterable[int]) -> int | None:
+        first, *others = pids
+        self.asked += [(index, pid) for pid in (first, *others)]
+        held = [mb for mb in (self.mb, *(self.by_pid.get(pid) for pid in others)) if mb is not None]
+        return sum(held) if held else None
 
 
 # --- the decision ---------------------------------------------------------------------------------
@@ -95,6 +101,28 @@ def test_a_measured_model_is_booked_at_its_measurement_and_one_over_its_declarat
         assert node.pool.models_over_declared == {"measured": 1}  # once per worker, not per call
 
     on_own_pool(tmp_path, "cpu", scenario, nvml=nvml, capacity_mb=lambda gpu_id: 2000)
+
+
+def test_the_gpu_memory_of_a_process_the_worker_started_is_its_models(tmp_path: Path) -> None:
+    # A handler may run its model in a process it starts (as vLLM's engine core): measuring the
+    # worker's PID alone books its CUDA context only, and the scheduler then packs other models
+    # onto the GPU (its measurement replaces the declared size).
+    nvml = FakeNvml(400)
+
+    async def scenario(node: Node) -> None:
+        model = on_cpu("engine", node.shelf.digest("forking_function"), memory_mb=16000)
+        (child,) = ok(await node.call(model))["children"]
+        try:
+            nvml.by_pid[child] = 15600
+            await asyncio.sleep(MEASURE_EVERY_S)
+            hit = await node.call(model)
+            assert hit.peak_memory_mb == 16000 and (0, child) in nvml.asked
+            ((_, _, _, booked_mb),) = node.pool.workers()
+            assert booked_mb == 16000
+        finally:
+            os.kill(child, signal.SIGKILL)
+
+    on_own_pool(tmp_path, "cpu", scenario, nvml=nvml, capacity_mb=lambda gpu_id: 80000)
 
 
 def test_without_a_measurement_a_lying_worker_is_booked_at_its_declared_size_and_counted_once(
