@@ -122,25 +122,30 @@ class HostModelPool:
         if not evict and sum(s for _, d, s in wanted if d not in self._entries) > self.budget_bytes - self.used_bytes:
             return None
         for path, digest, size in wanted:
-            pooled = await self._admit_blob(digest, size, blobs, keep={d for _, d, _ in wanted})
+            pooled = await self._admit_blob(digest, size, blobs, keep={d for _, d, _ in wanted}, evict=evict)
             if pooled is None:
                 return None
             placed[path] = str(pooled)
         return placed
 
-    async def _admit_blob(self, digest: str, size: int, blobs: BlobStore, keep: set[str]) -> Path | None:
+    async def _admit_blob(
+        self, digest: str, size: int, blobs: BlobStore, keep: set[str], *, evict: bool
+    ) -> Path | None:
         existing = self.path(digest)
         if existing is not None:
             return existing
         task = self._copying.get(digest)
         if task is None:
-            task = asyncio.create_task(self._copy_in(digest, size, blobs, keep), name=f"pool {digest[:19]}")
+            copy = self._copy_in(digest, size, blobs, keep, evict=evict)
+            task = asyncio.create_task(copy, name=f"pool {digest[:19]}")
             self._copying[digest] = task
             task.add_done_callback(lambda _: self._copying.pop(digest, None))
         return await asyncio.shield(task)
 
-    async def _copy_in(self, digest: str, size: int, blobs: BlobStore, keep: set[str]) -> Path | None:
-        if not self._make_room(size, keep):
+    async def _copy_in(self, digest: str, size: int, blobs: BlobStore, keep: set[str], *, evict: bool) -> Path | None:
+        # Checked here, when the room is reserved, not only in `admit`: two pre-stagings that
+        # each fit the free room alone must not, together, push out what a miss might want.
+        if not (self._make_room(size, keep) if evict else self.used_bytes + size <= self.budget_bytes):
             return None
         source = blobs.path(digest)
         if source is None:

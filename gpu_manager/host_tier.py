@@ -93,7 +93,7 @@ class ParkedTier(Generic[W]):
         if older is not None and older is not worker:
             displaced.append(older)
         self._workers[worker.model] = worker
-        return displaced + self._trim()
+        return displaced + self._trim(worker)
 
     def measured(self, worker: W, host_mb: int, now_s: float) -> list[W]:
         """`worker`'s footprint was read at `now_s`: charge it that from now on (and remember it
@@ -102,9 +102,15 @@ class ParkedTier(Generic[W]):
         worker.host_mb = host_mb
         self._footprints.record(worker.model, host_mb)
         self._measured_at_s[worker.model] = now_s
-        return self._trim()
+        return self._trim(worker)
 
-    def _trim(self) -> list[W]:
+    def _trim(self, newest: W) -> list[W]:
+        """The workers past the budget, the oldest first; `newest` (just parked or measured) alone
+        where it is charged more than the whole budget: it would push out every other one, then
+        itself."""
+        if self.charge_mb(newest) > self.budget_mb and self._workers.get(newest.model) is newest:
+            del self._workers[newest.model]
+            return [newest]
         pushed_out = []
         used_mb = self.used_mb
         while self._workers and used_mb > self.budget_mb:

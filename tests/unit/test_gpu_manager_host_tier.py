@@ -48,7 +48,12 @@ def test_parking_displaces_an_older_replica_and_the_oldest_past_the_budget() -> 
     assert tier.park(c) == [b]  # 60 > 50: the least recently parked goes
     assert [m for m, _ in tier.models()] == ["a", "c"]
     huge = Parked("h", host_mb=80)
-    assert tier.park(huge) == [new_a, c, huge]  # more than the whole budget: nothing keeps it
+    assert tier.park(huge) == [huge]  # more than the whole budget: it displaces itself, and only itself
+    assert [m for m, _ in tier.models()] == ["a", "c"]
+    measured_big = Parked("m", host_mb=20)
+    assert tier.park(measured_big) == [new_a]
+    assert tier.measured(measured_big, 500, 0.0) == [measured_big]  # measured past the budget: the same
+    assert [m for m, _ in tier.models()] == ["c"]
 
 
 def test_a_measure_above_the_estimate_pushes_out_the_oldest_even_of_a_worker_gone_since() -> None:

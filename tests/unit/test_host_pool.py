@@ -119,6 +119,22 @@ def test_prestaging_takes_only_free_room(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_two_prestagings_at_once_take_only_free_room_together(tmp_path: Path) -> None:
+    # Each fits the free room alone, not both: the second finds no room when it reserves, rather
+    # than pushing out what a miss may want.
+    blobs = BlobStore(tmp_path / "blobs")
+    held, a, b = (package(blobs, os.urandom(size * MB), bytes([i])) for i, size in enumerate((4, 3, 3)))
+
+    async def main() -> None:
+        pool = HostModelPool(tmp_path / "shm", 9 * MB)
+        assert await pool.admit(held, blobs)
+        results = await asyncio.gather(pool.admit(a, blobs, evict=False), pool.admit(b, blobs, evict=False))
+        assert pool.holds(held) and pool.evicted == 0
+        assert sorted(result is None for result in results) == [False, True]
+
+    asyncio.run(main())
+
+
 MOUNTINFO = """\
 22 27 0:21 / /proc rw,relatime - proc proc rw
 25 24 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=24684084k
