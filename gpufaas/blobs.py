@@ -36,8 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from gpufaas.packages import EMPTY_DIGEST, InvalidPackage, hex_of
+from gpufaas.processes import pid_alive
 
 PUMP_BUFFER_BYTES = 4 << 20
+_INGEST_PREFIX = ".ingest-"  # then the writing process's PID: a dead one's are discarded
 PUMP_DEPTH = 4  # buffers in flight between the reading and the hashing thread
 # A large blob's bytes are written around the page cache (O_DIRECT, in whole aligned buffers):
 # a node or gateway receiving GBs of weights would otherwise fill its memory with a second copy of
@@ -153,7 +155,7 @@ class BlobStore:
     def ingest(self, read_into: Callable[[memoryview], int | None], size: int) -> str:
         """Store `size` bytes read with `read_into` whose digest is not known beforehand (an
         archive's member); returns their digest. CorruptBlob if fewer arrive."""
-        temporary = self._partial / f".ingest-{uuid.uuid4().hex}"
+        temporary = self._partial / f"{_INGEST_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             hasher = hashlib.sha256()
@@ -195,8 +197,13 @@ class BlobStore:
         """Delete unfinished blobs no writer holds (but those `keep` names); the digests deleted."""
         removed = []
         for path in self._partial.iterdir():
-            if path.name.startswith(".ingest-"):
-                continue  # an ingest of this process (its writer removes it on failure)
+            if path.name.startswith(_INGEST_PREFIX):
+                # An ingest's: its writer removes it on failure, unless its process died first.
+                pid = path.name.removeprefix(_INGEST_PREFIX).partition("-")[0]
+                if not (pid.isdecimal() and pid_alive(int(pid))):
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+                continue
             digest = f"sha256:{path.name}"
             with self._lock:  # held while it goes: no writer may open it meanwhile
                 if digest in self._writing or keep(digest):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import subprocess
 import threading
 from pathlib import Path
 
@@ -115,6 +116,20 @@ def test_put_file_and_partials_cleanup(tmp_path: Path) -> None:
     assert store.discard_partials() == [other] and store.partial_size(other) == 0
     with pytest.raises(CorruptBlob):
         store.put_file(source, other)
+
+
+def test_an_ingest_whose_process_died_is_discarded_and_a_live_ones_kept(tmp_path: Path) -> None:
+    # An archive's member is written to a temporary file before its digest is known; a gateway
+    # killed meanwhile left it (up to the package limit) for good.
+    store = BlobStore(tmp_path / "blobs")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    partial = tmp_path / "blobs" / "partial"
+    orphan, live = partial / f".ingest-{dead.pid}-abc", partial / f".ingest-{os.getpid()}-def"
+    for path in (orphan, live):
+        path.write_bytes(b"half an archive member")
+    store.discard_partials()
+    assert not orphan.exists() and live.exists()
 
 
 def test_writers_of_different_blobs_run_at_once(tmp_path: Path) -> None:
