@@ -10,11 +10,12 @@ import gzip
 import io
 import tarfile
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
@@ -26,6 +27,11 @@ BATCH_MAX_BYTES = 1 << 20  # files up to this size go in the batch (code, config
 BATCH_LIMIT_BYTES = 64 << 20  # a batch request carries at most this much; more batches beyond
 PARALLEL_UPLOADS = 4
 API_CHUNK_BYTES = 1 << 20
+# Another deploy uploading the same blob (two functions sharing weights, deployed at once):
+# waited for, asked again this often, for up to this long (a multi-GB upload takes minutes).
+BUSY_WAIT_S = 1.0
+BUSY_GIVE_UP_S = 1800.0
+_T = TypeVar("_T")
 
 
 class Gateway(Protocol):
@@ -212,7 +218,8 @@ def _send_large(
 
 
 def _upload_one(gateway: Gateway, url: str, digest: str, path: Path, sent: _Progress) -> None:
-    """One blob to the blob server; what it had already counts as resumed, not sent."""
+    """One blob to the blob server; what it had already counts as resumed, not sent. Another
+    transfer of the same blob under way (another deploy sharing these weights): waited for."""
     shown = 0
 
     def progress(n: int) -> None:
@@ -220,8 +227,36 @@ def _upload_one(gateway: Gateway, url: str, digest: str, path: Path, sent: _Prog
         shown += n
         sent.add(n)
 
-    sent_now = upload_blob(url, path, digest, authorization=gateway.authorization, progress=progress)
+    def attempt() -> int:
+        try:
+            return upload_blob(url, path, digest, authorization=gateway.authorization, progress=progress)
+        except TransferError as exc:
+            if exc.status == 409:  # (an offset to resume from is upload_blob's own: this is a writer)
+                raise _Busy(str(exc)) from None
+            raise
+
+    sent_now = _while_busy(attempt, digest)
     sent.add(0, resumed=shown - sent_now)
+
+
+class _Busy(Exception):
+    """Another transfer writes the blob now."""
+
+
+def _while_busy(attempt: Callable[[], _T], digest: str) -> _T:
+    """`attempt()`, again every BUSY_WAIT_S while it finds the blob being written by another
+    transfer, for up to BUSY_GIVE_UP_S; then the last refusal, said so."""
+    deadline = time.monotonic() + BUSY_GIVE_UP_S
+    while True:
+        try:
+            return attempt()
+        except _Busy as exc:
+            if time.monotonic() > deadline:
+                raise GpufaasError(
+                    f"blob {digest} has been written by another transfer for {BUSY_GIVE_UP_S:g} s: {exc}; "
+                    "deploy again once that one ends"
+                ) from None
+            time.sleep(BUSY_WAIT_S)
 
 
 def _blob_urls(advertised: str | None, gateway_url: str) -> list[str]:
@@ -240,6 +275,10 @@ def _blob_urls(advertised: str | None, gateway_url: str) -> list[str]:
 
 
 def _send_through_api(gateway: Gateway, digest: str, path: Path, sent: _Progress) -> None:
+    _while_busy(lambda: _put_through_api(gateway, digest, path, sent), digest)
+
+
+def _put_through_api(gateway: Gateway, digest: str, path: Path, sent: _Progress) -> None:
     size = path.stat().st_size
     head = gateway.request("HEAD", f"/system/blobs/{digest}")
     if head.status_code == 200:
@@ -262,6 +301,8 @@ def _send_through_api(gateway: Gateway, digest: str, path: Path, sent: _Progress
         content=body(),
         headers={UPLOAD_OFFSET: str(offset), "content-length": str(size - offset)},
     )
+    if response.status_code == 409 and UPLOAD_OFFSET.lower() not in response.headers:
+        raise _Busy(response.text)  # (with an offset: another resumed it since the HEAD; refused below)
     gateway.ok(response, accept=(201,))
 
 
