@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import itertools
 import math
 import os
 import time
@@ -177,7 +178,10 @@ class Worker:
         self.warm_s = 0.0  # when its hello came
         # Calls written to the worker and not yet answered, oldest first (the worker runs them in
         # this order, so the oldest is the one running).
+        # Keyed by the node's own id for each call on this worker (`call`), not the caller's: two
+        # calls a client sent with one X-Call-Id must not take each other's result.
         self.pending: dict[str, asyncio.Future[tuple[pb.CallResult, bytes]]] = {}
+        self._calls = itertools.count(1)
 
     @property
     def model(self) -> str:
@@ -206,13 +210,14 @@ class Worker:
         assert conn is not None
         loop = asyncio.get_running_loop()
         future: asyncio.Future[tuple[pb.CallResult, bytes]] = loop.create_future()
-        self.pending[call_id] = future
+        key = f"{call_id}#{next(self._calls)}"  # (the caller's id too: the worker's log lines name it)
+        self.pending[key] = future
         # A timer on the future rather than asyncio.timeout_at (which cancels the task and maps
         # the cancellation back): the same deadline for less, on every call. Armed before the
         # payload is written: a large one waits for the worker to read it, behind the calls before.
         timer = loop.call_at(deadline, time_out, future)
         try:
-            conn.send(MessageType.CALL, pb.Call(call_id=call_id, content_type=content_type), payload)
+            conn.send(MessageType.CALL, pb.Call(call_id=key, content_type=content_type), payload)
             frame_end = conn.sent_bytes
             if len(payload) > _DRAIN_OVER_BYTES:
                 await _drained(conn, future)
@@ -224,10 +229,10 @@ class Worker:
             # back mid-frame would cut the stream, and the worker with it), the worker runs it
             # later and its answer is dropped; the worker is not killed for a call it never had.
             written = conn.sent_bytes - conn.unwritten_bytes() >= frame_end
-            raise CallTimedOut(running=written and next(iter(self.pending), None) == call_id) from None
+            raise CallTimedOut(running=written and next(iter(self.pending), None) == key) from None
         finally:
             timer.cancel()
-            self.pending.pop(call_id, None)
+            self.pending.pop(key, None)
 
     # wire.Handler
     def on_frame(self, conn: Connection, frame: Frame) -> None:

@@ -1276,3 +1276,20 @@ def test_the_emulated_zygote_and_workers_never_load_torch_or_numpy(tmp_path: Pat
         assert "libtorch" in libraries(cpu_zygote)
 
     run(scenario)
+
+
+def test_two_calls_sharing_a_call_id_on_one_worker_each_get_their_own_output(tmp_path: Path) -> None:
+    # A client's X-Call-Id is its own choice: the same id can reach one worker twice (a retry
+    # through another gateway, placed beside a call run under a lease). Each call gets its output.
+    async def scenario(node: Node) -> None:
+        model = on_cpu("shared-id", node.shelf.digest("echo_function"))
+
+        def call(who: str) -> Coroutine[Any, Any, RunResult]:
+            payload = json.dumps({"who": who}).encode()
+            return node.pool.run(model, "gpu0", "abc", payload, content_type="application/json", timeout_s=30.0)
+
+        await call("warm-up")  # loaded: both below are hits on the one worker
+        alice, bob = await asyncio.gather(call("alice"), call("bob"))
+        assert ok(alice)["echo"] == {"who": "alice"} and ok(bob)["echo"] == {"who": "bob"}
+
+    on_own_pool(tmp_path, "cpu", scenario)
