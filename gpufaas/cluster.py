@@ -30,11 +30,17 @@ class NodeRecord:
 
     @classmethod
     def from_json(cls, data: bytes) -> NodeRecord:
-        raw = json.loads(data)
-        return cls(
-            node=raw["node"],
-            address=raw["address"],
-            backend=raw["backend"],
-            incarnation=raw["incarnation"],
-            gpus=[GpuRecord(**gpu) for gpu in raw.get("gpus", [])],
-        )
+        """ValueError for a record of another shape. Fields a newer node adds to its GPUs are
+        ignored (a rolling upgrade registers them before every reader knows them)."""
+        try:
+            raw = json.loads(data)
+            known = set(GpuRecord.__dataclass_fields__)
+            return cls(
+                node=raw["node"],
+                address=raw["address"],
+                backend=raw["backend"],
+                incarnation=raw["incarnation"],
+                gpus=[GpuRecord(**{k: v for k, v in gpu.items() if k in known}) for gpu in raw.get("gpus", [])],
+            )
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"not a node record: {exc!r}") from None

@@ -753,10 +753,12 @@ async def list_and_watch(
 ) -> None:
     """Keep a mirror of `prefix` (Kubernetes' reflector): list it (`on_list(kvs, revision)`: the
     whole state, to replace the mirror with), then watch from that revision (`on_event`), for
-    ever. A watch that breaks is resumed after the last event seen; one whose revision was
-    compacted away lists again. `listed_at`: the caller listed already, at this revision (so that
-    a daemon starts with its mirror filled, or fails to start). Runs until cancelled or the store
-    is closed; store errors are retried every `retry_s`. Handlers may be coroutines."""
+    ever. A watch that breaks is resumed after the last event handled (a handler's StoreError
+    breaks it before its event); one whose revision was compacted away lists again. Any other
+    error of a handler is logged, and the watch goes on. `listed_at`: the caller listed already,
+    at this revision (so that a daemon starts with its mirror filled, or fails to start). Runs
+    until cancelled or the store is closed; store errors are retried every `retry_s`. Handlers
+    may be coroutines."""
     revision = listed_at  # None: list first
     while True:
         try:
@@ -764,8 +766,13 @@ async def list_and_watch(
                 revision = await store.revision()
                 await _maybe_await(on_list(await store.get_prefix(prefix), revision))
             async for event in store.watch_prefix(prefix, start_revision=revision + 1):
+                try:
+                    await _maybe_await(on_event(event))
+                except StoreError:
+                    raise  # the handler's own write failed: retried, this event again with it
+                except Exception:  # one value a handler cannot take must not end the mirror for good
+                    logger.exception("watch on %s: the change to %s could not be taken in", prefix, event.key)
                 revision = max(revision, event.mod_revision)
-                await _maybe_await(on_event(event))
             return  # the watch ended: the store was closed
         except asyncio.CancelledError:
             raise

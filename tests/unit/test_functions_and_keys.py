@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.errors import InvalidInput
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys, gpu_address, split_gpu_address
@@ -170,3 +171,20 @@ def test_values_inside_the_schema_are_taken(
         }
     )
     assert (spec.memory_mb, spec.max_batch_size, spec.public) == (memory_mb, max_batch_size, public)
+
+
+def test_a_node_record_takes_gpu_fields_it_does_not_know_and_refuses_other_shapes() -> None:
+    # A newer node (a rolling upgrade) may add fields to its GPUs; an older reader takes the rest.
+    record = NodeRecord("n1", "127.0.0.1:1", "cpu", "i1", [GpuRecord("gpu0", 8000, "cpu")])
+    raw = json.loads(record.to_json())
+    raw["gpus"][0]["numa"] = 0
+    assert NodeRecord.from_json(json.dumps(raw).encode()) == record
+    for bad in (
+        b"null",
+        b"[]",
+        b'{"node": "n1"}',
+        b'{"node": "n1", "address": "a", "backend": "cpu", "incarnation": "i", "gpus": [1]}',
+        b"not json",
+    ):
+        with pytest.raises(ValueError):
+            NodeRecord.from_json(bad)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gpufaas.store import KeyValue, WatchEvent, list_and_watch
+from gpufaas.store import KeyValue, StoreError, WatchEvent, list_and_watch
 from tests.fakes import MemoryStore
 
 pytestmark = pytest.mark.anyio  # async tests run under anyio's pytest plugin, on asyncio (tests/conftest.py)
@@ -123,3 +123,65 @@ async def test_it_ends_when_the_store_is_closed() -> None:
     await store.close()
     async with asyncio.timeout(2):
         await task
+
+
+async def test_a_change_its_handler_cannot_take_is_logged_and_the_watch_goes_on() -> None:
+    # One value a reader cannot parse (a newer node's record, during a rolling upgrade) ended the
+    # watch task, unheard: every later change was missed for good.
+    store = MemoryStore()
+    mirror = Mirror()
+    taken = mirror.on_event
+
+    def fussy(event: WatchEvent) -> None:
+        if event.value == b"unreadable":
+            raise TypeError("unexpected field")
+        taken(event)
+
+    mirror.on_event = fussy  # type: ignore[method-assign]
+    task = mirror.follow(store)
+    try:
+        await listed(mirror)
+        await store.put("/p/a", b"unreadable")
+        await store.put("/p/b", b"2")
+        await mirror.until({"/p/b": b"2"})
+        assert not task.done()
+    finally:
+        task.cancel()
+        await store.close()
+
+
+async def test_a_handler_whose_own_write_fails_is_given_its_change_again() -> None:
+    # A handler that writes to etcd (a node registering again after its key was deleted) and
+    # finds etcd unreachable: the watch resumes from before that change, not after it.
+    store = MemoryStore()
+    mirror = Mirror()
+    taken = mirror.on_event
+    failures = [StoreError("etcd unreachable")]
+
+    def writing(event: WatchEvent) -> None:
+        if failures:
+            raise failures.pop()
+        taken(event)
+
+    mirror.on_event = writing  # type: ignore[method-assign]
+    async with mirrored_with(store, mirror, retry_s=0.01):
+        await listed(mirror)
+        await store.put("/p/a", b"1")
+        await mirror.until({"/p/a": b"1"})
+
+
+@contextlib.asynccontextmanager
+async def mirrored_with(store: MemoryStore, mirror: Mirror, **options: Any) -> AsyncIterator[None]:
+    task = mirror.follow(store, **options)
+    try:
+        yield
+    finally:
+        task.cancel()
+        await store.close()
+
+
+async def listed(mirror: Mirror) -> None:
+    """Until the mirror's first list is in (the watch starts after it)."""
+    async with asyncio.timeout(2.0):
+        while not mirror.lists:
+            await asyncio.sleep(0.005)
