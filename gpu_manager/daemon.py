@@ -52,8 +52,22 @@ DEFAULT_HOST_CACHE_MB = 4096  # the cpu backend's host tier
 PRUNE_INTERVAL_S = 10.0
 PACKAGE_GRACE_S = 3600.0  # a staged package no worker uses is deleted once unused this long
 HOLDINGS_COALESCE_S = 0.05  # changes to what the node holds are reported at most this often
+HOLDINGS_RETRY_S = 1.0  # a holder record etcd did not take is put again this often
 # Outcomes after which the model's worker is gone from the GPU (the scheduler drops its entry).
 _WORKER_LOST = {pb.LOAD_FAILED, pb.WORKER_DIED}
+
+
+async def _holder_put(storage: NodeStorage, lease: int, again: asyncio.Event, *, failing: bool) -> bool:
+    """Put the node's holder record; False where etcd did not take it (said once a streak), and
+    `again` set: peers fetch from where this record says, so it is put again."""
+    try:
+        await storage.put_holder(lease)
+    except StoreError as exc:
+        if not failing:
+            log.warning("cannot record this node's holdings in etcd (%s); retrying", exc)
+        again.set()
+        return False
+    return True
 
 
 class GpuManagerDaemon:
@@ -294,17 +308,17 @@ class GpuManagerDaemon:
 
     async def _report_holdings(self) -> None:
         """Tell the scheduler (and etcd, for peers) what the node holds, when that changed."""
+        failing = False
         while True:
             await self._holdings_dirty.wait()
-            await asyncio.sleep(HOLDINGS_COALESCE_S)
+            await asyncio.sleep(HOLDINGS_RETRY_S if failing else HOLDINGS_COALESCE_S)
             self._holdings_dirty.clear()
             scheduler = self._scheduler
             if scheduler is not None and not scheduler.is_closed:
                 with contextlib.suppress(ConnectionLost):
                     scheduler.send(MessageType.HOLDINGS, self.storage.holdings())
             if self._lease is not None:
-                with contextlib.suppress(StoreError):
-                    await self.storage.put_holder(self._lease.lease)
+                failing = not await _holder_put(self.storage, self._lease.lease, self._holdings_dirty, failing=failing)
 
     # --- calls from gateways ----------------------------------------------------------------
     async def execute(self, conn: Connection, frame: Frame) -> None:
