@@ -12,6 +12,8 @@ import logging
 import os
 import shutil
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -476,9 +478,12 @@ class LocalCluster(ClusterCredentials):
     def health_url(self, name: str) -> str | None:
         """Where `name` answers when its event loop runs: the gateway's /livez, the scheduler's
         and the nodes' /healthz on their metrics listeners, etcd's /version (any answer counts: etcd's
-        /health waits on a quorum read, which is etcd's readiness, not whether it runs)."""
+        /health waits on a quorum read, which is etcd's readiness, not whether it runs); an etcd
+        serving TLS only, its TLS handshake (`tls://`: its ServerHello, whatever it then says)."""
         if name == "etcd":
-            return None if self.etcd_endpoint is None else f"http://{self.etcd_endpoint}/version"
+            if self.etcd_endpoint is None:
+                return None
+            return f"{'tls' if self.secure and self.etcd_tls else 'http'}://{self.etcd_endpoint}/version"
         if name == "balancer":
             return f"{self.gateway_url}{BALANCER_HEALTH_PATH}"
         if name in self.gateway_names:
@@ -635,6 +640,12 @@ class ClusterSupervisor:
             probes[name] = prober.submit(_answers, url, watchdog.policy.timeout_s)
 
 
+# The watchdog's TLS probe (`_handshakes`): made once, with no CA loaded (it checks nothing).
+_PROBE_TLS = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+_PROBE_TLS.check_hostname = False
+_PROBE_TLS.verify_mode = ssl.CERT_NONE
+
+
 def pool_dir(state_dir: Path, node: str) -> Path:
     """Where `node` of the cluster in `state_dir` makes its host model pool: memory (/dev/shm)
     where the machine has it, in a directory of this cluster's, removed when it stops."""
@@ -684,8 +695,11 @@ def _unseen_gpus(urls: list[str], expected: int, auth: httpx.BasicAuth | None) -
 def _answers(url: str, timeout_s: float) -> bool:
     """Whether `url` (plain http) answers a GET within `timeout_s` (any status: the process runs).
     http.client, not httpx: an httpx client per probe builds a TLS context (CA bundle and all),
-    milliseconds of the launcher's CPU sixteen times a second beside the cluster it watches."""
+    milliseconds of the launcher's CPU sixteen times a second beside the cluster it watches.
+    A `tls://` URL: whether its TLS handshake is answered (see `_handshakes`)."""
     parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "tls":
+        return _handshakes(parts.hostname or "127.0.0.1", parts.port or 443, timeout_s)
     connection = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=timeout_s)
     try:
         connection.request("GET", parts.path or "/")
@@ -695,6 +709,23 @@ def _answers(url: str, timeout_s: float) -> bool:
     finally:
         connection.close()
     return True
+
+
+def _handshakes(host: str, port: int, timeout_s: float) -> bool:
+    """Whether a TLS server at host:port answers a handshake within `timeout_s`: a server whose
+    process is stopped accepts the connection (the kernel does) but never sends its ServerHello.
+    Nothing is checked and no certificate shown: a refusal that follows (etcd asks for a client
+    certificate) is an answer too."""
+    try:
+        with (
+            socket.create_connection((host, port), timeout=timeout_s) as raw,
+            _PROBE_TLS.wrap_socket(raw, server_hostname=host),
+        ):
+            return True
+    except ssl.SSLError:
+        return True  # it answered, refusing this client
+    except OSError:  # refused, unreachable, or no answer in time
+        return False
 
 
 def stop_recorded(state_dir: Path, timeout_s: float = 15.0) -> list[str]:

@@ -22,6 +22,7 @@ import pytest
 from gpufaas import wire
 from gpufaas.cluster import NodeRecord
 from gpufaas.dev.etcd_server import EtcdServer, free_port
+from gpufaas.dev.local_cluster import _answers
 from gpufaas.keys import Keys
 from gpufaas.netns import Hosts, NetnsUnavailable
 from gpufaas.proto import gpufaas_pb2 as pb
@@ -55,6 +56,21 @@ def test_etcd_over_tls_takes_only_clients_with_a_certificate_of_the_cluster(tmp_
 
     with EtcdServer(tls_dir=files.directory).start(tmp_path / "etcd") as etcd:
         asyncio.run(scenario(etcd.endpoint))
+
+
+def test_the_watchdogs_probe_of_a_tls_etcd_tells_a_running_one_from_a_stopped_one(tmp_path: Path) -> None:
+    # The local cluster's etcd serves TLS only (client certificates asked for): a plain-HTTP probe
+    # was never answered, so the watchdog killed the cluster's etcd every minute, for good.
+    files = ensure_tls(tmp_path / "tls")
+    with EtcdServer(tls_dir=files.directory).start(tmp_path / "etcd") as etcd:
+        assert not _answers(f"http://{etcd.endpoint}/version", 0.5)  # the old probe
+        assert _answers(f"tls://{etcd.endpoint}/version", 0.5)
+        os.kill(etcd.pid, signal.SIGSTOP)
+        try:
+            assert not _answers(f"tls://{etcd.endpoint}/version", 0.5)  # accepted, never answered
+        finally:
+            os.kill(etcd.pid, signal.SIGCONT)
+        assert _answers(f"tls://{etcd.endpoint}/version", 2.0)
 
 
 def test_a_secure_local_cluster_links_its_daemons_over_tls(make_cluster: ClusterFactory, tmp_path: Path) -> None:
