@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -79,7 +80,7 @@ async def serve(
                 tls = {"ssl_certfile": str(settings.public_cert_file), "ssl_keyfile": str(settings.public_key_file)}
             # No access log: at level warning uvicorn drops its lines, but built each one's arguments
             # (the client's address, the quoted path) per request first, 2.5 % of the gateway's CPU.
-            server = uvicorn.Server(
+            server = _Server(
                 server_config(
                     app,
                     host=settings.host,
@@ -93,6 +94,20 @@ async def serve(
             await server.serve()
     finally:
         await store.close()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that a SIGTERM or SIGINT it stopped for is not raised again once
+    it stopped: with its handler restored to the default, that killed the process before the node
+    and scheduler it runs (`--with-node`, `--with-scheduler`) and the etcd client were stopped (the
+    node's key and holder record stayed in etcd until its lease ran out, a standby scheduler
+    waited out the leader's, the host pool stayed in /dev/shm)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()  # the process exits from `main`, having stopped all
 
 
 def main(argv: list[str] | None = None) -> int:

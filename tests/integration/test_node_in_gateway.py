@@ -87,3 +87,17 @@ def test_a_scheduler_apart_and_another_gateway_reach_the_node_in_a_gateways_proc
     assert IN_PROCESS not in gateway_log(cluster, "gateway1")
     linked = [line for line in gateway_log(cluster, "gateway0").splitlines() if "linked to the node at" in line]
     assert linked and all(line.endswith(IN_PROCESS) for line in linked), linked
+
+
+def test_a_gateway_stopped_by_sigterm_stops_the_node_and_scheduler_in_it_first(
+    make_cluster: ClusterFactory, tmp_path: Path
+) -> None:
+    # uvicorn raised the SIGTERM it stopped for again, its handler restored to the default: the
+    # process died of it (status -15) before the node in it revoked its lease, shut its workers
+    # down and removed its host pool.
+    cluster = all_in_gateway(make_cluster)
+    gateway = cluster.components["gateway"]
+    process = gateway.process
+    assert process is not None
+    gateway.stop()
+    assert process.returncode == 0
