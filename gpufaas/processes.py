@@ -73,3 +73,13 @@ def tree(pid: int) -> list[int]:
             with contextlib.suppress(OSError, ValueError):
                 todo.extend(int(child) for child in children.read_text().split())
     return found
+
+
+def started(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat's 22nd field): with its
+    PID, it names the process, where the PID alone may come to name another once it exits. None
+    where there is no such process."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None

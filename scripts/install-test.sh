@@ -37,7 +37,7 @@ cleanup() {
   if [ -f "$state/pids.json" ]; then
     [ -x "$venv/bin/gpufaas" ] && [ "$status" != 0 ] && HOME=$user_home timeout 60 "$venv/bin/gpufaas" down >/dev/null 2>&1
     local pids pid
-    pids=$(python3 -c 'import json, sys; print(" ".join(str(p) for p in json.load(open(sys.argv[1])).values()))' \
+    pids=$(python3 -c 'import json, sys; print(" ".join(str(p) for p in json.load(open(sys.argv[1])).values() if isinstance(p, int)))' \
       "$state/pids.json" 2>/dev/null)
     for pid in $pids; do
       # Only a process of this run (its command line names this folder), never a reused PID.
@@ -173,7 +173,7 @@ sys.exit(0 if (with_token, without) == (200, 401) else 1)
 EOF
 
 say "gpufaas down"
-pids=$(python3 -c 'import json, sys; print(" ".join(str(p) for p in json.load(open(sys.argv[1])).values()))' \
+pids=$(python3 -c 'import json, sys; print(" ".join(str(p) for p in json.load(open(sys.argv[1])).values() if isinstance(p, int)))' \
   "$state/pids.json")
 gpufaas down
 for pid in $pids; do

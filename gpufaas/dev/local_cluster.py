@@ -34,7 +34,7 @@ from gpufaas.dev.supervision import Supervision
 from gpufaas.errors import GpufaasError
 from gpufaas.liveness import Watchdog
 from gpufaas.mounts import detach_under
-from gpufaas.processes import pid_alive
+from gpufaas.processes import pid_alive, started
 
 if TYPE_CHECKING:
     from gateway.settings import GatewaySettings
@@ -534,7 +534,12 @@ class LocalCluster(ClusterCredentials):
         return pids
 
     def write_pids(self) -> None:
-        (self.state_dir / "pids.json").write_text(json.dumps(self.pids(), indent=2) + "\n")
+        pids: dict[str, object] = dict(self.pids())
+        # Each process's start time beside its PID: a PID recorded here may name another process
+        # once this one is gone (a failed start's supervisor, a reboot), and `gpufaas down`
+        # signals what is recorded (`recorded_pids` drops those whose start time no longer matches).
+        pids[STARTED_KEY] = {name: started(pid) for name, pid in self.pids().items()}
+        (self.state_dir / "pids.json").write_text(json.dumps(pids, indent=2) + "\n")
         info = {
             "gateway_url": self.gateway_url,  # the balancer's, in front of several gateways
             "scheduler_address": self.scheduler_address,
@@ -662,15 +667,23 @@ def numbered(kind: str, count: int) -> list[str]:
 # The supervisor first (it stops the rest itself, and must not restart what is stopped), then
 # workers' managers, the balancer before the gateways behind it, and the store last.
 STOP_ORDER = ("supervisor", "node", "balancer", "gateway", "scheduler", "etcd")
+STARTED_KEY = "started"  # in pids.json: each process's start time (`gpufaas.processes.started`)
 
 
 def recorded_pids(state_dir: Path) -> dict[str, int]:
-    """The PIDs a `LocalCluster` in `state_dir` recorded, alive or not ({} if none)."""
+    """The PIDs a `LocalCluster` in `state_dir` recorded, alive or not ({} if none), but those
+    alive as another process than the one recorded (its start time differs: the PID was reused)."""
     try:
         raw = json.loads((state_dir / "pids.json").read_text())
-    except (OSError, ValueError):
+        starts = raw.pop(STARTED_KEY, {})
+        pids = {str(name): int(pid) for name, pid in raw.items()}
+    except (OSError, ValueError, TypeError, AttributeError):
         return {}
-    return {str(name): int(pid) for name, pid in raw.items()}
+    return {
+        name: pid
+        for name, pid in pids.items()
+        if starts.get(name) is None or started(pid) in (None, starts[name])
+    }
 
 
 def node_pid(pids: dict[str, int], node: str = "node0") -> int:

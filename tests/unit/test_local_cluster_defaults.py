@@ -3,6 +3,9 @@ daemon's command line is its settings model's, read back by the daemon as the sa
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,8 @@ import pytest
 from gateway.settings import GatewaySettings
 from gpu_manager.settings import NodeSettings
 from gpufaas.credentials import ensure_secrets
-from gpufaas.dev.local_cluster import LocalCluster
+from gpufaas.dev.local_cluster import STARTED_KEY, LocalCluster, recorded_pids, stop_recorded
+from gpufaas.processes import started
 from gpufaas.settings import DaemonSettings, SettingsError
 from scheduler.policies import PolicyConfig
 from scheduler.settings import SchedulerSettings
@@ -102,3 +106,20 @@ def test_node_flags_override_the_cluster_and_are_checked(tmp_path: Path) -> None
     cluster.node_flags = ["--spares", "-1"]
     with pytest.raises(SettingsError, match="--spares must be >= 0"):
         cluster.node_settings("node0")
+
+
+def test_a_recorded_pid_now_naming_another_process_is_not_stopped(tmp_path: Path) -> None:
+    # A failed start's supervisor (or a reboot) leaves its PID recorded; once reused by another
+    # process (a shell, a session leader), `gpufaas down` signalled that process's whole group.
+    unrelated = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        mine = started(os.getpid())
+        assert mine is not None
+        record = {"supervisor": unrelated.pid, "gateway": os.getpid(), STARTED_KEY: {"supervisor": 1, "gateway": mine}}
+        (tmp_path / "pids.json").write_text(json.dumps(record))
+        assert recorded_pids(tmp_path) == {"gateway": os.getpid()}  # the supervisor's PID is another's now
+        (tmp_path / "pids.json").write_text(json.dumps({"supervisor": unrelated.pid, STARTED_KEY: {"supervisor": 1}}))
+        assert stop_recorded(tmp_path) == [] and unrelated.poll() is None
+    finally:
+        unrelated.kill()
+        unrelated.wait()
