@@ -534,12 +534,7 @@ class LocalCluster(ClusterCredentials):
         return pids
 
     def write_pids(self) -> None:
-        pids: dict[str, object] = dict(self.pids())
-        # Each process's start time beside its PID: a PID recorded here may name another process
-        # once this one is gone (a failed start's supervisor, a reboot), and `gpufaas down`
-        # signals what is recorded (`recorded_pids` drops those whose start time no longer matches).
-        pids[STARTED_KEY] = {name: started(pid) for name, pid in self.pids().items()}
-        (self.state_dir / "pids.json").write_text(json.dumps(pids, indent=2) + "\n")
+        (self.state_dir / "pids.json").write_text(pid_record(self.pids()))
         info = {
             "gateway_url": self.gateway_url,  # the balancer's, in front of several gateways
             "scheduler_address": self.scheduler_address,
@@ -670,6 +665,14 @@ STOP_ORDER = ("supervisor", "node", "balancer", "gateway", "scheduler", "etcd")
 STARTED_KEY = "started"  # in pids.json: each process's start time (`gpufaas.processes.started`)
 
 
+def pid_record(pids: dict[str, int]) -> str:
+    """pids.json's text: each process's PID, and its start time beside it. A PID recorded may name
+    another process once this one is gone (a failed start's supervisor, a reboot), and `gpufaas
+    down` signals what is recorded: `recorded_pids` drops those whose start time no longer matches."""
+    record: dict[str, object] = {**pids, STARTED_KEY: {name: started(pid) for name, pid in pids.items()}}
+    return json.dumps(record, indent=2) + "\n"
+
+
 def recorded_pids(state_dir: Path) -> dict[str, int]:
     """The PIDs a `LocalCluster` in `state_dir` recorded, alive or not ({} if none), but those
     alive as another process than the one recorded (its start time differs: the PID was reused)."""
@@ -679,11 +682,7 @@ def recorded_pids(state_dir: Path) -> dict[str, int]:
         pids = {str(name): int(pid) for name, pid in raw.items()}
     except (OSError, ValueError, TypeError, AttributeError):
         return {}
-    return {
-        name: pid
-        for name, pid in pids.items()
-        if starts.get(name) is None or started(pid) in (None, starts[name])
-    }
+    return {name: pid for name, pid in pids.items() if starts.get(name) is None or started(pid) in (None, starts[name])}
 
 
 def node_pid(pids: dict[str, int], node: str = "node0") -> int:
