@@ -101,7 +101,7 @@ def up(
     the policy's knobs as `gpufaas sim` takes them, e.g. `gpufaas up --policy mqfq-sticky
     --o3-limit 10 --mqfq-overrun-s 5 --mqfq-ttl-alpha 3 --torpor-alpha 0.3`, or EDAS's staged exit,
     `--gpu-idle-release-s S --host-idle-release-s S`."""
-    from gpufaas.dev.local_cluster import recorded_pids
+    from gpufaas.dev.local_cluster import recorded_pids, supervised
     from gpufaas.processes import pid_alive
 
     if runtime not in ("process", "docker"):
@@ -121,7 +121,7 @@ def up(
     backend = backend if backend is not None else ("cuda" if _nvml_finds_gpus() else "cpu")
     if backend not in ("cuda", "cpu", "emulated"):
         raise typer.BadParameter(f"expected cuda, cpu or emulated, got {backend!r}", param_hint="--backend")
-    if any(pid_alive(pid) for pid in recorded_pids(state_dir).values()):
+    if supervised(state_dir) or any(pid_alive(pid) for pid in recorded_pids(state_dir).values()):
         url = cluster_info(state_dir).get("gateway_url", "?")
         console.print(
             f"a cluster is already running from {state_dir} (gateway {url}); "

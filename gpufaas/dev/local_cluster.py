@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import hashlib
 import http.client
 import json
@@ -430,7 +431,7 @@ class LocalCluster(ClusterCredentials):
         urls = [*self.gateway_urls.values(), *([self.gateway_url] if self.gateways > 1 else [])]
         deadline = time.monotonic() + timeout_s
         last = "none"
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self._stopping.is_set():  # (set: gpufaas down)
             for component in self.components.values():
                 if component.process is not None and not component.alive():
                     raise ClusterError(
@@ -441,6 +442,8 @@ class LocalCluster(ClusterCredentials):
             if not last:
                 return
             time.sleep(0.2)
+        if self._stopping.is_set():
+            raise ClusterError("the cluster was stopped while it started")
         raise ClusterError(f"the cluster did not become healthy in {timeout_s:g} s (last answer: {last})")
 
     def restart(self, name: str, *, kill: bool = False, timeout_s: float = 60.0) -> None:
@@ -476,14 +479,12 @@ class LocalCluster(ClusterCredentials):
         ClusterSupervisor(self).run(stopping, poll_s)
 
     def health_url(self, name: str) -> str | None:
-        """Where `name` answers when its event loop runs: the gateway's /livez, the scheduler's
-        and the nodes' /healthz on their metrics listeners, etcd's /version (any answer counts: etcd's
-        /health waits on a quorum read, which is etcd's readiness, not whether it runs); an etcd
-        serving TLS only, its TLS handshake (`tls://`: its ServerHello, whatever it then says)."""
+        """Where `name` answers when its event loop runs: the gateway's /livez, the scheduler's and the
+        nodes' /healthz on their metrics listeners, etcd's /version (any answer: its /health waits on a
+        quorum read), or its TLS handshake where it serves TLS only (`tls://`, `_handshakes`)."""
         if name == "etcd":
-            if self.etcd_endpoint is None:
-                return None
-            return f"{'tls' if self.secure and self.etcd_tls else 'http'}://{self.etcd_endpoint}/version"
+            scheme = "tls" if self.secure and self.etcd_tls else "http"
+            return None if self.etcd_endpoint is None else f"{scheme}://{self.etcd_endpoint}/version"
         if name == "balancer":
             return f"{self.gateway_url}{BALANCER_HEALTH_PATH}"
         if name in self.gateway_names:
@@ -798,6 +799,32 @@ SUPERVISED_OPTIONS = (
 )
 
 
+SUPERVISOR_LOCK = "supervisor.lock"
+
+
+def _supervisor_lock(state_dir: Path) -> IO[bytes] | None:
+    """The state directory's lock, held (open) for as long as the caller lives: one supervisor per
+    directory (two `gpufaas up` at once shared etcd's data and each other's records); None where
+    another holds it."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    lock = (state_dir / SUPERVISOR_LOCK).open("ab")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    return lock
+
+
+def supervised(state_dir: Path) -> bool:
+    """Whether a supervisor holds `state_dir`'s lock now (a cluster starting or running there)."""
+    lock = _supervisor_lock(state_dir)
+    if lock is None:
+        return True
+    lock.close()
+    return False
+
+
 def read_supervisor_status(state_dir: Path) -> dict[str, object]:
     try:
         status: dict[str, object] = json.loads((state_dir / SUPERVISOR_STATUS).read_text())
@@ -820,10 +847,21 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(options) - set(SUPERVISED_OPTIONS)
     if unknown:
         parser.error(f"unknown options {sorted(unknown)}; known: {', '.join(SUPERVISED_OPTIONS)}")
+    lock = _supervisor_lock(args.state_dir)
+    if lock is None:
+        print(f"error: a cluster is already starting or running from {args.state_dir}", file=sys.stderr)
+        return 2
+    # Recorded before anything starts: a `gpufaas down` while it starts finds, and stops, it.
+    (args.state_dir / "pids.json").write_text(pid_record({"supervisor": os.getpid()}))
     cluster = LocalCluster(args.state_dir, supervisor_pid=os.getpid(), **options)
     stopping = threading.Event()
+
+    def stop(*_: object) -> None:
+        stopping.set()
+        cluster._stopping.set()  # a start under way gives up (`wait_healthy`)
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stopping.set())
+        signal.signal(signum, stop)
     status_path = args.state_dir / SUPERVISOR_STATUS
 
     def report(state: str, **extra: object) -> None:

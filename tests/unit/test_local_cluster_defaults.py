@@ -13,7 +13,16 @@ import pytest
 from gateway.settings import GatewaySettings
 from gpu_manager.settings import NodeSettings
 from gpufaas.credentials import ensure_secrets
-from gpufaas.dev.local_cluster import STARTED_KEY, LocalCluster, recorded_pids, stop_recorded
+from gpufaas.dev.local_cluster import (
+    STARTED_KEY,
+    ClusterError,
+    LocalCluster,
+    _supervisor_lock,
+    recorded_pids,
+    stop_recorded,
+    supervised,
+)
+from gpufaas.dev.local_cluster import main as local_cluster_main
 from gpufaas.processes import started
 from gpufaas.settings import DaemonSettings, SettingsError
 from scheduler.policies import PolicyConfig
@@ -123,3 +132,20 @@ def test_a_recorded_pid_now_naming_another_process_is_not_stopped(tmp_path: Path
     finally:
         unrelated.kill()
         unrelated.wait()
+
+
+def test_one_supervisor_per_state_directory_and_a_start_gives_up_when_stopped(tmp_path: Path) -> None:
+    # Two `gpufaas up` at once on one directory ran two supervisors sharing etcd's data, and a
+    # `gpufaas down` while one started found nothing recorded and left it running.
+    held = _supervisor_lock(tmp_path)
+    assert held is not None and supervised(tmp_path)
+    try:
+        assert local_cluster_main(["--state-dir", str(tmp_path)]) == 2
+        assert not (tmp_path / "pids.json").exists()  # the running one's record is left alone
+    finally:
+        held.close()
+    assert not supervised(tmp_path)
+    cluster = LocalCluster(tmp_path, nodes=0)
+    cluster._stopping.set()  # as the supervisor's SIGTERM handler does
+    with pytest.raises(ClusterError, match="stopped while it started"):
+        cluster.wait_healthy(timeout_s=5.0)
