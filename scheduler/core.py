@@ -71,8 +71,7 @@ class Scheduler(ClusterReads):
     def add_gpu(self, spec: GpuSpec) -> None:
         if spec.gpu_id in self.cluster.gpus:
             raise ValueError(f"GPU {spec.gpu_id!r} is already registered")
-        state = GpuState(spec)
-        self.cluster.gpus[spec.gpu_id] = state
+        state = self.cluster.join(spec)
         types = self.cluster.gpu_types
         types[spec.gpu_type] = types.get(spec.gpu_type, 0) + 1
         self.cache.add_gpu(spec.gpu_id, spec.memory_mb, node=spec.node)
@@ -84,7 +83,7 @@ class Scheduler(ClusterReads):
         queue in arrival order, its cache entries are dropped. Returns the requeued requests. The
         policy hears each running one end (`on_finish`, failed) and each returned one requeued
         (`on_requeue`), as of `now`."""
-        state = self.cluster.gpus.pop(gpu_id)
+        state = self.cluster.leave(gpu_id)
         types = self.cluster.gpu_types
         types[state.spec.gpu_type] -= 1
         if not types[state.spec.gpu_type]:
@@ -374,7 +373,8 @@ class Scheduler(ClusterReads):
         a local queue. Returns None if it is running or unknown (a running request is not stopped)."""
         if request_id in self.queue:
             del self._seq_of[request_id]
-            return self.queue.remove(request_id)
+            self.policy.on_cancel(queued := self.queue.remove(request_id))
+            return queued
         gpu_id = self.cluster.placed_on.get(request_id)
         if gpu_id is None:
             return None
@@ -384,10 +384,10 @@ class Scheduler(ClusterReads):
                 state.local_queue.remove(parked)
                 state.local_work_s = max(0.0, state.local_work_s - self.cluster.call_time_s(parked, state))
                 self.cache.unpin(gpu_id, parked.model)
-                del self.cluster.placed_on[request_id]
-                del self._seq_of[request_id]
+                del self.cluster.placed_on[request_id], self._seq_of[request_id]
                 if not state.idle:
                     self.cluster.advertise(state)  # it frees up sooner now
+                self.policy.on_cancel(parked)
                 return parked
         return None  # running: it will complete or fail on its own
 

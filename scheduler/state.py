@@ -147,6 +147,8 @@ class ClusterState:
         # its current one (exactly it, if the entry carries its stamp).
         self._idle_holders: dict[str, list[tuple[float, int, float, str, int]]] = {}
         self._stamps = itertools.count(1)
+        # GPU id -> the last `version` of a GPU of that id that left (`join`, `leave`).
+        self._left_versions: dict[str, int] = {}
         cache.on_holder_added = self._holder_added
         self.swapped_in: set[str] = set()  # running requests whose model came from the host tier
         self.links = LinkCopies()
@@ -168,6 +170,21 @@ class ClusterState:
         if index == len(self.idle) or self.idle[index] != entry:
             raise KeyError(f"GPU {state.spec.gpu_id!r} is not idle")
         del self.idle[index]
+
+    def join(self, spec: GpuSpec) -> GpuState:
+        """A GPU's state, registered. One that joins again under the id of one that left (its
+        node restarted) goes on from its predecessor's `version`: the free-time entries that one
+        left must stay stale."""
+        state = GpuState(spec)
+        state.version = self._left_versions.pop(spec.gpu_id, 0)
+        self.gpus[spec.gpu_id] = state
+        return state
+
+    def leave(self, gpu_id: str) -> GpuState:
+        """Unregister a GPU (KeyError if unknown); its `version` is kept for `join`."""
+        state = self.gpus.pop(gpu_id)
+        self._left_versions[gpu_id] = state.version
+        return state
 
     def advertise(self, state: GpuState) -> None:
         """Publish a full GPU's new free time to the heaps of every model it holds."""

@@ -189,6 +189,10 @@ class SchedulingPolicy(ABC):
         or running on a GPU that left or whose worker died. `ran`: it had been dispatched (the
         policy heard `on_dispatch` for it), else it was parked."""
 
+    def on_cancel(self, request: Request) -> None:  # noqa: B027 (an optional hook)
+        """A queued or parked request was withdrawn before it ran (`Scheduler.cancel`: its deadline
+        passed, its client went, its GPU's node left and it is not placed again)."""
+
     def on_dispatch(self, decision: Dispatch, now: float) -> None:  # noqa: B027 (an optional hook)
         """A dispatch was kept (from a plan, or a parked request that started)."""
 

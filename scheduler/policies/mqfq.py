@@ -106,7 +106,7 @@ class Flow:
     model: str
     vt_s: float = 0.0
     in_flight: int = 0
-    queued: int = 0  # calls submitted and not yet dispatched (deadline cancellations are not told)
+    queued: int = 0  # calls submitted and neither dispatched nor withdrawn yet (`on_cancel`)
     last_arrival_s: float | None = None
     mean_iat_s: float | None = None  # EWMA of inter-arrival times
     last_active_s: float = -math.inf  # when it last had work (queued or running)
@@ -187,6 +187,16 @@ class MqfqStickyPolicy(SchedulingPolicy, name="mqfq-sticky"):
             flow.queued += 1
         flow.last_active_s = now
         self._note_vt(flow)
+
+    def on_cancel(self, request: Request) -> None:
+        # Counted out as a dispatch would: else its flow stays backlogged for good (never back at
+        # Global_VT after its TTL, its model never swapped out).
+        flow = self._flows.get(request.model)
+        if flow is None:
+            return
+        flow.queued = max(0, flow.queued - 1)
+        if self.releases_memory and not flow.in_flight and flow.queued <= 0:
+            heapq.heappush(self._expiries, (flow.last_active_s + flow.ttl_s(self.ttl_alpha), flow.model))
 
     def on_dispatch(self, decision: Dispatch, now: float) -> None:
         flow = self._flows.get(decision.request.model)

@@ -7,7 +7,9 @@ import random
 
 import pytest
 
-from scheduler import Dispatch, Park, PolicyConfig, Scheduler, make_policy
+from gpufaas.profiles import ModelProfile
+from gpufaas.types import GpuSpec, ModelSpec, Request
+from scheduler import Dispatch, Estimator, Park, PolicyConfig, Scheduler, make_policy
 from scheduler.policies.mqfq import MqfqStickyPolicy
 from tests.builders import cache_on, make_request, make_scheduler, run_on
 
@@ -327,3 +329,36 @@ def test_in_the_simulator_a_shorter_keep_alive_swaps_out_more_with_host_tiers_on
     plain = ClusterConfig(gpus=4, gpu_memory_mb=4000)
     a, b = (simulate(workload, "mqfq-sticky", cluster=plain, mqfq_ttl_alpha=x, mqfq_swap_out=True) for x in (0.5, 50.0))
     assert a.releases == b.releases == 0  # alpha still decides when a flow's credit resets
+
+
+def _swapping() -> Scheduler:
+    est = Estimator([ModelProfile(m, "rtx2080", 1000, 3.0, 0.5, 32) for m in ("a", "b")])
+    s = Scheduler(make_policy("mqfq-sticky", PolicyConfig(mqfq_swap_out=True)), estimator=est)
+    s.add_host("n0", 8000)
+    s.add_gpu(GpuSpec("g0", 8000, node="n0"))
+    for m in ("a", "b"):
+        s.register_model(ModelSpec(m, 1000))
+    return s
+
+
+def test_a_withdrawn_call_is_counted_out_of_its_flow() -> None:
+    # A call cancelled before it ran (its deadline, its client gone, its GPU's node left) stayed
+    # counted queued for good: its flow never went back to Global_VT after its TTL (hoarding
+    # credit), and with --mqfq-swap-out its model was never swapped out.
+    s = _swapping()
+    s.submit(Request("a1", "fa", "a", 0.0, 32))
+    s.schedule(0.0)
+    s.submit(Request("a2", "fa", "a", 0.1, 32))
+    s.schedule(0.1)
+    assert s.cancel("a2") is not None
+    s.on_complete("a1", 1.0)
+    s.schedule(1.0)
+    assert s.policy.flow("a").queued == 0
+    assert s.release_idle(1000.0, gpu_idle_s=None, host_idle_s=None) != []
+    s = _swapping()
+    s.add_gpu(GpuSpec("g1", 8000, node="n0"))
+    s.submit(Request("a1", "fa", "a", 0.0, 32))
+    s.schedule(0.0)
+    for request in s.remove_gpu("g0" if "a1" in s.gpu("g0").running else "g1", 0.5):
+        s.cancel(request.request_id)  # as the call book does when it is not placed again
+    assert s.policy.flow("a").queued == 0

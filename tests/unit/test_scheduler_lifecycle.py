@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpufaas.types import Request
-from scheduler import Dispatch, Scheduler
+from gpufaas.profiles import ModelProfile
+from gpufaas.types import GpuSpec, ModelSpec, Request
+from scheduler import Dispatch, Estimator, Park, PolicyConfig, Scheduler, make_policy
 from tests.builders import cache_on, make_scheduler, run_on, submit
 
 
@@ -129,3 +130,30 @@ def test_completing_a_request_that_is_not_running_changes_nothing() -> None:
         s.on_failure("never-submitted", 0.5, drop_model=False, requeue=False)
     s.on_complete(running.request_id, 1.0)
     assert [d.request for d in s.schedule(1.0)] == [parked]
+
+
+def test_a_gpu_registered_again_does_not_inherit_its_predecessors_free_time() -> None:
+    # A node restart takes its GPUs out and brings them back under the same ids. A free-time entry
+    # the old g0 left (free at 4.0) must stay stale for the new g0 (busy until 14.0): else the
+    # soonest holder to free up is the new g0, and a call that should park on g1 (free at 5.0)
+    # goes to an empty GPU as a miss.
+    est = Estimator([ModelProfile(model, "rtx2080", 1000, 3.0, 1.0, 32) for model in ("m", "x")])
+    s = Scheduler(make_policy("lalb-o3", PolicyConfig()), estimator=est)
+    for gpu in ("g0", "g1", "g2"):
+        s.add_gpu(GpuSpec(gpu, 8000))
+    for model in ("m", "x"):
+        s.register_model(ModelSpec(model, 1000))
+    s.submit(Request("a", "f", "m", 0.0, 32))
+    assert s.schedule(0.0)[0].gpu_id == "g0"
+    s.remove_gpu("g0", 0.5)
+    s.cancel("a")
+    s.add_gpu(GpuSpec("g0", 8000))
+    s.submit(Request("b", "f", "m", 1.0, 320))  # the new g0: busy until 14.0
+    s.submit(Request("c", "f", "m", 1.0, 32))  # g1: until 5.0
+    s.submit(Request("d", "f", "x", 1.0, 32))
+    s.schedule(1.0)
+    assert s.cluster.soonest_busy_holder("m", 1.0) == ("g1", 4.0)
+    s.add_gpu(GpuSpec("g3", 8000))
+    s.submit(Request("e", "f", "m", 3.0, 32))
+    decision = s.schedule(3.0)[0]
+    assert isinstance(decision, Park) and decision.gpu_id == "g1"
