@@ -209,6 +209,10 @@ class TorporPolicy(SchedulingPolicy, name="torpor"):
             # cannot be placed now moves on to the next function.
             request: Request | None = first
             while request is not None:
+                if queue.head_skips() >= self.max_num_skips:
+                    # The bound holds within a fill too: each call placed elsewhere passed the
+                    # older ones over once more, so the calls at the limit now go first.
+                    return plan + self._rest.fill(ctx, gpu_id, now)
                 # Every older call waits once more (kept only with a placement: the plan drops it
                 # otherwise, and the scheduler takes back what a plan leaves out).
                 skip = ctx.pass_over(request.request_id)

@@ -7,9 +7,9 @@ import pytest
 
 from gpufaas.errors import InvalidInput
 from gpufaas.functions import FunctionSpec
-from gpufaas.profiles import paper_table1
-from gpufaas.types import Request
-from scheduler import Dispatch, PolicyConfig, make_policy
+from gpufaas.profiles import ModelProfile, paper_table1
+from gpufaas.types import GpuSpec, ModelSpec, Request
+from scheduler import Dispatch, Estimator, PolicyConfig, Scheduler, make_policy
 from scheduler.policies.torpor import SloRecord, TorporPolicy
 from simulator.engine import ClusterConfig, simulate
 from simulator.report import shipped_trace
@@ -187,3 +187,24 @@ def test_a_function_without_an_slo_is_overtaken_at_most_max_num_skips_times() ->
         ran.append(decision.request.function)
         scheduler.on_complete(decision.request.request_id, 1.5 + step)
     assert ran == ["B", "B", "A", "B"]
+
+
+def test_one_fill_passes_the_oldest_call_over_no_more_than_the_limit() -> None:
+    # The oldest call has no SLO; 8 calls of an SLO function whose model a busy GPU holds come
+    # after it. Parking them there passed the oldest over once each, 8 times against a limit of 2.
+    estimator = Estimator([ModelProfile(m, "rtx2080", 1000, 5.0 if m == "s" else 3.0, 0.5, 32) for m in "smx"])
+    sched = Scheduler(make_policy("torpor", PolicyConfig(max_num_skips=2)), estimator=estimator)
+    sched.add_gpu(GpuSpec("g0", 8000, speed=2.0))
+    sched.add_gpu(GpuSpec("g1", 8000))
+    for name in "smx":
+        sched.register_model(ModelSpec(name, 1000))
+    sched.submit(Request("s0", "fs", "s", 0.0, 32, slo_s=2.0))
+    sched.schedule(0.0)  # g0 holds s, busy
+    sched.submit(Request("b0", "fb", "m", 0.0, 32))
+    sched.schedule(0.0)  # g1 busy
+    sched.submit(Request("h", "fh", "x", 0.1, 32))
+    for i in range(1, 9):
+        sched.submit(Request(f"s{i}", "fs", "s", 0.1, 32, slo_s=2.0))
+    sched.on_complete("b0", 4.0)
+    decisions = sched.schedule(4.0)
+    assert "h" not in sched.queue or sched.queue.num_skips("h") <= 2, decisions
