@@ -88,7 +88,14 @@ class WorkerSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     environment: Environment = Field(
-        default_factory=dict, description="set in the worker before the handler is imported"
+        default_factory=dict,
+        description="set in the worker before the handler is imported",
+        # What `_environment` checks, said in the schema too (the API's documentation, and what
+        # clients generated from it send).
+        json_schema_extra={
+            "propertyNames": {"pattern": "^[^=\\u0000]+$"},
+            "additionalProperties": {"type": "string", "pattern": "^[^\\u0000]*$"},
+        },
     )
     max_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE), WHOLE] = 1
     max_batch_wait_ms: Annotated[float, Field(ge=0, le=MAX_BATCH_WAIT_MS)] = 0.0
