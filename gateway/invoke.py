@@ -32,7 +32,7 @@ from gateway.auth import (
 from gateway.http import answer_whole
 from gateway.router import CallFailed, CallResult
 from gpufaas.errors import GpufaasError
-from gpufaas.functions import FunctionSpec
+from gpufaas.functions import FunctionSpec, not_deployed
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import StoreError
 
@@ -76,7 +76,7 @@ class InvokeMiddleware:
         if await self._refused(send, scope, headers, name=name, spec=spec, call_id=call_id):
             return
         if spec is None:
-            await _error(send, 404, f"function {name!r} is not deployed; deploy it first (gpufaas deploy)", call_id)
+            await _error(send, 404, not_deployed(name), call_id)
             return
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:  # (bytes: ASCII digits only)

@@ -166,6 +166,11 @@ _MODEL_BOUND_DEFAULTS = {
 }
 
 
+def not_deployed(name: str) -> str:
+    """What a call to a function that is not deployed is answered (a gateway's 404, a scheduler's NOT_FOUND)."""
+    return f"function {name!r} is not deployed; deploy it first (gpufaas deploy)"
+
+
 def model_tag(settings: FunctionSettings) -> str:
     """A short name of what a function's workers are bound to beyond its package, where it is not
     the default ('' then): the worker settings (read once, at a worker's start) and the GPU type it

@@ -32,7 +32,7 @@ from typing import Any
 
 from cache_manager import CacheManager, eviction_policy
 from gpufaas import grants
-from gpufaas.functions import FunctionSpec
+from gpufaas.functions import FunctionSpec, not_deployed
 from gpufaas.keys import Keys, split_gpu_address
 from gpufaas.profiles import paper_table1
 from gpufaas.proto import gpufaas_pb2 as pb
@@ -464,7 +464,7 @@ class SchedulerService:
         if conn.is_closed or self.term is not term:
             return  # its gateway, or the term, ended meanwhile: the next leader places it
         if spec is None:
-            self._reject(conn, request.call_id, pb.NOT_FOUND, f"function {request.function!r} is not deployed")
+            self._reject(conn, request.call_id, pb.NOT_FOUND, not_deployed(request.function))
             return
         self._submit(conn, request, spec)
 
