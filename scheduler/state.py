@@ -8,6 +8,7 @@ import heapq
 import itertools
 import math
 from collections import deque
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 from mypy_extensions import mypyc_attr
@@ -346,7 +347,9 @@ class ClusterState:
 
     def soonest_busy_holder(self, model: str, now: float) -> tuple[str, float] | None:
         """The busy GPU holding `model` that is expected to free up first, with its estimated
-        wait (ties to the lower id); None if no busy GPU holds it. O(log replicas) amortized."""
+        wait (ties to the lower id); None if no busy GPU holds it. O(log replicas) amortized, and
+        O(holders overdue) where the first to free up is overdue (its calls overran their
+        estimates: its wait is its parked work alone, which free times do not order)."""
         heap = self._free_at.get(model)
         holders = self.cache.gpus_with(model)
         while heap:
@@ -355,8 +358,32 @@ class ClusterState:
             if state is None or state.version != version or state.idle or gpu_id not in holders:
                 heapq.heappop(heap)
                 continue
-            return gpu_id, self.estimated_wait_s(gpu_id, now)
+            if state.busy_until_s >= now:  # its wait is its free time's distance: no other's is less
+                return gpu_id, self.estimated_wait_s(gpu_id, now)
+            return self._soonest_of_overdue(heap, holders, now)
         return None
+
+    def _soonest_of_overdue(
+        self, heap: list[tuple[float, str, int]], holders: Set[str], now: float
+    ) -> tuple[str, float] | None:
+        """`soonest_busy_holder` where its heap's first live entry is overdue: the entries walked
+        best first (a GPU's wait is at least its free time less `now`), until none can wait less."""
+        best: tuple[float, str] | None = None
+        frontier = [(heap[0][0], 0)]
+        while frontier:
+            free_at_s, index = heapq.heappop(frontier)
+            if best is not None and free_at_s - now > best[0]:
+                break
+            _, gpu_id, version = heap[index]
+            state = self.gpus.get(gpu_id)
+            if state is not None and state.version == version and not state.idle and gpu_id in holders:
+                candidate = (self.estimated_wait_s(gpu_id, now), gpu_id)
+                if best is None or candidate < best:
+                    best = candidate
+            for child in (2 * index + 1, 2 * index + 2):
+                if child < len(heap):
+                    heapq.heappush(frontier, (heap[child][0], child))
+        return None if best is None else (best[1], best[0])
 
     def estimated_wait_s(self, gpu_id: str, now: float) -> float:
         """Time until a GPU could start one more request: until a slot frees up (0 if one is

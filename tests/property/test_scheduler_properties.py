@@ -320,6 +320,23 @@ def test_the_directory_agrees_with_the_per_gpu_caches(scenario: Scenario) -> Non
 
 
 @property_of(scenarios())
+def test_the_soonest_busy_holder_is_the_one_with_the_least_wait(scenario: Scenario) -> None:
+    # Against every busy holder's estimated wait, overdue ones (calls that overran) included.
+    for step in steps(scenario):
+        scheduler = step.scheduler
+        for model in scenario.models:
+            busy = [g for g in scheduler.cache.gpus_with(model.name) if not scheduler.gpu(g).idle]
+            soonest = scheduler.soonest_busy_holder(model.name, step.now)
+            if not busy:
+                assert soonest is None, model.name
+                continue
+            assert soonest is not None and soonest[0] in busy, (model.name, soonest)
+            assert soonest[1] == scheduler.estimated_wait_s(soonest[0], step.now)
+            # (Free times and waits round differently: equal waits may differ in the last bits.)
+            assert soonest[1] <= min(scheduler.estimated_wait_s(g, step.now) for g in busy) + 1e-9, model.name
+
+
+@property_of(scenarios())
 def test_each_gpus_slots_running_requests_and_pins_agree_with_the_decisions(scenario: Scenario) -> None:
     most_running = 0
     for step in steps(scenario):

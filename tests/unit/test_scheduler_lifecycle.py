@@ -157,3 +157,21 @@ def test_a_gpu_registered_again_does_not_inherit_its_predecessors_free_time() ->
     s.submit(Request("e", "f", "m", 3.0, 32))
     decision = s.schedule(3.0)[0]
     assert isinstance(decision, Park) and decision.gpu_id == "g1"
+
+
+def test_the_soonest_holder_among_overdue_ones_is_the_one_without_parked_work() -> None:
+    # Both holders' calls overran their estimates (expected to end at 1.0 and 2.2; it is 3.0). g1
+    # has a call parked (1 s of work), g2 none: g2 can start one soonest (wait 0, against g1's 1 s),
+    # though g1's free time (1.0 + 1.0 = 2.0) is the earlier (g2's: 2.2).
+    s = make_scheduler("lalb", gpus=3)
+    cache_on(s, "g1", "A")
+    cache_on(s, "g2", "A")
+    run_on(s, "g1", "A", now=0.0)
+    (parked,) = submit(s, "A", now=0.1)
+    s.park(parked, "g1", 0.1)
+    run_on(s, "g2", "A", now=1.2)
+    assert s.soonest_busy_holder("A", 0.5) == ("g1", pytest.approx(1.5))  # none overdue: by free time
+    assert s.soonest_busy_holder("A", 3.0) == ("g2", 0.0)
+    assert s.soonest_busy_holder("A", 2.1) == ("g2", pytest.approx(0.1))  # g1's wait is still 1 s
+    s.cancel(parked.request_id)
+    assert s.soonest_busy_holder("A", 3.0) == ("g1", 0.0)  # both overdue, neither with work: the lower id
