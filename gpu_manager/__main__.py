@@ -12,7 +12,7 @@ from gpu_manager.cgroups import group_prefix
 from gpu_manager.daemon import DEFAULT_HOST_CACHE_MB, GpuManagerDaemon
 from gpu_manager.devices import Device, discover_nvml, logical_devices
 from gpu_manager.host_pool import DEFAULT_POOL_PARENT, huge_pages
-from gpu_manager.sandbox import Isolation
+from gpu_manager.sandbox import PACKAGE_USERS_FILE, Isolation, PackageUsers
 from gpu_manager.settings import DESCRIPTION, PROG, NodeSettings
 from gpu_manager.storage import StorageOptions
 from gpufaas.credentials import node_token, wire_key
@@ -69,6 +69,7 @@ def isolation(settings: NodeSettings) -> Isolation:
     if settings.unconfined_workers:
         return Isolation(network=False, users=False)
     return Isolation(
+        package_users=PackageUsers(settings.state_dir / PACKAGE_USERS_FILE),
         homes_dir=settings.state_dir / "homes",
         home_mb=settings.home_mb,
         cgroup_prefix=group_prefix(settings.node, settings.state_dir),

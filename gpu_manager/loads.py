@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from gpu_manager.runtimes import KILL_WAIT_S, Runtime
-from gpu_manager.sandbox import Isolation, lock_package, package_locked, package_uid
+from gpu_manager.sandbox import Isolation, lock_package, package_locked
 from gpu_manager.workers import NO_WEIGHTS, ModelRun, WeightsPlan, Worker
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import ConnectionLost
@@ -88,7 +88,7 @@ class ModelFiles:
         (gpu_manager.sandbox); without root, the node's own user."""
         if not self._isolation.per_package_users:
             return os.getuid()
-        uid = package_uid(digest)
+        uid = self._isolation.package_users.uid(digest)
         # Checked at every load, not remembered by digest: a package unstaged (unused, or evicted
         # for room) and staged again is a new directory, which must be locked again.
         if not package_locked(directory, uid):

@@ -15,29 +15,35 @@ A worker is confined in three steps:
   that it reads its package (owned root:that group, read-only) and nothing of the node's or
   another function's.
 
-Each package has its own user id, derived from its digest (`package_uid`): the same on every node
-and after a restart, with no state to keep, and in a range no host account uses.
+Each package has its own user id on a node (`PackageUsers`): drawn at random, in a range no host
+account uses, never one another package holds, and kept across the node's restarts.
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
+import json
+import logging
 import os
 import resource
+import secrets
 import shutil
 import stat
 import sys
 import tempfile
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpu_manager import seccomp
 from gpufaas.mounts import detach, mounted_under
 
+log = logging.getLogger(__name__)
+
 PACKAGE_UID_BASE = 1 << 24  # 16,777,216: above system, user and container subordinate id ranges
 PACKAGE_UID_SPAN = (1 << 31) - PACKAGE_UID_BASE - 1
+PACKAGE_USERS_FILE = "package-users.json"  # in a node's state directory
 DEFAULT_MAX_PROCESSES = 512  # tasks (processes and threads) of one package's user
 DEFAULT_MAX_FILE_MB = 1024  # largest file a worker may write (its home, /tmp)
 DEFAULT_HOME_MB = 1024  # all a package's workers on a node may write (its home: HOME, /tmp, /var/tmp, /dev/shm)
@@ -56,11 +62,73 @@ _MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000
 _PR_SET_NO_NEW_PRIVS = 38
 
 
-def package_uid(digest: str) -> int:
-    """The user (and group) id a package's workers run as: from the digest, in a range of ~2.1
-    billion ids (two of a thousand packages share one with odds of about 1 in 4,000)."""
-    hex_digest = digest.removeprefix("sha256:")
-    return PACKAGE_UID_BASE + int(hex_digest, 16) % PACKAGE_UID_SPAN
+class PackageUsers:
+    """The user (and group) id each package's workers run as on one node: drawn at random from a
+    range of ~2.1 billion ids no host account uses, never one that another package holds, and
+    kept in `path` (JSON; None: in memory only), so that a restarted node finds the packages it
+    staged owned as it left them.
+
+    Drawn, not derived from the digest: the author of a package chooses its digest (any file's
+    bytes change it), and every worker's uid is public (/proc), so a package could be made to hash
+    to another's id and run as its user: its home, its files, its processes."""
+
+    def __init__(self, path: Path | None = None, *, draw: Callable[[int], int] = secrets.randbelow) -> None:
+        self._path = path
+        self._draw = draw
+        self._uids = _read_users(path)
+        self._taken = set(self._uids.values())
+
+    def get(self, digest: str) -> int | None:
+        """The id package `digest` was given on this node, if any."""
+        return self._uids.get(digest.removeprefix("sha256:"))
+
+    def uid(self, digest: str) -> int:
+        """Package `digest`'s id: the one it holds, else a new one, kept (raises OSError where it
+        cannot be written: a package never runs as an id that a restart could give another)."""
+        key = digest.removeprefix("sha256:")
+        uid = self._uids.get(key)
+        if uid is None:
+            uid = PACKAGE_UID_BASE + self._draw(PACKAGE_UID_SPAN)
+            while uid in self._taken:
+                uid = PACKAGE_UID_BASE + self._draw(PACKAGE_UID_SPAN)
+            self._uids[key] = uid
+            self._taken.add(uid)
+            try:
+                self._save()
+            except OSError:
+                del self._uids[key]
+                self._taken.discard(uid)
+                raise
+        return uid
+
+    def _save(self) -> None:
+        if self._path is None:
+            return
+        temporary = self._path.with_name(f".{self._path.name}.{os.getpid()}")
+        with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as file:
+            json.dump(self._uids, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, self._path)
+
+
+def _read_users(path: Path | None) -> dict[str, int]:
+    """What `PackageUsers._save` wrote at `path` ({} where nothing was, or it cannot be read:
+    then each package is given an id afresh, and its staged directory locked to it again)."""
+    if path is None or not path.exists():
+        return {}
+    try:
+        loaded = json.loads(path.read_text())
+        users = {str(key): int(uid) for key, uid in loaded.items()}
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        log.warning("cannot read the packages' users in %s (%s): each is given a new one", path, exc)
+        return {}
+    if not all(PACKAGE_UID_BASE <= uid < PACKAGE_UID_BASE + PACKAGE_UID_SPAN for uid in users.values()) or len(
+        set(users.values())
+    ) != len(users):
+        log.warning("the packages' users in %s are out of range or shared: each is given a new one", path)
+        return {}
+    return users
 
 
 def worker_environment(node_environment: Mapping[str, str]) -> dict[str, str]:
@@ -100,6 +168,7 @@ class Isolation:
     run as the package's own user (None: when the node runs as root, the only way it can).
     `homes_dir`: where the packages' private HOME/TMPDIR directories go (None: none): each a
     tmpfs of `home_mb` where the node can mount one.
+    `package_users`: the ids the packages' users were given on this node.
     `cgroup_prefix`: the name of the node's directory of per-worker control groups
     (gpu_manager.cgroups' `group_prefix`; None: no groups), under `cgroup_root`; `worker_cpus`:
     the CPUs' worth of time each worker's group may use (None: no quota, only an equal weight)."""
@@ -115,6 +184,7 @@ class Isolation:
     home_mb: int = DEFAULT_HOME_MB
     log_rate_bytes_s: int = LOG_RATE_BYTES_S
     log_burst_bytes: int = LOG_BURST_BYTES
+    package_users: PackageUsers = field(default_factory=PackageUsers)
 
     @property
     def per_package_users(self) -> bool:

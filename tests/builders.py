@@ -1,9 +1,11 @@
-"""Small builders for unit tests of the pure scheduling core."""
+"""Small builders for unit tests of the pure scheduling core (and a few reads tests share)."""
 
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
+from gpu_manager.sandbox import PACKAGE_USERS_FILE, PackageUsers
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
 from gpufaas.profiles import ModelProfile
@@ -80,3 +82,11 @@ def fill_slots(scheduler: Scheduler, gpu_id: str, model: str, now: float = 0.0) 
 def stored_spec(keys: Keys, spec: FunctionSpec, mod_revision: int = 0) -> KeyValue:
     """`spec` as etcd holds it under its key, changed at `mod_revision`."""
     return KeyValue(keys.function(spec.name), spec.to_json(), mod_revision, mod_revision, 0)
+
+
+def package_user(node_state_dir: Path, digest: str) -> int:
+    """The user id package `digest`'s workers run as on the node of `node_state_dir` (given at
+    its first load there)."""
+    uid = PackageUsers(node_state_dir / PACKAGE_USERS_FILE).get(digest)
+    assert uid is not None, f"no worker of {digest} has run on the node of {node_state_dir}"
+    return uid

@@ -23,7 +23,6 @@ from gpu_manager.sandbox import (
     LogBudget,
     clear_homes,
     data_allowance_mb,
-    package_uid,
     private_home,
     remove_home,
     worker_environment,
@@ -334,7 +333,7 @@ class ProcessRuntime(Runtime):
             "max_file_mb": isolation.max_file_mb,
         }
         if isolation.per_package_users:
-            uid = package_uid(run.package_digest)
+            uid = isolation.package_users.uid(run.package_digest)
             fields |= {"uid": uid, "gid": uid}
             if isolation.homes_dir is not None:
                 async with self._home_lock:

@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from gpu_manager.cgroups import CGROUP_ROOT, Unavailable, open_cgroups
-from gpu_manager.sandbox import package_uid
 from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.mounts import mounted_under
+from tests.builders import package_user
 from tests.integration.conftest import ClusterFactory, deploy
 
 
@@ -225,9 +225,9 @@ def test_a_detached_child_ends_with_its_function_and_with_the_cluster(
     /system/functions {functionName}) ends it with its worker; and so does the cluster's stop."""
     cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=2000)
     deploy(cluster, "rogue", "rogue_function", tmp_path, memory_mb=100)
-    uid = package_uid(digest_of(cluster, "rogue"))
     response = post(cluster, "rogue", detach=True)
     assert response.status_code == 200, response.text
+    uid = package_user(cluster.state_dir / "node0", digest_of(cluster, "rogue"))
     detached = response.json()["detached"]
     assert detached in processes_of(uid)
     removed = httpx.request(  # what `gpufaas rm rogue` sends
@@ -257,9 +257,9 @@ def test_a_packages_home_and_tmp_are_bounded_in_total_and_removed_with_it(
     with no_new_privs."""
     cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=2000, node_flags=["--home-mb", "256"])
     deploy(cluster, "rogue", "rogue_function", tmp_path, memory_mb=100)
-    uid = package_uid(digest_of(cluster, "rogue"))
     places = ["$HOME", "/tmp", "/var/tmp", "/dev/shm"]
     report, total_mb = written_everywhere(cluster, places)
+    uid = package_user(cluster.state_dir / "node0", digest_of(cluster, "rogue"))
     wrote = report["wrote"]
     assert total_mb <= 256, wrote
     assert {place["error"] for place in wrote.values()} == {"OSError"}, wrote  # ENOSPC everywhere

@@ -25,9 +25,10 @@ from gpu_manager.containers import (
     TMPFS_MB,
     memory_limit_mb,
 )
-from gpu_manager.sandbox import DEFAULT_MAX_PROCESSES, package_uid
+from gpu_manager.sandbox import DEFAULT_MAX_PROCESSES
 from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.processes import pid_alive
+from tests.builders import package_user
 from tests.integration import test_isolation as isolation
 from tests.integration.conftest import ClusterFactory, deploy
 from tests.integration.test_confinement import (
@@ -108,7 +109,7 @@ def test_a_function_runs_in_a_container_of_its_own_held_to_its_limits(
     assert response.headers["X-Cache"] == "miss"
 
     # From inside: its own user, no network, its package read-only, a writable /tmp only.
-    expected_uid = package_uid(digest) if os.geteuid() == 0 else os.getuid()
+    expected_uid = package_user(cluster.state_dir / "node0", digest) if os.geteuid() == 0 else os.getuid()
     assert report["uid"] == report["gid"] == expected_uid != 0
     assert all(outcome != "ok" for outcome in report["connect"].values()), report["connect"]
     assert report["read"] == {"/package/handler.py": "ok"}
@@ -367,12 +368,12 @@ def test_a_detached_child_ends_with_its_container_and_with_the_cluster(
     the container's PID namespace and dies with it, at `gpufaas rm` and at the cluster's stop."""
     cluster = docker_cluster(make_cluster)
     deploy(cluster, "rogue", "rogue_function", tmp_path, memory_mb=100)
-    uid = package_uid(digest_of(cluster, "rogue"))
     for ending in ("rm", "stop"):
         if ending == "stop":
             deploy(cluster, "rogue", "rogue_function", tmp_path, memory_mb=100)
         response = post(cluster, "rogue", detach=True)
         assert response.status_code == 200, response.text
+        uid = package_user(cluster.state_dir / "node0", digest_of(cluster, "rogue"))
         detached = host_pid(uid, response.json()["detached"])
         assert detached is not None, "the detached child is not running"
         if ending == "rm":

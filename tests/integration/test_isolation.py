@@ -14,11 +14,11 @@ from typing import Any
 import httpx
 import pytest
 
-from gpu_manager.sandbox import package_uid
 from gpufaas.cluster import NodeRecord
 from gpufaas.dev.local_cluster import LocalCluster
 from gpufaas.keys import Keys
 from gpufaas.store import EtcdStore
+from tests.builders import package_user
 from tests.integration.conftest import ClusterFactory, EtcdTarget, deploy, stop_clusters
 
 pytestmark = pytest.mark.integration
@@ -120,7 +120,9 @@ def probe_own_package_only(cluster: LocalCluster, tmp_path: Path) -> None:
             str(secrets.directory),
         ],
     )
-    assert report["uid"] == report["gid"] == package_uid(specs["prowler"]["package_digest"])
+    assert (
+        report["uid"] == report["gid"] == package_user(cluster.state_dir / "node0", specs["prowler"]["package_digest"])
+    )
     assert report["read"] == {
         str(own_dir / "handler.py"): "ok",
         str(victim_dir / "handler.py"): "PermissionError",
@@ -132,7 +134,8 @@ def probe_own_package_only(cluster: LocalCluster, tmp_path: Path) -> None:
     assert set(report["list"].values()) == {"PermissionError"}, report["list"]
     # The victim is untouched and serves as before.
     again = httpx.post(f"{cluster.gateway_url}/function/victim", json={}, headers=cluster.invoke_headers, timeout=60)
-    assert again.status_code == 200 and again.json()["uid"] == package_uid(specs["victim"]["package_digest"])
+    victim_uid = package_user(cluster.state_dir / "node0", specs["victim"]["package_digest"])
+    assert again.status_code == 200 and again.json()["uid"] == victim_uid != report["uid"]
 
 
 def test_a_function_reaches_no_network_sees_no_secrets_and_is_held_to_its_limits(

@@ -27,7 +27,6 @@ import pytest
 
 from gpu_manager.backends import UnknownBackend
 from gpu_manager.pool import STOP_GRACE_S, ModelRun, RunResult, WorkerPool
-from gpu_manager.sandbox import package_uid
 from gpu_manager.staging import LocalPackages
 from gpufaas.functions import WorkerSettings
 from gpufaas.proto import gpufaas_pb2 as pb
@@ -535,7 +534,7 @@ def test_the_handler_sees_its_environment_package_directory_and_working_director
         assert seen["package_dir_real"] == seen["cwd"] == node.shelf.directory(echo)
         if os.geteuid() == 0:  # the worker runs as the package's user: a handle, opened before it dropped root
             assert re.fullmatch(r"/proc/self/fd/\d+", seen["package_dir"]), seen["package_dir"]
-            assert seen["uid"] == package_uid(echo)
+            assert seen["uid"] == node.pool.isolation.package_users.get(echo)
         else:
             assert seen["package_dir"] == node.shelf.directory(echo)
         assert seen["helper"] == "from helper.py"  # a module beside handler.py

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -19,28 +20,63 @@ from gpu_manager import seccomp
 from gpu_manager.sandbox import (
     MEMORY_HEADROOM_MB,
     PACKAGE_UID_BASE,
+    PACKAGE_UID_SPAN,
     Isolation,
     LogBudget,
+    PackageUsers,
     _open_to_others,
     close_descriptors,
     data_allowance_mb,
     filter_system_calls,
     lock_package,
     no_new_privileges,
-    package_uid,
     worker_environment,
 )
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_a_package_user_is_fixed_by_its_digest_and_clear_of_host_ids() -> None:
-    digests = [f"sha256:{i:064x}" for i in range(2000)] + ["sha256:" + "f" * 64]
-    uids = [package_uid(d) for d in digests]
-    assert uids == [package_uid(d) for d in digests]  # the same on every node, every time
+def test_a_package_user_is_its_own_clear_of_host_ids_and_kept_across_restarts(tmp_path: Path) -> None:
+    path = tmp_path / "package-users.json"
+    users = PackageUsers(path)
+    digests = [f"sha256:{i:064x}" for i in range(2000)]
+    uids = [users.uid(d) for d in digests]
+    assert uids == [users.uid(d) for d in digests]  # the same for as long as the node runs
     assert all(PACKAGE_UID_BASE <= uid < 2**31 - 1 for uid in uids)
     assert len(set(uids)) == len(uids)
-    assert package_uid("sha256:" + "ab" * 32) == package_uid("ab" * 32)
+    assert users.uid("sha256:" + "ab" * 32) == users.uid("ab" * 32) == users.get("ab" * 32)
+    restarted = PackageUsers(path)  # the node again: its staged packages keep their owners
+    assert [restarted.get(d) for d in digests] == uids
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    other_node = PackageUsers(tmp_path / "other.json")  # drawn, not derived: nothing to aim a digest at
+    assert sum(other_node.uid(d) == uid for d, uid in zip(digests[:100], uids, strict=False)) < 3
+
+
+def test_a_package_is_never_given_an_id_another_holds() -> None:
+    # A digest made to hash to another package's id (its author picks its bytes; every worker's id
+    # is public in /proc) gets an id of its own: here every draw but the last names the taken one.
+    draws = iter([5, 5, 5, 9])
+    users = PackageUsers(draw=lambda span: next(draws))
+    assert users.uid("sha256:" + "1" * 64) == PACKAGE_UID_BASE + 5
+    assert users.uid("sha256:" + "2" * 64) == PACKAGE_UID_BASE + 9
+
+
+def test_package_users_that_cannot_be_read_or_kept_are_given_afresh_and_never_half_kept(tmp_path: Path) -> None:
+    path = tmp_path / "package-users.json"
+    for bad in (
+        "not json",
+        '{"aa": "x"}',
+        "[1]",
+        f'{{"aa": {PACKAGE_UID_BASE - 1}}}',
+        '{"aa": 20000000, "bb": 20000000}',
+    ):
+        path.write_text(bad)
+        assert PackageUsers(path).get("aa") is None, bad
+    unwritable = PackageUsers(tmp_path / "missing-dir" / "package-users.json")
+    with pytest.raises(OSError):
+        unwritable.uid("sha256:" + "1" * 64)
+    assert unwritable.get("sha256:" + "1" * 64) is None  # not run as an id a restart could give another
+    assert PACKAGE_UID_BASE + PACKAGE_UID_SPAN == 2**31 - 1
 
 
 def test_only_the_runtimes_variables_reach_a_worker() -> None:

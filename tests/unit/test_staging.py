@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpu_manager.loads import ModelFiles
-from gpu_manager.sandbox import Isolation, package_uid
+from gpu_manager.sandbox import Isolation
 from gpu_manager.staging import LINK_MIN_BYTES, PackageStore
 from gpufaas.blobnet import BlobServer
 from gpufaas.blobs import BlobStore
@@ -262,7 +262,8 @@ def test_a_package_staged_again_is_locked_again_for_its_own_user(tmp_path: Path,
     # until it is locked for that user (root:uid, 0750) again.
     cluster.holder("gw")
     digest = cluster.package({"handler.py": HANDLER, "w.bin": os.urandom(1 << 20)})
-    uid = package_uid(digest)
+    isolation = Isolation(users=True)
+    uid = isolation.package_users.uid(digest)
 
     def locked_for_its_user(path: Path, mode: int) -> bool:
         status = path.stat()
@@ -270,7 +271,7 @@ def test_a_package_staged_again_is_locked_again_for_its_own_user(tmp_path: Path,
 
     async def main() -> None:
         store = cluster.store(tmp_path / "node")
-        files = ModelFiles(store.fetch, None, Isolation(users=True))
+        files = ModelFiles(store.fetch, None, isolation)
         for _ in range(2):
             directory, _ = await store.fetch(digest)
             assert await files.own(digest, directory) == uid
