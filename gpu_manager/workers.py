@@ -35,6 +35,20 @@ than it declared before the node calls it over its declaration (allocator roundi
 workspace: an honest declaration is an estimate)."""
 
 
+def held_to_what_the_node_saw(result: pb.CallResult, elapsed_s: float, most_calls: int) -> None:
+    """Hold a worker's own figures for one call to what its node saw: the inference time to the
+    `elapsed_s` from writing the call to reading its result (the call ran within them), the calls
+    batched with it to the `most_calls` that were at the worker at some time while it was.
+
+    The handler runs in the worker's process and can rewrite what it reports (its clock, its
+    counts); the scheduler prices placements by these figures, and a function that inflated its
+    time would look slower than a load and be given replicas, evicting others' models (as with
+    memory, the node is the measurer). A time it understates is not caught."""
+    if not 0.0 <= result.inference_s <= elapsed_s:  # (NaN too)
+        result.inference_s = elapsed_s
+    result.batch_calls = max(1, min(result.batch_calls, most_calls))
+
+
 def memory_margin_mb(declared_mb: int) -> int:
     """How far over `declared_mb` a model may measure before it counts as over its declaration."""
     return max(MEMORY_MARGIN_MB, math.ceil(declared_mb * MEMORY_MARGIN_FRACTION))
@@ -182,6 +196,8 @@ class Worker:
         # calls a client sent with one X-Call-Id must not take each other's result.
         self.pending: dict[str, asyncio.Future[tuple[pb.CallResult, bytes]]] = {}
         self._calls = itertools.count(1)
+        self._written = 0  # calls written to it so far ...
+        self._answered = 0  # ... and answered
 
     @property
     def model(self) -> str:
@@ -205,12 +221,15 @@ class Worker:
     ) -> tuple[pb.CallResult, bytes]:
         """Write one call and wait for its CallResult and output until `deadline` (the event loop's
         clock): raises ConnectionLost if the worker goes first, CallTimedOut at the deadline. Calls
-        are written at once, in order: the socket is the worker's queue."""
+        are written at once, in order: the socket is the worker's queue. The result's inference
+        time and batch are the worker's, held to what the node saw (`held_to_what_the_node_saw`)."""
         conn = self.conn
         assert conn is not None
         loop = asyncio.get_running_loop()
         future: asyncio.Future[tuple[pb.CallResult, bytes]] = loop.create_future()
-        key = f"{call_id}#{next(self._calls)}"  # (the caller's id too: the worker's log lines name it)
+        self._written = written = next(self._calls)
+        key = f"{call_id}#{written}"  # (the caller's id too: the worker's log lines name it)
+        answered_before, sent_s = self._answered, loop.time()
         self.pending[key] = future
         # A timer on the future rather than asyncio.timeout_at (which cancels the task and maps
         # the cancellation back): the same deadline for less, on every call. Armed before the
@@ -221,7 +240,9 @@ class Worker:
             frame_end = conn.sent_bytes
             if len(payload) > _DRAIN_OVER_BYTES:
                 await _drained(conn, future)
-            return await future
+            result, output = await future
+            held_to_what_the_node_saw(result, loop.time() - sent_s, self._written - answered_before)
+            return result, output
         except TimeoutError:
             # Running: the oldest call unanswered and all of its frame written (the worker reads
             # a call whole before it runs it). One whose frame is still partly in the node's
@@ -241,6 +262,7 @@ class Worker:
             result = frame.message(pb.CallResult)
             future = self.pending.pop(result.call_id, None)
             if future is not None and not future.done():
+                self._answered += 1
                 future.set_result((result, frame.body))
         elif frame.type == MessageType.WORKER_HELLO and not self.hello.done():
             # The first hello only: it comes before any handler code runs in the process. A later

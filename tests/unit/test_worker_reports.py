@@ -1,0 +1,46 @@
+"""What a node passes on of a worker's own figures for a call (its inference time, its batch):
+held to what the node saw (gpu_manager.workers' `held_to_what_the_node_saw`), so that a handler
+that rewrites them cannot make its function look slower than a load and be given GPUs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from gpu_manager.workers import held_to_what_the_node_saw
+from gpufaas.proto import gpufaas_pb2 as pb
+from tests.unit.test_gpu_manager_pool import Node, ok, on_cpu, on_own_pool
+
+
+@pytest.mark.parametrize(
+    ("reported_s", "batch_calls", "expected_s", "expected_batch"),
+    [
+        (0.4, 3, 0.4, 3),  # within what the node saw: as reported
+        (0.0, 0, 0.0, 1),  # nothing timed (an error before predict); no batch: one call
+        (5000.0, 9, 0.5, 4),  # more time than the call spent at the worker; more calls than were there
+        (-1.0, 1, 0.5, 1),
+        (math.nan, 1, 0.5, 1),
+    ],
+)
+def test_a_workers_figures_are_held_to_the_calls_time_at_it_and_the_calls_it_had(
+    reported_s: float, batch_calls: int, expected_s: float, expected_batch: int
+) -> None:
+    result = pb.CallResult(call_id="c#1", inference_s=reported_s, batch_calls=batch_calls)
+    held_to_what_the_node_saw(result, elapsed_s=0.5, most_calls=4)
+    assert result.inference_s == pytest.approx(expected_s) and result.batch_calls == expected_batch
+
+
+def test_a_handler_that_rewrites_its_workers_clock_reports_no_more_than_the_call_took(tmp_path: Path) -> None:
+    # The fixture's load() swaps the clock its worker times predict by for one 10,000 times as fast:
+    # a call of 0.3 s would be reported at 3,000 s, and the scheduler would give it replicas.
+    async def scenario(node: Node) -> None:
+        liar = on_cpu("liar", node.shelf.digest("time_liar_function"), environment={"LIE_FACTOR": "1e4"})
+        ok(await node.call(liar, {"sleep_s": 0}))  # the miss: loaded
+        hit = await node.call(liar, {"sleep_s": 0.3})
+        assert ok(hit) == {"factor": 1e4}
+        assert 0.3 <= hit.inference_time_s < 2.0, hit.inference_time_s
+        assert hit.batch_calls == 1
+
+    on_own_pool(tmp_path, "cpu", scenario)
