@@ -36,6 +36,7 @@ from gpufaas.errors import GpufaasError
 from gpufaas.liveness import Watchdog
 from gpufaas.mounts import detach_under
 from gpufaas.processes import pid_alive, started
+from gpufaas.tls import TlsFiles
 
 if TYPE_CHECKING:
     from gateway.settings import GatewaySettings
@@ -149,6 +150,20 @@ class ClusterCredentials:
         if not (self.secure and self.etcd_tls):
             return None
         return EtcdTls(*etcd_client_files(self.secrets.tls.directory, "scheduler"))
+
+    def probe_tls(self) -> ssl.SSLContext | None:
+        """What the watchdog's TLS probe of this cluster's etcd shows it (`_handshakes`): the
+        certificate its daemons show (etcd asks each client for one, and logs a warning for every
+        handshake without: one each probe, four a second, for as long as the cluster runs); None:
+        etcd serves plain. Nothing of the server is checked: a handshake answered is all it asks."""
+        if not (self.secure and self.etcd_tls):
+            return None
+        files = TlsFiles(self.secrets.tls.directory)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        context.load_cert_chain(files.cert("scheduler"), files.key("scheduler"))
+        return context
 
     @property
     def invoke_headers(self) -> dict[str, str]:
@@ -575,6 +590,7 @@ class ClusterSupervisor:
         self.cluster = cluster
         self.supervision = cluster.supervision
         self.watchdog = cluster.watchdog
+        self._probe_tls = cluster.probe_tls() if cluster.watchdog is not None else None
 
     def run(self, stopping: threading.Event, poll_s: float) -> None:
         cluster = self.cluster
@@ -638,10 +654,11 @@ class ClusterSupervisor:
             if url is None:  # nothing to probe (no health endpoint): judged by its exit only
                 watchdog.forget(name)
                 continue
-            probes[name] = prober.submit(_answers, url, watchdog.policy.timeout_s)
+            probes[name] = prober.submit(_answers, url, watchdog.policy.timeout_s, self._probe_tls)
 
 
-# The watchdog's TLS probe (`_handshakes`): made once, with no CA loaded (it checks nothing).
+# The watchdog's TLS probe (`_handshakes`) where it is given no context: no CA loaded (it checks
+# nothing), no certificate shown.
 _PROBE_TLS = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
 _PROBE_TLS.check_hostname = False
 _PROBE_TLS.verify_mode = ssl.CERT_NONE
@@ -705,14 +722,14 @@ def _unseen_gpus(urls: list[str], expected: int, auth: httpx.BasicAuth | None) -
     return ""
 
 
-def _answers(url: str, timeout_s: float) -> bool:
+def _answers(url: str, timeout_s: float, tls: ssl.SSLContext | None = None) -> bool:
     """Whether `url` (plain http) answers a GET within `timeout_s` (any status: the process runs).
     http.client, not httpx: an httpx client per probe builds a TLS context (CA bundle and all),
     milliseconds of the launcher's CPU sixteen times a second beside the cluster it watches.
-    A `tls://` URL: whether its TLS handshake is answered (see `_handshakes`)."""
+    A `tls://` URL: whether its TLS handshake (with `tls`) is answered (see `_handshakes`)."""
     parts = urllib.parse.urlsplit(url)
     if parts.scheme == "tls":
-        return _handshakes(parts.hostname or "127.0.0.1", parts.port or 443, timeout_s)
+        return _handshakes(parts.hostname or "127.0.0.1", parts.port or 443, timeout_s, tls or _PROBE_TLS)
     connection = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=timeout_s)
     try:
         connection.request("GET", parts.path or "/")
@@ -724,15 +741,15 @@ def _answers(url: str, timeout_s: float) -> bool:
     return True
 
 
-def _handshakes(host: str, port: int, timeout_s: float) -> bool:
+def _handshakes(host: str, port: int, timeout_s: float, tls: ssl.SSLContext) -> bool:
     """Whether a TLS server at host:port answers a handshake within `timeout_s`: a server whose
     process is stopped accepts the connection (the kernel does) but never sends its ServerHello.
-    Nothing is checked and no certificate shown: a refusal that follows (etcd asks for a client
-    certificate) is an answer too."""
+    Nothing is checked: a refusal that follows (etcd asks for a client certificate, which `tls` may
+    not show) is an answer too."""
     try:
         with (
             socket.create_connection((host, port), timeout=timeout_s) as raw,
-            _PROBE_TLS.wrap_socket(raw, server_hostname=host),
+            tls.wrap_socket(raw, server_hostname=host),
         ):
             return True
     except ssl.SSLError:

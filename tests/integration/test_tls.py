@@ -21,8 +21,9 @@ import pytest
 
 from gpufaas import wire
 from gpufaas.cluster import NodeRecord
+from gpufaas.credentials import ensure_secrets
 from gpufaas.dev.etcd_server import EtcdServer, free_port
-from gpufaas.dev.local_cluster import _answers
+from gpufaas.dev.local_cluster import LocalCluster, _answers
 from gpufaas.keys import Keys
 from gpufaas.netns import Hosts, NetnsUnavailable
 from gpufaas.proto import gpufaas_pb2 as pb
@@ -71,6 +72,31 @@ def test_the_watchdogs_probe_of_a_tls_etcd_tells_a_running_one_from_a_stopped_on
         finally:
             os.kill(etcd.pid, signal.SIGCONT)
         assert _answers(f"tls://{etcd.endpoint}/version", 2.0)
+
+
+def test_the_watchdogs_probe_of_a_local_clusters_etcd_leaves_no_warning_in_its_log(tmp_path: Path) -> None:
+    # Four probes a second for as long as the cluster runs: one handshake without a certificate
+    # is one "rejected connection" warning in etcd's log (about 47 MB a day of them).
+    cluster = LocalCluster(tmp_path / "cluster")
+    ensure_secrets(cluster.secrets.directory)
+    probe_tls = cluster.probe_tls()
+    assert probe_tls is not None
+    with EtcdServer(tls_dir=cluster.secrets.tls.directory).start(tmp_path / "etcd") as etcd:
+        log_path = tmp_path / "etcd" / "etcd.log"
+
+        def rejected() -> int:
+            return log_path.read_text(errors="replace").count("rejected connection")
+
+        before = rejected()
+        for _ in range(5):
+            assert _answers(f"tls://{etcd.endpoint}/version", 2.0, probe_tls)
+        time.sleep(0.5)  # (etcd writes its log as it goes)
+        assert rejected() == before
+        assert _answers(f"tls://{etcd.endpoint}/version", 2.0)  # no certificate shown: answered, and logged
+        deadline = time.monotonic() + 5
+        while rejected() == before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert rejected() == before + 1
 
 
 def test_a_secure_local_cluster_links_its_daemons_over_tls(make_cluster: ClusterFactory, tmp_path: Path) -> None:
