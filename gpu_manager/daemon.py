@@ -23,7 +23,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,17 +57,38 @@ HOLDINGS_RETRY_S = 1.0  # a holder record etcd did not take is put again this of
 _WORKER_LOST = {pb.LOAD_FAILED, pb.WORKER_DIED}
 
 
-async def _holder_put(storage: NodeStorage, lease: int, again: asyncio.Event, *, failing: bool) -> bool:
-    """Put the node's holder record; False where etcd did not take it (said once a streak), and
-    `again` set: peers fetch from where this record says, so it is put again."""
+async def _holder_put(storage: NodeStorage, lease: int, *, failing: bool) -> bool:
+    """Put the node's holder record; False where etcd did not take it (said once a streak)."""
     try:
         await storage.put_holder(lease)
     except StoreError as exc:
         if not failing:
             log.warning("cannot record this node's holdings in etcd (%s); retrying", exc)
-        again.set()
         return False
     return True
+
+
+async def report_holdings(
+    changed: asyncio.Event, tell_scheduler: Callable[[], None], put_holder: Callable[[bool], Awaitable[bool]]
+) -> None:
+    """The node's holdings loop: each time they `changed` (coalesced over HOLDINGS_COALESCE_S),
+    told to the scheduler and put in etcd (`put_holder(failing)`: False where etcd did not take
+    them). A put etcd refused is tried again every HOLDINGS_RETRY_S (peers fetch from where the
+    record says) on its own: a change meanwhile still reaches the scheduler at once, and the
+    scheduler is not told holdings again that did not change."""
+    failing = False
+    while True:
+        if failing:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(HOLDINGS_RETRY_S):
+                    await changed.wait()
+        else:
+            await changed.wait()
+        if changed.is_set():
+            await asyncio.sleep(HOLDINGS_COALESCE_S)
+            changed.clear()
+            tell_scheduler()
+        failing = not await put_holder(failing)
 
 
 class GpuManagerDaemon:
@@ -308,17 +329,17 @@ class GpuManagerDaemon:
 
     async def _report_holdings(self) -> None:
         """Tell the scheduler (and etcd, for peers) what the node holds, when that changed."""
-        failing = False
-        while True:
-            await self._holdings_dirty.wait()
-            await asyncio.sleep(HOLDINGS_RETRY_S if failing else HOLDINGS_COALESCE_S)
-            self._holdings_dirty.clear()
+
+        def tell_scheduler() -> None:
             scheduler = self._scheduler
             if scheduler is not None and not scheduler.is_closed:
                 with contextlib.suppress(ConnectionLost):
                     scheduler.send(MessageType.HOLDINGS, self.storage.holdings())
-            if self._lease is not None:
-                failing = not await _holder_put(self.storage, self._lease.lease, self._holdings_dirty, failing=failing)
+
+        async def put_holder(failing: bool) -> bool:
+            return self._lease is None or await _holder_put(self.storage, self._lease.lease, failing=failing)
+
+        await report_holdings(self._holdings_dirty, tell_scheduler, put_holder)
 
     # --- calls from gateways ----------------------------------------------------------------
     async def execute(self, conn: Connection, frame: Frame) -> None:

@@ -1,5 +1,6 @@
-"""A node's holder record (what its disk and host pool hold, read by peers that fetch from it):
-one etcd did not take is put again, and the failure is said once a streak."""
+"""A node's holdings (what its disk and host pool hold): told to the scheduler when they change,
+and put in etcd as its holder record (read by peers that fetch from it); one etcd did not take is
+put again on its own, and the failure is said once a streak."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any, cast
 
 import pytest
 
-from gpu_manager.daemon import _holder_put
+from gpu_manager.daemon import HOLDINGS_RETRY_S, _holder_put, report_holdings
 from gpufaas.store import StoreError
 
 
@@ -25,16 +26,48 @@ class Storage:
             raise StoreError("etcd unreachable")
 
 
-def test_a_holder_record_etcd_did_not_take_is_put_again(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_holder_record_etcd_did_not_take_is_put_again_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
-        storage, again = Storage(failures=2), asyncio.Event()
-        failing, asked_again = False, []
+        storage = Storage(failures=2)
+        failing, taken = False, []
         for _ in range(3):
-            again.clear()
-            failing = not await _holder_put(cast(Any, storage), 7, again, failing=failing)
-            asked_again.append(again.is_set())
-        assert storage.puts == 3 and not failing and asked_again == [True, True, False]
+            failing = not await _holder_put(cast(Any, storage), 7, failing=failing)
+            taken.append(not failing)
+        assert storage.puts == 3 and taken == [False, False, True]
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1 and "retrying" in warnings[0].getMessage()
+
+    asyncio.run(main())
+
+
+def test_while_etcd_refuses_the_record_changes_still_reach_the_scheduler_at_once_and_only_changes() -> None:
+    # etcd refuses the first three puts. The record is put again every HOLDINGS_RETRY_S; the
+    # scheduler hears each change within the coalescing time (not the retry's), and hears
+    # nothing from the retries of a record that did not change.
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        changed, told, puts = asyncio.Event(), [], []
+        refusals = 3
+
+        async def put_holder(failing: bool) -> bool:
+            nonlocal refusals
+            puts.append(loop.time())
+            refusals -= 1
+            return refusals < 0
+
+        task = asyncio.create_task(report_holdings(changed, lambda: told.append(loop.time()), put_holder))
+        started = loop.time()
+        changed.set()
+        await asyncio.sleep(0.2)
+        assert len(told) == 1 and len(puts) == 1  # told, put, refused
+        changed.set()  # a change while etcd refuses
+        await asyncio.sleep(0.2)
+        assert len(told) == 2 and told[1] - started < 0.5, told  # at once, not a retry later
+        await asyncio.sleep(HOLDINGS_RETRY_S * 2 + 0.3)
+        assert len(told) == 2, "the scheduler was told holdings again that did not change"
+        assert len(puts) == 4  # the retries went on until etcd took it ...
+        await asyncio.sleep(HOLDINGS_RETRY_S + 0.2)
+        assert len(puts) == 4  # ... and stopped
+        task.cancel()
 
     asyncio.run(main())
