@@ -21,6 +21,7 @@ from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, time_out
 
 _DRAIN_OVER_BYTES = 65536  # a call's payload larger than this waits for the socket to take it
+STALL_CHECK_S = 0.2  # a worker that takes none of a call's bytes this long, with none ahead of it, is stuck
 
 EXIT_CAUSES = ("stopped", "load_failed", "killed", "died", "start_failed", "shutdown", "over_memory")
 """Why a worker process exited (`WorkerPool.worker_exits`): the pool stopped it (evicted, released,
@@ -147,6 +148,15 @@ async def _drained(conn: Connection, answer: asyncio.Future[tuple[pb.CallResult,
         drained.cancel()
 
 
+async def _reads_nothing(conn: Connection, frame_end: int) -> bool:
+    """Whether the worker at the other end of `conn` took none of its buffered bytes in
+    STALL_CHECK_S (a worker that reads takes a socket's worth in microseconds), and the frame
+    that ends at `frame_end` is still not all written."""
+    taken = conn.sent_bytes - conn.unwritten_bytes()
+    await asyncio.sleep(STALL_CHECK_S)
+    return conn.sent_bytes - conn.unwritten_bytes() == taken < frame_end and not conn.is_closed
+
+
 class WorkerState(enum.Enum):
     STARTING = "starting"  # process started, not yet warm
     SPARE = "spare"  # warm (runtime imported, context created), waiting for a model
@@ -249,8 +259,12 @@ class Worker:
             # buffer is queued, like any call behind another: its bytes stay there (taking them
             # back mid-frame would cut the stream, and the worker with it), the worker runs it
             # later and its answer is dropped; the worker is not killed for a call it never had.
+            # Unless it is the oldest and the worker reads none of it: nothing is ahead of it, so
+            # a worker that reads nothing is stuck (as good as running it), and every call behind
+            # would wait on it for good.
+            oldest = next(iter(self.pending), None) == key
             written = conn.sent_bytes - conn.unwritten_bytes() >= frame_end
-            raise CallTimedOut(running=written and next(iter(self.pending), None) == key) from None
+            raise CallTimedOut(running=oldest and (written or await _reads_nothing(conn, frame_end))) from None
         finally:
             timer.cancel()
             self.pending.pop(key, None)

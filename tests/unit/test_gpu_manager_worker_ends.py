@@ -171,6 +171,26 @@ def test_a_worker_stuck_in_a_call_with_a_large_call_behind_it_is_killed_at_the_c
     on_own_pool(tmp_path, "cpu", scenario, max_body_bytes=8 << 20)
 
 
+def test_a_worker_that_reads_nothing_with_a_large_call_first_in_line_is_killed_at_its_deadline(tmp_path: Path) -> None:
+    # Stopped between calls (a handler's thread holding the interpreter, a debugger): the call's
+    # bytes stay in the node's buffer. Nothing is ahead of it, so the worker is stuck; were it
+    # judged queued, it would stay, and every call to it would time out behind those bytes.
+    async def scenario(node: Node) -> None:
+        sleepy = on_cpu("sleepy", node.shelf.digest("sleepy_function"))
+        pid = ok(await node.call(sleepy, {}))["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            timed_out = await node.call(sleepy, padded(0, 4 << 20), timeout_s=0.5)
+            assert (timed_out.outcome, timed_out.worker_killed) == (pb.TIMEOUT, True), timed_out.message
+            await eventually(lambda: not pid_alive(pid), "the stuck worker is killed")
+        finally:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGCONT)
+        assert ok(await node.call(sleepy, {}))["pid"] != pid
+
+    on_own_pool(tmp_path, "cpu", scenario, max_body_bytes=8 << 20)
+
+
 def test_a_load_whose_worker_was_killed_while_its_package_was_fetched_makes_it_no_group(tmp_path: Path) -> None:
     shelf = Shelf(tmp_path, fetch_delay_s=1.0)  # a large package, from a peer: longer than the call may wait
 
