@@ -431,30 +431,46 @@ class Router:
         return conn if conn is not None and not conn.is_closed else None
 
     async def _keep_linked(self) -> None:
+        """Keep a link to the scheduler at `_address`, for the router's life: dialled again
+        whenever it is lost, whatever ended it (one that raised is logged and dialled again)."""
         while True:
             if self._address is None:
                 self._address_changed.clear()
                 await self._address_changed.wait()
                 continue
             self._address_changed.clear()
-            conn = await self._dial(self._address)
-            if conn is None:
-                continue
-            self.epoch += 1
-            self._scheduler = conn
-            self._connected.set()
-            for box in self._calls.values():  # a new scheduler knows none of them
-                if box.waiting and box.unsure:
-                    box.put(pb.Rejection(call_id=box.place.call_id, status=OUTCOME_UNKNOWN, message=_unsure(box)))
-                elif box.waiting:
-                    box.attempt, box.epoch = 0, self.epoch
+            try:
+                await self._link_once(self._address)
+            except Exception:
+                log.exception("the link to the scheduler at %s failed; reconnecting", self._address)
+                self._connected.clear()
+                self._scheduler = None
+                await self._reconnect_pause()
+
+    async def _link_once(self, address: str) -> None:
+        """Dial the scheduler at `address`, ask it for every call that waits, and return once the
+        link is lost (after the reconnect pause)."""
+        conn = await self._dial(address)
+        if conn is None:
+            return
+        self.epoch += 1
+        self._scheduler = conn
+        self._connected.set()
+        for box in self._calls.values():  # a new scheduler knows none of them
+            if box.waiting and box.unsure:
+                box.put(pb.Rejection(call_id=box.place.call_id, status=OUTCOME_UNKNOWN, message=_unsure(box)))
+            elif box.waiting:
+                box.attempt, box.epoch = 0, self.epoch
+                # A link closed as it was made (the scheduler stopping): the calls stay waiting,
+                # and the next link asks for them.
+                with contextlib.suppress(NotSent):
                     conn.send(MessageType.PLACE, box.place_now())
-            log.info("connected to the scheduler at %s%s", self._address, IN_PROCESS if conn.peer == PEER_NAME else "")
-            await conn.closed
-            self._connected.clear()
-            self._scheduler = None
-            log.warning("lost the connection to the scheduler at %s; reconnecting", self._address)
-            await self._reconnect_pause()
+        log.info("connected to the scheduler at %s%s", address, IN_PROCESS if conn.peer == PEER_NAME else "")
+        await conn.closed
+        self._connected.clear()
+        self._scheduler = None
+        log.warning("lost the connection to the scheduler at %s; reconnecting", address)
+        await self._reconnect_pause()
 
     async def _dial(self, address: str) -> Connection | None:
         """A connection to the scheduler at `address` (in memory where this process runs it:

@@ -821,6 +821,30 @@ async def test_a_call_waiting_for_its_placement_is_placed_again_after_a_reconnec
 
 
 @in_cluster()
+async def test_a_scheduler_link_closed_as_it_is_made_is_dialled_again(env: Cluster) -> None:
+    # A scheduler stopping just as it accepts: the Place sent again for a waiting call raised
+    # NotSent, the link task died unheard, and every call after got 503 until the gateway restarted.
+    task = await env.placed("call-1", make_spec("resnet"), b"small payload")
+    dial = env.router._dial
+    closed: list[Connection] = []
+
+    async def dial_closing_the_first(address: str) -> Connection | None:
+        conn = await dial(address)
+        if conn is not None and not closed:
+            conn.close()
+            closed.append(conn)
+        return conn
+
+    env.router._dial = dial_closing_the_first  # type: ignore[method-assign]
+    env.scheduler.drop()
+    places = await env.scheduler.wait_places(2)
+    assert closed and places[1].call_id == "call-1"
+    assert env.router.scheduler is not None and not env.router._link.done()
+    env.place_on(env.node_a, "call-1", 1)
+    assert (await task).output == b"small payload"
+
+
+@in_cluster()
 async def test_a_place_sent_again_after_a_reconnection_carries_what_remains_of_the_deadline(env: Cluster) -> None:
     """Place.timeout_s is "what remains of the call's end-to-end deadline" (gpufaas.proto): the
     scheduler derives the grant's expiry from it, so that the node answers before the gateway's
