@@ -7,8 +7,15 @@ deadlines, so that a client cannot hold the gateway's memory or its connections 
 - Once a request's first byte arrives, its whole head must within `head_timeout_s`, else 408 and
   the connection is closed (a slowloris client, sending a header byte a second, held its
   connection as long as it liked).
+- Once its head is in, a request's body must arrive within `head_timeout_s` plus a second for
+  each `min_body_rate_bytes_s` bytes it declares (the largest body, where it declares none),
+  else 408 and the connection is closed (a client sending a body byte a second held its
+  connection, and the body it had sent, as long as it liked).
 - A connection with no request under way is closed after `keep_alive_timeout_s`, a new one that
   sends nothing included (uvicorn arms that timer only after a first response).
+- A client that goes away before its answer cancels the task serving its request, where that
+  task asked to be (`cancel_on_disconnect`: the invoke path, whose router then withdraws the call
+  from the scheduler, so that it takes no GPU slot for nobody).
 
 `server_config` makes the uvicorn.Config that serves an app so; `answer_whole` writes a whole
 answer the gateway made in one piece (the invoke path's).
@@ -28,6 +35,8 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 MAX_HEAD_BYTES = 64 * 1024  # as nginx's large_client_header_buffers (4 x 8k) gives room for, and more
 HEAD_TIMEOUT_S = 10.0
+MIN_BODY_RATE_BYTES_S = 64 * 1024  # the slowest a body may arrive, beyond the head's deadline
+MAX_BODY_BYTES = 16 * 1024 * 1024  # what a body that declares no length is given time for
 KEEP_ALIVE_TIMEOUT_S = 5.0  # uvicorn's default
 
 
@@ -38,6 +47,13 @@ class HttpLimits:
     max_head_bytes: int = MAX_HEAD_BYTES
     head_timeout_s: float = HEAD_TIMEOUT_S
     keep_alive_timeout_s: float = KEEP_ALIVE_TIMEOUT_S
+    min_body_rate_bytes_s: int = MIN_BODY_RATE_BYTES_S
+    max_body_bytes: int = MAX_BODY_BYTES
+
+    def body_timeout_s(self, declared_bytes: int | None) -> float:
+        """How long a body of `declared_bytes` (None: not declared) may take to arrive."""
+        size = self.max_body_bytes if declared_bytes is None else declared_bytes
+        return self.head_timeout_s + size / self.min_body_rate_bytes_s
 
     def __post_init__(self) -> None:
         if self.max_head_bytes < 1024:
@@ -46,6 +62,8 @@ class HttpLimits:
         for what, seconds in timeouts.items():
             if not seconds > 0:  # NaN too
                 raise ValueError(f"the {what} must be above 0 s, got {seconds}")
+        if self.min_body_rate_bytes_s < 1:
+            raise ValueError(f"the body rate must be at least 1 byte/s, got {self.min_body_rate_bytes_s}")
 
 
 class _HeadTooLarge(Exception):
@@ -63,7 +81,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._awaiting_head = True  # no request under way: the next bytes are a head
         self._head_bytes = 0  # of the head under way: as received, and as parsed
         self._parsed_head_bytes = 0
-        self._head_deadline: asyncio.TimerHandle | None = None
+        self._head_deadline: asyncio.TimerHandle | None = None  # the head's, then the body's
+        self._body_to_come = False  # a head is in and its body is not
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -72,7 +91,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_deadline()
+        cycle = self.cycle
         super().connection_lost(exc)
+        if cycle is not None and cycle.disconnected:  # (set above where its answer was not complete)
+            task: asyncio.Task[Any] | None = getattr(cycle, _TASK, None)
+            if task is not None:
+                task.cancel()
 
     def data_received(self, data: bytes) -> None:
         self._unset_keepalive_if_required()
@@ -94,6 +118,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         # A head still incomplete is counted as it arrives: httptools would buffer a header whole.
         if self._awaiting_head and self._head_bytes > self.limits.max_head_bytes:
             self._refuse_head_too_large()
+        elif self._body_to_come and self._head_deadline is None:  # a body still to come: its deadline
+            timeout_s = self.limits.body_timeout_s(_declared_length(self.headers))
+            self._head_deadline = self.loop.call_later(timeout_s, self._body_timed_out)
 
     # The parser's callbacks: the head as parsed (a whole head may arrive in one read).
     def on_message_begin(self) -> None:
@@ -116,8 +143,11 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._disarm_head_deadline()
         super().on_headers_complete()
+        self._body_to_come = True  # (a body that comes with its head is done before a timer is needed)
 
     def on_message_complete(self) -> None:
+        self._body_to_come = False
+        self._disarm_head_deadline()
         super().on_message_complete()
         self._awaiting_head = True
 
@@ -138,6 +168,13 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             self._head_deadline = self.loop.call_later(self.limits.head_timeout_s, self._head_timed_out)
             return
         self._refuse(408, f"the request's headers did not arrive within {self.limits.head_timeout_s:g} s")
+
+    def _body_timed_out(self) -> None:
+        self._head_deadline = None
+        if self.cycle is not None and self.cycle.response_started:  # answered early (a 413, say)
+            self.transport.close()
+            return
+        self._refuse(408, "the request's body did not arrive in time; send it faster, or less of it")
 
     def _refuse_head_too_large(self) -> None:
         self._refuse(
@@ -187,6 +224,34 @@ def server_config(app: Any, *, host: str, port: int, limits: HttpLimits, **optio
         timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]  # a float works (call_later)
         **options,
     )
+
+
+def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The body length a request's head declares (uvicorn's header list: lower-case names), None
+    where it declares none (chunked)."""
+    for name, value in headers:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
+
+
+_TASK = "gpufaas_task"  # the attribute of a RequestResponseCycle that names its task to cancel
+
+
+def cancel_on_disconnect(send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> None:
+    """Have the current task (an ASGI app's, serving one request) cancelled if the client goes
+    away before its answer, where `send` is a uvicorn httptools cycle's served by
+    LimitedHttpProtocol; nothing otherwise. One attribute set: no task or timer of its own."""
+    cycle = getattr(send, "__self__", None)
+    if type(cycle) is RequestResponseCycle:
+        setattr(cycle, _TASK, asyncio.current_task())
+
+
+def client_gone(send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> bool:
+    """Whether the client of the request `send` answers went away before its answer (a uvicorn
+    httptools cycle's `send`; False for any other)."""
+    cycle = getattr(send, "__self__", None)
+    return type(cycle) is RequestResponseCycle and cycle.disconnected
 
 
 def answer_whole(

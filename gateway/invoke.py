@@ -13,6 +13,7 @@ as {"error": "...", "status": N} with the status the router chose (gateway.route
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -29,7 +30,7 @@ from gateway.auth import (
     refusal,
     send_refusal,
 )
-from gateway.http import answer_whole
+from gateway.http import answer_whole, cancel_on_disconnect, client_gone
 from gateway.router import CallFailed, CallResult
 from gpufaas.errors import GpufaasError
 from gpufaas.functions import FunctionSpec, not_deployed
@@ -82,17 +83,28 @@ class InvokeMiddleware:
         if declared.isdigit() and int(declared) > limit:  # (bytes: ASCII digits only)
             await _error(send, 413, f"the payload is larger than the limit of {limit} bytes", call_id)
             return
-        payload = await _read_body(receive, limit)
+        try:
+            payload = await _read_body(receive, limit)
+        except _ClientGone:
+            return  # before its body was whole: nothing to run, nobody to answer
         if payload is None:
             await _error(send, 413, f"the payload is larger than the limit of {limit} bytes", call_id)
             return
         content_type = headers.get(b"content-type", b"").decode("latin-1")
+        cancel_on_disconnect(send)  # a client gone: the router withdraws its call
         try:
             result = await gateway.router.invoke(spec, call_id, payload, content_type, clock=time.monotonic)
         except CallFailed as exc:
             gateway.stats.record(name, exc.status, time.perf_counter() - started)
             await _error(send, exc.status, exc.message, call_id, retry_after=exc.status == 429)
             return
+        except asyncio.CancelledError:
+            if not client_gone(send):
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            return  # (not an error to log: the client left)
         gateway.stats.record(name, 200, time.perf_counter() - started, hit=not result.reply.loaded)
         content_type = result.reply.content_type or "application/octet-stream"
         if content_type not in _CONTENT_TYPES and _NOT_VISIBLE.search(content_type.encode()):
@@ -201,14 +213,19 @@ def new_call_id() -> str:
     return raw.hex()
 
 
+class _ClientGone(Exception):
+    """The client went away before its request's body was whole."""
+
+
 async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    """The request body, or None once it exceeds `limit` bytes (the rest is not read)."""
+    """The request body, or None once it exceeds `limit` bytes (the rest is not read). Raises
+    _ClientGone where the client goes away first: a body cut short is never run as a whole one."""
     chunks: list[bytes] = []
     size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            break
+            raise _ClientGone
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:

@@ -1,6 +1,7 @@
 """The gateway's HTTP connections (gateway.http) over a real socket, with short limits: a head past
-its size is a 431 before the rest is read, a head that trickles in is cut at its deadline (408),
-idle connections are closed, and a request under way is never cut for taking long."""
+its size is a 431 before the rest is read, a head or a body that trickles in is cut at its
+deadline (408), idle connections are closed, a request under way is never cut for taking long,
+and the invoke path neither runs a body cut short nor keeps a call whose client left."""
 
 from __future__ import annotations
 
@@ -10,21 +11,26 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import uvicorn
 
 from gateway.http import HttpLimits, server_config
+from gateway.invoke import InvokeMiddleware
+from gpufaas.functions import FunctionSpec
 
-LIMITS = HttpLimits(max_head_bytes=4096, head_timeout_s=1.0, keep_alive_timeout_s=1.0)
+LIMITS = HttpLimits(max_head_bytes=4096, head_timeout_s=1.0, keep_alive_timeout_s=1.0, min_body_rate_bytes_s=1000)
 MARGIN_S = 1.0  # a busy 2-core machine's scheduling delay
 
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """Answers 200 "ok"; /slow after 1.5 s (longer than the head deadline)."""
+    """Answers 200 "ok" once the body is in; /slow after 1.5 s (longer than the head deadline)."""
     if scope["type"] != "http":
         return
+    while (await receive()).get("more_body", False):
+        pass
     if scope["path"] == "/slow":
         await asyncio.sleep(1.5)
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
@@ -104,21 +110,41 @@ def test_20_mb_of_headers_are_refused_before_they_are_read(port: int) -> None:
     assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
 
 
+def trickled(sock: socket.socket, count: int) -> tuple[bytes, float]:
+    """Send `count` bytes, one each 0.2 s, until the server closes; what it answered, and when it
+    closed (seconds after the first byte)."""
+    started = time.monotonic()
+    for _ in range(count):
+        try:
+            sock.sendall(b"x")
+        except (BrokenPipeError, ConnectionResetError):
+            break
+        time.sleep(0.2)
+    return read_until_closed(sock), time.monotonic() - started
+
+
 def test_a_head_that_trickles_in_is_cut_at_its_deadline(port: int) -> None:
     with connect(port) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\n")
-        started = time.monotonic()
-        closed_after_s = None
-        for _ in range(10):  # one header byte each 0.2 s: never done in 2 s
-            try:
-                sock.sendall(b"X")
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            time.sleep(0.2)
-        answer = read_until_closed(sock)
-        closed_after_s = time.monotonic() - started
+        answer, closed_after_s = trickled(sock, 10)  # one header byte each 0.2 s: never done in 2 s
     assert answer.startswith(b"HTTP/1.1 408") and b"within 1 s" in answer
     assert closed_after_s < LIMITS.head_timeout_s + MARGIN_S + 1.0
+
+
+def test_a_body_that_trickles_in_is_cut_at_its_deadline_and_one_in_time_is_served(port: int) -> None:
+    # 2,000 bytes declared: 1 s for the head's deadline plus 2 s at 1,000 bytes a second.
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2000\r\n\r\n"
+    with connect(port) as sock:
+        sock.sendall(head + b"x" * 1000)
+        answer, closed_after_s = trickled(sock, 40)  # a byte each 0.2 s: 1,000 more take 200 s
+    assert answer.startswith(b"HTTP/1.1 408") and b"body" in answer, answer[:200]
+    assert 3.0 - MARGIN_S < closed_after_s < 3.0 + MARGIN_S + 1.0
+    with connect(port) as sock:  # the same body in 1.5 s: within its deadline
+        sock.sendall(head)
+        for size in (666, 667, 667):
+            time.sleep(0.5)
+            sock.sendall(b"x" * size)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
 
 
 def test_idle_connections_are_closed_after_the_keep_alive_timeout(port: int) -> None:
@@ -141,3 +167,59 @@ def test_a_request_under_way_is_not_cut_for_taking_longer_than_the_deadlines(por
             chunk = sock.recv(65536)
             assert chunk, answer
             answer += chunk
+
+
+# --- the invoke path's body and its client ------------------------------------------------------------
+class RecordingRouter:
+    """Stands in for the gateway's router: keeps each payload it is asked to run, holds the call
+    for 3 s, and counts the calls cancelled meanwhile (the real router withdraws those)."""
+
+    def __init__(self) -> None:
+        self.payloads: list[bytes] = []
+        self.cancelled = 0
+
+    async def invoke(self, spec: FunctionSpec, call_id: str, payload: bytes, content_type: str, *, clock: Any) -> Any:
+        self.payloads.append(payload)
+        try:
+            await asyncio.sleep(3)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        raise AssertionError("the call was held to the end: its client was not seen leaving")
+
+
+def invoke_app(router: RecordingRouter) -> InvokeMiddleware:
+    spec = FunctionSpec(name="f", package_digest="sha256:" + "0" * 64, memory_mb=100)
+    gateway = SimpleNamespace(
+        config=SimpleNamespace(max_payload_bytes=1 << 20, credentials=None),
+        functions={"f": spec},
+        router=router,
+        stats=SimpleNamespace(record=lambda *args, **kwargs: None),
+    )
+
+    async def not_invoked(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError(f"passed on: {scope['path']}")
+
+    return InvokeMiddleware(not_invoked, cast(Any, gateway))
+
+
+def test_a_body_cut_short_by_its_client_leaving_is_never_run() -> None:
+    router = RecordingRouter()
+    with serving(invoke_app(router), LIMITS) as free, connect(free) as sock:
+        sock.sendall(b"POST /function/f HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b'{"amount": 1')
+        time.sleep(0.3)
+        sock.close()
+        time.sleep(0.5)
+    assert router.payloads == [], "the function was run on a body cut short"
+
+
+def test_a_client_that_leaves_while_its_call_waits_withdraws_it() -> None:
+    router = RecordingRouter()
+    with serving(invoke_app(router), LIMITS) as free:
+        with connect(free) as sock:
+            sock.sendall(b"POST /function/f HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+            time.sleep(0.3)
+        deadline = time.monotonic() + 2
+        while not router.cancelled and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert router.payloads == [b"{}"] and router.cancelled == 1, "the call was kept for a client that left"
