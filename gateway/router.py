@@ -70,6 +70,7 @@ from gpufaas.wire import (
     Unauthenticated,
     connect,
     max_frame_bytes_for,
+    unacknowledged_bytes,
 )
 from gpufaas.wire_local import PEER_NAME, link_here
 
@@ -88,6 +89,7 @@ PING_TIMEOUT_S = 1.5  # a node that answers nothing this long after a ping takes
 # A node that answers nothing this long (as long as its lease would take to expire) is gone to this
 # gateway: its connection is closed, and the calls on it are reported (the scheduler asks the node).
 SILENT_CLOSE_S = 3.0
+PING_BYTES_MAX = 256  # more than a ping and its answer (a link that moved more is busy, not silent)
 REDIAL_S = 0.5  # how often a node that could not be reached is dialled again in the background
 REDIAL_FOR_S = 60.0  # then its placements dial it themselves again
 # The ping: a request a node does not serve, answered at once with an Error. Any answer proves the
@@ -330,15 +332,19 @@ class NodeConnections:
         while not conn.is_closed:
             await asyncio.sleep(PING_S)
             sent = self.clock()
+            moved_at_ping = _moved(conn)
             try:
                 await conn.request(PING_TYPE, pb.ClusterRequest(), timeout_s=PING_TIMEOUT_S)
             except RemoteError:
                 pass  # the node's answer that it serves no such request: an answer all the same
             except TimeoutError:
-                if self._heard.get(address, 0.0) < sent:
-                    silent_since = sent if silent_since is None else silent_since
-                    self._silent(address, conn, self.clock() - silent_since)
-                continue
+                # A link that moved more than the ping meanwhile is busy (a large payload or result
+                # on its way, the ping's answer behind it), not silent: heard.
+                if _moved(conn) - moved_at_ping <= PING_BYTES_MAX:
+                    if self._heard.get(address, 0.0) < sent:
+                        silent_since = sent if silent_since is None else silent_since
+                        self._silent(address, conn, self.clock() - silent_since)
+                    continue
             except ConnectionLost:
                 break
             silent_since = None
@@ -350,6 +356,13 @@ class NodeConnections:
         if self._conns.get(address) is conn:
             del self._conns[address]
             self._unreachable(address, f"its connection was lost: {reason or 'closed'}")
+
+
+def _moved(conn: Connection) -> int:
+    """The bytes a connection has moved either way: read from it, and sent that its peer's
+    kernel acknowledged. A node that moves them answers, though its answers to pings wait behind
+    them (a few reads and an ioctl: once a ping, not per call)."""
+    return conn.received_bytes + conn.sent_bytes - conn.unwritten_bytes() - unacknowledged_bytes(conn)
 
 
 class Router:

@@ -62,6 +62,7 @@ import asyncio
 import collections
 import contextlib
 import enum
+import fcntl
 import hashlib
 import hmac
 import itertools
@@ -71,6 +72,7 @@ import os
 import socket
 import ssl
 import struct
+import termios
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
@@ -306,6 +308,7 @@ class Connection(asyncio.BufferedProtocol):
         self._ids = itertools.count(1)
         self._out: list[bytes] = []
         self.sent_bytes = 0  # every byte of every frame sent on this end, written or still buffered
+        self.received_bytes = 0  # every byte read on this end
         self._flush_scheduled = False
         self._can_write = asyncio.Event()
         self._can_write.set()
@@ -394,6 +397,7 @@ class Connection(asyncio.BufferedProtocol):
         return memoryview(self._buf)[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.received_bytes += nbytes
         if self._big is not None:
             self._big_filled += nbytes
             if self._big_filled == len(self._big):
@@ -404,8 +408,7 @@ class Connection(asyncio.BufferedProtocol):
             self._parse()
         if self._out:
             # What the frames just read were answered with leaves now, not after every other
-            # connection's reads of this loop iteration have been handled (as many writes: one
-            # per read instead of one per iteration, and a connection is read once an iteration).
+            # connection's reads of this loop iteration (a connection is read once an iteration).
             self._flush()
 
     def eof_received(self) -> bool | None:
@@ -904,3 +907,18 @@ class _Refused(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport.abort()  # type: ignore[attr-defined]  # every stream transport has it
+
+
+def unacknowledged_bytes(conn: Connection) -> int:
+    """How many bytes `conn` wrote to its socket that the peer has not acknowledged yet (the
+    kernel's send queue, SIOCOUTQ; 0 where there is no TCP socket: an in-memory link). Bytes sent
+    and neither buffered (`unwritten_bytes`) nor unacknowledged are the peer's: it is taking them."""
+    transport = conn.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return 0
+    try:
+        queued: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, ValueError):  # closed meanwhile, or not a socket the ioctl knows
+        return 0
+    return queued

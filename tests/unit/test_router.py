@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import os
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -1166,6 +1167,51 @@ async def test_a_node_silent_for_silent_close_s_has_its_connection_closed_and_it
     assert not task.done()  # the scheduler's word decides
     env.place_on(env.node_b, "call-1", 2)
     assert (await task).placement.node == "node-b"
+
+
+async def throttled_proxy(target: str, rate_bytes_s: int) -> tuple[asyncio.Server, str]:
+    """A TCP proxy to `target` that passes what is sent there at `rate_bytes_s` (answers at full
+    speed): a slow link. Returns the server and its address."""
+    host, _, port = target.rpartition(":")
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rate: int | None) -> None:
+        try:
+            while chunk := await reader.read(16 * 1024):
+                writer.write(chunk)
+                await writer.drain()
+                if rate:
+                    await asyncio.sleep(len(chunk) / rate)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # A small receive window, as a slow link's: what waits for it stays with the sender.
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
+        upstream_reader, upstream_writer = await asyncio.open_connection(host, int(port))
+        await asyncio.gather(pipe(reader, upstream_writer, rate_bytes_s), pipe(upstream_reader, writer, None))
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+@in_cluster(tuned={"PING_S": 0.1, "PING_TIMEOUT_S": 0.2, "SILENT_CLOSE_S": 0.5})
+async def test_a_node_busy_taking_a_large_payload_on_a_slow_link_is_not_taken_for_silent(env: Cluster) -> None:
+    # 1 MiB at 512 KiB/s: 2 s on the link, and the pings' answers wait behind it. Only replies
+    # counted: the node was judged silent, its connection cut, and the call reported maybe run.
+    payload = os.urandom(MAX_PAYLOAD_BYTES)
+    proxy, address = await throttled_proxy(env.node_a.address, 512 * 1024)
+    try:
+        task = await env.placed("big-1", payload=payload)
+        placement = env.node_a.placement("big-1", 1)
+        placement.node_address = address
+        env.scheduler.send(placement)
+        result = await task
+        assert result.output == payload and result.placement.node == "node-a"
+        assert env.scheduler.abandons == [] and address not in env.router.nodes.unusable
+    finally:
+        proxy.close()
 
 
 # --- leases (docs/hit-leases.md) -------------------------------------------------------------------
