@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body
@@ -14,9 +15,11 @@ from gateway.state import ApiError, Gateway
 from gpufaas.errors import InvalidInput
 from gpufaas.functions import NAME_PATTERN, FunctionSpec
 from gpufaas.holders import HolderRecord, read_holders
+from gpufaas.store import StoreError
 
 # A body without a Content-Type is read as JSON (as before the routes were typed); one sent as a
 # form or as text is not (what a browser can send cross-site without asking).
+log = logging.getLogger(__name__)
 router = APIRouter(strict_content_type=False)
 
 
@@ -78,11 +81,16 @@ async def update(spec: Annotated[FunctionSpec, Body()], gateway: GatewayDep) -> 
 
 async def _unnamed(gateway: Gateway, old_spec: bytes, package_digest: str | None) -> None:
     """The old spec's package, where the change left it (`package_digest`: the new spec's, None
-    for a delete): its grace before the collection starts now, for the calls that still run it."""
+    for a delete): its grace before the collection starts now, for the calls that still run it.
+    After the change took: etcd failing here loses only that (the grace runs from the package's
+    making, as before), never the change's answer."""
     with contextlib.suppress(InvalidInput):
         old = FunctionSpec.from_json(old_spec).package_digest
         if old != package_digest:
-            await gateway.artifacts.unnamed(old)
+            try:
+                await gateway.artifacts.unnamed(old)
+            except StoreError as exc:
+                log.warning("package %s: its grace could not start now (%s); it runs from its making", old, exc)
 
 
 async def _describe(gateway: Gateway, spec: FunctionSpec, holders: list[HolderRecord]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
 from gpufaas.packages import EMPTY_DIGEST, build_package
+from gpufaas.store import StoreError
 from gpufaas.types import DEFAULT_BATCH_SIZE
 from tests.fakes import MemoryStore
 from tests.scrape import sample
@@ -746,3 +747,24 @@ def test_a_gateway_reached_over_tls_offers_no_plain_http_blob_server_for_uploads
 
     run(tmp_path / "http", body)
     run(tmp_path / "https", body, public_url="https://gw.example:8443")
+
+
+def test_a_delete_that_took_is_answered_so_when_the_packages_grace_cannot_be_started(tmp_path: Path) -> None:
+    # After the delete is committed, the package's grace is started again (a read and a put of its
+    # record); etcd failing there answered 503 for a delete that took (a retry then got 404).
+    async def body(env: Env) -> None:
+        await env.deploy("fn", memory_mb=100)
+        real_get = env.store.get
+
+        async def get(key: str) -> Any:
+            if key.startswith(env.keys.packages):
+                raise StoreError("etcd unavailable")
+            return await real_get(key)
+
+        env.store.get = get  # type: ignore[method-assign]
+        response = await env.client.request("DELETE", "/system/functions", json={"functionName": "fn"})
+        env.store.get = real_get  # type: ignore[method-assign]
+        assert response.status_code == 202, response.text
+        assert await env.stored_spec("fn") is None
+
+    run(tmp_path, body)
