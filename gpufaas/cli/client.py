@@ -26,11 +26,11 @@ def state_dir_default() -> Path:
 
 def gateway_url(flag: str | None, stack_gateway: str | None = None, *, state_dir: Path | None = None) -> str:
     """The gateway every command talks to, in one order: --gateway, else $GPUFAAS_URL, else the
-    stack file's provider.gateway (`deploy`), else the local cluster's (its cluster.json in
-    `state_dir`, by default `state_dir_default()`), else DEFAULT_GATEWAY."""
-    local = cluster_info(state_dir or state_dir_default()).get("gateway_url")
-    local = local if isinstance(local, str) else None
-    return (flag or os.environ.get("GPUFAAS_URL") or stack_gateway or local or DEFAULT_GATEWAY).rstrip("/")
+    stack file's provider.gateway (`deploy`), else the local cluster's while it runs (its
+    cluster.json in `state_dir`, by default `state_dir_default()`), else DEFAULT_GATEWAY."""
+    if flag or os.environ.get("GPUFAAS_URL") or stack_gateway:
+        return (flag or os.environ.get("GPUFAAS_URL") or stack_gateway or "").rstrip("/")
+    return running_cluster_url(state_dir) or DEFAULT_GATEWAY
 
 
 def running_cluster_url(state_dir: Path | None = None) -> str | None:
@@ -72,12 +72,12 @@ def admin_password_for(url: str, state_dir: Path | None = None) -> str | None:
 
 def local_cluster_password(url: str, state_dir: Path | None = None) -> str | None:
     """The admin password of the local cluster in `state_dir` (default `state_dir_default()`), from
-    its secrets, if `url` is that cluster's gateway; else None."""
+    its secrets, if `url` is that cluster's gateway and it runs (one stopped left its files; another
+    gateway may answer at its URL now, whose password `gpufaas login` keeps); else None."""
     from gpufaas.credentials import CredentialError, SecretFiles, read_secret
 
     info = cluster_info(state_dir or state_dir_default())
-    local = info.get("gateway_url")
-    if isinstance(local, str) and local.rstrip("/") == url.rstrip("/") and info.get("secrets"):
+    if running_cluster_url(state_dir) == url.rstrip("/") and info.get("secrets"):
         with contextlib.suppress(CredentialError):
             return read_secret(SecretFiles(Path(info["secrets"])).admin_password)
     return None

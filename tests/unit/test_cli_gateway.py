@@ -20,7 +20,7 @@ import yaml
 from typer.testing import CliRunner
 
 from gpufaas.cli import app, uploads
-from gpufaas.cli.client import GatewayClient
+from gpufaas.cli.client import DEFAULT_GATEWAY, GatewayClient, gateway_url
 from gpufaas.packages import DigestCache
 
 FUNCTION = {"name": "f", "memory_mb": 100, "batch_size": 1, "timeout_s": 5.0, "gpu": "any"}
@@ -318,3 +318,20 @@ def test_something_that_is_not_a_gateway_is_one_clear_line(
 def test_a_malformed_gateway_url_says_what_one_looks_like(state: Path, url: str) -> None:
     code, _, err = cli("ls", "--gateway", url)
     assert code == 1 and "is not a gateway URL: give one like http://127.0.0.1:8080" in err, err
+
+
+def test_a_stopped_local_clusters_url_and_password_are_used_no_more(stand: Stand, state: Path) -> None:
+    # `gpufaas down` leaves cluster.json and the secrets. Another gateway answering at that URL
+    # later (a port-forward, compose) got the stopped cluster's password, so its kept login was
+    # refused (401) with advice to log in again; and with none there, commands went to the stopped
+    # cluster's URL rather than the default.
+    local_cluster(state, stand.url, "old-local-pw", running=False)
+    stand.password = "remote-pw"  # pragma: allowlist secret
+    login = CliRunner().invoke(app, ["login", "--gateway", stand.url, "--password-stdin"], input="remote-pw\n")
+    assert login.exit_code == 0, login.output
+    code, out, err = cli("ls", "--gateway", stand.url)
+    assert code == 0, out + err
+    local_cluster(state, "http://127.0.0.1:9", "old-local-pw", running=False)
+    assert gateway_url(None, state_dir=state) == DEFAULT_GATEWAY
+    local_cluster(state, "http://127.0.0.1:9", "old-local-pw", running=True)
+    assert gateway_url(None, state_dir=state) == "http://127.0.0.1:9"
