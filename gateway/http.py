@@ -13,9 +13,9 @@ deadlines, so that a client cannot hold the gateway's memory or its connections 
   connection, and the body it had sent, as long as it liked).
 - A connection with no request under way is closed after `keep_alive_timeout_s`, a new one that
   sends nothing included (uvicorn arms that timer only after a first response).
-- A client that goes away before its answer cancels the task serving its request, where that
-  task asked to be (`cancel_on_disconnect`: the invoke path, whose router then withdraws the call
-  from the scheduler, so that it takes no GPU slot for nobody).
+- A client that goes away before its answer cancels the task serving its request, while that
+  task asks to be (`cancel_on_disconnect`: the invoke path while its call waits, whose router then
+  withdraws the call from the scheduler, so that it takes no GPU slot for nobody).
 
 `server_config` makes the uvicorn.Config that serves an app so; `answer_whole` writes a whole
 answer the gateway made in one piece (the invoke path's).
@@ -238,13 +238,15 @@ def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
 _TASK = "gpufaas_task"  # the attribute of a RequestResponseCycle that names its task to cancel
 
 
-def cancel_on_disconnect(send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> None:
+def cancel_on_disconnect(send: Callable[[MutableMapping[str, Any]], Awaitable[None]], cancel: bool = True) -> None:
     """Have the current task (an ASGI app's, serving one request) cancelled if the client goes
     away before its answer, where `send` is a uvicorn httptools cycle's served by
-    LimitedHttpProtocol; nothing otherwise. One attribute set: no task or timer of its own."""
+    LimitedHttpProtocol; nothing otherwise. One attribute set: no task or timer of its own.
+    `cancel=False` ends that once there is nothing left to withdraw (the call answered): a
+    cancel landing in the answer's writing would end the task with an error for uvicorn to log."""
     cycle = getattr(send, "__self__", None)
     if type(cycle) is RequestResponseCycle:
-        setattr(cycle, _TASK, asyncio.current_task())
+        setattr(cycle, _TASK, asyncio.current_task() if cancel else None)
 
 
 def client_gone(send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> bool:

@@ -91,10 +91,11 @@ class InvokeMiddleware:
             await _error(send, 413, f"the payload is larger than the limit of {limit} bytes", call_id)
             return
         content_type = headers.get(b"content-type", b"").decode("latin-1")
-        cancel_on_disconnect(send)  # a client gone: the router withdraws its call
+        cancel_on_disconnect(send)  # a client gone while its call waits: the router withdraws it
         try:
             result = await gateway.router.invoke(spec, call_id, payload, content_type, clock=time.monotonic)
         except CallFailed as exc:
+            cancel_on_disconnect(send, False)  # answered: nothing to withdraw (as below)
             gateway.stats.record(name, exc.status, time.perf_counter() - started)
             await _error(send, exc.status, exc.message, call_id, retry_after=exc.status == 429)
             return
@@ -105,6 +106,9 @@ class InvokeMiddleware:
             if task is not None:
                 task.uncancel()
             return  # (not an error to log: the client left)
+        # Answered: a client gone now leaves its answer unwritten, and a cancel landing in the
+        # write (one that waits for room) would be an error for uvicorn to log.
+        cancel_on_disconnect(send, False)
         gateway.stats.record(name, 200, time.perf_counter() - started, hit=not result.reply.loaded)
         content_type = result.reply.content_type or "application/octet-stream"
         if content_type not in _CONTENT_TYPES and _NOT_VISIBLE.search(content_type.encode()):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import threading
 import time
@@ -19,6 +20,7 @@ import uvicorn
 
 from gateway.http import HttpLimits, server_config
 from gateway.invoke import InvokeMiddleware
+from gateway.router import CallFailed
 from gpufaas.functions import FunctionSpec
 
 LIMITS = HttpLimits(max_head_bytes=4096, head_timeout_s=1.0, keep_alive_timeout_s=1.0, min_body_rate_bytes_s=1000)
@@ -223,3 +225,37 @@ def test_a_client_that_leaves_while_its_call_waits_withdraws_it() -> None:
         while not router.cancelled and time.monotonic() < deadline:
             time.sleep(0.05)
     assert router.payloads == [b"{}"] and router.cancelled == 1, "the call was kept for a client that left"
+
+
+class FailingRouter:
+    """Stands in for the gateway's router: answers each call with an error whose message is the
+    next of `sizes` bytes long."""
+
+    def __init__(self, *sizes: int) -> None:
+        self.sizes = list(sizes)
+
+    async def invoke(self, spec: FunctionSpec, call_id: str, payload: bytes, content_type: str, *, clock: Any) -> Any:
+        raise CallFailed(502, "x" * self.sizes.pop(0))
+
+
+def test_a_client_that_leaves_while_its_answer_waits_to_be_written_is_no_error() -> None:
+    # The first answer (8 MB, never read) fills the connection: the second waits to be written.
+    # Its client leaving then cancelled the task writing it, and uvicorn logged the cancellation
+    # as an "Exception in ASGI application": a call once answered has nothing to withdraw.
+    errors: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = errors.append  # type: ignore[method-assign]
+    call = b"POST /function/f HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+    with serving(invoke_app(cast(Any, FailingRouter(8 << 20, 10))), LIMITS) as free:
+        logging.getLogger("uvicorn.error").addHandler(handler)  # (after uvicorn's logging set-up)
+        try:
+            with connect(free) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.sendall(call)
+                time.sleep(0.3)
+                sock.sendall(call)
+                time.sleep(0.3)
+            time.sleep(0.5)
+        finally:
+            logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert [record.getMessage() for record in errors] == []
