@@ -70,7 +70,7 @@ from gpufaas.wire import (
     Unauthenticated,
     connect,
     max_frame_bytes_for,
-    unacknowledged_bytes,
+    taken_bytes,
 )
 from gpufaas.wire_local import PEER_NAME, link_here
 
@@ -359,10 +359,10 @@ class NodeConnections:
 
 
 def _moved(conn: Connection) -> int:
-    """The bytes a connection has moved either way: read from it, and sent that its peer's
-    kernel acknowledged. A node that moves them answers, though its answers to pings wait behind
-    them (a few reads and an ioctl: once a ping, not per call)."""
-    return conn.received_bytes + conn.sent_bytes - conn.unwritten_bytes() - unacknowledged_bytes(conn)
+    """The bytes a connection has moved either way, a count that only grows: read from it, and
+    sent that its peer took (`taken_bytes`). A node that moves them answers, though its answers to
+    pings wait behind them (a getsockopt: once a ping, not per call)."""
+    return conn.received_bytes + taken_bytes(conn)
 
 
 class Router:

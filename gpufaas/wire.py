@@ -62,7 +62,6 @@ import asyncio
 import collections
 import contextlib
 import enum
-import fcntl
 import hashlib
 import hmac
 import itertools
@@ -72,7 +71,6 @@ import os
 import socket
 import ssl
 import struct
-import termios
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
@@ -909,16 +907,24 @@ class _Refused(asyncio.Protocol):
         transport.abort()  # type: ignore[attr-defined]  # every stream transport has it
 
 
-def unacknowledged_bytes(conn: Connection) -> int:
-    """How many bytes `conn` wrote to its socket that the peer has not acknowledged yet (the
-    kernel's send queue, SIOCOUTQ; 0 where there is no TCP socket: an in-memory link). Bytes sent
-    and neither buffered (`unwritten_bytes`) nor unacknowledged are the peer's: it is taking them."""
+_TCP_INFO_BYTES = 128  # struct tcp_info as far as tcpi_bytes_acked (Linux 4.1 and later)
+_BYTES_ACKED_AT = 120  # tcpi_bytes_acked's offset in it
+
+
+def taken_bytes(conn: Connection) -> int:
+    """How many bytes `conn` sent that its peer has taken, a count that only grows: on TCP, those
+    the peer's kernel acknowledged (TCP_INFO's tcpi_bytes_acked, counted on the wire: below TLS and
+    every buffer of this end, which a TLS transport's write buffer size does not show); elsewhere
+    (an in-memory link, a kernel without the field), those that left this end's buffers. One
+    getsockopt."""
     transport = conn.transport
     sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is None:
-        return 0
-    try:
-        queued: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
-    except (OSError, ValueError):  # closed meanwhile, or not a socket the ioctl knows
-        return 0
-    return queued
+    if sock is not None:
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
+        except (OSError, ValueError):  # not TCP, or closed meanwhile (uvloop: a negative descriptor)
+            info = b""
+        if len(info) >= _TCP_INFO_BYTES:
+            acked: int = struct.unpack_from("Q", info, _BYTES_ACKED_AT)[0]
+            return acked
+    return conn.sent_bytes - conn.unwritten_bytes()

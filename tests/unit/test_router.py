@@ -37,6 +37,7 @@ from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.tls import LinkTls, configure, ensure_tls
 from gpufaas.wire import MESSAGES, Connection, Frame, MessageType, Server
 from tests.fakes import MemoryStore
 from tests.scrape import sample
@@ -202,8 +203,8 @@ class FakeNode:
         self._server: Server | None = None
         self._held: set[asyncio.Task[None]] = set()
 
-    async def start(self, listen: str = "127.0.0.1:0") -> FakeNode:
-        self._server = Server(self._session, max_frame_bytes=MAX_PAYLOAD_BYTES + 1024 * 1024)
+    async def start(self, listen: str = "127.0.0.1:0", tls: LinkTls | bool = True) -> FakeNode:
+        self._server = Server(self._session, max_frame_bytes=MAX_PAYLOAD_BYTES + 1024 * 1024, tls=tls)
         self.address = await self._server.start(listen)
         return self
 
@@ -1196,22 +1197,57 @@ async def throttled_proxy(target: str, rate_bytes_s: int) -> tuple[asyncio.Serve
     return server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
 
 
+@pytest.fixture(scope="module")
+def tls_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_tls(tmp_path_factory.mktemp("cluster") / "tls").directory
+
+
+@contextlib.asynccontextmanager
+async def slow_node(env: Cluster, tls_dir: Path | None) -> AsyncIterator[tuple[FakeNode, str]]:
+    """node-a (with `tls_dir`, one of that name whose links, and the router's, are TLS) behind a
+    link of 512 KiB/s (`throttled_proxy`): the node and the link's address. The router's socket
+    buffers 64 KiB, as a real slow link's does (on loopback it grows to 4 MB: a payload of 1 MiB
+    would sit in it whole); what waits beyond it stays in the router's transport."""
+    node = env.node_a if tls_dir is None else await FakeNode("node-a").start(tls=LinkTls.load(tls_dir, "node"))
+    if tls_dir is not None:
+        configure(LinkTls.load(tls_dir, "gateway"))  # the router's (this process's) link TLS
+    dial = env.router.nodes._dial
+
+    async def dial_with_a_small_buffer(address: str) -> Connection:
+        conn = await dial(address)
+        conn.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+        return conn
+
+    env.router.nodes._dial = dial_with_a_small_buffer  # type: ignore[method-assign]
+    proxy, address = await throttled_proxy(node.address, 512 * 1024)
+    try:
+        yield node, address
+    finally:
+        proxy.close()
+        if tls_dir is not None:
+            configure(None)
+            await node.stop()
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 @in_cluster(tuned={"PING_S": 0.1, "PING_TIMEOUT_S": 0.2, "SILENT_CLOSE_S": 0.5})
-async def test_a_node_busy_taking_a_large_payload_on_a_slow_link_is_not_taken_for_silent(env: Cluster) -> None:
+async def test_a_node_busy_taking_a_large_payload_on_a_slow_link_is_not_taken_for_silent(
+    env: Cluster, tls: bool, tls_dir: Path
+) -> None:
     # 1 MiB at 512 KiB/s: 2 s on the link, and the pings' answers wait behind it. Only replies
     # counted: the node was judged silent, its connection cut, and the call reported maybe run.
+    # Under TLS the bytes in the router's transport were not seen as waiting (its TLS transport
+    # counts only its own buffer): counted as moved, the link's progress went down at each refill
+    # of the socket's buffer, and the node was judged silent again.
     payload = os.urandom(MAX_PAYLOAD_BYTES)
-    proxy, address = await throttled_proxy(env.node_a.address, 512 * 1024)
-    try:
+    async with slow_node(env, tls_dir if tls else None) as (node, address):
         task = await env.placed("big-1", payload=payload)
-        placement = env.node_a.placement("big-1", 1)
+        placement = node.placement("big-1", 1)
         placement.node_address = address
         env.scheduler.send(placement)
         result = await task
         assert result.output == payload and result.placement.node == "node-a"
         assert env.scheduler.abandons == [] and address not in env.router.nodes.unusable
-    finally:
-        proxy.close()
 
 
 # --- leases (docs/hit-leases.md) -------------------------------------------------------------------
