@@ -5,11 +5,16 @@ The protocol (plain HTTP, so curl speaks it too):
 
     GET  /blobs/sha256:<hex>         the blob (Range: bytes=N- resumes at N: 206)
     HEAD /blobs/sha256:<hex>         200 and its Content-Length if complete; 404 with
-                                     Upload-Offset: N where N bytes of an upload are here
+                                     Upload-Offset: N where N bytes of an upload are here; 409
+                                     (no offset) while another transfer writes it
     PUT  /blobs/sha256:<hex>?size=N  upload (servers that take them): Upload-Offset: K says where
                                      this body starts (0 by default; 409 with the server's
-                                     offset when it is not that); 201 once the whole blob
-                                     arrived and hashed to its name, 400 if it did not
+                                     offset when it is not that, 409 without while another
+                                     transfer writes it); 201 once the whole blob arrived and
+                                     hashed to its name, 400 if it did not. With Expect:
+                                     100-continue (this module's client sends it) every refusal
+                                     comes before the body is sent, and 100 Continue once the
+                                     body is wanted
 
 Why not the gateway's ASGI server: uvicorn copies each body chunk several times and wakes the
 event loop per 64 KiB; here one thread per connection sends with sendfile(2) (no copy in user
@@ -54,6 +59,7 @@ UPLOAD_OFFSET = "Upload-Offset"
 SEND_CHUNK_BYTES = 16 << 20  # sendfile per call: progress is reported this often
 HEADER_LIMIT_BYTES = 16 << 10
 DEFAULT_TIMEOUT_S = 60.0
+EXPECT_WAIT_S = 5.0  # for 100 Continue; a holder silent that long gets the body anyway
 TLS_SEND_BYTES = 1 << 20  # what one TLS send takes from the file
 _TLS_HANDSHAKE = b"\x16"  # the first byte a TLS client sends (a handshake record)
 HANDSHAKE_S = 10.0  # a TLS client that has not finished its handshake by then is cut off
@@ -177,6 +183,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _ThreadingServer
     timeout = DEFAULT_TIMEOUT_S
+    _expecting = False  # this request's client waits for 100 Continue before its body
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("%s %s", self.address_string(), format % args)
@@ -195,14 +202,38 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return None
         return blobs, match.group(1), urllib.parse.parse_qs(url.query)
 
+    def parse_request(self) -> bool:
+        self._expecting = False  # (one handler serves every request of a kept-alive connection)
+        return super().parse_request()
+
+    def handle_expect_100(self) -> bool:
+        # The interim 100 Continue is sent by do_PUT once it wants the body (`_continue`): a
+        # refusal (busy, a wrong offset, stored already) then costs the client none of it.
+        self._expecting = True
+        return True
+
+    def _continue(self) -> None:
+        if self._expecting:
+            self._expecting = False
+            self.send_response_only(100)
+            self.end_headers()
+
     def do_HEAD(self) -> None:
-        self._get(head=True)
+        found = self._blob()
+        if found is None:
+            return
+        blobs, digest, _ = found
+        if blobs.store.busy(digest) and not blobs.store.has(digest):
+            # Asked before an upload: wait and ask again, rather than PUT a body to be refused.
+            self._answer(409, f"blob {digest} is being written by another transfer; retry when it ends")
+            return
+        self._get(head=True, found=found)
 
     def do_GET(self) -> None:
         self._get(head=False)
 
-    def _get(self, *, head: bool) -> None:
-        found = self._blob()
+    def _get(self, *, head: bool, found: tuple[BlobServer, str, dict[str, list[str]]] | None = None) -> None:
+        found = found or self._blob()
         if found is None:
             return
         blobs, digest, _ = found
@@ -304,6 +335,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     {UPLOAD_OFFSET: str(current)},
                 )
                 return False
+            self._continue()
             try:
                 got = writer.pump(self.rfile.readinto, length)
             except OSError:
@@ -321,6 +353,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _discard(self, length: int) -> None:
         """Read and drop a body this server will not keep (so the connection can go on)."""
+        if self._expecting:
+            self.close_connection = True  # never asked for: the client sends none, or closes
+            return
         if length > 1 << 20:
             self.close_connection = True  # cheaper to drop the connection than to read it
             return
@@ -381,6 +416,7 @@ class _Connection:
             sock.close()
             raise TransferError(f"the blob holder at {base_url} is not one of this cluster's: {exc}") from None
         self.sock = sock
+        self.timeout_s = timeout_s
         self._buffer = b""
 
     def close(self) -> None:
@@ -399,7 +435,7 @@ class _Connection:
             chunk = self.sock.recv(65536)
             if not chunk:
                 raise TransferError("the blob holder closed the connection before answering")
-            data += chunk
+            self._buffer = data = data + chunk  # (kept if a timeout interrupts: `interim`)
         head, _, rest = data.partition(b"\r\n\r\n")
         status_line, *header_lines = head.decode("latin-1").split("\r\n")
         try:
@@ -412,6 +448,25 @@ class _Connection:
             headers[name.strip().lower()] = value.strip()
         self._buffer = b""
         return _Reply(status, headers, rest)
+
+    def interim(self, wait_s: float) -> _Reply | None:
+        """After a head sent with Expect: 100-continue: None once the holder says to go on (100
+        Continue), or has not answered within `wait_s` (a holder that ignores the header: send
+        anyway); else its final answer, which refuses the body before any of it is sent."""
+        self.sock.settimeout(wait_s)
+        try:
+            reply = self.reply()
+        except TimeoutError:
+            if not self._buffer:
+                return None
+            self.sock.settimeout(self.timeout_s)  # part of an answer came: wait for the rest
+            reply = self.reply()
+        finally:
+            self.sock.settimeout(self.timeout_s)
+        if reply.status != 100:
+            return reply
+        self._buffer = reply.leftover
+        return None
 
     def body(self, reply: _Reply) -> bytes:
         """A small body (an error's JSON)."""
@@ -524,18 +579,28 @@ def upload_blob(
                 if progress is not None:
                     progress(size)
                 return 0
+            if reply.status == 409:  # (a HEAD's answer has no body to say so)
+                raise TransferError(f"blob {digest} is being written by another transfer at {base_url}", 409)
             if reply.status != 404:
                 message = _message(conn, reply) or f"HTTP {reply.status}"
                 raise TransferError(f"{base_url} refused blob {digest}: {message}", reply.status)
             offset = min(int(reply.headers.get(UPLOAD_OFFSET.lower(), "0") or 0), size)
-            if progress is not None and offset:
-                progress(offset)
             put_headers = {**headers, UPLOAD_OFFSET: str(offset), "Content-Length": str(size - offset)}
             put_headers["Content-Type"] = "application/octet-stream"
+            put_headers["Expect"] = "100-continue"
             conn.send_head("PUT", f"/blobs/{digest}?size={size}", put_headers)
-            sent = _send_file(conn, path, offset, size, progress)
-            reply = conn.reply()
+            sent = 0
+            refused = conn.interim(EXPECT_WAIT_S)  # a refusal before the body: none of it sent
+            if refused is not None:
+                reply = refused
+            else:
+                if progress is not None and offset:
+                    progress(offset)
+                sent = _send_file(conn, path, offset, size, progress)
+                reply = conn.reply()
             if reply.status == 201:
+                if progress is not None and not sent:
+                    progress(size)  # stored since the HEAD
                 return sent
             message = _message(conn, reply) or f"HTTP {reply.status}"
             if reply.status == 409 and UPLOAD_OFFSET.lower() in reply.headers:

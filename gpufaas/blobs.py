@@ -96,6 +96,11 @@ class BlobStore:
         except FileNotFoundError:
             return 0
 
+    def busy(self, digest: str) -> bool:
+        """Whether a writer holds blob `digest` now (another upload or fetch of it is under way)."""
+        with self._lock:
+            return digest in self._writing
+
     def digests(self) -> Iterator[str]:
         """Every complete blob."""
         for path in self._complete.iterdir():

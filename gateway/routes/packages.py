@@ -174,7 +174,11 @@ async def upload_blob(
 
 @router.head("/system/blobs/{digest}", response_class=FileResponse)
 async def blob_status(digest: Digest, gateway: GatewayDep) -> Response:
-    """200 and its size if the blob is here; 404 with Upload-Offset: what a broken upload left."""
+    """200 and its size if the blob is here; 404 with Upload-Offset: what a broken upload left;
+    409 while another transfer writes it (ask again rather than PUT a body to be refused)."""
+    blobs = gateway.artifacts.blobs
+    if blobs.busy(digest) and not blobs.has(digest):
+        raise ApiError(409, f"blob {digest} is being written by another transfer; retry when it ends")
     return await download_blob(digest, gateway)
 
 

@@ -281,6 +281,8 @@ def _send_through_api(gateway: Gateway, digest: str, path: Path, sent: _Progress
 def _put_through_api(gateway: Gateway, digest: str, path: Path, sent: _Progress) -> None:
     size = path.stat().st_size
     head = gateway.request("HEAD", f"/system/blobs/{digest}")
+    if head.status_code == 409:
+        raise _Busy(f"blob {digest} is being written by another transfer")  # (HEAD has no body)
     if head.status_code == 200:
         sent.add(size, resumed=size)
         return

@@ -203,6 +203,58 @@ def test_an_upload_that_does_not_start_where_the_holder_is_gets_its_offset(holde
     assert status == 201 and server.store.path(digest).read_bytes() == data  # type: ignore[union-attr]
 
 
+def test_a_blob_another_transfer_writes_is_refused_before_any_of_its_body_is_sent(
+    tmp_path: Path, holder: tuple[BlobServer, str]
+) -> None:
+    """Two deploys sharing weights at once: while one writes the blob, the other's upload is told
+    409 (busy, no offset), whether it asks first (HEAD) or its PUT finds the writer since; never
+    a reset (which the CLI took for an unreachable server) and never a byte of its body."""
+    server, url = holder
+    source = tmp_path / "weights.bin"
+    data = big()
+    source.write_bytes(data)
+    digest = sha256_digest(data)
+    seen: list[int] = []
+    with server.store.writer(digest, len(data)):
+        with pytest.raises(TransferError) as busy:
+            upload_blob(url, source, digest, authorization=TOKEN, progress=seen.append)
+        assert busy.value.status == 409 and "another transfer" in str(busy.value)
+        # A PUT whose HEAD found no writer (one came between): refused before its body.
+        status, headers, body = raw(
+            url,
+            f"PUT /blobs/{digest}?size={len(data)} HTTP/1.1\r\nAuthorization: {TOKEN}\r\n"
+            f"Content-Length: {len(data)}\r\nExpect: 100-continue\r\n\r\n".encode(),
+        )
+        assert status == 409 and UPLOAD_OFFSET.lower() not in headers
+        assert "another transfer" in json.loads(body)["error"]
+    assert server.bytes_received == 0 and seen == []
+    # Once the writer is gone: 100 Continue, then the body, then 201.
+    sent = upload_blob(url, source, digest, authorization=TOKEN, progress=seen.append)
+    assert sent == len(data) == sum(seen) == server.bytes_received
+
+
+def test_a_put_with_expect_hears_100_continue_before_its_body(holder: tuple[BlobServer, str]) -> None:
+    server, url = holder
+    data = b"0123456789"
+    digest = sha256_digest(data)
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(
+            f"PUT /blobs/{digest}?size=10 HTTP/1.1\r\nAuthorization: {TOKEN}\r\nContent-Length: 10\r\n"
+            "Expect: 100-continue\r\n\r\n".encode()
+        )
+        assert conn.recv(65536) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        conn.sendall(data)
+        stored = b""
+        while not stored.endswith(b"}"):  # (the head and the JSON body may come apart)
+            stored += conn.recv(65536)
+        assert stored.startswith(b"HTTP/1.1 201 ")
+        # The same connection's next request expects nothing: answered without an interim.
+        conn.sendall(f"HEAD /blobs/{digest} HTTP/1.1\r\nAuthorization: {TOKEN}\r\n\r\n".encode())
+        assert conn.recv(65536).startswith(b"HTTP/1.1 200 ")
+    assert server.store.path(digest).read_bytes() == data  # type: ignore[union-attr]
+
+
 def test_a_holder_that_takes_no_uploads_and_the_size_limit(tmp_path: Path) -> None:
     reader = BlobServer(BlobStore(tmp_path / "node"), only_token)
     url = f"http://{reader.start('127.0.0.1:0')}"

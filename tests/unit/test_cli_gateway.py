@@ -202,13 +202,15 @@ def test_a_deploy_to_an_https_gateway_sends_no_credential_to_its_plain_http_blob
 def test_a_blob_another_transfer_writes_is_waited_for_not_a_failed_deploy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two deploys sharing weights, at once: the gateway answers the second's upload 409 while the
-    first writes the blob. The deploy waits and asks again (here it is there by then)."""
+    """Two deploys sharing weights, at once: the gateway answers the second's HEAD 409 while the
+    first writes the blob. The deploy waits and asks again (here it is there by then), sending
+    none of the blob meanwhile; a PUT refused busy (the writer came after the HEAD) waits too."""
     monkeypatch.setattr(uploads, "BUSY_WAIT_S", 0.0)
     (tmp_path / "fn").mkdir()
     (tmp_path / "fn" / "handler.py").write_text("def load(device):\n    return None\n")
     (tmp_path / "fn" / "weights.bin").write_bytes(b"w" * (uploads.BATCH_MAX_BYTES + 1))
     scanned = uploads.scan([("fn", tmp_path / "fn")], DigestCache(None))
+    heads: list[int] = []
     puts: list[int] = []
 
     def gateway(request: httpx.Request) -> httpx.Response:
@@ -217,7 +219,8 @@ def test_a_blob_another_transfer_writes_is_waited_for_not_a_failed_deploy(
             asked = list(json.loads(request.read())["blobs"])
             return httpx.Response(200, json={"missing": asked, "offsets": {}, "upload_url": None})
         if request.method == "HEAD":
-            return httpx.Response(200 if len(puts) >= 2 else 404)  # written by the other by then
+            heads.append(1)
+            return httpx.Response({1: 409, 2: 409, 3: 404}.get(len(heads), 200))  # written by the other by then
         if request.method == "PUT":
             request.read()
             puts.append(1)
@@ -229,7 +232,7 @@ def test_a_blob_another_transfer_writes_is_waited_for_not_a_failed_deploy(
     client = GatewayClient("http://127.0.0.1:1", password="pw")  # pragma: allowlist secret
     client._client = httpx.Client(base_url=client.url, transport=httpx.MockTransport(gateway))
     assert uploads.upload(client, scanned).via_api
-    assert len(puts) == 2
+    assert len(heads) == 4 and len(puts) == 1  # a PUT only after the HEAD that found no writer
 
 
 @pytest.mark.parametrize(

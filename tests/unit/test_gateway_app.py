@@ -326,6 +326,24 @@ def test_an_upload_offset_that_is_not_a_number_is_a_400(tmp_path: Path) -> None:
     run(tmp_path, body)
 
 
+def test_a_blob_another_transfer_writes_is_said_busy_to_a_head(tmp_path: Path) -> None:
+    """An uploader asks (HEAD) before it PUTs: while another transfer writes the blob, 409, so it
+    waits without sending a body that would be refused; before and after, 404 and 200."""
+    data = b"weights"
+    digest = sha256(data)
+
+    async def body(env: Env) -> None:
+        blobs = env.app.state.gateway.artifacts.blobs
+        assert (await env.client.head(f"/system/blobs/{digest}")).status_code == 404
+        with blobs.writer(digest, len(data)) as writer:
+            assert (await env.client.head(f"/system/blobs/{digest}")).status_code == 409
+            writer.write(data)
+            writer.commit()
+        assert (await env.client.head(f"/system/blobs/{digest}")).status_code == 200
+
+    run(tmp_path, body)
+
+
 def test_the_same_directory_packs_to_the_same_digest(tmp_path: Path) -> None:
     first, second = make_package(), make_package()
     assert first == second  # fresh temporary directories, new mtimes: the same bytes
