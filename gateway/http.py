@@ -244,16 +244,22 @@ def cancel_on_disconnect(send: Callable[[MutableMapping[str, Any]], Awaitable[No
     LimitedHttpProtocol; nothing otherwise. One attribute set: no task or timer of its own.
     `cancel=False` ends that once there is nothing left to withdraw (the call answered): a
     cancel landing in the answer's writing would end the task with an error for uvicorn to log."""
-    cycle = getattr(send, "__self__", None)
-    if type(cycle) is RequestResponseCycle:
+    cycle = _cycle_of(send)
+    if cycle is not None:
         setattr(cycle, _TASK, asyncio.current_task() if cancel else None)
 
 
 def client_gone(send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> bool:
     """Whether the client of the request `send` answers went away before its answer (a uvicorn
     httptools cycle's `send`; False for any other)."""
+    cycle = _cycle_of(send)
+    return cycle is not None and cycle.disconnected
+
+
+def _cycle_of(send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> RequestResponseCycle | None:
+    """The uvicorn httptools cycle whose bound method `send` is, or None for any other `send`."""
     cycle = getattr(send, "__self__", None)
-    return type(cycle) is RequestResponseCycle and cycle.disconnected
+    return cycle if type(cycle) is RequestResponseCycle else None
 
 
 def answer_whole(
@@ -271,8 +277,8 @@ def answer_whole(
     expressions. Measured with bench.hop_cpu, alternated: 3.5 % of the gateway's CPU per call
     (cProfile had put that `send` at 17 %). The cycle's state is left as its `send` leaves it
     after a whole answer."""
-    cycle = getattr(send, "__self__", None)
-    if type(cycle) is not RequestResponseCycle or cycle.response_started or cycle.flow.write_paused:
+    cycle = _cycle_of(send)
+    if cycle is None or cycle.response_started or cycle.flow.write_paused:
         return False
     if cycle.disconnected:
         return True
