@@ -754,25 +754,35 @@ async def list_and_watch(
     """Keep a mirror of `prefix` (Kubernetes' reflector): list it (`on_list(kvs, revision)`: the
     whole state, to replace the mirror with), then watch from that revision (`on_event`), for
     ever. A watch that breaks is resumed after the last event handled (a handler's StoreError
-    breaks it before its event); one whose revision was compacted away lists again. Any other
+    breaks it before its event; the other events of that event's revision, one etcd transaction's,
+    are not skipped); one whose revision was compacted away lists again. Any other
     error of a handler is logged, and the watch goes on. `listed_at`: the caller listed already,
     at this revision (so that a daemon starts with its mirror filled, or fails to start). Runs
     until cancelled or the store is closed; store errors are retried every `retry_s`. Handlers
     may be coroutines."""
     revision = listed_at  # None: list first
+    # The revision a resumed watch starts at, and the keys of it handled already: a transaction's
+    # events share one revision, and a break among them must give the rest again, not skip them.
+    resume_at, handled = 0, set[str]()
     while True:
         try:
             if revision is None:
                 revision = await store.revision()
                 await _maybe_await(on_list(await store.get_prefix(prefix), revision))
-            async for event in store.watch_prefix(prefix, start_revision=revision + 1):
+            if resume_at <= revision:
+                resume_at, handled = revision + 1, set()
+            async for event in store.watch_prefix(prefix, start_revision=resume_at):
+                if event.mod_revision == resume_at and event.key in handled:
+                    continue  # taken in before the watch broke
                 try:
                     await _maybe_await(on_event(event))
                 except StoreError:
                     raise  # the handler's own write failed: retried, this event again with it
                 except Exception:  # one value a handler cannot take must not end the mirror for good
                     logger.exception("watch on %s: the change to %s could not be taken in", prefix, event.key)
-                revision = max(revision, event.mod_revision)
+                if event.mod_revision != resume_at:
+                    resume_at, handled = event.mod_revision, set()
+                handled.add(event.key)
             return  # the watch ended: the store was closed
         except asyncio.CancelledError:
             raise

@@ -170,6 +170,31 @@ async def test_a_handler_whose_own_write_fails_is_given_its_change_again() -> No
         await mirror.until({"/p/a": b"1"})
 
 
+async def test_a_handler_failing_inside_a_transaction_is_given_the_rest_of_it_again() -> None:
+    # One etcd transaction (a batch, a prefix delete) gives its events one revision. A handler's
+    # StoreError on the second resumed the watch after that revision: the second was lost for good.
+    store = MemoryStore()
+    mirror = Mirror()
+    taken = mirror.on_event
+    seen: list[str] = []
+    failures = [StoreError("etcd unreachable")]
+
+    def writing(event: WatchEvent) -> None:
+        if event.key == "/p/b" and failures:
+            raise failures.pop()
+        seen.append(event.key)
+        taken(event)
+
+    mirror.on_event = writing  # type: ignore[method-assign]
+    async with mirrored_with(store, mirror, retry_s=0.01):
+        await listed(mirror)
+        await store.write_batch({"/p/a": b"1", "/p/b": b"2", "/p/c": b"3"})
+        await mirror.until({"/p/a": b"1", "/p/b": b"2", "/p/c": b"3"})
+        await store.put("/p/d", b"4")
+        await mirror.until({"/p/a": b"1", "/p/b": b"2", "/p/c": b"3", "/p/d": b"4"})
+        assert seen == ["/p/a", "/p/b", "/p/c", "/p/d"]  # each once: /p/a not again after the break
+
+
 @contextlib.asynccontextmanager
 async def mirrored_with(store: MemoryStore, mirror: Mirror, **options: Any) -> AsyncIterator[None]:
     task = mirror.follow(store, **options)
