@@ -73,9 +73,12 @@ class InvokeMiddleware:
             await _error(send, 400, "X-Call-Id may hold only visible ASCII characters", new_call_id())
             return
         call_id = given_call_id.decode("ascii") or new_call_id()
-        spec = gateway.functions.get(name) or await self._deployed_meanwhile(name)
+        spec = gateway.functions.get(name)
         if await self._refused(send, scope, headers, name=name, spec=spec, call_id=call_id):
             return
+        # (After the credential: a caller without one costs etcd no read. A public function the
+        # mirror lacks yet is refused it then, as any unknown name is, for those milliseconds.)
+        spec = spec or await self._deployed_meanwhile(name)
         if spec is None:
             await _error(send, 404, not_deployed(name), call_id)
             return

@@ -142,6 +142,32 @@ def test_a_call_needs_a_caller_credential_unless_the_function_is_public(tmp_path
     run(tmp_path, body, scheduler_wait_s=0.1)
 
 
+def test_a_call_without_credentials_for_a_name_the_gateway_does_not_know_costs_etcd_no_read(
+    tmp_path: Path,
+) -> None:
+    """A name the gateway's mirror lacks is read from etcd once (a deploy through another gateway
+    its watch has not brought yet), but only for a caller with a right to call: anyone else's
+    flood of made-up names is refused 401 without a read."""
+
+    async def body(env: Env) -> None:
+        reads: list[str] = []
+        read = env.store.get
+
+        async def counted(key: str) -> object:
+            reads.append(key)
+            return await read(key)
+
+        env.store.get = counted  # type: ignore[method-assign]
+        for _ in range(3):
+            assert_error(await status(env, "POST", "/function/ghost", NOBODY, json={}), 401)
+            assert_error(await status(env, "POST", "/function/ghost", WRONG, json={}), 401)
+        assert reads == []
+        assert_error(await status(env, "POST", "/function/ghost", INVOKER, json={}), 404, "not deployed")
+        assert reads == [env.keys.function("ghost")]
+
+    run(tmp_path, body, scheduler_wait_s=0.1)
+
+
 def test_an_insecure_gateway_admits_anyone(tmp_path: Path) -> None:
     async def body(env: Env) -> None:
         assert (await status(env, "GET", "/system/functions", NOBODY)).status_code == 200
