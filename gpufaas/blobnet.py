@@ -468,6 +468,15 @@ class _Connection:
         self._buffer = reply.leftover
         return None
 
+    def final(self) -> _Reply:
+        """The final answer to a request: a 100 Continue that came after `interim` stopped
+        waiting for it (a holder slow to decide: it re-hashes a large partial first) is not it."""
+        reply = self.reply()
+        while reply.status == 100:
+            self._buffer = reply.leftover
+            reply = self.reply()
+        return reply
+
     def body(self, reply: _Reply) -> bytes:
         """A small body (an error's JSON)."""
         length = int(reply.headers.get("content-length", "0") or 0)
@@ -597,9 +606,9 @@ def upload_blob(
                 if progress is not None and offset:
                     progress(offset)
                 sent = _send_file(conn, path, offset, size, progress)
-                reply = conn.reply()
+                reply = conn.final()
             if reply.status == 201:
-                if progress is not None and not sent:
+                if progress is not None and refused is not None:
                     progress(size)  # stored since the HEAD
                 return sent
             message = _message(conn, reply) or f"HTTP {reply.status}"

@@ -7,11 +7,13 @@ import json
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from gpufaas import blobnet, blobs
 from gpufaas.blobnet import UPLOAD_OFFSET, BlobServer, TransferError, fetch_blob, upload_blob
 from gpufaas.blobs import PUMP_BUFFER_BYTES, BlobStore, CorruptBlob
 from gpufaas.packages import sha256_digest
@@ -253,6 +255,46 @@ def test_a_put_with_expect_hears_100_continue_before_its_body(holder: tuple[Blob
         conn.sendall(f"HEAD /blobs/{digest} HTTP/1.1\r\nAuthorization: {TOKEN}\r\n\r\n".encode())
         assert conn.recv(65536).startswith(b"HTTP/1.1 200 ")
     assert server.store.path(digest).read_bytes() == data  # type: ignore[union-attr]
+
+
+def test_a_100_continue_later_than_the_client_waits_is_not_taken_for_the_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder that restarted re-hashes a broken upload's partial before it asks for the rest
+    (seconds for GBs): the client sends the body after EXPECT_WAIT_S anyway, and the late 100
+    Continue ahead of the 201 is not a refusal."""
+    data = big()
+    digest = sha256_digest(data)
+    store = BlobStore(tmp_path / "holder")
+    with store.writer(digest, len(data)) as writer:
+        writer.write(data[: 5 << 20])
+    store = BlobStore(tmp_path / "holder")  # (a new process: no hash state kept for the partial)
+    server = BlobServer(store, only_token, accept_uploads=True, max_blob_bytes=64 << 20)
+    url = f"http://{server.start('127.0.0.1:0')}"
+    source = tmp_path / "weights.bin"
+    source.write_bytes(data)
+    monkeypatch.setattr(blobnet, "EXPECT_WAIT_S", 0.1)
+    rehash = blobs._hash_prefix
+    monkeypatch.setattr(blobs, "_hash_prefix", lambda path, n: (time.sleep(0.4), rehash(path, n))[1])
+    seen: list[int] = []
+    try:
+        assert upload_blob(url, source, digest, authorization=TOKEN, progress=seen.append) == len(data) - (5 << 20)
+        assert store.path(digest).read_bytes() == data and sum(seen) == len(data)  # type: ignore[union-attr]
+    finally:
+        server.stop()
+
+
+def test_a_partial_holding_every_byte_is_counted_once(tmp_path: Path, holder: tuple[BlobServer, str]) -> None:
+    server, url = holder
+    data = b"all of it, not committed"
+    digest = sha256_digest(data)
+    with server.store.writer(digest, len(data)) as writer:
+        writer.write(data)  # (and the holder stopped before its commit)
+    source = tmp_path / "weights.bin"
+    source.write_bytes(data)
+    seen: list[int] = []
+    assert upload_blob(url, source, digest, authorization=TOKEN, progress=seen.append) == 0
+    assert server.store.has(digest) and seen == [len(data)]
 
 
 def test_a_holder_that_takes_no_uploads_and_the_size_limit(tmp_path: Path) -> None:
