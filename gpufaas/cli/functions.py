@@ -18,6 +18,8 @@ from gpufaas.cli.base import GatewayOpt, app, console, err_console, user_errors
 from gpufaas.cli.client import GatewayClient, gateway_url, running_cluster_url
 from gpufaas.errors import GpufaasError
 
+INVOKE_GRACE_S = 30.0  # past the longest a call may run: the gateway's own answer (a 504) comes first
+
 
 @app.command()
 def new(
@@ -93,6 +95,11 @@ def _add_to_stack(stack_path: Path, name: str, template: str, meta: Mapping[str,
             raise GpufaasError(f"cannot read {stack_path}: {exc}") from None
         if not isinstance(stack, dict) or not isinstance(stack.setdefault("functions", {}), dict):
             raise GpufaasError(f"{stack_path} is not a stack file (no functions mapping)")
+        if name in stack["functions"]:
+            raise GpufaasError(
+                f"{stack_path} has a function {name!r} already (its next deploy would be this template's); "
+                "choose another name, or remove it from the stack file first"
+            )
     stack["functions"][name] = {
         "template": template,
         "handler": f"./{name}",
@@ -185,9 +192,21 @@ def _transfer_progress(what: str) -> Iterator[Callable[[int, int], None]]:
         yield update
 
 
+def _function_name(name: str) -> str:
+    """A function's name as the gateway's routes take it: anything else (`..`, `/`) could steer
+    the request, with the admin's credential, to another route."""
+    from gpufaas.functions import NAME_PATTERN
+
+    if not NAME_PATTERN.match(name):
+        raise typer.BadParameter(
+            f"{name!r} is not a function name: lower-case letters, digits and '-' (at most 63)", param_hint="NAME"
+        )
+    return name
+
+
 @app.command()
 def invoke(
-    name: Annotated[str, typer.Argument(help="The function to call.")],
+    name: Annotated[str, typer.Argument(help="The function to call.", callback=_function_name)],
     data: Annotated[
         str | None, typer.Option("--data", "-d", help="The request body (else --file, else stdin).")
     ] = None,
@@ -217,7 +236,11 @@ def invoke(
                 content_type = "application/json"
             except (ValueError, UnicodeDecodeError):
                 content_type = "application/octet-stream"
-        client = GatewayClient(gateway_url(gateway))
+        from gpufaas.functions import MAX_TIMEOUT_S
+
+        # As long as a call may run (its function's timeout_s, at most MAX_TIMEOUT_S), and the
+        # gateway's answer after: a CLI that gave up earlier lost a result still computed.
+        client = GatewayClient(gateway_url(gateway), timeout_s=MAX_TIMEOUT_S + INVOKE_GRACE_S)
         response = client.request("POST", f"/function/{name}", content=body, headers={"content-type": content_type})
         if verbose:
             for header, value in response.headers.items():
@@ -258,7 +281,7 @@ def list_functions(gateway: GatewayOpt = None) -> None:
 
 
 @app.command()
-def describe(name: Annotated[str, typer.Argument()], gateway: GatewayOpt = None) -> None:
+def describe(name: Annotated[str, typer.Argument(callback=_function_name)], gateway: GatewayOpt = None) -> None:
     """Show one function: its spec, where it is cached, how often it ran."""
     with user_errors():
         client = GatewayClient(gateway_url(gateway))
@@ -271,7 +294,7 @@ def describe(name: Annotated[str, typer.Argument()], gateway: GatewayOpt = None)
 
 
 @app.command()
-def rm(name: Annotated[str, typer.Argument()], gateway: GatewayOpt = None) -> None:
+def rm(name: Annotated[str, typer.Argument(callback=_function_name)], gateway: GatewayOpt = None) -> None:
     """Remove a deployed function."""
     with user_errors():
         client = GatewayClient(gateway_url(gateway))

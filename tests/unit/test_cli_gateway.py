@@ -338,3 +338,48 @@ def test_a_stopped_local_clusters_url_and_password_are_used_no_more(stand: Stand
     assert gateway_url(None, state_dir=state) == DEFAULT_GATEWAY
     local_cluster(state, "http://127.0.0.1:9", "old-local-pw", running=True)
     assert gateway_url(None, state_dir=state) == "http://127.0.0.1:9"
+
+
+def test_new_does_not_replace_a_function_the_stack_file_has(state: Path, tmp_path: Path) -> None:
+    """`gpufaas new echo` beside a stack.yml that has an `echo` (its handler elsewhere): refused,
+    the file as it was; it rewrote the entry, and the next deploy replaced the function."""
+    (tmp_path / "src" / "echo").mkdir(parents=True)
+    stack = tmp_path / "stack.yml"
+    stack.write_text(
+        "# prod: do not change memory\nversion: 1.0\nprovider: {name: gpufaas}\n"
+        "functions:\n  echo:\n    handler: ./src/echo\n    memory_mb: 20000\n"
+    )
+    before = stack.read_text()
+    code, _, err = cli("new", "echo", "--dir", str(tmp_path))
+    assert code == 1 and "has a function 'echo' already" in err, err
+    assert stack.read_text() == before and not (tmp_path / "echo").exists()
+
+
+@pytest.mark.parametrize("argv", [["invoke", "../system/functions", "-d", "{}"], ["describe", "../functions"]])
+def test_a_function_name_cannot_steer_a_command_to_another_route(stand: Stand, state: Path, argv: list[str]) -> None:
+    """httpx resolves `/function/../system/functions` to the admin route, with the admin's
+    credential: a name that is not a function's is refused before anything is sent."""
+    local_cluster(state, stand.url, "cluster-pw")
+    code, _, err = cli(*argv)
+    assert code == 2 and "is not a function name" in err, err
+    assert stand.seen == []
+
+
+def test_invoke_waits_as_long_as_a_call_may_run(stand: Stand, state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A function may run for up to MAX_TIMEOUT_S: the CLI waited 120 s, and a longer call's result,
+    computed, was lost (and a retry ran it again)."""
+    from gpufaas.cli import functions
+    from gpufaas.functions import MAX_TIMEOUT_S
+
+    waits: list[float] = []
+
+    class Recorded(functions.GatewayClient):
+        def __init__(self, url: str, **options: Any) -> None:
+            waits.append(options.get("timeout_s", 120.0))
+            super().__init__(url, **options)
+
+    monkeypatch.setattr(functions, "GatewayClient", Recorded)
+    local_cluster(state, stand.url, "cluster-pw")
+    code, _, err = cli("invoke", "f", "-d", "{}")
+    assert code == 0, err
+    assert waits and waits[0] > MAX_TIMEOUT_S
