@@ -157,6 +157,7 @@ class WorkerPool:
         self.runtime = runtime
         self.node = node
         self._closed = False
+        self._grant_order = 0  # one more for each scheduler that numbers its grants afresh (`run`)
         self._workers = GpuWorkers()
         files = ModelFiles(fetch_package, prepare_weights, self.isolation)
         self._processes = WorkerProcesses(
@@ -249,6 +250,7 @@ class WorkerPool:
 
     def forget_grant_order(self) -> None:
         """A new scheduler attached: its grants are numbered afresh (see `run`'s `seq`)."""
+        self._grant_order += 1
         self._workers.forget_grant_order()
 
     def spare_count(self, gpu_id: str) -> int:
@@ -276,6 +278,7 @@ class WorkerPool:
         if gpu_id not in self.gpus:
             return RunResult(pb.REFUSED, f"this node has no GPU {gpu_id!r}")
         deadline = asyncio.get_running_loop().time() + timeout_s
+        grant_order = self._grant_order
         while True:
             worker = self._workers.get(run.model, gpu_id)
             if worker is None or worker.run is None or worker.run.package_digest == run.package_digest:
@@ -298,7 +301,8 @@ class WorkerPool:
                 waited = await self._wait_loaded(worker, f"model {run.model!r} on {gpu_id}", deadline)
                 if waited is not None:
                     return waited
-        worker.last_seq = max(worker.last_seq, seq)
+        if grant_order == self._grant_order:  # (else a new scheduler, counting from 1, attached meanwhile)
+            worker.last_seq = max(worker.last_seq, seq)
         result = await self._call(
             worker, call_id, payload, content_type=content_type, deadline=deadline, timeout_s=timeout_s
         )

@@ -1292,3 +1292,19 @@ def test_two_calls_sharing_a_call_id_on_one_worker_each_get_their_own_output(tmp
         assert ok(alice)["echo"] == {"who": "alice"} and ok(bob)["echo"] == {"who": "bob"}
 
     on_own_pool(tmp_path, "cpu", scenario)
+
+
+def test_a_load_granted_by_a_former_scheduler_does_not_outrank_the_new_ones_grants(tmp_path: Path) -> None:
+    """A grant of a former leader (its per-GPU number high) loads a model while a new leader
+    attaches (its grants count from 1): the worker must not keep that number, or every eviction
+    of the model by the new leader is ignored until it has granted as many."""
+
+    async def scenario(node: Node, digest: str) -> None:
+        loading = asyncio.create_task(node.call(emulated("m", digest, load_s=1.0), seq=5000))
+        await asyncio.sleep(0.3)
+        node.pool.forget_grant_order()  # the new leader attached (the daemon's attach)
+        ok(await loading)
+        ok(await node.call(emulated("b", digest), evict=("m",), seq=3))  # its grant 3 evicts m
+        assert node.models() == ["b"]
+
+    on_own_emulated_pool(tmp_path, scenario)
