@@ -43,6 +43,7 @@ from gpufaas.types import DEFAULT_BATCH_SIZE, Request
 AZURE2019_KEY_COLUMNS = ("HashOwner", "HashApp", "HashFunction", "Trigger")
 AZURE2021_COLUMNS = ("app", "func", "end_timestamp", "duration")
 SECONDS_PER_MINUTE = 60
+MAX_TRACE_S = 366 * 86400.0  # the longest span a per-invocation trace may cover
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,11 @@ def _seconds(text: str, path: Path, line: int, column: str) -> float:
         value = math.nan
     if not math.isfinite(value) or value < 0:
         raise InvalidInput(f"{path}:{line}: {column} is {text!r}; expected a non-negative number of seconds")
+    if value > MAX_TRACE_S:  # (a trace's minutes are listed one by one: 1e10 s would be 1.7e8 of them)
+        raise InvalidInput(
+            f"{path}:{line}: {column} is {text!r} s, past {MAX_TRACE_S:g} s (a year) from the trace's start; "
+            "expected seconds relative to the trace's start"
+        )
     return value
 
 

@@ -61,6 +61,41 @@ def saved_credentials() -> dict[str, str]:
     return {str(k): str(v) for k, v in saved.items()} if isinstance(saved, dict) else {}
 
 
+def credentials_to_change() -> dict[str, str]:
+    """The passwords `gpufaas login` kept, to change and `keep_credentials` again: a file there
+    that is not what login writes is refused (written over, it would lose every password it has)."""
+    path = credentials_path()
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise GpufaasError(f"cannot read {path}: {exc}") from None
+    try:
+        saved = json.loads(text)
+    except ValueError:
+        saved = None
+    if not isinstance(saved, dict):
+        raise GpufaasError(
+            f"{path} is not a JSON object of passwords by gateway URL; fix it or remove it, then log in again"
+        )
+    return {str(k): str(v) for k, v in saved.items()}
+
+
+def keep_credentials(saved: dict[str, str]) -> Path:
+    """Write the passwords kept by gateway URL (0600), whole or not at all. Returns where."""
+    path = credentials_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+            json.dump(saved, out, indent=2)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
 def admin_password_for(url: str, state_dir: Path | None = None) -> str | None:
     """The admin password to use with the gateway at `url`: $GPUFAAS_PASSWORD, else the local
     cluster's own if `url` is its gateway (a cluster made again has a new one: a password

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from typing import Annotated
 
@@ -12,10 +10,10 @@ import typer
 from gpufaas.cli.base import GatewayOpt, StateDir, app, console, user_errors
 from gpufaas.cli.client import (
     GatewayClient,
-    credentials_path,
+    credentials_to_change,
     gateway_url,
+    keep_credentials,
     local_cluster_password,
-    saved_credentials,
     state_dir_default,
 )
 from gpufaas.credentials import ADMIN_USER
@@ -50,24 +48,20 @@ def login(
         if response.status_code in (401, 403):
             raise GpufaasError(f"the gateway at {url} refused that password; check it and try again")
         client.ok(response)
-        path = credentials_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        saved = saved_credentials()
+        saved = credentials_to_change()
         saved[url] = password
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            json.dump(saved, out, indent=2)
-        os.chmod(path, 0o600)
+        path = keep_credentials(saved)
     console.print(f"logged in to {url} as {ADMIN_USER} (kept in {path})")
 
 
 @app.command()
 def logout(gateway: GatewayOpt = None, state_dir: StateDir = state_dir_default()) -> None:  # noqa: B008
     """Forget the password `gpufaas login` kept for a gateway."""
-    url = gateway_url(gateway, state_dir=state_dir)
-    saved = saved_credentials()
-    if saved.pop(url, None) is None:
-        console.print(f"no password kept for {url}")
-        return
-    credentials_path().write_text(json.dumps(saved, indent=2))
+    with user_errors():
+        url = gateway_url(gateway, state_dir=state_dir)
+        saved = credentials_to_change()
+        if saved.pop(url, None) is None:
+            console.print(f"no password kept for {url}")
+            return
+        keep_credentials(saved)
     console.print(f"forgot the password for {url}")

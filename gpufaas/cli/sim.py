@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -214,7 +215,7 @@ def sim(
     below), e.g. `--o3-limit 10 --no-room-aware-misses --eviction heaviness`."""
     from gpufaas.policy_flags import policy_flags
     from simulator.engine import Batching, ClusterConfig
-    from simulator.report import build_workloads, compare_policies, plot_policies, plot_sweep, shipped_trace
+    from simulator.report import build_workloads, compare_policies, shipped_trace
     from simulator.workload import WorkloadConfig, load_trace
 
     # The policy's knobs and the eviction choice, as the real scheduler takes them.
@@ -261,12 +262,21 @@ def sim(
         show = _Show(bar=not json_output and progress_every_s is None, every_s=progress_every_s, optimum=optimum)
         results = _sim_execute(workloads, runs, cluster, config, batching, show)
         if plot is not None:
-            (plot_sweep if limits is not None else plot_policies)(results, plot)
+            _plot(results, plot, sweep=limits is not None)
     first = next(iter(workloads.values()))
     window = {"start_minute": first.start_minute, "minutes": first.minutes, "rpm": rpm, "seed": seed}
     meta: dict[str, object] = {"trace": str(trace_path), "trace_format": trace_format.value, **window}
     meta.update(_sim_cluster_meta(cluster, results, slo_factor))
     _sim_output(results, meta, grouped=len(mapping_seeds) > 1, json_output=json_output, plot=plot)
+
+
+def _plot(results: list[SimResult], plot: Path, *, sweep: bool) -> None:
+    from simulator.report import plot_policies, plot_sweep
+
+    try:
+        (plot_sweep if sweep else plot_policies)(results, plot)
+    except OSError as exc:  # (a disk full: the folder was checked before the run)
+        raise GpufaasError(f"cannot write the plot {plot}: {exc}") from None
 
 
 def _check_whole_trace(ctx: typer.Context, *, whole_trace: bool, start_minute: int | None) -> None:
@@ -310,6 +320,10 @@ def _sim_checked(
         raise typer.BadParameter(str(exc), param_hint="--policy") from None
     if plot is not None and plot.suffix.lower() != ".png":
         raise typer.BadParameter(f"the plot is written as PNG; name it *.png, got {plot}", param_hint="--plot")
+    folder = (plot or Path()).absolute().parent
+    if plot is not None and not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
+        # Checked before the run, not found after it: a sweep can take hours.
+        raise typer.BadParameter(f"{folder} is not a folder this user can write the plot into", param_hint="--plot")
     return working_sets, mapping_seeds, limits
 
 
@@ -442,7 +456,7 @@ def _mapping_list(text: str) -> list[int | None]:
     for item in (part.strip() for part in text.split(",")):
         if item == "ends":
             value: int | None = None
-        elif item.isdigit():
+        elif item.isascii() and item.isdigit():  # (str.isdigit takes '²', which int() does not)
             value = int(item)
         else:
             raise typer.BadParameter(

@@ -402,3 +402,20 @@ def test_status_says_what_runs_in_the_gateways_process(tmp_path: Path) -> None:
     assert result.exit_code == 1, result.output
     assert "gateway (with scheduler, node0 in its process)" in result.output
     assert "etcd (with" not in result.output
+
+
+def test_odd_input_to_sim_is_one_clear_line_before_the_run(tmp_path: Path) -> None:
+    """Each of these ended in a traceback: a plot into a folder that is not there (after the
+    whole run, its results lost), a Unicode digit as a mapping seed, and a per-invocation trace
+    with a timestamp far past any trace's span (its minutes are listed one by one)."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("app,func,end_timestamp,duration\na,f,10,1\na,f,1e300,1\n")
+    cases = {
+        "is not a folder this user can write the plot into": ["--plot", str(tmp_path / "no" / "f.png")],
+        "expected 'ends' or a non-negative seed, got '²'": ["--mappings", "ends,²"],
+        "t.csv:3: end_timestamp is '1e300' s, past": ["--trace", str(trace), "--trace-format", "azure2021"],
+    }
+    for message, argv in cases.items():
+        result = runner.invoke(app, ["sim", "--minutes", "1", "--rpm", "5", "--no-optimum", *argv])
+        assert isinstance(result.exception, SystemExit) and result.exit_code in (1, 2), repr(result.exception)
+        assert message in " ".join(result.stderr.replace("│", " ").split()), result.stderr

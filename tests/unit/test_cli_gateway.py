@@ -383,3 +383,21 @@ def test_invoke_waits_as_long_as_a_call_may_run(stand: Stand, state: Path, monke
     code, _, err = cli("invoke", "f", "-d", "{}")
     assert code == 0, err
     assert waits and waits[0] > MAX_TIMEOUT_S
+
+
+def test_login_and_logout_keep_a_damaged_credentials_file_as_it_is(stand: Stand, state: Path) -> None:
+    """A credentials file that does not parse (a stray comma) was read as empty and written over
+    by the next login: every other gateway's password gone without a word. Now refused."""
+    path = state.parent / "config" / "credentials.json"
+    path.parent.mkdir()
+    damaged = '{"https://prod:8443": "prod-pw", "https://staging:8443": "st-pw",}\n'  # pragma: allowlist secret
+    path.write_text(damaged)
+    local_cluster(state, stand.url, "cluster-pw")
+    for command in ("login", "logout"):
+        code, _, err = cli(command, "--state-dir", str(state))
+        assert code == 1 and "is not a JSON object of passwords" in err, err
+        assert path.read_text() == damaged
+    path.unlink()
+    code, _, err = cli("login", "--state-dir", str(state))
+    assert code == 0 and json.loads(path.read_text()) == {stand.url: "cluster-pw"}, err
+    assert path.stat().st_mode & 0o777 == 0o600
