@@ -110,6 +110,13 @@ class Estimator:
             return _interpolate(by_batch, batch_size)
         return self._median_per_sample_s(gpu_type) * batch_size
 
+    def known_times_s(self, model: str, gpu_type: str) -> tuple[float | None, dict[int, float]]:
+        """What is known of `model` on `gpu_type`, profiled or measured, with no fallback: its load
+        time (None: unknown) and its inference time per batch size (a copy): what a scheduler
+        persists for its successors."""
+        key = (model, gpu_type)
+        return self._load_s.get(key), dict(self._inference_s.get(key, {}))
+
     # --- online updates -------------------------------------------------------------------
     def observe_load(self, model: str, gpu_type: str, load_time_s: float) -> None:
         key = (model, gpu_type)

@@ -185,23 +185,27 @@ class StatePersister:
                 writes[key] = None
 
     def _write_profiles(self, profiles: set[tuple[str, str, int]], writes: dict[str, bytes | None]) -> None:
-        """The estimator's times per (GPU type, model, batch), each key at most once per
-        PROFILE_WRITE_INTERVAL_S (a later one goes back to the book's dirty set)."""
+        """Each (GPU type, model) key with a batch size measured anew, at most once per
+        PROFILE_WRITE_INTERVAL_S (a later one goes back to the book's dirty set). The key holds
+        every figure the estimator knows of the pair, each batch size's with the others: one
+        written with the dirty batch size alone lost the rest, for a restarted scheduler and a
+        standby that takes over. A load time never measured nor profiled is written as null, not
+        the size-based guess (which a successor would take for known)."""
         now = self.clock()
-        for gpu_type, model, batch in profiles:
+        # One dirty entry per key stands for all of its batch sizes: the write takes every one.
+        pairs = {(gpu_type, model): batch for gpu_type, model, batch in profiles}
+        for (gpu_type, model), batch in pairs.items():
             key = self.keys.profile(gpu_type, model)
             if now - self._profile_written_at.get(key, -PROFILE_WRITE_INTERVAL_S) < PROFILE_WRITE_INTERVAL_S:
                 self.book.dirty_profiles.add((gpu_type, model, batch))  # later
                 continue
             self._profile_written_at[key] = now
-            estimator = self.scheduler.estimator
-            with contextlib.suppress(KeyError):
-                memory_mb = self.scheduler.model(model).memory_mb
-                record = {
-                    "load_time_s": estimator.load_time_s(model, gpu_type, memory_mb),
-                    "inference_time_s": {str(batch): estimator.inference_time_s(model, gpu_type, batch)},
-                }
-                writes[key] = json.dumps(record).encode()
+            load_time_s, inference_time_s = self.scheduler.estimator.known_times_s(model, gpu_type)
+            record = {
+                "load_time_s": load_time_s,
+                "inference_time_s": {str(batch): seconds for batch, seconds in sorted(inference_time_s.items())},
+            }
+            writes[key] = json.dumps(record).encode()
 
     def _put(self, writes: dict[str, bytes | None], key: str, value: bytes) -> None:
         # A value this scheduler last put unchanged is not rewritten, unless this flush was to

@@ -222,6 +222,31 @@ def test_a_new_term_writes_again_the_replicas_an_earlier_one_left() -> None:
     run(scenario)
 
 
+def test_a_restarted_scheduler_recovers_every_batch_size_measured() -> None:
+    # A (GPU type, model) key held one batch size, the one dirty last: a restarted scheduler got
+    # the other sizes back by interpolation (batch 1 as 0.4 / 8 = 0.05 s, measured 0.1 s).
+    spec = make_spec("fn-a")
+
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        keys = service.keys
+        service.catalog.learn_function(stored_spec(keys, spec))
+        estimator = service.scheduler.estimator
+        estimator.observe_load(spec.model, "cpu", 9.0)
+        estimator.observe_inference(spec.model, "cpu", 1, 0.1)
+        estimator.observe_inference(spec.model, "cpu", 8, 0.4)
+        estimator.observe_inference(spec.model, "gpu", 4, 0.3)  # measured, never loaded there
+        service.book.dirty_profiles |= {("cpu", spec.model, 1), ("cpu", spec.model, 8), ("gpu", spec.model, 4)}
+        await service.persister.flush()
+        assert not service.book.dirty_profiles  # every batch size went in its key's one write
+        restarted = SchedulerService(store, keys=keys, prestage_nodes=0)
+        await restarted.catalog.recover()
+        known = restarted.scheduler.estimator.known_times_s
+        assert known(spec.model, "cpu") == (9.0, {1: 0.1, 8: 0.4})
+        assert known(spec.model, "gpu") == (None, {4: 0.3})  # not the size-based guess, taken for known
+
+    run(scenario)
+
+
 def test_the_catalog_relists_in_place_and_retires_models_no_function_runs() -> None:
     a, b = make_spec("fn-a"), make_spec("fn-b")
 
