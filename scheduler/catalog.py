@@ -25,9 +25,10 @@ log = logging.getLogger("gpufaas.scheduler")
 
 class Catalog:
     """Functions by name (`functions`), each function's model registered with the scheduler and
-    revived in the book; a model no function runs any more is retired. Profiles persisted by an
-    earlier scheduler seed the estimator. Node records go to the node links (`seen`, `gone`).
-    Touched from the event loop only; what the book decides is handed to `apply`."""
+    revived in the book; a model no function runs any more is retired. Profiles persisted by the
+    last leader seed the estimator, at start and on taking office (`read_profiles`). Node records
+    go to the node links (`seen`, `gone`). Touched from the event loop only; what the book
+    decides is handed to `apply`."""
 
     def __init__(
         self,
@@ -60,8 +61,7 @@ class Catalog:
         there). A node's GPUs join once it is attached (its workers then re-populate the cache)."""
         revision = await self.store.revision()
         self.functions_listed(await self.store.get_prefix(self.keys.functions), revision)
-        for kv in await self.store.get_prefix(self.keys.profiles):
-            self._apply_profile(kv)
+        await self.read_profiles()
         self.nodes_listed(await self.store.get_prefix(self.keys.nodes), revision)
         return revision
 
@@ -153,14 +153,25 @@ class Catalog:
                 return self.learn_function(kv)
         return None
 
+    async def read_profiles(self) -> None:
+        """Take the profiles persisted in etcd into the estimator, as they are (StoreError: etcd
+        cannot say now). Read at start, and again on taking office: a standby's own are those of
+        its start, and the leader measured for hours since (its first writes would put them back
+        over the leader's). Not watched: only the leader writes them, and a standby plans nothing."""
+        for kv in await self.store.get_prefix(self.keys.profiles):
+            self._apply_profile(kv)
+
     def _apply_profile(self, kv: KeyValue) -> None:
-        with contextlib.suppress(ValueError, KeyError, TypeError):
+        with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
             gpu_type, model = kv.key.removeprefix(self.keys.profiles).split("/", 1)
             raw = json.loads(kv.value)
-            if raw.get("load_time_s") is not None:
-                self.scheduler.estimator.observe_load(model, gpu_type, float(raw["load_time_s"]))
-            for batch, seconds in raw.get("inference_time_s", {}).items():
-                self.scheduler.estimator.observe_inference(model, gpu_type, int(batch), float(seconds))
+            load_time_s = raw.get("load_time_s")
+            inference_time_s = {
+                int(batch): float(seconds) for batch, seconds in raw.get("inference_time_s", {}).items()
+            }
+            self.scheduler.estimator.restore(
+                model, gpu_type, None if load_time_s is None else float(load_time_s), inference_time_s
+            )
 
     # --- nodes ------------------------------------------------------------------------------
     def nodes_listed(self, kvs: list[KeyValue], revision: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from gpufaas.profiles import ModelProfile
@@ -113,9 +113,23 @@ class Estimator:
     def known_times_s(self, model: str, gpu_type: str) -> tuple[float | None, dict[int, float]]:
         """What is known of `model` on `gpu_type`, profiled or measured, with no fallback: its load
         time (None: unknown) and its inference time per batch size (a copy): what a scheduler
-        persists for its successors."""
+        persists for its successors' `restore`."""
         key = (model, gpu_type)
         return self._load_s.get(key), dict(self._inference_s.get(key, {}))
+
+    def restore(
+        self, model: str, gpu_type: str, load_time_s: float | None, inference_time_s: Mapping[int, float]
+    ) -> None:
+        """Take figures another scheduler knew (`known_times_s`, persisted) as they are: they are
+        estimates already, not a new measurement to average in. They replace the ones known here,
+        batch size by batch size; a load time of None leaves the one known here."""
+        key = (model, gpu_type)
+        if load_time_s is not None:
+            self._load_s[key] = load_time_s
+            self._fits.pop(gpu_type, None)
+        if inference_time_s:
+            self._inference_s.setdefault(key, {}).update(inference_time_s)
+            self._per_sample_s.pop(gpu_type, None)
 
     # --- online updates -------------------------------------------------------------------
     def observe_load(self, model: str, gpu_type: str, load_time_s: float) -> None:

@@ -278,12 +278,12 @@ class SchedulerService:
 
     # --- terms (scheduler.election) -----------------------------------------------------------
     async def take_office(self, epoch: int) -> None:
-        """Lead as `epoch`: what a restarted scheduler does. Read the persisted LRU lists, attach
-        the nodes under a new grant key, and run the term's loops; gateways find this scheduler
-        in etcd and send again the calls they hold."""
+        """Lead as `epoch`, as a restarted scheduler: read the persisted profiles and LRU lists, attach the nodes
+        under a new grant key, run the term's loops; gateways find it in etcd and send the calls they hold."""
         self.term = term = _Term(uuid.uuid4().hex, grants.new_key(), open=False)
         # Under an election every write of the term is fenced on the leader key being this term's.
         self.persister.new_term(fence=(self.keys.scheduler_leader, epoch) if self.election is not None else None)
+        await self.catalog.read_profiles()  # the last leader's measurements, not those of our start
         self.links.recovered_lru = await self.persister.recover(self.links.registered_gpu_ids())
         self.links.activate(term.scheduler_id, term.token_key, epoch)
         for work in self._term_work():

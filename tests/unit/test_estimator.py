@@ -66,3 +66,12 @@ def test_measurements_move_the_estimate_by_ewma() -> None:
 def test_alpha_must_be_a_fraction() -> None:
     with pytest.raises(ValueError, match="alpha"):
         Estimator(alpha=0.0)
+
+
+def test_restored_figures_replace_the_known_ones_as_they_are() -> None:
+    # A successor's figures from etcd are estimates already: not averaged in as a measurement.
+    estimator = Estimator([ModelProfile("m", "t", 1000, 2.0, 1.0, 32)])
+    estimator.restore("m", "t", 9.0, {1: 0.1})
+    assert estimator.known_times_s("m", "t") == (9.0, {1: 0.1, 32: 1.0})
+    estimator.restore("m", "t", None, {32: 0.8})  # no load time known there: this one's stays
+    assert estimator.known_times_s("m", "t") == (9.0, {1: 0.1, 32: 0.8})

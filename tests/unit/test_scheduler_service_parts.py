@@ -247,6 +247,38 @@ def test_a_restarted_scheduler_recovers_every_batch_size_measured() -> None:
     run(scenario)
 
 
+def test_a_standby_takes_office_with_the_profiles_the_leader_measured_since_its_start() -> None:
+    # The standby read the profiles at its start (load 5 s) and kept them: in office it planned
+    # with them, then its first flush wrote them back over the 9 s the leader had measured since.
+    # Read again, they are taken as they are, not averaged into its own (5 + 0.2 * 4 = 5.8 s).
+    spec = make_spec("fn-a")
+
+    async def main() -> None:
+        store, keys, now = MemoryStore(), Keys("/t"), [0.0]
+        await store.put(keys.function(spec.name), spec.to_json())
+        earlier = {"load_time_s": 5.0, "inference_time_s": {"1": 0.2}}
+        await store.put(keys.profile("cpu", spec.model), json.dumps(earlier).encode())
+        standby = SchedulerService(store, keys=keys, prestage_nodes=0)
+        await standby.catalog.recover()  # starts beside the leader
+        leader = SchedulerService(store, keys=keys, prestage_nodes=0, clock=lambda: now[0])
+        await leader.catalog.recover()
+        estimator = leader.scheduler.estimator
+        estimator.restore(spec.model, "cpu", 9.0, {1: 0.1, 8: 0.4})  # what hours of calls measured
+        leader.book.dirty_profiles.add(("cpu", spec.model, 8))
+        await leader.persister.flush()
+        await standby.take_office(7)
+        try:
+            assert standby.scheduler.estimator.known_times_s(spec.model, "cpu") == (9.0, {1: 0.1, 8: 0.4})
+            standby.book.dirty_profiles.add(("cpu", spec.model, 1))  # its first call's Done
+            await standby.persister.flush()
+        finally:
+            await standby.leave_office("test")
+        kv = await store.get(keys.profile("cpu", spec.model))
+        assert kv is not None and json.loads(kv.value) == {"load_time_s": 9.0, "inference_time_s": {"1": 0.1, "8": 0.4}}
+
+    asyncio.run(main())
+
+
 def test_the_catalog_relists_in_place_and_retires_models_no_function_runs() -> None:
     a, b = make_spec("fn-a"), make_spec("fn-b")
 
