@@ -141,8 +141,12 @@ def deploy(
             if not (function.handler / "handler.py").is_file():
                 raise GpufaasError(f"{file}: functions.{function.name}.handler: {function.handler} has no handler.py")
         scanned = uploads.scan([(f.name, f.handler) for f in selected], DigestCache(_digest_cache_path()))
-        with _transfer_progress("uploading") as progress:
-            report = uploads.upload(client, scanned, progress=progress)
+        try:
+            with _transfer_progress("uploading") as progress:
+                report = uploads.upload(client, scanned, progress=progress)
+        except KeyboardInterrupt:
+            err_console.print("interrupted: what was sent stays on the gateway; deploy again to send the rest")
+            raise typer.Exit(code=130) from None
         for function, package in zip(selected, scanned, strict=True):
             registered = report.packages[package.manifest.digest]
             if registered.get("warning"):  # e.g. no second gateway holds it: it is not yet durable

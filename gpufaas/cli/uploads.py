@@ -5,9 +5,9 @@ on the gateway: the next deploy resumes it."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import gzip
 import io
+import queue
 import tarfile
 import threading
 import time
@@ -309,8 +309,33 @@ def _put_through_api(gateway: Gateway, digest: str, path: Path, sent: _Progress)
 
 
 def _parallel(work: Callable[[str], object], digests: list[str]) -> None:
+    """`work(digest)` for every digest, PARALLEL_UPLOADS at a time; the first failure is raised
+    once the uploads under way end (no new one starts after it). The threads are daemons: a
+    Ctrl-C ends the deploy at once, what was sent staying on the gateway for the next deploy to
+    resume (a pool's threads are joined at exit: every queued upload ran to its end first)."""
     if not digests:
         return
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(PARALLEL_UPLOADS, len(digests))) as pool:
-        for future in [pool.submit(work, d) for d in digests]:
-            future.result()
+    pending = queue.SimpleQueue[str]()
+    for digest in digests:
+        pending.put(digest)
+    failures: list[BaseException] = []
+
+    def uploader() -> None:
+        while not failures:
+            try:
+                digest = pending.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                work(digest)
+            except BaseException as exc:  # (raised in the caller's thread, below)
+                failures.append(exc)
+
+    threads = [threading.Thread(target=uploader, daemon=True) for _ in range(min(PARALLEL_UPLOADS, len(digests)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        while thread.is_alive():
+            thread.join(0.1)  # (polled: a Ctrl-C whose signal reached another thread is heard at once)
+    if failures:
+        raise failures[0]
