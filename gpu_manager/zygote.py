@@ -14,7 +14,11 @@ zygote keep any it was started with but its stdio and fd N. With --isolate each 
 moves into a network namespace of its own (gpu_manager.sandbox): it reaches nothing but its pool.
 Children are reaped automatically (SIGCHLD ignored); the pool tells a worker's exit by its socket
 closing or, from its hello on, by its PID (a pidfd: a process its handler forked may hold a copy of
-its socket). The zygote exits when the pool closes its end.
+its socket). The zygote exits when the pool closes its end, or the kernel does for a node that died
+(killed by the OOM killer, crashed), and first SIGKILLs every worker it forked that still runs: an
+idle one would exit at its socket's EOF, but one busy in a call reads it only once the call returns,
+and one stuck in its handler never (keeping its host and device memory beyond the node, unknown to
+the node's next incarnation). A zygote that dies itself leaves its workers serving their pool.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import socket
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import NoReturn
 
 from gpu_manager.backends import Backend, WorkerDevice, backend_class
@@ -63,9 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             message, fds, _, _ = socket.recv_fds(control, MAX_MESSAGE_BYTES, 2)
         except ConnectionResetError:
+            message, fds = b"", []
+        if not message:  # the pool is gone: shut down, or its node died
+            kill_workers()
             return 0
-        if not message:
-            return 0  # the pool is gone
         if len(fds) != 2:
             for fd in fds:
                 os.close(fd)
@@ -76,6 +82,52 @@ def main(argv: list[str] | None = None) -> int:
             _run_forked_worker(backend, gpu_id, int(index), fds, isolate=args.isolate, import_s=import_s)
         for fd in fds:
             os.close(fd)
+
+
+def kill_workers() -> int:
+    """SIGKILL every process this zygote forked that still runs (its workers); how many. Each is
+    signalled through a pidfd, after checking that its PID still names a child of this process: the
+    zygote forks nothing more, so such a child is one of its workers, never a process that reused
+    the PID of one that exited (they are reaped as they exit)."""
+    me = os.getpid()
+    killed = 0
+    for pid in _children(me):
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue  # exited meanwhile
+        except OSError:  # no pidfds (Linux before 5.3): by PID, checked just before
+            pidfd = -1
+        try:
+            if _parent(pid) == me:
+                if pidfd >= 0:
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+                killed += 1
+        except ProcessLookupError:
+            pass
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+    return killed
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` now (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _parent(int(entry.name)) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def _parent(pid: int) -> int | None:
+    """Process `pid`'s parent (None if it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _run_forked_worker(

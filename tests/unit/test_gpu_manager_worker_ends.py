@@ -238,3 +238,58 @@ def test_a_worker_gone_before_it_is_confined_gets_no_group_and_no_home(
         assert cgroups.names() == []
 
     run(main)
+
+
+# A node in a process of its own (as LocalCluster starts one: a session of its own), which loads an
+# emulated model, starts a call of it that lasts a minute, prints its worker's PID and its zygote's,
+# then waits.
+_NODE = """
+import asyncio, os, sys
+from pathlib import Path
+from tests.unit.test_gpu_manager_pool import Shelf, emulated, open_pool
+
+async def main() -> None:
+    shelf = Shelf(Path(sys.argv[1]))
+    run = emulated("slow", shelf.digest("echo_function"), inference_s=60)
+    async with open_pool("emulated", shelf) as node:
+        busy = asyncio.ensure_future(node.call(run))
+        while not node.pool.workers():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # the worker is in the call
+        [zygote] = node.zygotes()
+        print(node.pid_of("slow"), zygote.pid, flush=True)
+        await busy
+
+asyncio.run(main())
+"""
+
+
+def test_a_node_that_dies_alone_takes_its_busy_worker_with_it(tmp_path: Path) -> None:
+    # The node is killed by PID, not its process group (the OOM killer, a crash): its worker, busy in
+    # a call for another minute, would read its socket's EOF only then, a stuck one never.
+    node = subprocess.Popen(
+        [sys.executable, "-c", _NODE, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        cwd=Path(__file__).resolve().parents[2],
+        start_new_session=True,
+    )
+    pids: list[int] = []
+    try:
+        assert node.stdout is not None
+        pids = [int(pid) for pid in node.stdout.readline().split()]
+        worker, zygote = pids
+        assert pid_alive(worker)
+        node.kill()
+        node.wait(timeout=5)
+        deadline = time.monotonic() + 3.0
+        while (pid_alive(worker) or pid_alive(zygote)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not pid_alive(worker), "the busy worker outlived its node"
+        assert not pid_alive(zygote)
+    finally:
+        for pid in pids:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
