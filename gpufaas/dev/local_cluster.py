@@ -78,19 +78,41 @@ class Component:
         )
 
     def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        return self.process is not None and self.exit_status() is None
+
+    def exit_status(self) -> int | None:
+        """Its exit status once it exited (negative: the signal that killed it), else None. An exited
+        process is not reaped here but by `stop`: until then its PID, its process group's ID, names
+        no other process, and `stop` can still kill what is left in its group."""
+        process = self.process
+        if process is None or process.returncode is not None:
+            return None if process is None else process.returncode
+        try:
+            exited = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped already
+            return process.poll()
+        if exited is None:
+            return None
+        return exited.si_status if exited.si_code == os.CLD_EXITED else -exited.si_status
 
     def stop(self, *, kill: bool = False, timeout_s: float = 10.0) -> None:
-        """SIGTERM (or SIGKILL) by PID, then SIGKILL what is left after `timeout_s`."""
-        if self.process is not None and self.process.poll() is None:
-            # The whole process group: a GPU manager's worker processes go with it.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL if kill else signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=5)
+        """SIGTERM (or SIGKILL) its process group, SIGKILL it after `timeout_s`, and SIGKILL what is
+        left in it once its process exited: a GPU manager's workers go with it, those of one that
+        died alone (killed by the OOM killer, crashed) included, which would otherwise outlive the
+        cluster, unknown to its next incarnation."""
+        process = self.process
+        if process is not None and process.returncode is None:  # not reaped yet (a second stop does nothing)
+            if self.alive():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signal.SIGKILL if kill else signal.SIGTERM)
+                deadline = time.monotonic() + timeout_s
+                while self.alive() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            # Its group by the PID of its leader, exited or not: unreaped (exit_status), that PID
+            # still names this group and no other.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=5)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -617,8 +639,7 @@ class ClusterSupervisor:
                     self._restart(name)
 
     def _exit_status(self, name: str) -> str:
-        process = None if name == "etcd" else self.cluster.components[name].process
-        code = process.poll() if process is not None else None
+        code = None if name == "etcd" else self.cluster.components[name].exit_status()
         return f"status {code}" if code is not None else "gone"
 
     def _restart(self, name: str) -> None:

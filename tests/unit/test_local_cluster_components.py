@@ -1,0 +1,86 @@
+"""gpufaas.dev.local_cluster's components over real processes: what a stop leaves behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from gpufaas.dev.local_cluster import Component
+from gpufaas.processes import pid_alive, survivors
+
+# A component that starts a process in its own group (as a GPU manager forks its zygote and
+# workers), writes that process's PID to the file it is given, and waits.
+_LEADER = """
+import subprocess, sys, time
+child = subprocess.Popen(["sleep", "60"])
+open(sys.argv[1], "w").write(str(child.pid))
+time.sleep(60)
+"""
+
+
+def _started(tmp_path: Path) -> tuple[Component, int]:
+    """A started component running _LEADER, and its child's PID."""
+    pid_file = tmp_path / "child.pid"
+    component = Component("node0", [sys.executable, "-c", _LEADER, str(pid_file)], tmp_path / "node0.log")
+    component.start(dict(os.environ))
+    deadline = time.monotonic() + 10.0
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert time.monotonic() < deadline, "the component did not start its child"
+        time.sleep(0.01)
+    return component, int(pid_file.read_text())
+
+
+def test_a_component_that_died_alone_has_what_it_left_in_its_group_killed_when_stopped(tmp_path: Path) -> None:
+    # A GPU manager killed by PID (the OOM killer, a crash) leaves its workers in its group: the
+    # supervisor's restart_one, and the cluster's stop, stop the component before anything else.
+    component, child = _started(tmp_path)
+    assert component.process is not None
+    try:
+        os.kill(component.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while component.alive():
+            assert time.monotonic() < deadline, "the component did not die"
+            time.sleep(0.01)
+        assert pid_alive(child)
+        component.stop()
+        assert survivors([child], grace_s=2.0) == [], "what the dead component left in its group outlived its stop"
+        assert component.process.returncode == -signal.SIGKILL  # reaped by the stop
+        component.stop()  # a second stop signals nothing (its PID may name another process by now)
+    finally:
+        if pid_alive(child):
+            os.kill(child, signal.SIGKILL)
+        component.stop(kill=True)
+
+
+def test_a_dead_components_status_is_told_and_its_pid_kept_until_it_is_stopped(tmp_path: Path) -> None:
+    component, child = _started(tmp_path)
+    assert component.process is not None
+    pid = component.process.pid
+    try:
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while component.exit_status() is None:
+            assert time.monotonic() < deadline, "the component did not die"
+            time.sleep(0.01)
+        assert component.exit_status() == -signal.SIGKILL and not component.alive()
+        assert Path(f"/proc/{pid}").exists()  # not reaped: its PID, its group's, names no other process
+        component.stop()
+        assert component.process.returncode == -signal.SIGKILL  # reaped by the stop
+    finally:
+        if pid_alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_running_component_is_stopped_with_its_group(tmp_path: Path) -> None:
+    component, child = _started(tmp_path)
+    assert component.process is not None
+    try:
+        component.stop(timeout_s=5.0)
+        assert component.process.returncode == -signal.SIGTERM
+        assert survivors([child], grace_s=2.0) == []
+    finally:
+        if pid_alive(child):
+            os.kill(child, signal.SIGKILL)
