@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import urllib.parse
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -181,12 +182,36 @@ class GatewayClient:
             f"(HTTP {response.status_code}): is it a gpufaas gateway?"
         )
 
-    def rows(self, response: httpx.Response, what: str, keys: tuple[str, ...]) -> list[dict[str, Any]]:
-        """The answer to a listing: a list of objects, each with `keys`; else `not_a_gateway`."""
+    def rows(
+        self, response: httpx.Response, what: str, fields: Mapping[str, Callable[[Any], bool]]
+    ) -> list[dict[str, Any]]:
+        """The answer to a listing: a list of objects, each with every key of `fields` holding a
+        value its check takes (what a table shows: a listing that is not one is a clear line,
+        not a traceback in the formatting); else `not_a_gateway`."""
         answer = self.ok(response)
-        if not isinstance(answer, list) or not all(isinstance(r, dict) and set(keys) <= set(r) for r in answer):
+        if not isinstance(answer, list) or not all(
+            isinstance(row, dict) and all(key in row and check(row[key]) for key, check in fields.items())
+            for row in answer
+        ):
             raise self.not_a_gateway(response, what)
         return answer
+
+
+# The checks of a listing's fields (`GatewayClient.rows`). JSON's true is not a number here.
+def is_text(value: object) -> bool:
+    return isinstance(value, str)
+
+
+def is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def is_texts(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
 
 
 def not_a_gateway_url(url: str) -> GpufaasError:

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gpufaas.cli.base import GatewayOpt, app, console, err_console, user_errors
-from gpufaas.cli.client import GatewayClient, gateway_url, running_cluster_url
+from gpufaas.cli.client import GatewayClient, gateway_url, is_count, is_number, is_text, running_cluster_url
 from gpufaas.errors import GpufaasError
 
 INVOKE_GRACE_S = 30.0  # past the longest a call may run: the gateway's own answer (a 504) comes first
@@ -259,7 +259,15 @@ def invoke(
 
 
 # What `ls` shows of each function (what the gateway's GET /system/functions has).
-LISTED = ("name", "memory_mb", "batch_size", "timeout_s", "gpu", "invocationCount", "replicas")
+LISTED = {
+    "name": is_text,
+    "memory_mb": is_count,
+    "batch_size": is_count,
+    "timeout_s": is_number,
+    "gpu": is_text,
+    "invocationCount": is_count,
+    "replicas": is_count,
+}
 
 
 @app.command("ls")

@@ -94,13 +94,7 @@ def upload(
     for package in packages:
         wanted |= package.manifest.blobs()
         files |= package.files
-    response = gateway.request("POST", "/system/blobs/missing", json={"blobs": wanted})
-    answer = gateway.ok(response)
-    if not isinstance(answer, dict) or not isinstance(answer.get("missing"), list):
-        raise GpufaasError(
-            f"the gateway at {gateway.url} answered /system/blobs/missing with something other than the blobs it "
-            f"lacks (HTTP {response.status_code}): is it a gpufaas gateway?"
-        )
+    answer = _missing(gateway, wanted)
     limit = answer.get("limit_bytes")
     for package in packages:  # said before anything is sent, not after
         if limit is not None and package.manifest.unpacked_bytes > limit:
@@ -123,17 +117,47 @@ def upload(
     report.blobs_sent = len(missing)
     report.bytes_sent = sent.sent - sent.resumed
     for package in packages:
-        response = gateway.request(
-            "POST",
-            "/system/packages",
-            content=package.manifest.to_json(),
-            headers={"content-type": "application/vnd.gpufaas.manifest+json"},
-        )
-        try:
-            report.packages[package.manifest.digest] = gateway.ok(response)
-        except GpufaasError as exc:
-            raise GpufaasError(f"{package.name}: {exc}") from None
+        report.packages[package.manifest.digest] = _register(gateway, package)
     return report
+
+
+def _missing(gateway: Gateway, wanted: dict[str, int]) -> dict[str, Any]:
+    """The gateway's answer to which of the `wanted` blobs (digest: size) it lacks, checked."""
+    response = gateway.request("POST", "/system/blobs/missing", json={"blobs": wanted})
+    answer = gateway.ok(response)
+    if not (
+        isinstance(answer, dict)
+        and isinstance(answer.get("missing"), list)
+        and all(isinstance(d, str) and d in wanted for d in answer["missing"])  # (only those it was asked of)
+        and isinstance(answer.get("offsets", {}), dict)
+        and isinstance(answer.get("limit_bytes"), int | None)
+        and isinstance(answer.get("upload_url"), str | None)
+    ):
+        raise GpufaasError(
+            f"the gateway at {gateway.url} answered /system/blobs/missing with something other than the blobs it "
+            f"lacks (HTTP {response.status_code}): is it a gpufaas gateway?"
+        )
+    return answer
+
+
+def _register(gateway: Gateway, package: Scanned) -> dict[str, Any]:
+    """Register `package` (its manifest) once its blobs are there: the gateway's answer, checked."""
+    response = gateway.request(
+        "POST",
+        "/system/packages",
+        content=package.manifest.to_json(),
+        headers={"content-type": "application/vnd.gpufaas.manifest+json"},
+    )
+    try:
+        registered = gateway.ok(response)
+    except GpufaasError as exc:
+        raise GpufaasError(f"{package.name}: {exc}") from None
+    if not isinstance(registered, dict) or not isinstance(registered.get("digest"), str):
+        raise GpufaasError(
+            f"the gateway at {gateway.url} answered {package.name}'s package with no digest "
+            f"(HTTP {response.status_code}): is it a gpufaas gateway?"
+        )
+    return registered
 
 
 class _Progress:

@@ -12,11 +12,20 @@ from rich.console import Console
 from rich.table import Table
 
 from gpufaas.cli.base import GatewayOpt, StateDir, app, console, err_console, user_errors
-from gpufaas.cli.client import GatewayClient, gateway_url, state_dir_default
+from gpufaas.cli.client import GatewayClient, gateway_url, is_count, is_number, is_text, is_texts, state_dir_default
 from gpufaas.errors import GpufaasError
 
 # What `gpus` shows of each GPU (what the gateway's GET /system/gpus has; host_tier is newer).
-SHOWN = ("node", "gpu", "gpu_type", "status", "memory_used_mb", "memory_capacity_mb", "local_queue", "lru")
+SHOWN = {
+    "node": is_text,
+    "gpu": is_text,
+    "gpu_type": is_text,
+    "status": is_text,
+    "memory_used_mb": is_number,
+    "memory_capacity_mb": is_number,
+    "local_queue": is_count,
+    "lru": is_texts,
+}
 
 
 @app.command()
@@ -33,13 +42,13 @@ def gpus(gateway: GatewayOpt = None) -> None:
     for g in sorted(rows, key=lambda g: g["gpu"]):
         table.add_row(
             g["node"],
-            g["gpu"].split("/", 1)[1],
+            g["gpu"].rpartition("/")[2],  # (node/gpu: the node has its column)
             g["gpu_type"],
             g["status"],
             f"{g['memory_used_mb']}/{g['memory_capacity_mb']}",
             str(g["local_queue"]),
             ", ".join(g["lru"]) or "-",
-            ", ".join(g.get("host_tier", [])) or "-",
+            ", ".join(map(str, g.get("host_tier") or [])) or "-",
         )
     Console(width=None if sys.stdout.isatty() else 200).print(table)
 

@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 
 from gpufaas.cli import app, uploads
 from gpufaas.cli.client import DEFAULT_GATEWAY, GatewayClient, gateway_url
+from gpufaas.errors import GpufaasError
 from gpufaas.packages import DigestCache
 
 FUNCTION = {"name": "f", "memory_mb": 100, "batch_size": 1, "timeout_s": 5.0, "gpu": "any"}
@@ -427,3 +428,49 @@ def test_a_ctrl_c_ends_the_uploads_at_once() -> None:
         assert len(started) == uploads.PARALLEL_UPLOADS  # (none of the queued ones began)
     finally:
         release.set()
+
+
+@pytest.mark.parametrize(
+    ("argv", "row"),
+    [
+        (["ls"], FUNCTION | {"timeout_s": "5"}),
+        (["ls"], FUNCTION | {"replicas": None}),
+        (["gpus"], GPU | {"lru": ["m", 3]}),
+        (["gpus"], GPU | {"local_queue": True}),
+    ],
+    ids=["timeout-as-text", "replicas-null", "lru-not-names", "queue-a-boolean"],
+)
+def test_a_listing_whose_fields_are_not_of_their_kind_is_one_clear_line(
+    stand: Stand, state: Path, argv: list[str], row: dict[str, object]
+) -> None:
+    """Each of these was a traceback in the table's formatting ('Unknown format code', a join of
+    a number); a GPU named without its node's prefix is shown as it is."""
+    stand.answer(PATHS[argv[0]], 200, [row])
+    code, out, err = cli(*argv, "--gateway", stand.url)
+    assert code == 1 and "is it a gpufaas gateway?" in err, (out, err)
+    stand.answer("/system/gpus", 200, [GPU | {"gpu": "0"}])
+    code, out, err = cli("gpus", "--gateway", stand.url)
+    assert code == 0, err
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"missing": ["sha256:" + "0" * 64], "offsets": {}},  # a blob it was not asked of
+        {"missing": [{"d": 1}], "offsets": {}},
+        {"missing": [], "offsets": [], "limit_bytes": "big"},
+    ],
+    ids=["not-asked", "not-a-digest", "wrong-types"],
+)
+def test_a_deploy_to_a_gateway_that_answers_missing_blobs_oddly_is_one_clear_line(
+    tmp_path: Path, answer: dict[str, object]
+) -> None:
+    (tmp_path / "fn").mkdir()
+    (tmp_path / "fn" / "handler.py").write_text("def load(device):\n    return None\n")
+    scanned = uploads.scan([("fn", tmp_path / "fn")], DigestCache(None))
+    client = GatewayClient("http://127.0.0.1:1", password="pw")  # pragma: allowlist secret
+    client._client = httpx.Client(
+        base_url=client.url, transport=httpx.MockTransport(lambda request: httpx.Response(200, json=answer))
+    )
+    with pytest.raises(GpufaasError, match="is it a gpufaas gateway"):
+        uploads.upload(client, scanned)
