@@ -104,6 +104,10 @@ def up(
     from gpufaas.dev.local_cluster import recorded_pids, supervised
     from gpufaas.processes import pid_alive
 
+    if state_dir.exists() and not state_dir.is_dir():
+        raise typer.BadParameter(
+            f"{state_dir} is a file; the cluster's state goes in a folder", param_hint="--state-dir"
+        )
     if runtime not in ("process", "docker"):
         raise typer.BadParameter(f"expected process or docker, got {runtime!r}", param_hint="--runtime")
     if runtime == "docker" and spares:
@@ -198,13 +202,18 @@ def _start_supervised(state_dir: Path, options: Mapping[str, Any], *, policy: st
             stderr=subprocess.STDOUT,
             start_new_session=True,  # it outlives this command
         )
-    with user_errors(), err_console.status("starting etcd, the scheduler(s), the gateway(s) and the GPU managers..."):
-        while (status := read_supervisor_status(state_dir)).get("status") != "up":
-            if status.get("status") == "failed" or supervisor.poll() is not None:
-                supervisor.wait()
-                tail = "\n".join((logs / "supervisor.log").read_text(errors="replace").splitlines()[-15:])
-                raise GpufaasError(f"the cluster did not start: {status.get('error') or tail}")
-            time.sleep(0.2)
+    starting = "starting etcd, the scheduler(s), the gateway(s) and the GPU managers..."
+    try:
+        with user_errors(), err_console.status(starting):
+            while (status := read_supervisor_status(state_dir)).get("status") != "up":
+                if status.get("status") == "failed" or supervisor.poll() is not None:
+                    supervisor.wait()
+                    tail = "\n".join((logs / "supervisor.log").read_text(errors="replace").splitlines()[-15:])
+                    raise GpufaasError(f"the cluster did not start: {status.get('error') or tail}")
+                time.sleep(0.2)
+    except KeyboardInterrupt:  # the supervisor is in a session of its own: it goes on
+        err_console.print("interrupted: the cluster goes on starting in the background; `gpufaas down` stops it")
+        raise typer.Exit(code=130) from None
     gateways = f" (HAProxy over {cluster.gateways} gateways)" if cluster.gateways > 1 else ""
     schedulers = f", {cluster.schedulers} schedulers" if cluster.schedulers > 1 else ""
     inside = in_gateway(cluster)

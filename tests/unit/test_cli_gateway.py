@@ -474,3 +474,10 @@ def test_a_deploy_to_a_gateway_that_answers_missing_blobs_oddly_is_one_clear_lin
     )
     with pytest.raises(GpufaasError, match="is it a gpufaas gateway"):
         uploads.upload(client, scanned)
+
+
+def test_up_with_a_state_dir_that_is_a_file_is_one_clear_line(tmp_path: Path) -> None:
+    taken = tmp_path / "state"
+    taken.write_text("not a folder")
+    code, _, err = cli("up", "--state-dir", str(taken), "--backend", "emulated")
+    assert code == 2 and "the cluster's state goes in a folder" in " ".join(err.replace("│", " ").split()), err
