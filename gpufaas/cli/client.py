@@ -76,22 +76,26 @@ def credentials_to_change() -> dict[str, str]:
         saved = json.loads(text)
     except ValueError:
         saved = None
-    if not isinstance(saved, dict):
+    if not isinstance(saved, dict) or not all(isinstance(v, str) for v in saved.values()):
         raise GpufaasError(
             f"{path} is not a JSON object of passwords by gateway URL; fix it or remove it, then log in again"
         )
-    return {str(k): str(v) for k, v in saved.items()}
+    return saved
 
 
 def keep_credentials(saved: dict[str, str]) -> Path:
-    """Write the passwords kept by gateway URL (0600), whole or not at all. Returns where."""
+    """Write the passwords kept by gateway URL (0600), whole or not at all, where the file is (a
+    link, as dotfile managers make, is written through). Returns the file's path."""
     path = credentials_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    target = path.resolve()
+    partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
         with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
             json.dump(saved, out, indent=2)
-        os.replace(partial, path)
+        os.replace(partial, target)
+    except OSError as exc:
+        raise GpufaasError(f"cannot write {path}: {exc}") from None
     finally:
         partial.unlink(missing_ok=True)
     return path

@@ -45,7 +45,7 @@ def new(
         return
     if name is None:
         raise typer.BadParameter("give the new function's name (or --list for the templates)", param_hint="NAME")
-    if not NAME_PATTERN.match(name):
+    if not NAME_PATTERN.fullmatch(name):
         raise typer.BadParameter("use lower-case letters, digits and '-' (at most 63)", param_hint="NAME")
     if template not in templates:
         raise typer.BadParameter(
@@ -60,6 +60,8 @@ def new(
     made = target
     while not made.parent.exists():
         made = made.parent
+    with user_errors():
+        _stack_without(directory / "stack.yml", name)  # said before the copy and the weights, not after
     try:
         with user_errors():
             shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "stack.yml", "template.yml"))
@@ -78,9 +80,8 @@ def new(
     )
 
 
-def _add_to_stack(stack_path: Path, name: str, template: str, meta: Mapping[str, Any]) -> Path:
-    """Add function `name` (from `template`, with its template.yml `meta`) to the stack file at
-    `stack_path`, made if absent; written whole or not at all. Returns `stack_path`."""
+def _stack_without(stack_path: Path, name: str) -> dict[str, Any]:
+    """The stack file at `stack_path` (a new one if absent), which must not have function `name`."""
     import yaml
 
     # The running local cluster's gateway; none running: no gateway, so `deploy` finds the local
@@ -100,6 +101,15 @@ def _add_to_stack(stack_path: Path, name: str, template: str, meta: Mapping[str,
                 f"{stack_path} has a function {name!r} already (its next deploy would be this template's); "
                 "choose another name, or remove it from the stack file first"
             )
+    return stack
+
+
+def _add_to_stack(stack_path: Path, name: str, template: str, meta: Mapping[str, Any]) -> Path:
+    """Add function `name` (from `template`, with its template.yml `meta`) to the stack file at
+    `stack_path`, made if absent; written whole or not at all. Returns `stack_path`."""
+    import yaml
+
+    stack = _stack_without(stack_path, name)  # (read again: it may have changed since `new` checked)
     stack["functions"][name] = {
         "template": template,
         "handler": f"./{name}",
@@ -201,7 +211,7 @@ def _function_name(name: str) -> str:
     the request, with the admin's credential, to another route."""
     from gpufaas.functions import NAME_PATTERN
 
-    if not NAME_PATTERN.match(name):
+    if not NAME_PATTERN.fullmatch(name):  # (match: its $ takes a name ending in a newline)
         raise typer.BadParameter(
             f"{name!r} is not a function name: lower-case letters, digits and '-' (at most 63)", param_hint="NAME"
         )

@@ -104,10 +104,6 @@ def up(
     from gpufaas.dev.local_cluster import recorded_pids, supervised
     from gpufaas.processes import pid_alive
 
-    if state_dir.exists() and not state_dir.is_dir():
-        raise typer.BadParameter(
-            f"{state_dir} is a file; the cluster's state goes in a folder", param_hint="--state-dir"
-        )
     if runtime not in ("process", "docker"):
         raise typer.BadParameter(f"expected process or docker, got {runtime!r}", param_hint="--runtime")
     if runtime == "docker" and spares:
@@ -125,6 +121,10 @@ def up(
     backend = backend if backend is not None else ("cuda" if _nvml_finds_gpus() else "cpu")
     if backend not in ("cuda", "cpu", "emulated"):
         raise typer.BadParameter(f"expected cuda, cpu or emulated, got {backend!r}", param_hint="--backend")
+    try:  # (after the options' checks: a refused `up` leaves nothing)
+        state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file there or above it, a dangling link, no right to make it
+        raise typer.BadParameter(f"{state_dir}: {exc.strerror}; the cluster's state goes in a folder") from None
     if supervised(state_dir) or any(pid_alive(pid) for pid in recorded_pids(state_dir).values()):
         url = cluster_info(state_dir).get("gateway_url", "?")
         console.print(
@@ -212,6 +212,7 @@ def _start_supervised(state_dir: Path, options: Mapping[str, Any], *, policy: st
                     raise GpufaasError(f"the cluster did not start: {status.get('error') or tail}")
                 time.sleep(0.2)
     except KeyboardInterrupt:  # the supervisor is in a session of its own: it goes on
+        _until_recorded(state_dir, supervisor)
         err_console.print("interrupted: the cluster goes on starting in the background; `gpufaas down` stops it")
         raise typer.Exit(code=130) from None
     gateways = f" (HAProxy over {cluster.gateways} gateways)" if cluster.gateways > 1 else ""
@@ -228,6 +229,18 @@ def _start_supervised(state_dir: Path, options: Mapping[str, Any], *, policy: st
         "this CLI uses it), invoke-token (Authorization: Bearer, to call functions)"
     )
     console.print("stop it with `gpufaas down`")
+
+
+def _until_recorded(state_dir: Path, supervisor: Any, timeout_s: float = 10.0) -> None:
+    """Until the supervisor started in the background has recorded itself (pids.json), where
+    `gpufaas down` finds it, or has exited: a down sent at once must not find nothing to stop."""
+    from gpufaas.dev.local_cluster import recorded_pids
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and supervisor.poll() is None:
+        if recorded_pids(state_dir).get("supervisor") == supervisor.pid:
+            return
+        time.sleep(0.05)
 
 
 @app.command()

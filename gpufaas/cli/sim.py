@@ -261,22 +261,25 @@ def sim(
         runs = (working_sets, policies, limits, mapping_seeds)
         show = _Show(bar=not json_output and progress_every_s is None, every_s=progress_every_s, optimum=optimum)
         results = _sim_execute(workloads, runs, cluster, config, batching, show)
-        if plot is not None:
-            _plot(results, plot, sweep=limits is not None)
     first = next(iter(workloads.values()))
     window = {"start_minute": first.start_minute, "minutes": first.minutes, "rpm": rpm, "seed": seed}
     meta: dict[str, object] = {"trace": str(trace_path), "trace_format": trace_format.value, **window}
     meta.update(_sim_cluster_meta(cluster, results, slo_factor))
-    _sim_output(results, meta, grouped=len(mapping_seeds) > 1, json_output=json_output, plot=plot)
+    _sim_output(results, meta, grouped=len(mapping_seeds) > 1, json_output=json_output)
+    if plot is not None:  # after the results: a plot that cannot be written loses none of them
+        _plot(results, plot, sweep=limits is not None, quiet=json_output)
 
 
-def _plot(results: list[SimResult], plot: Path, *, sweep: bool) -> None:
+def _plot(results: list[SimResult], plot: Path, *, sweep: bool, quiet: bool) -> None:
     from simulator.report import plot_policies, plot_sweep
 
-    try:
-        (plot_sweep if sweep else plot_policies)(results, plot)
-    except OSError as exc:  # (a disk full: the folder was checked before the run)
-        raise GpufaasError(f"cannot write the plot {plot}: {exc}") from None
+    with user_errors():
+        try:
+            (plot_sweep if sweep else plot_policies)(results, plot)
+        except OSError as exc:  # (a disk full: the file was checked before the run)
+            raise GpufaasError(f"cannot write the plot {plot}: {exc}; the results are above") from None
+    if not quiet:
+        console.print(f"wrote {plot}")
 
 
 def _check_whole_trace(ctx: typer.Context, *, whole_trace: bool, start_minute: int | None) -> None:
@@ -324,6 +327,8 @@ def _sim_checked(
     if plot is not None and not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
         # Checked before the run, not found after it: a sweep can take hours.
         raise typer.BadParameter(f"{folder} is not a folder this user can write the plot into", param_hint="--plot")
+    if plot is not None and (plot.is_dir() or (plot.exists() and not os.access(plot, os.W_OK))):
+        raise typer.BadParameter(f"{plot} is a folder, or a file this user cannot write", param_hint="--plot")
     return working_sets, mapping_seeds, limits
 
 
@@ -396,9 +401,7 @@ def _sim_cluster_meta(
     }
 
 
-def _sim_output(
-    results: list[SimResult], meta: dict[str, object], *, grouped: bool, json_output: bool, plot: Path | None
-) -> None:
+def _sim_output(results: list[SimResult], meta: dict[str, object], *, grouped: bool, json_output: bool) -> None:
     """The results as JSON or tables (aggregated over mappings when `grouped`)."""
     from simulator.report import aggregate
 
@@ -415,8 +418,6 @@ def _sim_output(
         _print_aggregates(groups, meta)
     else:
         _print_table(results, meta)
-        if plot is not None:
-            console.print(f"wrote {plot}")
 
 
 def _sim_title(meta: Mapping[str, object]) -> str:

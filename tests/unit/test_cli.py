@@ -413,9 +413,39 @@ def test_odd_input_to_sim_is_one_clear_line_before_the_run(tmp_path: Path) -> No
     cases = {
         "is not a folder this user can write the plot into": ["--plot", str(tmp_path / "no" / "f.png")],
         "expected 'ends' or a non-negative seed, got '²'": ["--mappings", "ends,²"],
-        "t.csv:3: end_timestamp is '1e300' s, past": ["--trace", str(trace), "--trace-format", "azure2021"],
+        "t.csv: its invocations span minutes 0 to": ["--trace", str(trace), "--trace-format", "azure2021"],
     }
     for message, argv in cases.items():
         result = runner.invoke(app, ["sim", "--minutes", "1", "--rpm", "5", "--no-optimum", *argv])
         assert isinstance(result.exception, SystemExit) and result.exit_code in (1, 2), repr(result.exception)
         assert message in " ".join(result.stderr.replace("│", " ").split()), result.stderr
+
+
+def test_a_plot_that_cannot_be_written_after_the_run_keeps_the_results(tmp_path: Path) -> None:
+    """Checked before the run (a folder where the file goes), and a failure after it (here the
+    plot's folder removed meanwhile, as a full disk would) leaves the results printed."""
+    taken = tmp_path / "figs.png"
+    taken.mkdir()
+    code, _, err = sim("--minutes", "1", "--working-set", "15", "--no-optimum", "--plot", str(taken))
+    assert code == 2 and "is a folder, or a file this user cannot write" in err, err
+    import simulator.report
+
+    def no_room(results: object, path: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(simulator.report, "plot_policies", no_room)
+        argv = ("--json", "--minutes", "1", "--working-set", "15", "--no-optimum", "--plot", str(tmp_path / "f.png"))
+        code, out, err = sim(*argv)
+    assert code == 1 and "No space left on device; the results are above" in err, err
+    document = json.loads(out)
+    assert document.get("results") or document.get("policy"), document
+
+
+def test_a_per_invocation_trace_stamped_in_unix_seconds_loads(tmp_path: Path) -> None:
+    trace = tmp_path / "t.csv"
+    rows = [f"app{i % 3},f{i % 3},{1_611_700_000.0 + i * 6.0:.1f},0.5" for i in range(100)]
+    trace.write_text("app,func,end_timestamp,duration\n" + "\n".join(rows) + "\n")
+    argv = ("--json", "--trace", str(trace), "--trace-format", "azure2021", "--whole-trace", "--working-set", "all")
+    code, out, err = sim(*argv, "--no-optimum", "--rpm", "60")
+    assert code == 0 and json.loads(out)["requests"] > 0, err

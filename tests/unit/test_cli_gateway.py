@@ -476,8 +476,45 @@ def test_a_deploy_to_a_gateway_that_answers_missing_blobs_oddly_is_one_clear_lin
         uploads.upload(client, scanned)
 
 
-def test_up_with_a_state_dir_that_is_a_file_is_one_clear_line(tmp_path: Path) -> None:
+def test_up_with_a_state_dir_that_cannot_be_a_folder_is_one_clear_line(tmp_path: Path) -> None:
+    """A file, a path under a file, a dangling link: each was a traceback."""
     taken = tmp_path / "state"
     taken.write_text("not a folder")
-    code, _, err = cli("up", "--state-dir", str(taken), "--backend", "emulated")
-    assert code == 2 and "the cluster's state goes in a folder" in " ".join(err.replace("│", " ").split()), err
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere" / "at-all")
+    for state_dir in (taken, taken / "sub", tmp_path / "dangling"):
+        code, _, err = cli("up", "--state-dir", str(state_dir), "--backend", "emulated")
+        assert code == 2 and "the cluster's state goes in a folder" in " ".join(err.replace("│", " ").split()), err
+
+
+def test_a_ctrl_c_while_up_starts_waits_until_down_can_find_the_cluster(tmp_path: Path) -> None:
+    """The supervisor records itself (pids.json) some 0.3 s after it starts: a `gpufaas down` run
+    at once after the Ctrl-C would have found nothing to stop, the cluster coming up anyway."""
+    from gpufaas.cli.local import _until_recorded
+
+    class Starting:
+        pid = os.getpid()
+
+        def poll(self) -> None:
+            return None
+
+    threading.Timer(0.3, lambda: (tmp_path / "pids.json").write_text(json.dumps({"supervisor": os.getpid()}))).start()
+    began = time.monotonic()
+    _until_recorded(tmp_path, Starting())
+    assert 0.25 <= time.monotonic() - began < 5 and (tmp_path / "pids.json").exists()
+
+
+def test_login_writes_through_a_linked_credentials_file(stand: Stand, state: Path) -> None:
+    """A dotfile manager's link stays a link, and the file it names gets the password."""
+    target = state.parent / "dotfiles" / "credentials.json"
+    target.parent.mkdir()
+    target.write_text('{"http://other:8080": "pw-other"}')  # pragma: allowlist secret
+    (state.parent / "config").mkdir()
+    link = state.parent / "config" / "credentials.json"
+    link.symlink_to(target)
+    local_cluster(state, stand.url, "cluster-pw")
+    code, _, err = cli("login", "--state-dir", str(state))
+    assert code == 0, err
+    assert link.is_symlink() and json.loads(target.read_text()) == {
+        "http://other:8080": "pw-other",  # pragma: allowlist secret
+        stand.url: "cluster-pw",
+    }
