@@ -18,7 +18,9 @@ its socket). The zygote exits when the pool closes its end, or the kernel does f
 (killed by the OOM killer, crashed), and first SIGKILLs every worker it forked that still runs: an
 idle one would exit at its socket's EOF, but one busy in a call reads it only once the call returns,
 and one stuck in its handler never (keeping its host and device memory beyond the node, unknown to
-the node's next incarnation). A zygote that dies itself leaves its workers serving their pool.
+the node's next incarnation). A zygote that dies itself leaves its workers serving their pool;
+not covered: those of a zygote that died and was replaced before its node died (init's children
+then, not the new zygote's), which only the node's cgroups clear.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ class Catalog:
         self.links = links
         self.functions = functions
         self.apply = apply
+        self._profiles_epoch: int | None = None  # the term `read_profiles` last read for
         # Function name -> the etcd revision of the last change to it taken in (a put or a
         # delete), so that a change older than one taken already is ignored: the watch replays
         # what a re-list read, and a read-through can answer ahead of the watch. Deleted names
@@ -153,13 +154,19 @@ class Catalog:
                 return self.learn_function(kv)
         return None
 
-    async def read_profiles(self) -> None:
+    async def read_profiles(self, epoch: int | None = None) -> None:
         """Take the profiles persisted in etcd into the estimator, as they are (StoreError: etcd
-        cannot say now). Read at start, and again on taking office: a standby's own are those of
-        its start, and the leader measured for hours since (its first writes would put them back
-        over the leader's). Not watched: only the leader writes them, and a standby plans nothing."""
+        cannot say now). Read at start, and again on taking office (`epoch`): a standby's own are
+        those of its start, and the leader measured for hours since (its first writes would put
+        them back over the leader's). But not for a term this scheduler led already, resumed after
+        etcd failed to answer: what it measured meanwhile is newer than what it could persist. Not
+        watched: only the leader writes them, and a standby plans nothing."""
+        if epoch is not None and epoch == self._profiles_epoch:
+            return
         for kv in await self.store.get_prefix(self.keys.profiles):
             self._apply_profile(kv)
+        if epoch is not None:
+            self._profiles_epoch = epoch
 
     def _apply_profile(self, kv: KeyValue) -> None:
         with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):

@@ -283,7 +283,7 @@ class SchedulerService:
         self.term = term = _Term(uuid.uuid4().hex, grants.new_key(), open=False)
         # Under an election every write of the term is fenced on the leader key being this term's.
         self.persister.new_term(fence=(self.keys.scheduler_leader, epoch) if self.election is not None else None)
-        await self.catalog.read_profiles()  # the last leader's measurements, not those of our start
+        await self.catalog.read_profiles(epoch)  # the last leader's measurements, not those of our start
         self.links.recovered_lru = await self.persister.recover(self.links.registered_gpu_ids())
         self.links.activate(term.scheduler_id, term.token_key, epoch)
         for work in self._term_work():

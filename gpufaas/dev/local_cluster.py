@@ -472,7 +472,7 @@ class LocalCluster(ClusterCredentials):
             for component in self.components.values():
                 if component.process is not None and not component.alive():
                     raise ClusterError(
-                        f"{component.name} exited with status {component.process.returncode}; "
+                        f"{component.name} exited with status {component.exit_status()}; "
                         f"its log ({component.log_path}) ends:\n{component.tail()}"
                     )
             last = _unseen_gpus(urls, expected, self.admin_auth)

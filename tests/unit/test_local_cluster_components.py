@@ -8,7 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from gpufaas.dev.local_cluster import Component
+import pytest
+
+from gpufaas.dev.local_cluster import ClusterError, Component, LocalCluster
 from gpufaas.processes import pid_alive, survivors
 
 # A component that starts a process in its own group (as a GPU manager forks its zygote and
@@ -84,3 +86,20 @@ def test_a_running_component_is_stopped_with_its_group(tmp_path: Path) -> None:
     finally:
         if pid_alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_a_component_that_died_as_the_cluster_started_is_named_with_its_exit_status(tmp_path: Path) -> None:
+    """What `gpufaas up` prints when a daemon dies while it starts: its status, not 'None' (the
+    exited process is left unreaped until it is stopped, so its returncode is not set)."""
+    cluster = LocalCluster(tmp_path / "state")
+    component = Component("node0", [sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "node0.log")
+    component.start(dict(os.environ))
+    cluster.components["node0"] = component
+    deadline = time.monotonic() + 10
+    while component.exit_status() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        with pytest.raises(ClusterError, match="node0 exited with status 3"):
+            cluster.wait_healthy(timeout_s=5)
+    finally:
+        component.stop()

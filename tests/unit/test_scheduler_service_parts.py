@@ -516,3 +516,31 @@ def test_a_new_model_of_a_package_the_nodes_hold_is_known_held_by_watch_or_by_re
         assert a.model not in service.scheduler.cache.gpu(GPU)  # the old model retired
 
     run(scenario)
+
+
+def test_a_leader_that_resumes_its_term_keeps_what_it_measured_meanwhile() -> None:
+    """A leader whose etcd stopped answering leaves office and takes the same term up again
+    (the election's resume): its figures measured meanwhile, which it could not persist, are
+    newer than etcd's and must not be replaced by them."""
+    spec = make_spec("fn-a")
+
+    async def main() -> None:
+        store, keys = MemoryStore(), Keys("/t")
+        await store.put(keys.function(spec.name), spec.to_json())
+        persisted = {"load_time_s": 5.0, "inference_time_s": {"1": 0.2}}
+        await store.put(keys.profile("cpu", spec.model), json.dumps(persisted).encode())
+        leader = SchedulerService(store, keys=keys, prestage_nodes=0)
+        await leader.catalog.recover()
+        await leader.take_office(7)
+        estimator = leader.scheduler.estimator
+        estimator.observe_load(spec.model, "cpu", 9.0)
+        estimator.observe_inference(spec.model, "cpu", 1, 0.1)
+        measured = estimator.known_times_s(spec.model, "cpu")
+        await leader.leave_office("etcd did not answer")
+        await leader.take_office(7)
+        try:
+            assert estimator.known_times_s(spec.model, "cpu") == measured
+        finally:
+            await leader.leave_office("test")
+
+    asyncio.run(main())
