@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -419,6 +420,9 @@ def test_a_ctrl_c_ends_the_uploads_at_once() -> None:
         started.append(digest)
         release.wait(30)
 
+    # Python's Ctrl-C handler, whatever this process was started with (a background job of a
+    # script starts with SIGINT ignored, and interrupt_main then does nothing).
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Timer(0.2, _thread.interrupt_main).start()
     began = time.monotonic()
     try:
@@ -427,6 +431,7 @@ def test_a_ctrl_c_ends_the_uploads_at_once() -> None:
         assert time.monotonic() - began < 5
         assert len(started) == uploads.PARALLEL_UPLOADS  # (none of the queued ones began)
     finally:
+        signal.signal(signal.SIGINT, handler)
         release.set()
 
 
