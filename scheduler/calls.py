@@ -50,6 +50,10 @@ attempt that is no longer current is ignored. Failure handling, step by step:
   Done finished it while its reply to the gateway was lost, or this scheduler never saw it): the
   owner is answered at once that the call's outcome is unknown (`OUTCOME_UNKNOWN`), never by
   running it again, so that it does not wait for a placement until its deadline.
+- a call id submitted again while the book holds it: refused while its owner waits for it; one
+  whose owner gave it up or was lost (a gateway whose link closed before the Placement reached it
+  asks again on its next link) is taken over by the new owner as one that may have been sent:
+  placed again once its node says it never saw the grant, else answered that its outcome is unknown.
 - a call that arrives while no GPU is attached but GPU managers are registered (a new leader
   attaching its nodes, `submit(nodes_attaching=True)`): it waits (WAITING) and enters the
   scheduler's queue when the first GPU attaches, or is answered DEADLINE at its deadline.
@@ -188,6 +192,7 @@ class _Call:
     # there is for the node's ledger to say (a check is under way).
     maybe_ran: bool = False
     lease_wanted: bool = False  # the owner takes a lease with a hit's placement
+    asked_again: bool = False  # submitted again after its first owner gave it up (`_ask_again`)
     # > 0: the current placement is a lease, ended at this time (monotonic): `lease_s` after the
     # Done of its last call (infinite until its own call's Done).
     lease_until: float = 0.0
@@ -602,8 +607,8 @@ class CallBook(_GrantChecks):
         `nodes_attaching`: some registered GPU manager is not attached yet (its GPUs are not in
         the scheduler). A call that finds no GPU then waits for one (until its deadline) instead of
         being refused; without it (default) no GPU means no GPU manager at all: UNAVAILABLE."""
-        if call_id in self._calls:
-            raise Rejected(pb.INVALID, f"call id {call_id!r} is already in flight; use a new X-Call-Id")
+        if (known := self._calls.get(call_id)) is not None:
+            return self._ask_again(known, owner, spec, now + timeout_s, lease)
         if len(self.scheduler.queue) + len(self._waiting) >= self.queue_capacity:
             raise Rejected(
                 pb.OVERLOADED, f"the global queue is full ({self.queue_capacity} calls waiting); retry later"
@@ -620,6 +625,19 @@ class CallBook(_GrantChecks):
         _enqueue(self.scheduler, call)
         self._calls[call_id] = call
         return self.schedule(now)
+
+    def _ask_again(self, call: _Call, owner: Owner, spec: FunctionSpec, deadline: float, lease: bool) -> list[Effect]:
+        """A call id submitted again while the book still holds it. Refused (Rejected) while its
+        owner waits for it, or it is a lease, or for another model. One its owner gave up or lost
+        (a gateway whose link closed before the Placement reached it asks again on its next link)
+        waits only to learn whether its placement ran: the new owner takes it over, as one that
+        may have been sent (placed again once its node says it never saw the grant, else
+        answered that its outcome is unknown: a call id never runs twice)."""
+        if call.wanted or call.lease_until or call.spec.model != spec.model:
+            raise Rejected(pb.INVALID, f"call id {call.call_id!r} is already in flight; use a new X-Call-Id")
+        call.owner, call.wanted, call.lease_wanted, call.asked_again = owner, True, lease, True
+        call.deadline = max(call.deadline, deadline)
+        return self._maybe_ran(call)
 
     def observe_utilization(self, now: float) -> list[Effect]:
         """Adaptive D: tell the controller what runs on every GPU now; where it moves a GPU's D,
@@ -980,6 +998,12 @@ def _no_node(call: _Call) -> tuple[int, str]:
 
 
 def _ran_there_message(call: _Call) -> str:
+    if call.asked_again:
+        return (
+            f"the outcome of call {call.call_id!r} is unknown: it started on node "
+            f"{split_gpu_address(call.gpu_id)[0]} when it was asked before (through a gateway that went away or "
+            "gave up on it), so it was not run again (check its effects before retrying)"
+        )
     return (
         f"the outcome of call {call.call_id!r} is unknown: it started on node {split_gpu_address(call.gpu_id)[0]} "
         "(its grant was presented there), but the gateway lost its connection to that node before the answer "

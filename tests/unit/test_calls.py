@@ -542,6 +542,46 @@ def test_a_lost_owner_withdraws_its_queued_calls_and_checks_its_placed_ones() ->
     assert len(book) == 1
 
 
+def test_a_call_asked_again_while_its_lost_owners_placement_is_checked_is_taken_over() -> None:
+    # The gateway's link closed before c1's Placement reached it; it dials the same scheduler
+    # and asks for c1 again before the node has answered the check of the placement lost with
+    # the old link. It is not refused as "in flight": placed again once the node says it never
+    # saw the grant.
+    book = make_book(gpus=(N1,))
+    assert placed(book.submit("gw1", "c1", A, 60.0, now=0.0)) == [("c1", 1, N1, 1, False)]
+    assert book.owner_lost("gw1", now=1.0) == [CheckGrants("n1", (("c1", 1),))]
+    assert book.submit("gw1-relinked", "c1", A, 60.0, now=1.1) == []  # the check under way decides
+    assert placed(book.grants_checked("n1", [("c1", 1)], [], now=1.2)) == [("c1", 2, N1, 2, False)]
+    assert book.done("c1", 2, pb.OK, 2.0) == [] and len(book) == 0
+
+
+def test_a_call_asked_again_after_its_placement_ran_for_a_lost_owner_is_answered_unknown() -> None:
+    # Another gateway asks for the same call id (a client's retry with its X-Call-Id) after the
+    # first one went away: the first placement ran there (its grant was seen), so the call is
+    # not run again; the new owner is answered at once where the node had confirmed it already.
+    book = make_book(gpus=(N1,))
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    book.owner_lost("gw1", now=1.0)
+    assert book.submit("gw2", "c1", A, 60.0, now=1.1) == []
+    (answer,) = book.grants_checked("n1", [], [("c1", 1)], now=1.2)
+    assert isinstance(answer, Answer) and (answer.owner, answer.status) == ("gw2", OUTCOME_UNKNOWN)
+    assert "when it was asked before" in answer.message
+    (again,) = book.submit("gw3", "c1", A, 60.0, now=1.3)  # confirmed seen: answered at once
+    assert isinstance(again, Answer) and (again.owner, again.status) == ("gw3", OUTCOME_UNKNOWN)
+    assert running(book, N1) == ["c1"]  # its slot is the first placement's until its Done
+    assert book.done("c1", 1, pb.OK, 2.0) == [] and len(book) == 0
+
+
+def test_a_call_id_in_flight_for_an_owner_that_waits_is_refused() -> None:
+    book = make_book(gpus=(N1,))
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    with pytest.raises(Rejected, match="already in flight"):
+        book.submit("gw2", "c1", A, 60.0, now=0.5)
+    book.owner_lost("gw1", now=1.0)
+    with pytest.raises(Rejected, match="already in flight"):  # another function's call of that id
+        book.submit("gw2", "c1", B, 60.0, now=1.1)
+
+
 def test_an_unseen_grant_of_a_call_still_wanted_is_placed_again() -> None:
     book = make_book()
     book.submit("gw1", "c1", A, 60.0, now=0.0)
