@@ -469,15 +469,19 @@ class Router:
         self.epoch += 1
         self._scheduler = conn
         self._connected.set()
-        for box in self._calls.values():  # a new scheduler knows none of them
-            if box.waiting and box.unsure:
-                box.put(pb.Rejection(call_id=box.place.call_id, status=OUTCOME_UNKNOWN, message=_unsure(box)))
-            elif box.waiting:
-                box.attempt, box.epoch = 0, self.epoch
-                # A link closed as it was made (the scheduler stopping): the calls stay waiting,
-                # and the next link asks for them.
-                with contextlib.suppress(NotSent):
-                    conn.send(MessageType.PLACE, box.place_now())
+        try:
+            for box in self._calls.values():  # a new scheduler knows none of them
+                if box.waiting and box.unsure:
+                    box.put(pb.Rejection(call_id=box.place.call_id, status=OUTCOME_UNKNOWN, message=_unsure(box)))
+                elif box.waiting:
+                    box.attempt, box.epoch = 0, self.epoch
+                    # A link closed as it was made (the scheduler stopping): the calls stay waiting,
+                    # and the next link asks for them.
+                    with contextlib.suppress(NotSent):
+                        conn.send(MessageType.PLACE, box.place_now())
+        except BaseException:
+            conn.close()  # not left open to a scheduler that would keep it, and its calls, meanwhile
+            raise
         log.info("connected to the scheduler at %s%s", address, IN_PROCESS if conn.peer == PEER_NAME else "")
         await conn.closed
         self._connected.clear()

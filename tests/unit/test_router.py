@@ -847,6 +847,34 @@ async def test_a_scheduler_link_closed_as_it_is_made_is_dialled_again(env: Clust
 
 
 @in_cluster()
+async def test_a_scheduler_link_whose_setup_raised_is_closed_before_the_next_dial(env: Cluster) -> None:
+    # Whatever raises while a new link asks again for the waiting calls, the link is closed: left
+    # open, the scheduler would keep it (and its calls) for as long as the socket lived.
+    task = await env.placed("call-1", make_spec("resnet"), b"small payload")
+    dial = env.router._dial
+    failed: list[Connection] = []
+
+    async def dial_failing_the_first(address: str) -> Connection | None:
+        conn = await dial(address)
+        if conn is not None and not failed:
+            failed.append(conn)
+
+            def send(*_: object) -> None:
+                raise RuntimeError("injected")
+
+            conn.send = send  # type: ignore[method-assign]
+        return conn
+
+    env.router._dial = dial_failing_the_first  # type: ignore[method-assign]
+    env.scheduler.drop()
+    places = await env.scheduler.wait_places(2)
+    assert failed and failed[0].is_closed, "the link that raised was left open"
+    assert places[1].call_id == "call-1" and env.scheduler.accepted == 3
+    env.place_on(env.node_a, "call-1", 1)
+    assert (await task).output == b"small payload"
+
+
+@in_cluster()
 async def test_a_place_sent_again_after_a_reconnection_carries_what_remains_of_the_deadline(env: Cluster) -> None:
     """Place.timeout_s is "what remains of the call's end-to-end deadline" (gpufaas.proto): the
     scheduler derives the grant's expiry from it, so that the node answers before the gateway's
