@@ -170,6 +170,9 @@ class HostModelPool:
         if self.used_bytes + size <= self.budget_bytes:
             return True
         busy = self._in_use() | keep
+        freeable = sum(entry.size for digest, entry in self._entries.items() if digest not in busy)
+        if self.used_bytes - freeable + size > self.budget_bytes:
+            return False  # it would not fit with every idle entry gone: none goes for nothing
         for digest in list(self._entries):
             if self.used_bytes + size <= self.budget_bytes:
                 break
@@ -206,22 +209,28 @@ def _copy(source: Path, target: Path, size: int) -> None:
     tmp = target.with_suffix(".tmp")
     # A new file, never one found there (the directory is the pool's own: defence in depth).
     descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(descriptor, "wb") as writer:
-        try:
-            reader = os.open(source, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-        except OSError:
-            reader = -1
-        if reader >= 0:
+    try:
+        with os.fdopen(descriptor, "wb") as writer:
             try:
-                _copy_direct(reader, writer.fileno(), size, source)
-            finally:
-                os.close(reader)
-        else:
-            _copy_sendfile(source, writer.fileno(), size)
-    # Readable by anyone who can reach it: only the node can pass the pool's directory (0700); a
-    # container gets just its own files bind-mounted, a forked worker a descriptor.
-    os.chmod(tmp, 0o444)
-    os.replace(tmp, target)
+                reader = os.open(source, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+            except OSError:
+                reader = -1
+            if reader >= 0:
+                try:
+                    _copy_direct(reader, writer.fileno(), size, source)
+                finally:
+                    os.close(reader)
+            else:
+                _copy_sendfile(source, writer.fileno(), size)
+        # Readable by anyone who can reach it: only the node can pass the pool's directory (0700);
+        # a container gets just its own files bind-mounted, a forked worker a descriptor.
+        os.chmod(tmp, 0o444)
+        os.replace(tmp, target)
+    except BaseException:
+        # A copy cut short (a full tmpfs, a source shorter than its size) leaves nothing: its part
+        # would hold memory the pool does not count, and block the blob's next copy (O_EXCL).
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _copy_direct(reader: int, writer: int, size: int, source: Path) -> None:

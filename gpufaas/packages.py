@@ -166,10 +166,16 @@ class Manifest:
             raise PackageTooLarge(f"the package has {len(self.files)} files, more than the limit of {MAX_FILES}")
         seen: set[str] = set()
         directories: set[str] = set()
+        sizes: dict[str, int] = {}
         total = 0
         for entry in self.files:
             check_path(entry.path)
             hex_of(entry.digest)
+            if sizes.setdefault(entry.digest, entry.size) != entry.size:
+                raise InvalidPackage(
+                    f"{entry.path!r}: blob {entry.digest} is {entry.size} bytes here and {sizes[entry.digest]} "
+                    "bytes for another file; one blob has one size"
+                )
             if entry.path in seen:
                 raise InvalidPackage(f"{entry.path!r} is in the package twice")
             seen.add(entry.path)

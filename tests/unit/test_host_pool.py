@@ -4,11 +4,13 @@ packages that hold them, least recently used out first, never one a worker maps.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 from pathlib import Path
 
 import pytest
 
+from gpu_manager import host_pool
 from gpu_manager.host_pool import HostModelPool, default_budget_bytes, huge_pages
 from gpufaas.blobs import BlobStore
 from gpufaas.packages import Manifest, PackageFile, sha256_digest
@@ -61,6 +63,55 @@ def test_least_recently_used_weights_leave_but_not_those_in_use(tmp_path: Path) 
         mapped.clear()
         pool.retain(d for _, d, _ in pool.weights(c))  # a's package left the disk cache
         assert not pool.holds(a) and pool.holds(c)
+
+    asyncio.run(main())
+
+
+def test_a_miss_that_cannot_fit_leaves_the_idle_weights_in_the_pool(tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path / "blobs")
+    mapped_package = package(blobs, os.urandom(6 * MB), b"mapped")
+    idle = [package(blobs, os.urandom(MB + 1), bytes([i])) for i in range(3)]
+    large = package(blobs, os.urandom(5 * MB), b"large")
+    mapped: set[str] = set()
+
+    async def main() -> None:
+        pool = HostModelPool(tmp_path / "shm", 10 * MB, in_use=lambda: set(mapped))
+        assert await pool.admit(mapped_package, blobs)
+        mapped.update(d for _, d, _ in pool.weights(mapped_package))
+        for manifest in idle:
+            assert await pool.admit(manifest, blobs)
+        # 6 MB mapped + 5 MB > 10 MB with every idle entry gone: read from disk, nothing dropped.
+        assert await pool.admit(large, blobs) is None
+        assert all(pool.holds(manifest) for manifest in idle) and pool.evicted == 0
+
+    asyncio.run(main())
+
+
+def test_a_copy_cut_short_leaves_nothing_and_the_next_one_pools_the_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blobs = BlobStore(tmp_path / "blobs")
+    weights = os.urandom(2 * MB)
+    manifest = package(blobs, weights)
+    copies = {"made": 0}
+
+    def copy_filling_the_tmpfs_once(writer: int) -> None:
+        copies["made"] += 1
+        if copies["made"] == 1:
+            os.write(writer, weights[: MB // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        os.write(writer, weights)
+
+    # (either way of copying, whichever this filesystem takes)
+    monkeypatch.setattr(host_pool, "_copy_direct", lambda _reader, writer, *_: copy_filling_the_tmpfs_once(writer))
+    monkeypatch.setattr(host_pool, "_copy_sendfile", lambda _source, writer, _size: copy_filling_the_tmpfs_once(writer))
+
+    async def main() -> None:
+        pool = HostModelPool(tmp_path / "shm", 10 * MB)
+        assert await pool.admit(manifest, blobs) is None
+        assert list(pool.root.iterdir()) == [] and pool.used_bytes == 0  # no uncounted part left
+        placed = await pool.admit(manifest, blobs)  # not blocked by the part (O_EXCL)
+        assert placed is not None and Path(placed["w.bin"]).read_bytes() == weights
 
     asyncio.run(main())
 

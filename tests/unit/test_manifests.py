@@ -68,6 +68,8 @@ def test_other_rules() -> None:
         Manifest.of([HANDLER, HANDLER])
     with pytest.raises(InvalidPackage, match="both a file and a directory"):
         Manifest.of([HANDLER, entry("a"), entry("a/b")])
+    with pytest.raises(InvalidPackage, match="one blob has one size"):  # (a pool copy would end short)
+        Manifest.of([HANDLER, PackageFile("a", sha256_digest(b"x"), 1), PackageFile("b", sha256_digest(b"x"), 2)])
     with pytest.raises(InvalidPackage, match="mode 777"):
         Manifest.of([HANDLER, entry("x", mode=0o777)])
     with pytest.raises(InvalidPackage, match="empty file"):
