@@ -415,6 +415,8 @@ def main() -> None:
     parser.add_argument("--spill-rtt-ms", type=float, default=0.5)
     parser.add_argument("--queue-bound", type=int, default=0)
     args = parser.parse_args()
+    if not 0 <= args.warmup_s < args.window_s <= 60:
+        parser.error("--warmup-s must be at least 0 and below --window-s, and --window-s at most 60 (one trace minute)")
     sizes = [int(size) for size in _floats(args.sizes)]
     shard_counts = [int(k) for k in _floats(args.shards)]
     trace = load_azure2019(shipped_trace())
