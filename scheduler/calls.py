@@ -632,7 +632,8 @@ class CallBook(_GrantChecks):
         (a gateway whose link closed before the Placement reached it asks again on its next link)
         waits only to learn whether its placement ran: the new owner takes it over, as one that
         may have been sent (placed again once its node says it never saw the grant, else
-        answered that its outcome is unknown: a call id never runs twice)."""
+        answered that its outcome is unknown: not run twice). An X-Call-Id is no idempotency key
+        beyond that: one finished, or run under a lease (which the book never holds), runs again."""
         if call.wanted or call.lease_until or call.spec.model != spec.model:
             raise Rejected(pb.INVALID, f"call id {call.call_id!r} is already in flight; use a new X-Call-Id")
         call.owner, call.wanted, call.lease_wanted, call.asked_again = owner, True, lease, True
