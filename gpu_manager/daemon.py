@@ -411,14 +411,14 @@ class GpuManagerDaemon:
         return self.ledger.admit_under_lease(request.token, now_unix_s)
 
     def _ran(self, grant: pb.Grant, result: RunResult, lease_call_id: str = "") -> None:
-        self.metrics.ran(grant.model, result)
         lease_ended = bool(grant.lease_s) and self.ledger.lease_done_sent((grant.call_id, grant.attempt))
         scheduler = self._scheduler
-        if scheduler is None or scheduler.is_closed or grant.scheduler_id != self.ledger.scheduler_id:
-            return  # the scheduler that placed it is gone: a new one learns the workers on attach
-        done = done_message(grant, result)
-        done.lease_call_id, done.lease_ended = lease_call_id, lease_ended
-        scheduler.send(MessageType.DONE, done)
+        if scheduler is not None and not scheduler.is_closed and grant.scheduler_id == self.ledger.scheduler_id:
+            # (else the scheduler that placed it is gone: a new one learns the workers on attach)
+            done = done_message(grant, result)
+            done.lease_call_id, done.lease_ended = lease_call_id, lease_ended
+            scheduler.send(MessageType.DONE, done)  # first: what frees the call's slot
+        self.metrics.ran(grant.model, result)
 
     # --- requests from the scheduler --------------------------------------------------------
     def attach(self, conn: Connection, frame: Frame) -> None:

@@ -36,18 +36,29 @@ than it declared before the node calls it over its declaration (allocator roundi
 workspace: an honest declaration is an estimate)."""
 
 
+# The outcomes a worker answers a call with (gpu_manager.worker); the others are the node's to say.
+WORKER_OUTCOMES = frozenset({pb.OK, pb.INVALID_INPUT, pb.HANDLER_ERROR, pb.OUTPUT_INVALID, pb.OUTPUT_TOO_LARGE})
+
+
 def held_to_what_the_node_saw(result: pb.CallResult, elapsed_s: float, most_calls: int) -> None:
     """Hold a worker's own figures for one call to what its node saw: the inference time to the
     `elapsed_s` from writing the call to reading its result (the call ran within them), the calls
-    batched with it to the `most_calls` that were at the worker at some time while it was.
+    batched with it to the `most_calls` that were at the worker at some time while it was, and
+    its outcome to one a worker may answer (another is its handler's error).
 
     The handler runs in the worker's process and can rewrite what it reports (its clock, its
-    counts); the scheduler prices placements by these figures, and a function that inflated its
-    time would look slower than a load and be given replicas, evicting others' models (as with
-    memory, the node is the measurer). A time it understates is not caught."""
+    counts, the protocol's constants); the scheduler prices placements by these figures, and a
+    function that inflated its time would look slower than a load and be given replicas, evicting
+    others' models (as with memory, the node is the measurer). One that answered an outcome that
+    is the node's (WORKER_DIED, REFUSED) would have its call placed again, or its model dropped
+    while resident; one the protocol does not name failed the node's Done. A time it understates
+    is not caught."""
     if not 0.0 <= result.inference_s <= elapsed_s:  # (NaN too)
         result.inference_s = elapsed_s
     result.batch_calls = max(1, min(result.batch_calls, most_calls))
+    if result.outcome not in WORKER_OUTCOMES:
+        result.message = f"its worker answered outcome {result.outcome}, which is not a worker's: {result.message}"
+        result.outcome = pb.HANDLER_ERROR
 
 
 def memory_margin_mb(declared_mb: int) -> int:

@@ -32,6 +32,17 @@ def test_a_workers_figures_are_held_to_the_calls_time_at_it_and_the_calls_it_had
     assert result.inference_s == pytest.approx(expected_s) and result.batch_calls == expected_batch
 
 
+@pytest.mark.parametrize("outcome", [pb.WORKER_DIED, pb.REFUSED, pb.LOAD_FAILED, 9999])
+def test_an_outcome_that_is_not_a_workers_is_its_handlers_error(outcome: int) -> None:
+    # A handler can rewrite the protocol's constants in its process (or write any frame to its
+    # socket): WORKER_DIED would drop its model while resident, REFUSED have its call placed again,
+    # an outcome the protocol does not name fail the node's Done (its slot held till the deadline).
+    result = pb.CallResult(call_id="c#1", outcome=outcome, message="from the handler")  # type: ignore[arg-type]
+    held_to_what_the_node_saw(result, elapsed_s=0.5, most_calls=1)
+    assert result.outcome == pb.HANDLER_ERROR
+    assert result.message == f"its worker answered outcome {outcome}, which is not a worker's: from the handler"
+
+
 def test_a_handler_that_rewrites_its_workers_clock_reports_no_more_than_the_call_took(tmp_path: Path) -> None:
     # The fixture's load() swaps the clock its worker times predict by for one 10,000 times as fast:
     # a call of 0.3 s would be reported at 3,000 s, and the scheduler would give it replicas.
