@@ -188,11 +188,14 @@ class Gateway:
             self.stats.drop(name)  # its overview; its Prometheus counters stay monotonic
         else:
             with contextlib.suppress(GpufaasError):
-                spec = FunctionSpec.from_json(event.value)
-                old = self.functions.get(name)
-                if old is not None and old.model != spec.model:
-                    self.stats.drop(name)  # a new package: its hit ratio and latency start afresh
-                self.functions[name] = spec
+                self.function_written(FunctionSpec.from_json(event.value))
+
+    def function_written(self, spec: FunctionSpec) -> None:
+        """`spec` is the function's now (written through this gateway, or its watch brought it)."""
+        old = self.functions.get(spec.name)
+        if old is not None and old.model != spec.model:
+            self.stats.drop(spec.name)  # a new package: its hit ratio and latency start afresh
+        self.functions[spec.name] = spec
 
     def _services_listed(self, kvs: list[KeyValue], revision: int) -> None:
         for kv in kvs:

@@ -59,7 +59,7 @@ async def deploy(spec: Annotated[FunctionSpec, Body()], gateway: GatewayDep) -> 
     created = await gateway.store.compare_and_put(gateway.keys.function(spec.name), spec.to_json(), mod_revision=0)
     if not created:
         raise ApiError(409, f"function {spec.name!r} already exists; update it with PUT /system/functions")
-    gateway.functions[spec.name] = spec
+    gateway.function_written(spec)
     return Deployed(name=spec.name, model=spec.model)
 
 
@@ -73,7 +73,7 @@ async def update(spec: Annotated[FunctionSpec, Body()], gateway: GatewayDep) -> 
         if current is None:
             raise ApiError(404, f"function {spec.name!r} does not exist; deploy it with POST /system/functions")
         if await gateway.store.compare_and_put(key, spec.to_json(), mod_revision=current.mod_revision):
-            gateway.functions[spec.name] = spec
+            gateway.function_written(spec)
             await _unnamed(gateway, current.value, spec.package_digest)
             return Deployed(name=spec.name, model=spec.model)
     raise ApiError(409, f"function {spec.name!r} is being changed concurrently; retry")

@@ -546,6 +546,30 @@ def test_functions_written_by_others_show_up_through_the_watch(tmp_path: Path) -
     run(tmp_path, body)
 
 
+def test_the_overview_of_a_function_updated_through_this_gateway_to_a_new_package_starts_afresh(
+    tmp_path: Path,
+) -> None:
+    # The PUT's own gateway mirrored the new spec before its watch event came, which then saw no
+    # change: the old package's hits, misses and latency went on mixing into the new one's.
+    async def body(env: Env) -> None:
+        await env.deploy("f", memory_mb=10)
+        gateway = env.app.state.gateway
+        gateway.stats.record("f", 200, 0.5, hit=False)
+        new_digest = await env.upload(make_package("2"))
+        answer = await env.client.put(
+            "/system/functions", json={"name": "f", "package_digest": new_digest, "memory_mb": 10}
+        )
+        assert answer.status_code == 202, answer.text
+        await eventually(lambda: gateway.functions["f"].package_digest == new_digest)
+        assert gateway.stats.summary("f")["calls"] == 0
+        gateway.stats.record("f", 200, 0.5, hit=True)
+        same = await env.client.put("/system/functions", json={"name": "f", "package_digest": new_digest, "memory_mb": 20})
+        assert same.status_code == 202, same.text
+        assert gateway.stats.summary("f")["calls"] == 1  # the same package: its figures go on
+
+    run(tmp_path, body)
+
+
 def test_functions_in_the_store_at_start_are_served(tmp_path: Path) -> None:
     async def main() -> None:
         store = MemoryStore()
