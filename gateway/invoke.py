@@ -112,12 +112,13 @@ class InvokeMiddleware:
         # Answered: a client gone now leaves its answer unwritten, and a cancel landing in the
         # write (one that waits for room) would be an error for uvicorn to log.
         cancel_on_disconnect(send, False)
-        gateway.stats.record(name, 200, time.perf_counter() - started, hit=not result.reply.loaded)
         content_type = result.reply.content_type or "application/octet-stream"
         if content_type not in _CONTENT_TYPES and _NOT_VISIBLE.search(content_type.encode()):
             # Made by the function's worker, which runs the user's code: never a header unchecked.
+            gateway.stats.record(name, 502, time.perf_counter() - started)
             await _error(send, 502, "the function's worker answered a content type that is not a header value", call_id)
             return
+        gateway.stats.record(name, 200, time.perf_counter() - started, hit=not result.reply.loaded)
         await _respond(send, 200, _answer_head(result, content_type, call_id, started), result.output)
 
     async def _deployed_meanwhile(self, name: str) -> FunctionSpec | None:

@@ -13,6 +13,8 @@ from gpufaas.keys import gpu_address
 from gpufaas.metrics import BYTES_PER_MB, LATENCY_BUCKETS_S, LoopCount, LoopCounter, ProcessErrors
 from gpufaas.proto import gpufaas_pb2 as pb
 
+LOST_CAUSES = ("load_failed", "died", "killed", "over_memory")  # the exits counted as workers lost
+
 
 class NodeMetrics:
     """Fed by the daemon with every call's result; the pool's workers, its process counts and
@@ -45,9 +47,6 @@ class NodeMetrics:
             buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
-        self.workers_lost = Counter(
-            "gpufaas_node_workers_lost", "Workers that died under a call, failed to load, or were killed.", registry=r
-        )
         # `calls`' series by (outcome, loaded), bound on first use: `series()` builds and looks up
         # its label tuple, on every call of the serving path otherwise.
         self._calls_by: dict[tuple[int, bool], LoopCount] = {}
@@ -63,8 +62,6 @@ class NodeMetrics:
             from_host = result.stages is not None and result.stages.from_host
             self.loads.labels("host" if from_host else "load").inc()
             self.load_seconds.labels(model).observe(result.load_time_s)
-        if result.outcome in (pb.LOAD_FAILED, pb.WORKER_DIED) or result.worker_killed:
-            self.workers_lost.inc()
 
 
 class _PoolState(Collector):
@@ -103,6 +100,14 @@ class _PoolState(Collector):
         for cause in EXIT_CAUSES:
             exits.add_metric([cause], pool.worker_exits[cause])
         yield exits
+        # Each worker once, from its exit: not per call (the calls waiting on one failed load, or
+        # in one worker that died, share its loss).
+        yield CounterMetricFamily(
+            "gpufaas_node_workers_lost",
+            "Workers that failed to load, died by themselves, were killed (a call's timeout) or went over their "
+            "memory: worker exits of those causes.",
+            value=sum(pool.worker_exits[cause] for cause in LOST_CAUSES),
+        )
         over = CounterMetricFamily(
             "gpufaas_node_models_over_declared",
             "Workers whose model was over its declared memory_mb beyond the margin, once each, by source "

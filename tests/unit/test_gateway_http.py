@@ -190,13 +190,15 @@ class RecordingRouter:
         raise AssertionError("the call was held to the end: its client was not seen leaving")
 
 
-def invoke_app(router: RecordingRouter) -> InvokeMiddleware:
+def invoke_app(router: RecordingRouter, recorded: list[tuple[Any, ...]] | None = None) -> InvokeMiddleware:
+    """The invoke path over `router`; what it records of each call (function, status) goes to `recorded`."""
     spec = FunctionSpec(name="f", package_digest="sha256:" + "0" * 64, memory_mb=100)
+    records = recorded if recorded is not None else []
     gateway = SimpleNamespace(
         config=SimpleNamespace(max_payload_bytes=1 << 20, credentials=None),
         functions={"f": spec},
         router=router,
-        stats=SimpleNamespace(record=lambda *args, **kwargs: None),
+        stats=SimpleNamespace(record=lambda name, status, *args, **kwargs: records.append((name, status))),
     )
 
     async def not_invoked(scope: Any, receive: Any, send: Any) -> None:
@@ -259,3 +261,21 @@ def test_a_client_that_leaves_while_its_answer_waits_to_be_written_is_no_error()
         finally:
             logging.getLogger("uvicorn.error").removeHandler(handler)
     assert [record.getMessage() for record in errors] == []
+
+
+class ForgingRouter:
+    """Stands in for the gateway's router: answers every call with a result whose content type,
+    made by the function's worker, would split the answer's head."""
+
+    async def invoke(self, spec: FunctionSpec, call_id: str, payload: bytes, content_type: str, *, clock: Any) -> Any:
+        reply = SimpleNamespace(content_type="text/plain\r\nSet-Cookie: a=b", loaded=False)
+        return SimpleNamespace(reply=reply, output=b"out")
+
+
+def test_a_content_type_that_is_not_a_header_value_is_a_502_and_counted_as_one() -> None:
+    recorded: list[tuple[Any, ...]] = []
+    with serving(invoke_app(cast(Any, ForgingRouter()), recorded), LIMITS) as free, connect(free) as sock:
+        sock.sendall(b"POST /function/f HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+        answer = read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 502") and b"Set-Cookie" not in answer
+    assert recorded == [("f", 502)], "a 502 counted as a 200 hit"

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from gpu_manager.backends import UnknownBackend
+from gpu_manager.metrics import NodeMetrics
 from gpu_manager.pool import STOP_GRACE_S, ModelRun, RunResult, WorkerPool
 from gpu_manager.staging import LocalPackages
 from gpufaas.functions import WorkerSettings
@@ -645,15 +646,22 @@ def test_a_load_error_fails_every_waiting_call_and_leaves_no_worker(cpu_node: No
         [hello] = await node.pool.spares_ready(TIMEOUT_S)
         spare = Proc.of(hello.pid)  # the miss takes it
         model = on_cpu("broken", node.shelf.digest("failing_load_function"))
+        metrics = NodeMetrics(node.pool, node="n0")
+        lost_before = metrics.registry.get_sample_value("gpufaas_node_workers_lost_total") or 0.0
+
+        def lost() -> float:
+            return (metrics.registry.get_sample_value("gpufaas_node_workers_lost_total") or 0.0) - lost_before
 
         results = await asyncio.gather(node.call(model, {}), node.call(model, {}))
 
         for result in results:
             assert result.outcome == pb.LOAD_FAILED
             assert "load failed: RuntimeError: weights are missing" in result.message
+            metrics.ran(model.model, result)  # (as the node does with each call's answer)
         assert [r.loaded for r in results] == [True, False]
         assert "broken" not in node.models()
         await eventually(lambda: not spare.running, "the worker that failed to load exits")
+        await eventually(lambda: lost() == 1, "one worker lost, not one per call that waited on it")
         again = await node.call(model, {})  # not remembered: the next call tries again
         assert (again.outcome, again.loaded) == (pb.LOAD_FAILED, True)
 
