@@ -85,39 +85,7 @@ class _PoolState(Collector):
             "Worker processes running (spares, loading, serving, parked): started less exited.",
             value=pool.live_workers(),
         )
-        yield CounterMetricFamily(
-            "gpufaas_node_worker_starts",
-            "Worker processes started (warm spares; on the docker runtime, a container per model).",
-            value=pool.worker_starts,
-        )
-        exits = CounterMetricFamily(
-            "gpufaas_node_worker_exits",
-            "Worker processes that exited, by cause (stopped: evicted, released or replaced; load_failed; "
-            "killed: a call's timeout; died: by itself; start_failed; shutdown; over_memory: measured over its "
-            "declared size, with no room for that on its GPU).",
-            labels=["cause"],
-        )
-        for cause in EXIT_CAUSES:
-            exits.add_metric([cause], pool.worker_exits[cause])
-        yield exits
-        # Each worker once, from its exit: not per call (the calls waiting on one failed load, or
-        # in one worker that died, share its loss).
-        yield CounterMetricFamily(
-            "gpufaas_node_workers_lost",
-            "Workers that failed to load, died by themselves, were killed (a call's timeout) or went over their "
-            "memory: worker exits of those causes.",
-            value=sum(pool.worker_exits[cause] for cause in LOST_CAUSES),
-        )
-        over = CounterMetricFamily(
-            "gpufaas_node_models_over_declared",
-            "Workers whose model was over its declared memory_mb beyond the margin, once each, by source "
-            "(measured: NVML's figure for its PID, which it is booked at; claimed: its own report, booked at the "
-            "declared size).",
-            labels=["source"],
-        )
-        for source in ("measured", "claimed"):
-            over.add_metric([source], pool.models_over_declared[source])
-        yield over
+        yield from _process_counts(pool)
         workers_mb = dict.fromkeys(pool.gpus, 0)
         for _, gpu_id, _, memory_mb in ready:
             workers_mb[gpu_id] = workers_mb.get(gpu_id, 0) + memory_mb
@@ -141,3 +109,41 @@ class _PoolState(Collector):
                 used.add_metric([address], device_mb * BYTES_PER_MB)
         yield reported
         yield used
+
+
+def _process_counts(pool: WorkerPool) -> Iterator[Metric]:
+    """The node's worker processes started and exited (by cause, and those lost), and the models
+    found over their declared memory."""
+    yield CounterMetricFamily(
+        "gpufaas_node_worker_starts",
+        "Worker processes started (warm spares; on the docker runtime, a container per model).",
+        value=pool.worker_starts,
+    )
+    exits = CounterMetricFamily(
+        "gpufaas_node_worker_exits",
+        "Worker processes that exited, by cause (stopped: evicted, released or replaced; load_failed; "
+        "killed: a call's timeout; died: by itself; start_failed; shutdown; over_memory: measured over its "
+        "declared size, with no room for that on its GPU).",
+        labels=["cause"],
+    )
+    for cause in EXIT_CAUSES:
+        exits.add_metric([cause], pool.worker_exits[cause])
+    yield exits
+    # Each worker once, from its exit: not per call (the calls waiting on one failed load, or
+    # in one worker that died, share its loss).
+    yield CounterMetricFamily(
+        "gpufaas_node_workers_lost",
+        "Workers that failed to load, died by themselves, were killed (a call's timeout) or went over their "
+        "memory: worker exits of those causes.",
+        value=sum(pool.worker_exits[cause] for cause in LOST_CAUSES),
+    )
+    over = CounterMetricFamily(
+        "gpufaas_node_models_over_declared",
+        "Workers whose model was over its declared memory_mb beyond the margin, once each, by source "
+        "(measured: NVML's figure for its PID, which it is booked at; claimed: its own report, booked at the "
+        "declared size).",
+        labels=["source"],
+    )
+    for source in ("measured", "claimed"):
+        over.add_metric([source], pool.models_over_declared[source])
+    yield over

@@ -563,7 +563,9 @@ def test_the_overview_of_a_function_updated_through_this_gateway_to_a_new_packag
         await eventually(lambda: gateway.functions["f"].package_digest == new_digest)
         assert gateway.stats.summary("f")["calls"] == 0
         gateway.stats.record("f", 200, 0.5, hit=True)
-        same = await env.client.put("/system/functions", json={"name": "f", "package_digest": new_digest, "memory_mb": 20})
+        same = await env.client.put(
+            "/system/functions", json={"name": "f", "package_digest": new_digest, "memory_mb": 20}
+        )
         assert same.status_code == 202, same.text
         assert gateway.stats.summary("f")["calls"] == 1  # the same package: its figures go on
 
