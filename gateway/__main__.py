@@ -17,7 +17,7 @@ from gateway.http import server_config
 from gateway.settings import DESCRIPTION, PROG, GatewaySettings
 from gpufaas.credentials import CredentialError, node_token, read_secret, wire_key
 from gpufaas.keys import Keys
-from gpufaas.service_main import daemon_start, open_store, run_daemon, warn_if_insecure
+from gpufaas.service_main import daemon_start, open_store, own_state_dir, run_daemon, warn_if_insecure
 
 if TYPE_CHECKING:
     from gpufaas.store import EtcdCredentials
@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         scheduler = EmbeddedScheduler.from_flags(parser, settings, sections.get("scheduler", []))
     if settings.with_node:
         node = EmbeddedNode.from_flags(parser, settings, sections.get("node", []))
+    # Every function's code is stored there: nobody but the gateway's user may look in.
+    own_state_dir(parser, (settings.state_dir,), 0o700)
     config = gateway_config(settings, secret, credentials(parser, settings, secret))
     warn_if_insecure(settings, "the gateway")
     return run_daemon(lambda: serve(settings, config, etcd_creds, scheduler, node), settings.etcd)

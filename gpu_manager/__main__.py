@@ -17,7 +17,14 @@ from gpu_manager.settings import DESCRIPTION, PROG, NodeSettings
 from gpu_manager.storage import StorageOptions
 from gpufaas.credentials import node_token, wire_key
 from gpufaas.keys import Keys
-from gpufaas.service_main import daemon_start, open_store, run_daemon, serve_wire_daemon, warn_if_insecure
+from gpufaas.service_main import (
+    daemon_start,
+    open_store,
+    own_state_dir,
+    run_daemon,
+    serve_wire_daemon,
+    warn_if_insecure,
+)
 
 if TYPE_CHECKING:
     from gpufaas.store import EtcdCredentials, EtcdStore
@@ -57,15 +64,14 @@ def hardware(parser: argparse.ArgumentParser, settings: NodeSettings) -> Hardwar
         parser.error(
             f"--host-cache-mb: the host tier is built for the cpu backend only; pass 0 with --backend {backend}"
         )
+    # The state directory made passable for workers (other users: they pass through it to their
+    # own package, and list nothing).
+    own_state_dir(parser, (settings.state_dir, settings.state_dir / "packages"), 0o711)
     return Hardware(backend, devices, host_cache_mb, isolation(settings))
 
 
 def isolation(settings: NodeSettings) -> Isolation:
-    """How workers are confined; the state directory made passable for them (workers, other
-    users, pass through it to their own package, and list nothing)."""
-    for directory in (settings.state_dir, settings.state_dir / "packages"):
-        directory.mkdir(parents=True, exist_ok=True)
-        directory.chmod(0o711)
+    """How workers are confined (the state directory made: `own_state_dir`)."""
     if settings.unconfined_workers:
         return Isolation(network=False, users=False)
     return Isolation(

@@ -7,9 +7,10 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -150,6 +151,22 @@ async def open_store(endpoint: str, credentials: EtcdCredentials | None) -> Etcd
     return await EtcdStore.open(
         endpoint, credentials=credentials, enable_auth=credentials is not None, tls=_etcd_tls.get("tls")
     )
+
+
+def own_state_dir(parser: argparse.ArgumentParser, directories: Sequence[Path], mode: int) -> None:
+    """Make each of `directories` (with its parents) and give it `mode`; a usage error where that
+    cannot be done, such as a volume's root another user owns (only a directory's owner may change
+    its mode: Kubernetes mounts an emptyDir or a fresh claim owned by root, group fsGroup)."""
+    for directory in directories:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            directory.chmod(mode)
+        except OSError as exc:
+            parser.error(
+                f"--state-dir: cannot make {directory} a directory of mode {mode:o} for this user (uid "
+                f"{os.getuid()}): {exc.strerror or exc}; name one this user owns or may create, such as a "
+                "subdirectory of a mounted volume"
+            )
 
 
 def warn_if_insecure(args: DaemonSettings, name: str) -> None:

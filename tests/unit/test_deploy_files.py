@@ -670,6 +670,23 @@ def test_service_ports_reach_a_container(service: str, ports: set[int]) -> None:
         assert container_ports.get(port.get("targetPort", port["port"])) == port["port"], f"{service}:{port['port']}"
 
 
+def test_no_daemons_state_directory_is_a_volumes_root() -> None:
+    # Kubernetes mounts an emptyDir or a fresh claim owned by root (group: the pod's fsGroup), and
+    # only a directory's owner may change its mode: a daemon running as 10001 that makes its state
+    # directory private (the gateway 0700, the node 0711) could not start on the volume's root.
+    checked = 0
+    for workload in workloads():
+        for container in containers(workload):
+            state_dir = flag_values(container.get("args", [])).get("--state-dir")
+            if state_dir is None:
+                continue
+            mounts = {mount["mountPath"].rstrip("/") for mount in container.get("volumeMounts", [])}
+            assert state_dir.rstrip("/") not in mounts, f"{workload['metadata']['name']}: --state-dir {state_dir}"
+            assert any(state_dir.startswith(f"{mount}/") for mount in mounts), f"{state_dir} is on no volume"
+            checked += 1
+    assert checked == 2  # the gateway's and the node's
+
+
 def test_etcd_statefulset() -> None:
     (statefulset,) = [s for s in objects("StatefulSet") if s["metadata"]["name"] == "etcd"]
     (headless,) = [s for s in objects("Service") if s["metadata"]["name"] == statefulset["spec"]["serviceName"]]
@@ -722,7 +739,8 @@ def test_several_gateways_each_with_its_packages_and_addresses_as_in_compose() -
     assert "--scheduler" not in args, "with several schedulers a gateway follows the one registered in etcd"
     mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
     claims = {claim["metadata"]["name"] for claim in gateways["spec"]["volumeClaimTemplates"]}
-    assert mounts.get(args["--state-dir"]) in claims, "each gateway keeps its packages on a volume of its own"
+    on = [volume for path, volume in mounts.items() if args["--state-dir"].startswith(f"{path}/")]
+    assert on and on[0] in claims, "each gateway keeps its packages on a volume of its own"
     # Each registers its own stable name, which the headless Service publishes even before it is ready.
     (pods,) = [s for s in objects("Service") if s["metadata"]["name"] == gateways["spec"]["serviceName"]]
     assert pods["spec"]["clusterIP"] == "None" and pods["spec"]["publishNotReadyAddresses"]

@@ -75,6 +75,18 @@ def test_bad_embedded_flags_are_usage_errors_that_say_what_is_wrong(
     assert all(part in err for part in said), err
 
 
+def test_a_state_directory_that_cannot_be_made_private_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # (As on a Kubernetes volume's root, which root owns: chmod is refused. Here: a path under a file.)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exited:
+        main(["--insecure", "--etcd", "127.0.0.1:3999", "--state-dir", str(tmp_path / "file" / "gw")])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--state-dir: cannot make" in err and "subdirectory of a mounted volume" in err, err
+
+
 def gateway_settings(tmp_path: Path, *more: str) -> GatewaySettings:
     return GatewaySettings.from_args(
         ["--insecure", "--etcd", "127.0.0.1:3999", "--root", "/r", "--state-dir", str(tmp_path / "gw"), *more],
