@@ -305,15 +305,20 @@ class PackageStore:
 
     async def _make_room(self, nbytes: int) -> None:
         """Evict least recently used packages no worker holds until `nbytes` more fit the budget
-        (as far as that goes: a package larger than the budget is still staged)."""
+        (as far as that goes: a package larger than the budget is still staged). A package asked
+        for since the eviction began is kept: its caller has its directory, and its worker may not
+        be in `in_use()` yet."""
         if self.budget_bytes is None:
             return
         used = await asyncio.to_thread(self.blobs.used_bytes)
         if used + nbytes <= self.budget_bytes:
             return
-        in_use = self._in_use() | set(self._staging)
+        began = self._clock()
         for digest in sorted(self._staged, key=lambda d: self._used_at.get(d, 0.0)):
-            if digest in in_use:
+            # Asked again before each: every removal awaits, and calls land meanwhile.
+            if digest in self._in_use() or digest in self._staging or digest not in self._staged:
+                continue
+            if self._used_at.get(digest, 0.0) >= began:
                 continue
             freed = await self.remove(digest)
             used -= freed

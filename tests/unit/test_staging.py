@@ -301,3 +301,37 @@ def test_evicting_the_old_version_for_room_keeps_the_weights_the_new_one_shares(
         assert store.staged() == {new} and gateway.bytes_sent == sent + len(HANDLER) + 5
 
     asyncio.run(main())
+
+
+def test_a_package_taken_while_room_is_made_is_not_evicted(tmp_path: Path, cluster: Cluster) -> None:
+    # A miss for c needs room: a and b (least recently used first) are to go. While a is removed
+    # a call for b lands; b is still staged, so it is answered at once and a worker takes it: the
+    # eviction must not then remove b under that worker.
+    cluster.holder("gw")
+    a, b = (cluster.package({"handler.py": HANDLER + bytes([i]), "w.bin": os.urandom(1 << 20)}) for i in range(2))
+    c = cluster.package({"handler.py": HANDLER + b"c", "w.bin": os.urandom(2 << 20)})
+    busy: set[str] = set()
+    clock = [0.0]
+
+    async def main() -> None:
+        store = cluster.store(
+            tmp_path / "node", budget_bytes=int(2.5 * (1 << 20)), in_use=lambda: set(busy), clock=lambda: clock[0]
+        )
+        for index, digest in enumerate((a, b)):
+            clock[0] = index
+            await store.ensure(digest)
+        original_remove = store.remove
+        taken: list[Path] = []
+
+        async def remove(digest: str) -> int:
+            if digest == a:
+                taken.append(await store.ensure(b))
+            return await original_remove(digest)
+
+        store.remove = remove  # type: ignore[method-assign]
+        clock[0] = 2
+        await store.ensure(c)
+        assert b in store.staged() and taken[0].exists(), "b was evicted while a worker held it"
+        assert store.staged() == {b, c}  # over the budget for as long as b is held, rather than b gone
+
+    asyncio.run(main())
