@@ -26,7 +26,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -112,6 +112,9 @@ class PackageStore:
         # Blobs the stagings under way will link (how many of them each): an eviction for room, or
         # a collection, must not delete one that is here already (shared with the old version).
         self._linking: Counter[str] = Counter()
+        # The blobs each removal under way may delete: a staging waits for those that may take one
+        # of its blobs before it looks which are here (it would count one about to go).
+        self._deletions: dict[asyncio.Future[None], frozenset[str]] = {}
         self._fetch_slots = asyncio.Semaphore(PARALLEL_FETCHES)
         # Staged packages: digest -> (manifest, layer directory or None), and when each was last used.
         self._staged: dict[str, tuple[Manifest, Path | None]] = {}
@@ -199,10 +202,19 @@ class PackageStore:
         blobs = list(record.manifest.blobs())
         self._linking.update(blobs)
         try:
+            await self._settled(blobs)
             return await self._stage_record(digest, record, make_room)
         finally:
             self._linking.subtract(blobs)
             self._linking = +self._linking  # (drops the blobs no staging needs any more)
+
+    async def _settled(self, blobs: Iterable[str]) -> None:
+        """Once the removals under way that may delete one of `blobs` are done. Those that begin
+        later keep them: they are in `_linking` already."""
+        wanted = set(blobs)
+        pending = [done for done, doomed in self._deletions.items() if not doomed.isdisjoint(wanted)]
+        if pending:
+            await asyncio.wait(pending)
 
     async def _stage_record(self, digest: str, record: PackageRecord, make_room: bool) -> Path:
         manifest = record.manifest
@@ -327,10 +339,16 @@ class PackageStore:
 
     async def remove(self, digest: str) -> int:
         """Unstage a package: its directory, and the blobs no other staged package needs; the
-        bytes freed."""
+        bytes freed. A staging that needs one of its blobs and starts meanwhile (a call for this
+        package, again) waits for it to end, then fetches what went."""
         entry = self._staged.pop(digest, None)
         self._used_at.pop(digest, None)
         self.stats.pop(digest, None)
+        with self._deleting(entry[0].blobs() if entry is not None else ()):
+            return await self._remove(digest, entry)
+
+    async def _remove(self, digest: str, entry: tuple[Manifest, Path | None] | None) -> int:
+        """`remove`'s work, once the package is out of `_staged` (`entry`: what it was there)."""
         # Moved aside before anything awaits: a staging of it that starts meanwhile makes a new
         # directory rather than find this one half deleted.
         path = self.packages_dir / hex_of(digest)
@@ -350,6 +368,17 @@ class PackageStore:
         if self._on_change is not None:
             self._on_change()
         return freed
+
+    @contextlib.contextmanager
+    def _deleting(self, blobs: Iterable[str]) -> Iterator[None]:
+        """Within it, `blobs` may be deleted: a staging that needs one of them waits (`_settled`)."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._deletions[done] = frozenset(blobs)
+        try:
+            yield
+        finally:
+            del self._deletions[done]
+            done.set_result(None)
 
     async def collect(self, in_use: Iterable[str], now_unix_s: float, grace_s: float) -> list[str]:
         """Unstage the packages no worker holds that nobody asked for in `grace_s`; then drop

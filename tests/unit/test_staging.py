@@ -335,3 +335,37 @@ def test_a_package_taken_while_room_is_made_is_not_evicted(tmp_path: Path, clust
         assert store.staged() == {b, c}  # over the budget for as long as b is held, rather than b gone
 
     asyncio.run(main())
+
+
+def test_a_package_staged_again_while_it_is_removed_keeps_its_blobs(tmp_path: Path, cluster: Cluster) -> None:
+    # A call for a package lands while the package is being unstaged, after its first blob went:
+    # the staging it starts must not count the blobs the removal is about to delete as here (it
+    # would link them, and be staged with none of its blobs: never pooled, nothing served to peers).
+    cluster.holder("gw")
+    weights = os.urandom(1 << 20)
+    digest = cluster.package({"handler.py": HANDLER, "w.bin": weights})
+    blobs = [sha256_digest(HANDLER), sha256_digest(weights)]
+
+    async def main() -> None:
+        store = cluster.store(tmp_path / "node")
+        await store.ensure(digest)
+        loop = asyncio.get_running_loop()
+        first_gone = asyncio.Event()
+        original_remove = store.blobs.remove
+
+        def remove(blob: str) -> bool:
+            removed = original_remove(blob)
+            if not first_gone.is_set():
+                loop.call_soon_threadsafe(first_gone.set)
+                time.sleep(0.3)  # the staging runs on meanwhile
+            return removed
+
+        store.blobs.remove = remove  # type: ignore[method-assign]
+        removal = asyncio.create_task(store.remove(digest))
+        await first_gone.wait()
+        directory = await store.ensure(digest)
+        await removal
+        assert store.staged() == {digest} and (directory / "w.bin").read_bytes() == weights
+        assert all(store.blobs.path(blob) is not None for blob in blobs), "staged without its blobs"
+
+    asyncio.run(main())
