@@ -56,6 +56,10 @@ MAX_BATCH_BYTES = 256 << 20
 BATCH_MEMBER_MAX_BYTES = 16 << 20  # each read whole: bounded
 PEER_TIMEOUT_S = 30.0  # a holder silent this long on one connection is passed over for the next
 REPLICATE_TIMEOUT_S = 60.0  # the most a commit waits for a second gateway to take its blobs
+# A batch's blob that another transfer writes (a deploy beside it sharing a file) is waited for this
+# long, asking every BATCH_BUSY_POLL_S, before the batch is refused (409: send it again later).
+BATCH_BUSY_WAIT_S = 10.0
+BATCH_BUSY_POLL_S = 0.05
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -236,7 +240,7 @@ class Artifacts:
                     data = reader.read()
                     if hashlib.sha256(data).hexdigest() != member.name[7:]:
                         raise CorruptBlob(f"blob {member.name}: its bytes hash to something else; upload it again")
-                    self.blobs.put(data, member.name)
+                    _put_waiting(self.blobs, data, member.name)
                     stored[member.name] = len(data)
         except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
             raise InvalidPackage(f"the blob batch is not a valid tar: {exc}") from None
@@ -480,6 +484,21 @@ class Artifacts:
 
         removed += self.blobs.discard_partials(keep=stale)
         return removed
+
+
+def _put_waiting(blobs: BlobStore, data: bytes, digest: str) -> None:
+    """Store a batch's blob (blocking); another transfer writing it now (an upload or a fetch of
+    the same bytes) is waited for: it commits them, or it breaks off and these are written.
+    BlobBusy if it still writes after BATCH_BUSY_WAIT_S."""
+    deadline = time.monotonic() + BATCH_BUSY_WAIT_S
+    while True:
+        try:
+            blobs.put(data, digest)
+            return
+        except BlobBusy:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(BATCH_BUSY_POLL_S)
 
 
 class OffsetMismatch(InvalidPackage):

@@ -203,6 +203,8 @@ async def upload_blob_batch(request: Request, gateway: GatewayDep) -> dict[str, 
     spooled, _, _ = await _spool(request, gateway, MAX_BATCH_BYTES)
     try:
         stored = await gateway.artifacts.receive_batch(spooled, compressed=compressed)
+    except BlobBusy as exc:  # (written by another transfer for longer than the batch waits)
+        raise ApiError(409, str(exc)) from None
     except InvalidPackage as exc:
         raise _refused(exc) from None
     finally:

@@ -812,3 +812,34 @@ def test_a_delete_that_took_is_answered_so_when_the_packages_grace_cannot_be_sta
         assert await env.stored_spec("fn") is None
 
     run(tmp_path, body)
+
+
+def test_a_blob_batch_waits_out_another_transfer_of_one_of_its_blobs(tmp_path: Path) -> None:
+    """Two deploys at once sharing a small file (the same handler): the second batch finds the
+    blob being written by the first, and waits for it rather than be refused; one whose other
+    transfer breaks off writes the blob itself."""
+    shared, other = b"def load(d):\n    return 1\n", b"labels\n"
+    headers = {"content-type": "application/vnd.gpufaas.blobs+gzip"}
+
+    async def body(env: Env) -> None:
+        blobs = env.app.state.gateway.artifacts.blobs
+        for finish in (True, False):
+            data = shared + bytes([finish])
+            writer = blobs.writer(sha256(data), len(data))  # the other deploy's batch, under way
+
+            async def other_transfer_ends(writer: Any = writer, data: bytes = data, finish: bool = finish) -> None:
+                await asyncio.sleep(0.2)
+                if finish:
+                    writer.write(data)
+                    writer.commit()
+                writer.close()
+
+            ending = asyncio.create_task(other_transfer_ends())
+            batch = tar_gz([(member(sha256(data)), data), (member(sha256(other)), other)])
+            response = await env.client.post("/system/blobs", content=batch, headers=headers)
+            await ending
+            assert response.status_code == 201, response.text
+            assert response.json()["stored"] == {sha256(data): len(data), sha256(other): len(other)}
+            assert blobs.has(sha256(data))
+
+    run(tmp_path, body)
