@@ -12,11 +12,14 @@ share of time a kernel ran), less the parts of a call that do not use the device
 `AdaptiveSlots` is plain bookkeeping with time passed in: the simulator and the scheduler service
 feed it the running calls per GPU at their events and apply the D it returns
 (`Scheduler.set_slots`). Where events are further apart than a period, the whole span counts as
-one period (one step of D).
+one period (one step of D). The service samples on a timer; the simulator observes after each
+scheduling pass and, where nothing else happens, at `next_step_s` (the end of a period at which D
+would move with the calls running unchanged), so that D steps as often as the service's would.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -49,6 +52,9 @@ class AdaptiveSlots:
         self.period_s = period_s
         self._gpus: dict[str, _Gpu] = {}
         self.changes = 0  # steps of D taken, over every GPU
+        # Set by `observe`: the earliest end of a period at which some GPU's D moves if the calls
+        # running on it stay as they are (inf: none would, every D is where it would stay).
+        self.next_step_s = math.inf
 
     def slots(self, gpu_id: str) -> int | None:
         gpu = self._gpus.get(gpu_id)
@@ -58,27 +64,46 @@ class AdaptiveSlots:
         """`running`: GPU id -> (calls running on it now, its D now). Returns the GPUs whose D
         should change, with the new D. A GPU seen for the first time starts its first period."""
         changes: dict[str, int] = {}
+        next_step_s = math.inf
         for gpu_id, (count, slots) in running.items():
             gpu = self._gpus.get(gpu_id)
             if gpu is None:
-                self._gpus[gpu_id] = _Gpu(min(max(slots, 1), self.max_slots), count, 0.0, now, now)
-                continue
-            if gpu.running > 0:
-                gpu.busy_s += now - gpu.last_s
-            gpu.running = count
-            gpu.last_s = now
-            elapsed_s = now - gpu.period_start_s
-            if elapsed_s >= self.period_s - 1e-9:  # periods of float clocks: 0.6 - 0.4 < 0.2
-                utilization = gpu.busy_s / elapsed_s
-                new = gpu.slots - 1 if utilization > self.threshold else gpu.slots + 1
-                new = min(max(new, 1), self.max_slots)
-                gpu.busy_s = 0.0
-                gpu.period_start_s = now
-                if new != gpu.slots:
-                    gpu.slots = new
-                    self.changes += 1
-            if gpu.slots != slots:  # a step now, or a D set from elsewhere since (a GPU registered again)
-                changes[gpu_id] = gpu.slots
+                gpu = self._gpus[gpu_id] = _Gpu(min(max(slots, 1), self.max_slots), count, 0.0, now, now)
+            else:
+                self._observe(gpu, count, now)
+                if gpu.slots != slots:  # a step now, or a D set from elsewhere since (a GPU registered again)
+                    changes[gpu_id] = gpu.slots
+            if self._would_step(gpu):
+                next_step_s = min(next_step_s, gpu.period_start_s + self.period_s)
+        self.next_step_s = next_step_s
         for gpu_id in [g for g in self._gpus if g not in running]:
             del self._gpus[gpu_id]  # the GPU left
         return changes
+
+    def _observe(self, gpu: _Gpu, count: int, now: float) -> None:
+        """`count` calls run on `gpu` from `now`: count its busy time, and step its D if its
+        period is over."""
+        if gpu.running > 0:
+            gpu.busy_s += now - gpu.last_s
+        gpu.running = count
+        gpu.last_s = now
+        elapsed_s = now - gpu.period_start_s
+        if elapsed_s >= self.period_s - 1e-9:  # periods of float clocks: 0.6 - 0.4 < 0.2
+            new = self._stepped(gpu.slots, gpu.busy_s / elapsed_s)
+            gpu.busy_s = 0.0
+            gpu.period_start_s = now
+            if new != gpu.slots:
+                gpu.slots = new
+                self.changes += 1
+
+    def _stepped(self, slots: int, utilization: float) -> int:
+        """D after a period of `utilization` at D = `slots`."""
+        return min(max(slots - 1 if utilization > self.threshold else slots + 1, 1), self.max_slots)
+
+    def _would_step(self, gpu: _Gpu) -> bool:
+        """Whether `gpu`'s D moves at the end of its period, or at the end of the next, if the
+        calls running on it now run on unchanged."""
+        busy_s = gpu.busy_s + (gpu.period_start_s + self.period_s - gpu.last_s if gpu.running > 0 else 0.0)
+        if self._stepped(gpu.slots, busy_s / self.period_s) != gpu.slots:
+            return True
+        return self._stepped(gpu.slots, 1.0 if gpu.running > 0 else 0.0) != gpu.slots

@@ -379,7 +379,8 @@ class _Run:
 
     The loop advances the clock to the next arrival or GPU event; at each instant it hands the
     scheduler the completions, then the arrivals, then (only if either happened) asks it to
-    schedule and carries out its decisions on the GPUs.
+    schedule and carries out its decisions on the GPUs. It also stops, with no event due, where
+    a check of its own is (`_on_timer`: what the service does on a timer).
     """
 
     def __init__(
@@ -411,6 +412,7 @@ class _Run:
         )
         slots_max = cluster.adaptive_slots
         self.adaptive = None if slots_max is None else AdaptiveSlots(slots_max, threshold=cluster.utilization_threshold)
+        self.timer_s = math.inf  # when the clock stops for a check of its own, no event due (_on_timer)
         # Per completed call, in completion order: latencies (all of them, for the percentiles),
         # each function's (for its mean), and those with an SLO (for the SLO figures). Arrays of
         # doubles, 8 bytes a call: a run of millions of calls keeps no object per call.
@@ -454,6 +456,9 @@ class _Run:
             if upcoming is None and not gpus.events_pending():
                 return
             now = self.now = event_s if upcoming is None or event_s < upcoming.arrival_s else upcoming.arrival_s
+            if self.timer_s <= now:  # the clock's own check is due first (or at this instant)
+                now = self.now = self.timer_s
+                self._on_timer(now)
             # Completions at this instant first: a slot freed now can serve a request arriving now.
             # (Each is asked only if its next event is due: most instants have one of the two.)
             completed = event_s <= now and complete(now, on_progress)
@@ -521,15 +526,10 @@ class _Run:
         return True
 
     def _schedule(self, now: float) -> None:
-        """Ask the scheduler (after its slot controller and staged exit have had their say) and
-        carry out its decisions on the GPUs."""
+        """Ask the scheduler (after the staged exit has had its say) and carry out its decisions
+        on the GPUs; then adaptive D observes what runs."""
         self._integrate(now)
         self.max_queue_len = max(self.max_queue_len, len(self.scheduler.queue))
-        if self.adaptive is not None:
-            running = {g.spec.gpu_id: (len(g.running), g.spec.slots) for g in self.scheduler.gpus()}
-            for gpu_id, slots in self.adaptive.observe(now, running).items():
-                self.scheduler.set_slots(gpu_id, slots)
-            self.slots_total = sum(g.spec.slots for g in self.scheduler.gpus())
         if self.releasing:
             for release in self.scheduler.release_idle(
                 now, gpu_idle_s=self.cluster.gpu_idle_release_s, host_idle_s=self.cluster.host_idle_release_s
@@ -546,6 +546,38 @@ class _Run:
         hits, parked = self._carry_out(now, leasing)
         if leasing:
             self._leases_after(hits, parked, now)
+        if self.adaptive is not None:
+            self._adapt(now)
+
+    def _on_timer(self, now: float) -> None:
+        """The clock's own check, due now with no event before it: adaptive D's next step."""
+        self._integrate(now)
+        self._adapt(now)
+
+    def _adapt(self, now: float) -> None:
+        """Adaptive D, after a pass or at its next step: the controller observes what runs on each
+        GPU from now on (this pass's placements among them: a GPU kept busy back to back reads
+        busy), and where it moves a GPU's D the scheduler follows and fills a slot it opened at
+        once, as the service's sampler does. Its next step is the clock's next check."""
+        assert self.adaptive is not None
+        if self._adapt_slots(now):
+            leasing = self.lease_s > 0
+            hits, parked = self._carry_out(now, leasing)
+            if leasing:
+                self._leases_after(hits, parked, now)
+            self._adapt_slots(now)  # what that pass placed runs from now on
+        self.timer_s = self.adaptive.next_step_s
+
+    def _adapt_slots(self, now: float) -> bool:
+        """Tell the controller what runs on each GPU now and apply the D it moves; True if it moved one."""
+        assert self.adaptive is not None
+        running = {g.spec.gpu_id: (len(g.running), g.spec.slots) for g in self.scheduler.gpus()}
+        changes = self.adaptive.observe(now, running)
+        for gpu_id, slots in changes.items():
+            self.scheduler.set_slots(gpu_id, slots)
+        if changes:
+            self.slots_total = sum(g.spec.slots for g in self.scheduler.gpus())
+        return bool(changes)
 
     def _carry_out(self, now: float, leasing: bool = False) -> tuple[list[Dispatch], list[str]]:
         """Ask the scheduler to schedule and carry out its decisions; with `leasing`, the hits

@@ -219,6 +219,17 @@ def test_calls_dispatched_at_one_instant_reach_the_worker_together() -> None:
     assert result.avg_latency_s == pytest.approx((4.0 + 4.0 + 2.0 + 2.0) / 4)
 
 
+def test_adaptive_d_sees_a_gpu_busy_back_to_back_as_busy() -> None:
+    """A call loads (0 -> 3), then one arrives as each completes (3, 4, ..., 20): the GPU never
+    idles, so adaptive D steps down. (It read it as idle: the controller counted the calls before
+    each pass placed the new one, so it saw none running and kept D at its maximum.)"""
+    workload = tiny([(0.0, "A")] + [(3.0 + k, "A") for k in range(18)])
+    cluster = ClusterConfig(gpus=1, gpu_memory_mb=4000, slots=2, adaptive_slots=2, utilization_threshold=0.9)
+    result = simulate(workload, "lalb-o3", cluster=cluster)
+    assert result.makespan_s == pytest.approx(21.0)
+    assert result.slot_changes >= 1 and result.avg_slots < 1.5
+
+
 def test_config_values_are_checked() -> None:
     with pytest.raises(ValueError, match="slots"):
         ClusterConfig(slots=0)
