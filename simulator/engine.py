@@ -992,9 +992,10 @@ class _Gpus:
         self._compute_s = array("d")
         self.batches = 0
         self.events = 0  # events popped off the heap, stale ones included
-        # Only interference reschedules batch ends and only shared links move copies' ends: without
-        # either, no event on the heap is ever stale.
-        self._may_go_stale = interference is not None or links is not None
+        # Only interference reschedules batch ends, only shared links move copies' ends, and only a
+        # batching wait can be ended early (by a full batch): without any, no event is ever stale.
+        waits = any(b.max_batch_wait_ms > 0 for b in batching.values())
+        self._may_go_stale = interference is not None or links is not None or waits
 
     def events_pending(self) -> bool:
         """Whether any event is due, stale ones dropped by the last `next_event_s`."""
@@ -1006,17 +1007,21 @@ class _Gpus:
         return self._events[0][0] if self._events else math.inf
 
     def _drop_stale(self) -> None:
-        """Pop batch ends that a later reschedule replaced (with interference), so that they
-        neither wake the clock nor stretch the makespan."""
+        """Pop batch ends and copy ends that a later reschedule replaced (with interference, or
+        shared links), and batching waits that a full batch ended early, so that they neither
+        wake the clock nor stretch the makespan."""
         events = self._events
         while events:
             at_s, kind, _, subject = events[0]
-            # Live: not a batch end or a copy's end, a batch end without interference (NaN), or the
-            # latest end of either.
+            # Live: a copy's start, a load done, a batch end without interference (NaN), or the
+            # latest end or wait of its subject.
             if isinstance(subject, _Copy):
                 if kind == _COPY_START or subject.end_s == at_s:
                     return
-            elif not isinstance(subject, _Batch) or math.isnan(subject.end_s) or subject.end_s == at_s:
+            elif isinstance(subject, _Worker):
+                if kind == _LOAD_DONE or subject.wait_until_s == at_s:
+                    return
+            elif math.isnan(subject.end_s) or subject.end_s == at_s:
                 return
             heapq.heappop(events)
             self.events += 1

@@ -157,6 +157,15 @@ def test_a_free_worker_waits_up_to_max_batch_wait_for_more_calls() -> None:
     assert result.avg_latency_s == pytest.approx((3.005 + 2.004 + 2.0 + 2.509) / 4)
 
 
+def test_a_wait_that_a_full_batch_ended_early_does_not_stretch_the_makespan() -> None:
+    # Loaded at 2, the worker waits up to 5 s (until 7) for a second call; it comes at 2.5 and the
+    # batch of two runs 2.5 -> 4.5. The run ends there, not when the wait would have (7).
+    result = run_tiny(tiny([(0.0, "A"), (2.5, "A")]), slots=2, batching=Batching(2, 5000.0))
+    assert result.avg_latency_s == pytest.approx((4.5 + 2.0) / 2)
+    assert result.makespan_s == pytest.approx(4.5)
+    assert result.gpu_utilization == pytest.approx(2.0 / 4.5)
+
+
 def test_with_one_slot_a_batching_worker_waits_in_vain() -> None:
     result = run_tiny(tiny([(0.0, "A"), (10.0, "A")]), batching=Batching(max_batch_size=4, max_batch_wait_ms=50.0))
     # D = 1: no second call can reach the worker, so every batch is one call, 50 ms late.
