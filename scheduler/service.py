@@ -63,14 +63,13 @@ from scheduler.node_links import NodeLink, NodeLinks
 from scheduler.persister import StatePersister
 from scheduler.policies import PolicyConfig, make_policy
 from scheduler.sessions import GatewaySession, NodeSession
+from scheduler.staged_exit import release_check_period_s
 
 log = logging.getLogger("gpufaas.scheduler")
 
 LEASE_TTL_S = 1  # the leadership lease (--lease-ttl-s); etcd may grant more (docs/failover.md)
 TICK_S = 0.25  # how often deadlines and unconfirmed placements are looked at
 UTILIZATION_SAMPLE_S = 0.02  # how often adaptive D samples the running calls (its period: 0.2 s)
-RELEASE_CHECK_MIN_S = 0.25  # bounds of how often the staged exit looks for idle models
-RELEASE_CHECK_MAX_S = 5.0
 DEFAULT_SLOTS = 4
 DEFAULT_PRESTAGE_NODES = 2  # nodes that get a new function's package before its first call
 ATTACH_WAIT_S = 2.0  # a new term takes calls once its registered nodes attached, or this long after it began
@@ -507,13 +506,11 @@ class SchedulerService:
             self.apply(self.book.observe_utilization(self.clock()))
 
     async def _releaser(self) -> None:
-        """EDAS's staged exit and the policy's swap-out: now and then, release what has been idle
-        past its stage's timeout or what the policy names idle (checked at a quarter of the
-        shorter timeout, between RELEASE_CHECK_MIN_S and _MAX_S; at the shortest for the policy's)."""
-        stages = [s for s in (self.gpu_idle_release_s, self.host_idle_release_s) if s is not None]
-        period_s = RELEASE_CHECK_MIN_S
-        if stages and not self.scheduler.policy.releases_memory:
-            period_s = min(RELEASE_CHECK_MAX_S, max(RELEASE_CHECK_MIN_S, min(stages) / 4))
+        """EDAS's staged exit and the policy's swap-out: now and then (`release_check_period_s`),
+        release what has been idle past its stage's timeout or what the policy names idle."""
+        period_s = release_check_period_s(
+            self.gpu_idle_release_s, self.host_idle_release_s, policy_releases=self.scheduler.policy.releases_memory
+        )
         while True:
             await asyncio.sleep(period_s)
             effects = self.book.release_idle(

@@ -7,6 +7,19 @@ from scheduler.decisions import Dispatch, Release
 from scheduler.policies.base import SchedulingPolicy
 from scheduler.state import ClusterState
 
+RELEASE_CHECK_MIN_S = 0.25  # bounds of how often the staged exit looks for idle models
+RELEASE_CHECK_MAX_S = 5.0
+
+
+def release_check_period_s(gpu_idle_s: float | None, host_idle_s: float | None, *, policy_releases: bool) -> float:
+    """How often the scheduler looks for idle models to release (the service's releaser, and the
+    simulator's clock as it): a quarter of the shorter stage's timeout, between RELEASE_CHECK_MIN_S
+    and _MAX_S; at the shortest where the policy swaps out (`releases_memory`)."""
+    stages = [s for s in (gpu_idle_s, host_idle_s) if s is not None]
+    if not stages or policy_releases:
+        return RELEASE_CHECK_MIN_S
+    return min(RELEASE_CHECK_MAX_S, max(RELEASE_CHECK_MIN_S, min(stages) / 4))
+
 
 class StagedExit:
     """When each cached model was last used on its GPU, and when each host-tier model entered its

@@ -32,10 +32,12 @@ adds is the ground truth of the GPUs, on a virtual clock:
   evicts stays in its node's host memory (the cache manager's `HostTier`), and a miss that takes
   it back is a swap-in: 5 ms plus the model's memory over `host_to_gpu_mb_s` (Torpor's pipelined
   copy from pinned memory), instead of the profile's load time. Off by default (the paper's testbed).
-- EDAS's staged exit (`gpu_idle_release_s`, `host_idle_release_s`): at each event, a model unused
-  on its GPU that long leaves it (into the host tier when there is one), one that long in the host
-  tier leaves it. `avg_gpu_memory_gb` measures what that saves: the GPU memory held, averaged
-  over time.
+- EDAS's staged exit (`gpu_idle_release_s`, `host_idle_release_s`): a model unused on its GPU
+  that long leaves it (into the host tier when there is one), one that long in the host tier
+  leaves it, at the first check after: the clock stops for a check every release period, as the
+  service's releaser makes them (`scheduler.staged_exit.release_check_period_s`: a quarter of the
+  shorter timeout, 0.25-5 s). `avg_gpu_memory_gb` measures what that saves: the GPU memory held,
+  averaged over time.
 - Timing noise (`ClusterConfig.timing_spread` = c > 0): every load and every batch takes its time
   above times a factor drawn from a log-normal of mean 1 and coefficient of variation c, from
   random.Random(`timing_seed`) in event order (so a run is reproducible). Without it (c = 0, the
@@ -87,6 +89,7 @@ from scheduler.adaptive_slots import AdaptiveSlots
 from scheduler.estimator import DEFAULT_HOST_TO_GPU_MB_S, DEFAULT_SWAP_IN_OVERHEAD_S
 from scheduler.leases import leases_to_end, may_lease, may_lease_on
 from scheduler.policies import DEFAULT_MAX_NUM_SKIPS
+from scheduler.staged_exit import release_check_period_s
 from simulator.workload import Workload
 
 
@@ -107,7 +110,7 @@ class ClusterConfig:
     host_memory_mb: int = 0  # each node's host tier (0: none)
     host_to_gpu_mb_s: float = DEFAULT_HOST_TO_GPU_MB_S
     # EDAS's staged exit: a model unused this long leaves its GPU (for the host tier), and one
-    # this long in the host tier leaves it (None: the stage is off). Checked at each event.
+    # this long in the host tier leaves it (None: the stage is off). Checked on the service's period.
     gpu_idle_release_s: float | None = None
     host_idle_release_s: float | None = None
     # Concurrent batches on a GPU (D > 1): None, one at a time; i >= 0, all at once, each slowed
@@ -341,6 +344,17 @@ def simulate(
     return run.result(policy, config)
 
 
+def _release_period_s(cluster: ClusterConfig, policy: SchedulingPolicy) -> float:
+    """How often a run checks for idle models to release, as the service's releaser does: EDAS's
+    staged exit, or the policy's swap-out (mqfq-sticky's keep-alive), which needs host tiers to
+    move models into; inf where neither is on."""
+    gpu_idle_s, host_idle_s = cluster.gpu_idle_release_s, cluster.host_idle_release_s
+    swaps_out = policy.releases_memory and cluster.host_memory_mb > 0
+    if gpu_idle_s is None and host_idle_s is None and not swaps_out:
+        return math.inf
+    return release_check_period_s(gpu_idle_s, host_idle_s, policy_releases=policy.releases_memory)
+
+
 def _make_scheduler(workload: Workload, policy: SchedulingPolicy, cluster: ClusterConfig) -> Scheduler:
     """The scheduler the services run, over the simulated cluster: its GPUs (named `gpuNNN`, in
     nodes of `gpus_per_node`, behind links of `gpus_per_link`), its nodes' host tiers, and the
@@ -403,16 +417,13 @@ class _Run:
         self.now = 0.0  # the virtual clock; the makespan once the run is over
         self.scheduled_at = 0.0  # when the scheduler was last asked to schedule
         self.dispatch_ties = itertools.count(1)
-        # EDAS's staged exit, or the policy's own swap-out (mqfq-sticky's keep-alive), which needs
-        # host tiers to move models into: asked at each event.
-        self.releasing = (
-            cluster.gpu_idle_release_s is not None
-            or cluster.host_idle_release_s is not None
-            or (scheduler.policy.releases_memory and cluster.host_memory_mb > 0)
-        )
         slots_max = cluster.adaptive_slots
         self.adaptive = None if slots_max is None else AdaptiveSlots(slots_max, threshold=cluster.utilization_threshold)
-        self.timer_s = math.inf  # when the clock stops for a check of its own, no event due (_on_timer)
+        # The clock's own checks (_on_timer), made as the service's timers make them: the staged
+        # exit's every release period, adaptive D's next step; inf while none is due.
+        self.release_period_s = self.release_at = _release_period_s(cluster, scheduler.policy)
+        self.adapt_at = math.inf
+        self.timer_s = self.release_at  # the first of them
         # Per completed call, in completion order: latencies (all of them, for the percentiles),
         # each function's (for its mean), and those with an SLO (for the SLO figures). Arrays of
         # doubles, 8 bytes a call: a run of millions of calls keeps no object per call.
@@ -526,18 +537,10 @@ class _Run:
         return True
 
     def _schedule(self, now: float) -> None:
-        """Ask the scheduler (after the staged exit has had its say) and carry out its decisions
-        on the GPUs; then adaptive D observes what runs."""
+        """Ask the scheduler and carry out its decisions on the GPUs; then adaptive D observes
+        what runs."""
         self._integrate(now)
         self.max_queue_len = max(self.max_queue_len, len(self.scheduler.queue))
-        if self.releasing:
-            for release in self.scheduler.release_idle(
-                now, gpu_idle_s=self.cluster.gpu_idle_release_s, host_idle_s=self.cluster.host_idle_release_s
-            ):
-                self.releases += 1
-                if release.gpu_id is not None:
-                    self.touched_gpus.add(release.gpu_id)
-                    self.gpus.release(release.gpu_id, release.model)
         leasing = self.lease_s > 0
         if leasing and self.leased:  # (the call book ends them at its tick)
             for leases in list(self.leased.values()):
@@ -550,9 +553,23 @@ class _Run:
             self._adapt(now)
 
     def _on_timer(self, now: float) -> None:
-        """The clock's own check, due now with no event before it: adaptive D's next step."""
-        self._integrate(now)
-        self._adapt(now)
+        """The clock's own checks due now (before any event of this instant): the staged exit's
+        and the policy's swap-out, every release period as the service's releaser makes them
+        (a model idle past its timeout leaves at the first check after: not exactly on time, and
+        not at the next call); adaptive D's next step, as the service's sampler would take it."""
+        self._integrate(now)  # what the caches held until now, before the releases change it
+        if self.release_at <= now:
+            for release in self.scheduler.release_idle(
+                now, gpu_idle_s=self.cluster.gpu_idle_release_s, host_idle_s=self.cluster.host_idle_release_s
+            ):
+                self.releases += 1
+                if release.gpu_id is not None:
+                    self.touched_gpus.add(release.gpu_id)
+                    self.gpus.release(release.gpu_id, release.model)
+            self.release_at = now + self.release_period_s
+        if self.adapt_at <= now:
+            self._adapt(now)
+        self.timer_s = min(self.release_at, self.adapt_at)
 
     def _adapt(self, now: float) -> None:
         """Adaptive D, after a pass or at its next step: the controller observes what runs on each
@@ -566,7 +583,8 @@ class _Run:
             if leasing:
                 self._leases_after(hits, parked, now)
             self._adapt_slots(now)  # what that pass placed runs from now on
-        self.timer_s = self.adaptive.next_step_s
+        self.adapt_at = self.adaptive.next_step_s
+        self.timer_s = min(self.release_at, self.adapt_at)
 
     def _adapt_slots(self, now: float) -> bool:
         """Tell the controller what runs on each GPU now and apply the D it moves; True if it moved one."""

@@ -239,6 +239,18 @@ def test_adaptive_d_sees_a_gpu_busy_back_to_back_as_busy() -> None:
     assert result.slot_changes >= 1 and result.avg_slots < 1.5
 
 
+def test_the_staged_exit_releases_at_its_checks_not_at_the_next_call() -> None:
+    """A model used until 3 leaves its GPU at the first check (every 2.5 s: a quarter of 10 s, as
+    the service's releaser) 10 s after, at 15, and the host tier 50 s after that, at 65: the call at
+    100 loads it from disk. (The simulator checked only at events: both stages ran at 100, the
+    call took it back from the host tier, and the GPU held it the whole gap.)"""
+    cluster = ClusterConfig(gpus=1, host_memory_mb=4000, gpu_idle_release_s=10.0, host_idle_release_s=50.0)
+    result = simulate(tiny([(0.0, "A"), (100.0, "A")]), "lalb-o3", cluster=cluster)
+    assert (result.swap_ins, result.releases) == (0, 2)
+    assert result.avg_latency_s == pytest.approx(3.0)
+    assert result.avg_gpu_memory_gb == pytest.approx(1000 * (15.0 + 3.0) / 103.0 / 1024)
+
+
 def test_config_values_are_checked() -> None:
     with pytest.raises(ValueError, match="slots"):
         ClusterConfig(slots=0)
