@@ -30,6 +30,11 @@ if TYPE_CHECKING:
     from simulator.workload import TraceCounts, Workload, WorkloadConfig
 
 
+# --batch-exponent's largest: k**EXPONENT stays a float, and a run's latencies summable, for any
+# batch a run forms.
+MAX_BATCH_EXPONENT = 10.0
+
+
 class TraceFormat(enum.StrEnum):
     azure2019 = "azure2019"
     azure2021 = "azure2021"
@@ -124,19 +129,28 @@ def sim(
         float,
         typer.Option(
             min=0.0,
-            help="Hit leases, as the scheduler's --hit-lease-s: a hit placed while nothing waits leases its slot this "
-            "long to the gateway, whose next calls of the function run there without the scheduler (0: none).",
+            help="Hit leases, as the scheduler's --hit-lease-s takes them: a hit placed while nothing waits leases "
+            "its slot this long to the gateway, whose next calls of the function run there without the scheduler "
+            "(0: none).",
         ),
     ] = 0.0,
     max_batch_size: Annotated[
         int, typer.Option(min=1, help="Calls of one model a worker may merge into one batch (needs --slots > 1).")
     ] = 1,
     max_batch_wait_ms: Annotated[
-        float, typer.Option(min=0.0, help="How long a free worker with fewer calls than a batch waits for more.")
+        float,
+        typer.Option(
+            min=0.0,
+            help="How long a free worker with fewer calls than a batch waits for more (at most what a function's spec "
+            "takes).",
+        ),
     ] = 0.0,
     batch_exponent: Annotated[
         float,
-        typer.Option(help="A batch of k calls takes k**EXPONENT times one call's time (1: batching gains nothing)."),
+        typer.Option(
+            max=MAX_BATCH_EXPONENT,
+            help="A batch of k calls takes k**EXPONENT times one call's time (1: batching gains nothing).",
+        ),
     ] = 1.0,
     sweep_o3: Annotated[
         str | None, typer.Option(help="Run lalb-o3 at each of these limits (e.g. 0,5,10,...,45): Figure 7.")
@@ -224,8 +238,7 @@ def sim(
     working_set_or_all, mapping_seeds, limits = _sim_checked(
         working_set, mappings, sweep_o3, compare=compare, plot=plot, policy=policy
     )
-    if not batch_exponent > 0:  # NaN too
-        raise typer.BadParameter(f"must be positive, got {batch_exponent}", param_hint="--batch-exponent")
+    _check_numbers(hit_lease_s=hit_lease_s, max_batch_wait_ms=max_batch_wait_ms, batch_exponent=batch_exponent)
     cluster = ClusterConfig(
         gpus=gpus,
         gpu_memory_mb=gpu_memory_mb,
@@ -268,6 +281,26 @@ def sim(
     _sim_output(results, meta, grouped=len(mapping_seeds) > 1, json_output=json_output)
     if plot is not None:  # after the results: a plot that cannot be written loses none of them
         _plot(results, plot, sweep=limits is not None, quiet=json_output)
+
+
+def _check_numbers(*, hit_lease_s: float, max_batch_wait_ms: float, batch_exponent: float) -> None:
+    """The bounds of these options that their declarations do not give (the services' own live in
+    modules that only a run imports): each finite, and no wider than the services take it."""
+    from gpufaas.functions import MAX_BATCH_WAIT_MS
+    from scheduler.service import MAX_CLAIM_S
+
+    if not batch_exponent > 0:  # NaN too
+        raise typer.BadParameter(f"must be positive, got {batch_exponent}", param_hint="--batch-exponent")
+    if not hit_lease_s <= MAX_CLAIM_S:
+        raise typer.BadParameter(
+            f"must be at most {MAX_CLAIM_S:g} s, as the scheduler's --hit-lease-s, got {hit_lease_s}",
+            param_hint="--hit-lease-s",
+        )
+    if not max_batch_wait_ms <= MAX_BATCH_WAIT_MS:
+        raise typer.BadParameter(
+            f"must be at most {MAX_BATCH_WAIT_MS:g} ms, as a function's spec takes it, got {max_batch_wait_ms}",
+            param_hint="--max-batch-wait-ms",
+        )
 
 
 def _plot(results: list[SimResult], plot: Path, *, sweep: bool, quiet: bool) -> None:

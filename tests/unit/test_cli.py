@@ -421,6 +421,25 @@ def test_odd_input_to_sim_is_one_clear_line_before_the_run(tmp_path: Path) -> No
         assert message in " ".join(result.stderr.replace("│", " ").split()), result.stderr
 
 
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--hit-lease-s", "inf"], "--hit-lease-s: must be at most 30 s, as the scheduler's --hit-lease-s"),
+        (["--hit-lease-s", "31"], "--hit-lease-s: must be at most 30 s"),
+        (["--batch-exponent", "inf"], "--batch-exponent"),
+        (["--max-batch-size", "2", "--max-batch-wait-ms", "inf"], "--max-batch-wait-ms: must be at most 10000 ms"),
+        (["--max-batch-size", "2", "--slots", "2", "--max-batch-wait-ms", "1e308"], "--max-batch-wait-ms"),
+    ],
+)
+def test_numbers_past_what_the_services_take_are_a_usage_error(flags: list[str], says: str) -> None:
+    """Each ended in a traceback: a ValueError from the cluster's or the batching's own checks,
+    or (a finite wait of 1e308 ms) an OverflowError summing the latencies after the run."""
+    result = runner.invoke(app, ["sim", "--minutes", "1", "--rpm", "20", "--no-optimum", "--json", *flags])
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 2, repr(result.exception)
+    err = " ".join(result.stderr.replace("│", " ").split())
+    assert says in err and "Traceback" not in err, err
+
+
 def test_a_plot_that_cannot_be_written_after_the_run_keeps_the_results(tmp_path: Path) -> None:
     """Checked before the run (a folder where the file goes), and a failure after it (here the
     plot's folder removed meanwhile, as a full disk would) leaves the results printed."""
