@@ -275,14 +275,16 @@ class SimResult:
 @dataclass(slots=True)
 class Meter:
     """A run's live counts, for progress lines and benchmarks (read them while it runs, from its
-    `on_progress`, or after). Brought up to date at every instant of the virtual clock."""
+    `on_progress`, or after). Brought up to date at every instant of the virtual clock. Runs that
+    share one in turn (a comparison, a sweep) add to what the earlier ones counted; `now_s` is
+    the running one's clock."""
 
     submitted: int = 0  # requests handed to the scheduler
     completed: int = 0
     # Arrivals submitted plus GPU events handled (batch ends, loads done, batching waits over,
     # copies starting and ending, stale ones included): the events of the discrete-event loop.
     events: int = 0
-    instants: int = 0  # distinct times the clock stopped at
+    instants: int = 0  # distinct times the clock stopped at (its own checks among them: _Run._on_timer)
     now_s: float = 0.0  # the virtual clock
 
 
@@ -462,6 +464,8 @@ class _Run:
         # Bound once: the loop runs twice per request.
         next_event_s, complete, submit_arrivals = gpus.next_event_s, self._complete, self._submit_arrivals
         schedule, form_batches = self._schedule, gpus.form_batches
+        # What earlier runs sharing the meter counted: this one's counts add to theirs.
+        submitted_before, completed_before, events_before = meter.submitted, meter.completed, meter.events
         while True:
             event_s, upcoming = next_event_s(), self.upcoming
             if upcoming is None and not gpus.events_pending():
@@ -480,9 +484,9 @@ class _Run:
                 schedule(now)
             form_batches(now)
             submitted = self.next_arrival
-            meter.submitted = submitted
-            meter.completed = len(latencies)
-            meter.events = submitted + gpus.events
+            meter.submitted = submitted_before + submitted
+            meter.completed = completed_before + len(latencies)
+            meter.events = events_before + submitted + gpus.events
             meter.instants += 1
             meter.now_s = now
 

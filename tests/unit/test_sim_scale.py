@@ -71,6 +71,20 @@ def test_the_meter_counts_every_arrival_and_every_gpu_event() -> None:
     assert 0 < meter.instants <= meter.events
 
 
+def test_runs_in_turn_add_their_events_to_the_progress_line() -> None:
+    """With --compare every run shares the progress line's meter: the last line counts the events
+    of every run (it counted only the last run's)."""
+    args = ["sim", "--minutes", "1", "--working-set", "15", "--rpm", "30", "--gpus", "4", "--compare"]
+    result = runner.invoke(app, [*args, "--no-optimum", "--progress-every-s", "60", "--json"])
+    assert result.exit_code == 0, result.stderr
+    runs = json.loads(result.stdout)["results"]
+    assert len(runs) > 1
+    # One call at a time, no batching: each call is an arrival and a batch end, each miss a load.
+    events = sum(2 * run["requests"] + run["misses"] for run in runs)
+    done = [line for line in result.stderr.splitlines() if line.startswith("sim done:")]
+    assert len(done) == 1 and f", {events:,} events in " in done[0], (events, done)
+
+
 class _CheckedRun(_Run):
     """A run that also sums the GPUs' memory and D at every instant, as the simulator did before
     it kept running totals, and checks the totals against the sums."""
