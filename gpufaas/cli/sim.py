@@ -270,6 +270,7 @@ def sim(
         # 'all' keeps every function of the trace: the window keeps those it invokes.
         working_sets = [len(counts.counts) if ws is None else ws for ws in working_set_or_all]
         workloads = build_workloads(counts, working_sets, workload_config, mapping_seeds)
+        working_sets = _distinct_working_sets(workloads, working_sets)
         batching = Batching(max_batch_size, max_batch_wait_ms) if max_batch_size > 1 else None
         runs = (working_sets, policies, limits, mapping_seeds)
         show = _Show(bar=not json_output and progress_every_s is None, every_s=progress_every_s, optimum=optimum)
@@ -301,6 +302,21 @@ def _check_numbers(*, hit_lease_s: float, max_batch_wait_ms: float, batch_expone
             f"must be at most {MAX_BATCH_WAIT_MS:g} ms, as a function's spec takes it, got {max_batch_wait_ms}",
             param_hint="--max-batch-wait-ms",
         )
+
+
+def _distinct_working_sets(workloads: dict[tuple[int, int | None], Workload], working_sets: list[int]) -> list[int]:
+    """The working sets to run: of those whose workloads keep the same functions (a size past
+    what the window invokes keeps them all, and so does a size listed twice), the first only, with
+    a note on stderr. Run twice, their results were one group of the aggregate over mappings,
+    each mapping in it twice."""
+    first_of: dict[int, int] = {}  # functions kept -> the working set that first kept them
+    for ws in working_sets:
+        kept = len(next(w for (size, _), w in workloads.items() if size == ws).function_models)
+        if kept in first_of:
+            err_console.print(f"note: --working-set {ws} keeps the same {kept} functions as {first_of[kept]}: run once")
+        else:
+            first_of[kept] = ws
+    return list(first_of.values())
 
 
 def _plot(results: list[SimResult], plot: Path, *, sweep: bool, quiet: bool) -> None:

@@ -244,6 +244,20 @@ def test_several_mappings_give_mean_and_spread_per_policy() -> None:
     assert code == 0 and "mean ± sd over mappings" in out and "±" in out
 
 
+def test_working_sets_that_keep_the_same_functions_run_once(tmp_path: Path) -> None:
+    """The window invokes two functions: working sets 2 and 3 keep both. Each ran, and the
+    aggregate merged them into one group of four runs, each mapping twice."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("HashOwner,HashApp,HashFunction,Trigger,1,2\no,a,fa,http,5,1\no,a,fb,http,1,3\no,a,fc,http,0,0\n")
+    args = ("--trace", str(trace), "--minutes", "2", "--working-set", "2,3", "--mappings", "ends,1", "--rpm", "6")
+    code, out, err = sim("--json", "--no-optimum", *args)
+    assert code == 0, err
+    data = json.loads(out)
+    assert [(r["working_set"], r["mapping"]) for r in data["results"]] == [(2, "ends"), (2, "seed 1")]
+    assert [group["mappings"] for group in data["aggregates"]] == [["ends", "seed 1"]]
+    assert "note: --working-set 3 keeps the same 2 functions as 2: run once" in err
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
