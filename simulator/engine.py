@@ -548,7 +548,9 @@ class _Run:
         leasing = self.lease_s > 0
         if leasing and self.leased:  # (the call book ends them at its tick)
             for leases in list(self.leased.values()):
-                for lease in [lease for lease in leases if lease.until_s <= now]:
+                # (a busy one goes on, as the node's answer to the call book's if-idle end says:
+                # its time starts again when its call completes)
+                for lease in [lease for lease in leases if lease.until_s <= now and not lease.busy]:
                     self._end_lease(lease, now)
         hits, parked = self._carry_out(now, leasing)
         if leasing:

@@ -667,6 +667,15 @@ def sim(
     return simulate(workload, "lalb", cluster=cluster)
 
 
+def test_the_simulator_keeps_a_lease_whose_call_outlasts_its_time_as_the_call_book_does() -> None:
+    # r2 (A) runs under the lease from 5.5 to 6.5, past its time (0.8 s after r1 ended at 5); an
+    # arrival at 6.0 makes the simulator look at its leases. The call book's end at that time is
+    # if idle: the node says a call runs under it, and it goes on; r4 at 7.0 runs under it too.
+    arrivals = [(0.0, "A"), (0.1, "B"), (4.0, "A"), (5.5, "A"), (6.0, "B"), (7.0, "A")]
+    result = sim(arrivals, lease_s=0.8, slots=3)
+    assert result.lease_calls == 2, (result.leases, result.lease_calls)
+
+
 def test_the_simulator_runs_a_functions_next_calls_under_its_hits_lease() -> None:
     arrivals = [(0.0, "A"), (4.0, "A"), (6.0, "A"), (8.0, "A")]
     result = sim(arrivals, lease_s=10.0)
