@@ -165,8 +165,9 @@ class DockerRuntime(Runtime):
         self, worker: Worker, run: ModelRun, *, socket_dir: Path, directory: Path, uid: int, weights: WeightsPlan
     ) -> ContainerSpec:
         """The container of `worker` for `run`: its package, its socket's directory, and its pool
-        files and layer at paths of its own (`worker_view`), read-only."""
-        mounts = [(host, _pool_mount(host)) for host in weights.pooled.values()]
+        files and layer at paths of its own (`worker_view`), read-only. Identical files of a package
+        are one pool file: mounted once (the engine refuses two mounts at one path)."""
+        mounts = [(host, _pool_mount(host)) for host in dict.fromkeys(weights.pooled.values())]
         if weights.layer_dir:
             mounts.append((weights.layer_dir, LAYER_MOUNT))
         return container_spec(

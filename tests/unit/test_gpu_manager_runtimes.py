@@ -71,6 +71,9 @@ class FakeEngine:
         return 0
 
     async def start(self, spec: ContainerSpec) -> str:
+        targets = [target for _, target, _ in spec.mounts]
+        if len(set(targets)) < len(targets):  # dockerd's refusal (an APIError, an OSError)
+            raise OSError(f"500 Server Error: Duplicate mount point: {targets}")
         container_id = f"c{next(self._ids):063d}"
         container = self.containers[container_id] = _Container(spec, self.connect)
         if container.connect:
@@ -138,9 +141,11 @@ class _PlayedWorker:
 
 
 @asynccontextmanager
-async def docker_pool(tmp_path: Path, engine: FakeEngine, *, fetch_s: float = 0.0) -> AsyncIterator[WorkerPool]:
+async def docker_pool(
+    tmp_path: Path, engine: FakeEngine, *, fetch_s: float = 0.0, weight_files: tuple[str, ...] = ("model.safetensors",)
+) -> AsyncIterator[WorkerPool]:
     """A pool on the docker runtime whose package (fetched in `fetch_s`) has weights in the host
-    pool and a layer."""
+    pool and a layer: `weight_files`, identical, so one pool file."""
     package_dir = tmp_path / "packages" / "p1"
     package_dir.mkdir(parents=True)
     (tmp_path / "layer").mkdir()
@@ -150,7 +155,7 @@ async def docker_pool(tmp_path: Path, engine: FakeEngine, *, fetch_s: float = 0.
         return package_dir, fetch_s
 
     async def weights(digest: str, directory: Path) -> WeightsPlan:
-        pooled = {"model.safetensors": str(tmp_path / "pool" / f"{digest}-model.safetensors")}
+        pooled = {name: str(tmp_path / "pool" / f"{digest}-model.safetensors") for name in weight_files}
         return WeightsPlan(pooled=pooled, layer_dir=str(tmp_path / "layer"), from_pool=True)
 
     pool = WorkerPool(
@@ -220,6 +225,23 @@ def test_a_container_is_made_for_its_model_told_its_own_paths_served_and_removed
             assert not socket_dir.exists()
             assert pool.workers() == [] and pool.live_workers() == 0
             assert pool.worker_starts == 1 and pool.worker_exits["stopped"] == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_package_with_two_identical_weight_files_mounts_their_one_pool_file_once(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    files = ("a/model.safetensors", "b/model.safetensors")  # a checkpoint and a copy of it
+
+    async def scenario() -> None:
+        async with docker_pool(tmp_path, engine, weight_files=files) as pool:
+            result = await call(pool, b"hi")
+            assert (result.outcome, result.output) == (pb.OK, b"echo:hi"), result.message
+            (container,) = engine.containers.values()
+            inside = f"{POOL_MOUNT}/d1-model.safetensors"
+            assert [target for _, target, _ in container.spec.mounts].count(inside) == 1
+            (load,) = engine.loads
+            assert dict(load.pooled) == dict.fromkeys(files, inside)  # both paths, one file
 
     asyncio.run(scenario())
 
