@@ -26,6 +26,7 @@ from gpu_manager.containers import (
 )
 from gpu_manager.runtimes.base import KILL_WAIT_S, SPARE_START_TIMEOUT_S, Prepare, Runtime, log
 from gpu_manager.workers import ModelRun, WeightsPlan, Worker
+from gpufaas.errors import GpufaasError
 from gpufaas.wire import Connection, ConnectionLost
 
 
@@ -120,14 +121,44 @@ class DockerRuntime(Runtime):
 
     async def run(self, worker: Worker, model: ModelRun | None) -> None:
         """A container for `model` on `worker.gpu_id`, connected to, and `exited` resolved once it
-        is gone and removed."""
+        is gone and removed, whichever way this ends: a worker whose exit never resolved would
+        count as live for good, and the node's shutdown would wait on it."""
         assert model is not None, "the docker runtime starts a worker for a model"
         socket_dir = self._socket_root() / uuid.uuid4().hex[:12]
+        try:
+            conn = await self._start(worker, model, socket_dir)
+            if conn is None:
+                return
+            worker.conn = conn
+            if worker.is_gone:  # let go of while it connected (its signal was sent)
+                conn.close()
+            await asyncio.shield(conn.closed)
+            worker.gone(ConnectionLost(f"worker container {worker.container[:12]} exited"))
+        except Exception as exc:  # a bug: said once, with its traceback; the worker ends all the same
+            log.exception("the worker container of %s on %s failed", model.model, worker.gpu_id)
+            worker.exit_cause = worker.exit_cause or "died"
+            worker.gone(ConnectionLost(f"the worker container of {model.model} failed: {exc}"))
+            if worker.container:
+                await self.launcher.kill(worker.container, signal.SIGKILL)
+        finally:
+            await self._remove_container(worker, socket_dir)
+
+    async def _start(self, worker: Worker, model: ModelRun, socket_dir: Path) -> Connection | None:
+        """`worker`'s container started and connected to; None if it could not be (`worker` then
+        gone, a failure said unless it was let go of meanwhile)."""
         listener: socket.socket | None = None
         # A worker killed or stopped (a call's timeout) before its container started reaches no
         # signal: each step after an await looks whether it was let go of meanwhile.
         try:
-            directory, uid, weights = await self._prepare(model)
+            try:
+                directory, uid, weights = await self._prepare(model)
+            except GpufaasError as exc:
+                # The package cannot be had (InvalidPackage: deleted; NoRoom: no room on disk): the
+                # worker ends with that error, which its load answers (LOAD_FAILED, as on the process
+                # runtime), not with a death, which the scheduler would place again.
+                worker.exit_cause = worker.exit_cause or "load_failed"
+                worker.gone(exc)
+                return None
             if worker.is_gone:
                 raise RuntimeError("let go of before its container started")
             listener = _listen(socket_dir, uid)
@@ -146,20 +177,14 @@ class DockerRuntime(Runtime):
             _, conn = await asyncio.get_running_loop().create_unix_connection(
                 lambda: Connection(worker, max_frame_bytes=max_frame_bytes), sock=accepted
             )
-        except (OSError, RuntimeError, TimeoutError, asyncio.CancelledError) as exc:
+            return conn
+        except (OSError, RuntimeError, TimeoutError, GpufaasError, asyncio.CancelledError) as exc:
             if not worker.is_gone:  # else it was let go of: no failure
                 self._start_failed(worker, exc, f"a container for {model.model} on {worker.gpu_id}")
-            await self._remove_container(worker, socket_dir)
-            return
+            return None
         finally:
             if listener is not None:
                 listener.close()  # one worker per socket: nobody else may connect
-        worker.conn = conn
-        if worker.is_gone:  # let go of while it connected (its signal was sent)
-            conn.close()
-        await asyncio.shield(conn.closed)
-        worker.gone(ConnectionLost(f"worker container {worker.container[:12]} exited"))
-        await self._remove_container(worker, socket_dir)
 
     def _spec(
         self, worker: Worker, run: ModelRun, *, socket_dir: Path, directory: Path, uid: int, weights: WeightsPlan
@@ -207,13 +232,20 @@ class DockerRuntime(Runtime):
         return accepted
 
     async def _remove_container(self, worker: Worker, socket_dir: Path) -> None:
-        if worker.container:
-            status = await self.launcher.wait_and_remove(worker.container, KILL_WAIT_S)
-            if status not in (None, 0, -signal.SIGKILL, 128 + signal.SIGKILL, 128 + signal.SIGTERM):
-                log.info("worker container %s (%s) exited with status %s", worker.container[:12], worker.model, status)
-        shutil.rmtree(socket_dir, ignore_errors=True)
-        if not worker.exited.done():
-            worker.exited.set_result(None)
+        """`worker`'s container removed (where it got one) and its socket's directory, and its
+        `exited` resolved even where the engine would not answer."""
+        try:
+            if worker.container:
+                status = await self.launcher.wait_and_remove(worker.container, KILL_WAIT_S)
+                if status not in (None, 0, -signal.SIGKILL, 128 + signal.SIGKILL, 128 + signal.SIGTERM):
+                    container = worker.container[:12]
+                    log.info("worker container %s (%s) exited with status %s", container, worker.model, status)
+        except Exception as exc:  # the engine gone (restarting): the node's next start removes what is left
+            log.warning("cannot remove worker container %s: %s", worker.container[:12], exc)
+        finally:
+            shutil.rmtree(socket_dir, ignore_errors=True)
+            if not worker.exited.done():
+                worker.exited.set_result(None)
 
     def _socket_root(self) -> Path:
         """Where the containers' sockets go: a short path of this pool's own (a Unix socket's path

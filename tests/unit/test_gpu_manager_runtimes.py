@@ -24,6 +24,7 @@ from gpu_manager.runtimes import make_runtime
 from gpu_manager.runtimes.base import log
 from gpu_manager.runtimes.process import ProcessRuntime
 from gpu_manager.sandbox import Isolation
+from gpufaas.packages import InvalidPackage
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import Connection, Frame, MessageType
 
@@ -142,16 +143,24 @@ class _PlayedWorker:
 
 @asynccontextmanager
 async def docker_pool(
-    tmp_path: Path, engine: FakeEngine, *, fetch_s: float = 0.0, weight_files: tuple[str, ...] = ("model.safetensors",)
+    tmp_path: Path,
+    engine: FakeEngine,
+    *,
+    fetch_s: float = 0.0,
+    weight_files: tuple[str, ...] = ("model.safetensors",),
+    fetch_error: Exception | None = None,
 ) -> AsyncIterator[WorkerPool]:
-    """A pool on the docker runtime whose package (fetched in `fetch_s`) has weights in the host
-    pool and a layer: `weight_files`, identical, so one pool file."""
+    """A pool on the docker runtime whose package (fetched in `fetch_s`, or failing with
+    `fetch_error`) has weights in the host pool and a layer: `weight_files`, identical, so one
+    pool file."""
     package_dir = tmp_path / "packages" / "p1"
     package_dir.mkdir(parents=True)
     (tmp_path / "layer").mkdir()
 
     async def fetch(digest: str) -> tuple[Path, float]:
         await asyncio.sleep(fetch_s)
+        if fetch_error is not None:
+            raise fetch_error
         return package_dir, fetch_s
 
     async def weights(digest: str, directory: Path) -> WeightsPlan:
@@ -260,6 +269,22 @@ def test_a_container_that_exits_before_it_connects_fails_its_call_and_is_removed
             assert pool.workers() == []
 
     asyncio.run(scenario())
+
+
+def test_a_package_that_cannot_be_fetched_fails_its_calls_and_leaves_no_worker_behind(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    missing = InvalidPackage("package d1 is not registered (deleted, or never uploaded)")
+
+    async def scenario() -> None:
+        async with docker_pool(tmp_path, engine, fetch_error=missing) as pool:
+            for call_id in ("c1", "c2"):
+                result = await call(pool, b"hi", call_id)
+                assert result.outcome == pb.LOAD_FAILED and "not registered" in result.message
+            # Each worker's exit resolved: not live for good, nor waited on by the shutdown.
+            await until(lambda: pool.live_workers() == 0)
+            assert pool.worker_exits == {"load_failed": 2} and engine.containers == {}
+
+    asyncio.run(scenario())  # docker_pool's shutdown waits at most TIMEOUT_S
 
 
 def test_a_container_killed_while_its_package_is_fetched_is_never_started(tmp_path: Path) -> None:
