@@ -14,14 +14,17 @@ remove one (`DockerLauncher`, I/O; blocking SDK calls run in threads). A contain
 
 A container whose memory limit was met is killed whole (`DockerLauncher` watches the engine's
 `oom` events): the kernel kills one process at the limit, perhaps a child the worker waits on, and
-what is left must not live on as if nothing happened. Containers are labelled with their node, so
-that what a crashed node left behind is removed when it starts again.
+what is left must not live on as if nothing happened. Containers are labelled with their node and
+its instance (`node_instance`: its name, key root and state directory), so that what a crashed node
+left behind is removed when it starts again, and nothing of another cluster's node of the same name
+on the same engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import threading
 import time
@@ -47,6 +50,7 @@ SHM_MB = 64  # /dev/shm: the engine's tmpfs of each container (the engine's defa
 CPU_SHARES = 1024  # every worker container the same CPU weight (cgroup v1 cpu.shares; v2 weight 100)
 LOG_MAX_BYTES = "10m"  # docker's json-file log, one file: what a worker may print is capped there
 NODE_LABEL = "gpufaas.node"
+INSTANCE_LABEL = "gpufaas.instance"  # which node of which cluster (`node_instance`): what its cleanup removes
 OOM_RETRY_S = 1.0  # the engine's event stream broke (a restart, say): wait this long, then watch again
 OOM_REMEMBERED = 1024  # the latest containers killed for their memory, kept for `over_memory`
 
@@ -122,10 +126,20 @@ def memory_limit_mb(backend: str, memory_mb: int) -> int:
     return RUNTIME_MB + 2 * memory_mb + HOST_HEADROOM_MB
 
 
+def node_instance(node: str, *, root: str, state_dir: Path) -> str:
+    """A short name of one node of one cluster on its host, the same each time it starts: its
+    name, its etcd key root and its state directory's real path (two nodes never share one). Not
+    its etcd endpoint: a local cluster's own etcd takes a free port at each start, and a node
+    restarted with it must still find what its previous run left."""
+    identity = "\0".join((node, root, str(state_dir.resolve())))
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
 def container_spec(
     *,
     image: str,
     node: str,
+    instance: str,
     worker_id: str,
     backend: str,
     gpu_id: str,
@@ -139,8 +153,9 @@ def container_spec(
     read_only_mounts: Sequence[tuple[str, str]] = (),
     cpus: float | None = None,
 ) -> ContainerSpec:
-    """The container of one worker (see the module's doc). `environment`: the runtime's settings
-    (threads); the function's own arrives with its model, as in the process runtime.
+    """The container of one worker of `node` (see the module's doc), labelled with its `instance`
+    (`node_instance`). `environment`: the runtime's settings (threads); the function's own arrives
+    with its model, as in the process runtime.
     `read_only_mounts`: (host path, container path) of what else it reads (its weights in the
     host model pool, its requirements layer). `cpus`: a CPU quota (the node's --worker-cpus), or
     None for the equal weight alone. The socket's directory is mounted read-only: connecting to a
@@ -172,7 +187,7 @@ def container_spec(
         ],
         memory_limit_mb=memory_limit_mb(backend, memory_mb),
         pids_limit=max_processes,
-        labels={NODE_LABEL: node, "gpufaas.gpu": gpu_id},
+        labels={NODE_LABEL: node, INSTANCE_LABEL: instance, "gpufaas.gpu": gpu_id},
         gpu_index=gpu_index if backend == "cuda" else None,
         cpus=cpus,
     )
@@ -184,19 +199,20 @@ class DockerUnavailable(GpufaasError):
 
 class DockerLauncher:
     """Makes, signals and removes worker containers through the Docker engine (DOCKER_HOST, or
-    the local socket)."""
+    the local socket), for the node `instance` names (`node_instance`)."""
 
-    def __init__(self, image: str = DEFAULT_IMAGE) -> None:
+    def __init__(self, image: str = DEFAULT_IMAGE, instance: str = "") -> None:
         self.image = image
+        self.instance = instance
         self._client: Any = None
         # Containers killed for meeting their memory limit (ids, oldest first, at most
         # OOM_REMEMBERED): written by the watcher threads, read by `over_memory`; kept past their
         # removal, since the node may ask after it.
         self._over_memory: dict[str, None] = {}
-        self._watched_nodes: set[str] = set()  # one `oom` watcher thread per node, for good
+        self._watched: set[str] = set()  # one `oom` watcher thread per node instance, for good
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._streams: dict[str, Any] = {}  # each watcher's open event stream (by node), closed by `close`
+        self._streams: dict[str, Any] = {}  # each watcher's open event stream (by instance), closed by `close`
 
     def _docker(self) -> Any:
         if self._client is None:
@@ -243,23 +259,26 @@ class DockerLauncher:
             with contextlib.suppress(Exception):
                 stream.close()
 
-    def _watch_memory(self, node: str) -> None:
-        """Start, once per node, the thread that kills whole each container of `node` meeting its
-        memory limit (the engine's `oom` event: any process of the container killed at its limit)."""
+    def _watch_memory(self, node: str, instance: str) -> None:
+        """Start, once per node instance, the thread that kills whole each container of `node`'s
+        `instance` meeting its memory limit (the engine's `oom` event: any process of the container
+        killed at its limit)."""
         with self._lock:
-            if node in self._watched_nodes:
+            if instance in self._watched:
                 return
-            self._watched_nodes.add(node)
-        threading.Thread(target=self._watch_events, args=(node,), name=f"oom-watch-{node}", daemon=True).start()
+            self._watched.add(instance)
+        args = (node, instance)
+        threading.Thread(target=self._watch_events, args=args, name=f"oom-watch-{node}", daemon=True).start()
 
-    def _watch_events(self, node: str) -> None:
+    def _watch_events(self, node: str, instance: str) -> None:
         since_s = int(time.time()) - 1  # events of a second ago are read again: killing is idempotent
-        filters = {"type": "container", "event": "oom", "label": f"{NODE_LABEL}={node}"}
+        labels = [f"{NODE_LABEL}={node}", f"{INSTANCE_LABEL}={instance}"]  # both: the engine ANDs them
+        filters = {"type": "container", "event": "oom", "label": labels}
         while not self._closed.is_set():
             try:
                 stream = self._docker().events(decode=True, since=since_s, filters=filters)
                 with self._lock:
-                    self._streams[node] = stream
+                    self._streams[instance] = stream
                 if self._closed.is_set():  # closed while it opened
                     break
                 for event in stream:
@@ -272,7 +291,7 @@ class DockerLauncher:
                     )
             self._closed.wait(OOM_RETRY_S)
         with self._lock, contextlib.suppress(Exception):
-            self._streams.pop(node).close()
+            self._streams.pop(instance).close()
 
     def _kill_over_memory(self, container_id: str) -> None:
         """The container met its memory limit: noted first (the node asks why its worker went as
@@ -297,7 +316,7 @@ class DockerLauncher:
 
         def start() -> str:
             client = self._docker()
-            self._watch_memory(spec.labels[NODE_LABEL])
+            self._watch_memory(spec.labels[NODE_LABEL], spec.labels[INSTANCE_LABEL])
             try:
                 return str(client.containers.run(**spec.run_kwargs()).id)
             except Exception:
@@ -353,13 +372,15 @@ class DockerLauncher:
         return await asyncio.to_thread(wait)
 
     async def remove_node_containers(self, node: str) -> int:
-        """Remove every container a previous run of `node` left behind; how many."""
+        """Remove every container a previous run of `node` (this launcher's instance of it) left
+        behind; how many. Another cluster's node of the same name keeps its own."""
 
         def remove() -> int:
             removed = 0
+            labels = [f"{NODE_LABEL}={node}", f"{INSTANCE_LABEL}={self.instance}"]  # both: the engine ANDs them
             # sparse: the listing's own fields, not an inspection of each container (one removed
             # meanwhile would fail the whole listing)
-            listed = self._docker().containers.list(all=True, sparse=True, filters={"label": f"{NODE_LABEL}={node}"})
+            listed = self._docker().containers.list(all=True, sparse=True, filters={"label": labels})
             for container in listed:
                 with contextlib.suppress(Exception):
                     container.remove(force=True)

@@ -30,7 +30,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpu_manager.containers import DEFAULT_IMAGE, DockerLauncher
+from gpu_manager.containers import DEFAULT_IMAGE, DockerLauncher, node_instance
 from gpu_manager.devices import Device, Nvml
 from gpu_manager.ledger import GrantLedger, LeaseClosed, Refused
 from gpu_manager.metrics import NodeMetrics
@@ -190,7 +190,7 @@ class GpuManagerDaemon:
             host_cache_mb=host_cache_mb,
             isolation=isolation,
             runtime=runtime,
-            launcher=DockerLauncher(docker_image) if runtime == "docker" else None,
+            launcher=_docker_launcher(self, docker_image) if runtime == "docker" else None,
             node=self.node,
             nvml=self._nvml,
             capacity_mb=self._capacity_mb,
@@ -491,6 +491,13 @@ class GpuManagerDaemon:
         if self._scheduler is conn:
             self._scheduler = None
             self.ledger.end_leases()  # it counts their slots free once it has lost this node
+
+
+def _docker_launcher(node: GpuManagerDaemon, image: str) -> DockerLauncher:
+    """The docker runtime's engine for `node`, its containers labelled with this node of this
+    cluster: its name, key root and state directory (gpu_manager.containers.node_instance)."""
+    state_dir = node.storage.packages.root
+    return DockerLauncher(image, node_instance(node.node, root=node.keys.root, state_dir=state_dir))
 
 
 def admit_scheduler(

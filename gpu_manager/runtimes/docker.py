@@ -35,12 +35,13 @@ class ContainerEngine(Protocol):
     DockerLauncher (the Docker engine), or a fake that keeps the same contract."""
 
     image: str  # the worker image its containers run
+    instance: str  # the node instance its containers are labelled with (containers.node_instance)
 
     async def check(self) -> None:
         """Raise (DockerUnavailable) unless the engine answers and has the image."""
 
     async def remove_node_containers(self, node: str) -> int:
-        """Remove every container a previous run of `node` left behind; how many."""
+        """Remove every container a previous run of `node` (of this instance) left behind; how many."""
 
     async def start(self, spec: ContainerSpec) -> str:
         """Create and start the container `spec` says; its id."""
@@ -198,6 +199,7 @@ class DockerRuntime(Runtime):
         return container_spec(
             image=self.launcher.image,
             node=self.node,
+            instance=self.launcher.instance,
             worker_id=socket_dir.name,
             backend=self.backend,
             gpu_id=worker.gpu_id,

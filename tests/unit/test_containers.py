@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from gpu_manager.containers import (
     container_environment,
     container_spec,
     memory_limit_mb,
+    node_instance,
 )
 
 
@@ -26,6 +28,7 @@ def spec(backend: str = "cpu", **overrides: object) -> object:
     options: dict[str, object] = {
         "image": "gpufaas/worker:test",
         "node": "node0",
+        "instance": "i0",
         "worker_id": "abc123",
         "backend": backend,
         "gpu_id": "gpu1",
@@ -54,7 +57,7 @@ def test_a_worker_container_is_unprivileged_offline_read_only_and_limited() -> N
     mounts = {m["Target"]: (m["Source"], m["ReadOnly"]) for m in kwargs["mounts"]}
     # The socket's directory too is read-only: connecting needs no writable mount.
     assert mounts == {PACKAGE_MOUNT: ("/state/packages/ff", True), SOCKET_MOUNT: ("/tmp/s/abc123", True)}
-    assert kwargs["labels"] == {"gpufaas.node": "node0", "gpufaas.gpu": "gpu1"}
+    assert kwargs["labels"] == {"gpufaas.node": "node0", "gpufaas.instance": "i0", "gpufaas.gpu": "gpu1"}
     assert kwargs["log_config"]["Config"] == {"max-size": "10m", "max-file": "1"}
     assert "device_requests" not in kwargs  # no GPU on the cpu backend
     assert kwargs["command"][:3] == ["python", "-m", "gpu_manager.worker"]
@@ -123,8 +126,8 @@ def test_a_container_meeting_its_memory_limit_is_killed_whole_once_and_remembere
     engine = FakeEngine([{"id": "a", "time": 100}, {"id": "a", "time": 100}, {"id": "b", "time": 101}])
     launcher = DockerLauncher()
     launcher._client = engine
-    launcher._watch_memory("node0")
-    launcher._watch_memory("node0")  # one watcher per node
+    launcher._watch_memory("node0", "i0")
+    launcher._watch_memory("node0", "i0")  # one watcher per node instance
     for _ in range(100):
         if len(engine.killed) == 2:
             break
@@ -133,7 +136,8 @@ def test_a_container_meeting_its_memory_limit_is_killed_whole_once_and_remembere
     assert engine.killed == ["a", "b"]
     assert launcher.over_memory("a") and launcher.over_memory("b") and not launcher.over_memory("c")
     (asked,) = engine.asked
-    assert asked["filters"] == {"type": "container", "event": "oom", "label": "gpufaas.node=node0"}
+    labels = ["gpufaas.node=node0", "gpufaas.instance=i0"]  # this node of this cluster's only
+    assert asked["filters"] == {"type": "container", "event": "oom", "label": labels}
     assert asked["decode"] is True
     assert engine.stream.closed.is_set()  # close() ends the watcher's stream
 
@@ -144,3 +148,53 @@ def test_it_remembers_the_latest_containers_killed_for_their_memory_only() -> No
     for n in range(OOM_REMEMBERED + 1):
         launcher._kill_over_memory(f"c{n}")
     assert not launcher.over_memory("c0") and launcher.over_memory("c1") and launcher.over_memory(f"c{OOM_REMEMBERED}")
+
+
+class ListedContainer:
+    def __init__(self, labels: dict[str, str]) -> None:
+        self.labels = labels
+        self.removed = False
+
+    def remove(self, force: bool = False) -> None:
+        self.removed = True
+
+
+class ListingEngine:
+    """What DockerLauncher's cleanup asks of the Docker SDK: `containers.list`, filtered by labels
+    as dockerd does (`label=k=v`, every one given must hold)."""
+
+    def __init__(self) -> None:
+        self.all: list[ListedContainer] = []
+        self.containers = self
+
+    def list(self, *, all: bool, sparse: bool, filters: dict[str, list[str]]) -> list[ListedContainer]:
+        wanted = [label.split("=", 1) for label in filters["label"]]
+        return [c for c in self.all if not c.removed and all_hold(c.labels, wanted)]
+
+
+def all_hold(labels: dict[str, str], wanted: list[list[str]]) -> bool:
+    return all(labels.get(key) == value for key, value in wanted)
+
+
+def test_a_node_starting_removes_what_its_previous_run_left_and_nothing_of_another_clusters(tmp_path: Path) -> None:
+    # Two clusters on one engine (`gpufaas up --runtime docker` in two state directories), each
+    # with a node0 on the default key root: A's is serving; B's starts.
+    engine = ListingEngine()
+    a, b = (node_instance("node0", root="/gpufaas", state_dir=tmp_path / name / "node0") for name in ("a", "b"))
+    serving = ListedContainer(spec(instance=a).labels)  # type: ignore[attr-defined]
+    engine.all.append(serving)
+    for instance, expected in ((b, 0), (a, 1)):  # B's start, then A's node0 restarted
+        launcher = DockerLauncher(instance=instance)
+        launcher._client = engine
+        assert asyncio.run(launcher.remove_node_containers("node0")) == expected
+    assert serving.removed
+
+
+def test_a_node_instance_is_its_name_key_root_and_state_directory(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    (tmp_path / "link").symlink_to(state)
+    first = node_instance("node0", root="/gpufaas", state_dir=state)
+    assert first == node_instance("node0", root="/gpufaas", state_dir=tmp_path / "link")  # its real path
+    others = [("node1", "/gpufaas", state), ("node0", "/other", state), ("node0", "/gpufaas", tmp_path)]
+    assert all(node_instance(node, root=root, state_dir=d) != first for node, root, d in others)

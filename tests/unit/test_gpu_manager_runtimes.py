@@ -53,6 +53,7 @@ class FakeEngine:
     exit at once, before connecting."""
 
     image = "gpufaas/worker:test"
+    instance = "node7-instance"
 
     def __init__(self, *, connect: bool = True) -> None:
         self.connect = connect
@@ -215,7 +216,8 @@ def test_a_container_is_made_for_its_model_told_its_own_paths_served_and_removed
             assert pool.workers() == [("m", "gpu0", FAKE_PID, 100)]
             (container,) = engine.containers.values()
             spec = container.spec
-            assert spec.image == FakeEngine.image and spec.labels["gpufaas.node"] == NODE
+            assert spec.image == FakeEngine.image
+            assert (spec.labels["gpufaas.node"], spec.labels["gpufaas.instance"]) == (NODE, FakeEngine.instance)
             mounts = {target: (Path(source), read_only) for source, target, read_only in spec.mounts}
             pooled_host = tmp_path / "pool" / "d1-model.safetensors"
             assert mounts[PACKAGE_MOUNT] == (tmp_path / "packages" / "p1", True)
