@@ -2,8 +2,8 @@
 
 What a worker's container is (`container_spec`, pure) and the few calls that make, signal and
 remove one (`DockerLauncher`, I/O; blocking SDK calls run in threads). A container:
-- runs the image's Python as the package's own user (never root), every capability dropped,
-  no new privileges;
+- runs the image's Python as the package's own user (never root: without package users, a
+  root node's containers run as UNCONFINED_UID), every capability dropped, no new privileges;
 - has no network at all (`network_mode=none`): it speaks to its node over a Unix socket in a
   directory of its own, mounted in;
 - sees a read-only root filesystem, its package and its socket's directory read-only, and two
@@ -49,6 +49,7 @@ TMPFS_MB = 256
 SHM_MB = 64  # /dev/shm: the engine's tmpfs of each container (the engine's default size, said here)
 CPU_SHARES = 1024  # every worker container the same CPU weight (cgroup v1 cpu.shares; v2 weight 100)
 LOG_MAX_BYTES = "10m"  # docker's json-file log, one file: what a worker may print is capped there
+UNCONFINED_UID = 65534  # nobody: a root node's containers without package users (--unconfined-workers)
 NODE_LABEL = "gpufaas.node"
 INSTANCE_LABEL = "gpufaas.instance"  # which node of which cluster (`node_instance`): what its cleanup removes
 OOM_RETRY_S = 1.0  # the engine's event stream broke (a restart, say): wait this long, then watch again
@@ -160,7 +161,9 @@ def container_spec(
     host model pool, its requirements layer). `cpus`: a CPU quota (the node's --worker-cpus), or
     None for the equal weight alone. The socket's directory is mounted read-only: connecting to a
     Unix socket needs no writable mount, and a writable one would let the function fill the
-    host's disk there."""
+    host's disk there. `uid` 0 is refused (ValueError): a worker's container is never root."""
+    if uid == 0:
+        raise ValueError("a worker container never runs as root (uid 0)")
     return ContainerSpec(
         image=image,
         name=f"gpufaas-{node}-{worker_id}",

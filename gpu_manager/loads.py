@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Literal
 
+from gpu_manager.containers import UNCONFINED_UID
 from gpu_manager.runtimes import KILL_WAIT_S, Runtime
 from gpu_manager.sandbox import Isolation, lock_package, package_locked
 from gpu_manager.workers import NO_WEIGHTS, ModelRun, WeightsPlan, Worker
@@ -80,15 +81,20 @@ class ModelFiles:
         """What a container for `run` mounts: its package's directory, the user that owns it, and
         its weights in the host pool (the docker runtime's `prepare`)."""
         directory, _ = await self._fetch_package(run.package_digest)
-        uid = await self.own(run.package_digest, directory)
+        uid = await self.own(run.package_digest, directory, container=True)
         return directory, uid, await self.weights(run, directory)
 
-    async def own(self, digest: str, directory: Path) -> int:
+    async def own(self, digest: str, directory: Path, *, container: bool = False) -> int:
         """The user a package's workers run as, its package made readable to that user only
-        (gpu_manager.sandbox); without root, the node's own user."""
-        if not self._isolation.per_package_users:
+        (gpu_manager.sandbox); without package users (not root, or --unconfined-workers), the
+        node's own user, but for a `container` of a node that runs as root: UNCONFINED_UID, the
+        same for every package (a container is never root; each mounts only its own package)."""
+        if self._isolation.per_package_users:
+            uid = self._isolation.package_users.uid(digest)
+        elif container and os.getuid() == 0:
+            uid = UNCONFINED_UID
+        else:
             return os.getuid()
-        uid = self._isolation.package_users.uid(digest)
         # Checked at every load, not remembered by digest: a package unstaged (unused, or evicted
         # for room) and staged again is a new directory, which must be locked again.
         if not package_locked(directory, uid):

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gpu_manager.containers import (
     CPU_SHARES,
     HOST_HEADROOM_MB,
@@ -62,6 +64,11 @@ def test_a_worker_container_is_unprivileged_offline_read_only_and_limited() -> N
     assert "device_requests" not in kwargs  # no GPU on the cpu backend
     assert kwargs["command"][:3] == ["python", "-m", "gpu_manager.worker"]
     assert kwargs["environment"] == {"HOME": "/tmp", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def test_a_worker_container_is_never_given_root() -> None:
+    with pytest.raises(ValueError, match="never runs as root"):
+        spec(uid=0)
 
 
 def test_on_cuda_it_gets_exactly_its_gpu_and_sees_it_as_device_zero() -> None:

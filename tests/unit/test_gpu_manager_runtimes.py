@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -18,12 +19,20 @@ from pathlib import Path
 import pytest
 
 from gpu_manager import seccomp
-from gpu_manager.containers import LAYER_MOUNT, PACKAGE_MOUNT, POOL_MOUNT, SOCKET_MOUNT, SOCKET_NAME, ContainerSpec
+from gpu_manager.containers import (
+    LAYER_MOUNT,
+    PACKAGE_MOUNT,
+    POOL_MOUNT,
+    SOCKET_MOUNT,
+    SOCKET_NAME,
+    UNCONFINED_UID,
+    ContainerSpec,
+)
 from gpu_manager.pool import ModelRun, RunResult, WeightsPlan, WorkerPool
 from gpu_manager.runtimes import make_runtime
 from gpu_manager.runtimes.base import log
 from gpu_manager.runtimes.process import ProcessRuntime
-from gpu_manager.sandbox import Isolation
+from gpu_manager.sandbox import Isolation, package_locked
 from gpufaas.packages import InvalidPackage
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import Connection, Frame, MessageType
@@ -177,7 +186,7 @@ async def docker_pool(
         runtime="docker",
         launcher=engine,
         node=NODE,
-        isolation=Isolation(users=False),  # as the node's own user: nothing chowned under tmp_path
+        isolation=Isolation(users=False),  # no package users (as root: containers run as UNCONFINED_UID)
     )
     await pool.check_runtime()
     pool.start()
@@ -253,6 +262,21 @@ def test_a_package_with_two_identical_weight_files_mounts_their_one_pool_file_on
             assert [target for _, target, _ in container.spec.mounts].count(inside) == 1
             (load,) = engine.loads
             assert dict(load.pooled) == dict.fromkeys(files, inside)  # both paths, one file
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a node gives its containers another user only as root (CI runs as root)")
+def test_a_root_node_without_package_users_never_runs_a_container_as_root(tmp_path: Path) -> None:
+    engine = FakeEngine()
+
+    async def scenario() -> None:
+        async with docker_pool(tmp_path, engine) as pool:  # --unconfined-workers: no package users
+            result = await call(pool, b"hi")
+            assert (result.outcome, result.output) == (pb.OK, b"echo:hi")
+            (container,) = engine.containers.values()
+            assert container.spec.user == f"{UNCONFINED_UID}:{UNCONFINED_UID}"
+            assert package_locked(tmp_path / "packages" / "p1", UNCONFINED_UID)  # that user may read it
 
     asyncio.run(scenario())
 
