@@ -113,10 +113,12 @@ class InvokeMiddleware:
         # write (one that waits for room) would be an error for uvicorn to log.
         cancel_on_disconnect(send, False)
         content_type = result.reply.content_type or "application/octet-stream"
-        if content_type not in _CONTENT_TYPES and _NOT_VISIBLE.search(content_type.encode()):
-            # Made by the function's worker, which runs the user's code: never a header unchecked.
+        if content_type not in _CONTENT_TYPES:
+            # Made by the function's worker, which runs the user's code: served as it says, a
+            # text/html would run on this gateway's origin (its dashboard's, with an admin's
+            # credentials in the browser). A worker makes only these; another is its code's forgery.
             gateway.stats.record(name, 502, time.perf_counter() - started)
-            await _error(send, 502, "the function's worker answered a content type that is not a header value", call_id)
+            await _error(send, 502, "the function's worker answered a content type that workers do not make", call_id)
             return
         gateway.stats.record(name, 200, time.perf_counter() - started, hit=not result.reply.loaded)
         await _respond(send, 200, _answer_head(result, content_type, call_id, started), result.output)
@@ -166,7 +168,7 @@ class InvokeMiddleware:
         return True
 
 
-# What a worker answers (gpu_manager.worker.encode_result): known good as header values.
+# What a worker answers (gpu_manager.worker.encode_result): the only types a function's answer is served as.
 _CONTENT_TYPES = frozenset({"application/octet-stream", "text/plain; charset=utf-8", "application/json"})
 # A header value must not hold a control character (but tab) or leave ASCII: CR/LF would split it.
 _NOT_VISIBLE = re.compile(rb"[^\t\x20-\x7e]")
@@ -177,7 +179,8 @@ def _answer_head(result: CallResult, content_type: str, call_id: str, started: f
     (X-Duration-Seconds up to now, from `started` on the perf_counter clock)."""
     placement, reply = result.placement, result.reply
     head = (
-        b"content-type: %s\r\ncontent-length: %d\r\nx-call-id: %s\r\nx-duration-seconds: %.6f\r\n"
+        b"content-type: %s\r\nx-content-type-options: nosniff\r\ncontent-length: %d\r\nx-call-id: %s\r\n"
+        b"x-duration-seconds: %.6f\r\n"
         b"x-gpu: %s/%s\r\nx-cache: %s\r\nx-queue-seconds: %.6f\r\nx-load-seconds: %.6f\r\n"
         b"x-inference-seconds: %.6f\r\nx-batch-calls: %d\r\n"
     ) % (

@@ -129,6 +129,7 @@ def test_deploy_invoke_hits_and_lru_state_in_etcd(make_cluster: ClusterFactory, 
     assert {r.headers["X-Gpu"].split("/")[0] for r in responses} <= {"node0", "node1"}
     for response in responses:
         assert set(response.headers) >= {"x-call-id", "x-duration-seconds", "x-gpu", "x-cache", "x-queue-seconds"}
+        assert response.headers["x-content-type-options"] == "nosniff"  # a function's output is never sniffed
 
     # etcd holds each model on exactly one GPU, and the LRU lists agree with the replicas. Waited
     # for as a whole: the LRU lists and the replicas are two reads, and a flush landing between

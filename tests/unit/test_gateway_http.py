@@ -264,18 +264,28 @@ def test_a_client_that_leaves_while_its_answer_waits_to_be_written_is_no_error()
 
 
 class ForgingRouter:
-    """Stands in for the gateway's router: answers every call with a result whose content type,
-    made by the function's worker, would split the answer's head."""
+    """Stands in for the gateway's router: answers every call with a result of `content_type`,
+    as a function's code that rewrote its worker's encoder (or wrote its own frames) would."""
+
+    def __init__(self, content_type: str) -> None:
+        self.content_type = content_type
 
     async def invoke(self, spec: FunctionSpec, call_id: str, payload: bytes, content_type: str, *, clock: Any) -> Any:
-        reply = SimpleNamespace(content_type="text/plain\r\nSet-Cookie: a=b", loaded=False)
-        return SimpleNamespace(reply=reply, output=b"out")
+        reply = SimpleNamespace(content_type=self.content_type, loaded=False)
+        return SimpleNamespace(reply=reply, output=b"<script>fetch('/system/functions')</script>")
 
 
-def test_a_content_type_that_is_not_a_header_value_is_a_502_and_counted_as_one() -> None:
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "text/plain\r\nSet-Cookie: a=b",  # would split the answer's head
+        "text/html",  # would run on the gateway's origin, the dashboard's, with an admin's credentials
+    ],
+)
+def test_a_content_type_workers_do_not_make_is_a_502_and_counted_as_one(content_type: str) -> None:
     recorded: list[tuple[Any, ...]] = []
-    with serving(invoke_app(cast(Any, ForgingRouter()), recorded), LIMITS) as free, connect(free) as sock:
+    with serving(invoke_app(cast(Any, ForgingRouter(content_type)), recorded), LIMITS) as free, connect(free) as sock:
         sock.sendall(b"POST /function/f HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
         answer = read_until_closed(sock)
-    assert answer.startswith(b"HTTP/1.1 502") and b"Set-Cookie" not in answer
+    assert answer.startswith(b"HTTP/1.1 502") and b"Set-Cookie" not in answer and b"<script>" not in answer
     assert recorded == [("f", 502)], "a 502 counted as a 200 hit"
