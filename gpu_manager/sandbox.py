@@ -1,14 +1,17 @@
 """What a worker process may touch (the `process` runtime): its own user, no network, resource
 limits, a clean environment. Decisions are pure functions; the few calls that change a process
-(`close_descriptors`, `isolate_network`, `confine`, `lock_package`) are at the bottom.
+(`close_descriptors`, `own_namespaces`, `confine`, `lock_package`) are at the bottom.
 
 A worker is confined in three steps:
 - when it is made (`close_descriptors`): it keeps no descriptor but its stdio (a pipe of its own,
   read by the node within a budget) and its channel to the node; whatever its parent held (the
   node's log, which an event loop's spawn hands down as copies of its stdio) is closed.
 - as a spare, right after the zygote forks it: a network namespace of its own with nothing in it
-  (`isolate_network`), so a function reaches neither etcd, nor the daemons' ports, nor anything
-  else; it talks to its node over the socket pair it was born with.
+  (`own_namespaces`), so a function reaches neither etcd, nor the daemons' ports, nor anything
+  else (it talks to its node over the socket pair it was born with); and an IPC namespace of its
+  own, so that the System V shared memory, semaphores and message queues it makes go with its
+  last process (in the host's, a segment it never removed held host memory past its cgroup, its
+  function and the node, until a reboot).
 - when it takes a model, before the handler is imported (`confine`): resource limits, no new
   privileges and a seccomp filter that refuses the system calls a handler never needs
   (gpu_manager.seccomp), then, where the node runs as root, the package's own user and group, so
@@ -21,6 +24,7 @@ account uses, never one another package holds, and kept across the node's restar
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import json
@@ -47,7 +51,8 @@ PACKAGE_USERS_FILE = "package-users.json"  # in a node's state directory
 DEFAULT_MAX_PROCESSES = 512  # tasks (processes and threads) of one package's user
 DEFAULT_MAX_FILE_MB = 1024  # largest file a worker may write (its home, /tmp)
 DEFAULT_HOME_MB = 1024  # all a package's workers on a node may write (its home: HOME, /tmp, /var/tmp, /dev/shm)
-PRIVATE_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # the world-writable places: a worker sees its home there
+# The host's world-writable places (those here that are): a worker sees its home there instead.
+PRIVATE_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock", "/dev/mqueue", "/var/crash")
 MEMORY_HEADROOM_MB = 512  # above twice the declared memory: loading often holds two copies
 # What a worker inherits from its node's environment (everything else is dropped: no cluster
 # addresses or secrets reach a function). Exact names, then prefixes.
@@ -57,6 +62,7 @@ ENVIRONMENT_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "OMP_", "MKL_", "OPENBLAS_", 
 _CLONE_NEWUSER = 0x10000000
 _DESCRIPTOR_END = 2**31 - 1  # above any descriptor (close_range closes only those open)
 _CLONE_NEWNET = 0x40000000
+_CLONE_NEWIPC = 0x08000000
 _CLONE_NEWNS = 0x00020000
 _MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
 _PR_SET_NO_NEW_PRIVS = 38
@@ -248,13 +254,14 @@ def close_descriptors(keep: Iterable[int] = ()) -> None:
             os.closerange(low + 1, high)
 
 
-def isolate_network() -> bool:
-    """Move this process into a network namespace of its own (only a loopback, down): nothing
-    outside is reachable, and sockets it already holds keep working. As root directly; otherwise
+def own_namespaces() -> bool:
+    """Move this process into a network namespace of its own (only a loopback, down: nothing
+    outside is reachable, and sockets it already holds keep working) and an IPC namespace of its
+    own (what System V IPC it makes goes when its last process does). As root directly; otherwise
     through a user namespace where the kernel allows them. False if neither is possible."""
     libc = ctypes.CDLL(None, use_errno=True)
-    flags = _CLONE_NEWNET if os.geteuid() == 0 else _CLONE_NEWUSER | _CLONE_NEWNET
-    return bool(libc.unshare(flags) == 0)
+    flags = _CLONE_NEWNET | _CLONE_NEWIPC
+    return bool(libc.unshare(flags if os.geteuid() == 0 else _CLONE_NEWUSER | flags) == 0)
 
 
 def no_new_privileges() -> None:
@@ -302,17 +309,30 @@ def own_mount_namespace() -> None:
 
 
 def private_tmp(home: str) -> None:
-    """As root, in a mount namespace of its own (`own_mount_namespace`): `home` is also /tmp,
-    /var/tmp and /dev/shm, so that the host's world-writable directories are out of its reach and
-    what it writes there counts against its home's size (OSError if the kernel refuses). What it
-    opened before (its package, weights and layer handles) stays reachable."""
+    """As root, in a mount namespace of its own (`own_mount_namespace`): `home` is also each of
+    PRIVATE_TMP_DIRS that is here and that others may write (/tmp, /var/tmp, /dev/shm, /run/lock...),
+    so that the host's world-writable directories are out of its reach (what it leaves there would
+    outlive it and pass to other packages) and what it writes there counts against its home's size
+    (OSError if the kernel refuses). What it opened before (its package, weights and layer handles)
+    stays reachable."""
     own_mount_namespace()
     libc = ctypes.CDLL(None, use_errno=True)
-    source = home  # then /tmp: `home` may be below /tmp (and hidden once /tmp is bound)
-    for target in PRIVATE_TMP_DIRS:
-        if os.path.isdir(target):
-            _check(libc.mount(source.encode(), target.encode(), None, _MS_BIND, None), f"binding its home on {target}")
-            source = PRIVATE_TMP_DIRS[0]
+    source = home  # then the first place bound: `home` may be below /tmp (and hidden once /tmp is bound)
+    for target in _world_writable(PRIVATE_TMP_DIRS):
+        _check(libc.mount(source.encode(), target.encode(), None, _MS_BIND, None), f"binding its home on {target}")
+        source = target
+
+
+def _world_writable(paths: Iterable[str]) -> list[str]:
+    """The directories of `paths` here that others may write, each once (/var/lock is often a link
+    to /run/lock), /tmp first where it is one."""
+    found: dict[str, None] = {}
+    for path in paths:
+        real = os.path.realpath(path)
+        with contextlib.suppress(OSError):
+            if stat.S_ISDIR(mode := os.stat(real).st_mode) and mode & stat.S_IWOTH:
+                found.setdefault(real)
+    return list(found)
 
 
 def mount_home(path: Path, uid: int, size_mb: int) -> bool:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from gpu_manager.backends import Backend, WorkerDevice, backend_class
-from gpu_manager.sandbox import close_descriptors, isolate_network, plan_import_path
+from gpu_manager.sandbox import close_descriptors, own_namespaces, plan_import_path
 from gpu_manager.worker import run_worker
 
 MAX_MESSAGE_BYTES = 1024
@@ -147,7 +147,7 @@ def _run_forked_worker(
         os.close(fds[1])
         # Its channel and stdio only: not the node's log, not another worker's pipe.
         close_descriptors(keep=[fds[0]])
-        isolated = isolate_network() if isolate else False
+        isolated = own_namespaces() if isolate else False
         worker = backend(WorkerDevice(backend.name, gpu_id, index))
         status = run_worker(socket.socket(fileno=fds[0]), worker, import_s=import_s, network_isolated=isolated)
     except (BrokenPipeError, ConnectionResetError):

@@ -258,6 +258,8 @@ def test_a_packages_home_and_tmp_are_bounded_in_total_and_removed_with_it(
     cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=2000, node_flags=["--home-mb", "256"])
     deploy(cluster, "rogue", "rogue_function", tmp_path, memory_mb=100)
     places = ["$HOME", "/tmp", "/var/tmp", "/dev/shm"]
+    # The host's other world-writable places (a file left in /run/lock outlived the function).
+    places += [p for p in ("/run/lock", "/var/crash") if Path(p).is_dir() and Path(p).stat().st_mode & 0o002]
     report, total_mb = written_everywhere(cluster, places)
     uid = package_user(cluster.state_dir / "node0", digest_of(cluster, "rogue"))
     wrote = report["wrote"]
@@ -277,6 +279,23 @@ def test_a_packages_home_and_tmp_are_bounded_in_total_and_removed_with_it(
         time.sleep(0.1)
     assert not home.exists(), "the function's home outlived `gpufaas rm`"
     assert str(home) not in Path("/proc/self/mountinfo").read_text()
+
+
+def test_the_system_v_shared_memory_a_function_makes_is_its_workers_own(
+    make_cluster: ClusterFactory, tmp_path: Path
+) -> None:
+    """A segment a handler makes and never removes is in its worker's IPC namespace: not in the
+    host's (where it held host memory past the worker's cgroup, its function and the node: 2,000
+    MiB after 5 workers of 400 MiB each, until a reboot), and gone with the worker."""
+    cluster = make_cluster(nodes=1, gpus_per_node=1, backend="cpu", gpu_memory_mb=2000)
+    deploy(cluster, "rogue", "rogue_function", tmp_path, memory_mb=100)
+    host_before = Path("/proc/sysvipc/shm").read_text().splitlines()[1:]
+    response = post(cluster, "rogue", shm_mb=64)
+    assert response.status_code == 200, response.text
+    uid = response.json()["uid"]
+    host_after = Path("/proc/sysvipc/shm").read_text().splitlines()[1:]
+    made = [line for line in host_after if line not in host_before and int(line.split()[7]) == uid]
+    assert made == [], f"the function's segment is in the host's IPC namespace: {made}"
 
 
 @pytest.mark.parametrize("node_killed", [False, True])
