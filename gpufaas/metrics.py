@@ -196,7 +196,7 @@ class _LoopMetric(Collector, Generic[S]):
     """A labelled metric for a daemon's per-call path: its series are plain objects that the event
     loop's thread updates without a lock, and that a scrape, served on the same loop
     (`MetricsServer`), reads. Register it in the daemon's registry (it is a Collector). A series
-    exists from its first `series(...)` and is never dropped."""
+    exists from its first `series(...)` until it is `remove`d."""
 
     def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
         self.name, self.documentation, self.labels = name, documentation, list(labels)
@@ -211,6 +211,10 @@ class _LoopMetric(Collector, Generic[S]):
         if found is None:
             found = self._series[values] = self._new_series()
         return found
+
+    def remove(self, *values: str) -> None:
+        """Drop the series of these label values, if there is one (a bound one then counts unseen)."""
+        self._series.pop(values, None)
 
     def _new_series(self) -> S:
         raise NotImplementedError

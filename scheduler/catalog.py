@@ -40,9 +40,11 @@ class Catalog:
         *,
         functions: dict[str, FunctionSpec],
         apply: Callable[[Iterable[Effect]], None],
+        retired: Callable[[str], None] = lambda model: None,
     ) -> None:
         """`functions`: the mirror to keep, shared with its readers (the node links): it is
-        updated in place, never replaced."""
+        updated in place, never replaced. `retired`: told each model that no function runs any more
+        (the metrics drop its series)."""
         self.store = store
         self.keys = keys
         self.scheduler = scheduler
@@ -50,6 +52,7 @@ class Catalog:
         self.links = links
         self.functions = functions
         self.apply = apply
+        self.retired = retired
         self._profiles_epoch: int | None = None  # the term `read_profiles` last read for
         # Function name -> the etcd revision of the last change to it taken in (a put or a
         # delete), so that a change older than one taken already is ignored: the watch replays
@@ -94,7 +97,7 @@ class Catalog:
         effects: list[Effect] = []
         for spec in before.values():
             if spec.model not in current:
-                effects += self.book.retire(spec.model)
+                effects += self._retire(spec.model)
         self.apply(effects)
 
     def function_changed(self, event: WatchEvent) -> None:
@@ -108,7 +111,12 @@ class Catalog:
         gone = self.functions.pop(name, None)
         if gone is not None:
             log.info("function %s deleted: evicting its model %s", gone.name, gone.model)
-            self.apply(self.book.retire(gone.model))
+            self.apply(self._retire(gone.model))
+
+    def _retire(self, model: str) -> list[Effect]:
+        """No function runs `model` any more: the book retires it, and `retired` is told."""
+        self.retired(model)
+        return self.book.retire(model)
 
     def learn_function(self, kv: KeyValue, *, relisting: bool = False) -> FunctionSpec | None:
         """Take in a function's spec as stored (None: invalid, ignored; or deleted since): its model
@@ -134,7 +142,7 @@ class Catalog:
         self.book.revive(spec.model)
         if old is not None and old.model != spec.model and not relisting:  # (a re-list retires them after)
             log.info("function %s updated: evicting its old model %s", spec.name, old.model)
-            self.apply(self.book.retire(old.model))
+            self.apply(self._retire(old.model))
         if not self.links.is_prestaged(spec.package_digest):  # a new package (a re-list finds old ones)
             self.links.learn_holdings()  # nodes may hold its package already (another function's)
             self.links.prestage([spec])

@@ -63,6 +63,15 @@ class SchedulerMetrics:
         self._loads: dict[tuple[str, str], LoopSeries] = {}
         self._inferences: dict[tuple[str, str], LoopSeries] = {}
 
+    def forget_model(self, model: str) -> None:
+        """`model` runs no function any more (its function was updated to another package, or
+        deleted): its load and inference series go, so that redeploys do not grow the exposition
+        (and this daemon) for good. Its series start afresh if it is deployed again."""
+        for bound, parent in ((self._loads, self.load), (self._inferences, self.inference)):
+            for key in [key for key in bound if key[0] == model]:
+                del bound[key]
+                parent.remove(*key)
+
     def applied(self, effect: object) -> None:
         """An effect the service carries out."""
         if isinstance(effect, Assignment):

@@ -208,9 +208,9 @@ class SchedulerService:
             prestage_nodes=self.prestage_nodes,
             fenced=self._fenced,
         )
-        catalog = Catalog(
-            self.store, self.keys, self.scheduler, self.book, links, functions=functions, apply=self.apply
-        )
+        store, scheduler, book = self.store, self.scheduler, self.book
+        catalog = Catalog(store, self.keys, scheduler, book, links, functions=functions, apply=self.apply)
+        catalog.retired = self.metrics.forget_model  # (a model's series go with it)
         return persister, links, catalog
 
     # --- lifecycle ------------------------------------------------------------------------
