@@ -376,15 +376,17 @@ class DockerLauncher:
 
     async def remove_node_containers(self, node: str) -> int:
         """Remove every container a previous run of `node` (this launcher's instance of it) left
-        behind; how many. Another cluster's node of the same name keeps its own."""
+        behind, and those of `node` made before containers named their instance (an upgrade);
+        how many. Another cluster's node of the same name keeps its own."""
 
         def remove() -> int:
             removed = 0
-            labels = [f"{NODE_LABEL}={node}", f"{INSTANCE_LABEL}={self.instance}"]  # both: the engine ANDs them
             # sparse: the listing's own fields, not an inspection of each container (one removed
-            # meanwhile would fail the whole listing)
-            listed = self._docker().containers.list(all=True, sparse=True, filters={"label": labels})
+            # meanwhile would fail the whole listing); its labels are then in attrs["Labels"].
+            listed = self._docker().containers.list(all=True, sparse=True, filters={"label": [f"{NODE_LABEL}={node}"]})
             for container in listed:
+                if (container.attrs.get("Labels") or {}).get(INSTANCE_LABEL, self.instance) != self.instance:
+                    continue  # another cluster's node of this name
                 with contextlib.suppress(Exception):
                     container.remove(force=True)
                     removed += 1

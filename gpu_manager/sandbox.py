@@ -36,7 +36,7 @@ import shutil
 import stat
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -256,12 +256,19 @@ def close_descriptors(keep: Iterable[int] = ()) -> None:
 
 def own_namespaces() -> bool:
     """Move this process into a network namespace of its own (only a loopback, down: nothing
-    outside is reachable, and sockets it already holds keep working) and an IPC namespace of its
-    own (what System V IPC it makes goes when its last process does). As root directly; otherwise
-    through a user namespace where the kernel allows them. False if neither is possible."""
+    outside is reachable, and sockets it already holds keep working), then into an IPC namespace
+    of its own (what System V IPC it makes goes when its last process does). As root directly;
+    otherwise through a user namespace where the kernel allows them. Whether the network one was
+    had (False: neither way). The IPC one is asked apart, and its refusal (a kernel without IPC
+    namespaces, a sandbox that allows only some) said on stderr: it must not cost the network's."""
     libc = ctypes.CDLL(None, use_errno=True)
-    flags = _CLONE_NEWNET | _CLONE_NEWIPC
-    return bool(libc.unshare(flags if os.geteuid() == 0 else _CLONE_NEWUSER | flags) == 0)
+    flags = _CLONE_NEWNET if os.geteuid() == 0 else _CLONE_NEWUSER | _CLONE_NEWNET
+    if libc.unshare(flags) != 0:
+        return False
+    if libc.unshare(_CLONE_NEWIPC) != 0:
+        said = f"no IPC namespace for this worker ({os.strerror(ctypes.get_errno())}): its System V IPC is the host's"
+        print(said, file=sys.stderr, flush=True)
+    return True
 
 
 def no_new_privileges() -> None:
@@ -323,14 +330,15 @@ def private_tmp(home: str) -> None:
         source = target
 
 
-def _world_writable(paths: Iterable[str]) -> list[str]:
-    """The directories of `paths` here that others may write, each once (/var/lock is often a link
-    to /run/lock), /tmp first where it is one."""
+def _world_writable(paths: Sequence[str]) -> list[str]:
+    """The first of `paths` (/tmp: the worker's HOME and TMPDIR, whoever may write it) where it is
+    a directory, then those of the others here that others may write, each once (/var/lock is
+    often a link to /run/lock)."""
     found: dict[str, None] = {}
-    for path in paths:
+    for index, path in enumerate(paths):
         real = os.path.realpath(path)
         with contextlib.suppress(OSError):
-            if stat.S_ISDIR(mode := os.stat(real).st_mode) and mode & stat.S_IWOTH:
+            if stat.S_ISDIR(mode := os.stat(real).st_mode) and (index == 0 or mode & stat.S_IWOTH):
                 found.setdefault(real)
     return list(found)
 

@@ -158,8 +158,10 @@ def test_it_remembers_the_latest_containers_killed_for_their_memory_only() -> No
 
 
 class ListedContainer:
+    """A container as a sparse listing gives it: its labels in `attrs` only."""
+
     def __init__(self, labels: dict[str, str]) -> None:
-        self.labels = labels
+        self.attrs = {"Labels": labels}
         self.removed = False
 
     def remove(self, force: bool = False) -> None:
@@ -176,7 +178,7 @@ class ListingEngine:
 
     def list(self, *, all: bool, sparse: bool, filters: dict[str, list[str]]) -> list[ListedContainer]:
         wanted = [label.split("=", 1) for label in filters["label"]]
-        return [c for c in self.all if not c.removed and all_hold(c.labels, wanted)]
+        return [c for c in self.all if not c.removed and all_hold(c.attrs["Labels"], wanted)]
 
 
 def all_hold(labels: dict[str, str], wanted: list[list[str]]) -> bool:
@@ -189,12 +191,14 @@ def test_a_node_starting_removes_what_its_previous_run_left_and_nothing_of_anoth
     engine = ListingEngine()
     a, b = (node_instance("node0", root="/gpufaas", state_dir=tmp_path / name / "node0") for name in ("a", "b"))
     serving = ListedContainer(spec(instance=a).labels)  # type: ignore[attr-defined]
-    engine.all.append(serving)
-    for instance, expected in ((b, 0), (a, 1)):  # B's start, then A's node0 restarted
+    # One a node0 left before containers named their instance (an upgrade): whoever starts next takes it.
+    before_upgrade = ListedContainer({"gpufaas.node": "node0", "gpufaas.gpu": "gpu0"})
+    engine.all += [serving, before_upgrade]
+    for instance, expected in ((b, 1), (a, 1)):  # B's start, then A's node0 restarted
         launcher = DockerLauncher(instance=instance)
         launcher._client = engine
         assert asyncio.run(launcher.remove_node_containers("node0")) == expected
-    assert serving.removed
+    assert serving.removed and before_upgrade.removed
 
 
 def test_a_node_instance_is_its_name_key_root_and_state_directory(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ the output budget, and which directories others can reach; a confined worker's s
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import io
@@ -12,11 +13,12 @@ import re
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from gpu_manager import seccomp
+from gpu_manager import sandbox, seccomp
 from gpu_manager.sandbox import (
     MEMORY_HEADROOM_MB,
     PACKAGE_UID_BASE,
@@ -297,3 +299,45 @@ def test_where_an_outer_sandbox_refuses_seccomp_a_worker_says_so_and_goes_on() -
         report["said"].count("\n") == 1
         and "no seccomp filter for this worker (PR_SET_SECCOMP: EPERM)" in report["said"]
     )
+
+
+class _IpcRefusingLibc:
+    """Stands in for libc where network namespaces are given and IPC namespaces refused (a kernel
+    without CONFIG_IPC_NS, user.max_ipc_namespaces 0, a sandbox allowing some namespaces only)."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def unshare(self, flags: int) -> int:
+        self.calls.append(flags)
+        return -1 if flags & sandbox._CLONE_NEWIPC else 0
+
+
+def test_a_worker_keeps_its_network_namespace_where_ipc_namespaces_are_refused(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    libc = _IpcRefusingLibc()
+    monkeypatch.setattr(ctypes, "CDLL", lambda *args, **kwargs: libc)
+    assert sandbox.own_namespaces(), f"network isolation lost with the IPC namespace (unshare calls: {libc.calls})"
+    assert libc.calls[-1] == sandbox._CLONE_NEWIPC and "no IPC namespace for this worker" in capfd.readouterr().err
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a mount namespace of its own needs root")
+def test_a_workers_home_is_tmp_even_where_the_hosts_tmp_is_not_world_writable() -> None:
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            sandbox.own_mount_namespace()
+            libc = ctypes.CDLL(None, use_errno=True)
+            closed = tempfile.mkdtemp(dir="/var/tmp")
+            os.chmod(closed, 0o755)
+            assert libc.mount(closed.encode(), b"/tmp", None, 0x1000, None) == 0  # a /tmp of 0755, here only
+            home = tempfile.mkdtemp(dir="/var/tmp")
+            Path(home, "mark").touch()
+            sandbox.private_tmp(home)
+            code = 0 if Path(sandbox.PRIVATE_TMP_DIRS[0], "mark").exists() else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "HOME (/tmp) is not the worker's home"
