@@ -675,7 +675,7 @@ class CallBook(_GrantChecks):
             call.placed_at = now
             call.gpu_id = decision.gpu_id
             call.hit = decision.hit
-            call.claimed = call.checking = call.maybe_ran = False
+            call.claimed = call.checking = call.maybe_ran = call.asked_again = False
             seq = self._seq[decision.gpu_id] = self._seq.get(decision.gpu_id, 0) + 1
             effects.append(
                 Assignment(
@@ -733,6 +733,11 @@ class CallBook(_GrantChecks):
         if call.lease_until and (call.lease_uses or not (lease_ended or failed)):
             measured_s = inference_time_s if outcome in (pb.OK, pb.HANDLER_ERROR) else 0.0
             return self._lease_done(call, now, lease_ended, measured_s, batch_size, failed=failed)
+        if call.maybe_ran and call.wanted and outcome != pb.WORKER_DIED:
+            # Its owner lost the node after sending it (or took it over: `_ask_again`), and the
+            # node's answer went to the link lost: the Done came before the check's answer, which
+            # will find the call gone. Its owner is answered now, not left to its deadline.
+            effects += self._unknown(call, _ran_there_message(call))
         if outcome == pb.WORKER_DIED:
             call.worker_failures += 1
             retry = call.wanted and call.worker_failures < MAX_WORKER_ATTEMPTS and now < call.deadline

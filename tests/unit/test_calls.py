@@ -572,6 +572,38 @@ def test_a_call_asked_again_after_its_placement_ran_for_a_lost_owner_is_answered
     assert book.done("c1", 1, pb.OK, 2.0) == [] and len(book) == 0
 
 
+def test_a_taken_over_call_whose_done_comes_before_the_checks_answer_is_answered_at_once() -> None:
+    # (Before, the Done forgot it and the check's answer found nothing: its new owner waited out
+    # its deadline, then a 504.)
+    book = make_book(gpus=(N1,))
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    book.owner_lost("gw1", now=1.0)
+    assert book.submit("gw2", "c1", A, 60.0, now=1.1) == []
+    (answer,) = book.done("c1", 1, pb.OK, 1.2)
+    assert isinstance(answer, Answer) and (answer.owner, answer.status) == ("gw2", OUTCOME_UNKNOWN)
+    assert book.grants_checked("n1", [], [("c1", 1)], now=1.3) == [] and len(book) == 0
+
+
+def test_a_call_whose_owner_lost_its_node_is_answered_when_its_done_comes_before_the_check() -> None:
+    book = make_book(gpus=(N1,))
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    assert book.abandon("gw1", "c1", 1, pb.Abandon.NODE_UNREACHABLE, now=1.0) == [CheckGrants("n1", (("c1", 1),))]
+    (answer,) = book.done("c1", 1, pb.OK, 1.2)
+    assert isinstance(answer, Answer) and (answer.owner, answer.status) == ("gw1", OUTCOME_UNKNOWN)
+    assert "gateway lost its connection" in answer.message
+
+
+def test_the_new_owners_own_attempt_is_not_said_to_be_the_first_owners() -> None:
+    book = make_book(gpus=(N1,))
+    book.submit("gw1", "c1", A, 60.0, now=0.0)
+    book.owner_lost("gw1", now=1.0)
+    book.submit("gw2", "c1", A, 60.0, now=1.1)
+    assert placed(book.grants_checked("n1", [("c1", 1)], [], now=1.2)) == [("c1", 2, N1, 2, False)]
+    book.abandon("gw2", "c1", 2, pb.Abandon.NODE_UNREACHABLE, now=2.0)
+    (answer,) = book.grants_checked("n1", [], [("c1", 2)], now=2.1)
+    assert isinstance(answer, Answer) and "when it was asked before" not in answer.message
+
+
 def test_a_call_id_in_flight_for_an_owner_that_waits_is_refused() -> None:
     book = make_book(gpus=(N1,))
     book.submit("gw1", "c1", A, 60.0, now=0.0)
