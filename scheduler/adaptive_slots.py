@@ -40,8 +40,15 @@ class AdaptiveSlots:
     """D per GPU between 1 and `max_slots`, stepped by one a period against `threshold`."""
 
     def __init__(
-        self, max_slots: int, *, threshold: float = DEFAULT_THRESHOLD, period_s: float = DEFAULT_PERIOD_S
+        self,
+        max_slots: int,
+        *,
+        threshold: float = DEFAULT_THRESHOLD,
+        period_s: float = DEFAULT_PERIOD_S,
+        track_next_step: bool = False,
     ) -> None:
+        """`track_next_step`: keep `next_step_s` (what a simulator's clock stops for; the service
+        samples on a timer and does not pay for it)."""
         if max_slots < 1 or not 0.0 < threshold <= 1.0 or not period_s > 0:
             raise ValueError(
                 f"max_slots must be >= 1, threshold in (0, 1] and period_s > 0, got {max_slots}, {threshold}, "
@@ -50,10 +57,11 @@ class AdaptiveSlots:
         self.max_slots = max_slots
         self.threshold = threshold
         self.period_s = period_s
+        self.track_next_step = track_next_step
         self._gpus: dict[str, _Gpu] = {}
         self.changes = 0  # steps of D taken, over every GPU
-        # Set by `observe`: the earliest end of a period at which some GPU's D moves if the calls
-        # running on it stay as they are (inf: none would, every D is where it would stay).
+        # Set by `observe` (with `track_next_step`): the earliest end of a period at which some
+        # GPU's D moves if the calls running on it stay as they are (inf: none would, or untracked).
         self.next_step_s = math.inf
 
     def slots(self, gpu_id: str) -> int | None:
@@ -73,8 +81,10 @@ class AdaptiveSlots:
                 self._observe(gpu, count, now)
                 if gpu.slots != slots:  # a step now, or a D set from elsewhere since (a GPU registered again)
                     changes[gpu_id] = gpu.slots
-            if self._would_step(gpu):
-                next_step_s = min(next_step_s, gpu.period_start_s + self.period_s)
+            # (the end of its period first: a GPU whose period ends no sooner cannot change it)
+            end_s = gpu.period_start_s + self.period_s
+            if self.track_next_step and end_s < next_step_s and self._would_step(gpu):
+                next_step_s = end_s
         self.next_step_s = next_step_s
         for gpu_id in [g for g in self._gpus if g not in running]:
             del self._gpus[gpu_id]  # the GPU left

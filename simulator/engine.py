@@ -420,7 +420,11 @@ class _Run:
         self.scheduled_at = 0.0  # when the scheduler was last asked to schedule
         self.dispatch_ties = itertools.count(1)
         slots_max = cluster.adaptive_slots
-        self.adaptive = None if slots_max is None else AdaptiveSlots(slots_max, threshold=cluster.utilization_threshold)
+        self.adaptive = (
+            None
+            if slots_max is None
+            else AdaptiveSlots(slots_max, threshold=cluster.utilization_threshold, track_next_step=True)
+        )
         # The clock's own checks (_on_timer), made as the service's timers make them: the staged
         # exit's every release period, adaptive D's next step; inf while none is due.
         self.release_period_s = self.release_at = _release_period_s(cluster, scheduler.policy)

@@ -28,7 +28,7 @@ def test_d_steps_down_while_busy_above_the_threshold_and_up_below_it_within_its_
 
 
 def test_next_step_is_the_end_of_a_period_at_which_d_would_move_with_the_calls_running_unchanged() -> None:
-    d = AdaptiveSlots(3, threshold=0.9, period_s=0.2)
+    d = AdaptiveSlots(3, threshold=0.9, period_s=0.2, track_next_step=True)
     d.observe(0.0, {"g0": (1, 3)})
     assert d.next_step_s == pytest.approx(0.2)  # busy at D 3: it steps down at the period's end
     assert d.observe(0.2, {"g0": (1, 3)}) == {"g0": 2} and d.next_step_s == pytest.approx(0.4)
@@ -36,6 +36,9 @@ def test_next_step_is_the_end_of_a_period_at_which_d_would_move_with_the_calls_r
     assert d.next_step_s == float("inf")  # busy at D 1: it stays there
     d.observe(0.5, {"g0": (0, 1)})
     assert d.next_step_s == pytest.approx(0.6)  # busy half the period: D rises at its end
+    untracked = AdaptiveSlots(3, threshold=0.9, period_s=0.2)  # the service's: it samples on a timer
+    untracked.observe(0.0, {"g0": (2, 3)})
+    assert untracked.observe(0.2, {"g0": (1, 3)}) == {"g0": 2} and untracked.next_step_s == float("inf")
 
 
 def test_a_gpu_whose_d_was_reset_gets_the_controllers_back_and_a_gpu_that_left_is_forgotten() -> None:
