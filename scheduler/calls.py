@@ -725,18 +725,14 @@ class CallBook(_GrantChecks):
         if lease_call_id and not call.lease_until:
             return []  # under a lease ended since (its X-Call-Id taken again meanwhile)
         effects: list[Effect] = []
-        gpu_id = call.gpu_id
-        model = call.spec.model
+        gpu_id, model = call.gpu_id, call.spec.model
         self.dirty_gpus.add(gpu_id)
         batch_size = max(1, batch_calls) * call.spec.batch_size
         failed = outcome in (pb.WORKER_DIED, pb.LOAD_FAILED) or worker_lost
         if call.lease_until and (call.lease_uses or not (lease_ended or failed)):
             measured_s = inference_time_s if outcome in (pb.OK, pb.HANDLER_ERROR) else 0.0
             return self._lease_done(call, now, lease_ended, measured_s, batch_size, failed=failed)
-        if call.maybe_ran and call.wanted and outcome != pb.WORKER_DIED:
-            # Its owner lost the node after sending it (or took it over: `_ask_again`), and the
-            # node's answer went to the link lost: the Done came before the check's answer, which
-            # will find the call gone. Its owner is answered now, not left to its deadline.
+        if call.maybe_ran and outcome != pb.WORKER_DIED:  # (a Done before the check's answer)
             effects += self._unknown(call, _ran_there_message(call))
         if outcome == pb.WORKER_DIED:
             call.worker_failures += 1
@@ -926,7 +922,9 @@ class CallBook(_GrantChecks):
     @staticmethod
     def _unknown(call: _Call, message: str) -> list[Effect]:
         """Answer the owner that the call's outcome is unknown; the call stays placed (its Done,
-        or the lost-call deadline, frees its slot) but nobody waits for it any more."""
+        or the lost-call deadline, frees its slot) but nobody waits for it any more. (Also where
+        its Done comes before the answer to the check of a call that may have been sent: the
+        node's answer went to the link its owner lost, and the check's answer will find it gone.)"""
         answer: list[Effect] = [Answer(call.owner, call.call_id, OUTCOME_UNKNOWN, message)] if call.wanted else []
         call.wanted = False
         return answer

@@ -419,11 +419,9 @@ class _Run:
         self.now = 0.0  # the virtual clock; the makespan once the run is over
         self.scheduled_at = 0.0  # when the scheduler was last asked to schedule
         self.dispatch_ties = itertools.count(1)
-        slots_max = cluster.adaptive_slots
+        slots_max, threshold = cluster.adaptive_slots, cluster.utilization_threshold
         self.adaptive = (
-            None
-            if slots_max is None
-            else AdaptiveSlots(slots_max, threshold=cluster.utilization_threshold, track_next_step=True)
+            None if slots_max is None else AdaptiveSlots(slots_max, threshold=threshold, track_next_step=True)
         )
         # The clock's own checks (_on_timer), made as the service's timers make them: the staged
         # exit's every release period, adaptive D's next step; inf while none is due.
