@@ -15,7 +15,7 @@ from typing import Literal
 from gpu_manager.containers import UNCONFINED_UID
 from gpu_manager.runtimes import KILL_WAIT_S, Runtime
 from gpu_manager.sandbox import Isolation, lock_package, package_locked
-from gpu_manager.workers import NO_WEIGHTS, ModelRun, WeightsPlan, Worker
+from gpu_manager.workers import NO_WEIGHTS, ModelRun, WeightsPlan, Worker, misbehaved_message
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import ConnectionLost
 
@@ -199,6 +199,8 @@ class ModelLoader:
         try:
             return await worker.load(load)
         except ConnectionLost:
+            if worker.exit_cause == "misbehaved":  # its handler's doing: a failed load, not placed again
+                raise LoadFailed(pb.LOAD_FAILED, f"{misbehaved_message(worker)} while loading") from None
             message = f"worker of model {run.model!r} on {gpu_id} (pid {worker.pid}) exited while loading"
             raise LoadFailed(pb.WORKER_DIED, message) from None
 

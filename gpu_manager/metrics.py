@@ -13,7 +13,7 @@ from gpufaas.keys import gpu_address
 from gpufaas.metrics import BYTES_PER_MB, LATENCY_BUCKETS_S, LoopCount, LoopCounter, ProcessErrors
 from gpufaas.proto import gpufaas_pb2 as pb
 
-LOST_CAUSES = ("load_failed", "died", "killed", "over_memory")  # the exits counted as workers lost
+LOST_CAUSES = ("load_failed", "died", "killed", "over_memory", "misbehaved")  # the exits counted as workers lost
 
 
 class NodeMetrics:
@@ -123,7 +123,7 @@ def _process_counts(pool: WorkerPool) -> Iterator[Metric]:
         "gpufaas_node_worker_exits",
         "Worker processes that exited, by cause (stopped: evicted, released or replaced; load_failed; "
         "killed: a call's timeout; died: by itself; start_failed; shutdown; over_memory: measured over its "
-        "declared size, with no room for that on its GPU).",
+        "declared size, with no room for that on its GPU; misbehaved: killed for frames its node did not ask for).",
         labels=["cause"],
     )
     for cause in EXIT_CAUSES:
@@ -133,8 +133,8 @@ def _process_counts(pool: WorkerPool) -> Iterator[Metric]:
     # in one worker that died, share its loss).
     yield CounterMetricFamily(
         "gpufaas_node_workers_lost",
-        "Workers that failed to load, died by themselves, were killed (a call's timeout) or went over their "
-        "memory: worker exits of those causes.",
+        "Workers that failed to load, died by themselves, were killed (a call's timeout or frames their node "
+        "did not ask for) or went over their memory: worker exits of those causes.",
         value=sum(pool.worker_exits[cause] for cause in LOST_CAUSES),
     )
     over = CounterMetricFamily(

@@ -78,6 +78,7 @@ from gpu_manager.workers import (
     WeightsPlan,
     Worker,
     WorkerState,
+    misbehaved_message,
 )
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import ConnectionLost
@@ -536,7 +537,10 @@ def _call_answer(reply: pb.CallResult, output: bytes, worker: Worker, *, kept: b
 
 def _died_answer(worker: Worker, call_id: str, *, over_memory: bool) -> RunResult:
     """A call whose worker exited under it: transient, unless the kernel killed it at its group's
-    memory limit (`over_memory`)."""
+    memory limit (`over_memory`) or the node killed it for frames it did not ask for (its handler's
+    doing, as the limit is: not placed again)."""
+    if worker.exit_cause == "misbehaved":
+        return RunResult(pb.HANDLER_ERROR, f"{misbehaved_message(worker)} during call {call_id}", worker_killed=True)
     if over_memory:
         return RunResult(
             pb.HANDLER_ERROR,

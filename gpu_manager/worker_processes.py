@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 
 from gpu_manager.loads import LoadFailed
 from gpu_manager.runtimes import KILL_WAIT_S, STOP_GRACE_S, Runtime
-from gpu_manager.workers import ModelRun, Worker, WorkerState
+from gpu_manager.workers import UNASKED_FRAMES_ALLOWED, ModelRun, Worker, WorkerState
 from gpufaas.wire import ConnectionLost
 
 log = logging.getLogger("gpufaas.gpu_manager.pool")
@@ -59,6 +59,7 @@ class WorkerProcesses:
         """Start a worker for `gpu_id` through the runtime (in the background): forked from the
         zygote, or on the docker runtime a container for `run`."""
         worker = Worker(gpu_id)
+        worker.on_misbehaved = self._misbehaved
         self.live.add(worker)
         self.worker_starts += 1
         worker.hello.add_done_callback(lambda _: self._hello(worker))
@@ -88,6 +89,23 @@ class WorkerProcesses:
         worker.exit_cause = worker.exit_cause or "killed"
         worker.gone(ConnectionLost(f"worker pid {worker.pid} was killed"))
         worker.signal(signal.SIGKILL)
+
+    def _misbehaved(self, worker: Worker) -> None:
+        """`worker` sent more than UNASKED_FRAMES_ALLOWED frames the node did not ask for: its
+        handler writes to its socket. Killed now and its socket closed, not stopped with a grace:
+        each frame it sends meanwhile is the node's CPU. Its calls are answered as a death's."""
+        log.warning(
+            "model %r on %s: worker pid %d sent more than %d frames the node did not ask for (its handler "
+            "writes to the worker's socket); killed",
+            worker.model,
+            worker.gpu_id,
+            worker.pid,
+            UNASKED_FRAMES_ALLOWED,
+        )
+        worker.exit_cause = worker.exit_cause or "misbehaved"
+        self.kill(worker)
+        if worker.conn is not None:
+            worker.conn.close()  # nothing more of it is read (the rest of this read included)
 
     async def stop(self, worker: Worker) -> None:
         """SIGTERM, SIGKILL after STOP_GRACE_S; returns once the process is gone."""

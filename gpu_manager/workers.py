@@ -23,11 +23,21 @@ from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, time_ou
 _DRAIN_OVER_BYTES = 65536  # a call's payload larger than this waits for the socket to take it
 STALL_CHECK_S = 0.2  # a worker that takes none of a call's bytes this long, with none ahead of it, is stuck
 
-EXIT_CAUSES = ("stopped", "load_failed", "killed", "died", "start_failed", "shutdown", "over_memory")
+EXIT_CAUSES = ("stopped", "load_failed", "killed", "died", "start_failed", "shutdown", "over_memory", "misbehaved")
 """Why a worker process exited (`WorkerPool.worker_exits`): the pool stopped it (evicted, released,
 replaced after a redeploy, pushed out of the host tier), its load failed, it was killed (a call's
-timeout), it exited by itself, it could not be started, the node shut down, or its GPU memory (as
-the node measured it) was over its declared size and more than its GPU had room for."""
+timeout), it exited by itself, it could not be started, the node shut down, its GPU memory (as
+the node measured it) was over its declared size and more than its GPU had room for, or it sent
+its node more than UNASKED_FRAMES_ALLOWED frames the node had not asked for (and was killed)."""
+
+UNASKED_FRAMES_ALLOWED = 16
+"""How many frames a worker may send that the protocol does not expect of it (a result for no call
+the node is waiting on or gave up on, a second hello or ModelLoaded, a type a worker never sends, a
+reply) before the node kills it. An honest worker sends none: every frame it sends answers the
+node. Its handler can write to the worker's socket, though, and every frame it writes is parsed on
+the node's event loop, on the node's CPU, outside the worker's cgroup: a flood of them held the
+loop 94 % busy and tripled another function's latency. A few are let pass, not none: 16 cost the
+node microseconds, and a frame the node misjudged (a race not foreseen) does not end a serving worker."""
 
 MEMORY_MARGIN_MB = 64
 MEMORY_MARGIN_FRACTION = 0.10
@@ -59,6 +69,15 @@ def held_to_what_the_node_saw(result: pb.CallResult, elapsed_s: float, most_call
     if result.outcome not in WORKER_OUTCOMES:
         result.message = f"its worker answered outcome {result.outcome}, which is not a worker's: {result.message}"
         result.outcome = pb.HANDLER_ERROR
+
+
+def misbehaved_message(worker: Worker) -> str:
+    """What a call (or a load) whose worker was killed for frames the node did not ask for is told."""
+    return (
+        f"model {worker.model!r} on {worker.gpu_id}: its worker (pid {worker.pid}) sent its node more than "
+        f"{UNASKED_FRAMES_ALLOWED} frames the node had not asked for (its handler writes to the worker's socket) "
+        "and was killed"
+    )
 
 
 def memory_margin_mb(declared_mb: int) -> int:
@@ -187,11 +206,16 @@ class Worker:
     is gone too (its device memory is then free). `pid` is known from its hello on.
     """
 
+    takes_stray_replies = True  # its connection passes on replies too (gpufaas.wire.Handler): see on_frame
+
     def __init__(self, gpu_id: str) -> None:
         self.gpu_id = gpu_id
         self.pid = 0
         self.container = ""  # the docker runtime's container id (its pid is the container's own)
         self.on_signal: Callable[[int], None] | None = None  # how to signal it, where not by pid
+        # Told once, when it has sent more than UNASKED_FRAMES_ALLOWED frames the node did not ask for.
+        self.on_misbehaved: Callable[[Worker], None] | None = None
+        self.unasked_frames = 0
         self.state = WorkerState.STARTING
         self.exit_cause = ""  # set by whoever ends it (one of EXIT_CAUSES); empty: it exited by itself
         self.conn: Connection | None = None
@@ -216,6 +240,9 @@ class Worker:
         # Keyed by the node's own id for each call on this worker (`call`), not the caller's: two
         # calls a client sent with one X-Call-Id must not take each other's result.
         self.pending: dict[str, asyncio.Future[tuple[pb.CallResult, bytes]]] = {}
+        # Calls the node stopped waiting for (their deadline came, or their caller went) while
+        # still at the worker: it runs them all the same, and their results are still expected.
+        self._given_up: set[str] = set()
         self._calls = itertools.count(1)
         self._written = 0  # calls written to it so far ...
         self._answered = 0  # ... and answered
@@ -278,17 +305,27 @@ class Worker:
             raise CallTimedOut(running=oldest and (written or await _reads_nothing(conn, frame_end))) from None
         finally:
             timer.cancel()
-            self.pending.pop(key, None)
+            if self.pending.pop(key, None) is not None:  # no result yet (a result takes it out)
+                self._given_up.add(key)
 
     # wire.Handler
     def on_frame(self, conn: Connection, frame: Frame) -> None:
+        """A frame from the worker: a result for a call the node wrote, its one hello, its one
+        ModelLoaded. Any other is counted (`unasked_frames`): past UNASKED_FRAMES_ALLOWED the
+        node is told (`on_misbehaved`), once. Replies come here too (`takes_stray_replies`: the
+        node asks the worker nothing, so a reply is one more frame it did not ask for)."""
         if frame.type == MessageType.CALL_RESULT:
             # Parsed here, once: the caller gets the message with its output.
             result = frame.message(pb.CallResult)
             future = self.pending.pop(result.call_id, None)
-            if future is not None and not future.done():
-                self._answered += 1
-                future.set_result((result, frame.body))
+            if future is not None:
+                if not future.done():  # (done: its deadline has just come; a late result, expected)
+                    self._answered += 1
+                    future.set_result((result, frame.body))
+                return
+            if result.call_id in self._given_up:
+                self._given_up.discard(result.call_id)
+                return
         elif frame.type == MessageType.WORKER_HELLO and not self.hello.done():
             # The first hello only: it comes before any handler code runs in the process. A later
             # one would be the handler's, naming another PID for the node to measure.
@@ -296,8 +333,13 @@ class Worker:
             self.pid = hello.pid
             self.warm_s = time.perf_counter()
             self.hello.set_result(hello)
+            return
         elif frame.type == MessageType.MODEL_LOADED and not self.loaded.done():
             self.loaded.set_result(frame.message(pb.ModelLoaded))
+            return
+        self.unasked_frames += 1
+        if self.unasked_frames == UNASKED_FRAMES_ALLOWED + 1 and self.on_misbehaved is not None:
+            self.on_misbehaved(self)
 
     def on_close(self, conn: Connection, exc: BaseException | None) -> None:
         self.gone(ConnectionLost(f"worker pid {self.pid} closed its socket"))

@@ -231,7 +231,10 @@ class Frame:
 class Handler(Protocol):
     """What a connection tells its owner. Called on the event loop; must not block. A request
     (`frame.is_request`) is answered with `conn.reply(frame, ...)` or `conn.reply_error(...)`,
-    now or later (from a task)."""
+    now or later (from a task). A reply that answers no request its connection is waiting on is
+    dropped (a late answer to a request given up on), unless the handler has `takes_stray_replies`
+    set: an end that asks nothing counts every reply as the peer's own doing (a node's end of a
+    worker's socket)."""
 
     def on_frame(self, conn: Connection, frame: Frame) -> None: ...
     def on_close(self, conn: Connection, exc: BaseException | None) -> None: ...
@@ -426,10 +429,7 @@ class Connection(asyncio.BufferedProtocol):
         future: asyncio.Future[Frame] = self._loop.create_future()
         self._pending[correlation_id] = future
         try:
-            self._write(
-                encode(type_, header, body, flags=FLAG_REQUEST, correlation_id=correlation_id),
-                body,
-            )
+            self._write(encode(type_, header, body, flags=FLAG_REQUEST, correlation_id=correlation_id), body)
             if len(body) > _INLINE_BODY_BYTES:
                 await self.drain()
             if timeout_s is None:
@@ -625,7 +625,9 @@ class Connection(asyncio.BufferedProtocol):
             future = self._pending.pop(correlation_id, None)
             if future is not None and not future.done():
                 future.set_result(frame)
-            return
+                return
+            if not getattr(self.handler, "takes_stray_replies", False):
+                return
         if self.handler is None:
             if frame.is_request:
                 self.reply_error(frame, pb.UNAVAILABLE, "this end takes no requests")

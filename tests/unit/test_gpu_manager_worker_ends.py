@@ -1,6 +1,7 @@
 """How a node's workers end, over real processes (the helpers of test_gpu_manager_pool): a worker's
 exit is seen even where a process its handler started holds its socket, and its group goes with
-it."""
+it; a worker that writes frames its node did not ask for is killed, and one whose calls timed out
+is not."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from gpu_manager import loads, worker_processes
 from gpu_manager.runtimes import process
 from gpu_manager.runtimes.process import ProcessRuntime
 from gpu_manager.sandbox import Isolation
-from gpu_manager.workers import ModelRun, Worker
+from gpu_manager.workers import UNASKED_FRAMES_ALLOWED, ModelRun, Worker
 from gpufaas.processes import pid_alive
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import ConnectionLost
@@ -293,3 +294,72 @@ def test_a_node_that_dies_alone_takes_its_busy_worker_with_it(tmp_path: Path) ->
         if node.poll() is None:
             os.killpg(node.pid, signal.SIGKILL)
             node.wait()
+
+
+def test_a_worker_flooding_its_node_with_frames_it_was_not_asked_for_is_killed_and_others_answer(
+    tmp_path: Path,
+) -> None:
+    # Its handler writes CallResults for a call the node never wrote, from a thread, for 20 s:
+    # each is parsed on the node's loop (94 % of a core, another function's p50 3x, as found).
+    async def scenario(node: Node) -> None:
+        echo = on_cpu("echo", node.shelf.digest("echo_function"))
+        flood = on_cpu("flood", node.shelf.digest("flood_function"))
+        ok(await node.call(echo, {}))
+        pid = ok(await node.call(flood, {"flood_s": 20}))["pid"]
+        await eventually(lambda: node.pool.worker_exits["misbehaved"] == 1, "the flooding worker is killed", 3.0)
+        await eventually(lambda: not pid_alive(pid), "its process is gone")
+        for _ in range(20):
+            ok(await node.call(echo, {}))
+        assert ok(await node.call(flood, {}))["pid"] != pid  # a worker of its own again, from a spare
+        assert node.pool.worker_exits == {"misbehaved": 1}
+
+    on_own_pool(tmp_path, "cpu", scenario)
+
+
+def test_every_kind_of_frame_not_asked_for_counts_and_the_calls_at_the_worker_are_answered(tmp_path: Path) -> None:
+    kinds = ("result", "hello", "loaded", "unknown", "reply")
+
+    async def scenario(node: Node) -> None:
+        digest = node.shelf.digest("flood_function")
+        # Up to the allowance: the worker stays.
+        within = on_cpu("within", digest)
+        pid = ok(await node.call(within, {"flood": UNASKED_FRAMES_ALLOWED}))["pid"]
+        assert ok(await node.call(within, {}))["pid"] == pid
+        for kind in kinds:
+            model = on_cpu(f"flood-{kind}", digest)
+            ok(await node.call(model, {}))
+            # One call floods; the one queued behind it is at the same worker when it is killed.
+            flooding = asyncio.ensure_future(node.call(model, {"flood": 40, "kind": kind}))
+            behind = asyncio.ensure_future(node.call(model, {}))
+            for result in await asyncio.gather(flooding, behind):
+                assert (result.outcome, result.worker_killed) == (pb.HANDLER_ERROR, True), (kind, result)
+                assert "frames the node had not asked for" in result.message
+        # During its load: a failed load (its handler's doing, not placed again).
+        loading = await node.call(on_cpu("flood-load", digest, environment={"FLOOD_AT_LOAD": "40"}), {})
+        assert (loading.outcome, loading.loaded) == (pb.LOAD_FAILED, True), loading
+        assert "frames the node had not asked for" in loading.message and "while loading" in loading.message
+        await eventually(lambda: node.pool.worker_exits["misbehaved"] == len(kinds) + 1, "every flooder exits")
+        assert node.pool.worker_exits == {"misbehaved": len(kinds) + 1}
+        assert ok(await node.call(within, {}))["pid"] == pid
+
+    on_own_pool(tmp_path, "cpu", scenario)
+
+
+def test_the_late_results_of_calls_that_timed_out_queued_are_expected_and_the_worker_stays(tmp_path: Path) -> None:
+    # An honest worker runs the calls its node gave up on all the same, and answers each: more
+    # results than the allowance, none of them for a call the node still waits on.
+    async def scenario(node: Node) -> None:
+        sleepy = on_cpu("sleepy", node.shelf.digest("sleepy_function"))
+        pid = ok(await node.call(sleepy, {}))["pid"]
+        running = asyncio.ensure_future(node.call(sleepy, {"sleep_s": 1.0}))
+        await asyncio.sleep(0.2)  # the worker is in it
+        count = 2 * UNASKED_FRAMES_ALLOWED
+        queued = await asyncio.gather(*(node.call(sleepy, {}, timeout_s=0.3) for _ in range(count)))
+        assert {(r.outcome, r.worker_killed) for r in queued} == {(pb.TIMEOUT, False)}
+        assert ok(await running)["pid"] == pid
+        assert ok(await node.call(sleepy, {}))["pid"] == pid  # behind every late result
+        [worker] = [w for w in node.pool._processes.live if w.model == "sleepy"]
+        assert worker.unasked_frames == 0 and worker._given_up == set()
+        assert node.pool.worker_exits == {}
+
+    on_own_pool(tmp_path, "cpu", scenario)
