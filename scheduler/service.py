@@ -75,7 +75,6 @@ DEFAULT_PRESTAGE_NODES = 2  # nodes that get a new function's package before its
 ATTACH_WAIT_S = 2.0  # a new term takes calls once its registered nodes attached, or this long after it began
 ATTACH_POLL_S = 0.02
 EARLY_PER_SLICE = 256  # Places that waited for the attaches, placed between two turns of the loop
-MAX_CLAIM_S = 30.0  # nodes remember grants (and revocations) for 60 s: a claim must fall well inside
 # How long a hit's placement leases its slot to its gateway when nothing waits (docs/hit-leases.md):
 # long enough that a busy function asks again about once a second, short enough that an idle one
 # gives its slot back soon without being asked (the lease is revoked anyway as soon as a call waits).

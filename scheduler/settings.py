@@ -9,10 +9,11 @@ from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from cache_manager import EvictionPolicy
+from gpufaas.grants import MAX_CLAIM_S
 from gpufaas.settings import MetricsSettings
 from scheduler.adaptive_slots import DEFAULT_THRESHOLD
 from scheduler.policies import PolicyConfig, registered_policies
-from scheduler.service import DEFAULT_HIT_LEASE_S, DEFAULT_PRESTAGE_NODES, LEASE_TTL_S, MAX_CLAIM_S, SlotConfig
+from scheduler.service import DEFAULT_HIT_LEASE_S, DEFAULT_PRESTAGE_NODES, LEASE_TTL_S, SlotConfig
 
 PROG = "python -m scheduler"
 DESCRIPTION = "gpufaas scheduler service"

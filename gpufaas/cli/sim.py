@@ -288,7 +288,7 @@ def _check_numbers(*, hit_lease_s: float, max_batch_wait_ms: float, batch_expone
     """The bounds of these options that their declarations do not give (the services' own live in
     modules that only a run imports): each finite, and no wider than the services take it."""
     from gpufaas.functions import MAX_BATCH_WAIT_MS
-    from scheduler.service import MAX_CLAIM_S
+    from gpufaas.grants import MAX_CLAIM_S
 
     if not batch_exponent > 0:  # NaN too
         raise typer.BadParameter(f"must be positive, got {batch_exponent}", param_hint="--batch-exponent")
