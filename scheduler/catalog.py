@@ -40,11 +40,9 @@ class Catalog:
         *,
         functions: dict[str, FunctionSpec],
         apply: Callable[[Iterable[Effect]], None],
-        retired: Callable[[str], None] = lambda model: None,
     ) -> None:
         """`functions`: the mirror to keep, shared with its readers (the node links): it is
-        updated in place, never replaced. `retired`: told each model that no function runs any more
-        (the metrics drop its series)."""
+        updated in place, never replaced."""
         self.store = store
         self.keys = keys
         self.scheduler = scheduler
@@ -52,7 +50,8 @@ class Catalog:
         self.links = links
         self.functions = functions
         self.apply = apply
-        self.retired = retired
+        # Told each model that no function runs any more (the service's metrics drop its series).
+        self.retired: Callable[[str], None] = lambda model: None
         self._profiles_epoch: int | None = None  # the term `read_profiles` last read for
         # Function name -> the etcd revision of the last change to it taken in (a put or a
         # delete), so that a change older than one taken already is ignored: the watch replays

@@ -822,22 +822,29 @@ async def test_a_call_waiting_for_its_placement_is_placed_again_after_a_reconnec
     assert (await task).output == b"small payload"
 
 
+def spoil_the_next_link(env: Cluster, spoil: Callable[[Connection], object]) -> list[Connection]:
+    """Have `spoil` applied to the next scheduler link the router dials (only that one): the list
+    it is added to, once made."""
+    dial = env.router._dial
+    spoiled: list[Connection] = []
+
+    async def dial_spoiling_the_first(address: str) -> Connection | None:
+        conn = await dial(address)
+        if conn is not None and not spoiled:
+            spoiled.append(conn)
+            spoil(conn)
+        return conn
+
+    env.router._dial = dial_spoiling_the_first  # type: ignore[method-assign]
+    return spoiled
+
+
 @in_cluster()
 async def test_a_scheduler_link_closed_as_it_is_made_is_dialled_again(env: Cluster) -> None:
     # A scheduler stopping just as it accepts: the Place sent again for a waiting call raised
     # NotSent, the link task died unheard, and every call after got 503 until the gateway restarted.
     task = await env.placed("call-1", make_spec("resnet"), b"small payload")
-    dial = env.router._dial
-    closed: list[Connection] = []
-
-    async def dial_closing_the_first(address: str) -> Connection | None:
-        conn = await dial(address)
-        if conn is not None and not closed:
-            conn.close()
-            closed.append(conn)
-        return conn
-
-    env.router._dial = dial_closing_the_first  # type: ignore[method-assign]
+    closed = spoil_the_next_link(env, lambda conn: conn.close())
     env.scheduler.drop()
     places = await env.scheduler.wait_places(2)
     assert closed and places[1].call_id == "call-1"
@@ -851,21 +858,11 @@ async def test_a_scheduler_link_whose_setup_raised_is_closed_before_the_next_dia
     # Whatever raises while a new link asks again for the waiting calls, the link is closed: left
     # open, the scheduler would keep it (and its calls) for as long as the socket lived.
     task = await env.placed("call-1", make_spec("resnet"), b"small payload")
-    dial = env.router._dial
-    failed: list[Connection] = []
 
-    async def dial_failing_the_first(address: str) -> Connection | None:
-        conn = await dial(address)
-        if conn is not None and not failed:
-            failed.append(conn)
+    def send(*_: object) -> None:
+        raise RuntimeError("injected")
 
-            def send(*_: object) -> None:
-                raise RuntimeError("injected")
-
-            conn.send = send  # type: ignore[method-assign]
-        return conn
-
-    env.router._dial = dial_failing_the_first  # type: ignore[method-assign]
+    failed = spoil_the_next_link(env, lambda conn: setattr(conn, "send", send))
     env.scheduler.drop()
     places = await env.scheduler.wait_places(2)
     assert failed and failed[0].is_closed, "the link that raised was left open"
