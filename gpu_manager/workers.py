@@ -277,7 +277,8 @@ class Worker:
         future: asyncio.Future[tuple[pb.CallResult, bytes]] = loop.create_future()
         self._written = written = next(self._calls)
         key = f"{call_id}#{written}"  # (the caller's id too: the worker's log lines name it)
-        answered_before, sent_s = self._answered, loop.time()
+        # perf_counter, not loop.time(): uvloop's is cached per turn, in whole milliseconds.
+        answered_before, sent_s = self._answered, time.perf_counter()
         self.pending[key] = future
         # A timer on the future rather than asyncio.timeout_at (which cancels the task and maps
         # the cancellation back): the same deadline for less, on every call. Armed before the
@@ -289,7 +290,7 @@ class Worker:
             if len(payload) > _DRAIN_OVER_BYTES:
                 await _drained(conn, future)
             result, output = await future
-            held_to_what_the_node_saw(result, loop.time() - sent_s, self._written - answered_before)
+            held_to_what_the_node_saw(result, time.perf_counter() - sent_s, self._written - answered_before)
             return result, output
         except TimeoutError:
             # Running: the oldest call unanswered and all of its frame written (the worker reads
