@@ -35,10 +35,14 @@ def sleepy_on_one_node(
     return cluster, model, call(cluster, name)
 
 
+NOTICED_WITHIN_S = 0.5
+"""How soon after a node's death its gateway's loop reads the close of its link to it (a few ms, on a loaded host)."""
+
+
 def test_killing_a_gpu_manager_mid_burst_loses_no_invocation(make_cluster: ClusterFactory, tmp_path: Path) -> None:
     """Every call is answered: those sent after the kill run on the other node; one running on the
-    killed node is answered 502 "outcome unknown" (at most once: it may have had effects, so it is
-    not run again), and nothing else fails."""
+    killed node (or sent to it before its gateway saw it die) is answered 502 "outcome unknown"
+    (at most once: it may have had effects, so it is not run again), and nothing else fails."""
     cluster = make_cluster(nodes=2, gpus_per_node=2, backend="cpu", gpu_memory_mb=1000)
     for name in ("slow-a", "slow-b"):
         deploy(cluster, name, "sleepy_function", tmp_path)
@@ -65,7 +69,11 @@ def test_killing_a_gpu_manager_mid_burst_loses_no_invocation(make_cluster: Clust
     failures = [(sent, r.status_code, r.text) for sent, _, r in completed if r.status_code != 200]
     unknown = [f for f in failures if f[1] == 502 and "is unknown" in f[2] and "not run again" in f[2]]
     assert failures == unknown, failures  # only calls whose outcome is unknown
-    assert all(sent < killed_at[0] for sent, _, _ in unknown), (killed_at, unknown)  # in flight at the kill
+    # In flight at the kill, or sent before the gateway could see it: a call sent on its link to the
+    # node in the moment between the node's death and the gateway's loop reading the link's close
+    # is written into a socket the node never reads, and the gateway cannot tell that from a frame
+    # the node read before it died (CI saw one sent 62 us after the kill answered so).
+    assert all(sent < killed_at[0] + NOTICED_WITHIN_S for sent, _, _ in unknown), (killed_at, unknown)
     assert len(unknown) <= 6, unknown  # at most the calls in flight
     # Whatever finished after the kill ran on the surviving node.
     late = [r.headers["X-Gpu"] for _, t, r in completed if t > killed_at[0] + 0.2 and r.status_code == 200]
