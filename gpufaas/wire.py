@@ -64,14 +64,13 @@ import contextlib
 import enum
 import hashlib
 import hmac
-import itertools
 import logging
 import math
 import os
 import socket
 import ssl
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from typing import Any, Protocol, TypeVar
 
 from google.protobuf.message import DecodeError, Message
@@ -89,6 +88,7 @@ DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 HEADER_ALLOWANCE_BYTES = 1024 * 1024  # what a frame may hold beside its body
 _SMALL_BUFFER_BYTES = 256 * 1024  # frames up to this size are read into one reused buffer
 _INLINE_BODY_BYTES = 64 * 1024  # bodies up to this size are copied into the frame's one write
+_MAX_CORRELATION_ID = 2**32 - 1  # the frame's field is a u32; 0 means none
 # The most frames of one connection handled in one turn of the loop; the rest of a read waits for
 # the next turn, with the connection's reading paused meanwhile. A read of the full buffer holds
 # thousands of small frames: handled at once, they held the loop for a third of a second, and an
@@ -306,7 +306,7 @@ class Connection(asyncio.BufferedProtocol):
         # serving path (a property calling `closed.done()` cost 1 % of the gateway's CPU).
         self.is_closed = False
         self._pending: dict[int, asyncio.Future[Frame]] = {}
-        self._ids = itertools.count(1)
+        self._last_id = 0  # the newest request's correlation id
         self._out: list[bytes] = []
         self.sent_bytes = 0  # every byte of every frame sent on this end, written or still buffered
         self.received_bytes = 0  # every byte read on this end
@@ -425,7 +425,7 @@ class Connection(asyncio.BufferedProtocol):
     ) -> Frame:
         """Send a request and wait for its answer. Raises ConnectionLost, TimeoutError, or
         RemoteError (the peer answered with an Error)."""
-        correlation_id = next(self._ids)
+        correlation_id = self._last_id = _next_correlation_id(self._last_id, self._pending)
         future: asyncio.Future[Frame] = self._loop.create_future()
         self._pending[correlation_id] = future
         try:
@@ -733,24 +733,37 @@ async def connect(
     except (OSError, TimeoutError, ValueError) as exc:
         error_counts["connect"] += 1
         raise ConnectionLost(f"cannot connect to {address}: {exc or type(exc).__name__}") from None
-    if links is not None:
-        assert protocol.transport is not None
-        try:
-            protocol.peer_role = links.check(
-                protocol.transport.get_extra_info("peercert"), "wire-client", address, peer_role
-            )
-        except PeerRefused as exc:
-            error_counts["auth"] += 1
-            protocol.close()
-            raise Unauthenticated(str(exc)) from None
-    if key is not None:
-        try:
-            await _client_handshake(protocol, timeout_s)
-        except ConnectionLost as exc:
-            error_counts["auth" if isinstance(exc, Unauthenticated) else "connect"] += 1
-            protocol.close()
-            raise
+    try:
+        if links is not None:
+            assert protocol.transport is not None
+            try:
+                protocol.peer_role = links.check(
+                    protocol.transport.get_extra_info("peercert"), "wire-client", address, peer_role
+                )
+            except PeerRefused as exc:
+                error_counts["auth"] += 1
+                raise Unauthenticated(str(exc)) from None
+        if key is not None:
+            try:
+                await _client_handshake(protocol, timeout_s)
+            except ConnectionLost as exc:
+                error_counts["auth" if isinstance(exc, Unauthenticated) else "connect"] += 1
+                raise
+    except BaseException:  # cancelled too (a gateway's dial when the leader changed): nobody holds it
+        protocol.close()
+        raise
     return protocol
+
+
+def _next_correlation_id(last_id: int, pending: Container[int]) -> int:
+    """The id of the request after the one numbered `last_id`: 1 to 2**32 - 1 (the frame's u32
+    field), wrapping past the top (a gateway's link to a node carries every call to it for the
+    gateway's life: 2**32 requests are 5 days at 10,000 a second), never 0 (no request) and never
+    one of `pending` (still awaiting its answer)."""
+    while True:
+        last_id = last_id % _MAX_CORRELATION_ID + 1
+        if last_id not in pending:
+            return last_id
 
 
 async def _client_handshake(conn: Connection, timeout_s: float) -> None:

@@ -1146,3 +1146,63 @@ def test_a_unix_socket_connection_is_left_as_it_is(run: Run) -> None:
             other.close()
 
     run(scenario())
+
+
+def test_request_ids_wrap_past_the_frames_u32_and_skip_those_still_awaiting_answers(run: Run) -> None:
+    # A gateway's link to a node carries every call to it for the gateway's life: past 2**32
+    # requests the id no longer fit the frame, and every call on the link failed (a struct.error).
+    held: list[Frame] = []
+
+    def answer_unless_held(conn: Connection, frame: Frame) -> None:
+        if frame.body == b"hold":
+            held.append(frame)
+        else:
+            echo(conn, frame)
+
+    async def scenario() -> list[int]:
+        async with serving(Peer(answer_unless_held)) as server:
+            conn = await connect(server.address)
+            waiting = asyncio.ensure_future(conn.request(MessageType.EXECUTE, pb.Execute(), b"hold"))  # id 1
+            await until(lambda: held)
+            conn._last_id = 2**32 - 3  # as after that many requests
+            ids = []
+            for i in range(4):
+                reply = await conn.request(MessageType.EXECUTE, pb.Execute(), f"p{i}".encode())
+                assert reply.body == f"p{i}".encode()
+                ids.append(reply.correlation_id)
+            assert not waiting.done()  # its id was not given to another request
+            await conn.aclose()
+            return [held[0].correlation_id, *ids]
+
+    held_id, *ids = run(scenario())
+    assert held_id == 1
+    assert ids == [2**32 - 2, 2**32 - 1, 2, 3]
+
+
+def test_a_dial_cancelled_during_the_key_handshake_closes_its_connection(run: Run) -> None:
+    # A gateway cancels its dial of the scheduler when the leader changes meanwhile: the connection
+    # was left open, unheld, and the old leader (a standby now) authenticated it once it caught up.
+    async def scenario() -> None:
+        peer_closed, got_proof = asyncio.Event(), asyncio.Event()
+
+        async def slow_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(raw_frame(MessageType.HELLO, pb.Hello(nonce=bytes(16))))
+            await writer.drain()
+            await reader.read(1024)  # the client's proof, never answered
+            got_proof.set()
+            if await reader.read(1024) == b"":
+                peer_closed.set()
+
+        server = await asyncio.start_server(slow_server, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            dial = asyncio.ensure_future(connect(f"127.0.0.1:{port}", None, key=b"k" * 32, timeout_s=WAIT_S))
+            await asyncio.wait_for(got_proof.wait(), WAIT_S)
+            dial.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await dial
+            await asyncio.wait_for(peer_closed.wait(), WAIT_S)
+        finally:
+            server.close()
+
+    run(scenario())
