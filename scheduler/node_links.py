@@ -165,6 +165,7 @@ class NodeLinks:
         session = self.session_for(node)
         term = self.term
         while self._linked(node, term):
+            conn: Connection | None = None
             try:
                 conn = await self._dial(node.record.address, session)
                 reply = (
@@ -174,7 +175,11 @@ class NodeLinks:
                         timeout_s=NODE_TIMEOUT_S,
                     )
                 ).message(pb.AttachReply)
-            except (ConnectionLost, TimeoutError, RemoteError) as exc:
+            except BaseException as exc:
+                if conn is not None:
+                    conn.close()  # (a node that refused the attach, FENCED, keeps its end open)
+                if not isinstance(exc, (ConnectionLost, TimeoutError, RemoteError)):
+                    raise  # cancelled: the term ended
                 self._attach_failed(node, exc)
                 await asyncio.sleep(RECONNECT_S)
                 continue
@@ -201,7 +206,9 @@ class NodeLinks:
         here = link_here(address, session, client_role="scheduler", peer_role="node")
         if here is not None:
             return here
-        return await connect(address, session, timeout_s=NODE_TIMEOUT_S, key=self.wire_key, tls=self.tls)
+        return await connect(
+            address, session, timeout_s=NODE_TIMEOUT_S, key=self.wire_key, tls=self.tls, peer_role="node"
+        )
 
     def _linked(self, node: NodeLink, term: int) -> bool:
         """Whether `node` (this incarnation) is still to be kept attached in term `term`."""

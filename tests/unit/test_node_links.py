@@ -1,0 +1,68 @@
+"""The scheduler's links to its nodes (scheduler.node_links): what an attach that fails leaves behind."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from gpufaas.cluster import NodeRecord
+from gpufaas.keys import Keys
+from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.wire import Connection, Frame, MessageType, Server
+from scheduler.node_links import NodeLinks
+from scheduler.persister import StatePersister
+from tests.fakes import MemoryStore
+from tests.unit.test_calls import make_book
+
+
+class FencingNode:
+    """A node that has seen a newer leader's epoch: it refuses every Attach (and, as a node does,
+    leaves closing the link to the scheduler)."""
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        if frame.type == MessageType.ATTACH:
+            conn.reply_error(frame, pb.FENCED, "a newer leader's epoch has been seen")
+
+    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
+        pass
+
+
+def test_an_attach_refused_as_fenced_leaves_no_connection_open() -> None:
+    # The scheduler dropped its end of a refused attach without closing it: one link per node per
+    # fenced term stayed open at the node for good.
+    async def scenario() -> None:
+        server = Server(FencingNode, tls=False)
+        address = await server.start("127.0.0.1:0")
+        tasks: set[asyncio.Future[Any]] = set()
+        book = make_book(gpus=())
+        fenced: list[int] = []
+        links = NodeLinks(
+            book.scheduler,
+            book,
+            StatePersister(MemoryStore(), Keys("/t"), book.scheduler, book, lambda: 0.0),
+            functions={},
+            apply=lambda effects: None,
+            spawn=lambda coroutine: tasks.add(asyncio.ensure_future(coroutine)),
+            session_for=lambda node: FencingNode(),
+            slots_for=lambda gpu_type: 1,
+            clock=lambda: 0.0,
+            wire_key=None,
+            prestage_nodes=0,
+            fenced=lambda: (fenced.append(1), links.deactivate()),  # type: ignore[func-returns-value]
+            tls=False,
+        )
+        links.seen(NodeRecord("n1", address, "cpu", "i1", []))
+        try:
+            for _ in range(3):
+                links.activate("sched-a", b"k" * 32, epoch=1)
+                await asyncio.sleep(0.3)
+            await asyncio.sleep(0.3)
+            open_at_node = [conn for conn in server.connections if not conn.is_closed]
+            assert len(fenced) == 3
+            assert not open_at_node, f"{len(open_at_node)} refused attach link(s) left open at the node"
+        finally:
+            for task in tasks:
+                task.cancel()
+            await server.close()
+
+    asyncio.run(scenario())
