@@ -7,7 +7,10 @@ fresh lease, then a read of the key: if it holds our lease we lead, with the key
 as the epoch. A term's lease is kept alive `KEEP_ALIVES_PER_TTL` times per TTL; leaving office
 revokes it (best effort), so that a standby need not wait for it to expire, unless the term was
 left for want of answers: then a keep-alive of it answered later resumes the term (no one else can
-have led while its lease lived), and one refused lets it go.
+have led while its lease lived), and one refused lets it go. A candidate that wins the key but
+cannot take office (the service's reads fail) leaves as one deposed: it revokes the lease, so that
+a standby campaigns, and campaigns again itself only after a holdoff (`OFFICE_HOLDOFF_TTLS`,
+doubled per failure in a row), so that a lone scheduler still leads once its reads go through.
 
 A standby with a way to dial the leader (`dial`) also holds a link to it, the *tether*, which
 carries nothing. A SIGKILLed leader's host closes it at once (a lease would take a TTL and etcd's
@@ -42,6 +45,11 @@ KEEP_ALIVES_PER_TTL = 3
 TETHER_PROBES = 3  # dials after the tether closed, each within TETHER_DIAL_S: none answered = dead
 TETHER_DIAL_S = 0.3
 TETHER_IDLE_S = 0.1  # how often a standby with nothing to tether to (or a held tether) looks again
+# After failing to take office, a candidate waits this many TTLs (doubled per failure in a row, up to
+# OFFICE_HOLDOFF_MAX_TTLS) before it campaigns again: a standby that can take office goes first,
+# and a lone scheduler does not read a whole etcd prefix that fails every third of a TTL.
+OFFICE_HOLDOFF_TTLS = 1
+OFFICE_HOLDOFF_MAX_TTLS = 16
 
 
 class Link(Protocol):
@@ -103,6 +111,8 @@ class Election:
         self.clock, self.sleep, self.dial = clock, sleep, dial
         self._changed = asyncio.Event()
         self._warned_unsure = False
+        self._office_failures = 0  # take_office failures in a row
+        self._campaign_after = -math.inf  # the clock's time before which we do not campaign
 
     def wake(self) -> None:
         """Something the leadership decides on changed (a node fenced us): look now."""
@@ -158,7 +168,10 @@ class Election:
             if not await self._resume():
                 await self._wait(period_s)
         elif leadership.campaign_due():
-            if not await self._campaign():
+            holdoff_s = self._campaign_after - self.clock()
+            if holdoff_s > 0:
+                await self._wait(holdoff_s)  # we could not take office lately: let a standby lead
+            elif not await self._campaign():
                 await self._wait(period_s)
         else:
             await self._wait(leadership.ttl_s)  # the key's watch wakes us when it goes
@@ -222,11 +235,20 @@ class Election:
         return await self._take_office(kept.epoch)
 
     async def _take_office(self, epoch: int) -> bool:
+        """Take office as `epoch`; whether we did. One we cannot take we leave as one deposed (the
+        lease revoked, not kept: resuming it would fail alike, and keep a standby out for good),
+        and we campaign again only after a holdoff."""
         try:
             await self.office.take_office(epoch)
         except StoreError as exc:
-            await self._leave(f"could not take office: {exc}")
+            self._office_failures += 1
+            holdoff_ttls = min(OFFICE_HOLDOFF_TTLS * 2 ** (self._office_failures - 1), OFFICE_HOLDOFF_MAX_TTLS)
+            self._campaign_after = self.clock() + holdoff_ttls * self.leadership.ttl_s
+            reason = f"could not take office: {exc}"
+            self.leadership.must_leave(reason)
+            await self._leave(reason)
             return False
+        self._office_failures = 0
         return True
 
     async def _keep_alive(self, timeout_s: float) -> None:

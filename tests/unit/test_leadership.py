@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gpufaas.keys import Keys
+from gpufaas.store import StoreError
 from scheduler.election import Election, LeadershipCollector
 from scheduler.leadership import PATIENCE_TTLS, Holder, Leadership, Role
 from tests.fakes import ManualClock, MemoryStore
@@ -318,6 +319,57 @@ def test_a_leader_rides_out_a_short_etcd_restart_unsure_and_then_carries_on() ->
         await clock.advance(0.5)
         assert a.leadership.leading(clock())
         assert [event for event, _ in a.office.events] == ["take", "confirmed"]  # what it held goes out
+        await a.freeze()
+
+    on_store(scenario)
+
+
+class FailingOffice(FakeOffice):
+    """An office that cannot be taken (its reads fail: too large, or a slow link) its first
+    `failures` times."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def take_office(self, epoch: int) -> None:
+        await super().take_office(epoch)
+        if self.failures > 0:
+            self.failures -= 1
+            raise StoreError("etcd get_prefix: Received message larger than max (5417130 vs. 4194304)")
+
+
+def test_a_scheduler_that_cannot_take_office_lets_another_lead() -> None:
+    async def scenario(store: MemoryStore, clock: ManualClock) -> None:
+        a = Candidate("a:1", store, clock)
+        a.office = a.election.office = FailingOffice(failures=1_000)
+        a.run()
+        await clock.advance(0.01)
+        b = await started(store, clock, "b:1")
+        for _ in range(10):
+            await lapse(store, clock, TTL_S)
+        kv = await store.get(KEY)
+        takes = sum(event == "take" for event, _ in a.office.events)
+        assert b.leadership.role is Role.LEADER, f"the key is {kv!r}; a tried to take office {takes} times"
+        assert kv is not None and kv.value == b"b:1" and a.leadership.kept is None
+        assert takes == 1 and b.office.events == [("take", b.leadership.epoch)]
+        for candidate in (a, b):
+            await candidate.freeze()
+
+    on_store(scenario)
+
+
+def test_a_lone_scheduler_that_could_not_take_office_tries_again_and_leads() -> None:
+    async def scenario(store: MemoryStore, clock: ManualClock) -> None:
+        a = Candidate("a:1", store, clock)
+        a.office = a.election.office = FailingOffice(failures=3)
+        a.run()
+        await clock.advance(0.01)
+        assert a.leadership.role is Role.STANDBY and await store.get(KEY) is None  # its lease revoked
+        for _ in range(20):
+            await lapse(store, clock, TTL_S)
+        assert a.leadership.leading(clock())
+        assert [event for event, _ in a.office.events] == ["take", "leave"] * 3 + ["take"]
         await a.freeze()
 
     on_store(scenario)
