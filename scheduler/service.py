@@ -257,7 +257,7 @@ class SchedulerService:
         await _cancel(self._tasks)
         if leading:
             with contextlib.suppress(StoreError):
-                await self.persister.flush()
+                await self.persister.flush(final=True)  # profiles too, however recently written
         if self.in_process:
             withdraw(self.address)
         await self._server.close()

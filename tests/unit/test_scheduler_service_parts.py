@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import pytest
 
+import scheduler.persister as persister_mod
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
@@ -275,6 +276,70 @@ def test_a_standby_takes_office_with_the_profiles_the_leader_measured_since_its_
             await standby.leave_office("test")
         kv = await store.get(keys.profile("cpu", spec.model))
         assert kv is not None and json.loads(kv.value) == {"load_time_s": 9.0, "inference_time_s": {"1": 0.1, "8": 0.4}}
+
+    asyncio.run(main())
+
+
+def test_a_deferred_profile_is_written_once_its_interval_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A profile measured again within PROFILE_WRITE_INTERVAL_S of its last write went back to the
+    # book, and with no traffic after it nothing woke the flusher: etcd kept the older profile.
+    monkeypatch.setattr(persister_mod, "FLUSH_DELAY_S", 0.01)
+    spec = make_spec("fn-a")
+
+    async def main() -> None:
+        store, keys, now = MemoryStore(), Keys("/t"), [0.0]
+        service = SchedulerService(store, keys=keys, prestage_nodes=0, clock=lambda: now[0])
+        service.catalog.learn_function(stored_spec(keys, spec))
+        persister, estimator = service.persister, service.scheduler.estimator
+        flusher = asyncio.ensure_future(persister.run())
+        try:
+            estimator.observe_inference(spec.model, "cpu", 1, 0.1)
+            service.book.dirty_profiles.add(("cpu", spec.model, 1))
+            persister.want_flush()
+            await asyncio.sleep(0.1)
+            now[0] = 1.0
+            estimator.observe_inference(spec.model, "cpu", 8, 0.4)
+            service.book.dirty_profiles.add(("cpu", spec.model, 8))
+            persister.want_flush()
+            await asyncio.sleep(0.1)  # deferred: written at 0 s
+            now[0] = 3600.0  # no call since
+            await asyncio.sleep(0.3)
+        finally:
+            flusher.cancel()
+        kv = await store.get(keys.profile("cpu", spec.model))
+        assert kv is not None and json.loads(kv.value)["inference_time_s"] == {"1": 0.1, "8": 0.4}, (
+            f"etcd holds {kv!r}; pending in the book: {service.book.dirty_profiles}"
+        )
+
+    asyncio.run(main())
+
+
+def test_a_stopping_leader_writes_the_profiles_it_deferred() -> None:
+    spec = make_spec("fn-a")
+
+    async def main() -> None:
+        store, keys, now = MemoryStore(), Keys("/t"), [0.0]
+        service = SchedulerService(store, keys=keys, prestage_nodes=0, tls=False, clock=lambda: now[0], lease_ttl_s=60)
+        await service.start()
+        try:
+            for _ in range(200):
+                if service.leadership.leading(now[0]):
+                    break
+                await asyncio.sleep(0.01)
+            service.catalog.learn_function(stored_spec(keys, spec))
+            estimator = service.scheduler.estimator
+            estimator.observe_inference(spec.model, "cpu", 1, 0.1)
+            service.book.dirty_profiles.add(("cpu", spec.model, 1))
+            await service.persister.flush()
+            now[0] = 1.0
+            estimator.observe_inference(spec.model, "cpu", 8, 0.4)
+            service.book.dirty_profiles.add(("cpu", spec.model, 8))
+            await service.persister.flush()  # deferred: written a second ago
+            assert service.leadership.leading(now[0])
+        finally:
+            await service.stop()  # its last flush
+        kv = await store.get(keys.profile("cpu", spec.model))
+        assert kv is not None and json.loads(kv.value)["inference_time_s"] == {"1": 0.1, "8": 0.4}, f"etcd holds {kv!r}"
 
     asyncio.run(main())
 
