@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -35,6 +36,14 @@ MAX_TXN_OPS = 128
 # What a caller should keep a `write_batch`'s keys and values under: etcd refuses a request over
 # its --max-request-bytes (1.5 MiB by default), whatever its count of keys.
 MAX_TXN_BYTES = 1024 * 1024
+
+
+# The most keys one range call of `EtcdStore.get_prefix` asks for. A page whose answer is still
+# over ETCD_MAX_RECEIVE_BYTES (a value may be up to etcd's 1.5 MiB request limit) is asked again
+# with half as many keys, down to one.
+GET_PREFIX_PAGE_KEYS = 256
+# Whole-prefix reads begun again from their first page when history was compacted under them.
+GET_PREFIX_ATTEMPTS = 3
 
 
 # --- values and errors ----------------------------------------------------------------------
@@ -67,8 +76,14 @@ class WatchEvent:
 # wait behind TCP's retransmission backoff: after a 60 s partition a node's lease refresh first
 # succeeded 53.6 s after the heal; with these, 0.1 s (docs/hosts.md). etcd refuses pings more often
 # than every 5 s (--grpc-keepalive-min-time) and pings on a connection with no stream open, so:
-# every 10 s, and only while a call or a watch is open (every daemon keeps a watch).
+# every 10 s, and only while a call or a watch is open (every daemon keeps a watch). gRPC takes
+# answers of at most 4 MiB by default: a whole-prefix read past that failed for good (holders/ of
+# ~130 nodes, models/ of hundreds of models on a thousand GPUs), so reads come in pages
+# (`GET_PREFIX_PAGE_KEYS`) and the cap is ETCD_MAX_RECEIVE_BYTES, room for pages of large values
+# and for a watch catching up on many revisions at once.
+ETCD_MAX_RECEIVE_BYTES = 64 * 1024 * 1024
 ETCD_CHANNEL_OPTIONS: dict[str, int] = {
+    "grpc.max_receive_message_length": ETCD_MAX_RECEIVE_BYTES,
     "grpc.keepalive_time_ms": 10_000,
     "grpc.keepalive_timeout_ms": 5_000,
     "grpc.http2.max_pings_without_data": 0,
@@ -104,7 +119,8 @@ class Store(Protocol):
         ...
 
     async def get_prefix(self, prefix: str) -> list[KeyValue]:
-        """Every key starting with `prefix` (non-empty), sorted by key."""
+        """Every key starting with `prefix` (non-empty), sorted by key: one consistent snapshot,
+        however many keys and bytes (on etcd it is read in pages, all at one revision)."""
         ...
 
     async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
@@ -225,6 +241,10 @@ def _etcd_errors(what: str) -> Iterator[None]:
         if isinstance(cause, aetcd.rpc.AioRpcError) and cause.code() == aetcd.rpc.StatusCode.NOT_FOUND:
             etcd_error_counts[(what, "lease_lost")] += 1
             raise LeaseLost(f"etcd {what}: {exc}") from exc
+        # A read pinned to a revision etcd compacted away (a page of `get_prefix`): OUT_OF_RANGE.
+        if isinstance(cause, aetcd.rpc.AioRpcError) and cause.code() == aetcd.rpc.StatusCode.OUT_OF_RANGE:
+            etcd_error_counts[(what, "compacted")] += 1
+            raise RevisionCompacted(f"etcd {what}: {exc}") from exc
         etcd_error_counts[(what, _client_error_kind(exc))] += 1
         raise StoreError(f"etcd {what}: {exc}") from exc
     except (aetcd.rpc.RpcError, aetcd.rpc.BaseError, TimeoutError, OSError) as exc:
@@ -327,6 +347,29 @@ def _client_error_kind(exc: aetcd.ClientError) -> str:
 
 
 T = TypeVar("T")
+
+
+async def _range(client: aetcd.Client, start: bytes, end: bytes, timeout_s: float, *, limit: int, revision: int) -> Any:
+    """One range call, [start, end) sorted by key, at most `limit` keys, at `revision` (0: the
+    newest): aetcd's get_prefix takes neither a limit nor a revision. Its errors as aetcd's."""
+    await client.connect()
+    request = aetcd.Client._build_get_range_request(start, range_end=end, sort_order="ascend", sort_target="key")
+    request.limit, request.revision = limit, revision
+    try:
+        return await client.kvstub.Range(request, timeout=timeout_s, metadata=client.metadata)
+    except aetcd.rpc.AioRpcError as exc:
+        aetcd.exceptions._handle_exception(exc)
+
+
+def _too_large(exc: StoreError) -> bool:
+    """Whether the call failed because its answer was over ETCD_MAX_RECEIVE_BYTES."""
+    cause = exc.__cause__
+    error = cause.__cause__ if isinstance(cause, aetcd.ClientError) else cause
+    return (
+        isinstance(error, aetcd.rpc.AioRpcError)
+        and error.code() == aetcd.rpc.StatusCode.RESOURCE_EXHAUSTED
+        and "larger than max" in str(error.details())
+    )
 
 
 class EtcdStore:
@@ -487,10 +530,35 @@ class EtcdStore:
 
     async def get_prefix(self, prefix: str) -> list[KeyValue]:
         raw = check_prefix(prefix)
-        result = await self._call(
-            "get_prefix", lambda: self._client.get_prefix(raw, sort_order="ascend", sort_target="key")
-        )
-        return [_from_etcd(kv) for kv in result.kvs]
+        for _ in range(GET_PREFIX_ATTEMPTS - 1):
+            try:
+                return await self._read_pages(raw)
+            except RevisionCompacted as exc:
+                logger.info("etcd compacted under a read of %s (%s); reading it again", prefix, exc)
+        return await self._read_pages(raw)
+
+    async def _read_pages(self, raw: bytes) -> list[KeyValue]:
+        """The keys under `raw` in pages of at most GET_PREFIX_PAGE_KEYS keys (fewer where an
+        answer is too large to take), each from the last key read on, every page at the first
+        one's revision: one snapshot, as one range call would read. RevisionCompacted when that
+        revision was compacted between two pages."""
+        end = aetcd.utils.prefix_range_end(raw)
+        kvs: list[KeyValue] = []
+        start, limit, revision = raw, GET_PREFIX_PAGE_KEYS, 0  # revision 0: the newest
+        while True:
+            page = functools.partial(_range, self._client, start, end, self._timeout_s, limit=limit, revision=revision)
+            try:
+                reply = await self._call("get_prefix", page)
+            except StoreError as exc:
+                if limit == 1 or not _too_large(exc):
+                    raise
+                limit //= 2
+                continue
+            kvs.extend(_from_etcd(kv) for kv in reply.kvs)
+            revision = revision or int(reply.header.revision)
+            if not reply.more or not reply.kvs:
+                return kvs
+            start = bytes(reply.kvs[-1].key) + b"\0"  # the next key after the last one read
 
     async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
         raw = check_key(key)

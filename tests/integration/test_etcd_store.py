@@ -14,9 +14,12 @@ from typing import Any
 import aetcd
 import pytest
 
+from gpufaas import store as store_module
 from gpufaas.dev.etcd_server import EtcdServer, free_port
 from gpufaas.processes import survivors
 from gpufaas.store import (
+    MAX_TXN_BYTES,
+    MAX_TXN_OPS,
     EtcdCredentials,
     EtcdStore,
     LeaseKeeper,
@@ -331,6 +334,68 @@ async def test_keeper_regrants_after_the_lease_is_revoked_from_outside(harness: 
 
 
 # --- etcd only ------------------------------------------------------------------------------
+
+
+async def fill(store: Store, prefix: str, count: int, value_bytes: int) -> dict[str, bytes]:
+    """`count` keys of `value_bytes` each under `prefix`, written in batches under etcd's request
+    limit; what was written."""
+    values = {f"{prefix}{index:04d}": bytes([index % 251]) * value_bytes for index in range(count)}
+    per_batch = max(1, min(MAX_TXN_OPS, (MAX_TXN_BYTES // 2) // value_bytes))
+    keys = list(values)
+    for first in range(0, count, per_batch):
+        assert await store.write_batch({key: values[key] for key in keys[first : first + per_batch]})
+    return values
+
+
+@async_test
+async def test_a_prefix_larger_than_a_grpc_answer_is_read_whole_as_one_snapshot(
+    etcd_endpoint: EtcdTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Over gRPC's default 4 MiB answer, a whole-prefix read failed for good: "Received message
+    # larger than max" (holders/ of ~130 nodes; models/ on a thousand GPUs).
+    store = await EtcdStore.open(etcd_endpoint.endpoint, timeout_s=5)
+    prefix = f"{etcd_endpoint.root}/big/"
+    try:
+        values = await fill(store, prefix, 600, 9 * 1024)  # 5.3 MiB
+        kvs = await store.get_prefix(prefix)
+        assert [kv.key for kv in kvs] == sorted(values) and {kv.key: kv.value for kv in kvs} == values
+        real_range, pages = store_module._range, 0
+
+        async def racing(*args: Any, **kwargs: Any) -> Any:
+            # Between the first page and the next, others write: a page of its own revision would
+            # see a changed key, a new one, and miss a deleted one.
+            nonlocal pages
+            pages += 1
+            reply = await real_range(*args, **kwargs)
+            if pages == 1:
+                await store.put(f"{prefix}0599", b"changed")
+                await store.put(f"{prefix}0600", b"new")
+                await store.delete(f"{prefix}0598")
+            return reply
+
+        monkeypatch.setattr(store_module, "_range", racing)
+        kvs = await store.get_prefix(prefix)
+        assert pages > 1
+        assert [kv.key for kv in kvs] == sorted(values)
+        assert {kv.key: kv.value for kv in kvs} == values
+    finally:
+        await store.close()
+
+
+@async_test
+async def test_a_page_too_large_to_take_is_read_in_smaller_pages(
+    etcd_endpoint: EtcdTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Values may be up to etcd's 1.5 MiB each: a page of them may exceed any cap on an answer.
+    monkeypatch.setitem(store_module.ETCD_CHANNEL_OPTIONS, "grpc.max_receive_message_length", 256 * 1024)
+    store = await EtcdStore.open(etcd_endpoint.endpoint, timeout_s=5)
+    prefix = f"{etcd_endpoint.root}/wide/"
+    try:
+        values = await fill(store, prefix, 40, 100 * 1024)  # 4 MiB, two values to an answer at most
+        kvs = await store.get_prefix(prefix)
+        assert {kv.key: kv.value for kv in kvs} == values and [kv.key for kv in kvs] == sorted(values)
+    finally:
+        await store.close()
 
 
 @async_test
