@@ -33,7 +33,10 @@ buffer of HANDSHAKE_FRAME_BYTES, and a frame announced larger than that (a Hello
 bytes) cuts it off, whatever `max_frame_bytes` allows afterwards; the full read buffer is made
 once the peer has proved the key. A server holds at most `max_unauthenticated` connections that
 have not finished the handshake (MAX_UNAUTHENTICATED by default); one accepted past that is closed
-at once, without a read.
+at once, without a read. Under TLS a connection counts from the end of its TLS handshake (asyncio
+and uvloop never tell the protocol of one that fails, so a peer that connected and closed would
+have held its slot until the time ran out), and is closed then past the cap; a TLS handshake in
+flight (the TLS layer's buffers) is bounded by the handshake time alone (`ssl_handshake_timeout`).
 
 A peer whose host vanishes (powered off, partitioned: its packets dropped, so no reset ever comes)
 is noticed by the kernel within `dead_after_s` (DEAD_AFTER_S by default) on every TCP connection,
@@ -795,7 +798,8 @@ class Server:
     With `key`, every connection must pass the handshake (within `handshake_s`; None:
     HANDSHAKE_S) before anything it sends is read, and at most `max_unauthenticated` may be in
     it at once: one accepted past that is closed at once (counted as an "auth" wire error), so
-    that peers without the key hold no more than that many connections' worth of memory. Every
+    that peers without the key hold no more than that many connections' worth of memory (under
+    TLS counted from the end of the TLS handshake, which `handshake_s` bounds too). Every
     accepted connection is lost `dead_after_s` after its peer falls silent (`keepalive_options`).
     `tls` as for `connect`: with TLS, a peer whose certificate's role does not belong on the
     server's side of the link is cut off as it connects. `address` is the bound "host:port" once
@@ -830,6 +834,7 @@ class Server:
         self.handshaking: set[Connection] = set()  # accepted, not yet authenticated
         self._refusing = False  # a refusal was logged since the handshakes last fell under the cap
         self._server: asyncio.Server | None = None
+        self._closed = False  # closed: a TLS handshake done after it is refused
         self.address = ""
 
     async def start(self, listen: str) -> str:
@@ -848,15 +853,19 @@ class Server:
         return self.address
 
     def _accept(self) -> Connection | _Refused:
-        if self.key is not None and len(self.handshaking) >= self.max_unauthenticated:
+        """The protocol for a connection just accepted (TCP). Under TLS it is registered, and
+        counted toward `max_unauthenticated`, only once its TLS handshake is done (`_made_tls`): a
+        TLS handshake that fails (a peer that connected and closed: a port scan, a TCP readiness
+        probe) is never told to the protocol, on asyncio or uvloop, so a slot taken at accept was
+        held until the handshake time ran out, and a burst of such peers locked everyone out.
+        A TLS handshake in flight is bounded by the server's ssl_handshake_timeout (`handshake_s`)."""
+        if self.tls is None and self._handshakes_full():
             error_counts["auth"] += 1
-            if not self._refusing:  # once per burst: a flood must not flood the log too
-                self._refusing = True
-                log.warning(
-                    "%d connections are in the handshake already: closing new ones until they finish or time out",
-                    len(self.handshaking),
-                )
             return _Refused()
+
+        def made_tls(peercert: Mapping[str, Any] | None) -> str:
+            return self._made_tls(conn, peercert)
+
         conn = Connection(
             self._handler_for(),
             max_frame_bytes=self.max_frame_bytes,
@@ -864,27 +873,45 @@ class Server:
             server=True,
             handshake_s=self.handshake_s,
             dead_after_s=self.dead_after_s,
-            peer_check=self._peer_check if self.tls is not None else None,
+            peer_check=made_tls if self.tls is not None else None,
         )
+        if self.tls is None:
+            self._register(conn)
+        return conn
+
+    def _handshakes_full(self) -> bool:
+        """Whether `max_unauthenticated` connections are in the key handshake (logged once a burst)."""
+        if self.key is None or len(self.handshaking) < self.max_unauthenticated:
+            return False
+        if not self._refusing:  # once per burst: a flood must not flood the log too
+            self._refusing = True
+            log.warning(
+                "%d connections are in the handshake already: closing new ones until they finish or time out",
+                len(self.handshaking),
+            )
+        return True
+
+    def _made_tls(self, conn: Connection, peercert: Mapping[str, Any] | None) -> str:
+        """A TLS connection's handshake is done: its peer's role (PeerRefused, which closes it,
+        where the role does not belong here, the server is closed, or the key handshake is full)."""
+        assert self.tls is not None
+        role = self.tls.check(peercert, "wire-server")
+        if self._closed:
+            raise PeerRefused("the server is closed")
+        if self._handshakes_full():
+            raise PeerRefused(f"{len(self.handshaking)} connections are in the handshake already")
+        self._register(conn)
+        return role
+
+    def _register(self, conn: Connection) -> None:
         self.connections.add(conn)
-        if self.tls is not None:  # a TLS handshake that fails never makes the connection: drop it then
-            asyncio.get_running_loop().call_later(self._handshake_s() + 1.0, self._drop_unmade, conn)
         if not conn.authenticated:
             self.handshaking.add(conn)
             conn.on_authenticated = self._authenticated
         conn.closed.add_done_callback(lambda _: self._gone(conn))
-        return conn
 
     def _handshake_s(self) -> float:
         return HANDSHAKE_S if self.handshake_s is None else self.handshake_s
-
-    def _peer_check(self, peercert: Mapping[str, Any] | None) -> str:
-        assert self.tls is not None
-        return self.tls.check(peercert, "wire-server")
-
-    def _drop_unmade(self, conn: Connection) -> None:
-        if conn.transport is None:
-            conn.close()
 
     def _authenticated(self, conn: Connection) -> None:
         self.handshaking.discard(conn)
@@ -906,6 +933,7 @@ class Server:
         conn.closed.add_done_callback(lambda _: self._gone(conn))
 
     async def close(self) -> None:
+        self._closed = True
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):

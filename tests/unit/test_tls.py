@@ -68,6 +68,12 @@ async def node_server(tls_dir: Path) -> AsyncIterator[tuple[Server, Echo]]:
         await server.close()
 
 
+async def _until(predicate: Callable[[], object]) -> None:
+    async with asyncio.timeout(WAIT_S):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
 async def _call(conn: Connection) -> bytes:
     answer = await conn.request(MessageType.EXECUTE, pb.Execute(token=b"t"), b"payload", timeout_s=WAIT_S)
     return answer.body
@@ -240,6 +246,47 @@ def test_a_node_certificate_cannot_act_as_the_scheduler(run: Run, tls_dir: Path)
             # What the gateway's router says it dials, where no address is pinned.
             with pytest.raises(wire.Unauthenticated, match="accepts scheduler"):
                 await connect(server.address, key=KEY, tls=LinkTls.load(tls_dir, "gateway"), peer_role="scheduler")
+
+    run(scenario())
+
+
+def test_peers_that_close_during_tls_hold_no_handshake_slot_and_tls_peers_short_of_the_key_do(
+    run: Run, tls_dir: Path
+) -> None:
+    """A TLS handshake that fails is never told to the wire (asyncio, uvloop): a connection counted
+    toward `max_unauthenticated` from its TCP accept held its slot for the handshake time, so a
+    burst of probes that connect and close (a port scan, a TCP readiness probe) locked every peer
+    out. A slot is taken once TLS is done, and held until the key handshake is."""
+    cap = 3
+
+    async def scenario() -> None:
+        server = Server(Echo, key=KEY, tls=LinkTls.load(tls_dir, "node"), max_unauthenticated=cap)
+        await server.start("127.0.0.1:0")
+        host, port = server.address.rsplit(":", 1)
+        try:
+            for _ in range(4 * cap):  # connect and close at once, TLS never started
+                _, writer = await asyncio.open_connection(host, int(port))
+                writer.close()
+            await asyncio.sleep(0.2)
+            assert not server.handshaking
+            conn = await connect(server.address, key=KEY, tls=LinkTls.load(tls_dir, "scheduler"), timeout_s=WAIT_S)
+            assert await _call(conn) == b"payload"
+            # Peers with a certificate that stop before the key handshake do take the slots.
+            client_tls = LinkTls.load(tls_dir, "gateway").client
+            silent = [await asyncio.open_connection(host, int(port), ssl=client_tls) for _ in range(cap)]
+            await _until(lambda: len(server.handshaking) == cap)
+            with pytest.raises(wire.ConnectionLost):
+                await connect(server.address, key=KEY, tls=LinkTls.load(tls_dir, "scheduler"), timeout_s=1.0)
+            silent[0][1].close()
+            await _until(lambda: len(server.handshaking) == cap - 1)
+            late = await connect(server.address, key=KEY, tls=LinkTls.load(tls_dir, "scheduler"), timeout_s=WAIT_S)
+            assert await _call(late) == b"payload"
+            for connection in (conn, late):
+                await connection.aclose()
+            for _, writer in silent[1:]:
+                writer.close()
+        finally:
+            await server.close()
 
     run(scenario())
 
