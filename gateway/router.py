@@ -633,6 +633,9 @@ class Router:
                 log.warning("call %s: node %s lost after the call was sent (%s)", call_id, message.node, exc)
                 await self._placement_failed(box, MAYBE_SENT, str(exc))
                 continue
+            except CallFailed as exc:  # its payload is over the node's limit: not run, nor will it be
+                self.abandon(call_id, box.attempt, pb.Abandon.CANCELLED, exc.message)
+                raise
             reply = frame.message(pb.ExecuteReply)
             if message.lease_s > 0 and reply.outcome in LEASE_KEEPING_OUTCOMES and box.epoch == self.epoch:
                 self.leases.add((spec.name, spec.model), message, self.clock(), box.epoch)
@@ -671,7 +674,7 @@ class Router:
             self.leases.drop(lease)
             log.warning("call %s: node %s lost under a lease (%s)", box.place.call_id, lease.placement.node, exc)
             raise CallFailed(502, _unsure_leased(box, lease)) from None
-        except BaseException:  # the call's deadline, or its client gone: whether the lease is free is unknown
+        except BaseException:  # its deadline, its client gone (is the lease free?), its payload over the limit
             self.leases.drop(lease)
             raise
         reply = frame.message(pb.ExecuteReply)
@@ -693,7 +696,8 @@ class Router:
 
     async def _execute(self, placement: pb.Placement, payload: bytes, execute: pb.Execute) -> Frame:
         """Send `execute` (of the placement's token) and wait for the node's answer. Raises _NotSent when no
-        connection to the node could be had, _MaybeSent when it was lost after the Execute went."""
+        connection to the node could be had, _MaybeSent when it was lost after the Execute went, CallFailed
+        (413) when the node refused the payload unread, over its limit (`--max-payload-mb` below the gateway's)."""
         try:
             node = await self.nodes.get(placement.node_address)
         except ConnectionLost as exc:
@@ -706,7 +710,12 @@ class Router:
             frame = await node.request(MessageType.EXECUTE, execute, payload)
         except NotSent as exc:  # the link was lost while its last frames were handled: never written
             raise _NotSent(exc) from None
-        except (ConnectionLost, RemoteError) as exc:
+        except RemoteError as exc:
+            if exc.status == pb.TOO_LARGE:  # (the link stays: the node skipped the frame, gpufaas.wire)
+                self.nodes.heard(placement.node_address)
+                raise CallFailed(413, _too_large(placement, len(payload), exc.message)) from None
+            raise _MaybeSent(exc) from None
+        except ConnectionLost as exc:
             raise _MaybeSent(exc) from None
         self.nodes.heard(placement.node_address)
         return frame
@@ -741,6 +750,13 @@ class Router:
             # A link lost while it handles its last frames writes nothing: the call waits, and the
             # next link asks for it, as for every call waiting when a link is made.
             conn.send(MessageType.PLACE, box.place_now())
+
+
+def _too_large(placement: pb.Placement, payload_bytes: int, why: str) -> str:
+    return (
+        f"the payload of {payload_bytes} bytes is over what node {placement.node} takes ({why}): send less "
+        "(the node's --max-payload-mb is below this gateway's: the cluster's operator should set them alike)"
+    )
 
 
 def _unsure_leased(box: Mailbox, lease: Lease) -> str:

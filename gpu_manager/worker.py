@@ -318,8 +318,9 @@ def _run(backend: Backend, channel: Channel, spec: ModelLoad, frames: list[_Fram
                 channel,
                 call,
                 pb.OUTPUT_TOO_LARGE,
-                f"the result is {len(body)} bytes, over the limit of {max_result_bytes} bytes; "
-                "return less (or raise the gateway's --max-payload-mb)",
+                f"the result is {len(body)} bytes, over the node's limit of {max_result_bytes} bytes (its "
+                "--max-payload-mb); return less, or raise --max-payload-mb on the nodes and the gateways alike "
+                "(a result must fit both)",
                 inference_s=inference_s,
             )
             continue

@@ -12,9 +12,11 @@ A frame (all integers big-endian):
 
 A frame with a non-zero correlation id and the REQUEST flag asks for exactly one answer carrying
 the same id (flag REPLY); id 0 is a one-way message. Bodies carry payloads and results as they
-are: never parsed, never inside a protobuf message. A peer that announces a frame over the
-connection's `max_frame_bytes` is cut off: limits are sized from the payload limit, so no
-legitimate frame is refused here (the gateway refuses an oversized payload with 413 first).
+are: never parsed, never inside a protobuf message. A frame over the connection's `max_frame_bytes`
+is never buffered: a request is answered with an Error (TOO_LARGE) as its prefix arrives and its
+bytes are read and dropped, the connection kept (the gateways' and the nodes' payload limits are
+set apart: a gateway's payload over its node's limit fails that call alone, not the link's others);
+anything else over the limit (a one-way message, a reply: nobody to tell) cuts the peer off.
 
 Messages produced within one pass of the event loop are written with one system call (they are
 queued and flushed by a callback scheduled with `call_soon`), so a burst of small messages costs
@@ -55,8 +57,9 @@ inside it: it binds the link to this cluster's secret, so a leaked certificate a
 nothing (docs/security.md).
 
 Errors: `ConnectionLost` (OSError) when the connection closed under a request or a send;
-`RemoteError` when the peer answered a request with an Error message; `FrameTooLarge`
-(ConnectionLost) when a frame over the limit was announced.
+`RemoteError` when the peer answered a request with an Error message (TOO_LARGE: the request was
+over the peer's limit); `FrameTooLarge` (ConnectionLost) when a frame over the limit that is no
+request was announced.
 """
 
 from __future__ import annotations
@@ -110,8 +113,8 @@ WIRE_ERROR_KINDS = ("connect", "auth", "frame_too_large", "malformed", "handler"
 # The wire's errors in this process by kind: a connection that could not be opened (connect), a
 # handshake that failed either way, a frame over HANDSHAKE_FRAME_BYTES before it, or a connection
 # closed on accepting it because `max_unauthenticated` others were in the handshake (auth), a
-# frame over the limit or one that does not parse (frame_too_large, malformed: the connection is
-# cut), a handler that raised on a frame (handler).
+# frame over the limit (frame_too_large: a request refused, anything else cutting the connection)
+# or one that does not parse (malformed: the connection is cut), a handler that raised on a frame (handler).
 # A process is one daemon, whose metrics read this when scraped (gpufaas.metrics.ProcessErrors).
 error_counts: collections.Counter[str] = collections.Counter()
 
@@ -192,7 +195,7 @@ class NotSent(ConnectionLost):
 
 
 class FrameTooLarge(ConnectionLost):
-    """The peer announced a frame over this end's limit; the connection was closed."""
+    """The peer announced a frame over this end's limit, not a request; the connection was closed."""
 
 
 class Unauthenticated(ConnectionLost):
@@ -322,8 +325,7 @@ class Connection(asyncio.BufferedProtocol):
         self._buf = bytearray(_SMALL_BUFFER_BYTES if key is None else HANDSHAKE_FRAME_BYTES)
         self._start = 0  # first unparsed byte in _buf
         self._end = 0  # end of the bytes received into _buf
-        self._big: bytearray | None = None  # the frame being received, when it is large
-        self._big_filled = 0
+        self._rest: _LargeFrame | _SkippedFrame | None = None  # the rest of a frame `_buf` does not hold
         self._backlog = False  # frames past FRAMES_PER_TURN wait in `_buf` for the next turn
         # The transport went while a backlog waits: `closed` resolves once it is handled, and
         # nothing is written meanwhile.
@@ -385,8 +387,8 @@ class Connection(asyncio.BufferedProtocol):
         self._can_write.set()
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._big is not None:
-            return memoryview(self._big)[self._big_filled :]
+        if self._rest is not None:
+            return self._rest.room()
         if self.authenticated and len(self._buf) < _SMALL_BUFFER_BYTES:
             # The peer proved the key: the full buffer now, with what is unparsed at its front.
             grown = bytearray(_SMALL_BUFFER_BYTES)
@@ -402,11 +404,10 @@ class Connection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.received_bytes += nbytes
-        if self._big is not None:
-            self._big_filled += nbytes
-            if self._big_filled == len(self._big):
-                big, self._big = self._big, None
-                self._deliver(memoryview(big), 0, len(big), owned=True)
+        if self._rest is not None:
+            if self._rest.filled(nbytes):
+                rest, self._rest = self._rest, None
+                rest.end(self)
         else:
             self._end += nbytes
             self._parse()
@@ -555,21 +556,19 @@ class Connection(asyncio.BufferedProtocol):
                         )
                     )
                     return
-                if length < PREFIX_BYTES - 4 or total > self.max_frame_bytes:
-                    self._protocol_error(
-                        FrameTooLarge(
-                            f"a frame of {total} bytes exceeds this connection's limit of {self.max_frame_bytes}"
-                        )
-                        if total > self.max_frame_bytes
-                        else ConnectionLost(f"malformed frame length {length}")
-                    )
+                if length < PREFIX_BYTES - 4:
+                    self._protocol_error(ConnectionLost(f"malformed frame length {length}"))
                     return
+                if total > self.max_frame_bytes:
+                    if end - start < PREFIX_BYTES:
+                        break  # its prefix says whether it is a request, which is skipped (else: cut off)
+                    start = _over_limit(self, view, start, end, total)
+                    if self.is_closed:
+                        return
+                    continue
                 if end - start < total:
-                    if total > len(buf):
-                        # A large frame: receive the rest straight into a buffer of its own.
-                        big = bytearray(total)
-                        big[: end - start] = view[start:end]
-                        self._big, self._big_filled = big, end - start
+                    if total > len(buf):  # a large frame: the rest goes straight into a buffer of its own
+                        self._rest = _LargeFrame(view[start:end], total)
                         start = end = 0
                     break
                 if turn_frames == FRAMES_PER_TURN:
@@ -673,6 +672,80 @@ class Connection(asyncio.BufferedProtocol):
                 self.handler.on_close(self, exc)
             except Exception:
                 log.exception("on_close of %s failed", self.peer)
+
+
+class _LargeFrame:
+    """A frame larger than a connection's reading buffer, received into a buffer of its own."""
+
+    __slots__ = ("data", "filled_bytes")
+
+    def __init__(self, first: memoryview, total: int) -> None:
+        self.data = bytearray(total)
+        self.data[: len(first)] = first
+        self.filled_bytes = len(first)
+
+    def room(self) -> memoryview:
+        """Where the next read goes."""
+        return memoryview(self.data)[self.filled_bytes :]
+
+    def filled(self, nbytes: int) -> bool:
+        """`nbytes` were read into `room()`; True when the frame is whole."""
+        self.filled_bytes += nbytes
+        return self.filled_bytes == len(self.data)
+
+    def end(self, conn: Connection) -> None:
+        conn._deliver(memoryview(self.data), 0, len(self.data), owned=True)
+
+
+class _SkippedFrame:
+    """The rest of a request over a connection's limit (`_over_limit`): read into `scratch` (the
+    connection's reading buffer, which holds nothing else meanwhile) and dropped, never buffered whole."""
+
+    __slots__ = ("left_bytes", "scratch")
+
+    def __init__(self, scratch: bytearray, left_bytes: int) -> None:
+        self.scratch = scratch
+        self.left_bytes = left_bytes
+
+    def room(self) -> memoryview:
+        """Where the next read goes: no further than the frame's end (what follows is parsed)."""
+        return memoryview(self.scratch)[: min(self.left_bytes, len(self.scratch))]
+
+    def filled(self, nbytes: int) -> bool:
+        self.left_bytes -= nbytes
+        return self.left_bytes == 0
+
+    def end(self, conn: Connection) -> None:
+        """Nothing to do: the request was answered as it began."""
+
+
+def _over_limit(conn: Connection, view: memoryview, start: int, end: int, total: int) -> int:
+    """A frame of `total` bytes over `conn`'s limit begins at `start` of `view` (its prefix whole,
+    `end` where the bytes read end); returns where parsing goes on.
+
+    A request whose prefix reads as one (a known type, a correlation id, a header within the frame
+    and its allowance) is answered TOO_LARGE at once and its bytes are read and dropped, as they
+    arrive (`_SkippedFrame`): the connection stays, and the other requests on it are answered (a
+    gateway whose payload limit is above its node's sent a payload between the two: that call alone
+    is refused, not every call on the link). Anything else over the limit (a one-way message, a
+    reply, a prefix that reads as garbage) closes the connection with FrameTooLarge: nobody would
+    be told, or the stream is not frames."""
+    _, type_, flags, correlation_id, header_bytes = _PREFIX.unpack_from(view, start)
+    too_large = f"a frame of {total} bytes exceeds this connection's limit of {conn.max_frame_bytes}"
+    readable = type_ in MESSAGES and header_bytes <= min(HEADER_ALLOWANCE_BYTES, total - PREFIX_BYTES)
+    if flags != FLAG_REQUEST or not correlation_id or not readable:
+        conn._protocol_error(FrameTooLarge(too_large))
+        return end
+    error_counts["frame_too_large"] += 1
+    log.warning(
+        "connection %s: %s (a %s request): refused, the connection kept", conn.peer, too_large, _type_name(type_)
+    )
+    message = f"a request of {total} bytes is over this end's limit of {conn.max_frame_bytes} bytes; it was not read"
+    conn.reply_error(Frame(type_, flags, correlation_id, b"", b""), pb.TOO_LARGE, message)
+    if end - start >= total:
+        return start + total
+    conn._rest = _SkippedFrame(conn._buf, total - (end - start))
+    return end
 
 
 def time_out(future: asyncio.Future[Any]) -> None:

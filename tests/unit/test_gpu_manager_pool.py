@@ -589,7 +589,8 @@ def test_an_output_over_the_limit_or_not_encodable_fails_that_call_and_the_worke
 
         assert (at_limit.outcome, len(at_limit.output)) == (pb.OK, MAX_BODY_BYTES)
         assert too_large.outcome == pb.OUTPUT_TOO_LARGE
-        assert f"{MAX_BODY_BYTES + 1} bytes, over the limit of {MAX_BODY_BYTES} bytes" in too_large.message
+        assert f"{MAX_BODY_BYTES + 1} bytes, over the node's limit of {MAX_BODY_BYTES} bytes" in too_large.message
+        assert "--max-payload-mb on the nodes and the gateways" in too_large.message  # both bound a result
         assert too_large.output == b""
         assert unencodable.outcome == pb.OUTPUT_INVALID
         assert "set is not bytes, str or JSON-serializable" in unencodable.message

@@ -491,6 +491,28 @@ async def test_a_timeout_at_the_node_is_a_504_with_the_functions_deadline_messag
 
 
 @in_cluster()
+async def test_a_payload_over_the_nodes_limit_is_a_413_for_that_call_alone_and_the_scheduler_is_told(
+    env: Cluster,
+) -> None:
+    """The gateway's --max-payload-mb above its node's: a payload between the two cut the gateway's
+    link to the node, and the other calls running there lost their answers (502, outcome unknown)."""
+    held = await env.placed("call-1")
+    release = env.node_a.hold(b"call-1#1")
+    env.place_on(env.node_a, "call-1", 1)
+    await env.executing(env.node_a)
+    big = await env.placed("call-2", payload=bytes(3 * MAX_PAYLOAD_BYTES), places=2)
+    env.place_on(env.node_a, "call-2", 1)
+    async with asyncio.timeout(WAIT_S):
+        failed = await failure(big)
+    assert failed.status == 413 and "over what node node-a takes" in failed.message
+    abandon = await env.abandoned("the Abandon of the call refused as too large")  # its grant never ran
+    assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-2", 1, pb.Abandon.CANCELLED)
+    release.set_result((make_reply(), b"done"))
+    assert (await held).output == b"done"
+    assert env.node_a.tokens == [b"call-1#1"] and env.node_a.accepted == 1
+
+
+@in_cluster()
 async def test_a_refused_token_is_abandoned_and_the_next_placement_used(env: Cluster) -> None:
     task = await env.placed("call-1")
     env.place_on(env.node_a, "call-1", 1, answer=no_result(pb.REFUSED, "the grant expired"))

@@ -374,7 +374,10 @@ def test_frame_message_raises_connection_lost_on_garbage() -> None:
         frame.message(pb.Place)
 
 
-def test_a_request_over_the_receivers_limit_closes_it_with_frame_too_large(run: Run) -> None:
+@pytest.mark.parametrize("body_bytes", [100 * 1024, 3 * MIB], ids=["in-one-read", "many-reads"])
+def test_a_request_over_the_receivers_limit_is_answered_too_large_and_the_link_stays(run: Run, body_bytes: int) -> None:
+    """A gateway's limit above its node's: a payload between the two cut the whole link, and every
+    other call in flight on it lost its answer. The request alone is refused, its body read and dropped."""
     server_peer = Peer(hold)
 
     async def scenario() -> None:
@@ -382,8 +385,33 @@ def test_a_request_over_the_receivers_limit_closes_it_with_frame_too_large(run: 
             conn = await connect(server.address)
             waiting = asyncio.ensure_future(conn.request(MessageType.PLACE, pb.Place(call_id="held")))
             await until(lambda: server_peer.frames)
-            with pytest.raises(ConnectionLost):
-                await conn.request(MessageType.EXECUTE, pb.Execute(), bytes(100 * 1024))
+            with pytest.raises(RemoteError) as refused:
+                await conn.request(MessageType.EXECUTE, pb.Execute(token=b"big"), bytes(body_bytes), timeout_s=WAIT_S)
+            assert refused.value.status == pb.TOO_LARGE
+            assert "over this end's limit of 65536 bytes" in refused.value.message
+            after = asyncio.ensure_future(conn.request(MessageType.PLACE, pb.Place(call_id="after")))
+            await until(lambda: len(server_peer.frames) == 2)
+            server_end = await accepted(server)
+            for frame in server_peer.frames:
+                server_end.reply(frame, MessageType.PLACEMENT, pb.Placement(call_id=frame.message(pb.Place).call_id))
+            assert (await waiting).message(pb.Placement).call_id == "held"
+            assert (await after).message(pb.Placement).call_id == "after"
+            assert not conn.is_closed
+            await conn.aclose()
+
+    run(scenario())
+    assert [f.message(pb.Place).call_id for f in server_peer.frames] == ["held", "after"]  # the big one never arrived
+
+
+def test_a_one_way_message_over_the_receivers_limit_closes_it_with_frame_too_large(run: Run) -> None:
+    server_peer = Peer(hold)
+
+    async def scenario() -> None:
+        async with serving(server_peer, max_frame_bytes=64 * 1024) as server:
+            conn = await connect(server.address)
+            waiting = asyncio.ensure_future(conn.request(MessageType.PLACE, pb.Place(call_id="held")))
+            await until(lambda: server_peer.frames)
+            conn.send(MessageType.DONE, pb.Done(), bytes(100 * 1024))  # nobody to answer: cut off
             with pytest.raises(ConnectionLost):
                 await waiting
             await until(lambda: not server.connections)
@@ -392,7 +420,7 @@ def test_a_request_over_the_receivers_limit_closes_it_with_frame_too_large(run: 
     (exc,) = server_peer.closes
     assert isinstance(exc, FrameTooLarge)
     assert "exceeds this connection's limit of 65536" in str(exc)
-    assert [f.message(pb.Place).call_id for f in server_peer.frames] == ["held"]  # the big one never arrived
+    assert [f.message(pb.Place).call_id for f in server_peer.frames] == ["held"]
 
 
 def test_a_reply_over_the_askers_limit_fails_all_its_pending_requests(run: Run) -> None:
@@ -640,6 +668,33 @@ def test_a_stream_cut_into_any_reads_yields_the_same_frames(chunk: int | None) -
     assert [summary(f) for f in peer.frames] == expected
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 4093, SMALL_BUFFER_BYTES + 5, None])
+def test_a_request_over_the_limit_amid_a_stream_cut_into_any_reads_is_skipped_and_answered_alone(
+    chunk: int | None,
+) -> None:
+    # Its body looks like frames, more than the reading buffer holds: none of them may be delivered.
+    body = b"".join(one_way(i, 100)[0] for i in range(100, 2300))
+    assert len(body) > SMALL_BUFFER_BYTES
+    big = raw_frame(MessageType.EXECUTE, pb.Execute(token=b"t"), body, flags=FLAG_REQUEST, correlation_id=9)
+    around = [one_way(i, 100) for i in range(6)]
+    data = b"".join(d for d, _ in around[:3]) + big + b"".join(d for d, _ in around[3:])
+    peer = Peer()
+
+    async def scenario() -> bytes:
+        conn = attached(peer, max_frame_bytes=64 * 1024)
+        await feed(conn, data, chunk)
+        await asyncio.sleep(0)
+        assert not conn.is_closed
+        return b"".join(recorded(conn).writes)
+
+    written = asyncio.run(scenario())
+    assert [summary(f) for f in peer.frames] == [seen for _, seen in around]
+    length, type_, flags, correlation_id, header_bytes = struct.unpack_from("!IHHII", written)
+    assert (type_, flags, correlation_id, len(written)) == (MessageType.ERROR, FLAG_REPLY, 9, 4 + length)
+    error = pb.Error.FromString(written[PREFIX_BYTES : PREFIX_BYTES + header_bytes])
+    assert error.status == pb.TOO_LARGE and f"a request of {len(big)} bytes" in error.message
+
+
 # --- writing ----------------------------------------------------------------------------------
 
 
@@ -809,8 +864,8 @@ def test_max_frame_bytes_for_fits_a_full_body_and_its_header_and_nothing_more() 
         assert isinstance(fits.handler, Peer) and len(fits.handler.frames) == 1
 
         over = attached(Peer(), max_frame_bytes=limit)
-        # Refused from the length alone: its first four bytes are enough.
-        await feed(over, raw_frame(MessageType.EXECUTE, header, bytes(max_body + 1))[:4])
+        # Refused from its prefix alone (a one-way message: nobody to answer, so it is cut off).
+        await feed(over, raw_frame(MessageType.EXECUTE, header, bytes(max_body + 1))[:PREFIX_BYTES])
         reason = await over.closed
         assert isinstance(reason, FrameTooLarge)
         assert f"a frame of {limit + 1} bytes exceeds" in str(reason)
@@ -990,7 +1045,7 @@ def test_a_frame_announced_before_the_handshake_past_its_cap_cuts_the_peer_off_u
         await feed(conn, struct.pack("!I", 16 * MIB) + b"x" * 100)
         assert conn.is_closed
         assert isinstance(conn.closed.result(), wire.Unauthenticated)
-        assert conn._big is None and len(conn._buf) == wire.HANDSHAKE_FRAME_BYTES
+        assert conn._rest is None and len(conn._buf) == wire.HANDSHAKE_FRAME_BYTES
 
     asyncio.run(scenario())
 

@@ -82,11 +82,15 @@ async def test_a_body_larger_than_the_read_buffer_arrives_whole() -> None:
 
 
 @on_a_loop
-async def test_a_frame_over_the_limit_closes_both_ends() -> None:
+async def test_a_request_over_the_limit_is_refused_alone_and_a_one_way_message_closes_both_ends() -> None:
     server = Recorder()
     client_end, server_end = local_pair(None, server, max_frame_bytes=64 * 1024)
-    with pytest.raises(ConnectionLost):
+    with pytest.raises(RemoteError) as refused:
         await client_end.request(MessageType.CLUSTER, pb.ClusterRequest(), b"x" * 100_000, timeout_s=1)
+    assert refused.value.status == pb.TOO_LARGE
+    reply = await client_end.request(MessageType.CLUSTER, pb.ClusterRequest(), b"ok", timeout_s=1)
+    assert reply.body == b"ko"
+    client_end.send(MessageType.DONE, pb.Done(), b"x" * 100_000)
     await turns()
     assert client_end.is_closed and server_end.is_closed
 
@@ -160,7 +164,7 @@ async def test_each_end_of_a_link_made_here_keeps_its_own_frame_limit() -> None:
         assert dialled is not None
         (accepted,) = server.connections
         assert (dialled.max_frame_bytes, accepted.max_frame_bytes) == (1 << 20, 4096)
-        with pytest.raises(ConnectionLost):
+        with pytest.raises(RemoteError, match="over this end's limit of 4096 bytes"):
             await dialled.request(MessageType.CLUSTER, pb.ClusterRequest(), b"x" * 8192, timeout_s=1)
     finally:
         withdraw(address)
