@@ -50,7 +50,7 @@ def _invalid_request(request: Request, exc: RequestValidationError) -> str:
         if first.get("type") == "json_invalid" or (loc == ["body"] and first.get("type") == "missing"):
             if request.url.path == "/system/functions" and request.method == "DELETE":
                 return 'the body must be JSON like {"functionName": "NAME"}'
-            return "the body must be a JSON function spec (see /docs)"
+            return "the body must be a JSON function spec (see /openapi.json)"
         body_errors = [{**e, "loc": tuple(e["loc"][1:])} for e in errors if tuple(e["loc"][:1]) == ("body",)]
         if request.url.path == "/system/functions" and request.method != "DELETE":
             return explain(body_errors, FunctionSpec)  # type: ignore[arg-type]
@@ -92,7 +92,12 @@ def create_app(store: Store, config: GatewayConfig) -> GatewayApp:
         finally:
             await gateway.stop()
 
-    app = GatewayApp(title="gpufaas gateway", version=gpufaas.__version__, lifespan=lifespan)
+    # No /docs nor /redoc: FastAPI's pages load floating versions of third-party scripts from a CDN
+    # (no integrity hashes), which would run on this origin, where a browser holds the admin's
+    # credentials for the dashboard. The API's document is /openapi.json, for any viewer.
+    app = GatewayApp(
+        title="gpufaas gateway", version=gpufaas.__version__, lifespan=lifespan, docs_url=None, redoc_url=None
+    )
     app.state.gateway = gateway
     if config.credentials is not None:  # every route but invocations (checked per function by InvokeMiddleware)
         app.add_middleware(AuthMiddleware, credentials=config.credentials)

@@ -36,7 +36,7 @@ class Role(enum.Enum):
 
 
 ANY_CALLER = frozenset({Role.ADMIN, Role.INVOKE})
-OPEN_PATHS = frozenset({"/healthz", "/livez", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+OPEN_PATHS = frozenset({"/healthz", "/livez", "/openapi.json"})
 PACKAGE_PREFIX = "/system/packages/"
 BLOB_PREFIX = "/system/blobs/"
 CHALLENGE = b'Basic realm="gpufaas", charset="UTF-8"'

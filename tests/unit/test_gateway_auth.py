@@ -103,6 +103,10 @@ def test_system_routes_need_the_admin_credentials(tmp_path: Path) -> None:
         assert (await status(env, "GET", "/healthz", NOBODY)).status_code == 503  # open, and says no scheduler
         assert (await status(env, "GET", "/livez", NOBODY)).status_code == 200
         assert (await status(env, "GET", "/openapi.json", NOBODY)).status_code == 200
+        # No interactive pages: FastAPI's load floating versions of third-party scripts from a CDN,
+        # which would run on the origin where a browser holds the admin's credentials (the dashboard's).
+        for page in ("/docs", "/redoc"):
+            assert (await status(env, "GET", page, ADMIN)).status_code == 404
 
     run(tmp_path, body)
 
