@@ -10,7 +10,11 @@ deadlines, so that a client cannot hold the gateway's memory or its connections 
 - Once its head is in, a request's body must arrive within `head_timeout_s` plus a second for
   each `min_body_rate_bytes_s` bytes it declares (the largest body, where it declares none),
   else 408 and the connection is closed (a client sending a body byte a second held its
-  connection, and the body it had sent, as long as it liked).
+  connection, and the body it had sent, as long as it liked). No body is given longer than
+  `largest_body_bytes` (the largest any route accepts) would take.
+- A request answered before its body was read (a 401, a 413) has the rest of its body discarded
+  as it comes, for `head_timeout_s` at most, then the connection is closed (a client that
+  declared a petabyte and sent a byte every few seconds held its connection for ever).
 - A connection with no request under way is closed after `keep_alive_timeout_s`, a new one that
   sends nothing included (uvicorn arms that timer only after a first response).
 - A client that goes away before its answer cancels the task serving its request, while that
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -33,10 +38,13 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
+from gpufaas.packages import DEFAULT_MAX_UNPACKED_MB
+
 MAX_HEAD_BYTES = 64 * 1024  # as nginx's large_client_header_buffers (4 x 8k) gives room for, and more
 HEAD_TIMEOUT_S = 10.0
 MIN_BODY_RATE_BYTES_S = 64 * 1024  # the slowest a body may arrive, beyond the head's deadline
 MAX_BODY_BYTES = 16 * 1024 * 1024  # what a body that declares no length is given time for
+LARGEST_BODY_BYTES = DEFAULT_MAX_UNPACKED_MB * 1024 * 1024  # a package upload's, the largest a route takes
 KEEP_ALIVE_TIMEOUT_S = 5.0  # uvicorn's default
 
 
@@ -49,10 +57,12 @@ class HttpLimits:
     keep_alive_timeout_s: float = KEEP_ALIVE_TIMEOUT_S
     min_body_rate_bytes_s: int = MIN_BODY_RATE_BYTES_S
     max_body_bytes: int = MAX_BODY_BYTES
+    largest_body_bytes: int = LARGEST_BODY_BYTES
 
     def body_timeout_s(self, declared_bytes: int | None) -> float:
-        """How long a body of `declared_bytes` (None: not declared) may take to arrive."""
-        size = self.max_body_bytes if declared_bytes is None else declared_bytes
+        """How long a body of `declared_bytes` (None: not declared) may take to arrive: no longer
+        than one of `largest_body_bytes`, which no route would take anyway."""
+        size = self.max_body_bytes if declared_bytes is None else min(declared_bytes, self.largest_body_bytes)
         return self.head_timeout_s + size / self.min_body_rate_bytes_s
 
     def __post_init__(self) -> None:
@@ -150,6 +160,17 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._disarm_head_deadline()
         super().on_message_complete()
         self._awaiting_head = True
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._body_to_come and not self.transport.is_closing():
+            # Answered without reading its body: what is left of it is discarded as it comes (a
+            # client may finish sending it and read the answer, keeping the connection), but for
+            # no longer than a head is given.
+            left_s = math.inf if self._head_deadline is None else self._head_deadline.when() - self.loop.time()
+            if left_s > self.limits.head_timeout_s:
+                self._disarm_head_deadline()
+                self._head_deadline = self.loop.call_later(self.limits.head_timeout_s, self._body_timed_out)
 
     def _count_parsed(self, size: int) -> None:
         self._parsed_head_bytes += size

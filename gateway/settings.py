@@ -8,6 +8,7 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from gateway.artifacts import MAX_BATCH_BYTES
 from gateway.http import HEAD_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, MAX_HEAD_BYTES, HttpLimits
 from gpufaas.packages import DEFAULT_MAX_UNPACKED_MB
 from gpufaas.settings import DaemonSettings
@@ -93,4 +94,10 @@ class GatewaySettings(DaemonSettings):
 
     @property
     def http_limits(self) -> HttpLimits:
-        return HttpLimits(self.max_header_kb * 1024, self.header_timeout_s, self.keep_alive_timeout_s)
+        largest_body_bytes = max(self.max_unpacked_mb * 1024 * 1024, int(self.max_payload_mb * 1024 * 1024))
+        return HttpLimits(
+            self.max_header_kb * 1024,
+            self.header_timeout_s,
+            self.keep_alive_timeout_s,
+            largest_body_bytes=max(largest_body_bytes, MAX_BATCH_BYTES),
+        )

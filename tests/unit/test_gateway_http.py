@@ -149,6 +149,47 @@ def test_a_body_that_trickles_in_is_cut_at_its_deadline_and_one_in_time_is_serve
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")
 
 
+async def refuse(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Answers 401 at once, reading no body (as the gateway answers a request without credentials)."""
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 401, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"no"})
+
+
+def test_a_refused_request_with_a_huge_declared_body_cannot_hold_its_connection() -> None:
+    with serving(refuse, LIMITS) as port, connect(port) as sock:
+        sock.sendall(b"POST /system/functions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000000000\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 401")
+        started = time.monotonic()
+        closed = False
+        while not closed and time.monotonic() - started < 8.0:  # a body byte each 0.5 s
+            try:
+                sock.sendall(b"x")
+                sock.settimeout(0.5)
+                closed = sock.recv(1) == b""
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+            except TimeoutError:
+                pass
+        held_s = time.monotonic() - started
+    assert closed and held_s < LIMITS.head_timeout_s + LIMITS.keep_alive_timeout_s + MARGIN_S + 1, held_s
+
+
+def test_a_refused_request_whose_body_then_comes_in_time_keeps_its_connection() -> None:
+    with serving(refuse, LIMITS) as port, connect(port) as sock:
+        for _ in range(2):  # the second on the same connection
+            sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 401")
+            sock.sendall(b"x" * 500)
+
+
+def test_the_body_deadline_is_at_most_the_largest_body_s() -> None:
+    limits = HttpLimits(head_timeout_s=1.0, min_body_rate_bytes_s=1000, largest_body_bytes=10_000)
+    assert limits.body_timeout_s(5000) == 6.0
+    assert limits.body_timeout_s(10**17) == limits.body_timeout_s(10_000) == 11.0
+
+
 def test_idle_connections_are_closed_after_the_keep_alive_timeout(port: int) -> None:
     fresh = [connect(port) for _ in range(50)]
     used = connect(port)
