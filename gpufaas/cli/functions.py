@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from gpufaas.cli.base import GatewayOpt, app, console, err_console, user_errors
@@ -160,7 +161,7 @@ def deploy(
         for function, package in zip(selected, scanned, strict=True):
             registered = report.packages[package.manifest.digest]
             if registered.get("warning"):  # e.g. no second gateway holds it: it is not yet durable
-                err_console.print(f"[yellow]warning[/]: {function.name}: {registered['warning']}")
+                err_console.print(f"[yellow]warning[/]: {function.name}: {escape(str(registered['warning']))}")
             spec = function.spec(str(registered["digest"]))
             response = client.request("POST", "/system/functions", json=spec)
             if response.status_code == 409:
@@ -169,9 +170,9 @@ def deploy(
             if not isinstance(answer, dict) or "model" not in answer:
                 raise client.not_a_gateway(response, "a deployed function")
             layer = registered.get("requirements") or []
-            extra = f", requirements: {', '.join(layer)}" if layer else ""
+            extra = escape(f", requirements: {', '.join(layer)}") if layer else ""  # pip's extras: [torch]
             console.print(
-                f"deployed [bold]{function.name}[/] (model {answer['model']}, "
+                f"deployed [bold]{function.name}[/] (model {escape(str(answer['model']))}, "
                 f"{package.manifest.unpacked_bytes / 1e6:.1f} MB in {len(package.manifest.files)} files{extra})"
             )
         why = "takes plain HTTP only" if client.url.startswith("https:") else "is not reachable from here"
@@ -259,7 +260,7 @@ def invoke(
         if verbose:
             for header, value in response.headers.items():
                 if header.lower().startswith("x-"):
-                    err_console.print(f"{header}: {value}", highlight=False)
+                    err_console.print(f"{header}: {value}", markup=False, highlight=False)
         if response.status_code != 200:
             client.ok(response)
         sys.stdout.buffer.write(response.content)
@@ -291,11 +292,11 @@ def list_functions(gateway: GatewayOpt = None) -> None:
         table.add_column(column, justify="left" if column in ("name", "GPU") else "right")
     for f in functions:
         table.add_row(
-            f["name"],
+            escape(f["name"]),  # the gateway's words, not markup
             str(f["memory_mb"]),
             str(f["batch_size"]),
             f"{f['timeout_s']:g}",
-            f["gpu"],
+            escape(f["gpu"]),
             str(f["invocationCount"]),
             str(f["replicas"]),
         )
@@ -311,8 +312,8 @@ def describe(name: Annotated[str, typer.Argument(callback=_function_name)], gate
         function = client.ok(response)
         if not isinstance(function, dict) or function.get("name") != name:
             raise client.not_a_gateway(response, f"function {name!r}")
-    for key, value in function.items():
-        console.print(f"{key + ':':18} {value}", highlight=False)
+    for key, value in function.items():  # the user's labels and environment: text, never markup ("[/INST]")
+        console.print(f"{key + ':':18} {value}", markup=False, highlight=False)
 
 
 @app.command()

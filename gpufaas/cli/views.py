@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from gpufaas.cli.base import GatewayOpt, StateDir, app, console, err_console, user_errors
@@ -40,15 +41,15 @@ def gpus(gateway: GatewayOpt = None) -> None:
     for column in columns:
         table.add_column(column)
     for g in sorted(rows, key=lambda g: g["gpu"]):
-        table.add_row(
-            g["node"],
-            g["gpu"].rpartition("/")[2],  # (node/gpu: the node has its column)
-            g["gpu_type"],
-            g["status"],
+        table.add_row(  # the gateway's words: text, not markup
+            escape(g["node"]),
+            escape(g["gpu"].rpartition("/")[2]),  # (node/gpu: the node has its column)
+            escape(g["gpu_type"]),
+            escape(g["status"]),
             f"{g['memory_used_mb']}/{g['memory_capacity_mb']}",
             str(g["local_queue"]),
-            ", ".join(g["lru"]) or "-",
-            ", ".join(map(str, g.get("host_tier") or [])) or "-",
+            escape(", ".join(g["lru"]) or "-"),
+            escape(", ".join(map(str, g.get("host_tier") or [])) or "-"),
         )
     Console(width=None if sys.stdout.isatty() else 200).print(table)
 

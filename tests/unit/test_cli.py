@@ -365,6 +365,34 @@ def test_deploy_says_when_no_second_gateway_holds_the_package(monkeypatch: pytes
     assert f"warning: fn: {warning}" in " ".join(result.output.split())
 
 
+def test_deploy_shows_what_the_gateway_says_as_it_is(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A warning, a model and requirements with square brackets (pip's extras) are text, not markup."""
+    import httpx
+
+    from gpufaas.cli import uploads
+    from gpufaas.cli.client import GatewayClient
+
+    (tmp_path / "fn").mkdir()
+    (tmp_path / "fn" / "handler.py").write_text("def load(device):\n    return None\n")
+    (tmp_path / "stack.yml").write_text("functions:\n  fn:\n    handler: ./fn\n    memory_mb: 100\n")
+    warning = "[/INST] no copy [red]"
+
+    def uploaded(client: object, scanned: list[uploads.Scanned], **_: object) -> uploads.UploadReport:
+        digest = scanned[0].manifest.digest
+        packages = {digest: {"digest": digest, "warning": warning, "requirements": ["transformers[torch]"]}}
+        return uploads.UploadReport(packages=packages)
+
+    monkeypatch.setattr(uploads, "upload", uploaded)
+    answer = httpx.Response(200, json={"model": "m[bold]"})
+    monkeypatch.setattr(GatewayClient, "request", lambda self, *a, **k: answer)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    result = runner.invoke(app, ["deploy", "-f", str(tmp_path / "stack.yml"), "--gateway", "http://127.0.0.1:9"])
+    assert result.exit_code == 0, result.output
+    output = " ".join(result.output.split())
+    assert f"warning: fn: {warning}" in output
+    assert "model m[bold]" in output and "requirements: transformers[torch]" in output
+
+
 def test_every_option_up_hands_its_supervisor_is_one_the_supervisor_takes(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

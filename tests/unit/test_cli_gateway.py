@@ -523,3 +523,17 @@ def test_login_writes_through_a_linked_credentials_file(stand: Stand, state: Pat
         "http://other:8080": "pw-other",  # pragma: allowlist secret
         stand.url: "cluster-pw",
     }
+
+
+def test_describe_shows_a_function_whose_environment_holds_brackets(stand: Stand, state: Path) -> None:
+    stand.answer("/system/function/f", 200, FUNCTION | {"environment": {"PROMPT": "[INST] {prompt} [/INST]"}})
+    code, out, err = cli("describe", "f", "--gateway", stand.url)
+    assert code == 0, err
+    assert "[INST] {prompt} [/INST]" in out
+
+
+def test_describe_shows_a_label_as_it_is(stand: Stand, state: Path) -> None:
+    stand.answer("/system/function/f", 200, FUNCTION | {"labels": {"note": "[bold]v2[/bold] [red]"}})
+    code, out, err = cli("describe", "f", "--gateway", stand.url)
+    assert code == 0, err
+    assert "[bold]v2[/bold] [red]" in out, out
