@@ -33,7 +33,16 @@ from gpufaas.blobnet import Authorizer, BlobServer, TransferError, fetch_blob, u
 from gpufaas.blobs import BlobBusy, BlobStore, CorruptBlob, empty_blob
 from gpufaas.holders import HolderRecord, PackageRecord, read_holders, read_package, sources_for
 from gpufaas.keys import Keys
-from gpufaas.packages import DIGEST_PATTERN, EMPTY_DIGEST, InvalidPackage, Manifest, PackageTooLarge, read_archive
+from gpufaas.packages import (
+    DIGEST_PATTERN,
+    EMPTY_DIGEST,
+    MAX_BATCH_MEMBERS,
+    InvalidPackage,
+    Manifest,
+    PackageTooLarge,
+    read_archive,
+    stream_members,
+)
 from gpufaas.requirements import (
     REQUIREMENTS_FILE,
     Layer,
@@ -220,7 +229,7 @@ class Artifacts:
         unpacked_bytes = 0
         try:
             with tarfile.open(spooled, mode="r|gz" if compressed else "r|") as tar:
-                for member in tar:
+                for member in stream_members(tar, limit=MAX_BATCH_MEMBERS, what="the blob batch"):
                     if not member.isfile() or not DIGEST_PATTERN.fullmatch(member.name):
                         raise InvalidPackage(f"member {member.name!r}: a blob batch holds files named sha256:<hex>")
                     unpacked_bytes += member.size

@@ -42,6 +42,8 @@ HANDLER_FILE = "handler.py"
 MANIFEST_VERSION = 1
 DEFAULT_MAX_UNPACKED_MB = 4096
 MAX_FILES = 5000  # a manifest lives in etcd (about 150 bytes a file): well under its 1.5 MiB value limit
+MAX_MEMBERS = 2 * MAX_FILES  # an archive's members of any kind: its files and the directories that hold them
+MAX_BATCH_MEMBERS = 10_000  # the blobs of one batch (POST /system/blobs); gpufaas deploy sends no more a batch
 MAX_PATH_BYTES = 1024
 SKIPPED_PARTS = frozenset({"__pycache__", ".git", ".venv", ".mypy_cache", ".pytest_cache"})
 FILE_MODES = (0o644, 0o755)
@@ -130,7 +132,7 @@ class Manifest:
         canonical form, `to_json`); InvalidPackage naming the first thing wrong."""
         try:
             raw = json.loads(data)
-        except (UnicodeDecodeError, ValueError) as exc:
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # (nested 100,000 deep: recursion)
             raise InvalidPackage(f"the manifest is not valid JSON: {exc}") from None
         if not isinstance(raw, dict) or set(raw) != {"files", "version"}:
             raise InvalidPackage('a manifest is an object with exactly the keys "version" and "files"')
@@ -347,7 +349,7 @@ def read_archive(
     unpacked = 0
     try:
         with _open_stream(source, compressed) as tar:
-            for member in tar:
+            for member in stream_members(tar, limit=MAX_MEMBERS, what="the package"):
                 check_member(member)
                 if not member.isfile():
                     continue
@@ -369,6 +371,20 @@ def read_archive(
     except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile, ValueError) as exc:
         raise InvalidPackage(f"the package is not a valid .tar.gz: {exc}") from None
     return Manifest.of(files.values(), max_unpacked_bytes=max_unpacked_bytes)
+
+
+def stream_members(tar: tarfile.TarFile, *, limit: int, what: str) -> Iterator[tarfile.TarInfo]:
+    """The members of `tar` (opened as a stream) one by one, none kept, and PackageTooLarge past
+    `limit` of them, of any kind: tarfile keeps every member it reads, and members that carry no
+    bytes (directories, empty files) pass every byte limit (200,000 directory headers, 447 KB
+    gzipped, took 12.5 s and 84 MiB to read)."""
+    count = 0
+    while (member := tar.next()) is not None:
+        tar.members.clear()  # type: ignore[attr-defined]  # (typeshed omits it; every Python version has it)
+        count += 1
+        if count > limit:
+            raise PackageTooLarge(f"{what} has more than {limit} members (the limit)")
+        yield member
 
 
 def _open_stream(source: str | os.PathLike[str] | IO[bytes], compressed: bool) -> tarfile.TarFile:

@@ -21,7 +21,7 @@ import httpx
 
 from gpufaas.blobnet import UPLOAD_OFFSET, TransferError, upload_blob
 from gpufaas.errors import GpufaasError
-from gpufaas.packages import DigestCache, InvalidPackage, Manifest, scan_directory
+from gpufaas.packages import MAX_BATCH_MEMBERS, DigestCache, InvalidPackage, Manifest, scan_directory
 
 BATCH_MAX_BYTES = 1 << 20  # files up to this size go in the batch (code, configs, labels)
 BATCH_LIMIT_BYTES = 64 << 20  # a batch request carries at most this much; more batches beyond
@@ -182,7 +182,7 @@ def _batches(digests: list[str], sizes: dict[str, int]) -> list[list[str]]:
     current: list[str] = []
     size = 0
     for digest in digests:
-        if current and size + sizes[digest] > BATCH_LIMIT_BYTES:
+        if current and (size + sizes[digest] > BATCH_LIMIT_BYTES or len(current) == MAX_BATCH_MEMBERS):
             batches.append(current)
             current, size = [], 0
         current.append(digest)

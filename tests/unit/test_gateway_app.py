@@ -16,10 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from fastapi import FastAPI
 
+from gateway import artifacts
 from gateway.app import GatewayConfig, create_app
 from gateway.auth import Credentials
+from gpufaas import packages
 from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
@@ -774,6 +777,34 @@ def test_a_blob_batch_is_bounded_by_what_it_unpacks_to_not_by_what_it_weighs(tmp
             "/system/blobs", content=tar_gz([(member(sha256(b)), b) for b in blobs[:2]]), headers=headers
         )
         assert fits.status_code == 201 and len(fits.json()["stored"]) == 2
+
+    run(tmp_path, body)
+
+
+def test_members_that_carry_no_bytes_are_counted_in_a_package_and_in_a_blob_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Directories in a package, empty blobs in a batch: each counts against the members limit (413)."""
+    monkeypatch.setattr(packages, "MAX_MEMBERS", 50)
+    monkeypatch.setattr(artifacts, "MAX_BATCH_MEMBERS", 50)
+
+    async def body(env: Env) -> None:
+        dirs = [(member(f"d{i}", tarfile.DIRTYPE), b"") for i in range(60)]
+        response = await env.client.post("/system/packages", content=tar_gz([HANDLER, *dirs]))
+        assert_error(response, 413, "more than 50 members")
+        headers = {"content-type": "application/vnd.gpufaas.blobs+gzip"}
+        batch = tar_gz([(member(sha256(b"")), b"") for _ in range(60)])
+        assert_error(await env.client.post("/system/blobs", content=batch, headers=headers), 413, "more than 50")
+        assert (await env.client.post("/system/packages", content=tar_gz([HANDLER, *dirs[:40]]))).status_code == 201
+
+    run(tmp_path, body)
+
+
+def test_a_manifest_nested_too_deep_is_a_400(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        headers = {"content-type": "application/json"}
+        response = await env.client.post("/system/packages", content=b"[" * 100_000, headers=headers)
+        assert_error(response, 400, "not valid JSON")
 
     run(tmp_path, body)
 
