@@ -214,7 +214,9 @@ class GpuCache:
         """Re-size a resident model to what it was measured to use, if that fits without evicting
         anything; returns whether it did (else the old size stands until its next admission)."""
         item = self._items.get(model)
-        if item is None or memory_mb <= 0 or self.used_mb - item.memory_mb + memory_mb > self.capacity_mb:
+        if item is None or memory_mb <= 0 or memory_mb == item.memory_mb:
+            return False
+        if self.used_mb - item.memory_mb + memory_mb > self.capacity_mb:
             return False
         self.used_mb += memory_mb - item.memory_mb
         if self.is_pinned(model):

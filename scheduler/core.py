@@ -136,15 +136,16 @@ class Scheduler(ClusterReads):
         self.cluster.models[spec.name] = spec
 
     def observe_memory(self, model: str, gpu_id: str, peak_memory_mb: int) -> bool:
-        """A model's measured peak GPU memory replaces its declared size: for every later
-        admission, and for its entry on `gpu_id` now if that needs no eviction. Returns whether
-        the size changed."""
+        """A model's measured peak replaces its declared size, for later admissions and for its entry on
+        `gpu_id` once that needs no eviction (as each GPU reports). Returns whether the size changed."""
         spec = self.cluster.models.get(model)
-        if spec is None or peak_memory_mb <= 0 or peak_memory_mb == spec.memory_mb:
+        if spec is None or peak_memory_mb <= 0:
+            return False
+        if gpu_id in self.cluster.gpus:
+            self.cache.gpu(gpu_id).resize(model, peak_memory_mb)  # (absent, that size, or no room yet: kept)
+        if peak_memory_mb == spec.memory_mb:
             return False
         self.cluster.models[model] = ModelSpec(model, peak_memory_mb, spec.gpu_type, spec.labels)
-        if gpu_id in self.cluster.gpus and model in self.cache.gpu(gpu_id):
-            self.cache.gpu(gpu_id).resize(model, peak_memory_mb)
         return True
 
     def model(self, name: str) -> ModelSpec:
@@ -327,7 +328,7 @@ class Scheduler(ClusterReads):
         `drop_model`: the model's worker is gone (it died or was killed), so its cache entry goes,
         and requests parked behind it for that model go back to the global queue. `requeue`: the
         request itself goes back to the global queue in arrival order (a retry); else it is done.
-        `avoid_gpu`: the retry must run elsewhere (ignored when this is the only GPU). Other
+        `avoid_gpu`: the retry must run elsewhere (ignored when no other GPU could hold its model). Other
         requests running there are untouched (their node reports them); with `drop_model`, those
         of the same model no longer pin it, and their own `drop_model` failures drop nothing more.
         Raises KeyError (changing nothing) if the request is not running.
@@ -356,9 +357,8 @@ class Scheduler(ClusterReads):
         else:
             self._unpin_running(state, request)
         if requeue:
-            retry = (
-                dataclasses.replace(request, avoid_gpu=gpu_id) if avoid_gpu and len(self.cluster.gpus) > 1 else request
-            )
+            elsewhere = avoid_gpu and _fits_elsewhere(self.cluster, request.model, gpu_id)
+            retry = dataclasses.replace(request, avoid_gpu=gpu_id) if elsewhere else request
             self.queue.insert(retry, self._seq_of[request_id])
         else:
             del self._seq_of[request_id]
@@ -382,7 +382,7 @@ class Scheduler(ClusterReads):
         for parked in state.local_queue:
             if parked.request_id == request_id:
                 state.local_queue.remove(parked)
-                state.local_work_s = max(0.0, state.local_work_s - self.cluster.call_time_s(parked, state))
+                state.local_work_s = sum(self.cluster.call_time_s(r, state) for r in state.local_queue)
                 self.cache.unpin(gpu_id, parked.model)
                 del self.cluster.placed_on[request_id], self._seq_of[request_id]
                 if not state.idle:
@@ -418,3 +418,13 @@ class Scheduler(ClusterReads):
             self.cluster.pin_dropped.discard(request.request_id)  # its pin went with the dropped entry
         else:
             self.cache.unpin(state.spec.gpu_id, request.model)
+
+
+def _fits_elsewhere(cluster: ClusterState, model: str, gpu_id: str) -> bool:
+    """Whether a GPU other than `gpu_id` could hold `model` (its size and GPU type): a retry
+    avoids its GPU only then. (One that avoided the only GPU it fits was never placed, both
+    GPUs idle, till its deadline; under `lb`, as the queue's head, it held every call behind.)"""
+    spec = cluster.models.get(model)
+    return spec is not None and any(
+        other != gpu_id and cluster.fits_spec(spec, state) for other, state in cluster.gpus.items()
+    )

@@ -109,6 +109,47 @@ def test_with_a_single_gpu_a_retry_runs_there_again() -> None:
     assert [d.gpu_id for d in s.schedule(0.5)] == ["g0"]
 
 
+@pytest.mark.parametrize("policy", ["lb", "lalb", "lalb-o3"])
+def test_a_retry_whose_model_fits_only_its_failed_gpu_runs_there_again(policy: str) -> None:
+    # Avoiding g0, the only GPU `big` fits, the retry was never placed (both GPUs idle) until its
+    # deadline; under `lb`, as the queue's head, it held the calls behind it too.
+    s = make_scheduler(policy, gpus={"g0": 16000, "g1": 8000}, models={"big": 10000, "A": 1000})
+    (big,) = submit(s, "big")
+    assert [d.gpu_id for d in s.schedule(0.0)] == ["g0"]
+    s.on_failure(big.request_id, 1.0, drop_model=True, requeue=True, avoid_gpu=True)
+    submit(s, "A", now=2.0)
+    placed = {d.request.model: d.gpu_id for d in s.schedule(2.0)}
+    assert placed["big"] == "g0" and "A" in placed, placed
+
+
+def test_a_measured_size_resizes_each_replica_as_its_gpu_reports_it() -> None:
+    # Once the model's size equalled the reports, another GPU's entry (or one with no room to grow
+    # at the first report) kept its old size for good: that GPU's memory overbooked.
+    s = make_scheduler("lalb", gpus={"g0": 8000, "g1": 8000}, models={"A": 1000, "B": 6500})
+    cache_on(s, "g0", "A")
+    cache_on(s, "g1", "B", "A")
+    assert s.observe_memory("A", "g0", 5000)
+    assert s.cache.gpu("g0").item("A").memory_mb == 5000
+    assert not s.observe_memory("A", "g1", 5000)  # the model's size is unchanged, but g1 has no room yet
+    assert s.cache.gpu("g1").item("A").memory_mb == 1000
+    s.cache.release("g1", "B")
+    assert not s.observe_memory("A", "g1", 5000)
+    assert s.cache.gpu("g1").item("A").memory_mb == 5000 and s.cache.gpu("g1").used_mb == 5000
+
+
+def test_cancelling_a_parked_call_after_its_estimate_moved_leaves_no_work_behind() -> None:
+    s = make_scheduler("lalb-o3", gpus={"g0": 8000, "g1": 8000}, models={"A": 1000, "B": 1000})
+    cache_on(s, "g0", "A")
+    submit(s, "A")
+    s.schedule(0.0)
+    (parked,) = submit(s, "A", now=0.1)
+    (park,) = s.schedule(0.1)
+    assert isinstance(park, Park) and park.gpu_id == "g0"
+    s.estimator.observe_inference("A", s.gpu("g0").spec.gpu_type, 32, 0.1)  # its estimate moves
+    s.cancel(parked.request_id)
+    assert not s.gpu("g0").local_queue and s.gpu("g0").local_work_s == 0.0
+
+
 def test_cancelling_a_parked_request_brings_its_gpus_free_time_forward() -> None:
     s = make_scheduler("lalb", gpus=3)
     cache_on(s, "g1", "A")
