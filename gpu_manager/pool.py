@@ -291,8 +291,9 @@ class WorkerPool:
         if worker is None or worker.state is WorkerState.GONE:
             if worker is not None:
                 self._workers.forget(worker)
+            taken_back = self._take_back(run, gpu_id)  # first: parking the victims could push it out
             victims = [*self._evict_for_miss(gpu_id, evict, seq), *self._processes.exiting(gpu_id)]
-            taken = self._take_back(run, gpu_id) or await self._load_here(run, gpu_id, victims, deadline, timeout_s)
+            taken = taken_back or await self._load_here(run, gpu_id, victims, deadline, timeout_s)
             if isinstance(taken, RunResult):
                 return taken  # the load failed or timed out
             worker, stages = taken

@@ -85,10 +85,20 @@ class WorkerProcesses:
         task.add_done_callback(self._untrack)
 
     def kill(self, worker: Worker) -> None:
-        """SIGKILL now, without waiting."""
+        """SIGKILL now, without waiting (a miss on its GPU waits for its exit, as for a stop's)."""
         worker.exit_cause = worker.exit_cause or "killed"
+        self._exits_before_loads(worker)
         worker.gone(ConnectionLost(f"worker pid {worker.pid} was killed"))
         worker.signal(signal.SIGKILL)
+
+    def _exits_before_loads(self, worker: Worker) -> None:
+        """A worker on a GPU holds its device memory until it exits: a load there waits for that
+        (`exiting`). (A worker killed at a call's deadline was not waited for: the next miss on its
+        GPU loaded beside a CUDA context still being torn down, and could run out of memory.)"""
+        if not worker.exited.done() and worker.state is not WorkerState.PARKED and worker.gpu_id:
+            exiting = self._exiting.setdefault(worker.gpu_id, set())
+            exiting.add(worker.exited)
+            worker.exited.add_done_callback(exiting.discard)
 
     def _misbehaved(self, worker: Worker) -> None:
         """`worker` sent more than UNASKED_FRAMES_ALLOWED frames the node did not ask for: its
@@ -112,10 +122,7 @@ class WorkerProcesses:
         if worker.exited.done():
             return
         worker.exit_cause = worker.exit_cause or ("shutdown" if self._closing() else "stopped")
-        if worker.state is not WorkerState.PARKED and worker.gpu_id:  # it holds device memory until it exits
-            exiting = self._exiting.setdefault(worker.gpu_id, set())
-            exiting.add(worker.exited)
-            worker.exited.add_done_callback(exiting.discard)
+        self._exits_before_loads(worker)
         worker.gone(ConnectionLost(f"worker pid {worker.pid} was stopped"))
         worker.signal(signal.SIGTERM)
         done, _ = await asyncio.wait({worker.exited}, timeout=STOP_GRACE_S)

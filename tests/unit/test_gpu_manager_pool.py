@@ -954,6 +954,54 @@ def test_staged_exit_parks_an_idle_worker_then_stops_it_and_leaves_a_busy_or_reg
     run(scenario)
 
 
+def test_a_miss_after_a_deadline_kill_waits_for_the_killed_workers_exit(tmp_path: Path) -> None:
+    """A worker killed at a call's deadline holds its device memory until it exits, as a stopped
+    one does: the next miss on its GPU (whose grant names no victims: the scheduler dropped the
+    model) loaded beside it without waiting, on cuda into an out-of-memory."""
+    shelf = Shelf(tmp_path)
+
+    async def scenario() -> None:
+        sleepy, probe = shelf.digest("sleepy_function"), shelf.digest("probe_function")
+        async with open_pool("cpu", shelf, wait_for_victims=True) as node:
+            ok(await node.call(on_cpu("slow", sleepy), {"sleep_s": 0}, seq=1))
+            killed = node.pool._workers.get("slow", "gpu0")
+            assert killed is not None
+            waited: list[bool] = []
+            load = node.pool._loader.load
+
+            async def watched(worker: Any, run_: ModelRun, gpu_id: str, victims: list[asyncio.Future[None]]) -> Any:
+                waited.append(killed.exited in victims)
+                return await load(worker, run_, gpu_id, victims)
+
+            node.pool._loader.load = watched  # type: ignore[method-assign]
+            timed_out = await node.call(on_cpu("slow", sleepy), {"sleep_s": 5}, timeout_s=0.3, seq=2)
+            assert timed_out.outcome == pb.TIMEOUT and timed_out.worker_killed
+            exited_then = killed.exited.done()
+            ok(await node.call(on_cpu("b", probe), {}, seq=3))
+            assert exited_then or waited == [True], waited
+
+    run(scenario)
+
+
+def test_a_take_back_that_names_a_victim_is_not_pushed_out_of_the_tier_by_it(tmp_path: Path) -> None:
+    """The scheduler books a take-back from the host tier as the model leaving the tier, then its
+    victims entering it; the node parked the victims first, so with the tier near full the model
+    itself was pushed out, and the call loaded it afresh."""
+    shelf = Shelf(tmp_path)
+
+    async def scenario() -> None:
+        probe = shelf.digest("probe_function")
+        async with open_pool("cpu", shelf, host_cache_mb=150, measure_host_mb=lambda pid: 100) as node:
+            ok(await node.call(on_cpu("a", probe, memory_mb=100), {}, seq=1))
+            ok(await node.call(on_cpu("b", probe, memory_mb=100), {}, evict=("a",), seq=2))
+            await eventually(lambda: node.pool.parked() == [("a", 100)], "a parked and measured")
+            back = await node.call(on_cpu("a", probe, memory_mb=100), {}, evict=("b",), seq=3)
+            assert back.stages is not None and back.stages.from_host, back.stages
+            await eventually(lambda: node.pool.parked() == [("b", 100)], "b parked in its place")
+
+    run(scenario)
+
+
 def test_a_miss_waits_for_a_released_worker_still_exiting_on_its_gpu(tmp_path: Path) -> None:
     """A release frees the scheduler's memory at once, so the next grant for that GPU names no
     victims; where device memory matters (`wait_for_victims`, the cuda default) its load must
