@@ -13,8 +13,9 @@ deadlines, so that a client cannot hold the gateway's memory or its connections 
   connection, and the body it had sent, as long as it liked). No body is given longer than
   `largest_body_bytes` (the largest any route accepts) would take.
 - A request answered before its body was read (a 401, a 413) has the rest of its body discarded
-  as it comes, for `head_timeout_s` at most, then the connection is closed (a client that
-  declared a petabyte and sent a byte every few seconds held its connection for ever).
+  as it comes, while it comes at `min_body_rate_bytes_s` (checked each `head_timeout_s`), else
+  the connection is closed (a client that declared a petabyte and sent a byte every few seconds
+  held its connection for ever).
 - A connection with no request under way is closed after `keep_alive_timeout_s`, a new one that
   sends nothing included (uvicorn arms that timer only after a first response).
 - A client that goes away before its answer cancels the task serving its request, while that
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -93,6 +93,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._parsed_head_bytes = 0
         self._head_deadline: asyncio.TimerHandle | None = None  # the head's, then the body's
         self._body_to_come = False  # a head is in and its body is not
+        self._received_bytes = 0  # every byte read on this connection
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -110,6 +111,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         self._unset_keepalive_if_required()
+        self._received_bytes += len(data)
         if self._awaiting_head:
             if self._head_deadline is None:
                 self._head_deadline = self.loop.call_later(self.limits.head_timeout_s, self._head_timed_out)
@@ -163,14 +165,28 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self._body_to_come and not self.transport.is_closing():
-            # Answered without reading its body: what is left of it is discarded as it comes (a
-            # client may finish sending it and read the answer, keeping the connection), but for
-            # no longer than a head is given.
-            left_s = math.inf if self._head_deadline is None else self._head_deadline.when() - self.loop.time()
-            if left_s > self.limits.head_timeout_s:
-                self._disarm_head_deadline()
-                self._head_deadline = self.loop.call_later(self.limits.head_timeout_s, self._body_timed_out)
+        cycle = self.cycle
+        if self._body_to_come and cycle is not None and cycle.response_complete and not self.transport.is_closing():
+            # Answered without reading its body (a 401, a 413): the rest is discarded as it comes,
+            # and a client that sends it (most send the whole body before reading) reads the answer
+            # and keeps the connection; but only while the body comes at the least rate a body is
+            # given. A client that declared a petabyte and sent a byte every few seconds held the
+            # connection for ever; cut off after a flat `head_timeout_s`, an honest upload of more
+            # than that never read its 413.
+            self._disarm_head_deadline()
+            self._still_coming(self._received_bytes, first=True)
+
+    def _still_coming(self, received_bytes: int, *, first: bool = False) -> None:
+        """A discarded body's check, each `head_timeout_s`: it came at `min_body_rate_bytes_s` since
+        the last (`received_bytes` then), or the connection is closed."""
+        self._head_deadline = None
+        if not self._body_to_come or self.transport.is_closing():
+            return
+        period_s = self.limits.head_timeout_s
+        if not first and self._received_bytes - received_bytes < self.limits.min_body_rate_bytes_s * period_s:
+            self.transport.close()
+            return
+        self._head_deadline = self.loop.call_later(period_s, self._still_coming, self._received_bytes)
 
     def _count_parsed(self, size: int) -> None:
         self._parsed_head_bytes += size

@@ -176,6 +176,20 @@ def test_a_refused_request_with_a_huge_declared_body_cannot_hold_its_connection(
     assert closed and held_s < LIMITS.head_timeout_s + LIMITS.keep_alive_timeout_s + MARGIN_S + 1, held_s
 
 
+def test_a_refused_upload_that_keeps_coming_at_the_least_rate_is_read_to_its_end() -> None:
+    # Most clients send the whole body before they read the answer. Cut off a flat head timeout
+    # after an early 401 or 413, an honest upload longer than that got a reset, never its answer.
+    with serving(refuse, LIMITS) as port, connect(port) as sock:
+        chunks, chunk = 30, b"x" * 300  # 3,000 bytes a second, three times the least rate
+        sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (chunks * len(chunk)))
+        for _ in range(chunks):  # for 3 s: three head timeouts
+            sock.sendall(chunk)
+            time.sleep(0.1)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 401")
+        sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")  # the connection is kept
+        assert sock.recv(65536).startswith(b"HTTP/1.1 401")
+
+
 def test_a_refused_request_whose_body_then_comes_in_time_keeps_its_connection() -> None:
     with serving(refuse, LIMITS) as port, connect(port) as sock:
         for _ in range(2):  # the second on the same connection
