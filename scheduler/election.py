@@ -49,7 +49,7 @@ TETHER_IDLE_S = 0.1  # how often a standby with nothing to tether to (or a held 
 # OFFICE_HOLDOFF_MAX_TTLS) before it campaigns again: a standby that can take office goes first,
 # and a lone scheduler does not read a whole etcd prefix that fails every third of a TTL.
 OFFICE_HOLDOFF_TTLS = 1
-OFFICE_HOLDOFF_MAX_TTLS = 16
+OFFICE_HOLDOFF_MAX_TTLS = 4  # a lone scheduler leads again within 4 TTLs of its reads going through
 
 
 class Link(Protocol):
@@ -206,6 +206,7 @@ class Election:
             leadership.observed(holder, kv.mod_revision if kv is not None else 0)
             if holder is not None:
                 log.info("standing by: the scheduler at %s leads (epoch %d)", holder.address, holder.epoch)
+                self._office_failures = 0  # another took office: failures of ours before are not "in a row"
             return False
         leadership.won(kv.create_revision, lease, sent_at)
         log.info("leading the schedulers as epoch %d (lease %x)", kv.create_revision, lease)
