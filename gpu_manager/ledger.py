@@ -4,11 +4,9 @@ Pure: wall-clock time (`now_unix_s`) is an argument. A grant is accepted when it
 verifies under the attached scheduler's key, its epoch is not older than the newest leader's
 epoch the node has seen, it names this node and one of its GPUs, it is presented by its claim
 time (which may be at most `keep_s` ahead), and neither it (call id, attempt) nor its revocation
-is in the ledger (a grant seen, of no lease, may be followed by a later placement of its call id
-and attempt: a call that reused a finished one's X-Call-Id). A grant seen is kept `keep_s` past
-its claim time; a revocation `keep_s` past the latest claim time of the grants revoked (the
-scheduler says it), or past the revocation itself; then they are pruned: an older token is
-refused by its claim time alone.
+is in the ledger. A grant seen is kept `keep_s` past its claim time; a revocation `keep_s` past
+the latest claim time of the grants revoked (the scheduler says it), or past the revocation
+itself; then they are pruned: an older token is refused by its claim time alone.
 
 Fencing: the newest epoch seen (from an Attach, or from etcd's leader key: `saw_epoch`) only
 grows; a scheduler of an older epoch may not attach, and its grants are refused, so that a
@@ -148,7 +146,7 @@ class GrantLedger:
         ref = (grant.call_id, grant.attempt)
         if ref in self._revoked.until:
             raise Refused(f"the grant for call {grant.call_id} attempt {grant.attempt} was revoked")
-        if ref in self._seen.until and not self._later_grant(ref, grant):
+        if ref in self._seen.until:
             raise Refused(f"the grant for call {grant.call_id} attempt {grant.attempt} was used already")
         if now_unix_s > grant.claim_by_unix_s:
             raise Refused(f"the grant for call {grant.call_id} expired {now_unix_s - grant.claim_by_unix_s:.3f} s ago")
@@ -170,16 +168,6 @@ class GrantLedger:
             self._lease_tokens[token] = ref
         self._prune_books(now_unix_s, PRUNED_PER_ADMISSION)
         return grant
-
-    def _later_grant(self, ref: GrantRef, grant: pb.Grant) -> bool:
-        """Whether `grant`, for the call id and attempt of a grant seen, is a new placement rather
-        than the seen one presented again: claimable later than it, which held no lease. A client
-        that gives its calls one X-Call-Id, one after another, gets such grants: the scheduler
-        forgot the first call when it finished and numbers the next one's attempts from 1 again
-        (refused, each reuse within `keep_s` took one placement more than the one before, and the
-        seventh failed for want of placements). A token presented again has the seen one's claim
-        time: still refused."""
-        return ref not in self._leases and grant.claim_by_unix_s + self.keep_s > self._seen.until[ref]
 
     def admit_under_lease(self, token: bytes, now_unix_s: float) -> pb.Grant:
         """The lease `token` carries, admitting one more call under it; raises Refused (the

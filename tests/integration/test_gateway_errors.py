@@ -228,18 +228,6 @@ def test_413_above_the_payload_limit(env: Env) -> None:
     assert response.content == just_fits
 
 
-def test_calls_that_reuse_one_x_call_id_one_after_another_each_run_at_once(env: Env) -> None:
-    # A client that sets one X-Call-Id on its calls, one after another: the node refused each reuse
-    # as a grant used already, each took one placement more than the one before (X-Attempts), and
-    # the seventh was a 503 "no node could run the call (6 placements)".
-    headers = {"X-Call-Id": f"order-{uuid.uuid4().hex[:8]}"}
-    answers = [env.invoke("echo", {"i": i}, headers=headers) for i in range(8)]
-    assert [(r.status_code, r.headers.get("X-Attempts")) for r in answers] == [(200, None)] * 8, [
-        r.text for r in answers
-    ]
-    assert [r.json()["echo"]["i"] for r in answers] == list(range(8))
-
-
 # --- 429 ------------------------------------------------------------------------------------
 
 

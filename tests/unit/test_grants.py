@@ -426,24 +426,3 @@ def test_a_revocation_kept_long_does_not_hold_up_the_pruning_of_those_after_it()
     assert len(ledger) == 1  # "far" alone
     with pytest.raises(Refused, match="revoked"):
         ledger.admit(sign(make_grant(call_id="far", claim_by_unix_s=NOW + 205.0), KEY), NOW + 200.0)
-
-
-def test_a_later_placement_of_a_call_id_used_before_is_a_new_grant() -> None:
-    # A client that gives its calls one X-Call-Id, one after another: the scheduler forgot the first
-    # call when it finished and numbers the next one's attempts from 1 again. Refused as "used
-    # already", each reuse took one placement more than the one before, and the seventh got a 503.
-    ledger = make_ledger()
-    first = sign(make_grant(), KEY)
-    ledger.admit(first, NOW)
-    assert ledger.admit(sign(make_grant(claim_by_unix_s=NOW + 1.0 + CLAIM_S, gpu_seq=2), KEY), NOW + 1.0).gpu_seq == 2
-    assert ledger.admitted_again == 1
-    for token in (first, sign(make_grant(claim_by_unix_s=NOW + 0.5 + CLAIM_S, gpu_seq=3), KEY)):
-        with pytest.raises(Refused, match="used already"):  # the first presented again, or an older one
-            ledger.admit(token, NOW + 1.0)
-
-
-def test_a_call_id_whose_grant_holds_a_lease_is_not_placed_again_under_it() -> None:
-    ledger = make_ledger()
-    ledger.admit(sign(make_grant(lease_s=5.0), KEY), NOW)
-    with pytest.raises(Refused, match="used already"):
-        ledger.admit(sign(make_grant(claim_by_unix_s=NOW + 1.0 + CLAIM_S, gpu_seq=2), KEY), NOW + 1.0)
