@@ -87,7 +87,8 @@ class WorkerProcesses:
     def kill(self, worker: Worker) -> None:
         """SIGKILL now, without waiting (a miss on its GPU waits for its exit, as for a stop's)."""
         worker.exit_cause = worker.exit_cause or "killed"
-        self._exits_before_loads(worker)
+        if worker.hello.done():  # (one killed before it started holds no device: a miss need not wait)
+            self._exits_before_loads(worker)
         worker.gone(ConnectionLost(f"worker pid {worker.pid} was killed"))
         worker.signal(signal.SIGKILL)
 
