@@ -94,10 +94,12 @@ class GatewaySettings(DaemonSettings):
 
     @property
     def http_limits(self) -> HttpLimits:
-        largest_body_bytes = max(self.max_unpacked_mb * 1024 * 1024, int(self.max_payload_mb * 1024 * 1024))
+        largest_body_bytes = max(
+            self.max_unpacked_mb * 1024 * 1024, int(self.max_payload_mb * 1024 * 1024), MAX_BATCH_BYTES
+        )
         return HttpLimits(
             self.max_header_kb * 1024,
             self.header_timeout_s,
             self.keep_alive_timeout_s,
-            largest_body_bytes=max(largest_body_bytes, MAX_BATCH_BYTES),
+            largest_body_bytes=largest_body_bytes,
         )

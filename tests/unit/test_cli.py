@@ -7,6 +7,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -341,8 +342,9 @@ def test_up_passes_the_policys_knobs_on_to_the_scheduler_settings() -> None:
     assert (config.max_num_skips, config.mqfq_overrun_s, config.room_aware_misses) == (0, 5.0, False)
 
 
-def test_deploy_says_when_no_second_gateway_holds_the_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """A commit's `warning` (no other gateway took a copy: the package is not yet durable) is shown."""
+def deployed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, package: dict[str, Any], answer: dict[str, Any]) -> str:
+    """What `gpufaas deploy` prints (on one line) for a one-function stack whose upload's report
+    adds `package` to its package's entry, and whose gateway answers the deploy with `answer`."""
     import httpx
 
     from gpufaas.cli import uploads
@@ -351,44 +353,31 @@ def test_deploy_says_when_no_second_gateway_holds_the_package(monkeypatch: pytes
     (tmp_path / "fn").mkdir()
     (tmp_path / "fn" / "handler.py").write_text("def load(device):\n    return None\n")
     (tmp_path / "stack.yml").write_text("functions:\n  fn:\n    handler: ./fn\n    memory_mb: 100\n")
-    warning = "none of the 1 other gateway(s) took a copy of this package"
 
     def uploaded(client: object, scanned: list[uploads.Scanned], **_: object) -> uploads.UploadReport:
         digest = scanned[0].manifest.digest
-        return uploads.UploadReport(packages={digest: {"digest": digest, "warning": warning}})
+        return uploads.UploadReport(packages={digest: {"digest": digest, **package}})
 
     monkeypatch.setattr(uploads, "upload", uploaded)
-    monkeypatch.setattr(GatewayClient, "request", lambda self, *a, **k: httpx.Response(200, json={"model": "m"}))
+    monkeypatch.setattr(GatewayClient, "request", lambda self, *a, **k: httpx.Response(200, json=answer))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     result = runner.invoke(app, ["deploy", "-f", str(tmp_path / "stack.yml"), "--gateway", "http://127.0.0.1:9"])
     assert result.exit_code == 0, result.output
-    assert f"warning: fn: {warning}" in " ".join(result.output.split())
+    return " ".join(result.output.split())
+
+
+def test_deploy_says_when_no_second_gateway_holds_the_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A commit's `warning` (no other gateway took a copy: the package is not yet durable) is shown."""
+    warning = "none of the 1 other gateway(s) took a copy of this package"
+    output = deployed(monkeypatch, tmp_path, {"warning": warning}, {"model": "m"})
+    assert f"warning: fn: {warning}" in output
 
 
 def test_deploy_shows_what_the_gateway_says_as_it_is(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A warning, a model and requirements with square brackets (pip's extras) are text, not markup."""
-    import httpx
-
-    from gpufaas.cli import uploads
-    from gpufaas.cli.client import GatewayClient
-
-    (tmp_path / "fn").mkdir()
-    (tmp_path / "fn" / "handler.py").write_text("def load(device):\n    return None\n")
-    (tmp_path / "stack.yml").write_text("functions:\n  fn:\n    handler: ./fn\n    memory_mb: 100\n")
     warning = "[/INST] no copy [red]"
-
-    def uploaded(client: object, scanned: list[uploads.Scanned], **_: object) -> uploads.UploadReport:
-        digest = scanned[0].manifest.digest
-        packages = {digest: {"digest": digest, "warning": warning, "requirements": ["transformers[torch]"]}}
-        return uploads.UploadReport(packages=packages)
-
-    monkeypatch.setattr(uploads, "upload", uploaded)
-    answer = httpx.Response(200, json={"model": "m[bold]"})
-    monkeypatch.setattr(GatewayClient, "request", lambda self, *a, **k: answer)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    result = runner.invoke(app, ["deploy", "-f", str(tmp_path / "stack.yml"), "--gateway", "http://127.0.0.1:9"])
-    assert result.exit_code == 0, result.output
-    output = " ".join(result.output.split())
+    package = {"warning": warning, "requirements": ["transformers[torch]"]}
+    output = deployed(monkeypatch, tmp_path, package, {"model": "m[bold]"})
     assert f"warning: fn: {warning}" in output
     assert "model m[bold]" in output and "requirements: transformers[torch]" in output
 
