@@ -83,11 +83,8 @@ class InvokeMiddleware:
             await _error(send, 404, not_deployed(name), call_id)
             return
         declared = headers.get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > limit:  # (bytes: ASCII digits only)
-            await _error(send, 413, f"the payload is larger than the limit of {limit} bytes", call_id)
-            return
-        try:
-            payload = await _read_body(receive, limit)
+        try:  # (a declared length over the limit is answered unread; bytes: ASCII digits only)
+            payload = None if declared.isdigit() and int(declared) > limit else await _read_body(receive, limit)
         except _ClientGone:
             return  # before its body was whole: nothing to run, nobody to answer
         if payload is None:
@@ -96,7 +93,9 @@ class InvokeMiddleware:
         content_type = headers.get(b"content-type", b"").decode("latin-1")
         cancel_on_disconnect(send)  # a client gone while its call waits: the router withdraws it
         try:
-            result = await gateway.router.invoke(spec, call_id, payload, content_type, clock=time.monotonic)
+            result = await gateway.router.invoke(
+                spec, call_id, payload, content_type, clock=time.monotonic, given_call_id=bool(given_call_id)
+            )
         except CallFailed as exc:
             cancel_on_disconnect(send, False)  # answered: nothing to withdraw (as below)
             gateway.stats.record(name, exc.status, time.perf_counter() - started)

@@ -573,9 +573,17 @@ class Router:
 
     # --- one call ---------------------------------------------------------------------------
     async def invoke(
-        self, spec: FunctionSpec, call_id: str, payload: bytes, content_type: str, *, clock: Callable[[], float]
+        self,
+        spec: FunctionSpec,
+        call_id: str,
+        payload: bytes,
+        content_type: str,
+        *,
+        clock: Callable[[], float],
+        given_call_id: bool = False,
     ) -> CallResult:
-        """Run the call to its end; raises CallFailed with the HTTP status to answer."""
+        """Run the call to its end; raises CallFailed with the HTTP status to answer. `given_call_id`:
+        the client named the call (X-Call-Id), and may use the id again once it ends."""
         if call_id in self._calls:
             raise CallFailed(409, f"call {call_id!r} is already in flight; use a new X-Call-Id")
         deadline = clock() + spec.timeout_s
@@ -586,6 +594,7 @@ class Router:
                 timeout_s=spec.timeout_s,
                 payload_bytes=len(payload),
                 lease=self.take_leases,
+                given_call_id=given_call_id,
             ),
             deadline,
             clock,

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from gpufaas.grants import BadToken, verify
+from gpufaas.grants import GRANT_KEEP_S, BadToken, verify
 from gpufaas.proto import gpufaas_pb2 as pb
 
 GrantRef = tuple[str, int]  # (call id, attempt)
@@ -100,11 +100,12 @@ class GrantLedger:
     gpus: frozenset[str]
     key: bytes = b""
     scheduler_id: str = ""
-    keep_s: float = 60.0
+    keep_s: float = GRANT_KEEP_S
     epoch: int = 0  # the newest leader's epoch seen
     scheduler_epoch: int = 0  # the attached scheduler's
     admitted: int = 0  # grants admitted
-    admitted_again: int = 0  # of them, for a call admitted before (within keep_s)
+    # Of them, for a call id admitted before (within keep_s): a retry, or an X-Call-Id used again.
+    admitted_again: int = 0
     refused_stale: int = 0  # grants refused for an epoch older than `epoch`
     admitted_under_leases: int = 0  # calls admitted under a lease (its grant's own not counted)
     refused_under_leases: int = 0  # calls refused under a lease that ended or was in use (LeaseClosed)

@@ -20,6 +20,9 @@ from gpufaas.proto import gpufaas_pb2 as pb
 TAG_BYTES = hashlib.sha256().digest_size
 KEY_BYTES = 32
 MAX_CLAIM_S = 30.0  # the most a grant's claim time (and a lease) may run: nodes remember grants for 60 s
+# How long past its claim time (a lease's: past its last call's end) a node remembers a grant it saw,
+# and refuses it again (gpu_manager.ledger).
+GRANT_KEEP_S = 60.0
 # The outcomes of a call under a lease after which the lease goes on (docs/hit-leases.md): the node
 # ends it on any other (its worker lost or timed out), and the gateway drops it then.
 LEASE_KEEPING_OUTCOMES = frozenset({pb.OK, pb.HANDLER_ERROR, pb.INVALID_INPUT, pb.OUTPUT_TOO_LARGE, pb.OUTPUT_INVALID})

@@ -63,11 +63,13 @@ from __future__ import annotations
 
 import enum
 import math
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 from gpufaas.errors import GpufaasError, ModelTooLarge, UnknownModel
 from gpufaas.functions import FunctionSpec
+from gpufaas.grants import GRANT_KEEP_S
 from gpufaas.keys import split_gpu_address
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.types import Request
@@ -80,6 +82,9 @@ MAX_WORKER_ATTEMPTS = 2  # a call whose worker died is retried once
 MAX_PLACEMENTS = 6  # placements that never ran (node unreachable, grant refused) before giving up
 DEFAULT_CLAIM_S = 5.0
 DEFAULT_LOST_AFTER_S = 5.0
+# How much longer than a node may remember a grant the book remembers its attempt (`_NamedIds`):
+# the node times it by its own clock.
+CLOCK_SKEW_S = 5.0
 # The Rejection status for "the scheduler no longer holds this call, whether it ran is unknown".
 # gpufaas.proto has no Status of that name yet; the gateway answers any status it does not map with
 # 502 and the Rejection's message, which is what such a call needs (a retry could run it twice).
@@ -199,6 +204,50 @@ class _Call:
     lease_ending: bool = False  # its node was told to end it (a check is under way, or a Done will say)
     lease_if_idle: bool = False  # ... only if no call runs under it there (its time is up here)
     lease_uses: int = 0  # calls run to their end under the lease (its own first)
+    named: bool = False  # its client named it (X-Call-Id): its last attempt is remembered (`_NamedIds`)
+
+
+class _NamedIds:
+    """The last attempt of the finished calls that their clients named (X-Call-Id), each kept
+    until a time. A node refuses a grant (call id, attempt) it has seen for as long as it
+    remembers it (`GRANT_KEEP_S`), so a later call of the same id starts past that attempt instead
+    of being refused there, attempt after attempt. Pruned in the order kept, a few at a time."""
+
+    __slots__ = ("_kept", "_due")
+
+    def __init__(self) -> None:
+        self._kept: dict[str, tuple[int, float]] = {}  # call id -> (last attempt, kept until)
+        self._due: deque[tuple[float, str]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def keep(self, call: _Call, claim_s: float) -> None:
+        """Remember the call's last attempt for as long as its node may remember its grant: past
+        its claim time (by the deadline) or, a lease's, past its last call's end (by the deadline
+        too: `_lease_done` moves it past each call's), by the node's clock."""
+        until = max(call.deadline, call.placed_at + claim_s) + GRANT_KEEP_S + CLOCK_SKEW_S
+        self._kept[call.call_id] = (call.attempt, until)
+        self._due.append((until, call.call_id))
+
+    def first_attempt(self, call_id: str, now: float, named: bool) -> int:
+        """Where a new call's attempts start (its first placement is this plus one): past the
+        last attempt of a named call of this id while a node may remember its grant, else 0."""
+        if not self._kept:
+            return 0
+        self.prune(now, limit=4)
+        kept = self._kept.pop(call_id, None) if named else None
+        return kept[0] if kept is not None and now <= kept[1] else 0
+
+    def prune(self, now: float, limit: int) -> None:
+        """Forget at most `limit` ids whose time passed before `now`."""
+        due, kept = self._due, self._kept
+        while limit and due and due[0][0] < now:
+            call_id = due.popleft()[1]
+            entry = kept.get(call_id)
+            if entry is not None and entry[1] < now:  # (else taken, or kept again: due later)
+                del kept[call_id]
+                limit -= 1
 
 
 class _Upkeep:
@@ -545,15 +594,14 @@ class CallBook(_GrantChecks):
     claim_s: float = DEFAULT_CLAIM_S
     lost_after_s: float = DEFAULT_LOST_AFTER_S
     adaptive_slots: AdaptiveSlots | None = None  # D per GPU from its utilization (None: D fixed)
-    # How long a hit's placement leases its slot to its owner when nothing waits (0: never).
-    lease_s: float = 0.0
+    lease_s: float = 0.0  # how long a hit's placement leases its slot to its owner when nothing waits (0: never)
     _calls: dict[str, _Call] = field(default_factory=dict)
     _leases: dict[str, _Call] = field(default_factory=dict)  # the calls whose placement is a lease
+    _named: _NamedIds = field(default_factory=_NamedIds)  # finished calls' X-Call-Ids, for a while
     # When calls last waited in the global queue on running calls (not on leases being ended).
     _waited_at: float = -math.inf
     _parked_at: dict[str, float] = field(default_factory=dict)  # per GPU, when a call was last parked there
-    # Per GPU, for as long as this book lives (a GPU that leaves and comes back goes on counting).
-    _seq: dict[str, int] = field(default_factory=dict)  # the latest grant's gpu_seq
+    _seq: dict[str, int] = field(default_factory=dict)  # per GPU, the latest grant's gpu_seq (kept if it leaves)
     _retired: set[str] = field(default_factory=set)  # models no function runs any more
     # The WAITING calls in arrival order: added by `submit` while no GPU is attached, moved into the
     # scheduler's queue by `schedule` once one is, removed at their deadline or withdrawal.
@@ -600,9 +648,11 @@ class CallBook(_GrantChecks):
         nodes_attaching: bool = False,
         lease: bool = False,
         worker_died: bool = False,
+        named: bool = False,
     ) -> list[Effect]:
         """Queue a call and schedule. Raises Rejected (nothing is queued then). `lease`: the owner
-        takes a lease with the call's placement where one is granted (`lease_s`).
+        takes a lease with the call's placement where one is granted (`lease_s`). `named`: its
+        client named it (X-Call-Id); it is placed past the last attempt of that id (`_NamedIds`).
 
         `nodes_attaching`: some registered GPU manager is not attached yet (its GPUs are not in
         the scheduler). A call that finds no GPU then waits for one (until its deadline) instead of
@@ -615,6 +665,7 @@ class CallBook(_GrantChecks):
             )
         call = _Call(call_id, owner, spec, submitted_at=now, deadline=now + timeout_s, lease_wanted=lease)
         call.worker_failures = int(worker_died)  # (its worker died under a lease: this is its retry)
+        call.named, call.attempt = named, self._named.first_attempt(call_id, now, named)
         if not self.scheduler.cache.num_gpus:
             if not nodes_attaching:
                 raise Rejected(pb.UNAVAILABLE, "no GPU manager is registered: start a node")
@@ -933,6 +984,8 @@ class CallBook(_GrantChecks):
         self._calls.pop(call.call_id, None)
         self._waiting.pop(call.call_id, None)
         self._leases.pop(call.call_id, None)
+        if call.named and call.attempt:
+            self._named.keep(call, self.claim_s)
 
 
 def _reconcile_host(

@@ -481,6 +481,7 @@ class SchedulerService:
                 self.clock(),
                 nodes_attaching=attaching,
                 lease=request.lease,
+                named=request.given_call_id,
                 worker_died=request.worker_died,
             )
         except Rejected as exc:

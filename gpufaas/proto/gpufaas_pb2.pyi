@@ -56,20 +56,22 @@ OUTPUT_TOO_LARGE: Outcome
 OUTPUT_INVALID: Outcome
 
 class Place(_message.Message):
-    __slots__ = ("call_id", "function", "timeout_s", "payload_bytes", "lease", "worker_died")
+    __slots__ = ("call_id", "function", "timeout_s", "payload_bytes", "lease", "worker_died", "given_call_id")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     FUNCTION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     WORKER_DIED_FIELD_NUMBER: _ClassVar[int]
+    GIVEN_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     call_id: str
     function: str
     timeout_s: float
     payload_bytes: int
     lease: bool
     worker_died: bool
-    def __init__(self, call_id: _Optional[str] = ..., function: _Optional[str] = ..., timeout_s: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., lease: _Optional[bool] = ..., worker_died: _Optional[bool] = ...) -> None: ...
+    given_call_id: bool
+    def __init__(self, call_id: _Optional[str] = ..., function: _Optional[str] = ..., timeout_s: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., lease: _Optional[bool] = ..., worker_died: _Optional[bool] = ..., given_call_id: _Optional[bool] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("call_id", "attempt", "node", "node_address", "gpu", "hit", "queue_s", "token", "epoch", "lease_s")

@@ -70,9 +70,10 @@ class FakeGateway:
         gateway.place(call_id, "sleepy")
         return gateway, await gateway.placement(call_id)
 
-    def place(self, call_id: str, function: str, timeout_s: float = 30.0) -> None:
+    def place(self, call_id: str, function: str, timeout_s: float = 30.0, *, given_call_id: bool = False) -> None:
         assert self.scheduler is not None
-        self.scheduler.send(MessageType.PLACE, pb.Place(call_id=call_id, function=function, timeout_s=timeout_s))
+        place = pb.Place(call_id=call_id, function=function, timeout_s=timeout_s, given_call_id=given_call_id)
+        self.scheduler.send(MessageType.PLACE, place)
 
     def abandon(self, call_id: str, attempt: int, reason: int) -> None:
         assert self.scheduler is not None
@@ -190,6 +191,29 @@ async def test_a_placement_never_presented_is_revoked_and_placed_again(cluster: 
     reply, body = await execute(second, key=cluster.wire_key)
     assert reply.outcome == pb.OK, reply.message
     assert b"slept_s" in body
+
+
+@pytest.mark.anyio
+async def test_a_call_id_its_client_names_again_runs_at_its_first_placement(cluster: LocalCluster) -> None:
+    # The nodes remember every grant they saw (call id, attempt) for a minute and refuse it again.
+    # A call the client named (X-Call-Id) whose id it uses again once the call ended is placed past
+    # the attempts of the calls of that id before it: each runs at its first placement.
+    gateway = FakeGateway()
+    await gateway.open(cluster)
+    for expected_attempt in (1, 2, 3):
+        gateway.messages.clear()
+        gateway.place("named-1", "sleepy", given_call_id=True)
+        placement = await gateway.placement("named-1", attempt=expected_attempt)
+        reply, _ = await execute(placement, key=cluster.wire_key)
+        assert reply.outcome == pb.OK, reply.message
+        await eventually(lambda: all(not g["running"] for g in gpus(cluster).values()), timeout_s=10)  # its Done came
+    # A call id the gateway made is not remembered (it never comes again): were one used again, it
+    # would start at attempt 1, which its node refuses (the gateway then has it placed again).
+    gateway.messages.clear()
+    gateway.place("named-1", "sleepy")
+    placement = await gateway.placement("named-1", attempt=1)
+    reply, _ = await execute(placement, key=cluster.wire_key)
+    assert reply.outcome == pb.REFUSED and "used already" in reply.message
 
 
 @pytest.mark.anyio

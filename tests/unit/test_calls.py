@@ -8,10 +8,12 @@ import pytest
 
 from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.functions import FunctionSpec
+from gpufaas.grants import GRANT_KEEP_S
 from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.types import GpuSpec
 from scheduler.calls import (
+    CLOCK_SKEW_S,
     MAX_PLACEMENTS,
     OUTCOME_UNKNOWN,
     Answer,
@@ -486,6 +488,44 @@ def test_a_placement_abandoned_after_its_call_was_cancelled_is_not_placed_again(
     effects = book.abandon("gw1", "c1", 1, pb.Abandon.NODE_UNREACHABLE, now=1.1)
     assert not [e for e in effects if isinstance(e, Assignment | Answer)], effects
     assert queued(book) == [] and running(book, N2) == []
+
+
+def test_a_call_id_its_client_names_again_is_placed_past_the_attempts_before_it() -> None:
+    # A node refuses a grant (call id, attempt) it has seen for GRANT_KEEP_S: a named call (an
+    # X-Call-Id) used again after its first call ended starts past that one's last attempt, and
+    # runs at its first placement instead of being refused there, attempt after attempt.
+    book = make_book()
+    book.submit("gw1", "c1", A, 10.0, now=0.0, named=True)
+    assert placed(book.abandon("gw1", "c1", 0, pb.Abandon.REFUSED, now=0.5)) == [("c1", 2, N2, 1, False)]
+    assert book.done("c1", 2, pb.OK, 1.0, inference_time_s=0.5) == []
+    assert placed(book.submit("gw2", "c1", A, 10.0, now=2.0, named=True)) == [("c1", 3, N2, 2, True)]
+    assert book.done("c1", 3, pb.OK, 3.0, inference_time_s=0.5) == []
+    # Once no node can remember its grant (kept from its deadline, 12 s, for GRANT_KEEP_S and the
+    # clocks' skew), the id starts afresh, and what the book kept of it is gone.
+    forgotten_at = 12.0 + GRANT_KEEP_S + CLOCK_SKEW_S + 0.1
+    assert placed(book.submit("gw1", "c1", A, 10.0, now=forgotten_at, named=True))[0][1] == 1
+    assert len(book._named) == 0  # (what the book remembers, not only what it places)
+
+
+def test_a_call_id_the_gateway_made_is_not_remembered_once_its_call_ends() -> None:
+    book = make_book()
+    book.submit("gw1", "c1", A, 10.0, now=0.0)
+    book.done("c1", 1, pb.OK, 1.0, inference_time_s=0.5)
+    assert len(book._named) == 0  # (one per call would grow with the call rate)
+    assert placed(book.submit("gw1", "c1", A, 10.0, now=2.0))[0][1] == 1
+
+
+def test_the_book_forgets_named_call_ids_as_their_time_passes_while_calls_come() -> None:
+    book = make_book(slots=4)
+    for i in range(8):
+        book.submit("gw1", f"n{i}", A, 1.0, now=float(i), named=True)
+        book.done(f"n{i}", 1, pb.OK, float(i) + 0.5, inference_time_s=0.5)
+    assert len(book._named) == 8
+    later = 7.0 + CLAIM_S + GRANT_KEEP_S + CLOCK_SKEW_S + 0.1  # the last one's claim time, and as long
+    for i in range(3):  # each arrival forgets up to four whose time passed
+        book.submit("gw1", f"u{i}", A, 1.0, now=later + i)
+        book.done(f"u{i}", 1, pb.OK, later + i + 0.5, inference_time_s=0.5)
+    assert len(book._named) == 0
 
 
 def test_placements_that_never_run_are_bounded() -> None:

@@ -1521,6 +1521,7 @@ def test_http_a_miss_answers_the_result_with_its_headers_and_server_timing(tmp_p
             assert headers["x-batch-calls"] == "3"
             assert float(headers["x-duration-seconds"]) >= 0
             assert "x-attempts" not in headers, "one placement: no X-Attempts"
+            assert [p.given_call_id for p in scheduler.places] == [True], "the client named it"
             assert server_timing(headers["server-timing"]) == pytest.approx(
                 {
                     "fetch": 500.0,
@@ -1592,7 +1593,7 @@ def test_http_a_hit_after_a_retry_says_so_and_has_no_server_timing(tmp_path: Pat
             (place,) = scheduler.places
             call_id = headers["x-call-id"]
             assert len(call_id) == 32 and int(call_id, 16) >= 0, "a generated call id"
-            assert place.call_id == call_id
+            assert place.call_id == call_id and not place.given_call_id
             assert [(a.call_id, a.attempt, a.reason) for a in scheduler.abandons] == [(call_id, 1, pb.Abandon.REFUSED)]
 
     run(scenario())
