@@ -72,7 +72,21 @@ _PIN = re.compile(r"([a-z0-9](?:[a-z0-9-]*[a-z0-9])?)==([0-9][0-9a-z.!+]*)")
 _PYTHON = re.compile(r"[a-z]+[0-9]+-[a-z0-9_]+")
 # pip's own comment rule (pip._internal.req.req_file.COMMENT_RE): "#" at the start or after whitespace.
 _COMMENT = re.compile(r"(^|\s+)#.*$")
-_ARCHIVE_SUFFIXES = (".whl", ".zip", ".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz", ".tar.xz", ".txz", ".tar.lz")
+# pip's ARCHIVE_EXTENSIONS (pip._internal.utils.filetypes): a requirement ending in one is a local file to pip.
+_ARCHIVE_SUFFIXES = (
+    ".whl",
+    ".zip",
+    ".tar",
+    ".tar.gz",
+    ".tgz",
+    ".tar.bz2",
+    ".tbz",
+    ".tar.xz",
+    ".txz",
+    ".tlz",
+    ".tar.lz",
+    ".tar.lzma",
+)
 _VCS = re.compile(r"(git|hg|svn|bzr)\+", re.IGNORECASE)
 _IMPLEMENTATION_ABBREVIATIONS = {"cpython": "cp", "pypy": "pp", "ironpython": "ip", "jython": "jy"}
 _MESSAGE_PART_CHARS = 300  # a quoted piece of pip's output in an error message is cut to this
