@@ -194,6 +194,13 @@ def _parse_line(line: str, line_number: int) -> str:
             f"{where}: {line!r} is a direct reference ('name @ url'); name a published version instead"
         )
     normalized = str(requirement)
+    # pip reads the part before ";" as a local path or archive when it looks like one: '===' (arbitrary
+    # equality) takes any string, so "pkg===dir/pkg-1.0-py3-none-any.whl" would be a file to pip.
+    if _looks_like_file(normalized.split(";", 1)[0].strip()):
+        raise RequirementsError(
+            f"{where}: {line!r} is a URL, path or VCS link to pip; name a published package and its versions "
+            "instead (e.g. 'tabulate>=0.9')"
+        )
     # pip splits a requirements-file line at the first token starting with "-" and reads the rest as
     # options; a marker literal such as "a -b" would smuggle one in.
     if any(token.startswith("-") for token in normalized.split()):
@@ -205,8 +212,12 @@ def _is_direct_reference(line: str) -> bool:
     """Whether pip would take `line` as a URL, VCS link or local path/archive rather than a name."""
     if "://" in line or _VCS.match(line) or line.startswith((".", "/", "~", "file:")):
         return True
-    name_part = re.split(r"[\s;\[<>=!~@]", line, maxsplit=1)[0]
-    return "/" in name_part or "\\" in name_part or name_part.lower().endswith(_ARCHIVE_SUFFIXES)
+    return _looks_like_file(re.split(r"[\s;\[<>=!~@]", line, maxsplit=1)[0])
+
+
+def _looks_like_file(text: str) -> bool:
+    """Whether pip would take `text` (a requirement without its markers) as a local path or archive."""
+    return "/" in text or "\\" in text or text.startswith(".") or text.lower().endswith(_ARCHIVE_SUFFIXES)
 
 
 # --- the base environment and the interpreter -----------------------------------------------------------

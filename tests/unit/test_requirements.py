@@ -185,6 +185,9 @@ def test_a_continuation_on_the_last_line_is_kept() -> None:
         ("pkg-1.0.tar.gz", "URL, path or VCS link"),
         ("pkg-1.0.tlz", "URL, path or VCS link"),  # pip's archives include .tlz and .tar.lzma
         ("pkg-1.0.tar.lzma", "URL, path or VCS link"),
+        # '===' takes any string: pip reads the whole part before ';' as a path when it looks like one.
+        ("pkg===wheels/pkg-1.0-py3-none-any.whl", "URL, path or VCS link"),
+        ("pkg===pkg-1.0.tar.gz; python_version >= '3'", "URL, path or VCS link"),
         ("vendored/pkg", "URL, path or VCS link"),
         ("file:pkg.zip", "URL, path or VCS link"),
         ("pkg @ https://evil.example/pkg.whl", "URL, path or VCS link"),
