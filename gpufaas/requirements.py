@@ -141,21 +141,24 @@ def parse_requirements(text: str) -> list[str]:
 
 def _logical_lines(text: str) -> Iterator[tuple[int, str]]:
     """(number of the first physical line, the line) after joining backslash continuations like pip's
-    `join_lines`: a whole-line comment never continues, a trailing continuation ends at end of file."""
+    `join_lines`: a whole-line comment never continues (and is joined after a space, so it stays a
+    comment), backslashes are stripped from both ends of a continued line, a trailing continuation ends
+    at end of file."""
     pending: list[str] = []
     start = 0
     for number, line in enumerate(text.splitlines(), start=1):
         if line.endswith("\\") and not _COMMENT.match(line):
             if not pending:
                 start = number
-            pending.append(line[:-1])
+            pending.append(line.strip("\\"))
             continue
+        logical = " " + line if _COMMENT.match(line) else line
         if pending:
-            pending.append(line)
+            pending.append(logical)
             yield start, "".join(pending)
             pending = []
         else:
-            yield number, line
+            yield number, logical
     if pending:
         yield start, "".join(pending)
 

@@ -161,6 +161,12 @@ def test_an_empty_file_has_no_requirements() -> None:
     assert parse_requirements("# nothing\n\n   \n") == []
 
 
+def test_a_whole_line_comment_ends_a_continuation_as_pip_reads_it() -> None:
+    # pip's join_lines puts a space before a comment line it joins, so the comment is still removed.
+    assert parse_requirements("tabulate\\\n# the table printer\nwcwidth\n") == ["tabulate", "wcwidth"]
+    assert parse_requirements("tabulate\\\\\n==0.9\n") == ["tabulate==0.9"]  # pip strips every "\\"
+
+
 def test_a_continuation_on_the_last_line_is_kept() -> None:
     assert parse_requirements("tabulate\\") == ["tabulate"]
 
