@@ -153,9 +153,10 @@ class PackageStore:
             if record is None or not all(self.blobs.has(d) for d in record.manifest.blobs()):
                 await asyncio.to_thread(shutil.rmtree, path, True)
                 continue
+            needs_layer = record.requirements is not None and not record.requirements.empty
             layer = self.layers.path_for(record.requirements) if record.requirements is not None else None
-            if record.requirements is not None and layer is None:
-                continue  # its layer is gone: staged again when asked
+            if needs_layer and layer is None:
+                continue  # its layer is gone: staged again when asked (an empty one is never installed)
             self._staged[digest] = (record.manifest, layer)
             self._used_at[digest] = path.stat().st_mtime
         if self._staged and self._on_change is not None:

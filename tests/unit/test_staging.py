@@ -212,6 +212,27 @@ def test_a_restarted_node_adopts_what_it_staged(tmp_path: Path, cluster: Cluster
     asyncio.run(main())
 
 
+def test_a_restarted_node_adopts_a_package_whose_layer_is_empty(tmp_path: Path, cluster: Cluster) -> None:
+    # requirements.txt named only what the base holds: the gateway recorded the empty layer, which
+    # is never installed (nothing to install), so no layer directory exists for it.
+    cluster.holder("gw")
+    files = {"handler.py": HANDLER, "requirements.txt": b"tabulate\n"}
+    digest = cluster.package(files, layer=Layer((), python_tag()))
+
+    async def main() -> None:
+        layers = tmp_path / "layers"
+        await cluster.store(tmp_path / "node", layers=LayerCache(layers, run=_no_pip)).ensure(digest)  # type: ignore[arg-type]
+        again = cluster.store(tmp_path / "node", layers=LayerCache(layers, run=_no_pip))  # type: ignore[arg-type]
+        await again.recover()
+        assert again.staged() == {digest} and again.layer_dir(digest) is None
+
+    asyncio.run(main())
+
+
+def _no_pip(argv: list[str], timeout_s: float) -> tuple[int, str, str]:
+    raise AssertionError(f"pip run for an empty layer: {argv}")
+
+
 def test_a_package_with_requirements_gets_its_layer(tmp_path: Path, cluster: Cluster) -> None:
     cluster.holder("gw")
     layer = Layer(("tabulate==0.9.0",), python_tag())
