@@ -309,8 +309,13 @@ def cpu_figures(
 
 
 def run_figures(run: ShardRun, warmup_s: float) -> dict[str, Any]:
-    """What the run decided, over the measured calls: hits, loads, spills, the shards' shares."""
+    """What the run decided, over the measured calls: hits, loads, spills, the shards' shares.
+    ValueError when no call arrived after `warmup_s` (nothing to measure)."""
     measured = [call for call in run.calls.values() if call.arrival_s >= warmup_s]
+    if not measured:
+        raise ValueError(
+            f"no call arrived between {warmup_s:g} s and {run.window_s:g} s: lower --warmup-s or raise --window-s"
+        )
     loads = sum(not call.hit for call in measured)
     spilled = [call for call in measured if call.spilled]
     placed = Counter(call.shard for call in run.calls.values())
@@ -369,7 +374,10 @@ def sweep(
                 queue_bound=args.queue_bound,
             )
             run = simulate_shards(workload_for[gpus], config, args.window_s)
-            row = run_figures(run, args.warmup_s)
+            try:
+                row = run_figures(run, args.warmup_s)
+            except ValueError as exc:
+                raise SystemExit(f"shard_sim: {gpus} GPUs, K = {shards}: {exc}") from None
             baseline = row if shards == 1 else baseline
             if baseline is not None:
                 row["hit_ratio_minus_k1"] = round(row["hit_ratio"] - baseline["hit_ratio"], 4)

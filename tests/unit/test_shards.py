@@ -146,3 +146,10 @@ def test_the_sharded_run_places_every_call_once_on_its_own_shards_gpus(shards: i
         assert figures["spills"] > 0  # 6 models on 16 GPUs: some home lacks an idle copy another shard has
     cpu = cpu_figures(run, 450.0, 1.0, 0.25, 0.0)
     assert cpu["capacity_placements_per_s"] <= shards / 450e-6
+
+
+def test_a_run_without_measured_calls_says_so_rather_than_divide_by_zero() -> None:
+    workload = zipf_workload(calls=20, models=3, zipf_exponent=1.0, memory_mb=3000, gap_s=0.02, seed=0)
+    run = simulate_shards(workload, ShardSimConfig(gpus=16, shards=2), window_s=10.0)  # all arrive by 0.4 s
+    with pytest.raises(ValueError, match="no call arrived between 5 s and 10 s"):
+        run_figures(run, warmup_s=5.0)
