@@ -2,7 +2,8 @@
 
 The overview is read as a loosely typed JSON document: a key an older or newer gateway leaves
 out, or a value of an unexpected type, shows as '-' (or an empty table) instead of failing, so
-the view keeps working across gateway versions. Model names (`function@digest`) are shown as the
+the view keeps working across gateway versions. What the gateway reports is shown as text, never
+read as Rich markup (a node's name is its operator's choice). Model names (`function@digest`) are shown as the
 function part alone where that names one model in the whole frame, and in full where two models
 share it (two versions of one function), so a short name always means the same model.
 """
@@ -149,7 +150,8 @@ def _gpu_table(gpus: Sequence[Mapping[str, Any]], names: Mapping[str, str]) -> G
     table.add_column("host tier")
     for gpu in sorted(gpus, key=lambda g: natural_key(_text(g.get("gpu")))):
         status = _text(gpu.get("status"))
-        table.add_row(
+        _add_row(
+            table,
             _text(gpu.get("gpu")),
             _text(gpu.get("gpu_type")),
             Text(status, style={"idle": "green", "busy": "yellow"}.get(status, "red")),
@@ -174,7 +176,8 @@ def _function_table(functions: Sequence[Mapping[str, Any]]) -> Group:
         latency = latency if isinstance(latency, Mapping) else {}
         ratio = _number(function.get("hit_ratio"))
         errors = _number(function.get("errors"))
-        table.add_row(
+        _add_row(
+            table,
             _text(function.get("name")),
             _int_text(_number(function.get("replicas"))),
             _int_text(_number(function.get("calls"))),
@@ -198,8 +201,11 @@ def _queue_view(queue: Mapping[str, Any], names: Mapping[str, str]) -> Renderabl
     for call in oldest[:MAX_QUEUED_SHOWN]:
         waited_s = _number(call.get("waited_s"))
         model = _text(call.get("model"))
-        table.add_row(
-            _text(call.get("function")), names.get(model, model), f"{waited_s:.2f}" if waited_s is not None else "-"
+        _add_row(
+            table,
+            _text(call.get("function")),
+            names.get(model, model),
+            f"{waited_s:.2f}" if waited_s is not None else "-",
         )
     length = _number(queue.get("length"))
     shown = min(len(calls), MAX_QUEUED_SHOWN)
@@ -218,7 +224,8 @@ def _eviction_view(
     for eviction in evictions[:MAX_EVICTIONS_SHOWN]:
         at_s = _number(eviction.get("time_unix_s"))
         model = _text(eviction.get("model"))
-        table.add_row(
+        _add_row(
+            table,
             age_text(frame_time_s - at_s) if at_s is not None else "-",
             _text(eviction.get("gpu")),
             names.get(model, model),
@@ -230,6 +237,11 @@ def _eviction_view(
 def _table() -> Table:
     # Compact (no outer frame) so a terminal holds more rows.
     return Table(box=box.SIMPLE_HEAD, expand=False, pad_edge=False, show_edge=False)
+
+
+def _add_row(table: Table, *cells: str | Text) -> None:
+    # A str cell would be read as markup: '[/b]' in a name fails the frame, '[bold]' vanishes.
+    table.add_row(*(Text(cell) if isinstance(cell, str) else cell for cell in cells))
 
 
 def _section(title: str, body: RenderableType | None = None) -> Group:

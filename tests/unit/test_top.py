@@ -289,6 +289,19 @@ def test_a_gpu_with_missing_fields_shows_dashes() -> None:
     assert row(text, "node-0/0") == ["node-0/0", "-", "-", "-", "0/-", "-", "-", "-"]
 
 
+def test_the_gateways_words_are_shown_as_text_not_rich_markup() -> None:
+    # A node is named by its operator (default: the host name), unchecked: brackets in it, or in
+    # anything else the gateway reports, are text. As markup, '[/b]' failed the whole frame
+    # (MarkupError) and '[bold]' vanished.
+    gpu = make_gpu("gpu[/b]/0", gpu_type="[bold]t", lru=["[red]m@1"], running=["[red]m@1"], host_tier=["[i]h@2"])
+    queue = {"length": 1, "capacity": 10, "calls": [{"function": "[/q]", "model": "[u]q@3", "waited_s": 1.0}]}
+    evictions = [{"time_unix_s": NOW_S - 1, "gpu": "gpu[/b]/0", "model": "[s]e@4", "reason": "[/r]"}]
+    text = shown(make_overview(gpus=[gpu], queue=queue, evictions=evictions, functions=[make_function("[/f]")]))
+    assert row(text, "gpu[/b]/0")[:2] == ["gpu[/b]/0", "[bold]t"]
+    for fragment in ("1/1 [red]m", "[i]h", "[/q]", "[u]q", "[s]e", "[/r]", "[/f]"):
+        assert fragment in text, (fragment, text)
+
+
 # --- the command, against a real HTTP server on loopback ---------------------------------------------------
 
 
