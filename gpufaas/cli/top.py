@@ -82,7 +82,8 @@ def short_model_names(models: Iterable[str]) -> dict[str, str]:
 
 def natural_key(text: str) -> tuple[tuple[int, int | str], ...]:
     """Sort key that puts node-2/1 before node-10/0 (digit runs compare as numbers)."""
-    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", text) if part)
+    # isdecimal, not isdigit: '²' is a digit to isdigit but not to int() (nor to the regex).
+    return tuple((0, int(part)) if part.isdecimal() else (1, part) for part in re.split(r"(\d+)", text) if part)
 
 
 def hit_ratio_text(hits: float | None, misses: float | None) -> str:

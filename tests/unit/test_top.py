@@ -302,6 +302,12 @@ def test_the_gateways_words_are_shown_as_text_not_rich_markup() -> None:
         assert fragment in text, (fragment, text)
 
 
+def test_gpu_names_with_digits_other_than_decimal_sort_without_error() -> None:
+    # '²' is a digit to str.isdigit() but not to int() nor to the regex's \d.
+    assert sorted(["n1²", "n10", "n2"], key=natural_key) == ["n1²", "n2", "n10"]
+    assert row(shown(make_overview(gpus=[make_gpu("n²/0"), make_gpu("n1²/0")])), "n1²/0")[0] == "n1²/0"
+
+
 # --- the command, against a real HTTP server on loopback ---------------------------------------------------
 
 
