@@ -425,7 +425,7 @@ class Artifacts:
         path = self.blobs.path(entry.digest)
         assert path is not None  # checked present by `register`
         try:
-            text = await asyncio.to_thread(path.read_text)
+            text = await asyncio.to_thread(path.read_text, encoding="utf-8")  # (not the locale's)
         except UnicodeDecodeError:
             raise RequirementsError(f"{REQUIREMENTS_FILE} is not UTF-8 text") from None
         requirements = parse_requirements(text)

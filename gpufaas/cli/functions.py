@@ -92,8 +92,8 @@ def _stack_without(stack_path: Path, name: str) -> dict[str, Any]:
     stack: dict[str, Any] = {"version": 1.0, "provider": provider, "functions": {}}
     if stack_path.exists():
         try:
-            stack = yaml.safe_load(stack_path.read_text()) or stack
-        except (OSError, yaml.YAMLError) as exc:
+            stack = yaml.safe_load(stack_path.read_text(encoding="utf-8")) or stack
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
             raise GpufaasError(f"cannot read {stack_path}: {exc}") from None
         if not isinstance(stack, dict) or not isinstance(stack.setdefault("functions", {}), dict):
             raise GpufaasError(f"{stack_path} is not a stack file (no functions mapping)")

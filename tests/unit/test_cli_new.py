@@ -45,10 +45,15 @@ def test_a_failure_keeps_the_existing_stack_file_as_it_was(tmp_path: Path, witho
     assert sorted(p.name for p in tmp_path.iterdir()) == ["no-numpy", "stack.yml"]
 
 
-def test_an_unreadable_stack_file_is_one_line_and_removes_the_function(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "content",
+    [b"functions: [oops\n", b"functions:\n  caf\xe9: {handler: ./x}\n"],  # not YAML; not UTF-8 (Latin-1)
+    ids=["not-yaml", "not-utf8"],
+)
+def test_an_unreadable_stack_file_is_one_line_and_removes_the_function(tmp_path: Path, content: bytes) -> None:
     pytest.importorskip("numpy")
     pytest.importorskip("torch")
-    (tmp_path / "stack.yml").write_text("functions: [oops\n")
+    (tmp_path / "stack.yml").write_bytes(content)
     result = runner.invoke(app, ["new", "hello", "--template", "pytorch-custom", "--dir", str(tmp_path)])
     assert result.exit_code == 1
     assert "Traceback" not in result.output and "cannot read" in result.stderr
