@@ -83,6 +83,12 @@ class Leases:
         lease.busy = False
         lease.usable_until = now + lease.placement.lease_s * USABLE_SHARE
 
+    @staticmethod
+    def put_back(lease: Lease) -> None:
+        """`lease` was taken for a call its node skipped unread (a payload over its limit): idle
+        again as it was, its time not started again (no call ran under it)."""
+        lease.busy = False
+
     def drop(self, lease: Lease) -> None:
         """`lease` cannot be used any more (refused, its node lost, its worker gone)."""
         leases = self._by_key.get(lease.key)

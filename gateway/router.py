@@ -683,7 +683,10 @@ class Router:
             self.leases.drop(lease)
             log.warning("call %s: node %s lost under a lease (%s)", box.place.call_id, lease.placement.node, exc)
             raise CallFailed(502, _unsure_leased(box, lease)) from None
-        except BaseException:  # its deadline, its client gone (is the lease free?), its payload over the limit
+        except CallFailed:  # its payload over the node's limit: skipped there unread, on a link that stays
+            self.leases.put_back(lease)
+            raise
+        except BaseException:  # its deadline, its client gone: is the lease free?
             self.leases.drop(lease)
             raise
         reply = frame.message(pb.ExecuteReply)

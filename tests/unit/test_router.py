@@ -1397,6 +1397,18 @@ async def test_a_call_whose_worker_died_under_a_lease_is_placed_as_its_retry(env
 
 
 @in_cluster()
+async def test_a_payload_over_the_nodes_limit_under_a_lease_is_a_413_and_the_lease_stays(env: Cluster) -> None:
+    await leased(env, "call-1")
+    failed = await failure(env.invoke("call-2", payload=bytes(3 * MAX_PAYLOAD_BYTES)))
+    assert failed.status == 413 and "over what node node-a takes" in failed.message
+    # The node skipped it unread (no call ran under the lease): the next call runs under it.
+    result = await env.router.invoke(make_spec(), "call-3", PAYLOAD, "image/png", clock=time.monotonic)
+    assert result.leased and result.output == PAYLOAD
+    await env.scheduler.barrier()
+    assert len(env.scheduler.places) == 1 and env.scheduler.abandons == [], "nothing placed, nothing to hand back"
+
+
+@in_cluster()
 async def test_a_call_given_up_under_a_lease_drops_the_lease(env: Cluster) -> None:
     await leased(env, "call-1")
     env.node_a.hold(b"call-1#1")  # the call under the lease never answers
