@@ -148,6 +148,10 @@ class _MaybeSent(Exception):
     """The connection to the node was lost after the Execute was sent: it may be running there."""
 
 
+class _AnswerTooLarge(CallFailed):
+    """The call ran, and its node's answer was over this gateway's limit (not read; the link stays)."""
+
+
 class Mailbox:
     """One call in flight: what the scheduler says about it (Placements, a Rejection), in
     arrival order, and what is needed to ask again. `waiting`: the call waits for a placement
@@ -632,19 +636,9 @@ class Router:
             box.attempt, box.waiting, box.unsure = message.attempt, False, False
             # The call's own deadline, for the node: a lease's grant holds a later one for its other calls.
             execute = pb.Execute(token=message.token, content_type=content_type, timeout_s=box.remaining_s())
-            try:
-                frame = await self._execute(message, payload, execute)
-            except _NotSent as exc:
-                log.info("call %s: not sent to node %s (%s)", call_id, message.node, exc)
-                await self._placement_failed(box, NOT_SENT, str(exc))
-                continue
-            except _MaybeSent as exc:
-                log.warning("call %s: node %s lost after the call was sent (%s)", call_id, message.node, exc)
-                await self._placement_failed(box, MAYBE_SENT, str(exc))
-                continue
-            except CallFailed as exc:  # its payload is over the node's limit: not run, nor will it be
-                self.abandon(call_id, box.attempt, pb.Abandon.CANCELLED, exc.message)
-                raise
+            frame = await self._execute_placed(box, message, payload, execute)
+            if frame is None:
+                continue  # not sent, or its node lost after: the scheduler was told
             reply = frame.message(pb.ExecuteReply)
             if message.lease_s > 0 and reply.outcome in LEASE_KEEPING_OUTCOMES and box.epoch == self.epoch:
                 self.leases.add((spec.name, spec.model), message, self.clock(), box.epoch)
@@ -663,6 +657,27 @@ class Router:
                 self.abandon(call_id, box.attempt, pb.Abandon.REFUSED, reply.message)
             # WORKER_DIED: the node told the scheduler, which places the call again or rejects it.
 
+    async def _execute_placed(
+        self, box: Mailbox, message: pb.Placement, payload: bytes, execute: pb.Execute
+    ) -> Frame | None:
+        """`_execute` of a placed call; None where the placement failed on the way (the scheduler
+        is told: it places the call again, or answers it). Raises CallFailed for the call's answer."""
+        call_id = box.place.call_id
+        try:
+            return await _execute(self.nodes, message, payload, execute)
+        except _NotSent as exc:
+            log.info("call %s: not sent to node %s (%s)", call_id, message.node, exc)
+            await self._placement_failed(box, NOT_SENT, str(exc))
+        except _MaybeSent as exc:
+            log.warning("call %s: node %s lost after the call was sent (%s)", call_id, message.node, exc)
+            await self._placement_failed(box, MAYBE_SENT, str(exc))
+        except _AnswerTooLarge:
+            raise  # it ran: its node tells the scheduler, as of any call
+        except CallFailed as exc:  # its payload is over the node's limit: not run, nor will it be
+            self.abandon(call_id, box.attempt, pb.Abandon.CANCELLED, exc.message)
+            raise
+        return None
+
     async def _run_leased(
         self, lease: Lease, box: Mailbox, spec: FunctionSpec, payload: bytes, content_type: str
     ) -> CallResult | None:
@@ -675,7 +690,7 @@ class Router:
             timeout_s=box.remaining_s(),
         )
         try:
-            frame = await self._execute(lease.placement, payload, execute)
+            frame = await _execute(self.nodes, lease.placement, payload, execute)
         except _NotSent:
             self.leases.drop(lease)
             return None
@@ -683,6 +698,9 @@ class Router:
             self.leases.drop(lease)
             log.warning("call %s: node %s lost under a lease (%s)", box.place.call_id, lease.placement.node, exc)
             raise CallFailed(502, _unsure_leased(box, lease)) from None
+        except _AnswerTooLarge:  # it ran under the lease, which goes on
+            self.leases.give_back(lease, self.clock())
+            raise
         except CallFailed:  # its payload over the node's limit: skipped there unread, on a link that stays
             self.leases.put_back(lease)
             raise
@@ -705,32 +723,6 @@ class Router:
         if reply.outcome == pb.TIMEOUT:
             raise CallFailed(504, spec.deadline_message())
         raise CallFailed(OUTCOME_TO_HTTP.get(reply.outcome, 502), reply.message)
-
-    async def _execute(self, placement: pb.Placement, payload: bytes, execute: pb.Execute) -> Frame:
-        """Send `execute` (of the placement's token) and wait for the node's answer. Raises _NotSent when no
-        connection to the node could be had, _MaybeSent when it was lost after the Execute went, CallFailed
-        (413) when the node refused the payload unread, over its limit (`--max-payload-mb` below the gateway's)."""
-        try:
-            node = await self.nodes.get(placement.node_address)
-        except ConnectionLost as exc:
-            raise _NotSent(exc) from None
-        if node.is_closed:  # (nothing awaited since: the Execute below is written, or this holds)
-            raise _NotSent(f"the connection to {placement.node_address} closed")
-        try:
-            # No timeout of its own: `invoke`'s (the call's deadline plus the grace) bounds the wait,
-            # and would end it at the same moment (one timer per call, not two).
-            frame = await node.request(MessageType.EXECUTE, execute, payload)
-        except NotSent as exc:  # the link was lost while its last frames were handled: never written
-            raise _NotSent(exc) from None
-        except RemoteError as exc:
-            if exc.status == pb.TOO_LARGE:  # (the link stays: the node skipped the frame, gpufaas.wire)
-                self.nodes.heard(placement.node_address)
-                raise CallFailed(413, _too_large(placement, len(payload), exc.message)) from None
-            raise _MaybeSent(exc) from None
-        except ConnectionLost as exc:
-            raise _MaybeSent(exc) from None
-        self.nodes.heard(placement.node_address)
-        return frame
 
     async def _placement_failed(self, box: Mailbox, reason: int, detail: str) -> None:
         """Report a placement that could not be used (`reason`: NOT_SENT or MAYBE_SENT) to the
@@ -764,10 +756,48 @@ class Router:
             conn.send(MessageType.PLACE, box.place_now())
 
 
+async def _execute(nodes: NodeConnections, placement: pb.Placement, payload: bytes, execute: pb.Execute) -> Frame:
+    """Send `execute` (of the placement's token) over `nodes` and wait for the node's answer. Raises
+    _NotSent when no connection to the node could be had, _MaybeSent when it was lost after the Execute
+    went, CallFailed (413) when the node refused the payload unread, over its limit (`--max-payload-mb`
+    below the gateway's), _AnswerTooLarge (502) when its answer was over this end's (the call ran)."""
+    try:
+        node = await nodes.get(placement.node_address)
+    except ConnectionLost as exc:
+        raise _NotSent(exc) from None
+    if node.is_closed:  # (nothing awaited since: the Execute below is written, or this holds)
+        raise _NotSent(f"the connection to {placement.node_address} closed")
+    try:
+        # No timeout of its own: `invoke`'s (the call's deadline plus the grace) bounds the wait,
+        # and would end it at the same moment (one timer per call, not two).
+        frame = await node.request(MessageType.EXECUTE, execute, payload)
+    except NotSent as exc:  # the link was lost while its last frames were handled: never written
+        raise _NotSent(exc) from None
+    except RemoteError as exc:
+        if exc.status == pb.TOO_LARGE:  # (the link stays: the node skipped the frame, gpufaas.wire)
+            nodes.heard(placement.node_address)
+            raise CallFailed(413, _too_large(placement, len(payload), exc.message)) from None
+        if exc.status == pb.RESULT_TOO_LARGE:  # (the link stays: this end skipped the answer)
+            nodes.heard(placement.node_address)
+            raise _AnswerTooLarge(502, _answer_too_large(placement, exc.message)) from None
+        raise _MaybeSent(exc) from None
+    except ConnectionLost as exc:
+        raise _MaybeSent(exc) from None
+    nodes.heard(placement.node_address)
+    return frame
+
+
 def _too_large(placement: pb.Placement, payload_bytes: int, why: str) -> str:
     return (
         f"the payload of {payload_bytes} bytes is over what node {placement.node} takes ({why}): send less "
         "(the node's --max-payload-mb is below this gateway's: the cluster's operator should set them alike)"
+    )
+
+
+def _answer_too_large(placement: pb.Placement, why: str) -> str:
+    return (
+        f"the function ran on node {placement.node}, and its result is over what this gateway takes ({why}): "
+        "the node's --max-payload-mb is above this gateway's (the cluster's operator should set them alike)"
     )
 
 

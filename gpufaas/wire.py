@@ -16,7 +16,9 @@ are: never parsed, never inside a protobuf message. A frame over the connection'
 is never buffered: a request is answered with an Error (TOO_LARGE) as its prefix arrives and its
 bytes are read and dropped, the connection kept (the gateways' and the nodes' payload limits are
 set apart: a gateway's payload over its node's limit fails that call alone, not the link's others);
-anything else over the limit (a one-way message, a reply: nobody to tell) cuts the peer off.
+a reply to a request this end is waiting on fails that request alone (`AnswerTooLarge`: a node's
+result over its gateway's limit), its bytes dropped likewise; anything else over the limit (a
+one-way message, a reply nobody waits for: nobody to tell) cuts the peer off.
 
 Messages produced within one pass of the event loop are written with one system call (they are
 queued and flushed by a callback scheduled with `call_soon`), so a burst of small messages costs
@@ -209,6 +211,14 @@ class RemoteError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+class AnswerTooLarge(RemoteError):
+    """The peer's answer to a request is over this end's limit (`max_frame_bytes`): not read (its
+    bytes were dropped as they came), the connection kept. Status RESULT_TOO_LARGE."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(pb.RESULT_TOO_LARGE, message)
 
 
 class Frame:
@@ -716,7 +726,7 @@ class _SkippedFrame:
         return self.left_bytes == 0
 
     def end(self, conn: Connection) -> None:
-        """Nothing to do: the request was answered as it began."""
+        """Nothing to do: the request was answered (the reply's asker told) as it began."""
 
 
 def _over_limit(conn: Connection, view: memoryview, start: int, end: int, total: int) -> int:
@@ -727,21 +737,30 @@ def _over_limit(conn: Connection, view: memoryview, start: int, end: int, total:
     and its allowance) is answered TOO_LARGE at once and its bytes are read and dropped, as they
     arrive (`_SkippedFrame`): the connection stays, and the other requests on it are answered (a
     gateway whose payload limit is above its node's sent a payload between the two: that call alone
-    is refused, not every call on the link). Anything else over the limit (a one-way message, a
-    reply, a prefix that reads as garbage) closes the connection with FrameTooLarge: nobody would
-    be told, or the stream is not frames."""
+    is refused, not every call on the link). A reply that reads as one, to a request this end
+    waits on, fails that request with AnswerTooLarge and is dropped alike (a node's limit above its
+    gateway's: a result between the two fails that call alone). Anything else over the limit (a
+    one-way message, a reply nobody waits for, a prefix that reads as garbage) closes the
+    connection with FrameTooLarge: nobody would be told, or the stream is not frames."""
     _, type_, flags, correlation_id, header_bytes = _PREFIX.unpack_from(view, start)
     too_large = f"a frame of {total} bytes exceeds this connection's limit of {conn.max_frame_bytes}"
     readable = type_ in MESSAGES and header_bytes <= min(HEADER_ALLOWANCE_BYTES, total - PREFIX_BYTES)
-    if flags != FLAG_REQUEST or not correlation_id or not readable:
+    request = flags == FLAG_REQUEST and correlation_id != 0
+    asker = conn._pending.pop(correlation_id, None) if flags == FLAG_REPLY and readable else None
+    if not readable or not (request or asker is not None):
         conn._protocol_error(FrameTooLarge(too_large))
         return end
     error_counts["frame_too_large"] += 1
-    log.warning(
-        "connection %s: %s (a %s request): refused, the connection kept", conn.peer, too_large, _type_name(type_)
-    )
-    message = f"a request of {total} bytes is over this end's limit of {conn.max_frame_bytes} bytes; it was not read"
-    conn.reply_error(Frame(type_, flags, correlation_id, b"", b""), pb.TOO_LARGE, message)
+    kind = "request: refused" if request else "reply: its request failed"
+    over_limit = f"is over this end's limit of {conn.max_frame_bytes} bytes; it was not read"
+    log.warning("connection %s: %s (a %s %s), the connection kept", conn.peer, too_large, _type_name(type_), kind)
+    if asker is not None:
+        if not asker.done():
+            asker.set_exception(AnswerTooLarge(f"an answer of {total} bytes {over_limit}"))
+    else:
+        conn.reply_error(
+            Frame(type_, flags, correlation_id, b"", b""), pb.TOO_LARGE, f"a request of {total} bytes {over_limit}"
+        )
     if end - start >= total:
         return start + total
     conn._rest = _SkippedFrame(conn._buf, total - (end - start))

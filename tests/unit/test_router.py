@@ -513,6 +513,34 @@ async def test_a_payload_over_the_nodes_limit_is_a_413_for_that_call_alone_and_t
 
 
 @in_cluster()
+async def test_a_result_over_the_gateways_limit_is_a_502_for_that_call_alone(env: Cluster) -> None:
+    """A node's --max-payload-mb above its gateway's: a result between the two cut the gateway's
+    link to the node, and the other calls running there lost their answers (502, outcome unknown)."""
+    env.node_a.script[b"call-1#1"] = (make_reply(), bytes(3 * MAX_PAYLOAD_BYTES))
+    task = await env.placed("call-1")
+    env.place_on(env.node_a, "call-1", 1)
+    failed = await failure(task)
+    assert failed.status == 502 and "ran on node node-a" in failed.message
+    assert "over what this gateway takes" in failed.message
+    # It ran (its node tells the scheduler): nothing to hand back; the link serves the next call.
+    task = await env.placed("call-2", places=2)
+    env.place_on(env.node_a, "call-2", 1)
+    assert (await task).output == PAYLOAD
+    await env.scheduler.barrier()
+    assert env.scheduler.abandons == [] and env.node_a.accepted == 1, "one link to the node, kept"
+
+
+@in_cluster()
+async def test_a_result_over_the_gateways_limit_under_a_lease_keeps_the_lease(env: Cluster) -> None:
+    await leased(env, "call-1")
+    env.node_a.script[b"call-1#1"] = (make_reply(), bytes(3 * MAX_PAYLOAD_BYTES))
+    assert (await failure(env.invoke("call-2"))).status == 502
+    env.node_a.script.pop(b"call-1#1")
+    result = await env.router.invoke(make_spec(), "call-3", PAYLOAD, "image/png", clock=time.monotonic)
+    assert result.leased and result.output == PAYLOAD
+
+
+@in_cluster()
 async def test_a_refused_token_is_abandoned_and_the_next_placement_used(env: Cluster) -> None:
     task = await env.placed("call-1")
     env.place_on(env.node_a, "call-1", 1, answer=no_result(pb.REFUSED, "the grant expired"))

@@ -22,6 +22,7 @@ from gpufaas.wire import (
     FLAG_REQUEST,
     HEADER_ALLOWANCE_BYTES,
     PREFIX_BYTES,
+    AnswerTooLarge,
     Connection,
     ConnectionLost,
     Frame,
@@ -423,31 +424,52 @@ def test_a_one_way_message_over_the_receivers_limit_closes_it_with_frame_too_lar
     assert [f.message(pb.Place).call_id for f in server_peer.frames] == ["held"]
 
 
-def test_a_reply_over_the_askers_limit_fails_all_its_pending_requests(run: Run) -> None:
+@pytest.mark.parametrize("body_bytes", [100 * 1024, 3 * MIB], ids=["in-one-read", "many-reads"])
+def test_a_reply_over_the_askers_limit_fails_that_request_alone_and_the_link_stays(run: Run, body_bytes: int) -> None:
+    """A node's limit above its gateway's: a result between the two cut the whole link, and every
+    other call in flight on it lost its answer. The request it answers alone fails (AnswerTooLarge),
+    its bytes read and dropped."""
     held: list[tuple[Connection, Frame]] = []
 
     def answer_the_second_with_too_much(conn: Connection, frame: Frame) -> None:
         held.append((conn, frame))
         if len(held) == 2:
-            conn.reply(frame, MessageType.EXECUTE_REPLY, b"", bytes(100 * 1024))
+            conn.reply(frame, MessageType.EXECUTE_REPLY, b"", bytes(body_bytes))
 
     client_peer = Peer()
 
-    async def scenario() -> tuple[tuple[Frame | BaseException, ...], BaseException | None]:
+    async def scenario() -> None:
         async with serving(Peer(answer_the_second_with_too_much)) as server:
             conn = await connect(server.address, client_peer, max_frame_bytes=64 * 1024)
-            outcomes = await asyncio.gather(
-                conn.request(MessageType.EXECUTE, pb.Execute()),
-                conn.request(MessageType.EXECUTE, pb.Execute()),
-                return_exceptions=True,
-            )
-            return outcomes, await conn.closed
+            first = asyncio.ensure_future(conn.request(MessageType.EXECUTE, pb.Execute(token=b"first")))
+            await until(lambda: held)
+            with pytest.raises(AnswerTooLarge) as failed:
+                await conn.request(MessageType.EXECUTE, pb.Execute(token=b"second"), timeout_s=WAIT_S)
+            assert failed.value.status == pb.RESULT_TOO_LARGE
+            assert "over this end's limit of 65536 bytes" in failed.value.message
+            server_end, frame = held[0]
+            server_end.reply(frame, MessageType.EXECUTE_REPLY, b"", b"small")
+            assert (await first).body == b"small"
+            assert not conn.is_closed
+            await conn.aclose()
 
-    outcomes, reason = run(scenario())
-    assert all(type(o) is ConnectionLost for o in outcomes), outcomes
-    assert all("exceeds" in str(o) for o in outcomes)
-    assert isinstance(reason, FrameTooLarge)
-    assert client_peer.closes == [reason]
+    run(scenario())
+    assert client_peer.closes == [None]
+
+
+def test_a_reply_over_the_limit_that_nobody_waits_for_closes_the_link(run: Run) -> None:
+    async def scenario() -> BaseException | None:
+        async with serving(Peer(hold)) as server:
+            conn = await connect(server.address, Peer(), max_frame_bytes=64 * 1024)
+            waiting = asyncio.ensure_future(conn.request(MessageType.PLACE, pb.Place(call_id="held")))
+            server_end = await accepted(server)
+            stray = Frame(MessageType.EXECUTE, FLAG_REQUEST, 999_999, b"", b"")  # no such request
+            server_end.reply(stray, MessageType.EXECUTE_REPLY, b"", bytes(100 * 1024))
+            with pytest.raises(ConnectionLost):
+                await waiting
+            return await conn.closed
+
+    assert isinstance(run(scenario()), FrameTooLarge)
 
 
 def test_a_large_body_arrives_intact_both_ways_and_small_frames_follow(run: Run) -> None:
