@@ -232,11 +232,13 @@ class _NamedIds:
 
     def first_attempt(self, call_id: str, now: float, named: bool) -> int:
         """Where a new call's attempts start (its first placement is this plus one): past the
-        last attempt of a named call of this id while a node may remember its grant, else 0."""
+        last attempt of a named call of this id while a node may remember its grant, else 0. What
+        is kept stays until the new call is forgotten (`keep` then replaces it) or its time passes:
+        a Place refused at once (Rejected) leaves it as it was."""
         if not self._kept:
             return 0
         self.prune(now, limit=4)
-        kept = self._kept.pop(call_id, None) if named else None
+        kept = self._kept.get(call_id) if named else None
         return kept[0] if kept is not None and now <= kept[1] else 0
 
     def prune(self, now: float, limit: int) -> None:
@@ -245,7 +247,7 @@ class _NamedIds:
         while limit and due and due[0][0] < now:
             call_id = due.popleft()[1]
             entry = kept.get(call_id)
-            if entry is not None and entry[1] < now:  # (else taken, or kept again: due later)
+            if entry is not None and entry[1] < now:  # (else kept again since: due later)
                 del kept[call_id]
                 limit -= 1
 

@@ -528,6 +528,18 @@ def test_the_book_forgets_named_call_ids_as_their_time_passes_while_calls_come()
     assert len(book._named) == 0
 
 
+def test_a_named_call_refused_at_its_arrival_leaves_the_attempts_of_its_id_remembered() -> None:
+    # A Place refused at once (Rejected: nothing is queued) is no call of that id: the attempt the
+    # nodes may remember from the call before it must still be placed past.
+    big = make_spec("fn-big", memory_mb=100_000)  # fits no GPU here (8000 MiB each)
+    book = make_book(A, big)
+    book.submit("gw1", "c1", A, 10.0, now=0.0, named=True)
+    assert book.done("c1", 1, pb.OK, 1.0, inference_time_s=0.5) == []
+    with pytest.raises(Rejected):
+        book.submit("gw1", "c1", big, 10.0, now=2.0, named=True)
+    assert placed(book.submit("gw1", "c1", A, 10.0, now=3.0, named=True))[0][1] == 2
+
+
 def test_placements_that_never_run_are_bounded() -> None:
     book = make_book()
     attempts = [placed(book.submit("gw1", "c1", A, 600.0, now=0.0))]
