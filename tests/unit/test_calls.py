@@ -540,6 +540,25 @@ def test_a_named_call_refused_at_its_arrival_leaves_the_attempts_of_its_id_remem
     assert placed(book.submit("gw1", "c1", A, 10.0, now=3.0, named=True))[0][1] == 2
 
 
+def test_a_named_lease_is_remembered_as_long_as_its_node_keeps_its_grant() -> None:
+    # A node keeps a lease's grant GRANT_KEEP_S past its last call's end plus the lease time
+    # (gpu_manager.ledger.lease_call_ended), also where its own call was its only one.
+    lease_s = 30.0  # (the most: MAX_CLAIM_S)
+    scheduler = make_scheduler("lalb", gpus={N1: 8000}, models={A.model: A.memory_mb}, slots=2)
+    book = CallBook(scheduler, claim_s=CLAIM_S, lost_after_s=LOST_AFTER_S, lease_s=lease_s)
+    book.submit("gw1", "c0", A, 30.0, now=0.0, lease=True)
+    book.done("c0", 1, pb.OK, 0.5, inference_time_s=0.1)
+    (hit,) = [
+        e for e in book.submit("gw1", "c1", A, 30.0, now=1.0, lease=True, named=True) if isinstance(e, Assignment)
+    ]
+    assert hit.lease_s == lease_s
+    ended_at = 30.0  # its own call ran to near its deadline (31), and the lease ended with it there
+    book.done("c1", 1, pb.OK, ended_at, inference_time_s=29.0, lease_ended=True)
+    node_keeps_until = ended_at + lease_s + GRANT_KEEP_S
+    again = book.submit("gw1", "c1", A, 30.0, now=node_keeps_until - 1.0, named=True)
+    assert [e.attempt for e in again if isinstance(e, Assignment)] == [2]
+
+
 def test_placements_that_never_run_are_bounded() -> None:
     book = make_book()
     attempts = [placed(book.submit("gw1", "c1", A, 600.0, now=0.0))]
