@@ -85,6 +85,11 @@ DEFAULT_LOST_AFTER_S = 5.0
 # How much longer than a node may remember a grant the book remembers its attempt (`_NamedIds`):
 # the node times it by its own clock.
 CLOCK_SKEW_S = 5.0
+# The latest attempt a call of a remembered id starts past (`_NamedIds`): the wire's attempts are
+# int32 (gpufaas.proto), and one call makes a handful (MAX_PLACEMENTS, a worker's death). An id used
+# again and again, each within a minute, for as many placements starts afresh at 1: its nodes forgot
+# those first attempts long before.
+MAX_FIRST_ATTEMPT = 2**31 - 1 - 2**16
 # The Rejection status for "the scheduler no longer holds this call, whether it ran is unknown".
 # gpufaas.proto has no Status of that name yet; the gateway answers any status it does not map with
 # 502 and the Rejection's message, which is what such a call needs (a retry could run it twice).
@@ -235,14 +240,16 @@ class _NamedIds:
 
     def first_attempt(self, call_id: str, now: float, named: bool) -> int:
         """Where a new call's attempts start (its first placement is this plus one): past the
-        last attempt of a named call of this id while a node may remember its grant, else 0. What
-        is kept stays until the new call is forgotten (`keep` then replaces it) or its time passes:
-        a Place refused at once (Rejected) leaves it as it was."""
+        last attempt of a named call of this id while a node may remember its grant, else 0 (also
+        past MAX_FIRST_ATTEMPT). What is kept stays until the new call is forgotten (`keep` then
+        replaces it) or its time passes: a Place refused at once (Rejected) leaves it as it was."""
         if not self._kept:
             return 0
         self.prune(now, limit=4)
         kept = self._kept.get(call_id) if named else None
-        return kept[0] if kept is not None and now <= kept[1] else 0
+        if kept is None or now > kept[1] or kept[0] > MAX_FIRST_ATTEMPT:
+            return 0
+        return kept[0]
 
     def prune(self, now: float, limit: int) -> None:
         """Forget at most `limit` ids whose time passed before `now`."""

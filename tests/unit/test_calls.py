@@ -559,6 +559,21 @@ def test_a_named_lease_is_remembered_as_long_as_its_node_keeps_its_grant() -> No
     assert [e.attempt for e in again if isinstance(e, Assignment)] == [2]
 
 
+def test_the_attempts_of_a_call_id_used_again_and_again_stay_within_the_wire_s_int32() -> None:
+    # Placement.attempt (and Grant's, Done's, Abandon's) is an int32: a call id a client uses
+    # without a pause for weeks must not count its attempts past it (the nodes forgot the first
+    # ones long before).
+    book = make_book()
+    book.submit("gw1", "c1", A, 10.0, now=0.0, named=True)
+    book.done("c1", 1, pb.OK, 1.0, inference_time_s=0.5)
+    book._named._kept["c1"] = (2**31 - 1, 100.0)  # (as after 2**31 calls of c1, each within a minute)
+    (attempt,) = [
+        e.attempt for e in book.submit("gw1", "c1", A, 10.0, now=2.0, named=True) if isinstance(e, Assignment)
+    ]
+    assert 0 < attempt <= 2**31 - 1
+    pb.Placement(call_id="c1", attempt=attempt)  # (raises ValueError past the int32)
+
+
 def test_placements_that_never_run_are_bounded() -> None:
     book = make_book()
     attempts = [placed(book.submit("gw1", "c1", A, 600.0, now=0.0))]
