@@ -195,8 +195,8 @@ def _answer_head(result: CallResult, content_type: str, call_id: str, started: f
         reply.inference_time_s,
         reply.batch_calls,
     )
-    if placement.attempt > 1:
-        head += b"x-attempts: %d\r\n" % placement.attempt
+    if result.placements > 1:
+        head += b"x-attempts: %d\r\n" % result.placements
     if result.leased:
         head += b"x-lease: 1\r\n"  # it ran under a lease: no placement of its own
     if reply.loaded:

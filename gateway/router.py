@@ -138,6 +138,9 @@ class CallResult:
     placement: pb.Placement
     reply: pb.ExecuteReply
     leased: bool = False  # it ran under a lease (no Place)
+    # The placements the gateway tried for it, this one too (X-Attempts): not `placement.attempt`,
+    # which a call whose client used its X-Call-Id before starts past that call's (scheduler.calls).
+    placements: int = 1
 
 
 class _NotSent(Exception):
@@ -158,9 +161,21 @@ class Mailbox:
     (it is not executing), so a new scheduler connection must be asked again; `attempt`: the
     latest placement tried, under scheduler connection `epoch` (attempts restart with a new one);
     `unsure`: the node of that attempt was lost after its Execute was sent, and only the scheduler
-    that placed it can have the node say whether it ran (a new one gets no Place for it)."""
+    that placed it can have the node say whether it ran (a new one gets no Place for it);
+    `placements`: the placements tried, across scheduler connections."""
 
-    __slots__ = ("attempt", "clock", "deadline", "epoch", "messages", "place", "unsure", "waiter", "waiting")
+    __slots__ = (
+        "attempt",
+        "clock",
+        "deadline",
+        "epoch",
+        "messages",
+        "place",
+        "placements",
+        "unsure",
+        "waiter",
+        "waiting",
+    )
 
     def __init__(self, place: pb.Place, deadline: float, clock: Callable[[], float]) -> None:
         self.place = place
@@ -172,6 +187,7 @@ class Mailbox:
         self.unsure = False
         self.attempt = 0
         self.epoch = 0
+        self.placements = 0
 
     def remaining_s(self) -> float:
         """What remains of the call's deadline now (at least a millisecond)."""
@@ -634,6 +650,7 @@ class Router:
                 continue  # a placement already tried (or replaced)
             # A new placement: the scheduler knows the one before it did not run (or its worker died).
             box.attempt, box.waiting, box.unsure = message.attempt, False, False
+            box.placements += 1
             # The call's own deadline, for the node: a lease's grant holds a later one for its other calls.
             execute = pb.Execute(token=message.token, content_type=content_type, timeout_s=box.remaining_s())
             frame = await self._execute_placed(box, message, payload, execute)
@@ -643,7 +660,7 @@ class Router:
             if message.lease_s > 0 and reply.outcome in LEASE_KEEPING_OUTCOMES and box.epoch == self.epoch:
                 self.leases.add((spec.name, spec.model), message, self.clock(), box.epoch)
             if reply.outcome == pb.OK:
-                return CallResult(frame.body, message, reply)
+                return CallResult(frame.body, message, reply, placements=box.placements)
             if reply.outcome == pb.TIMEOUT:
                 log.info("call %s timed out on %s/%s: %s", call_id, message.node, message.gpu, reply.message)
                 raise CallFailed(504, spec.deadline_message())

@@ -1611,6 +1611,23 @@ def test_http_an_x_call_id_with_a_control_character_is_refused_before_anything_r
     run(scenario())
 
 
+def test_http_a_named_call_placed_past_its_id_s_earlier_attempts_at_its_first_placement_has_no_x_attempts(
+    tmp_path: Path,
+) -> None:
+    # The scheduler places a call whose client used its X-Call-Id before past that call's attempts
+    # (scheduler.calls._NamedIds): attempt 3 is its first placement, not a retry.
+    async def scenario() -> None:
+        async with fakes() as (scheduler, node):
+            node.script[b"fresh"] = (make_reply(loaded=False, batch_calls=1), b"\x00result")
+            scheduler.respond = lambda place: [node.placement(place.call_id, 3, token=b"fresh")]
+            async with http_gateway(tmp_path, scheduler, make_spec("resnet")) as client:
+                response = await client.post("/function/resnet", content=b"input", headers={"X-Call-Id": "again"})
+            assert response.status_code == 200, response.text
+            assert "x-attempts" not in response.headers, "one placement: no X-Attempts"
+
+    run(scenario())
+
+
 def test_http_a_hit_after_a_retry_says_so_and_has_no_server_timing(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with fakes() as (scheduler, node):
