@@ -227,14 +227,16 @@ class _NamedIds:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def keep(self, call: _Call, claim_s: float, lease_s: float) -> None:
+    def keep(self, call: _Call, book: CallBook) -> None:
         """Remember the call's last attempt for as long as its node may remember its grant: past
         its claim time (by the deadline) or, a lease's, past its last call's end (by the deadline
-        too: `_lease_done` moves it past each call's) and a lease time (`lease_s`, where its owner
-        took leases: the node keeps a lease's grant that long after its last call, its own too),
-        by the node's clock."""
-        leased_s = lease_s if call.lease_wanted else 0.0
-        until = max(call.deadline, call.placed_at + claim_s) + leased_s + GRANT_KEEP_S + CLOCK_SKEW_S
+        too: `_lease_done` moves it past each call's) and a lease time (where its owner took
+        leases: the node keeps a lease's grant that long after its last call, its own too), or
+        past a revocation (sent by `lost_after_s` past the deadline at the latest), by the node's
+        clock."""
+        leased_s = book.lease_s if call.lease_wanted else 0.0
+        last_s = max(call.deadline + book.lost_after_s, call.placed_at + book.claim_s)
+        until = last_s + leased_s + GRANT_KEEP_S + CLOCK_SKEW_S
         self._kept[call.call_id] = (call.attempt, until)
         self._due.append((until, call.call_id))
 
@@ -997,7 +999,7 @@ class CallBook(_GrantChecks):
         self._waiting.pop(call.call_id, None)
         self._leases.pop(call.call_id, None)
         if call.named and call.attempt:
-            self._named.keep(call, self.claim_s, self.lease_s)
+            self._named.keep(call, self)
 
 
 def _reconcile_host(

@@ -500,11 +500,22 @@ def test_a_call_id_its_client_names_again_is_placed_past_the_attempts_before_it(
     assert book.done("c1", 2, pb.OK, 1.0, inference_time_s=0.5) == []
     assert placed(book.submit("gw2", "c1", A, 10.0, now=2.0, named=True)) == [("c1", 3, N2, 2, True)]
     assert book.done("c1", 3, pb.OK, 3.0, inference_time_s=0.5) == []
-    # Once no node can remember its grant (kept from its deadline, 12 s, for GRANT_KEEP_S and the
-    # clocks' skew), the id starts afresh, and what the book kept of it is gone.
-    forgotten_at = 12.0 + GRANT_KEEP_S + CLOCK_SKEW_S + 0.1
+    # Once no node can remember its grant (revoked by LOST_AFTER_S past its deadline, 12 s, at the
+    # latest, and kept for GRANT_KEEP_S then; the clocks' skew), the id starts afresh, and what the
+    # book kept of it is gone.
+    forgotten_at = 12.0 + LOST_AFTER_S + GRANT_KEEP_S + CLOCK_SKEW_S + 0.1
     assert placed(book.submit("gw1", "c1", A, 10.0, now=forgotten_at, named=True))[0][1] == 1
     assert len(book._named) == 0  # (what the book remembers, not only what it places)
+
+
+def test_a_named_call_is_remembered_as_long_as_a_revocation_of_its_grant_may_be_kept() -> None:
+    # A grant the book checks late (its owner lost, up to LOST_AFTER_S past the deadline) is
+    # revoked at its node then, which keeps the revocation GRANT_KEEP_S past it.
+    book = make_book()
+    book.submit("gw1", "c1", A, 10.0, now=0.0, named=True)
+    book.done("c1", 1, pb.OK, 1.0, inference_time_s=0.5)
+    revocation_kept_until = 10.0 + LOST_AFTER_S + GRANT_KEEP_S
+    assert placed(book.submit("gw1", "c1", A, 10.0, now=revocation_kept_until - 0.5, named=True))[0][1] == 2
 
 
 def test_a_call_id_the_gateway_made_is_not_remembered_once_its_call_ends() -> None:
@@ -521,7 +532,7 @@ def test_the_book_forgets_named_call_ids_as_their_time_passes_while_calls_come()
         book.submit("gw1", f"n{i}", A, 1.0, now=float(i), named=True)
         book.done(f"n{i}", 1, pb.OK, float(i) + 0.5, inference_time_s=0.5)
     assert len(book._named) == 8
-    later = 7.0 + CLAIM_S + GRANT_KEEP_S + CLOCK_SKEW_S + 0.1  # the last one's claim time, and as long
+    later = 8.0 + LOST_AFTER_S + GRANT_KEEP_S + CLOCK_SKEW_S + 0.1  # the last one's deadline, and as long
     for i in range(3):  # each arrival forgets up to four whose time passed
         book.submit("gw1", f"u{i}", A, 1.0, now=later + i)
         book.done(f"u{i}", 1, pb.OK, later + i + 0.5, inference_time_s=0.5)
