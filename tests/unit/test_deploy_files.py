@@ -6,6 +6,7 @@ an unknown flag or a value the daemon would refuse fails here."""
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import os
 import re
@@ -599,6 +600,45 @@ def test_dockerignore_keeps_what_the_build_needs(dockerfile: str) -> None:
     assert ".venv" in ignored and ".git" in ignored
     needed = {"pyproject.toml", "README.md", "gpufaas", "scheduler", "gateway", "gpu_manager", "cache_manager"}
     assert not needed & ignored
+
+
+def dockerignore_patterns(path: Path) -> list[str]:
+    """The patterns of an ignore file (comments and blank lines left out)."""
+    return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
+def ignored_by(patterns: list[str], path: str) -> bool:
+    """Whether `path` (relative to the build context) is left out of it by `patterns`: a pattern
+    leaves out what it matches and everything under it (`**/` matches any depth; no `!` here)."""
+    parts = path.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    for pattern in patterns:
+        assert not pattern.startswith("!"), "the matcher here does not read exceptions"
+        bare = pattern.removeprefix("**/")
+        candidates = [p.rsplit("/", 1)[-1] for p in prefixes] if bare != pattern else prefixes
+        if any(fnmatch.fnmatchcase(candidate, bare) for candidate in candidates):
+            return True
+    return False
+
+
+SECRETS_IN_THE_CHECKOUT = ("deploy/k8s/secrets/admin-password", "deploy/k8s/secrets/tls/ca-key.pem")
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.control-plane", "Dockerfile.gpu-manager"])
+def test_every_builder_leaves_the_secrets_and_the_venv_out_of_the_image(dockerfile: str) -> None:
+    """Only BuildKit reads `<Dockerfile>.dockerignore`; the classic builder (`docker build` before
+    Docker 23 unless DOCKER_BUILDKIT=1, `DOCKER_BUILDKIT=0`) and other builders read the context's
+    own `.dockerignore` alone. Without one, `COPY . ./` put the whole checkout in a layer of the
+    image (the `rm -rf` after it frees nothing): .git, .venv and deploy/k8s/secrets/ (the cluster
+    secret, the admin password, the CA's key) in every image pushed for Kubernetes."""
+    root = ROOT / ".dockerignore"
+    assert root.is_file(), "no .dockerignore at the build context's root: the classic builder copies everything"
+    assert dockerignore_patterns(root) == dockerignore_patterns(DEPLOY / f"{dockerfile}.dockerignore")
+    for patterns in (dockerignore_patterns(root), dockerignore_patterns(DEPLOY / f"{dockerfile}.dockerignore")):
+        for path in (".git/config", ".venv/bin/python", *SECRETS_IN_THE_CHECKOUT, "gpufaas/__pycache__/x.pyc"):
+            assert ignored_by(patterns, path), path
+        for path in ("pyproject.toml", "README.md", "gpufaas/settings.py", "gateway/ui/index.html"):
+            assert not ignored_by(patterns, path), path
 
 
 # --- deploy/k8s -----------------------------------------------------------------------------
