@@ -536,6 +536,33 @@ def test_readme_shows_every_daemon() -> None:
     assert {daemon for _, daemon, _ in readme_command_lines()} == set(DAEMONS)
 
 
+# `docker compose run|exec` or `docker-compose run|exec`, with the flags before the service.
+_COMPOSE_RUN = re.compile(r"(?:docker compose|docker-compose|\bcompose)\s+(?:run|exec)\b((?:\s+-[-\w]*)*)")
+
+
+def captured_compose_commands() -> list[tuple[str, str]]:
+    """(where, command) for every `compose run`/`exec` whose output a document's shell line
+    captures (`$(...)`) or pipes on: the deploy docs, the compose file's comments, the e2e script."""
+    found: list[tuple[str, str]] = []
+    for path in [ROOT / "README.md", DEPLOY / "README.md", COMPOSE, DEPLOY / "compose-e2e.sh", *ROOT.glob("docs/*.md")]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for match in _COMPOSE_RUN.finditer(line):
+                before, after = line[: match.start()], line[match.end() :]
+                if before.rstrip().endswith("$(") or "|" in after.split(")", 1)[0]:
+                    found.append((f"{path.relative_to(ROOT)}:{number}", match[0]))
+    return found
+
+
+def test_compose_output_a_command_reads_comes_without_a_tty() -> None:
+    """`docker-compose run`/`exec` (v1) give the command a TTY whenever stdin is a terminal, and
+    a TTY ends lines with CRLF: `$(docker-compose run --rm credentials cat .../admin-password)`
+    is the password and a carriage return, which the gateway refuses (401). `-T` gives none."""
+    found = captured_compose_commands()
+    assert any(where.startswith("deploy/README.md") for where, _ in found), "the matcher finds nothing"
+    for where, command in found:
+        assert re.search(r"\s(?:-T|--no-TTY)\b", command), f"{where}: {command} (add -T)"
+
+
 def test_every_command_passes_the_required_flags() -> None:
     for where, daemon, argv in command_lines():
         assert REQUIRED_FLAGS[daemon] <= {option.flag for option in options_of(SETTINGS[daemon])}, daemon
