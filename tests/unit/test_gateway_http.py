@@ -235,7 +235,16 @@ class RecordingRouter:
         self.payloads: list[bytes] = []
         self.cancelled = 0
 
-    async def invoke(self, spec: FunctionSpec, call_id: str, payload: bytes, content_type: str, *, clock: Any) -> Any:
+    async def invoke(
+        self,
+        spec: FunctionSpec,
+        call_id: str,
+        payload: bytes,
+        content_type: str,
+        *,
+        clock: Any,
+        given_call_id: bool = False,
+    ) -> Any:
         self.payloads.append(payload)
         try:
             await asyncio.sleep(3)
@@ -291,7 +300,16 @@ class FailingRouter:
     def __init__(self, *sizes: int) -> None:
         self.sizes = list(sizes)
 
-    async def invoke(self, spec: FunctionSpec, call_id: str, payload: bytes, content_type: str, *, clock: Any) -> Any:
+    async def invoke(
+        self,
+        spec: FunctionSpec,
+        call_id: str,
+        payload: bytes,
+        content_type: str,
+        *,
+        clock: Any,
+        given_call_id: bool = False,
+    ) -> Any:
         raise CallFailed(502, "x" * self.sizes.pop(0))
 
 
@@ -325,7 +343,16 @@ class ForgingRouter:
     def __init__(self, content_type: str) -> None:
         self.content_type = content_type
 
-    async def invoke(self, spec: FunctionSpec, call_id: str, payload: bytes, content_type: str, *, clock: Any) -> Any:
+    async def invoke(
+        self,
+        spec: FunctionSpec,
+        call_id: str,
+        payload: bytes,
+        content_type: str,
+        *,
+        clock: Any,
+        given_call_id: bool = False,
+    ) -> Any:
         reply = SimpleNamespace(content_type=self.content_type, loaded=False)
         return SimpleNamespace(reply=reply, output=b"<script>fetch('/system/functions')</script>")
 
