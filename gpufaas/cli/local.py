@@ -187,6 +187,7 @@ def _start_supervised(state_dir: Path, options: Mapping[str, Any], *, policy: st
     import subprocess
 
     from gpufaas.dev.local_cluster import SUPERVISOR_STATUS, LocalCluster, in_gateway, read_supervisor_status
+    from gpufaas.logfiles import tail_lines
 
     cluster = LocalCluster(state_dir, **options)
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -208,7 +209,7 @@ def _start_supervised(state_dir: Path, options: Mapping[str, Any], *, policy: st
             while (status := read_supervisor_status(state_dir)).get("status") != "up":
                 if status.get("status") == "failed" or supervisor.poll() is not None:
                     supervisor.wait()
-                    tail = "\n".join((logs / "supervisor.log").read_text(errors="replace").splitlines()[-15:])
+                    tail = "\n".join(tail_lines(logs / "supervisor.log", 15))
                     raise GpufaasError(f"the cluster did not start: {status.get('error') or tail}")
                 time.sleep(0.2)
     except KeyboardInterrupt:  # the supervisor is in a session of its own: it goes on

@@ -126,5 +126,11 @@ def logs(
         known = ", ".join(available) or "none (is the cluster up?)"
         err_console.print(f"[bold red]error:[/] no log for {component!r}; available: {known}")
         raise typer.Exit(code=1)
-    text = (log_dir / f"{component}.log").read_text(errors="replace").splitlines()[-lines:]
+    from gpufaas.logfiles import tail_lines
+
+    try:  # its last lines only: a daemon's log grows to gigabytes
+        text = tail_lines(log_dir / f"{component}.log", lines)
+    except OSError as exc:  # removed since it was listed, or not readable
+        err_console.print(f"[bold red]error:[/] cannot read {component}'s log: {escape(str(exc))}")
+        raise typer.Exit(code=1) from None
     sys.stdout.write("\n".join(text) + "\n")

@@ -20,6 +20,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
 
+from gpufaas.logfiles import tail_lines
+
 _LOOPBACK = "127.0.0.1"
 
 
@@ -286,7 +288,7 @@ class EtcdServer(contextlib.AbstractContextManager["EtcdServer"]):  # its __ente
 
     def _log_tail(self, num_chars: int = 4000) -> str:
         try:
-            return self.log_path.read_text(errors="replace")[-num_chars:]
+            return "\n".join(tail_lines(self.log_path, 60))[-num_chars:]  # (etcd.log grows for ever)
         except OSError as exc:
             return f"(no log: {exc})"
 

@@ -34,6 +34,7 @@ from gpufaas.dev.etcd_server import EtcdServer, free_port
 from gpufaas.dev.supervision import Supervision
 from gpufaas.errors import GpufaasError
 from gpufaas.liveness import Watchdog
+from gpufaas.logfiles import tail_lines
 from gpufaas.mounts import detach_under
 from gpufaas.processes import pid_alive, started
 from gpufaas.tls import TlsFiles
@@ -119,7 +120,7 @@ class Component:
 
     def tail(self, lines: int = 20) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            return "\n".join(tail_lines(self.log_path, lines))
         except OSError:
             return ""
 
