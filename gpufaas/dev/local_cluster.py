@@ -573,7 +573,7 @@ class LocalCluster(ClusterCredentials):
         return pids
 
     def write_pids(self) -> None:
-        (self.state_dir / "pids.json").write_text(pid_record(self.pids()))
+        write_atomically(self.state_dir / "pids.json", pid_record(self.pids()))
         info = {
             "gateway_url": self.gateway_url,  # the balancer's, in front of several gateways
             "scheduler_address": self.scheduler_address,
@@ -589,7 +589,7 @@ class LocalCluster(ClusterCredentials):
             "secrets": str(self.secrets.directory) if self.secure else None,
             "in_gateway": in_gateway(self),
         }
-        (self.state_dir / "cluster.json").write_text(json.dumps(info, indent=2) + "\n")
+        write_atomically(self.state_dir / "cluster.json", json.dumps(info, indent=2) + "\n")
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -713,6 +713,17 @@ def pid_record(pids: dict[str, int]) -> str:
     return json.dumps(record, indent=2) + "\n"
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Replace the file at `path` by one holding `text`, at once: a reader (`gpufaas down`, `status`,
+    `up` waiting on supervisor.json) sees the old text or the new, never a file cut short."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        temporary.write_text(text)
+        temporary.replace(path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
 def recorded_pids(state_dir: Path) -> dict[str, int]:
     """The PIDs a `LocalCluster` in `state_dir` recorded, alive or not ({} if none), but those
     alive as another process than the one recorded (its start time differs: the PID was reused)."""
@@ -799,7 +810,7 @@ def stop_recorded(state_dir: Path, timeout_s: float = 15.0) -> list[str]:
                 _signal_group(pid, signal.SIGKILL)
     detach_under(state_dir)  # a GPU manager's package homes, if it could not unmount them itself
     with contextlib.suppress(OSError):
-        (state_dir / "pids.json").write_text("{}\n")
+        write_atomically(state_dir / "pids.json", "{}\n")
     return stopped
 
 
@@ -891,7 +902,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: a cluster is already starting or running from {args.state_dir}", file=sys.stderr)
         return 2
     # Recorded before anything starts: a `gpufaas down` while it starts finds, and stops, it.
-    (args.state_dir / "pids.json").write_text(pid_record({"supervisor": os.getpid()}))
+    write_atomically(args.state_dir / "pids.json", pid_record({"supervisor": os.getpid()}))
     cluster = LocalCluster(args.state_dir, supervisor_pid=os.getpid(), **options)
     stopping = threading.Event()
 
@@ -904,7 +915,7 @@ def main(argv: list[str] | None = None) -> int:
     status_path = args.state_dir / SUPERVISOR_STATUS
 
     def report(state: str, **extra: object) -> None:
-        status_path.write_text(json.dumps({"pid": os.getpid(), "status": state, **extra}) + "\n")
+        write_atomically(status_path, json.dumps({"pid": os.getpid(), "status": state, **extra}) + "\n")
 
     report("starting")
     try:

@@ -103,3 +103,29 @@ def test_a_component_that_died_as_the_cluster_started_is_named_with_its_exit_sta
             cluster.wait_healthy(timeout_s=5)
     finally:
         component.stop()
+
+
+def test_pids_json_is_never_seen_half_written(tmp_path: Path) -> None:
+    """The supervisor rewrites pids.json at each restart: written in place (truncated, then
+    written), a `gpufaas down` reading it meanwhile found no PID, said 'nothing is running' and
+    left the whole cluster up."""
+    import threading
+
+    from gpufaas.dev.local_cluster import recorded_pids
+
+    cluster = LocalCluster(tmp_path, watchdog=None, supervisor_pid=os.getpid())
+    cluster.write_pids()
+    done = threading.Event()
+
+    def rewrite() -> None:
+        while not done.is_set():
+            cluster.write_pids()
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    try:
+        seen = [recorded_pids(tmp_path) for _ in range(3000)]
+    finally:
+        done.set()
+        writer.join()
+    assert all(pids == {"supervisor": os.getpid()} for pids in seen), [p for p in seen if not p][:1]
