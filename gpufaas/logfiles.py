@@ -4,6 +4,7 @@ state directory lives)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -35,3 +36,14 @@ def tail_lines(path: Path, lines: int, *, max_bytes: int = TAIL_MAX_BYTES) -> li
     if position > 0 and len(found) > lines:  # the first is cut short (it began before what was read)
         found = found[1:]
     return found[-lines:]
+
+
+def rotate(path: Path, max_bytes: int) -> bool:
+    """Move the file at `path` to `path.1` (replacing an older one) if it holds more than
+    `max_bytes`, so that a log appended to across restarts keeps at most about twice that;
+    whether it moved it. A file that is not there, or cannot be moved, is left as it is."""
+    with contextlib.suppress(OSError):
+        if path.stat().st_size > max_bytes:
+            path.replace(path.with_name(path.name + ".1"))
+            return True
+    return False

@@ -20,9 +20,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
 
-from gpufaas.logfiles import tail_lines
+from gpufaas.logfiles import rotate, tail_lines
 
 _LOOPBACK = "127.0.0.1"
+LOG_ROTATE_BYTES = 64 * 1024 * 1024  # etcd.log over this when etcd (re)starts: moved to etcd.log.1
 
 
 class EtcdNotFound(RuntimeError):
@@ -197,6 +198,7 @@ class EtcdServer(contextlib.AbstractContextManager["EtcdServer"]):  # its __ente
             *self._tls_args(),
             *self._extra_args,
         ]
+        rotate(self.log_path, LOG_ROTATE_BYTES)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self._process = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True

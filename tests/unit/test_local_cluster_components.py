@@ -129,3 +129,28 @@ def test_pids_json_is_never_seen_half_written(tmp_path: Path) -> None:
         done.set()
         writer.join()
     assert all(pids == {"supervisor": os.getpid()} for pids in seen), [p for p in seen if not p][:1]
+
+
+def test_a_components_log_over_its_bound_is_moved_aside_when_it_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each start (gpufaas up, each restart of a component that keeps crashing) appended to the same
+    log, which grew for as long as the state directory lived: one over LOG_ROTATE_BYTES is now
+    STATE/logs/NAME.log.1 (an older .1 replaced), and the new run's log starts empty."""
+    from gpufaas.dev import local_cluster
+
+    monkeypatch.setattr(local_cluster, "LOG_ROTATE_BYTES", 100)
+    log_path = tmp_path / "node0.log"
+    log_path.write_text("old run\n" * 20)
+    component = Component("node0", [sys.executable, "-c", "print('new run')"], log_path)
+    component.start(dict(os.environ))
+    assert component.process is not None
+    component.process.wait(timeout=10)
+    component.stop()
+    assert log_path.read_text() == "new run\n"
+    assert (tmp_path / "node0.log.1").read_text() == "old run\n" * 20
+    component.start(dict(os.environ))  # under the bound: appended to
+    assert component.process is not None
+    component.process.wait(timeout=10)
+    component.stop()
+    assert log_path.read_text() == "new run\n" * 2

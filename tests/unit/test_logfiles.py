@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gpufaas.cli import app
-from gpufaas.logfiles import tail_lines
+from gpufaas.logfiles import rotate, tail_lines
 
 runner = CliRunner()
 
@@ -63,3 +63,13 @@ def test_tail_lines_across_chunks_and_within_its_bound(tmp_path: Path) -> None:
     assert tail_lines(path, 200) == [f"line {index} " + "y" * 1000 for index in range(300, 500)]
     path.write_bytes(b"z" * 100_000)  # one endless line: its end, read within the bound
     assert tail_lines(path, 3, max_bytes=10_000) == ["z" * 10_000]
+
+
+def test_rotate_moves_a_log_over_its_bound_aside(tmp_path: Path) -> None:
+    path = tmp_path / "node0.log"
+    assert not rotate(path, 10)  # none yet
+    path.write_bytes(b"a" * 10)
+    assert not rotate(path, 10) and path.exists()
+    path.write_bytes(b"b" * 11)
+    assert rotate(path, 10)
+    assert not path.exists() and (tmp_path / "node0.log.1").read_bytes() == b"b" * 11
