@@ -800,17 +800,24 @@ def stop_recorded(state_dir: Path, timeout_s: float = 15.0) -> list[str]:
     manager's workers too), GPU managers first and etcd last; returns the names stopped."""
     pids = recorded_pids(state_dir)
     running = {name for name, pid in pids.items() if pid_alive(pid)}  # the supervisor stops some itself
+    # Each process as it is now: one that exits while down waits (the supervisor reaps what it
+    # stops) frees its PID, which another process may take before it would be signalled.
+    identity = {name: started(pid) for name, pid in pids.items()}
     stopped: list[str] = []
     for prefix in STOP_ORDER:
         stopped.extend(sorted(name for name in running if name.startswith(prefix)))
-        group = {name: pid for name, pid in pids.items() if name.startswith(prefix) and pid_alive(pid)}
+        group = {
+            name: pid
+            for name, pid in pids.items()
+            if name.startswith(prefix) and pid_alive(pid) and started(pid) == identity[name]
+        }
         for pid in group.values():
             _signal_group(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         while any(pid_alive(pid) for pid in group.values()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        for pid in group.values():
-            if pid_alive(pid):
+        for name, pid in group.items():
+            if pid_alive(pid) and started(pid) == identity[name]:
                 _signal_group(pid, signal.SIGKILL)
     detach_under(state_dir)  # a GPU manager's package homes, if it could not unmount them itself
     with contextlib.suppress(OSError):

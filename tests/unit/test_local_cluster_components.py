@@ -154,3 +154,44 @@ def test_a_components_log_over_its_bound_is_moved_aside_when_it_starts(
     component.process.wait(timeout=10)
     component.stop()
     assert log_path.read_text() == "new run\n" * 2
+
+
+def test_down_does_not_signal_a_pid_reused_while_it_waited_for_the_supervisor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpufaas down checks each recorded PID's start time when it reads pids.json, then waits up to
+    15 s for the supervisor to stop the cluster, which reaps its components: a PID freed so and
+    taken by another process meanwhile was then SIGTERMed (its whole group, if it leads one)."""
+    import subprocess
+
+    from gpufaas import processes
+    from gpufaas.dev import local_cluster
+
+    supervisor = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)  # holds node0's recorded PID now
+    try:
+        (tmp_path / "pids.json").write_text(
+            local_cluster.pid_record({"supervisor": supervisor.pid, "node0": other.pid})
+        )
+        real_started = processes.started
+        signalled: list[int] = []
+        real_signal = local_cluster._signal_group
+
+        def signal_group(pid: int, sig: signal.Signals) -> None:
+            signalled.append(pid)
+            real_signal(pid, sig)
+
+        def started(pid: int) -> int | None:  # node0 exited once the supervisor was told to stop; reused
+            value = real_started(pid)
+            return value + 1 if pid == other.pid and signalled and value is not None else value
+
+        monkeypatch.setattr(local_cluster, "_signal_group", signal_group)
+        monkeypatch.setattr(local_cluster, "started", started, raising=True)
+        local_cluster.stop_recorded(tmp_path, timeout_s=5.0)
+        supervisor.wait(timeout=5)
+        assert other.poll() is None, "down signalled the process that took a stopped component's PID"
+        assert signalled == [supervisor.pid]
+    finally:
+        for process in (supervisor, other):
+            process.kill()
+            process.wait()
