@@ -9,6 +9,9 @@ import os
 from pathlib import Path
 
 TAIL_CHUNK_BYTES = 64 * 1024
+# A daemon's log over this size when it (re)starts is moved to NAME.log.1 (`rotate`): appended to
+# across every start and restart, it would grow for as long as its directory lives.
+LOG_ROTATE_BYTES = 64 * 1024 * 1024
 # At most this much of a file's end is read for its last lines: a file of one endless line (no
 # newline in gigabytes) is shown by its end, not read whole.
 TAIL_MAX_BYTES = 16 * 1024 * 1024

@@ -186,14 +186,8 @@ def _start_supervised(state_dir: Path, options: Mapping[str, Any], *, policy: st
     command) and wait until it says the cluster is up, or why it is not."""
     import subprocess
 
-    from gpufaas.dev.local_cluster import (
-        LOG_ROTATE_BYTES,
-        SUPERVISOR_STATUS,
-        LocalCluster,
-        in_gateway,
-        read_supervisor_status,
-    )
-    from gpufaas.logfiles import rotate, tail_lines
+    from gpufaas.dev.local_cluster import SUPERVISOR_STATUS, LocalCluster, in_gateway, read_supervisor_status
+    from gpufaas.logfiles import LOG_ROTATE_BYTES, rotate, tail_lines
 
     cluster = LocalCluster(state_dir, **options)
     state_dir.mkdir(parents=True, exist_ok=True)

@@ -20,10 +20,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
 
-from gpufaas.logfiles import rotate, tail_lines
+from gpufaas.logfiles import LOG_ROTATE_BYTES, rotate, tail_lines
 
 _LOOPBACK = "127.0.0.1"
-LOG_ROTATE_BYTES = 64 * 1024 * 1024  # etcd.log over this when etcd (re)starts: moved to etcd.log.1
 
 
 class EtcdNotFound(RuntimeError):

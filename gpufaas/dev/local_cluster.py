@@ -34,7 +34,7 @@ from gpufaas.dev.etcd_server import EtcdServer, free_port
 from gpufaas.dev.supervision import Supervision
 from gpufaas.errors import GpufaasError
 from gpufaas.liveness import Watchdog
-from gpufaas.logfiles import rotate, tail_lines
+from gpufaas.logfiles import LOG_ROTATE_BYTES, rotate, tail_lines
 from gpufaas.mounts import detach_under
 from gpufaas.processes import pid_alive, started
 from gpufaas.tls import TlsFiles
@@ -48,9 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gpufaas.dev.local_cluster")
 SUPERVISE_POLL_S = 0.1
-# A component's log over this size when it (re)starts is moved to NAME.log.1: appended to across
-# every start and restart, it would grow for as long as the state directory lives.
-LOG_ROTATE_BYTES = 64 * 1024 * 1024
 
 
 class ClusterError(GpufaasError):
