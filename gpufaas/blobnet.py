@@ -63,6 +63,14 @@ EXPECT_WAIT_S = 5.0  # for 100 Continue; a holder silent that long gets the body
 TLS_SEND_BYTES = 1 << 20  # what one TLS send takes from the file
 _TLS_HANDSHAKE = b"\x16"  # the first byte a TLS client sends (a handshake record)
 HANDSHAKE_S = 10.0  # a TLS client that has not finished its handshake by then is cut off
+# Connections one blob server serves at once (a thread each, idle ones kept for DEFAULT_TIMEOUT_S);
+# one more is answered 503 and closed at once, before any thread is made for it.
+DEFAULT_MAX_CONNECTIONS = 256
+_BUSY_BODY = json.dumps({"error": "this blob holder serves too many connections; retry later", "status": 503})
+_BUSY_REPLY = (
+    "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    f"Content-Length: {len(_BUSY_BODY)}\r\n\r\n{_BUSY_BODY}"
+).encode()
 _PATH = re.compile(r"/blobs/(" + DIGEST_PATTERN.pattern + r")")
 _RANGE = re.compile(r"bytes=(\d+)-$")
 
@@ -105,7 +113,9 @@ class BlobServer:
     connection's thread) after each blob an upload completed; `on_missing(digest)` (in the
     connection's thread, may block) is asked for the path of a blob a GET wants that is not
     here, e.g. once fetched from another holder (None: 404 as without it). `tls`: True, the
-    process's link TLS (plain where none); False, plain; or the one given."""
+    process's link TLS (plain where none); False, plain; or the one given. At most
+    `max_connections` connections are served at once (a thread each); more are answered 503
+    and closed without a thread, so a peer opening many cannot exhaust threads or memory."""
 
     def __init__(
         self,
@@ -117,6 +127,7 @@ class BlobServer:
         on_stored: Callable[[str], None] | None = None,
         on_missing: Callable[[str], Path | None] | None = None,
         tls: LinkTls | bool = True,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         self.store, self.authorize, self.on_stored, self.on_missing = store, authorize, on_stored, on_missing
         self.accept_uploads = accept_uploads
@@ -124,6 +135,8 @@ class BlobServer:
         self.tls = links_of(tls)
         self.bytes_sent = 0  # for metrics; a racy sum across threads is fine for a counter
         self.bytes_received = 0
+        self.max_connections = max_connections
+        self.connections_refused = 0  # past `max_connections`, for metrics
         self._server: _ThreadingServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -132,6 +145,7 @@ class BlobServer:
         host, _, port = listen.rpartition(":")
         server = _ThreadingServer((host.strip("[]") or "127.0.0.1", int(port)), _Handler)
         server.blob_server = self
+        server.slots = threading.BoundedSemaphore(self.max_connections)
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, name="blob server", daemon=True)
         self._thread.start()
@@ -152,6 +166,30 @@ class _ThreadingServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
     allow_reuse_address = True
     request_queue_size = 128
     blob_server: BlobServer
+    slots: threading.BoundedSemaphore  # one per connection served now (BlobServer.max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread for the connection if a slot is free; else 503 (plain HTTP only: a TLS
+        client sees the connection close) and close, in this, the accepting thread."""
+        if not self.slots.acquire(blocking=False):
+            self.blob_server.connections_refused += 1
+            if self.blob_server.tls is None:
+                with contextlib.suppress(OSError):
+                    request.setblocking(False)  # never wait on a client that does not read
+                    request.send(_BUSY_REPLY)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()  # no thread was started to release it
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         """Under TLS: the handshake and the peer's role checked in the connection's own thread

@@ -327,3 +327,34 @@ def test_refusals_of_head_carry_no_body_and_chunked_uploads_are_refused(holder: 
         "3\r\nabc\r\n0\r\n\r\n".encode(),
     )
     assert status == 411 and not server.store.has(digest)
+
+
+def test_connections_past_the_limit_are_refused_without_a_thread(tmp_path: Path) -> None:
+    """Each connection holds a thread (idle ones for the handler's timeout): a peer opening many,
+    credentials or not, must not make one thread each; those past the limit hear 503 at once."""
+    server = BlobServer(BlobStore(tmp_path / "holder"), only_token, tls=False)
+    host, port = server.start("127.0.0.1:0").split(":")
+    digest = server.store.put(b"abc")
+    limit = getattr(blobnet, "DEFAULT_MAX_CONNECTIONS", 256)
+    threads_before = threading.active_count()
+    idle = [socket.create_connection((host, int(port))) for _ in range(limit)]
+    try:
+        deadline = time.monotonic() + 10.0
+        while threading.active_count() < threads_before + limit and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for _ in range(5):
+            with socket.create_connection((host, int(port)), timeout=2.0) as extra:
+                assert extra.recv(65536).startswith(b"HTTP/1.1 503 ")  # at once, not after a timeout
+        assert threading.active_count() <= threads_before + limit
+    finally:
+        for conn in idle:
+            conn.close()
+    deadline = time.monotonic() + 10.0
+    while True:  # the slots come back once the idle connections close
+        try:
+            fetch_blob(f"http://{host}:{port}", digest, 3, BlobStore(tmp_path / "mine"), authorization=TOKEN, tls=False)
+            break
+        except TransferError as exc:
+            assert exc.status == 503 and time.monotonic() < deadline
+            time.sleep(0.05)
+    server.stop()
