@@ -326,7 +326,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             offset = int(self.headers.get(UPLOAD_OFFSET, "0"))
             length = int(self.headers.get("Content-Length", ""))
         except ValueError:
-            self._answer(400, "an upload needs ?size=BYTES, a Content-Length and (to resume) Upload-Offset")
+            size = offset = length = -1
+        if min(size, offset, length) < 0:  # (a negative Content-Length: `_discard` would read to the end)
+            self._answer(
+                400, "an upload needs ?size=BYTES, a Content-Length and (to resume) Upload-Offset, none negative"
+            )
             return
         if size > blobs.max_blob_bytes:
             self._answer(413, f"a blob may not be larger than {blobs.max_blob_bytes} bytes (the gateway's limit)")

@@ -358,3 +358,17 @@ def test_connections_past_the_limit_are_refused_without_a_thread(tmp_path: Path)
             assert exc.status == 503 and time.monotonic() < deadline
             time.sleep(0.05)
     server.stop()
+
+
+def test_a_negative_content_length_is_refused_not_read_to_the_end(holder: tuple[BlobServer, str]) -> None:
+    """A refused upload's body is read and dropped (`_discard`); read(-1) would read to the end
+    of the connection, every byte held in memory, however much the client sends."""
+    server, url = holder
+    digest = server.store.put(b"stored")
+    host, port = url.removeprefix("http://").split(":")
+    for query in (f"{digest}?size=6", f"{sha256_digest(b'other')}?size=5"):  # stored already; a wrong offset
+        with socket.create_connection((host, int(port)), timeout=2.0) as conn:
+            head = f"PUT /blobs/{query} HTTP/1.1\r\nAuthorization: {TOKEN}\r\nContent-Length: -1\r\n\r\n"
+            conn.sendall(head.encode() + b"x" * 65536)  # and it goes on sending: the server must not wait
+            status_line = conn.recv(65536).split(b"\r\n", 1)[0]
+        assert status_line.startswith(b"HTTP/1.1 400 "), status_line
