@@ -432,6 +432,16 @@ class _Reply:
     headers: dict[str, str]
     leftover: bytes  # body bytes read along with the headers
 
+    def number(self, name: str, default: int) -> int:
+        """Header `name` as a whole number of bytes (`default` where absent or empty);
+        TransferError if it is something else (the caller passes over this holder)."""
+        value = self.headers.get(name.lower(), "")
+        if not value:
+            return default
+        if not (value.isascii() and value.isdecimal()):
+            raise TransferError(f"the blob holder's {name} header is {value[:40]!r}, not a number of bytes")
+        return int(value)
+
 
 class _Connection:
     """One HTTP/1.1 connection to a holder (blocking)."""
@@ -521,7 +531,7 @@ class _Connection:
 
     def body(self, reply: _Reply) -> bytes:
         """A small body (an error's JSON)."""
-        length = int(reply.headers.get("content-length", "0") or 0)
+        length = reply.number("Content-Length", 0)
         data = reply.leftover
         while len(data) < length:
             chunk = self.sock.recv(min(65536, length - len(data)))
@@ -587,7 +597,7 @@ def fetch_blob(
             elif reply.status not in (200, 206):
                 message = _message(conn, reply) or f"HTTP {reply.status}"
                 raise TransferError(f"{base_url} refused blob {digest}: {message}", reply.status)
-            length = int(reply.headers.get("content-length", "-1"))
+            length = reply.number("Content-Length", -1)
             if length != size - writer.offset:
                 raise TransferError(
                     f"{base_url} offers {length} bytes of blob {digest} from byte {writer.offset}; "
@@ -635,7 +645,7 @@ def upload_blob(
             if reply.status != 404:
                 message = _message(conn, reply) or f"HTTP {reply.status}"
                 raise TransferError(f"{base_url} refused blob {digest}: {message}", reply.status)
-            offset = min(int(reply.headers.get(UPLOAD_OFFSET.lower(), "0") or 0), size)
+            offset = min(reply.number(UPLOAD_OFFSET, 0), size)
             put_headers = {**headers, UPLOAD_OFFSET: str(offset), "Content-Length": str(size - offset)}
             put_headers["Content-Type"] = "application/octet-stream"
             put_headers["Expect"] = "100-continue"

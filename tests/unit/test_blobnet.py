@@ -3,6 +3,7 @@ where they broke off, wrong bytes refused, credentials checked, bad requests ans
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -372,3 +373,35 @@ def test_a_negative_content_length_is_refused_not_read_to_the_end(holder: tuple[
             conn.sendall(head.encode() + b"x" * 65536)  # and it goes on sending: the server must not wait
             status_line = conn.recv(65536).split(b"\r\n", 1)[0]
         assert status_line.startswith(b"HTTP/1.1 400 "), status_line
+
+
+def serve_once(answer: bytes) -> str:
+    """A holder that answers every request of one connection with `answer`, then closes."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def run() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(2.0)
+            with contextlib.suppress(OSError):
+                while conn.recv(65536):
+                    conn.sendall(answer)
+        listener.close()
+
+    threading.Thread(target=run, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_a_holder_with_malformed_numbers_is_a_transfer_error_not_a_crash(tmp_path: Path) -> None:
+    """Callers pass over a holder on TransferError (staging tries the next one); a ValueError out of
+    int() of its headers ended the whole staging (and a CLI upload) with a traceback instead."""
+    digest = sha256_digest(b"abc")
+    mine = BlobStore(tmp_path / "mine")
+    bad_length = serve_once(b"HTTP/1.1 200 OK\r\nContent-Length: three\r\n\r\nabc")
+    with pytest.raises(TransferError, match="Content-Length"):
+        fetch_blob(bad_length, digest, 3, mine, tls=False)
+    source = tmp_path / "blob"
+    source.write_bytes(b"abc")
+    bad_offset = serve_once(f"HTTP/1.1 404 Not Found\r\n{UPLOAD_OFFSET}: soon\r\nContent-Length: 0\r\n\r\n".encode())
+    with pytest.raises(TransferError, match=UPLOAD_OFFSET):
+        upload_blob(bad_offset, source, digest, tls=False)
