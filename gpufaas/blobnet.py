@@ -33,6 +33,7 @@ gateway's public port does: users' CLIs, which hold no certificate; the nodes al
 from __future__ import annotations
 
 import contextlib
+import errno
 import http.server
 import json
 import logging
@@ -217,6 +218,10 @@ class _ThreadingServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
         super().finish_request(request, client_address)
 
 
+class _ClientGone(Exception):
+    """Reading an upload's body failed: the client broke off (its partial is kept for a resume)."""
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _ThreadingServer
@@ -379,9 +384,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return False
             self._continue()
             try:
-                got = writer.pump(self.rfile.readinto, length)
-            except OSError:
+                got = writer.pump(self._body_reader(), length)
+            except _ClientGone:
                 got = -1
+            except OSError as exc:  # this holder's own write (its disk full): the client must hear it
+                self._answer(507 if exc.errno in (errno.ENOSPC, errno.EDQUOT) else 500, f"storing blob failed: {exc}")
+                return False
             blobs.bytes_received += max(0, got)
             if got != length:
                 self.close_connection = True  # the client broke off: keep the partial for a resume
@@ -392,6 +400,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._answer(400, str(exc))
                 return False
         return True
+
+    def _body_reader(self) -> Callable[[memoryview], int | None]:
+        """readinto of the request's body whose failures (the client broke off, or went silent)
+        are _ClientGone: told apart from a failure to write what it sent."""
+
+        def read_into(view: memoryview) -> int | None:
+            try:
+                return self.rfile.readinto(view)
+            except OSError as exc:
+                raise _ClientGone(str(exc)) from exc
+
+        return read_into
 
     def _discard(self, length: int) -> None:
         """Read and drop a body this server will not keep (so the connection can go on)."""
@@ -657,8 +677,7 @@ def upload_blob(
             else:
                 if progress is not None and offset:
                     progress(offset)
-                sent = _send_file(conn, path, offset, size, progress)
-                reply = conn.final()
+                sent, reply = _send_body(conn, path, offset, size, progress)
             if reply.status == 201:
                 if progress is not None and refused is not None:
                     progress(size)  # stored since the HEAD
@@ -672,6 +691,23 @@ def upload_blob(
         finally:
             conn.close()
     raise TransferError(f"{base_url} kept moving the offset of blob {digest}; try again")
+
+
+def _send_body(
+    conn: _Connection, path: Path, offset: int, size: int, progress: Callable[[int], None] | None
+) -> tuple[int, _Reply]:
+    """Send the body, then read the final answer: the bytes sent and that answer. A holder that
+    stops reading half way and answers (its disk full) breaks the send: its answer is read then,
+    where it came; OSError where none did."""
+    try:
+        sent = _send_file(conn, path, offset, size, progress)
+    except OSError:
+        try:
+            return 0, conn.final()
+        except (OSError, TransferError):
+            pass
+        raise
+    return sent, conn.final()
 
 
 def _send_file(conn: _Connection, path: Path, offset: int, size: int, progress: Callable[[int], None] | None) -> int:

@@ -405,3 +405,25 @@ def test_a_holder_with_malformed_numbers_is_a_transfer_error_not_a_crash(tmp_pat
     bad_offset = serve_once(f"HTTP/1.1 404 Not Found\r\n{UPLOAD_OFFSET}: soon\r\nContent-Length: 0\r\n\r\n".encode())
     with pytest.raises(TransferError, match=UPLOAD_OFFSET):
         upload_blob(bad_offset, source, digest, tls=False)
+
+
+@pytest.mark.parametrize("nbytes", [1000, 3 * PUMP_BUFFER_BYTES + 17])
+def test_a_holder_whose_disk_is_full_says_so(
+    tmp_path: Path, holder: tuple[BlobServer, str], monkeypatch: pytest.MonkeyPatch, nbytes: int
+) -> None:
+    """The holder's own write failing (ENOSPC) is answered 507 naming it, not taken for the client
+    breaking off (the connection closed without an answer: the CLI said the upload broke off, and
+    resumed into the same full disk)."""
+    _, url = holder
+
+    def full(fd: int, data: object, *args: object) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(blobs.os, "pwrite", full)
+    monkeypatch.setattr(blobs.BlobWriter, "write", lambda self, data: full(0, data))
+    source = tmp_path / "weights.bin"
+    data = big(nbytes)
+    source.write_bytes(data)
+    with pytest.raises(TransferError) as refused:
+        upload_blob(url, source, sha256_digest(data), authorization=TOKEN)
+    assert refused.value.status == 507 and "No space left" in str(refused.value)
