@@ -469,14 +469,19 @@ class _Connection:
     def __init__(self, base_url: str, timeout_s: float, tls: LinkTls | bool = True) -> None:
         """Under TLS (the process's, unless `tls` says) the holder is reached over TLS whatever
         the URL's scheme says (holders advertise http:// URLs), and its role checked."""
-        url = urllib.parse.urlsplit(base_url)
-        if url.scheme not in ("http", "https") or not url.hostname:
-            raise TransferError(f"{base_url!r} is not an http://HOST:PORT blob address")
+        not_one = TransferError(f"{base_url!r} is not an http://HOST:PORT blob address")
+        try:
+            url = urllib.parse.urlsplit(base_url)
+            hostname, port = url.hostname, url.port or 80
+        except ValueError:  # (a bracket not closed, a port that is not one)
+            raise not_one from None
+        if url.scheme not in ("http", "https") or not hostname:
+            raise not_one
         self.host = url.netloc
         self.prefix = url.path.rstrip("/")
         links = links_of(tls)
         try:
-            sock = socket.create_connection((url.hostname, url.port or 80), timeout=timeout_s)
+            sock = socket.create_connection((hostname, port), timeout=timeout_s)
         except OSError as exc:
             raise TransferError(f"cannot reach the blob holder at {base_url}: {exc}") from None
         try:

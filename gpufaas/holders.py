@@ -102,7 +102,11 @@ class HolderRecord:
 
     @property
     def host(self) -> str:
-        return urllib.parse.urlsplit(self.url).hostname or ""
+        """The host of `url` ("" where it has none, or is malformed: fetching from it fails then)."""
+        try:
+            return urllib.parse.urlsplit(self.url).hostname or ""
+        except ValueError:
+            return ""
 
 
 def sources_for(

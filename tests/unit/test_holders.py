@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gateway.artifacts import Artifacts, MissingBlobs, PeerAccess
-from gpufaas.blobnet import fetch_blob
+from gpufaas.blobnet import TransferError, fetch_blob
 from gpufaas.blobs import BlobStore
 from gpufaas.holders import HolderRecord, PackageRecord, sources_for
 from gpufaas.keys import Keys
@@ -51,6 +51,23 @@ def test_nearest_holders_first() -> None:
         assert order == ["node-near", "node-far", "gw-took-it", "gw-other"]
     # Unknown package (no record): any gateway, no peer.
     assert {h.name for h in sources_for(None, holders, me="node-me")} == {"gw-other", "gw-took-it"}
+
+
+def test_a_holder_with_a_malformed_url_is_passed_over(tmp_path: Path) -> None:
+    """A holder record's URL (a node's --blob-advertise, as etcd keeps it) that urllib cannot
+    parse raised ValueError in sources_for (its host) and in fetch_blob (its port), out of
+    everything that passes over a failing holder: one misconfigured node stopped every other
+    node's staging of the packages it holds."""
+    digest = MANIFEST.digest
+    package = PackageRecord(MANIFEST, "gw")
+    bad_urls = ("http://[::1", "http://10.0.0.2:notaport", "http://10.0.0.2:99999")
+    holders = [HolderRecord(f"node-{i}", "node", url, frozenset({digest})) for i, url in enumerate(bad_urls)]
+    holders.append(HolderRecord("gw", "gateway", "http://10.0.0.8:1"))
+    order = [h.name for h in sources_for(package, holders, me="node-me", my_host="10.0.0.1")]
+    assert sorted(order[:3]) == ["node-0", "node-1", "node-2"] and order[3] == "gw"
+    for url in bad_urls:
+        with pytest.raises(TransferError, match="not an http://HOST:PORT"):
+            fetch_blob(url, sha256_digest(b"h"), 1, BlobStore(tmp_path / "mine"), tls=False)
 
 
 def _gateway(store: MemoryStore, root: Path, name: str) -> Artifacts:
