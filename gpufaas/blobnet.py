@@ -42,6 +42,7 @@ import re
 import socket
 import socketserver
 import ssl
+import sys
 import threading
 import time
 import urllib.parse
@@ -185,6 +186,16 @@ class _ThreadingServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
         except BaseException:
             self.slots.release()  # no thread was started to release it
             raise
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """What escaped a connection's handler, logged (socketserver prints a traceback to
+        stderr): a connection error (the client went, reset, timed out) in one line; anything
+        else with its traceback, through logging."""
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):
+            log.info("blob client %s broke off: %s", client_address[0], error)
+        else:
+            log.exception("blob request of %s failed", client_address[0])
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:

@@ -427,3 +427,24 @@ def test_a_holder_whose_disk_is_full_says_so(
     with pytest.raises(TransferError) as refused:
         upload_blob(url, source, sha256_digest(data), authorization=TOKEN)
     assert refused.value.status == 507 and "No space left" in str(refused.value)
+
+
+def test_a_client_that_goes_mid_blob_is_logged_in_a_line_not_a_traceback(
+    holder: tuple[BlobServer, str], capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fetch given up half way (a staging cancelled, a client timed out) is routine: socketserver's
+    handle_error printed its traceback to stderr, past the logging configuration, every time."""
+    server, url = holder
+    digest = server.store.put(big(32 << 20))
+    host, port = url.removeprefix("http://").split(":")
+    with caplog.at_level("DEBUG", logger="gpufaas.blobnet"):
+        conn = socket.create_connection((host, int(port)))
+        conn.sendall(f"GET /blobs/{digest} HTTP/1.1\r\nAuthorization: {TOKEN}\r\n\r\n".encode())
+        conn.recv(1000)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, (1).to_bytes(4, "little") + (0).to_bytes(4, "little"))
+        conn.close()  # a reset, while the holder sends
+        deadline = time.monotonic() + 5.0
+        while "broke off" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert "Traceback" not in capsys.readouterr().err
+    assert "broke off" in caplog.text and "Traceback" not in caplog.text
