@@ -73,6 +73,7 @@ _BUSY_REPLY = (
     "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
     f"Content-Length: {len(_BUSY_BODY)}\r\n\r\n{_BUSY_BODY}"
 ).encode()
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # this holder's own write failing so: 507 Insufficient Storage
 _PATH = re.compile(r"/blobs/(" + DIGEST_PATTERN.pattern + r")")
 _RANGE = re.compile(r"bytes=(\d+)-$")
 
@@ -361,7 +362,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _writer(self, store: BlobStore, digest: str, size: int, length: int) -> BlobWriter | None:
         """The writer an upload of `length` bytes goes to, or None once answered (its body
         discarded): 201 when the blob is stored already, 409 while another upload of it runs,
-        400 when what is on disk of it is wrong."""
+        400 when what is on disk of it is wrong, 507 (500) when its partial cannot be opened."""
         if store.has(digest):
             self._discard(length)
             self._answer(201, "stored", {UPLOAD_OFFSET: str(size)})
@@ -372,6 +373,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             status, message = 409, str(exc)
         except CorruptBlob as exc:
             status, message = 400, str(exc)
+        except OSError as exc:  # (no inode left for its partial; the partial unreadable)
+            status, message = 507 if exc.errno in _DISK_FULL else 500, f"storing blob {digest} failed: {exc}"
         self._discard(length)
         self._answer(status, message)
         return None
@@ -399,7 +402,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             except _ClientGone:
                 got = -1
             except OSError as exc:  # this holder's own write (its disk full): the client must hear it
-                self._answer(507 if exc.errno in (errno.ENOSPC, errno.EDQUOT) else 500, f"storing blob failed: {exc}")
+                self._answer(507 if exc.errno in _DISK_FULL else 500, f"storing blob {writer.digest} failed: {exc}")
                 return False
             blobs.bytes_received += max(0, got)
             if got != length:

@@ -407,9 +407,11 @@ def test_a_holder_with_malformed_numbers_is_a_transfer_error_not_a_crash(tmp_pat
         upload_blob(bad_offset, source, digest, tls=False)
 
 
-@pytest.mark.parametrize("nbytes", [1000, 3 * PUMP_BUFFER_BYTES + 17])
+@pytest.mark.parametrize(
+    ("nbytes", "failing"), [(1000, "write"), (1000, "open"), (3 * PUMP_BUFFER_BYTES + 17, "write")]
+)
 def test_a_holder_whose_disk_is_full_says_so(
-    tmp_path: Path, holder: tuple[BlobServer, str], monkeypatch: pytest.MonkeyPatch, nbytes: int
+    tmp_path: Path, holder: tuple[BlobServer, str], monkeypatch: pytest.MonkeyPatch, nbytes: int, failing: str
 ) -> None:
     """The holder's own write failing (ENOSPC) is answered 507 naming it, not taken for the client
     breaking off (the connection closed without an answer: the CLI said the upload broke off, and
@@ -421,6 +423,8 @@ def test_a_holder_whose_disk_is_full_says_so(
 
     monkeypatch.setattr(blobs.os, "pwrite", full)
     monkeypatch.setattr(blobs.BlobWriter, "write", lambda self, data: full(0, data))
+    if failing == "open":  # no inode left for its partial
+        monkeypatch.setattr(blobs.BlobStore, "writer", lambda self, digest, size: full(0, digest))
     source = tmp_path / "weights.bin"
     data = big(nbytes)
     source.write_bytes(data)
