@@ -357,6 +357,9 @@ class Artifacts:
                     return True
             except (TransferError, CorruptBlob) as exc:
                 log.info("blob %s not fetched from %s: %s", digest, holder.name, exc)
+            except OSError as exc:  # this gateway's own disk (full): no other holder helps
+                log.warning("blob %s could not be stored on this gateway: %s", digest, exc)
+                break
         return self.blobs.has(digest)
 
     async def replicate(self, manifest: Manifest, access: PeerAccess) -> tuple[str | None, int]:

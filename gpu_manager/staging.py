@@ -297,6 +297,8 @@ class PackageStore:
                     except TransferError as exc:
                         reasons.append(f"{holder.name}: {exc}")
                         continue
+                    except OSError as exc:  # this node's own disk (full): no other holder helps
+                        raise InvalidPackage(f"blob {digest} could not be stored on this node: {exc}") from None
                     served = size - before
                     stats.fetched_bytes += served
                     stats.sources[holder.name] = stats.sources.get(holder.name, 0) + served

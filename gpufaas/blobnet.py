@@ -616,7 +616,8 @@ def fetch_blob(
     on the way; resumes a partial an earlier fetch left (over TLS as `_Connection` says, `tls`
     as for `BlobServer`). Returns the blob's path. TransferError
     when the holder refuses or breaks off (what arrived is kept), CorruptBlob when the bytes are
-    not the blob's (nothing kept), BlobBusy when another fetch of it runs."""
+    not the blob's (nothing kept), BlobBusy when another fetch of it runs, OSError when `store`
+    cannot write it (its disk full: no other holder would do better)."""
     existing = store.path(digest)
     if existing is not None:
         return existing
@@ -642,15 +643,26 @@ def fetch_blob(
                     f"{base_url} offers {length} bytes of blob {digest} from byte {writer.offset}; "
                     f"expected {size - writer.offset}"
                 )
-            try:
-                got = writer.pump(conn.reader(reply), length)
-            except OSError as exc:
-                raise TransferError(f"fetching blob {digest} from {base_url} broke off: {exc}") from None
+            # (an OSError out of pump is then this store's own: its disk full)
+            got = writer.pump(_broken_off_as(conn.reader(reply), f"fetching blob {digest} from {base_url}"), length)
             if got != length:
                 raise TransferError(f"{base_url} broke off blob {digest} at byte {writer.offset} of {size}")
             return writer.commit()
         finally:
             conn.close()
+
+
+def _broken_off_as(read_into: Callable[[memoryview], int], doing: str) -> Callable[[memoryview], int]:
+    """`read_into` whose failures (the holder reset, timed out) are TransferError saying what
+    was `doing`: told apart from failures to write what it read."""
+
+    def read(view: memoryview) -> int:
+        try:
+            return read_into(view)
+        except OSError as exc:
+            raise TransferError(f"{doing} broke off: {exc}") from None
+
+    return read
 
 
 def upload_blob(

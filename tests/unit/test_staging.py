@@ -15,7 +15,7 @@ from gpu_manager.loads import ModelFiles
 from gpu_manager.sandbox import Isolation
 from gpu_manager.staging import LINK_MIN_BYTES, PackageStore
 from gpufaas.blobnet import BlobServer
-from gpufaas.blobs import BlobStore
+from gpufaas.blobs import BlobStore, BlobWriter
 from gpufaas.holders import HolderRecord, PackageRecord
 from gpufaas.packages import InvalidPackage, Manifest, PackageFile, sha256_digest
 from gpufaas.requirements import Layer, LayerCache, python_tag
@@ -390,3 +390,29 @@ def test_a_package_staged_again_while_it_is_removed_keeps_its_blobs(tmp_path: Pa
         assert all(store.blobs.path(blob) is not None for blob in blobs), "staged without its blobs"
 
     asyncio.run(main())
+
+
+def test_a_full_disk_here_is_said_so_and_not_asked_of_every_holder(
+    tmp_path: Path, cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node's own write failing (ENOSPC) is no fault of the holder: fetch_blob called it the
+    holder breaking off, so staging asked every holder FETCH_ATTEMPTS times (re-reading the
+    partial from disk before each) and blamed them."""
+    cluster.holder("gw")
+    cluster.holder("gw2")
+    digest = cluster.package({"handler.py": HANDLER}, gateway="gw")
+    cluster.servers["gw2"].store.put(HANDLER)
+    writes: list[int] = []
+
+    def full(self: object, data: object) -> None:
+        writes.append(1)
+        raise OSError(28, "No space left on device")
+
+    async def main() -> None:
+        store = cluster.store(tmp_path / "node")
+        monkeypatch.setattr(BlobWriter, "write", full)
+        with pytest.raises(InvalidPackage, match=r"on this node: .*No space left"):
+            await store.ensure(digest)
+
+    asyncio.run(main())
+    assert len(writes) == 1
