@@ -87,18 +87,22 @@ class HolderRecord:
 
     @classmethod
     def from_json(cls, data: bytes) -> HolderRecord:
-        raw = json.loads(data)
-        kind = raw["kind"]
-        if kind not in ("gateway", "node"):
-            raise ValueError(f"holder kind {kind!r}")
-        return cls(
-            str(raw["name"]),
-            kind,
-            str(raw["url"]),
-            frozenset(raw.get("packages", ())),
-            {str(k): str(v) for k, v in raw.get("base_environment", {}).items()},
-            frozenset(raw.get("pooled", ())),
-        )
+        """ValueError if `data` is not a holder record (of any shape)."""
+        try:
+            raw = json.loads(data)
+            kind = raw["kind"]
+            if kind not in ("gateway", "node"):
+                raise ValueError(f"holder kind {kind!r}")
+            return cls(
+                str(raw["name"]),
+                kind,
+                str(raw["url"]),
+                frozenset(raw.get("packages", ())),
+                {str(k): str(v) for k, v in raw.get("base_environment", {}).items()},
+                frozenset(raw.get("pooled", ())),
+            )
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"not a holder record: {exc!r}") from None
 
     @property
     def host(self) -> str:
@@ -150,6 +154,6 @@ async def read_holders(store: Store, keys: Keys) -> list[HolderRecord]:
     """Every blob holder registered now (unreadable records left out)."""
     holders = []
     for kv in await store.get_prefix(keys.holders):
-        with contextlib.suppress(ValueError, KeyError, TypeError):
+        with contextlib.suppress(ValueError):
             holders.append(HolderRecord.from_json(kv.value))
     return holders

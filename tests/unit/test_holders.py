@@ -12,7 +12,7 @@ import pytest
 from gateway.artifacts import Artifacts, MissingBlobs, PeerAccess
 from gpufaas.blobnet import TransferError, fetch_blob
 from gpufaas.blobs import BlobStore
-from gpufaas.holders import HolderRecord, PackageRecord, sources_for
+from gpufaas.holders import HolderRecord, PackageRecord, read_holders, sources_for
 from gpufaas.keys import Keys
 from gpufaas.packages import InvalidPackage, Manifest, PackageFile, sha256_digest
 from gpufaas.requirements import Layer
@@ -68,6 +68,17 @@ def test_a_holder_with_a_malformed_url_is_passed_over(tmp_path: Path) -> None:
     for url in bad_urls:
         with pytest.raises(TransferError, match="not an http://HOST:PORT"):
             fetch_blob(url, sha256_digest(b"h"), 1, BlobStore(tmp_path / "mine"), tls=False)
+
+
+@pytest.mark.anyio
+async def test_an_unreadable_holder_record_is_left_out_not_raised() -> None:
+    """read_holders leaves out records it cannot read; one whose base_environment is not an
+    object raised AttributeError instead, and every staging and gather of the cluster with it."""
+    store, keys = MemoryStore(), Keys()
+    good = HolderRecord("gw", "gateway", "http://10.0.0.8:1")
+    await store.put(keys.holder("gw"), good.to_json())
+    await store.put(keys.holder("odd"), b'{"name":"odd","kind":"node","url":"http://h:1","base_environment":[]}')
+    assert await read_holders(store, keys) == [good]
 
 
 def _gateway(store: MemoryStore, root: Path, name: str) -> Artifacts:
