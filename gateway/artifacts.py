@@ -542,16 +542,25 @@ async def spool(chunks: AsyncIterator[bytes], directory: Path, limit_bytes: int)
             batch.append(chunk)
             batched += len(chunk)
             if batched >= WRITE_BATCH_BYTES:
-                await asyncio.to_thread(os.writev, fd, batch)
+                await asyncio.to_thread(_write_all, fd, batch)
                 batch, batched = [], 0
         if batch:
-            await asyncio.to_thread(os.writev, fd, batch)
+            await asyncio.to_thread(_write_all, fd, batch)
     except BaseException:
         os.close(fd)
         os.unlink(name)
         raise
     os.close(fd)
     return Path(name), size, "sha256:" + hasher.hexdigest()
+
+
+def _write_all(fd: int, chunks: list[bytes]) -> None:
+    """Append every byte of `chunks` (writev may write fewer, as a disk fills: then the rest,
+    until the disk says why it takes no more)."""
+    written = os.writev(fd, chunks)
+    rest = memoryview(b"".join(chunks))[written:] if written < sum(len(c) for c in chunks) else memoryview(b"")
+    while rest:
+        rest = rest[os.write(fd, rest) :]
 
 
 def _mkstemp(directory: Path) -> tuple[int, str]:

@@ -874,3 +874,29 @@ def test_a_blob_batch_waits_out_another_transfer_of_one_of_its_blobs(tmp_path: P
             assert blobs.has(sha256(data))
 
     run(tmp_path, body)
+
+
+def test_spool_writes_every_byte_it_hashed_though_a_write_falls_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """writev may write fewer bytes than asked (a disk filling up); spool dropped the rest, and
+    returned the size and digest of the bytes it hashed for a file that held fewer."""
+    import os
+
+    real_writev = os.writev
+
+    def short(fd: int, buffers: list[bytes]) -> int:
+        data = b"".join(buffers)
+        return real_writev(fd, [data[: max(1, len(data) // 3)]])
+
+    monkeypatch.setattr(artifacts.os, "writev", short)
+    data = [bytes([n]) * 1000 for n in range(10)]
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for chunk in data:
+            yield chunk
+
+    path, size, digest = asyncio.run(artifacts.spool(chunks(), tmp_path, 1 << 20))
+    monkeypatch.undo()
+    body = path.read_bytes()
+    assert size == len(body) == 10_000 and digest == "sha256:" + hashlib.sha256(body).hexdigest()
