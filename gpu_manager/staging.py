@@ -141,7 +141,9 @@ class PackageStore:
         return entry[1] if entry is not None else None
 
     def used_bytes(self) -> int:
-        return self.blobs.used_bytes()
+        """The disk the blobs take (what the budget bounds): complete ones and the partials of
+        broken or running fetches."""
+        return self.blobs.used_bytes() + self.blobs.partial_bytes()
 
     async def recover(self) -> None:
         """Adopt the packages a previous run of this node staged (their records permitting)."""
@@ -223,10 +225,12 @@ class PackageStore:
         started = time.perf_counter()
         missing = {d: size for d, size in manifest.blobs().items() if not self.blobs.has(d)}
         if missing:
+            # (what a broken fetch of them left is on the disk, counted in used_bytes already)
+            more = sum(size - self.blobs.partial_size(d) for d, size in missing.items())
             if make_room:
-                await self._make_room(sum(missing.values()))
-            elif not await self._fits(sum(missing.values())):
-                raise NoRoom(f"package {digest}: {sum(missing.values())} bytes more do not fit the free disk budget")
+                await self._make_room(more)
+            elif not await self._fits(more):
+                raise NoRoom(f"package {digest}: {more} bytes more do not fit the free disk budget")
             sources = sources_for(record, await self._holders(), me=self.me, my_host=self.my_host)
             # Largest first: the weights set the pace; the small files fit in around them.
             order = sorted(missing, key=lambda d: -missing[d])
@@ -316,16 +320,23 @@ class PackageStore:
     async def _fits(self, nbytes: int) -> bool:
         if self.budget_bytes is None:
             return True
-        return await asyncio.to_thread(self.blobs.used_bytes) + nbytes <= self.budget_bytes
+        return await asyncio.to_thread(self.used_bytes) + nbytes <= self.budget_bytes
 
     async def _make_room(self, nbytes: int) -> None:
-        """Evict least recently used packages no worker holds until `nbytes` more fit the budget
-        (as far as that goes: a package larger than the budget is still staged). A package asked
-        for since the eviction began is kept: its caller has its directory, and its worker may not
-        be in `in_use()` yet."""
+        """Drop the partials no staging wants, then evict least recently used packages no worker
+        holds, until `nbytes` more fit the budget (as far as that goes: a package larger than the
+        budget is still staged). A package asked for since the eviction began is kept: its caller
+        has its directory, and its worker may not be in `in_use()` yet."""
         if self.budget_bytes is None:
             return
-        used = await asyncio.to_thread(self.blobs.used_bytes)
+        used = await asyncio.to_thread(self.used_bytes)
+        if used + nbytes <= self.budget_bytes:
+            return
+        # First the partials no staging under way wants (a broken fetch's, of a package not asked
+        # for now): cheaper to fetch again than a staged package.
+        wanted = set(self._fetching) | set(self._linking)
+        await asyncio.to_thread(self.blobs.discard_partials, lambda d: d in wanted)
+        used = await asyncio.to_thread(self.used_bytes)
         if used + nbytes <= self.budget_bytes:
             return
         began = self._clock()

@@ -114,6 +114,15 @@ class BlobStore:
                 total += path.stat().st_size
         return total
 
+    def partial_bytes(self) -> int:
+        """The bytes of unfinished blobs (broken transfers kept for a resume, transfers under
+        way): disk they take as much as complete ones."""
+        total = 0
+        for path in self._partial.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                total += path.stat().st_size
+        return total
+
     # --- writing ------------------------------------------------------------------------------
     def writer(self, digest: str, size: int) -> BlobWriter:
         """A writer of blob `digest` of `size` bytes, positioned after what a broken earlier

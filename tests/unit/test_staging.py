@@ -13,7 +13,7 @@ import pytest
 
 from gpu_manager.loads import ModelFiles
 from gpu_manager.sandbox import Isolation
-from gpu_manager.staging import LINK_MIN_BYTES, PackageStore
+from gpu_manager.staging import LINK_MIN_BYTES, NoRoom, PackageStore
 from gpufaas.blobnet import BlobServer
 from gpufaas.blobs import BlobStore, BlobWriter
 from gpufaas.holders import HolderRecord, PackageRecord
@@ -416,3 +416,32 @@ def test_a_full_disk_here_is_said_so_and_not_asked_of_every_holder(
 
     asyncio.run(main())
     assert len(writes) == 1
+
+
+def test_partial_blobs_count_against_the_disk_budget(tmp_path: Path, cluster: Cluster) -> None:
+    """What a broken fetch left is on the disk too: a pre-staging that fits only if it is not
+    counted does not fit, and making room drops such a partial no staging wants before it would
+    exceed the budget. A partial of a blob being staged counts once, not as well as its size."""
+    cluster.holder("gw")
+    weights = os.urandom(1 << 20)
+    digest = cluster.package({"handler.py": HANDLER, "w.bin": weights})
+    budget = int(1.5 * (1 << 20))
+    orphan = os.urandom(1 << 20)
+
+    async def main() -> None:
+        store = cluster.store(tmp_path / "node", budget_bytes=budget)
+        with store.blobs.writer(sha256_digest(orphan), len(orphan)) as writer:
+            writer.write(orphan[: 900 << 10])  # a fetch of another package broke off here
+        with pytest.raises(NoRoom):
+            await store.ensure(digest, make_room=False)
+        await store.ensure(digest)  # a call: room made
+        assert store.used_bytes() <= budget
+        assert store.blobs.partial_size(sha256_digest(orphan)) == 0
+
+        again = cluster.store(tmp_path / "again", budget_bytes=budget)
+        with again.blobs.writer(sha256_digest(weights), len(weights)) as writer:
+            writer.write(weights[: 900 << 10])  # its own fetch broke off here: 124 KiB more to come
+        await again.ensure(digest, make_room=False)
+        assert again.used_bytes() <= budget
+
+    asyncio.run(main())
