@@ -75,7 +75,7 @@ _BUSY_REPLY = (
 ).encode()
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # this holder's own write failing so: 507 Insufficient Storage
 _PATH = re.compile(r"/blobs/(" + DIGEST_PATTERN.pattern + r")")
-_RANGE = re.compile(r"bytes=(\d+)-$")
+_RANGE = re.compile(r"bytes=(\d{1,20})-$")  # (more digits: past any file, and past what int() takes)
 
 # authorize(method, Authorization header or None) -> None to go on, or (status, message)
 Authorizer = Callable[[str, str | None], tuple[int, str] | None]
