@@ -136,12 +136,21 @@ class BlobServer:
         self.accept_uploads = accept_uploads
         self.max_blob_bytes = max_blob_bytes
         self.tls = links_of(tls)
-        self.bytes_sent = 0  # for metrics; a racy sum across threads is fine for a counter
+        # For metrics and tests; added to by the connections' threads, under `_counted`: `+=` on
+        # an attribute is a read and a write, which Python does not promise to keep together.
+        self.bytes_sent = 0
         self.bytes_received = 0
+        self._counted = threading.Lock()
         self.max_connections = max_connections
         self.connections_refused = 0  # past `max_connections`, for metrics
         self._server: _ThreadingServer | None = None
         self._thread: threading.Thread | None = None
+
+    def count(self, *, sent: int = 0, received: int = 0) -> None:
+        """Add to the bytes sent and received (from any connection's thread)."""
+        with self._counted:
+            self.bytes_sent += sent
+            self.bytes_received += received
 
     def start(self, listen: str = "127.0.0.1:0") -> str:
         """Listen on HOST:PORT (port 0: any free one); returns the bound HOST:PORT."""
@@ -323,7 +332,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if head:
                 return
             sent = send_range(self.connection, source, start, size - start)
-            blobs.bytes_sent += sent
+            blobs.count(sent=sent)
             if sent != size - start:
                 self.close_connection = True
 
@@ -404,7 +413,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             except OSError as exc:  # this holder's own write (its disk full): the client must hear it
                 self._answer(507 if exc.errno in _DISK_FULL else 500, f"storing blob {writer.digest} failed: {exc}")
                 return False
-            blobs.bytes_received += max(0, got)
+            blobs.count(received=max(0, got))
             if got != length:
                 self.close_connection = True  # the client broke off: keep the partial for a resume
                 return False
