@@ -97,6 +97,9 @@ HEADER_ALLOWANCE_BYTES = 1024 * 1024  # what a frame may hold beside its body
 _SMALL_BUFFER_BYTES = 256 * 1024  # frames up to this size are read into one reused buffer
 _INLINE_BODY_BYTES = 64 * 1024  # bodies up to this size are copied into the frame's one write
 _MAX_CORRELATION_ID = 2**32 - 1  # the frame's field is a u32; 0 means none
+# The ids of the latest requests given up on (timed out, their caller gone) whose answers have not
+# come: such an answer over the limit is dropped as it comes, not taken for garbage (`_over_limit`).
+_GIVEN_UP_KEPT = 1024
 # The most frames of one connection handled in one turn of the loop; the rest of a read waits for
 # the next turn, with the connection's reading paused meanwhile. A read of the full buffer holds
 # thousands of small frames: handled at once, they held the loop for a third of a second, and an
@@ -323,6 +326,7 @@ class Connection(asyncio.BufferedProtocol):
         self.is_closed = False
         self._pending: dict[int, asyncio.Future[Frame]] = {}
         self._last_id = 0  # the newest request's correlation id
+        self._given_up: dict[int, None] = {}  # requests given up on, oldest first (_GIVEN_UP_KEPT)
         self._out: list[bytes] = []
         self.sent_bytes = 0  # every byte of every frame sent on this end, written or still buffered
         self.received_bytes = 0  # every byte read on this end
@@ -458,7 +462,10 @@ class Connection(asyncio.BufferedProtocol):
                 finally:
                     timer.cancel()
         finally:
-            self._pending.pop(correlation_id, None)
+            if self._pending.pop(correlation_id, None) is not None:  # given up on: its answer may still come
+                self._given_up[correlation_id] = None
+                if len(self._given_up) > _GIVEN_UP_KEPT:
+                    del self._given_up[next(iter(self._given_up))]
         if frame.type == MessageType.ERROR:
             error = frame.message(pb.Error)
             raise RemoteError(error.status, error.message)
@@ -638,6 +645,7 @@ class Connection(asyncio.BufferedProtocol):
             if future is not None and not future.done():
                 future.set_result(frame)
                 return
+            self._given_up.pop(correlation_id, None)
             if not getattr(self.handler, "takes_stray_replies", False):
                 return
         if self.handler is None:
@@ -739,25 +747,30 @@ def _over_limit(conn: Connection, view: memoryview, start: int, end: int, total:
     gateway whose payload limit is above its node's sent a payload between the two: that call alone
     is refused, not every call on the link). A reply that reads as one, to a request this end
     waits on, fails that request with AnswerTooLarge and is dropped alike (a node's limit above its
-    gateway's: a result between the two fails that call alone). Anything else over the limit (a
-    one-way message, a reply nobody waits for, a prefix that reads as garbage) closes the
-    connection with FrameTooLarge: nobody would be told, or the stream is not frames."""
+    gateway's: a result between the two fails that call alone); a late one, to a request given up
+    on (`_given_up`), is dropped alike, as a small one is. Anything else over the limit (a one-way
+    message, a reply to no request, a prefix that reads as garbage) closes the connection with
+    FrameTooLarge: nobody would be told, or the stream is not frames."""
     _, type_, flags, correlation_id, header_bytes = _PREFIX.unpack_from(view, start)
     too_large = f"a frame of {total} bytes exceeds this connection's limit of {conn.max_frame_bytes}"
     readable = type_ in MESSAGES and header_bytes <= min(HEADER_ALLOWANCE_BYTES, total - PREFIX_BYTES)
     request = flags == FLAG_REQUEST and correlation_id != 0
-    asker = conn._pending.pop(correlation_id, None) if flags == FLAG_REPLY and readable else None
-    if not readable or not (request or asker is not None):
+    reply = flags == FLAG_REPLY and readable
+    asker = conn._pending.pop(correlation_id, None) if reply else None
+    late = reply and asker is None and correlation_id in conn._given_up
+    if not readable or not (request or asker is not None or late):
         conn._protocol_error(FrameTooLarge(too_large))
         return end
     error_counts["frame_too_large"] += 1
-    kind = "request: refused" if request else "reply: its request failed"
+    kind = "request: refused" if request else "late reply: dropped" if late else "reply: its request failed"
     over_limit = f"is over this end's limit of {conn.max_frame_bytes} bytes; it was not read"
     log.warning("connection %s: %s (a %s %s), the connection kept", conn.peer, too_large, _type_name(type_), kind)
-    if asker is not None:
+    if late:
+        del conn._given_up[correlation_id]
+    elif asker is not None:
         if not asker.done():
             asker.set_exception(AnswerTooLarge(f"an answer of {total} bytes {over_limit}"))
-    else:
+    elif request:
         conn.reply_error(
             Frame(type_, flags, correlation_id, b"", b""), pb.TOO_LARGE, f"a request of {total} bytes {over_limit}"
         )

@@ -472,6 +472,34 @@ def test_a_reply_over_the_limit_that_nobody_waits_for_closes_the_link(run: Run) 
     assert isinstance(run(scenario()), FrameTooLarge)
 
 
+@pytest.mark.parametrize("body_bytes", [100 * 1024, 3 * MIB], ids=["in-one-read", "many-reads"])
+def test_a_late_reply_over_the_limit_to_a_request_given_up_on_is_dropped_and_the_link_stays(
+    run: Run, body_bytes: int
+) -> None:
+    """A small late answer (its request timed out, or its caller went) is dropped; one over the
+    limit cut the link, and every other request in flight on it failed (a gateway's call whose
+    client went away, its result over the gateway's limit: every other call to that node 502)."""
+    held: list[tuple[Connection, Frame]] = []
+    client_peer = Peer()
+
+    async def scenario() -> None:
+        async with serving(Peer(lambda conn, frame: held.append((conn, frame)))) as server:
+            conn = await connect(server.address, client_peer, max_frame_bytes=64 * 1024)
+            with pytest.raises(TimeoutError):
+                await conn.request(MessageType.EXECUTE, pb.Execute(token=b"late"), timeout_s=0.05)
+            other = asyncio.ensure_future(conn.request(MessageType.EXECUTE, pb.Execute(token=b"other")))
+            await until(lambda: len(held) == 2)
+            (late_end, late), (other_end, other_frame) = held
+            late_end.reply(late, MessageType.EXECUTE_REPLY, b"", bytes(body_bytes))
+            other_end.reply(other_frame, MessageType.EXECUTE_REPLY, b"", b"small")
+            assert (await other).body == b"small"
+            assert not conn.is_closed
+            await conn.aclose()
+
+    run(scenario())
+    assert client_peer.closes == [None] and client_peer.frames == []
+
+
 def test_a_large_body_arrives_intact_both_ways_and_small_frames_follow(run: Run) -> None:
     body = random.Random(15).randbytes(15 * MIB)
     limit = max_frame_bytes_for(16 * MIB)
