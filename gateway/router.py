@@ -56,7 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.leases import Lease, Leases
+from gateway.leases import Lease, LeaseKey, Leases
 from gpufaas.functions import FunctionSpec
 from gpufaas.grants import LEASE_KEEPING_OUTCOMES
 from gpufaas.proto import gpufaas_pb2 as pb
@@ -653,7 +653,7 @@ class Router:
             box.placements += 1
             # The call's own deadline, for the node: a lease's grant holds a later one for its other calls.
             execute = pb.Execute(token=message.token, content_type=content_type, timeout_s=box.remaining_s())
-            frame = await self._execute_placed(box, message, payload, execute)
+            frame = await self._execute_placed(box, message, payload, execute, (spec.name, spec.model))
             if frame is None:
                 continue  # not sent, or its node lost after: the scheduler was told
             reply = frame.message(pb.ExecuteReply)
@@ -675,10 +675,11 @@ class Router:
             # WORKER_DIED: the node told the scheduler, which places the call again or rejects it.
 
     async def _execute_placed(
-        self, box: Mailbox, message: pb.Placement, payload: bytes, execute: pb.Execute
+        self, box: Mailbox, message: pb.Placement, payload: bytes, execute: pb.Execute, key: LeaseKey
     ) -> Frame | None:
         """`_execute` of a placed call; None where the placement failed on the way (the scheduler
-        is told: it places the call again, or answers it). Raises CallFailed for the call's answer."""
+        is told: it places the call again, or answers it). Raises CallFailed for the call's answer;
+        a lease the placement grants is kept (under `key`) where the call ran, its answer unread."""
         call_id = box.place.call_id
         try:
             return await _execute(self.nodes, message, payload, execute)
@@ -688,8 +689,10 @@ class Router:
         except _MaybeSent as exc:
             log.warning("call %s: node %s lost after the call was sent (%s)", call_id, message.node, exc)
             await self._placement_failed(box, MAYBE_SENT, str(exc))
-        except _AnswerTooLarge:
-            raise  # it ran: its node tells the scheduler, as of any call
+        except _AnswerTooLarge:  # it ran: its node tells the scheduler, as of any call, and keeps the lease
+            if message.lease_s > 0 and box.epoch == self.epoch:
+                self.leases.add(key, message, self.clock(), box.epoch)
+            raise
         except CallFailed as exc:  # its payload is over the node's limit: not run, nor will it be
             self.abandon(call_id, box.attempt, pb.Abandon.CANCELLED, exc.message)
             raise

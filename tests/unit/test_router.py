@@ -541,6 +541,24 @@ async def test_a_result_over_the_gateways_limit_under_a_lease_keeps_the_lease(en
 
 
 @in_cluster()
+async def test_a_result_over_the_gateways_limit_of_a_leased_placements_own_call_keeps_the_lease(env: Cluster) -> None:
+    """The call ran, and its node keeps the lease (the scheduler holds its slot for it): the
+    gateway left it unused, and the function's next call was placed (queued behind the lease)."""
+    env.node_a.script[b"call-1#1"] = (make_reply(), bytes(3 * MAX_PAYLOAD_BYTES))
+    task = await env.placed("call-1")
+    placement = env.node_a.placement("call-1", 1)
+    placement.lease_s = 5.0
+    env.scheduler.send(placement)
+    assert (await failure(task)).status == 502
+    env.node_a.script.pop(b"call-1#1")
+    async with asyncio.timeout(WAIT_S):
+        result = await env.router.invoke(make_spec(), "call-2", PAYLOAD, "image/png", clock=time.monotonic)
+    assert result.leased and result.output == PAYLOAD
+    await env.scheduler.barrier()
+    assert len(env.scheduler.places) == 1 and env.scheduler.abandons == []
+
+
+@in_cluster()
 async def test_a_refused_token_is_abandoned_and_the_next_placement_used(env: Cluster) -> None:
     task = await env.placed("call-1")
     env.place_on(env.node_a, "call-1", 1, answer=no_result(pb.REFUSED, "the grant expired"))
