@@ -19,7 +19,16 @@ from gpufaas.keys import gpu_address, split_gpu_address
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.tls import LinkTls
 from gpufaas.types import GpuSpec, ModelSpec
-from gpufaas.wire import Connection, ConnectionLost, Handler, MessageType, RemoteError, Unauthenticated, connect
+from gpufaas.wire import (
+    AnswerTooLarge,
+    Connection,
+    ConnectionLost,
+    Handler,
+    MessageType,
+    RemoteError,
+    Unauthenticated,
+    connect,
+)
 from gpufaas.wire_local import link_here
 from scheduler.calls import CallBook, CheckGrants, Effect, Evict, EvictHost
 from scheduler.core import Scheduler
@@ -279,6 +288,9 @@ class NodeLinks:
                     continue
                 try:
                     frame = await node.conn.request(MessageType.WORKERS, pb.WorkersRequest(), timeout_s=NODE_TIMEOUT_S)
+                except AnswerTooLarge as exc:  # (the link stays: nothing would say why it is never reconciled)
+                    log.warning("node %s: its list of workers is not reconciled: %s", node.record.node, exc)
+                    continue
                 except (ConnectionLost, TimeoutError, RemoteError):
                     continue  # _keep_attached deals with a node that is gone
                 if not node.gpu_ids:  # detached meanwhile

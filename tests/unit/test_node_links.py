@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from typing import Any
+
+import pytest
 
 from gpufaas.cluster import NodeRecord
 from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.wire import Connection, Frame, MessageType, Server
-from scheduler.node_links import NodeLinks
+from gpufaas.wire import AnswerTooLarge, Connection, Frame, MessageType, Server
+from scheduler import node_links
+from scheduler.node_links import NodeLink, NodeLinks
 from scheduler.persister import StatePersister
 from tests.fakes import MemoryStore
 from tests.unit.test_calls import make_book
@@ -66,3 +71,46 @@ def test_an_attach_refused_as_fenced_leaves_no_connection_open() -> None:
             await server.close()
 
     asyncio.run(scenario())
+
+
+class _AnswersTooLarge:
+    """A node link whose every request fails as an answer over the scheduler's limit."""
+
+    is_closed = False
+
+    async def request(self, *args: Any, **kwargs: Any) -> Frame:
+        raise AnswerTooLarge("an answer of 99999999 bytes is over this end's limit of 1000 bytes; it was not read")
+
+
+def test_a_node_whose_workers_list_is_over_the_limit_says_so_in_the_log(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Such an answer cut the link before (the node detached and attached again, which showed); now
+    # the link stays, and the reconciler would pass the node over on every round without a word.
+    monkeypatch.setattr(node_links, "RECONCILE_S", 0.0)
+    book = make_book(gpus=())
+    links = NodeLinks(
+        book.scheduler,
+        book,
+        StatePersister(MemoryStore(), Keys("/t"), book.scheduler, book, lambda: 0.0),
+        functions={},
+        apply=lambda effects: None,
+        spawn=lambda coroutine: None,
+        session_for=lambda node: FencingNode(),
+        slots_for=lambda gpu_type: 1,
+        clock=lambda: 0.0,
+        wire_key=None,
+        prestage_nodes=0,
+        tls=False,
+    )
+    links.nodes["n1"] = NodeLink(
+        NodeRecord("n1", "127.0.0.1:1", "cpu", "i1"), conn=_AnswersTooLarge(), gpu_ids=["n1/0"]
+    )  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(links.reconciler(), 0.05)
+
+    with caplog.at_level(logging.WARNING, logger="gpufaas.scheduler"):
+        asyncio.run(scenario())
+    assert "node n1: its list of workers is not reconciled" in caplog.text
