@@ -203,10 +203,15 @@ class Manifest:
 
 def check_path(path: str) -> None:
     """A package path: relative, POSIX, no '.', '..' or empty parts, no control characters or
-    backslashes, at most MAX_PATH_BYTES (InvalidPackage otherwise)."""
+    backslashes, UTF-8 text (no lone surrogates: a JSON escape or an archive's undecodable bytes),
+    at most MAX_PATH_BYTES (InvalidPackage otherwise)."""
     if not path or path.startswith("/") or PurePosixPath(path).is_absolute():
         raise InvalidPackage(f"{path!r} is not a relative path; paths must be relative to the package")
-    if len(path.encode()) > MAX_PATH_BYTES:
+    try:
+        encoded = path.encode()
+    except UnicodeEncodeError:
+        raise InvalidPackage(f"{path!r} is not UTF-8 text; name the package's files in UTF-8") from None
+    if len(encoded) > MAX_PATH_BYTES:
         raise InvalidPackage(f"{path[:60]!r}...: a path may not be longer than {MAX_PATH_BYTES} bytes")
     if "\\" in path or any(ord(c) < 32 or ord(c) == 127 for c in path):
         raise InvalidPackage(f"{path!r} holds a backslash or a control character")

@@ -809,6 +809,27 @@ def test_a_manifest_nested_too_deep_is_a_400(tmp_path: Path) -> None:
     run(tmp_path, body)
 
 
+def test_a_manifest_path_that_is_not_utf8_is_a_400(tmp_path: Path) -> None:
+    """A lone surrogate (valid JSON, no UTF-8 for it) in a manifest's path is refused as the path
+    it is, not answered 500 by the UnicodeEncodeError of measuring it."""
+
+    async def body(env: Env) -> None:
+        entry = {"path": "\ud800.py", "digest": EMPTY_DIGEST, "size": 0, "mode": 0o644}
+        manifest = json.dumps({"version": 1, "files": [entry]}).encode()  # (ensure_ascii: "\\ud800")
+        headers = {"content-type": "application/json"}
+        response = await env.client.post("/system/packages", content=manifest, headers=headers)
+        assert_error(response, 400, "not UTF-8")
+        # An archive whose member is named in Latin-1 (Python reads its byte 0xe9 as "\udce9").
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w:gz", format=tarfile.GNU_FORMAT, encoding="latin-1") as tar:
+            for info, data in (HANDLER, (member("caf\xe9.bin"), b"abc")):
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        assert_error(await env.client.post("/system/packages", content=buffer.getvalue()), 400, "not UTF-8")
+
+    run(tmp_path, body)
+
+
 def test_a_gateway_reached_over_tls_offers_no_plain_http_blob_server_for_uploads(tmp_path: Path) -> None:
     """Clients speak plain HTTP to the blob server, with the admin password: a gateway whose public
     URL is https (its own certificate, or a proxy's) does not offer it, and they upload through the API."""
