@@ -39,8 +39,10 @@ EXPECTED: dict[str, str] = {
     "gpu": "expected 'any' or a GPU type such as 'nvidia-h100-80gb-hbm3' (see GET /system/gpus)",
     "batch_size": f"expected a positive whole number, at most {MAX_DECLARED_BATCH_SIZE}",
     "timeout_s": f"expected seconds in (0, {MAX_TIMEOUT_S:g}]",
-    "labels": "expected a map of strings to strings",
-    "environment": "expected a map of variable names (not empty, without '=' or NUL) to strings (without NUL)",
+    "labels": "expected a map of strings to strings (UTF-8 text)",
+    "environment": (
+        "expected a map of variable names (not empty, without '=' or NUL) to strings (without NUL), in UTF-8 text"
+    ),
     "max_batch_size": f"expected a positive whole number, at most {MAX_BATCH_SIZE} calls per batch",
     "max_batch_wait_ms": f"expected milliseconds in [0, {MAX_BATCH_WAIT_MS:g}]",
     "public": "expected true or false",
@@ -48,7 +50,19 @@ EXPECTED: dict[str, str] = {
     "slo_ms": f"expected milliseconds in (0, {MAX_TIMEOUT_S * 1000:g}], or null for none",
 }
 
-StringMap = dict[str, str]
+
+def _utf8(strings: dict[str, str]) -> dict[str, str]:
+    # A lone surrogate (JSON can escape one) has no UTF-8: stored, it would come back as U+FFFD,
+    # a spec other than the one validated (another model tag, another environment).
+    for text in (*strings, *strings.values()):
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            raise ValueError(f"{text!r} is not UTF-8 text") from None
+    return strings
+
+
+StringMap = Annotated[dict[str, str], AfterValidator(_utf8)]
 
 
 def _environment(variables: dict[str, str]) -> dict[str, str]:

@@ -652,6 +652,22 @@ def test_spec_validation_errors_name_the_field(tmp_path: Path) -> None:
                 response = await env.client.request(method, "/system/functions", json=spec)
                 assert_error(response, 400, *fragments)
         assert await env.store.get_prefix(env.keys.functions) == []
+        # A lone surrogate (valid JSON, no UTF-8 for it) would be stored as U+FFFD, not as sent:
+        # another model than the one answered, and an environment other than the one asked for.
+        not_utf8: list[tuple[dict[str, Any], str]] = [
+            ({**good, "labels": {"\ud800": "x"}}, "labels:"),
+            ({**good, "labels": {"x": "\udce9"}}, "labels:"),
+            ({**good, "environment": {"\ud800": "x"}}, "environment:"),
+            ({**good, "environment": {"X": "\udfff"}}, "environment:"),
+        ]
+        for spec, fragment in not_utf8:
+            raw = json.dumps(spec).encode()  # (ensure_ascii: the surrogate travels as its escape)
+            for method in ("POST", "PUT"):
+                response = await env.client.request(
+                    method, "/system/functions", content=raw, headers={"content-type": "application/json"}
+                )
+                assert_error(response, 400, fragment, "UTF-8")
+        assert await env.store.get_prefix(env.keys.functions) == []
 
         # A well-formed spec whose package was never uploaded.
         never = "sha256:" + "0" * 64
