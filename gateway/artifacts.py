@@ -413,6 +413,23 @@ class Artifacts:
     async def record(self, digest: str) -> PackageRecord | None:
         return await read_package(self.store, self.keys, digest)
 
+    async def hold(self, digest: str) -> PackageRecord | None:
+        """The package's record for a deploy (or update) about to name it (None: not registered,
+        or collected meanwhile): made young again for the collection where older than half the
+        grace, so that no collection, whatever its mirror of the functions, deletes it between
+        this check and the deploy's write (its delete compares the record's mod_revision)."""
+        record = await self.record(digest)
+        if record is None or time.time() - record.created_unix_s < self.grace_s / 2:
+            return record
+        key = self.keys.package(digest)
+        kv = await self.store.get(key)
+        if kv is None:
+            return None
+        fresh = dataclasses.replace(record, created_unix_s=time.time())
+        if await self.store.compare_and_put(key, fresh.to_json(), mod_revision=kv.mod_revision):
+            return fresh
+        return await self.record(digest)  # changed meanwhile: registered again, or collected
+
     async def unnamed(self, digest: str) -> None:
         """A package a function no longer names (it was updated to another, or deleted): young
         again for the collection, which measures its grace from then. Calls that arrived before

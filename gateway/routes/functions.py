@@ -39,8 +39,9 @@ class Deployed(BaseModel):
 
 async def _check_fits(gateway: Gateway, spec: FunctionSpec) -> None:
     """What the schema cannot say: the package must be registered, and the model must fit a GPU
-    of the cluster as it is now. 409: the spec is well formed but conflicts with the cluster's state."""
-    if await gateway.artifacts.record(spec.package_digest) is None:
+    of the cluster as it is now. 409: the spec is well formed but conflicts with the cluster's state.
+    The package is held for the write that follows (young again for the collection: `Artifacts.hold`)."""
+    if await gateway.artifacts.hold(spec.package_digest) is None:
         raise ApiError(409, f"package {spec.package_digest} is not uploaded; POST it to /system/packages first")
     largest = gateway.largest_gpu_mb(spec.required_gpu_type)
     if largest is not None and spec.memory_mb > largest:

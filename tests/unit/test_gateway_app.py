@@ -425,6 +425,31 @@ def test_a_package_its_function_left_keeps_its_grace_from_the_change(tmp_path: P
     run(tmp_path, body, package_grace_s=60.0)
 
 
+def test_a_deploy_makes_the_package_it_names_young_again_for_the_collection(tmp_path: Path) -> None:
+    """A package registered long ago and named by no function yet: a deploy (or an update) that
+    names it must keep it from a collection that runs meanwhile with a mirror that does not hold
+    the function yet (another gateway's, or this one's read before the deploy), or the function
+    is deployed with its package deleted: listed, and never runnable."""
+
+    async def body(env: Env) -> None:
+        gateway = env.app.state.gateway
+        old, older = await env.upload(make_package("old")), await env.upload(make_package("older"))
+        await age(env, old, time.time() - 1000)
+        await age(env, older, time.time() - 1000)
+        spec = {"name": "fn", "package_digest": old, "memory_mb": 100}
+        assert (await env.client.post("/system/functions", json=spec)).status_code == 202
+        # The collection of a gateway whose mirror lags: it sees no function naming either package.
+        assert (await gateway.artifacts.collect(set(), time.time()))[0] == [older]
+        assert (await env.client.get(f"/system/packages/{old}")).status_code == 200
+        older = await env.upload(make_package("older"))
+        await age(env, older, time.time() - 1000)
+        assert (await env.client.put("/system/functions", json={**spec, "package_digest": older})).status_code == 202
+        assert (await gateway.artifacts.collect(set(), time.time()))[0] == []
+        assert (await env.client.get(f"/system/packages/{older}")).status_code == 200
+
+    run(tmp_path, body, package_grace_s=60.0)
+
+
 async def age(env: Env, digest: str, created_unix_s: float) -> None:
     """Make the package's record say it was registered at `created_unix_s`."""
     key = env.keys.package(digest)
