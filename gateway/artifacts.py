@@ -277,7 +277,7 @@ class Artifacts:
         if existing is not None:
             if missing:  # its holders keep it; this gateway's copy comes with the next fetch
                 log.warning("package %s: %d of its blobs are on no holder reached", existing.digest, len(missing))
-            return await self._refreshed(existing)
+            return await self._refreshed(existing) or existing  # (collected meanwhile: a deploy's hold says)
         if missing:
             raise MissingBlobs(missing)
         layer = await self._requirements(manifest)
@@ -396,39 +396,28 @@ class Artifacts:
             # Over the link TLS: the admin's credential it shows never crosses the network in clear.
             upload_blob(url, path, digest, authorization=access.write, timeout_s=PEER_TIMEOUT_S)
 
-    async def _refreshed(self, record: PackageRecord, *, always: bool = False) -> PackageRecord:
+    async def _refreshed(self, record: PackageRecord, *, always: bool = False) -> PackageRecord | None:
         """A package registered again (a redeploy, another function with it): young again for the
-        collection, so that it cannot go between this registration and the deploy that follows.
-        Unless `always`, a record younger than half the grace is left as it is (one write saved)."""
+        collection, so that it cannot go before the deploy that follows (a collection that read it
+        before fails its compare-and-delete). Unless `always`, a record younger than half the grace
+        is left as it is (one write saved). None: it was collected meanwhile."""
         now = time.time()
         if not always and now - record.created_unix_s < self.grace_s / 2:
             return record
         key = self.keys.package(record.digest)
         kv = await self.store.get(key)
         fresh = dataclasses.replace(record, created_unix_s=now)
-        if kv is not None:
-            await self.store.compare_and_put(key, fresh.to_json(), mod_revision=kv.mod_revision)
+        if kv is None or not await self.store.compare_and_put(key, fresh.to_json(), mod_revision=kv.mod_revision):
+            return await self.record(record.digest)  # collected (None), or written meanwhile
         return fresh
 
     async def record(self, digest: str) -> PackageRecord | None:
         return await read_package(self.store, self.keys, digest)
 
     async def hold(self, digest: str) -> PackageRecord | None:
-        """The package's record for a deploy (or update) about to name it (None: not registered,
-        or collected meanwhile): made young again for the collection where older than half the
-        grace, so that no collection, whatever its mirror of the functions, deletes it between
-        this check and the deploy's write (its delete compares the record's mod_revision)."""
+        """A package a deploy is about to name, made young (`_refreshed`); None if not registered."""
         record = await self.record(digest)
-        if record is None or time.time() - record.created_unix_s < self.grace_s / 2:
-            return record
-        key = self.keys.package(digest)
-        kv = await self.store.get(key)
-        if kv is None:
-            return None
-        fresh = dataclasses.replace(record, created_unix_s=time.time())
-        if await self.store.compare_and_put(key, fresh.to_json(), mod_revision=kv.mod_revision):
-            return fresh
-        return await self.record(digest)  # changed meanwhile: registered again, or collected
+        return None if record is None else await self._refreshed(record)
 
     async def unnamed(self, digest: str) -> None:
         """A package a function no longer names (it was updated to another, or deleted): young
