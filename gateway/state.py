@@ -85,6 +85,9 @@ class Gateway:
             access=PeerAccess.of(config.credentials),
         )
         self.functions: dict[str, FunctionSpec] = {}
+        # Per function written through this gateway whose change the watch has not brought yet:
+        # the revision its events must pass to be newer than the mirror (`function_written`).
+        self._function_floors: dict[str, int] = {}
         # Every call, once: the metrics, the overview (GET /system/overview), invocationCount.
         self.stats = FunctionStats()
         self.metrics = GatewayMetrics(self.stats, lambda: len(self.functions))
@@ -175,27 +178,55 @@ class Gateway:
 
     # --- mirrors of etcd ------------------------------------------------------------------
     def _functions_listed(self, kvs: list[KeyValue], revision: int) -> None:
-        self.functions = {}
+        """The registry at `revision`, but for the functions written through this gateway over a
+        version newer than that (their floor is past it): the mirror's are newer than the list's."""
+        listed = {}
         for kv in kvs:
             with contextlib.suppress(GpufaasError):
                 spec = FunctionSpec.from_json(kv.value)
-                self.functions[spec.name] = spec
+                listed[spec.name] = spec
+        self._function_floors = {name: f for name, f in self._function_floors.items() if f > revision}
+        for name in self._function_floors:
+            mine = self.functions.get(name)
+            if mine is None:
+                listed.pop(name, None)
+            else:
+                listed[name] = mine
+        self.functions = listed
 
     def _function_changed(self, event: WatchEvent) -> None:
         name = event.key.removeprefix(self.keys.functions)
+        floor = self._function_floors.get(name)
+        if floor is not None:
+            if event.mod_revision <= floor:
+                return  # older than what this gateway wrote since (the watch lags the writes)
+            del self._function_floors[name]
         if event.kind == "delete":
-            self.functions.pop(name, None)
-            self.stats.drop(name)  # its overview; its Prometheus counters stay monotonic
+            self.function_deleted(name)
         else:
             with contextlib.suppress(GpufaasError):
                 self.function_written(FunctionSpec.from_json(event.value))
 
-    def function_written(self, spec: FunctionSpec) -> None:
-        """`spec` is the function's now (written through this gateway, or its watch brought it)."""
+    def function_written(self, spec: FunctionSpec, *, over_revision: int = 0) -> None:
+        """`spec` is the function's now (written through this gateway, or its watch brought it).
+        `over_revision` (> 0: written through this gateway): the revision of the version it
+        replaced, or the store's before a create; the watch's events of the function up to it,
+        which may come after this, are older than `spec` and are ignored."""
+        self._hold_back(spec.name, over_revision)
         old = self.functions.get(spec.name)
         if old is not None and old.model != spec.model:
             self.stats.drop(spec.name)  # a new package: its hit ratio and latency start afresh
         self.functions[spec.name] = spec
+
+    def function_deleted(self, name: str, *, over_revision: int = 0) -> None:
+        """The function is deleted (through this gateway: `over_revision` as `function_written`'s)."""
+        self._hold_back(name, over_revision)
+        self.functions.pop(name, None)
+        self.stats.drop(name)  # its overview; its Prometheus counters stay monotonic
+
+    def _hold_back(self, name: str, over_revision: int) -> None:
+        if over_revision > 0:
+            self._function_floors[name] = max(self._function_floors.get(name, 0), over_revision)
 
     def _services_listed(self, kvs: list[KeyValue], revision: int) -> None:
         for kv in kvs:

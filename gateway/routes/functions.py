@@ -57,10 +57,11 @@ async def _check_fits(gateway: Gateway, spec: FunctionSpec) -> None:
 async def deploy(spec: Annotated[FunctionSpec, Body()], gateway: GatewayDep) -> Deployed:
     """Deploy a new function (409 if the name is taken: update it with PUT)."""
     await _check_fits(gateway, spec)
+    before = await gateway.store.revision()  # the watch's older events of the name are up to this
     created = await gateway.store.compare_and_put(gateway.keys.function(spec.name), spec.to_json(), mod_revision=0)
     if not created:
         raise ApiError(409, f"function {spec.name!r} already exists; update it with PUT /system/functions")
-    gateway.function_written(spec)
+    gateway.function_written(spec, over_revision=before)
     return Deployed(name=spec.name, model=spec.model)
 
 
@@ -74,7 +75,7 @@ async def update(spec: Annotated[FunctionSpec, Body()], gateway: GatewayDep) -> 
         if current is None:
             raise ApiError(404, f"function {spec.name!r} does not exist; deploy it with POST /system/functions")
         if await gateway.store.compare_and_put(key, spec.to_json(), mod_revision=current.mod_revision):
-            gateway.function_written(spec)
+            gateway.function_written(spec, over_revision=current.mod_revision)
             await _unnamed(gateway, current.value, spec.package_digest)
             return Deployed(name=spec.name, model=spec.model)
     raise ApiError(409, f"function {spec.name!r} is being changed concurrently; retry")
@@ -142,6 +143,6 @@ async def delete(request: Annotated[DeleteRequest, Body()], gateway: GatewayDep)
             break
     else:
         raise ApiError(409, f"function {name!r} is being changed concurrently; retry")
-    gateway.functions.pop(name, None)
+    gateway.function_deleted(name, over_revision=current.mod_revision)
     await _unnamed(gateway, current.value, None)
     return {"name": name, "deleted": True}

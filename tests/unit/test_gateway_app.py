@@ -84,7 +84,7 @@ CREDENTIALS = Credentials(admin_password=ADMIN_PASSWORD, invoke_token=INVOKE_TOK
 async def gateway(tmp_path: Path, **config: Any) -> AsyncIterator[Env]:
     """A gateway with credentials (CREDENTIALS unless `credentials=` says otherwise) and a client
     that sends the admin's."""
-    store = MemoryStore()
+    store = config.pop("store", None) or MemoryStore()
     keys = Keys("/unit")
     config.setdefault("credentials", CREDENTIALS)
     app = create_app(
@@ -598,6 +598,61 @@ def test_the_overview_of_a_function_updated_through_this_gateway_to_a_new_packag
         assert gateway.stats.summary("f")["calls"] == 1  # the same package: its figures go on
 
     run(tmp_path, body)
+
+
+class LaggingWatches(MemoryStore):
+    """A MemoryStore whose watches deliver the functions' events one at a time, each once let
+    through (`let_through`): etcd's watch lagging behind the answers to the writes."""
+
+    def __init__(self, functions_prefix: str) -> None:
+        super().__init__()
+        self.functions_prefix = functions_prefix
+        self.gate = asyncio.Semaphore(0)
+        self.handled = 0  # functions' events the watcher took in
+
+    async def watch_prefix(self, prefix: str, *, start_revision: int | None = None) -> Any:
+        async for event in super().watch_prefix(prefix, start_revision=start_revision):
+            if not event.key.startswith(self.functions_prefix):
+                yield event
+                continue
+            await self.gate.acquire()
+            yield event
+            self.handled += 1  # (the watcher asked for the next: this one is handled)
+
+    async def let_through(self, events: int) -> None:
+        target = self.handled + events
+        for _ in range(events):
+            self.gate.release()
+        await eventually(lambda: self.handled >= target)
+
+
+def test_a_lagging_watch_does_not_take_the_mirror_back_to_a_version_older_than_a_write(tmp_path: Path) -> None:
+    """A function deployed, then updated to another package through this gateway: once the update
+    is answered, calls run the new package, even while the watch still brings the deploy's event;
+    once a delete is answered, the update's event does not bring the function back."""
+    store = LaggingWatches(Keys("/unit").functions)
+
+    async def body(env: Env) -> None:
+        gateway = env.app.state.gateway
+        first, second = await env.upload(make_package("first")), await env.upload(make_package("second"))
+        spec = {"name": "fn", "package_digest": first, "memory_mb": 100}
+        assert (await env.client.post("/system/functions", json=spec)).status_code == 202
+        assert (await env.client.put("/system/functions", json={**spec, "package_digest": second})).status_code == 202
+        await store.let_through(1)  # the deploy's event
+        assert gateway.functions["fn"].package_digest == second
+        assert (await env.client.get("/system/function/fn")).json()["package_digest"] == second
+        await env.client.request("DELETE", "/system/functions", json={"functionName": "fn"})
+        await store.let_through(1)  # the update's event
+        assert "fn" not in gateway.functions
+        assert (await env.client.get("/system/function/fn")).status_code == 404
+        # Deployed again, while the watch has not brought the delete yet.
+        assert (await env.client.post("/system/functions", json=spec)).status_code == 202
+        await store.let_through(1)  # the delete's event
+        assert gateway.functions["fn"].package_digest == first
+        await store.let_through(1)  # the new deploy's own
+        assert gateway.functions["fn"].package_digest == first
+
+    run(tmp_path, body, store=store)
 
 
 def test_functions_in_the_store_at_start_are_served(tmp_path: Path) -> None:
