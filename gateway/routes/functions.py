@@ -95,9 +95,15 @@ async def _unnamed(gateway: Gateway, old_spec: bytes, package_digest: str | None
                 log.warning("package %s: its grace could not start now (%s); it runs from its making", old, exc)
 
 
-async def _describe(gateway: Gateway, spec: FunctionSpec, holders: list[HolderRecord]) -> dict[str, Any]:
-    replicas_kv = await gateway.store.get(gateway.keys.replicas(spec.model))
-    replicas = json.loads(replicas_kv.value) if replicas_kv is not None else []
+def _replicas(value: bytes | None) -> list[Any]:
+    """A model's replicas key's GPUs ("node/gpu"); [] where there is none (or not a list)."""
+    with contextlib.suppress(ValueError):
+        replicas = json.loads(value) if value is not None else []
+        return replicas if isinstance(replicas, list) else []
+    return []
+
+
+def _describe(gateway: Gateway, spec: FunctionSpec, holders: list[HolderRecord], replicas: list[Any]) -> dict[str, Any]:
     return {
         **spec.model_dump(mode="json"),
         "model": spec.model,
@@ -117,9 +123,13 @@ async def _describe(gateway: Gateway, spec: FunctionSpec, holders: list[HolderRe
 
 @router.get("/system/functions")
 async def list_functions(gateway: GatewayDep) -> list[dict[str, Any]]:
+    """Every deployed function, described: one range read of the models' replicas for all (not a
+    read per function, each a round trip to etcd)."""
     holders = await read_holders(gateway.store, gateway.keys)
+    values = {kv.key: kv.value for kv in await gateway.store.get_prefix(gateway.keys.models)}
     return [
-        await _describe(gateway, spec, holders) for spec in sorted(gateway.functions.values(), key=lambda s: s.name)
+        _describe(gateway, spec, holders, _replicas(values.get(gateway.keys.replicas(spec.model))))
+        for spec in sorted(gateway.functions.values(), key=lambda s: s.name)
     ]
 
 
@@ -128,7 +138,9 @@ async def get_function(name: str, gateway: GatewayDep) -> dict[str, Any]:
     spec = gateway.functions.get(name)
     if spec is None:
         raise ApiError(404, f"function {name!r} is not deployed; list functions with GET /system/functions")
-    return await _describe(gateway, spec, await read_holders(gateway.store, gateway.keys))
+    replicas_kv = await gateway.store.get(gateway.keys.replicas(spec.model))
+    replicas = _replicas(replicas_kv.value if replicas_kv is not None else None)
+    return _describe(gateway, spec, await read_holders(gateway.store, gateway.keys), replicas)
 
 
 @router.delete("/system/functions", status_code=202)

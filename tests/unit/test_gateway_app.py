@@ -655,6 +655,40 @@ def test_a_lagging_watch_does_not_take_the_mirror_back_to_a_version_older_than_a
     run(tmp_path, body, store=store)
 
 
+class CountedGets(MemoryStore):
+    """A MemoryStore that counts its single-key reads (each a round trip to etcd)."""
+
+    gets = 0
+
+    async def get(self, key: str) -> Any:
+        self.gets += 1
+        return await super().get(key)
+
+
+def test_listing_functions_reads_the_replicas_of_all_in_one_range_read(tmp_path: Path) -> None:
+    """GET /system/functions answers with a number of etcd round trips that does not grow with
+    the functions deployed (it read each function's replicas key in turn, on every listing)."""
+    store = CountedGets()
+
+    async def body(env: Env) -> None:
+        digest = await env.upload()
+        for i in range(8):
+            spec = {"name": f"fn{i}", "package_digest": digest, "memory_mb": 100}
+            assert (await env.client.post("/system/functions", json=spec)).status_code == 202
+        model = env.app.state.gateway.functions["fn3"].model
+        await env.store.put(env.keys.replicas(model), json.dumps(["node0/gpu0", "node1/gpu0"]).encode())
+        await env.store.put(env.keys.replicas(env.app.state.gateway.functions["fn4"].model), b"not json")
+        store.gets = 0
+        listed = (await env.client.get("/system/functions")).json()
+        assert store.gets <= 1
+        assert [f["replicas"] for f in listed] == [0, 0, 0, 2, 0, 0, 0, 0]
+        assert listed[3]["gpus"] == ["node0/gpu0", "node1/gpu0"]
+        described = (await env.client.get("/system/function/fn3")).json()
+        assert described["replicas"] == 2 and described["gpus"] == ["node0/gpu0", "node1/gpu0"]
+
+    run(tmp_path, body, store=store)
+
+
 def test_functions_in_the_store_at_start_are_served(tmp_path: Path) -> None:
     async def main() -> None:
         store = MemoryStore()
