@@ -237,9 +237,7 @@ async def register_package(
     media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     try:
         if media in (MANIFEST_MEDIA_TYPE, "application/json"):
-            body = await request.body()
-            if len(body) > 4 << 20:
-                raise PackageTooLarge("a manifest may not be larger than 4 MiB")
+            body = await _manifest_body(request)
             manifest = Manifest.from_json(body, max_unpacked_bytes=artifacts.max_unpacked_bytes)
             return await _committed(gateway, response, await artifacts.register(manifest, access), access)
         expected = digest or request.headers.get("x-package-digest")
@@ -260,6 +258,26 @@ async def register_package(
         return await _committed(gateway, response, await artifacts.register(manifest, access), access, size)
     except (InvalidPackage, RequirementsError) as exc:
         raise _refused(exc) from None
+
+
+MAX_MANIFEST_BYTES = 4 << 20
+
+
+async def _manifest_body(request: Request) -> bytes:
+    """A manifest's body, at most MAX_MANIFEST_BYTES (PackageTooLarge as soon as it is past that,
+    or declared so: a package sent with a manifest's content type is not read into memory)."""
+    too_large = PackageTooLarge(f"a manifest may not be larger than {MAX_MANIFEST_BYTES >> 20} MiB")
+    declared = request.headers.get("content-length", "")
+    if declared.isdecimal() and int(declared) > MAX_MANIFEST_BYTES:
+        raise too_large
+    chunks: list[bytes] = []
+    size_bytes = 0
+    async for chunk in request.stream():
+        size_bytes += len(chunk)
+        if size_bytes > MAX_MANIFEST_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _committed(

@@ -960,6 +960,30 @@ def test_a_manifest_path_that_is_not_utf8_is_a_400(tmp_path: Path) -> None:
     run(tmp_path, body)
 
 
+def test_a_manifest_body_larger_than_its_limit_is_refused_as_it_arrives(tmp_path: Path) -> None:
+    """A body sent as a manifest (application/json: a .tar.gz sent with the wrong content type, say)
+    is refused once past the manifest's 4 MiB, not read whole into memory first (GBs for a model)."""
+
+    async def body(env: Env) -> None:
+        sent = 0
+
+        async def chunks() -> AsyncIterator[bytes]:
+            nonlocal sent
+            for _ in range(64):  # 64 MiB, with no Content-Length (chunked)
+                sent += 1 << 20
+                yield b" " * (1 << 20)
+
+        headers = {"content-type": "application/json"}
+        response = await env.client.post("/system/packages", content=chunks(), headers=headers)
+        assert_error(response, 413, "4 MiB")
+        assert sent <= 8 << 20
+        declared = {**headers, "content-length": str(1 << 30)}
+        response = await env.client.post("/system/packages", content=b"{}", headers=declared)
+        assert_error(response, 413, "4 MiB")
+
+    run(tmp_path, body)
+
+
 def test_a_gateway_reached_over_tls_offers_no_plain_http_blob_server_for_uploads(tmp_path: Path) -> None:
     """Clients speak plain HTTP to the blob server, with the admin password: a gateway whose public
     URL is https (its own certificate, or a proxy's) does not offer it, and they upload through the API."""
