@@ -178,21 +178,27 @@ class Gateway:
 
     # --- mirrors of etcd ------------------------------------------------------------------
     def _functions_listed(self, kvs: list[KeyValue], revision: int) -> None:
-        """The registry at `revision`, but for the functions written through this gateway over a
-        version newer than that (their floor is past it): the mirror's are newer than the list's."""
-        listed = {}
+        """The registry at `revision`, but for a function written through this gateway that the
+        list predates (its version there is the one the write replaced, or older): the mirror's.
+        Where it cannot tell (the function is not listed, and the write replaced a version older
+        than `revision`), the list: a write it missed comes with the watch, which resumes after it."""
+        listed: dict[str, tuple[FunctionSpec, int]] = {}
         for kv in kvs:
             with contextlib.suppress(GpufaasError):
                 spec = FunctionSpec.from_json(kv.value)
-                listed[spec.name] = spec
-        self._function_floors = {name: f for name, f in self._function_floors.items() if f > revision}
-        for name in self._function_floors:
+                listed[spec.name] = (spec, kv.mod_revision)
+        functions = {name: spec for name, (spec, _) in listed.items()}
+        for name, floor in list(self._function_floors.items()):
+            listed_at = listed[name][1] if name in listed else None
+            if (listed_at is not None and listed_at > floor) or (listed_at is None and floor <= revision):
+                del self._function_floors[name]
+                continue
             mine = self.functions.get(name)
             if mine is None:
-                listed.pop(name, None)
+                functions.pop(name, None)
             else:
-                listed[name] = mine
-        self.functions = listed
+                functions[name] = mine
+        self.functions = functions
 
     def _function_changed(self, event: WatchEvent) -> None:
         name = event.key.removeprefix(self.keys.functions)

@@ -655,6 +655,31 @@ def test_a_lagging_watch_does_not_take_the_mirror_back_to_a_version_older_than_a
     run(tmp_path, body, store=store)
 
 
+def test_a_relist_older_than_a_write_keeps_the_write(tmp_path: Path) -> None:
+    """A re-list (after a compaction) whose snapshot predates an update answered through this
+    gateway keeps the update; one taken after it is the mirror's."""
+    store = LaggingWatches(Keys("/unit").functions)
+
+    async def body(env: Env) -> None:
+        gateway = env.app.state.gateway
+        first, second = await env.upload(make_package("first")), await env.upload(make_package("second"))
+        spec = {"name": "fn", "package_digest": first, "memory_mb": 100}
+        assert (await env.client.post("/system/functions", json=spec)).status_code == 202
+        await store.let_through(1)
+        snapshot, revision = await store.get_prefix(env.keys.functions), await store.revision()
+        assert (await env.client.put("/system/functions", json={**spec, "package_digest": second})).status_code == 202
+        gateway._functions_listed(snapshot, revision)  # the list_and_watch's, from before the update
+        assert gateway.functions["fn"].package_digest == second
+        await env.client.request("DELETE", "/system/functions", json={"functionName": "fn"})
+        gateway._functions_listed(snapshot, revision)
+        assert "fn" not in gateway.functions
+        later = await store.get_prefix(env.keys.functions), await store.revision()
+        gateway._functions_listed(*later)  # after both writes: the list is the registry
+        assert "fn" not in gateway.functions and gateway._function_floors == {}
+
+    run(tmp_path, body, store=store)
+
+
 class CountedGets(MemoryStore):
     """A MemoryStore that counts its single-key reads (each a round trip to etcd)."""
 
