@@ -342,14 +342,7 @@ class Artifacts:
         Gateways and nodes alike over the process's link TLS (plain where the cluster has none)."""
         for holder in sources:
             try:
-                fetch_blob(
-                    holder.url,
-                    digest,
-                    size,
-                    self.blobs,
-                    authorization=access.read,
-                    timeout_s=PEER_TIMEOUT_S,
-                )
+                fetch_blob(holder.url, digest, size, self.blobs, authorization=access.read, timeout_s=PEER_TIMEOUT_S)
                 return True
             except BlobBusy:  # another upload or fetch of it runs here: it is on its way
                 time.sleep(0.2)
