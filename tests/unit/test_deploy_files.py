@@ -881,6 +881,11 @@ def test_gpu_manager_daemonset() -> None:
     assert args["--backend"] == "cuda"
     assert int(port) in {p["containerPort"] for p in container["ports"]}
     assert_liveness_asks_the_event_loop(container)
+    # /healthz answers once the spares' CUDA contexts are made: the liveness probe (about 15 s of
+    # silence) must not restart a node still starting; a startup probe holds it off for minutes.
+    startup = container["startupProbe"]
+    assert startup["httpGet"] == container["livenessProbe"]["httpGet"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
 
 
 def test_k8s_images_match_compose_images() -> None:
