@@ -626,6 +626,15 @@ class LaggingWatches(MemoryStore):
         await eventually(lambda: self.handled >= target)
 
 
+async def deployed_with_a_second_package(env: Env) -> tuple[dict[str, Any], str, str]:
+    """Function "fn" deployed on package "first", and package "second" uploaded: (its spec, the
+    two packages' digests)."""
+    first, second = await env.upload(make_package("first")), await env.upload(make_package("second"))
+    spec = {"name": "fn", "package_digest": first, "memory_mb": 100}
+    assert (await env.client.post("/system/functions", json=spec)).status_code == 202
+    return spec, first, second
+
+
 def test_a_lagging_watch_does_not_take_the_mirror_back_to_a_version_older_than_a_write(tmp_path: Path) -> None:
     """A function deployed, then updated to another package through this gateway: once the update
     is answered, calls run the new package, even while the watch still brings the deploy's event;
@@ -634,9 +643,7 @@ def test_a_lagging_watch_does_not_take_the_mirror_back_to_a_version_older_than_a
 
     async def body(env: Env) -> None:
         gateway = env.app.state.gateway
-        first, second = await env.upload(make_package("first")), await env.upload(make_package("second"))
-        spec = {"name": "fn", "package_digest": first, "memory_mb": 100}
-        assert (await env.client.post("/system/functions", json=spec)).status_code == 202
+        spec, first, second = await deployed_with_a_second_package(env)
         assert (await env.client.put("/system/functions", json={**spec, "package_digest": second})).status_code == 202
         await store.let_through(1)  # the deploy's event
         assert gateway.functions["fn"].package_digest == second
@@ -662,9 +669,7 @@ def test_a_relist_older_than_a_write_keeps_the_write(tmp_path: Path) -> None:
 
     async def body(env: Env) -> None:
         gateway = env.app.state.gateway
-        first, second = await env.upload(make_package("first")), await env.upload(make_package("second"))
-        spec = {"name": "fn", "package_digest": first, "memory_mb": 100}
-        assert (await env.client.post("/system/functions", json=spec)).status_code == 202
+        spec, _, second = await deployed_with_a_second_package(env)
         await store.let_through(1)
         snapshot, revision = await store.get_prefix(env.keys.functions), await store.revision()
         assert (await env.client.put("/system/functions", json={**spec, "package_digest": second})).status_code == 202

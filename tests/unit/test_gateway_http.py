@@ -227,13 +227,9 @@ def test_a_request_under_way_is_not_cut_for_taking_longer_than_the_deadlines(por
 
 
 # --- the invoke path's body and its client ------------------------------------------------------------
-class RecordingRouter:
-    """Stands in for the gateway's router: keeps each payload it is asked to run, holds the call
-    for 3 s, and counts the calls cancelled meanwhile (the real router withdraws those)."""
-
-    def __init__(self) -> None:
-        self.payloads: list[bytes] = []
-        self.cancelled = 0
+class StandInRouter:
+    """Stands in for the gateway's router on the invoke path: `Router.invoke`'s signature, its
+    answer `answer`'s (a result, or CallFailed raised)."""
 
     async def invoke(
         self,
@@ -245,6 +241,21 @@ class RecordingRouter:
         clock: Any,
         given_call_id: bool = False,
     ) -> Any:
+        return await self.answer(payload)
+
+    async def answer(self, payload: bytes) -> Any:
+        raise NotImplementedError
+
+
+class RecordingRouter(StandInRouter):
+    """Stands in for the gateway's router: keeps each payload it is asked to run, holds the call
+    for 3 s, and counts the calls cancelled meanwhile (the real router withdraws those)."""
+
+    def __init__(self) -> None:
+        self.payloads: list[bytes] = []
+        self.cancelled = 0
+
+    async def answer(self, payload: bytes) -> Any:
         self.payloads.append(payload)
         try:
             await asyncio.sleep(3)
@@ -254,7 +265,7 @@ class RecordingRouter:
         raise AssertionError("the call was held to the end: its client was not seen leaving")
 
 
-def invoke_app(router: RecordingRouter, recorded: list[tuple[Any, ...]] | None = None) -> InvokeMiddleware:
+def invoke_app(router: StandInRouter, recorded: list[tuple[Any, ...]] | None = None) -> InvokeMiddleware:
     """The invoke path over `router`; what it records of each call (function, status) goes to `recorded`."""
     spec = FunctionSpec(name="f", package_digest="sha256:" + "0" * 64, memory_mb=100)
     records = recorded if recorded is not None else []
@@ -293,23 +304,14 @@ def test_a_client_that_leaves_while_its_call_waits_withdraws_it() -> None:
     assert router.payloads == [b"{}"] and router.cancelled == 1, "the call was kept for a client that left"
 
 
-class FailingRouter:
+class FailingRouter(StandInRouter):
     """Stands in for the gateway's router: answers each call with an error whose message is the
     next of `sizes` bytes long."""
 
     def __init__(self, *sizes: int) -> None:
         self.sizes = list(sizes)
 
-    async def invoke(
-        self,
-        spec: FunctionSpec,
-        call_id: str,
-        payload: bytes,
-        content_type: str,
-        *,
-        clock: Any,
-        given_call_id: bool = False,
-    ) -> Any:
+    async def answer(self, payload: bytes) -> Any:
         raise CallFailed(502, "x" * self.sizes.pop(0))
 
 
@@ -336,23 +338,14 @@ def test_a_client_that_leaves_while_its_answer_waits_to_be_written_is_no_error()
     assert [record.getMessage() for record in errors] == []
 
 
-class ForgingRouter:
+class ForgingRouter(StandInRouter):
     """Stands in for the gateway's router: answers every call with a result of `content_type`,
     as a function's code that rewrote its worker's encoder (or wrote its own frames) would."""
 
     def __init__(self, content_type: str) -> None:
         self.content_type = content_type
 
-    async def invoke(
-        self,
-        spec: FunctionSpec,
-        call_id: str,
-        payload: bytes,
-        content_type: str,
-        *,
-        clock: Any,
-        given_call_id: bool = False,
-    ) -> Any:
+    async def answer(self, payload: bytes) -> Any:
         reply = SimpleNamespace(content_type=self.content_type, loaded=False)
         return SimpleNamespace(reply=reply, output=b"<script>fetch('/system/functions')</script>")
 

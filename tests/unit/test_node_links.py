@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import AnswerTooLarge, Connection, Frame, MessageType, Server
 from scheduler import node_links
+from scheduler.calls import CallBook
 from scheduler.node_links import NodeLink, NodeLinks
 from scheduler.persister import StatePersister
 from tests.fakes import MemoryStore
@@ -32,6 +34,30 @@ class FencingNode:
         pass
 
 
+def make_links(
+    book: CallBook,
+    *,
+    spawn: Callable[[Coroutine[Any, Any, None]], object] = lambda coroutine: None,
+    fenced: Callable[[], object] = lambda: None,
+) -> NodeLinks:
+    """Links of a book's scheduler to nodes that fence (FencingNode), plain TCP, nothing applied."""
+    return NodeLinks(
+        book.scheduler,
+        book,
+        StatePersister(MemoryStore(), Keys("/t"), book.scheduler, book, lambda: 0.0),
+        functions={},
+        apply=lambda effects: None,
+        spawn=spawn,  # type: ignore[arg-type]
+        session_for=lambda node: FencingNode(),
+        slots_for=lambda gpu_type: 1,
+        clock=lambda: 0.0,
+        wire_key=None,
+        prestage_nodes=0,
+        fenced=fenced,  # type: ignore[arg-type]
+        tls=False,
+    )
+
+
 def test_an_attach_refused_as_fenced_leaves_no_connection_open() -> None:
     # The scheduler dropped its end of a refused attach without closing it: one link per node per
     # fenced term stayed open at the node for good.
@@ -41,20 +67,10 @@ def test_an_attach_refused_as_fenced_leaves_no_connection_open() -> None:
         tasks: set[asyncio.Future[Any]] = set()
         book = make_book(gpus=())
         fenced: list[int] = []
-        links = NodeLinks(
-            book.scheduler,
+        links = make_links(
             book,
-            StatePersister(MemoryStore(), Keys("/t"), book.scheduler, book, lambda: 0.0),
-            functions={},
-            apply=lambda effects: None,
             spawn=lambda coroutine: tasks.add(asyncio.ensure_future(coroutine)),
-            session_for=lambda node: FencingNode(),
-            slots_for=lambda gpu_type: 1,
-            clock=lambda: 0.0,
-            wire_key=None,
-            prestage_nodes=0,
             fenced=lambda: (fenced.append(1), links.deactivate()),  # type: ignore[func-returns-value]
-            tls=False,
         )
         links.seen(NodeRecord("n1", address, "cpu", "i1", []))
         try:
@@ -89,23 +105,9 @@ def test_a_node_whose_workers_list_is_over_the_limit_says_so_in_the_log(
     # the link stays, and the reconciler would pass the node over on every round without a word.
     monkeypatch.setattr(node_links, "RECONCILE_S", 0.0)
     book = make_book(gpus=())
-    links = NodeLinks(
-        book.scheduler,
-        book,
-        StatePersister(MemoryStore(), Keys("/t"), book.scheduler, book, lambda: 0.0),
-        functions={},
-        apply=lambda effects: None,
-        spawn=lambda coroutine: None,
-        session_for=lambda node: FencingNode(),
-        slots_for=lambda gpu_type: 1,
-        clock=lambda: 0.0,
-        wire_key=None,
-        prestage_nodes=0,
-        tls=False,
-    )
-    links.nodes["n1"] = NodeLink(
-        NodeRecord("n1", "127.0.0.1:1", "cpu", "i1"), conn=_AnswersTooLarge(), gpu_ids=["n1/0"]
-    )  # type: ignore[arg-type]
+    links = make_links(book)
+    conn: Any = _AnswersTooLarge()  # (a Connection's `request` alone)
+    links.nodes["n1"] = NodeLink(NodeRecord("n1", "127.0.0.1:1", "cpu", "i1"), conn=conn, gpu_ids=["n1/0"])
 
     async def scenario() -> None:
         with contextlib.suppress(TimeoutError):
