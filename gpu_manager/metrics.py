@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -14,6 +15,10 @@ from gpufaas.metrics import BYTES_PER_MB, LATENCY_BUCKETS_S, LoopCount, LoopCoun
 from gpufaas.proto import gpufaas_pb2 as pb
 
 LOST_CAUSES = ("load_failed", "died", "killed", "over_memory", "misbehaved")  # the exits counted as workers lost
+# The models with a load-time series at once: those loaded most recently. A node sees every
+# version of every function that misses on it, so without a bound redeploys grow the exposition
+# (and the daemon) for good; the scheduler's series, labelled the same, are dropped as functions go.
+LOAD_SERIES_MODELS = 256
 
 
 class NodeMetrics:
@@ -50,6 +55,7 @@ class NodeMetrics:
         # `calls`' series by (outcome, loaded), bound on first use: `series()` builds and looks up
         # its label tuple, on every call of the serving path otherwise.
         self._calls_by: dict[tuple[int, bool], LoopCount] = {}
+        self._load_models: OrderedDict[str, None] = OrderedDict()  # least recently loaded first
 
     def ran(self, model: str, result: RunResult) -> None:
         key = (result.outcome, result.loaded)
@@ -62,6 +68,16 @@ class NodeMetrics:
             from_host = result.stages is not None and result.stages.from_host
             self.loads.labels("host" if from_host else "load").inc()
             self.load_seconds.labels(model).observe(result.load_time_s)
+            self._loaded(model)
+
+    def _loaded(self, model: str) -> None:
+        """Keep `model`'s load series; drop the least recently loaded model's beyond
+        LOAD_SERIES_MODELS (its series starts afresh if it loads here again)."""
+        self._load_models[model] = None
+        self._load_models.move_to_end(model)
+        if len(self._load_models) > LOAD_SERIES_MODELS:
+            oldest, _ = self._load_models.popitem(last=False)
+            self.load_seconds.remove(oldest)
 
 
 class _PoolState(Collector):

@@ -13,9 +13,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from gateway.metrics import GatewayMetrics
 from gateway.stats import FunctionStats
-from gpu_manager.metrics import NodeMetrics
+from gpu_manager.metrics import LOAD_SERIES_MODELS, NodeMetrics
 from gpu_manager.pool import EXIT_CAUSES, ModelRun, WorkerPool
 from gpu_manager.staging import LocalPackages
+from gpu_manager.workers import RunResult
 from gpufaas import store, wire
 from gpufaas.dev.etcd_server import free_port
 from gpufaas.functions import FunctionSpec
@@ -165,6 +166,32 @@ def test_a_nodes_worker_processes_are_counted_as_they_start_and_by_why_they_exit
         assert causes == set(EXIT_CAUSES)
 
     asyncio.run(scenario())
+
+
+def test_a_nodes_load_series_are_kept_for_the_models_it_loaded_most_recently(tmp_path: Path) -> None:
+    packages = LocalPackages(tmp_path / "store")
+    pool = WorkerPool("emulated", gpus={"gpu0": 0}, fetch_package=packages.fetch)
+    metrics = NodeMetrics(pool, node="n0")
+
+    def loaded(model: str) -> None:
+        metrics.ran(model, RunResult(pb.OK, loaded=True, load_time_s=0.5))
+
+    def series() -> set[str]:
+        exposition = generate_latest(metrics.registry).decode()
+        return {
+            line.split('model="')[1].split('"')[0] for line in exposition.splitlines() if "load_seconds_count{" in line
+        }
+
+    for version in range(LOAD_SERIES_MODELS):
+        loaded(f"m{version}")
+    loaded("m0")  # loaded again: now the most recent
+    loaded("new")  # one model too many: the least recently loaded one's series goes
+    assert len(series()) == LOAD_SERIES_MODELS
+    assert "m1" not in series() and {"m0", "m2", "new"} <= series()
+    assert scrape(metrics.registry, "gpufaas_node_load_seconds_count", model="m0") == 2
+    loaded("m1")  # back: its series starts afresh
+    assert scrape(metrics.registry, "gpufaas_node_load_seconds_count", model="m1") == 1
+    assert scrape(metrics.registry, "gpufaas_node_loads_total", source="load") == LOAD_SERIES_MODELS + 3
 
 
 # --- the gateway --------------------------------------------------------------------------------
