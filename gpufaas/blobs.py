@@ -6,8 +6,8 @@ Layout under `root` (one store per daemon; nobody else writes there):
     root/sha256/<hex>     a complete, verified blob (read-only, 0444): appears whole or not at all
     root/partial/<hex>    a blob being written; kept when a transfer breaks, so it resumes
 
-A writer hashes what it writes as it goes; `commit` checks size and digest and renames the
-partial into place (CorruptBlob, and the partial discarded, on a mismatch). A broken transfer
+A writer hashes what it writes as it goes; `commit` checks size and digest, flushes the bytes to
+disk and renames the partial into place (CorruptBlob, and the partial discarded, on a mismatch). A broken transfer
 keeps its partial, and the hash state of what was written stays in memory, so the next writer of
 that blob in this process resumes where it stopped without reading it again (after a restart
 the partial is read back once). One writer per blob at a time (BlobBusy for a second).
@@ -188,6 +188,7 @@ class BlobStore:
             os.close(fd)
             temporary.unlink(missing_ok=True)
             raise
+        os.fsync(fd)  # on disk before it is named whole (see `BlobWriter.commit`)
         os.close(fd)
         digest = "sha256:" + hasher.hexdigest()
         if self.has(digest):
@@ -245,6 +246,7 @@ class BlobStore:
         target = self._complete / hex_of(digest)
         os.chmod(partial, 0o444)
         os.replace(partial, target)  # atomic: the blob appears whole
+        _sync_directory(self._complete)  # and the rename itself survives a power loss
         return target
 
     def _release(self, digest: str, resume: tuple[int, Any] | None = None) -> None:
@@ -384,6 +386,10 @@ class BlobWriter:
         actual = "sha256:" + self._hasher.hexdigest()
         if actual != self.digest:
             self._fail(f"blob {self.digest}: its bytes hash to {actual}: corrupted on the way, or not that blob")
+        # On disk before its name says it is whole: a complete blob is never verified again, so
+        # one renamed before its bytes reached the disk would, after a power loss, be served (and
+        # loaded as weights) short or zeroed for good. O_DIRECT writes still need the flush.
+        os.fsync(self._fd)
         os.close(self._fd)
         self._fd = -1
         self._done = True
@@ -442,6 +448,14 @@ class _HashPipe:
             buffer, length = item
             self._update(memoryview(buffer)[:length])
             self.free.put(buffer)
+
+
+def _sync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _open_direct(path: Path) -> int:

@@ -190,3 +190,38 @@ def test_a_commit_that_fails_does_not_hold_the_blob(tmp_path: Path, monkeypatch)
     monkeypatch.undo()
     store.put(b"data")  # not BlobBusy
     assert store.has(digest)
+
+
+def test_a_blob_is_on_disk_before_its_name_says_it_is_whole(tmp_path: Path, monkeypatch) -> None:
+    """Every way in (small writes, the pump, an ingest) flushes the blob's bytes before the rename
+    that makes it complete, and the directory after it: a complete blob is never verified again."""
+    from gpufaas import blobs
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(source: str | Path, target: str | Path) -> None:
+        events.append(("rename", str(source)))
+        real_replace(source, target)
+
+    monkeypatch.setattr(blobs.os, "fsync", fsync)
+    monkeypatch.setattr(blobs.os, "replace", replace)
+    store = BlobStore(tmp_path)
+    large = tmp_path / "large"
+    large.write_bytes(os.urandom(PUMP_BUFFER_BYTES + 5000))
+    small = os.urandom(3000)
+    ways_in = [
+        lambda: store.put(small),
+        lambda: store.put_file(large, sha256_digest(large.read_bytes())),
+        lambda: store.ingest(io.BytesIO(b"ingested").readinto, 8),
+    ]
+    complete = str(tmp_path / "sha256")
+    for way_in in ways_in:
+        events.clear()
+        way_in()
+        [(_, partial)] = [event for event in events if event[0] == "rename"]
+        assert events == [("fsync", partial), ("rename", partial), ("fsync", complete)]
