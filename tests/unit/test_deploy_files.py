@@ -886,6 +886,16 @@ def test_gpu_manager_daemonset() -> None:
     startup = container["startupProbe"]
     assert startup["httpGet"] == container["livenessProbe"]["httpGet"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+    assert pod["shareProcessNamespace"] is True  # the pause process reaps orphans, not the node
+
+
+def test_gpu_managers_run_under_an_init_process_in_compose() -> None:
+    # A worker's own children outlive it as orphans of PID 1; the node (PID 1 without init) never
+    # waits for them, and their zombies hold PIDs of the container's pids limit.
+    managers = [name for name in services() if name.startswith("gpu-manager")]
+    assert managers
+    for name in managers:
+        assert services()[name].get("init") is True, name
 
 
 def test_k8s_images_match_compose_images() -> None:
