@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -240,9 +241,7 @@ def plot_policies(results: Sequence[SimResult], path: Path) -> None:
         ax.set_xlabel("Working set size")
         ax.set_title(f"{figure}: {label}", fontsize=10)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_sweep(results: Sequence[SimResult], path: Path) -> None:
@@ -262,6 +261,20 @@ def plot_sweep(results: Sequence[SimResult], path: Path) -> None:
     labels = ax.get_legend_handles_labels()[1] + twin.get_legend_handles_labels()[1]
     ax.legend(handles, labels, fontsize=8, loc="upper right")
     ax.set_title("Fig. 7: O3 sensitivity", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
+
+
+def _save(plt: Any, fig: Any, path: Path) -> None:
+    """Write `fig` to `path` as a PNG whole or not at all, and close it: drawn into a file
+    beside `path`, then renamed over it. Written in place, a write that failed (a full disk) or
+    was interrupted left a truncated PNG where an earlier plot of the same name had been. A
+    symbolic link at `path` stays, and the file it points to is replaced."""
+    path = Path(os.path.realpath(path))
+    partial = path.with_name(f".plot-{os.getpid()}.partial")  # (short: any name that fits, fits beside it)
+    try:
+        fig.tight_layout()
+        fig.savefig(partial, dpi=120, format="png")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+        plt.close(fig)

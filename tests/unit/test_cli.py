@@ -499,3 +499,37 @@ def test_a_per_invocation_trace_stamped_in_unix_seconds_loads(tmp_path: Path) ->
     argv = ("--json", "--trace", str(trace), "--trace-format", "azure2021", "--whole-trace", "--working-set", "all")
     code, out, err = sim(*argv, "--no-optimum", "--rpm", "60")
     assert code == 0 and json.loads(out)["requests"] > 0, err
+
+
+def test_a_plot_write_that_fails_midway_leaves_the_earlier_plot_whole(tmp_path: Path) -> None:
+    """Written in place, a write that failed partway (a full disk, an interrupt) left a truncated
+    PNG where the earlier plot of that name had been; now the earlier file stays and no part is left."""
+    from matplotlib.figure import Figure
+
+    png = tmp_path / "f.png"
+    png.write_bytes(b"the earlier plot")
+
+    def fails_midway(self: Figure, fname: Path, **kwargs: object) -> None:
+        Path(fname).write_bytes(b"\x89PNG part")
+        raise OSError(28, "No space left on device")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Figure, "savefig", fails_midway)
+        code, _, err = sim("--json", "--minutes", "1", "--working-set", "15", "--no-optimum", "--plot", str(png))
+    assert code == 1 and "No space left on device; the results are above" in err, err
+    assert png.read_bytes() == b"the earlier plot"
+    assert [path.name for path in tmp_path.iterdir()] == ["f.png"]
+
+
+def test_a_plot_through_a_symbolic_link_replaces_the_file_it_points_to(tmp_path: Path) -> None:
+    target = tmp_path / "figures" / "f.png"
+    target.parent.mkdir()
+    target.write_bytes(b"the earlier plot")
+    link = tmp_path / "latest.png"
+    link.symlink_to(target)
+    code, _, err = sim(
+        "--json", "--minutes", "1", "--working-set", "5", "--rpm", "20", "--no-optimum", "--plot", str(link)
+    )
+    assert code == 0, err
+    assert link.is_symlink() and target.read_bytes().startswith(b"\x89PNG")
+    assert sorted(path.name for path in target.parent.iterdir()) == ["f.png"]
