@@ -4,6 +4,7 @@ virtual clock, one policy, a comparison or a sweep."""
 from __future__ import annotations
 
 import enum
+import importlib.util
 import json
 import os
 import sys
@@ -370,6 +371,8 @@ def _sim_checked(
         make_policy(policy)
     except GpufaasError as exc:
         raise typer.BadParameter(str(exc), param_hint="--policy") from None
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:  # (before the run, as below)
+        raise typer.BadParameter("the plot needs matplotlib: pip install 'gpufaas[plot]'", param_hint="--plot")
     if plot is not None and plot.suffix.lower() != ".png":
         raise typer.BadParameter(f"the plot is written as PNG; name it *.png, got {plot}", param_hint="--plot")
     folder = (plot or Path()).absolute().parent

@@ -533,3 +533,13 @@ def test_a_plot_through_a_symbolic_link_replaces_the_file_it_points_to(tmp_path:
     assert code == 0, err
     assert link.is_symlink() and target.read_bytes().startswith(b"\x89PNG")
     assert sorted(path.name for path in target.parent.iterdir()) == ["f.png"]
+
+
+def test_a_plot_without_matplotlib_is_refused_before_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It was found only after the whole run (a sweep can take hours), then exit 1."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    code, out, err = sim(
+        "--json", "--minutes", "1", "--working-set", "5", "--no-optimum", "--plot", str(tmp_path / "f.png")
+    )
+    assert code == 2 and "--plot: the plot needs matplotlib: pip install 'gpufaas[plot]'" in err, err
+    assert out == ""
