@@ -51,6 +51,14 @@ def _int_list(value: str, flag: str, *, minimum: int) -> list[int]:
     return numbers
 
 
+def _positive_or_none(value: float | None) -> float | None:
+    """A positive number or None (typer's min= cannot leave out 0, nor NaN): --slo-factor's, whose
+    declared min=0.0 let 0 through to the workload's own check, an error after the trace loaded."""
+    if value is not None and not value > 0:
+        raise typer.BadParameter(f"must be positive, got {value}")
+    return value
+
+
 class _SimCommand(TyperCommand):
     """`gpufaas sim`, whose `--help` ends with the policy's flags as the scheduler declares them
     (built when read: the scheduler's settings are not imported by every command)."""
@@ -200,8 +208,8 @@ def sim(
     slo_factor: Annotated[
         float | None,
         typer.Option(
-            min=0.0,
-            help="Give every function an SLO of this multiple of its model's inference time (torpor orders by "
+            callback=_positive_or_none,
+            help="Give every function an SLO of this multiple (> 0) of its model's inference time (torpor orders by "
             "it; every policy reports SLO attainment). Default: no SLOs.",
         ),
     ] = None,
