@@ -10,6 +10,7 @@ share it (two versions of one function), so a short name always means the same m
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -25,6 +26,7 @@ MEMORY_BAR_CELLS = 12
 MAX_LRU_SHOWN = 6  # a long LRU list would wrap every row; its head is what the next call reuses
 MAX_QUEUED_SHOWN = 5
 MAX_EVICTIONS_SHOWN = 8
+LAST_PRINTABLE_UNIX_S = 253_402_300_800.0  # 10000-01-01: datetime's range ends there
 
 
 def render(
@@ -41,7 +43,7 @@ def render(
     queue = overview.get("queue")
     queue = queue if isinstance(queue, Mapping) else {}
     evictions = [e for e in _list(overview.get("evictions")) if isinstance(e, Mapping)]
-    overview_time_s = _number(overview.get("time_unix_s"))
+    overview_time_s = _unix_time(overview.get("time_unix_s"))
     frame_time_s = overview_time_s if overview_time_s is not None else now_unix_s
     names = short_model_names(_models_in(gpus, functions, queue, evictions))
 
@@ -303,10 +305,18 @@ def _int_text(value: float | None) -> str:
 
 
 def _number(value: object) -> float | None:
-    """A JSON number as a float; anything else (null, a string, a bool, absent) as None."""
+    """A JSON number as a finite float; anything else (null, a string, a bool, absent, and the
+    NaN and infinities Python's json reads) as None."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value)
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def _unix_time(value: object) -> float | None:
+    """`_number`, where it is a time the frame can print (years 1970 to 9999); else None."""
+    number = _number(value)
+    return number if number is not None and 0 <= number < LAST_PRINTABLE_UNIX_S else None
 
 
 def _sum(values: Iterable[object]) -> float | None:

@@ -284,6 +284,23 @@ def test_missing_or_mistyped_keys_render_dashes_not_errors(overview: dict[str, A
     assert text.startswith("gpufaas top  http://gw:8080  policy -")
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_numbers_that_are_not_finite_render_dashes_not_errors(bad: float) -> None:
+    # Python's json reads NaN and Infinity: a gateway's figures reach the frame as floats of any value.
+    gpu = make_gpu(memory_used_mb=bad, memory_capacity_mb=bad, slots=bad, local_queue=bad)
+    function = make_function(calls=bad, hits=bad, misses=bad, p50_ms=bad)
+    queue = {"length": bad, "capacity": bad, "calls": [{"function": "f", "model": "q@3", "waited_s": bad}]}
+    evictions = [{"time_unix_s": bad, "gpu": "node-0/0", "model": "e@4", "reason": "lru"}]
+    text = shown(make_overview(time_unix_s=bad, gpus=[gpu], functions=[function], queue=queue, evictions=evictions))
+    assert text.startswith("gpufaas top  http://gw:8080  policy lalb-o3  2025-")  # the CLI's clock instead
+    assert row(text, "node-0/0")[:6] == ["node-0/0", "cpu", "idle", "-", "0/-", "-"]
+
+
+def test_a_time_past_what_a_date_can_hold_is_replaced_by_the_clis_clock() -> None:
+    text = shown(make_overview(time_unix_s=1e300))
+    assert text.startswith("gpufaas top  http://gw:8080  policy lalb-o3  2025-")
+
+
 def test_a_gpu_with_missing_fields_shows_dashes() -> None:
     text = shown(make_overview(gpus=[{"gpu": "node-0/0"}]))
     assert row(text, "node-0/0") == ["node-0/0", "-", "-", "-", "0/-", "-", "-", "-"]
