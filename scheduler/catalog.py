@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
@@ -176,16 +177,22 @@ class Catalog:
             self._profiles_epoch = epoch
 
     def _apply_profile(self, kv: KeyValue) -> None:
-        with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+        """One persisted profile into the estimator; one of another shape, or with a figure no
+        measurement gives (a batch size below 1; a time negative, NaN or infinite), is passed over
+        whole with a warning: a batch size of 0 divided every size-based estimate of its GPU type
+        by zero, and the rest made estimates negative or NaN."""
+        try:
             gpu_type, model = kv.key.removeprefix(self.keys.profiles).split("/", 1)
             raw = json.loads(kv.value)
             load_time_s = raw.get("load_time_s")
+            load_time_s = None if load_time_s is None else _seconds(load_time_s)
             inference_time_s = {
-                int(batch): float(seconds) for batch, seconds in raw.get("inference_time_s", {}).items()
+                _batch_size(batch): _seconds(seconds) for batch, seconds in raw.get("inference_time_s", {}).items()
             }
-            self.scheduler.estimator.restore(
-                model, gpu_type, None if load_time_s is None else float(load_time_s), inference_time_s
-            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("ignoring invalid profile at %s: %r", kv.key, exc)
+            return
+        self.scheduler.estimator.restore(model, gpu_type, load_time_s, inference_time_s)
 
     # --- nodes ------------------------------------------------------------------------------
     def nodes_listed(self, kvs: list[KeyValue], revision: int) -> None:
@@ -210,3 +217,19 @@ class Catalog:
             log.warning("ignoring invalid node record for %s: %s", name, exc)
             return
         self.links.seen(record)
+
+
+def _seconds(value: str | float) -> float:
+    """A persisted time: a finite, non-negative number of seconds (ValueError, TypeError otherwise)."""
+    seconds = float(value)
+    if not 0.0 <= seconds < math.inf:
+        raise ValueError(f"not a time in seconds: {value!r}")
+    return seconds
+
+
+def _batch_size(value: str) -> int:
+    """A persisted batch size: a whole number of samples, at least 1 (ValueError otherwise)."""
+    batch = int(value)
+    if batch < 1:
+        raise ValueError(f"not a batch size: {value!r}")
+    return batch

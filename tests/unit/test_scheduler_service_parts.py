@@ -248,6 +248,34 @@ def test_a_restarted_scheduler_recovers_every_batch_size_measured() -> None:
     run(scenario)
 
 
+def test_a_restarted_scheduler_passes_over_a_profile_with_impossible_figures(caplog: pytest.LogCaptureFixture) -> None:
+    # A batch size of 0 was taken in: every size-based estimate of its GPU type divided by it
+    # (ZeroDivisionError placing any model not profiled there); negative or NaN times were too.
+    spec = make_spec("fn-a")
+
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        keys = service.keys
+        await store.put(keys.function(spec.name), spec.to_json())
+        bad = {
+            "zero@1": {"load_time_s": 2.0, "inference_time_s": {"0": 0.2}},
+            "negative@1": {"load_time_s": -5.0, "inference_time_s": {"1": 0.2}},
+            "nan@1": {"load_time_s": None, "inference_time_s": {"1": math.nan}},
+        }
+        for model, record in bad.items():
+            await store.put(keys.profile("cpu", model), json.dumps(record).encode())
+        good = {"load_time_s": 3.0, "inference_time_s": {"2": 0.4}}
+        await store.put(keys.profile("cpu", "good@1"), json.dumps(good).encode())
+        await service.catalog.recover()
+        estimator = service.scheduler.estimator
+        for model in bad:
+            assert estimator.known_times_s(model, "cpu") == (None, {})
+            assert f"ignoring invalid profile at {keys.profile('cpu', model)}" in caplog.text
+        assert estimator.known_times_s("good@1", "cpu") == (3.0, {2: 0.4})
+        assert estimator.inference_time_s(spec.model, "cpu", 1) == pytest.approx(0.2)  # good@1's per sample
+
+    run(scenario)
+
+
 def test_a_standby_takes_office_with_the_profiles_the_leader_measured_since_its_start() -> None:
     # The standby read the profiles at its start (load 5 s) and kept them: in office it planned
     # with them, then its first flush wrote them back over the 9 s the leader had measured since.
