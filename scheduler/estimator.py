@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -132,18 +133,27 @@ class Estimator:
             self._per_sample_s.pop(gpu_type, None)
 
     # --- online updates -------------------------------------------------------------------
+    # A measurement that is not a finite, non-negative time (or a batch below one sample) is
+    # ignored: one NaN or infinity would stay in the EWMA for good (inf + alpha * (x - inf) is
+    # NaN), and with the other models' figures in the size-based estimates of its GPU type.
     def observe_load(self, model: str, gpu_type: str, load_time_s: float) -> None:
+        if not 0.0 <= load_time_s < math.inf:
+            return
         key = (model, gpu_type)
         old = self._load_s.get(key)
         self._load_s[key] = load_time_s if old is None else old + self.alpha * (load_time_s - old)
         self._fits.pop(gpu_type, None)
 
     def observe_swap_in(self, model: str, gpu_type: str, swap_in_time_s: float) -> None:
+        if not 0.0 <= swap_in_time_s < math.inf:
+            return
         key = (model, gpu_type)
         old = self._swap_in_s.get(key)
         self._swap_in_s[key] = swap_in_time_s if old is None else old + self.alpha * (swap_in_time_s - old)
 
     def observe_inference(self, model: str, gpu_type: str, batch_size: int, inference_time_s: float) -> None:
+        if batch_size < 1 or not 0.0 <= inference_time_s < math.inf:
+            return
         by_batch = self._inference_s.setdefault((model, gpu_type), {})
         old = by_batch.get(batch_size)
         by_batch[batch_size] = inference_time_s if old is None else old + self.alpha * (inference_time_s - old)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from gpufaas.profiles import ModelProfile, paper_table1
@@ -61,6 +63,21 @@ def test_measurements_move_the_estimate_by_ewma() -> None:
     assert estimator.inference_time_s("m", "t", 32) == pytest.approx(1.5)
     estimator.observe_load("unknown", "t", 7.0)  # a first measurement is taken whole
     assert estimator.load_time_s("unknown", "t", 1) == pytest.approx(7.0)
+
+
+@pytest.mark.parametrize("bad_s", [math.inf, math.nan, -1.0])
+def test_a_measurement_that_is_no_time_leaves_the_estimates_as_they_were(bad_s: float) -> None:
+    # An infinite inference time went in whole, and the next finite one made it NaN for good
+    # (inf + alpha * (x - inf)); with it the median per-sample time of every unprofiled model.
+    estimator = Estimator([ModelProfile("m", "t", 1000, 2.0, 1.0, 32)], alpha=0.5)
+    estimator.observe_load("m", "t", bad_s)
+    estimator.observe_swap_in("m", "t", bad_s)
+    estimator.observe_inference("m", "t", 32, bad_s)
+    estimator.observe_inference("m", "t", 0, 1.0)  # no samples: no time per sample
+    estimator.observe_inference("m", "t", 32, 2.0)
+    assert estimator.known_times_s("m", "t") == (2.0, {32: pytest.approx(1.5)})
+    assert estimator.swap_in_time_s("m", "t", 1000) == estimator.swap_in_time_s("other", "t", 1000)
+    assert estimator.inference_time_s("unprofiled", "t", 32) == pytest.approx(1.5)
 
 
 def test_alpha_must_be_a_fraction() -> None:
