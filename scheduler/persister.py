@@ -58,6 +58,7 @@ class StatePersister:
         self._written: dict[str, bytes] = {}  # last value put per key (or DELETED): unchanged ones are not rewritten
         self._profile_written_at: dict[str, float] = {}
         self._fence: tuple[str, int] | None = None  # (leader key, epoch) under an election
+        self._unkeyable: set[str] = set()  # what `_key` warned of already
 
     def new_term(self, fence: tuple[str, int] | None = None) -> None:
         """A term begins or ends: what is pending is dropped, and what was written is no longer
@@ -149,8 +150,25 @@ class StatePersister:
 
     def _delete_gpus(self, deleted: set[str], writes: dict[str, bytes | None]) -> None:
         for address in deleted:
+            keys = self._gpu_keys(address)
+            if keys is not None:
+                writes[keys[0]] = writes[keys[1]] = None
+
+    def _gpu_keys(self, address: str) -> tuple[str, str] | None:
+        """The LRU list's and the status's keys of GPU `address`; None (warned of once) where its
+        node's record names it with a '/' in its node or GPU name, which no key segment holds:
+        a ValueError raised out of a flush killed the flusher, and nothing was persisted again."""
+        try:
             node, gpu = split_gpu_address(address)
-            writes[self.keys.gpu_lru(node, gpu)] = writes[self.keys.gpu_status(node, gpu)] = None
+            return self.keys.gpu_lru(node, gpu), self.keys.gpu_status(node, gpu)
+        except ValueError as exc:
+            self._cannot_key(f"GPU {address}", exc)
+            return None
+
+    def _cannot_key(self, what: str, exc: ValueError) -> None:
+        if what not in self._unkeyable:
+            self._unkeyable.add(what)
+            log.warning("cannot persist the state of %s: %s", what, exc)
 
     async def _write_gpus(self, gpus: set[str], writes: dict[str, bytes | None]) -> None:
         """Each GPU's LRU list and status (a GPU that left meanwhile is skipped), GPUS_PER_SLICE at
@@ -162,9 +180,11 @@ class StatePersister:
                 cache, state = self.scheduler.cache.gpu(address), self.scheduler.gpu(address)
             except KeyError:
                 continue  # it left
-            node, gpu = split_gpu_address(address)
+            keys = self._gpu_keys(address)
+            if keys is None:
+                continue
             lru = [{"model": m, "memory_mb": cache.item(m).memory_mb} for m in cache.lru_list()]
-            self._put(writes, self.keys.gpu_lru(node, gpu), json.dumps(lru).encode())
+            self._put(writes, keys[0], json.dumps(lru).encode())
             status = {
                 "status": "idle" if state.idle else "busy",
                 "memory_used_mb": cache.used_mb,
@@ -173,7 +193,7 @@ class StatePersister:
                 "slots": state.spec.slots,
                 "local_queue": len(state.local_queue),
             }
-            self._put(writes, self.keys.gpu_status(node, gpu), json.dumps(status).encode())
+            self._put(writes, keys[1], json.dumps(status).encode())
 
     def _write_replicas(self, models: set[str], writes: dict[str, bytes | None]) -> None:
         """Which GPUs hold each model; a model no GPU holds loses its key."""
@@ -199,7 +219,11 @@ class StatePersister:
         # One dirty entry per key stands for all of its batch sizes: the write takes every one.
         pairs = {(gpu_type, model): batch for gpu_type, model, batch in profiles}
         for (gpu_type, model), batch in pairs.items():
-            key = self.keys.profile(gpu_type, model)
+            try:
+                key = self.keys.profile(gpu_type, model)
+            except ValueError as exc:  # a GPU type with a '/' (a node's setting): see `_gpu_keys`
+                self._cannot_key(f"GPU type {gpu_type}", exc)
+                continue
             if calm and now - self._profile_written_at.get(key, -PROFILE_WRITE_INTERVAL_S) < PROFILE_WRITE_INTERVAL_S:
                 self.book.dirty_profiles.add((gpu_type, model, batch))  # later
                 # Look again at the next flush: no later call may come to wake the flusher, and

@@ -184,6 +184,28 @@ def test_a_failed_flush_keeps_everything_for_the_next() -> None:
     run_with_a_model(scenario)
 
 
+def test_a_name_no_key_can_hold_is_passed_over_and_the_rest_persisted(caplog: pytest.LogCaptureFixture) -> None:
+    # A node's GPU type (its --gpu-type) or GPU name with a '/': the key's ValueError went out of
+    # the flush and killed the flusher, and nothing of the term was persisted again.
+    async def scenario(service: SchedulerService, store: MemoryStore, spec: FunctionSpec) -> None:
+        keys = service.keys
+        service.scheduler.add_gpu(GpuSpec("n1/g/1", 8000, "rtx/2080", node="n1"))
+        service.book.reconcile("n1/g/1", {spec.model: spec.memory_mb}, 0.0)
+        service.scheduler.estimator.observe_inference(spec.model, "rtx/2080", 1, 0.1)
+        service.scheduler.estimator.observe_inference(spec.model, "cpu", 1, 0.2)
+        service.book.dirty_profiles |= {("rtx/2080", spec.model, 1), ("cpu", spec.model, 1)}
+        service.persister.gpus_left(["n2/g/0"])
+        await service.persister.flush()
+        assert await store.get(keys.gpu_lru("n1", "g0")) is not None
+        assert await store.get(keys.profile("cpu", spec.model)) is not None
+        kv = await store.get(keys.replicas(spec.model))
+        assert kv is not None and json.loads(kv.value) == ["n1/g/1", GPU]
+        assert "cannot persist the state of GPU type rtx/2080" in caplog.text
+        assert "cannot persist the state of GPU n1/g/1" in caplog.text
+
+    run_with_a_model(scenario)
+
+
 def test_recovery_returns_the_lru_lists_of_registered_gpus_and_deletes_the_rest() -> None:
     async def scenario(service: SchedulerService, store: MemoryStore) -> None:
         keys = service.keys
