@@ -4,7 +4,6 @@ to etcd by one coalescing flusher, and read back by a restarted scheduler."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -101,8 +100,11 @@ class StatePersister:
             if address not in live_gpu_ids:
                 self._deleted_gpus.add(address)
                 continue
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                recovered[address] = [item["model"] for item in json.loads(kv.value)]
+            models = _lru_models(kv.value)
+            if models is None:
+                log.warning("ignoring an invalid LRU list at %s", kv.key)
+            else:
+                recovered[address] = models
         self._wanted.set()
         return recovered
 
@@ -258,6 +260,17 @@ class StatePersister:
                 if not await self.store.write_batch(batch, guard_key=guard_key, guard_create_revision=epoch):
                     raise NotLeading(f"the leader key is no longer epoch {epoch}'s: a newer leader writes these keys")
             self._written.update((key, DELETED if value is None else value) for key, value in batch.items())
+
+
+def _lru_models(value: bytes) -> list[str] | None:
+    """The models of a persisted LRU list (`_write_gpus`), most recent first; None for a value of
+    another shape. Names only: a model that is not one (a list, say) failed the attach of its
+    GPU's node, where each is looked up among the node's workers."""
+    try:
+        models = [item["model"] for item in json.loads(value)]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return models if all(isinstance(model, str) for model in models) else None
 
 
 def _batches(writes: dict[str, bytes | None]) -> list[dict[str, bytes | None]]:

@@ -220,6 +220,22 @@ def test_recovery_returns_the_lru_lists_of_registered_gpus_and_deletes_the_rest(
     run(scenario)
 
 
+def test_recovery_passes_over_an_lru_list_naming_something_that_is_no_model(caplog: pytest.LogCaptureFixture) -> None:
+    # [{"model": ["m1"]}] was recovered as it was: the attach of n1 then looked the list up among
+    # its workers (TypeError: unhashable type), and n1's GPUs never finished attaching.
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        keys = service.keys
+        await store.put(keys.gpu_lru("n1", "g0"), json.dumps([{"model": ["m1"]}]).encode())
+        await store.put(keys.gpu_lru("n1", "g1"), b"{not json")
+        await store.put(keys.gpu_lru("n1", "g2"), json.dumps([{"model": "m2"}]).encode())
+        recovered = await service.persister.recover({GPU, "n1/g1", "n1/g2"})
+        assert recovered == {"n1/g2": ["m2"]}
+        assert f"ignoring an invalid LRU list at {keys.gpu_lru('n1', 'g0')}" in caplog.text
+        assert f"ignoring an invalid LRU list at {keys.gpu_lru('n1', 'g1')}" in caplog.text
+
+    run(scenario)
+
+
 def test_a_new_term_writes_again_the_replicas_an_earlier_one_left() -> None:
     # The last leader wrote that n1/g0 holds m and m2; while no scheduler ran, n1 restarted (its
     # workers gone). Its attach adopts nothing, so nothing marks m dirty: the key said n1/g0 for
