@@ -200,8 +200,12 @@ class StatePersister:
     def _write_replicas(self, models: set[str], writes: dict[str, bytes | None]) -> None:
         """Which GPUs hold each model; a model no GPU holds loses its key."""
         for model in models:
+            try:
+                key = self.keys.replicas(model)
+            except ValueError as exc:  # a stray key under `models/` that `recover` read: see `_gpu_keys`
+                self._cannot_key(f"model {model}", exc)
+                continue
             holders = sorted(self.scheduler.cache.gpus_with(model))
-            key = self.keys.replicas(model)
             if holders:
                 self._put(writes, key, json.dumps(holders).encode())
             elif self._written.get(key) != DELETED:

@@ -236,6 +236,21 @@ def test_recovery_passes_over_an_lru_list_naming_something_that_is_no_model(capl
     run(scenario)
 
 
+def test_a_stray_key_under_models_does_not_stop_the_flushes_after_recovery(caplog: pytest.LogCaptureFixture) -> None:
+    # A key models/org/m@1/replicas (not one a scheduler writes) was read back as model 'org/m@1'
+    # to write again; its key's ValueError went out of every flush: nothing persisted all term.
+    async def scenario(service: SchedulerService, store: MemoryStore, spec: FunctionSpec) -> None:
+        keys = service.keys
+        await store.put(f"{keys.models}org/m@1/replicas", b'["n1/g0"]')
+        await service.persister.recover({GPU})
+        await service.persister.flush()
+        assert await store.get(keys.gpu_lru("n1", "g0")) is not None
+        assert await store.get(keys.replicas(spec.model)) is not None
+        assert "cannot persist the state of model org/m@1" in caplog.text
+
+    run_with_a_model(scenario)
+
+
 def test_a_new_term_writes_again_the_replicas_an_earlier_one_left() -> None:
     # The last leader wrote that n1/g0 holds m and m2; while no scheduler ran, n1 restarted (its
     # workers gone). Its attach adopts nothing, so nothing marks m dirty: the key said n1/g0 for
