@@ -35,7 +35,7 @@ class NodeRecord:
         try:
             raw = json.loads(data)
             known = set(GpuRecord.__dataclass_fields__)
-            return cls(
+            record = cls(
                 node=raw["node"],
                 address=raw["address"],
                 backend=raw["backend"],
@@ -44,3 +44,17 @@ class NodeRecord:
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a node record: {exc!r}") from None
+        return _typed(record)
+
+
+def _typed(record: NodeRecord) -> NodeRecord:
+    """`record`, if every field has its type (ValueError otherwise): a GPU's memory as a string,
+    say, was taken in, and the scheduler's attach of the node then failed comparing it."""
+    names = [record.node, record.address, record.backend, record.incarnation]
+    for gpu in record.gpus:
+        names += [gpu.gpu, gpu.gpu_type] + ([] if gpu.link is None else [gpu.link])
+        if type(gpu.memory_mb) is not int or gpu.memory_mb < 0:
+            raise ValueError(f"not a node record: GPU {gpu.gpu!r} has memory_mb {gpu.memory_mb!r}")
+    if not all(isinstance(name, str) for name in names):
+        raise ValueError(f"not a node record: a name that is not a string in {names!r}")
+    return record

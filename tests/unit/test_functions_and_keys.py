@@ -185,6 +185,13 @@ def test_a_node_record_takes_gpu_fields_it_does_not_know_and_refuses_other_shape
         b'{"node": "n1"}',
         b'{"node": "n1", "address": "a", "backend": "cpu", "incarnation": "i", "gpus": [1]}',
         b"not json",
+        # Fields of other types: taken in, a string memory_mb failed the scheduler's attach of the
+        # node (TypeError comparing it), where an invalid record is passed over with a warning.
+        *(
+            json.dumps({**raw, "gpus": [{**raw["gpus"][0], field: value}]}).encode()
+            for field, value in (("memory_mb", "8000"), ("memory_mb", 8.5), ("memory_mb", -1), ("gpu", 0))
+        ),
+        json.dumps({**raw, "node": ["n1"]}).encode(),
     ):
         with pytest.raises(ValueError):
             NodeRecord.from_json(bad)
