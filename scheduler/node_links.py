@@ -162,6 +162,11 @@ class NodeLinks:
         node = self.nodes.pop(name, None)
         if node is None:
             return
+        if self.active:
+            # All its GPUs' keys go, not only those of the GPUs attached (`_detach`): one that
+            # left before it attached kept the last term's (recovery spared them, as registered).
+            self.persister.gpus_left([gpu_address(node.record.node, gpu.gpu) for gpu in node.record.gpus])
+            self.persister.want_flush()
         self._detach(node)
         if node.conn is not None:
             node.conn.close()

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gpufaas.cluster import NodeRecord
+from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import AnswerTooLarge, Connection, Frame, MessageType, Server
@@ -116,3 +116,25 @@ def test_a_node_whose_workers_list_is_over_the_limit_says_so_in_the_log(
     with caplog.at_level(logging.WARNING, logger="gpufaas.scheduler"):
         asyncio.run(scenario())
     assert "node n1: its list of workers is not reconciled" in caplog.text
+
+
+def test_a_node_that_leaves_before_it_attaches_loses_the_keys_the_last_term_left() -> None:
+    # Registered at take-office, so recovery kept its GPUs' keys; it left before attaching: only
+    # attached GPUs were told to the persister, and its keys stayed in etcd for the whole term.
+    async def scenario() -> None:
+        book = make_book(gpus=())
+        spawned: list[Coroutine[Any, Any, None]] = []
+        links = make_links(book, spawn=spawned.append)
+        persister, keys = links.persister, Keys("/t")
+        await persister.store.put(keys.gpu_lru("n1", "gpu0"), b'[{"model": "m", "memory_mb": 1}]')
+        await persister.store.put(keys.gpu_status("n1", "gpu0"), b"{}")
+        links.seen(NodeRecord("n1", "127.0.0.1:1", "cpu", "i1", [GpuRecord("gpu0", 8000, "cpu")]))
+        assert await persister.recover(links.registered_gpu_ids()) == {"n1/gpu0": ["m"]}
+        links.activate("sched-a", b"k" * 32, epoch=1)
+        for coroutine in spawned:
+            coroutine.close()  # (no attach: it leaves first)
+        links.gone("n1")
+        await persister.flush()
+        assert await persister.store.get_prefix(keys.gpus) == []
+
+    asyncio.run(scenario())
