@@ -262,17 +262,22 @@ class CgroupsV1(Cgroups):
 
     def _kill_all(self, name: str) -> None:
         freezer = self._dir("freezer", name) if "freezer" in self.bases else None
-        frozen = freezer is not None and freezer.is_dir() and self._freeze(freezer)
+        if freezer is None or not freezer.is_dir():
+            self._signal_all(self.pids(name))
+            return
+        _write(freezer / "freezer.state", "FROZEN")
         try:
+            self._settle(freezer)
             self._signal_all(self.pids(name))
         finally:
-            if frozen and freezer is not None:
-                _write(freezer / "freezer.state", "THAWED")  # a frozen task dies only once thawed
+            # A frozen task dies only once thawed: thawed whether or not the group settled (one
+            # that did not holds tasks frozen meanwhile, which would stay frozen for good).
+            _write(freezer / "freezer.state", "THAWED")
 
-    def _freeze(self, freezer: Path) -> bool:
-        """Freeze the group (no task forks while its siblings are killed); False if it did not
-        settle within a second (it is killed unfrozen then, and again until empty)."""
-        _write(freezer / "freezer.state", "FROZEN")
+    def _settle(self, freezer: Path) -> bool:
+        """Wait for the group to be frozen (no task forks while its siblings are killed); False
+        if it did not settle within a second (it is killed part frozen then, and again until
+        empty)."""
         for _ in range(int(1.0 / _POLL_S)):
             if (freezer / "freezer.state").read_text().strip() == "FROZEN":
                 return True

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import gpu_manager.cgroups as cgroups_module
 from gpu_manager.cgroups import (
     CgroupsV1,
     CgroupsV2,
@@ -193,3 +194,39 @@ def test_a_read_only_hierarchy_is_unavailable(tmp_path: Path) -> None:
     finally:
         for path in (root, *root.iterdir()):
             path.chmod(0o755)
+
+
+def test_v1_kill_thaws_a_group_whose_freezer_did_not_settle_so_its_killed_tasks_die(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task that cannot be frozen (in uninterruptible sleep) leaves the group FREEZING; the
+    tasks frozen meanwhile take a SIGKILL only once thawed, so the group is thawed whether or
+    not it settled -- else they stay frozen for good, with the group and their memory."""
+    root = v1_root(tmp_path)
+    kernel = FakeKernel(root)
+    cgroups = open_cgroups("gpufaas-n", root=root, proc_cgroup=V1_SELF)
+    assert isinstance(cgroups, CgroupsV1)
+    cgroups.create("worker-7", GroupLimits(memory_bytes=None, max_pids=8, cpu_quota_us=None))
+    cgroups.attach("worker-7", 7)
+    freezer = cgroups.bases["freezer"] / "worker-7" / "freezer.state"
+    pending: list[int] = []  # SIGKILLed while frozen: they die when thawed
+
+    def write(path: Path, value: str) -> None:
+        if path.name == "freezer.state":
+            value = "FREEZING" if value == "FROZEN" else value  # never settles
+            if value == "THAWED":
+                for pid in pending:
+                    kernel.kill(pid, signal.SIGKILL)
+                pending.clear()
+        path.write_text(value)
+
+    def kill(pid: int, signum: int) -> None:
+        if freezer.read_text() == "THAWED":
+            kernel.kill(pid, signum)
+        else:
+            pending.append(pid)
+
+    monkeypatch.setattr(cgroups_module, "_write", write)
+    cgroups._kill, cgroups._sleep, cgroups._rmdir_fn = kill, lambda _: None, kernel.rmdir
+    assert cgroups.kill("worker-7", timeout_s=1.0) == 1
+    assert kernel.killed == [7] and cgroups.names() == []
