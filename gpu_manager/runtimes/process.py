@@ -361,10 +361,10 @@ class ProcessRuntime(Runtime):
             max_processes=self.isolation.max_processes,
             cpus=self.isolation.worker_cpus,
         )
-        self._cgroups.create(name, limits)
         try:
+            self._cgroups.create(name, limits)
             self._cgroups.attach(name, worker.pid)
-        except OSError:  # the worker is gone (ESRCH), or the group refused it: the group goes
+        except OSError:  # a limit refused, the worker gone (ESRCH), or the group refused it: the group goes
             with contextlib.suppress(OSError):
                 self._cgroups.kill(name)
             raise

@@ -6,6 +6,7 @@ is not."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import signal
@@ -237,6 +238,31 @@ def test_a_worker_gone_before_it_is_confined_gets_no_group_and_no_home(
         fields = await runtime.confinement(worker, model)
         assert "home_dir" not in fields and runtime._homes == {} and homes == []
         assert cgroups.names() == []
+
+    run(main)
+
+
+class RefusingCgroups(FakeCgroups):
+    """A kernel that makes the group's directory, then refuses a limit (v1: a CPU quota above
+    the node's own group's is EINVAL)."""
+
+    def create(self, name: str, limits: object) -> None:
+        super().create(name, limits)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+
+def test_a_group_whose_limits_are_refused_is_removed_and_the_load_fails(tmp_path: Path) -> None:
+    async def main() -> None:
+        runtime = ProcessRuntime(
+            backend="cpu", gpus={"gpu0": 0}, isolation=Isolation(), max_body_bytes=1 << 20, closing=lambda: False
+        )
+        cgroups = RefusingCgroups()
+        runtime._cgroups = cgroups  # type: ignore[assignment]
+        worker = Worker("gpu0")
+        worker.pid = os.getpid()  # alive; never attached (the group is refused first), never killed
+        with pytest.raises(OSError, match="Invalid argument"):
+            await runtime.confinement(worker, ModelRun("m", "d1", memory_mb=100))
+        assert cgroups.names() == [] and worker.cgroup == "" and runtime._grouped == {}
 
     run(main)
 
