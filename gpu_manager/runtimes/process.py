@@ -323,7 +323,11 @@ class ProcessRuntime(Runtime):
         before its handler runs); resource limits and, where the node is root, the package's own
         user and a private home."""
         if self._cgroups is not None and worker.pid and not worker.cgroup and not worker.is_gone:
-            await asyncio.to_thread(self._group, worker, run)
+            name, limit_mb = await asyncio.to_thread(self._group, worker, run)
+            # Noted here, on the loop: the OOM watcher iterates `_grouped` there, and an entry
+            # added from the thread would end its iteration (and the watcher) with a RuntimeError.
+            worker.cgroup, worker.cgroup_limit_mb = name, limit_mb
+            self._grouped[name] = worker
             if worker.is_gone:  # let go of meanwhile: its exit may have found no group to kill
                 await self._kill_group(worker)
         isolation = self.isolation
@@ -351,8 +355,9 @@ class ProcessRuntime(Runtime):
                 fields["home_dir"] = str(home)
         return fields
 
-    def _group(self, worker: Worker, run: ModelRun) -> None:
-        """Make `worker`'s group and move it in (in a thread: a few writes to cgroupfs)."""
+    def _group(self, worker: Worker, run: ModelRun) -> tuple[str, int]:
+        """Make `worker`'s group and move it in (in a thread: a few writes to cgroupfs); the
+        group's name and its memory limit in MiB."""
         assert self._cgroups is not None
         name = worker_group(worker.pid)
         limits = worker_limits(
@@ -368,9 +373,7 @@ class ProcessRuntime(Runtime):
             with contextlib.suppress(OSError):
                 self._cgroups.kill(name)
             raise
-        worker.cgroup = name
-        worker.cgroup_limit_mb = (limits.memory_bytes or 0) // (1024 * 1024)
-        self._grouped[name] = worker
+        return name, (limits.memory_bytes or 0) // (1024 * 1024)
 
     def over_memory(self, worker: Worker) -> bool:
         if worker.exit_cause != "over_memory" and worker.cgroup and self._cgroups is not None:

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -263,6 +264,38 @@ def test_a_group_whose_limits_are_refused_is_removed_and_the_load_fails(tmp_path
         with pytest.raises(OSError, match="Invalid argument"):
             await runtime.confinement(worker, ModelRun("m", "d1", memory_mb=100))
         assert cgroups.names() == [] and worker.cgroup == "" and runtime._grouped == {}
+
+    run(main)
+
+
+class ThreadNotingDict(dict[str, Worker]):
+    """The runtime's groups by name, noting which thread adds each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[int] = []
+
+    def __setitem__(self, key: str, value: Worker) -> None:
+        self.threads.append(threading.get_ident())
+        super().__setitem__(key, value)
+
+
+def test_a_workers_group_is_noted_on_the_event_loop_where_the_oom_watcher_iterates_them() -> None:
+    """The OOM watcher iterates the runtime's groups on the loop; one added from the thread that
+    writes the group to cgroupfs could end that iteration, and the watcher with it, with
+    "dictionary changed size during iteration"."""
+
+    async def main() -> None:
+        runtime = ProcessRuntime(
+            backend="cpu", gpus={"gpu0": 0}, isolation=Isolation(), max_body_bytes=1 << 20, closing=lambda: False
+        )
+        runtime._cgroups = FakeCgroups()  # type: ignore[assignment]
+        runtime._grouped = grouped = ThreadNotingDict()
+        worker = Worker("gpu0")
+        worker.pid = os.getpid()  # alive: attached to the fake group, which is never killed here
+        await runtime.confinement(worker, ModelRun("m", "d1", memory_mb=100))
+        assert worker.cgroup == f"worker-{os.getpid()}" and worker.cgroup_limit_mb > 200
+        assert grouped == {worker.cgroup: worker} and grouped.threads == [threading.get_ident()]
 
     run(main)
 
