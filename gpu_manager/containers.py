@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -166,7 +167,8 @@ def container_spec(
         raise ValueError("a worker container never runs as root (uid 0)")
     return ContainerSpec(
         image=image,
-        name=f"gpufaas-{node}-{worker_id}",
+        # The engine takes only [a-zA-Z0-9_.-] in a name (its label keeps the node's as given).
+        name=f"gpufaas-{re.sub(r'[^A-Za-z0-9_.-]', '_', node)}-{worker_id}",
         command=[
             "python",
             "-m",

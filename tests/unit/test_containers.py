@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ import pytest
 from gpu_manager.containers import (
     CPU_SHARES,
     HOST_HEADROOM_MB,
+    NODE_LABEL,
     OOM_REMEMBERED,
     PACKAGE_MOUNT,
     RUNTIME_MB,
@@ -84,6 +86,16 @@ def test_the_memory_limit_follows_the_declaration_and_host_paths_stay_home() -> 
     assert container_environment({"PATH": "/usr/bin", "PYTHONPATH": "/src", "OMP_NUM_THREADS": "1", "X": "y"}) == {
         "OMP_NUM_THREADS": "1"
     }
+
+
+def test_a_containers_name_is_one_the_engine_accepts_whatever_its_nodes_name() -> None:
+    """The engine refuses a container name outside [a-zA-Z0-9][a-zA-Z0-9_.-]+ (400, "Invalid
+    container name"), so a node named with a space, a colon or a slash could start no worker; its
+    label keeps the name as given (what its cleanup filters on)."""
+    made = spec(node="rack 1/gpu:0")
+    assert re.fullmatch(r"[a-zA-Z0-9][a-zA-Z0-9_.-]+", made.name), made.name  # type: ignore[attr-defined]
+    assert made.labels[NODE_LABEL] == "rack 1/gpu:0"  # type: ignore[attr-defined]
+    assert spec().name == "gpufaas-node0-abc123"  # type: ignore[attr-defined]
 
 
 def test_a_cpu_quota_is_set_only_when_asked() -> None:
