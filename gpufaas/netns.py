@@ -350,7 +350,11 @@ class Hosts(contextlib.AbstractContextManager["Hosts"]):  # its __enter__ return
             except BaseException:
                 self.close()
                 raise
-        self._netem = netem_available(self.namespace(names[0]), "eth0")
+        try:
+            self._netem = netem_available(self.namespace(names[0]), "eth0")
+        except BaseException:  # no caller holds these hosts to close, and their owner lives on
+            self.close()
+            raise
 
     def _create(self) -> None:
         layout = self.layout

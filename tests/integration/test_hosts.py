@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gpufaas import wire
+from gpufaas import netns, wire
 from gpufaas.dev.host_cluster import HostCluster, host_names
 from gpufaas.netns import OWNERS_DIR, PREFIX, Hosts, NetnsUnavailable
 from gpufaas.processes import pid_alive
@@ -72,6 +72,29 @@ def test_without_root_the_harness_says_why(make_hosts: HostsFactory) -> None:
     repository = Path(__file__).parents[2]
     done = subprocess.run(as_nobody, check=False, capture_output=True, text=True, timeout=60, cwd=repository)
     assert done.stdout.strip() == "network namespaces need root: run as root or skip", done.stderr
+
+
+def test_a_harness_failing_after_its_hosts_were_made_removes_them(
+    make_hosts: HostsFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its constructor fails past `_create` (its netem probe: `tc` timing out, a Ctrl-C): no
+    caller holds it to close, and its owner (this process) lives on, so nothing else would remove
+    its namespaces, veths and bridge."""
+    make_hosts(["probe"])  # skips (or fails under CI) where namespaces cannot be made
+    probed: list[str] = []
+
+    def netem_fails(namespace: str, device: str) -> bool:
+        probed.append(namespace)
+        raise netns.NetnsError("tc qdisc add dev eth0 root netem delay 1ms did not finish in 20 s")
+
+    monkeypatch.setattr(netns, "netem_available", netem_fails)
+    with pytest.raises(netns.NetnsError, match="did not finish"):
+        Hosts(["a", "b"])
+    suffix = probed[0][len(PREFIX) : len(PREFIX) + netns.SUFFIX_LEN]
+    try:
+        assert leftovers(suffix) == [] and not (OWNERS_DIR / suffix).exists()
+    finally:
+        netns._remove(suffix, [f"{PREFIX}{suffix}-a", f"{PREFIX}{suffix}-b"])  # what the failure left, if any
 
 
 def test_a_harness_whose_process_died_is_removed_by_the_next(make_hosts: HostsFactory) -> None:
