@@ -105,13 +105,14 @@ class ParkedTier(Generic[W]):
         return self._trim(worker)
 
     def _trim(self, newest: W) -> list[W]:
-        """The workers past the budget, the oldest first; `newest` (just parked or measured) alone
+        """The workers past the budget, the oldest first; `newest` (just parked or measured) first
         where it is charged more than the whole budget: it would push out every other one, then
-        itself."""
+        itself. The others may still be past it then: its measure moved the median they are
+        charged."""
+        pushed_out = []
         if self.charge_mb(newest) > self.budget_mb and self._workers.get(newest.model) is newest:
             del self._workers[newest.model]
-            return [newest]
-        pushed_out = []
+            pushed_out.append(newest)
         used_mb = self.used_mb
         while self._workers and used_mb > self.budget_mb:
             _, oldest = self._workers.popitem(last=False)

@@ -71,6 +71,17 @@ def test_a_measure_above_the_estimate_pushes_out_the_oldest_even_of_a_worker_gon
     assert tier.models() == [("c", 150)]
 
 
+def test_a_measure_past_the_whole_budget_also_pushes_out_those_its_median_now_puts_past_it() -> None:
+    tier: ParkedTier[Parked] = ParkedTier(100)
+    a, b, c = Parked("a", memory_mb=10), Parked("b", memory_mb=10), Parked("c", memory_mb=10)
+    for worker in (a, b, c):
+        tier.park(worker)
+    assert tier.used_mb == 30
+    # c goes, more than the whole budget; a and b, not measured, are charged the median: 150 each.
+    assert tier.measured(c, 150, 0.0) == [c, a, b]
+    assert tier.models() == [] and tier.used_mb <= tier.budget_mb
+
+
 def test_the_budget_cannot_be_negative() -> None:
     with pytest.raises(ValueError, match="budget"):
         ParkedTier(-1)
