@@ -116,10 +116,12 @@ class HostModelPool:
         wanted = self.weights(manifest)
         if not self.enabled or not wanted:
             return None
-        if sum(size for _, digest, size in wanted if digest not in self._entries) > self.budget_bytes:
+        # By digest: two paths of one blob (a package may hold the same file twice) share one copy.
+        missing_bytes = sum({digest: size for _, digest, size in wanted if digest not in self._entries}.values())
+        if missing_bytes > self.budget_bytes:
             return None
         placed: dict[str, str] = {}
-        if not evict and sum(s for _, d, s in wanted if d not in self._entries) > self.budget_bytes - self.used_bytes:
+        if not evict and missing_bytes > self.budget_bytes - self.used_bytes:
             return None
         for path, digest, size in wanted:
             pooled = await self._admit_blob(digest, size, blobs, keep={d for _, d, _ in wanted}, evict=evict)

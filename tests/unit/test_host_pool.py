@@ -116,6 +116,28 @@ def test_a_copy_cut_short_leaves_nothing_and_the_next_one_pools_the_weights(
     asyncio.run(main())
 
 
+def test_a_blob_under_two_paths_is_counted_once(tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path / "blobs")
+    weights = os.urandom(3 * MB)
+    digest = blobs.put(weights)
+    handler = PackageFile("handler.py", blobs.put(b"h"), 1)
+    twice = Manifest.of(
+        [handler, PackageFile("a.bin", digest, len(weights)), PackageFile("b/a.bin", digest, len(weights))]
+    )
+    other = package(blobs, os.urandom(3 * MB))
+
+    async def main() -> None:
+        miss_pool = HostModelPool(tmp_path / "miss", 4 * MB)  # room for one copy, not two
+        placed = await miss_pool.admit(twice, blobs)
+        assert placed is not None and placed["a.bin"] == placed["b/a.bin"] and miss_pool.used_bytes == 3 * MB
+        prestage_pool = HostModelPool(tmp_path / "prestage", 8 * MB)
+        assert await prestage_pool.admit(other, blobs)
+        assert await prestage_pool.admit(twice, blobs, evict=False)  # 3 MB into the 5 MB free
+        assert prestage_pool.used_bytes == 6 * MB
+
+    asyncio.run(main())
+
+
 def test_no_pool_and_a_model_larger_than_it(tmp_path: Path) -> None:
     blobs = BlobStore(tmp_path / "blobs")
     manifest = package(blobs, os.urandom(3 * MB))
