@@ -71,8 +71,10 @@ class WorkerProcesses:
         return worker
 
     def packages_in_use(self) -> set[str]:
-        """The package digests of every worker that has or is taking a model (parked ones too)."""
-        return {w.run.package_digest for w in self.live if w.run is not None and w.state is not WorkerState.GONE}
+        """The package digests of every worker that has or is taking a model (parked ones too), and
+        of those stopped or killed until their process exits: it still maps its weights in the
+        host pool (an entry unlinked under it would not free its memory) and reads its package."""
+        return {w.run.package_digest for w in self.live if w.run is not None}
 
     def exiting(self, gpu_id: str) -> set[asyncio.Future[None]]:
         """The exits of the workers stopping on `gpu_id` (see `_exiting`)."""

@@ -10,6 +10,9 @@ from typing import Any
 
 from gpu_manager.gpu_workers import GpuWorkers
 from gpu_manager.parked_workers import ParkedWorkers
+from gpu_manager.runtimes import Runtime
+from gpu_manager.sandbox import Isolation
+from gpu_manager.worker_processes import WorkerProcesses
 from gpu_manager.workers import ModelRun, Worker, WorkerState
 
 
@@ -108,3 +111,40 @@ def test_the_host_tier_pushes_out_the_oldest_past_its_budget_and_forgets_an_exit
         assert tier.pop("c") is third and tier.pop("c") is None
 
     run(scenario)
+
+
+class ExitsWhenTold(Runtime):
+    """A runtime whose workers run until the test resolves their `exited` (no process)."""
+
+    name = "exits-when-told"
+    keeps_spares = True
+
+    async def run(self, worker: Worker, model: ModelRun | None) -> None:
+        await worker.exited
+
+    async def confinement(self, worker: Worker, run: ModelRun) -> dict[str, Any]:
+        return {}
+
+
+def test_a_stopped_worker_uses_its_package_until_its_process_exits() -> None:
+    # Its process still maps its weights in the host pool (and reads its package) while it stops:
+    # an entry dropped then would not free its memory, and the pool would count it freed.
+    async def main() -> None:
+        runtime = ExitsWhenTold(
+            backend="cpu", gpus={"gpu0": 0}, isolation=Isolation(), max_body_bytes=1024, closing=lambda: False
+        )
+        processes = WorkerProcesses(
+            runtime, closing=lambda: False, on_hello=lambda _: None, on_exit=lambda _: None, network_isolation=False
+        )
+        worker = processes.spawn("gpu0")
+        worker.run, worker.state = ModelRun("m", "d1", 100), WorkerState.READY
+        signals: list[int] = []
+        worker.on_signal = signals.append  # (SIGTERM sent, the process not gone yet)
+        stopping = asyncio.create_task(processes.stop(worker))
+        await asyncio.sleep(0)
+        assert signals and worker.is_gone and processes.packages_in_use() == {"d1"}
+        worker.exited.set_result(None)
+        await stopping
+        assert processes.packages_in_use() == set()
+
+    asyncio.run(main())
