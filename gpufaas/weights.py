@@ -374,7 +374,7 @@ def _parse_header(mapping: mmap.mmap, file: str) -> list[_Entry]:
         raise ValueError(f"{file}: header length {header_len} runs past the end of the file")
     try:
         header = json.loads(mapping[8:data_start])
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both are
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError; nested too deep
         raise ValueError(f"{file}: header is not JSON: {exc}") from exc
     if not isinstance(header, dict):
         raise ValueError(f"{file}: header is not a JSON object")

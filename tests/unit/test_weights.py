@@ -310,6 +310,7 @@ F32_PAIR = {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
         (b"{not json", b"", None, "not JSON"),
         (b"\xff\xfe", b"", None, "not JSON"),
         ([1, 2], b"", None, "not a JSON object"),
+        (b"[" * 100_000 + b"]" * 100_000, b"", None, "not JSON"),  # nested too deep to decode
         ({"w": {"dtype": "F32", "shape": [2]}}, bytes(8), None, "malformed entry"),
         ({"w": {"dtype": "X9", "shape": [2], "data_offsets": [0, 8]}}, bytes(8), None, "'X9'"),
         ({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, bytes(8), None, "malformed shape"),
