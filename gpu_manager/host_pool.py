@@ -74,7 +74,7 @@ class HostModelPool:
         self._in_use = in_use
         self._clock = clock
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
-        self._copying: dict[str, asyncio.Task[Path | None]] = {}
+        self._copying: dict[str, tuple[asyncio.Task[Path | None], bool]] = {}  # digest -> (its copy, may it evict)
         self.used_bytes = 0
         self.admitted = 0  # entries copied in since start (for the metrics)
         self.evicted = 0
@@ -136,12 +136,17 @@ class HostModelPool:
         existing = self.path(digest)
         if existing is not None:
             return existing
-        task = self._copying.get(digest)
-        if task is None:
-            copy = self._copy_in(digest, size, blobs, keep, evict=evict)
-            task = asyncio.create_task(copy, name=f"pool {digest[:19]}")
-            self._copying[digest] = task
-            task.add_done_callback(lambda _: self._copying.pop(digest, None))
+        copying = self._copying.get(digest)
+        if copying is not None:
+            task, evicts = copying
+            pooled = await asyncio.shield(task)
+            if pooled is not None or evicts or not evict:
+                return pooled
+            # The copy joined was a pre-staging's, which found no free room: this one may make some.
+            return await self._admit_blob(digest, size, blobs, keep, evict=evict)
+        task = asyncio.create_task(self._copy_in(digest, size, blobs, keep, evict=evict), name=f"pool {digest[:19]}")
+        self._copying[digest] = (task, evict)
+        task.add_done_callback(lambda _: self._copying.pop(digest, None))
         return await asyncio.shield(task)
 
     async def _copy_in(self, digest: str, size: int, blobs: BlobStore, keep: set[str], *, evict: bool) -> Path | None:

@@ -208,6 +208,32 @@ def test_two_prestagings_at_once_take_only_free_room_together(tmp_path: Path) ->
     asyncio.run(main())
 
 
+def test_a_miss_that_joins_a_prestagings_copy_that_found_no_room_makes_room_itself(tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path / "blobs")
+
+    def weights_of(tag: bytes, *sizes_mb: int) -> Manifest:
+        files = [PackageFile("handler.py", blobs.put(tag), len(tag))]
+        for index, size_mb in enumerate(sizes_mb):
+            files.append(PackageFile(f"w{index}.bin", blobs.put(os.urandom(size_mb * MB)), size_mb * MB))
+        return Manifest.of(files)
+
+    idle, wanted, other = weights_of(b"idle", 4), weights_of(b"wanted", 3, 2), weights_of(b"other", 2)
+
+    async def main() -> None:
+        pool = HostModelPool(tmp_path / "shm", 10 * MB)
+        assert await pool.admit(idle, blobs)
+        prestaging = asyncio.create_task(pool.admit(wanted, blobs, evict=False))  # 5 MB into the 6 free
+        await asyncio.sleep(0)  # its first copy runs
+        # Meanwhile another package takes 2 MB: the pre-staging's second copy finds 1 MB free.
+        others = asyncio.create_task(pool.admit(other, blobs))
+        miss = asyncio.create_task(pool.admit(wanted, blobs))  # joins the pre-staging's copies
+        assert await prestaging is None and await others
+        assert await miss is not None  # it pushed the idle weights out, as a miss may
+        assert pool.holds(wanted) and not pool.holds(idle) and pool.used_bytes == 7 * MB
+
+    asyncio.run(main())
+
+
 MOUNTINFO = """\
 22 27 0:21 / /proc rw,relatime - proc proc rw
 25 24 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=24684084k
