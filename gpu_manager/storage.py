@@ -164,9 +164,11 @@ class NodeStorage:
         if manifest is None:
             return WeightsPlan(layer_dir=str(layer or ""))
         was_pooled = self.host_pool.holds(manifest)
+        evicted = self.host_pool.evicted
         started = time.perf_counter()
         pooled = await self.host_pool.admit(manifest, self.packages.blobs) or {}
-        if pooled and not was_pooled:
+        # Also when it failed after pushing others' weights out: they are no longer held here.
+        if (pooled and not was_pooled) or self.host_pool.evicted != evicted:
             self._on_change()
         return WeightsPlan(
             pooled=pooled,

@@ -7,13 +7,17 @@ import asyncio
 import errno
 import os
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from gpu_manager import host_pool
 from gpu_manager.host_pool import HostModelPool, default_budget_bytes, huge_pages
+from gpu_manager.storage import NodeStorage, StorageOptions
 from gpufaas.blobs import BlobStore
+from gpufaas.keys import Keys
 from gpufaas.packages import Manifest, PackageFile, sha256_digest
+from gpufaas.store import Store
 
 MB = 1 << 20
 
@@ -230,6 +234,40 @@ def test_a_miss_that_joins_a_prestagings_copy_that_found_no_room_makes_room_itse
         assert await prestaging is None and await others
         assert await miss is not None  # it pushed the idle weights out, as a miss may
         assert pool.holds(wanted) and not pool.holds(idle) and pool.used_bytes == 7 * MB
+
+    asyncio.run(main())
+
+
+def test_a_failed_copy_that_pushed_weights_out_is_reported_as_a_change_of_holdings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    changes: list[None] = []
+    storage = NodeStorage(
+        cast(Store, None),
+        Keys("/t"),
+        node="n",
+        state_dir=tmp_path / "state",
+        in_use=set,
+        on_change=lambda: changes.append(None),
+        options=StorageOptions(pool_mb=10, pool_dir=tmp_path / "shm"),
+    )
+    idle, wanted = (package(storage.packages.blobs, os.urandom(6 * MB), tag) for tag in (b"idle", b"wanted"))
+    manifests = {idle.digest: idle, wanted.digest: wanted}
+    monkeypatch.setattr(storage.packages, "manifest", manifests.get)
+    monkeypatch.setattr(storage.packages, "staged", lambda: set(manifests))
+    monkeypatch.setattr(storage.packages, "layer_dir", lambda _: None)
+
+    def tmpfs_full(*_: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    async def main() -> None:
+        await storage.weights(idle.digest, tmp_path)
+        assert list(storage.holdings().pooled) == [idle.digest] and len(changes) == 1
+        monkeypatch.setattr(host_pool, "_copy_direct", tmpfs_full)
+        monkeypatch.setattr(host_pool, "_copy_sendfile", tmpfs_full)
+        assert not (await storage.weights(wanted.digest, tmp_path)).pooled  # idle's weights went for it
+        assert list(storage.holdings().pooled) == [] and len(changes) == 2  # the scheduler hears it
+        storage.host_pool.close()
 
     asyncio.run(main())
 
