@@ -151,8 +151,13 @@ class Gateway:
                 await self.collect_packages(time.time())
 
     async def collect_packages(self, now_unix_s: float) -> tuple[list[str], list[str]]:
-        """One collection (see `_collect_packages`): the packages and blobs deleted."""
-        in_use = {spec.package_digest for spec in self.functions.values()}
+        """One collection (see `_collect_packages`): the packages and blobs deleted. What is in use
+        is read from etcd, not from this gateway's mirror: a mirror whose watch lagged for longer
+        than the grace would not hold another gateway's function, whose package would go."""
+        in_use = set()
+        for kv in await self.store.get_prefix(self.keys.functions):
+            with contextlib.suppress(GpufaasError):
+                in_use.add(FunctionSpec.from_json(kv.value).package_digest)
         packages, blobs = await self.artifacts.collect(in_use, now_unix_s)
         if packages or blobs:
             log.info(

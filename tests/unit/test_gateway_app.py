@@ -401,6 +401,23 @@ def test_packages_no_function_uses_are_collected_after_their_grace(tmp_path: Pat
     run(tmp_path, body, package_grace_s=60.0)
 
 
+def test_the_collection_keeps_a_package_a_function_in_etcd_names_that_the_mirror_lacks(tmp_path: Path) -> None:
+    """Another gateway's function, which this gateway's mirror does not hold (its watch lagging
+    past the grace): its package is in use all the same."""
+
+    async def body(env: Env) -> None:
+        gateway = env.app.state.gateway
+        used = await env.upload(make_package("used"))
+        await age(env, used, time.time() - 1000)
+        spec = {"name": "theirs", "package_digest": used, "memory_mb": 100}
+        assert (await env.client.post("/system/functions", json=spec)).status_code == 202
+        gateway.functions.pop("theirs")  # the mirror lags
+        assert (await gateway.collect_packages(time.time() + 120))[0] == []
+        assert (await env.client.get(f"/system/packages/{used}")).status_code == 200
+
+    run(tmp_path, body, package_grace_s=60.0)
+
+
 def test_a_package_its_function_left_keeps_its_grace_from_the_change(tmp_path: Path) -> None:
     """An update to another package (or a delete) starts the old package's grace anew: calls that
     arrived before the change may still run it, and a node fetch it, however old the package is."""
