@@ -62,8 +62,8 @@ attempt that is no longer current is ignored. Failure handling, step by step:
 from __future__ import annotations
 
 import enum
+import heapq
 import math
-from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
@@ -216,13 +216,14 @@ class _NamedIds:
     """The last attempt of the finished calls that their clients named (X-Call-Id), each kept
     until a time. A node refuses a grant (call id, attempt) it has seen for as long as it
     remembers it (`GRANT_KEEP_S`), so a later call of the same id starts past that attempt instead
-    of being refused there, attempt after attempt. Pruned in the order kept, a few at a time."""
+    of being refused there, attempt after attempt. Pruned in the order of their times (a heap: one
+    call of a long timeout holds back none kept after it), a few at a time."""
 
     __slots__ = ("_kept", "_due")
 
     def __init__(self) -> None:
         self._kept: dict[str, tuple[int, float]] = {}  # call id -> (last attempt, kept until)
-        self._due: deque[tuple[float, str]] = deque()
+        self._due: list[tuple[float, str]] = []  # a heap of (kept until, call id)
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -238,7 +239,7 @@ class _NamedIds:
         last_s = max(call.deadline + book.lost_after_s, call.placed_at + book.claim_s)
         until = last_s + leased_s + GRANT_KEEP_S + CLOCK_SKEW_S
         self._kept[call.call_id] = (call.attempt, until)
-        self._due.append((until, call.call_id))
+        heapq.heappush(self._due, (until, call.call_id))
 
     def first_attempt(self, call_id: str, now: float, named: bool) -> int:
         """Where a new call's attempts start (its first placement is this plus one): past the
@@ -257,7 +258,7 @@ class _NamedIds:
         """Forget at most `limit` ids whose time passed before `now`."""
         due, kept = self._due, self._kept
         while limit and due and due[0][0] < now:
-            call_id = due.popleft()[1]
+            call_id = heapq.heappop(due)[1]
             entry = kept.get(call_id)
             if entry is not None and entry[1] < now:  # (else kept again since: due later)
                 del kept[call_id]

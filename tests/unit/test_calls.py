@@ -539,6 +539,19 @@ def test_the_book_forgets_named_call_ids_as_their_time_passes_while_calls_come()
     assert len(book._named) == 0
 
 
+def test_a_named_call_of_a_long_timeout_holds_back_the_forgetting_of_none_after_it() -> None:
+    book = make_book(slots=4)
+    book.submit("gw1", "long", A, 3600.0, now=0.0, named=True)  # remembered for over an hour
+    book.done("long", 1, pb.OK, 0.5, inference_time_s=0.5)
+    for i in range(3):
+        book.submit("gw1", f"n{i}", A, 1.0, now=1.0 + i, named=True)
+        book.done(f"n{i}", 1, pb.OK, 1.5 + i, inference_time_s=0.5)
+    later = 4.0 + LOST_AFTER_S + GRANT_KEEP_S + CLOCK_SKEW_S + 0.1  # past the short ones' times
+    book.submit("gw1", "u", A, 1.0, now=later)
+    assert len(book._named) == 1  # the long one's alone
+    assert placed(book.submit("gw1", "long", A, 10.0, now=later + 1, named=True))[0][1] == 2
+
+
 def test_a_named_call_refused_at_its_arrival_leaves_the_attempts_of_its_id_remembered() -> None:
     # A Place refused at once (Rejected: nothing is queued) is no call of that id: the attempt the
     # nodes may remember from the call before it must still be placed past.
