@@ -272,9 +272,15 @@ def status(state_dir: StateDir = state_dir_default(), gateway: GatewayOpt = None
     table.add_column("state")
     first_gateway = next(iter(info.get("gateways") or {}), "gateway")
     inside = ", ".join(info.get("in_gateway") or [])
+    restarts = info.get("restarts")
+    restarts = restarts if isinstance(restarts, dict) else {}
     for name, pid in pids.items():
         label = f"{name} (with {inside} in its process)" if name == first_gateway and inside else name
-        table.add_row(label, str(pid), "running" if pid_alive(pid) else "[red]stopped[/]")
+        count = restarts.get(name, 0) if isinstance(restarts.get(name, 0), int) else 0
+        state = "running" if pid_alive(pid) else "[red]stopped[/]"
+        # The supervisor restarts what exits: one that crashes as it starts is "running" at most
+        # reads of its PID, and only its count of restarts tells.
+        table.add_row(label, str(pid), f"{state} [yellow](restarted {count}x)[/]" if count else state)
     if pids:
         console.print(table)
     else:

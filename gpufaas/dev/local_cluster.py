@@ -575,22 +575,7 @@ class LocalCluster(ClusterCredentials):
 
     def write_pids(self) -> None:
         write_atomically(self.state_dir / "pids.json", pid_record(self.pids()))
-        info = {
-            "gateway_url": self.gateway_url,  # the balancer's, in front of several gateways
-            "scheduler_address": self.scheduler_address,
-            "gateways": self.gateway_urls,
-            "schedulers": self.scheduler_addresses,
-            "metrics": self.metrics_addresses,
-            "etcd_endpoint": self.etcd_endpoint,
-            "logs": str(self.state_dir / "logs"),
-            "nodes": self.nodes,
-            "gpus_per_node": self.gpus_per_node,
-            "backend": self.backend,
-            "policy": self.policy,
-            "secrets": str(self.secrets.directory) if self.secure else None,
-            "in_gateway": in_gateway(self),
-        }
-        write_atomically(self.state_dir / "cluster.json", json.dumps(info, indent=2) + "\n")
+        write_atomically(self.state_dir / "cluster.json", json.dumps(cluster_record(self), indent=2) + "\n")
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -598,6 +583,27 @@ class LocalCluster(ClusterCredentials):
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def cluster_record(cluster: LocalCluster) -> dict[str, object]:
+    """cluster.json's content: where the cluster's parts listen, how it was started, and the
+    supervisor's count of each component's restarts (a crash loop shows in `gpufaas status`)."""
+    return {
+        "gateway_url": cluster.gateway_url,  # the balancer's, in front of several gateways
+        "scheduler_address": cluster.scheduler_address,
+        "gateways": cluster.gateway_urls,
+        "schedulers": cluster.scheduler_addresses,
+        "metrics": cluster.metrics_addresses,
+        "etcd_endpoint": cluster.etcd_endpoint,
+        "logs": str(cluster.state_dir / "logs"),
+        "nodes": cluster.nodes,
+        "gpus_per_node": cluster.gpus_per_node,
+        "backend": cluster.backend,
+        "policy": cluster.policy,
+        "secrets": str(cluster.secrets.directory) if cluster.secure else None,
+        "in_gateway": in_gateway(cluster),
+        "restarts": dict(cluster.supervision.restarts),
+    }
 
 
 def in_gateway(cluster: LocalCluster) -> list[str]:

@@ -117,6 +117,8 @@ def test_up_new_deploy_invoke_gpus_rm_down(tmp_path: Path, cli_env: dict[str, st
         wait_for(lambda: answers(f"{url}/livez"), timeout_s=30)
         third = gpufaas("invoke", "hello", "--data", '{"inputs": [[1, 2, 3, 4]]}', env=cli_env, cwd=work)
         assert third.returncode == 0, third.stderr
+        status = gpufaas("status", env={**cli_env, "COLUMNS": "200"}, cwd=work)  # (one line a row)
+        assert "running (restarted 1x)" in status.stdout, status.stdout
 
         gpus = gpufaas("gpus", env=cli_env, cwd=work)
         assert gpus.returncode == 0 and "hello@" in gpus.stdout

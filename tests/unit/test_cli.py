@@ -436,6 +436,17 @@ def test_status_says_what_runs_in_the_gateways_process(tmp_path: Path) -> None:
     assert "etcd (with" not in result.output
 
 
+def test_status_counts_each_components_restarts(tmp_path: Path) -> None:
+    """The supervisor restarts what exits: a component that crashes as it starts, again and again,
+    is "running" at most reads of its PID; its count of restarts tells."""
+    (tmp_path / "pids.json").write_text(json.dumps({"etcd": 2**22 + 1, "scheduler": 2**22 + 2}))
+    nobody = "http://127.0.0.1:9"
+    (tmp_path / "cluster.json").write_text(json.dumps({"gateway_url": nobody, "restarts": {"scheduler": 14}}))
+    result = runner.invoke(app, ["status", "--state-dir", str(tmp_path)], terminal_width=200)
+    rows = {line.split()[1]: line for line in result.output.splitlines() if line.startswith("│")}
+    assert "stopped (restarted 14x)" in rows["scheduler"] and "restarted" not in rows["etcd"], result.output
+
+
 def test_odd_input_to_sim_is_one_clear_line_before_the_run(tmp_path: Path) -> None:
     """Each of these ended in a traceback: a plot into a folder that is not there (after the
     whole run, its results lost), a Unicode digit as a mapping seed, and a per-invocation trace

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -129,6 +130,13 @@ def test_pids_json_is_never_seen_half_written(tmp_path: Path) -> None:
         done.set()
         writer.join()
     assert all(pids == {"supervisor": os.getpid()} for pids in seen), [p for p in seen if not p][:1]
+
+
+def test_cluster_json_counts_the_restarts_of_each_component(tmp_path: Path) -> None:
+    cluster = LocalCluster(tmp_path, watchdog=None, supervisor_pid=os.getpid())
+    cluster.supervision.restarts["scheduler"] = 3  # (as `Supervision.due` counts them)
+    cluster.write_pids()
+    assert json.loads((tmp_path / "cluster.json").read_text())["restarts"] == {"scheduler": 3}
 
 
 def test_a_components_log_over_its_bound_is_moved_aside_when_it_starts(
