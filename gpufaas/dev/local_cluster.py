@@ -823,9 +823,21 @@ def stop_recorded(state_dir: Path, timeout_s: float = 15.0) -> list[str]:
             if pid_alive(pid) and started(pid) == identity[name]:
                 _signal_group(pid, signal.SIGKILL)
     detach_under(state_dir)  # a GPU manager's package homes, if it could not unmount them itself
+    _remove_pools(state_dir)
     with contextlib.suppress(OSError):
         write_atomically(state_dir / "pids.json", "{}\n")
     return stopped
+
+
+def _remove_pools(state_dir: Path) -> None:
+    """The nodes' host model pools (weights in memory, /dev/shm): a node killed (its supervisor
+    too, past `stop_recorded`'s wait, before its own stop removed them) could not remove its own."""
+    try:
+        nodes = json.loads((state_dir / "cluster.json").read_text()).get("nodes")
+    except (OSError, ValueError, AttributeError):
+        return
+    for index in range(nodes if isinstance(nodes, int) else 0):
+        shutil.rmtree(pool_dir(state_dir, f"node{index}"), ignore_errors=True)
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

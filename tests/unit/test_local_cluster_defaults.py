@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from gpufaas.dev.local_cluster import (
     ClusterError,
     LocalCluster,
     _supervisor_lock,
+    pool_dir,
     recorded_pids,
     stop_recorded,
     supervised,
@@ -132,6 +134,22 @@ def test_a_recorded_pid_now_naming_another_process_is_not_stopped(tmp_path: Path
     finally:
         unrelated.kill()
         unrelated.wait()
+
+
+def test_down_removes_the_host_pools_of_nodes_that_could_not(tmp_path: Path) -> None:
+    # A supervisor killed past down's wait, its nodes killed after it: the pools (weights in
+    # /dev/shm) stayed, a model's worth of memory each, until the next `up` of that directory.
+    (tmp_path / "cluster.json").write_text(json.dumps({"nodes": 2}))
+    pools = [pool_dir(tmp_path, f"node{index}") for index in range(2)]
+    try:
+        for pool in pools:
+            (pool / "blobs").mkdir(parents=True)
+            (pool / "blobs" / "weights").write_bytes(b"w" * 1000)
+        assert stop_recorded(tmp_path) == []
+        assert not any(pool.exists() for pool in pools)
+    finally:
+        for pool in pools:
+            shutil.rmtree(pool, ignore_errors=True)
 
 
 def test_one_supervisor_per_state_directory_and_a_start_gives_up_when_stopped(tmp_path: Path) -> None:
