@@ -37,6 +37,7 @@ from gpufaas.packages import (
     DIGEST_PATTERN,
     EMPTY_DIGEST,
     MAX_BATCH_MEMBERS,
+    BoundedTarInfo,
     InvalidPackage,
     Manifest,
     PackageTooLarge,
@@ -228,7 +229,7 @@ class Artifacts:
         stored: dict[str, int] = {}
         unpacked_bytes = 0
         try:
-            with tarfile.open(spooled, mode="r|gz" if compressed else "r|") as tar:
+            with tarfile.open(spooled, mode="r|gz" if compressed else "r|", tarinfo=BoundedTarInfo) as tar:
                 for member in stream_members(tar, limit=MAX_BATCH_MEMBERS, what="the blob batch"):
                     if not member.isfile() or not DIGEST_PATTERN.fullmatch(member.name):
                         raise InvalidPackage(f"member {member.name!r}: a blob batch holds files named sha256:<hex>")

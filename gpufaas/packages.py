@@ -45,6 +45,9 @@ MAX_FILES = 5000  # a manifest lives in etcd (about 150 bytes a file): well unde
 MAX_MEMBERS = 10 * MAX_FILES  # an archive's members of any kind: its files, and the directories that hold them
 MAX_BATCH_MEMBERS = 100_000  # the blobs of one batch (POST /system/blobs): room for an older CLI's (split by bytes)
 MAX_PATH_BYTES = 1024
+MAX_NAME_BYTES = 255  # one part of a path: NAME_MAX of every Linux filesystem a node stages onto
+MAX_HEADER_BYTES = 64 << 10  # one extended header of an archive (pax, GNU long name): read whole into memory
+MAX_HEADER_CHAIN = 8  # extended headers before one member (tarfile reads each chain recursively)
 SKIPPED_PARTS = frozenset({"__pycache__", ".git", ".venv", ".mypy_cache", ".pytest_cache"})
 FILE_MODES = (0o644, 0o755)
 DIGEST_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
@@ -392,10 +395,36 @@ def stream_members(tar: tarfile.TarFile, *, limit: int, what: str) -> Iterator[t
         yield member
 
 
+_EXTENDED_HEADERS = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE, b"X")
+_CHAIN_ATTRIBUTE = "_gpufaas_header_chain"
+
+
+class BoundedTarInfo(tarfile.TarInfo):
+    """A member header that refuses (PackageTooLarge) the extended headers tarfile would read
+    whole into memory or follow recursively: one over MAX_HEADER_BYTES (a pax header declaring
+    256 MiB of zeros, 255 KB gzipped, took 542 MiB to read) or more than MAX_HEADER_CHAIN of them
+    in a row (2,000 empty ones raised RecursionError). Pass it as `tarinfo=` when opening."""
+
+    def _proc_member(self, tarfile: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type not in _EXTENDED_HEADERS:
+            setattr(tarfile, _CHAIN_ATTRIBUTE, 0)
+            return super()._proc_member(tarfile)  # type: ignore[misc, no-any-return]
+        chain = getattr(tarfile, _CHAIN_ATTRIBUTE, 0) + 1
+        setattr(tarfile, _CHAIN_ATTRIBUTE, chain)
+        if self.size > MAX_HEADER_BYTES:
+            raise PackageTooLarge(
+                f"the archive has an extended header of {self.size} bytes (the limit: {MAX_HEADER_BYTES})"
+            )
+        if chain > MAX_HEADER_CHAIN:
+            raise PackageTooLarge(f"the archive has more than {MAX_HEADER_CHAIN} extended headers before one member")
+        return super()._proc_member(tarfile)  # type: ignore[misc, no-any-return]
+
+
 def _open_stream(source: str | os.PathLike[str] | IO[bytes], compressed: bool) -> tarfile.TarFile:
-    if isinstance(source, str | os.PathLike):
-        return tarfile.open(source, mode="r|gz") if compressed else tarfile.open(source, mode="r|")
-    return tarfile.open(fileobj=source, mode="r|gz") if compressed else tarfile.open(fileobj=source, mode="r|")
+    name, fileobj = (source, None) if isinstance(source, str | os.PathLike) else (None, source)
+    if compressed:
+        return tarfile.open(name, mode="r|gz", fileobj=fileobj, tarinfo=BoundedTarInfo)
+    return tarfile.open(name, mode="r|", fileobj=fileobj, tarinfo=BoundedTarInfo)
 
 
 def build_package(directory: Path, *, skip: Iterable[str] = SKIPPED_PARTS) -> bytes:

@@ -14,6 +14,7 @@ import pytest
 from gpufaas.packages import (
     EMPTY_DIGEST,
     MAX_FILES,
+    MAX_HEADER_BYTES,
     DigestCache,
     InvalidPackage,
     Manifest,
@@ -188,3 +189,42 @@ def test_read_archive_refuses_links_and_escapes(tmp_path: Path) -> None:
     big.size = 101
     with pytest.raises(PackageTooLarge):
         read_archive(archive(big, b"x" * 101), lambda *_: EMPTY_DIGEST, max_unpacked_bytes=100)
+
+
+def _gnu_header(name: str, size: int, kind: bytes) -> bytes:
+    member = tarfile.TarInfo(name)
+    member.size, member.type = size, kind
+    return member.tobuf(tarfile.GNU_FORMAT)
+
+
+def test_read_archive_refuses_extended_headers_it_would_read_whole_or_follow_without_end() -> None:
+    # A pax header is read whole into memory (one declaring 256 MiB of zeros, 255 KB gzipped,
+    # took 542 MiB), and each one in a row is followed recursively (2,000: RecursionError).
+    def store(path: str, size: int, reader: io.BufferedIOBase) -> str:
+        return sha256_digest(reader.read())
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
+        member = tarfile.TarInfo("handler.py")
+        member.size = 1
+        member.pax_headers = {"comment": "x" * MAX_HEADER_BYTES}
+        tar.addfile(member, io.BytesIO(b"x"))
+    with pytest.raises(PackageTooLarge, match="extended header"):
+        read_archive(io.BytesIO(buffer.getvalue()), store, max_unpacked_bytes=100)
+    long_name = b"handler.py\0".ljust(tarfile.BLOCKSIZE, b"\0")
+    chain = (_gnu_header("././@LongLink", 11, tarfile.GNUTYPE_LONGNAME) + long_name) * 2000
+    handler = _gnu_header("handler.py", 1, tarfile.REGTYPE) + b"x".ljust(tarfile.BLOCKSIZE, b"\0")
+    with pytest.raises(PackageTooLarge, match="extended headers"):
+        read_archive(io.BytesIO(chain + handler + bytes(1024)), store, max_unpacked_bytes=100, compressed=False)
+    # what tarfile writes for a long path (one GNU long-name header, or one pax header) still reads
+    name = "d/" * 200 + "handler.py"
+    for form in (tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w", format=form) as tar:
+            member = tarfile.TarInfo(name)
+            member.size = 1
+            tar.addfile(member, io.BytesIO(b"x"))
+            member.name = "handler.py"
+            tar.addfile(member, io.BytesIO(b"x"))
+        read = read_archive(io.BytesIO(buffer.getvalue()), store, max_unpacked_bytes=100, compressed=False)
+        assert [f.path for f in read.files] == [name, "handler.py"]
