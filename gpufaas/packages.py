@@ -207,7 +207,7 @@ class Manifest:
 def check_path(path: str) -> None:
     """A package path: relative, POSIX, no '.', '..' or empty parts, no control characters or
     backslashes, UTF-8 text (no lone surrogates: a JSON escape or an archive's undecodable bytes),
-    at most MAX_PATH_BYTES (InvalidPackage otherwise)."""
+    at most MAX_PATH_BYTES, each part at most MAX_NAME_BYTES (InvalidPackage otherwise)."""
     if not path or path.startswith("/") or PurePosixPath(path).is_absolute():
         raise InvalidPackage(f"{path!r} is not a relative path; paths must be relative to the package")
     try:
@@ -221,6 +221,10 @@ def check_path(path: str) -> None:
     parts = path.split("/")
     if any(part in ("", ".", "..") for part in parts):
         raise InvalidPackage(f"{path!r} has an empty, '.' or '..' part; paths must stay inside the package")
+    if any(len(part.encode()) > MAX_NAME_BYTES for part in parts):  # no node could make it (ENAMETOOLONG)
+        raise InvalidPackage(
+            f"{path[:60]!r}...: a file or directory name may not be longer than {MAX_NAME_BYTES} bytes"
+        )
 
 
 # --- building a manifest from a directory (the CLI) ---------------------------------------------

@@ -55,6 +55,7 @@ def test_the_digest_is_of_the_canonical_form_whatever_the_order() -> None:
         ("a\\b", "backslash"),
         ("a\nb", "control"),
         ("", "relative"),
+        ("d/" + "n" * 256, "longer than 255"),  # accepted once, then no node could stage it
     ],
 )
 def test_paths_that_could_escape_are_refused(path: str, why: str) -> None:
