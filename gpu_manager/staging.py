@@ -158,7 +158,10 @@ class PackageStore:
             needs_layer = record.requirements is not None and not record.requirements.empty
             layer = self.layers.path_for(record.requirements) if record.requirements is not None else None
             if needs_layer and layer is None:
-                continue  # its layer is gone: staged again when asked (an empty one is never installed)
+                # Its layer is gone: staged again when asked (an empty one is never installed). Not
+                # left here: once its blobs are collected its links would hold their disk, unbudgeted.
+                await asyncio.to_thread(shutil.rmtree, path, True)
+                continue
             self._staged[digest] = (record.manifest, layer)
             self._used_at[digest] = path.stat().st_mtime
         if self._staged and self._on_change is not None:
@@ -243,9 +246,8 @@ class PackageStore:
             if failure is not None:
                 raise failure
             stats.fetch_s = time.perf_counter() - started
-        linked = time.perf_counter()
-        path = await asyncio.to_thread(self._link, manifest)
-        stats.link_s = time.perf_counter() - linked
+        # The layer before the directory: a failed install (or a crash during it) must leave no
+        # directory, whose links would hold its blobs' disk once they are collected, unbudgeted.
         layer_path: Path | None = None
         if record.requirements is not None and not record.requirements.empty:
             installing = time.perf_counter()
@@ -254,6 +256,9 @@ class PackageStore:
             except RequirementsError as exc:
                 raise InvalidPackage(f"package {digest}: its requirements could not be installed: {exc}") from None
             stats.layer_s = time.perf_counter() - installing
+        linked = time.perf_counter()
+        path = await asyncio.to_thread(self._link, manifest)
+        stats.link_s = time.perf_counter() - linked
         self._staged[digest] = (manifest, layer_path)
         self._used_at.setdefault(digest, self._clock())
         self.stats[digest] = stats

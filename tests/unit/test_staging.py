@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -253,6 +254,45 @@ def test_a_package_with_requirements_gets_its_layer(tmp_path: Path, cluster: Clu
         directory = store.layer_dir(digest)
         assert directory is not None and (directory / "tabulate.py").exists()
         assert len(installs) == 1 and "tabulate==0.9.0" in installs[0]
+
+    asyncio.run(main())
+
+
+def test_a_package_without_its_layer_leaves_no_directory_to_outlive_its_blobs(tmp_path: Path, cluster: Cluster) -> None:
+    # A package directory's large files are links to its blobs: one left unstaged (its layer failed
+    # to install, or went before a restart) kept their disk after the blobs were collected, unbudgeted.
+    cluster.holder("gw")
+    weights = os.urandom(LINK_MIN_BYTES * 4)
+    layer = Layer(("tabulate==0.9.0",), python_tag())
+    files = {"handler.py": HANDLER, "w.bin": weights, "requirements.txt": b"tabulate==0.9.0\n"}
+    digest = cluster.package(files, layer=layer)
+    pip_works = False
+
+    def pip(argv: list[str], timeout_s: float) -> tuple[int, str, str]:
+        if not pip_works:
+            return 1, "", "ERROR: no matching distribution"
+        info = Path(argv[argv.index("--target") + 1]) / "tabulate-0.9.0.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text("Name: tabulate\nVersion: 0.9.0\n")
+        return 0, "", ""
+
+    async def main() -> None:
+        nonlocal pip_works
+        layers = LayerCache(tmp_path / "layers", run=pip)  # type: ignore[arg-type]
+        store = cluster.store(tmp_path / "node", layers=layers)
+        package_dir = store.packages_dir / digest[7:]
+        with pytest.raises(InvalidPackage, match="requirements"):
+            await store.ensure(digest)
+        assert not package_dir.exists()
+        pip_works = True
+        await store.ensure(digest)
+        assert (package_dir / "w.bin").stat().st_nlink == 2  # a link to its blob, not a stale copy
+        layer_dir = store.layer_dir(digest)
+        assert layer_dir is not None
+        shutil.rmtree(layer_dir)  # gone before the node's restart
+        again = cluster.store(tmp_path / "node", layers=layers)
+        await again.recover()
+        assert again.staged() == set() and not package_dir.exists()
 
     asyncio.run(main())
 
