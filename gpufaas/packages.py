@@ -423,6 +423,14 @@ class BoundedTarInfo(tarfile.TarInfo):
             raise PackageTooLarge(f"the archive has more than {MAX_HEADER_CHAIN} extended headers before one member")
         return super()._proc_member(tarfile)  # type: ignore[misc, no-any-return]
 
+    # A sparse member's map is read whole into memory (old GNU extension blocks; pax format 1.0's
+    # map in the member's data): 200,000 blocks, 357 KB gzipped, took 800 MiB. Packages hold none.
+    def _proc_sparse(self, tarfile: tarfile.TarFile) -> tarfile.TarInfo:
+        raise InvalidPackage(f"member {self.name!r} is a sparse file; make the archive without --sparse")
+
+    def _proc_gnusparse_10(self, next: tarfile.TarInfo, pax_headers: object, tarfile: tarfile.TarFile) -> None:
+        raise InvalidPackage(f"member {next.name!r} is a sparse file; make the archive without --sparse")
+
 
 def _open_stream(source: str | os.PathLike[str] | IO[bytes], compressed: bool) -> tarfile.TarFile:
     name, fileobj = (source, None) if isinstance(source, str | os.PathLike) else (None, source)
