@@ -145,7 +145,15 @@ _encode_json = json.JSONEncoder(default=_json_default, separators=(",", ":")).en
 
 
 def describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    """`exc` in one line for a protobuf string: always valid UTF-8 (a lone surrogate, as in a
+    path decoded with surrogateescape or a JSON payload's "\\ud800", is escaped: protobuf refuses
+    to encode one), and never raising (an exception whose __str__ raises is named alone). A
+    handler's exception is what this describes: it must not end the worker that answers it."""
+    try:
+        text = f"{type(exc).__name__}: {exc}"
+    except Exception:
+        text = f"{type(exc).__name__} (its message could not be read)"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 READ_BYTES = 65536

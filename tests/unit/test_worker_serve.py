@@ -1,0 +1,85 @@
+"""The worker's serve loop (gpu_manager.worker.serve) against a handler that misbehaves: whatever one
+call's handler does, every call the worker was given is answered, once, and the worker serves on."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+from gpu_manager import worker
+from gpu_manager.backends import Backend, ModelLoad, WorkerDevice
+from gpufaas.functions import WorkerSettings
+from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.wire import MessageType, encode
+
+
+class _Handler(Backend):
+    """A backend whose predict is the test's `handler`."""
+
+    device = "cpu"
+
+    def __init__(self, handler: Callable[[object], object]) -> None:
+        super().__init__(WorkerDevice("cpu", "g0", 0))
+        self.handler = handler
+
+    def load(self, spec: ModelLoad) -> None:
+        pass
+
+    def predict(self, inputs: object) -> object:
+        return self.handler(inputs)
+
+    def peak_memory_mb(self) -> int:
+        return 0
+
+
+def served(handler: Callable[[object], object], bodies: list[bytes], max_batch_size: int = 1) -> list[pb.CallResult]:
+    """What the worker answers calls `c0`, `c1`, ... (JSON `bodies`), written before it serves."""
+    node, end = socket.socketpair()
+    try:
+        for i, body in enumerate(bodies):
+            call = pb.Call(call_id=f"c{i}", content_type="application/json")
+            node.sendall(encode(MessageType.CALL, call, body) + body)
+        node.shutdown(socket.SHUT_WR)  # the node lets go once they are answered: serve returns
+        spec = ModelLoad("m", "", 1, WorkerSettings(max_batch_size=max_batch_size))
+        worker.serve(_Handler(handler), worker.Channel(end), spec, 1 << 20)
+        end.close()
+        channel = worker.Channel(node)
+        results = []
+        while (frame := channel.recv()) is not None:
+            results.append(pb.CallResult.FromString(frame.header))
+        return results
+    finally:
+        node.close()
+        end.close()
+
+
+def test_a_handler_error_whose_message_is_not_utf8_fails_its_call_only() -> None:
+    # A lone surrogate (a path decoded with surrogateescape, or the caller's JSON "\udcff"), which
+    # protobuf refuses to encode: the worker's answer raised, and the worker died with its queue.
+    def handler(inputs: object) -> object:
+        if inputs == "bad":
+            raise ValueError(f"no such file: /tmp/{chr(0xDCFF)}")
+        return inputs
+
+    first, second = served(handler, [b'"bad"', b'"good"'])
+    assert (first.call_id, first.outcome) == ("c0", pb.HANDLER_ERROR)
+    assert first.message == "predict raised ValueError: no such file: /tmp/\\udcff"
+    assert (second.call_id, second.outcome) == ("c1", pb.OK)
+
+
+def test_a_handler_error_whose_message_cannot_be_read_fails_its_call_only() -> None:
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no message")
+
+    def handler(inputs: object) -> object:
+        if inputs == "bad":
+            raise Unprintable
+        return inputs
+
+    first, second = served(handler, [b'"bad"', b'"good"'])
+    assert (first.outcome, first.message) == (
+        pb.HANDLER_ERROR,
+        "predict raised Unprintable (its message could not be read)",
+    )
+    assert (second.call_id, second.outcome) == ("c1", pb.OK)
