@@ -79,7 +79,16 @@ def main(argv: list[str] | None = None) -> int:
                 os.close(fd)
             continue
         gpu_id, index = message.decode().split()
-        if os.fork() == 0:
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            # EAGAIN (a full PID table, RLIMIT_NPROC) or ENOMEM: that worker is not started (its
+            # socket closes below, which its pool reads as a failed start), and the zygote serves on.
+            # Dying here would orphan every worker it forked (no kill_workers at the node's end)
+            # and cost the node a restart that imports the runtime again.
+            print(f"gpu_manager.zygote: could not fork a worker for {gpu_id}: {exc}", file=sys.stderr, flush=True)
+            pid = -1
+        if pid == 0:
             control.close()
             _run_forked_worker(backend, gpu_id, int(index), fds, isolate=args.isolate, import_s=import_s)
         for fd in fds:
