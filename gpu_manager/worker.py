@@ -434,8 +434,9 @@ def _load_model(channel: Channel, backend: Backend, spec: ModelLoad, load: pb.Lo
         )
         backend.load(spec)
         peak_memory_mb = backend.peak_memory_mb()
-    except Exception as exc:
-        traceback.print_exc()
+    except BaseException as exc:  # the handler's sys.exit() too: a failed load, told as one (not a death)
+        with contextlib.suppress(Exception):  # a handler may have closed its stderr
+            traceback.print_exc()
         channel.send(
             MessageType.MODEL_LOADED,
             pb.ModelLoaded(ok=False, error=describe(exc), load_s=time.perf_counter() - load_started_s),

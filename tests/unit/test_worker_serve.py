@@ -4,7 +4,10 @@ call's handler does, every call the worker was given is answered, once, and the 
 from __future__ import annotations
 
 import socket
+import sys
 from collections.abc import Callable
+
+import pytest
 
 from gpu_manager import worker
 from gpu_manager.backends import Backend, ModelLoad, WorkerDevice
@@ -83,3 +86,21 @@ def test_a_handler_error_whose_message_cannot_be_read_fails_its_call_only() -> N
         "predict raised Unprintable (its message could not be read)",
     )
     assert (second.call_id, second.outcome) == ("c1", pb.OK)
+
+
+def test_a_load_that_calls_sys_exit_is_a_failed_load_told_to_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    # SystemExit is no Exception: it left the worker without its ModelLoaded, and the node took
+    # the load for a worker that died (WORKER_DIED: transient, the call placed again, and again).
+    class Exits(_Handler):
+        def load(self, spec: ModelLoad) -> None:
+            sys.exit("weights.safetensors not found")
+
+    monkeypatch.setattr(worker, "confine", lambda confinement: None)  # this test process stays as it is
+    node, end = socket.socketpair()
+    with node, end:
+        spec = ModelLoad("m", "", 1)
+        assert not worker._load_model(worker.Channel(end), Exits(lambda inputs: inputs), spec, pb.LoadModel())
+        frame = worker.Channel(node).recv()
+    assert frame is not None and frame.type == MessageType.MODEL_LOADED
+    loaded = pb.ModelLoaded.FromString(frame.header)
+    assert (loaded.ok, loaded.error) == (False, "SystemExit: weights.safetensors not found")
