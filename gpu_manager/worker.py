@@ -316,9 +316,11 @@ def _run(backend: Backend, channel: Channel, spec: ModelLoad, frames: list[_Fram
     inference_s = time.perf_counter() - started_s
     peak_memory_mb = backend.peak_memory_mb()
     for call, output in zip(calls, outputs, strict=True):
+        # Its failure: unencodable, nested too deep (RecursionError), a tensor that would not copy;
+        # or the handler's own code, which encoding runs (a dict subclass's items()), calling sys.exit().
         try:
             body, content_type = encode_result(output)
-        except Exception as exc:  # unencodable, nested too deep (RecursionError), a tensor that would not copy
+        except BaseException as exc:
             _answer(channel, call, pb.OUTPUT_INVALID, describe(exc), inference_s=inference_s)
             continue
         if len(body) > max_result_bytes:

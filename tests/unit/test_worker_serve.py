@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -104,3 +105,17 @@ def test_a_load_that_calls_sys_exit_is_a_failed_load_told_to_the_node(monkeypatc
     assert frame is not None and frame.type == MessageType.MODEL_LOADED
     loaded = pb.ModelLoaded.FromString(frame.header)
     assert (loaded.ok, loaded.error) == (False, "SystemExit: weights.safetensors not found")
+
+
+def test_an_output_whose_encoding_runs_sys_exit_fails_its_call_only() -> None:
+    # Encoding runs the handler's code too (json asks a dict subclass for its items()).
+    class Exits(dict[str, object]):
+        def items(self) -> Any:
+            sys.exit(3)
+
+    def handler(inputs: object) -> object:
+        return Exits(a=1) if inputs == "bad" else inputs
+
+    first, second = served(handler, [b'"bad"', b'"good"'])
+    assert (first.call_id, first.outcome, first.message) == ("c0", pb.OUTPUT_INVALID, "SystemExit: 3")
+    assert (second.call_id, second.outcome) == ("c1", pb.OK)
