@@ -144,15 +144,24 @@ _BINARY = (bytes, bytearray, memoryview)
 _encode_json = json.JSONEncoder(default=_json_default, separators=(",", ":")).encode
 
 
+MAX_MESSAGE_CHARS = 8192
+"""The most of an exception's description a call's answer carries (the full traceback goes to the
+node's log): a handler's message may quote its input (a repr of a binary payload is 4 times its
+size), and an answer over the node's frame limit closed the worker's socket, failing its other calls."""
+
+
 def describe(exc: BaseException) -> str:
-    """`exc` in one line for a protobuf string: always valid UTF-8 (a lone surrogate, as in a
-    path decoded with surrogateescape or a JSON payload's "\\ud800", is escaped: protobuf refuses
-    to encode one), and never raising (an exception whose __str__ raises is named alone). A
-    handler's exception is what this describes: it must not end the worker that answers it."""
+    """`exc` in one line for a protobuf string: at most MAX_MESSAGE_CHARS characters and a note of
+    what was cut, always valid UTF-8 (a lone surrogate, as in a path decoded with surrogateescape
+    or a JSON payload's "\\ud800", is escaped: protobuf refuses to encode one), and never raising
+    (an exception whose __str__ raises is named alone). A handler's exception is what this
+    describes: it must not end the worker that answers it."""
     try:
         text = f"{type(exc).__name__}: {exc}"
     except Exception:
         text = f"{type(exc).__name__} (its message could not be read)"
+    if len(text) > MAX_MESSAGE_CHARS:
+        text = f"{text[:MAX_MESSAGE_CHARS]} ... [{len(text) - MAX_MESSAGE_CHARS} more characters cut]"
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +15,7 @@ from gpu_manager import worker
 from gpu_manager.backends import Backend, ModelLoad, WorkerDevice
 from gpufaas.functions import WorkerSettings
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.wire import MessageType, encode
+from gpufaas.wire import HEADER_ALLOWANCE_BYTES, MessageType, encode
 
 
 class _Handler(Backend):
@@ -37,24 +38,36 @@ class _Handler(Backend):
 
 
 def served(handler: Callable[[object], object], bodies: list[bytes], max_batch_size: int = 1) -> list[pb.CallResult]:
-    """What the worker answers calls `c0`, `c1`, ... (JSON `bodies`), written before it serves."""
+    """What the worker answers calls `c0`, `c1`, ... (JSON `bodies`), written before it serves; read
+    while it serves (an answer larger than the socket's buffer would wait on the reader)."""
     node, end = socket.socketpair()
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            spec = ModelLoad("m", "", 1, WorkerSettings(max_batch_size=max_batch_size))
+            worker.serve(_Handler(handler), worker.Channel(end), spec, 1 << 20)
+        except BaseException as exc:  # the test's failure, not the thread's
+            errors.append(exc)
+        finally:
+            end.close()  # the node reads the end of the stream: served is done
+
     try:
         for i, body in enumerate(bodies):
             call = pb.Call(call_id=f"c{i}", content_type="application/json")
             node.sendall(encode(MessageType.CALL, call, body) + body)
         node.shutdown(socket.SHUT_WR)  # the node lets go once they are answered: serve returns
-        spec = ModelLoad("m", "", 1, WorkerSettings(max_batch_size=max_batch_size))
-        worker.serve(_Handler(handler), worker.Channel(end), spec, 1 << 20)
-        end.close()
+        thread = threading.Thread(target=serve)
+        thread.start()
         channel = worker.Channel(node)
         results = []
         while (frame := channel.recv()) is not None:
             results.append(pb.CallResult.FromString(frame.header))
+        thread.join()
+        assert not errors, f"serve raised {errors[0]!r}"
         return results
     finally:
         node.close()
-        end.close()
 
 
 def test_a_handler_error_whose_message_is_not_utf8_fails_its_call_only() -> None:
@@ -118,4 +131,24 @@ def test_an_output_whose_encoding_runs_sys_exit_fails_its_call_only() -> None:
 
     first, second = served(handler, [b'"bad"', b'"good"'])
     assert (first.call_id, first.outcome, first.message) == ("c0", pb.OUTPUT_INVALID, "SystemExit: 3")
+    assert (second.call_id, second.outcome) == ("c1", pb.OK)
+
+
+def test_a_handler_error_quoting_a_large_input_is_cut_and_fits_the_nodes_frame_limit() -> None:
+    # A message quoting its input (a binary payload's repr is 4 times its size) was sent whole:
+    # a CallResult header over the node's frame limit (its body limit + HEADER_ALLOWANCE_BYTES)
+    # closed the worker's socket, and every other call on it failed with the worker.
+    described = "ValueError: not an image: " + repr(bytes(HEADER_ALLOWANCE_BYTES // 2))
+
+    def handler(inputs: object) -> object:
+        if inputs == "bad":
+            raise ValueError(described.removeprefix("ValueError: "))
+        return inputs
+
+    first, second = served(handler, [b'"bad"', b'"good"'])
+    assert len(described) > HEADER_ALLOWANCE_BYTES
+    assert first.outcome == pb.HANDLER_ERROR
+    assert first.ByteSize() < HEADER_ALLOWANCE_BYTES // 16
+    cut = len(described) - worker.MAX_MESSAGE_CHARS
+    assert first.message == f"predict raised {described[: worker.MAX_MESSAGE_CHARS]} ... [{cut} more characters cut]"
     assert (second.call_id, second.outcome) == ("c1", pb.OK)
