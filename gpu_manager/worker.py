@@ -392,12 +392,16 @@ def _take_model(channel: Channel, load: pb.LoadModel) -> ModelLoad | None:
     """The model `load` names, its files reached through handles opened now (before the worker
     drops to its package's user); None, the node told, where its pooled weights cannot be opened."""
     package_dir = load.package_dir
-    if load.uid and load.home_dir:
-        own_mount_namespace()  # before its handles are opened (gpu_manager.sandbox.private_tmp)
-    if load.uid:
-        # Held open from before the worker drops to the package's user: through it the package is
-        # reached whatever the permissions of the directories above it (the node's, closed to it).
-        package_dir = f"/proc/self/fd/{os.open(package_dir, os.O_PATH | os.O_DIRECTORY)}"
+    try:  # refused (no mount namespace here, its package gone): a failed load told, not a death
+        if load.uid and load.home_dir:
+            own_mount_namespace()  # before its handles are opened (gpu_manager.sandbox.private_tmp)
+        if load.uid:
+            # Held open from before the worker drops to the package's user: through it the package is
+            # reached whatever the permissions of the directories above it (the node's, closed to it).
+            package_dir = f"/proc/self/fd/{os.open(package_dir, os.O_PATH | os.O_DIRECTORY)}"
+    except OSError as exc:
+        channel.send(MessageType.MODEL_LOADED, pb.ModelLoaded(ok=False, error=f"its package: {describe(exc)}"))
+        return None
     try:
         # Likewise its weights in the host model pool (whose directory is the node's alone).
         pooled = {path: os.open(pool_path, os.O_RDONLY | os.O_CLOEXEC) for path, pool_path in load.pooled.items()}

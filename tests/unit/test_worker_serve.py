@@ -3,10 +3,13 @@ call's handler does, every call the worker was given is answered, once, and the 
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -152,3 +155,32 @@ def test_a_handler_error_quoting_a_large_input_is_cut_and_fits_the_nodes_frame_l
     cut = len(described) - worker.MAX_MESSAGE_CHARS
     assert first.message == f"predict raised {described[: worker.MAX_MESSAGE_CHARS]} ... [{cut} more characters cut]"
     assert (second.call_id, second.outcome) == ("c1", pb.OK)
+
+
+def test_a_package_the_worker_cannot_open_is_a_failed_load_told_to_the_node(tmp_path: Path) -> None:
+    # os.open's OSError left the worker before its ModelLoaded: the node saw a worker that died
+    # while loading (WORKER_DIED: transient, placed again to die again), and never why.
+    node, end = socket.socketpair()
+    with node, end:
+        load = pb.LoadModel(model="m", package_dir=str(tmp_path / "gone"), uid=os.getuid() or 1)
+        assert worker._take_model(worker.Channel(end), load) is None
+        frame = worker.Channel(node).recv()
+    assert frame is not None and frame.type == MessageType.MODEL_LOADED
+    loaded = pb.ModelLoaded.FromString(frame.header)
+    assert not loaded.ok and loaded.error.startswith("its package: FileNotFoundError: ")
+
+
+def test_a_mount_namespace_refused_is_a_failed_load_told_to_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As root in a container without CAP_SYS_ADMIN (docker's default seccomp refuses unshare).
+    def refused() -> None:
+        raise OSError(errno.EPERM, "unshare(CLONE_NEWNS) refused")
+
+    monkeypatch.setattr(worker, "own_mount_namespace", refused)
+    node, end = socket.socketpair()
+    with node, end:
+        load = pb.LoadModel(model="m", package_dir="/", uid=1, home_dir="/nowhere")
+        assert worker._take_model(worker.Channel(end), load) is None
+        frame = worker.Channel(node).recv()
+    assert frame is not None and frame.type == MessageType.MODEL_LOADED
+    loaded = pb.ModelLoaded.FromString(frame.header)
+    assert (loaded.ok, loaded.error) == (False, "its package: PermissionError: [Errno 1] unshare(CLONE_NEWNS) refused")
