@@ -390,7 +390,8 @@ def run_worker(sock: socket.socket, backend: Backend, *, import_s: float, networ
 
 def _take_model(channel: Channel, load: pb.LoadModel) -> ModelLoad | None:
     """The model `load` names, its files reached through handles opened now (before the worker
-    drops to its package's user); None, the node told, where its pooled weights cannot be opened."""
+    drops to its package's user); None, the node told, where its package, pooled weights or
+    requirements layer cannot be opened."""
     package_dir = load.package_dir
     try:  # refused (no mount namespace here, its package gone): a failed load told, not a death
         if load.uid and load.home_dir:
@@ -413,7 +414,12 @@ def _take_model(channel: Channel, load: pb.LoadModel) -> ModelLoad | None:
         # as the package's user (and its /tmp is its own: the state directory may be under /tmp).
         layer_dir = load.layer_dir
         if load.uid:
-            layer_dir = f"/proc/self/fd/{os.open(layer_dir, os.O_PATH | os.O_DIRECTORY)}"
+            try:
+                layer_dir = f"/proc/self/fd/{os.open(layer_dir, os.O_PATH | os.O_DIRECTORY)}"
+            except OSError as exc:  # as its package's: a failed load told, not a death
+                error = f"its requirements layer: {describe(exc)}"
+                channel.send(MessageType.MODEL_LOADED, pb.ModelLoaded(ok=False, error=error))
+                return None
         sys.path.insert(0, layer_dir)
     try:
         settings = WorkerSettings.from_wire(load.worker)

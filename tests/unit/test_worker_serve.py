@@ -184,3 +184,14 @@ def test_a_mount_namespace_refused_is_a_failed_load_told_to_the_node(monkeypatch
     assert frame is not None and frame.type == MessageType.MODEL_LOADED
     loaded = pb.ModelLoaded.FromString(frame.header)
     assert (loaded.ok, loaded.error) == (False, "its package: PermissionError: [Errno 1] unshare(CLONE_NEWNS) refused")
+
+
+def test_a_requirements_layer_the_worker_cannot_open_is_a_failed_load_told_to_the_node(tmp_path: Path) -> None:
+    node, end = socket.socketpair()
+    with node, end:
+        load = pb.LoadModel(model="m", package_dir=str(tmp_path), layer_dir=str(tmp_path / "gone"), uid=1)
+        assert worker._take_model(worker.Channel(end), load) is None
+        frame = worker.Channel(node).recv()
+    assert frame is not None and frame.type == MessageType.MODEL_LOADED
+    loaded = pb.ModelLoaded.FromString(frame.header)
+    assert not loaded.ok and loaded.error.startswith("its requirements layer: FileNotFoundError: ")
