@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from gpu_manager.containers import DEFAULT_IMAGE
@@ -75,7 +75,9 @@ class NodeSettings(MetricsSettings):
         description="spares beyond --spares a GPU may keep while misses come faster than spares are made, when "
         "the CPUs are not all busy (not on cuda, where a spare holds GPU memory)",
     )
-    max_payload_mb: float = Field(default=16.0, gt=0, description="largest payload or result a call may carry (MiB)")
+    max_payload_mb: float = Field(
+        default=16.0, gt=0, allow_inf_nan=False, description="largest payload or result a call may carry (MiB)"
+    )
     host_cache_mb: int | None = Field(
         default=None,
         ge=0,
@@ -98,12 +100,29 @@ class NodeSettings(MetricsSettings):
     worker_cpus: float = Field(
         default=0.0,
         ge=0,
+        allow_inf_nan=False,
         description="CPUs' worth of time each worker's cgroup may use, all its threads and children together "
         "(0: no quota, only an equal CPU weight per worker)",
     )
     unconfined_workers: bool = Field(
         default=False, description="workers keep the node's user and network (development only; see docs/security.md)"
     )
+
+    @field_validator("node")
+    @classmethod
+    def _node_is_a_key_segment(cls, node: str) -> str:
+        # The node's etcd keys are named after it (gpufaas.keys): refused here, not at registration.
+        if not node or "/" in node or not node.isprintable():
+            raise ValueError(f"a node name must be non-empty, printable and without '/', got {node!r}")
+        return node
+
+    @field_validator("listen", "blob_listen")
+    @classmethod
+    def _host_and_port(cls, address: str | None) -> str | None:
+        host, sep, port = (address or "").rpartition(":")
+        if address is not None and not (sep and host and port.isdecimal() and int(port) <= 65535):
+            raise ValueError(f"expected host:port with a port of 0-65535, such as 127.0.0.1:0; got {address!r}")
+        return address
 
     @model_validator(mode="after")
     def _docker_keeps_no_spares(self) -> NodeSettings:

@@ -56,6 +56,28 @@ def test_a_refused_value_names_its_flag(argv: list[str], says: str) -> None:
     assert says in str(refused.value)
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--node", "a/b"], "--node: a node name must be non-empty, printable and without '/'"),
+        (["--node", ""], "--node: a node name must be"),
+        (["--node", "n1\nforged log line"], "--node: a node name must be"),
+        (["--listen", "nohostport"], "--listen: expected host:port"),
+        (["--listen", "127.0.0.1:99999"], "--listen: expected host:port with a port of 0-65535"),
+        (["--blob-listen", "127.0.0.1:x"], "--blob-listen: expected host:port"),
+        (["--max-payload-mb", "inf"], "--max-payload-mb: Input should be a finite number"),
+        (["--worker-cpus", "inf"], "--worker-cpus: Input should be a finite number"),
+    ],
+)
+def test_a_node_flag_the_node_cannot_run_with_is_a_usage_error(tmp_path: Path, argv: list[str], says: str) -> None:
+    # Each passed before, and failed later with a traceback: a key segment's ValueError at
+    # registration, the server's bind, int(inf) making the daemon or each worker's cgroup quota.
+    parser = NodeSettings.parser("python -m gpu_manager", "", raising=True)
+    with pytest.raises(SettingsError) as refused:
+        NodeSettings.from_namespace(parser, parser.parse_args(["--state-dir", str(tmp_path), *argv]))
+    assert says in str(refused.value)
+
+
 def test_the_environment_is_a_second_source_and_a_flag_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUFAAS_SCHEDULER_POLICY", "lb")
     monkeypatch.setenv("GPUFAAS_SCHEDULER_POLICY_CONFIG__MQFQ_TTL_ALPHA", "3")
