@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
+from google.protobuf.message import Message
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -333,8 +334,7 @@ class GpuManagerDaemon:
         def tell_scheduler() -> None:
             scheduler = self._scheduler
             if scheduler is not None and not scheduler.is_closed:
-                with contextlib.suppress(ConnectionLost):
-                    scheduler.send(MessageType.HOLDINGS, self.storage.holdings())
+                _send(scheduler, MessageType.HOLDINGS, self.storage.holdings())
 
         async def put_holder(failing: bool) -> bool:
             return self._lease is None or await _holder_put(self.storage, self._lease.lease, failing=failing)
@@ -417,7 +417,7 @@ class GpuManagerDaemon:
             # (else the scheduler that placed it is gone: a new one learns the workers on attach)
             done = done_message(grant, result)
             done.lease_call_id, done.lease_ended = lease_call_id, lease_ended
-            scheduler.send(MessageType.DONE, done)  # first: what frees the call's slot
+            _send(scheduler, MessageType.DONE, done)  # first: what frees the call's slot
         self.metrics.ran(grant.model, result)
 
     # --- requests from the scheduler --------------------------------------------------------
@@ -498,6 +498,14 @@ def _docker_launcher(node: GpuManagerDaemon, image: str) -> DockerLauncher:
     cluster: its name, key root and state directory (gpu_manager.containers.node_instance)."""
     state_dir = node.storage.packages.root
     return DockerLauncher(image, node_instance(node.node, root=node.keys.root, state_dir=state_dir))
+
+
+def _send(scheduler: Connection, type_: int, message: Message) -> None:
+    """Send `message` to the scheduler if its link takes it: one lost while its last frames are
+    still handled is not closed yet, but takes nothing (NotSent); the scheduler learns what the
+    node holds and runs when it attaches again."""
+    with contextlib.suppress(ConnectionLost):
+        scheduler.send(type_, message)
 
 
 def admit_scheduler(

@@ -1,0 +1,88 @@
+"""The GPU manager daemon's side of a call (gpu_manager.daemon): its answer, its Done to the
+scheduler and its metrics, over stand-in links and a stand-in worker pool."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from gpu_manager.daemon import GpuManagerDaemon
+from gpu_manager.devices import logical_devices
+from gpu_manager.sandbox import Isolation
+from gpu_manager.storage import StorageOptions
+from gpu_manager.workers import RunResult
+from gpufaas.grants import new_key
+from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.wire import ConnectionLost, MessageType, NotSent
+from tests.fakes import MemoryStore
+
+KEY = new_key()
+
+
+class Link:
+    """A stand-in wire link: what was sent on it, or `fails` raised by each send."""
+
+    def __init__(self, fails: ConnectionLost | None = None) -> None:
+        self.is_closed = False
+        self.fails = fails
+        self.sent: list[tuple[int, object]] = []
+
+    def send(self, type_: int, header: object, body: bytes = b"") -> None:
+        if self.fails is not None:
+            raise self.fails
+        self.sent.append((type_, header))
+
+
+def make_node(state_dir: Path) -> GpuManagerDaemon:
+    """Node n1 with one emulated GPU, attached to scheduler s1 (epoch 1); nothing started."""
+    node = GpuManagerDaemon(
+        MemoryStore(),
+        node="n1",
+        backend="emulated",
+        devices=logical_devices(1, 1024, "emulated"),
+        state_dir=state_dir,
+        spares_per_gpu=0,
+        tls=False,
+        isolation=Isolation(network=False, users=False),
+        storage=StorageOptions(pool_mb=0),
+    )
+    node.ledger.attach("s1", KEY, 1)
+    return node
+
+
+def grant() -> pb.Grant:
+    now = time.time()
+    return pb.Grant(
+        scheduler_id="s1",
+        epoch=1,
+        call_id="c1",
+        attempt=1,
+        node="n1",
+        gpu="gpu0",
+        model="m",
+        memory_mb=10,
+        claim_by_unix_s=now + 5,
+        expires_unix_s=now + 30,
+    )
+
+
+def calls_counted(node: GpuManagerDaemon) -> float | None:
+    return node.metrics.registry.get_sample_value("gpufaas_node_calls_total", {"outcome": "ok", "cache": "hit"})
+
+
+def test_a_done_the_scheduler_link_no_longer_takes_is_dropped_and_the_call_still_counted(tmp_path: Path) -> None:
+    # A link lost while its last frames are still handled is not closed yet, but its send raises
+    # NotSent: that failed the Done's callback with a traceback, and the call went uncounted.
+    async def main() -> None:
+        node = make_node(tmp_path)
+        scheduler = Link(fails=NotSent("connection to the scheduler is closed"))
+        node._scheduler = scheduler  # type: ignore[assignment]
+        node._ran(grant(), RunResult(pb.OK, "", output=b"out"))
+        assert calls_counted(node) == 1.0
+        scheduler.fails = None
+        node._ran(grant(), RunResult(pb.OK, "", output=b"out"))
+        assert [type_ for type_, _ in scheduler.sent] == [MessageType.DONE]
+        assert calls_counted(node) == 2.0
+
+    asyncio.run(main())
