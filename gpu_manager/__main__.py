@@ -16,6 +16,7 @@ from gpu_manager.sandbox import PACKAGE_USERS_FILE, Isolation, PackageUsers
 from gpu_manager.settings import DESCRIPTION, PROG, NodeSettings
 from gpu_manager.storage import StorageOptions
 from gpufaas.credentials import node_token, wire_key
+from gpufaas.errors import GpufaasError
 from gpufaas.keys import Keys
 from gpufaas.service_main import (
     daemon_start,
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
     from gpufaas.tls import LinkTls
 
 log = logging.getLogger("gpu_manager")
+
+
+class NodeSetupError(GpufaasError):
+    """A node that cannot be made as its flags say (its host pool's directory refused, say)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,33 +98,36 @@ def daemon(
     in_process: bool = False,
 ) -> GpuManagerDaemon:
     """The node `settings` describe (`tls`, `in_process`: GpuManagerDaemon's)."""
-    return GpuManagerDaemon(
-        store,
-        node=settings.node,
-        backend=machine.backend,
-        devices=machine.devices,
-        state_dir=settings.state_dir,
-        keys=Keys(settings.root),
-        spares_per_gpu=settings.spares,
-        # No spares asked for (the docker runtime): none made ahead either.
-        extra_spares=settings.extra_spares if settings.spares else 0,
-        max_body_bytes=int(settings.max_payload_mb * 1024 * 1024),
-        host_cache_mb=machine.host_cache_mb,
-        wire_key=wire_key(secret) if secret is not None else None,
-        isolation=machine.isolation,
-        runtime=settings.runtime,
-        docker_image=settings.docker_image,
-        storage=StorageOptions(
-            package_token=node_token(secret) if secret is not None else None,
-            disk_cache_mb=settings.disk_cache_mb,
-            pool_mb=settings.pool_mb,
-            pool_dir=settings.pool_dir,
-            blob_listen=settings.blob_listen or f"{settings.listen.rpartition(':')[0] or '127.0.0.1'}:0",
-            blob_advertise=settings.blob_advertise,
-        ),
-        tls=tls,
-        in_process=in_process,
-    )
+    try:
+        return GpuManagerDaemon(
+            store,
+            node=settings.node,
+            backend=machine.backend,
+            devices=machine.devices,
+            state_dir=settings.state_dir,
+            keys=Keys(settings.root),
+            spares_per_gpu=settings.spares,
+            # No spares asked for (the docker runtime): none made ahead either.
+            extra_spares=settings.extra_spares if settings.spares else 0,
+            max_body_bytes=int(settings.max_payload_mb * 1024 * 1024),
+            host_cache_mb=machine.host_cache_mb,
+            wire_key=wire_key(secret) if secret is not None else None,
+            isolation=machine.isolation,
+            runtime=settings.runtime,
+            docker_image=settings.docker_image,
+            storage=StorageOptions(
+                package_token=node_token(secret) if secret is not None else None,
+                disk_cache_mb=settings.disk_cache_mb,
+                pool_mb=settings.pool_mb,
+                pool_dir=settings.pool_dir,
+                blob_listen=settings.blob_listen or f"{settings.listen.rpartition(':')[0] or '127.0.0.1'}:0",
+                blob_advertise=settings.blob_advertise,
+            ),
+            tls=tls,
+            in_process=in_process,
+        )
+    except OSError as exc:  # its host pool's directory (--pool-dir): the message says what to change
+        raise NodeSetupError(f"node {settings.node} cannot set up its storage: {exc}") from None
 
 
 async def serve(

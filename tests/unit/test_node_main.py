@@ -1,0 +1,36 @@
+"""`python -m gpu_manager`'s making of a node from its settings: a setup it cannot run with is
+one clear error (a GpufaasError, which the daemon's main prints as one line), not a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from gpu_manager.__main__ import Hardware, daemon
+from gpu_manager.devices import logical_devices
+from gpu_manager.sandbox import Isolation
+from gpu_manager.settings import NodeSettings
+from gpufaas.errors import GpufaasError
+from tests.fakes import MemoryStore
+
+
+@pytest.mark.parametrize("pool_dir", ["shared", "a-file"])
+def test_a_pool_directory_the_node_cannot_use_is_a_clear_error(tmp_path: Path, pool_dir: str) -> None:
+    # Before: the host pool's OSError ('choose another --pool-dir', or the mkdir's FileExistsError)
+    # left `python -m gpu_manager` (and a gateway's --with-node) as a traceback.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # writable by all, not sticky: another user could swap the pool's files
+    (tmp_path / "a-file").write_text("")
+    settings = NodeSettings(
+        state_dir=tmp_path / "state", node="n1", pool_mb=16, pool_dir=tmp_path / pool_dir, unconfined_workers=True
+    )
+    machine = Hardware("cpu", logical_devices(1, 1024, "cpu"), 0, Isolation(network=False, users=False))
+
+    async def make() -> None:
+        daemon(MemoryStore(), settings, machine, None, tls=False)  # type: ignore[arg-type]
+
+    with pytest.raises(GpufaasError, match=r"--pool-dir|File exists"):
+        asyncio.run(make())
