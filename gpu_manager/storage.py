@@ -28,7 +28,7 @@ from gpufaas.keys import Keys
 from gpufaas.packages import InvalidPackage
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.requirements import RequirementsError, base_environment
-from gpufaas.store import Store
+from gpufaas.store import Store, StoreError
 
 log = logging.getLogger("gpufaas.gpu_manager.storage")
 
@@ -149,7 +149,7 @@ class NodeStorage:
         except NoRoom as exc:
             log.info("not pre-staging: %s", exc)
             return
-        except (InvalidPackage, RequirementsError, OSError) as exc:
+        except (InvalidPackage, RequirementsError, OSError, StoreError) as exc:  # (StoreError: its record unread)
             log.warning("could not stage package %s: %s", digest, exc)
             return
         manifest = self.packages.manifest(digest)

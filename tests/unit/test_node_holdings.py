@@ -1,17 +1,22 @@
 """A node's holdings (what its disk and host pool hold): told to the scheduler when they change,
 and put in etcd as its holder record (read by peers that fetch from it); one etcd did not take is
-put again on its own, and the failure is said once a streak."""
+put again on its own, and the failure is said once a streak; a pre-staging that cannot read etcd
+is given up with a warning."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
 
 from gpu_manager.daemon import HOLDINGS_RETRY_S, _holder_put, report_holdings
+from gpu_manager.storage import NodeStorage, StorageOptions
+from gpufaas.keys import Keys
 from gpufaas.store import StoreError
+from tests.fakes import MemoryStore
 
 
 class Storage:
@@ -69,5 +74,29 @@ def test_while_etcd_refuses_the_record_changes_still_reach_the_scheduler_at_once
         await asyncio.sleep(HOLDINGS_RETRY_S + 0.2)
         assert len(puts) == 4  # ... and stopped
         task.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_pre_staging_while_etcd_is_unreachable_is_logged_and_given_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The package's record could not be read: StoreError escaped NodeStorage.stage, and the
+    # daemon's task for the scheduler's Stage died with it ('Task exception was never retrieved').
+    async def main() -> None:
+        store = MemoryStore()
+        storage = NodeStorage(
+            store,
+            Keys(),
+            node="n1",
+            state_dir=tmp_path,
+            in_use=set,
+            on_change=lambda: None,
+            options=StorageOptions(pool_mb=0),
+        )
+        store.set_reachable(False)
+        with caplog.at_level(logging.WARNING, logger="gpufaas.gpu_manager.storage"):
+            await storage.stage("sha256:" + "0" * 64)
+        assert "could not stage package" in caplog.text and "unreachable" in caplog.text
 
     asyncio.run(main())
