@@ -342,8 +342,7 @@ class GpuManagerDaemon:
         await report_holdings(self._holdings_dirty, tell_scheduler, put_holder)
 
     # --- calls from gateways ----------------------------------------------------------------
-    async def execute(self, conn: Connection, frame: Frame) -> None:
-        request = frame.message(pb.Execute)
+    async def execute(self, conn: Connection, frame: Frame, request: pb.Execute) -> None:
         received_s = time.perf_counter()
         now_unix_s = time.time()
         lease_call_id = request.lease_call_id
@@ -473,8 +472,7 @@ class GpuManagerDaemon:
             ),
         )
 
-    async def evict(self, conn: Connection, frame: Frame) -> None:
-        request = frame.message(pb.Evict)
+    async def evict(self, conn: Connection, frame: Frame, request: pb.Evict) -> None:
         if not request.gpu:  # the host tier's copies
             evicted = [model for model in request.models if await self.pool.release_from_host(model)]
         elif request.if_idle:  # a staged exit
@@ -613,13 +611,16 @@ class _Session:
     def __init__(self, daemon: GpuManagerDaemon) -> None:
         self.daemon = daemon
         # The daemon's handler of each message type: execute and evict run as its tasks, the
-        # others answer at once.
+        # others answer at once. Each is parsed here, so that a malformed one closes the link (the
+        # wire's rule) instead of failing a task that never answers.
         self._routes: dict[int, Callable[[Connection, Frame], object]] = {
-            MessageType.EXECUTE: lambda conn, frame: daemon._spawn(daemon.execute(conn, frame)),
+            MessageType.EXECUTE: lambda conn, frame: daemon._spawn(
+                daemon.execute(conn, frame, frame.message(pb.Execute))
+            ),
             MessageType.ATTACH: daemon.attach,
             MessageType.REVOKE: daemon.revoke,
             MessageType.WORKERS: daemon.report_workers,
-            MessageType.EVICT: lambda conn, frame: daemon._spawn(daemon.evict(conn, frame)),
+            MessageType.EVICT: lambda conn, frame: daemon._spawn(daemon.evict(conn, frame, frame.message(pb.Evict))),
             MessageType.STAGE: daemon.stage,
         }
 

@@ -7,6 +7,8 @@ import asyncio
 import time
 from pathlib import Path
 
+import pytest
+
 from gpu_manager.daemon import GpuManagerDaemon
 from gpu_manager.devices import logical_devices
 from gpu_manager.sandbox import Isolation
@@ -14,7 +16,7 @@ from gpu_manager.storage import StorageOptions
 from gpu_manager.workers import RunResult
 from gpufaas.grants import new_key
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.wire import ConnectionLost, MessageType, NotSent
+from gpufaas.wire import ConnectionLost, MessageType, NotSent, connect
 from tests.fakes import MemoryStore
 
 KEY = new_key()
@@ -84,5 +86,25 @@ def test_a_done_the_scheduler_link_no_longer_takes_is_dropped_and_the_call_still
         node._ran(grant(), RunResult(pb.OK, "", output=b"out"))
         assert [type_ for type_, _ in scheduler.sent] == [MessageType.DONE]
         assert calls_counted(node) == 2.0
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("type_", [MessageType.EXECUTE, MessageType.EVICT])
+def test_a_malformed_execute_or_evict_closes_the_link_as_any_malformed_message(
+    tmp_path: Path, type_: MessageType
+) -> None:
+    # Both were parsed inside their task: its ConnectionLost failed the task, nothing answered,
+    # and the sender waited out its own timeout on a link left open (here: TimeoutError).
+    async def main() -> None:
+        node = make_node(tmp_path)
+        address = await node._server.start("127.0.0.1:0")
+        conn = await connect(address, tls=False)
+        try:
+            with pytest.raises(ConnectionLost):
+                await conn.request(type_, b"\xff\xff", timeout_s=10.0)
+        finally:
+            conn.close()
+            await node._server.close()
 
     asyncio.run(main())
