@@ -119,6 +119,7 @@ class PackageStore:
         # Staged packages: digest -> (manifest, layer directory or None), and when each was last used.
         self._staged: dict[str, tuple[Manifest, Path | None]] = {}
         self._used_at: dict[str, float] = {}
+        self._copies_bytes = 0  # the staged packages' files copied rather than linked (`copied_bytes`)
         self.stats: dict[str, StageStats] = {}  # the latest staging of each package
         self.fetched_bytes = 0  # since start, for the metrics
 
@@ -142,8 +143,8 @@ class PackageStore:
 
     def used_bytes(self) -> int:
         """The disk the blobs take (what the budget bounds): complete ones and the partials of
-        broken or running fetches."""
-        return self.blobs.used_bytes() + self.blobs.partial_bytes()
+        broken or running fetches, and the staged packages' copies of blobs (`copied_bytes`)."""
+        return self.blobs.used_bytes() + self.blobs.partial_bytes() + self._copies_bytes
 
     async def recover(self) -> None:
         """Adopt the packages a previous run of this node staged (their records permitting)."""
@@ -163,6 +164,7 @@ class PackageStore:
                 await asyncio.to_thread(shutil.rmtree, path, True)
                 continue
             self._staged[digest] = (record.manifest, layer)
+            self._copies_bytes += copied_bytes(record.manifest)
             self._used_at[digest] = path.stat().st_mtime
         if self._staged and self._on_change is not None:
             self._on_change()
@@ -227,13 +229,13 @@ class PackageStore:
         stats = StageStats()
         started = time.perf_counter()
         missing = {d: size for d, size in manifest.blobs().items() if not self.blobs.has(d)}
+        # (what a broken fetch of them left is on the disk, counted in used_bytes already)
+        more = sum(size - self.blobs.partial_size(d) for d, size in missing.items()) + copied_bytes(manifest)
+        if make_room:
+            await self._make_room(more)
+        elif not await self._fits(more):
+            raise NoRoom(f"package {digest}: {more} bytes more do not fit the free disk budget")
         if missing:
-            # (what a broken fetch of them left is on the disk, counted in used_bytes already)
-            more = sum(size - self.blobs.partial_size(d) for d, size in missing.items())
-            if make_room:
-                await self._make_room(more)
-            elif not await self._fits(more):
-                raise NoRoom(f"package {digest}: {more} bytes more do not fit the free disk budget")
             sources = sources_for(record, await self._holders(), me=self.me, my_host=self.my_host)
             # Largest first: the weights set the pace; the small files fit in around them.
             order = sorted(missing, key=lambda d: -missing[d])
@@ -259,6 +261,8 @@ class PackageStore:
         linked = time.perf_counter()
         path = await asyncio.to_thread(self._link, manifest)
         stats.link_s = time.perf_counter() - linked
+        if digest not in self._staged:
+            self._copies_bytes += copied_bytes(manifest)
         self._staged[digest] = (manifest, layer_path)
         self._used_at.setdefault(digest, self._clock())
         self.stats[digest] = stats
@@ -377,9 +381,10 @@ class PackageStore:
         await asyncio.to_thread(shutil.rmtree, doomed, True)
         if entry is None:
             return 0
+        freed = copied_bytes(entry[0])
+        self._copies_bytes -= freed
         kept = {d for manifest, _ in self._staged.values() for d in manifest.blobs()}
         kept |= self._fetching.keys() | self._linking.keys()
-        freed = 0
         for blob, size in entry[0].blobs().items():
             if blob not in kept and await asyncio.to_thread(self.blobs.remove, blob):
                 freed += size
@@ -438,6 +443,17 @@ class PackageStore:
                     self.blobs.remove(digest)
 
 
+def copied_bytes(manifest: Manifest) -> int:
+    """The disk a package's directory takes beside its blobs: the files `link_package` copies
+    (small ones, and those of another mode than the blobs' 0444, such as 0755) rather than links.
+    Counted in the budget: a package of 4 GB of weights marked executable took twice its size."""
+    return sum(entry.size for entry in manifest.files if not _linked(entry.size, entry.mode))
+
+
+def _linked(size: int, mode: int) -> bool:
+    return size >= LINK_MIN_BYTES and mode == 0o644
+
+
 def link_package(blobs: BlobStore, manifest: Manifest, packages_dir: Path) -> Path:
     """A package's directory under `packages_dir` from its blobs, atomically (it appears whole or
     not at all); large plain files are hard links to their blob (shared, 0444, the node's), the
@@ -450,7 +466,7 @@ def link_package(blobs: BlobStore, manifest: Manifest, packages_dir: Path) -> Pa
         for entry in manifest.files:
             destination = tmp / entry.path
             destination.parent.mkdir(parents=True, exist_ok=True)
-            if entry.size >= LINK_MIN_BYTES and entry.mode == 0o644:
+            if _linked(entry.size, entry.mode):
                 blobs.link_into(entry.digest, destination)
             else:
                 source = blobs.path(entry.digest)

@@ -485,3 +485,43 @@ def test_partial_blobs_count_against_the_disk_budget(tmp_path: Path, cluster: Cl
         assert again.used_bytes() <= budget
 
     asyncio.run(main())
+
+
+def test_files_a_package_copies_rather_than_links_count_against_the_disk_budget(
+    tmp_path: Path, cluster: Cluster
+) -> None:
+    """Weights marked executable (0755) are copied into the package's directory, not linked to
+    their blob (0444): twice their size on disk, which the budget counted once."""
+    cluster.holder("gw")
+    packages = []
+    for _ in range(2):
+        weights = os.urandom(1 << 20)
+        entries = [
+            PackageFile("handler.py", sha256_digest(HANDLER), len(HANDLER)),
+            PackageFile("w.bin", sha256_digest(weights), len(weights), mode=0o755),
+        ]
+        cluster.servers["gw"].store.put(HANDLER)
+        cluster.servers["gw"].store.put(weights)
+        manifest = Manifest.of(entries)
+        cluster.records[manifest.digest] = PackageRecord(manifest, "gw", None)
+        packages.append(manifest.digest)
+    budget = int(2.5 * (1 << 20))
+
+    def on_disk(root: Path) -> int:
+        inodes = {(f.stat().st_ino, f.stat().st_size) for f in root.rglob("*") if f.is_file()}
+        return sum(size for _, size in inodes)
+
+    async def main() -> None:
+        store = cluster.store(tmp_path / "node", budget_bytes=budget)
+        await store.ensure(packages[0])
+        assert store.used_bytes() == on_disk(tmp_path / "node")  # the blob and its copy
+        with pytest.raises(NoRoom):
+            await store.ensure(packages[1], make_room=False)
+        await store.ensure(packages[1])  # a call: the other package leaves for it
+        assert store.staged() == {packages[1]}
+        assert store.used_bytes() == on_disk(tmp_path / "node") <= budget
+        again = cluster.store(tmp_path / "node", budget_bytes=budget)
+        await again.recover()
+        assert again.used_bytes() == store.used_bytes()
+
+    asyncio.run(main())
