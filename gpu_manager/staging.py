@@ -175,6 +175,14 @@ class PackageStore:
         (or RequirementsError) saying why it cannot be had. `make_room=False` (pre-staging, a
         guess): only into free disk, evicting no package (NoRoom otherwise)."""
         self._used_at[digest] = self._clock()
+        try:
+            return await self._ensure(digest, make_room)
+        except BaseException:
+            if digest not in self._staged:  # (kept for every digest ever asked for, it grew for good)
+                self._used_at.pop(digest, None)
+            raise
+
+    async def _ensure(self, digest: str, make_room: bool) -> Path:
         for _ in range(2):
             path = self.path_for(digest)
             if path is not None:

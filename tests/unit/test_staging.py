@@ -144,6 +144,7 @@ def test_nothing_to_fetch_from_says_why(tmp_path: Path, cluster: Cluster) -> Non
         with pytest.raises(InvalidPackage, match="not registered"):
             await store.ensure(sha256_digest(b"nothing"))
         assert store.staged() == set()
+        assert store._used_at == {}  # nothing kept of what could not be had: it grew with every digest asked
 
     asyncio.run(main())
 
