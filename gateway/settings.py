@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from gateway.artifacts import MAX_BATCH_BYTES
 from gateway.http import HEAD_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, MAX_HEAD_BYTES, HttpLimits
 from gpufaas.packages import DEFAULT_MAX_UNPACKED_MB
-from gpufaas.settings import DaemonSettings
+from gpufaas.settings import DaemonSettings, host_and_port
 
 PROG = "python -m gateway"
 DESCRIPTION = "gpufaas HTTP gateway"
@@ -39,7 +39,9 @@ class GatewaySettings(DaemonSettings):
         description="the blob server's URL for nodes and the CLI "
         "(default: http://the --public-url host:the bound port)",
     )
-    max_payload_mb: float = Field(default=16.0, gt=0, description="invocation body limit (413 above)")
+    max_payload_mb: float = Field(
+        default=16.0, gt=0, allow_inf_nan=False, description="invocation body limit (413 above)"
+    )
     max_unpacked_mb: int = Field(
         default=DEFAULT_MAX_UNPACKED_MB, gt=0, description="largest size a package may unpack to (413 at upload above)"
     )
@@ -84,6 +86,11 @@ class GatewaySettings(DaemonSettings):
     public_key_file: Path | None = Field(
         default=None, description="the private key of --public-cert-file (PEM, mode 0600)"
     )
+
+    @field_validator("scheduler", "blob_listen")
+    @classmethod
+    def _host_and_port(cls, address: str | None) -> str | None:
+        return host_and_port(address)
 
     @model_validator(mode="after")
     def _limits_valid(self) -> GatewaySettings:

@@ -13,7 +13,7 @@ from pydantic_settings import SettingsConfigDict
 from gpu_manager.containers import DEFAULT_IMAGE
 from gpu_manager.sandbox import DEFAULT_HOME_MB
 from gpu_manager.spares import DEFAULT_MAX_EXTRA
-from gpufaas.settings import MetricsSettings
+from gpufaas.settings import MetricsSettings, host_and_port
 
 PROG = "python -m gpu_manager"
 DESCRIPTION = "gpufaas GPU manager (one per node)"
@@ -116,13 +116,10 @@ class NodeSettings(MetricsSettings):
             raise ValueError(f"a node name must be non-empty, printable and without '/', got {node!r}")
         return node
 
-    @field_validator("listen", "blob_listen")
+    @field_validator("listen", "blob_listen", "advertise")
     @classmethod
     def _host_and_port(cls, address: str | None) -> str | None:
-        host, sep, port = (address or "").rpartition(":")
-        if address is not None and not (sep and host and port.isdecimal() and int(port) <= 65535):
-            raise ValueError(f"expected host:port with a port of 0-65535, such as 127.0.0.1:0; got {address!r}")
-        return address
+        return host_and_port(address)
 
     @model_validator(mode="after")
     def _docker_keeps_no_spares(self) -> NodeSettings:

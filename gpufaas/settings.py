@@ -26,13 +26,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, NoReturn, Self
 
-from pydantic import AfterValidator, Field, ValidationError
+from pydantic import AfterValidator, Field, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from pydantic_settings import SettingsError as UnreadableEnvironment
 
-from gpufaas.keys import DEFAULT_ROOT
+from gpufaas.keys import DEFAULT_ROOT, Keys
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -141,9 +141,23 @@ def _message(error: ErrorDetails, flags: dict[tuple[str, ...], str]) -> str:
 
 def _host_port(endpoint: str) -> str:
     host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdecimal():
+    if not sep or not host or not port.isdecimal() or int(port) > 65535:
         raise ValueError(f"expected host:port, such as 127.0.0.1:2379; got {endpoint!r}")
     return endpoint
+
+
+def host_and_port(address: str | None) -> str | None:
+    """A field validator: `address` if it is host:port with a port of 0-65535 (None passes), else
+    a ValueError saying so; refused at parse time, not by the bind or dial a daemon makes later."""
+    host, sep, port = (address or "").rpartition(":")
+    if address is not None and not (sep and host and port.isdecimal() and int(port) <= 65535):
+        raise ValueError(f"expected host:port with a port of 0-65535, such as 127.0.0.1:0; got {address!r}")
+    return address
+
+
+def _key_root(root: str) -> str:
+    Keys(root)  # its ValueError says what a key root must be; refused here, not when a daemon starts
+    return root
 
 
 class DaemonSettings(BaseSettings):
@@ -161,7 +175,7 @@ class DaemonSettings(BaseSettings):
     etcd: Annotated[str, AfterValidator(_host_port)] = Field(
         default="127.0.0.1:2379", description="etcd client endpoint host:port"
     )
-    root: str = Field(default=DEFAULT_ROOT, description="etcd key root")
+    root: Annotated[str, AfterValidator(_key_root)] = Field(default=DEFAULT_ROOT, description="etcd key root")
     log_level: LogLevel = Field(default="info", description="the least severe log lines written")
     secret_file: Path | None = Field(
         default=None,
@@ -287,3 +301,8 @@ class MetricsSettings(DaemonSettings):
         description="serve Prometheus metrics at http://HOST:PORT/metrics, asking for the cluster's metrics token "
         "(`python -m gpufaas.credentials --metrics-token SECRETS_DIR`) as a bearer token (default: none)",
     )
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _metrics_host_and_port(cls, address: str | None) -> str | None:
+        return host_and_port(address)

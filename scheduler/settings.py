@@ -10,7 +10,7 @@ from pydantic_settings import SettingsConfigDict
 
 from cache_manager import EvictionPolicy
 from gpufaas.grants import MAX_CLAIM_S
-from gpufaas.settings import MetricsSettings
+from gpufaas.settings import MetricsSettings, host_and_port
 from scheduler.adaptive_slots import DEFAULT_THRESHOLD
 from scheduler.policies import PolicyConfig, registered_policies
 from scheduler.service import DEFAULT_HIT_LEASE_S, DEFAULT_PRESTAGE_NODES, LEASE_TTL_S, SlotConfig
@@ -93,6 +93,11 @@ class SchedulerSettings(MetricsSettings):
         if name not in registered_policies():
             raise ValueError(f"unknown scheduling policy {name!r}; valid policies: {', '.join(registered_policies())}")
         return name
+
+    @field_validator("listen", "advertise")
+    @classmethod
+    def _host_and_port(cls, address: str | None) -> str | None:
+        return host_and_port(address)
 
     @field_validator("eviction")
     @classmethod

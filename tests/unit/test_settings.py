@@ -48,6 +48,15 @@ def test_the_flags_that_existed_keep_their_meaning() -> None:
         (["--queue-capacity", "x"], "argument --queue-capacity: invalid int value: 'x'"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--etcd", "nohostport"], "--etcd: expected host:port, such as 127.0.0.1:2379; got 'nohostport'"),
+        (["--etcd", "127.0.0.1:99999"], "--etcd: expected host:port"),
+        # Each passed before, and failed once the daemon started, in a traceback: the bind's
+        # int(port), the metrics server's ValueError, Keys' ValueError (after etcd was opened).
+        (["--listen", "nohostport"], "--listen: expected host:port with a port of 0-65535"),
+        (["--listen", "127.0.0.1:99999"], "--listen: expected host:port with a port of 0-65535"),
+        (["--advertise", "scheduler-0"], "--advertise: expected host:port"),
+        (["--metrics-listen", "9100"], "--metrics-listen: expected host:port"),
+        (["--root", "gpufaas"], "--root: key root must start with '/'"),
+        (["--root", "/gpufaas/"], "--root: key root must start with '/' and not end with it"),
     ],
 )
 def test_a_refused_value_names_its_flag(argv: list[str], says: str) -> None:
@@ -75,6 +84,26 @@ def test_a_node_flag_the_node_cannot_run_with_is_a_usage_error(tmp_path: Path, a
     parser = NodeSettings.parser("python -m gpu_manager", "", raising=True)
     with pytest.raises(SettingsError) as refused:
         NodeSettings.from_namespace(parser, parser.parse_args(["--state-dir", str(tmp_path), *argv]))
+    assert says in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--max-payload-mb", "inf"], "--max-payload-mb: Input should be a finite number"),
+        (["--scheduler", "scheduler-0"], "--scheduler: expected host:port"),
+        (["--blob-listen", "0.0.0.0"], "--blob-listen: expected host:port"),
+        (["--root", "x"], "--root: key root must start with '/'"),
+    ],
+)
+def test_a_gateway_flag_the_gateway_cannot_run_with_is_a_usage_error(
+    tmp_path: Path, argv: list[str], says: str
+) -> None:
+    # Each passed before, and failed later in a traceback: int(inf) making the HTTP limits (an
+    # OverflowError, not a ValidationError), Keys' ValueError, the dial or bind's int(port).
+    parser = GatewaySettings.parser("python -m gateway", "", raising=True)
+    with pytest.raises(SettingsError) as refused:
+        GatewaySettings.from_namespace(parser, parser.parse_args(["--state-dir", str(tmp_path), *argv]))
     assert says in str(refused.value)
 
 
