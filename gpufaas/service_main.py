@@ -31,6 +31,10 @@ _ROLES = {"gateway": "gateway", "scheduler": "scheduler", "gpu_manager": "node"}
 _etcd_tls: dict[str, EtcdTls] = {}  # "tls": what `open_store` reaches etcd with, set by `configure_tls`
 
 
+class ListenError(GpufaasError):
+    """A daemon's listener (its port, or its metrics') that cannot be bound; the message says which."""
+
+
 async def start_metrics(registry: CollectorRegistry, listen: str | None, secret: str | None) -> MetricsServer | None:
     """The daemon's metrics listener on `listen` (None: none), asking for the metrics token
     derived from `secret` (None, an insecure cluster: for anyone)."""
@@ -235,9 +239,21 @@ async def wire_daemon_running(
     daemon: WireDaemon, settings: ListenSettings, secret: str | None, name: str
 ) -> AsyncIterator[None]:
     """`daemon` started (listening and advertised as `settings` say, its metrics beside it) for
-    the body; then its metrics and it stopped, in that order."""
-    await daemon.start(settings.listen, advertise=settings.advertise)
-    metrics = await start_metrics(daemon.metrics.registry, settings.metrics_listen, secret)
+    the body; then its metrics and it stopped, in that order. A listener that cannot be bound (a
+    port in use, an address not this host's) is `ListenError`, one line for `run_daemon`; the
+    daemon is stopped first if it had started (its etcd lease revoked, its workers ended)."""
+    try:
+        await daemon.start(settings.listen, advertise=settings.advertise)
+    except OSError as exc:
+        raise ListenError(f"{name} cannot start on {settings.listen}: {exc.strerror or exc}") from None
+    try:
+        metrics = await start_metrics(daemon.metrics.registry, settings.metrics_listen, secret)
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            await daemon.stop()
+        if isinstance(exc, OSError):
+            raise ListenError(f"{name}: {exc.strerror or exc}") from None
+        raise
     print(f"{name} listening on {daemon.address}", flush=True)
     try:
         yield
