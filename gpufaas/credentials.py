@@ -73,16 +73,22 @@ def ensure_secrets(directory: Path, *, tls_hosts: tuple[str, ...] = ()) -> Secre
 
 
 def read_secret(path: Path) -> str:
-    """The secret in `path` (surrounding whitespace stripped). Refuses a file that is missing,
-    empty, or open to others (any user of the host): a secret anyone can read is none. Group
-    access is allowed: Kubernetes hands secrets to a pod's fsGroup that way."""
+    """The secret in `path`, UTF-8 (surrounding whitespace stripped). Refuses a file that is
+    missing, empty, not UTF-8 text, or open to others (any user of the host): a secret anyone can
+    read is none. Group access is allowed: Kubernetes hands secrets to a pod's fsGroup that way.
+    Read as UTF-8 whatever the locale: every daemon derives the same keys from the same file."""
     try:
         mode = path.stat().st_mode
-        value = path.read_text().strip()
+        value = path.read_bytes().decode("utf-8").strip()
     except FileNotFoundError:
         raise CredentialError(f"the secret file {path} does not exist; `gpufaas up` makes one") from None
     except OSError as exc:
         raise CredentialError(f"cannot read the secret file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise CredentialError(
+            f"the secret file {path} is not UTF-8 text; put a long random string in it (such as "
+            "`openssl rand -base64 32`)"
+        ) from None
     if mode & stat.S_IRWXO:
         raise CredentialError(f"the secret file {path} is open to every user; run `chmod 600 {path}`")
     if not value:

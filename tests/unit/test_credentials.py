@@ -35,3 +35,13 @@ def test_makes_the_files_then_prints_the_metrics_token(tmp_path: Path, capsys: p
     with pytest.raises(SystemExit) as exited:
         credentials.main([])  # no DIR: a usage error, not a traceback
     assert exited.value.code == 2
+
+
+def test_a_secret_that_is_not_utf8_is_refused_in_one_line(tmp_path: Path) -> None:
+    # Before, random bytes (`head -c 32 /dev/urandom > cluster-secret`) raised UnicodeDecodeError
+    # in a traceback from every daemon, and text was decoded by the locale's encoding.
+    path = tmp_path / "cluster-secret"
+    path.write_bytes(b"\xa8\xff random bytes\n")
+    path.chmod(0o600)
+    with pytest.raises(credentials.CredentialError, match="is not UTF-8 text"):
+        credentials.read_secret(path)
