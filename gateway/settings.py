@@ -97,6 +97,10 @@ class GatewaySettings(DaemonSettings):
         self.http_limits  # noqa: B018 (its ValueError says what is wrong)
         if (self.public_cert_file is None) != (self.public_key_file is None):
             raise ValueError("--public-cert-file and --public-key-file go together: pass both or neither")
+        if self.port == 0 and self.public_url is None:
+            # The default public URL would name port 0: registered in etcd for the CLI to dial, and
+            # the gateway's blob holder name, the same for every such gateway of the host.
+            raise ValueError("--port 0 (any free port) needs --public-url: the URL that reaches the port bound")
         return self
 
     @property

@@ -94,6 +94,8 @@ def test_a_node_flag_the_node_cannot_run_with_is_a_usage_error(tmp_path: Path, a
         (["--scheduler", "scheduler-0"], "--scheduler: expected host:port"),
         (["--blob-listen", "0.0.0.0"], "--blob-listen: expected host:port"),
         (["--root", "x"], "--root: key root must start with '/'"),
+        # Passed before: the gateway registered http://HOST:0 as its URL and its blob holder name.
+        (["--port", "0"], "--port 0 (any free port) needs --public-url"),
     ],
 )
 def test_a_gateway_flag_the_gateway_cannot_run_with_is_a_usage_error(
@@ -138,7 +140,7 @@ def test_rendered_flags_read_back_as_the_same_settings(tmp_path: Path) -> None:
         state_dir=tmp_path, node="n1", runtime="docker", spares=0, unconfined_workers=True, pool_mb=0, worker_cpus=1.5
     )
     assert NodeSettings.from_args(node.to_argv(), "python -m gpu_manager", "") == node
-    gateway = GatewaySettings(state_dir=tmp_path, port=0, insecure=True, max_header_kb=16)
+    gateway = GatewaySettings(state_dir=tmp_path, port=8081, insecure=True, max_header_kb=16)
     assert GatewaySettings.from_args(gateway.to_argv(), "python -m gateway", "") == gateway
     knobs = SchedulerSettings(policy_config=PolicyConfig(room_aware_misses=False, torpor_alpha=0.25))
     assert knobs.to_argv() == ["--no-room-aware-misses", "--torpor-alpha", "0.25"]
