@@ -119,6 +119,7 @@ def write_metrics_token(files: SecretFiles) -> Path:
     so writing it again writes the same token."""
     path = files.directory / METRICS_TOKEN_FILE
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # one there already (copied, made by hand) keeps its mode through O_CREAT
     with os.fdopen(fd, "w") as out:
         out.write(metrics_token(read_secret(files.cluster_secret)) + "\n")
     return path

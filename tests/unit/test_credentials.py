@@ -45,3 +45,13 @@ def test_a_secret_that_is_not_utf8_is_refused_in_one_line(tmp_path: Path) -> Non
     path.chmod(0o600)
     with pytest.raises(credentials.CredentialError, match="is not UTF-8 text"):
         credentials.read_secret(path)
+
+
+def test_a_metrics_token_written_again_is_made_0600(tmp_path: Path) -> None:
+    # Before, a metrics-token already there kept its mode (0644: readable by every user of the
+    # host), since O_CREAT's mode applies only to a file it creates.
+    files = credentials.ensure_secrets(tmp_path / "secrets")
+    path = credentials.write_metrics_token(files)
+    path.chmod(0o644)
+    assert credentials.write_metrics_token(files) == path
+    assert path.stat().st_mode & 0o777 == 0o600
