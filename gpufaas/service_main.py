@@ -245,14 +245,14 @@ async def wire_daemon_running(
     try:
         await daemon.start(settings.listen, advertise=settings.advertise)
     except OSError as exc:
-        raise ListenError(f"{name} cannot start on {settings.listen}: {exc.strerror or exc}") from None
+        raise ListenError(f"{name} cannot start: {exc}") from None  # the bind's names the address
     try:
         metrics = await start_metrics(daemon.metrics.registry, settings.metrics_listen, secret)
     except BaseException as exc:
         with contextlib.suppress(Exception):
             await daemon.stop()
         if isinstance(exc, OSError):
-            raise ListenError(f"{name}: {exc.strerror or exc}") from None
+            raise ListenError(f"{name} cannot start: {exc}") from None
         raise
     print(f"{name} listening on {daemon.address}", flush=True)
     try:

@@ -63,7 +63,7 @@ def _serve(daemon: _Daemon, settings: _Settings) -> int:
 def test_a_port_in_use_is_one_line_and_status_1(capsys: pytest.CaptureFixture[str]) -> None:
     daemon = _Daemon(OSError(98, "Address already in use"))
     assert _serve(daemon, _Settings("127.0.0.1:50051", None)) == 1
-    assert capsys.readouterr().err == "error: scheduler cannot start on 127.0.0.1:50051: Address already in use\n"
+    assert capsys.readouterr().err == "error: scheduler cannot start: [Errno 98] Address already in use\n"
 
 
 def test_a_metrics_port_in_use_stops_the_started_daemon(taken_port: int, capsys: pytest.CaptureFixture[str]) -> None:
@@ -73,4 +73,4 @@ def test_a_metrics_port_in_use_stops_the_started_daemon(taken_port: int, capsys:
     assert _serve(daemon, _Settings("127.0.0.1:0", f"127.0.0.1:{taken_port}")) == 1
     assert daemon.started and daemon.stopped
     err = capsys.readouterr().err.splitlines()[-1]
-    assert err.startswith(f"error: scheduler: --metrics-listen: cannot listen on 127.0.0.1:{taken_port}")
+    assert err.startswith(f"error: scheduler cannot start: --metrics-listen: cannot listen on 127.0.0.1:{taken_port}")
