@@ -25,8 +25,15 @@ if TYPE_CHECKING:
 
 def credentials(parser: argparse.ArgumentParser, settings: GatewaySettings, secret: str | None) -> Credentials | None:
     """Who may use the gateway (None: anyone, an insecure cluster); a usage error if the admin
-    password is missing or a file is unsafe."""
+    password is missing or a file is unsafe, or a credential file is given with --insecure (which
+    would ignore it: the gateway open to anyone though told of a password)."""
     if secret is None:
+        for flag, path in (
+            ("--admin-password-file", settings.admin_password_file),
+            ("--invoke-token-file", settings.invoke_token_file),
+        ):
+            if path is not None:
+                parser.error(f"--insecure and {flag} exclude each other")
         return None
     if settings.admin_password_file is None:
         parser.error("--admin-password-file is required (`gpufaas up` makes STATE/secrets/admin-password)")

@@ -113,3 +113,16 @@ def test_the_node_takes_the_gateways_etcd_and_credentials_unless_its_flags_say_o
     assert (settings.etcd, settings.root, settings.insecure, settings.node) == ("127.0.0.1:3999", "/o", True, "n7")
     assert [device.gpu_id for device in embedded.machine.devices] == ["gpu0", "gpu1", "gpu2"]
     assert embedded.secret is None and embedded.tls is False
+
+
+@pytest.mark.parametrize("flag", ["--admin-password-file", "--invoke-token-file"])
+def test_a_credential_file_with_insecure_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    # Before, --insecure dropped the file without a word: a gateway open to anyone, though given
+    # the admin password (as --secret-file and --etcd-password-file with --insecure are refused).
+    secret = tmp_path / "admin-password"
+    secret.write_text("pw\n")
+    secret.chmod(0o600)
+    said = usage_error(tmp_path, capsys, "--etcd", "127.0.0.1:3999", flag, str(secret))
+    assert f"--insecure and {flag} exclude each other" in said
