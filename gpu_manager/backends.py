@@ -305,10 +305,11 @@ class CudaBackend(_HandlerBackend, name="cuda"):
     outside the allocator (CUDA context, cuBLAS/cuDNN handles, lazily loaded kernels). That overhead
     is measured when the spare creates its context (and its cuBLAS and cuDNN handles): NVML's
     figure for this PID (or, where NVML cannot see this PID, e.g. in a container with its own PID
-    namespace, the growth of the device's used memory across context creation); after the load and
-    each batch that moved the allocator's reservation it is re-read as NVML's figure for this PID
-    minus that reservation, keeping the largest seen. Without NVML at all, `DEFAULT_CONTEXT_MB` is
-    assumed.
+    namespace, the growth of the device's used memory across making them), less what the allocator
+    still reserves then (cuBLAS's workspaces, which the high-water mark counts; priming's own peak is
+    reset, not charged to the model); after the load and each batch that moved the allocator's
+    reservation it is re-read as NVML's figure for this PID minus that reservation, keeping the
+    largest seen. Without NVML at all, `DEFAULT_CONTEXT_MB` is assumed.
     """
 
     DEFAULT_CONTEXT_MB: ClassVar[int] = 500
@@ -334,9 +335,13 @@ class CudaBackend(_HandlerBackend, name="cuda"):
         index = self.worker_device.device_index
         used_before_mb = self._nvml.used_mb(index) if self._nvml is not None else None
         torch.cuda.set_device(index)
-        free, total = torch.cuda.mem_get_info(index)  # creates this process's CUDA context
+        torch.cuda.mem_get_info(index)  # creates this process's CUDA context
         prime_kernels(torch.device(f"cuda:{index}"))
         torch.cuda.empty_cache()
+        # max_memory_reserved counts from the worker's start: priming's tensors, given back just
+        # now, are not the model's high-water mark.
+        torch.cuda.reset_peak_memory_stats(index)
+        free, total = torch.cuda.mem_get_info(index)  # the context with its handles and kernels
         try:
             # The buffers a load from the host pool stages its weights through, made while the spare
             # waits rather than on the miss's path (host memory, page-locked: no device memory).
@@ -345,13 +350,17 @@ class CudaBackend(_HandlerBackend, name="cuda"):
             log.warning("making the weight staging buffers of %s failed (a load makes its own): %s", self.device, exc)
         process_mb = self._nvml.process_mb(index, os.getpid()) if self._nvml is not None else None
         if process_mb is not None:
-            self._overhead_mb = process_mb
+            held_mb = process_mb
         elif used_before_mb is not None:
             # Other processes may allocate meanwhile: an estimate, corrected after the first batch.
-            self._overhead_mb = max(0, (total - free) // _MIB - used_before_mb)
+            held_mb = max(0, (total - free) // _MIB - used_before_mb)
         else:
             self._overhead_mb = self.DEFAULT_CONTEXT_MB
-        return self._overhead_mb
+            return self._overhead_mb
+        # What the allocator still reserves (cuBLAS's workspaces, which empty_cache keeps) is held
+        # by the spare, but peak_memory_mb counts it through max_memory_reserved: not twice.
+        self._overhead_mb = max(0, held_mb - torch.cuda.memory_reserved(index) // _MIB)
+        return held_mb
 
     def load(self, spec: ModelLoad) -> None:
         import torch

@@ -388,3 +388,78 @@ def test_worker_settings_travel_as_json_and_a_spec_carries_only_its_workers_fiel
     assert settings == WorkerSettings(max_batch_size=4, warmup=False)
     assert set(json.loads(spec.worker_wire)) == set(WorkerSettings.model_fields)  # no public, no memory_mb
     assert WorkerSettings.from_wire(b"") == WorkerSettings()
+
+
+# --- the cuda backend's memory figures, over a fake device ---------------------------------------------
+
+MIB = 1024 * 1024
+
+
+class FakeCudaDevice:
+    """One GPU as torch's caching allocator and NVML see it: a CUDA context outside the allocator,
+    the allocator's reservation (what torch.cuda.memory_reserved says) and its high-water mark,
+    reset only by reset_peak_memory_stats (max_memory_reserved counts from the process's start)."""
+
+    def __init__(self, context_mb: int) -> None:
+        self.context_mb, self.reserved_b, self.peak_b = context_mb, 0, 0
+
+    def reserve(self, nbytes: int) -> None:
+        self.reserved_b += nbytes
+        self.peak_b = max(self.peak_b, self.reserved_b)
+
+    def install(self, monkeypatch: pytest.MonkeyPatch, torch: Any) -> None:
+        total_b = 141 * 1024 * MIB
+        for name, fake in {
+            "set_device": lambda index: None,
+            "mem_get_info": lambda index=None: (total_b - self.context_mb * MIB - self.reserved_b, total_b),
+            "empty_cache": lambda: None,
+            "reset_peak_memory_stats": lambda index=None: setattr(self, "peak_b", self.reserved_b),
+            "memory_reserved": lambda index=None: self.reserved_b,
+            "max_memory_reserved": lambda index=None: self.peak_b,
+            "synchronize": lambda index=None: None,
+        }.items():
+            monkeypatch.setattr(torch.cuda, name, fake)
+
+
+def test_the_cuda_peak_is_what_the_process_holds_not_primings_peak_nor_the_workspace_twice(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A spare primes its kernels (300 MiB of made-up tensors, given back by empty_cache) and keeps
+    cuBLAS's 32 MiB workspace in the caching allocator (empty_cache does not free it: torch's CUDA
+    notes), so NVML sees 532 MiB for its PID; its model then reserves 200 MiB. The process holds
+    732 MiB, the figure its peak must be: neither priming's 300 MiB high-water mark (max_memory_reserved
+    counts from the process's start unless reset_peak_memory_stats is called) nor the workspace
+    counted both in the context's figure and in the allocator's."""
+    torch = pytest.importorskip("torch")
+    from gpu_manager import backends
+    from gpu_manager.backends import CudaBackend, Handler
+    from gpu_manager.devices import Nvml
+    from gpufaas import weights
+
+    device = FakeCudaDevice(context_mb=500)
+    device.install(monkeypatch, torch)
+
+    class FakeNvml(Nvml):
+        def used_mb(self, index: int) -> int | None:
+            return device.context_mb + device.reserved_b // MIB
+
+        def process_mb(self, index: int, pid: int) -> int | None:
+            return device.context_mb + device.reserved_b // MIB
+
+    def prime(_: object) -> None:
+        device.reserve(300 * MIB)  # the made-up tensors ...
+        device.reserved_b -= 300 * MIB  # ... given back by empty_cache
+        device.reserve(32 * MIB)  # cuBLAS's workspace, kept
+
+    monkeypatch.setattr(Nvml, "open", classmethod(lambda cls: FakeNvml(None)))
+    monkeypatch.setattr(backends, "prime_kernels", prime)
+    monkeypatch.setattr(weights, "prepare_staging", lambda device: None)
+    handler = Handler(load=lambda _: device.reserve(200 * MIB), predict=lambda model, inputs: inputs)
+    monkeypatch.setattr(backends, "import_handler", lambda package_dir: handler)
+    monkeypatch.chdir(tmp_path)  # the load changes into the package's directory
+    monkeypatch.setenv(backends.PACKAGE_DIR_ENV, str(tmp_path))
+
+    backend = CudaBackend(WorkerDevice("cuda", "gpu0", 0))
+    assert backend.init_device() == 532  # what the spare holds, its workspace included
+    backend.load(ModelLoad("m", str(tmp_path), 300))
+    assert backend.peak_memory_mb() == 732
