@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -21,7 +22,8 @@ _SHARED_UPLINK_LEVEL = 20
 class Device:
     """One GPU this node offers. `index` is the CUDA ordinal the worker opens (`cuda:{index}`);
     NVML numbers devices in PCI bus order, and the cuda backend sets `CUDA_DEVICE_ORDER=PCI_BUS_ID`
-    in its workers so that both numberings agree. `link` names the host link (PCIe switch) it
+    in its workers, and takes CUDA_VISIBLE_DEVICES out of their environment (the node has chosen
+    its GPUs by it already: `discover_nvml`), so that both numberings agree. `link` names the host link (PCIe switch) it
     shares with other GPUs of the node, None when it has one of its own (see GpuSpec.link)."""
 
     gpu_id: str
@@ -37,15 +39,39 @@ def normalize_gpu_type(name: str) -> str:
 
 
 def discover_nvml() -> list[Device]:
-    """The GPUs NVML reports, as gpu0, gpu1, ... in NVML order; [] when nvidia-ml-py is not
-    installed, no driver is loaded or NVML fails in any way (a CPU-only node is not an error)."""
+    """The GPUs NVML reports that CUDA_VISIBLE_DEVICES lets this node use (all where it is unset),
+    as gpu{NVML index}, in NVML order; [] when nvidia-ml-py is not installed, no driver is loaded
+    or NVML fails in any way (a CPU-only node is not an error)."""
     nvml = Nvml.open()
     if nvml is None:
         return []
     try:
-        return nvml.devices()
+        return visible_devices(nvml.devices(), os.environ.get("CUDA_VISIBLE_DEVICES"), nvml.uuid)
     finally:
         nvml.close()
+
+
+def visible_devices(devices: list[Device], visible: str | None, uuid: Callable[[int], str | None]) -> list[Device]:
+    """Those of `devices` (NVML's: every GPU of the machine, whatever CUDA_VISIBLE_DEVICES says)
+    that CUDA_VISIBLE_DEVICES=`visible` names (None: all), by NVML index (PCI bus order, as the
+    cuda backend's workers number them) or by a prefix of the UUID `uuid(index)` NVML gives
+    ('GPU-...'). As CUDA does, an entry naming no single GPU ends the list ('0,2,-1,1' is 0 and 2;
+    '' is none); a MIG instance ('MIG-...') is not a GPU of this list either."""
+    if visible is None:
+        return devices
+    by_index = {d.index: d for d in devices}
+    chosen: set[int] = set()
+    for entry in (e.strip() for e in visible.split(",")):
+        if entry.isdigit():
+            matches = [int(entry)] if int(entry) in by_index else []
+        elif entry.startswith("GPU-"):
+            matches = [d.index for d in devices if (uuid(d.index) or "").startswith(entry)]
+        else:
+            matches = []
+        if len(matches) != 1:
+            break
+        chosen.add(matches[0])
+    return [d for d in devices if d.index in chosen]
 
 
 def logical_devices(count: int, memory_mb: int, gpu_type: str, *, gpus_per_link: int = 0) -> list[Device]:
@@ -122,6 +148,14 @@ class Nvml:
             return []
         links = shared_links(len(found), self.topology_level)
         return [dataclasses.replace(device, link=link) for device, link in zip(found, links, strict=True)]
+
+    def uuid(self, index: int) -> str | None:
+        """Device `index`'s UUID ('GPU-...'), as CUDA_VISIBLE_DEVICES may name it."""
+        try:
+            uuid = self._nvml.nvmlDeviceGetUUID(self._nvml.nvmlDeviceGetHandleByIndex(index))
+        except Exception:
+            return None
+        return uuid.decode("ascii", "replace") if isinstance(uuid, bytes) else str(uuid)
 
     def topology_level(self, i: int, j: int) -> int | None:
         """The NVML topology level of the closest common ancestor of devices `i` and `j`."""

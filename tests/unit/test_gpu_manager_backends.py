@@ -5,6 +5,7 @@ in, frames out, batches merged, torch and numpy never imported)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from gpu_manager.backends import (
     emulated_times,
     make_backend,
 )
-from gpu_manager.devices import Device, discover_nvml, logical_devices, normalize_gpu_type
+from gpu_manager.devices import Device, discover_nvml, logical_devices, normalize_gpu_type, visible_devices
 from gpu_manager.worker import PayloadRefused, decode_inputs, encode_result
 from gpufaas.functions import FunctionSpec, WorkerSettings
 
@@ -323,6 +324,48 @@ def test_logical_devices_and_gpu_type_names() -> None:
 def test_nvml_discovery_never_raises() -> None:
     devices = discover_nvml()  # [] on a machine without an NVIDIA driver
     assert all(d.gpu_id == f"gpu{d.index}" and d.memory_mb > 0 for d in devices)
+
+
+@pytest.mark.parametrize(
+    ("visible", "offered"),
+    [
+        (None, [0, 1, 2, 3]),
+        ("2", [2]),
+        ("3,1", [1, 3]),  # whatever order it names them in, each is NVML's index (PCI bus order)
+        ("0,2,-1,1", [0, 2]),  # as CUDA reads it: an entry naming no GPU ends the list
+        ("0,7,1", [0]),
+        ("", []),
+        ("GPU-bbbb,GPU-dd", [1, 3]),  # UUIDs, or prefixes of them naming one GPU
+        ("GPU-bbbb,GPU-", [1]),  # a prefix of several names none
+        ("MIG-1234", []),
+    ],
+)
+def test_the_node_offers_the_gpus_cuda_visible_devices_names_by_nvml_index(
+    visible: str | None, offered: list[int]
+) -> None:
+    """NVML lists every GPU of the machine whatever CUDA_VISIBLE_DEVICES says (it is CUDA's
+    setting, not NVML's): a node started with CUDA_VISIBLE_DEVICES=2 must offer NVML's GPU 2 only."""
+    devices = logical_devices(4, 1000, "h200")
+    uuids = ["GPU-aaaa-0", "GPU-bbbb-1", "GPU-cccc-2", "GPU-dddd-3"]
+    assert [d.index for d in visible_devices(devices, visible, lambda i: uuids[i])] == offered
+
+
+def test_cuda_workers_number_gpus_as_nvml_does_whatever_cuda_visible_devices_said(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CUDA numbers only the GPUs CUDA_VISIBLE_DEVICES names (cuda:0 is the first of them), NVML
+    all of them: with CUDA_VISIBLE_DEVICES=2 inherited, the worker of NVML's GPU 2 would open
+    cuda:2, a GPU CUDA does not have ("invalid device ordinal"), and the node's NVML figures for GPU
+    0 would be of another GPU than its worker's. The zygote (and a container's worker) drops it
+    before CUDA starts; the node has chosen its GPUs by it already."""
+    from gpu_manager.backends import CudaBackend
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "FASTEST_FIRST")  # restored after the test, whatever setup sets
+    monkeypatch.delenv("CUDA_DEVICE_ORDER")
+    CudaBackend.setup()
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    assert os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
 
 
 def test_priming_runs_every_layer_on_a_device_and_a_failing_layer_only_warns(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_manager.devices import Nvml, logical_devices, shared_links
+from gpu_manager.devices import Nvml, discover_nvml, logical_devices, shared_links
 from gpufaas.profiles import ModelProfile
 from gpufaas.types import GpuSpec, ModelSpec, Request
 from scheduler import Dispatch, Estimator, PolicyConfig, Scheduler, make_policy
@@ -215,3 +215,31 @@ def test_shared_links_join_gpus_through_each_other() -> None:
     # 0-1 and 1-2 share switches: all three are one group, whatever 0-2 says.
     assert shared_links(3, lambda i, j: {(0, 1): 10, (1, 2): 20}.get((i, j), 40)) == ["pcie0"] * 3
     assert shared_links(2, lambda i, j: None) == [None, None]
+
+
+def test_nvml_names_each_gpus_uuid_and_a_failure_names_none() -> None:
+    class WithUuids(FakeNvml):
+        def nvmlDeviceGetUUID(self, handle: int) -> bytes:  # older nvidia-ml-py releases return bytes
+            if handle == 1:
+                raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+            return f"GPU-{handle:04d}".encode()
+
+    nvml = Nvml(WithUuids({}, 2))
+    assert (nvml.uuid(0), nvml.uuid(1)) == ("GPU-0000", None)
+
+
+def test_a_node_started_with_cuda_visible_devices_offers_only_those_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML ignores CUDA_VISIBLE_DEVICES (it lists every GPU of the machine): the node applies it."""
+
+    class WithUuids(FakeNvml):
+        def nvmlDeviceGetUUID(self, handle: int) -> str:
+            return f"GPU-{handle:04d}"
+
+        def nvmlShutdown(self) -> None:
+            pass
+
+    monkeypatch.setattr(Nvml, "open", classmethod(lambda cls: Nvml(WithUuids({}, 4))))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-0003,1")
+    assert [(d.gpu_id, d.index) for d in discover_nvml()] == [("gpu1", 1), ("gpu3", 3)]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert len(discover_nvml()) == 4
