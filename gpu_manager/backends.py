@@ -139,6 +139,11 @@ class Backend(ABC):
     def peak_memory_mb(self) -> int:
         """The most device memory this worker has held so far (MiB), the figure the cache charges."""
 
+    def usable(self) -> bool:
+        """Whether the device still runs this worker's work after a call failed (False: every
+        later call would fail as well, and the worker must give its model up)."""
+        return True
+
 
 def backend_names() -> list[str]:
     return sorted(Backend._registry)
@@ -382,6 +387,18 @@ class CudaBackend(_HandlerBackend, name="cuda"):
         # Kernels run asynchronously: the inference is over when the device says so.
         torch.cuda.synchronize(self.worker_device.device_index)
         return outputs
+
+    def usable(self) -> bool:
+        # A kernel's fault (an illegal address, a device-side assert) is sticky: CUDA answers every
+        # later call of this process with it, unlike an out-of-memory, after which the device runs on.
+        import torch
+
+        try:
+            torch.cuda.synchronize(self.worker_device.device_index)
+        except Exception as exc:
+            log.error("the CUDA context of %s is lost (%s): its worker gives its model up", self.device, exc)
+            return False
+        return True
 
     def peak_memory_mb(self) -> int:
         import torch

@@ -280,7 +280,9 @@ def _answer(channel: Channel, call: pb.Call, outcome: int, message: str = "", **
 
 
 def serve(backend: Backend, channel: Channel, spec: ModelLoad, max_result_bytes: int) -> None:
-    """Answer calls until the node closes the socket."""
+    """Answer calls until the node closes the socket, or until a failed call leaves the device
+    unusable (`Backend.usable`: a CUDA context lost to a kernel's fault), when the worker exits
+    rather than fail every call its model is sent."""
     max_batch_size = spec.settings.max_batch_size
     while True:
         first = channel.recv()
@@ -294,12 +296,14 @@ def serve(backend: Backend, channel: Channel, spec: ModelLoad, max_result_bytes:
                 if frame is None:
                     break
                 batch.append(frame)
-        _run(backend, channel, spec, batch, max_result_bytes)
+        if not _run(backend, channel, spec, batch, max_result_bytes):
+            return
 
 
-def _run(backend: Backend, channel: Channel, spec: ModelLoad, frames: list[_Frame], max_result_bytes: int) -> None:
+def _run(backend: Backend, channel: Channel, spec: ModelLoad, frames: list[_Frame], max_result_bytes: int) -> bool:
     """Answer each call of `frames`: whatever its payload or the handler does (an exception of any
-    kind, SystemExit included) is the call's answer, never the end of the worker's serve loop."""
+    kind, SystemExit included) is the call's answer, never the end of the worker's serve loop.
+    Returns whether the device can run the next calls (after a failure: `Backend.usable`)."""
     calls: list[pb.Call] = []
     inputs: list[object] = []
     for frame in frames:
@@ -311,7 +315,7 @@ def _run(backend: Backend, channel: Channel, spec: ModelLoad, frames: list[_Fram
             continue
         calls.append(call)
     if not calls:
-        return
+        return True
     started_s = time.perf_counter()
     try:
         outputs = backend.predict_batch(inputs) if spec.settings.max_batch_size > 1 else [backend.predict(inputs[0])]
@@ -321,7 +325,7 @@ def _run(backend: Backend, channel: Channel, spec: ModelLoad, frames: list[_Fram
             traceback.print_exc()  # the full traceback goes to the node's log; the caller gets one line
         for call in calls:
             _answer(channel, call, pb.HANDLER_ERROR, f"predict raised {describe(exc)}", inference_s=inference_s)
-        return
+        return backend.usable()
     inference_s = time.perf_counter() - started_s
     peak_memory_mb = backend.peak_memory_mb()
     for call, output in zip(calls, outputs, strict=True):
@@ -355,6 +359,7 @@ def _run(backend: Backend, channel: Channel, spec: ModelLoad, frames: list[_Fram
             ),
             body,
         )
+    return True
 
 
 def run_worker(sock: socket.socket, backend: Backend, *, import_s: float, network_isolated: bool = False) -> int:

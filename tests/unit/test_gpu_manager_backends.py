@@ -506,3 +506,88 @@ def test_the_cuda_peak_is_what_the_process_holds_not_primings_peak_nor_the_works
     assert backend.init_device() == 532  # what the spare holds, its workspace included
     backend.load(ModelLoad("m", str(tmp_path), 300))
     assert backend.peak_memory_mb() == 732
+
+
+class FaultingBackend(Backend):
+    """Every call fails; `lost` says whether the failure took the device with it."""
+
+    def __init__(self, lost: bool) -> None:
+        super().__init__(WorkerDevice("cuda", "gpu0", 0))
+        self.lost, self.calls = lost, 0
+
+    @property
+    def device(self) -> str:
+        return "cuda:0"
+
+    def load(self, spec: ModelLoad) -> None:
+        pass
+
+    def predict(self, inputs: object) -> object:
+        self.calls += 1
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def peak_memory_mb(self) -> int:
+        return 0
+
+    def usable(self) -> bool:
+        return not self.lost
+
+
+def serve_calls(backend: Backend, call_ids: list[str]) -> list[tuple[str, int]]:
+    """`call_ids` queued to a worker serving `backend` in this process, the node's end then shut
+    for writing: (call id, outcome) of every answer, in order."""
+    import socket
+    import struct
+
+    from gpu_manager.worker import Channel, serve
+    from gpufaas.proto import gpufaas_pb2 as pb
+    from gpufaas.wire import PREFIX_BYTES, MessageType, encode
+
+    node, worker_end = socket.socketpair()
+    with node, worker_end:
+        node.sendall(
+            b"".join(encode(MessageType.CALL, pb.Call(call_id=c, content_type="text/plain"), b"") for c in call_ids)
+        )
+        node.shutdown(socket.SHUT_WR)
+        serve(backend, Channel(worker_end), ModelLoad("m", "/nowhere", 100), 1 << 20)
+        worker_end.shutdown(socket.SHUT_WR)
+        data = b"".join(iter(lambda: node.recv(1 << 16), b""))
+    answers = []
+    while data:
+        length, _, _, _, header_len = struct.unpack_from("!IHHII", data)
+        result = pb.CallResult.FromString(data[PREFIX_BYTES : PREFIX_BYTES + header_len])
+        answers.append((result.call_id, result.outcome))
+        data = data[4 + length :]
+    return answers
+
+
+def test_a_worker_whose_device_a_call_lost_answers_that_call_and_gives_its_model_up() -> None:
+    """A kernel's fault (an illegal address, a device-side assert: one bad input can cause it) is
+    sticky: the process's CUDA context fails every later call with it. The call that hit it gets its
+    HANDLER_ERROR and the worker exits (the node then loads the model afresh where it is next
+    sent) instead of failing every call its model is sent; a failure that leaves the device
+    usable (an out-of-memory, a Python error) ends only its own call, as on the cpu."""
+    from gpufaas.proto import gpufaas_pb2 as pb
+
+    assert serve_calls(FaultingBackend(lost=False), ["c1", "c2"]) == [
+        ("c1", pb.HANDLER_ERROR),
+        ("c2", pb.HANDLER_ERROR),
+    ]
+    lost = FaultingBackend(lost=True)
+    assert serve_calls(lost, ["c1", "c2"]) == [("c1", pb.HANDLER_ERROR)]
+    assert lost.calls == 1
+
+
+def test_the_cuda_device_is_unusable_when_synchronizing_it_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    from gpu_manager.backends import CudaBackend
+
+    backend = CudaBackend(WorkerDevice("cuda", "gpu0", 0))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda index=None: None)
+    assert backend.usable()
+
+    def lost(index: object = None) -> None:
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lost)
+    assert not backend.usable()
