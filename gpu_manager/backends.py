@@ -330,8 +330,9 @@ class CudaBackend(_HandlerBackend, name="cuda"):
     @classmethod
     def setup(cls) -> None:
         # NVML numbers GPUs in PCI bus order and so does the gpu_manager's Device.index; CUDA's
-        # default order is "fastest first". Make `cuda:{index}` the same GPU NVML calls `index`.
-        os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+        # default order is "fastest first". Make `cuda:{index}` the same GPU NVML calls `index`,
+        # whatever order the node's environment asked for (it would name another GPU).
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         # NVML ignores CUDA_VISIBLE_DEVICES; CUDA would number only the GPUs it names (cuda:0 the
         # first of them). The node chose its GPUs by it already (discover_nvml), and a container
         # sees its own GPU only: here it would hide or shift the GPU `index` names.

@@ -357,12 +357,12 @@ def test_cuda_workers_number_gpus_as_nvml_does_whatever_cuda_visible_devices_sai
     all of them: with CUDA_VISIBLE_DEVICES=2 inherited, the worker of NVML's GPU 2 would open
     cuda:2, a GPU CUDA does not have ("invalid device ordinal"), and the node's NVML figures for GPU
     0 would be of another GPU than its worker's. The zygote (and a container's worker) drops it
-    before CUDA starts; the node has chosen its GPUs by it already."""
+    before CUDA starts; the node has chosen its GPUs by it already. Likewise CUDA numbers GPUs
+    fastest first where CUDA_DEVICE_ORDER says so, NVML always in PCI bus order."""
     from gpu_manager.backends import CudaBackend
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
-    monkeypatch.setenv("CUDA_DEVICE_ORDER", "FASTEST_FIRST")  # restored after the test, whatever setup sets
-    monkeypatch.delenv("CUDA_DEVICE_ORDER")
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "FASTEST_FIRST")  # cuda:{index} would not be NVML's `index`
     CudaBackend.setup()
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
     assert os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
