@@ -22,9 +22,10 @@ _SHARED_UPLINK_LEVEL = 20
 class Device:
     """One GPU this node offers. `index` is the CUDA ordinal the worker opens (`cuda:{index}`);
     NVML numbers devices in PCI bus order, and the cuda backend sets `CUDA_DEVICE_ORDER=PCI_BUS_ID`
-    in its workers, and takes CUDA_VISIBLE_DEVICES out of their environment (the node has chosen
-    its GPUs by it already: `discover_nvml`), so that both numberings agree. `link` names the host link (PCIe switch) it
-    shares with other GPUs of the node, None when it has one of its own (see GpuSpec.link)."""
+    in its workers and takes CUDA_VISIBLE_DEVICES out of their environment (the node has chosen
+    its GPUs by it already: `discover_nvml`), so that both numberings agree. `link` names the host
+    link (PCIe switch) it shares with other GPUs of the node, None when it has one of its own (see
+    GpuSpec.link)."""
 
     gpu_id: str
     memory_mb: int
