@@ -76,7 +76,7 @@ from gpufaas.types import Request
 from scheduler.adaptive_slots import AdaptiveSlots
 from scheduler.core import Scheduler
 from scheduler.decisions import Dispatch
-from scheduler.leases import leases_to_end, may_lease, may_lease_on
+from scheduler.leases import leases_to_end, may_lease, may_lease_on, running_seen
 
 MAX_WORKER_ATTEMPTS = 2  # a call whose worker died is retried once
 MAX_PLACEMENTS = 6  # placements that never ran (node unreachable, grant refused) before giving up
@@ -711,8 +711,8 @@ class CallBook(_GrantChecks):
         the scheduler follows (and fills a slot it opened)."""
         if self.adaptive_slots is None:
             return []
-        running = {g.spec.gpu_id: (len(g.running), g.spec.slots) for g in self.scheduler.gpus()}
-        changes = self.adaptive_slots.observe(now, running)
+        idle_leases = [call.gpu_id for call in self._leases.values() if call.lease_uses]  # (its own call done)
+        changes = self.adaptive_slots.observe(now, running_seen(self.scheduler, idle_leases))
         for gpu_id, slots in changes.items():
             self.scheduler.set_slots(gpu_id, slots)
             self.dirty_gpus.add(gpu_id)

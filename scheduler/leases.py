@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from scheduler.core import Scheduler
 from scheduler.state import GpuState
@@ -64,3 +64,14 @@ def leases_to_end(scheduler: Scheduler, leased: Mapping[str, Sequence[tuple[str,
         if lacking_mb <= 0 and (best is None or len(chosen) < len(best)):
             best = chosen
     return best
+
+
+def running_seen(scheduler: Scheduler, idle_leases: Iterable[str]) -> dict[str, tuple[int, int]]:
+    """What adaptive D observes (`AdaptiveSlots.observe`): per GPU, (calls running on it, its D).
+    `idle_leases` names the GPU of each leased slot whose own call has ended: such a slot stays a
+    running request in the scheduler's state, but the calls under its lease start unseen by the
+    scheduler (the node admits them), so it counts as idle here, in the call book and the
+    simulator alike. (Counted as running, one idle lease read as a GPU busy all the time and
+    took its D down to 1.)"""
+    idle = Counter(idle_leases)
+    return {g.spec.gpu_id: (len(g.running) - idle[g.spec.gpu_id], g.spec.slots) for g in scheduler.gpus()}

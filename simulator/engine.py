@@ -87,7 +87,7 @@ from gpufaas.types import GpuSpec, Request, check_positive
 from scheduler import Dispatch, Estimator, Park, PolicyConfig, Scheduler, SchedulingPolicy, make_policy
 from scheduler.adaptive_slots import AdaptiveSlots
 from scheduler.estimator import DEFAULT_HOST_TO_GPU_MB_S, DEFAULT_SWAP_IN_OVERHEAD_S
-from scheduler.leases import leases_to_end, may_lease, may_lease_on
+from scheduler.leases import leases_to_end, may_lease, may_lease_on, running_seen
 from scheduler.policies import DEFAULT_MAX_NUM_SKIPS
 from scheduler.staged_exit import release_check_period_s
 from simulator.workload import Workload
@@ -597,8 +597,9 @@ class _Run:
     def _adapt_slots(self, now: float) -> bool:
         """Tell the controller what runs on each GPU now and apply the D it moves; True if it moved one."""
         assert self.adaptive is not None
-        running = {g.spec.gpu_id: (len(g.running), g.spec.slots) for g in self.scheduler.gpus()}
-        changes = self.adaptive.observe(now, running)
+        lease_of = self.lease_of  # (a lease's holder is there while its own call runs)
+        idle_leases = [lease.gpu_id for ls in self.leased.values() for lease in ls if lease.holder not in lease_of]
+        changes = self.adaptive.observe(now, running_seen(self.scheduler, idle_leases))
         for gpu_id, slots in changes.items():
             self.scheduler.set_slots(gpu_id, slots)
         if changes:

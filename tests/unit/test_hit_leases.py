@@ -15,6 +15,7 @@ from gpufaas.functions import FunctionSpec
 from gpufaas.profiles import ModelProfile
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.types import Request
+from scheduler.adaptive_slots import AdaptiveSlots
 from scheduler.calls import Answer, Assignment, CallBook, CheckGrants, Effect, Evict
 from simulator.engine import ClusterConfig, SimResult, simulate
 from simulator.workload import Workload
@@ -78,6 +79,21 @@ def test_a_hit_placed_while_nothing_waits_is_a_lease_and_calls_under_it_keep_the
     assert estimator.inference_time_s(A.model, "rtx2080", A.batch_size) != pytest.approx(1.0)  # it learnt them
     assert (A.model, A.batch_size) in {(m, b) for _, m, b in book.dirty_profiles}
     assert len(book) == 1  # nobody is answered for it: the node answered its gateway
+
+
+def test_adaptive_d_reads_an_idle_lease_as_an_idle_slot_not_a_running_call() -> None:
+    # N1 (D 2 of at most 2) holds a lease whose own call ended at 1.1; no call comes under it. Its
+    # slot is still the lease's running request, but nothing runs there: D stays at 2. (Counted as
+    # a running call, the idle lease read as a GPU busy all the time and took D down to 1.)
+    book = make_book(gpus=(N1,), slots=2)
+    book.adaptive_slots = AdaptiveSlots(2, period_s=0.2)
+    assignment(book.submit("gw1", "c0", A, 30.0, now=0.0, lease=True))
+    book.done("c0", 1, pb.OK, now=0.5)
+    assert assignment(book.submit("gw1", "c1", A, 30.0, now=1.0, lease=True)).lease_s == LEASE_S
+    assert book.done("c1", 1, pb.OK, now=1.1, inference_time_s=0.1) == []
+    for step in range(6):
+        book.observe_utilization(1.1 + step * 0.2)
+    assert running(book, N1) == ["c1"] and book.scheduler.gpu(N1).spec.slots == 2
 
 
 def test_no_lease_for_an_owner_that_takes_none_nor_when_no_gpu_would_keep_a_free_slot() -> None:
@@ -723,6 +739,28 @@ def test_the_simulator_ends_a_lease_with_no_call_for_its_time_and_leases_again()
     result = sim([(0.0, "A"), (4.0, "A"), (6.0, "A"), (9.0, "A")], lease_s=1.5)
     assert (result.leases, result.lease_calls) == (2, 1)
     assert result.completed == 4
+
+
+def test_the_simulators_adaptive_d_reads_an_idle_lease_as_the_call_book_does() -> None:
+    # A's calls (0.1 s) every 0.5 s from 4, all under the lease of the hit at 4: the GPU is busy a
+    # fifth of the time, with a lease or without, and D stays near its maximum either way. (The
+    # idle lease read as a running call: D fell to 1, 1.37 on average against 3.66 without.)
+    names = ("A", "B")
+    arrivals = [(0.0, "A")] + [(4.0 + 0.5 * k, "A") for k in range(30)]
+    workload = Workload(
+        requests=[Request(f"r{i:03d}", f"fn-{m}", m, at_s, 32) for i, (at_s, m) in enumerate(arrivals)],
+        profiles=[ModelProfile(m, "rtx2080", 1000, 2.0, 0.1, 32) for m in names],
+        function_models={f"fn-{m}": m for m in names},
+        top_function="fn-A",
+        start_minute=0,
+        minutes=1,
+    )
+    results = [
+        simulate(workload, "lalb", cluster=ClusterConfig(gpus=1, slots=4, adaptive_slots=4, hit_lease_s=lease_s))
+        for lease_s in (0.0, 1.0)
+    ]
+    assert results[1].lease_calls == 29
+    assert results[1].avg_slots == pytest.approx(results[0].avg_slots) and results[0].avg_slots > 3.0
 
 
 def test_a_lease_whose_call_outlasts_the_functions_timeout_here_stays_while_its_node_says_busy() -> None:
