@@ -68,19 +68,27 @@ class AdaptiveSlots:
         gpu = self._gpus.get(gpu_id)
         return None if gpu is None else gpu.slots
 
+    def start_slots(self, gpu_id: str, slots: int) -> int:
+        """The D a GPU joining (or joining again) configured with `slots` starts at: the
+        controller's where it still tracks that GPU, else `slots` within [1, `max_slots`]. (A GPU
+        registered above the bound took calls beyond it until the controller's next look.)"""
+        gpu = self._gpus.get(gpu_id)
+        return gpu.slots if gpu is not None else min(max(slots, 1), self.max_slots)
+
     def observe(self, now: float, running: Mapping[str, tuple[int, int]]) -> dict[str, int]:
         """`running`: GPU id -> (calls running on it now, its D now). Returns the GPUs whose D
-        should change, with the new D. A GPU seen for the first time starts its first period."""
+        should change, with the new D. A GPU seen for the first time starts its first period, at
+        `start_slots`."""
         changes: dict[str, int] = {}
         next_step_s = math.inf
         for gpu_id, (count, slots) in running.items():
             gpu = self._gpus.get(gpu_id)
             if gpu is None:
-                gpu = self._gpus[gpu_id] = _Gpu(min(max(slots, 1), self.max_slots), count, 0.0, now, now)
+                gpu = self._gpus[gpu_id] = _Gpu(self.start_slots(gpu_id, slots), count, 0.0, now, now)
             else:
                 self._observe(gpu, count, now)
-                if gpu.slots != slots:  # a step now, or a D set from elsewhere since (a GPU registered again)
-                    changes[gpu_id] = gpu.slots
+            if gpu.slots != slots:  # a step now, a D out of bounds, or one set from elsewhere since
+                changes[gpu_id] = gpu.slots
             # (the end of its period first: a GPU whose period ends no sooner cannot change it)
             end_s = gpu.period_start_s + self.period_s
             if self.track_next_step and end_s < next_step_s and self._would_step(gpu):

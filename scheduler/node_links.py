@@ -243,6 +243,8 @@ class NodeLinks:
         for gpu in node.record.gpus:
             address = gpu_address(node.record.node, gpu.gpu)
             slots = self.slots_for(gpu.gpu_type)
+            if self.book.adaptive_slots is not None:  # within adaptive D's bounds from its first call
+                slots = self.book.adaptive_slots.start_slots(address, slots)
             link = None if gpu.link is None else f"{node.record.node}/{gpu.link}"
             self.scheduler.add_gpu(
                 GpuSpec(address, gpu.memory_mb, gpu.gpu_type, slots=slots, node=node.record.node, link=link)

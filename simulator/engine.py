@@ -368,15 +368,16 @@ def _make_scheduler(workload: Workload, policy: SchedulingPolicy, cluster: Clust
         ),
         cache=CacheManager(eviction_policy(cluster.eviction)),
     )
+    # Under adaptive D, within its bound from the first call (`AdaptiveSlots.start_slots`), as the
+    # service registers GPUs.
+    slots = cluster.slots if cluster.adaptive_slots is None else min(cluster.slots, cluster.adaptive_slots)
     for index in range(cluster.gpus):
         node = f"node{index // cluster.gpus_per_node}"
         link = (
             f"{node}/link{(index % cluster.gpus_per_node) // cluster.gpus_per_link}" if cluster.gpus_per_link else None
         )
         scheduler.add_gpu(
-            GpuSpec(
-                f"gpu{index:03d}", cluster.gpu_memory_mb, cluster.gpu_type, slots=cluster.slots, node=node, link=link
-            )
+            GpuSpec(f"gpu{index:03d}", cluster.gpu_memory_mb, cluster.gpu_type, slots=slots, node=node, link=link)
         )
     if cluster.host_memory_mb > 0:
         for node_index in range(math.ceil(cluster.gpus / cluster.gpus_per_node)):

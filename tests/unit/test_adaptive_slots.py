@@ -51,6 +51,28 @@ def test_a_gpu_whose_d_was_reset_gets_the_controllers_back_and_a_gpu_that_left_i
         AdaptiveSlots(2, threshold=1.5)
 
 
+def test_a_gpu_configured_above_the_bound_is_brought_within_it_at_first_sight() -> None:
+    # g0 joins at D 4 under a bound of 2: the first look says so. (It clamped its own D and said
+    # nothing: the GPU took up to 4 calls until the next look.) A GPU it tracks joins at its D.
+    d = AdaptiveSlots(2, period_s=0.2)
+    assert d.start_slots("g0", 4) == 2 and d.start_slots("g0", 0) == 1
+    assert d.observe(0.0, {"g0": (0, 4)}) == {"g0": 2}
+    assert d.observe(0.2, {"g0": (1, 2)}) == {} and d.start_slots("g0", 4) == 2
+    assert d.observe(0.4, {"g0": (1, 2)}) == {"g0": 1} and d.start_slots("g0", 4) == 1
+
+
+def test_in_the_simulator_gpus_of_more_slots_than_adaptive_ds_bound_run_within_it_from_the_first_call() -> None:
+    # Four calls of four models at 0 on one GPU configured at D 4, adaptive D at most 1: one at a
+    # time, as at D 1. (They ran all four at once, D 4 until the first completion at 3.)
+    calls = zipf_workload(calls=4, models=4, zipf_exponent=1.1, memory_mb=1000, gap_s=0.0, seed=1)
+    results = [
+        simulate(calls, "lalb", cluster=ClusterConfig(gpus=1, gpu_memory_mb=8000, slots=slots, adaptive_slots=1))
+        for slots in (1, 4)
+    ]
+    assert results[1].avg_slots == 1.0
+    assert results[1].avg_latency_s == pytest.approx(results[0].avg_latency_s)
+
+
 def test_in_the_simulator_d_rises_on_an_idle_cluster_and_falls_on_a_saturated_one() -> None:
     light = zipf_workload(calls=200, models=4, zipf_exponent=1.1, memory_mb=1000, gap_s=5.0, seed=1)
     heavy = zipf_workload(calls=600, models=4, zipf_exponent=1.1, memory_mb=1000, gap_s=0.05, seed=1)

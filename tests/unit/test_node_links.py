@@ -15,6 +15,7 @@ from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import AnswerTooLarge, Connection, Frame, MessageType, Server
 from scheduler import node_links
+from scheduler.adaptive_slots import AdaptiveSlots
 from scheduler.calls import CallBook
 from scheduler.node_links import NodeLink, NodeLinks
 from scheduler.persister import StatePersister
@@ -138,3 +139,15 @@ def test_a_node_that_leaves_before_it_attaches_loses_the_keys_the_last_term_left
         assert await persister.store.get_prefix(keys.gpus) == []
 
     asyncio.run(scenario())
+
+
+def test_a_gpu_attaches_within_adaptive_ds_bound() -> None:
+    # Configured at D 4 (`--slots`) under `--adaptive-slots 2`: the GPU joins at 2, so the calls
+    # placed at the attach stay within the bound. (It joined at 4 until the sampler's next look.)
+    book = make_book(gpus=())
+    book.adaptive_slots = AdaptiveSlots(2)
+    links = make_links(book, spawn=lambda coroutine: coroutine.close())  # (no pre-staging here)
+    links.slots_for = lambda gpu_type: 4
+    node = NodeLink(NodeRecord("n1", "127.0.0.1:1", "cpu", "i1", [GpuRecord("gpu0", 8000, "cpu")]))
+    links._attach(node, pb.AttachReply())
+    assert [gpu.spec.slots for gpu in book.scheduler.gpus()] == [2]
