@@ -903,7 +903,7 @@ class CallBook(_GrantChecks):
             if call.state is not _State.PLACED:
                 if now >= call.deadline:
                     if call.state is _State.QUEUED:  # (a WAITING one is not in the scheduler yet)
-                        self.scheduler.cancel(call.call_id)
+                        self.scheduler.cancel(call.call_id, now)
                     effects += self._finish(call, pb.DEADLINE, call.spec.deadline_message())
             elif now >= call.deadline + self.lost_after_s:
                 self._release(call, now, drop_model=True, requeue=False)
@@ -933,7 +933,7 @@ class CallBook(_GrantChecks):
                 call.lease_until = 0.0
                 self._leases.pop(call.call_id, None)
                 if not call.wanted or placed:
-                    self.scheduler.cancel(call.call_id)  # (remove_gpu put it back in the queue)
+                    self.scheduler.cancel(call.call_id, now)  # (remove_gpu put it back in the queue)
                 if not call.wanted:
                     self._forget(call)
                 elif placed and call.maybe_ran:  # its owner lost the node too, after sending it
@@ -955,7 +955,7 @@ class CallBook(_GrantChecks):
         call.wanted = False
         if call.state is not _State.PLACED:
             if call.state is _State.QUEUED:
-                self.scheduler.cancel(call.call_id)
+                self.scheduler.cancel(call.call_id, now)
             self._forget(call)  # (placed before, and refused, it may have been what kept a retired model)
             return self._evict_retired(call.spec.model) if call.spec.model in self._retired else []
         if call.lease_until:  # its owner holds the lease no more: the node ends it

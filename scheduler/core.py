@@ -285,7 +285,7 @@ class Scheduler(ClusterReads):
         Raises KeyError (changing nothing) if the request is not running."""
         state, request = self._running(request_id)
         cluster, model = self.cluster, request.model
-        estimator, gpu_id, gpu_type = cluster.estimator, state.spec.gpu_id, state.spec.gpu_type
+        estimator, gpu_type = cluster.estimator, state.spec.gpu_type
         del cluster.placed_on[request_id]
         del self._seq_of[request_id]
         swapped_in = request_id in cluster.swapped_in
@@ -299,9 +299,7 @@ class Scheduler(ClusterReads):
         if inference_time_s is not None:
             samples = request.batch_size if batch_size is None else batch_size
             estimator.observe_inference(model, gpu_type, samples, inference_time_s)
-        self._unpin_running(state, request)
-        if model in cluster.cache.models_on(gpu_id):
-            self._exit.used(gpu_id, model, now)  # idle from now, if nothing else runs
+        _unpin_running(self.cluster, self._exit, state, request, now)
         cluster.free_slot(state, request_id)
         self.policy.on_finish(request, now, inference_time_s=inference_time_s)
         return request
@@ -355,7 +353,7 @@ class Scheduler(ClusterReads):
             self.cache.drop(gpu_id, request.model)
             self._exit.forget(gpu_id, request.model)
         else:
-            self._unpin_running(state, request)
+            _unpin_running(self.cluster, self._exit, state, request, now)
         if requeue:
             elsewhere = avoid_gpu and _fits_elsewhere(self.cluster, request.model, gpu_id)
             retry = dataclasses.replace(request, avoid_gpu=gpu_id) if elsewhere else request
@@ -368,9 +366,10 @@ class Scheduler(ClusterReads):
             self.policy.on_requeue(retry, now, ran=True)
         return request
 
-    def cancel(self, request_id: str) -> Request | None:
+    def cancel(self, request_id: str, now: float | None = None) -> Request | None:
         """Withdraw a request that has not started (its deadline passed): from the global queue or
-        a local queue. Returns None if it is running or unknown (a running request is not stopped)."""
+        a local queue (its model, pinned there, idle from `now` if given: the staged exit's clock).
+        Returns None if it is running or unknown (a running request is not stopped)."""
         if request_id in self.queue:
             del self._seq_of[request_id]
             self.policy.on_cancel(queued := self.queue.remove(request_id))
@@ -384,6 +383,8 @@ class Scheduler(ClusterReads):
                 state.local_queue.remove(parked)
                 state.local_work_s = sum(self.cluster.call_time_s(r, state) for r in state.local_queue)
                 self.cache.unpin(gpu_id, parked.model)
+                if now is not None:
+                    self._exit.used(gpu_id, parked.model, now)  # wanted until now: idle from now
                 del self.cluster.placed_on[request_id], self._seq_of[request_id]
                 if not state.idle:
                     self.cluster.advertise(state)  # it frees up sooner now
@@ -413,11 +414,18 @@ class Scheduler(ClusterReads):
             raise KeyError(f"request {request_id!r} is not running {where}")
         return state, request
 
-    def _unpin_running(self, state: GpuState, request: Request) -> None:
-        if request.request_id in self.cluster.pin_dropped:
-            self.cluster.pin_dropped.discard(request.request_id)  # its pin went with the dropped entry
-        else:
-            self.cache.unpin(state.spec.gpu_id, request.model)
+
+def _unpin_running(
+    cluster: ClusterState, staged_exit: StagedExit, state: GpuState, request: Request, now: float
+) -> None:
+    """A request that ran leaves its slot: its model is idle from `now` (the staged exit's clock),
+    if nothing else runs it, whether the request completed or failed."""
+    if request.request_id in cluster.pin_dropped:
+        cluster.pin_dropped.discard(request.request_id)  # its pin went with the dropped entry
+    else:
+        cluster.cache.unpin(state.spec.gpu_id, request.model)
+    if request.model in cluster.cache.models_on(state.spec.gpu_id):
+        staged_exit.used(state.spec.gpu_id, request.model, now)
 
 
 def _fits_elsewhere(cluster: ClusterState, model: str, gpu_id: str) -> bool:

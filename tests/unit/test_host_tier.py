@@ -111,6 +111,30 @@ def test_a_use_restarts_the_idle_clock() -> None:
     assert [r.model for r in s.release_idle(18.2, gpu_idle_s=10.0, host_idle_s=None)] == ["A"]
 
 
+def test_a_model_is_idle_from_when_a_call_that_held_it_left_without_completing() -> None:
+    # A's calls pin it on g0 until 20: one parked there from 1 (g0's slot runs C) and cancelled at
+    # its deadline; one that ran from 0 and failed (its model kept). Idle from 20, A stays at 25.
+    # (Its clock said 0.1 and 0: the first check after 20 released it.)
+    s = two_nodes()
+    run(s, "A", "g0", now=0.0)  # used until 0.1
+    blocker = make_request("C", 0.5)
+    s.submit(blocker)
+    s.dispatch(blocker, "g0", 0.5)  # g0's one slot, past 25
+    parked = make_request("A", 1.0)
+    s.submit(parked)
+    s.park(parked, "g0", 1.0)
+    assert s.cancel(parked.request_id, now=20.0) == parked
+    assert s.release_idle(25.0, gpu_idle_s=10.0, host_idle_s=None) == []
+    failing = two_nodes()
+    request = make_request("A", 0.0)
+    failing.submit(request)
+    (placed,) = failing.schedule(0.0)
+    assert isinstance(placed, Dispatch)
+    failing.on_failure(request.request_id, 20.0, drop_model=False, requeue=False)
+    assert failing.release_idle(25.0, gpu_idle_s=10.0, host_idle_s=None) == []
+    assert [r.model for r in failing.release_idle(30.0, gpu_idle_s=10.0, host_idle_s=None)] == ["A"]
+
+
 def test_the_simulated_staged_exit_holds_less_gpu_memory_for_a_little_latency() -> None:
     counts = load_trace(shipped_trace(), "azure2019")
     workload = build_workload(counts, WorkloadConfig(working_set=35, minutes=3), paper_table1())
