@@ -56,7 +56,7 @@ class SchedulerSettings(MetricsSettings):
         ge=1,
         json_schema_extra={"metavar": "MAX"},
         description="adaptive D (MQFQ-Sticky's): each GPU's concurrent calls move between 1 and MAX from its "
-        "utilization every 200 ms, starting at --slots (default: D fixed)",
+        "utilization every 200 ms, starting at --slots (at most MAX; default: D fixed)",
     )
     utilization_threshold: float = Field(
         default=DEFAULT_THRESHOLD,

@@ -128,7 +128,7 @@ def sim(
         typer.Option(
             min=1,
             help="Adaptive D (MQFQ-Sticky's): each GPU's D moves between 1 and this from its utilization every "
-            "200 ms, starting at --slots (use with --interference).",
+            "200 ms, starting at --slots, at most this (use with --interference).",
         ),
     ] = None,
     utilization_threshold: Annotated[
