@@ -17,7 +17,7 @@ from gateway.http import server_config
 from gateway.settings import DESCRIPTION, PROG, GatewaySettings
 from gpufaas.credentials import CredentialError, node_token, read_secret, wire_key
 from gpufaas.keys import Keys
-from gpufaas.service_main import daemon_start, open_store, own_state_dir, run_daemon, warn_if_insecure
+from gpufaas.service_main import ListenError, daemon_start, open_store, own_state_dir, run_daemon, warn_if_insecure
 
 if TYPE_CHECKING:
     from gpufaas.store import EtcdCredentials
@@ -81,6 +81,10 @@ async def serve(
             if scheduler is not None:
                 await stack.enter_async_context(scheduler.run())
             app = create_app(store, config)
+            try:
+                app.state.gateway.serve_blobs()  # (its failure in the app's startup: a traceback)
+            except OSError as exc:
+                raise ListenError(f"gateway cannot start: blob server on {config.blob_listen}: {exc}") from None
             limits = settings.http_limits
             tls: dict[str, str] = {}
             if settings.public_cert_file is not None and settings.public_key_file is not None:

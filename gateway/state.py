@@ -103,6 +103,7 @@ class Gateway:
         self.nodes: dict[str, NodeRecord] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._lease: LeaseKeeper | None = None
+        self._blobs_served = False
 
     async def start(self) -> None:
         """List what the gateway mirrors (functions, the scheduler's address, the nodes' GPUs) and
@@ -112,17 +113,7 @@ class Gateway:
             stale.unlink(missing_ok=True)
         # Every function's code is stored here: nobody but the gateway's user may look in.
         os.chmod(self.config.state_dir, 0o700)
-        if self.config.blob_listen is not None:
-            credentials = self.config.credentials
-            authorize = (
-                blob_authorizer(credentials.role_of, Role.ADMIN, Role.NODE)
-                if credentials is not None
-                else (lambda method, authorization: None)
-            )
-            public_host = urllib.parse.urlsplit(self.config.public_url).hostname or ""
-            self.artifacts.serve(
-                self.config.blob_listen, authorize, advertise=self.config.blob_advertise, host=public_host
-            )
+        self.serve_blobs()
         mirrors = (
             (self.keys.functions, self._functions_listed, self._function_changed),
             (self.keys.services, self._services_listed, self._service_changed),
@@ -141,6 +132,22 @@ class Gateway:
         await self._register(await self._lease.start())
         self._tasks.append(asyncio.create_task(self._collect_packages()))
         self._tasks.append(asyncio.create_task(run_loop_lag(self.loop_lag)))
+
+    def serve_blobs(self) -> None:
+        """Start the blob server (`blob_listen`; None: none), once; OSError if it cannot bind. On
+        the gateway's event loop. `start` calls it; a daemon calls it first, before its HTTP
+        server, whose startup would print an OSError raised in `start` as a traceback."""
+        if self.config.blob_listen is None or self._blobs_served:
+            return
+        credentials = self.config.credentials
+        authorize = (
+            blob_authorizer(credentials.role_of, Role.ADMIN, Role.NODE)
+            if credentials is not None
+            else (lambda method, authorization: None)
+        )
+        public_host = urllib.parse.urlsplit(self.config.public_url).hostname or ""
+        self.artifacts.serve(self.config.blob_listen, authorize, advertise=self.config.blob_advertise, host=public_host)
+        self._blobs_served = True
 
     async def _collect_packages(self) -> None:
         """Delete, now and then, the packages no function uses and the blobs no package names,

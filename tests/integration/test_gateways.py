@@ -8,6 +8,9 @@ import json
 import os
 import shutil
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +24,7 @@ from gpufaas.dev.balancer import BalancerUnavailable, haproxy_binary
 from gpufaas.dev.local_cluster import LocalCluster, free_port, recorded_pids, stop_recorded
 from gpufaas.processes import survivors
 from tests.fixtures.make_packages import build_package
-from tests.integration.conftest import ClusterFactory
+from tests.integration.conftest import ClusterFactory, EtcdTarget
 from tests.integration.test_cli_e2e import cli_env, gpufaas  # noqa: F401 (a fixture)
 from tests.integration.test_control_plane import wait_for
 
@@ -210,3 +213,22 @@ def test_up_with_two_gateways_writes_the_balancer_and_down_stops_everything(
         assert not survivors(pids.values()), pids
     finally:
         stop_recorded(state)
+
+
+def test_a_blob_port_in_use_is_one_line_and_status_1(etcd_endpoint: EtcdTarget, tmp_path: Path) -> None:
+    # The blob server started in the app's startup, where uvicorn printed its OSError as a
+    # traceback ("Application startup failed") and the gateway exited with status 3.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = f"127.0.0.1:{held.getsockname()[1]}"
+        port = free_port()
+        argv = ["--etcd", etcd_endpoint.endpoint, "--root", etcd_endpoint.root, "--insecure", "--port", str(port)]
+        argv += ["--public-url", f"http://127.0.0.1:{port}", "--blob-listen", taken, "--state-dir", str(tmp_path)]
+        done = subprocess.run(
+            [sys.executable, "-m", "gateway", *argv], capture_output=True, text=True, timeout=60, check=False
+        )
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    said = f"error: gateway cannot start: blob server on {taken}: [Errno 98] Address already in use"
+    assert done.stderr.splitlines()[-1] == said, done.stderr
