@@ -106,9 +106,13 @@ def _parse_function(name: Any, settings: Any, path: Path, fail: Callable[[str, s
         function_settings = FunctionSettings.from_dict(values, path=where)
     except InvalidInput as exc:
         raise InvalidInput(f"{path}: {exc}") from None
-    return StackFunction(
-        name=name, handler=(path.parent / handler).resolve(), template=template, settings=function_settings
-    )
+    try:
+        directory = (path.parent / handler).resolve()
+    except RuntimeError:  # (Python before 3.13 says a symlink loop so; 3.13 raises OSError)
+        raise fail(f"{where}.handler", f"{handler!r} is a symbolic link loop: point it at a directory") from None
+    except (OSError, ValueError) as exc:  # a loop (3.13); a lone surrogate ("\ud800") no path can encode
+        raise fail(f"{where}.handler", f"{handler!r} is not a path this system can open ({exc})") from None
+    return StackFunction(name=name, handler=directory, template=template, settings=function_settings)
 
 
 def _reject_unknown(raw: dict[Any, Any], known: set[str], where: str, fail: Callable[[str, str], InvalidInput]) -> None:

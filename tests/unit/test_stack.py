@@ -123,3 +123,20 @@ def test_a_handler_path_with_a_nul_is_a_clear_error(tmp_path: Path) -> None:
     path.write_text('functions:\n  fn:\n    handler: "./a\\0b"\n    memory_mb: 100\n')
     with pytest.raises(InvalidInput, match=r"functions\.fn\.handler: .* holds a NUL character"):
         load_stack(path)
+
+
+@pytest.mark.parametrize(
+    ("handler", "message"),
+    [
+        ("./loop", r"functions\.fn\.handler: './loop' is a symbolic link loop"),
+        ('"./a\\ud800"', r"functions\.fn\.handler: .* not a path this system can open"),
+    ],
+)
+def test_a_handler_path_that_cannot_be_resolved_is_a_clear_error(tmp_path: Path, handler: str, message: str) -> None:
+    """A symlink loop, or a YAML escape of a lone surrogate (no file name encodes it): an error
+    naming the key, not the RuntimeError or UnicodeEncodeError resolving it raises."""
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    path = tmp_path / "stack.yml"
+    path.write_text(f"functions:\n  fn:\n    handler: {handler}\n    memory_mb: 100\n")
+    with pytest.raises(InvalidInput, match=message):
+        load_stack(path)
