@@ -39,6 +39,31 @@ class Stack:
     functions: list[StackFunction]
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (as OpenFaaS's faas-cli does):
+    PyYAML keeps the last silently, so a second `functions.NAME` replaced the first unsaid. Keys a
+    merge (`<<: *anchor`) brings may still be overridden, as YAML means them to be."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node)
+            except TypeError:  # unhashable: the constructor below says so
+                continue
+            if first is not key_node:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} given twice (first on line {first.start_mark.line + 1})",
+                    key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_stack(path: Path) -> Stack:
     """Read and validate a stack file; every error names the file and the key path."""
     try:
@@ -48,7 +73,7 @@ def load_stack(path: Path) -> Stack:
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidInput(f"{path}: cannot read it ({exc})") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # (a SafeLoader: it builds only plain data)
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         line = f":{where.line + 1}" if where is not None else ""

@@ -140,3 +140,18 @@ def test_a_handler_path_that_cannot_be_resolved_is_a_clear_error(tmp_path: Path,
     path.write_text(f"functions:\n  fn:\n    handler: {handler}\n    memory_mb: 100\n")
     with pytest.raises(InvalidInput, match=message):
         load_stack(path)
+
+
+def test_a_key_given_twice_is_refused_with_its_line(tmp_path: Path) -> None:
+    """PyYAML keeps the last of two `functions.fn`: the first was dropped unsaid (faas-cli refuses)."""
+    text = "functions:\n  fn:\n    handler: ./a\n    memory_mb: 100\n  fn:\n    handler: ./b\n    memory_mb: 100\n"
+    with pytest.raises(
+        InvalidInput, match=r"stack\.yml:5: not valid YAML \(key 'fn' given twice \(first on line 2\)\)"
+    ):
+        load_stack(write(tmp_path, text))
+
+
+def test_a_merged_key_may_still_be_overridden(tmp_path: Path) -> None:
+    text = "functions:\n  a: &base\n    handler: ./a\n    memory_mb: 3\n  b:\n    <<: *base\n    memory_mb: 100\n"
+    a, b = load_stack(write(tmp_path, text)).functions
+    assert (a.settings.memory_mb, b.settings.memory_mb, b.handler) == (3, 100, tmp_path / "a")
