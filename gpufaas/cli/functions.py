@@ -235,7 +235,7 @@ def invoke(
     """Call a function; the result goes to stdout."""
     with user_errors():
         if data is not None:
-            body = data.encode()
+            body = data.encode("utf-8", "surrogateescape")  # an argument not UTF-8: its bytes, as given
         elif file is not None:
             try:
                 body = file.read_bytes()

@@ -43,6 +43,7 @@ class Stand:
     password: str | None = None  # set: a request without admin:password is a 401
     answers: dict[str, tuple[int, bytes, str]] = field(default_factory=dict)
     seen: list[tuple[str, str, str | None]] = field(default_factory=list)
+    bodies: list[bytes] = field(default_factory=list)  # each request's body, as seen
 
     def answer(self, path: str, status: int, document: object) -> None:
         self.answers[path] = (status, json.dumps(document).encode(), "application/json")
@@ -64,7 +65,7 @@ def stand() -> Iterator[Stand]:
     class Handler(BaseHTTPRequestHandler):
         def answer(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
-            self.rfile.read(length)
+            gateway.bodies.append(self.rfile.read(length))
             path = self.path.split("?")[0]
             gateway.seen.append((self.command, path, self.headers.get("Authorization")))
             document = {"name": "f", "deleted": True} if self.command == "DELETE" else DEFAULT_ANSWERS.get(path, {})
@@ -386,6 +387,15 @@ def test_invoke_waits_as_long_as_a_call_may_run(stand: Stand, state: Path, monke
     code, _, err = cli("invoke", "f", "-d", "{}")
     assert code == 0, err
     assert waits and waits[0] > MAX_TIMEOUT_S
+
+
+def test_invoke_sends_a_data_argument_that_is_not_utf8_as_its_bytes(stand: Stand, state: Path) -> None:
+    """`-d $'\\xff\\xfe'`: Python hands such an argument over with surrogates for the bytes
+    (surrogateescape), which str.encode() refused with a UnicodeEncodeError traceback."""
+    local_cluster(state, stand.url, "cluster-pw")
+    code, _, err = cli("invoke", "f", "-d", b"\xff\xfe".decode("utf-8", "surrogateescape"))
+    assert code == 0, err
+    assert stand.bodies == [b"\xff\xfe"]
 
 
 def test_login_and_logout_keep_a_damaged_credentials_file_as_it_is(stand: Stand, state: Path) -> None:
