@@ -72,16 +72,60 @@ def load_stack(path: Path) -> Stack:
         raise InvalidInput(f"{path}: no such stack file; create one with `gpufaas new NAME --template T`") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidInput(f"{path}: cannot read it ({exc})") from None
+    loader = _UniqueKeyLoader(text)  # (a SafeLoader: it builds only plain data)
     try:
-        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # (a SafeLoader: it builds only plain data)
+        node = loader.get_single_node()
+        raw = loader.construct_document(node) if node is not None else None
+        written = _written_texts(loader, node)
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         line = f":{where.line + 1}" if where is not None else ""
         raise InvalidInput(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
-    return parse_stack(raw, path)
+    finally:
+        loader.dispose()
+    return parse_stack(raw, path, written=written)
 
 
-def parse_stack(raw: Any, path: Path) -> Stack:
+Written = dict[tuple[Any, str, str], tuple[str, str | None]]
+
+
+def _written_texts(loader: yaml.SafeLoader, root: yaml.Node | None) -> Written:
+    """(function, "labels" or "environment", str(key)) -> its key's text and its value's, as
+    written, for plain scalars (else str(key), None): YAML types `1.10` as 1.1, `0755` as 493
+    and `yes`, `off` as booleans, and a label or variable is the text (as faas-cli passes it)."""
+
+    def pairs(node: yaml.Node | None) -> list[tuple[Any, yaml.Node, yaml.Node]]:
+        if not isinstance(node, yaml.MappingNode):
+            return []
+        return [(loader.construct_object(k, deep=True), k, v) for k, v in node.value]  # (merges flattened)
+
+    def child(node: yaml.Node | None, name: str) -> yaml.Node | None:
+        return next((value for key, _, value in pairs(node) if key == name), None)
+
+    def plain(node: yaml.Node) -> str | None:
+        return node.value if isinstance(node, yaml.ScalarNode) and node.style is None else None
+
+    written: Written = {}
+    for function, _, settings in pairs(child(root, "functions")):
+        for field in ("labels", "environment"):
+            for key, key_node, value in pairs(child(settings, field)):
+                key_text = plain(key_node) if key is not None else None
+                if _hashable(function):
+                    written[(function, field, str(key))] = (key_text or str(key), plain(value))
+    return written
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def parse_stack(raw: Any, path: Path, *, written: Written | None = None) -> Stack:
+    """Validate a stack file's YAML value `raw`; `written`: `_written_texts` of its source."""
+
     def fail(key: str, message: str) -> InvalidInput:
         return InvalidInput(f"{path}: {key}: {message}")
 
@@ -100,11 +144,13 @@ def parse_stack(raw: Any, path: Path) -> Stack:
     functions = raw.get("functions")
     if not isinstance(functions, dict) or not functions:
         raise fail("functions", "expected a mapping of function names to their settings, with at least one")
-    parsed = [_parse_function(name, settings, path, fail) for name, settings in functions.items()]
+    parsed = [_parse_function(name, settings, path, fail, written or {}) for name, settings in functions.items()]
     return Stack(path=path, gateway=gateway, functions=parsed)
 
 
-def _parse_function(name: Any, settings: Any, path: Path, fail: Callable[[str, str], InvalidInput]) -> StackFunction:
+def _parse_function(
+    name: Any, settings: Any, path: Path, fail: Callable[[str, str], InvalidInput], written: Written
+) -> StackFunction:
     """One entry of `functions:`: its name, handler directory (relative to the stack file),
     template and settings, checked."""
     where = f"functions.{name}"
@@ -126,7 +172,7 @@ def _parse_function(name: Any, settings: Any, path: Path, fail: Callable[[str, s
         if key in values and values[key] is None:  # `labels:` with nothing (or only comments) under it
             del values[key]
         elif isinstance(values.get(key), dict):
-            values[key] = {str(k): _text(v) for k, v in values[key].items()}
+            values[key] = dict(_entry(k, v, written.get((name, key, str(k)))) for k, v in values[key].items())
     try:
         function_settings = FunctionSettings.from_dict(values, path=where)
     except InvalidInput as exc:
@@ -147,11 +193,20 @@ def _reject_unknown(raw: dict[Any, Any], known: set[str], where: str, fail: Call
             raise fail(path, f"unknown key; known keys here: {', '.join(sorted(known))}")
 
 
-def _text(value: Any) -> Any:
-    """A YAML scalar as text (`true`, `1.0`, `2024-01-01`, and an empty value as ''); anything else
-    as it is (refused: a label is not a list or a mapping)."""
+def _entry(key: Any, value: Any, written: tuple[str, str | None] | None) -> tuple[str, Any]:
+    """A label's or variable's name and value as text: as written where known (`_written_texts`)."""
+    key_text, value_text = written or (str(key), None)
+    return key_text, _text(value, value_text)
+
+
+def _text(value: Any, written: str | None = None) -> Any:
+    """A YAML scalar as text: as `written` where known (`yes`, `1.10`, `0755`), else `true`, `1.0`,
+    `2024-01-01`, and an empty value as ''; anything else as it is (refused: a label is not a list
+    or a mapping)."""
     if value is None:
         return ""
+    if written is not None and isinstance(value, bool | int | float | datetime.date):
+        return written
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float | str | datetime.date):

@@ -155,3 +155,20 @@ def test_a_merged_key_may_still_be_overridden(tmp_path: Path) -> None:
     text = "functions:\n  a: &base\n    handler: ./a\n    memory_mb: 3\n  b:\n    <<: *base\n    memory_mb: 100\n"
     a, b = load_stack(write(tmp_path, text)).functions
     assert (a.settings.memory_mb, b.settings.memory_mb, b.handler) == (3, 100, tmp_path / "a")
+
+
+def test_labels_and_environment_are_the_text_as_written(tmp_path: Path) -> None:
+    """YAML types `1.10` as 1.1, `0755` as 493, `yes` and `off` as booleans: the worker saw REV=1.1,
+    PERMS=493, FLAG=true. faas-cli passes the text as written; so does a value merged in."""
+    text = GOOD.replace(
+        "environment: {MODE: fast}", "environment: {<<: &e {REV: 1.10}, PERMS: 0755, FLAG: yes, OFF: off, DEBUG: true}"
+    ).replace("labels: {team: vision}", "labels: {version: 2.50, quoted: '1.0'}")
+    (function,) = load_stack(write(tmp_path, text)).functions
+    assert function.settings.environment == {
+        "REV": "1.10",
+        "PERMS": "0755",
+        "FLAG": "yes",
+        "OFF": "off",
+        "DEBUG": "true",
+    }
+    assert function.settings.labels == {"version": "2.50", "quoted": "1.0"}
