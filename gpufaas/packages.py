@@ -285,15 +285,23 @@ def file_sha256(path: Path) -> str:
             return "sha256:" + hashlib.sha256(mapped).hexdigest()
 
 
-def package_files(directory: Path, *, skip: Iterable[str] = SKIPPED_PARTS) -> Iterator[tuple[str, Path]]:
+def package_files(
+    directory: Path, *, skip: Iterable[str] = SKIPPED_PARTS, links: list[str] | None = None
+) -> Iterator[tuple[str, Path]]:
     """(package path, file) of every regular file under `directory`, sorted, leaving out links
-    and `skip`ped parts (caches, version control)."""
+    and `skip`ped parts (caches, version control). The package paths of the links left out
+    (files or folders, whose targets are not read) are appended to `links`."""
     skipped = frozenset(skip)
     for path in sorted(directory.rglob("*")):
         relative = path.relative_to(directory)
-        if path.is_symlink() or not path.is_file() or skipped & set(relative.parts):
+        if skipped & set(relative.parts):
             continue
-        yield relative.as_posix(), path
+        if path.is_symlink():
+            if links is not None:
+                links.append(relative.as_posix())
+            continue
+        if path.is_file():
+            yield relative.as_posix(), path
 
 
 def scan_directory(
@@ -302,11 +310,12 @@ def scan_directory(
     cache: DigestCache | None = None,
     max_unpacked_bytes: int | None = None,
     threads: int = 0,
+    links: list[str] | None = None,
 ) -> tuple[Manifest, dict[str, Path]]:
     """`directory` as a package: its manifest and, per blob digest, a file holding its bytes.
     Files are hashed on `threads` threads (0: one per CPU, at most 4), skipping those `cache`
-    knows unchanged; modes are reduced to 0644 / 0755."""
-    found = list(package_files(directory))
+    knows unchanged; modes are reduced to 0644 / 0755. The links left out go in `links`."""
+    found = list(package_files(directory, links=links))
     stats = {path: path.stat() for _, path in found}
     digests: dict[Path, str] = {}
     todo = []

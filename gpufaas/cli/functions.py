@@ -152,6 +152,12 @@ def deploy(
             if not (function.handler / "handler.py").is_file():
                 raise GpufaasError(f"{file}: functions.{function.name}.handler: {function.handler} has no handler.py")
         scanned = uploads.scan([(f.name, f.handler) for f in selected], DigestCache(_digest_cache_path()))
+        for package in scanned:  # said: a weights file linked in would be missing when the function loads
+            if package.links:
+                err_console.print(
+                    f"[yellow]warning[/]: {package.name}: left out symbolic link(s) {escape(', '.join(package.links))}"
+                    " (a package holds no links; copy the files in to send them)"
+                )
         try:
             with _transfer_progress("uploading") as progress:
                 report = uploads.upload(client, scanned, progress=progress)

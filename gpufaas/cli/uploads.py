@@ -51,6 +51,7 @@ class Scanned:
     name: str
     manifest: Manifest
     files: dict[str, Path]  # blob digest -> a file holding its bytes
+    links: list[str] = field(default_factory=list)  # symbolic links left out (a package holds none)
 
 
 @dataclass
@@ -70,13 +71,14 @@ def scan(functions: Sequence[tuple[str, Path]], cache: DigestCache) -> list[Scan
     """Manifests of the functions' directories (hashing what the cache does not know)."""
     scanned = []
     for name, directory in functions:
+        links: list[str] = []
         try:
-            manifest, files = scan_directory(directory, cache=cache)
+            manifest, files = scan_directory(directory, cache=cache, links=links)
         except OSError as exc:  # a file unreadable, or gone while it was read
             raise GpufaasError(f"{name}: cannot read {directory}: {exc}") from None
         except InvalidPackage as exc:
             raise GpufaasError(f"{name}: {exc}") from None
-        scanned.append(Scanned(name, manifest, files))
+        scanned.append(Scanned(name, manifest, files, links))
     cache.save()
     return scanned
 

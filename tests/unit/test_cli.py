@@ -351,7 +351,7 @@ def deployed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, package: dict[str,
     from gpufaas.cli import uploads
     from gpufaas.cli.client import GatewayClient
 
-    (tmp_path / "fn").mkdir()
+    (tmp_path / "fn").mkdir(exist_ok=True)
     (tmp_path / "fn" / "handler.py").write_text("def load(device):\n    return None\n")
     (tmp_path / "stack.yml").write_text("functions:\n  fn:\n    handler: ./fn\n    memory_mb: 100\n")
 
@@ -555,3 +555,18 @@ def test_a_plot_without_matplotlib_is_refused_before_the_run(tmp_path: Path, mon
     )
     assert code == 2 and "--plot: the plot needs matplotlib: pip install 'gpufaas[plot]'" in err, err
     assert out == ""
+
+
+def test_deploy_says_which_symbolic_links_it_left_out(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A package holds no links: a weights file linked into the handler directory was left out
+    with no word (the deploy "succeeded", the function failed at load). Its target is not read."""
+    (tmp_path / "elsewhere").write_text("the user's private file")
+    (tmp_path / "fn").mkdir()
+    (tmp_path / "fn" / "model.pt").symlink_to(tmp_path / "elsewhere")
+    output = deployed(monkeypatch, tmp_path, {}, {"model": "m"})
+    assert "warning: fn: left out symbolic link(s) model.pt" in output
+    from gpufaas.packages import scan_directory
+
+    links: list[str] = []
+    manifest, _ = scan_directory(tmp_path / "fn", links=links)
+    assert manifest.file("model.pt") is None and links == ["model.pt"]
