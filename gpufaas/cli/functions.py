@@ -111,7 +111,7 @@ def _add_to_stack(stack_path: Path, name: str, template: str, meta: Mapping[str,
     import yaml
 
     stack = _stack_without(stack_path, name)  # (read again: it may have changed since `new` checked)
-    stack["functions"][name] = {
+    entry = {
         "template": template,
         "handler": f"./{name}",
         "gpu": meta.get("gpu", "any"),
@@ -121,13 +121,46 @@ def _add_to_stack(stack_path: Path, name: str, template: str, meta: Mapping[str,
         "labels": {},
         "environment": {},
     }
+    text = _appended(stack_path, stack, name, entry)
+    if text is None:  # no stack file yet, or one whose functions cannot simply be added to
+        stack["functions"][name] = entry
+        text = yaml.safe_dump(stack, sort_keys=False)
     partial = stack_path.with_name(f".{stack_path.name}.{os.getpid()}.tmp")
     try:
-        partial.write_text(yaml.safe_dump(stack, sort_keys=False))
+        partial.write_text(text)
         partial.replace(stack_path)
     finally:
         partial.unlink(missing_ok=True)
     return stack_path
+
+
+def _appended(stack_path: Path, stack: dict[str, Any], name: str, entry: dict[str, Any]) -> str | None:
+    """The stack file's text with function `name` (`entry`) added at its end, the rest as the
+    user wrote it (comments, anchors, `1.10`: written out again from the YAML's values they
+    were lost, REV: 1.10 becoming 1.1); None where that cannot be done (no file; `functions`
+    not the last key, or not a block mapping), checked by reading the result back."""
+    import yaml
+
+    try:
+        text = stack_path.read_text(encoding="utf-8")
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    if not isinstance(root, yaml.MappingNode) or not root.value:
+        return None
+    last_key, functions = root.value[-1]
+    if last_key.value != "functions" or not isinstance(functions, yaml.MappingNode) or functions.flow_style:
+        return None
+    if not functions.value:
+        return None
+    indent = " " * functions.value[0][0].start_mark.column
+    block = yaml.safe_dump({name: entry}, sort_keys=False)
+    appended = text + ("" if text.endswith("\n") else "\n") + "".join(indent + line for line in block.splitlines(True))
+    try:
+        read_back = yaml.safe_load(appended)
+    except yaml.YAMLError:
+        return None
+    return appended if read_back == {**stack, "functions": {**stack["functions"], name: entry}} else None
 
 
 @app.command()

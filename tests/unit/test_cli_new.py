@@ -77,3 +77,22 @@ def test_list_needs_no_name_and_a_missing_name_is_a_usage_error(tmp_path: Path) 
     nameless = runner.invoke(app, ["new", "--dir", str(tmp_path)])
     assert nameless.exit_code == 2 and "name" in nameless.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_function_added_to_a_stack_file_leaves_the_rest_as_written(tmp_path: Path) -> None:
+    """`gpufaas new` wrote the whole stack file again from its YAML values: comments and anchors
+    were lost, and `REV: 1.10`, `PERMS: 0755` became 1.1 and 493 (what deploy then sent)."""
+    from gpufaas.cli.functions import _add_to_stack
+    from gpufaas.cli.stack import load_stack
+
+    before = (
+        "version: 1.0\n# our functions\nfunctions:\n    old:  # the first\n        handler: ./old\n"
+        "        memory_mb: 100\n        environment: {REV: 1.10, PERMS: 0755}\n# the end\n"
+    )
+    stack = tmp_path / "stack.yml"
+    stack.write_text(before)
+    _add_to_stack(stack, "hello", "pytorch-custom", {"memory_mb": 600})
+    assert stack.read_text().startswith(before)
+    old, hello = load_stack(stack).functions
+    assert old.settings.environment == {"REV": "1.10", "PERMS": "0755"}
+    assert (hello.name, hello.settings.memory_mb, hello.handler) == ("hello", 600, tmp_path / "hello")
