@@ -667,6 +667,8 @@ class Router:
             if reply.outcome not in (pb.REFUSED, pb.WORKER_DIED):
                 raise CallFailed(OUTCOME_TO_HTTP.get(reply.outcome, 502), reply.message)
             box.waiting = True
+            if reply.outcome == pb.WORKER_DIED:  # asked again (a new link): a retry, a second death its answer
+                box.place.worker_died = True
             if box.epoch != self.epoch:
                 await self._ask(box)  # the scheduler that placed it is gone: ask the new one
             elif reply.outcome == pb.REFUSED:

@@ -709,6 +709,20 @@ async def test_a_dead_worker_is_not_abandoned_the_router_waits_for_the_next_plac
 
 
 @in_cluster()
+async def test_a_call_whose_worker_died_asked_again_on_a_new_scheduler_link_says_it_is_a_retry(env: Cluster) -> None:
+    """The node told the scheduler of the death, and the link went before its answer: the new link's
+    Place says the worker died, so that a second death is the call's answer (not a third run)."""
+    task = await env.placed("call-1")
+    env.place_on(env.node_a, "call-1", 1, answer=no_result(pb.WORKER_DIED, "exit code -9"))
+    await env.executing(env.node_a)
+    env.scheduler.drop()  # (whether the router reads the node's answer before or after: asked again either way)
+    (first, again) = await env.scheduler.wait_places(2)
+    assert not first.worker_died and again.worker_died
+    env.place_on(env.node_b, "call-1", 1)
+    assert (await task).placement.node == "node-b"
+
+
+@in_cluster()
 async def test_a_dead_worker_then_a_rejection_makes_the_rejection_the_answer(env: Cluster) -> None:
     task = await env.placed("call-1")
     env.place_on(env.node_a, "call-1", 1, answer=no_result(pb.WORKER_DIED, "exit code -9"))
