@@ -27,7 +27,8 @@ A worker that died under a call is reported by the node itself, and the schedule
 call again or answers with a Rejection. The gateway keeps the one deadline: past it (plus a grace
 for the inner hops to answer first) it answers 504 and withdraws the call (Abandon CANCELLED). A
 placement for a call the gateway no longer waits for is handed back the same way, so that its slot
-is freed.
+is freed; one that comes past the call's deadline too (504: never sent, the node would start it with
+nothing left, and time it out).
 
 Leases (docs/hit-leases.md): a Place says the gateway takes leases, and a hit's Placement may come
 with one (`lease_s`): once its call is answered, the function's next calls go straight to that node
@@ -651,8 +652,11 @@ class Router:
             # A new placement: the scheduler knows the one before it did not run (or its worker died).
             box.attempt, box.waiting, box.unsure = message.attempt, False, False
             box.placements += 1
+            remaining_s = box.deadline - box.clock()
+            if remaining_s <= 0:  # placed as its deadline passed: not started for nobody (`invoke` hands it back)
+                raise TimeoutError
             # The call's own deadline, for the node: a lease's grant holds a later one for its other calls.
-            execute = pb.Execute(token=message.token, content_type=content_type, timeout_s=box.remaining_s())
+            execute = pb.Execute(token=message.token, content_type=content_type, timeout_s=remaining_s)
             frame = await self._execute_placed(box, message, payload, execute, (spec.name, spec.model))
             if frame is None:
                 continue  # not sent, or its node lost after: the scheduler was told

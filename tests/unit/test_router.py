@@ -782,6 +782,26 @@ async def test_past_the_deadline_the_call_is_a_504_and_withdrawn(env: Cluster, s
     assert (abandon.call_id, abandon.attempt, abandon.reason) == ("call-1", 0, pb.Abandon.CANCELLED)
 
 
+@in_cluster()
+async def test_a_placement_that_comes_past_the_calls_deadline_is_not_sent_to_its_node(env: Cluster) -> None:
+    """Placed as its deadline passed (the scheduler counts it from the Place's arrival, a hop later;
+    or asked again on a new link in its last moment): no Execute, which the node would start with a
+    millisecond left and time out (killing a worker the call had started in), but a 504 and the
+    placement handed back (the scheduler frees its slot)."""
+    now_s = [100.0]
+    spec = make_spec(timeout_s=5.0)
+    task = asyncio.create_task(env.router.invoke(spec, "call-1", PAYLOAD, "image/png", clock=lambda: now_s[0]))
+    env.tasks.append(task)
+    await env.scheduler.wait_places(1)
+    now_s[0] += spec.timeout_s  # its deadline passed (the gateway's grace has not)
+    env.place_on(env.node_a, "call-1", 1)
+    failed = await failure(task)
+    assert (failed.status, failed.message) == (504, spec.deadline_message())
+    abandon = await env.abandoned("the placement handed back")
+    assert (abandon.call_id, abandon.reason) == ("call-1", pb.Abandon.CANCELLED)
+    assert env.node_a.executes == []
+
+
 @pytest.mark.parametrize("waiting", ["for a placement", "at the node"])
 @in_cluster()
 async def test_a_cancelled_call_is_withdrawn(env: Cluster, waiting: str) -> None:
