@@ -312,9 +312,16 @@ def ray_body(work: Path) -> Path:
 def ray_point(
     url: str, concurrency: int, args: argparse.Namespace, work: Path, label: str, **workload: Any
 ) -> dict[str, Any]:
-    """One point against Ray's /mux, with the model loads its replicas report over the point."""
+    """One point against Ray's /mux, with the model loads its replicas report over its measured
+    phase: the warm-up runs apart, before the replicas' counts are read (one load-client run would
+    count the warm-up's loads against the measured requests; gpufaas's X-Cache counts are the
+    measured requests' only)."""
+    extra = ("--body-file", str(ray_body(work)), "--label", label)
+    if args.warmup > 0:
+        load(url, concurrency, argparse.Namespace(duration=args.warmup, warmup=0.0), *extra, **workload)
     before = replica_loads(url)
-    point = load(url, concurrency, args, "--body-file", str(ray_body(work)), "--label", label, **workload)
+    point = load(url, concurrency, argparse.Namespace(duration=args.duration, warmup=0.0), *extra, **workload)
+    point["warmup_s"] = args.warmup
     after = replica_loads(url)
     point["model_loads"] = sum(n - before.get(pid, 0) for pid, n in after.items())
     point["reload_ratio"] = round(point["model_loads"] / max(1, point["requests"]), 4)
