@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -72,14 +74,17 @@ async def serve(
 ) -> None:
     """Serve until uvicorn stops (SIGTERM, SIGINT), with the node of `--with-node` and the
     scheduler of `--with-scheduler` running beside it (started first, in that order; stopped
-    last, in the other)."""
+    last, in the other). A SIGTERM or SIGINT while they start stops them once started, unserved."""
     store = await open_store(settings.etcd, etcd_creds)
     try:
         async with contextlib.AsyncExitStack() as stack:
-            if node is not None:
-                await stack.enter_async_context(node.run())
-            if scheduler is not None:
-                await stack.enter_async_context(scheduler.run())
+            with _signals_noted() as signalled:
+                if node is not None:
+                    await stack.enter_async_context(node.run())
+                if scheduler is not None:
+                    await stack.enter_async_context(scheduler.run())
+            if signalled:
+                return  # told to stop while they started: stopped now (the stack), uvicorn never serves
             app = create_app(store, config)
             try:
                 app.state.gateway.serve_blobs()  # (its failure in the app's startup: a traceback)
@@ -105,6 +110,27 @@ async def serve(
             await server.serve()
     finally:
         await store.close()
+
+
+@contextlib.contextmanager
+def _signals_noted() -> Iterator[list[int]]:
+    """SIGTERM and SIGINT noted in the body, not acted on (the list: those received), their
+    handlers restored after it: the embedded node and scheduler start whole before a signal stops
+    them, as a daemon apart does (`run_until_signalled`). Uvicorn's handlers come only once it
+    serves: before, a SIGTERM while they started killed the process (SIG_DFL), their stop never
+    ran (the node's key and lease stayed in etcd, its host pool in /dev/shm), and a SIGINT
+    cancelled the start midway, which is not stopped either. Outside the main thread: nothing noted."""
+    noted: list[int] = []
+    if threading.current_thread() is not threading.main_thread():  # (signal.signal would raise)
+        yield noted
+        return
+    signals = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.signal(sig, lambda sig, _frame: noted.append(sig)) for sig in signals}
+    try:
+        yield noted
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class _Server(uvicorn.Server):

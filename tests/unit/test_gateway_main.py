@@ -4,6 +4,11 @@ where they say nothing."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import signal
+import types
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -126,3 +131,61 @@ def test_a_credential_file_with_insecure_is_a_usage_error(
     secret.chmod(0o600)
     said = usage_error(tmp_path, capsys, "--etcd", "127.0.0.1:3999", flag, str(secret))
     assert f"--insecure and {flag} exclude each other" in said
+
+
+def test_a_sigterm_while_the_embedded_node_starts_stops_it_once_started_and_serves_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Uvicorn's signal handlers come only once it serves: a SIGTERM while the node in the gateway
+    started went to the default handler, which killed the process, the node's stop never run (its
+    key and lease left in etcd). Here a handler of the test's stands for that default."""
+    import gateway.__main__ as gateway_main
+
+    happened: list[str] = []
+
+    class Store:
+        async def close(self) -> None:
+            happened.append("gateway's store closed")
+
+    async def open_store(*_: object) -> Store:
+        return Store()
+
+    class Node:
+        @contextlib.asynccontextmanager
+        async def run(self) -> AsyncIterator[None]:
+            signal.raise_signal(signal.SIGTERM)  # (`gpufaas down` as the node starts)
+            await asyncio.sleep(0)
+            happened.append("node started")
+            try:
+                yield
+            finally:
+                happened.append("node stopped")
+
+    class Server:
+        def __init__(self, _config: object) -> None:
+            pass
+
+        async def serve(self) -> None:
+            happened.append("uvicorn served")
+
+    app = types.SimpleNamespace(state=types.SimpleNamespace(gateway=types.SimpleNamespace(serve_blobs=lambda: None)))
+    monkeypatch.setattr(gateway_main, "open_store", open_store)
+    monkeypatch.setattr(gateway_main, "create_app", lambda *_: app)
+    monkeypatch.setattr(gateway_main, "server_config", lambda *_, **__: None)
+    monkeypatch.setattr(gateway_main, "_Server", Server)
+    settings = types.SimpleNamespace(etcd="127.0.0.1:3999", http_limits=None, public_cert_file=None, host="h", port=1)
+    config = types.SimpleNamespace(blob_listen="h:0")
+    killed: list[int] = []
+
+    def kill(sig: int, _frame: object) -> None:
+        killed.append(sig)
+
+    default = signal.signal(signal.SIGTERM, kill)
+    try:
+        asyncio.run(gateway_main.serve(settings, config, None, None, Node()))  # type: ignore[arg-type]
+        restored = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, default)
+    assert killed == []
+    assert happened == ["node started", "node stopped", "gateway's store closed"]
+    assert restored is kill  # the handler before the start is the handler after it
