@@ -666,19 +666,23 @@ def test_a_gateways_lease_is_dropped_past_its_usable_time_on_another_link_or_whe
 # --- the simulator ------------------------------------------------------------------------------
 
 
-def sim(
-    arrivals: list[tuple[float, str]], *, lease_s: float, gpus: int = 1, slots: int = 2, gpu_memory_mb: int = 4000
-) -> SimResult:
-    """Models A, B, C of 1000 MB loading in 2 s and running a call in 1 s; calls at `arrivals`."""
-    names = ("A", "B", "C")
-    workload = Workload(
+def lease_workload(arrivals: list[tuple[float, str]], names: tuple[str, ...], *, inference_time_s: float) -> Workload:
+    """Models `names` of 1000 MB loading in 2 s, a function fn-M each; calls at `arrivals`."""
+    return Workload(
         requests=[Request(f"r{i:03d}", f"fn-{m}", m, at_s, 32) for i, (at_s, m) in enumerate(arrivals)],
-        profiles=[ModelProfile(m, "rtx2080", 1000, 2.0, 1.0, 32) for m in names],
+        profiles=[ModelProfile(m, "rtx2080", 1000, 2.0, inference_time_s, 32) for m in names],
         function_models={f"fn-{m}": m for m in names},
         top_function="fn-A",
         start_minute=0,
         minutes=1,
     )
+
+
+def sim(
+    arrivals: list[tuple[float, str]], *, lease_s: float, gpus: int = 1, slots: int = 2, gpu_memory_mb: int = 4000
+) -> SimResult:
+    """Models A, B, C of 1000 MB loading in 2 s and running a call in 1 s; calls at `arrivals`."""
+    workload = lease_workload(arrivals, ("A", "B", "C"), inference_time_s=1.0)
     cluster = ClusterConfig(gpus=gpus, gpu_memory_mb=gpu_memory_mb, slots=slots, hit_lease_s=lease_s)
     return simulate(workload, "lalb", cluster=cluster)
 
@@ -745,16 +749,8 @@ def test_the_simulators_adaptive_d_reads_an_idle_lease_as_the_call_book_does() -
     # A's calls (0.1 s) every 0.5 s from 4, all under the lease of the hit at 4: the GPU is busy a
     # fifth of the time, with a lease or without, and D stays near its maximum either way. (The
     # idle lease read as a running call: D fell to 1, 1.37 on average against 3.66 without.)
-    names = ("A", "B")
     arrivals = [(0.0, "A")] + [(4.0 + 0.5 * k, "A") for k in range(30)]
-    workload = Workload(
-        requests=[Request(f"r{i:03d}", f"fn-{m}", m, at_s, 32) for i, (at_s, m) in enumerate(arrivals)],
-        profiles=[ModelProfile(m, "rtx2080", 1000, 2.0, 0.1, 32) for m in names],
-        function_models={f"fn-{m}": m for m in names},
-        top_function="fn-A",
-        start_minute=0,
-        minutes=1,
-    )
+    workload = lease_workload(arrivals, ("A", "B"), inference_time_s=0.1)
     results = [
         simulate(workload, "lalb", cluster=ClusterConfig(gpus=1, slots=4, adaptive_slots=4, hit_lease_s=lease_s))
         for lease_s in (0.0, 1.0)
