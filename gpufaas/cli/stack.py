@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
+import os
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,8 +66,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def load_stack(path: Path) -> Stack:
-    """Read and validate a stack file; every error names the file and the key path."""
+def load_stack(path: Path, environ: Mapping[str, str] | None = None) -> Stack:
+    """Read and validate a stack file; every error names the file and the key path. `${NAME}`
+    in a value is the variable NAME of `environ` (the process's environment by default): see
+    `substitute_variables`."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -83,7 +87,74 @@ def load_stack(path: Path) -> Stack:
         raise InvalidInput(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
     finally:
         loader.dispose()
+    raw = substitute_variables(
+        raw, os.environ if environ is None else environ, lambda key, message: _fail(path, key, message)
+    )
     return parse_stack(raw, path, written=written)
+
+
+# `${NAME}`, `${NAME:-default}`, `${NAME-default}`, or `$${...}` (the text `${...}` itself).
+_REFERENCE = re.compile(r"\$(\$?)\{([^}]*)\}")
+_VARIABLE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)(.*))?", re.DOTALL)
+
+
+def substitute_variables(raw: Any, environ: Mapping[str, str], fail: Callable[[str, str], InvalidInput]) -> Any:
+    """`raw` with the environment variables its string values name put in, as OpenFaaS's stack
+    files have them (`gateway: ${GATEWAY:-http://127.0.0.1:8080}`, `environment: {TOKEN: ${TOKEN}}`):
+    `${NAME:-default}` takes the default where NAME is unset or empty, `${NAME-default}` where it
+    is unset, and `$${...}` is the text `${...}`. A variable unset without a default is refused
+    (faas-cli puts '' in its place: a deploy then runs with an empty setting unsaid). Values only,
+    after YAML has read the file: a variable's value is text, never YAML (it adds no keys), read as
+    a number or a boolean where the whole setting is one (`memory_mb: ${MEMORY_MB}`), except in
+    `labels` and `environment`, which are text."""
+
+    def walk(value: Any, keys: tuple[str, ...]) -> Any:
+        if isinstance(value, str):
+            if "${" not in value:
+                return value
+            where = ".".join(keys)
+            text = _REFERENCE.sub(lambda match: _resolve(match, where, environ, fail), value)
+            return text if keys[2:3] in (("labels",), ("environment",)) else _scalar(text)
+        if isinstance(value, dict):
+            return {key: walk(item, (*keys, str(key))) for key, item in value.items()}
+        if isinstance(value, list):
+            return [walk(item, (*keys, str(index))) for index, item in enumerate(value)]
+        return value
+
+    return walk(raw, ())
+
+
+def _scalar(text: str) -> Any:
+    """A setting's text after substitution: the number or boolean YAML reads it as, else the text."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return value if isinstance(value, bool | int | float) else text
+
+
+def _resolve(
+    match: re.Match[str], where: str, environ: Mapping[str, str], fail: Callable[[str, str], InvalidInput]
+) -> str:
+    escaped, reference = match.groups()
+    if escaped:
+        return "${" + reference + "}"
+    variable = _VARIABLE.fullmatch(reference)
+    if variable is None:
+        raise fail(
+            where, f"${{{reference}}} is not a variable: write ${{NAME}} or ${{NAME:-default}} ($${{...}} for the text)"
+        )
+    name, operator, default = variable.groups()
+    value = environ.get(name)
+    if (operator == ":-" and not value) or (operator == "-" and value is None):
+        return str(default)
+    if value is None:
+        raise fail(where, f"${{{name}}} is not set: export {name}, or write ${{{name}:-default}}")
+    return value
+
+
+def _fail(path: Path, key: str, message: str) -> InvalidInput:
+    return InvalidInput(f"{path}: {key}: {message}")
 
 
 Written = dict[tuple[Any, str, str], tuple[str, str | None]]
@@ -127,7 +198,7 @@ def parse_stack(raw: Any, path: Path, *, written: Written | None = None) -> Stac
     """Validate a stack file's YAML value `raw`; `written`: `_written_texts` of its source."""
 
     def fail(key: str, message: str) -> InvalidInput:
-        return InvalidInput(f"{path}: {key}: {message}")
+        return _fail(path, key, message)
 
     if not isinstance(raw, dict):
         raise InvalidInput(f"{path}: expected a mapping with 'version', 'provider' and 'functions'")

@@ -172,3 +172,50 @@ def test_labels_and_environment_are_the_text_as_written(tmp_path: Path) -> None:
         "DEBUG": "true",
     }
     assert function.settings.labels == {"version": "2.50", "quoted": "1.0"}
+
+
+VARIABLES = """
+version: 1.0
+provider: {name: gpufaas, gateway: "${GATEWAY:-http://127.0.0.1:8080}"}
+functions:
+  resnet:
+    handler: ./${DIR}
+    memory_mb: ${MEMORY_MB}
+    environment:
+      TOKEN: ${TOKEN}
+      MODE: ${MODE-fast}
+      EMPTY: ${EMPTY:-fallback}
+      TEMPLATE: $${HOME}/x   # the text itself
+    labels: {team: "${TEAM}-${REGION:-eu}"}
+"""
+
+
+def test_variables_in_values_come_from_the_environment_as_in_openfaas_stack_files(tmp_path: Path) -> None:
+    environ = {"DIR": "resnet", "MEMORY_MB": "1700", "TOKEN": "s3cret: {not yaml}", "EMPTY": "", "TEAM": "vision"}
+    stack = load_stack(write(tmp_path, VARIABLES), environ)
+    assert stack.gateway == "http://127.0.0.1:8080"
+    (function,) = stack.functions
+    assert function.handler == (tmp_path / "resnet").resolve()
+    assert function.settings.memory_mb == 1700
+    assert function.settings.environment == {
+        "TOKEN": "s3cret: {not yaml}",  # a value is text: it adds no keys
+        "MODE": "fast",
+        "EMPTY": "fallback",
+        "TEMPLATE": "${HOME}/x",
+    }
+    assert function.settings.labels == {"team": "vision-eu"}
+    # `${NAME-default}` takes the default only where NAME is unset: set but empty stays empty.
+    stack = load_stack(write(tmp_path, VARIABLES), {**environ, "MODE": ""})
+    assert stack.functions[0].settings.environment["MODE"] == ""
+
+
+def test_an_unset_variable_without_a_default_is_refused_with_its_key_and_what_to_do(tmp_path: Path) -> None:
+    path = write(tmp_path, VARIABLES)
+    with pytest.raises(InvalidInput) as caught:
+        load_stack(path, {"DIR": "resnet", "MEMORY_MB": "1700", "TEAM": "vision"})
+    assert str(caught.value) == (
+        f"{path}: functions.resnet.environment.TOKEN: ${{TOKEN}} is not set: export TOKEN, or write ${{TOKEN:-default}}"
+    )
+    path = write(tmp_path, GOOD.replace("gpu: any", "gpu: ${1GPU}"))
+    with pytest.raises(InvalidInput, match=r"functions\.resnet\.gpu: \$\{1GPU\} is not a variable"):
+        load_stack(path, {})
