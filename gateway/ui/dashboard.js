@@ -36,7 +36,9 @@ function chips(models, kind) {
 function gpuCard(gpu) {
   const used = gpu.memory_used_mb, capacity = gpu.memory_capacity_mb;
   const share = capacity > 0 ? Math.min(100, (100 * used) / capacity) : 0;
-  const bar = el("div", { class: "bar", title: `${used} of ${capacity} MB planned` }, el("span", { style: `width: ${share.toFixed(1)}%` }));
+  const filled = el("span");
+  filled.style.width = `${share.toFixed(1)}%`;  // (CSSOM: the page's CSP refuses style attributes)
+  const bar = el("div", { class: "bar", title: `${used} of ${capacity} MB planned` }, filled);
   return el(
     "article",
     { class: "gpu", "data-gpu": gpu.gpu },

@@ -177,6 +177,28 @@ def test_health_info_and_metrics(tmp_path: Path) -> None:
     run(tmp_path, body)
 
 
+def test_the_dashboard_may_not_be_framed_sniffed_or_run_anything_but_its_own_files(tmp_path: Path) -> None:
+    """The page runs where the browser holds the admin's credentials: another site may not frame
+    it (clickjacking), and its CSP admits only its own script and style, which must then set no
+    inline style or markup (a CSP would refuse them, or they would be an injection's way in)."""
+
+    async def body(env: Env) -> None:
+        for path in ("/ui", "/ui/dashboard.js", "/ui/dashboard.css"):
+            response = await env.client.get(path)
+            assert response.status_code == 200, path
+            assert response.headers["x-content-type-options"] == "nosniff", path
+            assert response.headers["x-frame-options"] == "DENY", path
+            policy = dict(d.strip().split(" ", 1) for d in response.headers["content-security-policy"].split(";"))
+            assert policy["frame-ancestors"] == "'none'", path
+            assert policy["default-src"] == "'none'" and policy["script-src"] == policy["style-src"] == "'self'"
+        page = (await env.client.get("/ui")).text
+        assert "style=" not in page and "<script>" not in page and "<style" not in page
+        script = (await env.client.get("/ui/dashboard.js")).text
+        assert "innerHTML" not in script and "style:" not in script and 'setAttribute("style' not in script
+
+    run(tmp_path, body)
+
+
 # --- packages -------------------------------------------------------------------------------
 
 
