@@ -99,8 +99,9 @@ def create_app(store: Store, config: GatewayConfig) -> GatewayApp:
         title="gpufaas gateway", version=gpufaas.__version__, lifespan=lifespan, docs_url=None, redoc_url=None
     )
     app.state.gateway = gateway
-    if config.credentials is not None:  # every route but invocations (checked per function by InvokeMiddleware)
-        app.add_middleware(AuthMiddleware, credentials=config.credentials)
+    # Every route but invocations (checked per function by InvokeMiddleware); without credentials
+    # (--insecure) it refuses only a browser's cross-site writes.
+    app.add_middleware(AuthMiddleware, credentials=config.credentials)
     # Outermost: POST /function/{name} is answered before FastAPI's stack; the rest goes on to it.
     app.invoke = InvokeMiddleware(functools.partial(FastAPI.__call__, app), gateway)
     _add_error_handlers(app)

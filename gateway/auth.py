@@ -107,13 +107,23 @@ CROSS_SITE_MESSAGE = (
 )
 
 
-def forged(method: str, headers: dict[bytes, bytes]) -> bool:
+INSECURE_CROSS_SITE_MESSAGE = (
+    "a cross-site request may not change anything on this gateway (it runs --insecure: a web page "
+    "could otherwise deploy code through any browser that reaches it); call the API directly (curl, gpufaas)"
+)
+
+
+def forged(method: str, headers: dict[bytes, bytes], *, ambient: bool = False) -> bool:
     """Whether this is another site's write riding on the admin's Basic credentials, which a
     browser keeps after the dashboard asked for them and sends with any request to the gateway
     (CSRF): a method that changes something, Basic credentials, and a browser's sign that another
     origin sent it (Sec-Fetch-Site: cross-site, or an Origin that is not this host). Bearer tokens
-    are never sent by a browser on its own, and a script cannot add one cross-site unasked."""
-    if method in SAFE_METHODS or headers.get(b"authorization", b"")[:6].lower() != b"basic ":
+    are never sent by a browser on its own, and a script cannot add one cross-site unasked.
+    `ambient`: the gateway asks for no credential (--insecure), so that reaching it is authority
+    enough, and any browser's write counts, whatever it carries (a page on the web can reach a
+    gateway on the admin's own host or network through the browser)."""
+    basic = headers.get(b"authorization", b"")[:6].lower() == b"basic "
+    if method in SAFE_METHODS or not (basic or ambient):
         return False
     if headers.get(b"sec-fetch-site") == b"cross-site":
         return True
@@ -142,9 +152,10 @@ async def send_refusal(send: Send, status: int, message: str, extra: list[tuple[
 
 class AuthMiddleware:
     """ASGI middleware: lets a request through to the app only if its credential's role is one
-    the route admits (`roles_for`). Invocations are checked by gateway.invoke, per function."""
+    the route admits (`roles_for`). Invocations are checked by gateway.invoke, per function.
+    `credentials` None (--insecure): anyone is let through, but for a browser's cross-site write."""
 
-    def __init__(self, app: ASGIApp, credentials: Credentials) -> None:
+    def __init__(self, app: ASGIApp, credentials: Credentials | None) -> None:
         self.app = app
         self.credentials = credentials
 
@@ -153,17 +164,24 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         admitted = roles_for(scope["method"], scope["path"])
-        if admitted is not None:
-            try:
-                role = caller_role(self.credentials, scope["headers"])
-            except AmbiguousCredentials as exc:
-                await send_refusal(send, 400, str(exc))
-                return
-            if role not in admitted:
-                status, message = refusal(role, f"{scope['method']} {scope['path']}")
-                await send_refusal(send, status, message)
-                return
-            if forged(scope["method"], dict(scope["headers"])):
-                await send_refusal(send, 403, CROSS_SITE_MESSAGE)
-                return
+        refused = None if admitted is None else self._refusal(scope, admitted)
+        if refused is not None:
+            await send_refusal(send, *refused)
+            return
         await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Scope, admitted: frozenset[Role]) -> tuple[int, str] | None:
+        """The status and message a request to a route that admits `admitted` is refused with;
+        None: it may go on."""
+        method, path, headers = scope["method"], scope["path"], scope["headers"]
+        if self.credentials is None:  # (--insecure: anyone, but for a browser sent by another site)
+            return (403, INSECURE_CROSS_SITE_MESSAGE) if forged(method, dict(headers), ambient=True) else None
+        try:
+            role = caller_role(self.credentials, headers)
+        except AmbiguousCredentials as exc:
+            return 400, str(exc)
+        if role not in admitted:
+            return refusal(role, f"{method} {path}")
+        if forged(method, dict(headers)):
+            return 403, CROSS_SITE_MESSAGE
+        return None

@@ -183,6 +183,27 @@ def test_an_insecure_gateway_admits_anyone(tmp_path: Path) -> None:
     run(tmp_path, body, credentials=None, scheduler_wait_s=0.1)
 
 
+def test_another_site_cannot_write_to_an_insecure_gateway_through_a_browser_that_reaches_it(tmp_path: Path) -> None:
+    """--insecure asks nobody for anything, so reaching the port is all it takes: a page on any
+    site could otherwise register a package and deploy it through the browser of someone whose
+    host or network reaches the gateway (a form or a no-cors fetch needs no preflight). Such
+    writes are refused; reads, the same origin and clients that are not browsers are not."""
+
+    async def body(env: Env) -> None:
+        digest = await env.upload()
+        spec = {"name": "f", "package_digest": digest, "memory_mb": 100}
+        for headers in ({"sec-fetch-site": "cross-site"}, {"origin": "https://evil.example"}, {"origin": "null"}):
+            refused = await status(env, "POST", "/system/packages", headers, content=b"x")
+            assert_error(refused, 403, "cross-site", "--insecure")
+            assert_error(await status(env, "POST", "/system/functions", headers, json=spec), 403, "cross-site")
+            assert (await status(env, "GET", "/system/functions", headers)).status_code == 200
+        assert await env.stored_spec("f") is None
+        same_origin = {"origin": "http://gateway", "sec-fetch-site": "same-origin"}
+        assert (await status(env, "POST", "/system/functions", same_origin, json=spec)).status_code == 202
+
+    run(tmp_path, body, credentials=None, scheduler_wait_s=0.1)
+
+
 BROWSER_ADMIN = {"authorization": basic_authorization("admin", ADMIN_PASSWORD)}
 
 
