@@ -150,8 +150,9 @@ async def upload_blob(
     """Upload one blob, verified as it streams (the blob server does the same faster). A broken
     upload resumes: send the rest with Upload-Offset: the bytes already here (HEAD says)."""
     offset_header = request.headers.get(UPLOAD_OFFSET.lower(), "0")
-    if not offset_header.isdecimal():
-        raise ApiError(400, f"{UPLOAD_OFFSET} must be a whole number of bytes, got {offset_header!r}")
+    # (At most 20 digits, as the blob server's Range: more is past any blob, and past what int() takes.)
+    if not offset_header.isdecimal() or len(offset_header) > 20:
+        raise ApiError(400, f"{UPLOAD_OFFSET} must be a whole number of bytes, got {offset_header[:40]!r}")
     offset = int(offset_header)
     try:
         reached = await gateway.artifacts.receive(digest, size, offset, request.stream())

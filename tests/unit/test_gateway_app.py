@@ -342,7 +342,8 @@ def test_archives_that_could_escape_or_have_no_handler_are_refused_at_upload(tmp
 def test_an_upload_offset_that_is_not_a_number_is_a_400(tmp_path: Path) -> None:
     async def body(env: Env) -> None:
         digest = "sha256:" + "0" * 64
-        for offset in (b"x", b"-1", b"\xb2"):  # (the last: '²', a digit to str.isdigit, not to int)
+        # ('²': a digit to str.isdigit, not to int; 5,000 digits: past what int() converts, a 500 once)
+        for offset in (b"x", b"-1", b"\xb2", b"9" * 5000):
             response = await env.client.put(
                 f"/system/blobs/{digest}?size=1", content=b"x", headers={"Upload-Offset": offset}
             )
