@@ -892,6 +892,23 @@ def test_spec_validation_errors_name_the_field(tmp_path: Path) -> None:
     run(tmp_path, body)
 
 
+def test_an_error_quotes_a_refused_value_cut_short_not_whole(tmp_path: Path) -> None:
+    """A value of 100,000 characters (10,000 in a URL) is refused in one short line, not echoed whole."""
+
+    async def body(env: Env) -> None:
+        huge = "x" * 100_000
+        refused = (
+            (await env.client.request("DELETE", "/system/functions", json={"functionName": huge}), "not a valid"),
+            (await env.client.post("/system/blobs/missing", json={"blobs": {huge: 1}}), "the body must be"),
+            (await env.client.put(f"/system/blobs/sha256:{'0' * 64}?size={huge[:10_000]}", content=b"x"), "size:"),
+        )
+        for response, fragment in refused:
+            message = assert_error(response, 400, fragment, "xxx...")
+            assert len(message) < 300, message[:300]
+
+    run(tmp_path, body)
+
+
 def test_datastore_outage_is_a_503_naming_etcd(tmp_path: Path) -> None:
     async def body(env: Env) -> None:
         digest = await env.upload()
