@@ -19,7 +19,7 @@ from gateway.auth import OPEN_PATHS, AuthMiddleware
 from gateway.invoke import InvokeMiddleware, Receive, Scope, Send
 from gateway.routes import cluster, dashboard, functions, health, packages
 from gateway.state import ApiError, Gateway, GatewayConfig
-from gpufaas.errors import InvalidInput
+from gpufaas.errors import InvalidInput, shown
 from gpufaas.functions import FunctionSpec, explain
 from gpufaas.store import Store, StoreError
 
@@ -45,7 +45,7 @@ def _invalid_request(request: Request, exc: RequestValidationError) -> str:
                 "send JSON with Content-Type: application/json"
             )
         if request.url.path == "/system/blobs/missing":
-            where = _cut(".".join(loc[1:]) or "body")
+            where = shown(".".join(loc[1:]) or "body")
             return f'{where}: the body must be JSON like {{"blobs": {{"sha256:<64 hex digits>": SIZE_IN_BYTES}}}}'
         if first.get("type") == "json_invalid" or (loc == ["body"] and first.get("type") == "missing"):
             if request.url.path == "/system/functions" and request.method == "DELETE":
@@ -56,19 +56,11 @@ def _invalid_request(request: Request, exc: RequestValidationError) -> str:
             return explain(body_errors, FunctionSpec)  # type: ignore[arg-type]
         value = first.get("input")
         if loc[1:] == ["functionName"] and isinstance(value, str):
-            return f"{_cut(repr(value))} is not a valid function name"
+            return f"{shown(repr(value))} is not a valid function name"
         return 'the body must be JSON like {"functionName": "NAME"}'
     name = loc[-1] if loc else "request"
     expected = PARAMETERS.get(name, first.get("msg", "malformed"))
-    return f"{name}: {expected}, got {_cut(repr(first.get('input')))}"
-
-
-SHOWN_CHARS = 80  # of a refused value, quoted in its error: a 1 MB name is not echoed whole
-
-
-def _cut(text: str) -> str:
-    """`text` (a refused value, or where it is) as an error message quotes it: at most SHOWN_CHARS."""
-    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
+    return f"{name}: {expected}, got {shown(repr(first.get('input')))}"
 
 
 class GatewayApp(FastAPI):

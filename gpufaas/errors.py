@@ -33,3 +33,12 @@ class UnknownModel(GpufaasError):
 
 class InvalidInput(GpufaasError):
     pass
+
+
+SHOWN_CHARS = 80  # of a refused value, quoted in its error: a 1 MB name is not echoed whole
+
+
+def shown(text: str, limit: int = SHOWN_CHARS) -> str:
+    """`text` (a refused value, or where it is) as an error message quotes it: at most `limit`
+    characters, cut with '...'."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."

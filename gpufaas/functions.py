@@ -13,7 +13,7 @@ from typing import Annotated, Any, Self, TypeVar
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 
-from gpufaas.errors import InvalidInput
+from gpufaas.errors import InvalidInput, shown
 from gpufaas.types import DEFAULT_BATCH_SIZE
 
 NAME_PATTERN = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -296,21 +296,21 @@ def explain(errors: list[ErrorDetails], model: type[BaseModel] = FunctionSpec, p
         return f"{path or 'function spec'}: not valid JSON ({error.get('ctx', {}).get('error', error['msg'])})"
     if not loc:
         return f"{path or 'function spec'}: expected an object with the fields {', '.join(_fields(model))}"
-    field = loc[0]
+    field = shown(loc[0])
     where = f"{path}.{field}" if path else field
     if error["type"] == "extra_forbidden":
         return f"{where}: unknown field; known fields: {', '.join(_fields(model))}"
     expected = EXPECTED.get(field, error["msg"])
     if error["type"] == "missing":
         return f"{where}: required; {expected.removeprefix('expected ')}"
-    value = error.get("input")
+    value = shown(repr(error.get("input")))  # (a refused value is quoted cut short, not whole)
     if field == "name":
-        if isinstance(value, str):
-            return f"{where}: {value!r} is not a valid function name; use {expected.removeprefix('a function name: ')}"
-        return f"{where}: expected {expected}, got {value!r}"
+        if isinstance(error.get("input"), str):
+            return f"{where}: {value} is not a valid function name; use {expected.removeprefix('a function name: ')}"
+        return f"{where}: expected {expected}, got {value}"
     if len(loc) > 1:  # inside a mapping: say which entry
-        return f"{where}: {expected}; {'.'.join(loc[1:])} is {value!r}"
-    return f"{where}: {expected}, got {value!r}"
+        return f"{where}: {expected}; {shown('.'.join(loc[1:]))} is {value}"
+    return f"{where}: {expected}, got {value}"
 
 
 _ORDER = {name: i for i, name in enumerate(["name", "package_digest", *EXPECTED])}

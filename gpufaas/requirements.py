@@ -43,7 +43,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from gpufaas.errors import GpufaasError
+from gpufaas.errors import GpufaasError, shown
 
 __all__ = [
     "MAX_REQUIREMENTS",
@@ -522,7 +522,7 @@ def _unresolvable(
         errors = [line.removeprefix("ERROR: ") for line in output.splitlines() if line.startswith("ERROR:")]
         last = errors[-1] if errors else next((s for s in reversed(stderr.splitlines()) if s.strip()), "")
         reason = last.strip() or f"pip exited with status {returncode}"
-    reason = _cut(reason)
+    reason = shown(reason, _MESSAGE_PART_CHARS)
     message = f"cannot resolve {', '.join(packages)}: {reason}\n{advice}"
     return UnresolvableRequirements(message, packages=packages, reason=reason)
 
@@ -554,10 +554,6 @@ def _conflict_causes(output: str, base_pins: Sequence[str]) -> tuple[str, bool]:
             depends.append(text)
     shown = depends[:2] + ([f"{len(depends) - 2} more like these"] if len(depends) > 2 else [])
     return "; ".join(shown + constraints), held_by_base
-
-
-def _cut(text: str) -> str:
-    return text if len(text) <= _MESSAGE_PART_CHARS else text[: _MESSAGE_PART_CHARS - 3] + "..."
 
 
 # --- installing a layer ---------------------------------------------------------------------------------
@@ -611,7 +607,7 @@ def _install_failed(layer: Layer, stdout: str, stderr: str, returncode: int) -> 
     output = stderr + "\n" + stdout
     failed = [m.group(1) for m in _NO_MATCH.finditer(output)] or list(layer.pins)
     errors = [line.removeprefix("ERROR: ") for line in output.splitlines() if line.startswith("ERROR:")]
-    reason = _cut(errors[-1] if errors else f"pip exited with status {returncode}")
+    reason = shown(errors[-1] if errors else f"pip exited with status {returncode}", _MESSAGE_PART_CHARS)
     return RequirementsError(
         f"cannot install {', '.join(failed)} of layer {layer.digest}: {reason}\n"
         "the package index may have lost these versions or be unreachable; deploy the function again to re-resolve"

@@ -91,6 +91,21 @@ def test_invalid_specs_say_which_field_and_what_is_expected(raw: dict[str, objec
         FunctionSpec.from_dict(raw)
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"name": "x" * 1_000_000, "package_digest": DIGEST, "memory_mb": 1},
+        {"name": "f", "package_digest": DIGEST, "memory_mb": "9" * 1_000_000},
+        {"name": "f", "package_digest": DIGEST, "memory_mb": 1, "x" * 1_000_000: 1},
+        {"name": "f", "package_digest": DIGEST, "memory_mb": 1, "labels": {"x" * 1_000_000: 1}},
+    ],
+)
+def test_a_refused_value_or_key_is_quoted_cut_short_not_whole(raw: dict[str, object]) -> None:
+    with pytest.raises(InvalidInput) as caught:
+        FunctionSpec.from_dict(raw)
+    assert len(str(caught.value)) < 500 and "..." in str(caught.value)
+
+
 def test_key_layout_matches_the_design() -> None:
     keys = Keys("/gpufaas")
     assert keys.function("f") == "/gpufaas/functions/f"
