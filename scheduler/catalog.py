@@ -114,8 +114,10 @@ class Catalog:
             self.apply(self._retire(gone.model))
 
     def _retire(self, model: str) -> list[Effect]:
-        """No function runs `model` any more: the book retires it, and `retired` is told."""
+        """No function runs `model` any more: the book retires it, `retired` is told, and its
+        persisted profiles go."""
         self.retired(model)
+        self.links.persister.model_retired(model)
         return self.book.retire(model)
 
     def learn_function(self, kv: KeyValue, *, relisting: bool = False) -> FunctionSpec | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from gpufaas.keys import Keys, gpu_address, split_gpu_address
 from gpufaas.store import MAX_TXN_BYTES, MAX_TXN_OPS, Store, StoreError
@@ -58,6 +58,11 @@ class StatePersister:
         self._profile_written_at: dict[str, float] = {}
         self._fence: tuple[str, int] | None = None  # (leader key, epoch) under an election
         self._unkeyable: set[str] = set()  # what `_key` warned of already
+        # The models some function runs now (the catalog's); None: every model (no catalog). A
+        # profile of any other model is deleted, and not written again.
+        self.models_run: Callable[[], Collection[str]] | None = None
+        self._profile_keys: dict[str, set[str]] = {}  # model -> its profile keys in etcd, as known this term
+        self._retiring: set[str] = set()  # models whose profile keys go at the next flush, if still run by none
 
     def new_term(self, fence: tuple[str, int] | None = None) -> None:
         """A term begins or ends: what is pending is dropped, and what was written is no longer
@@ -67,6 +72,8 @@ class StatePersister:
         self.book.dirty_gpus, self.book.dirty_models, self.book.dirty_profiles = set(), set(), set()
         self._deleted_gpus.clear()
         self._written.clear()
+        self._profile_keys.clear()  # (`recover` reads them again)
+        self._retiring.clear()
         self._wanted.clear()
 
     def want_flush(self) -> None:
@@ -81,12 +88,25 @@ class StatePersister:
         """A GPU (re)joined: its keys stay (the flushes rewrite them)."""
         self._deleted_gpus.discard(gpu_id)
 
+    def model_retired(self, model: str) -> None:
+        """No function runs `model` any more: its profile keys are deleted at the next flush
+        (unless a function runs it again by then). Kept, they grew by a key per GPU type with
+        every model ever deployed, each read back at every term's start."""
+        self._retiring.add(model)
+        self._wanted.set()
+
     async def recover(self, live_gpu_ids: set[str]) -> dict[str, list[str]]:
         """Read the persisted LRU lists: "node/gpu" -> models, most recent first, for the GPUs of
         nodes registered now; those of any other GPU (one that left while no scheduler ran) are
         deleted at the next flush, which is wanted now. Every model with a replicas key is
         written again from the cache as its nodes attach: a worker that died, or a node that
-        restarted or left, while no scheduler ran left it naming GPUs that no longer hold it."""
+        restarted or left, while no scheduler ran left it naming GPUs that no longer hold it.
+        The profile keys are noted per model; those of a model no function runs (deleted while no
+        scheduler led) are deleted at that flush."""
+        for kv in await self.store.get_prefix(self.keys.profiles):
+            model = kv.key.removeprefix(self.keys.profiles).partition("/")[2]
+            self._profile_keys.setdefault(model, set()).add(kv.key)
+        self._retiring.update(self._profile_keys)  # (the flush keeps those a function runs)
         for kv in await self.store.get_prefix(self.keys.models):
             model, _, leaf = kv.key.removeprefix(self.keys.models).rpartition("/")
             if leaf == "replicas" and model:
@@ -135,12 +155,18 @@ class StatePersister:
         profiles, book.dirty_profiles = book.dirty_profiles, set()
         deleted, self._deleted_gpus = self._deleted_gpus, set()
         writes: dict[str, bytes | None] = {}  # key -> value (None: delete), in the order decided
+        retiring: set[str] = set()
         try:
             self._delete_gpus(deleted, writes)
             await self._write_gpus(gpus, writes)
             self._write_replicas(models, writes)
-            self._write_profiles(profiles, writes, calm=not final)
+            running = None if self.models_run is None else self.models_run()
+            self._write_profiles(profiles, writes, running, calm=not final)
+            retiring = self._delete_profiles(writes, running)
             await self._write_all(writes)
+            if running is not None:
+                for model in retiring.difference(running):
+                    self._profile_keys.pop(model, None)  # (deleted)
         except BaseException:
             # Put it all back: the next flush retries every key (stop's last flush too, when the
             # flusher was cancelled in the middle of this one).
@@ -148,6 +174,7 @@ class StatePersister:
             book.dirty_models |= models
             book.dirty_profiles |= profiles
             self._deleted_gpus |= deleted
+            self._retiring |= retiring
             raise
 
     def _delete_gpus(self, deleted: set[str], writes: dict[str, bytes | None]) -> None:
@@ -211,8 +238,23 @@ class StatePersister:
             elif self._written.get(key) != DELETED:
                 writes[key] = None
 
+    def _delete_profiles(self, writes: dict[str, bytes | None], running: Collection[str] | None) -> set[str]:
+        """Delete the profile keys of the retiring models no function runs (`running`; None: all
+        run); returns the retiring models taken (the caller puts them back if the flush fails,
+        and forgets the keys of those no function runs once it succeeds)."""
+        retiring, self._retiring = self._retiring, set()
+        for model in retiring:
+            if running is not None and model not in running:
+                writes.update(dict.fromkeys(self._profile_keys.get(model, ())))
+        return retiring
+
     def _write_profiles(
-        self, profiles: set[tuple[str, str, int]], writes: dict[str, bytes | None], *, calm: bool = True
+        self,
+        profiles: set[tuple[str, str, int]],
+        writes: dict[str, bytes | None],
+        running: Collection[str] | None,
+        *,
+        calm: bool = True,
     ) -> None:
         """Each (GPU type, model) key with a batch size measured anew, with `calm` at most once per
         PROFILE_WRITE_INTERVAL_S (a later one goes back to the book's dirty set, and the flusher
@@ -220,10 +262,13 @@ class StatePersister:
         every figure the estimator knows of the pair, each batch size's with the others: one
         written with the dirty batch size alone lost the rest, for a restarted scheduler and a
         standby that takes over. A load time never measured nor profiled is written as null, not
-        the size-based guess (which a successor would take for known)."""
+        the size-based guess (which a successor would take for known). A model no function runs
+        (`running`; None: all run) is not written: its keys are deleted (`_delete_profiles`)."""
         now = self.clock()
         # One dirty entry per key stands for all of its batch sizes: the write takes every one.
         pairs = {(gpu_type, model): batch for gpu_type, model, batch in profiles}
+        if running is not None:
+            pairs = {pair: batch for pair, batch in pairs.items() if pair[1] in running}
         for (gpu_type, model), batch in pairs.items():
             try:
                 key = self.keys.profile(gpu_type, model)
@@ -244,6 +289,7 @@ class StatePersister:
                 "inference_time_s": {str(batch): seconds for batch, seconds in sorted(inference_time_s.items())},
             }
             writes[key] = json.dumps(record).encode()
+            self._profile_keys.setdefault(model, set()).add(key)
 
     def _put(self, writes: dict[str, bytes | None], key: str, value: bytes) -> None:
         # A value this scheduler last put unchanged is not rewritten, unless this flush was to

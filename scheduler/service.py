@@ -209,6 +209,7 @@ class SchedulerService:
         )
         store, scheduler, book = self.store, self.scheduler, self.book
         catalog = Catalog(store, self.keys, scheduler, book, links, functions=functions, apply=self.apply)
+        persister.models_run = lambda: {spec.model for spec in functions.values()}
         catalog.retired = self.metrics.forget_model  # (a model's series go with it)
         return persister, links, catalog
 

@@ -301,6 +301,38 @@ def test_a_restarted_scheduler_recovers_every_batch_size_measured() -> None:
     run(scenario)
 
 
+def test_the_profiles_of_a_model_no_function_runs_any_more_are_deleted() -> None:
+    # They were never deleted: a key per GPU type for every model ever deployed (each redeploy
+    # of a function is a new model), all read back at every term's start.
+    a, b = make_spec("fn-a"), make_spec("fn-b")
+
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        keys, catalog, estimator = service.keys, service.catalog, service.scheduler.estimator
+        for spec in (a, b):
+            catalog.learn_function(stored_spec(keys, spec, 1))
+            for gpu_type in ("cpu", "gpu"):
+                estimator.observe_inference(spec.model, gpu_type, 1, 0.1)
+                service.book.dirty_profiles.add((gpu_type, spec.model, 1))
+        await service.persister.flush()
+        assert len(await store.get_prefix(keys.profiles)) == 4
+        catalog.function_changed(WatchEvent("delete", keys.function(a.name), b"", 2))
+        estimator.observe_inference(a.model, "cpu", 2, 0.2)  # its last call's, after the delete
+        service.book.dirty_profiles.add(("cpu", a.model, 2))
+        await service.persister.flush(final=True)
+        assert [kv.key for kv in await store.get_prefix(keys.profiles)] == [
+            keys.profile("cpu", b.model),
+            keys.profile("gpu", b.model),
+        ]
+        # Those an earlier leader left of a model deleted while no scheduler led go at recovery.
+        await store.put(keys.profile("cpu", "gone@1"), b'{"load_time_s": 1.0, "inference_time_s": {}}')
+        service.persister.new_term()
+        await service.persister.recover(set())
+        await service.persister.flush()
+        assert len(await store.get_prefix(keys.profiles)) == 2  # b's stay: a function runs it
+
+    run(scenario)
+
+
 def test_a_restarted_scheduler_passes_over_a_profile_with_impossible_figures(caplog: pytest.LogCaptureFixture) -> None:
     # A batch size of 0 was taken in: every size-based estimate of its GPU type divided by it
     # (ZeroDivisionError placing any model not profiled there); negative or NaN times were too.
