@@ -300,6 +300,7 @@ class StatePersister:
     async def _write_all(self, writes: dict[str, bytes | None]) -> None:
         """Write `writes` in transactions (`_batches`), each only if this scheduler leads, and
         fenced on its term's key; remember what each one wrote."""
+        self._delete_oversized(writes)
         for batch in _batches(writes):
             if not self.may_write():
                 raise NotLeading("this scheduler does not lead now: it writes nothing")
@@ -310,6 +311,16 @@ class StatePersister:
                 if not await self.store.write_batch(batch, guard_key=guard_key, guard_create_revision=epoch):
                     raise NotLeading(f"the leader key is no longer epoch {epoch}'s: a newer leader writes these keys")
             self._written.update((key, DELETED if value is None else value) for key, value in batch.items())
+
+    def _delete_oversized(self, writes: dict[str, bytes | None]) -> None:
+        """A value over MAX_TXN_BYTES (a GPU's LRU list of many small models, a profile of many
+        batch sizes) is not put: its key is deleted instead, with a warning (once per key), so
+        that no stale value is read back. Put, it passed etcd's --max-request-bytes: etcd
+        refused every flush, which retried forever, and no key after it was written again."""
+        for key, value in writes.items():
+            if value is not None and len(key) + len(value) > MAX_TXN_BYTES:
+                self._cannot_key(key, ValueError(f"{len(value)} bytes, over the {MAX_TXN_BYTES} one write may hold"))
+                writes[key] = None
 
 
 def _lru_models(value: bytes) -> list[str] | None:

@@ -333,6 +333,33 @@ def test_the_profiles_of_a_model_no_function_runs_any_more_are_deleted() -> None
     run(scenario)
 
 
+def test_a_value_too_large_for_etcd_is_deleted_not_retried_and_the_rest_written(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # etcd refuses a request over its --max-request-bytes (1.5 MiB by default): a profile of that
+    # many batch sizes failed every flush, retried forever, and no change was persisted again.
+    async def scenario(service: SchedulerService, store: MemoryStore, spec: FunctionSpec) -> None:
+        keys = service.keys
+        write_batch = store.write_batch
+
+        async def like_etcd(writes: dict[str, bytes | None], **guard: Any) -> bool:
+            if sum(len(key) + len(value or b"") for key, value in writes.items()) > 1536 * 1024:
+                raise StoreError("etcdserver: request is too large")
+            return await write_batch(writes, **guard)
+
+        store.write_batch = like_etcd  # type: ignore[method-assign]
+        await store.put(keys.profile("cpu", spec.model), b'{"load_time_s": 1.0, "inference_time_s": {}}')
+        huge = {batch: 0.1 for batch in range(1, 200_000)}
+        service.scheduler.estimator.restore(spec.model, "cpu", None, huge)
+        service.book.dirty_profiles.add(("cpu", spec.model, 1))
+        await service.persister.flush()
+        assert await store.get(keys.gpu_lru("n1", "g0")) is not None  # the rest is written
+        assert await store.get(keys.profile("cpu", spec.model)) is None  # not the stale figures
+        assert f"cannot persist the state of {keys.profile('cpu', spec.model)}" in caplog.text
+
+    run_with_a_model(scenario)
+
+
 def test_a_restarted_scheduler_passes_over_a_profile_with_impossible_figures(caplog: pytest.LogCaptureFixture) -> None:
     # A batch size of 0 was taken in: every size-based estimate of its GPU type divided by it
     # (ZeroDivisionError placing any model not profiled there); negative or NaN times were too.
