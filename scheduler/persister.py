@@ -114,11 +114,15 @@ class StatePersister:
         recovered: dict[str, list[str]] = {}
         for kv in await self.store.get_prefix(self.keys.gpus):
             parsed = self.keys.parse_gpu_key(kv.key)
-            if parsed is None or parsed[2] != "lru":
+            if parsed is None:
                 continue
             address = gpu_address(parsed[0], parsed[1])
+            # Its status key alone counts too: its LRU list may never have been written (cut off
+            # from it by a crash between two transactions, or deleted as too large).
             if address not in live_gpu_ids:
                 self._deleted_gpus.add(address)
+                continue
+            if parsed[2] != "lru":
                 continue
             models = _lru_models(kv.value)
             if models is None:

@@ -211,10 +211,12 @@ def test_recovery_returns_the_lru_lists_of_registered_gpus_and_deletes_the_rest(
         keys = service.keys
         for node in ("n1", "gone"):
             await store.put(keys.gpu_lru(node, "g0"), json.dumps([{"model": "m2"}, {"model": "m1"}]).encode())
+        await store.put(keys.gpu_status("gone", "g1"), b"{}")  # its LRU list was never written
         recovered = await service.persister.recover({GPU})
         assert recovered == {GPU: ["m2", "m1"]}
         await service.persister.flush()
         assert await store.get(keys.gpu_lru("gone", "g0")) is None
+        assert await store.get(keys.gpu_status("gone", "g1")) is None  # (it was kept for good)
         assert await store.get(keys.gpu_lru("n1", "g0")) is not None
 
     run(scenario)
