@@ -188,13 +188,15 @@ class Catalog:
             raw = json.loads(kv.value)
             load_time_s = raw.get("load_time_s")
             load_time_s = None if load_time_s is None else _seconds(load_time_s)
+            swap_in_time_s = raw.get("swap_in_time_s")  # (absent from those of older versions)
+            swap_in_time_s = None if swap_in_time_s is None else _seconds(swap_in_time_s)
             inference_time_s = {
                 _batch_size(batch): _seconds(seconds) for batch, seconds in raw.get("inference_time_s", {}).items()
             }
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("ignoring invalid profile at %s: %r", kv.key, exc)
             return
-        self.scheduler.estimator.restore(model, gpu_type, load_time_s, inference_time_s)
+        self.scheduler.estimator.restore(model, gpu_type, load_time_s, inference_time_s, swap_in_time_s)
 
     # --- nodes ------------------------------------------------------------------------------
     def nodes_listed(self, kvs: list[KeyValue], revision: int) -> None:

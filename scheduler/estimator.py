@@ -118,13 +118,26 @@ class Estimator:
         key = (model, gpu_type)
         return self._load_s.get(key), dict(self._inference_s.get(key, {}))
 
+    def known_swap_in_s(self, model: str, gpu_type: str) -> float | None:
+        """The measured time of taking `model` back from a host tier onto `gpu_type` (None: never
+        measured), persisted with `known_times_s`."""
+        return self._swap_in_s.get((model, gpu_type))
+
     def restore(
-        self, model: str, gpu_type: str, load_time_s: float | None, inference_time_s: Mapping[int, float]
+        self,
+        model: str,
+        gpu_type: str,
+        load_time_s: float | None,
+        inference_time_s: Mapping[int, float],
+        swap_in_time_s: float | None = None,
     ) -> None:
-        """Take figures another scheduler knew (`known_times_s`, persisted) as they are: they are
-        estimates already, not a new measurement to average in. They replace the ones known here,
-        batch size by batch size; a load time of None leaves the one known here."""
+        """Take figures another scheduler knew (`known_times_s`, `known_swap_in_s`, persisted) as
+        they are: they are estimates already, not a new measurement to average in. They replace
+        the ones known here, batch size by batch size; a load or swap-in time of None leaves the
+        one known here."""
         key = (model, gpu_type)
+        if swap_in_time_s is not None:
+            self._swap_in_s[key] = swap_in_time_s
         if load_time_s is not None:
             self._load_s[key] = load_time_s
             self._fits.pop(gpu_type, None)

@@ -265,8 +265,9 @@ class StatePersister:
         looks again after FLUSH_DELAY_S until its interval has passed). The key holds
         every figure the estimator knows of the pair, each batch size's with the others: one
         written with the dirty batch size alone lost the rest, for a restarted scheduler and a
-        standby that takes over. A load time never measured nor profiled is written as null, not
-        the size-based guess (which a successor would take for known). A model no function runs
+        standby that takes over; so is its measured swap-in time (from a host tier). A load or
+        swap-in time never measured nor profiled is written as null, not the size-based guess
+        (which a successor would take for known). A model no function runs
         (`running`; None: all run) is not written: its keys are deleted (`_delete_profiles`)."""
         now = self.clock()
         # One dirty entry per key stands for all of its batch sizes: the write takes every one.
@@ -290,6 +291,7 @@ class StatePersister:
             load_time_s, inference_time_s = self.scheduler.estimator.known_times_s(model, gpu_type)
             record = {
                 "load_time_s": load_time_s,
+                "swap_in_time_s": self.scheduler.estimator.known_swap_in_s(model, gpu_type),
                 "inference_time_s": {str(batch): seconds for batch, seconds in sorted(inference_time_s.items())},
             }
             writes[key] = json.dumps(record).encode()

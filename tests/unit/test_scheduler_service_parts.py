@@ -288,6 +288,7 @@ def test_a_restarted_scheduler_recovers_every_batch_size_measured() -> None:
         service.catalog.learn_function(stored_spec(keys, spec))
         estimator = service.scheduler.estimator
         estimator.observe_load(spec.model, "cpu", 9.0)
+        estimator.observe_swap_in(spec.model, "cpu", 0.7)
         estimator.observe_inference(spec.model, "cpu", 1, 0.1)
         estimator.observe_inference(spec.model, "cpu", 8, 0.4)
         estimator.observe_inference(spec.model, "gpu", 4, 0.3)  # measured, never loaded there
@@ -299,6 +300,9 @@ def test_a_restarted_scheduler_recovers_every_batch_size_measured() -> None:
         known = restarted.scheduler.estimator.known_times_s
         assert known(spec.model, "cpu") == (9.0, {1: 0.1, 8: 0.4})
         assert known(spec.model, "gpu") == (None, {4: 0.3})  # not the size-based guess, taken for known
+        # A measured swap-in (from a host tier) was lost: the successor took the size-based guess.
+        assert restarted.scheduler.estimator.known_swap_in_s(spec.model, "cpu") == 0.7
+        assert restarted.scheduler.estimator.known_swap_in_s(spec.model, "gpu") is None
 
     run(scenario)
 
@@ -417,7 +421,11 @@ def test_a_standby_takes_office_with_the_profiles_the_leader_measured_since_its_
         finally:
             await standby.leave_office("test")
         kv = await store.get(keys.profile("cpu", spec.model))
-        assert kv is not None and json.loads(kv.value) == {"load_time_s": 9.0, "inference_time_s": {"1": 0.1, "8": 0.4}}
+        assert kv is not None and json.loads(kv.value) == {
+            "load_time_s": 9.0,
+            "swap_in_time_s": None,
+            "inference_time_s": {"1": 0.1, "8": 0.4},
+        }
 
     asyncio.run(main())
 
