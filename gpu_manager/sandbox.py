@@ -1,6 +1,7 @@
 """What a worker process may touch (the `process` runtime): its own user, no network, resource
 limits, a clean environment. Decisions are pure functions; the few calls that change a process
-(`close_descriptors`, `own_namespaces`, `confine`, `lock_package`) are at the bottom.
+(`close_descriptors`, `drop_controlling_terminal`, `own_namespaces`, `confine`, `lock_package`) are
+at the bottom.
 
 A worker is confined in three steps:
 - when it is made (`close_descriptors`): it keeps no descriptor but its stdio (a pipe of its own,
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import itertools
 import json
 import logging
@@ -36,6 +38,7 @@ import shutil
 import stat
 import sys
 import tempfile
+import termios
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -252,6 +255,24 @@ def close_descriptors(keep: Iterable[int] = ()) -> None:
     for low, high in zip(kept, [*kept[1:], _DESCRIPTOR_END], strict=True):
         if high > low + 1:
             os.closerange(low + 1, high)
+
+
+def drop_controlling_terminal() -> bool:
+    """Let go of this process's controlling terminal, if it has one (a node run by hand in a
+    shell hands its terminal down), so that nothing it forks has one: /dev/tty is open to every
+    user and reaches the session's terminal, where a worker, whatever its uid, could read the
+    operator's keystrokes or push its own into root's shell (TIOCSTI). The process keeps its
+    process group (a stop of the node's group still reaches it). Whether it had one. Not for a
+    session leader (TIOCNOTTY would hang up its foreground group)."""
+    try:
+        terminal = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:
+        return False  # ENXIO: none
+    try:
+        fcntl.ioctl(terminal, termios.TIOCNOTTY)
+    finally:
+        os.close(terminal)
+    return True
 
 
 def own_namespaces() -> bool:

@@ -10,8 +10,9 @@ b"<gpu id> <device index>" carrying two file descriptors (SCM_RIGHTS): the worke
 socket pair, on which the forked worker then speaks to the pool (gpu_manager.worker), and the
 write end of a pipe that becomes the worker's stdout and stderr (the pool reads it, within a
 budget). A worker keeps no other descriptor (gpu_manager.sandbox.close_descriptors), nor does the
-zygote keep any it was started with but its stdio and fd N. With --isolate each worker first
-moves into a network namespace of its own (gpu_manager.sandbox): it reaches nothing but its pool.
+zygote keep any it was started with but its stdio and fd N, nor its node's controlling terminal.
+With --isolate each worker first moves into a network namespace of its own (gpu_manager.sandbox):
+it reaches nothing but its pool.
 Children are reaped automatically (SIGCHLD ignored); the pool tells a worker's exit by its socket
 closing or, from its hello on, by its PID (a pidfd: a process its handler forked may hold a copy of
 its socket). The zygote exits when the pool closes its end, or the kernel does for a node that died
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from gpu_manager.backends import Backend, WorkerDevice, backend_class
-from gpu_manager.sandbox import close_descriptors, own_namespaces, plan_import_path
+from gpu_manager.sandbox import close_descriptors, drop_controlling_terminal, own_namespaces, plan_import_path
 from gpu_manager.worker import run_worker
 
 MAX_MESSAGE_BYTES = 1024
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     # The node's event loop (uvloop) hands its children copies of the node's stdio (its log) that
     # it made while spawning; nothing but the control socket is this process's to keep.
     close_descriptors(keep=[args.fd])
+    drop_controlling_terminal()  # a node run in a shell: no worker may reach that terminal
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gpu_manager decides when this process stops
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped as they exit
     backend = backend_class(args.backend)

@@ -3,10 +3,12 @@ the process runtime drives it: what it does when it cannot fork a worker."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import subprocess
 import sys
+import termios
 from pathlib import Path
 
 from gpu_manager.worker import Channel
@@ -72,3 +74,39 @@ def test_a_fork_the_kernel_refuses_fails_that_worker_only_and_the_zygote_forks_t
         if zygote.poll() is None:
             zygote.kill()
             zygote.wait()
+
+
+def _terminal(pid: int) -> int:
+    """Process `pid`'s controlling terminal (stat's tty_nr; 0: none)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[4])
+
+
+def test_a_worker_has_no_controlling_terminal_when_its_node_was_started_in_one() -> None:
+    """A node run by hand in a root shell had its terminal as the zygote's and every worker's
+    controlling terminal: a handler, as the package's user, opened /dev/tty (mode 0666, whoever
+    owns the terminal) and pushed `TIOCSTI` keystrokes into root's shell. The zygote lets go of it."""
+    control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    leader, follower = os.openpty()
+    zygote = subprocess.Popen(
+        # The shell leads the session (a node started by hand in it); the zygote is its child, as a node's is.
+        ["sh", "-c", f'"{sys.executable}" -m gpu_manager.zygote --fd {theirs.fileno()} --backend emulated; :'],
+        cwd=REPO,
+        pass_fds=[theirs.fileno()],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=lambda: fcntl.ioctl(follower, termios.TIOCSCTTY, 0),  # noqa: PLW1509  one thread here
+    )
+    theirs.close()
+    os.close(follower)
+    try:
+        control.settimeout(30)
+        assert control.recv(64).startswith(b"ready ")
+        node = ask_for_worker(control)
+        frame = Channel(node).recv()
+        assert frame is not None and frame.type == MessageType.WORKER_HELLO
+        assert _terminal(pb.WorkerHello.FromString(frame.header).pid) == 0
+        node.close()
+    finally:
+        control.close()
+        zygote.wait(timeout=30)
+        os.close(leader)
