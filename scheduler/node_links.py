@@ -182,6 +182,11 @@ class NodeLinks:
             conn: Connection | None = None
             try:
                 conn = await self._dial(node.record.address, session)
+                if not self._linked(node, term):
+                    # The term ended (or the node left) while dialling: an Attach now would make
+                    # the node drop the link a later term (or incarnation) attached it on.
+                    conn.close()
+                    return
                 reply = (
                     await conn.request(
                         MessageType.ATTACH,

@@ -151,3 +151,69 @@ def test_a_gpu_attaches_within_adaptive_ds_bound() -> None:
     node = NodeLink(NodeRecord("n1", "127.0.0.1:1", "cpu", "i1", [GpuRecord("gpu0", 8000, "cpu")]))
     links._attach(node, pb.AttachReply())
     assert [gpu.spec.slots for gpu in book.scheduler.gpus()] == [2]
+
+
+class _OneSchedulerNode:
+    """A node as gpu_manager's `admit_scheduler` keeps it: one scheduler link at a time, the
+    link of the latest Attach; the one it replaces is closed."""
+
+    def __init__(self) -> None:
+        self.current: Connection | None = None
+
+    def handler(self) -> _OneSchedulerNode:
+        return self
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        if frame.type == MessageType.ATTACH:
+            if self.current is not None and self.current is not conn:
+                self.current.close()
+            self.current = conn
+            conn.reply(frame, MessageType.ATTACH_REPLY, pb.AttachReply(node="n1", incarnation="i1"))
+
+    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
+        pass
+
+
+def test_a_dial_that_ends_after_its_term_does_not_attach_over_the_next_terms_link() -> None:
+    # A term's dial to a slow node finished after the next term had attached the node: it still
+    # sent its Attach, the node took that link for the scheduler's and closed the new term's, and
+    # the node was taken out (its placed calls stranded) only to attach again.
+    async def scenario() -> None:
+        node = _OneSchedulerNode()
+        server = Server(node.handler, tls=False)
+        address = await server.start("127.0.0.1:0")
+        tasks: set[asyncio.Future[Any]] = set()
+        book = make_book(gpus=())
+        links = make_links(book, spawn=lambda coroutine: tasks.add(asyncio.ensure_future(coroutine)))
+        slow_dial_may_end = asyncio.Event()
+        dials = 0
+        real_dial = links._dial
+
+        async def dial(address: str, session: Any) -> Connection:
+            nonlocal dials
+            dials += 1
+            if dials == 1:  # the first term's dial: slow
+                await slow_dial_may_end.wait()
+            return await real_dial(address, session)
+
+        links._dial = dial  # type: ignore[method-assign]
+        links.seen(NodeRecord("n1", address, "cpu", "i1", [GpuRecord("gpu0", 8000, "cpu")]))
+        try:
+            links.activate("sched-a", b"k" * 32, epoch=1)
+            await asyncio.sleep(0.05)
+            links.deactivate()
+            links.activate("sched-a", b"l" * 32, epoch=2)
+            while not links.nodes["n1"].gpu_ids:
+                await asyncio.sleep(0.01)
+            attached = links.nodes["n1"].conn
+            slow_dial_may_end.set()
+            await asyncio.sleep(0.3)
+            assert attached is not None and not attached.is_closed, "the next term's link was closed"
+            assert links.nodes["n1"].gpu_ids == ["n1/gpu0"]
+        finally:
+            links.deactivate()
+            for task in tasks:
+                task.cancel()
+            await server.close()
+
+    asyncio.run(scenario())
