@@ -217,6 +217,8 @@ class Catalog:
             return
         try:
             record = NodeRecord.from_json(event.value)
+            if record.node != name:  # linked by its own name, its key's delete would never take it out
+                raise ValueError(f"it names node {record.node!r}")
         except (ValueError, KeyError) as exc:
             log.warning("ignoring invalid node record for %s: %s", name, exc)
             return

@@ -217,3 +217,20 @@ def test_a_dial_that_ends_after_its_term_does_not_attach_over_the_next_terms_lin
             await server.close()
 
     asyncio.run(scenario())
+
+
+def test_a_node_record_under_another_nodes_key_is_ignored_and_its_gpus_never_stay() -> None:
+    # A record naming node "b" put under node "a"'s key was linked as "b": deleting the key then
+    # took out "a" (nobody), so "b"'s link, and its GPUs once attached, stayed for good; a re-list
+    # took "b" out and the next watch event put it back.
+    from gpufaas.store import WatchEvent
+    from scheduler.catalog import Catalog
+
+    book = make_book(gpus=())
+    links = make_links(book, spawn=lambda coroutine: coroutine.close())
+    keys = Keys("/t")
+    catalog = Catalog(MemoryStore(), keys, book.scheduler, book, links, functions={}, apply=lambda effects: None)
+    record = NodeRecord("b", "127.0.0.1:1", "cpu", "i1", [GpuRecord("gpu0", 8000, "cpu")])
+    catalog.node_changed(WatchEvent("put", keys.node("a"), record.to_json(), 1))
+    catalog.node_changed(WatchEvent("delete", keys.node("a"), b"", 2))
+    assert list(links.nodes) == []
