@@ -48,8 +48,9 @@ class NodeRecord:
 
 
 def _typed(record: NodeRecord) -> NodeRecord:
-    """`record`, if every field has its type (ValueError otherwise): a GPU's memory as a string,
-    say, was taken in, and the scheduler's attach of the node then failed comparing it."""
+    """`record`, if every field has its type and no GPU is named twice (ValueError otherwise): a
+    GPU's memory as a string, say, was taken in, and the scheduler's attach of the node then
+    failed comparing it."""
     names = [record.node, record.address, record.backend, record.incarnation]
     for gpu in record.gpus:
         names += [gpu.gpu, gpu.gpu_type] + ([] if gpu.link is None else [gpu.link])
@@ -57,4 +58,7 @@ def _typed(record: NodeRecord) -> NodeRecord:
             raise ValueError(f"not a node record: GPU {gpu.gpu!r} has memory_mb {gpu.memory_mb!r}")
     if not all(isinstance(name, str) for name in names):
         raise ValueError(f"not a node record: a name that is not a string in {names!r}")
+    gpus = [gpu.gpu for gpu in record.gpus]
+    if len(set(gpus)) != len(gpus):  # (the scheduler's attach of the node failed at the second)
+        raise ValueError(f"not a node record: a GPU named twice in {gpus!r}")
     return record

@@ -13,10 +13,12 @@ import pytest
 from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.store import WatchEvent
 from gpufaas.wire import AnswerTooLarge, Connection, Frame, MessageType, Server
 from scheduler import node_links
 from scheduler.adaptive_slots import AdaptiveSlots
 from scheduler.calls import CallBook
+from scheduler.catalog import Catalog
 from scheduler.node_links import NodeLink, NodeLinks
 from scheduler.persister import StatePersister
 from tests.fakes import MemoryStore
@@ -219,18 +221,36 @@ def test_a_dial_that_ends_after_its_term_does_not_attach_over_the_next_terms_lin
     asyncio.run(scenario())
 
 
+def catalog_and_links() -> tuple[NodeLinks, Catalog, Keys]:
+    """A catalog handing node records to links (`make_links`) that attach none, and its keys."""
+    book = make_book(gpus=())
+    links = make_links(book, spawn=lambda coroutine: coroutine.close())
+    keys = Keys("/t")
+    return (
+        links,
+        Catalog(MemoryStore(), keys, book.scheduler, book, links, functions={}, apply=lambda effects: None),
+        keys,
+    )
+
+
 def test_a_node_record_under_another_nodes_key_is_ignored_and_its_gpus_never_stay() -> None:
     # A record naming node "b" put under node "a"'s key was linked as "b": deleting the key then
     # took out "a" (nobody), so "b"'s link, and its GPUs once attached, stayed for good; a re-list
     # took "b" out and the next watch event put it back.
-    from gpufaas.store import WatchEvent
-    from scheduler.catalog import Catalog
-
-    book = make_book(gpus=())
-    links = make_links(book, spawn=lambda coroutine: coroutine.close())
-    keys = Keys("/t")
-    catalog = Catalog(MemoryStore(), keys, book.scheduler, book, links, functions={}, apply=lambda effects: None)
+    links, catalog, keys = catalog_and_links()
     record = NodeRecord("b", "127.0.0.1:1", "cpu", "i1", [GpuRecord("gpu0", 8000, "cpu")])
     catalog.node_changed(WatchEvent("put", keys.node("a"), record.to_json(), 1))
     catalog.node_changed(WatchEvent("delete", keys.node("a"), b"", 2))
+    assert list(links.nodes) == []
+
+
+def test_a_node_record_that_names_a_gpu_twice_is_ignored() -> None:
+    # Linked, its attach raised at the second GPU ("already registered") and ended the node's
+    # keep-attached loop unseen: the first GPU stayed in the scheduler, its link never watched,
+    # so calls went on being placed there after the node was gone.
+    links, catalog, keys = catalog_and_links()
+    record = NodeRecord(
+        "a", "127.0.0.1:1", "cpu", "i1", [GpuRecord("gpu0", 8000, "cpu"), GpuRecord("gpu0", 8000, "cpu")]
+    )
+    catalog.node_changed(WatchEvent("put", keys.node("a"), record.to_json(), 1))
     assert list(links.nodes) == []
