@@ -238,8 +238,10 @@ class NodeLinks:
             log.warning("node %s refused to attach: %s", node.record.node, exc)
             self.fenced()
             return
-        # A wrong secret is a misconfiguration an operator must see; the rest is routine.
-        level = logging.WARNING if isinstance(exc, Unauthenticated) else logging.DEBUG
+        # A wrong secret, or a node that answers with an error (a certificate of another role, an
+        # address that is no node's), is a misconfiguration an operator must see; the rest (a node
+        # down or not answering) is routine.
+        level = logging.WARNING if isinstance(exc, (Unauthenticated, RemoteError)) else logging.DEBUG
         log.log(level, "node %s at %s: %s", node.record.node, node.record.address, exc)
 
     def _attach(self, node: NodeLink, reply: pb.AttachReply) -> None:

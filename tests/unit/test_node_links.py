@@ -254,3 +254,38 @@ def test_a_node_record_that_names_a_gpu_twice_is_ignored() -> None:
     )
     catalog.node_changed(WatchEvent("put", keys.node("a"), record.to_json(), 1))
     assert list(links.nodes) == []
+
+
+class _RefusingNode:
+    """A node that answers every Attach with an error other than FENCED (here: the scheduler's
+    certificate names another role)."""
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        if frame.type == MessageType.ATTACH:
+            conn.reply_error(frame, pb.UNAUTHENTICATED, "only the scheduler sends message type 3")
+
+    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
+        pass
+
+
+def test_a_node_that_answers_the_attach_with_an_error_says_so_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    # Such a node is never attached; its error was logged at DEBUG only, so an operator saw its
+    # GPUs missing and nothing that said why.
+    async def scenario() -> None:
+        server = Server(_RefusingNode, tls=False)
+        address = await server.start("127.0.0.1:0")
+        tasks: set[asyncio.Future[Any]] = set()
+        links = make_links(make_book(gpus=()), spawn=lambda coroutine: tasks.add(asyncio.ensure_future(coroutine)))
+        links.seen(NodeRecord("n1", address, "cpu", "i1", []))
+        try:
+            links.activate("sched-a", b"k" * 32, epoch=1)
+            await asyncio.sleep(0.2)
+        finally:
+            links.deactivate()
+            for task in tasks:
+                task.cancel()
+            await server.close()
+
+    with caplog.at_level(logging.WARNING, logger="gpufaas.scheduler"):
+        asyncio.run(scenario())
+    assert "only the scheduler sends message type 3" in caplog.text
