@@ -199,6 +199,8 @@ class NodeLinks:
                     conn.close()  # (a node that refused the attach, FENCED, keeps its end open)
                 if not isinstance(exc, (ConnectionLost, TimeoutError, RemoteError)):
                     raise  # cancelled: the term ended
+                if not self._linked(node, term):
+                    return  # (a refusal of an ended term's Attach says nothing of the term now)
                 self._attach_failed(node, exc)
                 await asyncio.sleep(RECONNECT_S)
                 continue

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -155,25 +155,55 @@ def test_a_gpu_attaches_within_adaptive_ds_bound() -> None:
     assert [gpu.spec.slots for gpu in book.scheduler.gpus()] == [2]
 
 
-class _OneSchedulerNode:
+class _Node:
+    """A node's end of the scheduler's links, shared by all of them (`handler` serves each)."""
+
+    def handler(self) -> _Node:
+        return self
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        if frame.type == MessageType.ATTACH:
+            self.attach(conn, frame)
+
+    def attach(self, conn: Connection, frame: Frame) -> None:
+        conn.reply(frame, MessageType.ATTACH_REPLY, pb.AttachReply(node="n1", incarnation="i1"))
+
+    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
+        pass
+
+
+@contextlib.asynccontextmanager
+async def linked_to(node: _Node, fenced: Callable[[], object] = lambda: None) -> AsyncIterator[NodeLinks]:
+    """Links (`make_links`, their tasks run) to "n1" (incarnation i1, one GPU) served by `node`;
+    everything stopped after."""
+    server = Server(node.handler, tls=False)
+    address = await server.start("127.0.0.1:0")
+    tasks: set[asyncio.Future[Any]] = set()
+    links = make_links(
+        make_book(gpus=()), spawn=lambda coroutine: tasks.add(asyncio.ensure_future(coroutine)), fenced=fenced
+    )
+    links.seen(NodeRecord("n1", address, "cpu", "i1", [GpuRecord("gpu0", 8000, "cpu")]))
+    try:
+        yield links
+    finally:
+        links.deactivate()
+        for task in tasks:
+            task.cancel()
+        await server.close()
+
+
+class _OneSchedulerNode(_Node):
     """A node as gpu_manager's `admit_scheduler` keeps it: one scheduler link at a time, the
     link of the latest Attach; the one it replaces is closed."""
 
     def __init__(self) -> None:
         self.current: Connection | None = None
 
-    def handler(self) -> _OneSchedulerNode:
-        return self
-
-    def on_frame(self, conn: Connection, frame: Frame) -> None:
-        if frame.type == MessageType.ATTACH:
-            if self.current is not None and self.current is not conn:
-                self.current.close()
-            self.current = conn
-            conn.reply(frame, MessageType.ATTACH_REPLY, pb.AttachReply(node="n1", incarnation="i1"))
-
-    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
-        pass
+    def attach(self, conn: Connection, frame: Frame) -> None:
+        if self.current is not None and self.current is not conn:
+            self.current.close()
+        self.current = conn
+        super().attach(conn, frame)
 
 
 def test_a_dial_that_ends_after_its_term_does_not_attach_over_the_next_terms_link() -> None:
@@ -181,26 +211,19 @@ def test_a_dial_that_ends_after_its_term_does_not_attach_over_the_next_terms_lin
     # sent its Attach, the node took that link for the scheduler's and closed the new term's, and
     # the node was taken out (its placed calls stranded) only to attach again.
     async def scenario() -> None:
-        node = _OneSchedulerNode()
-        server = Server(node.handler, tls=False)
-        address = await server.start("127.0.0.1:0")
-        tasks: set[asyncio.Future[Any]] = set()
-        book = make_book(gpus=())
-        links = make_links(book, spawn=lambda coroutine: tasks.add(asyncio.ensure_future(coroutine)))
-        slow_dial_may_end = asyncio.Event()
-        dials = 0
-        real_dial = links._dial
+        async with linked_to(_OneSchedulerNode()) as links:
+            slow_dial_may_end = asyncio.Event()
+            dials = 0
+            real_dial = links._dial
 
-        async def dial(address: str, session: Any) -> Connection:
-            nonlocal dials
-            dials += 1
-            if dials == 1:  # the first term's dial: slow
-                await slow_dial_may_end.wait()
-            return await real_dial(address, session)
+            async def dial(address: str, session: Any) -> Connection:
+                nonlocal dials
+                dials += 1
+                if dials == 1:  # the first term's dial: slow
+                    await slow_dial_may_end.wait()
+                return await real_dial(address, session)
 
-        links._dial = dial  # type: ignore[method-assign]
-        links.seen(NodeRecord("n1", address, "cpu", "i1", [GpuRecord("gpu0", 8000, "cpu")]))
-        try:
+            links._dial = dial  # type: ignore[method-assign]
             links.activate("sched-a", b"k" * 32, epoch=1)
             await asyncio.sleep(0.05)
             links.deactivate()
@@ -212,11 +235,6 @@ def test_a_dial_that_ends_after_its_term_does_not_attach_over_the_next_terms_lin
             await asyncio.sleep(0.3)
             assert attached is not None and not attached.is_closed, "the next term's link was closed"
             assert links.nodes["n1"].gpu_ids == ["n1/gpu0"]
-        finally:
-            links.deactivate()
-            for task in tasks:
-                task.cancel()
-            await server.close()
 
     asyncio.run(scenario())
 
@@ -256,36 +274,55 @@ def test_a_node_record_that_names_a_gpu_twice_is_ignored() -> None:
     assert list(links.nodes) == []
 
 
-class _RefusingNode:
+class _RefusingNode(_Node):
     """A node that answers every Attach with an error other than FENCED (here: the scheduler's
     certificate names another role)."""
 
-    def on_frame(self, conn: Connection, frame: Frame) -> None:
-        if frame.type == MessageType.ATTACH:
-            conn.reply_error(frame, pb.UNAUTHENTICATED, "only the scheduler sends message type 3")
-
-    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
-        pass
+    def attach(self, conn: Connection, frame: Frame) -> None:
+        conn.reply_error(frame, pb.UNAUTHENTICATED, "only the scheduler sends message type 3")
 
 
 def test_a_node_that_answers_the_attach_with_an_error_says_so_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
     # Such a node is never attached; its error was logged at DEBUG only, so an operator saw its
     # GPUs missing and nothing that said why.
     async def scenario() -> None:
-        server = Server(_RefusingNode, tls=False)
-        address = await server.start("127.0.0.1:0")
-        tasks: set[asyncio.Future[Any]] = set()
-        links = make_links(make_book(gpus=()), spawn=lambda coroutine: tasks.add(asyncio.ensure_future(coroutine)))
-        links.seen(NodeRecord("n1", address, "cpu", "i1", []))
-        try:
+        async with linked_to(_RefusingNode()) as links:
             links.activate("sched-a", b"k" * 32, epoch=1)
             await asyncio.sleep(0.2)
-        finally:
-            links.deactivate()
-            for task in tasks:
-                task.cancel()
-            await server.close()
 
     with caplog.at_level(logging.WARNING, logger="gpufaas.scheduler"):
         asyncio.run(scenario())
     assert "only the scheduler sends message type 3" in caplog.text
+
+
+class _LateRefusalNode(_Node):
+    """A node whose answer to the first Attach comes late, as FENCED (it has seen a newer epoch
+    than that Attach's since); it takes the later ones."""
+
+    def __init__(self) -> None:
+        self.attaches = 0
+
+    def attach(self, conn: Connection, frame: Frame) -> None:
+        self.attaches += 1
+        if self.attaches > 1:
+            super().attach(conn, frame)
+        else:
+            asyncio.get_running_loop().call_later(0.1, conn.reply_error, frame, pb.FENCED, "epoch 2 has been seen")
+
+
+def test_a_refusal_answered_after_its_term_does_not_depose_the_next_term() -> None:
+    # A term's Attach refused as FENCED after that term had ended told the scheduler to step
+    # down: the next term, of a newer epoch that the node took, was deposed for it.
+    async def scenario() -> None:
+        node, fenced = _LateRefusalNode(), []
+        async with linked_to(node, fenced=lambda: fenced.append(1)) as links:
+            links.activate("sched-a", b"k" * 32, epoch=1)
+            while not node.attaches:
+                await asyncio.sleep(0.01)
+            links.deactivate()
+            links.activate("sched-a", b"l" * 32, epoch=3)
+            await asyncio.sleep(0.3)
+            assert fenced == []
+            assert links.nodes["n1"].gpu_ids == ["n1/gpu0"]
+
+    asyncio.run(scenario())
