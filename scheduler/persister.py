@@ -164,7 +164,9 @@ class StatePersister:
             self._delete_gpus(deleted, writes)
             await self._write_gpus(gpus, writes)
             self._write_replicas(models, writes)
-            running = None if self.models_run is None else self.models_run()
+            # (every function's model, as a set: built only where a profile is to be written or deleted)
+            models_run = self.models_run if profiles or self._retiring else None
+            running = None if models_run is None else models_run()
             self._write_profiles(profiles, writes, running, calm=not final)
             retiring = self._delete_profiles(writes, running)
             await self._write_all(writes)
