@@ -53,6 +53,10 @@ PACKAGE_UID_SPAN = (1 << 31) - PACKAGE_UID_BASE - 1
 PACKAGE_USERS_FILE = "package-users.json"  # in a node's state directory
 DEFAULT_MAX_PROCESSES = 512  # tasks (processes and threads) of one package's user
 DEFAULT_MAX_FILE_MB = 1024  # largest file a worker may write (its home, /tmp)
+# Descriptors one worker process may hold (the node's own limit is often 20,000 or more, and a
+# descriptor's kernel memory is charged to no cgroup: 512 tasks of one package each holding the
+# node's limit pinned hundreds of MB of kernel memory and could fill the host's file table).
+MAX_OPEN_FILES = 4096
 DEFAULT_HOME_MB = 1024  # all a package's workers on a node may write (its home: HOME, /tmp, /var/tmp, /dev/shm)
 # The host's world-writable places (those here that are): a worker sees its home there instead.
 PRIVATE_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock", "/dev/mqueue", "/var/crash")
@@ -394,6 +398,7 @@ def confine(confinement: Confinement) -> None:
     """Apply `confinement` to this process for good (raises OSError if the kernel refuses)."""
     _limit(resource.RLIMIT_CORE, 0)
     _limit(resource.RLIMIT_FSIZE, confinement.max_file_mb * 1024 * 1024)
+    _limit(resource.RLIMIT_NOFILE, MAX_OPEN_FILES)
     if confinement.data_limit_mb is not None:
         _limit(resource.RLIMIT_DATA, confinement.data_limit_mb * 1024 * 1024)
     if confinement.uid:

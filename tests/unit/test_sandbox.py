@@ -10,6 +10,7 @@ import io
 import json
 import os
 import re
+import resource
 import stat
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import pytest
 
 from gpu_manager import sandbox, seccomp
 from gpu_manager.sandbox import (
+    MAX_OPEN_FILES,
     MEMORY_HEADROOM_MB,
     PACKAGE_UID_BASE,
     PACKAGE_UID_SPAN,
@@ -230,7 +232,7 @@ def test_a_planned_confinement_keeps_private_import_directories_reachable(tmp_pa
 
 
 CONFINED_WORKER = r"""
-import ctypes, json, os, re, sys, threading
+import ctypes, json, os, re, resource, sys, threading
 sys.path.insert(0, sys.argv[1])
 from gpu_manager.sandbox import Confinement, confine
 confine(Confinement(max_processes=64, max_file_mb=64))  # the node's user: no root needed
@@ -250,6 +252,7 @@ print(json.dumps({
     "unshare": refusal,
     "thread": len(seen),
     "child": os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]),
+    "open_files": resource.getrlimit(resource.RLIMIT_NOFILE),
 }))
 """
 
@@ -260,12 +263,15 @@ def test_a_confined_worker_has_the_seccomp_filter_and_still_starts_threads_and_c
         [sys.executable, "-c", CONFINED_WORKER, str(REPO)], capture_output=True, text=True, timeout=60, check=False
     )
     assert out.returncode == 0, out.stderr
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    open_files = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else min(MAX_OPEN_FILES, hard)
     assert json.loads(out.stdout) == {
         "seccomp": "2",
         "no_new_privs": "1",
         "unshare": errno.EPERM,
         "thread": 1,
         "child": 5,
+        "open_files": [open_files, open_files],  # not the node's (20,000 here, or more)
     }
 
 
