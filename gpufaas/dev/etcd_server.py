@@ -152,7 +152,8 @@ class EtcdServer(contextlib.AbstractContextManager["EtcdServer"]):  # its __ente
 
         Ports left as None are picked free on 127.0.0.1 (and re-picked if another process took
         one first). Raises RuntimeError with the log's tail if etcd exits or is not healthy
-        within `timeout_s` (the process is stopped first).
+        within `timeout_s` (the process is stopped first); any other exception on the way (Ctrl-C)
+        stops it too before it goes on.
         """
         if self.is_running():
             raise RuntimeError(f"etcd already running (pid {self.pid})")
@@ -163,8 +164,8 @@ class EtcdServer(contextlib.AbstractContextManager["EtcdServer"]):  # its __ente
         for attempt in range(attempts):
             self.client_port = client_port if client_port is not None else free_port()
             self.peer_port = peer_port if peer_port is not None else free_port()
-            self._spawn(data_dir)
             try:
+                self._spawn(data_dir)
                 self._wait_healthy(deadline)
                 return self
             except _ExitedEarly:
@@ -176,6 +177,11 @@ class EtcdServer(contextlib.AbstractContextManager["EtcdServer"]):  # its __ente
                 raise RuntimeError(
                     f"etcd not healthy after {timeout_s:.0f} s on {self.endpoint}; log tail:\n{self._log_tail()}"
                 ) from None
+            except BaseException:
+                # Ctrl-C, or a failure of our own while waiting: etcd runs in a session of its own
+                # (the terminal's SIGINT misses it), and would hold its ports and data dir for ever.
+                self.stop()
+                raise
         raise AssertionError("unreachable")
 
     def _spawn(self, data_dir: Path) -> None:
