@@ -406,6 +406,9 @@ class EtcdStore:
         self._client = self._new_client()
         self._closed = False
         self._renewing: asyncio.Lock | None = None
+        # The clients of running watches that have one of their own (with credentials): close()
+        # closes them too, so that those watches end with the store as the others do.
+        self._watch_clients: set[aetcd.Client] = set()
 
     def _new_client(self, *, login: bool = True) -> aetcd.Client:
         """A client of this store's etcd (over TLS where the store has it); `login`: with the
@@ -654,6 +657,8 @@ class EtcdStore:
         # refused. With credentials, each watch gets a client (a stream, a token) of its own; an
         # open stream keeps delivering after its token expires.
         client = self._new_client() if self._credentials is not None else self._client
+        if client is not self._client:
+            self._watch_clients.add(client)
         try:
             with _etcd_errors("watch_prefix"):
                 watch = await client.watch_prefix(raw, start_revision=start_revision or None)
@@ -671,6 +676,7 @@ class EtcdStore:
                     await asyncio.wait_for(watch.cancel(), self._timeout_s)
         finally:
             if client is not self._client:
+                self._watch_clients.discard(client)
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(client.close(), self._timeout_s)
 
@@ -684,8 +690,9 @@ class EtcdStore:
         if self._closed:
             return
         self._closed = True
-        with contextlib.suppress(Exception):
-            await self._client.close()
+        for client in [self._client, *self._watch_clients]:
+            with contextlib.suppress(Exception):
+                await client.close()
 
 
 # --- lease keeping --------------------------------------------------------------------------

@@ -535,6 +535,29 @@ def test_etcd_authentication_bootstrap_renewal_and_restart(tmp_path: Path) -> No
         server.stop()
 
 
+def test_closing_a_store_with_credentials_ends_its_running_watches(tmp_path: Path) -> None:
+    """With credentials each watch has a client of its own: close() must end those watches too
+    (the Store contract), or a mirror (list_and_watch) outlives its store, its channel open."""
+    server = EtcdServer(name="auth-close").start(tmp_path)
+
+    async def scenario() -> None:
+        root = EtcdCredentials("root", "s3cret-password")
+        store = await EtcdStore.open(server.endpoint, timeout_s=2, credentials=root, enable_auth=True)
+        watch = store.watch_prefix("/", start_revision=await store.revision() + 1)
+        watching = asyncio.ensure_future(anext(watch))
+        await store.put("/a", b"1")
+        assert (await asyncio.wait_for(watching, 5)).key == "/a"  # the watch runs
+        watching = asyncio.ensure_future(anext(watch))
+        await store.close()
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(watching, 5)
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+    finally:
+        server.stop()
+
+
 def test_the_etcd_channel_keeps_alive_and_reconnects_quickly() -> None:
     # A partition drops packets without a reset: only gRPC keepalive tells the channel its
     # connection is gone, and a short backoff brings it back soon after the heal (docs/hosts.md).
