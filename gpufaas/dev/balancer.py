@@ -32,8 +32,9 @@ class BalancerConfig:
     `fall` failed checks, back after `rise` good ones. A call whose
     connection to a gateway cannot be made (the gateway is gone) is sent to another (`retries`,
     redispatch); a call a gateway already took is never sent twice (an invocation is not
-    idempotent), so a killed gateway fails at most the calls it was serving. Each call gets a new
-    connection to its gateway (server-close): none is sent on an idle one a dead gateway left.
+    idempotent), so a killed gateway fails at most the calls it was serving. Each call, and each
+    upload, gets a new connection to its gateway (server-close): none is sent on an idle one a dead
+    gateway left.
 
     Uploads (/system/blobs..., /system/packages) go by the client's address to one gateway, the
     same while it is up: a deploy asks which blobs a gateway lacks, sends them, then registers
@@ -106,6 +107,7 @@ backend gateways
 backend uploads
     balance source  # one client's upload steps reach one gateway
     hash-type consistent  # and stay there when another gateway leaves or comes back
+    option http-server-close  # as the gateways backend: no upload sent on a dead gateway's idle connection
 {tracking}
 """
 
