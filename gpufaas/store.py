@@ -842,8 +842,11 @@ async def list_and_watch(
     while True:
         try:
             if revision is None:
-                revision = await store.revision()
-                await _maybe_await(on_list(await store.get_prefix(prefix), revision))
+                # Taken as listed only once the list is in: a read or handler that fails between
+                # the two must list again, not watch on from a revision the mirror never had.
+                listing_at = await store.revision()
+                await _maybe_await(on_list(await store.get_prefix(prefix), listing_at))
+                revision = listing_at
             if resume_at <= revision:
                 resume_at, handled = revision + 1, set()
             async for event in store.watch_prefix(prefix, start_revision=resume_at):

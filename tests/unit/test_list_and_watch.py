@@ -195,6 +195,27 @@ async def test_a_handler_failing_inside_a_transaction_is_given_the_rest_of_it_ag
         assert seen == ["/p/a", "/p/b", "/p/c", "/p/d"]  # each once: /p/a not again after the break
 
 
+async def test_a_list_whose_read_fails_is_read_again_not_skipped() -> None:
+    # The revision was read, then the read of the keys failed (etcd went away between the two):
+    # the retry took the revision as listed and watched on from it, so the mirror never had the
+    # keys (after a compaction: the changes the watch had missed were lost for good).
+    store = MemoryStore()
+    await store.put("/p/a", b"1")
+    read = store.get_prefix
+    failures = [StoreError("etcd unreachable")]
+
+    async def failing_once(prefix: str) -> list[KeyValue]:
+        if failures:
+            raise failures.pop()
+        return await read(prefix)
+
+    store.get_prefix = failing_once  # type: ignore[method-assign]
+    mirror = Mirror()
+    async with mirrored_with(store, mirror, retry_s=0.01):
+        await mirror.until({"/p/a": b"1"})
+        assert mirror.lists == 1
+
+
 @contextlib.asynccontextmanager
 async def mirrored_with(store: MemoryStore, mirror: Mirror, **options: Any) -> AsyncIterator[None]:
     task = mirror.follow(store, **options)
