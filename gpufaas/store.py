@@ -845,19 +845,15 @@ async def list_and_watch(
                 # Taken as listed only once the list is in: a read or handler that fails between
                 # the two must list again, not watch on from a revision the mirror never had.
                 listing_at = await store.revision()
-                await _maybe_await(on_list(await store.get_prefix(prefix), listing_at))
+                kvs = await store.get_prefix(prefix)
+                await _take_in(functools.partial(on_list, kvs, listing_at), f"watch on {prefix}: its list")
                 revision = listing_at
             if resume_at <= revision:
                 resume_at, handled = revision + 1, set()
             async for event in store.watch_prefix(prefix, start_revision=resume_at):
                 if event.mod_revision == resume_at and event.key in handled:
                     continue  # taken in before the watch broke
-                try:
-                    await _maybe_await(on_event(event))
-                except StoreError:
-                    raise  # the handler's own write failed: retried, this event again with it
-                except Exception:  # one value a handler cannot take must not end the mirror for good
-                    logger.exception("watch on %s: the change to %s could not be taken in", prefix, event.key)
+                await _take_in(functools.partial(on_event, event), f"watch on {prefix}: the change to {event.key}")
                 if event.mod_revision != resume_at:
                     resume_at, handled = event.mod_revision, set()
                 handled.add(event.key)
@@ -870,6 +866,18 @@ async def list_and_watch(
         except StoreError as exc:
             logger.warning("watch on %s failed (%s); retrying", prefix, exc)
             await sleep(retry_s)
+
+
+async def _take_in(handle: Callable[[], Awaitable[None] | None], what: str) -> None:
+    """Run a list_and_watch handler. Its StoreError goes on up (its own write failed: retried,
+    with what it was given); any other error is logged: one value a handler cannot take (a newer
+    daemon's record, during a rolling upgrade) must not end the mirror for good."""
+    try:
+        await _maybe_await(handle())
+    except StoreError:
+        raise
+    except Exception:
+        logger.exception("%s could not be taken in", what)
 
 
 async def _maybe_await(result: Awaitable[None] | None) -> None:

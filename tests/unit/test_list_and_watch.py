@@ -150,6 +150,24 @@ async def test_a_change_its_handler_cannot_take_is_logged_and_the_watch_goes_on(
         await store.close()
 
 
+async def test_a_list_its_handler_cannot_take_is_logged_and_the_watch_goes_on() -> None:
+    # The same value in a list (the first, or one after a compaction) ended the task, unheard.
+    store = MemoryStore()
+    await store.put("/p/a", b"unreadable")
+    mirror = Mirror()
+
+    def fussy(kvs: list[KeyValue], revision: int) -> None:
+        mirror.lists += 1
+        if any(kv.value == b"unreadable" for kv in kvs):
+            raise TypeError("unexpected field")
+
+    mirror.on_list = fussy  # type: ignore[method-assign]
+    async with mirrored_with(store, mirror):
+        await listed(mirror)
+        await store.put("/p/b", b"2")
+        await mirror.until({"/p/b": b"2"})  # the watch went on after the list
+
+
 async def test_a_handler_whose_own_write_fails_is_given_its_change_again() -> None:
     # A handler that writes to etcd (a node registering again after its key was deleted) and
     # finds etcd unreachable: the watch resumes from before that change, not after it.
