@@ -263,10 +263,11 @@ class EtcdServer(contextlib.AbstractContextManager["EtcdServer"]):  # its __ente
         self._reap()
 
     def restart(self, timeout_s: float = 20.0) -> None:
-        """Start again after the process exited (or was stopped): same data, same ports."""
+        """Start again, same data, same ports: after the process exited (or was stopped), or
+        stopping it first (SIGTERM) if it runs."""
         if self.data_dir is None:
             raise RuntimeError("EtcdServer was never started")
-        self._reap()
+        self.stop()  # (a bare reap would wait for ever on a process that runs)
         self.start(self.data_dir, client_port=self.client_port, peer_port=self.peer_port, timeout_s=timeout_s)
 
     def kill(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import stat
+import sys
 import time
 from pathlib import Path
 
@@ -43,3 +44,29 @@ def test_a_start_interrupted_while_waiting_stops_the_etcd_it_started(
     assert not survivors([pid]), "etcd was left running"
     assert not server.is_running()
     assert server._log is None  # its log closed too
+
+
+HEALTHY_ETCD = """\
+import http.server, sys
+port = int(next(a for a in sys.argv if a.startswith("--listen-client-urls=")).rsplit(":", 1)[1])
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b'{"health": "true"}')
+    def log_message(self, *args): pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+@pytest.mark.timeout(60)  # it waited for ever for the running process to exit by itself
+def test_restart_of_a_running_etcd_stops_it_first(tmp_path: Path) -> None:
+    binary = tmp_path / "fake-etcd"
+    binary.write_text(f"#!{sys.executable}\n{HEALTHY_ETCD}")
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    server = EtcdServer(binary=binary).start(tmp_path / "etcd")
+    try:
+        first = server.pid
+        server.restart()
+        assert server.is_running() and server.pid != first
+        assert not survivors([first])
+    finally:
+        server.stop()
