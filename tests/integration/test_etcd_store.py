@@ -558,6 +558,22 @@ def test_closing_a_store_with_credentials_ends_its_running_watches(tmp_path: Pat
         server.stop()
 
 
+@async_test
+async def test_an_etcd_on_loopback_is_reached_whatever_proxy_the_environment_names(
+    etcd_endpoint: EtcdTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # gRPC took the channel to 127.0.0.1 through the proxy (none answers there): "failed to connect".
+    for variable in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "grpc_proxy"):
+        monkeypatch.setenv(variable, "http://127.0.0.1:9")  # the discard port: nothing answers
+    for variable in ("no_proxy", "NO_PROXY", "no_grpc_proxy"):
+        monkeypatch.delenv(variable, raising=False)
+    store = await EtcdStore.open(etcd_endpoint.endpoint, timeout_s=2)
+    try:
+        assert await store.revision() > 0
+    finally:
+        await store.close()
+
+
 def test_the_etcd_channel_keeps_alive_and_reconnects_quickly() -> None:
     # A partition drops packets without a reset: only gRPC keepalive tells the channel its
     # connection is gone, and a short backoff brings it back soon after the heal (docs/hosts.md).

@@ -70,3 +70,20 @@ def test_restart_of_a_running_etcd_stops_it_first(tmp_path: Path) -> None:
         assert not survivors([first])
     finally:
         server.stop()
+
+
+def test_etcd_is_seen_healthy_whatever_proxy_the_environment_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """etcd listens on loopback: its health is asked directly, not through an http_proxy (one set
+    for a corporate network cannot reach this machine's 127.0.0.1)."""
+    binary = tmp_path / "fake-etcd"
+    binary.write_text(f"#!{sys.executable}\n{HEALTHY_ETCD}")
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    for variable in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"):
+        monkeypatch.setenv(variable, "http://127.0.0.1:9")  # the discard port: nothing answers
+    for variable in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr("urllib.request._opener", None)  # urlopen's, made once with the environment then
+    with EtcdServer(binary=binary).start(tmp_path / "etcd", timeout_s=5) as server:
+        assert server.is_running()
