@@ -847,7 +847,8 @@ async def list_and_watch(
     whole state, to replace the mirror with), then watch from that revision (`on_event`), for
     ever. A watch that breaks is resumed after the last event handled (a handler's StoreError
     breaks it before its event; the other events of that event's revision, one etcd transaction's,
-    are not skipped); one whose revision was compacted away lists again. Any other
+    are not skipped); one whose revision was compacted away, or that finds the store's revision
+    gone back (etcd lost its data), lists again. Any other
     error of a handler is logged, and the watch goes on. `listed_at`: the caller listed already,
     at this revision (so that a daemon starts with its mirror filled, or fails to start). Runs
     until cancelled or the store is closed; store errors are retried every `retry_s`. Handlers
@@ -856,8 +857,15 @@ async def list_and_watch(
     # The revision a resumed watch starts at, and the keys of it handled already: a transaction's
     # events share one revision, and a break among them must give the rest again, not skip them.
     resume_at, handled = 0, set[str]()
+    broke = False  # the watch broke: check that the store has the history it resumes from
     while True:
         try:
+            if broke and revision is not None and await store.revision() < resume_at - 1:
+                # etcd came back without the history seen (its data lost: a new cluster): a watch
+                # from a revision it has not reached would wait, silently, for it. List again.
+                logger.warning("watch on %s: the store's revision went back; listing again", prefix)
+                revision, resume_at = None, 0
+            broke = False
             if revision is None:
                 # Taken as listed only once the list is in: a read or handler that fails between
                 # the two must list again, not watch on from a revision the mirror never had.
@@ -883,6 +891,7 @@ async def list_and_watch(
         except StoreError as exc:
             logger.warning("watch on %s failed (%s); retrying", prefix, exc)
             await sleep(retry_s)
+            broke = True
 
 
 async def _take_in(handle: Callable[[], Awaitable[None] | None], what: str) -> None:

@@ -234,6 +234,36 @@ async def test_a_list_whose_read_fails_is_read_again_not_skipped() -> None:
         assert mirror.lists == 1
 
 
+async def test_a_store_that_lost_its_history_is_listed_again() -> None:
+    # etcd back without its data (a new cluster, its revisions counting from 1 again): the watch
+    # resumed at the old revision, which the new etcd had not reached, and waited for it, blind.
+    old, new = MemoryStore(), MemoryStore()
+    for value in (b"1", b"2", b"3"):
+        await old.put("/p/a", value)
+    current = old
+
+    class Either:  # the one etcd address, whichever etcd answers there
+        def __getattr__(self, name: str) -> Any:
+            return getattr(current, name)
+
+    mirror = Mirror()
+    task = asyncio.create_task(
+        list_and_watch(Either(), "/p/", on_list=mirror.on_list, on_event=mirror.on_event, retry_s=0.01)  # type: ignore[arg-type]
+    )
+    try:
+        await mirror.until({"/p/a": b"3"})
+        current = new
+        old.set_reachable(False)  # the watch breaks
+        await new.put("/p/b", b"1")
+        await mirror.until({"/p/b": b"1"})
+        await new.put("/p/c", b"2")
+        await mirror.until({"/p/b": b"1", "/p/c": b"2"})
+    finally:
+        task.cancel()
+        await old.close()
+        await new.close()
+
+
 @contextlib.asynccontextmanager
 async def mirrored_with(store: MemoryStore, mirror: Mirror, **options: Any) -> AsyncIterator[None]:
     task = mirror.follow(store, **options)
