@@ -24,6 +24,10 @@ MAX_TIMEOUT_S = 3600.0
 MAX_BATCH_SIZE = 1024
 MAX_BATCH_WAIT_MS = 10_000.0
 MAX_MEMORY_MB = 10_000_000  # 10 TB: far past any GPU, well inside the wire's int64
+# Of a function's labels, and of its environment, in all (names and values, UTF-8): settings, not
+# data. The environment travels in every call's grant (scheduler to gateway to node); a spec past
+# etcd's request limit (1.5 MiB) was refused by etcd on every try, answered as "etcd unreachable".
+MAX_MAP_BYTES = 64 * 1024
 # The batch `memory_mb` is declared at: far past any model's, and small enough that the scheduler's
 # estimates (seconds per sample times the batch) stay finite floats.
 MAX_DECLARED_BATCH_SIZE = 1_000_000
@@ -39,9 +43,10 @@ EXPECTED: dict[str, str] = {
     "gpu": "expected 'any' or a GPU type such as 'nvidia-h100-80gb-hbm3' (see GET /system/gpus)",
     "batch_size": f"expected a positive whole number, at most {MAX_DECLARED_BATCH_SIZE}",
     "timeout_s": f"expected seconds in (0, {MAX_TIMEOUT_S:g}]",
-    "labels": "expected a map of strings to strings (UTF-8 text)",
+    "labels": f"expected a map of strings to strings (UTF-8 text), at most {MAX_MAP_BYTES // 1024} KiB in all",
     "environment": (
-        "expected a map of variable names (not empty, without '=' or NUL) to strings (without NUL), in UTF-8 text"
+        "expected a map of variable names (not empty, without '=' or NUL) to strings (without NUL), in UTF-8 text, "
+        f"at most {MAX_MAP_BYTES // 1024} KiB in all (put data in the package)"
     ),
     "max_batch_size": f"expected a positive whole number, at most {MAX_BATCH_SIZE} calls per batch",
     "max_batch_wait_ms": f"expected milliseconds in [0, {MAX_BATCH_WAIT_MS:g}]",
@@ -54,11 +59,14 @@ EXPECTED: dict[str, str] = {
 def _utf8(strings: dict[str, str]) -> dict[str, str]:
     # A lone surrogate (JSON can escape one) has no UTF-8: stored, it would come back as U+FFFD,
     # a spec other than the one validated (another model tag, another environment).
+    size_bytes = 0
     for text in (*strings, *strings.values()):
         try:
-            text.encode()
+            size_bytes += len(text.encode())
         except UnicodeEncodeError:
             raise ValueError(f"{text!r} is not UTF-8 text") from None
+    if size_bytes > MAX_MAP_BYTES:
+        raise ValueError(f"{size_bytes} bytes in all, over {MAX_MAP_BYTES}")
     return strings
 
 

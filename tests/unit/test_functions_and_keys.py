@@ -84,6 +84,10 @@ def test_a_copy_with_other_settings_names_its_own_model_and_worker_settings() ->
         ({"name": "f", "package_digest": DIGEST, "memory_mb": 1, "environment": {"": "1"}}, "without '=' or NUL"),
         ({"name": "f", "package_digest": DIGEST, "memory_mb": 1, "environment": {"A\x00": "1"}}, "environment: "),
         ({"name": "f", "package_digest": DIGEST, "memory_mb": 1, "environment": {"A": "1\x00"}}, "environment: "),
+        # Settings, not data: the environment travels in every call's grant, and etcd refuses a
+        # spec past 1.5 MiB (on every try: a deploy answered "etcd unreachable").
+        ({"name": "f", "package_digest": DIGEST, "memory_mb": 1, "environment": {"A": "x" * 70_000}}, "64 KiB in all"),
+        ({"name": "f", "package_digest": DIGEST, "memory_mb": 1, "labels": {"a": "x" * 2_000_000}}, "64 KiB in all"),
     ],
 )
 def test_invalid_specs_say_which_field_and_what_is_expected(raw: dict[str, object], message: str) -> None:
