@@ -55,12 +55,14 @@ adds is the ground truth of the GPUs, on a virtual clock:
   gateway that takes leases. A hit dispatched while nothing waits leases its slot by the call
   book's rules (`scheduler.leases`): the slot stays its request's after its call, and the
   function's next arrivals run there one at a time without the scheduler (each one's time fed to
-  the estimator and the cache as a hit's: `Scheduler.on_lease_use`). A lease ends, its slot freed
-  once the call under it completes, when calls wait in the global queue (those in the way of the
-  first, `leases_to_end`, or every lease), when a call is parked on its GPU (that GPU's), and
-  when no call came for a lease time after the last; none is granted for a lease time after calls
-  waited on running calls (not on idle leases, which such a wait ends: once their slots serve it,
-  it is over). Ending one takes no time here (in the service, a round trip to its node).
+  the estimator and the cache as a hit's: `Scheduler.on_lease_use`), those that come within the
+  share of a lease time after the last that the gateway uses (`gateway.leases.USABLE_SHARE`).
+  A lease ends, its slot freed once the call under it completes, when calls wait in the global
+  queue (those in the way of the first, `leases_to_end`, or every lease), when a call is parked
+  on its GPU (that GPU's), and when no call came for a lease time after the last; none is
+  granted for a lease time after calls waited on running calls (not on idle leases, which such
+  a wait ends: once their slots serve it, it is over). Ending one takes no time here (in the
+  service, a round trip to its node).
 
 With D = 1 and no batching this is exactly the one-call-at-a-time model: a miss takes load +
 inference, a hit its inference.
@@ -82,6 +84,7 @@ from typing import TypedDict, Unpack, cast
 from mypy_extensions import mypyc_attr
 
 from cache_manager import CacheManager, eviction_policy
+from gateway.leases import USABLE_SHARE
 from gpufaas.profiles import ModelProfile
 from gpufaas.types import GpuSpec, Request, check_positive
 from scheduler import Dispatch, Estimator, Park, PolicyConfig, Scheduler, SchedulingPolicy, make_policy
@@ -674,15 +677,16 @@ class _Run:
             gpu_id = hit.gpu_id
             if may_lease_on(self.scheduler.gpu(gpu_id), now, self.parked_at.get(gpu_id, -math.inf), self.lease_s):
                 request = hit.request
-                lease = _Lease(request.request_id, gpu_id, request.function, math.inf)
+                lease = _Lease(request.request_id, gpu_id, request.function, math.inf, math.inf)
                 self.leased.setdefault(request.function, []).append(lease)
                 self.lease_of[request.request_id] = lease
                 self.leases += 1
 
     def _run_leased(self, request: Request, now: float) -> bool:
-        """Run an arrival under an idle lease of its function, if there is one (True)."""
+        """Run an arrival under an idle lease of its function, if there is one (True): one the
+        gateway still uses (`usable_until_s`: the router's share of the lease time)."""
         for lease in self.leased.get(request.function, ()):
-            if not lease.busy and not lease.ending and lease.until_s > now:
+            if not lease.busy and not lease.ending and lease.usable_until_s > now:
                 lease.busy = True
                 self.lease_of[request.request_id] = lease
                 self.lease_calls += 1
@@ -696,6 +700,9 @@ class _Run:
         self.scheduler.on_lease_use(lease.holder, inference_time_s=inference_s, batch_size=samples)
         lease.busy = False
         lease.until_s = now + self.lease_s  # the next call must come within a lease time
+        # ... and the gateway sends one only within its share of that (gateway.leases): past it,
+        # it asks the scheduler, while the lease holds its slot until the call book ends it.
+        lease.usable_until_s = now + self.lease_s * USABLE_SHARE
         if lease.ending:
             self._end_lease(lease, now)
 
@@ -801,13 +808,15 @@ SLO_PERCENTILE = 98.0  # Torpor's: a function meets its SLO when its p98 latency
 @dataclass(slots=True, eq=False)
 class _Lease:
     """A leased slot: its holder (the scheduler's running request that keeps the slot), its GPU
-    and function, when its time is up, whether a call runs under it, and whether it was ended
-    (its slot is freed once that call completes)."""
+    and function, when its time is up (the call book's), until when the gateway sends calls under
+    it, whether a call runs under it, and whether it was ended (its slot is freed once that call
+    completes)."""
 
     holder: str
     gpu_id: str
     function: str
     until_s: float
+    usable_until_s: float
     busy: bool = True  # its holder's own call first
     ending: bool = False
 

@@ -782,3 +782,14 @@ def test_a_lease_whose_call_outlasts_the_functions_timeout_here_stays_while_its_
     node.lease_call_ended(("c1", 1), 100.0 + now, keep=True)  # the long call ends; its Done comes
     book.done("c1", 1, pb.OK, now=now + 0.1, lease_call_id="l1")
     assert running(book, N1) == ["c1"]  # the lease goes on, used again
+
+
+def test_the_simulators_gateway_uses_a_lease_for_the_share_of_its_time_the_routers_does() -> None:
+    # r1 leases at 4 (4 -> 5); r2 comes 0.95 s after that call's end: within the node's lease time
+    # (1 s), past the share of it a gateway uses (0.9 s): the router places it, on the GPU's other
+    # slot (the lease, not yet ended by the scheduler, still holds its own).
+    result = sim([(0.0, "A"), (4.0, "A"), (5.0 + 0.95 * 1.0, "A")], lease_s=1.0)
+    assert USABLE_SHARE < 0.95
+    assert (result.leases, result.lease_calls, result.hits) == (1, 0, 2)
+    # Within the share it runs under the lease.
+    assert sim([(0.0, "A"), (4.0, "A"), (5.0 + 0.85 * 1.0, "A")], lease_s=1.0).lease_calls == 1
