@@ -431,6 +431,7 @@ class _Run:
         # exit's every release period, adaptive D's next step; inf while none is due.
         self.release_period_s = self.release_at = _release_period_s(cluster, scheduler.policy)
         self.adapt_at = math.inf
+        self.lease_at = math.inf  # ... and the call book's tick ending a lapsed lease (`_lapse_leases`)
         self.timer_s = self.release_at  # the first of them
         # Per completed call, in completion order: latencies (all of them, for the percentiles),
         # each function's (for its mean), and those with an SLO (for the SLO figures). Arrays of
@@ -552,12 +553,8 @@ class _Run:
         self._integrate(now)
         self.max_queue_len = max(self.max_queue_len, len(self.scheduler.queue))
         leasing = self.lease_s > 0
-        if leasing and self.leased:  # (the call book ends them at its tick)
-            for leases in list(self.leased.values()):
-                # (a busy one goes on, as the node's answer to the call book's if-idle end says:
-                # its time starts again when its call completes)
-                for lease in [lease for lease in leases if lease.until_s <= now and not lease.busy]:
-                    self._end_lease(lease, now)
+        if leasing and self.leased:
+            self._lapse_leases(now)
         hits, parked = self._carry_out(now, leasing)
         if leasing:
             self._leases_after(hits, parked, now)
@@ -568,8 +565,11 @@ class _Run:
         """The clock's own checks due now (before any event of this instant): the staged exit's
         and the policy's swap-out, every release period as the service's releaser makes them
         (a model idle past its timeout leaves at the first check after: not exactly on time, and
-        not at the next call); adaptive D's next step, as the service's sampler would take it."""
+        not at the next call); adaptive D's next step, as the service's sampler would take it; the
+        end of an idle lease whose time is up, as the call book's tick makes it."""
         self._integrate(now)  # what the caches held until now, before the releases change it
+        if self.lease_at <= now:
+            self._lapse_leases(now)
         if self.release_at <= now:
             for release in self.scheduler.release_idle(
                 now, gpu_idle_s=self.cluster.gpu_idle_release_s, host_idle_s=self.cluster.host_idle_release_s
@@ -581,7 +581,7 @@ class _Run:
             self.release_at = now + self.release_period_s
         if self.adapt_at <= now:
             self._adapt(now)
-        self.timer_s = min(self.release_at, self.adapt_at)
+        self.timer_s = min(self.release_at, self.adapt_at, self.lease_at)
 
     def _adapt(self, now: float) -> None:
         """Adaptive D, after a pass or at its next step: the controller observes what runs on each
@@ -596,7 +596,7 @@ class _Run:
                 self._leases_after(hits, parked, now)
             self._adapt_slots(now)  # what that pass placed runs from now on
         self.adapt_at = self.adaptive.next_step_s
-        self.timer_s = min(self.release_at, self.adapt_at)
+        self.timer_s = min(self.release_at, self.adapt_at, self.lease_at)
 
     def _adapt_slots(self, now: float) -> bool:
         """Tell the controller what runs on each GPU now and apply the D it moves; True if it moved one."""
@@ -637,7 +637,7 @@ class _Run:
         for gpu_id in parked:
             self.parked_at[gpu_id] = now
         if self.scheduler.queue:
-            ending = self._leases_for_wait()
+            ending = _leases_for_wait(self.scheduler, self.leased)
         else:
             self._grant(hits, now)
             ending = []
@@ -653,21 +653,14 @@ class _Run:
         elif self.scheduler.queue:  # they wait on running calls (a busy lease's among them)
             self.waited_at = now
 
-    def _leases_for_wait(self) -> list[_Lease]:
-        """Calls wait in the global queue: the leases to end for its head, as the call book
-        chooses them (`leases_to_end`; every lease where it names none). One ending already runs
-        a call (it ends when that call completes): a running call's, its model stays pinned."""
-        idle: dict[str, list[tuple[str, str]]] = {}
-        by_holder: dict[str, _Lease] = {}
-        for leases in self.leased.values():
-            for lease in leases:
-                if lease.ending:
-                    continue
-                model = self.scheduler.gpu(lease.gpu_id).running[lease.holder].model
-                idle.setdefault(lease.gpu_id, []).append((lease.holder, model))
-                by_holder[lease.holder] = lease
-        chosen = leases_to_end(self.scheduler, idle) if idle else []
-        return list(by_holder.values()) if chosen is None else [by_holder[holder] for holder in chosen]
+    def _lapse_leases(self, now: float) -> None:
+        """End the idle leases whose time is up, and have the clock stop when the next one's is
+        (ended at the next arrival or completion instead, a lapsed lease kept its model pinned,
+        the staged exit's clock for it stopped)."""
+        lapsed, self.lease_at = _lapsed_leases(self.leased, now)
+        for lease in lapsed:
+            self._end_lease(lease, now)
+        self.timer_s = min(self.release_at, self.adapt_at, self.lease_at)
 
     def _grant(self, hits: list[Dispatch], now: float) -> None:
         """The hits just dispatched lease their slots where the call book's rules allow."""
@@ -819,6 +812,40 @@ class _Lease:
     usable_until_s: float
     busy: bool = True  # its holder's own call first
     ending: bool = False
+
+
+def _leases_for_wait(scheduler: Scheduler, leased: Mapping[str, list[_Lease]]) -> list[_Lease]:
+    """Calls wait in `scheduler`'s global queue: the leases of `leased` to end for its head, as the
+    call book chooses them (`leases_to_end`; every lease where it names none). One ending already
+    runs a call (it ends when that call completes): a running call's, its model stays pinned."""
+    idle: dict[str, list[tuple[str, str]]] = {}
+    by_holder: dict[str, _Lease] = {}
+    for leases in leased.values():
+        for lease in leases:
+            if lease.ending:
+                continue
+            model = scheduler.gpu(lease.gpu_id).running[lease.holder].model
+            idle.setdefault(lease.gpu_id, []).append((lease.holder, model))
+            by_holder[lease.holder] = lease
+    chosen = leases_to_end(scheduler, idle) if idle else []
+    return list(by_holder.values()) if chosen is None else [by_holder[holder] for holder in chosen]
+
+
+def _lapsed_leases(leased: Mapping[str, list[_Lease]], now: float) -> tuple[list[_Lease], float]:
+    """The idle leases of `leased` whose time is up by `now` (the call book's tick ends them; a
+    busy one goes on, as the node's answer to its if-idle end says: its time starts again when
+    its call completes), and when the next of the others' is up (inf: none)."""
+    lapsed: list[_Lease] = []
+    next_s = math.inf
+    for leases in leased.values():
+        for lease in leases:
+            if lease.busy or lease.ending:
+                continue
+            if lease.until_s <= now:
+                lapsed.append(lease)
+            else:
+                next_s = min(next_s, lease.until_s)
+    return lapsed, next_s
 
 
 class _SloTally:

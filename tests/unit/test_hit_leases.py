@@ -793,3 +793,13 @@ def test_the_simulators_gateway_uses_a_lease_for_the_share_of_its_time_the_route
     assert (result.leases, result.lease_calls, result.hits) == (1, 0, 2)
     # Within the share it runs under the lease.
     assert sim([(0.0, "A"), (4.0, "A"), (5.0 + 0.85 * 1.0, "A")], lease_s=1.0).lease_calls == 1
+
+
+def test_the_simulator_ends_a_lapsed_lease_on_time_so_its_model_goes_idle_then_as_the_ticker_does() -> None:
+    # r1 leases A's slot at 4 (4 -> 5; its time is up at 6). The call book's tick ends it then, and
+    # A is idle from then: the staged exit takes it off the GPU 5 s later (about 11), long before
+    # r2 (B) at 30. Ended only at r2's arrival, A stayed pinned, and idle from 30 it was never released.
+    workload = lease_workload([(0.0, "A"), (4.0, "A"), (30.0, "B")], ("A", "B"), inference_time_s=1.0)
+    cluster = ClusterConfig(gpus=1, slots=2, gpu_memory_mb=4000, hit_lease_s=1.0, gpu_idle_release_s=5.0)
+    result = simulate(workload, "lalb", cluster=cluster)
+    assert (result.leases, result.lease_calls, result.releases) == (1, 0, 1)
