@@ -89,6 +89,7 @@ from gpufaas.profiles import ModelProfile
 from gpufaas.types import GpuSpec, Request, check_positive
 from scheduler import Dispatch, Estimator, Park, PolicyConfig, Scheduler, SchedulingPolicy, make_policy
 from scheduler.adaptive_slots import AdaptiveSlots
+from scheduler.calls import DEFAULT_CLAIM_S
 from scheduler.estimator import DEFAULT_HOST_TO_GPU_MB_S, DEFAULT_SWAP_IN_OVERHEAD_S
 from scheduler.leases import leases_to_end, may_lease, may_lease_on, running_seen
 from scheduler.policies import DEFAULT_MAX_NUM_SKIPS
@@ -509,6 +510,9 @@ class _Run:
         for call, batch in completed:
             inference_s = batch.elapsed_s(now)
             lease = lease_of.pop(call.request.request_id, None) if lease_of else None
+            if lease is not None and lease.holder == call.request.request_id and now >= lease.claim_by_s:
+                self._drop_lease(lease)  # the call book's claim check ended it: a plain placement's end
+                lease = None
             if lease is None:
                 request = on_complete(
                     call.request.request_id,
@@ -670,7 +674,7 @@ class _Run:
             gpu_id = hit.gpu_id
             if may_lease_on(self.scheduler.gpu(gpu_id), now, self.parked_at.get(gpu_id, -math.inf), self.lease_s):
                 request = hit.request
-                lease = _Lease(request.request_id, gpu_id, request.function, math.inf, math.inf)
+                lease = _Lease(request.request_id, gpu_id, request.function, math.inf, math.inf, now + DEFAULT_CLAIM_S)
                 self.leased.setdefault(request.function, []).append(lease)
                 self.lease_of[request.request_id] = lease
                 self.leases += 1
@@ -705,12 +709,16 @@ class _Run:
         if lease.busy:
             return False
         self.scheduler.on_complete(lease.holder, now)
+        self._drop_lease(lease)
+        return True
+
+    def _drop_lease(self, lease: _Lease) -> None:
+        """`lease` is no more (its holder's slot freed by the caller)."""
         self.touched_gpus.add(lease.gpu_id)
         leases = self.leased[lease.function]
         leases.remove(lease)
         if not leases:
             del self.leased[lease.function]
-        return True
 
     def _integrate(self, now: float) -> None:
         """Add the time since the scheduler was last asked to the time-weighted figures: the cache
@@ -802,14 +810,16 @@ SLO_PERCENTILE = 98.0  # Torpor's: a function meets its SLO when its p98 latency
 class _Lease:
     """A leased slot: its holder (the scheduler's running request that keeps the slot), its GPU
     and function, when its time is up (the call book's), until when the gateway sends calls under
-    it, whether a call runs under it, and whether it was ended (its slot is freed once that call
-    completes)."""
+    it, by when its holder's own call must be done (past it, the call book's claim check has the
+    node end the lease: leases serve calls shorter than the claim time), whether a call runs under
+    it, and whether it was ended (its slot is freed once that call completes)."""
 
     holder: str
     gpu_id: str
     function: str
     until_s: float
     usable_until_s: float
+    claim_by_s: float
     busy: bool = True  # its holder's own call first
     ending: bool = False
 

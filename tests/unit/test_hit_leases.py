@@ -16,7 +16,7 @@ from gpufaas.profiles import ModelProfile
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.types import Request
 from scheduler.adaptive_slots import AdaptiveSlots
-from scheduler.calls import Answer, Assignment, CallBook, CheckGrants, Effect, Evict
+from scheduler.calls import DEFAULT_CLAIM_S, Answer, Assignment, CallBook, CheckGrants, Effect, Evict
 from simulator.engine import ClusterConfig, SimResult, simulate
 from simulator.workload import Workload
 from tests.builders import make_scheduler
@@ -803,3 +803,13 @@ def test_the_simulator_ends_a_lapsed_lease_on_time_so_its_model_goes_idle_then_a
     cluster = ClusterConfig(gpus=1, slots=2, gpu_memory_mb=4000, hit_lease_s=1.0, gpu_idle_release_s=5.0)
     result = simulate(workload, "lalb", cluster=cluster)
     assert (result.leases, result.lease_calls, result.releases) == (1, 0, 1)
+
+
+def test_the_simulator_ends_a_lease_whose_own_call_outlasts_the_claim_time_as_the_call_book_does() -> None:
+    # r1 (A, a 6 s call) leases its slot at 9; its Done is not in 5 s after its placement
+    # (DEFAULT_CLAIM_S): the call book checks its grant with the node, which ends the lease (leases
+    # serve calls shorter than the claim time). r2 at 15.5 is placed, a hit that leases anew.
+    workload = lease_workload([(0.0, "A"), (9.0, "A"), (15.5, "A")], ("A", "B"), inference_time_s=6.0)
+    result = simulate(workload, "lalb", cluster=ClusterConfig(gpus=1, slots=2, gpu_memory_mb=4000, hit_lease_s=2.0))
+    assert DEFAULT_CLAIM_S < 6.0
+    assert (result.leases, result.lease_calls, result.hits) == (2, 0, 2)
