@@ -510,8 +510,8 @@ class _Run:
         for call, batch in completed:
             inference_s = batch.elapsed_s(now)
             lease = lease_of.pop(call.request.request_id, None) if lease_of else None
-            if lease is not None and lease.holder == call.request.request_id and now >= lease.claim_by_s:
-                self._drop_lease(lease)  # the call book's claim check ended it: a plain placement's end
+            if lease is not None and lease.ended_under(call.request.request_id, now):
+                self._drop_lease(lease)  # its own call completes as a plain placement, with its times
                 lease = None
             if lease is None:
                 request = on_complete(
@@ -822,6 +822,12 @@ class _Lease:
     claim_by_s: float
     busy: bool = True  # its holder's own call first
     ending: bool = False
+
+    def ended_under(self, request_id: str, now: float) -> bool:
+        """Whether `request_id`, done at `now`, is the lease's own call and the lease ended while it
+        ran (for a wait, or by the call book's claim check): the call book then completes that call
+        as a plain placement (`on_complete` with its times), not as a use of the lease."""
+        return request_id == self.holder and (self.ending or now >= self.claim_by_s)
 
 
 def _leases_for_wait(scheduler: Scheduler, leased: Mapping[str, list[_Lease]]) -> list[_Lease]:

@@ -4,6 +4,7 @@ holds them (gateway.leases), the simulator models them (simulator.engine)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import pytest
@@ -15,9 +16,11 @@ from gpufaas.functions import FunctionSpec
 from gpufaas.profiles import ModelProfile
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.types import Request
+from scheduler import PolicyConfig, make_policy
 from scheduler.adaptive_slots import AdaptiveSlots
 from scheduler.calls import DEFAULT_CLAIM_S, Answer, Assignment, CallBook, CheckGrants, Effect, Evict
-from simulator.engine import ClusterConfig, SimResult, simulate
+from scheduler.policies.torpor import TorporPolicy
+from simulator.engine import ClusterConfig, Meter, SimResult, _make_scheduler, _Run, simulate
 from simulator.workload import Workload
 from tests.builders import make_scheduler
 
@@ -813,3 +816,19 @@ def test_the_simulator_ends_a_lease_whose_own_call_outlasts_the_claim_time_as_th
     result = simulate(workload, "lalb", cluster=ClusterConfig(gpus=1, slots=2, gpu_memory_mb=4000, hit_lease_s=2.0))
     assert DEFAULT_CLAIM_S < 6.0
     assert (result.leases, result.lease_calls, result.hits) == (2, 0, 2)
+
+
+def test_the_simulator_completes_a_leases_own_call_as_a_plain_placement_when_the_lease_ended_meanwhile() -> None:
+    # r1 (A) leases its slot at 4 (4 -> 5); r3 (C, at 4.5) waits, B's miss in the other slot: the
+    # lease ends while its own call runs, and that call's Done completes it as a plain placement
+    # (with its times: torpor counts it against its SLO), as the call book does.
+    arrivals = [(0.0, "A"), (4.0, "A"), (4.2, "B"), (4.5, "C")]
+    base = lease_workload(arrivals, ("A", "B", "C"), inference_time_s=1.0)
+    workload = dataclasses.replace(base, requests=[dataclasses.replace(r, slo_s=10.0) for r in base.requests])
+    cluster = ClusterConfig(gpus=1, slots=2, gpu_memory_mb=4000, hit_lease_s=5.0)
+    run = _Run(workload, _make_scheduler(workload, make_policy("torpor", PolicyConfig()), cluster), cluster, {})
+    run.run(None, Meter())
+    assert (run.leases, run.lease_calls, len(run.latencies)) == (1, 0, 4)
+    policy = run.scheduler.policy
+    assert isinstance(policy, TorporPolicy)
+    assert policy.record("fn-A").served == 2
