@@ -20,7 +20,6 @@ from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.tls import LinkTls
 from gpufaas.types import GpuSpec, ModelSpec
 from gpufaas.wire import (
-    AnswerTooLarge,
     Connection,
     ConnectionLost,
     Handler,
@@ -33,6 +32,7 @@ from gpufaas.wire_local import link_here
 from scheduler.calls import CallBook, CheckGrants, Effect, Evict, EvictHost
 from scheduler.core import Scheduler
 from scheduler.persister import StatePersister
+from scheduler.reconciler import parked_of, reconcile_nodes, resident_of
 from scheduler.staging import GpuRoom, staging_targets
 
 log = logging.getLogger("gpufaas.scheduler")
@@ -41,7 +41,6 @@ NODE_TIMEOUT_S = 2.0  # a node that does not answer an Attach, Revoke or probe w
 EVICT_TIMEOUT_S = 30.0  # stopping workers may take a while: an Evict is not a liveness probe
 RECONNECT_S = 0.5
 PRESTAGE_SETTLE_S = 0.2  # attaches within this long of one another are pre-staged for together
-RECONCILE_S = 5.0  # how often the GPUs' LRU lists are checked against the workers nodes run
 
 
 @dataclass(slots=True)
@@ -247,7 +246,7 @@ class NodeLinks:
         log.log(level, "node %s at %s: %s", node.record.node, node.record.address, exc)
 
     def _attach(self, node: NodeLink, reply: pb.AttachReply) -> None:
-        resident = _resident(node.record.node, reply)
+        resident = resident_of(node.record.node, reply)
         effects: list[Effect] = []
         for gpu in node.record.gpus:
             address = gpu_address(node.record.node, gpu.gpu)
@@ -265,7 +264,7 @@ class NodeLinks:
             order = [m for m in reversed(self.recovered_lru.pop(address, [])) if m in workers]
             ordered = {m: workers[m] for m in order} | workers
             effects += self.book.reconcile(address, ordered, self.clock())
-        effects += self.book.reconcile_host(node.record.node, reply.host_memory_mb, _parked(reply))
+        effects += self.book.reconcile_host(node.record.node, reply.host_memory_mb, parked_of(reply))
         log.info(
             "node %s attached: %d GPU(s), %d resident model(s)", node.record.node, len(node.gpu_ids), len(reply.workers)
         )
@@ -293,32 +292,8 @@ class NodeLinks:
             self._detach(node)
 
     async def reconciler(self) -> None:
-        """Now and then, ask every attached node which models it runs and reconcile the GPUs' LRU
-        lists, and its host tier, with that (phantoms dropped, orphans adopted or evicted): the
-        cache follows what really runs, whatever was missed (a worker that died between calls, a
-        lost Done, a model the node pushed out of its host tier)."""
-        while True:
-            await asyncio.sleep(RECONCILE_S)
-            for node in list(self.nodes.values()):
-                if node.conn is None or not node.gpu_ids:
-                    continue
-                try:
-                    frame = await node.conn.request(MessageType.WORKERS, pb.WorkersRequest(), timeout_s=NODE_TIMEOUT_S)
-                except AnswerTooLarge as exc:  # (the link stays: nothing would say why it is never reconciled)
-                    log.warning("node %s: its list of workers is not reconciled: %s", node.record.node, exc)
-                    continue
-                except (ConnectionLost, TimeoutError, RemoteError):
-                    continue  # _keep_attached deals with a node that is gone
-                if not node.gpu_ids:  # detached meanwhile
-                    continue
-                reply = frame.message(pb.AttachReply)
-                resident = _resident(node.record.node, reply)
-                effects: list[Effect] = []
-                for address in node.gpu_ids:
-                    effects += self.book.reconcile(address, resident.get(address, {}), self.clock())
-                effects += self.book.reconcile_host(node.record.node, reply.host_memory_mb, _parked(reply))
-                self.holdings_reported(node, reply.holdings)
-                self.apply(effects + self.book.schedule(self.clock()))
+        """Reconcile every attached node with what it runs, now and then (scheduler.reconciler)."""
+        await reconcile_nodes(self)
 
     # --- what nodes hold below their GPUs, and pre-staging ---------------------------------
     def holdings_reported(self, node: NodeLink, holdings: pb.Holdings) -> None:
@@ -453,16 +428,3 @@ class NodeLinks:
             return
         with contextlib.suppress(ConnectionLost, TimeoutError, RemoteError):
             await node.conn.request(MessageType.EVICT, pb.Evict(models=effect.models), timeout_s=EVICT_TIMEOUT_S)
-
-
-def _resident(node: str, reply: pb.AttachReply) -> dict[str, dict[str, int]]:
-    """ "node/gpu" -> {model: MiB} of what a node reports it runs."""
-    resident: dict[str, dict[str, int]] = {}
-    for worker in reply.workers:
-        resident.setdefault(gpu_address(node, worker.gpu), {})[worker.model] = int(worker.memory_mb)
-    return resident
-
-
-def _parked(reply: pb.AttachReply) -> dict[str, int]:
-    """{model: MiB} of a node's host tier, least recently parked first."""
-    return {worker.model: int(worker.memory_mb) for worker in reply.parked}

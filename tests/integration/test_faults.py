@@ -150,7 +150,7 @@ def test_a_worker_dying_mid_request_is_retried_elsewhere_and_its_cache_entry_dro
 def test_a_worker_dying_between_calls_leaves_the_cache_within_a_reconcile_period(
     make_cluster: ClusterFactory, tmp_path: Path, etcd_endpoint: EtcdTarget
 ) -> None:
-    from scheduler.node_links import RECONCILE_S
+    from scheduler.reconciler import RECONCILE_S
 
     cluster, model, first = sleepy_on_one_node(make_cluster, tmp_path, "idle", gpus=1)
     etcd_state_when(etcd_endpoint.endpoint, etcd_endpoint.root, lambda state: model in state[1])

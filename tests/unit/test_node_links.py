@@ -15,7 +15,7 @@ from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import WatchEvent
 from gpufaas.wire import AnswerTooLarge, Connection, Frame, MessageType, Server
-from scheduler import node_links
+from scheduler import reconciler
 from scheduler.adaptive_slots import AdaptiveSlots
 from scheduler.calls import CallBook
 from scheduler.catalog import Catalog
@@ -106,7 +106,7 @@ def test_a_node_whose_workers_list_is_over_the_limit_says_so_in_the_log(
 ) -> None:
     # Such an answer cut the link before (the node detached and attached again, which showed); now
     # the link stays, and the reconciler would pass the node over on every round without a word.
-    monkeypatch.setattr(node_links, "RECONCILE_S", 0.0)
+    monkeypatch.setattr(reconciler, "RECONCILE_S", 0.0)
     book = make_book(gpus=())
     links = make_links(book)
     conn: Any = _AnswersTooLarge()  # (a Connection's `request` alone)
@@ -326,3 +326,55 @@ def test_a_refusal_answered_after_its_term_does_not_depose_the_next_term() -> No
             assert links.nodes["n1"].gpu_ids == ["n1/gpu0"]
 
     asyncio.run(scenario())
+
+
+class _Answers:
+    """A node link whose every WORKERS request is answered with `header` (an AttachReply's bytes),
+    counted in `asked`; one that `blocks` never answers (until cancelled)."""
+
+    is_closed = False
+
+    def __init__(self, header: bytes = b"", *, blocks: bool = False) -> None:
+        self.header, self.blocks, self.asked = header, blocks, 0
+
+    async def request(self, *args: Any, **kwargs: Any) -> Frame:
+        self.asked += 1
+        if self.blocks:
+            await asyncio.Event().wait()
+        return Frame(MessageType.ATTACH_REPLY, 0, 1, self.header, b"")
+
+
+def reconciled_links(*answers: _Answers) -> NodeLinks:
+    """Links (`make_links`) to nodes n1, n2, ... of one attached GPU each ("nK/g0"), on `answers`."""
+    names = [f"n{i}" for i in range(1, len(answers) + 1)]
+    links = make_links(make_book(gpus=tuple(f"{name}/g0" for name in names)))
+    for name, conn in zip(names, answers, strict=True):
+        record = NodeRecord(name, "127.0.0.1:1", "cpu", "i1", [GpuRecord("g0", 8000, "cpu")])
+        links.nodes[name] = NodeLink(record, conn=conn, gpu_ids=[f"{name}/g0"])  # type: ignore[arg-type]
+    return links
+
+
+async def reconcile_until(links: NodeLinks, done: Callable[[], bool]) -> None:
+    """Run the reconciler until `done` (checked at every turn of the loop), then stop it."""
+    task = asyncio.ensure_future(links.reconciler())
+    try:
+        while not done() and not task.done():
+            await asyncio.sleep(0)
+        assert not task.done(), f"the reconciler ended: {task.exception()!r}"
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def test_a_malformed_workers_reply_does_not_end_the_reconciler(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Its decoding raised out of the reconciler: the loop ended for the whole term ("Task
+    # exception was never retrieved" at most), and no node was reconciled again.
+    monkeypatch.setattr(reconciler, "RECONCILE_S", 0.0)
+    malformed, fine = _Answers(b"\xff\xff"), _Answers(pb.AttachReply().SerializeToString())
+    links = reconciled_links(malformed, fine)
+    with caplog.at_level(logging.WARNING, logger="gpufaas.scheduler"):
+        asyncio.run(reconcile_until(links, lambda: malformed.asked >= 3 and fine.asked >= 3))
+    assert "node n1: cannot reconcile its workers" in caplog.text
