@@ -354,11 +354,14 @@ def reconciled_links(*answers: _Answers) -> NodeLinks:
     return links
 
 
-async def reconcile_until(links: NodeLinks, done: Callable[[], bool]) -> None:
-    """Run the reconciler until `done` (checked at every turn of the loop), then stop it."""
+async def reconcile_until(links: NodeLinks, done: Callable[[], bool], *, turns: int = 1000) -> None:
+    """Run the reconciler until `done` (checked at each of at most `turns` turns of the event
+    loop), then stop it; it fails if the reconciler ended."""
     task = asyncio.ensure_future(links.reconciler())
     try:
-        while not done() and not task.done():
+        for _ in range(turns):
+            if done() or task.done():
+                break
             await asyncio.sleep(0)
         assert not task.done(), f"the reconciler ended: {task.exception()!r}"
     finally:
@@ -377,4 +380,24 @@ def test_a_malformed_workers_reply_does_not_end_the_reconciler(
     links = reconciled_links(malformed, fine)
     with caplog.at_level(logging.WARNING, logger="gpufaas.scheduler"):
         asyncio.run(reconcile_until(links, lambda: malformed.asked >= 3 and fine.asked >= 3))
+    assert malformed.asked >= 3 and fine.asked >= 3
     assert "node n1: cannot reconcile its workers" in caplog.text
+
+
+def test_a_node_that_does_not_answer_holds_up_no_other_nodes_reconcile(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Nodes were asked one after another, each for up to 2 s: with 5 of 50 not answering, every
+    # round took 10 s and more before the nodes after them were reconciled.
+    monkeypatch.setattr(reconciler, "RECONCILE_S", 0.0)
+    silent, fine = _Answers(blocks=True), _Answers(pb.AttachReply().SerializeToString())
+    links = reconciled_links(silent, silent, fine)
+    asyncio.run(reconcile_until(links, lambda: fine.asked >= 1))
+    assert fine.asked == 1
+
+
+def test_the_reconciler_asks_at_most_its_bound_of_nodes_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reconciler, "RECONCILE_S", 0.0)
+    monkeypatch.setattr(reconciler, "RECONCILE_CONCURRENCY", 2)
+    silent = [_Answers(blocks=True) for _ in range(3)]
+    links = reconciled_links(*silent)
+    asyncio.run(reconcile_until(links, lambda: False, turns=200))
+    assert [node.asked for node in silent] == [1, 1, 0]  # (the third waits for one of them)
