@@ -51,6 +51,7 @@ class NodeLink:
     conn: Connection | None = None
     gpu_ids: list[str] = field(default_factory=list)  # in the scheduler (attached) or empty
     holdings: pb.Holdings | None = None  # its latest report of what its disk and host pool hold
+    holdings_frames: int = 0  # Holdings frames taken from it (`holdings_answered` counts on them)
 
 
 class NodeLinks:
@@ -186,6 +187,7 @@ class NodeLinks:
                     # the node drop the link a later term (or incarnation) attached it on.
                     conn.close()
                     return
+                frames = node.holdings_frames
                 reply = (
                     await conn.request(
                         MessageType.ATTACH,
@@ -207,7 +209,7 @@ class NodeLinks:
                 conn.close()  # it left or restarted meanwhile (the watch brings the new record), or the term ended
                 return
             node.conn = conn
-            self._attach(node, reply)
+            self._attach(node, reply, frames)
             lost = await conn.closed
             if self._linked(node, term):
                 log.warning(
@@ -245,7 +247,8 @@ class NodeLinks:
         level = logging.WARNING if isinstance(exc, (Unauthenticated, RemoteError)) else logging.DEBUG
         log.log(level, "node %s at %s: %s", node.record.node, node.record.address, exc)
 
-    def _attach(self, node: NodeLink, reply: pb.AttachReply) -> None:
+    def _attach(self, node: NodeLink, reply: pb.AttachReply, holdings_frames: int = 0) -> None:
+        """Add the node's GPUs, as `reply` says; `holdings_frames`: `holdings_answered`'s."""
         resident = resident_of(node.record.node, reply)
         effects: list[Effect] = []
         for gpu in node.record.gpus:
@@ -268,7 +271,7 @@ class NodeLinks:
         log.info(
             "node %s attached: %d GPU(s), %d resident model(s)", node.record.node, len(node.gpu_ids), len(reply.workers)
         )
-        self.holdings_reported(node, reply.holdings)
+        self.holdings_answered(node, reply.holdings, holdings_frames)
         self.apply(effects + self.book.schedule(self.clock()))
         self._prestage_all_soon()
 
@@ -299,7 +302,18 @@ class NodeLinks:
     def holdings_reported(self, node: NodeLink, holdings: pb.Holdings) -> None:
         """A node said what its disk and host pool hold (package digests): the cache manager
         learns it by model, so misses are priced and placed by the tier they come from."""
+        node.holdings_frames += 1
         node.holdings = holdings
+        self.learn_holdings(node)
+
+    def holdings_answered(self, node: NodeLink, holdings: pb.Holdings, frames_before: int) -> None:
+        """A node's answer (AttachReply, WORKERS) said what it holds, `frames_before` its count of
+        Holdings frames when asked. A frame that came since is kept: the answer's task resumes
+        after the frames read with it, so taking the answer would undo a newer report (one sent
+        before the answer is no loss: the node reports every change soon after, so its last frame
+        is its newest)."""
+        if node.holdings_frames == frames_before:
+            node.holdings = holdings
         self.learn_holdings(node)
 
     def learn_holdings(self, only: NodeLink | None = None) -> None:

@@ -47,6 +47,7 @@ async def _reconcile_logged(links: NodeLinks, node: NodeLink, conn: Connection, 
 
 async def reconcile_node(links: NodeLinks, node: NodeLink, conn: Connection) -> None:
     """Ask one node, on `conn`, which models it runs and reconcile its GPUs and host tier."""
+    frames = node.holdings_frames
     try:
         frame = await conn.request(MessageType.WORKERS, pb.WorkersRequest(), timeout_s=WORKERS_TIMEOUT_S)
     except AnswerTooLarge as exc:  # (the link stays: nothing would say why it is never reconciled)
@@ -62,7 +63,7 @@ async def reconcile_node(links: NodeLinks, node: NodeLink, conn: Connection) -> 
     for address in node.gpu_ids:
         effects += links.book.reconcile(address, resident.get(address, {}), links.clock())
     effects += links.book.reconcile_host(node.record.node, reply.host_memory_mb, parked_of(reply))
-    links.holdings_reported(node, reply.holdings)
+    links.holdings_answered(node, reply.holdings, frames)
     links.apply(effects + links.book.schedule(links.clock()))
 
 

@@ -401,3 +401,47 @@ def test_the_reconciler_asks_at_most_its_bound_of_nodes_at_once(monkeypatch: pyt
     links = reconciled_links(*silent)
     asyncio.run(reconcile_until(links, lambda: False, turns=200))
     assert [node.asked for node in silent] == [1, 1, 0]  # (the third waits for one of them)
+
+
+class _NodeThatReportsAtOnce(_Node):
+    """A node whose holdings change just after it answers an Attach or WORKERS (with "old"): its
+    Holdings frame ("new") follows the answer on the link, so both arrive in one read."""
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        if frame.type in (MessageType.ATTACH, MessageType.WORKERS):
+            answer = pb.AttachReply(node="n1", incarnation="i1", holdings=pb.Holdings(staged=["old"]))
+            conn.reply(frame, MessageType.ATTACH_REPLY, answer)
+            conn.send(MessageType.HOLDINGS, pb.Holdings(staged=["new"]))
+
+
+class _TakesHoldings:
+    """The scheduler's end of a node's link, as scheduler.sessions.NodeSession takes Holdings."""
+
+    def __init__(self, links: NodeLinks, node: NodeLink) -> None:
+        self.links, self.node = links, node
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        if frame.type == MessageType.HOLDINGS:
+            self.links.holdings_reported(self.node, frame.message(pb.Holdings))
+
+    def on_close(self, conn: Connection, exc: BaseException | None) -> None:
+        pass
+
+
+def test_holdings_reported_with_an_answer_do_not_undo_a_later_report() -> None:
+    # The Holdings frame that came in the same read as the AttachReply (or a WORKERS answer) was
+    # taken first; the attach (or reconcile) then overwrote it with the answer's older holdings,
+    # until the next reconcile.
+    async def scenario() -> None:
+        async with linked_to(_NodeThatReportsAtOnce()) as links:
+            links.session_for = lambda node: _TakesHoldings(links, node)
+            links.activate("sched-a", b"k" * 32, epoch=1)
+            node = links.nodes["n1"]
+            while not node.gpu_ids:
+                await asyncio.sleep(0.01)
+            assert node.holdings is not None and list(node.holdings.staged) == ["new"], "after the attach"
+            assert node.conn is not None
+            await reconciler.reconcile_node(links, node, node.conn)
+            assert list(node.holdings.staged) == ["new"], "after a reconcile"
+
+    asyncio.run(scenario())
