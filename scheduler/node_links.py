@@ -144,13 +144,25 @@ class NodeLinks:
 
     # --- registration -----------------------------------------------------------------------
     def seen(self, record: NodeRecord) -> None:
-        """A node's record (new or changed): link to it, once per incarnation."""
+        """A node's record (new or changed): link to it, once per incarnation. A running GPU
+        manager registers the same record under every lease; one changed under the same
+        incarnation (by hand) is the same manager still running its calls: at another address
+        only, its link and GPUs stay (its next connection goes there); else it is linked afresh."""
         known = self.nodes.get(record.node)
         if known is not None and known.record == record:
             return
-        if known is not None:
+        if known is not None and known.record.incarnation == record.incarnation:
+            if dataclasses.replace(known.record, address=record.address) == record:
+                log.info("node %s is now at %s (the same incarnation)", record.node, record.address)
+                known.record = record  # (`_keep_attached` dials `record.address` each time)
+                return
+            log.warning(
+                "node %s's record changed under the same incarnation %s: linked afresh", record.node, record.incarnation
+            )
+        elif known is not None:
             # A restarted GPU manager (a new incarnation): its workers, and so its models, are gone.
             log.info("node %s re-registered (incarnation %s)", record.node, record.incarnation)
+        if known is not None:
             self.gone(record.node)
         node = NodeLink(record)
         self.nodes[record.node] = node

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -445,3 +446,42 @@ def test_holdings_reported_with_an_answer_do_not_undo_a_later_report() -> None:
             assert list(node.holdings.staged) == ["new"], "after a reconcile"
 
     asyncio.run(scenario())
+
+
+def test_a_node_record_that_moves_the_same_incarnation_keeps_its_gpus_and_links_at_the_new_address() -> None:
+    # A running GPU manager never changes its record (gpu_manager.daemon registers the same one
+    # under every lease); one edited to another address under the same incarnation was taken for a
+    # restart: the node's GPUs taken out, its placed calls stranded though it still ran them.
+    async def scenario() -> None:
+        async with linked_to(_Node()) as links:
+            links.activate("sched-a", b"k" * 32, epoch=1)
+            node = links.nodes["n1"]
+            while not node.gpu_ids:
+                await asyncio.sleep(0.01)
+            attached = node.conn
+            moved_to = Server(_Node().handler, tls=False)
+            address = await moved_to.start("127.0.0.1:0")
+            try:
+                links.seen(dataclasses.replace(node.record, address=address))
+                assert links.nodes["n1"] is node and node.gpu_ids == ["n1/gpu0"] and node.conn is attached
+                assert node.record.address == address
+                assert attached is not None
+                attached.close()  # (its next connection goes to the new address)
+                while not moved_to.connections or not node.gpu_ids:
+                    await asyncio.sleep(0.01)
+            finally:
+                await moved_to.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_node_record_changed_under_the_same_incarnation_is_not_logged_as_a_restart(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    links = make_links(make_book(gpus=()))
+    links.seen(NodeRecord("n1", "127.0.0.1:1", "cpu", "i1", [GpuRecord("gpu0", 8000, "cpu")]))
+    with caplog.at_level(logging.INFO, logger="gpufaas.scheduler"):
+        links.seen(NodeRecord("n1", "127.0.0.1:1", "cpu", "i1", [GpuRecord("gpu0", 4000, "cpu")]))
+    assert "re-registered" not in caplog.text
+    assert "node n1's record changed under the same incarnation i1" in caplog.text
+    assert links.nodes["n1"].record.gpus[0].memory_mb == 4000
