@@ -240,18 +240,16 @@ async def wire_daemon_running(
 ) -> AsyncIterator[None]:
     """`daemon` started (listening and advertised as `settings` say, its metrics beside it) for
     the body; then its metrics and it stopped, in that order. A listener that cannot be bound (a
-    port in use, an address not this host's) is `ListenError`, one line for `run_daemon`; the
-    daemon is stopped first if it had started (its etcd lease revoked, its workers ended)."""
+    port in use, an address not this host's) is `ListenError`, one line for `run_daemon`. A start
+    that fails, at any step, is stopped first: what it had started before the step that failed (a
+    node's workers and host pool, its etcd lease) does not outlive it."""
     try:
         await daemon.start(settings.listen, advertise=settings.advertise)
-    except OSError as exc:
-        raise ListenError(f"{name} cannot start: {exc}") from None  # the bind's names the address
-    try:
         metrics = await start_metrics(daemon.metrics.registry, settings.metrics_listen, secret)
     except BaseException as exc:
         with contextlib.suppress(Exception):
             await daemon.stop()
-        if isinstance(exc, OSError):
+        if isinstance(exc, OSError):  # the bind's message names the address
             raise ListenError(f"{name} cannot start: {exc}") from None
         raise
     print(f"{name} listening on {daemon.address}", flush=True)

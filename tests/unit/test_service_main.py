@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gpufaas.service_main import run_daemon, wire_daemon_running
+from gpufaas.store import StoreError
 
 
 class _Metrics:
@@ -74,3 +75,20 @@ def test_a_metrics_port_in_use_stops_the_started_daemon(taken_port: int, capsys:
     assert daemon.started and daemon.stopped
     err = capsys.readouterr().err.splitlines()[-1]
     assert err.startswith(f"error: scheduler cannot start: --metrics-listen: cannot listen on 127.0.0.1:{taken_port}")
+
+
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (OSError(98, "Address already in use"), "error: scheduler cannot start: [Errno 98] Address already in use\n"),
+        (StoreError("etcd went away"), "error: cannot reach etcd at 127.0.0.1:2379: etcd went away; start etcd"),
+    ],
+)
+def test_a_start_that_fails_partway_is_stopped(error: Exception, said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before, only a metrics listener that failed stopped the daemon: a node whose wire port was in
+    # use (or whose etcd failed as it registered) had started its workers and made its host pool
+    # in /dev/shm, and left them there.
+    daemon = _Daemon(error)
+    assert _serve(daemon, _Settings("127.0.0.1:0", None)) == 1
+    assert daemon.stopped
+    assert capsys.readouterr().err.startswith(said)
