@@ -22,7 +22,7 @@ from gpufaas.keys import Keys
 from gpufaas.service_main import ListenError, daemon_start, open_store, own_state_dir, run_daemon, warn_if_insecure
 
 if TYPE_CHECKING:
-    from gpufaas.store import EtcdCredentials
+    from gpufaas.store import EtcdCredentials, Store
 
 
 def credentials(parser: argparse.ArgumentParser, settings: GatewaySettings, secret: str | None) -> Credentials | None:
@@ -74,49 +74,56 @@ async def serve(
 ) -> None:
     """Serve until uvicorn stops (SIGTERM, SIGINT), with the node of `--with-node` and the
     scheduler of `--with-scheduler` running beside it (started first, in that order; stopped
-    last, in the other). A SIGTERM or SIGINT while they start stops them once started, unserved."""
+    last, in the other). A SIGTERM or SIGINT while they start stops them once started, unserved;
+    one while they stop (a second: uvicorn's handlers are gone by then) lets them stop."""
     store = await open_store(settings.etcd, etcd_creds)
     try:
-        async with contextlib.AsyncExitStack() as stack:
-            with _signals_noted() as signalled:
+        # Uvicorn's handlers replace these while it serves, and restore them when it stops.
+        with _signals_noted() as signalled:
+            async with contextlib.AsyncExitStack() as stack:
                 if node is not None:
                     await stack.enter_async_context(node.run())
                 if scheduler is not None:
                     await stack.enter_async_context(scheduler.run())
-            if signalled:
-                return  # told to stop while they started: stopped now (the stack), uvicorn never serves
-            app = create_app(store, config)
-            try:
-                app.state.gateway.serve_blobs()  # (its failure in the app's startup: a traceback)
-            except OSError as exc:
-                raise ListenError(f"gateway cannot start: blob server on {config.blob_listen}: {exc}") from None
-            limits = settings.http_limits
-            tls: dict[str, str] = {}
-            if settings.public_cert_file is not None and settings.public_key_file is not None:
-                tls = {"ssl_certfile": str(settings.public_cert_file), "ssl_keyfile": str(settings.public_key_file)}
-            # No access log: at level warning uvicorn drops its lines, but built each one's arguments
-            # (the client's address, the quoted path) per request first, 2.5 % of the gateway's CPU.
-            server = _Server(
-                server_config(
-                    app,
-                    host=settings.host,
-                    port=settings.port,
-                    limits=limits,
-                    log_level="warning",
-                    access_log=False,
-                    **tls,
-                )
-            )
-            await server.serve()
+                if not signalled:  # (else told to stop while they started: stopped now, by the stack)
+                    await _serve_http(settings, config, store)
     finally:
         await store.close()
+
+
+async def _serve_http(settings: GatewaySettings, config: GatewayConfig, store: Store) -> None:
+    """The gateway's app and blob server on `store`, served by uvicorn until it stops."""
+    app = create_app(store, config)
+    try:
+        app.state.gateway.serve_blobs()  # (its failure in the app's startup: a traceback)
+    except OSError as exc:
+        raise ListenError(f"gateway cannot start: blob server on {config.blob_listen}: {exc}") from None
+    limits = settings.http_limits
+    tls: dict[str, str] = {}
+    if settings.public_cert_file is not None and settings.public_key_file is not None:
+        tls = {"ssl_certfile": str(settings.public_cert_file), "ssl_keyfile": str(settings.public_key_file)}
+    # No access log: at level warning uvicorn drops its lines, but built each one's arguments
+    # (the client's address, the quoted path) per request first, 2.5 % of the gateway's CPU.
+    server = _Server(
+        server_config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            limits=limits,
+            log_level="warning",
+            access_log=False,
+            **tls,
+        )
+    )
+    await server.serve()
 
 
 @contextlib.contextmanager
 def _signals_noted() -> Iterator[list[int]]:
     """SIGTERM and SIGINT noted in the body, not acted on (the list: those received), their
     handlers restored after it: the embedded node and scheduler start whole before a signal stops
-    them, as a daemon apart does (`run_until_signalled`). Uvicorn's handlers come only once it
+    them, as a daemon apart does (`run_until_signalled`), and stop whole when a second comes (after
+    uvicorn stopped, its handlers restored: a SIGTERM killed the process midway). Uvicorn's handlers come only once it
     serves: before, a SIGTERM while they started killed the process (SIG_DFL), their stop never
     ran (the node's key and lease stayed in etcd, its host pool in /dev/shm), and a SIGINT
     cancelled the start midway, which is not stopped either. Outside the main thread: nothing noted."""

@@ -133,33 +133,22 @@ def test_a_credential_file_with_insecure_is_a_usage_error(
     assert f"--insecure and {flag} exclude each other" in said
 
 
-def test_a_sigterm_while_the_embedded_node_starts_stops_it_once_started_and_serves_nothing(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Uvicorn's signal handlers come only once it serves: a SIGTERM while the node in the gateway
-    started went to the default handler, which killed the process, the node's stop never run (its
-    key and lease left in etcd). Here a handler of the test's stands for that default."""
+class _Store:
+    def __init__(self, happened: list[str]) -> None:
+        self.happened = happened
+
+    async def close(self) -> None:
+        self.happened.append("gateway's store closed")
+
+
+def _serve_gateway(monkeypatch: pytest.MonkeyPatch, node: object, happened: list[str]) -> list[int]:
+    """`gateway.__main__.serve` run with `node` embedded, over a stand-in store, app and uvicorn
+    (which notes "uvicorn served" in `happened`); the SIGTERMs that reached the handler in place
+    before it (a test's, standing for the default, which kills), checked in place after it."""
     import gateway.__main__ as gateway_main
 
-    happened: list[str] = []
-
-    class Store:
-        async def close(self) -> None:
-            happened.append("gateway's store closed")
-
-    async def open_store(*_: object) -> Store:
-        return Store()
-
-    class Node:
-        @contextlib.asynccontextmanager
-        async def run(self) -> AsyncIterator[None]:
-            signal.raise_signal(signal.SIGTERM)  # (`gpufaas down` as the node starts)
-            await asyncio.sleep(0)
-            happened.append("node started")
-            try:
-                yield
-            finally:
-                happened.append("node stopped")
+    async def open_store(*_: object) -> _Store:
+        return _Store(happened)
 
     class Server:
         def __init__(self, _config: object) -> None:
@@ -182,10 +171,54 @@ def test_a_sigterm_while_the_embedded_node_starts_stops_it_once_started_and_serv
 
     default = signal.signal(signal.SIGTERM, kill)
     try:
-        asyncio.run(gateway_main.serve(settings, config, None, None, Node()))  # type: ignore[arg-type]
+        asyncio.run(gateway_main.serve(settings, config, None, None, node))  # type: ignore[arg-type]
         restored = signal.getsignal(signal.SIGTERM)
     finally:
         signal.signal(signal.SIGTERM, default)
+    assert restored is kill  # the handler before the start is the handler after it
+    return killed
+
+
+def test_a_sigterm_while_the_embedded_node_starts_stops_it_once_started_and_serves_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Uvicorn's signal handlers come only once it serves: a SIGTERM while the node in the gateway
+    started went to the default handler, which killed the process, the node's stop never run (its
+    key and lease left in etcd). Here a handler of the test's stands for that default."""
+    happened: list[str] = []
+
+    class Node:
+        @contextlib.asynccontextmanager
+        async def run(self) -> AsyncIterator[None]:
+            signal.raise_signal(signal.SIGTERM)  # (`gpufaas down` as the node starts)
+            await asyncio.sleep(0)
+            happened.append("node started")
+            try:
+                yield
+            finally:
+                happened.append("node stopped")
+
+    killed = _serve_gateway(monkeypatch, Node(), happened)
     assert killed == []
     assert happened == ["node started", "node stopped", "gateway's store closed"]
-    assert restored is kill  # the handler before the start is the handler after it
+
+
+def test_a_second_sigterm_while_the_embedded_node_stops_lets_it_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Uvicorn restores the default handlers once it stopped serving: a second SIGTERM (`gpufaas
+    down` or an init system asking again) while the node in the gateway stopped killed the process
+    (status -15), its key and holder record left in etcd and a worker left running."""
+    happened: list[str] = []
+
+    class Node:
+        @contextlib.asynccontextmanager
+        async def run(self) -> AsyncIterator[None]:
+            try:
+                yield
+            finally:
+                signal.raise_signal(signal.SIGTERM)  # (asked again as the node stops)
+                await asyncio.sleep(0)
+                happened.append("node stopped")
+
+    killed = _serve_gateway(monkeypatch, Node(), happened)
+    assert killed == []
+    assert happened == ["uvicorn served", "node stopped", "gateway's store closed"]
