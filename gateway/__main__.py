@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import uvicorn
+from uvicorn.lifespan.on import LifespanOn
 
 from gateway.app import GatewayConfig, create_app
 from gateway.auth import Credentials
@@ -152,6 +154,15 @@ class _Server(uvicorn.Server):
         with super().capture_signals():
             yield
             self._captured_signals.clear()  # the process exits from `main`, having stopped all
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Uvicorn's, and the app's shutdown even where a second SIGINT forced the exit (which
+        skips waiting for connections, and in uvicorn the app's shutdown too: the gateway's
+        registration and holder record stayed in etcd until its lease ran out, and its stop ran as
+        the loop closed, on the closed etcd client, in a traceback)."""
+        await super().shutdown(sockets)
+        if isinstance(self.lifespan, LifespanOn) and not self.lifespan.shutdown_event.is_set():
+            await self.lifespan.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

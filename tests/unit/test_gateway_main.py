@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import signal
 import types
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -222,3 +222,35 @@ def test_a_second_sigterm_while_the_embedded_node_stops_lets_it_stop(monkeypatch
     killed = _serve_gateway(monkeypatch, Node(), happened)
     assert killed == []
     assert happened == ["uvicorn served", "node stopped", "gateway's store closed"]
+
+
+def test_a_second_sigint_as_the_gateway_stops_serving_still_stops_its_app() -> None:
+    """A second SIGINT (Ctrl-C twice) while uvicorn stops makes it force-exit, which skips the app's
+    shutdown: the gateway's registration and holder record stayed in etcd until its lease ran out,
+    and its stop ran later, when the loop closed, on the closed etcd client (a traceback)."""
+    import uvicorn
+
+    from gateway.__main__ import _Server
+
+    happened: list[str] = []
+
+    async def app(scope: dict[str, object], receive: Callable[[], Awaitable[dict[str, object]]], send: object) -> None:
+        assert scope["type"] == "lifespan"
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})  # type: ignore[operator]
+                signal.raise_signal(signal.SIGINT)  # (Ctrl-C ...)
+                signal.raise_signal(signal.SIGINT)  # (... twice)
+            else:
+                happened.append("app stopped")
+                await send({"type": "lifespan.shutdown.complete"})  # type: ignore[operator]
+                return
+
+    async def main() -> None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_level="warning")
+        await _Server(config).serve()
+        happened.append("uvicorn returned")
+
+    asyncio.run(main())
+    assert happened == ["app stopped", "uvicorn returned"]
