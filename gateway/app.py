@@ -86,8 +86,8 @@ def create_app(store: Store, config: GatewayConfig) -> GatewayApp:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await gateway.start()
-        try:
+        try:  # (a start that fails partway is stopped too: uvicorn runs no shutdown after it)
+            await gateway.start()
             yield
         finally:
             await gateway.stop()

@@ -153,6 +153,32 @@ def test_registers_itself_while_running_and_unregisters_on_shutdown(tmp_path: Pa
     asyncio.run(main())
 
 
+def test_a_start_that_fails_partway_is_stopped(tmp_path: Path) -> None:
+    # Before, a start that failed after its lease (etcd failing as the gateway registered) left
+    # the lease and its keys in etcd until it ran out, and its watches, blob server and scheduler
+    # link running: uvicorn runs no shutdown for an app whose startup failed.
+    class FailingRegistration(MemoryStore):
+        async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+            if key.startswith(keys.holders):
+                raise StoreError("etcd went away")
+            return await super().put(key, value, lease=lease)
+
+    keys = Keys("/unit")
+
+    async def main() -> None:
+        store = FailingRegistration()
+        config = GatewayConfig(state_dir=tmp_path, scheduler_address=UNREACHABLE_SCHEDULER, keys=keys)
+        app = create_app(store, config)
+        with pytest.raises(StoreError):
+            async with app.router.lifespan_context(app):
+                pass
+        assert await store.get(keys.service("gateway")) is None  # its lease revoked
+        assert store.num_watchers == 0
+        await store.close()
+
+    asyncio.run(main())
+
+
 def test_health_info_and_metrics(tmp_path: Path) -> None:
     async def body(env: Env) -> None:
         # No scheduler listens: not ready (calls would wait, then fail), though alive.
