@@ -103,9 +103,14 @@ class NodeStorage:
         self._base_environment: dict[str, str] = {}
 
     async def start(self, wire_address: str) -> None:
-        """Serve blobs; adopt what a previous run of the node staged."""
+        """Serve blobs; adopt what a previous run of the node staged. OSError naming the blob
+        server's flag and address if it cannot listen (the node has three listeners)."""
+        try:
+            bound = self.blob_server.start(self._blob_listen)
+        except OSError as exc:
+            raise OSError(f"--blob-listen: cannot listen on {self._blob_listen}: {exc.strerror or exc}") from None
         # Peers reach the blob server on the host they reach the wire at, unless told otherwise.
-        blob_port = self.blob_server.start(self._blob_listen).rpartition(":")[2]
+        blob_port = bound.rpartition(":")[2]
         self.blob_url = self._blob_advertise or f"http://{wire_address.rpartition(':')[0]}:{blob_port}"
         self.packages.my_host = urllib.parse.urlsplit(self.blob_url).hostname or ""
         self._base_environment = await asyncio.to_thread(base_environment)

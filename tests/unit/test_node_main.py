@@ -4,15 +4,18 @@ one clear error (a GpufaasError, which the daemon's main prints as one line), no
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 
 import pytest
 
 from gpu_manager.__main__ import Hardware, daemon
+from gpu_manager.daemon import GpuManagerDaemon
 from gpu_manager.devices import logical_devices
 from gpu_manager.sandbox import Isolation
 from gpu_manager.settings import NodeSettings
 from gpufaas.errors import GpufaasError
+from gpufaas.service_main import ListenError, wire_daemon_running
 from tests.fakes import MemoryStore
 
 
@@ -34,3 +37,28 @@ def test_a_pool_directory_the_node_cannot_use_is_a_clear_error(tmp_path: Path, p
 
     with pytest.raises(GpufaasError, match=r"--pool-dir|File exists"):
         asyncio.run(make())
+
+
+def test_a_blob_port_in_use_is_said_with_its_flag_and_the_node_left_stopped(tmp_path: Path) -> None:
+    # Before, a node with three listeners said only "[Errno 98] Address already in use" for its
+    # --blob-listen, and left its spare worker and its host pool behind (its start was not stopped).
+    settings = NodeSettings(
+        state_dir=tmp_path / "state", node="n1", pool_mb=16, pool_dir=tmp_path, unconfined_workers=True, spares=1
+    )
+    machine = Hardware("cpu", logical_devices(1, 1024, "cpu"), 0, Isolation(network=False, users=False))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = f"127.0.0.1:{held.getsockname()[1]}"
+        settings = settings.model_copy(update={"listen": "127.0.0.1:0", "blob_listen": taken})
+
+        async def start() -> GpuManagerDaemon:
+            node = daemon(MemoryStore(), settings, machine, None, tls=False)  # type: ignore[arg-type]
+            with pytest.raises(ListenError, match=f"node n1 cannot start: --blob-listen: cannot listen on {taken}: "):
+                async with wire_daemon_running(node, settings, None, "node n1"):
+                    pass
+            return node
+
+        node = asyncio.run(start())
+    assert node.pool.live_workers() == 0
+    assert not node.storage.host_pool.root.exists()
