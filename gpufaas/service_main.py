@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
@@ -249,6 +250,9 @@ async def wire_daemon_running(
     except BaseException as exc:
         with contextlib.suppress(Exception):
             await daemon.stop()
+        if isinstance(exc, socket.gaierror):  # (a bind's other errors name the address, this one not)
+            cause = f"--listen: cannot listen on {settings.listen}: {exc.strerror}"
+            raise ListenError(f"{name} cannot start: {cause}") from None
         if isinstance(exc, OSError):  # the bind's message names the address
             raise ListenError(f"{name} cannot start: {exc}") from None
         raise

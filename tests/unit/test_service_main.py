@@ -67,6 +67,15 @@ def test_a_port_in_use_is_one_line_and_status_1(capsys: pytest.CaptureFixture[st
     assert capsys.readouterr().err == "error: scheduler cannot start: [Errno 98] Address already in use\n"
 
 
+def test_a_listen_host_that_does_not_resolve_is_said_with_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: "error: scheduler cannot start: [Errno -2] Name or service not known", naming no
+    # flag nor address (a node has three listeners).
+    daemon = _Daemon(socket.gaierror(-2, "Name or service not known"))
+    assert _serve(daemon, _Settings("nowhere.invalid:0", None)) == 1
+    said = "error: scheduler cannot start: --listen: cannot listen on nowhere.invalid:0: Name or service not known\n"
+    assert capsys.readouterr().err == said
+
+
 def test_a_metrics_port_in_use_stops_the_started_daemon(taken_port: int, capsys: pytest.CaptureFixture[str]) -> None:
     # Before, the OSError went up in a traceback with the daemon running: its etcd lease (a node's
     # registration, a scheduler's leadership) stayed until it expired.
