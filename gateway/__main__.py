@@ -88,13 +88,14 @@ async def serve(
                 if scheduler is not None:
                     await stack.enter_async_context(scheduler.run())
                 if not signalled:  # (else told to stop while they started: stopped now, by the stack)
-                    await _serve_http(settings, config, store)
+                    await _serve_http(settings, config, store, signalled)
     finally:
         await store.close()
 
 
-async def _serve_http(settings: GatewaySettings, config: GatewayConfig, store: Store) -> None:
-    """The gateway's app and blob server on `store`, served by uvicorn until it stops."""
+async def _serve_http(settings: GatewaySettings, config: GatewayConfig, store: Store, noted: list[int]) -> None:
+    """The gateway's app and blob server on `store`, served by uvicorn until it stops (at once
+    for a signal in `noted`, which grows until uvicorn's handlers are in place)."""
     app = create_app(store, config)
     try:
         app.state.gateway.serve_blobs()  # (its failure in the app's startup: a traceback)
@@ -115,7 +116,8 @@ async def _serve_http(settings: GatewaySettings, config: GatewayConfig, store: S
             log_level="warning",
             access_log=False,
             **tls,
-        )
+        ),
+        noted,
     )
     await server.serve()
 
@@ -147,11 +149,18 @@ class _Server(uvicorn.Server):
     it stopped: with its handler restored to the default, that killed the process before the node
     and scheduler it runs (`--with-node`, `--with-scheduler`) and the etcd client were stopped (the
     node's key and holder record stayed in etcd until its lease ran out, a standby scheduler
-    waited out the leader's, the host pool stayed in /dev/shm)."""
+    waited out the leader's, the host pool stayed in /dev/shm); and a signal `noted` before its
+    handlers came is acted on once they do."""
+
+    def __init__(self, config: uvicorn.Config, noted: list[int]) -> None:
+        super().__init__(config)
+        self._noted = noted  # SIGTERM and SIGINT received before its own handlers came
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         with super().capture_signals():
+            for sig in self._noted:  # (else forgotten: the gateway served on, told to stop)
+                self.handle_exit(sig, None)
             yield
             self._captured_signals.clear()  # the process exits from `main`, having stopped all
 

@@ -151,7 +151,7 @@ def _serve_gateway(monkeypatch: pytest.MonkeyPatch, node: object, happened: list
         return _Store(happened)
 
     class Server:
-        def __init__(self, _config: object) -> None:
+        def __init__(self, _config: object, _noted: list[int]) -> None:
             pass
 
         async def serve(self) -> None:
@@ -249,8 +249,61 @@ def test_a_second_sigint_as_the_gateway_stops_serving_still_stops_its_app() -> N
 
     async def main() -> None:
         config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_level="warning")
-        await _Server(config).serve()
+        await _Server(config, []).serve()
         happened.append("uvicorn returned")
 
     asyncio.run(main())
     assert happened == ["app stopped", "uvicorn returned"]
+
+
+def test_a_sigterm_between_the_embedded_start_and_uvicorns_handlers_stops_the_gateway(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGTERM and SIGINT are noted, not acted on, from the embedded services' start to their
+    stop; one that came after their start but before uvicorn put its handlers in place (while the
+    app was made) was noted and forgotten: the gateway served on, told to stop. (A second SIGTERM
+    after 30 s stands in for the operator asking again, where it is forgotten.)"""
+    import uvicorn
+
+    import gateway.__main__ as gateway_main
+
+    happened: list[str] = []
+
+    def ask_again() -> None:
+        happened.append("asked again")
+        signal.raise_signal(signal.SIGTERM)
+
+    async def app(scope: dict[str, object], receive: Callable[[], Awaitable[dict[str, object]]], send: object) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                asyncio.get_running_loop().call_later(30, ask_again)
+                await send({"type": "lifespan.startup.complete"})  # type: ignore[operator]
+            else:
+                happened.append("app stopped")
+                await send({"type": "lifespan.shutdown.complete"})  # type: ignore[operator]
+                return
+
+    def create_app(*_: object) -> object:
+        signal.raise_signal(signal.SIGTERM)  # (`gpufaas down` as the gateway's app is made)
+        app.state = types.SimpleNamespace(gateway=types.SimpleNamespace(serve_blobs=lambda: None))  # type: ignore[attr-defined]
+        return app
+
+    def server_config(app: object, **_: object) -> uvicorn.Config:
+        return uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_level="warning")  # type: ignore[arg-type]
+
+    async def open_store(*_: object) -> _Store:
+        return _Store(happened)
+
+    class Node:
+        @contextlib.asynccontextmanager
+        async def run(self) -> AsyncIterator[None]:
+            yield
+
+    monkeypatch.setattr(gateway_main, "open_store", open_store)
+    monkeypatch.setattr(gateway_main, "create_app", create_app)
+    monkeypatch.setattr(gateway_main, "server_config", server_config)
+    settings = types.SimpleNamespace(etcd="127.0.0.1:3999", http_limits=None, public_cert_file=None, host="h", port=1)
+    config = types.SimpleNamespace(blob_listen="h:0")
+    asyncio.run(gateway_main.serve(settings, config, None, None, Node()))  # type: ignore[arg-type]
+    assert happened == ["app stopped", "gateway's store closed"]
