@@ -164,6 +164,20 @@ class _Server(uvicorn.Server):
             yield
             self._captured_signals.clear()  # the process exits from `main`, having stopped all
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """Uvicorn's; where it cannot bind (having logged why, and stopped the app), `ListenError`,
+        the daemons' one line and status 1, not its exit with status 3. An app whose start failed
+        still exits so (uvicorn logged its traceback)."""
+        try:
+            await super().startup(sockets)
+        except SystemExit:
+            if self.lifespan.should_exit:
+                raise
+            address = f"{self.config.host}:{self.config.port}"
+            raise ListenError(
+                f"gateway cannot start: --host/--port: cannot listen on {address} (uvicorn logged the reason)"
+            ) from None
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """Uvicorn's, and the app's shutdown even where a second SIGINT forced the exit (which
         skips waiting for connections, and in uvicorn the app's shutdown too: the gateway's

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 from gateway.__main__ import main
 from gateway.embedded import EmbeddedNode, EmbeddedScheduler, split_argv
 from gateway.settings import DESCRIPTION, PROG, GatewaySettings
+from gpufaas.service_main import ListenError
 
 
 def test_each_double_dash_opens_the_flags_of_the_service_it_names() -> None:
@@ -307,3 +309,32 @@ def test_a_sigterm_between_the_embedded_start_and_uvicorns_handlers_stops_the_ga
     config = types.SimpleNamespace(blob_listen="h:0")
     asyncio.run(gateway_main.serve(settings, config, None, None, Node()))  # type: ignore[arg-type]
     assert happened == ["app stopped", "gateway's store closed"]
+
+
+def test_a_gateway_port_in_use_is_a_listen_error_after_its_app_stopped() -> None:
+    # Before, uvicorn exited the process with status 3 (its own line, not the daemons' `error:
+    # ... cannot start`, status 1), as it does for an app whose startup failed.
+    import uvicorn
+
+    from gateway.__main__ import _Server
+
+    happened: list[str] = []
+
+    async def app(scope: dict[str, object], receive: Callable[[], Awaitable[dict[str, object]]], send: object) -> None:
+        while True:
+            message = await receive()
+            happened.append(str(message["type"]))
+            await send({"type": f"{message['type']}.complete"})  # type: ignore[operator]
+            if message["type"] == "lifespan.shutdown":
+                return
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on", log_level="critical")
+        with pytest.raises(
+            ListenError, match=f"^gateway cannot start: --host/--port: cannot listen on 127.0.0.1:{port} "
+        ):
+            asyncio.run(_Server(config, []).serve())
+    assert happened == ["lifespan.startup", "lifespan.shutdown"]
