@@ -112,13 +112,14 @@ class EmbeddedNode:
     async def run(self) -> AsyncIterator[None]:
         """The node started (its own etcd handle, wire server, blob server and metrics, offered
         in memory to this process's dialers) for the body; stopped, its workers with it, after."""
-        from gpu_manager.__main__ import daemon
+        from gpu_manager.__main__ import daemon, state_dir_held
 
         store = await open_store(self.settings.etcd, self.etcd_credentials)
         try:
-            node = daemon(store, self.settings, self.machine, self.secret, tls=self.tls, in_process=True)
-            async with wire_daemon_running(node, self.settings, self.secret, f"gpu manager {self.settings.node}"):
-                yield
+            with state_dir_held(self.settings):
+                node = daemon(store, self.settings, self.machine, self.secret, tls=self.tls, in_process=True)
+                async with wire_daemon_running(node, self.settings, self.secret, f"gpu manager {self.settings.node}"):
+                    yield
         finally:
             await store.close()
 

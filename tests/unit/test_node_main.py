@@ -62,3 +62,33 @@ def test_a_blob_port_in_use_is_said_with_its_flag_and_the_node_left_stopped(tmp_
         node = asyncio.run(start())
     assert node.pool.live_workers() == 0
     assert not node.storage.host_pool.root.exists()
+
+
+def test_a_second_node_on_a_state_directory_in_use_refuses_and_leaves_the_first_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, a node started twice on one --state-dir (by mistake, or again while the first still
+    # stopped) removed the running one's host pool as "left by an earlier run" (and, confined,
+    # killed its workers' cgroups and cleared their homes at start), then failed on its port.
+    import gpu_manager.__main__ as node_main
+
+    settings = NodeSettings(
+        state_dir=tmp_path / "state", node="n1", pool_mb=16, pool_dir=tmp_path, unconfined_workers=True
+    )
+    settings.state_dir.mkdir()  # (`hardware` makes it)
+    machine = Hardware("cpu", logical_devices(1, 1024, "cpu"), 0, Isolation(network=False, users=False))
+    running: list[GpuManagerDaemon] = []
+
+    async def open_store(*_: object) -> MemoryStore:
+        return MemoryStore()
+
+    async def serve_wire_daemon(node: GpuManagerDaemon, *_: object) -> None:
+        if not running:  # the first serves while the second starts
+            running.append(node)
+            await node_main.serve(settings, machine, None, None)
+
+    monkeypatch.setattr(node_main, "open_store", open_store)
+    monkeypatch.setattr(node_main, "serve_wire_daemon", serve_wire_daemon)
+    with pytest.raises(GpufaasError, match=r"--state-dir .* is in use by another node"):
+        asyncio.run(node_main.serve(settings, machine, None, None))
+    assert running[0].storage.host_pool.root.is_dir()
