@@ -21,7 +21,15 @@ from gateway.http import server_config
 from gateway.settings import DESCRIPTION, PROG, GatewaySettings
 from gpufaas.credentials import CredentialError, node_token, read_secret, wire_key
 from gpufaas.keys import Keys
-from gpufaas.service_main import ListenError, daemon_start, open_store, own_state_dir, run_daemon, warn_if_insecure
+from gpufaas.service_main import (
+    ListenError,
+    daemon_start,
+    open_store,
+    own_state_dir,
+    run_daemon,
+    state_dir_held,
+    warn_if_insecure,
+)
 
 if TYPE_CHECKING:
     from gpufaas.store import EtcdCredentials, Store
@@ -81,7 +89,7 @@ async def serve(
     store = await open_store(settings.etcd, etcd_creds)
     try:
         # Uvicorn's handlers replace these while it serves, and restore them when it stops.
-        with _signals_noted() as signalled:
+        with state_dir_held(settings.state_dir, "gateway", "gateway"), _signals_noted() as signalled:
             async with contextlib.AsyncExitStack() as stack:
                 if node is not None:
                     await stack.enter_async_context(node.run())

@@ -22,7 +22,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpufaas.service_main import cluster_secret, etcd_credentials, link_tls, open_store, wire_daemon_running
+from gpufaas.service_main import (
+    cluster_secret,
+    etcd_credentials,
+    link_tls,
+    open_store,
+    state_dir_held,
+    wire_daemon_running,
+)
 from gpufaas.settings import DaemonSettings, SettingsError
 
 _ROLE_FLAGS = {"scheduler": "--with-scheduler", "node": "--with-node"}
@@ -112,11 +119,11 @@ class EmbeddedNode:
     async def run(self) -> AsyncIterator[None]:
         """The node started (its own etcd handle, wire server, blob server and metrics, offered
         in memory to this process's dialers) for the body; stopped, its workers with it, after."""
-        from gpu_manager.__main__ import daemon, state_dir_held
+        from gpu_manager.__main__ import daemon
 
         store = await open_store(self.settings.etcd, self.etcd_credentials)
         try:
-            with state_dir_held(self.settings):
+            with state_dir_held(self.settings.state_dir, "node", f"node {self.settings.node}"):
                 node = daemon(store, self.settings, self.machine, self.secret, tls=self.tls, in_process=True)
                 async with wire_daemon_running(node, self.settings, self.secret, f"gpu manager {self.settings.node}"):
                     yield

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import fcntl
 import logging
 import sys
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from gpu_manager.cgroups import group_prefix
@@ -27,6 +24,7 @@ from gpufaas.service_main import (
     own_state_dir,
     run_daemon,
     serve_wire_daemon,
+    state_dir_held,
     warn_if_insecure,
 )
 
@@ -35,7 +33,6 @@ if TYPE_CHECKING:
     from gpufaas.tls import LinkTls
 
 log = logging.getLogger("gpu_manager")
-STATE_LOCK_FILE = "node.lock"  # in the state directory: held (flock) by the node that runs on it
 
 
 class NodeSetupError(GpufaasError):
@@ -134,29 +131,12 @@ def daemon(
         raise NodeSetupError(f"node {settings.node} cannot set up its storage: {exc}") from None
 
 
-@contextlib.contextmanager
-def state_dir_held(settings: NodeSettings) -> Iterator[None]:
-    """The node's state directory held for the body, against a second node started on it; a
-    NodeSetupError if another holds it now. Taken before the node is made: a node clears what it
-    finds of an earlier run there (its host pool, and its workers' cgroups and homes), which would
-    be the running node's."""
-    with (settings.state_dir / STATE_LOCK_FILE).open("a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (released when the file closes)
-        except BlockingIOError:
-            raise NodeSetupError(
-                f"node {settings.node} cannot start: its --state-dir {settings.state_dir} is in use by another node "
-                "running now; stop that one first, or give this one a state directory of its own"
-            ) from None
-        yield
-
-
 async def serve(
     settings: NodeSettings, machine: Hardware, secret: str | None, etcd_creds: EtcdCredentials | None
 ) -> None:
     """Run the node until SIGTERM or SIGINT."""
     store = await open_store(settings.etcd, etcd_creds)
-    with state_dir_held(settings):
+    with state_dir_held(settings.state_dir, "node", f"node {settings.node}"):
         node = daemon(store, settings, machine, secret)
         await serve_wire_daemon(node, store, settings, secret, f"gpu manager {settings.node}")
 

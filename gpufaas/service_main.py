@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -34,6 +35,27 @@ _etcd_tls: dict[str, EtcdTls] = {}  # "tls": what `open_store` reaches etcd with
 
 class ListenError(GpufaasError):
     """A daemon's listener (its port, or its metrics') that cannot be bound; the message says which."""
+
+
+class StateDirInUse(GpufaasError):
+    """A daemon's state directory that another daemon of its kind holds now (`state_dir_held`)."""
+
+
+@contextlib.contextmanager
+def state_dir_held(directory: Path, kind: str, name: str) -> Iterator[None]:
+    """`directory` (a daemon's --state-dir, made) held by this `kind` of daemon ("node",
+    "gateway"), here `name`, for the body: StateDirInUse if another holds it now. A daemon clears
+    at start what it finds there of an earlier run (a node its host pool, its workers' cgroups and
+    homes; a gateway its unfinished uploads), which would be the running one's."""
+    with (directory / f"{kind}.lock").open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (released when the file closes)
+        except BlockingIOError:
+            raise StateDirInUse(
+                f"{name} cannot start: its --state-dir {directory} is in use by another {kind} running now; stop "
+                "that one first, or give this one a state directory of its own"
+            ) from None
+        yield
 
 
 async def start_metrics(registry: CollectorRegistry, listen: str | None, secret: str | None) -> MetricsServer | None:

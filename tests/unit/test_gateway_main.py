@@ -17,7 +17,7 @@ import pytest
 from gateway.__main__ import main
 from gateway.embedded import EmbeddedNode, EmbeddedScheduler, split_argv
 from gateway.settings import DESCRIPTION, PROG, GatewaySettings
-from gpufaas.service_main import ListenError
+from gpufaas.service_main import ListenError, StateDirInUse
 
 
 def test_each_double_dash_opens_the_flags_of_the_service_it_names() -> None:
@@ -143,7 +143,7 @@ class _Store:
         self.happened.append("gateway's store closed")
 
 
-def _serve_gateway(monkeypatch: pytest.MonkeyPatch, node: object, happened: list[str]) -> list[int]:
+def _serve_gateway(monkeypatch: pytest.MonkeyPatch, node: object, happened: list[str], state_dir: Path) -> list[int]:
     """`gateway.__main__.serve` run with `node` embedded, over a stand-in store, app and uvicorn
     (which notes "uvicorn served" in `happened`); the SIGTERMs that reached the handler in place
     before it (a test's, standing for the default, which kills), checked in place after it."""
@@ -164,7 +164,9 @@ def _serve_gateway(monkeypatch: pytest.MonkeyPatch, node: object, happened: list
     monkeypatch.setattr(gateway_main, "create_app", lambda *_: app)
     monkeypatch.setattr(gateway_main, "server_config", lambda *_, **__: None)
     monkeypatch.setattr(gateway_main, "_Server", Server)
-    settings = types.SimpleNamespace(etcd="127.0.0.1:3999", http_limits=None, public_cert_file=None, host="h", port=1)
+    settings = types.SimpleNamespace(
+        etcd="127.0.0.1:3999", state_dir=state_dir, http_limits=None, public_cert_file=None, host="h", port=1
+    )
     config = types.SimpleNamespace(blob_listen="h:0")
     killed: list[int] = []
 
@@ -182,7 +184,7 @@ def _serve_gateway(monkeypatch: pytest.MonkeyPatch, node: object, happened: list
 
 
 def test_a_sigterm_while_the_embedded_node_starts_stops_it_once_started_and_serves_nothing(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Uvicorn's signal handlers come only once it serves: a SIGTERM while the node in the gateway
     started went to the default handler, which killed the process, the node's stop never run (its
@@ -200,12 +202,14 @@ def test_a_sigterm_while_the_embedded_node_starts_stops_it_once_started_and_serv
             finally:
                 happened.append("node stopped")
 
-    killed = _serve_gateway(monkeypatch, Node(), happened)
+    killed = _serve_gateway(monkeypatch, Node(), happened, tmp_path)
     assert killed == []
     assert happened == ["node started", "node stopped", "gateway's store closed"]
 
 
-def test_a_second_sigterm_while_the_embedded_node_stops_lets_it_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_second_sigterm_while_the_embedded_node_stops_lets_it_stop(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """Uvicorn restores the default handlers once it stopped serving: a second SIGTERM (`gpufaas
     down` or an init system asking again) while the node in the gateway stopped killed the process
     (status -15), its key and holder record left in etcd and a worker left running."""
@@ -221,7 +225,7 @@ def test_a_second_sigterm_while_the_embedded_node_stops_lets_it_stop(monkeypatch
                 await asyncio.sleep(0)
                 happened.append("node stopped")
 
-    killed = _serve_gateway(monkeypatch, Node(), happened)
+    killed = _serve_gateway(monkeypatch, Node(), happened, tmp_path)
     assert killed == []
     assert happened == ["uvicorn served", "node stopped", "gateway's store closed"]
 
@@ -259,7 +263,7 @@ def test_a_second_sigint_as_the_gateway_stops_serving_still_stops_its_app() -> N
 
 
 def test_a_sigterm_between_the_embedded_start_and_uvicorns_handlers_stops_the_gateway(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """SIGTERM and SIGINT are noted, not acted on, from the embedded services' start to their
     stop; one that came after their start but before uvicorn put its handlers in place (while the
@@ -305,7 +309,9 @@ def test_a_sigterm_between_the_embedded_start_and_uvicorns_handlers_stops_the_ga
     monkeypatch.setattr(gateway_main, "open_store", open_store)
     monkeypatch.setattr(gateway_main, "create_app", create_app)
     monkeypatch.setattr(gateway_main, "server_config", server_config)
-    settings = types.SimpleNamespace(etcd="127.0.0.1:3999", http_limits=None, public_cert_file=None, host="h", port=1)
+    settings = types.SimpleNamespace(
+        etcd="127.0.0.1:3999", state_dir=tmp_path, http_limits=None, public_cert_file=None, host="h", port=1
+    )
     config = types.SimpleNamespace(blob_listen="h:0")
     asyncio.run(gateway_main.serve(settings, config, None, None, Node()))  # type: ignore[arg-type]
     assert happened == ["app stopped", "gateway's store closed"]
@@ -338,3 +344,25 @@ def test_a_gateway_port_in_use_is_a_listen_error_after_its_app_stopped() -> None
         ):
             asyncio.run(_Server(config, []).serve())
     assert happened == ["lifespan.startup", "lifespan.shutdown"]
+
+
+def test_a_second_gateway_on_a_state_directory_in_use_refuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before, a gateway started twice on one --state-dir removed, as it started, the running one's
+    # unfinished uploads (its spool's *.part files), then failed on its port.
+    import gateway.__main__ as gateway_main
+
+    settings = types.SimpleNamespace(etcd="127.0.0.1:3999", state_dir=tmp_path)
+    serving: list[bool] = []
+
+    async def open_store(*_: object) -> _Store:
+        return _Store([])
+
+    async def serve_http(*_: object) -> None:
+        if not serving:  # the first serves while the second starts
+            serving.append(True)
+            await gateway_main.serve(settings, None, None)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gateway_main, "open_store", open_store)
+    monkeypatch.setattr(gateway_main, "_serve_http", serve_http)
+    with pytest.raises(StateDirInUse, match=f"^gateway cannot start: its --state-dir {tmp_path} is in use by another"):
+        asyncio.run(gateway_main.serve(settings, None, None))  # type: ignore[arg-type]
