@@ -263,8 +263,9 @@ class Gateway:
         before, self.nodes = self.nodes, {}
         for kv in kvs:
             self._node_changed(WatchEvent("put", kv.key, kv.value, kv.mod_revision))
-        for name, record in before.items():  # gone while the watch was down
-            if name not in self.nodes:
+        for name, record in before.items():  # gone, or moved elsewhere, while the watch was down
+            now = self.nodes.get(name)
+            if now is None or now.address != record.address:
                 self._node_left(record)
 
     def _node_changed(self, event: WatchEvent) -> None:

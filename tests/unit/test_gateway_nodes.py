@@ -1,0 +1,45 @@
+"""The gateway's mirror of the nodes (gateway.state): which node addresses it tells the router left."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from gateway.state import Gateway, GatewayConfig
+from gpufaas.cluster import GpuRecord, NodeRecord
+from gpufaas.keys import Keys
+from gpufaas.store import KeyValue
+from tests.fakes import MemoryStore
+
+KEYS = Keys("/unit")
+
+
+def record(name: str, port: int, incarnation: str = "i1") -> NodeRecord:
+    return NodeRecord(name, f"127.0.0.1:{port}", "cpu", incarnation, [GpuRecord("gpu0", 1000, "cpu")])
+
+
+def listed(*records: NodeRecord, revision: int) -> list[KeyValue]:
+    return [KeyValue(KEYS.node(r.node), r.to_json(), 1, revision, 0) for r in records]
+
+
+def gateway_of(tmp_path: Path) -> tuple[Gateway, list[str]]:
+    """A gateway (not started) whose router records the addresses it is told left."""
+    gateway = Gateway(MemoryStore(), GatewayConfig(state_dir=tmp_path, keys=KEYS, blob_listen=None))
+    left: list[str] = []
+    gateway.router.node_left = left.append  # type: ignore[method-assign]
+    gateway.router.node_joined = lambda address: None  # type: ignore[method-assign]
+    return gateway, left
+
+
+def test_a_node_that_moved_while_the_watch_was_down_leaves_its_old_address(tmp_path: Path) -> None:
+    """A re-list that finds a node under its key at another address: its old address is left (its
+    connection closed, the calls on it ended now), as when the watch brings the move."""
+
+    async def scenario() -> None:
+        gateway, left = gateway_of(tmp_path)
+        gateway._nodes_listed(listed(record("node0", 7000), record("node1", 7001), revision=1), 1)
+        gateway._nodes_listed(listed(record("node0", 7000), record("node1", 7011, "i2"), revision=5), 5)
+        assert left == ["127.0.0.1:7001"]
+        assert gateway.nodes["node1"].address == "127.0.0.1:7011"
+
+    asyncio.run(scenario())
