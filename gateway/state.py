@@ -288,6 +288,11 @@ class Gateway:
                 self.router.node_joined(record.address)  # (back after a restart or a partition)
 
     def _node_left(self, record: NodeRecord) -> None:
+        """`record`'s address is left, unless a node the mirror holds now registered there (the
+        same process under a new name, or a new node at a reused address): its connection stays."""
+        if any(other.address == record.address for other in self.nodes.values()):
+            log.info("node %s left the cluster; its address is another node's now", record.node)
+            return
         log.info("node %s left the cluster (its key is gone)", record.node)
         self.router.node_left(record.address)
 

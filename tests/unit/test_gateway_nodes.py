@@ -8,7 +8,7 @@ from pathlib import Path
 from gateway.state import Gateway, GatewayConfig
 from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.keys import Keys
-from gpufaas.store import KeyValue
+from gpufaas.store import KeyValue, WatchEvent
 from tests.fakes import MemoryStore
 
 KEYS = Keys("/unit")
@@ -41,5 +41,25 @@ def test_a_node_that_moved_while_the_watch_was_down_leaves_its_old_address(tmp_p
         gateway._nodes_listed(listed(record("node0", 7000), record("node1", 7011, "i2"), revision=5), 5)
         assert left == ["127.0.0.1:7001"]
         assert gateway.nodes["node1"].address == "127.0.0.1:7011"
+
+    asyncio.run(scenario())
+
+
+def test_a_node_that_leaves_an_address_another_node_registered_at_does_not_close_its_connection(
+    tmp_path: Path,
+) -> None:
+    """A node restarted under a new name at the same address (or a new node at a reused one): the
+    old key's departure, or a move off the address, leaves the address to the node there now."""
+
+    async def scenario() -> None:
+        gateway, left = gateway_of(tmp_path)
+        gateway._nodes_listed(listed(record("old", 7000), record("a", 7001), revision=1), 1)
+        gateway._node_changed(WatchEvent("put", KEYS.node("new"), record("new", 7000, "i2").to_json(), 2))
+        gateway._node_changed(WatchEvent("delete", KEYS.node("old"), b"", 3))
+        gateway._node_changed(WatchEvent("put", KEYS.node("b"), record("b", 7001, "i2").to_json(), 4))
+        gateway._node_changed(WatchEvent("put", KEYS.node("a"), record("a", 7011, "i2").to_json(), 5))
+        assert left == []
+        gateway._nodes_listed(listed(record("a", 7011, "i2"), revision=6), 6)  # "new" and "b" gone
+        assert sorted(left) == ["127.0.0.1:7000", "127.0.0.1:7001"]
 
     asyncio.run(scenario())
