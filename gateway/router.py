@@ -343,6 +343,7 @@ class NodeConnections:
                 log.info("node at %s reachable again", address)
                 return
         self.unusable.pop(address, None)  # from now on a placement there dials it itself
+        self._heard.pop(address, None)  # (a node gone for good, as addresses churn, leaves nothing here)
 
     async def _watch(self, address: str, conn: Connection) -> None:
         """Ping the connection while it is open; mark the node silent while it answers nothing

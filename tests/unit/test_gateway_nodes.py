@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import socket
 from pathlib import Path
 
+import pytest
+
+from gateway import router as router_module
+from gateway.router import NodeConnections
 from gateway.state import Gateway, GatewayConfig
 from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.keys import Keys
@@ -61,5 +67,26 @@ def test_a_node_that_leaves_an_address_another_node_registered_at_does_not_close
         assert left == []
         gateway._nodes_listed(listed(record("a", 7011, "i2"), revision=6), 6)  # "new" and "b" gone
         assert sorted(left) == ["127.0.0.1:7000", "127.0.0.1:7001"]
+
+    asyncio.run(scenario())
+
+
+def test_a_node_address_given_up_on_leaves_nothing_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node that left and never answered again at its address (addresses churn: a pod's IP)
+    keeps no entry of it once the background dial gives up on it, however many came and went."""
+    monkeypatch.setattr(router_module, "REDIAL_S", 0.0)
+
+    async def scenario() -> None:
+        with socket.socket() as probe:  # a port nothing listens on: each dial is refused at once
+            probe.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{probe.getsockname()[1]}"
+        clock = itertools.count(0.0, 10.0)  # each reading 10 s on: the redial gives up within a few
+        nodes = NodeConnections(max_frame_bytes=1 << 20, key=None, clock=lambda: next(clock))
+        nodes.heard(address)
+        nodes.left(address)
+        while nodes._redials:
+            await asyncio.sleep(0.01)
+        assert address not in nodes.unusable and address not in nodes._heard
+        await nodes.close()
 
     asyncio.run(scenario())
