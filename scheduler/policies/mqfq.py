@@ -166,8 +166,10 @@ class MqfqStickyPolicy(SchedulingPolicy, name="mqfq-sticky"):
         flow = self._flows.get(request.model)
         if flow is None:
             flow = self._flows[request.model] = Flow(request.model, vt_s=self._global_vt_s)
-        elif not flow.in_flight and flow.queued <= 0 and now - flow.last_active_s > flow.ttl_s(self.ttl_alpha):
-            # Empty, and back after its TTL: no credit hoarded while idle.
+        elif not flow.in_flight and flow.queued <= 0 and now - flow.last_active_s >= flow.ttl_s(self.ttl_alpha):
+            # Empty, and back once its TTL has run out (the paper's `now - last_exec >= TTL`, as
+            # `idle_models` reads it): no credit hoarded while idle. With a TTL of 0 (alpha 0, or
+            # one call so far) an empty flow is inactive at once, even for a call at that instant.
             flow.vt_s = max(flow.vt_s, self._global_vt_s)
         if flow.last_arrival_s is not None:
             iat_s = max(0.0, now - flow.last_arrival_s)

@@ -362,3 +362,19 @@ def test_a_withdrawn_call_is_counted_out_of_its_flow() -> None:
     for request in s.remove_gpu("g0" if "a1" in s.gpu("g0").running else "g1", 0.5):
         s.cancel(request.request_id)  # as the call book does when it is not placed again
     assert s.policy.flow("a").queued == 0
+
+
+def test_a_flow_back_exactly_when_its_ttl_runs_out_restarts_at_global_virtual_time() -> None:
+    # MQFQ-Sticky's Algorithm 1 expires an empty flow when `now - last_exec >= TTL` (and
+    # `idle_models` swaps it out then): a call at that instant finds it inactive.
+    s, policy = mqfq(ttl_alpha=2.0)
+    cache_on(s, "g0", "A", "B")
+    for at_s in (0.0, 1.0):  # A's inter-arrival time: 1 s, so its TTL is 2 s; its last call ends at 2 s
+        submit_at(s, "A", at_s)
+        run_one(s, at_s)
+    submit_at(s, "B", 2.0, count=5)
+    for step in range(5):
+        run_one(s, 2.0 + step)
+    assert policy.global_vt_s > policy.flow("A").vt_s
+    submit_at(s, "A", 4.0)  # 2 s after its last call ended: its TTL has just run out
+    assert policy.flow("A").vt_s == pytest.approx(policy.global_vt_s)
