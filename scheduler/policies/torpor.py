@@ -8,7 +8,8 @@ functions with calls queued are sorted by RRC; the first k form the high-priorit
 largest with sum(max(RRC, 0)) over them <= alpha x the sum over all. High-priority functions go
 first, in descending RRC (those still short of p but closest to it before those already there),
 then the low-priority ones in ascending RRC. An idle GPU first takes the first function in that
-order whose model it holds (a hit: locality within priority); if none, it takes the functions in
+order whose model it holds (a hit: locality before priority, so a low-priority hit here goes ahead
+of a high-priority load, which Torpor would place first; docs/policies.md); if none, it takes the functions in
 that order and places each one's calls, oldest first, by Algorithm 2 (a hit here, a hit on another idle GPU,
 parked on a busy holder that frees up before a load, or a miss where the host tier or room makes
 it cheapest) until one lands on it. What is left (functions without an SLO, and SLO calls that
@@ -197,7 +198,7 @@ class TorporPolicy(SchedulingPolicy, name="torpor"):
             return self._rest.fill(ctx, gpu_id, now)
         plan: list[Step] = []
         ordered = list(self._first_calls(queue))
-        # Locality within priority: the first function in the order whose model is here takes
+        # Locality before priority: the first function in the order whose model is here takes
         # this GPU (a hit), before any function is placed by Algorithm 2 (which may miss here).
         cached_here = hits_here(ctx, gpu_id, now)
         for first in ordered:
