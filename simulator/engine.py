@@ -51,6 +51,14 @@ adds is the ground truth of the GPUs, on a virtual clock:
   time on the call whose dispatch loaded the model, so its estimator follows the ground truth as
   the service's follows the nodes' measurements.
 
+- Deadlines, as on the real path (`scheduler.calls.CallBook.tick`): each call's is its function's
+  timeout from arrival (`Workload.timeout_s`, FunctionSpec's default 60 s). A call still waiting
+  for a GPU at its deadline, in the global queue or parked behind a GPU, is withdrawn from the
+  scheduler (`Scheduler.cancel`, as the call book does), never runs, and counts as timed out
+  (`SimResult.timed_out`), not among the latencies; the scheduler schedules again then. A call
+  dispatched before its deadline runs to its end here (a node would cut it at the deadline and
+  answer TIMEOUT: not modelled, so such a call counts as completed, with its whole latency).
+
 - Hit leases (`ClusterConfig.hit_lease_s` > 0, docs/hit-leases.md): the calls come through one
   gateway that takes leases. A hit dispatched while nothing waits leases its slot by the call
   book's rules (`scheduler.leases`): the slot stays its request's after its call, and the
@@ -85,6 +93,7 @@ from mypy_extensions import mypyc_attr
 
 from cache_manager import CacheManager, eviction_policy
 from gateway.leases import USABLE_SHARE
+from gpufaas.functions import DEFAULT_TIMEOUT_S
 from gpufaas.profiles import ModelProfile
 from gpufaas.types import GpuSpec, Request, check_positive
 from scheduler import Dispatch, Estimator, Park, PolicyConfig, Scheduler, SchedulingPolicy, make_policy
@@ -271,6 +280,11 @@ class SimResult:
     hit_lease_s: float = 0.0  # ClusterConfig's: 0, no leases
     leases: int = 0  # hit placements that leased their slot
     lease_calls: int = 0  # calls run under a lease (without the scheduler; counted among the hits)
+    # Calls still waiting for a GPU at their deadline (the module docstring): never run, not in
+    # `completed` nor in the latency figures (those cover completed calls only); their share of
+    # `requests`.
+    timed_out: int = 0
+    timeout_rate: float = 0.0
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -434,9 +448,9 @@ class _Run:
         self.adapt_at = math.inf
         self.lease_at = math.inf  # ... and the call book's tick ending a lapsed lease (`_lapse_leases`)
         self.timer_s = self.release_at  # the first of them
-        # Per completed call, in completion order: latencies (all of them, for the percentiles),
-        # each function's (for its mean), and those with an SLO (for the SLO figures). Arrays of
-        # doubles, 8 bytes a call: a run of millions of calls keeps no object per call.
+        # Per completed call (none timed out), in completion order: latencies (all of them, for the
+        # percentiles), each function's (for its mean), and those with an SLO (for the SLO figures).
+        # Arrays of doubles, 8 bytes a call: a run of millions of calls keeps no object per call.
         self.latencies = array("d")
         self.per_function: dict[str, array[float]] = defaultdict(lambda: array("d"))
         self.slo = _SloTally()
@@ -446,11 +460,10 @@ class _Run:
         self.replica_area = 0.0  # integral of the top model's replica count over time
         self.memory_area = 0.0  # integral of the GPU memory the caches hold (MB x s)
         self.slots_area = 0.0  # integral of the GPUs' D over time
-        # What _integrate sums, kept up to date instead of summed over every GPU at every instant
-        # (at 1,000 GPUs that sum was 80% of a run): each GPU's cache, the memory it held when
-        # last read, their total, the GPUs whose cache may have changed since (a call completed
-        # there, the scheduler placed or parked a call or released a model there: nothing else
-        # changes a GPU's cache), and the GPUs' D summed (it changes only with adaptive D).
+        # What _integrate sums, kept up to date instead of summed over every GPU at every instant (at 1,000 GPUs that
+        # sum was 80% of a run): each GPU's cache, the memory it held when last read, their total, the GPUs whose cache
+        # may have changed since (a call completed there, the scheduler placed or parked a call or released a model
+        # there: nothing else changes a GPU's cache), and the GPUs' D summed (it changes only with adaptive D).
         self.gpu_caches = {g.spec.gpu_id: scheduler.cache.gpu(g.spec.gpu_id) for g in scheduler.gpus()}
         self.used_mb = {gpu_id: cache.used_mb for gpu_id, cache in self.gpu_caches.items()}
         self.used_mb_total = sum(self.used_mb.values())
@@ -464,6 +477,7 @@ class _Run:
         self.waited_at = -math.inf  # when calls last waited in the global queue
         self.parked_at: dict[str, float] = {}  # per GPU, when a call was last parked there
         self.leases = self.lease_calls = 0
+        self.deadlines = _Deadlines(workload)  # of the calls that wait for a GPU, and those that timed out
 
     def run(self, on_progress: Callable[[int], None] | None, meter: Meter) -> None:
         """Submit every arrival and run every call to completion, one instant at a time,
@@ -479,9 +493,13 @@ class _Run:
             if upcoming is None and not gpus.events_pending():
                 return
             now = self.now = event_s if upcoming is None or event_s < upcoming.arrival_s else upcoming.arrival_s
-            if self.timer_s <= now:  # the clock's own check is due first (or at this instant)
-                now = self.now = self.timer_s
-                self._on_timer(now)
+            deadline_s = self.deadlines.next_s()
+            if self.timer_s <= now or deadline_s <= now:  # the clock's own checks are due first (or now)
+                now = self.now = min(now, self.timer_s, deadline_s)
+                if self.timer_s <= now:
+                    self._on_timer(now)
+                if deadline_s <= now:
+                    self._expire(now)
             # Completions at this instant first: a slot freed now can serve a request arriving now.
             # (Each is asked only if its next event is due: most instants have one of the two.)
             completed = event_s <= now and complete(now, on_progress)
@@ -545,6 +563,7 @@ class _Run:
         while upcoming is not None and upcoming.arrival_s <= now:
             if not (leased and self._run_leased(upcoming, now)):
                 submit(upcoming)
+                self.deadlines.add(upcoming)
             submitted += 1
             upcoming = next(arrivals, None)
         self.upcoming = upcoming
@@ -564,6 +583,12 @@ class _Run:
             self._leases_after(hits, parked, now)
         if self.adaptive is not None:
             self._adapt(now)
+
+    def _expire(self, now: float) -> None:
+        """The call book's tick: withdraw the calls still waiting at their deadline from the
+        scheduler (they time out, never run), then schedule again, as it does."""
+        if self.deadlines.expire(self.scheduler, now):
+            self._schedule(now)
 
     def _on_timer(self, now: float) -> None:
         """The clock's own checks due now (before any event of this instant): the staged exit's
@@ -740,6 +765,7 @@ class _Run:
 
     def _dispatch(self, decision: Dispatch, now: float) -> None:
         """Count a dispatch (hit, miss, false miss, swap-in, its call's wait) and start it on its GPU."""
+        self.deadlines.started(decision.request.request_id)
         if decision.hit:
             self.hits += 1
         else:
@@ -754,45 +780,52 @@ class _Run:
 
     def result(self, policy: str, config: PolicyConfig) -> SimResult:
         """The run's figures (once `run` has returned); `config` is the policy's."""
-        cluster, gpus, makespan_s = self.cluster, self.gpus, self.now
-        all_latencies = sorted(self.latencies)
-        slo_attainment, slo_functions_met = self.slo.figures()
-        function_means = [statistics.fmean(values) for values in self.per_function.values()]
-        dispatched = self.hits + self.misses
-        return SimResult(
-            policy=policy,
-            max_num_skips=config.max_num_skips if policy in SKIP_LIMITED_POLICIES else 0,
-            working_set=len(self.workload.function_models),
-            requests=self.requests_total,
-            completed=len(self.latencies),
-            avg_latency_s=statistics.fmean(all_latencies) if all_latencies else 0.0,
-            floor_latency_s=self.inference_s_sum / len(all_latencies) if all_latencies else 0.0,
-            p50_latency_s=percentile(all_latencies, 50),
-            p99_latency_s=percentile(all_latencies, 99),
-            miss_ratio=self.misses / dispatched if dispatched else 0.0,
-            false_miss_ratio=self.false_misses / self.misses if self.misses else 0.0,
-            avg_top_model_replicas=self.replica_area / makespan_s if makespan_s > 0 else 0.0,
-            avg_gpu_memory_gb=self.memory_area / makespan_s / 1024 if makespan_s > 0 else 0.0,
-            gpu_utilization=gpus.compute_s() / (cluster.gpus * makespan_s) if makespan_s > 0 else 0.0,
-            function_latency_variance=statistics.pvariance(function_means) if len(function_means) > 1 else 0.0,
-            makespan_s=makespan_s,
-            max_batch_size=max((b.max_batch_size for b in self.batching.values()), default=1),
-            max_batch_wait_ms=max((b.max_batch_wait_ms for b in self.batching.values()), default=0.0),
-            batches=gpus.batches,
-            avg_batch_calls=dispatched / gpus.batches if gpus.batches else 0.0,
-            mapping=self.workload.mapping,
-            slo_attainment=slo_attainment,
-            slo_functions_met=slo_functions_met,
-            avg_slots=self.slots_area / (makespan_s * cluster.gpus) if makespan_s > 0 else float(cluster.slots),
-            slot_changes=self.adaptive.changes if self.adaptive is not None else 0,
-            contended_loads=gpus.links.contended if gpus.links is not None else 0,
-            avg_load_s=statistics.fmean(gpus.load_s) if gpus.load_s else 0.0,
-            max_wait_s=max(self.function_max_wait_s.values(), default=0.0),
-            function_max_wait_s=dict(sorted(self.function_max_wait_s.items())),
-            **{name: getattr(cluster, name) for name in _ECHOED_CLUSTER},
-            **{name: getattr(config, name) for name in _ECHOED_CONFIG},
-            **{name: getattr(self, name) for name in _COUNTED},
-        )
+        return _result(self, policy, config)
+
+
+def _result(run: _Run, policy: str, config: PolicyConfig) -> SimResult:
+    """`_Run.result`'s work."""
+    cluster, gpus, makespan_s = run.cluster, run.gpus, run.now
+    all_latencies = sorted(run.latencies)
+    slo_attainment, slo_functions_met = run.slo.figures()
+    function_means = [statistics.fmean(values) for values in run.per_function.values()]
+    dispatched = run.hits + run.misses
+    return SimResult(
+        policy=policy,
+        max_num_skips=config.max_num_skips if policy in SKIP_LIMITED_POLICIES else 0,
+        working_set=len(run.workload.function_models),
+        requests=run.requests_total,
+        completed=len(run.latencies),
+        avg_latency_s=statistics.fmean(all_latencies) if all_latencies else 0.0,
+        floor_latency_s=run.inference_s_sum / len(all_latencies) if all_latencies else 0.0,
+        p50_latency_s=percentile(all_latencies, 50),
+        p99_latency_s=percentile(all_latencies, 99),
+        miss_ratio=run.misses / dispatched if dispatched else 0.0,
+        false_miss_ratio=run.false_misses / run.misses if run.misses else 0.0,
+        avg_top_model_replicas=run.replica_area / makespan_s if makespan_s > 0 else 0.0,
+        avg_gpu_memory_gb=run.memory_area / makespan_s / 1024 if makespan_s > 0 else 0.0,
+        gpu_utilization=gpus.compute_s() / (cluster.gpus * makespan_s) if makespan_s > 0 else 0.0,
+        function_latency_variance=statistics.pvariance(function_means) if len(function_means) > 1 else 0.0,
+        makespan_s=makespan_s,
+        max_batch_size=max((b.max_batch_size for b in run.batching.values()), default=1),
+        max_batch_wait_ms=max((b.max_batch_wait_ms for b in run.batching.values()), default=0.0),
+        batches=gpus.batches,
+        avg_batch_calls=dispatched / gpus.batches if gpus.batches else 0.0,
+        mapping=run.workload.mapping,
+        slo_attainment=slo_attainment,
+        slo_functions_met=slo_functions_met,
+        avg_slots=run.slots_area / (makespan_s * cluster.gpus) if makespan_s > 0 else float(cluster.slots),
+        slot_changes=run.adaptive.changes if run.adaptive is not None else 0,
+        contended_loads=gpus.links.contended if gpus.links is not None else 0,
+        avg_load_s=statistics.fmean(gpus.load_s) if gpus.load_s else 0.0,
+        max_wait_s=max(run.function_max_wait_s.values(), default=0.0),
+        timed_out=run.deadlines.timed_out,
+        timeout_rate=run.deadlines.timed_out / run.requests_total if run.requests_total else 0.0,
+        function_max_wait_s=dict(sorted(run.function_max_wait_s.items())),
+        **{name: getattr(cluster, name) for name in _ECHOED_CLUSTER},
+        **{name: getattr(config, name) for name in _ECHOED_CONFIG},
+        **{name: getattr(run, name) for name in _COUNTED},
+    )
 
 
 # The result's fields that repeat the run's setting or a counter of the run under the same name.
@@ -801,7 +834,51 @@ _ECHOED_CLUSTER = (
     "adaptive_slots", "gpus_per_link", "hit_lease_s",
 )  # fmt: skip
 _ECHOED_CONFIG = ("room_aware_misses", "coldest_victim_misses", "literal_visits", "interference_aware_loads")
-_COUNTED = ("releases", "hits", "misses", "false_misses", "parks", "max_queue_len", "swap_ins", "leases", "lease_calls")
+_COUNTED = (
+    "releases", "hits", "misses", "false_misses", "parks", "max_queue_len", "swap_ins", "leases", "lease_calls",
+)  # fmt: skip
+
+
+class _Deadlines:
+    """The deadlines of the calls submitted to the scheduler and not yet started on a GPU (those
+    that may time out waiting): a heap of (deadline, request id), from which a call that started
+    is dropped when it reaches the top."""
+
+    def __init__(self, workload: Workload) -> None:
+        self._timeout_s = {function: workload.timeout_s(function) for function in workload.function_models}
+        self._heap: list[tuple[float, str]] = []
+        self._waiting: set[str] = set()
+        self.timed_out = 0  # calls withdrawn at their deadline
+
+    def add(self, request: Request) -> None:
+        """`request` was submitted: it waits, until its deadline at the latest."""
+        timeout_s = self._timeout_s.get(request.function, DEFAULT_TIMEOUT_S)
+        heapq.heappush(self._heap, (request.arrival_s + timeout_s, request.request_id))
+        self._waiting.add(request.request_id)
+
+    def started(self, request_id: str) -> None:
+        """The call started on a GPU: it runs to its end."""
+        self._waiting.discard(request_id)
+
+    def next_s(self) -> float:
+        """The earliest deadline of a call still waiting (inf: none waits)."""
+        heap, waiting = self._heap, self._waiting
+        while heap and heap[0][1] not in waiting:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else math.inf
+
+    def expire(self, scheduler: Scheduler, now: float) -> int:
+        """Withdraw the calls still waiting at their deadline (`now` or earlier) from `scheduler`,
+        in deadline order, as the call book's tick does: they time out. Returns how many did."""
+        heap, waiting, expired = self._heap, self._waiting, 0
+        while heap and heap[0][0] <= now:
+            request_id = heapq.heappop(heap)[1]
+            if request_id in waiting:
+                waiting.discard(request_id)
+                expired += scheduler.cancel(request_id, now) is not None
+        self.timed_out += expired
+        return expired
+
 
 SLO_PERCENTILE = 98.0  # Torpor's: a function meets its SLO when its p98 latency does
 

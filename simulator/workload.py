@@ -31,12 +31,13 @@ from __future__ import annotations
 import csv
 import math
 import random
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import overload
 
 from gpufaas.errors import InvalidInput
+from gpufaas.functions import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S
 from gpufaas.profiles import ModelProfile
 from gpufaas.types import DEFAULT_BATCH_SIZE, Request
 
@@ -74,6 +75,8 @@ class WorkloadConfig:
     docstring); an int = a random.Random(mapping_seed) shuffle."""
     slo_factor: float | None = None
     """Each function's SLO: this multiple of its model's inference time (None: no SLOs)."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Every function's call deadline (FunctionSpec.timeout_s), from arrival."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,23 @@ class Workload:
     minutes: int
     mapping: str = "ends"
     """How models were dealt to functions: "ends" (mapping_seed None) or "seed K"."""
+    timeouts_s: Mapping[str, float] = field(default_factory=dict)
+    """Function id -> its calls' deadline from arrival (FunctionSpec.timeout_s); a function absent
+    from it has FunctionSpec's default. A call still waiting for a GPU then times out (the engine)."""
+
+    def __post_init__(self) -> None:
+        for function, timeout_s in self.timeouts_s.items():
+            check_timeout_s(timeout_s, f"function {function!r}")
+
+    def timeout_s(self, function: str) -> float:
+        """The deadline of `function`'s calls, in seconds from arrival."""
+        return self.timeouts_s.get(function, DEFAULT_TIMEOUT_S)
+
+
+def check_timeout_s(timeout_s: float, what: str) -> None:
+    """Raise InvalidInput unless `timeout_s` is one a function may have: in (0, MAX_TIMEOUT_S]."""
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise InvalidInput(f"{what}: timeout_s is {timeout_s}; expected seconds in (0, {MAX_TIMEOUT_S:g}]")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,6 +369,7 @@ def build_workload(trace: TraceCounts, config: WorkloadConfig, table: list[Model
     function_models = {f: p.model for f, p in zip(functions, profiles, strict=True)}
     if config.slo_factor is not None and not config.slo_factor > 0:
         raise InvalidInput(f"workload slo_factor is {config.slo_factor}; expected a positive number")
+    check_timeout_s(config.timeout_s, "workload")
     slos = [None if config.slo_factor is None else config.slo_factor * p.inference_time_s for p in profiles]
     shares = [
         (minute, _largest_remainder(counts, config.rpm))
@@ -367,6 +388,7 @@ def build_workload(trace: TraceCounts, config: WorkloadConfig, table: list[Model
         start_minute=window.start,
         minutes=config.minutes,
         mapping="ends" if config.mapping_seed is None else f"seed {config.mapping_seed}",
+        timeouts_s=dict.fromkeys(functions, config.timeout_s),
     )
 
 
@@ -484,12 +506,14 @@ def zipf_workload(
     seed: int,
     load_time_s: float = 2.0,
     inference_time_s: float = 1.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> Workload:
     """`calls` requests `gap_s` apart (the first at 0), each for one of `models` equal models
     m0, m1, ... (function fn-<model>), model of rank r drawn with weight 1 / r**zipf_exponent from
     random.Random(seed). Every model takes `memory_mb`, loads in `load_time_s` and runs a call of
     DEFAULT_BATCH_SIZE samples in `inference_time_s`. With `gap_s` above load + inference time,
-    each call arrives after the previous one completed: one call at a time."""
+    each call arrives after the previous one completed: one call at a time. Every function's calls
+    have a deadline of `timeout_s` from arrival."""
     if calls <= 0 or models <= 0:
         raise InvalidInput(f"a Zipf workload needs calls and models, got {calls} calls and {models} models")
     names = [f"m{rank}" for rank in range(models)]
@@ -508,4 +532,5 @@ def zipf_workload(
         top_function="fn-m0",
         start_minute=0,
         minutes=max(1, math.ceil(calls * gap_s / SECONDS_PER_MINUTE)),
+        timeouts_s=dict.fromkeys((f"fn-{name}" for name in names), timeout_s),
     )

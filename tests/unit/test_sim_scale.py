@@ -118,7 +118,8 @@ def test_running_totals_equal_the_sums_over_every_gpu(policy: str, cluster: Clus
     run = _CheckedRun(workload, _make_scheduler(workload, make_policy(policy, PolicyConfig()), cluster), cluster, {})
     run.run(None, Meter())
     assert _CheckedRun.checks > 100
-    assert run.result(policy, PolicyConfig()).completed == len(workload.requests)
+    result = run.result(policy, PolicyConfig())
+    assert result.completed + result.timed_out == len(workload.requests)  # (overloaded: some wait past 60 s)
 
 
 def test_scaled_rpm_is_the_papers_load_per_gpu() -> None:

@@ -1,0 +1,108 @@
+"""Call deadlines in the simulator: the real path's rule (scheduler.calls.CallBook.tick) that a call
+still waiting (in the global queue, or parked behind a GPU) at its deadline is answered 504 and
+never runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpufaas.errors import InvalidInput
+from gpufaas.functions import DEFAULT_TIMEOUT_S
+from gpufaas.profiles import ModelProfile, paper_table1
+from gpufaas.types import DEFAULT_BATCH_SIZE, Request
+from simulator.engine import ClusterConfig, simulate
+from simulator.report import shipped_trace
+from simulator.workload import Workload, WorkloadConfig, build_workload, load_trace, zipf_workload
+
+ONE_GPU = ClusterConfig(gpus=1, slots=1, gpu_memory_mb=4096)
+
+
+def _overloaded(calls: int = 50, timeout_s: float = 2.0) -> Workload:
+    """1 GPU, one call at a time, calls of 1 s (after a 0.5 s load) every 0.1 s: ten times its capacity."""
+    return zipf_workload(
+        calls=calls,
+        models=1,
+        zipf_exponent=1.0,
+        memory_mb=1000,
+        gap_s=0.1,
+        seed=0,
+        load_time_s=0.5,
+        inference_time_s=1.0,
+        timeout_s=timeout_s,
+    )
+
+
+def test_calls_still_waiting_at_their_deadline_time_out_and_never_run() -> None:
+    result = simulate(_overloaded(), "lalb", cluster=ONE_GPU)
+    # One call runs at a time, each for 1 s: at each end the oldest call whose deadline (arrival
+    # + 2 s) has not passed goes next; the other nine of every ten arrivals time out waiting.
+    assert result.completed == 7
+    assert result.timed_out == 43
+    assert result.completed + result.timed_out == result.requests
+    assert result.timeout_rate == pytest.approx(43 / 50)
+    # The percentiles cover completed calls only: none of them waited past its deadline.
+    assert result.max_wait_s < 2.0
+    assert result.p99_latency_s < 2.0 + 1.0
+    assert result.hits + result.misses == result.completed
+
+
+def test_a_call_dispatched_before_its_deadline_runs_to_its_end() -> None:
+    # The first call's load and run (1.5 s) outlast a deadline of 1.2 s: it started in time.
+    result = simulate(_overloaded(calls=1, timeout_s=1.2), "lalb", cluster=ONE_GPU)
+    assert (result.completed, result.timed_out) == (1, 0)
+    assert result.avg_latency_s == pytest.approx(1.5)
+
+
+def _parking(timeout_s: float) -> Workload:
+    """A's calls on 2 GPUs: the first loads A on g0 (2 s) and runs (1 s); at 2.5 s and 2.6 s the
+    next two park behind g0 (waiting for it beats loading A on idle g1); the second would start
+    at 4 s."""
+    model = ModelProfile("A", "rtx2080", 1000, 2.0, 1.0, DEFAULT_BATCH_SIZE)
+    return Workload(
+        requests=[
+            Request(f"r{i:06d}", "fn-A", "A", at_s, DEFAULT_BATCH_SIZE) for i, at_s in enumerate((0.0, 2.5, 2.6))
+        ],
+        profiles=[model],
+        function_models={"fn-A": "A"},
+        top_function="fn-A",
+        start_minute=0,
+        minutes=1,
+        timeouts_s={"fn-A": timeout_s},
+    )
+
+
+def test_a_call_parked_behind_a_gpu_times_out_there_too() -> None:
+    cluster = ClusterConfig(gpus=2, slots=1, gpu_memory_mb=4096)
+    result = simulate(_parking(timeout_s=1.0), "lalb", cluster=cluster)
+    assert result.parks == 2
+    assert (result.completed, result.timed_out) == (2, 1)  # the one at 2.6 s: its deadline 3.6 s came first
+    assert simulate(_parking(timeout_s=60.0), "lalb", cluster=cluster).completed == 3
+
+
+def test_with_no_deadline_reached_the_figures_are_those_without_deadlines() -> None:
+    short = simulate(_overloaded(timeout_s=3600.0), "lalb", cluster=ONE_GPU)
+    assert (short.completed, short.timed_out, short.timeout_rate) == (50, 0, 0.0)
+    assert short.p99_latency_s > 40.0  # every call ran, the last after waiting ~45 s
+
+
+def test_a_workload_carries_each_functions_timeout_defaulting_to_the_functions_default() -> None:
+    assert _overloaded(timeout_s=2.0).timeout_s("fn-m0") == 2.0
+    assert (
+        zipf_workload(calls=1, models=1, zipf_exponent=1.0, memory_mb=1, gap_s=1.0, seed=0).timeout_s("fn-m0")
+        == DEFAULT_TIMEOUT_S
+    )
+    trace = load_trace(shipped_trace(), "azure2019")
+    workload = build_workload(trace, WorkloadConfig(minutes=1, working_set=3, timeout_s=7.0), paper_table1())
+    assert {workload.timeout_s(f) for f in workload.function_models} == {7.0}
+    assert (
+        build_workload(trace, WorkloadConfig(minutes=1, working_set=3), paper_table1()).timeout_s(
+            next(iter(workload.function_models))
+        )
+        == DEFAULT_TIMEOUT_S
+    )
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, -1.0, float("nan"), float("inf"), 3601.0])
+def test_a_timeout_out_of_range_is_refused(timeout_s: float) -> None:
+    with pytest.raises(InvalidInput, match="timeout_s"):
+        zipf_workload(calls=1, models=1, zipf_exponent=1.0, memory_mb=1, gap_s=1.0, seed=0, timeout_s=timeout_s)
