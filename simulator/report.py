@@ -162,6 +162,7 @@ AGGREGATED_METRICS = (
     "slo_attainment",
     "slo_functions_met",
     "avg_gpu_memory_gb",
+    "timeout_rate",
 )
 
 

@@ -23,6 +23,7 @@ from typer.core import TyperCommand
 
 from gpufaas.cli.base import app, console, err_console, user_errors
 from gpufaas.errors import GpufaasError
+from gpufaas.functions import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S
 
 if TYPE_CHECKING:
     from scheduler.policies import PolicyConfig
@@ -49,6 +50,13 @@ def _int_list(value: str, flag: str, *, minimum: int) -> list[int]:
     if not numbers or any(n < minimum for n in numbers):
         raise typer.BadParameter(f"every value must be >= {minimum}, got {value!r}", param_hint=flag)
     return numbers
+
+
+def _timeout_s(value: float) -> float:
+    """--timeout-s: what a function's timeout_s may be (typer's min= and max= let NaN through)."""
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise typer.BadParameter(f"must be in (0, {MAX_TIMEOUT_S:g}] s, as a function's timeout_s, got {value}")
+    return value
 
 
 def _positive_or_none(value: float | None) -> float | None:
@@ -213,6 +221,14 @@ def sim(
             "it; every policy reports SLO attainment). Default: no SLOs.",
         ),
     ] = None,
+    timeout_s: Annotated[
+        float,
+        typer.Option(
+            callback=_timeout_s,
+            help="Every function's timeout_s: a call still waiting for a GPU this long after it arrived times out "
+            "and never runs, as on the real path (counted as timed out, not in the latencies).",
+        ),
+    ] = DEFAULT_TIMEOUT_S,
     timing_spread: Annotated[
         float,
         typer.Option(
@@ -270,7 +286,7 @@ def sim(
     )
     policies = compare_policies() if compare or plot is not None else [policy]
     workload_config = WorkloadConfig(
-        start_minute=start_minute, minutes=minutes, rpm=rpm, seed=seed, slo_factor=slo_factor
+        start_minute=start_minute, minutes=minutes, rpm=rpm, seed=seed, slo_factor=slo_factor, timeout_s=timeout_s
     )
     with user_errors():
         trace_path = trace if trace is not None else shipped_trace()
@@ -287,7 +303,7 @@ def sim(
     first = next(iter(workloads.values()))
     window = {"start_minute": first.start_minute, "minutes": first.minutes, "rpm": rpm, "seed": seed}
     meta: dict[str, object] = {"trace": str(trace_path), "trace_format": trace_format.value, **window}
-    meta.update(_sim_cluster_meta(cluster, results, slo_factor))
+    meta.update(_sim_cluster_meta(cluster, results, slo_factor, timeout_s))
     _sim_output(results, meta, grouped=len(mapping_seeds) > 1, json_output=json_output)
     if plot is not None:  # after the results: a plot that cannot be written loses none of them
         _plot(results, plot, sweep=limits is not None, quiet=json_output)
@@ -442,9 +458,10 @@ def _sim_execute(
 
 
 def _sim_cluster_meta(
-    cluster: ClusterConfig, results: Sequence[SimResult], slo_factor: float | None
+    cluster: ClusterConfig, results: Sequence[SimResult], slo_factor: float | None, timeout_s: float
 ) -> dict[str, object]:
-    """What `gpufaas sim` reports of the simulated cluster beside the results."""
+    """What `gpufaas sim` reports of the simulated cluster beside the results (and of the functions:
+    their SLOs, their timeout)."""
     return {
         "gpus": cluster.gpus,
         "gpu_memory_mb": cluster.gpu_memory_mb,
@@ -454,6 +471,7 @@ def _sim_cluster_meta(
         "host_memory_mb": cluster.host_memory_mb,
         "eviction": cluster.eviction,
         "slo_factor": slo_factor,
+        "timeout_s": timeout_s,
         "interference": cluster.interference,
         "adaptive_slots": cluster.adaptive_slots,
         "gpus_per_link": cluster.gpus_per_link,
@@ -484,6 +502,7 @@ def _sim_title(meta: Mapping[str, object]) -> str:
     noise = f", timing spread {meta['timing_spread']}" if meta.get("timing_spread") else ""
     noise += f", host tier {meta['host_memory_mb']} MB/node" if meta.get("host_memory_mb") else ""
     noise += f", interference {meta['interference']}" if meta.get("interference") is not None else ""
+    noise += f", timeout {meta['timeout_s']:g} s" if "timeout_s" in meta else ""
     return (
         f"{meta['trace']} minutes {meta['start_minute']}+{meta['minutes']}, {meta['rpm']} rpm, "
         f"{meta['gpus']} GPUs x {meta['gpu_memory_mb']} MB x {meta['slots']} slots, seed {meta['seed']}{noise}, "
@@ -552,6 +571,9 @@ def _print_table(results: Sequence[SimResult], meta: Mapping[str, object]) -> No
         columns.append(("calls/batch", "avg_batch_calls"))
     if meta.get("slo_factor"):
         columns += [("SLO met", "slo_attainment"), ("fns in SLO", "slo_functions_met")]
+    timed_out = any(result.timed_out for result in results)
+    if timed_out:
+        columns[4:4] = [("timed out", "timed_out"), ("timeout rate", "timeout_rate")]
     for header, _ in columns:
         table.add_column(header, justify="left" if header == "policy" else "right")
     for result in results:
@@ -563,6 +585,12 @@ def _print_table(results: Sequence[SimResult], meta: Mapping[str, object]) -> No
                 continue
             row.append(f"{value:.3f}" if isinstance(value, float) else str(value))
         table.add_row(*row)
+    if timed_out:
+        table.caption = (
+            "timed out: calls still waiting for a GPU at their deadline (never run); the latencies cover the "
+            "completed calls only"
+        )
+        table.caption_justify = "left"
     Console(width=None if sys.stdout.isatty() else 200).print(table)
 
 

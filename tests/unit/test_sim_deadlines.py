@@ -4,14 +4,19 @@ never runs."""
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
+import json
 
+import pytest
+from typer.testing import CliRunner
+
+from gpufaas.cli import app
 from gpufaas.errors import InvalidInput
 from gpufaas.functions import DEFAULT_TIMEOUT_S
 from gpufaas.profiles import ModelProfile, paper_table1
 from gpufaas.types import DEFAULT_BATCH_SIZE, Request
 from simulator.engine import ClusterConfig, simulate
-from simulator.report import shipped_trace
+from simulator.report import aggregate, shipped_trace
 from simulator.workload import Workload, WorkloadConfig, build_workload, load_trace, zipf_workload
 
 ONE_GPU = ClusterConfig(gpus=1, slots=1, gpu_memory_mb=4096)
@@ -106,3 +111,47 @@ def test_a_workload_carries_each_functions_timeout_defaulting_to_the_functions_d
 def test_a_timeout_out_of_range_is_refused(timeout_s: float) -> None:
     with pytest.raises(InvalidInput, match="timeout_s"):
         zipf_workload(calls=1, models=1, zipf_exponent=1.0, memory_mb=1, gap_s=1.0, seed=0, timeout_s=timeout_s)
+
+
+def _sim(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(
+        app, ["sim", "--minutes", "1", "--rpm", "60", "--working-set", "5", "--no-optimum", *args]
+    )
+    return result.exit_code, result.stdout, " ".join(result.stderr.replace("│", " ").split())
+
+
+def test_sim_takes_every_functions_timeout_and_reports_the_calls_that_timed_out() -> None:
+    code, out, err = _sim("--json", "--gpus", "1", "--timeout-s", "0.5")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["timeout_s"] == 0.5
+    assert data["timed_out"] > 0 and data["completed"] + data["timed_out"] == data["requests"] == 60
+    assert data["timeout_rate"] == pytest.approx(data["timed_out"] / 60)
+    code, out, _ = _sim("--json", "--gpus", "1")
+    assert (json.loads(out)["timeout_s"], json.loads(out)["timed_out"]) == (DEFAULT_TIMEOUT_S, 0)
+
+
+def test_sims_table_says_which_calls_its_latencies_cover_when_some_timed_out() -> None:
+    code, out, _ = _sim("--gpus", "1", "--timeout-s", "0.5")
+    assert code == 0
+    words = " ".join(out.split())
+    assert "timed out" in words and "timeout 0.5 s" in words
+    assert "latencies cover the completed calls only" in words
+    code, out, _ = _sim()
+    assert "timed out" not in " ".join(out.split())  # none did: the table is as it was
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "3601"])
+def test_sim_refuses_a_timeout_a_function_could_not_have(value: str) -> None:
+    code, _, err = _sim("--timeout-s", value)
+    assert code == 2
+    assert "'--timeout-s': must be in (0, 3600] s, as a function's timeout_s" in err and "Traceback" not in err, err
+
+
+def test_runs_over_several_mappings_aggregate_their_timeout_rate() -> None:
+    results = [
+        dataclasses.replace(simulate(_overloaded(), "lalb", cluster=ONE_GPU), mapping=mapping)
+        for mapping in ("ends", "seed 1")
+    ]
+    (group,) = aggregate(results)
+    assert group.metrics["timeout_rate"].mean == pytest.approx(43 / 50)
