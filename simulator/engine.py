@@ -875,7 +875,8 @@ class _Deadlines:
             request_id = heapq.heappop(heap)[1]
             if request_id in waiting:
                 waiting.discard(request_id)
-                expired += scheduler.cancel(request_id, now) is not None
+                if scheduler.cancel(request_id, now) is not None:  # (None: it runs already)
+                    expired += 1
         self.timed_out += expired
         return expired
 

@@ -135,7 +135,10 @@ def test_the_simulator_decides_alike_compiled_and_from_source() -> None:
     assert set(json.loads(compiled_active).values()) == {True}
     assert set(json.loads(source_active).values()) == {False}
     assert compiled_results == source_results
-    assert all(result["completed"] == result["requests"] > 0 for result in json.loads(compiled_results))
+    # Every call completed or timed out waiting (1,500 rpm on 6 GPUs: some do), compiled as from source.
+    outcomes = [(r["completed"], r["timed_out"], r["requests"]) for r in json.loads(compiled_results)]
+    assert all(completed > 0 and completed + timed_out == requests for completed, timed_out, requests in outcomes)
+    assert any(timed_out for _, timed_out, _ in outcomes)
 
 
 def test_a_damaged_manifest_is_ignored_with_a_warning(tmp_path: Path) -> None:
