@@ -320,11 +320,7 @@ def _run(backend: Backend, channel: Channel, spec: ModelLoad, frames: list[_Fram
     try:
         outputs = backend.predict_batch(inputs) if spec.settings.max_batch_size > 1 else [backend.predict(inputs[0])]
     except BaseException as exc:  # the handler's sys.exit() too: it ends its calls, not the worker
-        inference_s = time.perf_counter() - started_s
-        with contextlib.suppress(Exception):  # a handler may have closed its stderr
-            traceback.print_exc()  # the full traceback goes to the node's log; the caller gets one line
-        for call in calls:
-            _answer(channel, call, pb.HANDLER_ERROR, f"predict raised {describe(exc)}", inference_s=inference_s)
+        _answer_failure(channel, calls, exc, time.perf_counter() - started_s)
         return backend.usable()
     inference_s = time.perf_counter() - started_s
     peak_memory_mb = backend.peak_memory_mb()
@@ -360,6 +356,20 @@ def _run(backend: Backend, channel: Channel, spec: ModelLoad, frames: list[_Fram
             body,
         )
     return True
+
+
+def _answer_failure(channel: Channel, calls: list[pb.Call], exc: BaseException, inference_s: float) -> None:
+    """Answer `calls`, whose predict raised `exc`. A ValueError from a predict given one call is
+    that call's input refused (INVALID_INPUT: HTTP 400), as the handler contract asks handlers to
+    tell a bad input; any other exception, or one failing several merged calls, is HANDLER_ERROR (500)."""
+    with contextlib.suppress(Exception):  # a handler may have closed its stderr
+        traceback.print_exc()  # the full traceback goes to the node's log; the caller gets one line
+    if isinstance(exc, ValueError) and len(calls) == 1:
+        outcome, message = pb.INVALID_INPUT, f"invalid input: {describe(exc)}"
+    else:
+        outcome, message = pb.HANDLER_ERROR, f"predict raised {describe(exc)}"
+    for call in calls:
+        _answer(channel, call, outcome, message, inference_s=inference_s)
 
 
 def run_worker(sock: socket.socket, backend: Backend, *, import_s: float, network_isolated: bool = False) -> int:

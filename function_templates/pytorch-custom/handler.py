@@ -61,7 +61,7 @@ def warmup(model: nn.Module) -> None:
 def predict(model: nn.Module, inputs: object) -> dict[str, object]:
     """Per request. `inputs` is the JSON body decoded, or the raw bytes when the body is not JSON.
     Return a dict/list (sent as JSON), a str (text) or bytes (as they are); tensors become lists.
-    An exception becomes an HTTP 500 whose error is "ExceptionType: message"."""
+    A ValueError refuses the input (HTTP 400, its message the error); any other exception is an HTTP 500."""
     if not isinstance(inputs, dict) or "inputs" not in inputs:
         raise ValueError(f'expected a JSON object {{"inputs": [[...{IN_FEATURES} numbers], ...]}}')
     try:

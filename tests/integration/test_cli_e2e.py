@@ -128,7 +128,7 @@ def test_up_new_deploy_invoke_gpus_rm_down(tmp_path: Path, cli_env: dict[str, st
         assert unknown.returncode == 1 and "'nope' is not deployed" in unknown.stderr
         assert "Traceback" not in unknown.stderr
         bad_input = gpufaas("invoke", "hello", "-d", '{"inputs": "x"}', env=cli_env, cwd=work)
-        assert bad_input.returncode == 1 and "inputs" in bad_input.stderr and "HTTP 500" in bad_input.stderr
+        assert bad_input.returncode == 1 and "inputs" in bad_input.stderr and "HTTP 400" in bad_input.stderr
 
         removed = gpufaas("rm", "hello", env=cli_env, cwd=work)
         assert removed.returncode == 0

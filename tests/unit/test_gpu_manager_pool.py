@@ -634,7 +634,7 @@ def test_a_predict_error_is_a_handler_error_and_the_worker_keeps_serving(cpu_nod
         after = await node.call(model, {"fail": False})
 
         assert failed.outcome == pb.HANDLER_ERROR
-        assert failed.message == "predict raised ValueError: bad input"
+        assert failed.message == "predict raised RuntimeError: bad input"
         assert failed.loaded  # the model loaded fine; its predict failed
         assert (after.outcome, after.output, after.loaded) == (pb.OK, b"ok", False)
         assert node.pid_of("flaky") == pid

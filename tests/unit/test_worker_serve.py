@@ -82,8 +82,8 @@ def test_a_handler_error_whose_message_is_not_utf8_fails_its_call_only() -> None
         return inputs
 
     first, second = served(handler, [b'"bad"', b'"good"'])
-    assert (first.call_id, first.outcome) == ("c0", pb.HANDLER_ERROR)
-    assert first.message == "predict raised ValueError: no such file: /tmp/\\udcff"
+    assert (first.call_id, first.outcome) == ("c0", pb.INVALID_INPUT)
+    assert first.message == "invalid input: ValueError: no such file: /tmp/\\udcff"
     assert (second.call_id, second.outcome) == ("c1", pb.OK)
 
 
@@ -103,6 +103,26 @@ def test_a_handler_error_whose_message_cannot_be_read_fails_its_call_only() -> N
         "predict raised Unprintable (its message could not be read)",
     )
     assert (second.call_id, second.outcome) == ("c1", pb.OK)
+
+
+def test_a_value_error_from_predict_refuses_its_input_and_any_other_error_is_the_handlers() -> None:
+    # The handler contract asks a handler to raise ValueError saying what to send: that was a 500
+    # "predict raised ValueError: ...", the caller told the function failed when its input was wrong.
+    def handler(inputs: object) -> object:
+        if inputs == "bad":
+            raise ValueError("expected a JSON object with 'text'")
+        if inputs == "bug":
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+        return inputs
+
+    bad, bug, good = served(handler, [b'"bad"', b'"bug"', b'"good"'])
+    assert bad.outcome == pb.INVALID_INPUT
+    assert bad.message == "invalid input: ValueError: expected a JSON object with 'text'"
+    assert (bug.outcome, bug.message) == (
+        pb.HANDLER_ERROR,
+        "predict raised RuntimeError: mat1 and mat2 shapes cannot be multiplied",
+    )
+    assert good.outcome == pb.OK
 
 
 def test_a_load_that_calls_sys_exit_is_a_failed_load_told_to_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,10 +170,10 @@ def test_a_handler_error_quoting_a_large_input_is_cut_and_fits_the_nodes_frame_l
 
     first, second = served(handler, [b'"bad"', b'"good"'])
     assert len(described) > HEADER_ALLOWANCE_BYTES
-    assert first.outcome == pb.HANDLER_ERROR
+    assert first.outcome == pb.INVALID_INPUT
     assert first.ByteSize() < HEADER_ALLOWANCE_BYTES // 16
     cut = len(described) - worker.MAX_MESSAGE_CHARS
-    assert first.message == f"predict raised {described[: worker.MAX_MESSAGE_CHARS]} ... [{cut} more characters cut]"
+    assert first.message == f"invalid input: {described[: worker.MAX_MESSAGE_CHARS]} ... [{cut} more characters cut]"
     assert (second.call_id, second.outcome) == ("c1", pb.OK)
 
 
