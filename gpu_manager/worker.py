@@ -316,14 +316,58 @@ def _run(backend: Backend, channel: Channel, spec: ModelLoad, frames: list[_Fram
         calls.append(call)
     if not calls:
         return True
+    return _run_calls(backend, channel, spec, calls, inputs, max_result_bytes=max_result_bytes)
+
+
+def _run_calls(
+    backend: Backend,
+    channel: Channel,
+    spec: ModelLoad,
+    calls: list[pb.Call],
+    inputs: list[object],
+    *,
+    max_result_bytes: int,
+) -> bool:
+    """Run `calls` (their decoded `inputs`) as one predict and answer each; whether the device can
+    run the next calls. A merged batch that raised is run again call by call (while the device is
+    usable): any one caller's input may have failed it, and the others' calls are not theirs to fail."""
     started_s = time.perf_counter()
     try:
         outputs = backend.predict_batch(inputs) if spec.settings.max_batch_size > 1 else [backend.predict(inputs[0])]
     except BaseException as exc:  # the handler's sys.exit() too: it ends its calls, not the worker
+        if len(calls) > 1 and backend.usable():
+            with contextlib.suppress(Exception):  # a handler may have closed its stderr
+                traceback.print_exc()
+            # A list, not a generator: all() must not stop at the first device lost, leaving calls unanswered.
+            alone = [
+                _run_calls(backend, channel, spec, [call], [one], max_result_bytes=max_result_bytes)
+                for call, one in zip(calls, inputs, strict=True)
+            ]
+            return all(alone)
         _answer_failure(channel, calls, exc, time.perf_counter() - started_s)
         return backend.usable()
     inference_s = time.perf_counter() - started_s
-    peak_memory_mb = backend.peak_memory_mb()
+    _answer_outputs(
+        channel,
+        calls,
+        outputs,
+        inference_s=inference_s,
+        peak_memory_mb=backend.peak_memory_mb(),
+        max_result_bytes=max_result_bytes,
+    )
+    return True
+
+
+def _answer_outputs(
+    channel: Channel,
+    calls: list[pb.Call],
+    outputs: list[object],
+    *,
+    inference_s: float,
+    peak_memory_mb: int,
+    max_result_bytes: int,
+) -> None:
+    """Answer each of `calls` with its output of a predict that returned: encoded, or why not."""
     for call, output in zip(calls, outputs, strict=True):
         # Its failure: unencodable, nested too deep (RecursionError), a tensor that would not copy;
         # or the handler's own code, which encoding runs (a dict subclass's items()), calling sys.exit().
@@ -355,13 +399,13 @@ def _run(backend: Backend, channel: Channel, spec: ModelLoad, frames: list[_Fram
             ),
             body,
         )
-    return True
 
 
 def _answer_failure(channel: Channel, calls: list[pb.Call], exc: BaseException, inference_s: float) -> None:
     """Answer `calls`, whose predict raised `exc`. A ValueError from a predict given one call is
     that call's input refused (INVALID_INPUT: HTTP 400), as the handler contract asks handlers to
-    tell a bad input; any other exception, or one failing several merged calls, is HANDLER_ERROR (500)."""
+    tell a bad input; any other exception, or one failing several merged calls (on a device no
+    longer usable: whose input it was is not known), is HANDLER_ERROR (500)."""
     with contextlib.suppress(Exception):  # a handler may have closed its stderr
         traceback.print_exc()  # the full traceback goes to the node's log; the caller gets one line
     if isinstance(exc, ValueError) and len(calls) == 1:

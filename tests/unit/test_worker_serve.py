@@ -125,6 +125,20 @@ def test_a_value_error_from_predict_refuses_its_input_and_any_other_error_is_the
     assert good.outcome == pb.OK
 
 
+def test_one_bad_input_in_a_merged_batch_fails_only_its_own_call() -> None:
+    # With max_batch_size > 1 a predict that raised on one caller's input failed every call merged
+    # with it: the good calls' callers got a 500 for another caller's mistake.
+    def handler(inputs: object) -> object:
+        assert isinstance(inputs, list)
+        if "bad" in inputs:
+            raise ValueError("'text' must be a string")
+        return [f"ok {one}" for one in inputs]
+
+    results = {result.call_id: result for result in served(handler, [b'"a"', b'"bad"', b'"b"'], max_batch_size=4)}
+    assert [results[c].outcome for c in ("c0", "c1", "c2")] == [pb.OK, pb.INVALID_INPUT, pb.OK]
+    assert results["c1"].message == "invalid input: ValueError: 'text' must be a string"
+
+
 def test_a_load_that_calls_sys_exit_is_a_failed_load_told_to_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
     # SystemExit is no Exception: it left the worker without its ModelLoaded, and the node took
     # the load for a worker that died (WORKER_DIED: transient, the call placed again, and again).
