@@ -58,10 +58,23 @@ def warmup(model: nn.Module) -> None:
     torch.cuda.synchronize(device)
 
 
-def predict(model: nn.Module, inputs: object) -> dict[str, object]:
+def predict(model: nn.Module, inputs: object) -> dict[str, object] | list[dict[str, object]]:
     """Per request. `inputs` is the JSON body decoded, or the raw bytes when the body is not JSON.
     Return a dict/list (sent as JSON), a str (text) or bytes (as they are); tensors become lists.
-    A ValueError refuses the input (HTTP 400, its message the error); any other exception is an HTTP 500."""
+    A ValueError refuses the input (HTTP 400, its message the error); any other exception is an HTTP 500.
+
+    With `max_batch_size` > 1 in stack.yml, `inputs` is the list of the merged calls' inputs and
+    the answer a list of their outputs, in order (a call's own input is never a JSON list here):
+    their rows go through the model in one pass."""
+    if isinstance(inputs, list):
+        rows = [_rows(one) for one in inputs]
+        outputs = _forward(model, torch.cat(rows)).split([len(x) for x in rows])
+        return [{"outputs": part.tolist()} for part in outputs]
+    return {"outputs": _forward(model, _rows(inputs)).tolist()}
+
+
+def _rows(inputs: object) -> torch.Tensor:
+    """One call's rows: a float32 tensor of shape (rows, IN_FEATURES); ValueError saying what to send."""
     if not isinstance(inputs, dict) or "inputs" not in inputs:
         raise ValueError(f'expected a JSON object {{"inputs": [[...{IN_FEATURES} numbers], ...]}}')
     try:
@@ -70,6 +83,10 @@ def predict(model: nn.Module, inputs: object) -> dict[str, object]:
         raise ValueError(f"'inputs' must be a list of rows of {IN_FEATURES} numbers ({exc})") from None
     if x.dim() != 2 or x.shape[1] != IN_FEATURES or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"'inputs' must be 1 to {MAX_ROWS} rows of {IN_FEATURES} numbers, got shape {list(x.shape)}")
+    return x
+
+
+def _forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     device = next(model.parameters()).device
     with torch.inference_mode():
-        return {"outputs": model(x.to(device)).tolist()}
+        return model(x.to(device))

@@ -96,21 +96,30 @@ def warmup(classifier: Classifier) -> None:
         torch.cuda.synchronize(classifier.device)
 
 
-def predict(classifier: Classifier, inputs: object) -> dict[str, object]:
-    images, top_k = _parse_inputs(inputs, len(classifier.labels))
-    batch = torch.stack([_preprocess(image, classifier.device) for image in images])
+def predict(classifier: Classifier, inputs: object) -> dict[str, object] | list[dict[str, object]]:
+    """One call's answer; with `max_batch_size` > 1 in stack.yml, `inputs` is the list of the
+    merged calls' inputs (a call's own input is never a JSON list here) and the answer a list of
+    theirs, in order: all their images go through the network in one pass."""
+    if isinstance(inputs, list):
+        return _classify(classifier, [_parse_inputs(one, len(classifier.labels)) for one in inputs])
+    return _classify(classifier, [_parse_inputs(inputs, len(classifier.labels))])[0]
+
+
+def _classify(classifier: Classifier, requests: list[tuple[list[torch.Tensor], int]]) -> list[dict[str, object]]:
+    """The answer to each of `requests` (its images and top_k), the images of all in one batch."""
+    batch = torch.stack([_preprocess(image, classifier.device) for images, _ in requests for image in images])
     with torch.inference_mode():
         logits = classifier.model(batch.to(classifier.dtype))
-        scores, classes = torch.softmax(logits.float(), dim=1).topk(top_k, dim=1)
-    return {
-        "predictions": [
-            [
-                {"class": c, "label": classifier.labels[c], "score": s}
-                for c, s in zip(row_classes, row_scores, strict=True)
-            ]
-            for row_classes, row_scores in zip(classes.tolist(), scores.tolist(), strict=True)
+        probabilities = torch.softmax(logits.float(), dim=1).split([len(images) for images, _ in requests])
+    answers: list[dict[str, object]] = []
+    for (_, top_k), part in zip(requests, probabilities, strict=True):
+        scores, classes = part.topk(top_k, dim=1)
+        ranked = [
+            [{"class": c, "label": classifier.labels[c], "score": s} for c, s in zip(cs, ss, strict=True)]
+            for cs, ss in zip(classes.tolist(), scores.tolist(), strict=True)
         ]
-    }
+        answers.append({"predictions": ranked})
+    return answers
 
 
 # --- inputs ------------------------------------------------------------------------------------

@@ -67,8 +67,19 @@ def load(device: str) -> Model:
     return Model(network=network, tokenizer=tokenizer, labels=_read_labels(num_classes), device=target)
 
 
-def predict(model: Model, inputs: object) -> dict[str, object]:
-    texts = _parse_inputs(inputs)
+def predict(model: Model, inputs: object) -> dict[str, object] | list[dict[str, object]]:
+    """One call's answer; with `max_batch_size` > 1 in stack.yml, `inputs` is the list of the
+    merged calls' inputs (a call's own input is never a JSON list here) and the answer a list of
+    theirs, in order: all their texts go through the network in one pass."""
+    if not isinstance(inputs, list):
+        return {"predictions": _classify(model, _parse_inputs(inputs))}
+    calls = [_parse_inputs(one) for one in inputs]
+    predictions = iter(_classify(model, [text for texts in calls for text in texts]))
+    return [{"predictions": [next(predictions) for _ in texts]} for texts in calls]
+
+
+def _classify(model: Model, texts: list[str]) -> list[dict[str, object]]:
+    """Each text's label and scores, all texts in one pass."""
     ids: list[int] = []
     offsets: list[int] = []
     for text in texts:
@@ -81,12 +92,10 @@ def predict(model: Model, inputs: object) -> dict[str, object]:
         )
         probabilities = torch.softmax(logits.float(), dim=1)
         best = probabilities.argmax(dim=1).tolist()
-    return {
-        "predictions": [
-            {"label": model.labels[b], "scores": dict(zip(model.labels, row, strict=True))}
-            for b, row in zip(best, probabilities.tolist(), strict=True)
-        ]
-    }
+    return [
+        {"label": model.labels[b], "scores": dict(zip(model.labels, row, strict=True))}
+        for b, row in zip(best, probabilities.tolist(), strict=True)
+    ]
 
 
 def _parse_inputs(inputs: object) -> list[str]:

@@ -243,6 +243,32 @@ def test_predict_is_deterministic_and_json(template: str, deploy: Callable[[str]
     assert content_type == "application/json" and json.loads(output) == first
 
 
+SECOND_INPUT: dict[str, Any] = {
+    CUSTOM: {"inputs": [[0, -1, 5, 2], [3, 3, 3, 3]]},
+    IMAGE: {"pixels": torch.zeros(2, 3, 4, 4).tolist(), "top_k": 1},
+    TEXT: {"texts": ["dull", "fine enough"]},
+}
+
+
+def close_to(output: Any) -> Any:
+    """`output` for a comparison whose floats may differ in their last digits (a batch of another size)."""
+    if isinstance(output, dict):
+        return {key: close_to(value) for key, value in output.items()}
+    if isinstance(output, list):
+        return [close_to(value) for value in output]
+    return pytest.approx(output, rel=1e-4, abs=1e-6) if isinstance(output, float) else output
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_predict_takes_a_merged_batch_and_answers_each_input(template: str, deploy: Callable[[str], Deployed]) -> None:
+    # With max_batch_size > 1 the worker hands predict a list of the merged calls' inputs: every
+    # template refused it ("expected a JSON object ..."), so every call of such a function was a 400.
+    fn = deploy(template)
+    inputs = [VALID_INPUT[template], SECOND_INPUT[template], VALID_INPUT[template]]
+    merged = json.loads(encode_result(fn.handler.predict(fn.model, inputs))[0])
+    assert merged == [close_to(fn.call(one)) for one in inputs]
+
+
 @pytest.mark.parametrize("template", TEMPLATES)
 def test_load_without_weights_says_to_run_make_weights(template: str, tmp_path: Path) -> None:
     directory = copy_template(template, tmp_path / template)
@@ -358,7 +384,8 @@ def test_image_classifier_without_pillow_accepts_only_pixels(
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ([1, 2, 3], "expected a JSON object with one of .* got a JSON list"),
+        ("text", "expected a JSON object with one of .* got a JSON str"),
+        ([1, 2, 3], "expected a JSON object with one of .* got a JSON int"),  # a list: merged calls' inputs
         ({"top_k": 3}, r"expected a JSON object with one of .* got keys \['top_k'\]"),
         ({"image": "x", "pixels": [[0]]}, "got several of"),
         ({"image": "%%%"}, "'image' is not valid base64"),
