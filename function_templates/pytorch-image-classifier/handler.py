@@ -39,6 +39,9 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 DEFAULT_TOP_K = 5
 MAX_IMAGES = 64  # per call: bounds the activations' memory (batch 64 at 224 x 224 is ~1 GB on a GPU)
+MAX_IMAGE_PIXELS = 4096 * 4096
+"""Largest image decoded (width x height): a PNG of a few hundred KB can hold 12,000 x 12,000
+pixels, whose float copy (1.7 GB) failed the call with an allocator error, not a 400."""
 
 
 @dataclass
@@ -183,10 +186,18 @@ def _decode_image(data: bytes, what: str) -> torch.Tensor:
             'send raw pixels instead, {"pixels": [...]} as a CHW or HWC array, or install pillow'
         ) from None
     try:
-        with Image.open(io.BytesIO(data)) as opened:
-            image = opened.convert("RGB")
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        with Image.open(io.BytesIO(data)) as opened:  # reads the header only: the size before the pixels
+            width, height = opened.size
+            image = opened.convert("RGB") if width * height <= MAX_IMAGE_PIXELS else None
+    except Image.DecompressionBombError as exc:  # past Pillow's own limit: refused before its size is read
+        raise ValueError(f"{what} is too large to decode ({exc}): resize it to at most 4096 x 4096") from None
+    except (OSError, SyntaxError, ValueError) as exc:
         raise ValueError(f"{what} is not an image Pillow can read (PNG/JPEG expected): {exc}") from None
+    if image is None:
+        raise ValueError(
+            f"{what} is {width} x {height} pixels, over {MAX_IMAGE_PIXELS} (4096 x 4096): resize it "
+            f"(the network sees {IMAGE_SIZE} x {IMAGE_SIZE})"
+        )
     pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
     return pixels.view(image.height, image.width, 3).permute(2, 0, 1)
 

@@ -9,8 +9,10 @@ import io
 import itertools
 import json
 import shutil
+import struct
 import subprocess
 import sys
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -412,6 +414,24 @@ def test_image_classifier_rejects_a_body_that_is_not_an_image(deploy: Callable[[
     pytest.importorskip("PIL")
     with pytest.raises(ValueError, match="the request body is not an image Pillow can read"):
         deploy(IMAGE).call(b"\x00 neither JSON nor an image")
+
+
+def test_image_classifier_refuses_an_image_too_large_to_decode(deploy: Callable[[str], Deployed]) -> None:
+    # 12,000 x 12,000 pixels in a 140 KB PNG: its float copy (1.7 GB) failed the call with an
+    # allocator's RuntimeError (a 500), not a 400 saying what to send.
+    image = pytest.importorskip("PIL.Image")
+    buffer = io.BytesIO()
+    image.new("L", (5000, 4000)).save(buffer, "PNG")
+    with pytest.raises(ValueError, match=r"^the request body is 5000 x 4000 pixels, over 16777216 .*: resize it"):
+        deploy(IMAGE).call(buffer.getvalue())
+
+    # Over Pillow's own limit, refused at open: a PNG's header alone says so (20,000 x 20,000).
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = chunk(b"IHDR", struct.pack(">IIBBBBB", 20000, 20000, 8, 0, 0, 0, 0)) + chunk(b"IDAT", b"")
+    with pytest.raises(ValueError, match=r"^the request body is too large to decode .*: resize it"):
+        deploy(IMAGE).call(b"\x89PNG\r\n\x1a\n" + header)
 
 
 def test_image_classifier_infers_the_network_from_the_weights(tmp_path: Path) -> None:
