@@ -19,6 +19,7 @@ import base64
 import binascii
 import io
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +78,8 @@ def load(device: str) -> Classifier:
     except RuntimeError as exc:
         raise ValueError(f"{weights} does not fit {implementation} with {config}: {exc}") from None
     model.eval()
+    # Which of the two networks this is (torchvision's or resnet.py's): the node's log has it (`gpufaas logs`).
+    print(f"{WEIGHTS_FILE}: built {implementation} ({config.num_classes} classes) on {target}", file=sys.stderr)
     return Classifier(
         model=model,
         labels=_read_labels(config.num_classes),

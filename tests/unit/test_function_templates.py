@@ -434,7 +434,9 @@ def test_image_classifier_refuses_an_image_too_large_to_decode(deploy: Callable[
         deploy(IMAGE).call(b"\x89PNG\r\n\x1a\n" + header)
 
 
-def test_image_classifier_infers_the_network_from_the_weights(tmp_path: Path) -> None:
+def test_image_classifier_infers_the_network_from_the_weights(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     directory = copy_template(IMAGE, tmp_path / IMAGE)
     make_weights(directory, "--layers", "1,1", "--width", "8", "--num-classes", "10")
     handler = import_handler(directory)
@@ -443,6 +445,8 @@ def test_image_classifier_infers_the_network_from_the_weights(tmp_path: Path) ->
     (directory / "labels.txt").write_text("".join(f"kind {i}\n" for i in range(10)))
     model = handler.load("cpu")
     assert model.implementation == "resnet.ResNet"  # not ResNet-18's shape: never torchvision's
+    # Which network was built is told (the node's log: `gpufaas logs`); it was told nowhere.
+    assert "built resnet.ResNet (10 classes) on cpu" in capsys.readouterr().err
     assert sum(p.numel() for p in model.model.parameters()) < 20_000
     (ranked,) = handler.predict(model, {"pixels": random_image(4).tolist(), "top_k": 10})["predictions"]
     assert sorted(entry["label"] for entry in ranked) == sorted(f"kind {i}" for i in range(10))
