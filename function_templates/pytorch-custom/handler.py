@@ -83,6 +83,10 @@ def _rows(inputs: object) -> torch.Tensor:
         raise ValueError(f"'inputs' must be a list of rows of {IN_FEATURES} numbers ({exc})") from None
     if x.dim() != 2 or x.shape[1] != IN_FEATURES or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"'inputs' must be 1 to {MAX_ROWS} rows of {IN_FEATURES} numbers, got shape {list(x.shape)}")
+    finite = torch.isfinite(x).all(dim=1)
+    if not finite.all():  # NaN in would be NaN out, which JSON cannot carry
+        row = int((~finite).nonzero()[0])
+        raise ValueError(f"'inputs' must be finite numbers within float32's range (±3.4e38); row {row} is not")
     return x
 
 

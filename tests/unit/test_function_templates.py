@@ -298,6 +298,10 @@ def test_custom_maps_each_row_to_three_outputs(deploy: Callable[[str], Deployed]
         ({"inputs": [[1, 2, 3]]}, r"1 to 4096 rows of 4 numbers, got shape \[1, 3\]"),
         ({"inputs": [[1, 2], [3]]}, "must be a list of rows of 4 numbers"),
         ({"inputs": []}, "rows of 4 numbers"),
+        # Not finite (JSON's NaN or 1e400, or past float32's range): the answer was NaN, which
+        # is not JSON (a strict client's parser refuses the whole answer).
+        ({"inputs": [[float("nan"), 1, 2, 3]]}, "'inputs' must be finite numbers"),
+        ({"inputs": [[1, 2, 3, 4], [1e39, 0, 0, 0]]}, r"'inputs' must be finite numbers .*float32.*row 1"),
     ],
 )
 def test_custom_rejects_bad_input(body: object, message: str, deploy: Callable[[str], Deployed]) -> None:
