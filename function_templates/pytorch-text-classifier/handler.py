@@ -102,6 +102,8 @@ def _parse_inputs(inputs: object) -> list[str]:
     if isinstance(inputs, str):  # a JSON string
         return _check_texts([inputs])
     if isinstance(inputs, bytes | bytearray):  # a body that is not JSON: the text itself
+        if not inputs:  # no body at all is a mistake, not an empty text ({"text": ""} is one)
+            raise ValueError('the request body is empty: send {"text": "..."}, {"texts": [...]} or the text itself')
         try:
             return _check_texts([bytes(inputs).decode("utf-8")])
         except UnicodeDecodeError:

@@ -503,6 +503,8 @@ def test_text_tokenizer_is_fixed_and_case_insensitive(deploy: Callable[[str], De
         ({"texts": ["a", 1]}, "'texts' must be a non-empty list of strings"),
         ({"texts": ["a"] * 1025}, "at most 1024 texts per call, got 1025"),
         (b"\xff\xfe\x00", "the request body is neither JSON nor UTF-8 text"),
+        # No body was classified as the empty text: a 200 answering what was never sent.
+        (b"", r'the request body is empty: send \{"text": "..."\}'),
     ],
 )
 def test_text_classifier_rejects_bad_input(body: object, message: str, deploy: Callable[[str], Deployed]) -> None:
