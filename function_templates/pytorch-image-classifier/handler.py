@@ -182,7 +182,7 @@ def _decode_base64(value: object, what: str) -> torch.Tensor:
 
 def _decode_image(data: bytes, what: str) -> torch.Tensor:
     try:
-        from PIL import Image
+        from PIL import Image, UnidentifiedImageError
     except ImportError:
         raise ValueError(
             f"cannot decode {what}: decoding PNG/JPEG needs Pillow, which this function's environment lacks; "
@@ -194,6 +194,8 @@ def _decode_image(data: bytes, what: str) -> torch.Tensor:
             image = opened.convert("RGB") if width * height <= MAX_IMAGE_PIXELS else None
     except Image.DecompressionBombError as exc:  # past Pillow's own limit: refused before its size is read
         raise ValueError(f"{what} is too large to decode ({exc}): resize it to at most 4096 x 4096") from None
+    except UnidentifiedImageError:  # its message names only Pillow's BytesIO object, at an address
+        raise ValueError(f"{what} is not an image Pillow can read (PNG/JPEG expected): not an image format") from None
     except (OSError, SyntaxError, ValueError) as exc:
         raise ValueError(f"{what} is not an image Pillow can read (PNG/JPEG expected): {exc}") from None
     if image is None:

@@ -416,7 +416,11 @@ def test_image_classifier_rejects_bad_input(body: object, message: str, deploy: 
 
 def test_image_classifier_rejects_a_body_that_is_not_an_image(deploy: Callable[[str], Deployed]) -> None:
     pytest.importorskip("PIL")
-    with pytest.raises(ValueError, match="the request body is not an image Pillow can read"):
+    # Pillow's message named its BytesIO object at an address ("cannot identify image file <_io...>").
+    with pytest.raises(
+        ValueError,
+        match=r"the request body is not an image Pillow can read \(PNG/JPEG expected\): not an image format$",
+    ):
         deploy(IMAGE).call(b"\x00 neither JSON nor an image")
 
 
