@@ -10,6 +10,7 @@ defined, and `predict(model, inputs)` per request, one at a time.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -75,8 +76,14 @@ def predict(model: nn.Module, inputs: object) -> dict[str, object] | list[dict[s
 
 def _rows(inputs: object) -> torch.Tensor:
     """One call's rows: a float32 tensor of shape (rows, IN_FEATURES); ValueError saying what to send."""
+    expected = f'expected a JSON object {{"inputs": [[...{IN_FEATURES} numbers], ...]}}'
+    if isinstance(inputs, bytes | bytearray):  # a body that is not JSON (or declared another type)
+        try:
+            json.loads(inputs)
+        except ValueError as exc:  # where it went wrong: a typo'd body arrives here, not as JSON
+            raise ValueError(f"{expected}; the body is not valid JSON: {exc}") from None
     if not isinstance(inputs, dict) or "inputs" not in inputs:
-        raise ValueError(f'expected a JSON object {{"inputs": [[...{IN_FEATURES} numbers], ...]}}')
+        raise ValueError(expected)
     try:
         x = torch.tensor(inputs["inputs"], dtype=torch.float32)
     except (TypeError, ValueError, RuntimeError) as exc:

@@ -293,6 +293,11 @@ def test_custom_maps_each_row_to_three_outputs(deploy: Callable[[str], Deployed]
 @pytest.mark.parametrize(
     ("body", "message"),
     [
+        # A typo'd JSON body arrives as bytes: the error said only what to send, not where it broke.
+        (
+            b'{"inputs": [[1, 2, 3, 4]',
+            r"expected a JSON object .*; the body is not valid JSON: Expecting ',' delimiter",
+        ),
         (b"\x00not json", "expected a JSON object"),
         ({"x": 1}, "expected a JSON object"),
         ({"inputs": [[1, 2, 3]]}, r"1 to 4096 rows of 4 numbers, got shape \[1, 3\]"),
