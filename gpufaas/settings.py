@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import types
 import typing
 from collections.abc import Sequence
@@ -153,6 +154,18 @@ def host_and_port(address: str | None) -> str | None:
     if address is not None and not (sep and host and port.isdecimal() and int(port) <= 65535):
         raise ValueError(f"expected host:port with a port of 0-65535, such as 127.0.0.1:0; got {address!r}")
     return address
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address's, "[::1]" too) names this machine's loopback: reached
+    directly, never through an http(s)_proxy the environment names (as Go's clients, etcdctl
+    among them, do), since a proxy for a corporate network cannot reach it."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _key_root(root: str) -> str:

@@ -20,7 +20,6 @@ import asyncio
 import collections
 import contextlib
 import functools
-import ipaddress
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +27,8 @@ from typing import Any, Literal, Protocol, TypedDict, TypeVar, Unpack
 
 import aetcd
 import aetcd.exceptions
+
+from gpufaas.settings import is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -98,16 +99,6 @@ ETCD_CHANNEL_OPTIONS: dict[str, int] = {
 # network cannot reach this machine's loopback, where a local cluster's etcd listens (etcdctl, as
 # every Go client, goes to loopback directly), so a channel to loopback goes directly too.
 _NO_PROXY: dict[str, int] = {"grpc.enable_http_proxy": 0}
-
-
-def _loopback(host: str) -> bool:
-    """Whether `host` (an etcd endpoint's) names this machine's loopback."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 class StoreError(Exception):
@@ -438,7 +429,7 @@ class EtcdStore:
             "timeout": self._timeout_s,
             "username": creds.user if creds else None,
             "password": creds.password if creds else None,
-            "options": ETCD_CHANNEL_OPTIONS if not _loopback(host) else ETCD_CHANNEL_OPTIONS | _NO_PROXY,
+            "options": ETCD_CHANNEL_OPTIONS if not is_loopback(host) else ETCD_CHANNEL_OPTIONS | _NO_PROXY,
         }
         return aetcd.Client(**options) if self._tls is None else _TlsClient(self._tls, **options)
 

@@ -15,6 +15,7 @@ import httpx
 
 from gpufaas.credentials import ADMIN_USER, basic_authorization
 from gpufaas.errors import GpufaasError
+from gpufaas.settings import is_loopback
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8080"
 
@@ -141,7 +142,11 @@ class GatewayClient:
         # The same credential for the gateway's blob server (gpufaas.blobnet), which httpx does not reach.
         self.authorization = basic_authorization(ADMIN_USER, password) if password else None
         try:
-            self._client = httpx.Client(base_url=url, timeout=timeout_s, auth=auth)
+            # A gateway on this machine is reached directly: with an http_proxy set for the outside
+            # (and no no_proxy), every command to a local cluster failed "no gateway answers".
+            self._client = httpx.Client(
+                base_url=url, timeout=timeout_s, auth=auth, trust_env=not is_loopback(parts.hostname)
+            )
         except httpx.InvalidURL:  # (a bad port, an unclosed [IPv6 address)
             raise not_a_gateway_url(url) from None
 

@@ -547,3 +547,22 @@ def test_describe_shows_a_label_as_it_is(stand: Stand, state: Path) -> None:
     code, out, err = cli("describe", "f", "--gateway", stand.url)
     assert code == 0, err
     assert "[bold]v2[/bold] [red]" in out, out
+
+
+def test_a_gateway_on_this_machine_is_reached_whatever_proxy_the_environment_names(
+    stand: Stand, state: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A developer behind a corporate proxy (http_proxy set, no no_proxy) and a local cluster:
+    every command went to the proxy, which cannot reach this machine's loopback, and said "no
+    gateway answers". Loopback is reached directly, as etcdctl (every Go client) does."""
+    with socket.socket() as closed:  # a proxy that refuses everything
+        closed.bind(("127.0.0.1", 0))
+        proxy = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, proxy)
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    for url in (stand.url, stand.url.replace("127.0.0.1", "localhost")):
+        assert GatewayClient(url, password="").request("GET", "/system/functions").status_code == 200
+    with pytest.raises(httpx.ConnectError):  # (the proxy is in force for others: this test's own premise)
+        httpx.get(stand.url)
