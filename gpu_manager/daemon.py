@@ -242,17 +242,20 @@ class GpuManagerDaemon:
         )
 
     async def stop(self) -> None:
+        """Stop serving and free what the node holds: each step runs whatever an earlier one raised
+        (etcd down, a worker that will not die); one that failed is logged, not raised."""
         for task in list(self._tasks):  # first: the key's watch must not put it back when it goes
             task.cancel()
-        if self._lease is not None:
-            await self._lease.stop(revoke=True)
-        if self.in_process:
-            withdraw(self.address)
-        await self._server.close()
-        await self.pool.shutdown()
-        self.storage.stop()
-        if self._nvml is not None:
-            self._nvml.close()
+        lease, nvml = self._lease, self._nvml
+        await _stop_steps(
+            self.node,
+            ("withdraw its key from etcd", lease.stop if lease is not None else lambda: None),  # (revokes it)
+            ("withdraw its in-process address", lambda: withdraw(self.address) if self.in_process else None),
+            ("close its wire server", self._server.close),
+            ("stop its workers", self.pool.shutdown),
+            ("stop its storage (blob server, host pool)", self.storage.stop),
+            ("close NVML", nvml.close if nvml is not None else lambda: None),
+        )
 
     def _capacity_mb(self, gpu_id: str) -> int:
         """What the scheduler may book on `gpu_id`: the device less its spares' contexts."""
@@ -489,6 +492,18 @@ class GpuManagerDaemon:
         if self._scheduler is conn:
             self._scheduler = None
             self.ledger.end_leases()  # it counts their slots free once it has lost this node
+
+
+async def _stop_steps(node: str, *steps: tuple[str, Callable[[], Awaitable[None] | None]]) -> None:
+    """Run each of `steps` (what it does, the step) in turn, whatever an earlier one raised: a
+    failure is logged once with its traceback and the next step runs; nothing is raised."""
+    for what, step in steps:
+        try:
+            outcome = step()
+            if outcome is not None:
+                await outcome
+        except Exception:
+            log.exception("node %s: stopping, could not %s; going on", node, what)
 
 
 def _docker_launcher(node: GpuManagerDaemon, image: str) -> DockerLauncher:
