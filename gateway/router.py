@@ -224,6 +224,7 @@ class NodeConnections:
         self.clock = clock
         self._conns: dict[str, Connection] = {}
         self._connects: dict[str, asyncio.Task[Connection]] = {}
+        self._abandoned: set[asyncio.Task[Connection]] = set()  # dials of an address that left meanwhile
         self.unusable: dict[str, str] = {}  # address -> why no Execute goes there now
         self._heard: dict[str, float] = {}  # address -> when it last answered anything
         self._redials: dict[str, asyncio.Task[None]] = {}
@@ -264,13 +265,16 @@ class NodeConnections:
         """The node left the cluster: its connection closes (failing the calls on it) and it takes
         no Execute until a new connection is made (dialled in the background: it may come back)."""
         conn = self._conns.pop(address, None)
+        dial = self._connects.pop(address, None)  # (a later dial, the node back, is a new one)
+        if dial is not None:
+            self._abandoned.add(dial)
         if conn is not None and not conn.is_closed:
             log.info("node at %s left the cluster: closing its connection", address)
             conn.close(ConnectionLost(f"the node at {address} left the cluster"))
         self._unreachable(address, "it left the cluster")
 
     async def close(self) -> None:
-        tasks = [*self._connects.values(), *self._redials.values(), *self._watches]
+        tasks = [*self._connects.values(), *self._abandoned, *self._redials.values(), *self._watches]
         for task in tasks:
             task.cancel()
         for conn in self._conns.values():
@@ -283,11 +287,20 @@ class NodeConnections:
         """One dial at a time per address, shared by whoever asks meanwhile."""
         task = self._connects.get(address)
         if task is None:
-            task = asyncio.create_task(self._dial(address))
+            task = asyncio.create_task(self._dial_unless_left(address))
             self._connects[address] = task
-            task.add_done_callback(lambda _: self._connects.pop(address, None))
             task.add_done_callback(lambda done: self._connected(address, done))
         return await asyncio.shield(task)
+
+    async def _dial_unless_left(self, address: str) -> Connection:
+        """`_dial`, but a connection made after the node left (`left`, while it was dialled) is
+        closed and ConnectionLost raised: it would be kept and the node that left be taken for
+        usable (and pinged until it died)."""
+        conn = await self._dial(address)
+        if asyncio.current_task() in self._abandoned:
+            conn.close()
+            raise ConnectionLost(f"the node at {address} left the cluster while it was dialled")
+        return conn
 
     async def _dial(self, address: str) -> Connection:
         # In memory where this process runs the node (`python -m gateway --with-node`).
@@ -304,6 +317,9 @@ class NodeConnections:
         )
 
     def _connected(self, address: str, done: asyncio.Task[Connection]) -> None:
+        if self._connects.get(address) is done:
+            del self._connects[address]
+        self._abandoned.discard(done)
         if done.cancelled() or done.exception() is not None:
             return
         conn = done.result()

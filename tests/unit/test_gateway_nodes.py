@@ -15,6 +15,7 @@ from gateway.state import Gateway, GatewayConfig
 from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.keys import Keys
 from gpufaas.store import KeyValue, WatchEvent
+from gpufaas.wire import ConnectionLost
 from tests.fakes import MemoryStore
 
 KEYS = Keys("/unit")
@@ -87,6 +88,45 @@ def test_a_node_address_given_up_on_leaves_nothing_behind(monkeypatch: pytest.Mo
         while nodes._redials:
             await asyncio.sleep(0.01)
         assert address not in nodes.unusable and address not in nodes._heard
+        await nodes.close()
+
+    asyncio.run(scenario())
+
+
+class FakeConn:
+    """A stand-in node connection: open until closed."""
+
+    def __init__(self) -> None:
+        self.is_closed = False
+
+    def close(self, exc: BaseException | None = None) -> None:
+        self.is_closed = True
+
+
+def test_a_dial_that_completes_after_its_node_left_is_closed_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node that left while a dial of its address was in progress: the connection made is not
+    kept, and the node is not taken for usable again (nor pinged until it dies)."""
+
+    async def scenario() -> None:
+        nodes = NodeConnections(max_frame_bytes=1 << 20, key=None)
+        address = "127.0.0.1:9"
+        made = FakeConn()
+        dialled = asyncio.Event()
+        answer = asyncio.get_running_loop().create_future()
+
+        async def dial(_: str) -> FakeConn:
+            dialled.set()
+            return await answer  # type: ignore[no-any-return]
+
+        monkeypatch.setattr(nodes, "_dial", dial)
+        placement = asyncio.create_task(nodes.get(address))
+        await dialled.wait()
+        nodes.left(address)
+        answer.set_result(made)  # the dial completes after the node left
+        with pytest.raises(ConnectionLost):
+            await placement
+        assert made.is_closed
+        assert address not in nodes._conns and address in nodes.unusable and not nodes._watches
         await nodes.close()
 
     asyncio.run(scenario())
