@@ -157,6 +157,7 @@ class EtcdServer(contextlib.AbstractContextManager["EtcdServer"]):  # its __ente
         """
         if self.is_running():
             raise RuntimeError(f"etcd already running (pid {self.pid})")
+        self._reap()  # one that exited by itself (crashed, killed) and was never reaped: close its log
         data_dir.mkdir(parents=True, exist_ok=True)
         self.data_dir = data_dir
         deadline = time.monotonic() + timeout_s

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import stat
 import sys
 import time
@@ -57,11 +59,17 @@ http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 """
 
 
-@pytest.mark.timeout(60)  # it waited for ever for the running process to exit by itself
-def test_restart_of_a_running_etcd_stops_it_first(tmp_path: Path) -> None:
+def healthy_etcd(tmp_path: Path) -> Path:
+    """An `etcd` that answers /health true on its client port, and nothing else."""
     binary = tmp_path / "fake-etcd"
     binary.write_text(f"#!{sys.executable}\n{HEALTHY_ETCD}")
     binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    return binary
+
+
+@pytest.mark.timeout(60)  # it waited for ever for the running process to exit by itself
+def test_restart_of_a_running_etcd_stops_it_first(tmp_path: Path) -> None:
+    binary = healthy_etcd(tmp_path)
     server = EtcdServer(binary=binary).start(tmp_path / "etcd")
     try:
         first = server.pid
@@ -72,14 +80,30 @@ def test_restart_of_a_running_etcd_stops_it_first(tmp_path: Path) -> None:
         server.stop()
 
 
+@pytest.mark.timeout(60)
+def test_a_start_after_etcd_exited_by_itself_closes_the_log_it_had_open(tmp_path: Path) -> None:
+    """etcd died (no stop() reaped it) and is started again: the old process's log is closed, not
+    left open beside the new one (a file descriptor leaked per restart)."""
+    binary = healthy_etcd(tmp_path)
+    server = EtcdServer(binary=binary).start(tmp_path / "etcd")
+    try:
+        first_log = server._log
+        assert first_log is not None
+        os.kill(server.pid, signal.SIGKILL)  # a crash
+        assert server._process is not None
+        server._process.wait()  # exited; the object still holds it and its log
+        server.start(tmp_path / "etcd", client_port=server.client_port, peer_port=server.peer_port)
+        assert first_log.closed and server._log is not first_log
+    finally:
+        server.stop()
+
+
 def test_etcd_is_seen_healthy_whatever_proxy_the_environment_names(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """etcd listens on loopback: its health is asked directly, not through an http_proxy (one set
     for a corporate network cannot reach this machine's 127.0.0.1)."""
-    binary = tmp_path / "fake-etcd"
-    binary.write_text(f"#!{sys.executable}\n{HEALTHY_ETCD}")
-    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    binary = healthy_etcd(tmp_path)
     for variable in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"):
         monkeypatch.setenv(variable, "http://127.0.0.1:9")  # the discard port: nothing answers
     for variable in ("no_proxy", "NO_PROXY"):
