@@ -173,15 +173,21 @@ class Gateway:
         return packages, blobs
 
     async def stop(self) -> None:
+        """Stop the gateway's tasks, withdraw its keys, close its links and its blob server; each
+        step runs whatever an earlier one raised (which is raised at the end)."""
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(BaseException):
                 await task
-        if self._lease is not None:
-            await self._lease.stop(revoke=True)
-        await self.router.stop()
-        self.artifacts.stop()
+        try:
+            if self._lease is not None:
+                await self._lease.stop(revoke=True)
+        finally:
+            try:
+                await self.router.stop()
+            finally:
+                self.artifacts.stop()
 
     async def _register(self, lease: int) -> None:
         await self.store.put(self.keys.service("gateway"), self.config.public_url.encode(), lease=lease)

@@ -130,3 +130,28 @@ def test_a_dial_that_completes_after_its_node_left_is_closed_not_kept(monkeypatc
         await nodes.close()
 
     asyncio.run(scenario())
+
+
+def test_a_gateway_whose_lease_stop_fails_still_closes_its_links_and_blob_server(tmp_path: Path) -> None:
+    """A step of the gateway's stop that raises does not end it: the node links and the blob
+    server are closed all the same (the error is raised after them)."""
+
+    class FailingLease:
+        async def stop(self, revoke: bool = True) -> None:
+            raise RuntimeError("the lease will not stop")
+
+    async def scenario() -> None:
+        gateway, _ = gateway_of(tmp_path)
+        stopped: list[str] = []
+
+        async def router_stop() -> None:
+            stopped.append("router")
+
+        gateway._lease = FailingLease()  # type: ignore[assignment]
+        gateway.router.stop = router_stop  # type: ignore[method-assign]
+        gateway.artifacts.stop = lambda: stopped.append("artifacts")  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="will not stop"):
+            await gateway.stop()
+        assert stopped == ["router", "artifacts"]
+
+    asyncio.run(scenario())
