@@ -117,8 +117,12 @@ class NodeStorage:
         await self.packages.recover()
 
     def stop(self) -> None:
-        self.blob_server.stop()
-        self.host_pool.close()
+        """Stop the blob server and close the host pool, whatever the first raised (the pool's
+        files in /dev/shm must not outlive the node for a blob server that failed to stop)."""
+        try:
+            self.blob_server.stop()
+        finally:
+            self.host_pool.close()
 
     # --- what it holds ------------------------------------------------------------------------
     def holdings(self) -> pb.Holdings:

@@ -318,3 +318,27 @@ def test_huge_pages_reads_this_processs_own_mounts() -> None:
     for path in (Path("/dev/shm"), Path("/proc/self"), Path("/")):
         assert huge_pages(path) is huge_pages(path, mountinfo, kernel), path  # what it read is this process's
     assert huge_pages(Path("/proc/self")) is None  # procfs: no tmpfs
+
+
+def test_a_node_storage_whose_blob_server_fails_to_stop_still_closes_its_host_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    storage = NodeStorage(
+        cast(Store, None),
+        Keys("/t"),
+        node="n",
+        state_dir=tmp_path / "state",
+        in_use=set,
+        on_change=lambda: None,
+        options=StorageOptions(pool_mb=10, pool_dir=tmp_path / "shm"),
+    )
+    closed: list[None] = []
+    monkeypatch.setattr(storage.host_pool, "close", lambda: closed.append(None))
+
+    def stop_fails() -> None:
+        raise OSError("the blob server's socket")
+
+    monkeypatch.setattr(storage.blob_server, "stop", stop_fails)
+    with pytest.raises(OSError):
+        storage.stop()
+    assert closed  # the pool's files in /dev/shm go with the node all the same
