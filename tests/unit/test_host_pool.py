@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -238,19 +239,24 @@ def test_a_miss_that_joins_a_prestagings_copy_that_found_no_room_makes_room_itse
     asyncio.run(main())
 
 
-def test_a_failed_copy_that_pushed_weights_out_is_reported_as_a_change_of_holdings(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    changes: list[None] = []
-    storage = NodeStorage(
+def node_storage(tmp_path: Path, *, on_change: Callable[[], None]) -> NodeStorage:
+    """A node's storage with a 10 MB host pool under `tmp_path` (no etcd: nothing here reaches it)."""
+    return NodeStorage(
         cast(Store, None),
         Keys("/t"),
         node="n",
         state_dir=tmp_path / "state",
         in_use=set,
-        on_change=lambda: changes.append(None),
+        on_change=on_change,
         options=StorageOptions(pool_mb=10, pool_dir=tmp_path / "shm"),
     )
+
+
+def test_a_failed_copy_that_pushed_weights_out_is_reported_as_a_change_of_holdings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    changes: list[None] = []
+    storage = node_storage(tmp_path, on_change=lambda: changes.append(None))
     idle, wanted = (package(storage.packages.blobs, os.urandom(6 * MB), tag) for tag in (b"idle", b"wanted"))
     manifests = {idle.digest: idle, wanted.digest: wanted}
     monkeypatch.setattr(storage.packages, "manifest", manifests.get)
@@ -323,15 +329,7 @@ def test_huge_pages_reads_this_processs_own_mounts() -> None:
 def test_a_node_storage_whose_blob_server_fails_to_stop_still_closes_its_host_pool(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    storage = NodeStorage(
-        cast(Store, None),
-        Keys("/t"),
-        node="n",
-        state_dir=tmp_path / "state",
-        in_use=set,
-        on_change=lambda: None,
-        options=StorageOptions(pool_mb=10, pool_dir=tmp_path / "shm"),
-    )
+    storage = node_storage(tmp_path, on_change=lambda: None)
     closed: list[None] = []
     monkeypatch.setattr(storage.host_pool, "close", lambda: closed.append(None))
 
