@@ -456,7 +456,7 @@ class WorkerPool:
         try:
             reply, output = await worker.call(call_id, payload, content_type=content_type, deadline=deadline)
         except CallTimedOut as timed_out:
-            if timed_out.running:  # it may be stuck in the handler; killing is the only sure way out
+            if timed_out.running and not worker.is_gone:  # maybe stuck in the handler: killing is the sure way out
                 self._kill(worker)
             return _timeout_answer(worker, timeout_s, killed=timed_out.running)
         except ConnectionLost:

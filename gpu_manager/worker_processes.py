@@ -87,11 +87,13 @@ class WorkerProcesses:
         task.add_done_callback(self._untrack)
 
     def kill(self, worker: Worker) -> None:
-        """SIGKILL now, without waiting (a miss on its GPU waits for its exit, as for a stop's)."""
+        """SIGKILL now, without waiting (a miss on its GPU waits for its exit, as for a stop's). Its
+        calls are answered once its socket is read to its end: results it wrote before it died (a
+        batch-mate of the call it was killed for, finished as the deadline came) still answer theirs."""
         worker.exit_cause = worker.exit_cause or "killed"
         if worker.hello.done():  # (one killed before it started holds no device: a miss need not wait)
             self._exits_before_loads(worker)
-        worker.gone(ConnectionLost(f"worker pid {worker.pid} was killed"))
+        worker.gone(ConnectionLost(f"worker pid {worker.pid} was killed"), calls=False)
         worker.signal(signal.SIGKILL)
 
     def _exits_before_loads(self, worker: Worker) -> None:

@@ -345,13 +345,18 @@ class Worker:
     def on_close(self, conn: Connection, exc: BaseException | None) -> None:
         self.gone(ConnectionLost(f"worker pid {self.pid} closed its socket"))
 
-    def gone(self, exc: BaseException) -> None:
-        """The process is gone or let go of: every future waiting on it fails with `exc`."""
+    def gone(self, exc: BaseException, *, calls: bool = True) -> None:
+        """The process is gone or let go of: every future waiting on it fails with `exc`. Not
+        `calls`: its calls are left waiting, for a process being killed whose socket is still read
+        until it closes (`on_close`, or its runtime's own `gone` at its exit): a result it wrote
+        before it died answers its call, as every call it finished was done."""
         self.state = WorkerState.GONE
         for future in (self.hello, self.loaded, self.ready):
             if not future.done():
                 future.set_exception(exc)
                 future.exception()  # retrieved: nobody may be waiting
+        if not calls:
+            return
         for call in self.pending.values():
             if not call.done():
                 call.set_exception(exc)

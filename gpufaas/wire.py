@@ -70,6 +70,7 @@ import asyncio
 import collections
 import contextlib
 import enum
+import fcntl
 import hashlib
 import hmac
 import logging
@@ -78,6 +79,7 @@ import os
 import socket
 import ssl
 import struct
+import termios
 from collections.abc import Callable, Container, Mapping
 from typing import Any, Protocol, TypeVar
 
@@ -778,6 +780,26 @@ def _over_limit(conn: Connection, view: memoryview, start: int, end: int, total:
         return start + total
     conn._rest = _SkippedFrame(conn._buf, total - (end - start))
     return end
+
+
+async def read_what_is_left(conn: Connection) -> None:
+    """Handle every frame whose bytes are in `conn`'s socket now, then return (at once if it is
+    closed, or not a socket): for a peer seen to exit before its end of the socket was read to
+    EOF, whose last frames closing it now would drop. Bytes that come later are not waited for:
+    another process may hold a copy of the peer's end, and write on."""
+    sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
+    if sock is None or conn.is_closed:
+        return
+    try:
+        unread = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4)))[0]
+    except (OSError, ValueError):  # (ValueError: uvloop's socket of a closed transport, fd -1)
+        return
+    until_bytes = conn.received_bytes + unread
+    assert conn.transport is not None
+    if not conn._backlog:  # (a backlog resumes reading itself once handled)
+        conn.transport.resume_reading()
+    while not conn.is_closed and (conn.received_bytes < until_bytes or conn._backlog):
+        await asyncio.sleep(0)  # the loop reads and handles them, a turn at a time
 
 
 def time_out(future: asyncio.Future[Any]) -> None:

@@ -29,7 +29,7 @@ from gpu_manager.sandbox import (
 )
 from gpu_manager.workers import ModelRun, Worker
 from gpufaas.processes import pid_alive
-from gpufaas.wire import Connection, ConnectionLost
+from gpufaas.wire import Connection, ConnectionLost, read_what_is_left
 
 worker_log = logging.getLogger("gpufaas.worker")  # what workers print
 _DROP_REPORT_S = 10.0  # how often a worker's dropped output is told of, at most
@@ -140,6 +140,9 @@ async def _until_exit(worker: Worker, conn: Connection) -> None:
     try:
         ends: set[asyncio.Future[Any]] = {conn.closed, exited}
         await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+        # Its pidfd may be seen before what it wrote last (results of calls it finished before it
+        # died or was killed): those are taken in before its socket is closed.
+        await read_what_is_left(conn)
     finally:
         worker.hello.remove_done_callback(watch_pid)
         if pidfd >= 0:

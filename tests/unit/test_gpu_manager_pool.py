@@ -729,6 +729,29 @@ def test_a_call_queued_behind_a_slow_call_times_out_without_killing_the_worker(c
     on_shared(cpu_node, scenario)
 
 
+def test_a_result_written_before_a_deadline_kill_still_answers_its_call(cpu_node: Node) -> None:
+    """A batch of two answered as the first one's deadline came, the node not yet having read
+    them (its reading paused here, as a busy event loop's timers run before its reads): the first
+    times out and its worker is killed, and the second still gets the result its worker wrote."""
+
+    async def scenario(node: Node) -> None:
+        model = on_cpu("written", node.shelf.digest("batch_function"), max_batch_size=2, max_batch_wait_ms=500)
+        pid = ok(await node.call(model, {"i": 0}))["pid"]
+        worker = node.pool._workers.get("written", "gpu0")
+        assert worker is not None and worker.conn is not None and worker.conn.transport is not None
+        worker.conn.transport.pause_reading()
+
+        first = asyncio.create_task(node.call(model, {"i": 1}, timeout_s=1.0))
+        mate = asyncio.create_task(node.call(model, {"i": 2}))
+        timed_out, answered = await first, await mate
+
+        assert (timed_out.outcome, timed_out.worker_killed) == (pb.TIMEOUT, True)
+        assert (ok(answered)["echo"], ok(answered)["pid"], answered.batch_calls) == ({"i": 2}, pid, 2)
+        assert "written" not in node.models()
+
+    on_shared(cpu_node, scenario)
+
+
 def test_a_load_past_the_timeout_kills_the_loading_worker(tmp_path: Path) -> None:
     shelf = Shelf(tmp_path)
 
