@@ -56,8 +56,18 @@ adds is the ground truth of the GPUs, on a virtual clock:
   for a GPU at its deadline, in the global queue or parked behind a GPU, is withdrawn from the
   scheduler (`Scheduler.cancel`, as the call book does), never runs, and counts as timed out
   (`SimResult.timed_out`), not among the latencies; the scheduler schedules again then. A call
-  dispatched before its deadline runs to its end here (a node would cut it at the deadline and
-  answer TIMEOUT: not modelled, so such a call counts as completed, with its whole latency).
+  dispatched before its deadline and not done by it is cut there, as the node cuts it
+  (`gpu_manager.pool`): it times out too, its slot freed then (`_cut_overdue`). One its worker
+  runs (in its batch, or the load its dispatch started) has the worker killed: its batch stops
+  (the compute not done uncounted), the scheduler hears the node's Done as the call book passes
+  it on (`Scheduler.on_failure`, dropping the model from that GPU: the next call there is a
+  miss), and the calls the worker held die with it (WORKER_DIED: placed again, elsewhere where
+  the model fits, or time out if their deadline has come). One queued at its worker behind
+  another is answered TIMEOUT (`Scheduler.on_complete`, nothing measured) and still runs there
+  later, unreported. Not cut: calls under hit leases, and a load in flight on a shared link
+  (`gpus_per_link`), whose call is treated as queued. (The call book's limit of two worker
+  deaths per call, past which it answers UNAVAILABLE, is not modelled: such a call is placed
+  again each time.)
 
 - Hit leases (`ClusterConfig.hit_lease_s` > 0, docs/hit-leases.md): the calls come through one
   gateway that takes leases. A hit dispatched while nothing waits leases its slot by the call
@@ -280,9 +290,9 @@ class SimResult:
     hit_lease_s: float = 0.0  # ClusterConfig's: 0, no leases
     leases: int = 0  # hit placements that leased their slot
     lease_calls: int = 0  # calls run under a lease (without the scheduler; counted among the hits)
-    # Calls still waiting for a GPU at their deadline (the module docstring): never run, not in
-    # `completed` nor in the latency figures (those cover completed calls only); their share of
-    # `requests`.
+    # Calls still waiting for a GPU at their deadline, or dispatched and cut at it (the module
+    # docstring): not in `completed` nor in the latency figures (those cover completed calls
+    # only); their share of `requests`.
     timed_out: int = 0
     timeout_rate: float = 0.0
 
@@ -477,7 +487,7 @@ class _Run:
         self.waited_at = -math.inf  # when calls last waited in the global queue
         self.parked_at: dict[str, float] = {}  # per GPU, when a call was last parked there
         self.leases = self.lease_calls = 0
-        self.deadlines = _Deadlines(workload)  # of the calls that wait for a GPU, and those that timed out
+        self.deadlines = _Deadlines(workload, cuts=cluster.hit_lease_s == 0)  # (under leases: waiting calls' only)
 
     def run(self, on_progress: Callable[[int], None] | None, meter: Meter) -> None:
         """Submit every arrival and run every call to completion, one instant at a time,
@@ -504,9 +514,11 @@ class _Run:
             # (Each is asked only if its next event is due: most instants have one of the two.)
             completed = event_s <= now and complete(now, on_progress)
             arrived = upcoming is not None and upcoming.arrival_s <= now and submit_arrivals(now)
-            # Only completions and arrivals change what the scheduler sees (a finished load or a
-            # worker's batch do not): it is asked at those instants and no others.
-            if completed or arrived:
+            # After the completions: a call whose batch ends at its deadline completed.
+            cut = deadline_s <= now and _cut_overdue(self, now)
+            # Only completions, arrivals and cuts change what the scheduler sees (a finished load
+            # or a worker's batch do not): it is asked at those instants and no others.
+            if completed or arrived or cut:
                 schedule(now)
             form_batches(now)
             submitted = self.next_arrival
@@ -525,7 +537,11 @@ class _Run:
         on_complete, latencies, per_function = self.scheduler.on_complete, self.latencies, self.per_function
         touched_gpus = self.touched_gpus
         lease_of = self.lease_of
+        done = self.deadlines.done
         for call, batch in completed:
+            if call.given_up:
+                continue  # cut at its deadline while queued: its slot was freed then, its answer dropped
+            done(call.request.request_id)
             inference_s = batch.elapsed_s(now)
             lease = lease_of.pop(call.request.request_id, None) if lease_of else None
             if lease is not None and lease.ended_under(call.request.request_id, now):
@@ -606,7 +622,7 @@ class _Run:
                 self.releases += 1
                 if release.gpu_id is not None:
                     self.touched_gpus.add(release.gpu_id)
-                    self.gpus.release(release.gpu_id, release.model)
+                    self.gpus.release(release.gpu_id, release.model, now)
             self.release_at = now + self.release_period_s
         if self.adapt_at <= now:
             self._adapt(now)
@@ -765,14 +781,15 @@ class _Run:
 
     def _dispatch(self, decision: Dispatch, now: float) -> None:
         """Count a dispatch (hit, miss, false miss, swap-in, its call's wait) and start it on its GPU."""
-        self.deadlines.started(decision.request.request_id)
         if decision.hit:
             self.hits += 1
         else:
             self.misses += 1
             self.false_misses += decision.false_miss
             self.swap_ins += decision.from_host
-        self.gpus.dispatch(decision, now, next(self.dispatch_ties), link=self.link_of[decision.gpu_id])
+        self.deadlines.started(
+            *self.gpus.dispatch(decision, now, next(self.dispatch_ties), link=self.link_of[decision.gpu_id])
+        )
         function = decision.request.function
         waited_s = now - decision.request.arrival_s
         if waited_s > self.function_max_wait_s.get(function, -1.0):
@@ -840,36 +857,51 @@ _COUNTED = (
 
 
 class _Deadlines:
-    """The deadlines of the calls submitted to the scheduler and not yet started on a GPU (those
-    that may time out waiting): a heap of (deadline, request id), from which a call that started
-    is dropped when it reaches the top."""
+    """The deadlines of the calls submitted to the scheduler and not yet done: a heap of
+    (deadline, request id), from which a call no longer waiting nor running is dropped when it
+    reaches the top. With `cuts`, those of the calls dispatched are kept too (with their call and
+    worker): one still running at its deadline is overdue, for `_cut_overdue`."""
 
-    def __init__(self, workload: Workload) -> None:
+    def __init__(self, workload: Workload, *, cuts: bool = True) -> None:
         self._timeout_s = {function: workload.timeout_s(function) for function in workload.function_models}
         self._heap: list[tuple[float, str]] = []
         self._waiting: set[str] = set()
-        self.timed_out = 0  # calls withdrawn at their deadline
+        self._cuts = cuts
+        self._running: dict[str, tuple[_Call, _Worker]] = {}  # dispatched, not done (with `cuts`)
+        self._overdue: list[tuple[_Call, _Worker]] = []  # running at their deadline, not cut yet
+        self.timed_out = 0  # calls withdrawn or cut at their deadline
+
+    def deadline_s(self, request: Request) -> float:
+        return request.arrival_s + self._timeout_s.get(request.function, DEFAULT_TIMEOUT_S)
 
     def add(self, request: Request) -> None:
         """`request` was submitted: it waits, until its deadline at the latest."""
-        timeout_s = self._timeout_s.get(request.function, DEFAULT_TIMEOUT_S)
-        heapq.heappush(self._heap, (request.arrival_s + timeout_s, request.request_id))
+        heapq.heappush(self._heap, (self.deadline_s(request), request.request_id))
         self._waiting.add(request.request_id)
 
-    def started(self, request_id: str) -> None:
-        """The call started on a GPU: it runs to its end."""
+    def started(self, call: _Call, worker: _Worker) -> None:
+        """The call started on `worker` (with `cuts`: until its deadline at the latest)."""
+        request_id = call.request.request_id
         self._waiting.discard(request_id)
+        if self._cuts:
+            self._running[request_id] = (call, worker)
+
+    def done(self, request_id: str) -> None:
+        """The call completed (before its deadline, or at it)."""
+        if self._running:
+            self._running.pop(request_id, None)
 
     def next_s(self) -> float:
-        """The earliest deadline of a call still waiting (inf: none waits)."""
-        heap, waiting = self._heap, self._waiting
-        while heap and heap[0][1] not in waiting:
+        """The earliest deadline of a call still waiting or running (inf: none)."""
+        heap, waiting, running = self._heap, self._waiting, self._running
+        while heap and heap[0][1] not in waiting and heap[0][1] not in running:
             heapq.heappop(heap)
         return heap[0][0] if heap else math.inf
 
     def expire(self, scheduler: Scheduler, now: float) -> int:
         """Withdraw the calls still waiting at their deadline (`now` or earlier) from `scheduler`,
-        in deadline order, as the call book's tick does: they time out. Returns how many did."""
+        in deadline order, as the call book's tick does: they time out. Returns how many did.
+        The running ones whose deadline came are overdue (`take_overdue`)."""
         heap, waiting, expired = self._heap, self._waiting, 0
         while heap and heap[0][0] <= now:
             request_id = heapq.heappop(heap)[1]
@@ -877,8 +909,59 @@ class _Deadlines:
                 waiting.discard(request_id)
                 if scheduler.cancel(request_id, now) is not None:  # (None: it runs already)
                     expired += 1
+            elif request_id in self._running:
+                self._overdue.append(self._running[request_id])
         self.timed_out += expired
         return expired
+
+    def take_overdue(self) -> list[tuple[_Call, _Worker]]:
+        """The calls found running at their deadline since the last take, in deadline order."""
+        overdue, self._overdue = self._overdue, []
+        return overdue
+
+    def is_running(self, request_id: str) -> bool:
+        return request_id in self._running
+
+    def cut(self, call: _Call, now: float) -> bool:
+        """The call's worker lost it at `now` (cut at its deadline, or killed with another): True
+        if its deadline has come (it timed out), else it waits again (the call book retries it)."""
+        request = call.request
+        del self._running[request.request_id]
+        if self.deadline_s(request) <= now:
+            self.timed_out += 1
+            return True
+        self._waiting.add(request.request_id)  # (its deadline is still on the heap)
+        return False
+
+
+def _cut_overdue(run: _Run, now: float) -> bool:
+    """The node's timeout, for the calls still running at their deadline (`now`): as
+    gpu_manager.pool does, one the worker runs (in its batch, or loading its model) has the worker
+    killed: the call book hears TIMEOUT with `worker_lost` and drops the model from that GPU
+    (`Scheduler.on_failure(drop_model=True)`), and the calls it held die with it (WORKER_DIED:
+    retried elsewhere before their deadline, `avoid_gpu`). One still queued at its worker is
+    answered TIMEOUT, its slot freed (`on_complete`, nothing measured), and still runs there
+    later, unreported. True if a call was cut (the scheduler has slots to fill)."""
+    overdue = run.deadlines.take_overdue()
+    deadlines, scheduler = run.deadlines, run.scheduler
+    for call, worker in overdue:
+        request_id = call.request.request_id
+        if not deadlines.is_running(request_id):
+            continue  # it died with an earlier one's worker
+        run.touched_gpus.add(worker.gpu_id)
+        batch = worker.batch
+        in_batch = batch is not None and any(other is call for other in batch.calls)
+        loading = call.load_s is not None and now < worker.loaded_at_s and run.gpus.links is None
+        if not (in_batch or loading):
+            call.given_up = True
+            deadlines.cut(call, now)
+            scheduler.on_complete(request_id, now)
+            continue
+        for lost in run.gpus.kill(worker, now):
+            if not lost.given_up:  # (a given-up one's slot was freed at its deadline)
+                retry = not deadlines.cut(lost, now)
+                scheduler.on_failure(lost.request.request_id, now, drop_model=True, requeue=retry, avoid_gpu=retry)
+    return bool(overdue)
 
 
 SLO_PERCENTILE = 98.0  # Torpor's: a function meets its SLO when its p98 latency does
@@ -987,13 +1070,15 @@ def batch_inference_s(profile: ModelProfile, samples: int, calls: int, exponent:
 # --- the ground truth of the GPUs --------------------------------------------------------------
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Call:
     """A dispatched call. `tie` is its dispatch order; `load_s` the load its dispatch caused."""
 
     request: Request
     tie: int
     load_s: float | None
+    batch: _Batch | None = None  # the batch it runs in, once its worker formed one
+    given_up: bool = False  # cut at its deadline while queued at its worker: it runs, unreported
 
 
 @dataclass(slots=True)
@@ -1007,6 +1092,8 @@ class _Worker:
     waiting: deque[_Call] = field(default_factory=deque)  # dispatched here, not yet in a batch
     busy: bool = False  # a batch of it is queued for, or running on, the GPU's compute
     wait_until_s: float | None = None  # free with fewer calls than a batch: runs what it has then
+    batch: _Batch | None = None  # its batch while busy (None at the batch's end: no lasting cycle)
+    dead: bool = False  # killed for a call past its deadline (`_Gpus.kill`): its events do nothing
 
 
 @dataclass(slots=True)
@@ -1171,13 +1258,13 @@ class _Gpus:
         events = self._events
         while events:
             at_s, kind, _, subject = events[0]
-            # Live: a copy's start, a load done, a batch end without interference (NaN), or the
-            # latest end or wait of its subject.
+            # Live: a copy's start, a load done (its worker alive), a batch end without interference
+            # (NaN; inf once its worker was killed), or the latest end or wait of its subject.
             if isinstance(subject, _Copy):
                 if kind == _COPY_START or subject.end_s == at_s:
                     return
             elif isinstance(subject, _Worker):
-                if kind == _LOAD_DONE or subject.wait_until_s == at_s:
+                if (kind == _LOAD_DONE and not subject.dead) or subject.wait_until_s == at_s:
                     return
             elif math.isnan(subject.end_s) or subject.end_s == at_s:
                 return
@@ -1187,14 +1274,12 @@ class _Gpus:
     def compute_s(self) -> float:
         return math.fsum(self._compute_s)
 
-    def dispatch(self, decision: Dispatch, now: float, tie: int, *, link: str | None = None) -> None:
+    def dispatch(self, decision: Dispatch, now: float, tie: int, *, link: str | None = None) -> tuple[_Call, _Worker]:
         """A call starts on its GPU: on a miss its model starts loading there (over `link` with
-        the transfer model)."""
+        the transfer model). Returns the call and its worker."""
         request, gpu_id = decision.request, decision.gpu_id
         for victim in decision.evict:
-            evicted = self._workers.pop((gpu_id, victim), None)
-            if evicted is not None and (evicted.waiting or evicted.busy):
-                raise RuntimeError(f"the scheduler evicted {victim!r} from {gpu_id!r} while calls use it")
+            self._remove(gpu_id, victim, now, "evicted")
         profile = self._truth[request.model]
         if decision.hit:
             call = _Call(request, tie, None)
@@ -1222,12 +1307,26 @@ class _Gpus:
             self._workers[(gpu_id, request.model)] = worker
         worker.waiting.append(call)
         self._stir(worker)
+        return call, worker
 
-    def release(self, gpu_id: str, model: str) -> None:
+    def release(self, gpu_id: str, model: str, now: float) -> None:
         """The scheduler released an idle model from a GPU: its worker goes."""
-        worker = self._workers.pop((gpu_id, model), None)
-        if worker is not None and (worker.waiting or worker.busy):
-            raise RuntimeError(f"the scheduler released {model!r} from {gpu_id!r} while calls use it")
+        self._remove(gpu_id, model, now, "released")
+
+    def _remove(self, gpu_id: str, model: str, now: float, action: str) -> None:
+        """The scheduler `action` (evicted, released) `model` from `gpu_id`: its worker goes, with
+        the calls cut at their deadline while queued there (their slots free, their answers
+        dropped: `_cut_overdue`). Any other call still there is a bug (RuntimeError)."""
+        worker = self._workers.get((gpu_id, model))
+        if worker is None:
+            return
+        held = list(worker.waiting) + (worker.batch.calls if worker.batch is not None else [])
+        if not all(call.given_up for call in held):
+            raise RuntimeError(f"the scheduler {action} {model!r} from {gpu_id!r} while calls use it")
+        if held:
+            self.kill(worker, now)
+        else:
+            del self._workers[(gpu_id, model)]
 
     def advance(self, now: float) -> list[tuple[_Call, _Batch]]:
         """Handle every event due by `now`; returns the calls completed, in completion order."""
@@ -1246,18 +1345,62 @@ class _Gpus:
                     subject.end_s = math.inf  # done: any other event for it is stale
                     self._reschedule(worker.gpu_id, at_s)
                 else:
+                    if subject.end_s == math.inf:
+                        continue  # its worker was killed (`kill`)
                     self._computing.discard(worker.gpu_id)
                     if self._ready[worker.gpu_id]:
                         self._start_next(worker.gpu_id, now)
                 worker.busy = False
+                worker.batch = None
                 completed.extend((call, subject) for call in subject.calls)
                 self._stir(worker)
             elif isinstance(subject, _Copy):
                 self._copy_event(subject, kind, at_s)
-            elif kind == _LOAD_DONE or subject.wait_until_s == at_s:
+            elif (kind == _LOAD_DONE or subject.wait_until_s == at_s) and not subject.dead:
                 self._stir(subject)
             # else: a wait that a full batch ended early
         return completed
+
+    def kill(self, worker: _Worker, now: float) -> list[_Call]:
+        """The node killed `worker` at `now` (a call in it outlived its deadline: `_cut_overdue`):
+        its batch stops (the compute it did not do uncounted), a load in flight is abandoned, and
+        it is gone from its GPU. Returns the calls it held, its batch's and those waiting: none of
+        them completes."""
+        key = (worker.gpu_id, worker.profile.model)
+        if self._workers.get(key) is worker:
+            del self._workers[key]
+        if self._stirred.get(key) is worker:
+            del self._stirred[key]
+        calls = list(worker.waiting)
+        worker.waiting.clear()
+        batch = worker.batch
+        if batch is not None:
+            calls = batch.calls + calls
+            self._stop(batch, now)
+        worker.batch, worker.busy, worker.wait_until_s, worker.dead = None, False, None, True
+        self._may_go_stale = True  # its batch's end and its wait are stale events now
+        return calls
+
+    def _stop(self, batch: _Batch, now: float) -> None:
+        """`batch` stops at `now`, before its end: its GPU goes on with the others."""
+        gpu_id = batch.worker.gpu_id
+        if self._interference is not None:
+            self._progress(gpu_id, now)
+            self._running[gpu_id].remove(batch)
+            self._compute_s.append(-max(0.0, batch.left_s))
+            batch.end_s = math.inf
+            self._reschedule(gpu_id, now)
+            return
+        ready = self._ready[gpu_id]
+        for index, other in enumerate(ready):
+            if other is batch:
+                del ready[index]  # it never started: none of its compute was counted
+                return
+        self._compute_s.append(-(batch.started_s + batch.compute_s - now))
+        batch.end_s = math.inf
+        self._computing.discard(gpu_id)
+        if ready:
+            self._start_next(gpu_id, now)
 
     def _copy_event(self, copy: _Copy, kind: int, at_s: float) -> None:
         """A copy joins its link, or ends (its load is done) unless a change since moved its end."""
@@ -1269,7 +1412,8 @@ class _Gpus:
             copy.worker.loaded_at_s = at_s
             copy.call.load_s = at_s - copy.dispatched_s
             self.load_s.append(copy.call.load_s)
-            self._stir(copy.worker)
+            if not copy.worker.dead:
+                self._stir(copy.worker)
         else:
             return  # stale: rescheduled since
         for other in moved:
@@ -1313,7 +1457,7 @@ class _Gpus:
         worker.busy = True
         worker.wait_until_s = None
         self.batches += 1
-        batch = _Batch(worker, calls, samples, compute_s)
+        batch = worker.batch = _Batch(worker, calls, samples, compute_s)
         if self._interference is not None:
             self._compute_s.append(compute_s)
             self._progress(worker.gpu_id, now)
@@ -1351,6 +1495,7 @@ class _Gpus:
 
     def _start_next(self, gpu_id: str, now: float) -> None:
         batch = self._ready[gpu_id].popleft()
+        batch.started_s = now  # (read only if its worker is killed before its end: `_stop`)
         self._computing.add(gpu_id)
         self._compute_s.append(batch.compute_s)
         heapq.heappush(self._events, (now + batch.compute_s, _BATCH_END, batch.calls[0].tie, batch))
