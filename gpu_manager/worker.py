@@ -119,12 +119,18 @@ def decode_inputs(payload: bytes, content_type: str = "") -> object:
 def encode_result(result: object) -> tuple[bytes, str]:
     """The handler's output as (bytes, content type): bytes as they are, str as UTF-8 text,
     anything else as JSON (torch tensors and numpy arrays become nested lists). TypeError if it
-    cannot be encoded."""
+    cannot be encoded; ValueError if it holds NaN or an infinity (in a tensor too), which JSON
+    (RFC 8259) cannot carry, or refers to itself."""
     if isinstance(result, _BINARY):
         return bytes(result), "application/octet-stream"
     if isinstance(result, str):
         return result.encode("utf-8"), "text/plain; charset=utf-8"
-    return _encode_json(result).encode("utf-8"), "application/json"
+    try:
+        return _encode_json(result).encode("utf-8"), "application/json"
+    except ValueError as exc:
+        if not str(exc).startswith(_NOT_FINITE):  # a circular reference: json's own message
+            raise
+        raise ValueError(NOT_FINITE_OUTPUT) from None
 
 
 def _json_default(value: object) -> object:
@@ -140,8 +146,17 @@ def _json_default(value: object) -> object:
 
 
 _BINARY = (bytes, bytearray, memoryview)
-# json.dumps(result, default=_json_default, separators=(",", ":")), its encoder made once.
-_encode_json = json.JSONEncoder(default=_json_default, separators=(",", ":")).encode
+# json.dumps(result, default=_json_default, separators=(",", ":"), allow_nan=False), its encoder
+# made once (still the C encoder: allow_nan=False is one check per float). Allowed, NaN and the
+# infinities were written as bare NaN / Infinity tokens under application/json: not JSON, so a
+# strict client (JSON.parse, Go's encoding/json, jq) failed on the whole answer.
+_encode_json = json.JSONEncoder(default=_json_default, separators=(",", ":"), allow_nan=False).encode
+_NOT_FINITE = "Out of range float values are not JSON compliant"  # what json raises for one
+NOT_FINITE_OUTPUT = (
+    "the output holds NaN or Infinity, which JSON cannot carry; return None (JSON null) or a string "
+    '(such as "NaN") in its place, or check the inputs that produced it'
+)
+"""Why an output holding NaN, Infinity or -Infinity (a float, or in a tensor or array) is refused."""
 
 
 MAX_MESSAGE_CHARS = 8192

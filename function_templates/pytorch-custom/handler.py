@@ -62,6 +62,7 @@ def warmup(model: nn.Module) -> None:
 def predict(model: nn.Module, inputs: object) -> dict[str, object] | list[dict[str, object]]:
     """Per request. `inputs` is the JSON body decoded, or the raw bytes when the body is not JSON.
     Return a dict/list (sent as JSON), a str (text) or bytes (as they are); tensors become lists.
+    A NaN or an infinity in a JSON result fails the call (JSON cannot carry them): use None or a str.
     A ValueError refuses the input (HTTP 400, its message the error); any other exception is an HTTP 500.
 
     With `max_batch_size` > 1 in stack.yml, `inputs` is the list of the merged calls' inputs and

@@ -599,6 +599,27 @@ def test_an_output_over_the_limit_or_not_encodable_fails_that_call_and_the_worke
     on_shared(cpu_node, scenario)
 
 
+def test_an_output_holding_nan_or_infinity_is_output_invalid_and_the_worker_stays(cpu_node: Node) -> None:
+    # Once answered OK as bare NaN / Infinity under application/json, which strict clients cannot parse.
+    pytest.importorskip("torch")
+
+    async def scenario(node: Node) -> None:
+        model = on_cpu("not-finite", node.shelf.digest("probe_function"))
+        pid = ok(await node.call(model, {}))["pid"]
+
+        nan = await node.call(model, {"not_finite": "float"})
+        inf = await node.call(model, {"not_finite": "tensor"})
+        after = await node.call(model, {})
+
+        for result in (nan, inf):
+            assert (result.outcome, result.output) == (pb.OUTPUT_INVALID, b"")
+            assert result.message.startswith("ValueError: the output holds NaN or Infinity, which JSON cannot carry")
+            assert "return None (JSON null) or a string" in result.message
+        assert ok(after) == {"calls": 4, "pid": pid}
+
+    on_shared(cpu_node, scenario)
+
+
 def test_the_linear_function_loads_its_safetensors_weights_and_computes_with_torch(cpu_node: Node) -> None:
     torch = pytest.importorskip("torch")
     from safetensors.torch import load_file

@@ -164,8 +164,8 @@ OUTPUTS: list[object] = [
     None,
     0,
     -1.5,
-    float("nan"),
-    float("inf"),
+    1e308,
+    -0.0,
     "text",
     {"outputs": [[0.12345678, -0.5, 0.25]]},
     {"é": ["\u2028", "\ud800"], 1: True, None: False, 2.5: None},
@@ -179,8 +179,35 @@ def test_outputs_encode_exactly_as_json_dumps_writes_them(output: object) -> Non
     if isinstance(output, str):
         assert encode_result(output) == (output.encode(), "text/plain; charset=utf-8")
         return
-    expected = json.dumps(output, default=worker._json_default, separators=(",", ":")).encode()
+    expected = json.dumps(output, default=worker._json_default, separators=(",", ":"), allow_nan=False).encode()
     assert encode_result(output) == (expected, "application/json")
+
+
+NOT_FINITE: list[object] = [float("nan"), float("inf"), {"a": [1.0, -float("inf")]}, (0.5, float("nan"))]
+
+
+@pytest.mark.parametrize("output", NOT_FINITE)
+def test_an_output_holding_nan_or_infinity_is_refused_for_json_cannot_carry_it(output: object) -> None:
+    # Written once as bare NaN / Infinity tokens under application/json: no strict parser reads those.
+    with pytest.raises(ValueError) as refused:
+        encode_result(output)
+    assert str(refused.value) == worker.NOT_FINITE_OUTPUT
+    assert str(refused.value).startswith("the output holds NaN or Infinity, which JSON cannot carry; return None")
+
+
+def test_tensors_and_arrays_holding_nan_or_infinity_are_refused_alike() -> None:
+    torch = pytest.importorskip("torch")
+    numpy = pytest.importorskip("numpy")
+    for output in (
+        torch.tensor([[1.0, float("inf")]]),
+        {"t": torch.tensor([float("nan")], dtype=torch.float16)},
+        numpy.array([-numpy.inf]),
+        numpy.float32("nan"),
+    ):
+        with pytest.raises(ValueError) as refused:
+            encode_result(output)
+        assert str(refused.value) == worker.NOT_FINITE_OUTPUT
+    assert encode_result(torch.tensor([1.0, -2.5])) == (b"[1.0,-2.5]", "application/json")
 
 
 def test_an_unencodable_or_circular_output_fails_that_call_only_and_the_next_encodes() -> None:
