@@ -39,12 +39,22 @@ from gpu_manager.pool import ModelRun, RunResult, WorkerPool
 from gpu_manager.sandbox import Isolation
 from gpu_manager.storage import NodeStorage, StorageOptions
 from gpufaas.cluster import GpuRecord, NodeRecord
+from gpufaas.errors import GpufaasError
 from gpufaas.grants import LEASE_KEEPING_OUTCOMES
 from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import KeyValue, LeaseKeeper, LeaseLost, Store, StoreError, WatchEvent, list_and_watch
 from gpufaas.tls import LinkTls
-from gpufaas.wire import Connection, ConnectionLost, Frame, MessageType, Server, max_frame_bytes_for
+from gpufaas.wire import (
+    Connection,
+    ConnectionLost,
+    Frame,
+    MessageType,
+    Server,
+    Unauthenticated,
+    connect,
+    max_frame_bytes_for,
+)
 from gpufaas.wire_local import serve_here, withdraw
 
 log = logging.getLogger("gpufaas.gpu_manager")
@@ -54,6 +64,7 @@ PRUNE_INTERVAL_S = 10.0
 PACKAGE_GRACE_S = 3600.0  # a staged package no worker uses is deleted once unused this long
 HOLDINGS_COALESCE_S = 0.05  # changes to what the node holds are reported at most this often
 HOLDINGS_RETRY_S = 1.0  # a holder record etcd did not take is put again this often
+NAME_PROBE_S = 1.0  # a registered address where nothing answers within this is a dead node's
 # Outcomes after which the model's worker is gone from the GPU (the scheduler drops its entry).
 _WORKER_LOST = {pb.LOAD_FAILED, pb.WORKER_DIED}
 
@@ -67,6 +78,42 @@ async def _holder_put(storage: NodeStorage, lease: int, *, failing: bool) -> boo
             log.warning("cannot record this node's holdings in etcd (%s); retrying", exc)
         return False
     return True
+
+
+class NodeNameTaken(GpufaasError):
+    """Another running GPU manager is registered under this node's name."""
+
+
+async def check_name_free(store: Store, key: str, address: str, server: Server) -> None:
+    """NodeNameTaken if the node record at `key` is another running GPU manager's: two nodes of
+    one name would overwrite each other's record (the scheduler would see a new incarnation at
+    each write). A restart takes its key over at once, though its dead process's record stays
+    until its lease's TTL: that record names this node's own `address` (same host and port), or
+    an address where nothing answers now. Something that answers is taken for the live node: a
+    wire handshake done, or refused once connected (under link TLS a node may not dial a node)."""
+    existing = await store.get(key)
+    if existing is None:
+        return
+    try:
+        other = NodeRecord.from_json(existing.value)
+    except ValueError:  # no node's record: registering replaces it
+        return
+    if other.address == address:
+        return
+    try:
+        link = await connect(
+            other.address, key=server.key, tls=server.tls or False, timeout_s=NAME_PROBE_S, dead_after_s=None
+        )
+    except Unauthenticated:
+        pass
+    except ConnectionLost:  # refused or silent: the node that registered it is gone
+        return
+    else:
+        link.close()
+    raise NodeNameTaken(
+        f"node {other.node} is registered by another running GPU manager at {other.address}; "
+        "give this one another --node"
+    )
 
 
 async def report_holdings(
@@ -220,13 +267,13 @@ class GpuManagerDaemon:
         return self.address
 
     async def _announce(self) -> None:
-        """The blob server started, the node registered under its lease, and its watches begun."""
+        """The blob server started, the node registered (`check_name_free`), and its watches begun."""
+        await check_name_free(self.store, key := self.keys.node(self.node), self.address, self._server)
         await self.storage.start(self.address)
         self._lease = LeaseKeeper(self.store, LEASE_TTL_S, on_regrant=self._register)
         await self._register(await self._lease.start())
         self._spawn(self._prune())
         self._spawn(self._report_holdings())
-        key = self.keys.node(self.node)
         self._spawn(
             list_and_watch(
                 self.store,

@@ -36,10 +36,11 @@ class Link:
         self.sent.append((type_, header))
 
 
-def make_node(state_dir: Path) -> GpuManagerDaemon:
-    """Node n1 with one emulated GPU, attached to scheduler s1 (epoch 1); nothing started."""
+def make_node(state_dir: Path, store: MemoryStore | None = None) -> GpuManagerDaemon:
+    """Node n1 with one emulated GPU, attached to scheduler s1 (epoch 1), on `store` (None: a
+    new one); nothing started."""
     node = GpuManagerDaemon(
-        MemoryStore(),
+        store if store is not None else MemoryStore(),
         node="n1",
         backend="emulated",
         devices=logical_devices(1, 1024, "emulated"),
