@@ -56,6 +56,19 @@ class StorageOptions:
     blob_advertise: str | None = None
 
 
+def _check_pool_fits(pool: HostModelPool, pool_mb: int) -> None:
+    """OSError naming --pool-mb, the pool closed, if its memory filesystem has less than `pool_mb`
+    free: a pool asked for more would fail later, at some load, on a full filesystem. Measured once
+    the pool removed what a crashed run of the node left there (its own space again)."""
+    free_mb = default_budget_bytes(pool.root, 1.0) // (1024 * 1024)
+    if pool_mb > free_mb:
+        pool.close()
+        raise OSError(
+            f"--pool-mb {pool_mb}: {pool.root.parent} has {free_mb} MiB free; pass at most that, "
+            "free memory there, or choose another --pool-dir"
+        )
+
+
 class NodeStorage:
     """The disk cache, the host pool and the blob server of node `node` (see the module), kept
     as `options` say. `in_use()` names the packages live workers hold (never evicted from disk
@@ -96,6 +109,8 @@ class NodeStorage:
         pool_mb = options.pool_mb
         pool_bytes = pool_mb * 1024 * 1024 if pool_mb is not None else default_budget_bytes(pool_parent)
         self.host_pool = HostModelPool(pool_parent, pool_bytes, name=f"gpufaas-pool-{tag}", in_use=self._pooled_in_use)
+        if pool_mb:
+            _check_pool_fits(self.host_pool, pool_mb)
         self.blob_server = BlobServer(self.packages.blobs, self._authorize)
         self._blob_listen = options.blob_listen
         self._blob_advertise = options.blob_advertise

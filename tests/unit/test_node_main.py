@@ -39,6 +39,23 @@ def test_a_pool_directory_the_node_cannot_use_is_a_clear_error(tmp_path: Path, p
         asyncio.run(make())
 
 
+def test_a_pool_larger_than_its_filesystem_has_free_is_a_clear_error(tmp_path: Path) -> None:
+    # Before, --pool-mb beyond the free space of --pool-dir's filesystem was taken, and the pool
+    # failed later, at some load, on a full filesystem.
+    pool_mb = 1 << 30  # a PiB
+    settings = NodeSettings(
+        state_dir=tmp_path / "state", node="n1", pool_mb=pool_mb, pool_dir=tmp_path / "shm", unconfined_workers=True
+    )
+    machine = Hardware("cpu", logical_devices(1, 1024, "cpu"), 0, Isolation(network=False, users=False))
+
+    async def make() -> None:
+        daemon(MemoryStore(), settings, machine, None, tls=False)  # type: ignore[arg-type]
+
+    with pytest.raises(GpufaasError, match=rf"^node n1 cannot set up its storage: --pool-mb {pool_mb}: .* MiB free; "):
+        asyncio.run(make())
+    assert list((tmp_path / "shm").iterdir()) == []  # the pool's directory not left behind
+
+
 def test_a_blob_port_in_use_is_said_with_its_flag_and_the_node_left_stopped(tmp_path: Path) -> None:
     # Before, a node with three listeners said only "[Errno 98] Address already in use" for its
     # --blob-listen, and left its spare worker and its host pool behind (its start was not stopped).
