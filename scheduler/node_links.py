@@ -32,12 +32,11 @@ from gpufaas.wire_local import link_here
 from scheduler.calls import CallBook, CheckGrants, Effect, Evict, EvictHost
 from scheduler.core import Scheduler
 from scheduler.persister import StatePersister
-from scheduler.reconciler import parked_of, reconcile_nodes, resident_of
+from scheduler.reconciler import NODE_TIMEOUT_S, parked_of, reconcile_nodes, resident_of
 from scheduler.staging import GpuRoom, staging_targets
 
 log = logging.getLogger("gpufaas.scheduler")
 
-NODE_TIMEOUT_S = 2.0  # a node that does not answer an Attach, Revoke or probe within this is out
 EVICT_TIMEOUT_S = 30.0  # stopping workers may take a while: an Evict is not a liveness probe
 RECONNECT_S = 0.5
 PRESTAGE_SETTLE_S = 0.2  # attaches within this long of one another are pre-staged for together

@@ -22,7 +22,9 @@ log = logging.getLogger("gpufaas.scheduler")
 
 RECONCILE_S = 5.0  # how often the GPUs' LRU lists are checked against the workers nodes run
 RECONCILE_CONCURRENCY = 16  # nodes asked at once
-WORKERS_TIMEOUT_S = 2.0  # a node that does not answer within this is passed over this round (as NODE_TIMEOUT_S)
+# A node that does not answer an Attach, Revoke or probe within this is out (scheduler.node_links);
+# one that does not answer a WORKERS request within it is passed over this round.
+NODE_TIMEOUT_S = 2.0
 
 
 async def reconcile_nodes(links: NodeLinks) -> None:
@@ -49,7 +51,7 @@ async def reconcile_node(links: NodeLinks, node: NodeLink, conn: Connection) -> 
     """Ask one node, on `conn`, which models it runs and reconcile its GPUs and host tier."""
     frames = node.holdings_frames
     try:
-        frame = await conn.request(MessageType.WORKERS, pb.WorkersRequest(), timeout_s=WORKERS_TIMEOUT_S)
+        frame = await conn.request(MessageType.WORKERS, pb.WorkersRequest(), timeout_s=NODE_TIMEOUT_S)
     except AnswerTooLarge as exc:  # (the link stays: nothing would say why it is never reconciled)
         log.warning("node %s: its list of workers is not reconciled: %s", node.record.node, exc)
         return
