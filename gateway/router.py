@@ -569,13 +569,16 @@ class Router:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._address_changed.wait(), RECONNECT_S)
 
-    async def cluster(self, timeout_s: float = 5.0, *, summary: bool = False) -> pb.ClusterReply:
-        """The scheduler's view of the cluster (`summary`: only that it answers, and its name)."""
+    async def cluster(self, timeout_s: float = 5.0, *, summary: bool = False, queue_limit: int = 0) -> pb.ClusterReply:
+        """The scheduler's view of the cluster (`summary`: only that it answers, and its name;
+        `queue_limit`: list only that many of the global queue's oldest calls, 0 all)."""
         conn = self.scheduler
         if conn is None:
             raise CallFailed(503, "the scheduler is unreachable; check that it runs (gpufaas status)")
         try:
-            frame = await conn.request(MessageType.CLUSTER, pb.ClusterRequest(summary=summary), timeout_s=timeout_s)
+            frame = await conn.request(
+                MessageType.CLUSTER, pb.ClusterRequest(summary=summary, queue_limit=queue_limit), timeout_s=timeout_s
+            )
         except (ConnectionLost, TimeoutError, RemoteError) as exc:
             raise CallFailed(503, f"the scheduler did not answer ({exc or type(exc).__name__})") from None
         return frame.message(pb.ClusterReply)

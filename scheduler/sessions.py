@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 from gpufaas.proto import gpufaas_pb2 as pb
@@ -105,7 +106,8 @@ class NodeSession:
 
 def cluster_reply(service: SchedulerService, request: pb.ClusterRequest | None = None) -> pb.ClusterReply:
     """The cluster as this scheduler sees it: what a gateway's CLUSTER request is answered with
-    (a `summary` one: without the GPUs, the queue and the evictions)."""
+    (a `summary` one: without the GPUs, the queue and the evictions; one with a `queue_limit`:
+    only that many of the queue's oldest calls, with the queue's length)."""
     if request is not None and request.summary:
         return pb.ClusterReply(
             policy=service.policy_name,
@@ -135,9 +137,10 @@ def cluster_reply(service: SchedulerService, request: pb.ClusterRequest | None =
                     host_tier=host.lru_list() if (host := service.scheduler.cache.host_of(address)) else [],
                 )
             )
+    queue_limit = request.queue_limit if request is not None and request.queue_limit else None
     queue = [
         pb.QueuedCall(call_id=r.request_id, function=r.function, model=r.model, waited_s=now - r.arrival_s)
-        for r in service.scheduler.queue
+        for r in itertools.islice(service.scheduler.queue, queue_limit)
     ]
     evictions = [
         pb.EvictionRecord(gpu=e.gpu, model=e.model, reason=e.reason, age_s=now - e.at_s)
@@ -146,6 +149,7 @@ def cluster_reply(service: SchedulerService, request: pb.ClusterRequest | None =
     return pb.ClusterReply(
         gpus=gpus,
         queue=queue,
+        queue_length=len(service.scheduler.queue),
         policy=service.policy_name,
         queue_capacity=service.book.queue_capacity,
         evictions=evictions,

@@ -19,9 +19,9 @@ OVERVIEW_QUEUE_CALLS = 20  # the oldest queued calls the overview lists
 OVERVIEW_EVICTIONS = 20
 
 
-async def _cluster(gateway: Gateway) -> pb.ClusterReply:
+async def _cluster(gateway: Gateway, *, queue_limit: int = 0) -> pb.ClusterReply:
     try:
-        return await gateway.router.cluster()
+        return await gateway.router.cluster(queue_limit=queue_limit)
     except CallFailed as exc:
         raise ApiError(exc.status, exc.message) from None
 
@@ -71,7 +71,9 @@ async def overview(gateway: GatewayDep) -> dict[str, Any]:
     latency percentiles at this gateway (since it started; over its last 1,024 calls), and the
     recent evictions (most recent first), and the scheduler that leads (its name, address and
     epoch)."""
-    reply = await _cluster(gateway)
+    # Only the calls it lists: it is polled every second, and the whole queue costs the
+    # scheduler's loop O(calls queued) at each poll (10,000 at its default capacity).
+    reply = await _cluster(gateway, queue_limit=OVERVIEW_QUEUE_CALLS)
     now_unix_s = time.time()
     replicas: dict[str, int] = {}
     for g in reply.gpus:
@@ -92,7 +94,8 @@ async def overview(gateway: GatewayDep) -> dict[str, Any]:
         "policy": reply.policy,
         "gpus": [_gpu(g, running="models") for g in reply.gpus],
         "queue": {
-            "length": len(reply.queue),
+            # (a scheduler before `queue_length` sends every call, and no length)
+            "length": max(reply.queue_length, len(reply.queue)),
             "capacity": reply.queue_capacity,
             "calls": [
                 {"function": c.function, "model": c.model, "waited_s": c.waited_s}

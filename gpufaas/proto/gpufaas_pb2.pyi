@@ -382,10 +382,12 @@ class EvictReply(_message.Message):
     def __init__(self, evicted: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ClusterRequest(_message.Message):
-    __slots__ = ("summary",)
+    __slots__ = ("summary", "queue_limit")
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_LIMIT_FIELD_NUMBER: _ClassVar[int]
     summary: bool
-    def __init__(self, summary: _Optional[bool] = ...) -> None: ...
+    queue_limit: int
+    def __init__(self, summary: _Optional[bool] = ..., queue_limit: _Optional[int] = ...) -> None: ...
 
 class GpuInfo(_message.Message):
     __slots__ = ("gpu", "node", "status", "memory_used_mb", "memory_capacity_mb", "lru", "local_queue", "running", "gpu_type", "slots", "host_tier", "running_models")
@@ -440,7 +442,7 @@ class EvictionRecord(_message.Message):
     def __init__(self, gpu: _Optional[str] = ..., model: _Optional[str] = ..., reason: _Optional[str] = ..., age_s: _Optional[float] = ...) -> None: ...
 
 class ClusterReply(_message.Message):
-    __slots__ = ("gpus", "queue", "policy", "queue_capacity", "evictions", "scheduler", "epoch")
+    __slots__ = ("gpus", "queue", "policy", "queue_capacity", "evictions", "scheduler", "epoch", "queue_length")
     GPUS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -448,6 +450,7 @@ class ClusterReply(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     gpus: _containers.RepeatedCompositeFieldContainer[GpuInfo]
     queue: _containers.RepeatedCompositeFieldContainer[QueuedCall]
     policy: str
@@ -455,7 +458,8 @@ class ClusterReply(_message.Message):
     evictions: _containers.RepeatedCompositeFieldContainer[EvictionRecord]
     scheduler: str
     epoch: int
-    def __init__(self, gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedCall, _Mapping]]] = ..., policy: _Optional[str] = ..., queue_capacity: _Optional[int] = ..., evictions: _Optional[_Iterable[_Union[EvictionRecord, _Mapping]]] = ..., scheduler: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    queue_length: int
+    def __init__(self, gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedCall, _Mapping]]] = ..., policy: _Optional[str] = ..., queue_capacity: _Optional[int] = ..., evictions: _Optional[_Iterable[_Union[EvictionRecord, _Mapping]]] = ..., scheduler: _Optional[str] = ..., epoch: _Optional[int] = ..., queue_length: _Optional[int] = ...) -> None: ...
 
 class WorkerHello(_message.Message):
     __slots__ = ("pid", "import_s", "context_s", "context_mb", "network_isolated")

@@ -27,6 +27,7 @@ from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
 from gpufaas.packages import EMPTY_DIGEST, build_package
+from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import StoreError
 from gpufaas.types import DEFAULT_BATCH_SIZE
 from tests.fakes import MemoryStore
@@ -1188,3 +1189,29 @@ def test_spool_writes_every_byte_it_hashed_though_a_write_falls_short(
     monkeypatch.undo()
     body = path.read_bytes()
     assert size == len(body) == 10_000 and digest == "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+def test_the_overview_asks_the_scheduler_for_the_queued_calls_it_shows_and_says_how_many_wait(
+    tmp_path: Path,
+) -> None:
+    # Polled every second by each dashboard and `gpufaas top`: the whole queue (up to its capacity,
+    # 10,000 by default) cost the scheduler's loop O(calls queued) at every poll, to show 20.
+    asked: list[int] = []
+    queued = [pb.QueuedCall(call_id=f"c{n}", function="f", model="m", waited_s=1.0) for n in range(30)]
+
+    async def body(env: Env) -> None:
+        async def cluster(timeout_s: float = 5.0, *, summary: bool = False, queue_limit: int = 0) -> pb.ClusterReply:
+            asked.append(queue_limit)
+            if len(asked) == 1:  # this gateway's scheduler: the calls asked for, and the length
+                return pb.ClusterReply(queue=queued[:queue_limit], queue_length=5000, queue_capacity=10000)
+            return pb.ClusterReply(queue=queued, queue_capacity=10000)  # one without `queue_length`
+
+        env.app.state.gateway.router.cluster = cluster
+        for length in (5000, 30):
+            answer = await env.client.get("/system/overview")
+            assert answer.status_code == 200, answer.text
+            queue = answer.json()["queue"]
+            assert (queue["length"], len(queue["calls"])) == (length, 20)
+        assert asked == [20, 20]
+
+    run(tmp_path, body)

@@ -121,3 +121,22 @@ def test_a_summary_of_the_cluster_lists_neither_gpus_nor_queue() -> None:
         assert (summary.scheduler, summary.policy) == (full.scheduler, full.policy)
 
     run(scenario)
+
+
+def test_a_cluster_answer_lists_as_many_queued_calls_as_asked_and_says_how_many_wait() -> None:
+    # The dashboard's overview, polled every second, shows the 20 oldest: the whole queue (up to its
+    # capacity) cost the scheduler's loop O(calls queued) at every poll.
+    async def scenario(service: SchedulerService, gateway: Gateway) -> None:
+        service.links.seen(NODE)
+        service.scheduler.add_gpu(GpuSpec("n1/g0", 8000, "cpu", node="n1", slots=1))
+        service.links.nodes["n1"].gpu_ids.append("n1/g0")
+        for n in range(6):
+            place(service, gateway, f"c{n}")
+        waiting = [r.request_id for r in service.scheduler.queue]
+        assert len(waiting) == 5, "one call runs on the GPU's one slot, five wait"
+        some = cluster_reply(service, pb.ClusterRequest(queue_limit=2))
+        assert [c.call_id for c in some.queue] == waiting[:2] and some.queue_length == 5
+        every = cluster_reply(service, pb.ClusterRequest())
+        assert [c.call_id for c in every.queue] == waiting and every.queue_length == 5
+
+    run(scenario)
