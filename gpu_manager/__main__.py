@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from gpu_manager.cgroups import group_prefix
 from gpu_manager.daemon import DEFAULT_HOST_CACHE_MB, GpuManagerDaemon
 from gpu_manager.devices import Device, discover_nvml, logical_devices
+from gpu_manager.drain import drain
 from gpu_manager.host_pool import DEFAULT_POOL_PARENT, huge_pages
 from gpu_manager.sandbox import PACKAGE_USERS_FILE, Isolation, PackageUsers
 from gpu_manager.settings import DESCRIPTION, PROG, NodeSettings
@@ -134,11 +135,14 @@ def daemon(
 async def serve(
     settings: NodeSettings, machine: Hardware, secret: str | None, etcd_creds: EtcdCredentials | None
 ) -> None:
-    """Run the node until SIGTERM or SIGINT."""
+    """Run the node until SIGTERM or SIGINT, then drain it (gpu_manager.drain) and stop it."""
     store = await open_store(settings.etcd, etcd_creds)
     with state_dir_held(settings.state_dir, "node", f"node {settings.node}"):
         node = daemon(store, settings, machine, secret)
-        await serve_wire_daemon(node, store, settings, secret, f"gpu manager {settings.node}")
+        name = f"gpu manager {settings.node}"
+        await serve_wire_daemon(
+            node, store, settings, secret, name, drain=lambda: drain(node, settings.drain_timeout_s)
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 
 from gpu_manager.containers import DEFAULT_IMAGE, DockerLauncher, node_instance
 from gpu_manager.devices import Device, Nvml
+from gpu_manager.drain import NodeDrain
 from gpu_manager.ledger import GrantLedger, LeaseClosed, Refused
 from gpu_manager.metrics import NodeMetrics
 from gpu_manager.pool import ModelRun, RunResult, WorkerPool
@@ -194,6 +195,7 @@ class GpuManagerDaemon:
         self.metrics = NodeMetrics(self.pool, node=node, device_used_mb=self._device_used_mb)
         self.metrics.registry.register(_LedgerCollector(self.ledger))
         self.incarnation = uuid.uuid4().hex
+        self.drain = NodeDrain()  # its calls in flight, and its graceful stop (gpu_manager.drain)
         self.address = ""
         self.context_mb = 0  # what one spare holds on its GPU (measured on cuda)
         self._scheduler: Connection | None = None
@@ -309,17 +311,13 @@ class GpuManagerDaemon:
         return max(1, self.devices[gpu_id].memory_mb - self.context_mb * self.pool.spares_per_gpu)
 
     async def _register(self, lease: int) -> None:
-        record = NodeRecord(
-            node=self.node,
-            address=self.address,
-            backend=self.backend,
-            incarnation=self.incarnation,
-            gpus=[
-                GpuRecord(d.gpu_id, self._capacity_mb(d.gpu_id), d.gpu_type, link=d.link) for d in self.devices.values()
-            ],
-        )
-        await self.store.put(self.keys.node(self.node), record.to_json(), lease=lease)
+        await self.store.put(self.keys.node(self.node), node_record(self).to_json(), lease=lease)
         await self.storage.put_holder(lease)
+
+    async def register_now(self) -> None:
+        """Put the node's record again (under its lease), as it is now: draining, say."""
+        if self._lease is not None:
+            await self._register(self._lease.lease)
 
     async def _reregister(self) -> None:
         """The node's key went while the node runs (deleted by hand, say): put it back."""
@@ -541,6 +539,18 @@ class GpuManagerDaemon:
             self.ledger.end_leases()  # it counts their slots free once it has lost this node
 
 
+def node_record(node: GpuManagerDaemon) -> NodeRecord:
+    """The record `node` registers in etcd: its address, GPUs, incarnation and whether it drains."""
+    return NodeRecord(
+        node=node.node,
+        address=node.address,
+        backend=node.backend,
+        incarnation=node.incarnation,
+        gpus=[GpuRecord(d.gpu_id, node._capacity_mb(d.gpu_id), d.gpu_type, link=d.link) for d in node.devices.values()],
+        draining=node.drain.draining,
+    )
+
+
 async def _stop_steps(node: str, *steps: tuple[str, Callable[[], Awaitable[None] | None]]) -> None:
     """Run each of `steps` (what it does, the step) in turn, whatever an earlier one raised: a
     failure is logged once with its traceback and the next step runs; nothing is raised."""
@@ -677,14 +687,21 @@ class _Session:
         # wire's rule) instead of failing a task that never answers.
         self._routes: dict[int, Callable[[Connection, Frame], object]] = {
             MessageType.EXECUTE: lambda conn, frame: daemon._spawn(
-                daemon.execute(conn, frame, frame.message(pb.Execute))
+                daemon.drain.tracked(daemon.execute(conn, frame, frame.message(pb.Execute)))
             ),
             MessageType.ATTACH: daemon.attach,
-            MessageType.REVOKE: daemon.revoke,
+            MessageType.REVOKE: self._revoke,
             MessageType.WORKERS: daemon.report_workers,
             MessageType.EVICT: lambda conn, frame: daemon._spawn(daemon.evict(conn, frame, frame.message(pb.Evict))),
             MessageType.STAGE: daemon.stage,
         }
+
+    def _revoke(self, conn: Connection, frame: Frame) -> None:
+        """A Revoke answered (the daemon's), then, if marked `drained` and sent by the attached
+        scheduler, counted by the node's drain."""
+        self.daemon.revoke(conn, frame)
+        if conn is self.daemon._scheduler:
+            self.daemon.drain.revoked(frame.message(pb.Revoke), self.daemon.ledger.scheduler_id)
 
     def on_frame(self, conn: Connection, frame: Frame) -> None:
         route = self._routes.get(frame.type)

@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from gpu_manager.containers import DEFAULT_IMAGE
+from gpu_manager.drain import DEFAULT_DRAIN_TIMEOUT_S
 from gpu_manager.sandbox import DEFAULT_HOME_MB
 from gpu_manager.spares import DEFAULT_MAX_EXTRA
 from gpufaas.settings import MetricsSettings, host_and_port
@@ -103,6 +104,14 @@ class NodeSettings(MetricsSettings):
         allow_inf_nan=False,
         description="CPUs' worth of time each worker's cgroup may use, all its threads and children together "
         "(0: no quota, only an equal CPU weight per worker)",
+    )
+    drain_timeout_s: float = Field(
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        ge=0,
+        allow_inf_nan=False,
+        description="on SIGTERM/SIGINT, how long the node may drain: it takes no new calls and stops once those "
+        "placed on it have ended, or when this passes (0: stop at once; a second signal stops at once too). "
+        "Keep it below Kubernetes' terminationGracePeriodSeconds",
     )
     unconfined_workers: bool = Field(
         default=False, description="workers keep the node's user and network (development only; see docs/security.md)"

@@ -17,13 +17,16 @@ class GpuRecord:
 @dataclass(frozen=True, slots=True)
 class NodeRecord:
     """`address` is the node's GPU-manager endpoint (gpufaas.wire); `incarnation` changes on every start, so
-    a restarted manager (whose workers, and so whose cached models, are gone) is told apart."""
+    a restarted manager (whose workers, and so whose cached models, are gone) is told apart.
+    `draining`: the manager is stopping gracefully (gpu_manager.drain): the leader places nothing
+    more on its GPUs, and the calls placed there run to their end."""
 
     node: str
     address: str
     backend: str
     incarnation: str
     gpus: list[GpuRecord] = field(default_factory=list)
+    draining: bool = False
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -41,6 +44,7 @@ class NodeRecord:
                 backend=raw["backend"],
                 incarnation=raw["incarnation"],
                 gpus=[GpuRecord(**{k: v for k, v in gpu.items() if k in known}) for gpu in raw.get("gpus", [])],
+                draining=raw.get("draining", False),  # (absent from an older node's record)
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a node record: {exc!r}") from None
@@ -56,6 +60,8 @@ def _typed(record: NodeRecord) -> NodeRecord:
         names += [gpu.gpu, gpu.gpu_type] + ([] if gpu.link is None else [gpu.link])
         if type(gpu.memory_mb) is not int or gpu.memory_mb < 0:
             raise ValueError(f"not a node record: GPU {gpu.gpu!r} has memory_mb {gpu.memory_mb!r}")
+    if type(record.draining) is not bool:
+        raise ValueError(f"not a node record: draining is {record.draining!r}")
     if not all(isinstance(name, str) for name in names):
         raise ValueError(f"not a node record: a name that is not a string in {names!r}")
     gpus = [gpu.gpu for gpu in record.gpus]

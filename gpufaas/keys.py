@@ -22,7 +22,7 @@ class Keys:
     """The key layout (docs/architecture.md says who writes each), under `root`:
 
     {root}/functions/{name}                 function spec (JSON), written by the gateway
-    {root}/nodes/{node}                     node record (JSON: address, GPUs), under the node's lease
+    {root}/nodes/{node}                     node record (JSON: address, GPUs, draining), under the node's lease
     {root}/gpus/{node}/{gpu}/status         idle | busy, with memory figures (JSON)
     {root}/gpus/{node}/{gpu}/lru            the GPU's LRU list, most recent first (JSON)
     {root}/profiles/{gpu_type}/{model}      load time, inference time per batch size (JSON)

@@ -205,18 +205,40 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-async def run_until_signalled(start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]) -> None:
-    """Start a daemon, wait for SIGTERM/SIGINT, stop it."""
-    stopping = asyncio.Event()
+async def run_until_signalled(
+    start: Callable[[], Awaitable[None]],
+    stop: Callable[[], Awaitable[None]],
+    drain: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Start a daemon, wait for SIGTERM/SIGINT, stop it. `drain`: run on the first signal, before
+    the stop, until it returns or a second signal comes (then it is cancelled: stop at once)."""
+    signalled = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
+        loop.add_signal_handler(sig, signalled.set)
     await start()
     try:
-        await stopping.wait()
+        await signalled.wait()
+        if drain is not None:
+            signalled.clear()
+            await _until_signalled(drain(), signalled)
     finally:
         with contextlib.suppress(Exception):
             await stop()
+
+
+async def _until_signalled(work: Awaitable[None], signalled: asyncio.Event) -> None:
+    """Run `work` until it returns or `signalled` is set (it is cancelled then)."""
+    working = asyncio.ensure_future(work)
+    waiting = asyncio.ensure_future(signalled.wait())
+    try:
+        await asyncio.wait((working, waiting), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (working, waiting):
+            task.cancel()
+        await asyncio.gather(working, waiting, return_exceptions=True)
+    if waiting.done() and not waiting.cancelled():
+        logging.getLogger("gpufaas").warning("a second signal: stopping at once")
 
 
 class _HasRegistry(Protocol):
@@ -289,16 +311,23 @@ async def wire_daemon_running(
 
 
 async def serve_wire_daemon(
-    daemon: WireDaemon, store: EtcdStore, settings: ListenSettings, secret: str | None, name: str
+    daemon: WireDaemon,
+    store: EtcdStore,
+    settings: ListenSettings,
+    secret: str | None,
+    name: str,
+    *,
+    drain: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Run `daemon` (`wire_daemon_running`) until SIGTERM or SIGINT; then stop it and `store`."""
+    """Run `daemon` (`wire_daemon_running`) until SIGTERM or SIGINT (`drain`, if given, first:
+    `run_until_signalled`); then stop it and `store`."""
     running = wire_daemon_running(daemon, settings, secret, name)
 
     async def stop() -> None:
         await running.__aexit__(None, None, None)
         await store.close()
 
-    await run_until_signalled(running.__aenter__, stop)
+    await run_until_signalled(running.__aenter__, stop, drain)
 
 
 def run_daemon(main: Callable[[], Coroutine[Any, Any, None]], etcd_endpoint: str) -> int:

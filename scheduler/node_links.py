@@ -31,6 +31,7 @@ from gpufaas.wire import (
 from gpufaas.wire_local import link_here
 from scheduler.calls import CallBook, CheckGrants, Effect, Evict, EvictHost
 from scheduler.core import Scheduler
+from scheduler.node_drain import drain_node, same_manager
 from scheduler.persister import StatePersister
 from scheduler.reconciler import NODE_TIMEOUT_S, parked_of, reconcile_nodes, resident_of
 from scheduler.staging import GpuRoom, staging_targets
@@ -51,6 +52,20 @@ class NodeLink:
     gpu_ids: list[str] = field(default_factory=list)  # in the scheduler (attached) or empty
     holdings: pb.Holdings | None = None  # its latest report of what its disk and host pool hold
     holdings_frames: int = 0  # Holdings frames taken from it (`holdings_answered` counts on them)
+
+
+def _attach_failed(node: NodeLink, exc: BaseException, fenced: Callable[[], None]) -> None:
+    """An attach of `node` failed with `exc`: logged as it deserves; `fenced` called if it was
+    refused for a newer leader's epoch."""
+    if isinstance(exc, RemoteError) and exc.status == pb.FENCED:
+        log.warning("node %s refused to attach: %s", node.record.node, exc)
+        fenced()
+        return
+    # A wrong secret, or a node that answers with an error (a certificate of another role, an
+    # address that is no node's), is a misconfiguration an operator must see; the rest (a node
+    # down or not answering) is routine.
+    level = logging.WARNING if isinstance(exc, (Unauthenticated, RemoteError)) else logging.DEBUG
+    log.log(level, "node %s at %s: %s", node.record.node, node.record.address, exc)
 
 
 class NodeLinks:
@@ -135,7 +150,7 @@ class NodeLinks:
         term. (Node by node, each node's calls would be placed again on the nodes not yet taken
         out: a scheduler stepping down with a long queue spent seconds placing it 50 times.)"""
         self.active = False
-        self._detach(*self.nodes.values())
+        self.detach(*self.nodes.values())
         for node in self.nodes.values():
             if node.conn is not None:
                 node.conn.close()
@@ -151,9 +166,12 @@ class NodeLinks:
         if known is not None and known.record == record:
             return
         if known is not None and known.record.incarnation == record.incarnation:
-            if dataclasses.replace(known.record, address=record.address) == record:
-                log.info("node %s is now at %s (the same incarnation)", record.node, record.address)
-                known.record = record  # (`_keep_attached` dials `record.address` each time)
+            if same_manager(known.record, record):  # (`_keep_attached` dials `record.address` each time)
+                if known.record.address != record.address:
+                    log.info("node %s is now at %s (the same incarnation)", record.node, record.address)
+                drains, known.record = record.draining and not known.record.draining, record
+                if drains and self.active:
+                    self.spawn(drain_node(self, known))
                 return
             log.warning(
                 "node %s's record changed under the same incarnation %s: linked afresh", record.node, record.incarnation
@@ -174,11 +192,11 @@ class NodeLinks:
         if node is None:
             return
         if self.active:
-            # All its GPUs' keys go, not only those of the GPUs attached (`_detach`): one that
+            # All its GPUs' keys go, not only those of the GPUs attached (`detach`): one that
             # left before it attached kept the last term's (recovery spared them, as registered).
             self.persister.gpus_left([gpu_address(node.record.node, gpu.gpu) for gpu in node.record.gpus])
             self.persister.want_flush()
-        self._detach(node)
+        self.detach(node)
         if node.conn is not None:
             node.conn.close()
 
@@ -213,7 +231,7 @@ class NodeLinks:
                     raise  # cancelled: the term ended
                 if not self._linked(node, term):
                     return  # (a refusal of an ended term's Attach says nothing of the term now)
-                self._attach_failed(node, exc)
+                _attach_failed(node, exc, self.fenced)
                 await asyncio.sleep(RECONNECT_S)
                 continue
             if not self._linked(node, term) or reply.incarnation != node.record.incarnation:
@@ -229,7 +247,7 @@ class NodeLinks:
                     lost,
                     len(self.book.placed_on(node.record.node)),
                 )
-                self._detach(node)
+                self.detach(node)
             if node.conn is conn:  # (a later term may have attached it again meanwhile)
                 node.conn = None
             await asyncio.sleep(RECONNECT_S)
@@ -247,19 +265,12 @@ class NodeLinks:
         """Whether `node` (this incarnation) is still to be kept attached in term `term`."""
         return self.active and self.term == term and self.nodes.get(node.record.node) is node
 
-    def _attach_failed(self, node: NodeLink, exc: BaseException) -> None:
-        if isinstance(exc, RemoteError) and exc.status == pb.FENCED:
-            log.warning("node %s refused to attach: %s", node.record.node, exc)
-            self.fenced()
-            return
-        # A wrong secret, or a node that answers with an error (a certificate of another role, an
-        # address that is no node's), is a misconfiguration an operator must see; the rest (a node
-        # down or not answering) is routine.
-        level = logging.WARNING if isinstance(exc, (Unauthenticated, RemoteError)) else logging.DEBUG
-        log.log(level, "node %s at %s: %s", node.record.node, node.record.address, exc)
-
     def _attach(self, node: NodeLink, reply: pb.AttachReply, holdings_frames: int = 0) -> None:
-        """Add the node's GPUs, as `reply` says; `holdings_frames`: `holdings_answered`'s."""
+        """Add the node's GPUs, as `reply` says (none where it drains); `holdings_frames`:
+        `holdings_answered`'s."""
+        if node.record.draining:
+            self.spawn(drain_node(self, node))
+            return
         resident = resident_of(node.record.node, reply)
         effects: list[Effect] = []
         for gpu in node.record.gpus:
@@ -286,7 +297,7 @@ class NodeLinks:
         self.apply(effects + self.book.schedule(self.clock()))
         self._prestage_all_soon()
 
-    def _detach(self, *nodes: NodeLink) -> None:
+    def detach(self, *nodes: NodeLink) -> None:
         """Take the nodes' GPUs out: their parked calls go back to the queue; their placed ones are
         placed again only where their gateway never sent them (scheduler.calls, STRANDED)."""
         gpu_ids = [gpu_id for node in nodes for gpu_id in node.gpu_ids]
@@ -303,7 +314,7 @@ class NodeLinks:
         if node.conn is not None:
             node.conn.close()
         else:
-            self._detach(node)
+            self.detach(node)
 
     async def reconciler(self) -> None:
         """Reconcile every attached node with what it runs, now and then (scheduler.reconciler)."""

@@ -342,14 +342,16 @@ class GrantRef(_message.Message):
     def __init__(self, call_id: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class Revoke(_message.Message):
-    __slots__ = ("grants", "claim_by_unix_s", "if_idle")
+    __slots__ = ("grants", "claim_by_unix_s", "if_idle", "drained")
     GRANTS_FIELD_NUMBER: _ClassVar[int]
     CLAIM_BY_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     IF_IDLE_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
     grants: _containers.RepeatedCompositeFieldContainer[GrantRef]
     claim_by_unix_s: float
     if_idle: bool
-    def __init__(self, grants: _Optional[_Iterable[_Union[GrantRef, _Mapping]]] = ..., claim_by_unix_s: _Optional[float] = ..., if_idle: _Optional[bool] = ...) -> None: ...
+    drained: bool
+    def __init__(self, grants: _Optional[_Iterable[_Union[GrantRef, _Mapping]]] = ..., claim_by_unix_s: _Optional[float] = ..., if_idle: _Optional[bool] = ..., drained: _Optional[bool] = ...) -> None: ...
 
 class RevokeReply(_message.Message):
     __slots__ = ("unseen", "seen", "busy")

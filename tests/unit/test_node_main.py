@@ -99,7 +99,7 @@ def test_a_second_node_on_a_state_directory_in_use_refuses_and_leaves_the_first_
     async def open_store(*_: object) -> MemoryStore:
         return MemoryStore()
 
-    async def serve_wire_daemon(node: GpuManagerDaemon, *_: object) -> None:
+    async def serve_wire_daemon(node: GpuManagerDaemon, *_: object, **__: object) -> None:
         if not running:  # the first serves while the second starts
             running.append(node)
             await node_main.serve(settings, machine, None, None)

@@ -100,7 +100,7 @@ def test_a_placement_held_while_unsure_whose_node_left_is_placed_again(leaves: s
         if leaves == "unregistered":
             service.links.gone(leaving.record.node)
         else:
-            service.links._detach(leaving)
+            service.links.detach(leaving)
         service.leadership.renewed(now[0])
         service.confirmed()
         placements = [m for t, m in gateway.sent if t == MessageType.PLACEMENT]
