@@ -689,12 +689,16 @@ class _Session:
             MessageType.EXECUTE: lambda conn, frame: daemon._spawn(
                 daemon.drain.tracked(daemon.execute(conn, frame, frame.message(pb.Execute)))
             ),
-            MessageType.ATTACH: daemon.attach,
+            MessageType.ATTACH: self._attach,
             MessageType.REVOKE: self._revoke,
             MessageType.WORKERS: daemon.report_workers,
             MessageType.EVICT: lambda conn, frame: daemon._spawn(daemon.evict(conn, frame, frame.message(pb.Evict))),
             MessageType.STAGE: daemon.stage,
         }
+
+    def _attach(self, conn: Connection, frame: Frame) -> None:
+        self.daemon.attach(conn, frame)
+        self.daemon.drain.attached = self.daemon._scheduler is not None
 
     def _revoke(self, conn: Connection, frame: Frame) -> None:
         """A Revoke answered (the daemon's), then, if marked `drained` and sent by the attached
@@ -726,3 +730,4 @@ class _Session:
     def on_close(self, conn: Connection, exc: BaseException | None) -> None:
         with contextlib.suppress(Exception):
             self.daemon.detached(conn)
+        self.daemon.drain.attached = self.daemon._scheduler is not None

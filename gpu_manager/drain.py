@@ -13,7 +13,10 @@ marked `drained`, listing every grant it had placed there: those never presented
 
 When the node stops (`NodeDrain.verdict`): once no call runs on it and the scheduler whose grants
 it admits has sent that Revoke (so no grant it admitted or could still be presented is
-outstanding), or once the drain timeout passes, whichever comes first. Pure but for `drain`,
+outstanding), or no call runs and no scheduler is attached (none is there to tell it, and a grant
+of a scheduler that lost it is placed again when the node is gone: stopping, `gpufaas down` and
+`docker compose down` stop the schedulers too), or once the drain timeout passes, whichever comes
+first. Pure but for `drain`,
 which takes the clock as an argument.
 """
 
@@ -41,7 +44,8 @@ DRAIN_POLL_S = 0.05  # how often a draining node looks whether it may stop
 class NodeDrain:
     """A node's calls in flight, and its drain once begun (`start`). `running`: Executes taken
     and not yet answered with their Done sent; `acked_by`: the scheduler that said (a Revoke
-    marked `drained`) that it places nothing more here."""
+    marked `drained`) that it places nothing more here; `attached`: whether a scheduler is
+    attached (kept by the node's sessions)."""
 
     def __init__(self) -> None:
         self.running = 0
@@ -49,6 +53,7 @@ class NodeDrain:
         self.started_s: float | None = None
         self.timeout_s = 0.0
         self.acked_by: str | None = None
+        self.attached = False
 
     @property
     def draining(self) -> bool:
@@ -79,10 +84,13 @@ class NodeDrain:
 
     def verdict(self, now_s: float, scheduler_id: str) -> str | None:
         """Why the draining node may stop now: "drained" (no call runs, and the scheduler whose
-        grants it admits, `scheduler_id`, has acknowledged the drain), "timed out" (the drain
-        timeout passed); None while it must wait."""
+        grants it admits, `scheduler_id`, has acknowledged the drain), "no scheduler attached"
+        (no call runs, and none is there to acknowledge it), "timed out" (the drain timeout
+        passed); None while it must wait."""
         if self.started_s is None:
             return None
+        if self.running == 0 and not self.attached:
+            return "no scheduler attached"
         if self.running == 0 and self.acked_by is not None and self.acked_by == scheduler_id:
             return "drained"
         if now_s >= self.started_s + self.timeout_s:

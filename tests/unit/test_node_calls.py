@@ -109,3 +109,27 @@ def test_a_malformed_execute_or_evict_closes_the_link_as_any_malformed_message(
             await node._server.close()
 
     asyncio.run(main())
+
+
+def test_the_drain_knows_whether_a_scheduler_is_attached(tmp_path: Path) -> None:
+    # A draining node with nothing running stops at once when no scheduler is attached (none is
+    # there to acknowledge the drain): that must follow the real link, attached and lost.
+    async def main() -> None:
+        node = make_node(tmp_path)
+        address = await node._server.start("127.0.0.1:0")
+        conn = await connect(address, tls=False)
+        try:
+            assert not node.drain.attached
+            await conn.request(MessageType.ATTACH, pb.Attach(scheduler_id="s1", token_key=KEY, epoch=2), timeout_s=10.0)
+            assert node.drain.attached
+            conn.close()
+            for _ in range(200):
+                if not node.drain.attached:
+                    break
+                await asyncio.sleep(0.01)
+            assert not node.drain.attached
+        finally:
+            conn.close()
+            await node._server.close()
+
+    asyncio.run(main())

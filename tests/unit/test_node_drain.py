@@ -31,8 +31,15 @@ def test_a_node_not_draining_never_stops_on_its_own() -> None:
     assert NodeDrain().verdict(1e9, "s1") is None
 
 
-def test_a_drained_node_waits_for_its_calls_and_the_schedulers_word() -> None:
+def attached() -> NodeDrain:
+    """A node's drain state with a scheduler attached."""
     state = NodeDrain()
+    state.attached = True
+    return state
+
+
+def test_a_drained_node_waits_for_its_calls_and_the_schedulers_word() -> None:
+    state = attached()
     state.running = 2
     state.start(100.0, 30.0)
     assert state.draining and state.verdict(101.0, "s1") is None  # calls run, no word yet
@@ -44,7 +51,7 @@ def test_a_drained_node_waits_for_its_calls_and_the_schedulers_word() -> None:
 
 
 def test_a_word_from_a_scheduler_no_longer_attached_does_not_count() -> None:
-    state = NodeDrain()
+    state = attached()
     state.start(0.0, 30.0)
     state.revoked(pb.Revoke(drained=True), "s1")
     assert state.verdict(1.0, "s2") is None  # s2 attached since: its grants may come still
@@ -53,12 +60,25 @@ def test_a_word_from_a_scheduler_no_longer_attached_does_not_count() -> None:
 
 
 def test_the_drain_timeout_stops_a_node_whose_calls_still_run() -> None:
-    state = NodeDrain()
+    state = attached()
     state.running = 1
     state.revoked(pb.Revoke(drained=True), "s1")
     state.start(10.0, 5.0)
     assert state.verdict(14.999, "s1") is None
     assert state.verdict(15.0, "s1") == "timed out"
+
+
+def test_a_node_with_no_scheduler_attached_stops_once_its_calls_end() -> None:
+    # None is there to acknowledge the drain (the schedulers stopped first: `gpufaas down`,
+    # `docker compose down`), and none can place more here: waiting out the timeout gains nothing.
+    state = NodeDrain()
+    state.running = 1
+    state.start(0.0, 30.0)
+    assert state.verdict(1.0, "s1") is None  # its call runs
+    state.running = 0
+    assert state.verdict(1.0, "s1") == "no scheduler attached"
+    state.attached = True  # one attaches: it is waited for
+    assert state.verdict(1.0, "s1") is None
 
 
 def test_an_execute_counts_as_running_until_its_done_is_sent() -> None:
@@ -92,7 +112,7 @@ def test_an_execute_counts_as_running_until_its_done_is_sent() -> None:
 @dataclass
 class _FakeNode:
     node: str = "n1"
-    drain: NodeDrain = field(default_factory=NodeDrain)
+    drain: NodeDrain = field(default_factory=attached)
     ledger: GrantLedger = field(default_factory=lambda: GrantLedger("n1", frozenset({"gpu0"}), scheduler_id="s1"))
     registered: list[bool] = field(default_factory=list)
 
