@@ -1,5 +1,6 @@
 """deploy/monitoring agrees with the daemons: every series the Grafana dashboard queries is one a
-daemon really exports (names listed from the real registries), its panels are well formed, and
+daemon really exports (names listed from the real registries), with the labels its queries group,
+match and name in legends by, its panels are well formed, and
 the Prometheus scrape config reaches each daemon with the credential that daemon asks for."""
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ PROMETHEUS = MONITORING / "prometheus.yml"
 CREDENTIALS_DIR = "/run/gpufaas"
 # Series Prometheus makes itself for every target (not any daemon's).
 PROMETHEUS_SERIES = {"up"}
+# Labels Prometheus gives every series it scrapes (the target's).
+TARGET_LABELS = {"job", "instance"}
 # What a PromQL expression names that is not a series: functions (followed by "("), aggregation
 # and matching keywords, and the label lists of by/without/on/ignoring/group_*.
 _KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset"}
@@ -37,16 +40,34 @@ _LABEL_LIST = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s
 _MATCHERS = re.compile(r"\{[^}]*\}")
 _RANGE = re.compile(r"\[[^\]]*\]")
 _IDENTIFIER = re.compile(r"(?<![\w:.])([A-Za-z_:][\w:]*)(\s*\()?")
+_LABEL_LISTS = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
+_BY = re.compile(r"\bby\s*\(([^)]*)\)")
+_MATCHER_LABEL = re.compile(r'([A-Za-z_]\w*)\s*(?:=~|!~|!=|=)\s*"')
+_LEGEND_LABEL = re.compile(r"\{\{\s*([A-Za-z_]\w*)\s*\}\}")
 
 
-def exported(registry: CollectorRegistry) -> set[str]:
-    """The series names a registry's families expose, whether or not they have samples yet."""
+def labels_of(registry: CollectorRegistry) -> dict[str, set[str]]:
+    """Series name -> the label names it carries (a histogram's buckets `le` too), whether or not
+    it has samples yet: as declared (a metric's or a collector's family's label names), or seen."""
+    declared = {
+        name: set(getattr(collector, "_labelnames", ()))
+        for collector, names in registry._collector_to_names.items()
+        for name in names
+    }
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
-    return {family.name + suffix for family in registry.collect() for suffix in suffixes[family.type]}
+    found: dict[str, set[str]] = {}
+    for family in registry.collect():
+        names = set(getattr(family, "_labelnames", ())) | declared.get(family.name, set())
+        names |= {label for sample in family.samples for label in sample.labels} - {"le"}
+        for suffix in suffixes[family.type]:
+            found[family.name + suffix] = names | ({"le"} if suffix == "_bucket" else set())
+    return found
 
 
 @pytest.fixture(scope="module")
-def daemon_series(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
+def daemon_labels() -> dict[str, dict[str, set[str]]]:
+    """Each daemon's series, with the label names of each."""
+
     async def no_package(digest: str) -> tuple[Path, float]:
         raise LookupError(digest)
 
@@ -55,10 +76,15 @@ def daemon_series(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str
         return NodeMetrics(pool, node="n0").registry
 
     return {
-        "gateway": exported(GatewayMetrics(FunctionStats(), lambda: 0).registry),
-        "scheduler": exported(SchedulerMetrics(make_scheduler("lalb-o3")).registry),
-        "gpu-manager": exported(asyncio.run(node_registry())),
+        "gateway": labels_of(GatewayMetrics(FunctionStats(), lambda: 0).registry),
+        "scheduler": labels_of(SchedulerMetrics(make_scheduler("lalb-o3")).registry),
+        "gpu-manager": labels_of(asyncio.run(node_registry())),
     }
+
+
+@pytest.fixture(scope="module")
+def daemon_series(daemon_labels: dict[str, dict[str, set[str]]]) -> dict[str, set[str]]:
+    return {daemon: set(series) for daemon, series in daemon_labels.items()}
 
 
 def series_in(expr: str) -> set[str]:
@@ -77,6 +103,24 @@ def test_the_promql_reader_finds_series_and_nothing_else() -> None:
         "/ on (gpu) group_left (model) histogram_quantile(0.95, b_bucket[5m]) - max(c) offset 1h"
     )
     assert series_in(expr) == {"a_total", "b_bucket", "c"}
+
+
+def labels_in(expr: str) -> tuple[set[str], set[str]]:
+    """The label names a PromQL expression uses (grouping, matching, matchers), and those it
+    keeps by its `by` lists (empty: none)."""
+
+    def names(lists: list[str]) -> set[str]:
+        return {name.strip() for group in lists for name in group.split(",") if name.strip()}
+
+    used = names(_LABEL_LISTS.findall(expr))
+    for matchers in _MATCHERS.findall(expr):
+        used |= set(_MATCHER_LABEL.findall(matchers))
+    return used, names(_BY.findall(expr))
+
+
+def test_the_promql_reader_finds_labels() -> None:
+    expr = 'sum by (le, model) (rate(a_total{cache="hit", x=~"y|z"}[5m])) / on (gpu) group_left (model) max(c)'
+    assert labels_in(expr) == ({"le", "model", "cache", "x", "gpu"}, {"le", "model"})
 
 
 def load_dashboard() -> dict[str, Any]:
@@ -104,6 +148,27 @@ def test_the_dashboard_queries_only_series_the_daemons_export(daemon_series: dic
     # And the other way: each daemon has something on the dashboard.
     for daemon, names in daemon_series.items():
         assert names & queried, f"nothing of the {daemon}'s metrics is on the dashboard"
+
+
+def test_the_dashboard_groups_and_filters_by_labels_the_series_carry(
+    daemon_labels: dict[str, dict[str, set[str]]],
+) -> None:
+    """A label a query groups by, matches on or names in its legend is one its series carry (or
+    the target's): a renamed label leaves a panel empty, or one line where there were several."""
+    carried: dict[str, set[str]] = {name: set() for name in PROMETHEUS_SERIES}
+    for series in daemon_labels.values():
+        for name, labels in series.items():
+            carried.setdefault(name, set()).update(labels)
+    for panel in panels(load_dashboard()):
+        for target in panel.get("targets", []):
+            expr, where = target["expr"], f"panel {panel['title']!r}: {target['expr']!r}"
+            known = TARGET_LABELS.union(*(carried.get(name, set()) for name in series_in(expr)))
+            used, kept = labels_in(expr)
+            assert used <= known, f"{where} uses labels its series lack: {sorted(used - known)}"
+            legend = set(_LEGEND_LABEL.findall(target.get("legendFormat", "")))
+            assert legend <= known, f"{where}: the legend names labels its series lack: {sorted(legend - known)}"
+            if kept:  # aggregated: only what `by` keeps is left for the legend
+                assert legend <= kept, f"{where}: the legend names labels the `by` drops: {sorted(legend - kept)}"
 
 
 def test_the_dashboard_is_a_grafana_dashboard_with_unique_panel_ids_on_a_prometheus_datasource() -> None:
