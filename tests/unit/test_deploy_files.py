@@ -709,6 +709,119 @@ def test_every_container_has_probes_and_resource_limits() -> None:
                     assert handler["port"] in named_ports | numbers, f"{where}: probe port {handler['port']}"
 
 
+def listeners(daemon: str, argv: list[str]) -> dict[int, str]:
+    """Port -> what the daemon serves there: "api" (the gateway's HTTP API), "metrics" (the
+    metrics listener, HTTP), "wire" or "blobs" (not HTTP probes' business)."""
+    settings = parsed(daemon, argv)
+    found: dict[int, str] = {}
+    for kind, address in (
+        ("wire", getattr(settings, "listen", None)),
+        ("blobs", getattr(settings, "blob_listen", None)),
+        ("metrics", getattr(settings, "metrics_listen", None)),
+    ):
+        if address is not None:
+            found[int(address.rsplit(":", 1)[1])] = kind
+    if isinstance(settings, GatewaySettings):
+        found[settings.port] = "api"
+    return found
+
+
+def answers_without_credentials(listener: str, path: str) -> bool:
+    """Whether GET `path` with no credentials (as a probe or a healthcheck sends it) is answered
+    by that listener: a route of the gateway's that its auth leaves open, or the metrics
+    listener's own answer (200), asked of its ASGI app."""
+    path = path.split("?", 1)[0]
+    if listener == "api":
+        from gateway.auth import OPEN_PATHS
+        from gateway.routes import cluster, dashboard, functions, health, packages
+
+        routes = [
+            route for module in (health, packages, functions, cluster, dashboard) for route in module.router.routes
+        ]
+        return path in OPEN_PATHS and any(
+            route.path_regex.fullmatch(path) and "GET" in route.methods
+            for route in routes  # type: ignore[attr-defined]
+        )
+    if listener != "metrics":
+        return False
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from gpufaas.metrics import MetricsServer
+
+    statuses: list[int] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+
+    server = MetricsServer(CollectorRegistry(), token="token")
+    scope = {"type": "http", "method": "GET", "path": path, "query_string": b"", "headers": []}
+    asyncio.run(server._app(scope, receive, send))
+    return statuses == [200]
+
+
+_HEALTHCHECK_URL = re.compile(r"http://(?:127\.0\.0\.1|localhost):(\d+)(/[^'\"\s]*)")
+
+
+def probes() -> list[tuple[str, str, list[str], dict[str, Any]]]:
+    """(where, daemon, argv, probe) for every probe of a gpufaas daemon: each k8s container's
+    (its port resolved to a number) and each compose healthcheck's URL, as an httpGet."""
+    found: list[tuple[str, str, list[str], dict[str, Any]]] = []
+    for workload in workloads():
+        for container in containers(workload):
+            argv = [str(token) for token in [*container.get("command", []), *container.get("args", [])]]
+            if (daemon := daemon_of(argv)) is None:
+                continue
+            numbers = {port["name"]: port["containerPort"] for port in container.get("ports", []) if "name" in port}
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                for handler, probe in container.get(kind, {}).items():
+                    if handler in {"httpGet", "tcpSocket"}:
+                        port = numbers.get(probe["port"], probe["port"])
+                        found.append(
+                            (
+                                f"k8s {workload['metadata']['name']} {kind}",
+                                daemon,
+                                argv,
+                                {handler: {**probe, "port": port}},
+                            )
+                        )
+    for name, service in services().items():
+        argv = [str(token) for token in service.get("command", [])]
+        if (daemon := daemon_of(argv)) is None:
+            continue
+        for port, path in _HEALTHCHECK_URL.findall(" ".join(service["healthcheck"]["test"])):
+            found.append((f"compose {name} healthcheck", daemon, argv, {"httpGet": {"port": int(port), "path": path}}))
+    return found
+
+
+@pytest.mark.parametrize(("where", "daemon", "argv", "probe"), [pytest.param(*p, id=p[0]) for p in probes()])
+def test_every_probe_asks_a_port_and_path_its_daemon_serves(
+    where: str, daemon: str, argv: list[str], probe: dict[str, Any]
+) -> None:
+    """Each probe reaches a port the daemon's own flags make it listen on and, over HTTP, a path
+    that listener answers without credentials: a renamed flag, port or route fails here, not as
+    pods restarted for ever or containers that never become healthy."""
+    serving = listeners(daemon, argv)
+    ((handler, spec),) = probe.items()
+    assert spec["port"] in serving, f"{where}: port {spec['port']}, but python -m {daemon} listens on {serving}"
+    if handler == "httpGet":
+        listener = serving[spec["port"]]
+        assert answers_without_credentials(listener, spec["path"]), (
+            f"{where}: GET {spec['path']} on its {listener} port"
+        )
+
+
+def test_every_daemon_is_probed() -> None:
+    assert {(where.split()[0], daemon) for where, daemon, _, _ in probes()} == {
+        (place, daemon) for place in ("k8s", "compose") for daemon in DAEMONS
+    }
+
+
 def test_workload_selectors_match_their_pods() -> None:
     for workload in workloads():
         selector = workload["spec"]["selector"]["matchLabels"]
