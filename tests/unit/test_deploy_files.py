@@ -75,6 +75,7 @@ REQUIRED_FLAGS["gpu_manager"] = {
     "--etcd-password-file",
 }
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet"}
+API_VERSIONS = {"Namespace": "v1", "Service": "v1", **dict.fromkeys(WORKLOAD_KINDS, "apps/v1")}
 ETCD_ELECTION_TIMEOUT_MS = "500"  # etcd grants a 1 s lease as 1 s (2 s with its default 1000)
 TLS_ROLE = {"scheduler": "scheduler", "gateway": "gateway", "gpu_manager": "node"}  # the certificate each presents
 EXPECTED_KINDS = {
@@ -680,7 +681,36 @@ def test_kustomization_lists_every_manifest() -> None:
 def test_manifest_kinds(filename: str, kinds: list[str]) -> None:
     assert [doc["kind"] for doc in manifests()[filename]] == kinds
     for doc in manifests()[filename]:
-        assert doc.get("apiVersion") and doc["metadata"].get("name")
+        assert doc["apiVersion"] == API_VERSIONS[doc["kind"]], f"{filename}: {doc['kind']} {doc['apiVersion']}"
+        assert doc["metadata"].get("name")
+
+
+def test_pods_are_well_formed() -> None:
+    """What the API server would refuse or a container would start without: a mount of a volume
+    the pod lacks, a volume nothing mounts, a port name that is not an IANA service name (at
+    most 15 characters: a-z, 0-9, -), or repeated, and a `$(VAR)` the container's env lacks
+    (Kubernetes then passes it on as it is)."""
+    for workload in workloads():
+        pod = workload["spec"]["template"]["spec"]
+        volumes = {volume["name"] for volume in pod.get("volumes", [])}
+        claims = {claim["metadata"]["name"] for claim in workload["spec"].get("volumeClaimTemplates", [])}
+        mounted: set[str] = set()
+        for container in containers(workload):
+            where = f"{workload['kind']}/{workload['metadata']['name']}/{container['name']}"
+            names = {mount["name"] for mount in container.get("volumeMounts", [])}
+            assert names <= volumes | claims, f"{where} mounts {sorted(names - volumes - claims)}, which the pod lacks"
+            mounted |= names
+            ports = [port["name"] for port in container.get("ports", []) if "name" in port]
+            assert len(ports) == len(set(ports)), f"{where}: port names repeat"
+            for name in ports:
+                assert re.fullmatch(r"(?=.*[a-z])[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?", name), f"{where}: port {name}"
+            env = {variable["name"] for variable in container.get("env", [])}
+            argv = [str(token) for token in [*container.get("command", []), *container.get("args", [])]]
+            used = {name for token in argv for name in re.findall(r"\$\((\w+)\)", token)}
+            assert used <= env, f"{where} uses $({', $('.join(sorted(used - env))}) without defining it in env"
+        assert volumes | claims <= mounted, (
+            f"{workload['metadata']['name']}: {sorted(volumes | claims - mounted)} unmounted"
+        )
 
 
 def test_one_namespace_everywhere() -> None:
