@@ -474,6 +474,7 @@ def test_the_balancer_runs_the_config_gpufaas_writes_for_the_gateways() -> None:
     # The gateways' liveness, not their readiness: /healthz needs the scheduler, which every gateway
     # loses at once during a leader change (HAProxy would then answer every call 503 itself).
     assert "option httpchk GET /livez\n" in expected and "/healthz" not in expected
+    assert answers_without_credentials("api", "/livez"), "the gateways answer the balancer's check"
     assert [published_port(port) for port in balancer["ports"]] == [(8080, 8080)]
     assert "/balancer/livez" in " ".join(balancer["healthcheck"]["test"])
 
