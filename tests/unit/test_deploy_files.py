@@ -853,6 +853,26 @@ def test_every_daemon_is_probed() -> None:
     }
 
 
+def test_k8s_daemons_dial_etcd_at_a_service_port_that_reaches_it() -> None:
+    """Every daemon's --etcd endpoint names a Service of these manifests, at a port it has, whose
+    target is etcd's --listen-client-urls port."""
+    (etcd,) = [w for w in workloads() if w["metadata"]["name"] == "etcd"]
+    (container,) = containers(etcd)
+    client_port = int(flag_values(container["args"])["--listen-client-urls"].rsplit(":", 1)[1])
+    named = {port.get("name"): port["containerPort"] for port in container["ports"]}
+    service_ports = {
+        (service["metadata"]["name"], port["port"]): named.get(port.get("targetPort"), port.get("targetPort"))
+        for service in objects("Service")
+        if service["spec"]["selector"].items() <= etcd["spec"]["template"]["metadata"]["labels"].items()
+        for port in service["spec"]["ports"]
+    }
+    for where, _, argv in command_lines():
+        if where.startswith("k8s"):
+            for endpoint in flag_values(argv)["--etcd"].split(","):
+                host, port = endpoint.rsplit(":", 1)
+                assert service_ports.get((host, int(port))) == client_port, f"{where}: --etcd {endpoint}"
+
+
 def test_workload_selectors_match_their_pods() -> None:
     for workload in workloads():
         selector = workload["spec"]["selector"]["matchLabels"]
