@@ -302,7 +302,7 @@ class _Upkeep:
         effects: list[Effect] = []
         for gpu_id in sorted(cache.gpus_with(model)):
             if not cache.gpu(gpu_id).is_pinned(model):
-                cache.drop(gpu_id, model)
+                self.scheduler.drop(gpu_id, model)
                 self.dirty_models.add(model)
                 self.dirty_gpus.add(gpu_id)
                 effects.append(Evict(gpu_id, (model,)))
@@ -323,7 +323,7 @@ class _Upkeep:
             # A retired model is dropped too (its last call ended some way without a Done): below,
             # its worker is then an orphan, as no function runs it.
             if (model not in resident or model in self._retired) and not cache.is_pinned(model) and model not in busy:
-                self.scheduler.cache.drop(gpu_id, model)
+                self.scheduler.drop(gpu_id, model)
                 self.dirty_models.add(model)
         orphans: list[str] = []
         for model, memory_mb in resident.items():

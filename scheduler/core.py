@@ -350,8 +350,7 @@ class Scheduler(ClusterReads):
                 for other_id, other in state.running.items()
                 if other.model == request.model and other_id != request_id
             )
-            self.cache.drop(gpu_id, request.model)
-            self._exit.forget(gpu_id, request.model)
+            self.drop(gpu_id, request.model)
         else:
             _unpin_running(self.cluster, self._exit, state, request, now)
         if requeue:
@@ -365,6 +364,11 @@ class Scheduler(ClusterReads):
         if requeue:
             self.policy.on_requeue(retry, now, ran=True)
         return request
+
+    def drop(self, gpu_id: str, model: str) -> bool:
+        """Forget `model`'s entry on `gpu_id` whatever its pins, and its idle clock (see `CacheManager.drop`)."""
+        self._exit.forget(gpu_id, model)  # a later admission there is idle from then, not from before the drop
+        return self.cache.drop(gpu_id, model)
 
     def cancel(self, request_id: str, now: float | None = None) -> Request | None:
         """Withdraw a request that has not started (its deadline passed): from the global queue or

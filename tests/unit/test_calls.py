@@ -1066,6 +1066,21 @@ def test_release_idle_moves_an_idle_model_to_the_host_tier_then_out_naming_the_g
     assert not book.scheduler.cache.in_host(A.model, N1)
 
 
+def test_a_worker_adopted_after_its_phantom_entry_went_is_idle_from_its_adoption() -> None:
+    # The dropped phantom's idle clock stayed behind: the worker adopted 98 s later was released
+    # at the next check, as if idle since its last call before the drop.
+    book = book_on_node(A)
+    placed(book.submit("gw", "c1", A, 60.0, now=0.0))
+    book.done("c1", 1, pb.OK, 1.0)
+    assert book.reconcile(N1, {}, now=2.0) == []  # no worker reported: the entry goes
+    assert book.reconcile(N1, {A.model: 1000}, now=100.0) == []  # its worker reported: adopted
+    assert book.scheduler.cache.is_cached(A.model, N1)
+    assert book.release_idle(100.5, gpu_idle_s=30.0, host_idle_s=None) == []
+    assert book.release_idle(131.0, gpu_idle_s=30.0, host_idle_s=None) == [
+        Evict(N1, (A.model,), to_host=False, if_idle=True, gpu_seq=1)
+    ]
+
+
 def test_release_idle_without_a_host_tier_stops_the_idle_worker() -> None:
     book = book_on_node(A)
     placed(book.submit("gw", "c1", A, 60.0, now=0.0))
