@@ -408,10 +408,14 @@ class CacheManager:
 
         A hit only refreshes recency. A miss evicts victims from the LRU tail until the model
         fits; pinned models are never victims. Raises ModelTooLarge / CacheFull and then changes
-        nothing.
+        nothing (the eviction policy's count of the access included).
         """
-        self._policy.record_access(model)
-        return self._admit(gpu_id, model, memory_mb)
+        undo_access = self._policy.record_access(model)
+        try:
+            return self._admit(gpu_id, model, memory_mb)
+        except BaseException:  # refused (CacheFull, ModelTooLarge, an unknown GPU): changes nothing
+            undo_access()
+            raise
 
     def _admit(self, gpu_id: str, model: str, memory_mb: int) -> Admission:
         cache = self._gpus[gpu_id]
@@ -495,7 +499,11 @@ class CacheManager:
                 undo_access()
 
             return admission, undo_hit
-        victims = cache.plan_victims(model, memory_mb)
+        try:
+            victims = cache.plan_victims(model, memory_mb)
+        except BaseException:  # refused: nothing to undo but the count
+            undo_access()
+            raise
         evicted = [(items[victim], ticks[victim]) for victim in victims]
         host = self.host_of(gpu_id) if self._hosts else None
         host_before = None if host is None else (tuple(host.items.values()), host.used_mb)

@@ -7,6 +7,7 @@ import pytest
 
 from cache_manager import CacheManager, eviction_policy
 from cache_manager.eviction import FrequencySketch, TinyLfuEviction
+from gpufaas.errors import CacheFull, ModelTooLarge
 
 
 def test_the_sketch_counts_caps_and_halves_everything_after_its_sample() -> None:
@@ -69,3 +70,20 @@ def test_the_cache_manager_counts_every_admission_and_its_undo_takes_the_count_b
     undo_miss()
     undo_hit()
     assert (policy.sketch.estimate("a"), policy.sketch.estimate("e")) == before
+
+
+def test_an_admission_the_cache_refuses_is_not_counted() -> None:
+    # `admit` counted the access before finding that the model could not be admitted, though a
+    # refused admission "changes nothing": each refusal made the model look more used lately.
+    policy = TinyLfuEviction()
+    cache = CacheManager(policy)
+    cache.add_gpu("g0", 1000)
+    cache.admit("g0", "pinned", 600)
+    cache.pin("g0", "pinned")
+    with pytest.raises(ModelTooLarge):
+        cache.admit("g0", "huge", 2000)
+    with pytest.raises(CacheFull):
+        cache.admit("g0", "blocked", 600)
+    with pytest.raises(CacheFull):
+        cache.admit_undoable("g0", "blocked", 600)
+    assert policy.sketch.estimate("huge") == policy.sketch.estimate("blocked") == 0
