@@ -34,7 +34,7 @@ from scheduler.core import Scheduler
 from scheduler.node_drain import drain_node, same_manager
 from scheduler.persister import StatePersister
 from scheduler.reconciler import NODE_TIMEOUT_S, parked_of, reconcile_nodes, resident_of
-from scheduler.staging import GpuRoom, staging_targets
+from scheduler.staging import GpuRoom, fits, staging_targets
 
 log = logging.getLogger("gpufaas.scheduler")
 
@@ -395,10 +395,10 @@ class NodeLinks:
             model = ModelSpec(spec.model, spec.memory_mb, spec.required_gpu_type)
             for target in staging_targets(model, rooms, staged_on, copies=self.prestage_nodes):
                 wanted.setdefault(target, []).append(spec.package_digest)
-                # Its miss is expected there: the next function's room is what is left of it, so
-                # many functions deployed at once spread over the nodes rather than all go to one.
+                # Its miss is expected there, on the GPU it fits with the most room: the next function's
+                # room is what is left, so functions deployed at once spread over the nodes, not all to one.
                 gpus = rooms[target]
-                best = max(range(len(gpus)), key=lambda i: gpus[i].free_mb)
+                best = max((i for i, gpu in enumerate(gpus) if fits(model, gpu)), key=lambda i: gpus[i].free_mb)
                 gpus[best] = dataclasses.replace(gpus[best], free_mb=gpus[best].free_mb - spec.memory_mb)
             if rooms:
                 self._prestaged.add(spec.package_digest)

@@ -29,12 +29,13 @@ def staging_targets(
         return []
     ranked = []
     for node, gpus in nodes.items():
-        fitting = [g.free_mb for g in gpus if _fits(model, g)]
+        fitting = [g.free_mb for g in gpus if fits(model, g)]
         if fitting:
             ranked.append((node not in staged_on, -max(fitting), node))
     ranked.sort()
     return [node for _, _, node in ranked[:copies] if node not in staged_on]
 
 
-def _fits(model: ModelSpec, gpu: GpuRoom) -> bool:
+def fits(model: ModelSpec, gpu: GpuRoom) -> bool:
+    """Whether `model` may run on `gpu` (its size and required type)."""
     return model.memory_mb <= gpu.memory_mb and model.gpu_type in (None, gpu.gpu_type)

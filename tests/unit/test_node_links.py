@@ -12,9 +12,11 @@ from typing import Any
 import pytest
 
 from gpufaas.cluster import GpuRecord, NodeRecord
+from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import WatchEvent
+from gpufaas.types import GpuSpec
 from gpufaas.wire import AnswerTooLarge, Connection, Frame, MessageType, Server
 from scheduler import reconciler
 from scheduler.adaptive_slots import AdaptiveSlots
@@ -23,7 +25,7 @@ from scheduler.catalog import Catalog
 from scheduler.node_links import NodeLink, NodeLinks
 from scheduler.persister import StatePersister
 from tests.fakes import MemoryStore
-from tests.unit.test_calls import make_book
+from tests.unit.test_calls import make_book, make_spec
 
 
 class FencingNode:
@@ -43,6 +45,7 @@ def make_links(
     *,
     spawn: Callable[[Coroutine[Any, Any, None]], object] = lambda coroutine: None,
     fenced: Callable[[], object] = lambda: None,
+    prestage_nodes: int = 0,
 ) -> NodeLinks:
     """Links of a book's scheduler to nodes that fence (FencingNode), plain TCP, nothing applied."""
     return NodeLinks(
@@ -56,7 +59,7 @@ def make_links(
         slots_for=lambda gpu_type: 1,
         clock=lambda: 0.0,
         wire_key=None,
-        prestage_nodes=0,
+        prestage_nodes=prestage_nodes,
         fenced=fenced,  # type: ignore[arg-type]
         tls=False,
     )
@@ -485,3 +488,44 @@ def test_a_node_record_changed_under_the_same_incarnation_is_not_logged_as_a_res
     assert "re-registered" not in caplog.text
     assert "node n1's record changed under the same incarnation i1" in caplog.text
     assert links.nodes["n1"].record.gpus[0].memory_mb == 4000
+
+
+class _StageRequests:
+    """A node link that records the packages each STAGE request asks its node for."""
+
+    is_closed = False
+
+    def __init__(self, node: str, asked: dict[str, list[str]]) -> None:
+        self.node, self.asked = node, asked
+
+    async def request(self, kind: MessageType, message: Any, **kwargs: Any) -> None:
+        assert kind == MessageType.STAGE
+        self.asked[self.node] = list(message.packages)
+
+
+def test_prestaging_books_each_expected_miss_on_a_gpu_the_model_fits() -> None:
+    # The planner took the room of a function's expected miss from the node's GPU with the most
+    # free memory, an a100 the t4-only function never runs on: the t4 it would load on kept its
+    # room, and the next t4 function was sent to the same node instead of the one with room.
+    book = make_book(gpus=())
+    spawned: list[Coroutine[Any, Any, None]] = []
+    links = make_links(book, spawn=spawned.append, prestage_nodes=1)
+    asked: dict[str, list[str]] = {}
+    for node, t4_mb in (("n1", 16000), ("n2", 15000)):
+        gpus = [GpuSpec(f"{node}/t4", t4_mb, "t4", node=node), GpuSpec(f"{node}/a100", 40000, "a100", node=node)]
+        for gpu in gpus:
+            book.scheduler.add_gpu(gpu)
+        conn: Any = _StageRequests(node, asked)
+        record = NodeRecord(node, "127.0.0.1:1", "cpu", "i1")
+        links.nodes[node] = NodeLink(record, conn=conn, gpu_ids=[g.gpu_id for g in gpus], holdings=pb.Holdings())
+    first, second = (
+        FunctionSpec(name=spec.name, package_digest=spec.package_digest, memory_mb=10000, gpu="t4")
+        for spec in (make_spec("fn-first"), make_spec("fn-second"))
+    )
+    links.prestage([first, second])
+
+    async def run_spawned() -> None:
+        await asyncio.gather(*spawned)
+
+    asyncio.run(run_spawned())
+    assert asked == {"n1": [first.package_digest], "n2": [second.package_digest]}
