@@ -479,6 +479,12 @@ class CacheManager:
         self._forget(model, gpu_id)
         return True
 
+    def resize(self, model: str, memory_mb: int) -> None:
+        """Re-size `model`'s entry on every GPU that holds it, where that fits without evicting
+        anything (`GpuCache.resize`; elsewhere the old size stands until its next admission)."""
+        for gpu_id in self._directory.get(model, _EMPTY):
+            self._gpus[gpu_id].resize(model, memory_mb)
+
     # --- tentative changes ------------------------------------------------------------------
     def admit_undoable(self, gpu_id: str, model: str, memory_mb: int) -> tuple[Admission, Callable[[], None]]:
         """`admit`, and a function that undoes it exactly (recency order, ticks, the directory, the

@@ -132,8 +132,9 @@ class Scheduler(ClusterReads):
             self.cluster.advertise(state)  # full, with a new free time
 
     def register_model(self, spec: ModelSpec) -> None:
-        """Declare (or re-declare, e.g. with a measured size) a model's peak GPU occupancy."""
+        """Declare (or re-declare) a model's peak GPU occupancy; its cache entries follow where that evicts nothing."""
         self.cluster.models[spec.name] = spec
+        self.cache.resize(spec.name, spec.memory_mb)  # (else they keep their size, as `observe_memory` leaves them)
 
     def observe_memory(self, model: str, gpu_id: str, peak_memory_mb: int) -> bool:
         """A model's measured peak replaces its declared size, for later admissions and for its entry on

@@ -137,6 +137,20 @@ def test_a_measured_size_resizes_each_replica_as_its_gpu_reports_it() -> None:
     assert s.cache.gpu("g1").item("A").memory_mb == 5000 and s.cache.gpu("g1").used_mb == 5000
 
 
+def test_a_redeclared_size_resizes_the_cached_entries_where_they_fit() -> None:
+    # A function updated with a larger memory_mb (same package, same model) kept its cached
+    # entries at the old size: B was admitted beside A with room for A's old 1000 MB only.
+    s = make_scheduler("lalb", gpus={"g0": 8000, "g1": 8000}, models={"A": 1000, "B": 6500, "C": 3000})
+    cache_on(s, "g0", "A")
+    cache_on(s, "g1", "C", "A")
+    s.register_model(ModelSpec("A", 6000))
+    assert s.cache.gpu("g0").item("A").memory_mb == 6000 and s.cache.gpu("g0").used_mb == 6000
+    assert s.cache.gpu("g1").item("A").memory_mb == 1000  # no room to grow without an eviction: kept
+    submit(s, "B")
+    (decision,) = s.schedule(0.0)
+    assert isinstance(decision, Dispatch) and decision.gpu_id == "g0" and decision.evict == ("A",)
+
+
 def test_cancelling_a_parked_call_after_its_estimate_moved_leaves_no_work_behind() -> None:
     s = make_scheduler("lalb-o3", gpus={"g0": 8000, "g1": 8000}, models={"A": 1000, "B": 1000})
     cache_on(s, "g0", "A")
