@@ -5,7 +5,7 @@ pool and disk hold (`NodeHoldings`): the tier a miss comes from."""
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator, Set
+from collections.abc import Callable, Iterator, Mapping, Set
 from dataclasses import dataclass
 
 from cache_manager.eviction import EvictionPolicy, LruEviction
@@ -361,6 +361,18 @@ class CacheManager:
             return False
         self._demote(host, CacheItem(model, host_mb))
         return True
+
+    def recharge_host(self, node: str, host_mb: Mapping[str, int]) -> None:
+        """The node measured the models in its host tier (model -> MiB): the entries it names are
+        charged that from now on, all of them before the oldest are pushed out if the tier is then
+        past its capacity. (One at a time, an interim sum over the capacity pushed out entries
+        that fit together.)"""
+        host = self._hosts.get(node)
+        if host is None:
+            return
+        for model in [m for m in host.items if m in host_mb]:
+            host.measured(model, host_mb[model])
+        self._trim_host(host)
 
     def release_from_host(self, node: str, model: str) -> bool:
         """An idle model leaves its node's host tier; False if it was not there."""

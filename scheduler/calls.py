@@ -1017,6 +1017,7 @@ def _reconcile_host(
     tier = cache.host(node)
     for model in [m for m in (tier.items if tier is not None else ()) if m not in parked]:
         cache.release_from_host(node, model)
+    cache.recharge_host(node, parked)  # every entry's charge before any adoption below
     # A model on one of the node's GPUs is not in its host tier (the tiers are exclusive): a
     # report that still lists it parked predates the grant that took it back.
     on_gpus = {m for gpu_id in cache.gpu_ids() if cache.node_of(gpu_id) == node for m in cache.models_on(gpu_id)}

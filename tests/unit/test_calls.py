@@ -1037,6 +1037,19 @@ def test_reconcile_host_follows_the_nodes_tier_adopting_what_fits_and_stopping_t
     assert cache.host("n1") is None and not cache.in_host(B.model, N1)
 
 
+def test_reconcile_host_charges_every_entry_what_the_node_measured_before_pushing_any_out() -> None:
+    # A and B entered the tier charged their declared 1000 MB; the node measured 1500 and 400
+    # (1900 of its 2000). Re-charged one at a time, A's new charge beside B's old one came to
+    # 2500: A, the oldest, was pushed out and stopped at the node, though the two fit together.
+    book = book_on_node(A, B, host_mb=2000)
+    cache = book.scheduler.cache
+    cache_on(book.scheduler, N1, A.model, B.model)
+    assert cache.release(N1, A.model) and cache.release(N1, B.model)
+    assert book.reconcile_host("n1", 2000, {A.model: 1500, B.model: 400}) == []
+    host = cache.host("n1")
+    assert host is not None and host.lru_list() == [B.model, A.model] and host.used_mb == 1900
+
+
 def test_a_miss_takes_a_model_back_from_the_host_tier_the_node_reported() -> None:
     book = book_on_node(A, B, host_mb=4000)
     book.reconcile_host("n1", 4000, {A.model: 1000})
