@@ -296,7 +296,8 @@ class PackageStore:
 
     async def _fetch(self, digest: str, size: int, sources: list[HolderRecord], stats: StageStats) -> Path:
         """One blob from the first holder that serves it whole and right; holders that refuse,
-        break off (what arrived is kept: the next one resumes) or send wrong bytes are passed."""
+        break off or go slower than fetch_blob's floor rate (what arrived is kept: the next one
+        resumes) or send wrong bytes are passed."""
         reasons: list[str] = []
         async with self._fetch_slots:
             for _ in range(FETCH_ATTEMPTS):

@@ -61,6 +61,9 @@ UPLOAD_OFFSET = "Upload-Offset"
 SEND_CHUNK_BYTES = 16 << 20  # sendfile per call: progress is reported this often
 HEADER_LIMIT_BYTES = 16 << 10
 DEFAULT_TIMEOUT_S = 60.0
+# The slowest a fetch may go on average: a holder that trickles bytes (each read within the
+# timeout) is given up on once the whole blob at this rate, plus the timeout, has passed.
+MIN_RATE_BYTES_S = 4 << 20
 EXPECT_WAIT_S = 5.0  # for 100 Continue; a holder silent that long gets the body anyway
 TLS_SEND_BYTES = 1 << 20  # what one TLS send takes from the file
 _TLS_HANDSHAKE = b"\x16"  # the first byte a TLS client sends (a handshake record)
@@ -517,10 +520,38 @@ class _Connection:
             raise TransferError(f"the blob holder at {base_url} is not one of this cluster's: {exc}") from None
         self.sock = sock
         self.timeout_s = timeout_s
+        self.deadline: float | None = None  # time.monotonic() past which no read waits (`limit`)
+        self._late = ""
         self._buffer = b""
 
     def close(self) -> None:
         self.sock.close()
+
+    def limit(self, seconds: float) -> None:
+        """Bound every read from now on to `seconds` from now in all: a read past them raises
+        TimeoutError, however steadily a holder trickles bytes within the per-read timeout."""
+        self.deadline = time.monotonic() + seconds
+        self._late = f"the transfer's deadline of {seconds:.1f} s passed"
+
+    def _recv_into(self, view: memoryview) -> int:
+        """sock.recv_into, waiting no longer than the deadline (`limit`) leaves."""
+        if self.deadline is None:
+            return self.sock.recv_into(view)
+        left_s = self.deadline - time.monotonic()
+        if left_s <= 0:
+            raise TimeoutError(self._late)
+        if left_s < self.timeout_s:
+            self.sock.settimeout(left_s)
+        try:
+            return self.sock.recv_into(view)
+        except TimeoutError:
+            if time.monotonic() >= self.deadline:
+                raise TimeoutError(self._late) from None
+            raise
+
+    def _recv(self, nbytes: int) -> bytes:
+        buffer = bytearray(nbytes)
+        return bytes(buffer[: self._recv_into(memoryview(buffer))])
 
     def send_head(self, method: str, path: str, headers: dict[str, str]) -> None:
         lines = [f"{method} {self.prefix}{path} HTTP/1.1", f"Host: {self.host}"]
@@ -532,7 +563,7 @@ class _Connection:
         while b"\r\n\r\n" not in data:
             if len(data) > HEADER_LIMIT_BYTES:
                 raise TransferError("the blob holder's answer has oversized headers")
-            chunk = self.sock.recv(65536)
+            chunk = self._recv(65536)
             if not chunk:
                 raise TransferError("the blob holder closed the connection before answering")
             self._buffer = data = data + chunk  # (kept if a timeout interrupts: `interim`)
@@ -582,7 +613,7 @@ class _Connection:
         length = reply.number("Content-Length", 0)
         data = reply.leftover
         while len(data) < length:
-            chunk = self.sock.recv(min(65536, length - len(data)))
+            chunk = self._recv(min(65536, length - len(data)))
             if not chunk:
                 break
             data += chunk
@@ -599,7 +630,7 @@ class _Connection:
                 view[:n] = pending[:n]
                 pending = pending[n:]
                 return n
-            return self.sock.recv_into(view)
+            return self._recv_into(view)
 
         return read_into
 
@@ -620,19 +651,24 @@ def fetch_blob(
     authorization: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     tls: LinkTls | bool = True,
+    min_rate_bytes_s: float = MIN_RATE_BYTES_S,
 ) -> Path:
     """Bring blob `digest` (of `size` bytes) from the holder at `base_url` into `store`, verified
     on the way; resumes a partial an earlier fetch left (over TLS as `_Connection` says, `tls`
     as for `BlobServer`). Returns the blob's path. TransferError
     when the holder refuses or breaks off (what arrived is kept), CorruptBlob when the bytes are
     not the blob's (nothing kept), BlobBusy when another fetch of it runs, OSError when `store`
-    cannot write it (its disk full: no other holder would do better)."""
+    cannot write it (its disk full: no other holder would do better). `timeout_s` bounds each
+    wait for the holder; the whole transfer, once connected, gets `timeout_s` plus the bytes
+    missing at `min_rate_bytes_s`, after which it is TransferError too (a holder that trickles or
+    stalls: the caller passes over it; what arrived is kept for the next to resume)."""
     existing = store.path(digest)
     if existing is not None:
         return existing
     with store.writer(digest, size) as writer:
         conn = _Connection(base_url, timeout_s, tls)
         try:
+            conn.limit(timeout_s + (size - writer.offset) / min_rate_bytes_s)
             headers = {"Authorization": authorization} if authorization else {}
             if writer.offset:
                 headers["Range"] = f"bytes={writer.offset}-"

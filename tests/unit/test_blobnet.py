@@ -456,3 +456,51 @@ def test_a_client_that_goes_mid_blob_is_logged_in_a_line_not_a_traceback(
             time.sleep(0.02)
     assert "Traceback" not in capsys.readouterr().err
     assert "broke off" in caplog.text and "Traceback" not in caplog.text
+
+
+def serve_trickle(data: bytes, stop: threading.Event) -> str:
+    """A holder that announces `data` whole, then sends it a byte at a time, each well within any
+    per-read timeout, until `stop` (or the client goes)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def run() -> None:
+        conn, _ = listener.accept()
+        with conn, contextlib.suppress(OSError):
+            conn.recv(65536)
+            conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {len(data)}\r\n\r\n".encode())
+            for byte in data:
+                if stop.wait(0.05):
+                    break
+                conn.sendall(bytes([byte]))
+        listener.close()
+
+    threading.Thread(target=run, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_a_holder_that_trickles_is_given_up_on_at_the_transfer_deadline(tmp_path: Path) -> None:
+    """Each byte came within the per-read timeout, so a holder trickling (or stalled a read short of
+    it, again and again) held the fetch, and the call waiting on it, for ever. The whole transfer
+    now has a deadline (the timeout plus the size at a floor rate): TransferError, the blob free
+    for the next holder."""
+    data = os.urandom(2000)
+    digest = sha256_digest(data)
+    mine = BlobStore(tmp_path / "mine")
+    stop = threading.Event()
+    outcome: list[BaseException | None] = []
+
+    def fetch() -> None:
+        try:
+            fetch_blob(serve_trickle(data, stop), digest, len(data), mine, timeout_s=0.5, min_rate_bytes_s=4000)
+            outcome.append(None)
+        except BaseException as exc:  # (handed to the test's thread)
+            outcome.append(exc)
+
+    fetching = threading.Thread(target=fetch, daemon=True)
+    fetching.start()
+    fetching.join(30.0)  # (a guard against hanging the suite, not a measure of speed)
+    stop.set()
+    fetching.join()
+    assert len(outcome) == 1 and isinstance(outcome[0], TransferError), outcome
+    assert "deadline" in str(outcome[0])
+    assert not mine.has(digest) and not mine.busy(digest)
