@@ -35,6 +35,7 @@ from gpufaas.holders import HolderRecord, PackageRecord, read_holders, read_pack
 from gpufaas.keys import Keys
 from gpufaas.packages import (
     DIGEST_PATTERN,
+    DISK_FULL_ERRNOS,
     EMPTY_DIGEST,
     MAX_BATCH_MEMBERS,
     BoundedTarInfo,
@@ -253,6 +254,8 @@ class Artifacts:
                     _put_waiting(self.blobs, data, member.name)
                     stored[member.name] = len(data)
         except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
+            if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+                raise  # storing a blob failed: this gateway's disk, not the batch
             raise InvalidPackage(f"the blob batch is not a valid tar: {exc}") from None
         return stored
 

@@ -33,7 +33,6 @@ gateway's public port does: users' CLIs, which hold no certificate; the nodes al
 from __future__ import annotations
 
 import contextlib
-import errno
 import http.server
 import json
 import logging
@@ -52,7 +51,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from gpufaas.blobs import BlobBusy, BlobStore, BlobWriter, CorruptBlob
-from gpufaas.packages import DIGEST_PATTERN, InvalidPackage
+from gpufaas.packages import DIGEST_PATTERN, DISK_FULL_ERRNOS, InvalidPackage
 from gpufaas.tls import LinkTls, PeerRefused, links_of
 
 log = logging.getLogger("gpufaas.blobnet")
@@ -76,7 +75,6 @@ _BUSY_REPLY = (
     "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
     f"Content-Length: {len(_BUSY_BODY)}\r\n\r\n{_BUSY_BODY}"
 ).encode()
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # this holder's own write failing so: 507 Insufficient Storage
 _PATH = re.compile(r"/blobs/(" + DIGEST_PATTERN.pattern + r")")
 _RANGE = re.compile(r"bytes=(\d{1,20})-$")  # (more digits: past any file, and past what int() takes)
 
@@ -386,7 +384,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except CorruptBlob as exc:
             status, message = 400, str(exc)
         except OSError as exc:  # (no inode left for its partial; the partial unreadable)
-            status, message = 507 if exc.errno in _DISK_FULL else 500, f"storing blob {digest} failed: {exc}"
+            status, message = 507 if exc.errno in DISK_FULL_ERRNOS else 500, f"storing blob {digest} failed: {exc}"
         self._discard(length)
         self._answer(status, message)
         return None
@@ -414,7 +412,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             except _ClientGone:
                 got = -1
             except OSError as exc:  # this holder's own write (its disk full): the client must hear it
-                self._answer(507 if exc.errno in _DISK_FULL else 500, f"storing blob {writer.digest} failed: {exc}")
+                self._answer(
+                    507 if exc.errno in DISK_FULL_ERRNOS else 500, f"storing blob {writer.digest} failed: {exc}"
+                )
                 return False
             blobs.count(received=max(0, got))
             if got != length:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import gzip
 import hashlib
 import io
@@ -53,6 +54,9 @@ FILE_MODES = (0o644, 0o755)
 DIGEST_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
 EMPTY_DIGEST = "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 _HASH_CHUNK_BYTES = 1 << 20
+# A write failing with one of these is this machine's disk (full), never the bytes' fault: told
+# apart from a broken archive or transfer, and answered 507 Insufficient Storage.
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 class InvalidPackage(GpufaasError):
@@ -390,6 +394,8 @@ def read_archive(
                 digest = store(name, member.size, reader)
                 files[name] = PackageFile(name, digest, member.size, 0o755 if member.mode & 0o111 else 0o644)
     except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile, ValueError) as exc:
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+            raise  # storing a member failed: this machine's disk, not the archive
         raise InvalidPackage(f"the package is not a valid .tar.gz: {exc}") from None
     return Manifest.of(files.values(), max_unpacked_bytes=max_unpacked_bytes)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Path, Query, Request, Response
@@ -21,7 +22,7 @@ from gpufaas.blobnet import UPLOAD_OFFSET
 from gpufaas.blobs import BlobBusy, CorruptBlob
 from gpufaas.functions import DIGEST_PATTERN, WHOLE
 from gpufaas.holders import PackageRecord
-from gpufaas.packages import InvalidPackage, Manifest, PackageTooLarge
+from gpufaas.packages import DISK_FULL_ERRNOS, InvalidPackage, Manifest, PackageTooLarge
 from gpufaas.requirements import RequirementsError
 
 router = APIRouter()
@@ -123,6 +124,20 @@ def _refused(exc: InvalidPackage | RequirementsError) -> ApiError:
     return ApiError(400, str(exc))
 
 
+@contextlib.contextmanager
+def _disk_full_is_507() -> Iterator[None]:
+    """Within it, this gateway's disk filling as an upload is written is 507 saying so (as its
+    blob server answers), not a 500 with a traceback: the uploader can do nothing but wait."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in DISK_FULL_ERRNOS:
+            raise
+        raise ApiError(
+            507, f"the gateway's disk is full ({exc.strerror}); free space on it, then upload again"
+        ) from None
+
+
 @router.post("/system/blobs/missing")
 async def missing_blobs(wanted: Annotated[WantedBlobs, Body()], gateway: GatewayDep) -> MissingAnswer:
     """Which of a package's blobs this gateway lacks (upload only those), and how much of each a
@@ -155,7 +170,8 @@ async def upload_blob(
         raise ApiError(400, f"{UPLOAD_OFFSET} must be a whole number of bytes, got {offset_header[:40]!r}")
     offset = int(offset_header)
     try:
-        reached = await gateway.artifacts.receive(digest, size, offset, request.stream())
+        with _disk_full_is_507():
+            reached = await gateway.artifacts.receive(digest, size, offset, request.stream())
     except OffsetMismatch as exc:
         raise ApiError(409, str(exc), headers={UPLOAD_OFFSET: str(exc.offset)}) from None
     except BlobBusy as exc:
@@ -203,7 +219,8 @@ async def upload_blob_batch(request: Request, gateway: GatewayDep) -> dict[str, 
     compressed = request.headers.get("content-type", "").split(";", 1)[0].strip().lower() != "application/x-tar"
     spooled, _, _ = await _spool(request, gateway, MAX_BATCH_BYTES)
     try:
-        stored = await gateway.artifacts.receive_batch(spooled, compressed=compressed)
+        with _disk_full_is_507():
+            stored = await gateway.artifacts.receive_batch(spooled, compressed=compressed)
     except BlobBusy as exc:  # (written by another transfer for longer than the batch waits)
         raise ApiError(409, str(exc)) from None
     except InvalidPackage as exc:
@@ -252,7 +269,8 @@ async def register_package(
                 raise ApiError(
                     400, f"the archive's sha256 is {actual}, not {expected}: the upload was corrupted; retry it"
                 )
-            manifest = await artifacts.receive_archive(spooled)
+            with _disk_full_is_507():
+                manifest = await artifacts.receive_archive(spooled)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(spooled)
@@ -319,6 +337,7 @@ async def _spool(request: Request, gateway: GatewayDep, limit_bytes: int) -> tup
     if declared is not None and declared.isdecimal() and int(declared) > limit_bytes:
         raise ApiError(413, f"the request is larger than the gateway's limit of {limit_bytes} bytes")
     try:
-        return await spool(request.stream(), gateway.spool_dir, limit_bytes)
+        with _disk_full_is_507():
+            return await spool(request.stream(), gateway.spool_dir, limit_bytes)
     except PackageTooLarge as exc:
         raise ApiError(413, str(exc)) from None

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import io
 import json
+import os
 import tarfile
 import tempfile
 import time
@@ -375,6 +377,41 @@ def test_an_upload_offset_that_is_not_a_number_is_a_400(tmp_path: Path) -> None:
                 f"/system/blobs/{digest}?size=1", content=b"x", headers={"Upload-Offset": offset}
             )
             assert_error(response, 400, "Upload-Offset must be a whole number of bytes")
+
+    run(tmp_path, body)
+
+
+def test_uploads_onto_a_full_disk_are_answered_507_not_500(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway's own disk filling during an upload through the API (a blob, a batch, an
+    archive) escaped as an OSError: a 500 with a traceback in the log, the uploader told nothing.
+    Now 507 saying the gateway's disk is full, as its blob server answers."""
+    data = b"weights" * 100
+    digest = sha256(data)
+    batch = io.BytesIO()
+    with tarfile.open(fileobj=batch, mode="w") as tar:
+        info = tarfile.TarInfo(digest)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+
+    def full(*args: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    async def body(env: Env) -> None:
+        # writev failing: the spool of a request body and a blob's chunks; write failing: the
+        # blobs of a batch and the files of an archive (which their readers took for a bad tar).
+        # (The blob last: once its PUT succeeds, the batch holding it has nothing to write.)
+        for failing, requests in (("writev", ("blob", "batch", "archive")), ("write", ("batch", "archive"))):
+            monkeypatch.setattr(os, failing, full)
+            answers = {
+                "batch": await env.client.post(
+                    "/system/blobs", content=batch.getvalue(), headers={"Content-Type": "application/x-tar"}
+                ),
+                "archive": await env.client.post("/system/packages", content=PACKAGE),
+                "blob": await env.client.put(f"/system/blobs/{digest}?size={len(data)}", content=data),
+            }
+            monkeypatch.undo()
+            for request in requests:
+                assert_error(answers[request], 507, "disk", "full")
 
     run(tmp_path, body)
 
