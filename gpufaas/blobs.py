@@ -339,8 +339,10 @@ class BlobWriter:
             self._fail(f"blob {self.digest}: more bytes than its declared {self.size}")
         if nbytes <= PUMP_BUFFER_BYTES:  # not worth a thread
             small = memoryview(bytearray(max(1, nbytes)))
-            got = _fill(read_into, small[:nbytes])
+            got, error = _fill_keeping(read_into, small[:nbytes])
             self.write(small[:got])
+            if error is not None:
+                raise error
             return got
         pipe = _HashPipe(self._hasher.update, f"hash {self.digest[:19]}")
         direct = _open_direct(self._partial) if self.offset % DIRECT_ALIGN == 0 else -1
@@ -349,7 +351,7 @@ class BlobWriter:
             while appended < nbytes:
                 buffer = pipe.free.get()
                 want = min(PUMP_BUFFER_BYTES, nbytes - appended)
-                got = _fill(read_into, memoryview(buffer)[:want])
+                got, error = _fill_keeping(read_into, memoryview(buffer)[:want])
                 if got:
                     # Whole aligned buffers go around the page cache (see DIRECT_ALIGN); a last,
                     # shorter one through it.
@@ -369,6 +371,8 @@ class BlobWriter:
                     pipe.hash(buffer, got)
                 else:
                     pipe.free.put(buffer)
+                if error is not None:
+                    raise error  # (what it read before it failed is written and hashed: kept)
                 if got < want:
                     break
         finally:
@@ -476,13 +480,25 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 
 def _fill(read_into: Callable[[memoryview], int | None], buffer: memoryview) -> int:
     """Read until `buffer` is full or the source ends; how many bytes."""
+    got, error = _fill_keeping(read_into, buffer)
+    if error is not None:
+        raise error
+    return got
+
+
+def _fill_keeping(read_into: Callable[[memoryview], int | None], buffer: memoryview) -> tuple[int, Exception | None]:
+    """`_fill`, and what `read_into` raised (None: nothing) once the bytes before it are counted:
+    the caller keeps those, then raises it."""
     got = 0
     while got < len(buffer):
-        n = read_into(buffer[got:])
+        try:
+            n = read_into(buffer[got:])
+        except Exception as exc:
+            return got, exc
         if not n:
             break
         got += n
-    return got
+    return got, None
 
 
 def _hash_prefix(path: Path, nbytes: int) -> Any:

@@ -504,3 +504,39 @@ def test_a_holder_that_trickles_is_given_up_on_at_the_transfer_deadline(tmp_path
     assert len(outcome) == 1 and isinstance(outcome[0], TransferError), outcome
     assert "deadline" in str(outcome[0])
     assert not mine.has(digest) and not mine.busy(digest)
+
+
+@pytest.mark.parametrize("nbytes", [1000, 2 * PUMP_BUFFER_BYTES + 4096 + 17])
+def test_a_fetch_that_times_out_keeps_every_byte_that_arrived(tmp_path: Path, nbytes: int) -> None:
+    """A holder gone silent half way (the read timed out: an exception, not the end of the body)
+    lost what had arrived in the buffer being filled, all of a blob of up to PUMP_BUFFER_BYTES:
+    the next holder sent it again. What arrived is kept for the resume, as when a holder closes."""
+    data = os.urandom(nbytes)
+    digest = sha256_digest(data)
+    half = nbytes // 2
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def run() -> None:
+        conn, _ = listener.accept()
+        with conn, contextlib.suppress(OSError):
+            conn.recv(65536)
+            conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {nbytes}\r\n\r\n".encode() + data[:half])
+            stop.wait(30.0)
+        listener.close()
+
+    serving = threading.Thread(target=run, daemon=True)
+    serving.start()
+    mine = BlobStore(tmp_path / "mine")
+    try:
+        with pytest.raises(TransferError, match="broke off"):
+            fetch_blob(f"http://127.0.0.1:{listener.getsockname()[1]}", digest, nbytes, mine, timeout_s=0.5)
+    finally:
+        stop.set()
+        serving.join()
+    assert mine.partial_size(digest) == half
+    with mine.writer(digest, nbytes) as writer:  # resumed where it stopped, and the hash with it
+        assert writer.offset == half
+        writer.write(data[half:])
+        writer.commit()
+    assert mine.path(digest).read_bytes() == data  # type: ignore[union-attr]
