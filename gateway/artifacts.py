@@ -29,8 +29,8 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
 from gateway.auth import Credentials
-from gpufaas.blobnet import Authorizer, BlobServer, TransferError, fetch_blob, upload_blob
-from gpufaas.blobs import BlobBusy, BlobStore, CorruptBlob, empty_blob
+from gpufaas.blobnet import UPLOAD_OFFSET, Authorizer, BlobServer, TransferError, fetch_blob, upload_blob
+from gpufaas.blobs import BlobBusy, BlobStore, BlobWriter, CorruptBlob, empty_blob
 from gpufaas.holders import HolderRecord, PackageRecord, read_holders, read_package, sources_for
 from gpufaas.keys import Keys
 from gpufaas.packages import (
@@ -66,6 +66,9 @@ WRITE_BATCH_BYTES = 4 << 20  # chunks of an upload through the API are written t
 MAX_BATCH_BYTES = 256 << 20
 BATCH_MEMBER_MAX_BYTES = 16 << 20  # each read whole: bounded
 PEER_TIMEOUT_S = 30.0  # a holder silent this long on one connection is passed over for the next
+# An upload through the API that sends nothing for this long is ended (what came is kept): its
+# client may be gone without closing, and the server has no read timeout on a body of its own.
+BODY_IDLE_TIMEOUT_S = 60.0
 REPLICATE_TIMEOUT_S = 60.0  # the most a commit waits for a second gateway to take its blobs
 # A batch's blob that another transfer writes (a deploy beside it sharing a file) is waited for this
 # long, asking every BATCH_BUSY_POLL_S, before the batch is refused (409: send it again later).
@@ -205,16 +208,7 @@ class Artifacts:
         try:
             if offset != writer.offset:
                 raise OffsetMismatch(writer.offset)
-            batch: list[bytes] = []
-            batched = 0
-            async for chunk in chunks:
-                batch.append(chunk)
-                batched += len(chunk)
-                if batched >= WRITE_BATCH_BYTES:
-                    await asyncio.to_thread(writer.write_many, batch)
-                    batch, batched = [], 0
-            if batch:
-                await asyncio.to_thread(writer.write_many, batch)
+            await _write_body(writer, chunks)
             if writer.offset == size:
                 await asyncio.to_thread(writer.commit)
             return writer.offset
@@ -516,6 +510,41 @@ def _put_waiting(blobs: BlobStore, data: bytes, digest: str) -> None:
             time.sleep(BATCH_BUSY_POLL_S)
 
 
+async def _write_body(writer: BlobWriter, chunks: AsyncIterator[bytes]) -> None:
+    """Append `chunks` to `writer`, WRITE_BATCH_BYTES a write. UploadStalled when none comes for
+    BODY_IDLE_TIMEOUT_S. Whatever ends it, what arrived before is written: kept for a resume."""
+    batch: list[bytes] = []
+    batched = 0
+    pending = aiter(chunks)
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(BODY_IDLE_TIMEOUT_S):  # (no task per chunk, as wait_for makes)
+                    chunk = await anext(pending)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                raise UploadStalled(writer.offset + batched) from None
+            batch.append(chunk)
+            batched += len(chunk)
+            if batched >= WRITE_BATCH_BYTES:
+                full, batch, batched = batch, [], 0  # (emptied first: a failed write is not tried again)
+                await asyncio.to_thread(writer.write_many, full)
+    finally:
+        if batch:
+            await asyncio.to_thread(writer.write_many, batch)
+
+
+class UploadStalled(InvalidPackage):
+    """An upload whose client sent nothing for BODY_IDLE_TIMEOUT_S (`offset`: the bytes kept)."""
+
+    def __init__(self, offset: int) -> None:
+        super().__init__(
+            f"no bytes of the upload came for {BODY_IDLE_TIMEOUT_S:g} s; send the rest with {UPLOAD_OFFSET}: {offset}"
+        )
+        self.offset = offset
+
+
 class OffsetMismatch(InvalidPackage):
     """An upload that does not start where the blob's partial ends (`offset`)."""
 
@@ -586,4 +615,13 @@ def blob_authorizer(role_of: Callable[[bytes | None], object], admin: object, no
     return authorize
 
 
-__all__ = ["Artifacts", "BlobBusy", "MissingBlobs", "OffsetMismatch", "PeerAccess", "blob_authorizer", "spool"]
+__all__ = [
+    "Artifacts",
+    "BlobBusy",
+    "MissingBlobs",
+    "OffsetMismatch",
+    "PeerAccess",
+    "UploadStalled",
+    "blob_authorizer",
+    "spool",
+]

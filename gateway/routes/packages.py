@@ -15,7 +15,7 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import ClientDisconnect
 
-from gateway.artifacts import MAX_BATCH_BYTES, MissingBlobs, OffsetMismatch, PeerAccess, spool
+from gateway.artifacts import MAX_BATCH_BYTES, MissingBlobs, OffsetMismatch, PeerAccess, UploadStalled, spool
 from gateway.routes.deps import GatewayDep
 from gateway.state import ApiError
 from gpufaas.blobnet import UPLOAD_OFFSET
@@ -174,6 +174,8 @@ async def upload_blob(
             reached = await gateway.artifacts.receive(digest, size, offset, request.stream())
     except OffsetMismatch as exc:
         raise ApiError(409, str(exc), headers={UPLOAD_OFFSET: str(exc.offset)}) from None
+    except UploadStalled as exc:  # (its client is likely gone; one merely slow hears where to go on)
+        raise ApiError(408, str(exc), headers={UPLOAD_OFFSET: str(exc.offset)}) from None
     except BlobBusy as exc:
         raise ApiError(409, str(exc)) from None
     except (CorruptBlob, PackageTooLarge) as exc:

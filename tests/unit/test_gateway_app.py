@@ -1252,3 +1252,34 @@ def test_the_overview_asks_the_scheduler_for_the_queued_calls_it_shows_and_says_
         assert asked == [20, 20]
 
     run(tmp_path, body)
+
+
+def test_an_upload_whose_client_goes_silent_lets_go_of_the_blob(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client gone without closing (its network dropped: a half-open connection) sends no more
+    of its body and no end of it; the server has no read timeout on a body, so the upload held the
+    blob's writer for hours and every retry heard 409 "being written by another transfer". Now
+    the upload ends once no bytes came for BODY_IDLE_TIMEOUT_S, keeping what arrived."""
+    monkeypatch.setattr(artifacts, "BODY_IDLE_TIMEOUT_S", 0.2)
+    data = b"weights" * 1000
+    digest = sha256(data)
+
+    async def body(env: Env) -> None:
+        gateway_artifacts = env.app.state.gateway.artifacts
+        never = asyncio.Event()
+
+        async def half_then_silent() -> AsyncIterator[bytes]:
+            yield data[:3000]
+            await never.wait()
+
+        receiving = asyncio.ensure_future(gateway_artifacts.receive(digest, len(data), 0, half_then_silent()))
+        done, _ = await asyncio.wait([receiving], timeout=20.0)  # (a guard against hanging, not a measure)
+        never.set()
+        assert receiving in done
+        with pytest.raises(artifacts.UploadStalled, match="Upload-Offset: 3000"):
+            receiving.result()
+        blobs = gateway_artifacts.blobs
+        assert not blobs.busy(digest) and blobs.partial_size(digest) == 3000
+
+    run(tmp_path, body)
