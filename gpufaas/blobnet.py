@@ -508,7 +508,7 @@ class _Connection:
         links = links_of(tls)
         try:
             sock = socket.create_connection((hostname, port), timeout=timeout_s)
-        except OSError as exc:
+        except (OSError, UnicodeError) as exc:  # (UnicodeError: a host name IDNA cannot encode)
             raise TransferError(f"cannot reach the blob holder at {base_url}: {exc}") from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -540,3 +540,17 @@ def test_a_fetch_that_times_out_keeps_every_byte_that_arrived(tmp_path: Path, nb
         writer.write(data[half:])
         writer.commit()
     assert mine.path(digest).read_bytes() == data  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("host", ["bad..host", "a" * 64 + ".example"])
+def test_a_holder_with_a_host_name_no_resolver_takes_is_passed_over(tmp_path: Path, host: str) -> None:
+    """A holder advertised under a host name IDNA cannot encode (an empty label, one over 63
+    characters: a typo in --blob-advertise) raised UnicodeError out of the connect, which no
+    caller passes over: one such holder failed every staging that reached it. A TransferError."""
+    source = tmp_path / "blob"
+    source.write_bytes(b"abc")
+    digest = sha256_digest(b"abc")
+    with pytest.raises(TransferError, match="cannot reach the blob holder"):
+        fetch_blob(f"http://{host}:9000", digest, 3, BlobStore(tmp_path / "mine"), tls=False)
+    with pytest.raises(TransferError, match="cannot reach the blob holder"):
+        upload_blob(f"http://{host}:9000", source, digest, tls=False)
