@@ -412,9 +412,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             except _ClientGone:
                 got = -1
             except OSError as exc:  # this holder's own write (its disk full): the client must hear it
-                self._answer(
-                    507 if exc.errno in DISK_FULL_ERRNOS else 500, f"storing blob {writer.digest} failed: {exc}"
-                )
+                self._answer_storing_failed(writer.digest, exc)
                 return False
             blobs.count(received=max(0, got))
             if got != length:
@@ -425,7 +423,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             except CorruptBlob as exc:
                 self._answer(400, str(exc))
                 return False
+            except OSError as exc:  # its flush or rename (the disk full as it flushed): as a write's
+                self._answer_storing_failed(writer.digest, exc)
+                return False
         return True
+
+    def _answer_storing_failed(self, digest: str, exc: OSError) -> None:
+        self._answer(507 if exc.errno in DISK_FULL_ERRNOS else 500, f"storing blob {digest} failed: {exc}")
 
     def _body_reader(self) -> Callable[[memoryview], int | None]:
         """readinto of the request's body whose failures (the client broke off, or went silent)

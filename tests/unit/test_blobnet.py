@@ -412,7 +412,8 @@ def test_a_holder_with_malformed_numbers_is_a_transfer_error_not_a_crash(tmp_pat
 
 
 @pytest.mark.parametrize(
-    ("nbytes", "failing"), [(1000, "write"), (1000, "open"), (3 * PUMP_BUFFER_BYTES + 17, "write")]
+    ("nbytes", "failing"),
+    [(1000, "write"), (1000, "open"), (3 * PUMP_BUFFER_BYTES + 17, "write"), (1000, "fsync")],
 )
 def test_a_holder_whose_disk_is_full_says_so(
     tmp_path: Path, holder: tuple[BlobServer, str], monkeypatch: pytest.MonkeyPatch, nbytes: int, failing: str
@@ -422,11 +423,14 @@ def test_a_holder_whose_disk_is_full_says_so(
     resumed into the same full disk)."""
     _, url = holder
 
-    def full(fd: int, data: object, *args: object) -> int:
+    def full(*args: object) -> int:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(blobs.os, "pwrite", full)
-    monkeypatch.setattr(blobs.BlobWriter, "write", lambda self, data: full(0, data))
+    if failing == "fsync":  # every byte written, the flush before the commit fails (thin storage, NFS)
+        monkeypatch.setattr(blobs.os, "fsync", full)
+    else:
+        monkeypatch.setattr(blobs.os, "pwrite", full)
+        monkeypatch.setattr(blobs.BlobWriter, "write", lambda self, data: full(0, data))
     if failing == "open":  # no inode left for its partial
         monkeypatch.setattr(blobs.BlobStore, "writer", lambda self, digest, size: full(0, digest))
     source = tmp_path / "weights.bin"
