@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import io
 import json
 import logging
 import os
@@ -60,6 +61,10 @@ UPLOAD_OFFSET = "Upload-Offset"
 SEND_CHUNK_BYTES = 16 << 20  # sendfile per call: progress is reported this often
 HEADER_LIMIT_BYTES = 16 << 10
 DEFAULT_TIMEOUT_S = 60.0
+# A request's line and headers (and the wait for them on a kept-alive connection) within this in
+# all: anyone may connect (users upload in plain HTTP), and a head trickled a byte at a time, each
+# within DEFAULT_TIMEOUT_S, would hold a connection's slot for ever before any credential is read.
+HEAD_TIMEOUT_S = DEFAULT_TIMEOUT_S
 # The slowest a fetch may go on average: a holder that trickles bytes (each read within the
 # timeout) is given up on once the whole blob at this rate, plus the timeout, has passed.
 MIN_RATE_BYTES_S = 4 << 20
@@ -240,6 +245,21 @@ class _ThreadingServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
         super().finish_request(request, client_address)
 
 
+class _HeadIO(socket.SocketIO):
+    """A connection's reads (under the handler's buffered rfile), bounded while `deadline`
+    (time.monotonic()) is set: past it TimeoutError, however steadily the client trickles."""
+
+    deadline: float | None = None
+
+    def readinto(self, b: Any) -> int | None:
+        if self.deadline is not None:
+            left_s = self.deadline - time.monotonic()
+            if left_s <= 0:
+                raise TimeoutError("the request's head did not arrive in time")
+            self._sock.settimeout(min(left_s, DEFAULT_TIMEOUT_S))  # type: ignore[attr-defined]
+        return super().readinto(b)
+
+
 class _ClientGone(Exception):
     """Reading an upload's body failed: the client broke off (its partial is kept for a resume)."""
 
@@ -252,6 +272,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("%s %s", self.address_string(), format % args)
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # (its socket stays open: only this reader goes)
+        self._head = _HeadIO(self.connection, "rb")
+        self.rfile = io.BufferedReader(self._head)
+
+    def handle_one_request(self) -> None:
+        self._head.deadline = time.monotonic() + HEAD_TIMEOUT_S  # (lifted once the head is read)
+        super().handle_one_request()
 
     def _blob(self) -> tuple[BlobServer, str, dict[str, list[str]]] | None:
         """Check the credential and the path; answers and returns None if the request stops here."""
@@ -269,7 +299,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def parse_request(self) -> bool:
         self._expecting = False  # (one handler serves every request of a kept-alive connection)
-        return super().parse_request()
+        parsed = super().parse_request()
+        self._head.deadline = None  # the body: each read within the timeout, as long as it takes
+        self.connection.settimeout(self.timeout)
+        return parsed
 
     def handle_expect_100(self) -> bool:
         # The interim 100 Continue is sent by do_PUT once it wants the body (`_continue`): a

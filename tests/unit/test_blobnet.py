@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import socket
 import threading
 import time
@@ -558,3 +559,27 @@ def test_a_holder_with_a_host_name_no_resolver_takes_is_passed_over(tmp_path: Pa
         fetch_blob(f"http://{host}:9000", digest, 3, BlobStore(tmp_path / "mine"), tls=False)
     with pytest.raises(TransferError, match="cannot reach the blob holder"):
         upload_blob(f"http://{host}:9000", source, digest, tls=False)
+
+
+def test_a_client_that_trickles_its_request_head_is_cut_off(
+    holder: tuple[BlobServer, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Anyone may connect to a gateway's blob server (users upload in plain HTTP); before any
+    credential is read, a request head sent a byte at a time (each within the read timeout) held
+    its connection, and max_connections of them refused everyone. The head now has a deadline."""
+    monkeypatch.setattr(blobnet, "HEAD_TIMEOUT_S", 0.5)
+    _, url = holder
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    closed = False
+    with socket.create_connection((host, int(port)), timeout=5.0) as conn:
+        for byte in b"GET /blobs/sha256:" + b"0" * 64 + b" HTTP/1.1\r\nX-Slow: " + b"a" * 400:
+            readable, _, _ = select.select([conn], [], [], 0.05)  # (400 bytes: 20 s, a guard)
+            if readable:
+                closed = not conn.recv(65536)
+                break
+            try:
+                conn.send(bytes([byte]))
+            except OSError:
+                closed = True
+                break
+    assert closed
