@@ -515,24 +515,31 @@ async def _write_body(writer: BlobWriter, chunks: AsyncIterator[bytes]) -> None:
     BODY_IDLE_TIMEOUT_S. Whatever ends it, what arrived before is written: kept for a resume."""
     batch: list[bytes] = []
     batched = 0
-    pending = aiter(chunks)
     try:
-        while True:
-            try:
-                async with asyncio.timeout(BODY_IDLE_TIMEOUT_S):  # (no task per chunk, as wait_for makes)
-                    chunk = await anext(pending)
-            except StopAsyncIteration:
-                break
-            except TimeoutError:
-                raise UploadStalled(writer.offset + batched) from None
+        async for chunk in idle_bounded(chunks):
             batch.append(chunk)
             batched += len(chunk)
             if batched >= WRITE_BATCH_BYTES:
                 full, batch, batched = batch, [], 0  # (emptied first: a failed write is not tried again)
                 await asyncio.to_thread(writer.write_many, full)
+    except TimeoutError:
+        raise UploadStalled(writer.offset + batched) from None
     finally:
         if batch:
             await asyncio.to_thread(writer.write_many, batch)
+
+
+async def idle_bounded(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """`chunks`, and TimeoutError once none came for BODY_IDLE_TIMEOUT_S (its client is likely
+    gone without closing: the server has no read timeout on a body of its own)."""
+    pending = aiter(chunks)
+    while True:
+        try:
+            async with asyncio.timeout(BODY_IDLE_TIMEOUT_S):  # (no task per chunk, as wait_for makes)
+                chunk = await anext(pending)
+        except StopAsyncIteration:
+            return
+        yield chunk
 
 
 class UploadStalled(InvalidPackage):
@@ -558,15 +565,16 @@ def spool_limit_error(limit_bytes: int) -> PackageTooLarge:
 
 
 async def spool(chunks: AsyncIterator[bytes], directory: Path, limit_bytes: int) -> tuple[Path, int, str]:
-    """Write a request body to a temporary file in `directory` (PackageTooLarge past the limit):
-    its path, size and sha256 digest. The caller removes the file."""
+    """Write a request body to a temporary file in `directory` (PackageTooLarge past the limit,
+    TimeoutError when it stops coming: `idle_bounded`; the file removed): its path, size and
+    sha256 digest. The caller removes the file."""
     hasher = hashlib.sha256()
     size = 0
     fd, name = await asyncio.to_thread(_mkstemp, directory)
     try:
         batch: list[bytes] = []
         batched = 0
-        async for chunk in chunks:
+        async for chunk in idle_bounded(chunks):
             size += len(chunk)
             if size > limit_bytes:
                 raise spool_limit_error(limit_bytes)

@@ -15,7 +15,15 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import ClientDisconnect
 
-from gateway.artifacts import MAX_BATCH_BYTES, MissingBlobs, OffsetMismatch, PeerAccess, UploadStalled, spool
+from gateway.artifacts import (
+    BODY_IDLE_TIMEOUT_S,
+    MAX_BATCH_BYTES,
+    MissingBlobs,
+    OffsetMismatch,
+    PeerAccess,
+    UploadStalled,
+    spool,
+)
 from gateway.routes.deps import GatewayDep
 from gateway.state import ApiError
 from gpufaas.blobnet import UPLOAD_OFFSET
@@ -343,3 +351,5 @@ async def _spool(request: Request, gateway: GatewayDep, limit_bytes: int) -> tup
             return await spool(request.stream(), gateway.spool_dir, limit_bytes)
     except PackageTooLarge as exc:
         raise ApiError(413, str(exc)) from None
+    except TimeoutError:  # (its client is likely gone; one merely slow hears why)
+        raise ApiError(408, f"no bytes of the request came for {BODY_IDLE_TIMEOUT_S:g} s; send it again") from None

@@ -1283,3 +1283,29 @@ def test_an_upload_whose_client_goes_silent_lets_go_of_the_blob(
         assert not blobs.busy(digest) and blobs.partial_size(digest) == 3000
 
     run(tmp_path, body)
+
+
+def test_a_request_body_that_stops_coming_is_not_spooled_for_ever(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A package or batch upload whose client went without closing held its request and its
+    spool file (up to the package limit on disk) until TCP noticed, hours on. Now it ends once
+    no bytes came for BODY_IDLE_TIMEOUT_S, its spool file removed."""
+    monkeypatch.setattr(artifacts, "BODY_IDLE_TIMEOUT_S", 0.2)
+
+    async def main() -> None:
+        never = asyncio.Event()
+
+        async def one_then_silent() -> AsyncIterator[bytes]:
+            yield b"x" * 1000
+            await never.wait()
+
+        spooling = asyncio.ensure_future(artifacts.spool(one_then_silent(), tmp_path, 1 << 20))
+        done, _ = await asyncio.wait([spooling], timeout=20.0)  # (a guard against hanging, not a measure)
+        never.set()
+        assert spooling in done
+        with pytest.raises(TimeoutError):
+            spooling.result()
+
+    asyncio.run(main())
+    assert list(tmp_path.iterdir()) == []
