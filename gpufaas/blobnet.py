@@ -66,8 +66,10 @@ DEFAULT_TIMEOUT_S = 60.0
 # within DEFAULT_TIMEOUT_S, would hold a connection's slot for ever before any credential is read.
 HEAD_TIMEOUT_S = DEFAULT_TIMEOUT_S
 # The slowest a fetch may go on average: a holder that trickles bytes (each read within the
-# timeout) is given up on once the whole blob at this rate, plus the timeout, has passed.
-MIN_RATE_BYTES_S = 4 << 20
+# timeout) is given up on once the whole blob at this rate, plus the timeout, has passed. Low, as
+# many nodes may fetch from one gateway at once over a shared link; what arrived is kept and the
+# next try resumes from it, so a deadline met by a slow but honest holder costs a reconnection.
+MIN_RATE_BYTES_S = 1 << 20
 EXPECT_WAIT_S = 5.0  # for 100 Continue; a holder silent that long gets the body anyway
 TLS_SEND_BYTES = 1 << 20  # what one TLS send takes from the file
 _TLS_HANDSHAKE = b"\x16"  # the first byte a TLS client sends (a handshake record)
