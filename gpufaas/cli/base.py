@@ -3,6 +3,7 @@ user's mistake is reported."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +24,13 @@ app = typer.Typer(
 )
 err_console = Console(stderr=True, soft_wrap=True)
 console = Console(soft_wrap=True)  # messages: never wrapped mid-sentence when piped
+PIPED_TABLE_WIDTH = 200  # columns a table gets on stdout that is not a terminal
+
+
+def table_console() -> Console:
+    """A console for a table on stdout: the terminal's width, or PIPED_TABLE_WIDTH when piped (Rich's
+    default there, 80 columns, cut names short with '…', and `gpufaas ls | grep NAME` found nothing)."""
+    return Console(width=None if sys.stdout.isatty() else PIPED_TABLE_WIDTH)
 
 
 @app.callback()

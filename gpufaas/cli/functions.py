@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gpufaas.cli.base import GatewayOpt, app, console, err_console, user_errors
+from gpufaas.cli.base import GatewayOpt, app, console, err_console, table_console, user_errors
 from gpufaas.cli.client import GatewayClient, gateway_url, is_count, is_number, is_text, running_cluster_url
 from gpufaas.errors import GpufaasError
 
@@ -339,7 +338,7 @@ def list_functions(gateway: GatewayOpt = None) -> None:
             str(f["invocationCount"]),
             str(f["replicas"]),
         )
-    Console().print(table)
+    table_console().print(table)
 
 
 @app.command()

@@ -8,11 +8,10 @@ import time
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gpufaas.cli.base import GatewayOpt, StateDir, app, console, err_console, user_errors
+from gpufaas.cli.base import GatewayOpt, StateDir, app, console, err_console, table_console, user_errors
 from gpufaas.cli.client import GatewayClient, gateway_url, is_count, is_number, is_text, is_texts, state_dir_default
 from gpufaas.errors import GpufaasError
 
@@ -51,7 +50,7 @@ def gpus(gateway: GatewayOpt = None) -> None:
             escape(", ".join(g["lru"]) or "-"),
             escape(", ".join(map(str, g.get("host_tier") or [])) or "-"),
         )
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    table_console().print(table)
 
 
 @app.command()
@@ -70,7 +69,7 @@ def top(
         with user_errors():
             client = GatewayClient(gateway_url(gateway), timeout_s=10.0)
             overview = _fetch_overview(client)  # a first failure (no gateway, 401, 404) ends the command
-        out = Console(width=None if sys.stdout.isatty() else 200)
+        out = table_console()
         if once:
             out.print(render(overview, gateway_url=client.url, now_unix_s=time.time()))
             return

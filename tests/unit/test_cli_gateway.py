@@ -566,3 +566,13 @@ def test_a_gateway_on_this_machine_is_reached_whatever_proxy_the_environment_nam
         assert GatewayClient(url, password="").request("GET", "/system/functions").status_code == 200
     with pytest.raises(httpx.ConnectError):  # (the proxy is in force for others: this test's own premise)
         httpx.get(stand.url)
+
+
+def test_ls_piped_shows_every_function_name_whole(stand: Stand, state: Path) -> None:
+    """Piped (a script's `gpufaas ls | grep NAME`), a table at Rich's default 80 columns cut a long
+    name short with '…'."""
+    name = "an-image-classifier-with-a-long-descriptive-name-for-its-team"
+    stand.answer("/system/functions", 200, [FUNCTION | {"name": name, "gpu": "nvidia-a100-80gb"}])
+    code, out, err = cli("ls", "--gateway", stand.url)
+    assert code == 0, err
+    assert name in out and "nvidia-a100-80gb" in out, out
