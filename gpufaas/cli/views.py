@@ -15,6 +15,8 @@ from gpufaas.cli.base import GatewayOpt, StateDir, app, console, err_console, ta
 from gpufaas.cli.client import GatewayClient, gateway_url, is_count, is_number, is_text, is_texts, state_dir_default
 from gpufaas.errors import GpufaasError
 
+MAX_INTERVAL_S = 3600.0  # `top --interval`: an hour between frames is the longest a live view waits
+
 # What `gpus` shows of each GPU (what the gateway's GET /system/gpus has; host_tier is newer).
 SHOWN = {
     "node": is_text,
@@ -56,7 +58,10 @@ def gpus(gateway: GatewayOpt = None) -> None:
 @app.command()
 def top(
     gateway: GatewayOpt = None,
-    interval_s: Annotated[float, typer.Option("--interval", min=0.1, help="Seconds between refreshes.")] = 2.0,
+    # (max: sleeping `inf` or 1e300 seconds was an OverflowError's traceback, not a view)
+    interval_s: Annotated[
+        float, typer.Option("--interval", min=0.1, max=MAX_INTERVAL_S, help="Seconds between refreshes.")
+    ] = 2.0,
     once: Annotated[bool, typer.Option("--once", help="Print one frame and exit (for scripts).")] = False,
 ) -> None:
     """A live view of the cluster until Ctrl-C: GPUs (memory, running calls, LRU lists, host tiers),

@@ -576,3 +576,11 @@ def test_ls_piped_shows_every_function_name_whole(stand: Stand, state: Path) -> 
     code, out, err = cli("ls", "--gateway", stand.url)
     assert code == 0, err
     assert name in out and "nvidia-a100-80gb" in out, out
+
+
+@pytest.mark.parametrize("interval", ["inf", "1e300"])
+def test_top_with_an_interval_no_clock_can_sleep_is_refused_in_one_line(
+    stand: Stand, state: Path, interval: str
+) -> None:
+    code, _, err = cli("top", "--interval", interval, "--gateway", stand.url)
+    assert code == 2 and "--interval" in err, err
