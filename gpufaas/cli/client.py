@@ -18,6 +18,7 @@ from gpufaas.errors import GpufaasError
 from gpufaas.settings import is_loopback
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8080"
+MAX_ERROR_CHARS = 300  # of a refusal's text: an error is one line, not a page
 
 
 def state_dir_default() -> Path:
@@ -170,15 +171,24 @@ class GatewayClient:
                 "(the password of a local cluster is in its state directory, secrets/admin-password)"
             )
         if response.status_code not in accept:
-            try:
-                message = response.json().get("error", response.text)
-            except (ValueError, AttributeError):  # not JSON, or not an object
-                message = response.text
-            raise GpufaasError(f"{message} (HTTP {response.status_code})")
+            raise GpufaasError(f"{self._error_message(response)} (HTTP {response.status_code})")
         try:
             return response.json() if response.content else None
         except ValueError:  # a web page, a proxy's: whatever answers there, it is not a gateway
             raise self.not_a_gateway(response, "JSON") from None
+
+    def _error_message(self, response: httpx.Response) -> str:
+        """What a refusal says, on one line: the gateway's JSON `error`, else its body's text (a
+        proxy's HTML page, printed whole, was dozens of lines of markup in place of one)."""
+        try:
+            message = response.json().get("error", response.text)
+        except (ValueError, AttributeError):  # not JSON, or not an object
+            message = response.text
+        text = " ".join(str(message).split())
+        if not text or text.startswith("<") or "html" in response.headers.get("content-type", ""):
+            reason = f" ({response.reason_phrase})" if response.reason_phrase else ""
+            return f"the gateway at {self.url} refused{reason} with a web page, not a gateway's error (a proxy's?)"
+        return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 1] + "…"
 
     def not_a_gateway(self, response: httpx.Response, what: str) -> GpufaasError:
         """The error for an answer (of HTTP status `accept` takes) that is not `what` a gateway answers."""

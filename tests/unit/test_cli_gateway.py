@@ -584,3 +584,24 @@ def test_top_with_an_interval_no_clock_can_sleep_is_refused_in_one_line(
 ) -> None:
     code, _, err = cli("top", "--interval", interval, "--gateway", stand.url)
     assert code == 2 and "--interval" in err, err
+
+
+PROXY_PAGE = b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n<center><h1>502 Bad Gateway</h1>"
+PROXY_PAGE += b"</center>\r\n<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n"
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=lambda argv: argv[0])
+def test_a_proxys_error_page_is_one_line_not_its_markup(stand: Stand, state: Path, argv: list[str]) -> None:
+    stand.answers[PATHS[argv[0]]] = (502, PROXY_PAGE, "text/html")
+    result = CliRunner().invoke(app, [*argv, "--gateway", stand.url])
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "<" not in result.stderr, result.stderr
+    assert f"the gateway at {stand.url} refused (Bad Gateway) with a web page" in result.stderr
+    assert "(HTTP 502)" in result.stderr
+
+
+def test_a_long_plain_text_refusal_is_one_line(stand: Stand, state: Path) -> None:
+    stand.answers["/system/functions"] = (503, b"upstream connect error\n" + b"x" * 5000, "text/plain")
+    result = CliRunner().invoke(app, ["ls", "--gateway", stand.url])
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert "upstream connect error" in result.stderr and len(result.stderr) < 500
