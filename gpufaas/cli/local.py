@@ -9,12 +9,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
-import httpx
 import typer
 from rich.table import Table
 
 from gpufaas.cli.base import GatewayOpt, StateDir, app, console, err_console, user_errors
-from gpufaas.cli.client import cluster_info, gateway_url, state_dir_default
+from gpufaas.cli.client import GatewayClient, cluster_info, gateway_url, state_dir_default
 from gpufaas.errors import GpufaasError
 
 if TYPE_CHECKING:
@@ -285,9 +284,9 @@ def status(state_dir: StateDir = state_dir_default(), gateway: GatewayOpt = None
         console.print(table)
     else:
         console.print(f"no local cluster recorded in {state_dir}")
-    try:
-        healthy = httpx.get(f"{url}/healthz", timeout=3).status_code == 200
-    except (httpx.HTTPError, httpx.InvalidURL):  # (InvalidURL: not a URL at all)
+    try:  # (the CLI's client: a gateway on this machine is reached directly, whatever http_proxy says)
+        healthy = GatewayClient(url, timeout_s=3.0, password="").request("GET", "/healthz").status_code == 200
+    except GpufaasError:  # not a URL at all, or nothing answers there
         healthy = False
     console.print(f"gateway {url}: {'[green]answers[/]' if healthy else '[red]does not answer[/]'}")
     if not healthy:

@@ -549,19 +549,24 @@ def test_describe_shows_a_label_as_it_is(stand: Stand, state: Path) -> None:
     assert "[bold]v2[/bold] [red]" in out, out
 
 
-def test_a_gateway_on_this_machine_is_reached_whatever_proxy_the_environment_names(
-    stand: Stand, state: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A developer behind a corporate proxy (http_proxy set, no no_proxy) and a local cluster:
-    every command went to the proxy, which cannot reach this machine's loopback, and said "no
-    gateway answers". Loopback is reached directly, as etcdctl (every Go client) does."""
-    with socket.socket() as closed:  # a proxy that refuses everything
+def proxy_that_refuses_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment names a proxy (every scheme, no no_proxy) where nothing listens."""
+    with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         proxy = f"http://127.0.0.1:{closed.getsockname()[1]}"
     for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.setenv(name, proxy)
     for name in ("no_proxy", "NO_PROXY"):
         monkeypatch.delenv(name, raising=False)
+
+
+def test_a_gateway_on_this_machine_is_reached_whatever_proxy_the_environment_names(
+    stand: Stand, state: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A developer behind a corporate proxy (http_proxy set, no no_proxy) and a local cluster:
+    every command went to the proxy, which cannot reach this machine's loopback, and said "no
+    gateway answers". Loopback is reached directly, as etcdctl (every Go client) does."""
+    proxy_that_refuses_everything(monkeypatch)
     for url in (stand.url, stand.url.replace("127.0.0.1", "localhost")):
         assert GatewayClient(url, password="").request("GET", "/system/functions").status_code == 200
     with pytest.raises(httpx.ConnectError):  # (the proxy is in force for others: this test's own premise)
@@ -605,3 +610,14 @@ def test_a_long_plain_text_refusal_is_one_line(stand: Stand, state: Path) -> Non
     result = CliRunner().invoke(app, ["ls", "--gateway", stand.url])
     assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.stderr
     assert "upstream connect error" in result.stderr and len(result.stderr) < 500
+
+
+def test_status_finds_a_gateway_on_this_machine_whatever_proxy_the_environment_names(
+    stand: Stand, state: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`status` asked /healthz through the proxy: "does not answer" and exit status 1 for a gateway
+    every other command reached."""
+    proxy_that_refuses_everything(monkeypatch)
+    code, out, err = cli("status", "--gateway", stand.url)
+    assert code == 0, out + err
+    assert f"gateway {stand.url}: answers" in " ".join(out.split())
