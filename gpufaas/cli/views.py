@@ -41,7 +41,9 @@ def gpus(gateway: GatewayOpt = None) -> None:
     columns = ("node", "GPU", "type", "status", "memory (MB)", "queued", "LRU list (most recent first)", "host tier")
     for column in columns:
         table.add_column(column)
-    for g in sorted(rows, key=lambda g: g["gpu"]):
+    from gpufaas.cli.top import natural_key
+
+    for g in sorted(rows, key=lambda g: natural_key(g["gpu"])):  # node2/0 before node10/0, as `top` lists them
         table.add_row(  # the gateway's words: text, not markup
             escape(g["node"]),
             escape(g["gpu"].rpartition("/")[2]),  # (node/gpu: the node has its column)

@@ -621,3 +621,14 @@ def test_status_finds_a_gateway_on_this_machine_whatever_proxy_the_environment_n
     code, out, err = cli("status", "--gateway", stand.url)
     assert code == 0, out + err
     assert f"gateway {stand.url}: answers" in " ".join(out.split())
+
+
+def test_gpus_lists_the_gpus_in_natural_order(stand: Stand, state: Path) -> None:
+    """As `top` lists them: node2 before node10 (a string sort put node10 and node11 between node1
+    and node2)."""
+    nodes = ["node10", "node2", "node1", "node11"]
+    stand.answer("/system/gpus", 200, [GPU | {"node": n, "gpu": f"{n}/0"} for n in nodes])
+    code, out, err = cli("gpus", "--gateway", stand.url)
+    assert code == 0, err
+    shown = [word for line in out.splitlines() for word in line.split() if word[:4] == "node" and word != "node"]
+    assert shown == ["node1", "node2", "node10", "node11"], out
