@@ -178,6 +178,10 @@ def deploy(
         stack = load_stack(file)
         client = GatewayClient(gateway_url(gateway, stack.gateway))
         selected = [f for f in stack.functions if not only or f.name in only]
+        unknown = sorted(set(only or []) - {f.name for f in stack.functions})
+        if unknown:  # (a typo beside a right name: the rest were deployed, and it silently not)
+            known = ", ".join(f.name for f in stack.functions) or "none"
+            raise GpufaasError(f"--filter {', '.join(unknown)}: no such function in {file} (it has: {known})")
         if not selected:
             raise GpufaasError(f"no function in {file} matches --filter {', '.join(only or [])}")
         for function in selected:

@@ -632,3 +632,17 @@ def test_gpus_lists_the_gpus_in_natural_order(stand: Stand, state: Path) -> None
     assert code == 0, err
     shown = [word for line in out.splitlines() for word in line.split() if word[:4] == "node" and word != "node"]
     assert shown == ["node1", "node2", "node10", "node11"], out
+
+
+def test_deploy_with_a_filter_naming_no_function_of_the_stack_deploys_nothing(
+    stand: Stand, state: Path, tmp_path: Path
+) -> None:
+    """`--filter fn --filter tyop` deployed fn and said nothing of tyop."""
+    (tmp_path / "fn").mkdir()
+    (tmp_path / "fn" / "handler.py").write_text("def load(device):\n    return None\n")
+    stack = {"version": 1.0, "provider": {"name": "gpufaas"}, "functions": {"fn": {"handler": "./fn", "memory_mb": 64}}}
+    (tmp_path / "stack.yml").write_text(yaml.safe_dump(stack))
+    argv = ["-f", str(tmp_path / "stack.yml"), "--filter", "fn", "--filter", "tyop", "--gateway", stand.url]
+    code, out, err = cli("deploy", *argv)
+    assert code == 1 and "--filter tyop: no such function in" in err and "(it has: fn)" in err, (out, err)
+    assert stand.seen == []
