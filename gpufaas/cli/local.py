@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from gpufaas.cli.base import GatewayOpt, StateDir, app, console, err_console, user_errors
@@ -128,7 +129,8 @@ def up(
         url = cluster_info(state_dir).get("gateway_url", "?")
         console.print(
             f"a cluster is already running from {state_dir} (gateway {url}); "
-            "`gpufaas status` shows it, `gpufaas down` stops it"
+            "`gpufaas status` shows it, `gpufaas down` stops it",
+            markup=False,  # (a path's '[/old]' is text: read as markup, a traceback)
         )
         return
     options = {
@@ -224,10 +226,10 @@ def _start_supervised(state_dir: Path, options: Mapping[str, Any], *, policy: st
         f"[bold green]gpufaas is up[/]: gateway {cluster.gateway_url}{gateways}{schedulers}, {cluster.nodes} "
         f"node(s) x {cluster.gpus_per_node} {cluster.backend} GPU(s), policy {policy}"
     )
-    console.print(f"state: {state_dir}   logs: {logs}   (gpufaas logs \\[component])")
+    console.print(f"state: {escape(str(state_dir))}   logs: {escape(str(logs))}   (gpufaas logs \\[component])")
     console.print(
-        f"credentials (mode 0600) in {cluster.secrets.directory}: admin-password (user admin: /system/*, and "
-        "this CLI uses it), invoke-token (Authorization: Bearer, to call functions)"
+        f"credentials (mode 0600) in {escape(str(cluster.secrets.directory))}: admin-password (user admin: "
+        "/system/*, and this CLI uses it), invoke-token (Authorization: Bearer, to call functions)"
     )
     console.print("stop it with `gpufaas down`")
 
@@ -253,7 +255,7 @@ def down(state_dir: StateDir = state_dir_default()) -> None:  # noqa: B008
     if stopped:
         console.print(f"stopped {', '.join(stopped)}")
     else:
-        console.print(f"nothing is running from {state_dir}")
+        console.print(f"nothing is running from {state_dir}", markup=False)
 
 
 @app.command()
@@ -265,7 +267,7 @@ def status(state_dir: StateDir = state_dir_default(), gateway: GatewayOpt = None
     pids = recorded_pids(state_dir)
     info = cluster_info(state_dir)
     url = gateway_url(gateway, state_dir=state_dir)
-    table = Table(title=f"local cluster in {state_dir}", title_justify="left")
+    table = Table(title=f"local cluster in {escape(str(state_dir))}", title_justify="left")
     table.add_column("component")
     table.add_column("pid", justify="right")
     table.add_column("state")
@@ -283,12 +285,12 @@ def status(state_dir: StateDir = state_dir_default(), gateway: GatewayOpt = None
     if pids:
         console.print(table)
     else:
-        console.print(f"no local cluster recorded in {state_dir}")
+        console.print(f"no local cluster recorded in {state_dir}", markup=False)
     try:  # (the CLI's client: a gateway on this machine is reached directly, whatever http_proxy says)
         healthy = GatewayClient(url, timeout_s=3.0, password="").request("GET", "/healthz").status_code == 200
     except GpufaasError:  # not a URL at all, or nothing answers there
         healthy = False
-    console.print(f"gateway {url}: {'[green]answers[/]' if healthy else '[red]does not answer[/]'}")
+    console.print(f"gateway {escape(url)}: {'[green]answers[/]' if healthy else '[red]does not answer[/]'}")
     if not healthy:
         raise typer.Exit(code=1)
 

@@ -51,7 +51,7 @@ def login(
         saved = credentials_to_change()
         saved[url] = password
         path = keep_credentials(saved)
-    console.print(f"logged in to {url} as {ADMIN_USER} (kept in {path})")
+    console.print(f"logged in to {url} as {ADMIN_USER} (kept in {path})", markup=False)  # (a path: text)
 
 
 @app.command()
@@ -61,7 +61,7 @@ def logout(gateway: GatewayOpt = None, state_dir: StateDir = state_dir_default()
         url = gateway_url(gateway, state_dir=state_dir)
         saved = credentials_to_change()
         if saved.pop(url, None) is None:
-            console.print(f"no password kept for {url}")
+            console.print(f"no password kept for {url}", markup=False)
             return
         keep_credentials(saved)
-    console.print(f"forgot the password for {url}")
+    console.print(f"forgot the password for {url}", markup=False)

@@ -121,7 +121,7 @@ def logs(
     log_dir = state_dir / "logs"
     available = sorted(p.stem for p in log_dir.glob("*.log")) if log_dir.is_dir() else []
     if component is None:
-        console.print(f"logs in {log_dir}: {', '.join(available) or 'none'}")
+        console.print(f"logs in {log_dir}: {', '.join(available) or 'none'}", markup=False)  # (a path: text)
         return
     apart = {"scheduler": "--scheduler-apart", "node0": "--node-apart"}
     if component in apart and component not in available and "gateway" in available:
@@ -130,7 +130,7 @@ def logs(
         component = "gateway"
     if component not in available:
         known = ", ".join(available) or "none (is the cluster up?)"
-        err_console.print(f"[bold red]error:[/] no log for {component!r}; available: {known}")
+        err_console.print(f"[bold red]error:[/] no log for {escape(repr(component))}; available: {escape(known)}")
         raise typer.Exit(code=1)
     from gpufaas.logfiles import tail_lines
 

@@ -646,3 +646,28 @@ def test_deploy_with_a_filter_naming_no_function_of_the_stack_deploys_nothing(
     code, out, err = cli("deploy", *argv)
     assert code == 1 and "--filter tyop: no such function in" in err and "(it has: fn)" in err, (out, err)
     assert stand.seen == []
+
+
+@pytest.mark.parametrize("argv", [["down"], ["status"], ["logs"], ["logs", "[/x]"]], ids=" ".join)
+def test_a_path_or_name_with_brackets_is_printed_as_text_not_markup(
+    stand: Stand, tmp_path: Path, argv: list[str]
+) -> None:
+    """A state directory such as /data/[/old] (or a component typed so) was read as Rich markup: a
+    MarkupError's traceback; '[old]' vanished from what was printed."""
+    state_dir = tmp_path / "[/old]" / "[old]"
+    state_dir.mkdir(parents=True)
+    gateway = ["--gateway", stand.url] if argv == ["status"] else []
+    result = CliRunner().invoke(app, [*argv, "--state-dir", str(state_dir), *gateway])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    said = " ".join((result.stdout + result.stderr).split())
+    assert ("'[/x]'" if argv[-1] == "[/x]" else str(state_dir)) in said, said
+
+
+def test_login_says_where_it_kept_the_password_whatever_the_path(
+    stand: Stand, state: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stand.password = "pw"
+    monkeypatch.setenv("GPUFAAS_CONFIG_DIR", str(tmp_path / "[/config]"))
+    result = CliRunner().invoke(app, ["login", "--gateway", stand.url, "--password-stdin"], input="pw\n")
+    assert result.exit_code == 0, result.exception
+    assert str(tmp_path / "[/config]" / "credentials.json") in " ".join(result.stdout.split())
