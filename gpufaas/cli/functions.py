@@ -76,7 +76,8 @@ def new(
         shutil.rmtree(made, ignore_errors=True)
         raise
     console.print(
-        f"created {target} from {template} and added it to {stack_path}; deploy with `gpufaas deploy -f {stack_path}`"
+        f"created {target} from {template} and added it to {stack_path}; deploy with `gpufaas deploy -f {stack_path}`",
+        markup=False,  # (paths: '[/x]' in one, read as markup, was a traceback once the function was made)
     )
 
 

@@ -96,3 +96,16 @@ def test_a_function_added_to_a_stack_file_leaves_the_rest_as_written(tmp_path: P
     old, hello = load_stack(stack).functions
     assert old.settings.environment == {"REV": "1.10", "PERMS": "0755"}
     assert (hello.name, hello.settings.memory_mb, hello.handler) == ("hello", 600, tmp_path / "hello")
+
+
+def test_new_in_a_folder_with_brackets_says_what_it_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The folder's name was read as Rich markup: a traceback after the function was made."""
+    template = tmp_path / "templates" / "plain"
+    template.mkdir(parents=True)
+    (template / "handler.py").write_text("def load(device):\n    return None\n")
+    monkeypatch.setattr("gpufaas.cli.functions._templates", lambda: {"plain": template})
+    monkeypatch.setenv("GPUFAAS_STATE_DIR", str(tmp_path / "state"))
+    directory = tmp_path / "[/fns]"
+    result = runner.invoke(app, ["new", "hello", "--template", "plain", "--dir", str(directory)])
+    assert result.exit_code == 0, result.exception
+    assert f"created {directory / 'hello'} from plain" in " ".join(result.stdout.split())
