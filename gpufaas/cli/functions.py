@@ -356,7 +356,10 @@ def describe(name: Annotated[str, typer.Argument(callback=_function_name)], gate
         if not isinstance(function, dict) or function.get("name") != name:
             raise client.not_a_gateway(response, f"function {name!r}")
     for key, value in function.items():  # the user's labels and environment: text, never markup ("[/INST]")
-        console.print(f"{key + ':':18} {value}", markup=False, highlight=False)
+        # A value as the gateway (and a stack file) writes it: false, null, ["node0/gpu0"], not
+        # Python's False, None, ['node0/gpu0'].
+        shown = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        console.print(f"{key + ':':18} {shown}", markup=False, highlight=False)
 
 
 @app.command()

@@ -671,3 +671,14 @@ def test_login_says_where_it_kept_the_password_whatever_the_path(
     result = CliRunner().invoke(app, ["login", "--gateway", stand.url, "--password-stdin"], input="pw\n")
     assert result.exit_code == 0, result.exception
     assert str(tmp_path / "[/config]" / "credentials.json") in " ".join(result.stdout.split())
+
+
+def test_describe_shows_values_as_json_not_python(stand: Stand, state: Path) -> None:
+    extra = {"public": False, "slo_ms": None, "gpus": ["n/0"], "labels": {"team": "vision"}}
+    stand.answer("/system/function/f", 200, FUNCTION | extra)
+    code, out, err = cli("describe", "f", "--gateway", stand.url)
+    assert code == 0, err
+    shown = {line.split(":", 1)[0]: line.split(":", 1)[1].strip() for line in out.splitlines()}
+    assert shown["public"] == "false" and shown["slo_ms"] == "null", out
+    assert shown["gpus"] == '["n/0"]' and shown["labels"] == '{"team": "vision"}', out
+    assert shown["name"] == "f" and shown["timeout_s"] == "5.0", out
