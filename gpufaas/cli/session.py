@@ -36,6 +36,10 @@ def login(
             if sys.stdin.isatty():
                 raise GpufaasError("--password-stdin: pipe the password in, e.g. `cat FILE | gpufaas login ...`")
             password = sys.stdin.readline().strip()
+            if not password:  # (not the advice below: to pass it with --password-stdin, as was done)
+                raise GpufaasError(
+                    "--password-stdin: stdin held no password; pipe it in, e.g. `cat FILE | gpufaas login ...`"
+                )
         else:
             password = local_cluster_password(url, state_dir) or ""  # its own, never a password kept before
         if not password:

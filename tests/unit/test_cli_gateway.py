@@ -682,3 +682,11 @@ def test_describe_shows_values_as_json_not_python(stand: Stand, state: Path) -> 
     assert shown["public"] == "false" and shown["slo_ms"] == "null", out
     assert shown["gpus"] == '["n/0"]' and shown["labels"] == '{"team": "vision"}', out
     assert shown["name"] == "f" and shown["timeout_s"] == "5.0", out
+
+
+def test_login_with_an_empty_stdin_says_so(stand: Stand, state: Path) -> None:
+    """It said 'no password for URL: pass it with --password-stdin', to a user who had."""
+    result = CliRunner().invoke(app, ["login", "--gateway", stand.url, "--password-stdin"], input="")
+    assert result.exit_code == 1
+    assert "--password-stdin: stdin held no password" in " ".join(result.stderr.split()), result.stderr
+    assert stand.seen == []
