@@ -233,12 +233,8 @@ def _send_large(
             continue  # not reachable from here (another network): the next way in
         via_api = False
         break
-    if via_api:
-        remaining = gateway.ok(
-            gateway.request(
-                "POST", "/system/blobs/missing", json={"blobs": {d: files[d].stat().st_size for d in digests}}
-            )
-        )["missing"]
+    if via_api:  # (asked again, and checked as the first answer was: {} here was a KeyError's traceback)
+        remaining = _missing(gateway, {d: files[d].stat().st_size for d in digests})["missing"]
         _parallel(lambda d: _send_through_api(gateway, d, files[d], sent), remaining)
     return via_api
 
@@ -312,7 +308,13 @@ def _put_through_api(gateway: Gateway, digest: str, path: Path, sent: _Progress)
     if head.status_code == 200:
         sent.add(size, resumed=size)
         return
-    offset = int(head.headers.get(UPLOAD_OFFSET, "0") or 0)
+    try:
+        offset = int(head.headers.get(UPLOAD_OFFSET, "0") or 0)
+    except ValueError:  # (a traceback, before)
+        raise GpufaasError(
+            f"the gateway at {gateway.url} answered blob {digest}'s HEAD with {UPLOAD_OFFSET} "
+            f"{head.headers[UPLOAD_OFFSET]!r}, not a byte offset: is it a gpufaas gateway?"
+        ) from None
     sent.add(offset, resumed=offset)
 
     def body() -> Any:

@@ -690,3 +690,30 @@ def test_login_with_an_empty_stdin_says_so(stand: Stand, state: Path) -> None:
     assert result.exit_code == 1
     assert "--password-stdin: stdin held no password" in " ".join(result.stderr.split()), result.stderr
     assert stand.seen == []
+
+
+@pytest.mark.parametrize("oddity", ["missing-again", "offset"])
+def test_odd_answers_to_an_upload_through_the_api_are_one_clear_line(tmp_path: Path, oddity: str) -> None:
+    """Through the API (an https gateway): a second /system/blobs/missing answered {} was a
+    KeyError's traceback, an Upload-Offset that is not a number a ValueError's."""
+    (tmp_path / "fn").mkdir()
+    (tmp_path / "fn" / "handler.py").write_text("def load(device):\n    return None\n")
+    (tmp_path / "fn" / "weights.bin").write_bytes(b"w" * (uploads.BATCH_MAX_BYTES + 1))
+    scanned = uploads.scan([("fn", tmp_path / "fn")], DigestCache(None))
+    asked_missing: list[int] = []
+
+    def gateway(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/system/blobs/missing":
+            asked_missing.append(1)
+            if oddity == "missing-again" and len(asked_missing) > 1:
+                return httpx.Response(200, json={})
+            return httpx.Response(200, json={"missing": list(json.loads(request.read())["blobs"]), "offsets": {}})
+        if request.method == "HEAD":
+            return httpx.Response(404, headers={uploads.UPLOAD_OFFSET: "zz"})
+        request.read()
+        return httpx.Response(201, json={"digest": scanned[0].manifest.digest})
+
+    client = GatewayClient("https://127.0.0.1:1", password="")
+    client._client = httpx.Client(base_url=client.url, transport=httpx.MockTransport(gateway))
+    with pytest.raises(GpufaasError, match="is it a gpufaas gateway"):
+        uploads.upload(client, scanned)
