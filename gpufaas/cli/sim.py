@@ -353,7 +353,7 @@ def _plot(results: list[SimResult], plot: Path, *, sweep: bool, quiet: bool) -> 
         except OSError as exc:  # (a disk full: the file was checked before the run)
             raise GpufaasError(f"cannot write the plot {plot}: {exc}; the results are above") from None
     if not quiet:
-        console.print(f"wrote {plot}")
+        console.print(f"wrote {plot}", markup=False)  # (a path: "[/x]" in it, read as markup, a traceback)
 
 
 def _check_whole_trace(ctx: typer.Context, *, whole_trace: bool, start_minute: int | None) -> None:

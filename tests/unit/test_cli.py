@@ -570,3 +570,15 @@ def test_deploy_says_which_symbolic_links_it_left_out(monkeypatch: pytest.Monkey
     links: list[str] = []
     manifest, _ = scan_directory(tmp_path / "fn", links=links)
     assert manifest.file("model.pt") is None and links == ["model.pt"]
+
+
+def test_a_plot_path_with_brackets_is_said_as_it_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """'wrote PATH' read the path as markup: a traceback (exit 1) after the plot was written."""
+    import simulator.report
+
+    monkeypatch.setattr(simulator.report, "plot_policies", lambda results, path: path.write_bytes(b"png"))
+    plot = tmp_path / "[/run]" / "policies.png"
+    plot.parent.mkdir(parents=True)
+    code, out, err = sim("--minutes", "1", "--working-set", "15", "--no-optimum", "--plot", str(plot))
+    assert code == 0, err
+    assert f"wrote {plot}" in " ".join(out.split()), out
