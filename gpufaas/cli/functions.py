@@ -171,6 +171,8 @@ def deploy(
 ) -> None:
     """Upload what the gateway lacks of each function's handler directory (files it holds already,
     such as unchanged weights, are not sent again), then register or update the functions."""
+    from rich.filesize import decimal  # (76 bytes, 12.3 kB, 1.2 GB: in MB, a handler alone read "0.0 MB")
+
     from gpufaas.cli import uploads
     from gpufaas.cli.stack import load_stack
     from gpufaas.packages import DigestCache
@@ -216,12 +218,12 @@ def deploy(
             extra = escape(f", requirements: {', '.join(layer)}") if layer else ""  # pip's extras: [torch]
             console.print(
                 f"deployed [bold]{function.name}[/] (model {escape(str(answer['model']))}, "
-                f"{package.manifest.unpacked_bytes / 1e6:.1f} MB in {len(package.manifest.files)} files{extra})"
+                f"{decimal(package.manifest.unpacked_bytes)} in {len(package.manifest.files)} file(s){extra})"
             )
         why = "takes plain HTTP only" if client.url.startswith("https:") else "is not reachable from here"
         how = f" (through its API: its blob server {why})" if report.via_api else ""
         console.print(
-            f"sent {report.bytes_sent / 1e6:.1f} MB in {report.blobs_sent} blob(s); the gateway had the rest{how}"
+            f"sent {decimal(report.bytes_sent)} in {report.blobs_sent} blob(s); the gateway had the rest{how}"
         )
 
 

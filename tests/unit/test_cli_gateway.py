@@ -717,3 +717,20 @@ def test_odd_answers_to_an_upload_through_the_api_are_one_clear_line(tmp_path: P
     client._client = httpx.Client(base_url=client.url, transport=httpx.MockTransport(gateway))
     with pytest.raises(GpufaasError, match="is it a gpufaas gateway"):
         uploads.upload(client, scanned)
+
+
+def test_deploy_says_how_much_it_sent_in_a_unit_that_shows_it(stand: Stand, state: Path, tmp_path: Path) -> None:
+    """A function of a few hundred bytes was 'sent 0.0 MB in 1 blob(s)' (in '0.0 MB in 1 files')."""
+    handler = "def load(device):\n    return None\n"
+    (tmp_path / "fn").mkdir()
+    (tmp_path / "fn" / "handler.py").write_text(handler)
+    scanned = uploads.scan([("fn", tmp_path / "fn")], DigestCache(None))
+    stand.answer("/system/blobs/missing", 200, {"missing": list(scanned[0].manifest.blobs()), "offsets": {}})
+    stand.answer("/system/packages", 201, {"digest": scanned[0].manifest.digest})
+    stand.answer("/system/functions", 201, {"model": "fn@0123"})
+    stack = {"version": 1.0, "provider": {"name": "gpufaas"}, "functions": {"fn": {"handler": "./fn", "memory_mb": 64}}}
+    (tmp_path / "stack.yml").write_text(yaml.safe_dump(stack))
+    code, out, err = cli("deploy", "-f", str(tmp_path / "stack.yml"), "--gateway", stand.url)
+    assert code == 0, err
+    said = " ".join(out.split())
+    assert f"{len(handler)} bytes in 1 file(s)" in said and f"sent {len(handler)} bytes in 1 blob(s)" in said, said
