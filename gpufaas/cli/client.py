@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import ssl
 import urllib.parse
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -145,8 +146,10 @@ class GatewayClient:
         try:
             # A gateway on this machine is reached directly: with an http_proxy set for the outside
             # (and no no_proxy), every command to a local cluster failed "no gateway answers".
+            # The CAs to trust are still the environment's (SSL_CERT_FILE: a private CA's) on loopback.
+            verify = httpx.create_ssl_context() if parts.scheme == "https" else True
             self._client = httpx.Client(
-                base_url=url, timeout=timeout_s, auth=auth, trust_env=not is_loopback(parts.hostname)
+                base_url=url, timeout=timeout_s, auth=auth, trust_env=not is_loopback(parts.hostname), verify=verify
             )
         except httpx.InvalidURL:  # (a bad port, an unclosed [IPv6 address)
             raise not_a_gateway_url(url) from None
@@ -156,7 +159,12 @@ class GatewayClient:
             return self._client.request(method, path, **kwargs)
         except httpx.InvalidURL as exc:  # (a function name no URL can carry)
             raise GpufaasError(f"cannot ask the gateway at {self.url} for {path!r}: {exc}") from None
-        except httpx.ConnectError:
+        except httpx.ConnectError as exc:
+            if _untrusted_certificate(exc):  # (not "no gateway answers": one answered, with TLS)
+                raise GpufaasError(
+                    f"the gateway at {self.url} has a certificate this machine does not trust ({exc}); "
+                    "give the CA that signed it in SSL_CERT_FILE"
+                ) from None
             raise GpufaasError(
                 f"no gateway answers at {self.url}; start a local cluster with `gpufaas up`, "
                 "or point --gateway / GPUFAAS_URL at a running one"
@@ -231,6 +239,16 @@ def is_number(value: object) -> bool:
 
 def is_texts(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def _untrusted_certificate(exc: BaseException) -> bool:
+    """Whether `exc` (or an exception it came from) is a TLS certificate that failed verification."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def not_a_gateway_url(url: str) -> GpufaasError:

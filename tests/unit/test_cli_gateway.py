@@ -734,3 +734,49 @@ def test_deploy_says_how_much_it_sent_in_a_unit_that_shows_it(stand: Stand, stat
     assert code == 0, err
     said = " ".join(out.split())
     assert f"{len(handler)} bytes in 1 file(s)" in said and f"sent {len(handler)} bytes in 1 blob(s)" in said, said
+
+
+@pytest.fixture
+def tls_stand(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """An https server on loopback with a certificate of a private CA: its URL and the CA's file."""
+    import ssl
+
+    from gpufaas.tls import ensure_tls
+
+    files = ensure_tls(tmp_path / "tls")
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"[]")
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(files.cert("gateway"), files.key("gateway"))
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"https://127.0.0.1:{server.server_address[1]}", files.ca
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+def test_an_https_gateway_on_this_machine_with_a_private_ca(
+    tls_stand: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its certificate untrusted read 'no gateway answers ... start a local cluster'; and
+    SSL_CERT_FILE, how one trusts its CA, was ignored for a gateway on loopback."""
+    url, ca = tls_stand
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    with pytest.raises(GpufaasError, match="certificate this machine does not trust") as refused:
+        GatewayClient(url, password="").request("GET", "/system/functions")
+    assert "no gateway answers" not in str(refused.value) and "SSL_CERT_FILE" in str(refused.value)
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+    assert GatewayClient(url, password="").request("GET", "/system/functions").status_code == 200
