@@ -666,7 +666,7 @@ def test_a_path_or_name_with_brackets_is_printed_as_text_not_markup(
 def test_login_says_where_it_kept_the_password_whatever_the_path(
     stand: Stand, state: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    stand.password = "pw"
+    stand.password = "pw"  # pragma: allowlist secret
     monkeypatch.setenv("GPUFAAS_CONFIG_DIR", str(tmp_path / "[/config]"))
     result = CliRunner().invoke(app, ["login", "--gateway", stand.url, "--password-stdin"], input="pw\n")
     assert result.exit_code == 0, result.exception
