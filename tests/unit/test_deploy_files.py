@@ -1113,3 +1113,37 @@ def test_kubernetes_exposes_the_same_metrics_as_compose() -> None:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     (generator,) = kustomization["secretGenerator"]
     assert "secrets/metrics-token" in generator["files"]
+
+
+def _seconds(value: str | int) -> float:
+    """A compose duration ("45s", "1m30s") or a k8s count of seconds, in seconds."""
+    if isinstance(value, int):
+        return float(value)
+    parts = re.fullmatch(r"(?:(\d+)m)?(?:(\d+)s)?", value)
+    assert parts is not None and value, f"not a duration: {value!r}"
+    return 60.0 * int(parts[1] or 0) + int(parts[2] or 0)
+
+
+def test_every_gpu_manager_is_given_longer_to_stop_than_its_drain() -> None:
+    # A node drains on SIGTERM for up to --drain-timeout-s; the SIGKILL that follows the grace
+    # (compose's stop_grace_period, k8s terminationGracePeriodSeconds) must come after it, or the
+    # calls still running there are cut off, which the drain exists to avoid.
+    checked: list[str] = []
+    for name, service in services().items():
+        argv = [str(token) for token in service.get("command", [])]
+        if daemon_of(argv) == "gpu_manager":
+            grace_s = _seconds(service.get("stop_grace_period", "10s"))  # (Docker's default)
+            drain_s = parsed("gpu_manager", argv).drain_timeout_s
+            assert grace_s > drain_s, f"compose {name}: {grace_s:g} s to stop, but it may drain for {drain_s:g} s"
+            checked.append(name)
+    for workload in workloads():
+        pod = workload["spec"]["template"]["spec"]
+        for container in containers(workload):
+            argv = [str(token) for token in [*container.get("command", []), *container.get("args", [])]]
+            if daemon_of(argv) == "gpu_manager":
+                grace_s = _seconds(pod.get("terminationGracePeriodSeconds", 30))  # (Kubernetes' default)
+                drain_s = parsed("gpu_manager", argv).drain_timeout_s
+                where = f"k8s {workload['metadata']['name']}"
+                assert grace_s > drain_s, f"{where}: {grace_s:g} s to stop, but it may drain for {drain_s:g} s"
+                checked.append(where)
+    assert len(checked) >= 3, f"GPU managers found in the deploy files: {checked}"
