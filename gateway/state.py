@@ -246,7 +246,7 @@ class Gateway:
         """The function is deleted (through this gateway: `over_revision` as `function_written`'s)."""
         self._hold_back(name, over_revision)
         self.functions.pop(name, None)
-        self.stats.drop(name)  # its overview; its Prometheus counters stay monotonic
+        self.stats.delete(name)  # its overview and its Prometheus series
 
     def _hold_back(self, name: str, over_revision: int) -> None:
         if over_revision > 0:

@@ -36,9 +36,10 @@ class FunctionStats(Collector):
 
     - as Prometheus series, by function and HTTP status (this is the gateway registry's collector):
       `gateway_function_invocation_total` and the histogram `gateway_functions_seconds`, with
-      OpenFaaS's names and labels. They are never reset while the gateway runs, not even for a
-      deleted or redeployed function, so that Prometheus sees counters that only grow; their
-      number is bounded by the functions ever called times the statuses they answered with.
+      OpenFaaS's names and labels. A redeploy keeps them (Prometheus sees counters that only
+      grow); a deletion drops them (`delete`, `forget`), so that their number is bounded by the
+      functions deployed now times the statuses they answered with, not by every function ever
+      called (a new function of the name counts from 0: a counter reset, as rate() reads one).
     - as the overview's summary of each function (`summary`): calls by cache result, errors, and
       latency percentiles over its last RECENT_CALLS answered calls. `drop` and `forget` reset it.
 
@@ -57,6 +58,7 @@ class FunctionStats(Collector):
         self._series: dict[tuple[str, int], LoopSeries] = {}
         # function -> the same series (one per status), so that `count` reads only its own.
         self._series_of: dict[str, list[LoopSeries]] = {}
+        self._statuses: dict[str, list[int]] = {}  # function -> its statuses, for `delete`
         self._recent: dict[str, _Recent] = {}  # function -> its overview part
 
     def record(self, name: str, status: int, duration_s: float, *, hit: bool | None = None) -> None:
@@ -67,6 +69,7 @@ class FunctionStats(Collector):
         if series is None:
             series = self._series[(name, status)] = LoopSeries(self._bounds_s)
             self._series_of.setdefault(name, []).append(series)
+            self._statuses.setdefault(name, []).append(status)
         series.observe(duration_s)
         recent = self._recent.get(name)
         if recent is None:
@@ -109,10 +112,18 @@ class FunctionStats(Collector):
         Prometheus series go on counting."""
         self._recent.pop(name, None)
 
+    def delete(self, name: str) -> None:
+        """Drop one deleted function's overview and Prometheus series."""
+        self._recent.pop(name, None)
+        for status in self._statuses.pop(name, ()):
+            del self._series[(name, status)]
+        self._series_of.pop(name, None)
+
     def forget(self, keep: set[str]) -> None:
-        """Drop the overview of the functions not in `keep` (deleted ones), so that it stays bounded."""
-        for name in [n for n in self._recent if n not in keep]:
-            del self._recent[name]
+        """Drop the overview and the series of the functions not in `keep` (deleted ones, among
+        them those a call answered after the deletion recorded again), so that both stay bounded."""
+        for name in {n for n in self._recent if n not in keep} | {n for n in self._series_of if n not in keep}:
+            self.delete(name)
 
     def summary(self, name: str) -> dict[str, Any]:
         """calls, hits, misses, errors, hit_ratio (None before the first answered call) and

@@ -54,4 +54,5 @@ async def info() -> dict[str, Any]:
 async def metrics(gateway: GatewayDep) -> Response:
     """Prometheus metrics (gateway.metrics)."""
     await gateway.metrics.count_replicas(gateway.store, gateway.keys, gateway.functions)
+    gateway.stats.forget(set(gateway.functions))  # (a call answered after its function's deletion)
     return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)

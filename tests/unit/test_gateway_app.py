@@ -1021,6 +1021,33 @@ def test_invoke_while_the_scheduler_is_unreachable(tmp_path: Path) -> None:
     run(tmp_path, body, scheduler_wait_s=0.3)
 
 
+def test_a_deleted_functions_series_leave_the_metrics(tmp_path: Path) -> None:
+    # A cluster that deploys short-lived functions (one per CI run, per notebook...) grew the
+    # gateway's /metrics by a counter and a histogram per function and status it ever ran, for
+    # as long as the gateway ran: 10,000 such functions a month made a scrape of 400,000 lines.
+    async def body(env: Env) -> None:
+        gateway = env.app.state.gateway
+        for name in ("short", "kept"):
+            await env.deploy(name, memory_mb=1)
+            gateway.stats.record(name, 200, 0.01, hit=True)
+            gateway.stats.record(name, 503, 0.3)
+        deleted = await env.client.request("DELETE", "/system/functions", json={"functionName": "short"})
+        assert deleted.status_code == 202, deleted.text
+        gateway.stats.record("short", 200, 0.02, hit=False)  # a call that was under way, answered since
+        metrics = (await env.client.get("/metrics")).text
+        assert 'function_name="short"' not in metrics
+        assert sample(metrics, "gateway_function_invocation_total", function_name="kept") == 2
+        assert sample(metrics, "gateway_functions_seconds_count", function_name="kept", code="503") == 1
+        # Deployed again under the name: its calls count from nought, as a new function's do.
+        await env.deploy("short", memory_mb=1)
+        gateway.stats.record("short", 200, 0.01, hit=True)
+        metrics = (await env.client.get("/metrics")).text
+        assert sample(metrics, "gateway_function_invocation_total", function_name="short") == 1
+        assert (await env.client.get("/system/function/short")).json()["invocationCount"] == 1
+
+    run(tmp_path, body)
+
+
 def test_invoke_errors_answered_by_the_gateway_itself(tmp_path: Path) -> None:
     async def body(env: Env) -> None:
         await env.deploy("small", memory_mb=1, timeout_s=2)

@@ -1,6 +1,6 @@
 """The gateway's one record of its calls (gateway.stats.FunctionStats) as Prometheus reads it: the
 same series prometheus-client's own Counter and Histogram would expose, never reset by a
-redeploy, and the counts GET /system/functions reports."""
+redeploy, dropped with a deleted function, and the counts GET /system/functions reports."""
 
 from __future__ import annotations
 
@@ -81,7 +81,6 @@ def test_a_redeploy_resets_the_overview_but_not_the_counters() -> None:
     stats.record("f", 200, 0.02, hit=False)
     stats.record("f", 503, 0.001)
     stats.drop("f")  # a new package
-    stats.forget(set())  # then deleted
     assert stats.summary("f")["calls"] == 0
     stats.record("f", 200, 0.01, hit=True)
     text = generate_latest(registry).decode()
@@ -97,6 +96,23 @@ def test_a_redeploy_resets_the_overview_but_not_the_counters() -> None:
         "hit_ratio": 1.0,
         "latency_ms": {"p50": 10.0, "p95": 10.0, "p99": 10.0},
     }
+
+
+def test_a_deletion_drops_the_functions_series_and_no_other() -> None:
+    stats = FunctionStats()
+    registry = CollectorRegistry()
+    registry.register(stats)
+    for name, status, duration_s in CALLS:
+        stats.record(name, status, duration_s, hit=True if status == 200 else None)
+    stats.record("late", 200, 0.1, hit=True)  # a call of a deleted function answered since
+    stats.delete("bert")
+    stats.forget({"resnet"})
+    text = generate_latest(registry).decode()
+    assert 'function_name="bert"' not in text and 'function_name="late"' not in text
+    assert sample(text, "gateway_function_invocation_total", function_name="resnet") == 4
+    assert (stats.count("bert"), stats.count("late"), stats.count("resnet")) == (0, 0, 4)
+    stats.record("bert", 200, 0.1, hit=True)  # deployed again: a new function's series
+    assert sample(generate_latest(registry).decode(), "gateway_function_invocation_total", function_name="bert") == 1
 
 
 def test_count_is_one_functions_calls_of_every_status() -> None:
