@@ -35,8 +35,13 @@ from gpufaas.liveness import LoopLag, LoopLagCollector, run_loop_lag
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # no `_created` series beside every counter: they double a scrape for nothing
 
-# Seconds: a warm call takes milliseconds, a miss up to a minute (a load), a queued call longer.
-LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Seconds: a warm call takes milliseconds, a miss up to a minute (a load), a queued call longer,
+# and a call may run for its function's timeout_s, up to an hour (gpufaas.functions.MAX_TIMEOUT_S):
+# past the last bound histogram_quantile answers that bound, so the buckets reach the hour.
+LATENCY_BUCKETS_S = (
+    *(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0),
+    *(300.0, 600.0, 1800.0, 3600.0),
+)
 BYTES_PER_MB = 1024 * 1024  # gpufaas's "MB" is a MiB (NVML's and torch's); Prometheus wants bytes
 _GRACEFUL_SHUTDOWN_S = 1  # close() waits this long for a response under way
 # An idle connection is closed after this long: the listener's clients do not reuse one sooner (a

@@ -8,8 +8,11 @@ from typing import Never
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.utils import floatToGoString
 
 from gateway.stats import FunctionStats
+from gpufaas.functions import MAX_TIMEOUT_S
 from gpufaas.metrics import LATENCY_BUCKETS_S, LoopSeries
 from tests.scrape import sample
 
@@ -21,7 +24,7 @@ CALLS = [
     ("bert", 200, 0.0051),
     ("bert", 429, 0.0004),
     ("resnet", 200, 0.0),
-    ("resnet", 500, 200.0),
+    ("resnet", 500, 5000.0),
     ("resnet", 200, 120.0),
     ("bert", 200, 1.0),
     ("resnet", 200, 0.25),
@@ -113,6 +116,28 @@ def test_a_deletion_drops_the_functions_series_and_no_other() -> None:
     assert (stats.count("bert"), stats.count("late"), stats.count("resnet")) == (0, 0, 4)
     stats.record("bert", 200, 0.1, hit=True)  # deployed again: a new function's series
     assert sample(generate_latest(registry).decode(), "gateway_function_invocation_total", function_name="bert") == 1
+
+
+def test_the_buckets_resolve_calls_as_long_as_a_timeout_allows() -> None:
+    # A function may run a call for up to MAX_TIMEOUT_S (an hour). The buckets ended at 120 s:
+    # calls of 5 minutes all fell in +Inf, and histogram_quantile answered their p50 with 120 s.
+    stats = FunctionStats()
+    registry = CollectorRegistry()
+    registry.register(stats)
+    for duration_s in (290.0, 300.0, 310.0, MAX_TIMEOUT_S):
+        stats.record("generate", 200, duration_s, hit=True)
+    text = generate_latest(registry).decode()
+    finite = sorted(
+        float(s.labels["le"])
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "gateway_functions_seconds_bucket" and s.labels["le"] != "+Inf"
+    )
+    assert finite[-1] >= MAX_TIMEOUT_S
+    by_le = {le: sample(text, "gateway_functions_seconds_bucket", le=floatToGoString(le)) for le in finite}
+    assert by_le[finite[-1]] == 4
+    median_le = next(le for le in finite if by_le[le] >= 2)  # the bucket histogram_quantile(0.5) ends in
+    assert 290.0 <= median_le <= 2 * 300.0
 
 
 def test_count_is_one_functions_calls_of_every_status() -> None:
