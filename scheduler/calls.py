@@ -284,7 +284,7 @@ class _Upkeep:
         self._retired.add(model)
         return self._evict_retired(model)
 
-    def _runs(self, model: str) -> bool:
+    def runs(self, model: str) -> bool:
         """Whether some function runs `model`: it was registered (the catalog registers every
         function's model) and not retired since. A worker left by a model no function knows (one
         of a version older than this scheduler's start, or named as an older gpufaas named them) is
@@ -329,7 +329,7 @@ class _Upkeep:
         for model, memory_mb in resident.items():
             if model in cache:
                 continue
-            if self._runs(model) and cache.free_mb >= memory_mb:
+            if self.runs(model) and cache.free_mb >= memory_mb:
                 self.scheduler.cache.admit(gpu_id, model, memory_mb)
                 self.dirty_models.add(model)
             else:
@@ -344,7 +344,7 @@ class _Upkeep:
         least recently parked first (model -> MiB). The scheduler's tier for the node follows:
         created or resized to the node's size, entries the node does not hold dropped, parked
         models it does not know adopted while they fit, the others stopped at the node."""
-        return _reconcile_host(self.scheduler, self._runs, node, capacity_mb, parked)
+        return _reconcile_host(self.scheduler, self.runs, node, capacity_mb, parked)
 
     def release_idle(self, now: float, *, gpu_idle_s: float | None, host_idle_s: float | None) -> list[Effect]:
         """EDAS's staged exit (see `Scheduler.release_idle`): what has been idle long enough

@@ -100,12 +100,17 @@ class SchedulerMetrics:
         loaded: bool,
         load_time_s: float,
         inference_time_s: float,
+        retired: bool = False,
     ) -> None:
-        """A node's Done for the current attempt of a call of `model` on a GPU of `gpu_type`."""
+        """A node's Done for the current attempt of a call of `model` on a GPU of `gpu_type`.
+        `retired`: no function runs `model` any more (`forget_model` dropped its series): the
+        call is counted, its timings are not, so that they make no series of it again."""
         if not ok:
             self.failures.labels(outcome).inc()
             return
         self._done[loaded].inc()
+        if retired:
+            return
         if loaded and load_time_s > 0:
             _child(self._loads, self.load, model, gpu_type).observe(load_time_s)
         if inference_time_s > 0:

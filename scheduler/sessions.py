@@ -98,6 +98,7 @@ class NodeSession:
             loaded=done.loaded,
             load_time_s=done.load_time_s,
             inference_time_s=done.inference_time_s,
+            retired=not service.book.runs(model),  # (a call of a function deleted while it ran)
         )
 
     def on_close(self, conn: Connection, exc: BaseException | None) -> None:

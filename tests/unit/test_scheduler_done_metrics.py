@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from gpufaas.proto import gpufaas_pb2 as pb
+from gpufaas.types import ModelSpec
 from gpufaas.wire import Frame, MessageType
 from scheduler.service import SchedulerService
 from scheduler.sessions import NodeSession
@@ -49,3 +50,31 @@ def test_a_done_is_counted_once_under_its_outcome(outcome: int, monkeypatch: pyt
     else:
         label = pb.Outcome.Name(outcome).lower()
         assert counted == {f"gpufaas_scheduler_call_failures_total:{label}": 1.0}
+
+
+def test_a_retired_models_late_done_leaves_no_series_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A function deleted (or updated to a new package) while calls of its model ran: their Dones,
+    # which come after the model's series were dropped (SchedulerMetrics.forget_model), made
+    # them again, and nothing dropped them a second time: a gpufaas_load_seconds and a
+    # gpufaas_inference_seconds series per deleted function that had calls under way, for good.
+    async def scenario() -> list[str]:
+        service = SchedulerService(MemoryStore())
+        service.scheduler.register_model(ModelSpec("m", 10))
+        service.scheduler.register_model(ModelSpec("kept", 10))
+        conn: Any = None
+        models: list[str] = []
+        for model in ("m", "kept"):
+            monkeypatch.setattr(service, "book", PlacedBook(service.book, model, "g0"))
+            if model == "m":  # its function deleted while the call ran (the catalog's `_retire`)
+                service.catalog.retired(model)
+                service.book.retire(model)
+            done = pb.Done(call_id="c", attempt=1, outcome=pb.OK, loaded=True, load_time_s=2.0, inference_time_s=0.01)
+            NodeSession(service, None).on_frame(  # type: ignore[arg-type]
+                conn, Frame(MessageType.DONE, 0, 0, done.SerializeToString(), b"")
+            )
+        for family in service.metrics.registry.collect():
+            if family.name in ("gpufaas_load_seconds", "gpufaas_inference_seconds"):
+                models += [s.labels["model"] for s in family.samples if s.name.endswith("_count")]
+        return models
+
+    assert asyncio.run(scenario()) == ["kept", "kept"]
