@@ -11,7 +11,7 @@ from prometheus_client.registry import Collector
 
 from gpu_manager.pool import EXIT_CAUSES, RunResult, WorkerPool
 from gpufaas.keys import gpu_address
-from gpufaas.metrics import BYTES_PER_MB, LATENCY_BUCKETS_S, LoopCount, LoopCounter, ProcessErrors
+from gpufaas.metrics import BYTES_PER_MB, LATENCY_BUCKETS_S, LoopCount, LoopCounter, ProcessErrors, outcome_label
 from gpufaas.proto import gpufaas_pb2 as pb
 
 LOST_CAUSES = ("load_failed", "died", "killed", "over_memory", "misbehaved")  # the exits counted as workers lost
@@ -61,7 +61,7 @@ class NodeMetrics:
         key = (result.outcome, result.loaded)
         calls = self._calls_by.get(key)
         if calls is None:
-            outcome = pb.Outcome.Name(result.outcome).lower()
+            outcome = outcome_label(result.outcome)  # (the worker's reply: its code may forge one)
             calls = self._calls_by[key] = self.calls.series(outcome, "miss" if result.loaded else "hit")
         calls.inc()
         if result.loaded and result.outcome == pb.OK:

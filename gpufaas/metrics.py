@@ -32,6 +32,7 @@ from prometheus_client.utils import floatToGoString
 
 from gpufaas import store, wire
 from gpufaas.liveness import LoopLag, LoopLagCollector, run_loop_lag
+from gpufaas.proto import gpufaas_pb2 as pb
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # no `_created` series beside every counter: they double a scrape for nothing
 
@@ -157,6 +158,16 @@ async def _respond(
     head = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *(headers or [])]
     await send({"type": "http.response.start", "status": status, "headers": head})
     await send({"type": "http.response.body", "body": body})
+
+
+def outcome_label(outcome: int) -> str:
+    """A call's Outcome as a label value: its name in lower case, "unknown" for a value this
+    gpufaas has no name for (a newer peer's, or a worker's forgery): never an error on the path
+    that reports the call, and never a series per value a peer makes up."""
+    try:
+        return pb.Outcome.Name(outcome).lower()
+    except ValueError:
+        return "unknown"
 
 
 def check_buckets_s(buckets_s: Sequence[float]) -> tuple[float, ...]:

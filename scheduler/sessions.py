@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
+from gpufaas.metrics import outcome_label
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import Connection, Frame, MessageType
 from scheduler.node_links import NodeLink
@@ -94,7 +95,7 @@ class NodeSession:
             model,
             gpu_type,
             ok=ok,
-            outcome="" if ok else pb.Outcome.Name(done.outcome).lower(),  # a label of failures only
+            outcome="" if ok else outcome_label(done.outcome),  # a label of failures only
             loaded=done.loaded,
             load_time_s=done.load_time_s,
             inference_time_s=done.inference_time_s,

@@ -168,6 +168,17 @@ def test_a_nodes_worker_processes_are_counted_as_they_start_and_by_why_they_exit
     asyncio.run(scenario())
 
 
+def test_a_worker_reply_of_an_outcome_with_no_name_is_counted_as_unknown(tmp_path: Path) -> None:
+    # The outcome comes from the worker's reply, which its user's code can write: naming one
+    # this gpufaas does not know raised ValueError where the node counted the call it had run.
+    packages = LocalPackages(tmp_path / "store")
+    metrics = NodeMetrics(WorkerPool("emulated", gpus={"gpu0": 0}, fetch_package=packages.fetch), node="n0")
+    for outcome in (99, 12345, pb.HANDLER_ERROR):
+        metrics.ran("m", RunResult(outcome))  # type: ignore[arg-type]
+    assert scrape(metrics.registry, "gpufaas_node_calls_total", outcome="unknown", cache="hit") == 2
+    assert scrape(metrics.registry, "gpufaas_node_calls_total", outcome="handler_error") == 1
+
+
 def test_a_nodes_load_series_are_kept_for_the_models_it_loaded_most_recently(tmp_path: Path) -> None:
     packages = LocalPackages(tmp_path / "store")
     pool = WorkerPool("emulated", gpus={"gpu0": 0}, fetch_package=packages.fetch)
