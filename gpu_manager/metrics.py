@@ -62,7 +62,9 @@ class NodeMetrics:
         calls = self._calls_by.get(key)
         if calls is None:
             outcome = outcome_label(result.outcome)  # (the worker's reply: its code may forge one)
-            calls = self._calls_by[key] = self.calls.series(outcome, "miss" if result.loaded else "hit")
+            calls = self.calls.series(outcome, "miss" if result.loaded else "hit")
+            if outcome != "unknown":  # bound only the Outcomes there are: not one per value forged
+                self._calls_by[key] = calls
         calls.inc()
         if result.loaded and result.outcome == pb.OK:
             from_host = result.stages is not None and result.stages.from_host

@@ -177,6 +177,10 @@ def test_a_worker_reply_of_an_outcome_with_no_name_is_counted_as_unknown(tmp_pat
         metrics.ran("m", RunResult(outcome))  # type: ignore[arg-type]
     assert scrape(metrics.registry, "gpufaas_node_calls_total", outcome="unknown", cache="hit") == 2
     assert scrape(metrics.registry, "gpufaas_node_calls_total", outcome="handler_error") == 1
+    # Nor is a series bound per value forged: the node's memory would grow with every forged call.
+    for outcome in range(1000, 1100):
+        metrics.ran("m", RunResult(outcome))  # type: ignore[arg-type]
+    assert len(metrics._calls_by) == 1
 
 
 def test_a_nodes_load_series_are_kept_for_the_models_it_loaded_most_recently(tmp_path: Path) -> None:
