@@ -21,6 +21,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
+from gpufaas.functions import MAX_TIMEOUT_S
 from gpufaas.profiles import ModelProfile
 from gpufaas.types import GpuSpec, ModelSpec, Request
 from scheduler import Decision, Dispatch, Estimator, Park, PolicyConfig, Scheduler, make_policy
@@ -508,6 +509,9 @@ def workloads(draw: st.DrawFn) -> tuple[Workload, ClusterConfig, str, int, dict[
         top_function=functions[0],
         start_minute=0,
         minutes=1,
+        # Deadlines far past any drawn run (40 calls in 60 s; loads and batches of seconds): what
+        # is checked is that every call completes once; deadlines have their own tests.
+        timeouts_s=dict.fromkeys(functions, MAX_TIMEOUT_S),
     )
     cluster = ClusterConfig(
         gpus=draw(st.integers(1, 4)),
