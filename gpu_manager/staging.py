@@ -147,13 +147,19 @@ class PackageStore:
         return self.blobs.used_bytes() + self.blobs.partial_bytes() + self._copies_bytes
 
     async def recover(self) -> None:
-        """Adopt the packages a previous run of this node staged (their records permitting)."""
+        """Adopt the packages a previous run of this node staged (their records permitting); one
+        with a file missing or of another size (edited by hand while the node was down) is removed,
+        to be staged again from its blobs when asked."""
         for path in list(self.packages_dir.iterdir()):
             if path.name.startswith(_TMP_PREFIX) or len(path.name) != 64:
                 continue
             digest = f"sha256:{path.name}"
             record = await self._records(digest)
-            if record is None or not all(self.blobs.has(d) for d in record.manifest.blobs()):
+            if (
+                record is None
+                or not all(self.blobs.has(d) for d in record.manifest.blobs())
+                or not await asyncio.to_thread(_intact, path, record.manifest)
+            ):
                 await asyncio.to_thread(shutil.rmtree, path, True)
                 continue
             needs_layer = record.requirements is not None and not record.requirements.empty
@@ -457,6 +463,19 @@ def copied_bytes(manifest: Manifest) -> int:
     (small ones, and those of another mode than the blobs' 0444, such as 0755) rather than links.
     Counted in the budget: a package of 4 GB of weights marked executable took twice its size."""
     return sum(entry.size for entry in manifest.files if not _linked(entry.size, entry.mode))
+
+
+def _intact(directory: Path, manifest: Manifest) -> bool:
+    """Whether every file of `manifest` is in `directory` at its size (a stat each, no hashing):
+    a package adopted with one gone failed every load, and deploying it again (same digest, the
+    directory already there) changed nothing."""
+    for entry in manifest.files:
+        try:
+            if (directory / entry.path).stat().st_size != entry.size:
+                return False
+        except OSError:  # gone, or a path through something no longer a directory
+            return False
+    return True
 
 
 def _linked(size: int, mode: int) -> bool:

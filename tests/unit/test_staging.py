@@ -214,6 +214,27 @@ def test_a_restarted_node_adopts_what_it_staged(tmp_path: Path, cluster: Cluster
     asyncio.run(main())
 
 
+def test_a_restarted_node_stages_again_a_package_missing_a_file(tmp_path: Path, cluster: Cluster) -> None:
+    # A file of a staged package removed (or truncated) by hand while the node was down: adopted
+    # as it was, every load of it failed, and deploying the package again changed nothing.
+    cluster.holder("gw")
+    weights = os.urandom(LINK_MIN_BYTES * 4)
+    digest = cluster.package({"handler.py": HANDLER, "w.bin": weights, "notes.txt": b"some notes\n"})
+
+    async def main() -> None:
+        package_dir = await cluster.store(tmp_path / "node").ensure(digest)
+        (package_dir / "w.bin").unlink()
+        (package_dir / "notes.txt").write_bytes(b"cut")
+        again = cluster.store(tmp_path / "node")
+        await again.recover()
+        assert again.staged() == set()
+        restaged = await again.ensure(digest)
+        assert (restaged / "w.bin").read_bytes() == weights
+        assert (restaged / "notes.txt").read_bytes() == b"some notes\n"
+
+    asyncio.run(main())
+
+
 def test_a_restarted_node_adopts_a_package_whose_layer_is_empty(tmp_path: Path, cluster: Cluster) -> None:
     # requirements.txt named only what the base holds: the gateway recorded the empty layer, which
     # is never installed (nothing to install), so no layer directory exists for it.
