@@ -101,8 +101,7 @@ def up(
     the policy's knobs as `gpufaas sim` takes them, e.g. `gpufaas up --policy mqfq-sticky
     --o3-limit 10 --mqfq-overrun-s 5 --mqfq-ttl-alpha 3 --torpor-alpha 0.3`, or EDAS's staged exit,
     `--gpu-idle-release-s S --host-idle-release-s S`."""
-    from gpufaas.dev.local_cluster import recorded_pids, supervised
-    from gpufaas.processes import pid_alive
+    from gpufaas.dev.local_cluster import supervised
 
     if runtime not in ("process", "docker"):
         raise typer.BadParameter(f"expected process or docker, got {runtime!r}", param_hint="--runtime")
@@ -125,7 +124,7 @@ def up(
         state_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file there or above it, a dangling link, no right to make it
         raise typer.BadParameter(f"{state_dir}: {exc.strerror}; the cluster's state goes in a folder") from None
-    if supervised(state_dir) or any(pid_alive(pid) for pid in recorded_pids(state_dir).values()):
+    if supervised(state_dir):
         url = cluster_info(state_dir).get("gateway_url", "?")
         console.print(
             f"a cluster is already running from {state_dir} (gateway {url}); "
@@ -133,6 +132,7 @@ def up(
             markup=False,  # (a path's '[/old]' is text: read as markup, a traceback)
         )
         return
+    _refuse_leftovers(state_dir)
     options = {
         **scheduler,
         "nodes": nodes,
@@ -151,6 +151,24 @@ def up(
         "tls": tls,
     }
     _start_supervised(state_dir, options, policy=checked.policy)
+
+
+def _refuse_leftovers(state_dir: Path) -> None:
+    """Exit 1 with one line where processes of an earlier cluster in `state_dir` outlived its
+    supervisor (killed, or crashed): nothing restarts them, and a new cluster cannot start beside
+    them (its etcd's data directory, its nodes' state are theirs). `up` said "already running" and
+    exited 0, with no gateway answering."""
+    from gpufaas.dev.local_cluster import recorded_pids
+    from gpufaas.processes import pid_alive
+
+    alive = [f"{name} (pid {pid})" for name, pid in recorded_pids(state_dir).items() if pid_alive(pid)]
+    if alive:
+        err_console.print(
+            f"the cluster in {state_dir} lost its supervisor, and {', '.join(alive)} still run(s): "
+            "`gpufaas down` stops them, then `gpufaas up` starts the cluster again",
+            markup=False,
+        )
+        raise typer.Exit(code=1)
 
 
 def _check_balancer() -> None:

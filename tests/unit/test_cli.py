@@ -333,6 +333,22 @@ def test_up_refuses_what_cannot_run_before_it_starts_anything(tmp_path: Path, fl
     assert not (tmp_path / "state").exists()  # nothing was started or written
 
 
+def test_up_over_what_outlived_a_killed_supervisor_says_what_to_do(tmp_path: Path) -> None:
+    """A cluster whose supervisor was killed, its etcd left running (recorded here as this test's own
+    process: alive, and nothing `up` may stop): `up` said "already running" and exited 0, with no
+    gateway answering."""
+    import os
+
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "pids.json").write_text(json.dumps({"etcd": os.getpid(), "supervisor": 2**22 + 1}))
+    result = runner.invoke(app, ["up", "--state-dir", str(state), "--backend", "cpu"], terminal_width=400)
+    assert result.exit_code == 1, result.output
+    said = " ".join(result.stderr.split())
+    assert f"etcd (pid {os.getpid()}) still run" in said and "`gpufaas down` stops them" in said
+    assert "already running" not in result.output
+
+
 def test_up_passes_the_policys_knobs_on_to_the_scheduler_settings() -> None:
     from gpufaas.cli.local import _checked_scheduler
 
