@@ -305,6 +305,7 @@ class PackageStore:
         break off or go slower than fetch_blob's floor rate (what arrived is kept: the next one
         resumes) or send wrong bytes are passed."""
         reasons: list[str] = []
+        answered_404 = 0  # holders' "not here": every one of them, and no one can serve it
         async with self._fetch_slots:
             for _ in range(FETCH_ATTEMPTS):
                 for holder in sources:
@@ -324,6 +325,7 @@ class PackageStore:
                         continue
                     except TransferError as exc:
                         reasons.append(f"{holder.name}: {exc}")
+                        answered_404 += exc.status == 404
                         continue
                     except OSError as exc:  # this node's own disk (full): no other holder helps
                         raise InvalidPackage(f"blob {digest} could not be stored on this node: {exc}") from None
@@ -334,8 +336,7 @@ class PackageStore:
                     return path
                 if not sources:
                     break
-        detail = "; ".join(reasons[-3:]) or "no gateway or node holds it"
-        raise InvalidPackage(f"blob {digest} could not be fetched: {detail}")
+        raise _unfetched(digest, reasons, answered_404, sources)
 
     def _link(self, manifest: Manifest) -> Path:
         return link_package(self.blobs, manifest, self.packages_dir)
@@ -456,6 +457,19 @@ class PackageStore:
             with contextlib.suppress(FileNotFoundError):
                 if now_unix_s - path.stat().st_mtime > grace_s:
                     self.blobs.remove(digest)
+
+
+def _unfetched(digest: str, reasons: list[str], answered_404: int, sources: list[HolderRecord]) -> InvalidPackage:
+    """Why blob `digest` could not be had from `sources`, each reason once; where every refusal
+    was a "not here" (its blobs removed from the gateway's disk by hand), what to do about it."""
+    if reasons and answered_404 == len(reasons):
+        holders = ", ".join(dict.fromkeys(holder.name for holder in sources))
+        return InvalidPackage(
+            f"blob {digest} is held by no gateway or node any more ({holders}: not here); "
+            "deploy the function again to upload it"
+        )
+    detail = "; ".join(dict.fromkeys(reasons[-3:])) or "no gateway or node holds it"
+    return InvalidPackage(f"blob {digest} could not be fetched: {detail}")
 
 
 def copied_bytes(manifest: Manifest) -> int:
