@@ -11,6 +11,7 @@ import http.client
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -396,6 +397,7 @@ class LocalCluster(ClusterCredentials):
         # Workers (other users) pass through to their own package; nobody else lists or reads here.
         os.chmod(self.state_dir, 0o711)
         (self.state_dir / "logs").mkdir(mode=0o700, exist_ok=True)
+        adopt_gateway_blobs(self.state_dir, self.gateway_names)
         if self.secure:
             ensure_secrets(self.secrets.directory)
         if self.etcd_endpoint is None:
@@ -699,6 +701,33 @@ def pool_dir(state_dir: Path, node: str) -> Path:
     tag = hashlib.sha256(str((state_dir / node).resolve()).encode()).hexdigest()[:12]
     shm = Path("/dev/shm")
     return (shm if shm.is_dir() else state_dir / node) / f"gpufaas-cluster-{tag}"
+
+
+def adopt_gateway_blobs(state_dir: Path, gateway_names: Sequence[str]) -> int:
+    """Link into the first of `gateway_names`' blob store the blobs of the gateways of an earlier
+    cluster in `state_dir` that this one does not run (`up --gateways 2` after one: `gateway0`,
+    `gateway1`, not `gateway`): each gateway keeps the packages deployed through it in its own
+    directory, and no holder served those any more, so their functions failed once no node held
+    their blobs. Returns how many blobs were linked; the earlier directories are left as they are."""
+    from gpufaas.blobs import BlobStore
+
+    earlier = [
+        path / "blobs" / "sha256"
+        for path in sorted(state_dir.glob("gateway*"))
+        if path.name not in gateway_names and re.fullmatch(r"gateway\d*", path.name)
+    ]
+    target = None
+    adopted = 0
+    for blobs in (directory for directory in earlier if directory.is_dir()):
+        target = target or BlobStore(state_dir / gateway_names[0] / "blobs").root / "sha256"
+        for blob in blobs.iterdir():
+            if len(blob.name) == 64 and not (target / blob.name).exists():
+                try:
+                    os.link(blob, target / blob.name)
+                except OSError:  # (another file system: a copy)
+                    shutil.copy2(blob, target / blob.name)
+                adopted += 1
+    return adopted
 
 
 def numbered(kind: str, count: int) -> list[str]:

@@ -203,3 +203,23 @@ def test_down_does_not_signal_a_pid_reused_while_it_waited_for_the_supervisor(
         for process in (supervisor, other):
             process.kill()
             process.wait()
+
+
+def test_the_packages_of_an_earlier_clusters_gateways_are_served_by_the_first_gateway_now(tmp_path: Path) -> None:
+    # `up` with one gateway keeps the packages deployed through it in STATE/gateway; `up --gateways 2`
+    # on the same state dir runs gateway0 and gateway1, and no holder served those blobs any more.
+    from gpufaas.blobs import BlobStore
+    from gpufaas.dev.local_cluster import adopt_gateway_blobs
+
+    weights, handler = b"w" * 100_000, b"def load(d): ...\n"
+    held = BlobStore(tmp_path / "gateway" / "blobs").put(weights)
+    also = BlobStore(tmp_path / "gateway1" / "blobs").put(handler)  # a cluster of two before that
+    BlobStore(tmp_path / "node0" / "blobs").put(b"a node's, not a gateway's")
+    assert adopt_gateway_blobs(tmp_path, ["gateway0", "gateway1"]) == 1
+    first = BlobStore(tmp_path / "gateway0" / "blobs")
+    assert first.path(held) is not None and first.path(held).read_bytes() == weights  # type: ignore[union-attr]
+    assert set(first.digests()) == {held}
+    assert adopt_gateway_blobs(tmp_path, ["gateway0", "gateway1"]) == 0  # once
+    # Back to one gateway: what either of the two held.
+    assert adopt_gateway_blobs(tmp_path, ["gateway"]) == 1
+    assert set(BlobStore(tmp_path / "gateway" / "blobs").digests()) == {held, also}
