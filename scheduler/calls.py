@@ -72,9 +72,9 @@ from gpufaas.functions import FunctionSpec
 from gpufaas.grants import GRANT_KEEP_S
 from gpufaas.keys import split_gpu_address
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.types import Request
+from gpufaas.types import ModelSpec, Request
 from scheduler.adaptive_slots import AdaptiveSlots
-from scheduler.core import Scheduler
+from scheduler.core import Scheduler, never_fits
 from scheduler.decisions import Dispatch
 from scheduler.leases import leases_to_end, may_lease, may_lease_on, running_seen
 
@@ -277,7 +277,50 @@ class _Upkeep:
     dirty_gpus: set[str]
     dirty_models: set[str]
 
+    def schedule(self, now: float) -> list[Effect]:
+        raise NotImplementedError
+
+    def _finish(self, call: _Call, status: int, message: str) -> list[Effect]:
+        raise NotImplementedError
+
     # --- the catalog ------------------------------------------------------------------------
+    def register_model(self, spec: ModelSpec, now: float) -> list[Effect]:
+        """Declare (or re-declare) a model's size and GPU type (`Scheduler.register_model`); its
+        queued calls that no GPU could hold now are answered (`_refuse_never_fitting`)."""
+        self.scheduler.register_model(spec)
+        return self._refuse_never_fitting((spec.name,), now)
+
+    def observe_memory(self, model: str, gpu_id: str, peak_memory_mb: int, now: float) -> list[Effect]:
+        """A worker's measured peak of `model` on `gpu_id` replaces its size (`Scheduler.observe_memory`);
+        where it changed, its queued calls that no GPU could hold now are answered."""
+        if not self.scheduler.observe_memory(model, gpu_id, peak_memory_mb):
+            return []
+        self.dirty_models.add(model)
+        return self._refuse_never_fitting((model,), now)
+
+    def _refuse_never_fitting(self, models: Iterable[str], now: float) -> list[Effect]:
+        """The queued calls of `models` that no GPU here now could ever hold (their size grew, or
+        the GPUs big enough or of their type left) are answered as a new call of theirs would be
+        (UNAVAILABLE, `scheduler.core.never_fits`) and leave the global queue, so that the calls
+        behind them move (under a FIFO policy the first held every other call until its deadline). Asked
+        only for the models a change touched. None while no GPU is attached (the nodes may come
+        back); parked and placed calls are left: their GPU holds the model already."""
+        scheduler = self.scheduler
+        effects: list[Effect] = []
+        if not scheduler.cache.num_gpus:
+            return effects
+        for model in models:
+            spec = scheduler.cluster.models.get(model)
+            never = "" if spec is None else never_fits(scheduler.cluster, spec)
+            if not never:
+                continue
+            for call_id in scheduler.queue.ids_for(model):
+                scheduler.cancel(call_id, now)
+                call = self._calls.get(call_id)
+                if call is not None:
+                    effects += self._finish(call, pb.UNAVAILABLE, never)
+        return effects + self.schedule(now) if effects else effects
+
     def retire(self, model: str) -> list[Effect]:
         """No function runs `model` any more (it was deleted, or updated to a new package): evict
         it from every GPU where no call uses it now, and from the others as their calls finish."""
@@ -819,9 +862,8 @@ class CallBook(_GrantChecks):
             )
             if measured:
                 self.dirty_profiles.add((self.scheduler.gpu(gpu_id).spec.gpu_type, model, batch_size))
-            if self.scheduler.observe_memory(model, gpu_id, peak_memory_mb):
-                self.dirty_models.add(model)
             self._forget(call)
+            effects += self.observe_memory(model, gpu_id, peak_memory_mb, now)
         if model in self._retired:
             effects += self._evict_retired(model)
         return effects + self.schedule(now)
@@ -942,6 +984,7 @@ class CallBook(_GrantChecks):
                     call.state = _State.STRANDED
             self.dirty_gpus.discard(gpu_id)
             self._parked_at.pop(gpu_id, None)
+        effects += self._refuse_never_fitting(list(self.scheduler.queue.models()), now)
         return effects + self.schedule(now)
 
     # --- internals --------------------------------------------------------------------------

@@ -138,7 +138,9 @@ class Catalog:
         old = self.functions.get(spec.name)
         self.functions[spec.name] = spec
         if old is None or (old.model, old.memory_mb) != (spec.model, spec.memory_mb):
-            self.scheduler.register_model(ModelSpec(spec.model, spec.memory_mb, spec.required_gpu_type))
+            # A size past every GPU: the calls of the model queued already are answered as new ones are.
+            model = ModelSpec(spec.model, spec.memory_mb, spec.required_gpu_type)
+            self.apply(self.book.register_model(model, self.links.clock()))
         # (Else the model keeps its size, which its workers' measured peak may have replaced: a put
         # that changed neither, such as new labels or a redeploy of the same, does not undo that.)
         self.book.revive(spec.model)

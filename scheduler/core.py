@@ -164,19 +164,9 @@ class Scheduler(ClusterReads):
     # --- the request lifecycle ----------------------------------------------------------
     def submit(self, request: Request) -> None:
         """Append an arriving request to the global queue (arrival order = submit order)."""
-        spec = self.model(request.model)
-        if spec.gpu_type is not None and not any(
-            self.cluster.fits_spec(spec, state) for state in self.cluster.gpus.values()
-        ):
-            raise ModelTooLarge(
-                f"model {spec.name!r} needs a {spec.gpu_type} GPU with {spec.memory_mb} MB and the cluster has "
-                f"none; GPU types here: {', '.join(sorted({s.spec.gpu_type for s in self.gpus()})) or 'none'}"
-            )
-        if spec.memory_mb > self.cache.max_capacity_mb:
-            raise ModelTooLarge(
-                f"model {spec.name!r} needs {spec.memory_mb} MB of GPU memory but the largest GPU "
-                f"holds {self.cache.max_capacity_mb} MB; it can never run on this cluster"
-            )
+        never = never_fits(self.cluster, self.model(request.model))
+        if never:
+            raise ModelTooLarge(never)
         if request.request_id in self._seq_of:
             raise ValueError(f"request {request.request_id!r} was already submitted")
         seq = next(self._seq)
@@ -418,6 +408,24 @@ class Scheduler(ClusterReads):
             where = "anywhere" if gpu_id is None else f"on GPU {gpu_id!r} (it is parked there)"
             raise KeyError(f"request {request_id!r} is not running {where}")
         return state, request
+
+
+def never_fits(cluster: ClusterState, spec: ModelSpec) -> str:
+    """Why no GPU of `cluster` now could ever hold `spec` (of its type, if it requires one, and
+    large enough), naming the model, its size and what the GPUs offer; "" if one could. O(1), or
+    O(GPUs) for a model that requires a GPU type."""
+    gpus = cluster.gpus.values()
+    if spec.gpu_type is not None and not any(cluster.fits_spec(spec, state) for state in gpus):
+        return (
+            f"model {spec.name!r} needs a {spec.gpu_type} GPU with {spec.memory_mb} MB and the cluster has "
+            f"none; GPU types here: {', '.join(sorted({s.spec.gpu_type for s in gpus})) or 'none'}"
+        )
+    if spec.memory_mb > cluster.cache.max_capacity_mb:
+        return (
+            f"model {spec.name!r} needs {spec.memory_mb} MB of GPU memory but the largest GPU "
+            f"holds {cluster.cache.max_capacity_mb} MB; it can never run on this cluster"
+        )
+    return ""
 
 
 def _unpin_running(

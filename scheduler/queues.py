@@ -214,6 +214,11 @@ class GlobalQueue:
         index = self._by_model.get(model)
         return None if not index else next(iter(index.values())).request
 
+    def ids_for(self, model: str) -> list[str]:
+        """The ids of `model`'s queued requests in arrival order (a copy): O(their number)."""
+        index = self._by_model.get(model)
+        return [] if index is None else list(index)
+
     def count_for(self, model: str) -> int:
         """Queued requests of `model`: O(1)."""
         index = self._by_model.get(model)

@@ -62,8 +62,9 @@ class NodeSession:
             # The node stopped a worker it measured over its declared size, with no room for that on
             # its GPU (gpu_manager.pool): later admissions book what it measured, so that the next
             # call makes room for the model instead of loading it to be stopped again. (Otherwise
-            # the book's `done` takes the size in, which it does not for a worker lost.)
-            service.scheduler.observe_memory(placed[0], placed[1], int(done.peak_memory_mb))
+            # the book's `done` takes the size in, which it does not for a worker lost.) Queued calls
+            # that no GPU could hold at that size are answered.
+            service.apply(service.book.observe_memory(placed[0], placed[1], int(done.peak_memory_mb), service.clock()))
         if placed is not None:
             self._measured(done, *placed)
         service.apply(
