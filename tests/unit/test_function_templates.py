@@ -8,6 +8,7 @@ import importlib.util
 import io
 import itertools
 import json
+import re
 import shutil
 import struct
 import subprocess
@@ -189,6 +190,32 @@ def test_stack_file_passes_the_cli_validation(template: str) -> None:
     path = TEMPLATES_DIR / template / "stack.yml"
     (function,) = load_stack(path).functions
     assert (function.name, function.template) == ("example", template)
+
+
+def readme_calls(template: str) -> list[tuple[str, str]]:
+    """(block, call) for every curl to `/function/` in the template README's bash blocks, each call
+    one line (continuations joined), with the block it is in (for the shell function and variables
+    the block defines)."""
+    text = (TEMPLATES_DIR / template / "README.md").read_text(encoding="utf-8")
+    found: list[tuple[str, str]] = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.DOTALL):
+        joined = block.replace("\\\n", " ")
+        found += [(joined, line) for line in joined.splitlines() if re.match(r"\s*curl .*/function/", line)]
+    return found
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_readme_calls_carry_the_invoke_token_and_declare_json(template: str) -> None:
+    """A function's call needs a credential (401 without one), and curl's `-d` declares a form,
+    which reaches the handler as raw bytes: a JSON body must say `content-type: application/json`."""
+    calls = readme_calls(template)
+    assert calls, f"{template}'s README shows no call"
+    for block, call in calls:
+        wrapped = re.search(r"^curl\(\) \{ command curl -H \"Authorization: Bearer", block, re.MULTILINE)
+        assert wrapped or "Authorization: Bearer" in call, f"{template}: no credential: {call}"
+        json_type = re.search(r"^J='content-type: application/json'", block, re.MULTILINE)
+        declared = "content-type: application/json" in call or (json_type and '-H "$J"' in call)
+        assert not re.search(r"-d ['\"]\{", call) or declared, f"{template}: JSON sent as a form: {call}"
 
 
 @pytest.mark.parametrize("template", TEMPLATES)
