@@ -510,8 +510,16 @@ def _sim_title(meta: Mapping[str, object]) -> str:
     )
 
 
+_TIMED_OUT_CAPTION = (
+    "timed out: calls still waiting for a GPU at their deadline (never run); the latencies cover the "
+    "completed calls only"
+)
+
+
 def _print_aggregates(groups: Sequence[Aggregate], meta: Mapping[str, object]) -> None:
-    """One row per (policy, WS, O3 limit): each metric as mean ± sample sd over the mappings."""
+    """One row per (policy, WS, O3 limit): each metric as mean ± sample sd over the mappings; with
+    `--slo-factor` the SLO columns and, where any call timed out, the timeout rate (and the
+    caption saying what the latencies cover), as the table of single runs has them."""
     table = Table(title=_sim_title(meta) + " (mean ± sd over mappings)", title_justify="left")
     columns = [
         ("avg lat (s)", "avg_latency_s"),
@@ -522,6 +530,11 @@ def _print_aggregates(groups: Sequence[Aggregate], meta: Mapping[str, object]) -
         ("GPU util", "gpu_utilization"),
         ("fn lat var (s²)", "function_latency_variance"),
     ]
+    if meta.get("slo_factor"):
+        columns += [("SLO met", "slo_attainment"), ("fns in SLO", "slo_functions_met")]
+    if any(group.metrics["timeout_rate"].mean > 0 for group in groups):
+        columns.insert(0, ("timeout rate", "timeout_rate"))
+        table.caption, table.caption_justify = _TIMED_OUT_CAPTION, "left"
     for header in ("policy", "WS", "O3 limit", "mappings", *(h for h, _ in columns)):
         table.add_column(header, justify="left" if header == "policy" else "right")
     for group in groups:
@@ -586,11 +599,7 @@ def _print_table(results: Sequence[SimResult], meta: Mapping[str, object]) -> No
             row.append(f"{value:.3f}" if isinstance(value, float) else str(value))
         table.add_row(*row)
     if timed_out:
-        table.caption = (
-            "timed out: calls still waiting for a GPU at their deadline (never run); the latencies cover the "
-            "completed calls only"
-        )
-        table.caption_justify = "left"
+        table.caption, table.caption_justify = _TIMED_OUT_CAPTION, "left"
     Console(width=None if sys.stdout.isatty() else 200).print(table)
 
 

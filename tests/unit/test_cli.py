@@ -246,6 +246,17 @@ def test_several_mappings_give_mean_and_spread_per_policy() -> None:
     assert code == 0 and "mean ± sd over mappings" in out and "±" in out
 
 
+def test_the_table_over_mappings_shows_slo_and_timeouts_as_the_single_run_table_does() -> None:
+    """README: with --slo-factor the table adds the calls and functions within SLO, and where calls
+    timed out a column and a caption; over several mappings too (docs/policies.md's command)."""
+    args = ("--working-set", "15", "--minutes", "1", "--mappings", "ends,1", "--slo-factor", "4")
+    code, out, _ = sim(*args)
+    assert code == 0 and "mean ± sd over mappings" in out
+    assert "SLO met" in out and "fns in SLO" in out and "timeout rate" not in out
+    code, out, _ = sim(*args, "--timeout-s", "2", "--rpm", "2000")
+    assert code == 0 and "timeout rate" in out and "the latencies cover the completed calls only" in out
+
+
 def test_working_sets_that_keep_the_same_functions_run_once(tmp_path: Path) -> None:
     """The window invokes two functions: working sets 2 and 3 keep both. Each ran, and the
     aggregate merged them into one group of four runs, each mapping twice."""
