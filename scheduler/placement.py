@@ -115,8 +115,8 @@ class PlacementPieces:
         """An idle GPU the model may run on now (see `fits`) whose node holds it nearer than the
         GPU being filled (`prefer`) would have it: in host memory (its host tier or host model
         pool: a swap-in, not a load), else, when `prefer`'s node would have to fetch it, on disk
-        (a load without the fetch). The nearest tier wins; within it `prefer` if it is one, else
-        one with room for the model (evicting nothing), else the first, in idle order. None if no
+        (a load without the fetch). The nearest tier wins; within it one with room for the model
+        (evicting nothing), else one that must evict, `prefer` first in each, then idle order. None if no
         node holds it nearer. With `quiet_links_at`, a GPU whose host link carries no load then
         comes first within a tier. O(1) without copies, else O(idle GPUs)."""
         cache = self.cluster.cache
@@ -137,28 +137,27 @@ class PlacementPieces:
     def _idle_on(
         self, model: str, nodes: Set[str], prefer: str, exclude: str | None, quiet_links_at: float | None
     ) -> str | None:
-        """`idle_nearest_copy`'s choice among the idle GPUs of `nodes`: `prefer`, else one with
-        room, else the first. With `quiet_links_at`, a GPU with room on a quiet link (see
-        `_quiet_first`) goes before `prefer` on a loaded one; a quiet link never outweighs room (an
-        eviction costs a later load, contention a share of one copy)."""
+        """`idle_nearest_copy`'s choice among the idle GPUs of `nodes`: one with room for the
+        model (`prefer` first), else one that must evict (`prefer` first). Room outranks `prefer`:
+        a miss on the GPU being filled that evicts a warm model while another GPU holding the copy
+        as near has room would throw it out for nothing (two models on a node's pool took turns
+        on one GPU, every call a miss, beside an empty one). With `quiet_links_at`, a GPU on a
+        quiet link (see `_quiet_first`) goes first within each; a quiet link never outweighs room
+        (an eviction costs a later load, contention a share of one copy)."""
         cluster = self.cluster
         spec = cluster.models[model]
 
         def eligible(gpu_id: str) -> bool:
             return gpu_id != exclude and cluster.gpus[gpu_id].spec.node in nodes and cluster.fits(model, gpu_id)
 
-        def others(with_room: bool) -> Iterable[str]:
-            for _, gpu_id in cluster.idle:
-                if (
-                    gpu_id != prefer
-                    and eligible(gpu_id)
-                    and (cluster.cache.gpu(gpu_id).free_mb >= spec.memory_mb) == with_room
-                ):
+        def candidates(with_room: bool) -> Iterable[str]:
+            ordered = itertools.chain((prefer,), (gpu_id for _, gpu_id in cluster.idle if gpu_id != prefer))
+            for gpu_id in ordered:
+                if eligible(gpu_id) and (cluster.cache.gpu(gpu_id).free_mb >= spec.memory_mb) == with_room:
                     yield gpu_id
 
-        head = (prefer,) if eligible(prefer) else ()
-        found = self._quiet_first(model, itertools.chain(head, others(True)), quiet_links_at)
-        return found if found is not None else self._quiet_first(model, others(False), quiet_links_at)
+        found = self._quiet_first(model, candidates(True), quiet_links_at)
+        return found if found is not None else self._quiet_first(model, candidates(False), quiet_links_at)
 
     def idle_for_replica(
         self, model: str, prefer: str, exclude: str | None = None, *, quiet_links_at: float | None = None

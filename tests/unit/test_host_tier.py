@@ -71,6 +71,19 @@ def test_a_miss_goes_to_the_node_that_keeps_the_model_in_host_memory(tier_aware:
         assert (decision.gpu_id, decision.from_host) == ("g0", False)
 
 
+def test_a_miss_from_host_memory_takes_a_gpu_with_room_before_evicting_on_the_offered_one() -> None:
+    """n0 keeps A in host memory; g0 (offered first) is full, g1 on the same node is empty: the
+    swap-in goes to g1 and evicts nothing (it went to g0 and threw out B or C, which the next call
+    then took back: `scripts/demo.sh`'s two functions missed on every call on one GPU)."""
+    s = two_nodes()
+    for model in "ABC":
+        run(s, model, "g0")  # C evicts A into n0's host tier; g0 holds B and C, full
+    s.submit(make_request("A", 1.0))
+    (decision,) = s.schedule(1.0)
+    assert isinstance(decision, Dispatch)
+    assert (decision.gpu_id, decision.from_host, decision.evict) == ("g1", True, ())
+
+
 def test_the_simulated_host_tier_turns_loads_into_swap_ins() -> None:
     counts = load_trace(shipped_trace(), "azure2019")
     workload = build_workload(counts, WorkloadConfig(working_set=35, minutes=3), paper_table1())
