@@ -350,27 +350,31 @@ def _run_calls(
     try:
         outputs = backend.predict_batch(inputs) if spec.settings.max_batch_size > 1 else [backend.predict(inputs[0])]
     except BaseException as exc:  # the handler's sys.exit() too: it ends its calls, not the worker
-        if len(calls) > 1 and backend.usable():
-            with contextlib.suppress(Exception):  # a handler may have closed its stderr
-                traceback.print_exc()
-            # A list, not a generator: all() must not stop at the first device lost, leaving calls unanswered.
-            alone = [
-                _run_calls(backend, channel, spec, [call], [one], max_result_bytes=max_result_bytes)
-                for call, one in zip(calls, inputs, strict=True)
-            ]
-            return all(alone)
-        _answer_failure(channel, calls, exc, time.perf_counter() - started_s)
-        return backend.usable()
-    inference_s = time.perf_counter() - started_s
-    _answer_outputs(
-        channel,
-        calls,
-        outputs,
-        inference_s=inference_s,
-        peak_memory_mb=backend.peak_memory_mb(),
-        max_result_bytes=max_result_bytes,
-    )
-    return True
+        if len(calls) == 1 or not backend.usable():
+            _answer_failure(channel, calls, exc, time.perf_counter() - started_s)
+            return backend.usable()
+        # One line, not its traceback: the calls run alone next print theirs if they fail again.
+        with contextlib.suppress(Exception):  # a handler may have closed its stderr
+            print(f"a batch of {len(calls)} calls failed ({describe(exc)}): running each alone", file=sys.stderr)
+    else:
+        inference_s = time.perf_counter() - started_s
+        _answer_outputs(
+            channel,
+            calls,
+            outputs,
+            inference_s=inference_s,
+            peak_memory_mb=backend.peak_memory_mb(),
+            max_result_bytes=max_result_bytes,
+        )
+        return True
+    # Run alone outside the except: there, each call's failure was printed chained to the merged
+    # batch's ("During handling of the above exception..."), a handler's bug twice per call, and once more.
+    # A list, not a generator: all() must not stop at the first device lost, leaving calls unanswered.
+    alone = [
+        _run_calls(backend, channel, spec, [call], [one], max_result_bytes=max_result_bytes)
+        for call, one in zip(calls, inputs, strict=True)
+    ]
+    return all(alone)
 
 
 def _answer_outputs(

@@ -229,3 +229,17 @@ def test_a_requirements_layer_the_worker_cannot_open_is_a_failed_load_told_to_th
     assert frame is not None and frame.type == MessageType.MODEL_LOADED
     loaded = pb.ModelLoaded.FromString(frame.header)
     assert not loaded.ok and loaded.error.startswith("its requirements layer: FileNotFoundError: ")
+
+
+def test_a_merged_batch_that_fails_prints_each_calls_traceback_once(capsys: pytest.CaptureFixture[str]) -> None:
+    # The merged predict's traceback was printed too, before each call's own when run alone: a
+    # handler's bug showed in the node's log (`gpufaas logs`) once more per batch than per call.
+    def handler(inputs: object) -> object:
+        raise RuntimeError("a bug in predict")
+
+    results = served(handler, [b'"a"', b'"b"', b'"c"'], max_batch_size=4)
+
+    assert [result.outcome for result in results] == [pb.HANDLER_ERROR] * 3
+    printed = capsys.readouterr().err
+    assert printed.count("Traceback (most recent call last)") == 3
+    assert "a batch of 3 calls failed (RuntimeError: a bug in predict): running each alone" in printed
