@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import logging
 import math
 import os
@@ -188,13 +189,28 @@ def import_handler(package_dir: str) -> Handler:
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
     module_spec.loader.exec_module(module)
-    load, predict = getattr(module, "load", None), getattr(module, "predict", None)
-    if not callable(load) or not callable(predict):
-        raise TypeError(f"{path} must define load(device) and predict(model, inputs)")
-    warmup = getattr(module, "warmup", None)
-    if warmup is not None and not callable(warmup):
-        raise TypeError(f"{path}: warmup must be a function warmup(model), or absent")
-    return Handler(load=load, predict=predict, warmup=warmup)
+    return Handler(
+        load=_entry_point(module, "load(device)"),
+        predict=_entry_point(module, "predict(model, inputs)"),
+        warmup=_entry_point(module, "warmup(model)") if getattr(module, "warmup", None) is not None else None,
+    )
+
+
+def _entry_point(module: object, signature: str) -> Callable[..., object]:
+    """The function `signature` names in the handler `module`; TypeError saying what to write where
+    it is missing, not callable, or an `async def` or generator (the worker calls each once and uses
+    what it returns: a coroutine or generator object was the model, or an output no encoder took).
+    The message says `handler.py`: the path the worker sees may be a handle under /proc."""
+    name = signature.split("(", 1)[0]
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise TypeError(f"handler.py must define {name} as a function: def {signature}")
+    if inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
+        raise TypeError(f"handler.py: {name} is an `async def`; make it a plain `def {signature}`")
+    if inspect.isgeneratorfunction(function):
+        raise TypeError(f"handler.py: {name} yields (a generator); make it return its result")
+    entry: Callable[..., object] = function
+    return entry
 
 
 def _import_torch() -> Any:

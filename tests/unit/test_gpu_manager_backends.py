@@ -24,6 +24,7 @@ from gpu_manager.backends import (
     backend_class,
     backend_names,
     emulated_times,
+    import_handler,
     make_backend,
 )
 from gpu_manager.devices import Device, discover_nvml, logical_devices, normalize_gpu_type, visible_devices
@@ -591,3 +592,48 @@ def test_the_cuda_device_is_unusable_when_synchronizing_it_fails(monkeypatch: py
 
     monkeypatch.setattr(torch.cuda, "synchronize", lost)
     assert not backend.usable()
+
+
+NO_PREDICT = "handler.py must define predict as a function: def predict(model, inputs)"
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        # Named by the path the worker saw (a handle such as /proc/self/fd/4/handler.py), not by what was missing.
+        ("def load(device):\n    return 1\n", NO_PREDICT),
+        ("predict = 3\ndef load(device):\n    return 1\n", NO_PREDICT),
+        # An async predict answered every call "handler output of type coroutine is not bytes, str or JSON ...".
+        (
+            "def load(device):\n    return 1\nasync def predict(model, inputs):\n    return 1\n",
+            "handler.py: predict is an `async def`; make it a plain `def predict(model, inputs)`",
+        ),
+        # An async load made the model a coroutine object (never run), handed to every predict.
+        (
+            "async def load(device):\n    return 1\ndef predict(model, inputs):\n    return 1\n",
+            "handler.py: load is an `async def`; make it a plain `def load(device)`",
+        ),
+        (
+            "def load(device):\n    return 1\ndef predict(model, inputs):\n    yield 1\n",
+            "handler.py: predict yields (a generator); make it return its result",
+        ),
+        # A generator warmup never ran a step.
+        (
+            "def load(device):\n    return 1\ndef predict(model, inputs):\n    return 1\n"
+            "def warmup(model):\n    yield\n",
+            "handler.py: warmup yields (a generator); make it return its result",
+        ),
+    ],
+)
+def test_a_handler_without_plain_entry_points_is_refused_at_import_saying_what_to_write(
+    tmp_path: Path, source: str, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))  # import_handler puts the package first
+    monkeypatch.delitem(sys.modules, "gpufaas_handler_pkg", raising=False)
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "handler.py").write_text(source)
+    with pytest.raises(TypeError) as raised:
+        import_handler(str(package))
+    sys.modules.pop("gpufaas_handler_pkg", None)
+    assert str(raised.value) == message
