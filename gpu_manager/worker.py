@@ -420,13 +420,28 @@ def _answer_outputs(
         )
 
 
+_OWN_FILES = (os.path.dirname(__file__) + os.sep, "<frozen importlib.")  # the worker's frames, and importing's
+
+
+def print_handler_error(exc: BaseException) -> None:
+    """Print `exc`'s traceback to stderr (the node's log, which `gpufaas logs` shows) from its first
+    frame outside the worker's own code: a handler's error began with up to 8 frames of
+    gpu_manager and importlib, read before the handler's own (none, for a handler.py that does not
+    parse or a predict called with the wrong arguments: then the exception alone, which for a
+    SyntaxError still shows its file, line and caret). Never raises: a handler may have closed its stderr."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_OWN_FILES):
+        tb = tb.tb_next
+    with contextlib.suppress(Exception):
+        traceback.print_exception(type(exc), exc, tb)
+
+
 def _answer_failure(channel: Channel, calls: list[pb.Call], exc: BaseException, inference_s: float) -> None:
     """Answer `calls`, whose predict raised `exc`. A ValueError from a predict given one call is
     that call's input refused (INVALID_INPUT: HTTP 400), as the handler contract asks handlers to
     tell a bad input; any other exception, or one failing several merged calls (on a device no
     longer usable: whose input it was is not known), is HANDLER_ERROR (500)."""
-    with contextlib.suppress(Exception):  # a handler may have closed its stderr
-        traceback.print_exc()  # the full traceback goes to the node's log; the caller gets one line
+    print_handler_error(exc)  # the traceback goes to the node's log; the caller gets one line
     if isinstance(exc, ValueError) and len(calls) == 1:
         outcome, message = pb.INVALID_INPUT, f"invalid input: {describe(exc)}"
     else:
@@ -534,8 +549,7 @@ def _load_model(channel: Channel, backend: Backend, spec: ModelLoad, load: pb.Lo
         backend.load(spec)
         peak_memory_mb = backend.peak_memory_mb()
     except BaseException as exc:  # the handler's sys.exit() too: a failed load, told as one (not a death)
-        with contextlib.suppress(Exception):  # a handler may have closed its stderr
-            traceback.print_exc()
+        print_handler_error(exc)
         channel.send(
             MessageType.MODEL_LOADED,
             pb.ModelLoaded(ok=False, error=describe(exc), load_s=time.perf_counter() - load_started_s),

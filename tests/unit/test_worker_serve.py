@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from gpu_manager import worker
-from gpu_manager.backends import Backend, ModelLoad, WorkerDevice
+from gpu_manager.backends import PACKAGE_DIR_ENV, Backend, CpuBackend, ModelLoad, WorkerDevice
 from gpufaas.functions import WorkerSettings
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.wire import HEADER_ALLOWANCE_BYTES, MessageType, encode
@@ -243,3 +243,41 @@ def test_a_merged_batch_that_fails_prints_each_calls_traceback_once(capsys: pyte
     printed = capsys.readouterr().err
     assert printed.count("Traceback (most recent call last)") == 3
     assert "a batch of 3 calls failed (RuntimeError: a bug in predict): running each alone" in printed
+
+
+def test_a_handlers_traceback_starts_at_its_own_code_not_the_workers(capsys: pytest.CaptureFixture[str]) -> None:
+    # What `gpufaas logs` showed of a handler's error began with the worker's own frames
+    # (worker.py's _run_calls, backends.py's predict), read before the handler's.
+    def handler(inputs: object) -> object:
+        raise RuntimeError("a bug in predict")
+
+    [result] = served(handler, [b'"a"'])
+
+    assert result.outcome == pb.HANDLER_ERROR
+    printed = capsys.readouterr().err
+    assert "gpu_manager" not in printed
+    assert 'raise RuntimeError("a bug in predict")' in printed
+
+
+def test_a_handler_that_does_not_parse_prints_only_its_syntax_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its traceback was 16 lines of gpu_manager and importlib frames before the one that says where.
+    monkeypatch.setattr(worker, "confine", lambda confinement: None)  # this test process stays as it is
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the load puts the package first
+    monkeypatch.setenv(PACKAGE_DIR_ENV, "")  # the load sets it, and changes directory: both restored after
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "handler.py").write_text("def load(device)\n    return 1\n")
+    node, end = socket.socketpair()
+    with node, end:
+        spec = ModelLoad("m", str(tmp_path), 1)
+        assert not worker._load_model(
+            worker.Channel(end), CpuBackend(WorkerDevice("cpu", "g0", 0)), spec, pb.LoadModel()
+        )
+    printed = capsys.readouterr().err.splitlines()
+    assert printed == [
+        f'  File "{tmp_path}/handler.py", line 1',
+        "    def load(device)",
+        "                    ^",
+        "SyntaxError: expected ':'",
+    ]
