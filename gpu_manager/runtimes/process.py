@@ -62,12 +62,14 @@ class _Zygote:
 class _OutputRelay(asyncio.Protocol):
     """A worker's stdout and stderr (the read end of its pipe), logged line by line under
     `gpufaas.worker` within its LogBudget: a function that prints without end costs the node a
-    bounded rate, and says how much it lost."""
+    bounded rate, and says how much it lost. A line over LOG_LINE_BYTES is logged cut, once: the
+    rest of it is dropped up to its end (it was logged as lines of its own, one of them uncut)."""
 
     def __init__(self, worker: Worker, budget: LogBudget) -> None:
         self.worker = worker
         self.budget = budget
         self._buffer = bytearray()
+        self._cutting = False  # a line was logged cut: what is left of it is dropped
         self._reported = 0  # bytes dropped already told of
         self._reported_at = 0.0
 
@@ -76,20 +78,28 @@ class _OutputRelay(asyncio.Protocol):
         allowed = self.budget.take(len(data), now)
         self._buffer += data[:allowed]
         while (end := self._buffer.find(b"\n")) >= 0:
-            self._emit(bytes(self._buffer[:end]))
+            if not self._cutting:
+                self._emit_at_most(bytes(self._buffer[:end]))
+            self._cutting = False
             del self._buffer[: end + 1]
         if len(self._buffer) > LOG_LINE_BYTES:
-            self._emit(bytes(self._buffer[:LOG_LINE_BYTES]) + b" [line cut]")
+            if not self._cutting:
+                self._emit_at_most(bytes(self._buffer))
+            self._cutting = True
             self._buffer.clear()
         if self.budget.dropped > self._reported and now - self._reported_at >= _DROP_REPORT_S:
             self._report_dropped(now)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._buffer:
-            self._emit(bytes(self._buffer))
-            self._buffer.clear()
+        if self._buffer and not self._cutting:
+            self._emit_at_most(bytes(self._buffer))
+        self._buffer.clear()
         if self.budget.dropped > self._reported:
             self._report_dropped(time.monotonic())
+
+    def _emit_at_most(self, line: bytes) -> None:
+        """Log `line`, cut to LOG_LINE_BYTES (and said so) if it is longer."""
+        self._emit(line if len(line) <= LOG_LINE_BYTES else line[:LOG_LINE_BYTES] + b" [line cut]")
 
     def _emit(self, line: bytes) -> None:
         worker_log.info("%s (pid %d): %s", self.worker.model or "spare", self.worker.pid, line.decode(errors="replace"))

@@ -21,7 +21,7 @@ import pytest
 from gpu_manager import loads, worker_processes
 from gpu_manager.runtimes import process
 from gpu_manager.runtimes.process import ProcessRuntime
-from gpu_manager.sandbox import Isolation
+from gpu_manager.sandbox import LOG_LINE_BYTES, Isolation, LogBudget
 from gpu_manager.workers import UNASKED_FRAMES_ALLOWED, ModelRun, Worker
 from gpufaas.processes import pid_alive
 from gpufaas.proto import gpufaas_pb2 as pb
@@ -422,3 +422,25 @@ def test_the_late_results_of_calls_that_timed_out_queued_are_expected_and_the_wo
         assert node.pool.worker_exits == {}
 
     on_own_pool(tmp_path, "cpu", scenario)
+
+
+def test_a_printed_line_over_the_limit_is_logged_once_cut_and_its_rest_dropped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # print("x" * 100_000) reached the pipe as 65,536 bytes then the rest: logged as a 16 KiB line
+    # marked cut, then its 34,465 last bytes as a line of their own, uncut (over the limit) and
+    # reading as another print.
+    async def relayed(chunks: list[bytes]) -> list[str]:
+        relay = process._OutputRelay(Worker("gpu0"), LogBudget(1 << 30, 1 << 30, time.monotonic()))
+        caplog.clear()
+        with caplog.at_level("INFO", logger="gpufaas.worker"):
+            for chunk in chunks:
+                relay.data_received(chunk)
+            relay.connection_lost(None)
+        return [record.getMessage().split(": ", 1)[1] for record in caplog.records]
+
+    cut = "x" * LOG_LINE_BYTES + " [line cut]"
+    line = b"x" * 100_000 + b"\n"
+    assert asyncio.run(relayed([line[:65536], line[65536:] + b"next\n"])) == [cut, "next"]
+    assert asyncio.run(relayed([line + b"next"])) == [cut, "next"]  # one read: cut too
+    assert asyncio.run(relayed([b"x" * 20_000])) == [cut]  # never ended
