@@ -353,9 +353,11 @@ def _run_calls(
         if len(calls) == 1 or not backend.usable():
             _answer_failure(channel, calls, exc, time.perf_counter() - started_s)
             return backend.usable()
-        # One line, not its traceback: the calls run alone next print theirs if they fail again.
+        # Its traceback once (a bug of the batched path shows only here), then each call's own if
+        # it fails alone too: not chained to this one, as they were when run inside this except.
         with contextlib.suppress(Exception):  # a handler may have closed its stderr
             print(f"a batch of {len(calls)} calls failed ({describe(exc)}): running each alone", file=sys.stderr)
+        print_handler_error(exc)
     else:
         inference_s = time.perf_counter() - started_s
         _answer_outputs(
