@@ -39,6 +39,7 @@ log = logging.getLogger("gpufaas.gpu_manager")
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 DRAIN_POLL_S = 0.05  # how often a draining node looks whether it may stop
+RECORD_RETRY_S = 1.0  # how often a draining node tries again to put its record, while etcd refuses it
 
 
 class NodeDrain:
@@ -113,13 +114,18 @@ async def drain(node: GpuManagerDaemon, timeout_s: float, *, clock: Callable[[],
         timeout_s,
     )
     node.ledger.end_leases()  # a gateway's next call under a lease is placed (elsewhere)
-    with contextlib.suppress(StoreError, LeaseLost):  # (the timeout bounds the drain all the same)
-        await node.register_now()
+    # Beside the wait, not before it: a put to an etcd that hangs must not hold the drain past its
+    # timeout, nor one that failed leave the schedulers placing calls here until then.
+    recording = asyncio.ensure_future(_record_draining(node))
     verdict: str | None = None
     try:
+        await asyncio.sleep(0)  # (its put begins, even where the node may stop at once)
         while (verdict := state.verdict(clock(), node.ledger.scheduler_id)) is None:
             await asyncio.sleep(DRAIN_POLL_S)
     finally:
+        recording.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await recording
         started_s = state.started_s or 0.0
         log.info(
             "node %s drain ended (%s) after %.1f s: %d call(s) ran to their end during it, %d still running",
@@ -129,3 +135,19 @@ async def drain(node: GpuManagerDaemon, timeout_s: float, *, clock: Callable[[],
             state.ran,
             state.running,
         )
+
+
+async def _record_draining(node: GpuManagerDaemon) -> None:
+    """Put `node`'s record saying that it drains, again every RECORD_RETRY_S until etcd takes it:
+    the schedulers learn a drain from that record only (one put that failed, with the lease still
+    alive, would never be followed by another: the leader would go on placing calls here, and the
+    node would wait for its word until the drain timeout cut the calls it had placed)."""
+    level = logging.WARNING  # (once: then each second of an etcd down would say it again)
+    while True:
+        try:
+            await node.register_now()
+            return
+        except (StoreError, LeaseLost) as exc:
+            log.log(level, "node %s: cannot record its drain in etcd (%s); trying again", node.node, exc)
+            level = logging.DEBUG
+        await asyncio.sleep(RECORD_RETRY_S)

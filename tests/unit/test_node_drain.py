@@ -19,6 +19,7 @@ from gpu_manager.ledger import GrantLedger
 from gpufaas.cluster import GpuRecord, NodeRecord
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.service_main import run_until_signalled
+from gpufaas.store import StoreError
 from gpufaas.wire import Connection, Frame, MessageType
 from scheduler.node_drain import same_manager
 from tests.unit.test_calls import A
@@ -277,3 +278,55 @@ def test_a_new_leader_attaches_a_draining_node_without_its_gpus_and_tells_it() -
             assert node_end.revokes[0].drained and not node_end.revokes[0].grants
 
     asyncio.run(scenario())
+
+
+# --- the drain's record, where etcd does not take it at once -------------------------------------
+
+
+@dataclass
+class _EtcdDownNode(_FakeNode):
+    """A node whose record's puts fail `failures` times (etcd down), or hang (`hang`: etcd that
+    does not answer); the leader, once it sees the record, acknowledges the drain."""
+
+    failures: int = 0
+    hang: bool = False
+
+    async def register_now(self) -> None:
+        if self.hang:
+            await asyncio.Event().wait()
+        if self.failures:
+            self.failures -= 1
+            raise StoreError("etcd is down")
+        await super().register_now()
+        self.drain.revoked(pb.Revoke(drained=True), "s1")  # the leader saw it: nothing more goes here
+
+
+@pytest.fixture
+def no_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("gpu_manager.drain.DRAIN_POLL_S", 0.0)
+    monkeypatch.setattr("gpu_manager.drain.RECORD_RETRY_S", 0.0)
+
+
+@pytest.mark.usefixtures("no_waits")
+def test_a_drain_whose_record_put_fails_puts_it_again(caplog: pytest.LogCaptureFixture) -> None:
+    # Once only, the leader never learnt of the drain: it went on placing calls here, and the node
+    # waited for its word until the timeout (cutting what ran then).
+    node = _EtcdDownNode(failures=2)
+    with caplog.at_level(logging.INFO, logger="gpufaas.gpu_manager"):
+        _drain(node, 100.0, _Clock())
+    assert node.registered == [True]
+    assert "drain ended (drained)" in caplog.text
+    assert caplog.text.count("cannot record its drain in etcd") == 1  # said once, not each try
+
+
+@pytest.mark.usefixtures("no_waits")
+def test_a_record_put_that_hangs_does_not_hold_the_drain_past_its_timeout(caplog: pytest.LogCaptureFixture) -> None:
+    node = _EtcdDownNode(hang=True)
+
+    async def scenario() -> None:
+        async with asyncio.timeout(5):  # (a safety net: the drain's own clock ends it at once)
+            await drain(cast(GpuManagerDaemon, node), 3.0, clock=_Clock())
+
+    with caplog.at_level(logging.INFO, logger="gpufaas.gpu_manager"):
+        asyncio.run(scenario())
+    assert "drain ended (timed out)" in caplog.text
