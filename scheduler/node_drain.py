@@ -30,6 +30,12 @@ def same_manager(known: NodeRecord, record: NodeRecord) -> bool:
     return dataclasses.replace(known, address=record.address, draining=record.draining) == record
 
 
+def none_to_attach(links: NodeLinks) -> bool:
+    """Whether no registered node of `links` is still to add its GPUs: each is attached, or drains
+    (it never adds them: a new term that waited for it held every call its whole attach wait)."""
+    return all(node.gpu_ids or node.record.draining for node in links.nodes.values())
+
+
 async def drain_node(links: NodeLinks, node: NodeLink) -> None:
     """`node` drains: take its GPUs out (see the module's docstring) and, where it is linked, tell
     it so with the grants placed there; a node not linked now is told when it attaches (its

@@ -59,6 +59,7 @@ from scheduler.estimator import Estimator
 from scheduler.evictions import EvictionLog
 from scheduler.leadership import Leadership, Role
 from scheduler.metrics import SchedulerMetrics
+from scheduler.node_drain import none_to_attach
 from scheduler.node_links import NodeLink, NodeLinks
 from scheduler.persister import StatePersister
 from scheduler.policies import PolicyConfig, make_policy
@@ -302,10 +303,10 @@ class SchedulerService:
         return work
 
     async def _open_when_attached(self) -> None:
-        """Take calls once every registered node has attached (or after ATTACH_WAIT_S): a call
-        placed sooner would find no GPU, or not the one that holds its model."""
+        """Take calls once every registered node has attached or drains (or after ATTACH_WAIT_S):
+        a call placed sooner would find no GPU, or not the one that holds its model."""
         term, deadline = self.term, self.clock() + ATTACH_WAIT_S
-        while not self.links.all_attached() and self.clock() < deadline:
+        while not none_to_attach(self.links) and self.clock() < deadline:
             await asyncio.sleep(ATTACH_POLL_S)
         gc.collect()  # first, so that no cycle left over from an earlier term is frozen for good
         gc.freeze()  # what lives now (the attached cluster) leaves the collector's walks: O(1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -17,11 +18,14 @@ from gpu_manager.daemon import GpuManagerDaemon
 from gpu_manager.drain import NodeDrain, drain
 from gpu_manager.ledger import GrantLedger
 from gpufaas.cluster import GpuRecord, NodeRecord
+from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.service_main import run_until_signalled
 from gpufaas.store import StoreError
 from gpufaas.wire import Connection, Frame, MessageType
-from scheduler.node_drain import same_manager
+from scheduler.node_drain import none_to_attach, same_manager
+from scheduler.service import SchedulerService
+from tests.fakes import MemoryStore
 from tests.unit.test_calls import A
 from tests.unit.test_node_links import _Node, linked_to
 
@@ -330,3 +334,23 @@ def test_a_record_put_that_hangs_does_not_hold_the_drain_past_its_timeout(caplog
     with caplog.at_level(logging.INFO, logger="gpufaas.gpu_manager"):
         asyncio.run(scenario())
     assert "drain ended (timed out)" in caplog.text
+
+
+def test_a_new_term_does_not_wait_for_a_draining_node_to_add_its_gpus() -> None:
+    # A draining node attaches without its GPUs: a new leader taking over during a drain waited
+    # for them its whole ATTACH_WAIT_S (2 s) before taking any call. (Its clock stands still here:
+    # that wait would never end; `asyncio.timeout` is a safety net only.)
+    async def scenario() -> None:
+        service = SchedulerService(MemoryStore(), keys=Keys("/t"), prestage_nodes=0, clock=lambda: 100.0)
+        record = NodeRecord("n1", "127.0.0.1:1", "cpu", "i1", [GpuRecord("gpu0", 8000, "cpu")], draining=True)
+        service.links.seen(record)
+        service.links.seen(dataclasses.replace(record, node="n2", draining=False))
+        assert not none_to_attach(service.links)  # n2 is yet to attach: waited for
+        service.links.nodes["n2"].gpu_ids.append("n2/gpu0")
+        service.term.open = False  # as a term begins (take_office)
+        async with asyncio.timeout(5):
+            await service._open_when_attached()
+        gc.unfreeze()  # (it froze the heap, as a new term does: not this test process's)
+        assert service.term.open
+
+    asyncio.run(scenario())
