@@ -99,15 +99,20 @@ class Component:
         return exited.si_status if exited.si_code == os.CLD_EXITED else -exited.si_status
 
     def stop(self, *, kill: bool = False, timeout_s: float = 10.0) -> None:
-        """SIGTERM (or SIGKILL) its process group, SIGKILL it after `timeout_s`, and SIGKILL what is
-        left in it once its process exited: a GPU manager's workers go with it, those of one that
-        died alone (killed by the OOM killer, crashed) included, which would otherwise outlive the
-        cluster, unknown to its next incarnation."""
+        """SIGTERM its process (or SIGKILL its process group), SIGKILL the group after `timeout_s`,
+        and SIGKILL what is left in it once its process exited: a GPU manager's workers go with it,
+        those of one that died alone (killed by the OOM killer, crashed) included, which would
+        otherwise outlive the cluster, unknown to its next incarnation. The SIGTERM goes to the
+        process alone, as Kubernetes and Docker send it: a GPU manager drains on it, running its
+        calls to their end (gpu_manager.drain), which its workers, signalled too, would not do."""
         process = self.process
         if process is not None and process.returncode is None:  # not reaped yet (a second stop does nothing)
             if self.alive():
                 with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(process.pid, signal.SIGKILL if kill else signal.SIGTERM)
+                    if kill:
+                        os.killpg(process.pid, signal.SIGKILL)
+                    else:
+                        os.kill(process.pid, signal.SIGTERM)
                 deadline = time.monotonic() + timeout_s
                 while self.alive() and time.monotonic() < deadline:
                     time.sleep(0.01)

@@ -223,3 +223,44 @@ def test_the_packages_of_an_earlier_clusters_gateways_are_served_by_the_first_ga
     # Back to one gateway: what either of the two held.
     assert adopt_gateway_blobs(tmp_path, ["gateway"]) == 1
     assert set(BlobStore(tmp_path / "gateway" / "blobs").digests()) == {held, also}
+
+
+# A component whose child (as a GPU manager's worker) notes a SIGTERM in the file it is given; the
+# component, told to stop, has its child end (SIGUSR1: it exits after its handlers ran) and exits.
+_DRAINING_LEADER = """
+import signal, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", '''
+import signal, sys, time
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: open(sys.argv[1], "w").write("SIGTERM"))
+signal.signal(signal.SIGUSR1, lambda *_: stop.append(1))
+open(sys.argv[2], "w").write("ready")
+while not stop:
+    time.sleep(0.01)
+''', sys.argv[1] + ".term", sys.argv[1]])
+def stop(*_):
+    child.send_signal(signal.SIGUSR1)
+    child.wait()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+signal.pause()
+"""
+
+
+def test_a_stop_signals_the_component_not_its_workers(tmp_path: Path) -> None:
+    # A GPU manager drains on SIGTERM, running its calls to their end: a SIGTERM to its whole group
+    # (`gpufaas down`, `LocalCluster.restart`) killed its workers with it, and their calls.
+    ready = tmp_path / "child"
+    component = Component("node0", [sys.executable, "-c", _DRAINING_LEADER, str(ready)], tmp_path / "node0.log")
+    component.start(dict(os.environ))
+    assert component.process is not None
+    try:
+        deadline = time.monotonic() + 10.0
+        while not ready.exists() or not ready.read_text():
+            assert time.monotonic() < deadline, "the component did not start its child"
+            time.sleep(0.01)
+        component.stop(timeout_s=10.0)
+        assert component.process.returncode == 0  # it stopped on its own
+        assert not (tmp_path / "child.term").exists(), "its worker got the SIGTERM too"
+    finally:
+        component.stop(kill=True)
