@@ -26,8 +26,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import LeaseLost, StoreError
@@ -70,10 +70,16 @@ class NodeDrain:
         if request.drained:
             self.acked_by = scheduler_id
 
-    async def tracked(self, execute: Awaitable[None]) -> None:
-        """Run one Execute's handling, counted in `running` until its Done is sent (the Done goes
-        out on a callback the handling schedules: the count drops on the one after it)."""
+    def tracked(self, execute: Awaitable[None]) -> Coroutine[Any, Any, None]:
+        """One Execute's handling, counted in `running` from now (as its frame is taken, not once
+        its task first runs: a drain that looked in between stopped the node under a call it had
+        taken) until its Done is sent (the Done goes out on a callback the handling schedules: the
+        count drops on the one after it). To be run as a task: one cancelled before it began is
+        not counted off, which only the node's stop does."""
         self.running += 1
+        return self._counted(execute)
+
+    async def _counted(self, execute: Awaitable[None]) -> None:
         try:
             await execute
         finally:

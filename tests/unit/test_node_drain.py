@@ -111,6 +111,23 @@ def test_an_execute_counts_as_running_until_its_done_is_sent() -> None:
     asyncio.run(scenario())
 
 
+def test_an_execute_counts_as_running_from_the_moment_its_frame_is_taken() -> None:
+    # Its handling runs as a task: counted only once that task began, a drain that looked in
+    # between found nothing running and stopped the node, cancelling the call it had just taken.
+    async def scenario() -> None:
+        state = NodeDrain()
+        state.start(0.0, 30.0)
+        release = asyncio.Event()
+        task = asyncio.ensure_future(state.tracked(release.wait()))  # (its task has not run yet)
+        assert state.running == 1 and state.verdict(1.0, "s1") is None
+        release.set()
+        await task
+        await asyncio.sleep(0)
+        assert (state.running, state.verdict(1.0, "s1")) == (0, "no scheduler attached")
+
+    asyncio.run(scenario())
+
+
 # --- the drain's loop, with a node that has only what it reads -----------------------------------
 
 
