@@ -118,19 +118,70 @@ def decode_inputs(payload: bytes, content_type: str = "") -> object:
 
 def encode_result(result: object) -> tuple[bytes, str]:
     """The handler's output as (bytes, content type): bytes as they are, str as UTF-8 text,
-    anything else as JSON (torch tensors and numpy arrays become nested lists). TypeError if it
-    cannot be encoded; ValueError if it holds NaN or an infinity (in a tensor too), which JSON
-    (RFC 8259) cannot carry, or refers to itself."""
+    anything else as JSON (torch tensors and numpy arrays become nested lists, numpy scalar dict
+    keys Python numbers: _json_text). TypeError if it cannot be encoded; ValueError if it holds NaN
+    or an infinity (in a tensor too), which JSON (RFC 8259) cannot carry, or refers to itself."""
     if isinstance(result, _BINARY):
         return bytes(result), "application/octet-stream"
     if isinstance(result, str):
         return result.encode("utf-8"), "text/plain; charset=utf-8"
     try:
-        return _encode_json(result).encode("utf-8"), "application/json"
+        return _json_text(result).encode("utf-8"), "application/json"
     except ValueError as exc:
         if not str(exc).startswith(_NOT_FINITE):  # a circular reference: json's own message
             raise
         raise ValueError(NOT_FINITE_OUTPUT) from None
+
+
+def _json_text(result: object) -> str:
+    """`result` as JSON text. A dict key that is a numpy scalar or a 0-d torch tensor (a class index
+    such as numpy.int64(3)) is written as its Python number would be, as values of those types are:
+    json refuses any key not str, int, float, bool or None, and has no hook for keys. TypeError,
+    in one line naming its type, for any other such key."""
+    try:
+        return _encode_json(result)
+    except TypeError as exc:
+        if not str(exc).startswith(_BAD_KEY):
+            raise
+    # Only an output that json refused is walked (in Python, so slower): the common one is not.
+    try:
+        return _encode_json(_with_plain_keys(result, set()))
+    except TypeError as exc:
+        if not str(exc).startswith(_BAD_KEY):
+            raise
+        kind = str(exc).rpartition(" not ")[2]
+        raise TypeError(
+            f"the output holds a dict key of type {kind}; a JSON object's keys must be str, int, float, bool or "
+            "None (numpy scalars and 0-d tensors are taken as their numbers)"
+        ) from None
+
+
+def _with_plain_keys(value: object, open_ids: set[int]) -> object:
+    """`value` with each dict's numpy-scalar and 0-d tensor keys made Python numbers, its dicts,
+    lists and tuples copied (a tuple becomes a list, as JSON writes it). `open_ids`: the containers
+    being copied, for a cycle raises json's own ValueError rather than recursing without end."""
+    if not isinstance(value, dict | list | tuple):
+        return value
+    if id(value) in open_ids:
+        raise ValueError("Circular reference detected")
+    open_ids.add(id(value))
+    try:
+        if isinstance(value, dict):
+            return {_plain_key(key): _with_plain_keys(item, open_ids) for key, item in value.items()}
+        return [_with_plain_keys(item, open_ids) for item in value]
+    finally:
+        open_ids.discard(id(value))
+
+
+def _plain_key(key: object) -> object:
+    """`key` as a Python scalar if it is a numpy scalar or a 0-d torch tensor, else itself."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(key, numpy.generic):
+        return key.item()
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(key, torch.Tensor) and key.dim() == 0:
+        return key.item()
+    return key
 
 
 def _json_default(value: object) -> object:
@@ -151,6 +202,7 @@ _BINARY = (bytes, bytearray, memoryview)
 # infinities were written as bare NaN / Infinity tokens under application/json: not JSON, so a
 # strict client (JSON.parse, Go's encoding/json, jq) failed on the whole answer.
 _encode_json = json.JSONEncoder(default=_json_default, separators=(",", ":"), allow_nan=False).encode
+_BAD_KEY = "keys must be str, int, float, bool or None"  # what json raises for a key it cannot write
 _NOT_FINITE = "Out of range float values are not JSON compliant"  # what json raises for one
 NOT_FINITE_OUTPUT = (
     "the output holds NaN or Infinity, which JSON cannot carry; return None (JSON null) or a string "

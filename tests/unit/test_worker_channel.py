@@ -221,3 +221,27 @@ def test_an_unencodable_or_circular_output_fails_that_call_only_and_the_next_enc
     inner = [1, 2]
     assert encode_result({"a": inner, "b": inner}) == (b'{"a":[1,2],"b":[1,2]}', "application/json")
     assert encode_result([circular[0]]) == (b"[1]", "application/json")
+
+
+def test_numpy_scalar_and_0d_tensor_dict_keys_are_written_as_their_python_numbers() -> None:
+    # {numpy.int64(3): 0.9}, a class index as key, failed with json's "keys must be str, int, ...
+    # not numpy.int64", although numpy values were taken everywhere else in an output.
+    numpy = pytest.importorskip("numpy")
+    output = {numpy.int64(3): 0.9, "top": [{numpy.float64(0.5): 1, numpy.bool_(True): 2}], "t": ({numpy.uint8(7): 3},)}
+    expected = {3: 0.9, "top": [{0.5: 1, True: 2}], "t": ({7: 3},)}
+    assert encode_result(output) == (json.dumps(expected, separators=(",", ":")).encode(), "application/json")
+    torch = pytest.importorskip("torch")
+    assert encode_result({torch.tensor(2): "b"}) == (b'{"2":"b"}', "application/json")
+
+
+def test_a_dict_key_json_cannot_write_is_refused_in_one_line_naming_its_type() -> None:
+    with pytest.raises(TypeError) as refused:
+        encode_result({"a": {(1, 2): 3}})
+    assert str(refused.value).startswith("the output holds a dict key of type tuple; a JSON object's keys must be")
+    numpy = pytest.importorskip("numpy")
+    with pytest.raises(TypeError, match="a dict key of type complex;"):
+        encode_result({numpy.int64(1): 1, numpy.complex128(1j): 2})
+    circular: dict[object, object] = {numpy.int64(1): 1}
+    circular["self"] = circular
+    with pytest.raises(ValueError, match="Circular reference detected"):
+        encode_result(circular)
