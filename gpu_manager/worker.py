@@ -120,17 +120,33 @@ def encode_result(result: object) -> tuple[bytes, str]:
     """The handler's output as (bytes, content type): bytes as they are, str as UTF-8 text,
     anything else as JSON (torch tensors and numpy arrays become nested lists, numpy scalar dict
     keys Python numbers: _json_text). TypeError if it cannot be encoded; ValueError if it holds NaN
-    or an infinity (in a tensor too), which JSON (RFC 8259) cannot carry, or refers to itself."""
+    or an infinity (in a tensor too), which JSON (RFC 8259) cannot carry, or refers to itself, or
+    if it is a str holding a surrogate, which UTF-8 cannot carry (_utf8_text)."""
     if isinstance(result, _BINARY):
         return bytes(result), "application/octet-stream"
     if isinstance(result, str):
-        return result.encode("utf-8"), "text/plain; charset=utf-8"
+        return _utf8_text(result), "text/plain; charset=utf-8"
     try:
         return _json_text(result).encode("utf-8"), "application/json"
     except ValueError as exc:
         if not str(exc).startswith(_NOT_FINITE):  # a circular reference: json's own message
             raise
         raise ValueError(NOT_FINITE_OUTPUT) from None
+
+
+def _utf8_text(text: str) -> bytes:
+    """`text` as UTF-8. ValueError, in one line naming the code point and where it is, if it holds
+    a surrogate (as text decoded with errors="surrogateescape" does), which UTF-8 cannot carry.
+    Refused rather than sent some other way: written as JSON's \\udcff escape it would no longer be
+    the text/plain body the caller expects of a str, and replaced by U+FFFD it would lose data
+    unseen; the handler that knows what the text means says how to send it."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"the output str holds U+{ord(text[exc.start]):04X} at index {exc.start}, a surrogate, which UTF-8 "
+            "cannot carry; return bytes, or the str inside a list or dict to send it as JSON (as \\u escapes)"
+        ) from None
 
 
 def _json_text(result: object) -> str:

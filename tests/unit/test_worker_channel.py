@@ -245,3 +245,16 @@ def test_a_dict_key_json_cannot_write_is_refused_in_one_line_naming_its_type() -
     circular["self"] = circular
     with pytest.raises(ValueError, match="Circular reference detected"):
         encode_result(circular)
+
+
+def test_a_str_output_holding_a_surrogate_is_refused_in_one_line_naming_it() -> None:
+    # It failed with the raw "'utf-8' codec can't encode character '\udcff' in position 2:
+    # surrogates not allowed", while the same str inside a list is sent, as JSON's \u escape.
+    with pytest.raises(ValueError) as refused:
+        encode_result("ab\udcff")
+    assert not isinstance(refused.value, UnicodeError)
+    assert str(refused.value).startswith(
+        "the output str holds U+DCFF at index 2, a surrogate, which UTF-8 cannot carry; return bytes"
+    )
+    assert encode_result(["ab\udcff"]) == (b'["ab\\udcff"]', "application/json")
+    assert encode_result("é") == ("é".encode(), "text/plain; charset=utf-8")
