@@ -202,7 +202,12 @@ def warn_if_insecure(args: DaemonSettings, name: str) -> None:
 
 
 def configure_logging(level: str) -> None:
+    """Write log lines of `level` and above to stderr, but what workers print (the logger
+    gpufaas.worker, which the node relays at INFO within each worker's LogBudget) at INFO whatever
+    `level`: it is the function author's output, a handler's traceback included, not the daemon's
+    chatter, and a node run with --log-level warning left `gpufaas logs` empty of it."""
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("gpufaas.worker").setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
 
 
 async def run_until_signalled(

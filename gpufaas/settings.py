@@ -189,7 +189,11 @@ class DaemonSettings(BaseSettings):
         default="127.0.0.1:2379", description="etcd client endpoint host:port"
     )
     root: Annotated[str, AfterValidator(_key_root)] = Field(default=DEFAULT_ROOT, description="etcd key root")
-    log_level: LogLevel = Field(default="info", description="the least severe log lines written")
+    log_level: LogLevel = Field(
+        default="info",
+        description="the least severe log lines written (what a node's workers print, a function's output, is "
+        "written at info whatever this is)",
+    )
     secret_file: Path | None = Field(
         default=None,
         validation_alias="GPUFAAS_SECRET_FILE",

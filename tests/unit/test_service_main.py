@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -101,3 +104,41 @@ def test_a_start_that_fails_partway_is_stopped(error: Exception, said: str, caps
     assert _serve(daemon, _Settings("127.0.0.1:0", None)) == 1
     assert daemon.stopped
     assert capsys.readouterr().err.startswith(said)
+
+
+# A daemon's logging as its main configures it, then a line a worker printed, relayed as the node
+# relays it, and the daemon's own INFO and WARNING lines. In a process of its own: pytest's
+# handlers on the root logger would make logging.basicConfig do nothing here.
+_REPO = Path(__file__).resolve().parents[2]  # `python -c` imports from its working directory first
+_LOG_LINES = """
+import logging, sys
+from gpufaas.service_main import configure_logging
+from gpu_manager.runtimes.process import worker_log
+configure_logging(sys.argv[1])
+worker_log.info("a handler printed this")
+logging.getLogger("gpufaas.node").info("the daemon's chatter")
+logging.getLogger("gpufaas.node").warning("the daemon's warning")
+"""
+
+
+@pytest.mark.parametrize("level", ["warning", "error"])
+def test_what_workers_print_is_written_whatever_the_daemons_log_level(level: str) -> None:
+    # With --log-level warning or error, a function's prints and tracebacks, relayed at INFO,
+    # were not written: `gpufaas logs` showed its author nothing.
+    written = subprocess.run(
+        [sys.executable, "-c", _LOG_LINES, level], capture_output=True, text=True, check=True, cwd=_REPO
+    ).stderr
+    assert "INFO gpufaas.worker: a handler printed this" in written
+    assert "the daemon's chatter" not in written
+    assert ("the daemon's warning" in written) is (level == "warning")
+
+
+def test_at_debug_the_daemon_and_its_workers_write_everything() -> None:
+    written = subprocess.run(
+        [sys.executable, "-c", _LOG_LINES + 'worker_log.debug("a debug line")', "debug"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=_REPO,
+    ).stderr
+    assert "a handler printed this" in written and "the daemon's chatter" in written and "a debug line" in written
