@@ -7,7 +7,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.markup import escape
@@ -124,15 +124,6 @@ def up(
         state_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file there or above it, a dangling link, no right to make it
         raise typer.BadParameter(f"{state_dir}: {exc.strerror}; the cluster's state goes in a folder") from None
-    if supervised(state_dir):
-        url = cluster_info(state_dir).get("gateway_url", "?")
-        console.print(
-            f"a cluster is already running from {state_dir} (gateway {url}); "
-            "`gpufaas status` shows it, `gpufaas down` stops it",
-            markup=False,  # (a path's '[/old]' is text: read as markup, a traceback)
-        )
-        return
-    _refuse_leftovers(state_dir)
     options = {
         **scheduler,
         "nodes": nodes,
@@ -150,7 +141,62 @@ def up(
         "scheduler_flags": scheduler_flags,
         "tls": tls,
     }
+    if supervised(state_dir):
+        _already_running(ctx, state_dir, options)
+        return
+    _refuse_leftovers(state_dir)
     _start_supervised(state_dir, options, policy=checked.policy)
+
+
+# `up`'s parameters by the supervisor's option each sets (the rest share their names).
+OPTION_OF_PARAMETER = {"port": "gateway_port", "scheduler_args": "scheduler_flags"}
+
+
+def _already_running(ctx: typer.Context, state_dir: Path, options: Mapping[str, Any]) -> None:
+    """`up` on a state directory whose cluster is starting or running: unchanged (exit 0) where the
+    options given on the command line are the ones it runs with (as its supervisor recorded them
+    in supervisor.json) or none were given; else exit 1 naming each that differs. A script once
+    read "already running" and exit 0 after asking for another port, and got the old one."""
+    from gpufaas.dev.local_cluster import read_supervisor_status
+
+    url = cluster_info(state_dir).get("gateway_url", "?")
+    # By name: typer carries a click of its own, whose ParameterSource is not click's.
+    explicit = ("COMMANDLINE", "ENVIRONMENT")
+    flags = {
+        OPTION_OF_PARAMETER.get(name, name): f"--{name.replace('_', '-')}"
+        for name in ctx.params
+        if name != "state_dir" and getattr(ctx.get_parameter_source(name), "name", None) in explicit
+    }
+    if ctx.args:  # (scheduler flags given to `up` itself)
+        flags["scheduler_flags"] = "--scheduler-args"
+    recorded = read_supervisor_status(state_dir).get("options")
+    if not isinstance(recorded, dict):  # (an older gpufaas's supervisor, or one not yet started)
+        recorded = {}
+    differ = [
+        f"{flag} {_shown(options[key])} (it runs with {_shown(recorded[key]) if key in recorded else 'unrecorded'})"
+        for key, flag in flags.items()
+        if key not in recorded or recorded[key] != options[key]
+    ]
+    if differ:
+        _refuse(
+            f"a cluster is already running from {state_dir} (gateway {url}), not with {'; '.join(differ)}: "
+            "`gpufaas down` stops it, then `gpufaas up` with these options starts them"
+        )
+    console.print(
+        f"a cluster is already running from {state_dir} (gateway {url}); "
+        "`gpufaas status` shows it, `gpufaas down` stops it",
+        markup=False,  # (a path's '[/old]' is text: read as markup, a traceback)
+    )
+
+
+def _shown(value: object) -> str:
+    """An option's value as `up` took it: a list of flags as one string, a switch as on or off,
+    None as "default"."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list):
+        return repr(" ".join(map(str, value)))
+    return "default" if value is None else str(value)
 
 
 def _refuse_leftovers(state_dir: Path) -> None:
@@ -163,12 +209,16 @@ def _refuse_leftovers(state_dir: Path) -> None:
 
     alive = [f"{name} (pid {pid})" for name, pid in recorded_pids(state_dir).items() if pid_alive(pid)]
     if alive:
-        err_console.print(
+        _refuse(
             f"the cluster in {state_dir} lost its supervisor, and {', '.join(alive)} still run(s): "
-            "`gpufaas down` stops them, then `gpufaas up` starts the cluster again",
-            markup=False,
+            "`gpufaas down` stops them, then `gpufaas up` starts the cluster again"
         )
-        raise typer.Exit(code=1)
+
+
+def _refuse(line: str) -> NoReturn:
+    """Exit 1 with `line` on stderr, as text (a path's '[/old]' is no markup)."""
+    err_console.print(line, markup=False)
+    raise typer.Exit(code=1)
 
 
 def _check_balancer() -> None:

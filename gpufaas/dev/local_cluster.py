@@ -975,7 +975,9 @@ def main(argv: list[str] | None = None) -> int:
     status_path = args.state_dir / SUPERVISOR_STATUS
 
     def report(state: str, **extra: object) -> None:
-        write_atomically(status_path, json.dumps({"pid": os.getpid(), "status": state, **extra}) + "\n")
+        # The options too: a later `gpufaas up` on this directory says which of its own differ.
+        record = {"pid": os.getpid(), "status": state, "options": options, **extra}
+        write_atomically(status_path, json.dumps(record) + "\n")
 
     report("starting")
     try:

@@ -360,6 +360,35 @@ def test_up_over_what_outlived_a_killed_supervisor_says_what_to_do(tmp_path: Pat
     assert "already running" not in result.output
 
 
+@pytest.mark.parametrize(
+    ("flags", "code", "says"),
+    [
+        ([], 0, "already running"),  # none given: unchanged
+        (["--port", "18780", "--backend", "cpu", "--nodes", "1"], 0, "already running"),  # the same
+        (["--port", "18790", "--no-tls"], 1, "--port 18790 (it runs with 18780); --tls off (it runs with on)"),
+        (["--policy", "lb", "--o3-limit", "3"], 1, "--scheduler-args '--o3-limit 3' (it runs with '')"),
+    ],
+)
+def test_up_on_a_running_cluster_says_which_options_it_does_not_run_with(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, flags: list[str], code: int, says: str
+) -> None:
+    """`up` with another --port on a running cluster said "already running" and exited 0: a script
+    could not tell it had not got the port it asked for. The options are the supervisor's record."""
+    from gpufaas.dev import local_cluster
+
+    state = tmp_path / "state"
+    state.mkdir()
+    options = {"policy": "lalb-o3", "nodes": 1, "backend": "cpu", "gateway_port": 18780, "scheduler_flags": []}
+    (state / "supervisor.json").write_text(json.dumps({"status": "up", "options": {**options, "tls": True}}))
+    (state / "cluster.json").write_text(json.dumps({"gateway_url": "http://127.0.0.1:18780"}))
+    monkeypatch.setattr(local_cluster, "supervised", lambda state_dir: True)
+    result = runner.invoke(app, ["up", "--state-dir", str(state), *flags], terminal_width=400)
+    assert result.exit_code == code, result.output
+    said = " ".join(result.output.split())
+    assert says in said and "http://127.0.0.1:18780" in said
+    assert code == 0 or "`gpufaas down` stops it" in said
+
+
 def test_up_passes_the_policys_knobs_on_to_the_scheduler_settings() -> None:
     from gpufaas.cli.local import _checked_scheduler
 
