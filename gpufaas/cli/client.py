@@ -126,12 +126,38 @@ def local_cluster_password(url: str, state_dir: Path | None = None) -> str | Non
     return None
 
 
+def what_to_start(url: str, state_dir: Path | None = None) -> str:
+    """What to do when no gateway answers at `url`: where `url` is the local cluster's recorded
+    gateway or the default one (a command given no --gateway) and that cluster in `state_dir`
+    (default `state_dir_default()`) is stopped, name it and its port (a cluster made with
+    `up --port P` and stopped left commands at port 8080, with no word of it); else start one."""
+    state_dir = state_dir or state_dir_default()
+    recorded = cluster_info(state_dir).get("gateway_url")
+    anywhere = "or point --gateway / GPUFAAS_URL at a running one"
+    if not isinstance(recorded, str) or not recorded or running_cluster_url(state_dir) is not None:
+        return f"start a local cluster with `gpufaas up`, {anywhere}"
+    recorded = recorded.rstrip("/")
+    if url.rstrip("/") not in (recorded, DEFAULT_GATEWAY):
+        return f"start a local cluster with `gpufaas up`, {anywhere}"
+    try:
+        port = urllib.parse.urlsplit(recorded).port
+    except ValueError:  # (a cluster.json edited by hand)
+        port = None
+    again = "gpufaas up" + (
+        f" --port {port}" if port not in (None, urllib.parse.urlsplit(DEFAULT_GATEWAY).port) else ""
+    )
+    return f"the local cluster in {state_dir} was at {recorded} and is stopped: `{again}` starts one again, {anywhere}"
+
+
 class GatewayClient:
     """The CLI's handle on a gateway: every failure becomes a GpufaasError that says what to do.
     It authenticates as admin with `admin_password_for(url)` when there is one."""
 
-    def __init__(self, url: str, *, timeout_s: float = 120.0, password: str | None = None) -> None:
+    def __init__(
+        self, url: str, *, timeout_s: float = 120.0, password: str | None = None, state_dir: Path | None = None
+    ) -> None:
         self.url = url
+        self.state_dir = state_dir  # the local cluster's (None: `state_dir_default()`)
         try:
             parts = urllib.parse.urlsplit(url)
             parts.port  # noqa: B018 (ValueError: not a port number)
@@ -139,7 +165,7 @@ class GatewayClient:
             raise not_a_gateway_url(url) from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise not_a_gateway_url(url)
-        password = password if password is not None else admin_password_for(url)
+        password = password if password is not None else admin_password_for(url, state_dir)
         auth = httpx.BasicAuth(ADMIN_USER, password) if password else None
         # The same credential for the gateway's blob server (gpufaas.blobnet), which httpx does not reach.
         self.authorization = basic_authorization(ADMIN_USER, password) if password else None
@@ -165,10 +191,7 @@ class GatewayClient:
                     f"the gateway at {self.url} has a certificate this machine does not trust ({exc}); "
                     "give the CA that signed it in SSL_CERT_FILE"
                 ) from None
-            raise GpufaasError(
-                f"no gateway answers at {self.url}; start a local cluster with `gpufaas up`, "
-                "or point --gateway / GPUFAAS_URL at a running one"
-            ) from None
+            raise GpufaasError(f"no gateway answers at {self.url}; {what_to_start(self.url, self.state_dir)}") from None
         except httpx.HTTPError as exc:
             raise GpufaasError(f"talking to the gateway at {self.url} failed: {exc}") from None
 

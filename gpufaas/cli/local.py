@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gpufaas.cli.base import GatewayOpt, StateDir, app, console, err_console, user_errors
-from gpufaas.cli.client import GatewayClient, cluster_info, gateway_url, state_dir_default
+from gpufaas.cli.client import GatewayClient, cluster_info, gateway_url, state_dir_default, what_to_start
 from gpufaas.errors import GpufaasError
 
 if TYPE_CHECKING:
@@ -353,13 +353,16 @@ def status(state_dir: StateDir = state_dir_default(), gateway: GatewayOpt = None
     if pids:
         console.print(table)
     else:
-        console.print(f"no local cluster recorded in {state_dir}", markup=False)
+        # (`down` empties pids.json and leaves cluster.json: what_to_start below names the stopped one)
+        recorded = "nothing of the local cluster runs" if info.get("gateway_url") else "no local cluster recorded"
+        console.print(f"{recorded} in {state_dir}", markup=False)
     try:  # (the CLI's client: a gateway on this machine is reached directly, whatever http_proxy says)
         healthy = GatewayClient(url, timeout_s=3.0, password="").request("GET", "/healthz").status_code == 200
     except GpufaasError:  # not a URL at all, or nothing answers there
         healthy = False
     console.print(f"gateway {escape(url)}: {'[green]answers[/]' if healthy else '[red]does not answer[/]'}")
     if not healthy:
+        console.print(what_to_start(url, state_dir), markup=False)
         raise typer.Exit(code=1)
 
 

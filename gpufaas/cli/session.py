@@ -47,7 +47,7 @@ def login(
                 f"no password for {url}: pass it with --password-stdin (a local cluster keeps it in "
                 f"{state_dir / 'secrets' / 'admin-password'})"
             )
-        client = GatewayClient(url, password=password)
+        client = GatewayClient(url, password=password, state_dir=state_dir)
         response = client.request("GET", "/system/info")
         if response.status_code in (401, 403):
             raise GpufaasError(f"the gateway at {url} refused that password; check it and try again")

@@ -344,6 +344,23 @@ def test_a_stopped_local_clusters_url_and_password_are_used_no_more(stand: Stand
     assert gateway_url(None, state_dir=state) == "http://127.0.0.1:9"
 
 
+def test_a_stopped_local_cluster_is_named_where_no_gateway_answers(
+    state: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After `gpufaas up --port P` and a crash or `down`, commands given no --gateway went to port
+    8080 and said only "no gateway answers" there: the stopped cluster and its port went unsaid."""
+    from gpufaas.cli import client
+
+    monkeypatch.setattr(client, "DEFAULT_GATEWAY", "http://127.0.0.1:9")  # (nothing answers at the default)
+    local_cluster(state, "http://127.0.0.1:18780", "pw", running=False)
+    stopped = f"the local cluster in {state} was at http://127.0.0.1:18780 and is stopped: `gpufaas up --port 18780`"
+    for argv in (["ls"], ["invoke", "f", "-d", "{}"], ["status", "--state-dir", str(state)]):
+        code, out, err = cli(*argv)
+        assert code == 1 and stopped in " ".join((out + err).split()), out + err
+    code, _, err = cli("ls", "--gateway", "http://127.0.0.1:9/other")  # another gateway: not the local cluster's
+    assert code == 1 and "stopped" not in err and "start a local cluster with `gpufaas up`" in err, err
+
+
 def test_new_does_not_replace_a_function_the_stack_file_has(state: Path, tmp_path: Path) -> None:
     """`gpufaas new echo` beside a stack.yml that has an `echo` (its handler elsewhere): refused,
     the file as it was; it rewrote the entry, and the next deploy replaced the function."""
