@@ -103,6 +103,7 @@ from mypy_extensions import mypyc_attr
 
 from cache_manager import CacheManager, eviction_policy
 from gateway.leases import USABLE_SHARE
+from gpufaas.errors import ModelTooLarge
 from gpufaas.functions import DEFAULT_TIMEOUT_S
 from gpufaas.profiles import ModelProfile
 from gpufaas.types import GpuSpec, Request, check_positive
@@ -295,6 +296,11 @@ class SimResult:
     # only); their share of `requests`.
     timed_out: int = 0
     timeout_rate: float = 0.0
+    # Calls refused at once because their model is larger than every simulated GPU (the service
+    # answers them 503 at submit): never queued, not in `completed` nor the latencies; their share
+    # of `requests`.
+    rejected: int = 0
+    rejection_rate: float = 0.0
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -363,6 +369,7 @@ def simulate(
     `on_progress(completed)` is called per completion; `meter`, if given, is kept up to date.
     """
     cluster = cluster if cluster is not None else ClusterConfig()
+    check_runnable(workload, cluster)
     config = PolicyConfig(max_num_skips=max_num_skips, **options)
     run = _Run(
         workload,
@@ -372,6 +379,27 @@ def simulate(
     )
     run.run(on_progress, meter if meter is not None else Meter())
     return run.result(policy, config)
+
+
+def oversized_models(workload: Workload, cluster: ClusterConfig) -> list[ModelProfile]:
+    """The models `workload`'s functions use that no simulated GPU can hold (larger than
+    `cluster.gpu_memory_mb`: every GPU has that much), in profile order; [] if all fit."""
+    used = set(workload.function_models.values())
+    return [p for p in workload.profiles if p.model in used and p.memory_mb > cluster.gpu_memory_mb]
+
+
+def check_runnable(workload: Workload, cluster: ClusterConfig) -> None:
+    """Raise ModelTooLarge, before any simulation, if no model `workload` uses fits a simulated
+    GPU (every call would be refused), naming the memory a GPU needs. Where only some are too
+    large the run goes ahead and their calls count as rejected (`SimResult.rejected`)."""
+    oversized = oversized_models(workload, cluster)
+    if oversized and len(oversized) == len(set(workload.function_models.values())):
+        smallest = min(p.memory_mb for p in oversized)
+        largest = max(p.memory_mb for p in oversized)
+        raise ModelTooLarge(
+            f"no model of the workload fits a GPU of {cluster.gpu_memory_mb} MB (they need {smallest}-{largest} MB): "
+            f"give the GPUs at least {smallest} MB (gpufaas sim --gpu-memory-mb), {largest} MB to run every model"
+        )
 
 
 def _release_period_s(cluster: ClusterConfig, policy: SchedulingPolicy) -> float:
@@ -486,7 +514,7 @@ class _Run:
         self.lease_of: dict[str, _Lease] = {}
         self.waited_at = -math.inf  # when calls last waited in the global queue
         self.parked_at: dict[str, float] = {}  # per GPU, when a call was last parked there
-        self.leases = self.lease_calls = 0
+        self.leases = self.lease_calls = self.rejected = 0  # (rejected: refused at submit, the model fits no GPU)
         self.deadlines = _Deadlines(workload, cuts=cluster.hit_lease_s == 0)  # (under leases: waiting calls' only)
 
     def run(self, on_progress: Callable[[int], None] | None, meter: Meter) -> None:
@@ -578,8 +606,12 @@ class _Run:
         leased = self.leased
         while upcoming is not None and upcoming.arrival_s <= now:
             if not (leased and self._run_leased(upcoming, now)):
-                submit(upcoming)
-                self.deadlines.add(upcoming)
+                try:
+                    submit(upcoming)
+                except ModelTooLarge:  # refused at once, as the service answers 503: never queued
+                    self.rejected += 1
+                else:
+                    self.deadlines.add(upcoming)
             submitted += 1
             upcoming = next(arrivals, None)
         self.upcoming = upcoming
@@ -838,6 +870,7 @@ def _result(run: _Run, policy: str, config: PolicyConfig) -> SimResult:
         max_wait_s=max(run.function_max_wait_s.values(), default=0.0),
         timed_out=run.deadlines.timed_out,
         timeout_rate=run.deadlines.timed_out / run.requests_total if run.requests_total else 0.0,
+        rejection_rate=run.rejected / run.requests_total if run.requests_total else 0.0,
         function_max_wait_s=dict(sorted(run.function_max_wait_s.items())),
         **{name: getattr(cluster, name) for name in _ECHOED_CLUSTER},
         **{name: getattr(config, name) for name in _ECHOED_CONFIG},
@@ -853,6 +886,7 @@ _ECHOED_CLUSTER = (
 _ECHOED_CONFIG = ("room_aware_misses", "coldest_victim_misses", "literal_visits", "interference_aware_loads")
 _COUNTED = (
     "releases", "hits", "misses", "false_misses", "parks", "max_queue_len", "swap_ins", "leases", "lease_calls",
+    "rejected",
 )  # fmt: skip
 
 

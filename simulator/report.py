@@ -163,6 +163,7 @@ AGGREGATED_METRICS = (
     "slo_functions_met",
     "avg_gpu_memory_gb",
     "timeout_rate",
+    "rejection_rate",
 )
 
 

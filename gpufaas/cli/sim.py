@@ -429,9 +429,11 @@ def _sim_execute(
     """Every run of `plan` (working sets, policies, the o3 limits of a sweep or None, mapping
     seeds: each policy, or lalb-o3 at each limit, per working set and mapping) with the policy's
     knobs of `config`, shown going as `show` says."""
-    from simulator.engine import Meter, policy_options
+    from simulator.engine import Meter, check_runnable, policy_options
     from simulator.report import execute, policy_runs, sweep_runs
 
+    for workload in workloads.values():  # refused before any run (and its floor): no model fits a GPU
+        check_runnable(workload, cluster)
     working_sets, policies, limits, mapping_seeds = plan
     if limits is not None:
         runs = sweep_runs(working_sets, limits, mapping_seeds)
@@ -514,6 +516,13 @@ _TIMED_OUT_CAPTION = (
     "timed out: calls still waiting for a GPU at their deadline (never run); the latencies cover the "
     "completed calls only"
 )
+_REJECTED_CAPTION = "rejected: calls whose model is larger than a GPU's memory, refused at once (never run)"
+
+
+def _caption(*, timed_out: bool, rejected: bool) -> str | None:
+    """The table's caption: what its timed-out and rejected columns count, for those it shows."""
+    shown = [caption for caption, on in ((_TIMED_OUT_CAPTION, timed_out), (_REJECTED_CAPTION, rejected)) if on]
+    return "\n".join(shown) or None
 
 
 def _print_aggregates(groups: Sequence[Aggregate], meta: Mapping[str, object]) -> None:
@@ -532,9 +541,13 @@ def _print_aggregates(groups: Sequence[Aggregate], meta: Mapping[str, object]) -
     ]
     if meta.get("slo_factor"):
         columns += [("SLO met", "slo_attainment"), ("fns in SLO", "slo_functions_met")]
-    if any(group.metrics["timeout_rate"].mean > 0 for group in groups):
+    timed_out = any(group.metrics["timeout_rate"].mean > 0 for group in groups)
+    if timed_out:
         columns.insert(0, ("timeout rate", "timeout_rate"))
-        table.caption, table.caption_justify = _TIMED_OUT_CAPTION, "left"
+    rejected = any(group.metrics["rejection_rate"].mean > 0 for group in groups)
+    if rejected:
+        columns.insert(0, ("rejection rate", "rejection_rate"))
+    table.caption, table.caption_justify = _caption(timed_out=timed_out, rejected=rejected), "left"
     for header in ("policy", "WS", "O3 limit", "mappings", *(h for h, _ in columns)):
         table.add_column(header, justify="left" if header == "policy" else "right")
     for group in groups:
@@ -587,6 +600,9 @@ def _print_table(results: Sequence[SimResult], meta: Mapping[str, object]) -> No
     timed_out = any(result.timed_out for result in results)
     if timed_out:
         columns[4:4] = [("timed out", "timed_out"), ("timeout rate", "timeout_rate")]
+    rejected = any(result.rejected for result in results)
+    if rejected:
+        columns[4:4] = [("rejected", "rejected"), ("rejection rate", "rejection_rate")]
     for header, _ in columns:
         table.add_column(header, justify="left" if header == "policy" else "right")
     for result in results:
@@ -598,8 +614,7 @@ def _print_table(results: Sequence[SimResult], meta: Mapping[str, object]) -> No
                 continue
             row.append(f"{value:.3f}" if isinstance(value, float) else str(value))
         table.add_row(*row)
-    if timed_out:
-        table.caption, table.caption_justify = _TIMED_OUT_CAPTION, "left"
+    table.caption, table.caption_justify = _caption(timed_out=timed_out, rejected=rejected), "left"
     Console(width=None if sys.stdout.isatty() else 200).print(table)
 
 
