@@ -134,9 +134,15 @@ def execute(
 
 def workload_optimum(workload: Workload, cluster: ClusterConfig) -> Optimum:
     """The fewest misses any eviction could have on `workload`'s arrival order in the cluster's
-    GPU memory pooled (simulator.optimal)."""
+    GPU memory pooled (simulator.optimal). The calls of a model larger than one GPU are left out:
+    the run rejects them (`SimResult.rejected`), so they are not among its misses either, though
+    the pool could hold that model."""
     memory_of = {profile.model: profile.memory_mb for profile in workload.profiles}
-    sequence = [(request.model, memory_of[request.model]) for request in workload.requests]
+    sequence = [
+        (request.model, memory_of[request.model])
+        for request in workload.requests
+        if memory_of[request.model] <= cluster.gpu_memory_mb
+    ]
     return optimal_misses(sequence, cluster.gpus * cluster.gpu_memory_mb)
 
 

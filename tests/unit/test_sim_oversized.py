@@ -82,3 +82,13 @@ def test_cli_counts_the_calls_of_models_too_large_as_rejected() -> None:
     table = runner.invoke(app, argv, env={"COLUMNS": "250"})
     assert table.exit_code == 0, table.output
     assert "rejection rate" in table.stdout and "rejected: calls whose model is larger" in table.stdout
+
+
+def test_the_floor_leaves_out_the_calls_the_run_rejects() -> None:
+    # HUGE (7000 MB) fits the pool of 2 x 4096 MB but no GPU: its calls are rejected, so the floor
+    # covers A's and B's 8 calls, 2 cold misses (both fit one GPU), not 12 calls with HUGE's misses.
+    workload = _workload({"A": 1000, "HUGE": 7000, "B": 1000})
+    optimum = simulator.report.workload_optimum(workload, TWO_GPUS)
+    assert (optimum.requests, optimum.misses) == (8, 2)
+    result = simulate(workload, "lalb", cluster=TWO_GPUS)
+    assert optimum.miss_ratio <= result.miss_ratio
