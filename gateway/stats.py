@@ -56,9 +56,8 @@ class FunctionStats(Collector):
         # (function, HTTP status) -> its series: a counter and a histogram of durations at once (the
         # count is the sum of the bucket counts). Never reset: Prometheus reads it as monotonic.
         self._series: dict[tuple[str, int], LoopSeries] = {}
-        # function -> the same series (one per status), so that `count` reads only its own.
-        self._series_of: dict[str, list[LoopSeries]] = {}
-        self._statuses: dict[str, list[int]] = {}  # function -> its statuses, for `delete`
+        # function -> the same series by status, so that `count` and `delete` read only its own.
+        self._series_of: dict[str, dict[int, LoopSeries]] = {}
         self._recent: dict[str, _Recent] = {}  # function -> its overview part
 
     def record(self, name: str, status: int, duration_s: float, *, hit: bool | None = None) -> None:
@@ -68,8 +67,7 @@ class FunctionStats(Collector):
         series = self._series.get((name, status))
         if series is None:
             series = self._series[(name, status)] = LoopSeries(self._bounds_s)
-            self._series_of.setdefault(name, []).append(series)
-            self._statuses.setdefault(name, []).append(status)
+            self._series_of.setdefault(name, {})[status] = series
         series.observe(duration_s)
         recent = self._recent.get(name)
         if recent is None:
@@ -86,7 +84,7 @@ class FunctionStats(Collector):
     def count(self, name: str) -> int:
         """Calls to function `name` since the gateway started, whatever their status. O(its
         statuses), not O(every function's): GET /system/functions asks it of each function."""
-        return sum(sum(s.counts) for s in self._series_of.get(name, ()))
+        return sum(sum(s.counts) for s in self._series_of.get(name, {}).values())
 
     def collect(self) -> Iterator[Metric]:
         invocations = CounterMetricFamily(
@@ -115,9 +113,8 @@ class FunctionStats(Collector):
     def delete(self, name: str) -> None:
         """Drop one deleted function's overview and Prometheus series."""
         self._recent.pop(name, None)
-        for status in self._statuses.pop(name, ()):
+        for status in self._series_of.pop(name, {}):
             del self._series[(name, status)]
-        self._series_of.pop(name, None)
 
     def forget(self, keep: set[str]) -> None:
         """Drop the overview and the series of the functions not in `keep` (deleted ones, among
