@@ -343,10 +343,11 @@ def status(state_dir: StateDir = state_dir_default(), gateway: GatewayOpt = None
     inside = ", ".join(info.get("in_gateway") or [])
     restarts = info.get("restarts")
     restarts = restarts if isinstance(restarts, dict) else {}
+    stopped = [name for name, pid in pids.items() if not pid_alive(pid)]
     for name, pid in pids.items():
         label = f"{name} (with {inside} in its process)" if name == first_gateway and inside else name
         count = restarts.get(name, 0) if isinstance(restarts.get(name, 0), int) else 0
-        state = "running" if pid_alive(pid) else "[red]stopped[/]"
+        state = "[red]stopped[/]" if name in stopped else "running"
         # The supervisor restarts what exits: one that crashes as it starts is "running" at most
         # reads of its PID, and only its count of restarts tells.
         table.add_row(label, str(pid), f"{state} [yellow](restarted {count}x)[/]" if count else state)
@@ -363,6 +364,14 @@ def status(state_dir: StateDir = state_dir_default(), gateway: GatewayOpt = None
     console.print(f"gateway {escape(url)}: {'[green]answers[/]' if healthy else '[red]does not answer[/]'}")
     if not healthy:
         console.print(what_to_start(url, state_dir), markup=False)
+        raise typer.Exit(code=1)
+    if stopped:  # (the gateway answers, yet part of the cluster is gone: etcd, a node, the scheduler)
+        first = stopped[0]
+        console.print(
+            f"not running: {', '.join(stopped)}: `gpufaas logs {first}` says why; "
+            "`gpufaas down` then `gpufaas up` starts the cluster again",
+            markup=False,
+        )
         raise typer.Exit(code=1)
 
 

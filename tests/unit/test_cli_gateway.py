@@ -640,6 +640,21 @@ def test_status_finds_a_gateway_on_this_machine_whatever_proxy_the_environment_n
     assert f"gateway {stand.url}: answers" in " ".join(out.split())
 
 
+def test_status_with_part_of_the_cluster_stopped_exits_1_and_names_it(stand: Stand, state: Path) -> None:
+    """etcd (or a node, or the scheduler) gone while the gateway still answered /healthz: its row
+    said "stopped", yet `gpufaas status` exited 0, and a script checking the cluster went on."""
+    local_cluster(state, stand.url, "pw")
+    pids = {"etcd": 2**22 + 1, "gateway": os.getpid(), "node0": 2**22 + 2}
+    (state / "pids.json").write_text(json.dumps(pids))
+    code, out, err = cli("status", "--state-dir", str(state))
+    assert code == 1, out + err
+    said = " ".join(out.split())
+    assert f"gateway {stand.url}: answers" in said
+    assert "not running: etcd, node0: `gpufaas logs etcd` says why" in said, said
+    (state / "pids.json").write_text(json.dumps({"gateway": os.getpid()}))  # all of it runs
+    assert cli("status", "--state-dir", str(state))[0] == 0
+
+
 def test_gpus_lists_the_gpus_in_natural_order(stand: Stand, state: Path) -> None:
     """As `top` lists them: node2 before node10 (a string sort put node10 and node11 between node1
     and node2)."""
