@@ -783,3 +783,18 @@ def test_a_leader_that_resumes_its_term_keeps_what_it_measured_meanwhile() -> No
             await leader.leave_office("test")
 
     asyncio.run(main())
+
+
+def test_a_function_spec_under_another_functions_key_is_ignored_and_its_model_never_stays() -> None:
+    # A spec naming fn-b put under fn-a's key (by hand) was mirrored as fn-b: deleting the key
+    # then took out fn-a (nobody), so fn-b, and its model in the cache, stayed until a re-list.
+    b = make_spec("fn-b")
+
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        catalog, keys = service.catalog, service.keys
+        catalog.function_changed(WatchEvent("put", keys.function("fn-a"), b.to_json(), 1))
+        catalog.function_changed(WatchEvent("delete", keys.function("fn-a"), b"", 2))
+        assert list(catalog.functions) == []
+        assert not service.book.runs(b.model)
+
+    run(scenario)
