@@ -222,7 +222,9 @@ class Catalog:
             return
         try:
             record = NodeRecord.from_json(event.value)
-            if record.node != name:  # linked by its own name, its key's delete would never take it out
+            # Linked by its own name, its key's delete would never take it out; and a name no key
+            # segment holds (a '/') split its GPUs' addresses at the wrong place (`keys.node` raises).
+            if event.key != self.keys.node(record.node):
                 raise ValueError(f"it names node {record.node!r}")
         except (ValueError, KeyError) as exc:
             log.warning("ignoring invalid node record for %s: %s", name, exc)

@@ -529,3 +529,13 @@ def test_prestaging_books_each_expected_miss_on_a_gpu_the_model_fits() -> None:
 
     asyncio.run(run_spawned())
     assert asked == {"n1": [first.package_digest], "n2": [second.package_digest]}
+
+
+def test_a_node_record_whose_name_holds_a_slash_is_ignored() -> None:
+    # Put by hand under "nodes/a/b", it was linked as node "a/b": its GPUs' addresses
+    # ("a/b/gpu0") split as node "a", GPU "b/gpu0", so a call placed there raised KeyError out of
+    # the placement (no node "a"), and its persisted keys could not be built.
+    links, catalog, keys = catalog_and_links()
+    record = NodeRecord("a/b", "127.0.0.1:1", "cpu", "i1", [GpuRecord("gpu0", 8000, "cpu")])
+    catalog.node_changed(WatchEvent("put", keys.nodes + "a/b", record.to_json(), 1))
+    assert list(links.nodes) == []
