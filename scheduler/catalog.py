@@ -5,6 +5,7 @@ node links."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -226,6 +227,9 @@ class Catalog:
             # segment holds (a '/') split its GPUs' addresses at the wrong place (`keys.node` raises).
             if event.key != self.keys.node(record.node):
                 raise ValueError(f"it names node {record.node!r}")
+            # A name JSON's "\ud800" gave (a lone surrogate) is no UTF-8: its GPU's keys and Grants
+            # could not be encoded (UnicodeEncodeError, a ValueError, ended the persister's flusher).
+            json.dumps(dataclasses.asdict(record), ensure_ascii=False).encode()
         except (ValueError, KeyError) as exc:
             log.warning("ignoring invalid node record for %s: %s", name, exc)
             return

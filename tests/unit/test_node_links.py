@@ -539,3 +539,13 @@ def test_a_node_record_whose_name_holds_a_slash_is_ignored() -> None:
     record = NodeRecord("a/b", "127.0.0.1:1", "cpu", "i1", [GpuRecord("gpu0", 8000, "cpu")])
     catalog.node_changed(WatchEvent("put", keys.nodes + "a/b", record.to_json(), 1))
     assert list(links.nodes) == []
+
+
+def test_a_node_record_with_a_name_no_utf8_holds_is_ignored() -> None:
+    # JSON's "\ud800" (a lone surrogate) decodes to a str that UTF-8 cannot encode: linked, its
+    # GPU's keys raised UnicodeEncodeError out of the state persister's flush (not a StoreError),
+    # which ended the flusher for the term, and a Grant naming the GPU could not be encoded.
+    links, catalog, keys = catalog_and_links()
+    value = NodeRecord("a", "127.0.0.1:1", "cpu", "i1", [GpuRecord("gpu0", 8000, "cpu")]).to_json()
+    catalog.node_changed(WatchEvent("put", keys.node("a"), value.replace(b"gpu0", b"gpu\\ud800"), 1))
+    assert list(links.nodes) == []
