@@ -95,6 +95,28 @@ class _Term:
     open: bool = True
     early: list[tuple[Connection, pb.Place]] = field(default_factory=list)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    cancelled: set[tuple[Connection, str]] = field(default_factory=set)  # (owner, call id), while not open
+
+    def cancel(self, conn: Connection, call_id: str) -> None:
+        """The gateway on `conn` cancelled a call. While the term is not open its Place may wait
+        in `early`, which the book has not taken yet: the book drops the cancel of a call it does
+        not know, and the call was placed once the term opened, for nobody. Noted, it is not."""
+        if not self.open:
+            self.cancelled.add((conn, call_id))
+
+    def takes(self, conn: Connection, request: pb.Place) -> bool:
+        """Whether a Place that waited in `early` is to be taken now: not if its gateway left, nor
+        if it cancelled the call meanwhile (a Place of the same id after the cancel is taken)."""
+        if (conn, request.call_id) in self.cancelled:
+            self.cancelled.discard((conn, request.call_id))
+            return False
+        return not conn.is_closed
+
+    def opened(self) -> None:
+        """The Places that waited were taken: the term takes calls as they come."""
+        self.early.clear()
+        self.cancelled.clear()
+        self.open = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,12 +341,11 @@ class SchedulerService:
             taken += EARLY_PER_SLICE
             await asyncio.sleep(0)
         self._take_early(term.early[waited:])
-        term.early.clear()
-        term.open = True
+        term.opened()
 
     def _take_early(self, early: list[tuple[Connection, pb.Place]]) -> None:
         for conn, request in early:
-            if not conn.is_closed:
+            if self.term.takes(conn, request):
                 self._take(conn, request)
 
     def confirmed(self) -> None:

@@ -31,6 +31,8 @@ class GatewaySession:
             service.place(conn, frame.message(pb.Place))
         elif frame.type == MessageType.ABANDON:
             abandon = frame.message(pb.Abandon)
+            if abandon.reason == pb.Abandon.CANCELLED:
+                service.term.cancel(conn, abandon.call_id)
             service.apply(service.book.abandon(conn, abandon.call_id, abandon.attempt, abandon.reason, service.clock()))
         elif frame.type == MessageType.CLUSTER:
             conn.reply(frame, MessageType.CLUSTER_REPLY, cluster_reply(service, frame.message(pb.ClusterRequest)))

@@ -19,10 +19,12 @@ from gpufaas.keys import Keys
 from gpufaas.proto import gpufaas_pb2 as pb
 from gpufaas.store import MAX_TXN_BYTES, MAX_TXN_OPS, StoreError, WatchEvent
 from gpufaas.types import GpuSpec
-from gpufaas.wire import Connection, Unauthenticated
+from gpufaas.wire import Connection, Frame, MessageType, Unauthenticated
 from gpufaas.wire_local import PEER_NAME, link_here
+from scheduler.leadership import Role
 from scheduler.persister import GPUS_PER_SLICE, _batches
 from scheduler.service import EARLY_PER_SLICE, SchedulerService
+from scheduler.sessions import GatewaySession
 from tests.builders import stored_spec
 from tests.fakes import MemoryStore
 
@@ -796,5 +798,28 @@ def test_a_function_spec_under_another_functions_key_is_ignored_and_its_model_ne
         catalog.function_changed(WatchEvent("delete", keys.function("fn-a"), b"", 2))
         assert list(catalog.functions) == []
         assert not service.book.runs(b.model)
+
+    run(scenario)
+
+
+def test_a_call_cancelled_while_its_place_waits_for_the_term_to_open_is_never_placed() -> None:
+    # The book had not taken it: the cancel found no call and was dropped, and once the term
+    # opened the call was placed (a GPU slot booked, its model's room made) for nobody.
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        taken: list[str] = []
+        service._take = lambda conn, request: taken.append(request.call_id)  # type: ignore[method-assign]
+        conn = cast(Connection, OpenConn())
+        service.leadership.role = Role.LEADER  # (a standby closes a gateway's connection)
+        service.term.open = False  # as a term begins (take_office)
+        for call_id in ("c1", "c2", "c3"):
+            service.place(conn, pb.Place(call_id=call_id, function="fn"))
+        cancel = pb.Abandon(call_id="c1", reason=pb.Abandon.CANCELLED)
+        GatewaySession(service).on_frame(conn, Frame(MessageType.ABANDON, 0, 0, cancel.SerializeToString(), b""))
+        service.place(conn, pb.Place(call_id="c1", function="fn"))  # its id taken again (X-Call-Id)
+        try:
+            await service._open_when_attached()
+        finally:
+            gc.unfreeze()  # (it froze the heap, as a new term does: not this test process's)
+        assert taken == ["c2", "c3", "c1"]
 
     run(scenario)
