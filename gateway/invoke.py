@@ -50,17 +50,25 @@ PREFIX = "/function/"
 
 
 class InvokeMiddleware:
-    """ASGI middleware: answers POST /function/{name}[/...] itself, passes the rest on."""
+    """ASGI middleware: answers POST /function/{name}[/...] itself (another method there: 405),
+    passes the rest on."""
 
     def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
         self.app = app
         self.gateway = gateway
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].startswith(PREFIX):
+        if scope["type"] != "http" or not scope["path"].startswith(PREFIX):
+            await self.app(scope, receive, send)
+        elif scope["method"] == "POST":
             await self._invoke(scope, receive, send)
         else:
-            await self.app(scope, receive, send)
+            # Passed on, a GET (curl without -d) was refused the invoke token (403 "use the admin
+            # credentials"), then answered 404 "Not Found" with the admin's. Whatever the name: the
+            # answer tells no caller which functions exist.
+            name = scope["path"][len(PREFIX) :].split("/", 1)[0]
+            message = f"call a function with POST /function/{name}; GET /system/function/{name} describes it"
+            await send_refusal(send, 405, message, [(b"allow", b"POST")])
 
     async def _invoke(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()

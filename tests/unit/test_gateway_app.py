@@ -1069,6 +1069,29 @@ def test_invoke_errors_answered_by_the_gateway_itself(tmp_path: Path) -> None:
     run(tmp_path, body, max_payload_bytes=1024)
 
 
+@pytest.mark.parametrize("method", ["GET", "PUT", "DELETE", "PATCH", "HEAD"])
+def test_a_function_called_with_another_method_than_post_is_a_405_saying_post(tmp_path: Path, method: str) -> None:
+    # A GET (curl without -d, OpenFaaS's GET invocations) was answered 403 "use the admin
+    # credentials" with the invoke token, then 404 "Not Found" with the admin's: a function that is
+    # deployed, and a caller who holds the right to call it, told neither.
+    async def body(env: Env) -> None:
+        await env.deploy("small", memory_mb=1, timeout_s=2)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=env.app), base_url="http://gateway") as client:
+            invoker = {"Authorization": f"Bearer {INVOKE_TOKEN}"}
+            for response in [
+                await client.request(method, "/function/small", headers=invoker),
+                await client.request(method, "/function/small"),  # no credential: no function is told of
+                await env.client.request(method, "/function/small"),  # the admin's
+            ]:
+                assert response.status_code == 405, response.text
+                assert response.headers["allow"] == "POST"
+                if method != "HEAD":  # (a HEAD's answer has no body)
+                    assert_error(response, 405, "POST /function/small")
+        assert sample((await env.client.get("/metrics")).text, "gateway_function_invocation_total") == 0
+
+    run(tmp_path, body)
+
+
 def test_a_blob_batch_is_bounded_by_what_it_unpacks_to_not_by_what_it_weighs(tmp_path: Path) -> None:
     """A batch of blobs that gzip shrinks to almost nothing (zeros) is refused once its members'
     sizes pass the limit, read from their headers: 413, the rest not unpacked."""
