@@ -111,6 +111,12 @@ class EmbeddedNode:
             settings = NodeSettings.model_construct(**_shared(gateway)).with_flags(flags)
         except (SettingsError, ValueError) as exc:
             parser.error(f"the node's flags (after `-- node`): {exc}")
+        if settings.state_dir.resolve() == gateway.state_dir.resolve():
+            # Both keep blobs in its blobs/: the node's cache collects every blob its own packages
+            # do not use, and the packages uploaded to the gateway would go with them.
+            parser.error(
+                f"the node's --state-dir {settings.state_dir} is the gateway's: give the node a directory of its own"
+            )
         tls = link_tls(parser, settings, "node")
         secret = cluster_secret(parser, settings)
         return cls(settings, hardware(parser, settings), secret, etcd_credentials(parser, settings), tls or False)

@@ -82,6 +82,22 @@ def test_bad_embedded_flags_are_usage_errors_that_say_what_is_wrong(
     assert all(part in err for part in said), err
 
 
+@pytest.mark.parametrize("spelled", ["{gw}", "{gw}/", "{gw}/../gw"])
+def test_an_embedded_node_on_the_gateways_own_state_directory_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], spelled: str
+) -> None:
+    # Both keep blobs in STATE_DIR/blobs: the node's cache collects every blob its packages do not
+    # use, the packages uploaded to the gateway among them (lost, a grace after their upload).
+    gw = tmp_path / "gw"
+    gw.mkdir()
+    node = ["--with-node", "--", "node", "--gpus", "1", "--backend", "cpu", "--state-dir", spelled.format(gw=gw)]
+    with pytest.raises(SystemExit) as exited:
+        main(["--insecure", "--etcd", "127.0.0.1:3999", "--state-dir", str(gw), *node])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "the node's --state-dir" in err and "directory of its own" in err, err
+
+
 def test_a_state_directory_that_cannot_be_made_private_is_a_usage_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
