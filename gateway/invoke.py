@@ -77,8 +77,9 @@ class InvokeMiddleware:
         name = scope["path"][len(PREFIX) :].split("/", 1)[0]
         headers = dict(scope["headers"])  # ASGI header names are lower-case bytes
         given_call_id = headers.get(b"x-call-id", b"")
-        if _NOT_VISIBLE.search(given_call_id):  # it is echoed in the answer's headers
-            await _error(send, 400, "X-Call-Id may hold only visible ASCII characters", new_call_id())
+        refused = _call_id_refused(given_call_id)
+        if refused is not None:
+            await _error(send, 400, refused, new_call_id())
             return
         call_id = given_call_id.decode("ascii") or new_call_id()
         spec = gateway.functions.get(name)
@@ -179,6 +180,19 @@ class InvokeMiddleware:
 _CONTENT_TYPES = frozenset({"application/octet-stream", "text/plain; charset=utf-8", "application/json"})
 # A header value must not hold a control character (but tab) or leave ASCII: CR/LF would split it.
 _NOT_VISIBLE = re.compile(rb"[^\t\x20-\x7e]")
+# The longest X-Call-Id taken (a UUID has 36; a W3C trace id 32): the scheduler keeps a named call's
+# id for minutes after it ends, its node too, and the id rides in its grant.
+MAX_CALL_ID_CHARS = 256
+
+
+def _call_id_refused(given: bytes) -> str | None:
+    """Why the X-Call-Id `given` (b"": none) is refused, or None: it is echoed in the answer's
+    headers, and the scheduler keeps a named call's id for minutes after it ends."""
+    if _NOT_VISIBLE.search(given):
+        return "X-Call-Id may hold only visible ASCII characters"
+    if len(given) > MAX_CALL_ID_CHARS:
+        return f"X-Call-Id may hold at most {MAX_CALL_ID_CHARS} characters"
+    return None
 
 
 def _answer_head(result: CallResult, content_type: str, call_id: str, started: float) -> bytes:

@@ -23,6 +23,7 @@ from google.protobuf.message import Message
 
 from gateway import router as router_module
 from gateway.app import GatewayConfig, create_app
+from gateway.invoke import MAX_CALL_ID_CHARS
 from gateway.router import (
     DEADLINE_GRACE_S,
     MAYBE_SENT,
@@ -1659,6 +1660,26 @@ def test_http_an_x_call_id_with_a_control_character_is_refused_before_anything_r
             assert response.status_code == 400, response.text
             assert "X-Call-Id" in response.json()["error"]
             assert scheduler.places == [] and node.executes == []
+
+    run(scenario())
+
+
+def test_http_an_x_call_id_longer_than_the_limit_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    # A named call's id is kept by the scheduler for minutes after it ends (and by its node, and in
+    # its grant): 60 KB ids (what the head limit let through), even from anonymous callers of a
+    # public function, held the scheduler's memory 60 KB a call.
+    longest = "c" * MAX_CALL_ID_CHARS
+
+    async def scenario() -> None:
+        async with fakes() as (scheduler, node):
+            scheduler.respond = lambda place: [node.placement(place.call_id, 1)]
+            async with http_gateway(tmp_path, scheduler, make_spec("resnet")) as client:
+                refused = await client.post("/function/resnet", content=b"in", headers={"X-Call-Id": longest + "c"})
+                answered = await client.post("/function/resnet", content=b"in", headers={"X-Call-Id": longest})
+            assert refused.status_code == 400, refused.text
+            assert f"at most {MAX_CALL_ID_CHARS} characters" in refused.json()["error"]
+            assert answered.status_code == 200, answered.text
+            assert [place.call_id for place in scheduler.places] == [longest]
 
     run(scenario())
 
