@@ -34,3 +34,29 @@ def test_ray_point_counts_only_the_measured_phases_model_loads(monkeypatch: pyte
     assert point["model_loads"] == 30  # 10 s x 3, none of the warm-up's 100
     assert point["reload_ratio"] == 0.03
     assert point["warmup_s"] == 2.0
+
+
+def _point(throughput_rps: float | None, p50_ms: float | None, errors: int) -> dict[str, Any]:
+    return {"throughput_rps": throughput_rps, "p50_ms": p50_ms, "p99_ms": p50_ms, "errors": errors, "reload_ratio": 0.0}
+
+
+def test_the_verdict_of_a_run_whose_peer_failed_every_call_is_written(tmp_path: Path) -> None:
+    """A Ray mode that answered no call (0 req/s) and a hits point with no success (no p50): the
+    verdict fails those targets and the report is written, instead of a ZeroDivisionError after
+    every system ran that lost all the results."""
+    points = ("c1", "c8", "c32")
+    results = {
+        "gpufaas": {c: _point(1200.0, 0.9, 0) for c in points},
+        "ray-default": {c: _point(0.0, None, 50) for c in points},
+        "ray-haproxy": {c: _point(None, None, 0) for c in points},
+        "gpufaas-hits": {c: _point(0.0, None, 10) for c in points},
+    }
+    verdict = peer_bench.verdict(results)
+    assert verdict["ratio_to_ray_default"] == dict.fromkeys(points)
+    assert verdict["ratio_to_ray_haproxy"] == dict.fromkeys(points)
+    assert verdict["ahead_of_ray_default_at_every_concurrency"] is True
+    assert verdict["hits_c1_p50_le_1_5_ms"] is False
+    assert verdict["c32_at_least_1000_rps_no_errors_reload_le_0_15"] is True
+    report = {"metadata": {}, "results": results, "failures": {}, "verdict": verdict}
+    peer_bench.write_report(tmp_path / "peer.json", report, point_label="c")
+    assert (tmp_path / "peer.json").exists()
