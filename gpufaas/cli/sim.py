@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
@@ -60,10 +61,11 @@ def _timeout_s(value: float) -> float:
 
 
 def _positive_or_none(value: float | None) -> float | None:
-    """A positive number or None (typer's min= cannot leave out 0, nor NaN): --slo-factor's, whose
-    declared min=0.0 let 0 through to the workload's own check, an error after the trace loaded."""
-    if value is not None and not value > 0:
-        raise typer.BadParameter(f"must be positive, got {value}")
+    """A positive finite number or None (typer's min= cannot leave out 0, nor NaN): --slo-factor's,
+    whose declared min=0.0 let 0 through to the workload's own check, an error after the trace
+    loaded. Infinity ran, and `--json` wrote it as `Infinity`, which JSON parsers refuse."""
+    if value is not None and not 0 < value < math.inf:
+        raise typer.BadParameter(f"must be a positive finite number, got {value}")
     return value
 
 

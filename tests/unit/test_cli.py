@@ -192,6 +192,7 @@ def test_unknown_policy_lists_valid_ones() -> None:
         ("--max-batch-wait-ms", "-1"),
         ("--batch-exponent", "0"),
         ("--slo-factor", "0"),  # its help said x>=0.0; 0 ended in exit 1 after loading the trace
+        ("--slo-factor", "inf"),  # ran, and --json printed "slo_factor": Infinity (not JSON)
     ],
 )
 def test_nonsense_flags_are_usage_errors(flag: str, value: str) -> None:
