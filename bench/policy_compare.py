@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.machine import git_commit, results_parser, write_results
+from gpufaas.functions import MAX_TIMEOUT_S
 from gpufaas.profiles import paper_table1
 from simulator.engine import ClusterConfig, SimResult, simulate
 from simulator.report import AGGREGATED_METRICS, shipped_trace
@@ -130,16 +131,25 @@ def trace_workloads(
     start_minute: int | None = None,
     working_set: int = WORKING_SET,
     slo_factor: float | None = SLO_FACTOR,
+    timeout_s: float = MAX_TIMEOUT_S,
 ) -> list[Workload]:
     """The same requests of one window of the shipped trace (None: its first minute), one
-    workload per mapping of models to functions."""
+    workload per mapping of models to functions. Every call's deadline is `timeout_s`, the
+    longest a function may have: as in the paper's model, no call is dropped in the window. (With
+    the functions' 60 s default, two thirds of lb's calls at the loaded point timed out, and its
+    latency figures, which cover completed calls only, fell from 102 s to 31 s.)"""
     counts = load_trace(shipped_trace(), "azure2019")
     table = paper_table1()
     return [
         build_workload(
             counts,
             WorkloadConfig(
-                start_minute=start_minute, working_set=working_set, rpm=rpm, mapping_seed=m, slo_factor=slo_factor
+                start_minute=start_minute,
+                working_set=working_set,
+                rpm=rpm,
+                mapping_seed=m,
+                slo_factor=slo_factor,
+                timeout_s=timeout_s,
             ),
             table,
         )
