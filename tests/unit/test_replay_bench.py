@@ -1,10 +1,17 @@
-"""bench.replay_bench's simulated column runs the workload the cluster is sent: the same deadline."""
+"""bench.replay_bench: the simulated column runs the workload the cluster is sent (the same
+deadline), and the real column times each call from its scheduled arrival."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import ClassVar
+
+import pytest
+
 from bench import replay_bench
+from gpufaas.types import DEFAULT_BATCH_SIZE, Request
 from simulator.engine import ClusterConfig, simulate
-from simulator.workload import zipf_workload
+from simulator.workload import Workload, zipf_workload
 
 
 def test_the_simulated_calls_have_the_deployed_functions_deadline() -> None:
@@ -16,3 +23,45 @@ def test_the_simulated_calls_have_the_deployed_functions_deadline() -> None:
     assert result.timed_out == 0
     assert result.completed == 100
     assert all(replay_bench.compressed(workload, 10.0).timeout_s(f) == 3600.0 for f in workload.function_models)
+
+
+class _FakeClock:
+    """time.monotonic for bench.replay_bench only: the given readings in turn."""
+
+    def __init__(self, readings: list[float]) -> None:
+        self._readings = iter(readings)
+
+    def monotonic(self) -> float:
+        return next(self._readings)
+
+
+class _Answer:
+    status_code = 200
+    headers: ClassVar[dict[str, str]] = {"x-cache": "hit"}
+
+
+class _FakeClient:
+    def __init__(self, **_: object) -> None:
+        pass
+
+    async def __aenter__(self) -> _FakeClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        return None
+
+    async def post(self, url: str, content: bytes) -> _Answer:
+        return _Answer()
+
+
+def test_a_call_sent_a_hair_before_its_arrival_keeps_its_latency(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The clock reads 1 ns before the call's arrival when it is sent and 2 s after when it is
+    answered: its latency is 2 s (it was recorded as 0.0)."""
+    request = Request("r000000", "f", "m", 0.01, DEFAULT_BATCH_SIZE)
+    workload = Workload([request], [], {"f": "m"}, "f", 0, 1)
+    clock = _FakeClock([100.0, 100.0, 100.01 - 1e-9, 102.01])
+    monkeypatch.setattr(replay_bench, "time", clock)
+    monkeypatch.setattr(replay_bench.httpx, "AsyncClient", _FakeClient)
+    figures = asyncio.run(replay_bench.replay("http://gateway", workload, {"m": "f00"}, {}))
+    assert figures["completed"] == 1
+    assert figures["avg_latency_s"] == pytest.approx(2.0)
