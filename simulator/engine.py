@@ -859,7 +859,7 @@ def _result(run: _Run, policy: str, config: PolicyConfig) -> SimResult:
         max_batch_size=max((b.max_batch_size for b in run.batching.values()), default=1),
         max_batch_wait_ms=max((b.max_batch_wait_ms for b in run.batching.values()), default=0.0),
         batches=gpus.batches,
-        avg_batch_calls=dispatched / gpus.batches if gpus.batches else 0.0,
+        avg_batch_calls=gpus.batched_calls / gpus.batches if gpus.batches else 0.0,
         mapping=run.workload.mapping,
         slo_attainment=slo_attainment,
         slo_functions_met=slo_functions_met,
@@ -1270,6 +1270,9 @@ class _Gpus:
         # list of (tie, seconds) to sort held 1.5 GB over the shipped trace's whole span).
         self._compute_s = array("d")
         self.batches = 0
+        # Calls the batches held: not the calls dispatched, some of which are cut at their
+        # deadline before a batch takes them.
+        self.batched_calls = 0
         self.events = 0  # events popped off the heap, stale ones included
         # Only interference reschedules batch ends, only shared links move copies' ends, and only a
         # batching wait can be ended early (by a full batch): without any, no event is ever stale.
@@ -1491,6 +1494,7 @@ class _Gpus:
         worker.busy = True
         worker.wait_until_s = None
         self.batches += 1
+        self.batched_calls += len(calls)
         batch = worker.batch = _Batch(worker, calls, samples, compute_s)
         if self._interference is not None:
             self._compute_s.append(compute_s)

@@ -344,3 +344,16 @@ def test_policy_options_carry_every_option_of_a_policy_config() -> None:
     )
     assert options["mqfq_overrun_s"] == 7.0 and options["literal_visits"] and options["torpor_alpha_period_s"] == 3.0
     assert PolicyConfig(max_num_skips=config.max_num_skips, **options) == config
+
+
+def test_calls_per_batch_counts_the_calls_batches_held_not_those_cut_before() -> None:
+    """600 calls a minute of 3 functions on 2 GPUs of D = 1, batches of up to 4: most calls are
+    dispatched and cut at their deadline before a batch takes them. Calls per batch is what the
+    batches held (1 each: D = 1); it divided every dispatched call by the batches, 5.9 calls a
+    batch of at most 4."""
+    config = WorkloadConfig(minutes=1, rpm=600, working_set=3)
+    workload = build_workload(load_trace(shipped_trace(), "azure2019"), config, paper_table1())
+    batching = dict.fromkeys(workload.function_models, Batching(4, 5.0))
+    result = simulate(workload, "lalb-o3", cluster=ClusterConfig(gpus=2), batching=batching)
+    assert result.timed_out > 0
+    assert result.avg_batch_calls == 1.0
