@@ -115,7 +115,13 @@ async def replay(url: str, workload: Workload, names: dict[str, str], headers: d
             nonlocal misses, errors
             await asyncio.sleep(max(0.0, start + arrival_s - time.monotonic()))
             sent = time.monotonic()
-            response = await client.post(f"/function/{name}", content=b"{}")
+            try:
+                response = await client.post(f"/function/{name}", content=b"{}")
+            except httpx.HTTPError:
+                # A call the transport failed is an error of the run, as a non-200 answer is: raised
+                # out of the gather, it ended the benchmark and lost every policy's results.
+                errors += 1
+                return
             if response.status_code != 200:
                 errors += 1
                 return

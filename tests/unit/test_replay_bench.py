@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import ClassVar
 
+import httpx
 import pytest
 
 from bench import replay_bench
@@ -65,3 +66,20 @@ def test_a_call_sent_a_hair_before_its_arrival_keeps_its_latency(monkeypatch: py
     figures = asyncio.run(replay_bench.replay("http://gateway", workload, {"m": "f00"}, {}))
     assert figures["completed"] == 1
     assert figures["avg_latency_s"] == pytest.approx(2.0)
+
+
+class _FailingClient(_FakeClient):
+    async def post(self, url: str, content: bytes) -> _Answer:
+        if url.endswith("f00"):
+            raise httpx.ReadError("connection closed")
+        return _Answer()
+
+
+def test_a_call_the_transport_failed_is_counted_as_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One of two calls fails with a ReadError: the replay counts it among the errors and reports
+    the other, instead of raising (which ended the benchmark and lost every policy's results)."""
+    requests = [Request(f"r{i:06d}", f"f{i}", f"m{i}", 0.0, DEFAULT_BATCH_SIZE) for i in range(2)]
+    workload = Workload(requests, [], {"f0": "m0", "f1": "m1"}, "f0", 0, 1)
+    monkeypatch.setattr(replay_bench.httpx, "AsyncClient", _FailingClient)
+    figures = asyncio.run(replay_bench.replay("http://gateway", workload, {"m0": "f00", "m1": "f01"}, {}))
+    assert (figures["completed"], figures["errors"]) == (1, 1)
