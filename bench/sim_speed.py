@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import REPO, results_parser, run_metadata, write_results
+from gpufaas.errors import InvalidInput
 from gpufaas.profiles import paper_table1
 from simulator.engine import ClusterConfig, Meter, SimResult, simulate
 from simulator.report import shipped_trace
@@ -79,11 +80,23 @@ def uncommitted(paths: list[str]) -> list[str]:
     return [line[3:] for line in done.stdout.splitlines()]
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (0 GPUs or minutes ended in a traceback from the
+    workload's own check, 0 GPUs as 'workload rpm is 0')."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def main() -> None:
     parser = results_parser(__doc__, "sim_speed.json")
-    parser.add_argument("--gpus", type=int, default=1000)
+    parser.add_argument("--gpus", type=positive_int, default=1000)
     span = parser.add_mutually_exclusive_group()
-    span.add_argument("--minutes", type=int, default=2, help="replay the trace's first N minutes (a slice)")
+    span.add_argument("--minutes", type=positive_int, default=2, help="replay the trace's first N minutes (a slice)")
     span.add_argument("--whole-trace", action="store_true", help="replay all of it")
     parser.add_argument("--profile", action="store_true", help="under cProfile: time shares per code area")
     args = parser.parse_args()
@@ -93,7 +106,10 @@ def main() -> None:
     rpm = scaled_rpm(args.gpus)
     config = WorkloadConfig(minutes=minutes, working_set=len(trace.counts), rpm=rpm, seed=0)
     built_at_s = time.perf_counter()
-    workload = build_workload(trace, config, paper_table1())
+    try:
+        workload = build_workload(trace, config, paper_table1())
+    except InvalidInput as exc:  # a slice longer than the trace: one line, not a traceback
+        parser.error(f"--minutes {minutes}: {exc}")
     build_s = time.perf_counter() - built_at_s
 
     meter, profiler = Meter(), cProfile.Profile() if args.profile else None
