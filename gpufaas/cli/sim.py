@@ -391,6 +391,9 @@ def _sim_checked(
     if plot is not None and len(mapping_seeds) > 1:
         raise typer.BadParameter("--plot draws one mapping; pass one --mappings value with it", param_hint="--plot")
     limits = _int_list(sweep_o3, "--sweep-o3", minimum=0) if sweep_o3 is not None else None
+    repeated = sorted({limit for limit in limits if limits.count(limit) > 1}) if limits else []
+    if repeated:  # (each ran again, the same run: a sweep can take hours, and its plot drew it twice)
+        raise typer.BadParameter(f"{repeated[0]} is listed twice", param_hint="--sweep-o3")
     if limits is not None and compare:
         raise typer.BadParameter("use either --compare or --sweep-o3, not both", param_hint="--sweep-o3")
     try:

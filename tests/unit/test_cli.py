@@ -60,6 +60,13 @@ def test_compare_runs_every_policy_on_the_same_workload() -> None:
     assert len({r["requests"] for r in results}) == 1
 
 
+def test_sweep_o3_refuses_a_limit_listed_twice() -> None:
+    """As --mappings does: the same limit twice ran the same simulation twice, two equal rows."""
+    code, _, err = sim("--json", "--sweep-o3", "0,5,5", "--minutes", "1")
+    assert code == 2
+    assert "5 is listed twice" in " ".join(err.replace("│", " ").split())
+
+
 def test_sweep_o3_runs_each_limit() -> None:
     code, out, _ = sim("--json", "--sweep-o3", "0,5", "--minutes", "1")
     assert code == 0
