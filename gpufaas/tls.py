@@ -197,18 +197,38 @@ def _write_new(path: Path, data: bytes, mode: int) -> None:
         out.write(data)
 
 
-def ensure_tls(directory: Path, *, hosts: Iterable[str] = (), now: datetime.datetime | None = None) -> TlsFiles:
-    """The cluster CA and a certificate per role in `directory`, each made if absent (existing
-    ones are kept: delete a file to have it made again, docs/security.md). Keys are mode 0600.
+def _expiry(path: Path) -> datetime.datetime | None:
+    """When the certificate in `path` expires; None where the file is absent or does not read as a
+    certificate (kept as it is: loading it says what is wrong)."""
+    from cryptography import x509
 
-    The CA's certificate and key are one unit: where either is missing both are made anew, and
-    then every role's certificate is issued again (the old ones name a CA that is gone; restart
-    the daemons). A role whose certificate or key is missing gets both anew."""
+    try:
+        return x509.load_pem_x509_certificate(path.read_bytes()).not_valid_after_utc
+    except (OSError, ValueError):
+        return None
+
+
+def _current(path: Path, now: datetime.datetime) -> bool:
+    """Whether a certificate is in `path` that has not expired at `now` (one that does not read
+    as a certificate counts as current: it is left for the operator)."""
+    expiry = _expiry(path)
+    return path.exists() and (expiry is None or expiry > now)
+
+
+def ensure_tls(directory: Path, *, hosts: Iterable[str] = (), now: datetime.datetime | None = None) -> TlsFiles:
+    """The cluster CA and a certificate per role in `directory`, each made if absent or expired at
+    `now` (existing ones are kept: delete a file to have it made again, docs/security.md). Keys
+    are mode 0600.
+
+    The CA's certificate and key are one unit: where either is missing, or the certificate has
+    expired, both are made anew, and then every role's certificate is issued again (the old ones
+    name a CA that is gone; restart the daemons). A role whose certificate or key is missing, or
+    whose certificate has expired (every peer refuses it), gets both anew."""
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
     files = TlsFiles(directory)
     now = now or datetime.datetime.now(datetime.UTC)
-    new_ca = not (files.ca.exists() and files.ca_key.exists())
+    new_ca = not (files.ca_key.exists() and _current(files.ca, now))
     if new_ca:
         ca_pem, ca_key_pem = make_ca(now)
         for path in (files.ca, files.ca_key):
@@ -218,7 +238,7 @@ def ensure_tls(directory: Path, *, hosts: Iterable[str] = (), now: datetime.date
     ca_pem, ca_key_pem = files.ca.read_bytes(), files.ca_key.read_bytes()
     host_list = list(hosts)
     for role in ROLES:
-        if not new_ca and files.cert(role).exists() and files.key(role).exists():
+        if not new_ca and _current(files.cert(role), now) and files.key(role).exists():
             continue
         cert_pem, key_pem = issue(ca_pem, ca_key_pem, role, now, hosts=host_list)
         for path in (files.cert(role), files.key(role)):
@@ -253,6 +273,20 @@ def _check_key(path: Path) -> None:
         raise TlsError(f"the TLS key {path} is open to every user; run `chmod 600 {path}`")
 
 
+def _check_expiry(files: TlsFiles, role: str, now: datetime.datetime) -> None:
+    """TlsError, saying how to make a new one, where the CA's or `role`'s certificate has expired:
+    a daemon started with it would serve and dial, and every peer refuse it, its own log silent."""
+    remake = "`python -m gpufaas.credentials SECRETS_DIR` makes"
+    fixes = {
+        files.ca: f"{remake} a new CA and certificates; restart every daemon and etcd",
+        files.cert(role): f"{remake} a new one; restart the {role}",
+    }
+    for path, fix in fixes.items():
+        expiry = _expiry(path)
+        if expiry is not None and expiry <= now:
+            raise TlsError(f"the TLS certificate {path} expired on {expiry:%Y-%m-%d}; {fix} (docs/security.md)")
+
+
 @dataclass(frozen=True)
 class LinkTls:
     """One daemon's TLS for its links: its role, the contexts it serves and dials with, and the
@@ -264,11 +298,20 @@ class LinkTls:
     pinned: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, directory: Path, role: str, *, pinned: Mapping[str, str] | None = None) -> LinkTls:
+    def load(
+        cls,
+        directory: Path,
+        role: str,
+        *,
+        pinned: Mapping[str, str] | None = None,
+        now: datetime.datetime | None = None,
+    ) -> LinkTls:
         """The contexts of `role` from the TLS files in `directory` (TlsError, saying what to do,
-        where a file is missing or a key open to others)."""
+        where a file is missing, a key open to others, or the certificate or the CA expired at
+        `now`, default the present: every peer would refuse it)."""
         files = TlsFiles(directory)
         _check_key(files.key(role))
+        _check_expiry(files, role, now or datetime.datetime.now(datetime.UTC))
         server, client = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         for context in (server, client):
             context.minimum_version = ssl.TLSVersion.TLSv1_3

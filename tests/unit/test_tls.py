@@ -337,11 +337,34 @@ def test_an_expired_certificate_is_refused(run: Run, tls_dir: Path, tmp_path: Pa
     async def scenario() -> None:
         async with node_server(tls_dir) as (server, echo):
             with pytest.raises(wire.ConnectionLost):
-                conn = await connect(server.address, key=KEY, tls=LinkTls.load(expired.directory, "scheduler"))
+                # (loaded as of a moment it was valid: a daemon refuses to start with it, below)
+                then = long_ago + datetime.timedelta(hours=1)
+                links = LinkTls.load(expired.directory, "scheduler", now=then)
+                conn = await connect(server.address, key=KEY, tls=links)
                 await _call(conn)
             assert echo.frames == []
 
     run(scenario())
+
+
+def test_a_daemon_refuses_its_own_expired_certificate_and_ensure_tls_issues_it_again(tmp_path: Path) -> None:
+    files = ensure_tls(tmp_path / "tls")
+    later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=900)  # past the roles' 825 days
+    before = {role: files.cert(role).read_bytes() for role in ROLES}
+    with pytest.raises(TlsError, match=r"node\.pem expired on .*gpufaas\.credentials SECRETS_DIR` makes a new one"):
+        LinkTls.load(files.directory, "node", now=later)
+    ensure_tls(files.directory, now=later)
+    LinkTls.load(files.directory, "node", now=later)
+    ca = x509.load_pem_x509_certificate(files.ca.read_bytes())
+    for role in ROLES:  # each issued again, by the same CA (still valid: 10 years)
+        assert files.cert(role).read_bytes() != before[role]
+        x509.load_pem_x509_certificate(files.cert(role).read_bytes()).verify_directly_issued_by(ca)
+    much_later = later + datetime.timedelta(days=3650)  # past the CA's 10 years too
+    with pytest.raises(TlsError, match=r"ca\.pem expired on .* makes a new CA"):
+        LinkTls.load(files.directory, "node", now=much_later)
+    ensure_tls(files.directory, now=much_later)
+    assert x509.load_pem_x509_certificate(files.ca.read_bytes()) != ca
+    LinkTls.load(files.directory, "node", now=much_later)
 
 
 # --- blob fetches ---------------------------------------------------------------------------------
