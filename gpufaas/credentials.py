@@ -162,15 +162,19 @@ def main(argv: list[str] | None = None) -> int:
         "delete DIR/tls/ROLE.pem to make one again)",
     )
     args = parser.parse_args(argv)  # `--help` prints this and exits: it is never taken for a DIR
-    if args.metrics_token:
-        try:
+    try:
+        if args.metrics_token:
             print(metrics_token(read_secret(SecretFiles(args.directory).cluster_secret)))
-        except CredentialError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        return 0
-    files = ensure_secrets(args.directory, tls_hosts=tuple(args.tls_host))
-    write_metrics_token(files)
+            return 0
+        # (a secret there made by hand, open to others or empty, is refused by write_metrics_token)
+        files = ensure_secrets(args.directory, tls_hosts=tuple(args.tls_host))
+        write_metrics_token(files)
+    except GpufaasError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # DIR a file, or a directory this user may not write to
+        print(f"error: cannot make the credentials in {args.directory}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     names = (
         CLUSTER_SECRET_FILE,
         ADMIN_PASSWORD_FILE,

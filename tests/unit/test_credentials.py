@@ -55,3 +55,20 @@ def test_a_metrics_token_written_again_is_made_0600(tmp_path: Path) -> None:
     path.chmod(0o644)
     assert credentials.write_metrics_token(files) == path
     assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_directory_that_cannot_be_used_is_told_in_one_line_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before, a cluster secret written by hand with mode 0644 raised CredentialError in a traceback
+    # (from writing the metrics token), and a DIR that is a file raised FileExistsError.
+    directory = tmp_path / "secrets"
+    directory.mkdir()
+    (directory / credentials.CLUSTER_SECRET_FILE).write_text("made by hand\n")
+    (directory / credentials.CLUSTER_SECRET_FILE).chmod(0o644)
+    assert credentials.main([str(directory)]) == 1
+    assert capsys.readouterr().err.strip().endswith(f"run `chmod 600 {directory / 'cluster-secret'}`")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    assert credentials.main([str(a_file)]) == 1
+    assert capsys.readouterr().err == f"error: cannot make the credentials in {a_file}: File exists\n"
