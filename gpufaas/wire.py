@@ -111,6 +111,13 @@ HANDSHAKE_S = 5.0  # a peer that has not proved the key by then is cut off
 HANDSHAKE_FRAME_BYTES = 1024  # the largest frame read before the handshake (a Hello, an Error's answer)
 MAX_UNAUTHENTICATED = 64  # a server's connections still in the handshake; more are closed at once
 _NONCE_BYTES = 16
+# What a TLS record's first bytes read as: a handshake (22), version 3.x. A plain end that reads them
+# first, or a TLS end reset during its TLS handshake, has a peer of the other kind.
+_TLS_HANDSHAKE_START = b"\x16\x03"
+_SAME_TLS = (
+    "if one end runs with TLS and the other without (--no-tls, or no TLS files: its log says so), "
+    "give both the same setting"
+)
 # A TCP peer silent this long while probed, or leaving sent data unacknowledged this long, is dead.
 DEAD_AFTER_S = 5.0
 
@@ -568,12 +575,7 @@ class Connection(asyncio.BufferedProtocol):
                 total = 4 + length
                 if not self.authenticated and total > HANDSHAKE_FRAME_BYTES:
                     # Checked again each frame: the Hello that authenticates may come first in a read.
-                    self._protocol_error(
-                        Unauthenticated(
-                            f"{self.peer} announced a frame of {total} bytes before the handshake "
-                            f"(at most {HANDSHAKE_FRAME_BYTES} are read before it)"
-                        )
-                    )
+                    self._protocol_error(Unauthenticated(_oversized_before_handshake(self.peer, buf, start, total)))
                     return
                 if length < PREFIX_BYTES - 4:
                     self._protocol_error(ConnectionLost(f"malformed frame length {length}"))
@@ -676,8 +678,10 @@ class Connection(asyncio.BufferedProtocol):
         self.is_closed = True
         self.closed.set_result(exc)
         if self._key is not None and not self._server_side and not self._hello.done():
+            # (a TLS server takes a plain client's first bytes for TLS, and closes without a word)
+            plain = f": {_SAME_TLS}" if self.peer_role is None else ""
             self._hello.set_exception(
-                ConnectionLost(f"connection to {self.peer or 'peer'} closed during the handshake")
+                ConnectionLost(f"connection to {self.peer or 'peer'} closed before its handshake began{plain}")
             )
             self._hello.exception()  # seen: a client refused before its handshake never awaits it
         self._can_write.set()
@@ -809,6 +813,32 @@ def time_out(future: asyncio.Future[Any]) -> None:
         future.set_exception(TimeoutError())
 
 
+def _oversized_before_handshake(peer: str, buf: bytearray, start: int, total: int) -> str:
+    """Why `peer`, which announced a frame of `total` bytes at `start` of `buf` before the
+    handshake, is cut off."""
+    if buf[start : start + len(_TLS_HANDSHAKE_START)] == _TLS_HANDSHAKE_START:
+        return f"{peer} began a TLS handshake, and this end reads plain frames: {_SAME_TLS}"
+    return (
+        f"{peer} announced a frame of {total} bytes before the handshake "
+        f"(at most {HANDSHAKE_FRAME_BYTES} are read before it)"
+    )
+
+
+def _dial_failed(address: str, exc: Exception, *, tls: bool) -> ConnectionLost:
+    """What a dial of `address` that failed with `exc` raises (and counts): Unauthenticated where
+    TLS failed (the server's certificate is not the cluster's, or it refused ours), ConnectionLost
+    otherwise; either saying so where one end seems to run with TLS and the other without."""
+    reason = str(exc) or type(exc).__name__  # (uvloop's reset during TLS has no message)
+    if isinstance(exc, ssl.SSLError):
+        error_counts["auth"] += 1
+        plain = f": {_SAME_TLS}" if exc.reason == "WRONG_VERSION_NUMBER" else ""
+        return Unauthenticated(f"TLS with {address} failed: {reason}{plain}")
+    error_counts["connect"] += 1
+    if tls and isinstance(exc, ConnectionResetError):  # a plain server cut the TLS handshake off
+        reason += f" during the TLS handshake: {_SAME_TLS}"
+    return ConnectionLost(f"cannot connect to {address}: {reason}")
+
+
 def _error_kind(exc: ConnectionLost) -> str:
     if isinstance(exc, Unauthenticated):
         return "auth"
@@ -857,12 +887,8 @@ async def connect(
                 ssl=links.client if links is not None else None,
                 ssl_handshake_timeout=timeout_s if links is not None else None,
             )
-    except ssl.SSLError as exc:  # the server's certificate is not the cluster's, or it refused ours
-        error_counts["auth"] += 1
-        raise Unauthenticated(f"TLS with {address} failed: {exc}") from None
-    except (OSError, TimeoutError, ValueError) as exc:
-        error_counts["connect"] += 1
-        raise ConnectionLost(f"cannot connect to {address}: {exc or type(exc).__name__}") from None
+    except (OSError, TimeoutError, ValueError) as exc:  # (ssl.SSLError is an OSError)
+        raise _dial_failed(address, exc, tls=links is not None) from None
     try:
         if links is not None:
             assert protocol.transport is not None

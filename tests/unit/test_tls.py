@@ -367,6 +367,33 @@ def test_a_daemon_refuses_its_own_expired_certificate_and_ensure_tls_issues_it_a
     LinkTls.load(files.directory, "node", now=much_later)
 
 
+def test_a_link_with_tls_at_one_end_only_is_refused_saying_so_at_both_ends(
+    run: Run, tls_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before: on uvloop a TLS client to a plain server got "cannot connect to ADDR: " (an empty
+    # reason), the server logged a frame of 369295620 bytes, and a plain client to a TLS server
+    # "closed during the handshake": nothing said that one daemon ran without TLS.
+    same_setting = "one end runs with TLS and the other without"
+
+    async def scenario() -> None:
+        plain = Server(Echo, key=KEY, tls=False)
+        with_tls = Server(Echo, key=KEY, tls=LinkTls.load(tls_dir, "node"), handshake_s=1.0)
+        await plain.start("127.0.0.1:0")
+        await with_tls.start("127.0.0.1:0")
+        try:
+            with pytest.raises(wire.ConnectionLost, match=same_setting):
+                await connect(plain.address, key=KEY, tls=LinkTls.load(tls_dir, "scheduler"), timeout_s=WAIT_S)
+            await _until(lambda: "began a TLS handshake, and this end reads plain frames" in caplog.text)
+            with pytest.raises(wire.ConnectionLost, match=same_setting):
+                await connect(with_tls.address, key=KEY, tls=False, timeout_s=WAIT_S)
+        finally:
+            await plain.close()
+            await with_tls.close()
+
+    caplog.set_level("WARNING", logger="gpufaas.wire")
+    run(scenario())
+
+
 # --- blob fetches ---------------------------------------------------------------------------------
 
 
