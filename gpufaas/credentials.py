@@ -12,10 +12,14 @@ Who holds what (docs/security.md):
 
 from __future__ import annotations
 
+import argparse
 import base64
+import contextlib
 import hashlib
 import hmac
+import ipaddress
 import os
+import re
 import secrets
 import stat
 from dataclasses import dataclass
@@ -32,6 +36,8 @@ ETCD_PASSWORD_FILE = "etcd-password"  # etcd's root user: the daemons authentica
 TLS_DIR = "tls"  # the cluster CA and a certificate per daemon role (gpufaas.tls)
 METRICS_TOKEN_FILE = "metrics-token"  # derived (metrics_token): what a Prometheus server scrapes with
 _SECRET_BYTES = 32
+_LABEL = r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
+_DNS_NAME = re.compile(rf"(\*\.)?({_LABEL}\.)*{_LABEL}\.?", re.IGNORECASE)  # a wildcard's first label too
 
 
 class CredentialError(GpufaasError):
@@ -135,6 +141,21 @@ def basic_authorization(user: str, password: str) -> str:
     return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
 
 
+def _tls_host(value: str) -> str:
+    """A --tls-host as a certificate carries it: an IP address (IPv6 with or without brackets), or
+    a DNS name (one with non-ASCII letters as its IDNA A-label); a usage error otherwise."""
+    bare = value.strip()
+    with contextlib.suppress(ValueError):
+        return str(ipaddress.ip_address(bare.removeprefix("[").removesuffix("]")))
+    try:
+        name = bare.encode("idna").decode("ascii")
+    except UnicodeError:
+        name = ""
+    if not _DNS_NAME.fullmatch(name):
+        raise argparse.ArgumentTypeError(f"{value!r} is neither an IP address nor a DNS name")
+    return name
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m gpufaas.credentials DIR`: make a cluster's credential files in DIR (kept if
     there), the cluster's TLS files in DIR/tls (`--tls-host` for addresses they carry), and the
@@ -142,7 +163,6 @@ def main(argv: list[str] | None = None) -> int:
     (docker-compose.yml; Prometheus reads DIR/metrics-token). `--metrics-token DIR`
     prints the bearer token the daemons' metrics endpoints ask for (for a Prometheus server's
     `credentials_file`)."""
-    import argparse
     import sys
 
     parser = argparse.ArgumentParser(
@@ -157,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         "--tls-host",
         action="append",
         default=[],
+        type=_tls_host,
         metavar="HOST",
         help="an address or name the daemons' certificates carry beside loopback (repeatable; made once: "
         "delete DIR/tls/ROLE.pem to make one again)",

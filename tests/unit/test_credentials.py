@@ -72,3 +72,24 @@ def test_a_directory_that_cannot_be_used_is_told_in_one_line_not_a_traceback(
     a_file.write_text("")
     assert credentials.main([str(a_file)]) == 1
     assert capsys.readouterr().err == f"error: cannot make the credentials in {a_file}: File exists\n"
+
+
+def test_tls_hosts_are_taken_as_a_certificate_carries_them_and_others_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before, a name with non-ASCII letters raised cryptography's ValueError in a traceback (the CA
+    # made, no role certificate), and '' or 'a b' went into every certificate as a DNS name.
+    from cryptography import x509
+
+    directory = tmp_path / "secrets"
+    assert credentials.main([str(directory), "--tls-host", "über.example", "--tls-host", "[fd00::1]"]) == 0
+    cert = x509.load_pem_x509_certificate((directory / "tls" / "node.pem").read_bytes())
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "xn--ber-goa.example" in sans.get_values_for_type(x509.DNSName)
+    assert "fd00::1" in [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)]
+    for bad in ("", "a b"):
+        with pytest.raises(SystemExit) as exited:
+            credentials.main([str(tmp_path / "other"), f"--tls-host={bad}"])
+        assert exited.value.code == 2
+        assert f"argument --tls-host: {bad!r} is neither an IP address nor a DNS name" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()
