@@ -678,10 +678,11 @@ class Connection(asyncio.BufferedProtocol):
         self.is_closed = True
         self.closed.set_result(exc)
         if self._key is not None and not self._server_side and not self._hello.done():
-            # (a TLS server takes a plain client's first bytes for TLS, and closes without a word)
-            plain = f": {_SAME_TLS}" if self.peer_role is None else ""
+            # This end's own reason where it cut the peer off; else, plain, the likeliest one (a TLS
+            # server takes a plain client's first bytes for TLS, and closes without a word).
+            why = f": {exc}" if isinstance(exc, ConnectionLost) else f": {_SAME_TLS}" if self.peer_role is None else ""
             self._hello.set_exception(
-                ConnectionLost(f"connection to {self.peer or 'peer'} closed before its handshake began{plain}")
+                ConnectionLost(f"connection to {self.peer or 'peer'} closed before its handshake began{why}")
             )
             self._hello.exception()  # seen: a client refused before its handshake never awaits it
         self._can_write.set()

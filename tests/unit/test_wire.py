@@ -1040,6 +1040,27 @@ def test_a_keyless_server_makes_a_keyed_client_give_up_with_a_clear_error(run: R
     run(scenario())
 
 
+def test_a_keyed_client_cut_off_by_its_own_check_before_the_handshake_says_why(run: Run) -> None:
+    # A dial of another service that speaks first (an SSH banner): the client cuts it off, and its
+    # error is that reason, not a guess (that one end runs with TLS and the other without).
+    async def scenario() -> None:
+        async def banner(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(b"SSH-2.0-OpenSSH_9.6\r\n")
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+                await writer.wait_closed()
+
+        other = await asyncio.start_server(banner, "127.0.0.1", 0)
+        port = other.sockets[0].getsockname()[1]
+        try:
+            with pytest.raises(ConnectionLost, match=r"closed before its handshake began: .* announced a frame of"):
+                await connect(f"127.0.0.1:{port}", key=KEY, tls=False, timeout_s=WAIT_S)
+        finally:
+            other.close()
+
+    run(scenario())
+
+
 def test_a_client_that_stays_silent_is_cut_off_after_the_handshake_time(
     run: Run, monkeypatch: pytest.MonkeyPatch
 ) -> None:
