@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpufaas.credentials import ADMIN_USER, basic_authorization
+from gpufaas.credentials import ADMIN_USER, CredentialError, basic_authorization
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -45,7 +45,7 @@ CHALLENGE = b'Basic realm="gpufaas", charset="UTF-8"'
 @dataclass(frozen=True)
 class Credentials:
     """The secrets a gateway accepts. `invoke_token` and `node_token` may be absent (then no
-    caller has that role)."""
+    caller has that role). CredentialError where the invoke token is the admin password."""
 
     admin_password: str = field(repr=False)
     invoke_token: str | None = field(default=None, repr=False)
@@ -53,6 +53,13 @@ class Credentials:
     _accepted: tuple[tuple[bytes, Role], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.invoke_token == self.admin_password:
+            # Every application given the invoke token could log in as admin with it (Basic), and
+            # the admin's `Bearer PASSWORD` would prove only the invoke role.
+            raise CredentialError(
+                "the invoke token is the admin password: applications holding it could administer the "
+                "gateway; put another secret in the invoke token's file"
+            )
         accepted = [
             (basic_authorization(ADMIN_USER, self.admin_password).encode(), Role.ADMIN),
             (f"Bearer {self.admin_password}".encode(), Role.ADMIN),

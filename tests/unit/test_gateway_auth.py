@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from gateway.auth import AmbiguousCredentials, Credentials, Role, caller_role, roles_for
-from gpufaas.credentials import basic_authorization
+from gpufaas.credentials import CredentialError, basic_authorization
 from gpufaas.functions import FunctionSpec
 from tests.unit.test_gateway_app import ADMIN_PASSWORD, CREDENTIALS, INVOKE_TOKEN, NODE_TOKEN, Env, assert_error, run
 
@@ -54,6 +54,13 @@ def test_without_tokens_only_the_admin_has_a_role() -> None:
     assert credentials.role_of(b"Bearer pw") == Role.ADMIN
     assert credentials.role_of(b"Bearer ") is None
     assert "pw" not in repr(credentials)  # secrets stay out of logs
+
+
+def test_an_invoke_token_that_is_the_admin_password_is_refused() -> None:
+    # Before, it was taken: an application given the invoke token could log in as admin with it
+    # (Basic admin:TOKEN), and the admin's `Bearer PASSWORD` proved only the invoke role.
+    with pytest.raises(CredentialError, match="the invoke token is the admin password"):
+        Credentials(admin_password=ADMIN_PASSWORD, invoke_token=ADMIN_PASSWORD)
 
 
 def test_routes_admit_admin_everywhere_nodes_only_to_read_packages_and_anyone_to_health_and_docs() -> None:
