@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpufaas.errors import GpufaasError
-from gpufaas.tls import InDirectory, TlsFiles, ensure_tls
+from gpufaas.tls import InDirectory, TlsFiles, ensure_tls, write_new
 
 ADMIN_USER = "admin"
 CLUSTER_SECRET_FILE = "cluster-secret"
@@ -68,12 +68,8 @@ def ensure_secrets(directory: Path, *, tls_hosts: tuple[str, ...] = ()) -> Secre
     os.chmod(directory, 0o700)
     files = SecretFiles(directory)
     for path in (files.cluster_secret, files.admin_password, files.invoke_token, files.etcd_password):
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            continue
-        with os.fdopen(fd, "w") as out:
-            out.write(secrets.token_urlsafe(_SECRET_BYTES) + "\n")
+        with contextlib.suppress(FileExistsError):
+            write_new(path, (secrets.token_urlsafe(_SECRET_BYTES) + "\n").encode(), 0o600)
     ensure_tls(files.tls.directory, hosts=tls_hosts)
     return files
 

@@ -16,6 +16,7 @@ and the blob client read that unless a caller passes its own `LinkTls`.
 from __future__ import annotations
 
 import datetime
+import errno
 import ipaddress
 import os
 import ssl
@@ -191,10 +192,26 @@ def issue(
     return _pem_cert(cert), _pem_key(key)
 
 
-def _write_new(path: Path, data: bytes, mode: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    with os.fdopen(fd, "wb") as out:
-        out.write(data)
+def write_new(path: Path, data: bytes, mode: int) -> None:
+    """Write `data` to a new file `path` of `mode`, whole or not at all (FileExistsError where one
+    is there): written beside it first, then linked at `path`, so that a write that failed (a full
+    disk) or was interrupted leaves no empty or cut file, which later runs would keep as made."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial.unlink(missing_ok=True)  # (one an earlier process of this pid left)
+    try:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        try:
+            os.link(partial, path)
+        except FileExistsError:
+            raise
+        except OSError:  # a file system without hard links (vfat, some network shares)
+            if path.exists():
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path)) from None
+            os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _expiry(path: Path) -> datetime.datetime | None:
@@ -233,8 +250,8 @@ def ensure_tls(directory: Path, *, hosts: Iterable[str] = (), now: datetime.date
         ca_pem, ca_key_pem = make_ca(now)
         for path in (files.ca, files.ca_key):
             path.unlink(missing_ok=True)
-        _write_new(files.ca_key, ca_key_pem, 0o600)
-        _write_new(files.ca, ca_pem, 0o644)
+        write_new(files.ca_key, ca_key_pem, 0o600)
+        write_new(files.ca, ca_pem, 0o644)
     ca_pem, ca_key_pem = files.ca.read_bytes(), files.ca_key.read_bytes()
     host_list = list(hosts)
     for role in ROLES:
@@ -243,8 +260,8 @@ def ensure_tls(directory: Path, *, hosts: Iterable[str] = (), now: datetime.date
         cert_pem, key_pem = issue(ca_pem, ca_key_pem, role, now, hosts=host_list)
         for path in (files.cert(role), files.key(role)):
             path.unlink(missing_ok=True)
-        _write_new(files.key(role), key_pem, 0o600)
-        _write_new(files.cert(role), cert_pem, 0o644)
+        write_new(files.key(role), key_pem, 0o600)
+        write_new(files.cert(role), cert_pem, 0o644)
     return files
 
 

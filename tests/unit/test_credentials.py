@@ -3,6 +3,7 @@ token, and takes `--help` for help (never for a directory to write secrets into)
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -93,3 +94,49 @@ def test_tls_hosts_are_taken_as_a_certificate_carries_them_and_others_refused_in
         assert exited.value.code == 2
         assert f"argument --tls-host: {bad!r} is neither an IP address nor a DNS name" in capsys.readouterr().err
     assert not (tmp_path / "other").exists()
+
+
+def test_a_write_that_fails_leaves_no_empty_secret_and_the_next_run_makes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, a secret whose write failed (a full disk) or was interrupted was left empty where it
+    # was created, and kept by every later run: the cluster's daemons refused it ("is empty").
+    real_fdopen = os.fdopen
+
+    class FullDisk:
+        def __init__(self, fd: int) -> None:
+            self.file = real_fdopen(fd, "wb")
+
+        def __enter__(self) -> FullDisk:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            self.file.close()
+
+        def write(self, _: object) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    directory = tmp_path / "secrets"
+    monkeypatch.setattr(os, "fdopen", lambda fd, *_, **__: FullDisk(fd))
+    with pytest.raises(OSError, match="No space left"):
+        credentials.ensure_secrets(directory)
+    monkeypatch.undo()
+    assert sorted(p.name for p in directory.iterdir()) == []
+    files = credentials.ensure_secrets(directory)
+    for path in (files.cluster_secret, files.admin_password, files.invoke_token, files.etcd_password):
+        assert len(credentials.read_secret(path)) > 32
+    assert not [p for p in directory.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_files_are_made_and_kept_on_a_file_system_without_hard_links(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_hard_links(*_: object) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_hard_links)  # (vfat, some network shares)
+    files = credentials.ensure_secrets(tmp_path / "secrets")
+    secret = credentials.read_secret(files.cluster_secret)
+    credentials.ensure_secrets(files.directory)
+    assert credentials.read_secret(files.cluster_secret) == secret
+    assert oct(files.tls.key("node").stat().st_mode & 0o777) == "0o600"
