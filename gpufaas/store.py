@@ -117,7 +117,8 @@ class RevisionCompacted(StoreError):
 
 
 class Store(Protocol):
-    """One narrow handle on the datastore. Keys are str (UTF-8 in etcd), values bytes.
+    """One narrow handle on the datastore. Keys are str (UTF-8 in etcd: reads and watches skip,
+    with a warning, a key that is not), values bytes.
 
     Every method may raise StoreError; methods taking a lease raise LeaseLost if it is gone.
     """
@@ -260,9 +261,25 @@ def _etcd_errors(what: str) -> Iterator[None]:
         raise StoreError(f"etcd {what}: {exc!r}") from exc
 
 
-def _from_etcd(kv: Any) -> KeyValue:  # an etcd mvccpb.KeyValue (protobuf, untyped)
+def _key_of(raw: bytes) -> str | None:
+    """An etcd key as a `Store` key; None, with a warning naming it (its bytes escaped), for one
+    that is not UTF-8 (put by hand: no daemon writes one). Every read and watch skips it: decoded
+    strictly, its UnicodeDecodeError (no StoreError) ended the watch of its prefix, and under the
+    scheduler's gpus/ failed every take of office."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        logger.warning("ignoring etcd key %r: it is not UTF-8", raw)
+        return None
+
+
+def _from_etcd(kv: Any) -> KeyValue | None:  # an etcd mvccpb.KeyValue (protobuf, untyped)
+    """The key as stored; None for a key that is not UTF-8 (`_key_of`)."""
+    key = _key_of(bytes(kv.key))
+    if key is None:
+        return None
     return KeyValue(
-        key=bytes(kv.key).decode(),
+        key=key,
         value=bytes(kv.value),
         create_revision=int(kv.create_revision),
         mod_revision=int(kv.mod_revision),
@@ -565,7 +582,7 @@ class EtcdStore:
                     raise
                 limit //= 2
                 continue
-            kvs.extend(_from_etcd(kv) for kv in reply.kvs)
+            kvs.extend(kv for kv in map(_from_etcd, reply.kvs) if kv is not None)
             revision = revision or int(reply.header.revision)
             if not reply.more or not reply.kvs:
                 return kvs
@@ -674,10 +691,13 @@ class EtcdStore:
                 with _etcd_errors("watch_prefix"):
                     async for event in watch:
                         kv = event.kv
+                        key = _key_of(bytes(kv.key))
+                        if key is None:
+                            continue
                         if event.kind == "DELETE":
-                            yield WatchEvent("delete", bytes(kv.key).decode(), b"", int(kv.mod_revision))
+                            yield WatchEvent("delete", key, b"", int(kv.mod_revision))
                         else:
-                            yield WatchEvent("put", bytes(kv.key).decode(), bytes(kv.value), int(kv.mod_revision))
+                            yield WatchEvent("put", key, bytes(kv.value), int(kv.mod_revision))
             finally:
                 # Tell etcd to drop the watch; bounded, and best effort (the stream may be gone).
                 with contextlib.suppress(Exception):

@@ -399,6 +399,29 @@ async def test_a_page_too_large_to_take_is_read_in_smaller_pages(
 
 
 @async_test
+async def test_a_key_that_is_not_utf8_is_skipped_by_reads_and_watches_with_a_warning(
+    etcd_endpoint: EtcdTarget, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Put by hand (etcdctl takes any bytes), it raised UnicodeDecodeError out of every read and
+    # watch of its prefix: under the scheduler's gpus/ no scheduler could take office.
+    prefix = f"{etcd_endpoint.root}/gpus/"
+    bad_key = prefix.encode() + b"n\xff/gpu0/lru"
+    store = await EtcdStore.open(etcd_endpoint.endpoint, timeout_s=5)
+    try:
+        first = await store.revision() + 1
+        await store._client.put(bad_key, b"[]")
+        good = await store.put(f"{prefix}n/gpu0/lru", b"[]")
+        assert [kv.key for kv in await store.get_prefix(prefix)] == [f"{prefix}n/gpu0/lru"]
+        events = store.watch_prefix(prefix, start_revision=first)
+        assert await take(events, 1) == [WatchEvent("put", f"{prefix}n/gpu0/lru", b"[]", good)]
+        await events.aclose()
+        warnings = [r.getMessage() for r in caplog.records if r.name == "gpufaas.store"]
+        assert warnings == [f"ignoring etcd key {bad_key!r}: it is not UTF-8"] * 2
+    finally:
+        await store.close()
+
+
+@async_test
 async def test_open_fails_with_store_error_when_nothing_listens() -> None:
     started = time.monotonic()
     with pytest.raises(StoreError):
