@@ -23,6 +23,9 @@ log = logging.getLogger("gpufaas.scheduler")
 FLUSH_DELAY_S = 1.0
 PROFILE_WRITE_INTERVAL_S = 5.0  # measured times move a little on every call: persist them calmly
 RETRY_S = 0.5  # after a flush etcd refused
+# After a flush that failed of a bug (any error but StoreError): one that repeats on every try
+# logs a traceback this often, not twice a second.
+BUG_RETRY_S = 30.0
 # GPUs encoded between two yields to the event loop: a flush of a thousand busy GPUs is about 7 ms
 # of JSON, which in one piece would hold every call the scheduler is placing for as long.
 GPUS_PER_SLICE = 64
@@ -134,7 +137,7 @@ class StatePersister:
 
     async def run(self) -> None:
         """The flusher: wait for a change, let more gather for FLUSH_DELAY_S, write; on a StoreError
-        retry everything soon."""
+        retry everything soon; on any other error (a bug) log it, and retry after BUG_RETRY_S."""
         while True:
             await self._wanted.wait()
             await asyncio.sleep(FLUSH_DELAY_S)
@@ -146,6 +149,14 @@ class StatePersister:
                 log.log(level, "could not persist cache state (%s); retrying", exc)
                 self._wanted.set()
                 await asyncio.sleep(RETRY_S)
+            except Exception:
+                # The flusher goes on (it ended silently, and nothing was persisted for the rest of
+                # the term): etcd's keys are a record for observers and a successor's recovery,
+                # which asks the nodes too, not the path of a call, and `flush` kept what it took.
+                # Ending the term instead would cut every call off, and hand a successor the bug.
+                log.exception("could not persist cache state (a bug); retrying in %.0f s", BUG_RETRY_S)
+                self._wanted.set()
+                await asyncio.sleep(BUG_RETRY_S)
 
     async def flush(self, *, final: bool = False) -> None:
         """Write what changed since the last flush, up to MAX_TXN_OPS keys (and about

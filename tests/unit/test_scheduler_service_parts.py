@@ -432,6 +432,44 @@ def test_a_standby_takes_office_with_the_profiles_the_leader_measured_since_its_
     asyncio.run(main())
 
 
+def test_a_flush_failing_of_a_bug_is_logged_and_the_flusher_goes_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The flusher caught StoreError alone: any other error of a flush ended it, unlogged, and
+    # nothing was persisted for the rest of the term.
+    monkeypatch.setattr(persister_mod, "FLUSH_DELAY_S", 0.0)
+    monkeypatch.setattr(persister_mod, "BUG_RETRY_S", 0.0)
+
+    async def main() -> None:
+        store, keys = MemoryStore(), Keys("/t")
+        await store.put(keys.gpu_lru("n", "gpu0"), b"[]")
+        service = SchedulerService(store, keys=keys, prestage_nodes=0)
+        persister, write_batch = service.persister, store.write_batch
+        bug = RuntimeError("a bug")
+        bugs = [bug]
+
+        async def buggy(*args: Any, **kwargs: Any) -> bool:
+            if bugs:
+                raise bugs.pop()
+            return await write_batch(*args, **kwargs)
+
+        monkeypatch.setattr(store, "write_batch", buggy)
+        flusher = asyncio.ensure_future(persister.run())
+        try:
+            persister.gpus_left(["n/gpu0"])
+            persister.want_flush()
+            for _ in range(100):
+                if await store.get(keys.gpu_lru("n", "gpu0")) is None:
+                    break
+                await asyncio.sleep(0)
+            assert await store.get(keys.gpu_lru("n", "gpu0")) is None and not flusher.done()
+        finally:
+            flusher.cancel()
+        assert [r.exc_info[1] for r in caplog.records if r.exc_info] == [bug]  # logged, with its traceback
+
+    asyncio.run(main())
+
+
 def test_a_deferred_profile_is_written_once_its_interval_passes(monkeypatch: pytest.MonkeyPatch) -> None:
     # A profile measured again within PROFILE_WRITE_INTERVAL_S of its last write went back to the
     # book, and with no traffic after it nothing woke the flusher: etcd kept the older profile.
