@@ -202,8 +202,8 @@ class Gateway:
         than `revision`), the list: a write it missed comes with the watch, which resumes after it."""
         listed: dict[str, tuple[FunctionSpec, int]] = {}
         for kv in kvs:
-            with contextlib.suppress(GpufaasError):
-                spec = FunctionSpec.from_json(kv.value)
+            spec = self._spec_at(kv.key, kv.value)
+            if spec is not None:
                 listed[spec.name] = (spec, kv.mod_revision)
         functions = {name: spec for name, (spec, _) in listed.items()}
         for name, floor in list(self._function_floors.items()):
@@ -228,8 +228,21 @@ class Gateway:
         if event.kind == "delete":
             self.function_deleted(name)
         else:
-            with contextlib.suppress(GpufaasError):
-                self.function_written(FunctionSpec.from_json(event.value))
+            spec = self._spec_at(event.key, event.value)
+            if spec is not None:
+                self.function_written(spec)
+
+    def _spec_at(self, key: str, value: bytes) -> FunctionSpec | None:
+        """The function spec stored at `key`; None, with a warning, for one that is invalid or names
+        another function (put by hand): mirrored by its own name, its key's delete took out nobody."""
+        try:
+            spec = FunctionSpec.from_json(value)
+            if key != self.keys.function(spec.name):
+                raise ValueError(f"it names function {spec.name!r}")
+        except (GpufaasError, ValueError) as exc:
+            log.warning("ignoring invalid function spec at %s: %s", key, exc)
+            return None
+        return spec
 
     def function_written(self, spec: FunctionSpec, *, over_revision: int = 0) -> None:
         """`spec` is the function's now (written through this gateway, or its watch brought it).

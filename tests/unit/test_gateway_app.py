@@ -30,7 +30,7 @@ from gpufaas.functions import FunctionSpec
 from gpufaas.keys import Keys
 from gpufaas.packages import EMPTY_DIGEST, build_package
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.store import StoreError
+from gpufaas.store import KeyValue, StoreError, WatchEvent
 from gpufaas.types import DEFAULT_BATCH_SIZE
 from tests.fakes import MemoryStore
 from tests.scrape import sample
@@ -787,6 +787,25 @@ def test_a_relist_older_than_a_write_keeps_the_write(tmp_path: Path) -> None:
         assert "fn" not in gateway.functions and gateway._function_floors == {}
 
     run(tmp_path, body, store=store)
+
+
+def test_a_function_spec_under_another_functions_key_is_not_mirrored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # fn-b's spec put (by hand) at fn-a's key was mirrored as fn-b: deleting the key took out fn-a
+    # (nobody), and fn-b was answered until a re-list.
+    other = FunctionSpec(name="fn-b", package_digest="sha256:" + "b" * 64, memory_mb=1000)
+
+    async def body(env: Env) -> None:
+        gateway, key = env.app.state.gateway, env.keys.function("fn-a")
+        gateway._functions_listed([KeyValue(key, other.to_json(), 3, 3, 0)], 3)
+        assert gateway.functions == {}
+        gateway._function_changed(WatchEvent("put", key, other.to_json(), 4))
+        assert gateway.functions == {}
+        assert_error(await env.client.get("/system/function/fn-b"), 404)
+        assert caplog.text.count(f"ignoring invalid function spec at {key}: it names function 'fn-b'") == 2
+
+    run(tmp_path, body)
 
 
 class CountedGets(MemoryStore):
