@@ -225,12 +225,13 @@ class Gateway:
             if event.mod_revision <= floor:
                 return  # older than what this gateway wrote since (the watch lags the writes)
             del self._function_floors[name]
-        if event.kind == "delete":
+        spec = None if event.kind == "delete" else self._spec_at(event.key, event.value)
+        if spec is None:
+            # Deleted, or overwritten with no spec of it: gone, as a re-list finds it (it was kept
+            # until one, and answered meanwhile).
             self.function_deleted(name)
         else:
-            spec = self._spec_at(event.key, event.value)
-            if spec is not None:
-                self.function_written(spec)
+            self.function_written(spec)
 
     def _spec_at(self, key: str, value: bytes) -> FunctionSpec | None:
         """The function spec stored at `key`; None, with a warning, for one that is invalid or names

@@ -102,9 +102,12 @@ class Catalog:
         self.apply(effects)
 
     def function_changed(self, event: WatchEvent) -> None:
-        if event.kind == "put":
-            self.learn_function(KeyValue(event.key, event.value, 0, event.mod_revision, 0))
+        kv = KeyValue(event.key, event.value, 0, event.mod_revision, 0)
+        if event.kind == "put" and self.learn_function(kv) is not None:
             return
+        # Deleted, or overwritten with no spec of it (invalid, or another function's): gone, as a
+        # re-list finds it (it was kept until one, its model with it). A valid put older than the
+        # mirror's change to its name, which `learn_function` passed over, is passed over here too.
         name = event.key.removeprefix(self.keys.functions)
         if event.mod_revision <= self.revisions.get(name, 0):
             return  # older than what the mirror holds (a re-list's replay, a read-through ahead)

@@ -808,6 +808,22 @@ def test_a_function_spec_under_another_functions_key_is_not_mirrored(
     run(tmp_path, body)
 
 
+def test_a_function_whose_spec_is_overwritten_with_an_invalid_one_is_taken_out(tmp_path: Path) -> None:
+    # The invalid value was ignored and the old spec answered until a re-list (which finds no
+    # function there); the watch now does as the re-list does.
+    spec = FunctionSpec(name="fn-a", package_digest="sha256:" + "a" * 64, memory_mb=1000)
+
+    async def body(env: Env) -> None:
+        gateway, key = env.app.state.gateway, env.keys.function("fn-a")
+        gateway._function_changed(WatchEvent("put", key, spec.to_json(), 3))
+        assert list(gateway.functions) == ["fn-a"]
+        gateway._function_changed(WatchEvent("put", key, b"{not json", 4))
+        assert gateway.functions == {}
+        assert_error(await env.client.get("/system/function/fn-a"), 404)
+
+    run(tmp_path, body)
+
+
 class CountedGets(MemoryStore):
     """A MemoryStore that counts its single-key reads (each a round trip to etcd)."""
 

@@ -840,6 +840,23 @@ def test_a_function_spec_under_another_functions_key_is_ignored_and_its_model_ne
     run(scenario)
 
 
+def test_a_function_whose_spec_is_overwritten_with_an_invalid_one_is_taken_out() -> None:
+    # The invalid value was ignored and the old spec kept, its model registered, until a re-list
+    # (which finds no function there); the watch now does as the re-list does.
+    a = make_spec("fn-a")
+
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        catalog, key = service.catalog, service.keys.function("fn-a")
+        catalog.function_changed(WatchEvent("put", key, a.to_json(), 1))
+        assert service.book.runs(a.model)
+        catalog.function_changed(WatchEvent("put", key, b"{not json", 2))
+        assert list(catalog.functions) == [] and not service.book.runs(a.model)
+        catalog.function_changed(WatchEvent("put", key, a.to_json(), 1))  # a replay of the older put
+        assert list(catalog.functions) == []
+
+    run(scenario)
+
+
 def test_a_call_cancelled_while_its_place_waits_for_the_term_to_open_is_never_placed() -> None:
     # The book had not taken it: the cancel found no call and was dropped, and once the term
     # opened the call was placed (a GPU slot booked, its model's room made) for nobody.
