@@ -275,7 +275,12 @@ class Gateway:
         if event.key != self.keys.scheduler_leader or self.config.scheduler_address is not None:
             return
         if event.kind == "put":
-            self.router.set_scheduler_address(event.value.decode())
+            try:
+                address = event.value.decode()
+            except UnicodeDecodeError:  # (put by hand) raised out of the gateway's start, which failed
+                log.warning("ignoring the scheduler address at %s: %r is not UTF-8", event.key, event.value)
+                return
+            self.router.set_scheduler_address(address)
         else:  # its lease expired or was revoked: the next leader puts it again
             log.info("no scheduler leads now; waiting for the next leader")
 

@@ -1,4 +1,5 @@
-"""The gateway's mirror of the nodes (gateway.state): which node addresses it tells the router left."""
+"""The gateway's mirror of the nodes (gateway.state): which node addresses it tells the router left;
+and of the leader key: which scheduler address it tells the router."""
 
 from __future__ import annotations
 
@@ -155,3 +156,16 @@ def test_a_gateway_whose_lease_stop_fails_still_closes_its_links_and_blob_server
         assert stopped == ["router", "artifacts"]
 
     asyncio.run(scenario())
+
+
+def test_a_leader_key_whose_value_is_not_utf8_is_ignored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Put by hand, it raised UnicodeDecodeError out of the list the gateway's start takes in:
+    # the gateway could not start.
+    gateway, _ = gateway_of(tmp_path)
+    told: list[str] = []
+    gateway.router.set_scheduler_address = told.append  # type: ignore[method-assign]
+    leader = KEYS.scheduler_leader
+    gateway._services_listed([KeyValue(leader, b"\xff", 1, 1, 0)], 1)
+    gateway._service_changed(WatchEvent("put", leader, b"127.0.0.1:7000", 2))
+    assert told == ["127.0.0.1:7000"]
+    assert f"ignoring the scheduler address at {leader}: b'\\xff' is not UTF-8" in caplog.text
