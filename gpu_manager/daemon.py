@@ -426,6 +426,8 @@ class GpuManagerDaemon:
                 evict=() if lease_call_id else tuple(grant.evict),  # (a lease's own call made the room)
                 seq=grant.gpu_seq,
             )
+        except Exception:  # (a bug): answered at once, its slot freed, as a failed call's
+            result = _run_failed(self.node, lease_call_id or grant.call_id)
         except BaseException:
             if lease is not None:
                 self.ledger.lease_call_ended(lease, time.time(), keep=False, done=False)
@@ -606,6 +608,19 @@ def measured(result: RunResult) -> dict[str, Any]:
         "inference_time_s": result.inference_time_s,
         "batch_calls": result.batch_calls,
     }
+
+
+def _run_failed(node: str, call_id: str) -> RunResult:
+    """The answer of a call whose run raised (a bug, or an error the pool makes no RunResult of),
+    logged with its traceback (to be called in the `except`). Its worker may have run it, so its
+    outcome is unknown: OUTCOME_UNSPECIFIED (no Outcome names that), which the gateway answers 502
+    with this message; a lease under it ends, and its Done frees its slot as a failed call's."""
+    log.exception("call %s: its run on node %s raised", call_id, node)
+    return RunResult(
+        pb.OUTCOME_UNSPECIFIED,
+        f"the outcome of call {call_id!r} is unknown: node {node} failed while running it (an internal error, "
+        "logged there), so it was not run again (check its effects before retrying)",
+    )
 
 
 def _keeps_lease(result: RunResult) -> bool:

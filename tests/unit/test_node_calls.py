@@ -14,9 +14,9 @@ from gpu_manager.devices import logical_devices
 from gpu_manager.sandbox import Isolation
 from gpu_manager.storage import StorageOptions
 from gpu_manager.workers import RunResult
-from gpufaas.grants import new_key
+from gpufaas.grants import new_key, sign
 from gpufaas.proto import gpufaas_pb2 as pb
-from gpufaas.wire import ConnectionLost, MessageType, NotSent, connect
+from gpufaas.wire import ConnectionLost, Frame, MessageType, NotSent, connect
 from tests.fakes import MemoryStore
 
 KEY = new_key()
@@ -133,3 +133,41 @@ def test_the_drain_knows_whether_a_scheduler_is_attached(tmp_path: Path) -> None
             await node._server.close()
 
     asyncio.run(main())
+
+
+def test_a_run_that_raises_is_answered_at_once_its_outcome_unknown_and_its_slot_freed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A run that raised (a bug, or an error the pool makes no RunResult of) failed the Execute's
+    # task: nothing answered the gateway, which waited out the call's deadline (504), and the
+    # scheduler had no Done (the slot held until it gave the call up as lost).
+    async def main() -> None:
+        node = make_node(tmp_path)
+        scheduler = Link()
+        node._scheduler = scheduler  # type: ignore[assignment]
+
+        async def broken_run(*args: object, **kwargs: object) -> RunResult:
+            raise RuntimeError("a bug in the pool")
+
+        node.pool.run = broken_run  # type: ignore[method-assign]
+        answers: list[tuple[int, pb.ExecuteReply]] = []
+
+        class Gateway:
+            peer = "gateway"
+
+            def reply(self, to: Frame, type_: int, header: pb.ExecuteReply, body: bytes = b"") -> None:
+                answers.append((type_, header))
+
+        request = pb.Execute(token=sign(grant(), KEY))
+        await node.execute(Gateway(), Frame(MessageType.EXECUTE, 0, 1, b"", b"in"), request)  # type: ignore[arg-type]
+        await asyncio.sleep(0)  # (the Done goes out a turn of the loop later)
+        [(type_, reply)] = answers
+        assert type_ == MessageType.EXECUTE_REPLY and reply.outcome == pb.OUTCOME_UNSPECIFIED  # the gateway's 502
+        assert "the outcome of call 'c1' is unknown: node n1 failed while running it" in reply.message
+        [(sent, done)] = scheduler.sent
+        assert sent == MessageType.DONE and isinstance(done, pb.Done)
+        assert (done.call_id, done.attempt, done.worker_lost) == ("c1", 1, False)
+
+    with caplog.at_level("ERROR", logger="gpufaas.gpu_manager"):
+        asyncio.run(main())
+    assert any(r.exc_info and "a bug in the pool" in str(r.exc_info[1]) for r in caplog.records)
