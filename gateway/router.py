@@ -152,6 +152,17 @@ class _MaybeSent(Exception):
     """The connection to the node was lost after the Execute was sent: it may be running there."""
 
 
+class _NodeError(_MaybeSent):
+    """The node answered the Execute with an Error (`status`, `message`), its link up. A placed
+    call's scheduler asks the node whether it saw the grant, as after a lost link; a call under a
+    lease is answered with what the node said."""
+
+    def __init__(self, error: RemoteError) -> None:
+        super().__init__(error)
+        self.status: pb.Status = error.status  # type: ignore[assignment]
+        self.message = error.message
+
+
 class _AnswerTooLarge(CallFailed):
     """The call ran, and its node's answer was over this gateway's limit (not read; the link stays)."""
 
@@ -740,6 +751,9 @@ class Router:
         except _NotSent:
             self.leases.drop(lease)
             return None
+        except _NodeError as exc:  # its link up: not lost, the node's word is the answer
+            self.leases.drop(lease)
+            raise CallFailed(STATUS_TO_HTTP.get(exc.status, 502), _node_said(lease, exc.message)) from None
         except _MaybeSent as exc:
             self.leases.drop(lease)
             log.warning("call %s: node %s lost under a lease (%s)", box.place.call_id, lease.placement.node, exc)
@@ -805,8 +819,9 @@ class Router:
 async def _execute(nodes: NodeConnections, placement: pb.Placement, payload: bytes, execute: pb.Execute) -> Frame:
     """Send `execute` (of the placement's token) over `nodes` and wait for the node's answer. Raises
     _NotSent when no connection to the node could be had, _MaybeSent when it was lost after the Execute
-    went, CallFailed (413) when the node refused the payload unread, over its limit (`--max-payload-mb`
-    below the gateway's), _AnswerTooLarge (502) when its answer was over this end's (the call ran)."""
+    went (or _NodeError, one, when it answered an Error), CallFailed (413) when the node refused the
+    payload unread, over its limit (`--max-payload-mb` below the gateway's), _AnswerTooLarge (502)
+    when its answer was over this end's (the call ran)."""
     try:
         node = await nodes.get(placement.node_address)
     except ConnectionLost as exc:
@@ -826,7 +841,8 @@ async def _execute(nodes: NodeConnections, placement: pb.Placement, payload: byt
         if exc.status == pb.RESULT_TOO_LARGE:  # (the link stays: this end skipped the answer)
             nodes.heard(placement.node_address)
             raise _AnswerTooLarge(502, _answer_too_large(placement, exc.message)) from None
-        raise _MaybeSent(exc) from None
+        nodes.heard(placement.node_address)
+        raise _NodeError(exc) from None
     except ConnectionLost as exc:
         raise _MaybeSent(exc) from None
     nodes.heard(placement.node_address)
@@ -852,6 +868,10 @@ def _unsure_leased(box: Mailbox, lease: Lease) -> str:
         f"the outcome of call {box.place.call_id!r} is unknown: the gateway lost node {lease.placement.node} after "
         "sending it the call (under a lease), so it was not run again (check its effects before retrying)"
     )
+
+
+def _node_said(lease: Lease, error: str) -> str:
+    return f"node {lease.placement.node} answered the call (under a lease) with an error: {error}"
 
 
 def _unsure(box: Mailbox) -> str:

@@ -51,7 +51,7 @@ PAYLOAD = bytes(range(256)) * 400
 DIGEST = "sha256:" + "ab" * 32
 CLOSE = "close"  # a FakeNode script entry: drop the connection instead of answering
 
-NodeAnswer = tuple[pb.ExecuteReply, bytes] | str  # (reply, body), or CLOSE
+NodeAnswer = tuple[pb.ExecuteReply, bytes] | str | pb.Error  # (reply, body), CLOSE, or an Error frame
 
 
 def run(scenario: Coroutine[Any, Any, None]) -> None:
@@ -257,6 +257,9 @@ class FakeNode:
         if isinstance(answer, str):
             assert answer == CLOSE
             conn.close()
+            return
+        if isinstance(answer, pb.Error):
+            conn.reply_error(frame, answer.status, answer.message)
             return
         reply, body = answer
         conn.reply(frame, MessageType.EXECUTE_REPLY, reply, body)
@@ -1453,6 +1456,23 @@ async def test_a_call_under_a_lease_whose_node_was_lost_after_it_was_sent_is_a_5
     assert caught.status == 502 and "is unknown" in caught.message and "under a lease" in caught.message
     await env.scheduler.barrier()
     assert len(env.scheduler.places) == 1 and env.scheduler.abandons == [], "never run twice"
+
+
+@in_cluster()
+async def test_a_call_under_a_lease_its_node_answers_with_an_error_is_answered_with_what_the_node_said(
+    env: Cluster,
+) -> None:
+    # It was a 502 saying the gateway lost the node, whose link was up (and kept).
+    await leased(env, "call-1")
+    env.node_a.script[b"call-1#1"] = pb.Error(status=pb.UNAVAILABLE, message="internal error; see the daemon's log")
+    caught = await failure(env.invoke("call-2"))
+    assert caught.status == 503 and "lost" not in caught.message
+    said = "node node-a answered the call (under a lease) with an error: internal error; see the daemon's log"
+    assert said in caught.message
+    env.node_a.script.pop(b"call-1#1")  # the lease was dropped: the next call is placed
+    task = await env.placed("call-3", places=2)
+    env.place_on(env.node_a, "call-3", 1)
+    assert not (await task).leased and env.node_a.accepted == 1, "one link to the node, kept"
 
 
 @in_cluster()
