@@ -6,8 +6,9 @@ project's machines: 132 us against 285 us for an echo, uvicorn + httptools both)
 request goes on to the FastAPI app unchanged.
 
 Answers: the function's output with its content type and the X-* headers (X-Call-Id,
-X-Duration-Seconds, X-Gpu, X-Cache, X-Queue-Seconds, X-Load-Seconds, X-Inference-Seconds,
-X-Batch-Calls, X-Attempts after a retry, and Server-Timing with a miss's stages), or an error
+X-Duration-Seconds, X-Gpu (a node or GPU name outside ASCII percent-encoded), X-Cache,
+X-Queue-Seconds, X-Load-Seconds, X-Inference-Seconds, X-Batch-Calls, X-Attempts after a retry,
+and Server-Timing with a miss's stages), or an error
 as {"error": "...", "status": N} with the status the router chose (gateway.router).
 """
 
@@ -20,6 +21,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 from gateway.auth import (
     ANY_CALLER,
@@ -180,6 +182,8 @@ class InvokeMiddleware:
 _CONTENT_TYPES = frozenset({"application/octet-stream", "text/plain; charset=utf-8", "application/json"})
 # A header value must not hold a control character (but tab) or leave ASCII: CR/LF would split it.
 _NOT_VISIBLE = re.compile(rb"[^\t\x20-\x7e]")
+# What X-Gpu keeps as it is of a name it percent-encodes: printable ASCII but "%".
+_HEADER_SAFE = "".join(chr(code) for code in range(0x20, 0x7F) if chr(code) != "%")
 # The longest X-Call-Id taken (a UUID has 36; a W3C trace id 32): the scheduler keeps a named call's
 # id for minutes after it ends, its node too, and the id rides in its grant.
 MAX_CALL_ID_CHARS = 256
@@ -193,6 +197,13 @@ def _call_id_refused(given: bytes) -> str | None:
     if len(given) > MAX_CALL_ID_CHARS:
         return f"X-Call-Id may hold at most {MAX_CALL_ID_CHARS} characters"
     return None
+
+
+def _header_safe(name: str) -> bytes:
+    """A node or GPU name outside ASCII (any printable Unicode is a valid node name), for X-Gpu:
+    percent-encoded UTF-8, as in a URL, so that the header holds only visible ASCII (raw UTF-8 in
+    a header value is rejected or mangled by some clients); "%" in such a name is encoded too."""
+    return quote(name, safe=_HEADER_SAFE).encode("ascii")
 
 
 def _answer_head(result: CallResult, content_type: str, call_id: str, started: float) -> bytes:
@@ -209,8 +220,8 @@ def _answer_head(result: CallResult, content_type: str, call_id: str, started: f
         len(result.output),
         call_id.encode("ascii"),
         time.perf_counter() - started,
-        placement.node.encode(),
-        placement.gpu.encode(),
+        placement.node.encode() if placement.node.isascii() else _header_safe(placement.node),
+        placement.gpu.encode() if placement.gpu.isascii() else _header_safe(placement.gpu),
         b"miss" if reply.loaded else b"hit",
         placement.queue_s,
         reply.load_time_s,

@@ -14,14 +14,16 @@ import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any, cast
+from urllib.parse import unquote
 
 import pytest
 import uvicorn
 
 from gateway.http import HttpLimits, server_config
-from gateway.invoke import InvokeMiddleware
-from gateway.router import CallFailed
+from gateway.invoke import InvokeMiddleware, _answer_head
+from gateway.router import CallFailed, CallResult
 from gpufaas.functions import FunctionSpec
+from gpufaas.proto import gpufaas_pb2 as pb
 
 LIMITS = HttpLimits(max_head_bytes=4096, head_timeout_s=1.0, keep_alive_timeout_s=1.0, min_body_rate_bytes_s=1000)
 MARGIN_S = 1.0  # a busy 2-core machine's scheduling delay
@@ -364,3 +366,20 @@ def test_a_content_type_workers_do_not_make_is_a_502_and_counted_as_one(content_
         answer = read_until_closed(sock)
     assert answer.startswith(b"HTTP/1.1 502") and b"Set-Cookie" not in answer and b"<script>" not in answer
     assert recorded == [("f", 502)], "a 502 counted as a 200 hit"
+
+
+def test_x_gpu_holds_only_ascii_a_node_name_outside_it_percent_encoded() -> None:
+    # Any printable Unicode is a node name: it was written into X-Gpu as raw UTF-8 bytes, which
+    # some HTTP clients reject or mangle (a header value is ASCII, latin-1 at most).
+    reply = pb.ExecuteReply(outcome=pb.OK)
+
+    def x_gpu(node: str, gpu: str = "gpu0") -> bytes:
+        placement = pb.Placement(call_id="c1", attempt=1, node=node, gpu=gpu)
+        head = _answer_head(CallResult(b"out", placement, reply), "text/plain; charset=utf-8", "c1", 0.0)
+        assert head.isascii()
+        [line] = [line for line in head.split(b"\r\n") if line.startswith(b"x-gpu: ")]
+        return line.removeprefix(b"x-gpu: ")
+
+    assert x_gpu("node0", "gpu1") == b"node0/gpu1"  # ASCII names as they are
+    assert x_gpu("gpu-höst") == b"gpu-h%C3%B6st/gpu0"
+    assert unquote(x_gpu("节点 %1")) == "节点 %1/gpu0"  # "%" encoded too where the name is: decodable
