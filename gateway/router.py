@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.leases import Lease, LeaseKey, Leases
+from gpufaas.errors import CALL_ID_IN_FLIGHT, call_id_in_flight
 from gpufaas.functions import FunctionSpec
 from gpufaas.grants import LEASE_KEEPING_OUTCOMES
 from gpufaas.proto import gpufaas_pb2 as pb
@@ -637,7 +638,7 @@ class Router:
         """Run the call to its end; raises CallFailed with the HTTP status to answer. `given_call_id`:
         the client named the call (X-Call-Id), and may use the id again once it ends."""
         if call_id in self._calls:
-            raise CallFailed(409, f"call {call_id!r} is already in flight; use a new X-Call-Id")
+            raise CallFailed(409, call_id_in_flight(call_id))
         deadline = clock() + spec.timeout_s
         box = Mailbox(
             pb.Place(
@@ -677,7 +678,7 @@ class Router:
         while True:
             message = await box.get()
             if isinstance(message, pb.Rejection):
-                raise CallFailed(STATUS_TO_HTTP.get(message.status, 502), message.message)
+                raise CallFailed(_rejection_status(message), message.message)
             if message.attempt <= box.attempt:
                 continue  # a placement already tried (or replaced)
             # A new placement: the scheduler knows the one before it did not run (or its worker died).
@@ -868,6 +869,14 @@ def _unsure_leased(box: Mailbox, lease: Lease) -> str:
         f"the outcome of call {box.place.call_id!r} is unknown: the gateway lost node {lease.placement.node} after "
         "sending it the call (under a lease), so it was not run again (check its effects before retrying)"
     )
+
+
+def _rejection_status(rejection: pb.Rejection) -> int:
+    """The HTTP status of a call the scheduler rejected: 409 where its X-Call-Id is in flight (seen
+    by another gateway, or a lease's own call's), as this gateway answers it, else by its Status."""
+    if rejection.status == pb.INVALID and rejection.message.endswith(CALL_ID_IN_FLIGHT):
+        return 409
+    return STATUS_TO_HTTP.get(rejection.status, 502)
 
 
 def _node_said(lease: Lease, error: str) -> str:

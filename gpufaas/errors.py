@@ -42,3 +42,14 @@ def shown(text: str, limit: int = SHOWN_CHARS) -> str:
     """`text` (a refused value, or where it is) as an error message quotes it: at most `limit`
     characters, cut with '...'."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# How an X-Call-Id already in flight is refused, by a gateway (409) and by the scheduler (a Rejection
+# INVALID: a Status of its own would be a 502 at gateways that predate it), which gateways tell by
+# this ending and answer 409 too.
+CALL_ID_IN_FLIGHT = "is already in flight; use a new X-Call-Id"
+
+
+def call_id_in_flight(call_id: str) -> str:
+    """The refusal of a call whose X-Call-Id `call_id` names a call in flight."""
+    return f"call {call_id!r} {CALL_ID_IN_FLIGHT}"

@@ -67,7 +67,7 @@ import math
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
-from gpufaas.errors import GpufaasError, ModelTooLarge, UnknownModel
+from gpufaas.errors import GpufaasError, ModelTooLarge, UnknownModel, call_id_in_flight
 from gpufaas.functions import FunctionSpec
 from gpufaas.grants import GRANT_KEEP_S
 from gpufaas.keys import split_gpu_address
@@ -744,7 +744,7 @@ class CallBook(_GrantChecks):
         answered that its outcome is unknown: not run twice). An X-Call-Id is no idempotency key
         beyond that: one finished, or run under a lease (which the book never holds), runs again."""
         if call.wanted or call.lease_until or call.spec.model != spec.model:
-            raise Rejected(pb.INVALID, f"call id {call.call_id!r} is already in flight; use a new X-Call-Id")
+            raise Rejected(pb.INVALID, call_id_in_flight(call.call_id))  # (a gateway answers 409)
         call.owner, call.wanted, call.lease_wanted, call.asked_again = owner, True, lease, True
         call.deadline = max(call.deadline, deadline)
         return self._maybe_ran(call)

@@ -456,6 +456,16 @@ async def test_a_rejection_is_the_answer_with_its_http_status(env: Cluster, stat
     assert env.node_a.executes == [] and env.node_b.executes == []
 
 
+@pytest.mark.parametrize("said", ["call id 'call-1'", "call 'call-1'"], ids=["older scheduler", "scheduler"])
+@in_cluster()
+async def test_a_call_id_the_scheduler_finds_in_flight_is_a_409_as_the_gateways(env: Cluster, said: str) -> None:
+    # Seen by another gateway, or a lease's own call's: the scheduler's Rejection INVALID was a 400.
+    task = await env.placed("call-1")
+    message = f"{said} is already in flight; use a new X-Call-Id"
+    env.scheduler.send(pb.Rejection(call_id="call-1", status=pb.INVALID, message=message))
+    assert ((failed := await failure(task)).status, failed.message) == (409, message)
+
+
 @pytest.mark.parametrize(
     ("outcome", "http_status"),
     [
