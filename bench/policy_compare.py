@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.machine import git_commit, results_parser, write_results
-from gpufaas.functions import MAX_TIMEOUT_S
 from gpufaas.profiles import paper_table1
 from simulator.engine import ClusterConfig, SimResult, simulate
 from simulator.report import AGGREGATED_METRICS, shipped_trace
-from simulator.workload import Workload, WorkloadConfig, build_workload, load_trace
+from simulator.workload import NO_DEADLINE_S, Workload, WorkloadConfig, build_workload, load_trace
 
 MAPPINGS: tuple[int | None, ...] = (None, 1, 2, 3)
 WORKING_SET = 35
@@ -131,7 +130,7 @@ def trace_workloads(
     start_minute: int | None = None,
     working_set: int = WORKING_SET,
     slo_factor: float | None = SLO_FACTOR,
-    timeout_s: float = MAX_TIMEOUT_S,
+    timeout_s: float = NO_DEADLINE_S,
 ) -> list[Workload]:
     """The same requests of one window of the shipped trace (None: its first minute), one
     workload per mapping of models to functions. Every call's deadline is `timeout_s`, the
