@@ -358,11 +358,12 @@ def run_fastapi(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 # --- the report -----------------------------------------------------------------------------
 
 
-def throughput_ratio(ours: dict[str, Any], theirs: dict[str, Any]) -> float | None:
-    """Our point's throughput over theirs, or None where theirs answered no call (0 or no
-    throughput): a peer that failed every call has no ratio, and must not cost the report."""
+def throughput_ratio(ours: dict[str, Any], theirs: dict[str, Any], digits: int = 2) -> float | None:
+    """Our point's throughput over theirs (rounded to `digits`), or None where theirs answered no
+    call (0 or no throughput): a peer that failed every call has no ratio, and must not cost the
+    report."""
     mine, peer = ours["throughput_rps"], theirs["throughput_rps"]
-    return round(mine / peer, 2) if mine is not None and peer else None
+    return round(mine / peer, digits) if mine is not None and peer else None
 
 
 def verdict(results: dict[str, Any]) -> dict[str, Any]:
