@@ -473,7 +473,8 @@ def run_and_report(
     verdict: Callable[[dict[str, Any]], dict[str, Any]],
     **metadata: Any,
 ) -> int:
-    """`run_systems`, then the report (`metadata` beside the run's own) written by `write_report`."""
+    """`run_systems`, then the report (`metadata` beside the run's own) written by `write_report`.
+    Returns the exit status: 1 (the failures said on stderr too) where a system failed, else 0."""
     started = time.monotonic()
     results, failures = run_systems(systems, run, prefix=prefix)
     report = {
@@ -489,6 +490,11 @@ def run_and_report(
         "verdict": verdict(results),
     }
     write_report(args.out, report, point_label=point_label)
+    if failures:  # recorded in the report, and said where a script running the benchmark sees it
+        for system, error in failures.items():
+            print(f"{system} failed: {error}", file=sys.stderr)
+        print(f"{len(failures)} of {len(systems)} systems failed (the report: {args.out})", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -4,6 +4,7 @@ phase's, as gpufaas's misses are counted (X-Cache of the measured requests only)
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -60,3 +61,25 @@ def test_the_verdict_of_a_run_whose_peer_failed_every_call_is_written(tmp_path: 
     report = {"metadata": {}, "results": results, "failures": {}, "verdict": verdict}
     peer_bench.write_report(tmp_path / "peer.json", report, point_label="c")
     assert (tmp_path / "peer.json").exists()
+
+
+def test_a_run_where_a_system_failed_exits_non_zero_and_writes_its_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A system that failed was recorded in the JSON only, and the benchmark exited 0: a script
+    running it took the run for a good one. It exits 1 now, naming the failure on stderr."""
+
+    def run(system: str, work: Path) -> dict[str, Any]:
+        if system == "ray-default":
+            raise RuntimeError("ray did not start")
+        return {"c1": _point(100.0, 1.0, 0)}
+
+    args = argparse.Namespace(duration=1.0, warmup=0.0, out=tmp_path / "peer.json")
+    status = peer_bench.run_and_report(
+        args, ["gpufaas", "ray-default"], run, prefix="t-", point_label="c", verdict=lambda results: {}
+    )
+    assert status == 1
+    assert "ray-default failed: ray did not start" in capsys.readouterr().err
+    assert json.loads(args.out.read_text())["failures"] == {"ray-default": "ray did not start"}
+    all_good = peer_bench.run_and_report(args, ["gpufaas"], run, prefix="t-", point_label="c", verdict=lambda r: {})
+    assert all_good == 0
