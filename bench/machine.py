@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufaas import native
+from gpufaas.dev.local_cluster import write_atomically
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -86,9 +87,11 @@ def print_results(document: object, out: Path | None) -> None:
 def write_results(out: Path, document: object, summary: Iterable[str] = (), *, indent: int = 2) -> None:
     """Write `document` as JSON to `out` (its folder made first), then print the lines of
     `summary` and where the results went. `summary` is read after the file is written, so a
-    failure while printing it loses nothing."""
+    failure while printing it loses nothing. The file is replaced whole (written beside it, then
+    renamed over it): a write cut short (a full disk, a kill) leaves the earlier results there,
+    where writing in place left them truncated."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(document, indent=indent) + "\n")
+    write_atomically(out, json.dumps(document, indent=indent) + "\n")
     for line in summary:
         print(line)
     print(f"wrote {out}")
