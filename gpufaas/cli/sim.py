@@ -138,7 +138,8 @@ def sim(
         typer.Option(
             min=1,
             help="Adaptive D (MQFQ-Sticky's): each GPU's D moves between 1 and this from its utilization every "
-            "200 ms, starting at --slots, at most this (use with --interference).",
+            "200 ms, starting at --slots, at most this (at this where --slots is above it; use with "
+            "--interference).",
         ),
     ] = None,
     utilization_threshold: Annotated[
@@ -269,7 +270,7 @@ def sim(
     cluster = ClusterConfig(
         gpus=gpus,
         gpu_memory_mb=gpu_memory_mb,
-        slots=slots,
+        slots=slots if adaptive_slots is None else min(slots, adaptive_slots),  # the D the run starts at, reported
         batch_exponent=batch_exponent,
         timing_spread=timing_spread,
         timing_seed=seed,
