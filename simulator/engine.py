@@ -366,7 +366,9 @@ def simulate(
     `torpor_alpha_period_s` (None: torpor's alpha fixed), and `interference_aware_loads` (misses
     prefer GPUs whose shared host link is quiet; in effect with `ClusterConfig.gpus_per_link`). `batching`
     maps a function to how its calls may be merged; functions absent from it are not batched.
-    `on_progress(completed)` is called per completion; `meter`, if given, is kept up to date.
+    `on_progress(ended)` is called per completion, and once more at the end if a call timed out or
+    was refused, with the calls ended so far (completed, timed out, refused: `ended` reaches the
+    workload's request count at the end); `meter`, if given, is kept up to date.
     """
     cluster = cluster if cluster is not None else ClusterConfig()
     check_runnable(workload, cluster)
@@ -529,6 +531,8 @@ class _Run:
         while True:
             event_s, upcoming = next_event_s(), self.upcoming
             if upcoming is None and not gpus.events_pending():
+                if on_progress is not None and self.deadlines.timed_out + self.rejected:  # they end the run too
+                    on_progress(len(latencies) + self.deadlines.timed_out + self.rejected)
                 return
             now = self.now = event_s if upcoming is None or event_s < upcoming.arrival_s else upcoming.arrival_s
             deadline_s = self.deadlines.next_s()
@@ -593,8 +597,8 @@ class _Run:
             if request.slo_s is not None:
                 self.slo.add(request.function, latency_s, request.slo_s)
             touched_gpus.add(batch.worker.gpu_id)
-            if on_progress is not None:
-                on_progress(len(latencies))
+            if on_progress is not None:  # every call ended so far: those timed out or refused too
+                on_progress(len(latencies) + self.deadlines.timed_out + self.rejected)
         return True
 
     def _submit_arrivals(self, now: float) -> bool:

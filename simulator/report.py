@@ -96,8 +96,9 @@ def execute(
     """Run each simulation on its working set's workload (the same requests for every policy),
     under the PolicyConfig `options` as `simulate` takes them; `batching` applies to every
     function of the workload (None: no batching). `on_progress(n)` is told of every `n` requests
-    completed. With `optimum`, each result carries the workload's floor (`workload_optimum`),
-    computed once per workload. `meter` is kept up to date by each run in turn (`simulate`'s)."""
+    ended (completed, timed out, refused). With `optimum`, each result carries the workload's
+    floor (`workload_optimum`), computed once per workload. `meter` is kept up to date by each run
+    in turn (`simulate`'s)."""
     results = []
     floors: dict[tuple[int, MappingSeed], Optimum] = {}
     for run in runs:
