@@ -9,7 +9,9 @@ Answers: the function's output with its content type and the X-* headers (X-Call
 X-Duration-Seconds, X-Gpu (a node or GPU name outside ASCII percent-encoded), X-Cache,
 X-Queue-Seconds, X-Load-Seconds, X-Inference-Seconds, X-Batch-Calls, X-Attempts after a retry,
 and Server-Timing with a miss's stages), or an error
-as {"error": "...", "status": N} with the status the router chose (gateway.router).
+as {"error": "...", "status": N} with the status the router chose (gateway.router). A call whose
+client went away while it waited or ran is withdrawn and answered nothing, but counted (the
+gateway's metrics and overview) under CLIENT_GONE, 499.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 PREFIX = "/function/"
+# The status a call whose client went away before its answer is counted under (never answered):
+# nginx's "client closed request", as Prometheus users know it.
+CLIENT_GONE = 499
 
 
 class InvokeMiddleware:
@@ -113,11 +118,8 @@ class InvokeMiddleware:
             await _error(send, exc.status, exc.message, call_id, retry_after=exc.status == 429)
             return
         except asyncio.CancelledError:
-            if not client_gone(send):
+            if not self._client_left(send, name, started):
                 raise
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()
             return  # (not an error to log: the client left)
         # Answered: a client gone now leaves its answer unwritten, and a cancel landing in the
         # write (one that waits for room) would be an error for uvicorn to log.
@@ -132,6 +134,20 @@ class InvokeMiddleware:
             return
         gateway.stats.record(name, 200, time.perf_counter() - started, hit=not result.reply.loaded)
         await _respond(send, 200, _answer_head(result, content_type, call_id, started), result.output)
+
+    def _client_left(self, send: Send, name: str, started: float) -> bool:
+        """Whether the cancel being handled is the client's leaving (gateway.http.cancel_on_disconnect,
+        the call withdrawn by the router); if so, the cancel is taken back and the call to `name`
+        counted under CLIENT_GONE, timed from `started` (perf_counter) to now, its client's leaving."""
+        if not client_gone(send):
+            return False
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        # Counted, or an operator whose clients time out before a slow function ends sees their
+        # calls vanish from gateway_function_invocation_total and the overview.
+        self.gateway.stats.record(name, CLIENT_GONE, time.perf_counter() - started)
+        return True
 
     async def _deployed_meanwhile(self, name: str) -> FunctionSpec | None:
         """The function's spec read from etcd once, for a name the mirror does not know: a

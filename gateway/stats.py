@@ -32,7 +32,8 @@ class _Recent:
 
 
 class FunctionStats(Collector):
-    """Every call the gateway answers or fails is recorded once, by `record`, and read in two ways:
+    """Every call the gateway answers or fails is recorded once, by `record` (one whose client went
+    away before its answer too: under 499, gateway.invoke.CLIENT_GONE), and read in two ways:
 
     - as Prometheus series, by function and HTTP status (this is the gateway registry's collector):
       `gateway_function_invocation_total` and the histogram `gateway_functions_seconds`, with
@@ -40,8 +41,9 @@ class FunctionStats(Collector):
       grow); a deletion drops them (`delete`, `forget`), so that their number is bounded by the
       functions deployed now times the statuses they answered with, not by every function ever
       called (a new function of the name counts from 0: a counter reset, as rate() reads one).
-    - as the overview's summary of each function (`summary`): calls by cache result, errors, and
-      latency percentiles over its last RECENT_CALLS answered calls. `drop` and `forget` reset it.
+    - as the overview's summary of each function (`summary`): calls by cache result, errors (the
+      calls whose client left among them), and latency percentiles over its last RECENT_CALLS
+      answered calls. `drop` and `forget` reset it.
 
     Recording costs two dict lookups, a bisection over the buckets (`LoopSeries`) and a deque
     append (the invoke path pays it per call); cumulative buckets and percentiles are computed
@@ -63,7 +65,7 @@ class FunctionStats(Collector):
     def record(self, name: str, status: int, duration_s: float, *, hit: bool | None = None) -> None:
         """One call to function `name`, answered with HTTP `status` after `duration_s` at the
         gateway. `hit`: for an answered call, whether its model was already loaded; None for a
-        call that failed (the function's own error, a timeout, no capacity...)."""
+        call that failed (the function's own error, a timeout, no capacity, its client gone...)."""
         series = self._series.get((name, status))
         if series is None:
             series = self._series[(name, status)] = LoopSeries(self._bounds_s)

@@ -22,6 +22,7 @@ import uvicorn
 from gateway.http import HttpLimits, server_config
 from gateway.invoke import InvokeMiddleware, _answer_head
 from gateway.router import CallFailed, CallResult
+from gateway.stats import FunctionStats
 from gpufaas.functions import FunctionSpec
 from gpufaas.proto import gpufaas_pb2 as pb
 
@@ -267,15 +268,18 @@ class RecordingRouter(StandInRouter):
         raise AssertionError("the call was held to the end: its client was not seen leaving")
 
 
-def invoke_app(router: StandInRouter, recorded: list[tuple[Any, ...]] | None = None) -> InvokeMiddleware:
-    """The invoke path over `router`; what it records of each call (function, status) goes to `recorded`."""
+def invoke_app(
+    router: StandInRouter, recorded: list[tuple[Any, ...]] | None = None, stats: FunctionStats | None = None
+) -> InvokeMiddleware:
+    """The invoke path over `router`; what it records of each call (function, status) goes to
+    `recorded`, or to `stats` where given."""
     spec = FunctionSpec(name="f", package_digest="sha256:" + "0" * 64, memory_mb=100)
     records = recorded if recorded is not None else []
     gateway = SimpleNamespace(
         config=SimpleNamespace(max_payload_bytes=1 << 20, credentials=None),
         functions={"f": spec},
         router=router,
-        stats=SimpleNamespace(record=lambda name, status, *args, **kwargs: records.append((name, status))),
+        stats=stats or SimpleNamespace(record=lambda name, status, *args, **kwargs: records.append((name, status))),
     )
 
     async def not_invoked(scope: Any, receive: Any, send: Any) -> None:
@@ -304,6 +308,26 @@ def test_a_client_that_leaves_while_its_call_waits_withdraws_it() -> None:
         while not router.cancelled and time.monotonic() < deadline:
             time.sleep(0.05)
     assert router.payloads == [b"{}"] and router.cancelled == 1, "the call was kept for a client that left"
+
+
+def test_a_call_whose_client_left_is_counted_once_as_a_499_in_the_metrics_and_the_overview() -> None:
+    # Withdrawn and answered nothing, it was recorded nowhere: calls whose clients time out
+    # before a slow function ends vanished from gateway_function_invocation_total and the overview.
+    router, stats = RecordingRouter(), FunctionStats()
+    with serving(invoke_app(router, stats=stats), LIMITS) as free:
+        with connect(free) as sock:
+            sock.sendall(b"POST /function/f HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+            time.sleep(0.3)
+        deadline = time.monotonic() + 2
+        while not stats.count("f") and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert router.cancelled == 1
+    samples = [s for metric in stats.collect() for s in metric.samples]
+    assert [(s.labels["code"], s.value) for s in samples if s.name == "gateway_function_invocation_total"] == [
+        ("499", 1)
+    ], "counted under no status, or under another as well"
+    assert [s.value for s in samples if s.name == "gateway_functions_seconds_count"] == [1]
+    assert stats.summary("f")["calls"] == stats.summary("f")["errors"] == 1
 
 
 class FailingRouter(StandInRouter):
