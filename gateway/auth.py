@@ -8,8 +8,9 @@ credential, the roles each route admits (docs/security.md has the whole model).
   `public`.
 
 A request without a valid credential gets 401 with a `WWW-Authenticate` challenge; a valid
-credential whose role the route does not admit gets 403; one with several Authorization headers
-gets 400 (`caller_role` reads them, for every route).
+credential whose role the route does not admit gets 403, naming the credentials it takes; one with
+several Authorization headers gets 400 (`caller_role` reads them, for every route). A path no route
+serves gets 404 whatever the credential (the routes are public: /openapi.json lists them).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from starlette.routing import Match
 
 from gpufaas.credentials import ADMIN_USER, CredentialError, basic_authorization
 
@@ -40,6 +43,16 @@ OPEN_PATHS = frozenset({"/healthz", "/livez", "/openapi.json"})
 PACKAGE_PREFIX = "/system/packages/"
 BLOB_PREFIX = "/system/blobs/"
 CHALLENGE = b'Basic realm="gpufaas", charset="UTF-8"'
+# OpenFaaS's asynchronous invocations, which gpufaas does not have: a client written for OpenFaaS
+# is told what to call instead of being refused the admin's credentials.
+ASYNC_PREFIX = "/async-function/"
+ASYNC_MESSAGE = "gpufaas has no asynchronous invocations (/async-function/NAME); call POST /function/NAME"
+# How a refusal names each credential, in the order a message lists them.
+CREDENTIAL_NAMES = {
+    Role.INVOKE: "the invoke token",
+    Role.NODE: "a node's package-download token",
+    Role.ADMIN: "the admin credentials",
+}
 
 
 @dataclass(frozen=True)
@@ -138,14 +151,33 @@ def forged(method: str, headers: dict[bytes, bytes], *, ambient: bool = False) -
     return origin is not None and origin.partition(b"://")[2] != headers.get(b"host")
 
 
-def refusal(role: Role | None, what: str) -> tuple[int, str]:
-    """The status and message for a caller whose `role` (None: no valid credential) may not `what`."""
+def refusal(role: Role | None, what: str, admitted: frozenset[Role] = ANY_CALLER) -> tuple[int, str]:
+    """The status and message for a caller whose `role` (None: no valid credential) may not `what`,
+    which the roles `admitted` may (the default: a call to a function's, admin or invoke)."""
     if role is None:
         return 401, (
             f"{what} needs credentials: `gpufaas login` (or curl -u admin:PASSWORD, or "
             "-H 'Authorization: Bearer TOKEN'); `gpufaas up` writes them to its state directory"
         )
-    return 403, f"the {role.value} credential may not {what}; use the admin credentials"
+    takes = " or ".join(name for taker, name in CREDENTIAL_NAMES.items() if taker in admitted)
+    return 403, f"the {role.value} credential may not {what}; use {takes}"
+
+
+def no_route(scope: Scope) -> str | None:
+    """Why no route of the app serving `scope` (Starlette's `scope["app"]`) answers its path, or
+    None: one does (perhaps for another method, or after a redirect to the path with or without its
+    trailing slash, as Starlette's router makes). Read only for requests refused already."""
+    path: str = scope["path"]
+    routes = scope["app"].router.routes
+    alternate = path.rstrip("/") if path.endswith("/") else path + "/"
+    for candidate in (path, alternate):
+        probe = {**scope, "path": candidate}
+        if any(route.matches(probe)[0] is not Match.NONE for route in routes):
+            return None
+    return (
+        f"no route {scope['method']} {path}: functions are called with POST /function/NAME; "
+        "/openapi.json lists the other routes"
+    )
 
 
 async def send_refusal(send: Send, status: int, message: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -170,10 +202,16 @@ class AuthMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if scope["path"].startswith(ASYNC_PREFIX):
+            await send_refusal(send, 404, ASYNC_MESSAGE)
+            return
         admitted = roles_for(scope["method"], scope["path"])
         refused = None if admitted is None else self._refusal(scope, admitted)
         if refused is not None:
-            await send_refusal(send, *refused)
+            # (A path no route serves is a 404 for everyone, not "use the admin credentials" for a
+            # typo: the routes are no secret, /openapi.json lists them.)
+            missing = no_route(scope) if refused[0] in (401, 403) else None
+            await send_refusal(send, *((404, missing) if missing is not None else refused))
             return
         await self.app(scope, receive, send)
 
@@ -188,7 +226,7 @@ class AuthMiddleware:
         except AmbiguousCredentials as exc:
             return 400, str(exc)
         if role not in admitted:
-            return refusal(role, f"{method} {path}")
+            return refusal(role, f"{method} {path}", admitted)
         if forged(method, dict(headers)):
             return 403, CROSS_SITE_MESSAGE
         return None

@@ -240,3 +240,40 @@ def test_another_site_cannot_write_with_the_admins_browser_credentials(tmp_path:
         assert_error(await status(env, "POST", "/function/f", bearer, json={}), 503)  # past auth: no scheduler
 
     run(tmp_path, body, scheduler_wait_s=0.1)
+
+
+def test_a_path_no_route_serves_is_a_404_whatever_the_credential(tmp_path: Path) -> None:
+    """A typo (/functon/x) or OpenFaaS's /async-function/x was refused the invoke token with
+    "use the admin credentials", which sent the caller after a credential that would not help: a
+    path no route serves is a 404 for anyone (the routes are public: /openapi.json), and a known
+    route still asks for its credential."""
+
+    async def body(env: Env) -> None:
+        for headers in (NOBODY, WRONG, INVOKER, NODE):
+            for method, path in (("POST", "/functon/x"), ("GET", "/system/nothing"), ("POST", "/function")):
+                missing = await status(env, method, path, headers)
+                assert_error(missing, 404, f"no route {method} {path}", "POST /function/NAME")
+            refused = await status(env, "POST", "/async-function/x", headers, json={})
+            assert_error(refused, 404, "no asynchronous invocations", "POST /function/NAME")
+        assert_error(await status(env, "POST", "/async-function/x", ADMIN, json={}), 404, "no asynchronous")
+        assert_error(await status(env, "GET", "/system/functions", INVOKER), 403)  # a route: its credential
+        assert_error(await status(env, "GET", "/system/functions/", NOBODY), 401)  # (redirected, with the slash)
+
+    run(tmp_path, body)
+
+
+def test_a_refusal_names_the_credentials_the_route_takes(tmp_path: Path) -> None:
+    """A node's token calling a function was told to use the admin credentials, when the invoke
+    token would do: each 403 names what its route takes."""
+
+    async def body(env: Env) -> None:
+        await env.deploy("f", memory_mb=100)
+        message = assert_error(await status(env, "POST", "/function/f", NODE, json={}), 403)
+        assert message.endswith("use the invoke token or the admin credentials"), message
+        digest = await env.upload()
+        message = assert_error(await status(env, "GET", f"/system/packages/{digest}", INVOKER), 403)
+        assert message.endswith("use a node's package-download token or the admin credentials"), message
+        message = assert_error(await status(env, "GET", "/system/gpus", NODE), 403)
+        assert message.endswith("use the admin credentials"), message
+
+    run(tmp_path, body)
