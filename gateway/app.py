@@ -4,6 +4,7 @@ gateway's state (gateway.state), its authentication and the invoke path (gateway
 from __future__ import annotations
 
 import functools
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -100,8 +101,9 @@ def create_app(store: Store, config: GatewayConfig) -> GatewayApp:
     )
     app.state.gateway = gateway
     # Every route but invocations (checked per function by InvokeMiddleware); without credentials
-    # (--insecure) it refuses only a browser's cross-site writes.
-    app.add_middleware(AuthMiddleware, credentials=config.credentials)
+    # (--insecure) it refuses only what a browser sent by another site would ask (gateway.auth.insecure_refusal).
+    public_host = urllib.parse.urlsplit(config.public_url).hostname or ""
+    app.add_middleware(AuthMiddleware, credentials=config.credentials, public_host=public_host)
     # Outermost: POST /function/{name} is answered before FastAPI's stack; the rest goes on to it.
     app.invoke = InvokeMiddleware(functools.partial(FastAPI.__call__, app), gateway)
     _add_error_handlers(app)

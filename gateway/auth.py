@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import hmac
+import ipaddress
 import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from typing import Any
 from starlette.routing import Match
 
 from gpufaas.credentials import ADMIN_USER, CredentialError, basic_authorization
+from gpufaas.errors import shown
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -128,9 +130,47 @@ CROSS_SITE_MESSAGE = (
 
 
 INSECURE_CROSS_SITE_MESSAGE = (
-    "a cross-site request may not change anything on this gateway (it runs --insecure: a web page "
-    "could otherwise deploy code through any browser that reaches it); call the API directly (curl, gpufaas)"
+    "a cross-site request may not change anything on this gateway nor call its functions (it runs "
+    "--insecure: a web page could otherwise deploy or run code through any browser that reaches it); "
+    "call the API directly (curl, gpufaas)"
 )
+
+
+def addressed_by_own_name(host: bytes, public_host: str) -> bool:
+    """Whether a Host header names this gateway by a name no other site can make resolve to it:
+    a loopback name (`localhost`, `*.localhost`), an IP address, or `public_host` (its public URL's).
+    Any other name may be another site's domain that its DNS pointed at this gateway (DNS
+    rebinding), under which a web page reads the answers as its own origin's."""
+    name = host.decode("latin-1").lower()
+    if name.startswith("["):  # an IPv6 address, with or without a port
+        name = name[1:].partition("]")[0]
+    elif name.count(":") == 1:
+        name = name.partition(":")[0]
+    name = name.rstrip(".")
+    if name in ("localhost", public_host.lower()) or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def insecure_refusal(scope: Scope, public_host: str) -> tuple[int, str] | None:
+    """Why a gateway that asks no credential (--insecure) refuses this request, or None: it may go
+    on. Reaching it is authority enough, so a browser must not be another site's way in: a Host
+    that is not one of its own names (`addressed_by_own_name`; a rebinding page would read the
+    answers) and a browser's cross-site write (`forged`, which a call to a function is) are refused
+    with 403. A client that is not a browser (curl, httpx, the CLI) sends no Origin and its own Host."""
+    headers = dict(scope["headers"])
+    host = headers.get(b"host")
+    if host is not None and not addressed_by_own_name(host, public_host):
+        return 403, (
+            f"this gateway runs --insecure and answers only requests addressed to it by a loopback name, "
+            f"an IP address or its public URL's host, not {shown(repr(host.decode('latin-1')))} (another "
+            "site's name pointed at it, DNS rebinding, would let a web page use it): call it by 127.0.0.1"
+        )
+    return (403, INSECURE_CROSS_SITE_MESSAGE) if forged(scope["method"], headers, ambient=True) else None
 
 
 def forged(method: str, headers: dict[bytes, bytes], *, ambient: bool = False) -> bool:
@@ -192,11 +232,13 @@ async def send_refusal(send: Send, status: int, message: str, extra: list[tuple[
 class AuthMiddleware:
     """ASGI middleware: lets a request through to the app only if its credential's role is one
     the route admits (`roles_for`). Invocations are checked by gateway.invoke, per function.
-    `credentials` None (--insecure): anyone is let through, but for a browser's cross-site write."""
+    `credentials` None (--insecure): anyone is let through, but for what `insecure_refusal` refuses
+    (`public_host`: the host of the gateway's public URL, a name it is addressed by)."""
 
-    def __init__(self, app: ASGIApp, credentials: Credentials | None) -> None:
+    def __init__(self, app: ASGIApp, credentials: Credentials | None, public_host: str = "") -> None:
         self.app = app
         self.credentials = credentials
+        self.public_host = public_host
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -220,7 +262,7 @@ class AuthMiddleware:
         None: it may go on."""
         method, path, headers = scope["method"], scope["path"], scope["headers"]
         if self.credentials is None:  # (--insecure: anyone, but for a browser sent by another site)
-            return (403, INSECURE_CROSS_SITE_MESSAGE) if forged(method, dict(headers), ambient=True) else None
+            return insecure_refusal(scope, self.public_host)
         try:
             role = caller_role(self.credentials, headers)
         except AmbiguousCredentials as exc:

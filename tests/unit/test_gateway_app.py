@@ -866,7 +866,10 @@ def test_functions_in_the_store_at_start_are_served(tmp_path: Path) -> None:
         await store.put(keys.function("early"), spec.to_json())
         app = create_app(store, GatewayConfig(state_dir=tmp_path, scheduler_address=UNREACHABLE_SCHEDULER))
         transport = httpx.ASGITransport(app=app)
-        async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c,
+        ):
             response = await c.get("/system/function/early")
             assert response.status_code == 200 and response.json()["model"] == spec.model
             assert sample((await c.get("/metrics")).text, "gateway_functions_deployed") == 1

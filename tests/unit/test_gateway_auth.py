@@ -7,7 +7,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.auth import AmbiguousCredentials, Credentials, Role, caller_role, roles_for
+from gateway.auth import (
+    INSECURE_CROSS_SITE_MESSAGE,
+    AmbiguousCredentials,
+    Credentials,
+    Role,
+    addressed_by_own_name,
+    caller_role,
+    insecure_refusal,
+    roles_for,
+)
 from gpufaas.credentials import CredentialError, basic_authorization
 from gpufaas.functions import FunctionSpec
 from tests.unit.test_gateway_app import ADMIN_PASSWORD, CREDENTIALS, INVOKE_TOKEN, NODE_TOKEN, Env, assert_error, run
@@ -17,6 +26,7 @@ INVOKER = {"authorization": f"Bearer {INVOKE_TOKEN}"}
 NODE = {"authorization": f"Bearer {NODE_TOKEN}"}
 NOBODY: dict[str, str] = {}
 WRONG = {"authorization": basic_authorization("admin", "guess")}
+PUBLIC_URL = "http://gateway:8080"  # the test client's base URL names the host `gateway`
 
 
 @pytest.mark.parametrize(
@@ -187,7 +197,7 @@ def test_an_insecure_gateway_admits_anyone(tmp_path: Path) -> None:
         assert (await status(env, "POST", "/system/functions", NOBODY, json=spec)).status_code == 202
         assert_error(await status(env, "POST", "/function/f", NOBODY, json={}), 503)
 
-    run(tmp_path, body, credentials=None, scheduler_wait_s=0.1)
+    run(tmp_path, body, credentials=None, scheduler_wait_s=0.1, public_url=PUBLIC_URL)
 
 
 def test_another_site_cannot_write_to_an_insecure_gateway_through_a_browser_that_reaches_it(tmp_path: Path) -> None:
@@ -208,7 +218,7 @@ def test_another_site_cannot_write_to_an_insecure_gateway_through_a_browser_that
         same_origin = {"origin": "http://gateway", "sec-fetch-site": "same-origin"}
         assert (await status(env, "POST", "/system/functions", same_origin, json=spec)).status_code == 202
 
-    run(tmp_path, body, credentials=None, scheduler_wait_s=0.1)
+    run(tmp_path, body, credentials=None, scheduler_wait_s=0.1, public_url=PUBLIC_URL)
 
 
 BROWSER_ADMIN = {"authorization": basic_authorization("admin", ADMIN_PASSWORD)}
@@ -277,3 +287,65 @@ def test_a_refusal_names_the_credentials_the_route_takes(tmp_path: Path) -> None
         assert message.endswith("use the admin credentials"), message
 
     run(tmp_path, body)
+
+
+@pytest.mark.parametrize(
+    ("host", "own"),
+    [
+        (b"127.0.0.1:8080", True),
+        (b"localhost:8080", True),
+        (b"LOCALHOST.", True),
+        (b"dev.localhost:5173", True),
+        (b"[::1]:8080", True),
+        (b"::1", True),
+        (b"10.1.2.3", True),  # an address: no other site's DNS can point it elsewhere
+        (b"gateway:8080", True),  # the public URL's host
+        (b"evil.example:8080", False),
+        (b"localhost.evil.example", False),
+        (b"127.0.0.1.nip.io", False),
+        (b"", False),
+    ],
+)
+def test_an_insecure_gateway_is_addressed_only_by_names_no_other_site_can_point_at_it(host: bytes, own: bool) -> None:
+    assert addressed_by_own_name(host, "gateway") is own
+
+
+def test_an_insecure_gateway_refuses_a_browsers_cross_site_call_to_a_function() -> None:
+    """A web page on another origin could POST to http://127.0.0.1:PORT/function/NAME (a simple
+    request needs no preflight) and run a function on an --insecure gateway; `insecure_refusal` is
+    what the invoke path asks, as AuthMiddleware does for the other routes."""
+
+    def scope(method: str, headers: dict[bytes, bytes]) -> dict[str, object]:
+        return {
+            "method": method,
+            "path": "/function/f",
+            "headers": list({b"host": b"127.0.0.1:8080", **headers}.items()),
+        }
+
+    for browser in ({b"origin": b"https://evil.example"}, {b"sec-fetch-site": b"cross-site"}, {b"origin": b"null"}):
+        assert insecure_refusal(scope("POST", browser), "127.0.0.1") == (403, INSECURE_CROSS_SITE_MESSAGE)
+    rebound = scope("POST", {b"host": b"evil.example:8080", b"origin": b"http://evil.example:8080"})
+    refused = insecure_refusal(rebound, "127.0.0.1")
+    assert refused is not None and refused[0] == 403 and "DNS rebinding" in refused[1]
+    assert insecure_refusal(scope("POST", {}), "127.0.0.1") is None  # curl, httpx, the CLI: no Origin
+    same_origin = {b"origin": b"http://127.0.0.1:8080", b"sec-fetch-site": b"same-origin"}
+    assert insecure_refusal(scope("POST", same_origin), "127.0.0.1") is None
+
+
+def test_an_insecure_gateway_answers_no_page_that_dns_rebinding_pointed_at_it(tmp_path: Path) -> None:
+    """A page on evil.example whose DNS then answers 127.0.0.1 is same-origin with the gateway in
+    the browser's eyes (Origin and Host both evil.example): it could read /system/* and deploy.
+    --insecure answers only Host names no other site can point at it; the rest are refused."""
+
+    async def body(env: Env) -> None:
+        digest = await env.upload()
+        spec = {"name": "f", "package_digest": digest, "memory_mb": 100}
+        rebound = {"host": "evil.example:8080", "origin": "http://evil.example:8080"}
+        assert_error(await status(env, "GET", "/system/functions", rebound), 403, "DNS rebinding", "127.0.0.1")
+        assert_error(await status(env, "POST", "/system/functions", rebound, json=spec), 403, "DNS rebinding")
+        assert await env.stored_spec("f") is None
+        for host in ("127.0.0.1:8080", "localhost:8080", "[::1]:8080", "gateway:8080"):
+            assert (await status(env, "GET", "/system/functions", {"host": host})).status_code == 200, host
+        assert (await status(env, "GET", "/livez", rebound)).status_code == 200  # open routes stay open
+
+    run(tmp_path, body, credentials=None, scheduler_wait_s=0.1, public_url=PUBLIC_URL)

@@ -1569,7 +1569,7 @@ async def http_gateway(
             router: Router = app.state.gateway.router
             await until(lambda: router.scheduler is not None, "the gateway to connect to the scheduler")
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
                 yield client
     finally:
         await store.close()
