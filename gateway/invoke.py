@@ -23,7 +23,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 from gateway.auth import (
     ANY_CALLER,
@@ -31,6 +31,7 @@ from gateway.auth import (
     AmbiguousCredentials,
     caller_role,
     forged,
+    insecure_refusal,
     refusal,
     send_refusal,
 )
@@ -63,6 +64,8 @@ class InvokeMiddleware:
     def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
         self.app = app
         self.gateway = gateway
+        # A name the gateway is addressed by, besides loopback names and IP addresses (--insecure).
+        self.public_host = urlsplit(gateway.config.public_url).hostname or ""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(PREFIX):
@@ -174,11 +177,18 @@ class InvokeMiddleware:
         """Refuse the call unless its caller may make it (400 for ambiguous credentials, 401/403
         for a caller without the right, 403 for a cross-site POST); True once refused. A public
         function needs no credential; an unknown one does, so that a 401 comes before the 404 and
-        no caller without a right learns which functions exist."""
+        no caller without a right learns which functions exist. A gateway that asks none
+        (--insecure) refuses what `insecure_refusal` does: another site's page calling through a
+        browser, or reading the answer by DNS rebinding."""
         credentials = self.gateway.config.credentials
-        if credentials is None or (spec is not None and spec.public):
-            return False
         call_header = [(b"x-call-id", call_id.encode("latin-1"))]
+        if credentials is None:
+            insecure = insecure_refusal(scope, self.public_host)
+            if insecure is not None:
+                await send_refusal(send, *insecure, call_header)
+            return insecure is not None
+        if spec is not None and spec.public:
+            return False
         try:
             role = caller_role(credentials, scope["headers"])
         except AmbiguousCredentials as exc:

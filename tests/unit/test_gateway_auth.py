@@ -349,3 +349,21 @@ def test_an_insecure_gateway_answers_no_page_that_dns_rebinding_pointed_at_it(tm
         assert (await status(env, "GET", "/livez", rebound)).status_code == 200  # open routes stay open
 
     run(tmp_path, body, credentials=None, scheduler_wait_s=0.1, public_url=PUBLIC_URL)
+
+
+def test_an_insecure_gateway_refuses_another_sites_function_calls_on_the_invoke_path(tmp_path: Path) -> None:
+    """The invoke path (gateway.invoke, which answers POST /function/NAME before AuthMiddleware)
+    ran another site's calls on an --insecure gateway and answered a rebinding page; it asks
+    `insecure_refusal` now. A client that is not a browser still calls (503: no scheduler here)."""
+
+    async def body(env: Env) -> None:
+        digest = await env.upload()
+        spec = {"name": "f", "package_digest": digest, "memory_mb": 100}
+        assert (await status(env, "POST", "/system/functions", NOBODY, json=spec)).status_code == 202
+        for headers in ({"sec-fetch-site": "cross-site"}, {"origin": "https://evil.example"}):
+            assert_error(await status(env, "POST", "/function/f", headers, json={}), 403, "cross-site")
+        rebound = {"host": "evil.example:8080", "origin": "http://evil.example:8080"}
+        assert_error(await status(env, "POST", "/function/f", rebound, json={}), 403, "DNS rebinding")
+        assert_error(await status(env, "POST", "/function/f", NOBODY, json={}), 503)
+
+    run(tmp_path, body, credentials=None, scheduler_wait_s=0.1, public_url=PUBLIC_URL)

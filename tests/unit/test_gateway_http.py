@@ -276,7 +276,7 @@ def invoke_app(
     spec = FunctionSpec(name="f", package_digest="sha256:" + "0" * 64, memory_mb=100)
     records = recorded if recorded is not None else []
     gateway = SimpleNamespace(
-        config=SimpleNamespace(max_payload_bytes=1 << 20, credentials=None),
+        config=SimpleNamespace(max_payload_bytes=1 << 20, credentials=None, public_url="http://127.0.0.1:8080"),
         functions={"f": spec},
         router=router,
         stats=stats or SimpleNamespace(record=lambda name, status, *args, **kwargs: records.append((name, status))),
