@@ -291,7 +291,7 @@ def invoke_app(
 def test_a_body_cut_short_by_its_client_leaving_is_never_run() -> None:
     router = RecordingRouter()
     with serving(invoke_app(router), LIMITS) as free, connect(free) as sock:
-        sock.sendall(b"POST /function/f HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b'{"amount": 1')
+        sock.sendall(b"POST /function/f HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\n" + b'{"amount": 1')
         time.sleep(0.3)
         sock.close()
         time.sleep(0.5)
@@ -302,7 +302,7 @@ def test_a_client_that_leaves_while_its_call_waits_withdraws_it() -> None:
     router = RecordingRouter()
     with serving(invoke_app(router), LIMITS) as free:
         with connect(free) as sock:
-            sock.sendall(b"POST /function/f HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+            sock.sendall(b"POST /function/f HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n\r\n{}")
             time.sleep(0.3)
         deadline = time.monotonic() + 2
         while not router.cancelled and time.monotonic() < deadline:
@@ -316,7 +316,7 @@ def test_a_call_whose_client_left_is_counted_once_as_a_499_in_the_metrics_and_th
     router, stats = RecordingRouter(), FunctionStats()
     with serving(invoke_app(router, stats=stats), LIMITS) as free:
         with connect(free) as sock:
-            sock.sendall(b"POST /function/f HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+            sock.sendall(b"POST /function/f HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n\r\n{}")
             time.sleep(0.3)
         deadline = time.monotonic() + 2
         while not stats.count("f") and time.monotonic() < deadline:
@@ -348,7 +348,7 @@ def test_a_client_that_leaves_while_its_answer_waits_to_be_written_is_no_error()
     errors: list[logging.LogRecord] = []
     handler = logging.Handler(logging.ERROR)
     handler.emit = errors.append  # type: ignore[method-assign]
-    call = b"POST /function/f HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+    call = b"POST /function/f HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n\r\n{}"
     with serving(invoke_app(cast(Any, FailingRouter(8 << 20, 10))), LIMITS) as free:
         logging.getLogger("uvicorn.error").addHandler(handler)  # (after uvicorn's logging set-up)
         try:
@@ -386,7 +386,8 @@ class ForgingRouter(StandInRouter):
 def test_a_content_type_workers_do_not_make_is_a_502_and_counted_as_one(content_type: str) -> None:
     recorded: list[tuple[Any, ...]] = []
     with serving(invoke_app(cast(Any, ForgingRouter(content_type)), recorded), LIMITS) as free, connect(free) as sock:
-        sock.sendall(b"POST /function/f HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+        head = b"POST /function/f HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\nConnection: close\r\n\r\n"
+        sock.sendall(head + b"{}")
         answer = read_until_closed(sock)
     assert answer.startswith(b"HTTP/1.1 502") and b"Set-Cookie" not in answer and b"<script>" not in answer
     assert recorded == [("f", 502)], "a 502 counted as a 200 hit"
