@@ -283,6 +283,8 @@ class ProcessRuntime(Runtime):
     async def _start_zygote(self) -> _Zygote:
         if self._zygote is not None:  # it died: not in a tight loop
             log.error("the worker zygote exited with status %s; restarting it", self._zygote.process.returncode)
+            # Its end of the control socket is the node's to close (kept, each restart leaked one).
+            self._zygote.control.close()
             await asyncio.sleep(SPARE_RETRY_S)
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:

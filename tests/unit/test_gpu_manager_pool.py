@@ -1285,6 +1285,35 @@ def test_a_zygote_that_dies_is_restarted_and_misses_still_work(tmp_path: Path) -
     on_own_emulated_pool(tmp_path, scenario)
 
 
+def _open_sockets() -> set[str]:
+    """The sockets this process has open now ("socket:[inode]", from /proc/self/fd)."""
+    found = set()
+    for entry in Path("/proc/self/fd").iterdir():
+        with suppress(OSError):
+            if (target := os.readlink(entry)).startswith("socket:"):
+                found.add(target)
+    return found
+
+
+def test_a_dead_zygotes_control_socket_is_closed_when_it_is_replaced(tmp_path: Path) -> None:
+    async def scenario(node: Node, digest: str) -> None:
+        [zygote] = node.zygotes()
+        runtime = node.pool._processes.runtime
+        control = runtime._zygote.control  # type: ignore[attr-defined]
+        dead_control = f"socket:[{os.fstat(control.fileno()).st_ino}]"
+        zygote.kill()
+        await eventually(lambda: not zygote.running, "the zygote dies")
+
+        assert ok(await node.call(emulated("a", digest)))["model"] == "a"  # the spare forked before
+        assert ok(await node.call(emulated("b", digest)))["model"] == "b"  # forked by a new zygote
+        node.watch()
+
+        # Each restart (a zygote the OOM killer took, say) kept one more descriptor for good.
+        assert dead_control not in _open_sockets()
+
+    on_own_emulated_pool(tmp_path, scenario)
+
+
 def test_shutdown_stops_every_worker_and_the_zygote_and_refuses_later_calls(tmp_path: Path) -> None:
     shelf = Shelf(tmp_path)
 
