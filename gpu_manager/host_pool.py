@@ -52,23 +52,29 @@ class HostModelPool:
     """Pool entries within `budget_bytes`, in a directory of the pool's own that it makes in
     `parent` (a memory filesystem: /dev/shm by default) with an unguessable name, 0700: nobody
     else can plant or swap anything in it, even where `parent` is writable by everyone (sticky,
-    as /dev/shm is). What earlier runs named `name` left there (theirs: this user's) goes.
-    `in_use()` names the blobs live workers map now. Touched from the event loop only (copies
-    run in threads)."""
+    as /dev/shm is). What earlier runs named `name` left there (theirs: this user's) goes, with a
+    budget of 0 (no pool) too. `budget_bytes` None: DEFAULT_POOL_SHARE of what `parent`'s
+    filesystem has free once that is gone. `in_use()` names the blobs live workers map now.
+    Touched from the event loop only (copies run in threads)."""
 
     def __init__(
         self,
         parent: Path,
-        budget_bytes: int,
+        budget_bytes: int | None,
         *,
         name: str = "gpufaas-pool",
         in_use: Callable[[], set[str]] = set,
         min_file_bytes: int = POOL_MIN_FILE_BYTES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if budget_bytes < 0:
+        if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"a host pool budget must be >= 0 bytes, got {budget_bytes}")
         self.root = parent / name  # replaced by the pool's own directory below, where it has one
+        # What a crashed run left holds memory until it goes: measured as free (the default
+        # budget) only once gone, and removed even where this run keeps no pool.
+        _clear_earlier_runs(parent, name, make_parent=budget_bytes != 0)
+        if budget_bytes is None:
+            budget_bytes = default_budget_bytes(parent)
         self.budget_bytes = budget_bytes
         self.min_file_bytes = min_file_bytes
         self._in_use = in_use
@@ -79,9 +85,6 @@ class HostModelPool:
         self.admitted = 0  # entries copied in since start (for the metrics)
         self.evicted = 0
         if budget_bytes:
-            parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _check_parent(parent)
-            _remove_stale(parent, name)
             # Workers get descriptors, never the directory (mkdtemp: 0700, this user's, fresh).
             self.root = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=parent))
 
@@ -326,6 +329,21 @@ def _check_parent(parent: Path) -> None:
             f"{parent} lets other users replace the host pool's files (owner {status.st_uid}, mode "
             f"{stat.S_IMODE(status.st_mode):o}): choose a --pool-dir of this user's, or a sticky one like /dev/shm"
         )
+
+
+def _clear_earlier_runs(parent: Path, name: str, *, make_parent: bool) -> None:
+    """Remove what earlier runs named `name` left in `parent`, checked first (`_check_parent`);
+    `make_parent`: a pool will be made there (`parent` is made if missing, and a parent refused is
+    an OSError), else a parent missing or refused is left alone."""
+    if make_parent:
+        parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_parent(parent)
+    else:
+        try:
+            _check_parent(parent)
+        except OSError:  # none there, or not this node's to touch: no pool is made in it either
+            return
+    _remove_stale(parent, name)
 
 
 def _remove_stale(parent: Path, name: str) -> None:

@@ -107,7 +107,7 @@ class NodeStorage:
         tag = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
         pool_parent = options.pool_dir or DEFAULT_POOL_PARENT
         pool_mb = options.pool_mb
-        pool_bytes = pool_mb * 1024 * 1024 if pool_mb is not None else default_budget_bytes(pool_parent)
+        pool_bytes = pool_mb * 1024 * 1024 if pool_mb is not None else None  # None: the pool's default
         self.host_pool = HostModelPool(pool_parent, pool_bytes, name=f"gpufaas-pool-{tag}", in_use=self._pooled_in_use)
         if pool_mb:
             _check_pool_fits(self.host_pool, pool_mb)

@@ -239,8 +239,8 @@ def test_a_miss_that_joins_a_prestagings_copy_that_found_no_room_makes_room_itse
     asyncio.run(main())
 
 
-def node_storage(tmp_path: Path, *, on_change: Callable[[], None]) -> NodeStorage:
-    """A node's storage with a 10 MB host pool under `tmp_path` (no etcd: nothing here reaches it)."""
+def storage_of(tmp_path: Path, options: StorageOptions, *, on_change: Callable[[], None] = lambda: None) -> NodeStorage:
+    """A node's storage under `tmp_path` kept as `options` say (no etcd: nothing here reaches it)."""
     return NodeStorage(
         cast(Store, None),
         Keys("/t"),
@@ -248,8 +248,13 @@ def node_storage(tmp_path: Path, *, on_change: Callable[[], None]) -> NodeStorag
         state_dir=tmp_path / "state",
         in_use=set,
         on_change=on_change,
-        options=StorageOptions(pool_mb=10, pool_dir=tmp_path / "shm"),
+        options=options,
     )
+
+
+def node_storage(tmp_path: Path, *, on_change: Callable[[], None]) -> NodeStorage:
+    """A node's storage with a 10 MB host pool under `tmp_path`."""
+    return storage_of(tmp_path, StorageOptions(pool_mb=10, pool_dir=tmp_path / "shm"), on_change=on_change)
 
 
 def test_a_failed_copy_that_pushed_weights_out_is_reported_as_a_change_of_holdings(
@@ -340,3 +345,41 @@ def test_a_node_storage_whose_blob_server_fails_to_stop_still_closes_its_host_po
     with pytest.raises(OSError):
         storage.stop()
     assert closed  # the pool's files in /dev/shm go with the node all the same
+
+
+def crashed_pool(tmp_path: Path, left_bytes: int) -> Path:
+    """The host pool's directory of a node storage under `tmp_path` that was never closed (its
+    node crashed), holding a file of `left_bytes` (sparse: its size is what counts here)."""
+    storage = storage_of(tmp_path, StorageOptions(disk_cache_mb=100, pool_mb=1, pool_dir=tmp_path / "shm"))
+    with open(storage.host_pool.root / "weights", "wb") as left:
+        left.truncate(left_bytes)
+    return storage.host_pool.root
+
+
+def test_a_node_run_with_no_pool_still_clears_the_pool_a_crashed_run_left(tmp_path: Path) -> None:
+    left = crashed_pool(tmp_path, MB)
+    storage = storage_of(tmp_path, StorageOptions(disk_cache_mb=100, pool_mb=0, pool_dir=tmp_path / "shm"))
+    assert not storage.host_pool.enabled
+    assert not left.exists()  # (it was left in /dev/shm, holding its memory for good)
+
+
+def test_the_default_budget_is_measured_once_what_a_crashed_run_left_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    left = crashed_pool(tmp_path, 60 * MB)
+    shm = tmp_path / "shm"
+    real_statvfs = os.statvfs
+
+    def statvfs(path: str | os.PathLike[str]) -> object:
+        """A memory filesystem of 100 MB at `shm`, less the files in it."""
+        if not Path(path).is_relative_to(shm):
+            return real_statvfs(path)
+        used = sum(f.stat().st_size for f in shm.rglob("*") if f.is_file())
+        return type("Stats", (), {"f_bavail": (100 * MB - used) // 4096, "f_frsize": 4096})()
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    storage = storage_of(tmp_path, StorageOptions(disk_cache_mb=100, pool_dir=shm))
+    assert not left.exists()
+    # Half of the 100 MB free, not of the 40 MB the crashed run's pool left free.
+    assert storage.host_pool.budget_bytes == 50 * MB
+    storage.stop()
