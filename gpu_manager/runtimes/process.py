@@ -46,17 +46,38 @@ class _Zygote:
 
     def __init__(self, process: asyncio.subprocess.Process, control: socket.socket, import_s: float) -> None:
         self.process = process
-        self.control = control
+        self.control = control  # non-blocking
         self.import_s = import_s
+        self._sending = asyncio.Lock()  # one request waits for room at a time (one writer per fd)
 
     @property
     def alive(self) -> bool:
         return self.process.returncode is None
 
-    def fork(self, gpu_id: str, device_index: int, sock: socket.socket, output_fd: int) -> None:
+    async def fork(self, gpu_id: str, device_index: int, sock: socket.socket, output_fd: int) -> None:
         """Ask for a worker for `gpu_id` on `sock`, writing its output to `output_fd` (raises
-        OSError if the zygote is gone)."""
-        socket.send_fds(self.control, [f"{gpu_id} {device_index}".encode()], [sock.fileno(), output_fd])
+        OSError if the zygote is gone). Waits, in order, while the socket's buffer is full: about
+        280 requests fit, and a burst past that (hundreds of spares, the misses that waited on a
+        restarting zygote) failed each start over it (EAGAIN), the zygote forking one at a time."""
+        message = [f"{gpu_id} {device_index}".encode()]
+        async with self._sending:
+            while True:
+                try:
+                    socket.send_fds(self.control, message, [sock.fileno(), output_fd])
+                    return
+                except BlockingIOError:
+                    await _writable(self.control)
+
+
+async def _writable(sock: socket.socket) -> None:
+    """Once `sock` can be written to (or its peer is gone: the next send says so)."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+    loop.add_writer(sock.fileno(), lambda: None if ready.done() else ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_writer(sock.fileno())
 
 
 class _OutputRelay(asyncio.Protocol):
@@ -229,7 +250,7 @@ class ProcessRuntime(Runtime):
             zygote = await self._zygote_ready()
             if worker.is_gone:  # killed or stopped (a call's timeout) while the zygote started
                 raise RuntimeError("let go of before it was forked")
-            zygote.fork(worker.gpu_id, self.gpus[worker.gpu_id], child, output_write)
+            await zygote.fork(worker.gpu_id, self.gpus[worker.gpu_id], child, output_write)
             budget = LogBudget(self.isolation.log_rate_bytes_s, self.isolation.log_burst_bytes, time.monotonic())
             output, _ = await loop.connect_read_pipe(
                 lambda: _OutputRelay(worker, budget), os.fdopen(output_read, "rb", buffering=0)

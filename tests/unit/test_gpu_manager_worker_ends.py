@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import inspect
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -134,6 +137,51 @@ def test_a_worker_killed_while_the_zygote_starts_is_never_forked(tmp_path: Path)
             ok(await node.call(on_cpu("echo", digest), {}))
 
     run(main)
+
+
+def test_a_burst_of_forks_past_what_the_zygotes_socket_holds_waits_for_it_to_read() -> None:
+    """A node asks its zygote for each worker on one socket; its buffer holds about 280 requests.
+    A burst past that (hundreds of spares at start, the misses that waited on a restarting
+    zygote) failed every start over it (EAGAIN): each now waits its turn for room."""
+    bursts = 1000
+    pool_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    worker_end, other_end = socket.socketpair()
+    output_read, output_write = os.pipe()
+
+    zygote_end.settimeout(10)  # (a request that never comes fails the test, not hangs it)
+
+    def zygote() -> int:  # reads (and closes) every request, as the zygote does, only once asked
+        for _ in range(bursts):
+            _, fds, _, _ = socket.recv_fds(zygote_end, 1024, 2)
+            for fd in fds:
+                os.close(fd)
+        return bursts
+
+    async def main() -> None:
+        pool_end.setblocking(False)
+        control = process._Zygote(cast(asyncio.subprocess.Process, None), pool_end, 0.0)
+
+        async def ask() -> None:
+            asked = control.fork("gpu0", 0, worker_end, output_write)
+            if inspect.isawaitable(asked):  # (a send that could not wait raised EAGAIN here)
+                await asked
+
+        forks = [asyncio.ensure_future(ask()) for _ in range(bursts)]
+        await asyncio.sleep(0)  # each send that fits is done by now; the rest wait
+        refused = [f.exception() for f in forks if f.done() and f.exception() is not None]
+        assert not refused, f"{len(refused)} refused: {refused[0]}"
+        assert not all(f.done() for f in forks)  # (the burst is more than the socket holds)
+        async with asyncio.timeout(30):
+            assert await asyncio.to_thread(zygote) == bursts
+            await asyncio.gather(*forks)  # every request went through, none refused
+
+    try:
+        asyncio.run(main())
+    finally:
+        for end in (pool_end, zygote_end, worker_end, other_end):
+            end.close()
+        os.close(output_read)
+        os.close(output_write)
 
 
 def padded(sleep_s: float, pad_bytes: int) -> bytes:
