@@ -323,6 +323,9 @@ class ProcessRuntime(Runtime):
                 # Workers inherit it: no cluster address or secret reaches a function.
                 env={**worker_environment(os.environ), "PYTHONUNBUFFERED": "1"},
             )
+        except BaseException:  # not started (its interpreter gone, a fork refused): no end of it is kept
+            parent.close()
+            raise
         finally:
             child.close()
         parent.setblocking(False)

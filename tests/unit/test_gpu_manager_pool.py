@@ -1314,6 +1314,21 @@ def test_a_dead_zygotes_control_socket_is_closed_when_it_is_replaced(tmp_path: P
     on_own_emulated_pool(tmp_path, scenario)
 
 
+def test_a_zygote_that_cannot_be_started_leaves_no_socket_open(tmp_path: Path) -> None:
+    shelf = Shelf(tmp_path)
+
+    async def scenario() -> None:
+        digest = shelf.digest("echo_function")
+        async with open_pool("emulated", shelf, spares_per_gpu=0, warm=False, python=str(tmp_path / "gone")) as node:
+            before = _open_sockets()
+            for _ in range(3):  # (an interpreter removed under the node, or a fork refused for memory)
+                failed = await node.call(emulated("a", digest))
+                assert failed.outcome == pb.WORKER_DIED, failed.message
+            assert _open_sockets() <= before  # each attempt kept its end of the control socket
+
+    run(scenario)
+
+
 def test_shutdown_stops_every_worker_and_the_zygote_and_refuses_later_calls(tmp_path: Path) -> None:
     shelf = Shelf(tmp_path)
 
