@@ -426,6 +426,9 @@ class PackageStore:
         staging that failed half way, or by a package a restart did not adopt), partial blobs no
         fetch is writing, requirement layers. The digests unstaged."""
         busy = set(in_use) | set(self._staging)
+        held = [digest for digest in busy if digest in self._staged]  # used now: see `_touch`
+        self._used_at.update({digest: max(self._used_at.get(digest, 0.0), now_unix_s) for digest in held})
+        await asyncio.to_thread(_touch, [self.packages_dir / hex_of(digest) for digest in held], now_unix_s)
         removed = []
         for digest in list(self._staged):
             if digest not in busy and now_unix_s - self._used_at.get(digest, now_unix_s) > grace_s:
@@ -477,6 +480,17 @@ def copied_bytes(manifest: Manifest) -> int:
     (small ones, and those of another mode than the blobs' 0444, such as 0755) rather than links.
     Counted in the budget: a package of 4 GB of weights marked executable took twice its size."""
     return sum(entry.size for entry in manifest.files if not _linked(entry.size, entry.mode))
+
+
+def _touch(paths: Iterable[Path], now_unix_s: float) -> None:
+    """Set the mtime of each of `paths` (staged packages a worker holds) to `now_unix_s`, as their
+    use time is set: their grace runs from then, in this run and the next (a restarted node adopts
+    a package as last used at its directory's mtime). Only a miss's fetch set it before: a package
+    held past the grace was unstaged as soon as its last worker stopped, or the node restarted.
+    One gone meanwhile is passed."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.utime(path, (now_unix_s, now_unix_s), follow_symlinks=False)
 
 
 def _intact(directory: Path, manifest: Manifest) -> bool:

@@ -550,3 +550,26 @@ def test_files_a_package_copies_rather_than_links_count_against_the_disk_budget(
         assert again.used_bytes() == store.used_bytes()
 
     asyncio.run(main())
+
+
+def test_a_package_in_use_past_the_grace_is_kept_for_the_grace_after_its_last_worker_and_a_restart(
+    tmp_path: Path, cluster: Cluster
+) -> None:
+    cluster.holder("gw")
+    digest = cluster.package({"handler.py": HANDLER, "w.bin": os.urandom(1 << 20)})
+    staged_s = time.time()
+
+    async def main() -> None:
+        store = cluster.store(tmp_path / "node", clock=lambda: staged_s)
+        await store.ensure(digest)
+        # Its worker serves for two hours (hits: no fetch), then stops.
+        assert await store.collect({digest}, now_unix_s=staged_s + 7200, grace_s=3600) == []
+        # (it was unstaged here: its grace ran from its fetch, not from its last use)
+        assert await store.collect(set(), now_unix_s=staged_s + 7210, grace_s=3600) == []
+        # The node restarts: it adopts the package as used when its worker last held it.
+        again = cluster.store(tmp_path / "node")
+        await again.recover()
+        assert await again.collect(set(), now_unix_s=staged_s + 7220, grace_s=3600) == []
+        assert await again.collect(set(), now_unix_s=staged_s + 7200 + 3601, grace_s=3600) == [digest]
+
+    asyncio.run(main())
