@@ -95,22 +95,25 @@ class _Term:
     open: bool = True
     early: list[tuple[Connection, pb.Place]] = field(default_factory=list)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
-    cancelled: set[tuple[Connection, str]] = field(default_factory=set)  # (owner, call id), while not open
+    # (owner, call id) -> how many Places waited in `early` when the owner cancelled it (not open)
+    cancelled: dict[tuple[Connection, str], int] = field(default_factory=dict)
 
     def cancel(self, conn: Connection, call_id: str) -> None:
         """The gateway on `conn` cancelled a call. While the term is not open its Place may wait
         in `early`, which the book has not taken yet: the book drops the cancel of a call it does
         not know, and the call was placed once the term opened, for nobody. Noted, it is not."""
         if not self.open:
-            self.cancelled.add((conn, call_id))
+            self.cancelled[(conn, call_id)] = len(self.early)
 
-    def takes(self, conn: Connection, request: pb.Place) -> bool:
-        """Whether a Place that waited in `early` is to be taken now: not if its gateway left, nor
-        if it cancelled the call meanwhile (a Place of the same id after the cancel is taken)."""
-        if (conn, request.call_id) in self.cancelled:
-            self.cancelled.discard((conn, request.call_id))
-            return False
-        return not conn.is_closed
+    def to_take(self, start: int, stop: int) -> list[tuple[Connection, pb.Place]]:
+        """The Places of `early[start:stop]` to take now: not one whose gateway left, nor one it
+        cancelled after (a Place of the same id that came after the cancel is taken: the id named
+        again, X-Call-Id, though no Place of it waited when the cancel came)."""
+        return [
+            (conn, request)
+            for index, (conn, request) in enumerate(self.early[start:stop], start)
+            if not conn.is_closed and index >= self.cancelled.get((conn, request.call_id), 0)
+        ]
 
     def opened(self) -> None:
         """The Places that waited were taken: the term takes calls as they come."""
@@ -337,16 +340,15 @@ class SchedulerService:
         # thousands); then, in one go, those that arrived meanwhile, and the term is open.
         waited, taken = len(term.early), 0
         while taken < waited:
-            self._take_early(term.early[taken : min(taken + EARLY_PER_SLICE, waited)])
+            self._take_early(taken, min(taken + EARLY_PER_SLICE, waited))
             taken += EARLY_PER_SLICE
             await asyncio.sleep(0)
-        self._take_early(term.early[waited:])
+        self._take_early(waited, len(term.early))
         term.opened()
 
-    def _take_early(self, early: list[tuple[Connection, pb.Place]]) -> None:
-        for conn, request in early:
-            if self.term.takes(conn, request):
-                self._take(conn, request)
+    def _take_early(self, start: int, stop: int) -> None:
+        for conn, request in self.term.to_take(start, stop):
+            self._take(conn, request)
 
     def confirmed(self) -> None:
         """Sure of the leadership again: carry out what was decided meanwhile (`still_due`)."""

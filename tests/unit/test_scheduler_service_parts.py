@@ -857,24 +857,44 @@ def test_a_function_whose_spec_is_overwritten_with_an_invalid_one_is_taken_out()
     run(scenario)
 
 
+async def _taken_as_the_term_opens(service: SchedulerService, frames: list[str]) -> list[str]:
+    """The call ids of the Places the service takes as its term opens, a gateway having sent
+    `frames` while it was not open: "place ID" or "cancel ID"."""
+    taken: list[str] = []
+    service._take = lambda conn, request: taken.append(request.call_id)  # type: ignore[method-assign]
+    conn = cast(Connection, OpenConn())
+    service.leadership.role = Role.LEADER  # (a standby closes a gateway's connection)
+    service.term.open = False  # as a term begins (take_office)
+    for frame in frames:
+        kind, call_id = frame.split()
+        if kind == "place":
+            service.place(conn, pb.Place(call_id=call_id, function="fn"))
+        else:
+            cancel = pb.Abandon(call_id=call_id, reason=pb.Abandon.CANCELLED)
+            GatewaySession(service).on_frame(conn, Frame(MessageType.ABANDON, 0, 0, cancel.SerializeToString(), b""))
+    try:
+        await service._open_when_attached()
+    finally:
+        gc.unfreeze()  # (it froze the heap, as a new term does: not this test process's)
+    return taken
+
+
 def test_a_call_cancelled_while_its_place_waits_for_the_term_to_open_is_never_placed() -> None:
     # The book had not taken it: the cancel found no call and was dropped, and once the term
     # opened the call was placed (a GPU slot booked, its model's room made) for nobody.
     async def scenario(service: SchedulerService, store: MemoryStore) -> None:
-        taken: list[str] = []
-        service._take = lambda conn, request: taken.append(request.call_id)  # type: ignore[method-assign]
-        conn = cast(Connection, OpenConn())
-        service.leadership.role = Role.LEADER  # (a standby closes a gateway's connection)
-        service.term.open = False  # as a term begins (take_office)
-        for call_id in ("c1", "c2", "c3"):
-            service.place(conn, pb.Place(call_id=call_id, function="fn"))
-        cancel = pb.Abandon(call_id="c1", reason=pb.Abandon.CANCELLED)
-        GatewaySession(service).on_frame(conn, Frame(MessageType.ABANDON, 0, 0, cancel.SerializeToString(), b""))
-        service.place(conn, pb.Place(call_id="c1", function="fn"))  # its id taken again (X-Call-Id)
-        try:
-            await service._open_when_attached()
-        finally:
-            gc.unfreeze()  # (it froze the heap, as a new term does: not this test process's)
-        assert taken == ["c2", "c3", "c1"]
+        # (the last: its id taken again, X-Call-Id)
+        frames = ["place c1", "place c2", "place c3", "cancel c1", "place c1"]
+        assert await _taken_as_the_term_opens(service, frames) == ["c2", "c3", "c1"]
+
+    run(scenario)
+
+
+def test_a_call_id_named_again_after_a_cancel_no_waiting_place_of_it_held_is_placed() -> None:
+    # The cancel of a call whose Place did not wait in `early` (taken already, or from before the
+    # term) was kept as a mark that dropped the next Place of its id: the id named again by its
+    # client (X-Call-Id), that call was never placed and its gateway waited out its deadline.
+    async def scenario(service: SchedulerService, store: MemoryStore) -> None:
+        assert await _taken_as_the_term_opens(service, ["cancel c1", "place c1"]) == ["c1"]
 
     run(scenario)
