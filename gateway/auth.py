@@ -16,6 +16,7 @@ serves gets 404 whatever the credential (the routes are public: /openapi.json li
 from __future__ import annotations
 
 import enum
+import functools
 import hmac
 import ipaddress
 import json
@@ -45,6 +46,9 @@ OPEN_PATHS = frozenset({"/healthz", "/livez", "/openapi.json"})
 PACKAGE_PREFIX = "/system/packages/"
 BLOB_PREFIX = "/system/blobs/"
 CHALLENGE = b'Basic realm="gpufaas", charset="UTF-8"'
+# The Host values whose verdict (`addressed_by_own_name`) is remembered: a few per gateway are its
+# own; bounded, whatever Hosts clients send.
+OWN_NAMES_KEPT = 64
 # OpenFaaS's asynchronous invocations, which gpufaas does not have: a client written for OpenFaaS
 # is told what to call instead of being refused the admin's credentials.
 ASYNC_PREFIX = "/async-function/"
@@ -136,11 +140,13 @@ INSECURE_CROSS_SITE_MESSAGE = (
 )
 
 
+@functools.lru_cache(maxsize=OWN_NAMES_KEPT)
 def addressed_by_own_name(host: bytes, public_host: str) -> bool:
     """Whether a Host header names this gateway by a name no other site can make resolve to it:
     a loopback name (`localhost`, `*.localhost`), an IP address, or `public_host` (its public URL's).
     Any other name may be another site's domain that its DNS pointed at this gateway (DNS
-    rebinding), under which a web page reads the answers as its own origin's."""
+    rebinding), under which a web page reads the answers as its own origin's. Cached: the invoke
+    path asks it per call, and parsing an address costs some us where a call's Host repeats."""
     name = host.decode("latin-1").lower()
     if name.startswith("["):  # an IPv6 address, with or without a port
         name = name[1:].partition("]")[0]
@@ -156,13 +162,16 @@ def addressed_by_own_name(host: bytes, public_host: str) -> bool:
     return True
 
 
-def insecure_refusal(scope: Scope, public_host: str) -> tuple[int, str] | None:
+def insecure_refusal(
+    scope: Scope, public_host: str, headers: dict[bytes, bytes] | None = None
+) -> tuple[int, str] | None:
     """Why a gateway that asks no credential (--insecure) refuses this request, or None: it may go
     on. Reaching it is authority enough, so a browser must not be another site's way in: a Host
     that is not one of its own names (`addressed_by_own_name`; a rebinding page would read the
     answers) and a browser's cross-site write (`forged`, which a call to a function is) are refused
-    with 403. A client that is not a browser (curl, httpx, the CLI) sends no Origin and its own Host."""
-    headers = dict(scope["headers"])
+    with 403. A client that is not a browser (curl, httpx, the CLI) sends no Origin and its own Host.
+    `headers`: the scope's as a dict, where the caller made one already (the invoke path)."""
+    headers = dict(scope["headers"]) if headers is None else headers
     host = headers.get(b"host")
     if host is not None and not addressed_by_own_name(host, public_host):
         return 403, (

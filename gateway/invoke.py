@@ -183,7 +183,7 @@ class InvokeMiddleware:
         credentials = self.gateway.config.credentials
         call_header = [(b"x-call-id", call_id.encode("latin-1"))]
         if credentials is None:
-            insecure = insecure_refusal(scope, self.public_host)
+            insecure = insecure_refusal(scope, self.public_host, headers)
             if insecure is not None:
                 await send_refusal(send, *insecure, call_header)
             return insecure is not None
