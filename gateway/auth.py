@@ -177,7 +177,8 @@ def insecure_refusal(
         return 403, (
             f"this gateway runs --insecure and answers only requests addressed to it by a loopback name, "
             f"an IP address or its public URL's host, not {shown(repr(host.decode('latin-1')))} (another "
-            "site's name pointed at it, DNS rebinding, would let a web page use it): call it by 127.0.0.1"
+            "site's name pointed at it, DNS rebinding, would let a web page use it): call it by an IP address "
+            "(127.0.0.1 on its own host), or start it with that name's URL in --public-url"
         )
     return (403, INSECURE_CROSS_SITE_MESSAGE) if forged(scope["method"], headers, ambient=True) else None
 
