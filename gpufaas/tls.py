@@ -225,6 +225,22 @@ def _expiry(path: Path) -> datetime.datetime | None:
         return None
 
 
+def _hosts_named(path: Path, role: str) -> list[str]:
+    """The IP addresses and DNS names the certificate in `path` carries beyond those `issue` gives
+    every one of `role` ([] where none reads): one issued again in its place (expired, or its CA
+    made anew) keeps them, though this run was given no --tls-host (docker-compose's runs none)."""
+    from cryptography import x509
+
+    try:
+        cert = x509.load_pem_x509_certificate(path.read_bytes())
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (OSError, ValueError, x509.ExtensionNotFound):
+        return []
+    addresses = [str(address) for address in names.get_values_for_type(x509.IPAddress)]
+    defaults = {role, "localhost", "127.0.0.1", "::1"}
+    return [host for host in (*names.get_values_for_type(x509.DNSName), *addresses) if host not in defaults]
+
+
 def _current(path: Path, now: datetime.datetime) -> bool:
     """Whether a certificate is in `path` that has not expired at `now` (one that does not read
     as a certificate counts as current: it is left for the operator)."""
@@ -240,7 +256,8 @@ def ensure_tls(directory: Path, *, hosts: Iterable[str] = (), now: datetime.date
     The CA's certificate and key are one unit: where either is missing, or the certificate has
     expired, both are made anew, and then every role's certificate is issued again (the old ones
     name a CA that is gone; restart the daemons). A role whose certificate or key is missing, or
-    whose certificate has expired (every peer refuses it), gets both anew."""
+    whose certificate has expired (every peer refuses it), gets both anew. A certificate issued
+    again in place of one carries `hosts` and the addresses and names the old one did."""
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
     files = TlsFiles(directory)
@@ -257,7 +274,8 @@ def ensure_tls(directory: Path, *, hosts: Iterable[str] = (), now: datetime.date
     for role in ROLES:
         if not new_ca and _current(files.cert(role), now) and files.key(role).exists():
             continue
-        cert_pem, key_pem = issue(ca_pem, ca_key_pem, role, now, hosts=host_list)
+        kept = [host for host in _hosts_named(files.cert(role), role) if host not in host_list]
+        cert_pem, key_pem = issue(ca_pem, ca_key_pem, role, now, hosts=[*host_list, *kept])
         for path in (files.cert(role), files.key(role)):
             path.unlink(missing_ok=True)
         write_new(files.key(role), key_pem, 0o600)

@@ -367,6 +367,21 @@ def test_a_daemon_refuses_its_own_expired_certificate_and_ensure_tls_issues_it_a
     LinkTls.load(files.directory, "node", now=much_later)
 
 
+def test_a_certificate_issued_again_keeps_the_hosts_the_expired_one_named(tmp_path: Path) -> None:
+    # Made with --tls-host, an expired certificate was issued again with the hosts of the run that
+    # found it expired: docker-compose's, every `up`, passes none, so etcd's lost its DNS name and
+    # every daemon dialling etcd by it was refused once the renewal was in place.
+    files = ensure_tls(tmp_path / "tls", hosts=("etcd.example", "10.0.0.5"))
+    later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=900)  # past the roles' 825 days
+    ensure_tls(files.directory, hosts=("10.0.0.6",), now=later)
+    cert = x509.load_pem_x509_certificate(files.cert("etcd").read_bytes())
+    assert cert.not_valid_after_utc > later
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    addresses = {str(address) for address in names.get_values_for_type(x509.IPAddress)}
+    assert addresses == {"127.0.0.1", "::1", "10.0.0.5", "10.0.0.6"}
+    assert sorted(names.get_values_for_type(x509.DNSName)) == ["etcd", "etcd.example", "localhost"]
+
+
 def test_a_link_with_tls_at_one_end_only_is_refused_saying_so_at_both_ends(
     run: Run, tls_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
