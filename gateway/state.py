@@ -237,13 +237,10 @@ class Gateway:
         """The function spec stored at `key`; None, with a warning, for one that is invalid or names
         another function (put by hand): mirrored by its own name, its key's delete took out nobody."""
         try:
-            spec = FunctionSpec.from_json(value)
-            if key != self.keys.function(spec.name):
-                raise ValueError(f"it names function {spec.name!r}")
-        except (GpufaasError, ValueError) as exc:
+            return FunctionSpec.stored_at(key, value, self.keys.function)
+        except GpufaasError as exc:
             log.warning("ignoring invalid function spec at %s: %s", key, exc)
             return None
-        return spec
 
     def function_written(self, spec: FunctionSpec, *, over_revision: int = 0) -> None:
         """`spec` is the function's now (written through this gateway, or its watch brought it).

@@ -7,7 +7,7 @@ import functools
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Self, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
@@ -275,6 +275,16 @@ class FunctionSpec(FunctionSettings):
             return cls.model_validate_json(data)
         except ValidationError as exc:
             raise InvalidInput(explain(exc.errors(), cls)) from None
+
+    @classmethod
+    def stored_at(cls, key: str, data: bytes | str, function_key: Callable[[str], str]) -> FunctionSpec:
+        """The spec stored at the etcd `key` (`function_key`: the key a function's spec is kept
+        under, `Keys.function`); InvalidInput for one that is invalid or names another function
+        (put by hand): mirrored by its own name, its key's delete would take out nobody."""
+        spec = cls.from_json(data)
+        if key != function_key(spec.name):
+            raise InvalidInput(f"it names function {spec.name!r}")
+        return spec
 
     @classmethod
     def from_dict(cls, raw: Any, *, path: str = "") -> FunctionSpec:

@@ -132,11 +132,8 @@ class Catalog:
         (`relisting`: the caller retires the old models and reads the holdings again, once for
         the whole list.)"""
         try:
-            spec = FunctionSpec.from_json(kv.value)
-            if kv.key != self.keys.function(spec.name):
-                # Mirrored by its own name, its key's delete would never take it out (nor retire its model).
-                raise ValueError(f"it names function {spec.name!r}")
-        except (GpufaasError, ValueError) as exc:
+            spec = FunctionSpec.stored_at(kv.key, kv.value, self.keys.function)
+        except GpufaasError as exc:
             log.warning("ignoring invalid function spec at %s: %s", kv.key, exc)
             return None
         if kv.mod_revision < self.revisions.get(spec.name, 0):
